@@ -1,0 +1,130 @@
+//! The error type of the frontend.
+
+use nestor_runtime::LayoutError;
+use tch::{Device, Kind, TchError};
+use thiserror::Error;
+
+/// What went wrong with the input of a `NestedTensor` operation.
+#[derive(Debug, Error)]
+pub enum NestedError {
+    /// The element shapes do not form a ragged layout (ranks differ, negative sizes...).
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Elements of one batch must live on one device.
+    #[error("element {element} is on {got:?}, expected {expected:?} (the device of element 0)")]
+    DeviceMismatch {
+        /// Index of the offending element.
+        element: usize,
+        /// Device of element 0.
+        expected: Device,
+        /// Device of the offending element.
+        got: Device,
+    },
+    /// A scalar type nestor does not store (complex, quantized, 8-bit floats).
+    #[error("element {element} has scalar type {kind:?}, which a NestedTensor cannot hold")]
+    UnsupportedKind {
+        /// Index of the offending element.
+        element: usize,
+        /// Its scalar type.
+        kind: Kind,
+    },
+    /// A padding mask whose true region is not a box anchored at the origin.
+    #[error(
+        "mask of element {element} is not a prefix mask: the data positions must form a box \
+         starting at index 0 in every dim"
+    )]
+    NonPrefixMask {
+        /// Index of the offending element.
+        element: usize,
+    },
+    /// A tensor argument has the wrong shape.
+    #[error("{what} has shape {got:?}, expected {expected}")]
+    ShapeMismatch {
+        /// Which argument.
+        what: &'static str,
+        /// What was expected, in words or as a shape.
+        expected: String,
+        /// The shape that was given.
+        got: Vec<i64>,
+    },
+    /// A boolean batch selector must have one entry per element.
+    #[error("bool selector has {got} entries, expected {expected} (the batch size)")]
+    SelectorLength {
+        /// The batch size.
+        expected: usize,
+        /// The selector's length.
+        got: usize,
+    },
+    /// An index past the end (or before the start) of the batch.
+    #[error("index {index} is out of range for a batch of {batch_size} elements")]
+    IndexOutOfRange {
+        /// The index as given (negative counts from the end).
+        index: i64,
+        /// The batch size.
+        batch_size: usize,
+    },
+    /// `nt.select(dim, k)` on an element that has no position `k` along `dim`.
+    #[error(
+        "element {element} has size {size} in dim {dim}, too short for index {index} \
+         (needs at least {needed})"
+    )]
+    ElementTooShort {
+        /// Index of the offending element.
+        element: usize,
+        /// The NestedTensor dim indexed.
+        dim: i64,
+        /// The index as given.
+        index: i64,
+        /// The element's size along that dim.
+        size: i64,
+        /// The size the index needs.
+        needed: i64,
+    },
+    /// Packed values and lengths disagree.
+    #[error("lengths sum to {sum} but the packed values have {rows} rows")]
+    LengthsSum {
+        /// The sum of the lengths.
+        sum: i64,
+        /// The rows of the packed values.
+        rows: i64,
+    },
+    /// An operation that cannot act on the batch dim was asked to.
+    #[error("{op} cannot act on the batch dim (dim {dim})")]
+    BatchDim {
+        /// The operation.
+        op: &'static str,
+        /// The dim as given.
+        dim: i64,
+    },
+    /// A dim that the NestedTensor does not have.
+    #[error("dim {dim} is out of range for a NestedTensor with {ndim} dims")]
+    DimOutOfRange {
+        /// The dim as given.
+        dim: i64,
+        /// `1 + rank` of the elements.
+        ndim: usize,
+    },
+    /// A nested Rust list that is not a valid tensor (rows of different lengths...).
+    #[error("element {element}: {reason}")]
+    InvalidList {
+        /// Index of the offending element.
+        element: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Results of the elements that were expected to share a shape do not.
+    #[error("{op}: element {element} gives shape {got:?}, element 0 gives {expected:?}")]
+    ElementShapeMismatch {
+        /// The operation.
+        op: &'static str,
+        /// Index of the offending element.
+        element: usize,
+        /// The shape of element 0's result.
+        expected: Vec<i64>,
+        /// The shape of the offending element's result.
+        got: Vec<i64>,
+    },
+    /// An error reported by libtorch.
+    #[error(transparent)]
+    Torch(#[from] TchError),
+}

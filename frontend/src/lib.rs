@@ -1,0 +1,36 @@
+//! nestor-frontend: the eager [`NestedTensor`] on libtorch (through `tch`) and the
+//! collation of per-sample tensors into batches.
+//!
+//! A `NestedTensor` keeps a ragged batch packed: `values` (a `tch::Tensor` of shape
+//! `[N, *static_tail]`) plus the exact shape of every element. Nothing is padded until
+//! [`NestedTensor::tensor`] asks for it.
+//!
+//! ```
+//! use nestor_frontend::NestedTensor;
+//! use tch::Tensor;
+//!
+//! let batch = NestedTensor::from_tensors(&[
+//!     Tensor::from_slice(&[1i64, 2, 3]),
+//!     Tensor::from_slice(&[4i64, 5]),
+//! ])?;
+//! assert_eq!(batch.shape(), [2, 3]);
+//! assert_eq!(batch.numel(), 5);
+//! let padded = Vec::<Vec<i64>>::try_from(&batch.tensor()?)?;
+//! assert_eq!(padded, [[1, 2, 3], [4, 5, 0]]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod collate;
+mod error;
+mod kind;
+mod nested;
+
+pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
+pub use error::NestedError;
+pub use kind::{dtype_of, kind_of};
+pub use nested::{
+    BatchSelector, Bounds, ListData, ListElement, NestedBuilder, NestedOptions, NestedTensor,
+};
+
+/// The result type of this crate.
+pub type Result<T, E = NestedError> = std::result::Result<T, E>;

@@ -1,0 +1,327 @@
+//! Getting elements out: one element, a selection of elements, a slice inside every
+//! element, one position of every element.
+
+use std::ops::{Bound, Range, RangeBounds, RangeFrom, RangeFull, RangeInclusive, RangeTo};
+
+use tch::{Kind, Tensor};
+
+use super::{ListElement, NestedTensor};
+use crate::{NestedError, Result};
+
+/// Python-style slice bounds: negative values count from the end, out-of-range bounds
+/// are clamped. Built from Rust ranges of `i64` (`1..`, `..-1`, `2..5`, `..`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bounds {
+    /// First position, inclusive (default 0).
+    pub start: Option<i64>,
+    /// Last position, exclusive (default the end).
+    pub end: Option<i64>,
+}
+
+impl Bounds {
+    fn from_range(range: impl RangeBounds<i64>) -> Self {
+        let start = match range.start_bound() {
+            Bound::Included(&start) => Some(start),
+            Bound::Excluded(&start) => Some(start + 1),
+            Bound::Unbounded => None,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&end) => Some(end + 1).filter(|&end| end != 0),
+            Bound::Excluded(&end) => Some(end),
+            Bound::Unbounded => None,
+        };
+        Self { start, end }
+    }
+
+    /// The concrete `start..end` these bounds select in a dim of size `size`.
+    pub fn resolve(self, size: i64) -> Range<i64> {
+        let clamp = |position: i64| {
+            let position = if position < 0 {
+                position + size
+            } else {
+                position
+            };
+            position.clamp(0, size)
+        };
+        let start = self.start.map_or(0, clamp);
+        let end = self.end.map_or(size, clamp).max(start);
+        start..end
+    }
+}
+
+macro_rules! bounds_from {
+    ($($range:ty),*) => {$(
+        impl From<$range> for Bounds {
+            fn from(range: $range) -> Self {
+                Bounds::from_range(range)
+            }
+        }
+    )*};
+}
+bounds_from!(
+    Range<i64>,
+    RangeFrom<i64>,
+    RangeTo<i64>,
+    RangeFull,
+    RangeInclusive<i64>
+);
+
+/// Which elements of a batch to keep: a range, a list of indices (negative counts from
+/// the end, repeats allowed) or a bool mask with one entry per element.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BatchSelector {
+    /// Python-style range of elements.
+    Range(Bounds),
+    /// Element indices, in the order of the result.
+    Indices(Vec<i64>),
+    /// Keep element `i` where `mask[i]` is true.
+    Mask(Vec<bool>),
+}
+
+impl<R: Into<Bounds>> From<R> for BatchSelector {
+    fn from(range: R) -> Self {
+        BatchSelector::Range(range.into())
+    }
+}
+impl From<Vec<i64>> for BatchSelector {
+    fn from(indices: Vec<i64>) -> Self {
+        BatchSelector::Indices(indices)
+    }
+}
+impl From<&[i64]> for BatchSelector {
+    fn from(indices: &[i64]) -> Self {
+        BatchSelector::Indices(indices.to_vec())
+    }
+}
+impl From<Vec<bool>> for BatchSelector {
+    fn from(mask: Vec<bool>) -> Self {
+        BatchSelector::Mask(mask)
+    }
+}
+impl From<&[bool]> for BatchSelector {
+    fn from(mask: &[bool]) -> Self {
+        BatchSelector::Mask(mask.to_vec())
+    }
+}
+
+impl BatchSelector {
+    /// A selector read from a tensor: bool tensors are masks, integer tensors indices.
+    pub fn from_tensor(selector: &Tensor) -> Result<Self> {
+        let flat = selector.f_reshape([-1])?;
+        Ok(if selector.f_kind()? == Kind::Bool {
+            BatchSelector::Mask(Vec::<bool>::try_from(&flat)?)
+        } else {
+            BatchSelector::Indices(Vec::<i64>::try_from(&flat.f_to_kind(Kind::Int64)?)?)
+        })
+    }
+
+    /// The selected element indices for a batch of `batch_size` elements.
+    fn indices(&self, batch_size: usize) -> Result<Vec<usize>> {
+        match self {
+            BatchSelector::Range(bounds) => Ok(bounds
+                .resolve(batch_size as i64)
+                .map(|index| index as usize)
+                .collect()),
+            BatchSelector::Indices(indices) => indices
+                .iter()
+                .map(|&index| normalize_index(index, batch_size))
+                .collect(),
+            BatchSelector::Mask(mask) if mask.len() != batch_size => {
+                Err(NestedError::SelectorLength {
+                    expected: batch_size,
+                    got: mask.len(),
+                })
+            }
+            BatchSelector::Mask(mask) => Ok(mask
+                .iter()
+                .enumerate()
+                .filter(|(_, &keep)| keep)
+                .map(|(index, _)| index)
+                .collect()),
+        }
+    }
+}
+
+fn normalize_index(index: i64, batch_size: usize) -> Result<usize> {
+    let normalized = if index < 0 {
+        index + batch_size as i64
+    } else {
+        index
+    };
+    if (0..batch_size as i64).contains(&normalized) {
+        Ok(normalized as usize)
+    } else {
+        Err(NestedError::IndexOutOfRange { index, batch_size })
+    }
+}
+
+impl NestedTensor {
+    /// Element `index` (negative counts from the end), a view of the packed values in
+    /// its logical shape.
+    pub fn get(&self, index: i64) -> Result<Tensor> {
+        self.element(normalize_index(index, self.len())?)
+    }
+
+    /// Every element, as views of the packed values in their logical shapes.
+    pub fn unbind(&self) -> Result<Vec<Tensor>> {
+        (0..self.len())
+            .map(|element| self.element(element))
+            .collect()
+    }
+
+    /// Every element as a Rust list (elements of rank 0 to 2; floats as f32 or f64,
+    /// integers as i64, bools as bool).
+    pub fn to_list(&self) -> Result<Vec<ListElement>> {
+        self.unbind()?
+            .iter()
+            .enumerate()
+            .map(|(element, tensor)| ListElement::from_tensor(tensor, element))
+            .collect()
+    }
+
+    /// Element `element` (in range) as a view.
+    pub(crate) fn element(&self, element: usize) -> Result<Tensor> {
+        let layout = self.layout();
+        let offsets = layout.offsets();
+        let rows =
+            self.values()
+                .f_narrow(0, offsets[element], offsets[element + 1] - offsets[element])?;
+        let unflattened = rows.f_reshape(layout.packed_element_shape(element))?;
+        Ok(unflattened.f_permute(inverse_permutation(&layout.packed_dim_order()))?)
+    }
+
+    /// The elements picked by `selector` (a range, indices or a bool mask), as a new
+    /// batch with the same ragged dims. A range shares the values' storage.
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let batch = NestedTensor::from_lists(vec![vec![1, 2], vec![3], vec![4, 5, 6]])?;
+    /// assert_eq!(batch.select_batch(1..)?.len(), 2);
+    /// assert_eq!(batch.select_batch(vec![2, 0])?.shape(), [2, 3]);
+    /// assert_eq!(batch.select_batch(vec![true, false, false])?.shape(), [1, 2]);
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
+    pub fn select_batch(&self, selector: impl Into<BatchSelector>) -> Result<Self> {
+        let indices = selector.into().indices(self.len())?;
+        let layout = self.layout().select(&indices);
+        let offsets = self.layout().offsets();
+        let contiguous = indices.windows(2).all(|pair| pair[1] == pair[0] + 1);
+        let values = match indices.first() {
+            Some(&first) if contiguous => {
+                let start = offsets[first];
+                self.values().f_narrow(0, start, layout.total_rows())?
+            }
+            _ => {
+                let rows: Vec<i64> = indices
+                    .iter()
+                    .flat_map(|&element| offsets[element]..offsets[element + 1])
+                    .collect();
+                let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
+                self.values().f_index_select(0, &rows)?
+            }
+        };
+        Ok(NestedTensor::from_parts(values, layout, self.options()))
+    }
+
+    /// A slice inside every element along NestedTensor dim `dim` (DanLing's
+    /// `nt[:, 1:]`), with Python bounds resolved per element. The batch keeps its
+    /// ragged dims; slicing a static dim shares the values' storage.
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let batch = NestedTensor::from_lists(vec![vec![0, 1, 2], vec![0, 1, 2, 3, 4]])?;
+    /// let tail = batch.slice(1, 1..)?;
+    /// assert_eq!(Vec::<i64>::try_from(&tail.get(0)?)?, [1, 2]);
+    /// assert_eq!(Vec::<i64>::try_from(&tail.get(1)?)?, [1, 2, 3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn slice(&self, dim: i64, bounds: impl Into<Bounds>) -> Result<Self> {
+        let element_dim = self.element_dim(dim, "slice")?;
+        let bounds = bounds.into();
+        let layout = self.layout();
+        if let Some(position) = layout.static_dims().iter().position(|&d| d == element_dim) {
+            let range = bounds.resolve(layout.static_sizes()[position]);
+            let values = self.values().f_narrow(
+                1 + position as i64,
+                range.start,
+                range.end - range.start,
+            )?;
+            let new_layout = layout.with_static_size(element_dim, range.end - range.start)?;
+            return Ok(NestedTensor::from_parts(values, new_layout, self.options()));
+        }
+        if self.is_empty() {
+            return Ok(self.shallow_clone());
+        }
+        let elements = (0..self.len())
+            .map(|element| {
+                let tensor = self.element(element)?;
+                let range = bounds.resolve(tensor.size()[element_dim]);
+                Ok(tensor.f_narrow(element_dim as i64, range.start, range.end - range.start)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        NestedTensor::builder()
+            .options(self.options())
+            .ragged_dims(layout.ragged_dims())
+            .tensors(&elements)
+    }
+
+    /// Position `index` of every element along NestedTensor dim `dim` (DanLing's
+    /// `nt[:, k]`), stacked into a dense `[B, ...]` tensor. Negative indices count from
+    /// the end of each element. Every element must be long enough, and the remaining
+    /// dims must agree across elements.
+    pub fn select(&self, dim: i64, index: i64) -> Result<Tensor> {
+        let element_dim = self.element_dim(dim, "select")?;
+        let picked = self
+            .layout()
+            .element_sizes()
+            .iter()
+            .enumerate()
+            .map(|(element, sizes)| {
+                let size = sizes[element_dim];
+                let position = if index < 0 { index + size } else { index };
+                if !(0..size).contains(&position) {
+                    let needed = if index < 0 { -index } else { index + 1 };
+                    return Err(NestedError::ElementTooShort {
+                        element,
+                        dim,
+                        index,
+                        size,
+                        needed,
+                    });
+                }
+                Ok(self
+                    .element(element)?
+                    .f_select(element_dim as i64, position)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(first) = picked.first() {
+            let expected = first.size();
+            if let Some((element, tensor)) = picked
+                .iter()
+                .enumerate()
+                .find(|(_, t)| t.size() != expected)
+            {
+                return Err(NestedError::ElementShapeMismatch {
+                    op: "select",
+                    element,
+                    expected,
+                    got: tensor.size(),
+                });
+            }
+            return Ok(Tensor::f_stack(&picked, 0)?);
+        }
+        let mut shape = self.layout().max_sizes();
+        shape.remove(element_dim);
+        shape.insert(0, 0);
+        Ok(Tensor::f_empty(shape, (self.kind(), self.device()))?)
+    }
+}
+
+/// The permutation that undoes `order`.
+pub(crate) fn inverse_permutation(order: &[usize]) -> Vec<i64> {
+    let mut inverse = vec![0i64; order.len()];
+    for (position, &dim) in order.iter().enumerate() {
+        inverse[dim] = position as i64;
+    }
+    inverse
+}

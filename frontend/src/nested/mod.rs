@@ -1,0 +1,324 @@
+//! The eager `NestedTensor`: a packed ragged batch on libtorch.
+
+mod build;
+mod display;
+mod index;
+mod list;
+mod padded;
+
+use std::cell::OnceCell;
+use std::sync::Arc;
+
+use nestor_runtime::RaggedLayout;
+use tch::{Device, Kind, Tensor};
+
+use crate::{NestedError, Result};
+
+pub use build::NestedBuilder;
+pub use index::{BatchSelector, Bounds};
+pub use list::{ListData, ListElement};
+
+/// How a `NestedTensor` presents itself padded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NestedOptions {
+    /// Whether the batch dim comes first in [`NestedTensor::tensor`] and
+    /// [`NestedTensor::shape`] (`[B, L, ...]`), or second (`[L, B, ...]`). Default true.
+    pub batch_first: bool,
+    /// The value of padded positions in [`NestedTensor::tensor`]. Default 0.
+    pub padding_value: f64,
+    /// The value [`NestedTensor::mask`] holds at padded positions. Default false, so
+    /// the mask is true on real data; true inverts the mask.
+    pub mask_value: bool,
+}
+
+impl Default for NestedOptions {
+    fn default() -> Self {
+        Self {
+            batch_first: true,
+            padding_value: 0.0,
+            mask_value: false,
+        }
+    }
+}
+
+/// A batch of tensors of different shapes, stored packed.
+///
+/// Element `i` has a logical shape `s_i`; all elements have the same rank `R`. Dims on
+/// which the elements agree are static, the others ragged. The elements live in one
+/// tensor, [`values`](Self::values), of shape `[N, *static sizes]`: each element is
+/// permuted so that its ragged dims come first ([`packed_dim_order`](Self::packed_dim_order)),
+/// its ragged dims are flattened into rows, and the elements are concatenated; element
+/// `i` owns rows `offsets[i]..offsets[i + 1]`. Autograd flows through `values`.
+///
+/// ```
+/// use nestor_frontend::NestedTensor;
+/// use tch::{Kind, Tensor};
+///
+/// // Two sequences of 3 and 5 tokens with 4 features each.
+/// let batch = NestedTensor::from_tensors(&[
+///     Tensor::ones([3, 4], (Kind::Float, tch::Device::Cpu)),
+///     Tensor::ones([5, 4], (Kind::Float, tch::Device::Cpu)),
+/// ])?;
+/// assert_eq!(batch.values().size(), [8, 4]); // packed: no padding
+/// assert_eq!(batch.shape(), [2, 5, 4]); // padded view
+/// assert_eq!(batch.occupancy(), 0.8);
+/// # Ok::<(), nestor_frontend::NestedError>(())
+/// ```
+pub struct NestedTensor {
+    values: Tensor,
+    layout: Arc<RaggedLayout>,
+    options: NestedOptions,
+    /// The padded tensor, kept when `values` does not require grad (a cached autograd
+    /// graph would be shared between unrelated backward passes).
+    padded: OnceCell<Tensor>,
+}
+
+impl NestedTensor {
+    /// Wraps packed values in a layout. The caller guarantees `values.size()` equals
+    /// `layout.packed_shape()`.
+    pub(crate) fn from_parts(values: Tensor, layout: RaggedLayout, options: NestedOptions) -> Self {
+        Self {
+            values,
+            layout: Arc::new(layout),
+            options,
+            padded: OnceCell::new(),
+        }
+    }
+
+    /// The same layout and options around other packed values of the same shape.
+    pub(crate) fn with_values(&self, values: Tensor) -> Self {
+        Self {
+            values,
+            layout: Arc::clone(&self.layout),
+            options: self.options,
+            padded: OnceCell::new(),
+        }
+    }
+
+    /// A builder to set options (batch_first, padding, dtype, device, ...) before
+    /// constructing.
+    pub fn builder() -> NestedBuilder {
+        NestedBuilder::default()
+    }
+
+    /// A batch of the given element tensors, with default options. Element dtypes are
+    /// promoted to a common dtype as torch does; all elements must have one rank and
+    /// live on one device.
+    pub fn from_tensors(elements: &[Tensor]) -> Result<Self> {
+        Self::builder().tensors(elements)
+    }
+
+    /// A batch of one element.
+    pub fn from_tensor(element: &Tensor) -> Result<Self> {
+        Self::builder().tensors(std::slice::from_ref(element))
+    }
+
+    /// A batch of elements given as Rust lists (scalars, vectors or matrices of f32,
+    /// f64, i64 or bool), promoted to one dtype as torch does.
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let batch = NestedTensor::from_lists(vec![vec![1, 2, 3], vec![4, 5]])?;
+    /// assert_eq!(batch.kind(), tch::Kind::Int64);
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
+    pub fn from_lists<E: Into<ListElement>>(elements: impl IntoIterator<Item = E>) -> Result<Self> {
+        Self::builder().lists(elements)
+    }
+
+    /// A batch read back from a padded tensor and its mask (as [`tensor`](Self::tensor)
+    /// and [`mask`](Self::mask) give them, with default options). See
+    /// [`NestedBuilder::tensor_mask`].
+    pub fn from_tensor_mask(tensor: &Tensor, mask: &Tensor) -> Result<Self> {
+        Self::builder().tensor_mask(tensor, mask)
+    }
+
+    /// Zero-copy: packed values `[T, *tail]` split into elements `[L_i, *tail]` by
+    /// `lengths` (which must sum to `T`). The leading dim is ragged even when all
+    /// lengths agree. See [`NestedBuilder::packed_with_lengths`].
+    pub fn packed_with_lengths(values: &Tensor, lengths: &[i64]) -> Result<Self> {
+        Self::builder().packed_with_lengths(values, lengths)
+    }
+
+    /// The packed values `[N, *static sizes]`.
+    pub fn values(&self) -> &Tensor {
+        &self.values
+    }
+
+    /// Where every element lives in the packed values.
+    pub fn layout(&self) -> &RaggedLayout {
+        &self.layout
+    }
+
+    /// The presentation options (batch_first, padding_value, mask_value).
+    pub fn options(&self) -> NestedOptions {
+        self.options
+    }
+
+    /// The same batch with other presentation options (no copy).
+    pub fn with_options(&self, options: NestedOptions) -> Self {
+        Self {
+            options,
+            ..self.with_values(self.values.shallow_clone())
+        }
+    }
+
+    /// Number of elements `B`.
+    pub fn len(&self) -> usize {
+        self.layout.batch_size()
+    }
+
+    /// Whether the batch has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Number of dims of the padded view: `1 + R`.
+    pub fn dim(&self) -> usize {
+        self.layout.rank() + 1
+    }
+
+    /// Number of real scalars (padding not counted).
+    pub fn numel(&self) -> i64 {
+        self.layout.numel()
+    }
+
+    /// Real scalars over the scalars of the padded tensor.
+    pub fn occupancy(&self) -> f64 {
+        self.layout.occupancy()
+    }
+
+    /// The scalar type of the values.
+    pub fn kind(&self) -> Kind {
+        self.values.kind()
+    }
+
+    /// The device of the values.
+    pub fn device(&self) -> Device {
+        self.values.device()
+    }
+
+    /// Whether autograd records operations on the values.
+    pub fn requires_grad(&self) -> bool {
+        self.values.requires_grad()
+    }
+
+    /// The padded shape: `B` then the largest size of each element dim; the batch dim
+    /// is second when `batch_first` is false.
+    pub fn shape(&self) -> Vec<i64> {
+        let mut shape = self.layout.max_sizes();
+        shape.insert(self.batch_dim(), self.len() as i64);
+        shape
+    }
+
+    /// One entry of [`shape`](Self::shape); negative dims count from the end.
+    pub fn size(&self, dim: i64) -> Result<i64> {
+        let dim = self.normalize_dim(dim)?;
+        Ok(self.shape()[dim])
+    }
+
+    /// Where the batch dim is in the padded view: 0, or 1 when `batch_first` is false
+    /// and the elements have at least one dim.
+    pub fn batch_dim(&self) -> usize {
+        usize::from(!self.options.batch_first && self.layout.rank() > 0)
+    }
+
+    /// Row offsets of the elements in the packed values, `i64[B + 1]`.
+    pub fn packed_offsets(&self) -> Tensor {
+        Tensor::from_slice(self.layout.offsets()).to_device(self.device())
+    }
+
+    /// The exact logical shape of every element, `i64[B, R]`.
+    pub fn element_sizes(&self) -> Tensor {
+        let flat: Vec<i64> = self
+            .layout
+            .element_sizes()
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
+        Tensor::from_slice(&flat)
+            .reshape([self.len() as i64, self.layout.rank() as i64])
+            .to_device(self.device())
+    }
+
+    /// The row splits of ragged level `level` (see
+    /// [`RaggedLayout::ragged_level_offsets`]): level 0 has `B + 1` entries.
+    pub fn ragged_level_offsets(&self, level: usize) -> Result<Tensor> {
+        let splits = self.layout.ragged_level_offsets(level)?;
+        Ok(Tensor::from_slice(&splits).to_device(self.device()))
+    }
+
+    /// The order of element dims in the packed values: ragged dims first.
+    pub fn packed_dim_order(&self) -> Vec<usize> {
+        self.layout.packed_dim_order()
+    }
+
+    /// The packed values: every element's rows concatenated, `[N, *static sizes]`.
+    /// For elements with one leading ragged dim this is `torch.cat` of the elements.
+    pub fn concat(&self) -> Tensor {
+        self.values.shallow_clone()
+    }
+
+    /// The element dim of NestedTensor dim `dim` (negative counts from the end), or
+    /// an error for the batch dim.
+    pub(crate) fn element_dim(&self, dim: i64, op: &'static str) -> Result<usize> {
+        let normalized = self.normalize_dim(dim)?;
+        let batch_dim = self.batch_dim();
+        match normalized.cmp(&batch_dim) {
+            std::cmp::Ordering::Equal => Err(NestedError::BatchDim { op, dim }),
+            std::cmp::Ordering::Less => Ok(normalized),
+            std::cmp::Ordering::Greater => Ok(normalized - 1),
+        }
+    }
+
+    fn normalize_dim(&self, dim: i64) -> Result<usize> {
+        let ndim = self.dim();
+        let normalized = if dim < 0 { dim + ndim as i64 } else { dim };
+        if (0..ndim as i64).contains(&normalized) {
+            Ok(normalized as usize)
+        } else {
+            Err(NestedError::DimOutOfRange { dim, ndim })
+        }
+    }
+
+    /// The same batch converted to another scalar type (autograd flows through).
+    pub fn to_kind(&self, kind: Kind) -> Result<Self> {
+        Ok(self.with_values(self.values.f_to_kind(kind)?))
+    }
+
+    /// The same batch on another device.
+    pub fn to_device(&self, device: Device) -> Result<Self> {
+        Ok(self.with_values(self.values.f_to_device(device)?))
+    }
+
+    /// The same batch, detached from the autograd graph (no copy).
+    pub fn detach(&self) -> Result<Self> {
+        Ok(self.with_values(self.values.f_detach()?))
+    }
+
+    /// Sets whether autograd records operations on the values (which must be a leaf
+    /// tensor, as in torch) and returns the batch.
+    pub fn set_requires_grad(self, requires_grad: bool) -> Result<Self> {
+        let values = self.values.f_set_requires_grad(requires_grad)?;
+        Ok(self.with_values(values))
+    }
+
+    /// The gradient of the values after a backward pass, as a batch of this layout.
+    pub fn grad(&self) -> Option<Self> {
+        let grad = self.values.grad();
+        grad.defined().then(|| self.with_values(grad))
+    }
+
+    /// A new handle on the same values (no copy), like `Tensor::shallow_clone`.
+    pub fn shallow_clone(&self) -> Self {
+        self.with_values(self.values.shallow_clone())
+    }
+}
+
+impl Clone for NestedTensor {
+    /// Shares the values, as `Tensor::shallow_clone` does.
+    fn clone(&self) -> Self {
+        self.shallow_clone()
+    }
+}

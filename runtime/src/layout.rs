@@ -1,0 +1,372 @@
+//! The layout of a packed ragged batch: which dims are ragged, the exact size of every
+//! element, and the row offsets of each element in the packed values.
+//!
+//! A batch of `B` elements of rank `R` is stored as `values: [N, *static_sizes]`: every
+//! element is permuted so that its ragged dims come first (`packed_dim_order`), the
+//! ragged dims are flattened into rows, and the elements are concatenated. Element `i`
+//! owns rows `offsets[i]..offsets[i + 1]`.
+
+use thiserror::Error;
+
+/// Why a set of element sizes does not form a ragged layout.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LayoutError {
+    /// Elements of one batch must have the same rank.
+    #[error("element {element} has rank {got}, expected rank {expected} (the rank of element 0)")]
+    RankMismatch {
+        /// Index of the offending element.
+        element: usize,
+        /// Rank of element 0.
+        expected: usize,
+        /// Rank of the offending element.
+        got: usize,
+    },
+    /// Sizes and lengths are never negative.
+    #[error("element {element} has size {size} in dim {dim}; sizes must not be negative")]
+    NegativeSize {
+        /// Index of the offending element.
+        element: usize,
+        /// Element dim of the negative size.
+        dim: usize,
+        /// The negative size.
+        size: i64,
+    },
+    /// A dim was named that elements of this rank do not have.
+    #[error("dim {dim} is out of range for elements of rank {rank}")]
+    DimOutOfRange {
+        /// The dim asked for.
+        dim: usize,
+        /// The rank of the elements.
+        rank: usize,
+    },
+    /// A ragged level was asked for that the layout does not have.
+    #[error("ragged level {level} does not exist: the layout has {levels} ragged dims")]
+    LevelOutOfRange {
+        /// The level asked for.
+        level: usize,
+        /// How many ragged dims the layout has.
+        levels: usize,
+    },
+}
+
+/// Where every element of a packed ragged batch lives. See the module docs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RaggedLayout {
+    rank: usize,
+    element_sizes: Vec<Vec<i64>>,
+    ragged_dims: Vec<usize>,
+    static_dims: Vec<usize>,
+    static_sizes: Vec<i64>,
+    offsets: Vec<i64>,
+}
+
+impl RaggedLayout {
+    /// The layout of elements with the given logical shapes.
+    ///
+    /// A dim is ragged when the elements disagree on its size, or when it is listed in
+    /// `force_ragged` (so that a batch whose lengths happen to agree keeps the layout
+    /// of its model). An empty batch has rank 0 unless `force_ragged` says otherwise,
+    /// which is an error.
+    pub fn from_element_sizes(
+        element_sizes: Vec<Vec<i64>>,
+        force_ragged: &[usize],
+    ) -> Result<Self, LayoutError> {
+        let rank = element_sizes.first().map_or(0, Vec::len);
+        for (element, sizes) in element_sizes.iter().enumerate() {
+            if sizes.len() != rank {
+                return Err(LayoutError::RankMismatch {
+                    element,
+                    expected: rank,
+                    got: sizes.len(),
+                });
+            }
+            if let Some((dim, &size)) = sizes.iter().enumerate().find(|(_, size)| **size < 0) {
+                return Err(LayoutError::NegativeSize { element, dim, size });
+            }
+        }
+        if let Some(&dim) = force_ragged.iter().find(|&&dim| dim >= rank) {
+            return Err(LayoutError::DimOutOfRange { dim, rank });
+        }
+        let is_ragged = |dim: usize| {
+            force_ragged.contains(&dim)
+                || element_sizes
+                    .iter()
+                    .any(|sizes| sizes[dim] != element_sizes[0][dim])
+        };
+        let ragged_dims: Vec<usize> = (0..rank).filter(|&dim| is_ragged(dim)).collect();
+        let static_dims: Vec<usize> = (0..rank).filter(|&dim| !is_ragged(dim)).collect();
+        // Static dims agree across elements, so element 0 holds their sizes.
+        let static_sizes = static_dims
+            .iter()
+            .map(|&dim| element_sizes[0][dim])
+            .collect();
+        Ok(Self::assemble(
+            rank,
+            element_sizes,
+            ragged_dims,
+            static_dims,
+            static_sizes,
+        ))
+    }
+
+    /// The layout of `[L_i, *static_sizes]` elements: one leading ragged dim of the given
+    /// lengths (ragged even if all lengths agree) and a static tail. Works for an empty
+    /// batch, which keeps its rank.
+    pub fn from_lengths(lengths: &[i64], static_sizes: &[i64]) -> Result<Self, LayoutError> {
+        let element_sizes = lengths
+            .iter()
+            .map(|&length| {
+                std::iter::once(length)
+                    .chain(static_sizes.iter().copied())
+                    .collect()
+            })
+            .collect::<Vec<Vec<i64>>>();
+        if let Some((element, &size)) = lengths.iter().enumerate().find(|(_, l)| **l < 0) {
+            return Err(LayoutError::NegativeSize {
+                element,
+                dim: 0,
+                size,
+            });
+        }
+        if let Some((offset, &size)) = static_sizes.iter().enumerate().find(|(_, s)| **s < 0) {
+            return Err(LayoutError::NegativeSize {
+                element: 0,
+                dim: offset + 1,
+                size,
+            });
+        }
+        let rank = static_sizes.len() + 1;
+        Ok(Self::assemble(
+            rank,
+            element_sizes,
+            vec![0],
+            (1..rank).collect(),
+            static_sizes.to_vec(),
+        ))
+    }
+
+    fn assemble(
+        rank: usize,
+        element_sizes: Vec<Vec<i64>>,
+        ragged_dims: Vec<usize>,
+        static_dims: Vec<usize>,
+        static_sizes: Vec<i64>,
+    ) -> Self {
+        let mut offsets = Vec::with_capacity(element_sizes.len() + 1);
+        offsets.push(0);
+        let mut total = 0;
+        for sizes in &element_sizes {
+            total += ragged_dims.iter().map(|&dim| sizes[dim]).product::<i64>();
+            offsets.push(total);
+        }
+        Self {
+            rank,
+            element_sizes,
+            ragged_dims,
+            static_dims,
+            static_sizes,
+            offsets,
+        }
+    }
+
+    /// The layout of the elements at `indices` (in that order, repeats allowed).
+    /// Indices must be in range (the caller checks them).
+    pub fn select(&self, indices: &[usize]) -> Self {
+        let element_sizes = indices
+            .iter()
+            .map(|&i| self.element_sizes[i].clone())
+            .collect();
+        Self::assemble(
+            self.rank,
+            element_sizes,
+            self.ragged_dims.clone(),
+            self.static_dims.clone(),
+            self.static_sizes.clone(),
+        )
+    }
+
+    /// The same layout with static dim `dim` resized to `size` in every element (used
+    /// when an operation such as a slice changes it). `dim` must be a static dim.
+    pub fn with_static_size(&self, dim: usize, size: i64) -> Result<Self, LayoutError> {
+        let Some(position) = self.static_dims.iter().position(|&d| d == dim) else {
+            return Err(LayoutError::DimOutOfRange {
+                dim,
+                rank: self.rank,
+            });
+        };
+        if size < 0 {
+            return Err(LayoutError::NegativeSize {
+                element: 0,
+                dim,
+                size,
+            });
+        }
+        let mut layout = self.clone();
+        layout.static_sizes[position] = size;
+        for sizes in &mut layout.element_sizes {
+            sizes[dim] = size;
+        }
+        Ok(layout)
+    }
+
+    /// Number of elements `B`.
+    pub fn batch_size(&self) -> usize {
+        self.element_sizes.len()
+    }
+
+    /// Rank `R` of every element.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The logical shape of every element.
+    pub fn element_sizes(&self) -> &[Vec<i64>] {
+        &self.element_sizes
+    }
+
+    /// The dims (of an element) whose size varies, in increasing order.
+    pub fn ragged_dims(&self) -> &[usize] {
+        &self.ragged_dims
+    }
+
+    /// The dims (of an element) whose size is the same for every element.
+    pub fn static_dims(&self) -> &[usize] {
+        &self.static_dims
+    }
+
+    /// The sizes of the static dims: the trailing shape of the packed values.
+    pub fn static_sizes(&self) -> &[i64] {
+        &self.static_sizes
+    }
+
+    /// Whether element dim `dim` is ragged.
+    pub fn is_ragged(&self, dim: usize) -> bool {
+        self.ragged_dims.contains(&dim)
+    }
+
+    /// The order in which an element's dims are laid out in the packed values: the
+    /// ragged dims first, then the static dims, each in increasing order.
+    pub fn packed_dim_order(&self) -> Vec<usize> {
+        self.ragged_dims
+            .iter()
+            .chain(&self.static_dims)
+            .copied()
+            .collect()
+    }
+
+    /// Row offsets of the elements in the packed values (`B + 1` entries, from 0).
+    pub fn offsets(&self) -> &[i64] {
+        &self.offsets
+    }
+
+    /// Number of packed rows `N` (the sum of every element's ragged volume).
+    pub fn total_rows(&self) -> i64 {
+        self.offsets.last().copied().unwrap_or(0)
+    }
+
+    /// The shape of the packed values: `[N, *static_sizes]`.
+    pub fn packed_shape(&self) -> Vec<i64> {
+        std::iter::once(self.total_rows())
+            .chain(self.static_sizes.iter().copied())
+            .collect()
+    }
+
+    /// The shape element `i` has once its packed rows are unflattened, before it is
+    /// permuted back to its logical order: `[ragged sizes..., static sizes...]`.
+    pub fn packed_element_shape(&self, element: usize) -> Vec<i64> {
+        let sizes = &self.element_sizes[element];
+        self.packed_dim_order()
+            .iter()
+            .map(|&dim| sizes[dim])
+            .collect()
+    }
+
+    /// The largest size of every dim over the batch (0 for ragged dims of an empty batch).
+    pub fn max_sizes(&self) -> Vec<i64> {
+        (0..self.rank)
+            .map(
+                |dim| match self.static_dims.iter().position(|&d| d == dim) {
+                    Some(position) => self.static_sizes[position],
+                    None => self
+                        .element_sizes
+                        .iter()
+                        .map(|sizes| sizes[dim])
+                        .max()
+                        .unwrap_or(0),
+                },
+            )
+            .collect()
+    }
+
+    /// Number of real (unpadded) scalars in the batch.
+    pub fn numel(&self) -> i64 {
+        self.element_sizes
+            .iter()
+            .map(|sizes| sizes.iter().product::<i64>())
+            .sum()
+    }
+
+    /// Number of scalars in the padded tensor `[B, *max_sizes]`.
+    pub fn padded_numel(&self) -> i64 {
+        self.batch_size() as i64 * self.max_sizes().iter().product::<i64>()
+    }
+
+    /// Real scalars over padded scalars (0 for an empty padded tensor).
+    pub fn occupancy(&self) -> f64 {
+        let padded = self.padded_numel();
+        if padded == 0 {
+            0.0
+        } else {
+            self.numel() as f64 / padded as f64
+        }
+    }
+
+    /// For every packed row, its flat index in the padded grid `[B, *max ragged sizes]`
+    /// (row-major). Scattering the packed rows to these indices builds the padded tensor.
+    pub fn padded_row_indices(&self) -> Vec<i64> {
+        let max_sizes = self.max_sizes();
+        let grid: Vec<i64> = self.ragged_dims.iter().map(|&dim| max_sizes[dim]).collect();
+        let grid_volume: i64 = grid.iter().product();
+        let mut indices = Vec::with_capacity(self.total_rows() as usize);
+        for (element, sizes) in self.element_sizes.iter().enumerate() {
+            let extents: Vec<i64> = self.ragged_dims.iter().map(|&dim| sizes[dim]).collect();
+            let base = element as i64 * grid_volume;
+            for row in 0..extents.iter().product::<i64>() {
+                // Unravel the row over the element's extents, ravel it over the grid.
+                // `row` exists only if every extent is positive, so `%` and `/` are safe.
+                let (mut rest, mut flat, mut stride) = (row, 0, 1);
+                for (extent, grid_size) in extents.iter().zip(&grid).rev() {
+                    flat += (rest % extent) * stride;
+                    rest /= extent;
+                    stride *= grid_size;
+                }
+                indices.push(base + flat);
+            }
+        }
+        indices
+    }
+
+    /// The row splits of ragged level `level`, as in a nested row-partitioned tensor:
+    /// level 0 splits the elements (`B + 1` entries, the offsets of the first ragged
+    /// dim), level `k` splits every row of level `k - 1` by the size of ragged dim `k`.
+    pub fn ragged_level_offsets(&self, level: usize) -> Result<Vec<i64>, LayoutError> {
+        let levels = self.ragged_dims.len();
+        if level >= levels {
+            return Err(LayoutError::LevelOutOfRange { level, levels });
+        }
+        let mut splits = vec![0i64];
+        let mut total = 0;
+        for sizes in &self.element_sizes {
+            let outer: i64 = self.ragged_dims[..level]
+                .iter()
+                .map(|&dim| sizes[dim])
+                .product();
+            let inner = sizes[self.ragged_dims[level]];
+            for _ in 0..outer {
+                total += inner;
+                splits.push(total);
+            }
+        }
+        Ok(splits)
+    }
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what nestor needs to build and test, idempotently:
+#   - LLVM 19 development packages (Debian's apt), for the code generators;
+#   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
+#     kept in a cache outside the checkout so that every clone shares one install.
+# Quick when everything is already present. Set NESTOR_CACHE to move the cache.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/env.sh
+source "$here/env.sh"
+
+llvm_packages=(llvm-19-dev libpolly-19-dev libzstd-dev)
+if [ ! -x "$LLVM_SYS_191_PREFIX/bin/llvm-config" ] || [ ! -f "$LLVM_SYS_191_PREFIX/lib/libPolly.a" ] \
+    || ! dpkg -s libzstd-dev >/dev/null 2>&1; then
+  echo "nestor setup: installing ${llvm_packages[*]} with apt-get" >&2
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${llvm_packages[@]}" >/dev/null
+fi
+
+if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch-${NESTOR_TORCH_VERSION}*.dist-info" >/dev/null; then
+  echo "nestor setup: installing torch==$NESTOR_TORCH_VERSION into $NESTOR_VENV (a few GB, once)" >&2
+  mkdir -p "$NESTOR_CACHE"
+  python3 -m venv "$NESTOR_VENV"
+  "$NESTOR_VENV/bin/pip" install --quiet --disable-pip-version-check "torch==$NESTOR_TORCH_VERSION"
+fi
+
+if [ ! -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
+  echo "nestor setup: $LIBTORCH/lib/libtorch_cpu.so is missing after the install" >&2
+  exit 1
+fi

@@ -1,0 +1,27 @@
+//! # nestor
+//!
+//! A graph compiler for ragged tensor batches. Real batches are ragged (sentences,
+//! documents, molecules, images of different sizes); nestor keeps them packed (values
+//! plus offsets) and never pays for padding.
+//!
+//! Today nestor provides the eager [`NestedTensor`] on libtorch (through `tch`) and the
+//! collation of per-sample tensors into batches. The compiler (`nestor::compile`) is
+//! being built on top of it; see `ARCHITECTURE.md`.
+//!
+//! ```
+//! use nestor::NestedTensor;
+//!
+//! let batch = NestedTensor::from_lists(vec![vec![1.0f32, 2.0, 3.0], vec![4.0, 5.0]])?;
+//! assert_eq!(batch.shape(), [2, 3]);
+//! assert_eq!(batch.occupancy(), 5.0 / 6.0);
+//! let mask = Vec::<Vec<bool>>::try_from(&batch.mask()?)?;
+//! assert_eq!(mask, [[true, true, true], [true, true, false]]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub use nestor_frontend::{
+    collate, dtype_of, kind_of, BatchSelector, Batcher, Bounds, Collate, Dataset, ListData,
+    ListElement, NestedBuilder, NestedError, NestedOptions, NestedTensor, PNTensor, Result,
+};
+pub use nestor_ir::DType;
+pub use nestor_runtime::{LayoutError, RaggedLayout};

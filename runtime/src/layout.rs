@@ -370,3 +370,124 @@ impl RaggedLayout {
         Ok(splits)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_count_rows_of_the_ragged_dims() -> Result<(), LayoutError> {
+        // Elements (L_i, 4): one ragged dim, a static tail of 4.
+        let layout =
+            RaggedLayout::from_element_sizes(vec![vec![3, 4], vec![0, 4], vec![5, 4]], &[])?;
+        assert_eq!(layout.ragged_dims(), [0]);
+        assert_eq!(layout.static_sizes(), [4]);
+        assert_eq!(layout.offsets(), [0, 3, 3, 8]);
+        assert_eq!(layout.packed_shape(), [8, 4]);
+        assert_eq!(layout.max_sizes(), [5, 4]);
+        assert_eq!(layout.numel(), 32);
+        assert!((layout.occupancy() - 32.0 / 60.0).abs() < 1e-12);
+        Ok(())
+    }
+
+    #[test]
+    fn ragged_dims_move_to_the_front_in_packed_order() -> Result<(), LayoutError> {
+        // Elements (2, L_i, M_i, 3): dims 1 and 2 ragged.
+        let layout =
+            RaggedLayout::from_element_sizes(vec![vec![2, 1, 2, 3], vec![2, 3, 1, 3]], &[])?;
+        assert_eq!(layout.packed_dim_order(), [1, 2, 0, 3]);
+        assert_eq!(layout.offsets(), [0, 2, 5]);
+        assert_eq!(layout.packed_element_shape(1), [3, 1, 2, 3]);
+        Ok(())
+    }
+
+    #[test]
+    fn padded_row_indices_walk_the_grid_row_major() -> Result<(), LayoutError> {
+        // Two ragged dims, grid [3, 2] per element: element 0 is (1, 2), element 1 (3, 1).
+        let layout = RaggedLayout::from_element_sizes(vec![vec![1, 2], vec![3, 1]], &[])?;
+        assert_eq!(layout.padded_row_indices(), [0, 1, 6, 8, 10]);
+        Ok(())
+    }
+
+    #[test]
+    fn ragged_levels_split_rows_like_nested_row_splits() -> Result<(), LayoutError> {
+        // Square pairs (L_i, L_i) with L = [2, 3].
+        let layout = RaggedLayout::from_element_sizes(vec![vec![2, 2], vec![3, 3]], &[])?;
+        assert_eq!(layout.ragged_level_offsets(0)?, [0, 2, 5]);
+        assert_eq!(layout.ragged_level_offsets(1)?, [0, 2, 4, 7, 10, 13]);
+        assert_eq!(
+            layout.ragged_level_offsets(2),
+            Err(LayoutError::LevelOutOfRange {
+                level: 2,
+                levels: 2
+            })
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn forced_ragged_dims_stay_ragged_when_sizes_agree() -> Result<(), LayoutError> {
+        let layout = RaggedLayout::from_element_sizes(vec![vec![4, 2], vec![4, 2]], &[0])?;
+        assert_eq!(layout.ragged_dims(), [0]);
+        assert_eq!(layout.offsets(), [0, 4, 8]);
+        let inferred = RaggedLayout::from_element_sizes(vec![vec![4, 2], vec![4, 2]], &[])?;
+        assert_eq!(inferred.ragged_dims(), [] as [usize; 0]);
+        assert_eq!(inferred.offsets(), [0, 1, 2]);
+        Ok(())
+    }
+
+    #[test]
+    fn static_dims_can_be_resized() -> Result<(), LayoutError> {
+        let layout = RaggedLayout::from_element_sizes(vec![vec![3, 4], vec![1, 4]], &[])?;
+        let narrowed = layout.with_static_size(1, 2)?;
+        assert_eq!(narrowed.element_sizes(), [vec![3, 2], vec![1, 2]]);
+        assert_eq!(narrowed.packed_shape(), [4, 2]);
+        assert_eq!(
+            layout.with_static_size(0, 2),
+            Err(LayoutError::DimOutOfRange { dim: 0, rank: 2 })
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn bad_sizes_are_errors_that_name_the_element() {
+        assert_eq!(
+            RaggedLayout::from_element_sizes(vec![vec![3], vec![2, 2]], &[]),
+            Err(LayoutError::RankMismatch {
+                element: 1,
+                expected: 1,
+                got: 2
+            })
+        );
+        assert_eq!(
+            RaggedLayout::from_element_sizes(vec![vec![3], vec![-1]], &[]),
+            Err(LayoutError::NegativeSize {
+                element: 1,
+                dim: 0,
+                size: -1
+            })
+        );
+        assert_eq!(
+            RaggedLayout::from_lengths(&[2, -3], &[4]),
+            Err(LayoutError::NegativeSize {
+                element: 1,
+                dim: 0,
+                size: -3
+            })
+        );
+        assert_eq!(
+            RaggedLayout::from_element_sizes(vec![vec![3]], &[1]),
+            Err(LayoutError::DimOutOfRange { dim: 1, rank: 1 })
+        );
+    }
+
+    #[test]
+    fn an_empty_batch_of_lengths_keeps_its_tail() -> Result<(), LayoutError> {
+        let layout = RaggedLayout::from_lengths(&[], &[8])?;
+        assert_eq!(layout.batch_size(), 0);
+        assert_eq!(layout.packed_shape(), [0, 8]);
+        assert_eq!(layout.max_sizes(), [0, 8]);
+        assert_eq!(layout.occupancy(), 0.0);
+        Ok(())
+    }
+}

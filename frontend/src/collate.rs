@@ -6,6 +6,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tch::Tensor;
 
+use crate::dense::stack_same_shape;
 use crate::{NestedError, NestedTensor, Result};
 
 /// A per-sample tensor that collates into a [`NestedTensor`] (DanLing's `PNTensor`):
@@ -65,22 +66,12 @@ impl Collate for PNTensor {
 impl Collate for Tensor {
     type Batch = Tensor;
     fn collate(samples: Vec<Self>) -> Result<Tensor> {
-        if let Some(first) = samples.first() {
-            let expected = first.size();
-            if let Some((element, sample)) = samples
-                .iter()
-                .enumerate()
-                .find(|(_, s)| s.size() != expected)
-            {
-                return Err(NestedError::ElementShapeMismatch {
-                    op: "collate (stack of plain tensors; wrap samples of different shapes in PNTensor)",
-                    element,
-                    expected,
-                    got: sample.size(),
-                });
-            }
+        const OP: &str =
+            "collate (stack of plain tensors; wrap samples of different shapes in PNTensor)";
+        match stack_same_shape(&samples, OP)? {
+            Some(stacked) => Ok(stacked),
+            None => Ok(Tensor::f_empty([0], tch::kind::FLOAT_CPU)?),
         }
-        Ok(Tensor::f_stack(&samples, 0)?)
     }
 }
 

@@ -21,6 +21,7 @@
 //! ```
 
 mod collate;
+mod dense;
 mod error;
 mod kind;
 mod nested;

@@ -6,6 +6,7 @@ use std::ops::{Bound, Range, RangeBounds, RangeFrom, RangeFull, RangeInclusive, 
 use tch::{Kind, Tensor};
 
 use super::{ListElement, NestedTensor};
+use crate::dense::stack_same_shape;
 use crate::{NestedError, Result};
 
 /// Python-style slice bounds: negative values count from the end, out-of-range bounds
@@ -294,21 +295,8 @@ impl NestedTensor {
                     .f_select(element_dim as i64, position)?)
             })
             .collect::<Result<Vec<_>>>()?;
-        if let Some(first) = picked.first() {
-            let expected = first.size();
-            if let Some((element, tensor)) = picked
-                .iter()
-                .enumerate()
-                .find(|(_, t)| t.size() != expected)
-            {
-                return Err(NestedError::ElementShapeMismatch {
-                    op: "select",
-                    element,
-                    expected,
-                    got: tensor.size(),
-                });
-            }
-            return Ok(Tensor::f_stack(&picked, 0)?);
+        if let Some(stacked) = stack_same_shape(&picked, "select")? {
+            return Ok(stacked);
         }
         let mut shape = self.layout().max_sizes();
         shape.remove(element_dim);

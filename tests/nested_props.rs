@@ -1,9 +1,9 @@
 //! Property tests of the packed layout over random ragged batches: lengths 0..=17,
 //! batch 1..=9, ranks 1..=3, ragged dims in any position, both presentations.
 
-
 // proptest! bodies are test code, which clippy does not recognise as such.
 #![allow(clippy::unwrap_used)]
+
 use nestor::{NestedOptions, NestedTensor};
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};

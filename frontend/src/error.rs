@@ -124,6 +124,52 @@ pub enum NestedError {
         /// The shape of the offending element's result.
         got: Vec<i64>,
     },
+    /// A slow path taken inside an [`ExecutionGuard`](crate::ExecutionGuard) scope.
+    #[error("{op} takes {path}, which the execution guard forbids")]
+    SlowPathForbidden {
+        /// The operation.
+        op: &'static str,
+        /// The slow path it would take.
+        path: crate::SlowPath,
+    },
+    /// Two NestedTensors of different structure in an operation that needs one.
+    #[error("{op}: the operands have different structures (element sizes {left:?} vs {right:?})")]
+    StructureMismatch {
+        /// The operation.
+        op: &'static str,
+        /// Element sizes of the left operand.
+        left: Vec<Vec<i64>>,
+        /// Element sizes of the right operand.
+        right: Vec<Vec<i64>>,
+    },
+    /// A dense operand that does not broadcast against the elements.
+    #[error(
+        "{op}: a dense operand of shape {shape:?} does not broadcast against elements {reason}"
+    )]
+    DenseOperand {
+        /// The operation.
+        op: &'static str,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// Why not.
+        reason: String,
+    },
+    /// An operation over elements with nothing to reduce.
+    #[error("{op}: element {element} is empty along the reduced dims")]
+    EmptyReduction {
+        /// The operation.
+        op: &'static str,
+        /// The empty element.
+        element: usize,
+    },
+    /// An operation this release does not provide for these arguments.
+    #[error("{op}: {reason}")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// What is not supported.
+        reason: String,
+    },
     /// An error reported by libtorch.
     #[error(transparent)]
     Torch(#[from] TchError),

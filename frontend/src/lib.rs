@@ -23,15 +23,19 @@
 mod collate;
 mod dense;
 mod error;
+mod guard;
 mod kind;
 mod nested;
+mod ops;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
 pub use error::NestedError;
+pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};
 pub use nested::{
     BatchSelector, Bounds, ListData, ListElement, NestedBuilder, NestedOptions, NestedTensor,
 };
+pub use ops::{Binary, LossReduction, Operand, Reduce, Reduced, Target};
 
 /// The result type of this crate.
 pub type Result<T, E = NestedError> = std::result::Result<T, E>;

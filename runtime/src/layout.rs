@@ -113,34 +113,47 @@ impl RaggedLayout {
     /// lengths (ragged even if all lengths agree) and a static tail. Works for an empty
     /// batch, which keeps its rank.
     pub fn from_lengths(lengths: &[i64], static_sizes: &[i64]) -> Result<Self, LayoutError> {
-        let element_sizes = lengths
-            .iter()
-            .map(|&length| {
-                std::iter::once(length)
-                    .chain(static_sizes.iter().copied())
-                    .collect()
-            })
-            .collect::<Vec<Vec<i64>>>();
-        if let Some((element, &size)) = lengths.iter().enumerate().find(|(_, l)| **l < 0) {
-            return Err(LayoutError::NegativeSize {
-                element,
-                dim: 0,
-                size,
-            });
+        let ragged_sizes: Vec<Vec<i64>> = lengths.iter().map(|&length| vec![length]).collect();
+        Self::from_ragged_sizes(1, &ragged_sizes, static_sizes)
+    }
+
+    /// The layout of elements `[*ragged_sizes[i], *static_sizes]`: the first `levels`
+    /// dims are ragged (even if their sizes agree), the rest a static tail. Square pairs
+    /// `[L_i, L_i, C]` have `levels = 2` and `ragged_sizes[i] = [L_i, L_i]`. Works for an
+    /// empty batch, which keeps its rank.
+    pub fn from_ragged_sizes(
+        levels: usize,
+        ragged_sizes: &[Vec<i64>],
+        static_sizes: &[i64],
+    ) -> Result<Self, LayoutError> {
+        let rank = levels + static_sizes.len();
+        let mut element_sizes = Vec::with_capacity(ragged_sizes.len());
+        for (element, sizes) in ragged_sizes.iter().enumerate() {
+            if sizes.len() != levels {
+                return Err(LayoutError::RankMismatch {
+                    element,
+                    expected: levels,
+                    got: sizes.len(),
+                });
+            }
+            let full: Vec<i64> = sizes.iter().chain(static_sizes).copied().collect();
+            if let Some((dim, &size)) = full.iter().enumerate().find(|(_, size)| **size < 0) {
+                return Err(LayoutError::NegativeSize { element, dim, size });
+            }
+            element_sizes.push(full);
         }
-        if let Some((offset, &size)) = static_sizes.iter().enumerate().find(|(_, s)| **s < 0) {
+        if let Some((position, &size)) = static_sizes.iter().enumerate().find(|(_, s)| **s < 0) {
             return Err(LayoutError::NegativeSize {
                 element: 0,
-                dim: offset + 1,
+                dim: levels + position,
                 size,
             });
         }
-        let rank = static_sizes.len() + 1;
         Ok(Self::assemble(
             rank,
             element_sizes,
-            vec![0],
-            (1..rank).collect(),
+            (0..levels).collect(),
+            (levels..rank).collect(),
             static_sizes.to_vec(),
         ))
     }
@@ -207,6 +220,178 @@ impl RaggedLayout {
             sizes[dim] = size;
         }
         Ok(layout)
+    }
+
+    /// The layout after removing element dim `dim` from every element (a reduction
+    /// over it). The remaining ragged dims stay ragged.
+    pub fn without_dim(&self, dim: usize) -> Result<Self, LayoutError> {
+        self.check_dim(dim)?;
+        let shift = |&d: &usize| if d > dim { d - 1 } else { d };
+        let element_sizes = self
+            .element_sizes
+            .iter()
+            .map(|sizes| [&sizes[..dim], &sizes[dim + 1..]].concat())
+            .collect();
+        let ragged_dims = self
+            .ragged_dims
+            .iter()
+            .filter(|&&d| d != dim)
+            .map(shift)
+            .collect();
+        let (static_dims, static_sizes) = self
+            .static_dims
+            .iter()
+            .zip(&self.static_sizes)
+            .filter(|(&d, _)| d != dim)
+            .map(|(d, &size)| (shift(d), size))
+            .unzip();
+        Ok(Self::assemble(
+            self.rank - 1,
+            element_sizes,
+            ragged_dims,
+            static_dims,
+            static_sizes,
+        ))
+    }
+
+    /// The layout after inserting a static dim of size `size` at element dim `dim`
+    /// (`dim <= rank`), as `unsqueeze` does with size 1.
+    pub fn with_static_dim(&self, dim: usize, size: i64) -> Result<Self, LayoutError> {
+        if dim > self.rank {
+            return Err(LayoutError::DimOutOfRange {
+                dim,
+                rank: self.rank,
+            });
+        }
+        if size < 0 {
+            return Err(LayoutError::NegativeSize {
+                element: 0,
+                dim,
+                size,
+            });
+        }
+        let shift = |&d: &usize| if d >= dim { d + 1 } else { d };
+        let element_sizes = self
+            .element_sizes
+            .iter()
+            .map(|sizes| [&sizes[..dim], &[size], &sizes[dim..]].concat())
+            .collect();
+        let ragged_dims = self.ragged_dims.iter().map(shift).collect();
+        let mut static_dims: Vec<usize> = self.static_dims.iter().map(shift).collect();
+        let position = static_dims
+            .iter()
+            .position(|&d| d > dim)
+            .unwrap_or(static_dims.len());
+        static_dims.insert(position, dim);
+        let mut static_sizes = self.static_sizes.clone();
+        static_sizes.insert(position, size);
+        Ok(Self::assemble(
+            self.rank + 1,
+            element_sizes,
+            ragged_dims,
+            static_dims,
+            static_sizes,
+        ))
+    }
+
+    /// The same elements with their static dims permuted among themselves: static
+    /// dim `static_dims()[i]` takes the size of `static_dims()[order[i]]`. Ragged dims
+    /// do not move. `order` must be a permutation of `0..static_dims().len()`.
+    pub fn with_static_order(&self, order: &[usize]) -> Self {
+        let static_sizes: Vec<i64> = order.iter().map(|&i| self.static_sizes[i]).collect();
+        let element_sizes = self
+            .element_sizes
+            .iter()
+            .map(|sizes| {
+                let mut sizes = sizes.clone();
+                for (&dim, &size) in self.static_dims.iter().zip(&static_sizes) {
+                    sizes[dim] = size;
+                }
+                sizes
+            })
+            .collect();
+        Self::assemble(
+            self.rank,
+            element_sizes,
+            self.ragged_dims.clone(),
+            self.static_dims.clone(),
+            static_sizes,
+        )
+    }
+
+    /// Where every packed row goes when the ragged dims `reduced` (a subset of
+    /// `ragged_dims()`) are reduced away: for each row, the index of its row in the
+    /// layout without those dims. With no ragged dim left, that is the element index.
+    pub fn reduced_row_map(&self, reduced: &[usize]) -> Vec<i64> {
+        let mut map = Vec::with_capacity(self.total_rows() as usize);
+        let mut base = 0;
+        for sizes in &self.element_sizes {
+            let extents: Vec<i64> = self.ragged_dims.iter().map(|&dim| sizes[dim]).collect();
+            let kept: Vec<bool> = self
+                .ragged_dims
+                .iter()
+                .map(|dim| !reduced.contains(dim))
+                .collect();
+            for row in 0..extents.iter().product::<i64>() {
+                // Unravel `row` over the extents (all positive, since the row exists)
+                // and ravel the kept coordinates.
+                let (mut rest, mut flat, mut stride) = (row, 0, 1);
+                for (extent, &keep) in extents.iter().zip(&kept).rev() {
+                    let coordinate = rest % extent;
+                    rest /= extent;
+                    if keep {
+                        flat += coordinate * stride;
+                        stride *= extent;
+                    }
+                }
+                map.push(base + flat);
+            }
+            base += extents
+                .iter()
+                .zip(&kept)
+                .filter(|(_, &keep)| keep)
+                .map(|(extent, _)| extent)
+                .product::<i64>();
+        }
+        map
+    }
+
+    /// For every packed row, the coordinate along ragged dim `dim` of the position it
+    /// holds in its element.
+    pub fn row_coordinates(&self, dim: usize) -> Vec<i64> {
+        let Some(level) = self.ragged_dims.iter().position(|&d| d == dim) else {
+            return vec![0; self.total_rows() as usize];
+        };
+        let mut coordinates = Vec::with_capacity(self.total_rows() as usize);
+        for sizes in &self.element_sizes {
+            let extents: Vec<i64> = self.ragged_dims.iter().map(|&d| sizes[d]).collect();
+            let inner: i64 = extents[level + 1..].iter().product();
+            let rows: i64 = extents.iter().product();
+            coordinates.extend((0..rows).map(|row| (row / inner.max(1)) % extents[level].max(1)));
+        }
+        coordinates
+    }
+
+    /// For every packed row, the index of the element that owns it.
+    pub fn row_elements(&self) -> Vec<i64> {
+        self.offsets
+            .windows(2)
+            .enumerate()
+            .flat_map(|(element, pair)| {
+                std::iter::repeat_n(element as i64, (pair[1] - pair[0]) as usize)
+            })
+            .collect()
+    }
+
+    fn check_dim(&self, dim: usize) -> Result<(), LayoutError> {
+        if dim < self.rank {
+            Ok(())
+        } else {
+            Err(LayoutError::DimOutOfRange {
+                dim,
+                rank: self.rank,
+            })
+        }
     }
 
     /// Number of elements `B`.

@@ -3,6 +3,7 @@
 
 use std::ops::{Bound, Range, RangeBounds, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
+use nestor_runtime::RaggedLayout;
 use tch::{Kind, Tensor};
 
 use super::{ListElement, NestedTensor};
@@ -226,7 +227,8 @@ impl NestedTensor {
 
     /// A slice inside every element along NestedTensor dim `dim` (DanLing's
     /// `nt[:, 1:]`), with Python bounds resolved per element. The batch keeps its
-    /// ragged dims; slicing a static dim shares the values' storage.
+    /// ragged dims. Slicing a static dim shares the values' storage; slicing a ragged
+    /// dim gathers the packed rows in range (no padding, no per-element loop).
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;
@@ -253,17 +255,33 @@ impl NestedTensor {
         if self.is_empty() {
             return Ok(self.shallow_clone());
         }
-        let elements = (0..self.len())
-            .map(|element| {
-                let tensor = self.element(element)?;
-                let range = bounds.resolve(tensor.size()[element_dim]);
-                Ok(tensor.f_narrow(element_dim as i64, range.start, range.end - range.start)?)
+        // A ragged dim: keep the packed rows whose coordinate along it is in range.
+        let ranges: Vec<Range<i64>> = layout
+            .element_sizes()
+            .iter()
+            .map(|sizes| bounds.resolve(sizes[element_dim]))
+            .collect();
+        let coordinates = layout.row_coordinates(element_dim);
+        let owners = layout.row_elements();
+        let rows: Vec<i64> = (0..layout.total_rows())
+            .filter(|&row| {
+                ranges[owners[row as usize] as usize].contains(&coordinates[row as usize])
             })
-            .collect::<Result<Vec<_>>>()?;
-        NestedTensor::builder()
-            .options(self.options())
-            .ragged_dims(layout.ragged_dims())
-            .tensors(&elements)
+            .collect();
+        let sizes = layout
+            .element_sizes()
+            .iter()
+            .zip(&ranges)
+            .map(|(sizes, range)| {
+                let mut sizes = sizes.clone();
+                sizes[element_dim] = range.end - range.start;
+                sizes
+            })
+            .collect();
+        let new_layout = RaggedLayout::from_element_sizes(sizes, layout.ragged_dims())?;
+        let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
+        let values = self.values().f_index_select(0, &rows)?;
+        Ok(NestedTensor::from_parts(values, new_layout, self.options()))
     }
 
     /// Position `index` of every element along NestedTensor dim `dim` (DanLing's

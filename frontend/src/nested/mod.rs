@@ -95,6 +95,11 @@ impl NestedTensor {
         }
     }
 
+    /// Drops the cached padded tensor (after the values changed in place).
+    pub(crate) fn forget_padded(&mut self) {
+        self.padded = OnceCell::new();
+    }
+
     /// A builder to set options (batch_first, padding, dtype, device, ...) before
     /// constructing.
     pub fn builder() -> NestedBuilder {
@@ -272,7 +277,7 @@ impl NestedTensor {
         }
     }
 
-    fn normalize_dim(&self, dim: i64) -> Result<usize> {
+    pub(crate) fn normalize_dim(&self, dim: i64) -> Result<usize> {
         let ndim = self.dim();
         let normalized = if dim < 0 { dim + ndim as i64 } else { dim };
         if (0..ndim as i64).contains(&normalized) {

@@ -4,6 +4,7 @@ use tch::{Kind, Tensor};
 
 use super::index::inverse_permutation;
 use super::NestedTensor;
+use crate::guard::{slow_path, SlowPath};
 use crate::Result;
 
 impl NestedTensor {
@@ -11,6 +12,7 @@ impl NestedTensor {
     /// elements. Built with one scatter of the packed rows; differentiable. Kept for
     /// later calls when the values do not require grad.
     pub fn tensor(&self) -> Result<Tensor> {
+        slow_path(SlowPath::PaddedMaterialization, "tensor")?;
         if let Some(padded) = self.padded.get() {
             return Ok(padded.shallow_clone());
         }
@@ -26,6 +28,7 @@ impl NestedTensor {
     /// like [`shape`](Self::shape) without a static trailing channel dim (the last dim
     /// of elements of rank 2 or more, when every element has the same size there).
     pub fn mask(&self) -> Result<Tensor> {
+        slow_path(SlowPath::PaddedMaterialization, "mask")?;
         let layout = self.layout();
         let rank = layout.rank();
         let drop_channel = rank >= 2 && !layout.is_ragged(rank - 1);

@@ -1,0 +1,169 @@
+//! Losses on the packed values: only real positions count, whatever the padding.
+
+use tch::{Kind, Reduction, Tensor};
+
+use super::{Operand, Reduced};
+use crate::{NestedError, NestedTensor, Result};
+
+/// How a loss is reduced over the real positions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LossReduction {
+    /// The mean over real positions (for cross entropy: over non-ignored targets).
+    #[default]
+    Mean,
+    /// The sum over real positions.
+    Sum,
+    /// No reduction: one loss per position, in the structure of the input.
+    None,
+}
+
+/// Targets of a loss over a NestedTensor.
+pub enum Target<'a> {
+    /// Targets of the same structure as the predictions (class indices for cross
+    /// entropy: the predictions without their last dim).
+    Nested(&'a NestedTensor),
+    /// One target per element (`[B]` or `[B, ...]`), shared by every position of it, or
+    /// a dense tensor of the padded shape (packed first).
+    Dense(&'a Tensor),
+}
+
+impl<'a> From<&'a NestedTensor> for Target<'a> {
+    fn from(target: &'a NestedTensor) -> Self {
+        Target::Nested(target)
+    }
+}
+impl<'a> From<&'a Tensor> for Target<'a> {
+    fn from(target: &'a Tensor) -> Self {
+        Target::Dense(target)
+    }
+}
+
+impl NestedTensor {
+    /// Cross entropy of logits `[*s_i, classes]` (last dim static) against class-index
+    /// targets `[*s_i]`, with torch's `ignore_index` and `label_smoothing`.
+    pub fn cross_entropy<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        ignore_index: i64,
+        label_smoothing: f64,
+        reduction: LossReduction,
+    ) -> Result<Reduced> {
+        let classes = self.last_static_width("cross_entropy")?;
+        let logits = self.values().f_reshape([-1, classes])?;
+        let rows_layout = self.layout().without_dim(self.layout().rank() - 1)?;
+        let target = match target.into() {
+            Target::Nested(target) => {
+                if *target.layout() != rows_layout {
+                    return Err(NestedError::StructureMismatch {
+                        op: "cross_entropy",
+                        left: rows_layout.element_sizes().to_vec(),
+                        right: target.layout().element_sizes().to_vec(),
+                    });
+                }
+                target.values().shallow_clone()
+            }
+            Target::Dense(dense) => {
+                let rows = NestedTensor::from_parts(
+                    Tensor::f_empty(rows_layout.packed_shape(), (Kind::Int64, self.device()))?,
+                    rows_layout.clone(),
+                    self.options(),
+                );
+                rows.align_target(dense, "cross_entropy")?
+            }
+        };
+        let target = target.f_reshape([-1])?.f_to_kind(Kind::Int64)?;
+        let per_position = logits.f_cross_entropy_loss(
+            &target,
+            None::<Tensor>,
+            Reduction::None,
+            ignore_index,
+            label_smoothing,
+        )?;
+        let counted = target.f_ne(ignore_index)?;
+        let reduced = match reduction {
+            LossReduction::Mean => per_position
+                .f_sum(None::<Kind>)?
+                .f_div(&counted.f_sum(per_position.kind())?)?,
+            LossReduction::Sum => per_position.f_sum(None::<Kind>)?,
+            LossReduction::None => {
+                let values = per_position.f_reshape(rows_layout.packed_shape())?;
+                let nested = NestedTensor::from_parts(values, rows_layout, self.options());
+                return Ok(if nested.layout().ragged_dims().is_empty() {
+                    Reduced::Dense(nested.values().shallow_clone())
+                } else {
+                    Reduced::Nested(nested)
+                });
+            }
+        };
+        Ok(Reduced::Dense(reduced))
+    }
+
+    /// Mean squared error against a target operand (NestedTensor of the same structure,
+    /// per-element dense `[B, ...]`, dense tail or scalar).
+    pub fn mse_loss<'a>(
+        &self,
+        target: impl Into<Operand<'a>>,
+        reduction: LossReduction,
+    ) -> Result<Reduced> {
+        let difference = self.sub(target)?;
+        difference.square()?.reduce_loss(reduction)
+    }
+
+    /// Mean absolute error against a target operand.
+    pub fn l1_loss<'a>(
+        &self,
+        target: impl Into<Operand<'a>>,
+        reduction: LossReduction,
+    ) -> Result<Reduced> {
+        self.sub(target)?.abs()?.reduce_loss(reduction)
+    }
+
+    /// Binary cross entropy of logits against probabilities (a target operand),
+    /// computed stably: `max(x, 0) - x * y + log(1 + e^(-|x|))`.
+    pub fn binary_cross_entropy_with_logits<'a>(
+        &self,
+        target: impl Into<Operand<'a>>,
+        reduction: LossReduction,
+    ) -> Result<Reduced> {
+        let target = self.align(&target.into(), "binary_cross_entropy_with_logits")?;
+        let logits = self.values();
+        let target = target.f_expand_as(logits)?.f_to_kind(logits.kind())?;
+        let losses = logits.f_binary_cross_entropy_with_logits(
+            &target,
+            None::<Tensor>,
+            None::<Tensor>,
+            Reduction::None,
+        )?;
+        self.with_values(losses).reduce_loss(reduction)
+    }
+
+    fn reduce_loss(&self, reduction: LossReduction) -> Result<Reduced> {
+        match reduction {
+            LossReduction::Mean => self.mean(&[], false),
+            LossReduction::Sum => self.sum(&[], false),
+            LossReduction::None => Ok(Reduced::Nested(self.shallow_clone())),
+        }
+    }
+
+    /// Dense targets for the packed rows of `self`: per element (`[B]`, `[B, ...]`) or
+    /// of the padded shape.
+    fn align_target(&self, target: &Tensor, op: &'static str) -> Result<Tensor> {
+        let shape = target.size();
+        if shape == self.shape() && self.layout().rank() > 0 {
+            return self.align(&Operand::Dense(target), op);
+        }
+        if shape.first() == Some(&(self.len() as i64)) {
+            let per_row = self.broadcast_per_element(target)?;
+            return Ok(per_row);
+        }
+        Err(NestedError::DenseOperand {
+            op,
+            shape,
+            reason: format!(
+                "(expected one target per element, [{}], or the padded shape {:?})",
+                self.len(),
+                self.shape()
+            ),
+        })
+    }
+}

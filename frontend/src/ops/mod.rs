@@ -1,0 +1,30 @@
+//! Operators on `NestedTensor`, each on the packed values wherever a packed form exists.
+//!
+//! - `operand`: how scalars, dense tensors and other NestedTensors line up with the
+//!   packed values (the broadcasting rules of DESIGN.md section 7);
+//! - `elementwise`: unary, binary and ternary elementwise operators, Rust operators,
+//!   in-place variants;
+//! - `reduce`: reductions over static dims (packed), ragged dims (segmented), the batch
+//!   dim and all dims;
+//! - `normalize`: softmax / log_softmax, layer_norm, rms_norm, batch_norm, dropout;
+//! - `linear`: linear, matmul, embedding;
+//! - `structure`: zero-copy reconstruction, repeats, reshapes of static dims,
+//!   segmented scans, cdist;
+//! - `per_element`: convolution, pooling, interpolation element by element;
+//! - `attention`: scaled dot-product attention over packed heads;
+//! - `loss`: losses on packed values.
+
+mod attention;
+mod elementwise;
+mod linear;
+mod loss;
+mod normalize;
+mod operand;
+mod per_element;
+mod reduce;
+mod structure;
+
+pub use elementwise::Binary;
+pub use loss::{LossReduction, Target};
+pub use operand::Operand;
+pub use reduce::{Reduce, Reduced};

@@ -1,0 +1,172 @@
+//! softmax / log_softmax (packed over static dims, segmented over ragged dims),
+//! layer_norm and rms_norm over a static tail, batch_norm over all real elements,
+//! dropout.
+
+use tch::{Kind, Tensor};
+
+use crate::{NestedError, NestedTensor, Result};
+
+impl NestedTensor {
+    /// Softmax along `dim`: on the packed values for a static dim, by segment (each
+    /// element on its own, no padding) for a ragged dim. The batch dim is an error.
+    pub fn softmax(&self, dim: i64) -> Result<NestedTensor> {
+        self.softmax_like(dim, false)
+    }
+
+    /// Log-softmax along `dim` (see [`softmax`](Self::softmax)).
+    pub fn log_softmax(&self, dim: i64) -> Result<NestedTensor> {
+        self.softmax_like(dim, true)
+    }
+
+    fn softmax_like(&self, dim: i64, log: bool) -> Result<NestedTensor> {
+        let op = if log { "log_softmax" } else { "softmax" };
+        let element_dim = self.element_dim(dim, op)?;
+        let layout = self.layout();
+        let values = self.values();
+        if let Some(axis) = self.static_axis(element_dim) {
+            let result = if log {
+                values.f_log_softmax(axis, None::<Kind>)?
+            } else {
+                values.f_softmax(axis, None::<Kind>)?
+            };
+            return Ok(self.with_values(result));
+        }
+        // Segmented: every output row of the reduction over `element_dim` is one softmax group.
+        let map = layout.reduced_row_map(&[element_dim]);
+        let groups = map.iter().max().map_or(0, |&last| last + 1);
+        let map = Tensor::f_from_slice(&map)?.f_to_device(self.device())?;
+        let values = if values.is_floating_point() {
+            values.shallow_clone()
+        } else {
+            values.f_to_kind(Kind::Float)?
+        };
+        let mut shape = values.size();
+        shape[0] = groups;
+        let initial = Tensor::f_full(&shape, f64::NEG_INFINITY, (values.kind(), values.device()))?;
+        let max = initial
+            .f_index_reduce(0, &map, &values, "amax", false)?
+            .f_detach()?;
+        let shifted = values.f_sub(&max.f_index_select(0, &map)?)?;
+        let exp = shifted.f_exp()?;
+        let sum = Tensor::f_zeros(&shape, (values.kind(), values.device()))?
+            .f_index_add(0, &map, &exp)?;
+        let result = if log {
+            shifted.f_sub(&sum.f_log()?.f_index_select(0, &map)?)?
+        } else {
+            exp.f_div(&sum.f_index_select(0, &map)?)?
+        };
+        Ok(self.with_values(result))
+    }
+
+    /// The values axis of element dim `dim` if it is static.
+    pub(crate) fn static_axis(&self, dim: usize) -> Option<i64> {
+        self.layout()
+            .static_dims()
+            .iter()
+            .position(|&d| d == dim)
+            .map(|position| position as i64 + 1)
+    }
+
+    /// Checks that the last `count` element dims are static (so they are the last axes
+    /// of the values) and equal `expected`.
+    fn check_static_tail(&self, op: &'static str, expected: &[i64]) -> Result<()> {
+        let layout = self.layout();
+        let rank = layout.rank();
+        let count = expected.len();
+        let tail_is_static =
+            count <= rank && (rank - count..rank).all(|dim| !layout.is_ragged(dim));
+        let actual: Vec<i64> = layout
+            .static_sizes()
+            .iter()
+            .rev()
+            .take(count)
+            .rev()
+            .copied()
+            .collect();
+        if tail_is_static && actual == expected {
+            return Ok(());
+        }
+        Err(NestedError::DenseOperand {
+            op,
+            shape: expected.to_vec(),
+            reason: format!(
+                "(the normalized shape must be the static tail of the elements; static sizes {:?}, ragged dims {:?})",
+                layout.static_sizes(),
+                layout.ragged_dims()
+            ),
+        })
+    }
+
+    /// Layer normalization over the trailing `normalized_shape`, which must be a static
+    /// tail of the elements; on the packed values.
+    pub fn layer_norm(
+        &self,
+        normalized_shape: &[i64],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<NestedTensor> {
+        self.check_static_tail("layer_norm", normalized_shape)?;
+        Ok(self.with_values(self.values().f_layer_norm(
+            normalized_shape,
+            weight,
+            bias,
+            eps,
+            true,
+        )?))
+    }
+
+    /// RMS normalization over the trailing `normalized_shape` (a static tail).
+    pub fn rms_norm(
+        &self,
+        normalized_shape: &[i64],
+        weight: Option<&Tensor>,
+        eps: Option<f64>,
+    ) -> Result<NestedTensor> {
+        self.check_static_tail("rms_norm", normalized_shape)?;
+        Ok(self.with_values(self.values().f_rms_norm(normalized_shape, weight, eps)?))
+    }
+
+    /// Batch normalization over channel dim `channel_dim` (a static NestedTensor dim),
+    /// with statistics over every real element (padding never counts). Running
+    /// statistics are updated in training mode, as in torch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm(
+        &self,
+        channel_dim: i64,
+        running_mean: Option<&Tensor>,
+        running_var: Option<&Tensor>,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<NestedTensor> {
+        let element_dim = self.element_dim(channel_dim, "batch_norm")?;
+        let Some(axis) = self.static_axis(element_dim) else {
+            return Err(NestedError::Unsupported {
+                op: "batch_norm",
+                reason: format!("the channel dim {channel_dim} is ragged; it must be static"),
+            });
+        };
+        // torch's batch_norm takes channels at axis 1 of [N, C, *].
+        let moved = self.values().f_movedim(axis, 1)?;
+        let normalized = Tensor::f_batch_norm(
+            &moved,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            training,
+            momentum,
+            eps,
+            true,
+        )?;
+        Ok(self.with_values(normalized.f_movedim(1, axis)?))
+    }
+
+    /// Dropout with probability `p` when `train` is true; identity otherwise.
+    pub fn dropout(&self, p: f64, train: bool) -> Result<NestedTensor> {
+        Ok(self.with_values(self.values().f_dropout(p, train)?))
+    }
+}

@@ -1,0 +1,584 @@
+//! Reductions: over static dims on the packed values, over ragged dims by segment
+//! (scatter over packed rows, no padding), over the batch dim, and over everything.
+
+use nestor_runtime::RaggedLayout;
+use tch::{Kind, Tensor};
+
+use crate::dense::stack_same_shape;
+use crate::{NestedError, NestedTensor, Result};
+
+/// A reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// Sum (integers and bools sum to i64).
+    Sum,
+    /// Arithmetic mean over the real elements.
+    Mean,
+    /// Largest value.
+    Amax,
+    /// Smallest value.
+    Amin,
+    /// `log(sum(exp(x)))`, computed stably.
+    LogSumExp,
+    /// Variance with Bessel's `correction` (1 for the unbiased estimate).
+    Var {
+        /// Subtracted from the count in the denominator.
+        correction: i64,
+    },
+    /// Standard deviation with Bessel's `correction`.
+    Std {
+        /// Subtracted from the count in the denominator.
+        correction: i64,
+    },
+    /// Whether every value is non-zero (bool).
+    All,
+    /// Whether any value is non-zero (bool).
+    Any,
+}
+
+impl Reduce {
+    fn name(self) -> &'static str {
+        match self {
+            Reduce::Sum => "sum",
+            Reduce::Mean => "mean",
+            Reduce::Amax => "amax",
+            Reduce::Amin => "amin",
+            Reduce::LogSumExp => "logsumexp",
+            Reduce::Var { .. } => "var",
+            Reduce::Std { .. } => "std",
+            Reduce::All => "all",
+            Reduce::Any => "any",
+        }
+    }
+}
+
+/// The result of a reduction: still ragged, or dense once no ragged dim is left.
+#[derive(Debug)]
+pub enum Reduced {
+    /// Ragged dims remain.
+    Nested(NestedTensor),
+    /// No ragged dim remains: a dense tensor, batch first (`[B, ...]`), or without the
+    /// batch dim when it was reduced too.
+    Dense(Tensor),
+}
+
+impl Reduced {
+    /// The dense result, or an error if ragged dims remain.
+    pub fn into_dense(self) -> Result<Tensor> {
+        match self {
+            Reduced::Dense(tensor) => Ok(tensor),
+            Reduced::Nested(nested) => Err(NestedError::Unsupported {
+                op: "Reduced::into_dense",
+                reason: format!("ragged dims {:?} remain", nested.layout().ragged_dims()),
+            }),
+        }
+    }
+
+    /// The ragged result, or an error if the result is dense.
+    pub fn into_nested(self) -> Result<NestedTensor> {
+        match self {
+            Reduced::Nested(nested) => Ok(nested),
+            Reduced::Dense(tensor) => Err(NestedError::Unsupported {
+                op: "Reduced::into_nested",
+                reason: format!("the result is dense, of shape {:?}", tensor.size()),
+            }),
+        }
+    }
+}
+
+/// How the packed rows and static axes of one NestedTensor reduce over some element dims.
+struct Plan {
+    /// Axes of the values (1 + static position) that are reduced.
+    static_axes: Vec<i64>,
+    /// For each packed row, its output row; `None` when no ragged dim is reduced.
+    row_map: Option<Tensor>,
+    /// Number of output rows.
+    out_rows: i64,
+    /// Input rows per output row.
+    rows_per_out: Vec<i64>,
+    /// Scalars per input row that the static axes fold together.
+    static_volume: i64,
+    /// The layout of the result.
+    out_layout: RaggedLayout,
+}
+
+impl Plan {
+    fn new(
+        layout: &RaggedLayout,
+        dims: &[usize],
+        keepdim: bool,
+        device: tch::Device,
+    ) -> Result<Self> {
+        let ragged: Vec<usize> = dims
+            .iter()
+            .copied()
+            .filter(|&dim| layout.is_ragged(dim))
+            .collect();
+        let mut static_axes = Vec::new();
+        let mut static_volume = 1;
+        for (position, (&dim, &size)) in layout
+            .static_dims()
+            .iter()
+            .zip(layout.static_sizes())
+            .enumerate()
+        {
+            if dims.contains(&dim) {
+                static_axes.push(1 + position as i64);
+                static_volume *= size;
+            }
+        }
+        let mut out_layout = layout.clone();
+        for &dim in dims.iter().rev() {
+            out_layout = out_layout.without_dim(dim)?;
+        }
+        if keepdim {
+            for &dim in dims {
+                out_layout = out_layout.with_static_dim(dim, 1)?;
+            }
+        }
+        let out_rows = out_layout.total_rows();
+        let (row_map, rows_per_out) = if ragged.is_empty() {
+            (None, vec![1; out_rows as usize])
+        } else {
+            let map = layout.reduced_row_map(&ragged);
+            let mut counts = vec![0i64; out_rows as usize];
+            for &row in &map {
+                counts[row as usize] += 1;
+            }
+            (
+                Some(Tensor::f_from_slice(&map)?.f_to_device(device)?),
+                counts,
+            )
+        };
+        Ok(Self {
+            static_axes,
+            row_map,
+            out_rows,
+            rows_per_out,
+            static_volume,
+            out_layout,
+        })
+    }
+
+    /// Output rows with no input, by the element that owns them.
+    fn first_empty_element(&self) -> Option<usize> {
+        let owners = self.out_layout.row_elements();
+        let empty_row = self.rows_per_out.iter().position(|&count| count == 0);
+        let empty_static = self.static_volume == 0 && self.out_rows > 0;
+        match (empty_row, empty_static) {
+            (Some(row), _) => Some(owners[row] as usize),
+            (None, true) => Some(0),
+            (None, false) => None,
+        }
+    }
+
+    /// Sums over the reduced static axes (kept as size 1) and rows.
+    fn sum(&self, values: &Tensor) -> Result<Tensor> {
+        let values = if values.kind() == Kind::Bool || !values.is_floating_point() {
+            values.f_to_kind(Kind::Int64)?
+        } else {
+            values.shallow_clone()
+        };
+        let folded = if self.static_axes.is_empty() {
+            values
+        } else {
+            values.f_sum_dim_intlist(self.static_axes.as_slice(), true, None::<Kind>)?
+        };
+        match &self.row_map {
+            None => Ok(folded),
+            Some(map) => {
+                let mut shape = folded.size();
+                shape[0] = self.out_rows;
+                Ok(Tensor::f_zeros(&shape, (folded.kind(), folded.device()))?
+                    .f_index_add(0, map, &folded)?)
+            }
+        }
+    }
+
+    /// Largest (`"amax"`) or smallest (`"amin"`) value over the reduced axes and rows;
+    /// output rows with no input hold `empty`.
+    fn extreme(&self, values: &Tensor, reduce: &str, empty: f64) -> Result<Tensor> {
+        let folded = if self.static_axes.is_empty() {
+            values.shallow_clone()
+        } else if reduce == "amax" {
+            values.f_amax(self.static_axes.as_slice(), true)?
+        } else {
+            values.f_amin(self.static_axes.as_slice(), true)?
+        };
+        match &self.row_map {
+            None => Ok(folded),
+            Some(map) => {
+                let mut shape = folded.size();
+                shape[0] = self.out_rows;
+                let initial = Tensor::f_full(&shape, empty, (folded.kind(), folded.device()))?;
+                Ok(initial.f_index_reduce(0, map, &folded, reduce, false)?)
+            }
+        }
+    }
+
+    /// The row map broadcast to the shape of `like`, for scatters.
+    fn expand_map(&self, map: &Tensor, like: &Tensor) -> Result<Tensor> {
+        let mut view = vec![1i64; like.dim()];
+        view[0] = -1;
+        Ok(map.f_view(view.as_slice())?.f_expand(like.size(), false)?)
+    }
+
+    /// A per-output-row result (keepdim form) broadcast back to the input rows.
+    fn gather(&self, per_out: &Tensor) -> Result<Tensor> {
+        match &self.row_map {
+            None => Ok(per_out.shallow_clone()),
+            Some(map) => Ok(per_out.f_index_select(0, map)?),
+        }
+    }
+
+    /// The number of scalars folded into each output row, shaped to broadcast.
+    fn counts(&self, like: &Tensor) -> Result<Tensor> {
+        let counts: Vec<f64> = self
+            .rows_per_out
+            .iter()
+            .map(|&rows| (rows * self.static_volume) as f64)
+            .collect();
+        let mut view = vec![1i64; like.dim()];
+        view[0] = self.out_rows;
+        Ok(Tensor::f_from_slice(&counts)?
+            .f_to_device(like.device())?
+            .f_view(view.as_slice())?)
+    }
+
+    fn run(&self, op: Reduce, values: &Tensor) -> Result<Tensor> {
+        let float = |tensor: Tensor| -> Result<Tensor> {
+            Ok(if tensor.is_floating_point() {
+                tensor
+            } else {
+                tensor.f_to_kind(Kind::Float)?
+            })
+        };
+        Ok(match op {
+            Reduce::Sum => self.sum(values)?,
+            Reduce::Mean => {
+                let sum = float(self.sum(values)?)?;
+                let counts = self.counts(&sum)?.f_to_kind(sum.kind())?;
+                sum.f_div(&counts)?
+            }
+            Reduce::Amax => self.extreme(values, "amax", 0.0)?,
+            Reduce::Amin => self.extreme(values, "amin", 0.0)?,
+            Reduce::All | Reduce::Any => {
+                let truth = values.f_ne(0)?.f_to_kind(Kind::Int64)?;
+                let (reduce, empty) = if op == Reduce::All {
+                    ("amin", 1.0)
+                } else {
+                    ("amax", 0.0)
+                };
+                self.extreme(&truth, reduce, empty)?.f_to_kind(Kind::Bool)?
+            }
+            Reduce::LogSumExp => {
+                let values = float(values.shallow_clone())?;
+                let max = self.extreme(&values, "amax", f64::NEG_INFINITY)?;
+                let shift = max.f_where_scalarother(&max.f_isfinite()?, 0.0)?;
+                let sum = self.sum(&values.f_sub(&self.gather(&shift)?)?.f_exp()?)?;
+                sum.f_log()?.f_add(&shift)?
+            }
+            Reduce::Var { correction } | Reduce::Std { correction } => {
+                let values = float(values.shallow_clone())?;
+                let counts = self.counts(&values)?.f_to_kind(values.kind())?;
+                let mean = self.sum(&values)?.f_div(&counts)?;
+                let deviation = values.f_sub(&self.gather(&mean)?)?;
+                let variance = self
+                    .sum(&deviation.f_square()?)?
+                    .f_div(&counts.f_sub_scalar(correction)?)?;
+                if matches!(op, Reduce::Std { .. }) {
+                    variance.f_sqrt()?
+                } else {
+                    variance
+                }
+            }
+        })
+    }
+}
+
+impl NestedTensor {
+    /// Reduces over `dims` (NestedTensor dims; negative count from the end; the batch
+    /// dim allowed; an empty list means every dim). Static dims reduce on the packed
+    /// values, ragged dims by segment, the batch dim over the per-element results
+    /// (which must then share a shape). The result is dense once no ragged dim is left.
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let batch = NestedTensor::from_lists(vec![vec![1.0f32, 2.0, 3.0], vec![4.0, 6.0]])?;
+    /// let means = batch.mean(&[1], false)?.into_dense()?; // over the ragged dim
+    /// assert_eq!(Vec::<f32>::try_from(&means)?, [2.0, 5.0]);
+    /// let total = batch.sum(&[], false)?.into_dense()?;
+    /// assert_eq!(total.double_value(&[]), 16.0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn reduce(&self, op: Reduce, dims: &[i64], keepdim: bool) -> Result<Reduced> {
+        let ndim = self.dim();
+        let mut normalized = dims
+            .iter()
+            .map(|&dim| self.normalize_dim(dim))
+            .collect::<Result<Vec<_>>>()?;
+        normalized.sort_unstable();
+        normalized.dedup();
+        if normalized.is_empty() || normalized.len() == ndim {
+            return self.reduce_all(op, keepdim);
+        }
+        let batch_dim = self.batch_dim();
+        let over_batch = normalized.contains(&batch_dim);
+        let element_dims: Vec<usize> = normalized
+            .iter()
+            .filter(|&&dim| dim != batch_dim)
+            .map(|&dim| if dim > batch_dim { dim - 1 } else { dim })
+            .collect();
+        if over_batch {
+            return self.reduce_with_batch(op, &element_dims, keepdim);
+        }
+        let plan = Plan::new(self.layout(), &element_dims, keepdim, self.device())?;
+        if matches!(op, Reduce::Amax | Reduce::Amin) {
+            if let Some(element) = plan.first_empty_element() {
+                return Err(NestedError::EmptyReduction {
+                    op: op.name(),
+                    element,
+                });
+            }
+        }
+        let values = plan
+            .run(op, self.values())?
+            .f_reshape(plan.out_layout.packed_shape())?;
+        Ok(self.wrap_reduced(values, plan.out_layout))
+    }
+
+    /// A result in `layout`: nested while ragged dims remain, else the dense `[B, ...]`.
+    fn wrap_reduced(&self, values: Tensor, layout: RaggedLayout) -> Reduced {
+        if layout.ragged_dims().is_empty() {
+            Reduced::Dense(values)
+        } else {
+            Reduced::Nested(NestedTensor::from_parts(values, layout, self.options()))
+        }
+    }
+
+    fn reduce_all(&self, op: Reduce, keepdim: bool) -> Result<Reduced> {
+        let layout = self.layout();
+        let every_dim: Vec<usize> = (0..layout.rank()).collect();
+        // Reduce every element dim, then the batch dim: exact for every reduction,
+        // since the mean and variance below are computed over all real values at once.
+        let values = self.values();
+        let result = match op {
+            Reduce::Mean if values.is_floating_point() => values.f_mean(None::<Kind>)?,
+            Reduce::Mean => values.f_mean(Kind::Float)?,
+            Reduce::Var { correction } => {
+                values.f_var_correction(None::<&[i64]>, correction, false)?
+            }
+            Reduce::Std { correction } => {
+                values.f_std_correction(None::<&[i64]>, correction, false)?
+            }
+            _ => {
+                let plan = Plan::new(layout, &every_dim, false, self.device())?;
+                let per_element = plan.run(op, values)?.f_reshape([-1])?;
+                dense_reduce(op, &per_element, 0, false)?
+            }
+        };
+        if values.numel() == 0 && matches!(op, Reduce::Amax | Reduce::Amin) {
+            return Err(NestedError::EmptyReduction {
+                op: op.name(),
+                element: 0,
+            });
+        }
+        let result = if keepdim {
+            result.f_reshape(vec![1i64; self.dim()])?
+        } else {
+            result
+        };
+        Ok(Reduced::Dense(result))
+    }
+
+    fn reduce_with_batch(
+        &self,
+        op: Reduce,
+        element_dims: &[usize],
+        keepdim: bool,
+    ) -> Result<Reduced> {
+        match op {
+            Reduce::Mean => {
+                let sum = self.reduce_with_batch(Reduce::Sum, element_dims, keepdim)?.into_dense()?;
+                let sum = if sum.is_floating_point() { sum } else { sum.f_to_kind(Kind::Float)? };
+                let kept_volume: i64 = sum.numel() as i64;
+                Ok(Reduced::Dense(sum.f_div_scalar(self.numel() as f64 / kept_volume.max(1) as f64)?))
+            }
+            Reduce::Var { .. } | Reduce::Std { .. } if !element_dims.is_empty() => Err(NestedError::Unsupported {
+                op: op.name(),
+                reason: "over the batch dim together with element dims; reduce over all dims or the batch dim alone".into(),
+            }),
+            _ => {
+                let per_element = if element_dims.is_empty() {
+                    self.stacked_elements(op.name())?
+                } else {
+                    match self.reduce(op, &element_dims_as_nested(self, element_dims), keepdim)? {
+                        Reduced::Dense(dense) => dense,
+                        Reduced::Nested(nested) => nested.stacked_elements(op.name())?,
+                    }
+                };
+                Ok(Reduced::Dense(dense_reduce(op, &per_element, 0, keepdim)?))
+            }
+        }
+    }
+
+    /// The elements stacked into `[B, ...]`; they must share a shape.
+    fn stacked_elements(&self, op: &'static str) -> Result<Tensor> {
+        match stack_same_shape(&self.unbind()?, op)? {
+            Some(stacked) => Ok(stacked),
+            None => Err(NestedError::Unsupported {
+                op,
+                reason: "an empty batch has no elements to stack".into(),
+            }),
+        }
+    }
+
+    /// Largest value and its index along one dim (static, ragged or the batch dim).
+    pub fn max_dim(&self, dim: i64, keepdim: bool) -> Result<(Reduced, Reduced)> {
+        self.extreme_dim(dim, keepdim, true)
+    }
+
+    /// Smallest value and its index along one dim.
+    pub fn min_dim(&self, dim: i64, keepdim: bool) -> Result<(Reduced, Reduced)> {
+        self.extreme_dim(dim, keepdim, false)
+    }
+
+    /// Index of the largest value along one dim.
+    pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Reduced> {
+        Ok(self.extreme_dim(dim, keepdim, true)?.1)
+    }
+
+    /// Index of the smallest value along one dim.
+    pub fn argmin(&self, dim: i64, keepdim: bool) -> Result<Reduced> {
+        Ok(self.extreme_dim(dim, keepdim, false)?.1)
+    }
+
+    fn extreme_dim(&self, dim: i64, keepdim: bool, largest: bool) -> Result<(Reduced, Reduced)> {
+        let op = if largest { "max" } else { "min" };
+        let normalized = self.normalize_dim(dim)?;
+        if normalized == self.batch_dim() {
+            let stacked = self.stacked_elements(op)?;
+            let (values, indices) = if largest {
+                stacked.f_max_dim(0, keepdim)?
+            } else {
+                stacked.f_min_dim(0, keepdim)?
+            };
+            return Ok((Reduced::Dense(values), Reduced::Dense(indices)));
+        }
+        let element_dim = self.element_dim(dim, op)?;
+        let plan = Plan::new(self.layout(), &[element_dim], keepdim, self.device())?;
+        if let Some(element) = plan.first_empty_element() {
+            return Err(NestedError::EmptyReduction { op, element });
+        }
+        let layout = self.layout();
+        let (values, indices) = match &plan.row_map {
+            None => {
+                let axis = plan.static_axes[0];
+                let values = self.values();
+                if largest {
+                    values.f_max_dim(axis, true)?
+                } else {
+                    values.f_min_dim(axis, true)?
+                }
+            }
+            Some(map) => {
+                let values = self.values();
+                let extreme = plan.extreme(values, if largest { "amax" } else { "amin" }, 0.0)?;
+                // The first position along the dim that holds the extreme value.
+                let coordinates = Tensor::f_from_slice(&layout.row_coordinates(element_dim))?
+                    .f_to_device(self.device())?;
+                let coordinates = plan.expand_map(&coordinates, values)?;
+                let hits = values.f_eq_tensor(&plan.gather(&extreme)?)?;
+                let candidates = coordinates.f_where_scalarother(&hits, i64::MAX)?;
+                let initial =
+                    Tensor::f_full(extreme.size(), i64::MAX, (Kind::Int64, self.device()))?;
+                (
+                    extreme,
+                    initial.f_index_reduce(0, map, &candidates, "amin", false)?,
+                )
+            }
+        };
+        let shape = plan.out_layout.packed_shape();
+        Ok((
+            self.wrap_reduced(values.f_reshape(&shape)?, plan.out_layout.clone()),
+            self.wrap_reduced(indices.f_reshape(&shape)?, plan.out_layout),
+        ))
+    }
+}
+
+/// Element dims as NestedTensor dims of a batch-first view (for recursive calls).
+fn element_dims_as_nested(nested: &NestedTensor, element_dims: &[usize]) -> Vec<i64> {
+    let batch_dim = nested.batch_dim();
+    element_dims
+        .iter()
+        .map(|&dim| {
+            if dim >= batch_dim {
+                dim as i64 + 1
+            } else {
+                dim as i64
+            }
+        })
+        .collect()
+}
+
+/// A reduction of a dense tensor along one dim.
+fn dense_reduce(op: Reduce, tensor: &Tensor, dim: i64, keepdim: bool) -> Result<Tensor> {
+    let dims = [dim];
+    Ok(match op {
+        Reduce::Sum => tensor.f_sum_dim_intlist(dims.as_slice(), keepdim, None::<Kind>)?,
+        Reduce::Mean => tensor.f_mean_dim(dims.as_slice(), keepdim, None::<Kind>)?,
+        Reduce::Amax => tensor.f_amax(dims.as_slice(), keepdim)?,
+        Reduce::Amin => tensor.f_amin(dims.as_slice(), keepdim)?,
+        Reduce::LogSumExp => tensor.f_logsumexp(dims.as_slice(), keepdim)?,
+        Reduce::Var { correction } => {
+            tensor.f_var_correction(dims.as_slice(), correction, keepdim)?
+        }
+        Reduce::Std { correction } => {
+            tensor.f_std_correction(dims.as_slice(), correction, keepdim)?
+        }
+        Reduce::All => tensor.f_all_dim(dim, keepdim)?,
+        Reduce::Any => tensor.f_any_dim(dim, keepdim)?,
+    })
+}
+
+macro_rules! reductions {
+    ($($(#[$doc:meta])* $name:ident => $op:expr;)*) => {
+        impl NestedTensor {$(
+            $(#[$doc])*
+            ///
+            /// See [`reduce`](Self::reduce) for `dims` and the result.
+            pub fn $name(&self, dims: &[i64], keepdim: bool) -> Result<Reduced> {
+                self.reduce($op, dims, keepdim)
+            }
+        )*}
+    };
+}
+
+reductions! {
+    /// Sum over `dims`.
+    sum => Reduce::Sum;
+    /// Mean over `dims`, counting only real elements.
+    mean => Reduce::Mean;
+    /// Largest value over `dims`.
+    amax => Reduce::Amax;
+    /// Smallest value over `dims`.
+    amin => Reduce::Amin;
+    /// `log(sum(exp(x)))` over `dims`.
+    logsumexp => Reduce::LogSumExp;
+    /// Whether every value over `dims` is non-zero.
+    all => Reduce::All;
+    /// Whether any value over `dims` is non-zero.
+    any => Reduce::Any;
+}
+
+impl NestedTensor {
+    /// Variance over `dims` with Bessel's `correction` (see [`reduce`](Self::reduce)).
+    pub fn var(&self, dims: &[i64], correction: i64, keepdim: bool) -> Result<Reduced> {
+        self.reduce(Reduce::Var { correction }, dims, keepdim)
+    }
+
+    /// Standard deviation over `dims` with Bessel's `correction`.
+    pub fn std(&self, dims: &[i64], correction: i64, keepdim: bool) -> Result<Reduced> {
+        self.reduce(Reduce::Std { correction }, dims, keepdim)
+    }
+}

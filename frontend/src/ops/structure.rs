@@ -1,0 +1,344 @@
+//! Structure operations: zero-copy reconstruction from packed values, repeats over the
+//! batch dim, reshapes of static dims, segmented scans, and cdist between elements.
+
+use nestor_runtime::RaggedLayout;
+use tch::{Kind, Tensor};
+
+use crate::guard::{slow_path, SlowPath};
+use crate::{NestedError, NestedTensor, Result};
+
+impl NestedTensor {
+    /// Zero-copy: new packed values in this batch's layout. `values` must have the shape
+    /// of [`values`](Self::values); it keeps its storage and autograd history.
+    pub fn packed_like(&self, values: &Tensor) -> Result<NestedTensor> {
+        let expected = self.layout().packed_shape();
+        if values.size() != expected {
+            return Err(NestedError::ShapeMismatch {
+                what: "packed values",
+                expected: format!("{expected:?}"),
+                got: values.size(),
+            });
+        }
+        Ok(self.with_values(values.shallow_clone()))
+    }
+
+    /// Zero-copy: packed values `[N, *tail]` with this batch's rows (same `N`) and a new
+    /// static tail: element `i` becomes `[*ragged sizes of i, *tail]`.
+    pub fn packed_with_static_tail(&self, values: &Tensor) -> Result<NestedTensor> {
+        let shape = values.size();
+        let rows = self.layout().total_rows();
+        if shape.first() != Some(&rows) {
+            return Err(NestedError::ShapeMismatch {
+                what: "packed values",
+                expected: format!("[{rows}, ...] (the packed rows of the batch)"),
+                got: shape,
+            });
+        }
+        let layout = self.layout();
+        let ragged_sizes: Vec<Vec<i64>> = layout
+            .element_sizes()
+            .iter()
+            .map(|sizes| layout.ragged_dims().iter().map(|&dim| sizes[dim]).collect())
+            .collect();
+        let layout = RaggedLayout::from_ragged_sizes(
+            layout.ragged_dims().len(),
+            &ragged_sizes,
+            &shape[1..],
+        )?;
+        Ok(NestedTensor::from_parts(
+            values.shallow_clone(),
+            layout,
+            self.options(),
+        ))
+    }
+
+    /// Zero-copy: packed values `[sum L_i^2, *tail]` as square pairs `[L_i, L_i, *tail]`
+    /// (attention scores, pair features).
+    pub fn packed_with_square_lengths(values: &Tensor, lengths: &[i64]) -> Result<NestedTensor> {
+        let pairs: Vec<Vec<i64>> = lengths.iter().map(|&length| vec![length, length]).collect();
+        Self::packed_with_ragged_sizes(values, &pairs)
+    }
+
+    /// Zero-copy: packed values `[sum P_i R_i, *tail]` as rectangular pairs
+    /// `[P_i, R_i, *tail]` (cross-attention scores between two batches).
+    pub fn packed_with_rectangular_lengths(
+        values: &Tensor,
+        rows: &[i64],
+        columns: &[i64],
+    ) -> Result<NestedTensor> {
+        if rows.len() != columns.len() {
+            return Err(NestedError::SelectorLength {
+                expected: rows.len(),
+                got: columns.len(),
+            });
+        }
+        let pairs: Vec<Vec<i64>> = rows
+            .iter()
+            .zip(columns)
+            .map(|(&p, &r)| vec![p, r])
+            .collect();
+        Self::packed_with_ragged_sizes(values, &pairs)
+    }
+
+    fn packed_with_ragged_sizes(
+        values: &Tensor,
+        ragged_sizes: &[Vec<i64>],
+    ) -> Result<NestedTensor> {
+        let shape = values.size();
+        let Some((&rows, tail)) = shape.split_first() else {
+            return Err(NestedError::ShapeMismatch {
+                what: "packed values",
+                expected: "at least one dim (the packed rows)".into(),
+                got: shape,
+            });
+        };
+        let layout = RaggedLayout::from_ragged_sizes(2, ragged_sizes, tail)?;
+        if layout.total_rows() != rows {
+            return Err(NestedError::LengthsSum {
+                sum: layout.total_rows(),
+                rows,
+            });
+        }
+        Ok(NestedTensor::from_parts(
+            values.shallow_clone(),
+            layout,
+            Default::default(),
+        ))
+    }
+
+    /// The whole batch repeated `repeats` times: `[e_0, ..., e_B, e_0, ...]`.
+    pub fn repeat_batch(&self, repeats: usize) -> Result<NestedTensor> {
+        let batch = self.len() as i64;
+        let indices: Vec<i64> = (0..repeats as i64 * batch)
+            .map(|index| index % batch.max(1))
+            .collect();
+        self.select_batch(indices)
+    }
+
+    /// Every element repeated `repeats` times in place: `[e_0, e_0, e_1, e_1, ...]`.
+    pub fn repeat_interleave(&self, repeats: usize) -> Result<NestedTensor> {
+        let indices: Vec<i64> = (0..self.len() as i64)
+            .flat_map(|index| std::iter::repeat_n(index, repeats))
+            .collect();
+        self.select_batch(indices)
+    }
+
+    /// Cumulative sum along `dim`: packed for a static dim, element by element for a
+    /// ragged dim.
+    pub fn cumsum(&self, dim: i64) -> Result<NestedTensor> {
+        self.scan(dim, "cumsum", |tensor, axis| {
+            tensor.f_cumsum(axis, None::<Kind>)
+        })
+    }
+
+    /// Cumulative product along `dim` (see [`cumsum`](Self::cumsum)).
+    pub fn cumprod(&self, dim: i64) -> Result<NestedTensor> {
+        self.scan(dim, "cumprod", |tensor, axis| {
+            tensor.f_cumprod(axis, None::<Kind>)
+        })
+    }
+
+    fn scan(
+        &self,
+        dim: i64,
+        op: &'static str,
+        scan: impl Fn(&Tensor, i64) -> Result<Tensor, tch::TchError>,
+    ) -> Result<NestedTensor> {
+        let element_dim = self.element_dim(dim, op)?;
+        if let Some(axis) = self.static_axis(element_dim) {
+            return Ok(self.with_values(scan(self.values(), axis)?));
+        }
+        self.map_elements(op, |element| Ok(scan(element, element_dim as i64)?))
+    }
+
+    /// Pairwise `p`-norm distances between the elements of two batches:
+    /// `[L_i, D]` and `[M_i, D]` give `[L_i, M_i]`. Element by element.
+    pub fn cdist(&self, other: &NestedTensor, p: f64) -> Result<NestedTensor> {
+        slow_path(SlowPath::PerElement, "cdist")?;
+        if self.len() != other.len() {
+            return Err(NestedError::SelectorLength {
+                expected: self.len(),
+                got: other.len(),
+            });
+        }
+        let distances = self
+            .unbind()?
+            .iter()
+            .zip(other.unbind()?)
+            .map(|(a, b)| Ok(Tensor::f_cdist(a, &b, p, None::<i64>)?))
+            .collect::<Result<Vec<_>>>()?;
+        NestedTensor::builder()
+            .options(self.options())
+            .ragged_dims(&[0, 1])
+            .tensors(&distances)
+    }
+
+    /// Inserts a static dim of size 1 at NestedTensor dim `dim` (which may not be the
+    /// batch dim; `dim` may equal `self.dim()` to append).
+    pub fn unsqueeze(&self, dim: i64) -> Result<NestedTensor> {
+        let ndim = self.dim() as i64 + 1;
+        let normalized = if dim < 0 { dim + ndim } else { dim };
+        let batch_dim = self.batch_dim() as i64;
+        if !(0..ndim).contains(&normalized) {
+            return Err(NestedError::DimOutOfRange {
+                dim,
+                ndim: ndim as usize,
+            });
+        }
+        if normalized == batch_dim {
+            return Err(NestedError::BatchDim {
+                op: "unsqueeze",
+                dim,
+            });
+        }
+        let element_dim = (if normalized > batch_dim {
+            normalized - 1
+        } else {
+            normalized
+        }) as usize;
+        let layout = self.layout().with_static_dim(element_dim, 1)?;
+        let axis = layout
+            .static_dims()
+            .iter()
+            .position(|&d| d == element_dim)
+            .map_or(1, |p| p as i64 + 1);
+        Ok(NestedTensor::from_parts(
+            self.values().f_unsqueeze(axis)?,
+            layout,
+            self.options(),
+        ))
+    }
+
+    /// Removes static dim `dim`, which must have size 1.
+    pub fn squeeze_dim(&self, dim: i64) -> Result<NestedTensor> {
+        let element_dim = self.element_dim(dim, "squeeze")?;
+        let axis = self.static_axis_or_error(element_dim, "squeeze")?;
+        let size = self.values().size()[axis as usize];
+        if size != 1 {
+            return Err(NestedError::Unsupported {
+                op: "squeeze",
+                reason: format!("dim {dim} has size {size}, not 1"),
+            });
+        }
+        let layout = self.layout().without_dim(element_dim)?;
+        Ok(NestedTensor::from_parts(
+            self.values().f_squeeze_dim(axis)?,
+            layout,
+            self.options(),
+        ))
+    }
+
+    /// Swaps two static dims.
+    pub fn transpose(&self, dim0: i64, dim1: i64) -> Result<NestedTensor> {
+        let first = self.element_dim(dim0, "transpose")?;
+        let second = self.element_dim(dim1, "transpose")?;
+        let (axis0, axis1) = (
+            self.static_axis_or_error(first, "transpose")?,
+            self.static_axis_or_error(second, "transpose")?,
+        );
+        let mut order: Vec<usize> = (0..self.layout().static_dims().len()).collect();
+        order.swap(axis0 as usize - 1, axis1 as usize - 1);
+        let layout = self.layout().with_static_order(&order);
+        Ok(NestedTensor::from_parts(
+            self.values().f_transpose(axis0, axis1)?,
+            layout,
+            self.options(),
+        ))
+    }
+
+    /// Flattens the consecutive static dims `start..=end` into one.
+    pub fn flatten(&self, start: i64, end: i64) -> Result<NestedTensor> {
+        let first = self.element_dim(start, "flatten")?;
+        let last = self.element_dim(end, "flatten")?;
+        if last < first {
+            return Err(NestedError::Unsupported {
+                op: "flatten",
+                reason: format!("end dim {end} precedes start dim {start}"),
+            });
+        }
+        let axes = (first..=last)
+            .map(|dim| self.static_axis_or_error(dim, "flatten"))
+            .collect::<Result<Vec<_>>>()?;
+        let volume: i64 = axes
+            .iter()
+            .map(|&axis| self.values().size()[axis as usize])
+            .product();
+        let mut layout = self.layout().clone();
+        for dim in (first..=last).rev() {
+            layout = layout.without_dim(dim)?;
+        }
+        let layout = layout.with_static_dim(first, volume)?;
+        let values = self.values().f_flatten(axes[0], axes[axes.len() - 1])?;
+        Ok(NestedTensor::from_parts(values, layout, self.options()))
+    }
+
+    /// Reshapes the static tail: elements `[*ragged, *static]` (ragged dims first)
+    /// become `[*ragged, *tail]`, with one `-1` allowed in `tail`.
+    pub fn reshape_tail(&self, tail: &[i64]) -> Result<NestedTensor> {
+        let rows = self.layout().total_rows();
+        let shape: Vec<i64> = std::iter::once(rows).chain(tail.iter().copied()).collect();
+        let reshaped = self.values().f_reshape(shape)?;
+        let layout = self.layout();
+        let ragged_first = layout
+            .ragged_dims()
+            .iter()
+            .enumerate()
+            .all(|(position, &dim)| position == dim);
+        if !ragged_first {
+            return Err(NestedError::Unsupported {
+                op: "reshape_tail",
+                reason: format!(
+                    "the ragged dims {:?} must lead the elements",
+                    layout.ragged_dims()
+                ),
+            });
+        }
+        self.packed_with_static_tail(&reshaped)
+    }
+
+    /// The values axis of static element dim `dim`, or an error naming the op.
+    fn static_axis_or_error(&self, dim: usize, op: &'static str) -> Result<i64> {
+        self.static_axis(dim)
+            .ok_or_else(|| NestedError::Unsupported {
+                op,
+                reason: format!("element dim {dim} is ragged; only static dims can be reshaped"),
+            })
+    }
+
+    /// Applies `f` to every element and packs the results (with this batch's options
+    /// and ragged dims where the ranks allow). A per-element path.
+    pub fn map_elements(
+        &self,
+        op: &'static str,
+        f: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<NestedTensor> {
+        slow_path(SlowPath::PerElement, op)?;
+        let results = self.unbind()?.iter().map(f).collect::<Result<Vec<_>>>()?;
+        let rank = results.first().map_or(0, Tensor::dim);
+        let ragged: Vec<usize> = self
+            .layout()
+            .ragged_dims()
+            .iter()
+            .copied()
+            .filter(|&dim| dim < rank)
+            .collect();
+        if self.is_empty() {
+            return Ok(self.shallow_clone());
+        }
+        NestedTensor::builder()
+            .options(self.options())
+            .ragged_dims(&ragged)
+            .tensors(&results)
+    }
+
+    /// Packed rows of the elements, one index per row: the element that owns it.
+    pub(crate) fn row_elements_tensor(&self) -> Result<Tensor> {
+        Ok(Tensor::f_from_slice(&self.layout().row_elements())?.f_to_device(self.device())?)
+    }
+
+    /// A dense per-element tensor `[B, *tail]` broadcast to every packed row `[N, *tail]`.
+    pub(crate) fn broadcast_per_element(&self, per_element: &Tensor) -> Result<Tensor> {
+        let rows = self.row_elements_tensor()?;
+        Ok(per_element.f_index_select(0, &rows)?)
+    }
+}

@@ -20,8 +20,10 @@
 //! ```
 
 pub use nestor_frontend::{
-    collate, dtype_of, kind_of, BatchSelector, Batcher, Bounds, Collate, Dataset, ListData,
-    ListElement, NestedBuilder, NestedError, NestedOptions, NestedTensor, PNTensor, Result,
+    collate, dtype_of, kind_of, nested_execution_guard, nn, BatchSelector, Batcher, Binary, Bounds,
+    Collate, Dataset, ExecutionGuard, ListData, ListElement, LossReduction, NestedBuilder,
+    NestedError, NestedOptions, NestedTensor, Operand, PNTensor, Reduce, Reduced, Result, SlowPath,
+    Target,
 };
 pub use nestor_ir::DType;
 pub use nestor_runtime::{LayoutError, RaggedLayout};

@@ -26,6 +26,7 @@ mod error;
 mod guard;
 mod kind;
 mod nested;
+pub mod nn;
 mod ops;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};

@@ -59,12 +59,20 @@ impl NestedTensor {
     /// against the elements (see [`Operand`]).
     pub(crate) fn align(&self, operand: &Operand<'_>, op: &'static str) -> Result<Tensor> {
         match operand {
-            // A 0-d tensor takes part in type promotion as a Python number does: it
-            // never widens a tensor of the same category (f32 + 0.5 stays f32).
-            Operand::Float(value) => Ok(Tensor::f_scalar_tensor(
-                *value,
-                (Kind::Double, self.device()),
-            )?),
+            // A 0-d tensor takes part in type promotion as a Python number does: a float
+            // keeps a floating batch's dtype and turns an integer batch into the
+            // default float dtype (f32); an integer never widens a float batch.
+            Operand::Float(value) => {
+                let kind = if self.values().is_floating_point() {
+                    self.kind()
+                } else {
+                    Kind::Float
+                };
+                Ok(
+                    Tensor::f_scalar_tensor(*value, (Kind::Double, self.device()))?
+                        .f_to_kind(kind)?,
+                )
+            }
             Operand::Int(value) => Ok(Tensor::f_scalar_tensor(
                 *value,
                 (Kind::Int64, self.device()),

@@ -1,0 +1,88 @@
+//! Helpers shared by the operator tests: random ragged batches and comparisons with
+//! per-element libtorch.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use nestor::NestedTensor;
+use proptest::prelude::*;
+use tch::{Device, Kind, Tensor};
+
+/// Element shapes `[L_i, *tail]` with lengths drawn from 0..=max_len (0 and 1 included
+/// often), batch 1..=max_batch.
+pub fn lengths(max_batch: usize, max_len: i64) -> impl Strategy<Value = Vec<i64>> {
+    proptest::collection::vec(
+        prop_oneof![Just(0i64), Just(1i64), 0..=max_len],
+        1..=max_batch,
+    )
+}
+
+/// The float kinds every packed op is checked in, with the tolerance for each.
+pub fn float_kinds() -> impl Strategy<Value = Kind> {
+    prop_oneof![
+        Just(Kind::Float),
+        Just(Kind::Double),
+        Just(Kind::Half),
+        Just(Kind::BFloat16)
+    ]
+}
+
+/// Absolute and relative tolerance per kind.
+pub fn tolerance(kind: Kind) -> f64 {
+    match kind {
+        Kind::Double => 1e-10,
+        Kind::Float => 1e-5,
+        Kind::Half => 2e-3,
+        _ => 2e-2,
+    }
+}
+
+/// Random elements `[L_i, *tail]` of one kind (drawn in f64, then converted, so every
+/// kind sees the same numbers), and their NestedTensor.
+pub fn batch(lengths: &[i64], tail: &[i64], kind: Kind, seed: i64) -> (NestedTensor, Vec<Tensor>) {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&length| {
+            let shape: Vec<i64> = std::iter::once(length)
+                .chain(tail.iter().copied())
+                .collect();
+            Tensor::randn(shape, (Kind::Double, Device::Cpu)).to_kind(kind)
+        })
+        .collect();
+    let nested = NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&elements)
+        .unwrap();
+    (nested, elements)
+}
+
+/// Whether two tensors agree within the tolerance of `kind` (compared in f64; NaNs
+/// must agree in position).
+pub fn close(actual: &Tensor, expected: &Tensor, kind: Kind) -> bool {
+    if actual.size() != expected.size() {
+        eprintln!("shape {:?} != {:?}", actual.size(), expected.size());
+        return false;
+    }
+    let tolerance = tolerance(kind);
+    let (a, e) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
+    let ok = a.allclose(&e, tolerance, tolerance, true);
+    if !ok {
+        eprintln!(
+            "max difference {}",
+            (&a - &e)
+                .abs()
+                .nan_to_num(0.0, None, None)
+                .max()
+                .double_value(&[])
+        );
+    }
+    ok
+}
+
+/// Asserts every element of `nested` matches `expected` elementwise.
+pub fn assert_elements(nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
+    let actual = nested.unbind().unwrap();
+    assert_eq!(actual.len(), expected.len(), "batch size");
+    for (index, (a, e)) in actual.iter().zip(expected).enumerate() {
+        assert!(close(a, e, kind), "element {index}: {a:?} vs {e:?}");
+    }
+}

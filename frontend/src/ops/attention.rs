@@ -10,7 +10,7 @@ impl NestedTensor {
     /// Attention of queries `self: [L_i, H, D]` over keys `[M_i, H, D]` and values
     /// `[M_i, H, D_v]`: `softmax(q k^T * scale) v` per element and head, with an optional
     /// causal mask (query `t` sees keys `0..=t`). `scale` defaults to `1 / sqrt(D)`.
-    /// Keys and values must share a structure; the batch sizes must agree.
+    /// Keys and values must have the same lengths; the batch sizes must agree.
     ///
     /// Runs libtorch's fused attention once per element (a per-element path: no padded
     /// `[B, H, L, L]` scores are built).
@@ -22,7 +22,13 @@ impl NestedTensor {
         scale: Option<f64>,
     ) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, "scaled_dot_product_attention")?;
-        keys.check_same_structure(values, "scaled_dot_product_attention")?;
+        if keys.layout().offsets() != values.layout().offsets() {
+            return Err(NestedError::StructureMismatch {
+                op: "scaled_dot_product_attention (keys vs values)",
+                left: keys.layout().element_sizes().to_vec(),
+                right: values.layout().element_sizes().to_vec(),
+            });
+        }
         if keys.len() != self.len() {
             return Err(NestedError::SelectorLength {
                 expected: self.len(),

@@ -1,6 +1,9 @@
 //! Elementwise operators against per-element libtorch, for every operand kind, over
 //! random lengths (0 and 1 included), batch sizes from 1, and f32/f64/f16/bf16.
 
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{assert_elements, batch, close, float_kinds, lengths};

@@ -1,6 +1,9 @@
 //! linear / matmul / embedding, attention, MultiheadAttention and the Transformer
 //! layers against per-element libtorch, values and gradients.
 
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{assert_elements, batch, close, float_kinds, lengths};

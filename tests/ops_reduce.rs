@@ -1,5 +1,8 @@
 //! Reductions, softmax and normalizations against per-element libtorch.
 
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{assert_elements, batch, close, float_kinds, lengths};

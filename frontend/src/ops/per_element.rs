@@ -24,7 +24,7 @@ impl NestedTensor {
         dilation: i64,
         groups: i64,
     ) -> Result<NestedTensor> {
-        self.map_elements("conv1d", |element| {
+        self.map_elements("conv1d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_conv1d(weight, bias, [stride], [padding], [dilation], groups)
             })
@@ -43,7 +43,7 @@ impl NestedTensor {
         dilation: [i64; 2],
         groups: i64,
     ) -> Result<NestedTensor> {
-        self.map_elements("conv2d", |element| {
+        self.map_elements("conv2d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_conv2d(weight, bias, stride, padding, dilation, groups)
             })
@@ -57,7 +57,7 @@ impl NestedTensor {
         stride: [i64; 2],
         padding: [i64; 2],
     ) -> Result<NestedTensor> {
-        self.map_elements("max_pool2d", |element| {
+        self.map_elements("max_pool2d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_max_pool2d(kernel, stride, padding, [1, 1], false)
             })
@@ -71,7 +71,7 @@ impl NestedTensor {
         stride: [i64; 2],
         padding: [i64; 2],
     ) -> Result<NestedTensor> {
-        self.map_elements("avg_pool2d", |element| {
+        self.map_elements("avg_pool2d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)
             })
@@ -80,7 +80,7 @@ impl NestedTensor {
 
     /// 1-d max pooling of elements `[C, L_i]`.
     pub fn max_pool1d(&self, kernel: i64, stride: i64, padding: i64) -> Result<NestedTensor> {
-        self.map_elements("max_pool1d", |element| {
+        self.map_elements("max_pool1d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_max_pool1d([kernel], [stride], [padding], [1], false)
             })
@@ -90,7 +90,7 @@ impl NestedTensor {
     /// Adaptive average pooling of elements `[C, H_i, W_i]` to `[C, *output]`; every
     /// element then has the same shape, so the result has no ragged dim.
     pub fn adaptive_avg_pool2d(&self, output: [i64; 2]) -> Result<NestedTensor> {
-        self.map_elements("adaptive_avg_pool2d", |element| {
+        self.map_elements("adaptive_avg_pool2d", false, |element| {
             as_batch_of_one(element, |x| x.f_adaptive_avg_pool2d(output))
         })
     }
@@ -103,7 +103,7 @@ impl NestedTensor {
         scale: Option<f64>,
         align_corners: bool,
     ) -> Result<NestedTensor> {
-        self.map_elements("interpolate", |element| {
+        self.map_elements("interpolate", size.is_none(), |element| {
             let shape = element.size();
             let target = match (size, scale) {
                 (Some(size), _) => size,

@@ -148,7 +148,7 @@ impl NestedTensor {
         if let Some(axis) = self.static_axis(element_dim) {
             return Ok(self.with_values(scan(self.values(), axis)?));
         }
-        self.map_elements(op, |element| Ok(scan(element, element_dim as i64)?))
+        self.map_elements(op, true, |element| Ok(scan(element, element_dim as i64)?))
     }
 
     /// Pairwise `p`-norm distances between the elements of two batches:
@@ -246,6 +246,52 @@ impl NestedTensor {
         ))
     }
 
+    /// Reorders the dims: `dims` is a permutation of the NestedTensor dims that keeps
+    /// the batch dim and every ragged dim in place, so only static dims move.
+    pub fn permute(&self, dims: &[i64]) -> Result<NestedTensor> {
+        let ndim = self.dim();
+        let normalized = dims
+            .iter()
+            .map(|&dim| self.normalize_dim(dim))
+            .collect::<Result<Vec<_>>>()?;
+        let mut seen = normalized.clone();
+        seen.sort_unstable();
+        if normalized.len() != ndim || seen.windows(2).any(|pair| pair[0] == pair[1]) {
+            return Err(NestedError::Unsupported {
+                op: "permute",
+                reason: format!("{dims:?} is not a permutation of {ndim} dims"),
+            });
+        }
+        let batch_dim = self.batch_dim();
+        let element_dim = |dim: usize| if dim > batch_dim { dim - 1 } else { dim };
+        let layout = self.layout();
+        let mut static_order = Vec::new();
+        for (position, &source) in normalized.iter().enumerate() {
+            let fixed = position == batch_dim || layout.is_ragged(element_dim(position));
+            if fixed && source != position {
+                return Err(NestedError::Unsupported {
+                    op: "permute",
+                    reason: format!(
+                        "dim {position} is the batch dim or ragged and must stay in place"
+                    ),
+                });
+            }
+            if !fixed {
+                let axis = self.static_axis_or_error(element_dim(source), "permute")?;
+                static_order.push(axis as usize - 1);
+            }
+        }
+        let axes: Vec<i64> = std::iter::once(0)
+            .chain(static_order.iter().map(|&p| p as i64 + 1))
+            .collect();
+        let layout = layout.with_static_order(&static_order);
+        Ok(NestedTensor::from_parts(
+            self.values().f_permute(axes)?,
+            layout,
+            self.options(),
+        ))
+    }
+
     /// Flattens the consecutive static dims `start..=end` into one.
     pub fn flatten(&self, start: i64, end: i64) -> Result<NestedTensor> {
         let first = self.element_dim(start, "flatten")?;
@@ -305,26 +351,32 @@ impl NestedTensor {
             })
     }
 
-    /// Applies `f` to every element and packs the results (with this batch's options
-    /// and ragged dims where the ranks allow). A per-element path.
+    /// Applies `f` to every element and packs the results with this batch's options. With
+    /// `keep_ragged`, dims that were ragged stay ragged (where the result's rank allows)
+    /// even if the results agree on their sizes; otherwise raggedness is inferred from
+    /// the results. A per-element path.
     pub fn map_elements(
         &self,
         op: &'static str,
+        keep_ragged: bool,
         f: impl Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, op)?;
-        let results = self.unbind()?.iter().map(f).collect::<Result<Vec<_>>>()?;
-        let rank = results.first().map_or(0, Tensor::dim);
-        let ragged: Vec<usize> = self
-            .layout()
-            .ragged_dims()
-            .iter()
-            .copied()
-            .filter(|&dim| dim < rank)
-            .collect();
         if self.is_empty() {
             return Ok(self.shallow_clone());
         }
+        let results = self.unbind()?.iter().map(f).collect::<Result<Vec<_>>>()?;
+        let rank = results.first().map_or(0, Tensor::dim);
+        let ragged: Vec<usize> = if keep_ragged {
+            self.layout()
+                .ragged_dims()
+                .iter()
+                .copied()
+                .filter(|&dim| dim < rank)
+                .collect()
+        } else {
+            Vec::new()
+        };
         NestedTensor::builder()
             .options(self.options())
             .ragged_dims(&ragged)

@@ -99,5 +99,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             inputs.occupancy()
         );
     }
+
+    // A model on packed tokens: a 2-layer Transformer encoder, mean pooling over the
+    // ragged dim, a classifier, trained with a tch optimizer. No padding anywhere.
+    let store = tch::nn::VarStore::new(Device::Cpu);
+    let config = nestor::nn::TransformerConfig {
+        d_model: 32,
+        nhead: 4,
+        dim_feedforward: 64,
+        ..Default::default()
+    };
+    let encoder =
+        nestor::nn::TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
+    let classifier = tch::nn::linear(store.root() / "classifier", 32, 3, Default::default());
+    let mut optimizer = tch::nn::OptimizerConfig::build(tch::nn::Adam::default(), &store, 1e-3)?;
+    let sentences = NestedTensor::from_tensors(&[
+        Tensor::randn([7, 32], (Kind::Float, Device::Cpu)),
+        Tensor::randn([2, 32], (Kind::Float, Device::Cpu)),
+        Tensor::randn([12, 32], (Kind::Float, Device::Cpu)),
+    ])?;
+    let labels = Tensor::from_slice(&[0i64, 2, 1]);
+    for step in 0..3 {
+        let pooled = encoder
+            .forward(&sentences, true)?
+            .mean(&[1], false)?
+            .into_dense()?;
+        let loss = pooled.apply(&classifier).cross_entropy_for_logits(&labels);
+        optimizer.backward_step(&loss);
+        println!("training step {step}: loss {:.4}", loss.double_value(&[]));
+    }
     Ok(())
 }

@@ -112,6 +112,15 @@ impl DType {
     }
 }
 
+impl DType {
+    /// The dtype named as [`Display`](fmt::Display) writes it (`f32`, `bf16`, ...).
+    pub fn from_name(name: &str) -> Option<DType> {
+        DType::ALL
+            .into_iter()
+            .find(|dtype| dtype.to_string() == name)
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = match self {

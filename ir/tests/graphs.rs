@@ -1,0 +1,308 @@
+//! The text form round-trips, the verifier names the op and the rule it breaks.
+
+use nestor_ir::{
+    parse, print, to_dot, BinaryOp, DType, Dim, ElemDim, Graph, LossReduction, Op, ReduceOp, Type,
+    UnaryOp, ValueId, F64,
+};
+use proptest::prelude::*;
+
+fn ragged(dtype: DType, lengths: ValueId, tail: &[i64]) -> Type {
+    Type::Ragged {
+        dtype,
+        batch: Dim::Sym("B".into()),
+        dims: std::iter::once(ElemDim::Ragged(lengths))
+            .chain(tail.iter().map(|&s| ElemDim::Fixed(Dim::Static(s))))
+            .collect(),
+    }
+}
+
+fn lengths_type() -> Type {
+    Type::Lengths {
+        batch: Dim::Sym("B".into()),
+    }
+}
+
+/// A graph with two length symbols, a token batch, a second batch, weights.
+fn base_graph() -> (Graph, [ValueId; 6]) {
+    let mut graph = Graph::new("base");
+    let l = graph
+        .add_declared(Op::Input { name: "L".into() }, lengths_type())
+        .unwrap();
+    let m = graph
+        .add_declared(Op::Input { name: "M".into() }, lengths_type())
+        .unwrap();
+    let x = graph
+        .add_declared(Op::Input { name: "x".into() }, ragged(DType::F32, l, &[4]))
+        .unwrap();
+    let y = graph
+        .add_declared(Op::Input { name: "y".into() }, ragged(DType::F32, m, &[4]))
+        .unwrap();
+    let w = graph
+        .add_declared(
+            Op::Param { name: "w".into() },
+            Type::dense_static(DType::F32, &[4, 4]),
+        )
+        .unwrap();
+    let b = graph
+        .add_declared(
+            Op::Param { name: "b".into() },
+            Type::dense_static(DType::F32, &[4]),
+        )
+        .unwrap();
+    (graph, [l, m, x, y, w, b])
+}
+
+/// One random op over the existing values; ill-typed candidates are skipped by the
+/// caller (Graph::push rejects them), so every kept graph is well typed.
+fn random_op(choice: u8, a: ValueId, b: ValueId, c: ValueId, number: i64) -> Op {
+    let unary = [
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::Exp,
+        UnaryOp::Tanh,
+        UnaryOp::Neg,
+        UnaryOp::Not,
+    ];
+    let binary = [
+        BinaryOp::Add,
+        BinaryOp::Mul,
+        BinaryOp::Sub,
+        BinaryOp::Lt,
+        BinaryOp::Maximum,
+    ];
+    let reduce = [
+        ReduceOp::Sum,
+        ReduceOp::Mean,
+        ReduceOp::Amax,
+        ReduceOp::Var,
+        ReduceOp::LogSumExp,
+    ];
+    match choice % 12 {
+        0 => Op::Unary {
+            op: unary[number as usize % unary.len()],
+            x: a,
+        },
+        1 => Op::Binary {
+            op: binary[number as usize % binary.len()],
+            lhs: a,
+            rhs: b,
+        },
+        2 => Op::Linear {
+            x: a,
+            weight: b,
+            bias: Some(c),
+        },
+        3 => Op::Softmax {
+            x: a,
+            axis: 1 + number % 2,
+            log: number % 3 == 0,
+        },
+        4 => {
+            let op = reduce[number as usize % reduce.len()];
+            let correction = i64::from(matches!(op, ReduceOp::Var));
+            Op::Reduce {
+                op,
+                x: a,
+                dims: vec![number % 3],
+                keepdim: number % 2 == 0,
+                correction,
+            }
+        }
+        5 => Op::LayerNorm {
+            x: a,
+            weight: Some(b),
+            bias: Some(c),
+            dims: 1,
+            eps: F64(1e-5),
+        },
+        6 => Op::Const {
+            value: F64(number as f64 / 7.0),
+            dtype: DType::F32,
+        },
+        7 => Op::Cast {
+            x: a,
+            dtype: DType::F64,
+        },
+        8 => Op::Dropout {
+            x: a,
+            p: F64(0.25),
+            train: number % 2 == 0,
+        },
+        9 => Op::Pad {
+            x: a,
+            value: F64(-1.5),
+        },
+        10 => Op::Where {
+            condition: a,
+            x: b,
+            y: c,
+        },
+        _ => Op::MseLoss {
+            x: a,
+            target: b,
+            reduction: LossReduction::Mean,
+        },
+    }
+}
+
+proptest! {
+    #[test]
+    fn printing_then_parsing_gives_the_same_graph(steps in proptest::collection::vec((any::<u8>(), any::<u16>(), any::<u16>(), any::<u16>(), -3i64..6), 1..40)) {
+        let (mut graph, _) = base_graph();
+        for (choice, a, b, c, number) in steps {
+            let pick = |index: u16| ValueId(index as u32 % graph.nodes.len() as u32);
+            let op = random_op(choice, pick(a), pick(b), pick(c), number);
+            let _ = graph.push(op);
+        }
+        graph.outputs = vec![ValueId(graph.nodes.len() as u32 - 1)];
+        graph.verify().unwrap();
+        let text = print(&graph);
+        let parsed = parse(&text).map_err(|error| TestCaseError::fail(format!("{error}\n{text}")))?;
+        prop_assert_eq!(&parsed, &graph);
+        prop_assert_eq!(print(&parsed), text);
+    }
+}
+
+#[test]
+fn mixing_two_length_symbols_is_rejected() {
+    let (mut graph, [_, _, x, y, _, _]) = base_graph();
+    let error = graph
+        .push(Op::Binary {
+            op: BinaryOp::Add,
+            lhs: x,
+            rhs: y,
+        })
+        .unwrap_err();
+    assert_eq!(error.op, "add");
+    assert!(
+        error.rule.contains("mix length symbols %0 and %1"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_wrong_tail_width_into_linear_is_rejected() {
+    let (mut graph, [_, _, x, _, _, _]) = base_graph();
+    let wide = graph
+        .add_declared(
+            Op::Param {
+                name: "wide".into(),
+            },
+            Type::dense_static(DType::F32, &[8, 5]),
+        )
+        .unwrap();
+    let error = graph
+        .push(Op::Linear {
+            x,
+            weight: wide,
+            bias: None,
+        })
+        .unwrap_err();
+    assert_eq!(error.op, "linear");
+    assert!(error.rule.contains("[out, 4]"), "{error}");
+}
+
+#[test]
+fn softmax_over_the_batch_dim_is_rejected() {
+    let (mut graph, [_, _, x, _, _, _]) = base_graph();
+    let error = graph
+        .push(Op::Softmax {
+            x,
+            axis: 0,
+            log: false,
+        })
+        .unwrap_err();
+    assert_eq!(error.op, "softmax");
+    assert!(error.rule.contains("batch dim"), "{error}");
+}
+
+#[test]
+fn the_verifier_checks_declared_types_and_definition_order() {
+    let (mut graph, [_, _, x, _, _, _]) = base_graph();
+    let relu = graph
+        .push(Op::Unary {
+            op: UnaryOp::Relu,
+            x,
+        })
+        .unwrap();
+    graph.outputs = vec![relu];
+    graph.verify().unwrap();
+    let mut wrong_type = graph.clone();
+    wrong_type.nodes[relu.index()].ty = Type::dense_static(DType::F32, &[4]);
+    let error = wrong_type.verify().unwrap_err();
+    assert_eq!((error.value, error.op), (relu, "relu"));
+    let mut use_before_def = graph.clone();
+    use_before_def.nodes[relu.index()].op = Op::Unary {
+        op: UnaryOp::Relu,
+        x: ValueId(99),
+    };
+    assert!(use_before_def
+        .verify()
+        .unwrap_err()
+        .rule
+        .contains("not defined before"));
+    let mut bad_lengths = Graph::new("bad");
+    let error = bad_lengths
+        .add_declared(
+            Op::Input { name: "x".into() },
+            ragged(DType::F32, ValueId(0), &[2]),
+        )
+        .unwrap_err();
+    assert!(error.rule.contains("not a lengths value"), "{error}");
+}
+
+#[test]
+fn parse_errors_name_the_line() {
+    let text = "graph @g {\n  %0 = input {name = \"L\"} : lengths[B]\n  %1 = relu(%0) : lengths[B]\n  return %1\n}\n";
+    let error = parse(text).unwrap_err();
+    assert_eq!(error.line, 3, "{error}");
+    let error = parse("graph @g {\n  %0 = frobnicate : f32[]\n  return\n}\n").unwrap_err();
+    assert!(error.message.contains("unknown op frobnicate"), "{error}");
+}
+
+#[test]
+fn pairs_pad_and_dot_output() {
+    let mut graph = Graph::new("pairs");
+    let l = graph
+        .add_declared(Op::Input { name: "L".into() }, lengths_type())
+        .unwrap();
+    let scores = Type::Ragged {
+        dtype: DType::F32,
+        batch: Dim::Sym("B".into()),
+        dims: vec![
+            ElemDim::Ragged(l),
+            ElemDim::Ragged(l),
+            ElemDim::Fixed(Dim::Static(2)),
+        ],
+    };
+    let s = graph
+        .add_declared(
+            Op::Input {
+                name: "scores".into(),
+            },
+            scores,
+        )
+        .unwrap();
+    let p = graph
+        .push(Op::Softmax {
+            x: s,
+            axis: 2,
+            log: false,
+        })
+        .unwrap();
+    let padded = graph
+        .push(Op::Pad {
+            x: p,
+            value: F64(0.0),
+        })
+        .unwrap();
+    assert_eq!(graph.ty(padded).to_string(), "f32[B, max(%0), max(%0), 2]");
+    graph.outputs = vec![padded];
+    assert_eq!(parse(&print(&graph)).unwrap(), graph);
+    let dot = to_dot(&graph);
+    assert!(dot.starts_with("digraph \"pairs\""));
+    assert!(
+        dot.contains("v1 -> v2;") && dot.contains("v3 -> out0;"),
+        "{dot}"
+    );
+}

@@ -170,6 +170,22 @@ pub enum NestedError {
         /// What is not supported.
         reason: String,
     },
+    /// Something in the traced code that a graph cannot express.
+    #[error("tracing {op}: {reason}")]
+    Trace {
+        /// The operation or call.
+        op: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
+    /// An input of a traced or compiled graph that does not fit its type.
+    #[error("input {input}: {reason}")]
+    InputMismatch {
+        /// Which input of the graph.
+        input: String,
+        /// What does not fit.
+        reason: String,
+    },
     /// An error reported by libtorch.
     #[error(transparent)]
     Torch(#[from] TchError),

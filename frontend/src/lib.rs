@@ -28,6 +28,7 @@ mod kind;
 mod nested;
 pub mod nn;
 mod ops;
+mod trace;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
 pub use error::NestedError;
@@ -37,6 +38,7 @@ pub use nested::{
     BatchSelector, Bounds, ListData, ListElement, NestedBuilder, NestedOptions, NestedTensor,
 };
 pub use ops::{Binary, LossReduction, Operand, Reduce, Reduced, Target};
+pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 
 /// The result type of this crate.
 pub type Result<T, E = NestedError> = std::result::Result<T, E>;

@@ -8,7 +8,7 @@ use super::NestedTensor;
 impl fmt::Display for NestedTensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "NestedTensor([")?;
-        for element in 0..self.len() {
+        for element in 0..self.batch_size() {
             match self.element(element) {
                 Ok(tensor) => {
                     let text = format!("{tensor}");
@@ -29,15 +29,20 @@ impl fmt::Display for NestedTensor {
                 Err(error) => writeln!(f, "    <element {element}: {error}>,")?,
             }
         }
-        write!(f, "], dtype={:?}, shape={:?})", self.kind(), self.shape())
+        write!(
+            f,
+            "], dtype={:?}, shape={:?})",
+            self.kind(),
+            self.padded_shape()
+        )
     }
 }
 
 impl fmt::Debug for NestedTensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NestedTensor")
-            .field("values", &self.values())
-            .field("layout", self.layout())
+            .field("values", &self.packed())
+            .field("layout", self.lay())
             .field("options", &self.options())
             .finish()
     }

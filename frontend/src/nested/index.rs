@@ -161,12 +161,19 @@ impl NestedTensor {
     /// Element `index` (negative counts from the end), a view of the packed values in
     /// its logical shape.
     pub fn get(&self, index: i64) -> Result<Tensor> {
-        self.element(normalize_index(index, self.len())?)
+        self.concrete_read("NestedTensor::get");
+        self.element(normalize_index(index, self.batch_size())?)
     }
 
     /// Every element, as views of the packed values in their logical shapes.
     pub fn unbind(&self) -> Result<Vec<Tensor>> {
-        (0..self.len())
+        self.concrete_read("NestedTensor::unbind");
+        self.elements()
+    }
+
+    /// Every element as views, for the library's own operators.
+    pub(crate) fn elements(&self) -> Result<Vec<Tensor>> {
+        (0..self.batch_size())
             .map(|element| self.element(element))
             .collect()
     }
@@ -174,7 +181,8 @@ impl NestedTensor {
     /// Every element as a Rust list (elements of rank 0 to 2; floats as f32 or f64,
     /// integers as i64, bools as bool).
     pub fn to_list(&self) -> Result<Vec<ListElement>> {
-        self.unbind()?
+        self.concrete_read("NestedTensor::to_list");
+        self.elements()?
             .iter()
             .enumerate()
             .map(|(element, tensor)| ListElement::from_tensor(tensor, element))
@@ -183,10 +191,10 @@ impl NestedTensor {
 
     /// Element `element` (in range) as a view.
     pub(crate) fn element(&self, element: usize) -> Result<Tensor> {
-        let layout = self.layout();
+        let layout = self.lay();
         let offsets = layout.offsets();
         let rows =
-            self.values()
+            self.packed()
                 .f_narrow(0, offsets[element], offsets[element + 1] - offsets[element])?;
         let unflattened = rows.f_reshape(layout.packed_element_shape(element))?;
         Ok(unflattened.f_permute(inverse_permutation(&layout.packed_dim_order()))?)
@@ -204,14 +212,15 @@ impl NestedTensor {
     /// # Ok::<(), nestor_frontend::NestedError>(())
     /// ```
     pub fn select_batch(&self, selector: impl Into<BatchSelector>) -> Result<Self> {
-        let indices = selector.into().indices(self.len())?;
-        let layout = self.layout().select(&indices);
-        let offsets = self.layout().offsets();
+        self.untraceable("select_batch")?;
+        let indices = selector.into().indices(self.batch_size())?;
+        let layout = self.lay().select(&indices);
+        let offsets = self.lay().offsets();
         let contiguous = indices.windows(2).all(|pair| pair[1] == pair[0] + 1);
         let values = match indices.first() {
             Some(&first) if contiguous => {
                 let start = offsets[first];
-                self.values().f_narrow(0, start, layout.total_rows())?
+                self.packed().f_narrow(0, start, layout.total_rows())?
             }
             _ => {
                 let rows: Vec<i64> = indices
@@ -219,7 +228,7 @@ impl NestedTensor {
                     .flat_map(|&element| offsets[element]..offsets[element + 1])
                     .collect();
                 let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
-                self.values().f_index_select(0, &rows)?
+                self.packed().f_index_select(0, &rows)?
             }
         };
         Ok(NestedTensor::from_parts(values, layout, self.options()))
@@ -239,12 +248,13 @@ impl NestedTensor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn slice(&self, dim: i64, bounds: impl Into<Bounds>) -> Result<Self> {
+        self.untraceable("slice")?;
         let element_dim = self.element_dim(dim, "slice")?;
         let bounds = bounds.into();
-        let layout = self.layout();
+        let layout = self.lay();
         if let Some(position) = layout.static_dims().iter().position(|&d| d == element_dim) {
             let range = bounds.resolve(layout.static_sizes()[position]);
-            let values = self.values().f_narrow(
+            let values = self.packed().f_narrow(
                 1 + position as i64,
                 range.start,
                 range.end - range.start,
@@ -252,7 +262,7 @@ impl NestedTensor {
             let new_layout = layout.with_static_size(element_dim, range.end - range.start)?;
             return Ok(NestedTensor::from_parts(values, new_layout, self.options()));
         }
-        if self.is_empty() {
+        if self.batch_size() == 0 {
             return Ok(self.shallow_clone());
         }
         // A ragged dim: keep the packed rows whose coordinate along it is in range.
@@ -280,7 +290,7 @@ impl NestedTensor {
             .collect();
         let new_layout = RaggedLayout::from_element_sizes(sizes, layout.ragged_dims())?;
         let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
-        let values = self.values().f_index_select(0, &rows)?;
+        let values = self.packed().f_index_select(0, &rows)?;
         Ok(NestedTensor::from_parts(values, new_layout, self.options()))
     }
 
@@ -289,9 +299,10 @@ impl NestedTensor {
     /// the end of each element. Every element must be long enough, and the remaining
     /// dims must agree across elements.
     pub fn select(&self, dim: i64, index: i64) -> Result<Tensor> {
+        self.untraceable("select")?;
         let element_dim = self.element_dim(dim, "select")?;
         let picked = self
-            .layout()
+            .lay()
             .element_sizes()
             .iter()
             .enumerate()
@@ -316,7 +327,7 @@ impl NestedTensor {
         if let Some(stacked) = stack_same_shape(&picked, "select")? {
             return Ok(stacked);
         }
-        let mut shape = self.layout().max_sizes();
+        let mut shape = self.lay().max_sizes();
         shape.remove(element_dim);
         shape.insert(0, 0);
         Ok(Tensor::f_empty(shape, (self.kind(), self.device()))?)

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use nestor_runtime::RaggedLayout;
 use tch::{Device, Kind, Tensor};
 
-use crate::{NestedError, Result};
+use crate::trace::{Arg, TraceRef};
+use crate::{dtype_of, NestedError, Result};
 
 pub use build::NestedBuilder;
 pub use index::{BatchSelector, Bounds};
@@ -71,6 +72,8 @@ pub struct NestedTensor {
     /// The padded tensor, kept when `values` does not require grad (a cached autograd
     /// graph would be shared between unrelated backward passes).
     padded: OnceCell<Tensor>,
+    /// While tracing: the graph value this batch stands for.
+    pub(crate) trace: Option<TraceRef>,
 }
 
 impl NestedTensor {
@@ -82,6 +85,7 @@ impl NestedTensor {
             layout: Arc::new(layout),
             options,
             padded: OnceCell::new(),
+            trace: None,
         }
     }
 
@@ -92,6 +96,7 @@ impl NestedTensor {
             layout: Arc::clone(&self.layout),
             options: self.options,
             padded: OnceCell::new(),
+            trace: None,
         }
     }
 
@@ -146,13 +151,50 @@ impl NestedTensor {
     }
 
     /// The packed values `[N, *static sizes]`.
+    ///
+    /// Reading them while tracing is an error of the trace (the graph could not see
+    /// what is computed from them).
     pub fn values(&self) -> &Tensor {
+        self.concrete_read("NestedTensor::values");
         &self.values
     }
 
-    /// Where every element lives in the packed values.
+    /// Where every element lives in the packed values. Concrete lengths: reading them
+    /// while tracing is an error of the trace.
     pub fn layout(&self) -> &RaggedLayout {
+        self.concrete_read("NestedTensor::layout");
         &self.layout
+    }
+
+    /// The packed values, for the library's own operators.
+    pub(crate) fn packed(&self) -> &Tensor {
+        &self.values
+    }
+
+    /// The layout, for the library's own operators.
+    pub(crate) fn lay(&self) -> &RaggedLayout {
+        &self.layout
+    }
+
+    /// The number of elements, for the library's own operators.
+    pub(crate) fn batch_size(&self) -> usize {
+        self.layout.batch_size()
+    }
+
+    /// The padded shape, for the library's own operators.
+    pub(crate) fn padded_shape(&self) -> Vec<i64> {
+        let mut shape = self.layout.max_sizes();
+        shape.insert(self.batch_dim(), self.batch_size() as i64);
+        shape
+    }
+
+    /// Records, while tracing, that user code read concrete lengths or values through
+    /// `call`: the trace then fails, naming the call, instead of silently specializing
+    /// the graph to this batch.
+    pub(crate) fn concrete_read(&self, call: &'static str) {
+        if let Some(trace) = &self.trace {
+            trace.concrete_read(call);
+        }
     }
 
     /// The presentation options (batch_first, padding_value, mask_value).
@@ -168,14 +210,16 @@ impl NestedTensor {
         }
     }
 
-    /// Number of elements `B`.
+    /// Number of elements `B` (a concrete read while tracing).
     pub fn len(&self) -> usize {
+        self.concrete_read("NestedTensor::len");
         self.layout.batch_size()
     }
 
-    /// Whether the batch has no element.
+    /// Whether the batch has no element (a concrete read while tracing).
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.concrete_read("NestedTensor::is_empty");
+        self.batch_size() == 0
     }
 
     /// Number of dims of the padded view: `1 + R`.
@@ -185,11 +229,13 @@ impl NestedTensor {
 
     /// Number of real scalars (padding not counted).
     pub fn numel(&self) -> i64 {
+        self.concrete_read("NestedTensor::numel");
         self.layout.numel()
     }
 
     /// Real scalars over the scalars of the padded tensor.
     pub fn occupancy(&self) -> f64 {
+        self.concrete_read("NestedTensor::occupancy");
         self.layout.occupancy()
     }
 
@@ -210,16 +256,18 @@ impl NestedTensor {
 
     /// The padded shape: `B` then the largest size of each element dim; the batch dim
     /// is second when `batch_first` is false.
+    ///
+    /// A concrete read while tracing.
     pub fn shape(&self) -> Vec<i64> {
-        let mut shape = self.layout.max_sizes();
-        shape.insert(self.batch_dim(), self.len() as i64);
-        shape
+        self.concrete_read("NestedTensor::shape");
+        self.padded_shape()
     }
 
     /// One entry of [`shape`](Self::shape); negative dims count from the end.
     pub fn size(&self, dim: i64) -> Result<i64> {
+        self.concrete_read("NestedTensor::size");
         let dim = self.normalize_dim(dim)?;
-        Ok(self.shape()[dim])
+        Ok(self.padded_shape()[dim])
     }
 
     /// Where the batch dim is in the padded view: 0, or 1 when `batch_first` is false
@@ -230,11 +278,13 @@ impl NestedTensor {
 
     /// Row offsets of the elements in the packed values, `i64[B + 1]`.
     pub fn packed_offsets(&self) -> Tensor {
+        self.concrete_read("NestedTensor::packed_offsets");
         Tensor::from_slice(self.layout.offsets()).to_device(self.device())
     }
 
     /// The exact logical shape of every element, `i64[B, R]`.
     pub fn element_sizes(&self) -> Tensor {
+        self.concrete_read("NestedTensor::element_sizes");
         let flat: Vec<i64> = self
             .layout
             .element_sizes()
@@ -243,13 +293,14 @@ impl NestedTensor {
             .copied()
             .collect();
         Tensor::from_slice(&flat)
-            .reshape([self.len() as i64, self.layout.rank() as i64])
+            .reshape([self.batch_size() as i64, self.layout.rank() as i64])
             .to_device(self.device())
     }
 
     /// The row splits of ragged level `level` (see
     /// [`RaggedLayout::ragged_level_offsets`]): level 0 has `B + 1` entries.
     pub fn ragged_level_offsets(&self, level: usize) -> Result<Tensor> {
+        self.concrete_read("NestedTensor::ragged_level_offsets");
         let splits = self.layout.ragged_level_offsets(level)?;
         Ok(Tensor::from_slice(&splits).to_device(self.device()))
     }
@@ -289,11 +340,17 @@ impl NestedTensor {
 
     /// The same batch converted to another scalar type (autograd flows through).
     pub fn to_kind(&self, kind: Kind) -> Result<Self> {
-        Ok(self.with_values(self.values.f_to_kind(kind)?))
+        let dtype = dtype_of(kind).ok_or(NestedError::UnsupportedKind { element: 0, kind })?;
+        let result = self.with_values(self.values.f_to_kind(kind)?);
+        result.traced(&[Arg::Nested(self)], "cast", |ids| nestor_ir::Op::Cast {
+            x: ids[0],
+            dtype,
+        })
     }
 
     /// The same batch on another device.
     pub fn to_device(&self, device: Device) -> Result<Self> {
+        self.untraceable("to_device")?;
         Ok(self.with_values(self.values.f_to_device(device)?))
     }
 

@@ -4,7 +4,10 @@ use tch::{Kind, Tensor};
 
 use super::index::inverse_permutation;
 use super::NestedTensor;
+use nestor_ir::{Op, F64};
+
 use crate::guard::{slow_path, SlowPath};
+use crate::trace::{Arg, Dense};
 use crate::Result;
 
 impl NestedTensor {
@@ -13,6 +16,7 @@ impl NestedTensor {
     /// later calls when the values do not require grad.
     pub fn tensor(&self) -> Result<Tensor> {
         slow_path(SlowPath::PaddedMaterialization, "tensor")?;
+        self.concrete_read("NestedTensor::tensor (use pad() while tracing)");
         if let Some(padded) = self.padded.get() {
             return Ok(padded.shallow_clone());
         }
@@ -29,13 +33,14 @@ impl NestedTensor {
     /// of elements of rank 2 or more, when every element has the same size there).
     pub fn mask(&self) -> Result<Tensor> {
         slow_path(SlowPath::PaddedMaterialization, "mask")?;
-        let layout = self.layout();
+        self.concrete_read("NestedTensor::mask");
+        let layout = self.lay();
         let rank = layout.rank();
         let drop_channel = rank >= 2 && !layout.is_ragged(rank - 1);
         let mask = self.grid_mask()?;
         // Broadcast the grid mask over the static dims, in packed order, except a
         // dropped channel dim, which keeps size 1 and is squeezed below.
-        let batch = self.len() as i64;
+        let batch = self.batch_size() as i64;
         let grid: Vec<i64> = layout
             .ragged_dims()
             .iter()
@@ -69,6 +74,17 @@ impl NestedTensor {
         self.batch_to_its_dim(mask)
     }
 
+    /// The padded tensor as a [`Dense`] handle, which keeps tracing (the IR's `pad`).
+    pub fn pad(&self) -> Result<Dense> {
+        slow_path(SlowPath::PaddedMaterialization, "pad")?;
+        let padded = self.build_padded()?;
+        let value = self.options().padding_value;
+        Dense::traced(padded, &[Arg::Nested(self)], "pad", |ids| Op::Pad {
+            x: ids[0],
+            value: F64(value),
+        })
+    }
+
     /// [`tensor`](Self::tensor) and [`mask`](Self::mask) together.
     pub fn tensor_mask(&self) -> Result<(Tensor, Tensor)> {
         Ok((self.tensor()?, self.mask()?))
@@ -76,15 +92,15 @@ impl NestedTensor {
 
     /// Flat indices of the packed rows in the padded grid `[B, *max ragged sizes]`.
     fn padded_row_indices(&self) -> Result<Tensor> {
-        let indices = self.layout().padded_row_indices();
+        let indices = self.lay().padded_row_indices();
         Ok(Tensor::f_from_slice(&indices)?.f_to_device(self.device())?)
     }
 
     /// Grid volume: `B * prod(max ragged sizes)`.
     fn grid_rows(&self) -> i64 {
-        let layout = self.layout();
+        let layout = self.lay();
         let max_sizes = layout.max_sizes();
-        self.len() as i64
+        self.batch_size() as i64
             * layout
                 .ragged_dims()
                 .iter()
@@ -99,7 +115,7 @@ impl NestedTensor {
     }
 
     fn build_padded(&self) -> Result<Tensor> {
-        let layout = self.layout();
+        let layout = self.lay();
         let static_sizes = layout.static_sizes();
         let grid_shape: Vec<i64> = std::iter::once(self.grid_rows())
             .chain(static_sizes.iter().copied())
@@ -109,9 +125,9 @@ impl NestedTensor {
             self.options().padding_value,
             (self.kind(), self.device()),
         )?;
-        let scattered = filled.f_index_copy(0, &self.padded_row_indices()?, self.values())?;
+        let scattered = filled.f_index_copy(0, &self.padded_row_indices()?, self.packed())?;
         let max_sizes = layout.max_sizes();
-        let packed_shape: Vec<i64> = std::iter::once(self.len() as i64)
+        let packed_shape: Vec<i64> = std::iter::once(self.batch_size() as i64)
             .chain(layout.ragged_dims().iter().map(|&dim| max_sizes[dim]))
             .chain(static_sizes.iter().copied())
             .collect();
@@ -123,7 +139,7 @@ impl NestedTensor {
 
     /// The permutation from `[B, *packed order]` to `[B, *logical order]`.
     fn padded_permutation(&self) -> Vec<i64> {
-        let inverse = inverse_permutation(&self.layout().packed_dim_order());
+        let inverse = inverse_permutation(&self.lay().packed_dim_order());
         std::iter::once(0)
             .chain(inverse.iter().map(|&position| position + 1))
             .collect()

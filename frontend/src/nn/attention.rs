@@ -75,9 +75,7 @@ impl MultiheadAttention {
         let (q, k, v) = if self_attention {
             let packed = query.linear(&self.in_proj_weight, self.in_proj_bias.as_ref())?;
             let qkv = packed.reshape_tail(&[3, self.num_heads, head_dim])?;
-            let part = |index: i64| -> Result<NestedTensor> {
-                qkv.packed_with_static_tail(&qkv.values().f_select(1, index)?)
-            };
+            let part = |index: i64| qkv.select_static(2, index);
             (part(0)?, part(1)?, part(2)?)
         } else {
             let project = |input: &NestedTensor, index: i64| -> Result<NestedTensor> {

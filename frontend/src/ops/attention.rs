@@ -3,7 +3,10 @@
 
 use tch::Tensor;
 
+use nestor_ir::{Op, F64};
+
 use crate::guard::{slow_path, SlowPath};
+use crate::trace::Arg;
 use crate::{NestedError, NestedTensor, Result};
 
 impl NestedTensor {
@@ -22,21 +25,21 @@ impl NestedTensor {
         scale: Option<f64>,
     ) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, "scaled_dot_product_attention")?;
-        if keys.layout().offsets() != values.layout().offsets() {
+        if keys.lay().offsets() != values.lay().offsets() {
             return Err(NestedError::StructureMismatch {
                 op: "scaled_dot_product_attention (keys vs values)",
-                left: keys.layout().element_sizes().to_vec(),
-                right: values.layout().element_sizes().to_vec(),
+                left: keys.lay().element_sizes().to_vec(),
+                right: values.lay().element_sizes().to_vec(),
             });
         }
-        if keys.len() != self.len() {
+        if keys.batch_size() != self.batch_size() {
             return Err(NestedError::SelectorLength {
-                expected: self.len(),
-                got: keys.len(),
+                expected: self.batch_size(),
+                got: keys.batch_size(),
             });
         }
         for (name, nested) in [("queries", self), ("keys", keys), ("values", values)] {
-            let layout = nested.layout();
+            let layout = nested.lay();
             if layout.rank() != 3 || layout.ragged_dims().iter().any(|&dim| dim != 0) {
                 return Err(NestedError::Unsupported {
                     op: "scaled_dot_product_attention",
@@ -48,17 +51,17 @@ impl NestedTensor {
                 });
             }
         }
-        let (query_offsets, key_offsets) = (self.layout().offsets(), keys.layout().offsets());
-        let outputs = (0..self.len())
+        let (query_offsets, key_offsets) = (self.lay().offsets(), keys.lay().offsets());
+        let outputs = (0..self.batch_size())
             .map(|element| {
                 let rows = |tensor: &Tensor, offsets: &[i64]| {
                     tensor
                         .f_narrow(0, offsets[element], offsets[element + 1] - offsets[element])?
                         .f_transpose(0, 1)
                 };
-                let q = rows(self.values(), query_offsets)?;
-                let k = rows(keys.values(), key_offsets)?;
-                let v = rows(values.values(), key_offsets)?;
+                let q = rows(self.packed(), query_offsets)?;
+                let k = rows(keys.packed(), key_offsets)?;
+                let v = rows(values.packed(), key_offsets)?;
                 let attended = Tensor::f_scaled_dot_product_attention(
                     &q,
                     &k,
@@ -72,15 +75,23 @@ impl NestedTensor {
                 Ok(attended.f_transpose(0, 1)?)
             })
             .collect::<Result<Vec<_>>>()?;
-        let width = values.values().size()[2];
+        let width = values.packed().size()[2];
         let output = if outputs.is_empty() {
             Tensor::f_empty(
-                [0, self.values().size()[1], width],
+                [0, self.packed().size()[1], width],
                 (self.kind(), self.device()),
             )?
         } else {
             Tensor::f_cat(&outputs, 0)?
         };
-        self.with_last_static_width(output, width)
+        let args = [Arg::Nested(self), Arg::Nested(keys), Arg::Nested(values)];
+        self.with_last_static_width(output, width)?
+            .traced(&args, "attention", |ids| Op::Attention {
+                q: ids[0],
+                k: ids[1],
+                v: ids[2],
+                causal,
+                scale: scale.map(F64),
+            })
     }
 }

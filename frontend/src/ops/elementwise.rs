@@ -6,8 +6,11 @@ use std::ops::{Add, Div, Mul, Neg, Sub};
 
 use tch::{TchError, Tensor};
 
+use nestor_ir::{BinaryOp, DType, Op, UnaryOp};
+
 use super::Operand;
-use crate::{NestedTensor, Result};
+use crate::trace::Arg;
+use crate::{dtype_of, NestedTensor, Result};
 
 /// A binary elementwise operator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -75,6 +78,28 @@ impl Binary {
         }
     }
 
+    /// The IR operator, if there is one.
+    pub fn ir(self) -> Option<BinaryOp> {
+        Some(match self {
+            Binary::Add => BinaryOp::Add,
+            Binary::Sub => BinaryOp::Sub,
+            Binary::Mul => BinaryOp::Mul,
+            Binary::Div => BinaryOp::Div,
+            Binary::Pow => BinaryOp::Pow,
+            Binary::Maximum => BinaryOp::Maximum,
+            Binary::Minimum => BinaryOp::Minimum,
+            Binary::Eq => BinaryOp::Eq,
+            Binary::Ne => BinaryOp::Ne,
+            Binary::Lt => BinaryOp::Lt,
+            Binary::Le => BinaryOp::Le,
+            Binary::Gt => BinaryOp::Gt,
+            Binary::Ge => BinaryOp::Ge,
+            Binary::LogicalAnd => BinaryOp::And,
+            Binary::LogicalOr => BinaryOp::Or,
+            Binary::Remainder | Binary::Atan2 | Binary::LogicalXor => return None,
+        })
+    }
+
     /// Applies the operator to two broadcastable tensors.
     pub fn apply(self, a: &Tensor, b: &Tensor) -> Result<Tensor, TchError> {
         match self {
@@ -101,11 +126,11 @@ impl Binary {
 }
 
 macro_rules! unary_ops {
-    ($($(#[$doc:meta])* $name:ident => $method:ident;)*) => {
+    ($($(#[$doc:meta])* $name:ident => $method:ident, $ir:expr;)*) => {
         impl NestedTensor {$(
             $(#[$doc])*
             pub fn $name(&self) -> Result<NestedTensor> {
-                Ok(self.with_values(self.values().$method()?))
+                self.unary(stringify!($name), $ir, self.packed().$method()?)
             }
         )*}
     };
@@ -113,98 +138,174 @@ macro_rules! unary_ops {
 
 unary_ops! {
     /// `-x`.
-    neg => f_neg;
+    neg => f_neg, Some(UnaryOp::Neg);
     /// `|x|`.
-    abs => f_abs;
+    abs => f_abs, Some(UnaryOp::Abs);
     /// `e^x`.
-    exp => f_exp;
+    exp => f_exp, Some(UnaryOp::Exp);
     /// `e^x - 1`.
-    expm1 => f_expm1;
+    expm1 => f_expm1, None;
     /// Natural logarithm.
-    log => f_log;
+    log => f_log, Some(UnaryOp::Log);
     /// `ln(1 + x)`.
-    log1p => f_log1p;
+    log1p => f_log1p, None;
     /// Square root.
-    sqrt => f_sqrt;
+    sqrt => f_sqrt, Some(UnaryOp::Sqrt);
     /// `1 / sqrt(x)`.
-    rsqrt => f_rsqrt;
+    rsqrt => f_rsqrt, Some(UnaryOp::Rsqrt);
     /// `x * x`.
-    square => f_square;
+    square => f_square, Some(UnaryOp::Square);
     /// `1 / x`.
-    reciprocal => f_reciprocal;
+    reciprocal => f_reciprocal, None;
     /// Sine.
-    sin => f_sin;
+    sin => f_sin, Some(UnaryOp::Sin);
     /// Cosine.
-    cos => f_cos;
+    cos => f_cos, Some(UnaryOp::Cos);
     /// Hyperbolic tangent.
-    tanh => f_tanh;
+    tanh => f_tanh, Some(UnaryOp::Tanh);
     /// Logistic sigmoid.
-    sigmoid => f_sigmoid;
+    sigmoid => f_sigmoid, Some(UnaryOp::Sigmoid);
     /// Gauss error function.
-    erf => f_erf;
+    erf => f_erf, Some(UnaryOp::Erf);
     /// `max(x, 0)`.
-    relu => f_relu;
+    relu => f_relu, Some(UnaryOp::Relu);
     /// `x * sigmoid(x)`.
-    silu => f_silu;
+    silu => f_silu, Some(UnaryOp::Silu);
     /// `x * tanh(softplus(x))`.
-    mish => f_mish;
+    mish => f_mish, None;
     /// Sign: -1, 0 or 1.
-    sign => f_sign;
+    sign => f_sign, None;
     /// Round down.
-    floor => f_floor;
+    floor => f_floor, None;
     /// Round up.
-    ceil => f_ceil;
+    ceil => f_ceil, None;
     /// Round half to even.
-    round => f_round;
+    round => f_round, None;
     /// Logical not (true where the value is zero).
-    logical_not => f_logical_not;
+    logical_not => f_logical_not, Some(UnaryOp::Not);
 }
 
 impl NestedTensor {
+    /// Wraps the values of a unary op, recording it (`None`: no IR form yet).
+    fn unary(
+        &self,
+        name: &'static str,
+        op: Option<UnaryOp>,
+        values: Tensor,
+    ) -> Result<NestedTensor> {
+        let Some(op) = op else {
+            self.untraceable(name)?;
+            return Ok(self.with_values(values));
+        };
+        self.with_values(values)
+            .traced(&[Arg::Nested(self)], name, |ids| Op::Unary {
+                op,
+                x: ids[0],
+            })
+    }
+
     /// GELU; `approximate` is `"none"` (exact, erf) or `"tanh"`.
     pub fn gelu(&self, approximate: &str) -> Result<NestedTensor> {
-        Ok(self.with_values(self.values().f_gelu(approximate)?))
+        let op = if approximate == "tanh" {
+            UnaryOp::GeluTanh
+        } else {
+            UnaryOp::Gelu
+        };
+        self.unary("gelu", Some(op), self.packed().f_gelu(approximate)?)
     }
 
     /// `x` where positive, `negative_slope * x` elsewhere.
     pub fn leaky_relu(&self, negative_slope: f64) -> Result<NestedTensor> {
-        let values = self.values();
-        Ok(self.with_values(
-            values.f_where_self(&values.f_gt(0.0)?, &values.f_mul_scalar(negative_slope)?)?,
-        ))
+        let values = self.packed();
+        let result =
+            values.f_where_self(&values.f_gt(0.0)?, &values.f_mul_scalar(negative_slope)?)?;
+        self.unary("leaky_relu", None, result)
     }
 
     /// `x` where positive, `alpha * (e^x - 1)` elsewhere.
     pub fn elu(&self, alpha: f64) -> Result<NestedTensor> {
-        let values = self.values();
+        let values = self.packed();
         let negative = values.f_expm1()?.f_mul_scalar(alpha)?;
-        Ok(self.with_values(values.f_where_self(&values.f_gt(0.0)?, &negative)?))
+        self.unary(
+            "elu",
+            None,
+            values.f_where_self(&values.f_gt(0.0)?, &negative)?,
+        )
     }
 
     /// `ln(1 + e^(beta x)) / beta`, linear above `threshold` (as torch's softplus).
     pub fn softplus(&self, beta: f64, threshold: f64) -> Result<NestedTensor> {
-        let values = self.values();
+        let values = self.packed();
         let scaled = values.f_mul_scalar(beta)?;
         let smooth = scaled.f_exp()?.f_log1p()?.f_div_scalar(beta)?;
-        Ok(self.with_values(values.f_where_self(&scaled.f_gt(threshold)?, &smooth)?))
+        self.unary(
+            "softplus",
+            None,
+            values.f_where_self(&scaled.f_gt(threshold)?, &smooth)?,
+        )
     }
 
     /// Clamps into `[min, max]`; `None` leaves that side open.
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<NestedTensor> {
-        let mut values = self.values().shallow_clone();
+        let mut values = self.packed().shallow_clone();
         if let Some(min) = min {
             values = values.f_clamp_min(min)?;
         }
         if let Some(max) = max {
             values = values.f_clamp_max(max)?;
         }
-        Ok(self.with_values(values))
+        self.unary("clamp", None, values)
+    }
+
+    /// The trace argument of an operand lined up as `aligned` (whose dtype a constant
+    /// takes).
+    fn operand_arg<'a>(operand: &'a Operand<'a>, aligned: &Tensor) -> Result<Arg<'a>> {
+        let dtype = || dtype_of(aligned.kind()).unwrap_or(DType::F32);
+        Ok(match operand {
+            Operand::Float(value) => Arg::Const(*value, dtype()),
+            Operand::Int(value) => Arg::Const(*value as f64, dtype()),
+            Operand::Bool(value) => Arg::Const(f64::from(u8::from(*value)), DType::Bool),
+            Operand::Dense(tensor) => Arg::Dense(tensor, None),
+            Operand::Nested(nested) => Arg::Nested(nested),
+        })
+    }
+
+    fn binary_traced(
+        &self,
+        op: Binary,
+        other: Operand<'_>,
+        reversed: bool,
+    ) -> Result<NestedTensor> {
+        let aligned = self.align(&other, op.name())?;
+        let values = if reversed {
+            op.apply(&aligned, self.packed())?
+        } else {
+            op.apply(self.packed(), &aligned)?
+        };
+        let result = self.with_broadcast_values(values)?;
+        let Some(ir) = op.ir() else {
+            self.untraceable(op.name())?;
+            if let Operand::Nested(other) = &other {
+                other.untraceable(op.name())?;
+            }
+            return Ok(result);
+        };
+        let other_arg = Self::operand_arg(&other, &aligned)?;
+        let args = if reversed {
+            [other_arg, Arg::Nested(self)]
+        } else {
+            [Arg::Nested(self), other_arg]
+        };
+        result.traced(&args, op.name(), |ids| Op::Binary {
+            op: ir,
+            lhs: ids[0],
+            rhs: ids[1],
+        })
     }
 
     /// `self <op> other`, with `other` lined up as [`Operand`] says.
     pub fn binary<'a>(&self, op: Binary, other: impl Into<Operand<'a>>) -> Result<NestedTensor> {
-        let other = self.align(&other.into(), op.name())?;
-        self.with_broadcast_values(op.apply(self.values(), &other)?)
+        self.binary_traced(op, other.into(), false)
     }
 
     /// `other <op> self`: the operand on the left (as in `1.0 - nt`).
@@ -213,17 +314,17 @@ impl NestedTensor {
         op: Binary,
         other: impl Into<Operand<'a>>,
     ) -> Result<NestedTensor> {
-        let other = self.align(&other.into(), op.name())?;
-        self.with_broadcast_values(op.apply(&other, self.values())?)
+        self.binary_traced(op, other.into(), true)
     }
 
     /// In place: `self = self <op> other`. The result must keep the shape of the values;
-    /// views of the values (elements, batch ranges) see the change.
+    /// views of the values (elements, batch ranges) see the change. Not traceable.
     pub fn binary_<'a>(&mut self, op: Binary, other: impl Into<Operand<'a>>) -> Result<()> {
+        self.untraceable("in-place operator")?;
         let result = self.binary(op, other)?;
         // A handle on the same storage: copying into it updates the values in place.
-        let mut values = self.values().shallow_clone();
-        values.f_copy_(result.values())?;
+        let mut values = self.packed().shallow_clone();
+        values.f_copy_(result.packed())?;
         self.forget_padded();
         Ok(())
     }
@@ -235,11 +336,25 @@ impl NestedTensor {
         condition: impl Into<Operand<'a>>,
         other: impl Into<Operand<'b>>,
     ) -> Result<NestedTensor> {
-        let condition = self
-            .align(&condition.into(), "where")?
+        let (condition, other) = (condition.into(), other.into());
+        let condition_values = self
+            .align(&condition, "where")?
             .f_to_kind(tch::Kind::Bool)?;
-        let other = self.align(&other.into(), "where")?;
-        self.with_broadcast_values(self.values().f_where_self(&condition, &other)?)
+        let other_values = self.align(&other, "where")?;
+        let result = self.with_broadcast_values(
+            self.packed()
+                .f_where_self(&condition_values, &other_values)?,
+        )?;
+        let args = [
+            Self::operand_arg(&condition, &condition_values)?,
+            Arg::Nested(self),
+            Self::operand_arg(&other, &other_values)?,
+        ];
+        result.traced(&args, "where", |ids| Op::Where {
+            condition: ids[0],
+            x: ids[1],
+            y: ids[2],
+        })
     }
 
     /// `value` where `mask` holds, `self` elsewhere.
@@ -248,17 +363,30 @@ impl NestedTensor {
         mask: impl Into<Operand<'a>>,
         value: f64,
     ) -> Result<NestedTensor> {
-        let mask = self
-            .align(&mask.into(), "masked_fill")?
+        let mask = mask.into();
+        let mask_values = self
+            .align(&mask, "masked_fill")?
             .f_to_kind(tch::Kind::Bool)?;
-        self.with_broadcast_values(self.values().f_masked_fill(&mask, value)?)
+        let result =
+            self.with_broadcast_values(self.packed().f_masked_fill(&mask_values, value)?)?;
+        let dtype = dtype_of(self.kind()).unwrap_or(DType::F32);
+        let args = [
+            Self::operand_arg(&mask, &mask_values)?,
+            Arg::Const(value, dtype),
+            Arg::Nested(self),
+        ];
+        result.traced(&args, "masked_fill", |ids| Op::Where {
+            condition: ids[0],
+            x: ids[1],
+            y: ids[2],
+        })
     }
 
     /// Wraps the result of an elementwise operator, whose static dims may have grown by
     /// broadcasting (`[L_i, 1]` elements times a `[C]` tail give `[L_i, C]`).
     pub(crate) fn with_broadcast_values(&self, values: Tensor) -> Result<NestedTensor> {
         let tail = values.size().split_off(1);
-        let layout = self.layout();
+        let layout = self.lay();
         if tail == layout.static_sizes() {
             return Ok(self.with_values(values));
         }

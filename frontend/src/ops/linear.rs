@@ -3,7 +3,10 @@
 
 use tch::Tensor;
 
+use nestor_ir::Op;
+
 use crate::guard::{slow_path, SlowPath};
+use crate::trace::Arg;
 use crate::{NestedError, NestedTensor, Result};
 
 impl NestedTensor {
@@ -19,8 +22,15 @@ impl NestedTensor {
                 reason: format!("(the weight must be [out, {input_width}])"),
             });
         }
-        let output = self.values().f_linear(weight, bias)?;
-        self.with_last_static_width(output, weight_shape[0])
+        let output = self.packed().f_linear(weight, bias)?;
+        let mut args = vec![Arg::Nested(self), Arg::Dense(weight, None)];
+        args.extend(bias.map(|bias| Arg::Dense(bias, None)));
+        self.with_last_static_width(output, weight_shape[0])?
+            .traced(&args, "linear", |ids| Op::Linear {
+                x: ids[0],
+                weight: ids[1],
+                bias: ids.get(2).copied(),
+            })
     }
 
     /// Matrix product with a dense `[K, M]` matrix (or a `[K]` vector) over the last
@@ -28,15 +38,22 @@ impl NestedTensor {
     pub fn matmul(&self, other: &Tensor) -> Result<NestedTensor> {
         let width = self.last_static_width("matmul")?;
         let shape = other.size();
+        let args = [Arg::Nested(self), Arg::Dense(other, None)];
+        let record = |result: NestedTensor| {
+            result.traced(&args, "matmul", |ids| Op::Matmul {
+                x: ids[0],
+                w: ids[1],
+            })
+        };
         match shape.as_slice() {
             [k, m] if *k == width => {
-                let output = self.values().f_matmul(other)?;
-                self.with_last_static_width(output, *m)
+                let output = self.packed().f_matmul(other)?;
+                record(self.with_last_static_width(output, *m)?)
             }
             [k] if *k == width => {
-                let output = self.values().f_matmul(other)?;
-                let layout = self.layout().without_dim(self.layout().rank() - 1)?;
-                Ok(NestedTensor::from_parts(output, layout, self.options()))
+                let output = self.packed().f_matmul(other)?;
+                let layout = self.lay().without_dim(self.lay().rank() - 1)?;
+                record(NestedTensor::from_parts(output, layout, self.options()))
             }
             _ => Err(NestedError::DenseOperand {
                 op: "matmul",
@@ -51,17 +68,18 @@ impl NestedTensor {
     /// `P_i [L_i, L_i] @ V_i [L_i, d] -> [L_i, d]`. A per-element path.
     pub fn matmul_nested(&self, other: &NestedTensor) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, "matmul_nested")?;
-        if self.len() != other.len() {
+        self.untraceable("matmul_nested")?;
+        if self.batch_size() != other.batch_size() {
             return Err(NestedError::StructureMismatch {
                 op: "matmul_nested",
-                left: self.layout().element_sizes().to_vec(),
-                right: other.layout().element_sizes().to_vec(),
+                left: self.lay().element_sizes().to_vec(),
+                right: other.lay().element_sizes().to_vec(),
             });
         }
         let products = self
-            .unbind()?
+            .elements()?
             .iter()
-            .zip(other.unbind()?)
+            .zip(other.elements()?)
             .map(|(a, b)| Ok(a.f_matmul(&b)?))
             .collect::<Result<Vec<_>>>()?;
         // The result's row dim is ragged where A's row dim was, its column dim where
@@ -69,16 +87,10 @@ impl NestedTensor {
         let products_rank = products.first().map_or(0, Tensor::dim);
         let mut forced: Vec<usize> = Vec::new();
         if products_rank >= 2 {
-            if self
-                .layout()
-                .is_ragged(self.layout().rank().saturating_sub(2))
-            {
+            if self.lay().is_ragged(self.lay().rank().saturating_sub(2)) {
                 forced.push(products_rank - 2);
             }
-            if other
-                .layout()
-                .is_ragged(other.layout().rank().saturating_sub(1))
-            {
+            if other.lay().is_ragged(other.lay().rank().saturating_sub(1)) {
                 forced.push(products_rank - 1);
             }
         }
@@ -91,15 +103,22 @@ impl NestedTensor {
     /// Rows of `weight` gathered at the (integer) values: `[*s_i] -> [*s_i, D]`, one
     /// packed gather. `padding_idx` rows get no gradient (as in torch; `-1` for none).
     pub fn embedding(&self, weight: &Tensor, padding_idx: i64) -> Result<NestedTensor> {
-        let output = Tensor::f_embedding(weight, self.values(), padding_idx, false, false)?;
+        let output = Tensor::f_embedding(weight, self.packed(), padding_idx, false, false)?;
         let width = *weight.size().last().unwrap_or(&0);
-        let layout = self.layout().with_static_dim(self.layout().rank(), width)?;
-        Ok(NestedTensor::from_parts(output, layout, self.options()))
+        let layout = self.lay().with_static_dim(self.lay().rank(), width)?;
+        let args = [Arg::Nested(self), Arg::Dense(weight, None)];
+        NestedTensor::from_parts(output, layout, self.options()).traced(&args, "embedding", |ids| {
+            Op::Embedding {
+                ids: ids[0],
+                weight: ids[1],
+                padding_idx,
+            }
+        })
     }
 
     /// The width of the last element dim, which must be static.
     pub(crate) fn last_static_width(&self, op: &'static str) -> Result<i64> {
-        let layout = self.layout();
+        let layout = self.lay();
         let rank = layout.rank();
         if rank == 0 || layout.is_ragged(rank - 1) {
             return Err(NestedError::Unsupported {
@@ -119,9 +138,7 @@ impl NestedTensor {
         values: Tensor,
         width: i64,
     ) -> Result<NestedTensor> {
-        let layout = self
-            .layout()
-            .with_static_size(self.layout().rank() - 1, width)?;
+        let layout = self.lay().with_static_size(self.lay().rank() - 1, width)?;
         Ok(NestedTensor::from_parts(values, layout, self.options()))
     }
 }

@@ -4,25 +4,39 @@
 
 use tch::{Kind, Tensor};
 
+use nestor_ir::{Op, F64};
+
+use crate::trace::Arg;
 use crate::{NestedError, NestedTensor, Result};
 
 impl NestedTensor {
     /// Softmax along `dim`: on the packed values for a static dim, by segment (each
     /// element on its own, no padding) for a ragged dim. The batch dim is an error.
     pub fn softmax(&self, dim: i64) -> Result<NestedTensor> {
-        self.softmax_like(dim, false)
+        self.softmax_traced(dim, false)
     }
 
     /// Log-softmax along `dim` (see [`softmax`](Self::softmax)).
     pub fn log_softmax(&self, dim: i64) -> Result<NestedTensor> {
-        self.softmax_like(dim, true)
+        self.softmax_traced(dim, true)
+    }
+
+    fn softmax_traced(&self, dim: i64, log: bool) -> Result<NestedTensor> {
+        let op = if log { "log_softmax" } else { "softmax" };
+        let axis = self.ir_dims(&[dim])?[0];
+        self.softmax_like(dim, log)?
+            .traced(&[Arg::Nested(self)], op, |ids| Op::Softmax {
+                x: ids[0],
+                axis,
+                log,
+            })
     }
 
     fn softmax_like(&self, dim: i64, log: bool) -> Result<NestedTensor> {
         let op = if log { "log_softmax" } else { "softmax" };
         let element_dim = self.element_dim(dim, op)?;
-        let layout = self.layout();
-        let values = self.values();
+        let layout = self.lay();
+        let values = self.packed();
         if let Some(axis) = self.static_axis(element_dim) {
             let result = if log {
                 values.f_log_softmax(axis, None::<Kind>)?
@@ -60,7 +74,7 @@ impl NestedTensor {
 
     /// The values axis of element dim `dim` if it is static.
     pub(crate) fn static_axis(&self, dim: usize) -> Option<i64> {
-        self.layout()
+        self.lay()
             .static_dims()
             .iter()
             .position(|&d| d == dim)
@@ -70,7 +84,7 @@ impl NestedTensor {
     /// Checks that the last `count` element dims are static (so they are the last axes
     /// of the values) and equal `expected`.
     fn check_static_tail(&self, op: &'static str, expected: &[i64]) -> Result<()> {
-        let layout = self.layout();
+        let layout = self.lay();
         let rank = layout.rank();
         let count = expected.len();
         let tail_is_static =
@@ -107,13 +121,25 @@ impl NestedTensor {
         eps: f64,
     ) -> Result<NestedTensor> {
         self.check_static_tail("layer_norm", normalized_shape)?;
-        Ok(self.with_values(self.values().f_layer_norm(
+        let result = self.with_values(self.packed().f_layer_norm(
             normalized_shape,
             weight,
             bias,
             eps,
             true,
-        )?))
+        )?);
+        let mut args = vec![Arg::Nested(self)];
+        args.extend(weight.map(|weight| Arg::Dense(weight, None)));
+        args.extend(bias.map(|bias| Arg::Dense(bias, None)));
+        let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
+        let dims = normalized_shape.len();
+        result.traced(&args, "layer_norm", |ids| Op::LayerNorm {
+            x: ids[0],
+            weight: has_weight.then(|| ids[1]),
+            bias: has_bias.then(|| ids[if has_weight { 2 } else { 1 }]),
+            dims,
+            eps: F64(eps),
+        })
     }
 
     /// RMS normalization over the trailing `normalized_shape` (a static tail).
@@ -124,7 +150,18 @@ impl NestedTensor {
         eps: Option<f64>,
     ) -> Result<NestedTensor> {
         self.check_static_tail("rms_norm", normalized_shape)?;
-        Ok(self.with_values(self.values().f_rms_norm(normalized_shape, weight, eps)?))
+        let result = self.with_values(self.packed().f_rms_norm(normalized_shape, weight, eps)?);
+        let mut args = vec![Arg::Nested(self)];
+        args.extend(weight.map(|weight| Arg::Dense(weight, None)));
+        let dims = normalized_shape.len();
+        // torch's default epsilon is the machine epsilon of the dtype.
+        let eps = eps.unwrap_or(f64::from(f32::EPSILON));
+        result.traced(&args, "rms_norm", |ids| Op::RmsNorm {
+            x: ids[0],
+            weight: ids.get(1).copied(),
+            dims,
+            eps: F64(eps),
+        })
     }
 
     /// Batch normalization over channel dim `channel_dim` (a static NestedTensor dim),
@@ -142,6 +179,7 @@ impl NestedTensor {
         momentum: f64,
         eps: f64,
     ) -> Result<NestedTensor> {
+        self.untraceable("batch_norm")?;
         let element_dim = self.element_dim(channel_dim, "batch_norm")?;
         let Some(axis) = self.static_axis(element_dim) else {
             return Err(NestedError::Unsupported {
@@ -150,7 +188,7 @@ impl NestedTensor {
             });
         };
         // torch's batch_norm takes channels at axis 1 of [N, C, *].
-        let moved = self.values().f_movedim(axis, 1)?;
+        let moved = self.packed().f_movedim(axis, 1)?;
         let normalized = Tensor::f_batch_norm(
             &moved,
             weight,
@@ -167,6 +205,11 @@ impl NestedTensor {
 
     /// Dropout with probability `p` when `train` is true; identity otherwise.
     pub fn dropout(&self, p: f64, train: bool) -> Result<NestedTensor> {
-        Ok(self.with_values(self.values().f_dropout(p, train)?))
+        let result = self.with_values(self.packed().f_dropout(p, train)?);
+        result.traced(&[Arg::Nested(self)], "dropout", |ids| Op::Dropout {
+            x: ids[0],
+            p: F64(p),
+            train,
+        })
     }
 }

@@ -63,7 +63,7 @@ impl NestedTensor {
             // keeps a floating batch's dtype and turns an integer batch into the
             // default float dtype (f32); an integer never widens a float batch.
             Operand::Float(value) => {
-                let kind = if self.values().is_floating_point() {
+                let kind = if self.packed().is_floating_point() {
                     self.kind()
                 } else {
                     Kind::Float
@@ -84,7 +84,7 @@ impl NestedTensor {
             .f_to_kind(Kind::Bool)?),
             Operand::Nested(other) => {
                 self.check_same_structure(other, op)?;
-                Ok(other.values().shallow_clone())
+                Ok(other.packed().shallow_clone())
             }
             Operand::Dense(tensor) => self.align_dense(tensor, op),
         }
@@ -96,7 +96,7 @@ impl NestedTensor {
         other: &NestedTensor,
         op: &'static str,
     ) -> Result<()> {
-        let (left, right) = (self.layout(), other.layout());
+        let (left, right) = (self.lay(), other.lay());
         if std::ptr::eq(left, right) || left == right {
             return Ok(());
         }
@@ -109,11 +109,11 @@ impl NestedTensor {
 
     fn align_dense(&self, tensor: &Tensor, op: &'static str) -> Result<Tensor> {
         let shape = tensor.size();
-        let rank = self.layout().rank();
+        let rank = self.lay().rank();
         if shape.is_empty() {
             return Ok(tensor.shallow_clone());
         }
-        if rank > 0 && shape == self.shape() {
+        if rank > 0 && shape == self.padded_shape() {
             slow_path(SlowPath::DenseRepacking, op)?;
             return self.pack_padded(tensor);
         }
@@ -129,11 +129,11 @@ impl NestedTensor {
             element_shape.remove(batch_dim);
             match batch_size {
                 1 => (false, element_shape),
-                size if size == self.len() as i64 => (true, element_shape),
+                size if size == self.batch_size() as i64 => (true, element_shape),
                 size => {
                     return Err(error(format!(
                         "(its batch dim {batch_dim} has size {size}, expected {} or 1)",
-                        self.len()
+                        self.batch_size()
                     )))
                 }
             }
@@ -147,7 +147,7 @@ impl NestedTensor {
             )));
         };
         // The operand in packed order: ragged dims must be 1, static dims 1 or the size.
-        let layout = self.layout();
+        let layout = self.lay();
         for &dim in layout.ragged_dims() {
             if element_shape[dim] != 1 {
                 return Err(error(format!(
@@ -167,7 +167,11 @@ impl NestedTensor {
         } else {
             tensor.shallow_clone()
         };
-        let lead = if per_batch { self.len() as i64 } else { 1 };
+        let lead = if per_batch {
+            self.batch_size() as i64
+        } else {
+            1
+        };
         let order: Vec<i64> = std::iter::once(0)
             .chain(layout.packed_dim_order().iter().map(|&dim| dim as i64 + 1))
             .collect();
@@ -190,7 +194,7 @@ impl NestedTensor {
 
     /// The packed values of a dense tensor of exactly the padded shape.
     pub(crate) fn pack_padded(&self, padded: &Tensor) -> Result<Tensor> {
-        let layout = self.layout();
+        let layout = self.lay();
         let batch_first = if self.batch_dim() == 1 && padded.dim() >= 2 {
             padded.f_transpose(0, 1)?
         } else {

@@ -4,7 +4,10 @@
 use nestor_runtime::RaggedLayout;
 use tch::{Kind, Tensor};
 
+use nestor_ir::{Op, ReduceOp, ValueId};
+
 use crate::dense::stack_same_shape;
+use crate::trace::{Arg, Dense};
 use crate::{NestedError, NestedTensor, Result};
 
 /// A reduction.
@@ -37,6 +40,21 @@ pub enum Reduce {
 }
 
 impl Reduce {
+    /// The IR reduction and its Bessel correction.
+    fn ir(self) -> (ReduceOp, i64) {
+        match self {
+            Reduce::Sum => (ReduceOp::Sum, 0),
+            Reduce::Mean => (ReduceOp::Mean, 0),
+            Reduce::Amax => (ReduceOp::Amax, 0),
+            Reduce::Amin => (ReduceOp::Amin, 0),
+            Reduce::LogSumExp => (ReduceOp::LogSumExp, 0),
+            Reduce::Var { correction } => (ReduceOp::Var, correction),
+            Reduce::Std { correction } => (ReduceOp::Std, correction),
+            Reduce::All => (ReduceOp::All, 0),
+            Reduce::Any => (ReduceOp::Any, 0),
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Reduce::Sum => "sum",
@@ -59,17 +77,24 @@ pub enum Reduced {
     Nested(NestedTensor),
     /// No ragged dim remains: a dense tensor, batch first (`[B, ...]`), or without the
     /// batch dim when it was reduced too.
-    Dense(Tensor),
+    Dense(Dense),
 }
 
 impl Reduced {
-    /// The dense result, or an error if ragged dims remain.
+    /// The dense result as a tensor, or an error if ragged dims remain (a concrete
+    /// read while tracing: use [`into_dense_handle`](Self::into_dense_handle) there).
     pub fn into_dense(self) -> Result<Tensor> {
+        Ok(self.into_dense_handle()?.into_tensor())
+    }
+
+    /// The dense result as a [`Dense`] handle (which keeps tracing), or an error if
+    /// ragged dims remain.
+    pub fn into_dense_handle(self) -> Result<Dense> {
         match self {
-            Reduced::Dense(tensor) => Ok(tensor),
+            Reduced::Dense(dense) => Ok(dense),
             Reduced::Nested(nested) => Err(NestedError::Unsupported {
                 op: "Reduced::into_dense",
-                reason: format!("ragged dims {:?} remain", nested.layout().ragged_dims()),
+                reason: format!("ragged dims {:?} remain", nested.lay().ragged_dims()),
             }),
         }
     }
@@ -78,9 +103,9 @@ impl Reduced {
     pub fn into_nested(self) -> Result<NestedTensor> {
         match self {
             Reduced::Nested(nested) => Ok(nested),
-            Reduced::Dense(tensor) => Err(NestedError::Unsupported {
+            Reduced::Dense(dense) => Err(NestedError::Unsupported {
                 op: "Reduced::into_nested",
-                reason: format!("the result is dense, of shape {:?}", tensor.size()),
+                reason: format!("the result is dense, of shape {:?}", dense.raw().size()),
             }),
         }
     }
@@ -312,6 +337,32 @@ impl NestedTensor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn reduce(&self, op: Reduce, dims: &[i64], keepdim: bool) -> Result<Reduced> {
+        let result = self.reduce_eager(op, dims, keepdim)?;
+        if self.trace.is_none() {
+            return Ok(result);
+        }
+        let ir_dims = self.ir_dims(dims)?;
+        let (ir, correction) = op.ir();
+        let build = |ids: &[ValueId]| Op::Reduce {
+            op: ir,
+            x: ids[0],
+            dims: ir_dims.clone(),
+            keepdim,
+            correction,
+        };
+        let args = [Arg::Nested(self)];
+        Ok(match result {
+            Reduced::Nested(nested) => Reduced::Nested(nested.traced(&args, op.name(), build)?),
+            Reduced::Dense(dense) => Reduced::Dense(Dense::traced(
+                dense.raw().shallow_clone(),
+                &args,
+                op.name(),
+                build,
+            )?),
+        })
+    }
+
+    fn reduce_eager(&self, op: Reduce, dims: &[i64], keepdim: bool) -> Result<Reduced> {
         let ndim = self.dim();
         let mut normalized = dims
             .iter()
@@ -332,7 +383,7 @@ impl NestedTensor {
         if over_batch {
             return self.reduce_with_batch(op, &element_dims, keepdim);
         }
-        let plan = Plan::new(self.layout(), &element_dims, keepdim, self.device())?;
+        let plan = Plan::new(self.lay(), &element_dims, keepdim, self.device())?;
         if matches!(op, Reduce::Amax | Reduce::Amin) {
             if let Some(element) = plan.first_empty_element() {
                 return Err(NestedError::EmptyReduction {
@@ -342,7 +393,7 @@ impl NestedTensor {
             }
         }
         let values = plan
-            .run(op, self.values())?
+            .run(op, self.packed())?
             .f_reshape(plan.out_layout.packed_shape())?;
         Ok(self.wrap_reduced(values, plan.out_layout))
     }
@@ -350,18 +401,18 @@ impl NestedTensor {
     /// A result in `layout`: nested while ragged dims remain, else the dense `[B, ...]`.
     fn wrap_reduced(&self, values: Tensor, layout: RaggedLayout) -> Reduced {
         if layout.ragged_dims().is_empty() {
-            Reduced::Dense(values)
+            Reduced::Dense(Dense::from(values))
         } else {
             Reduced::Nested(NestedTensor::from_parts(values, layout, self.options()))
         }
     }
 
     fn reduce_all(&self, op: Reduce, keepdim: bool) -> Result<Reduced> {
-        let layout = self.layout();
+        let layout = self.lay();
         let every_dim: Vec<usize> = (0..layout.rank()).collect();
         // Reduce every element dim, then the batch dim: exact for every reduction,
         // since the mean and variance below are computed over all real values at once.
-        let values = self.values();
+        let values = self.packed();
         let result = match op {
             Reduce::Mean if values.is_floating_point() => values.f_mean(None::<Kind>)?,
             Reduce::Mean => values.f_mean(Kind::Float)?,
@@ -388,7 +439,7 @@ impl NestedTensor {
         } else {
             result
         };
-        Ok(Reduced::Dense(result))
+        Ok(Reduced::Dense(Dense::from(result)))
     }
 
     fn reduce_with_batch(
@@ -402,7 +453,7 @@ impl NestedTensor {
                 let sum = self.reduce_with_batch(Reduce::Sum, element_dims, keepdim)?.into_dense()?;
                 let sum = if sum.is_floating_point() { sum } else { sum.f_to_kind(Kind::Float)? };
                 let kept_volume: i64 = sum.numel() as i64;
-                Ok(Reduced::Dense(sum.f_div_scalar(self.numel() as f64 / kept_volume.max(1) as f64)?))
+                Ok(Reduced::Dense(Dense::from(sum.f_div_scalar(self.numel() as f64 / kept_volume.max(1) as f64)?)))
             }
             Reduce::Var { .. } | Reduce::Std { .. } if !element_dims.is_empty() => Err(NestedError::Unsupported {
                 op: op.name(),
@@ -413,18 +464,18 @@ impl NestedTensor {
                     self.stacked_elements(op.name())?
                 } else {
                     match self.reduce(op, &element_dims_as_nested(self, element_dims), keepdim)? {
-                        Reduced::Dense(dense) => dense,
+                        Reduced::Dense(dense) => dense.raw().shallow_clone(),
                         Reduced::Nested(nested) => nested.stacked_elements(op.name())?,
                     }
                 };
-                Ok(Reduced::Dense(dense_reduce(op, &per_element, 0, keepdim)?))
+                Ok(Reduced::Dense(Dense::from(dense_reduce(op, &per_element, 0, keepdim)?)))
             }
         }
     }
 
     /// The elements stacked into `[B, ...]`; they must share a shape.
     fn stacked_elements(&self, op: &'static str) -> Result<Tensor> {
-        match stack_same_shape(&self.unbind()?, op)? {
+        match stack_same_shape(&self.elements()?, op)? {
             Some(stacked) => Ok(stacked),
             None => Err(NestedError::Unsupported {
                 op,
@@ -455,6 +506,7 @@ impl NestedTensor {
 
     fn extreme_dim(&self, dim: i64, keepdim: bool, largest: bool) -> Result<(Reduced, Reduced)> {
         let op = if largest { "max" } else { "min" };
+        self.untraceable(op)?;
         let normalized = self.normalize_dim(dim)?;
         if normalized == self.batch_dim() {
             let stacked = self.stacked_elements(op)?;
@@ -463,18 +515,21 @@ impl NestedTensor {
             } else {
                 stacked.f_min_dim(0, keepdim)?
             };
-            return Ok((Reduced::Dense(values), Reduced::Dense(indices)));
+            return Ok((
+                Reduced::Dense(Dense::from(values)),
+                Reduced::Dense(Dense::from(indices)),
+            ));
         }
         let element_dim = self.element_dim(dim, op)?;
-        let plan = Plan::new(self.layout(), &[element_dim], keepdim, self.device())?;
+        let plan = Plan::new(self.lay(), &[element_dim], keepdim, self.device())?;
         if let Some(element) = plan.first_empty_element() {
             return Err(NestedError::EmptyReduction { op, element });
         }
-        let layout = self.layout();
+        let layout = self.lay();
         let (values, indices) = match &plan.row_map {
             None => {
                 let axis = plan.static_axes[0];
-                let values = self.values();
+                let values = self.packed();
                 if largest {
                     values.f_max_dim(axis, true)?
                 } else {
@@ -482,7 +537,7 @@ impl NestedTensor {
                 }
             }
             Some(map) => {
-                let values = self.values();
+                let values = self.packed();
                 let extreme = plan.extreme(values, if largest { "amax" } else { "amin" }, 0.0)?;
                 // The first position along the dim that holds the extreme value.
                 let coordinates = Tensor::f_from_slice(&layout.row_coordinates(element_dim))?

@@ -4,14 +4,18 @@
 use nestor_runtime::RaggedLayout;
 use tch::{Kind, Tensor};
 
+use nestor_ir::Op;
+
 use crate::guard::{slow_path, SlowPath};
+use crate::trace::Arg;
 use crate::{NestedError, NestedTensor, Result};
 
 impl NestedTensor {
     /// Zero-copy: new packed values in this batch's layout. `values` must have the shape
     /// of [`values`](Self::values); it keeps its storage and autograd history.
     pub fn packed_like(&self, values: &Tensor) -> Result<NestedTensor> {
-        let expected = self.layout().packed_shape();
+        self.untraceable("packed_like")?;
+        let expected = self.lay().packed_shape();
         if values.size() != expected {
             return Err(NestedError::ShapeMismatch {
                 what: "packed values",
@@ -25,8 +29,14 @@ impl NestedTensor {
     /// Zero-copy: packed values `[N, *tail]` with this batch's rows (same `N`) and a new
     /// static tail: element `i` becomes `[*ragged sizes of i, *tail]`.
     pub fn packed_with_static_tail(&self, values: &Tensor) -> Result<NestedTensor> {
+        self.untraceable("packed_with_static_tail")?;
+        self.retail(values)
+    }
+
+    /// New values with this batch's rows and another static tail (no checks of tracing).
+    fn retail(&self, values: &Tensor) -> Result<NestedTensor> {
         let shape = values.size();
-        let rows = self.layout().total_rows();
+        let rows = self.lay().total_rows();
         if shape.first() != Some(&rows) {
             return Err(NestedError::ShapeMismatch {
                 what: "packed values",
@@ -34,7 +44,7 @@ impl NestedTensor {
                 got: shape,
             });
         }
-        let layout = self.layout();
+        let layout = self.lay();
         let ragged_sizes: Vec<Vec<i64>> = layout
             .element_sizes()
             .iter()
@@ -108,7 +118,8 @@ impl NestedTensor {
 
     /// The whole batch repeated `repeats` times: `[e_0, ..., e_B, e_0, ...]`.
     pub fn repeat_batch(&self, repeats: usize) -> Result<NestedTensor> {
-        let batch = self.len() as i64;
+        self.untraceable("repeat_batch")?;
+        let batch = self.batch_size() as i64;
         let indices: Vec<i64> = (0..repeats as i64 * batch)
             .map(|index| index % batch.max(1))
             .collect();
@@ -117,7 +128,8 @@ impl NestedTensor {
 
     /// Every element repeated `repeats` times in place: `[e_0, e_0, e_1, e_1, ...]`.
     pub fn repeat_interleave(&self, repeats: usize) -> Result<NestedTensor> {
-        let indices: Vec<i64> = (0..self.len() as i64)
+        self.untraceable("repeat_interleave")?;
+        let indices: Vec<i64> = (0..self.batch_size() as i64)
             .flat_map(|index| std::iter::repeat_n(index, repeats))
             .collect();
         self.select_batch(indices)
@@ -146,7 +158,7 @@ impl NestedTensor {
     ) -> Result<NestedTensor> {
         let element_dim = self.element_dim(dim, op)?;
         if let Some(axis) = self.static_axis(element_dim) {
-            return Ok(self.with_values(scan(self.values(), axis)?));
+            return Ok(self.with_values(scan(self.packed(), axis)?));
         }
         self.map_elements(op, true, |element| Ok(scan(element, element_dim as i64)?))
     }
@@ -154,17 +166,18 @@ impl NestedTensor {
     /// Pairwise `p`-norm distances between the elements of two batches:
     /// `[L_i, D]` and `[M_i, D]` give `[L_i, M_i]`. Element by element.
     pub fn cdist(&self, other: &NestedTensor, p: f64) -> Result<NestedTensor> {
+        self.untraceable("cdist")?;
         slow_path(SlowPath::PerElement, "cdist")?;
-        if self.len() != other.len() {
+        if self.batch_size() != other.batch_size() {
             return Err(NestedError::SelectorLength {
-                expected: self.len(),
-                got: other.len(),
+                expected: self.batch_size(),
+                got: other.batch_size(),
             });
         }
         let distances = self
-            .unbind()?
+            .elements()?
             .iter()
-            .zip(other.unbind()?)
+            .zip(other.elements()?)
             .map(|(a, b)| Ok(Tensor::f_cdist(a, &b, p, None::<i64>)?))
             .collect::<Result<Vec<_>>>()?;
         NestedTensor::builder()
@@ -176,6 +189,7 @@ impl NestedTensor {
     /// Inserts a static dim of size 1 at NestedTensor dim `dim` (which may not be the
     /// batch dim; `dim` may equal `self.dim()` to append).
     pub fn unsqueeze(&self, dim: i64) -> Result<NestedTensor> {
+        self.untraceable("unsqueeze")?;
         let ndim = self.dim() as i64 + 1;
         let normalized = if dim < 0 { dim + ndim } else { dim };
         let batch_dim = self.batch_dim() as i64;
@@ -196,14 +210,14 @@ impl NestedTensor {
         } else {
             normalized
         }) as usize;
-        let layout = self.layout().with_static_dim(element_dim, 1)?;
+        let layout = self.lay().with_static_dim(element_dim, 1)?;
         let axis = layout
             .static_dims()
             .iter()
             .position(|&d| d == element_dim)
             .map_or(1, |p| p as i64 + 1);
         Ok(NestedTensor::from_parts(
-            self.values().f_unsqueeze(axis)?,
+            self.packed().f_unsqueeze(axis)?,
             layout,
             self.options(),
         ))
@@ -211,18 +225,19 @@ impl NestedTensor {
 
     /// Removes static dim `dim`, which must have size 1.
     pub fn squeeze_dim(&self, dim: i64) -> Result<NestedTensor> {
+        self.untraceable("squeeze")?;
         let element_dim = self.element_dim(dim, "squeeze")?;
         let axis = self.static_axis_or_error(element_dim, "squeeze")?;
-        let size = self.values().size()[axis as usize];
+        let size = self.packed().size()[axis as usize];
         if size != 1 {
             return Err(NestedError::Unsupported {
                 op: "squeeze",
                 reason: format!("dim {dim} has size {size}, not 1"),
             });
         }
-        let layout = self.layout().without_dim(element_dim)?;
+        let layout = self.lay().without_dim(element_dim)?;
         Ok(NestedTensor::from_parts(
-            self.values().f_squeeze_dim(axis)?,
+            self.packed().f_squeeze_dim(axis)?,
             layout,
             self.options(),
         ))
@@ -236,19 +251,56 @@ impl NestedTensor {
             self.static_axis_or_error(first, "transpose")?,
             self.static_axis_or_error(second, "transpose")?,
         );
-        let mut order: Vec<usize> = (0..self.layout().static_dims().len()).collect();
+        let mut order: Vec<usize> = (0..self.lay().static_dims().len()).collect();
         order.swap(axis0 as usize - 1, axis1 as usize - 1);
-        let layout = self.layout().with_static_order(&order);
-        Ok(NestedTensor::from_parts(
-            self.values().f_transpose(axis0, axis1)?,
+        let layout = self.lay().with_static_order(&order);
+        let result = NestedTensor::from_parts(
+            self.packed().f_transpose(axis0, axis1)?,
             layout,
             self.options(),
-        ))
+        );
+        result.traced(&[Arg::Nested(self)], "transpose", |ids| {
+            Op::TransposeStatic {
+                x: ids[0],
+                dim0: first,
+                dim1: second,
+            }
+        })
+    }
+
+    /// Position `index` of static dim `dim` (a NestedTensor dim) in every element,
+    /// removing the dim: elements `[L_i, 3, H, D]` give `[L_i, H, D]` for dim 2.
+    /// Shares the values' storage.
+    pub fn select_static(&self, dim: i64, index: i64) -> Result<NestedTensor> {
+        let element_dim = self.element_dim(dim, "select_static")?;
+        let axis = self.static_axis_or_error(element_dim, "select_static")?;
+        let size = self.packed().size()[axis as usize];
+        let position = if index < 0 { index + size } else { index };
+        if !(0..size).contains(&position) {
+            return Err(NestedError::IndexOutOfRange {
+                index,
+                batch_size: size as usize,
+            });
+        }
+        let layout = self.lay().without_dim(element_dim)?;
+        let result = NestedTensor::from_parts(
+            self.packed().f_select(axis, position)?,
+            layout,
+            self.options(),
+        );
+        result.traced(&[Arg::Nested(self)], "select_static", |ids| {
+            Op::SelectStatic {
+                x: ids[0],
+                dim: element_dim,
+                index: position,
+            }
+        })
     }
 
     /// Reorders the dims: `dims` is a permutation of the NestedTensor dims that keeps
     /// the batch dim and every ragged dim in place, so only static dims move.
     pub fn permute(&self, dims: &[i64]) -> Result<NestedTensor> {
+        self.untraceable("permute")?;
         let ndim = self.dim();
         let normalized = dims
             .iter()
@@ -264,7 +316,7 @@ impl NestedTensor {
         }
         let batch_dim = self.batch_dim();
         let element_dim = |dim: usize| if dim > batch_dim { dim - 1 } else { dim };
-        let layout = self.layout();
+        let layout = self.lay();
         let mut static_order = Vec::new();
         for (position, &source) in normalized.iter().enumerate() {
             let fixed = position == batch_dim || layout.is_ragged(element_dim(position));
@@ -286,7 +338,7 @@ impl NestedTensor {
             .collect();
         let layout = layout.with_static_order(&static_order);
         Ok(NestedTensor::from_parts(
-            self.values().f_permute(axes)?,
+            self.packed().f_permute(axes)?,
             layout,
             self.options(),
         ))
@@ -294,6 +346,7 @@ impl NestedTensor {
 
     /// Flattens the consecutive static dims `start..=end` into one.
     pub fn flatten(&self, start: i64, end: i64) -> Result<NestedTensor> {
+        self.untraceable("flatten")?;
         let first = self.element_dim(start, "flatten")?;
         let last = self.element_dim(end, "flatten")?;
         if last < first {
@@ -307,24 +360,24 @@ impl NestedTensor {
             .collect::<Result<Vec<_>>>()?;
         let volume: i64 = axes
             .iter()
-            .map(|&axis| self.values().size()[axis as usize])
+            .map(|&axis| self.packed().size()[axis as usize])
             .product();
-        let mut layout = self.layout().clone();
+        let mut layout = self.lay().clone();
         for dim in (first..=last).rev() {
             layout = layout.without_dim(dim)?;
         }
         let layout = layout.with_static_dim(first, volume)?;
-        let values = self.values().f_flatten(axes[0], axes[axes.len() - 1])?;
+        let values = self.packed().f_flatten(axes[0], axes[axes.len() - 1])?;
         Ok(NestedTensor::from_parts(values, layout, self.options()))
     }
 
     /// Reshapes the static tail: elements `[*ragged, *static]` (ragged dims first)
     /// become `[*ragged, *tail]`, with one `-1` allowed in `tail`.
     pub fn reshape_tail(&self, tail: &[i64]) -> Result<NestedTensor> {
-        let rows = self.layout().total_rows();
+        let rows = self.lay().total_rows();
         let shape: Vec<i64> = std::iter::once(rows).chain(tail.iter().copied()).collect();
-        let reshaped = self.values().f_reshape(shape)?;
-        let layout = self.layout();
+        let reshaped = self.packed().f_reshape(shape)?;
+        let layout = self.lay();
         let ragged_first = layout
             .ragged_dims()
             .iter()
@@ -339,7 +392,14 @@ impl NestedTensor {
                 ),
             });
         }
-        self.packed_with_static_tail(&reshaped)
+        let resolved = reshaped.size().split_off(1);
+        let result = self.retail(&reshaped)?;
+        result.traced(&[Arg::Nested(self)], "reshape_tail", |ids| {
+            Op::ReshapeTail {
+                x: ids[0],
+                tail: resolved,
+            }
+        })
     }
 
     /// The values axis of static element dim `dim`, or an error naming the op.
@@ -361,14 +421,15 @@ impl NestedTensor {
         keep_ragged: bool,
         f: impl Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<NestedTensor> {
+        self.untraceable(op)?;
         slow_path(SlowPath::PerElement, op)?;
-        if self.is_empty() {
+        if self.batch_size() == 0 {
             return Ok(self.shallow_clone());
         }
-        let results = self.unbind()?.iter().map(f).collect::<Result<Vec<_>>>()?;
+        let results = self.elements()?.iter().map(f).collect::<Result<Vec<_>>>()?;
         let rank = results.first().map_or(0, Tensor::dim);
         let ragged: Vec<usize> = if keep_ragged {
-            self.layout()
+            self.lay()
                 .ragged_dims()
                 .iter()
                 .copied()
@@ -385,7 +446,7 @@ impl NestedTensor {
 
     /// Packed rows of the elements, one index per row: the element that owns it.
     pub(crate) fn row_elements_tensor(&self) -> Result<Tensor> {
-        Ok(Tensor::f_from_slice(&self.layout().row_elements())?.f_to_device(self.device())?)
+        Ok(Tensor::f_from_slice(&self.lay().row_elements())?.f_to_device(self.device())?)
     }
 
     /// A dense per-element tensor `[B, *tail]` broadcast to every packed row `[N, *tail]`.

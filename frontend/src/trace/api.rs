@@ -1,0 +1,389 @@
+//! `trace`: run model code on example batches and record it as a graph.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use nestor_ir::{Dim, ElemDim, Graph, Op, Type, ValueId};
+use tch::Tensor;
+
+use super::interpret::{interpret, Value};
+use super::record::{trace_error, TraceRef, Tracer};
+use super::Dense;
+use crate::{dtype_of, NestedError, NestedOptions, NestedTensor, Reduced, Result};
+
+/// Where the value of a graph input comes from when the graph runs.
+#[derive(Clone, Debug)]
+enum Source {
+    /// Nested input `k`.
+    Nested(usize),
+    /// The sizes of ragged dim `dim` of nested input `k`.
+    Lengths(usize, usize),
+    /// Dense input `k`.
+    Dense(usize),
+    /// A parameter, bound to a tensor.
+    Param(usize),
+}
+
+/// A traced graph, with how to feed it: which inputs are batches, lengths, dense
+/// tensors, and the tensors its parameters are bound to.
+pub struct Traced {
+    graph: Graph,
+    sources: Vec<(ValueId, Source)>,
+    params: Vec<(ValueId, Tensor)>,
+}
+
+/// What a traced function may return: NestedTensors, [`Dense`] handles, reduction
+/// results, and vectors or pairs of them.
+pub trait TraceOutputs {
+    /// The traced values, in order (`None` for an untraced one).
+    fn trace_refs(&self) -> Vec<Option<TraceRef>>;
+}
+
+impl TraceOutputs for NestedTensor {
+    fn trace_refs(&self) -> Vec<Option<TraceRef>> {
+        vec![self.trace.clone()]
+    }
+}
+impl TraceOutputs for Dense {
+    fn trace_refs(&self) -> Vec<Option<TraceRef>> {
+        vec![self.trace.clone()]
+    }
+}
+impl TraceOutputs for Reduced {
+    fn trace_refs(&self) -> Vec<Option<TraceRef>> {
+        match self {
+            Reduced::Nested(nested) => nested.trace_refs(),
+            Reduced::Dense(dense) => dense.trace_refs(),
+        }
+    }
+}
+impl<T: TraceOutputs> TraceOutputs for Vec<T> {
+    fn trace_refs(&self) -> Vec<Option<TraceRef>> {
+        self.iter().flat_map(TraceOutputs::trace_refs).collect()
+    }
+}
+impl<A: TraceOutputs, B: TraceOutputs> TraceOutputs for (A, B) {
+    fn trace_refs(&self) -> Vec<Option<TraceRef>> {
+        [self.0.trace_refs(), self.1.trace_refs()].concat()
+    }
+}
+
+/// Traces `f` on example batches into a graph named `name`.
+///
+/// `f` receives the batches as traced NestedTensors (batch first) and the dense inputs
+/// as traced [`Dense`] handles; it runs eagerly while every operator records itself.
+/// Dense tensors it meets that are not inputs (weights, biases) become parameters,
+/// named after their path in `store` when given. Lengths become graph inputs, so no
+/// concrete length is in the graph. Reading concrete lengths or values (`len()`,
+/// `shape()`, `to_list()`, `values()`, `Dense::tensor()`...) fails the trace with an
+/// error naming the call, and so does an operator with no IR form.
+///
+/// With `NESTOR_DUMP=<dir>` set, the graph is written to `<dir>/<name>.00-traced.nir`
+/// and `.dot`.
+///
+/// ```
+/// use nestor_frontend::{trace, NestedTensor};
+/// use tch::{Device, Kind, Tensor};
+///
+/// let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+/// let example = NestedTensor::from_tensors(&[
+///     Tensor::randn([3, 4], (Kind::Float, Device::Cpu)),
+///     Tensor::randn([1, 4], (Kind::Float, Device::Cpu)),
+/// ])?;
+/// let traced = trace("ffn", &[&example], &[], None, |inputs, _| inputs[0].linear(&weight, None)?.relu())?;
+/// assert!(traced.text().contains("relu(%3)"));
+/// # Ok::<(), nestor_frontend::NestedError>(())
+/// ```
+pub fn trace<O: TraceOutputs>(
+    name: &str,
+    nested: &[&NestedTensor],
+    dense: &[&Tensor],
+    store: Option<&tch::nn::VarStore>,
+    f: impl FnOnce(&[NestedTensor], &[Dense]) -> Result<O>,
+) -> Result<Traced> {
+    let names = store
+        .map(|store| {
+            store
+                .variables()
+                .into_iter()
+                .map(|(name, tensor)| ((tensor.data_ptr() as usize, tensor.size()), name))
+                .collect::<HashMap<_, _>>()
+        })
+        .unwrap_or_default();
+    let tracer = Arc::new(Mutex::new(Tracer::new(name, names)));
+    let mut sources = Vec::new();
+    let batch_symbol = BatchSymbols::default();
+    let traced_nested = nested
+        .iter()
+        .enumerate()
+        .map(|(index, input)| trace_input(&tracer, &batch_symbol, index, input, &mut sources))
+        .collect::<Result<Vec<_>>>()?;
+    let traced_dense = dense
+        .iter()
+        .enumerate()
+        .map(|(index, tensor)| {
+            let kind = tensor.f_kind()?;
+            let dtype = dtype_of(kind).ok_or(NestedError::UnsupportedKind {
+                element: index,
+                kind,
+            })?;
+            let shape: Vec<Dim> = tensor
+                .size()
+                .iter()
+                .enumerate()
+                .map(|(dim, &size)| {
+                    if dim == 0 {
+                        batch_symbol.dim(size)
+                    } else {
+                        Dim::Static(size)
+                    }
+                })
+                .collect();
+            let value = add_input(
+                &tracer,
+                format!("dense{index}"),
+                Type::Dense { dtype, shape },
+            )?;
+            sources.push((value, Source::Dense(index)));
+            Ok(Dense {
+                tensor: tensor.shallow_clone(),
+                trace: Some(TraceRef {
+                    tracer: Arc::clone(&tracer),
+                    value,
+                }),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let outputs = f(&traced_nested, &traced_dense)?;
+    let mut state = tracer
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(call) = state.concrete_reads.first() {
+        return Err(trace_error(
+            call,
+            "reads concrete lengths or values while tracing; the graph would only be right for this batch".into(),
+        ));
+    }
+    let mut output_values = Vec::new();
+    for (position, output) in outputs.trace_refs().into_iter().enumerate() {
+        match output {
+            Some(output) if Arc::ptr_eq(&output.tracer, &tracer) => {
+                output_values.push(output.value)
+            }
+            _ => {
+                return Err(trace_error(
+                    "trace",
+                    format!(
+                        "output {position} is not computed from the inputs by traced operations"
+                    ),
+                ))
+            }
+        }
+    }
+    let mut graph = std::mem::take(&mut state.graph);
+    graph.outputs = output_values;
+    graph
+        .verify()
+        .map_err(|error| trace_error("trace", error.to_string()))?;
+    for (position, (value, _)) in state.params.iter().enumerate() {
+        sources.push((*value, Source::Param(position)));
+    }
+    let traced = Traced {
+        graph,
+        sources,
+        params: std::mem::take(&mut state.params),
+    };
+    if let Some(dir) = std::env::var_os("NESTOR_DUMP") {
+        traced.dump(Path::new(&dir), "00-traced")?;
+    }
+    Ok(traced)
+}
+
+/// One batch-size symbol per distinct example batch size (`B`, then `B1`, ...).
+#[derive(Default)]
+struct BatchSymbols(std::cell::RefCell<Vec<i64>>);
+
+impl BatchSymbols {
+    fn dim(&self, size: i64) -> Dim {
+        let mut sizes = self.0.borrow_mut();
+        let position = sizes
+            .iter()
+            .position(|&known| known == size)
+            .unwrap_or_else(|| {
+                sizes.push(size);
+                sizes.len() - 1
+            });
+        Dim::Sym(if position == 0 {
+            "B".into()
+        } else {
+            format!("B{position}")
+        })
+    }
+}
+
+fn add_input(tracer: &Arc<Mutex<Tracer>>, name: String, ty: Type) -> Result<ValueId> {
+    let mut state = tracer
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    state
+        .graph
+        .add_declared(Op::Input { name }, ty)
+        .map_err(|error| trace_error("trace", error.to_string()))
+}
+
+/// A graph input for nested input `index`: one lengths input per ragged dim, then the
+/// batch, typed by its static sizes and those lengths.
+fn trace_input(
+    tracer: &Arc<Mutex<Tracer>>,
+    batch_symbols: &BatchSymbols,
+    index: usize,
+    input: &NestedTensor,
+    sources: &mut Vec<(ValueId, Source)>,
+) -> Result<NestedTensor> {
+    let layout = input.lay();
+    let dtype = dtype_of(input.kind()).ok_or(NestedError::UnsupportedKind {
+        element: 0,
+        kind: input.kind(),
+    })?;
+    let batch = batch_symbols.dim(input.batch_size() as i64);
+    let mut dims = Vec::with_capacity(layout.rank());
+    let mut statics = layout.static_dims().iter().zip(layout.static_sizes());
+    for dim in 0..layout.rank() {
+        if layout.is_ragged(dim) {
+            let lengths = add_input(
+                tracer,
+                format!("x{index}.lengths{dim}"),
+                Type::Lengths {
+                    batch: batch.clone(),
+                },
+            )?;
+            sources.push((lengths, Source::Lengths(index, dim)));
+            dims.push(ElemDim::Ragged(lengths));
+        } else {
+            let size = statics.next().map_or(0, |(_, &size)| size);
+            dims.push(ElemDim::Fixed(Dim::Static(size)));
+        }
+    }
+    let value = add_input(
+        tracer,
+        format!("x{index}"),
+        Type::Ragged { dtype, batch, dims },
+    )?;
+    sources.push((value, Source::Nested(index)));
+    let mut traced = input.with_options(NestedOptions {
+        batch_first: true,
+        ..input.options()
+    });
+    traced.trace = Some(TraceRef {
+        tracer: Arc::clone(tracer),
+        value,
+    });
+    Ok(traced)
+}
+
+impl Traced {
+    /// The graph.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The graph in the text form.
+    pub fn text(&self) -> String {
+        nestor_ir::print(&self.graph)
+    }
+
+    /// The graph in Graphviz DOT.
+    pub fn dot(&self) -> String {
+        nestor_ir::to_dot(&self.graph)
+    }
+
+    /// The tensors the parameters are bound to, by graph value.
+    pub fn params(&self) -> &[(ValueId, Tensor)] {
+        &self.params
+    }
+
+    /// Writes `<dir>/<name>.<stage>.nir` and `.dot`.
+    pub fn dump(&self, dir: &Path, stage: &str) -> Result<()> {
+        let io = |error: std::io::Error| {
+            trace_error(
+                "dump",
+                format!("cannot write to {}: {error}", dir.display()),
+            )
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let stem = dir.join(format!("{}.{stage}", self.graph.name));
+        std::fs::write(stem.with_extension("nir"), self.text()).map_err(io)?;
+        std::fs::write(stem.with_extension("dot"), self.dot()).map_err(io)?;
+        Ok(())
+    }
+
+    /// Runs the graph op by op with tch (the interpreter) on new batches of the same
+    /// structure (any lengths) and dense inputs, with the bound parameters.
+    pub fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
+        let mut by_value: HashMap<ValueId, Value> = HashMap::new();
+        for (value, source) in &self.sources {
+            let input = match source {
+                Source::Nested(index) => {
+                    Value::Nested(input_at(nested, *index)?.with_options(NestedOptions {
+                        batch_first: true,
+                        ..input_at(nested, *index)?.options()
+                    }))
+                }
+                Source::Lengths(index, dim) => {
+                    let batch = input_at(nested, *index)?;
+                    let layout = batch.lay();
+                    if *dim >= layout.rank() {
+                        return Err(NestedError::InputMismatch {
+                            input: format!("x{index}"),
+                            reason: format!("elements of rank {} have no dim {dim}", layout.rank()),
+                        });
+                    }
+                    Value::Lengths(
+                        layout
+                            .element_sizes()
+                            .iter()
+                            .map(|sizes| sizes[*dim])
+                            .collect(),
+                    )
+                }
+                Source::Dense(index) => Value::Dense(
+                    dense
+                        .get(*index)
+                        .ok_or_else(|| NestedError::InputMismatch {
+                            input: format!("dense{index}"),
+                            reason: "missing".into(),
+                        })?
+                        .shallow_clone(),
+                ),
+                Source::Param(position) => Value::Dense(self.params[*position].1.shallow_clone()),
+            };
+            by_value.insert(*value, input);
+        }
+        let inputs = self
+            .graph
+            .inputs()
+            .into_iter()
+            .map(|value| {
+                by_value
+                    .remove(&value)
+                    .ok_or_else(|| trace_error("run", format!("no source for input {value}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        interpret(&self.graph, inputs)
+    }
+}
+
+fn input_at<'a>(nested: &[&'a NestedTensor], index: usize) -> Result<&'a NestedTensor> {
+    nested
+        .get(index)
+        .copied()
+        .ok_or_else(|| NestedError::InputMismatch {
+            input: format!("x{index}"),
+            reason: format!(
+                "the graph takes at least {} batches, {} given",
+                index + 1,
+                nested.len()
+            ),
+        })
+}

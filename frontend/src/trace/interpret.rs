@@ -1,0 +1,752 @@
+//! The interpreter: runs any graph op by op with tch, through the eager NestedTensor
+//! operators. It is the reference every compiled path is checked against.
+
+use std::collections::HashMap;
+
+use nestor_ir::{
+    BinaryOp, Dim, ElemDim, Graph, LossReduction as IrLoss, Op, PoolKind, ReduceOp, Type, UnaryOp,
+    ValueId,
+};
+use tch::{Kind, Reduction, Tensor};
+
+use crate::ops::Binary;
+use crate::{
+    dtype_of, kind_of, LossReduction, NestedError, NestedTensor, Operand, Reduce, Reduced, Result,
+    Target,
+};
+
+/// A run-time value of a graph.
+#[derive(Debug)]
+pub enum Value {
+    /// A ragged batch (batch first).
+    Nested(NestedTensor),
+    /// A dense tensor.
+    Dense(Tensor),
+    /// Per-element lengths.
+    Lengths(Vec<i64>),
+}
+
+impl Value {
+    fn share(&self) -> Value {
+        match self {
+            Value::Nested(nested) => Value::Nested(nested.shallow_clone()),
+            Value::Dense(tensor) => Value::Dense(tensor.shallow_clone()),
+            Value::Lengths(lengths) => Value::Lengths(lengths.clone()),
+        }
+    }
+
+    /// The batch, or an error naming what was found instead.
+    pub fn into_nested(self) -> Result<NestedTensor> {
+        match self {
+            Value::Nested(nested) => Ok(nested),
+            other => Err(mismatch(
+                "result",
+                format!("expected a ragged batch, got {}", other.describe()),
+            )),
+        }
+    }
+
+    /// The dense tensor, or an error naming what was found instead.
+    pub fn into_dense(self) -> Result<Tensor> {
+        match self {
+            Value::Dense(tensor) => Ok(tensor),
+            other => Err(mismatch(
+                "result",
+                format!("expected a dense tensor, got {}", other.describe()),
+            )),
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        match self {
+            Value::Nested(_) => "a ragged batch",
+            Value::Dense(_) => "a dense tensor",
+            Value::Lengths(_) => "lengths",
+        }
+    }
+}
+
+impl From<Reduced> for Value {
+    fn from(reduced: Reduced) -> Self {
+        match reduced {
+            Reduced::Nested(nested) => Value::Nested(nested),
+            Reduced::Dense(dense) => Value::Dense(dense.tensor),
+        }
+    }
+}
+
+fn mismatch(input: impl Into<String>, reason: String) -> NestedError {
+    NestedError::InputMismatch {
+        input: input.into(),
+        reason,
+    }
+}
+
+/// Runs `graph` on `inputs` (one per `input`/`param` op, in order), checking every
+/// input against its type (dtype, static sizes, lengths, batch sizes).
+pub fn interpret(graph: &Graph, inputs: Vec<Value>) -> Result<Vec<Value>> {
+    let mut interpreter = Interpreter {
+        graph,
+        values: Vec::with_capacity(graph.nodes.len()),
+        symbols: HashMap::new(),
+    };
+    let mut inputs = inputs.into_iter();
+    for (index, node) in graph.nodes.iter().enumerate() {
+        let value = ValueId(index as u32);
+        let result = match &node.op {
+            Op::Input { name } | Op::Param { name } => {
+                let input = inputs
+                    .next()
+                    .ok_or_else(|| mismatch(name.clone(), "missing".into()))?;
+                interpreter.check(name, &node.ty, &input)?;
+                input
+            }
+            op => interpreter.run(value, op, &node.ty)?,
+        };
+        interpreter.values.push(result);
+    }
+    graph
+        .outputs
+        .iter()
+        .map(|&output| Ok(interpreter.get(output).share()))
+        .collect()
+}
+
+struct Interpreter<'g> {
+    graph: &'g Graph,
+    values: Vec<Value>,
+    /// Batch-size symbols bound by the inputs.
+    symbols: HashMap<String, i64>,
+}
+
+impl Interpreter<'_> {
+    fn get(&self, value: ValueId) -> &Value {
+        &self.values[value.index()]
+    }
+
+    fn nested(&self, value: ValueId) -> Result<&NestedTensor> {
+        match self.get(value) {
+            Value::Nested(nested) => Ok(nested),
+            other => Err(mismatch(
+                value.to_string(),
+                format!("expected a ragged batch, got {}", other.describe()),
+            )),
+        }
+    }
+
+    fn dense(&self, value: ValueId) -> Result<&Tensor> {
+        match self.get(value) {
+            Value::Dense(tensor) => Ok(tensor),
+            other => Err(mismatch(
+                value.to_string(),
+                format!("expected a dense tensor, got {}", other.describe()),
+            )),
+        }
+    }
+
+    fn lengths(&self, value: ValueId) -> Result<&[i64]> {
+        match self.get(value) {
+            Value::Lengths(lengths) => Ok(lengths),
+            other => Err(mismatch(
+                value.to_string(),
+                format!("expected lengths, got {}", other.describe()),
+            )),
+        }
+    }
+
+    fn operand(&self, value: ValueId) -> Result<Operand<'_>> {
+        Ok(match self.get(value) {
+            Value::Nested(nested) => Operand::Nested(nested),
+            Value::Dense(tensor) => Operand::Dense(tensor),
+            Value::Lengths(_) => {
+                return Err(mismatch(
+                    value.to_string(),
+                    "lengths are not an elementwise operand".into(),
+                ))
+            }
+        })
+    }
+
+    /// Binds a batch-size symbol, or checks it against its binding.
+    fn bind(&mut self, input: &str, dim: &Dim, size: i64) -> Result<()> {
+        match dim {
+            Dim::Static(expected) if *expected != size => Err(mismatch(input, format!("a dim has size {size}, expected {expected}"))),
+            Dim::Sym(symbol) => match self.symbols.insert(symbol.clone(), size) {
+                Some(bound) if bound != size => {
+                    Err(mismatch(input, format!("batch size {size} differs from {bound}, the size of {symbol} in another input")))
+                }
+                _ => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    fn check(&mut self, name: &str, ty: &Type, value: &Value) -> Result<()> {
+        let dtype_error = |got: Kind| {
+            mismatch(
+                name,
+                format!(
+                    "has dtype {got:?}, expected {}",
+                    ty.dtype().map_or("lengths".into(), |d| d.to_string())
+                ),
+            )
+        };
+        match (ty, value) {
+            (Type::Lengths { batch }, Value::Lengths(lengths)) => {
+                self.bind(name, batch, lengths.len() as i64)
+            }
+            (Type::Dense { dtype, shape }, Value::Dense(tensor)) => {
+                if dtype_of(tensor.kind()) != Some(*dtype) {
+                    return Err(dtype_error(tensor.kind()));
+                }
+                let sizes = tensor.size();
+                if sizes.len() != shape.len() {
+                    return Err(mismatch(
+                        name,
+                        format!("has shape {sizes:?}, expected {ty}"),
+                    ));
+                }
+                for (dim, size) in shape.iter().zip(sizes) {
+                    self.bind(name, dim, size)?;
+                }
+                Ok(())
+            }
+            (Type::Ragged { dtype, batch, dims }, Value::Nested(nested)) => {
+                if dtype_of(nested.kind()) != Some(*dtype) {
+                    return Err(dtype_error(nested.kind()));
+                }
+                self.bind(name, batch, nested.batch_size() as i64)?;
+                let layout = nested.lay();
+                if layout.rank() != dims.len() {
+                    return Err(mismatch(
+                        name,
+                        format!("has elements of rank {}, expected {ty}", layout.rank()),
+                    ));
+                }
+                for (dim, expected) in dims.iter().enumerate() {
+                    for (element, sizes) in layout.element_sizes().iter().enumerate() {
+                        let ok = match expected {
+                            ElemDim::Fixed(Dim::Static(size)) => sizes[dim] == *size,
+                            ElemDim::Fixed(_) => true,
+                            ElemDim::Ragged(lengths) => {
+                                self.lengths(*lengths)?.get(element) == Some(&sizes[dim])
+                            }
+                        };
+                        if !ok {
+                            return Err(mismatch(name, format!("element {element} has size {} in dim {dim}, expected {expected}", sizes[dim])));
+                        }
+                    }
+                }
+                if layout
+                    .ragged_dims()
+                    .iter()
+                    .any(|&dim| matches!(dims[dim], ElemDim::Fixed(_)))
+                {
+                    return Err(mismatch(
+                        name,
+                        format!(
+                            "has ragged dims {:?} where {ty} has static ones",
+                            layout.ragged_dims()
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            (ty, value) => Err(mismatch(
+                name,
+                format!("expected {ty}, got {}", value.describe()),
+            )),
+        }
+    }
+
+    fn run(&mut self, value: ValueId, op: &Op, ty: &Type) -> Result<Value> {
+        Ok(match op {
+            Op::Input { .. } | Op::Param { .. } => unreachable!("inputs are bound by interpret"),
+            Op::Const { value, dtype } => Value::Dense(
+                Tensor::f_scalar_tensor(value.0, (Kind::Double, tch::Device::Cpu))?
+                    .f_to_kind(kind_of(*dtype))?,
+            ),
+            Op::Unary { op, x } => match self.get(*x) {
+                Value::Nested(nested) => Value::Nested(unary_nested(nested, *op)?),
+                _ => Value::Dense(unary_dense(self.dense(*x)?, *op)?),
+            },
+            Op::Binary { op, lhs, rhs } => {
+                let binary = Binary::from_ir(*op);
+                match (self.get(*lhs), self.get(*rhs)) {
+                    (Value::Nested(a), _) => Value::Nested(a.binary(binary, self.operand(*rhs)?)?),
+                    (_, Value::Nested(b)) => {
+                        Value::Nested(b.binary_reversed(binary, self.operand(*lhs)?)?)
+                    }
+                    _ => Value::Dense(binary.apply(self.dense(*lhs)?, self.dense(*rhs)?)?),
+                }
+            }
+            Op::Where { condition, x, y } => match (self.get(*x), self.get(*y)) {
+                (Value::Nested(x), _) => {
+                    Value::Nested(x.where_self(self.operand(*condition)?, self.operand(*y)?)?)
+                }
+                (_, Value::Nested(y)) => {
+                    let negated = match self.get(*condition) {
+                        Value::Nested(condition) => Value::Nested(condition.logical_not()?),
+                        _ => Value::Dense(self.dense(*condition)?.f_logical_not()?),
+                    };
+                    let negated = match &negated {
+                        Value::Nested(nested) => Operand::Nested(nested),
+                        Value::Dense(tensor) => Operand::Dense(tensor),
+                        Value::Lengths(_) => unreachable!("built above"),
+                    };
+                    Value::Nested(y.where_self(negated, self.operand(*x)?)?)
+                }
+                _ => Value::Dense(
+                    self.dense(*x)?
+                        .f_where_self(self.dense(*condition)?, self.dense(*y)?)?,
+                ),
+            },
+            Op::Cast { x, dtype } => match self.get(*x) {
+                Value::Nested(nested) => Value::Nested(nested.to_kind(kind_of(*dtype))?),
+                _ => Value::Dense(self.dense(*x)?.f_to_kind(kind_of(*dtype))?),
+            },
+            Op::Linear { x, weight, bias } => {
+                let bias = bias.map(|bias| self.dense(bias)).transpose()?;
+                match self.get(*x) {
+                    Value::Nested(nested) => {
+                        Value::Nested(nested.linear(self.dense(*weight)?, bias)?)
+                    }
+                    _ => Value::Dense(self.dense(*x)?.f_linear(self.dense(*weight)?, bias)?),
+                }
+            }
+            Op::Matmul { x, w } => match self.get(*x) {
+                Value::Nested(nested) => Value::Nested(nested.matmul(self.dense(*w)?)?),
+                _ => Value::Dense(self.dense(*x)?.f_matmul(self.dense(*w)?)?),
+            },
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                dims,
+                eps,
+            } => {
+                let shape = tail_sizes(ty, *dims);
+                let weight = weight.map(|w| self.dense(w)).transpose()?;
+                let bias = bias.map(|b| self.dense(b)).transpose()?;
+                match self.get(*x) {
+                    Value::Nested(nested) => {
+                        Value::Nested(nested.layer_norm(&shape, weight, bias, eps.0)?)
+                    }
+                    _ => Value::Dense(self.dense(*x)?.f_layer_norm(
+                        shape.as_slice(),
+                        weight,
+                        bias,
+                        eps.0,
+                        true,
+                    )?),
+                }
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                dims,
+                eps,
+            } => {
+                let shape = tail_sizes(ty, *dims);
+                let weight = weight.map(|w| self.dense(w)).transpose()?;
+                match self.get(*x) {
+                    Value::Nested(nested) => {
+                        Value::Nested(nested.rms_norm(&shape, weight, Some(eps.0))?)
+                    }
+                    _ => Value::Dense(self.dense(*x)?.f_rms_norm(
+                        shape.as_slice(),
+                        weight,
+                        Some(eps.0),
+                    )?),
+                }
+            }
+            Op::Softmax { x, axis, log } => match (self.get(*x), log) {
+                (Value::Nested(nested), false) => Value::Nested(nested.softmax(*axis)?),
+                (Value::Nested(nested), true) => Value::Nested(nested.log_softmax(*axis)?),
+                (_, false) => Value::Dense(self.dense(*x)?.f_softmax(*axis, None::<Kind>)?),
+                (_, true) => Value::Dense(self.dense(*x)?.f_log_softmax(*axis, None::<Kind>)?),
+            },
+            Op::Reduce {
+                op,
+                x,
+                dims,
+                keepdim,
+                correction,
+            } => {
+                let reduce = Reduce::from_ir(*op, *correction);
+                match self.get(*x) {
+                    Value::Nested(nested) => Value::from(nested.reduce(reduce, dims, *keepdim)?),
+                    _ => Value::Dense(reduce_dense(
+                        self.dense(*x)?,
+                        *op,
+                        dims,
+                        *keepdim,
+                        *correction,
+                    )?),
+                }
+            }
+            Op::Embedding {
+                ids,
+                weight,
+                padding_idx,
+            } => Value::Nested(
+                self.nested(*ids)?
+                    .embedding(self.dense(*weight)?, *padding_idx)?,
+            ),
+            Op::Attention {
+                q,
+                k,
+                v,
+                causal,
+                scale,
+            } => Value::Nested(self.nested(*q)?.scaled_dot_product_attention(
+                self.nested(*k)?,
+                self.nested(*v)?,
+                *causal,
+                scale.map(|scale| scale.0),
+            )?),
+            Op::ReshapeTail { x, tail } => Value::Nested(self.nested(*x)?.reshape_tail(tail)?),
+            Op::SelectStatic { x, dim, index } => {
+                Value::Nested(self.nested(*x)?.select_static(*dim as i64 + 1, *index)?)
+            }
+            Op::TransposeStatic { x, dim0, dim1 } => Value::Nested(
+                self.nested(*x)?
+                    .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
+            ),
+            Op::Dropout { x, p, train } => match self.get(*x) {
+                Value::Nested(nested) => Value::Nested(nested.dropout(p.0, *train)?),
+                _ => Value::Dense(self.dense(*x)?.f_dropout(p.0, *train)?),
+            },
+            Op::Pad { x, value } => {
+                let nested = self.nested(*x)?;
+                let options = crate::NestedOptions {
+                    padding_value: value.0,
+                    ..nested.options()
+                };
+                Value::Dense(nested.with_options(options).pad()?.tensor)
+            }
+            Op::Unpad { x, lengths } => {
+                let mask = length_mask(self.lengths(*lengths)?)?;
+                Value::Nested(
+                    NestedTensor::builder()
+                        .ragged_dims(&[0])
+                        .tensor_mask(self.dense(*x)?, &mask)?,
+                )
+            }
+            Op::Mask { lengths } => Value::Dense(length_mask(self.lengths(*lengths)?)?),
+            Op::MaxLength { lengths } => Value::Dense(Tensor::from(
+                self.lengths(*lengths)?.iter().copied().max().unwrap_or(0),
+            )),
+            Op::TotalLength { lengths } => {
+                Value::Dense(Tensor::from(self.lengths(*lengths)?.iter().sum::<i64>()))
+            }
+            Op::CrossEntropy {
+                logits,
+                target,
+                ignore_index,
+                smoothing,
+                reduction,
+            } => match self.get(*logits) {
+                Value::Nested(nested) => {
+                    let target = match self.get(*target) {
+                        Value::Nested(target) => Target::Nested(target),
+                        _ => Target::Dense(self.dense(*target)?),
+                    };
+                    Value::from(nested.cross_entropy(
+                        target,
+                        *ignore_index,
+                        smoothing.0,
+                        loss_reduction(*reduction),
+                    )?)
+                }
+                _ => Value::Dense(self.dense(*logits)?.f_cross_entropy_loss(
+                    self.dense(*target)?,
+                    None::<Tensor>,
+                    torch_reduction(*reduction),
+                    *ignore_index,
+                    smoothing.0,
+                )?),
+            },
+            Op::MseLoss {
+                x,
+                target,
+                reduction,
+            } => match self.get(*x) {
+                Value::Nested(nested) => Value::from(
+                    nested.mse_loss(self.operand(*target)?, loss_reduction(*reduction))?,
+                ),
+                _ => Value::Dense(
+                    self.dense(*x)?
+                        .f_mse_loss(self.dense(*target)?, torch_reduction(*reduction))?,
+                ),
+            },
+            Op::WindowLengths {
+                lengths,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            } => Value::Lengths(
+                self.lengths(*lengths)?
+                    .iter()
+                    .map(|&length| {
+                        ((length + 2 * padding - dilation * (kernel - 1) - 1).div_euclid(*stride)
+                            + 1)
+                        .max(0)
+                    })
+                    .collect(),
+            ),
+            Op::Conv2d {
+                x,
+                weight,
+                bias,
+                stride,
+                padding,
+                dilation,
+                groups,
+            } => {
+                let bias = bias.map(|b| self.dense(b)).transpose()?;
+                let image = self.dense(*x)?.f_unsqueeze(0)?;
+                Value::Dense(
+                    image
+                        .f_conv2d(
+                            self.dense(*weight)?,
+                            bias,
+                            stride,
+                            padding,
+                            dilation,
+                            *groups,
+                        )?
+                        .f_squeeze_dim(0)?,
+                )
+            }
+            Op::Pool2d {
+                kind,
+                x,
+                kernel,
+                stride,
+                padding,
+            } => {
+                let image = self.dense(*x)?.f_unsqueeze(0)?;
+                let pooled = match kind {
+                    PoolKind::Max => image.f_max_pool2d(kernel, stride, padding, [1, 1], false)?,
+                    PoolKind::Avg => {
+                        image.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)?
+                    }
+                };
+                Value::Dense(pooled.f_squeeze_dim(0)?)
+            }
+            Op::AdaptiveAvgPool2d { x, output } => Value::Dense(
+                self.dense(*x)?
+                    .f_unsqueeze(0)?
+                    .f_adaptive_avg_pool2d(output)?
+                    .f_squeeze_dim(0)?,
+            ),
+            Op::PerElement { inputs, body } => self.per_element(value, inputs, body, ty)?,
+        })
+    }
+
+    fn per_element(
+        &self,
+        value: ValueId,
+        inputs: &[ValueId],
+        body: &Graph,
+        ty: &Type,
+    ) -> Result<Value> {
+        let batch = self.nested(inputs[0])?;
+        let ragged: Vec<usize> = match ty {
+            Type::Ragged { dims, .. } => dims
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| matches!(d, ElemDim::Ragged(_)))
+                .map(|(i, _)| i)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut outputs = Vec::with_capacity(batch.batch_size());
+        for element in batch.elements()? {
+            let mut body_inputs = vec![Value::Dense(element)];
+            for &input in &inputs[1..] {
+                body_inputs.push(self.get(input).share());
+            }
+            let result = interpret(body, body_inputs)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| mismatch(value.to_string(), "the body returned nothing".into()))?;
+            outputs.push(result.into_dense()?);
+        }
+        let nested = NestedTensor::builder()
+            .ragged_dims(&ragged)
+            .tensors(&outputs)?;
+        let mut checker = Interpreter {
+            graph: self.graph,
+            values: self.values.iter().map(Value::share).collect(),
+            symbols: self.symbols.clone(),
+        };
+        checker.check(
+            &value.to_string(),
+            ty,
+            &Value::Nested(nested.shallow_clone()),
+        )?;
+        Ok(Value::Nested(nested))
+    }
+}
+
+/// The static sizes of the last `dims` dims of a type.
+fn tail_sizes(ty: &Type, dims: usize) -> Vec<i64> {
+    let sizes: Vec<i64> = match ty {
+        Type::Ragged { dims, .. } => dims
+            .iter()
+            .map(|dim| match dim {
+                ElemDim::Fixed(Dim::Static(size)) => *size,
+                _ => -1,
+            })
+            .collect(),
+        Type::Dense { shape, .. } => shape
+            .iter()
+            .map(|dim| dim.as_static().unwrap_or(-1))
+            .collect(),
+        Type::Lengths { .. } => Vec::new(),
+    };
+    sizes[sizes.len().saturating_sub(dims)..].to_vec()
+}
+
+fn length_mask(lengths: &[i64]) -> Result<Tensor> {
+    let max = lengths.iter().copied().max().unwrap_or(0);
+    let positions = Tensor::f_arange(max, (Kind::Int64, tch::Device::Cpu))?;
+    Ok(positions
+        .f_unsqueeze(0)?
+        .f_lt_tensor(&Tensor::f_from_slice(lengths)?.f_unsqueeze(1)?)?)
+}
+
+fn unary_nested(nested: &NestedTensor, op: UnaryOp) -> Result<NestedTensor> {
+    match op {
+        UnaryOp::Neg => nested.neg(),
+        UnaryOp::Abs => nested.abs(),
+        UnaryOp::Exp => nested.exp(),
+        UnaryOp::Log => nested.log(),
+        UnaryOp::Sqrt => nested.sqrt(),
+        UnaryOp::Rsqrt => nested.rsqrt(),
+        UnaryOp::Square => nested.square(),
+        UnaryOp::Sin => nested.sin(),
+        UnaryOp::Cos => nested.cos(),
+        UnaryOp::Tanh => nested.tanh(),
+        UnaryOp::Sigmoid => nested.sigmoid(),
+        UnaryOp::Relu => nested.relu(),
+        UnaryOp::Gelu => nested.gelu("none"),
+        UnaryOp::GeluTanh => nested.gelu("tanh"),
+        UnaryOp::Silu => nested.silu(),
+        UnaryOp::Erf => nested.erf(),
+        UnaryOp::Not => nested.logical_not(),
+    }
+}
+
+fn unary_dense(tensor: &Tensor, op: UnaryOp) -> Result<Tensor> {
+    Ok(match op {
+        UnaryOp::Neg => tensor.f_neg()?,
+        UnaryOp::Abs => tensor.f_abs()?,
+        UnaryOp::Exp => tensor.f_exp()?,
+        UnaryOp::Log => tensor.f_log()?,
+        UnaryOp::Sqrt => tensor.f_sqrt()?,
+        UnaryOp::Rsqrt => tensor.f_rsqrt()?,
+        UnaryOp::Square => tensor.f_square()?,
+        UnaryOp::Sin => tensor.f_sin()?,
+        UnaryOp::Cos => tensor.f_cos()?,
+        UnaryOp::Tanh => tensor.f_tanh()?,
+        UnaryOp::Sigmoid => tensor.f_sigmoid()?,
+        UnaryOp::Relu => tensor.f_relu()?,
+        UnaryOp::Gelu => tensor.f_gelu("none")?,
+        UnaryOp::GeluTanh => tensor.f_gelu("tanh")?,
+        UnaryOp::Silu => tensor.f_silu()?,
+        UnaryOp::Erf => tensor.f_erf()?,
+        UnaryOp::Not => tensor.f_logical_not()?,
+    })
+}
+
+fn reduce_dense(
+    tensor: &Tensor,
+    op: ReduceOp,
+    dims: &[i64],
+    keepdim: bool,
+    correction: i64,
+) -> Result<Tensor> {
+    let all: Vec<i64> = if dims.is_empty() {
+        (0..tensor.dim() as i64).collect()
+    } else {
+        dims.to_vec()
+    };
+    let dims = all.as_slice();
+    Ok(match op {
+        ReduceOp::Sum => tensor.f_sum_dim_intlist(dims, keepdim, None::<Kind>)?,
+        ReduceOp::Mean => tensor.f_mean_dim(dims, keepdim, None::<Kind>)?,
+        ReduceOp::Amax => tensor.f_amax(dims, keepdim)?,
+        ReduceOp::Amin => tensor.f_amin(dims, keepdim)?,
+        ReduceOp::LogSumExp => tensor.f_logsumexp(dims, keepdim)?,
+        ReduceOp::Var => tensor.f_var_correction(dims, correction, keepdim)?,
+        ReduceOp::Std => tensor.f_std_correction(dims, correction, keepdim)?,
+        ReduceOp::All => dims
+            .iter()
+            .rev()
+            .try_fold(tensor.f_ne(0)?, |t, &d| t.f_all_dim(d, keepdim))?,
+        ReduceOp::Any => dims
+            .iter()
+            .rev()
+            .try_fold(tensor.f_ne(0)?, |t, &d| t.f_any_dim(d, keepdim))?,
+    })
+}
+
+fn loss_reduction(reduction: IrLoss) -> LossReduction {
+    match reduction {
+        IrLoss::Mean => LossReduction::Mean,
+        IrLoss::Sum => LossReduction::Sum,
+        IrLoss::None => LossReduction::None,
+    }
+}
+
+fn torch_reduction(reduction: IrLoss) -> Reduction {
+    match reduction {
+        IrLoss::Mean => Reduction::Mean,
+        IrLoss::Sum => Reduction::Sum,
+        IrLoss::None => Reduction::None,
+    }
+}
+
+impl Binary {
+    /// The eager operator of an IR operator.
+    pub fn from_ir(op: BinaryOp) -> Binary {
+        match op {
+            BinaryOp::Add => Binary::Add,
+            BinaryOp::Sub => Binary::Sub,
+            BinaryOp::Mul => Binary::Mul,
+            BinaryOp::Div => Binary::Div,
+            BinaryOp::Pow => Binary::Pow,
+            BinaryOp::Maximum => Binary::Maximum,
+            BinaryOp::Minimum => Binary::Minimum,
+            BinaryOp::Eq => Binary::Eq,
+            BinaryOp::Ne => Binary::Ne,
+            BinaryOp::Lt => Binary::Lt,
+            BinaryOp::Le => Binary::Le,
+            BinaryOp::Gt => Binary::Gt,
+            BinaryOp::Ge => Binary::Ge,
+            BinaryOp::And => Binary::LogicalAnd,
+            BinaryOp::Or => Binary::LogicalOr,
+        }
+    }
+}
+
+impl Reduce {
+    /// The eager reduction of an IR reduction.
+    pub fn from_ir(op: ReduceOp, correction: i64) -> Reduce {
+        match op {
+            ReduceOp::Sum => Reduce::Sum,
+            ReduceOp::Mean => Reduce::Mean,
+            ReduceOp::Amax => Reduce::Amax,
+            ReduceOp::Amin => Reduce::Amin,
+            ReduceOp::LogSumExp => Reduce::LogSumExp,
+            ReduceOp::Var => Reduce::Var { correction },
+            ReduceOp::Std => Reduce::Std { correction },
+            ReduceOp::All => Reduce::All,
+            ReduceOp::Any => Reduce::Any,
+        }
+    }
+}

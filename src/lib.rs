@@ -25,5 +25,9 @@ pub use nestor_frontend::{
     NestedError, NestedOptions, NestedTensor, Operand, PNTensor, Reduce, Reduced, Result, SlowPath,
     Target,
 };
+pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 pub use nestor_ir::DType;
+
+/// The ragged graph IR (types, ops, text form, verifier, Graphviz output).
+pub use nestor_ir as ir;
 pub use nestor_runtime::{LayoutError, RaggedLayout};

@@ -1,5 +1,8 @@
 //! The text form round-trips, the verifier names the op and the rule it breaks.
 
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use nestor_ir::{
     parse, print, to_dot, BinaryOp, DType, Dim, ElemDim, Graph, LossReduction, Op, ReduceOp, Type,
     UnaryOp, ValueId, F64,

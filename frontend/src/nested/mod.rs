@@ -206,7 +206,7 @@ impl NestedTensor {
     pub fn with_options(&self, options: NestedOptions) -> Self {
         Self {
             options,
-            ..self.with_values(self.values.shallow_clone())
+            ..self.shallow_clone()
         }
     }
 
@@ -374,7 +374,10 @@ impl NestedTensor {
 
     /// A new handle on the same values (no copy), like `Tensor::shallow_clone`.
     pub fn shallow_clone(&self) -> Self {
-        self.with_values(self.values.shallow_clone())
+        Self {
+            trace: self.trace.clone(),
+            ..self.with_values(self.values.shallow_clone())
+        }
     }
 }
 

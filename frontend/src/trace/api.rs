@@ -33,6 +33,12 @@ pub struct Traced {
     params: Vec<(ValueId, Tensor)>,
 }
 
+impl std::fmt::Debug for Traced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text())
+    }
+}
+
 /// What a traced function may return: NestedTensors, [`Dense`] handles, reduction
 /// results, and vectors or pairs of them.
 pub trait TraceOutputs {
@@ -155,16 +161,18 @@ pub fn trace<O: TraceOutputs>(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let outputs = f(&traced_nested, &traced_dense)?;
+    let outputs = f(&traced_nested, &traced_dense);
     let mut state = tracer
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
+    // A concrete read explains whatever failed after it, so it is reported first.
     if let Some(call) = state.concrete_reads.first() {
         return Err(trace_error(
             call,
             "reads concrete lengths or values while tracing; the graph would only be right for this batch".into(),
         ));
     }
+    let outputs = outputs?;
     let mut output_values = Vec::new();
     for (position, output) in outputs.trace_refs().into_iter().enumerate() {
         match output {
@@ -312,9 +320,9 @@ impl Traced {
             )
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let stem = dir.join(format!("{}.{stage}", self.graph.name));
-        std::fs::write(stem.with_extension("nir"), self.text()).map_err(io)?;
-        std::fs::write(stem.with_extension("dot"), self.dot()).map_err(io)?;
+        let stem = format!("{}.{stage}", self.graph.name);
+        std::fs::write(dir.join(format!("{stem}.nir")), self.text()).map_err(io)?;
+        std::fs::write(dir.join(format!("{stem}.dot")), self.dot()).map_err(io)?;
         Ok(())
     }
 

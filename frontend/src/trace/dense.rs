@@ -172,10 +172,11 @@ impl Dense {
         })
     }
 
-    /// Cross entropy of logits `[N, C]` against class ids `[N]`.
+    /// Cross entropy of logits `[N, C]` against class ids `[N]` (a handle, so that
+    /// the targets of a traced loss are an input of the graph).
     pub fn cross_entropy(
         &self,
-        target: &Tensor,
+        target: &Dense,
         ignore_index: i64,
         label_smoothing: f64,
         reduction: LossReduction,
@@ -186,7 +187,7 @@ impl Dense {
             LossReduction::None => (Reduction::None, IrLoss::None),
         };
         let output = self.tensor.f_cross_entropy_loss(
-            target,
+            &target.tensor,
             None::<Tensor>,
             torch_reduction,
             ignore_index,
@@ -194,7 +195,10 @@ impl Dense {
         )?;
         Dense::traced(
             output,
-            &[self.arg(), Arg::Dense(target, None)],
+            &[
+                self.arg(),
+                Arg::Dense(&target.tensor, target.trace.as_ref()),
+            ],
             "cross_entropy",
             |ids| Op::CrossEntropy {
                 logits: ids[0],

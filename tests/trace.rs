@@ -535,3 +535,42 @@ fn dumps_write_text_and_dot() {
         .starts_with("digraph"));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+fn images(sizes: &[(i64, i64)], seed: i64) -> NestedTensor {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = sizes
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&elements)
+        .unwrap()
+}
+
+#[test]
+fn per_element_convolution_and_pooling_trace_as_regions() {
+    tch::manual_seed(14);
+    let weight = Tensor::randn([4, 3, 3, 3], (Kind::Float, Device::Cpu));
+    let bias = Tensor::randn([4], (Kind::Float, Device::Cpu));
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Output>> {
+        let features = x[0]
+            .conv2d(&weight, Some(&bias), [1, 1], [1, 1], [1, 1], 1)?
+            .relu()?;
+        let pooled = features.max_pool2d([2, 2], [2, 2], [0, 0])?;
+        Ok(vec![
+            pooled.clone().into(),
+            pooled.avg_pool2d([2, 2], [1, 1], [0, 0])?.into(),
+            features.adaptive_avg_pool2d([2, 2])?.into(),
+        ])
+    };
+    let example = images(&[(6, 7), (9, 5)], 15);
+    let other = images(&[(8, 8), (5, 11), (12, 6)], 16);
+    let traced = check_family("conv", &model, &[&example], &[&other], &[], Kind::Float);
+    let text = traced.text();
+    assert!(
+        text.contains("per_element(") && text.contains("window_lengths("),
+        "{text}"
+    );
+    assert_eq!(nestor::ir::parse(&text).unwrap(), *traced.graph());
+}

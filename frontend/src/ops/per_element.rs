@@ -1,9 +1,25 @@
 //! Convolution, pooling and interpolation for elements of different spatial size:
 //! element by element (no packed form exists), each element as a batch of one.
 
+use nestor_ir::{Dim, ElemDim, Graph, Op, PoolKind, Type, ValueId};
 use tch::Tensor;
 
+use crate::trace::{record_with, trace_error, Arg};
+
 use crate::{NestedTensor, Result};
+
+/// How a per-element op sizes the spatial dims of its output.
+enum Windows {
+    /// A sliding window (convolution, pooling).
+    Sliding {
+        kernel: [i64; 2],
+        stride: [i64; 2],
+        padding: [i64; 2],
+        dilation: [i64; 2],
+    },
+    /// A fixed output size (adaptive pooling).
+    Fixed([i64; 2]),
+}
 
 /// Runs a batched tch op on one element `[C, *spatial]` as a batch of one.
 fn as_batch_of_one(
@@ -43,10 +59,28 @@ impl NestedTensor {
         dilation: [i64; 2],
         groups: i64,
     ) -> Result<NestedTensor> {
-        self.map_elements("conv2d", true, |element| {
+        let result = self.map_elements_eager("conv2d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_conv2d(weight, bias, stride, padding, dilation, groups)
             })
+        })?;
+        let mut params = vec![weight];
+        params.extend(bias);
+        let has_bias = bias.is_some();
+        let windows = Windows::Sliding {
+            kernel: [weight.size()[2], weight.size()[3]],
+            stride,
+            padding,
+            dilation,
+        };
+        self.record_per_element(result, "conv2d", &params, windows, |ids| Op::Conv2d {
+            x: ids[0],
+            weight: ids[1],
+            bias: has_bias.then(|| ids[2]),
+            stride: stride.to_vec(),
+            padding: padding.to_vec(),
+            dilation: dilation.to_vec(),
+            groups,
         })
     }
 
@@ -57,10 +91,23 @@ impl NestedTensor {
         stride: [i64; 2],
         padding: [i64; 2],
     ) -> Result<NestedTensor> {
-        self.map_elements("max_pool2d", true, |element| {
+        let result = self.map_elements_eager("max_pool2d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_max_pool2d(kernel, stride, padding, [1, 1], false)
             })
+        })?;
+        let windows = Windows::Sliding {
+            kernel,
+            stride,
+            padding,
+            dilation: [1, 1],
+        };
+        self.record_per_element(result, "pool2d", &[], windows, |ids| Op::Pool2d {
+            kind: PoolKind::Max,
+            x: ids[0],
+            kernel: kernel.to_vec(),
+            stride: stride.to_vec(),
+            padding: padding.to_vec(),
         })
     }
 
@@ -71,10 +118,23 @@ impl NestedTensor {
         stride: [i64; 2],
         padding: [i64; 2],
     ) -> Result<NestedTensor> {
-        self.map_elements("avg_pool2d", true, |element| {
+        let result = self.map_elements_eager("avg_pool2d", true, |element| {
             as_batch_of_one(element, |x| {
                 x.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)
             })
+        })?;
+        let windows = Windows::Sliding {
+            kernel,
+            stride,
+            padding,
+            dilation: [1, 1],
+        };
+        self.record_per_element(result, "pool2d", &[], windows, |ids| Op::Pool2d {
+            kind: PoolKind::Avg,
+            x: ids[0],
+            kernel: kernel.to_vec(),
+            stride: stride.to_vec(),
+            padding: padding.to_vec(),
         })
     }
 
@@ -90,9 +150,118 @@ impl NestedTensor {
     /// Adaptive average pooling of elements `[C, H_i, W_i]` to `[C, *output]`; every
     /// element then has the same shape, so the result has no ragged dim.
     pub fn adaptive_avg_pool2d(&self, output: [i64; 2]) -> Result<NestedTensor> {
-        self.map_elements("adaptive_avg_pool2d", false, |element| {
+        let result = self.map_elements_eager("adaptive_avg_pool2d", false, |element| {
             as_batch_of_one(element, |x| x.f_adaptive_avg_pool2d(output))
-        })
+        })?;
+        self.record_per_element(
+            result,
+            "adaptive_avg_pool2d",
+            &[],
+            Windows::Fixed(output),
+            |ids| Op::AdaptiveAvgPool2d {
+                x: ids[0],
+                output: output.to_vec(),
+            },
+        )
+    }
+
+    /// Records a per-element region for an op over elements `[C, H_i, W_i]`: a body
+    /// graph running `body` on one dense element (and `params`), lengths ops giving the
+    /// output's spatial sizes, and the region with its declared result type.
+    fn record_per_element(
+        &self,
+        result: NestedTensor,
+        op: &'static str,
+        params: &[&Tensor],
+        windows: Windows,
+        body: impl Fn(&[ValueId]) -> Op,
+    ) -> Result<NestedTensor> {
+        let Some(trace) = &self.trace else {
+            return Ok(result);
+        };
+        let Type::Ragged { dtype, batch, dims } = trace.ty() else {
+            return Err(trace_error(op, "expects a ragged input".into()));
+        };
+        if dims.len() != 3 {
+            return Err(trace_error(
+                op,
+                format!("expects elements [C, H, W], got rank {}", dims.len()),
+            ));
+        }
+        let element_dim = |dim: &ElemDim| match dim {
+            ElemDim::Fixed(dim) => dim.clone(),
+            ElemDim::Ragged(_) => Dim::Sym("?".into()),
+        };
+        let mut args = vec![Arg::Nested(self)];
+        args.extend(params.iter().map(|param| Arg::Dense(param, None)));
+        let out_channels = *result
+            .packed()
+            .size()
+            .last()
+            .map_or(&0, |_| &result.lay().static_sizes()[0]);
+        let traced = record_with(&args, op, |graph, ids| {
+            let mut body_graph = Graph::new(op);
+            let element = Type::Dense {
+                dtype,
+                shape: dims.iter().map(element_dim).collect(),
+            };
+            let mut body_ids = vec![body_graph.add_declared(
+                Op::Input {
+                    name: "element".into(),
+                },
+                element,
+            )?];
+            for (position, &param) in ids[1..].iter().enumerate() {
+                let ty = graph.ty(param).clone();
+                body_ids.push(body_graph.add_declared(
+                    Op::Input {
+                        name: format!("param{position}"),
+                    },
+                    ty,
+                )?);
+            }
+            let output = body_graph.push(body(&body_ids))?;
+            body_graph.outputs = vec![output];
+            let mut out_dims = vec![ElemDim::Fixed(Dim::Static(out_channels))];
+            for (axis, dim) in dims[1..].iter().enumerate() {
+                out_dims.push(match (&windows, dim) {
+                    (Windows::Fixed(size), _) => ElemDim::Fixed(Dim::Static(size[axis])),
+                    (
+                        Windows::Sliding {
+                            kernel,
+                            stride,
+                            padding,
+                            dilation,
+                        },
+                        ElemDim::Ragged(lengths),
+                    ) => ElemDim::Ragged(graph.push(Op::WindowLengths {
+                        lengths: *lengths,
+                        kernel: kernel[axis],
+                        stride: stride[axis],
+                        padding: padding[axis],
+                        dilation: dilation[axis],
+                    })?),
+                    (Windows::Sliding { .. }, ElemDim::Fixed(_)) => {
+                        ElemDim::Fixed(Dim::Static(result.lay().max_sizes()[axis + 1]))
+                    }
+                });
+            }
+            let ty = Type::Ragged {
+                dtype,
+                batch: batch.clone(),
+                dims: out_dims,
+            };
+            graph.add_declared(
+                Op::PerElement {
+                    inputs: ids.to_vec(),
+                    body: Box::new(body_graph),
+                },
+                ty,
+            )
+        })?;
+        let mut result = result;
+        result.trace = traced;
+        Ok(result)
     }
 
     /// Bilinear interpolation of elements `[C, H_i, W_i]` to a fixed `size`, or scaled by

@@ -422,6 +422,17 @@ impl NestedTensor {
         f: impl Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<NestedTensor> {
         self.untraceable(op)?;
+        self.map_elements_eager(op, keep_ragged, f)
+    }
+
+    /// [`map_elements`](Self::map_elements) without the tracing check, for per-element
+    /// operators that record themselves.
+    pub(crate) fn map_elements_eager(
+        &self,
+        op: &'static str,
+        keep_ragged: bool,
+        f: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, op)?;
         if self.batch_size() == 0 {
             return Ok(self.shallow_clone());

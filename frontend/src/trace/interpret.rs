@@ -171,6 +171,8 @@ impl Interpreter<'_> {
     fn bind(&mut self, input: &str, dim: &Dim, size: i64) -> Result<()> {
         match dim {
             Dim::Static(expected) if *expected != size => Err(mismatch(input, format!("a dim has size {size}, expected {expected}"))),
+            // `?` is a size known only at run time, different per element.
+            Dim::Sym(symbol) if symbol == "?" => Ok(()),
             Dim::Sym(symbol) => match self.symbols.insert(symbol.clone(), size) {
                 Some(bound) if bound != size => {
                     Err(mismatch(input, format!("batch size {size} differs from {bound}, the size of {symbol} in another input")))

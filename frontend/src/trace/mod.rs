@@ -18,4 +18,4 @@ pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;
 pub use interpret::{interpret, Value};
 pub use record::TraceRef;
-pub(crate) use record::{trace_error, Arg};
+pub(crate) use record::{record_with, trace_error, Arg};

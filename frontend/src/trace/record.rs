@@ -116,6 +116,16 @@ pub(crate) fn record(
     op: &'static str,
     build: impl FnOnce(&[ValueId]) -> Op,
 ) -> Result<Option<TraceRef>> {
+    record_with(args, op, |graph, values| graph.push(build(values)))
+}
+
+/// Like [`record`], with a function that adds whatever ops it needs to the graph and
+/// returns the result's value (per-element regions add lengths ops and a body).
+pub(crate) fn record_with(
+    args: &[Arg<'_>],
+    op: &'static str,
+    add: impl FnOnce(&mut Graph, &[ValueId]) -> Result<ValueId, nestor_ir::VerifyError>,
+) -> Result<Option<TraceRef>> {
     let Some(trace) = args.iter().find_map(Arg::trace) else {
         return Ok(None);
     };
@@ -144,10 +154,8 @@ pub(crate) fn record(
         };
         values.push(value);
     }
-    let value = tracer
-        .graph
-        .push(build(&values))
-        .map_err(|error| trace_error(op, error.to_string()))?;
+    let value =
+        add(&mut tracer.graph, &values).map_err(|error| trace_error(op, error.to_string()))?;
     Ok(Some(TraceRef {
         tracer: Arc::clone(&tracer_arc),
         value,

@@ -352,11 +352,15 @@ fn unreachable_dense() -> ! {
 /// The size of a window op's output dim.
 fn window(input: &Dim, kernel: i64, stride: i64, padding: i64, dilation: i64) -> Dim {
     match input.as_static() {
-        Some(size) => {
-            Dim::Static((size + 2 * padding - dilation * (kernel - 1) - 1).div_euclid(stride) + 1)
-        }
+        Some(size) => Dim::Static(window_output_size(size, kernel, stride, padding, dilation)),
         None => Dim::Sym("?".into()),
     }
+}
+
+/// The output size of a sliding window (convolution, pooling) over `size` positions,
+/// as torch computes it (never negative).
+pub fn window_output_size(size: i64, kernel: i64, stride: i64, padding: i64, dilation: i64) -> i64 {
+    ((size + 2 * padding - dilation * (kernel - 1) - 1).div_euclid(stride) + 1).max(0)
 }
 
 fn element_image(ty: &Type) -> Result<(DType, Vec<Dim>), String> {

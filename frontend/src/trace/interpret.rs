@@ -492,9 +492,7 @@ impl Interpreter<'_> {
                 self.lengths(*lengths)?
                     .iter()
                     .map(|&length| {
-                        ((length + 2 * padding - dilation * (kernel - 1) - 1).div_euclid(*stride)
-                            + 1)
-                        .max(0)
+                        nestor_ir::window_output_size(length, *kernel, *stride, *padding, *dilation)
                     })
                     .collect(),
             ),

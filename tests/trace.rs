@@ -96,6 +96,12 @@ fn check_family(
         .map(|t| Dense::from(t.shallow_clone()))
         .collect();
     let eager = model(&eager_inputs, &eager_dense).unwrap();
+    // Every traced graph round-trips through the text form.
+    assert_eq!(
+        nestor::ir::parse(&traced.text()).unwrap(),
+        *traced.graph(),
+        "{family}"
+    );
     let interpreted = traced
         .run(other, dense)
         .unwrap_or_else(|error| panic!("{family}: {error}"));
@@ -192,6 +198,16 @@ fn families(weights: &Weights) -> Vec<(&'static str, Box<Model<'static>>)> {
                     heads.transpose(2, 3)?.into(),
                     heads.select_static(2, 1)?.into(),
                     x[0].pad()?.into(),
+                ])
+            }),
+        ),
+        (
+            "repeat",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                let repeated = x[0].repeat_batch(2)?;
+                Ok(vec![
+                    (&repeated + &repeated)?.into(),
+                    x[0].repeat_interleave(3)?.softmax(1)?.into(),
                 ])
             }),
         ),

@@ -244,6 +244,62 @@ pub(crate) fn infer_type(graph: &Graph, op: &Op) -> Inferred {
             let dtype = float(&logits)?;
             Ok(loss_type(rows.with_dtype(dtype), *reduction))
         }
+        Op::RepeatLengths {
+            lengths, repeats, ..
+        } => {
+            if *repeats < 0 {
+                return Err(format!("repeats must not be negative, got {repeats}"));
+            }
+            let batch = lengths_batch(graph, *lengths)?;
+            Ok(Type::Lengths {
+                batch: Dim::Sym(format!("{batch}x{repeats}")),
+            })
+        }
+        Op::RepeatBatch {
+            x,
+            lengths,
+            repeats,
+            interleave,
+        } => {
+            let Type::Ragged { dtype, batch, dims } = ty(*x) else {
+                return Err(format!("expects a ragged value, got {}", ty(*x)));
+            };
+            let old = ty(*x).length_values();
+            if old.len() != lengths.len() {
+                return Err(format!(
+                    "needs {} new lengths (one per ragged dim), got {}",
+                    old.len(),
+                    lengths.len()
+                ));
+            }
+            for (&new, &previous) in lengths.iter().zip(&old) {
+                let expected = Op::RepeatLengths {
+                    lengths: previous,
+                    repeats: *repeats,
+                    interleave: *interleave,
+                };
+                if graph.op(new) != &expected {
+                    return Err(format!(
+                        "{new} must be repeat_lengths({previous}) with the same repeats"
+                    ));
+                }
+            }
+            let mut replacements = lengths.iter();
+            let dims = dims
+                .into_iter()
+                .map(|dim| match dim {
+                    ElemDim::Ragged(_) => replacements
+                        .next()
+                        .map_or(dim.clone(), |&new| ElemDim::Ragged(new)),
+                    fixed => fixed,
+                })
+                .collect();
+            Ok(Type::Ragged {
+                dtype,
+                batch: Dim::Sym(format!("{batch}x{repeats}")),
+                dims,
+            })
+        }
         Op::MseLoss {
             x,
             target,

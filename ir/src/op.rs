@@ -368,6 +368,28 @@ pub enum Op {
         /// Reduction.
         reduction: LossReduction,
     },
+    /// The lengths of a batch repeated `repeats` times, whole (`[l0, l1, l0, l1]`) or
+    /// element by element (`[l0, l0, l1, l1]`).
+    RepeatLengths {
+        /// Lengths.
+        lengths: ValueId,
+        /// Copies of every element.
+        repeats: i64,
+        /// Element by element rather than whole.
+        interleave: bool,
+    },
+    /// A batch repeated as `RepeatLengths` says; `lengths` are its new lengths values
+    /// (one per ragged dim, from `repeat_lengths`).
+    RepeatBatch {
+        /// The batch.
+        x: ValueId,
+        /// The lengths of the result, one per ragged dim of `x`.
+        lengths: Vec<ValueId>,
+        /// Copies of every element.
+        repeats: i64,
+        /// Element by element rather than whole.
+        interleave: bool,
+    },
     /// Mean squared error.
     MseLoss {
         /// Predictions.
@@ -540,6 +562,8 @@ impl Op {
             Op::TotalLength { .. } => "total_length",
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::MseLoss { .. } => "mse_loss",
+            Op::RepeatLengths { .. } => "repeat_lengths",
+            Op::RepeatBatch { .. } => "repeat_batch",
             Op::WindowLengths { .. } => "window_lengths",
             Op::Conv2d { .. } => "conv2d",
             Op::Pool2d {
@@ -593,6 +617,8 @@ impl Op {
             }
             Op::CrossEntropy { logits, target, .. } => vec![*logits, *target],
             Op::MseLoss { x, target, .. } => vec![*x, *target],
+            Op::RepeatLengths { lengths, .. } => vec![*lengths],
+            Op::RepeatBatch { x, lengths, .. } => [vec![*x], lengths.clone()].concat(),
             Op::PerElement { inputs, .. } => inputs.clone(),
         }
     }
@@ -666,6 +692,11 @@ impl Op {
             Op::CrossEntropy { logits, target, .. } => {
                 map(logits);
                 map(target);
+            }
+            Op::RepeatLengths { lengths, .. } => map(lengths),
+            Op::RepeatBatch { x, lengths, .. } => {
+                map(x);
+                lengths.iter_mut().for_each(map);
             }
             Op::MseLoss { x, target, .. } => {
                 map(x);
@@ -745,6 +776,21 @@ impl Op {
                 ("smoothing", float(smoothing)),
                 ("reduction", Attr::Word(reduction.word().into())),
             ],
+            Op::RepeatLengths {
+                repeats,
+                interleave,
+                ..
+            }
+            | Op::RepeatBatch {
+                repeats,
+                interleave,
+                ..
+            } => {
+                vec![
+                    ("repeats", Attr::Int(*repeats)),
+                    ("interleave", Attr::Bool(*interleave)),
+                ]
+            }
             Op::MseLoss { reduction, .. } => {
                 vec![("reduction", Attr::Word(reduction.word().into()))]
             }
@@ -1036,6 +1082,25 @@ impl Op {
                     ignore_index: int("ignore_index")?,
                     smoothing: float("smoothing")?,
                     reduction: reduction()?,
+                }
+            }
+            "repeat_lengths" => {
+                arity(&[1])?;
+                Op::RepeatLengths {
+                    lengths: at(0),
+                    repeats: int("repeats")?,
+                    interleave: boolean("interleave")?,
+                }
+            }
+            "repeat_batch" => {
+                if operands.is_empty() {
+                    return Err("repeat_batch takes the batch and its new lengths".into());
+                }
+                Op::RepeatBatch {
+                    x: at(0),
+                    lengths: operands[1..].to_vec(),
+                    repeats: int("repeats")?,
+                    interleave: boolean("interleave")?,
                 }
             }
             "mse_loss" => {

@@ -7,7 +7,7 @@ use tch::{Kind, Tensor};
 use nestor_ir::Op;
 
 use crate::guard::{slow_path, SlowPath};
-use crate::trace::Arg;
+use crate::trace::{record_with, Arg};
 use crate::{NestedError, NestedTensor, Result};
 
 impl NestedTensor {
@@ -118,21 +118,52 @@ impl NestedTensor {
 
     /// The whole batch repeated `repeats` times: `[e_0, ..., e_B, e_0, ...]`.
     pub fn repeat_batch(&self, repeats: usize) -> Result<NestedTensor> {
-        self.untraceable("repeat_batch")?;
         let batch = self.batch_size() as i64;
         let indices: Vec<i64> = (0..repeats as i64 * batch)
             .map(|index| index % batch.max(1))
             .collect();
-        self.select_batch(indices)
+        self.repeated(indices, repeats, false)
     }
 
     /// Every element repeated `repeats` times in place: `[e_0, e_0, e_1, e_1, ...]`.
     pub fn repeat_interleave(&self, repeats: usize) -> Result<NestedTensor> {
-        self.untraceable("repeat_interleave")?;
         let indices: Vec<i64> = (0..self.batch_size() as i64)
             .flat_map(|index| std::iter::repeat_n(index, repeats))
             .collect();
-        self.select_batch(indices)
+        self.repeated(indices, repeats, true)
+    }
+
+    /// The elements at `indices`, recorded as a repeat of the batch.
+    fn repeated(
+        &self,
+        indices: Vec<i64>,
+        repeats: usize,
+        interleave: bool,
+    ) -> Result<NestedTensor> {
+        let mut result = self.shallow_clone();
+        result.trace = None;
+        let mut result = result.select_batch(indices)?;
+        let repeats = repeats as i64;
+        result.trace = record_with(&[Arg::Nested(self)], "repeat_batch", |graph, ids| {
+            let old = graph.ty(ids[0]).length_values();
+            let lengths = old
+                .into_iter()
+                .map(|lengths| {
+                    graph.push(Op::RepeatLengths {
+                        lengths,
+                        repeats,
+                        interleave,
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            graph.push(Op::RepeatBatch {
+                x: ids[0],
+                lengths,
+                repeats,
+                interleave,
+            })
+        })?;
+        Ok(result)
     }
 
     /// Cumulative sum along `dim`: packed for a static dim, element by element for a

@@ -469,6 +469,36 @@ impl Interpreter<'_> {
                     smoothing.0,
                 )?),
             },
+            Op::RepeatLengths {
+                lengths,
+                repeats,
+                interleave,
+            } => {
+                let lengths = self.lengths(*lengths)?;
+                let repeats = *repeats as usize;
+                Value::Lengths(if *interleave {
+                    lengths
+                        .iter()
+                        .flat_map(|&length| std::iter::repeat_n(length, repeats))
+                        .collect()
+                } else {
+                    lengths.repeat(repeats)
+                })
+            }
+            Op::RepeatBatch {
+                x,
+                repeats,
+                interleave,
+                ..
+            } => {
+                let nested = self.nested(*x)?;
+                let repeats = *repeats as usize;
+                Value::Nested(if *interleave {
+                    nested.repeat_interleave(repeats)?
+                } else {
+                    nested.repeat_batch(repeats)?
+                })
+            }
             Op::MseLoss {
                 x,
                 target,

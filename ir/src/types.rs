@@ -101,6 +101,32 @@ impl Type {
         }
     }
 
+    /// The same type with every value it refers to (lengths, `max(%L)`) renamed by `f`.
+    pub fn map_values(&self, f: impl Fn(ValueId) -> ValueId) -> Type {
+        let dim = |dim: &Dim| match dim {
+            Dim::Max(value) => Dim::Max(f(*value)),
+            other => other.clone(),
+        };
+        match self {
+            Type::Dense { dtype, shape } => Type::Dense {
+                dtype: *dtype,
+                shape: shape.iter().map(dim).collect(),
+            },
+            Type::Ragged { dtype, batch, dims } => Type::Ragged {
+                dtype: *dtype,
+                batch: dim(batch),
+                dims: dims
+                    .iter()
+                    .map(|elem| match elem {
+                        ElemDim::Ragged(value) => ElemDim::Ragged(f(*value)),
+                        ElemDim::Fixed(fixed) => ElemDim::Fixed(dim(fixed)),
+                    })
+                    .collect(),
+            },
+            Type::Lengths { batch } => Type::Lengths { batch: dim(batch) },
+        }
+    }
+
     /// The lengths values a ragged type refers to, in dim order.
     pub fn length_values(&self) -> Vec<ValueId> {
         match self {

@@ -1,0 +1,25 @@
+//! nestor-passes: what happens to a traced graph before it runs.
+//!
+//! - [`Pass`] and [`Pipeline`]: an explicit list of named passes, the verifier after
+//!   each one, and an optional dump of the IR after every stage;
+//! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
+//! - [`lower`]: a graph to a [`Program`] of kernel steps (pointwise expressions, GEMM,
+//!   row normalizations, segmented reductions and softmax, varlen attention, gather)
+//!   whose sizes are computed from the lengths at run time.
+//!
+//! Depends on no heavy crate (no tch, LLVM or CUDA).
+
+mod cse;
+mod dce;
+mod lower;
+mod pipeline;
+mod program;
+
+pub use cse::Cse;
+pub use dce::Dce;
+pub use lower::{lower, LowerError};
+pub use pipeline::{Pass, PassError, Pipeline};
+pub use program::{
+    Access, Expr, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot, SlotInfo, Source,
+    Step,
+};

@@ -1,0 +1,316 @@
+//! Kernel programs: the target-independent description of what runs. Every buffer is a
+//! [`Slot`] of `rows x width` scalars, where `rows` is computed from lengths at run
+//! time, so one program serves every batch of its structure.
+
+use nestor_ir::{BinaryOp, DType, UnaryOp};
+
+/// A buffer of a program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Slot(pub u32);
+
+/// How many rows a buffer has: `factor` times a count known at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rows {
+    /// What is counted.
+    pub base: RowBase,
+    /// Rows per counted unit.
+    pub factor: i64,
+}
+
+/// The run-time count behind [`Rows`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowBase {
+    /// One (a static number of rows).
+    One,
+    /// The sum of a lengths buffer: the packed rows of a ragged batch.
+    Total(Slot),
+    /// The number of entries of a lengths buffer: the batch size.
+    Batch(Slot),
+}
+
+impl Rows {
+    /// `count` static rows.
+    pub fn fixed(count: i64) -> Self {
+        Self {
+            base: RowBase::One,
+            factor: count,
+        }
+    }
+
+    /// The rows times `factor`.
+    pub fn times(self, factor: i64) -> Self {
+        Self {
+            factor: self.factor * factor,
+            ..self
+        }
+    }
+}
+
+/// What a slot holds and where its contents come from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotInfo {
+    /// Element type at the program's boundary (computation is f32; bool is 0/1;
+    /// lengths and ids are i64).
+    pub dtype: DType,
+    /// Rows.
+    pub rows: Rows,
+    /// Scalars per row.
+    pub width: i64,
+    /// Where the contents come from.
+    pub source: Source,
+}
+
+/// Where a slot's contents come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Graph input number `n` (inputs and parameters in graph order).
+    Input(usize),
+    /// Written by a step.
+    Step,
+    /// The same memory as another slot, seen with another width (a reshape).
+    Alias(Slot),
+}
+
+/// How a kernel reads an input: scalar `(row, col)` of the output comes from
+/// `offset + row' * row_stride + col' * col_stride`, where `row'` is the row or, with
+/// `per_element`, the element that owns it, and `col'` is `col % col_modulo` when
+/// `col_modulo > 0` (a broadcast tail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Access {
+    /// The buffer.
+    pub slot: Slot,
+    /// Scalars between rows (0 broadcasts over rows).
+    pub row_stride: i64,
+    /// Scalars between columns (0 broadcasts over columns).
+    pub col_stride: i64,
+    /// First scalar.
+    pub offset: i64,
+    /// Index rows by the element that owns them, from this lengths buffer.
+    pub per_element: Option<Slot>,
+    /// Wrap columns (0: no wrap).
+    pub col_modulo: i64,
+}
+
+/// A pointwise expression over the inputs of a kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expr {
+    /// Input number `n` at the current position.
+    Load(usize),
+    /// A constant.
+    Const(f64),
+    /// A unary function.
+    Unary(UnaryOp, Box<Expr>),
+    /// A binary function (predicates give 0 or 1).
+    Binary(BinaryOp, Box<Expr>, Box<Expr>),
+    /// `condition != 0 ? a : b`.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+}
+
+/// Row kernels: one row of `width` scalars at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowKind {
+    /// `(x - mean) / sqrt(var + eps) * weight + bias`.
+    LayerNorm,
+    /// `x / sqrt(mean(x^2) + eps) * weight`.
+    RmsNorm,
+    /// softmax over the row.
+    Softmax,
+    /// log-softmax over the row.
+    LogSoftmax,
+    /// The row's sum (output width 1).
+    Sum,
+    /// The row's mean (output width 1).
+    Mean,
+    /// The row's largest value (output width 1).
+    Max,
+    /// The row's smallest value (output width 1).
+    Min,
+}
+
+/// Segmented kernels over the rows of each element, column by column.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentKind {
+    /// Sum over each element's rows (output: one row per element).
+    Sum,
+    /// Mean over each element's rows (NaN for an empty element, as torch).
+    Mean,
+    /// Largest value over each element's rows.
+    Max,
+    /// Smallest value over each element's rows.
+    Min,
+    /// softmax over each element's rows (output: same shape).
+    Softmax,
+    /// log-softmax over each element's rows.
+    LogSoftmax,
+}
+
+/// One step of a program.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// `out[r, c] = expr(inputs at (r, c))` for every row and column.
+    Pointwise {
+        /// Output slot.
+        out: Slot,
+        /// Output rows.
+        rows: Rows,
+        /// Output width.
+        width: i64,
+        /// Inputs, read as their accesses say.
+        inputs: Vec<Access>,
+        /// The expression.
+        expr: Expr,
+    },
+    /// `out = x W^T + b` (or `x W` with `transposed`): one GEMM over all rows.
+    Gemm {
+        /// Output slot `[rows, n]`.
+        out: Slot,
+        /// Input `[rows, k]`.
+        x: Slot,
+        /// Weight `[n, k]` (or `[k, n]` when `transposed`).
+        weight: Slot,
+        /// Bias `[n]`.
+        bias: Option<Slot>,
+        /// Rows.
+        rows: Rows,
+        /// Inner size.
+        k: i64,
+        /// Output width.
+        n: i64,
+        /// The weight is `[k, n]`.
+        transposed: bool,
+    },
+    /// A row kernel (norms, softmax, row reductions).
+    Row {
+        /// Which.
+        kind: RowKind,
+        /// Output slot.
+        out: Slot,
+        /// Input slot.
+        x: Slot,
+        /// Scale `[width]`.
+        weight: Option<Slot>,
+        /// Shift `[width]`.
+        bias: Option<Slot>,
+        /// Rows.
+        rows: Rows,
+        /// Scalars per row.
+        width: i64,
+        /// Epsilon of the norms.
+        eps: f64,
+    },
+    /// A segmented kernel over the rows of each element.
+    Segment {
+        /// Which.
+        kind: SegmentKind,
+        /// Output slot.
+        out: Slot,
+        /// Input slot `[sum L, width]`.
+        x: Slot,
+        /// The lengths that split the rows.
+        lengths: Slot,
+        /// Scalars per row.
+        width: i64,
+    },
+    /// Varlen attention on packed heads: each element's queries attend to its keys.
+    Attention {
+        /// Output `[sum Lq, heads * value_dim]`.
+        out: Slot,
+        /// Queries `[sum Lq, heads * head_dim]`, read with `q_access`.
+        q: Access,
+        /// Keys `[sum Lk, heads * head_dim]`.
+        k: Access,
+        /// Values `[sum Lk, heads * value_dim]`.
+        v: Access,
+        /// Query lengths.
+        q_lengths: Slot,
+        /// Key lengths.
+        k_lengths: Slot,
+        /// Heads.
+        heads: i64,
+        /// Query/key width per head.
+        head_dim: i64,
+        /// Value width per head.
+        value_dim: i64,
+        /// Mask future keys.
+        causal: bool,
+        /// Score scale.
+        scale: f64,
+    },
+    /// `out[r] = table[ids[r]]`.
+    Gather {
+        /// Output slot `[rows, width]`.
+        out: Slot,
+        /// Table `[vocabulary, width]`.
+        table: Slot,
+        /// Ids (i64) `[rows]`.
+        ids: Slot,
+        /// Rows.
+        rows: Rows,
+        /// Table width.
+        width: i64,
+    },
+}
+
+impl Step {
+    /// The slot the step writes.
+    pub fn output(&self) -> Slot {
+        match self {
+            Step::Pointwise { out, .. }
+            | Step::Gemm { out, .. }
+            | Step::Row { out, .. }
+            | Step::Segment { out, .. }
+            | Step::Attention { out, .. }
+            | Step::Gather { out, .. } => *out,
+        }
+    }
+}
+
+/// A ragged or dense result of a program.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// Rows of a ragged batch split by `lengths`, elements `[L_i, *tail]`.
+    Ragged {
+        /// The data.
+        slot: Slot,
+        /// Lengths of the leading ragged dim.
+        lengths: Slot,
+        /// Static tail.
+        tail: Vec<i64>,
+    },
+    /// A dense tensor: `rows` rows of `tail` (the first dim is the row count).
+    Dense {
+        /// The data.
+        slot: Slot,
+        /// The dims after the first.
+        tail: Vec<i64>,
+    },
+}
+
+/// A lowered graph: slots, steps in order, outputs.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Program {
+    /// Every buffer.
+    pub slots: Vec<SlotInfo>,
+    /// What runs, in order.
+    pub steps: Vec<Step>,
+    /// The results.
+    pub outputs: Vec<Output>,
+}
+
+impl Program {
+    /// Adds a slot.
+    pub fn slot(&mut self, info: SlotInfo) -> Slot {
+        self.slots.push(info);
+        Slot(self.slots.len() as u32 - 1)
+    }
+
+    /// A slot's description.
+    pub fn info(&self, slot: Slot) -> &SlotInfo {
+        &self.slots[slot.0 as usize]
+    }
+
+    /// The number of kernel launches per run (one per step).
+    pub fn launches(&self) -> usize {
+        self.steps.len()
+    }
+}

@@ -1,0 +1,428 @@
+//! Shared code generation: a kernel function with the common ABI, counted loops,
+//! typed loads and stores, accumulators, and pointwise expressions.
+
+use inkwell::builder::Builder;
+use inkwell::context::Context;
+use inkwell::intrinsics::Intrinsic;
+use inkwell::module::Module;
+use inkwell::types::FloatType;
+use inkwell::values::{FloatValue, FunctionValue, IntValue, PointerValue};
+use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
+use nestor_ir::{BinaryOp, UnaryOp};
+use nestor_passes::Expr;
+
+use crate::BackendError;
+
+pub(crate) type Gen<T> = Result<T, BackendError>;
+
+fn err(error: impl std::fmt::Display) -> BackendError {
+    BackendError::new(error)
+}
+
+/// A kernel under construction: `fn(args: ptr, start: i64, end: i64)`.
+pub(crate) struct Kernel<'ctx, 'm> {
+    pub(crate) context: &'ctx Context,
+    pub(crate) module: &'m Module<'ctx>,
+    pub(crate) builder: Builder<'ctx>,
+    pub(crate) function: FunctionValue<'ctx>,
+    pub(crate) f32: FloatType<'ctx>,
+    entry: inkwell::basic_block::BasicBlock<'ctx>,
+}
+
+impl<'ctx, 'm> Kernel<'ctx, 'm> {
+    pub(crate) fn new(context: &'ctx Context, module: &'m Module<'ctx>, name: &str) -> Self {
+        let ptr = context.ptr_type(AddressSpace::default());
+        let i64 = context.i64_type();
+        let signature = context
+            .void_type()
+            .fn_type(&[ptr.into(), i64.into(), i64.into()], false);
+        let function = module.add_function(name, signature, None);
+        let entry = context.append_basic_block(function, "entry");
+        let builder = context.create_builder();
+        builder.position_at_end(entry);
+        Self {
+            context,
+            module,
+            builder,
+            function,
+            f32: context.f32_type(),
+            entry,
+        }
+    }
+
+    /// Finishes the kernel with `ret void`.
+    pub(crate) fn finish(self) -> Gen<()> {
+        self.builder.build_return(None).map_err(err)?;
+        Ok(())
+    }
+
+    pub(crate) fn i64(&self, value: i64) -> IntValue<'ctx> {
+        self.context.i64_type().const_int(value as u64, true)
+    }
+
+    pub(crate) fn f32c(&self, value: f64) -> FloatValue<'ctx> {
+        self.f32.const_float(value)
+    }
+
+    /// The range `start..end` the call covers.
+    pub(crate) fn range(&self) -> Gen<(IntValue<'ctx>, IntValue<'ctx>)> {
+        let param = |index: u32| {
+            self.function
+                .get_nth_param(index)
+                .map(|value| value.into_int_value())
+                .ok_or_else(|| err("missing parameter"))
+        };
+        Ok((param(1)?, param(2)?))
+    }
+
+    /// Buffer number `index` of the `args` array.
+    pub(crate) fn arg(&self, index: u64) -> Gen<PointerValue<'ctx>> {
+        let args = self
+            .function
+            .get_nth_param(0)
+            .ok_or_else(|| err("missing args"))?
+            .into_pointer_value();
+        let ptr = self.context.ptr_type(AddressSpace::default());
+        let slot = unsafe {
+            self.builder
+                .build_gep(ptr, args, &[self.i64(index as i64)], "arg.slot")
+        }
+        .map_err(err)?;
+        Ok(self
+            .builder
+            .build_load(ptr, slot, "arg")
+            .map_err(err)?
+            .into_pointer_value())
+    }
+
+    pub(crate) fn load_f32(
+        &self,
+        base: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let address =
+            unsafe { self.builder.build_gep(self.f32, base, &[index], "at") }.map_err(err)?;
+        Ok(self
+            .builder
+            .build_load(self.f32, address, "x")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    pub(crate) fn load_i64(
+        &self,
+        base: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        let i64 = self.context.i64_type();
+        let address = unsafe { self.builder.build_gep(i64, base, &[index], "at") }.map_err(err)?;
+        Ok(self
+            .builder
+            .build_load(i64, address, "n")
+            .map_err(err)?
+            .into_int_value())
+    }
+
+    pub(crate) fn store_f32(
+        &self,
+        base: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+        value: FloatValue<'ctx>,
+    ) -> Gen<()> {
+        let address =
+            unsafe { self.builder.build_gep(self.f32, base, &[index], "at") }.map_err(err)?;
+        self.builder.build_store(address, value).map_err(err)?;
+        Ok(())
+    }
+
+    /// An f32 accumulator in the entry block (promoted to a register by the optimizer).
+    pub(crate) fn accumulator(&self, name: &str) -> Gen<PointerValue<'ctx>> {
+        let here = self
+            .builder
+            .get_insert_block()
+            .ok_or_else(|| err("no insert block"))?;
+        match self.entry.get_first_instruction() {
+            Some(first) => self.builder.position_before(&first),
+            None => self.builder.position_at_end(self.entry),
+        }
+        let slot = self.builder.build_alloca(self.f32, name).map_err(err)?;
+        self.builder.position_at_end(here);
+        Ok(slot)
+    }
+
+    pub(crate) fn get(&self, slot: PointerValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        Ok(self
+            .builder
+            .build_load(self.f32, slot, "acc")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    pub(crate) fn set(&self, slot: PointerValue<'ctx>, value: FloatValue<'ctx>) -> Gen<()> {
+        self.builder.build_store(slot, value).map_err(err)?;
+        Ok(())
+    }
+
+    /// `for i in start..end { body(i) }`.
+    pub(crate) fn for_range(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        let before = self
+            .builder
+            .get_insert_block()
+            .ok_or_else(|| err("no insert block"))?;
+        let header = self.context.append_basic_block(self.function, "loop");
+        let inner = self.context.append_basic_block(self.function, "body");
+        let exit = self.context.append_basic_block(self.function, "exit");
+        self.builder
+            .build_unconditional_branch(header)
+            .map_err(err)?;
+        self.builder.position_at_end(header);
+        let index = self
+            .builder
+            .build_phi(self.context.i64_type(), "i")
+            .map_err(err)?;
+        index.add_incoming(&[(&start, before)]);
+        let i = index.as_basic_value().into_int_value();
+        let more = self
+            .builder
+            .build_int_compare(IntPredicate::SLT, i, end, "more")
+            .map_err(err)?;
+        self.builder
+            .build_conditional_branch(more, inner, exit)
+            .map_err(err)?;
+        self.builder.position_at_end(inner);
+        body(i)?;
+        let next = self
+            .builder
+            .build_int_add(i, self.i64(1), "next")
+            .map_err(err)?;
+        let latch = self
+            .builder
+            .get_insert_block()
+            .ok_or_else(|| err("no insert block"))?;
+        index.add_incoming(&[(&next, latch)]);
+        self.builder
+            .build_unconditional_branch(header)
+            .map_err(err)?;
+        self.builder.position_at_end(exit);
+        Ok(())
+    }
+
+    pub(crate) fn add(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_int_add(a, b, "add").map_err(err)
+    }
+
+    pub(crate) fn mul(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_int_mul(a, b, "mul").map_err(err)
+    }
+
+    pub(crate) fn rem(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_int_signed_rem(a, b, "rem").map_err(err)
+    }
+
+    pub(crate) fn fadd(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        self.builder.build_float_add(a, b, "fadd").map_err(err)
+    }
+
+    pub(crate) fn fsub(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        self.builder.build_float_sub(a, b, "fsub").map_err(err)
+    }
+
+    pub(crate) fn fmul(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        self.builder.build_float_mul(a, b, "fmul").map_err(err)
+    }
+
+    pub(crate) fn fdiv(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        self.builder.build_float_div(a, b, "fdiv").map_err(err)
+    }
+
+    /// `a > b ? a : b` (or the smaller with `largest` false).
+    pub(crate) fn extreme(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+        largest: bool,
+    ) -> Gen<FloatValue<'ctx>> {
+        let predicate = if largest {
+            FloatPredicate::OGT
+        } else {
+            FloatPredicate::OLT
+        };
+        let pick = self
+            .builder
+            .build_float_compare(predicate, a, b, "cmp")
+            .map_err(err)?;
+        Ok(self
+            .builder
+            .build_select(pick, a, b, "pick")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    /// An LLVM float intrinsic of one argument (`llvm.exp`, `llvm.sqrt`, ...).
+    pub(crate) fn intrinsic(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
+        let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+        let function = intrinsic
+            .get_declaration(self.module, &[self.f32.into()])
+            .ok_or_else(|| err(format!("no declaration of {name}")))?;
+        let args: Vec<_> = args.iter().map(|&arg| arg.into()).collect();
+        let call = self
+            .builder
+            .build_call(function, &args, name)
+            .map_err(err)?;
+        call.try_as_basic_value()
+            .basic()
+            .map(|value| value.into_float_value())
+            .ok_or_else(|| err(format!("{name} returned nothing")))
+    }
+
+    /// A C math function of one `float` (from the process's libm).
+    pub(crate) fn libm(&self, name: &str, arg: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let function = self.module.get_function(name).unwrap_or_else(|| {
+            self.module
+                .add_function(name, self.f32.fn_type(&[self.f32.into()], false), None)
+        });
+        let call = self
+            .builder
+            .build_call(function, &[arg.into()], name)
+            .map_err(err)?;
+        call.try_as_basic_value()
+            .basic()
+            .map(|value| value.into_float_value())
+            .ok_or_else(|| err(format!("{name} returned nothing")))
+    }
+
+    fn truth(&self, value: inkwell::values::IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        self.builder
+            .build_unsigned_int_to_float(value, self.f32, "truth")
+            .map_err(err)
+    }
+
+    fn nonzero(&self, value: FloatValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder
+            .build_float_compare(FloatPredicate::UNE, value, self.f32c(0.0), "nonzero")
+            .map_err(err)
+    }
+
+    /// The value of `expr`, where `load(n)` gives input `n` at the current position.
+    pub(crate) fn expr(
+        &self,
+        expr: &Expr,
+        load: &dyn Fn(usize) -> Gen<FloatValue<'ctx>>,
+    ) -> Gen<FloatValue<'ctx>> {
+        Ok(match expr {
+            Expr::Load(input) => load(*input)?,
+            Expr::Const(value) => self.f32c(*value),
+            Expr::Unary(op, x) => {
+                let x = self.expr(x, load)?;
+                self.unary(*op, x)?
+            }
+            Expr::Binary(op, a, b) => {
+                let (a, b) = (self.expr(a, load)?, self.expr(b, load)?);
+                self.binary(*op, a, b)?
+            }
+            Expr::Select(condition, a, b) => {
+                let condition = self.expr(condition, load)?;
+                let (a, b) = (self.expr(a, load)?, self.expr(b, load)?);
+                let condition = self.nonzero(condition)?;
+                self.builder
+                    .build_select(condition, a, b, "select")
+                    .map_err(err)?
+                    .into_float_value()
+            }
+        })
+    }
+
+    fn sigmoid(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let negative = self.builder.build_float_neg(x, "neg").map_err(err)?;
+        let exp = self.intrinsic("llvm.exp", &[negative])?;
+        self.fdiv(self.f32c(1.0), self.fadd(self.f32c(1.0), exp)?)
+    }
+
+    pub(crate) fn unary(&self, op: UnaryOp, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        match op {
+            UnaryOp::Neg => self.builder.build_float_neg(x, "neg").map_err(err),
+            UnaryOp::Abs => self.intrinsic("llvm.fabs", &[x]),
+            UnaryOp::Exp => self.intrinsic("llvm.exp", &[x]),
+            UnaryOp::Log => self.intrinsic("llvm.log", &[x]),
+            UnaryOp::Sqrt => self.intrinsic("llvm.sqrt", &[x]),
+            UnaryOp::Rsqrt => {
+                let root = self.intrinsic("llvm.sqrt", &[x])?;
+                self.fdiv(self.f32c(1.0), root)
+            }
+            UnaryOp::Square => self.fmul(x, x),
+            UnaryOp::Sin => self.intrinsic("llvm.sin", &[x]),
+            UnaryOp::Cos => self.intrinsic("llvm.cos", &[x]),
+            UnaryOp::Tanh => self.libm("tanhf", x),
+            UnaryOp::Sigmoid => self.sigmoid(x),
+            UnaryOp::Relu => self.extreme(x, self.f32c(0.0), true),
+            UnaryOp::Gelu => {
+                let scaled = self.fmul(x, self.f32c(std::f64::consts::FRAC_1_SQRT_2))?;
+                let erf = self.libm("erff", scaled)?;
+                let half = self.fmul(x, self.f32c(0.5))?;
+                self.fmul(half, self.fadd(self.f32c(1.0), erf)?)
+            }
+            UnaryOp::GeluTanh => {
+                let cube = self.fmul(self.fmul(x, x)?, x)?;
+                let inner = self.fadd(x, self.fmul(cube, self.f32c(0.044715))?)?;
+                let scaled = self.fmul(inner, self.f32c((2.0 / std::f64::consts::PI).sqrt()))?;
+                let tanh = self.libm("tanhf", scaled)?;
+                let half = self.fmul(x, self.f32c(0.5))?;
+                self.fmul(half, self.fadd(self.f32c(1.0), tanh)?)
+            }
+            UnaryOp::Silu => self.fmul(x, self.sigmoid(x)?),
+            UnaryOp::Erf => self.libm("erff", x),
+            UnaryOp::Not => {
+                let zero = self
+                    .builder
+                    .build_float_compare(FloatPredicate::OEQ, x, self.f32c(0.0), "zero")
+                    .map_err(err)?;
+                self.truth(zero)
+            }
+        }
+    }
+
+    pub(crate) fn binary(
+        &self,
+        op: BinaryOp,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let compare = |predicate: FloatPredicate| -> Gen<FloatValue<'ctx>> {
+            let result = self
+                .builder
+                .build_float_compare(predicate, a, b, "cmp")
+                .map_err(err)?;
+            self.truth(result)
+        };
+        match op {
+            BinaryOp::Add => self.fadd(a, b),
+            BinaryOp::Sub => self.fsub(a, b),
+            BinaryOp::Mul => self.fmul(a, b),
+            BinaryOp::Div => self.fdiv(a, b),
+            BinaryOp::Pow => self.intrinsic("llvm.pow", &[a, b]),
+            BinaryOp::Maximum => self.extreme(a, b, true),
+            BinaryOp::Minimum => self.extreme(a, b, false),
+            BinaryOp::Eq => compare(FloatPredicate::OEQ),
+            BinaryOp::Ne => compare(FloatPredicate::UNE),
+            BinaryOp::Lt => compare(FloatPredicate::OLT),
+            BinaryOp::Le => compare(FloatPredicate::OLE),
+            BinaryOp::Gt => compare(FloatPredicate::OGT),
+            BinaryOp::Ge => compare(FloatPredicate::OGE),
+            BinaryOp::And | BinaryOp::Or => {
+                let (a, b) = (self.nonzero(a)?, self.nonzero(b)?);
+                let result = if op == BinaryOp::And {
+                    self.builder.build_and(a, b, "and")
+                } else {
+                    self.builder.build_or(a, b, "or")
+                }
+                .map_err(err)?;
+                self.truth(result)
+            }
+        }
+    }
+}

@@ -1,0 +1,451 @@
+//! One LLVM function per kernel step. The buffers each kernel takes, in `args` order:
+//!
+//! - pointwise: `out, inputs..., row-to-element maps (i64) of per-element inputs...`;
+//!   range = rows;
+//! - row: `out, x, weight or null, bias or null`; range = rows;
+//! - segment: `out, x, offsets (i64, B + 1)`; range = elements;
+//! - attention: `out, q, k, v, query offsets, key offsets`; range = elements;
+//! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows.
+
+use inkwell::context::Context;
+use inkwell::module::Module;
+use inkwell::values::{FloatValue, IntValue, PointerValue};
+use nestor_passes::{Access, RowKind, SegmentKind, Step};
+
+use crate::codegen::{Gen, Kernel};
+
+/// Generates the kernel of `step` as function `name`; false for steps without one.
+pub(crate) fn generate<'ctx>(
+    context: &'ctx Context,
+    module: &Module<'ctx>,
+    name: &str,
+    step: &Step,
+) -> Gen<bool> {
+    let kernel = Kernel::new(context, module, name);
+    match step {
+        Step::Gemm { .. } => {
+            // No kernel: delete the empty function again.
+            unsafe { kernel.function.delete() };
+            return Ok(false);
+        }
+        Step::Pointwise {
+            width,
+            inputs,
+            expr,
+            ..
+        } => pointwise(&kernel, *width, inputs, expr)?,
+        Step::Row {
+            kind,
+            width,
+            eps,
+            weight,
+            bias,
+            ..
+        } => row(
+            &kernel,
+            *kind,
+            *width,
+            *eps,
+            weight.is_some(),
+            bias.is_some(),
+        )?,
+        Step::Segment { kind, width, .. } => segment(&kernel, *kind, *width)?,
+        Step::Attention {
+            q,
+            k,
+            v,
+            heads,
+            head_dim,
+            value_dim,
+            causal,
+            scale,
+            ..
+        } => attention(
+            &kernel,
+            [q, k, v],
+            *heads,
+            *head_dim,
+            *value_dim,
+            *causal,
+            *scale,
+        )?,
+        Step::Gather { width, .. } => gather(&kernel, *width)?,
+    }
+    kernel.finish()?;
+    Ok(true)
+}
+
+/// The scalar index of `access` at output row `row` (or its element) and column `column`.
+fn index<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    access: &Access,
+    row: IntValue<'ctx>,
+    column: IntValue<'ctx>,
+) -> Gen<IntValue<'ctx>> {
+    let column = if access.col_modulo > 0 {
+        kernel.rem(column, kernel.i64(access.col_modulo))?
+    } else {
+        column
+    };
+    let row_part = kernel.mul(row, kernel.i64(access.row_stride))?;
+    let column_part = kernel.mul(column, kernel.i64(access.col_stride))?;
+    kernel.add(
+        kernel.add(row_part, column_part)?,
+        kernel.i64(access.offset),
+    )
+}
+
+fn pointwise<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    width: i64,
+    inputs: &[Access],
+    expr: &nestor_passes::Expr,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let out = kernel.arg(0)?;
+    let pointers = (0..inputs.len())
+        .map(|i| kernel.arg(1 + i as u64))
+        .collect::<Gen<Vec<_>>>()?;
+    let mut maps = Vec::new();
+    let mut next_map = 1 + inputs.len() as u64;
+    for access in inputs {
+        maps.push(if access.per_element.is_some() {
+            next_map += 1;
+            Some(kernel.arg(next_map - 1)?)
+        } else {
+            None
+        });
+    }
+    kernel.for_range(start, end, |row| {
+        let rows = maps
+            .iter()
+            .map(|map| match map {
+                Some(map) => kernel.load_i64(*map, row),
+                None => Ok(row),
+            })
+            .collect::<Gen<Vec<_>>>()?;
+        let base = kernel.mul(row, kernel.i64(width))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+            let load = |input: usize| -> Gen<FloatValue<'ctx>> {
+                let at = index(kernel, &inputs[input], rows[input], column)?;
+                kernel.load_f32(pointers[input], at)
+            };
+            let value = kernel.expr(expr, &load)?;
+            kernel.store_f32(out, kernel.add(base, column)?, value)
+        })
+    })
+}
+
+/// `sum over column of f(column)` for one row of `width`.
+fn row_sum<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    width: i64,
+    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
+    let acc = kernel.accumulator("sum")?;
+    kernel.set(acc, kernel.f32c(0.0))?;
+    kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+        let value = f(column)?;
+        kernel.set(acc, kernel.fadd(kernel.get(acc)?, value)?)
+    })?;
+    kernel.get(acc)
+}
+
+fn row_extreme<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    width: i64,
+    largest: bool,
+    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
+    let acc = kernel.accumulator("extreme")?;
+    kernel.set(
+        acc,
+        kernel.f32c(if largest {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        }),
+    )?;
+    kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+        let value = f(column)?;
+        kernel.set(acc, kernel.extreme(kernel.get(acc)?, value, largest)?)
+    })?;
+    kernel.get(acc)
+}
+
+fn row<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    kind: RowKind,
+    width: i64,
+    eps: f64,
+    has_weight: bool,
+    has_bias: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, x) = (kernel.arg(0)?, kernel.arg(1)?);
+    let weight = if has_weight {
+        Some(kernel.arg(2)?)
+    } else {
+        None
+    };
+    let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
+    let n = kernel.f32c(width as f64);
+    kernel.for_range(start, end, |row| {
+        let base = kernel.mul(row, kernel.i64(width))?;
+        let at = |column: IntValue<'ctx>| kernel.add(base, column);
+        let load = |column| kernel.load_f32(x, at(column)?);
+        let affine = |value: FloatValue<'ctx>, column| -> Gen<FloatValue<'ctx>> {
+            let scaled = match weight {
+                Some(weight) => kernel.fmul(value, kernel.load_f32(weight, column)?)?,
+                None => value,
+            };
+            match bias {
+                Some(bias) => kernel.fadd(scaled, kernel.load_f32(bias, column)?),
+                None => Ok(scaled),
+            }
+        };
+        match kind {
+            RowKind::LayerNorm | RowKind::RmsNorm => {
+                let mean = if kind == RowKind::LayerNorm {
+                    kernel.fdiv(row_sum(kernel, width, load)?, n)?
+                } else {
+                    kernel.f32c(0.0)
+                };
+                let variance = kernel.fdiv(
+                    row_sum(kernel, width, |column| {
+                        let centered = kernel.fsub(load(column)?, mean)?;
+                        kernel.fmul(centered, centered)
+                    })?,
+                    n,
+                )?;
+                let root =
+                    kernel.intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.f32c(eps))?])?;
+                let inverse = kernel.fdiv(kernel.f32c(1.0), root)?;
+                kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                    let normed = kernel.fmul(kernel.fsub(load(column)?, mean)?, inverse)?;
+                    kernel.store_f32(out, at(column)?, affine(normed, column)?)
+                })
+            }
+            RowKind::Softmax | RowKind::LogSoftmax => {
+                let max = row_extreme(kernel, width, true, load)?;
+                let total = row_sum(kernel, width, |column| {
+                    kernel.intrinsic("llvm.exp", &[kernel.fsub(load(column)?, max)?])
+                })?;
+                let log_total = kernel.intrinsic("llvm.log", &[total])?;
+                kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                    let shifted = kernel.fsub(load(column)?, max)?;
+                    let value = if kind == RowKind::Softmax {
+                        kernel.fdiv(kernel.intrinsic("llvm.exp", &[shifted])?, total)?
+                    } else {
+                        kernel.fsub(shifted, log_total)?
+                    };
+                    kernel.store_f32(out, at(column)?, value)
+                })
+            }
+            RowKind::Sum | RowKind::Mean => {
+                let sum = row_sum(kernel, width, load)?;
+                let value = if kind == RowKind::Mean {
+                    kernel.fdiv(sum, n)?
+                } else {
+                    sum
+                };
+                kernel.store_f32(out, row, value)
+            }
+            RowKind::Max | RowKind::Min => kernel.store_f32(
+                out,
+                row,
+                row_extreme(kernel, width, kind == RowKind::Max, load)?,
+            ),
+        }
+    })
+}
+
+fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, x, offsets) = (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
+    kernel.for_range(start, end, |element| {
+        let first = kernel.load_i64(offsets, element)?;
+        let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
+        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+            let at = |row: IntValue<'ctx>| kernel.add(kernel.mul(row, kernel.i64(width))?, column);
+            let load = |row| kernel.load_f32(x, at(row)?);
+            let fold =
+                |initial: f64,
+                 step: &dyn Fn(FloatValue<'ctx>, IntValue<'ctx>) -> Gen<FloatValue<'ctx>>|
+                 -> Gen<FloatValue<'ctx>> {
+                    let acc = kernel.accumulator("segment")?;
+                    kernel.set(acc, kernel.f32c(initial))?;
+                    kernel.for_range(first, last, |row| {
+                        kernel.set(acc, step(kernel.get(acc)?, row)?)
+                    })?;
+                    kernel.get(acc)
+                };
+            let out_at = kernel.add(kernel.mul(element, kernel.i64(width))?, column)?;
+            match kind {
+                SegmentKind::Sum | SegmentKind::Mean => {
+                    let sum = fold(0.0, &|acc, row| kernel.fadd(acc, load(row)?))?;
+                    let value = if kind == SegmentKind::Mean {
+                        let count = kernel
+                            .builder
+                            .build_int_sub(last, first, "count")
+                            .map_err(crate::BackendError::new)?;
+                        let count = kernel
+                            .builder
+                            .build_signed_int_to_float(count, kernel.f32, "n")
+                            .map_err(crate::BackendError::new)?;
+                        kernel.fdiv(sum, count)?
+                    } else {
+                        sum
+                    };
+                    kernel.store_f32(out, out_at, value)
+                }
+                SegmentKind::Max | SegmentKind::Min => {
+                    let largest = kind == SegmentKind::Max;
+                    let initial = if largest {
+                        f64::NEG_INFINITY
+                    } else {
+                        f64::INFINITY
+                    };
+                    let value = fold(initial, &|acc, row| {
+                        kernel.extreme(acc, load(row)?, largest)
+                    })?;
+                    kernel.store_f32(out, out_at, value)
+                }
+                SegmentKind::Softmax | SegmentKind::LogSoftmax => {
+                    let max = fold(f64::NEG_INFINITY, &|acc, row| {
+                        kernel.extreme(acc, load(row)?, true)
+                    })?;
+                    let total = fold(0.0, &|acc, row| {
+                        kernel.fadd(
+                            acc,
+                            kernel.intrinsic("llvm.exp", &[kernel.fsub(load(row)?, max)?])?,
+                        )
+                    })?;
+                    let log_total = kernel.intrinsic("llvm.log", &[total])?;
+                    kernel.for_range(first, last, |row| {
+                        let shifted = kernel.fsub(load(row)?, max)?;
+                        let value = if kind == SegmentKind::Softmax {
+                            kernel.fdiv(kernel.intrinsic("llvm.exp", &[shifted])?, total)?
+                        } else {
+                            kernel.fsub(shifted, log_total)?
+                        };
+                        kernel.store_f32(out, at(row)?, value)
+                    })
+                }
+            }
+        })
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    accesses: [&Access; 3],
+    heads: i64,
+    head_dim: i64,
+    value_dim: i64,
+    causal: bool,
+    scale: f64,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let out = kernel.arg(0)?;
+    let (q, k, v) = (kernel.arg(1)?, kernel.arg(2)?, kernel.arg(3)?);
+    let (q_offsets, k_offsets) = (kernel.arg(4)?, kernel.arg(5)?);
+    let [q_access, k_access, v_access] = accesses;
+    let out_width = heads * value_dim;
+    let at = |access: &Access, row: IntValue<'ctx>, column: IntValue<'ctx>| {
+        index(kernel, access, row, column)
+    };
+    kernel.for_range(start, end, |element| {
+        let next = kernel.add(element, kernel.i64(1))?;
+        let (query_first, query_last) = (
+            kernel.load_i64(q_offsets, element)?,
+            kernel.load_i64(q_offsets, next)?,
+        );
+        let (key_first, key_last) = (
+            kernel.load_i64(k_offsets, element)?,
+            kernel.load_i64(k_offsets, next)?,
+        );
+        kernel.for_range(kernel.i64(0), kernel.i64(heads), |head| {
+            let q_head = kernel.mul(head, kernel.i64(head_dim))?;
+            let v_head = kernel.mul(head, kernel.i64(value_dim))?;
+            kernel.for_range(query_first, query_last, |query| {
+                let key_end = if causal {
+                    let position = kernel
+                        .builder
+                        .build_int_sub(query, query_first, "position")
+                        .map_err(crate::BackendError::new)?;
+                    let limit = kernel.add(kernel.add(key_first, position)?, kernel.i64(1))?;
+                    let before = kernel
+                        .builder
+                        .build_int_compare(inkwell::IntPredicate::SLT, limit, key_last, "before")
+                        .map_err(crate::BackendError::new)?;
+                    kernel
+                        .builder
+                        .build_select(before, limit, key_last, "end")
+                        .map_err(crate::BackendError::new)?
+                        .into_int_value()
+                } else {
+                    key_last
+                };
+                let score = |key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+                    let dot = row_sum(kernel, head_dim, |d| {
+                        let column = kernel.add(q_head, d)?;
+                        let a = kernel.load_f32(q, at(q_access, query, column)?)?;
+                        let b = kernel.load_f32(k, at(k_access, key, column)?)?;
+                        kernel.fmul(a, b)
+                    })?;
+                    kernel.fmul(dot, kernel.f32c(scale))
+                };
+                let max = kernel.accumulator("max")?;
+                kernel.set(max, kernel.f32c(f64::NEG_INFINITY))?;
+                kernel.for_range(key_first, key_end, |key| {
+                    kernel.set(max, kernel.extreme(kernel.get(max)?, score(key)?, true)?)
+                })?;
+                let out_row = kernel.mul(query, kernel.i64(out_width))?;
+                let out_at = |d: IntValue<'ctx>| kernel.add(kernel.add(out_row, v_head)?, d);
+                kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
+                    kernel.store_f32(out, out_at(d)?, kernel.f32c(0.0))
+                })?;
+                let total = kernel.accumulator("total")?;
+                kernel.set(total, kernel.f32c(0.0))?;
+                let maximum = kernel.get(max)?;
+                kernel.for_range(key_first, key_end, |key| {
+                    let weight =
+                        kernel.intrinsic("llvm.exp", &[kernel.fsub(score(key)?, maximum)?])?;
+                    kernel.set(total, kernel.fadd(kernel.get(total)?, weight)?)?;
+                    kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
+                        let value =
+                            kernel.load_f32(v, at(v_access, key, kernel.add(v_head, d)?)?)?;
+                        let current = kernel.load_f32(out, out_at(d)?)?;
+                        kernel.store_f32(
+                            out,
+                            out_at(d)?,
+                            kernel.fadd(current, kernel.fmul(weight, value)?)?,
+                        )
+                    })
+                })?;
+                let total = kernel.get(total)?;
+                kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
+                    let current = kernel.load_f32(out, out_at(d)?)?;
+                    kernel.store_f32(out, out_at(d)?, kernel.fdiv(current, total)?)
+                })
+            })
+        })
+    })
+}
+
+fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, table, ids): (PointerValue<'ctx>, PointerValue<'ctx>, PointerValue<'ctx>) =
+        (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
+    kernel.for_range(start, end, |row| {
+        let id = kernel.load_i64(ids, row)?;
+        let source = kernel.mul(id, kernel.i64(width))?;
+        let target = kernel.mul(row, kernel.i64(width))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+            let value = kernel.load_f32(table, kernel.add(source, column)?)?;
+            kernel.store_f32(out, kernel.add(target, column)?, value)
+        })
+    })
+}

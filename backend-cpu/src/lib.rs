@@ -1,0 +1,130 @@
+//! nestor-backend-cpu: turns the kernel steps of a [`Program`] into LLVM IR with
+//! `inkwell` (LLVM 19), optimizes it (`default<O3>`: vectorization included) and
+//! JIT-compiles it for the host.
+//!
+//! Every kernel has one ABI: `extern "C" fn(args: *const *mut u8, start: i64, end: i64)`,
+//! where `args` are the buffers the step reads and writes (see [`KernelFn`]) and
+//! `start..end` the rows (or elements, for segmented kernels and attention) this call
+//! covers, so the runtime can split work across threads. GEMM steps get no kernel: the
+//! runtime calls a GEMM library.
+//!
+//! What a kernel computes is in `codegen` (shared loops, loads, expressions); the
+//! CUDA backend will reuse it with its own thread indexing.
+
+mod codegen;
+mod kernels;
+
+use inkwell::context::Context;
+use inkwell::execution_engine::ExecutionEngine;
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{CodeModel, InitializationConfig, RelocMode, Target, TargetMachine};
+use inkwell::OptimizationLevel;
+use nestor_passes::{Program, Step};
+use thiserror::Error;
+
+/// A compiled kernel: `args` holds the step's buffers, in the order documented on each
+/// [`Step`] kind in `kernels`; `start..end` is the range of rows or elements to run.
+pub type KernelFn = unsafe extern "C" fn(args: *const *mut u8, start: i64, end: i64);
+
+/// What went wrong while generating or compiling code: a bug of the backend, or a
+/// machine LLVM does not support.
+#[derive(Debug, Error)]
+#[error("CPU backend: {0}")]
+pub struct BackendError(pub String);
+
+impl BackendError {
+    pub(crate) fn new(message: impl std::fmt::Display) -> Self {
+        Self(message.to_string())
+    }
+}
+
+/// The JIT-compiled kernels of a program, one per step (none for GEMM steps).
+pub struct CpuKernels {
+    // Keeps the code of `kernels` alive.
+    _engine: ExecutionEngine<'static>,
+    kernels: Vec<Option<KernelFn>>,
+    ir: String,
+}
+
+// The engine is only kept alive; the kernels are plain functions over the buffers they
+// are given, safe to call from several threads at once.
+unsafe impl Send for CpuKernels {}
+unsafe impl Sync for CpuKernels {}
+
+impl CpuKernels {
+    /// The kernel of step `index`, if it has one.
+    pub fn kernel(&self, index: usize) -> Option<KernelFn> {
+        self.kernels.get(index).copied().flatten()
+    }
+
+    /// The optimized LLVM IR of the program (for dumps and tests).
+    pub fn llvm_ir(&self) -> &str {
+        &self.ir
+    }
+}
+
+/// Generates, optimizes and JIT-compiles the kernels of `program`.
+///
+/// Each compiled program keeps its LLVM context for the life of the process (the
+/// kernels live in it); programs are compiled once per structure and cached.
+pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
+    Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
+    let context: &'static Context = Box::leak(Box::new(Context::create()));
+    let module = context.create_module("nestor");
+    let mut names = Vec::with_capacity(program.steps.len());
+    for (index, step) in program.steps.iter().enumerate() {
+        let name = format!("step{index}");
+        let generated = kernels::generate(context, &module, &name, step)?;
+        names.push(generated.then_some(name));
+    }
+    module
+        .verify()
+        .map_err(|error| BackendError::new(format!("invalid LLVM IR: {error}")))?;
+    let triple = TargetMachine::get_default_triple();
+    let target = Target::from_triple(&triple).map_err(BackendError::new)?;
+    let cpu = TargetMachine::get_host_cpu_name().to_string();
+    let features = TargetMachine::get_host_cpu_features().to_string();
+    let machine = target
+        .create_target_machine(
+            &triple,
+            &cpu,
+            &features,
+            OptimizationLevel::Aggressive,
+            RelocMode::Default,
+            CodeModel::JITDefault,
+        )
+        .ok_or_else(|| BackendError::new("no target machine for the host"))?;
+    module.set_triple(&triple);
+    module.set_data_layout(&machine.get_target_data().get_data_layout());
+    module
+        .run_passes("default<O3>", &machine, PassBuilderOptions::create())
+        .map_err(BackendError::new)?;
+    let ir = module.print_to_string().to_string();
+    let engine = module
+        .create_jit_execution_engine(OptimizationLevel::Aggressive)
+        .map_err(BackendError::new)?;
+    let kernels = names
+        .iter()
+        .map(|name| {
+            name.as_ref()
+                .map(|name| {
+                    let address = engine
+                        .get_function_address(name)
+                        .map_err(BackendError::new)?;
+                    // The function was generated with exactly the `KernelFn` signature.
+                    Ok(unsafe { std::mem::transmute::<usize, KernelFn>(address) })
+                })
+                .transpose()
+        })
+        .collect::<Result<Vec<_>, BackendError>>()?;
+    Ok(CpuKernels {
+        _engine: engine,
+        kernels,
+        ir,
+    })
+}
+
+/// Whether a step runs as a JIT kernel (GEMMs call a library).
+pub fn has_kernel(step: &Step) -> bool {
+    !matches!(step, Step::Gemm { .. })
+}

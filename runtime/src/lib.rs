@@ -1,9 +1,19 @@
-//! nestor-runtime: what a ragged batch looks like in memory, and (later) the buffers,
-//! executor and kernel launches that run compiled graphs.
+//! nestor-runtime: what a ragged batch looks like in memory, and the executor that runs
+//! compiled programs.
 //!
-//! This crate never depends on tch: layouts are plain integers, computed once per
-//! batch and shared by the eager `NestedTensor` and the compiled runtime.
+//! - [`RaggedLayout`]: element sizes, ragged dims, offsets (plain integers, shared by
+//!   the eager `NestedTensor` and compiled programs);
+//! - [`Executable`]: a lowered program with its JIT-compiled kernels; `run` sizes every
+//!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
+//!   cores and calls GEMM (the `gemm` crate);
+//! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
+//!
+//! This crate never depends on tch.
 
+mod executor;
 mod layout;
+mod stats;
 
+pub use executor::{Executable, InputData, RunOutput, RuntimeError};
 pub use layout::{LayoutError, RaggedLayout};
+pub use stats::{Stats, StatsSnapshot};

@@ -1,0 +1,541 @@
+//! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
+//! lengths inputs of each run; intermediate buffers are reused once their last reader
+//! has run; kernels split their rows (or elements) across the cores.
+
+use std::collections::HashMap;
+
+use nestor_backend_cpu::{has_kernel, CpuKernels, KernelFn};
+use nestor_ir::DType;
+use nestor_passes::{Output, Program, RowBase, Rows, Slot, Source, Step};
+use thiserror::Error;
+
+use crate::Stats;
+
+/// Why a run could not happen.
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    /// The program could not be compiled for this machine.
+    #[error(transparent)]
+    Backend(#[from] nestor_backend_cpu::BackendError),
+    /// An input does not fit the program.
+    #[error("input {input}: {reason}")]
+    BadInput {
+        /// Which graph input.
+        input: usize,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The data of one graph input, borrowed from the caller (no copy).
+#[derive(Clone, Copy, Debug)]
+pub enum InputData<'a> {
+    /// f32 values (bool values as 0 and 1).
+    F32(&'a [f32]),
+    /// i64 values (lengths, ids).
+    I64(&'a [i64]),
+}
+
+/// One result of a run.
+#[derive(Debug)]
+pub struct RunOutput {
+    /// The values, `rows x product(tail)`.
+    pub data: Vec<f32>,
+    /// For a ragged result, the lengths of its leading ragged dim.
+    pub lengths: Option<Vec<i64>>,
+    /// Static dims after the rows.
+    pub tail: Vec<i64>,
+    /// Element type at the boundary (f32 or bool).
+    pub dtype: DType,
+}
+
+/// A program and its compiled kernels.
+pub struct Executable {
+    program: Program,
+    kernels: CpuKernels,
+}
+
+/// Raw buffer pointers handed to kernels on several threads; each thread writes a
+/// disjoint range of the output, and inputs are only read.
+#[derive(Clone, Copy)]
+struct Args<'a>(&'a [*mut u8]);
+unsafe impl Send for Args<'_> {}
+unsafe impl Sync for Args<'_> {}
+
+/// What a run knows about one lengths input.
+struct LengthsInfo {
+    lengths: Vec<i64>,
+    offsets: Vec<i64>,
+    /// For every packed row, the element that owns it (built on first use).
+    owners: std::cell::OnceCell<Vec<i64>>,
+}
+
+impl LengthsInfo {
+    fn owners(&self) -> &Vec<i64> {
+        self.owners.get_or_init(|| {
+            self.lengths
+                .iter()
+                .enumerate()
+                .flat_map(|(element, &length)| std::iter::repeat_n(element as i64, length as usize))
+                .collect()
+        })
+    }
+}
+
+impl Executable {
+    /// Compiles the kernels of `program`.
+    pub fn compile(program: Program) -> Result<Self, RuntimeError> {
+        let kernels = nestor_backend_cpu::compile(&program)?;
+        Ok(Self { program, kernels })
+    }
+
+    /// The program.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// The optimized LLVM IR of the kernels.
+    pub fn llvm_ir(&self) -> &str {
+        self.kernels.llvm_ir()
+    }
+
+    /// Runs the program on `inputs` (one per graph input, in order).
+    pub fn run(
+        &self,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
+        let program = &self.program;
+        let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
+        // Lengths first: every size depends on them.
+        let mut lengths: HashMap<Slot, LengthsInfo> = HashMap::new();
+        for (index, info) in program.slots.iter().enumerate() {
+            if let (Source::Input(input), DType::I64, RowBase::Batch(own)) =
+                (info.source, info.dtype, info.rows.base)
+            {
+                if own != Slot(index as u32) {
+                    continue;
+                }
+                let Some(InputData::I64(values)) = inputs.get(input) else {
+                    return Err(bad(input, "expected lengths (i64)".into()));
+                };
+                if let Some((element, &length)) = values.iter().enumerate().find(|(_, &l)| l < 0) {
+                    return Err(bad(
+                        input,
+                        format!("element {element} has negative length {length}"),
+                    ));
+                }
+                let mut offsets = Vec::with_capacity(values.len() + 1);
+                offsets.push(0);
+                for &length in values.iter() {
+                    offsets.push(offsets.last().copied().unwrap_or(0) + length);
+                }
+                lengths.insert(
+                    Slot(index as u32),
+                    LengthsInfo {
+                        lengths: values.to_vec(),
+                        offsets,
+                        owners: Default::default(),
+                    },
+                );
+            }
+        }
+        let count = |rows: Rows| -> i64 {
+            let base = match rows.base {
+                RowBase::One => 1,
+                RowBase::Total(slot) => lengths
+                    .get(&slot)
+                    .map_or(0, |info| info.offsets.last().copied().unwrap_or(0)),
+                RowBase::Batch(slot) => lengths
+                    .get(&slot)
+                    .map_or(0, |info| info.lengths.len() as i64),
+            };
+            base * rows.factor
+        };
+        // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
+        let last_use = self.last_uses();
+        let mut owned: Vec<Option<Vec<f32>>> = (0..program.slots.len()).map(|_| None).collect();
+        let mut pointers: Vec<*mut u8> = vec![std::ptr::null_mut(); program.slots.len()];
+        let mut free: Vec<Vec<f32>> = Vec::new();
+        for (index, info) in program.slots.iter().enumerate() {
+            let elements = count(info.rows) * info.width;
+            match info.source {
+                Source::Input(input) => {
+                    let (pointer, length) = match (inputs.get(input), info.dtype) {
+                        (Some(InputData::I64(values)), DType::I64) => {
+                            (values.as_ptr() as *mut u8, values.len() as i64)
+                        }
+                        (Some(InputData::F32(values)), DType::F32 | DType::Bool) => {
+                            (values.as_ptr() as *mut u8, values.len() as i64)
+                        }
+                        (Some(_), dtype) => {
+                            return Err(bad(input, format!("expected {dtype} data")))
+                        }
+                        (None, _) => {
+                            return Err(bad(
+                                input,
+                                format!(
+                                    "missing: the program takes {} inputs",
+                                    inputs.len().max(input + 1)
+                                ),
+                            ))
+                        }
+                    };
+                    let is_lengths =
+                        matches!(info.rows.base, RowBase::Batch(own) if own == Slot(index as u32));
+                    if !is_lengths && length != elements {
+                        return Err(bad(
+                            input,
+                            format!("has {length} values, expected {elements} for these lengths"),
+                        ));
+                    }
+                    pointers[index] = pointer;
+                }
+                Source::Alias(source) => pointers[index] = pointers[source.0 as usize],
+                Source::Step => {}
+            }
+        }
+        let mut launches = 0;
+        for (step_index, step) in program.steps.iter().enumerate() {
+            let out = step.output();
+            let info = program.info(out);
+            let elements = (count(info.rows) * info.width).max(0) as usize;
+            let reuse = free.iter().position(|buffer| buffer.capacity() >= elements);
+            let mut buffer = match reuse {
+                Some(position) => free.swap_remove(position),
+                None => {
+                    stats.allocated((elements * std::mem::size_of::<f32>()) as u64);
+                    Vec::with_capacity(elements)
+                }
+            };
+            buffer.clear();
+            buffer.resize(elements, 0.0);
+            pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
+            owned[out.0 as usize] = Some(buffer);
+            self.execute(step_index, step, &pointers, &lengths, &count, inputs)?;
+            launches += 1;
+            // Buffers whose last reader was this step go back to the pool.
+            for (slot, &last) in last_use.iter().enumerate() {
+                if last == Some(step_index)
+                    && !matches!(program.slots[slot].source, Source::Input(_))
+                {
+                    if let Some(buffer) = owned[slot].take() {
+                        free.push(buffer);
+                    }
+                }
+            }
+        }
+        stats.launched(launches);
+        program
+            .outputs
+            .iter()
+            .map(|output| {
+                let (slot, ragged_lengths, tail) = match output {
+                    Output::Ragged {
+                        slot,
+                        lengths: l,
+                        tail,
+                    } => (
+                        *slot,
+                        lengths.get(l).map(|info| info.lengths.clone()),
+                        tail.clone(),
+                    ),
+                    Output::Dense { slot, tail } => (*slot, None, tail.clone()),
+                };
+                let info = program.info(slot);
+                let elements = (count(info.rows) * info.width).max(0) as usize;
+                let pointer = pointers[slot.0 as usize] as *const f32;
+                let data = if elements == 0 || pointer.is_null() {
+                    vec![0.0; elements]
+                } else {
+                    // The slot holds `elements` f32 values: an input of that checked size,
+                    // or a buffer this run allocated with that size (outputs are never freed).
+                    unsafe { std::slice::from_raw_parts(pointer, elements) }.to_vec()
+                };
+                Ok(RunOutput {
+                    data,
+                    lengths: ragged_lengths,
+                    tail,
+                    dtype: info.dtype,
+                })
+            })
+            .collect()
+    }
+
+    /// For every slot, the last step that reads it (outputs: never released).
+    fn last_uses(&self) -> Vec<Option<usize>> {
+        let program = &self.program;
+        let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
+        let root = |slot: Slot| {
+            let mut current = slot;
+            while let Source::Alias(source) = program.info(current).source {
+                current = source;
+            }
+            current
+        };
+        for (index, step) in program.steps.iter().enumerate() {
+            for slot in reads(step) {
+                last[root(slot).0 as usize] = Some(index);
+            }
+        }
+        for output in &program.outputs {
+            let slot = match output {
+                Output::Ragged { slot, .. } | Output::Dense { slot, .. } => *slot,
+            };
+            last[root(slot).0 as usize] = Some(usize::MAX);
+        }
+        last
+    }
+
+    fn execute(
+        &self,
+        index: usize,
+        step: &Step,
+        pointers: &[*mut u8],
+        lengths: &HashMap<Slot, LengthsInfo>,
+        count: &dyn Fn(Rows) -> i64,
+        inputs: &[InputData<'_>],
+    ) -> Result<(), RuntimeError> {
+        let pointer = |slot: Slot| pointers[slot.0 as usize];
+        let info = |slot: Slot| lengths.get(&slot);
+        let offsets = |slot: Slot| {
+            info(slot)
+                .map(|info| info.offsets.as_ptr() as *mut u8)
+                .unwrap_or(std::ptr::null_mut())
+        };
+        match step {
+            Step::Gemm {
+                out,
+                x,
+                weight,
+                bias,
+                rows,
+                k,
+                n,
+                transposed,
+            } => {
+                gemm(
+                    pointer(*out) as *mut f32,
+                    pointer(*x) as *const f32,
+                    pointer(*weight) as *const f32,
+                    bias.map(|b| pointer(b) as *const f32),
+                    count(*rows),
+                    *k,
+                    *n,
+                    *transposed,
+                );
+                Ok(())
+            }
+            _ if !has_kernel(step) => Ok(()),
+            Step::Pointwise {
+                out,
+                rows,
+                inputs: accesses,
+                ..
+            } => {
+                let mut args: Vec<*mut u8> = vec![pointer(*out)];
+                args.extend(accesses.iter().map(|access| pointer(access.slot)));
+                for access in accesses {
+                    if let Some(lengths_slot) = access.per_element {
+                        args.push(info(lengths_slot).map_or(std::ptr::null_mut(), |info| {
+                            info.owners().as_ptr() as *mut u8
+                        }));
+                    }
+                }
+                self.launch(index, &args, count(*rows))
+            }
+            Step::Row {
+                out,
+                x,
+                weight,
+                bias,
+                rows,
+                ..
+            } => {
+                let optional = |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), pointer);
+                let args = [pointer(*out), pointer(*x), optional(weight), optional(bias)];
+                self.launch(index, &args, count(*rows))
+            }
+            Step::Segment {
+                out,
+                x,
+                lengths: lengths_slot,
+                ..
+            } => {
+                let batch = info(*lengths_slot).map_or(0, |info| info.lengths.len() as i64);
+                self.launch(
+                    index,
+                    &[pointer(*out), pointer(*x), offsets(*lengths_slot)],
+                    batch,
+                )
+            }
+            Step::Attention {
+                out,
+                q,
+                k,
+                v,
+                q_lengths,
+                k_lengths,
+                ..
+            } => {
+                let batch = info(*q_lengths).map_or(0, |info| info.lengths.len() as i64);
+                let key_batch = info(*k_lengths).map_or(0, |info| info.lengths.len() as i64);
+                if batch != key_batch {
+                    return Err(RuntimeError::BadInput {
+                        input: 0,
+                        reason: format!("{batch} query elements but {key_batch} key elements"),
+                    });
+                }
+                let args = [
+                    pointer(*out),
+                    pointer(q.slot),
+                    pointer(k.slot),
+                    pointer(v.slot),
+                    offsets(*q_lengths),
+                    offsets(*k_lengths),
+                ];
+                self.launch(index, &args, batch)
+            }
+            Step::Gather {
+                out,
+                table,
+                ids,
+                rows,
+                ..
+            } => {
+                let vocabulary = count(self.program.info(*table).rows);
+                let input = match self.program.info(*ids).source {
+                    Source::Input(input) => input,
+                    _ => {
+                        return Err(RuntimeError::BadInput {
+                            input: 0,
+                            reason: "embedding ids must be an input".into(),
+                        })
+                    }
+                };
+                if let Some(InputData::I64(values)) = inputs.get(input) {
+                    if let Some((row, &id)) = values
+                        .iter()
+                        .enumerate()
+                        .find(|(_, &id)| id < 0 || id >= vocabulary)
+                    {
+                        return Err(RuntimeError::BadInput {
+                            input,
+                            reason: format!(
+                                "row {row} has id {id}, outside the table of {vocabulary} rows"
+                            ),
+                        });
+                    }
+                }
+                self.launch(
+                    index,
+                    &[pointer(*out), pointer(*table), pointer(*ids)],
+                    count(*rows),
+                )
+            }
+        }
+    }
+
+    /// Runs kernel `index` over `0..total`, split across the cores.
+    fn launch(&self, index: usize, args: &[*mut u8], total: i64) -> Result<(), RuntimeError> {
+        let Some(kernel) = self.kernels.kernel(index) else {
+            return Ok(());
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as i64;
+        let chunks = threads.min(total / 64).max(1);
+        let shared = Args(args);
+        let call = |kernel: KernelFn, args: Args<'_>, start: i64, end: i64| {
+            // The kernel reads and writes only the buffers in `args`, sized for the
+            // program's lengths, and writes rows start..end of its output.
+            unsafe { kernel(args.0.as_ptr(), start, end) }
+        };
+        if chunks == 1 {
+            call(kernel, shared, 0, total);
+            return Ok(());
+        }
+        let per_chunk = (total + chunks - 1) / chunks;
+        std::thread::scope(|scope| {
+            for chunk in 0..chunks {
+                let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(total));
+                scope.spawn(move || call(kernel, shared, start, end));
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The slots a step reads.
+fn reads(step: &Step) -> Vec<Slot> {
+    match step {
+        Step::Pointwise { inputs, .. } => inputs.iter().map(|access| access.slot).collect(),
+        Step::Gemm {
+            x, weight, bias, ..
+        } => [vec![*x, *weight], bias.iter().copied().collect()].concat(),
+        Step::Row {
+            x, weight, bias, ..
+        } => [
+            vec![*x],
+            weight.iter().copied().collect(),
+            bias.iter().copied().collect(),
+        ]
+        .concat(),
+        Step::Segment { x, .. } => vec![*x],
+        Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
+        Step::Gather { table, ids, .. } => vec![*table, *ids],
+    }
+}
+
+/// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when `transposed`).
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    out: *mut f32,
+    x: *const f32,
+    weight: *const f32,
+    bias: Option<*const f32>,
+    rows: i64,
+    k: i64,
+    n: i64,
+    transposed: bool,
+) {
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let (rhs_cs, rhs_rs) = if transposed {
+        (1, n as isize)
+    } else {
+        (k as isize, 1)
+    };
+    // The buffers hold rows*k, n*k and rows*n f32 values (the executor sized them).
+    unsafe {
+        gemm::gemm(
+            rows as usize,
+            n as usize,
+            k as usize,
+            out,
+            1,
+            n as isize,
+            false,
+            x,
+            1,
+            k as isize,
+            weight,
+            rhs_cs,
+            rhs_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        );
+        if let Some(bias) = bias {
+            let bias = std::slice::from_raw_parts(bias, n as usize);
+            let out = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
+            for row in out.chunks_mut(n as usize) {
+                for (value, b) in row.iter_mut().zip(bias) {
+                    *value += b;
+                }
+            }
+        }
+    }
+}

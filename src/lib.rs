@@ -25,7 +25,10 @@ pub use nestor_frontend::{
     NestedError, NestedOptions, NestedTensor, Operand, PNTensor, Reduce, Reduced, Result, SlowPath,
     Target,
 };
-pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
+pub use nestor_frontend::{
+    compile, interpret, trace, Compiled, Dense, StatsSnapshot, TraceOutputs, TraceRef, Traced,
+    Value,
+};
 pub use nestor_ir::DType;
 
 /// The ragged graph IR (types, ops, text form, verifier, Graphviz output).

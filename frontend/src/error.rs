@@ -186,6 +186,14 @@ pub enum NestedError {
         /// What does not fit.
         reason: String,
     },
+    /// A graph could not be compiled or run by the compiled runtime.
+    #[error("compile ({stage}): {reason}")]
+    Compile {
+        /// Which stage: passes, lowering, backend, runtime.
+        stage: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
     /// An error reported by libtorch.
     #[error(transparent)]
     Torch(#[from] TchError),

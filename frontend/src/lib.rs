@@ -21,6 +21,7 @@
 //! ```
 
 mod collate;
+mod compile;
 mod dense;
 mod error;
 mod guard;
@@ -31,12 +32,14 @@ mod ops;
 mod trace;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
+pub use compile::{compile, Compiled};
 pub use error::NestedError;
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};
 pub use nested::{
     BatchSelector, Bounds, ListData, ListElement, NestedBuilder, NestedOptions, NestedTensor,
 };
+pub use nestor_runtime::StatsSnapshot;
 pub use ops::{Binary, LossReduction, Operand, Reduce, Reduced, Target};
 pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 

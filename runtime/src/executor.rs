@@ -191,8 +191,8 @@ impl Executable {
                     }
                     pointers[index] = pointer;
                 }
-                Source::Alias(source) => pointers[index] = pointers[source.0 as usize],
-                Source::Step => {}
+                // Aliases read their root's pointer when used (roots are written later).
+                Source::Alias(_) | Source::Step => {}
             }
         }
         let mut launches = 0;
@@ -212,7 +212,14 @@ impl Executable {
             buffer.resize(elements, 0.0);
             pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
             owned[out.0 as usize] = Some(buffer);
-            self.execute(step_index, step, &pointers, &lengths, &count, inputs)?;
+            self.execute(
+                step_index,
+                step,
+                &self.resolved(&pointers),
+                &lengths,
+                &count,
+                inputs,
+            )?;
             launches += 1;
             // Buffers whose last reader was this step go back to the pool.
             for (slot, &last) in last_use.iter().enumerate() {
@@ -244,7 +251,7 @@ impl Executable {
                 };
                 let info = program.info(slot);
                 let elements = (count(info.rows) * info.width).max(0) as usize;
-                let pointer = pointers[slot.0 as usize] as *const f32;
+                let pointer = pointers[self.root(slot).0 as usize] as *const f32;
                 let data = if elements == 0 || pointer.is_null() {
                     vec![0.0; elements]
                 } else {
@@ -262,17 +269,27 @@ impl Executable {
             .collect()
     }
 
+    /// The slot whose memory `slot` uses (itself, unless it is an alias).
+    fn root(&self, slot: Slot) -> Slot {
+        let mut current = slot;
+        while let Source::Alias(source) = self.program.info(current).source {
+            current = source;
+        }
+        current
+    }
+
+    /// Every slot's pointer, aliases pointing at their roots' memory.
+    fn resolved(&self, pointers: &[*mut u8]) -> Vec<*mut u8> {
+        (0..pointers.len())
+            .map(|index| pointers[self.root(Slot(index as u32)).0 as usize])
+            .collect()
+    }
+
     /// For every slot, the last step that reads it (outputs: never released).
     fn last_uses(&self) -> Vec<Option<usize>> {
         let program = &self.program;
         let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
-        let root = |slot: Slot| {
-            let mut current = slot;
-            while let Source::Alias(source) = program.info(current).source {
-                current = source;
-            }
-            current
-        };
+        let root = |slot: Slot| self.root(slot);
         for (index, step) in program.steps.iter().enumerate() {
             for slot in reads(step) {
                 last[root(slot).0 as usize] = Some(index);

@@ -210,6 +210,17 @@ impl NestedTensor {
         }
     }
 
+    /// The size of every element dim that is static (`None` for ragged dims). Part of
+    /// the structure, not of a batch's lengths: reading it while tracing is fine.
+    pub fn static_shape(&self) -> Vec<Option<i64>> {
+        (0..self.layout.rank())
+            .map(|dim| {
+                self.static_axis(dim)
+                    .map(|axis| self.values.size()[axis as usize])
+            })
+            .collect()
+    }
+
     /// Number of elements `B` (a concrete read while tracing).
     pub fn len(&self) -> usize {
         self.concrete_read("NestedTensor::len");

@@ -33,6 +33,10 @@ pub struct Traced {
     params: Vec<(ValueId, Tensor)>,
 }
 
+// A `Traced` only hands out shallow clones of its parameter tensors (libtorch counts
+// references atomically) and never mutates them, so threads may share it.
+unsafe impl Sync for Traced {}
+
 impl std::fmt::Debug for Traced {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.text())
@@ -291,6 +295,12 @@ fn trace_input(
 }
 
 impl Traced {
+    /// The same inputs and parameters with an optimized graph (which keeps the inputs
+    /// and parameters, in order).
+    pub(crate) fn with_graph(self, graph: Graph) -> Self {
+        Self { graph, ..self }
+    }
+
     /// The graph.
     pub fn graph(&self) -> &Graph {
         &self.graph
@@ -329,8 +339,15 @@ impl Traced {
     /// Runs the graph op by op with tch (the interpreter) on new batches of the same
     /// structure (any lengths) and dense inputs, with the bound parameters.
     pub fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
-        let mut by_value: HashMap<ValueId, Value> = HashMap::new();
-        for (value, source) in &self.sources {
+        interpret(&self.graph, self.bind(nested, dense)?)
+    }
+
+    /// The value of every graph input (inputs and parameters, in graph order) for these
+    /// batches and dense inputs.
+    pub fn bind(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
+        // Sources are in the order of the graph's inputs, which passes keep.
+        let mut inputs = Vec::with_capacity(self.sources.len());
+        for (_, source) in &self.sources {
             let input = match source {
                 Source::Nested(index) => {
                     Value::Nested(input_at(nested, *index)?.with_options(NestedOptions {
@@ -366,19 +383,15 @@ impl Traced {
                 ),
                 Source::Param(position) => Value::Dense(self.params[*position].1.shallow_clone()),
             };
-            by_value.insert(*value, input);
+            inputs.push(input);
         }
-        let inputs = self
-            .graph
-            .inputs()
-            .into_iter()
-            .map(|value| {
-                by_value
-                    .remove(&value)
-                    .ok_or_else(|| trace_error("run", format!("no source for input {value}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        interpret(&self.graph, inputs)
+        if inputs.len() != self.graph.inputs().len() {
+            return Err(trace_error(
+                "run",
+                "the graph's inputs no longer match the traced inputs".into(),
+            ));
+        }
+        Ok(inputs)
     }
 }
 

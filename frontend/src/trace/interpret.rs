@@ -82,6 +82,32 @@ fn mismatch(input: impl Into<String>, reason: String) -> NestedError {
     }
 }
 
+/// Checks `inputs` (one per `input`/`param` op, in order) against their types, as
+/// [`interpret`] does, without running anything.
+pub fn check_inputs(graph: &Graph, inputs: &[Value]) -> Result<()> {
+    let mut checker = Interpreter {
+        graph,
+        values: Vec::new(),
+        symbols: HashMap::new(),
+    };
+    let mut inputs = inputs.iter();
+    for node in &graph.nodes {
+        let value = match &node.op {
+            Op::Input { name } | Op::Param { name } => {
+                let input = inputs
+                    .next()
+                    .ok_or_else(|| mismatch(name.clone(), "missing".into()))?;
+                checker.check(name, &node.ty, input)?;
+                input.share()
+            }
+            // Types only refer to values defined before them; later ops are not needed.
+            _ => Value::Lengths(Vec::new()),
+        };
+        checker.values.push(value);
+    }
+    Ok(())
+}
+
 /// Runs `graph` on `inputs` (one per `input`/`param` op, in order), checking every
 /// input against its type (dtype, static sizes, lengths, batch sizes).
 pub fn interpret(graph: &Graph, inputs: Vec<Value>) -> Result<Vec<Value>> {

@@ -16,6 +16,6 @@ mod record;
 
 pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;
-pub use interpret::{interpret, Value};
+pub use interpret::{check_inputs, interpret, Value};
 pub use record::TraceRef;
 pub(crate) use record::{record_with, trace_error, Arg};

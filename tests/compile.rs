@@ -1,0 +1,328 @@
+//! `nestor::compile` on the CPU: compiled == eager for every lowered family and a
+//! 2-layer encoder, one compile for all lengths, thread safety, typed errors.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{batch, lengths};
+use nestor::nn::{TransformerConfig, TransformerEncoder};
+use nestor::{compile, Dense, NestedError, NestedTensor, Value};
+use proptest::prelude::*;
+use tch::{nn, Device, Kind, Tensor};
+
+/// Compiled results agree with eager ones (f32: relative and absolute 1e-4, since the
+/// kernels sum in another order than libtorch).
+fn assert_close(compiled: &[Value], eager: &[Value], what: &str) {
+    assert_eq!(compiled.len(), eager.len(), "{what}: outputs");
+    for (position, (c, e)) in compiled.iter().zip(eager).enumerate() {
+        let (c, e) = match (c, e) {
+            (Value::Nested(c), Value::Nested(e)) => {
+                assert_eq!(
+                    c.layout().element_sizes(),
+                    e.layout().element_sizes(),
+                    "{what}: output {position} sizes"
+                );
+                (
+                    c.values().to_kind(Kind::Double),
+                    e.values().to_kind(Kind::Double),
+                )
+            }
+            (Value::Dense(c), Value::Dense(e)) => {
+                (c.to_kind(Kind::Double), e.to_kind(Kind::Double))
+            }
+            other => panic!("{what}: output {position} kinds differ: {other:?}"),
+        };
+        assert_eq!(c.size(), e.size(), "{what}: output {position} shape");
+        assert!(
+            c.allclose(&e, 1e-4, 1e-4, true),
+            "{what}: output {position} differs by {}",
+            (&c - &e).abs().max().double_value(&[])
+        );
+    }
+}
+
+fn eager_values(outputs: Vec<Out>) -> Vec<Value> {
+    outputs
+        .into_iter()
+        .map(|output| match output {
+            Out::Nested(nested) => Value::Nested(nested),
+            Out::Dense(dense) => Value::Dense(dense.into_tensor()),
+        })
+        .collect()
+}
+
+enum Out {
+    Nested(NestedTensor),
+    Dense(Dense),
+}
+
+impl nestor::TraceOutputs for Out {
+    fn trace_refs(&self) -> Vec<Option<nestor::TraceRef>> {
+        match self {
+            Out::Nested(nested) => nested.trace_refs(),
+            Out::Dense(dense) => dense.trace_refs(),
+        }
+    }
+}
+impl From<NestedTensor> for Out {
+    fn from(nested: NestedTensor) -> Self {
+        Out::Nested(nested)
+    }
+}
+impl From<nestor::Reduced> for Out {
+    fn from(reduced: nestor::Reduced) -> Self {
+        match reduced {
+            nestor::Reduced::Nested(nested) => Out::Nested(nested),
+            nestor::Reduced::Dense(dense) => Out::Dense(dense),
+        }
+    }
+}
+
+type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>>;
+
+fn families() -> Vec<(&'static str, Model)> {
+    tch::manual_seed(0);
+    let options = (Kind::Float, Device::Cpu);
+    let (w, b, g, tail, table) = (
+        Tensor::randn([6, 4], options),
+        Tensor::randn([6], options),
+        Tensor::randn([4], options),
+        Tensor::randn([4], options),
+        Tensor::randn([5, 3], options),
+    );
+    let (w2, g2) = (w.shallow_clone(), g.shallow_clone());
+    vec![
+        (
+            "elementwise",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                let y = (&(&x[0] * 2.0)? - &tail)?.gelu("none")?;
+                Ok(vec![
+                    y.tanh()?.into(),
+                    x[0].relu()?.maximum(&x[0].sigmoid()?)?.into(),
+                    x[0].gt(0.1)?.into(),
+                    x[0].where_self(&x[0].lt(0.0)?, 0.5)?.into(),
+                ])
+            }),
+        ),
+        (
+            "linear_norm",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                let hidden = x[0].linear(&w, Some(&b))?;
+                Ok(vec![
+                    hidden.layer_norm(&[6], None, None, 1e-5)?.into(),
+                    x[0].rms_norm(&[4], Some(&g), Some(1e-6))?.into(),
+                    x[0].matmul(&w2.transpose(0, 1))?.into(),
+                ])
+            }),
+        ),
+        (
+            "softmax",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![
+                    x[0].softmax(-1)?.into(),
+                    x[0].log_softmax(1)?.into(),
+                    x[0].softmax(1)?.into(),
+                ])
+            }),
+        ),
+        (
+            "reduce",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![
+                    x[0].sum(&[1], false)?.into(),
+                    x[0].mean(&[1], false)?.into(),
+                    x[0].mean(&[-1], false)?.into(),
+                    x[0].amax(&[2], true)?.into(),
+                    x[0].layer_norm(&[4], Some(&g2), None, 1e-5)?.into(),
+                ])
+            }),
+        ),
+        (
+            "embedding",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![x[1].embedding(&table, -1)?.relu()?.into()])
+            }),
+        ),
+        (
+            "attention",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                let heads = x[0].reshape_tail(&[2, 2])?;
+                let qkv = x[0].reshape_tail(&[1, 2, 2])?.select_static(2, 0)?;
+                Ok(vec![
+                    heads
+                        .scaled_dot_product_attention(&heads, &heads, false, None)?
+                        .into(),
+                    qkv.scaled_dot_product_attention(&heads, &heads, true, Some(0.7))?
+                        .reshape_tail(&[4])?
+                        .into(),
+                ])
+            }),
+        ),
+    ]
+}
+
+fn ids(lengths: &[i64], seed: i64) -> NestedTensor {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&l| Tensor::randint(5, [l], (Kind::Int64, Device::Cpu)))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&elements)
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+
+    #[test]
+    fn compiled_equals_eager_for_every_lowered_family(batches in proptest::collection::vec(lengths(5, 9), 1..4), seed in 0i64..1000) {
+        for (family, model) in families() {
+            let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+            for (index, lengths) in batches.iter().enumerate() {
+                let (x, _) = batch(lengths, &[4], Kind::Float, seed + index as i64);
+                let tokens = ids(lengths, seed + index as i64);
+                let inputs = [&x, &tokens];
+                let compiled_outputs = compiled.call(&inputs, &[]).unwrap_or_else(|error| panic!("{family}: {error}"));
+                let eager = eager_values(model(&[x.clone(), tokens.clone()], &[]).unwrap());
+                assert_close(&compiled_outputs, &eager, family);
+            }
+            prop_assert_eq!(compiled.stats().compiles, 1, "{} compiles once for every lengths", family);
+        }
+    }
+
+    #[test]
+    fn a_two_layer_encoder_compiles(batches in proptest::collection::vec(lengths(4, 8), 1..3), norm_first in any::<bool>(), seed in 0i64..1000) {
+        tch::manual_seed(seed);
+        let store = nn::VarStore::new(Device::Cpu);
+        let config = TransformerConfig { d_model: 64, nhead: 4, dim_feedforward: 128, dropout: 0.1, norm_first, ..Default::default() };
+        let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
+        let compiled = compile("encoder", |x: &[NestedTensor], _: &[Dense]| encoder.forward(&x[0], false));
+        for (index, lengths) in batches.iter().enumerate() {
+            let (tokens, _) = batch(lengths, &[64], Kind::Float, seed + index as i64);
+            let compiled_outputs = compiled.call(&[&tokens], &[]).unwrap();
+            let eager = vec![Value::Nested(encoder.forward(&tokens, false).unwrap())];
+            assert_close(&compiled_outputs, &eager, "encoder");
+        }
+    }
+}
+
+#[test]
+fn one_compile_serves_a_hundred_batches_and_new_structures_compile_again() {
+    let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    let wide = Tensor::randn([8, 6], (Kind::Float, Device::Cpu));
+    let compiled = compile("ffn", |x: &[NestedTensor], _: &[Dense]| {
+        let w = if x[0].static_shape()[1] == Some(4) {
+            &weight
+        } else {
+            &wide
+        };
+        x[0].linear(w, None)?.relu()
+    });
+    for index in 0..100 {
+        let lengths: Vec<i64> = (0..1 + index % 5)
+            .map(|i| (index * 7 + i * 3) % 11)
+            .collect();
+        let (x, _) = batch(&lengths, &[4], Kind::Float, index);
+        compiled.call(&[&x], &[]).unwrap();
+    }
+    let stats = compiled.stats();
+    assert_eq!((stats.compiles, stats.cache_hits), (1, 99));
+    assert_eq!(stats.kernel_launches, 200, "a GEMM and a relu per call");
+    let (wider, _) = batch(&[3, 2], &[6], Kind::Float, 1);
+    compiled.call(&[&wider], &[]).unwrap();
+    assert_eq!(
+        compiled.stats().compiles,
+        2,
+        "a new static width compiles again"
+    );
+}
+
+#[test]
+fn concurrent_calls_from_two_threads() {
+    let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    let model_weight = weight.shallow_clone();
+    let compiled = compile("threads", move |x: &[NestedTensor], _: &[Dense]| {
+        x[0].linear(&model_weight, None)?.softmax(1)
+    });
+    let (warmup, _) = batch(&[2, 3], &[4], Kind::Float, 0);
+    compiled.call(&[&warmup], &[]).unwrap();
+    std::thread::scope(|scope| {
+        for thread in 0..2 {
+            let compiled = &compiled;
+            let weight = weight.shallow_clone();
+            scope.spawn(move || {
+                for round in 0..20 {
+                    let (x, _) = batch(
+                        &[1 + round % 4, 3, thread + 1],
+                        &[4],
+                        Kind::Float,
+                        thread * 100 + round,
+                    );
+                    let compiled_outputs = compiled.call(&[&x], &[]).unwrap();
+                    let eager = vec![Value::Nested(
+                        x.linear(&weight, None).unwrap().softmax(1).unwrap(),
+                    )];
+                    assert_close(&compiled_outputs, &eager, "threads");
+                }
+            });
+        }
+    });
+    assert_eq!(compiled.stats().compiles, 1);
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_the_function_keeps_working() {
+    let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    let compiled = compile("checked", |x: &[NestedTensor], _: &[Dense]| {
+        x[0].linear(&weight, None)
+    });
+    let (good, _) = batch(&[3, 1], &[4], Kind::Float, 0);
+    compiled.call(&[&good], &[]).unwrap();
+    let (wrong_width, _) = batch(&[3, 1], &[5], Kind::Float, 1);
+    assert!(matches!(
+        compiled.call(&[&wrong_width], &[]),
+        Err(NestedError::DenseOperand { op: "linear", .. })
+    ));
+    let (double, _) = batch(&[3, 1], &[4], Kind::Double, 2);
+    let relu = compile("relu", |x: &[NestedTensor], _: &[Dense]| x[0].relu());
+    assert!(matches!(
+        relu.call(&[&double], &[]),
+        Err(NestedError::Compile {
+            stage: "lowering",
+            ..
+        })
+    ));
+    let ragged_last = NestedTensor::from_lists(vec![vec![1.0f32, 2.0], vec![3.0]]).unwrap();
+    assert!(matches!(
+        compiled.call(&[&ragged_last], &[]),
+        Err(NestedError::Unsupported { op: "linear", .. })
+    ));
+    let (other, _) = batch(&[7], &[4], Kind::Float, 3);
+    assert!(
+        compiled.call(&[&other], &[]).is_ok(),
+        "still works after bad input"
+    );
+}
+
+#[test]
+fn ops_without_a_lowering_are_errors_naming_the_op() {
+    let compiled = compile("loss", |x: &[NestedTensor], _: &[Dense]| {
+        let targets = x[0].gt(0.0)?.to_kind(Kind::Int64)?.select_static(2, 0)?;
+        x[0].cross_entropy(&targets, -100, 0.0, nestor::LossReduction::Mean)
+    });
+    let (x, _) = batch(&[3, 1], &[4], Kind::Float, 0);
+    match compiled.call(&[&x], &[]) {
+        Err(NestedError::Compile {
+            stage: "lowering",
+            reason,
+        }) => assert!(
+            reason.contains("cast") || reason.contains("cross_entropy"),
+            "{reason}"
+        ),
+        other => panic!("expected a lowering error, got {other:?}"),
+    }
+}

@@ -326,3 +326,44 @@ fn ops_without_a_lowering_are_errors_naming_the_op() {
         other => panic!("expected a lowering error, got {other:?}"),
     }
 }
+
+#[test]
+fn batches_of_equal_lengths_reuse_the_ragged_program() {
+    tch::manual_seed(3);
+    let store = nn::VarStore::new(Device::Cpu);
+    let config = TransformerConfig {
+        d_model: 16,
+        nhead: 2,
+        dim_feedforward: 32,
+        dropout: 0.0,
+        ..Default::default()
+    };
+    let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 1, false);
+    let compiled = compile("uniform", |x: &[NestedTensor], _: &[Dense]| {
+        encoder.forward(&x[0], false)
+    });
+    let elements = |lengths: &[i64]| -> Vec<Tensor> {
+        lengths
+            .iter()
+            .map(|&l| Tensor::randn([l, 16], (Kind::Float, Device::Cpu)))
+            .collect()
+    };
+    let ragged = NestedTensor::from_tensors(&elements(&[3, 5])).unwrap();
+    let uniform = NestedTensor::from_tensors(&elements(&[4, 4, 4])).unwrap();
+    assert!(
+        uniform.layout().ragged_dims().is_empty(),
+        "equal lengths pack densely"
+    );
+    for batch in [&ragged, &uniform] {
+        let compiled_outputs = compiled.call(&[batch], &[]).unwrap();
+        let eager = vec![Value::Nested(
+            encoder
+                .forward(batch, false)
+                .unwrap()
+                .ragged_leading()
+                .unwrap(),
+        )];
+        assert_close(&compiled_outputs, &eager, "uniform");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}

@@ -9,7 +9,7 @@ use nestor_passes::{lower, Pipeline};
 use nestor_runtime::{Executable, InputData, RunOutput, Stats, StatsSnapshot};
 use tch::{Kind, Tensor};
 
-use crate::trace::{check_inputs, trace, Dense, TraceOutputs, Traced, Value};
+use crate::trace::{check_inputs, normalized_input, trace, Dense, TraceOutputs, Traced, Value};
 use crate::{dtype_of, NestedError, NestedTensor, Result};
 
 /// What a compiled program depends on: per batch its rank, ragged dims, static sizes
@@ -21,9 +21,13 @@ struct StructureKey {
 }
 
 impl StructureKey {
-    fn of(nested: &[&NestedTensor], dense: &[&Tensor]) -> Self {
-        Self {
-            nested: nested
+    fn of(nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Self> {
+        let normalized = nested
+            .iter()
+            .map(|batch| normalized_input(batch))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            nested: normalized
                 .iter()
                 .map(|batch| {
                     let layout = batch.lay();
@@ -39,7 +43,7 @@ impl StructureKey {
                 .iter()
                 .map(|tensor| (tensor.size().split_off(1.min(tensor.dim())), tensor.kind()))
                 .collect(),
-        }
+        })
     }
 }
 
@@ -167,7 +171,7 @@ where
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
-        let key = StructureKey::of(nested, dense);
+        let key = StructureKey::of(nested, dense)?;
         let mut cache = self
             .cache
             .lock()

@@ -69,9 +69,16 @@ impl MultiheadAttention {
                 reason: format!("(the layer's embed_dim is {})", self.embed_dim),
             });
         }
+        let self_attention = std::ptr::eq(query, key) && std::ptr::eq(key, value);
+        // Equal lengths in a batch must not change how heads are split.
+        let query = &query.ragged_leading()?;
+        let (key, value) = if self_attention {
+            (query, query)
+        } else {
+            (&key.ragged_leading()?, &value.ragged_leading()?)
+        };
         let head_dim = self.embed_dim / self.num_heads;
         let heads = [self.num_heads, head_dim];
-        let self_attention = std::ptr::eq(query, key) && std::ptr::eq(key, value);
         let (q, k, v) = if self_attention {
             let packed = query.linear(&self.in_proj_weight, self.in_proj_bias.as_ref())?;
             let qkv = packed.reshape_tail(&[3, self.num_heads, head_dim])?;

@@ -83,6 +83,17 @@ impl NestedTensor {
             )?
             .f_to_kind(Kind::Bool)?),
             Operand::Nested(other) => {
+                if self.check_same_structure(other, op).is_err()
+                    && self.lay().element_sizes() == other.lay().element_sizes()
+                {
+                    // Same elements, other ragged dims (equal lengths packed densely in one
+                    // operand): repack the other operand into this layout.
+                    slow_path(SlowPath::DenseRepacking, op)?;
+                    let repacked = NestedTensor::builder()
+                        .ragged_dims(self.lay().ragged_dims())
+                        .tensors(&other.elements()?)?;
+                    return Ok(repacked.packed().shallow_clone());
+                }
                 self.check_same_structure(other, op)?;
                 Ok(other.packed().shallow_clone())
             }

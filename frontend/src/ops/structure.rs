@@ -26,6 +26,35 @@ impl NestedTensor {
         Ok(self.with_values(values.shallow_clone()))
     }
 
+    /// The same batch with its first dim ragged (sequences whose lengths happen to be
+    /// equal pack as a dense `[B, L, ...]`; sequence models want `[sum L, ...]`). Zero
+    /// copy when no dim is ragged; a repack when other dims are.
+    pub fn ragged_leading(&self) -> Result<NestedTensor> {
+        let layout = self.lay();
+        if layout.rank() == 0 || layout.is_ragged(0) {
+            return Ok(self.shallow_clone());
+        }
+        self.untraceable("ragged_leading")?;
+        if layout.ragged_dims().is_empty() {
+            let sizes = layout.static_sizes();
+            let batch = self.batch_size() as i64;
+            let shape: Vec<i64> = std::iter::once(batch * sizes[0])
+                .chain(sizes[1..].iter().copied())
+                .collect();
+            let values = self.packed().f_reshape(&shape)?;
+            let lengths = vec![sizes[0]; batch as usize];
+            return NestedTensor::builder()
+                .options(self.options())
+                .packed_with_lengths(&values, &lengths);
+        }
+        let mut ragged = layout.ragged_dims().to_vec();
+        ragged.insert(0, 0);
+        NestedTensor::builder()
+            .options(self.options())
+            .ragged_dims(&ragged)
+            .tensors(&self.elements()?)
+    }
+
     /// Zero-copy: packed values `[N, *tail]` with this batch's rows (same `N`) and a new
     /// static tail: element `i` becomes `[*ragged sizes of i, *tail]`.
     pub fn packed_with_static_tail(&self, values: &Tensor) -> Result<NestedTensor> {

@@ -253,6 +253,7 @@ fn trace_input(
     input: &NestedTensor,
     sources: &mut Vec<(ValueId, Source)>,
 ) -> Result<NestedTensor> {
+    let input = &normalized_input(input)?;
     let layout = input.lay();
     let dtype = dtype_of(input.kind()).ok_or(NestedError::UnsupportedKind {
         element: 0,
@@ -283,15 +284,22 @@ fn trace_input(
         Type::Ragged { dtype, batch, dims },
     )?;
     sources.push((value, Source::Nested(index)));
-    let mut traced = input.with_options(NestedOptions {
-        batch_first: true,
-        ..input.options()
-    });
+    let mut traced = input.shallow_clone();
     traced.trace = Some(TraceRef {
         tracer: Arc::clone(tracer),
         value,
     });
     Ok(traced)
+}
+
+/// A batch as traced and compiled graphs take it: batch first, leading dim ragged.
+pub(crate) fn normalized_input(input: &NestedTensor) -> Result<NestedTensor> {
+    input
+        .with_options(NestedOptions {
+            batch_first: true,
+            ..input.options()
+        })
+        .ragged_leading()
 }
 
 impl Traced {
@@ -345,18 +353,20 @@ impl Traced {
     /// The value of every graph input (inputs and parameters, in graph order) for these
     /// batches and dense inputs.
     pub fn bind(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
+        let normalized = nested
+            .iter()
+            .map(|batch| normalized_input(batch))
+            .collect::<Result<Vec<_>>>()?;
+        let normalized: Vec<&NestedTensor> = normalized.iter().collect();
         // Sources are in the order of the graph's inputs, which passes keep.
         let mut inputs = Vec::with_capacity(self.sources.len());
         for (_, source) in &self.sources {
             let input = match source {
                 Source::Nested(index) => {
-                    Value::Nested(input_at(nested, *index)?.with_options(NestedOptions {
-                        batch_first: true,
-                        ..input_at(nested, *index)?.options()
-                    }))
+                    Value::Nested(input_at(&normalized, *index)?.shallow_clone())
                 }
                 Source::Lengths(index, dim) => {
-                    let batch = input_at(nested, *index)?;
+                    let batch = input_at(&normalized, *index)?;
                     let layout = batch.lay();
                     if *dim >= layout.rank() {
                         return Err(NestedError::InputMismatch {

@@ -14,6 +14,7 @@ mod dense;
 mod interpret;
 mod record;
 
+pub(crate) use api::normalized_input;
 pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;
 pub use interpret::{check_inputs, interpret, Value};

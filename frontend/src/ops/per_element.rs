@@ -194,11 +194,7 @@ impl NestedTensor {
         };
         let mut args = vec![Arg::Nested(self)];
         args.extend(params.iter().map(|param| Arg::Dense(param, None)));
-        let out_channels = *result
-            .packed()
-            .size()
-            .last()
-            .map_or(&0, |_| &result.lay().static_sizes()[0]);
+        let out_channels = result.lay().max_sizes().first().copied().unwrap_or(0);
         let traced = record_with(&args, op, |graph, ids| {
             let mut body_graph = Graph::new(op);
             let element = Type::Dense {

@@ -292,14 +292,19 @@ fn trace_input(
     Ok(traced)
 }
 
-/// A batch as traced and compiled graphs take it: batch first, leading dim ragged.
+/// A batch as traced and compiled graphs take it: batch first; a batch with no ragged
+/// dim (sequences of equal lengths) gets its leading dim ragged, so that it shares the
+/// structure of batches of other lengths.
 pub(crate) fn normalized_input(input: &NestedTensor) -> Result<NestedTensor> {
-    input
-        .with_options(NestedOptions {
-            batch_first: true,
-            ..input.options()
-        })
-        .ragged_leading()
+    let batch_first = input.with_options(NestedOptions {
+        batch_first: true,
+        ..input.options()
+    });
+    if batch_first.lay().ragged_dims().is_empty() {
+        batch_first.ragged_leading()
+    } else {
+        Ok(batch_first)
+    }
 }
 
 impl Traced {

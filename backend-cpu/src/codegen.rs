@@ -280,6 +280,50 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .ok_or_else(|| err(format!("{name} returned nothing")))
     }
 
+    /// `e^x` inline: range reduction to `2^n * 2^f` and a degree-6 polynomial for `2^f`
+    /// (relative error about 2e-7 in f32; inputs clamped to the finite range), so loops
+    /// over it vectorize instead of calling libm once per value.
+    pub(crate) fn fast_exp(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let low = self.extreme(x, self.f32c(-87.0), true)?;
+        let clamped = self.extreme(low, self.f32c(88.0), false)?;
+        let t = self.fmul(clamped, self.f32c(std::f64::consts::LOG2_E))?;
+        let n = self.intrinsic("llvm.rint", &[t])?;
+        let f = self.fsub(t, n)?;
+        let ln2 = std::f64::consts::LN_2;
+        let coefficients = [
+            ln2.powi(6) / 720.0,
+            ln2.powi(5) / 120.0,
+            ln2.powi(4) / 24.0,
+            ln2.powi(3) / 6.0,
+            ln2 * ln2 / 2.0,
+            ln2,
+            1.0,
+        ];
+        let mut polynomial = self.f32c(coefficients[0]);
+        for &coefficient in &coefficients[1..] {
+            polynomial = self.fadd(self.fmul(polynomial, f)?, self.f32c(coefficient))?;
+        }
+        let i32_type = self.context.i32_type();
+        let exponent = self
+            .builder
+            .build_float_to_signed_int(n, i32_type, "n")
+            .map_err(err)?;
+        let biased = self
+            .builder
+            .build_int_add(exponent, i32_type.const_int(127, false), "biased")
+            .map_err(err)?;
+        let shifted = self
+            .builder
+            .build_left_shift(biased, i32_type.const_int(23, false), "bits")
+            .map_err(err)?;
+        let scale = self
+            .builder
+            .build_bit_cast(shifted, self.f32, "scale")
+            .map_err(err)?
+            .into_float_value();
+        self.fmul(polynomial, scale)
+    }
+
     /// A C math function of one `float` (from the process's libm).
     pub(crate) fn libm(&self, name: &str, arg: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         let function = self.module.get_function(name).unwrap_or_else(|| {

@@ -229,13 +229,13 @@ fn row<'ctx>(
             RowKind::Softmax | RowKind::LogSoftmax => {
                 let max = row_extreme(kernel, width, true, load)?;
                 let total = row_sum(kernel, width, |column| {
-                    kernel.intrinsic("llvm.exp", &[kernel.fsub(load(column)?, max)?])
+                    kernel.fast_exp(kernel.fsub(load(column)?, max)?)
                 })?;
                 let log_total = kernel.intrinsic("llvm.log", &[total])?;
                 kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
                     let shifted = kernel.fsub(load(column)?, max)?;
                     let value = if kind == RowKind::Softmax {
-                        kernel.fdiv(kernel.intrinsic("llvm.exp", &[shifted])?, total)?
+                        kernel.fdiv(kernel.fast_exp(shifted)?, total)?
                     } else {
                         kernel.fsub(shifted, log_total)?
                     };
@@ -316,16 +316,13 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Ge
                         kernel.extreme(acc, load(row)?, true)
                     })?;
                     let total = fold(0.0, &|acc, row| {
-                        kernel.fadd(
-                            acc,
-                            kernel.intrinsic("llvm.exp", &[kernel.fsub(load(row)?, max)?])?,
-                        )
+                        kernel.fadd(acc, kernel.fast_exp(kernel.fsub(load(row)?, max)?)?)
                     })?;
                     let log_total = kernel.intrinsic("llvm.log", &[total])?;
                     kernel.for_range(first, last, |row| {
                         let shifted = kernel.fsub(load(row)?, max)?;
                         let value = if kind == SegmentKind::Softmax {
-                            kernel.fdiv(kernel.intrinsic("llvm.exp", &[shifted])?, total)?
+                            kernel.fdiv(kernel.fast_exp(shifted)?, total)?
                         } else {
                             kernel.fsub(shifted, log_total)?
                         };
@@ -347,6 +344,7 @@ fn attention<'ctx>(
     causal: bool,
     scale: f64,
 ) -> Gen<()> {
+    let error = crate::BackendError::new;
     let (start, end) = kernel.range()?;
     let out = kernel.arg(0)?;
     let (q, k, v) = (kernel.arg(1)?, kernel.arg(2)?, kernel.arg(3)?);
@@ -356,6 +354,52 @@ fn attention<'ctx>(
     let at = |access: &Access, row: IntValue<'ctx>, column: IntValue<'ctx>| {
         index(kernel, access, row, column)
     };
+    let i64_type = kernel.context.i64_type();
+    // Scratch for one query's scores: as many as the longest element's keys.
+    let longest = kernel
+        .builder
+        .build_alloca(i64_type, "longest")
+        .map_err(error)?;
+    kernel
+        .builder
+        .build_store(longest, kernel.i64(1))
+        .map_err(error)?;
+    kernel.for_range(start, end, |element| {
+        let first = kernel.load_i64(k_offsets, element)?;
+        let last = kernel.load_i64(k_offsets, kernel.add(element, kernel.i64(1))?)?;
+        let keys = kernel
+            .builder
+            .build_int_sub(last, first, "keys")
+            .map_err(error)?;
+        let current = kernel
+            .builder
+            .build_load(i64_type, longest, "current")
+            .map_err(error)?
+            .into_int_value();
+        let more = kernel
+            .builder
+            .build_int_compare(inkwell::IntPredicate::SGT, keys, current, "more")
+            .map_err(error)?;
+        let larger = kernel
+            .builder
+            .build_select(more, keys, current, "larger")
+            .map_err(error)?;
+        kernel.builder.build_store(longest, larger).map_err(error)?;
+        Ok(())
+    })?;
+    let longest = kernel
+        .builder
+        .build_load(i64_type, longest, "longest")
+        .map_err(error)?
+        .into_int_value();
+    let scores = kernel
+        .builder
+        .build_array_alloca(kernel.f32, longest, "scores")
+        .map_err(error)?;
+    let accumulator = kernel
+        .builder
+        .build_array_alloca(kernel.f32, kernel.i64(value_dim.max(1)), "acc")
+        .map_err(error)?;
     kernel.for_range(start, end, |element| {
         let next = kernel.add(element, kernel.i64(1))?;
         let (query_first, query_last) = (
@@ -374,61 +418,83 @@ fn attention<'ctx>(
                     let position = kernel
                         .builder
                         .build_int_sub(query, query_first, "position")
-                        .map_err(crate::BackendError::new)?;
+                        .map_err(error)?;
                     let limit = kernel.add(kernel.add(key_first, position)?, kernel.i64(1))?;
                     let before = kernel
                         .builder
                         .build_int_compare(inkwell::IntPredicate::SLT, limit, key_last, "before")
-                        .map_err(crate::BackendError::new)?;
+                        .map_err(error)?;
                     kernel
                         .builder
                         .build_select(before, limit, key_last, "end")
-                        .map_err(crate::BackendError::new)?
+                        .map_err(error)?
                         .into_int_value()
                 } else {
                     key_last
                 };
-                let score = |key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+                // Pass 1: every score once, and their maximum.
+                let max = kernel.accumulator("max")?;
+                kernel.set(max, kernel.f32c(f64::NEG_INFINITY))?;
+                kernel.for_range(key_first, key_end, |key| {
                     let dot = row_sum(kernel, head_dim, |d| {
                         let column = kernel.add(q_head, d)?;
                         let a = kernel.load_f32(q, at(q_access, query, column)?)?;
                         let b = kernel.load_f32(k, at(k_access, key, column)?)?;
                         kernel.fmul(a, b)
                     })?;
-                    kernel.fmul(dot, kernel.f32c(scale))
-                };
-                let max = kernel.accumulator("max")?;
-                kernel.set(max, kernel.f32c(f64::NEG_INFINITY))?;
-                kernel.for_range(key_first, key_end, |key| {
-                    kernel.set(max, kernel.extreme(kernel.get(max)?, score(key)?, true)?)
+                    let score = kernel.fmul(dot, kernel.f32c(scale))?;
+                    kernel.store_f32(
+                        scores,
+                        kernel
+                            .builder
+                            .build_int_sub(key, key_first, "slot")
+                            .map_err(error)?,
+                        score,
+                    )?;
+                    kernel.set(max, kernel.extreme(kernel.get(max)?, score, true)?)
                 })?;
-                let out_row = kernel.mul(query, kernel.i64(out_width))?;
-                let out_at = |d: IntValue<'ctx>| kernel.add(kernel.add(out_row, v_head)?, d);
-                kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
-                    kernel.store_f32(out, out_at(d)?, kernel.f32c(0.0))
-                })?;
+                // Pass 2: the weights in place of the scores, and their sum (vectorizes).
                 let total = kernel.accumulator("total")?;
                 kernel.set(total, kernel.f32c(0.0))?;
                 let maximum = kernel.get(max)?;
-                kernel.for_range(key_first, key_end, |key| {
+                let count = kernel
+                    .builder
+                    .build_int_sub(key_end, key_first, "count")
+                    .map_err(error)?;
+                kernel.for_range(kernel.i64(0), count, |slot| {
                     let weight =
-                        kernel.intrinsic("llvm.exp", &[kernel.fsub(score(key)?, maximum)?])?;
-                    kernel.set(total, kernel.fadd(kernel.get(total)?, weight)?)?;
+                        kernel.fast_exp(kernel.fsub(kernel.load_f32(scores, slot)?, maximum)?)?;
+                    kernel.store_f32(scores, slot, weight)?;
+                    kernel.set(total, kernel.fadd(kernel.get(total)?, weight)?)
+                })?;
+                // Pass 3: the weighted values in a local accumulator.
+                kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
+                    kernel.store_f32(accumulator, d, kernel.f32c(0.0))
+                })?;
+                kernel.for_range(key_first, key_end, |key| {
+                    let weight = kernel.load_f32(
+                        scores,
+                        kernel
+                            .builder
+                            .build_int_sub(key, key_first, "slot")
+                            .map_err(error)?,
+                    )?;
                     kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
                         let value =
                             kernel.load_f32(v, at(v_access, key, kernel.add(v_head, d)?)?)?;
-                        let current = kernel.load_f32(out, out_at(d)?)?;
+                        let current = kernel.load_f32(accumulator, d)?;
                         kernel.store_f32(
-                            out,
-                            out_at(d)?,
+                            accumulator,
+                            d,
                             kernel.fadd(current, kernel.fmul(weight, value)?)?,
                         )
                     })
                 })?;
                 let total = kernel.get(total)?;
+                let out_row = kernel.mul(query, kernel.i64(out_width))?;
                 kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
-                    let current = kernel.load_f32(out, out_at(d)?)?;
-                    kernel.store_f32(out, out_at(d)?, kernel.fdiv(current, total)?)
+                    let value = kernel.fdiv(kernel.load_f32(accumulator, d)?, total)?;
+                    kernel.store_f32(out, kernel.add(kernel.add(out_row, v_head)?, d)?, value)
                 })
             })
         })

@@ -212,6 +212,7 @@ impl Executable {
             buffer.resize(elements, 0.0);
             pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
             owned[out.0 as usize] = Some(buffer);
+            let started = profile().then(std::time::Instant::now);
             self.execute(
                 step_index,
                 step,
@@ -220,6 +221,13 @@ impl Executable {
                 &count,
                 inputs,
             )?;
+            if let Some(started) = started {
+                eprintln!(
+                    "nestor profile: step {step_index} {:.1} us {}",
+                    started.elapsed().as_secs_f64() * 1e6,
+                    step_name(step)
+                );
+            }
             launches += 1;
             // Buffers whose last reader was this step go back to the pool.
             for (slot, &last) in last_use.iter().enumerate() {
@@ -359,7 +367,7 @@ impl Executable {
                         }));
                     }
                 }
-                self.launch(index, &args, count(*rows))
+                self.launch(index, &args, count(*rows), ROW_GRAIN)
             }
             Step::Row {
                 out,
@@ -371,7 +379,7 @@ impl Executable {
             } => {
                 let optional = |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), pointer);
                 let args = [pointer(*out), pointer(*x), optional(weight), optional(bias)];
-                self.launch(index, &args, count(*rows))
+                self.launch(index, &args, count(*rows), ROW_GRAIN)
             }
             Step::Segment {
                 out,
@@ -384,6 +392,7 @@ impl Executable {
                     index,
                     &[pointer(*out), pointer(*x), offsets(*lengths_slot)],
                     batch,
+                    1,
                 )
             }
             Step::Attention {
@@ -411,7 +420,7 @@ impl Executable {
                     offsets(*q_lengths),
                     offsets(*k_lengths),
                 ];
-                self.launch(index, &args, batch)
+                self.launch(index, &args, batch, 1)
             }
             Step::Gather {
                 out,
@@ -448,18 +457,26 @@ impl Executable {
                     index,
                     &[pointer(*out), pointer(*table), pointer(*ids)],
                     count(*rows),
+                    ROW_GRAIN,
                 )
             }
         }
     }
 
-    /// Runs kernel `index` over `0..total`, split across the cores.
-    fn launch(&self, index: usize, args: &[*mut u8], total: i64) -> Result<(), RuntimeError> {
+    /// Runs kernel `index` over `0..total`, split across the cores in chunks of at least
+    /// `grain` rows or elements.
+    fn launch(
+        &self,
+        index: usize,
+        args: &[*mut u8],
+        total: i64,
+        grain: i64,
+    ) -> Result<(), RuntimeError> {
         let Some(kernel) = self.kernels.kernel(index) else {
             return Ok(());
         };
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as i64;
-        let chunks = threads.min(total / 64).max(1);
+        let threads = worker_threads();
+        let chunks = threads.min(total / grain.max(1)).max(1);
         let shared = Args(args);
         let call = |kernel: KernelFn, args: Args<'_>, start: i64, end: i64| {
             // The kernel reads and writes only the buffers in `args`, sized for the
@@ -471,14 +488,47 @@ impl Executable {
             return Ok(());
         }
         let per_chunk = (total + chunks - 1) / chunks;
-        std::thread::scope(|scope| {
+        // Rayon's pool (shared with the GEMMs) runs the chunks; no thread is spawned per launch.
+        rayon::scope(|scope| {
             for chunk in 0..chunks {
                 let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(total));
-                scope.spawn(move || call(kernel, shared, start, end));
+                scope.spawn(move |_| call(kernel, shared, start, end));
             }
         });
         Ok(())
     }
+}
+
+/// Rows per chunk below which a row kernel is not split across threads.
+const ROW_GRAIN: i64 = 64;
+
+/// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
+fn profile() -> bool {
+    static PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PROFILE.get_or_init(|| std::env::var_os("NESTOR_PROFILE").is_some())
+}
+
+fn step_name(step: &Step) -> String {
+    match step {
+        Step::Pointwise { .. } => "pointwise".into(),
+        Step::Gemm { rows, k, n, .. } => format!("gemm k={k} n={n} rows={rows:?}"),
+        Step::Row { kind, .. } => format!("row {kind:?}"),
+        Step::Segment { kind, .. } => format!("segment {kind:?}"),
+        Step::Attention { .. } => "attention".into(),
+        Step::Gather { .. } => "gather".into(),
+    }
+}
+
+/// Threads a kernel may use: `NESTOR_THREADS`, or the machine's cores.
+fn worker_threads() -> i64 {
+    static THREADS: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::env::var("NESTOR_THREADS")
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as i64))
+            .max(1)
+    })
 }
 
 /// The slots a step reads.
@@ -543,7 +593,11 @@ fn gemm(
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(0),
+            if worker_threads() > 1 && rows * k * n > 1 << 22 {
+                gemm::Parallelism::Rayon(0)
+            } else {
+                gemm::Parallelism::None
+            },
         );
         if let Some(bias) = bias {
             let bias = std::slice::from_raw_parts(bias, n as usize);

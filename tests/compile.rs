@@ -367,3 +367,57 @@ fn batches_of_equal_lengths_reuse_the_ragged_program() {
     }
     assert_eq!(compiled.stats().compiles, 1);
 }
+
+#[test]
+fn bf16_and_f16_models_compile_with_f32_compute() {
+    for kind in [Kind::BFloat16, Kind::Half] {
+        tch::manual_seed(4);
+        let mut store = nn::VarStore::new(Device::Cpu);
+        let config = TransformerConfig {
+            d_model: 32,
+            nhead: 4,
+            dim_feedforward: 64,
+            dropout: 0.0,
+            ..Default::default()
+        };
+        let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
+        store.set_kind(kind);
+        let compiled = compile("low_precision", |x: &[NestedTensor], _: &[Dense]| {
+            encoder.forward(&x[0], false)
+        });
+        for (index, lengths) in [vec![5i64, 1, 3], vec![2, 7]].iter().enumerate() {
+            let (tokens, _) = batch(lengths, &[32], kind, index as i64);
+            let compiled_output = compiled
+                .call(&[&tokens], &[])
+                .unwrap()
+                .remove(0)
+                .into_nested()
+                .unwrap();
+            assert_eq!(compiled_output.kind(), kind);
+            // The reference: the same model in f32 on the same (rounded) inputs; the
+            // compiled model computes in f32 and rounds only its result.
+            let reference_store = {
+                let mut copy = nn::VarStore::new(Device::Cpu);
+                let reference =
+                    TransformerEncoder::new(&(copy.root() / "encoder"), &config, 2, true);
+                copy.copy(&store).unwrap();
+                copy.set_kind(Kind::Float);
+                let expected = reference
+                    .forward(&tokens.to_kind(Kind::Float).unwrap(), false)
+                    .unwrap();
+                (expected, copy)
+            };
+            let difference = (compiled_output.values().to_kind(Kind::Float)
+                - reference_store.0.values())
+            .abs()
+            .max()
+            .double_value(&[]);
+            let tolerance = if kind == Kind::BFloat16 { 5e-2 } else { 1e-2 };
+            assert!(
+                difference < tolerance,
+                "{kind:?}: compiled differs from the f32 reference by {difference}"
+            );
+        }
+        assert_eq!(compiled.stats().compiles, 1);
+    }
+}

@@ -10,7 +10,7 @@ use nestor_runtime::{Executable, InputData, RunOutput, Stats, StatsSnapshot};
 use tch::{Kind, Tensor};
 
 use crate::trace::{check_inputs, normalized_input, trace, Dense, TraceOutputs, Traced, Value};
-use crate::{dtype_of, NestedError, NestedTensor, Result};
+use crate::{kind_of, NestedError, NestedTensor, Result};
 
 /// What a compiled program depends on: per batch its rank, ragged dims, static sizes
 /// and dtype; per dense input its dims after the first and dtype. Never lengths.
@@ -285,8 +285,9 @@ fn output_value(output: RunOutput) -> Result<Value> {
         .chain(output.tail.iter().copied())
         .collect();
     let mut values = Tensor::f_from_slice(&output.data)?.f_reshape(&shape)?;
-    if dtype_of(Kind::Bool) == Some(output.dtype) {
-        values = values.f_to_kind(Kind::Bool)?;
+    let kind = kind_of(output.dtype);
+    if kind != Kind::Float {
+        values = values.f_to_kind(kind)?;
     }
     Ok(match output.lengths {
         Some(lengths) => Value::Nested(NestedTensor::packed_with_lengths(&values, &lengths)?),

@@ -252,11 +252,14 @@ impl Lowering<'_> {
 
     fn input(&mut self, value: ValueId, ty: &Type, index: usize) -> Result<Lowered, LowerError> {
         if let Some(dtype) = ty.dtype() {
-            if !matches!(dtype, DType::F32 | DType::I64 | DType::Bool) {
+            if !matches!(
+                dtype,
+                DType::F32 | DType::F16 | DType::BF16 | DType::I64 | DType::Bool
+            ) {
                 return Err(unsupported(
                     value,
                     self.graph.op(value),
-                    format!("compiled inputs are f32, i64 or bool, got {dtype}"),
+                    format!("compiled inputs are f32, f16, bf16, i64 or bool, got {dtype}"),
                 ));
             }
         }
@@ -291,11 +294,14 @@ impl Lowering<'_> {
 
     fn op(&mut self, value: ValueId, op: &Op, ty: &Type) -> Result<Lowered, LowerError> {
         if let Some(dtype) = ty.dtype() {
-            if !matches!(dtype, DType::F32 | DType::Bool | DType::I64) {
+            if !matches!(
+                dtype,
+                DType::F32 | DType::F16 | DType::BF16 | DType::Bool | DType::I64
+            ) {
                 return Err(unsupported(
                     value,
                     op,
-                    format!("compiled values are f32, got {dtype}"),
+                    format!("compiled values are f32 (f16 and bf16 at the boundary), got {dtype}"),
                 ));
             }
         }
@@ -327,7 +333,9 @@ impl Lowering<'_> {
                 })
             }
             Op::Cast { x, dtype } => match dtype {
-                DType::F32 => self.pointwise(value, ty, &[*x], |loads| loads[0].clone()),
+                DType::F32 | DType::F16 | DType::BF16 => {
+                    self.pointwise(value, ty, &[*x], |loads| loads[0].clone())
+                }
                 DType::Bool => self.pointwise(value, ty, &[*x], |loads| {
                     Expr::Binary(
                         BinaryOp::Ne,

@@ -49,8 +49,8 @@ impl Rows {
 /// What a slot holds and where its contents come from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SlotInfo {
-    /// Element type at the program's boundary (computation is f32; bool is 0/1;
-    /// lengths and ids are i64).
+    /// Element type at the program's boundary. Computation and buffers are f32 (f16 and
+    /// bf16 values are converted at the boundary; bool is 0/1); lengths and ids are i64.
     pub dtype: DType,
     /// Rows.
     pub rows: Rows,

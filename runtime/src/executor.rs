@@ -165,9 +165,10 @@ impl Executable {
                         (Some(InputData::I64(values)), DType::I64) => {
                             (values.as_ptr() as *mut u8, values.len() as i64)
                         }
-                        (Some(InputData::F32(values)), DType::F32 | DType::Bool) => {
-                            (values.as_ptr() as *mut u8, values.len() as i64)
-                        }
+                        (
+                            Some(InputData::F32(values)),
+                            DType::F32 | DType::F16 | DType::BF16 | DType::Bool,
+                        ) => (values.as_ptr() as *mut u8, values.len() as i64),
                         (Some(_), dtype) => {
                             return Err(bad(input, format!("expected {dtype} data")))
                         }

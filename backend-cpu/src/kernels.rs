@@ -4,7 +4,6 @@
 //!   range = rows;
 //! - row: `out, x, weight or null, bias or null`; range = rows;
 //! - segment: `out, x, offsets (i64, B + 1)`; range = elements;
-//! - attention: `out, q, k, v, query offsets, key offsets`; range = elements;
 //! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows.
 
 use inkwell::context::Context;
@@ -23,8 +22,8 @@ pub(crate) fn generate<'ctx>(
 ) -> Gen<bool> {
     let kernel = Kernel::new(context, module, name);
     match step {
-        Step::Gemm { .. } => {
-            // No kernel: delete the empty function again.
+        Step::Gemm { .. } | Step::Attention { .. } => {
+            // No kernel (the runtime calls a GEMM library): delete the empty function.
             unsafe { kernel.function.delete() };
             return Ok(false);
         }
@@ -50,25 +49,6 @@ pub(crate) fn generate<'ctx>(
             bias.is_some(),
         )?,
         Step::Segment { kind, width, .. } => segment(&kernel, *kind, *width)?,
-        Step::Attention {
-            q,
-            k,
-            v,
-            heads,
-            head_dim,
-            value_dim,
-            causal,
-            scale,
-            ..
-        } => attention(
-            &kernel,
-            [q, k, v],
-            *heads,
-            *head_dim,
-            *value_dim,
-            *causal,
-            *scale,
-        )?,
         Step::Gather { width, .. } => gather(&kernel, *width)?,
     }
     kernel.finish()?;
@@ -330,173 +310,6 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Ge
                     })
                 }
             }
-        })
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    accesses: [&Access; 3],
-    heads: i64,
-    head_dim: i64,
-    value_dim: i64,
-    causal: bool,
-    scale: f64,
-) -> Gen<()> {
-    let error = crate::BackendError::new;
-    let (start, end) = kernel.range()?;
-    let out = kernel.arg(0)?;
-    let (q, k, v) = (kernel.arg(1)?, kernel.arg(2)?, kernel.arg(3)?);
-    let (q_offsets, k_offsets) = (kernel.arg(4)?, kernel.arg(5)?);
-    let [q_access, k_access, v_access] = accesses;
-    let out_width = heads * value_dim;
-    let at = |access: &Access, row: IntValue<'ctx>, column: IntValue<'ctx>| {
-        index(kernel, access, row, column)
-    };
-    let i64_type = kernel.context.i64_type();
-    // Scratch for one query's scores: as many as the longest element's keys.
-    let longest = kernel
-        .builder
-        .build_alloca(i64_type, "longest")
-        .map_err(error)?;
-    kernel
-        .builder
-        .build_store(longest, kernel.i64(1))
-        .map_err(error)?;
-    kernel.for_range(start, end, |element| {
-        let first = kernel.load_i64(k_offsets, element)?;
-        let last = kernel.load_i64(k_offsets, kernel.add(element, kernel.i64(1))?)?;
-        let keys = kernel
-            .builder
-            .build_int_sub(last, first, "keys")
-            .map_err(error)?;
-        let current = kernel
-            .builder
-            .build_load(i64_type, longest, "current")
-            .map_err(error)?
-            .into_int_value();
-        let more = kernel
-            .builder
-            .build_int_compare(inkwell::IntPredicate::SGT, keys, current, "more")
-            .map_err(error)?;
-        let larger = kernel
-            .builder
-            .build_select(more, keys, current, "larger")
-            .map_err(error)?;
-        kernel.builder.build_store(longest, larger).map_err(error)?;
-        Ok(())
-    })?;
-    let longest = kernel
-        .builder
-        .build_load(i64_type, longest, "longest")
-        .map_err(error)?
-        .into_int_value();
-    let scores = kernel
-        .builder
-        .build_array_alloca(kernel.f32, longest, "scores")
-        .map_err(error)?;
-    let accumulator = kernel
-        .builder
-        .build_array_alloca(kernel.f32, kernel.i64(value_dim.max(1)), "acc")
-        .map_err(error)?;
-    kernel.for_range(start, end, |element| {
-        let next = kernel.add(element, kernel.i64(1))?;
-        let (query_first, query_last) = (
-            kernel.load_i64(q_offsets, element)?,
-            kernel.load_i64(q_offsets, next)?,
-        );
-        let (key_first, key_last) = (
-            kernel.load_i64(k_offsets, element)?,
-            kernel.load_i64(k_offsets, next)?,
-        );
-        kernel.for_range(kernel.i64(0), kernel.i64(heads), |head| {
-            let q_head = kernel.mul(head, kernel.i64(head_dim))?;
-            let v_head = kernel.mul(head, kernel.i64(value_dim))?;
-            kernel.for_range(query_first, query_last, |query| {
-                let key_end = if causal {
-                    let position = kernel
-                        .builder
-                        .build_int_sub(query, query_first, "position")
-                        .map_err(error)?;
-                    let limit = kernel.add(kernel.add(key_first, position)?, kernel.i64(1))?;
-                    let before = kernel
-                        .builder
-                        .build_int_compare(inkwell::IntPredicate::SLT, limit, key_last, "before")
-                        .map_err(error)?;
-                    kernel
-                        .builder
-                        .build_select(before, limit, key_last, "end")
-                        .map_err(error)?
-                        .into_int_value()
-                } else {
-                    key_last
-                };
-                // Pass 1: every score once, and their maximum.
-                let max = kernel.accumulator("max")?;
-                kernel.set(max, kernel.f32c(f64::NEG_INFINITY))?;
-                kernel.for_range(key_first, key_end, |key| {
-                    let dot = row_sum(kernel, head_dim, |d| {
-                        let column = kernel.add(q_head, d)?;
-                        let a = kernel.load_f32(q, at(q_access, query, column)?)?;
-                        let b = kernel.load_f32(k, at(k_access, key, column)?)?;
-                        kernel.fmul(a, b)
-                    })?;
-                    let score = kernel.fmul(dot, kernel.f32c(scale))?;
-                    kernel.store_f32(
-                        scores,
-                        kernel
-                            .builder
-                            .build_int_sub(key, key_first, "slot")
-                            .map_err(error)?,
-                        score,
-                    )?;
-                    kernel.set(max, kernel.extreme(kernel.get(max)?, score, true)?)
-                })?;
-                // Pass 2: the weights in place of the scores, and their sum (vectorizes).
-                let total = kernel.accumulator("total")?;
-                kernel.set(total, kernel.f32c(0.0))?;
-                let maximum = kernel.get(max)?;
-                let count = kernel
-                    .builder
-                    .build_int_sub(key_end, key_first, "count")
-                    .map_err(error)?;
-                kernel.for_range(kernel.i64(0), count, |slot| {
-                    let weight =
-                        kernel.fast_exp(kernel.fsub(kernel.load_f32(scores, slot)?, maximum)?)?;
-                    kernel.store_f32(scores, slot, weight)?;
-                    kernel.set(total, kernel.fadd(kernel.get(total)?, weight)?)
-                })?;
-                // Pass 3: the weighted values in a local accumulator.
-                kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
-                    kernel.store_f32(accumulator, d, kernel.f32c(0.0))
-                })?;
-                kernel.for_range(key_first, key_end, |key| {
-                    let weight = kernel.load_f32(
-                        scores,
-                        kernel
-                            .builder
-                            .build_int_sub(key, key_first, "slot")
-                            .map_err(error)?,
-                    )?;
-                    kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
-                        let value =
-                            kernel.load_f32(v, at(v_access, key, kernel.add(v_head, d)?)?)?;
-                        let current = kernel.load_f32(accumulator, d)?;
-                        kernel.store_f32(
-                            accumulator,
-                            d,
-                            kernel.fadd(current, kernel.fmul(weight, value)?)?,
-                        )
-                    })
-                })?;
-                let total = kernel.get(total)?;
-                let out_row = kernel.mul(query, kernel.i64(out_width))?;
-                kernel.for_range(kernel.i64(0), kernel.i64(value_dim), |d| {
-                    let value = kernel.fdiv(kernel.load_f32(accumulator, d)?, total)?;
-                    kernel.store_f32(out, kernel.add(kernel.add(out_row, v_head)?, d)?, value)
-                })
-            })
         })
     })
 }

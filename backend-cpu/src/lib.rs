@@ -4,9 +4,9 @@
 //!
 //! Every kernel has one ABI: `extern "C" fn(args: *const *mut u8, start: i64, end: i64)`,
 //! where `args` are the buffers the step reads and writes (see [`KernelFn`]) and
-//! `start..end` the rows (or elements, for segmented kernels and attention) this call
-//! covers, so the runtime can split work across threads. GEMM steps get no kernel: the
-//! runtime calls a GEMM library.
+//! `start..end` the rows (or elements, for segmented kernels) this call
+//! covers, so the runtime can split work across threads. GEMM and attention steps get no kernel:
+//! the runtime runs them on a GEMM library.
 //!
 //! What a kernel computes is in `codegen` (shared loops, loads, expressions); the
 //! CUDA backend will reuse it with its own thread indexing.
@@ -124,7 +124,8 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     })
 }
 
-/// Whether a step runs as a JIT kernel (GEMMs call a library).
+/// Whether a step runs as a JIT kernel (GEMMs, and attention built on GEMMs, call a
+/// library from the runtime).
 pub fn has_kernel(step: &Step) -> bool {
-    !matches!(step, Step::Gemm { .. })
+    !matches!(step, Step::Gemm { .. } | Step::Attention { .. })
 }

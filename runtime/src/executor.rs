@@ -4,11 +4,12 @@
 
 use std::collections::HashMap;
 
-use nestor_backend_cpu::{has_kernel, CpuKernels, KernelFn};
+use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
 use nestor_passes::{Output, Program, RowBase, Rows, Slot, Source, Step};
 use thiserror::Error;
 
+use crate::attention::Attention;
 use crate::Stats;
 
 /// Why a run could not happen.
@@ -352,7 +353,6 @@ impl Executable {
                 );
                 Ok(())
             }
-            _ if !has_kernel(step) => Ok(()),
             Step::Pointwise {
                 out,
                 rows,
@@ -413,15 +413,42 @@ impl Executable {
                         reason: format!("{batch} query elements but {key_batch} key elements"),
                     });
                 }
-                let args = [
-                    pointer(*out),
-                    pointer(q.slot),
-                    pointer(k.slot),
-                    pointer(v.slot),
-                    offsets(*q_lengths),
-                    offsets(*k_lengths),
-                ];
-                self.launch(index, &args, batch, 1)
+                let (Some(q_info), Some(k_info)) = (info(*q_lengths), info(*k_lengths)) else {
+                    return Ok(());
+                };
+                let Step::Attention {
+                    heads,
+                    head_dim,
+                    value_dim,
+                    causal,
+                    scale,
+                    ..
+                } = step
+                else {
+                    return Ok(());
+                };
+                let attention = Attention {
+                    q,
+                    k,
+                    v,
+                    heads: *heads,
+                    head_dim: *head_dim,
+                    value_dim: *value_dim,
+                    causal: *causal,
+                    scale: *scale,
+                };
+                // The buffers were sized from these offsets and the step's widths.
+                unsafe {
+                    attention.run(
+                        pointer(*out) as *mut f32,
+                        pointer(q.slot) as *const f32,
+                        pointer(k.slot) as *const f32,
+                        pointer(v.slot) as *const f32,
+                        &q_info.offsets,
+                        &k_info.offsets,
+                    )
+                };
+                Ok(())
             }
             Step::Gather {
                 out,

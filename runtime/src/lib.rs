@@ -10,6 +10,7 @@
 //!
 //! This crate never depends on tch.
 
+mod attention;
 mod executor;
 mod layout;
 mod stats;

@@ -1,0 +1,195 @@
+//! Varlen attention on the host as two GEMMs per element and head (`S = Q K^T`,
+//! `O = softmax(S) V`) with a row softmax in between: packed (no padding between
+//! elements), and the GEMM library's microkernels do the arithmetic.
+
+use nestor_passes::Access;
+use rayon::prelude::*;
+
+/// The shape of one attention step.
+pub(crate) struct Attention<'a> {
+    pub q: &'a Access,
+    pub k: &'a Access,
+    pub v: &'a Access,
+    pub heads: i64,
+    pub head_dim: i64,
+    pub value_dim: i64,
+    pub causal: bool,
+    pub scale: f64,
+}
+
+/// Pointers shared by the parallel tasks; each task writes its own rows and head
+/// columns of `out`.
+#[derive(Clone, Copy)]
+struct Buffers {
+    out: *mut f32,
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+}
+unsafe impl Send for Buffers {}
+unsafe impl Sync for Buffers {}
+
+/// `e^x` with a degree-6 polynomial for `2^f` (relative error about 2e-7), as the
+/// generated kernels compute it.
+fn fast_exp(x: f32) -> f32 {
+    let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
+    let n = t.round();
+    let f = t - n;
+    let ln2 = std::f32::consts::LN_2;
+    let mut p = ln2.powi(6) / 720.0;
+    for c in [
+        ln2.powi(5) / 120.0,
+        ln2.powi(4) / 24.0,
+        ln2.powi(3) / 6.0,
+        ln2 * ln2 / 2.0,
+        ln2,
+        1.0,
+    ] {
+        p = p * f + c;
+    }
+    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+impl Attention<'_> {
+    /// Runs the step. `out` holds `sum(Lq) x heads*value_dim` values; the inputs are sized
+    /// for the offsets (the executor checked them).
+    ///
+    /// # Safety
+    /// The pointers must be valid for the sizes the offsets and accesses imply.
+    pub(crate) unsafe fn run(
+        &self,
+        out: *mut f32,
+        q: *const f32,
+        k: *const f32,
+        v: *const f32,
+        q_offsets: &[i64],
+        k_offsets: &[i64],
+    ) {
+        let buffers = Buffers { out, q, k, v };
+        let elements = q_offsets.len().saturating_sub(1);
+        let tasks: Vec<(usize, i64)> = (0..elements)
+            .flat_map(|e| (0..self.heads).map(move |h| (e, h)))
+            .collect();
+        tasks.into_par_iter().for_each(|(element, head)| {
+            let (q_first, q_rows) = (
+                q_offsets[element],
+                q_offsets[element + 1] - q_offsets[element],
+            );
+            let (k_first, k_rows) = (
+                k_offsets[element],
+                k_offsets[element + 1] - k_offsets[element],
+            );
+            // The task's rows and columns are in range of buffers the executor sized.
+            unsafe { self.element(buffers, head, q_first, q_rows, k_first, k_rows) };
+        });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn element(
+        &self,
+        buffers: Buffers,
+        head: i64,
+        q_first: i64,
+        q_rows: i64,
+        k_first: i64,
+        k_rows: i64,
+    ) {
+        if q_rows == 0 {
+            return;
+        }
+        let (d, dv) = (self.head_dim, self.value_dim);
+        let out_width = self.heads * dv;
+        let mut scores = vec![0f32; (q_rows * k_rows.max(1)) as usize];
+        unsafe {
+            let q = buffers
+                .q
+                .offset((q_first * self.q.row_stride + self.q.offset + head * d) as isize);
+            let k = buffers
+                .k
+                .offset((k_first * self.k.row_stride + self.k.offset + head * d) as isize);
+            let v = buffers
+                .v
+                .offset((k_first * self.v.row_stride + self.v.offset + head * dv) as isize);
+            let out = buffers
+                .out
+                .offset((q_first * out_width + head * dv) as isize);
+            if k_rows > 0 {
+                // S[q_rows, k_rows] = scale * Q K^T.
+                gemm::gemm(
+                    q_rows as usize,
+                    k_rows as usize,
+                    d as usize,
+                    scores.as_mut_ptr(),
+                    1,
+                    k_rows as isize,
+                    false,
+                    q,
+                    1,
+                    self.q.row_stride as isize,
+                    k,
+                    self.k.row_stride as isize,
+                    1,
+                    0.0,
+                    self.scale as f32,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            for (row, scores) in scores.chunks_mut(k_rows.max(1) as usize).enumerate() {
+                let limit = if self.causal {
+                    (row + 1).min(k_rows as usize)
+                } else {
+                    k_rows as usize
+                };
+                let max = scores[..limit]
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0.0;
+                for score in &mut scores[..limit] {
+                    *score = fast_exp(*score - max);
+                    total += *score;
+                }
+                for score in &mut scores[..limit] {
+                    *score /= total;
+                }
+                for score in &mut scores[limit..] {
+                    *score = 0.0;
+                }
+            }
+            if k_rows == 0 {
+                // No keys: torch gives NaN.
+                for row in 0..q_rows {
+                    for column in 0..dv {
+                        *out.offset((row * out_width + column) as isize) = f32::NAN;
+                    }
+                }
+                return;
+            }
+            // O[q_rows, dv] = P V.
+            gemm::gemm(
+                q_rows as usize,
+                dv as usize,
+                k_rows as usize,
+                out,
+                1,
+                out_width as isize,
+                false,
+                scores.as_ptr(),
+                1,
+                k_rows as isize,
+                v,
+                1,
+                self.v.row_stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    }
+}

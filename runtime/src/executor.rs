@@ -54,6 +54,8 @@ pub struct RunOutput {
 pub struct Executable {
     program: Program,
     kernels: CpuKernels,
+    /// Intermediate buffers kept between runs (their pages are already mapped).
+    pool: std::sync::Mutex<Vec<Vec<f32>>>,
 }
 
 /// Raw buffer pointers handed to kernels on several threads; each thread writes a
@@ -87,7 +89,11 @@ impl Executable {
     /// Compiles the kernels of `program`.
     pub fn compile(program: Program) -> Result<Self, RuntimeError> {
         let kernels = nestor_backend_cpu::compile(&program)?;
-        Ok(Self { program, kernels })
+        Ok(Self {
+            program,
+            kernels,
+            pool: std::sync::Mutex::new(Vec::new()),
+        })
     }
 
     /// The program.
@@ -157,7 +163,12 @@ impl Executable {
         let last_use = self.last_uses();
         let mut owned: Vec<Option<Vec<f32>>> = (0..program.slots.len()).map(|_| None).collect();
         let mut pointers: Vec<*mut u8> = vec![std::ptr::null_mut(); program.slots.len()];
-        let mut free: Vec<Vec<f32>> = Vec::new();
+        let mut free: Vec<Vec<f32>> = std::mem::take(
+            &mut *self
+                .pool
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
         for (index, info) in program.slots.iter().enumerate() {
             let elements = count(info.rows) * info.width;
             match info.source {
@@ -243,7 +254,7 @@ impl Executable {
             }
         }
         stats.launched(launches);
-        program
+        let outputs = program
             .outputs
             .iter()
             .map(|output| {
@@ -269,14 +280,21 @@ impl Executable {
                     // or a buffer this run allocated with that size (outputs are never freed).
                     unsafe { std::slice::from_raw_parts(pointer, elements) }.to_vec()
                 };
-                Ok(RunOutput {
+                RunOutput {
                     data,
                     lengths: ragged_lengths,
                     tail,
                     dtype: info.dtype,
-                })
+                }
             })
-            .collect()
+            .collect();
+        // Every buffer goes back to the pool for the next run.
+        free.extend(owned.into_iter().flatten());
+        self.pool
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(free);
+        Ok(outputs)
     }
 
     /// The slot whose memory `slot` uses (itself, unless it is an alias).

@@ -22,6 +22,30 @@ use inkwell::OptimizationLevel;
 use nestor_passes::{Program, Step};
 use thiserror::Error;
 
+/// Coefficients of the polynomial for `2^f`, `f` in `[-0.5, 0.5]`, highest degree
+/// first (`ln(2)^k / k!`): the generated kernels' `exp` and [`fast_exp`] share them.
+pub const EXP2_COEFFICIENTS: [f64; 7] = [
+    0.000_154_035_303_933_816_1, // ln(2)^6 / 720
+    0.001_333_355_814_642_844_3, // ln(2)^5 / 120
+    0.009_618_129_107_628_477,   // ln(2)^4 / 24
+    0.055_504_108_664_821_58,    // ln(2)^3 / 6
+    0.240_226_506_959_100_7,     // ln(2)^2 / 2
+    std::f64::consts::LN_2,
+    1.0,
+];
+
+/// `e^x` computed as the generated kernels compute it (range reduction to `2^n * 2^f`,
+/// [`EXP2_COEFFICIENTS`] for `2^f`, inputs clamped to the finite range; relative error
+/// below 4e-6, worst at the ends of the range), for host code that must agree
+/// with them.
+pub fn fast_exp(x: f32) -> f32 {
+    let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
+    let n = t.round();
+    let f = (t - n) as f64;
+    let polynomial = EXP2_COEFFICIENTS.iter().fold(0.0, |acc, &c| acc * f + c) as f32;
+    polynomial * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
 /// A compiled kernel: `args` holds the step's buffers, in the order documented on each
 /// [`Step`] kind in `kernels`; `start..end` is the range of rows or elements to run.
 pub type KernelFn = unsafe extern "C" fn(args: *const *mut u8, start: i64, end: i64);
@@ -128,4 +152,21 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
 /// library from the runtime).
 pub fn has_kernel(step: &Step) -> bool {
     !matches!(step, Step::Gemm { .. } | Step::Attention { .. })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_is_accurate_over_the_finite_range() {
+        let mut worst: f32 = 0.0;
+        for step in -8700..=8800 {
+            let x = step as f32 / 100.0;
+            let relative = (fast_exp(x) - x.exp()).abs() / x.exp();
+            worst = worst.max(relative);
+        }
+        assert!(worst < 1e-5, "worst relative error {worst}");
+        assert!(fast_exp(f32::NEG_INFINITY) < 1e-37, "clamped, not NaN");
+    }
 }

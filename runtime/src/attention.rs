@@ -2,6 +2,7 @@
 //! `O = softmax(S) V`) with a row softmax in between: packed (no padding between
 //! elements), and the GEMM library's microkernels do the arithmetic.
 
+use nestor_backend_cpu::fast_exp;
 use nestor_passes::Access;
 use rayon::prelude::*;
 
@@ -28,27 +29,6 @@ struct Buffers {
 }
 unsafe impl Send for Buffers {}
 unsafe impl Sync for Buffers {}
-
-/// `e^x` with a degree-6 polynomial for `2^f` (relative error about 2e-7), as the
-/// generated kernels compute it.
-fn fast_exp(x: f32) -> f32 {
-    let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
-    let n = t.round();
-    let f = t - n;
-    let ln2 = std::f32::consts::LN_2;
-    let mut p = ln2.powi(6) / 720.0;
-    for c in [
-        ln2.powi(5) / 120.0,
-        ln2.powi(4) / 24.0,
-        ln2.powi(3) / 6.0,
-        ln2 * ln2 / 2.0,
-        ln2,
-        1.0,
-    ] {
-        p = p * f + c;
-    }
-    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
-}
 
 impl Attention<'_> {
     /// Runs the step. `out` holds `sum(Lq) x heads*value_dim` values; the inputs are sized

@@ -49,6 +49,19 @@ pub enum LayoutError {
     },
 }
 
+/// Checks a size given for every element of dim `dim`.
+fn non_negative(dim: usize, size: i64) -> Result<(), LayoutError> {
+    if size < 0 {
+        Err(LayoutError::NegativeSize {
+            element: 0,
+            dim,
+            size,
+        })
+    } else {
+        Ok(())
+    }
+}
+
 /// Where every element of a packed ragged batch lives. See the module docs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RaggedLayout {
@@ -207,13 +220,7 @@ impl RaggedLayout {
                 rank: self.rank,
             });
         };
-        if size < 0 {
-            return Err(LayoutError::NegativeSize {
-                element: 0,
-                dim,
-                size,
-            });
-        }
+        non_negative(dim, size)?;
         let mut layout = self.clone();
         layout.static_sizes[position] = size;
         for sizes in &mut layout.element_sizes {
@@ -263,13 +270,7 @@ impl RaggedLayout {
                 rank: self.rank,
             });
         }
-        if size < 0 {
-            return Err(LayoutError::NegativeSize {
-                element: 0,
-                dim,
-                size,
-            });
-        }
+        non_negative(dim, size)?;
         let shift = |&d: &usize| if d >= dim { d + 1 } else { d };
         let element_sizes = self
             .element_sizes

@@ -33,4 +33,6 @@ pub use nestor_ir::DType;
 
 /// The ragged graph IR (types, ops, text form, verifier, Graphviz output).
 pub use nestor_ir as ir;
+/// Passes over graphs (DCE, CSE, fusion) and lowering to kernel programs.
+pub use nestor_passes as passes;
 pub use nestor_runtime::{LayoutError, RaggedLayout};

@@ -102,6 +102,21 @@ fn check_family(
         *traced.graph(),
         "{family}"
     );
+    // The optimized graph (DCE, CSE, fusion) interprets to the same results.
+    let optimized = nestor::passes::Pipeline::default()
+        .run(traced.graph())
+        .unwrap();
+    let interpreted_optimized =
+        nestor::interpret(&optimized, traced.bind(other, dense).unwrap()).unwrap();
+    let eager_again = model(
+        &other.iter().map(|n| (*n).clone()).collect::<Vec<_>>(),
+        &dense
+            .iter()
+            .map(|t| Dense::from(t.shallow_clone()))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    assert_same(&eager_again, interpreted_optimized, kind, family);
     let interpreted = traced
         .run(other, dense)
         .unwrap_or_else(|error| panic!("{family}: {error}"));

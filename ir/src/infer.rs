@@ -12,6 +12,10 @@ pub(crate) fn infer_type(graph: &Graph, op: &Op) -> Inferred {
             Err("its type is declared, not inferred".into())
         }
         Op::Const { dtype, .. } => Ok(Type::dense(*dtype, [])),
+        Op::Fused { inputs, expr } => {
+            let types: Vec<Type> = inputs.iter().map(|&input| ty(input)).collect();
+            infer_fused(expr, &types)
+        }
         Op::Unary { op, x } => {
             let x = data(ty(*x))?;
             Ok(if *op == crate::UnaryOp::Not {
@@ -389,6 +393,45 @@ pub(crate) fn infer_type(graph: &Graph, op: &Op) -> Inferred {
                 ],
             ))
         }
+    }
+}
+
+/// The type of a fused expression over inputs of the given types, by the rules of the
+/// ops it is made of.
+fn infer_fused(expr: &crate::FusedExpr, inputs: &[Type]) -> Inferred {
+    use crate::FusedExpr;
+    match expr {
+        FusedExpr::Input(index) => inputs
+            .get(*index)
+            .cloned()
+            .ok_or_else(|| format!("the expression reads ${index} of {} inputs", inputs.len())),
+        FusedExpr::Const { dtype, .. } => Ok(Type::dense(*dtype, [])),
+        FusedExpr::Unary(op, x) => {
+            let x = data(infer_fused(x, inputs)?)?;
+            Ok(if *op == crate::UnaryOp::Not {
+                x.with_dtype(DType::Bool)
+            } else {
+                x
+            })
+        }
+        FusedExpr::Binary(op, a, b) => {
+            let (shape, dtype) = broadcast(&infer_fused(a, inputs)?, &infer_fused(b, inputs)?)?;
+            Ok(shape.with_dtype(if op.is_predicate() {
+                DType::Bool
+            } else {
+                dtype
+            }))
+        }
+        FusedExpr::Where(condition, x, y) => {
+            let condition = infer_fused(condition, inputs)?;
+            if condition.dtype() != Some(DType::Bool) {
+                return Err("the condition of where must be bool".into());
+            }
+            let (shape, dtype) = broadcast(&infer_fused(x, inputs)?, &infer_fused(y, inputs)?)?;
+            let (shape, _) = broadcast(&shape, &condition)?;
+            Ok(shape.with_dtype(dtype))
+        }
+        FusedExpr::Cast(dtype, x) => Ok(data(infer_fused(x, inputs)?)?.with_dtype(*dtype)),
     }
 }
 

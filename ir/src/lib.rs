@@ -30,6 +30,7 @@
 
 mod dot;
 mod dtype;
+mod fused;
 mod graph;
 mod infer;
 mod op;
@@ -38,6 +39,7 @@ mod types;
 
 pub use dot::to_dot;
 pub use dtype::DType;
+pub use fused::FusedExpr;
 pub use graph::{Graph, Node, ValueId, VerifyError};
 pub use infer::window_output_size;
 pub use op::{Attr, BinaryOp, LossReduction, Op, PoolKind, ReduceOp, UnaryOp, F64};

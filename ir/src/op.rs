@@ -449,6 +449,14 @@ pub enum Op {
         /// Output spatial size.
         output: Vec<i64>,
     },
+    /// Elementwise ops fused into one: `expr` over `inputs` (broadcast as `binary`
+    /// broadcasts); one kernel.
+    Fused {
+        /// The values the expression reads.
+        inputs: Vec<ValueId>,
+        /// The expression.
+        expr: crate::FusedExpr,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     PerElement {
@@ -576,6 +584,7 @@ impl Op {
             } => "avg_pool2d",
             Op::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
             Op::PerElement { .. } => "per_element",
+            Op::Fused { .. } => "fused",
         }
     }
 
@@ -619,7 +628,7 @@ impl Op {
             Op::MseLoss { x, target, .. } => vec![*x, *target],
             Op::RepeatLengths { lengths, .. } => vec![*lengths],
             Op::RepeatBatch { x, lengths, .. } => [vec![*x], lengths.clone()].concat(),
-            Op::PerElement { inputs, .. } => inputs.clone(),
+            Op::PerElement { inputs, .. } | Op::Fused { inputs, .. } => inputs.clone(),
         }
     }
 
@@ -702,7 +711,9 @@ impl Op {
                 map(x);
                 map(target);
             }
-            Op::PerElement { inputs, .. } => inputs.iter_mut().for_each(map),
+            Op::PerElement { inputs, .. } | Op::Fused { inputs, .. } => {
+                inputs.iter_mut().for_each(map)
+            }
         }
         op
     }
@@ -766,6 +777,7 @@ impl Op {
             | Op::MaxLength { .. }
             | Op::TotalLength { .. }
             | Op::PerElement { .. } => vec![],
+            Op::Fused { expr, .. } => vec![("expr", Attr::Str(expr.to_string()))],
             Op::CrossEntropy {
                 ignore_index,
                 smoothing,
@@ -1153,6 +1165,14 @@ impl Op {
                 Op::AdaptiveAvgPool2d {
                     x: at(0),
                     output: ints("output")?,
+                }
+            }
+            "fused" => {
+                let text = string("expr")?;
+                Op::Fused {
+                    inputs: operands.to_vec(),
+                    expr: crate::FusedExpr::parse(&text)
+                        .map_err(|error| format!("fused: {error}"))?,
                 }
             }
             "per_element" => {

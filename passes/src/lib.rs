@@ -3,6 +3,7 @@
 //! - [`Pass`] and [`Pipeline`]: an explicit list of named passes, the verifier after
 //!   each one, and an optional dump of the IR after every stage;
 //! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
+//! - [`Fuse`]: trees of elementwise ops into one `fused` op (one kernel);
 //! - [`lower`]: a graph to a [`Program`] of kernel steps (pointwise expressions, GEMM,
 //!   row normalizations, segmented reductions and softmax, varlen attention, gather)
 //!   whose sizes are computed from the lengths at run time.
@@ -11,12 +12,14 @@
 
 mod cse;
 mod dce;
+mod fuse;
 mod lower;
 mod pipeline;
 mod program;
 
 pub use cse::Cse;
 pub use dce::Dce;
+pub use fuse::Fuse;
 pub use lower::{lower, LowerError};
 pub use pipeline::{Pass, PassError, Pipeline};
 pub use program::{

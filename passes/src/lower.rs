@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use nestor_ir::{BinaryOp, DType, Dim, ElemDim, Graph, Op, ReduceOp, Type, ValueId};
+use nestor_ir::{BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, ReduceOp, Type, ValueId};
 use thiserror::Error;
 
 use crate::program::{
@@ -349,6 +349,16 @@ impl Lowering<'_> {
                     format!("casts to {other} are not compiled"),
                 )),
             },
+            Op::Fused { inputs, expr } => {
+                if let Some(dtype) = unsupported_cast(expr) {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        format!("casts to {dtype} are not compiled"),
+                    ));
+                }
+                self.pointwise(value, ty, inputs, |loads| translate(expr, loads))
+            }
             Op::Linear { x, weight, bias } => self.gemm(value, ty, *x, *weight, *bias, false),
             Op::Matmul { x, w } => self.gemm(value, ty, *x, *w, None, true),
             Op::LayerNorm {
@@ -844,6 +854,40 @@ impl Lowering<'_> {
                 format!("reductions over dims {dims:?} (keepdim {keepdim}) are not compiled"),
             )),
         }
+    }
+}
+
+/// A fused expression as a kernel expression over the loads of its inputs (casts
+/// between float types are free: computation is f32).
+fn translate(expr: &FusedExpr, loads: &[Expr]) -> Expr {
+    let recurse = |expr: &FusedExpr| Box::new(translate(expr, loads));
+    match expr {
+        FusedExpr::Input(index) => loads[*index].clone(),
+        FusedExpr::Const { value, .. } => Expr::Const(value.0),
+        FusedExpr::Unary(op, x) => Expr::Unary(*op, recurse(x)),
+        FusedExpr::Binary(op, a, b) => Expr::Binary(*op, recurse(a), recurse(b)),
+        FusedExpr::Where(c, a, b) => Expr::Select(recurse(c), recurse(a), recurse(b)),
+        FusedExpr::Cast(DType::Bool, x) => {
+            Expr::Binary(BinaryOp::Ne, recurse(x), Box::new(Expr::Const(0.0)))
+        }
+        FusedExpr::Cast(_, x) => *recurse(x),
+    }
+}
+
+/// The first cast in `expr` to a type compiled code does not compute in.
+fn unsupported_cast(expr: &FusedExpr) -> Option<DType> {
+    match expr {
+        FusedExpr::Input(_) | FusedExpr::Const { .. } => None,
+        FusedExpr::Cast(dtype, _)
+            if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::Bool) =>
+        {
+            Some(*dtype)
+        }
+        FusedExpr::Unary(_, x) | FusedExpr::Cast(_, x) => unsupported_cast(x),
+        FusedExpr::Binary(_, a, b) => unsupported_cast(a).or_else(|| unsupported_cast(b)),
+        FusedExpr::Where(c, a, b) => unsupported_cast(c)
+            .or_else(|| unsupported_cast(a))
+            .or_else(|| unsupported_cast(b)),
     }
 }
 

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use nestor_ir::{
-    BinaryOp, Dim, ElemDim, Graph, LossReduction as IrLoss, Op, PoolKind, ReduceOp, Type, UnaryOp,
-    ValueId,
+    BinaryOp, Dim, ElemDim, FusedExpr, Graph, LossReduction as IrLoss, Op, PoolKind, ReduceOp,
+    Type, UnaryOp, ValueId,
 };
 use tch::{Kind, Reduction, Tensor};
 
@@ -294,45 +294,16 @@ impl Interpreter<'_> {
                 Tensor::f_scalar_tensor(value.0, (Kind::Double, tch::Device::Cpu))?
                     .f_to_kind(kind_of(*dtype))?,
             ),
-            Op::Unary { op, x } => match self.get(*x) {
-                Value::Nested(nested) => Value::Nested(unary_nested(nested, *op)?),
-                _ => Value::Dense(unary_dense(self.dense(*x)?, *op)?),
-            },
-            Op::Binary { op, lhs, rhs } => {
-                let binary = Binary::from_ir(*op);
-                match (self.get(*lhs), self.get(*rhs)) {
-                    (Value::Nested(a), _) => Value::Nested(a.binary(binary, self.operand(*rhs)?)?),
-                    (_, Value::Nested(b)) => {
-                        Value::Nested(b.binary_reversed(binary, self.operand(*lhs)?)?)
-                    }
-                    _ => Value::Dense(binary.apply(self.dense(*lhs)?, self.dense(*rhs)?)?),
-                }
+            Op::Unary { op, x } => unary_value(*op, self.get(*x))?,
+            Op::Binary { op, lhs, rhs } => binary_value(*op, self.get(*lhs), self.get(*rhs))?,
+            Op::Where { condition, x, y } => {
+                where_value(self.get(*condition), self.get(*x), self.get(*y))?
             }
-            Op::Where { condition, x, y } => match (self.get(*x), self.get(*y)) {
-                (Value::Nested(x), _) => {
-                    Value::Nested(x.where_self(self.operand(*condition)?, self.operand(*y)?)?)
-                }
-                (_, Value::Nested(y)) => {
-                    let negated = match self.get(*condition) {
-                        Value::Nested(condition) => Value::Nested(condition.logical_not()?),
-                        _ => Value::Dense(self.dense(*condition)?.f_logical_not()?),
-                    };
-                    let negated = match &negated {
-                        Value::Nested(nested) => Operand::Nested(nested),
-                        Value::Dense(tensor) => Operand::Dense(tensor),
-                        Value::Lengths(_) => unreachable!("built above"),
-                    };
-                    Value::Nested(y.where_self(negated, self.operand(*x)?)?)
-                }
-                _ => Value::Dense(
-                    self.dense(*x)?
-                        .f_where_self(self.dense(*condition)?, self.dense(*y)?)?,
-                ),
-            },
-            Op::Cast { x, dtype } => match self.get(*x) {
-                Value::Nested(nested) => Value::Nested(nested.to_kind(kind_of(*dtype))?),
-                _ => Value::Dense(self.dense(*x)?.f_to_kind(kind_of(*dtype))?),
-            },
+            Op::Cast { x, dtype } => cast_value(*dtype, self.get(*x))?,
+            Op::Fused { inputs, expr } => {
+                let inputs: Vec<&Value> = inputs.iter().map(|&input| self.get(input)).collect();
+                fused_value(expr, &inputs)?
+            }
             Op::Linear { x, weight, bias } => {
                 let bias = bias.map(|bias| self.dense(bias)).transpose()?;
                 match self.get(*x) {
@@ -645,6 +616,82 @@ impl Interpreter<'_> {
             &Value::Nested(nested.shallow_clone()),
         )?;
         Ok(Value::Nested(nested))
+    }
+}
+
+fn as_operand(value: &Value) -> Result<Operand<'_>> {
+    match value {
+        Value::Nested(nested) => Ok(Operand::Nested(nested)),
+        Value::Dense(tensor) => Ok(Operand::Dense(tensor)),
+        Value::Lengths(_) => Err(mismatch(
+            "operand",
+            "lengths are not an elementwise operand".into(),
+        )),
+    }
+}
+
+fn as_dense(value: &Value) -> Result<&Tensor> {
+    match value {
+        Value::Dense(tensor) => Ok(tensor),
+        other => Err(mismatch(
+            "operand",
+            format!("expected a dense tensor, got {}", other.describe()),
+        )),
+    }
+}
+
+fn unary_value(op: UnaryOp, x: &Value) -> Result<Value> {
+    Ok(match x {
+        Value::Nested(nested) => Value::Nested(unary_nested(nested, op)?),
+        other => Value::Dense(unary_dense(as_dense(other)?, op)?),
+    })
+}
+
+fn binary_value(op: BinaryOp, a: &Value, b: &Value) -> Result<Value> {
+    let binary = Binary::from_ir(op);
+    Ok(match (a, b) {
+        (Value::Nested(a), b) => Value::Nested(a.binary(binary, as_operand(b)?)?),
+        (a, Value::Nested(b)) => Value::Nested(b.binary_reversed(binary, as_operand(a)?)?),
+        (a, b) => Value::Dense(binary.apply(as_dense(a)?, as_dense(b)?)?),
+    })
+}
+
+fn where_value(condition: &Value, x: &Value, y: &Value) -> Result<Value> {
+    Ok(match (x, y) {
+        (Value::Nested(x), y) => {
+            Value::Nested(x.where_self(as_operand(condition)?, as_operand(y)?)?)
+        }
+        (x, Value::Nested(y)) => {
+            let negated = unary_value(UnaryOp::Not, condition)?;
+            Value::Nested(y.where_self(as_operand(&negated)?, as_operand(x)?)?)
+        }
+        (x, y) => Value::Dense(as_dense(x)?.f_where_self(as_dense(condition)?, as_dense(y)?)?),
+    })
+}
+
+fn cast_value(dtype: nestor_ir::DType, x: &Value) -> Result<Value> {
+    Ok(match x {
+        Value::Nested(nested) => Value::Nested(nested.to_kind(kind_of(dtype))?),
+        other => Value::Dense(as_dense(other)?.f_to_kind(kind_of(dtype))?),
+    })
+}
+
+/// Evaluates a fused expression with the eager operators, op by op.
+fn fused_value(expr: &FusedExpr, inputs: &[&Value]) -> Result<Value> {
+    let eval = |expr: &FusedExpr| fused_value(expr, inputs);
+    match expr {
+        FusedExpr::Input(index) => inputs
+            .get(*index)
+            .map(|value| value.share())
+            .ok_or_else(|| mismatch("fused", format!("no input ${index}"))),
+        FusedExpr::Const { value, dtype } => Ok(Value::Dense(
+            Tensor::f_scalar_tensor(value.0, (Kind::Double, tch::Device::Cpu))?
+                .f_to_kind(kind_of(*dtype))?,
+        )),
+        FusedExpr::Unary(op, x) => unary_value(*op, &eval(x)?),
+        FusedExpr::Binary(op, a, b) => binary_value(*op, &eval(a)?, &eval(b)?),
+        FusedExpr::Where(c, a, b) => where_value(&eval(c)?, &eval(a)?, &eval(b)?),
+        FusedExpr::Cast(dtype, x) => cast_value(*dtype, &eval(x)?),
     }
 }
 

@@ -421,3 +421,51 @@ fn bf16_and_f16_models_compile_with_f32_compute() {
         assert_eq!(compiled.stats().compiles, 1);
     }
 }
+
+#[test]
+fn per_element_regions_run_through_libtorch_when_asked() {
+    tch::manual_seed(6);
+    let options = (Kind::Float, Device::Cpu);
+    let weight = Tensor::randn([4, 3, 3, 3], options);
+    let bias = Tensor::randn([4], options);
+    let block = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        let features = x[0]
+            .conv2d(&weight, Some(&bias), [1, 1], [1, 1], [1, 1], 1)?
+            .relu()?;
+        let pooled = features.max_pool2d([2, 2], [2, 2], [0, 0])?;
+        Ok(vec![
+            pooled.sigmoid()?.into(),
+            features.adaptive_avg_pool2d([1, 1])?.into(),
+        ])
+    };
+    let images = |sizes: &[(i64, i64)], seed: i64| {
+        tch::manual_seed(seed);
+        let elements: Vec<Tensor> = sizes
+            .iter()
+            .map(|&(h, w)| Tensor::randn([3, h, w], options))
+            .collect();
+        NestedTensor::builder()
+            .ragged_dims(&[1, 2])
+            .tensors(&elements)
+            .unwrap()
+    };
+    let strict = compile("conv_strict", &block);
+    let error = strict
+        .call(&[&images(&[(6, 7), (9, 5)], 1)], &[])
+        .unwrap_err();
+    assert!(
+        matches!(&error, NestedError::Compile { stage: "lowering", reason } if reason.contains("per_element")),
+        "{error}"
+    );
+    let compiled = compile("conv", &block).per_element_fallback(true);
+    for (index, sizes) in [vec![(6, 7), (9, 5)], vec![(8, 8), (5, 11), (12, 6)]]
+        .iter()
+        .enumerate()
+    {
+        let batch = images(sizes, 10 + index as i64);
+        let compiled_outputs = compiled.call(&[&batch], &[]).unwrap();
+        let eager = eager_values(block(std::slice::from_ref(&batch), &[]).unwrap());
+        assert_close(&compiled_outputs, &eager, "conv");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}

@@ -22,7 +22,7 @@ pub(crate) fn generate<'ctx>(
 ) -> Gen<bool> {
     let kernel = Kernel::new(context, module, name);
     match step {
-        Step::Gemm { .. } | Step::Attention { .. } => {
+        Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. } => {
             // No kernel (the runtime calls a GEMM library): delete the empty function.
             unsafe { kernel.function.delete() };
             return Ok(false);

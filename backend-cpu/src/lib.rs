@@ -151,7 +151,10 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
 /// Whether a step runs as a JIT kernel (GEMMs, and attention built on GEMMs, call a
 /// library from the runtime).
 pub fn has_kernel(step: &Step) -> bool {
-    !matches!(step, Step::Gemm { .. } | Step::Attention { .. })
+    !matches!(
+        step,
+        Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. }
+    )
 }
 
 #[cfg(test)]

@@ -5,11 +5,15 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use nestor_passes::{lower, Pipeline};
-use nestor_runtime::{Executable, InputData, RunOutput, Stats, StatsSnapshot};
+use nestor_passes::{lower_with, LowerOptions, Pipeline};
+use nestor_runtime::{
+    Executable, HostRunner, HostValue, InputData, RunDim, RunOutput, RunShape, Stats, StatsSnapshot,
+};
 use tch::{Kind, Tensor};
 
-use crate::trace::{check_inputs, normalized_input, trace, Dense, TraceOutputs, Traced, Value};
+use crate::trace::{
+    check_inputs, interpret, normalized_input, trace, Dense, TraceOutputs, Traced, Value,
+};
 use crate::{kind_of, NestedError, NestedTensor, Result};
 
 /// What a compiled program depends on: per batch its rank, ragged dims, static sizes
@@ -62,6 +66,7 @@ pub struct Compiled<F> {
     /// `Compiled` shareable between threads for models that are `Send`.
     model: Mutex<F>,
     store: Option<tch::nn::VarStore>,
+    lower_options: LowerOptions,
     cache: Mutex<HashMap<StructureKey, Arc<Entry>>>,
     stats: Stats,
 }
@@ -97,6 +102,7 @@ where
         name: name.to_owned(),
         model: Mutex::new(model),
         store: None,
+        lower_options: LowerOptions::default(),
         cache: Mutex::new(HashMap::new()),
         stats: Stats::default(),
     }
@@ -107,6 +113,14 @@ where
     O: TraceOutputs,
     F: Fn(&[NestedTensor], &[Dense]) -> Result<O>,
 {
+    /// Runs per-element regions (convolutions and pooling over elements of different
+    /// sizes) through libtorch inside the compiled program, instead of failing to
+    /// compile them. Off by default: those regions run element by element.
+    pub fn per_element_fallback(mut self, enabled: bool) -> Self {
+        self.lower_options.host_per_element = enabled;
+        self
+    }
+
     /// Names the parameters in graphs and dumps after their paths in `store`.
     pub fn with_var_store(mut self, store: &tch::nn::VarStore) -> Self {
         let mut copy = tch::nn::VarStore::new(store.device());
@@ -162,7 +176,7 @@ where
             .collect::<Result<Vec<_>>>()?;
         let outputs = entry
             .executable
-            .run(&inputs, &self.stats)
+            .run(&inputs, &self.stats, Some(&TorchHost))
             .map_err(|error| NestedError::Compile {
                 stage: "runtime",
                 reason: error.to_string(),
@@ -209,10 +223,11 @@ where
                 stage: "passes",
                 reason: error.to_string(),
             })?;
-        let program = lower(&optimized).map_err(|error| NestedError::Compile {
-            stage: "lowering",
-            reason: error.to_string(),
-        })?;
+        let program =
+            lower_with(&optimized, self.lower_options).map_err(|error| NestedError::Compile {
+                stage: "lowering",
+                reason: error.to_string(),
+            })?;
         let executable = Executable::compile(program).map_err(|error| NestedError::Compile {
             stage: "backend",
             reason: error.to_string(),
@@ -275,22 +290,180 @@ fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
 }
 
 fn output_value(output: RunOutput) -> Result<Value> {
-    let width: i64 = output.tail.iter().product();
+    let static_tail: Vec<i64> = match &output.shape {
+        RunShape::Dense(tail) => tail.clone(),
+        RunShape::Ragged(dims) => dims
+            .iter()
+            .filter_map(|dim| {
+                if let RunDim::Static(size) = dim {
+                    Some(*size)
+                } else {
+                    None
+                }
+            })
+            .collect(),
+    };
+    let width: i64 = static_tail.iter().product();
     let rows = if width == 0 {
         0
     } else {
         output.data.len() as i64 / width
     };
     let shape: Vec<i64> = std::iter::once(rows)
-        .chain(output.tail.iter().copied())
+        .chain(static_tail.iter().copied())
         .collect();
     let mut values = Tensor::f_from_slice(&output.data)?.f_reshape(&shape)?;
     let kind = kind_of(output.dtype);
     if kind != Kind::Float {
         values = values.f_to_kind(kind)?;
     }
-    Ok(match output.lengths {
-        Some(lengths) => Value::Nested(NestedTensor::packed_with_lengths(&values, &lengths)?),
-        None => Value::Dense(values),
-    })
+    match output.shape {
+        RunShape::Dense(_) => Ok(Value::Dense(values)),
+        RunShape::Ragged(dims) => Ok(Value::Nested(nested_from_dims(values, &dims)?)),
+    }
+}
+
+/// A batch from packed values and the dims of its elements.
+fn nested_from_dims(values: Tensor, dims: &[RunDim]) -> Result<NestedTensor> {
+    let batch = dims
+        .iter()
+        .find_map(|dim| {
+            if let RunDim::Ragged(lengths) = dim {
+                Some(lengths.len())
+            } else {
+                None
+            }
+        })
+        .unwrap_or_else(|| values.size().first().copied().unwrap_or(0) as usize);
+    let element_sizes: Vec<Vec<i64>> = (0..batch)
+        .map(|element| {
+            dims.iter()
+                .map(|dim| match dim {
+                    RunDim::Ragged(lengths) => lengths[element],
+                    RunDim::Static(size) => *size,
+                })
+                .collect()
+        })
+        .collect();
+    let ragged: Vec<usize> = dims
+        .iter()
+        .enumerate()
+        .filter(|(_, dim)| matches!(dim, RunDim::Ragged(_)))
+        .map(|(index, _)| index)
+        .collect();
+    let layout = nestor_runtime::RaggedLayout::from_element_sizes(element_sizes, &ragged)?;
+    if values.size() != layout.packed_shape() {
+        return Err(NestedError::Compile {
+            stage: "runtime",
+            reason: format!(
+                "a result has shape {:?}, its layout needs {:?}",
+                values.size(),
+                layout.packed_shape()
+            ),
+        });
+    }
+    Ok(NestedTensor::from_parts(values, layout, Default::default()))
+}
+
+/// Runs host steps (per-element regions) with the interpreter, through libtorch.
+struct TorchHost;
+
+impl HostRunner for TorchHost {
+    fn run(
+        &self,
+        graph: &nestor_ir::Graph,
+        inputs: &[HostValue<'_>],
+    ) -> std::result::Result<Vec<f32>, String> {
+        let values = host_values(graph, inputs).map_err(|error| error.to_string())?;
+        let output = interpret(graph, values)
+            .map_err(|error| error.to_string())?
+            .into_iter()
+            .next()
+            .ok_or("the host graph returned nothing")?;
+        let packed = match output {
+            Value::Nested(nested) => nested.packed().shallow_clone(),
+            Value::Dense(tensor) => tensor,
+            Value::Lengths(_) => return Err("a host graph returned lengths".into()),
+        };
+        let flat = packed
+            .f_to_kind(Kind::Float)
+            .and_then(|t| t.f_contiguous())
+            .and_then(|t| t.f_reshape([-1]))
+            .map_err(|error| error.to_string())?;
+        Vec::<f32>::try_from(&flat).map_err(|error| error.to_string())
+    }
+}
+
+/// The interpreter's values for a host graph's inputs, built from packed buffers and
+/// the inputs' types.
+fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec<Value>> {
+    use nestor_ir::{Dim, ElemDim, Type};
+    let mut lengths_of: std::collections::HashMap<nestor_ir::ValueId, Vec<i64>> =
+        Default::default();
+    let mut values = Vec::with_capacity(inputs.len());
+    for (value, input) in graph.inputs().into_iter().zip(inputs) {
+        let ty = graph.ty(value);
+        values.push(match (ty, input) {
+            (Type::Lengths { .. }, HostValue::Lengths(lengths)) => {
+                lengths_of.insert(value, lengths.to_vec());
+                Value::Lengths(lengths.to_vec())
+            }
+            (Type::Ragged { dims, .. }, HostValue::Data(data)) => {
+                let run_dims = dims
+                    .iter()
+                    .map(|dim| match dim {
+                        ElemDim::Ragged(lengths) => Ok(RunDim::Ragged(
+                            lengths_of.get(lengths).cloned().unwrap_or_default(),
+                        )),
+                        ElemDim::Fixed(Dim::Static(size)) => Ok(RunDim::Static(*size)),
+                        ElemDim::Fixed(other) => Err(NestedError::Compile {
+                            stage: "host",
+                            reason: format!("dim {other} is not static"),
+                        }),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let static_tail: Vec<i64> = run_dims
+                    .iter()
+                    .filter_map(|dim| {
+                        if let RunDim::Static(size) = dim {
+                            Some(*size)
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                let shape: Vec<i64> = std::iter::once(-1).chain(static_tail).collect();
+                let tensor = if data.is_empty() {
+                    Tensor::f_zeros([0], (Kind::Float, tch::Device::Cpu))?
+                } else {
+                    Tensor::f_from_slice(data)?
+                };
+                let tensor = if tensor.numel() == 0 {
+                    tensor.f_reshape(
+                        shape
+                            .iter()
+                            .map(|&s| if s < 0 { 0 } else { s })
+                            .collect::<Vec<_>>(),
+                    )?
+                } else {
+                    tensor.f_reshape(&shape)?
+                };
+                Value::Nested(nested_from_dims(tensor, &run_dims)?)
+            }
+            (Type::Dense { shape, .. }, HostValue::Data(data)) => {
+                let shape: Vec<i64> = shape
+                    .iter()
+                    .map(|dim| dim.as_static().unwrap_or(-1))
+                    .collect();
+                Value::Dense(Tensor::f_from_slice(data)?.f_reshape(&shape)?)
+            }
+            (ty, _) => {
+                return Err(NestedError::Compile {
+                    stage: "host",
+                    reason: format!("an input of type {ty} got the wrong kind of buffer"),
+                })
+            }
+        });
+    }
+    Ok(values)
 }

@@ -20,9 +20,9 @@ mod program;
 pub use cse::Cse;
 pub use dce::Dce;
 pub use fuse::Fuse;
-pub use lower::{lower, LowerError};
+pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use pipeline::{Pass, PassError, Pipeline};
 pub use program::{
-    Access, Expr, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot, SlotInfo, Source,
-    Step,
+    Access, Expr, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot,
+    SlotInfo, Source, Step,
 };

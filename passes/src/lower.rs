@@ -8,8 +8,8 @@ use nestor_ir::{BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, ReduceOp, T
 use thiserror::Error;
 
 use crate::program::{
-    Access, Expr, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot, SlotInfo, Source,
-    Step,
+    Access, Expr, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot,
+    SlotInfo, Source, Step,
 };
 
 /// An op the compiler cannot lower yet.
@@ -31,13 +31,24 @@ enum Lowered {
     Const(f64),
     /// A lengths buffer.
     Lengths(Slot),
-    /// A buffer of `rows x product(tail)` scalars; ragged values name their lengths.
+    /// A buffer of `rows x product(tail)` scalars. `lengths` names the lengths of a
+    /// batch with one leading ragged dim; `dims` describes every element dim of a
+    /// ragged value (empty for dense values).
     Data {
         slot: Slot,
         rows: Rows,
         tail: Vec<i64>,
         lengths: Option<Slot>,
+        dims: Vec<OutDim>,
     },
+}
+
+/// Choices of the lowering.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Run `per_element` regions (convolutions, pooling) on the host through libtorch
+    /// inside the program, instead of failing to lower them.
+    pub host_per_element: bool,
 }
 
 /// How an operand's rows relate to the output's rows.
@@ -50,16 +61,23 @@ enum RowUse {
 
 struct Lowering<'g> {
     graph: &'g Graph,
+    options: LowerOptions,
     program: Program,
     values: Vec<Option<Lowered>>,
     /// Lengths slots by batch-size symbol, for dense values with a symbolic first dim.
     batches: HashMap<String, Slot>,
 }
 
-/// Lowers `graph` to a program.
+/// Lowers `graph` to a program with the default options.
 pub fn lower(graph: &Graph) -> Result<Program, LowerError> {
+    lower_with(graph, LowerOptions::default())
+}
+
+/// Lowers `graph` to a program.
+pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, LowerError> {
     let mut lowering = Lowering {
         graph,
+        options,
         program: Program::default(),
         values: vec![None; graph.nodes.len()],
         batches: HashMap::new(),
@@ -80,19 +98,9 @@ pub fn lower(graph: &Graph) -> Result<Program, LowerError> {
     for &output in &graph.outputs {
         let lowered = lowering.get(output);
         let out = match (lowered, graph.ty(output)) {
-            (
-                Lowered::Data {
-                    slot,
-                    lengths: Some(lengths),
-                    tail,
-                    ..
-                },
-                Type::Ragged { .. },
-            ) => Output::Ragged {
-                slot,
-                lengths,
-                tail,
-            },
+            (Lowered::Data { slot, dims, .. }, Type::Ragged { .. }) => {
+                Output::Ragged { slot, dims }
+            }
             (Lowered::Data { slot, tail, .. }, Type::Dense { .. }) => Output::Dense { slot, tail },
             _ => {
                 return Err(unsupported(
@@ -193,43 +201,51 @@ impl Lowering<'_> {
                 };
                 Ok(Lowered::Lengths(slot))
             }
-            Type::Ragged { dtype, dims, .. } => {
-                let Some((ElemDim::Ragged(lengths), rest)) = dims.split_first() else {
-                    return Err(unsupported(
-                        value,
-                        op,
-                        format!("compiled batches have one leading ragged dim, got {ty}"),
-                    ));
-                };
-                let fixed: Vec<Dim> = rest
-                    .iter()
-                    .map(|dim| match dim {
-                        ElemDim::Fixed(dim) => Ok(dim.clone()),
-                        ElemDim::Ragged(_) => Err(unsupported(
+            Type::Ragged { dtype, dims, batch } => {
+                let mut out_dims = Vec::with_capacity(dims.len());
+                let mut ragged = Vec::new();
+                let mut tail = Vec::new();
+                for dim in dims {
+                    match dim {
+                        ElemDim::Ragged(lengths) => {
+                            let Lowered::Lengths(slot) = self.get(*lengths) else {
+                                return Err(unsupported(
+                                    value,
+                                    op,
+                                    "its lengths are not a lengths buffer",
+                                ));
+                            };
+                            ragged.push(slot);
+                            out_dims.push(OutDim::Ragged(slot));
+                        }
+                        ElemDim::Fixed(fixed) => {
+                            let size = self.static_tail(value, std::slice::from_ref(fixed))?[0];
+                            tail.push(size);
+                            out_dims.push(OutDim::Static(size));
+                        }
+                    }
+                }
+                let base = match ragged.as_slice() {
+                    [] => self.rows_of(value, batch)?.base,
+                    [lengths] => RowBase::Total(*lengths),
+                    [first, second] => RowBase::Volume(*first, *second),
+                    _ => {
+                        return Err(unsupported(
                             value,
                             op,
-                            format!("compiled batches have one ragged dim, got {ty}"),
-                        )),
-                    })
-                    .collect::<Result<_, _>>()?;
-                let tail = self.static_tail(value, &fixed)?;
-                let Lowered::Lengths(lengths) = self.get(*lengths) else {
-                    return Err(unsupported(
-                        value,
-                        op,
-                        "its lengths are not a lengths buffer",
-                    ));
+                            format!("compiled batches have at most two ragged dims, got {ty}"),
+                        ))
+                    }
                 };
-                let rows = Rows {
-                    base: RowBase::Total(lengths),
-                    factor: 1,
-                };
+                let rows = Rows { base, factor: 1 };
+                let leading = matches!(dims.first(), Some(ElemDim::Ragged(_))) && ragged.len() == 1;
                 let slot = self.data_slot(*dtype, rows, volume(&tail), source);
                 Ok(Lowered::Data {
                     slot,
                     rows,
                     tail,
-                    lengths: Some(lengths),
+                    lengths: leading.then(|| ragged[0]),
+                    dims: out_dims,
                 })
             }
             Type::Dense { dtype, shape } => {
@@ -245,6 +261,7 @@ impl Lowering<'_> {
                     rows,
                     tail,
                     lengths: None,
+                    dims: Vec::new(),
                 })
             }
         }
@@ -269,6 +286,26 @@ impl Lowering<'_> {
     /// An alias of `source` seen with the type `ty` (same memory).
     fn alias(&mut self, value: ValueId, source: Slot, ty: &Type) -> Result<Lowered, LowerError> {
         self.typed(value, ty, Source::Alias(source))
+    }
+
+    /// Errors unless `operand` is dense or a batch with one leading ragged dim, the
+    /// layouts row-wise kernels (GEMM, norms, softmax, reductions) understand.
+    fn leading(&self, value: ValueId, operand: ValueId) -> Result<(), LowerError> {
+        match self.get(operand) {
+            Lowered::Data {
+                lengths: None,
+                dims,
+                ..
+            } if !dims.is_empty() => Err(unsupported(
+                value,
+                self.graph.op(value),
+                format!(
+                    "{operand} must have one leading ragged dim, got {}",
+                    self.graph.ty(operand)
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     fn data(
@@ -384,6 +421,7 @@ impl Lowering<'_> {
                 eps,
             } => self.row(value, ty, RowKind::RmsNorm, *x, *weight, None, *dims, eps.0),
             Op::Softmax { x, axis, log } => {
+                self.leading(value, *x)?;
                 let (slot, _, tail, lengths) = self.data(value, *x)?;
                 let last = tail.len() as i64 + 1;
                 let ragged_axis = lengths.is_some() && *axis == 1;
@@ -425,6 +463,7 @@ impl Lowering<'_> {
                 ..
             } => self.reduce(value, ty, *reduce, *x, dims, *keepdim),
             Op::Embedding { ids, weight, .. } => {
+                self.leading(value, *ids)?;
                 let (ids_slot, rows, _, _) = self.data(value, *ids)?;
                 let (table, _, table_tail, _) = self.data(value, *weight)?;
                 let width = table_tail.first().copied().unwrap_or(1);
@@ -488,6 +527,7 @@ impl Lowering<'_> {
                 self.alias(value, slot, ty)
             }
             Op::SelectStatic { x, dim, index } => {
+                self.leading(value, *x)?;
                 let (slot, _, tail, _) = self.data(value, *x)?;
                 if *dim != 1 {
                     return Err(unsupported(
@@ -516,8 +556,106 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::WindowLengths { lengths, kernel, stride, padding, dilation } => {
+                let Lowered::Lengths(input) = self.get(*lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                let out_slot = slot_of(&out);
+                self.program.lengths_ops.push(LengthsOp { out: out_slot, input, kernel: *kernel, stride: *stride, padding: *padding, dilation: *dilation });
+                Ok(out)
+            }
+            Op::PerElement { .. } if !self.options.host_per_element => Err(unsupported(
+                value,
+                op,
+                "per-element regions run through libtorch only when asked (Compiled::per_element_fallback)",
+            )),
+            Op::PerElement { inputs, body } => self.host_region(value, ty, inputs, body),
             other => Err(unsupported(value, other, "not lowered yet")),
         }
+    }
+
+    /// A host step running a one-op graph (a per-element region) through libtorch: its
+    /// inputs are the lengths its types need, then the region's inputs.
+    fn host_region(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        inputs: &[ValueId],
+        body: &Graph,
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        let mut host = Graph::new("host");
+        let mut renamed: HashMap<ValueId, ValueId> = HashMap::new();
+        let mut slots = Vec::new();
+        let error = |error: nestor_ir::VerifyError| unsupported(value, op, error.to_string());
+        // Lengths first: every type refers to them.
+        let mut lengths: Vec<ValueId> = Vec::new();
+        for referenced in inputs
+            .iter()
+            .flat_map(|&input| self.graph.ty(input).length_values())
+            .chain(ty.length_values())
+        {
+            if !lengths.contains(&referenced) {
+                lengths.push(referenced);
+            }
+        }
+        for lengths_value in lengths {
+            let Lowered::Lengths(slot) = self.get(lengths_value) else {
+                return Err(unsupported(
+                    value,
+                    op,
+                    "its lengths are not a lengths buffer",
+                ));
+            };
+            let local = host
+                .add_declared(
+                    Op::Input {
+                        name: format!("lengths{}", slots.len()),
+                    },
+                    self.graph.ty(lengths_value).clone(),
+                )
+                .map_err(error)?;
+            renamed.insert(lengths_value, local);
+            slots.push(slot);
+        }
+        for &input in inputs {
+            let ty = self
+                .graph
+                .ty(input)
+                .map_values(|v| renamed.get(&v).copied().unwrap_or(v));
+            let local = host
+                .add_declared(
+                    Op::Input {
+                        name: format!("input{}", slots.len()),
+                    },
+                    ty,
+                )
+                .map_err(error)?;
+            renamed.insert(input, local);
+            let (slot, ..) = self.data(value, input)?;
+            slots.push(slot);
+        }
+        let region_inputs = inputs.iter().map(|input| renamed[input]).collect();
+        let region_ty = ty.map_values(|v| renamed.get(&v).copied().unwrap_or(v));
+        let region = host
+            .add_declared(
+                Op::PerElement {
+                    inputs: region_inputs,
+                    body: Box::new(body.clone()),
+                },
+                region_ty,
+            )
+            .map_err(error)?;
+        host.outputs = vec![region];
+        let out = self.result(value, ty)?;
+        self.program.host_graphs.push(host);
+        self.program.steps.push(Step::Host {
+            out: slot_of(&out),
+            inputs: slots,
+            graph: self.program.host_graphs.len() - 1,
+        });
+        Ok(out)
     }
 
     /// A pointwise step computing `build(loads)` over `operands` broadcast to `ty`.
@@ -714,6 +852,19 @@ impl Lowering<'_> {
         bias: Option<ValueId>,
         transposed: bool,
     ) -> Result<Lowered, LowerError> {
+        self.leading(value, x)?;
+        self.gemm_checked(value, ty, x, weight, bias, transposed)
+    }
+
+    fn gemm_checked(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        weight: ValueId,
+        bias: Option<ValueId>,
+        transposed: bool,
+    ) -> Result<Lowered, LowerError> {
         let (x_slot, rows, tail, _) = self.data(value, x)?;
         let (weight_slot, weight_rows, weight_tail, _) = self.data(value, weight)?;
         let bias = bias
@@ -753,6 +904,7 @@ impl Lowering<'_> {
         dims: usize,
         eps: f64,
     ) -> Result<Lowered, LowerError> {
+        self.leading(value, x)?;
         let (x_slot, rows, tail, _) = self.data(value, x)?;
         if dims == 0 || dims > tail.len() {
             return Err(unsupported(
@@ -793,6 +945,7 @@ impl Lowering<'_> {
         keepdim: bool,
     ) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
+        self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
         let last = tail.len() as i64 + 1;
         match (dims, lengths) {

@@ -26,6 +26,9 @@ pub enum RowBase {
     Total(Slot),
     /// The number of entries of a lengths buffer: the batch size.
     Batch(Slot),
+    /// `sum(a[i] * b[i])` of two lengths buffers: the packed rows of a batch with two
+    /// ragged dims (images `[C, H_i, W_i]`).
+    Volume(Slot, Slot),
 }
 
 impl Rows {
@@ -144,6 +147,24 @@ pub enum SegmentKind {
     LogSoftmax,
 }
 
+/// Lengths computed from other lengths before a run sizes its buffers: the output
+/// sizes of a sliding window (convolution, pooling) over a ragged dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LengthsOp {
+    /// The lengths computed.
+    pub out: Slot,
+    /// The lengths they are computed from.
+    pub input: Slot,
+    /// Window size.
+    pub kernel: i64,
+    /// Step.
+    pub stride: i64,
+    /// Padding on each side.
+    pub padding: i64,
+    /// Dilation.
+    pub dilation: i64,
+}
+
 /// One step of a program.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
@@ -236,6 +257,17 @@ pub enum Step {
         /// Score scale.
         scale: f64,
     },
+    /// A graph the host runs (through libtorch) inside the program: an explicit
+    /// per-element region. `inputs` are the slots of the host graph's inputs, in order
+    /// (lengths slots for its `lengths` inputs).
+    Host {
+        /// Output slot.
+        out: Slot,
+        /// The slots of the host graph's inputs.
+        inputs: Vec<Slot>,
+        /// Index into [`Program::host_graphs`].
+        graph: usize,
+    },
     /// `out[r] = table[ids[r]]`.
     Gather {
         /// Output slot `[rows, width]`.
@@ -260,22 +292,30 @@ impl Step {
             | Step::Row { out, .. }
             | Step::Segment { out, .. }
             | Step::Attention { out, .. }
+            | Step::Host { out, .. }
             | Step::Gather { out, .. } => *out,
         }
     }
 }
 
+/// A dim of the elements of a ragged result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutDim {
+    /// Sized by a lengths buffer.
+    Ragged(Slot),
+    /// The same size in every element.
+    Static(i64),
+}
+
 /// A ragged or dense result of a program.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Output {
-    /// Rows of a ragged batch split by `lengths`, elements `[L_i, *tail]`.
+    /// A ragged batch: packed rows (ragged dims first, as always) of its static dims.
     Ragged {
         /// The data.
         slot: Slot,
-        /// Lengths of the leading ragged dim.
-        lengths: Slot,
-        /// Static tail.
-        tail: Vec<i64>,
+        /// The dims of every element.
+        dims: Vec<OutDim>,
     },
     /// A dense tensor: `rows` rows of `tail` (the first dim is the row count).
     Dense {
@@ -295,6 +335,10 @@ pub struct Program {
     pub steps: Vec<Step>,
     /// The results.
     pub outputs: Vec<Output>,
+    /// Lengths computed before each run sizes its buffers, in order.
+    pub lengths_ops: Vec<LengthsOp>,
+    /// The graphs of host steps.
+    pub host_graphs: Vec<nestor_ir::Graph>,
 }
 
 impl Program {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
-use nestor_passes::{Output, Program, RowBase, Rows, Slot, Source, Step};
+use nestor_passes::{OutDim, Output, Program, RowBase, Rows, Slot, Source, Step};
 use thiserror::Error;
 
 use crate::attention::Attention;
@@ -18,6 +18,9 @@ pub enum RuntimeError {
     /// The program could not be compiled for this machine.
     #[error(transparent)]
     Backend(#[from] nestor_backend_cpu::BackendError),
+    /// A host step (a per-element region run through libtorch) failed.
+    #[error("host step: {0}")]
+    Host(String),
     /// An input does not fit the program.
     #[error("input {input}: {reason}")]
     BadInput {
@@ -37,17 +40,50 @@ pub enum InputData<'a> {
     I64(&'a [i64]),
 }
 
+/// A dim of the elements of a ragged result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunDim {
+    /// Element `i` has size `lengths[i]`.
+    Ragged(Vec<i64>),
+    /// Every element has this size.
+    Static(i64),
+}
+
+/// The shape of a result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunShape {
+    /// A ragged batch: its values are packed rows (ragged dims first) of its static dims.
+    Ragged(Vec<RunDim>),
+    /// A dense tensor: rows of these trailing dims.
+    Dense(Vec<i64>),
+}
+
 /// One result of a run.
 #[derive(Debug)]
 pub struct RunOutput {
-    /// The values, `rows x product(tail)`.
+    /// The values: packed rows times the static dims.
     pub data: Vec<f32>,
-    /// For a ragged result, the lengths of its leading ragged dim.
-    pub lengths: Option<Vec<i64>>,
-    /// Static dims after the rows.
-    pub tail: Vec<i64>,
-    /// Element type at the boundary (f32 or bool).
+    /// What the values are.
+    pub shape: RunShape,
+    /// Element type at the boundary.
     pub dtype: DType,
+}
+
+/// One input of a host step.
+#[derive(Clone, Copy, Debug)]
+pub enum HostValue<'a> {
+    /// Per-element lengths.
+    Lengths(&'a [i64]),
+    /// Packed values.
+    Data(&'a [f32]),
+}
+
+/// Runs the graphs of host steps (per-element regions) for the executor; the frontend
+/// implements it with libtorch.
+pub trait HostRunner: Sync {
+    /// Runs `graph` on `inputs` (one per graph input) and returns its single result's
+    /// packed values.
+    fn run(&self, graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec<f32>, String>;
 }
 
 /// A program and its compiled kernels.
@@ -74,6 +110,19 @@ struct LengthsInfo {
 }
 
 impl LengthsInfo {
+    fn new(lengths: Vec<i64>) -> Self {
+        let mut offsets = Vec::with_capacity(lengths.len() + 1);
+        offsets.push(0);
+        for &length in &lengths {
+            offsets.push(offsets.last().copied().unwrap_or(0) + length);
+        }
+        Self {
+            lengths,
+            offsets,
+            owners: Default::default(),
+        }
+    }
+
     fn owners(&self) -> &Vec<i64> {
         self.owners.get_or_init(|| {
             self.lengths
@@ -106,11 +155,13 @@ impl Executable {
         self.kernels.llvm_ir()
     }
 
-    /// Runs the program on `inputs` (one per graph input, in order).
+    /// Runs the program on `inputs` (one per graph input, in order); `host` runs host
+    /// steps, if the program has any.
     pub fn run(
         &self,
         inputs: &[InputData<'_>],
         stats: &Stats,
+        host: Option<&dyn HostRunner>,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
@@ -132,23 +183,38 @@ impl Executable {
                         format!("element {element} has negative length {length}"),
                     ));
                 }
-                let mut offsets = Vec::with_capacity(values.len() + 1);
-                offsets.push(0);
-                for &length in values.iter() {
-                    offsets.push(offsets.last().copied().unwrap_or(0) + length);
-                }
-                lengths.insert(
-                    Slot(index as u32),
-                    LengthsInfo {
-                        lengths: values.to_vec(),
-                        offsets,
-                        owners: Default::default(),
-                    },
-                );
+                lengths.insert(Slot(index as u32), LengthsInfo::new(values.to_vec()));
             }
+        }
+        for op in &program.lengths_ops {
+            let values: Vec<i64> = lengths
+                .get(&op.input)
+                .map(|info| {
+                    info.lengths
+                        .iter()
+                        .map(|&length| {
+                            nestor_ir::window_output_size(
+                                length,
+                                op.kernel,
+                                op.stride,
+                                op.padding,
+                                op.dilation,
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            lengths.insert(op.out, LengthsInfo::new(values));
         }
         let count = |rows: Rows| -> i64 {
             let base = match rows.base {
+                RowBase::Volume(first, second) => match (lengths.get(&first), lengths.get(&second))
+                {
+                    (Some(a), Some(b)) => {
+                        a.lengths.iter().zip(&b.lengths).map(|(x, y)| x * y).sum()
+                    }
+                    _ => 0,
+                },
                 RowBase::One => 1,
                 RowBase::Total(slot) => lengths
                     .get(&slot)
@@ -233,6 +299,7 @@ impl Executable {
                 &lengths,
                 &count,
                 inputs,
+                host,
             )?;
             if let Some(started) = started {
                 eprintln!(
@@ -258,17 +325,24 @@ impl Executable {
             .outputs
             .iter()
             .map(|output| {
-                let (slot, ragged_lengths, tail) = match output {
-                    Output::Ragged {
-                        slot,
-                        lengths: l,
-                        tail,
-                    } => (
+                let (slot, shape) = match output {
+                    Output::Ragged { slot, dims } => (
                         *slot,
-                        lengths.get(l).map(|info| info.lengths.clone()),
-                        tail.clone(),
+                        RunShape::Ragged(
+                            dims.iter()
+                                .map(|dim| match dim {
+                                    OutDim::Ragged(l) => RunDim::Ragged(
+                                        lengths
+                                            .get(l)
+                                            .map(|info| info.lengths.clone())
+                                            .unwrap_or_default(),
+                                    ),
+                                    OutDim::Static(size) => RunDim::Static(*size),
+                                })
+                                .collect(),
+                        ),
                     ),
-                    Output::Dense { slot, tail } => (*slot, None, tail.clone()),
+                    Output::Dense { slot, tail } => (*slot, RunShape::Dense(tail.clone())),
                 };
                 let info = program.info(slot);
                 let elements = (count(info.rows) * info.width).max(0) as usize;
@@ -282,8 +356,7 @@ impl Executable {
                 };
                 RunOutput {
                     data,
-                    lengths: ragged_lengths,
-                    tail,
+                    shape,
                     dtype: info.dtype,
                 }
             })
@@ -332,6 +405,8 @@ impl Executable {
         last
     }
 
+    // The run's state (buffers, lengths, sizes, inputs, host) is passed down per step.
+    #[allow(clippy::too_many_arguments)]
     fn execute(
         &self,
         index: usize,
@@ -340,6 +415,7 @@ impl Executable {
         lengths: &HashMap<Slot, LengthsInfo>,
         count: &dyn Fn(Rows) -> i64,
         inputs: &[InputData<'_>],
+        host: Option<&dyn HostRunner>,
     ) -> Result<(), RuntimeError> {
         let pointer = |slot: Slot| pointers[slot.0 as usize];
         let info = |slot: Slot| lengths.get(&slot);
@@ -468,6 +544,53 @@ impl Executable {
                 };
                 Ok(())
             }
+            Step::Host {
+                out,
+                inputs: host_inputs,
+                graph,
+            } => {
+                let Some(host) = host else {
+                    return Err(RuntimeError::Host(
+                        "the program has host steps but no host runner was given".into(),
+                    ));
+                };
+                let size = |slot: Slot| {
+                    let info = self.program.info(slot);
+                    (count(info.rows) * info.width).max(0) as usize
+                };
+                let values = host_inputs
+                    .iter()
+                    .map(|&slot| match info(slot) {
+                        Some(lengths) => HostValue::Lengths(&lengths.lengths),
+                        // A data slot of `size(slot)` f32 values, written before this step.
+                        None if size(slot) == 0 => HostValue::Data(&[]),
+                        None => HostValue::Data(unsafe {
+                            std::slice::from_raw_parts(pointer(slot) as *const f32, size(slot))
+                        }),
+                    })
+                    .collect::<Vec<_>>();
+                let result = host
+                    .run(&self.program.host_graphs[*graph], &values)
+                    .map_err(RuntimeError::Host)?;
+                let expected = size(*out);
+                if result.len() != expected {
+                    return Err(RuntimeError::Host(format!(
+                        "a host step returned {} values, expected {expected}",
+                        result.len()
+                    )));
+                }
+                if expected > 0 {
+                    // The output slot was allocated with `expected` values for this run.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            result.as_ptr(),
+                            pointer(*out) as *mut f32,
+                            expected,
+                        )
+                    };
+                }
+                Ok(())
+            }
             Step::Gather {
                 out,
                 table,
@@ -562,6 +685,7 @@ fn step_name(step: &Step) -> String {
         Step::Segment { kind, .. } => format!("segment {kind:?}"),
         Step::Attention { .. } => "attention".into(),
         Step::Gather { .. } => "gather".into(),
+        Step::Host { .. } => "host".into(),
     }
 }
 
@@ -595,6 +719,7 @@ fn reads(step: &Step) -> Vec<Slot> {
         Step::Segment { x, .. } => vec![*x],
         Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
         Step::Gather { table, ids, .. } => vec![*table, *ids],
+        Step::Host { inputs, .. } => inputs.clone(),
     }
 }
 

@@ -15,6 +15,8 @@ mod executor;
 mod layout;
 mod stats;
 
-pub use executor::{Executable, InputData, RunOutput, RuntimeError};
+pub use executor::{
+    Executable, HostRunner, HostValue, InputData, RunDim, RunOutput, RunShape, RuntimeError,
+};
 pub use layout::{LayoutError, RaggedLayout};
 pub use stats::{Stats, StatsSnapshot};

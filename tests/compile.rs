@@ -469,3 +469,81 @@ fn per_element_regions_run_through_libtorch_when_asked() {
     }
     assert_eq!(compiled.stats().compiles, 1);
 }
+
+/// One step of a random model: what it does to the running value, reading earlier
+/// values for binary steps.
+#[derive(Clone, Debug)]
+enum RandomStep {
+    Unary(u8),
+    AddEarlier(usize),
+    MulConst(i8),
+    AddTail,
+    Linear,
+    LayerNorm,
+    Softmax,
+    WhereNegative,
+}
+
+fn random_step() -> impl Strategy<Value = RandomStep> {
+    prop_oneof![
+        (0u8..6).prop_map(RandomStep::Unary),
+        (0usize..8).prop_map(RandomStep::AddEarlier),
+        (-3i8..4).prop_map(RandomStep::MulConst),
+        Just(RandomStep::AddTail),
+        Just(RandomStep::Linear),
+        Just(RandomStep::LayerNorm),
+        Just(RandomStep::Softmax),
+        Just(RandomStep::WhereNegative),
+    ]
+}
+
+fn apply(
+    steps: &[RandomStep],
+    x: &NestedTensor,
+    weight: &Tensor,
+    tail: &Tensor,
+) -> nestor::Result<NestedTensor> {
+    let mut values = vec![x.clone()];
+    for step in steps {
+        let current = values.last().unwrap().clone();
+        let next = match step {
+            RandomStep::Unary(kind) => match kind {
+                0 => current.relu()?,
+                1 => current.tanh()?,
+                2 => current.sigmoid()?,
+                3 => current.gelu("tanh")?,
+                4 => current.neg()?,
+                _ => current.abs()?.sqrt()?,
+            },
+            RandomStep::AddEarlier(index) => (&current + &values[index % values.len()])?,
+            RandomStep::MulConst(factor) => (&current * (*factor as f64 / 2.0))?,
+            RandomStep::AddTail => (&current + tail)?,
+            RandomStep::Linear => current.linear(weight, None)?,
+            RandomStep::LayerNorm => current.layer_norm(&[4], None, None, 1e-5)?,
+            RandomStep::Softmax => current.softmax(1)?,
+            RandomStep::WhereNegative => current.where_self(&current.lt(0.0)?, 0.25)?,
+        };
+        values.push(next);
+    }
+    Ok(values.pop().unwrap())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Differential test of the whole compiler (tracing, DCE, CSE, fusion, lowering,
+    /// kernels) against eager execution on random models and random lengths.
+    #[test]
+    fn random_models_compile_to_what_eager_computes(steps in proptest::collection::vec(random_step(), 1..10), batches in proptest::collection::vec(lengths(5, 9), 1..3), seed in 0i64..1000) {
+        tch::manual_seed(seed);
+        let weight = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)) * 0.5;
+        let tail = Tensor::randn([4], (Kind::Float, Device::Cpu));
+        let compiled = compile("random", |x: &[NestedTensor], _: &[Dense]| apply(&steps, &x[0], &weight, &tail));
+        for (index, lengths) in batches.iter().enumerate() {
+            let (x, _) = batch(lengths, &[4], Kind::Float, seed + index as i64);
+            let compiled_outputs = compiled.call(&[&x], &[]).unwrap_or_else(|error| panic!("{steps:?}: {error}"));
+            let eager = vec![Value::Nested(apply(&steps, &x, &weight, &tail).unwrap())];
+            assert_close(&compiled_outputs, &eager, &format!("{steps:?}"));
+        }
+    }
+}

@@ -15,6 +15,11 @@ use tch::{nn, Device, Kind, Tensor};
 /// Compiled results agree with eager ones (f32: relative and absolute 1e-4, since the
 /// kernels sum in another order than libtorch).
 fn assert_close(compiled: &[Value], eager: &[Value], what: &str) {
+    assert_close_within(compiled, eager, 1e-4, what)
+}
+
+/// Compiled results agree with eager ones within `tolerance` (relative and absolute).
+fn assert_close_within(compiled: &[Value], eager: &[Value], tolerance: f64, what: &str) {
     assert_eq!(compiled.len(), eager.len(), "{what}: outputs");
     for (position, (c, e)) in compiled.iter().zip(eager).enumerate() {
         let (c, e) = match (c, e) {
@@ -36,7 +41,7 @@ fn assert_close(compiled: &[Value], eager: &[Value], what: &str) {
         };
         assert_eq!(c.size(), e.size(), "{what}: output {position} shape");
         assert!(
-            c.allclose(&e, 1e-4, 1e-4, true),
+            c.allclose(&e, tolerance, tolerance, true),
             "{what}: output {position} differs by {}",
             (&c - &e).abs().max().double_value(&[])
         );
@@ -82,9 +87,10 @@ impl From<nestor::Reduced> for Out {
 
 type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>>;
 
-fn families() -> Vec<(&'static str, Model)> {
+/// One model per lowered family, with parameters of `kind`.
+fn families(kind: Kind) -> Vec<(&'static str, Model)> {
     tch::manual_seed(0);
-    let options = (Kind::Float, Device::Cpu);
+    let options = (kind, Device::Cpu);
     let (w, b, g, tail, table) = (
         Tensor::randn([6, 4], options),
         Tensor::randn([6], options),
@@ -180,17 +186,25 @@ proptest! {
 
     #[test]
     fn compiled_equals_eager_for_every_lowered_family(batches in proptest::collection::vec(lengths(5, 9), 1..4), seed in 0i64..1000) {
-        for (family, model) in families() {
-            let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
-            for (index, lengths) in batches.iter().enumerate() {
-                let (x, _) = batch(lengths, &[4], Kind::Float, seed + index as i64);
-                let tokens = ids(lengths, seed + index as i64);
-                let inputs = [&x, &tokens];
-                let compiled_outputs = compiled.call(&inputs, &[]).unwrap_or_else(|error| panic!("{family}: {error}"));
-                let eager = eager_values(model(&[x.clone(), tokens.clone()], &[]).unwrap());
-                assert_close(&compiled_outputs, &eager, family);
+        // f64 programs compute in f64 (libm exp, tanh, erf): they match libtorch closely.
+        for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::Double, 1e-9)] {
+            for (family, model) in families(kind) {
+                let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+                for (index, lengths) in batches.iter().enumerate() {
+                    let (x, _) = batch(lengths, &[4], kind, seed + index as i64);
+                    let tokens = ids(lengths, seed + index as i64);
+                    let inputs = [&x, &tokens];
+                    let compiled_outputs = compiled.call(&inputs, &[]).unwrap_or_else(|error| panic!("{family}: {error}"));
+                    let eager = eager_values(model(&[x.clone(), tokens.clone()], &[]).unwrap());
+                    for output in &compiled_outputs {
+                        if let Value::Nested(output) = output {
+                            prop_assert!(matches!(output.kind(), Kind::Bool) || output.kind() == kind, "{}: {:?} result", family, output.kind());
+                        }
+                    }
+                    assert_close_within(&compiled_outputs, &eager, tolerance, family);
+                }
+                prop_assert_eq!(compiled.stats().compiles, 1, "{} compiles once for every lengths", family);
             }
-            prop_assert_eq!(compiled.stats().compiles, 1, "{} compiles once for every lengths", family);
         }
     }
 
@@ -288,14 +302,17 @@ fn bad_input_is_a_typed_error_and_the_function_keeps_working() {
         Err(NestedError::DenseOperand { op: "linear", .. })
     ));
     let (double, _) = batch(&[3, 1], &[4], Kind::Double, 2);
-    let relu = compile("relu", |x: &[NestedTensor], _: &[Dense]| x[0].relu());
-    assert!(matches!(
-        relu.call(&[&double], &[]),
+    let (single, _) = batch(&[3, 1], &[4], Kind::Float, 2);
+    let mixed = compile("mixed", |x: &[NestedTensor], _: &[Dense]| {
+        Ok(vec![x[0].relu()?, x[1].relu()?])
+    });
+    match mixed.call(&[&double, &single], &[]) {
         Err(NestedError::Compile {
             stage: "lowering",
-            ..
-        })
-    ));
+            reason,
+        }) => assert!(reason.contains("mixes f64"), "{reason}"),
+        other => panic!("mixing f64 and f32 in one program: {other:?}"),
+    }
     let ragged_last = NestedTensor::from_lists(vec![vec![1.0f32, 2.0], vec![3.0]]).unwrap();
     assert!(matches!(
         compiled.call(&[&ragged_last], &[]),
@@ -364,6 +381,32 @@ fn batches_of_equal_lengths_reuse_the_ragged_program() {
                 .unwrap(),
         )];
         assert_close(&compiled_outputs, &eager, "uniform");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}
+
+#[test]
+fn f64_models_compute_in_f64() {
+    tch::manual_seed(5);
+    let mut store = nn::VarStore::new(Device::Cpu);
+    let config = TransformerConfig {
+        d_model: 32,
+        nhead: 4,
+        dim_feedforward: 64,
+        dropout: 0.0,
+        ..Default::default()
+    };
+    let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
+    store.set_kind(Kind::Double);
+    let compiled = compile("double", |x: &[NestedTensor], _: &[Dense]| {
+        encoder.forward(&x[0], false)
+    });
+    for (index, lengths) in [vec![5i64, 0, 3], vec![1]].iter().enumerate() {
+        let (tokens, _) = batch(lengths, &[32], Kind::Double, index as i64);
+        let compiled_outputs = compiled.call(&[&tokens], &[]).unwrap();
+        let eager = vec![Value::Nested(encoder.forward(&tokens, false).unwrap())];
+        // An f32 computation would differ by about 1e-6; f64 agrees to rounding.
+        assert_close_within(&compiled_outputs, &eager, 1e-10, "f64 encoder");
     }
     assert_eq!(compiled.stats().compiles, 1);
 }

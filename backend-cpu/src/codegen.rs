@@ -25,12 +25,19 @@ pub(crate) struct Kernel<'ctx, 'm> {
     pub(crate) module: &'m Module<'ctx>,
     pub(crate) builder: Builder<'ctx>,
     pub(crate) function: FunctionValue<'ctx>,
-    pub(crate) f32: FloatType<'ctx>,
+    pub(crate) float: FloatType<'ctx>,
+    /// Whether `float` is f64.
+    pub(crate) double: bool,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
 }
 
 impl<'ctx, 'm> Kernel<'ctx, 'm> {
-    pub(crate) fn new(context: &'ctx Context, module: &'m Module<'ctx>, name: &str) -> Self {
+    pub(crate) fn new(
+        context: &'ctx Context,
+        module: &'m Module<'ctx>,
+        name: &str,
+        precision: nestor_passes::FloatType,
+    ) -> Self {
         let ptr = context.ptr_type(AddressSpace::default());
         let i64 = context.i64_type();
         let signature = context
@@ -45,7 +52,12 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             module,
             builder,
             function,
-            f32: context.f32_type(),
+            float: if precision == nestor_passes::FloatType::F64 {
+                context.f64_type()
+            } else {
+                context.f32_type()
+            },
+            double: precision == nestor_passes::FloatType::F64,
             entry,
         }
     }
@@ -60,8 +72,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.context.i64_type().const_int(value as u64, true)
     }
 
-    pub(crate) fn f32c(&self, value: f64) -> FloatValue<'ctx> {
-        self.f32.const_float(value)
+    pub(crate) fn constant(&self, value: f64) -> FloatValue<'ctx> {
+        self.float.const_float(value)
     }
 
     /// The range `start..end` the call covers.
@@ -95,16 +107,16 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .into_pointer_value())
     }
 
-    pub(crate) fn load_f32(
+    pub(crate) fn load_float(
         &self,
         base: PointerValue<'ctx>,
         index: IntValue<'ctx>,
     ) -> Gen<FloatValue<'ctx>> {
         let address =
-            unsafe { self.builder.build_gep(self.f32, base, &[index], "at") }.map_err(err)?;
+            unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
         Ok(self
             .builder
-            .build_load(self.f32, address, "x")
+            .build_load(self.float, address, "x")
             .map_err(err)?
             .into_float_value())
     }
@@ -123,14 +135,14 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .into_int_value())
     }
 
-    pub(crate) fn store_f32(
+    pub(crate) fn store_float(
         &self,
         base: PointerValue<'ctx>,
         index: IntValue<'ctx>,
         value: FloatValue<'ctx>,
     ) -> Gen<()> {
         let address =
-            unsafe { self.builder.build_gep(self.f32, base, &[index], "at") }.map_err(err)?;
+            unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
         self.builder.build_store(address, value).map_err(err)?;
         Ok(())
     }
@@ -145,7 +157,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             Some(first) => self.builder.position_before(&first),
             None => self.builder.position_at_end(self.entry),
         }
-        let slot = self.builder.build_alloca(self.f32, name).map_err(err)?;
+        let slot = self.builder.build_alloca(self.float, name).map_err(err)?;
         self.builder.position_at_end(here);
         Ok(slot)
     }
@@ -153,7 +165,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     pub(crate) fn get(&self, slot: PointerValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         Ok(self
             .builder
-            .build_load(self.f32, slot, "acc")
+            .build_load(self.float, slot, "acc")
             .map_err(err)?
             .into_float_value())
     }
@@ -267,7 +279,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     pub(crate) fn intrinsic(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
         let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
         let function = intrinsic
-            .get_declaration(self.module, &[self.f32.into()])
+            .get_declaration(self.module, &[self.float.into()])
             .ok_or_else(|| err(format!("no declaration of {name}")))?;
         let args: Vec<_> = args.iter().map(|&arg| arg.into()).collect();
         let call = self
@@ -284,15 +296,19 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     /// (relative error below 4e-6, worst at the ends of the range; inputs clamped to the finite range), so loops
     /// over it vectorize instead of calling libm once per value.
     pub(crate) fn fast_exp(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
-        let low = self.extreme(x, self.f32c(-87.0), true)?;
-        let clamped = self.extreme(low, self.f32c(88.0), false)?;
-        let t = self.fmul(clamped, self.f32c(std::f64::consts::LOG2_E))?;
+        if self.double {
+            // f64 kernels keep full precision.
+            return self.intrinsic("llvm.exp", &[x]);
+        }
+        let low = self.extreme(x, self.constant(-87.0), true)?;
+        let clamped = self.extreme(low, self.constant(88.0), false)?;
+        let t = self.fmul(clamped, self.constant(std::f64::consts::LOG2_E))?;
         let n = self.intrinsic("llvm.rint", &[t])?;
         let f = self.fsub(t, n)?;
         let coefficients = crate::EXP2_COEFFICIENTS;
-        let mut polynomial = self.f32c(coefficients[0]);
+        let mut polynomial = self.constant(coefficients[0]);
         for &coefficient in &coefficients[1..] {
-            polynomial = self.fadd(self.fmul(polynomial, f)?, self.f32c(coefficient))?;
+            polynomial = self.fadd(self.fmul(polynomial, f)?, self.constant(coefficient))?;
         }
         let i32_type = self.context.i32_type();
         let exponent = self
@@ -309,17 +325,23 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .map_err(err)?;
         let scale = self
             .builder
-            .build_bit_cast(shifted, self.f32, "scale")
+            .build_bit_cast(shifted, self.float, "scale")
             .map_err(err)?
             .into_float_value();
         self.fmul(polynomial, scale)
     }
 
-    /// A C math function of one `float` (from the process's libm).
+    /// A C math function of one argument (from the process's libm): `name` is the
+    /// double version (`tanh`); the f32 kernels call `tanhf`.
     pub(crate) fn libm(&self, name: &str, arg: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let name = &if self.double {
+            name.to_owned()
+        } else {
+            format!("{name}f")
+        };
         let function = self.module.get_function(name).unwrap_or_else(|| {
             self.module
-                .add_function(name, self.f32.fn_type(&[self.f32.into()], false), None)
+                .add_function(name, self.float.fn_type(&[self.float.into()], false), None)
         });
         let call = self
             .builder
@@ -333,13 +355,13 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
 
     fn truth(&self, value: inkwell::values::IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         self.builder
-            .build_unsigned_int_to_float(value, self.f32, "truth")
+            .build_unsigned_int_to_float(value, self.float, "truth")
             .map_err(err)
     }
 
     fn nonzero(&self, value: FloatValue<'ctx>) -> Gen<IntValue<'ctx>> {
         self.builder
-            .build_float_compare(FloatPredicate::UNE, value, self.f32c(0.0), "nonzero")
+            .build_float_compare(FloatPredicate::UNE, value, self.constant(0.0), "nonzero")
             .map_err(err)
     }
 
@@ -351,7 +373,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     ) -> Gen<FloatValue<'ctx>> {
         Ok(match expr {
             Expr::Load(input) => load(*input)?,
-            Expr::Const(value) => self.f32c(*value),
+            Expr::Const(value) => self.constant(*value),
             Expr::Unary(op, x) => {
                 let x = self.expr(x, load)?;
                 self.unary(*op, x)?
@@ -375,7 +397,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     fn sigmoid(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         let negative = self.builder.build_float_neg(x, "neg").map_err(err)?;
         let exp = self.intrinsic("llvm.exp", &[negative])?;
-        self.fdiv(self.f32c(1.0), self.fadd(self.f32c(1.0), exp)?)
+        self.fdiv(self.constant(1.0), self.fadd(self.constant(1.0), exp)?)
     }
 
     pub(crate) fn unary(&self, op: UnaryOp, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
@@ -387,34 +409,35 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             UnaryOp::Sqrt => self.intrinsic("llvm.sqrt", &[x]),
             UnaryOp::Rsqrt => {
                 let root = self.intrinsic("llvm.sqrt", &[x])?;
-                self.fdiv(self.f32c(1.0), root)
+                self.fdiv(self.constant(1.0), root)
             }
             UnaryOp::Square => self.fmul(x, x),
             UnaryOp::Sin => self.intrinsic("llvm.sin", &[x]),
             UnaryOp::Cos => self.intrinsic("llvm.cos", &[x]),
-            UnaryOp::Tanh => self.libm("tanhf", x),
+            UnaryOp::Tanh => self.libm("tanh", x),
             UnaryOp::Sigmoid => self.sigmoid(x),
-            UnaryOp::Relu => self.extreme(x, self.f32c(0.0), true),
+            UnaryOp::Relu => self.extreme(x, self.constant(0.0), true),
             UnaryOp::Gelu => {
-                let scaled = self.fmul(x, self.f32c(std::f64::consts::FRAC_1_SQRT_2))?;
-                let erf = self.libm("erff", scaled)?;
-                let half = self.fmul(x, self.f32c(0.5))?;
-                self.fmul(half, self.fadd(self.f32c(1.0), erf)?)
+                let scaled = self.fmul(x, self.constant(std::f64::consts::FRAC_1_SQRT_2))?;
+                let erf = self.libm("erf", scaled)?;
+                let half = self.fmul(x, self.constant(0.5))?;
+                self.fmul(half, self.fadd(self.constant(1.0), erf)?)
             }
             UnaryOp::GeluTanh => {
                 let cube = self.fmul(self.fmul(x, x)?, x)?;
-                let inner = self.fadd(x, self.fmul(cube, self.f32c(0.044715))?)?;
-                let scaled = self.fmul(inner, self.f32c((2.0 / std::f64::consts::PI).sqrt()))?;
-                let tanh = self.libm("tanhf", scaled)?;
-                let half = self.fmul(x, self.f32c(0.5))?;
-                self.fmul(half, self.fadd(self.f32c(1.0), tanh)?)
+                let inner = self.fadd(x, self.fmul(cube, self.constant(0.044715))?)?;
+                let scaled =
+                    self.fmul(inner, self.constant((2.0 / std::f64::consts::PI).sqrt()))?;
+                let tanh = self.libm("tanh", scaled)?;
+                let half = self.fmul(x, self.constant(0.5))?;
+                self.fmul(half, self.fadd(self.constant(1.0), tanh)?)
             }
             UnaryOp::Silu => self.fmul(x, self.sigmoid(x)?),
-            UnaryOp::Erf => self.libm("erff", x),
+            UnaryOp::Erf => self.libm("erf", x),
             UnaryOp::Not => {
                 let zero = self
                     .builder
-                    .build_float_compare(FloatPredicate::OEQ, x, self.f32c(0.0), "zero")
+                    .build_float_compare(FloatPredicate::OEQ, x, self.constant(0.0), "zero")
                     .map_err(err)?;
                 self.truth(zero)
             }

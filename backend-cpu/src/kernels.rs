@@ -15,12 +15,13 @@ use crate::codegen::{Gen, Kernel};
 
 /// Generates the kernel of `step` as function `name`; false for steps without one.
 pub(crate) fn generate<'ctx>(
+    precision: nestor_passes::FloatType,
     context: &'ctx Context,
     module: &Module<'ctx>,
     name: &str,
     step: &Step,
 ) -> Gen<bool> {
-    let kernel = Kernel::new(context, module, name);
+    let kernel = Kernel::new(context, module, name, precision);
     match step {
         Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. } => {
             // No kernel (the runtime calls a GEMM library): delete the empty function.
@@ -108,10 +109,10 @@ fn pointwise<'ctx>(
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
             let load = |input: usize| -> Gen<FloatValue<'ctx>> {
                 let at = index(kernel, &inputs[input], rows[input], column)?;
-                kernel.load_f32(pointers[input], at)
+                kernel.load_float(pointers[input], at)
             };
             let value = kernel.expr(expr, &load)?;
-            kernel.store_f32(out, kernel.add(base, column)?, value)
+            kernel.store_float(out, kernel.add(base, column)?, value)
         })
     })
 }
@@ -123,7 +124,7 @@ fn row_sum<'ctx>(
     f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<FloatValue<'ctx>> {
     let acc = kernel.accumulator("sum")?;
-    kernel.set(acc, kernel.f32c(0.0))?;
+    kernel.set(acc, kernel.constant(0.0))?;
     kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
         let value = f(column)?;
         kernel.set(acc, kernel.fadd(kernel.get(acc)?, value)?)
@@ -140,7 +141,7 @@ fn row_extreme<'ctx>(
     let acc = kernel.accumulator("extreme")?;
     kernel.set(
         acc,
-        kernel.f32c(if largest {
+        kernel.constant(if largest {
             f64::NEG_INFINITY
         } else {
             f64::INFINITY
@@ -169,18 +170,18 @@ fn row<'ctx>(
         None
     };
     let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
-    let n = kernel.f32c(width as f64);
+    let n = kernel.constant(width as f64);
     kernel.for_range(start, end, |row| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
-        let load = |column| kernel.load_f32(x, at(column)?);
+        let load = |column| kernel.load_float(x, at(column)?);
         let affine = |value: FloatValue<'ctx>, column| -> Gen<FloatValue<'ctx>> {
             let scaled = match weight {
-                Some(weight) => kernel.fmul(value, kernel.load_f32(weight, column)?)?,
+                Some(weight) => kernel.fmul(value, kernel.load_float(weight, column)?)?,
                 None => value,
             };
             match bias {
-                Some(bias) => kernel.fadd(scaled, kernel.load_f32(bias, column)?),
+                Some(bias) => kernel.fadd(scaled, kernel.load_float(bias, column)?),
                 None => Ok(scaled),
             }
         };
@@ -189,7 +190,7 @@ fn row<'ctx>(
                 let mean = if kind == RowKind::LayerNorm {
                     kernel.fdiv(row_sum(kernel, width, load)?, n)?
                 } else {
-                    kernel.f32c(0.0)
+                    kernel.constant(0.0)
                 };
                 let variance = kernel.fdiv(
                     row_sum(kernel, width, |column| {
@@ -198,12 +199,12 @@ fn row<'ctx>(
                     })?,
                     n,
                 )?;
-                let root =
-                    kernel.intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.f32c(eps))?])?;
-                let inverse = kernel.fdiv(kernel.f32c(1.0), root)?;
+                let root = kernel
+                    .intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
+                let inverse = kernel.fdiv(kernel.constant(1.0), root)?;
                 kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
                     let normed = kernel.fmul(kernel.fsub(load(column)?, mean)?, inverse)?;
-                    kernel.store_f32(out, at(column)?, affine(normed, column)?)
+                    kernel.store_float(out, at(column)?, affine(normed, column)?)
                 })
             }
             RowKind::Softmax | RowKind::LogSoftmax => {
@@ -219,7 +220,7 @@ fn row<'ctx>(
                     } else {
                         kernel.fsub(shifted, log_total)?
                     };
-                    kernel.store_f32(out, at(column)?, value)
+                    kernel.store_float(out, at(column)?, value)
                 })
             }
             RowKind::Sum | RowKind::Mean => {
@@ -229,9 +230,9 @@ fn row<'ctx>(
                 } else {
                     sum
                 };
-                kernel.store_f32(out, row, value)
+                kernel.store_float(out, row, value)
             }
-            RowKind::Max | RowKind::Min => kernel.store_f32(
+            RowKind::Max | RowKind::Min => kernel.store_float(
                 out,
                 row,
                 row_extreme(kernel, width, kind == RowKind::Max, load)?,
@@ -248,13 +249,13 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Ge
         let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
             let at = |row: IntValue<'ctx>| kernel.add(kernel.mul(row, kernel.i64(width))?, column);
-            let load = |row| kernel.load_f32(x, at(row)?);
+            let load = |row| kernel.load_float(x, at(row)?);
             let fold =
                 |initial: f64,
                  step: &dyn Fn(FloatValue<'ctx>, IntValue<'ctx>) -> Gen<FloatValue<'ctx>>|
                  -> Gen<FloatValue<'ctx>> {
                     let acc = kernel.accumulator("segment")?;
-                    kernel.set(acc, kernel.f32c(initial))?;
+                    kernel.set(acc, kernel.constant(initial))?;
                     kernel.for_range(first, last, |row| {
                         kernel.set(acc, step(kernel.get(acc)?, row)?)
                     })?;
@@ -271,13 +272,13 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Ge
                             .map_err(crate::BackendError::new)?;
                         let count = kernel
                             .builder
-                            .build_signed_int_to_float(count, kernel.f32, "n")
+                            .build_signed_int_to_float(count, kernel.float, "n")
                             .map_err(crate::BackendError::new)?;
                         kernel.fdiv(sum, count)?
                     } else {
                         sum
                     };
-                    kernel.store_f32(out, out_at, value)
+                    kernel.store_float(out, out_at, value)
                 }
                 SegmentKind::Max | SegmentKind::Min => {
                     let largest = kind == SegmentKind::Max;
@@ -289,7 +290,7 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Ge
                     let value = fold(initial, &|acc, row| {
                         kernel.extreme(acc, load(row)?, largest)
                     })?;
-                    kernel.store_f32(out, out_at, value)
+                    kernel.store_float(out, out_at, value)
                 }
                 SegmentKind::Softmax | SegmentKind::LogSoftmax => {
                     let max = fold(f64::NEG_INFINITY, &|acc, row| {
@@ -306,7 +307,7 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Ge
                         } else {
                             kernel.fsub(shifted, log_total)?
                         };
-                        kernel.store_f32(out, at(row)?, value)
+                        kernel.store_float(out, at(row)?, value)
                     })
                 }
             }
@@ -323,8 +324,8 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
         let source = kernel.mul(id, kernel.i64(width))?;
         let target = kernel.mul(row, kernel.i64(width))?;
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
-            let value = kernel.load_f32(table, kernel.add(source, column)?)?;
-            kernel.store_f32(out, kernel.add(target, column)?, value)
+            let value = kernel.load_float(table, kernel.add(source, column)?)?;
+            kernel.store_float(out, kernel.add(target, column)?, value)
         })
     })
 }

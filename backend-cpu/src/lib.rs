@@ -98,7 +98,7 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     let mut names = Vec::with_capacity(program.steps.len());
     for (index, step) in program.steps.iter().enumerate() {
         let name = format!("step{index}");
-        let generated = kernels::generate(context, &module, &name, step)?;
+        let generated = kernels::generate(program.float, context, &module, &name, step)?;
         names.push(generated.then_some(name));
     }
     module

@@ -5,9 +5,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use nestor_passes::{lower_with, LowerOptions, Pipeline};
+use nestor_passes::{lower_with, FloatType, LowerOptions, Pipeline};
 use nestor_runtime::{
-    Executable, HostRunner, HostValue, InputData, RunDim, RunOutput, RunShape, Stats, StatsSnapshot,
+    Executable, HostRunner, HostValue, InputData, RunData, RunDim, RunOutput, RunShape, Stats,
+    StatsSnapshot,
 };
 use tch::{Kind, Tensor};
 
@@ -144,7 +145,11 @@ where
         let entry = self.entry(nested, dense)?;
         let values = entry.traced.bind(nested, dense)?;
         check_inputs(entry.traced.graph(), &values)?;
-        // Contiguous f32 / i64 views of the inputs, kept alive while the program runs.
+        // Contiguous float / i64 views of the inputs, kept alive while the program runs.
+        let float = match entry.executable.program().float {
+            FloatType::F32 => Kind::Float,
+            FloatType::F64 => Kind::Double,
+        };
         let mut keep: Vec<Tensor> = Vec::with_capacity(values.len());
         let mut lengths: Vec<Vec<i64>> = Vec::new();
         let mut order = Vec::with_capacity(values.len());
@@ -155,11 +160,11 @@ where
                     order.push((true, lengths.len() - 1));
                 }
                 Value::Nested(nested) => {
-                    keep.push(host_tensor(nested.packed())?);
+                    keep.push(host_tensor(nested.packed(), float)?);
                     order.push((false, keep.len() - 1));
                 }
                 Value::Dense(tensor) => {
-                    keep.push(host_tensor(tensor)?);
+                    keep.push(host_tensor(tensor, float)?);
                     order.push((false, keep.len() - 1));
                 }
             }
@@ -255,12 +260,13 @@ where
     }
 }
 
-/// A contiguous CPU tensor of f32 (floats and bools) or i64 (integers).
-fn host_tensor(tensor: &Tensor) -> Result<Tensor> {
+/// A contiguous CPU tensor of the program's `float` kind (floats and bools) or i64
+/// (integers).
+fn host_tensor(tensor: &Tensor, float: Kind) -> Result<Tensor> {
     let kind = tensor.f_kind()?;
     let target = match kind {
         Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8 => Kind::Int64,
-        _ => Kind::Float,
+        _ => float,
     };
     let host = tensor
         .f_to_device(tch::Device::Cpu)?
@@ -276,6 +282,7 @@ fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
     if elements == 0 || pointer.is_null() {
         return Ok(match tensor.kind() {
             Kind::Int64 => InputData::I64(&[]),
+            Kind::Double => InputData::F64(&[]),
             _ => InputData::F32(&[]),
         });
     }
@@ -284,6 +291,9 @@ fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
     Ok(match tensor.kind() {
         Kind::Int64 => {
             InputData::I64(unsafe { std::slice::from_raw_parts(pointer as *const i64, elements) })
+        }
+        Kind::Double => {
+            InputData::F64(unsafe { std::slice::from_raw_parts(pointer as *const f64, elements) })
         }
         _ => InputData::F32(unsafe { std::slice::from_raw_parts(pointer as *const f32, elements) }),
     })
@@ -312,9 +322,13 @@ fn output_value(output: RunOutput) -> Result<Value> {
     let shape: Vec<i64> = std::iter::once(rows)
         .chain(static_tail.iter().copied())
         .collect();
-    let mut values = Tensor::f_from_slice(&output.data)?.f_reshape(&shape)?;
+    let mut values = match &output.data {
+        RunData::F32(data) => Tensor::f_from_slice(data)?,
+        RunData::F64(data) => Tensor::f_from_slice(data)?,
+    }
+    .f_reshape(&shape)?;
     let kind = kind_of(output.dtype);
-    if kind != Kind::Float {
+    if kind != values.f_kind()? {
         values = values.f_to_kind(kind)?;
     }
     match output.shape {

@@ -23,6 +23,6 @@ pub use fuse::Fuse;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use pipeline::{Pass, PassError, Pipeline};
 pub use program::{
-    Access, Expr, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot,
-    SlotInfo, Source, Step,
+    Access, Expr, FloatType, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
+    SegmentKind, Slot, SlotInfo, Source, Step,
 };

@@ -8,8 +8,8 @@ use nestor_ir::{BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, ReduceOp, T
 use thiserror::Error;
 
 use crate::program::{
-    Access, Expr, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows, SegmentKind, Slot,
-    SlotInfo, Source, Step,
+    Access, Expr, FloatType, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
+    SegmentKind, Slot, SlotInfo, Source, Step,
 };
 
 /// An op the compiler cannot lower yet.
@@ -112,7 +112,43 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         };
         lowering.program.outputs.push(out);
     }
+    lowering.program.float = precision(graph, &lowering.program)?;
     Ok(lowering.program)
+}
+
+/// The float type of a program: f64 when its floating values are f64, f32 otherwise.
+/// Mixing f64 with lower precisions is not compiled (one kernel type per program).
+fn precision(graph: &Graph, program: &Program) -> Result<FloatType, LowerError> {
+    let floats: Vec<DType> = program
+        .slots
+        .iter()
+        .map(|slot| slot.dtype)
+        .filter(|dtype| dtype.is_float())
+        .collect();
+    let double = floats.contains(&DType::F64);
+    if double && floats.iter().any(|&dtype| dtype != DType::F64) {
+        let value = ValueId(graph.nodes.len().saturating_sub(1) as u32);
+        return Err(LowerError {
+            value,
+            op: "program",
+            reason:
+                "it mixes f64 with lower precisions; compiled programs compute in one float type"
+                    .into(),
+        });
+    }
+    if double && !program.host_graphs.is_empty() {
+        let value = ValueId(graph.nodes.len().saturating_sub(1) as u32);
+        return Err(LowerError {
+            value,
+            op: "per_element",
+            reason: "host regions compute in f32; f64 programs cannot use them".into(),
+        });
+    }
+    Ok(if double {
+        FloatType::F64
+    } else {
+        FloatType::F32
+    })
 }
 
 fn unsupported(value: ValueId, op: &Op, reason: impl Into<String>) -> LowerError {
@@ -271,12 +307,12 @@ impl Lowering<'_> {
         if let Some(dtype) = ty.dtype() {
             if !matches!(
                 dtype,
-                DType::F32 | DType::F16 | DType::BF16 | DType::I64 | DType::Bool
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::I64 | DType::Bool
             ) {
                 return Err(unsupported(
                     value,
                     self.graph.op(value),
-                    format!("compiled inputs are f32, f16, bf16, i64 or bool, got {dtype}"),
+                    format!("compiled inputs are f32, f64, f16, bf16, i64 or bool, got {dtype}"),
                 ));
             }
         }
@@ -333,12 +369,12 @@ impl Lowering<'_> {
         if let Some(dtype) = ty.dtype() {
             if !matches!(
                 dtype,
-                DType::F32 | DType::F16 | DType::BF16 | DType::Bool | DType::I64
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::Bool | DType::I64
             ) {
                 return Err(unsupported(
                     value,
                     op,
-                    format!("compiled values are f32 (f16 and bf16 at the boundary), got {dtype}"),
+                    format!("compiled values are f32 or f64 (f16 and bf16 at the boundary), got {dtype}"),
                 ));
             }
         }
@@ -370,7 +406,7 @@ impl Lowering<'_> {
                 })
             }
             Op::Cast { x, dtype } => match dtype {
-                DType::F32 | DType::F16 | DType::BF16 => {
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {
                     self.pointwise(value, ty, &[*x], |loads| loads[0].clone())
                 }
                 DType::Bool => self.pointwise(value, ty, &[*x], |loads| {
@@ -1011,7 +1047,7 @@ impl Lowering<'_> {
 }
 
 /// A fused expression as a kernel expression over the loads of its inputs (casts
-/// between float types are free: computation is f32).
+/// between float types are free: a program computes in one float type).
 fn translate(expr: &FusedExpr, loads: &[Expr]) -> Expr {
     let recurse = |expr: &FusedExpr| Box::new(translate(expr, loads));
     match expr {
@@ -1032,7 +1068,10 @@ fn unsupported_cast(expr: &FusedExpr) -> Option<DType> {
     match expr {
         FusedExpr::Input(_) | FusedExpr::Const { .. } => None,
         FusedExpr::Cast(dtype, _)
-            if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::Bool) =>
+            if !matches!(
+                dtype,
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::Bool
+            ) =>
         {
             Some(*dtype)
         }

@@ -52,8 +52,9 @@ impl Rows {
 /// What a slot holds and where its contents come from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SlotInfo {
-    /// Element type at the program's boundary. Computation and buffers are f32 (f16 and
-    /// bf16 values are converted at the boundary; bool is 0/1); lengths and ids are i64.
+    /// Element type at the program's boundary. Computation and buffers use the
+    /// program's [`FloatType`] (f16 and bf16 values are converted at the boundary; bool
+    /// is 0/1); lengths and ids are i64.
     pub dtype: DType,
     /// Rows.
     pub rows: Rows,
@@ -339,6 +340,28 @@ pub struct Program {
     pub lengths_ops: Vec<LengthsOp>,
     /// The graphs of host steps.
     pub host_graphs: Vec<nestor_ir::Graph>,
+    /// What kernels compute in and buffers hold: f32, or f64 for f64 programs.
+    pub float: FloatType,
+}
+
+/// The floating-point type a program computes in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FloatType {
+    /// Single precision (also for f16 and bf16 models, converted at the boundary).
+    #[default]
+    F32,
+    /// Double precision.
+    F64,
+}
+
+impl FloatType {
+    /// Bytes per scalar.
+    pub fn size(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            FloatType::F64 => 8,
+        }
+    }
 }
 
 impl Program {

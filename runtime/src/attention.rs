@@ -2,9 +2,10 @@
 //! `O = softmax(S) V`) with a row softmax in between: packed (no padding between
 //! elements), and the GEMM library's microkernels do the arithmetic.
 
-use nestor_backend_cpu::fast_exp;
 use nestor_passes::Access;
 use rayon::prelude::*;
+
+use crate::scalar::Scalar;
 
 /// The shape of one attention step.
 pub(crate) struct Attention<'a> {
@@ -21,31 +22,33 @@ pub(crate) struct Attention<'a> {
 /// Pointers shared by the parallel tasks; each task writes its own rows and head
 /// columns of `out`.
 #[derive(Clone, Copy)]
-struct Buffers {
-    out: *mut f32,
-    q: *const f32,
-    k: *const f32,
-    v: *const f32,
+struct Buffers<T> {
+    out: *mut T,
+    q: *const T,
+    k: *const T,
+    v: *const T,
 }
-unsafe impl Send for Buffers {}
-unsafe impl Sync for Buffers {}
+unsafe impl<T> Send for Buffers<T> {}
+unsafe impl<T> Sync for Buffers<T> {}
 
 impl Attention<'_> {
-    /// Runs the step. `out` holds `sum(Lq) x heads*value_dim` values; the inputs are sized
-    /// for the offsets (the executor checked them).
+    /// Runs the step on buffers of `T` (out, q, k, v). `out` holds
+    /// `sum(Lq) x heads*value_dim` values; the inputs are sized for the offsets (the
+    /// executor checked them).
     ///
     /// # Safety
     /// The pointers must be valid for the sizes the offsets and accesses imply.
-    pub(crate) unsafe fn run(
+    pub(crate) unsafe fn run<T: Scalar>(
         &self,
-        out: *mut f32,
-        q: *const f32,
-        k: *const f32,
-        v: *const f32,
-        q_offsets: &[i64],
-        k_offsets: &[i64],
+        (out, q, k, v): (*mut u8, *mut u8, *mut u8, *mut u8),
+        (q_offsets, k_offsets): (&[i64], &[i64]),
     ) {
-        let buffers = Buffers { out, q, k, v };
+        let buffers = Buffers {
+            out: out as *mut T,
+            q: q as *const T,
+            k: k as *const T,
+            v: v as *const T,
+        };
         let elements = q_offsets.len().saturating_sub(1);
         let tasks: Vec<(usize, i64)> = (0..elements)
             .flat_map(|e| (0..self.heads).map(move |h| (e, h)))
@@ -65,9 +68,9 @@ impl Attention<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    unsafe fn element(
+    unsafe fn element<T: Scalar>(
         &self,
-        buffers: Buffers,
+        buffers: Buffers<T>,
         head: i64,
         q_first: i64,
         q_rows: i64,
@@ -79,7 +82,7 @@ impl Attention<'_> {
         }
         let (d, dv) = (self.head_dim, self.value_dim);
         let out_width = self.heads * dv;
-        let mut scores = vec![0f32; (q_rows * k_rows.max(1)) as usize];
+        let mut scores = vec![T::ZERO; (q_rows * k_rows.max(1)) as usize];
         unsafe {
             let q = buffers
                 .q
@@ -109,8 +112,8 @@ impl Attention<'_> {
                     k,
                     self.k.row_stride as isize,
                     1,
-                    0.0,
-                    self.scale as f32,
+                    T::ZERO,
+                    T::from_f64(self.scale),
                     false,
                     false,
                     false,
@@ -126,24 +129,24 @@ impl Attention<'_> {
                 let max = scores[..limit]
                     .iter()
                     .copied()
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let mut total = 0.0;
+                    .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
+                let mut total = T::ZERO;
                 for score in &mut scores[..limit] {
-                    *score = fast_exp(*score - max);
+                    *score = (*score - max).exp();
                     total += *score;
                 }
                 for score in &mut scores[..limit] {
                     *score /= total;
                 }
                 for score in &mut scores[limit..] {
-                    *score = 0.0;
+                    *score = T::ZERO;
                 }
             }
             if k_rows == 0 {
                 // No keys: torch gives NaN.
                 for row in 0..q_rows {
                     for column in 0..dv {
-                        *out.offset((row * out_width + column) as isize) = f32::NAN;
+                        *out.offset((row * out_width + column) as isize) = T::NAN;
                     }
                 }
                 return;
@@ -163,8 +166,8 @@ impl Attention<'_> {
                 v,
                 1,
                 self.v.row_stride as isize,
-                0.0,
-                1.0,
+                T::ZERO,
+                T::ONE,
                 false,
                 false,
                 false,

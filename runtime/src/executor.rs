@@ -6,10 +6,11 @@ use std::collections::HashMap;
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
-use nestor_passes::{OutDim, Output, Program, RowBase, Rows, Slot, Source, Step};
+use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Rows, Slot, Source, Step};
 use thiserror::Error;
 
 use crate::attention::Attention;
+use crate::scalar::Scalar;
 use crate::Stats;
 
 /// Why a run could not happen.
@@ -34,8 +35,10 @@ pub enum RuntimeError {
 /// The data of one graph input, borrowed from the caller (no copy).
 #[derive(Clone, Copy, Debug)]
 pub enum InputData<'a> {
-    /// f32 values (bool values as 0 and 1).
+    /// f32 values (bool values as 0 and 1) of a program that computes in f32.
     F32(&'a [f32]),
+    /// f64 values (bool values as 0 and 1) of a program that computes in f64.
+    F64(&'a [f64]),
     /// i64 values (lengths, ids).
     I64(&'a [i64]),
 }
@@ -58,11 +61,35 @@ pub enum RunShape {
     Dense(Vec<i64>),
 }
 
+/// The values of a result, in the type the program computes in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunData {
+    /// Values of a program that computes in f32.
+    F32(Vec<f32>),
+    /// Values of a program that computes in f64.
+    F64(Vec<f64>),
+}
+
+impl RunData {
+    /// How many values.
+    pub fn len(&self) -> usize {
+        match self {
+            RunData::F32(values) => values.len(),
+            RunData::F64(values) => values.len(),
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// One result of a run.
 #[derive(Debug)]
 pub struct RunOutput {
     /// The values: packed rows times the static dims.
-    pub data: Vec<f32>,
+    pub data: RunData,
     /// What the values are.
     pub shape: RunShape,
     /// Element type at the boundary.
@@ -90,8 +117,9 @@ pub trait HostRunner: Sync {
 pub struct Executable {
     program: Program,
     kernels: CpuKernels,
-    /// Intermediate buffers kept between runs (their pages are already mapped).
-    pool: std::sync::Mutex<Vec<Vec<f32>>>,
+    /// Intermediate buffers kept between runs (their pages are already mapped), as
+    /// 8-byte words so that f32 and f64 values are both aligned.
+    pool: std::sync::Mutex<Vec<Vec<u64>>>,
 }
 
 /// Raw buffer pointers handed to kernels on several threads; each thread writes a
@@ -227,9 +255,9 @@ impl Executable {
         };
         // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
         let last_use = self.last_uses();
-        let mut owned: Vec<Option<Vec<f32>>> = (0..program.slots.len()).map(|_| None).collect();
+        let mut owned: Vec<Option<Vec<u64>>> = (0..program.slots.len()).map(|_| None).collect();
         let mut pointers: Vec<*mut u8> = vec![std::ptr::null_mut(); program.slots.len()];
-        let mut free: Vec<Vec<f32>> = std::mem::take(
+        let mut free: Vec<Vec<u64>> = std::mem::take(
             &mut *self
                 .pool
                 .lock()
@@ -239,16 +267,24 @@ impl Executable {
             let elements = count(info.rows) * info.width;
             match info.source {
                 Source::Input(input) => {
-                    let (pointer, length) = match (inputs.get(input), info.dtype) {
-                        (Some(InputData::I64(values)), DType::I64) => {
+                    let floats = info.dtype != DType::I64;
+                    let (pointer, length) = match (inputs.get(input), program.float) {
+                        (Some(InputData::I64(values)), _) if !floats => {
                             (values.as_ptr() as *mut u8, values.len() as i64)
                         }
-                        (
-                            Some(InputData::F32(values)),
-                            DType::F32 | DType::F16 | DType::BF16 | DType::Bool,
-                        ) => (values.as_ptr() as *mut u8, values.len() as i64),
-                        (Some(_), dtype) => {
-                            return Err(bad(input, format!("expected {dtype} data")))
+                        (Some(InputData::F32(values)), FloatType::F32) if floats => {
+                            (values.as_ptr() as *mut u8, values.len() as i64)
+                        }
+                        (Some(InputData::F64(values)), FloatType::F64) if floats => {
+                            (values.as_ptr() as *mut u8, values.len() as i64)
+                        }
+                        (Some(_), float) => {
+                            let expected = if floats {
+                                format!("{} values ({float:?} program)", info.dtype)
+                            } else {
+                                "i64 values".into()
+                            };
+                            return Err(bad(input, format!("expected {expected}")));
                         }
                         (None, _) => {
                             return Err(bad(
@@ -279,16 +315,17 @@ impl Executable {
             let out = step.output();
             let info = program.info(out);
             let elements = (count(info.rows) * info.width).max(0) as usize;
-            let reuse = free.iter().position(|buffer| buffer.capacity() >= elements);
+            let words = (elements * program.float.size()).div_ceil(8);
+            let reuse = free.iter().position(|buffer| buffer.capacity() >= words);
             let mut buffer = match reuse {
                 Some(position) => free.swap_remove(position),
                 None => {
-                    stats.allocated((elements * std::mem::size_of::<f32>()) as u64);
-                    Vec::with_capacity(elements)
+                    stats.allocated((words * 8) as u64);
+                    Vec::with_capacity(words)
                 }
             };
             buffer.clear();
-            buffer.resize(elements, 0.0);
+            buffer.resize(words, 0);
             pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
             owned[out.0 as usize] = Some(buffer);
             let started = profile().then(std::time::Instant::now);
@@ -346,13 +383,13 @@ impl Executable {
                 };
                 let info = program.info(slot);
                 let elements = (count(info.rows) * info.width).max(0) as usize;
-                let pointer = pointers[self.root(slot).0 as usize] as *const f32;
-                let data = if elements == 0 || pointer.is_null() {
-                    vec![0.0; elements]
-                } else {
-                    // The slot holds `elements` f32 values: an input of that checked size,
-                    // or a buffer this run allocated with that size (outputs are never freed).
-                    unsafe { std::slice::from_raw_parts(pointer, elements) }.to_vec()
+                let pointer = pointers[self.root(slot).0 as usize];
+                // The slot holds `elements` values of the program's type: an input of
+                // that checked size, or a buffer this run allocated with that size
+                // (outputs are never freed).
+                let data = match program.float {
+                    FloatType::F32 => RunData::F32(unsafe { copy_out(pointer, elements) }),
+                    FloatType::F64 => RunData::F64(unsafe { copy_out(pointer, elements) }),
                 };
                 RunOutput {
                     data,
@@ -435,16 +472,25 @@ impl Executable {
                 n,
                 transposed,
             } => {
-                gemm(
-                    pointer(*out) as *mut f32,
-                    pointer(*x) as *const f32,
-                    pointer(*weight) as *const f32,
-                    bias.map(|b| pointer(b) as *const f32),
-                    count(*rows),
-                    *k,
-                    *n,
-                    *transposed,
+                let shape = GemmShape {
+                    rows: count(*rows),
+                    k: *k,
+                    n: *n,
+                    transposed: *transposed,
+                };
+                let (out, x, weight, bias) = (
+                    pointer(*out),
+                    pointer(*x),
+                    pointer(*weight),
+                    bias.map(pointer),
                 );
+                // The executor sized the buffers for `shape` in the program's type.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape),
+                        FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape),
+                    }
+                }
                 Ok(())
             }
             Step::Pointwise {
@@ -531,16 +577,20 @@ impl Executable {
                     causal: *causal,
                     scale: *scale,
                 };
-                // The buffers were sized from these offsets and the step's widths.
+                let buffers = (
+                    pointer(*out),
+                    pointer(q.slot),
+                    pointer(k.slot),
+                    pointer(v.slot),
+                );
+                let offsets = (&q_info.offsets[..], &k_info.offsets[..]);
+                // The buffers were sized from these offsets and the step's widths, in the
+                // program's type.
                 unsafe {
-                    attention.run(
-                        pointer(*out) as *mut f32,
-                        pointer(q.slot) as *const f32,
-                        pointer(k.slot) as *const f32,
-                        pointer(v.slot) as *const f32,
-                        &q_info.offsets,
-                        &k_info.offsets,
-                    )
+                    match self.program.float {
+                        FloatType::F32 => attention.run::<f32>(buffers, offsets),
+                        FloatType::F64 => attention.run::<f64>(buffers, offsets),
+                    }
                 };
                 Ok(())
             }
@@ -554,6 +604,11 @@ impl Executable {
                         "the program has host steps but no host runner was given".into(),
                     ));
                 };
+                if self.program.float != FloatType::F32 {
+                    return Err(RuntimeError::Host(
+                        "host steps exchange f32 values; this program computes in f64".into(),
+                    ));
+                }
                 let size = |slot: Slot| {
                     let info = self.program.info(slot);
                     (count(info.rows) * info.width).max(0) as usize
@@ -723,18 +778,33 @@ fn reads(step: &Step) -> Vec<Slot> {
     }
 }
 
-/// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when `transposed`).
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    out: *mut f32,
-    x: *const f32,
-    weight: *const f32,
-    bias: Option<*const f32>,
+/// The sizes of one GEMM.
+#[derive(Clone, Copy)]
+struct GemmShape {
     rows: i64,
     k: i64,
     n: i64,
+    /// W is `[k, n]` rather than `[n, k]`.
     transposed: bool,
+}
+
+/// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when `transposed`).
+///
+/// # Safety
+/// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
+unsafe fn gemm<T: Scalar>(
+    out: *mut u8,
+    x: *const u8,
+    weight: *const u8,
+    bias: Option<*mut u8>,
+    shape: GemmShape,
 ) {
+    let GemmShape {
+        rows,
+        k,
+        n,
+        transposed,
+    } = shape;
     if rows == 0 || n == 0 {
         return;
     }
@@ -743,7 +813,7 @@ fn gemm(
     } else {
         (k as isize, 1)
     };
-    // The buffers hold rows*k, n*k and rows*n f32 values (the executor sized them).
+    let out = out as *mut T;
     unsafe {
         gemm::gemm(
             rows as usize,
@@ -753,14 +823,14 @@ fn gemm(
             1,
             n as isize,
             false,
-            x,
+            x as *const T,
             1,
             k as isize,
-            weight,
+            weight as *const T,
             rhs_cs,
             rhs_rs,
-            0.0,
-            1.0,
+            T::ZERO,
+            T::ONE,
             false,
             false,
             false,
@@ -771,13 +841,24 @@ fn gemm(
             },
         );
         if let Some(bias) = bias {
-            let bias = std::slice::from_raw_parts(bias, n as usize);
+            let bias = std::slice::from_raw_parts(bias as *const T, n as usize);
             let out = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
             for row in out.chunks_mut(n as usize) {
-                for (value, b) in row.iter_mut().zip(bias) {
+                for (value, &b) in row.iter_mut().zip(bias) {
                     *value += b;
                 }
             }
         }
     }
+}
+
+/// Copies `elements` values of type `T` out of a buffer (none when it is empty).
+///
+/// # Safety
+/// A non-null `pointer` must hold `elements` values of type `T`.
+unsafe fn copy_out<T: Scalar>(pointer: *const u8, elements: usize) -> Vec<T> {
+    if elements == 0 || pointer.is_null() {
+        return vec![T::ZERO; elements];
+    }
+    unsafe { std::slice::from_raw_parts(pointer as *const T, elements) }.to_vec()
 }

@@ -13,10 +13,12 @@
 mod attention;
 mod executor;
 mod layout;
+mod scalar;
 mod stats;
 
 pub use executor::{
-    Executable, HostRunner, HostValue, InputData, RunDim, RunOutput, RunShape, RuntimeError,
+    Executable, HostRunner, HostValue, InputData, RunData, RunDim, RunOutput, RunShape,
+    RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
 pub use stats::{Stats, StatsSnapshot};

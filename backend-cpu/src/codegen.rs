@@ -6,7 +6,7 @@ use inkwell::context::Context;
 use inkwell::intrinsics::Intrinsic;
 use inkwell::module::Module;
 use inkwell::types::FloatType;
-use inkwell::values::{FloatValue, FunctionValue, IntValue, PointerValue};
+use inkwell::values::{FastMathFlags, FloatValue, FunctionValue, IntValue, PointerValue};
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 use nestor_ir::{BinaryOp, UnaryOp};
 use nestor_passes::Expr;
@@ -238,6 +238,24 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
 
     pub(crate) fn fadd(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         self.builder.build_float_add(a, b, "fadd").map_err(err)
+    }
+
+    /// `a + b` that may be reassociated with the other adds of its chain: a running sum
+    /// built from it vectorizes (partial sums in lanes) instead of adding one value at a
+    /// time. The result differs from a sequential sum only by rounding (and the sign of
+    /// a zero sum).
+    pub(crate) fn fadd_reassociable(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let sum = self.fadd(a, b)?;
+        if let Some(instruction) = sum.as_instruction() {
+            instruction
+                .set_fast_math_flags(FastMathFlags::AllowReassoc | FastMathFlags::NoSignedZeros)
+                .map_err(err)?;
+        }
+        Ok(sum)
     }
 
     pub(crate) fn fsub(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {

@@ -127,7 +127,7 @@ fn row_sum<'ctx>(
     kernel.set(acc, kernel.constant(0.0))?;
     kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
         let value = f(column)?;
-        kernel.set(acc, kernel.fadd(kernel.get(acc)?, value)?)
+        kernel.set(acc, kernel.fadd_reassociable(kernel.get(acc)?, value)?)
     })?;
     kernel.get(acc)
 }

@@ -38,12 +38,25 @@ pub const EXP2_COEFFICIENTS: [f64; 7] = [
 /// [`EXP2_COEFFICIENTS`] for `2^f`, inputs clamped to the finite range; relative error
 /// below 4e-6, worst at the ends of the range), for host code that must agree
 /// with them.
+///
+/// Branch-free f32 arithmetic without libm calls (rounding by the `1.5 * 2^23` trick,
+/// to nearest even like the kernels' `rint`), so loops over it vectorize.
+#[inline]
 pub fn fast_exp(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer.
     let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
-    let n = t.round();
-    let f = (t - n) as f64;
-    let polynomial = EXP2_COEFFICIENTS.iter().fold(0.0, |acc, &c| acc * f + c) as f32;
-    polynomial * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    let n = (t + ROUND) - ROUND;
+    let f = t - n;
+    let polynomial = EXP2_COEFFICIENTS
+        .iter()
+        .fold(0.0f32, |acc, &c| acc * f + c as f32);
+    // `n` is an integer in [-126, 127] (t was clamped; a NaN, which makes the polynomial
+    // NaN, becomes -126 here since `max` ignores NaN), so the unchecked conversion is
+    // exact; a saturating `as` would keep the loop from vectorizing.
+    // (`clamp` would keep the NaN.)
+    #[allow(clippy::manual_clamp)]
+    let exponent = unsafe { n.max(-126.0).min(127.0).to_int_unchecked::<i32>() };
+    polynomial * f32::from_bits(((exponent + 127) << 23) as u32)
 }
 
 /// A compiled kernel: `args` holds the step's buffers, in the order documented on each
@@ -171,5 +184,6 @@ mod tests {
         }
         assert!(worst < 1e-5, "worst relative error {worst}");
         assert!(fast_exp(f32::NEG_INFINITY) < 1e-37, "clamped, not NaN");
+        assert!(fast_exp(f32::NAN).is_nan(), "NaN propagates");
     }
 }

@@ -12,6 +12,7 @@
 
 mod cse;
 mod dce;
+mod forward;
 mod fuse;
 mod lower;
 mod pipeline;

@@ -113,6 +113,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         lowering.program.outputs.push(out);
     }
     lowering.program.float = precision(graph, &lowering.program)?;
+    crate::forward::forward_copies(&mut lowering.program);
     Ok(lowering.program)
 }
 

@@ -285,6 +285,28 @@ pub enum Step {
 }
 
 impl Step {
+    /// The slots the step reads (lengths slots excepted).
+    pub fn reads(&self) -> Vec<Slot> {
+        match self {
+            Step::Pointwise { inputs, .. } => inputs.iter().map(|access| access.slot).collect(),
+            Step::Gemm {
+                x, weight, bias, ..
+            } => [vec![*x, *weight], bias.iter().copied().collect()].concat(),
+            Step::Row {
+                x, weight, bias, ..
+            } => [
+                vec![*x],
+                weight.iter().copied().collect(),
+                bias.iter().copied().collect(),
+            ]
+            .concat(),
+            Step::Segment { x, .. } => vec![*x],
+            Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
+            Step::Gather { table, ids, .. } => vec![*table, *ids],
+            Step::Host { inputs, .. } => inputs.clone(),
+        }
+    }
+
     /// The slot the step writes.
     pub fn output(&self) -> Slot {
         match self {
@@ -325,6 +347,15 @@ pub enum Output {
         /// The dims after the first.
         tail: Vec<i64>,
     },
+}
+
+impl Output {
+    /// The slot that holds the result.
+    pub fn slot(&self) -> Slot {
+        match self {
+            Output::Ragged { slot, .. } | Output::Dense { slot, .. } => *slot,
+        }
+    }
 }
 
 /// A lowered graph: slots, steps in order, outputs.

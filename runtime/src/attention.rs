@@ -5,7 +5,7 @@
 use nestor_passes::Access;
 use rayon::prelude::*;
 
-use crate::scalar::Scalar;
+use crate::scalar::{max_of, sum_of, Scalar};
 
 /// The shape of one attention step.
 pub(crate) struct Attention<'a> {
@@ -126,15 +126,12 @@ impl Attention<'_> {
                 } else {
                     k_rows as usize
                 };
-                let max = scores[..limit]
-                    .iter()
-                    .copied()
-                    .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-                let mut total = T::ZERO;
+                let max = max_of(&scores[..limit]);
+                // Separate passes so that each loop vectorizes.
                 for score in &mut scores[..limit] {
                     *score = (*score - max).exp();
-                    total += *score;
                 }
+                let total = sum_of(&scores[..limit]);
                 for score in &mut scores[..limit] {
                     *score /= total;
                 }

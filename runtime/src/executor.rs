@@ -429,15 +429,12 @@ impl Executable {
         let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
         let root = |slot: Slot| self.root(slot);
         for (index, step) in program.steps.iter().enumerate() {
-            for slot in reads(step) {
+            for slot in step.reads() {
                 last[root(slot).0 as usize] = Some(index);
             }
         }
         for output in &program.outputs {
-            let slot = match output {
-                Output::Ragged { slot, .. } | Output::Dense { slot, .. } => *slot,
-            };
-            last[root(slot).0 as usize] = Some(usize::MAX);
+            last[root(output.slot()).0 as usize] = Some(usize::MAX);
         }
         last
     }
@@ -754,28 +751,6 @@ fn worker_threads() -> i64 {
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as i64))
             .max(1)
     })
-}
-
-/// The slots a step reads.
-fn reads(step: &Step) -> Vec<Slot> {
-    match step {
-        Step::Pointwise { inputs, .. } => inputs.iter().map(|access| access.slot).collect(),
-        Step::Gemm {
-            x, weight, bias, ..
-        } => [vec![*x, *weight], bias.iter().copied().collect()].concat(),
-        Step::Row {
-            x, weight, bias, ..
-        } => [
-            vec![*x],
-            weight.iter().copied().collect(),
-            bias.iter().copied().collect(),
-        ]
-        .concat(),
-        Step::Segment { x, .. } => vec![*x],
-        Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
-        Step::Gather { table, ids, .. } => vec![*table, *ids],
-        Step::Host { inputs, .. } => inputs.clone(),
-    }
 }
 
 /// The sizes of one GEMM.

@@ -42,3 +42,61 @@ impl Scalar for f64 {
         f64::exp(self)
     }
 }
+
+/// Lanes of the independent accumulators in [`max_of`] and [`sum_of`]: enough for the
+/// loops to vectorize and to hide the latency of each add or max.
+const LANES: usize = 16;
+
+/// The largest of `values` (NaNs ignored; `-inf` when empty).
+pub(crate) fn max_of<T: Scalar>(values: &[T]) -> T {
+    let larger = |a: T, b: T| if b > a { b } else { a };
+    let mut lanes = [T::NEG_INFINITY; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &value) in lanes.iter_mut().zip(chunk) {
+            *lane = larger(*lane, value);
+        }
+    }
+    lanes
+        .into_iter()
+        .chain(rest.iter().copied())
+        .fold(T::NEG_INFINITY, larger)
+}
+
+/// The sum of `values`, in [`LANES`] interleaved partial sums.
+pub(crate) fn sum_of<T: Scalar>(values: &[T]) -> T {
+    let mut lanes = [T::ZERO; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &value) in lanes.iter_mut().zip(chunk) {
+            *lane += value;
+        }
+    }
+    let mut total = T::ZERO;
+    for value in lanes.into_iter().chain(rest.iter().copied()) {
+        total += value;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_match_sequential_ones() {
+        for length in [0usize, 1, 15, 16, 17, 100] {
+            let values: Vec<f64> = (0..length).map(|i| ((i * 37) % 11) as f64 - 5.0).collect();
+            let expected_max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            assert_eq!(max_of(&values), expected_max, "max of {length}");
+            assert_eq!(
+                sum_of(&values),
+                values.iter().sum::<f64>(),
+                "sum of {length}"
+            );
+        }
+        assert_eq!(max_of(&[1.0f32, f32::NAN, 3.0]), 3.0, "NaNs are ignored");
+    }
+}

@@ -1,0 +1,119 @@
+//! Copy forwarding on a lowered program: a pointwise step that only copies a strided
+//! view of another buffer (`select`, `narrow` or a head split before attention) is
+//! dropped when every reader can read that view directly through its own access.
+
+use crate::program::{Access, Expr, Program, RowBase, Source, Step};
+
+/// Drops the copies whose readers all take accesses, rewriting those accesses to read
+/// the copied view in place. The program computes the same values with fewer steps.
+pub(crate) fn forward_copies(program: &mut Program) {
+    while let Some(index) = (0..program.steps.len()).find(|&index| forwardable(program, index)) {
+        let Step::Pointwise {
+            out, inputs, width, ..
+        } = &program.steps[index]
+        else {
+            return;
+        };
+        let (copy, view, width) = (*out, inputs[0], *width);
+        for step in &mut program.steps {
+            for access in accesses_mut(step) {
+                if access.slot == copy {
+                    *access = compose(&view, access, width);
+                }
+            }
+        }
+        program.steps.remove(index);
+    }
+}
+
+/// `reader` reads the rows of a copy of `view` (`width` columns each) in place: the
+/// same rows and columns of `view`'s buffer.
+fn compose(view: &Access, reader: &Access, width: i64) -> Access {
+    debug_assert_eq!(reader.row_stride, width);
+    Access {
+        slot: view.slot,
+        row_stride: view.row_stride,
+        col_stride: 1,
+        offset: view.offset + reader.offset,
+        per_element: None,
+        col_modulo: 0,
+    }
+}
+
+/// Whether step `index` is a plain copy every reader of which can read its view.
+fn forwardable(program: &Program, index: usize) -> bool {
+    let Step::Pointwise {
+        out,
+        rows,
+        width,
+        inputs,
+        expr: Expr::Load(0),
+    } = &program.steps[index]
+    else {
+        return false;
+    };
+    let [view] = &inputs[..] else {
+        return false;
+    };
+    let plain = |access: &Access| {
+        access.col_stride == 1 && access.per_element.is_none() && access.col_modulo == 0
+    };
+    let is_output = program.outputs.iter().any(|output| output.slot() == *out);
+    let aliased = program
+        .slots
+        .iter()
+        .any(|info| info.source == Source::Alias(*out));
+    if !plain(view)
+        || is_output
+        || aliased
+        || program.info(view.slot).dtype != program.info(*out).dtype
+    {
+        return false;
+    }
+    // Every reader reads whole rows of the copy through an access over the same rows.
+    let row_access = |access: &Access| plain(access) && access.row_stride == *width;
+    program.steps.iter().all(|step| {
+        if !step.reads().contains(out) {
+            return true;
+        }
+        match step {
+            Step::Pointwise {
+                rows: reader_rows,
+                width: reader_width,
+                inputs,
+                ..
+            } => {
+                reader_rows == rows
+                    && reader_width == width
+                    && inputs
+                        .iter()
+                        .filter(|access| access.slot == *out)
+                        .all(|access| row_access(access) && access.offset == 0)
+            }
+            Step::Attention {
+                q,
+                k,
+                v,
+                q_lengths,
+                k_lengths,
+                ..
+            } => [(q, q_lengths), (k, k_lengths), (v, k_lengths)]
+                .into_iter()
+                .filter(|(access, _)| access.slot == *out)
+                .all(|(access, lengths)| {
+                    // Attention reads its heads' columns of each row of the copy.
+                    row_access(access) && rows.base == RowBase::Total(*lengths) && rows.factor == 1
+                }),
+            _ => false,
+        }
+    })
+}
+
+/// The accesses of a step that reads through accesses.
+fn accesses_mut(step: &mut Step) -> Vec<&mut Access> {
+    match step {
+        Step::Pointwise { inputs, .. } => inputs.iter_mut().collect(),
+        Step::Attention { q, k, v, .. } => vec![q, k, v],
+        _ => Vec::new(),
+    }
+}

@@ -41,7 +41,7 @@ pub const EXP2_COEFFICIENTS: [f64; 7] = [
 ///
 /// Branch-free f32 arithmetic without libm calls (rounding by the `1.5 * 2^23` trick,
 /// to nearest even like the kernels' `rint`), so loops over it vectorize.
-#[inline]
+#[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer.
     let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;

@@ -5,7 +5,7 @@
 use nestor_passes::Access;
 use rayon::prelude::*;
 
-use crate::scalar::{max_of, sum_of, Scalar};
+use crate::scalar::Scalar;
 
 /// The shape of one attention step.
 pub(crate) struct Attention<'a> {
@@ -120,21 +120,20 @@ impl Attention<'_> {
                     gemm::Parallelism::None,
                 );
             }
-            for (row, scores) in scores.chunks_mut(k_rows.max(1) as usize).enumerate() {
+            // Each row's softmax denominator: the output rows are divided by it after the
+            // second GEMM (dv values per row rather than k_rows scores).
+            let mut totals = vec![T::ONE; q_rows as usize];
+            for ((row, scores), total) in scores
+                .chunks_mut(k_rows.max(1) as usize)
+                .enumerate()
+                .zip(&mut totals)
+            {
                 let limit = if self.causal {
                     (row + 1).min(k_rows as usize)
                 } else {
                     k_rows as usize
                 };
-                let max = max_of(&scores[..limit]);
-                // Separate passes so that each loop vectorizes.
-                for score in &mut scores[..limit] {
-                    *score = (*score - max).exp();
-                }
-                let total = sum_of(&scores[..limit]);
-                for score in &mut scores[..limit] {
-                    *score /= total;
-                }
+                *total = T::softmax_numerators(&mut scores[..limit]);
                 for score in &mut scores[limit..] {
                     *score = T::ZERO;
                 }
@@ -170,6 +169,16 @@ impl Attention<'_> {
                 false,
                 gemm::Parallelism::None,
             );
+            for (row, &total) in totals.iter().enumerate() {
+                let row = std::slice::from_raw_parts_mut(
+                    out.offset(row as isize * out_width as isize),
+                    dv as usize,
+                );
+                let inverse = T::ONE / total;
+                for value in row {
+                    *value = *value * inverse;
+                }
+            }
         }
     }
 }

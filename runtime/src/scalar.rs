@@ -1,11 +1,19 @@
 //! The floating-point types host steps compute in (f32, or f64 for f64 programs), so
 //! GEMM and attention are written once.
 
-use std::ops::{AddAssign, DivAssign, Sub};
+use std::ops::{AddAssign, Div, Mul, Sub};
 
 /// A scalar the executor's host-side arithmetic works on.
 pub(crate) trait Scalar:
-    Copy + Send + Sync + 'static + PartialOrd + AddAssign + DivAssign + Sub<Output = Self>
+    Copy
+    + Send
+    + Sync
+    + 'static
+    + PartialOrd
+    + AddAssign
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
 {
     const ZERO: Self;
     const ONE: Self;
@@ -15,6 +23,30 @@ pub(crate) trait Scalar:
     fn from_f64(value: f64) -> Self;
     /// `e^self`, as accurate as the generated kernels' `exp` of this type.
     fn exp(self) -> Self;
+    /// Replaces `scores` by `e^(score - max)` (softmax numerators) and returns their sum.
+    fn softmax_numerators(scores: &mut [Self]) -> Self {
+        exp_shifted(scores)
+    }
+}
+
+/// [`Scalar::softmax_numerators`] in portable code: each pass is a loop that vectorizes.
+#[inline(always)]
+fn exp_shifted<T: Scalar>(scores: &mut [T]) -> T {
+    let max = max_of(scores);
+    for score in scores.iter_mut() {
+        *score = (*score - max).exp();
+    }
+    sum_of(scores)
+}
+
+/// [`exp_shifted`] compiled for AVX2 (8 lanes rather than SSE2's 4).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn exp_shifted_avx2(scores: &mut [f32]) -> f32 {
+    exp_shifted(scores)
 }
 
 impl Scalar for f32 {
@@ -27,6 +59,14 @@ impl Scalar for f32 {
     }
     fn exp(self) -> Self {
         nestor_backend_cpu::fast_exp(self)
+    }
+    fn softmax_numerators(scores: &mut [Self]) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            // The CPU has AVX2 (checked just above).
+            return unsafe { exp_shifted_avx2(scores) };
+        }
+        exp_shifted(scores)
     }
 }
 
@@ -48,6 +88,7 @@ impl Scalar for f64 {
 const LANES: usize = 16;
 
 /// The largest of `values` (NaNs ignored; `-inf` when empty).
+#[inline(always)]
 pub(crate) fn max_of<T: Scalar>(values: &[T]) -> T {
     let larger = |a: T, b: T| if b > a { b } else { a };
     let mut lanes = [T::NEG_INFINITY; LANES];
@@ -65,6 +106,7 @@ pub(crate) fn max_of<T: Scalar>(values: &[T]) -> T {
 }
 
 /// The sum of `values`, in [`LANES`] interleaved partial sums.
+#[inline(always)]
 pub(crate) fn sum_of<T: Scalar>(values: &[T]) -> T {
     let mut lanes = [T::ZERO; LANES];
     let chunks = values.chunks_exact(LANES);

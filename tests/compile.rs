@@ -225,6 +225,32 @@ proptest! {
 }
 
 #[test]
+fn a_linear_without_inputs_features_gives_its_bias_after_other_runs() {
+    let (weight, bias) = (
+        Tensor::zeros([3, 0], (Kind::Float, Device::Cpu)),
+        Tensor::randn([3], (Kind::Float, Device::Cpu)),
+    );
+    let wide = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
+    let compiled = compile("empty_inner", |x: &[NestedTensor], _: &[Dense]| {
+        let w = if x[0].static_shape()[1] == Some(0) {
+            &weight
+        } else {
+            &wide
+        };
+        x[0].linear(w, Some(&bias))?.relu()
+    });
+    // A run with data first, so that reused buffers hold stale values.
+    let (full, _) = batch(&[4, 2], &[4], Kind::Float, 1);
+    compiled.call(&[&full], &[]).unwrap();
+    let (empty, _) = batch(&[4, 2], &[0], Kind::Float, 2);
+    let compiled_outputs = compiled.call(&[&empty], &[]).unwrap();
+    let eager = vec![Value::Nested(
+        empty.linear(&weight, Some(&bias)).unwrap().relu().unwrap(),
+    )];
+    assert_close(&compiled_outputs, &eager, "linear with k = 0");
+}
+
+#[test]
 fn one_compile_serves_a_hundred_batches_and_new_structures_compile_again() {
     let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
     let wide = Tensor::randn([8, 6], (Kind::Float, Device::Cpu));

@@ -915,7 +915,7 @@ impl Lowering<'_> {
             weight_first
         };
         let out = self.result(value, ty)?;
-        let outer = volume(&tail) / k.max(1);
+        let outer = volume(&tail[..tail.len().saturating_sub(1)]);
         self.program.steps.push(Step::Gemm {
             out: slot_of(&out),
             x: x_slot,
@@ -958,7 +958,7 @@ impl Lowering<'_> {
             .map(|bias| self.data(value, bias).map(|(slot, ..)| slot))
             .transpose()?;
         let out = self.result(value, ty)?;
-        let outer = volume(&tail) / width.max(1);
+        let outer = volume(&tail[..tail.len() - dims]);
         self.program.steps.push(Step::Row {
             kind,
             out: slot_of(&out),
@@ -1032,7 +1032,7 @@ impl Lowering<'_> {
                     x: x_slot,
                     weight: None,
                     bias: None,
-                    rows: rows.times(volume(&tail) / width.max(1)),
+                    rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
                     width,
                     eps: 0.0,
                 });

@@ -324,7 +324,8 @@ impl Executable {
                     Vec::with_capacity(words)
                 }
             };
-            buffer.clear();
+            // Every step writes all of its output, so a reused buffer keeps its old
+            // contents (only a grown part is zeroed): no memset per step.
             buffer.resize(words, 0);
             pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
             owned[out.0 as usize] = Some(buffer);
@@ -789,6 +790,10 @@ unsafe fn gemm<T: Scalar>(
         (k as isize, 1)
     };
     let out = out as *mut T;
+    if k == 0 {
+        // No inner products: the output is the bias (or zeros); write it in full.
+        unsafe { std::slice::from_raw_parts_mut(out, (rows * n) as usize) }.fill(T::ZERO);
+    }
     unsafe {
         gemm::gemm(
             rows as usize,

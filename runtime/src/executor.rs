@@ -494,6 +494,7 @@ impl Executable {
             Step::Pointwise {
                 out,
                 rows,
+                width,
                 inputs: accesses,
                 ..
             } => {
@@ -506,7 +507,7 @@ impl Executable {
                         }));
                     }
                 }
-                self.launch(index, &args, count(*rows), ROW_GRAIN)
+                self.launch(index, &args, count(*rows), row_grain(*width))
             }
             Step::Row {
                 out,
@@ -514,11 +515,12 @@ impl Executable {
                 weight,
                 bias,
                 rows,
+                width,
                 ..
             } => {
                 let optional = |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), pointer);
                 let args = [pointer(*out), pointer(*x), optional(weight), optional(bias)];
-                self.launch(index, &args, count(*rows), ROW_GRAIN)
+                self.launch(index, &args, count(*rows), row_grain(*width))
             }
             Step::Segment {
                 out,
@@ -649,7 +651,7 @@ impl Executable {
                 table,
                 ids,
                 rows,
-                ..
+                width,
             } => {
                 let vocabulary = count(self.program.info(*table).rows);
                 let input = match self.program.info(*ids).source {
@@ -679,7 +681,7 @@ impl Executable {
                     index,
                     &[pointer(*out), pointer(*table), pointer(*ids)],
                     count(*rows),
-                    ROW_GRAIN,
+                    row_grain(*width),
                 )
             }
         }
@@ -721,8 +723,14 @@ impl Executable {
     }
 }
 
-/// Rows per chunk below which a row kernel is not split across threads.
-const ROW_GRAIN: i64 = 64;
+/// Scalars per chunk below which a kernel is not split across threads (a split costs
+/// more than it saves on smaller work).
+const CHUNK_SCALARS: i64 = 1 << 16;
+
+/// Rows per chunk for rows of `width` scalars.
+fn row_grain(width: i64) -> i64 {
+    (CHUNK_SCALARS / width.max(1)).max(1)
+}
 
 /// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
 fn profile() -> bool {
@@ -775,13 +783,63 @@ unsafe fn gemm<T: Scalar>(
     bias: Option<*mut u8>,
     shape: GemmShape,
 ) {
+    let buffers = GemmBuffers {
+        out: out as *mut T,
+        x: x as *const T,
+        weight: weight as *const T,
+        bias: bias.map(|bias| bias as *const T),
+    };
+    let threads = worker_threads();
+    // The GEMM library's own threading does not pay at these sizes; chunks of rows on
+    // rayon's pool do.
+    let chunks = if shape.rows * shape.k * shape.n >= GEMM_PARALLEL_MACS {
+        threads.min(shape.rows / 16).max(1)
+    } else {
+        1
+    };
+    if chunks == 1 {
+        unsafe { gemm_rows(buffers, shape, 0, shape.rows) };
+        return;
+    }
+    let per_chunk = (shape.rows + chunks - 1) / chunks;
+    rayon::scope(|scope| {
+        for chunk in 0..chunks {
+            let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows));
+            // Each chunk writes its own rows of `out`.
+            scope.spawn(move |_| unsafe { gemm_rows(buffers, shape, start, end) });
+        }
+    });
+}
+
+/// Multiply-adds above which a GEMM is split across the cores.
+const GEMM_PARALLEL_MACS: i64 = 1 << 21;
+
+/// The buffers of a GEMM, shared by the tasks that compute its row chunks.
+struct GemmBuffers<T> {
+    out: *mut T,
+    x: *const T,
+    weight: *const T,
+    bias: Option<*const T>,
+}
+impl<T> Clone for GemmBuffers<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for GemmBuffers<T> {}
+unsafe impl<T> Send for GemmBuffers<T> {}
+unsafe impl<T> Sync for GemmBuffers<T> {}
+
+/// Rows `start..end` of a GEMM, on this thread.
+///
+/// # Safety
+/// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
+unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
     let GemmShape {
-        rows,
-        k,
-        n,
-        transposed,
+        k, n, transposed, ..
     } = shape;
-    if rows == 0 || n == 0 {
+    let rows = end - start;
+    if rows <= 0 || n == 0 {
         return;
     }
     let (rhs_cs, rhs_rs) = if transposed {
@@ -789,12 +847,12 @@ unsafe fn gemm<T: Scalar>(
     } else {
         (k as isize, 1)
     };
-    let out = out as *mut T;
-    if k == 0 {
-        // No inner products: the output is the bias (or zeros); write it in full.
-        unsafe { std::slice::from_raw_parts_mut(out, (rows * n) as usize) }.fill(T::ZERO);
-    }
     unsafe {
+        let out = buffers.out.offset((start * n) as isize);
+        if k == 0 {
+            // No inner products: the output is the bias (or zeros); write it in full.
+            std::slice::from_raw_parts_mut(out, (rows * n) as usize).fill(T::ZERO);
+        }
         gemm::gemm(
             rows as usize,
             n as usize,
@@ -803,10 +861,10 @@ unsafe fn gemm<T: Scalar>(
             1,
             n as isize,
             false,
-            x as *const T,
+            buffers.x.offset((start * k) as isize),
             1,
             k as isize,
-            weight as *const T,
+            buffers.weight,
             rhs_cs,
             rhs_rs,
             T::ZERO,
@@ -814,14 +872,10 @@ unsafe fn gemm<T: Scalar>(
             false,
             false,
             false,
-            if worker_threads() > 1 && rows * k * n > 1 << 22 {
-                gemm::Parallelism::Rayon(0)
-            } else {
-                gemm::Parallelism::None
-            },
+            gemm::Parallelism::None,
         );
-        if let Some(bias) = bias {
-            let bias = std::slice::from_raw_parts(bias as *const T, n as usize);
+        if let Some(bias) = buffers.bias {
+            let bias = std::slice::from_raw_parts(bias, n as usize);
             let out = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
             for row in out.chunks_mut(n as usize) {
                 for (value, &b) in row.iter_mut().zip(bias) {

@@ -98,26 +98,12 @@ impl Attention<'_> {
                 .offset((q_first * out_width + head * dv) as isize);
             if k_rows > 0 {
                 // S[q_rows, k_rows] = scale * Q K^T.
-                gemm::gemm(
-                    q_rows as usize,
-                    k_rows as usize,
-                    d as usize,
-                    scores.as_mut_ptr(),
-                    1,
-                    k_rows as isize,
-                    false,
-                    q,
-                    1,
-                    self.q.row_stride as isize,
-                    k,
-                    self.k.row_stride as isize,
-                    1,
-                    T::ZERO,
+                T::matmul(
+                    (q_rows as usize, d as usize, k_rows as usize),
                     T::from_f64(self.scale),
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
+                    (q, self.q.row_stride as isize, 1),
+                    (k, 1, self.k.row_stride as isize),
+                    (scores.as_mut_ptr(), k_rows as isize, 1),
                 );
             }
             // Each row's softmax denominator: the output rows are divided by it after the
@@ -148,26 +134,12 @@ impl Attention<'_> {
                 return;
             }
             // O[q_rows, dv] = P V.
-            gemm::gemm(
-                q_rows as usize,
-                dv as usize,
-                k_rows as usize,
-                out,
-                1,
-                out_width as isize,
-                false,
-                scores.as_ptr(),
-                1,
-                k_rows as isize,
-                v,
-                1,
-                self.v.row_stride as isize,
-                T::ZERO,
+            T::matmul(
+                (q_rows as usize, k_rows as usize, dv as usize),
                 T::ONE,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
+                (scores.as_ptr(), k_rows as isize, 1),
+                (v, self.v.row_stride as isize, 1),
+                (out, out_width as isize, 1),
             );
             for (row, &total) in totals.iter().enumerate() {
                 let row = std::slice::from_raw_parts_mut(

@@ -790,8 +790,7 @@ unsafe fn gemm<T: Scalar>(
         bias: bias.map(|bias| bias as *const T),
     };
     let threads = worker_threads();
-    // The GEMM library's own threading does not pay at these sizes; chunks of rows on
-    // rayon's pool do.
+    // Chunks of rows on rayon's pool (the pool the kernels use; `NESTOR_THREADS`).
     let chunks = if shape.rows * shape.k * shape.n >= GEMM_PARALLEL_MACS {
         threads.min(shape.rows / 16).max(1)
     } else {
@@ -842,37 +841,23 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
     if rows <= 0 || n == 0 {
         return;
     }
-    let (rhs_cs, rhs_rs) = if transposed {
-        (1, n as isize)
-    } else {
-        (k as isize, 1)
-    };
     unsafe {
         let out = buffers.out.offset((start * n) as isize);
         if k == 0 {
             // No inner products: the output is the bias (or zeros); write it in full.
             std::slice::from_raw_parts_mut(out, (rows * n) as usize).fill(T::ZERO);
         }
-        gemm::gemm(
-            rows as usize,
-            n as usize,
-            k as usize,
-            out,
-            1,
-            n as isize,
-            false,
-            buffers.x.offset((start * k) as isize),
-            1,
-            k as isize,
-            buffers.weight,
-            rhs_cs,
-            rhs_rs,
-            T::ZERO,
+        let weight = if transposed {
+            (buffers.weight, n as isize, 1)
+        } else {
+            (buffers.weight, 1, k as isize)
+        };
+        T::matmul(
+            (rows as usize, k as usize, n as usize),
             T::ONE,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
+            (buffers.x.offset((start * k) as isize), k as isize, 1),
+            weight,
+            (out, n as isize, 1),
         );
         if let Some(bias) = buffers.bias {
             let bias = std::slice::from_raw_parts(bias, n as usize);

@@ -5,7 +5,7 @@
 //!   the eager `NestedTensor` and compiled programs);
 //! - [`Executable`]: a lowered program with its JIT-compiled kernels; `run` sizes every
 //!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
-//!   cores and calls GEMM (the `gemm` crate);
+//!   cores and calls GEMM (`matrixmultiply`, row chunks on rayon's pool);
 //! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
 //!
 //! This crate never depends on tch.

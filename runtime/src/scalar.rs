@@ -1,5 +1,5 @@
 //! The floating-point types host steps compute in (f32, or f64 for f64 programs), so
-//! GEMM and attention are written once.
+//! GEMM and attention are written once; matrix products go to `matrixmultiply`.
 
 use std::ops::{AddAssign, Div, Mul, Sub};
 
@@ -23,6 +23,18 @@ pub(crate) trait Scalar:
     fn from_f64(value: f64) -> Self;
     /// `e^self`, as accurate as the generated kernels' `exp` of this type.
     fn exp(self) -> Self;
+    /// `c = scale * a b` for `a [m x k]`, `b [k x n]` and `c [m x n]`, each given as
+    /// (pointer, row stride, column stride); `c` is only written.
+    ///
+    /// # Safety
+    /// The pointers must be valid for the sizes and strides given.
+    unsafe fn matmul(
+        sizes: (usize, usize, usize),
+        scale: Self,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+    );
     /// Replaces `scores` by `e^(score - max)` (softmax numerators) and returns their sum.
     fn softmax_numerators(scores: &mut [Self]) -> Self {
         exp_shifted(scores)
@@ -60,6 +72,19 @@ impl Scalar for f32 {
     fn exp(self) -> Self {
         nestor_backend_cpu::fast_exp(self)
     }
+    unsafe fn matmul(
+        (m, k, n): (usize, usize, usize),
+        scale: Self,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+    ) {
+        unsafe {
+            matrixmultiply::sgemm(
+                m, k, n, scale, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
+            )
+        }
+    }
     fn softmax_numerators(scores: &mut [Self]) -> Self {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
@@ -80,6 +105,19 @@ impl Scalar for f64 {
     }
     fn exp(self) -> Self {
         f64::exp(self)
+    }
+    unsafe fn matmul(
+        (m, k, n): (usize, usize, usize),
+        scale: Self,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+    ) {
+        unsafe {
+            matrixmultiply::dgemm(
+                m, k, n, scale, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
+            )
+        }
     }
 }
 

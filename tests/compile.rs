@@ -187,8 +187,14 @@ proptest! {
     #[test]
     fn compiled_equals_eager_for_every_lowered_family(batches in proptest::collection::vec(lengths(5, 9), 1..4), seed in 0i64..1000) {
         // f64 programs compute in f64 (libm exp, tanh, erf): they match libtorch closely.
-        for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::Double, 1e-9)] {
+        // bf16 programs compute in f32 and round their results, where eager bf16 rounds
+        // every op: they agree to a few bf16 steps. Comparisons are left out in bf16
+        // (a value one bf16 step from the threshold may compare either way).
+        for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::Double, 1e-9), (Kind::BFloat16, 6e-2)] {
             for (family, model) in families(kind) {
+                if kind == Kind::BFloat16 && family == "elementwise" {
+                    continue;
+                }
                 let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
                 for (index, lengths) in batches.iter().enumerate() {
                     let (x, _) = batch(lengths, &[4], kind, seed + index as i64);

@@ -256,6 +256,35 @@ fn a_linear_without_inputs_features_gives_its_bias_after_other_runs() {
     assert_close(&compiled_outputs, &eager, "linear with k = 0");
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+
+    #[test]
+    fn padded_results_compile(batches in proptest::collection::vec(lengths(4, 6), 1..3), double in any::<bool>(), seed in 0i64..1000) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let compiled = compile("pad", |x: &[NestedTensor], _: &[Dense]| {
+            let options = nestor::NestedOptions { padding_value: -2.5, ..x[0].options() };
+            let relu = x[0].relu()?.with_options(options);
+            Ok(vec![Out::Dense(relu.pad()?), Out::Dense(x[0].pad()?.tanh()?)])
+        });
+        for (index, lengths) in batches.iter().enumerate() {
+            let (x, _) = batch(lengths, &[3], kind, seed + index as i64);
+            let compiled_outputs = compiled.call(&[&x], &[]).unwrap();
+            let options = nestor::NestedOptions { padding_value: -2.5, ..x.options() };
+            let eager = vec![
+                Value::Dense(x.relu().unwrap().with_options(options).pad().unwrap().into_tensor()),
+                Value::Dense(x.pad().unwrap().tanh().unwrap().into_tensor()),
+            ];
+            for output in &compiled_outputs {
+                let Value::Dense(output) = output else { panic!("a padded result is dense") };
+                prop_assert_eq!(output.size(), vec![lengths.len() as i64, lengths.iter().copied().max().unwrap_or(0), 3]);
+            }
+            assert_close(&compiled_outputs, &eager, "pad");
+        }
+        prop_assert_eq!(compiled.stats().compiles, 1);
+    }
+}
+
 #[test]
 fn one_compile_serves_a_hundred_batches_and_new_structures_compile_again() {
     let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));

@@ -166,7 +166,7 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
 pub fn has_kernel(step: &Step) -> bool {
     !matches!(
         step,
-        Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. }
+        Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. } | Step::Pad { .. }
     )
 }
 

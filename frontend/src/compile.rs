@@ -302,6 +302,7 @@ fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
 fn output_value(output: RunOutput) -> Result<Value> {
     let static_tail: Vec<i64> = match &output.shape {
         RunShape::Dense(tail) => tail.clone(),
+        RunShape::Full(dims) => dims.iter().skip(1).copied().collect(),
         RunShape::Ragged(dims) => dims
             .iter()
             .filter_map(|dim| {
@@ -319,9 +320,12 @@ fn output_value(output: RunOutput) -> Result<Value> {
     } else {
         output.data.len() as i64 / width
     };
-    let shape: Vec<i64> = std::iter::once(rows)
-        .chain(static_tail.iter().copied())
-        .collect();
+    let shape: Vec<i64> = match &output.shape {
+        RunShape::Full(dims) => dims.clone(),
+        _ => std::iter::once(rows)
+            .chain(static_tail.iter().copied())
+            .collect(),
+    };
     let mut values = match &output.data {
         RunData::F32(data) => Tensor::f_from_slice(data)?,
         RunData::F64(data) => Tensor::f_from_slice(data)?,
@@ -332,7 +336,7 @@ fn output_value(output: RunOutput) -> Result<Value> {
         values = values.f_to_kind(kind)?;
     }
     match output.shape {
-        RunShape::Dense(_) => Ok(Value::Dense(values)),
+        RunShape::Dense(_) | RunShape::Full(_) => Ok(Value::Dense(values)),
         RunShape::Ragged(dims) => Ok(Value::Nested(nested_from_dims(values, &dims)?)),
     }
 }

@@ -101,6 +101,23 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
             (Lowered::Data { slot, dims, .. }, Type::Ragged { .. }) => {
                 Output::Ragged { slot, dims }
             }
+            (
+                Lowered::Data {
+                    slot,
+                    tail,
+                    rows:
+                        Rows {
+                            base: RowBase::Padded(lengths),
+                            ..
+                        },
+                    ..
+                },
+                Type::Dense { .. },
+            ) => Output::Padded {
+                slot,
+                lengths,
+                tail,
+            },
             (Lowered::Data { slot, tail, .. }, Type::Dense { .. }) => Output::Dense { slot, tail },
             _ => {
                 return Err(unsupported(
@@ -286,9 +303,20 @@ impl Lowering<'_> {
                 })
             }
             Type::Dense { dtype, shape } => {
-                let (rows, tail) = match shape.split_first() {
-                    None => (Rows::fixed(1), Vec::new()),
-                    Some((first, rest)) => {
+                let (rows, tail) = match shape.as_slice() {
+                    [] => (Rows::fixed(1), Vec::new()),
+                    // A padded grid `[B, max(L), ...]`: B x max(L) rows.
+                    [_, Dim::Max(lengths), rest @ ..] => match self.get(*lengths) {
+                        Lowered::Lengths(slot) => (
+                            Rows {
+                                base: RowBase::Padded(slot),
+                                factor: 1,
+                            },
+                            self.static_tail(value, rest)?,
+                        ),
+                        _ => return Err(unsupported(value, op, "its padded dim has no lengths")),
+                    },
+                    [first, rest @ ..] => {
                         (self.rows_of(value, first)?, self.static_tail(value, rest)?)
                     }
                 };
@@ -511,6 +539,22 @@ impl Lowering<'_> {
                     ids: ids_slot,
                     rows,
                     width,
+                });
+                Ok(out)
+            }
+            Op::Pad { x, value: padding } => {
+                self.leading(value, *x)?;
+                let (x_slot, _, tail, lengths) = self.data(value, *x)?;
+                let Some(lengths) = lengths else {
+                    return Err(unsupported(value, op, format!("{x} must be a ragged batch")));
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Pad {
+                    out: slot_of(&out),
+                    x: x_slot,
+                    lengths,
+                    width: volume(&tail),
+                    value: padding.0,
                 });
                 Ok(out)
             }
@@ -792,7 +836,17 @@ impl Lowering<'_> {
                 },
                 Type::Dense { shape, .. },
             ) => {
-                if shape.len() == out_shape.len() && !shape.is_empty() {
+                if let [_, Dim::Max(_), rest @ ..] = shape.as_slice() {
+                    // Padded grids: rows are `B x max(L)`; only same-shape operands.
+                    if shape != out_shape {
+                        return Err(unsupported(
+                            value,
+                            op,
+                            format!("cannot broadcast {operand_ty} into {ty}"),
+                        ));
+                    }
+                    (RowUse::Full, self.static_tail(operand, rest)?)
+                } else if shape.len() == out_shape.len() && !shape.is_empty() {
                     let row = if shape[0] == out_shape[0] {
                         RowUse::Full
                     } else {

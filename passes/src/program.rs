@@ -29,6 +29,8 @@ pub enum RowBase {
     /// `sum(a[i] * b[i])` of two lengths buffers: the packed rows of a batch with two
     /// ragged dims (images `[C, H_i, W_i]`).
     Volume(Slot, Slot),
+    /// The batch size times the longest length: the rows of a padded `[B, max(L)]` grid.
+    Padded(Slot),
 }
 
 impl Rows {
@@ -269,6 +271,20 @@ pub enum Step {
         /// Index into [`Program::host_graphs`].
         graph: usize,
     },
+    /// The padded grid of a batch with one leading ragged dim: row `(b, t)` of `out`
+    /// (`B x max(L)` rows) is row `offsets[b] + t` of `x` for `t < L_b`, else `value`.
+    Pad {
+        /// Output slot `[B * max(L), width]`.
+        out: Slot,
+        /// Packed rows `[sum L, width]`.
+        x: Slot,
+        /// The lengths of the ragged dim.
+        lengths: Slot,
+        /// Scalars per row.
+        width: i64,
+        /// The padding value.
+        value: f64,
+    },
     /// `out[r] = table[ids[r]]`.
     Gather {
         /// Output slot `[rows, width]`.
@@ -303,6 +319,7 @@ impl Step {
             Step::Segment { x, .. } => vec![*x],
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
             Step::Gather { table, ids, .. } => vec![*table, *ids],
+            Step::Pad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
         }
     }
@@ -316,6 +333,7 @@ impl Step {
             | Step::Segment { out, .. }
             | Step::Attention { out, .. }
             | Step::Host { out, .. }
+            | Step::Pad { out, .. }
             | Step::Gather { out, .. } => *out,
         }
     }
@@ -347,13 +365,24 @@ pub enum Output {
         /// The dims after the first.
         tail: Vec<i64>,
     },
+    /// A padded tensor `[B, max(L), *tail]` of a [`Step::Pad`].
+    Padded {
+        /// The data.
+        slot: Slot,
+        /// The lengths whose longest is the second dim.
+        lengths: Slot,
+        /// The dims after the padded one.
+        tail: Vec<i64>,
+    },
 }
 
 impl Output {
     /// The slot that holds the result.
     pub fn slot(&self) -> Slot {
         match self {
-            Output::Ragged { slot, .. } | Output::Dense { slot, .. } => *slot,
+            Output::Ragged { slot, .. }
+            | Output::Dense { slot, .. }
+            | Output::Padded { slot, .. } => *slot,
         }
     }
 }

@@ -59,6 +59,8 @@ pub enum RunShape {
     Ragged(Vec<RunDim>),
     /// A dense tensor: rows of these trailing dims.
     Dense(Vec<i64>),
+    /// A dense tensor of exactly this shape (a padded grid `[B, max(L), ...]`).
+    Full(Vec<i64>),
 }
 
 /// The values of a result, in the type the program computes in.
@@ -250,6 +252,9 @@ impl Executable {
                 RowBase::Batch(slot) => lengths
                     .get(&slot)
                     .map_or(0, |info| info.lengths.len() as i64),
+                RowBase::Padded(slot) => lengths.get(&slot).map_or(0, |info| {
+                    info.lengths.len() as i64 * info.lengths.iter().copied().max().unwrap_or(0)
+                }),
             };
             base * rows.factor
         };
@@ -381,6 +386,21 @@ impl Executable {
                         ),
                     ),
                     Output::Dense { slot, tail } => (*slot, RunShape::Dense(tail.clone())),
+                    Output::Padded {
+                        slot,
+                        lengths: lengths_slot,
+                        tail,
+                    } => {
+                        let longest = lengths
+                            .get(lengths_slot)
+                            .and_then(|info| info.lengths.iter().copied().max())
+                            .unwrap_or(0);
+                        let batch = lengths
+                            .get(lengths_slot)
+                            .map_or(0, |info| info.lengths.len() as i64);
+                        let dims = [batch, longest].into_iter().chain(tail.iter().copied());
+                        (*slot, RunShape::Full(dims.collect()))
+                    }
                 };
                 let info = program.info(slot);
                 let elements = (count(info.rows) * info.width).max(0) as usize;
@@ -646,6 +666,26 @@ impl Executable {
                 }
                 Ok(())
             }
+            Step::Pad {
+                out,
+                x,
+                lengths: lengths_slot,
+                width,
+                value,
+            } => {
+                let Some(info) = info(*lengths_slot) else {
+                    return Ok(());
+                };
+                let (out, x) = (pointer(*out), pointer(*x));
+                // The executor sized `out` for `B x max(L)` rows and `x` for `sum L` rows.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => pad::<f32>(out, x, &info.lengths, *width, *value),
+                        FloatType::F64 => pad::<f64>(out, x, &info.lengths, *width, *value),
+                    }
+                };
+                Ok(())
+            }
             Step::Gather {
                 out,
                 table,
@@ -747,6 +787,7 @@ fn step_name(step: &Step) -> String {
         Step::Attention { .. } => "attention".into(),
         Step::Gather { .. } => "gather".into(),
         Step::Host { .. } => "host".into(),
+        Step::Pad { .. } => "pad".into(),
     }
 }
 
@@ -868,6 +909,29 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
                 }
             }
         }
+    }
+}
+
+/// Writes the padded grid `[B, max(L), width]` of packed rows `x`.
+///
+/// # Safety
+/// `x` must hold `sum(lengths) * width` values and `out` `B * max(L) * width`.
+unsafe fn pad<T: Scalar>(out: *mut u8, x: *const u8, lengths: &[i64], width: i64, value: f64) {
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let (width, longest) = (width.max(0) as usize, longest.max(0) as usize);
+    if width == 0 || longest == 0 {
+        return;
+    }
+    let out =
+        unsafe { std::slice::from_raw_parts_mut(out as *mut T, lengths.len() * longest * width) };
+    let mut source = x as *const T;
+    for (grid, &length) in out.chunks_mut(longest * width).zip(lengths) {
+        let filled = length.max(0) as usize * width;
+        unsafe {
+            std::ptr::copy_nonoverlapping(source, grid.as_mut_ptr(), filled);
+            source = source.add(filled);
+        }
+        grid[filled..].fill(T::from_f64(value));
     }
 }
 

@@ -23,7 +23,11 @@ pub(crate) fn generate<'ctx>(
 ) -> Gen<bool> {
     let kernel = Kernel::new(context, module, name, precision);
     match step {
-        Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. } | Step::Pad { .. } => {
+        Step::Gemm { .. }
+        | Step::Attention { .. }
+        | Step::Host { .. }
+        | Step::Pad { .. }
+        | Step::Unpad { .. } => {
             // No kernel (the runtime calls a GEMM library): delete the empty function.
             unsafe { kernel.function.delete() };
             return Ok(false);

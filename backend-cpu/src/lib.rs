@@ -166,7 +166,11 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
 pub fn has_kernel(step: &Step) -> bool {
     !matches!(
         step,
-        Step::Gemm { .. } | Step::Attention { .. } | Step::Host { .. } | Step::Pad { .. }
+        Step::Gemm { .. }
+            | Step::Attention { .. }
+            | Step::Host { .. }
+            | Step::Pad { .. }
+            | Step::Unpad { .. }
     )
 }
 

@@ -542,6 +542,23 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::Unpad { x, lengths } => {
+                let (x_slot, rows, tail, _) = self.data(value, *x)?;
+                let (RowBase::Padded(grid), Lowered::Lengths(lengths)) =
+                    (rows.base, self.get(*lengths))
+                else {
+                    return Err(unsupported(value, op, format!("{x} must be a padded grid")));
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Unpad {
+                    out: slot_of(&out),
+                    x: x_slot,
+                    grid,
+                    lengths,
+                    width: volume(&tail),
+                });
+                Ok(out)
+            }
             Op::Pad { x, value: padding } => {
                 self.leading(value, *x)?;
                 let (x_slot, _, tail, lengths) = self.data(value, *x)?;

@@ -285,6 +285,20 @@ pub enum Step {
         /// The padding value.
         value: f64,
     },
+    /// The packed rows of a padded grid: row `offsets[b] + t` of `out` is row
+    /// `b * max(grid lengths) + t` of `x`, for `t < L_b` (the inverse of [`Step::Pad`]).
+    Unpad {
+        /// Output slot `[sum L, width]`.
+        out: Slot,
+        /// The padded grid `[B * max(grid lengths), width]`.
+        x: Slot,
+        /// The lengths the grid was padded for (its row stride is their longest).
+        grid: Slot,
+        /// The lengths of the result.
+        lengths: Slot,
+        /// Scalars per row.
+        width: i64,
+    },
     /// `out[r] = table[ids[r]]`.
     Gather {
         /// Output slot `[rows, width]`.
@@ -319,7 +333,7 @@ impl Step {
             Step::Segment { x, .. } => vec![*x],
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
             Step::Gather { table, ids, .. } => vec![*table, *ids],
-            Step::Pad { x, .. } => vec![*x],
+            Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
         }
     }
@@ -334,6 +348,7 @@ impl Step {
             | Step::Attention { out, .. }
             | Step::Host { out, .. }
             | Step::Pad { out, .. }
+            | Step::Unpad { out, .. }
             | Step::Gather { out, .. } => *out,
         }
     }

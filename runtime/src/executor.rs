@@ -686,6 +686,47 @@ impl Executable {
                 };
                 Ok(())
             }
+            Step::Unpad {
+                out,
+                x,
+                grid,
+                lengths: lengths_slot,
+                width,
+            } => {
+                let (Some(grid), Some(info)) = (info(*grid), info(*lengths_slot)) else {
+                    return Ok(());
+                };
+                let longest = grid.lengths.iter().copied().max().unwrap_or(0);
+                if grid.lengths.len() != info.lengths.len() {
+                    return Err(RuntimeError::BadInput {
+                        input: 0,
+                        reason: format!(
+                            "unpad: a grid of {} elements, lengths of {}",
+                            grid.lengths.len(),
+                            info.lengths.len()
+                        ),
+                    });
+                }
+                if let Some((element, &length)) =
+                    info.lengths.iter().enumerate().find(|(_, &l)| l > longest)
+                {
+                    return Err(RuntimeError::BadInput {
+                        input: 0,
+                        reason: format!(
+                            "unpad: element {element} has length {length}, the grid holds {longest}"
+                        ),
+                    });
+                }
+                let (out, x) = (pointer(*out), pointer(*x));
+                // `x` holds `B x longest` rows, `out` `sum L` rows, each length <= longest.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => unpad::<f32>(out, x, &info.lengths, longest, *width),
+                        FloatType::F64 => unpad::<f64>(out, x, &info.lengths, longest, *width),
+                    }
+                };
+                Ok(())
+            }
             Step::Gather {
                 out,
                 table,
@@ -788,6 +829,7 @@ fn step_name(step: &Step) -> String {
         Step::Gather { .. } => "gather".into(),
         Step::Host { .. } => "host".into(),
         Step::Pad { .. } => "pad".into(),
+        Step::Unpad { .. } => "unpad".into(),
     }
 }
 
@@ -932,6 +974,23 @@ unsafe fn pad<T: Scalar>(out: *mut u8, x: *const u8, lengths: &[i64], width: i64
             source = source.add(filled);
         }
         grid[filled..].fill(T::from_f64(value));
+    }
+}
+
+/// Writes the packed rows of the padded grid `x` (`B x longest` rows of `width`).
+///
+/// # Safety
+/// `x` must hold `B * longest * width` values and `out` `sum(lengths) * width`, with
+/// every length at most `longest`.
+unsafe fn unpad<T: Scalar>(out: *mut u8, x: *const u8, lengths: &[i64], longest: i64, width: i64) {
+    let (width, longest) = (width.max(0) as usize, longest.max(0) as usize);
+    let (mut target, source) = (out as *mut T, x as *const T);
+    for (element, &length) in lengths.iter().enumerate() {
+        let count = length.max(0) as usize * width;
+        unsafe {
+            std::ptr::copy_nonoverlapping(source.add(element * longest * width), target, count);
+            target = target.add(count);
+        }
     }
 }
 

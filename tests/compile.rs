@@ -314,6 +314,35 @@ fn one_compile_serves_a_hundred_batches_and_new_structures_compile_again() {
         2,
         "a new static width compiles again"
     );
+    let relu = compile("relu", |x: &[NestedTensor], _: &[Dense]| x[0].relu());
+    for kind in [Kind::Float, Kind::Double, Kind::Float] {
+        let (x, _) = batch(&[3, 2], &[4], kind, 2);
+        let output = relu
+            .call(&[&x], &[])
+            .unwrap()
+            .remove(0)
+            .into_nested()
+            .unwrap();
+        assert_eq!(output.kind(), kind);
+    }
+    assert_eq!(relu.stats().compiles, 2, "a new dtype compiles again, once");
+}
+
+#[test]
+fn batches_whose_lengths_must_agree_but_do_not_are_typed_errors() {
+    let compiled = compile("sum", |x: &[NestedTensor], _: &[Dense]| &x[0] + &x[1]);
+    let (a, _) = batch(&[3, 2], &[4], Kind::Float, 1);
+    let (b, _) = batch(&[3, 2], &[4], Kind::Float, 2);
+    compiled.call(&[&a, &b], &[]).unwrap();
+    let (other, _) = batch(&[3, 1], &[4], Kind::Float, 3);
+    let (wider_batch, _) = batch(&[3, 2, 1], &[4], Kind::Float, 4);
+    for (what, y) in [("lengths", &other), ("batch size", &wider_batch)] {
+        match compiled.call(&[&a, y], &[]) {
+            Err(error) => assert!(!error.to_string().is_empty(), "{what}"),
+            Ok(_) => panic!("{what}: adding batches of different {what} must fail"),
+        }
+    }
+    assert!(compiled.call(&[&a, &b], &[]).is_ok(), "still works");
 }
 
 #[test]

@@ -13,7 +13,8 @@ use nestor_runtime::{
 use tch::{Kind, Tensor};
 
 use crate::trace::{
-    check_inputs, interpret, normalized_input, trace, Dense, TraceOutputs, Traced, Value,
+    check_inputs, interpret, normalized_input, shared_lengths, trace, Dense, SharedLengths,
+    TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
 
@@ -23,6 +24,11 @@ use crate::{kind_of, NestedError, NestedTensor, Result};
 struct StructureKey {
     nested: Vec<(Vec<usize>, Vec<i64>, usize, Kind)>,
     dense: Vec<(Vec<i64>, Kind)>,
+    /// Which ragged dims have equal lengths (traced as one lengths input).
+    shared: SharedLengths,
+    /// For every batch (nested, then dense), the first with the same batch size (traced
+    /// as one batch-size symbol).
+    batch_sizes: Vec<usize>,
 }
 
 impl StructureKey {
@@ -48,6 +54,22 @@ impl StructureKey {
                 .iter()
                 .map(|tensor| (tensor.size().split_off(1.min(tensor.dim())), tensor.kind()))
                 .collect(),
+            shared: shared_lengths(&normalized.iter().collect::<Vec<_>>()),
+            batch_sizes: {
+                let sizes: Vec<i64> = normalized
+                    .iter()
+                    .map(|batch| batch.batch_size() as i64)
+                    .chain(
+                        dense
+                            .iter()
+                            .map(|tensor| tensor.size().first().copied().unwrap_or(1)),
+                    )
+                    .collect();
+                sizes
+                    .iter()
+                    .map(|size| sizes.iter().position(|known| known == size).unwrap_or(0))
+                    .collect()
+            },
         })
     }
 }

@@ -31,6 +31,49 @@ pub struct Traced {
     graph: Graph,
     sources: Vec<(ValueId, Source)>,
     params: Vec<(ValueId, Tensor)>,
+    /// Which ragged dims share a lengths input (see [`shared_lengths`]).
+    shared: SharedLengths,
+}
+
+/// For every batch, for each of its dims, the earlier `(batch, dim)` whose lengths it
+/// equals (ragged dims only). Traced graphs give such dims one lengths input, so ops
+/// may combine the batches (`x + y`); calls must then give equal lengths there.
+pub(crate) type SharedLengths = Vec<Vec<Option<(usize, usize)>>>;
+
+/// The [`SharedLengths`] of (normalized) batches.
+pub(crate) fn shared_lengths(nested: &[&NestedTensor]) -> SharedLengths {
+    let lengths_of = |batch: &NestedTensor, dim: usize| -> Vec<i64> {
+        batch
+            .lay()
+            .element_sizes()
+            .iter()
+            .map(|sizes| sizes[dim])
+            .collect()
+    };
+    let mut seen: Vec<((usize, usize), Vec<i64>)> = Vec::new();
+    nested
+        .iter()
+        .enumerate()
+        .map(|(index, batch)| {
+            let layout = batch.lay();
+            (0..layout.rank())
+                .map(|dim| {
+                    if !layout.is_ragged(dim) {
+                        return None;
+                    }
+                    let lengths = lengths_of(batch, dim);
+                    let earlier = seen
+                        .iter()
+                        .find(|(_, known)| *known == lengths)
+                        .map(|(at, _)| *at);
+                    if earlier.is_none() {
+                        seen.push(((index, dim), lengths));
+                    }
+                    earlier
+                })
+                .collect()
+        })
+        .collect()
 }
 
 // A `Traced` only hands out shallow clones of its parameter tensors (libtorch counts
@@ -89,6 +132,11 @@ impl<A: TraceOutputs, B: TraceOutputs> TraceOutputs for (A, B) {
 /// `shape()`, `to_list()`, `values()`, `Dense::tensor()`...) fails the trace with an
 /// error naming the call, and so does an operator with no IR form.
 ///
+/// Ragged dims whose lengths are equal in the examples share one lengths input, so
+/// that ops may combine those batches (`x + y`); running the graph then requires equal
+/// lengths there (a typed error otherwise). `compile` keys its programs by this
+/// sharing, so it traces again when lengths that were equal differ.
+///
 /// With `NESTOR_DUMP=<dir>` set, the graph is written to `<dir>/<name>.00-traced.nir`
 /// and `.dot`.
 ///
@@ -124,10 +172,23 @@ pub fn trace<O: TraceOutputs>(
     let tracer = Arc::new(Mutex::new(Tracer::new(name, names)));
     let mut sources = Vec::new();
     let batch_symbol = BatchSymbols::default();
-    let traced_nested = nested
+    let normalized = nested
+        .iter()
+        .map(|batch| normalized_input(batch))
+        .collect::<Result<Vec<_>>>()?;
+    let shared = shared_lengths(&normalized.iter().collect::<Vec<_>>());
+    let mut lengths_inputs = HashMap::new();
+    let traced_nested = normalized
         .iter()
         .enumerate()
-        .map(|(index, input)| trace_input(&tracer, &batch_symbol, index, input, &mut sources))
+        .map(|(index, input)| {
+            let context = InputContext {
+                tracer: &tracer,
+                batch_symbols: &batch_symbol,
+                shared: &shared[index],
+            };
+            trace_input(&context, index, input, &mut lengths_inputs, &mut sources)
+        })
         .collect::<Result<Vec<_>>>()?;
     let traced_dense = dense
         .iter()
@@ -205,6 +266,7 @@ pub fn trace<O: TraceOutputs>(
         graph,
         sources,
         params: std::mem::take(&mut state.params),
+        shared,
     };
     if let Some(dir) = std::env::var_os("NESTOR_DUMP") {
         traced.dump(Path::new(&dir), "00-traced")?;
@@ -244,16 +306,29 @@ fn add_input(tracer: &Arc<Mutex<Tracer>>, name: String, ty: Type) -> Result<Valu
         .map_err(|error| trace_error("trace", error.to_string()))
 }
 
-/// A graph input for nested input `index`: one lengths input per ragged dim, then the
-/// batch, typed by its static sizes and those lengths.
+/// What every traced input needs: the tracer, the batch-size symbols, and which of
+/// this batch's dims share an earlier batch's lengths.
+struct InputContext<'a> {
+    tracer: &'a Arc<Mutex<Tracer>>,
+    batch_symbols: &'a BatchSymbols,
+    shared: &'a [Option<(usize, usize)>],
+}
+
+/// A graph input for (normalized) nested input `index`: one lengths input per ragged
+/// dim (unless an earlier batch has the same lengths: then its input is reused), then
+/// the batch, typed by its static sizes and those lengths.
 fn trace_input(
-    tracer: &Arc<Mutex<Tracer>>,
-    batch_symbols: &BatchSymbols,
+    context: &InputContext<'_>,
     index: usize,
     input: &NestedTensor,
+    lengths_inputs: &mut HashMap<(usize, usize), ValueId>,
     sources: &mut Vec<(ValueId, Source)>,
 ) -> Result<NestedTensor> {
-    let input = &normalized_input(input)?;
+    let InputContext {
+        tracer,
+        batch_symbols,
+        shared,
+    } = context;
     let layout = input.lay();
     let dtype = dtype_of(input.kind()).ok_or(NestedError::UnsupportedKind {
         element: 0,
@@ -264,14 +339,26 @@ fn trace_input(
     let mut statics = layout.static_dims().iter().zip(layout.static_sizes());
     for dim in 0..layout.rank() {
         if layout.is_ragged(dim) {
-            let lengths = add_input(
-                tracer,
-                format!("x{index}.lengths{dim}"),
-                Type::Lengths {
-                    batch: batch.clone(),
-                },
-            )?;
-            sources.push((lengths, Source::Lengths(index, dim)));
+            let earlier = shared
+                .get(dim)
+                .copied()
+                .flatten()
+                .and_then(|at| lengths_inputs.get(&at).copied());
+            let lengths = match earlier {
+                Some(lengths) => lengths,
+                None => {
+                    let lengths = add_input(
+                        tracer,
+                        format!("x{index}.lengths{dim}"),
+                        Type::Lengths {
+                            batch: batch.clone(),
+                        },
+                    )?;
+                    sources.push((lengths, Source::Lengths(index, dim)));
+                    lengths
+                }
+            };
+            lengths_inputs.insert((index, dim), lengths);
             dims.push(ElemDim::Ragged(lengths));
         } else {
             let size = statics.next().map_or(0, |(_, &size)| size);
@@ -363,6 +450,7 @@ impl Traced {
             .map(|batch| normalized_input(batch))
             .collect::<Result<Vec<_>>>()?;
         let normalized: Vec<&NestedTensor> = normalized.iter().collect();
+        self.check_shared_lengths(&normalized)?;
         // Sources are in the order of the graph's inputs, which passes keep.
         let mut inputs = Vec::with_capacity(self.sources.len());
         for (_, source) in &self.sources {
@@ -407,6 +495,38 @@ impl Traced {
             ));
         }
         Ok(inputs)
+    }
+}
+
+impl Traced {
+    /// Dims traced with one shared lengths input must have equal lengths again.
+    fn check_shared_lengths(&self, nested: &[&NestedTensor]) -> Result<()> {
+        let lengths_of = |index: usize, dim: usize| -> Option<Vec<i64>> {
+            let layout = nested.get(index)?.lay();
+            (dim < layout.rank()).then(|| {
+                layout
+                    .element_sizes()
+                    .iter()
+                    .map(|sizes| sizes[dim])
+                    .collect()
+            })
+        };
+        for (index, dims) in self.shared.iter().enumerate() {
+            for (dim, earlier) in dims.iter().enumerate() {
+                let Some((first, first_dim)) = *earlier else {
+                    continue;
+                };
+                if lengths_of(index, dim) != lengths_of(first, first_dim) {
+                    return Err(NestedError::InputMismatch {
+                        input: format!("x{index}"),
+                        reason: format!(
+                            "the lengths of dim {dim} differ from those of x{first} dim {first_dim}, which the graph shares (traced with equal lengths)"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,7 @@ mod dense;
 mod interpret;
 mod record;
 
-pub(crate) use api::normalized_input;
+pub(crate) use api::{normalized_input, shared_lengths, SharedLengths};
 pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;
 pub use interpret::{check_inputs, interpret, Value};

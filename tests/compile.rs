@@ -475,9 +475,9 @@ fn batches_of_equal_lengths_reuse_the_ragged_program() {
     assert_eq!(compiled.stats().compiles, 1);
 }
 
-#[test]
-fn f64_models_compute_in_f64() {
-    tch::manual_seed(5);
+/// A 2-layer encoder (d_model 32, 4 heads, no dropout) with parameters of `kind`.
+fn small_encoder(seed: i64, kind: Kind) -> (nn::VarStore, TransformerConfig, TransformerEncoder) {
+    tch::manual_seed(seed);
     let mut store = nn::VarStore::new(Device::Cpu);
     let config = TransformerConfig {
         d_model: 32,
@@ -487,7 +487,13 @@ fn f64_models_compute_in_f64() {
         ..Default::default()
     };
     let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
-    store.set_kind(Kind::Double);
+    store.set_kind(kind);
+    (store, config, encoder)
+}
+
+#[test]
+fn f64_models_compute_in_f64() {
+    let (_store, _, encoder) = small_encoder(5, Kind::Double);
     let compiled = compile("double", |x: &[NestedTensor], _: &[Dense]| {
         encoder.forward(&x[0], false)
     });
@@ -504,17 +510,7 @@ fn f64_models_compute_in_f64() {
 #[test]
 fn bf16_and_f16_models_compile_with_f32_compute() {
     for kind in [Kind::BFloat16, Kind::Half] {
-        tch::manual_seed(4);
-        let mut store = nn::VarStore::new(Device::Cpu);
-        let config = TransformerConfig {
-            d_model: 32,
-            nhead: 4,
-            dim_feedforward: 64,
-            dropout: 0.0,
-            ..Default::default()
-        };
-        let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
-        store.set_kind(kind);
+        let (store, config, encoder) = small_encoder(4, kind);
         let compiled = compile("low_precision", |x: &[NestedTensor], _: &[Dense]| {
             encoder.forward(&x[0], false)
         });

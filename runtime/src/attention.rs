@@ -17,6 +17,8 @@ pub(crate) struct Attention<'a> {
     pub value_dim: i64,
     pub causal: bool,
     pub scale: f64,
+    /// Spread the (element, head) tasks over rayon's pool.
+    pub parallel: bool,
 }
 
 /// Pointers shared by the parallel tasks; each task writes its own rows and head
@@ -53,7 +55,7 @@ impl Attention<'_> {
         let tasks: Vec<(usize, i64)> = (0..elements)
             .flat_map(|e| (0..self.heads).map(move |h| (e, h)))
             .collect();
-        tasks.into_par_iter().for_each(|(element, head)| {
+        let task = |(element, head): (usize, i64)| {
             let (q_first, q_rows) = (
                 q_offsets[element],
                 q_offsets[element + 1] - q_offsets[element],
@@ -64,7 +66,12 @@ impl Attention<'_> {
             );
             // The task's rows and columns are in range of buffers the executor sized.
             unsafe { self.element(buffers, head, q_first, q_rows, k_first, k_rows) };
-        });
+        };
+        if self.parallel {
+            tasks.into_par_iter().for_each(task);
+        } else {
+            tasks.into_iter().for_each(task);
+        }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -596,6 +596,7 @@ impl Executable {
                     value_dim: *value_dim,
                     causal: *causal,
                     scale: *scale,
+                    parallel: worker_threads() > 1,
                 };
                 let buffers = (
                     pointer(*out),

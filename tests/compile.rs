@@ -337,9 +337,12 @@ fn batches_whose_lengths_must_agree_but_do_not_are_typed_errors() {
     let (other, _) = batch(&[3, 1], &[4], Kind::Float, 3);
     let (wider_batch, _) = batch(&[3, 2, 1], &[4], Kind::Float, 4);
     for (what, y) in [("lengths", &other), ("batch size", &wider_batch)] {
+        // Other lengths are another structure: the model is traced again, and the add
+        // of two batches of different structures is an error naming it.
         match compiled.call(&[&a, y], &[]) {
-            Err(error) => assert!(!error.to_string().is_empty(), "{what}"),
-            Ok(_) => panic!("{what}: adding batches of different {what} must fail"),
+            Err(NestedError::StructureMismatch { op: "add", .. })
+            | Err(NestedError::Trace { op: "add", .. }) => {}
+            other => panic!("{what}: adding batches of different {what}: {other:?}"),
         }
     }
     assert!(compiled.call(&[&a, &b], &[]).is_ok(), "still works");

@@ -321,32 +321,31 @@ fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
     })
 }
 
+/// The sizes of the static dims among `dims`, in order.
+fn static_sizes(dims: &[RunDim]) -> Vec<i64> {
+    dims.iter()
+        .filter_map(|dim| match dim {
+            RunDim::Static(size) => Some(*size),
+            RunDim::Ragged(_) => None,
+        })
+        .collect()
+}
+
 fn output_value(output: RunOutput) -> Result<Value> {
-    let static_tail: Vec<i64> = match &output.shape {
-        RunShape::Dense(tail) => tail.clone(),
-        RunShape::Full(dims) => dims.iter().skip(1).copied().collect(),
-        RunShape::Ragged(dims) => dims
-            .iter()
-            .filter_map(|dim| {
-                if let RunDim::Static(size) = dim {
-                    Some(*size)
-                } else {
-                    None
-                }
-            })
-            .collect(),
+    // Rows of `tail`: as many as the values fill.
+    let rows_of = |tail: Vec<i64>| -> Vec<i64> {
+        let width: i64 = tail.iter().product();
+        let rows = if width == 0 {
+            0
+        } else {
+            output.data.len() as i64 / width
+        };
+        std::iter::once(rows).chain(tail).collect()
     };
-    let width: i64 = static_tail.iter().product();
-    let rows = if width == 0 {
-        0
-    } else {
-        output.data.len() as i64 / width
-    };
-    let shape: Vec<i64> = match &output.shape {
+    let shape = match &output.shape {
         RunShape::Full(dims) => dims.clone(),
-        _ => std::iter::once(rows)
-            .chain(static_tail.iter().copied())
-            .collect(),
+        RunShape::Dense(tail) => rows_of(tail.clone()),
+        RunShape::Ragged(dims) => rows_of(static_sizes(dims)),
     };
     let mut values = match &output.data {
         RunData::F32(data) => Tensor::f_from_slice(data)?,
@@ -462,17 +461,7 @@ fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec
                         }),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let static_tail: Vec<i64> = run_dims
-                    .iter()
-                    .filter_map(|dim| {
-                        if let RunDim::Static(size) = dim {
-                            Some(*size)
-                        } else {
-                            None
-                        }
-                    })
-                    .collect();
-                let shape: Vec<i64> = std::iter::once(-1).chain(static_tail).collect();
+                let shape: Vec<i64> = std::iter::once(-1).chain(static_sizes(&run_dims)).collect();
                 let tensor = if data.is_empty() {
                     Tensor::f_zeros([0], (Kind::Float, tch::Device::Cpu))?
                 } else {

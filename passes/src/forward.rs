@@ -7,18 +7,17 @@ use crate::program::{Access, Expr, Program, RowBase, Source, Step};
 /// Drops the copies whose readers all take accesses, rewriting those accesses to read
 /// the copied view in place. The program computes the same values with fewer steps.
 pub(crate) fn forward_copies(program: &mut Program) {
+    // Dropping a copy can make an earlier one forwardable (its readers change), so the
+    // search starts over; programs have tens to hundreds of steps.
     while let Some(index) = (0..program.steps.len()).find(|&index| forwardable(program, index)) {
-        let Step::Pointwise {
-            out, inputs, width, ..
-        } = &program.steps[index]
-        else {
+        let Step::Pointwise { out, inputs, .. } = &program.steps[index] else {
             return;
         };
-        let (copy, view, width) = (*out, inputs[0], *width);
+        let (copy, view) = (*out, inputs[0]);
         for step in &mut program.steps {
             for access in accesses_mut(step) {
                 if access.slot == copy {
-                    *access = compose(&view, access, width);
+                    *access = compose(&view, access);
                 }
             }
         }
@@ -26,10 +25,9 @@ pub(crate) fn forward_copies(program: &mut Program) {
     }
 }
 
-/// `reader` reads the rows of a copy of `view` (`width` columns each) in place: the
-/// same rows and columns of `view`'s buffer.
-fn compose(view: &Access, reader: &Access, width: i64) -> Access {
-    debug_assert_eq!(reader.row_stride, width);
+/// `reader` reads whole rows of a copy of `view` (checked by [`forwardable`]); it reads
+/// the same rows and columns of `view`'s buffer in place.
+fn compose(view: &Access, reader: &Access) -> Access {
     Access {
         slot: view.slot,
         row_stride: view.row_stride,

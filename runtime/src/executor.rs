@@ -22,6 +22,15 @@ pub enum RuntimeError {
     /// A host step (a per-element region run through libtorch) failed.
     #[error("host step: {0}")]
     Host(String),
+    /// A step cannot run on what it was given (inputs that must agree do not, or a
+    /// program the runtime cannot execute).
+    #[error("step {step}: {reason}")]
+    Step {
+        /// Which step of the program.
+        step: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// An input does not fit the program.
     #[error("input {input}: {reason}")]
     BadInput {
@@ -135,6 +144,8 @@ unsafe impl Sync for Args<'_> {}
 struct LengthsInfo {
     lengths: Vec<i64>,
     offsets: Vec<i64>,
+    /// The longest length (0 for an empty batch): the row stride of a padded grid.
+    longest: i64,
     /// For every packed row, the element that owns it (built on first use).
     owners: std::cell::OnceCell<Vec<i64>>,
 }
@@ -147,6 +158,7 @@ impl LengthsInfo {
             offsets.push(offsets.last().copied().unwrap_or(0) + length);
         }
         Self {
+            longest: lengths.iter().copied().max().unwrap_or(0),
             lengths,
             offsets,
             owners: Default::default(),
@@ -252,9 +264,9 @@ impl Executable {
                 RowBase::Batch(slot) => lengths
                     .get(&slot)
                     .map_or(0, |info| info.lengths.len() as i64),
-                RowBase::Padded(slot) => lengths.get(&slot).map_or(0, |info| {
-                    info.lengths.len() as i64 * info.lengths.iter().copied().max().unwrap_or(0)
-                }),
+                RowBase::Padded(slot) => lengths
+                    .get(&slot)
+                    .map_or(0, |info| info.lengths.len() as i64 * info.longest),
             };
             base * rows.factor
         };
@@ -391,13 +403,9 @@ impl Executable {
                         lengths: lengths_slot,
                         tail,
                     } => {
-                        let longest = lengths
+                        let (batch, longest) = lengths
                             .get(lengths_slot)
-                            .and_then(|info| info.lengths.iter().copied().max())
-                            .unwrap_or(0);
-                        let batch = lengths
-                            .get(lengths_slot)
-                            .map_or(0, |info| info.lengths.len() as i64);
+                            .map_or((0, 0), |info| (info.lengths.len() as i64, info.longest));
                         let dims = [batch, longest].into_iter().chain(tail.iter().copied());
                         (*slot, RunShape::Full(dims.collect()))
                     }
@@ -568,8 +576,8 @@ impl Executable {
                 let batch = info(*q_lengths).map_or(0, |info| info.lengths.len() as i64);
                 let key_batch = info(*k_lengths).map_or(0, |info| info.lengths.len() as i64);
                 if batch != key_batch {
-                    return Err(RuntimeError::BadInput {
-                        input: 0,
+                    return Err(RuntimeError::Step {
+                        step: index,
                         reason: format!("{batch} query elements but {key_batch} key elements"),
                     });
                 }
@@ -681,8 +689,8 @@ impl Executable {
                 // The executor sized `out` for `B x max(L)` rows and `x` for `sum L` rows.
                 unsafe {
                     match self.program.float {
-                        FloatType::F32 => pad::<f32>(out, x, &info.lengths, *width, *value),
-                        FloatType::F64 => pad::<f64>(out, x, &info.lengths, *width, *value),
+                        FloatType::F32 => pad::<f32>(out, x, info, *width, *value),
+                        FloatType::F64 => pad::<f64>(out, x, info, *width, *value),
                     }
                 };
                 Ok(())
@@ -697,10 +705,10 @@ impl Executable {
                 let (Some(grid), Some(info)) = (info(*grid), info(*lengths_slot)) else {
                     return Ok(());
                 };
-                let longest = grid.lengths.iter().copied().max().unwrap_or(0);
+                let longest = grid.longest;
                 if grid.lengths.len() != info.lengths.len() {
-                    return Err(RuntimeError::BadInput {
-                        input: 0,
+                    return Err(RuntimeError::Step {
+                        step: index,
                         reason: format!(
                             "unpad: a grid of {} elements, lengths of {}",
                             grid.lengths.len(),
@@ -711,8 +719,8 @@ impl Executable {
                 if let Some((element, &length)) =
                     info.lengths.iter().enumerate().find(|(_, &l)| l > longest)
                 {
-                    return Err(RuntimeError::BadInput {
-                        input: 0,
+                    return Err(RuntimeError::Step {
+                        step: index,
                         reason: format!(
                             "unpad: element {element} has length {length}, the grid holds {longest}"
                         ),
@@ -739,8 +747,8 @@ impl Executable {
                 let input = match self.program.info(*ids).source {
                     Source::Input(input) => input,
                     _ => {
-                        return Err(RuntimeError::BadInput {
-                            input: 0,
+                        return Err(RuntimeError::Step {
+                            step: index,
                             reason: "embedding ids must be an input".into(),
                         })
                     }
@@ -959,9 +967,9 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
 ///
 /// # Safety
 /// `x` must hold `sum(lengths) * width` values and `out` `B * max(L) * width`.
-unsafe fn pad<T: Scalar>(out: *mut u8, x: *const u8, lengths: &[i64], width: i64, value: f64) {
-    let longest = lengths.iter().copied().max().unwrap_or(0);
-    let (width, longest) = (width.max(0) as usize, longest.max(0) as usize);
+unsafe fn pad<T: Scalar>(out: *mut u8, x: *const u8, info: &LengthsInfo, width: i64, value: f64) {
+    let lengths = &info.lengths;
+    let (width, longest) = (width.max(0) as usize, info.longest.max(0) as usize);
     if width == 0 || longest == 0 {
         return;
     }

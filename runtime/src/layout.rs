@@ -410,6 +410,12 @@ impl RaggedLayout {
         &self.element_sizes
     }
 
+    /// The size of `dim` in every element (the lengths of a ragged dim); `None` past
+    /// the rank.
+    pub fn dim_sizes(&self, dim: usize) -> Option<Vec<i64>> {
+        (dim < self.rank).then(|| self.element_sizes.iter().map(|sizes| sizes[dim]).collect())
+    }
+
     /// The dims (of an element) whose size varies, in increasing order.
     pub fn ragged_dims(&self) -> &[usize] {
         &self.ragged_dims

@@ -42,14 +42,6 @@ pub(crate) type SharedLengths = Vec<Vec<Option<(usize, usize)>>>;
 
 /// The [`SharedLengths`] of (normalized) batches.
 pub(crate) fn shared_lengths(nested: &[&NestedTensor]) -> SharedLengths {
-    let lengths_of = |batch: &NestedTensor, dim: usize| -> Vec<i64> {
-        batch
-            .lay()
-            .element_sizes()
-            .iter()
-            .map(|sizes| sizes[dim])
-            .collect()
-    };
     let mut seen: Vec<((usize, usize), Vec<i64>)> = Vec::new();
     nested
         .iter()
@@ -58,10 +50,7 @@ pub(crate) fn shared_lengths(nested: &[&NestedTensor]) -> SharedLengths {
             let layout = batch.lay();
             (0..layout.rank())
                 .map(|dim| {
-                    if !layout.is_ragged(dim) {
-                        return None;
-                    }
-                    let lengths = lengths_of(batch, dim);
+                    let lengths = layout.dim_sizes(dim).filter(|_| layout.is_ragged(dim))?;
                     let earlier = seen
                         .iter()
                         .find(|(_, known)| *known == lengths)
@@ -459,21 +448,13 @@ impl Traced {
                     Value::Nested(input_at(&normalized, *index)?.shallow_clone())
                 }
                 Source::Lengths(index, dim) => {
-                    let batch = input_at(&normalized, *index)?;
-                    let layout = batch.lay();
-                    if *dim >= layout.rank() {
-                        return Err(NestedError::InputMismatch {
+                    let layout = input_at(&normalized, *index)?.lay();
+                    Value::Lengths(layout.dim_sizes(*dim).ok_or_else(|| {
+                        NestedError::InputMismatch {
                             input: format!("x{index}"),
                             reason: format!("elements of rank {} have no dim {dim}", layout.rank()),
-                        });
-                    }
-                    Value::Lengths(
-                        layout
-                            .element_sizes()
-                            .iter()
-                            .map(|sizes| sizes[*dim])
-                            .collect(),
-                    )
+                        }
+                    })?)
                 }
                 Source::Dense(index) => Value::Dense(
                     dense
@@ -501,15 +482,10 @@ impl Traced {
 impl Traced {
     /// Dims traced with one shared lengths input must have equal lengths again.
     fn check_shared_lengths(&self, nested: &[&NestedTensor]) -> Result<()> {
-        let lengths_of = |index: usize, dim: usize| -> Option<Vec<i64>> {
-            let layout = nested.get(index)?.lay();
-            (dim < layout.rank()).then(|| {
-                layout
-                    .element_sizes()
-                    .iter()
-                    .map(|sizes| sizes[dim])
-                    .collect()
-            })
+        let lengths_of = |index: usize, dim: usize| {
+            nested
+                .get(index)
+                .and_then(|batch| batch.lay().dim_sizes(dim))
         };
         for (index, dims) in self.shared.iter().enumerate() {
             for (dim, earlier) in dims.iter().enumerate() {

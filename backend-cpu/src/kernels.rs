@@ -1,15 +1,15 @@
 //! One LLVM function per kernel step. The buffers each kernel takes, in `args` order:
 //!
 //! - pointwise: `out, inputs..., row-to-element maps (i64) of per-element inputs...`;
-//!   range = rows;
-//! - row: `out, x, weight or null, bias or null`; range = rows;
+//!   range = rows; a GEMM's epilogue is a pointwise kernel over its output rows;
+//! - row: `out, prologue inputs..., weight or null, bias or null`; range = rows;
 //! - segment: `out, x, offsets (i64, B + 1)`; range = elements;
 //! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows.
 
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
-use nestor_passes::{Access, RowKind, SegmentKind, Step};
+use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step};
 
 use crate::codegen::{Gen, Kernel};
 
@@ -23,6 +23,11 @@ pub(crate) fn generate<'ctx>(
 ) -> Gen<bool> {
     let kernel = Kernel::new(context, module, name, precision);
     match step {
+        Step::Gemm {
+            epilogue: Some(epilogue),
+            n,
+            ..
+        } => pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?,
         Step::Gemm { .. }
         | Step::Attention { .. }
         | Step::Host { .. }
@@ -40,6 +45,7 @@ pub(crate) fn generate<'ctx>(
         } => pointwise(&kernel, *width, inputs, expr)?,
         Step::Row {
             kind,
+            x,
             width,
             eps,
             weight,
@@ -48,6 +54,7 @@ pub(crate) fn generate<'ctx>(
         } => row(
             &kernel,
             *kind,
+            x,
             *width,
             *eps,
             weight.is_some(),
@@ -158,27 +165,44 @@ fn row_extreme<'ctx>(
     kernel.get(acc)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn row<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     kind: RowKind,
+    x: &Fusion,
     width: i64,
     eps: f64,
     has_weight: bool,
     has_bias: bool,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, x) = (kernel.arg(0)?, kernel.arg(1)?);
+    let out = kernel.arg(0)?;
+    let inputs = (0..x.inputs.len())
+        .map(|i| kernel.arg(1 + i as u64))
+        .collect::<Gen<Vec<_>>>()?;
+    let after = 1 + x.inputs.len() as u64;
     let weight = if has_weight {
-        Some(kernel.arg(2)?)
+        Some(kernel.arg(after)?)
     } else {
         None
     };
-    let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
+    let bias = if has_bias {
+        Some(kernel.arg(after + 1)?)
+    } else {
+        None
+    };
     let n = kernel.constant(width as f64);
     kernel.for_range(start, end, |row| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
-        let load = |column| kernel.load_float(x, at(column)?);
+        // The input at a column: the prologue's expression over its loads (a plain
+        // buffer is one load), recomputed by each pass over the row.
+        let load = |column| {
+            kernel.expr(&x.expr, &|input: usize| {
+                let at = index(kernel, &x.inputs[input], row, column)?;
+                kernel.load_float(inputs[input], at)
+            })
+        };
         let affine = |value: FloatValue<'ctx>, column| -> Gen<FloatValue<'ctx>> {
             let scaled = match weight {
                 Some(weight) => kernel.fmul(value, kernel.load_float(weight, column)?)?,

@@ -162,11 +162,11 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
 }
 
 /// Whether a step runs as a JIT kernel (GEMMs, and attention built on GEMMs, call a
-/// library from the runtime).
+/// library from the runtime; a GEMM's epilogue is a kernel).
 pub fn has_kernel(step: &Step) -> bool {
     !matches!(
         step,
-        Step::Gemm { .. }
+        Step::Gemm { epilogue: None, .. }
             | Step::Attention { .. }
             | Step::Host { .. }
             | Step::Pad { .. }

@@ -90,6 +90,7 @@ pub struct Compiled<F> {
     model: Mutex<F>,
     store: Option<tch::nn::VarStore>,
     lower_options: LowerOptions,
+    optimize: bool,
     cache: Mutex<HashMap<StructureKey, Arc<Entry>>>,
     stats: Stats,
 }
@@ -126,6 +127,7 @@ where
         model: Mutex::new(model),
         store: None,
         lower_options: LowerOptions::default(),
+        optimize: true,
         cache: Mutex::new(HashMap::new()),
         stats: Stats::default(),
     }
@@ -141,6 +143,15 @@ where
     /// compile them. Off by default: those regions run element by element.
     pub fn per_element_fallback(mut self, enabled: bool) -> Self {
         self.lower_options.host_per_element = enabled;
+        self
+    }
+
+    /// Turns the optimizer off (or on again): without it the traced graph is lowered op
+    /// by op after DCE and CSE, with no e-graph rewrites and no kernel fusion. On by
+    /// default; off is the baseline the optimizer is measured against.
+    pub fn optimized(mut self, enabled: bool) -> Self {
+        self.optimize = enabled;
+        self.lower_options.fuse_kernels = enabled;
         self
     }
 
@@ -240,7 +251,11 @@ where
             |inputs, dense| (*model)(inputs, dense),
         )?;
         let dump = std::env::var_os("NESTOR_DUMP");
-        let mut pipeline = Pipeline::default();
+        let mut pipeline = if self.optimize {
+            Pipeline::default()
+        } else {
+            Pipeline::unoptimized()
+        };
         if let Some(dir) = &dump {
             pipeline = pipeline.dump_to(dir);
         }

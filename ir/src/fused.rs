@@ -6,7 +6,7 @@ use std::fmt;
 use crate::{BinaryOp, DType, UnaryOp, F64};
 
 /// An elementwise expression over the inputs of a `fused` op.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FusedExpr {
     /// Input number `n` of the op.
     Input(usize),

@@ -25,7 +25,7 @@ impl fmt::Display for ValueId {
 }
 
 /// One op and the type of its result.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Node {
     /// The operation.
     pub op: Op,
@@ -48,7 +48,7 @@ pub struct VerifyError {
 
 /// A graph of SSA values. Inputs and parameters are ops too (`input`, `param`); a
 /// value may only read values defined before it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Graph {
     /// The graph's name.
     pub name: String,

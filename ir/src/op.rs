@@ -15,6 +15,17 @@ impl PartialEq for F64 {
     }
 }
 impl Eq for F64 {}
+impl PartialOrd for F64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for F64 {
+    /// IEEE total order: equal exactly when the bits are, as `Eq` says.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
 impl Hash for F64 {
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.0.to_bits().hash(state);
@@ -22,7 +33,7 @@ impl Hash for F64 {
 }
 
 /// Elementwise functions of one argument.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum UnaryOp {
     /// `-x`
     Neg,
@@ -61,7 +72,7 @@ pub enum UnaryOp {
 }
 
 /// Elementwise functions of two arguments.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BinaryOp {
     /// `a + b`
     Add,
@@ -113,7 +124,7 @@ impl BinaryOp {
 }
 
 /// Reductions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ReduceOp {
     /// sum
     Sum,
@@ -136,7 +147,7 @@ pub enum ReduceOp {
 }
 
 /// How a loss reduces over real positions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum LossReduction {
     /// mean
     Mean,
@@ -147,7 +158,7 @@ pub enum LossReduction {
 }
 
 /// Pooling kinds for per-element bodies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolKind {
     /// max pooling
     Max,
@@ -156,7 +167,7 @@ pub enum PoolKind {
 }
 
 /// One IR operation. Every op produces exactly one value.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
     /// A data input of the graph (a batch, its lengths, a dense tensor).
     Input {
@@ -630,6 +641,18 @@ impl Op {
             Op::RepeatBatch { x, lengths, .. } => [vec![*x], lengths.clone()].concat(),
             Op::PerElement { inputs, .. } | Op::Fused { inputs, .. } => inputs.clone(),
         }
+    }
+
+    /// The same op reading `operands` (in the order of [`Op::operands`]), or `None` when
+    /// their number differs from the op's.
+    pub fn with_operands(&self, operands: &[ValueId]) -> Option<Op> {
+        if operands.len() != self.operands().len() {
+            return None;
+        }
+        let mut next = operands.iter().copied();
+        // The count was checked above, and `map_operands` visits the operands in the
+        // order `operands` lists them, so `next` never runs dry.
+        Some(self.map_operands(|old| next.next().unwrap_or(old)))
     }
 
     /// The same op reading other values: `f` maps every operand.

@@ -8,6 +8,8 @@
 //!   return %2
 //! }
 //! ```
+//!
+//! `//` starts a comment that runs to the end of the line (dumps put pass reports there).
 
 use std::fmt::Write;
 
@@ -108,6 +110,11 @@ fn tokenize(text: &str) -> Result<Vec<Token>, ParseError> {
             index += 1;
         } else if c.is_whitespace() {
             index += 1;
+        } else if c == '/' && chars.get(index + 1) == Some(&'/') {
+            // A comment runs to the end of the line.
+            while index < chars.len() && chars[index] != '\n' {
+                index += 1;
+            }
         } else if c == '%' {
             let start = index + 1;
             index = start;

@@ -6,7 +6,7 @@ use std::fmt;
 use crate::{DType, ValueId};
 
 /// A dim of a dense shape.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Dim {
     /// A size known when the graph is built.
     Static(i64),
@@ -27,7 +27,7 @@ impl Dim {
 }
 
 /// A dim of the elements of a ragged value.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ElemDim {
     /// Every element has this size.
     Fixed(Dim),
@@ -36,7 +36,7 @@ pub enum ElemDim {
 }
 
 /// The type of an IR value.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Type {
     /// A dense tensor.
     Dense {

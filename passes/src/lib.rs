@@ -3,7 +3,8 @@
 //! - [`Pass`] and [`Pipeline`]: an explicit list of named passes, the verifier after
 //!   each one, and an optional dump of the IR after every stage;
 //! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
-//! - [`Fuse`]: trees of elementwise ops into one `fused` op (one kernel);
+//! - [`Fuse`]: trees of elementwise ops into one `fused` op (one kernel), greedily;
+//! - [`Optimize`]: the egg e-graph optimizer (named rule sets, a cost model, limits);
 //! - [`lower`]: a graph to a [`Program`] of kernel steps (pointwise expressions, GEMM,
 //!   row normalizations, segmented reductions and softmax, varlen attention, gather)
 //!   whose sizes are computed from the lengths at run time.
@@ -15,6 +16,8 @@ mod dce;
 mod forward;
 mod fuse;
 mod lower;
+mod merge;
+pub mod optimize;
 mod pipeline;
 mod program;
 
@@ -22,8 +25,9 @@ pub use cse::Cse;
 pub use dce::Dce;
 pub use fuse::Fuse;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
-pub use pipeline::{Pass, PassError, Pipeline};
+pub use optimize::{Limits, Optimize, Report};
+pub use pipeline::{Noted, Pass, PassError, Pipeline};
 pub use program::{
-    Access, Expr, FloatType, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
+    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
     SegmentKind, Slot, SlotInfo, Source, Step,
 };

@@ -8,7 +8,7 @@ use nestor_ir::{BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, ReduceOp, T
 use thiserror::Error;
 
 use crate::program::{
-    Access, Expr, FloatType, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
+    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
     SegmentKind, Slot, SlotInfo, Source, Step,
 };
 
@@ -44,11 +44,23 @@ enum Lowered {
 }
 
 /// Choices of the lowering.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LowerOptions {
     /// Run `per_element` regions (convolutions, pooling) on the host through libtorch
     /// inside the program, instead of failing to lower them.
     pub host_per_element: bool,
+    /// Compute pointwise steps inside the row kernel that reads them or the GEMM whose
+    /// output they read (prologues and epilogues; on by default).
+    pub fuse_kernels: bool,
+}
+
+impl Default for LowerOptions {
+    fn default() -> Self {
+        Self {
+            host_per_element: false,
+            fuse_kernels: true,
+        }
+    }
 }
 
 /// How an operand's rows relate to the output's rows.
@@ -131,6 +143,9 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
     }
     lowering.program.float = precision(graph, &lowering.program)?;
     crate::forward::forward_copies(&mut lowering.program);
+    if options.fuse_kernels {
+        crate::merge::merge_pointwise(&mut lowering.program);
+    }
     Ok(lowering.program)
 }
 
@@ -996,6 +1011,7 @@ impl Lowering<'_> {
             k,
             n,
             transposed,
+            epilogue: None,
         });
         Ok(out)
     }
@@ -1033,7 +1049,7 @@ impl Lowering<'_> {
         self.program.steps.push(Step::Row {
             kind,
             out: slot_of(&out),
-            x: x_slot,
+            x: Fusion::plain(x_slot, width),
             weight,
             bias,
             rows: rows.times(outer),
@@ -1100,7 +1116,7 @@ impl Lowering<'_> {
                 self.program.steps.push(Step::Row {
                     kind,
                     out: slot_of(&out),
-                    x: x_slot,
+                    x: Fusion::plain(x_slot, width),
                     weight: None,
                     bias: None,
                     rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),

@@ -26,12 +26,27 @@ pub enum PassError {
     },
 }
 
+/// A pass's result and what it has to say about it (written into dumps).
+pub struct Noted {
+    /// The rewritten graph.
+    pub graph: Graph,
+    /// Lines for the reader of the dump (empty: nothing to say).
+    pub note: String,
+}
+
 /// One graph-to-graph transformation.
 pub trait Pass {
     /// The pass's name, used in dumps and errors.
     fn name(&self) -> &'static str;
     /// Rewrites `graph`.
     fn run(&self, graph: &Graph) -> Result<Graph, VerifyError>;
+    /// Rewrites `graph` and says what it did (by default, nothing).
+    fn run_noted(&self, graph: &Graph) -> Result<Noted, VerifyError> {
+        Ok(Noted {
+            graph: self.run(graph)?,
+            note: String::new(),
+        })
+    }
 }
 
 /// An explicit list of passes, run in order, each followed by the verifier.
@@ -41,17 +56,27 @@ pub struct Pipeline {
 }
 
 impl Default for Pipeline {
-    /// The standard pipeline: DCE, CSE, DCE.
+    /// The standard pipeline: DCE, CSE, the e-graph optimizer, DCE.
     fn default() -> Self {
         Self::new(vec![
             Box::new(crate::Dce),
             Box::new(crate::Cse),
+            Box::new(crate::Optimize::default()),
             Box::new(crate::Dce),
         ])
     }
 }
 
 impl Pipeline {
+    /// The pipeline without the optimizer: DCE, CSE, DCE (a baseline for measurements).
+    pub fn unoptimized() -> Self {
+        Self::new(vec![
+            Box::new(crate::Dce),
+            Box::new(crate::Cse),
+            Box::new(crate::Dce),
+        ])
+    }
+
     /// A pipeline of these passes.
     pub fn new(passes: Vec<Box<dyn Pass + Send + Sync>>) -> Self {
         Self { passes, dump: None }
@@ -70,12 +95,22 @@ impl Pipeline {
 
     /// Runs every pass on `graph`, verifying after each.
     pub fn run(&self, graph: &Graph) -> Result<Graph, PassError> {
+        Ok(self.run_noted(graph)?.0)
+    }
+
+    /// Runs every pass on `graph`, verifying after each, and returns what the passes
+    /// had to say (one entry per pass that said something).
+    pub fn run_noted(&self, graph: &Graph) -> Result<(Graph, Vec<String>), PassError> {
         let mut current = graph.clone();
+        let mut notes = Vec::new();
         for (index, pass) in self.passes.iter().enumerate() {
-            current = pass.run(&current).map_err(|error| PassError::Verify {
-                pass: pass.name(),
-                error,
-            })?;
+            let noted = pass
+                .run_noted(&current)
+                .map_err(|error| PassError::Verify {
+                    pass: pass.name(),
+                    error,
+                })?;
+            current = noted.graph;
             current.verify().map_err(|error| PassError::Verify {
                 pass: pass.name(),
                 error,
@@ -87,11 +122,19 @@ impl Pipeline {
                     index + 1,
                     pass.name()
                 ));
+                let comments: String = noted
+                    .note
+                    .lines()
+                    .map(|line| format!("// {line}\n"))
+                    .collect();
                 std::fs::create_dir_all(dir)
-                    .and_then(|()| std::fs::write(&path, nestor_ir::print(&current)))
+                    .and_then(|()| std::fs::write(&path, comments + &nestor_ir::print(&current)))
                     .map_err(|error| PassError::Dump { path, error })?;
             }
+            if !noted.note.is_empty() {
+                notes.push(noted.note);
+            }
         }
-        Ok(current)
+        Ok((current, notes))
     }
 }

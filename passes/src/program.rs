@@ -112,6 +112,43 @@ pub enum Expr {
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
 }
 
+/// A pointwise expression computed inside another kernel: a row kernel's input (its
+/// prologue) or what a GEMM does to its output rows (its epilogue). `Load(i)` reads
+/// `inputs[i]` at the kernel's current row and column.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fusion {
+    /// Inputs, read as their accesses say (never per element).
+    pub inputs: Vec<Access>,
+    /// The expression.
+    pub expr: Expr,
+}
+
+impl Fusion {
+    /// Reads rows of `width` scalars of `slot` as they are.
+    pub fn plain(slot: Slot, width: i64) -> Self {
+        Self {
+            inputs: vec![Access {
+                slot,
+                row_stride: width,
+                col_stride: 1,
+                offset: 0,
+                per_element: None,
+                col_modulo: 0,
+            }],
+            expr: Expr::Load(0),
+        }
+    }
+
+    /// The slot read, when the fusion only reads one buffer as it is.
+    pub fn as_plain(&self, width: i64) -> Option<Slot> {
+        let [access] = &self.inputs[..] else {
+            return None;
+        };
+        (self.expr == Expr::Load(0) && *self == Fusion::plain(access.slot, width))
+            .then_some(access.slot)
+    }
+}
+
 /// Row kernels: one row of `width` scalars at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RowKind {
@@ -202,6 +239,9 @@ pub enum Step {
         n: i64,
         /// The weight is `[k, n]`.
         transposed: bool,
+        /// Computed on each chunk of output rows right after the GEMM writes it, in
+        /// place (one of its inputs is `out` itself, read where it is written).
+        epilogue: Option<Fusion>,
     },
     /// A row kernel (norms, softmax, row reductions).
     Row {
@@ -209,8 +249,8 @@ pub enum Step {
         kind: RowKind,
         /// Output slot.
         out: Slot,
-        /// Input slot.
-        x: Slot,
+        /// The input rows: a buffer as it is, or a fused pointwise prologue.
+        x: Fusion,
         /// Scale `[width]`.
         weight: Option<Slot>,
         /// Shift `[width]`.
@@ -320,14 +360,29 @@ impl Step {
         match self {
             Step::Pointwise { inputs, .. } => inputs.iter().map(|access| access.slot).collect(),
             Step::Gemm {
-                x, weight, bias, ..
-            } => [vec![*x, *weight], bias.iter().copied().collect()].concat(),
+                out,
+                x,
+                weight,
+                bias,
+                epilogue,
+                ..
+            } => [
+                vec![*x, *weight],
+                bias.iter().copied().collect(),
+                epilogue
+                    .iter()
+                    .flat_map(|fusion| fusion.inputs.iter())
+                    .map(|access| access.slot)
+                    .filter(|slot| slot != out)
+                    .collect(),
+            ]
+            .concat(),
             Step::Row {
                 x, weight, bias, ..
             } => [
-                vec![*x],
+                x.inputs.iter().map(|access| access.slot).collect(),
                 weight.iter().copied().collect(),
-                bias.iter().copied().collect(),
+                bias.iter().copied().collect::<Vec<_>>(),
             ]
             .concat(),
             Step::Segment { x, .. } => vec![*x],

@@ -6,7 +6,9 @@ use std::collections::HashMap;
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
-use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Rows, Slot, Source, Step};
+use nestor_passes::{
+    Access, FloatType, OutDim, Output, Program, RowBase, Rows, Slot, Source, Step,
+};
 use thiserror::Error;
 
 use crate::attention::Attention;
@@ -497,6 +499,7 @@ impl Executable {
                 k,
                 n,
                 transposed,
+                epilogue,
             } => {
                 let shape = GemmShape {
                     rows: count(*rows),
@@ -510,11 +513,18 @@ impl Executable {
                     pointer(*weight),
                     bias.map(pointer),
                 );
+                let epilogue_args: Option<Vec<*mut u8>> = epilogue
+                    .as_ref()
+                    .map(|epilogue| pointwise_args(out, &epilogue.inputs, &pointer, &info));
+                let epilogue = match (&epilogue_args, self.kernels.kernel(index)) {
+                    (Some(args), Some(kernel)) => Some((kernel, Args(args))),
+                    _ => None,
+                };
                 // The executor sized the buffers for `shape` in the program's type.
                 unsafe {
                     match self.program.float {
-                        FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape),
-                        FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape),
+                        FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape, epilogue),
+                        FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape, epilogue),
                     }
                 }
                 Ok(())
@@ -526,15 +536,7 @@ impl Executable {
                 inputs: accesses,
                 ..
             } => {
-                let mut args: Vec<*mut u8> = vec![pointer(*out)];
-                args.extend(accesses.iter().map(|access| pointer(access.slot)));
-                for access in accesses {
-                    if let Some(lengths_slot) = access.per_element {
-                        args.push(info(lengths_slot).map_or(std::ptr::null_mut(), |info| {
-                            info.owners().as_ptr() as *mut u8
-                        }));
-                    }
-                }
+                let args = pointwise_args(pointer(*out), accesses, &pointer, &info);
                 self.launch(index, &args, count(*rows), row_grain(*width))
             }
             Step::Row {
@@ -547,7 +549,9 @@ impl Executable {
                 ..
             } => {
                 let optional = |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), pointer);
-                let args = [pointer(*out), pointer(*x), optional(weight), optional(bias)];
+                let mut args = vec![pointer(*out)];
+                args.extend(x.inputs.iter().map(|access| pointer(access.slot)));
+                args.extend([optional(weight), optional(bias)]);
                 self.launch(index, &args, count(*rows), row_grain(*width))
             }
             Step::Segment {
@@ -874,6 +878,7 @@ unsafe fn gemm<T: Scalar>(
     weight: *const u8,
     bias: Option<*mut u8>,
     shape: GemmShape,
+    epilogue: Option<(KernelFn, Args<'_>)>,
 ) {
     let buffers = GemmBuffers {
         out: out as *mut T,
@@ -888,18 +893,45 @@ unsafe fn gemm<T: Scalar>(
     } else {
         1
     };
+    // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
+    // over those rows, reading buffers the program sized) rewrites them in place.
+    let rows = move |start: i64, end: i64| unsafe {
+        gemm_rows(buffers, shape, start, end);
+        if let Some((kernel, args)) = epilogue {
+            kernel(args.0.as_ptr(), start, end);
+        }
+    };
     if chunks == 1 {
-        unsafe { gemm_rows(buffers, shape, 0, shape.rows) };
+        rows(0, shape.rows);
         return;
     }
     let per_chunk = (shape.rows + chunks - 1) / chunks;
     rayon::scope(|scope| {
         for chunk in 0..chunks {
             let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows));
-            // Each chunk writes its own rows of `out`.
-            scope.spawn(move |_| unsafe { gemm_rows(buffers, shape, start, end) });
+            scope.spawn(move |_| rows(start, end));
         }
     });
+}
+
+/// The arguments of a pointwise kernel: its output, its inputs, then the row-to-element
+/// maps of its per-element inputs.
+fn pointwise_args<'a>(
+    out: *mut u8,
+    accesses: &[Access],
+    pointer: &dyn Fn(Slot) -> *mut u8,
+    info: &dyn Fn(Slot) -> Option<&'a LengthsInfo>,
+) -> Vec<*mut u8> {
+    let mut args: Vec<*mut u8> = vec![out];
+    args.extend(accesses.iter().map(|access| pointer(access.slot)));
+    for access in accesses {
+        if let Some(lengths_slot) = access.per_element {
+            args.push(info(lengths_slot).map_or(std::ptr::null_mut(), |info| {
+                info.owners().as_ptr() as *mut u8
+            }));
+        }
+    }
+    args
 }
 
 /// Multiply-adds above which a GEMM is split across the cores.

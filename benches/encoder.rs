@@ -1,7 +1,8 @@
 #![allow(missing_docs)] // criterion_group! generates an undocumented function.
 //! The Transformer encoder forward at about 35% occupancy: nestor compiled (CPU JIT),
-//! nestor eager (packed NestedTensor on libtorch), and padded libtorch eager with a key
-//! padding mask, on the same weights and batch.
+//! the same without the optimizer (no e-graph rewrites, no kernel fusion), nestor eager
+//! (packed NestedTensor on libtorch), and padded libtorch eager with a key padding
+//! mask, on the same weights and batch.
 //!
 //! `scripts/cargo bench --bench encoder` (medians are in the closing notes).
 
@@ -112,9 +113,20 @@ fn bench(c: &mut Criterion) {
     let compiled = compile("encoder", |x: &[NestedTensor], _: &[Dense]| {
         encoder.forward(&x[0], false)
     });
-    compiled
-        .call(&[&tokens], &[])
-        .unwrap_or_else(|error| panic!("{error}"));
+    let unoptimized = compile("encoder", |x: &[NestedTensor], _: &[Dense]| {
+        encoder.forward(&x[0], false)
+    })
+    .optimized(false);
+    for function in [&compiled, &unoptimized] {
+        function
+            .call(&[&tokens], &[])
+            .unwrap_or_else(|error| panic!("{error}"));
+    }
+    println!(
+        "kernel launches per forward: optimized {}, unoptimized {}",
+        compiled.stats().kernel_launches,
+        unoptimized.stats().kernel_launches
+    );
     println!("occupancy {:.2}, lengths {lengths:?}", tokens.occupancy());
 
     let mut group = c.benchmark_group("encoder_2x64_occupancy35");
@@ -122,6 +134,13 @@ fn bench(c: &mut Criterion) {
     group.bench_function("nestor_compiled", |b| {
         b.iter(|| {
             compiled
+                .call(&[&tokens], &[])
+                .unwrap_or_else(|error| panic!("{error}"))
+        })
+    });
+    group.bench_function("nestor_compiled_unoptimized", |b| {
+        b.iter(|| {
+            unoptimized
                 .call(&[&tokens], &[])
                 .unwrap_or_else(|error| panic!("{error}"))
         })

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{batch, close, lengths};
+use common::{batch, close, golden, lengths};
 use nestor::nn::{TransformerConfig, TransformerEncoder, TransformerEncoderLayer};
 use nestor::{trace, Dense, LossReduction, NestedError, NestedTensor, Reduce, Traced, Value};
 use proptest::prelude::*;
@@ -485,30 +485,6 @@ fn running_a_graph_on_bad_input_is_a_typed_error() {
     assert!(
         traced.run(&[&fine], &[]).is_ok(),
         "the graph keeps working after bad input"
-    );
-}
-
-/// Compares `text` with `tests/filetests/<name>.nir`; `NESTOR_BLESS=1` rewrites it.
-fn golden(name: &str, text: &str) {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/filetests")
-        .join(format!("{name}.nir"));
-    if std::env::var_os("NESTOR_BLESS").is_some() {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, text).unwrap();
-        return;
-    }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|_| panic!("{} is missing: run with NESTOR_BLESS=1", path.display()));
-    assert_eq!(
-        text,
-        expected,
-        "{name} differs from {}; run with NESTOR_BLESS=1 if the change is intended",
-        path.display()
-    );
-    assert_eq!(
-        nestor::ir::parse(&expected).unwrap(),
-        nestor::ir::parse(text).unwrap()
     );
 }
 

@@ -1,0 +1,100 @@
+//! The optimizer on real models: the golden optimized Transformer encoder layer, its
+//! kernel count, and a 6-layer encoder optimized to saturation.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{batch, golden};
+use nestor::ir::print;
+use nestor::nn::{TransformerConfig, TransformerEncoder, TransformerEncoderLayer};
+use nestor::passes::optimize::StopReason;
+use nestor::passes::{lower, Optimize, Pipeline, Step};
+use nestor::trace;
+use tch::{nn, Device, Kind};
+
+fn config() -> TransformerConfig {
+    TransformerConfig {
+        d_model: 8,
+        nhead: 2,
+        dim_feedforward: 16,
+        dropout: 0.1,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_optimized_post_norm_encoder_layer_is_seven_kernels() {
+    tch::manual_seed(21);
+    let store = nn::VarStore::new(Device::Cpu);
+    let layer = TransformerEncoderLayer::new(&(store.root() / "layer"), &config());
+    let (tokens, _) = batch(&[4, 2, 3], &[8], Kind::Float, 22);
+    let traced = trace("encoder_layer", &[&tokens], &[], Some(&store), |x, _| {
+        layer.forward(&x[0], false)
+    })
+    .unwrap();
+    let optimized = Pipeline::default().run(traced.graph()).unwrap();
+    golden("encoder_layer.optimized", &print(&optimized));
+    let unoptimized = Pipeline::unoptimized().run(traced.graph()).unwrap();
+    let plain = nestor::passes::lower_with(
+        &unoptimized,
+        nestor::passes::LowerOptions {
+            fuse_kernels: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let program = lower(&optimized).unwrap();
+    // in_proj GEMM, attention, out_proj GEMM, residual add + layer_norm, linear1 GEMM +
+    // relu, linear2 GEMM, residual add + layer_norm (the bound is 12).
+    assert_eq!(program.launches(), 7, "{program:#?}");
+    assert_eq!(plain.launches(), 10, "{plain:#?}");
+    let epilogues = program
+        .steps
+        .iter()
+        .filter(|step| {
+            matches!(
+                step,
+                Step::Gemm {
+                    epilogue: Some(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    let prologues = program
+        .steps
+        .iter()
+        .filter(|step| matches!(step, Step::Row { x, width, .. } if x.as_plain(*width).is_none()))
+        .count();
+    // relu after linear1; each residual add inside the layer_norm that reads it.
+    assert_eq!((epilogues, prologues), (1, 2), "{program:#?}");
+}
+
+#[test]
+fn a_six_layer_encoder_optimizes_to_saturation() {
+    tch::manual_seed(23);
+    let store = nn::VarStore::new(Device::Cpu);
+    let config = TransformerConfig {
+        d_model: 16,
+        nhead: 4,
+        dim_feedforward: 32,
+        ..Default::default()
+    };
+    let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 6, true);
+    let (tokens, _) = batch(&[5, 3], &[16], Kind::Float, 24);
+    let traced = trace("encoder6", &[&tokens], &[], Some(&store), |x, _| {
+        encoder.forward(&x[0], false)
+    })
+    .unwrap();
+    let (optimized, report) = Optimize::default().optimize(traced.graph()).unwrap();
+    optimized.verify().unwrap();
+    for phase in &report.phases {
+        assert!(matches!(phase.stop, StopReason::Saturated), "{report}");
+    }
+    // Printed for the record (timing is measured, never asserted).
+    println!("{report}");
+    let (before, after) = report.kernels;
+    assert!(after.unwrap() <= before.unwrap(), "{report}");
+}

@@ -656,7 +656,11 @@ fn apply(
             RandomStep::Linear => current.linear(weight, None)?,
             RandomStep::LayerNorm => current.layer_norm(&[4], None, None, 1e-5)?,
             RandomStep::Softmax => current.softmax(1)?,
-            RandomStep::WhereNegative => current.where_self(&current.lt(0.0)?, 0.25)?,
+            // Continuous at the threshold (a leaky relu), so values that round to either
+            // side of 0 in compiled and eager code still agree.
+            RandomStep::WhereNegative => {
+                current.where_self(&current.lt(0.0)?, &(&current * 0.25)?)?
+            }
         };
         values.push(next);
     }

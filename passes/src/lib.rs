@@ -3,18 +3,19 @@
 //! - [`Pass`] and [`Pipeline`]: an explicit list of named passes, the verifier after
 //!   each one, and an optional dump of the IR after every stage;
 //! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
-//! - [`Fuse`]: trees of elementwise ops into one `fused` op (one kernel), greedily;
-//! - [`Optimize`]: the egg e-graph optimizer (named rule sets, a cost model, limits);
+//! - [`Optimize`]: the egg e-graph optimizer: named rule sets (structure, algebra,
+//!   packed paths, pointwise fusion into `fused` ops), a cost model, limits;
 //! - [`lower`]: a graph to a [`Program`] of kernel steps (pointwise expressions, GEMM,
 //!   row normalizations, segmented reductions and softmax, varlen attention, gather)
-//!   whose sizes are computed from the lengths at run time.
+//!   whose sizes are computed from the lengths at run time; a pointwise step is then
+//!   merged into the row kernel that reads it or the GEMM it reads (prologues,
+//!   epilogues).
 //!
 //! Depends on no heavy crate (no tch, LLVM or CUDA).
 
 mod cse;
 mod dce;
 mod forward;
-mod fuse;
 mod lower;
 mod merge;
 pub mod optimize;
@@ -23,7 +24,6 @@ mod program;
 
 pub use cse::Cse;
 pub use dce::Dce;
-pub use fuse::Fuse;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{Noted, Pass, PassError, Pipeline};

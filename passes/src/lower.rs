@@ -601,14 +601,7 @@ impl Lowering<'_> {
                 let (k_slot, _, _, k_lengths) = self.data(value, *k)?;
                 let (v_slot, _, v_tail, _) = self.data(value, *v)?;
                 let (heads, head_dim, value_dim) = (q_tail[0], q_tail[1], v_tail[1]);
-                let full = |slot: Slot, width: i64| Access {
-                    slot,
-                    row_stride: width,
-                    col_stride: 1,
-                    offset: 0,
-                    per_element: None,
-                    col_modulo: 0,
-                };
+                let full = Access::rows;
                 let out = self.result(value, ty)?;
                 let (Some(q_lengths), Some(k_lengths)) = (q_lengths, k_lengths) else {
                     return Err(unsupported(

@@ -94,7 +94,7 @@ fn mergeable(program: &Program, index: usize) -> Option<Target> {
     }
     // The GEMM whose output this step reads element for element (and nothing else
     // reads), when every other input is ready before the GEMM runs.
-    let identity = |access: &Access| *access == Fusion::plain(access.slot, *width).inputs[0];
+    let identity = |access: &Access| *access == Access::rows(access.slot, *width);
     inputs.iter().find_map(|access| {
         let producer = writer(program, access.slot)?;
         let Step::Gemm {

@@ -97,6 +97,21 @@ pub struct Access {
     pub col_modulo: i64,
 }
 
+impl Access {
+    /// Rows of `width` scalars of `slot`, read as they are (row `r`, column `c` is
+    /// scalar `r * width + c`).
+    pub fn rows(slot: Slot, width: i64) -> Self {
+        Self {
+            slot,
+            row_stride: width,
+            col_stride: 1,
+            offset: 0,
+            per_element: None,
+            col_modulo: 0,
+        }
+    }
+}
+
 /// A pointwise expression over the inputs of a kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Expr {
@@ -127,14 +142,7 @@ impl Fusion {
     /// Reads rows of `width` scalars of `slot` as they are.
     pub fn plain(slot: Slot, width: i64) -> Self {
         Self {
-            inputs: vec![Access {
-                slot,
-                row_stride: width,
-                col_stride: 1,
-                offset: 0,
-                per_element: None,
-                col_modulo: 0,
-            }],
+            inputs: vec![Access::rows(slot, width)],
             expr: Expr::Load(0),
         }
     }

@@ -298,36 +298,43 @@ fn identity_operand(cx: &Context, node: &ENode, identity: f64, commutes: bool) -
     }
 }
 
-fn mul_one(cx: &Context, class: Id, node: &ENode) -> Vec<Term> {
-    let kept = match node.op {
-        Op::Binary {
-            op: BinaryOp::Mul, ..
-        } => identity_operand(cx, node, 1.0, true),
-        Op::Binary {
-            op: BinaryOp::Div, ..
-        } => identity_operand(cx, node, 1.0, false),
-        _ => None,
+/// The operand a binary op keeps when its other operand is the identity of one of
+/// `cases` (`(op, identity, commutes)`), if that keeps the type.
+fn drop_identity(
+    cx: &Context,
+    class: Id,
+    node: &ENode,
+    cases: &[(BinaryOp, f64, bool)],
+) -> Vec<Term> {
+    let Op::Binary { op, .. } = node.op else {
+        return vec![];
     };
-    kept.filter(|&x| cx.keeps_type(class, x))
+    cases
+        .iter()
+        .filter(|(case, ..)| *case == op)
+        .find_map(|&(_, identity, commutes)| identity_operand(cx, node, identity, commutes))
+        .filter(|&x| cx.keeps_type(class, x))
         .map(Term::Class)
         .into_iter()
         .collect()
 }
 
+fn mul_one(cx: &Context, class: Id, node: &ENode) -> Vec<Term> {
+    drop_identity(
+        cx,
+        class,
+        node,
+        &[(BinaryOp::Mul, 1.0, true), (BinaryOp::Div, 1.0, false)],
+    )
+}
+
 fn add_negative_zero(cx: &Context, class: Id, node: &ENode) -> Vec<Term> {
-    let kept = match node.op {
-        Op::Binary {
-            op: BinaryOp::Add, ..
-        } => identity_operand(cx, node, -0.0, true),
-        Op::Binary {
-            op: BinaryOp::Sub, ..
-        } => identity_operand(cx, node, 0.0, false),
-        _ => None,
-    };
-    kept.filter(|&x| cx.keeps_type(class, x))
-        .map(Term::Class)
-        .into_iter()
-        .collect()
+    drop_identity(
+        cx,
+        class,
+        node,
+        &[(BinaryOp::Add, -0.0, true), (BinaryOp::Sub, 0.0, false)],
+    )
 }
 
 fn double_negation(cx: &Context, class: Id, node: &ENode) -> Vec<Term> {

@@ -3,7 +3,7 @@
 //! - pointwise: `out, inputs..., row-to-element maps (i64) of per-element inputs...`;
 //!   range = rows; a GEMM's epilogue is a pointwise kernel over its output rows;
 //! - row: `out, prologue inputs..., weight or null, bias or null`; range = rows;
-//! - segment: `out, x, offsets (i64, B + 1)`; range = elements;
+//! - segment: `out, prologue inputs..., offsets (i64, B + 1)`; range = elements;
 //! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows.
 
 use inkwell::context::Context;
@@ -60,7 +60,7 @@ pub(crate) fn generate<'ctx>(
             weight.is_some(),
             bias.is_some(),
         )?,
-        Step::Segment { kind, width, .. } => segment(&kernel, *kind, *width)?,
+        Step::Segment { kind, x, width, .. } => segment(&kernel, *kind, x, *width)?,
         Step::Gather { width, .. } => gather(&kernel, *width)?,
     }
     kernel.finish()?;
@@ -165,6 +165,33 @@ fn row_extreme<'ctx>(
     kernel.get(acc)
 }
 
+/// The pointers of a prologue's inputs (arguments 1..) and the index of the next
+/// argument.
+fn prologue_args<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    x: &Fusion,
+) -> Gen<(Vec<PointerValue<'ctx>>, u64)> {
+    let inputs = (0..x.inputs.len())
+        .map(|i| kernel.arg(1 + i as u64))
+        .collect::<Gen<Vec<_>>>()?;
+    Ok((inputs, 1 + x.inputs.len() as u64))
+}
+
+/// A kernel's input at `(row, column)`: its prologue's expression over its loads (a
+/// plain buffer is one load).
+fn prologue<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    x: &Fusion,
+    inputs: &[PointerValue<'ctx>],
+    row: IntValue<'ctx>,
+    column: IntValue<'ctx>,
+) -> Gen<FloatValue<'ctx>> {
+    kernel.expr(&x.expr, &|input: usize| {
+        let at = index(kernel, &x.inputs[input], row, column)?;
+        kernel.load_float(inputs[input], at)
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 fn row<'ctx>(
     kernel: &Kernel<'ctx, '_>,
@@ -177,10 +204,7 @@ fn row<'ctx>(
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let out = kernel.arg(0)?;
-    let inputs = (0..x.inputs.len())
-        .map(|i| kernel.arg(1 + i as u64))
-        .collect::<Gen<Vec<_>>>()?;
-    let after = 1 + x.inputs.len() as u64;
+    let (inputs, after) = prologue_args(kernel, x)?;
     let weight = if has_weight {
         Some(kernel.arg(after)?)
     } else {
@@ -195,14 +219,9 @@ fn row<'ctx>(
     kernel.for_range(start, end, |row| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
-        // The input at a column: the prologue's expression over its loads (a plain
-        // buffer is one load), recomputed by each pass over the row.
-        let load = |column| {
-            kernel.expr(&x.expr, &|input: usize| {
-                let at = index(kernel, &x.inputs[input], row, column)?;
-                kernel.load_float(inputs[input], at)
-            })
-        };
+        // Each pass over the row computes the prologue again (it is cheap, the row is
+        // in cache, and the input is never written to memory).
+        let load = |column| prologue(kernel, x, &inputs, row, column);
         let affine = |value: FloatValue<'ctx>, column| -> Gen<FloatValue<'ctx>> {
             let scaled = match weight {
                 Some(weight) => kernel.fmul(value, kernel.load_float(weight, column)?)?,
@@ -269,15 +288,17 @@ fn row<'ctx>(
     })
 }
 
-fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, width: i64) -> Gen<()> {
+fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, x, offsets) = (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
+    let out = kernel.arg(0)?;
+    let (inputs, offsets) = prologue_args(kernel, x)?;
+    let offsets = kernel.arg(offsets)?;
     kernel.for_range(start, end, |element| {
         let first = kernel.load_i64(offsets, element)?;
         let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
             let at = |row: IntValue<'ctx>| kernel.add(kernel.mul(row, kernel.i64(width))?, column);
-            let load = |row| kernel.load_float(x, at(row)?);
+            let load = |row| prologue(kernel, x, &inputs, row, column);
             let fold =
                 |initial: f64,
                  step: &dyn Fn(FloatValue<'ctx>, IntValue<'ctx>) -> Gen<FloatValue<'ctx>>|

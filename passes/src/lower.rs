@@ -515,7 +515,7 @@ impl Lowering<'_> {
                     self.program.steps.push(Step::Segment {
                         kind,
                         out: slot_of(&out),
-                        x: slot,
+                        x: Fusion::plain(slot, volume(&tail)),
                         lengths: lengths.unwrap_or(slot),
                         width: volume(&tail),
                     });
@@ -1084,7 +1084,7 @@ impl Lowering<'_> {
                 self.program.steps.push(Step::Segment {
                     kind,
                     out: slot_of(&out),
-                    x: x_slot,
+                    x: Fusion::plain(x_slot, volume(&tail)),
                     lengths,
                     width: volume(&tail),
                 });

@@ -1,10 +1,11 @@
 //! Kernel fusion on a lowered program: a pointwise step whose output only one kernel
 //! reads is computed inside that kernel. It becomes the prologue of a row kernel
-//! (residual add + layer_norm, scale + softmax) or the epilogue of the GEMM whose
+//! (residual add + layer_norm, scale + softmax) or of a segmented one (the pointwise
+//! inputs of a segment sum, mean, max or softmax), or the epilogue of the GEMM whose
 //! output it reads (bias + activation, residual add), done on each chunk of rows while
 //! they are in cache. Either way one launch and one pass over memory are saved.
 
-use crate::program::{Access, Fusion, Program, Slot, Source, Step};
+use crate::program::{Access, Fusion, Program, RowBase, Rows, Slot, Source, Step};
 
 /// Merges pointwise steps into their reader (row kernels) or producer (GEMMs) until
 /// none is left to merge.
@@ -21,7 +22,9 @@ pub(crate) fn merge_pointwise(program: &mut Program) {
         match target {
             Target::Prologue(reader) => {
                 // `remove` shifted every later step down by one.
-                if let Step::Row { x, .. } = &mut program.steps[reader - 1] {
+                if let Step::Row { x, .. } | Step::Segment { x, .. } =
+                    &mut program.steps[reader - 1]
+                {
                     *x = Fusion { inputs, expr };
                 }
             }
@@ -80,16 +83,32 @@ fn mergeable(program: &Program, index: usize) -> Option<Target> {
         return None;
     }
     if let Some(reader) = only_reader(program, *out) {
-        if let Step::Row {
-            x,
-            rows: row_rows,
-            width: row_width,
-            ..
-        } = &program.steps[reader]
-        {
-            if x.as_plain(*width) == Some(*out) && row_rows == rows && row_width == width {
-                return Some(Target::Prologue(reader));
+        let fits = match &program.steps[reader] {
+            Step::Row {
+                x,
+                rows: row_rows,
+                width: row_width,
+                ..
+            } => x.as_plain(*width) == Some(*out) && row_rows == rows && row_width == width,
+            // A segmented kernel reads the packed rows of its lengths.
+            Step::Segment {
+                x,
+                lengths,
+                width: segment_width,
+                ..
+            } => {
+                x.as_plain(*width) == Some(*out)
+                    && *rows
+                        == Rows {
+                            base: RowBase::Total(*lengths),
+                            factor: 1,
+                        }
+                    && segment_width == width
             }
+            _ => false,
+        };
+        if fits {
+            return Some(Target::Prologue(reader));
         }
     }
     // The GEMM whose output this step reads element for element (and nothing else

@@ -127,8 +127,8 @@ pub enum Expr {
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
 }
 
-/// A pointwise expression computed inside another kernel: a row kernel's input (its
-/// prologue) or what a GEMM does to its output rows (its epilogue). `Load(i)` reads
+/// A pointwise expression computed inside another kernel: a row or segmented kernel's
+/// input (its prologue) or what a GEMM does to its output rows (its epilogue). `Load(i)` reads
 /// `inputs[i]` at the kernel's current row and column.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fusion {
@@ -276,8 +276,9 @@ pub enum Step {
         kind: SegmentKind,
         /// Output slot.
         out: Slot,
-        /// Input slot `[sum L, width]`.
-        x: Slot,
+        /// The input rows `[sum L, width]`: a buffer as it is, or a fused pointwise
+        /// prologue.
+        x: Fusion,
         /// The lengths that split the rows.
         lengths: Slot,
         /// Scalars per row.
@@ -393,7 +394,7 @@ impl Step {
                 bias.iter().copied().collect::<Vec<_>>(),
             ]
             .concat(),
-            Step::Segment { x, .. } => vec![*x],
+            Step::Segment { x, .. } => x.inputs.iter().map(|access| access.slot).collect(),
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
             Step::Gather { table, ids, .. } => vec![*table, *ids],
             Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],

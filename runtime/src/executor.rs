@@ -561,12 +561,10 @@ impl Executable {
                 ..
             } => {
                 let batch = info(*lengths_slot).map_or(0, |info| info.lengths.len() as i64);
-                self.launch(
-                    index,
-                    &[pointer(*out), pointer(*x), offsets(*lengths_slot)],
-                    batch,
-                    1,
-                )
+                let mut args = vec![pointer(*out)];
+                args.extend(x.inputs.iter().map(|access| pointer(access.slot)));
+                args.push(offsets(*lengths_slot));
+                self.launch(index, &args, batch, 1)
             }
             Step::Attention {
                 out,

@@ -37,17 +37,10 @@ fn the_optimized_post_norm_encoder_layer_is_seven_kernels() {
     let optimized = Pipeline::default().run(traced.graph()).unwrap();
     golden("encoder_layer.optimized", &print(&optimized));
     let unoptimized = Pipeline::unoptimized().run(traced.graph()).unwrap();
-    let plain = nestor::passes::lower_with(
-        &unoptimized,
-        nestor::passes::LowerOptions {
-            fuse_kernels: false,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let plain = lower(&unoptimized).unwrap();
     let program = lower(&optimized).unwrap();
-    // in_proj GEMM, attention, out_proj GEMM, residual add + layer_norm, linear1 GEMM +
-    // relu, linear2 GEMM, residual add + layer_norm (the bound is 12).
+    // in_proj GEMM, attention, out_proj GEMM + residual add, layer_norm, linear1 GEMM +
+    // relu, linear2 GEMM + residual add, layer_norm (the bound is 12).
     assert_eq!(program.launches(), 7, "{program:#?}");
     assert_eq!(plain.launches(), 10, "{plain:#?}");
     let epilogues = program
@@ -68,8 +61,9 @@ fn the_optimized_post_norm_encoder_layer_is_seven_kernels() {
         .iter()
         .filter(|step| matches!(step, Step::Row { x, width, .. } if x.as_plain(*width).is_none()))
         .count();
-    // relu after linear1; each residual add inside the layer_norm that reads it.
-    assert_eq!((epilogues, prologues), (1, 2), "{program:#?}");
+    // The residual adds could as well be layer_norm prologues: the same launches and
+    // bytes, so the cost model ties and extraction keeps the epilogues.
+    assert_eq!((epilogues, prologues), (3, 0), "{program:#?}");
 }
 
 #[test]

@@ -147,11 +147,10 @@ where
     }
 
     /// Turns the optimizer off (or on again): without it the traced graph is lowered op
-    /// by op after DCE and CSE, with no e-graph rewrites and no kernel fusion. On by
+    /// by op after DCE and CSE (no e-graph rewrites, so no fused kernels). On by
     /// default; off is the baseline the optimizer is measured against.
     pub fn optimized(mut self, enabled: bool) -> Self {
         self.optimize = enabled;
-        self.lower_options.fuse_kernels = enabled;
         self
     }
 

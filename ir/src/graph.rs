@@ -142,6 +142,11 @@ impl Graph {
         Ok(value)
     }
 
+    /// The type `op` would have if it were appended, or the rule it breaks.
+    pub fn type_of(&self, op: &Op) -> Result<Type, VerifyError> {
+        self.infer(ValueId(self.nodes.len() as u32), op)
+    }
+
     fn infer(&self, value: ValueId, op: &Op) -> Result<Type, VerifyError> {
         if let Some(missing) = op
             .operands()

@@ -468,6 +468,28 @@ pub enum Op {
         /// The expression.
         expr: crate::FusedExpr,
     },
+    /// One kernel: `core` (a layer_norm, rms_norm, softmax or log_softmax, or a
+    /// sum / mean / amax / amin over one dim) reading as its first operand the
+    /// pointwise `expr` over `inputs`, which is never written to memory. The first
+    /// operand of `core` is unused (`%0`); its others (weight, bias) are its own.
+    Prologue {
+        /// The values the expression reads.
+        inputs: Vec<ValueId>,
+        /// The expression giving the core's input.
+        expr: crate::FusedExpr,
+        /// The row or segmented op.
+        core: Box<Op>,
+    },
+    /// One kernel: `core` (a linear or matmul) whose result, `$0` of the pointwise
+    /// `expr`, goes through it on its way to memory; `$1...` are `inputs`.
+    Epilogue {
+        /// The GEMM.
+        core: Box<Op>,
+        /// The other values the expression reads.
+        inputs: Vec<ValueId>,
+        /// The expression applied to the core's result.
+        expr: crate::FusedExpr,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     PerElement {
@@ -596,6 +618,8 @@ impl Op {
             Op::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
             Op::PerElement { .. } => "per_element",
             Op::Fused { .. } => "fused",
+            Op::Prologue { .. } => "prologue",
+            Op::Epilogue { .. } => "epilogue",
         }
     }
 
@@ -640,6 +664,10 @@ impl Op {
             Op::RepeatLengths { lengths, .. } => vec![*lengths],
             Op::RepeatBatch { x, lengths, .. } => [vec![*x], lengths.clone()].concat(),
             Op::PerElement { inputs, .. } | Op::Fused { inputs, .. } => inputs.clone(),
+            Op::Prologue { inputs, core, .. } => {
+                [inputs.clone(), core.operands().split_off(1)].concat()
+            }
+            Op::Epilogue { core, inputs, .. } => [core.operands(), inputs.clone()].concat(),
         }
     }
 
@@ -657,6 +685,11 @@ impl Op {
 
     /// The same op reading other values: `f` maps every operand.
     pub fn map_operands(&self, mut f: impl FnMut(ValueId) -> ValueId) -> Op {
+        self.map_operands_dyn(&mut f)
+    }
+
+    /// [`Op::map_operands`] through a trait object (fused kernels map their core with it).
+    fn map_operands_dyn(&self, f: &mut dyn FnMut(ValueId) -> ValueId) -> Op {
         let mut op = self.clone();
         let mut map = |value: &mut ValueId| *value = f(*value);
         match &mut op {
@@ -737,6 +770,28 @@ impl Op {
             Op::PerElement { inputs, .. } | Op::Fused { inputs, .. } => {
                 inputs.iter_mut().for_each(map)
             }
+            Op::Prologue { inputs, core, .. } => {
+                inputs.iter_mut().for_each(&mut map);
+                // The core's first operand is the expression, not a value: kept.
+                let mut first = true;
+                **core = core.map_operands_dyn(&mut |operand| {
+                    if std::mem::take(&mut first) {
+                        operand
+                    } else {
+                        let mut mapped = operand;
+                        map(&mut mapped);
+                        mapped
+                    }
+                });
+            }
+            Op::Epilogue { core, inputs, .. } => {
+                **core = core.map_operands_dyn(&mut |operand| {
+                    let mut mapped = operand;
+                    map(&mut mapped);
+                    mapped
+                });
+                inputs.iter_mut().for_each(map);
+            }
         }
         op
     }
@@ -801,6 +856,24 @@ impl Op {
             | Op::TotalLength { .. }
             | Op::PerElement { .. } => vec![],
             Op::Fused { expr, .. } => vec![("expr", Attr::Str(expr.to_string()))],
+            Op::Prologue { inputs, expr, core } => [
+                vec![
+                    ("expr", Attr::Str(expr.to_string())),
+                    ("inputs", Attr::Int(inputs.len() as i64)),
+                    ("core", Attr::Word(core.name().to_owned())),
+                ],
+                core.attrs(),
+            ]
+            .concat(),
+            Op::Epilogue { core, inputs, expr } => [
+                vec![
+                    ("expr", Attr::Str(expr.to_string())),
+                    ("inputs", Attr::Int(inputs.len() as i64)),
+                    ("core", Attr::Word(core.name().to_owned())),
+                ],
+                core.attrs(),
+            ]
+            .concat(),
             Op::CrossEntropy {
                 ignore_index,
                 smoothing,
@@ -1196,6 +1269,36 @@ impl Op {
                     inputs: operands.to_vec(),
                     expr: crate::FusedExpr::parse(&text)
                         .map_err(|error| format!("fused: {error}"))?,
+                }
+            }
+            "prologue" | "epilogue" => {
+                let expr = crate::FusedExpr::parse(&string("expr")?)
+                    .map_err(|error| format!("{name}: {error}"))?;
+                let count = usize::try_from(int("inputs")?)
+                    .ok()
+                    .filter(|&count| count <= operands.len())
+                    .ok_or_else(|| format!("{name}: inputs must be 0..={}", operands.len()))?;
+                let core_name = word("core")?;
+                if name == "prologue" {
+                    // The core's first operand is the expression (`%0` stands for it).
+                    let core_operands = [&[ValueId(0)], &operands[count..]].concat();
+                    Op::Prologue {
+                        inputs: operands[..count].to_vec(),
+                        expr,
+                        core: Box::new(Op::from_parts(&core_name, &core_operands, attrs, None)?),
+                    }
+                } else {
+                    let split = operands.len() - count;
+                    Op::Epilogue {
+                        core: Box::new(Op::from_parts(
+                            &core_name,
+                            &operands[..split],
+                            attrs,
+                            None,
+                        )?),
+                        inputs: operands[split..].to_vec(),
+                        expr,
+                    }
                 }
             }
             "per_element" => {

@@ -4,20 +4,20 @@
 //!   each one, and an optional dump of the IR after every stage;
 //! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
 //! - [`Optimize`]: the egg e-graph optimizer: named rule sets (structure, algebra,
-//!   packed paths, pointwise fusion into `fused` ops), a cost model, limits;
+//!   packed paths, fusion into `fused`, `prologue` and `epilogue` kernels), a cost
+//!   model, limits;
 //! - [`lower`]: a graph to a [`Program`] of kernel steps (pointwise expressions, GEMM,
 //!   row normalizations, segmented reductions and softmax, varlen attention, gather)
-//!   whose sizes are computed from the lengths at run time; a pointwise step is then
-//!   merged into the row kernel that reads it or the GEMM it reads (prologues,
-//!   epilogues).
+//!   whose sizes are computed from the lengths at run time; the optimizer's `prologue`
+//!   and `epilogue` ops become one row, segmented or GEMM kernel each.
 //!
 //! Depends on no heavy crate (no tch, LLVM or CUDA).
 
 mod cse;
 mod dce;
+mod fold;
 mod forward;
 mod lower;
-mod merge;
 pub mod optimize;
 mod pipeline;
 mod program;

@@ -44,23 +44,11 @@ enum Lowered {
 }
 
 /// Choices of the lowering.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LowerOptions {
     /// Run `per_element` regions (convolutions, pooling) on the host through libtorch
     /// inside the program, instead of failing to lower them.
     pub host_per_element: bool,
-    /// Compute pointwise steps inside the row kernel that reads them or the GEMM whose
-    /// output they read (prologues and epilogues; on by default).
-    pub fuse_kernels: bool,
-}
-
-impl Default for LowerOptions {
-    fn default() -> Self {
-        Self {
-            host_per_element: false,
-            fuse_kernels: true,
-        }
-    }
 }
 
 /// How an operand's rows relate to the output's rows.
@@ -143,9 +131,6 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
     }
     lowering.program.float = precision(graph, &lowering.program)?;
     crate::forward::forward_copies(&mut lowering.program);
-    if options.fuse_kernels {
-        crate::merge::merge_pointwise(&mut lowering.program);
-    }
     Ok(lowering.program)
 }
 
@@ -476,6 +461,32 @@ impl Lowering<'_> {
                 }
                 self.pointwise(value, ty, inputs, |loads| translate(expr, loads))
             }
+            Op::Prologue { inputs, expr, core } => {
+                let types: Vec<Type> = inputs.iter().map(|&input| self.graph.ty(input).clone()).collect();
+                let input_ty = nestor_ir::fused_type(expr, &types)
+                    .map_err(|reason| unsupported(value, op, reason))?;
+                let input = self.pointwise(value, &input_ty, inputs, |loads| translate(expr, loads))?;
+                // The core reads the expression's result under this op's id, until the
+                // core's own result takes that id.
+                self.values[value.index()] = Some(input);
+                let core = self.core_reading(value, op, core, 0)?;
+                let out = self.op(value, &core, ty)?;
+                crate::fold::fold_prologue(&mut self.program);
+                Ok(out)
+            }
+            Op::Epilogue { core, inputs, expr } => {
+                let core_ty = self
+                    .graph
+                    .type_of(core)
+                    .map_err(|error| unsupported(value, op, error.rule))?;
+                let result = self.op(value, core, &core_ty)?;
+                // The expression reads the core's result (`$0`) under this op's id.
+                self.values[value.index()] = Some(result);
+                let operands: Vec<ValueId> = std::iter::once(value).chain(inputs.iter().copied()).collect();
+                let out = self.pointwise(value, ty, &operands, |loads| translate(expr, loads))?;
+                crate::fold::fold_epilogue(&mut self.program);
+                Ok(out)
+            }
             Op::Linear { x, weight, bias } => self.gemm(value, ty, *x, *weight, *bias, false),
             Op::Matmul { x, w } => self.gemm(value, ty, *x, *w, None, true),
             Op::LayerNorm {
@@ -765,6 +776,20 @@ impl Lowering<'_> {
     }
 
     /// A pointwise step computing `build(loads)` over `operands` broadcast to `ty`.
+    /// `core` with its operand `position` reading `value` instead.
+    fn core_reading(
+        &self,
+        value: ValueId,
+        op: &Op,
+        core: &Op,
+        position: usize,
+    ) -> Result<Op, LowerError> {
+        let mut operands = core.operands();
+        operands[position] = value;
+        core.with_operands(&operands)
+            .ok_or_else(|| unsupported(value, op, "its core takes other operands"))
+    }
+
     fn pointwise(
         &mut self,
         value: ValueId,
@@ -826,7 +851,7 @@ impl Lowering<'_> {
                     .collect();
                 if shape.len() == rank + 1 {
                     let per_element = shape[0] == *batch && shape[0] != Dim::Static(1);
-                    let ragged_lengths = self.graph.ty(value).length_values().first().copied();
+                    let ragged_lengths = ty.length_values().first().copied();
                     let lengths = ragged_lengths.and_then(|l| match self.get(l) {
                         Lowered::Lengths(slot) => Some(slot),
                         _ => None,

@@ -447,3 +447,75 @@ fn dumps_carry_the_report() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(Optimize::default().name(), "optimize");
 }
+
+#[test]
+fn a_residual_add_becomes_the_prologue_of_its_layer_norm() {
+    rewrites(
+        "fuse-prologue",
+        &graph(
+            "  %2 = input {name = \"y\"} : ragged<f32>[B; %0, 4]
+  %3 = add(%1, %2) : ragged<f32>[B; %0, 4]
+  %4 = layer_norm(%3) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 4]
+  return %4
+",
+        ),
+        &graph(
+            "  %2 = input {name = \"y\"} : ragged<f32>[B; %0, 4]
+  %3 = prologue(%1, %2) {expr = \"(add $0 $1)\", inputs = 2, core = layer_norm, dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 4]
+  return %3
+",
+        ),
+    );
+}
+
+#[test]
+fn an_input_someone_else_reads_is_no_prologue() {
+    keeps(
+        "fuse-prologue",
+        &graph(
+            "  %2 = input {name = \"y\"} : ragged<f32>[B; %0, 4]
+  %3 = add(%1, %2) : ragged<f32>[B; %0, 4]
+  %4 = layer_norm(%3) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 4]
+  return %4, %3
+",
+        ),
+    );
+}
+
+#[test]
+fn activations_and_residuals_become_the_epilogue_of_their_gemm() {
+    rewrites(
+        "fuse-epilogue",
+        &graph(
+            "  %2 = param {name = \"w\"} : f32[4, 4]
+  %3 = param {name = \"b\"} : f32[4]
+  %4 = linear(%1, %2, %3) : ragged<f32>[B; %0, 4]
+  %5 = relu(%4) : ragged<f32>[B; %0, 4]
+  %6 = add(%5, %1) : ragged<f32>[B; %0, 4]
+  return %6
+",
+        ),
+        &graph(
+            "  %2 = param {name = \"w\"} : f32[4, 4]
+  %3 = param {name = \"b\"} : f32[4]
+  %4 = epilogue(%1, %2, %3, %1) {expr = \"(add (relu $0) $1)\", inputs = 1, core = linear} : ragged<f32>[B; %0, 4]
+  return %4
+",
+        ),
+    );
+}
+
+#[test]
+fn a_gemm_result_someone_else_reads_keeps_its_own_kernel() {
+    keeps(
+        "fuse-epilogue",
+        &graph(
+            "  %2 = param {name = \"w\"} : f32[4, 4]
+  %3 = linear(%1, %2) : ragged<f32>[B; %0, 4]
+  %4 = relu(%3) : ragged<f32>[B; %0, 4]
+  %5 = softmax(%3) {axis = -1} : ragged<f32>[B; %0, 4]
+  return %4, %5
+",
+        ),
+    );
+}

@@ -304,6 +304,38 @@ impl Interpreter<'_> {
                 let inputs: Vec<&Value> = inputs.iter().map(|&input| self.get(input)).collect();
                 fused_value(expr, &inputs)?
             }
+            Op::Prologue { inputs, expr, core } => {
+                let inputs: Vec<&Value> = inputs.iter().map(|&input| self.get(input)).collect();
+                let input = fused_value(expr, &inputs)?;
+                // The core reads the expression's value as this op's own (not yet
+                // defined) value.
+                let mut operands = core.operands();
+                operands[0] = value;
+                let core =
+                    core.with_operands(&operands)
+                        .ok_or_else(|| NestedError::Unsupported {
+                            op: "prologue",
+                            reason: format!("{value}: its core takes other operands"),
+                        })?;
+                self.values.push(input);
+                let result = self.run(value, &core, ty);
+                self.values.pop();
+                result?
+            }
+            Op::Epilogue { core, inputs, expr } => {
+                let core_ty =
+                    self.graph
+                        .type_of(core)
+                        .map_err(|error| NestedError::Unsupported {
+                            op: "epilogue",
+                            reason: error.to_string(),
+                        })?;
+                let result = self.run(value, core, &core_ty)?;
+                let operands: Vec<&Value> = std::iter::once(&result)
+                    .chain(inputs.iter().map(|&input| self.get(input)))
+                    .collect();
+                fused_value(expr, &operands)?
+            }
             Op::Linear { x, weight, bias } => {
                 let bias = bias.map(|bias| self.dense(bias)).transpose()?;
                 match self.get(*x) {

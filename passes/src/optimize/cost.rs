@@ -91,7 +91,7 @@ impl<'a> KernelCost<'a> {
             Op::PerElement { body, .. } => {
                 NOMINAL_BATCH * (PER_ELEMENT_CALL + LAUNCH * body.nodes.len() as f64) + moved
             }
-            Op::Linear { .. } | Op::Matmul { .. } => {
+            Op::Linear { .. } | Op::Matmul { .. } | Op::Epilogue { .. } => {
                 let k = node
                     .operands()
                     .first()

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use egg::Id;
-use nestor_ir::{BinaryOp, DType, FusedExpr, Graph, Op, Type, UnaryOp, ValueId};
+use nestor_ir::{BinaryOp, DType, FusedExpr, Graph, Op, ReduceOp, Type, UnaryOp, ValueId};
 
 use super::egraph::{Builder, ENode, Term};
 
@@ -160,6 +160,20 @@ pub static RULES: &[Rule] = &[
         why: "a pointwise value read by one pointwise op can be computed inside its reader's \
               kernel",
         apply: fuse_pointwise,
+    },
+    Rule {
+        name: "fuse-prologue",
+        set: RuleSet::Fusion,
+        why: "a row or segmented op can compute its pointwise input itself, row by row, when \
+              nothing else reads that input",
+        apply: fuse_prologue,
+    },
+    Rule {
+        name: "fuse-epilogue",
+        set: RuleSet::Fusion,
+        why: "a pointwise op reading a GEMM's result element for element can run on the GEMM's \
+              rows as they are written, when nothing else reads the result",
+        apply: fuse_epilogue,
     },
 ];
 
@@ -519,20 +533,28 @@ pub fn substitute(expr: &FusedExpr, parts: &[FusedExpr]) -> FusedExpr {
 }
 
 /// A fused expression over distinct inputs, built child by child.
+/// (Its expression's `$n` is input `n + offset`: an epilogue keeps `$0` for the GEMM.)
 #[derive(Default)]
-struct Inputs(Vec<Id>);
+struct Inputs {
+    classes: Vec<Id>,
+    offset: usize,
+}
 
 impl Inputs {
     fn input(&mut self, class: Id) -> FusedExpr {
         let index = self
-            .0
+            .classes
             .iter()
             .position(|&seen| seen == class)
             .unwrap_or_else(|| {
-                self.0.push(class);
-                self.0.len() - 1
+                self.classes.push(class);
+                self.classes.len() - 1
             });
-        FusedExpr::Input(index)
+        FusedExpr::Input(index + self.offset)
+    }
+
+    fn terms(self) -> Vec<Term> {
+        self.classes.into_iter().map(Term::Class).collect()
     }
 }
 
@@ -572,12 +594,122 @@ fn fuse_pointwise(cx: &Context, _class: Id, node: &ENode) -> Vec<Term> {
                 .collect();
             let expr = substitute(&outer, &parts);
             let fused = Op::Fused {
-                inputs: vec![ValueId(0); inputs.0.len()],
+                inputs: vec![ValueId(0); inputs.classes.len()],
                 expr,
             };
+            terms.push(Term::op(fused, inputs.terms()));
+        }
+    }
+    terms
+}
+
+fn fuse_prologue(cx: &Context, _class: Id, node: &ENode) -> Vec<Term> {
+    let core = match &node.op {
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax { .. } => &node.op,
+        Op::Reduce {
+            op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin,
+            dims,
+            ..
+        } if dims.len() == 1 => &node.op,
+        _ => return vec![],
+    };
+    let input = node.children[0];
+    if !cx.single_reader(input) {
+        return vec![];
+    }
+    let params: Vec<Term> = node.children[1..].iter().map(|&c| Term::Class(c)).collect();
+    cx.nodes(input)
+        .iter()
+        .filter(|pointwise| is_pointwise(&pointwise.op))
+        .filter_map(|pointwise| {
+            let mut inputs = Inputs::default();
+            let parts: Vec<FusedExpr> = pointwise
+                .children
+                .iter()
+                .map(|&child| inputs.input(cx.find(child)))
+                .collect();
+            let expr = substitute(&expression(pointwise)?, &parts);
+            let count = inputs.classes.len();
+            Some(Term::op(
+                Op::Prologue {
+                    inputs: vec![ValueId(0); count],
+                    expr,
+                    core: Box::new(core.clone()),
+                },
+                [inputs.terms(), params.clone()].concat(),
+            ))
+        })
+        .collect()
+}
+
+/// A node that computes a GEMM's result, then maybe an epilogue: the GEMM, its
+/// operands' classes, and the epilogue so far (`$0` the result) over further classes.
+fn gemm_with_epilogue(node: &ENode) -> Option<(&Op, &[Id], FusedExpr, &[Id])> {
+    match &node.op {
+        Op::Linear { .. } | Op::Matmul { .. } => {
+            Some((&node.op, &node.children[..], FusedExpr::Input(0), &[]))
+        }
+        Op::Epilogue { core, expr, .. } => {
+            let split = core.operands().len();
+            Some((
+                &**core,
+                &node.children[..split],
+                expr.clone(),
+                &node.children[split..],
+            ))
+        }
+        _ => None,
+    }
+}
+
+fn fuse_epilogue(cx: &Context, _class: Id, node: &ENode) -> Vec<Term> {
+    let Some(outer) = expression(node).filter(|_| is_pointwise(&node.op)) else {
+        return vec![];
+    };
+    let mut terms = Vec::new();
+    for (position, &child) in node.children.iter().enumerate() {
+        if !cx.single_reader(child) {
+            continue;
+        }
+        for producer in cx.nodes(child) {
+            let Some((core, core_children, inner, inner_inputs)) = gemm_with_epilogue(producer)
+            else {
+                continue;
+            };
+            // `$0` stays the GEMM's result; every other value read becomes `$1...`.
+            let mut inputs = Inputs {
+                classes: Vec::new(),
+                offset: 1,
+            };
+            let inner_parts: Vec<FusedExpr> = std::iter::once(FusedExpr::Input(0))
+                .chain(
+                    inner_inputs
+                        .iter()
+                        .map(|&input| inputs.input(cx.find(input))),
+                )
+                .collect();
+            let inner = substitute(&inner, &inner_parts);
+            let parts: Vec<FusedExpr> = node
+                .children
+                .iter()
+                .enumerate()
+                .map(|(index, &other)| {
+                    if index == position {
+                        inner.clone()
+                    } else {
+                        inputs.input(cx.find(other))
+                    }
+                })
+                .collect();
+            let count = inputs.classes.len();
+            let operands: Vec<Term> = core_children.iter().map(|&c| Term::Class(c)).collect();
             terms.push(Term::op(
-                fused,
-                inputs.0.into_iter().map(Term::Class).collect(),
+                Op::Epilogue {
+                    core: Box::new(core.clone()),
+                    inputs: vec![ValueId(0); count],
+                    expr: substitute(&outer, &parts),
+                },
+                [operands, inputs.terms()].concat(),
             ));
         }
     }

@@ -1,0 +1,89 @@
+//! Lowering of the fused kernels the optimizer chooses: a `prologue` op is one row or
+//! segmented kernel, an `epilogue` op one GEMM with its epilogue; and where the two
+//! steps cannot be one kernel they stay two, computing the same.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use nestor_ir::parse;
+use nestor_passes::{lower, Program, Step};
+
+const HEADER: &str = "  %0 = input {name = \"L\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+  %2 = param {name = \"w\"} : f32[4, 4]
+  %3 = param {name = \"b\"} : f32[4]
+";
+
+fn lowered(body: &str) -> Program {
+    lower(&parse(&format!("graph @g {{\n{HEADER}{body}}}\n")).unwrap()).unwrap()
+}
+
+/// Whether a step computes a fused expression inside its kernel.
+fn fused(step: &Step) -> bool {
+    match step {
+        Step::Row { x, width, .. } | Step::Segment { x, width, .. } => x.as_plain(*width).is_none(),
+        Step::Gemm { epilogue, .. } => epilogue.is_some(),
+        _ => false,
+    }
+}
+
+#[test]
+fn residual_add_and_layer_norm_are_one_kernel() {
+    let program = lowered(
+        "  %4 = prologue(%1, %3, %3, %3) {expr = \"(add $0 $1)\", inputs = 2, core = layer_norm, dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 4]
+  return %4
+",
+    );
+    assert_eq!(program.launches(), 1, "{program:#?}");
+    assert!(fused(&program.steps[0]));
+}
+
+#[test]
+fn a_pointwise_input_of_a_segmented_reduction_is_its_prologue() {
+    let program = lowered(
+        "  %4 = prologue(%1) {expr = \"(gelu $0)\", inputs = 1, core = mean, dims = [1], keepdim = false} : f32[B, 4]
+  return %4
+",
+    );
+    assert_eq!(program.launches(), 1, "{program:#?}");
+    assert!(matches!(&program.steps[0], Step::Segment { .. }) && fused(&program.steps[0]));
+}
+
+#[test]
+fn an_activation_and_a_residual_after_a_gemm_are_its_epilogue() {
+    let program = lowered(
+        "  %4 = epilogue(%1, %2, %3, %1) {expr = \"(add (relu $0) $1)\", inputs = 1, core = linear} : ragged<f32>[B; %0, 4]
+  return %4
+",
+    );
+    assert_eq!(program.launches(), 1, "{program:#?}");
+    assert!(fused(&program.steps[0]));
+}
+
+#[test]
+fn a_prologue_the_kernel_cannot_read_row_by_row_stays_a_step() {
+    // A softmax over the ragged dim of a batch whose prologue reads a per-element
+    // operand: segmented kernels take no per-element inputs, so two kernels.
+    let program = lowered(
+        "  %4 = input {name = \"s\"} : f32[B, 1, 4]
+  %5 = prologue(%1, %4) {expr = \"(mul $0 $1)\", inputs = 2, core = softmax, axis = 1} : ragged<f32>[B; %0, 4]
+  return %5
+",
+    );
+    assert_eq!(program.launches(), 2, "{program:#?}");
+    assert!(!program.steps.iter().any(fused), "{program:#?}");
+}
+
+#[test]
+fn fused_ops_that_break_the_rules_do_not_type() {
+    // A prologue around a GEMM, an epilogue around a norm, and an epilogue that
+    // broadcasts the GEMM's result to a bigger shape are ill-typed.
+    for body in [
+        "  %4 = prologue(%1, %2) {expr = \"(relu $0)\", inputs = 1, core = linear} : ragged<f32>[B; %0, 4]\n  return %4\n",
+        "  %4 = epilogue(%1) {expr = \"(relu $0)\", inputs = 0, core = layer_norm, dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 4]\n  return %4\n",
+        "  %4 = input {name = \"y\"} : ragged<f32>[B; %0, 3, 4]\n  %5 = epilogue(%1, %2, %4) {expr = \"(add $0 $1)\", inputs = 1, core = linear} : ragged<f32>[B; %0, 3, 4]\n  return %5\n",
+    ] {
+        let error = parse(&format!("graph @g {{\n{HEADER}{body}}}\n")).unwrap_err();
+        assert!(error.message.contains("prologue") || error.message.contains("epilogue") || error.message.contains("shape"), "{error:?}");
+    }
+}

@@ -123,10 +123,13 @@ fn bench(c: &mut Criterion) {
     unoptimized
         .call(&[&tokens], &[])
         .unwrap_or_else(|error| panic!("{error}"));
+    let (optimized_stats, unoptimized_stats) = (compiled.stats(), unoptimized.stats());
     println!(
-        "kernel launches per forward: optimized {}, unoptimized {}",
-        compiled.stats().kernel_launches,
-        unoptimized.stats().kernel_launches
+        "per forward: optimized {} launches, {} bytes moved; unoptimized {} launches, {} bytes moved",
+        optimized_stats.kernel_launches,
+        optimized_stats.bytes_moved,
+        unoptimized_stats.kernel_launches,
+        unoptimized_stats.bytes_moved
     );
     println!("occupancy {:.2}, lengths {lengths:?}", tokens.occupancy());
 

@@ -11,7 +11,7 @@ use nestor::ir::print;
 use nestor::nn::{TransformerConfig, TransformerEncoder, TransformerEncoderLayer};
 use nestor::passes::optimize::StopReason;
 use nestor::passes::{lower, Optimize, Pipeline, Step};
-use nestor::trace;
+use nestor::{compile, trace, Dense, NestedTensor};
 use tch::{nn, Device, Kind};
 
 fn config() -> TransformerConfig {
@@ -91,4 +91,31 @@ fn a_six_layer_encoder_optimizes_to_saturation() {
     println!("{report}");
     let (before, after) = report.kernels;
     assert!(after.unwrap() <= before.unwrap(), "{report}");
+}
+
+#[test]
+fn the_optimizer_moves_fewer_bytes_and_launches_fewer_kernels() {
+    tch::manual_seed(25);
+    let store = nn::VarStore::new(Device::Cpu);
+    let layer = TransformerEncoderLayer::new(&(store.root() / "layer"), &config());
+    let model = |x: &[NestedTensor], _: &[Dense]| layer.forward(&x[0], false);
+    let optimized = compile("layer", model);
+    let unoptimized = compile("layer", model).optimized(false);
+    let (tokens, _) = batch(&[7, 1, 12, 4], &[8], Kind::Float, 26);
+    let fast = optimized
+        .call(&[&tokens], &[])
+        .unwrap()
+        .remove(0)
+        .into_nested()
+        .unwrap();
+    let slow = unoptimized
+        .call(&[&tokens], &[])
+        .unwrap()
+        .remove(0)
+        .into_nested()
+        .unwrap();
+    assert!(fast.values().allclose(slow.values(), 1e-5, 1e-5, false));
+    let (fast, slow) = (optimized.stats(), unoptimized.stats());
+    assert_eq!((fast.kernel_launches, slow.kernel_launches), (7, 10));
+    assert!(fast.bytes_moved < slow.bytes_moved, "{fast:?} vs {slow:?}");
 }

@@ -330,8 +330,15 @@ impl Executable {
             }
         }
         let mut launches = 0;
+        let mut moved = 0;
+        let slot_bytes = |slot: Slot| {
+            let info = program.info(slot);
+            (count(info.rows) * info.width).max(0) as u64 * program.float.size() as u64
+        };
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
+            // Every buffer the step reads, once, and the one it writes.
+            moved += step.reads().into_iter().map(slot_bytes).sum::<u64>() + slot_bytes(out);
             let info = program.info(out);
             let elements = (count(info.rows) * info.width).max(0) as usize;
             let words = (elements * program.float.size()).div_ceil(8);
@@ -378,6 +385,7 @@ impl Executable {
             }
         }
         stats.launched(launches);
+        stats.moved(moved);
         let outputs = program
             .outputs
             .iter()

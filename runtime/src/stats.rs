@@ -10,6 +10,7 @@ pub struct Stats {
     cache_hits: AtomicU64,
     kernel_launches: AtomicU64,
     bytes_allocated: AtomicU64,
+    bytes_moved: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -23,6 +24,9 @@ pub struct StatsSnapshot {
     pub kernel_launches: u64,
     /// Bytes of intermediate buffers allocated.
     pub bytes_allocated: u64,
+    /// Bytes kernels read and wrote in memory: every buffer a step reads, once, and the
+    /// buffer it writes (what fused kernels keep in registers is not counted).
+    pub bytes_moved: u64,
 }
 
 impl Stats {
@@ -44,6 +48,10 @@ impl Stats {
         self.bytes_allocated.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    pub(crate) fn moved(&self, bytes: u64) {
+        self.bytes_moved.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
@@ -51,6 +59,7 @@ impl Stats {
             cache_hits: self.cache_hits.load(Ordering::Relaxed),
             kernel_launches: self.kernel_launches.load(Ordering::Relaxed),
             bytes_allocated: self.bytes_allocated.load(Ordering::Relaxed),
+            bytes_moved: self.bytes_moved.load(Ordering::Relaxed),
         }
     }
 }

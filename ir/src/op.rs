@@ -856,16 +856,7 @@ impl Op {
             | Op::TotalLength { .. }
             | Op::PerElement { .. } => vec![],
             Op::Fused { expr, .. } => vec![("expr", Attr::Str(expr.to_string()))],
-            Op::Prologue { inputs, expr, core } => [
-                vec![
-                    ("expr", Attr::Str(expr.to_string())),
-                    ("inputs", Attr::Int(inputs.len() as i64)),
-                    ("core", Attr::Word(core.name().to_owned())),
-                ],
-                core.attrs(),
-            ]
-            .concat(),
-            Op::Epilogue { core, inputs, expr } => [
+            Op::Prologue { inputs, expr, core } | Op::Epilogue { core, inputs, expr } => [
                 vec![
                     ("expr", Attr::Str(expr.to_string())),
                     ("inputs", Attr::Int(inputs.len() as i64)),

@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Each installs what is
 # missing first (scripts/setup.sh), then builds and runs.
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint report
 
 setup:
 	@scripts/setup.sh
@@ -15,3 +15,9 @@ test: setup
 lint: setup
 	cargo fmt --all -- --check
 	scripts/cargo clippy --workspace --all-targets -- -D warnings
+
+# The benchmark report (docs/benchmarks/report.md and its charts), from scratch:
+# builds the counting malloc the report preloads for peak memory, then runs the suite.
+report: setup
+	scripts/cargo build --release -p nestor-memcount -p nestor-bench
+	scripts/cargo run --release -p nestor-bench --bin report -- --out docs/benchmarks

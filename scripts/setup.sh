@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what nestor needs to build and test, idempotently:
-#   - LLVM 19 development packages (Debian's apt), for the code generators;
+#   - LLVM 19 development packages (Debian's apt), for the code generators, and the
+#     DejaVu fonts the benchmark report's charts are drawn with;
 #   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
 #     kept in a cache outside the checkout so that every clone shares one install.
 # Quick when everything is already present. Set NESTOR_CACHE to move the cache.
@@ -10,9 +11,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/env.sh
 source "$here/env.sh"
 
-llvm_packages=(llvm-19-dev libpolly-19-dev libzstd-dev)
+llvm_packages=(llvm-19-dev libpolly-19-dev libzstd-dev fonts-dejavu-core)
 if [ ! -x "$LLVM_SYS_191_PREFIX/bin/llvm-config" ] || [ ! -f "$LLVM_SYS_191_PREFIX/lib/libPolly.a" ] \
-    || ! dpkg -s libzstd-dev >/dev/null 2>&1; then
+    || ! dpkg -s libzstd-dev >/dev/null 2>&1 || ! dpkg -s fonts-dejavu-core >/dev/null 2>&1; then
   echo "nestor setup: installing ${llvm_packages[*]} with apt-get" >&2
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -603,6 +603,26 @@ fn per_element_regions_run_through_libtorch_when_asked() {
         assert_close(&compiled_outputs, &eager, "conv");
     }
     assert_eq!(compiled.stats().compiles, 1);
+    // A convolution that keeps every size keeps the lengths symbol, so a residual
+    // connection around it traces and compiles.
+    let square = Tensor::randn([3, 3, 3, 3], options);
+    let residual = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        let h = x[0]
+            .conv2d(&square, None, [1, 1], [1, 1], [1, 1], 1)?
+            .relu()?;
+        Ok(vec![(&h + &x[0])?.relu()?.into()])
+    };
+    let compiled = compile("residual", &residual).per_element_fallback(true);
+    for (index, sizes) in [vec![(6, 7), (9, 5)], vec![(4, 4), (5, 11), (12, 6)]]
+        .iter()
+        .enumerate()
+    {
+        let batch = images(sizes, 20 + index as i64);
+        let compiled_outputs = compiled.call(&[&batch], &[]).unwrap();
+        let eager = eager_values(residual(std::slice::from_ref(&batch), &[]).unwrap());
+        assert_close(&compiled_outputs, &eager, "residual conv");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
 }
 
 /// One step of a random model: what it does to the running value, reading earlier

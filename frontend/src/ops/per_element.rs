@@ -230,6 +230,22 @@ impl NestedTensor {
                             dilation,
                         },
                         ElemDim::Ragged(lengths),
+                    ) if stride[axis] == 1
+                        && 2 * padding[axis] == dilation[axis] * (kernel[axis] - 1) =>
+                    {
+                        // A window that keeps every size (a "same" convolution): the
+                        // result has the input's lengths, so it can meet the input again
+                        // (residual connections).
+                        ElemDim::Ragged(*lengths)
+                    }
+                    (
+                        Windows::Sliding {
+                            kernel,
+                            stride,
+                            padding,
+                            dilation,
+                        },
+                        ElemDim::Ragged(lengths),
                     ) => ElemDim::Ragged(graph.push(Op::WindowLengths {
                         lengths: *lengths,
                         kernel: kernel[axis],

@@ -1,0 +1,189 @@
+//! Runs the whole benchmark suite and writes the Markdown report and its charts.
+//!
+//! ```sh
+//! make report                       # CPU sizes, into docs/benchmarks/
+//! scripts/cargo run --release -p nestor-bench --bin report -- --scale full --out /tmp/r
+//! ```
+//!
+//! Options: `--scale cpu|full|smoke` (default cpu), `--out DIR` (default
+//! `docs/benchmarks`). When `libnestor_memcount.so` sits next to the binary (`make
+//! report` builds it), the report runs itself again with it preloaded to count peak
+//! memory.
+
+use std::path::PathBuf;
+
+use nestor::NestedTensor;
+use nestor_bench::lengths::{lengths, occupancy};
+use nestor_bench::measure::{memory_counted, time};
+use nestor_bench::models::{run_model, Measurement, Model, Outcome};
+use nestor_bench::operators::{run_operator, Operator};
+use nestor_bench::report::{chart, chart_name, markdown, register_font, Context, Packing};
+use nestor_bench::{Result, Scale, OCCUPANCIES};
+use tch::{Device, Kind, Tensor};
+
+fn main() {
+    if let Err(error) = run() {
+        eprintln!("report: {error}");
+        std::process::exit(1);
+    }
+}
+
+/// Runs this binary again with `nestor-memcount` preloaded, if it is built and not
+/// preloaded yet; returns its exit status.
+fn preloaded() -> Result<Option<i32>> {
+    if std::env::var_os("NESTOR_MEMCOUNT").is_some() {
+        return Ok(None);
+    }
+    let exe = std::env::current_exe()?;
+    let library = exe.with_file_name("libnestor_memcount.so");
+    if !library.exists() {
+        eprintln!(
+            "report: {} is not built: peak memory is not counted (make report builds it)",
+            library.display()
+        );
+        return Ok(None);
+    }
+    let status = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("LD_PRELOAD", &library)
+        .env("NESTOR_MEMCOUNT", "1")
+        .status()?;
+    Ok(Some(status.code().unwrap_or(1)))
+}
+
+fn run() -> Result<()> {
+    if let Some(code) = preloaded()? {
+        std::process::exit(code);
+    }
+    let mut scale_name = "cpu".to_owned();
+    let mut out = PathBuf::from("docs/benchmarks");
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--scale" => scale_name = args.next().ok_or("--scale needs cpu, full or smoke")?,
+            "--out" => out = PathBuf::from(args.next().ok_or("--out needs a folder")?),
+            other => return Err(format!("unknown argument {other} (use --scale, --out)").into()),
+        }
+    }
+    let scale = match scale_name.as_str() {
+        "cpu" => Scale::cpu(),
+        "full" => Scale::full(),
+        "smoke" => Scale::smoke(),
+        other => return Err(format!("unknown scale {other}: cpu, full or smoke").into()),
+    };
+    register_font()?;
+    std::fs::create_dir_all(&out)?;
+    let mut models: Vec<Measurement> = Vec::new();
+    for model in Model::ALL {
+        for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
+            let rows = run_model(model, &scale, occupancy, 100 + index as u64)?;
+            for row in &rows {
+                progress(row);
+            }
+            models.extend(rows);
+        }
+    }
+    let mut operators: Vec<Measurement> = Vec::new();
+    for operator in Operator::ALL {
+        let rows = run_operator(operator, &scale, 0.35, 200)?;
+        for row in &rows {
+            progress(row);
+        }
+        operators.extend(rows);
+    }
+    let packing = OCCUPANCIES
+        .iter()
+        .enumerate()
+        .map(|(index, &target)| packing(&scale, target, 100 + index as u64))
+        .collect::<Result<Vec<_>>>()?;
+    for model in Model::ALL {
+        chart(&models, model, &out.join(chart_name(model)))?;
+    }
+    let context = Context {
+        command: format!("make report (scale {scale_name})"),
+        machine: machine(),
+        scale: describe(&scale),
+        memory: memory_counted(),
+    };
+    let path = out.join("report.md");
+    std::fs::write(&path, markdown(&context, &packing, &models, &operators))?;
+    eprintln!("report: wrote {}", path.display());
+    Ok(())
+}
+
+fn progress(row: &Measurement) {
+    let what = match &row.outcome {
+        Outcome::Measured { timing, .. } => format!("{:.3} ms", timing.median * 1e3),
+        Outcome::Unavailable(why) => why.clone(),
+    };
+    eprintln!(
+        "report: {} {} {:.2} {}: {what}",
+        row.subject,
+        row.mode.name(),
+        row.occupancy,
+        row.column.name()
+    );
+}
+
+/// Times building a batch's metadata: packing with offsets, and padding with a mask.
+fn packing(scale: &Scale, target: f64, seed: u64) -> Result<Packing> {
+    let lengths = lengths(scale.batch, scale.max_length, target, seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&length| Tensor::f_randn([length, scale.d_model], (Kind::Float, Device::Cpu)))
+        .collect::<std::result::Result<_, _>>()?;
+    let nested = time(scale.samples, || {
+        NestedTensor::builder()
+            .ragged_dims(&[0])
+            .tensors(&elements)?;
+        Ok(())
+    })?;
+    let padded = time(scale.samples, || {
+        let padded = Tensor::f_pad_sequence(&elements, true, 0.0, "right")?;
+        let positions = Tensor::f_arange(scale.max_length, (Kind::Int64, Device::Cpu))?;
+        let _mask = positions
+            .f_unsqueeze(0)?
+            .f_lt_tensor(&Tensor::f_from_slice(&lengths)?.f_unsqueeze(1)?)?;
+        drop(padded);
+        Ok(())
+    })?;
+    Ok(Packing {
+        occupancy: occupancy(&lengths, scale.max_length),
+        nested: nested.median,
+        padded: padded.median,
+    })
+}
+
+fn describe(scale: &Scale) -> String {
+    format!(
+        "batch {}, max length {}, d_model {}, {} heads, {} layers per stack, feed-forward {}; \
+         images up to {s}x{s} with {} channels; vocabulary {}; {} timed runs per cell",
+        scale.batch,
+        scale.max_length,
+        scale.d_model,
+        scale.heads,
+        scale.layers,
+        scale.feedforward,
+        scale.channels,
+        scale.vocabulary,
+        scale.samples,
+        s = scale.image_side
+    )
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|line| line.starts_with("model name"))
+                .and_then(|line| line.split(':').nth(1))
+                .map(|name| name.trim().to_owned())
+        })
+        .unwrap_or_else(|| "an unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!(
+        "{cpu}, {cores} cores, libtorch 2.13 through tch 0.26, {} threads",
+        tch::get_num_threads()
+    )
+}

@@ -277,20 +277,50 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         b: FloatValue<'ctx>,
         largest: bool,
     ) -> Gen<FloatValue<'ctx>> {
+        self.pick(a, b, largest, false)
+    }
+
+    /// [`Kernel::extreme`] that may assume no NaN (and ignore the sign of zero), so that
+    /// a running maximum built from it vectorizes. For softmax's row maximum: a NaN in
+    /// the row still makes every output NaN through the exponentials.
+    pub(crate) fn extreme_unordered(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+        largest: bool,
+    ) -> Gen<FloatValue<'ctx>> {
+        self.pick(a, b, largest, true)
+    }
+
+    fn pick(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+        largest: bool,
+        unordered: bool,
+    ) -> Gen<FloatValue<'ctx>> {
         let predicate = if largest {
             FloatPredicate::OGT
         } else {
             FloatPredicate::OLT
         };
-        let pick = self
+        let flags = FastMathFlags::NoNaNs | FastMathFlags::NoSignedZeros;
+        let compare = self
             .builder
             .build_float_compare(predicate, a, b, "cmp")
             .map_err(err)?;
-        Ok(self
+        if let (true, Some(instruction)) = (unordered, compare.as_instruction()) {
+            instruction.set_fast_math_flags(flags).map_err(err)?;
+        }
+        let pick = self
             .builder
-            .build_select(pick, a, b, "pick")
+            .build_select(compare, a, b, "pick")
             .map_err(err)?
-            .into_float_value())
+            .into_float_value();
+        if let (true, Some(instruction)) = (unordered, pick.as_instruction()) {
+            instruction.set_fast_math_flags(flags).map_err(err)?;
+        }
+        Ok(pick)
     }
 
     /// An LLVM float intrinsic of one argument (`llvm.exp`, `llvm.sqrt`, ...).
@@ -347,6 +377,53 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .map_err(err)?
             .into_float_value();
         self.fmul(polynomial, scale)
+    }
+
+    /// `erf(x)` inline in f32 kernels: Abramowitz and Stegun 7.1.26 (absolute error
+    /// below 1.5e-7) over the inline exp, so loops over it vectorize; f64 kernels call
+    /// libm.
+    pub(crate) fn fast_erf(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        if self.double {
+            return self.libm("erf", x);
+        }
+        const P: f64 = 0.327_591_1;
+        const A: [f64; 5] = [
+            1.061_405_429,
+            -1.453_152_027,
+            1.421_413_741,
+            -0.284_496_736,
+            0.254_829_592,
+        ];
+        let magnitude = self.intrinsic("llvm.fabs", &[x])?;
+        let t = self.fdiv(
+            self.constant(1.0),
+            self.fadd(self.constant(1.0), self.fmul(magnitude, self.constant(P))?)?,
+        )?;
+        let mut polynomial = self.constant(A[0]);
+        for &coefficient in &A[1..] {
+            polynomial = self.fadd(self.fmul(polynomial, t)?, self.constant(coefficient))?;
+        }
+        polynomial = self.fmul(polynomial, t)?;
+        let square = self.fmul(magnitude, magnitude)?;
+        let gaussian = self.fast_exp(self.fsub(self.constant(0.0), square)?)?;
+        let value = self.fsub(self.constant(1.0), self.fmul(polynomial, gaussian)?)?;
+        self.intrinsic("llvm.copysign", &[value, x])
+    }
+
+    /// `tanh(x)` inline in f32 kernels as `1 - 2 / (e^{2|x|} + 1)` with the sign of `x`
+    /// (absolute error of the inline exp's order), so loops vectorize; f64 kernels call
+    /// libm.
+    pub(crate) fn fast_tanh(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        if self.double {
+            return self.libm("tanh", x);
+        }
+        let magnitude = self.intrinsic("llvm.fabs", &[x])?;
+        let grown = self.fast_exp(self.fmul(magnitude, self.constant(2.0))?)?;
+        let value = self.fsub(
+            self.constant(1.0),
+            self.fdiv(self.constant(2.0), self.fadd(grown, self.constant(1.0))?)?,
+        )?;
+        self.intrinsic("llvm.copysign", &[value, x])
     }
 
     /// A C math function of one argument (from the process's libm): `name` is the
@@ -432,12 +509,12 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             UnaryOp::Square => self.fmul(x, x),
             UnaryOp::Sin => self.intrinsic("llvm.sin", &[x]),
             UnaryOp::Cos => self.intrinsic("llvm.cos", &[x]),
-            UnaryOp::Tanh => self.libm("tanh", x),
+            UnaryOp::Tanh => self.fast_tanh(x),
             UnaryOp::Sigmoid => self.sigmoid(x),
             UnaryOp::Relu => self.extreme(x, self.constant(0.0), true),
             UnaryOp::Gelu => {
                 let scaled = self.fmul(x, self.constant(std::f64::consts::FRAC_1_SQRT_2))?;
-                let erf = self.libm("erf", scaled)?;
+                let erf = self.fast_erf(scaled)?;
                 let half = self.fmul(x, self.constant(0.5))?;
                 self.fmul(half, self.fadd(self.constant(1.0), erf)?)
             }
@@ -446,12 +523,12 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 let inner = self.fadd(x, self.fmul(cube, self.constant(0.044715))?)?;
                 let scaled =
                     self.fmul(inner, self.constant((2.0 / std::f64::consts::PI).sqrt()))?;
-                let tanh = self.libm("tanh", scaled)?;
+                let tanh = self.fast_tanh(scaled)?;
                 let half = self.fmul(x, self.constant(0.5))?;
                 self.fmul(half, self.fadd(self.constant(1.0), tanh)?)
             }
             UnaryOp::Silu => self.fmul(x, self.sigmoid(x)?),
-            UnaryOp::Erf => self.libm("erf", x),
+            UnaryOp::Erf => self.fast_erf(x),
             UnaryOp::Not => {
                 let zero = self
                     .builder

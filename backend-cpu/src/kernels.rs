@@ -143,10 +143,13 @@ fn row_sum<'ctx>(
     kernel.get(acc)
 }
 
+/// The largest (or smallest) of `f(column)` over a row; `unordered` lets it assume no
+/// NaN so that it vectorizes (see [`Kernel::extreme_unordered`]).
 fn row_extreme<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     width: i64,
     largest: bool,
+    unordered: bool,
     f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<FloatValue<'ctx>> {
     let acc = kernel.accumulator("extreme")?;
@@ -160,7 +163,12 @@ fn row_extreme<'ctx>(
     )?;
     kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
         let value = f(column)?;
-        kernel.set(acc, kernel.extreme(kernel.get(acc)?, value, largest)?)
+        let next = if unordered {
+            kernel.extreme_unordered(kernel.get(acc)?, value, largest)?
+        } else {
+            kernel.extreme(kernel.get(acc)?, value, largest)?
+        };
+        kernel.set(acc, next)
     })?;
     kernel.get(acc)
 }
@@ -255,7 +263,7 @@ fn row<'ctx>(
                 })
             }
             RowKind::Softmax | RowKind::LogSoftmax => {
-                let max = row_extreme(kernel, width, true, load)?;
+                let max = row_extreme(kernel, width, true, true, load)?;
                 let total = row_sum(kernel, width, |column| {
                     kernel.fast_exp(kernel.fsub(load(column)?, max)?)
                 })?;
@@ -282,7 +290,7 @@ fn row<'ctx>(
             RowKind::Max | RowKind::Min => kernel.store_float(
                 out,
                 row,
-                row_extreme(kernel, width, kind == RowKind::Max, load)?,
+                row_extreme(kernel, width, kind == RowKind::Max, false, load)?,
             ),
         }
     })

@@ -14,6 +14,7 @@
 mod codegen;
 mod kernels;
 
+use inkwell::attributes::AttributeLoc;
 use inkwell::context::Context;
 use inkwell::execution_engine::ExecutionEngine;
 use inkwell::passes::PassBuilderOptions;
@@ -133,6 +134,20 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
         .ok_or_else(|| BackendError::new("no target machine for the host"))?;
     module.set_triple(&triple);
     module.set_data_layout(&machine.get_target_data().get_data_layout());
+    // MCJIT generates code with its own default target machine (generic x86-64, SSE2):
+    // every function names the host CPU and its features, so that both the passes and
+    // the JIT's code generator use AVX2 / AVX-512 where the host has them.
+    for function in module.get_functions() {
+        for (key, value) in [
+            ("target-cpu", cpu.as_str()),
+            ("target-features", features.as_str()),
+        ] {
+            function.add_attribute(
+                AttributeLoc::Function,
+                context.create_string_attribute(key, value),
+            );
+        }
+    }
     module
         .run_passes("default<O3>", &machine, PassBuilderOptions::create())
         .map_err(BackendError::new)?;

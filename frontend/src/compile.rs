@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use nestor_passes::{lower_with, FloatType, LowerOptions, Pipeline};
 use nestor_runtime::{
-    Executable, HostRunner, HostValue, InputData, RunData, RunDim, RunOutput, RunShape, Stats,
-    StatsSnapshot,
+    Executable, HostRunner, HostValue, InputData, OutputSink, RunData, RunDim, RunOutput, RunShape,
+    Stats, StatsSnapshot,
 };
 use tch::{Kind, Tensor};
 
@@ -211,14 +211,29 @@ where
                 }
             })
             .collect::<Result<Vec<_>>>()?;
+        let mut sink = TensorSink {
+            kind: float,
+            tensors: Vec::new(),
+        };
         let outputs = entry
             .executable
-            .run(&inputs, &self.stats, Some(&TorchHost))
+            .run_into(&inputs, &self.stats, Some(&TorchHost), Some(&mut sink))
             .map_err(|error| NestedError::Compile {
                 stage: "runtime",
                 reason: error.to_string(),
             })?;
-        outputs.into_iter().map(output_value).collect()
+        let mut written = sink.tensors.into_iter();
+        outputs
+            .into_iter()
+            .enumerate()
+            .map(|(index, output)| {
+                let tensor = written
+                    .by_ref()
+                    .find(|(output, _)| *output == index)
+                    .map(|(_, tensor)| tensor);
+                output_value(output, tensor)
+            })
+            .collect()
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
@@ -345,7 +360,26 @@ fn static_sizes(dims: &[RunDim]) -> Vec<i64> {
         .collect()
 }
 
-fn output_value(output: RunOutput) -> Result<Value> {
+/// Tensors the runtime writes results into (no copy out of its buffers).
+struct TensorSink {
+    kind: Kind,
+    /// The tensors given, with the output each is for, in output order.
+    tensors: Vec<(usize, Tensor)>,
+}
+
+// SAFETY: every buffer is the data of a new contiguous CPU tensor of `elements` values
+// of the program's float type (`kind`), kept in `tensors` (so alive) past the run.
+unsafe impl OutputSink for TensorSink {
+    fn buffer(&mut self, index: usize, elements: usize) -> Option<*mut u8> {
+        let tensor = Tensor::f_empty([elements as i64], (self.kind, tch::Device::Cpu)).ok()?;
+        let pointer = tensor.data_ptr() as *mut u8;
+        self.tensors.push((index, tensor));
+        Some(pointer)
+    }
+}
+
+/// The value of a result: the tensor it was written into, or its copied-out data.
+fn output_value(output: RunOutput, written: Option<Tensor>) -> Result<Value> {
     // Rows of `tail`: as many as the values fill.
     let rows_of = |tail: Vec<i64>| -> Vec<i64> {
         let width: i64 = tail.iter().product();
@@ -361,9 +395,16 @@ fn output_value(output: RunOutput) -> Result<Value> {
         RunShape::Dense(tail) => rows_of(tail.clone()),
         RunShape::Ragged(dims) => rows_of(static_sizes(dims)),
     };
-    let mut values = match &output.data {
-        RunData::F32(data) => Tensor::f_from_slice(data)?,
-        RunData::F64(data) => Tensor::f_from_slice(data)?,
+    let mut values = match (&output.data, written) {
+        (RunData::Sunk(_), Some(tensor)) => tensor,
+        (RunData::F32(data), _) => Tensor::f_from_slice(data)?,
+        (RunData::F64(data), _) => Tensor::f_from_slice(data)?,
+        (RunData::Sunk(_), None) => {
+            return Err(NestedError::Compile {
+                stage: "runtime",
+                reason: "a result was written into a buffer the call did not give".into(),
+            })
+        }
     }
     .f_reshape(&shape)?;
     let kind = kind_of(output.dtype);

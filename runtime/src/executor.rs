@@ -63,6 +63,18 @@ pub enum RunDim {
     Static(i64),
 }
 
+/// Where a run may write its results directly: buffers of the caller (a tensor of its
+/// framework), so that results are not copied out.
+///
+/// # Safety
+/// A buffer returned for `elements` must hold that many values of the program's float
+/// type, be valid for writes, and outlive the run.
+pub unsafe trait OutputSink {
+    /// A buffer for output `index` of `elements` values, or `None` to have the runtime
+    /// allocate it (and copy the result out).
+    fn buffer(&mut self, index: usize, elements: usize) -> Option<*mut u8>;
+}
+
 /// The shape of a result.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RunShape {
@@ -81,6 +93,8 @@ pub enum RunData {
     F32(Vec<f32>),
     /// Values of a program that computes in f64.
     F64(Vec<f64>),
+    /// This many values, written into the buffer the [`OutputSink`] gave.
+    Sunk(usize),
 }
 
 impl RunData {
@@ -89,6 +103,7 @@ impl RunData {
         match self {
             RunData::F32(values) => values.len(),
             RunData::F64(values) => values.len(),
+            RunData::Sunk(elements) => *elements,
         }
     }
 
@@ -206,6 +221,18 @@ impl Executable {
         inputs: &[InputData<'_>],
         stats: &Stats,
         host: Option<&dyn HostRunner>,
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
+        self.run_into(inputs, stats, host, None)
+    }
+
+    /// [`Executable::run`], writing the results that steps compute straight into the
+    /// buffers `sink` gives (their data is then [`RunData::Sunk`]).
+    pub fn run_into(
+        &self,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+        host: Option<&dyn HostRunner>,
+        mut sink: Option<&mut dyn OutputSink>,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
@@ -329,6 +356,23 @@ impl Executable {
                 Source::Alias(_) | Source::Step => {}
             }
         }
+        // Results computed by a step go straight into the sink's buffers.
+        let mut external: Vec<Option<*mut u8>> = vec![None; program.slots.len()];
+        let mut sunk = vec![false; program.outputs.len()];
+        if let Some(sink) = sink.as_deref_mut() {
+            for (index, output) in program.outputs.iter().enumerate() {
+                let slot = output.slot();
+                let info = program.info(slot);
+                if info.source != Source::Step || external[slot.0 as usize].is_some() {
+                    continue;
+                }
+                let elements = (count(info.rows) * info.width).max(0) as usize;
+                if let Some(buffer) = sink.buffer(index, elements) {
+                    external[slot.0 as usize] = Some(buffer);
+                    sunk[index] = true;
+                }
+            }
+        }
         let mut launches = 0;
         let mut moved = 0;
         let slot_bytes = |slot: Slot| {
@@ -339,22 +383,26 @@ impl Executable {
             let out = step.output();
             // Every buffer the step reads, once, and the one it writes.
             moved += step.reads().into_iter().map(slot_bytes).sum::<u64>() + slot_bytes(out);
-            let info = program.info(out);
-            let elements = (count(info.rows) * info.width).max(0) as usize;
-            let words = (elements * program.float.size()).div_ceil(8);
-            let reuse = free.iter().position(|buffer| buffer.capacity() >= words);
-            let mut buffer = match reuse {
-                Some(position) => free.swap_remove(position),
-                None => {
-                    stats.allocated((words * 8) as u64);
-                    Vec::with_capacity(words)
-                }
-            };
-            // Every step writes all of its output, so a reused buffer keeps its old
-            // contents (only a grown part is zeroed): no memset per step.
-            buffer.resize(words, 0);
-            pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
-            owned[out.0 as usize] = Some(buffer);
+            if let Some(buffer) = external[out.0 as usize] {
+                pointers[out.0 as usize] = buffer;
+            } else {
+                let info = program.info(out);
+                let elements = (count(info.rows) * info.width).max(0) as usize;
+                let words = (elements * program.float.size()).div_ceil(8);
+                let reuse = free.iter().position(|buffer| buffer.capacity() >= words);
+                let mut buffer = match reuse {
+                    Some(position) => free.swap_remove(position),
+                    None => {
+                        stats.allocated((words * 8) as u64);
+                        Vec::with_capacity(words)
+                    }
+                };
+                // Every step writes all of its output, so a reused buffer keeps its old
+                // contents (only a grown part is zeroed): no memset per step.
+                buffer.resize(words, 0);
+                pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
+                owned[out.0 as usize] = Some(buffer);
+            }
             let started = profile().then(std::time::Instant::now);
             self.execute(
                 step_index,
@@ -389,7 +437,8 @@ impl Executable {
         let outputs = program
             .outputs
             .iter()
-            .map(|output| {
+            .enumerate()
+            .map(|(index, output)| {
                 let (slot, shape) = match output {
                     Output::Ragged { slot, dims } => (
                         *slot,
@@ -427,6 +476,7 @@ impl Executable {
                 // that checked size, or a buffer this run allocated with that size
                 // (outputs are never freed).
                 let data = match program.float {
+                    _ if sunk[index] => RunData::Sunk(elements),
                     FloatType::F32 => RunData::F32(unsafe { copy_out(pointer, elements) }),
                     FloatType::F64 => RunData::F64(unsafe { copy_out(pointer, elements) }),
                 };

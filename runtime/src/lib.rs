@@ -17,7 +17,7 @@ mod scalar;
 mod stats;
 
 pub use executor::{
-    Executable, HostRunner, HostValue, InputData, RunData, RunDim, RunOutput, RunShape,
+    Executable, HostRunner, HostValue, InputData, OutputSink, RunData, RunDim, RunOutput, RunShape,
     RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};

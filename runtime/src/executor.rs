@@ -232,7 +232,7 @@ impl Executable {
         inputs: &[InputData<'_>],
         stats: &Stats,
         host: Option<&dyn HostRunner>,
-        mut sink: Option<&mut dyn OutputSink>,
+        sink: Option<&mut dyn OutputSink>,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
@@ -359,7 +359,7 @@ impl Executable {
         // Results computed by a step go straight into the sink's buffers.
         let mut external: Vec<Option<*mut u8>> = vec![None; program.slots.len()];
         let mut sunk = vec![false; program.outputs.len()];
-        if let Some(sink) = sink.as_deref_mut() {
+        if let Some(sink) = sink {
             for (index, output) in program.outputs.iter().enumerate() {
                 let slot = output.slot();
                 let info = program.info(slot);

@@ -290,16 +290,9 @@ pub fn with_columns(
                 weights: &weights,
                 scale,
             };
-            for mode in [Mode::Inference, Mode::Training] {
-                let optimizer = nn::Sgd::default().build(&store, 1e-5)?;
-                let columns = stacks.columns(&source, &target_tokens, mode, optimizer)?;
-                visit(
-                    mode,
-                    occupancy_now,
-                    flops * if mode == Mode::Training { 3.0 } else { 1.0 },
-                    columns,
-                )?;
-            }
+            visit_modes(&store, occupancy_now, flops, visit, |mode, optimizer| {
+                stacks.columns(&source, &target_tokens, mode, optimizer)
+            })?;
         }
         Model::ConvNet => {
             let net = ConvNet::new(&(&root / "convnet"), scale.channels);
@@ -318,19 +311,88 @@ pub fn with_columns(
                     2.0 * (h * w) as f64 * 9.0 * (3.0 * c + 2.0 * c * c)
                 })
                 .sum::<f64>();
-            for mode in [Mode::Inference, Mode::Training] {
-                let optimizer = nn::Sgd::default().build(&store, 1e-5)?;
-                let columns = net.columns(&weights, &images, mode, optimizer)?;
-                visit(
-                    mode,
-                    occupancy_now,
-                    flops * if mode == Mode::Training { 3.0 } else { 1.0 },
-                    columns,
-                )?;
-            }
+            visit_modes(&store, occupancy_now, flops, visit, |mode, optimizer| {
+                net.columns(&weights, &images, mode, optimizer)
+            })?;
         }
     }
     Ok(())
+}
+
+/// Hands `visit` the columns of inference, then of training (with a fresh SGD
+/// optimizer; a training step counts three times the forward FLOPs).
+fn visit_modes<'a>(
+    store: &nn::VarStore,
+    occupancy: f64,
+    flops: f64,
+    visit: &mut Visit<'_>,
+    mut columns: impl FnMut(Mode, nn::Optimizer) -> Result<Columns<'a>>,
+) -> Result<()> {
+    for mode in [Mode::Inference, Mode::Training] {
+        let optimizer = nn::Sgd::default().build(store, 1e-5)?;
+        let factor = if mode == Mode::Training { 3.0 } else { 1.0 };
+        visit(mode, occupancy, flops * factor, columns(mode, optimizer)?)?;
+    }
+    Ok(())
+}
+
+/// Turns a forward function into a step of one mode: inference without gradients, or
+/// a training step (the forward gives the loss; backward; an optimizer step).
+struct Stepper {
+    mode: Mode,
+    optimizer: std::rc::Rc<std::cell::RefCell<nn::Optimizer>>,
+}
+
+impl Stepper {
+    fn new(mode: Mode, optimizer: nn::Optimizer) -> Self {
+        Self {
+            mode,
+            optimizer: std::rc::Rc::new(std::cell::RefCell::new(optimizer)),
+        }
+    }
+
+    fn step<'a>(&self, forward: Box<dyn Fn() -> Result<Tensor> + 'a>) -> Step<'a> {
+        let optimizer = std::rc::Rc::clone(&self.optimizer);
+        match self.mode {
+            Mode::Inference => Box::new(move || {
+                let _no_grad = tch::no_grad_guard();
+                forward()
+            }),
+            Mode::Training => Box::new(move || {
+                let loss = forward()?;
+                let mut optimizer = optimizer.borrow_mut();
+                optimizer.zero_grad();
+                loss.f_backward()?;
+                optimizer.step();
+                Ok(loss)
+            }),
+        }
+    }
+}
+
+/// A compiled function called on `inputs` as a step (without gradients; `finish` turns
+/// its first result into the step's tensor), and its compile counter.
+pub fn compiled_step<'a, O, F>(
+    function: nestor::Compiled<F>,
+    inputs: Vec<&'a NestedTensor>,
+    finish: impl Fn(NestedTensor) -> Result<Tensor> + 'a,
+) -> (Step<'a>, Box<dyn Fn() -> u64 + 'a>)
+where
+    O: nestor::TraceOutputs,
+    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<O> + 'a,
+{
+    let function = std::rc::Rc::new(function);
+    let counter = std::rc::Rc::clone(&function);
+    let step: Step<'a> = Box::new(move || {
+        let _no_grad = tch::no_grad_guard();
+        let output = function.call(&inputs, &[])?;
+        let first = output
+            .into_iter()
+            .next()
+            .ok_or("the function returned nothing")?;
+        finish(first.into_nested()?)
+    });
+    (step, Box::new(move || counter.stats().compiles))
 }
 
 /// Times every column and measures its peak memory.
@@ -549,25 +611,8 @@ impl<'a> Stacks<'a> {
     ) -> Result<Columns<'a>> {
         let out = self.output_tokens(source, target);
         let count = out.total() * self.scale.d_model as f64;
-        let optimizer = std::rc::Rc::new(std::cell::RefCell::new(optimizer));
-        let train =
-            move |loss: Tensor, optimizer: &std::cell::RefCell<nn::Optimizer>| -> Result<Tensor> {
-                let mut optimizer = optimizer.borrow_mut();
-                optimizer.zero_grad();
-                loss.f_backward()?;
-                optimizer.step();
-                Ok(loss)
-            };
-        let step = |forward: Box<dyn Fn() -> Result<Tensor> + 'a>| -> Step<'a> {
-            let optimizer = std::rc::Rc::clone(&optimizer);
-            match mode {
-                Mode::Inference => Box::new(move || {
-                    let _no_grad = tch::no_grad_guard();
-                    forward()
-                }),
-                Mode::Training => Box::new(move || train(forward()?, &optimizer)),
-            }
-        };
+        let stepper = Stepper::new(mode, optimizer);
+        let step = |forward: Box<dyn Fn() -> Result<Tensor> + 'a>| stepper.step(forward);
         let padded = step(Box::new(move || {
             let output = self.padded(
                 &source.padded,
@@ -604,28 +649,14 @@ impl<'a> Stacks<'a> {
                 Mode::Training => Ok(output.values().f_square()?.f_mean(Kind::Float)?),
             }
         }));
-        let compiled = match mode {
-            Mode::Training => None,
-            Mode::Inference => {
-                let function = std::rc::Rc::new(compile(
-                    "model",
-                    move |inputs: &[NestedTensor], _: &[Dense]| self.nestor(&inputs[0], &inputs[1]),
-                ));
-                let counter = std::rc::Rc::clone(&function);
-                let run: Step<'a> = Box::new(move || {
-                    let output = function.call(&[&source.nested, &target.nested], &[])?;
-                    let values = output
-                        .into_iter()
-                        .next()
-                        .ok_or("the model returned nothing")?;
-                    Ok(values.into_nested()?.values().shallow_clone())
-                });
-                Some((
-                    run,
-                    Box::new(move || counter.stats().compiles) as Box<dyn Fn() -> u64 + 'a>,
-                ))
-            }
-        };
+        let compiled = (mode == Mode::Inference).then(|| {
+            let function = compile("model", move |inputs: &[NestedTensor], _: &[Dense]| {
+                self.nestor(&inputs[0], &inputs[1])
+            });
+            compiled_step(function, vec![&source.nested, &target.nested], |output| {
+                Ok(output.values().shallow_clone())
+            })
+        });
         Ok(Columns {
             padded,
             per_element,
@@ -741,23 +772,16 @@ impl ConvNet {
         mode: Mode,
         optimizer: nn::Optimizer,
     ) -> Result<Columns<'a>> {
-        let optimizer = std::rc::Rc::new(std::cell::RefCell::new(optimizer));
-        let step = |forward: Box<dyn Fn() -> Result<Tensor> + 'a>| -> Step<'a> {
-            let optimizer = std::rc::Rc::clone(&optimizer);
-            match mode {
-                Mode::Inference => Box::new(move || {
-                    let _no_grad = tch::no_grad_guard();
-                    forward()
-                }),
-                Mode::Training => Box::new(move || {
-                    let loss = forward()?.f_square()?.f_mean(Kind::Float)?;
-                    let mut optimizer = optimizer.borrow_mut();
-                    optimizer.zero_grad();
-                    loss.f_backward()?;
-                    optimizer.step();
-                    Ok(loss)
-                }),
-            }
+        let stepper = Stepper::new(mode, optimizer);
+        // Training minimizes the mean square of the logits.
+        let step = |forward: Box<dyn Fn() -> Result<Tensor> + 'a>| {
+            stepper.step(Box::new(move || {
+                let logits = forward()?;
+                match mode {
+                    Mode::Inference => Ok(logits),
+                    Mode::Training => Ok(logits.f_square()?.f_mean(Kind::Float)?),
+                }
+            }))
         };
         let padded = step(Box::new(move || {
             self.head(&padded::conv_net(
@@ -777,31 +801,15 @@ impl ConvNet {
         let nestor = step(Box::new(move || {
             self.head(self.features(&images.nested)?.values())
         }));
-        let compiled = match mode {
-            Mode::Training => None,
-            Mode::Inference => {
-                let function = std::rc::Rc::new(
-                    compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
-                        self.features(&inputs[0])
-                    })
-                    .per_element_fallback(true),
-                );
-                let counter = std::rc::Rc::clone(&function);
-                let run: Step<'a> = Box::new(move || {
-                    let _no_grad = tch::no_grad_guard();
-                    let output = function.call(&[&images.nested], &[])?;
-                    let pooled = output
-                        .into_iter()
-                        .next()
-                        .ok_or("the net returned nothing")?;
-                    self.head(pooled.into_nested()?.values())
-                });
-                Some((
-                    run,
-                    Box::new(move || counter.stats().compiles) as Box<dyn Fn() -> u64 + 'a>,
-                ))
-            }
-        };
+        let compiled = (mode == Mode::Inference).then(|| {
+            let function = compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
+                self.features(&inputs[0])
+            })
+            .per_element_fallback(true);
+            compiled_step(function, vec![&images.nested], move |pooled| {
+                self.head(pooled.values())
+            })
+        });
         Ok(Columns {
             padded,
             per_element,

@@ -1,13 +1,13 @@
 //! The operators table: single operators at 35% occupancy on `[B; L, d_model]` tokens,
 //! padded libtorch eager vs nestor eager vs nestor compiled.
 
-use std::rc::Rc;
-
 use nestor::{compile, Dense, NestedTensor};
 use tch::{Device, Kind, Tensor};
 
 use crate::lengths::{lengths, occupancy};
-use crate::models::{measure, measure_compiled, Column, Measurement, Mode, Outcome, Step, Tokens};
+use crate::models::{
+    compiled_step, measure, measure_compiled, Column, Measurement, Mode, Outcome, Step, Tokens,
+};
 use crate::{Result, Scale};
 
 /// A benchmarked operator.
@@ -228,21 +228,11 @@ pub fn with_steps(
             .values()
             .shallow_clone())
     });
-    let function = Rc::new(compile(
-        operator.name(),
-        |inputs: &[NestedTensor], _: &[Dense]| {
-            nested_op(operator, &inputs[0], &inputs[1], &weight, &bias)
-        },
-    ));
-    let counter = Rc::clone(&function);
-    let (inputs_x, inputs_y) = (&nested_x, &y.nested);
-    let compiled: Step<'_> = Box::new(move || {
-        let output = function.call(&[inputs_x, inputs_y], &[])?;
-        let value = output
-            .into_iter()
-            .next()
-            .ok_or("the operator returned nothing")?;
-        Ok(value.into_nested()?.values().shallow_clone())
+    let function = compile(operator.name(), |inputs: &[NestedTensor], _: &[Dense]| {
+        nested_op(operator, &inputs[0], &inputs[1], &weight, &bias)
+    });
+    let (compiled, compiles) = compiled_step(function, vec![&nested_x, &y.nested], |output| {
+        Ok(output.values().shallow_clone())
     });
     visit(
         occupancy_now,
@@ -251,7 +241,7 @@ pub fn with_steps(
             padded,
             eager,
             compiled,
-            compiles: Box::new(move || counter.stats().compiles),
+            compiles,
         },
     )
 }

@@ -108,6 +108,32 @@ fn pointwise<'ctx>(
             None
         });
     }
+    // When every input is read element for element (or is one scalar), the rows are
+    // one flat run of scalars: one loop, with no per-row overhead (narrow rows, such as
+    // the channels of packed pixels, would otherwise spend most of their time there).
+    let flat = inputs.iter().all(|access| {
+        let whole = access.per_element.is_none() && access.col_modulo == 0;
+        let elementwise = access.row_stride == width && access.col_stride == 1;
+        let scalar = access.row_stride == 0 && access.col_stride == 0;
+        whole && (elementwise || scalar)
+    });
+    if flat {
+        let first = kernel.mul(start, kernel.i64(width))?;
+        let last = kernel.mul(end, kernel.i64(width))?;
+        return kernel.for_range(first, last, |at| {
+            let load = |input: usize| -> Gen<FloatValue<'ctx>> {
+                let access = &inputs[input];
+                let position = if access.row_stride == 0 {
+                    kernel.i64(access.offset)
+                } else {
+                    kernel.add(at, kernel.i64(access.offset))?
+                };
+                kernel.load_float(pointers[input], position)
+            };
+            let value = kernel.expr(expr, &load)?;
+            kernel.store_float(out, at, value)
+        });
+    }
     kernel.for_range(start, end, |row| {
         let rows = maps
             .iter()

@@ -467,7 +467,8 @@ impl HostRunner for TorchHost {
         &self,
         graph: &nestor_ir::Graph,
         inputs: &[HostValue<'_>],
-    ) -> std::result::Result<Vec<f32>, String> {
+        out: &mut [f32],
+    ) -> std::result::Result<(), String> {
         let values = host_values(graph, inputs).map_err(|error| error.to_string())?;
         let output = interpret(graph, values)
             .map_err(|error| error.to_string())?
@@ -482,9 +483,16 @@ impl HostRunner for TorchHost {
         let flat = packed
             .f_to_kind(Kind::Float)
             .and_then(|t| t.f_contiguous())
-            .and_then(|t| t.f_reshape([-1]))
             .map_err(|error| error.to_string())?;
-        Vec::<f32>::try_from(&flat).map_err(|error| error.to_string())
+        if flat.numel() != out.len() {
+            return Err(format!(
+                "a host step returned {} values, expected {}",
+                flat.numel(),
+                out.len()
+            ));
+        }
+        flat.f_copy_data(out, out.len())
+            .map_err(|error| error.to_string())
     }
 }
 
@@ -520,7 +528,18 @@ fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec
                 let tensor = if data.is_empty() {
                     Tensor::f_zeros([0], (Kind::Float, tch::Device::Cpu))?
                 } else {
-                    Tensor::f_from_slice(data)?
+                    // SAFETY: `data` outlives the tensor (the interpreter's values are
+                    // dropped before `run` returns, and the result is copied out first),
+                    // and nothing writes to inputs.
+                    unsafe {
+                        Tensor::f_from_blob(
+                            data.as_ptr() as *const u8,
+                            &[data.len() as i64],
+                            &[1],
+                            Kind::Float,
+                            tch::Device::Cpu,
+                        )?
+                    }
                 };
                 let tensor = if tensor.numel() == 0 {
                     tensor.f_reshape(

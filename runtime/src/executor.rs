@@ -136,9 +136,14 @@ pub enum HostValue<'a> {
 /// Runs the graphs of host steps (per-element regions) for the executor; the frontend
 /// implements it with libtorch.
 pub trait HostRunner: Sync {
-    /// Runs `graph` on `inputs` (one per graph input) and returns its single result's
-    /// packed values.
-    fn run(&self, graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec<f32>, String>;
+    /// Runs `graph` on `inputs` (one per graph input) and writes its single result's
+    /// packed values into `out` (an error unless there are exactly `out.len()`).
+    fn run(
+        &self,
+        graph: &nestor_ir::Graph,
+        inputs: &[HostValue<'_>],
+        out: &mut [f32],
+    ) -> Result<(), String>;
 }
 
 /// A program and its compiled kernels.
@@ -713,26 +718,16 @@ impl Executable {
                         }),
                     })
                     .collect::<Vec<_>>();
-                let result = host
-                    .run(&self.program.host_graphs[*graph], &values)
-                    .map_err(RuntimeError::Host)?;
                 let expected = size(*out);
-                if result.len() != expected {
-                    return Err(RuntimeError::Host(format!(
-                        "a host step returned {} values, expected {expected}",
-                        result.len()
-                    )));
-                }
-                if expected > 0 {
-                    // The output slot was allocated with `expected` values for this run.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            result.as_ptr(),
-                            pointer(*out) as *mut f32,
-                            expected,
-                        )
-                    };
-                }
+                let out: &mut [f32] = if expected == 0 {
+                    &mut []
+                } else {
+                    // The output slot was allocated with `expected` values for this run,
+                    // and no input of this step is that slot.
+                    unsafe { std::slice::from_raw_parts_mut(pointer(*out) as *mut f32, expected) }
+                };
+                host.run(&self.program.host_graphs[*graph], &values, out)
+                    .map_err(RuntimeError::Host)?;
                 Ok(())
             }
             Step::Pad {

@@ -127,6 +127,38 @@ pub enum Expr {
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
 }
 
+impl Expr {
+    /// The transcendental functions the expression evaluates per element (exp, log,
+    /// tanh, erf and the activations built on them): what makes a kernel compute-bound.
+    pub fn transcendentals(&self) -> usize {
+        match self {
+            Expr::Load(_) | Expr::Const(_) => 0,
+            Expr::Unary(op, x) => {
+                let heavy = matches!(
+                    op,
+                    UnaryOp::Exp
+                        | UnaryOp::Log
+                        | UnaryOp::Tanh
+                        | UnaryOp::Sigmoid
+                        | UnaryOp::Gelu
+                        | UnaryOp::GeluTanh
+                        | UnaryOp::Silu
+                        | UnaryOp::Erf
+                        | UnaryOp::Sin
+                        | UnaryOp::Cos
+                );
+                usize::from(heavy) + x.transcendentals()
+            }
+            Expr::Binary(op, a, b) => {
+                usize::from(*op == BinaryOp::Pow) + a.transcendentals() + b.transcendentals()
+            }
+            Expr::Select(c, a, b) => {
+                c.transcendentals() + a.transcendentals() + b.transcendentals()
+            }
+        }
+    }
+}
+
 /// A pointwise expression computed inside another kernel: a row or segmented kernel's
 /// input (its prologue) or what a GEMM does to its output rows (its epilogue). `Load(i)` reads
 /// `inputs[i]` at the kernel's current row and column.

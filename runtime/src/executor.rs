@@ -597,10 +597,13 @@ impl Executable {
                 rows,
                 width,
                 inputs: accesses,
-                ..
+                expr,
             } => {
                 let args = pointwise_args(pointer(*out), accesses, &pointer, &info);
-                self.launch(index, &args, count(*rows), row_grain(*width))
+                // A transcendental costs about as much as moving a few scalars: such
+                // kernels are worth splitting across threads sooner.
+                let weight = 1 + 8 * expr.transcendentals() as i64;
+                self.launch(index, &args, count(*rows), row_grain(*width * weight))
             }
             Step::Row {
                 out,

@@ -7,6 +7,28 @@ use nestor_ir::{FusedExpr, Op, ReduceOp, ValueId};
 use super::Context;
 use crate::optimize::egraph::{ENode, Term};
 
+/// The parts of `node`'s expression: child `position` replaced by what `inner` builds,
+/// every other child an input (numbered in first-use order).
+fn splice(
+    cx: &Context,
+    node: &ENode,
+    position: usize,
+    inputs: &mut Inputs,
+    inner: impl Fn(&mut Inputs) -> FusedExpr,
+) -> Vec<FusedExpr> {
+    node.children
+        .iter()
+        .enumerate()
+        .map(|(index, &other)| {
+            if index == position {
+                inner(inputs)
+            } else {
+                inputs.input(cx.find(other))
+            }
+        })
+        .collect()
+}
+
 /// Whether an op is pointwise (one kernel that may join a fused expression).
 pub fn is_pointwise(op: &Op) -> bool {
     matches!(
@@ -92,23 +114,14 @@ pub(super) fn fuse_pointwise(cx: &Context, _class: Id, node: &ENode) -> Vec<Term
                 continue;
             };
             let mut inputs = Inputs::default();
-            let parts: Vec<FusedExpr> = node
-                .children
-                .iter()
-                .enumerate()
-                .map(|(index, &other)| {
-                    if index == position {
-                        let inner_parts: Vec<FusedExpr> = inner
-                            .children
-                            .iter()
-                            .map(|&grandchild| inputs.input(cx.find(grandchild)))
-                            .collect();
-                        substitute(&inner_expr, &inner_parts)
-                    } else {
-                        inputs.input(cx.find(other))
-                    }
-                })
-                .collect();
+            let parts = splice(cx, node, position, &mut inputs, |inputs| {
+                let inner_parts: Vec<FusedExpr> = inner
+                    .children
+                    .iter()
+                    .map(|&grandchild| inputs.input(cx.find(grandchild)))
+                    .collect();
+                substitute(&inner_expr, &inner_parts)
+            });
             let expr = substitute(&outer, &parts);
             let fused = Op::Fused {
                 inputs: vec![ValueId(0); inputs.classes.len()],
@@ -206,18 +219,7 @@ pub(super) fn fuse_epilogue(cx: &Context, _class: Id, node: &ENode) -> Vec<Term>
                 )
                 .collect();
             let inner = substitute(&inner, &inner_parts);
-            let parts: Vec<FusedExpr> = node
-                .children
-                .iter()
-                .enumerate()
-                .map(|(index, &other)| {
-                    if index == position {
-                        inner.clone()
-                    } else {
-                        inputs.input(cx.find(other))
-                    }
-                })
-                .collect();
+            let parts = splice(cx, node, position, &mut inputs, |_| inner.clone());
             let count = inputs.classes.len();
             let operands: Vec<Term> = core_children.iter().map(|&c| Term::Class(c)).collect();
             terms.push(Term::op(

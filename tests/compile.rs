@@ -711,3 +711,39 @@ proptest! {
         }
     }
 }
+
+/// The inline transcendental functions of f32 kernels (erf, tanh, exp and what is
+/// built on them) against libtorch in f64, over the range where they change.
+#[test]
+fn inline_transcendentals_are_accurate_in_f32() {
+    let values = Tensor::linspace(-9.0, 9.0, 20_001, (Kind::Float, Device::Cpu));
+    let batch =
+        NestedTensor::from_tensors(&[values.narrow(0, 0, 12_345), values.narrow(0, 12_345, 7_656)])
+            .unwrap();
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        Ok(vec![
+            x[0].erf()?.into(),
+            x[0].tanh()?.into(),
+            x[0].gelu("none")?.into(),
+            x[0].gelu("tanh")?.into(),
+            x[0].sigmoid()?.into(),
+        ])
+    };
+    let compiled = compile("transcendentals", model)
+        .call(&[&batch], &[])
+        .unwrap();
+    let exact = values.to_kind(Kind::Double);
+    let expected = [
+        exact.erf(),
+        exact.tanh(),
+        exact.gelu("none"),
+        exact.gelu("tanh"),
+        exact.sigmoid(),
+    ];
+    for (index, (output, expected)) in compiled.into_iter().zip(expected).enumerate() {
+        let got = output.into_nested().unwrap().values().to_kind(Kind::Double);
+        let error = (&got - &expected).abs() / (expected.abs() + 1.0);
+        let worst = error.max().double_value(&[]);
+        assert!(worst < 2e-6, "function {index}: error {worst:.2e}");
+    }
+}

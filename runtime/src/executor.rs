@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
 use nestor_passes::{
-    Access, FloatType, OutDim, Output, Program, RowBase, Rows, Slot, Source, Step,
+    Access, FloatType, OutDim, Output, Program, RowBase, RowKind, Rows, Slot, Source, Step,
 };
 use thiserror::Error;
 
@@ -600,12 +600,12 @@ impl Executable {
                 expr,
             } => {
                 let args = pointwise_args(pointer(*out), accesses, &pointer, &info);
-                // A transcendental costs about as much as moving a few scalars: such
-                // kernels are worth splitting across threads sooner.
-                let weight = 1 + 8 * expr.transcendentals() as i64;
+                // Transcendentals make a kernel worth splitting across threads sooner.
+                let weight = 1 + TRANSCENDENTAL_WEIGHT * expr.transcendentals() as i64;
                 self.launch(index, &args, count(*rows), row_grain(*width * weight))
             }
             Step::Row {
+                kind,
                 out,
                 x,
                 weight,
@@ -618,7 +618,10 @@ impl Executable {
                 let mut args = vec![pointer(*out)];
                 args.extend(x.inputs.iter().map(|access| pointer(access.slot)));
                 args.extend([optional(weight), optional(bias)]);
-                self.launch(index, &args, count(*rows), row_grain(*width))
+                // Softmax takes two exponentials per value: worth more threads.
+                let transcendentals = matches!(kind, RowKind::Softmax | RowKind::LogSoftmax);
+                let weight = 1 + 2 * TRANSCENDENTAL_WEIGHT * i64::from(transcendentals);
+                self.launch(index, &args, count(*rows), row_grain(*width * weight))
             }
             Step::Segment {
                 out,
@@ -860,12 +863,14 @@ impl Executable {
             return Ok(());
         }
         let per_chunk = (total + chunks - 1) / chunks;
-        // Rayon's pool (shared with the GEMMs) runs the chunks; no thread is spawned per launch.
-        rayon::scope(|scope| {
-            for chunk in 0..chunks {
+        // Rayon's pool (shared with the GEMMs) runs the other chunks while this thread
+        // runs the first: one thread fewer to wake, none spawned per launch.
+        rayon::in_place_scope(|scope| {
+            for chunk in 1..chunks {
                 let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(total));
                 scope.spawn(move |_| call(kernel, shared, start, end));
             }
+            call(kernel, shared, 0, per_chunk.min(total));
         });
         Ok(())
     }
@@ -873,9 +878,12 @@ impl Executable {
 
 /// Scalars per chunk below which a kernel is not split across threads: waking the
 /// pool costs more than it saves on smaller work (measured on the benchmark's
-/// operators: relu, layer_norm, add on 384k values ran 20-30% faster unsplit than
-/// split at 64k).
-const CHUNK_SCALARS: i64 = 1 << 20;
+/// operators: relu and add on 384k values ran faster unsplit).
+const CHUNK_SCALARS: i64 = 1 << 19;
+
+/// How many scalars' worth of memory traffic one transcendental function (an
+/// exponential, erf, tanh) counts for when deciding to split a kernel.
+const TRANSCENDENTAL_WEIGHT: i64 = 8;
 
 /// Rows per chunk for rows of `width` scalars.
 fn row_grain(width: i64) -> i64 {

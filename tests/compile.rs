@@ -747,3 +747,25 @@ fn inline_transcendentals_are_accurate_in_f32() {
         assert!(worst < 2e-6, "function {index}: error {worst:.2e}");
     }
 }
+
+/// Results written straight into the caller's tensors: one value returned twice, a view
+/// of it, and an empty element, all still right.
+#[test]
+fn results_returned_twice_or_as_views_are_right() {
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        let h = (x[0].relu()? * 2.0)?;
+        Ok(vec![
+            h.clone().into(),
+            h.clone().into(),
+            h.reshape_tail(&[2, 2])?.into(),
+        ])
+    };
+    let compiled = compile("twice", model);
+    for lengths in [vec![0i64, 3, 1], vec![2, 0], vec![1]] {
+        let (x, _) = batch(&lengths, &[4], Kind::Float, 31);
+        let got = compiled.call(&[&x], &[]).unwrap();
+        let want = eager_values(model(std::slice::from_ref(&x), &[]).unwrap());
+        assert_close(&got, &want, "twice");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}

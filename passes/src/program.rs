@@ -434,6 +434,22 @@ impl Step {
         }
     }
 
+    /// The transcendental functions the step evaluates per output value (its
+    /// expression's, a softmax's two exponentials): what makes it compute-bound.
+    pub fn transcendentals(&self) -> usize {
+        match self {
+            Step::Pointwise { expr, .. } => expr.transcendentals(),
+            Step::Row { kind, x, .. } => {
+                let exponentials = match kind {
+                    RowKind::Softmax | RowKind::LogSoftmax => 2,
+                    _ => 0,
+                };
+                exponentials + x.expr.transcendentals()
+            }
+            _ => 0,
+        }
+    }
+
     /// The slot the step writes.
     pub fn output(&self) -> Slot {
         match self {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
 use nestor_passes::{
-    Access, FloatType, OutDim, Output, Program, RowBase, RowKind, Rows, Slot, Source, Step,
+    Access, FloatType, OutDim, Output, Program, RowBase, Rows, Slot, Source, Step,
 };
 use thiserror::Error;
 
@@ -150,6 +150,10 @@ pub trait HostRunner: Sync {
 pub struct Executable {
     program: Program,
     kernels: CpuKernels,
+    /// The slots each step reads (lengths excepted): fixed by the program.
+    reads: Vec<Vec<Slot>>,
+    /// The buffers each step is the last reader of (inputs excepted), freed after it.
+    frees: Vec<Vec<Slot>>,
     /// Intermediate buffers kept between runs (their pages are already mapped), as
     /// 8-byte words so that f32 and f64 values are both aligned.
     pool: std::sync::Mutex<Vec<Vec<u64>>>,
@@ -202,9 +206,13 @@ impl Executable {
     /// Compiles the kernels of `program`.
     pub fn compile(program: Program) -> Result<Self, RuntimeError> {
         let kernels = nestor_backend_cpu::compile(&program)?;
+        let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
+        let frees = last_readers(&program, &reads);
         Ok(Self {
             program,
             kernels,
+            reads,
+            frees,
             pool: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -305,7 +313,6 @@ impl Executable {
             base * rows.factor
         };
         // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
-        let last_use = self.last_uses();
         let mut owned: Vec<Option<Vec<u64>>> = (0..program.slots.len()).map(|_| None).collect();
         let mut pointers: Vec<*mut u8> = vec![std::ptr::null_mut(); program.slots.len()];
         let mut free: Vec<Vec<u64>> = std::mem::take(
@@ -387,7 +394,11 @@ impl Executable {
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
             // Every buffer the step reads, once, and the one it writes.
-            moved += step.reads().into_iter().map(slot_bytes).sum::<u64>() + slot_bytes(out);
+            moved += self.reads[step_index]
+                .iter()
+                .map(|&slot| slot_bytes(slot))
+                .sum::<u64>()
+                + slot_bytes(out);
             if let Some(buffer) = external[out.0 as usize] {
                 pointers[out.0 as usize] = buffer;
             } else {
@@ -427,13 +438,9 @@ impl Executable {
             }
             launches += 1;
             // Buffers whose last reader was this step go back to the pool.
-            for (slot, &last) in last_use.iter().enumerate() {
-                if last == Some(step_index)
-                    && !matches!(program.slots[slot].source, Source::Input(_))
-                {
-                    if let Some(buffer) = owned[slot].take() {
-                        free.push(buffer);
-                    }
+            for slot in &self.frees[step_index] {
+                if let Some(buffer) = owned[slot.0 as usize].take() {
+                    free.push(buffer);
                 }
             }
         }
@@ -503,11 +510,7 @@ impl Executable {
 
     /// The slot whose memory `slot` uses (itself, unless it is an alias).
     fn root(&self, slot: Slot) -> Slot {
-        let mut current = slot;
-        while let Source::Alias(source) = self.program.info(current).source {
-            current = source;
-        }
-        current
+        root(&self.program, slot)
     }
 
     /// Every slot's pointer, aliases pointing at their roots' memory.
@@ -518,21 +521,6 @@ impl Executable {
     }
 
     /// For every slot, the last step that reads it (outputs: never released).
-    fn last_uses(&self) -> Vec<Option<usize>> {
-        let program = &self.program;
-        let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
-        let root = |slot: Slot| self.root(slot);
-        for (index, step) in program.steps.iter().enumerate() {
-            for slot in step.reads() {
-                last[root(slot).0 as usize] = Some(index);
-            }
-        }
-        for output in &program.outputs {
-            last[root(output.slot()).0 as usize] = Some(usize::MAX);
-        }
-        last
-    }
-
     // The run's state (buffers, lengths, sizes, inputs, host) is passed down per step.
     #[allow(clippy::too_many_arguments)]
     fn execute(
@@ -597,15 +585,12 @@ impl Executable {
                 rows,
                 width,
                 inputs: accesses,
-                expr,
+                ..
             } => {
                 let args = pointwise_args(pointer(*out), accesses, &pointer, &info);
-                // Transcendentals make a kernel worth splitting across threads sooner.
-                let weight = 1 + TRANSCENDENTAL_WEIGHT * expr.transcendentals() as i64;
-                self.launch(index, &args, count(*rows), row_grain(*width * weight))
+                self.launch(index, &args, count(*rows), row_grain(step, *width))
             }
             Step::Row {
-                kind,
                 out,
                 x,
                 weight,
@@ -618,10 +603,7 @@ impl Executable {
                 let mut args = vec![pointer(*out)];
                 args.extend(x.inputs.iter().map(|access| pointer(access.slot)));
                 args.extend([optional(weight), optional(bias)]);
-                // Softmax takes two exponentials per value: worth more threads.
-                let transcendentals = matches!(kind, RowKind::Softmax | RowKind::LogSoftmax);
-                let weight = 1 + 2 * TRANSCENDENTAL_WEIGHT * i64::from(transcendentals);
-                self.launch(index, &args, count(*rows), row_grain(*width * weight))
+                self.launch(index, &args, count(*rows), row_grain(step, *width))
             }
             Step::Segment {
                 out,
@@ -832,7 +814,7 @@ impl Executable {
                     index,
                     &[pointer(*out), pointer(*table), pointer(*ids)],
                     count(*rows),
-                    row_grain(*width),
+                    row_grain(step, *width),
                 )
             }
         }
@@ -885,11 +867,12 @@ const CHUNK_SCALARS: i64 = 1 << 19;
 /// exponential, erf, tanh) counts for when deciding to split a kernel.
 const TRANSCENDENTAL_WEIGHT: i64 = 8;
 
-/// Rows per chunk for rows of `width` scalars.
-fn row_grain(width: i64) -> i64 {
-    (CHUNK_SCALARS / width.max(1)).max(1)
+/// Rows per chunk of `step` over rows of `width` scalars: fewer when it evaluates
+/// transcendentals, which make a kernel worth splitting across threads sooner.
+fn row_grain(step: &Step, width: i64) -> i64 {
+    let weight = 1 + TRANSCENDENTAL_WEIGHT * step.transcendentals() as i64;
+    (CHUNK_SCALARS / (width * weight).max(1)).max(1)
 }
-
 /// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
 fn profile() -> bool {
     static PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -976,6 +959,39 @@ unsafe fn gemm<T: Scalar>(
             scope.spawn(move |_| rows(start, end));
         }
     });
+}
+
+/// The slot whose memory `slot` uses in `program` (itself, unless it is an alias).
+fn root(program: &Program, slot: Slot) -> Slot {
+    let mut current = slot;
+    while let Source::Alias(source) = program.info(current).source {
+        current = source;
+    }
+    current
+}
+
+/// The buffers each step is the last reader of (their memory, for aliases), never the
+/// program's inputs or results.
+fn last_readers(program: &Program, reads: &[Vec<Slot>]) -> Vec<Vec<Slot>> {
+    let root = |slot: Slot| root(program, slot);
+    let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
+    for (index, slots) in reads.iter().enumerate() {
+        for &slot in slots {
+            last[root(slot).0 as usize] = Some(index);
+        }
+    }
+    for output in &program.outputs {
+        last[root(output.slot()).0 as usize] = None;
+    }
+    let mut frees = vec![Vec::new(); reads.len()];
+    for (slot, last) in last.iter().enumerate() {
+        if let Some(step) = last {
+            if !matches!(program.slots[slot].source, Source::Input(_)) {
+                frees[*step].push(Slot(slot as u32));
+            }
+        }
+    }
+    frees
 }
 
 /// The arguments of a pointwise kernel: its output, its inputs, then the row-to-element

@@ -66,11 +66,11 @@ impl<'a> KernelCost<'a> {
 
     /// The cost of `node` alone.
     pub fn node_cost(&self, node: &ENode) -> f64 {
-        let output = self
+        let output_ty = self
             .egraph
             .lookup(node.clone())
-            .and_then(|class| self.ty(class))
-            .map_or(0.0, bytes);
+            .and_then(|class| self.ty(class));
+        let output = output_ty.map_or(0.0, bytes);
         let read: f64 = node
             .operands()
             .iter()
@@ -98,15 +98,11 @@ impl<'a> KernelCost<'a> {
                     .and_then(|&x| self.ty(x))
                     .and_then(last_dim)
                     .unwrap_or(1.0);
-                let out_scalars = self
-                    .egraph
-                    .lookup(node.clone())
-                    .and_then(|class| self.ty(class))
-                    .map_or(0.0, scalars);
+                let out_scalars = output_ty.map_or(0.0, scalars);
                 LAUNCH + moved + 2.0 * k * out_scalars / FLOPS_PER_BYTE
             }
             Op::Fused { expr, .. } => {
-                let out_scalars = output / 4.0;
+                let out_scalars = output_ty.map_or(0.0, scalars);
                 LAUNCH + moved + expr.operations() as f64 * out_scalars / FLOPS_PER_BYTE
             }
             _ => LAUNCH + moved,

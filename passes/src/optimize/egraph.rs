@@ -279,6 +279,7 @@ fn emit_class(
             }
             continue;
         }
+        // Every child was pushed above this class on the stack, so it is emitted.
         let children: Vec<ValueId> = node
             .children
             .iter()

@@ -207,6 +207,7 @@ impl Optimize {
     ) -> Result<(Graph, PhaseReport), VerifyError> {
         let started = Instant::now();
         let mut builder = Builder::new(graph);
+        let counts = reader_counts(graph);
         let mut fired: Vec<(&'static str, usize)> = Vec::new();
         let mut iterations = 0;
         let stop = loop {
@@ -214,7 +215,7 @@ impl Optimize {
                 break StopReason::IterationLimit(iterations);
             }
             iterations += 1;
-            let readers = readers(graph, &builder);
+            let readers = readers(&counts, &builder);
             let matches: Vec<(Id, usize, egraph::Term)> = {
                 let context = Context {
                     builder: &builder,
@@ -279,23 +280,32 @@ impl Optimize {
     }
 }
 
-/// Readers of every value of `graph` (ops, types naming lengths, and outputs), by the
-/// canonical class of the value.
-fn readers(graph: &Graph, builder: &Builder) -> HashMap<Id, usize> {
-    let mut readers: HashMap<Id, usize> = HashMap::new();
-    let mut count = |value: nestor_ir::ValueId| {
-        *readers
-            .entry(builder.egraph.find(builder.classes[value.index()]))
-            .or_default() += 1;
-    };
+/// Readers of every value of `graph` (ops, types naming lengths, and outputs).
+fn reader_counts(graph: &Graph) -> Vec<usize> {
+    let mut counts = vec![0; graph.nodes.len()];
     for node in &graph.nodes {
-        node.op
+        for value in node
+            .op
             .operands()
             .into_iter()
             .chain(node.ty.length_values())
-            .for_each(&mut count);
+        {
+            counts[value.index()] += 1;
+        }
     }
-    graph.outputs.iter().copied().for_each(count);
+    for output in &graph.outputs {
+        counts[output.index()] += 1;
+    }
+    counts
+}
+
+/// The reader counts of the source graph's values by their classes' current canonical
+/// ids (unions move them between rounds).
+fn readers(counts: &[usize], builder: &Builder) -> HashMap<Id, usize> {
+    let mut readers: HashMap<Id, usize> = HashMap::new();
+    for (&class, &count) in builder.classes.iter().zip(counts) {
+        *readers.entry(builder.egraph.find(class)).or_default() += count;
+    }
     readers
 }
 

@@ -1,0 +1,596 @@
+//! The closed set of IR operations. The `Op` enum is the op table: each variant is one
+//! declaration, and `#[derive(OpTable)]` writes its name, operands, attributes and parser
+//! from it (a field's role comes from its type, see [`field`](self::field)). Adding an op
+//! is one variant here plus its type rule in `infer`; the text form comes with it.
+
+mod attr;
+mod field;
+mod fused_kernel;
+
+use nestor_ir_derive::OpTable;
+
+pub use attr::{Attr, F64};
+pub(crate) use field::{OpField, OpKind, Parts};
+
+use crate::{DType, Graph, ValueId};
+
+/// Elementwise functions of one argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `|x|`
+    Abs,
+    /// `e^x`
+    Exp,
+    /// `ln x`
+    Log,
+    /// `sqrt x`
+    Sqrt,
+    /// `1 / sqrt x`
+    Rsqrt,
+    /// `x * x`
+    Square,
+    /// sine
+    Sin,
+    /// cosine
+    Cos,
+    /// hyperbolic tangent
+    Tanh,
+    /// logistic sigmoid
+    Sigmoid,
+    /// `max(x, 0)`
+    Relu,
+    /// exact GELU
+    Gelu,
+    /// tanh-approximated GELU
+    GeluTanh,
+    /// `x * sigmoid(x)`
+    Silu,
+    /// error function
+    Erf,
+    /// logical not
+    Not,
+}
+
+/// Elementwise functions of two arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// `a ** b`
+    Pow,
+    /// `max(a, b)`
+    Maximum,
+    /// `min(a, b)`
+    Minimum,
+    /// `a == b`
+    Eq,
+    /// `a != b`
+    Ne,
+    /// `a < b`
+    Lt,
+    /// `a <= b`
+    Le,
+    /// `a > b`
+    Gt,
+    /// `a >= b`
+    Ge,
+    /// `a && b`
+    And,
+    /// `a || b`
+    Or,
+}
+
+impl ReduceOp {
+    /// Whether the reduction takes a Bessel correction (variance, standard deviation).
+    pub fn has_correction(self) -> bool {
+        matches!(self, ReduceOp::Var | ReduceOp::Std)
+    }
+}
+
+impl BinaryOp {
+    /// Whether the result is bool whatever the operands.
+    pub fn is_predicate(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Eq
+                | BinaryOp::Ne
+                | BinaryOp::Lt
+                | BinaryOp::Le
+                | BinaryOp::Gt
+                | BinaryOp::Ge
+                | BinaryOp::And
+                | BinaryOp::Or
+        )
+    }
+}
+
+/// Reductions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReduceOp {
+    /// sum
+    Sum,
+    /// mean over real elements
+    Mean,
+    /// largest value
+    Amax,
+    /// smallest value
+    Amin,
+    /// `log(sum(exp))`
+    LogSumExp,
+    /// variance with a Bessel correction
+    Var,
+    /// standard deviation with a Bessel correction
+    Std,
+    /// all non-zero
+    All,
+    /// any non-zero
+    Any,
+}
+
+/// How a loss reduces over real positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LossReduction {
+    /// mean
+    Mean,
+    /// sum
+    Sum,
+    /// one loss per position
+    None,
+}
+
+/// Pooling kinds for per-element bodies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolKind {
+    /// max pooling
+    Max,
+    /// average pooling
+    Avg,
+}
+
+/// `word` / `from_word` for an enum whose variants are words of the text form.
+macro_rules! word_enum {
+    ($type:ident { $($variant:ident => $word:literal),* $(,)? }) => {
+        impl $type {
+            /// The word of the text form.
+            pub fn word(self) -> &'static str {
+                match self { $($type::$variant => $word),* }
+            }
+            /// The variant of a word of the text form.
+            pub fn from_word(word: &str) -> Option<Self> {
+                match word { $($word => Some($type::$variant),)* _ => None }
+            }
+        }
+    };
+}
+
+/// Names ops after an enum's words.
+macro_rules! op_kind {
+    ($($type:ident),*) => {$(
+        impl OpKind for $type {
+            fn op_name(self) -> &'static str {
+                self.word()
+            }
+            fn from_op_name(name: &str) -> Option<Self> {
+                Self::from_word(name)
+            }
+        }
+    )*};
+}
+
+word_enum!(UnaryOp {
+    Neg => "neg", Abs => "abs", Exp => "exp", Log => "log", Sqrt => "sqrt", Rsqrt => "rsqrt",
+    Square => "square", Sin => "sin", Cos => "cos", Tanh => "tanh", Sigmoid => "sigmoid",
+    Relu => "relu", Gelu => "gelu", GeluTanh => "gelu_tanh", Silu => "silu", Erf => "erf", Not => "not",
+});
+word_enum!(BinaryOp {
+    Add => "add", Sub => "sub", Mul => "mul", Div => "div", Pow => "pow", Maximum => "maximum",
+    Minimum => "minimum", Eq => "eq", Ne => "ne", Lt => "lt", Le => "le", Gt => "gt", Ge => "ge",
+    And => "and", Or => "or",
+});
+word_enum!(ReduceOp {
+    Sum => "sum", Mean => "mean", Amax => "amax", Amin => "amin", LogSumExp => "logsumexp",
+    Var => "var", Std => "std", All => "all", Any => "any",
+});
+word_enum!(LossReduction { Mean => "mean", Sum => "sum", None => "none" });
+word_enum!(PoolKind { Max => "max_pool2d", Avg => "avg_pool2d" });
+op_kind!(UnaryOp, BinaryOp, ReduceOp, PoolKind);
+
+/// One IR operation. Every op produces exactly one value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, OpTable)]
+pub enum Op {
+    /// A data input of the graph (a batch, its lengths, a dense tensor).
+    #[op(name = "input")]
+    Input {
+        /// The input's name.
+        name: String,
+    },
+    /// A parameter: a graph input bound to a trained tensor.
+    #[op(name = "param")]
+    Param {
+        /// The parameter's name (its `VarStore` path when known).
+        name: String,
+    },
+    /// A 0-d constant.
+    #[op(name = "const")]
+    Const {
+        /// Its value.
+        value: F64,
+        /// Its element type.
+        dtype: DType,
+    },
+    /// `op(x)` elementwise.
+    Unary {
+        #[op(kind)]
+        /// The function.
+        op: UnaryOp,
+        /// The argument.
+        x: ValueId,
+    },
+    /// `op(lhs, rhs)` elementwise, broadcasting dense operands against ragged ones as
+    /// DESIGN.md section 7 says.
+    Binary {
+        #[op(kind)]
+        /// The function.
+        op: BinaryOp,
+        /// Left operand.
+        lhs: ValueId,
+        /// Right operand.
+        rhs: ValueId,
+    },
+    /// `condition ? x : y` elementwise.
+    #[op(name = "where")]
+    Where {
+        /// Bool condition.
+        condition: ValueId,
+        /// Taken where true.
+        x: ValueId,
+        /// Taken where false.
+        y: ValueId,
+    },
+    /// Conversion of the element type.
+    #[op(name = "cast")]
+    Cast {
+        /// The argument.
+        x: ValueId,
+        /// The new element type.
+        dtype: DType,
+    },
+    /// `x W^T + b` over the last dim (one GEMM over packed rows).
+    #[op(name = "linear")]
+    Linear {
+        /// Input with a static last dim.
+        x: ValueId,
+        /// `[out, in]`.
+        weight: ValueId,
+        /// `[out]`.
+        bias: Option<ValueId>,
+    },
+    /// `x @ w` over the last dim with a dense `[K, M]` or `[K]` operand.
+    #[op(name = "matmul")]
+    Matmul {
+        /// Input.
+        x: ValueId,
+        /// Dense matrix or vector.
+        w: ValueId,
+    },
+    /// Layer normalization over the last `dims` static dims.
+    #[op(name = "layer_norm")]
+    LayerNorm {
+        /// Input.
+        x: ValueId,
+        /// Scale.
+        weight: Option<ValueId>,
+        /// Shift.
+        bias: Option<ValueId>,
+        /// Normalized trailing dims.
+        dims: usize,
+        /// Epsilon.
+        eps: F64,
+    },
+    /// RMS normalization over the last `dims` static dims.
+    #[op(name = "rms_norm")]
+    RmsNorm {
+        /// Input.
+        x: ValueId,
+        /// Scale.
+        weight: Option<ValueId>,
+        /// Normalized trailing dims.
+        dims: usize,
+        /// Epsilon.
+        eps: F64,
+    },
+    /// softmax or log-softmax along `axis` (static: packed; ragged: segmented).
+    Softmax {
+        /// Input.
+        x: ValueId,
+        /// A batch-first dim (0 is the batch, which is an error; negative from the end).
+        axis: i64,
+        #[op(names("softmax", "log_softmax"))]
+        /// Log-softmax.
+        log: bool,
+    },
+    /// A reduction over batch-first dims (`0` is the batch; empty means all).
+    Reduce {
+        #[op(kind)]
+        /// The reduction.
+        op: ReduceOp,
+        /// Input.
+        x: ValueId,
+        /// Reduced dims.
+        dims: Vec<i64>,
+        /// Keep reduced dims with size 1.
+        keepdim: bool,
+        #[op(only_if = "ReduceOp::has_correction")]
+        /// Bessel correction (variance and standard deviation).
+        correction: i64,
+    },
+    /// Rows of `weight` gathered at integer ids: `[*s] -> [*s, D]`.
+    #[op(name = "embedding")]
+    Embedding {
+        /// Integer ids.
+        ids: ValueId,
+        /// `[vocabulary, D]`.
+        weight: ValueId,
+        /// Row that gets no gradient (`-1`: none).
+        padding_idx: i64,
+    },
+    /// Varlen attention on packed heads `[L, H, D]`: each element attends within itself.
+    #[op(name = "attention")]
+    Attention {
+        /// Queries `[B; Lq, H, D]`.
+        q: ValueId,
+        /// Keys `[B; Lk, H, D]`.
+        k: ValueId,
+        /// Values `[B; Lk, H, Dv]`.
+        v: ValueId,
+        /// Mask future keys.
+        causal: bool,
+        /// Score scale (default `1 / sqrt(D)`).
+        scale: Option<F64>,
+    },
+    /// Reshape of the static tail (ragged dims lead).
+    #[op(name = "reshape_tail")]
+    ReshapeTail {
+        /// Input.
+        x: ValueId,
+        /// New static tail.
+        tail: Vec<i64>,
+    },
+    /// Selects `index` of static element dim `dim`, removing it.
+    #[op(name = "select_static")]
+    SelectStatic {
+        /// Input.
+        x: ValueId,
+        /// Static element dim.
+        dim: usize,
+        /// Position.
+        index: i64,
+    },
+    /// Swaps two static element dims.
+    #[op(name = "transpose_static")]
+    TransposeStatic {
+        /// Input.
+        x: ValueId,
+        /// First element dim.
+        dim0: usize,
+        /// Second element dim.
+        dim1: usize,
+    },
+    /// Dropout with probability `p` (identity unless `train`).
+    #[op(name = "dropout")]
+    Dropout {
+        /// Input.
+        x: ValueId,
+        /// Drop probability.
+        p: F64,
+        /// Training mode.
+        train: bool,
+    },
+    /// The padded dense tensor `[B, max(L), ...]` of a ragged value.
+    #[op(name = "pad")]
+    Pad {
+        /// Ragged input.
+        x: ValueId,
+        /// Padding value.
+        value: F64,
+    },
+    /// The ragged value of a padded dense tensor, by its lengths.
+    #[op(name = "unpad")]
+    Unpad {
+        /// Dense input `[B, max(L), ...]`.
+        x: ValueId,
+        /// Lengths of the leading ragged dim.
+        lengths: ValueId,
+    },
+    /// The padding mask `bool[B, max(L)]`, true on data.
+    #[op(name = "mask")]
+    Mask {
+        /// Lengths.
+        lengths: ValueId,
+    },
+    /// `max(L)` as an `i64` scalar.
+    #[op(name = "max_length")]
+    MaxLength {
+        /// Lengths.
+        lengths: ValueId,
+    },
+    /// `sum(L)` (packed rows) as an `i64` scalar.
+    #[op(name = "total_length")]
+    TotalLength {
+        /// Lengths.
+        lengths: ValueId,
+    },
+    /// Cross entropy of logits `[..., C]` against class ids.
+    #[op(name = "cross_entropy")]
+    CrossEntropy {
+        /// Logits.
+        logits: ValueId,
+        /// Class ids: same structure without the class dim, or one per element.
+        target: ValueId,
+        /// Ignored class id.
+        ignore_index: i64,
+        /// Label smoothing.
+        smoothing: F64,
+        /// Reduction.
+        reduction: LossReduction,
+    },
+    /// The lengths of a batch repeated `repeats` times, whole (`[l0, l1, l0, l1]`) or
+    /// element by element (`[l0, l0, l1, l1]`).
+    #[op(name = "repeat_lengths")]
+    RepeatLengths {
+        /// Lengths.
+        lengths: ValueId,
+        /// Copies of every element.
+        repeats: i64,
+        /// Element by element rather than whole.
+        interleave: bool,
+    },
+    /// A batch repeated as `RepeatLengths` says; `lengths` are its new lengths values
+    /// (one per ragged dim, from `repeat_lengths`).
+    #[op(name = "repeat_batch")]
+    RepeatBatch {
+        /// The batch.
+        x: ValueId,
+        /// The lengths of the result, one per ragged dim of `x`.
+        lengths: Vec<ValueId>,
+        /// Copies of every element.
+        repeats: i64,
+        /// Element by element rather than whole.
+        interleave: bool,
+    },
+    /// Mean squared error.
+    #[op(name = "mse_loss")]
+    MseLoss {
+        /// Predictions.
+        x: ValueId,
+        /// Targets.
+        target: ValueId,
+        /// Reduction.
+        reduction: LossReduction,
+    },
+    /// The lengths after a convolution or pooling window slides over a ragged dim.
+    #[op(name = "window_lengths")]
+    WindowLengths {
+        /// Input lengths.
+        lengths: ValueId,
+        /// Window size.
+        kernel: i64,
+        /// Step.
+        stride: i64,
+        /// Padding on each side.
+        padding: i64,
+        /// Dilation.
+        dilation: i64,
+    },
+    /// A 2-d convolution of one dense element `[C, H, W]` (per-element bodies only).
+    #[op(name = "conv2d")]
+    Conv2d {
+        /// Input.
+        x: ValueId,
+        /// `[C_out, C_in / groups, Kh, Kw]`.
+        weight: ValueId,
+        /// `[C_out]`.
+        bias: Option<ValueId>,
+        /// Strides.
+        stride: Vec<i64>,
+        /// Paddings.
+        padding: Vec<i64>,
+        /// Dilations.
+        dilation: Vec<i64>,
+        /// Groups.
+        groups: i64,
+    },
+    /// 2-d pooling of one dense element `[C, H, W]` (per-element bodies only).
+    Pool2d {
+        #[op(kind)]
+        /// Max or average.
+        kind: PoolKind,
+        /// Input.
+        x: ValueId,
+        /// Window.
+        kernel: Vec<i64>,
+        /// Strides.
+        stride: Vec<i64>,
+        /// Paddings.
+        padding: Vec<i64>,
+    },
+    /// Adaptive average pooling of one dense element `[C, H, W]` to `[C, *output]`.
+    #[op(name = "adaptive_avg_pool2d")]
+    AdaptiveAvgPool2d {
+        /// Input.
+        x: ValueId,
+        /// Output spatial size.
+        output: Vec<i64>,
+    },
+    /// Elementwise ops fused into one: `expr` over `inputs` (broadcast as `binary`
+    /// broadcasts); one kernel.
+    #[op(name = "fused")]
+    Fused {
+        /// The values the expression reads.
+        inputs: Vec<ValueId>,
+        /// The expression.
+        expr: crate::FusedExpr,
+    },
+    /// One kernel: `core` (a layer_norm, rms_norm, softmax or log_softmax, or a
+    /// sum / mean / amax / amin over one dim) reading as its first operand the
+    /// pointwise `expr` over `inputs`, which is never written to memory. The first
+    /// operand of `core` is unused (`%0`); its others (weight, bias) are its own.
+    #[op(name = "prologue", custom)]
+    Prologue {
+        /// The values the expression reads.
+        inputs: Vec<ValueId>,
+        /// The expression giving the core's input.
+        expr: crate::FusedExpr,
+        /// The row or segmented op.
+        core: Box<Op>,
+    },
+    /// One kernel: `core` (a linear or matmul) whose result, `$0` of the pointwise
+    /// `expr`, goes through it on its way to memory; `$1...` are `inputs`.
+    #[op(name = "epilogue", custom)]
+    Epilogue {
+        /// The GEMM.
+        core: Box<Op>,
+        /// The other values the expression reads.
+        inputs: Vec<ValueId>,
+        /// The expression applied to the core's result.
+        expr: crate::FusedExpr,
+    },
+    /// An explicit per-element fallback: `body` runs once per element of the first
+    /// input (a dense element), with the other inputs passed whole.
+    #[op(name = "per_element")]
+    PerElement {
+        /// The ragged input, then dense inputs.
+        inputs: Vec<ValueId>,
+        /// The body: its inputs are the element, then the dense inputs.
+        body: Box<Graph>,
+    },
+}
+
+impl Op {
+    /// The same op reading `operands` (in the order of [`Op::operands`]), or `None` when
+    /// their number differs from the op's.
+    pub fn with_operands(&self, operands: &[ValueId]) -> Option<Op> {
+        if operands.len() != self.operands().len() {
+            return None;
+        }
+        let mut next = operands.iter().copied();
+        // The count was checked above, and `map_operands` visits the operands in the
+        // order `operands` lists them, so `next` never runs dry.
+        Some(self.map_operands(|old| next.next().unwrap_or(old)))
+    }
+
+    /// The same op reading other values: `f` maps every operand.
+    pub fn map_operands(&self, mut f: impl FnMut(ValueId) -> ValueId) -> Op {
+        let mut op = self.clone();
+        op.map_operands_in_place(&mut f);
+        op
+    }
+}

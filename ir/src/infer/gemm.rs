@@ -1,0 +1,47 @@
+//! GEMMs over packed rows (linear, matmul) and the embedding gather.
+
+use super::*;
+
+/// The type of a gemm op in `graph`, or why it is ill-typed.
+pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
+        Op::Linear { x, weight, bias } => {
+            let x = ty(*x);
+            let width = last_static(&x, "linear")?;
+            let weight = static_shape(&ty(*weight), "the weight")?;
+            if weight.len() != 2 || weight[1] != width {
+                return Err(format!("the weight must be [out, {width}] for an input of width {width}, got {weight:?}"));
+            }
+            if let Some(bias) = bias {
+                let bias = static_shape(&ty(*bias), "the bias")?;
+                if bias != [weight[0]] {
+                    return Err(format!("the bias must be [{}], got {bias:?}", weight[0]));
+                }
+            }
+            Ok(with_last(&x, Some(weight[0])))
+        }
+        Op::Matmul { x, w } => {
+            let x = ty(*x);
+            let width = last_static(&x, "matmul")?;
+            match static_shape(&ty(*w), "the matrix")?.as_slice() {
+                [k, m] if *k == width => Ok(with_last(&x, Some(*m))),
+                [k] if *k == width => Ok(with_last(&x, None)),
+                other => Err(format!("expected [{width}, M] or [{width}], got {other:?}")),
+            }
+        }
+        Op::Embedding { ids, weight, .. } => {
+            let ids = ty(*ids);
+            if ids.dtype().is_none_or(|dtype| !dtype.is_integer()) {
+                return Err(format!("ids must be integers, got {ids}"));
+            }
+            let weight_type = ty(*weight);
+            let table = static_shape(&weight_type, "the table")?;
+            let [_, width] = table.as_slice() else {
+                return Err(format!("the table must be [vocabulary, D], got {table:?}"));
+            };
+            Ok(append_dim(&ids, *width).with_dtype(weight_type.dtype().unwrap_or(DType::F32)))
+        }
+        other => Err(format!("{} is not a gemm op", other.name())),
+    }
+}

@@ -1,0 +1,60 @@
+//! Row ops: layer and RMS normalization, softmax over a static or ragged dim.
+
+use super::*;
+
+/// The type of a norm op in `graph`, or why it is ill-typed.
+pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
+        Op::LayerNorm {
+            x,
+            weight,
+            bias,
+            dims,
+            ..
+        } => {
+            if bias.is_some() && weight.is_none() {
+                return Err("a bias needs a weight".into());
+            }
+            let x = ty(*x);
+            let tail = static_tail(&x, *dims)?;
+            for (name, parameter) in [("weight", weight), ("bias", bias)] {
+                if let Some(parameter) = parameter {
+                    let shape = static_shape(&ty(*parameter), name)?;
+                    if shape != tail {
+                        return Err(format!(
+                            "the {name} must be {tail:?} (the normalized tail), got {shape:?}"
+                        ));
+                    }
+                }
+            }
+            float(&x).map(|_| x)
+        }
+        Op::RmsNorm {
+            x, weight, dims, ..
+        } => {
+            let x = ty(*x);
+            let tail = static_tail(&x, *dims)?;
+            if let Some(weight) = weight {
+                let shape = static_shape(&ty(*weight), "weight")?;
+                if shape != tail {
+                    return Err(format!("the weight must be {tail:?}, got {shape:?}"));
+                }
+            }
+            float(&x).map(|_| x)
+        }
+        Op::Softmax { x, axis, .. } => {
+            let x = ty(*x);
+            let ndim = element_rank(&x) as i64 + 1;
+            let normalized = if *axis < 0 { axis + ndim } else { *axis };
+            if normalized == 0 {
+                return Err("softmax over the batch dim is not defined (elements are normalized independently)".into());
+            }
+            if !(1..ndim).contains(&normalized) {
+                return Err(format!("axis {axis} is out of range for {ndim} dims"));
+            }
+            float(&x).map(|_| x)
+        }
+        other => Err(format!("{} is not a norm op", other.name())),
+    }
+}

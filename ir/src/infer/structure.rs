@@ -1,0 +1,164 @@
+//! Structure: static reshapes and selections, padding, masks, lengths and their derived values, repeats.
+
+use super::*;
+
+/// The type of a structure op in `graph`, or why it is ill-typed.
+pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
+        Op::ReshapeTail { x, tail } => {
+            let x = ty(*x);
+            let Type::Ragged { dtype, batch, dims } = &x else {
+                return Err(format!("expects a ragged value, got {x}"));
+            };
+            let leading = dims
+                .iter()
+                .take_while(|dim| matches!(dim, ElemDim::Ragged(_)))
+                .count();
+            let old: Vec<i64> = dims[leading..]
+                .iter()
+                .map(fixed_static)
+                .collect::<Result<_, _>>()?;
+            if old.iter().product::<i64>() != tail.iter().product::<i64>()
+                || tail.iter().any(|&size| size < 0)
+            {
+                return Err(format!("cannot reshape a static tail {old:?} to {tail:?}"));
+            }
+            let dims = dims[..leading]
+                .iter()
+                .cloned()
+                .chain(tail.iter().map(|&size| ElemDim::Fixed(Dim::Static(size))))
+                .collect();
+            Ok(Type::Ragged {
+                dtype: *dtype,
+                batch: batch.clone(),
+                dims,
+            })
+        }
+        Op::SelectStatic { x, dim, index } => {
+            let x = ty(*x);
+            let size = static_element_dim(&x, *dim)?;
+            if !(0..size).contains(index) {
+                return Err(format!(
+                    "index {index} is out of range for dim {dim} of size {size}"
+                ));
+            }
+            remove_element_dim(&x, *dim)
+        }
+        Op::TransposeStatic { x, dim0, dim1 } => {
+            let x = ty(*x);
+            static_element_dim(&x, *dim0)?;
+            static_element_dim(&x, *dim1)?;
+            let Type::Ragged { dtype, batch, dims } = x else {
+                unreachable_dense()
+            };
+            let mut dims = dims;
+            dims.swap(*dim0, *dim1);
+            Ok(Type::Ragged { dtype, batch, dims })
+        }
+        Op::Pad { x, .. } => match ty(*x) {
+            Type::Ragged { dtype, batch, dims } => {
+                let shape = std::iter::once(batch)
+                    .chain(dims.into_iter().map(|dim| match dim {
+                        ElemDim::Fixed(dim) => dim,
+                        ElemDim::Ragged(lengths) => Dim::Max(lengths),
+                    }))
+                    .collect();
+                Ok(Type::Dense { dtype, shape })
+            }
+            other => Err(format!("expects a ragged value, got {other}")),
+        },
+        Op::Unpad { x, lengths } => {
+            let batch = lengths_batch(graph, *lengths)?;
+            match ty(*x) {
+                Type::Dense { dtype, shape } if shape.len() >= 2 && shape[0] == batch => {
+                    let dims = std::iter::once(ElemDim::Ragged(*lengths))
+                        .chain(shape[2..].iter().cloned().map(ElemDim::Fixed))
+                        .collect();
+                    Ok(Type::Ragged { dtype, batch, dims })
+                }
+                other => Err(format!(
+                    "expects a dense [{batch}, max, ...] value, got {other}"
+                )),
+            }
+        }
+        Op::Mask { lengths } => {
+            let batch = lengths_batch(graph, *lengths)?;
+            Ok(Type::dense(DType::Bool, [batch, Dim::Max(*lengths)]))
+        }
+        Op::MaxLength { lengths } | Op::TotalLength { lengths } => {
+            lengths_batch(graph, *lengths)?;
+            Ok(Type::dense(DType::I64, []))
+        }
+        Op::RepeatLengths {
+            lengths, repeats, ..
+        } => {
+            if *repeats < 0 {
+                return Err(format!("repeats must not be negative, got {repeats}"));
+            }
+            let batch = lengths_batch(graph, *lengths)?;
+            Ok(Type::Lengths {
+                batch: Dim::Sym(format!("{batch}x{repeats}")),
+            })
+        }
+        Op::RepeatBatch {
+            x,
+            lengths,
+            repeats,
+            interleave,
+        } => {
+            let Type::Ragged { dtype, batch, dims } = ty(*x) else {
+                return Err(format!("expects a ragged value, got {}", ty(*x)));
+            };
+            let old = ty(*x).length_values();
+            if old.len() != lengths.len() {
+                return Err(format!(
+                    "needs {} new lengths (one per ragged dim), got {}",
+                    old.len(),
+                    lengths.len()
+                ));
+            }
+            for (&new, &previous) in lengths.iter().zip(&old) {
+                let expected = Op::RepeatLengths {
+                    lengths: previous,
+                    repeats: *repeats,
+                    interleave: *interleave,
+                };
+                if graph.op(new) != &expected {
+                    return Err(format!(
+                        "{new} must be repeat_lengths({previous}) with the same repeats"
+                    ));
+                }
+            }
+            let mut replacements = lengths.iter();
+            let dims = dims
+                .into_iter()
+                .map(|dim| match dim {
+                    ElemDim::Ragged(_) => replacements
+                        .next()
+                        .map_or(dim.clone(), |&new| ElemDim::Ragged(new)),
+                    fixed => fixed,
+                })
+                .collect();
+            Ok(Type::Ragged {
+                dtype,
+                batch: Dim::Sym(format!("{batch}x{repeats}")),
+                dims,
+            })
+        }
+        Op::WindowLengths {
+            lengths,
+            kernel,
+            stride,
+            ..
+        } => {
+            if *kernel < 1 || *stride < 1 {
+                return Err("kernel and stride must be positive".into());
+            }
+            Ok(Type::Lengths {
+                batch: lengths_batch(graph, *lengths)?,
+            })
+        }
+        other => Err(format!("{} is not a structure op", other.name())),
+    }
+}

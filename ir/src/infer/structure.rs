@@ -106,46 +106,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             lengths,
             repeats,
             interleave,
-        } => {
-            let Type::Ragged { dtype, batch, dims } = ty(*x) else {
-                return Err(format!("expects a ragged value, got {}", ty(*x)));
-            };
-            let old = ty(*x).length_values();
-            if old.len() != lengths.len() {
-                return Err(format!(
-                    "needs {} new lengths (one per ragged dim), got {}",
-                    old.len(),
-                    lengths.len()
-                ));
-            }
-            for (&new, &previous) in lengths.iter().zip(&old) {
-                let expected = Op::RepeatLengths {
-                    lengths: previous,
-                    repeats: *repeats,
-                    interleave: *interleave,
-                };
-                if graph.op(new) != &expected {
-                    return Err(format!(
-                        "{new} must be repeat_lengths({previous}) with the same repeats"
-                    ));
-                }
-            }
-            let mut replacements = lengths.iter();
-            let dims = dims
-                .into_iter()
-                .map(|dim| match dim {
-                    ElemDim::Ragged(_) => replacements
-                        .next()
-                        .map_or(dim.clone(), |&new| ElemDim::Ragged(new)),
-                    fixed => fixed,
-                })
-                .collect();
-            Ok(Type::Ragged {
-                dtype,
-                batch: Dim::Sym(format!("{batch}x{repeats}")),
-                dims,
-            })
-        }
+        } => repeat_batch(graph, *x, lengths, *repeats, *interleave),
         Op::WindowLengths {
             lengths,
             kernel,
@@ -161,4 +122,54 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         }
         other => Err(format!("{} is not a structure op", other.name())),
     }
+}
+
+/// The type of `repeat_batch`: `x` repeated, its ragged dims sized by `lengths`, which
+/// must be `repeat_lengths` of its own with the same repeats.
+fn repeat_batch(
+    graph: &Graph,
+    x: ValueId,
+    lengths: &[ValueId],
+    repeats: i64,
+    interleave: bool,
+) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    let Type::Ragged { dtype, batch, dims } = ty(x) else {
+        return Err(format!("expects a ragged value, got {}", ty(x)));
+    };
+    let old = ty(x).length_values();
+    if old.len() != lengths.len() {
+        return Err(format!(
+            "needs {} new lengths (one per ragged dim), got {}",
+            old.len(),
+            lengths.len()
+        ));
+    }
+    for (&new, &previous) in lengths.iter().zip(&old) {
+        let expected = Op::RepeatLengths {
+            lengths: previous,
+            repeats,
+            interleave,
+        };
+        if graph.op(new) != &expected {
+            return Err(format!(
+                "{new} must be repeat_lengths({previous}) with the same repeats"
+            ));
+        }
+    }
+    let mut replacements = lengths.iter();
+    let dims = dims
+        .into_iter()
+        .map(|dim| match dim {
+            ElemDim::Ragged(_) => replacements
+                .next()
+                .map_or(dim.clone(), |&new| ElemDim::Ragged(new)),
+            fixed => fixed,
+        })
+        .collect();
+    Ok(Type::Ragged {
+        dtype,
+        batch: Dim::Sym(format!("{batch}x{repeats}")),
+        dims,
+    })
 }

@@ -10,6 +10,15 @@ use nestor_ir::{
 use tch::{Kind, Reduction, Tensor};
 
 use crate::ops::Binary;
+
+mod fused_kernel;
+mod gemm;
+mod loss;
+mod norm;
+mod per_element;
+mod pointwise;
+mod reduce;
+mod structure;
 use crate::{
     dtype_of, kind_of, LossReduction, NestedError, NestedTensor, Operand, Reduce, Reduced, Result,
     Target,
@@ -288,366 +297,46 @@ impl Interpreter<'_> {
     }
 
     fn run(&mut self, value: ValueId, op: &Op, ty: &Type) -> Result<Value> {
-        Ok(match op {
+        match op {
             Op::Input { .. } | Op::Param { .. } => unreachable!("inputs are bound by interpret"),
-            Op::Const { value, dtype } => Value::Dense(
-                Tensor::f_scalar_tensor(value.0, (Kind::Double, tch::Device::Cpu))?
-                    .f_to_kind(kind_of(*dtype))?,
-            ),
-            Op::Unary { op, x } => unary_value(*op, self.get(*x))?,
-            Op::Binary { op, lhs, rhs } => binary_value(*op, self.get(*lhs), self.get(*rhs))?,
-            Op::Where { condition, x, y } => {
-                where_value(self.get(*condition), self.get(*x), self.get(*y))?
+            Op::Const { .. }
+            | Op::Unary { .. }
+            | Op::Binary { .. }
+            | Op::Where { .. }
+            | Op::Cast { .. }
+            | Op::Fused { .. }
+            | Op::Dropout { .. } => self.run_pointwise(op),
+            Op::Prologue { .. } | Op::Epilogue { .. } => self.run_fused_kernel(value, op, ty),
+            Op::Linear { .. } | Op::Matmul { .. } | Op::Embedding { .. } | Op::Attention { .. } => {
+                self.run_gemm(op)
             }
-            Op::Cast { x, dtype } => cast_value(*dtype, self.get(*x))?,
-            Op::Fused { inputs, expr } => {
-                let inputs: Vec<&Value> = inputs.iter().map(|&input| self.get(input)).collect();
-                fused_value(expr, &inputs)?
-            }
-            Op::Prologue { inputs, expr, core } => {
-                let inputs: Vec<&Value> = inputs.iter().map(|&input| self.get(input)).collect();
-                let input = fused_value(expr, &inputs)?;
-                // The core reads the expression's value as this op's own (not yet
-                // defined) value.
-                let mut operands = core.operands();
-                operands[0] = value;
-                let core =
-                    core.with_operands(&operands)
-                        .ok_or_else(|| NestedError::Unsupported {
-                            op: "prologue",
-                            reason: format!("{value}: its core takes other operands"),
-                        })?;
-                self.values.push(input);
-                let result = self.run(value, &core, ty);
-                self.values.pop();
-                result?
-            }
-            Op::Epilogue { core, inputs, expr } => {
-                let core_ty =
-                    self.graph
-                        .type_of(core)
-                        .map_err(|error| NestedError::Unsupported {
-                            op: "epilogue",
-                            reason: error.to_string(),
-                        })?;
-                let result = self.run(value, core, &core_ty)?;
-                let operands: Vec<&Value> = std::iter::once(&result)
-                    .chain(inputs.iter().map(|&input| self.get(input)))
-                    .collect();
-                fused_value(expr, &operands)?
-            }
-            Op::Linear { x, weight, bias } => {
-                let bias = bias.map(|bias| self.dense(bias)).transpose()?;
-                match self.get(*x) {
-                    Value::Nested(nested) => {
-                        Value::Nested(nested.linear(self.dense(*weight)?, bias)?)
-                    }
-                    _ => Value::Dense(self.dense(*x)?.f_linear(self.dense(*weight)?, bias)?),
-                }
-            }
-            Op::Matmul { x, w } => match self.get(*x) {
-                Value::Nested(nested) => Value::Nested(nested.matmul(self.dense(*w)?)?),
-                _ => Value::Dense(self.dense(*x)?.f_matmul(self.dense(*w)?)?),
-            },
-            Op::LayerNorm {
-                x,
-                weight,
-                bias,
-                dims,
-                eps,
-            } => {
-                let shape = tail_sizes(ty, *dims);
-                let weight = weight.map(|w| self.dense(w)).transpose()?;
-                let bias = bias.map(|b| self.dense(b)).transpose()?;
-                match self.get(*x) {
-                    Value::Nested(nested) => {
-                        Value::Nested(nested.layer_norm(&shape, weight, bias, eps.0)?)
-                    }
-                    _ => Value::Dense(self.dense(*x)?.f_layer_norm(
-                        shape.as_slice(),
-                        weight,
-                        bias,
-                        eps.0,
-                        true,
-                    )?),
-                }
-            }
-            Op::RmsNorm {
-                x,
-                weight,
-                dims,
-                eps,
-            } => {
-                let shape = tail_sizes(ty, *dims);
-                let weight = weight.map(|w| self.dense(w)).transpose()?;
-                match self.get(*x) {
-                    Value::Nested(nested) => {
-                        Value::Nested(nested.rms_norm(&shape, weight, Some(eps.0))?)
-                    }
-                    _ => Value::Dense(self.dense(*x)?.f_rms_norm(
-                        shape.as_slice(),
-                        weight,
-                        Some(eps.0),
-                    )?),
-                }
-            }
-            Op::Softmax { x, axis, log } => match (self.get(*x), log) {
-                (Value::Nested(nested), false) => Value::Nested(nested.softmax(*axis)?),
-                (Value::Nested(nested), true) => Value::Nested(nested.log_softmax(*axis)?),
-                (_, false) => Value::Dense(self.dense(*x)?.f_softmax(*axis, None::<Kind>)?),
-                (_, true) => Value::Dense(self.dense(*x)?.f_log_softmax(*axis, None::<Kind>)?),
-            },
-            Op::Reduce {
-                op,
-                x,
-                dims,
-                keepdim,
-                correction,
-            } => {
-                let reduce = Reduce::from_ir(*op, *correction);
-                match self.get(*x) {
-                    Value::Nested(nested) => Value::from(nested.reduce(reduce, dims, *keepdim)?),
-                    _ => Value::Dense(reduce_dense(
-                        self.dense(*x)?,
-                        *op,
-                        dims,
-                        *keepdim,
-                        *correction,
-                    )?),
-                }
-            }
-            Op::Embedding {
-                ids,
-                weight,
-                padding_idx,
-            } => Value::Nested(
-                self.nested(*ids)?
-                    .embedding(self.dense(*weight)?, *padding_idx)?,
-            ),
-            Op::Attention {
-                q,
-                k,
-                v,
-                causal,
-                scale,
-            } => Value::Nested(self.nested(*q)?.scaled_dot_product_attention(
-                self.nested(*k)?,
-                self.nested(*v)?,
-                *causal,
-                scale.map(|scale| scale.0),
-            )?),
-            Op::ReshapeTail { x, tail } => Value::Nested(self.nested(*x)?.reshape_tail(tail)?),
-            Op::SelectStatic { x, dim, index } => {
-                Value::Nested(self.nested(*x)?.select_static(*dim as i64 + 1, *index)?)
-            }
-            Op::TransposeStatic { x, dim0, dim1 } => Value::Nested(
-                self.nested(*x)?
-                    .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
-            ),
-            Op::Dropout { x, p, train } => match self.get(*x) {
-                Value::Nested(nested) => Value::Nested(nested.dropout(p.0, *train)?),
-                _ => Value::Dense(self.dense(*x)?.f_dropout(p.0, *train)?),
-            },
-            Op::Pad { x, value } => {
-                let nested = self.nested(*x)?;
-                let options = crate::NestedOptions {
-                    padding_value: value.0,
-                    ..nested.options()
-                };
-                Value::Dense(nested.with_options(options).pad()?.tensor)
-            }
-            Op::Unpad { x, lengths } => {
-                let mask = length_mask(self.lengths(*lengths)?)?;
-                Value::Nested(
-                    NestedTensor::builder()
-                        .ragged_dims(&[0])
-                        .tensor_mask(self.dense(*x)?, &mask)?,
-                )
-            }
-            Op::Mask { lengths } => Value::Dense(length_mask(self.lengths(*lengths)?)?),
-            Op::MaxLength { lengths } => Value::Dense(Tensor::from(
-                self.lengths(*lengths)?.iter().copied().max().unwrap_or(0),
-            )),
-            Op::TotalLength { lengths } => {
-                Value::Dense(Tensor::from(self.lengths(*lengths)?.iter().sum::<i64>()))
-            }
-            Op::CrossEntropy {
-                logits,
-                target,
-                ignore_index,
-                smoothing,
-                reduction,
-            } => match self.get(*logits) {
-                Value::Nested(nested) => {
-                    let target = match self.get(*target) {
-                        Value::Nested(target) => Target::Nested(target),
-                        _ => Target::Dense(self.dense(*target)?),
-                    };
-                    Value::from(nested.cross_entropy(
-                        target,
-                        *ignore_index,
-                        smoothing.0,
-                        loss_reduction(*reduction),
-                    )?)
-                }
-                _ => Value::Dense(self.dense(*logits)?.f_cross_entropy_loss(
-                    self.dense(*target)?,
-                    None::<Tensor>,
-                    torch_reduction(*reduction),
-                    *ignore_index,
-                    smoothing.0,
-                )?),
-            },
-            Op::RepeatLengths {
-                lengths,
-                repeats,
-                interleave,
-            } => {
-                let lengths = self.lengths(*lengths)?;
-                let repeats = *repeats as usize;
-                Value::Lengths(if *interleave {
-                    lengths
-                        .iter()
-                        .flat_map(|&length| std::iter::repeat_n(length, repeats))
-                        .collect()
-                } else {
-                    lengths.repeat(repeats)
-                })
-            }
-            Op::RepeatBatch {
-                x,
-                repeats,
-                interleave,
-                ..
-            } => {
-                let nested = self.nested(*x)?;
-                let repeats = *repeats as usize;
-                Value::Nested(if *interleave {
-                    nested.repeat_interleave(repeats)?
-                } else {
-                    nested.repeat_batch(repeats)?
-                })
-            }
-            Op::MseLoss {
-                x,
-                target,
-                reduction,
-            } => match self.get(*x) {
-                Value::Nested(nested) => Value::from(
-                    nested.mse_loss(self.operand(*target)?, loss_reduction(*reduction))?,
-                ),
-                _ => Value::Dense(
-                    self.dense(*x)?
-                        .f_mse_loss(self.dense(*target)?, torch_reduction(*reduction))?,
-                ),
-            },
-            Op::WindowLengths {
-                lengths,
-                kernel,
-                stride,
-                padding,
-                dilation,
-            } => Value::Lengths(
-                self.lengths(*lengths)?
-                    .iter()
-                    .map(|&length| {
-                        nestor_ir::window_output_size(length, *kernel, *stride, *padding, *dilation)
-                    })
-                    .collect(),
-            ),
-            Op::Conv2d {
-                x,
-                weight,
-                bias,
-                stride,
-                padding,
-                dilation,
-                groups,
-            } => {
-                let bias = bias.map(|b| self.dense(b)).transpose()?;
-                let image = self.dense(*x)?.f_unsqueeze(0)?;
-                Value::Dense(
-                    image
-                        .f_conv2d(
-                            self.dense(*weight)?,
-                            bias,
-                            stride,
-                            padding,
-                            dilation,
-                            *groups,
-                        )?
-                        .f_squeeze_dim(0)?,
-                )
-            }
-            Op::Pool2d {
-                kind,
-                x,
-                kernel,
-                stride,
-                padding,
-            } => {
-                let image = self.dense(*x)?.f_unsqueeze(0)?;
-                let pooled = match kind {
-                    PoolKind::Max => image.f_max_pool2d(kernel, stride, padding, [1, 1], false)?,
-                    PoolKind::Avg => {
-                        image.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)?
-                    }
-                };
-                Value::Dense(pooled.f_squeeze_dim(0)?)
-            }
-            Op::AdaptiveAvgPool2d { x, output } => Value::Dense(
-                self.dense(*x)?
-                    .f_unsqueeze(0)?
-                    .f_adaptive_avg_pool2d(output)?
-                    .f_squeeze_dim(0)?,
-            ),
-            Op::PerElement { inputs, body } => self.per_element(value, inputs, body, ty)?,
-        })
-    }
-
-    fn per_element(
-        &self,
-        value: ValueId,
-        inputs: &[ValueId],
-        body: &Graph,
-        ty: &Type,
-    ) -> Result<Value> {
-        let batch = self.nested(inputs[0])?;
-        let ragged: Vec<usize> = match ty {
-            Type::Ragged { dims, .. } => dims
-                .iter()
-                .enumerate()
-                .filter(|(_, d)| matches!(d, ElemDim::Ragged(_)))
-                .map(|(i, _)| i)
-                .collect(),
-            _ => Vec::new(),
-        };
-        let mut outputs = Vec::with_capacity(batch.batch_size());
-        for element in batch.elements()? {
-            let mut body_inputs = vec![Value::Dense(element)];
-            for &input in &inputs[1..] {
-                body_inputs.push(self.get(input).share());
-            }
-            let result = interpret(body, body_inputs)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| mismatch(value.to_string(), "the body returned nothing".into()))?;
-            outputs.push(result.into_dense()?);
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax { .. } => self.run_norm(op, ty),
+            Op::Reduce { .. } => self.run_reduce(op),
+            Op::ReshapeTail { .. }
+            | Op::SelectStatic { .. }
+            | Op::TransposeStatic { .. }
+            | Op::Pad { .. }
+            | Op::Unpad { .. }
+            | Op::Mask { .. }
+            | Op::MaxLength { .. }
+            | Op::TotalLength { .. }
+            | Op::RepeatLengths { .. }
+            | Op::RepeatBatch { .. }
+            | Op::WindowLengths { .. } => self.run_structure(op),
+            Op::CrossEntropy { .. } | Op::MseLoss { .. } => self.run_loss(op),
+            Op::Conv2d { .. }
+            | Op::Pool2d { .. }
+            | Op::AdaptiveAvgPool2d { .. }
+            | Op::PerElement { .. } => self.run_per_element(value, op, ty),
         }
-        let nested = NestedTensor::builder()
-            .ragged_dims(&ragged)
-            .tensors(&outputs)?;
-        let mut checker = Interpreter {
-            graph: self.graph,
-            values: self.values.iter().map(Value::share).collect(),
-            symbols: self.symbols.clone(),
-        };
-        checker.check(
-            &value.to_string(),
-            ty,
-            &Value::Nested(nested.shallow_clone()),
-        )?;
-        Ok(Value::Nested(nested))
+    }
+}
+
+/// The error for an op handed to the runner of another family (a dispatch bug).
+fn not_in_family(op: &Op, family: &str) -> NestedError {
+    NestedError::Unsupported {
+        op: "interpret",
+        reason: format!("{} is not a {family} op", op.name()),
     }
 }
 

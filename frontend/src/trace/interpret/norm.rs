@@ -1,0 +1,60 @@
+//! Layer and RMS normalization, softmax.
+
+use super::*;
+
+impl Interpreter<'_> {
+    /// Runs a norm op.
+    pub(super) fn run_norm(&self, op: &Op, ty: &Type) -> Result<Value> {
+        Ok(match op {
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                dims,
+                eps,
+            } => {
+                let shape = tail_sizes(ty, *dims);
+                let weight = weight.map(|w| self.dense(w)).transpose()?;
+                let bias = bias.map(|b| self.dense(b)).transpose()?;
+                match self.get(*x) {
+                    Value::Nested(nested) => {
+                        Value::Nested(nested.layer_norm(&shape, weight, bias, eps.0)?)
+                    }
+                    _ => Value::Dense(self.dense(*x)?.f_layer_norm(
+                        shape.as_slice(),
+                        weight,
+                        bias,
+                        eps.0,
+                        true,
+                    )?),
+                }
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                dims,
+                eps,
+            } => {
+                let shape = tail_sizes(ty, *dims);
+                let weight = weight.map(|w| self.dense(w)).transpose()?;
+                match self.get(*x) {
+                    Value::Nested(nested) => {
+                        Value::Nested(nested.rms_norm(&shape, weight, Some(eps.0))?)
+                    }
+                    _ => Value::Dense(self.dense(*x)?.f_rms_norm(
+                        shape.as_slice(),
+                        weight,
+                        Some(eps.0),
+                    )?),
+                }
+            }
+            Op::Softmax { x, axis, log } => match (self.get(*x), log) {
+                (Value::Nested(nested), false) => Value::Nested(nested.softmax(*axis)?),
+                (Value::Nested(nested), true) => Value::Nested(nested.log_softmax(*axis)?),
+                (_, false) => Value::Dense(self.dense(*x)?.f_softmax(*axis, None::<Kind>)?),
+                (_, true) => Value::Dense(self.dense(*x)?.f_log_softmax(*axis, None::<Kind>)?),
+            },
+            other => return Err(not_in_family(other, "norm")),
+        })
+    }
+}

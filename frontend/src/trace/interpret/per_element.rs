@@ -1,0 +1,104 @@
+//! Per-element bodies: convolution and pooling of one element, and `per_element` regions.
+
+use super::*;
+
+impl Interpreter<'_> {
+    /// Runs a per element op.
+    pub(super) fn run_per_element(&self, value: ValueId, op: &Op, ty: &Type) -> Result<Value> {
+        Ok(match op {
+            Op::Conv2d {
+                x,
+                weight,
+                bias,
+                stride,
+                padding,
+                dilation,
+                groups,
+            } => {
+                let bias = bias.map(|b| self.dense(b)).transpose()?;
+                let image = self.dense(*x)?.f_unsqueeze(0)?;
+                Value::Dense(
+                    image
+                        .f_conv2d(
+                            self.dense(*weight)?,
+                            bias,
+                            stride,
+                            padding,
+                            dilation,
+                            *groups,
+                        )?
+                        .f_squeeze_dim(0)?,
+                )
+            }
+            Op::Pool2d {
+                kind,
+                x,
+                kernel,
+                stride,
+                padding,
+            } => {
+                let image = self.dense(*x)?.f_unsqueeze(0)?;
+                let pooled = match kind {
+                    PoolKind::Max => image.f_max_pool2d(kernel, stride, padding, [1, 1], false)?,
+                    PoolKind::Avg => {
+                        image.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)?
+                    }
+                };
+                Value::Dense(pooled.f_squeeze_dim(0)?)
+            }
+            Op::AdaptiveAvgPool2d { x, output } => Value::Dense(
+                self.dense(*x)?
+                    .f_unsqueeze(0)?
+                    .f_adaptive_avg_pool2d(output)?
+                    .f_squeeze_dim(0)?,
+            ),
+            Op::PerElement { inputs, body } => self.per_element(value, inputs, body, ty)?,
+            other => return Err(not_in_family(other, "per element")),
+        })
+    }
+
+    fn per_element(
+        &self,
+        value: ValueId,
+        inputs: &[ValueId],
+        body: &Graph,
+        ty: &Type,
+    ) -> Result<Value> {
+        let batch = self.nested(inputs[0])?;
+        let ragged: Vec<usize> = match ty {
+            Type::Ragged { dims, .. } => dims
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| matches!(d, ElemDim::Ragged(_)))
+                .map(|(i, _)| i)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut outputs = Vec::with_capacity(batch.batch_size());
+        for element in batch.elements()? {
+            let mut body_inputs = vec![Value::Dense(element)];
+            for &input in &inputs[1..] {
+                body_inputs.push(self.get(input).share());
+            }
+            let result = interpret(body, body_inputs)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| mismatch(value.to_string(), "the body returned nothing".into()))?;
+            outputs.push(result.into_dense()?);
+        }
+        let nested = NestedTensor::builder()
+            .ragged_dims(&ragged)
+            .tensors(&outputs)?;
+        let mut checker = Interpreter {
+            graph: self.graph,
+            values: self.values.iter().map(Value::share).collect(),
+            symbols: self.symbols.clone(),
+        };
+        checker.check(
+            &value.to_string(),
+            ty,
+            &Value::Nested(nested.shallow_clone()),
+        )?;
+        Ok(Value::Nested(nested))
+    }
+}

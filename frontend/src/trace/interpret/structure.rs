@@ -1,0 +1,87 @@
+//! Structure: static reshapes and selections, padding, masks, lengths, repeats.
+
+use super::*;
+
+impl Interpreter<'_> {
+    /// Runs a structure op.
+    pub(super) fn run_structure(&self, op: &Op) -> Result<Value> {
+        Ok(match op {
+            Op::ReshapeTail { x, tail } => Value::Nested(self.nested(*x)?.reshape_tail(tail)?),
+            Op::SelectStatic { x, dim, index } => {
+                Value::Nested(self.nested(*x)?.select_static(*dim as i64 + 1, *index)?)
+            }
+            Op::TransposeStatic { x, dim0, dim1 } => Value::Nested(
+                self.nested(*x)?
+                    .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
+            ),
+            Op::Pad { x, value } => {
+                let nested = self.nested(*x)?;
+                let options = crate::NestedOptions {
+                    padding_value: value.0,
+                    ..nested.options()
+                };
+                Value::Dense(nested.with_options(options).pad()?.tensor)
+            }
+            Op::Unpad { x, lengths } => {
+                let mask = length_mask(self.lengths(*lengths)?)?;
+                Value::Nested(
+                    NestedTensor::builder()
+                        .ragged_dims(&[0])
+                        .tensor_mask(self.dense(*x)?, &mask)?,
+                )
+            }
+            Op::Mask { lengths } => Value::Dense(length_mask(self.lengths(*lengths)?)?),
+            Op::MaxLength { lengths } => Value::Dense(Tensor::from(
+                self.lengths(*lengths)?.iter().copied().max().unwrap_or(0),
+            )),
+            Op::TotalLength { lengths } => {
+                Value::Dense(Tensor::from(self.lengths(*lengths)?.iter().sum::<i64>()))
+            }
+            Op::RepeatLengths {
+                lengths,
+                repeats,
+                interleave,
+            } => {
+                let lengths = self.lengths(*lengths)?;
+                let repeats = *repeats as usize;
+                Value::Lengths(if *interleave {
+                    lengths
+                        .iter()
+                        .flat_map(|&length| std::iter::repeat_n(length, repeats))
+                        .collect()
+                } else {
+                    lengths.repeat(repeats)
+                })
+            }
+            Op::RepeatBatch {
+                x,
+                repeats,
+                interleave,
+                ..
+            } => {
+                let nested = self.nested(*x)?;
+                let repeats = *repeats as usize;
+                Value::Nested(if *interleave {
+                    nested.repeat_interleave(repeats)?
+                } else {
+                    nested.repeat_batch(repeats)?
+                })
+            }
+            Op::WindowLengths {
+                lengths,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            } => Value::Lengths(
+                self.lengths(*lengths)?
+                    .iter()
+                    .map(|&length| {
+                        nestor_ir::window_output_size(length, *kernel, *stride, *padding, *dilation)
+                    })
+                    .collect(),
+            ),
+            other => return Err(not_in_family(other, "structure")),
+        })
+    }
+}

@@ -1,0 +1,119 @@
+//! GEMMs (linear, matmul), the embedding gather and varlen attention.
+
+use super::*;
+
+impl Lowering<'_> {
+    /// Lowers a gemm op.
+    pub(super) fn lower_gemm(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        match op {
+            Op::Linear { x, weight, bias } => self.gemm(value, ty, *x, *weight, *bias, false),
+            Op::Matmul { x, w } => self.gemm(value, ty, *x, *w, None, true),
+            Op::Embedding { ids, weight, .. } => {
+                self.leading(value, *ids)?;
+                let (ids_slot, rows, _, _) = self.data(value, *ids)?;
+                let (table, _, table_tail, _) = self.data(value, *weight)?;
+                let width = table_tail.first().copied().unwrap_or(1);
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Gather {
+                    out: slot_of(&out),
+                    table,
+                    ids: ids_slot,
+                    rows,
+                    width,
+                });
+                Ok(out)
+            }
+            Op::Attention {
+                q,
+                k,
+                v,
+                causal,
+                scale,
+            } => {
+                let (q_slot, _, q_tail, q_lengths) = self.data(value, *q)?;
+                let (k_slot, _, _, k_lengths) = self.data(value, *k)?;
+                let (v_slot, _, v_tail, _) = self.data(value, *v)?;
+                let (heads, head_dim, value_dim) = (q_tail[0], q_tail[1], v_tail[1]);
+                let full = Access::rows;
+                let out = self.result(value, ty)?;
+                let (Some(q_lengths), Some(k_lengths)) = (q_lengths, k_lengths) else {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        "attention needs ragged queries and keys",
+                    ));
+                };
+                self.program.steps.push(Step::Attention {
+                    out: slot_of(&out),
+                    q: full(q_slot, heads * head_dim),
+                    k: full(k_slot, heads * head_dim),
+                    v: full(v_slot, heads * value_dim),
+                    q_lengths,
+                    k_lengths,
+                    heads,
+                    head_dim,
+                    value_dim,
+                    causal: *causal,
+                    scale: scale.map_or(1.0 / (head_dim as f64).sqrt(), |scale| scale.0),
+                });
+                Ok(out)
+            }
+            other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+
+    pub(super) fn gemm(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        weight: ValueId,
+        bias: Option<ValueId>,
+        transposed: bool,
+    ) -> Result<Lowered, LowerError> {
+        self.leading(value, x)?;
+        self.gemm_checked(value, ty, x, weight, bias, transposed)
+    }
+
+    pub(super) fn gemm_checked(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        weight: ValueId,
+        bias: Option<ValueId>,
+        transposed: bool,
+    ) -> Result<Lowered, LowerError> {
+        let (x_slot, rows, tail, _) = self.data(value, x)?;
+        let (weight_slot, weight_rows, weight_tail, _) = self.data(value, weight)?;
+        let bias = bias
+            .map(|bias| self.data(value, bias).map(|(slot, ..)| slot))
+            .transpose()?;
+        let k = *tail.last().unwrap_or(&1);
+        let weight_first = weight_rows.factor;
+        let n = if transposed {
+            weight_tail.first().copied().unwrap_or(1)
+        } else {
+            weight_first
+        };
+        let out = self.result(value, ty)?;
+        let outer = volume(&tail[..tail.len().saturating_sub(1)]);
+        self.program.steps.push(Step::Gemm {
+            out: slot_of(&out),
+            x: x_slot,
+            weight: weight_slot,
+            bias,
+            rows: rows.times(outer),
+            k,
+            n,
+            transposed,
+            epilogue: None,
+        });
+        Ok(out)
+    }
+}

@@ -1,0 +1,464 @@
+//! Lowering: a graph to a [`Program`] of kernel steps. One op becomes at most one step
+//! (which ops fuse is the optimizer's decision, not lowering's); reshapes and eval-mode
+//! dropout become aliases. Ops with no lowering yet are an error naming the op.
+
+use std::collections::HashMap;
+
+use nestor_ir::{BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, ReduceOp, Type, ValueId};
+use thiserror::Error;
+
+mod fused_kernel;
+mod gemm;
+mod per_element;
+mod pointwise;
+mod row;
+mod structure;
+
+use pointwise::translate;
+
+use crate::program::{
+    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
+    SegmentKind, Slot, SlotInfo, Source, Step,
+};
+
+/// An op the compiler cannot lower yet.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{value} = {op}: no compiled lowering ({reason}); the interpreter (Traced::run) runs it")]
+pub struct LowerError {
+    /// The value.
+    pub value: ValueId,
+    /// Its op.
+    pub op: &'static str,
+    /// What is not supported.
+    pub reason: String,
+}
+
+/// A lowered value.
+#[derive(Clone, Debug)]
+enum Lowered {
+    /// A compile-time constant.
+    Const(f64),
+    /// A lengths buffer.
+    Lengths(Slot),
+    /// A buffer of `rows x product(tail)` scalars. `lengths` names the lengths of a
+    /// batch with one leading ragged dim; `dims` describes every element dim of a
+    /// ragged value (empty for dense values).
+    Data {
+        slot: Slot,
+        rows: Rows,
+        tail: Vec<i64>,
+        lengths: Option<Slot>,
+        dims: Vec<OutDim>,
+    },
+}
+
+/// Choices of the lowering.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Run `per_element` regions (convolutions, pooling) on the host through libtorch
+    /// inside the program, instead of failing to lower them.
+    pub host_per_element: bool,
+}
+
+/// How an operand's rows relate to the output's rows.
+#[derive(Clone, Copy, PartialEq)]
+enum RowUse {
+    Full,
+    Broadcast,
+    PerElement(Slot),
+}
+
+struct Lowering<'g> {
+    graph: &'g Graph,
+    options: LowerOptions,
+    program: Program,
+    values: Vec<Option<Lowered>>,
+    /// Lengths slots by batch-size symbol, for dense values with a symbolic first dim.
+    batches: HashMap<String, Slot>,
+}
+
+/// Lowers `graph` to a program with the default options.
+pub fn lower(graph: &Graph) -> Result<Program, LowerError> {
+    lower_with(graph, LowerOptions::default())
+}
+
+/// Lowers `graph` to a program.
+pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, LowerError> {
+    let mut lowering = Lowering {
+        graph,
+        options,
+        program: Program::default(),
+        values: vec![None; graph.nodes.len()],
+        batches: HashMap::new(),
+    };
+    let mut input_index = 0;
+    for (index, node) in graph.nodes.iter().enumerate() {
+        let value = ValueId(index as u32);
+        let lowered = match &node.op {
+            Op::Input { .. } | Op::Param { .. } => {
+                let lowered = lowering.input(value, &node.ty, input_index)?;
+                input_index += 1;
+                lowered
+            }
+            op => lowering.op(value, op, &node.ty)?,
+        };
+        lowering.values[index] = Some(lowered);
+    }
+    for &output in &graph.outputs {
+        let lowered = lowering.get(output);
+        let out = match (lowered, graph.ty(output)) {
+            (Lowered::Data { slot, dims, .. }, Type::Ragged { .. }) => {
+                Output::Ragged { slot, dims }
+            }
+            (
+                Lowered::Data {
+                    slot,
+                    tail,
+                    rows:
+                        Rows {
+                            base: RowBase::Padded(lengths),
+                            ..
+                        },
+                    ..
+                },
+                Type::Dense { .. },
+            ) => Output::Padded {
+                slot,
+                lengths,
+                tail,
+            },
+            (Lowered::Data { slot, tail, .. }, Type::Dense { .. }) => Output::Dense { slot, tail },
+            _ => {
+                return Err(unsupported(
+                    output,
+                    graph.op(output),
+                    "only batches and dense tensors can be returned",
+                ))
+            }
+        };
+        lowering.program.outputs.push(out);
+    }
+    lowering.program.float = precision(graph, &lowering.program)?;
+    crate::forward::forward_copies(&mut lowering.program);
+    Ok(lowering.program)
+}
+
+/// The float type of a program: f64 when its floating values are f64, f32 otherwise.
+/// Mixing f64 with lower precisions is not compiled (one kernel type per program).
+fn precision(graph: &Graph, program: &Program) -> Result<FloatType, LowerError> {
+    let floats: Vec<DType> = program
+        .slots
+        .iter()
+        .map(|slot| slot.dtype)
+        .filter(|dtype| dtype.is_float())
+        .collect();
+    let double = floats.contains(&DType::F64);
+    if double && floats.iter().any(|&dtype| dtype != DType::F64) {
+        let value = ValueId(graph.nodes.len().saturating_sub(1) as u32);
+        return Err(LowerError {
+            value,
+            op: "program",
+            reason:
+                "it mixes f64 with lower precisions; compiled programs compute in one float type"
+                    .into(),
+        });
+    }
+    if double && !program.host_graphs.is_empty() {
+        let value = ValueId(graph.nodes.len().saturating_sub(1) as u32);
+        return Err(LowerError {
+            value,
+            op: "per_element",
+            reason: "host regions compute in f32; f64 programs cannot use them".into(),
+        });
+    }
+    Ok(if double {
+        FloatType::F64
+    } else {
+        FloatType::F32
+    })
+}
+
+fn unsupported(value: ValueId, op: &Op, reason: impl Into<String>) -> LowerError {
+    LowerError {
+        value,
+        op: op.name(),
+        reason: reason.into(),
+    }
+}
+
+fn volume(tail: &[i64]) -> i64 {
+    tail.iter().product()
+}
+
+impl Lowering<'_> {
+    fn get(&self, value: ValueId) -> Lowered {
+        // Values are lowered in definition order and operands precede their uses.
+        self.values[value.index()]
+            .clone()
+            .unwrap_or(Lowered::Const(f64::NAN))
+    }
+
+    fn data_slot(&mut self, dtype: DType, rows: Rows, width: i64, source: Source) -> Slot {
+        self.program.slot(SlotInfo {
+            dtype,
+            rows,
+            width,
+            source,
+        })
+    }
+
+    /// The rows of a dim: static, or the batch size of a lengths input.
+    fn rows_of(&self, value: ValueId, dim: &Dim) -> Result<Rows, LowerError> {
+        match dim {
+            Dim::Static(size) => Ok(Rows::fixed(*size)),
+            Dim::Sym(symbol) => match self.batches.get(symbol) {
+                Some(&lengths) => Ok(Rows {
+                    base: RowBase::Batch(lengths),
+                    factor: 1,
+                }),
+                None => Err(unsupported(
+                    value,
+                    self.graph.op(value),
+                    format!("no lengths input gives the size {symbol}"),
+                )),
+            },
+            Dim::Max(_) => Err(unsupported(
+                value,
+                self.graph.op(value),
+                "padded dims are not compiled",
+            )),
+        }
+    }
+
+    fn static_tail(&self, value: ValueId, dims: &[Dim]) -> Result<Vec<i64>, LowerError> {
+        dims.iter()
+            .map(|dim| {
+                dim.as_static().ok_or_else(|| {
+                    unsupported(
+                        value,
+                        self.graph.op(value),
+                        format!("dim {dim} is not static"),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The lowering of a value of type `ty` held in a new slot written by a step.
+    fn result(&mut self, value: ValueId, ty: &Type) -> Result<Lowered, LowerError> {
+        self.typed(value, ty, Source::Step)
+    }
+
+    fn typed(&mut self, value: ValueId, ty: &Type, source: Source) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        match ty {
+            Type::Lengths { batch } => {
+                let slot = self.data_slot(DType::I64, Rows::fixed(1), 1, source);
+                if let Dim::Sym(symbol) = batch {
+                    self.batches.entry(symbol.clone()).or_insert(slot);
+                }
+                // A lengths slot's own size is its batch: it refers to itself.
+                self.program.slots[slot.0 as usize].rows = Rows {
+                    base: RowBase::Batch(slot),
+                    factor: 1,
+                };
+                Ok(Lowered::Lengths(slot))
+            }
+            Type::Ragged { dtype, dims, batch } => {
+                let mut out_dims = Vec::with_capacity(dims.len());
+                let mut ragged = Vec::new();
+                let mut tail = Vec::new();
+                for dim in dims {
+                    match dim {
+                        ElemDim::Ragged(lengths) => {
+                            let Lowered::Lengths(slot) = self.get(*lengths) else {
+                                return Err(unsupported(
+                                    value,
+                                    op,
+                                    "its lengths are not a lengths buffer",
+                                ));
+                            };
+                            ragged.push(slot);
+                            out_dims.push(OutDim::Ragged(slot));
+                        }
+                        ElemDim::Fixed(fixed) => {
+                            let size = self.static_tail(value, std::slice::from_ref(fixed))?[0];
+                            tail.push(size);
+                            out_dims.push(OutDim::Static(size));
+                        }
+                    }
+                }
+                let base = match ragged.as_slice() {
+                    [] => self.rows_of(value, batch)?.base,
+                    [lengths] => RowBase::Total(*lengths),
+                    [first, second] => RowBase::Volume(*first, *second),
+                    _ => {
+                        return Err(unsupported(
+                            value,
+                            op,
+                            format!("compiled batches have at most two ragged dims, got {ty}"),
+                        ))
+                    }
+                };
+                let rows = Rows { base, factor: 1 };
+                let leading = matches!(dims.first(), Some(ElemDim::Ragged(_))) && ragged.len() == 1;
+                let slot = self.data_slot(*dtype, rows, volume(&tail), source);
+                Ok(Lowered::Data {
+                    slot,
+                    rows,
+                    tail,
+                    lengths: leading.then(|| ragged[0]),
+                    dims: out_dims,
+                })
+            }
+            Type::Dense { dtype, shape } => {
+                let (rows, tail) = match shape.as_slice() {
+                    [] => (Rows::fixed(1), Vec::new()),
+                    // A padded grid `[B, max(L), ...]`: B x max(L) rows.
+                    [_, Dim::Max(lengths), rest @ ..] => match self.get(*lengths) {
+                        Lowered::Lengths(slot) => (
+                            Rows {
+                                base: RowBase::Padded(slot),
+                                factor: 1,
+                            },
+                            self.static_tail(value, rest)?,
+                        ),
+                        _ => return Err(unsupported(value, op, "its padded dim has no lengths")),
+                    },
+                    [first, rest @ ..] => {
+                        (self.rows_of(value, first)?, self.static_tail(value, rest)?)
+                    }
+                };
+                let slot = self.data_slot(*dtype, rows, volume(&tail), source);
+                Ok(Lowered::Data {
+                    slot,
+                    rows,
+                    tail,
+                    lengths: None,
+                    dims: Vec::new(),
+                })
+            }
+        }
+    }
+
+    fn input(&mut self, value: ValueId, ty: &Type, index: usize) -> Result<Lowered, LowerError> {
+        if let Some(dtype) = ty.dtype() {
+            if !matches!(
+                dtype,
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::I64 | DType::Bool
+            ) {
+                return Err(unsupported(
+                    value,
+                    self.graph.op(value),
+                    format!("compiled inputs are f32, f64, f16, bf16, i64 or bool, got {dtype}"),
+                ));
+            }
+        }
+        self.typed(value, ty, Source::Input(index))
+    }
+
+    /// An alias of `source` seen with the type `ty` (same memory).
+    fn alias(&mut self, value: ValueId, source: Slot, ty: &Type) -> Result<Lowered, LowerError> {
+        self.typed(value, ty, Source::Alias(source))
+    }
+
+    /// Errors unless `operand` is dense or a batch with one leading ragged dim, the
+    /// layouts row-wise kernels (GEMM, norms, softmax, reductions) understand.
+    fn leading(&self, value: ValueId, operand: ValueId) -> Result<(), LowerError> {
+        match self.get(operand) {
+            Lowered::Data {
+                lengths: None,
+                dims,
+                ..
+            } if !dims.is_empty() => Err(unsupported(
+                value,
+                self.graph.op(value),
+                format!(
+                    "{operand} must have one leading ragged dim, got {}",
+                    self.graph.ty(operand)
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn data(
+        &self,
+        value: ValueId,
+        operand: ValueId,
+    ) -> Result<(Slot, Rows, Vec<i64>, Option<Slot>), LowerError> {
+        match self.get(operand) {
+            Lowered::Data {
+                slot,
+                rows,
+                tail,
+                lengths,
+                ..
+            } => Ok((slot, rows, tail, lengths)),
+            _ => Err(unsupported(
+                value,
+                self.graph.op(value),
+                format!("{operand} must be a tensor"),
+            )),
+        }
+    }
+
+    fn op(&mut self, value: ValueId, op: &Op, ty: &Type) -> Result<Lowered, LowerError> {
+        if let Some(dtype) = ty.dtype() {
+            if !matches!(
+                dtype,
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::Bool | DType::I64
+            ) {
+                return Err(unsupported(
+                    value,
+                    op,
+                    format!("compiled values are f32 or f64 (f16 and bf16 at the boundary), got {dtype}"),
+                ));
+            }
+        }
+        match op {
+            Op::Const { .. }
+            | Op::Unary { .. }
+            | Op::Binary { .. }
+            | Op::Where { .. }
+            | Op::Cast { .. }
+            | Op::Fused { .. } => self.lower_pointwise(value, op, ty),
+            Op::Prologue { .. } | Op::Epilogue { .. } => self.lower_fused_kernel(value, op, ty),
+            Op::Linear { .. } | Op::Matmul { .. } | Op::Embedding { .. } | Op::Attention { .. } => {
+                self.lower_gemm(value, op, ty)
+            }
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax { .. } | Op::Reduce { .. } => {
+                self.lower_row(value, op, ty)
+            }
+            Op::Unpad { .. }
+            | Op::Pad { .. }
+            | Op::ReshapeTail { .. }
+            | Op::Dropout { .. }
+            | Op::SelectStatic { .. }
+            | Op::WindowLengths { .. } => self.lower_structure(value, op, ty),
+            Op::PerElement { .. } => self.lower_per_element(value, op, ty),
+            other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+}
+
+fn slot_of(lowered: &Lowered) -> Slot {
+    match lowered {
+        Lowered::Data { slot, .. } | Lowered::Lengths(slot) => *slot,
+        Lowered::Const(_) => Slot(u32::MAX),
+    }
+}
+
+fn rows_of(lowered: &Lowered) -> Rows {
+    match lowered {
+        Lowered::Data { rows, .. } => *rows,
+        _ => Rows::fixed(1),
+    }
+}
+
+fn tail_of(lowered: &Lowered) -> Vec<i64> {
+    match lowered {
+        Lowered::Data { tail, .. } => tail.clone(),
+        _ => Vec::new(),
+    }
+}

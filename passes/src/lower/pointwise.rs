@@ -1,0 +1,301 @@
+//! Pointwise ops: one `Step::Pointwise` over a fused expression, operands read through `Access` patterns (broadcasting, per-element operands, strided views).
+
+use super::*;
+
+impl Lowering<'_> {
+    /// Lowers a pointwise op.
+    pub(super) fn lower_pointwise(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        match op {
+            Op::Const {
+                value: constant, ..
+            } => Ok(Lowered::Const(constant.0)),
+            Op::Unary { op: unary, x } => self.pointwise(value, ty, &[*x], |loads| {
+                Expr::Unary(*unary, Box::new(loads[0].clone()))
+            }),
+            Op::Binary {
+                op: binary,
+                lhs,
+                rhs,
+            } => self.pointwise(value, ty, &[*lhs, *rhs], |loads| {
+                Expr::Binary(
+                    *binary,
+                    Box::new(loads[0].clone()),
+                    Box::new(loads[1].clone()),
+                )
+            }),
+            Op::Where { condition, x, y } => {
+                self.pointwise(value, ty, &[*condition, *x, *y], |loads| {
+                    Expr::Select(
+                        Box::new(loads[0].clone()),
+                        Box::new(loads[1].clone()),
+                        Box::new(loads[2].clone()),
+                    )
+                })
+            }
+            Op::Cast { x, dtype } => match dtype {
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {
+                    self.pointwise(value, ty, &[*x], |loads| loads[0].clone())
+                }
+                DType::Bool => self.pointwise(value, ty, &[*x], |loads| {
+                    Expr::Binary(
+                        BinaryOp::Ne,
+                        Box::new(loads[0].clone()),
+                        Box::new(Expr::Const(0.0)),
+                    )
+                }),
+                other => Err(unsupported(
+                    value,
+                    op,
+                    format!("casts to {other} are not compiled"),
+                )),
+            },
+            Op::Fused { inputs, expr } => {
+                if let Some(dtype) = unsupported_cast(expr) {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        format!("casts to {dtype} are not compiled"),
+                    ));
+                }
+                self.pointwise(value, ty, inputs, |loads| translate(expr, loads))
+            }
+            other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+
+    pub(super) fn pointwise(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        operands: &[ValueId],
+        build: impl Fn(&[Expr]) -> Expr,
+    ) -> Result<Lowered, LowerError> {
+        let out = self.result(value, ty)?;
+        let (out_slot, out_rows, out_tail) = (slot_of(&out), rows_of(&out), tail_of(&out));
+        let mut inputs = Vec::new();
+        let mut loads = Vec::new();
+        for &operand in operands {
+            match self.get(operand) {
+                Lowered::Const(constant) => loads.push(Expr::Const(constant)),
+                Lowered::Lengths(_) => {
+                    return Err(unsupported(
+                        value,
+                        self.graph.op(value),
+                        "lengths are not elementwise operands",
+                    ))
+                }
+                Lowered::Data { slot, tail, .. } => {
+                    let access = self.access(value, ty, operand, slot, &tail, &out_tail)?;
+                    loads.push(Expr::Load(inputs.len()));
+                    inputs.push(access);
+                }
+            }
+        }
+        self.program.steps.push(Step::Pointwise {
+            out: out_slot,
+            rows: out_rows,
+            width: volume(&out_tail),
+            inputs,
+            expr: build(&loads),
+        });
+        Ok(out)
+    }
+
+    /// How an operand is read by a pointwise step whose output has type `ty`.
+    pub(super) fn access(
+        &self,
+        value: ValueId,
+        ty: &Type,
+        operand: ValueId,
+        slot: Slot,
+        tail: &[i64],
+        out_tail: &[i64],
+    ) -> Result<Access, LowerError> {
+        let op = self.graph.op(value);
+        let operand_ty = self.graph.ty(operand);
+        // The operand's rows and its tail right-aligned to the output's tail.
+        let (row_use, operand_tail): (RowUse, Vec<i64>) = match (ty, operand_ty) {
+            (Type::Ragged { .. }, Type::Ragged { .. }) => (RowUse::Full, tail.to_vec()),
+            (Type::Ragged { dims, batch, .. }, Type::Dense { shape, .. }) => {
+                let rank = dims.len();
+                let static_shape: Vec<i64> = shape
+                    .iter()
+                    .map(|dim| dim.as_static().unwrap_or(-1))
+                    .collect();
+                if shape.len() == rank + 1 {
+                    let per_element = shape[0] == *batch && shape[0] != Dim::Static(1);
+                    let ragged_lengths = ty.length_values().first().copied();
+                    let lengths = ragged_lengths.and_then(|l| match self.get(l) {
+                        Lowered::Lengths(slot) => Some(slot),
+                        _ => None,
+                    });
+                    match (per_element, lengths) {
+                        (true, Some(lengths)) => {
+                            (RowUse::PerElement(lengths), static_shape[2..].to_vec())
+                        }
+                        (false, _) => (RowUse::Broadcast, static_shape[2..].to_vec()),
+                        (true, None) => {
+                            return Err(unsupported(
+                                value,
+                                op,
+                                "a per-element operand without lengths",
+                            ))
+                        }
+                    }
+                } else {
+                    // A tail: the leading (ragged) position is 1 or absent.
+                    let element = static_shape;
+                    let tail_part = if element.len() == rank {
+                        element[1..].to_vec()
+                    } else {
+                        element
+                    };
+                    (RowUse::Broadcast, tail_part)
+                }
+            }
+            (
+                Type::Dense {
+                    shape: out_shape, ..
+                },
+                Type::Dense { shape, .. },
+            ) => {
+                if let [_, Dim::Max(_), rest @ ..] = shape.as_slice() {
+                    // Padded grids: rows are `B x max(L)`; only same-shape operands.
+                    if shape != out_shape {
+                        return Err(unsupported(
+                            value,
+                            op,
+                            format!("cannot broadcast {operand_ty} into {ty}"),
+                        ));
+                    }
+                    (RowUse::Full, self.static_tail(operand, rest)?)
+                } else if shape.len() == out_shape.len() && !shape.is_empty() {
+                    let row = if shape[0] == out_shape[0] {
+                        RowUse::Full
+                    } else {
+                        RowUse::Broadcast
+                    };
+                    (row, self.static_tail(operand, &shape[1..])?)
+                } else {
+                    let all: Vec<i64> = shape
+                        .iter()
+                        .map(|dim| dim.as_static().unwrap_or(-1))
+                        .collect();
+                    (RowUse::Broadcast, all)
+                }
+            }
+            _ => {
+                return Err(unsupported(
+                    value,
+                    op,
+                    format!("cannot broadcast {operand_ty} into {ty}"),
+                ))
+            }
+        };
+        // Right-align the operand tail to the output tail.
+        let padded: Vec<i64> = if operand_tail.len() <= out_tail.len() {
+            std::iter::repeat_n(1, out_tail.len() - operand_tail.len())
+                .chain(operand_tail.iter().copied())
+                .collect()
+        } else {
+            return Err(unsupported(
+                value,
+                op,
+                format!("operand {operand} has more dims than the result"),
+            ));
+        };
+        let (col_stride, col_modulo) = if padded == out_tail {
+            (1, 0)
+        } else if padded.iter().all(|&size| size == 1) {
+            (0, 0)
+        } else {
+            let first = padded.iter().position(|&size| size != 1).unwrap_or(0);
+            if padded[first..] == out_tail[first..] {
+                (1, volume(&out_tail[first..]))
+            } else {
+                return Err(unsupported(
+                    value,
+                    op,
+                    format!("broadcasting {padded:?} over {out_tail:?} is not compiled"),
+                ));
+            }
+        };
+        let row_stride = volume(
+            &padded
+                .iter()
+                .copied()
+                .filter(|&size| size != 1)
+                .collect::<Vec<_>>(),
+        )
+        .max(1);
+        let row_stride = if col_stride == 0 { 1 } else { row_stride };
+        Ok(match row_use {
+            RowUse::Full => Access {
+                slot,
+                row_stride,
+                col_stride,
+                offset: 0,
+                per_element: None,
+                col_modulo,
+            },
+            RowUse::Broadcast => Access {
+                slot,
+                row_stride: 0,
+                col_stride,
+                offset: 0,
+                per_element: None,
+                col_modulo,
+            },
+            RowUse::PerElement(lengths) => Access {
+                slot,
+                row_stride,
+                col_stride,
+                offset: 0,
+                per_element: Some(lengths),
+                col_modulo,
+            },
+        })
+    }
+}
+
+/// A fused expression as a kernel expression over the loads of its inputs (casts
+/// between float types are free: a program computes in one float type).
+pub(super) fn translate(expr: &FusedExpr, loads: &[Expr]) -> Expr {
+    let recurse = |expr: &FusedExpr| Box::new(translate(expr, loads));
+    match expr {
+        FusedExpr::Input(index) => loads[*index].clone(),
+        FusedExpr::Const { value, .. } => Expr::Const(value.0),
+        FusedExpr::Unary(op, x) => Expr::Unary(*op, recurse(x)),
+        FusedExpr::Binary(op, a, b) => Expr::Binary(*op, recurse(a), recurse(b)),
+        FusedExpr::Where(c, a, b) => Expr::Select(recurse(c), recurse(a), recurse(b)),
+        FusedExpr::Cast(DType::Bool, x) => {
+            Expr::Binary(BinaryOp::Ne, recurse(x), Box::new(Expr::Const(0.0)))
+        }
+        FusedExpr::Cast(_, x) => *recurse(x),
+    }
+}
+
+/// The first cast in `expr` to a type compiled code does not compute in.
+pub(super) fn unsupported_cast(expr: &FusedExpr) -> Option<DType> {
+    match expr {
+        FusedExpr::Input(_) | FusedExpr::Const { .. } => None,
+        FusedExpr::Cast(dtype, _)
+            if !matches!(
+                dtype,
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::Bool
+            ) =>
+        {
+            Some(*dtype)
+        }
+        FusedExpr::Unary(_, x) | FusedExpr::Cast(_, x) => unsupported_cast(x),
+        FusedExpr::Binary(_, a, b) => unsupported_cast(a).or_else(|| unsupported_cast(b)),
+        FusedExpr::Where(c, a, b) => unsupported_cast(c)
+            .or_else(|| unsupported_cast(a))
+            .or_else(|| unsupported_cast(b)),
+    }
+}

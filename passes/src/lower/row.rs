@@ -1,0 +1,198 @@
+//! Row and segmented kernels: layer and RMS norm, softmax, reductions over the tail or the ragged dim.
+
+use super::*;
+
+impl Lowering<'_> {
+    /// Lowers a row op.
+    pub(super) fn lower_row(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        match op {
+            Op::LayerNorm {
+                x,
+                weight,
+                bias,
+                dims,
+                eps,
+            } => self.row(
+                value,
+                ty,
+                RowKind::LayerNorm,
+                *x,
+                *weight,
+                *bias,
+                *dims,
+                eps.0,
+            ),
+            Op::RmsNorm {
+                x,
+                weight,
+                dims,
+                eps,
+            } => self.row(value, ty, RowKind::RmsNorm, *x, *weight, None, *dims, eps.0),
+            Op::Softmax { x, axis, log } => {
+                self.leading(value, *x)?;
+                let (slot, _, tail, lengths) = self.data(value, *x)?;
+                let last = tail.len() as i64 + 1;
+                let ragged_axis = lengths.is_some() && *axis == 1;
+                if ragged_axis {
+                    let kind = if *log {
+                        SegmentKind::LogSoftmax
+                    } else {
+                        SegmentKind::Softmax
+                    };
+                    let out = self.result(value, ty)?;
+                    self.program.steps.push(Step::Segment {
+                        kind,
+                        out: slot_of(&out),
+                        x: Fusion::plain(slot, volume(&tail)),
+                        lengths: lengths.unwrap_or(slot),
+                        width: volume(&tail),
+                    });
+                    Ok(out)
+                } else if *axis == last || *axis == -1 {
+                    let kind = if *log {
+                        RowKind::LogSoftmax
+                    } else {
+                        RowKind::Softmax
+                    };
+                    self.row(value, ty, kind, *x, None, None, 1, 0.0)
+                } else {
+                    Err(unsupported(
+                        value,
+                        op,
+                        "softmax over an inner static dim is not compiled",
+                    ))
+                }
+            }
+            Op::Reduce {
+                op: reduce,
+                x,
+                dims,
+                keepdim,
+                ..
+            } => self.reduce(value, ty, *reduce, *x, dims, *keepdim),
+            other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn row(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        kind: RowKind,
+        x: ValueId,
+        weight: Option<ValueId>,
+        bias: Option<ValueId>,
+        dims: usize,
+        eps: f64,
+    ) -> Result<Lowered, LowerError> {
+        self.leading(value, x)?;
+        let (x_slot, rows, tail, _) = self.data(value, x)?;
+        if dims == 0 || dims > tail.len() {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                format!("cannot normalize {dims} dims of a tail {tail:?}"),
+            ));
+        }
+        let width = volume(&tail[tail.len() - dims..]);
+        let weight = weight
+            .map(|weight| self.data(value, weight).map(|(slot, ..)| slot))
+            .transpose()?;
+        let bias = bias
+            .map(|bias| self.data(value, bias).map(|(slot, ..)| slot))
+            .transpose()?;
+        let out = self.result(value, ty)?;
+        let outer = volume(&tail[..tail.len() - dims]);
+        self.program.steps.push(Step::Row {
+            kind,
+            out: slot_of(&out),
+            x: Fusion::plain(x_slot, width),
+            weight,
+            bias,
+            rows: rows.times(outer),
+            width,
+            eps,
+        });
+        Ok(out)
+    }
+
+    pub(super) fn reduce(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        reduce: ReduceOp,
+        x: ValueId,
+        dims: &[i64],
+        keepdim: bool,
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        self.leading(value, x)?;
+        let (x_slot, rows, tail, lengths) = self.data(value, x)?;
+        let last = tail.len() as i64 + 1;
+        match (dims, lengths) {
+            ([1], Some(lengths)) if !keepdim => {
+                let kind = match reduce {
+                    ReduceOp::Sum => SegmentKind::Sum,
+                    ReduceOp::Mean => SegmentKind::Mean,
+                    ReduceOp::Amax => SegmentKind::Max,
+                    ReduceOp::Amin => SegmentKind::Min,
+                    other => {
+                        return Err(unsupported(
+                            value,
+                            op,
+                            format!("{} over the ragged dim is not compiled", other.word()),
+                        ))
+                    }
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Segment {
+                    kind,
+                    out: slot_of(&out),
+                    x: Fusion::plain(x_slot, volume(&tail)),
+                    lengths,
+                    width: volume(&tail),
+                });
+                Ok(out)
+            }
+            ([dim], _) if (*dim == last || *dim == -1) && !tail.is_empty() => {
+                let kind = match reduce {
+                    ReduceOp::Sum => RowKind::Sum,
+                    ReduceOp::Mean => RowKind::Mean,
+                    ReduceOp::Amax => RowKind::Max,
+                    ReduceOp::Amin => RowKind::Min,
+                    other => {
+                        return Err(unsupported(
+                            value,
+                            op,
+                            format!("{} over the last dim is not compiled", other.word()),
+                        ))
+                    }
+                };
+                let width = *tail.last().unwrap_or(&1);
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Row {
+                    kind,
+                    out: slot_of(&out),
+                    x: Fusion::plain(x_slot, width),
+                    weight: None,
+                    bias: None,
+                    rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
+                    width,
+                    eps: 0.0,
+                });
+                Ok(out)
+            }
+            _ => Err(unsupported(
+                value,
+                op,
+                format!("reductions over dims {dims:?} (keepdim {keepdim}) are not compiled"),
+            )),
+        }
+    }
+}

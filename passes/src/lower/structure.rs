@@ -1,0 +1,113 @@
+//! Structure: padding copies, aliases (reshapes, eval dropout), static selections, window lengths.
+
+use super::*;
+
+impl Lowering<'_> {
+    /// Lowers a structure op.
+    pub(super) fn lower_structure(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        match op {
+            Op::Unpad { x, lengths } => {
+                let (x_slot, rows, tail, _) = self.data(value, *x)?;
+                let (RowBase::Padded(grid), Lowered::Lengths(lengths)) =
+                    (rows.base, self.get(*lengths))
+                else {
+                    return Err(unsupported(value, op, format!("{x} must be a padded grid")));
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Unpad {
+                    out: slot_of(&out),
+                    x: x_slot,
+                    grid,
+                    lengths,
+                    width: volume(&tail),
+                });
+                Ok(out)
+            }
+            Op::Pad { x, value: padding } => {
+                self.leading(value, *x)?;
+                let (x_slot, _, tail, lengths) = self.data(value, *x)?;
+                let Some(lengths) = lengths else {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        format!("{x} must be a ragged batch"),
+                    ));
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Pad {
+                    out: slot_of(&out),
+                    x: x_slot,
+                    lengths,
+                    width: volume(&tail),
+                    value: padding.0,
+                });
+                Ok(out)
+            }
+            Op::ReshapeTail { x, .. }
+            | Op::Dropout {
+                x, train: false, ..
+            } => {
+                let (slot, ..) = self.data(value, *x)?;
+                self.alias(value, slot, ty)
+            }
+            Op::SelectStatic { x, dim, index } => {
+                self.leading(value, *x)?;
+                let (slot, _, tail, _) = self.data(value, *x)?;
+                if *dim != 1 {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        "only the first static dim can be selected",
+                    ));
+                }
+                let inner = volume(&tail[1..]);
+                let access = Access {
+                    slot,
+                    row_stride: volume(&tail),
+                    col_stride: 1,
+                    offset: index * inner,
+                    per_element: None,
+                    col_modulo: 0,
+                };
+                let out = self.result(value, ty)?;
+                let width = volume(&tail_of(&out));
+                self.program.steps.push(Step::Pointwise {
+                    out: slot_of(&out),
+                    rows: rows_of(&out),
+                    width,
+                    inputs: vec![access],
+                    expr: Expr::Load(0),
+                });
+                Ok(out)
+            }
+            Op::WindowLengths {
+                lengths,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            } => {
+                let Lowered::Lengths(input) = self.get(*lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                let out_slot = slot_of(&out);
+                self.program.lengths_ops.push(LengthsOp {
+                    out: out_slot,
+                    input,
+                    kernel: *kernel,
+                    stride: *stride,
+                    padding: *padding,
+                    dilation: *dilation,
+                });
+                Ok(out)
+            }
+            other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+}

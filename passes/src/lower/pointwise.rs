@@ -117,9 +117,84 @@ impl Lowering<'_> {
         out_tail: &[i64],
     ) -> Result<Access, LowerError> {
         let op = self.graph.op(value);
+        let (row_use, operand_tail) = self.operand_rows(value, ty, operand, tail)?;
+        // Right-align the operand tail to the output tail.
+        let padded: Vec<i64> = if operand_tail.len() <= out_tail.len() {
+            std::iter::repeat_n(1, out_tail.len() - operand_tail.len())
+                .chain(operand_tail.iter().copied())
+                .collect()
+        } else {
+            return Err(unsupported(
+                value,
+                op,
+                format!("operand {operand} has more dims than the result"),
+            ));
+        };
+        let (col_stride, col_modulo) = if padded == out_tail {
+            (1, 0)
+        } else if padded.iter().all(|&size| size == 1) {
+            (0, 0)
+        } else {
+            let first = padded.iter().position(|&size| size != 1).unwrap_or(0);
+            if padded[first..] == out_tail[first..] {
+                (1, volume(&out_tail[first..]))
+            } else {
+                return Err(unsupported(
+                    value,
+                    op,
+                    format!("broadcasting {padded:?} over {out_tail:?} is not compiled"),
+                ));
+            }
+        };
+        let row_stride = volume(
+            &padded
+                .iter()
+                .copied()
+                .filter(|&size| size != 1)
+                .collect::<Vec<_>>(),
+        )
+        .max(1);
+        let row_stride = if col_stride == 0 { 1 } else { row_stride };
+        Ok(match row_use {
+            RowUse::Full => Access {
+                slot,
+                row_stride,
+                col_stride,
+                offset: 0,
+                per_element: None,
+                col_modulo,
+            },
+            RowUse::Broadcast => Access {
+                slot,
+                row_stride: 0,
+                col_stride,
+                offset: 0,
+                per_element: None,
+                col_modulo,
+            },
+            RowUse::PerElement(lengths) => Access {
+                slot,
+                row_stride,
+                col_stride,
+                offset: 0,
+                per_element: Some(lengths),
+                col_modulo,
+            },
+        })
+    }
+
+    /// How an operand's rows relate to the rows of a pointwise result of type `ty`, and
+    /// the operand's tail (to be right-aligned to the result's).
+    fn operand_rows(
+        &self,
+        value: ValueId,
+        ty: &Type,
+        operand: ValueId,
+        tail: &[i64],
+    ) -> Result<(RowUse, Vec<i64>), LowerError> {
+        let op = self.graph.op(value);
         let operand_ty = self.graph.ty(operand);
-        // The operand's rows and its tail right-aligned to the output's tail.
-        let (row_use, operand_tail): (RowUse, Vec<i64>) = match (ty, operand_ty) {
+        Ok(match (ty, operand_ty) {
             (Type::Ragged { .. }, Type::Ragged { .. }) => (RowUse::Full, tail.to_vec()),
             (Type::Ragged { dims, batch, .. }, Type::Dense { shape, .. }) => {
                 let rank = dims.len();
@@ -196,69 +271,6 @@ impl Lowering<'_> {
                     format!("cannot broadcast {operand_ty} into {ty}"),
                 ))
             }
-        };
-        // Right-align the operand tail to the output tail.
-        let padded: Vec<i64> = if operand_tail.len() <= out_tail.len() {
-            std::iter::repeat_n(1, out_tail.len() - operand_tail.len())
-                .chain(operand_tail.iter().copied())
-                .collect()
-        } else {
-            return Err(unsupported(
-                value,
-                op,
-                format!("operand {operand} has more dims than the result"),
-            ));
-        };
-        let (col_stride, col_modulo) = if padded == out_tail {
-            (1, 0)
-        } else if padded.iter().all(|&size| size == 1) {
-            (0, 0)
-        } else {
-            let first = padded.iter().position(|&size| size != 1).unwrap_or(0);
-            if padded[first..] == out_tail[first..] {
-                (1, volume(&out_tail[first..]))
-            } else {
-                return Err(unsupported(
-                    value,
-                    op,
-                    format!("broadcasting {padded:?} over {out_tail:?} is not compiled"),
-                ));
-            }
-        };
-        let row_stride = volume(
-            &padded
-                .iter()
-                .copied()
-                .filter(|&size| size != 1)
-                .collect::<Vec<_>>(),
-        )
-        .max(1);
-        let row_stride = if col_stride == 0 { 1 } else { row_stride };
-        Ok(match row_use {
-            RowUse::Full => Access {
-                slot,
-                row_stride,
-                col_stride,
-                offset: 0,
-                per_element: None,
-                col_modulo,
-            },
-            RowUse::Broadcast => Access {
-                slot,
-                row_stride: 0,
-                col_stride,
-                offset: 0,
-                per_element: None,
-                col_modulo,
-            },
-            RowUse::PerElement(lengths) => Access {
-                slot,
-                row_stride,
-                col_stride,
-                offset: 0,
-                per_element: Some(lengths),
-                col_modulo,
-            },
         })
     }
 }

@@ -1,0 +1,124 @@
+//! GEMM steps on `matrixmultiply`: row chunks on rayon's pool, each followed by the
+//! step's epilogue kernel on its rows.
+
+use nestor_backend_cpu::KernelFn;
+
+use super::{worker_threads, Args};
+use crate::scalar::Scalar;
+
+/// The sizes of one GEMM.
+#[derive(Clone, Copy)]
+pub(super) struct GemmShape {
+    pub(super) rows: i64,
+    pub(super) k: i64,
+    pub(super) n: i64,
+    /// W is `[k, n]` rather than `[n, k]`.
+    pub(super) transposed: bool,
+}
+
+/// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when `transposed`).
+///
+/// # Safety
+/// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
+pub(super) unsafe fn gemm<T: Scalar>(
+    out: *mut u8,
+    x: *const u8,
+    weight: *const u8,
+    bias: Option<*mut u8>,
+    shape: GemmShape,
+    epilogue: Option<(KernelFn, Args<'_>)>,
+) {
+    let buffers = GemmBuffers {
+        out: out as *mut T,
+        x: x as *const T,
+        weight: weight as *const T,
+        bias: bias.map(|bias| bias as *const T),
+    };
+    let threads = worker_threads();
+    // Chunks of rows on rayon's pool (the pool the kernels use; `NESTOR_THREADS`).
+    let chunks = if shape.rows * shape.k * shape.n >= GEMM_PARALLEL_MACS {
+        threads.min(shape.rows / 16).max(1)
+    } else {
+        1
+    };
+    // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
+    // over those rows, reading buffers the program sized) rewrites them in place.
+    let rows = move |start: i64, end: i64| unsafe {
+        gemm_rows(buffers, shape, start, end);
+        if let Some((kernel, args)) = epilogue {
+            kernel(args.0.as_ptr(), start, end);
+        }
+    };
+    if chunks == 1 {
+        rows(0, shape.rows);
+        return;
+    }
+    let per_chunk = (shape.rows + chunks - 1) / chunks;
+    rayon::scope(|scope| {
+        for chunk in 0..chunks {
+            let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows));
+            scope.spawn(move |_| rows(start, end));
+        }
+    });
+}
+
+/// Multiply-adds above which a GEMM is split across the cores.
+const GEMM_PARALLEL_MACS: i64 = 1 << 21;
+
+/// The buffers of a GEMM, shared by the tasks that compute its row chunks.
+struct GemmBuffers<T> {
+    out: *mut T,
+    x: *const T,
+    weight: *const T,
+    bias: Option<*const T>,
+}
+impl<T> Clone for GemmBuffers<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for GemmBuffers<T> {}
+unsafe impl<T> Send for GemmBuffers<T> {}
+unsafe impl<T> Sync for GemmBuffers<T> {}
+
+/// Rows `start..end` of a GEMM, on this thread.
+///
+/// # Safety
+/// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
+unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
+    let GemmShape {
+        k, n, transposed, ..
+    } = shape;
+    let rows = end - start;
+    if rows <= 0 || n == 0 {
+        return;
+    }
+    unsafe {
+        let out = buffers.out.offset((start * n) as isize);
+        if k == 0 {
+            // No inner products: the output is the bias (or zeros); write it in full.
+            std::slice::from_raw_parts_mut(out, (rows * n) as usize).fill(T::ZERO);
+        }
+        let weight = if transposed {
+            (buffers.weight, n as isize, 1)
+        } else {
+            (buffers.weight, 1, k as isize)
+        };
+        T::matmul(
+            (rows as usize, k as usize, n as usize),
+            T::ONE,
+            (buffers.x.offset((start * k) as isize), k as isize, 1),
+            weight,
+            (out, n as isize, 1),
+        );
+        if let Some(bias) = buffers.bias {
+            let bias = std::slice::from_raw_parts(bias, n as usize);
+            let out = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
+            for row in out.chunks_mut(n as usize) {
+                for (value, &b) in row.iter_mut().zip(bias) {
+                    *value += b;
+                }
+            }
+        }
+    }
+}

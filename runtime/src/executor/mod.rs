@@ -1,0 +1,571 @@
+//! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
+//! lengths inputs of each run; intermediate buffers are reused once their last reader
+//! has run; kernels split their rows (or elements) across the cores.
+
+use nestor_backend_cpu::{CpuKernels, KernelFn};
+use nestor_ir::DType;
+use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, Step};
+use thiserror::Error;
+
+mod copies;
+mod gemm;
+mod sizes;
+mod steps;
+
+use crate::scalar::Scalar;
+use sizes::Sizes;
+use steps::RunState;
+
+use crate::Stats;
+
+/// Why a run could not happen.
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    /// The program could not be compiled for this machine.
+    #[error(transparent)]
+    Backend(#[from] nestor_backend_cpu::BackendError),
+    /// A host step (a per-element region run through libtorch) failed.
+    #[error("host step: {0}")]
+    Host(String),
+    /// A step cannot run on what it was given (inputs that must agree do not, or a
+    /// program the runtime cannot execute).
+    #[error("step {step}: {reason}")]
+    Step {
+        /// Which step of the program.
+        step: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An input does not fit the program.
+    #[error("input {input}: {reason}")]
+    BadInput {
+        /// Which graph input.
+        input: usize,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The data of one graph input, borrowed from the caller (no copy).
+#[derive(Clone, Copy, Debug)]
+pub enum InputData<'a> {
+    /// f32 values (bool values as 0 and 1) of a program that computes in f32.
+    F32(&'a [f32]),
+    /// f64 values (bool values as 0 and 1) of a program that computes in f64.
+    F64(&'a [f64]),
+    /// i64 values (lengths, ids).
+    I64(&'a [i64]),
+}
+
+/// A dim of the elements of a ragged result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunDim {
+    /// Element `i` has size `lengths[i]`.
+    Ragged(Vec<i64>),
+    /// Every element has this size.
+    Static(i64),
+}
+
+/// Where a run may write its results directly: buffers of the caller (a tensor of its
+/// framework), so that results are not copied out.
+///
+/// # Safety
+/// A buffer returned for `elements` must hold that many values of the program's float
+/// type, be valid for writes, and outlive the run.
+pub unsafe trait OutputSink {
+    /// A buffer for output `index` of `elements` values, or `None` to have the runtime
+    /// allocate it (and copy the result out).
+    fn buffer(&mut self, index: usize, elements: usize) -> Option<*mut u8>;
+}
+
+/// The shape of a result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunShape {
+    /// A ragged batch: its values are packed rows (ragged dims first) of its static dims.
+    Ragged(Vec<RunDim>),
+    /// A dense tensor: rows of these trailing dims.
+    Dense(Vec<i64>),
+    /// A dense tensor of exactly this shape (a padded grid `[B, max(L), ...]`).
+    Full(Vec<i64>),
+}
+
+/// The values of a result, in the type the program computes in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunData {
+    /// Values of a program that computes in f32.
+    F32(Vec<f32>),
+    /// Values of a program that computes in f64.
+    F64(Vec<f64>),
+    /// This many values, written into the buffer the [`OutputSink`] gave.
+    Sunk(usize),
+}
+
+impl RunData {
+    /// How many values.
+    pub fn len(&self) -> usize {
+        match self {
+            RunData::F32(values) => values.len(),
+            RunData::F64(values) => values.len(),
+            RunData::Sunk(elements) => *elements,
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One result of a run.
+#[derive(Debug)]
+pub struct RunOutput {
+    /// The values: packed rows times the static dims.
+    pub data: RunData,
+    /// What the values are.
+    pub shape: RunShape,
+    /// Element type at the boundary.
+    pub dtype: DType,
+}
+
+/// One input of a host step.
+#[derive(Clone, Copy, Debug)]
+pub enum HostValue<'a> {
+    /// Per-element lengths.
+    Lengths(&'a [i64]),
+    /// Packed values.
+    Data(&'a [f32]),
+}
+
+/// Runs the graphs of host steps (per-element regions) for the executor; the frontend
+/// implements it with libtorch.
+pub trait HostRunner: Sync {
+    /// Runs `graph` on `inputs` (one per graph input) and writes its single result's
+    /// packed values into `out` (an error unless there are exactly `out.len()`).
+    fn run(
+        &self,
+        graph: &nestor_ir::Graph,
+        inputs: &[HostValue<'_>],
+        out: &mut [f32],
+    ) -> Result<(), String>;
+}
+
+/// A program and its compiled kernels.
+pub struct Executable {
+    program: Program,
+    kernels: CpuKernels,
+    /// The slots each step reads (lengths excepted): fixed by the program.
+    reads: Vec<Vec<Slot>>,
+    /// The buffers each step is the last reader of (inputs excepted), freed after it.
+    frees: Vec<Vec<Slot>>,
+    /// Intermediate buffers kept between runs (their pages are already mapped), as
+    /// 8-byte words so that f32 and f64 values are both aligned.
+    pool: std::sync::Mutex<Vec<Vec<u64>>>,
+}
+
+/// Raw buffer pointers handed to kernels on several threads; each thread writes a
+/// disjoint range of the output, and inputs are only read.
+#[derive(Clone, Copy)]
+struct Args<'a>(&'a [*mut u8]);
+unsafe impl Send for Args<'_> {}
+unsafe impl Sync for Args<'_> {}
+
+impl Executable {
+    /// Compiles the kernels of `program`.
+    pub fn compile(program: Program) -> Result<Self, RuntimeError> {
+        let kernels = nestor_backend_cpu::compile(&program)?;
+        let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
+        let frees = last_readers(&program, &reads);
+        Ok(Self {
+            program,
+            kernels,
+            reads,
+            frees,
+            pool: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The program.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// The optimized LLVM IR of the kernels.
+    pub fn llvm_ir(&self) -> &str {
+        self.kernels.llvm_ir()
+    }
+
+    /// Runs the program on `inputs` (one per graph input, in order); `host` runs host
+    /// steps, if the program has any.
+    pub fn run(
+        &self,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+        host: Option<&dyn HostRunner>,
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
+        self.run_into(inputs, stats, host, None)
+    }
+
+    /// [`Executable::run`], writing the results that steps compute straight into the
+    /// buffers `sink` gives (their data is then [`RunData::Sunk`]).
+    pub fn run_into(
+        &self,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+        host: Option<&dyn HostRunner>,
+        sink: Option<&mut dyn OutputSink>,
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
+        let program = &self.program;
+        // Lengths first: every size depends on them.
+        let sizes = Sizes::of_run(program, inputs)?;
+        // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
+        let mut pointers = self.input_pointers(inputs, &sizes)?;
+        let mut owned: Vec<Option<Vec<u64>>> = (0..program.slots.len()).map(|_| None).collect();
+        let mut free: Vec<Vec<u64>> = std::mem::take(
+            &mut *self
+                .pool
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        let (external, sunk) = self.sink_buffers(sink, &sizes);
+        let mut moved = 0;
+        let slot_bytes =
+            |slot: Slot| sizes.elements(program, slot) as u64 * program.float.size() as u64;
+        for (step_index, step) in program.steps.iter().enumerate() {
+            let out = step.output();
+            // Every buffer the step reads, once, and the one it writes.
+            moved += self.reads[step_index]
+                .iter()
+                .map(|&slot| slot_bytes(slot))
+                .sum::<u64>()
+                + slot_bytes(out);
+            if let Some(buffer) = external[out.0 as usize] {
+                pointers[out.0 as usize] = buffer;
+            } else {
+                let words = (sizes.elements(program, out) * program.float.size()).div_ceil(8);
+                let reuse = free.iter().position(|buffer| buffer.capacity() >= words);
+                let mut buffer = match reuse {
+                    Some(position) => free.swap_remove(position),
+                    None => {
+                        stats.allocated((words * 8) as u64);
+                        Vec::with_capacity(words)
+                    }
+                };
+                // Every step writes all of its output, so a reused buffer keeps its old
+                // contents (only a grown part is zeroed): no memset per step.
+                buffer.resize(words, 0);
+                pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
+                owned[out.0 as usize] = Some(buffer);
+            }
+            let started = profile().then(std::time::Instant::now);
+            let state = RunState {
+                pointers: self.resolved(&pointers),
+                sizes: &sizes,
+                inputs,
+                host,
+            };
+            self.execute(step_index, step, &state)?;
+            if let Some(started) = started {
+                eprintln!(
+                    "nestor profile: step {step_index} {:.1} us {}",
+                    started.elapsed().as_secs_f64() * 1e6,
+                    step_name(step)
+                );
+            }
+            // Buffers whose last reader was this step go back to the pool.
+            for slot in &self.frees[step_index] {
+                if let Some(buffer) = owned[slot.0 as usize].take() {
+                    free.push(buffer);
+                }
+            }
+        }
+        stats.launched(program.steps.len() as u64);
+        stats.moved(moved);
+        let outputs = self.outputs(&sizes, &pointers, &sunk);
+        // Every buffer goes back to the pool for the next run.
+        free.extend(owned.into_iter().flatten());
+        self.pool
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(free);
+        Ok(outputs)
+    }
+
+    /// Every slot's pointer with the inputs' memory in place (null for the others),
+    /// after checking each input's type and size against the program.
+    fn input_pointers(
+        &self,
+        inputs: &[InputData<'_>],
+        sizes: &Sizes,
+    ) -> Result<Vec<*mut u8>, RuntimeError> {
+        let program = &self.program;
+        let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
+        let mut pointers: Vec<*mut u8> = vec![std::ptr::null_mut(); program.slots.len()];
+        for (index, info) in program.slots.iter().enumerate() {
+            // Aliases read their root's pointer when used (roots are written later).
+            let Source::Input(input) = info.source else {
+                continue;
+            };
+            let floats = info.dtype != DType::I64;
+            let (pointer, length) = match (inputs.get(input), program.float) {
+                (Some(InputData::I64(values)), _) if !floats => {
+                    (values.as_ptr() as *mut u8, values.len() as i64)
+                }
+                (Some(InputData::F32(values)), FloatType::F32) if floats => {
+                    (values.as_ptr() as *mut u8, values.len() as i64)
+                }
+                (Some(InputData::F64(values)), FloatType::F64) if floats => {
+                    (values.as_ptr() as *mut u8, values.len() as i64)
+                }
+                (Some(_), float) => {
+                    let expected = if floats {
+                        format!("{} values ({float:?} program)", info.dtype)
+                    } else {
+                        "i64 values".into()
+                    };
+                    return Err(bad(input, format!("expected {expected}")));
+                }
+                (None, _) => {
+                    return Err(bad(
+                        input,
+                        format!(
+                            "missing: the program takes {} inputs",
+                            inputs.len().max(input + 1)
+                        ),
+                    ))
+                }
+            };
+            let slot = Slot(index as u32);
+            let is_lengths = matches!(info.rows.base, RowBase::Batch(own) if own == slot);
+            let elements = sizes.scalars(program, slot);
+            if !is_lengths && length != elements {
+                return Err(bad(
+                    input,
+                    format!("has {length} values, expected {elements} for these lengths"),
+                ));
+            }
+            pointers[index] = pointer;
+        }
+        Ok(pointers)
+    }
+
+    /// The sink's buffers for the results that steps compute, by slot, and which
+    /// outputs they hold.
+    fn sink_buffers(
+        &self,
+        sink: Option<&mut dyn OutputSink>,
+        sizes: &Sizes,
+    ) -> (Vec<Option<*mut u8>>, Vec<bool>) {
+        let program = &self.program;
+        let mut external: Vec<Option<*mut u8>> = vec![None; program.slots.len()];
+        let mut sunk = vec![false; program.outputs.len()];
+        if let Some(sink) = sink {
+            for (index, output) in program.outputs.iter().enumerate() {
+                let slot = output.slot();
+                if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some()
+                {
+                    continue;
+                }
+                if let Some(buffer) = sink.buffer(index, sizes.elements(program, slot)) {
+                    external[slot.0 as usize] = Some(buffer);
+                    sunk[index] = true;
+                }
+            }
+        }
+        (external, sunk)
+    }
+
+    /// The results of a run: shapes from the lengths, values copied out of their
+    /// buffers unless a sink holds them.
+    fn outputs(&self, sizes: &Sizes, pointers: &[*mut u8], sunk: &[bool]) -> Vec<RunOutput> {
+        let program = &self.program;
+        let lengths_of = |slot: &Slot| {
+            sizes
+                .get(*slot)
+                .map(|info| info.lengths.clone())
+                .unwrap_or_default()
+        };
+        program
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(index, output)| {
+                let (slot, shape) = match output {
+                    Output::Ragged { slot, dims } => {
+                        let dims = dims.iter().map(|dim| match dim {
+                            OutDim::Ragged(lengths) => RunDim::Ragged(lengths_of(lengths)),
+                            OutDim::Static(size) => RunDim::Static(*size),
+                        });
+                        (*slot, RunShape::Ragged(dims.collect()))
+                    }
+                    Output::Dense { slot, tail } => (*slot, RunShape::Dense(tail.clone())),
+                    Output::Padded {
+                        slot,
+                        lengths,
+                        tail,
+                    } => {
+                        let (batch, longest) = sizes
+                            .get(*lengths)
+                            .map_or((0, 0), |info| (info.lengths.len() as i64, info.longest));
+                        let dims = [batch, longest].into_iter().chain(tail.iter().copied());
+                        (*slot, RunShape::Full(dims.collect()))
+                    }
+                };
+                let elements = sizes.elements(program, slot);
+                let pointer = pointers[self.root(slot).0 as usize];
+                // The slot holds `elements` values of the program's type: an input of
+                // that checked size, or a buffer this run allocated with that size
+                // (outputs are never freed).
+                let data = match program.float {
+                    _ if sunk[index] => RunData::Sunk(elements),
+                    FloatType::F32 => RunData::F32(unsafe { copy_out(pointer, elements) }),
+                    FloatType::F64 => RunData::F64(unsafe { copy_out(pointer, elements) }),
+                };
+                RunOutput {
+                    data,
+                    shape,
+                    dtype: program.info(slot).dtype,
+                }
+            })
+            .collect()
+    }
+
+    /// The slot whose memory `slot` uses (itself, unless it is an alias).
+    fn root(&self, slot: Slot) -> Slot {
+        root(&self.program, slot)
+    }
+
+    /// Every slot's pointer, aliases pointing at their roots' memory.
+    fn resolved(&self, pointers: &[*mut u8]) -> Vec<*mut u8> {
+        (0..pointers.len())
+            .map(|index| pointers[self.root(Slot(index as u32)).0 as usize])
+            .collect()
+    }
+
+    /// Runs kernel `index` over `0..total`, split across the cores in chunks of at least
+    /// `grain` rows or elements.
+    fn launch(
+        &self,
+        index: usize,
+        args: &[*mut u8],
+        total: i64,
+        grain: i64,
+    ) -> Result<(), RuntimeError> {
+        let Some(kernel) = self.kernels.kernel(index) else {
+            return Ok(());
+        };
+        let threads = worker_threads();
+        let chunks = threads.min(total / grain.max(1)).max(1);
+        let shared = Args(args);
+        let call = |kernel: KernelFn, args: Args<'_>, start: i64, end: i64| {
+            // The kernel reads and writes only the buffers in `args`, sized for the
+            // program's lengths, and writes rows start..end of its output.
+            unsafe { kernel(args.0.as_ptr(), start, end) }
+        };
+        if chunks == 1 {
+            call(kernel, shared, 0, total);
+            return Ok(());
+        }
+        let per_chunk = (total + chunks - 1) / chunks;
+        // Rayon's pool (shared with the GEMMs) runs the other chunks while this thread
+        // runs the first: one thread fewer to wake, none spawned per launch.
+        rayon::in_place_scope(|scope| {
+            for chunk in 1..chunks {
+                let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(total));
+                scope.spawn(move |_| call(kernel, shared, start, end));
+            }
+            call(kernel, shared, 0, per_chunk.min(total));
+        });
+        Ok(())
+    }
+}
+
+/// Scalars per chunk below which a kernel is not split across threads: waking the
+/// pool costs more than it saves on smaller work (measured on the benchmark's
+/// operators: relu and add on 384k values ran faster unsplit).
+const CHUNK_SCALARS: i64 = 1 << 19;
+
+/// How many scalars' worth of memory traffic one transcendental function (an
+/// exponential, erf, tanh) counts for when deciding to split a kernel.
+const TRANSCENDENTAL_WEIGHT: i64 = 8;
+
+/// Rows per chunk of `step` over rows of `width` scalars: fewer when it evaluates
+/// transcendentals, which make a kernel worth splitting across threads sooner.
+fn row_grain(step: &Step, width: i64) -> i64 {
+    let weight = 1 + TRANSCENDENTAL_WEIGHT * step.transcendentals() as i64;
+    (CHUNK_SCALARS / (width * weight).max(1)).max(1)
+}
+/// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
+fn profile() -> bool {
+    static PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PROFILE.get_or_init(|| std::env::var_os("NESTOR_PROFILE").is_some())
+}
+
+fn step_name(step: &Step) -> String {
+    match step {
+        Step::Pointwise { .. } => "pointwise".into(),
+        Step::Gemm { rows, k, n, .. } => format!("gemm k={k} n={n} rows={rows:?}"),
+        Step::Row { kind, .. } => format!("row {kind:?}"),
+        Step::Segment { kind, .. } => format!("segment {kind:?}"),
+        Step::Attention { .. } => "attention".into(),
+        Step::Gather { .. } => "gather".into(),
+        Step::Host { .. } => "host".into(),
+        Step::Pad { .. } => "pad".into(),
+        Step::Unpad { .. } => "unpad".into(),
+    }
+}
+
+/// Threads a kernel may use: `NESTOR_THREADS`, or the machine's cores.
+fn worker_threads() -> i64 {
+    static THREADS: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::env::var("NESTOR_THREADS")
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as i64))
+            .max(1)
+    })
+}
+
+/// The slot whose memory `slot` uses in `program` (itself, unless it is an alias).
+fn root(program: &Program, slot: Slot) -> Slot {
+    let mut current = slot;
+    while let Source::Alias(source) = program.info(current).source {
+        current = source;
+    }
+    current
+}
+
+/// The buffers each step is the last reader of (their memory, for aliases), never the
+/// program's inputs or results.
+fn last_readers(program: &Program, reads: &[Vec<Slot>]) -> Vec<Vec<Slot>> {
+    let root = |slot: Slot| root(program, slot);
+    let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
+    for (index, slots) in reads.iter().enumerate() {
+        for &slot in slots {
+            last[root(slot).0 as usize] = Some(index);
+        }
+    }
+    for output in &program.outputs {
+        last[root(output.slot()).0 as usize] = None;
+    }
+    let mut frees = vec![Vec::new(); reads.len()];
+    for (slot, last) in last.iter().enumerate() {
+        if let Some(step) = last {
+            if !matches!(program.slots[slot].source, Source::Input(_)) {
+                frees[*step].push(Slot(slot as u32));
+            }
+        }
+    }
+    frees
+}
+
+/// Copies `elements` values of type `T` out of a buffer (none when it is empty).
+///
+/// # Safety
+/// A non-null `pointer` must hold `elements` values of type `T`.
+unsafe fn copy_out<T: Scalar>(pointer: *const u8, elements: usize) -> Vec<T> {
+    if elements == 0 || pointer.is_null() {
+        return vec![T::ZERO; elements];
+    }
+    unsafe { std::slice::from_raw_parts(pointer as *const T, elements) }.to_vec()
+}

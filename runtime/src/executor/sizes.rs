@@ -1,0 +1,142 @@
+//! What a run knows of its lengths: every lengths buffer's values, offsets, longest
+//! element and row owners, and the number of rows of every slot computed from them.
+
+use std::collections::HashMap;
+
+use nestor_ir::DType;
+use nestor_passes::{Program, RowBase, Rows, Slot, Source};
+
+use super::{InputData, RuntimeError};
+
+/// What a run knows about one lengths input.
+pub(super) struct LengthsInfo {
+    pub(super) lengths: Vec<i64>,
+    pub(super) offsets: Vec<i64>,
+    /// The longest length (0 for an empty batch): the row stride of a padded grid.
+    pub(super) longest: i64,
+    /// For every packed row, the element that owns it (built on first use).
+    owners: std::cell::OnceCell<Vec<i64>>,
+}
+
+impl LengthsInfo {
+    fn new(lengths: Vec<i64>) -> Self {
+        let mut offsets = Vec::with_capacity(lengths.len() + 1);
+        offsets.push(0);
+        for &length in &lengths {
+            offsets.push(offsets.last().copied().unwrap_or(0) + length);
+        }
+        Self {
+            longest: lengths.iter().copied().max().unwrap_or(0),
+            lengths,
+            offsets,
+            owners: Default::default(),
+        }
+    }
+
+    pub(super) fn owners(&self) -> &Vec<i64> {
+        self.owners.get_or_init(|| {
+            self.lengths
+                .iter()
+                .enumerate()
+                .flat_map(|(element, &length)| std::iter::repeat_n(element as i64, length as usize))
+                .collect()
+        })
+    }
+}
+
+/// The lengths of one run, by the slot of each lengths buffer.
+pub(super) struct Sizes {
+    lengths: HashMap<Slot, LengthsInfo>,
+}
+
+impl Sizes {
+    /// Reads the lengths inputs of `program` from `inputs` (an error for a missing or
+    /// negative length) and computes the lengths its `lengths_ops` derive from them.
+    pub(super) fn of_run(
+        program: &Program,
+        inputs: &[InputData<'_>],
+    ) -> Result<Self, RuntimeError> {
+        let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
+        let mut lengths: HashMap<Slot, LengthsInfo> = HashMap::new();
+        for (index, info) in program.slots.iter().enumerate() {
+            if let (Source::Input(input), DType::I64, RowBase::Batch(own)) =
+                (info.source, info.dtype, info.rows.base)
+            {
+                if own != Slot(index as u32) {
+                    continue;
+                }
+                let Some(InputData::I64(values)) = inputs.get(input) else {
+                    return Err(bad(input, "expected lengths (i64)".into()));
+                };
+                if let Some((element, &length)) = values.iter().enumerate().find(|(_, &l)| l < 0) {
+                    return Err(bad(
+                        input,
+                        format!("element {element} has negative length {length}"),
+                    ));
+                }
+                lengths.insert(Slot(index as u32), LengthsInfo::new(values.to_vec()));
+            }
+        }
+        for op in &program.lengths_ops {
+            let values: Vec<i64> = lengths
+                .get(&op.input)
+                .map(|info| {
+                    info.lengths
+                        .iter()
+                        .map(|&length| {
+                            nestor_ir::window_output_size(
+                                length,
+                                op.kernel,
+                                op.stride,
+                                op.padding,
+                                op.dilation,
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            lengths.insert(op.out, LengthsInfo::new(values));
+        }
+        Ok(Self { lengths })
+    }
+
+    /// What the run knows of the lengths buffer `slot`.
+    pub(super) fn get(&self, slot: Slot) -> Option<&LengthsInfo> {
+        self.lengths.get(&slot)
+    }
+
+    /// The number of elements in the batch of lengths buffer `slot`.
+    pub(super) fn batch(&self, slot: Slot) -> i64 {
+        self.get(slot).map_or(0, |info| info.lengths.len() as i64)
+    }
+
+    /// The number of rows `rows` stands for in this run.
+    pub(super) fn rows(&self, rows: Rows) -> i64 {
+        let base = match rows.base {
+            RowBase::Volume(first, second) => match (self.get(first), self.get(second)) {
+                (Some(a), Some(b)) => a.lengths.iter().zip(&b.lengths).map(|(x, y)| x * y).sum(),
+                _ => 0,
+            },
+            RowBase::One => 1,
+            RowBase::Total(slot) => self
+                .get(slot)
+                .map_or(0, |info| info.offsets.last().copied().unwrap_or(0)),
+            RowBase::Batch(slot) => self.batch(slot),
+            RowBase::Padded(slot) => self
+                .get(slot)
+                .map_or(0, |info| info.lengths.len() as i64 * info.longest),
+        };
+        base * rows.factor
+    }
+
+    /// The number of scalars slot `slot` of `program` holds in this run.
+    pub(super) fn scalars(&self, program: &Program, slot: Slot) -> i64 {
+        let info = program.info(slot);
+        self.rows(info.rows) * info.width
+    }
+
+    /// [`Sizes::scalars`] as a buffer length.
+    pub(super) fn elements(&self, program: &Program, slot: Slot) -> usize {
+        self.scalars(program, slot).max(0) as usize
+    }
+}

@@ -1,0 +1,376 @@
+//! One step of a run: kernels (pointwise, row, segmented, gather) launched on the
+//! cores, GEMMs, varlen attention, host steps and the padding copies, each reading the
+//! buffers of the run's state.
+
+use nestor_passes::{Access, FloatType, Slot, Source, Step};
+
+use super::copies::{pad, unpad};
+use super::gemm::{gemm, GemmShape};
+use super::sizes::{LengthsInfo, Sizes};
+use super::RuntimeError;
+use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
+use crate::attention::Attention;
+
+/// What every step of one run reads: the buffers of every slot (aliases resolved), the
+/// lengths, the inputs and the host runner.
+pub(super) struct RunState<'r, 'i> {
+    pub(super) pointers: Vec<*mut u8>,
+    pub(super) sizes: &'r Sizes,
+    pub(super) inputs: &'r [InputData<'i>],
+    pub(super) host: Option<&'r dyn HostRunner>,
+}
+
+impl RunState<'_, '_> {
+    fn pointer(&self, slot: Slot) -> *mut u8 {
+        self.pointers[slot.0 as usize]
+    }
+
+    fn lengths(&self, slot: Slot) -> Option<&LengthsInfo> {
+        self.sizes.get(slot)
+    }
+
+    fn offsets(&self, slot: Slot) -> *mut u8 {
+        self.lengths(slot).map_or(std::ptr::null_mut(), |info| {
+            info.offsets.as_ptr() as *mut u8
+        })
+    }
+
+    /// The arguments of a pointwise kernel: its output, its inputs, then the
+    /// row-to-element maps of its per-element inputs.
+    fn pointwise_args(&self, out: *mut u8, accesses: &[Access]) -> Vec<*mut u8> {
+        let mut args: Vec<*mut u8> = vec![out];
+        args.extend(accesses.iter().map(|access| self.pointer(access.slot)));
+        for access in accesses {
+            if let Some(lengths_slot) = access.per_element {
+                args.push(
+                    self.lengths(lengths_slot)
+                        .map_or(std::ptr::null_mut(), |info| {
+                            info.owners().as_ptr() as *mut u8
+                        }),
+                );
+            }
+        }
+        args
+    }
+}
+
+fn step_error(step: usize, reason: String) -> RuntimeError {
+    RuntimeError::Step { step, reason }
+}
+
+impl Executable {
+    /// Runs step `index` of the program.
+    pub(super) fn execute(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        match step {
+            Step::Gemm { .. } => self.run_gemm(index, step, run),
+            Step::Pointwise {
+                out,
+                rows,
+                width,
+                inputs: accesses,
+                ..
+            } => {
+                let args = run.pointwise_args(run.pointer(*out), accesses);
+                self.launch(index, &args, run.sizes.rows(*rows), row_grain(step, *width))
+            }
+            Step::Row {
+                out,
+                x,
+                weight,
+                bias,
+                rows,
+                width,
+                ..
+            } => {
+                let optional =
+                    |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), |s| run.pointer(s));
+                let mut args = vec![run.pointer(*out)];
+                args.extend(x.inputs.iter().map(|access| run.pointer(access.slot)));
+                args.extend([optional(weight), optional(bias)]);
+                self.launch(index, &args, run.sizes.rows(*rows), row_grain(step, *width))
+            }
+            Step::Segment {
+                out, x, lengths, ..
+            } => {
+                let mut args = vec![run.pointer(*out)];
+                args.extend(x.inputs.iter().map(|access| run.pointer(access.slot)));
+                args.push(run.offsets(*lengths));
+                self.launch(index, &args, run.sizes.batch(*lengths), 1)
+            }
+            Step::Attention { .. } => self.run_attention(index, step, run),
+            Step::Host { out, inputs, graph } => self.run_host(*out, inputs, *graph, run),
+            Step::Pad {
+                out,
+                x,
+                lengths,
+                width,
+                value,
+            } => {
+                let Some(info) = run.lengths(*lengths) else {
+                    return Ok(());
+                };
+                let (out, x) = (run.pointer(*out), run.pointer(*x));
+                // The executor sized `out` for `B x max(L)` rows and `x` for `sum L` rows.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => pad::<f32>(out, x, info, *width, *value),
+                        FloatType::F64 => pad::<f64>(out, x, info, *width, *value),
+                    }
+                };
+                Ok(())
+            }
+            Step::Unpad { .. } => self.run_unpad(index, step, run),
+            Step::Gather {
+                out,
+                table,
+                ids,
+                rows,
+                width,
+            } => {
+                self.check_ids(index, *table, *ids, run)?;
+                self.launch(
+                    index,
+                    &[run.pointer(*out), run.pointer(*table), run.pointer(*ids)],
+                    run.sizes.rows(*rows),
+                    row_grain(step, *width),
+                )
+            }
+        }
+    }
+
+    /// A GEMM, its epilogue kernel run on each chunk of rows.
+    fn run_gemm(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Step::Gemm {
+            out,
+            x,
+            weight,
+            bias,
+            rows,
+            k,
+            n,
+            transposed,
+            epilogue,
+        } = step
+        else {
+            return Err(step_error(index, "not a GEMM".into()));
+        };
+        let shape = GemmShape {
+            rows: run.sizes.rows(*rows),
+            k: *k,
+            n: *n,
+            transposed: *transposed,
+        };
+        let (out, x, weight) = (run.pointer(*out), run.pointer(*x), run.pointer(*weight));
+        let bias = bias.map(|bias| run.pointer(bias));
+        let epilogue_args: Option<Vec<*mut u8>> = epilogue
+            .as_ref()
+            .map(|epilogue| run.pointwise_args(out, &epilogue.inputs));
+        let epilogue = match (&epilogue_args, self.kernels.kernel(index)) {
+            (Some(args), Some(kernel)) => Some((kernel, Args(args))),
+            _ => None,
+        };
+        // The executor sized the buffers for `shape` in the program's type.
+        unsafe {
+            match self.program.float {
+                FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape, epilogue),
+                FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape, epilogue),
+            }
+        }
+        Ok(())
+    }
+
+    /// Varlen attention: query and key batches must have as many elements.
+    fn run_attention(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Step::Attention {
+            out,
+            q,
+            k,
+            v,
+            q_lengths,
+            k_lengths,
+            heads,
+            head_dim,
+            value_dim,
+            causal,
+            scale,
+        } = step
+        else {
+            return Err(step_error(index, "not an attention step".into()));
+        };
+        let (batch, key_batch) = (run.sizes.batch(*q_lengths), run.sizes.batch(*k_lengths));
+        if batch != key_batch {
+            return Err(step_error(
+                index,
+                format!("{batch} query elements but {key_batch} key elements"),
+            ));
+        }
+        let (Some(q_info), Some(k_info)) = (run.lengths(*q_lengths), run.lengths(*k_lengths))
+        else {
+            return Ok(());
+        };
+        let attention = Attention {
+            q,
+            k,
+            v,
+            heads: *heads,
+            head_dim: *head_dim,
+            value_dim: *value_dim,
+            causal: *causal,
+            scale: *scale,
+            parallel: worker_threads() > 1,
+        };
+        let buffers = (
+            run.pointer(*out),
+            run.pointer(q.slot),
+            run.pointer(k.slot),
+            run.pointer(v.slot),
+        );
+        let offsets = (&q_info.offsets[..], &k_info.offsets[..]);
+        // The buffers were sized from these offsets and the step's widths, in the
+        // program's type.
+        unsafe {
+            match self.program.float {
+                FloatType::F32 => attention.run::<f32>(buffers, offsets),
+                FloatType::F64 => attention.run::<f64>(buffers, offsets),
+            }
+        };
+        Ok(())
+    }
+
+    /// A host step: the host runner reads the packed inputs in place and writes the
+    /// output slot.
+    fn run_host(
+        &self,
+        out: Slot,
+        inputs: &[Slot],
+        graph: usize,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Some(host) = run.host else {
+            return Err(RuntimeError::Host(
+                "the program has host steps but no host runner was given".into(),
+            ));
+        };
+        if self.program.float != FloatType::F32 {
+            return Err(RuntimeError::Host(
+                "host steps exchange f32 values; this program computes in f64".into(),
+            ));
+        }
+        let size = |slot: Slot| run.sizes.elements(&self.program, slot);
+        let values = inputs
+            .iter()
+            .map(|&slot| match run.lengths(slot) {
+                Some(lengths) => HostValue::Lengths(&lengths.lengths),
+                // A data slot of `size(slot)` f32 values, written before this step.
+                None if size(slot) == 0 => HostValue::Data(&[]),
+                None => HostValue::Data(unsafe {
+                    std::slice::from_raw_parts(run.pointer(slot) as *const f32, size(slot))
+                }),
+            })
+            .collect::<Vec<_>>();
+        let expected = size(out);
+        let out: &mut [f32] = if expected == 0 {
+            &mut []
+        } else {
+            // The output slot was allocated with `expected` values for this run, and no
+            // input of this step is that slot.
+            unsafe { std::slice::from_raw_parts_mut(run.pointer(out) as *mut f32, expected) }
+        };
+        host.run(&self.program.host_graphs[graph], &values, out)
+            .map_err(RuntimeError::Host)
+    }
+
+    /// Packed rows out of a padded grid, after checking that every length fits it.
+    fn run_unpad(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Step::Unpad {
+            out,
+            x,
+            grid,
+            lengths,
+            width,
+        } = step
+        else {
+            return Err(step_error(index, "not an unpad step".into()));
+        };
+        let (Some(grid), Some(info)) = (run.lengths(*grid), run.lengths(*lengths)) else {
+            return Ok(());
+        };
+        let longest = grid.longest;
+        if grid.lengths.len() != info.lengths.len() {
+            return Err(step_error(
+                index,
+                format!(
+                    "unpad: a grid of {} elements, lengths of {}",
+                    grid.lengths.len(),
+                    info.lengths.len()
+                ),
+            ));
+        }
+        if let Some((element, &length)) =
+            info.lengths.iter().enumerate().find(|(_, &l)| l > longest)
+        {
+            return Err(step_error(
+                index,
+                format!("unpad: element {element} has length {length}, the grid holds {longest}"),
+            ));
+        }
+        let (out, x) = (run.pointer(*out), run.pointer(*x));
+        // `x` holds `B x longest` rows, `out` `sum L` rows, each length <= longest.
+        unsafe {
+            match self.program.float {
+                FloatType::F32 => unpad::<f32>(out, x, &info.lengths, longest, *width),
+                FloatType::F64 => unpad::<f64>(out, x, &info.lengths, longest, *width),
+            }
+        };
+        Ok(())
+    }
+
+    /// Checks the ids of an embedding gather against its table.
+    fn check_ids(
+        &self,
+        index: usize,
+        table: Slot,
+        ids: Slot,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let vocabulary = run.sizes.rows(self.program.info(table).rows);
+        let Source::Input(input) = self.program.info(ids).source else {
+            return Err(step_error(index, "embedding ids must be an input".into()));
+        };
+        if let Some(InputData::I64(values)) = run.inputs.get(input) {
+            if let Some((row, &id)) = values
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id < 0 || id >= vocabulary)
+            {
+                return Err(RuntimeError::BadInput {
+                    input,
+                    reason: format!(
+                        "row {row} has id {id}, outside the table of {vocabulary} rows"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}

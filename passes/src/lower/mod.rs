@@ -1,6 +1,13 @@
 //! Lowering: a graph to a [`Program`] of kernel steps. One op becomes at most one step
 //! (which ops fuse is the optimizer's decision, not lowering's); reshapes and eval-mode
 //! dropout become aliases. Ops with no lowering yet are an error naming the op.
+//!
+//! Compiled values are f32 inside (f16, bf16 and bool converted at the boundary, i64
+//! for lengths and ids), or f64 when the graph's floats are f64 ([`Program::float`];
+//! mixing f64 with lower precisions, or f64 with host steps, is a [`LowerError`]).
+//! `window_lengths` become `LengthsOp`s the runtime evaluates before sizing buffers;
+//! with [`LowerOptions::host_per_element`], `per_element` regions become host steps.
+//! One module per op family; `mod.rs` holds the buffers' bookkeeping and dispatches.
 
 use std::collections::HashMap;
 

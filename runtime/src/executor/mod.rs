@@ -1,6 +1,8 @@
 //! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
 //! lengths inputs of each run; intermediate buffers are reused once their last reader
-//! has run; kernels split their rows (or elements) across the cores.
+//! has run; kernels split their rows (or elements) across the cores in chunks of at
+//! least 512k scalars (fewer for steps with transcendentals; `NESTOR_THREADS`), the
+//! calling thread running the first chunk. `NESTOR_PROFILE` prints per-step timings.
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;

@@ -200,11 +200,14 @@ pub fn register_font() -> Result<()> {
     Ok(())
 }
 
+/// One line of a chart: a column in a mode, its (occupancy, speed-up) points.
+type Series = (Column, Mode, Vec<(f64, f64)>);
+
 /// Draws the speed-up over padded eager against occupancy of one model's columns.
 pub fn chart(models: &[Measurement], model: Model, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
-    let series: Vec<(Column, Mode, Vec<(f64, f64)>)> = [Mode::Inference, Mode::Training]
+    let series: Vec<Series> = [Mode::Inference, Mode::Training]
         .into_iter()
         .flat_map(|mode| {
             [

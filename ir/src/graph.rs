@@ -191,9 +191,7 @@ impl Graph {
         for (index, node) in self.nodes.iter().enumerate() {
             let value = ValueId(index as u32);
             match &node.op {
-                Op::Input { .. } | Op::Param { .. } | Op::PerElement { .. } => {
-                    prefix.check_declared(value, &node.op, &node.ty)?
-                }
+                op if op.declares_type() => prefix.check_declared(value, op, &node.ty)?,
                 op => {
                     let inferred = prefix.infer(value, op)?;
                     if inferred != node.ty {

@@ -42,6 +42,6 @@ pub use dtype::DType;
 pub use fused::FusedExpr;
 pub use graph::{Graph, Node, ValueId, VerifyError};
 pub use infer::{fused_type, window_output_size};
-pub use op::{Attr, BinaryOp, LossReduction, Op, PoolKind, ReduceOp, UnaryOp, F64};
+pub use op::{Attr, BinaryOp, LossReduction, Op, OpFamily, PoolKind, ReduceOp, UnaryOp, F64};
 pub use text::{parse, print, ParseError};
 pub use types::{Dim, ElemDim, Type};

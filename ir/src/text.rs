@@ -335,11 +335,10 @@ impl Parser {
         };
         let op = Op::from_parts(&name, &operands, &attrs, body)
             .map_err(|message| ParseError { line, message })?;
-        let result = match op {
-            Op::Input { .. } | Op::Param { .. } | Op::PerElement { .. } => {
-                graph.add_declared(op, ty.clone())
-            }
-            op => graph.push(op),
+        let result = if op.declares_type() {
+            graph.add_declared(op, ty.clone())
+        } else {
+            graph.push(op)
         };
         let added = result.map_err(|error| ParseError {
             line,

@@ -11,6 +11,7 @@
 //! | where | attribute | meaning |
 //! |---|---|---|
 //! | variant | `name = "linear"` | the op's name in the text form |
+//! | variant | `family = Gemm` | its `OpFamily`: the module of each stage that handles it |
 //! | variant | `custom` | operands and attributes written by hand (`Op::custom_*`) |
 //! | field | `kind` | the op's name is this field's word (`OpKind`), as for `unary` ops |
 //! | field | `names("softmax", "log_softmax")` | a bool field naming the op: false, then true |
@@ -21,7 +22,7 @@ use proc_macro2::{Span, TokenStream as Tokens};
 use quote::{format_ident, quote};
 use syn::{parse_macro_input, Data, DeriveInput, Error, Fields, Ident, LitStr, Path, Type};
 
-/// Writes `name`, `operands`, `map_operands_in_place`, `attrs` and `from_parts` for an op
+/// Writes `name`, `family`, `operands`, `map_operands_in_place`, `attrs` and `from_parts` for an op
 /// enum whose variants carry `#[op(...)]` attributes (see the crate docs).
 #[proc_macro_derive(OpTable, attributes(op))]
 pub fn derive_op_table(input: TokenStream) -> TokenStream {
@@ -53,6 +54,7 @@ struct FieldSpec {
 struct VariantSpec {
     ident: Ident,
     naming: Naming,
+    family: Ident,
     custom: bool,
     fields: Vec<FieldSpec>,
 }
@@ -102,6 +104,10 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
         .collect::<syn::Result<Vec<_>>>()?;
     let enum_ident = &input.ident;
     let name_arms = variants.iter().map(name_arm);
+    let family_arms = variants.iter().map(|variant| {
+        let (ident, family) = (&variant.ident, &variant.family);
+        quote!(Self::#ident { .. } => crate::OpFamily::#family,)
+    });
     let operand_arms = variants.iter().map(operands_arm);
     let map_arms = variants.iter().map(map_arm);
     let attr_arms = variants.iter().map(attrs_arm);
@@ -111,6 +117,12 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
             /// The op's name in the text form.
             pub fn name(&self) -> &'static str {
                 match self { #(#name_arms)* }
+            }
+
+            /// The op's family: the module of each stage (type inference, interpreter,
+            /// lowering) that handles it.
+            pub fn family(&self) -> crate::OpFamily {
+                match self { #(#family_arms)* }
             }
 
             /// The values the op reads, in order (optional operands only when present).
@@ -151,6 +163,7 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
 
 fn variant_spec(variant: &syn::Variant) -> syn::Result<VariantSpec> {
     let mut name = None;
+    let mut family = None;
     let mut custom = false;
     for attr in variant
         .attrs
@@ -161,11 +174,14 @@ fn variant_spec(variant: &syn::Variant) -> syn::Result<VariantSpec> {
             if meta.path.is_ident("name") {
                 name = Some(meta.value()?.parse::<LitStr>()?);
                 Ok(())
+            } else if meta.path.is_ident("family") {
+                family = Some(meta.value()?.parse::<Ident>()?);
+                Ok(())
             } else if meta.path.is_ident("custom") {
                 custom = true;
                 Ok(())
             } else {
-                Err(meta.error("expected `name = \"...\"` or `custom`"))
+                Err(meta.error("expected `name = \"...\"`, `family = ...` or `custom`"))
             }
         })?;
     }
@@ -218,9 +234,12 @@ fn variant_spec(variant: &syn::Variant) -> syn::Result<VariantSpec> {
             "an op needs `#[op(name = \"...\")]` or a field marked `kind` or `names(..)`",
         )
     })?;
+    let family = family
+        .ok_or_else(|| Error::new_spanned(&variant.ident, "an op needs `#[op(family = ...)]`"))?;
     let spec = VariantSpec {
         ident: variant.ident.clone(),
         naming,
+        family,
         custom,
         fields,
     };

@@ -14,7 +14,7 @@ mod structure;
 pub use per_element::window_output_size;
 use pointwise::{broadcast, infer_fused};
 
-use crate::{DType, Dim, ElemDim, Graph, LossReduction, Op, ReduceOp, Type, ValueId};
+use crate::{DType, Dim, ElemDim, Graph, LossReduction, Op, OpFamily, ReduceOp, Type, ValueId};
 
 type Inferred = Result<Type, String>;
 
@@ -26,37 +26,21 @@ pub fn fused_type(expr: &crate::FusedExpr, types: &[Type]) -> Inferred {
 
 /// The type `op` gives in `graph` (whose values it reads), or why it is ill-typed.
 pub(crate) fn infer_type(graph: &Graph, op: &Op) -> Inferred {
-    match op {
-        Op::Input { .. } | Op::Param { .. } | Op::PerElement { .. } => {
-            Err("its type is declared, not inferred".into())
-        }
-        Op::Const { .. }
-        | Op::Fused { .. }
-        | Op::Unary { .. }
-        | Op::Binary { .. }
-        | Op::Where { .. }
-        | Op::Cast { .. }
-        | Op::Dropout { .. } => pointwise::infer(graph, op),
-        Op::Prologue { .. } | Op::Epilogue { .. } => fused_kernel::infer(graph, op),
-        Op::Linear { .. } | Op::Matmul { .. } | Op::Embedding { .. } => gemm::infer(graph, op),
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax { .. } => norm::infer(graph, op),
-        Op::Reduce { .. } => reduce::infer(graph, op),
-        Op::Attention { .. } => attention::infer(graph, op),
-        Op::ReshapeTail { .. }
-        | Op::SelectStatic { .. }
-        | Op::TransposeStatic { .. }
-        | Op::Pad { .. }
-        | Op::Unpad { .. }
-        | Op::Mask { .. }
-        | Op::MaxLength { .. }
-        | Op::TotalLength { .. }
-        | Op::RepeatLengths { .. }
-        | Op::RepeatBatch { .. }
-        | Op::WindowLengths { .. } => structure::infer(graph, op),
-        Op::CrossEntropy { .. } | Op::MseLoss { .. } => loss::infer(graph, op),
-        Op::Conv2d { .. } | Op::Pool2d { .. } | Op::AdaptiveAvgPool2d { .. } => {
-            per_element::infer(graph, op)
-        }
+    const DECLARED: &str = "its type is declared, not inferred";
+    if op.declares_type() {
+        return Err(DECLARED.into());
+    }
+    match op.family() {
+        OpFamily::Source => Err(DECLARED.into()),
+        OpFamily::Pointwise => pointwise::infer(graph, op),
+        OpFamily::FusedKernel => fused_kernel::infer(graph, op),
+        OpFamily::Gemm => gemm::infer(graph, op),
+        OpFamily::Norm => norm::infer(graph, op),
+        OpFamily::Reduce => reduce::infer(graph, op),
+        OpFamily::Attention => attention::infer(graph, op),
+        OpFamily::Structure => structure::infer(graph, op),
+        OpFamily::Loss => loss::infer(graph, op),
+        OpFamily::PerElement => per_element::infer(graph, op),
     }
 }
 

@@ -203,23 +203,50 @@ word_enum!(LossReduction { Mean => "mean", Sum => "sum", None => "none" });
 word_enum!(PoolKind { Max => "max_pool2d", Avg => "avg_pool2d" });
 op_kind!(UnaryOp, BinaryOp, ReduceOp, PoolKind);
 
+/// The families of ops. Each stage (type inference, the interpreter, lowering) has one
+/// module per family, and dispatches on [`Op::family`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpFamily {
+    /// Graph inputs and parameters (their types are declared).
+    Source,
+    /// Elementwise ops: constants, unary and binary functions, `where`, casts, dropout,
+    /// fused expressions.
+    Pointwise,
+    /// A row or segmented op with a pointwise prologue, a GEMM with a pointwise epilogue.
+    FusedKernel,
+    /// GEMMs over packed rows and the embedding gather.
+    Gemm,
+    /// Layer and RMS normalization, softmax.
+    Norm,
+    /// Reductions.
+    Reduce,
+    /// Varlen attention.
+    Attention,
+    /// Reshapes, selections, padding, masks, lengths and repeats.
+    Structure,
+    /// Losses.
+    Loss,
+    /// Convolution and pooling of one element, and per-element regions.
+    PerElement,
+}
+
 /// One IR operation. Every op produces exactly one value.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, OpTable)]
 pub enum Op {
     /// A data input of the graph (a batch, its lengths, a dense tensor).
-    #[op(name = "input")]
+    #[op(name = "input", family = Source)]
     Input {
         /// The input's name.
         name: String,
     },
     /// A parameter: a graph input bound to a trained tensor.
-    #[op(name = "param")]
+    #[op(name = "param", family = Source)]
     Param {
         /// The parameter's name (its `VarStore` path when known).
         name: String,
     },
     /// A 0-d constant.
-    #[op(name = "const")]
+    #[op(name = "const", family = Pointwise)]
     Const {
         /// Its value.
         value: F64,
@@ -227,18 +254,20 @@ pub enum Op {
         dtype: DType,
     },
     /// `op(x)` elementwise.
+    #[op(family = Pointwise)]
     Unary {
-        #[op(kind)]
         /// The function.
+        #[op(kind)]
         op: UnaryOp,
         /// The argument.
         x: ValueId,
     },
     /// `op(lhs, rhs)` elementwise, broadcasting dense operands against ragged ones as
     /// DESIGN.md section 7 says.
+    #[op(family = Pointwise)]
     Binary {
-        #[op(kind)]
         /// The function.
+        #[op(kind)]
         op: BinaryOp,
         /// Left operand.
         lhs: ValueId,
@@ -246,7 +275,7 @@ pub enum Op {
         rhs: ValueId,
     },
     /// `condition ? x : y` elementwise.
-    #[op(name = "where")]
+    #[op(name = "where", family = Pointwise)]
     Where {
         /// Bool condition.
         condition: ValueId,
@@ -256,7 +285,7 @@ pub enum Op {
         y: ValueId,
     },
     /// Conversion of the element type.
-    #[op(name = "cast")]
+    #[op(name = "cast", family = Pointwise)]
     Cast {
         /// The argument.
         x: ValueId,
@@ -264,7 +293,7 @@ pub enum Op {
         dtype: DType,
     },
     /// `x W^T + b` over the last dim (one GEMM over packed rows).
-    #[op(name = "linear")]
+    #[op(name = "linear", family = Gemm)]
     Linear {
         /// Input with a static last dim.
         x: ValueId,
@@ -274,7 +303,7 @@ pub enum Op {
         bias: Option<ValueId>,
     },
     /// `x @ w` over the last dim with a dense `[K, M]` or `[K]` operand.
-    #[op(name = "matmul")]
+    #[op(name = "matmul", family = Gemm)]
     Matmul {
         /// Input.
         x: ValueId,
@@ -282,7 +311,7 @@ pub enum Op {
         w: ValueId,
     },
     /// Layer normalization over the last `dims` static dims.
-    #[op(name = "layer_norm")]
+    #[op(name = "layer_norm", family = Norm)]
     LayerNorm {
         /// Input.
         x: ValueId,
@@ -296,7 +325,7 @@ pub enum Op {
         eps: F64,
     },
     /// RMS normalization over the last `dims` static dims.
-    #[op(name = "rms_norm")]
+    #[op(name = "rms_norm", family = Norm)]
     RmsNorm {
         /// Input.
         x: ValueId,
@@ -308,19 +337,21 @@ pub enum Op {
         eps: F64,
     },
     /// softmax or log-softmax along `axis` (static: packed; ragged: segmented).
+    #[op(family = Norm)]
     Softmax {
         /// Input.
         x: ValueId,
         /// A batch-first dim (0 is the batch, which is an error; negative from the end).
         axis: i64,
-        #[op(names("softmax", "log_softmax"))]
         /// Log-softmax.
+        #[op(names("softmax", "log_softmax"))]
         log: bool,
     },
     /// A reduction over batch-first dims (`0` is the batch; empty means all).
+    #[op(family = Reduce)]
     Reduce {
-        #[op(kind)]
         /// The reduction.
+        #[op(kind)]
         op: ReduceOp,
         /// Input.
         x: ValueId,
@@ -328,12 +359,12 @@ pub enum Op {
         dims: Vec<i64>,
         /// Keep reduced dims with size 1.
         keepdim: bool,
-        #[op(only_if = "ReduceOp::has_correction")]
         /// Bessel correction (variance and standard deviation).
+        #[op(only_if = "ReduceOp::has_correction")]
         correction: i64,
     },
     /// Rows of `weight` gathered at integer ids: `[*s] -> [*s, D]`.
-    #[op(name = "embedding")]
+    #[op(name = "embedding", family = Gemm)]
     Embedding {
         /// Integer ids.
         ids: ValueId,
@@ -343,7 +374,7 @@ pub enum Op {
         padding_idx: i64,
     },
     /// Varlen attention on packed heads `[L, H, D]`: each element attends within itself.
-    #[op(name = "attention")]
+    #[op(name = "attention", family = Attention)]
     Attention {
         /// Queries `[B; Lq, H, D]`.
         q: ValueId,
@@ -357,7 +388,7 @@ pub enum Op {
         scale: Option<F64>,
     },
     /// Reshape of the static tail (ragged dims lead).
-    #[op(name = "reshape_tail")]
+    #[op(name = "reshape_tail", family = Structure)]
     ReshapeTail {
         /// Input.
         x: ValueId,
@@ -365,7 +396,7 @@ pub enum Op {
         tail: Vec<i64>,
     },
     /// Selects `index` of static element dim `dim`, removing it.
-    #[op(name = "select_static")]
+    #[op(name = "select_static", family = Structure)]
     SelectStatic {
         /// Input.
         x: ValueId,
@@ -375,7 +406,7 @@ pub enum Op {
         index: i64,
     },
     /// Swaps two static element dims.
-    #[op(name = "transpose_static")]
+    #[op(name = "transpose_static", family = Structure)]
     TransposeStatic {
         /// Input.
         x: ValueId,
@@ -385,7 +416,7 @@ pub enum Op {
         dim1: usize,
     },
     /// Dropout with probability `p` (identity unless `train`).
-    #[op(name = "dropout")]
+    #[op(name = "dropout", family = Pointwise)]
     Dropout {
         /// Input.
         x: ValueId,
@@ -395,7 +426,7 @@ pub enum Op {
         train: bool,
     },
     /// The padded dense tensor `[B, max(L), ...]` of a ragged value.
-    #[op(name = "pad")]
+    #[op(name = "pad", family = Structure)]
     Pad {
         /// Ragged input.
         x: ValueId,
@@ -403,7 +434,7 @@ pub enum Op {
         value: F64,
     },
     /// The ragged value of a padded dense tensor, by its lengths.
-    #[op(name = "unpad")]
+    #[op(name = "unpad", family = Structure)]
     Unpad {
         /// Dense input `[B, max(L), ...]`.
         x: ValueId,
@@ -411,25 +442,25 @@ pub enum Op {
         lengths: ValueId,
     },
     /// The padding mask `bool[B, max(L)]`, true on data.
-    #[op(name = "mask")]
+    #[op(name = "mask", family = Structure)]
     Mask {
         /// Lengths.
         lengths: ValueId,
     },
     /// `max(L)` as an `i64` scalar.
-    #[op(name = "max_length")]
+    #[op(name = "max_length", family = Structure)]
     MaxLength {
         /// Lengths.
         lengths: ValueId,
     },
     /// `sum(L)` (packed rows) as an `i64` scalar.
-    #[op(name = "total_length")]
+    #[op(name = "total_length", family = Structure)]
     TotalLength {
         /// Lengths.
         lengths: ValueId,
     },
     /// Cross entropy of logits `[..., C]` against class ids.
-    #[op(name = "cross_entropy")]
+    #[op(name = "cross_entropy", family = Loss)]
     CrossEntropy {
         /// Logits.
         logits: ValueId,
@@ -444,7 +475,7 @@ pub enum Op {
     },
     /// The lengths of a batch repeated `repeats` times, whole (`[l0, l1, l0, l1]`) or
     /// element by element (`[l0, l0, l1, l1]`).
-    #[op(name = "repeat_lengths")]
+    #[op(name = "repeat_lengths", family = Structure)]
     RepeatLengths {
         /// Lengths.
         lengths: ValueId,
@@ -455,7 +486,7 @@ pub enum Op {
     },
     /// A batch repeated as `RepeatLengths` says; `lengths` are its new lengths values
     /// (one per ragged dim, from `repeat_lengths`).
-    #[op(name = "repeat_batch")]
+    #[op(name = "repeat_batch", family = Structure)]
     RepeatBatch {
         /// The batch.
         x: ValueId,
@@ -467,7 +498,7 @@ pub enum Op {
         interleave: bool,
     },
     /// Mean squared error.
-    #[op(name = "mse_loss")]
+    #[op(name = "mse_loss", family = Loss)]
     MseLoss {
         /// Predictions.
         x: ValueId,
@@ -477,7 +508,7 @@ pub enum Op {
         reduction: LossReduction,
     },
     /// The lengths after a convolution or pooling window slides over a ragged dim.
-    #[op(name = "window_lengths")]
+    #[op(name = "window_lengths", family = Structure)]
     WindowLengths {
         /// Input lengths.
         lengths: ValueId,
@@ -491,7 +522,7 @@ pub enum Op {
         dilation: i64,
     },
     /// A 2-d convolution of one dense element `[C, H, W]` (per-element bodies only).
-    #[op(name = "conv2d")]
+    #[op(name = "conv2d", family = PerElement)]
     Conv2d {
         /// Input.
         x: ValueId,
@@ -509,9 +540,10 @@ pub enum Op {
         groups: i64,
     },
     /// 2-d pooling of one dense element `[C, H, W]` (per-element bodies only).
+    #[op(family = PerElement)]
     Pool2d {
-        #[op(kind)]
         /// Max or average.
+        #[op(kind)]
         kind: PoolKind,
         /// Input.
         x: ValueId,
@@ -523,7 +555,7 @@ pub enum Op {
         padding: Vec<i64>,
     },
     /// Adaptive average pooling of one dense element `[C, H, W]` to `[C, *output]`.
-    #[op(name = "adaptive_avg_pool2d")]
+    #[op(name = "adaptive_avg_pool2d", family = PerElement)]
     AdaptiveAvgPool2d {
         /// Input.
         x: ValueId,
@@ -532,7 +564,7 @@ pub enum Op {
     },
     /// Elementwise ops fused into one: `expr` over `inputs` (broadcast as `binary`
     /// broadcasts); one kernel.
-    #[op(name = "fused")]
+    #[op(name = "fused", family = Pointwise)]
     Fused {
         /// The values the expression reads.
         inputs: Vec<ValueId>,
@@ -543,7 +575,7 @@ pub enum Op {
     /// sum / mean / amax / amin over one dim) reading as its first operand the
     /// pointwise `expr` over `inputs`, which is never written to memory. The first
     /// operand of `core` is unused (`%0`); its others (weight, bias) are its own.
-    #[op(name = "prologue", custom)]
+    #[op(name = "prologue", custom, family = FusedKernel)]
     Prologue {
         /// The values the expression reads.
         inputs: Vec<ValueId>,
@@ -554,7 +586,7 @@ pub enum Op {
     },
     /// One kernel: `core` (a linear or matmul) whose result, `$0` of the pointwise
     /// `expr`, goes through it on its way to memory; `$1...` are `inputs`.
-    #[op(name = "epilogue", custom)]
+    #[op(name = "epilogue", custom, family = FusedKernel)]
     Epilogue {
         /// The GEMM.
         core: Box<Op>,
@@ -565,7 +597,7 @@ pub enum Op {
     },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
-    #[op(name = "per_element")]
+    #[op(name = "per_element", family = PerElement)]
     PerElement {
         /// The ragged input, then dense inputs.
         inputs: Vec<ValueId>,
@@ -575,6 +607,15 @@ pub enum Op {
 }
 
 impl Op {
+    /// Whether the op's type is declared rather than inferred: inputs, parameters and
+    /// per-element regions ([`Graph::add_declared`](crate::Graph::add_declared)).
+    pub fn declares_type(&self) -> bool {
+        matches!(
+            self,
+            Op::Input { .. } | Op::Param { .. } | Op::PerElement { .. }
+        )
+    }
+
     /// The same op reading `operands` (in the order of [`Op::operands`]), or `None` when
     /// their number differs from the op's.
     pub fn with_operands(&self, operands: &[ValueId]) -> Option<Op> {

@@ -11,7 +11,9 @@
 
 use std::collections::HashMap;
 
-use nestor_ir::{BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, ReduceOp, Type, ValueId};
+use nestor_ir::{
+    BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, OpFamily, ReduceOp, Type, ValueId,
+};
 use thiserror::Error;
 
 mod fused_kernel;
@@ -364,6 +366,12 @@ impl Lowering<'_> {
         self.typed(value, ty, Source::Input(index))
     }
 
+    /// `value` as a view of the buffer of `x`.
+    fn alias_of(&mut self, value: ValueId, x: ValueId, ty: &Type) -> Result<Lowered, LowerError> {
+        let (slot, ..) = self.data(value, x)?;
+        self.alias(value, slot, ty)
+    }
+
     /// An alias of `source` seen with the type `ty` (same memory).
     fn alias(&mut self, value: ValueId, source: Slot, ty: &Type) -> Result<Lowered, LowerError> {
         self.typed(value, ty, Source::Alias(source))
@@ -423,28 +431,14 @@ impl Lowering<'_> {
                 ));
             }
         }
-        match op {
-            Op::Const { .. }
-            | Op::Unary { .. }
-            | Op::Binary { .. }
-            | Op::Where { .. }
-            | Op::Cast { .. }
-            | Op::Fused { .. } => self.lower_pointwise(value, op, ty),
-            Op::Prologue { .. } | Op::Epilogue { .. } => self.lower_fused_kernel(value, op, ty),
-            Op::Linear { .. } | Op::Matmul { .. } | Op::Embedding { .. } | Op::Attention { .. } => {
-                self.lower_gemm(value, op, ty)
-            }
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax { .. } | Op::Reduce { .. } => {
-                self.lower_row(value, op, ty)
-            }
-            Op::Unpad { .. }
-            | Op::Pad { .. }
-            | Op::ReshapeTail { .. }
-            | Op::Dropout { .. }
-            | Op::SelectStatic { .. }
-            | Op::WindowLengths { .. } => self.lower_structure(value, op, ty),
-            Op::PerElement { .. } => self.lower_per_element(value, op, ty),
-            other => Err(unsupported(value, other, "not lowered yet")),
+        match op.family() {
+            OpFamily::Pointwise => self.lower_pointwise(value, op, ty),
+            OpFamily::FusedKernel => self.lower_fused_kernel(value, op, ty),
+            OpFamily::Gemm | OpFamily::Attention => self.lower_gemm(value, op, ty),
+            OpFamily::Norm | OpFamily::Reduce => self.lower_row(value, op, ty),
+            OpFamily::Structure => self.lower_structure(value, op, ty),
+            OpFamily::PerElement => self.lower_per_element(value, op, ty),
+            OpFamily::Source | OpFamily::Loss => Err(unsupported(value, op, "not lowered yet")),
         }
     }
 }

@@ -11,6 +11,10 @@ impl Lowering<'_> {
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
         match op {
+            // Eval-mode dropout is the identity.
+            Op::Dropout {
+                x, train: false, ..
+            } => self.alias_of(value, *x, ty),
             Op::Const {
                 value: constant, ..
             } => Ok(Lowered::Const(constant.0)),

@@ -48,13 +48,7 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
-            Op::ReshapeTail { x, .. }
-            | Op::Dropout {
-                x, train: false, ..
-            } => {
-                let (slot, ..) = self.data(value, *x)?;
-                self.alias(value, slot, ty)
-            }
+            Op::ReshapeTail { x, .. } => self.alias_of(value, *x, ty),
             Op::SelectStatic { x, dim, index } => {
                 self.leading(value, *x)?;
                 let (slot, _, tail, _) = self.data(value, *x)?;

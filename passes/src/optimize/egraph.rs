@@ -136,7 +136,7 @@ impl Builder {
                 .iter()
                 .map(|operand| classes[operand.index()])
                 .collect();
-            let declared = declares(&node.op).then(|| {
+            let declared = Op::declares_type(&node.op).then(|| {
                 children.extend(
                     node.ty
                         .length_values()
@@ -212,14 +212,6 @@ impl Builder {
             }
         }
     }
-}
-
-/// Whether the type of `op` is declared rather than inferred.
-fn declares(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Input { .. } | Op::Param { .. } | Op::PerElement { .. }
-    )
 }
 
 /// The graph of the chosen node of every class reachable from `outputs`: the inputs and

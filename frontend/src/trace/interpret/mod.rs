@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use nestor_ir::{
-    BinaryOp, Dim, ElemDim, FusedExpr, Graph, LossReduction as IrLoss, Op, PoolKind, ReduceOp,
-    Type, UnaryOp, ValueId,
+    BinaryOp, Dim, ElemDim, FusedExpr, Graph, LossReduction as IrLoss, Op, OpFamily, PoolKind,
+    ReduceOp, Type, UnaryOp, ValueId,
 };
 use tch::{Kind, Reduction, Tensor};
 
@@ -297,37 +297,16 @@ impl Interpreter<'_> {
     }
 
     fn run(&mut self, value: ValueId, op: &Op, ty: &Type) -> Result<Value> {
-        match op {
-            Op::Input { .. } | Op::Param { .. } => unreachable!("inputs are bound by interpret"),
-            Op::Const { .. }
-            | Op::Unary { .. }
-            | Op::Binary { .. }
-            | Op::Where { .. }
-            | Op::Cast { .. }
-            | Op::Fused { .. }
-            | Op::Dropout { .. } => self.run_pointwise(op),
-            Op::Prologue { .. } | Op::Epilogue { .. } => self.run_fused_kernel(value, op, ty),
-            Op::Linear { .. } | Op::Matmul { .. } | Op::Embedding { .. } | Op::Attention { .. } => {
-                self.run_gemm(op)
-            }
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax { .. } => self.run_norm(op, ty),
-            Op::Reduce { .. } => self.run_reduce(op),
-            Op::ReshapeTail { .. }
-            | Op::SelectStatic { .. }
-            | Op::TransposeStatic { .. }
-            | Op::Pad { .. }
-            | Op::Unpad { .. }
-            | Op::Mask { .. }
-            | Op::MaxLength { .. }
-            | Op::TotalLength { .. }
-            | Op::RepeatLengths { .. }
-            | Op::RepeatBatch { .. }
-            | Op::WindowLengths { .. } => self.run_structure(op),
-            Op::CrossEntropy { .. } | Op::MseLoss { .. } => self.run_loss(op),
-            Op::Conv2d { .. }
-            | Op::Pool2d { .. }
-            | Op::AdaptiveAvgPool2d { .. }
-            | Op::PerElement { .. } => self.run_per_element(value, op, ty),
+        match op.family() {
+            OpFamily::Source => unreachable!("inputs are bound by interpret"),
+            OpFamily::Pointwise => self.run_pointwise(op),
+            OpFamily::FusedKernel => self.run_fused_kernel(value, op, ty),
+            OpFamily::Gemm | OpFamily::Attention => self.run_gemm(op),
+            OpFamily::Norm => self.run_norm(op, ty),
+            OpFamily::Reduce => self.run_reduce(op),
+            OpFamily::Structure => self.run_structure(op),
+            OpFamily::Loss => self.run_loss(op),
+            OpFamily::PerElement => self.run_per_element(value, op, ty),
         }
     }
 }

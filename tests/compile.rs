@@ -109,6 +109,7 @@ fn families(kind: Kind) -> Vec<(&'static str, Model)> {
                     x[0].relu()?.maximum(&x[0].sigmoid()?)?.into(),
                     x[0].gt(0.1)?.into(),
                     x[0].where_self(&x[0].lt(0.0)?, 0.5)?.into(),
+                    x[0].sign()?.into(),
                 ])
             }),
         ),
@@ -768,4 +769,33 @@ fn results_returned_twice_or_as_views_are_right() {
         assert_close(&got, &want, "twice");
     }
     assert_eq!(compiled.stats().compiles, 1);
+}
+
+/// Compiled `sign` gives exactly what libtorch gives, at NaN, the infinities and both
+/// zeros too (0 for NaN and -0, as torch).
+#[test]
+fn sign_matches_libtorch_on_special_values() {
+    let values = Tensor::from_slice(&[
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        2.5,
+        -1e-30,
+        1e-45,
+    ]);
+    let batch =
+        NestedTensor::from_tensors(&[values.narrow(0, 0, 5), values.narrow(0, 5, 3)]).unwrap();
+    let sign = compile("sign", |x: &[NestedTensor], _: &[Dense]| x[0].sign());
+    let compiled = sign.call(&[&batch], &[]).unwrap().remove(0);
+    let got = Vec::<f32>::try_from(compiled.into_nested().unwrap().values()).unwrap();
+    let expected = Vec::<f32>::try_from(values.sign()).unwrap();
+    let bits = |values: &[f32]| {
+        values
+            .iter()
+            .map(|value| value.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&got), bits(&expected), "{got:?} vs {expected:?}");
 }

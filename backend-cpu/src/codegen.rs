@@ -576,6 +576,19 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             }
             UnaryOp::Silu => self.fmul(x, self.sigmoid(x)?),
             UnaryOp::Erf => self.fast_erf(x),
+            UnaryOp::Sign => {
+                // Ordered compares: NaN and both zeros give 0 - 0 = +0, as torch.
+                let zero = self.constant(0.0);
+                let compare = |predicate, name| {
+                    let test = self.builder.build_float_compare(predicate, x, zero, name);
+                    self.truth(test.map_err(err)?)
+                };
+                let positive = compare(FloatPredicate::OGT, "positive")?;
+                let negative = compare(FloatPredicate::OLT, "negative")?;
+                self.builder
+                    .build_float_sub(positive, negative, "sign")
+                    .map_err(err)
+            }
             UnaryOp::Not => {
                 let zero = self
                     .builder

@@ -4,8 +4,8 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_ir::{
-    parse, print, to_dot, BinaryOp, DType, Dim, ElemDim, Graph, LossReduction, Op, ReduceOp, Type,
-    UnaryOp, ValueId, F64,
+    parse, print, to_dot, Attr, BinaryOp, DType, Dim, ElemDim, Graph, LossReduction, Op, ReduceOp,
+    Type, UnaryOp, ValueId, F64,
 };
 use proptest::prelude::*;
 
@@ -58,14 +58,7 @@ fn base_graph() -> (Graph, [ValueId; 6]) {
 /// One random op over the existing values; ill-typed candidates are skipped by the
 /// caller (Graph::push rejects them), so every kept graph is well typed.
 fn random_op(choice: u8, a: ValueId, b: ValueId, c: ValueId, number: i64) -> Op {
-    let unary = [
-        UnaryOp::Relu,
-        UnaryOp::Gelu,
-        UnaryOp::Exp,
-        UnaryOp::Tanh,
-        UnaryOp::Neg,
-        UnaryOp::Not,
-    ];
+    let unary = UnaryOp::ALL;
     let binary = [
         BinaryOp::Add,
         BinaryOp::Mul,
@@ -308,4 +301,37 @@ fn pairs_pad_and_dot_output() {
         dot.contains("v1 -> v2;") && dot.contains("v3 -> out0;"),
         "{dot}"
     );
+}
+
+/// Every op named by a kind (unary and binary functions, reductions, pooling) prints and
+/// parses back as itself, and no two kinds share a name.
+#[test]
+fn every_kind_word_names_one_op_and_parses_back() {
+    let mut names = std::collections::HashSet::new();
+    let x = ValueId(0);
+    let ops = UnaryOp::ALL
+        .iter()
+        .map(|&op| Op::Unary { op, x })
+        .chain(
+            BinaryOp::ALL
+                .iter()
+                .map(|&op| Op::Binary { op, lhs: x, rhs: x }),
+        )
+        .chain(ReduceOp::ALL.iter().map(|&op| Op::Reduce {
+            op,
+            x,
+            dims: vec![1],
+            keepdim: false,
+            correction: i64::from(op.has_correction()),
+        }));
+    for op in ops {
+        assert!(names.insert(op.name()), "{} names two ops", op.name());
+        let attrs: Vec<(String, Attr)> = op
+            .attrs()
+            .into_iter()
+            .map(|(key, value)| (key.to_owned(), value))
+            .collect();
+        let parsed = Op::from_parts(op.name(), &op.operands(), &attrs, None);
+        assert_eq!(parsed.as_ref(), Ok(&op), "{}", op.name());
+    }
 }

@@ -174,7 +174,7 @@ unary_ops! {
     /// `x * tanh(softplus(x))`.
     mish => f_mish, None;
     /// Sign: -1, 0 or 1.
-    sign => f_sign, None;
+    sign => f_sign, Some(UnaryOp::Sign);
     /// Round down.
     floor => f_floor, None;
     /// Round up.

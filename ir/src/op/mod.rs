@@ -49,6 +49,8 @@ pub enum UnaryOp {
     Silu,
     /// error function
     Erf,
+    /// `-1`, `0` or `1` by the sign of `x` (`0` for `-0` and NaN, as torch)
+    Sign,
     /// logical not
     Not,
 }
@@ -159,6 +161,8 @@ pub enum PoolKind {
 macro_rules! word_enum {
     ($type:ident { $($variant:ident => $word:literal),* $(,)? }) => {
         impl $type {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$type] = &[$($type::$variant),*];
             /// The word of the text form.
             pub fn word(self) -> &'static str {
                 match self { $($type::$variant => $word),* }
@@ -188,7 +192,7 @@ macro_rules! op_kind {
 word_enum!(UnaryOp {
     Neg => "neg", Abs => "abs", Exp => "exp", Log => "log", Sqrt => "sqrt", Rsqrt => "rsqrt",
     Square => "square", Sin => "sin", Cos => "cos", Tanh => "tanh", Sigmoid => "sigmoid",
-    Relu => "relu", Gelu => "gelu", GeluTanh => "gelu_tanh", Silu => "silu", Erf => "erf", Not => "not",
+    Relu => "relu", Gelu => "gelu", GeluTanh => "gelu_tanh", Silu => "silu", Erf => "erf", Sign => "sign", Not => "not",
 });
 word_enum!(BinaryOp {
     Add => "add", Sub => "sub", Mul => "mul", Div => "div", Pow => "pow", Maximum => "maximum",

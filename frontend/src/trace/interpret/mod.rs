@@ -440,6 +440,7 @@ fn unary_nested(nested: &NestedTensor, op: UnaryOp) -> Result<NestedTensor> {
         UnaryOp::GeluTanh => nested.gelu("tanh"),
         UnaryOp::Silu => nested.silu(),
         UnaryOp::Erf => nested.erf(),
+        UnaryOp::Sign => nested.sign(),
         UnaryOp::Not => nested.logical_not(),
     }
 }
@@ -462,6 +463,7 @@ fn unary_dense(tensor: &Tensor, op: UnaryOp) -> Result<Tensor> {
         UnaryOp::GeluTanh => tensor.f_gelu("tanh")?,
         UnaryOp::Silu => tensor.f_silu()?,
         UnaryOp::Erf => tensor.f_erf()?,
+        UnaryOp::Sign => tensor.f_sign()?,
         UnaryOp::Not => tensor.f_logical_not()?,
     })
 }

@@ -32,8 +32,11 @@ pub(crate) fn generate<'ctx>(
         | Step::Attention { .. }
         | Step::Host { .. }
         | Step::Pad { .. }
-        | Step::Unpad { .. } => {
-            // No kernel (the runtime calls a GEMM library): delete the empty function.
+        | Step::Unpad { .. }
+        | Step::SumRows { .. }
+        | Step::LengthValues { .. } => {
+            // No kernel (the runtime calls a GEMM library or copies): delete the empty
+            // function.
             unsafe { kernel.function.delete() };
             return Ok(false);
         }

@@ -6,6 +6,7 @@
 //! - [`Optimize`]: the egg e-graph optimizer: named rule sets (structure, algebra,
 //!   packed paths, fusion into `fused`, `prologue` and `epilogue` kernels), a cost
 //!   model, limits;
+//! - [`differentiate`]: reverse-mode autodiff, a joint forward + backward graph;
 //! - [`lower`]: a graph to a [`Program`] of kernel steps (pointwise expressions, GEMM,
 //!   row normalizations, segmented reductions and softmax, varlen attention, gather)
 //!   whose sizes are computed from the lengths at run time; the optimizer's `prologue`
@@ -13,6 +14,7 @@
 //!
 //! Depends on no heavy crate (no tch, LLVM or CUDA).
 
+mod autodiff;
 mod cse;
 mod dce;
 mod fold;
@@ -22,6 +24,7 @@ pub mod optimize;
 mod pipeline;
 mod program;
 
+pub use autodiff::{differentiate, AutodiffError, Gradients};
 pub use cse::Cse;
 pub use dce::Dce;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};

@@ -380,6 +380,32 @@ pub enum Step {
         /// Scalars per row.
         width: i64,
     },
+    /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1: the
+    /// column sums of `b`), divided by the number of rows when `mean` (NaN for none):
+    /// weight gradients and reductions over every row.
+    SumRows {
+        /// Output slot `[m, n]`.
+        out: Slot,
+        /// `[rows, m]`, or ones.
+        a: Option<Slot>,
+        /// `[rows, n]`.
+        b: Slot,
+        /// Rows.
+        rows: Rows,
+        /// Width of `a`.
+        m: i64,
+        /// Width of `b`.
+        n: i64,
+        /// Divide by the number of rows.
+        mean: bool,
+    },
+    /// `out[b] = lengths[b]` as numbers.
+    LengthValues {
+        /// Output slot `[B]`.
+        out: Slot,
+        /// The lengths.
+        lengths: Slot,
+    },
     /// `out[r] = table[ids[r]]`.
     Gather {
         /// Output slot `[rows, width]`.
@@ -429,6 +455,8 @@ impl Step {
             Step::Segment { x, .. } => x.inputs.iter().map(|access| access.slot).collect(),
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
             Step::Gather { table, ids, .. } => vec![*table, *ids],
+            Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
+            Step::LengthValues { .. } => Vec::new(),
             Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
         }
@@ -461,7 +489,9 @@ impl Step {
             | Step::Host { out, .. }
             | Step::Pad { out, .. }
             | Step::Unpad { out, .. }
-            | Step::Gather { out, .. } => *out,
+            | Step::Gather { out, .. }
+            | Step::SumRows { out, .. }
+            | Step::LengthValues { out, .. } => *out,
         }
     }
 }

@@ -42,6 +42,25 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             };
             Ok(append_dim(&ids, *width).with_dtype(weight_type.dtype().unwrap_or(DType::F32)))
         }
+        Op::ContractRows { a, b } => {
+            let (a, b) = (ty(*a), ty(*b));
+            let (rows_a, rows_b) = (
+                last_static(&a, "contract_rows")?,
+                last_static(&b, "contract_rows")?,
+            );
+            if with_last(&a, None).with_dtype(DType::F32)
+                != with_last(&b, None).with_dtype(DType::F32)
+            {
+                return Err(format!(
+                    "contract_rows needs two values of one structure, got {a} and {b}"
+                ));
+            }
+            let dtype = float(&a)?;
+            if b.dtype() != Some(dtype) {
+                return Err(format!("contract_rows needs one dtype, got {a} and {b}"));
+            }
+            Ok(Type::dense_static(dtype, &[rows_a, rows_b]))
+        }
         other => Err(format!("{} is not a gemm op", other.name())),
     }
 }

@@ -12,6 +12,7 @@ mod reduce;
 mod structure;
 
 pub use per_element::window_output_size;
+pub use pointwise::with_inserted_dims;
 use pointwise::{broadcast, infer_fused};
 
 use crate::{DType, Dim, ElemDim, Graph, LossReduction, Op, OpFamily, ReduceOp, Type, ValueId};

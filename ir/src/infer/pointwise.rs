@@ -37,6 +37,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         }
         Op::Cast { x, dtype } => Ok(data(ty(*x))?.with_dtype(*dtype)),
         Op::Dropout { x, .. } => data(ty(*x)),
+        Op::Expand { x, like, dims } => expand(&ty(*x), &ty(*like), dims),
         other => Err(format!("{} is not a pointwise op", other.name())),
     }
 }
@@ -224,4 +225,47 @@ fn broadcast_dense_into(ragged: &Type, shape: &[Dim]) -> Result<Type, String> {
         batch: batch.clone(),
         dims,
     })
+}
+
+/// The type of `expand`: `like`'s shape with `x`'s dtype, when `x` with size-1 dims
+/// inserted at `dims` broadcasts to it.
+fn expand(x: &Type, like: &Type, dims: &[i64]) -> Inferred {
+    let dtype = data(x.clone())?.dtype().unwrap_or(DType::F32);
+    let inserted = with_inserted_dims(x, like, dims)?;
+    let (shape, _) = broadcast(&inserted, like)?;
+    let target = like.with_dtype(dtype);
+    if shape.with_dtype(dtype) != target {
+        return Err(format!(
+            "{x} with dims {dims:?} inserted does not broadcast to {like}"
+        ));
+    }
+    Ok(target)
+}
+
+/// `x` with size-1 dims inserted at `dims`, batch-first dims of `like` (what `expand`
+/// broadcasts).
+pub fn with_inserted_dims(x: &Type, like: &Type, dims: &[i64]) -> Inferred {
+    let rank = element_rank(like) + 1;
+    let mut positions: Vec<usize> = Vec::with_capacity(dims.len());
+    for &dim in dims {
+        let normalized = if dim < 0 { dim + rank as i64 } else { dim };
+        match usize::try_from(normalized) {
+            Ok(dim) if dim < rank => positions.push(dim),
+            _ => return Err(format!("dim {dim} is out of range for {rank} dims")),
+        }
+    }
+    positions.sort_unstable();
+    let mut inserted = x.clone();
+    for position in positions {
+        match &mut inserted {
+            Type::Dense { shape, .. } if position <= shape.len() => {
+                shape.insert(position, Dim::Static(1))
+            }
+            Type::Ragged { dims, .. } if position >= 1 && position <= dims.len() + 1 => {
+                dims.insert(position - 1, ElemDim::Fixed(Dim::Static(1)))
+            }
+            _ => return Err(format!("cannot insert dim {position} into {x}")),
+        }
+    }
+    Ok(inserted)
 }

@@ -86,6 +86,20 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             let batch = lengths_batch(graph, *lengths)?;
             Ok(Type::dense(DType::Bool, [batch, Dim::Max(*lengths)]))
         }
+        Op::LengthValues {
+            lengths,
+            dtype,
+            rank,
+        } => {
+            let batch = lengths_batch(graph, *lengths)?;
+            if *rank == 0 || !dtype.is_float() {
+                return Err(format!(
+                    "length values are floats of rank 1 or more, got {dtype} of rank {rank}"
+                ));
+            }
+            let ones = std::iter::repeat_n(Dim::Static(1), rank - 1);
+            Ok(Type::dense(*dtype, std::iter::once(batch).chain(ones)))
+        }
         Op::MaxLength { lengths } | Op::TotalLength { lengths } => {
             lengths_batch(graph, *lengths)?;
             Ok(Type::dense(DType::I64, []))

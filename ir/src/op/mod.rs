@@ -599,6 +599,39 @@ pub enum Op {
         /// The expression applied to the core's result.
         expr: crate::FusedExpr,
     },
+    /// `x` with size-1 dims inserted at `dims` (batch-first dims of `like`), broadcast to
+    /// the shape of `like`, which is not read: the gradient of a reduction spread back
+    /// over what was reduced.
+    #[op(name = "expand", family = Pointwise)]
+    Expand {
+        /// The values.
+        x: ValueId,
+        /// The value whose shape (and lengths) the result takes.
+        like: ValueId,
+        /// Where `x` lacks the dims of `like` (reduced without `keepdim`).
+        dims: Vec<i64>,
+    },
+    /// `sum over rows r of a[r]^T b[r]`: the `[Ma, Mb]` product of two values of one
+    /// structure over all their positions but the last dim (batch, ragged and static
+    /// dims alike): a weight gradient, one GEMM over the packed rows.
+    #[op(name = "contract_rows", family = Gemm)]
+    ContractRows {
+        /// `[..., Ma]`.
+        a: ValueId,
+        /// `[..., Mb]`, the same positions as `a`.
+        b: ValueId,
+    },
+    /// The lengths as numbers: `dtype[B, 1, ..., 1]` of rank `rank` (a divisor that
+    /// broadcasts per element).
+    #[op(name = "length_values", family = Structure)]
+    LengthValues {
+        /// Lengths.
+        lengths: ValueId,
+        /// Element type.
+        dtype: DType,
+        /// Rank of the result (at least 1).
+        rank: usize,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     #[op(name = "per_element", family = PerElement)]

@@ -63,6 +63,26 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::ContractRows { a, b } => {
+                let (a_slot, a_rows, a_tail, _) = self.data(value, *a)?;
+                let (b_slot, _, b_tail, _) = self.data(value, *b)?;
+                let (m, n) = (
+                    a_tail.last().copied().unwrap_or(1),
+                    b_tail.last().copied().unwrap_or(1),
+                );
+                let rows = a_rows.times(volume(&a_tail[..a_tail.len().saturating_sub(1)]));
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::SumRows {
+                    out: slot_of(&out),
+                    a: Some(a_slot),
+                    b: b_slot,
+                    rows,
+                    m,
+                    n,
+                    mean: false,
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

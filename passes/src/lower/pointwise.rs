@@ -68,8 +68,46 @@ impl Lowering<'_> {
                 }
                 self.pointwise(value, ty, inputs, |loads| translate(expr, loads))
             }
+            Op::Expand { x, like, dims } => self.expand(value, ty, *x, *like, dims),
             other => Err(unsupported(value, other, "not lowered yet")),
         }
+    }
+
+    /// `expand`: a copy that reads `x` as its type with the size-1 dims inserted.
+    fn expand(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        like: ValueId,
+        dims: &[i64],
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        let inserted = nestor_ir::with_inserted_dims(self.graph.ty(x), self.graph.ty(like), dims)
+            .map_err(|reason| unsupported(value, op, reason))?;
+        let (slot, ..) = self.data(value, x)?;
+        let tail = match &inserted {
+            Type::Ragged { dims, .. } => dims
+                .iter()
+                .skip_while(|dim| matches!(dim, ElemDim::Ragged(_)))
+                .map(|dim| match dim {
+                    ElemDim::Fixed(dim) => dim.as_static().unwrap_or(-1),
+                    ElemDim::Ragged(_) => -1,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let out = self.result(value, ty)?;
+        let out_tail = tail_of(&out);
+        let access = self.access_as(value, ty, (x, &inserted), slot, &tail, &out_tail)?;
+        self.program.steps.push(Step::Pointwise {
+            out: slot_of(&out),
+            rows: rows_of(&out),
+            width: volume(&out_tail),
+            inputs: vec![access],
+            expr: Expr::Load(0),
+        });
+        Ok(out)
     }
 
     pub(super) fn pointwise(
@@ -120,8 +158,23 @@ impl Lowering<'_> {
         tail: &[i64],
         out_tail: &[i64],
     ) -> Result<Access, LowerError> {
+        let operand_ty = self.graph.ty(operand);
+        self.access_as(value, ty, (operand, operand_ty), slot, tail, out_tail)
+    }
+
+    /// [`Self::access`] of an operand seen with type `operand_ty` (its buffer read as
+    /// that shape: `expand` inserts size-1 dims).
+    fn access_as(
+        &self,
+        value: ValueId,
+        ty: &Type,
+        (operand, operand_ty): (ValueId, &Type),
+        slot: Slot,
+        tail: &[i64],
+        out_tail: &[i64],
+    ) -> Result<Access, LowerError> {
         let op = self.graph.op(value);
-        let (row_use, operand_tail) = self.operand_rows(value, ty, operand, tail)?;
+        let (row_use, operand_tail) = self.operand_rows(value, ty, (operand, operand_ty), tail)?;
         // Right-align the operand tail to the output tail.
         let padded: Vec<i64> = if operand_tail.len() <= out_tail.len() {
             std::iter::repeat_n(1, out_tail.len() - operand_tail.len())
@@ -193,11 +246,10 @@ impl Lowering<'_> {
         &self,
         value: ValueId,
         ty: &Type,
-        operand: ValueId,
+        (operand, operand_ty): (ValueId, &Type),
         tail: &[i64],
     ) -> Result<(RowUse, Vec<i64>), LowerError> {
         let op = self.graph.op(value);
-        let operand_ty = self.graph.ty(operand);
         Ok(match (ty, operand_ty) {
             (Type::Ragged { .. }, Type::Ragged { .. }) => (RowUse::Full, tail.to_vec()),
             (Type::Ragged { dims, batch, .. }, Type::Dense { shape, .. }) => {

@@ -136,7 +136,7 @@ impl Lowering<'_> {
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
         let last = tail.len() as i64 + 1;
         match (dims, lengths) {
-            ([1], Some(lengths)) if !keepdim => {
+            ([1], Some(lengths)) => {
                 let kind = match reduce {
                     ReduceOp::Sum => SegmentKind::Sum,
                     ReduceOp::Mean => SegmentKind::Mean,
@@ -188,11 +188,53 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
-            _ => Err(unsupported(
-                value,
-                op,
-                format!("reductions over dims {dims:?} (keepdim {keepdim}) are not compiled"),
-            )),
+            _ => match (reduce, leading_rows(dims, lengths.is_some(), &tail)) {
+                (ReduceOp::Sum | ReduceOp::Mean, Some((rows_factor, n))) => {
+                    let out = self.result(value, ty)?;
+                    self.program.steps.push(Step::SumRows {
+                        out: slot_of(&out),
+                        a: None,
+                        b: x_slot,
+                        rows: rows.times(rows_factor),
+                        m: 1,
+                        n,
+                        mean: reduce == ReduceOp::Mean,
+                    });
+                    Ok(out)
+                }
+                _ => Err(unsupported(
+                    value,
+                    op,
+                    format!("reductions over dims {dims:?} (keepdim {keepdim}) are not compiled"),
+                )),
+            },
         }
     }
+}
+
+/// When `dims` are the leading batch-first dims `0..=k` (all dims when empty) and cover
+/// every dim the packed rows stand for (the batch, and the ragged dim when `ragged`):
+/// the factor of rows and the width of what remains, so the reduction sums whole rows.
+fn leading_rows(dims: &[i64], ragged: bool, tail: &[i64]) -> Option<(i64, i64)> {
+    let row_dims = if ragged { 2 } else { 1 };
+    let ndim = (row_dims + tail.len()) as i64;
+    let mut reduced: Vec<i64> = dims
+        .iter()
+        .map(|&dim| if dim < 0 { dim + ndim } else { dim })
+        .collect();
+    if reduced.is_empty() {
+        reduced = (0..ndim).collect();
+    }
+    reduced.sort_unstable();
+    reduced.dedup();
+    let leading = reduced
+        .iter()
+        .enumerate()
+        .all(|(index, &dim)| dim == index as i64);
+    let count = reduced.len();
+    if !leading || count < row_dims || count > row_dims + tail.len() {
+        return None;
+    }
+    let split = count - row_dims;
+    Some((volume(&tail[..split]), volume(&tail[split..])))
 }

@@ -101,6 +101,17 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::LengthValues { lengths, .. } => {
+                let Lowered::Lengths(lengths) = self.get(*lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::LengthValues {
+                    out: slot_of(&out),
+                    lengths,
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

@@ -122,3 +122,49 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
         }
     }
 }
+
+/// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1, the column
+/// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean).
+///
+/// # Safety
+/// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m` and `b` `rows*n`.
+pub(super) unsafe fn sum_rows<T: Scalar>(
+    out: *mut u8,
+    a: Option<*const u8>,
+    b: *const u8,
+    (rows, m, n): (i64, i64, i64),
+    mean: bool,
+) {
+    let (rows, m, n) = (rows.max(0) as usize, m.max(0) as usize, n.max(0) as usize);
+    if m * n == 0 {
+        return;
+    }
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, m * n) };
+    out.fill(T::ZERO);
+    if rows > 0 {
+        match a {
+            // `a^T` is `a` read with swapped strides: no copy.
+            Some(a) => unsafe {
+                T::matmul(
+                    (m, rows, n),
+                    T::ONE,
+                    (a as *const T, 1, m as isize),
+                    (b as *const T, n as isize, 1),
+                    (out.as_mut_ptr(), n as isize, 1),
+                )
+            },
+            None => {
+                let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
+                for row in b.chunks_exact(n) {
+                    for (sum, &value) in out.iter_mut().zip(row) {
+                        *sum += value;
+                    }
+                }
+            }
+        }
+    }
+    if mean {
+        let count = T::from_f64(rows as f64);
+        out.iter_mut().for_each(|value| *value = *value / count);
+    }
+}

@@ -510,6 +510,8 @@ fn step_name(step: &Step) -> String {
         Step::Segment { kind, .. } => format!("segment {kind:?}"),
         Step::Attention { .. } => "attention".into(),
         Step::Gather { .. } => "gather".into(),
+        Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
+        Step::LengthValues { .. } => "length_values".into(),
         Step::Host { .. } => "host".into(),
         Step::Pad { .. } => "pad".into(),
         Step::Unpad { .. } => "unpad".into(),

@@ -5,7 +5,7 @@
 use nestor_passes::{Access, FloatType, Slot, Source, Step};
 
 use super::copies::{pad, unpad};
-use super::gemm::{gemm, GemmShape};
+use super::gemm::{gemm, sum_rows, GemmShape};
 use super::sizes::{LengthsInfo, Sizes};
 use super::RuntimeError;
 use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
@@ -51,6 +51,20 @@ impl RunState<'_, '_> {
             }
         }
         args
+    }
+}
+
+/// Writes `values` as numbers of type `T`.
+///
+/// # Safety
+/// `out` must hold `values.len()` values of type `T` (or be unused when it is empty).
+unsafe fn write_numbers<T: crate::scalar::Scalar>(out: *mut u8, values: &[i64]) {
+    if values.is_empty() {
+        return;
+    }
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, values.len()) };
+    for (number, &value) in out.iter_mut().zip(values) {
+        *number = T::from_f64(value as f64);
     }
 }
 
@@ -125,6 +139,40 @@ impl Executable {
                 Ok(())
             }
             Step::Unpad { .. } => self.run_unpad(index, step, run),
+            Step::SumRows {
+                out,
+                a,
+                b,
+                rows,
+                m,
+                n,
+                mean,
+            } => {
+                let (out, b) = (run.pointer(*out), run.pointer(*b) as *const u8);
+                let a = a.map(|a| run.pointer(a) as *const u8);
+                let sizes = (run.sizes.rows(*rows), *m, *n);
+                // The executor sized the buffers for these rows and widths, in the
+                // program's type.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => sum_rows::<f32>(out, a, b, sizes, *mean),
+                        FloatType::F64 => sum_rows::<f64>(out, a, b, sizes, *mean),
+                    }
+                };
+                Ok(())
+            }
+            Step::LengthValues { out, lengths } => {
+                let Some(info) = run.lengths(*lengths) else {
+                    return Ok(());
+                };
+                let out = run.pointer(*out);
+                // `out` holds one value per element of these lengths, in the program's type.
+                match self.program.float {
+                    FloatType::F32 => unsafe { write_numbers::<f32>(out, &info.lengths) },
+                    FloatType::F64 => unsafe { write_numbers::<f64>(out, &info.lengths) },
+                }
+                Ok(())
+            }
             Step::Gather {
                 out,
                 table,

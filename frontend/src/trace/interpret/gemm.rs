@@ -39,6 +39,23 @@ impl Interpreter<'_> {
                 *causal,
                 scale.map(|scale| scale.0),
             )?),
+            Op::ContractRows { a, b } => {
+                let rows = |value: &Value| -> Result<Tensor> {
+                    let tensor = match value {
+                        Value::Nested(nested) => nested.packed().shallow_clone(),
+                        Value::Dense(tensor) => tensor.shallow_clone(),
+                        Value::Lengths(_) => {
+                            return Err(NestedError::Unsupported {
+                                op: "contract_rows",
+                                reason: "lengths are not rows".into(),
+                            })
+                        }
+                    };
+                    let width = tensor.size().last().copied().unwrap_or(1);
+                    Ok(tensor.f_reshape([-1, width])?)
+                };
+                Value::Dense(rows(self.get(*a))?.f_tr()?.f_mm(&rows(self.get(*b))?)?)
+            }
             other => return Err(not_in_family(other, "gemm")),
         })
     }

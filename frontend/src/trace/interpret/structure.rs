@@ -81,6 +81,21 @@ impl Interpreter<'_> {
                     })
                     .collect(),
             ),
+            Op::LengthValues {
+                lengths,
+                dtype,
+                rank,
+            } => {
+                let lengths = self.lengths(*lengths)?;
+                let shape: Vec<i64> = std::iter::once(lengths.len() as i64)
+                    .chain(std::iter::repeat_n(1, rank.saturating_sub(1)))
+                    .collect();
+                Value::Dense(
+                    Tensor::f_from_slice(lengths)?
+                        .f_to_kind(kind_of(*dtype))?
+                        .f_reshape(&shape)?,
+                )
+            }
             other => return Err(not_in_family(other, "structure")),
         })
     }

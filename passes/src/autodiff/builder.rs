@@ -1,0 +1,223 @@
+//! The graph a backward pass is written into, with the few shapes of op every rule
+//! needs (arithmetic, constants, reductions, spreading a reduction back, sums over the
+//! dims an operand was broadcast along).
+
+use nestor_ir::{BinaryOp, DType, Dim, ElemDim, Graph, Op, ReduceOp, Type, UnaryOp, ValueId, F64};
+
+use super::AutodiffError;
+
+/// The joint graph under construction; `at` names the value whose rule is running (for
+/// errors).
+pub(super) struct Builder {
+    graph: Graph,
+    at: ValueId,
+}
+
+impl Builder {
+    pub(super) fn new(graph: Graph) -> Self {
+        Self {
+            graph,
+            at: ValueId(0),
+        }
+    }
+
+    /// The value whose rule runs next.
+    pub(super) fn at(&mut self, value: ValueId) {
+        self.at = value;
+    }
+
+    pub(super) fn finish(self) -> Graph {
+        self.graph
+    }
+
+    pub(super) fn ty(&self, value: ValueId) -> &Type {
+        self.graph.ty(value)
+    }
+
+    /// The error for an op this rule cannot differentiate.
+    pub(super) fn no_rule(&self, reason: impl Into<String>) -> AutodiffError {
+        AutodiffError::NoRule {
+            value: self.at,
+            op: self.graph.op(self.at).name(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(super) fn push(&mut self, op: Op) -> Result<ValueId, AutodiffError> {
+        self.graph.push(op).map_err(|error| AutodiffError::Rule {
+            value: self.at,
+            op: self.graph.op(self.at).name(),
+            reason: error.to_string(),
+        })
+    }
+
+    /// A 0-d constant of the float type of `like`.
+    pub(super) fn constant(&mut self, value: f64, like: ValueId) -> Result<ValueId, AutodiffError> {
+        let dtype = self.ty(like).dtype().filter(|dtype| dtype.is_float());
+        self.push(Op::Const {
+            value: F64(value),
+            dtype: dtype.unwrap_or(DType::F32),
+        })
+    }
+
+    pub(super) fn unary(&mut self, op: UnaryOp, x: ValueId) -> Result<ValueId, AutodiffError> {
+        self.push(Op::Unary { op, x })
+    }
+
+    pub(super) fn binary(
+        &mut self,
+        op: BinaryOp,
+        lhs: ValueId,
+        rhs: ValueId,
+    ) -> Result<ValueId, AutodiffError> {
+        self.push(Op::Binary { op, lhs, rhs })
+    }
+
+    pub(super) fn add(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, AutodiffError> {
+        self.binary(BinaryOp::Add, a, b)
+    }
+
+    pub(super) fn sub(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, AutodiffError> {
+        self.binary(BinaryOp::Sub, a, b)
+    }
+
+    pub(super) fn mul(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, AutodiffError> {
+        self.binary(BinaryOp::Mul, a, b)
+    }
+
+    pub(super) fn div(&mut self, a: ValueId, b: ValueId) -> Result<ValueId, AutodiffError> {
+        self.binary(BinaryOp::Div, a, b)
+    }
+
+    /// `x * factor`.
+    pub(super) fn scale(&mut self, x: ValueId, factor: f64) -> Result<ValueId, AutodiffError> {
+        let factor = self.constant(factor, x)?;
+        self.mul(x, factor)
+    }
+
+    /// `condition ? x : y`.
+    pub(super) fn select(
+        &mut self,
+        condition: ValueId,
+        x: ValueId,
+        y: ValueId,
+    ) -> Result<ValueId, AutodiffError> {
+        self.push(Op::Where { condition, x, y })
+    }
+
+    pub(super) fn reduce(
+        &mut self,
+        op: ReduceOp,
+        x: ValueId,
+        dims: Vec<i64>,
+        keepdim: bool,
+    ) -> Result<ValueId, AutodiffError> {
+        self.push(Op::Reduce {
+            op,
+            x,
+            dims,
+            keepdim,
+            correction: 0,
+        })
+    }
+
+    /// The sum (or mean) of `x` over its last dim, kept as size 1.
+    pub(super) fn last_dim(&mut self, op: ReduceOp, x: ValueId) -> Result<ValueId, AutodiffError> {
+        self.reduce(op, x, vec![-1], true)
+    }
+
+    /// `x` spread over the shape of `like` (size-1 dims inserted at `dims` first).
+    pub(super) fn expand(
+        &mut self,
+        x: ValueId,
+        like: ValueId,
+        dims: Vec<i64>,
+    ) -> Result<ValueId, AutodiffError> {
+        self.push(Op::Expand { x, like, dims })
+    }
+
+    /// `gradient`, a cotangent of the shape an elementwise op broadcast `operand` to,
+    /// summed over the broadcast dims and converted to `operand`'s dtype.
+    pub(super) fn unbroadcast(
+        &mut self,
+        gradient: ValueId,
+        operand: ValueId,
+    ) -> Result<ValueId, AutodiffError> {
+        let (from, to) = (self.ty(gradient).clone(), self.ty(operand).clone());
+        let reduced = if same_shape(&from, &to) {
+            gradient
+        } else {
+            let (dims, keepdim) = broadcast_dims(&from, &to)
+                .ok_or_else(|| self.no_rule(format!("the gradient of {to} broadcast to {from}")))?;
+            let sum = self.reduce(ReduceOp::Sum, gradient, dims, keepdim)?;
+            if !same_shape(self.ty(sum), &to) {
+                return Err(self.no_rule(format!("the gradient of {to} broadcast to {from}")));
+            }
+            sum
+        };
+        self.cast_like(reduced, operand)
+    }
+
+    /// `x` converted to the dtype of `like` (itself when they agree).
+    pub(super) fn cast_like(
+        &mut self,
+        x: ValueId,
+        like: ValueId,
+    ) -> Result<ValueId, AutodiffError> {
+        match self.ty(like).dtype() {
+            Some(dtype) if self.ty(x).dtype() != Some(dtype) => self.push(Op::Cast { x, dtype }),
+            _ => Ok(x),
+        }
+    }
+}
+
+/// Batch-first rank: the batch and the element dims.
+pub(super) fn rank(ty: &Type) -> usize {
+    match ty {
+        Type::Ragged { dims, .. } => dims.len() + 1,
+        Type::Dense { shape, .. } => shape.len(),
+        Type::Lengths { .. } => 1,
+    }
+}
+
+fn same_shape(a: &Type, b: &Type) -> bool {
+    a.with_dtype(DType::F32) == b.with_dtype(DType::F32)
+}
+
+/// The batch-first dims of `full` a smaller `operand` was broadcast along, and whether
+/// the sum over them keeps them (size-1 dims of the operand) or drops them (dims the
+/// operand lacks); `None` when both happen (two sums would be needed).
+fn broadcast_dims(full: &Type, operand: &Type) -> Option<(Vec<i64>, bool)> {
+    let full_dims: Vec<Option<i64>> = match full {
+        Type::Ragged { dims, .. } => std::iter::once(None)
+            .chain(dims.iter().map(|dim| match dim {
+                ElemDim::Fixed(Dim::Static(size)) => Some(*size),
+                _ => None,
+            }))
+            .collect(),
+        Type::Dense { shape, .. } => shape.iter().map(Dim::as_static).collect(),
+        Type::Lengths { .. } => return None,
+    };
+    let operand_dims: Vec<Option<i64>> = match operand {
+        Type::Dense { shape, .. } => shape.iter().map(Dim::as_static).collect(),
+        Type::Ragged { dims, .. } => std::iter::once(None)
+            .chain(dims.iter().map(|dim| match dim {
+                ElemDim::Fixed(Dim::Static(size)) => Some(*size),
+                _ => None,
+            }))
+            .collect(),
+        Type::Lengths { .. } => return None,
+    };
+    let missing = full_dims.len().checked_sub(operand_dims.len())?;
+    let kept: Vec<i64> = operand_dims
+        .iter()
+        .enumerate()
+        .filter(|(index, size)| **size == Some(1) && full_dims[missing + index] != Some(1))
+        .map(|(index, _)| (missing + index) as i64)
+        .collect();
+    match (missing, kept.is_empty()) {
+        (0, false) => Some((kept, true)),
+        (missing, true) if missing > 0 => Some(((0..missing as i64).collect(), false)),
+        _ => None,
+    }
+}

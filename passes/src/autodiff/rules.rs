@@ -1,0 +1,527 @@
+//! The VJP rules: for an op computing `value` and the cotangent `g` of `value`, the
+//! cotangent contributions of its operands, written with IR ops. One function per op
+//! family; an op without a rule is an error naming it. Formulas follow libtorch's
+//! derivatives (`tools/autograd/derivatives.yaml`), so gradients match eager autograd,
+//! NaN and ties included where the forward op defines them.
+
+use nestor_ir::{BinaryOp, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp, ValueId};
+
+use super::builder::{rank, Builder};
+use super::AutodiffError;
+
+/// Contributions to the cotangents of operands: `(operand, contribution)`.
+type Contributions = Vec<(ValueId, ValueId)>;
+
+/// The contributions of the operands of `op` (computing `value`) that `needed` accepts.
+pub(super) fn vjp(
+    b: &mut Builder,
+    value: ValueId,
+    op: &Op,
+    g: ValueId,
+    needed: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    let float = |b: &Builder, operand: ValueId| {
+        needed(operand) && b.ty(operand).dtype().is_some_and(|dtype| dtype.is_float())
+    };
+    let wanted: Vec<ValueId> = op.operands().into_iter().filter(|&o| float(b, o)).collect();
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let wants = |operand: ValueId| wanted.contains(&operand);
+    match op.family() {
+        OpFamily::Pointwise => pointwise(b, value, op, g, &wants),
+        OpFamily::Gemm => gemm(b, op, g, &wants),
+        OpFamily::Reduce => reduce(b, op, g),
+        OpFamily::Norm => norm(b, value, op, g, &wants),
+        OpFamily::Structure => structure(b, op, g),
+        _ => Err(b.no_rule("no rule for this op yet")),
+    }
+}
+
+fn pointwise(
+    b: &mut Builder,
+    value: ValueId,
+    op: &Op,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    match *op {
+        Op::Unary { op, x } => Ok(vec![(x, unary(b, op, x, value, g)?)]),
+        Op::Binary { op, lhs, rhs } => binary(b, op, (lhs, rhs), value, g, wants),
+        Op::Where { condition, x, y } => {
+            let zero = b.constant(0.0, g)?;
+            let mut out = Vec::new();
+            if wants(x) {
+                let taken = b.select(condition, g, zero)?;
+                out.push((x, b.unbroadcast(taken, x)?));
+            }
+            if wants(y) {
+                let taken = b.select(condition, zero, g)?;
+                out.push((y, b.unbroadcast(taken, y)?));
+            }
+            Ok(out)
+        }
+        Op::Cast { x, .. } => Ok(vec![(x, b.cast_like(g, x)?)]),
+        Op::Dropout {
+            x, train: false, ..
+        } => Ok(vec![(x, g)]),
+        _ => Err(b.no_rule("no rule for this op yet")),
+    }
+}
+
+/// `g * f'(x)` for `y = f(x)`.
+fn unary(
+    b: &mut Builder,
+    op: UnaryOp,
+    x: ValueId,
+    y: ValueId,
+    g: ValueId,
+) -> Result<ValueId, AutodiffError> {
+    use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI, PI};
+    let gradient = match op {
+        UnaryOp::Neg => b.unary(UnaryOp::Neg, g)?,
+        UnaryOp::Abs => {
+            let sign = b.unary(UnaryOp::Sign, x)?;
+            b.mul(g, sign)?
+        }
+        UnaryOp::Exp => b.mul(g, y)?,
+        UnaryOp::Log => b.div(g, x)?,
+        UnaryOp::Sqrt => {
+            let twice = b.scale(y, 2.0)?;
+            b.div(g, twice)?
+        }
+        UnaryOp::Rsqrt => {
+            let square = b.mul(y, y)?;
+            let cube = b.mul(square, y)?;
+            let factor = b.scale(cube, -0.5)?;
+            b.mul(g, factor)?
+        }
+        UnaryOp::Square => {
+            let twice = b.scale(x, 2.0)?;
+            b.mul(g, twice)?
+        }
+        UnaryOp::Sin => {
+            let cos = b.unary(UnaryOp::Cos, x)?;
+            b.mul(g, cos)?
+        }
+        UnaryOp::Cos => {
+            let sin = b.unary(UnaryOp::Sin, x)?;
+            let negative = b.unary(UnaryOp::Neg, sin)?;
+            b.mul(g, negative)?
+        }
+        UnaryOp::Tanh => {
+            let square = b.mul(y, y)?;
+            let one = b.constant(1.0, y)?;
+            let slope = b.sub(one, square)?;
+            b.mul(g, slope)?
+        }
+        UnaryOp::Sigmoid => {
+            let one = b.constant(1.0, y)?;
+            let complement = b.sub(one, y)?;
+            let slope = b.mul(y, complement)?;
+            b.mul(g, slope)?
+        }
+        UnaryOp::Relu => {
+            // libtorch's threshold_backward: no gradient where the result is <= 0 (a
+            // NaN result passes the gradient through).
+            let zero = b.constant(0.0, y)?;
+            let off = b.binary(BinaryOp::Le, y, zero)?;
+            b.select(off, zero, g)?
+        }
+        UnaryOp::Gelu => {
+            // Phi(x) + x phi(x).
+            let scaled = b.scale(x, FRAC_1_SQRT_2)?;
+            let erf = b.unary(UnaryOp::Erf, scaled)?;
+            let one = b.constant(1.0, x)?;
+            let shifted = b.add(one, erf)?;
+            let cdf = b.scale(shifted, 0.5)?;
+            let square = b.mul(x, x)?;
+            let exponent = b.scale(square, -0.5)?;
+            let exp = b.unary(UnaryOp::Exp, exponent)?;
+            let pdf = b.scale(exp, 1.0 / (2.0 * PI).sqrt())?;
+            let tail = b.mul(x, pdf)?;
+            let slope = b.add(cdf, tail)?;
+            b.mul(g, slope)?
+        }
+        UnaryOp::GeluTanh => gelu_tanh(b, x, g)?,
+        UnaryOp::Silu => {
+            // s (1 + x (1 - s)).
+            let s = b.unary(UnaryOp::Sigmoid, x)?;
+            let one = b.constant(1.0, x)?;
+            let complement = b.sub(one, s)?;
+            let inner = b.mul(x, complement)?;
+            let shifted = b.add(one, inner)?;
+            let slope = b.mul(s, shifted)?;
+            b.mul(g, slope)?
+        }
+        UnaryOp::Erf => {
+            let square = b.mul(x, x)?;
+            let negative = b.unary(UnaryOp::Neg, square)?;
+            let exp = b.unary(UnaryOp::Exp, negative)?;
+            let slope = b.scale(exp, FRAC_2_SQRT_PI)?;
+            b.mul(g, slope)?
+        }
+        UnaryOp::Sign | UnaryOp::Not => {
+            return Err(b.no_rule(format!("{} has no gradient", op.word())))
+        }
+    };
+    Ok(gradient)
+}
+
+/// The derivative of the tanh-approximated GELU, as libtorch writes it.
+fn gelu_tanh(b: &mut Builder, x: ValueId, g: ValueId) -> Result<ValueId, AutodiffError> {
+    const KAPPA: f64 = 0.044715;
+    let beta = (2.0 / std::f64::consts::PI).sqrt();
+    let square = b.mul(x, x)?;
+    let cube = b.mul(square, x)?;
+    let scaled_cube = b.scale(cube, KAPPA)?;
+    let sum = b.add(x, scaled_cube)?;
+    let inner = b.scale(sum, beta)?;
+    let tanh = b.unary(UnaryOp::Tanh, inner)?;
+    let one = b.constant(1.0, x)?;
+    let right = b.add(one, tanh)?;
+    let left_derivative = b.scale(right, 0.5)?;
+    let tanh_square = b.mul(tanh, tanh)?;
+    let sech_square = b.sub(one, tanh_square)?;
+    let scaled_square = b.scale(square, 3.0 * KAPPA)?;
+    let inner_slope = b.add(one, scaled_square)?;
+    let half_x = b.scale(x, 0.5)?;
+    let product = b.mul(half_x, sech_square)?;
+    let product = b.mul(product, inner_slope)?;
+    let right_derivative = b.scale(product, beta)?;
+    let slope = b.add(left_derivative, right_derivative)?;
+    b.mul(g, slope)
+}
+
+fn binary(
+    b: &mut Builder,
+    op: BinaryOp,
+    (lhs, rhs): (ValueId, ValueId),
+    y: ValueId,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    let (left, right) = match op {
+        BinaryOp::Add => (Some(g), Some(g)),
+        BinaryOp::Sub => (Some(g), Some(b.unary(UnaryOp::Neg, g)?)),
+        BinaryOp::Mul => (
+            wants(lhs).then(|| b.mul(g, rhs)).transpose()?,
+            wants(rhs).then(|| b.mul(g, lhs)).transpose()?,
+        ),
+        BinaryOp::Div => {
+            let left = b.div(g, rhs)?;
+            let right = if wants(rhs) {
+                // -g a / b^2 = -(g / b) * y.
+                let scaled = b.mul(left, y)?;
+                Some(b.unary(UnaryOp::Neg, scaled)?)
+            } else {
+                None
+            };
+            (Some(left), right)
+        }
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            // The larger (smaller) side takes the gradient; ties split it, as libtorch.
+            let wins = if op == BinaryOp::Maximum {
+                BinaryOp::Gt
+            } else {
+                BinaryOp::Lt
+            };
+            let zero = b.constant(0.0, g)?;
+            let half = b.scale(g, 0.5)?;
+            let tie = b.binary(BinaryOp::Eq, lhs, rhs)?;
+            let side = |b: &mut Builder, this: ValueId, other: ValueId| {
+                let win = b.binary(wins, this, other)?;
+                let shared = b.select(tie, half, zero)?;
+                b.select(win, g, shared)
+            };
+            (
+                wants(lhs).then(|| side(b, lhs, rhs)).transpose()?,
+                wants(rhs).then(|| side(b, rhs, lhs)).transpose()?,
+            )
+        }
+        BinaryOp::Pow => {
+            // d/da = b a^(b - 1) = b y / a would divide by zero; libtorch's form:
+            let one = b.constant(1.0, g)?;
+            let left = if wants(lhs) {
+                let exponent = b.sub(rhs, one)?;
+                let power = b.binary(BinaryOp::Pow, lhs, exponent)?;
+                let slope = b.mul(rhs, power)?;
+                Some(b.mul(g, slope)?)
+            } else {
+                None
+            };
+            let right = if wants(rhs) {
+                let log = b.unary(UnaryOp::Log, lhs)?;
+                let slope = b.mul(y, log)?;
+                Some(b.mul(g, slope)?)
+            } else {
+                None
+            };
+            (left, right)
+        }
+        _ => return Ok(Vec::new()),
+    };
+    let mut out = Vec::new();
+    for (operand, gradient) in [(lhs, left), (rhs, right)] {
+        if let (true, Some(gradient)) = (wants(operand), gradient) {
+            out.push((operand, b.unbroadcast(gradient, operand)?));
+        }
+    }
+    Ok(out)
+}
+
+fn gemm(
+    b: &mut Builder,
+    op: &Op,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    let mut out = Vec::new();
+    match *op {
+        Op::Linear { x, weight, bias } => {
+            if wants(x) {
+                out.push((x, b.push(Op::Matmul { x: g, w: weight })?));
+            }
+            if wants(weight) {
+                out.push((weight, b.push(Op::ContractRows { a: g, b: x })?));
+            }
+            if let Some(bias) = bias.filter(|&bias| wants(bias)) {
+                out.push((bias, b.unbroadcast(g, bias)?));
+            }
+        }
+        Op::Matmul { x, w } => {
+            if matches!(b.ty(w), Type::Dense { shape, .. } if shape.len() != 2) {
+                return Err(b.no_rule("the gradient of a matrix-vector product"));
+            }
+            if wants(x) {
+                out.push((
+                    x,
+                    b.push(Op::Linear {
+                        x: g,
+                        weight: w,
+                        bias: None,
+                    })?,
+                ));
+            }
+            if wants(w) {
+                out.push((w, b.push(Op::ContractRows { a: x, b: g })?));
+            }
+        }
+        _ => return Err(b.no_rule("no rule for this op yet")),
+    }
+    Ok(out)
+}
+
+fn reduce(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, AutodiffError> {
+    let Op::Reduce {
+        op: kind,
+        x,
+        ref dims,
+        keepdim,
+        ..
+    } = *op
+    else {
+        return Err(b.no_rule("not a reduction"));
+    };
+    if !matches!(kind, ReduceOp::Sum | ReduceOp::Mean) {
+        return Err(b.no_rule(format!("no rule for {} yet", kind.word())));
+    }
+    let full = rank(b.ty(x)) as i64;
+    let mut reduced: Vec<i64> = dims
+        .iter()
+        .map(|&dim| if dim < 0 { dim + full } else { dim })
+        .collect();
+    if reduced.is_empty() {
+        reduced = (0..full).collect();
+    }
+    let inserted = if keepdim || dims.is_empty() {
+        Vec::new()
+    } else {
+        reduced.clone()
+    };
+    let spread = b.expand(g, x, inserted)?;
+    let gradient = if kind == ReduceOp::Mean {
+        let count = count(b, x, &reduced)?;
+        b.div(spread, count)?
+    } else {
+        spread
+    };
+    Ok(vec![(x, gradient)])
+}
+
+/// The number of values a reduction of `x` over `dims` (batch-first, normalized) averages:
+/// a constant for static dims, times the lengths (per element, or their sum when the
+/// batch dim is reduced too) for the ragged dim.
+fn count(b: &mut Builder, x: ValueId, dims: &[i64]) -> Result<ValueId, AutodiffError> {
+    let ty = b.ty(x).clone();
+    let mut constant = 1i64;
+    let mut ragged = None;
+    match &ty {
+        Type::Ragged { dims: element, .. } => {
+            for &dim in dims.iter().filter(|&&dim| dim >= 1) {
+                match element.get(dim as usize - 1) {
+                    Some(ElemDim::Fixed(size)) => {
+                        constant *= size
+                            .as_static()
+                            .ok_or_else(|| b.no_rule("a symbolic dim"))?
+                    }
+                    Some(ElemDim::Ragged(lengths)) if ragged.is_none() => ragged = Some(*lengths),
+                    _ => return Err(b.no_rule("a mean over two ragged dims")),
+                }
+            }
+            if dims.contains(&0) && ragged.is_none() {
+                return Err(b.no_rule("a mean over the batch dim alone"));
+            }
+        }
+        Type::Dense { shape, .. } => {
+            for &dim in dims {
+                constant *= shape[dim as usize]
+                    .as_static()
+                    .ok_or_else(|| b.no_rule("a mean over a symbolic dim"))?;
+            }
+        }
+        Type::Lengths { .. } => return Err(b.no_rule("a mean of lengths")),
+    }
+    let factor = b.constant(constant as f64, x)?;
+    let Some(lengths) = ragged else {
+        return Ok(factor);
+    };
+    let dtype = ty.dtype().unwrap_or(nestor_ir::DType::F32);
+    let per_element = if dims.contains(&0) {
+        let values = b.push(Op::LengthValues {
+            lengths,
+            dtype,
+            rank: 1,
+        })?;
+        b.reduce(ReduceOp::Sum, values, vec![0], false)?
+    } else {
+        b.push(Op::LengthValues {
+            lengths,
+            dtype,
+            rank: rank(&ty),
+        })?
+    };
+    b.mul(per_element, factor)
+}
+
+fn norm(
+    b: &mut Builder,
+    y: ValueId,
+    op: &Op,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    match *op {
+        Op::Softmax { x, axis, log } => {
+            let full = rank(b.ty(x)) as i64;
+            let axis = if axis < 0 { axis + full } else { axis };
+            let sum_along =
+                |b: &mut Builder, v: ValueId| b.reduce(ReduceOp::Sum, v, vec![axis], true);
+            let gradient = if log {
+                // g - exp(y) * sum(g).
+                let total = sum_along(b, g)?;
+                let probabilities = b.unary(UnaryOp::Exp, y)?;
+                let share = b.mul(probabilities, total)?;
+                b.sub(g, share)?
+            } else {
+                // y * (g - sum(g * y)).
+                let weighted = b.mul(g, y)?;
+                let total = sum_along(b, weighted)?;
+                let centered = b.sub(g, total)?;
+                b.mul(y, centered)?
+            };
+            Ok(vec![(x, gradient)])
+        }
+        Op::LayerNorm {
+            x,
+            weight,
+            bias,
+            dims,
+            eps,
+        } => normalization(b, (x, weight, bias), dims, eps.0, true, g, wants),
+        Op::RmsNorm {
+            x,
+            weight,
+            dims,
+            eps,
+        } => normalization(b, (x, weight, None), dims, eps.0, false, g, wants),
+        _ => Err(b.no_rule("no rule for this op yet")),
+    }
+}
+
+/// Layer norm (`centered`) or RMS norm over the last dim: the normalized input is
+/// recomputed, then `dx = rstd (gw - mean(gw) - xhat mean(gw xhat))` (no `mean(gw)` term
+/// for RMS norm), `dw = sum(g xhat)`, `db = sum(g)` over the rows.
+#[allow(clippy::too_many_arguments)]
+fn normalization(
+    b: &mut Builder,
+    (x, weight, bias): (ValueId, Option<ValueId>, Option<ValueId>),
+    dims: usize,
+    eps: f64,
+    centered: bool,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    if dims != 1 {
+        return Err(b.no_rule("the gradient of a norm over more than the last dim"));
+    }
+    let deviation = if centered {
+        let mean = b.last_dim(ReduceOp::Mean, x)?;
+        b.sub(x, mean)?
+    } else {
+        x
+    };
+    let square = b.mul(deviation, deviation)?;
+    let variance = b.last_dim(ReduceOp::Mean, square)?;
+    let epsilon = b.constant(eps, x)?;
+    let shifted = b.add(variance, epsilon)?;
+    let rstd = b.unary(UnaryOp::Rsqrt, shifted)?;
+    let normalized = b.mul(deviation, rstd)?;
+    let scaled = match weight {
+        Some(weight) => b.mul(g, weight)?,
+        None => g,
+    };
+    let mut out = Vec::new();
+    if wants(x) {
+        let weighted = b.mul(scaled, normalized)?;
+        let projection = b.last_dim(ReduceOp::Mean, weighted)?;
+        let along = b.mul(normalized, projection)?;
+        let mut inner = b.sub(scaled, along)?;
+        if centered {
+            let mean = b.last_dim(ReduceOp::Mean, scaled)?;
+            inner = b.sub(inner, mean)?;
+        }
+        out.push((x, b.mul(rstd, inner)?));
+    }
+    if let Some(weight) = weight.filter(|&weight| wants(weight)) {
+        let product = b.mul(g, normalized)?;
+        out.push((weight, b.unbroadcast(product, weight)?));
+    }
+    if let Some(bias) = bias.filter(|&bias| wants(bias)) {
+        out.push((bias, b.unbroadcast(g, bias)?));
+    }
+    Ok(out)
+}
+
+fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, AutodiffError> {
+    match *op {
+        Op::ReshapeTail { x, .. } => {
+            let tail = match b.ty(x) {
+                Type::Ragged { dims, .. } => dims
+                    .iter()
+                    .skip_while(|dim| matches!(dim, ElemDim::Ragged(_)))
+                    .map(|dim| match dim {
+                        ElemDim::Fixed(dim) => dim.as_static().unwrap_or(-1),
+                        ElemDim::Ragged(_) => -1,
+                    })
+                    .collect(),
+                _ => return Err(b.no_rule("a reshape of a dense value")),
+            };
+            Ok(vec![(x, b.push(Op::ReshapeTail { x: g, tail })?)])
+        }
+        Op::TransposeStatic { x, dim0, dim1 } => {
+            Ok(vec![(x, b.push(Op::TransposeStatic { x: g, dim0, dim1 })?)])
+        }
+        _ => Err(b.no_rule("no rule for this op yet")),
+    }
+}

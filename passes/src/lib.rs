@@ -3,6 +3,7 @@
 //! - [`Pass`] and [`Pipeline`]: an explicit list of named passes, the verifier after
 //!   each one, and an optional dump of the IR after every stage;
 //! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
+//! - [`Decompose`]: composite ops (losses) into primitive ones;
 //! - [`Optimize`]: the egg e-graph optimizer: named rule sets (structure, algebra,
 //!   packed paths, fusion into `fused`, `prologue` and `epilogue` kernels), a cost
 //!   model, limits;
@@ -17,6 +18,7 @@
 mod autodiff;
 mod cse;
 mod dce;
+mod decompose;
 mod fold;
 mod forward;
 mod lower;
@@ -27,6 +29,7 @@ mod program;
 pub use autodiff::{differentiate, AutodiffError, Gradients};
 pub use cse::Cse;
 pub use dce::Dce;
+pub use decompose::Decompose;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{Noted, Pass, PassError, Pipeline};

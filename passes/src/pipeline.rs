@@ -56,9 +56,10 @@ pub struct Pipeline {
 }
 
 impl Default for Pipeline {
-    /// The standard pipeline: DCE, CSE, the e-graph optimizer, DCE.
+    /// The standard pipeline: decomposition, DCE, CSE, the e-graph optimizer, DCE.
     fn default() -> Self {
         Self::new(vec![
+            Box::new(crate::Decompose),
             Box::new(crate::Dce),
             Box::new(crate::Cse),
             Box::new(crate::Optimize::default()),
@@ -68,9 +69,11 @@ impl Default for Pipeline {
 }
 
 impl Pipeline {
-    /// The pipeline without the optimizer: DCE, CSE, DCE (a baseline for measurements).
+    /// The pipeline without the optimizer: decomposition, DCE, CSE, DCE (a baseline for
+    /// measurements).
     pub fn unoptimized() -> Self {
         Self::new(vec![
+            Box::new(crate::Decompose),
             Box::new(crate::Dce),
             Box::new(crate::Cse),
             Box::new(crate::Dce),

@@ -149,15 +149,30 @@ pub fn trace<O: TraceOutputs>(
     store: Option<&tch::nn::VarStore>,
     f: impl FnOnce(&[NestedTensor], &[Dense]) -> Result<O>,
 ) -> Result<Traced> {
-    let names = store
-        .map(|store| {
-            store
-                .variables()
-                .into_iter()
-                .map(|(name, tensor)| ((tensor.data_ptr() as usize, tensor.size()), name))
-                .collect::<HashMap<_, _>>()
-        })
-        .unwrap_or_default();
+    let names = store.map(parameter_names).unwrap_or_default();
+    trace_named(name, nested, dense, names, f)
+}
+
+/// Parameter names by tensor identity (data pointer, shape): the paths of `store`.
+pub(crate) type ParameterNames = HashMap<(usize, Vec<i64>), String>;
+
+/// The [`ParameterNames`] of the variables of `store`.
+pub(crate) fn parameter_names(store: &tch::nn::VarStore) -> ParameterNames {
+    store
+        .variables()
+        .into_iter()
+        .map(|(name, tensor)| ((tensor.data_ptr() as usize, tensor.size()), name))
+        .collect()
+}
+
+/// [`trace`] with parameter names already collected.
+pub(crate) fn trace_named<O: TraceOutputs>(
+    name: &str,
+    nested: &[&NestedTensor],
+    dense: &[&Tensor],
+    names: ParameterNames,
+    f: impl FnOnce(&[NestedTensor], &[Dense]) -> Result<O>,
+) -> Result<Traced> {
     let tracer = Arc::new(Mutex::new(Tracer::new(name, names)));
     let mut sources = Vec::new();
     let batch_symbol = BatchSymbols::default();

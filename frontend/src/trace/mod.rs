@@ -14,7 +14,9 @@ mod dense;
 mod interpret;
 mod record;
 
-pub(crate) use api::{normalized_input, shared_lengths, SharedLengths};
+pub(crate) use api::{
+    normalized_input, parameter_names, shared_lengths, trace_named, ParameterNames, SharedLengths,
+};
 pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;
 pub use interpret::{check_inputs, interpret, Value};

@@ -82,6 +82,10 @@ impl Lowering<'_> {
         like: ValueId,
         dims: &[i64],
     ) -> Result<Lowered, LowerError> {
+        if let Lowered::Const(_) = self.get(x) {
+            // A constant fills the result whatever its shape.
+            return self.pointwise(value, ty, &[x], |loads| loads[0].clone());
+        }
         let op = self.graph.op(value);
         let inserted = nestor_ir::with_inserted_dims(self.graph.ty(x), self.graph.ty(like), dims)
             .map_err(|reason| unsupported(value, op, reason))?;

@@ -1,5 +1,9 @@
 //! `compile`: a model traced once per input structure, optimized, lowered to kernels,
-//! JIT-compiled for the host and run by the runtime on batches of any lengths.
+//! JIT-compiled for the host and run by the runtime on batches of any lengths; with
+//! [`Compiled::train`], the program also computes the gradients of the model's loss
+//! (`train.rs`).
+
+mod train;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -13,10 +17,11 @@ use nestor_runtime::{
 use tch::{Kind, Tensor};
 
 use crate::trace::{
-    check_inputs, interpret, normalized_input, shared_lengths, trace, Dense, SharedLengths,
-    TraceOutputs, Traced, Value,
+    check_inputs, interpret, normalized_input, parameter_names, shared_lengths, trace_named, Dense,
+    ParameterNames, SharedLengths, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
+use train::Gradient;
 
 /// What a compiled program depends on: per batch its rank, ragged dims, static sizes
 /// and dtype; per dense input its dims after the first and dtype. Never lengths.
@@ -78,6 +83,10 @@ impl StructureKey {
 struct Entry {
     traced: Traced,
     executable: Executable,
+    /// The model's outputs (the program's first outputs; gradients follow).
+    outputs: usize,
+    /// In training, the parameter of each gradient output, in output order.
+    gradients: Vec<Gradient>,
 }
 
 /// A model compiled for the host CPU. Call it with batches of any lengths: each new
@@ -88,7 +97,10 @@ pub struct Compiled<F> {
     /// Called only while tracing a new structure (under the cache lock); the mutex makes
     /// `Compiled` shareable between threads for models that are `Send`.
     model: Mutex<F>,
-    store: Option<tch::nn::VarStore>,
+    /// Parameter names by tensor identity, from a `VarStore`.
+    names: ParameterNames,
+    /// Compute the gradients of the loss (the first output) too.
+    training: bool,
     lower_options: LowerOptions,
     optimize: bool,
     cache: Mutex<HashMap<StructureKey, Arc<Entry>>>,
@@ -125,7 +137,8 @@ where
     Compiled {
         name: name.to_owned(),
         model: Mutex::new(model),
-        store: None,
+        names: ParameterNames::new(),
+        training: false,
         lower_options: LowerOptions::default(),
         optimize: true,
         cache: Mutex::new(HashMap::new()),
@@ -156,9 +169,50 @@ where
 
     /// Names the parameters in graphs and dumps after their paths in `store`.
     pub fn with_var_store(mut self, store: &tch::nn::VarStore) -> Self {
-        let mut copy = tch::nn::VarStore::new(store.device());
-        copy.copy(store).ok();
-        self.store = Some(copy);
+        self.names = parameter_names(store);
+        self
+    }
+
+    /// Compiled training: the model's first output is its loss (a float scalar). Every
+    /// call then also computes the gradient of the loss with respect to every trainable
+    /// parameter (those that require grad) in the same compiled program, and
+    /// ACCUMULATES it into the parameter's `.grad()`, as `loss.backward()` would, so
+    /// tch's optimizers and `zero_grad` work unchanged; frozen parameters get nothing.
+    /// Parameters are named after their paths in `store`.
+    ///
+    /// ```
+    /// use nestor_frontend::{compile, Dense, NestedTensor};
+    /// use tch::nn::{self, Module, OptimizerConfig};
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let store = nn::VarStore::new(Device::Cpu);
+    /// let layer = nn::linear(store.root() / "proj", 4, 1, Default::default());
+    /// let step = compile("regression", move |x: &[NestedTensor], _: &[Dense]| {
+    ///     let prediction = x[0].linear(&layer.ws, layer.bs.as_ref())?;
+    ///     prediction.mse_loss(&x[1], nestor_frontend::LossReduction::Mean)
+    /// })
+    /// .train(&store);
+    /// let mut optimizer = nn::Sgd::default().build(&store, 0.1)?;
+    /// let inputs = NestedTensor::from_tensors(&[
+    ///     Tensor::randn([3, 4], (Kind::Float, Device::Cpu)),
+    ///     Tensor::randn([2, 4], (Kind::Float, Device::Cpu)),
+    /// ])?;
+    /// let targets = NestedTensor::from_tensors(&[Tensor::ones([3, 1], (Kind::Float, Device::Cpu)),
+    ///     Tensor::ones([2, 1], (Kind::Float, Device::Cpu))])?;
+    /// let mut losses = Vec::new();
+    /// for _ in 0..20 {
+    ///     optimizer.zero_grad();
+    ///     let loss = step.call(&[&inputs, &targets], &[])?.remove(0).into_dense()?;
+    ///     losses.push(loss.double_value(&[]));
+    ///     optimizer.step();
+    /// }
+    /// assert!(losses[19] < losses[0]);
+    /// assert_eq!(step.stats().compiles, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn train(mut self, store: &tch::nn::VarStore) -> Self {
+        self.names = parameter_names(store);
+        self.training = true;
         self
     }
 
@@ -173,7 +227,30 @@ where
     }
 
     /// Runs the compiled model. Results are batches (ragged results) or dense tensors.
+    /// In training ([`Compiled::train`]), the gradients are accumulated into the
+    /// parameters' `.grad()` as well.
     pub fn call(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
+        let (entry, mut values) = self.run(nested, dense)?;
+        let gradients = values.split_off(entry.outputs.min(values.len()));
+        train::accumulate(&entry.gradients, gradients)?;
+        Ok(values)
+    }
+
+    /// In training, the model's outputs and the gradient of every trainable parameter
+    /// (named after its `VarStore` path), returned rather than accumulated.
+    pub fn gradients(
+        &self,
+        nested: &[&NestedTensor],
+        dense: &[&Tensor],
+    ) -> Result<(Vec<Value>, Vec<(String, Tensor)>)> {
+        let (entry, mut values) = self.run(nested, dense)?;
+        let gradients = values.split_off(entry.outputs.min(values.len()));
+        let named = train::named(&entry.gradients, gradients)?;
+        Ok((values, named))
+    }
+
+    /// Runs the program: every output, gradients included.
+    fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<(Arc<Entry>, Vec<Value>)> {
         let entry = self.entry(nested, dense)?;
         let values = entry.traced.bind(nested, dense)?;
         check_inputs(entry.traced.graph(), &values)?;
@@ -233,7 +310,8 @@ where
                     .map(|(_, tensor)| tensor);
                 output_value(output, tensor)
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()
+            .map(|values| (entry, values))
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
@@ -257,13 +335,19 @@ where
             .model
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let traced = trace(
+        let traced = trace_named(
             &self.name,
             nested,
             dense,
-            self.store.as_ref(),
+            self.names.clone(),
             |inputs, dense| (*model)(inputs, dense),
         )?;
+        let outputs = traced.graph().outputs.len();
+        let (graph, gradients) = if self.training {
+            train::joint_graph(&traced)?
+        } else {
+            (traced.graph().clone(), Vec::new())
+        };
         let dump = std::env::var_os("NESTOR_DUMP");
         let mut pipeline = if self.optimize {
             Pipeline::default()
@@ -273,12 +357,10 @@ where
         if let Some(dir) = &dump {
             pipeline = pipeline.dump_to(dir);
         }
-        let optimized = pipeline
-            .run(traced.graph())
-            .map_err(|error| NestedError::Compile {
-                stage: "passes",
-                reason: error.to_string(),
-            })?;
+        let optimized = pipeline.run(&graph).map_err(|error| NestedError::Compile {
+            stage: "passes",
+            reason: error.to_string(),
+        })?;
         let program =
             lower_with(&optimized, self.lower_options).map_err(|error| NestedError::Compile {
                 stage: "lowering",
@@ -307,6 +389,8 @@ where
         Ok(Entry {
             traced: traced.with_graph(optimized),
             executable,
+            outputs,
+            gradients,
         })
     }
 }

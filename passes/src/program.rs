@@ -522,6 +522,11 @@ pub enum Output {
         /// The dims after the first.
         tail: Vec<i64>,
     },
+    /// A 0-d tensor (a loss): one value.
+    Scalar {
+        /// The data.
+        slot: Slot,
+    },
     /// A padded tensor `[B, max(L), *tail]` of a [`Step::Pad`].
     Padded {
         /// The data.
@@ -539,6 +544,7 @@ impl Output {
         match self {
             Output::Ragged { slot, .. }
             | Output::Dense { slot, .. }
+            | Output::Scalar { slot }
             | Output::Padded { slot, .. } => *slot,
         }
     }

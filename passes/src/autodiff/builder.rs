@@ -34,6 +34,15 @@ impl Builder {
         self.graph.ty(value)
     }
 
+    /// A lengths value of the graph whose batch is `batch`.
+    pub(super) fn lengths_of_batch(&self, batch: &Dim) -> Option<ValueId> {
+        self.graph
+            .nodes
+            .iter()
+            .position(|node| matches!(&node.ty, Type::Lengths { batch: own } if own == batch))
+            .map(|index| ValueId(index as u32))
+    }
+
     /// The error for an op this rule cannot differentiate.
     pub(super) fn no_rule(&self, reason: impl Into<String>) -> AutodiffError {
         AutodiffError::NoRule {

@@ -4,7 +4,7 @@
 //! derivatives (`tools/autograd/derivatives.yaml`), so gradients match eager autograd,
 //! NaN and ties included where the forward op defines them.
 
-use nestor_ir::{BinaryOp, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp, ValueId};
+use nestor_ir::{BinaryOp, DType, Dim, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp, ValueId};
 
 use super::builder::{rank, Builder};
 use super::AutodiffError;
@@ -350,58 +350,66 @@ fn reduce(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Autodif
 }
 
 /// The number of values a reduction of `x` over `dims` (batch-first, normalized) averages:
-/// a constant for static dims, times the lengths (per element, or their sum when the
-/// batch dim is reduced too) for the ragged dim.
+/// a constant for static dims, times the lengths for the ragged dim (per element, or
+/// their sum when the batch dim is reduced too), or times the batch size when the batch
+/// dim is reduced without a ragged dim.
 fn count(b: &mut Builder, x: ValueId, dims: &[i64]) -> Result<ValueId, AutodiffError> {
     let ty = b.ty(x).clone();
     let mut constant = 1i64;
     let mut ragged = None;
-    match &ty {
-        Type::Ragged { dims: element, .. } => {
-            for &dim in dims.iter().filter(|&&dim| dim >= 1) {
-                match element.get(dim as usize - 1) {
-                    Some(ElemDim::Fixed(size)) => {
-                        constant *= size
-                            .as_static()
-                            .ok_or_else(|| b.no_rule("a symbolic dim"))?
-                    }
-                    Some(ElemDim::Ragged(lengths)) if ragged.is_none() => ragged = Some(*lengths),
-                    _ => return Err(b.no_rule("a mean over two ragged dims")),
-                }
-            }
-            if dims.contains(&0) && ragged.is_none() {
-                return Err(b.no_rule("a mean over the batch dim alone"));
-            }
-        }
-        Type::Dense { shape, .. } => {
-            for &dim in dims {
-                constant *= shape[dim as usize]
-                    .as_static()
-                    .ok_or_else(|| b.no_rule("a mean over a symbolic dim"))?;
-            }
-        }
-        Type::Lengths { .. } => return Err(b.no_rule("a mean of lengths")),
-    }
-    let factor = b.constant(constant as f64, x)?;
-    let Some(lengths) = ragged else {
-        return Ok(factor);
+    let (batch, element): (Dim, Vec<ElemDim>) = match &ty {
+        Type::Ragged { batch, dims, .. } => (batch.clone(), dims.clone()),
+        Type::Dense { shape, .. } if !shape.is_empty() => (
+            shape[0].clone(),
+            shape[1..].iter().cloned().map(ElemDim::Fixed).collect(),
+        ),
+        _ => return b.constant(1.0, x),
     };
-    let dtype = ty.dtype().unwrap_or(nestor_ir::DType::F32);
-    let per_element = if dims.contains(&0) {
-        let values = b.push(Op::LengthValues {
-            lengths,
-            dtype,
-            rank: 1,
-        })?;
-        b.reduce(ReduceOp::Sum, values, vec![0], false)?
-    } else {
-        b.push(Op::LengthValues {
+    for &dim in dims.iter().filter(|&&dim| dim >= 1) {
+        match element.get(dim as usize - 1) {
+            Some(ElemDim::Fixed(size)) => {
+                constant *= size
+                    .as_static()
+                    .ok_or_else(|| b.no_rule("a mean over a symbolic dim"))?
+            }
+            Some(ElemDim::Ragged(lengths)) if ragged.is_none() => ragged = Some(*lengths),
+            _ => return Err(b.no_rule("a mean over two ragged dims")),
+        }
+    }
+    let dtype = ty.dtype().unwrap_or(DType::F32);
+    let factor = b.constant(constant as f64, x)?;
+    let variable = match (ragged, dims.contains(&0)) {
+        (None, false) => return Ok(factor),
+        (Some(lengths), false) => b.push(Op::LengthValues {
             lengths,
             dtype,
             rank: rank(&ty),
-        })?
+        })?,
+        (Some(lengths), true) => {
+            let values = b.push(Op::LengthValues {
+                lengths,
+                dtype,
+                rank: 1,
+            })?;
+            b.reduce(ReduceOp::Sum, values, vec![0], false)?
+        }
+        (None, true) => {
+            let lengths = b
+                .lengths_of_batch(&batch)
+                .ok_or_else(|| b.no_rule(format!("a mean over the batch {batch}")))?;
+            let values = b.push(Op::LengthValues {
+                lengths,
+                dtype,
+                rank: 1,
+            })?;
+            // One per element (lengths are never negative), summed: the batch size.
+            let zero = b.constant(0.0, values)?;
+            let present = b.binary(BinaryOp::Ge, values, zero)?;
+            let ones = b.push(Op::Cast { x: present, dtype })?;
+            b.reduce(ReduceOp::Sum, ones, vec![0], false)?
+        }
     };
-    b.mul(per_element, factor)
+    b.mul(variable, factor)
 }
 
 fn norm(

@@ -136,6 +136,9 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
                 lengths,
                 tail,
             },
+            (Lowered::Data { slot, .. }, Type::Dense { shape, .. }) if shape.is_empty() => {
+                Output::Scalar { slot }
+            }
             (Lowered::Data { slot, tail, .. }, Type::Dense { .. }) => Output::Dense { slot, tail },
             _ => {
                 return Err(unsupported(

@@ -400,6 +400,7 @@ impl Executable {
                         (*slot, RunShape::Ragged(dims.collect()))
                     }
                     Output::Dense { slot, tail } => (*slot, RunShape::Dense(tail.clone())),
+                    Output::Scalar { slot } => (*slot, RunShape::Full(Vec::new())),
                     Output::Padded {
                         slot,
                         lengths,

@@ -41,6 +41,32 @@ pub fn is_pointwise(op: &Op) -> bool {
     )
 }
 
+/// The number of operations in an expression (what a fused node computes).
+fn size(expr: &FusedExpr) -> usize {
+    match expr {
+        FusedExpr::Input(_) | FusedExpr::Const { .. } => 1,
+        FusedExpr::Unary(_, x) | FusedExpr::Cast(_, x) => 1 + size(x),
+        FusedExpr::Binary(_, a, b) => 1 + size(a) + size(b),
+        FusedExpr::Where(c, a, b) => 1 + size(c) + size(a) + size(b),
+    }
+}
+
+/// The pointwise node of `class` that computes the most (the largest fusion so far),
+/// if the class has one. Fusion grows only from it: the smaller forms of a class would
+/// add fusions the extractor never prefers, and their number grows exponentially
+/// along chains of pointwise ops (backward graphs are long such chains).
+fn largest<'a>(cx: &'a Context, class: Id) -> Option<&'a ENode> {
+    cx.nodes(class)
+        .iter()
+        .filter(|node| is_pointwise(&node.op) || matches!(node.op, Op::Const { .. }))
+        .max_by_key(|node| expression(node).map_or(0, |expr| size(&expr)))
+}
+
+/// Whether `node` is the largest pointwise form of its class.
+fn is_largest(cx: &Context, class: Id, node: &ENode) -> bool {
+    largest(cx, class).is_some_and(|largest| std::ptr::eq(largest, node))
+}
+
 /// A pointwise node as an expression over its children (`$n` is child `n`).
 fn expression(node: &ENode) -> Option<FusedExpr> {
     let input = |index: usize| Box::new(FusedExpr::Input(index));
@@ -97,10 +123,13 @@ impl Inputs {
     }
 }
 
-pub(super) fn fuse_pointwise(cx: &Context, _class: Id, node: &ENode) -> Vec<Term> {
+pub(super) fn fuse_pointwise(cx: &Context, class: Id, node: &ENode) -> Vec<Term> {
     let Some(outer) = expression(node).filter(|_| is_pointwise(&node.op)) else {
         return vec![];
     };
+    if !is_largest(cx, class, node) {
+        return vec![];
+    }
     let mut terms = Vec::new();
     for (position, &child) in node.children.iter().enumerate() {
         let child = cx.find(child);
@@ -109,7 +138,7 @@ pub(super) fn fuse_pointwise(cx: &Context, _class: Id, node: &ENode) -> Vec<Term
         if !constant && !cx.single_reader(child) {
             continue;
         }
-        for inner in cx.nodes(child) {
+        if let Some(inner) = largest(cx, child) {
             let Some(inner_expr) = expression(inner) else {
                 continue;
             };
@@ -148,8 +177,8 @@ pub(super) fn fuse_prologue(cx: &Context, _class: Id, node: &ENode) -> Vec<Term>
         return vec![];
     }
     let params: Vec<Term> = node.children[1..].iter().map(|&c| Term::Class(c)).collect();
-    cx.nodes(input)
-        .iter()
+    largest(cx, input)
+        .into_iter()
         .filter(|pointwise| is_pointwise(&pointwise.op))
         .filter_map(|pointwise| {
             let mut inputs = Inputs::default();
@@ -192,20 +221,25 @@ fn gemm_with_epilogue(node: &ENode) -> Option<(&Op, &[Id], FusedExpr, &[Id])> {
     }
 }
 
-pub(super) fn fuse_epilogue(cx: &Context, _class: Id, node: &ENode) -> Vec<Term> {
+pub(super) fn fuse_epilogue(cx: &Context, class: Id, node: &ENode) -> Vec<Term> {
     let Some(outer) = expression(node).filter(|_| is_pointwise(&node.op)) else {
         return vec![];
     };
+    if !is_largest(cx, class, node) {
+        return vec![];
+    }
     let mut terms = Vec::new();
     for (position, &child) in node.children.iter().enumerate() {
         if !cx.single_reader(child) {
             continue;
         }
-        for producer in cx.nodes(child) {
-            let Some((core, core_children, inner, inner_inputs)) = gemm_with_epilogue(producer)
-            else {
-                continue;
-            };
+        // The GEMM with the largest epilogue so far.
+        let producer = cx
+            .nodes(child)
+            .iter()
+            .filter_map(|producer| gemm_with_epilogue(producer))
+            .max_by_key(|(_, _, inner, _)| size(inner));
+        if let Some((core, core_children, inner, inner_inputs)) = producer {
             // `$0` stays the GEMM's result; every other value read becomes `$1...`.
             let mut inputs = Inputs {
                 classes: Vec::new(),

@@ -1,0 +1,272 @@
+//! Compiled training against tch autograd: for every op family with a VJP rule, the
+//! loss and every parameter's gradient of the compiled joint graph equal what
+//! `loss.backward()` gives on the eager model, over random lengths (0 and 1 included)
+//! and batch size 1, in f32 and f64; gradients accumulate into `.grad()`; bad training
+//! models are typed errors.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{batch, lengths};
+use nestor::{compile, Dense, LossReduction, NestedError, NestedTensor};
+use proptest::prelude::*;
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+/// A model over `(inputs, targets)` with its parameters in a `VarStore`, returning the
+/// loss.
+type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense>>;
+
+/// The loss as a dense handle (what `train` wants first).
+fn scalar(reduced: nestor::Reduced) -> nestor::Result<Dense> {
+    reduced.into_dense_handle()
+}
+
+/// One model per family of VJP rules, its parameters created in `store`.
+fn family(name: &str, store: &nn::VarStore) -> Model {
+    let root = store.root();
+    let w1 = root.randn("w1", &[6, 4], 0.0, 0.5);
+    let b1 = root.randn("b1", &[6], 0.0, 0.5);
+    let w2 = root.randn("w2", &[3, 6], 0.0, 0.5);
+    let gain = root.randn("gain", &[6], 1.0, 0.2);
+    let shift = root.randn("shift", &[6], 0.0, 0.2);
+    let scale = root.randn("scale", &[4], 1.0, 0.2);
+    let matrix = root.randn("matrix", &[4, 3], 0.0, 0.5);
+    match name {
+        // Linear layers, activations, a bias broadcast over rows, an MSE loss.
+        "mlp" => Box::new(move |x, _| {
+            let hidden = x[0].linear(&w1, Some(&b1))?.gelu("none")?;
+            let out = hidden.linear(&w2, None)?.tanh()?;
+            scalar(out.mse_loss(&x[1], LossReduction::Mean)?)
+        }),
+        // Layer norm with weight and bias, RMS norm, relu, a mean over the ragged dim.
+        "norms" => Box::new(move |x, _| {
+            let hidden = x[0].linear(&w1, None)?;
+            let normed = hidden
+                .layer_norm(&[6], Some(&gain), Some(&shift), 1e-5)?
+                .relu()?;
+            let rms = normed.rms_norm(&[6], Some(&gain), Some(1e-6))?;
+            let pooled = rms.mean(&[1], false)?.into_dense_handle()?;
+            let total = pooled.mul(&pooled)?.mean_all()?;
+            let out = rms.linear(&w2, None)?;
+            let loss = out
+                .mse_loss(&x[1], LossReduction::Sum)?
+                .into_dense_handle()?;
+            loss.add(&total)
+        }),
+        // Softmax over the tail and over the ragged dim, log-softmax, sums.
+        "softmax" => Box::new(move |x, _| {
+            let logits = x[0].matmul(&matrix)?;
+            let tail = logits.softmax(-1)?;
+            let ragged = logits.log_softmax(1)?;
+            let mixed = (&(&tail * &x[1])? + &ragged.sigmoid()?)?;
+            scalar(mixed.sum(&[], false)?)
+        }),
+        // Elementwise functions and binary ops with dense operands broadcast over rows.
+        "pointwise" => Box::new(move |x, _| {
+            let y = (&x[0] * &scale)?;
+            let a = y.sigmoid()?.exp()?;
+            let b = ((&y.abs()? + 1.0)?.log()? + &y.silu()?)?;
+            let c = (&y.erf()? - &y.gelu("tanh")?)?;
+            let d = (&a / &(&b.square()? + 2.0)?)?;
+            let e = d.maximum(&c)?.minimum(&(&a * 3.0)?)?;
+            let f = e.where_self(&y.gt(0.3)?, &(&y.sin()? * &y.cos()?)?)?;
+            let g = (&f + &(&y.abs()? + 0.5)?.sqrt()?)?;
+            scalar(g.mse_loss(&x[0], LossReduction::Mean)?)
+        }),
+        other => panic!("no family {other}"),
+    }
+}
+
+const FAMILIES: [&str; 4] = ["mlp", "norms", "softmax", "pointwise"];
+
+/// `|a - b| <= tolerance * (1 + |b|)` everywhere, NaNs in the same places.
+fn assert_close(actual: &Tensor, expected: &Tensor, tolerance: f64, what: &str) {
+    assert_eq!(actual.size(), expected.size(), "{what}: shapes");
+    let (actual, expected) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
+    let error = (&actual - &expected).abs() / (expected.abs() + 1.0);
+    let worst = error.nan_to_num(0.0, None, None).max().double_value(&[]);
+    assert!(
+        worst <= tolerance,
+        "{what}: error {worst:.3e}\ncompiled {actual}\neager {expected}"
+    );
+    assert!(
+        actual
+            .isnan()
+            .eq_tensor(&expected.isnan())
+            .all()
+            .int64_value(&[])
+            == 1,
+        "{what}: NaNs differ"
+    );
+}
+
+/// Checks one family on several batches of one structure through one compiled
+/// program: the loss and every gradient, compiled vs eager autograd.
+fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
+    tch::manual_seed(seed);
+    let mut store = nn::VarStore::new(Device::Cpu);
+    let model = std::rc::Rc::new(family(name, &store));
+    if kind == Kind::Double {
+        store.double();
+    }
+    let traced = std::rc::Rc::clone(&model);
+    let compiled = compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d)).train(&store);
+    let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
+    let variables = store.variables();
+    for (index, lengths) in batches.iter().enumerate() {
+        let (inputs, _) = batch(lengths, &[4], kind, seed + 2 * index as i64);
+        let (targets, _) = batch(lengths, &[3], kind, seed + 2 * index as i64 + 1);
+        for variable in variables.values() {
+            let mut gradient = variable.grad();
+            if gradient.defined() {
+                let _ = gradient.zero_();
+            }
+        }
+        let eager_loss = model(&[inputs.shallow_clone(), targets.shallow_clone()], &[])
+            .unwrap()
+            .into_tensor();
+        eager_loss.backward();
+        let (outputs, gradients) = compiled.gradients(&[&inputs, &targets], &[]).unwrap();
+        let what = |part: &str| format!("{name} {kind:?} {lengths:?}: {part}");
+        let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
+        assert_close(&loss, &eager_loss.detach(), tolerance, &what("loss"));
+        for (path, gradient) in &gradients {
+            assert_close(gradient, &variables[path].grad(), tolerance, &what(path));
+        }
+        // Every parameter the eager loss reached has a compiled gradient, and no other.
+        let reached = variables
+            .values()
+            .filter(|variable| variable.grad().defined())
+            .count();
+        assert_eq!(gradients.len(), reached, "{}", what("gradient count"));
+    }
+    assert_eq!(
+        compiled.stats().compiles,
+        1,
+        "one program for every lengths"
+    );
+}
+
+/// Proptest cases: `PROPTEST_CASES` when set (a deep run), else `default`.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(default)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(8), ..ProptestConfig::default() })]
+
+    #[test]
+    fn compiled_gradients_equal_autograd(
+        batches in proptest::collection::vec(lengths(4, 6), 1..4),
+        family in 0usize..4,
+        seed in 0i64..1000,
+    ) {
+        check(FAMILIES[family], Kind::Double, &batches, seed);
+        check(FAMILIES[family], Kind::Float, &batches, seed);
+    }
+}
+
+/// Every family in f64 on batches with an empty element, one-row elements and batch
+/// size 1, through one program each.
+#[test]
+fn edge_lengths_give_the_gradients_of_autograd() {
+    let batches = [vec![1i64], vec![0, 3], vec![1, 1, 2], vec![5]];
+    for name in FAMILIES {
+        check(name, Kind::Double, &batches, 7);
+    }
+}
+
+/// A call accumulates into `.grad()` like `backward()`: twice the same batch is twice
+/// the gradient; `zero_grad` resets it; frozen parameters get nothing.
+#[test]
+fn calls_accumulate_into_grad_and_frozen_parameters_get_nothing() {
+    let store = nn::VarStore::new(Device::Cpu);
+    let root = store.root();
+    let weight = root.randn("weight", &[3, 4], 0.0, 0.5);
+    let mut frozen = root.randn("frozen", &[3], 0.0, 0.5);
+    let _ = frozen.requires_grad_(false);
+    let step = compile("accumulate", move |x: &[NestedTensor], _: &[Dense]| {
+        let out = x[0].linear(&weight, Some(&frozen))?;
+        scalar(out.tanh()?.sum(&[], false)?)
+    })
+    .train(&store);
+    let (inputs, _) = batch(&[2, 3], &[4], Kind::Float, 3);
+    step.call(&[&inputs], &[]).unwrap();
+    let variables = store.variables();
+    let once = variables["weight"].grad().copy();
+    assert!(
+        !variables["frozen"].grad().defined(),
+        "a frozen parameter got a gradient"
+    );
+    step.call(&[&inputs], &[]).unwrap();
+    assert_close(
+        &variables["weight"].grad(),
+        &(&once * 2.0),
+        1e-6,
+        "accumulated",
+    );
+    let mut optimizer = nn::Sgd::default().build(&store, 0.1).unwrap();
+    optimizer.zero_grad();
+    let cleared = variables["weight"].grad();
+    assert!(
+        !cleared.defined() || cleared.abs().sum(Kind::Double).double_value(&[]) == 0.0,
+        "zero_grad clears the gradient"
+    );
+    assert_eq!(step.stats().compiles, 1);
+}
+
+/// Graphs and dumps show the store's paths, not `param0..N`.
+#[test]
+fn compiled_graphs_name_parameters_after_the_store() {
+    let store = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(store.root() / "encoder" / "proj", 4, 2, Default::default());
+    let model = compile("named", move |x: &[NestedTensor], _: &[Dense]| {
+        x[0].linear(&layer.ws, layer.bs.as_ref())
+    })
+    .with_var_store(&store);
+    let (inputs, _) = batch(&[2], &[4], Kind::Float, 0);
+    let text = model.graph_text(&[&inputs], &[]).unwrap();
+    assert!(text.contains("encoder.proj.weight"), "{text}");
+    assert!(text.contains("encoder.proj.bias"), "{text}");
+}
+
+/// A training model whose first output is not a scalar, or whose loss reaches no
+/// trainable parameter, is a typed error naming the problem.
+#[test]
+fn bad_training_models_are_typed_errors() {
+    let store = nn::VarStore::new(Device::Cpu);
+    let weight = store.root().randn("weight", &[3, 4], 0.0, 0.5);
+    let (inputs, _) = batch(&[2, 1], &[4], Kind::Float, 1);
+    let not_scalar = compile("not_scalar", move |x: &[NestedTensor], _: &[Dense]| {
+        x[0].linear(&weight, None)
+    })
+    .train(&store);
+    match not_scalar.call(&[&inputs], &[]) {
+        Err(NestedError::Compile {
+            stage: "autodiff",
+            reason,
+        }) => {
+            assert!(reason.contains("scalar"), "{reason}")
+        }
+        other => panic!("expected an autodiff error, got {other:?}"),
+    }
+    let no_parameter = compile("no_parameter", |x: &[NestedTensor], _: &[Dense]| {
+        scalar(x[0].sum(&[], false)?)
+    })
+    .train(&store);
+    match no_parameter.call(&[&inputs], &[]) {
+        Err(NestedError::Compile {
+            stage: "autodiff",
+            reason,
+        }) => {
+            assert!(reason.contains("depends on none"), "{reason}")
+        }
+        other => panic!("expected an autodiff error, got {other:?}"),
+    }
+}

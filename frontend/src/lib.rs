@@ -32,7 +32,7 @@ mod ops;
 mod trace;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
-pub use compile::{compile, Compiled};
+pub use compile::{compile, Compiled, NamedGradients};
 pub use error::NestedError;
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};

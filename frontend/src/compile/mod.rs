@@ -79,6 +79,9 @@ impl StructureKey {
     }
 }
 
+/// Gradients named after their parameters' `VarStore` paths.
+pub type NamedGradients = Vec<(String, Tensor)>;
+
 /// A traced graph and its compiled program.
 struct Entry {
     traced: Traced,
@@ -242,7 +245,7 @@ where
         &self,
         nested: &[&NestedTensor],
         dense: &[&Tensor],
-    ) -> Result<(Vec<Value>, Vec<(String, Tensor)>)> {
+    ) -> Result<(Vec<Value>, NamedGradients)> {
         let (entry, mut values) = self.run(nested, dense)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
         let named = train::named(&entry.gradients, gradients)?;

@@ -17,6 +17,11 @@ pub(super) struct Gradient {
     tensor: Tensor,
 }
 
+// Like `Traced`, a `Gradient` only reads its parameter (multiplies it into the
+// surrogate whose backward accumulates the gradient; libtorch's gradient accumulation
+// locks the parameter), so threads may share it.
+unsafe impl Sync for Gradient {}
+
 fn compile_error(reason: String) -> NestedError {
     NestedError::Compile {
         stage: "autodiff",

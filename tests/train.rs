@@ -270,3 +270,66 @@ fn bad_training_models_are_typed_errors() {
         other => panic!("expected an autodiff error, got {other:?}"),
     }
 }
+
+/// Finite differences in f64, independent of libtorch's autograd: for every family, the
+/// compiled gradient's component along a random direction equals the central difference
+/// of the compiled loss along it (`(L(p + h d) - L(p - h d)) / 2h`, `h` = 1e-5).
+#[test]
+fn compiled_gradients_match_finite_differences() {
+    for name in FAMILIES {
+        tch::manual_seed(11);
+        let mut store = nn::VarStore::new(Device::Cpu);
+        let model = family(name, &store);
+        store.double();
+        let compiled =
+            compile(name, move |x: &[NestedTensor], d: &[Dense]| model(x, d)).train(&store);
+        let (inputs, _) = batch(&[3, 1, 4], &[4], Kind::Double, 21);
+        let (targets, _) = batch(&[3, 1, 4], &[3], Kind::Double, 22);
+        let (_, gradients) = compiled.gradients(&[&inputs, &targets], &[]).unwrap();
+        let variables = store.variables();
+        let directions: Vec<(String, Tensor)> = gradients
+            .iter()
+            .map(|(path, gradient)| (path.clone(), Tensor::randn_like(gradient)))
+            .collect();
+        let along: f64 = gradients
+            .iter()
+            .zip(&directions)
+            .map(|((_, gradient), (_, direction))| {
+                (gradient * direction).sum(Kind::Double).double_value(&[])
+            })
+            .sum();
+        let step = 1e-5;
+        let mut loss_at = |sign: f64| {
+            tch::no_grad(|| {
+                for (path, direction) in &directions {
+                    let _ = variables[path]
+                        .shallow_clone()
+                        .f_add_(&(direction * (sign * step)))
+                        .unwrap();
+                }
+            });
+            let (outputs, _) = compiled.gradients(&[&inputs, &targets], &[]).unwrap();
+            tch::no_grad(|| {
+                for (path, direction) in &directions {
+                    let _ = variables[path]
+                        .shallow_clone()
+                        .f_sub_(&(direction * (sign * step)))
+                        .unwrap();
+                }
+            });
+            outputs
+                .into_iter()
+                .next()
+                .unwrap()
+                .into_dense()
+                .unwrap()
+                .double_value(&[])
+        };
+        let difference = (loss_at(1.0) - loss_at(-1.0)) / (2.0 * step);
+        let error = (difference - along).abs() / (along.abs() + 1.0);
+        assert!(
+            error < 1e-6,
+            "{name}: gradient {along} vs finite difference {difference}"
+        );
+    }
+}

@@ -76,11 +76,30 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let g = (&f + &(&y.abs()? + 0.5)?.sqrt()?)?;
             scalar(g.mse_loss(&x[0], LossReduction::Mean)?)
         }),
+        // Cross entropy with label smoothing and an ignored class, from a two-layer head.
+        "classifier" => Box::new(move |x, _| {
+            let hidden = x[0].linear(&w1, Some(&b1))?.relu()?;
+            let logits = hidden.linear(&w2, None)?;
+            scalar(logits.cross_entropy(&x[2], 2, 0.1, LossReduction::Mean)?)
+        }),
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 4] = ["mlp", "norms", "softmax", "pointwise"];
+const FAMILIES: [&str; 5] = ["mlp", "norms", "softmax", "pointwise", "classifier"];
+
+/// Class ids in `0..3` for every row of `lengths` (some equal 2, the ignored class).
+fn class_ids(lengths: &[i64], seed: i64) -> NestedTensor {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&length| Tensor::randint(3, [length], (Kind::Int64, Device::Cpu)))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&elements)
+        .unwrap()
+}
 
 /// `|a - b| <= tolerance * (1 + |b|)` everywhere, NaNs in the same places.
 fn assert_close(actual: &Tensor, expected: &Tensor, tolerance: f64, what: &str) {
@@ -119,17 +138,25 @@ fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
     for (index, lengths) in batches.iter().enumerate() {
         let (inputs, _) = batch(lengths, &[4], kind, seed + 2 * index as i64);
         let (targets, _) = batch(lengths, &[3], kind, seed + 2 * index as i64 + 1);
+        let ids = class_ids(lengths, seed + index as i64);
         for variable in variables.values() {
             let mut gradient = variable.grad();
             if gradient.defined() {
                 let _ = gradient.zero_();
             }
         }
-        let eager_loss = model(&[inputs.shallow_clone(), targets.shallow_clone()], &[])
-            .unwrap()
-            .into_tensor();
+        let eager_loss = model(
+            &[
+                inputs.shallow_clone(),
+                targets.shallow_clone(),
+                ids.shallow_clone(),
+            ],
+            &[],
+        )
+        .unwrap()
+        .into_tensor();
         eager_loss.backward();
-        let (outputs, gradients) = compiled.gradients(&[&inputs, &targets], &[]).unwrap();
+        let (outputs, gradients) = compiled.gradients(&[&inputs, &targets, &ids], &[]).unwrap();
         let what = |part: &str| format!("{name} {kind:?} {lengths:?}: {part}");
         let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
         assert_close(&loss, &eager_loss.detach(), tolerance, &what("loss"));
@@ -164,7 +191,7 @@ proptest! {
     #[test]
     fn compiled_gradients_equal_autograd(
         batches in proptest::collection::vec(lengths(4, 6), 1..4),
-        family in 0usize..4,
+        family in 0usize..FAMILIES.len(),
         seed in 0i64..1000,
     ) {
         check(FAMILIES[family], Kind::Double, &batches, seed);
@@ -285,7 +312,8 @@ fn compiled_gradients_match_finite_differences() {
             compile(name, move |x: &[NestedTensor], d: &[Dense]| model(x, d)).train(&store);
         let (inputs, _) = batch(&[3, 1, 4], &[4], Kind::Double, 21);
         let (targets, _) = batch(&[3, 1, 4], &[3], Kind::Double, 22);
-        let (_, gradients) = compiled.gradients(&[&inputs, &targets], &[]).unwrap();
+        let ids = class_ids(&[3, 1, 4], 23);
+        let (_, gradients) = compiled.gradients(&[&inputs, &targets, &ids], &[]).unwrap();
         let variables = store.variables();
         let directions: Vec<(String, Tensor)> = gradients
             .iter()
@@ -299,7 +327,7 @@ fn compiled_gradients_match_finite_differences() {
             })
             .sum();
         let step = 1e-5;
-        let mut loss_at = |sign: f64| {
+        let loss_at = |sign: f64| {
             tch::no_grad(|| {
                 for (path, direction) in &directions {
                     let _ = variables[path]
@@ -308,7 +336,7 @@ fn compiled_gradients_match_finite_differences() {
                         .unwrap();
                 }
             });
-            let (outputs, _) = compiled.gradients(&[&inputs, &targets], &[]).unwrap();
+            let (outputs, _) = compiled.gradients(&[&inputs, &targets, &ids], &[]).unwrap();
             tch::no_grad(|| {
                 for (path, direction) in &directions {
                     let _ = variables[path]

@@ -34,7 +34,8 @@ pub(crate) fn generate<'ctx>(
         | Step::Pad { .. }
         | Step::Unpad { .. }
         | Step::SumRows { .. }
-        | Step::LengthValues { .. } => {
+        | Step::LengthValues { .. }
+        | Step::OneHot { .. } => {
             // No kernel (the runtime calls a GEMM library or copies): delete the empty
             // function.
             unsafe { kernel.function.delete() };

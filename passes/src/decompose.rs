@@ -1,9 +1,13 @@
 //! Decomposition: composite ops rewritten into the primitive ops they are made of, so
-//! that lowering and autodiff need no rule of their own for them. Today: `mse_loss` is
-//! `mean` / `sum` of `square(x - target)` (or the squares themselves without reduction).
+//! that lowering and autodiff need no rule of their own for them:
+//! - `mse_loss` is `mean` / `sum` of `square(x - target)` (or the squares themselves);
+//! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
+//!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
+//!   towards uniform, summed or divided by the number of counted rows, as torch.
 
 use nestor_ir::{
-    BinaryOp, Graph, LossReduction, Node, Op, ReduceOp, UnaryOp, ValueId, VerifyError,
+    BinaryOp, DType, Graph, LossReduction, Node, Op, ReduceOp, Type, UnaryOp, ValueId, VerifyError,
+    F64,
 };
 
 use crate::Pass;
@@ -52,6 +56,19 @@ impl Pass for Decompose {
                         None => square,
                     }
                 }
+                Op::CrossEntropy {
+                    logits,
+                    target,
+                    ignore_index,
+                    smoothing,
+                    reduction,
+                } if same_rows(&result, logits, target) => cross_entropy(
+                    &mut result,
+                    (logits, target),
+                    ignore_index,
+                    smoothing.0,
+                    reduction,
+                )?,
                 op if op.declares_type() => {
                     result.add_declared(op, ty.map_values(|value| renamed[value.index()]))?
                 }
@@ -65,5 +82,99 @@ impl Pass for Decompose {
             .map(|output| renamed[output.index()])
             .collect();
         Ok(result)
+    }
+}
+
+/// Whether `target` has the structure of `logits` without its class dim.
+fn same_rows(graph: &Graph, logits: ValueId, target: ValueId) -> bool {
+    let rows = |ty: &Type| -> Option<Type> {
+        let mut ty = ty.with_dtype(DType::I64);
+        match &mut ty {
+            Type::Ragged { dims, .. } => {
+                dims.pop()?;
+            }
+            Type::Dense { shape, .. } => {
+                shape.pop()?;
+            }
+            Type::Lengths { .. } => return None,
+        }
+        Some(ty)
+    };
+    rows(graph.ty(logits)).as_ref() == Some(&graph.ty(target).with_dtype(DType::I64))
+}
+
+/// `cross_entropy` in primitive ops (see the module docs).
+fn cross_entropy(
+    graph: &mut Graph,
+    (logits, target): (ValueId, ValueId),
+    ignore: i64,
+    smoothing: f64,
+    reduction: LossReduction,
+) -> Result<ValueId, VerifyError> {
+    let ty = graph.ty(logits).clone();
+    let dtype = ty.dtype().unwrap_or(DType::F32);
+    let classes = match &ty {
+        Type::Ragged { dims, .. } => dims.last().and_then(|dim| match dim {
+            nestor_ir::ElemDim::Fixed(dim) => dim.as_static(),
+            nestor_ir::ElemDim::Ragged(_) => None,
+        }),
+        Type::Dense { shape, .. } => shape.last().and_then(|dim| dim.as_static()),
+        Type::Lengths { .. } => None,
+    }
+    .unwrap_or(1);
+    let constant = |graph: &mut Graph, value: f64| {
+        graph.push(Op::Const {
+            value: F64(value),
+            dtype,
+        })
+    };
+    let reduce = |graph: &mut Graph, x: ValueId, dims: Vec<i64>, keepdim: bool| {
+        graph.push(Op::Reduce {
+            op: ReduceOp::Sum,
+            x,
+            dims,
+            keepdim,
+            correction: 0,
+        })
+    };
+    let binary = |graph: &mut Graph, op: BinaryOp, lhs: ValueId, rhs: ValueId| {
+        graph.push(Op::Binary { op, lhs, rhs })
+    };
+    let log_probabilities = graph.push(Op::Softmax {
+        x: logits,
+        axis: -1,
+        log: true,
+    })?;
+    let one_hot = graph.push(Op::OneHot {
+        ids: target,
+        classes,
+        ignore,
+        dtype,
+    })?;
+    let weights = if smoothing == 0.0 {
+        one_hot
+    } else {
+        // (1 - s) one_hot + s / C on every counted row.
+        let counted = reduce(graph, one_hot, vec![-1], true)?;
+        let kept = constant(graph, 1.0 - smoothing)?;
+        let spread = constant(graph, smoothing / classes as f64)?;
+        let sharp = binary(graph, BinaryOp::Mul, one_hot, kept)?;
+        let uniform = binary(graph, BinaryOp::Mul, counted, spread)?;
+        binary(graph, BinaryOp::Add, sharp, uniform)?
+    };
+    let weighted = binary(graph, BinaryOp::Mul, weights, log_probabilities)?;
+    let total = reduce(graph, weighted, vec![-1], false)?;
+    let per_row = graph.push(Op::Unary {
+        op: UnaryOp::Neg,
+        x: total,
+    })?;
+    match reduction {
+        LossReduction::None => Ok(per_row),
+        LossReduction::Sum => reduce(graph, per_row, Vec::new(), false),
+        LossReduction::Mean => {
+            let sum = reduce(graph, per_row, Vec::new(), false)?;
+            let count = reduce(graph, one_hot, Vec::new(), false)?;
+            binary(graph, BinaryOp::Div, sum, count)
+        }
     }
 }

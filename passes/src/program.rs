@@ -399,6 +399,20 @@ pub enum Step {
         /// Divide by the number of rows.
         mean: bool,
     },
+    /// `out[r, c] = 1` where `c == ids[r]`, else 0 (rows of zeros for `ignore` and ids
+    /// outside `0..classes`).
+    OneHot {
+        /// Output slot `[rows, classes]`.
+        out: Slot,
+        /// Ids (i64) `[rows]`.
+        ids: Slot,
+        /// Rows.
+        rows: Rows,
+        /// Row width.
+        classes: i64,
+        /// The id whose row stays zero.
+        ignore: i64,
+    },
     /// `out[b] = lengths[b]` as numbers.
     LengthValues {
         /// Output slot `[B]`.
@@ -457,6 +471,7 @@ impl Step {
             Step::Gather { table, ids, .. } => vec![*table, *ids],
             Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
             Step::LengthValues { .. } => Vec::new(),
+            Step::OneHot { ids, .. } => vec![*ids],
             Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
         }
@@ -491,7 +506,8 @@ impl Step {
             | Step::Unpad { out, .. }
             | Step::Gather { out, .. }
             | Step::SumRows { out, .. }
-            | Step::LengthValues { out, .. } => *out,
+            | Step::LengthValues { out, .. }
+            | Step::OneHot { out, .. } => *out,
         }
     }
 }

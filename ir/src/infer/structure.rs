@@ -100,6 +100,23 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             let ones = std::iter::repeat_n(Dim::Static(1), rank - 1);
             Ok(Type::dense(*dtype, std::iter::once(batch).chain(ones)))
         }
+        Op::OneHot {
+            ids,
+            classes,
+            dtype,
+            ..
+        } => {
+            let ids = ty(*ids);
+            if ids.dtype().is_none_or(|dtype| !dtype.is_integer()) || !dtype.is_float() {
+                return Err(format!(
+                    "one_hot takes integer ids and gives floats, got {ids} and {dtype}"
+                ));
+            }
+            if *classes < 1 {
+                return Err(format!("one_hot needs at least one class, got {classes}"));
+            }
+            Ok(append_dim(&ids, *classes).with_dtype(*dtype))
+        }
         Op::MaxLength { lengths } | Op::TotalLength { lengths } => {
             lengths_batch(graph, *lengths)?;
             Ok(Type::dense(DType::I64, []))

@@ -632,6 +632,19 @@ pub enum Op {
         /// Rank of the result (at least 1).
         rank: usize,
     },
+    /// One row of `classes` numbers per integer id: 1 at the id, 0 elsewhere (a row of
+    /// zeros for `ignore` and for ids outside `0..classes`).
+    #[op(name = "one_hot", family = Structure)]
+    OneHot {
+        /// Integer ids.
+        ids: ValueId,
+        /// Row width.
+        classes: i64,
+        /// The id whose row is all zeros (torch's `ignore_index`).
+        ignore: i64,
+        /// Element type of the rows.
+        dtype: DType,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     #[op(name = "per_element", family = PerElement)]

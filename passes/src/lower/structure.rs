@@ -112,6 +112,26 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::OneHot {
+                ids,
+                classes,
+                ignore,
+                ..
+            } => {
+                let (ids, rows, tail, _) = self.data(value, *ids)?;
+                if self.program.info(ids).dtype != DType::I64 {
+                    return Err(unsupported(value, op, "its ids must be an integer input"));
+                }
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::OneHot {
+                    out: slot_of(&out),
+                    ids,
+                    rows: rows.times(volume(&tail)),
+                    classes: *classes,
+                    ignore: *ignore,
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

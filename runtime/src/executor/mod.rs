@@ -513,6 +513,7 @@ fn step_name(step: &Step) -> String {
         Step::Gather { .. } => "gather".into(),
         Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
         Step::LengthValues { .. } => "length_values".into(),
+        Step::OneHot { classes, .. } => format!("one_hot classes={classes}"),
         Step::Host { .. } => "host".into(),
         Step::Pad { .. } => "pad".into(),
         Step::Unpad { .. } => "unpad".into(),

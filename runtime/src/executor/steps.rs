@@ -68,6 +68,32 @@ unsafe fn write_numbers<T: crate::scalar::Scalar>(out: *mut u8, values: &[i64]) 
     }
 }
 
+/// One-hot rows of `ids` (zero rows for `ignore` and out-of-range ids).
+///
+/// # Safety
+/// `ids` must hold `rows` values and `out` `rows * classes` values of type `T` (either
+/// may be unused when `rows` is 0).
+unsafe fn one_hot<T: crate::scalar::Scalar>(
+    out: *mut u8,
+    ids: *const i64,
+    rows: usize,
+    classes: i64,
+    ignore: i64,
+) {
+    let width = classes.max(0) as usize;
+    if rows == 0 || width == 0 {
+        return;
+    }
+    let ids = unsafe { std::slice::from_raw_parts(ids, rows) };
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, rows * width) };
+    for (row, &id) in out.chunks_exact_mut(width).zip(ids) {
+        row.fill(T::ZERO);
+        if id != ignore && (0..classes).contains(&id) {
+            row[id as usize] = T::ONE;
+        }
+    }
+}
+
 fn step_error(step: usize, reason: String) -> RuntimeError {
     RuntimeError::Step { step, reason }
 }
@@ -159,6 +185,23 @@ impl Executable {
                         FloatType::F64 => sum_rows::<f64>(out, a, b, sizes, *mean),
                     }
                 };
+                Ok(())
+            }
+            Step::OneHot {
+                out,
+                ids,
+                rows,
+                classes,
+                ignore,
+            } => {
+                let rows = run.sizes.rows(*rows).max(0) as usize;
+                let (out, ids) = (run.pointer(*out), run.pointer(*ids) as *const i64);
+                // `ids` holds `rows` i64 values (an input of that checked size) and `out`
+                // `rows * classes` values of the program's type.
+                match self.program.float {
+                    FloatType::F32 => unsafe { one_hot::<f32>(out, ids, rows, *classes, *ignore) },
+                    FloatType::F64 => unsafe { one_hot::<f64>(out, ids, rows, *classes, *ignore) },
+                }
                 Ok(())
             }
             Step::LengthValues { out, lengths } => {

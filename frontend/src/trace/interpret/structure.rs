@@ -96,6 +96,31 @@ impl Interpreter<'_> {
                         .f_reshape(&shape)?,
                 )
             }
+            Op::OneHot {
+                ids,
+                classes,
+                ignore,
+                dtype,
+            } => {
+                let one_hot = |ids: &Tensor| -> Result<Tensor> {
+                    let valid = ids
+                        .f_ge(0)?
+                        .f_logical_and(&ids.f_lt(*classes)?)?
+                        .f_logical_and(&ids.f_ne(*ignore)?)?;
+                    let clamped = ids.f_clamp(0, classes - 1)?;
+                    Ok(clamped
+                        .f_one_hot(*classes)?
+                        .f_mul(&valid.f_unsqueeze(-1)?)?
+                        .f_to_kind(kind_of(*dtype))?)
+                };
+                match self.get(*ids) {
+                    Value::Nested(nested) => {
+                        let rows = one_hot(nested.packed())?;
+                        Value::Nested(nested.packed_with_static_tail(&rows)?)
+                    }
+                    _ => Value::Dense(one_hot(self.dense(*ids)?)?),
+                }
+            }
             other => return Err(not_in_family(other, "structure")),
         })
     }

@@ -361,3 +361,34 @@ fn compiled_gradients_match_finite_differences() {
         );
     }
 }
+
+/// A batch whose every target is ignored: the mean loss is NaN (0 / 0) and every
+/// gradient 0, as in eager torch (ignored rows are masked, not weighted by zero).
+#[test]
+fn a_batch_of_ignored_targets_gives_zero_gradients() {
+    tch::manual_seed(5);
+    let store = nn::VarStore::new(Device::Cpu);
+    let model = family("classifier", &store);
+    let compiled = compile("ignored", move |x: &[NestedTensor], d: &[Dense]| {
+        model(x, d)
+    })
+    .train(&store);
+    let (inputs, _) = batch(&[2, 1], &[4], Kind::Float, 1);
+    let (targets, _) = batch(&[2, 1], &[3], Kind::Float, 2);
+    let ignored =
+        NestedTensor::from_tensors(&[Tensor::from_slice(&[2i64, 2]), Tensor::from_slice(&[2i64])])
+            .unwrap();
+    let (outputs, gradients) = compiled
+        .gradients(&[&inputs, &targets, &ignored], &[])
+        .unwrap();
+    let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
+    assert!(loss.double_value(&[]).is_nan(), "{loss}");
+    assert!(!gradients.is_empty());
+    for (path, gradient) in gradients {
+        assert_eq!(
+            gradient.abs().sum(Kind::Double).double_value(&[]),
+            0.0,
+            "{path}: {gradient}"
+        );
+    }
+}

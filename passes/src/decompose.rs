@@ -164,9 +164,19 @@ fn cross_entropy(
     };
     let weighted = binary(graph, BinaryOp::Mul, weights, log_probabilities)?;
     let total = reduce(graph, weighted, vec![-1], false)?;
-    let per_row = graph.push(Op::Unary {
+    let negative = graph.push(Op::Unary {
         op: UnaryOp::Neg,
         x: total,
+    })?;
+    // Ignored rows are selected away rather than weighted by zero, as torch masks them:
+    // their gradient is 0 even where the mean divides by zero counted rows.
+    let counted = reduce(graph, one_hot, vec![-1], false)?;
+    let zero = constant(graph, 0.0)?;
+    let kept = binary(graph, BinaryOp::Gt, counted, zero)?;
+    let per_row = graph.push(Op::Where {
+        condition: kept,
+        x: negative,
+        y: zero,
     })?;
     match reduction {
         LossReduction::None => Ok(per_row),

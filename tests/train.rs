@@ -34,6 +34,7 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
     let shift = root.randn("shift", &[6], 0.0, 0.2);
     let scale = root.randn("scale", &[4], 1.0, 0.2);
     let matrix = root.randn("matrix", &[4, 3], 0.0, 0.5);
+    let table = root.randn("table", &[5, 4], 0.0, 1.0);
     match name {
         // Linear layers, activations, a bias broadcast over rows, an MSE loss.
         "mlp" => Box::new(move |x, _| {
@@ -82,11 +83,27 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let logits = hidden.linear(&w2, None)?;
             scalar(logits.cross_entropy(&x[2], 2, 0.1, LossReduction::Mean)?)
         }),
+        // An embedding table (a padding row included) added to the inputs.
+        "embedding" => Box::new(move |x, _| {
+            let embedded = (&x[2].embedding(&table, 1)? + &x[0])?;
+            let out = embedded
+                .linear(&w1, None)?
+                .gelu("tanh")?
+                .linear(&w2, None)?;
+            scalar(out.mse_loss(&x[1], LossReduction::Mean)?)
+        }),
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 5] = ["mlp", "norms", "softmax", "pointwise", "classifier"];
+const FAMILIES: [&str; 6] = [
+    "mlp",
+    "norms",
+    "softmax",
+    "pointwise",
+    "classifier",
+    "embedding",
+];
 
 /// Class ids in `0..3` for every row of `lengths` (some equal 2, the ignored class).
 fn class_ids(lengths: &[i64], seed: i64) -> NestedTensor {
@@ -317,7 +334,15 @@ fn compiled_gradients_match_finite_differences() {
         let variables = store.variables();
         let directions: Vec<(String, Tensor)> = gradients
             .iter()
-            .map(|(path, gradient)| (path.clone(), Tensor::randn_like(gradient)))
+            .map(|(path, gradient)| {
+                let direction = Tensor::randn_like(gradient);
+                if path == "table" {
+                    // The padding row gets no gradient by convention (torch's
+                    // padding_idx), though the loss reads it: move along the others.
+                    let _ = direction.get(1).zero_();
+                }
+                (path.clone(), direction)
+            })
             .collect();
         let along: f64 = gradients
             .iter()

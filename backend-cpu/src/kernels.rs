@@ -35,7 +35,8 @@ pub(crate) fn generate<'ctx>(
         | Step::Unpad { .. }
         | Step::SumRows { .. }
         | Step::LengthValues { .. }
-        | Step::OneHot { .. } => {
+        | Step::OneHot { .. }
+        | Step::ScatterRows { .. } => {
             // No kernel (the runtime calls a GEMM library or copies): delete the empty
             // function.
             unsafe { kernel.function.delete() };

@@ -413,6 +413,24 @@ pub enum Step {
         /// The id whose row stays zero.
         ignore: i64,
     },
+    /// `out[v] = sum of g[r] over rows r with ids[r] == v`, zero for `padding` and ids
+    /// outside the table.
+    ScatterRows {
+        /// Output slot `[vocabulary, width]`.
+        out: Slot,
+        /// Rows `[rows, width]`.
+        g: Slot,
+        /// Ids (i64) `[rows]`.
+        ids: Slot,
+        /// Rows.
+        rows: Rows,
+        /// Row width.
+        width: i64,
+        /// Table rows.
+        vocabulary: i64,
+        /// The id that gets nothing.
+        padding: i64,
+    },
     /// `out[b] = lengths[b]` as numbers.
     LengthValues {
         /// Output slot `[B]`.
@@ -472,6 +490,7 @@ impl Step {
             Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
             Step::LengthValues { .. } => Vec::new(),
             Step::OneHot { ids, .. } => vec![*ids],
+            Step::ScatterRows { g, ids, .. } => vec![*g, *ids],
             Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
         }
@@ -507,7 +526,8 @@ impl Step {
             | Step::Gather { out, .. }
             | Step::SumRows { out, .. }
             | Step::LengthValues { out, .. }
-            | Step::OneHot { out, .. } => *out,
+            | Step::OneHot { out, .. }
+            | Step::ScatterRows { out, .. } => *out,
         }
     }
 }

@@ -61,6 +61,26 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             Ok(Type::dense_static(dtype, &[rows_a, rows_b]))
         }
+        Op::ScatterRows {
+            g, ids, vocabulary, ..
+        } => {
+            let (g, ids) = (ty(*g), ty(*ids));
+            if ids.dtype().is_none_or(|dtype| !dtype.is_integer()) {
+                return Err(format!("ids must be integers, got {ids}"));
+            }
+            let width = last_static(&g, "scatter_rows")?;
+            if append_dim(&ids, width).with_dtype(DType::F32) != g.with_dtype(DType::F32) {
+                return Err(format!(
+                    "scatter_rows needs one row of g per id, got {g} for {ids}"
+                ));
+            }
+            if *vocabulary < 0 {
+                return Err(format!(
+                    "the vocabulary must not be negative, got {vocabulary}"
+                ));
+            }
+            Ok(Type::dense_static(float(&g)?, &[*vocabulary, width]))
+        }
         other => Err(format!("{} is not a gemm op", other.name())),
     }
 }

@@ -645,6 +645,19 @@ pub enum Op {
         /// Element type of the rows.
         dtype: DType,
     },
+    /// The gradient of an embedding table: `out[v] = sum of g[r] over the rows r whose
+    /// id is v` (`[vocabulary, D]`), nothing for `padding_idx` (as torch).
+    #[op(name = "scatter_rows", family = Gemm)]
+    ScatterRows {
+        /// Rows `[..., D]`, one per id.
+        g: ValueId,
+        /// Integer ids `[...]`.
+        ids: ValueId,
+        /// Rows of the result.
+        vocabulary: i64,
+        /// The id that gets no gradient (`-1`: none).
+        padding_idx: i64,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     #[op(name = "per_element", family = PerElement)]

@@ -307,6 +307,26 @@ fn gemm(
                 out.push((w, b.push(Op::ContractRows { a: x, b: g })?));
             }
         }
+        Op::Embedding {
+            ids,
+            weight,
+            padding_idx,
+        } => {
+            let vocabulary = match b.ty(weight) {
+                Type::Dense { shape, .. } => shape.first().and_then(|dim| dim.as_static()),
+                _ => None,
+            }
+            .ok_or_else(|| b.no_rule("a table of unknown size"))?;
+            out.push((
+                weight,
+                b.push(Op::ScatterRows {
+                    g,
+                    ids,
+                    vocabulary,
+                    padding_idx,
+                })?,
+            ));
+        }
         _ => return Err(b.no_rule("no rule for this op yet")),
     }
     Ok(out)

@@ -83,6 +83,30 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::ScatterRows {
+                g,
+                ids,
+                vocabulary,
+                padding_idx,
+            } => {
+                let (g, rows, tail, _) = self.data(value, *g)?;
+                let (ids, ..) = self.data(value, *ids)?;
+                if self.program.info(ids).dtype != DType::I64 {
+                    return Err(unsupported(value, op, "its ids must be an integer input"));
+                }
+                let width = tail.last().copied().unwrap_or(1);
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::ScatterRows {
+                    out: slot_of(&out),
+                    g,
+                    ids,
+                    rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
+                    width,
+                    vocabulary: *vocabulary,
+                    padding: *padding_idx,
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

@@ -514,6 +514,11 @@ fn step_name(step: &Step) -> String {
         Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
         Step::LengthValues { .. } => "length_values".into(),
         Step::OneHot { classes, .. } => format!("one_hot classes={classes}"),
+        Step::ScatterRows {
+            vocabulary, width, ..
+        } => {
+            format!("scatter_rows vocabulary={vocabulary} width={width}")
+        }
         Step::Host { .. } => "host".into(),
         Step::Pad { .. } => "pad".into(),
         Step::Unpad { .. } => "unpad".into(),

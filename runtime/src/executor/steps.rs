@@ -94,6 +94,38 @@ unsafe fn one_hot<T: crate::scalar::Scalar>(
     }
 }
 
+/// Adds every row of `g` into the row of `out` its id names (none for `padding` and
+/// ids outside the table).
+///
+/// # Safety
+/// `ids` must hold `rows` values, `g` `rows * width` and `out` `vocabulary * width`
+/// values of type `T` (any may be unused when empty).
+unsafe fn scatter_rows<T: crate::scalar::Scalar>(
+    (out, g, ids): (*mut u8, *const u8, *const i64),
+    (rows, width, vocabulary, padding): (usize, i64, i64, i64),
+) {
+    let width = width.max(0) as usize;
+    let table = vocabulary.max(0) as usize * width;
+    if table == 0 {
+        return;
+    }
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, table) };
+    out.fill(T::ZERO);
+    if rows == 0 {
+        return;
+    }
+    let ids = unsafe { std::slice::from_raw_parts(ids, rows) };
+    let g = unsafe { std::slice::from_raw_parts(g as *const T, rows * width) };
+    for (row, &id) in g.chunks_exact(width).zip(ids) {
+        if id != padding && (0..vocabulary).contains(&id) {
+            let start = id as usize * width;
+            for (sum, &value) in out[start..start + width].iter_mut().zip(row) {
+                *sum += value;
+            }
+        }
+    }
+}
+
 fn step_error(step: usize, reason: String) -> RuntimeError {
     RuntimeError::Step { step, reason }
 }
@@ -201,6 +233,30 @@ impl Executable {
                 match self.program.float {
                     FloatType::F32 => unsafe { one_hot::<f32>(out, ids, rows, *classes, *ignore) },
                     FloatType::F64 => unsafe { one_hot::<f64>(out, ids, rows, *classes, *ignore) },
+                }
+                Ok(())
+            }
+            Step::ScatterRows {
+                out,
+                g,
+                ids,
+                rows,
+                width,
+                vocabulary,
+                padding,
+            } => {
+                let rows = run.sizes.rows(*rows).max(0) as usize;
+                let buffers = (
+                    run.pointer(*out),
+                    run.pointer(*g) as *const u8,
+                    run.pointer(*ids) as *const i64,
+                );
+                let sizes = (rows, *width, *vocabulary, *padding);
+                // `ids` holds `rows` i64 values, `g` `rows * width` and `out`
+                // `vocabulary * width` values of the program's type.
+                match self.program.float {
+                    FloatType::F32 => unsafe { scatter_rows::<f32>(buffers, sizes) },
+                    FloatType::F64 => unsafe { scatter_rows::<f64>(buffers, sizes) },
                 }
                 Ok(())
             }

@@ -56,6 +56,29 @@ impl Interpreter<'_> {
                 };
                 Value::Dense(rows(self.get(*a))?.f_tr()?.f_mm(&rows(self.get(*b))?)?)
             }
+            Op::ScatterRows {
+                g,
+                ids,
+                vocabulary,
+                padding_idx,
+            } => {
+                let flat = |value: &Value| -> Result<Tensor> {
+                    Ok(match value {
+                        Value::Nested(nested) => nested.packed().shallow_clone(),
+                        _ => as_dense(value)?.shallow_clone(),
+                    })
+                };
+                let rows = flat(self.get(*g))?;
+                let width = rows.size().last().copied().unwrap_or(1);
+                let rows = rows.f_reshape([-1, width])?;
+                let ids = flat(self.get(*ids))?.f_reshape([-1])?;
+                let table = Tensor::f_zeros([*vocabulary, width], (rows.kind(), rows.device()))?
+                    .f_index_add(0, &ids, &rows)?;
+                if (0..*vocabulary).contains(padding_idx) {
+                    let _ = table.f_get(*padding_idx)?.f_zero_()?;
+                }
+                Value::Dense(table)
+            }
             other => return Err(not_in_family(other, "gemm")),
         })
     }

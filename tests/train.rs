@@ -10,6 +10,7 @@
 mod common;
 
 use common::{batch, lengths};
+use nestor::nn::{TransformerConfig, TransformerEncoder};
 use nestor::{compile, Dense, LossReduction, NestedError, NestedTensor};
 use proptest::prelude::*;
 use tch::nn::{self, OptimizerConfig};
@@ -35,6 +36,18 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
     let scale = root.randn("scale", &[4], 1.0, 0.2);
     let matrix = root.randn("matrix", &[4, 3], 0.0, 0.5);
     let table = root.randn("table", &[5, 4], 0.0, 1.0);
+    let qkv = root.randn("qkv", &[12, 4], 0.0, 0.5);
+    let encoder = |norm_first: bool| {
+        let config = TransformerConfig {
+            d_model: 4,
+            nhead: 2,
+            dim_feedforward: 8,
+            dropout: 0.0,
+            norm_first,
+            ..Default::default()
+        };
+        TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true)
+    };
     match name {
         // Linear layers, activations, a bias broadcast over rows, an MSE loss.
         "mlp" => Box::new(move |x, _| {
@@ -92,17 +105,40 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 .linear(&w2, None)?;
             scalar(out.mse_loss(&x[1], LossReduction::Mean)?)
         }),
+        // Causal varlen attention on heads split from one projection.
+        "attention" => Box::new(move |x, _| {
+            let heads = x[0].linear(&qkv, None)?.reshape_tail(&[3, 2, 2])?;
+            let (q, k, v) = (
+                heads.select_static(2, 0)?,
+                heads.select_static(2, 1)?,
+                heads.select_static(2, 2)?,
+            );
+            let attended = q.scaled_dot_product_attention(&k, &v, true, None)?;
+            let out = attended.reshape_tail(&[4])?.matmul(&matrix)?;
+            scalar(out.mse_loss(&x[1], LossReduction::Mean)?)
+        }),
+        // Two-layer Transformer encoders, post-norm and pre-norm, under cross entropy.
+        "encoder_post" | "encoder_pre" => {
+            let encoder = encoder(name == "encoder_pre");
+            Box::new(move |x, _| {
+                let logits = encoder.forward(&x[0], false)?.matmul(&matrix)?;
+                scalar(logits.cross_entropy(&x[2], -100, 0.0, LossReduction::Mean)?)
+            })
+        }
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 6] = [
+const FAMILIES: [&str; 9] = [
     "mlp",
     "norms",
     "softmax",
     "pointwise",
     "classifier",
     "embedding",
+    "attention",
+    "encoder_post",
+    "encoder_pre",
 ];
 
 /// Class ids in `0..3` for every row of `lengths` (some equal 2, the ignored class).

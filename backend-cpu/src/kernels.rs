@@ -36,7 +36,9 @@ pub(crate) fn generate<'ctx>(
         | Step::SumRows { .. }
         | Step::LengthValues { .. }
         | Step::OneHot { .. }
-        | Step::ScatterRows { .. } => {
+        | Step::ScatterRows { .. }
+        | Step::Insert { .. }
+        | Step::AttentionGrad { .. } => {
             // No kernel (the runtime calls a GEMM library or copies): delete the empty
             // function.
             unsafe { kernel.function.delete() };

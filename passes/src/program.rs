@@ -431,6 +431,50 @@ pub enum Step {
         /// The id that gets nothing.
         padding: i64,
     },
+    /// `out` viewed as `[rows, size, inner]` is zero but for `out[:, index, :] = x`
+    /// (`x` viewed as `[rows, inner]`).
+    Insert {
+        /// Output slot.
+        out: Slot,
+        /// Input slot.
+        x: Slot,
+        /// Rows (the packed rows times the dims before the inserted one).
+        rows: Rows,
+        /// The inserted dim's size.
+        size: i64,
+        /// Where `x` goes.
+        index: i64,
+        /// Scalars after the inserted dim.
+        inner: i64,
+    },
+    /// The gradient of varlen attention: of the queries, or (`keys`) of the keys and
+    /// values stacked per row (`[Lk, 2, heads, head_dim]`).
+    AttentionGrad {
+        /// Output slot.
+        out: Slot,
+        /// Queries `[sum Lq, heads, head_dim]`.
+        q: Access,
+        /// Keys `[sum Lk, heads, head_dim]`.
+        k: Access,
+        /// Values `[sum Lk, heads, head_dim]`.
+        v: Access,
+        /// The output's cotangent `[sum Lq, heads, head_dim]`.
+        g: Access,
+        /// Query lengths.
+        q_lengths: Slot,
+        /// Key lengths.
+        k_lengths: Slot,
+        /// Heads.
+        heads: i64,
+        /// Width per head (queries, keys and values alike).
+        head_dim: i64,
+        /// Mask future keys.
+        causal: bool,
+        /// Score scale.
+        scale: f64,
+        /// The keys' and values' gradient rather than the queries'.
+        keys: bool,
+    },
     /// `out[b] = lengths[b]` as numbers.
     LengthValues {
         /// Output slot `[B]`.
@@ -491,6 +535,8 @@ impl Step {
             Step::LengthValues { .. } => Vec::new(),
             Step::OneHot { ids, .. } => vec![*ids],
             Step::ScatterRows { g, ids, .. } => vec![*g, *ids],
+            Step::Insert { x, .. } => vec![*x],
+            Step::AttentionGrad { q, k, v, g, .. } => vec![q.slot, k.slot, v.slot, g.slot],
             Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
         }
@@ -527,7 +573,9 @@ impl Step {
             | Step::SumRows { out, .. }
             | Step::LengthValues { out, .. }
             | Step::OneHot { out, .. }
-            | Step::ScatterRows { out, .. } => *out,
+            | Step::ScatterRows { out, .. }
+            | Step::Insert { out, .. }
+            | Step::AttentionGrad { out, .. } => *out,
         }
     }
 }

@@ -161,3 +161,189 @@ impl Attention<'_> {
         }
     }
 }
+
+/// The shape of one attention-gradient step (queries, keys and values of one width).
+pub(crate) struct AttentionGrad<'a> {
+    pub q: &'a Access,
+    pub k: &'a Access,
+    pub v: &'a Access,
+    pub g: &'a Access,
+    pub heads: i64,
+    pub head_dim: i64,
+    pub causal: bool,
+    pub scale: f64,
+    /// The keys' and values' gradient (`[Lk, 2, heads, head_dim]` rows) rather than the
+    /// queries' (`[Lq, heads, head_dim]` rows).
+    pub keys: bool,
+    /// Spread the (element, head) tasks over rayon's pool.
+    pub parallel: bool,
+}
+
+/// Pointers of a gradient step; each task writes its own rows and head columns.
+#[derive(Clone, Copy)]
+struct GradBuffers<T> {
+    out: *mut T,
+    q: *const T,
+    k: *const T,
+    v: *const T,
+    g: *const T,
+}
+unsafe impl<T> Send for GradBuffers<T> {}
+unsafe impl<T> Sync for GradBuffers<T> {}
+
+impl AttentionGrad<'_> {
+    /// Runs the step on buffers of `T` (out, q, k, v, g), per element and head:
+    /// `P = softmax(scale Q K^T)` again, then `dS = P (dO V^T - rowsum(P dO V^T))`,
+    /// `dQ = scale dS K`, `dK = scale dS^T Q`, `dV = P^T dO` (no padding, no `L x L`
+    /// buffer across elements).
+    ///
+    /// # Safety
+    /// The pointers must be valid for the sizes the offsets and accesses imply.
+    pub(crate) unsafe fn run<T: Scalar>(
+        &self,
+        (out, q, k, v, g): (*mut u8, *mut u8, *mut u8, *mut u8, *mut u8),
+        (q_offsets, k_offsets): (&[i64], &[i64]),
+    ) {
+        let buffers = GradBuffers {
+            out: out as *mut T,
+            q: q as *const T,
+            k: k as *const T,
+            v: v as *const T,
+            g: g as *const T,
+        };
+        let elements = q_offsets.len().saturating_sub(1);
+        let tasks: Vec<(usize, i64)> = (0..elements)
+            .flat_map(|e| (0..self.heads).map(move |h| (e, h)))
+            .collect();
+        let task = |(element, head): (usize, i64)| {
+            let rows =
+                |offsets: &[i64]| (offsets[element], offsets[element + 1] - offsets[element]);
+            // The task's rows and columns are in range of buffers the executor sized.
+            unsafe { self.element(buffers, head, rows(q_offsets), rows(k_offsets)) };
+        };
+        if self.parallel {
+            tasks.into_par_iter().for_each(task);
+        } else {
+            tasks.into_iter().for_each(task);
+        }
+    }
+
+    unsafe fn element<T: Scalar>(
+        &self,
+        buffers: GradBuffers<T>,
+        head: i64,
+        (q_first, q_rows): (i64, i64),
+        (k_first, k_rows): (i64, i64),
+    ) {
+        let d = self.head_dim;
+        let width = self.heads * d;
+        let (qs, ks) = (q_rows.max(0) as usize, k_rows.max(0) as usize);
+        let at = |access: &Access, base: *const T, first: i64| unsafe {
+            base.offset((first * access.row_stride + access.offset + head * d) as isize)
+        };
+        let (q, k, v, g) = (
+            at(self.q, buffers.q, q_first),
+            at(self.k, buffers.k, k_first),
+            at(self.v, buffers.v, k_first),
+            at(self.g, buffers.g, q_first),
+        );
+        if qs == 0 || ks == 0 {
+            if !self.keys && qs > 0 {
+                // No keys: the forward gave NaN, and so does its gradient.
+                for row in 0..q_rows {
+                    let out = unsafe {
+                        buffers
+                            .out
+                            .offset((row + q_first) as isize * width as isize + (head * d) as isize)
+                    };
+                    unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::NAN);
+                }
+            }
+            if self.keys {
+                for row in 0..k_rows {
+                    let base = (k_first + row) * 2 * width + head * d;
+                    for part in 0..2 {
+                        let out = unsafe { buffers.out.offset((base + part * width) as isize) };
+                        unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
+                    }
+                }
+            }
+            return;
+        }
+        let mut probabilities = vec![T::ZERO; qs * ks];
+        let mut slopes = vec![T::ZERO; qs * ks];
+        unsafe {
+            // P = softmax(scale Q K^T), row by row, future keys masked.
+            T::matmul(
+                (qs, d as usize, ks),
+                T::from_f64(self.scale),
+                (q, self.q.row_stride as isize, 1),
+                (k, 1, self.k.row_stride as isize),
+                (probabilities.as_mut_ptr(), ks as isize, 1),
+            );
+            // dP = dO V^T.
+            T::matmul(
+                (qs, d as usize, ks),
+                T::ONE,
+                (g, self.g.row_stride as isize, 1),
+                (v, 1, self.v.row_stride as isize),
+                (slopes.as_mut_ptr(), ks as isize, 1),
+            );
+        }
+        for (row, (scores, slope)) in probabilities
+            .chunks_mut(ks)
+            .zip(slopes.chunks_mut(ks))
+            .enumerate()
+        {
+            let limit = if self.causal { (row + 1).min(ks) } else { ks };
+            let total = T::softmax_numerators(&mut scores[..limit]);
+            let inverse = T::ONE / total;
+            let mut dot = T::ZERO;
+            for (p, s) in scores[..limit].iter_mut().zip(&slope[..limit]) {
+                *p = *p * inverse;
+                dot += *p * *s;
+            }
+            for score in &mut scores[limit..] {
+                *score = T::ZERO;
+            }
+            // dS = P (dP - rowsum(P dP)), zero where P is.
+            for (s, &p) in slope.iter_mut().zip(scores.iter()) {
+                *s = p * (*s - dot);
+            }
+        }
+        let scale = T::from_f64(self.scale);
+        unsafe {
+            if self.keys {
+                let out_k = buffers
+                    .out
+                    .offset((k_first * 2 * width + head * d) as isize);
+                let out_v = out_k.offset(width as isize);
+                // dK = scale dS^T Q; dV = P^T dO.
+                T::matmul(
+                    (ks, qs, d as usize),
+                    scale,
+                    (slopes.as_ptr(), 1, ks as isize),
+                    (q, self.q.row_stride as isize, 1),
+                    (out_k, 2 * width as isize, 1),
+                );
+                T::matmul(
+                    (ks, qs, d as usize),
+                    T::ONE,
+                    (probabilities.as_ptr(), 1, ks as isize),
+                    (g, self.g.row_stride as isize, 1),
+                    (out_v, 2 * width as isize, 1),
+                );
+            } else {
+                // dQ = scale dS K.
+                let out_q = buffers.out.offset((q_first * width + head * d) as isize);
+                T::matmul(
+                    (qs, ks, d as usize),
+                    scale,
+                    (slopes.as_ptr(), ks as isize, 1),
+                    (k, self.k.row_stride as isize, 1),
+                    (out_q, width as isize, 1),
+                );
+            }
+        }
+    }
+}

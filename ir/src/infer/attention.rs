@@ -7,6 +7,35 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     let ty = |value: ValueId| graph.ty(value).clone();
     match op {
         Op::Attention { q, k, v, .. } => attention(&ty(*q), &ty(*k), &ty(*v), *q, *k, *v),
+        Op::AttentionGrad {
+            q, k, v, g, keys, ..
+        } => {
+            let output = attention(&ty(*q), &ty(*k), &ty(*v), *q, *k, *v)?;
+            if ty(*g).with_dtype(DType::F32) != output.with_dtype(DType::F32) {
+                return Err(format!(
+                    "the cotangent {g} must be {output}, got {}",
+                    ty(*g)
+                ));
+            }
+            if ty(*k).with_dtype(DType::F32) != ty(*v).with_dtype(DType::F32) {
+                return Err(
+                    "gradients of keys and values of different widths are not stacked".into(),
+                );
+            }
+            if !keys {
+                return Ok(ty(*q));
+            }
+            let Type::Ragged {
+                dtype,
+                batch,
+                mut dims,
+            } = ty(*k)
+            else {
+                return Err(format!("{k} must be ragged"));
+            };
+            dims.insert(1, ElemDim::Fixed(Dim::Static(2)));
+            Ok(Type::Ragged { dtype, batch, dims })
+        }
         other => Err(format!("{} is not a attention op", other.name())),
     }
 }

@@ -45,6 +45,23 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             remove_element_dim(&x, *dim)
         }
+        Op::InsertStatic {
+            x,
+            dim,
+            index,
+            size,
+        } => match ty(*x) {
+            Type::Ragged { dtype, batch, dims }
+                if (1..=dims.len()).contains(dim) && (0..*size).contains(index) =>
+            {
+                let mut dims = dims;
+                dims.insert(*dim, ElemDim::Fixed(Dim::Static(*size)));
+                Ok(Type::Ragged { dtype, batch, dims })
+            }
+            other => Err(format!(
+                "cannot insert index {index} of a dim of {size} at element dim {dim} of {other}"
+            )),
+        },
         Op::TransposeStatic { x, dim0, dim1 } => {
             let x = ty(*x);
             static_element_dim(&x, *dim0)?;

@@ -658,6 +658,39 @@ pub enum Op {
         /// The id that gets no gradient (`-1`: none).
         padding_idx: i64,
     },
+    /// The inverse of `select_static`: `x` placed at `index` of a new static element
+    /// dim `dim` of `size`, zeros at the other indices (the gradient of a selection).
+    #[op(name = "insert_static", family = Structure)]
+    InsertStatic {
+        /// Input.
+        x: ValueId,
+        /// The new element dim.
+        dim: usize,
+        /// Where `x` goes.
+        index: i64,
+        /// The new dim's size.
+        size: i64,
+    },
+    /// The gradient of varlen attention with output cotangent `g`: of the queries
+    /// (`keys` false, the type of `q`), or of the keys and values stacked
+    /// (`[B; Lk, 2, heads, head_dim]`, keys at 0, values at 1).
+    #[op(name = "attention_grad", family = Attention)]
+    AttentionGrad {
+        /// Queries `[B; Lq, H, D]`.
+        q: ValueId,
+        /// Keys `[B; Lk, H, D]`.
+        k: ValueId,
+        /// Values `[B; Lk, H, D]`.
+        v: ValueId,
+        /// The cotangent of the attention output `[B; Lq, H, D]`.
+        g: ValueId,
+        /// Mask future keys.
+        causal: bool,
+        /// Score scale (default `1 / sqrt(D)`).
+        scale: Option<F64>,
+        /// The keys' and values' gradient rather than the queries'.
+        keys: bool,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     #[op(name = "per_element", family = PerElement)]

@@ -34,6 +34,7 @@ pub(super) fn vjp(
         OpFamily::Reduce => reduce(b, op, g),
         OpFamily::Norm => norm(b, value, op, g, &wants),
         OpFamily::Structure => structure(b, op, g),
+        OpFamily::Attention => attention(b, op, g, &wants),
         _ => Err(b.no_rule("no rule for this op yet")),
     }
 }
@@ -547,9 +548,75 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             };
             Ok(vec![(x, b.push(Op::ReshapeTail { x: g, tail })?)])
         }
+        Op::SelectStatic { x, dim, index } => {
+            let size = match b.ty(x) {
+                Type::Ragged { dims, .. } => match dims.get(dim) {
+                    Some(ElemDim::Fixed(size)) => size.as_static(),
+                    _ => None,
+                },
+                _ => None,
+            }
+            .ok_or_else(|| b.no_rule("a selection from a dim of unknown size"))?;
+            let inserted = b.push(Op::InsertStatic {
+                x: g,
+                dim,
+                index,
+                size,
+            })?;
+            Ok(vec![(x, inserted)])
+        }
         Op::TransposeStatic { x, dim0, dim1 } => {
             Ok(vec![(x, b.push(Op::TransposeStatic { x: g, dim0, dim1 })?)])
         }
         _ => Err(b.no_rule("no rule for this op yet")),
     }
+}
+
+/// Varlen attention: the queries' gradient, and the keys' and values' stacked (one
+/// recomputation of the scores each), split with `select_static`.
+fn attention(
+    b: &mut Builder,
+    op: &Op,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    let Op::Attention {
+        q,
+        k,
+        v,
+        causal,
+        scale,
+    } = *op
+    else {
+        return Err(b.no_rule("no rule for this op yet"));
+    };
+    let gradient = |b: &mut Builder, keys: bool| {
+        b.push(Op::AttentionGrad {
+            q,
+            k,
+            v,
+            g,
+            causal,
+            scale,
+            keys,
+        })
+    };
+    let mut out = Vec::new();
+    if wants(q) {
+        out.push((q, gradient(b, false)?));
+    }
+    if wants(k) || wants(v) {
+        let stacked = gradient(b, true)?;
+        for (index, operand) in [(0, k), (1, v)] {
+            if wants(operand) {
+                let part = b.push(Op::SelectStatic {
+                    x: stacked,
+                    dim: 1,
+                    index,
+                })?;
+                out.push((operand, part));
+            }
+        }
+    }
+    Ok(out)
 }

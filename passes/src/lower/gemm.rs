@@ -107,6 +107,45 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::AttentionGrad {
+                q,
+                k,
+                v,
+                g,
+                causal,
+                scale,
+                keys,
+            } => {
+                let (q_slot, _, q_tail, q_lengths) = self.data(value, *q)?;
+                let (k_slot, _, _, k_lengths) = self.data(value, *k)?;
+                let (v_slot, ..) = self.data(value, *v)?;
+                let (g_slot, ..) = self.data(value, *g)?;
+                let (Some(q_lengths), Some(k_lengths)) = (q_lengths, k_lengths) else {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        "attention needs ragged queries and keys",
+                    ));
+                };
+                let (heads, head_dim) = (q_tail[0], q_tail[1]);
+                let rows = |slot| Access::rows(slot, heads * head_dim);
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::AttentionGrad {
+                    out: slot_of(&out),
+                    q: rows(q_slot),
+                    k: rows(k_slot),
+                    v: rows(v_slot),
+                    g: rows(g_slot),
+                    q_lengths,
+                    k_lengths,
+                    heads,
+                    head_dim,
+                    causal: *causal,
+                    scale: scale.map_or(1.0 / (head_dim as f64).sqrt(), |scale| scale.0),
+                    keys: *keys,
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

@@ -132,6 +132,32 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::InsertStatic {
+                x,
+                dim,
+                index,
+                size,
+            } => {
+                self.leading(value, *x)?;
+                let (x_slot, rows, tail, lengths) = self.data(value, *x)?;
+                if lengths.is_none() || *dim == 0 || *dim > tail.len() + 1 {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        "only static dims after one ragged dim",
+                    ));
+                }
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Insert {
+                    out: slot_of(&out),
+                    x: x_slot,
+                    rows: rows.times(volume(&tail[..dim - 1])),
+                    size: *size,
+                    index: *index,
+                    inner: volume(&tail[dim - 1..]),
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

@@ -514,6 +514,8 @@ fn step_name(step: &Step) -> String {
         Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
         Step::LengthValues { .. } => "length_values".into(),
         Step::OneHot { classes, .. } => format!("one_hot classes={classes}"),
+        Step::Insert { size, .. } => format!("insert size={size}"),
+        Step::AttentionGrad { keys, .. } => format!("attention_grad keys={keys}"),
         Step::ScatterRows {
             vocabulary, width, ..
         } => {

@@ -9,7 +9,7 @@ use super::gemm::{gemm, sum_rows, GemmShape};
 use super::sizes::{LengthsInfo, Sizes};
 use super::RuntimeError;
 use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
-use crate::attention::Attention;
+use crate::attention::{Attention, AttentionGrad};
 
 /// What every step of one run reads: the buffers of every slot (aliases resolved), the
 /// lengths, the inputs and the host runner.
@@ -123,6 +123,32 @@ unsafe fn scatter_rows<T: crate::scalar::Scalar>(
                 *sum += value;
             }
         }
+    }
+}
+
+/// `out` (`[rows, size, inner]`) zero but for `out[:, index, :] = x` (`[rows, inner]`).
+///
+/// # Safety
+/// `x` must hold `rows * inner` and `out` `rows * size * inner` values of type `T`.
+unsafe fn insert<T: crate::scalar::Scalar>(
+    out: *mut u8,
+    x: *const u8,
+    rows: usize,
+    (size, index, inner): (i64, i64, i64),
+) {
+    let (size, inner) = (size.max(0) as usize, inner.max(0) as usize);
+    if rows * size * inner == 0 {
+        return;
+    }
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, rows * size * inner) };
+    let x = unsafe { std::slice::from_raw_parts(x as *const T, rows * inner) };
+    out.fill(T::ZERO);
+    let start = index.max(0) as usize * inner;
+    for (row, values) in out
+        .chunks_exact_mut(size * inner)
+        .zip(x.chunks_exact(inner))
+    {
+        row[start..start + inner].copy_from_slice(values);
     }
 }
 
@@ -260,6 +286,29 @@ impl Executable {
                 }
                 Ok(())
             }
+            Step::Insert {
+                out,
+                x,
+                rows,
+                size,
+                index,
+                inner,
+            } => {
+                let rows = run.sizes.rows(*rows).max(0) as usize;
+                let (out, x) = (run.pointer(*out), run.pointer(*x) as *const u8);
+                // `x` holds `rows * inner` and `out` `rows * size * inner` values of the
+                // program's type.
+                match self.program.float {
+                    FloatType::F32 => unsafe {
+                        insert::<f32>(out, x, rows, (*size, *index, *inner))
+                    },
+                    FloatType::F64 => unsafe {
+                        insert::<f64>(out, x, rows, (*size, *index, *inner))
+                    },
+                }
+                Ok(())
+            }
+            Step::AttentionGrad { .. } => self.run_attention_grad(index, step, run),
             Step::LengthValues { out, lengths } => {
                 let Some(info) = run.lengths(*lengths) else {
                     return Ok(());
@@ -394,6 +443,73 @@ impl Executable {
             match self.program.float {
                 FloatType::F32 => attention.run::<f32>(buffers, offsets),
                 FloatType::F64 => attention.run::<f64>(buffers, offsets),
+            }
+        };
+        Ok(())
+    }
+
+    /// The gradient of varlen attention: query and key batches must have as many
+    /// elements.
+    fn run_attention_grad(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Step::AttentionGrad {
+            out,
+            q,
+            k,
+            v,
+            g,
+            q_lengths,
+            k_lengths,
+            heads,
+            head_dim,
+            causal,
+            scale,
+            keys,
+        } = step
+        else {
+            return Err(step_error(index, "not an attention gradient step".into()));
+        };
+        let (batch, key_batch) = (run.sizes.batch(*q_lengths), run.sizes.batch(*k_lengths));
+        if batch != key_batch {
+            return Err(step_error(
+                index,
+                format!("{batch} query elements but {key_batch} key elements"),
+            ));
+        }
+        let (Some(q_info), Some(k_info)) = (run.lengths(*q_lengths), run.lengths(*k_lengths))
+        else {
+            return Ok(());
+        };
+        let gradient = AttentionGrad {
+            q,
+            k,
+            v,
+            g,
+            heads: *heads,
+            head_dim: *head_dim,
+            causal: *causal,
+            scale: *scale,
+            keys: *keys,
+            parallel: worker_threads() > 1,
+        };
+        let buffers = (
+            run.pointer(*out),
+            run.pointer(q.slot),
+            run.pointer(k.slot),
+            run.pointer(v.slot),
+            run.pointer(g.slot),
+        );
+        let offsets = (&q_info.offsets[..], &k_info.offsets[..]);
+        // The buffers were sized from these offsets and the step's widths, in the
+        // program's type.
+        unsafe {
+            match self.program.float {
+                FloatType::F32 => gradient.run::<f32>(buffers, offsets),
+                FloatType::F64 => gradient.run::<f64>(buffers, offsets),
             }
         };
         Ok(())

@@ -79,6 +79,38 @@ impl Interpreter<'_> {
                 }
                 Value::Dense(table)
             }
+            Op::AttentionGrad {
+                q,
+                k,
+                v,
+                g,
+                causal,
+                scale,
+                keys,
+            } => {
+                // Through libtorch's autograd on the eager attention.
+                let leaf = |value: ValueId| -> Result<(NestedTensor, Tensor)> {
+                    let nested = self.nested(value)?;
+                    let values = nested.packed().f_detach()?.f_requires_grad_(true)?;
+                    Ok((nested.with_values(values.shallow_clone()), values))
+                };
+                let ((q, q_values), (k, k_values), (v, v_values)) =
+                    (leaf(*q)?, leaf(*k)?, leaf(*v)?);
+                let out = q.scaled_dot_product_attention(&k, &v, *causal, scale.map(|s| s.0))?;
+                let surrogate = out.packed().f_mul(self.nested(*g)?.packed())?.f_sum(None)?;
+                let inputs = if *keys {
+                    vec![k_values, v_values]
+                } else {
+                    vec![q_values]
+                };
+                let gradients = Tensor::f_run_backward(&[surrogate], &inputs, false, false)?;
+                if *keys {
+                    let stacked = Tensor::f_stack(&gradients, 1)?;
+                    Value::Nested(k.packed_with_static_tail(&stacked)?)
+                } else {
+                    Value::Nested(q.with_values(gradients[0].shallow_clone()))
+                }
+            }
             other => return Err(not_in_family(other, "gemm")),
         })
     }

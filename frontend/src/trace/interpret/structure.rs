@@ -121,6 +121,25 @@ impl Interpreter<'_> {
                     _ => Value::Dense(one_hot(self.dense(*ids)?)?),
                 }
             }
+            Op::InsertStatic {
+                x,
+                dim,
+                index,
+                size,
+            } => {
+                let nested = self.nested(*x)?;
+                let layout = nested.lay();
+                // The packed position of element dim `dim`: after the rows and the static
+                // dims before it.
+                let position = 1 + (0..*dim).filter(|&d| !layout.is_ragged(d)).count() as i64;
+                let values = nested.packed();
+                let mut shape = values.size();
+                shape.insert(position as usize, *size);
+                let out = Tensor::f_zeros(&shape, (values.kind(), values.device()))?;
+                out.f_narrow(position, *index, 1)?
+                    .f_copy_(&values.f_unsqueeze(position)?)?;
+                Value::Nested(nested.packed_with_static_tail(&out)?)
+            }
             other => return Err(not_in_family(other, "structure")),
         })
     }

@@ -416,8 +416,10 @@ fn compiled_gradients_match_finite_differences() {
         };
         let difference = (loss_at(1.0) - loss_at(-1.0)) / (2.0 * step);
         let error = (difference - along).abs() / (along.abs() + 1.0);
+        // Loose enough for a relu that flips inside the step (the encoders), tight enough
+        // for a wrong rule (a planted wrong tanh rule was off by 130%).
         assert!(
-            error < 1e-6,
+            error < 1e-4,
             "{name}: gradient {along} vs finite difference {difference}"
         );
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what nestor needs to build and test, idempotently:
-#   - LLVM 19 development packages (Debian's apt), for the code generators, and the
-#     DejaVu fonts the benchmark report's charts are drawn with;
+#   - LLVM 19 development packages (Debian's apt), for the code generators, the DejaVu
+#     fonts the benchmark report's charts are drawn with, and the `fortunes` quotations
+#     the compiled-training example learns from;
 #   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
 #     kept in a cache outside the checkout so that every clone shares one install.
 # Quick when everything is already present. Set NESTOR_CACHE to move the cache.
@@ -11,14 +12,15 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/env.sh
 source "$here/env.sh"
 
-llvm_packages=(llvm-19-dev libpolly-19-dev libzstd-dev fonts-dejavu-core)
+apt_packages=(llvm-19-dev libpolly-19-dev libzstd-dev fonts-dejavu-core fortunes)
 if [ ! -x "$LLVM_SYS_191_PREFIX/bin/llvm-config" ] || [ ! -f "$LLVM_SYS_191_PREFIX/lib/libPolly.a" ] \
-    || ! dpkg -s libzstd-dev >/dev/null 2>&1 || ! dpkg -s fonts-dejavu-core >/dev/null 2>&1; then
-  echo "nestor setup: installing ${llvm_packages[*]} with apt-get" >&2
+    || ! dpkg -s libzstd-dev >/dev/null 2>&1 || ! dpkg -s fonts-dejavu-core >/dev/null 2>&1 \
+    || ! dpkg -s fortunes >/dev/null 2>&1; then
+  echo "nestor setup: installing ${apt_packages[*]} with apt-get" >&2
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${llvm_packages[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${apt_packages[@]}" >/dev/null
 fi
 
 if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch-${NESTOR_TORCH_VERSION}*.dist-info" >/dev/null; then

@@ -352,6 +352,16 @@ where
             (traced.graph().clone(), Vec::new())
         };
         let dump = std::env::var_os("NESTOR_DUMP");
+        if let (Some(dir), true) = (&dump, self.training) {
+            // The joint forward + backward graph, before any pass.
+            let path = Path::new(dir).join(format!("{}.00-autodiff.nir", self.name));
+            std::fs::write(&path, nestor_ir::print(&graph)).map_err(|error| {
+                NestedError::Compile {
+                    stage: "dump",
+                    reason: format!("{}: {error}", path.display()),
+                }
+            })?;
+        }
         let mut pipeline = if self.optimize {
             Pipeline::default()
         } else {

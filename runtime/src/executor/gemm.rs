@@ -3,6 +3,8 @@
 
 use nestor_backend_cpu::KernelFn;
 
+use rayon::prelude::*;
+
 use super::{worker_threads, Args};
 use crate::scalar::Scalar;
 
@@ -124,7 +126,9 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
 }
 
 /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1, the column
-/// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean).
+/// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean). Large
+/// products split the output rows across the cores; column sums split the input rows
+/// (partial sums added at the end).
 ///
 /// # Safety
 /// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m` and `b` `rows*n`.
@@ -140,31 +144,96 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
         return;
     }
     let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, m * n) };
-    out.fill(T::ZERO);
-    if rows > 0 {
-        match a {
-            // `a^T` is `a` read with swapped strides: no copy.
-            Some(a) => unsafe {
-                T::matmul(
-                    (m, rows, n),
-                    T::ONE,
-                    (a as *const T, 1, m as isize),
-                    (b as *const T, n as isize, 1),
-                    (out.as_mut_ptr(), n as isize, 1),
-                )
-            },
-            None => {
-                let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
-                for row in b.chunks_exact(n) {
-                    for (sum, &value) in out.iter_mut().zip(row) {
-                        *sum += value;
-                    }
-                }
+    let threads = worker_threads().max(1) as usize;
+    let parallel = (rows * m * n) as i64 >= GEMM_PARALLEL_MACS && threads > 1;
+    if rows == 0 {
+        out.fill(T::ZERO);
+    } else if let Some(a) = a {
+        let buffers = SumBuffers {
+            out: out.as_mut_ptr(),
+            a: a as *const T,
+            b: b as *const T,
+        };
+        let chunks = if parallel {
+            threads.min(m / 8).max(1)
+        } else {
+            1
+        };
+        let per_chunk = m.div_ceil(chunks);
+        // Output rows `first..first + count` (each task its own rows of `out`).
+        let product = move |first: usize, count: usize| unsafe {
+            buffers.product(first, count, (rows, m, n))
+        };
+        rayon::scope(|scope| {
+            for first in (per_chunk..m).step_by(per_chunk) {
+                scope.spawn(move |_| product(first, per_chunk.min(m - first)));
+            }
+            product(0, per_chunk.min(m));
+        });
+    } else {
+        let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
+        let chunks = if parallel {
+            threads.min(rows / 64).max(1)
+        } else {
+            1
+        };
+        let per_chunk = rows.div_ceil(chunks);
+        let partials: Vec<Vec<T>> = b
+            .par_chunks(per_chunk * n)
+            .map(|part| column_sums(part, n))
+            .collect();
+        out.fill(T::ZERO);
+        for partial in partials {
+            for (sum, value) in out.iter_mut().zip(partial) {
+                *sum += value;
             }
         }
     }
     if mean {
         let count = T::from_f64(rows as f64);
         out.iter_mut().for_each(|value| *value = *value / count);
+    }
+}
+
+/// The sums of the columns of `values`, rows of `width`.
+fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
+    if width == 1 {
+        return vec![crate::scalar::sum_of(values)];
+    }
+    let mut sums = vec![T::ZERO; width];
+    for row in values.chunks_exact(width) {
+        for (sum, &value) in sums.iter_mut().zip(row) {
+            *sum += value;
+        }
+    }
+    sums
+}
+
+/// The buffers of a row sum, shared by the tasks of its output chunks.
+#[derive(Clone, Copy)]
+struct SumBuffers<T> {
+    out: *mut T,
+    a: *const T,
+    b: *const T,
+}
+unsafe impl<T> Send for SumBuffers<T> {}
+unsafe impl<T> Sync for SumBuffers<T> {}
+
+impl<T: Scalar> SumBuffers<T> {
+    /// Rows `first..first + count` of `out = a^T b`, `a`'s columns read with swapped
+    /// strides (no copy).
+    ///
+    /// # Safety
+    /// The buffers must hold `rows*m`, `rows*n` and `m*n` values, `first + count <= m`.
+    unsafe fn product(self, first: usize, count: usize, (rows, m, n): (usize, usize, usize)) {
+        unsafe {
+            T::matmul(
+                (count, rows, n),
+                T::ONE,
+                (self.a.add(first), 1, m as isize),
+                (self.b, n as isize, 1),
+                (self.out.add(first * n), n as isize, 1),
+            )
+        }
     }
 }

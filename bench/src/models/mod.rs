@@ -237,6 +237,7 @@ pub fn with_columns(
             let occupancy_now = occupancy(&source.lengths, scale.max_length);
             let flops = transformer_flops(model, scale, &source.lengths, &target_tokens.lengths);
             let stacks = Stacks {
+                store: &store,
                 encoder: encoder.as_ref(),
                 decoder: decoder.as_ref(),
                 weights: &weights,
@@ -322,6 +323,36 @@ impl Stepper {
     }
 }
 
+impl Stepper {
+    /// A compiled training function (its first result the loss) called on `inputs` as a
+    /// training step: gradients accumulated by the call, then the optimizer's step.
+    fn compiled_training<'a, F>(
+        &self,
+        function: nestor::Compiled<F>,
+        inputs: Vec<&'a NestedTensor>,
+    ) -> (Step<'a>, Box<dyn Fn() -> u64 + 'a>)
+    where
+        F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense> + 'a,
+    {
+        let function = std::rc::Rc::new(function);
+        let counter = std::rc::Rc::clone(&function);
+        let optimizer = std::rc::Rc::clone(&self.optimizer);
+        let step: Step<'a> = Box::new(move || {
+            let mut optimizer = optimizer.borrow_mut();
+            optimizer.zero_grad();
+            let loss = function
+                .call(&inputs, &[])?
+                .into_iter()
+                .next()
+                .ok_or("the function returned nothing")?
+                .into_dense()?;
+            optimizer.step();
+            Ok(loss)
+        });
+        (step, Box::new(move || counter.stats().compiles))
+    }
+}
+
 /// A compiled function called on `inputs` as a step (without gradients; `finish` turns
 /// its first result into the step's tensor), and its compile counter.
 pub fn compiled_step<'a, O, F>(
@@ -390,9 +421,7 @@ fn measure_columns(
         None => row(
             Column::NestorCompiled,
             Outcome::Unavailable(match mode {
-                Mode::Training => {
-                    "no compiled training yet (autodiff on the IR is not built)".into()
-                }
+                Mode::Training => "no compiled training for this model yet".into(),
                 Mode::Inference => "does not compile".into(),
             }),
         ),

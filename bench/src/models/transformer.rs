@@ -50,6 +50,8 @@ pub(super) fn transformer_flops(
 
 /// The transformer stacks of a model and its weights.
 pub(super) struct Stacks<'a> {
+    /// The store of every parameter (compiled training names them after it).
+    pub(super) store: &'a nn::VarStore,
     pub(super) encoder: Option<&'a TransformerEncoder>,
     pub(super) decoder: Option<&'a TransformerDecoder>,
     pub(super) weights: &'a Weights,
@@ -176,13 +178,25 @@ impl<'a> Stacks<'a> {
                 Mode::Training => Ok(output.values().f_square()?.f_mean(Kind::Float)?),
             }
         }));
-        let compiled = (mode == Mode::Inference).then(|| {
-            let function = compile("model", move |inputs: &[NestedTensor], _: &[Dense]| {
-                self.nestor(&inputs[0], &inputs[1])
-            });
-            compiled_step(function, vec![&source.nested, &target.nested], |output| {
-                Ok(output.values().shallow_clone())
-            })
+        let inputs = vec![&source.nested, &target.nested];
+        let compiled = Some(match mode {
+            Mode::Inference => {
+                let function = compile("model", move |inputs: &[NestedTensor], _: &[Dense]| {
+                    self.nestor(&inputs[0], &inputs[1])
+                });
+                compiled_step(function, inputs, |output| {
+                    Ok(output.values().shallow_clone())
+                })
+            }
+            Mode::Training => {
+                // The eager column's loss: the mean square of the output values.
+                let function = compile("model", move |inputs: &[NestedTensor], _: &[Dense]| {
+                    let output = self.nestor(&inputs[0], &inputs[1])?;
+                    output.square()?.mean(&[], false)?.into_dense_handle()
+                })
+                .train(self.store);
+                stepper.compiled_training(function, inputs)
+            }
         });
         Ok(Columns {
             padded,

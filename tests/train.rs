@@ -10,7 +10,7 @@
 mod common;
 
 use common::{batch, lengths};
-use nestor::nn::{TransformerConfig, TransformerEncoder};
+use nestor::nn::{TransformerConfig, TransformerDecoder, TransformerEncoder};
 use nestor::{compile, Dense, LossReduction, NestedError, NestedTensor};
 use proptest::prelude::*;
 use tch::nn::{self, OptimizerConfig};
@@ -47,6 +47,17 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             ..Default::default()
         };
         TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true)
+    };
+    let decoder = |norm_first: bool| {
+        let config = TransformerConfig {
+            d_model: 4,
+            nhead: 2,
+            dim_feedforward: 8,
+            dropout: 0.0,
+            norm_first,
+            ..Default::default()
+        };
+        TransformerDecoder::new(&(store.root() / "decoder"), &config, 2, true)
     };
     match name {
         // Linear layers, activations, a bias broadcast over rows, an MSE loss.
@@ -125,11 +136,26 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 scalar(logits.cross_entropy(&x[2], -100, 0.0, LossReduction::Mean)?)
             })
         }
+        // Two-layer decoders (causal self-attention, cross-attention to a memory of other
+        // lengths), alone and after an encoder, post-norm and pre-norm.
+        "decoder_post" | "decoder_pre" | "transformer_post" | "transformer_pre" => {
+            let norm_first = name.ends_with("_pre");
+            let decoder = decoder(norm_first);
+            let encoder = name.starts_with("transformer").then(|| encoder(norm_first));
+            Box::new(move |x, _| {
+                let memory = match &encoder {
+                    Some(encoder) => encoder.forward(&x[3], false)?,
+                    None => x[3].shallow_clone(),
+                };
+                let logits = decoder.forward(&x[0], &memory, true, false)?.matmul(&matrix)?;
+                scalar(logits.cross_entropy(&x[2], -100, 0.1, LossReduction::Sum)?)
+            })
+        }
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 9] = [
+const FAMILIES: [&str; 13] = [
     "mlp",
     "norms",
     "softmax",
@@ -139,7 +165,18 @@ const FAMILIES: [&str; 9] = [
     "attention",
     "encoder_post",
     "encoder_pre",
+    "decoder_post",
+    "decoder_pre",
+    "transformer_post",
+    "transformer_pre",
 ];
+
+/// A memory batch for the decoders: the lengths in reverse order (other lengths per
+/// element), one more row each.
+fn memory(lengths: &[i64], seed: i64) -> NestedTensor {
+    let reversed: Vec<i64> = lengths.iter().rev().map(|&length| length + 1).collect();
+    batch(&reversed, &[4], Kind::Float, seed).0
+}
 
 /// Class ids in `0..3` for every row of `lengths` (some equal 2, the ignored class).
 fn class_ids(lengths: &[i64], seed: i64) -> NestedTensor {
@@ -192,6 +229,7 @@ fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
         let (inputs, _) = batch(lengths, &[4], kind, seed + 2 * index as i64);
         let (targets, _) = batch(lengths, &[3], kind, seed + 2 * index as i64 + 1);
         let ids = class_ids(lengths, seed + index as i64);
+        let memory = memory(lengths, seed + 3).to_kind(kind).unwrap();
         for variable in variables.values() {
             let mut gradient = variable.grad();
             if gradient.defined() {
@@ -203,13 +241,16 @@ fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
                 inputs.shallow_clone(),
                 targets.shallow_clone(),
                 ids.shallow_clone(),
+                memory.shallow_clone(),
             ],
             &[],
         )
         .unwrap()
         .into_tensor();
         eager_loss.backward();
-        let (outputs, gradients) = compiled.gradients(&[&inputs, &targets, &ids], &[]).unwrap();
+        let (outputs, gradients) = compiled
+            .gradients(&[&inputs, &targets, &ids, &memory], &[])
+            .unwrap();
         let what = |part: &str| format!("{name} {kind:?} {lengths:?}: {part}");
         let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
         assert_close(&loss, &eager_loss.detach(), tolerance, &what("loss"));
@@ -366,7 +407,9 @@ fn compiled_gradients_match_finite_differences() {
         let (inputs, _) = batch(&[3, 1, 4], &[4], Kind::Double, 21);
         let (targets, _) = batch(&[3, 1, 4], &[3], Kind::Double, 22);
         let ids = class_ids(&[3, 1, 4], 23);
-        let (_, gradients) = compiled.gradients(&[&inputs, &targets, &ids], &[]).unwrap();
+        let memory = memory(&[3, 1, 4], 24).to_kind(Kind::Double).unwrap();
+        let inputs = [&inputs, &targets, &ids, &memory];
+        let (_, gradients) = compiled.gradients(&inputs, &[]).unwrap();
         let variables = store.variables();
         let directions: Vec<(String, Tensor)> = gradients
             .iter()
@@ -397,7 +440,7 @@ fn compiled_gradients_match_finite_differences() {
                         .unwrap();
                 }
             });
-            let (outputs, _) = compiled.gradients(&[&inputs, &targets, &ids], &[]).unwrap();
+            let (outputs, _) = compiled.gradients(&inputs, &[]).unwrap();
             tch::no_grad(|| {
                 for (path, direction) in &directions {
                     let _ = variables[path]

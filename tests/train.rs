@@ -596,3 +596,64 @@ fn compiled_training_follows_eager_training_for_300_adam_steps() {
     }
     assert_eq!(compiled.stats().compiles, 1);
 }
+
+/// A batch whose values require grad gets its gradient as from `loss.backward()`: here
+/// it flows on to the element tensors the batch was packed from.
+#[test]
+fn batches_that_require_grad_get_their_gradients() {
+    for name in ["mlp", "attention", "encoder_pre", "decoder_post"] {
+        tch::manual_seed(9);
+        let mut store = nn::VarStore::new(Device::Cpu);
+        let model = std::rc::Rc::new(family(name, &store));
+        store.double();
+        let traced = std::rc::Rc::clone(&model);
+        let compiled =
+            compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d)).train(&store);
+        let lengths = [3i64, 0, 1, 4];
+        let elements = |seed: i64| -> Vec<Tensor> {
+            tch::manual_seed(seed);
+            lengths
+                .iter()
+                .map(|&length| {
+                    Tensor::randn([length, 4], (Kind::Double, Device::Cpu)).set_requires_grad(true)
+                })
+                .collect()
+        };
+        let pack = |elements: &[Tensor]| {
+            NestedTensor::builder()
+                .ragged_dims(&[0])
+                .tensors(elements)
+                .unwrap()
+        };
+        let (targets, _) = batch(&lengths, &[3], Kind::Double, 2);
+        let ids = class_ids(&lengths, 3);
+        let memory = memory(&lengths, 4).to_kind(Kind::Double).unwrap();
+        let gradients_of_inputs = |run: &dyn Fn(&NestedTensor)| {
+            let leaves = elements(5);
+            run(&pack(&leaves));
+            leaves.iter().map(Tensor::grad).collect::<Vec<_>>()
+        };
+        let inputs_of = |x: &NestedTensor| {
+            [
+                x.shallow_clone(),
+                targets.shallow_clone(),
+                ids.shallow_clone(),
+                memory.shallow_clone(),
+            ]
+        };
+        let eager =
+            gradients_of_inputs(&|x| model(&inputs_of(x), &[]).unwrap().into_tensor().backward());
+        let compiled_gradients = gradients_of_inputs(&|x| {
+            let inputs = inputs_of(x);
+            compiled
+                .call(&inputs.iter().collect::<Vec<_>>(), &[])
+                .unwrap();
+        });
+        for (index, (compiled, eager)) in compiled_gradients.iter().zip(&eager).enumerate() {
+            if lengths[index] == 0 {
+                continue;
+            }
+            assert_close(compiled, eager, 1e-9, &format!("{name}: element {index}"));
+        }
+    }
+}

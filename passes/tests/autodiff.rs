@@ -50,15 +50,24 @@ fn bad_requests_are_typed_errors() {
     let graph = parse(MODEL).unwrap();
     assert!(matches!(
         differentiate(&graph, ValueId(4), &[ValueId(3)]),
-        Err(AutodiffError::LossNotScalar { value: ValueId(4), .. })
+        Err(AutodiffError::LossNotScalar {
+            value: ValueId(4),
+            ..
+        })
     ));
     assert!(matches!(
         differentiate(&graph, ValueId(8), &[ValueId(2)]),
-        Err(AutodiffError::NotFloat { value: ValueId(2), .. })
+        Err(AutodiffError::NotFloat {
+            value: ValueId(2),
+            ..
+        })
     ));
     assert!(matches!(
         differentiate(&graph, ValueId(8), &[ValueId(0)]),
-        Err(AutodiffError::NotFloat { value: ValueId(0), .. })
+        Err(AutodiffError::NotFloat {
+            value: ValueId(0),
+            ..
+        })
     ));
     // The loss does not read `x`'s sibling input `ids`, nor anything when asked for none.
     assert!(matches!(

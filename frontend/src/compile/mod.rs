@@ -34,6 +34,8 @@ struct StructureKey {
     /// For every batch (nested, then dense), the first with the same batch size (traced
     /// as one batch-size symbol).
     batch_sizes: Vec<usize>,
+    /// Which batches' values require grad (in training, their gradients are computed).
+    requires_grad: Vec<bool>,
 }
 
 impl StructureKey {
@@ -60,6 +62,10 @@ impl StructureKey {
                 .map(|tensor| (tensor.size().split_off(1.min(tensor.dim())), tensor.kind()))
                 .collect(),
             shared: shared_lengths(&normalized.iter().collect::<Vec<_>>()),
+            requires_grad: nested
+                .iter()
+                .map(|batch| batch.packed().requires_grad())
+                .collect(),
             batch_sizes: {
                 let sizes: Vec<i64> = normalized
                     .iter()
@@ -181,6 +187,8 @@ where
     /// parameter (those that require grad) in the same compiled program, and
     /// ACCUMULATES it into the parameter's `.grad()`, as `loss.backward()` would, so
     /// tch's optimizers and `zero_grad` work unchanged; frozen parameters get nothing.
+    /// Batches whose values require grad get theirs too, flowing on through libtorch's
+    /// autograd to whatever computed them.
     /// Parameters are named after their paths in `store`.
     ///
     /// ```
@@ -235,12 +243,13 @@ where
     pub fn call(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
         let (entry, mut values) = self.run(nested, dense)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
-        train::accumulate(&entry.gradients, gradients)?;
+        train::accumulate(&entry.gradients, gradients, nested)?;
         Ok(values)
     }
 
     /// In training, the model's outputs and the gradient of every trainable parameter
-    /// (named after its `VarStore` path), returned rather than accumulated.
+    /// (named after its `VarStore` path) and of every batch whose values require grad
+    /// (named `x<index>`, packed values), returned rather than accumulated.
     pub fn gradients(
         &self,
         nested: &[&NestedTensor],
@@ -248,7 +257,7 @@ where
     ) -> Result<(Vec<Value>, NamedGradients)> {
         let (entry, mut values) = self.run(nested, dense)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
-        let named = train::named(&entry.gradients, gradients)?;
+        let named = train::named(&entry.gradients, gradients, nested)?;
         Ok((values, named))
     }
 
@@ -347,7 +356,11 @@ where
         )?;
         let outputs = traced.graph().outputs.len();
         let (graph, gradients) = if self.training {
-            train::joint_graph(&traced)?
+            let requires_grad: Vec<bool> = nested
+                .iter()
+                .map(|batch| batch.packed().requires_grad())
+                .collect();
+            train::joint_graph(&traced, &requires_grad)?
         } else {
             (traced.graph().clone(), Vec::new())
         };

@@ -6,15 +6,20 @@ use nestor_ir::{Graph, Op, ValueId};
 use nestor_passes::{differentiate, Decompose, Pass};
 use tch::Tensor;
 
-use crate::trace::{Traced, Value};
-use crate::{NestedError, Result};
+use crate::trace::{normalized_input, Traced, Value};
+use crate::{NestedError, NestedTensor, Result};
 
-/// A parameter whose gradient the program computes.
-pub(super) struct Gradient {
-    /// Its `VarStore` path (or `param<N>`).
-    name: String,
-    /// The parameter itself (a shallow clone of the model's tensor).
-    tensor: Tensor,
+/// What a gradient output of the program is the gradient of.
+pub(super) enum Gradient {
+    /// A parameter.
+    Param {
+        /// Its `VarStore` path (or `param<N>`).
+        name: String,
+        /// The parameter itself (a shallow clone of the model's tensor).
+        tensor: Tensor,
+    },
+    /// The packed values of nested input `k` of each call.
+    Input(usize),
 }
 
 // Like `Traced`, a `Gradient` only reads its parameter (multiplies it into the
@@ -29,41 +34,50 @@ fn compile_error(reason: String) -> NestedError {
     }
 }
 
-/// The joint graph of `traced` (its outputs, then one gradient per trainable
-/// parameter) and those parameters, in gradient order.
-pub(super) fn joint_graph(traced: &Traced) -> Result<(Graph, Vec<Gradient>)> {
+/// The joint graph of `traced` (its outputs, then one gradient per trainable parameter
+/// and per batch whose values require grad) and what each gradient is of.
+pub(super) fn joint_graph(
+    traced: &Traced,
+    requires_grad: &[bool],
+) -> Result<(Graph, Vec<Gradient>)> {
     let graph = Decompose
         .run(traced.graph())
         .map_err(|error| compile_error(error.to_string()))?;
     let loss = *graph.outputs.first().ok_or_else(|| {
         compile_error("a training model returns its loss first; this one returns nothing".into())
     })?;
-    // Decomposition keeps inputs and parameters in order, so the traced parameter list
-    // still lines up with the graph's `param` ops.
-    let params: Vec<ValueId> = graph
-        .inputs()
-        .into_iter()
-        .filter(|&value| matches!(graph.op(value), Op::Param { .. }))
-        .collect();
-    let trainable: Vec<(ValueId, &Tensor)> = params
+    // Decomposition keeps inputs and parameters in order, so the traced sources and
+    // parameter list still line up with the graph's `input` and `param` ops.
+    let inputs = graph.inputs();
+    let params = inputs
         .iter()
+        .filter(|&&value| matches!(graph.op(value), Op::Param { .. }));
+    let mut wanted: Vec<(ValueId, Gradient)> = params
         .zip(traced.params())
         .filter(|(_, (_, tensor))| tensor.requires_grad())
-        .map(|(&value, (_, tensor))| (value, tensor))
+        .map(|(&value, (_, tensor))| {
+            let gradient = Gradient::Param {
+                name: parameter_name(&graph, value),
+                tensor: tensor.shallow_clone(),
+            };
+            (value, gradient)
+        })
         .collect();
-    let wrt: Vec<ValueId> = trainable.iter().map(|(value, _)| *value).collect();
+    for (&value, source) in inputs.iter().zip(traced.nested_sources()) {
+        if let Some(index) = source.filter(|&index| requires_grad.get(index) == Some(&true)) {
+            wanted.push((value, Gradient::Input(index)));
+        }
+    }
+    let wrt: Vec<ValueId> = wanted.iter().map(|(value, _)| *value).collect();
     let joint =
         differentiate(&graph, loss, &wrt).map_err(|error| compile_error(error.to_string()))?;
     let mut gradients = Vec::new();
     let mut outputs = graph.outputs.clone();
-    for ((value, tensor), output) in trainable.iter().zip(&joint.gradients) {
-        // A parameter the loss does not depend on gets no gradient, as in eager autograd.
+    for ((_, gradient), output) in wanted.into_iter().zip(&joint.gradients) {
+        // A value the loss does not depend on gets no gradient, as in eager autograd.
         if let Some(output) = output {
             outputs.push(joint.graph.outputs[*output]);
-            gradients.push(Gradient {
-                name: parameter_name(&graph, *value),
-                tensor: tensor.shallow_clone(),
-            });
+            gradients.push(gradient);
         }
     }
     let mut joint_graph = joint.graph;
@@ -78,11 +92,38 @@ fn parameter_name(graph: &Graph, value: ValueId) -> String {
     }
 }
 
-/// The gradients of a run as tensors shaped like their parameters.
-fn tensors(params: &[Gradient], values: Vec<Value>) -> Result<Vec<Tensor>> {
+impl Gradient {
+    /// The tensor the gradient is of, in this call.
+    fn target(&self, nested: &[&NestedTensor]) -> Result<Tensor> {
+        match self {
+            Gradient::Param { tensor, .. } => Ok(tensor.shallow_clone()),
+            Gradient::Input(index) => {
+                let batch = nested.get(*index).ok_or_else(|| {
+                    compile_error(format!("no nested input {index} for its gradient"))
+                })?;
+                Ok(normalized_input(batch)?.packed().shallow_clone())
+            }
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Gradient::Param { name, .. } => name.clone(),
+            Gradient::Input(index) => format!("x{index}"),
+        }
+    }
+}
+
+/// The gradients of a run as tensors shaped like what they are the gradients of, with
+/// those tensors.
+fn tensors(
+    params: &[Gradient],
+    values: Vec<Value>,
+    nested: &[&NestedTensor],
+) -> Result<Vec<(Tensor, Tensor)>> {
     if params.len() != values.len() {
         return Err(compile_error(format!(
-            "{} gradients for {} parameters",
+            "{} gradients for {} values",
             values.len(),
             params.len()
         )));
@@ -91,21 +132,31 @@ fn tensors(params: &[Gradient], values: Vec<Value>) -> Result<Vec<Tensor>> {
         .iter()
         .zip(values)
         .map(|(param, value)| {
-            Ok(value
-                .into_dense()?
-                .f_to_kind(param.tensor.f_kind()?)?
-                .f_reshape(param.tensor.size())?)
+            let target = param.target(nested)?;
+            let gradient = match value {
+                Value::Nested(batch) => batch.packed().shallow_clone(),
+                other => other.into_dense()?,
+            };
+            let gradient = gradient
+                .f_to_kind(target.f_kind()?)?
+                .f_reshape(target.size())?;
+            Ok((target, gradient))
         })
         .collect()
 }
 
-/// Adds the gradients of a run to the parameters' `.grad()`: through libtorch's own
-/// autograd (the backward of `sum(p * gradient)` over the parameters), so undefined
-/// gradients are created and hooks run exactly as for `loss.backward()`.
-pub(super) fn accumulate(params: &[Gradient], values: Vec<Value>) -> Result<()> {
+/// Adds the gradients of a run to the parameters' `.grad()` (and through the batches'
+/// values to what computed them): through libtorch's own autograd (the backward of
+/// `sum(p * gradient)` over them), so undefined gradients are created and hooks run
+/// exactly as for `loss.backward()`.
+pub(super) fn accumulate(
+    params: &[Gradient],
+    values: Vec<Value>,
+    nested: &[&NestedTensor],
+) -> Result<()> {
     let mut surrogate: Option<Tensor> = None;
-    for (param, gradient) in params.iter().zip(tensors(params, values)?) {
-        let term = param.tensor.f_mul(&gradient)?.f_sum(None)?;
+    for (target, gradient) in tensors(params, values, nested)? {
+        let term = target.f_mul(&gradient)?.f_sum(None)?;
         surrogate = Some(match surrogate {
             Some(sum) => sum.f_add(&term)?,
             None => term,
@@ -117,11 +168,19 @@ pub(super) fn accumulate(params: &[Gradient], values: Vec<Value>) -> Result<()> 
     Ok(())
 }
 
-/// The gradients of a run, named after their parameters.
-pub(super) fn named(params: &[Gradient], values: Vec<Value>) -> Result<Vec<(String, Tensor)>> {
+/// The gradients of a run, named after what they are the gradients of.
+pub(super) fn named(
+    params: &[Gradient],
+    values: Vec<Value>,
+    nested: &[&NestedTensor],
+) -> Result<Vec<(String, Tensor)>> {
     Ok(params
         .iter()
-        .map(|param| param.name.clone())
-        .zip(tensors(params, values)?)
+        .map(Gradient::name)
+        .zip(
+            tensors(params, values, nested)?
+                .into_iter()
+                .map(|(_, gradient)| gradient),
+        )
         .collect())
 }

@@ -420,6 +420,18 @@ impl Traced {
         nestor_ir::to_dot(&self.graph)
     }
 
+    /// For every graph input and parameter, in graph order, the index of the nested
+    /// batch it is (`None` for lengths, dense inputs and parameters).
+    pub(crate) fn nested_sources(&self) -> Vec<Option<usize>> {
+        self.sources
+            .iter()
+            .map(|(_, source)| match source {
+                Source::Nested(index) => Some(*index),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The tensors the parameters are bound to, by graph value.
     pub fn params(&self) -> &[(ValueId, Tensor)] {
         &self.params

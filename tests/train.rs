@@ -657,3 +657,66 @@ fn batches_that_require_grad_get_their_gradients() {
         }
     }
 }
+
+/// Training-mode dropout compiled: about `p` of the values dropped, the rest scaled by
+/// `1 / (1 - p)`, a new mask every call, and the gradient taken through the same mask
+/// the forward used.
+#[test]
+fn compiled_dropout_drops_scales_and_differentiates_through_its_mask() {
+    tch::manual_seed(4);
+    let store = nn::VarStore::new(Device::Cpu);
+    let weight = store.root().randn("weight", &[6, 4], 0.0, 0.5);
+    let eager_weight = weight.shallow_clone();
+    let p = 0.3;
+    let compiled = compile("dropout", move |x: &[NestedTensor], _: &[Dense]| {
+        let dropped = x[0].linear(&weight, None)?.dropout(p, true)?;
+        let loss = dropped.square()?.sum(&[], false)?.into_dense_handle()?;
+        Ok((loss, dropped))
+    })
+    .train(&store);
+    let (inputs, _) = batch(&[50, 60, 40], &[4], Kind::Double, 8);
+    let inputs = inputs.to_kind(Kind::Float).unwrap();
+    let hidden = inputs
+        .values()
+        .linear::<Tensor>(&eager_weight, None)
+        .detach();
+    let mut masks = Vec::new();
+    for _ in 0..2 {
+        let variables = store.variables();
+        clear_gradients(&variables);
+        let mut outputs = compiled.call(&[&inputs], &[]).unwrap();
+        let dropped = outputs
+            .remove(1)
+            .into_nested()
+            .unwrap()
+            .values()
+            .shallow_clone();
+        let kept = dropped.ne(0.0);
+        let fraction = 1.0
+            - kept
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[]);
+        assert!((fraction - p).abs() < 0.06, "dropped {fraction}");
+        let expected = (&hidden / (1.0 - p)) * kept.to_kind(Kind::Float);
+        assert_close(&dropped, &expected, 1e-5, "kept values scaled");
+        // The gradient through that mask, eagerly.
+        let compiled_gradient = variables["weight"].grad().copy();
+        clear_gradients(&variables);
+        let eager = inputs.values().linear::<Tensor>(&eager_weight, None)
+            * kept.to_kind(Kind::Float)
+            / (1.0 - p);
+        eager.square().sum(Kind::Float).backward();
+        assert_close(
+            &compiled_gradient,
+            &variables["weight"].grad(),
+            1e-4,
+            "gradient through the mask",
+        );
+        masks.push(kept);
+    }
+    assert!(
+        masks[0].ne_tensor(&masks[1]).any().int64_value(&[]) == 1,
+        "one mask for two calls"
+    );
+}

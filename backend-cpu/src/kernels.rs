@@ -38,6 +38,7 @@ pub(crate) fn generate<'ctx>(
         | Step::OneHot { .. }
         | Step::ScatterRows { .. }
         | Step::Insert { .. }
+        | Step::RandomMask { .. }
         | Step::AttentionGrad { .. } => {
             // No kernel (the runtime calls a GEMM library or copies): delete the empty
             // function.

@@ -28,7 +28,10 @@ impl Pass for Cse {
             };
             let pure = !matches!(
                 node.op,
-                Op::Input { .. } | Op::Param { .. } | Op::Dropout { train: true, .. }
+                Op::Input { .. }
+                    | Op::Param { .. }
+                    | Op::Dropout { train: true, .. }
+                    | Op::RandomMask { .. }
             );
             if pure {
                 if let Some(&existing) = seen.get(&node) {

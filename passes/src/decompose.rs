@@ -1,6 +1,8 @@
 //! Decomposition: composite ops rewritten into the primitive ops they are made of, so
 //! that lowering and autodiff need no rule of their own for them:
 //! - `mse_loss` is `mean` / `sum` of `square(x - target)` (or the squares themselves);
+//! - training-mode `dropout` is `x * random_mask(x)` (the mask, a value, is read again
+//!   by the backward);
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
 //!   towards uniform, summed or divided by the number of counted rows, as torch.
@@ -69,6 +71,19 @@ impl Pass for Decompose {
                     smoothing.0,
                     reduction,
                 )?,
+                // Training-mode dropout: a random mask the backward reads again.
+                Op::Dropout { x, p, train: true } if p.0 > 0.0 => {
+                    let mask = result.push(Op::RandomMask {
+                        like: x,
+                        p,
+                        stream: renamed.len() as i64,
+                    })?;
+                    result.push(Op::Binary {
+                        op: BinaryOp::Mul,
+                        lhs: x,
+                        rhs: mask,
+                    })?
+                }
                 op if op.declares_type() => {
                     result.add_declared(op, ty.map_values(|value| renamed[value.index()]))?
                 }

@@ -475,6 +475,20 @@ pub enum Step {
         /// The keys' and values' gradient rather than the queries'.
         keys: bool,
     },
+    /// A dropout mask: every value `1 / (1 - p)` with probability `1 - p`, else 0, from
+    /// a counter-based generator keyed by `stream`, the position and the run.
+    RandomMask {
+        /// Output slot.
+        out: Slot,
+        /// Rows.
+        rows: Rows,
+        /// Scalars per row.
+        width: i64,
+        /// Drop probability.
+        p: f64,
+        /// Which mask of the program.
+        stream: i64,
+    },
     /// `out[b] = lengths[b]` as numbers.
     LengthValues {
         /// Output slot `[B]`.
@@ -536,6 +550,7 @@ impl Step {
             Step::OneHot { ids, .. } => vec![*ids],
             Step::ScatterRows { g, ids, .. } => vec![*g, *ids],
             Step::Insert { x, .. } => vec![*x],
+            Step::RandomMask { .. } => Vec::new(),
             Step::AttentionGrad { q, k, v, g, .. } => vec![q.slot, k.slot, v.slot, g.slot],
             Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
             Step::Host { inputs, .. } => inputs.clone(),
@@ -575,6 +590,7 @@ impl Step {
             | Step::OneHot { out, .. }
             | Step::ScatterRows { out, .. }
             | Step::Insert { out, .. }
+            | Step::RandomMask { out, .. }
             | Step::AttentionGrad { out, .. } => *out,
         }
     }

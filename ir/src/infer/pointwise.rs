@@ -38,6 +38,17 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         Op::Cast { x, dtype } => Ok(data(ty(*x))?.with_dtype(*dtype)),
         Op::Dropout { x, .. } => data(ty(*x)),
         Op::Expand { x, like, dims } => expand(&ty(*x), &ty(*like), dims),
+        Op::RandomMask { like, p, .. } => {
+            let like = data(ty(*like))?;
+            if !(0.0..1.0).contains(&p.0) {
+                return Err(format!(
+                    "the drop probability must be in [0, 1), got {}",
+                    p.0
+                ));
+            }
+            float(&like)?;
+            Ok(like)
+        }
         other => Err(format!("{} is not a pointwise op", other.name())),
     }
 }

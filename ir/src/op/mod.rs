@@ -691,6 +691,18 @@ pub enum Op {
         /// The keys' and values' gradient rather than the queries'.
         keys: bool,
     },
+    /// A random dropout mask of the shape of `like` (which is not read): each value is
+    /// `1 / (1 - p)` with probability `1 - p`, else 0, drawn from a counter-based
+    /// generator keyed by `stream`, the position and the call (a new mask every call).
+    #[op(name = "random_mask", family = Pointwise)]
+    RandomMask {
+        /// The value whose shape the mask takes.
+        like: ValueId,
+        /// Drop probability.
+        p: F64,
+        /// Which mask of the graph this is (masks of one call differ by it).
+        stream: i64,
+    },
     /// An explicit per-element fallback: `body` runs once per element of the first
     /// input (a dense element), with the other inputs passed whole.
     #[op(name = "per_element", family = PerElement)]

@@ -66,6 +66,8 @@ fn pointwise(
         Op::Dropout {
             x, train: false, ..
         } => Ok(vec![(x, g)]),
+        // The mask reads `like` for its shape only: no gradient flows through it.
+        Op::RandomMask { .. } => Ok(Vec::new()),
         _ => Err(b.no_rule("no rule for this op yet")),
     }
 }

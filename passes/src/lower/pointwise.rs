@@ -69,6 +69,18 @@ impl Lowering<'_> {
                 self.pointwise(value, ty, inputs, |loads| translate(expr, loads))
             }
             Op::Expand { x, like, dims } => self.expand(value, ty, *x, *like, dims),
+            Op::RandomMask { p, stream, .. } => {
+                let out = self.result(value, ty)?;
+                let width = volume(&tail_of(&out));
+                self.program.steps.push(Step::RandomMask {
+                    out: slot_of(&out),
+                    rows: rows_of(&out),
+                    width,
+                    p: p.0,
+                    stream: *stream,
+                });
+                Ok(out)
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

@@ -217,6 +217,8 @@ impl Executable {
         sink: Option<&mut dyn OutputSink>,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
+        // Every run draws new random masks.
+        let run_number = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // Lengths first: every size depends on them.
         let sizes = Sizes::of_run(program, inputs)?;
         // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
@@ -264,6 +266,7 @@ impl Executable {
                 sizes: &sizes,
                 inputs,
                 host,
+                run: run_number,
             };
             self.execute(step_index, step, &state)?;
             if let Some(started) = started {
@@ -482,6 +485,10 @@ impl Executable {
     }
 }
 
+/// Runs of every program of the process: the key that makes each run's random masks
+/// new.
+static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Scalars per chunk below which a kernel is not split across threads: waking the
 /// pool costs more than it saves on smaller work (measured on the benchmark's
 /// operators: relu and add on 384k values ran faster unsplit).
@@ -515,6 +522,7 @@ fn step_name(step: &Step) -> String {
         Step::LengthValues { .. } => "length_values".into(),
         Step::OneHot { classes, .. } => format!("one_hot classes={classes}"),
         Step::Insert { size, .. } => format!("insert size={size}"),
+        Step::RandomMask { p, .. } => format!("random_mask p={p}"),
         Step::AttentionGrad { keys, .. } => format!("attention_grad keys={keys}"),
         Step::ScatterRows {
             vocabulary, width, ..

@@ -18,6 +18,8 @@ pub(super) struct RunState<'r, 'i> {
     pub(super) sizes: &'r Sizes,
     pub(super) inputs: &'r [InputData<'i>],
     pub(super) host: Option<&'r dyn HostRunner>,
+    /// The run's number (keys its random masks).
+    pub(super) run: u64,
 }
 
 impl RunState<'_, '_> {
@@ -150,6 +152,38 @@ unsafe fn insert<T: crate::scalar::Scalar>(
     {
         row[start..start + inner].copy_from_slice(values);
     }
+}
+
+/// A dropout mask of `count` values: `1 / (1 - p)` where the position's uniform number
+/// (SplitMix64 of the stream, the run and the position) is at least `p`, else 0.
+///
+/// # Safety
+/// `out` must hold `count` values of type `T` (or be unused when `count` is 0).
+unsafe fn random_mask<T: crate::scalar::Scalar>(
+    out: *mut u8,
+    count: usize,
+    p: f64,
+    (stream, run): (u64, u64),
+) {
+    if count == 0 {
+        return;
+    }
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, count) };
+    let kept = T::from_f64(1.0 / (1.0 - p));
+    let key = split_mix(stream ^ split_mix(run));
+    for (position, value) in out.iter_mut().enumerate() {
+        // The top 53 bits as a uniform number in [0, 1).
+        let uniform = (split_mix(key ^ position as u64) >> 11) as f64 / (1u64 << 53) as f64;
+        *value = if uniform >= p { kept } else { T::ZERO };
+    }
+}
+
+/// SplitMix64's finalizer: a bijective mix of 64 bits.
+fn split_mix(value: u64) -> u64 {
+    let mut z = value.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 fn step_error(step: usize, reason: String) -> RuntimeError {
@@ -309,6 +343,23 @@ impl Executable {
                 Ok(())
             }
             Step::AttentionGrad { .. } => self.run_attention_grad(index, step, run),
+            Step::RandomMask {
+                out,
+                rows,
+                width,
+                p,
+                stream,
+            } => {
+                let count = (run.sizes.rows(*rows) * width).max(0) as usize;
+                let out = run.pointer(*out);
+                let key = (*stream as u64, run.run);
+                // `out` holds `count` values of the program's type.
+                match self.program.float {
+                    FloatType::F32 => unsafe { random_mask::<f32>(out, count, *p, key) },
+                    FloatType::F64 => unsafe { random_mask::<f64>(out, count, *p, key) },
+                }
+                Ok(())
+            }
             Step::LengthValues { out, lengths } => {
                 let Some(info) = run.lengths(*lengths) else {
                     return Ok(());

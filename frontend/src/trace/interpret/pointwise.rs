@@ -25,6 +25,22 @@ impl Interpreter<'_> {
                 Value::Nested(nested) => Value::Nested(nested.dropout(p.0, *train)?),
                 _ => Value::Dense(self.dense(*x)?.f_dropout(p.0, *train)?),
             },
+            Op::RandomMask { like, p, .. } => {
+                // libtorch's generator: the same distribution as compiled masks, not the
+                // same draws.
+                let mask = |like: &Tensor| -> Result<Tensor> {
+                    Ok(like
+                        .f_ones_like()?
+                        .f_bernoulli_float_(1.0 - p.0)?
+                        .f_div_scalar(1.0 - p.0)?)
+                };
+                match self.get(*like) {
+                    Value::Nested(nested) => {
+                        Value::Nested(nested.with_values(mask(nested.packed())?))
+                    }
+                    _ => Value::Dense(mask(self.dense(*like)?)?),
+                }
+            }
             other => return Err(not_in_family(other, "pointwise")),
         })
     }

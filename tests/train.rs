@@ -153,11 +153,13 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 scalar(logits.cross_entropy(&x[2], -100, 0.1, LossReduction::Sum)?)
             })
         }
+        // A padded grid of the packed rows, dense ops on it.
+        "padded" => Box::new(move |x, _| x[0].linear(&w1, None)?.pad()?.tanh()?.sum_all()),
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 13] = [
+const FAMILIES: [&str; 14] = [
     "mlp",
     "norms",
     "softmax",
@@ -171,6 +173,7 @@ const FAMILIES: [&str; 13] = [
     "decoder_pre",
     "transformer_post",
     "transformer_pre",
+    "padded",
 ];
 
 /// A memory batch for the decoders: the lengths in reverse order (other lengths per

@@ -162,9 +162,18 @@ impl Dense {
 
     /// Mean of every value.
     pub fn mean_all(&self) -> Result<Dense> {
-        let output = self.tensor.f_mean(None::<Kind>)?;
-        Dense::traced(output, &[self.arg()], "mean", |ids| Op::Reduce {
-            op: ReduceOp::Mean,
+        self.reduce_all(ReduceOp::Mean, self.tensor.f_mean(None::<Kind>)?)
+    }
+
+    /// Sum of every value.
+    pub fn sum_all(&self) -> Result<Dense> {
+        self.reduce_all(ReduceOp::Sum, self.tensor.f_sum(None::<Kind>)?)
+    }
+
+    /// `output`, the reduction `op` of every value, recorded.
+    fn reduce_all(&self, op: ReduceOp, output: Tensor) -> Result<Dense> {
+        Dense::traced(output, &[self.arg()], op.word(), |ids| Op::Reduce {
+            op,
             x: ids[0],
             dims: vec![],
             keepdim: false,

@@ -567,6 +567,23 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             })?;
             Ok(vec![(x, inserted)])
         }
+        // Padding and packing are each other's gradient.
+        Op::Pad { x, .. } => {
+            let lengths = b
+                .ty(x)
+                .length_values()
+                .first()
+                .copied()
+                .ok_or_else(|| b.no_rule("padding a value without lengths"))?;
+            Ok(vec![(x, b.push(Op::Unpad { x: g, lengths })?)])
+        }
+        Op::Unpad { x, .. } => Ok(vec![(
+            x,
+            b.push(Op::Pad {
+                x: g,
+                value: nestor_ir::F64(0.0),
+            })?,
+        )]),
         Op::TransposeStatic { x, dim0, dim1 } => {
             Ok(vec![(x, b.push(Op::TransposeStatic { x: g, dim0, dim1 })?)])
         }

@@ -723,3 +723,60 @@ fn compiled_dropout_drops_scales_and_differentiates_through_its_mask() {
         "one mask for two calls"
     );
 }
+
+/// Half-precision models train compiled too (computing in f32 inside): their gradients
+/// come back in the parameters' dtype and agree with f64 autograd on the same rounded
+/// parameters and inputs to the format's precision.
+#[test]
+fn half_precision_models_get_gradients_in_their_dtype() {
+    for (kind, tolerance) in [(Kind::Half, 5e-3), (Kind::BFloat16, 3e-2)] {
+        for name in ["mlp", "encoder_post"] {
+            tch::manual_seed(12);
+            let mut store = nn::VarStore::new(Device::Cpu);
+            let model = std::rc::Rc::new(family(name, &store));
+            store.set_kind(kind);
+            let traced = std::rc::Rc::clone(&model);
+            let compiled =
+                compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d)).train(&store);
+            let lengths = [3i64, 1, 4];
+            let inputs = [
+                batch(&lengths, &[4], kind, 1).0,
+                batch(&lengths, &[3], kind, 2).0,
+                class_ids(&lengths, 3),
+                memory(&lengths, 4).to_kind(kind).unwrap(),
+            ];
+            let variables = store.variables();
+            clear_gradients(&variables);
+            compiled
+                .call(&inputs.iter().collect::<Vec<_>>(), &[])
+                .unwrap();
+            let actual = gradients_of(&variables);
+            // The reference: f64 autograd on the same (rounded) values.
+            store.double();
+            let doubled: Vec<NestedTensor> = inputs
+                .iter()
+                .map(|input| match input.kind() {
+                    Kind::Int64 => input.shallow_clone(),
+                    _ => input.to_kind(Kind::Double).unwrap(),
+                })
+                .collect();
+            clear_gradients(&variables);
+            let variables = store.variables();
+            model(&doubled, &[]).unwrap().into_tensor().backward();
+            let expected = gradients_of(&variables);
+            assert_eq!(
+                actual.keys().collect::<Vec<_>>(),
+                expected.keys().collect::<Vec<_>>()
+            );
+            for (path, gradient) in &actual {
+                assert_eq!(gradient.kind(), kind, "{name} {path}");
+                assert_close(
+                    gradient,
+                    &expected[path],
+                    tolerance,
+                    &format!("{name} {kind:?} {path}"),
+                );
+            }
+        }
+    }
+}

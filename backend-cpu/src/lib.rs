@@ -14,6 +14,8 @@
 mod codegen;
 mod kernels;
 
+use std::collections::HashMap;
+
 use inkwell::attributes::AttributeLoc;
 use inkwell::context::Context;
 use inkwell::execution_engine::ExecutionEngine;
@@ -109,11 +111,20 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
     let context: &'static Context = Box::leak(Box::new(Context::create()));
     let module = context.create_module("nestor");
-    let mut names = Vec::with_capacity(program.steps.len());
+    let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
+    // Steps that differ only in their buffers share one kernel (the buffers are
+    // arguments): the layers of a model, a forward op and its backward twin.
+    let mut generated_for: HashMap<String, usize> = HashMap::new();
     for (index, step) in program.steps.iter().enumerate() {
+        let key = kernel_key(step);
+        if let Some(&first) = generated_for.get(&key) {
+            names.push(names[first].clone());
+            continue;
+        }
         let name = format!("step{index}");
         let generated = kernels::generate(program.float, context, &module, &name, step)?;
         names.push(generated.then_some(name));
+        generated_for.insert(key, index);
     }
     module
         .verify()
@@ -176,17 +187,19 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     })
 }
 
-/// Whether a step runs as a JIT kernel (GEMMs, and attention built on GEMMs, call a
-/// library from the runtime; a GEMM's epilogue is a kernel).
-pub fn has_kernel(step: &Step) -> bool {
-    !matches!(
-        step,
-        Step::Gemm { epilogue: None, .. }
-            | Step::Attention { .. }
-            | Step::Host { .. }
-            | Step::Pad { .. }
-            | Step::Unpad { .. }
-    )
+/// What a step's kernel code depends on: the step with its buffers' slot numbers
+/// erased (kernels take their buffers as arguments).
+fn kernel_key(step: &Step) -> String {
+    let text = format!("{step:?}");
+    let mut key = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(start) = rest.find("Slot(") {
+        key.push_str(&rest[..start + 5]);
+        rest = &rest[start + 5..];
+        rest = rest.trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    key.push_str(rest);
+    key
 }
 
 #[cfg(test)]

@@ -347,6 +347,7 @@ where
             .model
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut phases = Phases::start();
         let traced = trace_named(
             &self.name,
             nested,
@@ -354,6 +355,7 @@ where
             self.names.clone(),
             |inputs, dense| (*model)(inputs, dense),
         )?;
+        phases.done("trace");
         let outputs = traced.graph().outputs.len();
         let (graph, gradients) = if self.training {
             let requires_grad: Vec<bool> = nested
@@ -364,6 +366,7 @@ where
         } else {
             (traced.graph().clone(), Vec::new())
         };
+        phases.done("autodiff");
         let dump = std::env::var_os("NESTOR_DUMP");
         if let (Some(dir), true) = (&dump, self.training) {
             // The joint forward + backward graph, before any pass.
@@ -387,15 +390,19 @@ where
             stage: "passes",
             reason: error.to_string(),
         })?;
+        phases.done("passes");
         let program =
             lower_with(&optimized, self.lower_options).map_err(|error| NestedError::Compile {
                 stage: "lowering",
                 reason: error.to_string(),
             })?;
+        phases.done("lowering");
         let executable = Executable::compile(program).map_err(|error| NestedError::Compile {
             stage: "backend",
             reason: error.to_string(),
         })?;
+        phases.done("backend");
+        phases.report(&self.name);
         if let Some(dir) = &dump {
             let dir = Path::new(dir);
             let stages = pipeline.pass_names().len();
@@ -418,6 +425,40 @@ where
             outputs,
             gradients,
         })
+    }
+}
+
+/// How long each phase of a compile took, printed to stderr with `NESTOR_PROFILE`.
+struct Phases {
+    last: std::time::Instant,
+    times: Vec<(&'static str, f64)>,
+}
+
+impl Phases {
+    fn start() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            times: Vec::new(),
+        }
+    }
+
+    /// Ends `phase` now.
+    fn done(&mut self, phase: &'static str) {
+        let now = std::time::Instant::now();
+        self.times
+            .push((phase, (now - self.last).as_secs_f64() * 1e3));
+        self.last = now;
+    }
+
+    fn report(&self, name: &str) {
+        if std::env::var_os("NESTOR_PROFILE").is_some() {
+            let phases: Vec<String> = self
+                .times
+                .iter()
+                .map(|(phase, ms)| format!("{phase} {ms:.1} ms"))
+                .collect();
+            eprintln!("nestor profile: compile {name}: {}", phases.join(", "));
+        }
     }
 }
 

@@ -545,9 +545,18 @@ fn compiled_training_follows_eager_training_for_300_adam_steps() {
         let lengths: Vec<i64> = (0..4)
             .map(|element| 1 + (step * 7 + element * 3) % 6)
             .collect();
-        let (inputs, _) = batch(&lengths, &[4], Kind::Float, step % 5);
+        let (inputs, elements) = batch(&lengths, &[4], Kind::Float, step % 5);
         let (targets, _) = batch(&lengths, &[3], Kind::Float, 100);
-        let ids = class_ids(&lengths, step % 5);
+        // Learnable classes: whether a row's first feature is positive (whatever the
+        // random draws, which tests running alongside can reseed).
+        let classes: Vec<Tensor> = elements
+            .iter()
+            .map(|element| element.select(1, 0).gt(0.0).to_kind(Kind::Int64))
+            .collect();
+        let ids = NestedTensor::builder()
+            .ragged_dims(&[0])
+            .tensors(&classes)
+            .unwrap();
         let batches = [inputs, targets, ids];
         eager_adam.zero_grad();
         let loss = eager_model(
@@ -592,7 +601,7 @@ fn compiled_training_follows_eager_training_for_300_adam_steps() {
     let mean = |losses: &[f64]| losses.iter().sum::<f64>() / losses.len() as f64;
     for losses in [&eager_losses, &compiled_losses] {
         assert!(
-            mean(&losses[250..]) < 0.8 * mean(&losses[..50]),
+            mean(&losses[250..]) < 0.5 * mean(&losses[..50]),
             "no learning: {:?}",
             &losses[..5]
         );

@@ -140,6 +140,24 @@ impl Type {
             _ => Vec::new(),
         }
     }
+
+    /// The sizes of a ragged type's element dims after its leading ragged ones (its
+    /// packed rows' tail; -1 for a size not known statically); `None` for other types.
+    pub fn ragged_tail(&self) -> Option<Vec<i64>> {
+        let Type::Ragged { dims, .. } = self else {
+            return None;
+        };
+        let size = |dim: &ElemDim| match dim {
+            ElemDim::Fixed(dim) => dim.as_static().unwrap_or(-1),
+            ElemDim::Ragged(_) => -1,
+        };
+        Some(
+            dims.iter()
+                .skip_while(|dim| matches!(dim, ElemDim::Ragged(_)))
+                .map(size)
+                .collect(),
+        )
+    }
 }
 
 impl fmt::Display for Dim {

@@ -537,17 +537,10 @@ fn normalization(
 fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, AutodiffError> {
     match *op {
         Op::ReshapeTail { x, .. } => {
-            let tail = match b.ty(x) {
-                Type::Ragged { dims, .. } => dims
-                    .iter()
-                    .skip_while(|dim| matches!(dim, ElemDim::Ragged(_)))
-                    .map(|dim| match dim {
-                        ElemDim::Fixed(dim) => dim.as_static().unwrap_or(-1),
-                        ElemDim::Ragged(_) => -1,
-                    })
-                    .collect(),
-                _ => return Err(b.no_rule("a reshape of a dense value")),
-            };
+            let tail = b
+                .ty(x)
+                .ragged_tail()
+                .ok_or_else(|| b.no_rule("a reshape of a dense value"))?;
             Ok(vec![(x, b.push(Op::ReshapeTail { x: g, tail })?)])
         }
         Op::SelectStatic { x, dim, index } => {

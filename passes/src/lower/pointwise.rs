@@ -102,17 +102,7 @@ impl Lowering<'_> {
         let inserted = nestor_ir::with_inserted_dims(self.graph.ty(x), self.graph.ty(like), dims)
             .map_err(|reason| unsupported(value, op, reason))?;
         let (slot, ..) = self.data(value, x)?;
-        let tail = match &inserted {
-            Type::Ragged { dims, .. } => dims
-                .iter()
-                .skip_while(|dim| matches!(dim, ElemDim::Ragged(_)))
-                .map(|dim| match dim {
-                    ElemDim::Fixed(dim) => dim.as_static().unwrap_or(-1),
-                    ElemDim::Ragged(_) => -1,
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
+        let tail = inserted.ragged_tail().unwrap_or_default();
         let out = self.result(value, ty)?;
         let out_tail = tail_of(&out);
         let access = self.access_as(value, ty, (x, &inserted), slot, &tail, &out_tail)?;

@@ -186,6 +186,30 @@ fn split_mix(value: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The row offsets of an attention step's queries and keys.
+type Offsets<'r> = (&'r [i64], &'r [i64]);
+
+/// The query and key offsets of an attention step, after checking that both batches
+/// have as many elements (`None`: lengths not given, nothing to do).
+fn attention_offsets<'r>(
+    index: usize,
+    run: &'r RunState<'_, '_>,
+    q_lengths: Slot,
+    k_lengths: Slot,
+) -> Result<Option<Offsets<'r>>, RuntimeError> {
+    let (batch, key_batch) = (run.sizes.batch(q_lengths), run.sizes.batch(k_lengths));
+    if batch != key_batch {
+        return Err(step_error(
+            index,
+            format!("{batch} query elements but {key_batch} key elements"),
+        ));
+    }
+    Ok(match (run.lengths(q_lengths), run.lengths(k_lengths)) {
+        (Some(q_info), Some(k_info)) => Some((&q_info.offsets[..], &k_info.offsets[..])),
+        _ => None,
+    })
+}
+
 fn step_error(step: usize, reason: String) -> RuntimeError {
     RuntimeError::Step { step, reason }
 }
@@ -459,15 +483,7 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention step".into()));
         };
-        let (batch, key_batch) = (run.sizes.batch(*q_lengths), run.sizes.batch(*k_lengths));
-        if batch != key_batch {
-            return Err(step_error(
-                index,
-                format!("{batch} query elements but {key_batch} key elements"),
-            ));
-        }
-        let (Some(q_info), Some(k_info)) = (run.lengths(*q_lengths), run.lengths(*k_lengths))
-        else {
+        let Some(offsets) = attention_offsets(index, run, *q_lengths, *k_lengths)? else {
             return Ok(());
         };
         let attention = Attention {
@@ -487,7 +503,6 @@ impl Executable {
             run.pointer(k.slot),
             run.pointer(v.slot),
         );
-        let offsets = (&q_info.offsets[..], &k_info.offsets[..]);
         // The buffers were sized from these offsets and the step's widths, in the
         // program's type.
         unsafe {
@@ -524,15 +539,7 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention gradient step".into()));
         };
-        let (batch, key_batch) = (run.sizes.batch(*q_lengths), run.sizes.batch(*k_lengths));
-        if batch != key_batch {
-            return Err(step_error(
-                index,
-                format!("{batch} query elements but {key_batch} key elements"),
-            ));
-        }
-        let (Some(q_info), Some(k_info)) = (run.lengths(*q_lengths), run.lengths(*k_lengths))
-        else {
+        let Some(offsets) = attention_offsets(index, run, *q_lengths, *k_lengths)? else {
             return Ok(());
         };
         let gradient = AttentionGrad {
@@ -554,7 +561,6 @@ impl Executable {
             run.pointer(v.slot),
             run.pointer(g.slot),
         );
-        let offsets = (&q_info.offsets[..], &k_info.offsets[..]);
         // The buffers were sized from these offsets and the step's widths, in the
         // program's type.
         unsafe {

@@ -31,6 +31,10 @@ if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch-${NESTOR_TORCH_VE
 fi
 
 if [ ! -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
+  # env.sh was sourced before the venv existed (a first run): look for torch again.
+  LIBTORCH=$(compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch" | head -n 1 || true)
+fi
+if [ ! -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
   echo "nestor setup: $LIBTORCH/lib/libtorch_cpu.so is missing after the install" >&2
   exit 1
 fi

@@ -155,11 +155,23 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
         }
         // A padded grid of the packed rows, dense ops on it.
         "padded" => Box::new(move |x, _| x[0].linear(&w1, None)?.pad()?.tanh()?.sum_all()),
+        // L1 and binary cross entropy with logits against probabilities.
+        "losses" => Box::new(move |x, _| {
+            let out = x[0].linear(&w2.narrow(1, 0, 4), None)?;
+            let l1 = out
+                .l1_loss(&x[1], LossReduction::Mean)?
+                .into_dense_handle()?;
+            let probabilities = x[1].sigmoid()?;
+            let bce = out
+                .binary_cross_entropy_with_logits(&probabilities, LossReduction::Sum)?
+                .into_dense_handle()?;
+            l1.add(&bce)
+        }),
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 14] = [
+const FAMILIES: [&str; 15] = [
     "mlp",
     "norms",
     "softmax",
@@ -174,6 +186,7 @@ const FAMILIES: [&str; 14] = [
     "transformer_post",
     "transformer_pre",
     "padded",
+    "losses",
 ];
 
 /// A memory batch for the decoders: the lengths in reverse order (other lengths per

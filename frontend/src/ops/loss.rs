@@ -177,7 +177,15 @@ impl NestedTensor {
         target: impl Into<Operand<'a>>,
         reduction: LossReduction,
     ) -> Result<Reduced> {
-        let target = self.align(&target.into(), "binary_cross_entropy_with_logits")?;
+        let target = target.into();
+        if self.trace.is_some() {
+            // Traced: the same formula in recorded primitives (so it compiles and has
+            // gradients), `max(x, 0) - x * y + log(1 + e^(-|x|))`.
+            let softplus = (&self.abs()?.neg()?.exp()? + 1.0)?.log()?;
+            let linear = (&self.relu()? - &self.mul(target)?)?;
+            return (&linear + &softplus)?.reduce_loss(reduction);
+        }
+        let target = self.align(&target, "binary_cross_entropy_with_logits")?;
         let logits = self.packed();
         let target = target.f_expand_as(logits)?.f_to_kind(logits.kind())?;
         let losses = logits.f_binary_cross_entropy_with_logits(

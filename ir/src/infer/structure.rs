@@ -6,35 +6,7 @@ use super::*;
 pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     let ty = |value: ValueId| graph.ty(value).clone();
     match op {
-        Op::ReshapeTail { x, tail } => {
-            let x = ty(*x);
-            let Type::Ragged { dtype, batch, dims } = &x else {
-                return Err(format!("expects a ragged value, got {x}"));
-            };
-            let leading = dims
-                .iter()
-                .take_while(|dim| matches!(dim, ElemDim::Ragged(_)))
-                .count();
-            let old: Vec<i64> = dims[leading..]
-                .iter()
-                .map(fixed_static)
-                .collect::<Result<_, _>>()?;
-            if old.iter().product::<i64>() != tail.iter().product::<i64>()
-                || tail.iter().any(|&size| size < 0)
-            {
-                return Err(format!("cannot reshape a static tail {old:?} to {tail:?}"));
-            }
-            let dims = dims[..leading]
-                .iter()
-                .cloned()
-                .chain(tail.iter().map(|&size| ElemDim::Fixed(Dim::Static(size))))
-                .collect();
-            Ok(Type::Ragged {
-                dtype: *dtype,
-                batch: batch.clone(),
-                dims,
-            })
-        }
+        Op::ReshapeTail { x, tail } => reshape_tail(&ty(*x), tail),
         Op::SelectStatic { x, dim, index } => {
             let x = ty(*x);
             let size = static_element_dim(&x, *dim)?;
@@ -218,6 +190,36 @@ fn repeat_batch(
     Ok(Type::Ragged {
         dtype,
         batch: Dim::Sym(format!("{batch}x{repeats}")),
+        dims,
+    })
+}
+
+/// The type of `reshape_tail`: the static tail after the leading ragged dims, reshaped.
+fn reshape_tail(x: &Type, tail: &[i64]) -> Inferred {
+    let Type::Ragged { dtype, batch, dims } = x else {
+        return Err(format!("expects a ragged value, got {x}"));
+    };
+    let leading = dims
+        .iter()
+        .take_while(|dim| matches!(dim, ElemDim::Ragged(_)))
+        .count();
+    let old: Vec<i64> = dims[leading..]
+        .iter()
+        .map(fixed_static)
+        .collect::<Result<_, _>>()?;
+    if old.iter().product::<i64>() != tail.iter().product::<i64>()
+        || tail.iter().any(|&size| size < 0)
+    {
+        return Err(format!("cannot reshape a static tail {old:?} to {tail:?}"));
+    }
+    let dims = dims[..leading]
+        .iter()
+        .cloned()
+        .chain(tail.iter().map(|&size| ElemDim::Fixed(Dim::Static(size))))
+        .collect();
+    Ok(Type::Ragged {
+        dtype: *dtype,
+        batch: batch.clone(),
         dims,
     })
 }

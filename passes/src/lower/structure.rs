@@ -49,36 +49,7 @@ impl Lowering<'_> {
                 Ok(out)
             }
             Op::ReshapeTail { x, .. } => self.alias_of(value, *x, ty),
-            Op::SelectStatic { x, dim, index } => {
-                self.leading(value, *x)?;
-                let (slot, _, tail, _) = self.data(value, *x)?;
-                if *dim != 1 {
-                    return Err(unsupported(
-                        value,
-                        op,
-                        "only the first static dim can be selected",
-                    ));
-                }
-                let inner = volume(&tail[1..]);
-                let access = Access {
-                    slot,
-                    row_stride: volume(&tail),
-                    col_stride: 1,
-                    offset: index * inner,
-                    per_element: None,
-                    col_modulo: 0,
-                };
-                let out = self.result(value, ty)?;
-                let width = volume(&tail_of(&out));
-                self.program.steps.push(Step::Pointwise {
-                    out: slot_of(&out),
-                    rows: rows_of(&out),
-                    width,
-                    inputs: vec![access],
-                    expr: Expr::Load(0),
-                });
-                Ok(out)
-            }
+            Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
             Op::WindowLengths {
                 lengths,
                 kernel,
@@ -160,5 +131,45 @@ impl Lowering<'_> {
             }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
+    }
+
+    /// `select_static` of the first static dim: a strided copy.
+    fn select_static(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        dim: usize,
+        index: i64,
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        self.leading(value, x)?;
+        let (slot, _, tail, _) = self.data(value, x)?;
+        if dim != 1 {
+            return Err(unsupported(
+                value,
+                op,
+                "only the first static dim can be selected",
+            ));
+        }
+        let inner = volume(&tail[1..]);
+        let access = Access {
+            slot,
+            row_stride: volume(&tail),
+            col_stride: 1,
+            offset: index * inner,
+            per_element: None,
+            col_modulo: 0,
+        };
+        let out = self.result(value, ty)?;
+        let width = volume(&tail_of(&out));
+        self.program.steps.push(Step::Pointwise {
+            out: slot_of(&out),
+            rows: rows_of(&out),
+            width,
+            inputs: vec![access],
+            expr: Expr::Load(0),
+        });
+        Ok(out)
     }
 }

@@ -281,6 +281,40 @@ impl Executable {
                 Ok(())
             }
             Step::Unpad { .. } => self.run_unpad(index, step, run),
+            Step::SumRows { .. }
+            | Step::OneHot { .. }
+            | Step::ScatterRows { .. }
+            | Step::Insert { .. }
+            | Step::RandomMask { .. }
+            | Step::LengthValues { .. } => self.run_data_step(index, step, run),
+            Step::AttentionGrad { .. } => self.run_attention_grad(index, step, run),
+            Step::Gather {
+                out,
+                table,
+                ids,
+                rows,
+                width,
+            } => {
+                self.check_ids(index, *table, *ids, run)?;
+                self.launch(
+                    index,
+                    &[run.pointer(*out), run.pointer(*table), run.pointer(*ids)],
+                    run.sizes.rows(*rows),
+                    row_grain(step, *width),
+                )
+            }
+        }
+    }
+
+    /// The steps that fill a buffer on the host: row sums, one-hot rows, scatter-adds,
+    /// inserted copies, random masks and length values.
+    fn run_data_step(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        match step {
             Step::SumRows {
                 out,
                 a,
@@ -366,7 +400,6 @@ impl Executable {
                 }
                 Ok(())
             }
-            Step::AttentionGrad { .. } => self.run_attention_grad(index, step, run),
             Step::RandomMask {
                 out,
                 rows,
@@ -396,21 +429,10 @@ impl Executable {
                 }
                 Ok(())
             }
-            Step::Gather {
-                out,
-                table,
-                ids,
-                rows,
-                width,
-            } => {
-                self.check_ids(index, *table, *ids, run)?;
-                self.launch(
-                    index,
-                    &[run.pointer(*out), run.pointer(*table), run.pointer(*ids)],
-                    run.sizes.rows(*rows),
-                    row_grain(step, *width),
-                )
-            }
+            other => Err(step_error(
+                index,
+                format!("{} is not a host data step", super::step_name(other)),
+            )),
         }
     }
 

@@ -4,9 +4,12 @@
 //! documents, molecules, images of different sizes); nestor keeps them packed (values
 //! plus offsets) and never pays for padding.
 //!
-//! Today nestor provides the eager [`NestedTensor`] on libtorch (through `tch`) and the
-//! collation of per-sample tensors into batches. The compiler (`nestor::compile`) is
-//! being built on top of it; see `ARCHITECTURE.md`.
+//! nestor provides the eager [`NestedTensor`] on libtorch (through `tch`), the
+//! collation of per-sample tensors into batches, and [`compile`]: a model traced once
+//! per input structure into a ragged IR ([`ir`]), optimized and JIT-compiled for the
+//! host CPU ([`passes`]), reused for every set of lengths, and with
+//! [`Compiled::train`] trained too (autodiff on the IR, gradients into the tch
+//! parameters). See `ARCHITECTURE.md`.
 //!
 //! ```
 //! use nestor::NestedTensor;

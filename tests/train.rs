@@ -233,6 +233,11 @@ fn assert_close(actual: &Tensor, expected: &Tensor, tolerance: f64, what: &str) 
 /// Checks one family on several batches of one structure through one compiled
 /// program: the loss and every gradient, compiled vs eager autograd.
 fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
+    check_pipeline(name, kind, batches, seed, true);
+}
+
+/// [`check`] with the e-graph optimizer on or off (the joint graph lowered op by op).
+fn check_pipeline(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64, optimized: bool) {
     tch::manual_seed(seed);
     let mut store = nn::VarStore::new(Device::Cpu);
     let model = std::rc::Rc::new(family(name, &store));
@@ -240,7 +245,9 @@ fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
         store.double();
     }
     let traced = std::rc::Rc::clone(&model);
-    let compiled = compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d)).train(&store);
+    let compiled = compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d))
+        .optimized(optimized)
+        .train(&store);
     let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
     let variables = store.variables();
     for (index, lengths) in batches.iter().enumerate() {
@@ -328,12 +335,13 @@ proptest! {
 }
 
 /// Every family in f64 on batches with an empty element, one-row elements and batch
-/// size 1, through one program each.
+/// size 1, through one program each, with the optimizer and without it.
 #[test]
 fn edge_lengths_give_the_gradients_of_autograd() {
     let batches = [vec![1i64], vec![0, 3], vec![1, 1, 2], vec![5]];
     for name in FAMILIES {
-        check(name, Kind::Double, &batches, 7);
+        check_pipeline(name, Kind::Double, &batches, 7, true);
+        check_pipeline(name, Kind::Double, &batches, 7, false);
     }
 }
 

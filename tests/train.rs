@@ -167,11 +167,19 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 .into_dense_handle()?;
             l1.add(&bce)
         }),
+        // Max and min reductions over the ragged dim and the last dim.
+        "extremes" => Box::new(move |x, _| {
+            let hidden = x[0].linear(&w1, Some(&b1))?;
+            let pooled = hidden.amax(&[1], true)?.into_dense_handle()?;
+            let smallest = hidden.amin(&[-1], false)?.into_nested()?.tanh()?;
+            let smallest = smallest.sum(&[], false)?.into_dense_handle()?;
+            pooled.tanh()?.mean_all()?.add(&smallest)
+        }),
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 15] = [
+const FAMILIES: [&str; 16] = [
     "mlp",
     "norms",
     "softmax",
@@ -187,6 +195,7 @@ const FAMILIES: [&str; 15] = [
     "transformer_pre",
     "padded",
     "losses",
+    "extremes",
 ];
 
 /// A memory batch for the decoders: the lengths in reverse order (other lengths per
@@ -251,6 +260,9 @@ fn check_pipeline(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64, optim
     let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
     let variables = store.variables();
     for (index, lengths) in batches.iter().enumerate() {
+        // A maximum over an empty element is an error (as in torch).
+        let shortest = i64::from(name == "extremes");
+        let lengths: &Vec<i64> = &lengths.iter().map(|&l| l.max(shortest)).collect();
         let (inputs, _) = batch(lengths, &[4], kind, seed + 2 * index as i64);
         let (targets, _) = batch(lengths, &[3], kind, seed + 2 * index as i64 + 1);
         let ids = class_ids(lengths, seed + index as i64);

@@ -31,7 +31,7 @@ pub(super) fn vjp(
     match op.family() {
         OpFamily::Pointwise => pointwise(b, value, op, g, &wants),
         OpFamily::Gemm => gemm(b, op, g, &wants),
-        OpFamily::Reduce => reduce(b, op, g),
+        OpFamily::Reduce => reduce(b, value, op, g),
         OpFamily::Norm => norm(b, value, op, g, &wants),
         OpFamily::Structure => structure(b, op, g),
         OpFamily::Attention => attention(b, op, g, &wants),
@@ -335,7 +335,12 @@ fn gemm(
     Ok(out)
 }
 
-fn reduce(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, AutodiffError> {
+fn reduce(
+    b: &mut Builder,
+    y: ValueId,
+    op: &Op,
+    g: ValueId,
+) -> Result<Contributions, AutodiffError> {
     let Op::Reduce {
         op: kind,
         x,
@@ -346,7 +351,10 @@ fn reduce(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Autodif
     else {
         return Err(b.no_rule("not a reduction"));
     };
-    if !matches!(kind, ReduceOp::Sum | ReduceOp::Mean) {
+    if !matches!(
+        kind,
+        ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin
+    ) {
         return Err(b.no_rule(format!("no rule for {} yet", kind.word())));
     }
     let full = rank(b.ty(x)) as i64;
@@ -362,12 +370,24 @@ fn reduce(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Autodif
     } else {
         reduced.clone()
     };
-    let spread = b.expand(g, x, inserted)?;
-    let gradient = if kind == ReduceOp::Mean {
-        let count = count(b, x, &reduced)?;
-        b.div(spread, count)?
-    } else {
-        spread
+    let spread = b.expand(g, x, inserted.clone())?;
+    let gradient = match kind {
+        ReduceOp::Mean => {
+            let count = count(b, x, &reduced)?;
+            b.div(spread, count)?
+        }
+        ReduceOp::Amax | ReduceOp::Amin => {
+            // Shared evenly by the values equal to the result, as libtorch.
+            let extreme = b.expand(y, x, inserted)?;
+            let hit = b.binary(BinaryOp::Eq, x, extreme)?;
+            let dtype = b.ty(x).dtype().unwrap_or(DType::F32);
+            let mask = b.push(Op::Cast { x: hit, dtype })?;
+            let ties = b.reduce(ReduceOp::Sum, mask, reduced, true)?;
+            let ties = b.expand(ties, x, Vec::new())?;
+            let share = b.div(spread, ties)?;
+            b.mul(share, mask)?
+        }
+        _ => spread,
     };
     Ok(vec![(x, gradient)])
 }

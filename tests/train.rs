@@ -822,3 +822,33 @@ fn half_precision_models_get_gradients_in_their_dtype() {
         }
     }
 }
+
+/// A class id outside the logits' classes (and not the ignored one) is a typed error of
+/// the compiled call, as libtorch's cross entropy rejects it, not a row of zeros.
+#[test]
+fn class_ids_out_of_range_are_bad_input() {
+    let store = nn::VarStore::new(Device::Cpu);
+    let model = family("classifier", &store);
+    let compiled = compile("bad_ids", move |x: &[NestedTensor], d: &[Dense]| {
+        model(x, d)
+    })
+    .train(&store);
+    let (inputs, _) = batch(&[2, 1], &[4], Kind::Float, 1);
+    let (targets, _) = batch(&[2, 1], &[3], Kind::Float, 2);
+    let ids = |second: i64| {
+        NestedTensor::from_tensors(&[
+            Tensor::from_slice(&[0i64, second]),
+            Tensor::from_slice(&[1i64]),
+        ])
+        .unwrap()
+    };
+    // Compiled on good ids (2 is the ignored class), then called with a bad one.
+    compiled.call(&[&inputs, &targets, &ids(2)], &[]).unwrap();
+    match compiled.call(&[&inputs, &targets, &ids(7)], &[]) {
+        Err(NestedError::Compile {
+            stage: "runtime",
+            reason,
+        }) => assert!(reason.contains("row 1 has id 7"), "{reason}"),
+        other => panic!("expected bad input, got {other:?}"),
+    }
+}

@@ -399,8 +399,8 @@ pub enum Step {
         /// Divide by the number of rows.
         mean: bool,
     },
-    /// `out[r, c] = 1` where `c == ids[r]`, else 0 (rows of zeros for `ignore` and ids
-    /// outside `0..classes`).
+    /// `out[r, c] = 1` where `c == ids[r]`, else 0 (a row of zeros for `ignore`; other
+    /// ids outside `0..classes` are bad input, checked before the step runs).
     OneHot {
         /// Output slot `[rows, classes]`.
         out: Slot,

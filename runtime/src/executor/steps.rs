@@ -295,7 +295,8 @@ impl Executable {
                 rows,
                 width,
             } => {
-                self.check_ids(index, *table, *ids, run)?;
+                let vocabulary = run.sizes.rows(self.program.info(*table).rows);
+                self.check_ids(index, *ids, (vocabulary, None), run)?;
                 self.launch(
                     index,
                     &[run.pointer(*out), run.pointer(*table), run.pointer(*ids)],
@@ -344,6 +345,7 @@ impl Executable {
                 classes,
                 ignore,
             } => {
+                self.check_ids(index, *ids, (*classes, Some(*ignore)), run)?;
                 let rows = run.sizes.rows(*rows).max(0) as usize;
                 let (out, ids) = (run.pointer(*out), run.pointer(*ids) as *const i64);
                 // `ids` holds `rows` i64 values (an input of that checked size) and `out`
@@ -687,29 +689,27 @@ impl Executable {
         Ok(())
     }
 
-    /// Checks the ids of an embedding gather against its table.
+    /// Checks that the ids in `ids` (an input) are in `0..limit`, or equal `ignored`:
+    /// the rows of an embedding table, the classes of a one-hot target.
     fn check_ids(
         &self,
         index: usize,
-        table: Slot,
         ids: Slot,
+        (limit, ignored): (i64, Option<i64>),
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let vocabulary = run.sizes.rows(self.program.info(table).rows);
         let Source::Input(input) = self.program.info(ids).source else {
-            return Err(step_error(index, "embedding ids must be an input".into()));
+            return Err(step_error(index, "ids must be an input".into()));
         };
         if let Some(InputData::I64(values)) = run.inputs.get(input) {
             if let Some((row, &id)) = values
                 .iter()
                 .enumerate()
-                .find(|(_, &id)| id < 0 || id >= vocabulary)
+                .find(|(_, &id)| Some(id) != ignored && !(0..limit).contains(&id))
             {
                 return Err(RuntimeError::BadInput {
                     input,
-                    reason: format!(
-                        "row {row} has id {id}, outside the table of {vocabulary} rows"
-                    ),
+                    reason: format!("row {row} has id {id}, outside 0..{limit}"),
                 });
             }
         }

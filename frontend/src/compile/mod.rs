@@ -336,13 +336,20 @@ where
             self.stats.hit();
             return Ok(Arc::clone(entry));
         }
-        let entry = Arc::new(self.build(nested, dense)?);
+        let entry = Arc::new(self.build(nested, dense, &key.requires_grad)?);
         self.stats.compiled();
         cache.insert(key, Arc::clone(&entry));
         Ok(entry)
     }
 
-    fn build(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Entry> {
+    /// Traces, differentiates (in training; the gradients of the batches that
+    /// `requires_grad` marks too), optimizes, lowers and JIT-compiles the model.
+    fn build(
+        &self,
+        nested: &[&NestedTensor],
+        dense: &[&Tensor],
+        requires_grad: &[bool],
+    ) -> Result<Entry> {
         let model = self
             .model
             .lock()
@@ -358,11 +365,7 @@ where
         phases.done("trace");
         let outputs = traced.graph().outputs.len();
         let (graph, gradients) = if self.training {
-            let requires_grad: Vec<bool> = nested
-                .iter()
-                .map(|batch| batch.packed().requires_grad())
-                .collect();
-            train::joint_graph(&traced, &requires_grad)?
+            train::joint_graph(&traced, requires_grad)?
         } else {
             (traced.graph().clone(), Vec::new())
         };

@@ -90,10 +90,7 @@ impl Lowering<'_> {
                 padding_idx,
             } => {
                 let (g, rows, tail, _) = self.data(value, *g)?;
-                let (ids, ..) = self.data(value, *ids)?;
-                if self.program.info(ids).dtype != DType::I64 {
-                    return Err(unsupported(value, op, "its ids must be an integer input"));
-                }
+                let (ids, ..) = self.integer_ids(value, *ids)?;
                 let width = tail.last().copied().unwrap_or(1);
                 let out = self.result(value, ty)?;
                 self.program.steps.push(Step::ScatterRows {

@@ -421,6 +421,23 @@ impl Lowering<'_> {
         }
     }
 
+    /// The buffer of integer ids `ids` (an input: steps write floats), its rows and tail.
+    fn integer_ids(
+        &self,
+        value: ValueId,
+        ids: ValueId,
+    ) -> Result<(Slot, Rows, Vec<i64>), LowerError> {
+        let (slot, rows, tail, _) = self.data(value, ids)?;
+        if self.program.info(slot).dtype != DType::I64 {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                "its ids must be an integer input",
+            ));
+        }
+        Ok((slot, rows, tail))
+    }
+
     fn op(&mut self, value: ValueId, op: &Op, ty: &Type) -> Result<Lowered, LowerError> {
         if let Some(dtype) = ty.dtype() {
             if !matches!(

@@ -89,10 +89,7 @@ impl Lowering<'_> {
                 ignore,
                 ..
             } => {
-                let (ids, rows, tail, _) = self.data(value, *ids)?;
-                if self.program.info(ids).dtype != DType::I64 {
-                    return Err(unsupported(value, op, "its ids must be an integer input"));
-                }
+                let (ids, rows, tail) = self.integer_ids(value, *ids)?;
                 let out = self.result(value, ty)?;
                 self.program.steps.push(Step::OneHot {
                     out: slot_of(&out),

@@ -245,18 +245,43 @@ fn check(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64) {
     check_pipeline(name, kind, batches, seed, true);
 }
 
-/// [`check`] with the e-graph optimizer on or off (the joint graph lowered op by op).
-fn check_pipeline(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64, optimized: bool) {
+/// A family's parameters, its eager model and its compiled training step.
+struct Trained<F> {
+    store: nn::VarStore,
+    model: std::rc::Rc<Model>,
+    compiled: nestor::Compiled<F>,
+}
+
+/// Family `name` with its parameters in `kind` (seeded), and its compiled training step
+/// (the optimizer on or off).
+fn trained(
+    name: &str,
+    kind: Kind,
+    seed: i64,
+    optimized: bool,
+) -> Trained<impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense>> {
     tch::manual_seed(seed);
     let mut store = nn::VarStore::new(Device::Cpu);
     let model = std::rc::Rc::new(family(name, &store));
-    if kind == Kind::Double {
-        store.double();
-    }
+    store.set_kind(kind);
     let traced = std::rc::Rc::clone(&model);
     let compiled = compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d))
         .optimized(optimized)
         .train(&store);
+    Trained {
+        store,
+        model,
+        compiled,
+    }
+}
+
+/// [`check`] with the e-graph optimizer on or off (the joint graph lowered op by op).
+fn check_pipeline(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64, optimized: bool) {
+    let Trained {
+        store,
+        model,
+        compiled,
+    } = trained(name, kind, seed, optimized);
     let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
     let variables = store.variables();
     for (index, lengths) in batches.iter().enumerate() {
@@ -647,13 +672,9 @@ fn compiled_training_follows_eager_training_for_300_adam_steps() {
 #[test]
 fn batches_that_require_grad_get_their_gradients() {
     for name in ["mlp", "attention", "encoder_pre", "decoder_post"] {
-        tch::manual_seed(9);
-        let mut store = nn::VarStore::new(Device::Cpu);
-        let model = std::rc::Rc::new(family(name, &store));
-        store.double();
-        let traced = std::rc::Rc::clone(&model);
-        let compiled =
-            compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d)).train(&store);
+        let Trained {
+            model, compiled, ..
+        } = trained(name, Kind::Double, 9, true);
         let lengths = [3i64, 0, 1, 4];
         let elements = |seed: i64| -> Vec<Tensor> {
             tch::manual_seed(seed);
@@ -773,13 +794,11 @@ fn compiled_dropout_drops_scales_and_differentiates_through_its_mask() {
 fn half_precision_models_get_gradients_in_their_dtype() {
     for (kind, tolerance) in [(Kind::Half, 5e-3), (Kind::BFloat16, 3e-2)] {
         for name in ["mlp", "encoder_post"] {
-            tch::manual_seed(12);
-            let mut store = nn::VarStore::new(Device::Cpu);
-            let model = std::rc::Rc::new(family(name, &store));
-            store.set_kind(kind);
-            let traced = std::rc::Rc::clone(&model);
-            let compiled =
-                compile(name, move |x: &[NestedTensor], d: &[Dense]| traced(x, d)).train(&store);
+            let Trained {
+                mut store,
+                model,
+                compiled,
+            } = trained(name, kind, 12, true);
             let lengths = [3i64, 1, 4];
             let inputs = [
                 batch(&lengths, &[4], kind, 1).0,

@@ -177,11 +177,14 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
         } else {
             1
         };
-        let per_chunk = rows.div_ceil(chunks);
-        let partials: Vec<Vec<T>> = b
-            .par_chunks(per_chunk * n)
-            .map(|part| column_sums(part, n))
-            .collect();
+        // Small sums stay on this thread (no trip through the pool).
+        let partials: Vec<Vec<T>> = if chunks == 1 {
+            vec![column_sums(b, n)]
+        } else {
+            b.par_chunks(rows.div_ceil(chunks) * n)
+                .map(|part| column_sums(part, n))
+                .collect()
+        };
         out.fill(T::ZERO);
         for partial in partials {
             for (sum, value) in out.iter_mut().zip(partial) {

@@ -164,12 +164,17 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
         let product = move |first: usize, count: usize| unsafe {
             buffers.product(first, count, (rows, m, n))
         };
-        rayon::scope(|scope| {
-            for first in (per_chunk..m).step_by(per_chunk) {
-                scope.spawn(move |_| product(first, per_chunk.min(m - first)));
-            }
-            product(0, per_chunk.min(m));
-        });
+        if chunks == 1 {
+            product(0, m);
+        } else {
+            // The calling thread computes the first chunk while the pool runs the others.
+            rayon::in_place_scope(|scope| {
+                for first in (per_chunk..m).step_by(per_chunk) {
+                    scope.spawn(move |_| product(first, per_chunk.min(m - first)));
+                }
+                product(0, per_chunk.min(m));
+            });
+        }
     } else {
         let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
         let chunks = if parallel {

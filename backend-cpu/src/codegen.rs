@@ -354,9 +354,10 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .ok_or_else(|| err(format!("{name} returned nothing")))
     }
 
-    /// `e^x` inline: range reduction to `2^n * 2^f` and a degree-6 polynomial for `2^f`
-    /// (relative error below 4e-6, worst at the ends of the range; inputs clamped to the finite range), so loops
-    /// over it vectorize instead of calling libm once per value.
+    /// `e^x` inline: `2^n e^r` with `n` the nearest integer to `x / ln 2`, `r = x - n ln 2`
+    /// in two steps (Cody and Waite) and Cephes' polynomial for `e^r` (within 2 ulp;
+    /// inputs clamped to the finite range), so loops over it vectorize instead of calling
+    /// libm once per value. [`crate::fast_exp`] computes the same on the host.
     pub(crate) fn fast_exp(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         if self.double {
             // f64 kernels keep full precision.
@@ -366,12 +367,19 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         let clamped = self.extreme(low, self.constant(88.0), false)?;
         let t = self.fmul(clamped, self.constant(std::f64::consts::LOG2_E))?;
         let n = self.intrinsic("llvm.rint", &[t])?;
-        let f = self.fsub(t, n)?;
-        let coefficients = crate::EXP2_COEFFICIENTS;
+        let [high, low] = crate::LN_2_SPLIT;
+        let r = self.fsub(clamped, self.fmul(n, self.constant(high))?)?;
+        let r = self.fsub(r, self.fmul(n, self.constant(low))?)?;
+        let coefficients = crate::EXP_COEFFICIENTS;
         let mut polynomial = self.constant(coefficients[0]);
         for &coefficient in &coefficients[1..] {
-            polynomial = self.fadd(self.fmul(polynomial, f)?, self.constant(coefficient))?;
+            polynomial = self.fadd(self.fmul(polynomial, r)?, self.constant(coefficient))?;
         }
+        let square = self.fmul(r, r)?;
+        let polynomial = self.fadd(
+            self.fadd(self.fmul(polynomial, square)?, r)?,
+            self.constant(1.0),
+        )?;
         let i32_type = self.context.i32_type();
         let exponent = self
             .builder

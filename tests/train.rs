@@ -218,12 +218,18 @@ fn class_ids(lengths: &[i64], seed: i64) -> NestedTensor {
         .unwrap()
 }
 
+/// The largest `|a - b| / (1 + |b|)` (NaNs left out).
+fn relative_error(actual: &Tensor, expected: &Tensor) -> f64 {
+    let (actual, expected) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
+    let error = (&actual - &expected).abs() / (expected.abs() + 1.0);
+    error.nan_to_num(0.0, None, None).max().double_value(&[])
+}
+
 /// `|a - b| <= tolerance * (1 + |b|)` everywhere, NaNs in the same places.
 fn assert_close(actual: &Tensor, expected: &Tensor, tolerance: f64, what: &str) {
     assert_eq!(actual.size(), expected.size(), "{what}: shapes");
+    let worst = relative_error(actual, expected);
     let (actual, expected) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
-    let error = (&actual - &expected).abs() / (expected.abs() + 1.0);
-    let worst = error.nan_to_num(0.0, None, None).max().double_value(&[]);
     assert!(
         worst <= tolerance,
         "{what}: error {worst:.3e}\ncompiled {actual}\neager {expected}"
@@ -282,28 +288,56 @@ fn check_pipeline(name: &str, kind: Kind, batches: &[Vec<i64>], seed: i64, optim
         model,
         compiled,
     } = trained(name, kind, seed, optimized);
-    let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
+    // In f32, how far eager f32 itself is from f64 (the same parameters) sets how close
+    // compiled must be: some batches make a deep model ill-conditioned.
+    let reference = (kind == Kind::Float).then(|| trained(name, Kind::Double, seed, optimized));
     let variables = store.variables();
     for (index, lengths) in batches.iter().enumerate() {
         // A maximum over an empty element is an error (as in torch).
         let shortest = i64::from(name == "extremes");
         let lengths: &Vec<i64> = &lengths.iter().map(|&l| l.max(shortest)).collect();
-        let (inputs, _) = batch(lengths, &[4], kind, seed + 2 * index as i64);
-        let (targets, _) = batch(lengths, &[3], kind, seed + 2 * index as i64 + 1);
-        let ids = class_ids(lengths, seed + index as i64);
-        let memory = memory(lengths, seed + 3).to_kind(kind).unwrap();
-        let inputs = [inputs, targets, ids, memory];
-        clear_gradients(&variables);
-        let eager_loss = model(&inputs, &[]).unwrap().into_tensor();
-        eager_loss.backward();
-        let expected = gradients_of(&variables);
+        let inputs_of = |kind: Kind| {
+            [
+                batch(lengths, &[4], kind, seed + 2 * index as i64).0,
+                batch(lengths, &[3], kind, seed + 2 * index as i64 + 1).0,
+                class_ids(lengths, seed + index as i64),
+                memory(lengths, seed + 3).to_kind(kind).unwrap(),
+            ]
+        };
+        let inputs = inputs_of(kind);
+        let eager = |model: &Model,
+                     variables: &std::collections::HashMap<String, Tensor>,
+                     inputs: &[NestedTensor]| {
+            clear_gradients(variables);
+            let loss = model(inputs, &[]).unwrap().into_tensor();
+            loss.backward();
+            (loss.detach(), gradients_of(variables))
+        };
+        let (eager_loss, expected) = eager(&model, &variables, &inputs);
+        let tolerance = match &reference {
+            None => 1e-9,
+            Some(reference) => {
+                let (loss64, expected64) = eager(
+                    &reference.model,
+                    &reference.store.variables(),
+                    &inputs_of(Kind::Double),
+                );
+                let conditioning = expected
+                    .iter()
+                    .filter_map(|(path, gradient)| {
+                        Some(relative_error(gradient, expected64.get(path)?))
+                    })
+                    .fold(relative_error(&eager_loss, &loss64), f64::max);
+                (20.0 * conditioning).max(1e-4)
+            }
+        };
         clear_gradients(&variables);
         let outputs = compiled
             .call(&inputs.iter().collect::<Vec<_>>(), &[])
             .unwrap();
         let what = |part: &str| format!("{name} {kind:?} {lengths:?}: {part}");
         let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
-        assert_close(&loss, &eager_loss.detach(), tolerance, &what("loss"));
+        assert_close(&loss, &eager_loss, tolerance, &what("loss"));
         // Every variable's accumulated gradient (parameters that are views of a variable,
         // like the slices of a fused projection, reach it through autograd).
         let actual = gradients_of(&variables);

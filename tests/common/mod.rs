@@ -89,7 +89,11 @@ pub fn assert_elements(nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
 
 /// Compares `text` with `tests/filetests/<name>.nir`; `NESTOR_BLESS=1` rewrites it.
 pub fn golden(name: &str, text: &str) {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+    // Cargo sets the variable when it runs the test; the compile-time value can name
+    // another clone that built this binary in the shared target folder.
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), std::path::PathBuf::from);
+    let path = root
         .join("tests/filetests")
         .join(format!("{name}.nir"));
     if std::env::var_os("NESTOR_BLESS").is_some() {

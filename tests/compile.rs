@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{batch, lengths};
+use common::{assert_close_within, batch, eager_values, lengths, Out};
 use nestor::nn::{TransformerConfig, TransformerEncoder};
 use nestor::{compile, Dense, NestedError, NestedTensor, Value};
 use proptest::prelude::*;
@@ -16,73 +16,6 @@ use tch::{nn, Device, Kind, Tensor};
 /// kernels sum in another order than libtorch).
 fn assert_close(compiled: &[Value], eager: &[Value], what: &str) {
     assert_close_within(compiled, eager, 1e-4, what)
-}
-
-/// Compiled results agree with eager ones within `tolerance` (relative and absolute).
-fn assert_close_within(compiled: &[Value], eager: &[Value], tolerance: f64, what: &str) {
-    assert_eq!(compiled.len(), eager.len(), "{what}: outputs");
-    for (position, (c, e)) in compiled.iter().zip(eager).enumerate() {
-        let (c, e) = match (c, e) {
-            (Value::Nested(c), Value::Nested(e)) => {
-                assert_eq!(
-                    c.layout().element_sizes(),
-                    e.layout().element_sizes(),
-                    "{what}: output {position} sizes"
-                );
-                (
-                    c.values().to_kind(Kind::Double),
-                    e.values().to_kind(Kind::Double),
-                )
-            }
-            (Value::Dense(c), Value::Dense(e)) => {
-                (c.to_kind(Kind::Double), e.to_kind(Kind::Double))
-            }
-            other => panic!("{what}: output {position} kinds differ: {other:?}"),
-        };
-        assert_eq!(c.size(), e.size(), "{what}: output {position} shape");
-        assert!(
-            c.allclose(&e, tolerance, tolerance, true),
-            "{what}: output {position} differs by {}",
-            (&c - &e).abs().max().double_value(&[])
-        );
-    }
-}
-
-fn eager_values(outputs: Vec<Out>) -> Vec<Value> {
-    outputs
-        .into_iter()
-        .map(|output| match output {
-            Out::Nested(nested) => Value::Nested(nested),
-            Out::Dense(dense) => Value::Dense(dense.into_tensor()),
-        })
-        .collect()
-}
-
-enum Out {
-    Nested(NestedTensor),
-    Dense(Dense),
-}
-
-impl nestor::TraceOutputs for Out {
-    fn trace_refs(&self) -> Vec<Option<nestor::TraceRef>> {
-        match self {
-            Out::Nested(nested) => nested.trace_refs(),
-            Out::Dense(dense) => dense.trace_refs(),
-        }
-    }
-}
-impl From<NestedTensor> for Out {
-    fn from(nested: NestedTensor) -> Self {
-        Out::Nested(nested)
-    }
-}
-impl From<nestor::Reduced> for Out {
-    fn from(reduced: nestor::Reduced) -> Self {
-        match reduced {
-            nestor::Reduced::Nested(nested) => Out::Nested(nested),
-            nestor::Reduced::Dense(dense) => Out::Dense(dense),
-        }
-    }
 }
 
 type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>>;

@@ -284,57 +284,40 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.builder.build_float_div(a, b, "fdiv").map_err(err)
     }
 
-    /// `a > b ? a : b` (or the smaller with `largest` false).
+    /// The larger of `a` and `b` (the smaller with `largest` false), NaN when either is
+    /// NaN, as torch's `maximum` / `minimum` (`llvm.maximum`: a running maximum built from
+    /// it still vectorizes, as a compare, a max and a NaN blend per vector).
     pub(crate) fn extreme(
         &self,
         a: FloatValue<'ctx>,
         b: FloatValue<'ctx>,
         largest: bool,
     ) -> Gen<FloatValue<'ctx>> {
-        self.pick(a, b, largest, false)
-    }
-
-    /// [`Kernel::extreme`] that may assume no NaN (and ignore the sign of zero), so that
-    /// a running maximum built from it vectorizes. For softmax's row maximum: a NaN in
-    /// the row still makes every output NaN through the exponentials.
-    pub(crate) fn extreme_unordered(
-        &self,
-        a: FloatValue<'ctx>,
-        b: FloatValue<'ctx>,
-        largest: bool,
-    ) -> Gen<FloatValue<'ctx>> {
-        self.pick(a, b, largest, true)
-    }
-
-    fn pick(
-        &self,
-        a: FloatValue<'ctx>,
-        b: FloatValue<'ctx>,
-        largest: bool,
-        unordered: bool,
-    ) -> Gen<FloatValue<'ctx>> {
-        let predicate = if largest {
-            FloatPredicate::OGT
+        let name = if largest {
+            "llvm.maximum"
         } else {
-            FloatPredicate::OLT
+            "llvm.minimum"
         };
-        let flags = FastMathFlags::NoNaNs | FastMathFlags::NoSignedZeros;
-        let compare = self
+        self.intrinsic(name, &[a, b])
+    }
+
+    /// `condition ? a : b` for a float compare of `x` with `y`.
+    fn select_if(
+        &self,
+        predicate: FloatPredicate,
+        (x, y): (FloatValue<'ctx>, FloatValue<'ctx>),
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let condition = self
             .builder
-            .build_float_compare(predicate, a, b, "cmp")
+            .build_float_compare(predicate, x, y, "cmp")
             .map_err(err)?;
-        if let (true, Some(instruction)) = (unordered, compare.as_instruction()) {
-            instruction.set_fast_math_flags(flags).map_err(err)?;
-        }
-        let pick = self
+        Ok(self
             .builder
-            .build_select(compare, a, b, "pick")
+            .build_select(condition, a, b, "select")
             .map_err(err)?
-            .into_float_value();
-        if let (true, Some(instruction)) = (unordered, pick.as_instruction()) {
-            instruction.set_fast_math_flags(flags).map_err(err)?;
-        }
-        Ok(pick)
+            .into_float_value())
     }
 
     /// An LLVM float intrinsic of one argument (`llvm.exp`, `llvm.sqrt`, ...).
@@ -355,20 +338,23 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     }
 
     /// `e^x` inline: `2^n e^r` with `n` the nearest integer to `x / ln 2`, `r = x - n ln 2`
-    /// in two steps (Cody and Waite) and Cephes' polynomial for `e^r` (within 2 ulp;
-    /// inputs clamped to the finite range), so loops over it vectorize instead of calling
-    /// libm once per value. [`crate::fast_exp`] computes the same on the host.
+    /// in two steps (Cody and Waite) and Cephes' polynomial for `e^r` (within 2 ulp), so
+    /// loops over it vectorize instead of calling libm once per value. `2^n` is applied
+    /// as two factors, so results overflow to `inf` and underflow through the subnormals
+    /// to 0 as libm's; NaN stays NaN. [`crate::fast_exp`] computes the same on the host.
     pub(crate) fn fast_exp(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         if self.double {
             // f64 kernels keep full precision.
             return self.intrinsic("llvm.exp", &[x]);
         }
-        let low = self.extreme(x, self.constant(-87.0), true)?;
-        let clamped = self.extreme(low, self.constant(88.0), false)?;
-        let t = self.fmul(clamped, self.constant(std::f64::consts::LOG2_E))?;
+        let [lowest, highest] = crate::EXP_INPUT_RANGE.map(|bound| self.constant(bound.into()));
+        // Ordered compares: a NaN passes both clamps and makes the polynomial NaN.
+        let x = self.select_if(FloatPredicate::OLT, (x, lowest), lowest, x)?;
+        let x = self.select_if(FloatPredicate::OGT, (x, highest), highest, x)?;
+        let t = self.fmul(x, self.constant(std::f64::consts::LOG2_E))?;
         let n = self.intrinsic("llvm.rint", &[t])?;
         let [high, low] = crate::LN_2_SPLIT;
-        let r = self.fsub(clamped, self.fmul(n, self.constant(high))?)?;
+        let r = self.fsub(x, self.fmul(n, self.constant(high))?)?;
         let r = self.fsub(r, self.fmul(n, self.constant(low))?)?;
         let coefficients = crate::EXP_COEFFICIENTS;
         let mut polynomial = self.constant(coefficients[0]);
@@ -380,25 +366,42 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             self.fadd(self.fmul(polynomial, square)?, r)?,
             self.constant(1.0),
         )?;
+        // The exponent as an integer: a NaN `n` becomes the lowest one (an ordered
+        // compare), so the conversion is always defined; the NaN polynomial decides.
+        let floor = self.constant(crate::EXP_LOWEST_EXPONENT.into());
+        let n = self.select_if(FloatPredicate::OGE, (n, floor), n, floor)?;
         let i32_type = self.context.i32_type();
         let exponent = self
             .builder
             .build_float_to_signed_int(n, i32_type, "n")
             .map_err(err)?;
-        let biased = self
+        let half = self
             .builder
-            .build_int_add(exponent, i32_type.const_int(127, false), "biased")
+            .build_right_shift(exponent, i32_type.const_int(1, false), true, "half")
             .map_err(err)?;
-        let shifted = self
+        let rest = self
             .builder
-            .build_left_shift(biased, i32_type.const_int(23, false), "bits")
+            .build_int_sub(exponent, half, "rest")
             .map_err(err)?;
-        let scale = self
-            .builder
-            .build_bit_cast(shifted, self.float, "scale")
-            .map_err(err)?
-            .into_float_value();
-        self.fmul(polynomial, scale)
+        let power_of_two = |exponent: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+            let biased = self
+                .builder
+                .build_int_add(exponent, i32_type.const_int(127, false), "biased")
+                .map_err(err)?;
+            let shifted = self
+                .builder
+                .build_left_shift(biased, i32_type.const_int(23, false), "bits")
+                .map_err(err)?;
+            Ok(self
+                .builder
+                .build_bit_cast(shifted, self.float, "scale")
+                .map_err(err)?
+                .into_float_value())
+        };
+        // Two products, never contracted or reassociated: the first is exact, the second
+        // rounds once (into the subnormals or to inf where the result does).
+        let scaled = self.fmul(polynomial, power_of_two(half)?)?;
+        self.fmul(scaled, power_of_two(rest)?)
     }
 
     /// `erf(x)` inline in f32 kernels, without a division so loops over it vectorize
@@ -566,12 +569,24 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             UnaryOp::Cos => self.intrinsic("llvm.cos", &[x]),
             UnaryOp::Tanh => self.fast_tanh(x),
             UnaryOp::Sigmoid => self.sigmoid(x),
-            UnaryOp::Relu => self.extreme(x, self.constant(0.0), true),
+            UnaryOp::Relu => {
+                // `x < 0 ? 0 : x`, as libtorch: NaN and -0 pass through.
+                let zero = self.constant(0.0);
+                self.select_if(FloatPredicate::OLT, (x, zero), zero, x)
+            }
             UnaryOp::Gelu => {
                 let scaled = self.fmul(x, self.constant(std::f64::consts::FRAC_1_SQRT_2))?;
                 let erf = self.fast_erf(scaled)?;
                 let half = self.fmul(x, self.constant(0.5))?;
-                self.fmul(half, self.fadd(self.constant(1.0), erf)?)
+                let gelu = self.fmul(half, self.fadd(self.constant(1.0), erf)?)?;
+                // Libtorch's gelu is NaN at +inf (and at -inf, as `-inf * 0` is here).
+                let infinity = self.constant(f64::INFINITY);
+                self.select_if(
+                    FloatPredicate::OEQ,
+                    (x, infinity),
+                    self.constant(f64::NAN),
+                    gelu,
+                )
             }
             UnaryOp::GeluTanh => {
                 let cube = self.fmul(self.fmul(x, x)?, x)?;

@@ -177,13 +177,11 @@ fn row_sum<'ctx>(
     kernel.get(acc)
 }
 
-/// The largest (or smallest) of `f(column)` over a row; `unordered` lets it assume no
-/// NaN so that it vectorizes (see [`Kernel::extreme_unordered`]).
+/// The largest (or smallest) of `f(column)` over a row, NaN if any is NaN.
 fn row_extreme<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     width: i64,
     largest: bool,
-    unordered: bool,
     f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<FloatValue<'ctx>> {
     let acc = kernel.accumulator("extreme")?;
@@ -197,12 +195,7 @@ fn row_extreme<'ctx>(
     )?;
     kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
         let value = f(column)?;
-        let next = if unordered {
-            kernel.extreme_unordered(kernel.get(acc)?, value, largest)?
-        } else {
-            kernel.extreme(kernel.get(acc)?, value, largest)?
-        };
-        kernel.set(acc, next)
+        kernel.set(acc, kernel.extreme(kernel.get(acc)?, value, largest)?)
     })?;
     kernel.get(acc)
 }
@@ -297,7 +290,7 @@ fn row<'ctx>(
                 })
             }
             RowKind::Softmax | RowKind::LogSoftmax => {
-                let max = row_extreme(kernel, width, true, true, load)?;
+                let max = row_extreme(kernel, width, true, load)?;
                 let total = row_sum(kernel, width, |column| {
                     kernel.fast_exp(kernel.fsub(load(column)?, max)?)
                 })?;
@@ -324,7 +317,7 @@ fn row<'ctx>(
             RowKind::Max | RowKind::Min => kernel.store_float(
                 out,
                 row,
-                row_extreme(kernel, width, kind == RowKind::Max, false, load)?,
+                row_extreme(kernel, width, kind == RowKind::Max, load)?,
             ),
         }
     })

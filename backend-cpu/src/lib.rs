@@ -41,30 +41,39 @@ pub const EXP_COEFFICIENTS: [f64; 6] = [
     5.000_000_120_1e-1,
 ];
 
+/// The inputs `exp` works on: below, `e^x` rounds to 0 in f32 (`e^-104 < 2^-150`);
+/// above, it overflows to `inf` (`e^89 > f32::MAX`). Clamping keeps `n` in range.
+pub const EXP_INPUT_RANGE: [f32; 2] = [-104.0, 89.0];
+
+/// The lowest `n` of `2^n` that `exp` applies (`n` of the lowest input rounded: 2^-150).
+pub const EXP_LOWEST_EXPONENT: f32 = -150.0;
+
 /// `e^x` computed as the generated kernels compute it (`e^x = 2^n e^r`, `n` the nearest
 /// integer to `x / ln 2`, `r = x - n ln 2` in two steps, [`EXP_COEFFICIENTS`] for `e^r`,
-/// inputs clamped to the finite range; within 2 ulp of the exact value), for host code
-/// that must agree with them.
+/// `2^n` applied as two factors; within 2 ulp of the exact value, `inf` past f32's
+/// range, subnormals and 0 below it, NaN for NaN), for host code that must agree with
+/// them.
 ///
 /// Branch-free f32 arithmetic without libm calls (rounding by the `1.5 * 2^23` trick,
 /// to nearest even like the kernels' `rint`), so loops over it vectorize.
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer.
-    let x = x.clamp(-87.0, 88.0);
+    let [lowest, highest] = EXP_INPUT_RANGE;
+    let x = x.clamp(lowest, highest); // NaN stays NaN.
     let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
     let r = (x - n * LN_2_SPLIT[0] as f32) - n * LN_2_SPLIT[1] as f32;
     let polynomial = EXP_COEFFICIENTS
         .iter()
         .fold(0.0f32, |acc, &c| acc * r + c as f32);
     let reduced = polynomial * r * r + r + 1.0;
-    // `n` is an integer in [-126, 127] (x was clamped; a NaN, which makes the polynomial
-    // NaN, becomes -126 here since `max` ignores NaN), so the unchecked conversion is
+    // `n` is an integer in [-150, 129] (x was clamped; a NaN, which makes the polynomial
+    // NaN, becomes -150 here since `max` ignores NaN), so the unchecked conversion is
     // exact; a saturating `as` would keep the loop from vectorizing.
-    // (`clamp` would keep the NaN.)
-    #[allow(clippy::manual_clamp)]
-    let exponent = unsafe { n.max(-126.0).min(127.0).to_int_unchecked::<i32>() };
-    reduced * f32::from_bits(((exponent + 127) << 23) as u32)
+    let exponent = unsafe { n.max(EXP_LOWEST_EXPONENT).to_int_unchecked::<i32>() };
+    let half = exponent >> 1;
+    let power_of_two = |n: i32| f32::from_bits(((n + 127) << 23) as u32);
+    reduced * power_of_two(half) * power_of_two(exponent - half)
 }
 
 /// A compiled kernel: `args` holds the step's buffers, in the order documented on each
@@ -221,7 +230,22 @@ mod tests {
         }
         // Two f32 ulp (2^-22 relative).
         assert!(worst < 2.5e-7, "worst relative error {worst}");
-        assert!(fast_exp(f32::NEG_INFINITY) < 1e-37, "clamped, not NaN");
         assert!(fast_exp(f32::NAN).is_nan(), "NaN propagates");
+    }
+
+    #[test]
+    fn fast_exp_overflows_and_underflows_as_libm() {
+        for x in [88.72f32, 88.73, 89.0, 100.0, 1e30, f32::INFINITY] {
+            assert_eq!(fast_exp(x), x.exp(), "e^{x}");
+        }
+        for x in [-104.0f32, -110.0, -1e30, f32::NEG_INFINITY] {
+            assert_eq!(fast_exp(x).to_bits(), 0, "e^{x} is +0");
+        }
+        // Subnormal results: within one step of the subnormal grid (2^-149) of libm's.
+        for step in 0..=1700 {
+            let x = -87.0 - step as f32 / 100.0;
+            let error = (fast_exp(x) as f64 - (x as f64).exp()).abs();
+            assert!(error <= f32::from_bits(1) as f64, "e^{x}: error {error:e}");
+        }
     }
 }

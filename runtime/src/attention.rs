@@ -126,7 +126,19 @@ impl Attention<'_> {
                 } else {
                     k_rows as usize
                 };
-                *total = T::softmax_numerators(&mut scores[..limit]);
+                // Libtorch masks by adding -inf: a masked score that is NaN or +inf
+                // makes the row NaN (dividing by a NaN total does).
+                let poisoned = scores[limit..].iter().any(|&score| !(score < T::INFINITY));
+                let row = &mut scores[..limit];
+                if row.iter().all(|&score| score == T::NEG_INFINITY) {
+                    // Libtorch's attention gives 0 for a row without a finite score.
+                    row.fill(T::ZERO);
+                } else {
+                    *total = T::softmax_numerators(row);
+                }
+                if poisoned {
+                    *total = T::NAN;
+                }
                 for score in &mut scores[limit..] {
                     *score = T::ZERO;
                 }

@@ -18,6 +18,7 @@ pub(crate) trait Scalar:
     const ZERO: Self;
     const ONE: Self;
     const NEG_INFINITY: Self;
+    const INFINITY: Self;
     const NAN: Self;
     /// `value` in this type.
     fn from_f64(value: f64) -> Self;
@@ -65,6 +66,7 @@ impl Scalar for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    const INFINITY: Self = f32::INFINITY;
     const NAN: Self = f32::NAN;
     fn from_f64(value: f64) -> Self {
         value as f32
@@ -99,6 +101,7 @@ impl Scalar for f64 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    const INFINITY: Self = f64::INFINITY;
     const NAN: Self = f64::NAN;
     fn from_f64(value: f64) -> Self {
         value

@@ -2,7 +2,7 @@
 //! per-element libtorch.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use nestor::NestedTensor;
+use nestor::{Dense, NestedTensor, Value};
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
 
@@ -91,11 +91,11 @@ pub fn assert_elements(nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
 pub fn golden(name: &str, text: &str) {
     // Cargo sets the variable when it runs the test; the compile-time value can name
     // another clone that built this binary in the shared target folder.
-    let root = std::env::var_os("CARGO_MANIFEST_DIR")
-        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), std::path::PathBuf::from);
-    let path = root
-        .join("tests/filetests")
-        .join(format!("{name}.nir"));
+    let root = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    );
+    let path = root.join("tests/filetests").join(format!("{name}.nir"));
     if std::env::var_os("NESTOR_BLESS").is_some() {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, text).unwrap();
@@ -113,4 +113,90 @@ pub fn golden(name: &str, text: &str) {
         nestor::ir::parse(&expected).unwrap(),
         nestor::ir::parse(text).unwrap()
     );
+}
+
+/// A model output of either kind, for models returning both.
+pub enum Out {
+    Nested(NestedTensor),
+    Dense(Dense),
+}
+
+impl nestor::TraceOutputs for Out {
+    fn trace_refs(&self) -> Vec<Option<nestor::TraceRef>> {
+        match self {
+            Out::Nested(nested) => nested.trace_refs(),
+            Out::Dense(dense) => dense.trace_refs(),
+        }
+    }
+}
+impl From<NestedTensor> for Out {
+    fn from(nested: NestedTensor) -> Self {
+        Out::Nested(nested)
+    }
+}
+impl From<nestor::Reduced> for Out {
+    fn from(reduced: nestor::Reduced) -> Self {
+        match reduced {
+            nestor::Reduced::Nested(nested) => Out::Nested(nested),
+            nestor::Reduced::Dense(dense) => Out::Dense(dense),
+        }
+    }
+}
+
+/// The outputs of an eager call as the values a compiled call returns.
+pub fn eager_values(outputs: Vec<Out>) -> Vec<Value> {
+    outputs
+        .into_iter()
+        .map(|output| match output {
+            Out::Nested(nested) => Value::Nested(nested),
+            Out::Dense(dense) => Value::Dense(dense.into_tensor()),
+        })
+        .collect()
+}
+
+/// A value's packed values (a dense value's tensor) and its element sizes (none for
+/// dense values).
+pub fn value_parts(value: &Value) -> (Tensor, Option<Vec<Vec<i64>>>) {
+    match value {
+        Value::Nested(nested) => (
+            nested.values().shallow_clone(),
+            Some(nested.layout().element_sizes().to_vec()),
+        ),
+        Value::Dense(dense) => (dense.shallow_clone(), None),
+        Value::Lengths(lengths) => (Tensor::from_slice(lengths), None),
+    }
+}
+
+/// Compiled results agree with eager ones position by position: as many outputs, the
+/// same kinds and element sizes, NaN exactly where eager has NaN, infinities equal,
+/// finite values within `tolerance` (relative and absolute). A failure names the output,
+/// the flat position and both values.
+pub fn assert_close_within(compiled: &[Value], eager: &[Value], tolerance: f64, what: &str) {
+    assert_eq!(compiled.len(), eager.len(), "{what}: outputs");
+    for (position, (c, e)) in compiled.iter().zip(eager).enumerate() {
+        let ((c, c_sizes), (e, e_sizes)) = (value_parts(c), value_parts(e));
+        assert_eq!(c_sizes, e_sizes, "{what}: output {position} sizes");
+        assert_same_values(&c, &e, tolerance, &format!("{what}: output {position}"));
+    }
+}
+
+/// `actual` equals `expected` position by position (see [`assert_close_within`]).
+pub fn assert_same_values(actual: &Tensor, expected: &Tensor, tolerance: f64, what: &str) {
+    assert_eq!(actual.size(), expected.size(), "{what}: shape");
+    let (a, e) = (
+        actual.to_kind(Kind::Double).reshape([-1]),
+        expected.to_kind(Kind::Double).reshape([-1]),
+    );
+    let close = a.isclose(&e, tolerance, tolerance, true);
+    let bad = close.logical_not().nonzero();
+    if bad.size()[0] > 0 {
+        let at = bad.int64_value(&[0, 0]);
+        panic!(
+            "{what}: {} of {} values differ; first at {at}: got {}, expected {}",
+            bad.size()[0],
+            e.size()[0],
+            a.double_value(&[at]),
+            e.double_value(&[at])
+        );
+    }
 }

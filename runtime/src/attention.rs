@@ -128,7 +128,9 @@ impl Attention<'_> {
                 };
                 // Libtorch masks by adding -inf: a masked score that is NaN or +inf
                 // makes the row NaN (dividing by a NaN total does).
-                let poisoned = scores[limit..].iter().any(|&score| !(score < T::INFINITY));
+                let poisoned = scores[limit..].iter().any(|&score| {
+                    score.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less)
+                });
                 let row = &mut scores[..limit];
                 if row.iter().all(|&score| score == T::NEG_INFINITY) {
                     // Libtorch's attention gives 0 for a row without a finite score.

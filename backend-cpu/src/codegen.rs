@@ -301,6 +301,35 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.intrinsic(name, &[a, b])
     }
 
+    /// The larger of `a` and `b` for a running maximum that only bounds softmax's
+    /// exponents: a compare and select that may assume no NaN, so the loop vectorizes to
+    /// one `max` per vector. A NaN in the row still makes every output NaN, through its
+    /// own exponential in the denominator; [`Kernel::extreme`] is for values that are
+    /// results.
+    pub(crate) fn softmax_bound(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let flags = FastMathFlags::NoNaNs | FastMathFlags::NoSignedZeros;
+        let compare = self
+            .builder
+            .build_float_compare(FloatPredicate::OGT, a, b, "cmp")
+            .map_err(err)?;
+        let pick = self
+            .builder
+            .build_select(compare, a, b, "pick")
+            .map_err(err)?
+            .into_float_value();
+        for value in [compare.as_instruction(), pick.as_instruction()]
+            .into_iter()
+            .flatten()
+        {
+            value.set_fast_math_flags(flags).map_err(err)?;
+        }
+        Ok(pick)
+    }
+
     /// `condition ? a : b` for a float compare of `x` with `y`.
     fn select_if(
         &self,

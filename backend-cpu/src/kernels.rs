@@ -177,11 +177,13 @@ fn row_sum<'ctx>(
     kernel.get(acc)
 }
 
-/// The largest (or smallest) of `f(column)` over a row, NaN if any is NaN.
+/// The largest (or smallest) of `f(column)` over a row, NaN if any is NaN; with
+/// `bound`, a largest value for softmax (see [`Kernel::softmax_bound`]).
 fn row_extreme<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     width: i64,
     largest: bool,
+    bound: bool,
     f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<FloatValue<'ctx>> {
     let acc = kernel.accumulator("extreme")?;
@@ -195,7 +197,12 @@ fn row_extreme<'ctx>(
     )?;
     kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
         let value = f(column)?;
-        kernel.set(acc, kernel.extreme(kernel.get(acc)?, value, largest)?)
+        let next = if bound {
+            kernel.softmax_bound(kernel.get(acc)?, value)?
+        } else {
+            kernel.extreme(kernel.get(acc)?, value, largest)?
+        };
+        kernel.set(acc, next)
     })?;
     kernel.get(acc)
 }
@@ -290,7 +297,7 @@ fn row<'ctx>(
                 })
             }
             RowKind::Softmax | RowKind::LogSoftmax => {
-                let max = row_extreme(kernel, width, true, load)?;
+                let max = row_extreme(kernel, width, true, true, load)?;
                 let total = row_sum(kernel, width, |column| {
                     kernel.fast_exp(kernel.fsub(load(column)?, max)?)
                 })?;
@@ -317,7 +324,7 @@ fn row<'ctx>(
             RowKind::Max | RowKind::Min => kernel.store_float(
                 out,
                 row,
-                row_extreme(kernel, width, kind == RowKind::Max, load)?,
+                row_extreme(kernel, width, kind == RowKind::Max, false, load)?,
             ),
         }
     })

@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::families::{families, ids};
 use common::{assert_close_within, batch, eager_values, lengths, Out};
 use nestor::nn::{TransformerConfig, TransformerEncoder};
 use nestor::{compile, Dense, NestedError, NestedTensor, Value};
@@ -16,103 +17,6 @@ use tch::{nn, Device, Kind, Tensor};
 /// kernels sum in another order than libtorch).
 fn assert_close(compiled: &[Value], eager: &[Value], what: &str) {
     assert_close_within(compiled, eager, 1e-4, what)
-}
-
-type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>>;
-
-/// One model per lowered family, with parameters of `kind`.
-fn families(kind: Kind) -> Vec<(&'static str, Model)> {
-    tch::manual_seed(0);
-    let options = (kind, Device::Cpu);
-    let (w, b, g, tail, table) = (
-        Tensor::randn([6, 4], options),
-        Tensor::randn([6], options),
-        Tensor::randn([4], options),
-        Tensor::randn([4], options),
-        Tensor::randn([5, 3], options),
-    );
-    let (w2, g2) = (w.shallow_clone(), g.shallow_clone());
-    vec![
-        (
-            "elementwise",
-            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
-                let y = (&(&x[0] * 2.0)? - &tail)?.gelu("none")?;
-                Ok(vec![
-                    y.tanh()?.into(),
-                    x[0].relu()?.maximum(&x[0].sigmoid()?)?.into(),
-                    x[0].gt(0.1)?.into(),
-                    x[0].where_self(&x[0].lt(0.0)?, 0.5)?.into(),
-                    x[0].sign()?.into(),
-                ])
-            }),
-        ),
-        (
-            "linear_norm",
-            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
-                let hidden = x[0].linear(&w, Some(&b))?;
-                Ok(vec![
-                    hidden.layer_norm(&[6], None, None, 1e-5)?.into(),
-                    x[0].rms_norm(&[4], Some(&g), Some(1e-6))?.into(),
-                    x[0].matmul(&w2.transpose(0, 1))?.into(),
-                ])
-            }),
-        ),
-        (
-            "softmax",
-            Box::new(|x: &[NestedTensor], _: &[Dense]| {
-                Ok(vec![
-                    x[0].softmax(-1)?.into(),
-                    x[0].log_softmax(1)?.into(),
-                    x[0].softmax(1)?.into(),
-                ])
-            }),
-        ),
-        (
-            "reduce",
-            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
-                Ok(vec![
-                    x[0].sum(&[1], false)?.into(),
-                    x[0].mean(&[1], false)?.into(),
-                    x[0].mean(&[-1], false)?.into(),
-                    x[0].amax(&[2], true)?.into(),
-                    x[0].layer_norm(&[4], Some(&g2), None, 1e-5)?.into(),
-                ])
-            }),
-        ),
-        (
-            "embedding",
-            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
-                Ok(vec![x[1].embedding(&table, -1)?.relu()?.into()])
-            }),
-        ),
-        (
-            "attention",
-            Box::new(|x: &[NestedTensor], _: &[Dense]| {
-                let heads = x[0].reshape_tail(&[2, 2])?;
-                let qkv = x[0].reshape_tail(&[1, 2, 2])?.select_static(2, 0)?;
-                Ok(vec![
-                    heads
-                        .scaled_dot_product_attention(&heads, &heads, false, None)?
-                        .into(),
-                    qkv.scaled_dot_product_attention(&heads, &heads, true, Some(0.7))?
-                        .reshape_tail(&[4])?
-                        .into(),
-                ])
-            }),
-        ),
-    ]
-}
-
-fn ids(lengths: &[i64], seed: i64) -> NestedTensor {
-    tch::manual_seed(seed);
-    let elements: Vec<Tensor> = lengths
-        .iter()
-        .map(|&l| Tensor::randint(5, [l], (Kind::Int64, Device::Cpu)))
-        .collect();
-    NestedTensor::builder()
-        .ragged_dims(&[0])
-        .tensors(&elements)
-        .unwrap()
 }
 
 proptest! {

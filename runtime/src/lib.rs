@@ -6,6 +6,7 @@
 //! - [`Executable`]: a lowered program with its JIT-compiled kernels; `run` sizes every
 //!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
 //!   cores and calls GEMM (`matrixmultiply`, row chunks on rayon's pool);
+//! - [`Parallelism`]: how runs split their work across threads;
 //! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
 //!
 //! This crate never depends on tch.
@@ -13,6 +14,7 @@
 mod attention;
 mod executor;
 mod layout;
+mod parallel;
 mod scalar;
 mod stats;
 
@@ -21,4 +23,5 @@ pub use executor::{
     RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
+pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};

@@ -2,6 +2,8 @@
 //! per-element libtorch.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod families;
+
 use nestor::{Dense, NestedTensor, Value};
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
@@ -13,6 +15,15 @@ pub fn lengths(max_batch: usize, max_len: i64) -> impl Strategy<Value = Vec<i64>
         prop_oneof![Just(0i64), Just(1i64), 0..=max_len],
         1..=max_batch,
     )
+}
+
+/// Proptest cases for a test: `PROPTEST_CASES` when set (`make fuzz` raises it), else
+/// `default`.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The float kinds every packed op is checked in, with the tolerance for each.

@@ -266,6 +266,7 @@ impl NestedTensor {
             Operand::Int(value) => Arg::Const(*value as f64, dtype()),
             Operand::Bool(value) => Arg::Const(f64::from(u8::from(*value)), DType::Bool),
             Operand::Dense(tensor) => Arg::Dense(tensor, None),
+            Operand::Handle(dense) => Arg::Dense(dense.raw(), dense.trace.as_ref()),
             Operand::Nested(nested) => Arg::Nested(nested),
         })
     }

@@ -3,7 +3,7 @@
 use tch::{Kind, Tensor};
 
 use crate::guard::{slow_path, SlowPath};
-use crate::{NestedError, NestedTensor, Result};
+use crate::{Dense, NestedError, NestedTensor, Result};
 
 /// The other side of an elementwise operator.
 ///
@@ -14,7 +14,9 @@ use crate::{NestedError, NestedTensor, Result};
 ///   must be 1, so a positional `[1, L, C]` is an error rather than a silent guess;
 /// - a dense tensor of rank `R + 1` with the batch size (or 1) at the batch dim applies
 ///   per element (`[B, 1, C]`);
-/// - a NestedTensor must have the same structure.
+/// - a NestedTensor must have the same structure;
+/// - a [`Dense`] handle lines up as its tensor does, and stays traced (a per-element
+///   statistic `[B, 1, C]` such as `x.mean(&[1], true)` used against `x`).
 pub enum Operand<'a> {
     /// A floating-point scalar.
     Float(f64),
@@ -26,6 +28,8 @@ pub enum Operand<'a> {
     Dense(&'a Tensor),
     /// A NestedTensor of the same structure.
     Nested(&'a NestedTensor),
+    /// A dense handle (traced when it was computed from traced values).
+    Handle(&'a Dense),
 }
 
 impl From<f64> for Operand<'_> {
@@ -46,6 +50,11 @@ impl From<bool> for Operand<'_> {
 impl<'a> From<&'a Tensor> for Operand<'a> {
     fn from(tensor: &'a Tensor) -> Self {
         Operand::Dense(tensor)
+    }
+}
+impl<'a> From<&'a Dense> for Operand<'a> {
+    fn from(dense: &'a Dense) -> Self {
+        Operand::Handle(dense)
     }
 }
 impl<'a> From<&'a NestedTensor> for Operand<'a> {
@@ -98,6 +107,7 @@ impl NestedTensor {
                 Ok(other.packed().shallow_clone())
             }
             Operand::Dense(tensor) => self.align_dense(tensor, op),
+            Operand::Handle(dense) => self.align_dense(dense.raw(), op),
         }
     }
 

@@ -38,7 +38,7 @@ pub(super) unsafe fn gemm<T: Scalar>(
     };
     let threads = worker_threads();
     // Chunks of rows on rayon's pool (the pool the kernels use; `NESTOR_THREADS`).
-    let chunks = if shape.rows * shape.k * shape.n >= GEMM_PARALLEL_MACS {
+    let chunks = if shape.rows * shape.k * shape.n >= gemm_parallel_macs() {
         threads.min(shape.rows / 16).max(1)
     } else {
         1
@@ -55,6 +55,7 @@ pub(super) unsafe fn gemm<T: Scalar>(
         rows(0, shape.rows);
         return;
     }
+    crate::Parallelism::count_split();
     let per_chunk = (shape.rows + chunks - 1) / chunks;
     rayon::scope(|scope| {
         for chunk in 0..chunks {
@@ -64,8 +65,10 @@ pub(super) unsafe fn gemm<T: Scalar>(
     });
 }
 
-/// Multiply-adds above which a GEMM is split across the cores.
-const GEMM_PARALLEL_MACS: i64 = 1 << 21;
+/// Multiply-adds from which a GEMM is split across the cores.
+fn gemm_parallel_macs() -> i64 {
+    crate::Parallelism::current().gemm_macs as i64
+}
 
 /// The buffers of a GEMM, shared by the tasks that compute its row chunks.
 struct GemmBuffers<T> {
@@ -145,7 +148,7 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
     }
     let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, m * n) };
     let threads = worker_threads().max(1) as usize;
-    let parallel = (rows * m * n) as i64 >= GEMM_PARALLEL_MACS && threads > 1;
+    let parallel = (rows * m * n) as i64 >= gemm_parallel_macs() && threads > 1;
     if rows == 0 {
         out.fill(T::ZERO);
     } else if let Some(a) = a {
@@ -167,6 +170,7 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
         if chunks == 1 {
             product(0, m);
         } else {
+            crate::Parallelism::count_split();
             // The calling thread computes the first chunk while the pool runs the others.
             rayon::in_place_scope(|scope| {
                 for first in (per_chunk..m).step_by(per_chunk) {
@@ -186,6 +190,7 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
         let partials: Vec<Vec<T>> = if chunks == 1 {
             vec![column_sums(b, n)]
         } else {
+            crate::Parallelism::count_split();
             b.par_chunks(rows.div_ceil(chunks) * n)
                 .map(|part| column_sums(part, n))
                 .collect()

@@ -1,7 +1,7 @@
 //! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
 //! lengths inputs of each run; intermediate buffers are reused once their last reader
 //! has run; kernels split their rows (or elements) across the cores in chunks of at
-//! least 512k scalars (fewer for steps with transcendentals; `NESTOR_THREADS`), the
+//! least 512k scalars (fewer for steps with transcendentals; see [`Parallelism`]), the
 //! calling thread running the first chunk. `NESTOR_PROFILE` prints per-step timings.
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
@@ -15,6 +15,7 @@ mod sizes;
 mod steps;
 
 use crate::scalar::Scalar;
+use crate::Parallelism;
 use sizes::Sizes;
 use steps::RunState;
 
@@ -471,6 +472,7 @@ impl Executable {
             call(kernel, shared, 0, total);
             return Ok(());
         }
+        Parallelism::count_split();
         let per_chunk = (total + chunks - 1) / chunks;
         // Rayon's pool (shared with the GEMMs) runs the other chunks while this thread
         // runs the first: one thread fewer to wake, none spawned per launch.
@@ -489,11 +491,6 @@ impl Executable {
 /// new.
 static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Scalars per chunk below which a kernel is not split across threads: waking the
-/// pool costs more than it saves on smaller work (measured on the benchmark's
-/// operators: relu and add on 384k values ran faster unsplit).
-const CHUNK_SCALARS: i64 = 1 << 19;
-
 /// How many scalars' worth of memory traffic one transcendental function (an
 /// exponential, erf, tanh) counts for when deciding to split a kernel.
 const TRANSCENDENTAL_WEIGHT: i64 = 8;
@@ -502,7 +499,8 @@ const TRANSCENDENTAL_WEIGHT: i64 = 8;
 /// transcendentals, which make a kernel worth splitting across threads sooner.
 fn row_grain(step: &Step, width: i64) -> i64 {
     let weight = 1 + TRANSCENDENTAL_WEIGHT * step.transcendentals() as i64;
-    (CHUNK_SCALARS / (width * weight).max(1)).max(1)
+    let scalars = Parallelism::current().kernel_scalars as i64;
+    (scalars / (width * weight).max(1)).max(1)
 }
 /// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
 fn profile() -> bool {
@@ -535,16 +533,9 @@ fn step_name(step: &Step) -> String {
     }
 }
 
-/// Threads a kernel may use: `NESTOR_THREADS`, or the machine's cores.
+/// Chunks a step may be split into ([`Parallelism::threads`]).
 fn worker_threads() -> i64 {
-    static THREADS: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| {
-        std::env::var("NESTOR_THREADS")
-            .ok()
-            .and_then(|value| value.parse().ok())
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as i64))
-            .max(1)
-    })
+    Parallelism::current().threads as i64
 }
 
 /// The slot whose memory `slot` uses in `program` (itself, unless it is an alias).

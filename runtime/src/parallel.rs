@@ -1,0 +1,90 @@
+//! How the executor splits its work across threads: how many chunks a step may have,
+//! and the sizes below which a step runs on the calling thread alone.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+/// The executor's splitting settings, process-wide. Results never depend on them (the
+/// tests check that): they only trade the cost of waking threads against the work.
+///
+/// ```
+/// use nestor_runtime::Parallelism;
+/// // Split every kernel and GEMM into four chunks, however small (for tests).
+/// let saved = Parallelism::current();
+/// Parallelism { threads: 4, kernel_scalars: 1, gemm_macs: 1 }.set();
+/// assert_eq!(Parallelism::current().threads, 4);
+/// saved.set();
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parallelism {
+    /// Chunks a step may be split into (at least 1). Default: `NESTOR_THREADS`, or the
+    /// machine's cores. Chunks run on rayon's global pool, the calling thread running
+    /// the first.
+    pub threads: usize,
+    /// Scalars per chunk below which a kernel is not split (weighted: a transcendental
+    /// function counts for several). Default 2^19: waking the pool costs more than it
+    /// saves on smaller work (relu and add on 384k values ran faster unsplit).
+    pub kernel_scalars: usize,
+    /// Multiply-adds below which a GEMM (and its epilogue) is not split. Default 2^21.
+    pub gemm_macs: usize,
+}
+
+/// The settings made with [`Parallelism::set`]; 0 where none was made.
+static THREADS: AtomicUsize = AtomicUsize::new(0);
+static KERNEL_SCALARS: AtomicUsize = AtomicUsize::new(0);
+static GEMM_MACS: AtomicUsize = AtomicUsize::new(0);
+
+/// Steps run in more than one chunk.
+static SPLIT_STEPS: AtomicU64 = AtomicU64::new(0);
+
+impl Parallelism {
+    /// The settings in force.
+    pub fn current() -> Self {
+        let or = |setting: &AtomicUsize, default: usize| match setting.load(Ordering::Relaxed) {
+            0 => default,
+            value => value,
+        };
+        let defaults = Self::defaults();
+        Self {
+            threads: or(&THREADS, defaults.threads),
+            kernel_scalars: or(&KERNEL_SCALARS, defaults.kernel_scalars),
+            gemm_macs: or(&GEMM_MACS, defaults.gemm_macs),
+        }
+    }
+
+    /// The settings a process starts with.
+    pub fn defaults() -> Self {
+        static THREADS_FROM_ENVIRONMENT: OnceLock<usize> = OnceLock::new();
+        Self {
+            threads: *THREADS_FROM_ENVIRONMENT.get_or_init(|| {
+                std::env::var("NESTOR_THREADS")
+                    .ok()
+                    .and_then(|value| value.parse().ok())
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+                    .max(1)
+            }),
+            kernel_scalars: 1 << 19,
+            gemm_macs: 1 << 21,
+        }
+    }
+
+    /// Makes these the settings of every later run in the process (a value of 0 is
+    /// taken as 1).
+    pub fn set(self) {
+        THREADS.store(self.threads.max(1), Ordering::Relaxed);
+        KERNEL_SCALARS.store(self.kernel_scalars.max(1), Ordering::Relaxed);
+        GEMM_MACS.store(self.gemm_macs.max(1), Ordering::Relaxed);
+    }
+
+    /// How many step runs of the process were split into more than one chunk (kernels,
+    /// GEMMs, column sums; attention's tasks are not counted): whether work is spread
+    /// across threads at all.
+    pub fn split_steps() -> u64 {
+        SPLIT_STEPS.load(Ordering::Relaxed)
+    }
+
+    /// Counts a step run split into chunks.
+    pub(crate) fn count_split() {
+        SPLIT_STEPS.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,112 @@
+//! One model per lowered kernel family, for the compiled-vs-eager tests.
+
+use nestor::{Binary, Dense, NestedTensor};
+use tch::{Device, Kind, Tensor};
+
+use super::Out;
+
+pub type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>>;
+
+/// One model per lowered family, with parameters of `kind`.
+pub fn families(kind: Kind) -> Vec<(&'static str, Model)> {
+    tch::manual_seed(0);
+    let options = (kind, Device::Cpu);
+    let (w, b, g, tail, table) = (
+        Tensor::randn([6, 4], options),
+        Tensor::randn([6], options),
+        Tensor::randn([4], options),
+        Tensor::randn([4], options),
+        Tensor::randn([5, 3], options),
+    );
+    let (w2, g2) = (w.shallow_clone(), g.shallow_clone());
+    vec![
+        (
+            "elementwise",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                let y = (&(&x[0] * 2.0)? - &tail)?.gelu("none")?;
+                Ok(vec![
+                    y.tanh()?.into(),
+                    x[0].relu()?.maximum(&x[0].sigmoid()?)?.into(),
+                    x[0].gt(0.1)?.into(),
+                    x[0].where_self(&x[0].lt(0.0)?, 0.5)?.into(),
+                    x[0].sign()?.into(),
+                ])
+            }),
+        ),
+        (
+            "linear_norm",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                let hidden = x[0].linear(&w, Some(&b))?;
+                Ok(vec![
+                    hidden.layer_norm(&[6], None, None, 1e-5)?.into(),
+                    x[0].rms_norm(&[4], Some(&g), Some(1e-6))?.into(),
+                    x[0].matmul(&w2.transpose(0, 1))?.into(),
+                    // A GEMM with an epilogue.
+                    x[0].linear(&w2, None)?.gelu("none")?.into(),
+                ])
+            }),
+        ),
+        (
+            "softmax",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![
+                    x[0].softmax(-1)?.into(),
+                    x[0].log_softmax(1)?.into(),
+                    x[0].softmax(1)?.into(),
+                ])
+            }),
+        ),
+        (
+            "reduce",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![
+                    x[0].sum(&[1], false)?.into(),
+                    x[0].mean(&[1], false)?.into(),
+                    x[0].mean(&[-1], false)?.into(),
+                    x[0].amax(&[2], true)?.into(),
+                    x[0].layer_norm(&[4], Some(&g2), None, 1e-5)?.into(),
+                    // Over the batch and ragged dims (a column sum).
+                    x[0].sum(&[0, 1], false)?.into(),
+                    // Per-element operands `[B, 1, 4]` broadcast over each element's rows.
+                    x[0].binary(Binary::Sub, &x[0].mean(&[1], true)?.into_dense_handle()?)?
+                        .into(),
+                    x[0].binary(Binary::Mul, &x[0].sum(&[1], true)?.into_dense_handle()?)?
+                        .into(),
+                ])
+            }),
+        ),
+        (
+            "embedding",
+            Box::new(move |x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![x[1].embedding(&table, -1)?.relu()?.into()])
+            }),
+        ),
+        (
+            "attention",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                let heads = x[0].reshape_tail(&[2, 2])?;
+                let qkv = x[0].reshape_tail(&[1, 2, 2])?.select_static(2, 0)?;
+                Ok(vec![
+                    heads
+                        .scaled_dot_product_attention(&heads, &heads, false, None)?
+                        .into(),
+                    qkv.scaled_dot_product_attention(&heads, &heads, true, Some(0.7))?
+                        .reshape_tail(&[4])?
+                        .into(),
+                ])
+            }),
+        ),
+    ]
+}
+
+pub fn ids(lengths: &[i64], seed: i64) -> NestedTensor {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&l| Tensor::randint(5, [l], (Kind::Int64, Device::Cpu)))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&elements)
+        .unwrap()
+}

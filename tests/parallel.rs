@@ -1,0 +1,105 @@
+//! The executor's split paths under a value check: every kernel family, GEMMs with
+//! their epilogues and attention, split into chunks across threads, equal eager. Real
+//! workloads always take these paths; the other tests' batches are too small to.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::families::{families, ids};
+use common::{assert_close_within, batch, eager_values, lengths};
+use nestor::{compile, Dense, NestedTensor, Parallelism};
+use proptest::prelude::*;
+use tch::Kind;
+
+/// The settings are process-wide: tests that change them take turns.
+static SETTINGS: Mutex<()> = Mutex::new(());
+
+/// Runs `body` with `settings`, then puts the previous ones back (on a panic too).
+fn with_parallelism<T>(settings: Parallelism, body: impl FnOnce() -> T) -> T {
+    struct Restore(Parallelism);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            self.0.set();
+        }
+    }
+    let _turn = SETTINGS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _restore = Restore(Parallelism::current());
+    settings.set();
+    body()
+}
+
+/// Compiles every family that `only` accepts and checks it against eager on `batches`
+/// in each of `kinds`.
+fn families_match_eager(
+    kinds: &[Kind],
+    only: impl Fn(&str) -> bool,
+    batches: &[Vec<i64>],
+    seed: i64,
+) {
+    for &kind in kinds {
+        let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
+        for (family, model) in families(kind) {
+            if !only(family) {
+                continue;
+            }
+            let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+            for (index, lengths) in batches.iter().enumerate() {
+                let (x, _) = batch(lengths, &[4], kind, seed + index as i64);
+                let tokens = ids(lengths, seed + index as i64);
+                let got = compiled
+                    .call(&[&x, &tokens], &[])
+                    .unwrap_or_else(|error| panic!("{family}: {error}"));
+                let want = eager_values(model(&[x, tokens], &[]).unwrap());
+                assert_close_within(&got, &want, tolerance, &format!("{family} {kind:?}"));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(4), ..ProptestConfig::default() })]
+
+    /// Every kernel and GEMM split into up to four chunks however small: the chunk
+    /// boundaries fall everywhere, in elements of every length.
+    #[test]
+    fn every_family_split_into_four_chunks_equals_eager(batches in proptest::collection::vec(lengths(9, 40), 1..3), seed in 0i64..1000) {
+        let settings = Parallelism { threads: 4, kernel_scalars: 1, gemm_macs: 1 };
+        with_parallelism(settings, || {
+            let before = Parallelism::split_steps();
+            families_match_eager(&[Kind::Float, Kind::Double], |_| true, &batches, seed);
+            prop_assert!(Parallelism::split_steps() > before, "nothing was split");
+            Ok(())
+        })?;
+    }
+}
+
+/// Batches large enough that the default thresholds split every kernel kind (pointwise,
+/// row, segment, gather), GEMMs with epilogues and column sums: the paths of real
+/// workloads, with four threads.
+#[test]
+fn large_batches_at_the_default_thresholds_equal_eager() {
+    let settings = Parallelism {
+        threads: 4,
+        ..Parallelism::defaults()
+    };
+    // 24,000 elements of 0..=40 rows: about 1.9M scalars of width 4, so segment
+    // kernels (split by elements) and row kernels (by rows) both have several chunks.
+    // Attention (split by element and head at any size) on a few long elements.
+    let many: Vec<i64> = (0..24_000).map(|i| (i * 7919) % 41).collect();
+    let long = vec![300, 1, 0, 257, 128];
+    with_parallelism(settings, || {
+        let before = Parallelism::split_steps();
+        let attention = |family: &str| family == "attention";
+        families_match_eager(&[Kind::Float], |family| !attention(family), &[many], 3);
+        families_match_eager(&[Kind::Float], attention, &[long], 4);
+        // Per family and kind: pointwise, row and segment kernels, gathers and GEMMs.
+        let split = Parallelism::split_steps() - before;
+        assert!(split >= 20, "only {split} step runs were split");
+    });
+}

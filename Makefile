@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Each installs what is
 # missing first (scripts/setup.sh), then builds and runs.
-.PHONY: setup demo test lint report
+.PHONY: setup demo test lint report fuzz
 
 setup:
 	@scripts/setup.sh
@@ -11,6 +11,11 @@ demo: setup
 test: setup
 	scripts/cargo test --workspace --all-targets
 	scripts/cargo test --workspace --doc
+
+# The property tests with many more cases (PROPTEST_CASES, default 256; about an hour
+# at 256 on two cores).
+fuzz: setup
+	PROPTEST_CASES=$${PROPTEST_CASES:-256} scripts/cargo test --workspace --all-targets --release
 
 lint: setup
 	cargo fmt --all -- --check

@@ -20,7 +20,7 @@ fn assert_close(compiled: &[Value], eager: &[Value], what: &str) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 
     #[test]
     fn compiled_equals_eager_for_every_lowered_family(batches in proptest::collection::vec(lengths(5, 9), 1..4), seed in 0i64..1000) {
@@ -95,7 +95,7 @@ fn a_linear_without_inputs_features_gives_its_bias_after_other_runs() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 
     #[test]
     fn padded_results_compile(batches in proptest::collection::vec(lengths(4, 6), 1..3), double in any::<bool>(), seed in 0i64..1000) {
@@ -526,7 +526,7 @@ fn apply(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(24), ..ProptestConfig::default() })]
 
     /// Differential test of the whole compiler (tracing, DCE, CSE, the e-graph
     /// optimizer, lowering with kernel fusion, kernels) against eager execution, and of
@@ -578,6 +578,7 @@ fn inline_transcendentals_are_accurate_in_f32() {
         exact.gelu("tanh"),
         exact.sigmoid(),
     ];
+    assert_eq!(compiled.len(), expected.len(), "outputs");
     for (index, (output, expected)) in compiled.into_iter().zip(expected).enumerate() {
         let got = output.into_nested().unwrap().values().to_kind(Kind::Double);
         let error = (&got - &expected).abs() / (expected.abs() + 1.0);
@@ -635,4 +636,27 @@ fn sign_matches_libtorch_on_special_values() {
             .collect::<Vec<_>>()
     };
     assert_eq!(bits(&got), bits(&expected), "{got:?} vs {expected:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(12), ..ProptestConfig::default() })]
+
+    /// Cross-attention: queries of one batch, keys and values of another whose lengths
+    /// differ element by element (the runtime keeps their offsets apart), causal or not.
+    #[test]
+    fn cross_attention_with_unequal_lengths_equals_eager(queries in lengths(5, 9), keys in lengths(5, 9), causal in any::<bool>(), seed in 0i64..1000) {
+        let batch_size = queries.len().min(keys.len());
+        let (queries, keys) = (&queries[..batch_size], &keys[..batch_size]);
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let (q, kv) = (x[0].reshape_tail(&[2, 3])?, x[1].reshape_tail(&[2, 2, 3])?);
+            let (k, v) = (kv.select_static(2, 0)?, kv.select_static(2, 1)?);
+            Ok(vec![q.scaled_dot_product_attention(&k, &v, causal, Some(0.6))?.into()])
+        };
+        let compiled = compile("cross_attention", model);
+        let (q, _) = batch(queries, &[6], Kind::Float, seed);
+        let (kv, _) = batch(keys, &[12], Kind::Float, seed + 1);
+        let got = compiled.call(&[&q, &kv], &[]).unwrap();
+        let want = eager_values(model(&[q, kv], &[]).unwrap());
+        assert_close(&got, &want, "cross attention");
+    }
 }

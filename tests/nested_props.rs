@@ -4,6 +4,8 @@
 // proptest! bodies are test code, which clippy does not recognise as such.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use nestor::{NestedOptions, NestedTensor};
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
@@ -59,7 +61,7 @@ fn elements(shapes: &[Vec<i64>]) -> Vec<Tensor> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(96), ..ProptestConfig::default() })]
 
     #[test]
     fn unbind_gives_back_the_inputs(batch in batch_strategy()) {

@@ -173,7 +173,7 @@ fn a_resnet_block_over_images_of_different_sizes() -> Result<(), Box<dyn std::er
 use tch::nn::OptimizerConfig;
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(16), ..ProptestConfig::default() })]
 
     #[test]
     fn losses_count_only_real_positions(lengths in lengths(6, 8), smoothing in prop_oneof![Just(0.0), Just(0.1)], seed in 0i64..1000) {

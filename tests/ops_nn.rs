@@ -99,7 +99,7 @@ fn small_config(norm_first: bool) -> TransformerConfig {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(16), ..ProptestConfig::default() })]
 
     #[test]
     fn linear_matmul_and_embedding(lengths in lengths(6, 9), kind in float_kinds(), seed in 0i64..1000) {

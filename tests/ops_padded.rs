@@ -20,7 +20,7 @@ fn valid(nested: &NestedTensor, padded: &Tensor) -> Tensor {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(24), ..ProptestConfig::default() })]
 
     #[test]
     fn packed_ops_equal_padded_ops_on_valid_positions(lengths in lengths(6, 9), seed in 0i64..1000) {

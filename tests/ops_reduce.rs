@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_elements, batch, close, float_kinds, lengths};
+use common::{assert_elements, assert_elements_of, batch, close, float_kinds, lengths};
 use nestor::{NestedError, NestedTensor, Reduce, Reduced};
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
@@ -53,7 +53,7 @@ const OPS: [Reduce; 9] = [
 ];
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(24), ..ProptestConfig::default() })]
 
     #[test]
     fn reductions_over_static_ragged_and_several_dims(
@@ -70,10 +70,7 @@ proptest! {
                 let expected: Vec<Tensor> = elements.iter().map(|e| reference(op, e, &element_dims, keepdim)).collect();
                 match result {
                     Reduced::Nested(result) => {
-                        let actual = result.unbind().unwrap();
-                        for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
-                            prop_assert!(close(a, e, kind), "{:?} over {:?}, element {}", op, dims, index);
-                        }
+                        assert_elements_of(&format!("{op:?} over {dims:?}"), &result, &expected, kind);
                     }
                     Reduced::Dense(result) => {
                         prop_assert!(close(result.tensor(), &Tensor::stack(&expected, 0), kind), "{:?} over {:?}", op, dims);
@@ -295,10 +292,20 @@ fn batch_norm_uses_every_real_element() -> Result<(), Box<dyn std::error::Error>
 #[test]
 fn dropout_is_identity_in_eval_mode_and_scales_in_training(
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let (nested, elements) = batch(&[5, 3], &[4], Kind::Float, 2);
+    let (nested, elements) = batch(&[50, 0, 1, 73], &[4], Kind::Float, 2);
     assert_elements(&nested.dropout(0.5, false)?, &elements, Kind::Float);
     let dropped = nested.dropout(0.5, true)?;
+    assert_eq!(
+        dropped.layout().element_sizes(),
+        nested.layout().element_sizes()
+    );
     let kept = dropped.values().ne(0.0);
+    // 496 values: the kept fraction is 0.5 within 4.5 standard deviations.
+    let fraction = kept
+        .to_kind(Kind::Double)
+        .mean(Kind::Double)
+        .double_value(&[]);
+    assert!((fraction - 0.5).abs() < 0.1, "kept {fraction}");
     let scaled = dropped.values().masked_select(&kept);
     assert!(close(
         &scaled,

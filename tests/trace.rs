@@ -291,7 +291,7 @@ fn weights() -> Weights {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(12), ..ProptestConfig::default() })]
 
     #[test]
     fn trace_then_interpret_equals_eager_on_other_lengths(

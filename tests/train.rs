@@ -383,16 +383,8 @@ fn gradients_of(
         .collect()
 }
 
-/// Proptest cases: `PROPTEST_CASES` when set (a deep run), else `default`.
-fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|cases| cases.parse().ok())
-        .unwrap_or(default)
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(8), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 
     #[test]
     fn compiled_gradients_equal_autograd(
@@ -679,6 +671,7 @@ fn compiled_training_follows_eager_training_for_300_adam_steps() {
                 .double_value(&[]),
         );
     }
+    assert_eq!(eager_losses.len(), compiled_losses.len(), "steps");
     for (step, (eager, compiled)) in eager_losses
         .iter()
         .zip(&compiled_losses)
@@ -749,6 +742,7 @@ fn batches_that_require_grad_get_their_gradients() {
                 .call(&inputs.iter().collect::<Vec<_>>(), &[])
                 .unwrap();
         });
+        assert_eq!(compiled_gradients.len(), eager.len(), "{name}: gradients");
         for (index, (compiled, eager)) in compiled_gradients.iter().zip(&eager).enumerate() {
             if lengths[index] == 0 {
                 continue;

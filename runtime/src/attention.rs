@@ -146,10 +146,10 @@ impl Attention<'_> {
                 }
             }
             if k_rows == 0 {
-                // No keys: torch gives NaN.
+                // No keys: libtorch's attention gives 0 (a row without a finite score).
                 for row in 0..q_rows {
                     for column in 0..dv {
-                        *out.offset((row * out_width + column) as isize) = T::NAN;
+                        *out.offset((row * out_width + column) as isize) = T::ZERO;
                     }
                 }
                 return;
@@ -263,14 +263,14 @@ impl AttentionGrad<'_> {
         );
         if qs == 0 || ks == 0 {
             if !self.keys && qs > 0 {
-                // No keys: the forward gave NaN, and so does its gradient.
+                // No keys: the forward gave 0 whatever the queries, so their gradient is 0.
                 for row in 0..q_rows {
                     let out = unsafe {
                         buffers
                             .out
                             .offset((row + q_first) as isize * width as isize + (head * d) as isize)
                     };
-                    unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::NAN);
+                    unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
                 }
             }
             if self.keys {

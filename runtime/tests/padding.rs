@@ -20,7 +20,7 @@ const ROUND_TRIP: &str = "graph @round_trip {
 ";
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(32), ..ProptestConfig::default() })]
 
     #[test]
     fn padding_and_packing_again_round_trips(lengths in proptest::collection::vec(0i64..5, 1..5)) {
@@ -48,4 +48,12 @@ proptest! {
             row += length;
         }
     }
+}
+
+/// Proptest cases: `PROPTEST_CASES` when set (`make fuzz`), else `default`.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(default)
 }

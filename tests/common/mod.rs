@@ -91,10 +91,15 @@ pub fn close(actual: &Tensor, expected: &Tensor, kind: Kind) -> bool {
 
 /// Asserts every element of `nested` matches `expected` elementwise.
 pub fn assert_elements(nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
+    assert_elements_of("result", nested, expected, kind)
+}
+
+/// [`assert_elements`] for the result named `what` (in the failure message).
+pub fn assert_elements_of(what: &str, nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
     let actual = nested.unbind().unwrap();
-    assert_eq!(actual.len(), expected.len(), "batch size");
+    assert_eq!(actual.len(), expected.len(), "{what}: batch size");
     for (index, (a, e)) in actual.iter().zip(expected).enumerate() {
-        assert!(close(a, e, kind), "element {index}: {a:?} vs {e:?}");
+        assert!(close(a, e, kind), "{what}, element {index}: {a:?} vs {e:?}");
     }
 }
 

@@ -26,6 +26,7 @@ fn models(c: &mut Criterion) {
                 mut per_element,
                 mut nestor,
                 compiled,
+                ..
             } = columns;
             let mut bench = |name: &str, step: &mut nestor_bench::models::Step<'_>| {
                 group.bench_function(name, |b| {

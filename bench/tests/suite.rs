@@ -5,10 +5,11 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_bench::lengths::{image_sizes, lengths, occupancy};
-use nestor_bench::models::{run_model, Column, Mode, Model, Outcome};
+use nestor_bench::models::{run_model, with_columns, Column, Columns, Mode, Model, Outcome};
 use nestor_bench::operators::{run_operator, Operator};
 use nestor_bench::report::{markdown, Context, Packing};
 use nestor_bench::Scale;
+use tch::Kind;
 
 #[test]
 fn lengths_have_one_longest_element_and_their_occupancy() {
@@ -98,4 +99,61 @@ fn every_model_column_and_operator_runs() {
         text.contains("1.00x"),
         "padded rows compare with themselves"
     );
+}
+
+/// Every model's columns compute the same thing: nestor eager, nestor compiled and the
+/// per-element loop equal the padded libtorch reference on its valid positions
+/// (inference outputs), or its loss (training steps; each step's SGD update at rate
+/// 1e-5 moves the next column's parameters by far less than the tolerance).
+#[test]
+fn every_model_column_equals_the_padded_reference() {
+    let scale = Scale::smoke();
+    for model in Model::ALL {
+        with_columns(model, &scale, 0.5, 1, &mut |mode, _, _, columns| {
+            let Columns {
+                mut padded,
+                mut per_element,
+                mut nestor,
+                compiled,
+                padded_mask,
+            } = columns;
+            let reference = padded()?;
+            // The padded output's valid rows, packed: `[sum L_i, width]`.
+            let reference = match padded_mask {
+                Some(mask) => {
+                    let width = reference.size()[2];
+                    reference
+                        .masked_select(&mask.to_kind(Kind::Bool).expand_as(&reference))
+                        .reshape([-1, width])
+                }
+                None => reference,
+            };
+            // A training step moves the parameters: how far one step moves the loss.
+            let drift = match mode {
+                Mode::Inference => 0.0,
+                Mode::Training => (padded()? - &reference).abs().double_value(&[]),
+            };
+            let mut others = vec![("per-element", per_element()?), ("nestor", nestor()?)];
+            if let Some((mut step, _)) = compiled {
+                others.push(("compiled", step()?));
+            }
+            let scale = reference.abs().max().double_value(&[]).max(1.0);
+            for (steps_after, (column, output)) in (2..).zip(others) {
+                let what = format!("{} {}, {column}", model.name(), mode.name());
+                let output = output.reshape(reference.size());
+                let error = (&output - &reference).abs().max().double_value(&[]);
+                let tolerance = 1e-4 * scale + f64::from(steps_after) * drift;
+                assert!(
+                    error <= tolerance,
+                    "{what}: differs by {error:e} (drift {drift:e})"
+                );
+                assert!(
+                    output.isfinite().all().int64_value(&[]) == 1,
+                    "{what}: not finite"
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
 }

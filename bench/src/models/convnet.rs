@@ -98,6 +98,7 @@ impl ConvNet {
             per_element,
             nestor,
             compiled,
+            padded_mask: None,
         })
     }
 }

@@ -166,6 +166,10 @@ pub struct Columns<'a> {
     pub nestor: Step<'a>,
     /// nestor compiled and its compile counter (none for training).
     pub compiled: Option<(Step<'a>, Box<dyn Fn() -> u64 + 'a>)>,
+    /// For checks, not timed: the `[B, max, 1]` mask of the padded column's output
+    /// (1 on data) when it is padded and the other columns' outputs are packed rows;
+    /// none when every column's output has one shape (logits, losses).
+    pub padded_mask: Option<&'a Tensor>,
 }
 
 /// A batch's columns as [`with_columns`] hands them over: the mode, the batch's
@@ -394,6 +398,7 @@ fn measure_columns(
         per_element,
         nestor,
         compiled,
+        ..
     } = columns;
     let mut rows = Vec::new();
     let mut row = |column: Column, outcome: Outcome| {

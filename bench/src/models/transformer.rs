@@ -203,6 +203,7 @@ impl<'a> Stacks<'a> {
             per_element,
             nestor,
             compiled,
+            padded_mask: (mode == Mode::Inference).then_some(&out.mask),
         })
     }
 }

@@ -3,14 +3,23 @@
 //! torch-sys reports the folder holding `libtorch_cpu.so` as build metadata
 //! (`cargo:libtorch_lib=...`, seen by direct dependents as `DEP_TCH_LIBTORCH_LIB`).
 //! Embedding it as an rpath lets tests, examples and demos find libtorch without
-//! `LD_LIBRARY_PATH`.
+//! `LD_LIBRARY_PATH`. Packages whose tests alone use libtorch find it through
+//! `LIBTORCH` (set by scripts/env.sh).
 
 fn main() {
+    // Packages that use libtorch only in tests (a dev-dependency, whose metadata build
+    // scripts do not see) fall back on `LIBTORCH`, which scripts/env.sh sets.
     let lib_dir = ["DEP_TCH_LIBTORCH_LIB", "DEP_TORCH_SYS_LIBTORCH_LIB"]
         .iter()
-        .find_map(|name| std::env::var(name).ok());
+        .find_map(|name| std::env::var(name).ok())
+        .or_else(|| {
+            std::env::var("LIBTORCH")
+                .ok()
+                .map(|torch| format!("{torch}/lib"))
+        });
     if let Some(lib_dir) = lib_dir {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
     }
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
 }

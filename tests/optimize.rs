@@ -10,7 +10,7 @@ use common::{batch, golden};
 use nestor::ir::print;
 use nestor::nn::{TransformerConfig, TransformerEncoder, TransformerEncoderLayer};
 use nestor::passes::optimize::StopReason;
-use nestor::passes::{lower, Optimize, Pipeline, Step};
+use nestor::passes::{lower, Limits, Optimize, Pipeline, Step};
 use nestor::{compile, trace, Dense, NestedTensor};
 use tch::{nn, Device, Kind};
 
@@ -34,7 +34,9 @@ fn the_optimized_post_norm_encoder_layer_is_seven_kernels() {
         layer.forward(&x[0], false)
     })
     .unwrap();
-    let optimized = Pipeline::default().run(traced.graph()).unwrap();
+    let optimized = Pipeline::optimizing(Limits::untimed())
+        .run(traced.graph())
+        .unwrap();
     golden("encoder_layer.optimized", &print(&optimized));
     let unoptimized = Pipeline::unoptimized().run(traced.graph()).unwrap();
     let plain = lower(&unoptimized).unwrap();
@@ -82,7 +84,10 @@ fn a_six_layer_encoder_optimizes_to_saturation() {
         encoder.forward(&x[0], false)
     })
     .unwrap();
-    let (optimized, report) = Optimize::default().optimize(traced.graph()).unwrap();
+    let (optimized, report) = Optimize::default()
+        .with_limits(Limits::untimed())
+        .optimize(traced.graph())
+        .unwrap();
     optimized.verify().unwrap();
     for phase in &report.phases {
         assert!(matches!(phase.stop, StopReason::Saturated), "{report}");
@@ -99,7 +104,7 @@ fn the_optimizer_moves_fewer_bytes_and_launches_fewer_kernels() {
     let store = nn::VarStore::new(Device::Cpu);
     let layer = TransformerEncoderLayer::new(&(store.root() / "layer"), &config());
     let model = |x: &[NestedTensor], _: &[Dense]| layer.forward(&x[0], false);
-    let optimized = compile("layer", model);
+    let optimized = compile("layer", model).optimizer_limits(Limits::untimed());
     let unoptimized = compile("layer", model).optimized(false);
     let (tokens, _) = batch(&[7, 1, 12, 4], &[8], Kind::Float, 26);
     let fast = optimized

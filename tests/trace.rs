@@ -103,7 +103,7 @@ fn check_family(
         "{family}"
     );
     // The optimized graph (DCE, CSE, fusion) interprets to the same results.
-    let optimized = nestor::passes::Pipeline::default()
+    let optimized = nestor::passes::Pipeline::optimizing(nestor::passes::Limits::untimed())
         .run(traced.graph())
         .unwrap();
     let interpreted_optimized =

@@ -58,17 +58,22 @@ pub struct Pipeline {
 impl Default for Pipeline {
     /// The standard pipeline: decomposition, DCE, CSE, the e-graph optimizer, DCE.
     fn default() -> Self {
-        Self::new(vec![
-            Box::new(crate::Decompose),
-            Box::new(crate::Dce),
-            Box::new(crate::Cse),
-            Box::new(crate::Optimize::default()),
-            Box::new(crate::Dce),
-        ])
+        Self::optimizing(crate::Limits::default())
     }
 }
 
 impl Pipeline {
+    /// The standard pipeline with the optimizer stopped at `limits`.
+    pub fn optimizing(limits: crate::Limits) -> Self {
+        Self::new(vec![
+            Box::new(crate::Decompose),
+            Box::new(crate::Dce),
+            Box::new(crate::Cse),
+            Box::new(crate::Optimize::default().with_limits(limits)),
+            Box::new(crate::Dce),
+        ])
+    }
+
     /// The pipeline without the optimizer: decomposition, DCE, CSE, DCE (a baseline for
     /// measurements).
     pub fn unoptimized() -> Self {

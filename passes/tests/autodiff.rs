@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_ir::{parse, ValueId};
-use nestor_passes::{differentiate, AutodiffError, Pipeline};
+use nestor_passes::{differentiate, AutodiffError, Limits, Pipeline};
 
 const MODEL: &str = "graph @model {
   %0 = input {name = \"L\"} : lengths[B]
@@ -31,7 +31,9 @@ fn the_joint_graph_verifies_passes_and_returns_one_gradient_per_value() {
     assert_eq!(joint.graph.ty(outputs[3]), graph.ty(ValueId(3)));
     assert_eq!(joint.graph.ty(outputs[4]), graph.ty(ValueId(1)));
     // The default pipeline (decompose, DCE, CSE, optimize, DCE) keeps it well typed.
-    Pipeline::default().run(&joint.graph).unwrap();
+    Pipeline::optimizing(Limits::untimed())
+        .run(&joint.graph)
+        .unwrap();
 }
 
 #[test]

@@ -4,16 +4,22 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::assert_same_meaning;
 use nestor_ir::{parse, print, Op};
-use nestor_passes::{Dce, Optimize, Pipeline};
+use nestor_passes::{Dce, Limits, Optimize, Pipeline};
 
 fn run(text: &str) -> nestor_ir::Graph {
     let graph = parse(text).unwrap();
-    let fuse = Optimize::only(&["fuse-pointwise"]).unwrap();
+    let fuse = Optimize::only(&["fuse-pointwise"])
+        .unwrap()
+        .with_limits(Limits::untimed());
     let fused = Pipeline::new(vec![Box::new(fuse), Box::new(Dce)])
         .run(&graph)
         .unwrap();
     fused.verify().unwrap();
+    assert_same_meaning(&graph, &fused, "fuse-pointwise");
     fused
 }
 

@@ -5,6 +5,9 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::assert_same_meaning;
 use nestor_ir::{parse, print, Graph, Op};
 use nestor_passes::optimize::{rule_names, rules, StopReason};
 use nestor_passes::{Limits, Optimize, Pass, Pipeline};
@@ -12,7 +15,11 @@ use nestor_passes::{Limits, Optimize, Pass, Pipeline};
 /// `text` after the optimizer with only `rule`.
 fn with_rule(rule: &str, text: &str) -> Graph {
     let graph = parse(text).unwrap();
-    let (optimized, report) = Optimize::only(&[rule]).unwrap().optimize(&graph).unwrap();
+    let (optimized, report) = Optimize::only(&[rule])
+        .unwrap()
+        .with_limits(Limits::untimed())
+        .optimize(&graph)
+        .unwrap();
     optimized.verify().unwrap();
     for phase in &report.phases {
         assert!(matches!(phase.stop, StopReason::Saturated), "{report}");
@@ -20,15 +27,18 @@ fn with_rule(rule: &str, text: &str) -> Graph {
     optimized
 }
 
-/// Asserts that `rule` turns `start` into `goal` (both in the text form).
+/// Asserts that `rule` turns `start` into `goal` (both in the text form), and that both
+/// compute the same on random inputs.
 fn rewrites(rule: &str, start: &str, goal: &str) {
     let optimized = with_rule(rule, start);
     assert_eq!(print(&optimized), print(&parse(goal).unwrap()), "{rule}");
+    assert_same_meaning(&parse(start).unwrap(), &optimized, rule);
 }
 
 /// Asserts that `rule` leaves `start` as it is.
 fn keeps(rule: &str, start: &str) {
-    rewrites(rule, start, start);
+    let optimized = with_rule(rule, start);
+    assert_eq!(print(&optimized), print(&parse(start).unwrap()), "{rule}");
 }
 
 const HEADER: &str = "%0 = input {name = \"L\"} : lengths[B]
@@ -431,7 +441,10 @@ fn dumps_carry_the_report() {
 ",
     ))
     .unwrap();
-    let optimized = Pipeline::default().dump_to(&dir).run(&start).unwrap();
+    let optimized = Pipeline::optimizing(Limits::untimed())
+        .dump_to(&dir)
+        .run(&start)
+        .unwrap();
     assert_eq!(optimized.nodes.len(), 2);
     let stage = std::fs::read_dir(&dir)
         .unwrap()

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use nestor_passes::{lower_with, FloatType, LowerOptions, Pipeline};
+use nestor_passes::{lower_with, FloatType, Limits, LowerOptions, Pipeline};
 use nestor_runtime::{
     Executable, HostRunner, HostValue, InputData, OutputSink, RunData, RunDim, RunOutput, RunShape,
     Stats, StatsSnapshot,
@@ -112,6 +112,8 @@ pub struct Compiled<F> {
     training: bool,
     lower_options: LowerOptions,
     optimize: bool,
+    /// Where the optimizer stops.
+    limits: Limits,
     cache: Mutex<HashMap<StructureKey, Arc<Entry>>>,
     stats: Stats,
 }
@@ -150,6 +152,7 @@ where
         training: false,
         lower_options: LowerOptions::default(),
         optimize: true,
+        limits: Limits::default(),
         cache: Mutex::new(HashMap::new()),
         stats: Stats::default(),
     }
@@ -173,6 +176,14 @@ where
     /// default; off is the baseline the optimizer is measured against.
     pub fn optimized(mut self, enabled: bool) -> Self {
         self.optimize = enabled;
+        self
+    }
+
+    /// Stops the optimizer at `limits` (default: [`Limits::default`], which includes
+    /// half a second per phase; [`Limits::untimed`] makes the program independent of the
+    /// machine's load).
+    pub fn optimizer_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
         self
     }
 
@@ -382,7 +393,7 @@ where
             })?;
         }
         let mut pipeline = if self.optimize {
-            Pipeline::default()
+            Pipeline::optimizing(self.limits)
         } else {
             Pipeline::unoptimized()
         };

@@ -47,6 +47,17 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// The default rounds and e-nodes without a time limit: the result depends on the
+    /// graph alone, never on the machine's load (tests, reproducible builds).
+    pub fn untimed() -> Self {
+        Self {
+            time: Duration::MAX,
+            ..Self::default()
+        }
+    }
+}
+
 /// What one phase did.
 #[derive(Clone, Debug)]
 pub struct PhaseReport {

@@ -6,12 +6,27 @@
 
 mod common;
 
-use common::families::{families, ids};
-use common::{assert_close_within, batch, eager_values, lengths, Out};
+use common::families::{families, families_rounded, ids};
+use common::{
+    assert_close_within, assert_same_values, batch, eager_values, lengths, value_parts, Out,
+};
 use nestor::nn::{TransformerConfig, TransformerEncoder};
 use nestor::{compile, Dense, NestedError, NestedTensor, Value};
 use proptest::prelude::*;
 use tch::{nn, Device, Kind, Tensor};
+
+/// Every nested result is of `kind` (or bool).
+fn assert_kinds(outputs: &[Value], kind: Kind, family: &str) {
+    for output in outputs {
+        if let Value::Nested(output) = output {
+            assert!(
+                matches!(output.kind(), Kind::Bool) || output.kind() == kind,
+                "{family}: {:?} result",
+                output.kind()
+            );
+        }
+    }
+}
 
 /// Compiled results agree with eager ones (f32: relative and absolute 1e-4, since the
 /// kernels sum in another order than libtorch).
@@ -25,29 +40,49 @@ proptest! {
     #[test]
     fn compiled_equals_eager_for_every_lowered_family(batches in proptest::collection::vec(lengths(5, 9), 1..4), seed in 0i64..1000) {
         // f64 programs compute in f64 (libm exp, tanh, erf): they match libtorch closely.
-        // bf16 programs compute in f32 and round their results, where eager bf16 rounds
-        // every op: they agree to a few bf16 steps. Comparisons are left out in bf16
-        // (a value one bf16 step from the threshold may compare either way).
-        for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::Double, 1e-9), (Kind::BFloat16, 6e-2)] {
+        for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::Double, 1e-9)] {
             for (family, model) in families(kind) {
-                if kind == Kind::BFloat16 && family == "elementwise" {
-                    continue;
-                }
                 let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
                 for (index, lengths) in batches.iter().enumerate() {
                     let (x, _) = batch(lengths, &[4], kind, seed + index as i64);
                     let tokens = ids(lengths, seed + index as i64);
-                    let inputs = [&x, &tokens];
-                    let compiled_outputs = compiled.call(&inputs, &[]).unwrap_or_else(|error| panic!("{family}: {error}"));
-                    let eager = eager_values(model(&[x.clone(), tokens.clone()], &[]).unwrap());
-                    for output in &compiled_outputs {
-                        if let Value::Nested(output) = output {
-                            prop_assert!(matches!(output.kind(), Kind::Bool) || output.kind() == kind, "{}: {:?} result", family, output.kind());
-                        }
-                    }
+                    let compiled_outputs = compiled.call(&[&x, &tokens], &[]).unwrap_or_else(|error| panic!("{family}: {error}"));
+                    let eager = eager_values(model(&[x, tokens], &[]).unwrap());
+                    assert_kinds(&compiled_outputs, kind, family);
                     assert_close_within(&compiled_outputs, &eager, tolerance, family);
                 }
                 prop_assert_eq!(compiled.stats().compiles, 1, "{} compiles once for every lengths", family);
+            }
+        }
+    }
+
+    /// bf16 and f16 programs compute in f32 and round each result once: they equal an
+    /// f32 model on the same rounded parameters and inputs, rounded to the format, to
+    /// one step of the format (two results an f32 rounding apart may round to
+    /// neighbours), comparisons included.
+    #[test]
+    fn half_precision_programs_round_an_f32_computation_once(batches in proptest::collection::vec(lengths(5, 9), 1..3), seed in 0i64..1000) {
+        for kind in [Kind::BFloat16, Kind::Half] {
+            let reference_models = families_rounded(Kind::Float, kind);
+            for ((family, model), (_, reference)) in families(kind).into_iter().zip(reference_models) {
+                let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+                for (index, lengths) in batches.iter().enumerate() {
+                    let (x, _) = batch(lengths, &[4], kind, seed + index as i64);
+                    let tokens = ids(lengths, seed + index as i64);
+                    let compiled_outputs = compiled.call(&[&x, &tokens], &[]).unwrap_or_else(|error| panic!("{family}: {error}"));
+                    assert_kinds(&compiled_outputs, kind, family);
+                    let wide = x.to_kind(Kind::Float).unwrap();
+                    let expected = eager_values(reference(&[wide, tokens], &[]).unwrap());
+                    assert_eq!(compiled_outputs.len(), expected.len(), "{family}: outputs");
+                    for (position, (got, want)) in compiled_outputs.iter().zip(&expected).enumerate() {
+                        let (got, got_sizes) = value_parts(got);
+                        let (want, want_sizes) = value_parts(want);
+                        assert_eq!(got_sizes, want_sizes, "{family}: output {position} sizes");
+                        let want = if want.is_floating_point() { want.to_kind(kind) } else { want };
+                        let step = if kind == Kind::BFloat16 { 2f64.powi(-7) } else { 2f64.powi(-10) };
+                        assert_same_values(&got, &want, step, 1e-5, &format!("{family} {kind:?}: output {position}"));
+                    }
+                }
             }
         }
     }
@@ -380,15 +415,19 @@ fn bf16_and_f16_models_compile_with_f32_compute() {
                     .unwrap();
                 (expected, copy)
             };
-            let difference = (compiled_output.values().to_kind(Kind::Float)
-                - reference_store.0.values())
-            .abs()
-            .max()
-            .double_value(&[]);
-            let tolerance = if kind == Kind::BFloat16 { 5e-2 } else { 1e-2 };
-            assert!(
-                difference < tolerance,
-                "{kind:?}: compiled differs from the f32 reference by {difference}"
+            // One step of the format: the reference and the compiled f32 results, an f32
+            // rounding apart, may round to neighbours.
+            let step = if kind == Kind::BFloat16 {
+                2f64.powi(-7)
+            } else {
+                2f64.powi(-10)
+            };
+            assert_same_values(
+                compiled_output.values(),
+                &reference_store.0.values().to_kind(kind),
+                step,
+                1e-5,
+                &format!("{kind:?} encoder"),
             );
         }
         assert_eq!(compiled.stats().compiles, 1);

@@ -9,14 +9,25 @@ pub type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out
 
 /// One model per lowered family, with parameters of `kind`.
 pub fn families(kind: Kind) -> Vec<(&'static str, Model)> {
+    families_rounded(kind, kind)
+}
+
+/// [`families`] with parameters of `kind` holding values of `rounded` (drawn in f64,
+/// rounded to `rounded`, then converted): an f32 model with a bf16 model's parameters
+/// is its reference.
+pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)> {
     tch::manual_seed(0);
-    let options = (kind, Device::Cpu);
+    let parameter = |shape: &[i64]| {
+        Tensor::randn(shape, (Kind::Double, Device::Cpu))
+            .to_kind(rounded)
+            .to_kind(kind)
+    };
     let (w, b, g, tail, table) = (
-        Tensor::randn([6, 4], options),
-        Tensor::randn([6], options),
-        Tensor::randn([4], options),
-        Tensor::randn([4], options),
-        Tensor::randn([5, 3], options),
+        parameter(&[6, 4]),
+        parameter(&[6]),
+        parameter(&[4]),
+        parameter(&[4]),
+        parameter(&[5, 3]),
     );
     let (w2, g2) = (w.shallow_clone(), g.shallow_clone());
     vec![

@@ -192,18 +192,26 @@ pub fn assert_close_within(compiled: &[Value], eager: &[Value], tolerance: f64, 
     for (position, (c, e)) in compiled.iter().zip(eager).enumerate() {
         let ((c, c_sizes), (e, e_sizes)) = (value_parts(c), value_parts(e));
         assert_eq!(c_sizes, e_sizes, "{what}: output {position} sizes");
-        assert_same_values(&c, &e, tolerance, &format!("{what}: output {position}"));
+        let what = format!("{what}: output {position}");
+        assert_same_values(&c, &e, tolerance, tolerance, &what);
     }
 }
 
-/// `actual` equals `expected` position by position (see [`assert_close_within`]).
-pub fn assert_same_values(actual: &Tensor, expected: &Tensor, tolerance: f64, what: &str) {
+/// `actual` equals `expected` position by position (see [`assert_close_within`]),
+/// within `relative * |expected| + absolute`.
+pub fn assert_same_values(
+    actual: &Tensor,
+    expected: &Tensor,
+    relative: f64,
+    absolute: f64,
+    what: &str,
+) {
     assert_eq!(actual.size(), expected.size(), "{what}: shape");
     let (a, e) = (
         actual.to_kind(Kind::Double).reshape([-1]),
         expected.to_kind(Kind::Double).reshape([-1]),
     );
-    let close = a.isclose(&e, tolerance, tolerance, true);
+    let close = a.isclose(&e, relative, absolute, true);
     let bad = close.logical_not().nonzero();
     if bad.size()[0] > 0 {
         let at = bad.int64_value(&[0, 0]);

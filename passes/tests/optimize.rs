@@ -7,8 +7,9 @@
 
 mod common;
 
-use common::assert_same_meaning;
-use nestor_ir::{parse, print, Graph, Op};
+use common::{assert_same_bits, assert_same_meaning};
+use nestor_frontend::{NestedTensor, Value};
+use nestor_ir::{parse, print, BinaryOp, DType, ElemDim, Graph, Op, Type, UnaryOp, ValueId, F64};
 use nestor_passes::optimize::{rule_names, rules, StopReason};
 use nestor_passes::{Limits, Optimize, Pass, Pipeline};
 
@@ -531,4 +532,79 @@ fn a_gemm_result_someone_else_reads_keeps_its_own_kernel() {
 ",
         ),
     );
+}
+
+/// Every binary op with the constants an identity rule looks for (and near misses), on
+/// either side, then negated twice: the whole optimizer keeps every bit (NaN, infinities
+/// and signed zeros in the input), so no rule fires where it does not hold (`1 / x`,
+/// `x + 0`, `x * -1`...).
+#[test]
+fn the_optimizer_keeps_every_bit_of_pointwise_graphs() {
+    let values = [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        1.0,
+        -2.5,
+        1e-40,
+    ];
+    let lengths = vec![3i64, 0, 5];
+    let packed = tch::Tensor::from_slice(&values);
+    let batch = NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&packed.split_with_sizes([3, 0, 5], 0))
+        .unwrap();
+    let inputs = [Value::Lengths(lengths), Value::Nested(batch)];
+    for &op in BinaryOp::ALL {
+        for constant in [0.0, -0.0, 1.0, -1.0, 2.0] {
+            for constant_first in [false, true] {
+                let mut graph = Graph::new("g");
+                let lengths = graph
+                    .add_declared(
+                        Op::Input { name: "L".into() },
+                        Type::Lengths {
+                            batch: nestor_ir::Dim::Sym("B".into()),
+                        },
+                    )
+                    .unwrap();
+                let x = graph
+                    .add_declared(
+                        Op::Input { name: "x".into() },
+                        Type::Ragged {
+                            dtype: DType::F32,
+                            batch: nestor_ir::Dim::Sym("B".into()),
+                            dims: vec![ElemDim::Ragged(lengths)],
+                        },
+                    )
+                    .unwrap();
+                let c = graph
+                    .push(Op::Const {
+                        value: F64(constant),
+                        dtype: DType::F32,
+                    })
+                    .unwrap();
+                let (lhs, rhs): (ValueId, ValueId) = if constant_first { (c, x) } else { (x, c) };
+                let mut value = graph.push(Op::Binary { op, lhs, rhs }).unwrap();
+                if graph.ty(value).dtype() == Some(DType::F32) {
+                    for _ in 0..2 {
+                        value = graph
+                            .push(Op::Unary {
+                                op: UnaryOp::Neg,
+                                x: value,
+                            })
+                            .unwrap();
+                    }
+                }
+                graph.outputs.push(value);
+                let (optimized, _) = Optimize::default()
+                    .with_limits(Limits::untimed())
+                    .optimize(&graph)
+                    .unwrap();
+                let what = format!("{} with {constant} (first: {constant_first})", op.word());
+                assert_same_bits(&graph, &optimized, &inputs, &what);
+            }
+        }
+    }
 }

@@ -128,3 +128,32 @@ fn tensor(value: &Value) -> Tensor {
         Value::Lengths(lengths) => Tensor::from_slice(lengths),
     }
 }
+
+/// Asserts that `graph` and `rewritten` give the same bits on `inputs` (NaN for NaN,
+/// the sign of every zero): for rewrites that claim to be exact.
+pub fn assert_same_bits(graph: &Graph, rewritten: &Graph, inputs: &[Value], what: &str) {
+    let run = |graph: &Graph| {
+        interpret(graph, inputs.iter().map(share).collect())
+            .unwrap_or_else(|error| panic!("{what}: {error}\n{}", nestor_ir::print(graph)))
+    };
+    let (before, after) = (run(graph), run(rewritten));
+    assert_eq!(before.len(), after.len(), "{what}: outputs");
+    for (position, (a, b)) in before.iter().zip(&after).enumerate() {
+        let (a, b) = (tensor(a), tensor(b));
+        assert_eq!(
+            (a.size(), a.kind()),
+            (b.size(), b.kind()),
+            "{what}: output {position}"
+        );
+        let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+        let same = a
+            .eq_tensor(&b)
+            .logical_and(&a.signbit().eq_tensor(&b.signbit()))
+            .logical_or(&a.isnan().logical_and(&b.isnan()));
+        assert!(
+            same.all().int64_value(&[]) == 1,
+            "{what}: output {position}: {a} vs {b}\n{}",
+            nestor_ir::print(rewritten)
+        );
+    }
+}

@@ -626,13 +626,15 @@ fn inline_transcendentals_are_accurate_in_f32() {
     }
 }
 
-/// Results written straight into the caller's tensors: one value returned twice, a view
-/// of it, and an empty element, all still right.
+/// Results written straight into the caller's tensors: the input itself returned first
+/// (copied out, not written), one value returned twice, a view of it, and an empty
+/// element, all still right.
 #[test]
 fn results_returned_twice_or_as_views_are_right() {
     let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
         let h = (x[0].relu()? * 2.0)?;
         Ok(vec![
+            x[0].shallow_clone().into(),
             h.clone().into(),
             h.clone().into(),
             h.reshape_tail(&[2, 2])?.into(),

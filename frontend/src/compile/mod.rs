@@ -322,17 +322,18 @@ where
                 stage: "runtime",
                 reason: error.to_string(),
             })?;
-        let mut written = sink.tensors.into_iter();
+        // The tensor each output was written into, if any (outputs that are inputs or
+        // aliases were not: they are copied out).
+        let mut written: Vec<Option<Tensor>> = outputs.iter().map(|_| None).collect();
+        for (index, tensor) in sink.tensors {
+            if let Some(slot) = written.get_mut(index) {
+                *slot = Some(tensor);
+            }
+        }
         outputs
             .into_iter()
-            .enumerate()
-            .map(|(index, output)| {
-                let tensor = written
-                    .by_ref()
-                    .find(|(output, _)| *output == index)
-                    .map(|(_, tensor)| tensor);
-                output_value(output, tensor)
-            })
+            .zip(written)
+            .map(|(output, tensor)| output_value(output, tensor))
             .collect::<Result<Vec<_>>>()
             .map(|values| (entry, values))
     }

@@ -112,8 +112,18 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
     let map_arms = variants.iter().map(map_arm);
     let attr_arms = variants.iter().map(attrs_arm);
     let parsers = variants.iter().map(parser);
+    let idents: Vec<&Ident> = variants.iter().map(|variant| &variant.ident).collect();
     Ok(quote! {
         impl #enum_ident {
+            /// Every variant's name as written in Rust, in declaration order (an op
+            /// named by a field, as `Unary`, is one variant).
+            pub const VARIANTS: &'static [&'static str] = &[#(stringify!(#idents)),*];
+
+            /// The name of this op's variant (one of [`Self::VARIANTS`]).
+            pub fn variant(&self) -> &'static str {
+                match self { #(Self::#idents { .. } => stringify!(#idents),)* }
+            }
+
             /// The op's name in the text form.
             pub fn name(&self) -> &'static str {
                 match self { #(#name_arms)* }

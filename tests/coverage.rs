@@ -1,0 +1,232 @@
+//! Every op of the IR's table is compiled and run somewhere, its results checked
+//! against eager: the models below are compiled with `NESTOR_DUMP` set, and the ops of
+//! every graph they went through (traced, decomposed, optimized, autodiff) are counted
+//! against `Op::VARIANTS`. A new op fails this test until a model here reaches it, or
+//! it is listed with the reason it cannot be.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::families::{families, ids};
+use common::{assert_close_within, batch, eager_values, Out};
+use nestor::ir::{parse, Graph, Op};
+use nestor::{compile, Dense, LossReduction, NestedTensor};
+use tch::{nn, Device, Kind, Tensor};
+
+/// Ops no compiled model can reach, and why.
+const UNREACHABLE: &[(&str, &str)] = &[
+    (
+        "Mask",
+        "no eager operator records it; it is the optimizer's and the text form's",
+    ),
+    (
+        "MaxLength",
+        "no eager operator records it; it is the optimizer's and the text form's",
+    ),
+    (
+        "MseLoss",
+        "eager mse_loss records its subtraction, square and reduction; the op is the text form's",
+    ),
+    (
+        "TotalLength",
+        "no eager operator records it; it is the optimizer's and the text form's",
+    ),
+];
+
+/// Ops that do not compile yet (a typed error names them; the interpreter runs them).
+const NOT_LOWERED: &[&str] = &["TransposeStatic", "RepeatBatch", "RepeatLengths"];
+
+/// The variants of `graph`'s ops and of its per-element bodies.
+fn variants(graph: &Graph, into: &mut BTreeSet<&'static str>) {
+    for node in &graph.nodes {
+        into.insert(node.op.variant());
+        if let Op::PerElement { body, .. } = &node.op {
+            variants(body, into);
+        }
+    }
+}
+
+/// Compiles `model` (a fresh function under `name`), calls it on `inputs` and checks
+/// every result against eager.
+fn check(
+    name: &str,
+    inputs: &[&NestedTensor],
+    model: impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>,
+) {
+    let compiled = compile(name, &model).per_element_fallback(true);
+    let got = compiled
+        .call(inputs, &[])
+        .unwrap_or_else(|error| panic!("{name}: {error}"));
+    let owned: Vec<NestedTensor> = inputs.iter().map(|x| x.shallow_clone()).collect();
+    let want = eager_values(model(&owned, &[]).unwrap());
+    assert_close_within(&got, &want, 1e-4, name);
+}
+
+/// Asserts that compiling `model` fails with the typed error naming `op`.
+fn not_lowered(
+    op: &str,
+    input: &NestedTensor,
+    model: impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>,
+) {
+    let error = compile("not_lowered", &model)
+        .call(&[input], &[])
+        .unwrap_err();
+    assert!(
+        error.to_string().contains(op) && error.to_string().contains("no compiled lowering"),
+        "{error}"
+    );
+}
+
+fn forward_models() {
+    let lengths = [3i64, 0, 1, 6];
+    let (x, _) = batch(&lengths, &[4], Kind::Float, 1);
+    let tokens = ids(&lengths, 2);
+    for (family, model) in families(Kind::Float) {
+        check(family, &[&x, &tokens], |x, d| model(x, d));
+    }
+    check("structure", &[&x, &tokens], |x, _| {
+        Ok(vec![
+            x[0].gt(0.0)?.to_kind(Kind::Float)?.into(),
+            x[0].dropout(0.5, false)?.into(),
+            Out::Dense(x[0].relu()?.pad()?),
+        ])
+    });
+    not_lowered("transpose_static", &x, |x, _| {
+        Ok(vec![x[0].reshape_tail(&[2, 2])?.transpose(2, 3)?.into()])
+    });
+    not_lowered("repeat_lengths", &x, |x, _| {
+        Ok(vec![x[0].repeat_batch(2)?.tanh()?.into()])
+    });
+    let classes = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
+    check("losses", &[&x, &tokens], |x, _| {
+        let logits = x[0].linear(&classes, None)?;
+        Ok(vec![
+            logits
+                .cross_entropy(&x[1], -100, 0.1, LossReduction::Mean)?
+                .into(),
+            x[0].mse_loss(&x[0].tanh()?, LossReduction::Sum)?.into(),
+        ])
+    });
+    let images: Vec<Tensor> = [(6, 7), (9, 5)]
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
+        .collect();
+    let images = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&images)
+        .unwrap();
+    let weight = Tensor::randn([4, 3, 3, 3], (Kind::Float, Device::Cpu));
+    check("per_element", &[&images], |x, _| {
+        let features = x[0].conv2d(&weight, None, [1, 1], [1, 1], [1, 1], 1)?;
+        Ok(vec![
+            features.max_pool2d([2, 2], [2, 2], [0, 0])?.into(),
+            features.adaptive_avg_pool2d([1, 1])?.into(),
+        ])
+    });
+}
+
+/// Training steps of a model with every op family that has a gradient: without
+/// dropout its loss equals eager's (the gradients are checked op by op in
+/// tests/train.rs); with dropout (random masks) it is finite.
+fn training_models() {
+    tch::manual_seed(3);
+    let store = nn::VarStore::new(Device::Cpu);
+    let root = store.root();
+    let table = root.randn("table", &[5, 4], 0.0, 1.0);
+    let weight = root.randn("weight", &[8, 4], 0.0, 0.5);
+    let head = root.randn("head", &[5, 4], 0.0, 0.5);
+    let model = |p: f64| {
+        let (table, weight, head) = (
+            table.shallow_clone(),
+            weight.shallow_clone(),
+            head.shallow_clone(),
+        );
+        move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let embedded = (&x[1].embedding(&table, -1)? + &x[0])?;
+            let qkv = embedded.linear(&weight, None)?.reshape_tail(&[2, 2, 2])?;
+            let (q, k) = (qkv.select_static(2, 0)?, qkv.select_static(2, 1)?);
+            let attended = q.scaled_dot_product_attention(&k, &k, true, None)?;
+            let hidden = attended
+                .reshape_tail(&[4])?
+                .layer_norm(&[4], None, None, 1e-5)?
+                .dropout(p, p > 0.0)?;
+            let loss = hidden
+                .linear(&head, None)?
+                .cross_entropy(&x[2], -100, 0.0, LossReduction::Mean)?
+                .into_dense_handle()?;
+            // A mean over the ragged dim and a padded grid in the loss too.
+            let mean = hidden.mean(&[1], false)?.into_dense_handle()?.sum_all()?;
+            let padded = hidden.tanh()?.pad()?.sum_all()?.scale(0.1)?;
+            loss.add(&mean)?.add(&padded)
+        }
+    };
+    let lengths = [3i64, 1, 5];
+    let (x, _) = batch(&lengths, &[4], Kind::Float, 4);
+    let (tokens, classes) = (ids(&lengths, 5), ids(&lengths, 6));
+    let inputs = [&x, &tokens, &classes];
+    let loss = |p: f64| {
+        let compiled = compile("training", model(p)).train(&store);
+        let loss = compiled.call(&inputs, &[]).unwrap().remove(0);
+        common::value_parts(&loss).0.double_value(&[])
+    };
+    let owned = [
+        x.shallow_clone(),
+        tokens.shallow_clone(),
+        classes.shallow_clone(),
+    ];
+    let eager = model(0.0)(&owned, &[])
+        .unwrap()
+        .into_tensor()
+        .double_value(&[]);
+    let compiled = loss(0.0);
+    assert!(
+        (compiled - eager).abs() < 1e-5 * eager.abs().max(1.0),
+        "{compiled} vs {eager}"
+    );
+    assert!(loss(0.25).is_finite());
+}
+
+#[test]
+fn every_op_of_the_table_is_compiled_and_run_somewhere() {
+    let dir = std::env::temp_dir().join(format!("nestor-coverage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // This test is alone in its binary: no other thread reads the environment.
+    std::env::set_var("NESTOR_DUMP", &dir);
+    forward_models();
+    training_models();
+    std::env::remove_var("NESTOR_DUMP");
+    let mut seen = BTreeSet::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|extension| extension == "nir") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let graph = parse(&text).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+            variants(&graph, &mut seen);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    let unreachable: BTreeSet<&str> = UNREACHABLE
+        .iter()
+        .map(|(variant, _)| *variant)
+        .chain(NOT_LOWERED.iter().copied())
+        .collect();
+    let missing: Vec<&str> = Op::VARIANTS
+        .iter()
+        .copied()
+        .filter(|variant| !seen.contains(variant) && !unreachable.contains(variant))
+        .collect();
+    assert!(missing.is_empty(), "never compiled: {missing:?}");
+    let reached: Vec<&str> = UNREACHABLE
+        .iter()
+        .map(|(variant, _)| *variant)
+        .filter(|variant| seen.contains(variant))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "listed as unreachable but compiled: {reached:?}"
+    );
+}

@@ -701,3 +701,38 @@ proptest! {
         assert_close(&got, &want, "cross attention");
     }
 }
+
+/// Dense inputs (batch first): a per-element `[B, 1, 4]` tensor broadcast over each
+/// element's rows, and a `[B, 4]` tensor used alone, compiled once for batches of
+/// different sizes and lengths.
+#[test]
+fn dense_inputs_compile_and_broadcast_per_element() {
+    let tail = Tensor::randn([4], (Kind::Float, Device::Cpu));
+    let model = |x: &[NestedTensor], d: &[Dense]| -> nestor::Result<Vec<Out>> {
+        Ok(vec![
+            x[0].binary(nestor::Binary::Mul, &d[0])?.into(),
+            (&x[0]
+                - &x[0]
+                    .binary(nestor::Binary::Maximum, &d[0])?
+                    .maximum(&tail)?)?
+                .into(),
+            Out::Dense(d[1].tanh()?),
+        ])
+    };
+    let compiled = compile("dense_inputs", model);
+    for (index, lengths) in [vec![3i64, 0, 5], vec![1], vec![2, 7, 1, 4]]
+        .iter()
+        .enumerate()
+    {
+        let (x, _) = batch(lengths, &[4], Kind::Float, index as i64);
+        let options = (Kind::Float, Device::Cpu);
+        let batch_size = lengths.len() as i64;
+        let per_element = Tensor::randn([batch_size, 1, 4], options);
+        let rows = Tensor::randn([batch_size, 4], options);
+        let got = compiled.call(&[&x], &[&per_element, &rows]).unwrap();
+        let dense = [Dense::from(per_element), Dense::from(rows)];
+        let want = eager_values(model(&[x], &dense).unwrap());
+        assert_close(&got, &want, "dense inputs");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}

@@ -15,7 +15,7 @@ test: setup
 # The property tests with many more cases (PROPTEST_CASES, default 256; about an hour
 # at 256 on two cores).
 fuzz: setup
-	PROPTEST_CASES=$${PROPTEST_CASES:-256} scripts/cargo test --workspace --all-targets --release
+	PROPTEST_CASES=$${PROPTEST_CASES:-256} scripts/cargo test --workspace --all-targets --release --no-fail-fast
 
 lint: setup
 	cargo fmt --all -- --check

@@ -73,7 +73,9 @@ proptest! {
         with_parallelism(settings, || {
             let before = Parallelism::split_steps();
             families_match_eager(&[Kind::Float, Kind::Double], |_| true, &batches, seed);
-            prop_assert!(Parallelism::split_steps() > before, "nothing was split");
+            // Two rows are enough for a kernel to be split.
+            let rows: i64 = batches.iter().flatten().sum();
+            prop_assert!(rows < 2 || Parallelism::split_steps() > before, "nothing was split");
             Ok(())
         })?;
     }

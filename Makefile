@@ -12,7 +12,7 @@ test: setup
 	scripts/cargo test --workspace --all-targets
 	scripts/cargo test --workspace --doc
 
-# The property tests with many more cases (PROPTEST_CASES, default 256; about an hour
+# The property tests with many more cases (PROPTEST_CASES, default 256; about 15 minutes
 # at 256 on two cores).
 fuzz: setup
 	PROPTEST_CASES=$${PROPTEST_CASES:-256} scripts/cargo test --workspace --all-targets --release --no-fail-fast

@@ -119,27 +119,6 @@ fn unary(op: UnaryOp, x: &NestedTensor) -> nestor::Result<NestedTensor> {
     }
 }
 
-/// The eager operator of each IR binary op.
-fn binary(op: BinaryOp) -> Binary {
-    match op {
-        BinaryOp::Add => Binary::Add,
-        BinaryOp::Sub => Binary::Sub,
-        BinaryOp::Mul => Binary::Mul,
-        BinaryOp::Div => Binary::Div,
-        BinaryOp::Pow => Binary::Pow,
-        BinaryOp::Maximum => Binary::Maximum,
-        BinaryOp::Minimum => Binary::Minimum,
-        BinaryOp::Eq => Binary::Eq,
-        BinaryOp::Ne => Binary::Ne,
-        BinaryOp::Lt => Binary::Lt,
-        BinaryOp::Le => Binary::Le,
-        BinaryOp::Gt => Binary::Gt,
-        BinaryOp::Ge => Binary::Ge,
-        BinaryOp::And => Binary::LogicalAnd,
-        BinaryOp::Or => Binary::LogicalOr,
-    }
-}
-
 /// The eager reduction of each IR reduction, and whether the compiler lowers it.
 fn reduction(op: ReduceOp) -> (Reduce, bool) {
     match op {
@@ -237,7 +216,7 @@ fn every_binary_op_matches_eager_on_special_values() {
         BinaryOp::ALL
             .iter()
             .flat_map(|&op| {
-                let op = binary(op);
+                let op = Binary::from_ir(op);
                 [
                     x.binary(op, y),
                     x.binary(op, 0.5),

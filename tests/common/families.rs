@@ -1,9 +1,9 @@
 //! One model per lowered kernel family, for the compiled-vs-eager tests.
 
 use nestor::{Binary, Dense, NestedTensor};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-use super::Out;
+use super::{Out, Random};
 
 pub type Model = Box<dyn Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>>;
 
@@ -16,12 +16,8 @@ pub fn families(kind: Kind) -> Vec<(&'static str, Model)> {
 /// rounded to `rounded`, then converted): an f32 model with a bf16 model's parameters
 /// is its reference.
 pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)> {
-    tch::manual_seed(0);
-    let parameter = |shape: &[i64]| {
-        Tensor::randn(shape, (Kind::Double, Device::Cpu))
-            .to_kind(rounded)
-            .to_kind(kind)
-    };
+    let mut random = Random::new(0);
+    let mut parameter = |shape: &[i64]| random.normal(shape).to_kind(rounded).to_kind(kind);
     let (w, b, g, tail, table) = (
         parameter(&[6, 4]),
         parameter(&[6]),
@@ -111,11 +107,8 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
 }
 
 pub fn ids(lengths: &[i64], seed: i64) -> NestedTensor {
-    tch::manual_seed(seed);
-    let elements: Vec<Tensor> = lengths
-        .iter()
-        .map(|&l| Tensor::randint(5, [l], (Kind::Int64, Device::Cpu)))
-        .collect();
+    let mut random = Random::new(seed);
+    let elements: Vec<Tensor> = lengths.iter().map(|&l| random.below(5, &[l])).collect();
     NestedTensor::builder()
         .ragged_dims(&[0])
         .tensors(&elements)

@@ -6,7 +6,7 @@ pub mod families;
 
 use nestor::{Dense, NestedTensor, Value};
 use proptest::prelude::*;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 /// Element shapes `[L_i, *tail]` with lengths drawn from 0..=max_len (0 and 1 included
 /// often), batch 1..=max_batch.
@@ -49,14 +49,14 @@ pub fn tolerance(kind: Kind) -> f64 {
 /// Random elements `[L_i, *tail]` of one kind (drawn in f64, then converted, so every
 /// kind sees the same numbers), and their NestedTensor.
 pub fn batch(lengths: &[i64], tail: &[i64], kind: Kind, seed: i64) -> (NestedTensor, Vec<Tensor>) {
-    tch::manual_seed(seed);
+    let mut random = Random::new(seed);
     let elements: Vec<Tensor> = lengths
         .iter()
         .map(|&length| {
             let shape: Vec<i64> = std::iter::once(length)
                 .chain(tail.iter().copied())
                 .collect();
-            Tensor::randn(shape, (Kind::Double, Device::Cpu)).to_kind(kind)
+            random.normal(&shape).to_kind(kind)
         })
         .collect();
     let nested = NestedTensor::builder()
@@ -64,6 +64,49 @@ pub fn batch(lengths: &[i64], tail: &[i64], kind: Kind, seed: i64) -> (NestedTen
         .tensors(&elements)
         .unwrap();
     (nested, elements)
+}
+
+/// Random test data from a seed alone: libtorch's generator is one per process, so
+/// tests on other threads would change what `manual_seed` + `randn` draw.
+pub struct Random(u64);
+
+impl Random {
+    pub fn new(seed: i64) -> Self {
+        Self(seed as u64 ^ 0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// The next 64 random bits (SplitMix64).
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1).
+    fn uniform(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// Standard normal values of `shape` in f64 (Box-Muller).
+    pub fn normal(&mut self, shape: &[i64]) -> Tensor {
+        let count = shape.iter().product::<i64>().max(0) as usize;
+        let values: Vec<f64> = (0..count)
+            .map(|_| {
+                let (u, v) = (self.uniform(), self.uniform());
+                (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+            })
+            .collect();
+        Tensor::from_slice(&values).reshape(shape)
+    }
+
+    /// Integers in `0..bound` of `shape` (i64).
+    pub fn below(&mut self, bound: u64, shape: &[i64]) -> Tensor {
+        let count = shape.iter().product::<i64>().max(0) as usize;
+        let values: Vec<i64> = (0..count).map(|_| (self.next() % bound) as i64).collect();
+        Tensor::from_slice(&values).reshape(shape)
+    }
 }
 
 /// Whether two tensors agree within the tolerance of `kind` (compared in f64; NaNs

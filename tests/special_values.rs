@@ -9,7 +9,7 @@ mod common;
 
 use common::{assert_close_within, eager_values, Out};
 use nestor::ir::{BinaryOp, ReduceOp, UnaryOp};
-use nestor::{compile, Binary, Dense, NestedTensor, Reduce};
+use nestor::{compile, Binary, Dense, LossReduction, NestedTensor, Reduce};
 use tch::{Device, Kind, Tensor};
 
 /// The values every special batch cycles through.
@@ -322,4 +322,30 @@ fn attention_matches_eager_on_special_values() {
                 .into(),
         ])
     });
+}
+
+#[test]
+fn losses_and_embeddings_match_eager_on_special_values() {
+    // Six rows of specials for the ids 0..4.
+    let table = Tensor::from_slice(&SPECIALS).repeat([2]).reshape([6, 4]);
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        Ok(vec![
+            x[0].cross_entropy(&x[1], -100, 0.0, LossReduction::None)?
+                .into(),
+            x[0].cross_entropy(&x[1], 2, 0.1, LossReduction::Mean)?
+                .into(),
+            x[0].mse_loss(&x[0].tanh()?, LossReduction::Sum)?.into(),
+            x[1].embedding(&table, -1)?.into(),
+        ])
+    };
+    let compiled = compile("losses", model);
+    for (stride, seed) in [(3, 1), (5, 2), (2, 3)] {
+        let x = special_batch(&SPECIALS, &LENGTHS, 0, stride, seed);
+        let classes = common::families::ids(&LENGTHS, seed)
+            .binary(Binary::Remainder, 4)
+            .unwrap();
+        let got = compiled.call(&[&x, &classes], &[]).unwrap();
+        let want = eager_values(model(&[x, classes], &[]).unwrap());
+        assert_close_within(&got, &want, 1e-5, &format!("losses, stride {stride}"));
+    }
 }

@@ -177,7 +177,17 @@ fn cross_entropy(
         let uniform = binary(graph, BinaryOp::Mul, counted, spread)?;
         binary(graph, BinaryOp::Add, sharp, uniform)?
     };
-    let weighted = binary(graph, BinaryOp::Mul, weights, log_probabilities)?;
+    // Classes of weight 0 are selected away rather than multiplied by zero: a class
+    // whose logit is -inf has log-probability -inf (and 0 * -inf is NaN), where
+    // libtorch's loss reads only the target's.
+    let product = binary(graph, BinaryOp::Mul, weights, log_probabilities)?;
+    let nothing = constant(graph, 0.0)?;
+    let weighed = binary(graph, BinaryOp::Ne, weights, nothing)?;
+    let weighted = graph.push(Op::Where {
+        condition: weighed,
+        x: product,
+        y: nothing,
+    })?;
     let total = reduce(graph, weighted, vec![-1], false)?;
     let negative = graph.push(Op::Unary {
         op: UnaryOp::Neg,

@@ -414,6 +414,9 @@ impl NestedTensor {
         // since the mean and variance below are computed over all real values at once.
         let values = self.packed();
         let result = match op {
+            // One sum over every value rounds once, as torch's over the elements does
+            // (summing per-element sums rounds twice in low precision).
+            Reduce::Sum => values.f_sum(None::<Kind>)?,
             Reduce::Mean if values.is_floating_point() => values.f_mean(None::<Kind>)?,
             Reduce::Mean => values.f_mean(Kind::Float)?,
             Reduce::Var { correction } => {

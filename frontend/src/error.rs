@@ -194,6 +194,14 @@ pub enum NestedError {
         /// What went wrong.
         reason: String,
     },
+    /// A size or count from the caller too large to compute or to hold.
+    #[error("{op}: {what} is too large")]
+    TooLarge {
+        /// The operation.
+        op: &'static str,
+        /// What overflowed, with its numbers.
+        what: String,
+    },
     /// An error reported by libtorch.
     #[error(transparent)]
     Torch(#[from] TchError),

@@ -39,6 +39,16 @@ pub enum LayoutError {
         /// The rank of the elements.
         rank: usize,
     },
+    /// The rows or values of the batch do not fit in an `i64` (sizes near `i64::MAX`).
+    #[error("element {element} of sizes {sizes:?} makes the batch's {what} overflow i64")]
+    TooLarge {
+        /// Index of the element at which the count overflowed.
+        element: usize,
+        /// Its sizes.
+        sizes: Vec<i64>,
+        /// What overflowed: its rows, the batch's rows, or the batch's values.
+        what: &'static str,
+    },
     /// A ragged level was asked for that the layout does not have.
     #[error("ragged level {level} does not exist: the layout has {levels} ragged dims")]
     LevelOutOfRange {
@@ -113,13 +123,7 @@ impl RaggedLayout {
             .iter()
             .map(|&dim| element_sizes[0][dim])
             .collect();
-        Ok(Self::assemble(
-            rank,
-            element_sizes,
-            ragged_dims,
-            static_dims,
-            static_sizes,
-        ))
+        Self::assemble(rank, element_sizes, ragged_dims, static_dims, static_sizes)
     }
 
     /// The layout of `[L_i, *static_sizes]` elements: one leading ragged dim of the given
@@ -162,42 +166,62 @@ impl RaggedLayout {
                 size,
             });
         }
-        Ok(Self::assemble(
+        Self::assemble(
             rank,
             element_sizes,
             (0..levels).collect(),
             (levels..rank).collect(),
             static_sizes.to_vec(),
-        ))
+        )
     }
 
+    /// The layout of checked element sizes: its offsets, with every product and sum
+    /// checked (sizes come from users), and the packed values' count too.
     fn assemble(
         rank: usize,
         element_sizes: Vec<Vec<i64>>,
         ragged_dims: Vec<usize>,
         static_dims: Vec<usize>,
         static_sizes: Vec<i64>,
-    ) -> Self {
+    ) -> Result<Self, LayoutError> {
+        let too_large = |element: usize, what| LayoutError::TooLarge {
+            element,
+            sizes: element_sizes[element].clone(),
+            what,
+        };
+        let width = static_sizes
+            .iter()
+            .try_fold(1i64, |width, &size| width.checked_mul(size));
         let mut offsets = Vec::with_capacity(element_sizes.len() + 1);
         offsets.push(0);
-        let mut total = 0;
-        for sizes in &element_sizes {
-            total += ragged_dims.iter().map(|&dim| sizes[dim]).product::<i64>();
+        let mut total = 0i64;
+        for (element, sizes) in element_sizes.iter().enumerate() {
+            let rows = ragged_dims
+                .iter()
+                .try_fold(1i64, |rows, &dim| rows.checked_mul(sizes[dim]))
+                .ok_or_else(|| too_large(element, "rows"))?;
+            total = total
+                .checked_add(rows)
+                .ok_or_else(|| too_large(element, "packed rows"))?;
+            if width.and_then(|width| width.checked_mul(total)).is_none() {
+                return Err(too_large(element, "packed values"));
+            }
             offsets.push(total);
         }
-        Self {
+        Ok(Self {
             rank,
             element_sizes,
             ragged_dims,
             static_dims,
             static_sizes,
             offsets,
-        }
+        })
     }
 
     /// The layout of the elements at `indices` (in that order, repeats allowed).
-    /// Indices must be in range (the caller checks them).
-    pub fn select(&self, indices: &[usize]) -> Self {
+    /// Indices must be in range (the caller checks them); many repeats can make the
+    /// batch too large to count.
+    pub fn select(&self, indices: &[usize]) -> Result<Self, LayoutError> {
         let element_sizes = indices
             .iter()
             .map(|&i| self.element_sizes[i].clone())
@@ -252,13 +276,13 @@ impl RaggedLayout {
             .filter(|(&d, _)| d != dim)
             .map(|(d, &size)| (shift(d), size))
             .unzip();
-        Ok(Self::assemble(
+        Self::assemble(
             self.rank - 1,
             element_sizes,
             ragged_dims,
             static_dims,
             static_sizes,
-        ))
+        )
     }
 
     /// The layout after inserting a static dim of size `size` at element dim `dim`
@@ -286,13 +310,13 @@ impl RaggedLayout {
         static_dims.insert(position, dim);
         let mut static_sizes = self.static_sizes.clone();
         static_sizes.insert(position, size);
-        Ok(Self::assemble(
+        Self::assemble(
             self.rank + 1,
             element_sizes,
             ragged_dims,
             static_dims,
             static_sizes,
-        ))
+        )
     }
 
     /// The same elements with their static dims permuted among themselves: static
@@ -311,13 +335,12 @@ impl RaggedLayout {
                 sizes
             })
             .collect();
-        Self::assemble(
-            self.rank,
+        // The ragged sizes do not move, so neither do the offsets.
+        Self {
             element_sizes,
-            self.ragged_dims.clone(),
-            self.static_dims.clone(),
             static_sizes,
-        )
+            ..self.clone()
+        }
     }
 
     /// Where every packed row goes when the ragged dims `reduced` (a subset of

@@ -161,6 +161,13 @@ impl NestedBuilder {
     /// even when all lengths agree. The values keep their storage and autograd history
     /// (the builder's dtype and device options still convert them).
     pub fn packed_with_lengths(&self, values: &Tensor, lengths: &[i64]) -> Result<NestedTensor> {
+        if !values.defined() {
+            return Err(NestedError::ShapeMismatch {
+                what: "packed values",
+                expected: "a defined tensor".to_owned(),
+                got: Vec::new(),
+            });
+        }
         let shape = values.size();
         let Some((&rows, tail)) = shape.split_first() else {
             return Err(NestedError::ShapeMismatch {

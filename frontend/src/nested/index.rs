@@ -24,11 +24,13 @@ impl Bounds {
     fn from_range(range: impl RangeBounds<i64>) -> Self {
         let start = match range.start_bound() {
             Bound::Included(&start) => Some(start),
-            Bound::Excluded(&start) => Some(start + 1),
+            // Past i64::MAX is past every size: clamped to the end like i64::MAX.
+            Bound::Excluded(&start) => Some(start.saturating_add(1)),
             Bound::Unbounded => None,
         };
         let end = match range.end_bound() {
-            Bound::Included(&end) => Some(end + 1).filter(|&end| end != 0),
+            // `..=-1` and `..=i64::MAX` both reach the end.
+            Bound::Included(&end) => end.checked_add(1).filter(|&end| end != 0),
             Bound::Excluded(&end) => Some(end),
             Bound::Unbounded => None,
         };
@@ -214,7 +216,7 @@ impl NestedTensor {
     pub fn select_batch(&self, selector: impl Into<BatchSelector>) -> Result<Self> {
         self.untraceable("select_batch")?;
         let indices = selector.into().indices(self.batch_size())?;
-        let layout = self.lay().select(&indices);
+        let layout = self.lay().select(&indices)?;
         let offsets = self.lay().offsets();
         let contiguous = indices.windows(2).all(|pair| pair[1] == pair[0] + 1);
         let values = match indices.first() {
@@ -310,7 +312,12 @@ impl NestedTensor {
                 let size = sizes[element_dim];
                 let position = if index < 0 { index + size } else { index };
                 if !(0..size).contains(&position) {
-                    let needed = if index < 0 { -index } else { index + 1 };
+                    // The length that would hold the index (at most i64::MAX).
+                    let needed = if index < 0 {
+                        index.saturating_neg()
+                    } else {
+                        index.saturating_add(1)
+                    };
                     return Err(NestedError::ElementTooShort {
                         element,
                         dim,

@@ -61,6 +61,15 @@ impl MultiheadAttention {
         value: &NestedTensor,
         causal: bool,
     ) -> Result<NestedTensor> {
+        if self.num_heads <= 0 || self.embed_dim % self.num_heads != 0 {
+            return Err(NestedError::Unsupported {
+                op: "MultiheadAttention",
+                reason: format!(
+                    "{} heads do not split embed_dim {} into equal heads",
+                    self.num_heads, self.embed_dim
+                ),
+            });
+        }
         let width = query.last_static_width("MultiheadAttention")?;
         if width != self.embed_dim {
             return Err(NestedError::DenseOperand {

@@ -6,7 +6,7 @@ use tch::Tensor;
 
 use crate::trace::{record_with, trace_error, Arg};
 
-use crate::{NestedTensor, Result};
+use crate::{NestedError, NestedTensor, Result};
 
 /// How a per-element op sizes the spatial dims of its output.
 enum Windows {
@@ -284,6 +284,19 @@ impl NestedTensor {
         scale: Option<f64>,
         align_corners: bool,
     ) -> Result<NestedTensor> {
+        let rank = self.lay().rank();
+        if rank != 3 {
+            return Err(NestedError::Unsupported {
+                op: "interpolate",
+                reason: format!("bilinear interpolation needs [C, H, W] elements, not rank {rank}"),
+            });
+        }
+        if let Some(scale) = scale.filter(|scale| !(scale.is_finite() && *scale > 0.0)) {
+            return Err(NestedError::Unsupported {
+                op: "interpolate",
+                reason: format!("the scale must be finite and positive, not {scale}"),
+            });
+        }
         self.map_elements("interpolate", size.is_none(), |element| {
             let shape = element.size();
             let target = match (size, scale) {

@@ -147,19 +147,48 @@ impl NestedTensor {
 
     /// The whole batch repeated `repeats` times: `[e_0, ..., e_B, e_0, ...]`.
     pub fn repeat_batch(&self, repeats: usize) -> Result<NestedTensor> {
-        let batch = self.batch_size() as i64;
-        let indices: Vec<i64> = (0..repeats as i64 * batch)
-            .map(|index| index % batch.max(1))
-            .collect();
+        let batch = self.batch_size();
+        let indices = self.repeat_indices("repeat_batch", repeats, |i| i % batch.max(1))?;
         self.repeated(indices, repeats, false)
     }
 
     /// Every element repeated `repeats` times in place: `[e_0, e_0, e_1, e_1, ...]`.
     pub fn repeat_interleave(&self, repeats: usize) -> Result<NestedTensor> {
-        let indices: Vec<i64> = (0..self.batch_size() as i64)
-            .flat_map(|index| std::iter::repeat_n(index, repeats))
-            .collect();
+        let indices = self.repeat_indices("repeat_interleave", repeats, |i| i / repeats)?;
         self.repeated(indices, repeats, true)
+    }
+
+    /// `element(i)` for the `batch * repeats` elements of a repeat, with the counts
+    /// checked (elements and values) and the list allocated fallibly.
+    fn repeat_indices(
+        &self,
+        op: &'static str,
+        repeats: usize,
+        element: impl Fn(usize) -> usize,
+    ) -> Result<Vec<i64>> {
+        let too_large = |what: String| NestedError::TooLarge { op, what };
+        let batch = self.batch_size();
+        let count = batch
+            .checked_mul(repeats)
+            .filter(|&count| i64::try_from(count).is_ok())
+            .ok_or_else(|| too_large(format!("{batch} elements repeated {repeats} times")))?;
+        let values = self.packed().numel();
+        if values
+            .checked_mul(repeats)
+            .and_then(|n| i64::try_from(n).ok())
+            .is_none()
+        {
+            return Err(too_large(format!(
+                "{values} values repeated {repeats} times"
+            )));
+        }
+        let mut indices = Vec::new();
+        indices
+            .try_reserve_exact(count)
+            .map_err(|_| too_large(format!("a list of {count} element indices")))?;
+        // Each index is below `batch`, which fits in an i64 (it counts a tensor's rows).
+        indices.extend((0..count).map(|i| element(i) as i64));
+        Ok(indices)
     }
 
     /// The elements at `indices`, recorded as a repeat of the batch.

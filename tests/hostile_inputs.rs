@@ -1,0 +1,130 @@
+//! Careless and hostile inputs get typed errors (or the right result), never a panic,
+//! an abort or a silently wrapped size, in debug and release builds alike.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::batch;
+use nestor::nn::MultiheadAttention;
+use nestor::{LayoutError, NestedError, NestedTensor};
+use tch::{nn, Device, Kind, Tensor};
+
+#[test]
+fn lengths_whose_sum_or_product_overflows_are_typed_errors() {
+    let values = Tensor::zeros([4, 2], (Kind::Float, Device::Cpu));
+    for lengths in [vec![i64::MAX, 1], vec![i64::MAX / 2, i64::MAX / 2, 2]] {
+        let error = NestedTensor::packed_with_lengths(&values, &lengths).unwrap_err();
+        assert!(
+            matches!(error, NestedError::Layout(LayoutError::TooLarge { .. })),
+            "{lengths:?}: {error}"
+        );
+    }
+    // Rows that fit, values that do not: i64::MAX / 2 rows of width 4.
+    let error = RaggedLayoutProbe::from_lengths(&[i64::MAX / 2], &[4]);
+    assert!(
+        matches!(
+            error,
+            Err(LayoutError::TooLarge {
+                what: "packed values",
+                ..
+            })
+        ),
+        "{error:?}"
+    );
+}
+
+/// `nestor::RaggedLayout` under a local name.
+type RaggedLayoutProbe = nestor::RaggedLayout;
+
+#[test]
+fn extreme_slice_and_select_positions_are_clamped_or_typed_errors() {
+    let (nested, _) = batch(&[3, 1, 4], &[5], Kind::Float, 1);
+    // `0..=i64::MAX` reaches the end, as `0..` does.
+    let all = nested.slice(2, 0..=i64::MAX).unwrap();
+    assert_eq!(
+        all.layout().element_sizes(),
+        nested.layout().element_sizes()
+    );
+    assert!(all.values().equal(nested.values()));
+    let empty = nested.slice(2, i64::MAX..).unwrap();
+    assert_eq!(empty.layout().element_sizes()[0], [3, 0]);
+    for index in [i64::MAX, i64::MIN] {
+        let error = nested.select(1, index).unwrap_err();
+        assert!(
+            matches!(error, NestedError::ElementTooShort { .. }),
+            "{index}: {error}"
+        );
+    }
+}
+
+#[test]
+fn huge_repeats_are_typed_errors_before_any_allocation() {
+    let (nested, _) = batch(&[3, 1], &[2], Kind::Float, 2);
+    for repeats in [usize::MAX, 1 << 62, 1 << 40] {
+        for result in [
+            nested.repeat_batch(repeats),
+            nested.repeat_interleave(repeats),
+        ] {
+            let error = result.unwrap_err();
+            assert!(
+                matches!(error, NestedError::TooLarge { .. }),
+                "{repeats}: {error}"
+            );
+        }
+    }
+    // Small repeats still work.
+    assert_eq!(nested.repeat_batch(3).unwrap().len(), 6);
+    assert_eq!(nested.repeat_interleave(2).unwrap().len(), 4);
+}
+
+#[test]
+fn attention_with_no_heads_is_a_typed_error() {
+    let store = nn::VarStore::new(Device::Cpu);
+    for heads in [0, -2, 3] {
+        let layer = MultiheadAttention::new(&store.root(), 8, heads, true);
+        let (x, _) = batch(&[2, 3], &[8], Kind::Float, 3);
+        let error = layer.forward(&x, &x, &x, false).unwrap_err();
+        assert!(
+            matches!(error, NestedError::Unsupported { .. }),
+            "{heads}: {error}"
+        );
+    }
+}
+
+#[test]
+fn bilinear_interpolation_of_elements_that_are_not_images_is_a_typed_error() {
+    let (tokens, _) = batch(&[3, 2], &[], Kind::Float, 4);
+    let error = tokens
+        .interpolate_bilinear(None, Some(2.0), false)
+        .unwrap_err();
+    assert!(matches!(error, NestedError::Unsupported { .. }), "{error}");
+    let images = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&[
+            Tensor::zeros([1, 4, 5], (Kind::Float, Device::Cpu)),
+            Tensor::zeros([1, 3, 3], (Kind::Float, Device::Cpu)),
+        ])
+        .unwrap();
+    for scale in [f64::NAN, -1.0, f64::INFINITY, 0.0] {
+        let error = images
+            .interpolate_bilinear(None, Some(scale), false)
+            .unwrap_err();
+        assert!(
+            matches!(error, NestedError::Unsupported { .. }),
+            "{scale}: {error}"
+        );
+    }
+    let doubled = images.interpolate_bilinear(None, Some(2.0), false).unwrap();
+    assert_eq!(doubled.layout().element_sizes()[0], [1, 8, 10]);
+}
+
+#[test]
+fn an_undefined_tensor_is_a_typed_error() {
+    let error = NestedTensor::packed_with_lengths(&Tensor::new(), &[1, 2]).unwrap_err();
+    assert!(
+        matches!(error, NestedError::ShapeMismatch { .. }),
+        "{error}"
+    );
+}

@@ -46,6 +46,21 @@ impl FusedExpr {
             .split_whitespace()
             .map(str::to_owned)
             .collect();
+        // Nesting is checked before the recursive descent, so a deep text is an error
+        // rather than a stack overflow.
+        let mut depth = 0usize;
+        for token in &tokens {
+            match token.as_str() {
+                "(" => depth += 1,
+                ")" => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            if depth > MAX_DEPTH {
+                return Err(format!(
+                    "the expression nests deeper than {MAX_DEPTH} levels"
+                ));
+            }
+        }
         let mut position = 0;
         let expr = parse_expr(&tokens, &mut position)?;
         if position != tokens.len() {
@@ -57,6 +72,9 @@ impl FusedExpr {
         Ok(expr)
     }
 }
+
+/// How deep a fused expression's text may nest (fusion builds far shallower ones).
+pub const MAX_DEPTH: usize = 256;
 
 fn parse_expr(tokens: &[String], position: &mut usize) -> Result<FusedExpr, String> {
     let next = |position: &mut usize| -> Result<String, String> {

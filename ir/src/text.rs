@@ -72,6 +72,7 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut parser = Parser {
         tokens,
         position: 0,
+        depth: 0,
     };
     let graph = parser.graph()?;
     if let Some(token) = parser.tokens.get(parser.position) {
@@ -96,6 +97,46 @@ enum Kind {
 struct Token {
     kind: Kind,
     line: usize,
+}
+
+/// Writes `text` as a quoted string the tokenizer reads back: `\\` and `\"` escaped,
+/// control characters as `\u{..}`, everything else as it is.
+pub(crate) fn quote(text: &str) -> String {
+    let mut quoted = String::with_capacity(text.len() + 2);
+    quoted.push('"');
+    for c in text.chars() {
+        match c {
+            '"' | '\\' => {
+                quoted.push('\\');
+                quoted.push(c);
+            }
+            c if c.is_control() => quoted.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => quoted.push(c),
+        }
+    }
+    quoted.push('"');
+    quoted
+}
+
+/// The character an escape after `\\` stands for, and how many characters it took:
+/// `\\`, `\"`, `\n`, `\t`, `\r`, `\0` and `\u{hex}`.
+fn unescape(chars: &[char]) -> Option<(char, usize)> {
+    match chars.first()? {
+        'n' => Some(('\n', 1)),
+        't' => Some(('\t', 1)),
+        'r' => Some(('\r', 1)),
+        '0' => Some(('\0', 1)),
+        'u' => {
+            let close = chars.iter().position(|&c| c == '}')?;
+            if chars.get(1) != Some(&'{') || close > 8 {
+                return None;
+            }
+            let hex: String = chars[2..close].iter().collect();
+            let code = u32::from_str_radix(&hex, 16).ok()?;
+            Some((char::from_u32(code)?, close + 1))
+        }
+        &other => Some((other, 1)),
+    }
 }
 
 fn tokenize(text: &str) -> Result<Vec<Token>, ParseError> {
@@ -138,7 +179,10 @@ fn tokenize(text: &str) -> Result<Vec<Token>, ParseError> {
                     Some('"') => break,
                     Some('\\') => {
                         index += 1;
-                        value.extend(chars.get(index));
+                        let (escaped, length) = unescape(&chars[index..])
+                            .ok_or_else(|| error("bad escape in a string".into()))?;
+                        value.push(escaped);
+                        index += length - 1;
                     }
                     Some(&other) => value.push(other),
                 }
@@ -197,7 +241,13 @@ fn tokenize(text: &str) -> Result<Vec<Token>, ParseError> {
 struct Parser {
     tokens: Vec<Token>,
     position: usize,
+    /// How many graphs enclose the one being read (per-element bodies nest).
+    depth: usize,
 }
+
+/// How deep per-element bodies may nest in a text (deeper texts are an error, not a
+/// stack overflow; real graphs nest one level).
+pub const MAX_NESTING: usize = 16;
 
 impl Parser {
     fn line(&self) -> usize {
@@ -329,7 +379,15 @@ impl Parser {
         self.punct(':')?;
         let ty = self.ty()?;
         let body = if matches!(self.peek(), Some(Kind::Word(word)) if word == "graph") {
-            Some(self.graph()?)
+            if self.depth >= MAX_NESTING {
+                return self.error(format!(
+                    "per-element bodies nest deeper than {MAX_NESTING} levels"
+                ));
+            }
+            self.depth += 1;
+            let body = self.graph();
+            self.depth -= 1;
+            Some(body?)
         } else {
             None
         };

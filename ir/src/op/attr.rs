@@ -54,7 +54,7 @@ impl fmt::Display for Attr {
             Attr::Int(value) => write!(f, "{value}"),
             Attr::Float(value) => write!(f, "{value:?}"),
             Attr::Bool(value) => write!(f, "{value}"),
-            Attr::Str(value) => write!(f, "{value:?}"),
+            Attr::Str(value) => f.write_str(&crate::text::quote(value)),
             Attr::Ints(values) => {
                 write!(
                     f,

@@ -128,3 +128,67 @@ fn an_undefined_tensor_is_a_typed_error() {
         "{error}"
     );
 }
+
+#[test]
+fn float_batch_indices_are_a_typed_error() {
+    let (nested, _) = batch(&[2, 3, 1], &[2], Kind::Float, 5);
+    let error = nestor::BatchSelector::from_tensor(&Tensor::from_slice(&[0.7f32, 1.2]))
+        .err()
+        .unwrap();
+    assert!(matches!(error, NestedError::Unsupported { .. }), "{error}");
+    let picked = nested
+        .select_batch(nestor::BatchSelector::from_tensor(&Tensor::from_slice(&[2i32, 0])).unwrap())
+        .unwrap();
+    assert_eq!(picked.layout().element_sizes(), [vec![1, 2], vec![2, 2]]);
+}
+
+#[test]
+fn in_place_results_that_cannot_be_cast_back_are_typed_errors() {
+    let elements = [Tensor::from_slice(&[1i64, 2]), Tensor::from_slice(&[3i64])];
+    let ids = NestedTensor::from_tensors(&elements).unwrap();
+    let mut changed = NestedTensor::from_tensors(&elements).unwrap();
+    let error = changed.binary_(nestor::Binary::Add, 0.5).unwrap_err();
+    assert!(matches!(error, NestedError::Unsupported { .. }), "{error}");
+    assert!(changed.values().equal(ids.values()), "left as it was");
+    changed.binary_(nestor::Binary::Add, 2i64).unwrap();
+    assert_eq!(Vec::<i64>::try_from(changed.values()).unwrap(), [3, 4, 5]);
+}
+
+#[test]
+fn a_compiled_function_keeps_the_number_of_inputs_it_was_first_called_with() {
+    let compiled = nestor::compile("arity", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        x[0].relu()
+    });
+    let (a, _) = batch(&[2, 1], &[3], Kind::Float, 6);
+    compiled.call(&[&a], &[]).unwrap();
+    let error = compiled.call(&[&a, &a], &[]).unwrap_err();
+    assert!(
+        matches!(error, NestedError::InputMismatch { .. }),
+        "{error}"
+    );
+    let extra = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+    let error = compiled.call(&[&a], &[&extra]).unwrap_err();
+    assert!(
+        matches!(error, NestedError::InputMismatch { .. }),
+        "{error}"
+    );
+    assert_eq!(
+        compiled.stats().compiles,
+        1,
+        "no program for the wrong calls"
+    );
+    compiled.call(&[&a], &[]).unwrap();
+}
+
+#[test]
+fn reshapes_whose_sizes_overflow_do_not_type() {
+    let text = "graph @g {
+  %0 = input {name = \"L\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+  %2 = reshape_tail(%1) {tail = [4611686018427387904, 4611686018427387904, 4]} : ragged<f32>[B; %0, 4611686018427387904, 4611686018427387904, 4]
+  return %2
+}
+";
+    let error = nestor::ir::parse(text).unwrap_err();
+    assert!(error.message.contains("cannot reshape"), "{error}");
+}

@@ -348,6 +348,22 @@ where
             self.stats.hit();
             return Ok(Arc::clone(entry));
         }
+        // Every structure of one function takes as many inputs as the first.
+        if let Some(first) = cache.keys().next() {
+            let (expected, got) = (
+                (first.nested.len(), first.dense.len()),
+                (key.nested.len(), key.dense.len()),
+            );
+            if expected != got {
+                return Err(NestedError::InputMismatch {
+                    input: "inputs".into(),
+                    reason: format!(
+                        "{} batches and {} dense tensors given; {} compiled {} and {}",
+                        got.0, got.1, self.name, expected.0, expected.1
+                    ),
+                });
+            }
+        }
         let entry = Arc::new(self.build(nested, dense, &key.requires_grad)?);
         self.stats.compiled();
         cache.insert(key, Arc::clone(&entry));

@@ -109,13 +109,24 @@ impl From<&[bool]> for BatchSelector {
 }
 
 impl BatchSelector {
-    /// A selector read from a tensor: bool tensors are masks, integer tensors indices.
+    /// A selector read from a tensor: bool tensors are masks, integer tensors indices;
+    /// other tensors are an error (as in torch: float indices would be truncated).
     pub fn from_tensor(selector: &Tensor) -> Result<Self> {
         let flat = selector.f_reshape([-1])?;
-        Ok(if selector.f_kind()? == Kind::Bool {
-            BatchSelector::Mask(Vec::<bool>::try_from(&flat)?)
-        } else {
-            BatchSelector::Indices(Vec::<i64>::try_from(&flat.f_to_kind(Kind::Int64)?)?)
+        let kind = selector.f_kind()?;
+        Ok(match kind {
+            Kind::Bool => BatchSelector::Mask(Vec::<bool>::try_from(&flat)?),
+            Kind::Uint8 | Kind::Int8 | Kind::Int16 | Kind::Int | Kind::Int64 => {
+                BatchSelector::Indices(Vec::<i64>::try_from(&flat.f_to_kind(Kind::Int64)?)?)
+            }
+            other => {
+                return Err(NestedError::Unsupported {
+                    op: "select_batch",
+                    reason: format!(
+                        "batch indices must be integers or bools, not a {other:?} tensor"
+                    ),
+                })
+            }
         })
     }
 

@@ -10,7 +10,7 @@ use nestor_ir::{BinaryOp, DType, Op, UnaryOp};
 
 use super::Operand;
 use crate::trace::Arg;
-use crate::{dtype_of, NestedTensor, Result};
+use crate::{dtype_of, NestedError, NestedTensor, Result};
 
 /// A binary elementwise operator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -323,6 +323,16 @@ impl NestedTensor {
     pub fn binary_<'a>(&mut self, op: Binary, other: impl Into<Operand<'a>>) -> Result<()> {
         self.untraceable("in-place operator")?;
         let result = self.binary(op, other)?;
+        // As torch: the result must be castable back (no float into an integer batch).
+        let (from, to) = (result.kind(), self.kind());
+        if !Tensor::f_can_cast(from, to)? {
+            return Err(NestedError::Unsupported {
+                op: op.name(),
+                reason: format!(
+                    "in place, the {from:?} result cannot be cast to the batch's {to:?}"
+                ),
+            });
+        }
         // A handle on the same storage: copying into it updates the values in place.
         let mut values = self.packed().shallow_clone();
         values.f_copy_(result.packed())?;

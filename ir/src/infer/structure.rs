@@ -207,9 +207,14 @@ fn reshape_tail(x: &Type, tail: &[i64]) -> Inferred {
         .iter()
         .map(fixed_static)
         .collect::<Result<_, _>>()?;
-    if old.iter().product::<i64>() != tail.iter().product::<i64>()
-        || tail.iter().any(|&size| size < 0)
-    {
+    // Sizes come from texts and users: a product that overflows matches nothing.
+    let volume = |sizes: &[i64]| {
+        sizes
+            .iter()
+            .try_fold(1i64, |volume, &size| volume.checked_mul(size))
+    };
+    let (before, after) = (volume(&old), volume(tail));
+    if before.is_none() || before != after || tail.iter().any(|&size| size < 0) {
         return Err(format!("cannot reshape a static tail {old:?} to {tail:?}"));
     }
     let dims = dims[..leading]

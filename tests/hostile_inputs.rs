@@ -192,3 +192,81 @@ fn reshapes_whose_sizes_overflow_do_not_type() {
     let error = nestor::ir::parse(text).unwrap_err();
     assert!(error.message.contains("cannot reshape"), "{error}");
 }
+
+#[test]
+fn a_batcher_with_a_huge_batch_size_gives_one_batch() {
+    let samples: Vec<nestor::PNTensor> = (1..=5)
+        .map(|n| nestor::PNTensor(Tensor::zeros([n], (Kind::Float, Device::Cpu))))
+        .collect();
+    let batcher = nestor::Batcher::new(&samples, usize::MAX)
+        .shuffle(3)
+        .bucket_by_length(usize::MAX, |index| index);
+    let plan = batcher.plan(0);
+    assert_eq!(plan.len(), 1);
+    assert_eq!(plan[0].len(), 5);
+}
+
+#[test]
+fn mismatched_batches_and_static_indices_have_errors_that_say_so() {
+    let (a, _) = batch(&[2, 3], &[4], Kind::Float, 7);
+    let (b, _) = batch(&[2, 3, 1], &[4], Kind::Float, 8);
+    let error = a.cdist(&b, 2.0).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            NestedError::BatchSizeMismatch {
+                op: "cdist",
+                expected: 2,
+                got: 3,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    let heads = |x: &NestedTensor| x.reshape_tail(&[2, 2]).unwrap();
+    let error = heads(&a)
+        .scaled_dot_product_attention(&heads(&b), &heads(&b), false, None)
+        .unwrap_err();
+    assert!(
+        matches!(error, NestedError::BatchSizeMismatch { what: "keys", .. }),
+        "{error}"
+    );
+    let values = Tensor::zeros([5, 1], (Kind::Float, Device::Cpu));
+    let error = NestedTensor::packed_with_rectangular_lengths(&values, &[1, 2], &[1]).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            NestedError::BatchSizeMismatch {
+                what: "columns",
+                ..
+            }
+        ),
+        "{error}"
+    );
+    let error = a.select_static(2, 4).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            NestedError::StaticIndexOutOfRange {
+                dim: 2,
+                index: 4,
+                size: 4,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.to_string().contains("dim 2 of size 4"), "{error}");
+}
+
+#[test]
+fn libtorch_errors_show_their_first_line() {
+    let (ids, _) = batch(&[2, 1], &[], Kind::Float, 9);
+    let ids = ids.to_kind(Kind::Int64).unwrap();
+    let flat = Tensor::zeros([4], (Kind::Float, Device::Cpu));
+    let error = ids.embedding(&flat, -1).unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, NestedError::Torch(_)), "{text}");
+    assert!(text.starts_with("libtorch: "), "{text}");
+    assert!(!text.contains('\n') && !text.contains("frame #"), "{text}");
+}

@@ -220,7 +220,9 @@ impl<'a, D: Dataset> Batcher<'a, D> {
             order.shuffle(rng);
         }
         if let Some(bucketing) = &self.bucketing {
-            for pool in order.chunks_mut(self.batch_size * bucketing.pool_batches) {
+            // A pool larger than any dataset is the whole dataset: saturating is exact.
+            let pool_size = self.batch_size.saturating_mul(bucketing.pool_batches);
+            for pool in order.chunks_mut(pool_size) {
                 pool.sort_by_key(|&index| (bucketing.length)(index));
             }
         }

@@ -194,6 +194,31 @@ pub enum NestedError {
         /// What went wrong.
         reason: String,
     },
+    /// Two batches (or two per-element lists) an operation pairs element by element
+    /// have different sizes.
+    #[error("{op}: {what} has {got} elements, expected {expected}")]
+    BatchSizeMismatch {
+        /// The operation.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// The size it must have.
+        expected: usize,
+        /// Its size.
+        got: usize,
+    },
+    /// An index into a static dim (one size in every element) is out of range.
+    #[error("{op}: index {index} is out of range for dim {dim} of size {size}")]
+    StaticIndexOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// The NestedTensor dim.
+        dim: i64,
+        /// The index given.
+        index: i64,
+        /// The dim's size.
+        size: i64,
+    },
     /// A size or count from the caller too large to compute or to hold.
     #[error("{op}: {what} is too large")]
     TooLarge {
@@ -202,7 +227,27 @@ pub enum NestedError {
         /// What overflowed, with its numbers.
         what: String,
     },
-    /// An error reported by libtorch.
-    #[error(transparent)]
+    /// An error reported by libtorch. Displayed as its first line (libtorch appends a
+    /// C++ backtrace); the whole report with `NESTOR_TORCH_BACKTRACE=1`, or from the
+    /// `TchError` itself.
+    #[error("libtorch: {}", torch_summary(.0))]
     Torch(#[from] TchError),
+}
+
+/// The first line of a libtorch error, or all of it when `NESTOR_TORCH_BACKTRACE` is set.
+fn torch_summary(error: &TchError) -> String {
+    let text = error.to_string();
+    if std::env::var_os("NESTOR_TORCH_BACKTRACE").is_some() {
+        return text;
+    }
+    let first = text.lines().next().unwrap_or_default();
+    let more = text.lines().count() > 1;
+    format!(
+        "{first}{}",
+        if more {
+            " (NESTOR_TORCH_BACKTRACE=1 shows libtorch's backtrace)"
+        } else {
+            ""
+        }
+    )
 }

@@ -33,7 +33,9 @@ impl NestedTensor {
             });
         }
         if keys.batch_size() != self.batch_size() {
-            return Err(NestedError::SelectorLength {
+            return Err(NestedError::BatchSizeMismatch {
+                op: "scaled_dot_product_attention",
+                what: "keys",
                 expected: self.batch_size(),
                 got: keys.batch_size(),
             });

@@ -106,7 +106,9 @@ impl NestedTensor {
         columns: &[i64],
     ) -> Result<NestedTensor> {
         if rows.len() != columns.len() {
-            return Err(NestedError::SelectorLength {
+            return Err(NestedError::BatchSizeMismatch {
+                op: "packed_with_rectangular_lengths",
+                what: "columns",
                 expected: rows.len(),
                 got: columns.len(),
             });
@@ -258,7 +260,9 @@ impl NestedTensor {
         self.untraceable("cdist")?;
         slow_path(SlowPath::PerElement, "cdist")?;
         if self.batch_size() != other.batch_size() {
-            return Err(NestedError::SelectorLength {
+            return Err(NestedError::BatchSizeMismatch {
+                op: "cdist",
+                what: "the other batch",
                 expected: self.batch_size(),
                 got: other.batch_size(),
             });
@@ -366,9 +370,11 @@ impl NestedTensor {
         let size = self.packed().size()[axis as usize];
         let position = if index < 0 { index + size } else { index };
         if !(0..size).contains(&position) {
-            return Err(NestedError::IndexOutOfRange {
+            return Err(NestedError::StaticIndexOutOfRange {
+                op: "select_static",
+                dim,
                 index,
-                batch_size: size as usize,
+                size,
             });
         }
         let layout = self.lay().without_dim(element_dim)?;

@@ -11,6 +11,16 @@ use nestor::nn::MultiheadAttention;
 use nestor::{LayoutError, NestedError, NestedTensor};
 use tch::{nn, Device, Kind, Tensor};
 
+/// Held by the tests that run compiled code: one of them lowers the process-wide
+/// memory budget for a moment.
+static COMPILED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn compiled_turn() -> std::sync::MutexGuard<'static, ()> {
+    COMPILED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[test]
 fn lengths_whose_sum_or_product_overflows_are_typed_errors() {
     let values = Tensor::zeros([4, 2], (Kind::Float, Device::Cpu));
@@ -156,6 +166,7 @@ fn in_place_results_that_cannot_be_cast_back_are_typed_errors() {
 
 #[test]
 fn a_compiled_function_keeps_the_number_of_inputs_it_was_first_called_with() {
+    let _turn = compiled_turn();
     let compiled = nestor::compile("arity", |x: &[NestedTensor], _: &[nestor::Dense]| {
         x[0].relu()
     });
@@ -269,4 +280,55 @@ fn libtorch_errors_show_their_first_line() {
     assert!(matches!(error, NestedError::Torch(_)), "{text}");
     assert!(text.starts_with("libtorch: "), "{text}");
     assert!(!text.contains('\n') && !text.contains("frame #"), "{text}");
+}
+
+/// One element of 100,000 rows needs 40 GB of attention scores per head: compiled, it is
+/// the typed memory error, and so it is eagerly (libtorch's allocator refuses); smaller
+/// budgets stop smaller steps, and the function keeps working after.
+#[test]
+fn steps_over_the_memory_budget_are_typed_errors_not_aborts() {
+    let _turn = compiled_turn();
+    tch::manual_seed(10);
+    let store = nn::VarStore::new(Device::Cpu);
+    let config = nestor::nn::TransformerConfig {
+        d_model: 8,
+        nhead: 2,
+        dim_feedforward: 16,
+        dropout: 0.0,
+        ..Default::default()
+    };
+    let encoder =
+        nestor::nn::TransformerEncoder::new(&(store.root() / "encoder"), &config, 1, true);
+    let compiled = nestor::compile("long", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        encoder.forward(&x[0], false)
+    });
+    // Traced on a short batch (tracing runs eager libtorch, whose 3-d attention would
+    // ask for 80 GB here: a typed libtorch error too), then run on the long one.
+    let (short, _) = batch(&[30, 2], &[8], Kind::Float, 12);
+    let eager = encoder.forward(&short, false).unwrap();
+    let got = compiled
+        .call(&[&short], &[])
+        .unwrap()
+        .remove(0)
+        .into_nested()
+        .unwrap();
+    assert!(got.values().allclose(eager.values(), 1e-4, 1e-4, false));
+    let (long, _) = batch(&[100_000], &[8], Kind::Float, 11);
+    let error = compiled.call(&[&long], &[]).unwrap_err();
+    assert!(
+        matches!(&error, NestedError::Compile { stage: "runtime", reason } if reason.contains("memory budget") && reason.contains("attention")),
+        "{error}"
+    );
+    assert_eq!(compiled.stats().compiles, 1);
+    // A budget of 1 KiB stops the first buffer of a batch of 30 x 8 floats (960 bytes
+    // fit; 2,000 rows do not).
+    nestor::MemoryBudget::set(Some(1024));
+    let (wide, _) = batch(&[2_000], &[8], Kind::Float, 13);
+    let error = compiled.call(&[&wide], &[]).unwrap_err();
+    nestor::MemoryBudget::set(None);
+    assert!(
+        matches!(&error, NestedError::Compile { reason, .. } if reason.contains("memory budget")),
+        "{error}"
+    );
+    compiled.call(&[&short], &[]).unwrap();
 }

@@ -14,6 +14,7 @@
 mod attention;
 mod executor;
 mod layout;
+mod memory;
 mod parallel;
 mod scalar;
 mod stats;
@@ -23,5 +24,6 @@ pub use executor::{
     RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
+pub use memory::MemoryBudget;
 pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};

@@ -15,7 +15,7 @@ mod sizes;
 mod steps;
 
 use crate::scalar::Scalar;
-use crate::Parallelism;
+use crate::{MemoryBudget, Parallelism};
 use sizes::Sizes;
 use steps::RunState;
 
@@ -38,6 +38,18 @@ pub enum RuntimeError {
         step: usize,
         /// What is wrong.
         reason: String,
+    },
+    /// A step would allocate more than the [`crate::MemoryBudget`] allows.
+    #[error("step {step} ({what}) needs {bytes} bytes at once, over the memory budget of {budget} bytes (MemoryBudget, NESTOR_MEMORY_LIMIT)")]
+    OutOfMemory {
+        /// Which step of the program.
+        step: usize,
+        /// What it allocates.
+        what: String,
+        /// How much it needs (`u64::MAX` when the count overflows).
+        bytes: u64,
+        /// The budget.
+        budget: u64,
     },
     /// An input does not fit the program.
     #[error("input {input}: {reason}")]
@@ -246,13 +258,29 @@ impl Executable {
             if let Some(buffer) = external[out.0 as usize] {
                 pointers[out.0 as usize] = buffer;
             } else {
-                let words = (sizes.elements(program, out) * program.float.size()).div_ceil(8);
+                let bytes = within_budget(
+                    step_index,
+                    "its output",
+                    sizes
+                        .elements(program, out)
+                        .checked_mul(program.float.size()),
+                )?;
+                let words = bytes.div_ceil(8);
                 let reuse = free.iter().position(|buffer| buffer.capacity() >= words);
                 let mut buffer = match reuse {
                     Some(position) => free.swap_remove(position),
                     None => {
-                        stats.allocated((words * 8) as u64);
-                        Vec::with_capacity(words)
+                        stats.allocated(bytes as u64);
+                        let mut buffer = Vec::new();
+                        buffer
+                            .try_reserve_exact(words)
+                            .map_err(|_| RuntimeError::OutOfMemory {
+                                step: step_index,
+                                what: "its output".into(),
+                                bytes: bytes as u64,
+                                budget: MemoryBudget::bytes(),
+                            })?;
+                        buffer
                     }
                 };
                 // Every step writes all of its output, so a reused buffer keeps its old
@@ -530,6 +558,24 @@ fn step_name(step: &Step) -> String {
         Step::Host { .. } => "host".into(),
         Step::Pad { .. } => "pad".into(),
         Step::Unpad { .. } => "unpad".into(),
+    }
+}
+
+/// `bytes` if a step may allocate them at once (a count that overflowed is `None`).
+pub(super) fn within_budget(
+    step: usize,
+    what: &str,
+    bytes: Option<usize>,
+) -> Result<usize, RuntimeError> {
+    let budget = MemoryBudget::bytes();
+    match bytes {
+        Some(bytes) if (bytes as u64) <= budget => Ok(bytes),
+        _ => Err(RuntimeError::OutOfMemory {
+            step,
+            what: what.into(),
+            bytes: bytes.map_or(u64::MAX, |bytes| bytes as u64),
+            budget,
+        }),
     }
 }
 

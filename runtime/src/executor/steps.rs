@@ -194,8 +194,8 @@ type Offsets<'r> = (&'r [i64], &'r [i64]);
 fn attention_offsets<'r>(
     index: usize,
     run: &'r RunState<'_, '_>,
-    q_lengths: Slot,
-    k_lengths: Slot,
+    (q_lengths, k_lengths): (Slot, Slot),
+    (matrices, scalar): (usize, usize),
 ) -> Result<Option<Offsets<'r>>, RuntimeError> {
     let (batch, key_batch) = (run.sizes.batch(q_lengths), run.sizes.batch(k_lengths));
     if batch != key_batch {
@@ -204,10 +204,27 @@ fn attention_offsets<'r>(
             format!("{batch} query elements but {key_batch} key elements"),
         ));
     }
-    Ok(match (run.lengths(q_lengths), run.lengths(k_lengths)) {
+    let Some((q_offsets, k_offsets)) = (match (run.lengths(q_lengths), run.lengths(k_lengths)) {
         (Some(q_info), Some(k_info)) => Some((&q_info.offsets[..], &k_info.offsets[..])),
         _ => None,
-    })
+    }) else {
+        return Ok(None);
+    };
+    // Each (element, head) task holds `matrices` score matrices of Lq x Lk scalars; up
+    // to one task per thread at once.
+    let largest = q_offsets
+        .windows(2)
+        .zip(k_offsets.windows(2))
+        .map(|(q, k)| ((q[1] - q[0]) as usize).checked_mul((k[1] - k[0]) as usize))
+        .try_fold(0usize, |largest, scores| Some(largest.max(scores?)));
+    let tasks = worker_threads().max(1) as usize;
+    let bytes = largest.and_then(|scores| {
+        scores
+            .checked_mul(matrices * scalar)
+            .and_then(|bytes| bytes.checked_mul(tasks))
+    });
+    super::within_budget(index, "attention scores", bytes)?;
+    Ok(Some((q_offsets, k_offsets)))
 }
 
 fn step_error(step: usize, reason: String) -> RuntimeError {
@@ -507,7 +524,9 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention step".into()));
         };
-        let Some(offsets) = attention_offsets(index, run, *q_lengths, *k_lengths)? else {
+        let scalar = self.program.float.size();
+        let Some(offsets) = attention_offsets(index, run, (*q_lengths, *k_lengths), (1, scalar))?
+        else {
             return Ok(());
         };
         let attention = Attention {
@@ -563,7 +582,10 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention gradient step".into()));
         };
-        let Some(offsets) = attention_offsets(index, run, *q_lengths, *k_lengths)? else {
+        // Probabilities and their slopes.
+        let scalar = self.program.float.size();
+        let Some(offsets) = attention_offsets(index, run, (*q_lengths, *k_lengths), (2, scalar))?
+        else {
             return Ok(());
         };
         let gradient = AttentionGrad {

@@ -736,3 +736,21 @@ fn dense_inputs_compile_and_broadcast_per_element() {
     }
     assert_eq!(compiled.stats().compiles, 1);
 }
+
+/// A batch of no elements runs compiled as it does eagerly (it was a layout error),
+/// before and after batches with elements.
+#[test]
+fn an_empty_batch_compiles_as_it_runs_eagerly() {
+    for (family, model) in families(Kind::Float) {
+        let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+        for lengths in [vec![], vec![2i64, 0, 3], vec![]] {
+            let (x, _) = batch(&lengths, &[4], Kind::Float, 1);
+            let tokens = ids(&lengths, 2);
+            let got = compiled
+                .call(&[&x, &tokens], &[])
+                .unwrap_or_else(|error| panic!("{family} on {lengths:?}: {error}"));
+            let want = eager_values(model(&[x, tokens], &[]).unwrap());
+            assert_close(&got, &want, &format!("{family} on {lengths:?}"));
+        }
+    }
+}

@@ -109,8 +109,5 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
 pub fn ids(lengths: &[i64], seed: i64) -> NestedTensor {
     let mut random = Random::new(seed);
     let elements: Vec<Tensor> = lengths.iter().map(|&l| random.below(5, &[l])).collect();
-    NestedTensor::builder()
-        .ragged_dims(&[0])
-        .tensors(&elements)
-        .unwrap()
+    super::ragged_batch(&elements, &[], Kind::Int64)
 }

@@ -59,11 +59,21 @@ pub fn batch(lengths: &[i64], tail: &[i64], kind: Kind, seed: i64) -> (NestedTen
             random.normal(&shape).to_kind(kind)
         })
         .collect();
-    let nested = NestedTensor::builder()
+    (ragged_batch(&elements, tail, kind), elements)
+}
+
+/// The batch of `elements` `[L_i, *tail]` (ragged first dim; an empty list gives an empty
+/// batch of that rank).
+pub fn ragged_batch(elements: &[Tensor], tail: &[i64], kind: Kind) -> NestedTensor {
+    if elements.is_empty() {
+        let shape: Vec<i64> = std::iter::once(0).chain(tail.iter().copied()).collect();
+        let values = Tensor::zeros(shape, (kind, tch::Device::Cpu));
+        return NestedTensor::packed_with_lengths(&values, &[]).unwrap();
+    }
+    NestedTensor::builder()
         .ragged_dims(&[0])
-        .tensors(&elements)
-        .unwrap();
-    (nested, elements)
+        .tensors(elements)
+        .unwrap()
 }
 
 /// Random test data from a seed alone: libtorch's generator is one per process, so

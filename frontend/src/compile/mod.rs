@@ -627,7 +627,23 @@ fn nested_from_dims(values: Tensor, dims: &[RunDim]) -> Result<NestedTensor> {
         .filter(|(_, dim)| matches!(dim, RunDim::Ragged(_)))
         .map(|(index, _)| index)
         .collect();
-    let layout = nestor_runtime::RaggedLayout::from_element_sizes(element_sizes, &ragged)?;
+    let leading = ragged
+        .iter()
+        .enumerate()
+        .all(|(position, &dim)| position == dim);
+    let layout = if batch == 0 && leading {
+        // No element to read the rank from: the dims give it, as for an eager empty batch.
+        let statics: Vec<i64> = dims[ragged.len()..]
+            .iter()
+            .filter_map(|dim| match dim {
+                RunDim::Static(size) => Some(*size),
+                RunDim::Ragged(_) => None,
+            })
+            .collect();
+        nestor_runtime::RaggedLayout::from_ragged_sizes(ragged.len(), &[], &statics)?
+    } else {
+        nestor_runtime::RaggedLayout::from_element_sizes(element_sizes, &ragged)?
+    };
     if values.size() != layout.packed_shape() {
         return Err(NestedError::Compile {
             stage: "runtime",

@@ -13,9 +13,11 @@ test: setup
 	scripts/cargo test --workspace --doc
 
 # The property tests with many more cases (PROPTEST_CASES, default 256) and a million
-# mutated .nir texts (NESTOR_FUZZ_TEXTS), in release: about 15 minutes on two cores.
+# mutated .nir texts (NESTOR_FUZZ_TEXTS) and 100,000 arbitrary sizes and indices
+# (NESTOR_FUZZ_INPUTS), in release: about 15 minutes on two cores.
 fuzz: setup
-	PROPTEST_CASES=$${PROPTEST_CASES:-256} NESTOR_FUZZ_TEXTS=$${NESTOR_FUZZ_TEXTS:-1000000} scripts/cargo test --workspace --all-targets --release --no-fail-fast
+	PROPTEST_CASES=$${PROPTEST_CASES:-256} NESTOR_FUZZ_TEXTS=$${NESTOR_FUZZ_TEXTS:-1000000} NESTOR_FUZZ_INPUTS=$${NESTOR_FUZZ_INPUTS:-100000} \
+		scripts/cargo test --workspace --all-targets --release --no-fail-fast
 
 lint: setup
 	cargo fmt --all -- --check

@@ -332,3 +332,62 @@ fn steps_over_the_memory_budget_are_typed_errors_not_aborts() {
     );
     compiled.call(&[&short], &[]).unwrap();
 }
+
+/// Arbitrary lengths, sizes, bounds and indices through the constructors and indexing:
+/// a typed error or a batch whose layout agrees with its values, never a panic.
+/// `NESTOR_FUZZ_INPUTS` sets how many (`make fuzz` runs 100,000).
+#[test]
+fn arbitrary_sizes_and_indices_never_panic() {
+    let count: i64 = std::env::var("NESTOR_FUZZ_INPUTS")
+        .ok()
+        .and_then(|count| count.parse().ok())
+        .unwrap_or(2_000);
+    let extremes = [
+        i64::MIN,
+        i64::MIN + 1,
+        -3,
+        -1,
+        0,
+        1,
+        2,
+        5,
+        i64::MAX / 2,
+        i64::MAX,
+    ];
+    for n in 0..count {
+        let mut random = common::Random::new(n);
+        let mut pick = |bound: i64| {
+            let value = random.below(u64::MAX, &[1]).int64_value(&[0]);
+            if value % 3 == 0 {
+                extremes[(value.unsigned_abs() % extremes.len() as u64) as usize]
+            } else {
+                value.rem_euclid(bound)
+            }
+        };
+        let lengths: Vec<i64> = (0..pick(5).clamp(0, 6)).map(|_| pick(4)).collect();
+        let rows: i64 = lengths.iter().map(|&l| l.clamp(0, 4)).sum();
+        let values = Tensor::zeros([rows, 2], (Kind::Float, Device::Cpu));
+        let (start, end, index, dim) = (pick(6), pick(6), pick(6), pick(3));
+        let outcome = std::panic::catch_unwind(|| {
+            let Ok(nested) = NestedTensor::packed_with_lengths(&values, &lengths) else {
+                return;
+            };
+            assert_eq!(nested.values().size()[0], nested.layout().total_rows());
+            if let Ok(sliced) = nested.slice(dim, start..end) {
+                assert_eq!(sliced.values().size()[0], sliced.layout().total_rows());
+            }
+            let _ = nested.select(dim, index);
+            let _ = nested.get(index);
+            if let Ok(picked) = nested.select_batch(vec![index, start]) {
+                assert_eq!(picked.values().size()[0], picked.layout().total_rows());
+            }
+            if let Ok(repeated) = nested.repeat_batch(start.unsigned_abs() as usize % 4) {
+                assert_eq!(repeated.values().size()[0], repeated.layout().total_rows());
+            }
+        });
+        assert!(
+            outcome.is_ok(),
+            "input {n} panicked: lengths {lengths:?}, dim {dim}, bounds {start}..{end}, index {index}"
+        );
+    }
+}

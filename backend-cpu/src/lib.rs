@@ -94,10 +94,24 @@ impl BackendError {
 
 /// The JIT-compiled kernels of a program, one per step (none for GEMM steps).
 pub struct CpuKernels {
-    // Keeps the code of `kernels` alive.
-    _engine: ExecutionEngine<'static>,
+    // Holds the code of `kernels`; dropped before `context`, which it borrows.
+    engine: std::mem::ManuallyDrop<ExecutionEngine<'static>>,
+    // The program's own LLVM context (from `Box::into_raw`), freed with the kernels.
+    context: *mut Context,
     kernels: Vec<Option<KernelFn>>,
     ir: String,
+}
+
+impl Drop for CpuKernels {
+    fn drop(&mut self) {
+        // SAFETY: the engine (and the module it owns) is the only user of the context,
+        // and no kernel is called after its `CpuKernels` is gone (the executor owns
+        // it); the engine goes first, then the context, which nothing else points to.
+        unsafe {
+            std::mem::ManuallyDrop::drop(&mut self.engine);
+            drop(Box::from_raw(self.context));
+        }
+    }
 }
 
 // The engine is only kept alive; the kernels are plain functions over the buffers they
@@ -119,11 +133,14 @@ impl CpuKernels {
 
 /// Generates, optimizes and JIT-compiles the kernels of `program`.
 ///
-/// Each compiled program keeps its LLVM context for the life of the process (the
-/// kernels live in it); programs are compiled once per structure and cached.
+/// Each compiled program has its own LLVM context, freed when its `CpuKernels` is
+/// dropped (a failed compile leaves it allocated).
 pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
-    let context: &'static Context = Box::leak(Box::new(Context::create()));
+    let context_pointer = Box::into_raw(Box::new(Context::create()));
+    // SAFETY: the pointer is a live allocation until `CpuKernels::drop` frees it, after
+    // the engine, the last thing that borrows it.
+    let context: &'static Context = unsafe { &*context_pointer };
     let module = context.create_module("nestor");
     let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
     // Steps that differ only in their buffers share one kernel (the buffers are
@@ -195,7 +212,8 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
         })
         .collect::<Result<Vec<_>, BackendError>>()?;
     Ok(CpuKernels {
-        _engine: engine,
+        engine: std::mem::ManuallyDrop::new(engine),
+        context: context_pointer,
         kernels,
         ir,
     })

@@ -244,17 +244,17 @@ impl Executable {
                 .unwrap_or_else(|poisoned| poisoned.into_inner()),
         );
         let (external, sunk) = self.sink_buffers(sink, &sizes);
-        let mut moved = 0;
-        let slot_bytes =
-            |slot: Slot| sizes.elements(program, slot) as u64 * program.float.size() as u64;
+        let mut moved: u64 = 0;
+        let slot_bytes = |slot: Slot| {
+            (sizes.elements(program, slot) as u64).saturating_mul(program.float.size() as u64)
+        };
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
             // Every buffer the step reads, once, and the one it writes.
-            moved += self.reads[step_index]
+            moved = self.reads[step_index]
                 .iter()
                 .map(|&slot| slot_bytes(slot))
-                .sum::<u64>()
-                + slot_bytes(out);
+                .fold(moved.saturating_add(slot_bytes(out)), u64::saturating_add);
             if let Some(buffer) = external[out.0 as usize] {
                 pointers[out.0 as usize] = buffer;
             } else {

@@ -111,10 +111,17 @@ impl Sizes {
     }
 
     /// The number of rows `rows` stands for in this run.
+    ///
+    /// Counts saturate at `i64::MAX`: a count that large is over any memory budget, so
+    /// the step that would allocate it fails with `OutOfMemory` rather than wrapping.
     pub(super) fn rows(&self, rows: Rows) -> i64 {
         let base = match rows.base {
             RowBase::Volume(first, second) => match (self.get(first), self.get(second)) {
-                (Some(a), Some(b)) => a.lengths.iter().zip(&b.lengths).map(|(x, y)| x * y).sum(),
+                (Some(a), Some(b)) => a
+                    .lengths
+                    .iter()
+                    .zip(&b.lengths)
+                    .fold(0i64, |sum, (x, y)| sum.saturating_add(x.saturating_mul(*y))),
                 _ => 0,
             },
             RowBase::One => 1,
@@ -122,17 +129,18 @@ impl Sizes {
                 .get(slot)
                 .map_or(0, |info| info.offsets.last().copied().unwrap_or(0)),
             RowBase::Batch(slot) => self.batch(slot),
-            RowBase::Padded(slot) => self
-                .get(slot)
-                .map_or(0, |info| info.lengths.len() as i64 * info.longest),
+            RowBase::Padded(slot) => self.get(slot).map_or(0, |info| {
+                (info.lengths.len() as i64).saturating_mul(info.longest)
+            }),
         };
-        base * rows.factor
+        base.saturating_mul(rows.factor)
     }
 
-    /// The number of scalars slot `slot` of `program` holds in this run.
+    /// The number of scalars slot `slot` of `program` holds in this run (saturating, as
+    /// [`Sizes::rows`]).
     pub(super) fn scalars(&self, program: &Program, slot: Slot) -> i64 {
         let info = program.info(slot);
-        self.rows(info.rows) * info.width
+        self.rows(info.rows).saturating_mul(info.width)
     }
 
     /// [`Sizes::scalars`] as a buffer length.

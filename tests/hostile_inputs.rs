@@ -391,3 +391,66 @@ fn arbitrary_sizes_and_indices_never_panic() {
         );
     }
 }
+
+/// Compiled calls with arbitrary inputs (batch sizes 0..5, lengths 0..6, widths that do
+/// or do not fit the model, ranks 2 or 3, f32, f64, i64 or bool values, one or two
+/// batches): each is a typed error or the eager result. `NESTOR_FUZZ_INPUTS` sets how
+/// many.
+#[test]
+fn compiled_calls_with_arbitrary_inputs_give_typed_errors_or_eager_results() {
+    let _turn = compiled_turn();
+    let count: i64 = std::env::var("NESTOR_FUZZ_INPUTS")
+        .ok()
+        .and_then(|count| count.parse::<i64>().ok())
+        .map_or(300, |count| count / 50);
+    let weight = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
+    let model = |x: &[NestedTensor], _: &[nestor::Dense]| -> nestor::Result<Vec<common::Out>> {
+        let hidden = x[0].linear(&weight, None)?.relu()?;
+        Ok(vec![
+            hidden.softmax(-1)?.into(),
+            hidden.sum(&[1], false)?.into(),
+        ])
+    };
+    let compiled = nestor::compile("arbitrary", model);
+    let kinds = [Kind::Float, Kind::Double, Kind::Int64, Kind::Bool];
+    let ran = std::cell::Cell::new(0);
+    for n in 0..count {
+        let mut random = common::Random::new(n);
+        let mut pick = |bound: u64| random.below(bound, &[1]).int64_value(&[0]);
+        let lengths: Vec<i64> = (0..pick(5)).map(|_| pick(7)).collect();
+        let width = [4, 4, 3, 0][pick(4) as usize];
+        let tail: Vec<i64> = if pick(4) == 0 {
+            vec![2, width]
+        } else {
+            vec![width]
+        };
+        let kind = kinds[pick(4) as usize];
+        let (x, _) = batch(&lengths, &tail, Kind::Double, n);
+        let x = x.to_kind(kind).unwrap();
+        let inputs: Vec<&NestedTensor> = if pick(6) == 0 { vec![&x, &x] } else { vec![&x] };
+        // The closure only reads; a panic fails the test right after.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let got = compiled.call(&inputs, &[]);
+            let owned: Vec<NestedTensor> = inputs.iter().map(|x| x.shallow_clone()).collect();
+            match (got, model(&owned, &[])) {
+                (Ok(got), Ok(want)) => {
+                    common::assert_close_within(&got, &common::eager_values(want), 1e-4, "call");
+                    ran.set(ran.get() + 1);
+                }
+                (Ok(_), Err(error)) => panic!("compiled ran where eager failed: {error}"),
+                (Err(_), _) => {}
+            }
+        }));
+        assert!(
+            outcome.is_ok(),
+            "input {n} panicked: lengths {lengths:?}, tail {tail:?}, {kind:?}, {} batches",
+            inputs.len()
+        );
+    }
+    // About a quarter of the draws fit the model (f32, width 4, one batch).
+    assert!(
+        ran.get() * 10 > count,
+        "only {} of {count} calls ran",
+        ran.get()
+    );
+}

@@ -454,3 +454,41 @@ fn compiled_calls_with_arbitrary_inputs_give_typed_errors_or_eager_results() {
         ran.get()
     );
 }
+
+/// A dtype the model's own operators refuse (an f64 batch into f32 weights) is the
+/// model's libtorch error, one line, and the function keeps working; a model that
+/// converts its inputs takes other dtypes. (So inputs are not checked against parameter
+/// dtypes up front: that would refuse the second model.)
+#[test]
+fn dtypes_the_model_refuses_are_its_own_one_line_errors() {
+    let _turn = compiled_turn();
+    let weight = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
+    let strict = nestor::compile("strict", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        x[0].linear(&weight, None)
+    });
+    let converting = nestor::compile("converting", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        x[0].to_kind(Kind::Float)?.linear(&weight, None)
+    });
+    let (doubles, _) = batch(&[2, 3], &[4], Kind::Double, 14);
+    let (floats, _) = batch(&[2, 3], &[4], Kind::Float, 14);
+    let error = strict.call(&[&doubles], &[]).unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, NestedError::Torch(_)), "{text}");
+    assert!(!text.contains('\n'), "{text}");
+    strict.call(&[&floats], &[]).unwrap();
+    // f16 inputs, converted by the model (f64 ones would mix precisions in one program,
+    // a typed compile error of its own).
+    let halves = floats.to_kind(Kind::Half).unwrap();
+    let from_halves = converting.call(&[&halves], &[]).unwrap().remove(0);
+    let eager = halves
+        .to_kind(Kind::Float)
+        .unwrap()
+        .linear(&weight, None)
+        .unwrap();
+    common::assert_close_within(
+        &[from_halves],
+        &[nestor::Value::Nested(eager)],
+        1e-6,
+        "converting",
+    );
+}

@@ -32,7 +32,7 @@ fn lengths_whose_sum_or_product_overflows_are_typed_errors() {
         );
     }
     // Rows that fit, values that do not: i64::MAX / 2 rows of width 4.
-    let error = RaggedLayoutProbe::from_lengths(&[i64::MAX / 2], &[4]);
+    let error = nestor::RaggedLayout::from_lengths(&[i64::MAX / 2], &[4]);
     assert!(
         matches!(
             error,
@@ -44,9 +44,6 @@ fn lengths_whose_sum_or_product_overflows_are_typed_errors() {
         "{error:?}"
     );
 }
-
-/// `nestor::RaggedLayout` under a local name.
-type RaggedLayoutProbe = nestor::RaggedLayout;
 
 #[test]
 fn extreme_slice_and_select_positions_are_clamped_or_typed_errors() {

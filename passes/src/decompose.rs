@@ -181,13 +181,17 @@ fn cross_entropy(
     // whose logit is -inf has log-probability -inf (and 0 * -inf is NaN), where
     // libtorch's loss reads only the target's.
     let product = binary(graph, BinaryOp::Mul, weights, log_probabilities)?;
-    let nothing = constant(graph, 0.0)?;
-    let weighed = binary(graph, BinaryOp::Ne, weights, nothing)?;
-    let weighted = graph.push(Op::Where {
-        condition: weighed,
-        x: product,
-        y: nothing,
-    })?;
+    let zero = constant(graph, 0.0)?;
+    // `x` where `condition` holds, 0 elsewhere.
+    let where_else_zero = |graph: &mut Graph, condition: ValueId, x: ValueId| {
+        graph.push(Op::Where {
+            condition,
+            x,
+            y: zero,
+        })
+    };
+    let weighed = binary(graph, BinaryOp::Ne, weights, zero)?;
+    let weighted = where_else_zero(graph, weighed, product)?;
     let total = reduce(graph, weighted, vec![-1], false)?;
     let negative = graph.push(Op::Unary {
         op: UnaryOp::Neg,
@@ -196,13 +200,8 @@ fn cross_entropy(
     // Ignored rows are selected away rather than weighted by zero, as torch masks them:
     // their gradient is 0 even where the mean divides by zero counted rows.
     let counted = reduce(graph, one_hot, vec![-1], false)?;
-    let zero = constant(graph, 0.0)?;
     let kept = binary(graph, BinaryOp::Gt, counted, zero)?;
-    let per_row = graph.push(Op::Where {
-        condition: kept,
-        x: negative,
-        y: zero,
-    })?;
+    let per_row = where_else_zero(graph, kept, negative)?;
     match reduction {
         LossReduction::None => Ok(per_row),
         LossReduction::Sum => reduce(graph, per_row, Vec::new(), false),

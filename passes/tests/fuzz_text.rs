@@ -8,6 +8,8 @@
 
 use nestor_ir::{parse, print};
 use nestor_passes::{lower, Limits, Pipeline};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 /// The golden texts of the repository, the seeds of the mutations.
 fn seeds() -> Vec<String> {
@@ -25,20 +27,12 @@ fn seeds() -> Vec<String> {
     seeds
 }
 
-/// SplitMix64: mutations reproducible from the text number alone.
-struct Random(u64);
+/// Random choices, reproducible from the text number alone.
+struct Random(StdRng);
 
 impl Random {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
     fn below(&mut self, bound: usize) -> usize {
-        (self.next() % bound.max(1) as u64) as usize
+        self.0.random_range(0..bound.max(1))
     }
 }
 
@@ -88,7 +82,7 @@ const PIECES: &[&str] = &[
 /// Text number `n`: a seed with one to four random edits (delete, duplicate, insert a
 /// piece, swap two lines, truncate).
 fn mutated(seeds: &[String], n: u64) -> String {
-    let mut random = Random(n);
+    let mut random = Random(StdRng::seed_from_u64(n));
     let mut text: Vec<char> = seeds[random.below(seeds.len())].chars().collect();
     for _ in 0..1 + random.below(4) {
         let at = random.below(text.len() + 1);

@@ -195,7 +195,7 @@ fn attention_offsets<'r>(
     index: usize,
     run: &'r RunState<'_, '_>,
     (q_lengths, k_lengths): (Slot, Slot),
-    (matrices, scalar): (usize, usize),
+    score_bytes: usize,
 ) -> Result<Option<Offsets<'r>>, RuntimeError> {
     let (batch, key_batch) = (run.sizes.batch(q_lengths), run.sizes.batch(k_lengths));
     if batch != key_batch {
@@ -210,8 +210,8 @@ fn attention_offsets<'r>(
     }) else {
         return Ok(None);
     };
-    // Each (element, head) task holds `matrices` score matrices of Lq x Lk scalars; up
-    // to one task per thread at once.
+    // Each (element, head) task holds Lq x Lk scores of `score_bytes` each (all its
+    // score matrices together); up to one task per thread at once.
     let largest = q_offsets
         .windows(2)
         .zip(k_offsets.windows(2))
@@ -220,7 +220,7 @@ fn attention_offsets<'r>(
     let tasks = worker_threads().max(1) as usize;
     let bytes = largest.and_then(|scores| {
         scores
-            .checked_mul(matrices * scalar)
+            .checked_mul(score_bytes)
             .and_then(|bytes| bytes.checked_mul(tasks))
     });
     super::within_budget(index, "attention scores", bytes)?;
@@ -524,8 +524,8 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention step".into()));
         };
-        let scalar = self.program.float.size();
-        let Some(offsets) = attention_offsets(index, run, (*q_lengths, *k_lengths), (1, scalar))?
+        let lengths = (*q_lengths, *k_lengths);
+        let Some(offsets) = attention_offsets(index, run, lengths, self.program.float.size())?
         else {
             return Ok(());
         };
@@ -582,10 +582,9 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention gradient step".into()));
         };
-        // Probabilities and their slopes.
-        let scalar = self.program.float.size();
-        let Some(offsets) = attention_offsets(index, run, (*q_lengths, *k_lengths), (2, scalar))?
-        else {
+        // Two score matrices: the probabilities and their slopes.
+        let (lengths, score_bytes) = ((*q_lengths, *k_lengths), 2 * self.program.float.size());
+        let Some(offsets) = attention_offsets(index, run, lengths, score_bytes)? else {
             return Ok(());
         };
         let gradient = AttentionGrad {

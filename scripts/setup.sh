@@ -5,7 +5,8 @@
 #     the compiled-training example learns from;
 #   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
 #     kept in a cache outside the checkout so that every clone shares one install.
-# Quick when everything is already present. Set NESTOR_CACHE to move the cache.
+# Quick when everything is already present. Set NESTOR_CACHE to move the cache, and
+# NESTOR_PYTHON to create the venv with another python3.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -13,9 +14,12 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/env.sh"
 
 apt_packages=(llvm-19-dev libpolly-19-dev libzstd-dev fonts-dejavu-core fortunes)
-if [ ! -x "$LLVM_SYS_191_PREFIX/bin/llvm-config" ] || [ ! -f "$LLVM_SYS_191_PREFIX/lib/libPolly.a" ] \
-    || ! dpkg -s libzstd-dev >/dev/null 2>&1 || ! dpkg -s fonts-dejavu-core >/dev/null 2>&1 \
-    || ! dpkg -s fortunes >/dev/null 2>&1; then
+apt_missing() {
+  [ ! -x "$LLVM_SYS_191_PREFIX/bin/llvm-config" ] || [ ! -f "$LLVM_SYS_191_PREFIX/lib/libPolly.a" ] \
+    || ! dpkg -s libzstd-dev fonts-dejavu-core fortunes >/dev/null 2>&1
+}
+# NESTOR_SETUP_APT=0 skips this step (the tests of the venv logic below set it).
+if [ "${NESTOR_SETUP_APT:-1}" != 0 ] && apt_missing; then
   echo "nestor setup: installing ${apt_packages[*]} with apt-get" >&2
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -26,15 +30,13 @@ fi
 if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch-${NESTOR_TORCH_VERSION}*.dist-info" >/dev/null; then
   echo "nestor setup: installing torch==$NESTOR_TORCH_VERSION into $NESTOR_VENV (a few GB, once)" >&2
   mkdir -p "$NESTOR_CACHE"
-  python3 -m venv "$NESTOR_VENV"
+  "${NESTOR_PYTHON:-python3}" -m venv "$NESTOR_VENV"
   "$NESTOR_VENV/bin/pip" install --quiet --disable-pip-version-check "torch==$NESTOR_TORCH_VERSION"
 fi
 
-if [ ! -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
-  # env.sh was sourced before the venv existed (a first run): look for torch again.
-  LIBTORCH=$(compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch" | head -n 1 || true)
-fi
-if [ ! -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
-  echo "nestor setup: $LIBTORCH/lib/libtorch_cpu.so is missing after the install" >&2
+# env.sh was sourced before the install on a first run: ask for torch's folder again.
+LIBTORCH=${LIBTORCH:-$(nestor_find_libtorch || true)}
+if [ -z "$LIBTORCH" ] || [ ! -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
+  echo "nestor setup: no libtorch_cpu.so under ${LIBTORCH:-$NESTOR_VENV/lib/python3*/site-packages/torch} after the install" >&2
   exit 1
 fi

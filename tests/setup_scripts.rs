@@ -99,7 +99,11 @@ fn a_first_run_installs_then_finds_libtorch_and_a_second_run_installs_nothing() 
     let torch = cache.join("venv/lib/python3.12/site-packages/torch");
 
     // Before the install, env.sh knows no libtorch (and invents no path).
-    let before = run(r#"source "$SCRIPTS/env.sh"; echo "[$LIBTORCH]""#, &cache, &python);
+    let before = run(
+        r#"source "$SCRIPTS/env.sh"; echo "[$LIBTORCH]""#,
+        &cache,
+        &python,
+    );
     assert_eq!(text(&before.stdout), "[]\n", "{}", text(&before.stderr));
 
     // The first run: env.sh is sourced before the venv exists, as on a fresh machine.

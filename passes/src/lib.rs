@@ -32,7 +32,7 @@ pub use dce::Dce;
 pub use decompose::Decompose;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use optimize::{Limits, Optimize, Report};
-pub use pipeline::{Noted, Pass, PassError, Pipeline};
+pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};
 pub use program::{
     Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
     SegmentKind, Slot, SlotInfo, Source, Step,

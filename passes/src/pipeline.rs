@@ -16,6 +16,12 @@ pub enum PassError {
         /// What the verifier found.
         error: VerifyError,
     },
+    /// A pipeline named a pass that does not exist.
+    #[error("unknown pass `{name}` (passes: {})", Pipeline::PASSES.join(", "))]
+    Unknown {
+        /// The name given.
+        name: String,
+    },
     /// A dump could not be written.
     #[error("cannot write the dump {path}: {error}")]
     Dump {
@@ -85,6 +91,43 @@ impl Pipeline {
         ])
     }
 
+    /// The passes [`Pipeline::named`] knows, in the order of the standard pipeline.
+    pub const PASSES: [&'static str; 4] = ["decompose", "dce", "cse", "optimize"];
+
+    /// A pipeline of the passes named (see [`Pipeline::PASSES`]), the optimizer stopped
+    /// at `limits`.
+    ///
+    /// ```
+    /// use nestor_passes::{Limits, Pipeline};
+    ///
+    /// let pipeline = Pipeline::named(["dce", "cse", "optimize"], Limits::untimed())?;
+    /// assert_eq!(pipeline.pass_names(), ["dce", "cse", "optimize"]);
+    /// assert!(Pipeline::named(["fuse"], Limits::untimed()).is_err());
+    /// # Ok::<(), nestor_passes::PassError>(())
+    /// ```
+    pub fn named<'a>(
+        names: impl IntoIterator<Item = &'a str>,
+        limits: crate::Limits,
+    ) -> Result<Self, PassError> {
+        let passes = names
+            .into_iter()
+            .map(|name| -> Result<Box<dyn Pass + Send + Sync>, PassError> {
+                Ok(match name {
+                    "decompose" => Box::new(crate::Decompose),
+                    "dce" => Box::new(crate::Dce),
+                    "cse" => Box::new(crate::Cse),
+                    "optimize" => Box::new(crate::Optimize::default().with_limits(limits)),
+                    _ => {
+                        return Err(PassError::Unknown {
+                            name: name.to_owned(),
+                        })
+                    }
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self::new(passes))
+    }
+
     /// A pipeline of these passes.
     pub fn new(passes: Vec<Box<dyn Pass + Send + Sync>>) -> Self {
         Self { passes, dump: None }
@@ -109,8 +152,26 @@ impl Pipeline {
     /// Runs every pass on `graph`, verifying after each, and returns what the passes
     /// had to say (one entry per pass that said something).
     pub fn run_noted(&self, graph: &Graph) -> Result<(Graph, Vec<String>), PassError> {
-        let mut current = graph.clone();
         let mut notes = Vec::new();
+        let graph = self.run_observed(graph, |_, _, note| {
+            if !note.is_empty() {
+                notes.push(note.to_owned());
+            }
+            Ok(())
+        })?;
+        Ok((graph, notes))
+    }
+
+    /// Runs every pass on `graph`, verifying after each, and shows `observe` each
+    /// pass's name, the verified graph after it and its note (empty: nothing to say);
+    /// an error of `observe` stops the pipeline. Dumps (see [`Pipeline::dump_to`]) are
+    /// written before `observe` sees the stage.
+    pub fn run_observed(
+        &self,
+        graph: &Graph,
+        mut observe: impl FnMut(&'static str, &Graph, &str) -> Result<(), PassError>,
+    ) -> Result<Graph, PassError> {
+        let mut current = graph.clone();
         for (index, pass) in self.passes.iter().enumerate() {
             let noted = pass
                 .run_noted(&current)
@@ -130,19 +191,20 @@ impl Pipeline {
                     index + 1,
                     pass.name()
                 ));
-                let comments: String = noted
-                    .note
-                    .lines()
-                    .map(|line| format!("// {line}\n"))
-                    .collect();
                 std::fs::create_dir_all(dir)
-                    .and_then(|()| std::fs::write(&path, comments + &nestor_ir::print(&current)))
+                    .and_then(|()| std::fs::write(&path, annotated(&noted.note, &current)))
                     .map_err(|error| PassError::Dump { path, error })?;
             }
-            if !noted.note.is_empty() {
-                notes.push(noted.note);
-            }
+            observe(pass.name(), &current, &noted.note)?;
         }
-        Ok((current, notes))
+        Ok(current)
     }
+}
+
+/// The text of `graph` after `note` as `//` comments (the form of dumps, which parses
+/// back: the parser skips comments).
+pub fn annotated(note: &str, graph: &Graph) -> String {
+    let mut text: String = note.lines().map(|line| format!("// {line}\n")).collect();
+    text.push_str(&nestor_ir::print(graph));
+    text
 }

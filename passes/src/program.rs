@@ -704,3 +704,57 @@ impl Program {
         self.steps.len()
     }
 }
+
+impl std::fmt::Display for Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let base = match self.base {
+            RowBase::One => return write!(f, "{}", self.factor),
+            RowBase::Total(lengths) => format!("total(s{})", lengths.0),
+            RowBase::Batch(lengths) => format!("batch(s{})", lengths.0),
+            RowBase::Volume(a, b) => format!("volume(s{}, s{})", a.0, b.0),
+            RowBase::Padded(lengths) => format!("padded(s{})", lengths.0),
+        };
+        match self.factor {
+            1 => f.write_str(&base),
+            factor => write!(f, "{base} * {factor}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Program {
+    /// A compact listing for humans (`nestor-opt --emit program`): one line per slot
+    /// (`s<index>: dtype [rows x width]` and where it comes from), lengths op, step (its
+    /// fields as `Debug` writes them) and output.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "program ({:?}): {} slots, {} steps, {} outputs",
+            self.float,
+            self.slots.len(),
+            self.steps.len(),
+            self.outputs.len()
+        )?;
+        for (index, slot) in self.slots.iter().enumerate() {
+            let source = match slot.source {
+                Source::Input(input) => format!(" <- input {input}"),
+                Source::Step => String::new(),
+                Source::Alias(of) => format!(" = s{}", of.0),
+            };
+            writeln!(
+                f,
+                "  s{index}: {} [{} x {}]{source}",
+                slot.dtype, slot.rows, slot.width
+            )?;
+        }
+        for op in &self.lengths_ops {
+            writeln!(f, "  lengths {op:?}")?;
+        }
+        for (index, step) in self.steps.iter().enumerate() {
+            writeln!(f, "  step {index}: {step:?}")?;
+        }
+        for (index, output) in self.outputs.iter().enumerate() {
+            writeln!(f, "  output {index}: {output:?}")?;
+        }
+        Ok(())
+    }
+}

@@ -156,7 +156,9 @@ pub fn assert_elements_of(what: &str, nested: &NestedTensor, expected: &[Tensor]
     }
 }
 
-/// Compares `text` with `tests/filetests/<name>.nir`; `NESTOR_BLESS=1` rewrites it.
+/// Compares `text` with the graph of `tests/filetests/<name>.nir` (the lines after its
+/// leading `//` comments, which hold the file's filetest directives); `NESTOR_BLESS=1`
+/// rewrites the graph and keeps the comments.
 pub fn golden(name: &str, text: &str) {
     // Cargo sets the variable when it runs the test; the compile-time value can name
     // another clone that built this binary in the shared target folder.
@@ -165,13 +167,23 @@ pub fn golden(name: &str, text: &str) {
         std::path::PathBuf::from,
     );
     let path = root.join("tests/filetests").join(format!("{name}.nir"));
+    let file = std::fs::read_to_string(&path).unwrap_or_default();
+    let graph_at = file
+        .split_inclusive('\n')
+        .take_while(|line| line.starts_with("//"))
+        .map(str::len)
+        .sum::<usize>();
+    let (comments, expected) = file.split_at(graph_at);
     if std::env::var_os("NESTOR_BLESS").is_some() {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, text).unwrap();
+        std::fs::write(&path, format!("{comments}{text}")).unwrap();
         return;
     }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|_| panic!("{} is missing: run with NESTOR_BLESS=1", path.display()));
+    assert!(
+        !expected.is_empty(),
+        "{} is missing: run with NESTOR_BLESS=1",
+        path.display()
+    );
     assert_eq!(
         text,
         expected,
@@ -179,7 +191,7 @@ pub fn golden(name: &str, text: &str) {
         path.display()
     );
     assert_eq!(
-        nestor::ir::parse(&expected).unwrap(),
+        nestor::ir::parse(expected).unwrap(),
         nestor::ir::parse(text).unwrap()
     );
 }

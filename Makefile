@@ -5,8 +5,11 @@
 setup:
 	@scripts/setup.sh
 
+# The eager NestedTensor (examples/quickstart.rs), then the compiler's job
+# (benches/examples/demo.rs: compiled vs eager vs padded, dumps, compiled training).
 demo: setup
-	scripts/cargo run --example quickstart
+	scripts/cargo run --release --example quickstart
+	scripts/cargo run --release -p nestor-bench --example demo
 
 test: setup
 	scripts/cargo test --workspace --all-targets

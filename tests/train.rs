@@ -175,11 +175,22 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let smallest = smallest.sum(&[], false)?.into_dense_handle()?;
             pooled.tanh()?.mean_all()?.add(&smallest)
         }),
+        // Sequence classification: mean pooling over each element, then a dense head
+        // whose softmax over the last dim differentiates through a dense row sum.
+        "pooled" => Box::new(move |x, _| {
+            let pooled = x[0]
+                .linear(&w1, Some(&b1))?
+                .tanh()?
+                .mean(&[1], false)?
+                .into_dense_handle()?;
+            let logits = pooled.linear(&w2, None)?;
+            logits.softmax(-1)?.mul(&logits)?.mean_all()
+        }),
         other => panic!("no family {other}"),
     }
 }
 
-const FAMILIES: [&str; 16] = [
+const FAMILIES: [&str; 17] = [
     "mlp",
     "norms",
     "softmax",
@@ -196,6 +207,7 @@ const FAMILIES: [&str; 16] = [
     "padded",
     "losses",
     "extremes",
+    "pooled",
 ];
 
 /// A memory batch for the decoders: the lengths in reverse order (other lengths per
@@ -812,6 +824,42 @@ fn compiled_dropout_drops_scales_and_differentiates_through_its_mask() {
     assert!(
         masks[0].ne_tensor(&masks[1]).any().int64_value(&[]) == 1,
         "one mask for two calls"
+    );
+}
+
+/// Training-mode dropout with `p = 0` (a Transformer configured without dropout, run in
+/// training mode) keeps every value: it compiles for training and its gradient is the
+/// identity's.
+#[test]
+fn training_mode_dropout_of_zero_trains_as_the_identity() {
+    tch::manual_seed(5);
+    let store = nn::VarStore::new(Device::Cpu);
+    let weight = store.root().randn("weight", &[6, 4], 0.0, 0.5);
+    let eager_weight = weight.shallow_clone();
+    let compiled = compile("dropout0", move |x: &[NestedTensor], _: &[Dense]| {
+        let kept = x[0].linear(&weight, None)?.dropout(0.0, true)?.tanh()?;
+        kept.square()?.sum(&[], false)
+    })
+    .train(&store);
+    let (inputs, _) = batch(&[3, 1, 5], &[4], Kind::Float, 9);
+    let variables = store.variables();
+    clear_gradients(&variables);
+    let loss = compiled.call(&[&inputs], &[]).unwrap().remove(0);
+    let compiled_gradient = variables["weight"].grad().copy();
+    clear_gradients(&variables);
+    let eager = inputs
+        .values()
+        .linear::<Tensor>(&eager_weight, None)
+        .tanh()
+        .square()
+        .sum(Kind::Float);
+    eager.backward();
+    assert_close(&loss.into_dense().unwrap(), &eager, 1e-5, "loss");
+    assert_close(
+        &compiled_gradient,
+        &variables["weight"].grad(),
+        1e-5,
+        "gradient",
     );
 }
 

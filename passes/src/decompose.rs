@@ -2,7 +2,7 @@
 //! that lowering and autodiff need no rule of their own for them:
 //! - `mse_loss` is `mean` / `sum` of `square(x - target)` (or the squares themselves);
 //! - training-mode `dropout` is `x * random_mask(x)` (the mask, a value, is read again
-//!   by the backward);
+//!   by the backward); dropout that keeps every value (eval mode, `p = 0`) is its input;
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
 //!   towards uniform, summed or divided by the number of counted rows, as torch.
@@ -71,8 +71,13 @@ impl Pass for Decompose {
                     smoothing.0,
                     reduction,
                 )?,
+                // Dropout that keeps every value (eval mode, or p = 0) is its input.
+                Op::Dropout {
+                    x, train: false, ..
+                } => x,
+                Op::Dropout { x, p, .. } if p.0 == 0.0 => x,
                 // Training-mode dropout: a random mask the backward reads again.
-                Op::Dropout { x, p, train: true } if p.0 > 0.0 => {
+                Op::Dropout { x, p, .. } => {
                     let mask = result.push(Op::RandomMask {
                         like: x,
                         p,

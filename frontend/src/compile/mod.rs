@@ -6,7 +6,7 @@
 mod train;
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use nestor_passes::{lower_with, FloatType, Limits, LowerOptions, Pipeline};
@@ -114,6 +114,8 @@ pub struct Compiled<F> {
     optimize: bool,
     /// Where the optimizer stops.
     limits: Limits,
+    /// Where every compile writes its stages (`NESTOR_DUMP` by default).
+    dump: Option<PathBuf>,
     cache: Mutex<HashMap<StructureKey, Arc<Entry>>>,
     stats: Stats,
 }
@@ -153,6 +155,7 @@ where
         lower_options: LowerOptions::default(),
         optimize: true,
         limits: Limits::default(),
+        dump: std::env::var_os("NESTOR_DUMP").map(PathBuf::from),
         cache: Mutex::new(HashMap::new()),
         stats: Stats::default(),
     }
@@ -184,6 +187,31 @@ where
     /// machine's load).
     pub fn optimizer_limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// Writes every stage of each compile into `dir` (as `NESTOR_DUMP=<dir>` does for
+    /// every compile of the process): `<name>.00-traced.nir` (and `.dot`), the joint
+    /// graph of training (`00-autodiff.nir`), the graph after each pass
+    /// (`<NN>-<pass>.nir`, the optimizer's report at the top of `optimize`), the lowered
+    /// program (`lowered.txt`) and the kernels' LLVM IR (`kernels.ll`). Read them with
+    /// `nestor-opt`.
+    ///
+    /// ```
+    /// use nestor_frontend::{compile, Dense, NestedTensor};
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let dir = std::env::temp_dir().join(format!("nestor-doc-dump-{}", std::process::id()));
+    /// let double = compile("double", |x: &[NestedTensor], _: &[Dense]| &x[0] * 2.0).dump_to(&dir);
+    /// let batch = NestedTensor::from_tensors(&[Tensor::ones([3, 2], (Kind::Float, Device::Cpu))])?;
+    /// double.call(&[&batch], &[])?;
+    /// assert!(dir.join("double.00-traced.nir").exists());
+    /// assert!(dir.join("double.06-kernels.ll").exists());
+    /// # std::fs::remove_dir_all(&dir).ok();
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn dump_to(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dump = Some(dir.into());
         self
     }
 
@@ -388,6 +416,7 @@ where
             nested,
             dense,
             self.names.clone(),
+            self.dump.as_deref(),
             |inputs, dense| (*model)(inputs, dense),
         )?;
         phases.done("trace");
@@ -398,10 +427,10 @@ where
             (traced.graph().clone(), Vec::new())
         };
         phases.done("autodiff");
-        let dump = std::env::var_os("NESTOR_DUMP");
-        if let (Some(dir), true) = (&dump, self.training) {
+        let dump = self.dump.as_deref();
+        if let (Some(dir), true) = (dump, self.training) {
             // The joint forward + backward graph, before any pass.
-            let path = Path::new(dir).join(format!("{}.00-autodiff.nir", self.name));
+            let path = dir.join(format!("{}.00-autodiff.nir", self.name));
             std::fs::write(&path, nestor_ir::print(&graph)).map_err(|error| {
                 NestedError::Compile {
                     stage: "dump",
@@ -414,7 +443,7 @@ where
         } else {
             Pipeline::unoptimized()
         };
-        if let Some(dir) = &dump {
+        if let Some(dir) = dump {
             pipeline = pipeline.dump_to(dir);
         }
         let optimized = pipeline.run(&graph).map_err(|error| NestedError::Compile {
@@ -434,8 +463,7 @@ where
         })?;
         phases.done("backend");
         phases.report(&self.name);
-        if let Some(dir) = &dump {
-            let dir = Path::new(dir);
+        if let Some(dir) = dump {
             let stages = pipeline.pass_names().len();
             let write = |suffix: &str, text: String| {
                 std::fs::write(
@@ -447,7 +475,7 @@ where
                     reason: error.to_string(),
                 })
             };
-            write("lowered.txt", format!("{:#?}", executable.program()))?;
+            write("lowered.txt", executable.program().to_string())?;
             write("kernels.ll", executable.llvm_ir().to_owned())?;
         }
         Ok(Entry {

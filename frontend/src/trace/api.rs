@@ -1,7 +1,7 @@
 //! `trace`: run model code on example batches and record it as a graph.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use nestor_ir::{Dim, ElemDim, Graph, Op, Type, ValueId};
@@ -150,7 +150,8 @@ pub fn trace<O: TraceOutputs>(
     f: impl FnOnce(&[NestedTensor], &[Dense]) -> Result<O>,
 ) -> Result<Traced> {
     let names = store.map(parameter_names).unwrap_or_default();
-    trace_named(name, nested, dense, names, f)
+    let dump = std::env::var_os("NESTOR_DUMP").map(PathBuf::from);
+    trace_named(name, nested, dense, names, dump.as_deref(), f)
 }
 
 /// Parameter names by tensor identity (data pointer, shape): the paths of `store`.
@@ -171,6 +172,7 @@ pub(crate) fn trace_named<O: TraceOutputs>(
     nested: &[&NestedTensor],
     dense: &[&Tensor],
     names: ParameterNames,
+    dump: Option<&Path>,
     f: impl FnOnce(&[NestedTensor], &[Dense]) -> Result<O>,
 ) -> Result<Traced> {
     let tracer = Arc::new(Mutex::new(Tracer::new(name, names)));
@@ -272,8 +274,8 @@ pub(crate) fn trace_named<O: TraceOutputs>(
         params: std::mem::take(&mut state.params),
         shared,
     };
-    if let Some(dir) = std::env::var_os("NESTOR_DUMP") {
-        traced.dump(Path::new(&dir), "00-traced")?;
+    if let Some(dir) = dump {
+        traced.dump(dir, "00-traced")?;
     }
     Ok(traced)
 }

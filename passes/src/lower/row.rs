@@ -36,7 +36,8 @@ impl Lowering<'_> {
             Op::Softmax { x, axis, log } => {
                 self.leading(value, *x)?;
                 let (slot, _, tail, lengths) = self.data(value, *x)?;
-                let last = tail.len() as i64 + 1;
+                // The index of the last dim: after the batch dim, and the ragged dim if any.
+                let last = tail.len() as i64 + i64::from(lengths.is_some());
                 let ragged_axis = lengths.is_some() && *axis == 1;
                 if ragged_axis {
                     let kind = if *log {
@@ -134,7 +135,8 @@ impl Lowering<'_> {
         let op = self.graph.op(value);
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
-        let last = tail.len() as i64 + 1;
+        // The index of the last dim: after the batch dim, and the ragged dim if any.
+        let last = tail.len() as i64 + i64::from(lengths.is_some());
         match (dims, lengths) {
             ([1], Some(lengths)) => {
                 let kind = match reduce {

@@ -133,6 +133,20 @@ impl CpuKernels {
 
 /// Generates, optimizes and JIT-compiles the kernels of `program`.
 ///
+/// ```
+/// let graph = nestor_ir::parse("graph @g {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+///   %2 = exp(%1) : ragged<f32>[B; %0, 4]
+///   return %2
+/// }")?;
+/// let program = nestor_passes::lower(&graph)?;
+/// let kernels = nestor_backend_cpu::compile(&program)?;
+/// assert!(kernels.kernel(0).is_some());
+/// assert!(kernels.llvm_ir().contains("define"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
 /// Each compiled program has its own LLVM context, freed when its `CpuKernels` is
 /// dropped (a failed compile leaves it allocated).
 pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {

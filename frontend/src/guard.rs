@@ -73,7 +73,18 @@ impl Drop for ExecutionGuard {
     }
 }
 
-/// Runs `f` inside a guarded scope (see [`ExecutionGuard`]).
+/// Runs `f` inside a guarded scope (see [`ExecutionGuard`]): a slow path inside it
+/// (padding, per-element loops) is an error instead of a silent cost.
+///
+/// ```
+/// use nestor_frontend::{nested_execution_guard, NestedTensor};
+///
+/// let batch = NestedTensor::from_lists(vec![vec![1.0f32, 2.0, 3.0], vec![4.0]])?;
+/// // Packed operators pass; the padded view is a slow path.
+/// assert!(nested_execution_guard(|| batch.softmax(1)).is_ok());
+/// assert!(nested_execution_guard(|| batch.tensor()).is_err());
+/// # Ok::<(), nestor_frontend::NestedError>(())
+/// ```
 pub fn nested_execution_guard<T>(f: impl FnOnce() -> T) -> T {
     let _guard = ExecutionGuard::new();
     f()

@@ -5,6 +5,19 @@ use std::fmt::Write;
 use crate::{Graph, Op};
 
 /// The graph in Graphviz DOT, each node labelled with its op and type.
+///
+/// ```
+/// let graph = nestor_ir::parse("graph @g {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+///   %2 = exp(%1) : ragged<f32>[B; %0, 4]
+///   return %2
+/// }")?;
+/// let dot = nestor_ir::to_dot(&graph);
+/// assert!(dot.starts_with("digraph"));
+/// assert!(dot.contains("exp"));
+/// # Ok::<(), nestor_ir::ParseError>(())
+/// ```
 pub fn to_dot(graph: &Graph) -> String {
     let mut out = String::new();
     // Writing to a String cannot fail.

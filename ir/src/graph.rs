@@ -48,6 +48,32 @@ pub struct VerifyError {
 
 /// A graph of SSA values. Inputs and parameters are ops too (`input`, `param`); a
 /// value may only read values defined before it.
+///
+/// ```
+/// use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type, UnaryOp};
+///
+/// let mut graph = Graph::new("tanh");
+/// let batch = Dim::Sym("B".into());
+/// let lengths = graph.add_declared(
+///     Op::Input { name: "x.lengths".into() },
+///     Type::Lengths { batch: batch.clone() },
+/// )?;
+/// let x = graph.add_declared(
+///     Op::Input { name: "x".into() },
+///     Type::Ragged {
+///         dtype: DType::F32,
+///         batch,
+///         dims: vec![ElemDim::Ragged(lengths), ElemDim::Fixed(Dim::Static(4))],
+///     },
+/// )?;
+/// // Types of pushed ops are inferred; an ill-typed op is an error.
+/// let y = graph.push(Op::Unary { op: UnaryOp::Tanh, x })?;
+/// assert!(graph.push(Op::Unary { op: UnaryOp::Tanh, x: lengths }).is_err());
+/// graph.outputs = vec![y];
+/// graph.verify()?;
+/// assert!(nestor_ir::print(&graph).contains("%2 = tanh(%1) : ragged<f32>[B; %0, 4]"));
+/// # Ok::<(), nestor_ir::VerifyError>(())
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Graph {
     /// The graph's name.

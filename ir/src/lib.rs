@@ -7,7 +7,7 @@
 //!   ([`ElemDim::Ragged`] names a `lengths` value), and lengths themselves;
 //! - [`Op`]: the closed set of operations, with operands and attributes in one place;
 //! - [`Graph`]: an arena of SSA values with type inference on insertion and a verifier;
-//! - [`print`]/[`parse`]: the text form (`.nir`), which parses back to the same graph;
+//! - [`print()`]/[`parse`]: the text form (`.nir`), which parses back to the same graph;
 //! - [`to_dot`]: Graphviz output.
 //!
 //! ```

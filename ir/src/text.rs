@@ -17,7 +17,8 @@ use thiserror::Error;
 
 use crate::{Attr, DType, Dim, ElemDim, Graph, Node, Op, Type, ValueId};
 
-/// Writes a graph in the text form.
+/// Writes a graph in the text form (see [`parse`] for an example), which parses back
+/// to the same graph.
 pub fn print(graph: &Graph) -> String {
     let mut out = String::new();
     print_graph(graph, 0, &mut out);
@@ -66,7 +67,27 @@ pub struct ParseError {
     pub message: String,
 }
 
-/// Reads a graph written by [`print`]; types are checked as the graph is built.
+/// Reads a graph written by [`print()`]; types are checked as the graph is built.
+///
+/// ```
+/// let text = "\
+/// graph @ffn {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+///   %2 = param {name = \"w\"} : f32[8, 4]
+///   %3 = linear(%1, %2) : ragged<f32>[B; %0, 8]
+///   %4 = relu(%3) : ragged<f32>[B; %0, 8]
+///   return %4
+/// }
+/// ";
+/// let graph = nestor_ir::parse(text)?;
+/// assert_eq!(graph.nodes.len(), 5);
+/// assert_eq!(nestor_ir::print(&graph), text);
+/// // A declared type that inference disagrees with is an error naming the line.
+/// let wrong = text.replace("ragged<f32>[B; %0, 8]\n  %4", "ragged<f32>[B; %0, 9]\n  %4");
+/// assert_eq!(nestor_ir::parse(&wrong).unwrap_err().line, 5);
+/// # Ok::<(), nestor_ir::ParseError>(())
+/// ```
 pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let tokens = tokenize(text)?;
     let mut parser = Parser {

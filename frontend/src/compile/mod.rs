@@ -120,7 +120,7 @@ pub struct Compiled<F> {
     stats: Stats,
 }
 
-/// Compiles `model` (written against `NestedTensor` and [`Dense`], as for [`trace`]).
+/// Compiles `model` (written against `NestedTensor` and [`Dense`], as for [`trace`](crate::trace())).
 /// Nothing is traced until the first call.
 ///
 /// ```

@@ -141,7 +141,26 @@ impl TransformerEncoderLayer {
     }
 }
 
-/// A stack of encoder layers with an optional final norm.
+/// A stack of encoder layers with an optional final norm, on packed tokens.
+///
+/// ```
+/// use nestor_frontend::nn::{TransformerConfig, TransformerEncoder};
+/// use nestor_frontend::NestedTensor;
+/// use tch::{nn, Device, Kind, Tensor};
+///
+/// let store = nn::VarStore::new(Device::Cpu);
+/// let config = TransformerConfig { d_model: 8, nhead: 2, dim_feedforward: 16, ..Default::default() };
+/// let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
+/// let tokens = NestedTensor::from_tensors(&[
+///     Tensor::randn([5, 8], (Kind::Float, Device::Cpu)),
+///     Tensor::randn([2, 8], (Kind::Float, Device::Cpu)),
+/// ])?;
+/// let encoded = encoder.forward(&tokens, false)?;
+/// assert_eq!(encoded.shape(), [2, 5, 8]);
+/// // torch's parameter names, so state dicts load unchanged.
+/// assert!(store.variables().contains_key("encoder.layers.1.self_attn.in_proj_weight"));
+/// # Ok::<(), nestor_frontend::NestedError>(())
+/// ```
 #[derive(Debug)]
 pub struct TransformerEncoder {
     /// The layers, in order.

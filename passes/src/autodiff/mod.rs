@@ -100,6 +100,24 @@ pub struct Gradients {
 
 /// The joint graph of `graph` computing, besides its outputs, the gradient of `loss` (a
 /// float scalar) with respect to each of `wrt`. A gradient has the type of its value.
+///
+/// ```
+/// let graph = nestor_ir::parse("graph @loss {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+///   %2 = param {name = \"w\"} : f32[8, 4]
+///   %3 = linear(%1, %2) : ragged<f32>[B; %0, 8]
+///   %4 = tanh(%3) : ragged<f32>[B; %0, 8]
+///   %5 = sum(%4) {dims = [], keepdim = false} : f32[]
+///   return %5
+/// }")?;
+/// let (loss, weight) = (nestor_ir::ValueId(5), nestor_ir::ValueId(2));
+/// let joint = nestor_passes::differentiate(&graph, loss, &[weight])?;
+/// // The loss, then the weight's gradient (one GEMM over every packed row).
+/// let gradient = joint.graph.outputs[joint.gradients[0].unwrap()];
+/// assert_eq!(joint.graph.nodes[gradient.index()].ty, graph.nodes[2].ty);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn differentiate(
     graph: &Graph,
     loss: ValueId,

@@ -87,6 +87,21 @@ struct Lowering<'g> {
 }
 
 /// Lowers `graph` to a program with the default options.
+///
+/// ```
+/// let graph = nestor_ir::parse("graph @ffn {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+///   %2 = param {name = \"w\"} : f32[8, 4]
+///   %3 = linear(%1, %2) : ragged<f32>[B; %0, 8]
+///   %4 = relu(%3) : ragged<f32>[B; %0, 8]
+///   return %4
+/// }")?;
+/// let program = nestor_passes::lower(&graph)?;
+/// // The GEMM and the relu: two steps, whose buffers are sized from the lengths.
+/// assert_eq!(program.launches(), 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn lower(graph: &Graph) -> Result<Program, LowerError> {
     lower_with(graph, LowerOptions::default())
 }

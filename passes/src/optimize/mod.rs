@@ -1,5 +1,5 @@
 //! The e-graph optimizer (DESIGN.md section 5): the graph goes into an egg e-graph, the
-//! rule sets of [`rules`] add equal forms until saturation or a limit, and extraction
+//! rule sets of [`rules`](mod@rules) add equal forms until saturation or a limit, and extraction
 //! keeps the cheapest form of every value by the [`cost`] model (kernel launches, bytes
 //! moved, FLOPs; per-element fallbacks and padding priced high).
 //!
@@ -120,6 +120,23 @@ impl std::fmt::Display for Report {
 }
 
 /// The e-graph optimization pass.
+///
+/// ```
+/// let graph = nestor_ir::parse("graph @ffn {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+///   %2 = param {name = \"w\"} : f32[8, 4]
+///   %3 = linear(%1, %2) : ragged<f32>[B; %0, 8]
+///   %4 = relu(%3) : ragged<f32>[B; %0, 8]
+///   return %4
+/// }")?;
+/// use nestor_passes::{Limits, Optimize};
+/// let (optimized, report) = Optimize::default().with_limits(Limits::untimed()).optimize(&graph)?;
+/// // relu runs in the GEMM's epilogue: one kernel instead of two.
+/// assert_eq!(report.kernels, (Some(2), Some(1)));
+/// assert!(nestor_ir::print(&optimized).contains("epilogue("));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct Optimize {
     limits: Limits,

@@ -119,6 +119,26 @@ pub fn check_inputs(graph: &Graph, inputs: &[Value]) -> Result<()> {
 
 /// Runs `graph` on `inputs` (one per `input`/`param` op, in order), checking every
 /// input against its type (dtype, static sizes, lengths, batch sizes).
+///
+/// ```
+/// use nestor_frontend::{interpret, NestedTensor, Value};
+/// use tch::Tensor;
+///
+/// let graph = nestor_ir::parse("graph @g {
+///   %0 = input {name = \"x.lengths\"} : lengths[B]
+///   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 2]
+///   %2 = mul(%1, %1) : ragged<f32>[B; %0, 2]
+///   return %2
+/// }")?;
+/// let x = NestedTensor::from_tensors(&[
+///     Tensor::from_slice(&[1.0f32, 2.0]).view([1, 2]),
+///     Tensor::from_slice(&[3.0f32, 4.0, 5.0, 6.0]).view([2, 2]),
+/// ])?;
+/// let outputs = interpret(&graph, vec![Value::Lengths(vec![1, 2]), Value::Nested(x)])?;
+/// let Value::Nested(squares) = &outputs[0] else { panic!("a batch") };
+/// assert_eq!(Vec::<f32>::try_from(squares.values().flatten(0, -1))?, [1.0, 4.0, 9.0, 16.0, 25.0, 36.0]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn interpret(graph: &Graph, inputs: Vec<Value>) -> Result<Vec<Value>> {
     let mut interpreter = Interpreter {
         graph,

@@ -12,6 +12,7 @@
 
 use std::path::PathBuf;
 
+use indicatif::{ProgressBar, ProgressStyle};
 use nestor::NestedTensor;
 use nestor_bench::lengths::{lengths, occupancy};
 use nestor_bench::measure::{memory_counted, time};
@@ -73,24 +74,34 @@ fn run() -> Result<()> {
     };
     register_font()?;
     std::fs::create_dir_all(&out)?;
+    // One step per model and occupancy, and per operator.
+    let bar = ProgressBar::new((Model::ALL.len() * OCCUPANCIES.len() + Operator::ALL.len()) as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "report {bar:30} {pos}/{len} [{elapsed_precise}, about {eta} left] {msg}",
+    )?);
     let mut models: Vec<Measurement> = Vec::new();
     for model in Model::ALL {
         for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
+            bar.set_message(format!("{} at occupancy {occupancy}", model.name()));
             let rows = run_model(model, &scale, occupancy, 100 + index as u64)?;
             for row in &rows {
-                progress(row);
+                bar.suspend(|| eprintln!("{}", progress(row)));
             }
+            bar.inc(1);
             models.extend(rows);
         }
     }
     let mut operators: Vec<Measurement> = Vec::new();
     for operator in Operator::ALL {
+        bar.set_message(operator.name());
         let rows = run_operator(operator, &scale, 0.35, 200)?;
         for row in &rows {
-            progress(row);
+            bar.suspend(|| eprintln!("{}", progress(row)));
         }
+        bar.inc(1);
         operators.extend(rows);
     }
+    bar.finish_and_clear();
     let packing = OCCUPANCIES
         .iter()
         .enumerate()
@@ -111,18 +122,19 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-fn progress(row: &Measurement) {
+/// A line saying what one measurement gave.
+fn progress(row: &Measurement) -> String {
     let what = match &row.outcome {
         Outcome::Measured { timing, .. } => format!("{:.3} ms", timing.median * 1e3),
         Outcome::Unavailable(why) => why.clone(),
     };
-    eprintln!(
+    format!(
         "report: {} {} {:.2} {}: {what}",
         row.subject,
         row.mode.name(),
         row.occupancy,
         row.column.name()
-    );
+    )
 }
 
 /// Times building a batch's metadata: packing with offsets, and padding with a mask.

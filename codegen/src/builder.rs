@@ -1,5 +1,6 @@
-//! Shared code generation: a kernel function with the common ABI, counted loops,
-//! typed loads and stores, accumulators, and pointwise expressions.
+//! The kernel builder the templates are written with: a kernel function with the common
+//! signature, counted and parallel loops, typed loads and stores, accumulators,
+//! pointwise expressions, and the math functions of the target.
 
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -11,13 +12,16 @@ use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 use nestor_ir::{BinaryOp, UnaryOp};
 use nestor_passes::Expr;
 
-use crate::BackendError;
+use crate::{CodegenError, Target};
 
-pub(crate) type Gen<T> = Result<T, BackendError>;
+pub(crate) type Gen<T> = Result<T, CodegenError>;
 
-fn err(error: impl std::fmt::Display) -> BackendError {
-    BackendError::new(error)
+fn err(error: impl std::fmt::Display) -> CodegenError {
+    CodegenError::new(error)
 }
+
+/// LLVM's calling convention of PTX kernel entries (`ptx_kernel`).
+const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
 
 /// A kernel under construction: `fn(args: ptr, start: i64, end: i64)`.
 pub(crate) struct Kernel<'ctx, 'm> {
@@ -28,6 +32,7 @@ pub(crate) struct Kernel<'ctx, 'm> {
     pub(crate) float: FloatType<'ctx>,
     /// Whether `float` is f64.
     pub(crate) double: bool,
+    target: Target,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
 }
 
@@ -37,6 +42,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         module: &'m Module<'ctx>,
         name: &str,
         precision: nestor_passes::FloatType,
+        target: Target,
     ) -> Self {
         let ptr = context.ptr_type(AddressSpace::default());
         let i64 = context.i64_type();
@@ -44,6 +50,9 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .void_type()
             .fn_type(&[ptr.into(), i64.into(), i64.into()], false);
         let function = module.add_function(name, signature, None);
+        if target == Target::Nvptx {
+            function.set_call_conventions(PTX_KERNEL_CALLING_CONVENTION);
+        }
         let entry = context.append_basic_block(function, "entry");
         let builder = context.create_builder();
         builder.position_at_end(entry);
@@ -58,6 +67,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 context.f32_type()
             },
             double: precision == nestor_passes::FloatType::F64,
+            target,
             entry,
         }
     }
@@ -182,6 +192,61 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         end: IntValue<'ctx>,
         body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
+        self.for_range_by(start, end, self.i64(1), body)
+    }
+
+    /// The kernel's loop over the rows (or elements) `start..end` of its range: in order
+    /// on the host; on a GPU, each thread takes every `threads`-th from `start + its
+    /// global index`, so any grid covers the range.
+    pub(crate) fn parallel_range(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        match self.target {
+            Target::Host => self.for_range(start, end, body),
+            Target::Nvptx => {
+                let register =
+                    |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
+                let block_size = register("ntid.x")?;
+                let global = self.add(
+                    self.mul(register("ctaid.x")?, block_size)?,
+                    register("tid.x")?,
+                )?;
+                let threads = self.mul(register("nctaid.x")?, block_size)?;
+                self.for_range_by(self.add(start, global)?, end, threads, body)
+            }
+        }
+    }
+
+    /// A PTX special register (`llvm.nvvm.read.ptx.sreg.*`, an i32) as an i64.
+    fn special_register(&self, name: &str) -> Gen<IntValue<'ctx>> {
+        let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+        let function = intrinsic
+            .get_declaration(self.module, &[])
+            .ok_or_else(|| err(format!("no declaration of {name}")))?;
+        let value = self
+            .builder
+            .build_call(function, &[], name)
+            .map_err(err)?
+            .try_as_basic_value()
+            .basic()
+            .ok_or_else(|| err(format!("{name} returned nothing")))?
+            .into_int_value();
+        self.builder
+            .build_int_z_extend(value, self.context.i64_type(), "index")
+            .map_err(err)
+    }
+
+    /// `for (i = start; i < end; i += step) { body(i) }` (`step > 0`).
+    fn for_range_by(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        step: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
         let before = self
             .builder
             .get_insert_block()
@@ -208,10 +273,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .map_err(err)?;
         self.builder.position_at_end(inner);
         body(i)?;
-        let next = self
-            .builder
-            .build_int_add(i, self.i64(1), "next")
-            .map_err(err)?;
+        let next = self.builder.build_int_add(i, step, "next").map_err(err)?;
         let latch = self
             .builder
             .get_insert_block()
@@ -374,7 +436,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     pub(crate) fn fast_exp(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         if self.double {
             // f64 kernels keep full precision.
-            return self.intrinsic("llvm.exp", &[x]);
+            return self.math("exp", &[x]);
         }
         let [lowest, highest] = crate::EXP_INPUT_RANGE.map(|bound| self.constant(bound.into()));
         // Ordered compares: a NaN passes both clamps and makes the polynomial NaN.
@@ -439,7 +501,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     /// exp, a few 1e-7 with the inline one); f64 kernels call libm.
     pub(crate) fn fast_erf(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         if self.double {
-            return self.libm("erf", x);
+            return self.math("erf", &[x]);
         }
         let horner = |start: FloatValue<'ctx>, at: FloatValue<'ctx>, coefficients: &[f64]| {
             coefficients.iter().try_fold(start, |acc, &coefficient| {
@@ -502,7 +564,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     /// libm.
     pub(crate) fn fast_tanh(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         if self.double {
-            return self.libm("tanh", x);
+            return self.math("tanh", &[x]);
         }
         let magnitude = self.intrinsic("llvm.fabs", &[x])?;
         let grown = self.fast_exp(self.fmul(magnitude, self.constant(2.0))?)?;
@@ -513,21 +575,29 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.intrinsic("llvm.copysign", &[value, x])
     }
 
-    /// A C math function of one argument (from the process's libm): `name` is the
-    /// double version (`tanh`); the f32 kernels call `tanhf`.
-    pub(crate) fn libm(&self, name: &str, arg: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
-        let name = &if self.double {
-            name.to_owned()
-        } else {
-            format!("{name}f")
-        };
+    /// The math function `name` (`exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh`) of
+    /// the target: on the host LLVM's intrinsic (`llvm.exp`) or, for `erf` and `tanh`,
+    /// the process's libm (`tanhf` in f32 kernels); on NVPTX libdevice's `__nv_tanhf`.
+    pub(crate) fn math(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
+        let suffix = if self.double { "" } else { "f" };
+        match (self.target, name) {
+            (Target::Host, "erf" | "tanh") => self.external(&format!("{name}{suffix}"), args),
+            (Target::Host, _) => self.intrinsic(&format!("llvm.{name}"), args),
+            (Target::Nvptx, _) => self.external(&format!("__nv_{name}{suffix}"), args),
+        }
+    }
+
+    /// A call of the external function `name` of `float`s.
+    fn external(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
         let function = self.module.get_function(name).unwrap_or_else(|| {
+            let parameters: Vec<_> = args.iter().map(|_| self.float.into()).collect();
             self.module
-                .add_function(name, self.float.fn_type(&[self.float.into()], false), None)
+                .add_function(name, self.float.fn_type(&parameters, false), None)
         });
+        let args: Vec<_> = args.iter().map(|&arg| arg.into()).collect();
         let call = self
             .builder
-            .build_call(function, &[arg.into()], name)
+            .build_call(function, &args, name)
             .map_err(err)?;
         call.try_as_basic_value()
             .basic()
@@ -578,7 +648,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
 
     fn sigmoid(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         let negative = self.builder.build_float_neg(x, "neg").map_err(err)?;
-        let exp = self.intrinsic("llvm.exp", &[negative])?;
+        let exp = self.math("exp", &[negative])?;
         self.fdiv(self.constant(1.0), self.fadd(self.constant(1.0), exp)?)
     }
 
@@ -586,16 +656,16 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         match op {
             UnaryOp::Neg => self.builder.build_float_neg(x, "neg").map_err(err),
             UnaryOp::Abs => self.intrinsic("llvm.fabs", &[x]),
-            UnaryOp::Exp => self.intrinsic("llvm.exp", &[x]),
-            UnaryOp::Log => self.intrinsic("llvm.log", &[x]),
+            UnaryOp::Exp => self.math("exp", &[x]),
+            UnaryOp::Log => self.math("log", &[x]),
             UnaryOp::Sqrt => self.intrinsic("llvm.sqrt", &[x]),
             UnaryOp::Rsqrt => {
                 let root = self.intrinsic("llvm.sqrt", &[x])?;
                 self.fdiv(self.constant(1.0), root)
             }
             UnaryOp::Square => self.fmul(x, x),
-            UnaryOp::Sin => self.intrinsic("llvm.sin", &[x]),
-            UnaryOp::Cos => self.intrinsic("llvm.cos", &[x]),
+            UnaryOp::Sin => self.math("sin", &[x]),
+            UnaryOp::Cos => self.math("cos", &[x]),
             UnaryOp::Tanh => self.fast_tanh(x),
             UnaryOp::Sigmoid => self.sigmoid(x),
             UnaryOp::Relu => {
@@ -669,7 +739,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             BinaryOp::Sub => self.fsub(a, b),
             BinaryOp::Mul => self.fmul(a, b),
             BinaryOp::Div => self.fdiv(a, b),
-            BinaryOp::Pow => self.intrinsic("llvm.pow", &[a, b]),
+            BinaryOp::Pow => self.math("pow", &[a, b]),
             BinaryOp::Maximum => self.extreme(a, b, true),
             BinaryOp::Minimum => self.extreme(a, b, false),
             BinaryOp::Eq => compare(FloatPredicate::OEQ),

@@ -11,17 +11,19 @@ use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
 use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step};
 
-use crate::codegen::{Gen, Kernel};
+use crate::builder::{Gen, Kernel};
+use crate::Target;
 
 /// Generates the kernel of `step` as function `name`; false for steps without one.
 pub(crate) fn generate<'ctx>(
     precision: nestor_passes::FloatType,
+    target: Target,
     context: &'ctx Context,
     module: &Module<'ctx>,
     name: &str,
     step: &Step,
 ) -> Gen<bool> {
-    let kernel = Kernel::new(context, module, name, precision);
+    let kernel = Kernel::new(context, module, name, precision, target);
     match step {
         Step::Gemm {
             epilogue: Some(epilogue),
@@ -128,7 +130,7 @@ fn pointwise<'ctx>(
     if flat {
         let first = kernel.mul(start, kernel.i64(width))?;
         let last = kernel.mul(end, kernel.i64(width))?;
-        return kernel.for_range(first, last, |at| {
+        return kernel.parallel_range(first, last, |at| {
             let load = |input: usize| -> Gen<FloatValue<'ctx>> {
                 let access = &inputs[input];
                 let position = if access.row_stride == 0 {
@@ -142,7 +144,7 @@ fn pointwise<'ctx>(
             kernel.store_float(out, at, value)
         });
     }
-    kernel.for_range(start, end, |row| {
+    kernel.parallel_range(start, end, |row| {
         let rows = maps
             .iter()
             .map(|map| match map {
@@ -258,7 +260,7 @@ fn row<'ctx>(
         None
     };
     let n = kernel.constant(width as f64);
-    kernel.for_range(start, end, |row| {
+    kernel.parallel_range(start, end, |row| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
         // Each pass over the row computes the prologue again (it is cheap, the row is
@@ -301,7 +303,7 @@ fn row<'ctx>(
                 let total = row_sum(kernel, width, |column| {
                     kernel.fast_exp(kernel.fsub(load(column)?, max)?)
                 })?;
-                let log_total = kernel.intrinsic("llvm.log", &[total])?;
+                let log_total = kernel.math("log", &[total])?;
                 kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
                     let shifted = kernel.fsub(load(column)?, max)?;
                     let value = if kind == RowKind::Softmax {
@@ -335,7 +337,7 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
     let out = kernel.arg(0)?;
     let (inputs, offsets) = prologue_args(kernel, x)?;
     let offsets = kernel.arg(offsets)?;
-    kernel.for_range(start, end, |element| {
+    kernel.parallel_range(start, end, |element| {
         let first = kernel.load_i64(offsets, element)?;
         let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
@@ -360,11 +362,11 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
                         let count = kernel
                             .builder
                             .build_int_sub(last, first, "count")
-                            .map_err(crate::BackendError::new)?;
+                            .map_err(crate::CodegenError::new)?;
                         let count = kernel
                             .builder
                             .build_signed_int_to_float(count, kernel.float, "n")
-                            .map_err(crate::BackendError::new)?;
+                            .map_err(crate::CodegenError::new)?;
                         kernel.fdiv(sum, count)?
                     } else {
                         sum
@@ -390,7 +392,7 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
                     let total = fold(0.0, &|acc, row| {
                         kernel.fadd(acc, kernel.fast_exp(kernel.fsub(load(row)?, max)?)?)
                     })?;
-                    let log_total = kernel.intrinsic("llvm.log", &[total])?;
+                    let log_total = kernel.math("log", &[total])?;
                     kernel.for_range(first, last, |row| {
                         let shifted = kernel.fsub(load(row)?, max)?;
                         let value = if kind == SegmentKind::Softmax {
@@ -410,7 +412,7 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let (out, table, ids): (PointerValue<'ctx>, PointerValue<'ctx>, PointerValue<'ctx>) =
         (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
-    kernel.for_range(start, end, |row| {
+    kernel.parallel_range(start, end, |row| {
         let id = kernel.load_i64(ids, row)?;
         let source = kernel.mul(id, kernel.i64(width))?;
         let target = kernel.mul(row, kernel.i64(width))?;

@@ -14,20 +14,24 @@ impl Pass for Dce {
     }
 
     fn run(&self, graph: &Graph) -> Result<Graph, VerifyError> {
+        // One walk back over the arena: a value's operands and lengths are defined
+        // before it, so they are marked before the walk reaches them.
         let mut live = vec![false; graph.nodes.len()];
-        let mut stack: Vec<ValueId> = graph.outputs.clone();
-        for (index, node) in graph.nodes.iter().enumerate() {
-            if matches!(node.op, Op::Input { .. } | Op::Param { .. }) {
-                stack.push(ValueId(index as u32));
-            }
+        for output in &graph.outputs {
+            live[output.index()] = true;
         }
-        while let Some(value) = stack.pop() {
-            if std::mem::replace(&mut live[value.index()], true) {
-                continue;
+        for (index, node) in graph.nodes.iter().enumerate().rev() {
+            live[index] |= matches!(node.op, Op::Input { .. } | Op::Param { .. });
+            if live[index] {
+                for value in node
+                    .op
+                    .operands()
+                    .into_iter()
+                    .chain(node.ty.length_values())
+                {
+                    live[value.index()] = true;
+                }
             }
-            let node = &graph.nodes[value.index()];
-            stack.extend(node.op.operands());
-            stack.extend(node.ty.length_values());
         }
         Ok(rebuild(graph, |index| live[index]))
     }

@@ -15,6 +15,7 @@ use std::process::ExitCode;
 
 use nestor::ir::Graph;
 use nestor::passes::{annotated, lower_with, Limits, LowerOptions, Pipeline};
+use nestor_backend_cuda::Arch;
 
 const USAGE: &str = "\
 usage: nestor-opt [FILE | -] [options]
@@ -29,7 +30,10 @@ options:
   --report             print what the passes had to say (the optimizer's report)
   --emit KIND          what to print at the end: nir (default), program (the lowered
                        kernel program), llvm (the kernels' optimized LLVM IR for this
-                       host), ptx (not available: there is no CUDA backend yet), none
+                       host), ptx (the kernels' PTX for --arch), none
+  --arch ARCH          the GPU architecture of --emit ptx: sm_80 or sm_90 (default)
+  --ptxas              with --emit ptx, assemble it with ptxas and print each kernel's
+                       registers and spills
   --per-element-fallback
                        lower per-element regions to host steps (as compile's
                        .per_element_fallback(true)) instead of failing
@@ -60,6 +64,8 @@ struct Options {
     per_element_fallback: bool,
     dot: Option<String>,
     svg: Option<String>,
+    arch: Arch,
+    ptxas: bool,
 }
 
 /// Why nestor-opt stopped.
@@ -80,6 +86,8 @@ fn parse_options(mut args: impl Iterator<Item = String>) -> Result<Options, Fail
         per_element_fallback: false,
         dot: None,
         svg: None,
+        arch: Arch::Sm90,
+        ptxas: false,
     };
     let value = |args: &mut dyn Iterator<Item = String>, flag: &str| {
         args.next()
@@ -113,6 +121,12 @@ fn parse_options(mut args: impl Iterator<Item = String>) -> Result<Options, Fail
                     }
                 }
             }
+            "--arch" => {
+                options.arch = value(&mut args, "--arch")?.parse().map_err(
+                    |error: nestor_backend_cuda::CudaError| Failure::Usage(error.to_string()),
+                )?
+            }
+            "--ptxas" => options.ptxas = true,
             "--dot" => options.dot = Some(value(&mut args, "--dot")?),
             "--svg" => options.svg = Some(value(&mut args, "--svg")?),
             flag if flag.starts_with('-') && flag != "-" => {
@@ -190,13 +204,7 @@ fn run(options: &Options) -> Result<(), Failure> {
         // The last stage was printed already.
         Emit::Nir if options.print_after_all && !pipeline.pass_names().is_empty() => None,
         Emit::Nir => Some(nestor::ir::print(&graph)),
-        Emit::Program | Emit::Llvm => Some(lowered(&graph, options)?),
-        Emit::Ptx => {
-            return Err(Failure::Rejected(
-                "--emit ptx: nestor has no CUDA backend yet (issue 12); --emit llvm shows the CPU kernels"
-                    .into(),
-            ))
-        }
+        Emit::Program | Emit::Llvm | Emit::Ptx => Some(lowered(&graph, options)?),
     };
     if let Some(text) = final_text {
         print(&mut out, &text)?;
@@ -204,19 +212,37 @@ fn run(options: &Options) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The lowered program (`--emit program`) or its kernels' LLVM IR (`--emit llvm`).
+/// The lowered program (`--emit program`), its kernels' LLVM IR (`--emit llvm`) or PTX
+/// (`--emit ptx`, with ptxas's report of each kernel after `--ptxas`).
 fn lowered(graph: &Graph, options: &Options) -> Result<String, Failure> {
     let lower_options = LowerOptions {
         host_per_element: options.per_element_fallback,
     };
     let program = lower_with(graph, lower_options)
         .map_err(|error| Failure::Rejected(format!("lowering: {error}")))?;
-    if options.emit == Emit::Program {
-        return Ok(program.to_string());
+    match options.emit {
+        Emit::Program => return Ok(program.to_string()),
+        Emit::Ptx => return ptx(&program, options),
+        _ => {}
     }
     let executable = nestor_runtime::Executable::compile(program)
         .map_err(|error| Failure::Rejected(format!("backend: {error}")))?;
     Ok(executable.llvm_ir().to_owned())
+}
+
+fn ptx(program: &nestor::passes::Program, options: &Options) -> Result<String, Failure> {
+    let failed = |error: nestor_backend_cuda::CudaError| Failure::Rejected(error.to_string());
+    let module = nestor_backend_cuda::ptx(program, options.arch).map_err(failed)?;
+    let mut text = module.ptx;
+    if options.ptxas {
+        for kernel in nestor_backend_cuda::ptxas::assemble(&text, options.arch).map_err(failed)? {
+            text.push_str(&format!(
+                "// ptxas {}: {} registers, {} bytes spill stores, {} bytes spill loads\n",
+                kernel.name, kernel.registers, kernel.spill_stores, kernel.spill_loads
+            ));
+        }
+    }
+    Ok(text)
 }
 
 fn write_pictures(graph: &Graph, options: &Options) -> Result<(), Failure> {

@@ -1,0 +1,188 @@
+//! PTX of every kernel template, checked without a GPU: each graph below is lowered
+//! (as it comes and through the optimizer, for the fused forms), generated for NVPTX,
+//! and assembled by ptxas for sm_80 and sm_90 in f32 and f64; ptxas must accept it and
+//! the kernels must not spill. The registers and spills of every kernel are printed
+//! (`cargo test -p nestor-backend-cuda --test ptx -- --nocapture`).
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use nestor_backend_cuda::{ptx, ptxas, Arch};
+use nestor_passes::{lower, Limits, Pipeline, Step};
+
+/// Row kernels (norms, softmax, reductions over the last dim), segmented kernels
+/// (softmax and reductions over the ragged dim), a gather, GEMM epilogues and a norm
+/// prologue.
+const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 8]
+  %2 = input {name = "ids"} : ragged<i64>[B; %0]
+  %3 = param {name = "gain"} : f32[8]
+  %4 = param {name = "shift"} : f32[8]
+  %5 = param {name = "table"} : f32[16, 8]
+  %6 = param {name = "w"} : f32[8, 8]
+  %7 = layer_norm(%1, %3, %4) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 8]
+  %8 = rms_norm(%1, %3) {dims = 1, eps = 1e-6} : ragged<f32>[B; %0, 8]
+  %9 = softmax(%1) {axis = -1} : ragged<f32>[B; %0, 8]
+  %10 = log_softmax(%1) {axis = -1} : ragged<f32>[B; %0, 8]
+  %11 = softmax(%1) {axis = 1} : ragged<f32>[B; %0, 8]
+  %12 = log_softmax(%1) {axis = 1} : ragged<f32>[B; %0, 8]
+  %13 = sum(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %14 = mean(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %15 = amax(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %16 = amin(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %17 = sum(%1) {dims = [1], keepdim = false} : f32[B, 8]
+  %18 = mean(%1) {dims = [1], keepdim = false} : f32[B, 8]
+  %19 = amax(%1) {dims = [1], keepdim = false} : f32[B, 8]
+  %20 = amin(%1) {dims = [1], keepdim = false} : f32[B, 8]
+  %21 = embedding(%2, %5) {padding_idx = -1} : ragged<f32>[B; %0, 8]
+  %22 = epilogue(%1, %6, %4) {expr = "(gelu $0)", inputs = 0, core = linear} : ragged<f32>[B; %0, 8]
+  %23 = epilogue(%22, %6, %4, %1) {expr = "(add $1 $0)", inputs = 1, core = linear} : ragged<f32>[B; %0, 8]
+  %24 = prologue(%1, %22, %23, %3, %4) {expr = "(add $0 (mul $1 $2))", inputs = 3, core = layer_norm, dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 8]
+  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24
+}
+"#;
+
+/// Every pointwise function (one kernel each as it comes, one fused kernel through the
+/// optimizer), with scalar and broadcast operands.
+const POINTWISE: &str = r#"graph @pointwise {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 8]
+  %2 = param {name = "bias"} : f32[8]
+  %3 = const {value = 0.5, dtype = f32} : f32[]
+  %4 = exp(%1) : ragged<f32>[B; %0, 8]
+  %5 = log(%4) : ragged<f32>[B; %0, 8]
+  %6 = sin(%5) : ragged<f32>[B; %0, 8]
+  %7 = cos(%6) : ragged<f32>[B; %0, 8]
+  %8 = tanh(%7) : ragged<f32>[B; %0, 8]
+  %9 = sigmoid(%8) : ragged<f32>[B; %0, 8]
+  %10 = gelu(%9) : ragged<f32>[B; %0, 8]
+  %11 = gelu_tanh(%10) : ragged<f32>[B; %0, 8]
+  %12 = silu(%11) : ragged<f32>[B; %0, 8]
+  %13 = erf(%12) : ragged<f32>[B; %0, 8]
+  %14 = sqrt(%13) : ragged<f32>[B; %0, 8]
+  %15 = rsqrt(%14) : ragged<f32>[B; %0, 8]
+  %16 = abs(%15) : ragged<f32>[B; %0, 8]
+  %17 = sign(%16) : ragged<f32>[B; %0, 8]
+  %18 = relu(%17) : ragged<f32>[B; %0, 8]
+  %19 = neg(%18) : ragged<f32>[B; %0, 8]
+  %20 = square(%19) : ragged<f32>[B; %0, 8]
+  %21 = pow(%20, %3) : ragged<f32>[B; %0, 8]
+  %22 = maximum(%21, %2) : ragged<f32>[B; %0, 8]
+  %23 = minimum(%22, %1) : ragged<f32>[B; %0, 8]
+  %24 = div(%23, %1) : ragged<f32>[B; %0, 8]
+  %25 = sub(%24, %3) : ragged<f32>[B; %0, 8]
+  %26 = gt(%25, %1) : ragged<bool>[B; %0, 8]
+  %27 = where(%26, %25, %1) : ragged<f32>[B; %0, 8]
+  return %27
+}
+"#;
+
+/// The program of `text` (with `f32` replaced by `dtype`), optimized or as it comes.
+fn program(text: &str, dtype: &str, optimized: bool) -> nestor_passes::Program {
+    let graph = nestor_ir::parse(&text.replace("f32", dtype)).unwrap();
+    let graph = if optimized {
+        Pipeline::optimizing(Limits::untimed()).run(&graph).unwrap()
+    } else {
+        graph
+    };
+    lower(&graph).unwrap()
+}
+
+#[test]
+fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
+    let mut kernels = 0;
+    for (name, text) in [
+        ("rows_and_segments", ROWS_AND_SEGMENTS),
+        ("pointwise", POINTWISE),
+    ] {
+        for dtype in ["f32", "f64"] {
+            for optimized in [false, true] {
+                let program = program(text, dtype, optimized);
+                for arch in Arch::ALL {
+                    let module = ptx(&program, arch).unwrap();
+                    let report = ptxas::assemble(&module.ptx, arch).unwrap_or_else(|error| {
+                        panic!("{name} {dtype} on {}: {error}", arch.name())
+                    });
+                    let entries: Vec<&String> = module.kernels.iter().flatten().collect();
+                    for entry in &entries {
+                        assert!(
+                            report.iter().any(|kernel| &&kernel.name == entry),
+                            "{name}: ptxas reports no {entry}"
+                        );
+                    }
+                    for kernel in &report {
+                        println!(
+                            "{name} {dtype} optimized={optimized} {} {}: {} registers, {} / {} bytes spilled",
+                            arch.name(),
+                            kernel.name,
+                            kernel.registers,
+                            kernel.spill_stores,
+                            kernel.spill_loads
+                        );
+                        assert_eq!(
+                            (kernel.spill_stores, kernel.spill_loads),
+                            (0, 0),
+                            "{name} {dtype} {}: {} spills",
+                            arch.name(),
+                            kernel.name
+                        );
+                    }
+                    kernels += report.len();
+                }
+            }
+        }
+    }
+    assert!(kernels > 100, "{kernels} kernels assembled");
+}
+
+/// Every step kind that has a kernel on the CPU has one in PTX.
+#[test]
+fn every_step_with_a_cpu_kernel_has_a_ptx_entry() {
+    let program = program(ROWS_AND_SEGMENTS, "f32", false);
+    let module = ptx(&program, Arch::Sm80).unwrap();
+    for (step, kernel) in program.steps.iter().zip(&module.kernels) {
+        let expected = !matches!(step, Step::Gemm { epilogue: None, .. });
+        assert_eq!(kernel.is_some(), expected, "{step:?}");
+        if let Some(kernel) = kernel {
+            assert!(
+                module.ptx.contains(&format!(".entry {kernel}(")),
+                "{kernel}"
+            );
+        }
+    }
+}
+
+/// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a
+/// pointwise `relu(x) * 2`. Re-bless with `NESTOR_BLESS=1` after an intended change
+/// (another LLVM release changes it too).
+#[test]
+fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
+    let program = program(
+        r#"graph @relu_twice {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 8]
+  %2 = const {value = 2.0, dtype = f32} : f32[]
+  %3 = relu(%1) : ragged<f32>[B; %0, 8]
+  %4 = mul(%3, %2) : ragged<f32>[B; %0, 8]
+  return %4
+}"#,
+        "f32",
+        true,
+    );
+    let module = ptx(&program, Arch::Sm90).unwrap();
+    let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
+    let path = std::path::Path::new(&root).join("tests/snapshots/relu_twice.sm_90.ptx");
+    if std::env::var_os("NESTOR_BLESS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &module.ptx).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("{} is missing: run with NESTOR_BLESS=1", path.display()));
+    assert_eq!(
+        module.ptx, expected,
+        "re-bless with NESTOR_BLESS=1 if intended"
+    );
+    ptxas::assemble(&module.ptx, Arch::Sm90).unwrap();
+}

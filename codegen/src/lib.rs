@@ -1,0 +1,178 @@
+//! nestor-codegen: the kernel steps of a [`Program`] as LLVM IR (inkwell, LLVM 19), one
+//! function per kernel, for a [`Target`]: the host CPU (the CPU backend JIT-compiles
+//! them) or NVIDIA GPUs (the CUDA backend emits PTX).
+//!
+//! What a kernel computes is written once, in `templates` (pointwise, row, segmented,
+//! gather) over the builder of `builder` (loops, loads, pointwise expressions, inline
+//! `exp`, `erf`, `tanh`). The targets differ only in how the parallel loop is indexed
+//! ([`Target::Host`]: the `start..end` a thread is given; [`Target::Nvptx`]: a
+//! grid-stride loop over it), how a kernel is marked (a PTX kernel entry) and which math
+//! library the transcendental functions call (LLVM intrinsics and libm, or libdevice).
+//!
+//! Every kernel has one signature, `void (ptr args, i64 start, i64 end)`: `args` are
+//! the buffers the step reads and writes (see `templates`), `start..end` the rows (or
+//! elements, for segmented kernels) to run.
+
+mod builder;
+mod templates;
+
+use std::collections::HashMap;
+
+use inkwell::context::Context;
+use inkwell::module::Module;
+use nestor_passes::{Program, Step};
+use thiserror::Error;
+
+/// `ln 2` split in two (Cody and Waite): `n * LN_2_SPLIT[0]` is exact for the `n` of
+/// f32 exponents, so `x - n ln 2` keeps its precision.
+pub const LN_2_SPLIT: [f64; 2] = [0.693_359_375, -2.121_944_400_546_905_8e-4];
+
+/// Coefficients of the polynomial `p` with `e^r = 1 + r + r^2 p(r)` on
+/// `[-ln(2)/2, ln(2)/2]`, highest degree first (Cephes' `expf`): the generated kernels'
+/// `exp` and [`fast_exp`] share them.
+pub const EXP_COEFFICIENTS: [f64; 6] = [
+    1.987_569_150_0e-4,
+    1.398_199_950_7e-3,
+    8.333_451_907_3e-3,
+    4.166_579_589_4e-2,
+    1.666_666_545_9e-1,
+    5.000_000_120_1e-1,
+];
+
+/// The inputs `exp` works on: below, `e^x` rounds to 0 in f32 (`e^-104 < 2^-150`);
+/// above, it overflows to `inf` (`e^89 > f32::MAX`). Clamping keeps `n` in range.
+pub const EXP_INPUT_RANGE: [f32; 2] = [-104.0, 89.0];
+
+/// The lowest `n` of `2^n` that `exp` applies (`n` of the lowest input rounded: 2^-150).
+pub const EXP_LOWEST_EXPONENT: f32 = -150.0;
+
+/// `e^x` computed as the generated kernels compute it (`e^x = 2^n e^r`, `n` the nearest
+/// integer to `x / ln 2`, `r = x - n ln 2` in two steps, [`EXP_COEFFICIENTS`] for `e^r`,
+/// `2^n` applied as two factors; within 2 ulp of the exact value, `inf` past f32's
+/// range, subnormals and 0 below it, NaN for NaN), for host code that must agree with
+/// them.
+///
+/// Branch-free f32 arithmetic without libm calls (rounding by the `1.5 * 2^23` trick,
+/// to nearest even like the kernels' `rint`), so loops over it vectorize.
+#[inline(always)]
+pub fn fast_exp(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer.
+    let [lowest, highest] = EXP_INPUT_RANGE;
+    let x = x.clamp(lowest, highest); // NaN stays NaN.
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (x - n * LN_2_SPLIT[0] as f32) - n * LN_2_SPLIT[1] as f32;
+    let polynomial = EXP_COEFFICIENTS
+        .iter()
+        .fold(0.0f32, |acc, &c| acc * r + c as f32);
+    let reduced = polynomial * r * r + r + 1.0;
+    // `n` is an integer in [-150, 129] (x was clamped; a NaN, which makes the polynomial
+    // NaN, becomes -150 here since `max` ignores NaN), so the unchecked conversion is
+    // exact; a saturating `as` would keep the loop from vectorizing.
+    let exponent = unsafe { n.max(EXP_LOWEST_EXPONENT).to_int_unchecked::<i32>() };
+    let half = exponent >> 1;
+    let power_of_two = |n: i32| f32::from_bits(((n + 127) << 23) as u32);
+    reduced * power_of_two(half) * power_of_two(exponent - half)
+}
+
+/// Where the generated code runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// The host CPU: each call runs the rows `start..end` in order.
+    Host,
+    /// An NVIDIA GPU through NVPTX: kernels are PTX entries, each thread runs the rows
+    /// `start + global thread index` in steps of the grid's thread count (any grid size
+    /// covers the range), and `exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh` call
+    /// libdevice's `__nv_*` functions (the module must be linked with libdevice).
+    Nvptx,
+}
+
+/// What went wrong while generating code: a bug of the templates (invalid IR), or an
+/// LLVM that lacks an intrinsic.
+#[derive(Debug, Error)]
+#[error("code generation: {0}")]
+pub struct CodegenError(pub String);
+
+impl CodegenError {
+    pub(crate) fn new(message: impl std::fmt::Display) -> Self {
+        Self(message.to_string())
+    }
+}
+
+/// Generates the kernels of `program` into `module` for `target`, and returns each
+/// step's kernel name (`None` for steps the runtime runs without a kernel: GEMMs
+/// without an epilogue, attention, copies). Steps that differ only in their buffers
+/// share one kernel (the buffers are arguments): the layers of a model, a forward op and
+/// its backward twin. The module is verified.
+pub fn generate_kernels<'ctx>(
+    program: &Program,
+    context: &'ctx Context,
+    module: &Module<'ctx>,
+    target: Target,
+) -> Result<Vec<Option<String>>, CodegenError> {
+    let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
+    let mut generated_for: HashMap<String, usize> = HashMap::new();
+    for (index, step) in program.steps.iter().enumerate() {
+        let key = kernel_key(step);
+        if let Some(&first) = generated_for.get(&key) {
+            names.push(names[first].clone());
+            continue;
+        }
+        let name = format!("step{index}");
+        let generated = templates::generate(program.float, target, context, module, &name, step)?;
+        names.push(generated.then_some(name));
+        generated_for.insert(key, index);
+    }
+    module
+        .verify()
+        .map_err(|error| CodegenError::new(format!("invalid LLVM IR: {error}")))?;
+    Ok(names)
+}
+
+/// What a step's kernel code depends on: the step with its buffers' slot numbers
+/// erased (kernels take their buffers as arguments).
+fn kernel_key(step: &Step) -> String {
+    let text = format!("{step:?}");
+    let mut key = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(start) = rest.find("Slot(") {
+        key.push_str(&rest[..start + 5]);
+        rest = &rest[start + 5..];
+        rest = rest.trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    key.push_str(rest);
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_is_accurate_over_the_finite_range() {
+        let mut worst: f32 = 0.0;
+        for step in -8700..=8800 {
+            let x = step as f32 / 100.0;
+            let relative = (fast_exp(x) - x.exp()).abs() / x.exp();
+            worst = worst.max(relative);
+        }
+        // Two f32 ulp (2^-22 relative).
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+        assert!(fast_exp(f32::NAN).is_nan(), "NaN propagates");
+    }
+
+    #[test]
+    fn fast_exp_overflows_and_underflows_as_libm() {
+        for x in [88.72f32, 88.73, 89.0, 100.0, 1e30, f32::INFINITY] {
+            assert_eq!(fast_exp(x), x.exp(), "e^{x}");
+        }
+        for x in [-104.0f32, -110.0, -1e30, f32::NEG_INFINITY] {
+            assert_eq!(fast_exp(x).to_bits(), 0, "e^{x} is +0");
+        }
+        // Subnormal results: within one step of the subnormal grid (2^-149) of libm's.
+        for step in 0..=1700 {
+            let x = -87.0 - step as f32 / 100.0;
+            let error = (fast_exp(x) as f64 - (x as f64).exp()).abs();
+            assert!(error <= f32::from_bits(1) as f64, "e^{x}: error {error:e}");
+        }
+    }
+}

@@ -18,7 +18,7 @@ use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, InitializationConfig, RelocMode, Target, TargetMachine};
 use inkwell::OptimizationLevel;
 use nestor_codegen::{CodegenError, Target as CodegenTarget};
-use nestor_passes::Program;
+use nestor_passes::{Program, Step};
 use thiserror::Error;
 
 pub use nestor_codegen::{
@@ -105,13 +105,24 @@ impl CpuKernels {
 /// Each compiled program has its own LLVM context, freed when its `CpuKernels` is
 /// dropped (a failed compile leaves it allocated).
 pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
+    // Attention runs on the host's GEMM library (faster here than the template).
+    compile_with(program, |step| !matches!(step, Step::Attention { .. }))
+}
+
+/// [`compile`], with kernels for the steps `include` accepts among those with a
+/// template (tests run the GPU's attention template on the host this way).
+pub fn compile_with(
+    program: &Program,
+    include: impl Fn(&Step) -> bool,
+) -> Result<CpuKernels, BackendError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
     let context_pointer = Box::into_raw(Box::new(Context::create()));
     // SAFETY: the pointer is a live allocation until `CpuKernels::drop` frees it, after
     // the engine, the last thing that borrows it.
     let context: &'static Context = unsafe { &*context_pointer };
     let module = context.create_module("nestor");
-    let names = nestor_codegen::generate_kernels(program, context, &module, CodegenTarget::Host)?;
+    let names =
+        nestor_codegen::generate_kernels(program, context, &module, CodegenTarget::Host, include)?;
     let triple = TargetMachine::get_default_triple();
     let target = Target::from_triple(&triple).map_err(BackendError::new)?;
     let cpu = TargetMachine::get_host_cpu_name().to_string();

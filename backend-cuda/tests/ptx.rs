@@ -43,6 +43,19 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
 }
 "#;
 
+/// Varlen attention (self and cross, causal or not), one kernel each.
+const ATTENTION: &str = r#"graph @attention {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 2, 8]
+  %2 = input {name = "m.lengths"} : lengths[B]
+  %3 = input {name = "m"} : ragged<f32>[B; %2, 2, 8]
+  %4 = attention(%1, %1, %1) {causal = true} : ragged<f32>[B; %0, 2, 8]
+  %5 = attention(%1, %1, %1) {causal = false} : ragged<f32>[B; %0, 2, 8]
+  %6 = attention(%1, %3, %3) {causal = false} : ragged<f32>[B; %0, 2, 8]
+  return %4, %5, %6
+}
+"#;
+
 /// Every pointwise function (one kernel each as it comes, one fused kernel through the
 /// optimizer), with scalar and broadcast operands.
 const POINTWISE: &str = r#"graph @pointwise {
@@ -94,6 +107,7 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
     let mut kernels = 0;
     for (name, text) in [
         ("rows_and_segments", ROWS_AND_SEGMENTS),
+        ("attention", ATTENTION),
         ("pointwise", POINTWISE),
     ] {
         for dtype in ["f32", "f64"] {
@@ -136,21 +150,27 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
     assert!(kernels > 100, "{kernels} kernels assembled");
 }
 
-/// Every step kind that has a kernel on the CPU has one in PTX.
+/// Every step with a template has a PTX entry (attention included, which the CPU runs
+/// without one).
 #[test]
-fn every_step_with_a_cpu_kernel_has_a_ptx_entry() {
-    let program = program(ROWS_AND_SEGMENTS, "f32", false);
-    let module = ptx(&program, Arch::Sm80).unwrap();
-    for (step, kernel) in program.steps.iter().zip(&module.kernels) {
-        let expected = !matches!(step, Step::Gemm { epilogue: None, .. });
-        assert_eq!(kernel.is_some(), expected, "{step:?}");
-        if let Some(kernel) = kernel {
-            assert!(
-                module.ptx.contains(&format!(".entry {kernel}(")),
-                "{kernel}"
-            );
+fn every_step_with_a_template_has_a_ptx_entry() {
+    let mut attention = 0;
+    for text in [ROWS_AND_SEGMENTS, ATTENTION] {
+        let program = program(text, "f32", false);
+        let module = ptx(&program, Arch::Sm80).unwrap();
+        for (step, kernel) in program.steps.iter().zip(&module.kernels) {
+            attention += usize::from(matches!(step, Step::Attention { .. }));
+            let expected = !matches!(step, Step::Gemm { epilogue: None, .. });
+            assert_eq!(kernel.is_some(), expected, "{step:?}");
+            if let Some(kernel) = kernel {
+                assert!(
+                    module.ptx.contains(&format!(".entry {kernel}(")),
+                    "{kernel}"
+                );
+            }
         }
     }
+    assert_eq!(attention, 3);
 }
 
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a

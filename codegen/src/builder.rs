@@ -157,8 +157,25 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         Ok(())
     }
 
-    /// An f32 accumulator in the entry block (promoted to a register by the optimizer).
+    /// A float accumulator in the entry block (promoted to a register by the optimizer).
     pub(crate) fn accumulator(&self, name: &str) -> Gen<PointerValue<'ctx>> {
+        self.alloca_in_entry(self.float.into(), name)
+    }
+
+    /// `length` floats in the entry block (registers or local memory), indexed with
+    /// [`Kernel::load_float`] and [`Kernel::store_float`].
+    pub(crate) fn accumulator_array(&self, name: &str, length: i64) -> Gen<PointerValue<'ctx>> {
+        let length = u32::try_from(length.max(1)).map_err(err)?;
+        self.alloca_in_entry(self.float.array_type(length).into(), name)
+    }
+
+    /// A stack slot of `ty`, allocated once in the entry block whatever the loop the
+    /// builder is in.
+    fn alloca_in_entry(
+        &self,
+        ty: inkwell::types::BasicTypeEnum<'ctx>,
+        name: &str,
+    ) -> Gen<PointerValue<'ctx>> {
         let here = self
             .builder
             .get_insert_block()
@@ -167,7 +184,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             Some(first) => self.builder.position_before(&first),
             None => self.builder.position_at_end(self.entry),
         }
-        let slot = self.builder.build_alloca(self.float, name).map_err(err)?;
+        let slot = self.builder.build_alloca(ty, name).map_err(err)?;
         self.builder.position_at_end(here);
         Ok(slot)
     }
@@ -298,6 +315,27 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.builder.build_int_signed_rem(a, b, "rem").map_err(err)
     }
 
+    pub(crate) fn sub(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_int_sub(a, b, "sub").map_err(err)
+    }
+
+    pub(crate) fn div(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_int_signed_div(a, b, "div").map_err(err)
+    }
+
+    /// The smaller of two signed integers.
+    pub(crate) fn min(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let less = self
+            .builder
+            .build_int_compare(IntPredicate::SLT, a, b, "less")
+            .map_err(err)?;
+        Ok(self
+            .builder
+            .build_select(less, a, b, "min")
+            .map_err(err)?
+            .into_int_value())
+    }
+
     pub(crate) fn fadd(&self, a: FloatValue<'ctx>, b: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         self.contractible(self.builder.build_float_add(a, b, "fadd").map_err(err)?)
     }
@@ -393,7 +431,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     }
 
     /// `condition ? a : b` for a float compare of `x` with `y`.
-    fn select_if(
+    /// `x <predicate> y ? a : b`.
+    pub(crate) fn select_if(
         &self,
         predicate: FloatPredicate,
         (x, y): (FloatValue<'ctx>, FloatValue<'ctx>),

@@ -99,19 +99,25 @@ impl CodegenError {
 }
 
 /// Generates the kernels of `program` into `module` for `target`, and returns each
-/// step's kernel name (`None` for steps the runtime runs without a kernel: GEMMs
-/// without an epilogue, attention, copies). Steps that differ only in their buffers
-/// share one kernel (the buffers are arguments): the layers of a model, a forward op and
-/// its backward twin. The module is verified.
+/// step's kernel name: `None` for steps without a template (GEMMs without an epilogue,
+/// copies) and for those `include` leaves to the runtime (the CPU runs attention on its
+/// GEMM library). Steps that differ only in their buffers share one kernel (the buffers
+/// are arguments): the layers of a model, a forward op and its backward twin. The module
+/// is verified.
 pub fn generate_kernels<'ctx>(
     program: &Program,
     context: &'ctx Context,
     module: &Module<'ctx>,
     target: Target,
+    include: impl Fn(&Step) -> bool,
 ) -> Result<Vec<Option<String>>, CodegenError> {
     let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
     let mut generated_for: HashMap<String, usize> = HashMap::new();
     for (index, step) in program.steps.iter().enumerate() {
+        if !include(step) {
+            names.push(None);
+            continue;
+        }
         let key = kernel_key(step);
         if let Some(&first) = generated_for.get(&key) {
             names.push(names[first].clone());

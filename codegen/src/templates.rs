@@ -4,17 +4,20 @@
 //!   range = rows; a GEMM's epilogue is a pointwise kernel over its output rows;
 //! - row: `out, prologue inputs..., weight or null, bias or null`; range = rows;
 //! - segment: `out, prologue inputs..., offsets (i64, B + 1)`; range = elements;
-//! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows.
+//! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows;
+//! - attention: `out, q, k, v, query offsets (i64, B + 1), key offsets (i64, B + 1),
+//!   the element of each query row (i64)`; range = query rows x heads.
 
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
+use inkwell::FloatPredicate;
 use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step};
 
 use crate::builder::{Gen, Kernel};
 use crate::Target;
 
-/// Generates the kernel of `step` as function `name`; false for steps without one.
+/// Generates the kernel of `step` as function `name`; false for steps without a template.
 pub(crate) fn generate<'ctx>(
     precision: nestor_passes::FloatType,
     target: Target,
@@ -30,8 +33,24 @@ pub(crate) fn generate<'ctx>(
             n,
             ..
         } => pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?,
+        Step::Attention {
+            q,
+            k,
+            v,
+            heads,
+            head_dim,
+            value_dim,
+            causal,
+            scale,
+            ..
+        } => attention(
+            &kernel,
+            [q, k, v],
+            (*heads, *head_dim, *value_dim),
+            *causal,
+            *scale,
+        )?,
         Step::Gemm { .. }
-        | Step::Attention { .. }
         | Step::Host { .. }
         | Step::Pad { .. }
         | Step::Unpad { .. }
@@ -419,6 +438,141 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
             let value = kernel.load_float(table, kernel.add(source, column)?)?;
             kernel.store_float(out, kernel.add(target, column)?, value)
+        })
+    })
+}
+
+/// Varlen attention without scores in memory: one (query row, head) per iteration of
+/// the parallel loop, an online softmax over the keys of the row's element (the running
+/// maximum rescales the running sum and output), as libtorch's scaled dot-product
+/// attention: a row without a finite score (or without keys) gives 0, a NaN score makes
+/// the row NaN, and with `causal` a masked (future) key's score that is NaN or +inf
+/// makes the row NaN (libtorch adds -inf to it) and its values count with weight 0 (a
+/// value that is not finite makes its column NaN, as libtorch's product does).
+fn attention<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    [q, k, v]: [&Access; 3],
+    (heads, head_dim, value_dim): (i64, i64, i64),
+    causal: bool,
+    scale: f64,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, queries, keys, values, query_offsets, key_offsets, elements] =
+        [0, 1, 2, 3, 4, 5, 6].map(|index| kernel.arg(index));
+    let (out, queries, keys, values) = (out?, queries?, keys?, values?);
+    let (query_offsets, key_offsets, elements) = (query_offsets?, key_offsets?, elements?);
+    let output = kernel.accumulator_array("output", value_dim)?;
+    let [largest, total, poisoned] =
+        ["largest", "total", "poisoned"].map(|name| kernel.accumulator(name));
+    let (largest, total, poisoned) = (largest?, total?, poisoned?);
+    let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
+    let [infinity, negative_infinity] =
+        [f64::INFINITY, f64::NEG_INFINITY].map(|value| kernel.constant(value));
+    let columns = |count: i64, body: &dyn Fn(IntValue<'ctx>) -> Gen<()>| {
+        kernel.for_range(kernel.i64(0), kernel.i64(count), body)
+    };
+    kernel.parallel_range(start, end, |task| {
+        let row = kernel.div(task, kernel.i64(heads))?;
+        let head = kernel.rem(task, kernel.i64(heads))?;
+        let element = kernel.load_i64(elements, row)?;
+        let next = kernel.add(element, kernel.i64(1))?;
+        let position = kernel.sub(row, kernel.load_i64(query_offsets, element)?)?;
+        let first_key = kernel.load_i64(key_offsets, element)?;
+        let key_count = kernel.sub(kernel.load_i64(key_offsets, next)?, first_key)?;
+        let visible = if causal {
+            kernel.min(kernel.add(position, kernel.i64(1))?, key_count)?
+        } else {
+            key_count
+        };
+        let query_base = kernel.mul(head, kernel.i64(head_dim))?;
+        let value_base = kernel.mul(head, kernel.i64(value_dim))?;
+        // scale * <q_row, k_key> over this head's columns.
+        let score = |key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+            let key_row = kernel.add(first_key, key)?;
+            let dot = row_sum(kernel, head_dim, |column| {
+                let column = kernel.add(query_base, column)?;
+                let x = kernel.load_float(queries, index(kernel, q, row, column)?)?;
+                let y = kernel.load_float(keys, index(kernel, k, key_row, column)?)?;
+                kernel.fmul(x, y)
+            })?;
+            kernel.fmul(dot, kernel.constant(scale))
+        };
+        kernel.set(largest, negative_infinity)?;
+        kernel.set(total, zero)?;
+        kernel.set(poisoned, zero)?;
+        columns(value_dim, &|column| {
+            kernel.store_float(output, column, zero)
+        })?;
+        kernel.for_range(kernel.i64(0), visible, |key| {
+            let value = score(key)?;
+            let before = kernel.get(largest)?;
+            let after = kernel.extreme(before, value, true)?;
+            // While every score so far is -inf nothing is kept (and exp(-inf - -inf)
+            // would be NaN).
+            let rescale = kernel.fast_exp(kernel.fsub(before, after)?)?;
+            let rescale = kernel.select_if(
+                FloatPredicate::OEQ,
+                (after, negative_infinity),
+                one,
+                rescale,
+            )?;
+            let weight = kernel.fast_exp(kernel.fsub(value, after)?)?;
+            let weight = kernel.select_if(
+                FloatPredicate::OEQ,
+                (after, negative_infinity),
+                zero,
+                weight,
+            )?;
+            kernel.set(
+                total,
+                kernel.fadd(kernel.fmul(kernel.get(total)?, rescale)?, weight)?,
+            )?;
+            let key_row = kernel.add(first_key, key)?;
+            columns(value_dim, &|column| {
+                let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
+                let contribution = kernel.fmul(weight, kernel.load_float(values, at)?)?;
+                let kept = kernel.fmul(kernel.load_float(output, column)?, rescale)?;
+                kernel.store_float(output, column, kernel.fadd(kept, contribution)?)
+            })?;
+            kernel.set(largest, after)
+        })?;
+        if causal {
+            kernel.for_range(visible, key_count, |key| {
+                // A masked score that is not below +inf (NaN or +inf) poisons the row.
+                let poison =
+                    kernel.select_if(FloatPredicate::OLT, (score(key)?, infinity), zero, one)?;
+                kernel.set(
+                    poisoned,
+                    kernel.extreme(kernel.get(poisoned)?, poison, true)?,
+                )?;
+                // A masked key's values count with weight 0 (NaN where one is not finite).
+                let key_row = kernel.add(first_key, key)?;
+                columns(value_dim, &|column| {
+                    let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
+                    let masked = kernel.fmul(zero, kernel.load_float(values, at)?)?;
+                    let kept = kernel.load_float(output, column)?;
+                    kernel.store_float(output, column, kernel.fadd(kept, masked)?)
+                })
+            })?;
+        }
+        let inverse = kernel.fdiv(one, kernel.get(total)?)?;
+        let inverse = kernel.select_if(
+            FloatPredicate::OEQ,
+            (kernel.get(largest)?, negative_infinity),
+            zero,
+            inverse,
+        )?;
+        let inverse = kernel.select_if(
+            FloatPredicate::OGT,
+            (kernel.get(poisoned)?, zero),
+            kernel.constant(f64::NAN),
+            inverse,
+        )?;
+        let out_row = kernel.mul(row, kernel.i64(heads * value_dim))?;
+        columns(value_dim, &|column| {
+            let at = kernel.add(out_row, kernel.add(value_base, column)?)?;
+            let value = kernel.fmul(kernel.load_float(output, column)?, inverse)?;
+            kernel.store_float(out, at, value)
         })
     })
 }

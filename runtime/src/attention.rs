@@ -361,3 +361,157 @@ impl AttentionGrad<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The attention kernel template (what the CUDA backend runs) generated for the
+    //! host and compared with this module's attention, which the equivalence tests check
+    //! against libtorch: the same numbers (online vs two-pass softmax: to rounding) and
+    //! the same NaN, infinity and empty-element behaviour.
+
+    use super::*;
+    use nestor_passes::{Program, Step};
+    use proptest::prelude::*;
+
+    const HEADS: i64 = 2;
+    const HEAD_DIM: i64 = 3;
+    const VALUE_DIM: i64 = 4;
+
+    fn offsets(lengths: &[i64]) -> Vec<i64> {
+        std::iter::once(0)
+            .chain(lengths.iter().scan(0, |total, length| {
+                *total += length;
+                Some(*total)
+            }))
+            .collect()
+    }
+
+    /// Runs both on q `[sum Lq, H*D]`, k `[sum Lk, H*D]`, v `[sum Lk, H*Dv]`.
+    fn both(
+        (q_lengths, k_lengths): (&[i64], &[i64]),
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        causal: bool,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let width = HEADS * HEAD_DIM;
+        let (q_access, k_access) = (
+            Access::rows(nestor_passes::Slot(1), width),
+            Access::rows(nestor_passes::Slot(2), width),
+        );
+        let v_access = Access::rows(nestor_passes::Slot(3), HEADS * VALUE_DIM);
+        let (q_offsets, k_offsets) = (offsets(q_lengths), offsets(k_lengths));
+        let rows = *q_offsets.last().unwrap_or(&0);
+        let size = (rows * HEADS * VALUE_DIM) as usize;
+        let scale = 1.0 / (HEAD_DIM as f64).sqrt();
+        let host = Attention {
+            q: &q_access,
+            k: &k_access,
+            v: &v_access,
+            heads: HEADS,
+            head_dim: HEAD_DIM,
+            value_dim: VALUE_DIM,
+            causal,
+            scale,
+            parallel: false,
+        };
+        let mut expected = vec![f32::from_bits(0x7fc0_0001); size];
+        let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+        unsafe {
+            host.run::<f32>(
+                (
+                    expected.as_mut_ptr() as *mut u8,
+                    pointer(q),
+                    pointer(k),
+                    pointer(v),
+                ),
+                (&q_offsets, &k_offsets),
+            )
+        };
+        let step = Step::Attention {
+            out: nestor_passes::Slot(0),
+            q: q_access,
+            k: k_access,
+            v: v_access,
+            q_lengths: nestor_passes::Slot(4),
+            k_lengths: nestor_passes::Slot(5),
+            heads: HEADS,
+            head_dim: HEAD_DIM,
+            value_dim: VALUE_DIM,
+            causal,
+            scale,
+        };
+        let program = Program {
+            steps: vec![step],
+            ..Program::default()
+        };
+        let kernels = nestor_backend_cpu::compile_with(&program, |_| true).unwrap();
+        let kernel = kernels.kernel(0).unwrap();
+        let elements: Vec<i64> = (0..q_lengths.len() as i64)
+            .flat_map(|element| std::iter::repeat_n(element, q_lengths[element as usize] as usize))
+            .collect();
+        let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
+        let args = [
+            actual.as_mut_ptr() as *mut u8,
+            pointer(q),
+            pointer(k),
+            pointer(v),
+            q_offsets.as_ptr() as *mut u8,
+            k_offsets.as_ptr() as *mut u8,
+            elements.as_ptr() as *mut u8,
+        ];
+        // The kernel reads the buffers above, sized for these offsets, and writes the
+        // rows x heads x value_dim values of `actual`.
+        unsafe { kernel(args.as_ptr(), 0, rows * HEADS) };
+        (actual, expected)
+    }
+
+    fn value() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            20 => -3.0f32..3.0,
+            1 => Just(f32::NAN),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NEG_INFINITY),
+        ]
+    }
+
+    fn case() -> impl Strategy<Value = (Vec<i64>, Vec<i64>, Vec<f32>, bool)> {
+        (1usize..4, any::<bool>(), any::<bool>()).prop_flat_map(|(batch, cross, specials)| {
+            let lengths = proptest::collection::vec(0i64..5, batch);
+            (lengths.clone(), lengths, Just(cross), Just(specials)).prop_flat_map(
+                move |(q_lengths, other, cross, specials)| {
+                    let k_lengths = if cross { other } else { q_lengths.clone() };
+                    let count = ((q_lengths.iter().sum::<i64>()
+                        + 2 * k_lengths.iter().sum::<i64>())
+                        * HEADS
+                        * VALUE_DIM.max(HEAD_DIM)) as usize;
+                    let values = if specials {
+                        proptest::collection::vec(value(), count).boxed()
+                    } else {
+                        proptest::collection::vec(-3.0f32..3.0, count).boxed()
+                    };
+                    (Just(q_lengths), Just(k_lengths), values, any::<bool>())
+                },
+            )
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn the_attention_template_equals_the_host_attention(
+            (q_lengths, k_lengths, values, causal) in case()
+        ) {
+            let q_size = (q_lengths.iter().sum::<i64>() * HEADS * HEAD_DIM) as usize;
+            let k_size = (k_lengths.iter().sum::<i64>() * HEADS * HEAD_DIM) as usize;
+            let v_size = (k_lengths.iter().sum::<i64>() * HEADS * VALUE_DIM) as usize;
+            let (q, rest) = values.split_at(q_size);
+            let (k, rest) = rest.split_at(k_size);
+            let v = &rest[..v_size];
+            let (actual, expected) = both((&q_lengths, &k_lengths), (q, k, v), causal);
+            for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
+                let close = (a.is_nan() && e.is_nan())
+                    || a == e
+                    || (a - e).abs() <= 1e-5 * (1.0 + e.abs());
+                prop_assert!(close, "value {index}: template {a} vs host {e} (causal {causal}, lengths {q_lengths:?} / {k_lengths:?})");
+            }
+        }
+    }
+}

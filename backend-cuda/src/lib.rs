@@ -8,11 +8,16 @@
 //! kernel, so PTX is checked on machines without a GPU.
 //!
 //! Attention is one kernel of its own (online softmax, no scores in memory), the same
-//! template the CPU backend can generate (and its tests run on the host). Not here yet:
-//! running the PTX (the CUDA runtime through `cudarc`, cuBLAS GEMMs, copy kernels); see
-//! issue 12.
+//! template the CPU backend can generate (and its tests run on the host). [`Device`]
+//! opens a GPU through the driver (`cudarc`, libcuda loaded at run time: a machine
+//! without it gets [`CudaError::NoDriver`]), loads the PTX and launches kernels. Not here
+//! yet: an executor of whole programs on the device (buffers sized from the lengths,
+//! cuBLAS GEMMs, copy kernels) and `compile` on CUDA tensors; see issue 12.
 
+mod device;
 pub mod ptxas;
+
+pub use device::{Device, LoadedModule};
 
 use std::path::{Path, PathBuf};
 
@@ -102,6 +107,22 @@ pub enum CudaError {
         /// Minor version.
         minor: u32,
     },
+    /// libcuda (the NVIDIA driver) cannot be loaded: no NVIDIA driver on this machine.
+    #[error(
+        "CUDA is not available: the NVIDIA driver library (libcuda.so.1) cannot be loaded: {0}"
+    )]
+    NoDriver(String),
+    /// The driver is there but not the device asked for.
+    #[error("CUDA device {ordinal} does not exist ({count} device(s) found)")]
+    NoDevice {
+        /// The device asked for.
+        ordinal: usize,
+        /// The devices there are.
+        count: i32,
+    },
+    /// A call of the CUDA driver failed.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
     /// An architecture name that is not `sm_80` or `sm_90`.
     #[error("unknown architecture `{0}` (sm_80 or sm_90)")]
     UnknownArch(String),

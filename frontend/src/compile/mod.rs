@@ -302,6 +302,13 @@ where
 
     /// Runs the program: every output, gradients included.
     fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<(Arc<Entry>, Vec<Value>)> {
+        for tensor in nested
+            .iter()
+            .map(|batch| batch.packed())
+            .chain(dense.iter().copied())
+        {
+            on_cpu(tensor)?;
+        }
         let entry = self.entry(nested, dense)?;
         let values = entry.traced.bind(nested, dense)?;
         check_inputs(entry.traced.graph(), &values)?;
@@ -521,9 +528,27 @@ impl Phases {
     }
 }
 
+/// Compiled programs run on the CPU for now: a tensor on another device is an error
+/// rather than a silent copy (the CUDA backend emits and checks PTX but cannot run a
+/// whole program yet).
+fn on_cpu(tensor: &Tensor) -> Result<()> {
+    match tensor.device() {
+        tch::Device::Cpu => Ok(()),
+        device => Err(NestedError::Compile {
+            stage: "device",
+            reason: format!(
+                "an input or parameter is on {device:?}: compiled programs run on the CPU only \
+                 for now (the CUDA backend makes and checks PTX but has no executor yet); move \
+                 the model and inputs to the CPU, or run it eagerly"
+            ),
+        }),
+    }
+}
+
 /// A contiguous CPU tensor of the program's `float` kind (floats and bools) or i64
 /// (integers).
 fn host_tensor(tensor: &Tensor, float: Kind) -> Result<Tensor> {
+    on_cpu(tensor)?;
     let kind = tensor.f_kind()?;
     let target = match kind {
         Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8 => Kind::Int64,

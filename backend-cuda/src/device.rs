@@ -1,0 +1,174 @@
+//! A CUDA device through the driver API (`cudarc`, libcuda loaded at run time), the
+//! PTX of a program loaded on it, and kernel launches over buffers the device holds.
+//!
+//! On a machine without libcuda or without a device, [`Device::open`] is a typed error
+//! that says which (cudarc itself panics when libcuda is missing, so it is looked for
+//! first).
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+
+use crate::{Arch, CudaError, PtxModule};
+
+/// Threads per block of the template kernels (their loops are grid-stride, so any grid
+/// covers the range).
+const BLOCK_THREADS: u32 = 256;
+/// The most blocks a launch asks for; more work loops inside the threads.
+const MAX_BLOCKS: u64 = 65_535;
+
+fn driver(error: impl std::fmt::Display) -> CudaError {
+    CudaError::Driver(error.to_string())
+}
+
+/// An opened CUDA device and the stream its work is ordered on.
+pub struct Device {
+    context: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    name: String,
+}
+
+impl Device {
+    /// Opens device `ordinal`: an error without libcuda ([`CudaError::NoDriver`]), with
+    /// fewer devices ([`CudaError::NoDevice`]) or with one older than `sm_80`.
+    ///
+    /// ```
+    /// match nestor_backend_cuda::Device::open(0) {
+    ///     Ok(device) => println!("{} ({})", device.name(), device.arch().name()),
+    ///     Err(error) => println!("no CUDA here: {error}"),
+    /// }
+    /// ```
+    pub fn open(ordinal: usize) -> Result<Device, CudaError> {
+        driver_present()?;
+        let count = CudaContext::device_count().map_err(driver)?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let context = CudaContext::new(ordinal).map_err(driver)?;
+        let (major, minor) = context.compute_capability().map_err(driver)?;
+        let arch = Arch::for_capability(major.max(0) as u32, minor.max(0) as u32)?;
+        let name = context.name().map_err(driver)?;
+        let stream = context.default_stream();
+        Ok(Device {
+            context,
+            stream,
+            arch,
+            name,
+        })
+    }
+
+    /// The architecture PTX for this device is made for.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// The device's name (`NVIDIA H200`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Loads `module` (made for this device's architecture, or `sm_80`, whose PTX every
+    /// supported device runs).
+    pub fn load(&self, module: &PtxModule) -> Result<LoadedModule, CudaError> {
+        if module.arch != self.arch && module.arch != Arch::Sm80 {
+            return Err(CudaError::Driver(format!(
+                "PTX for {} cannot run on {} ({})",
+                module.arch.name(),
+                self.name,
+                self.arch.name()
+            )));
+        }
+        let loaded = self
+            .context
+            .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx.clone()))
+            .map_err(driver)?;
+        let kernels = module
+            .kernels
+            .iter()
+            .map(|name| {
+                name.as_ref()
+                    .map(|name| loaded.load_function(name).map_err(driver))
+                    .transpose()
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(LoadedModule { kernels })
+    }
+
+    /// Copies `values` to a new device buffer.
+    pub fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        values: &[T],
+    ) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.clone_htod(values).map_err(driver)
+    }
+
+    /// Copies a device buffer back (waiting for the work before it).
+    pub fn download<T: cudarc::driver::DeviceRepr>(
+        &self,
+        buffer: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        self.stream.clone_dtoh(buffer).map_err(driver)
+    }
+
+    /// The device address of `buffer`, for a kernel's argument table.
+    pub fn address<T>(&self, buffer: &CudaSlice<T>) -> u64 {
+        let (address, _record) = buffer.device_ptr(&self.stream);
+        address
+    }
+
+    /// Runs the kernel of step `step` over `start..end` with its buffers at `addresses`
+    /// (in the order the step's template documents), ordered on the device's stream.
+    ///
+    /// # Safety
+    /// The addresses must be device buffers of this device, alive until the work is
+    /// done, and sized for the step over `start..end` (the kernel reads and writes them
+    /// without checks).
+    pub unsafe fn launch(
+        &self,
+        module: &LoadedModule,
+        step: usize,
+        addresses: &[u64],
+        (start, end): (i64, i64),
+    ) -> Result<(), CudaError> {
+        let kernel = module
+            .kernels
+            .get(step)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| CudaError::Driver(format!("step {step} has no kernel")))?;
+        if end <= start {
+            return Ok(());
+        }
+        let table = self.upload(addresses)?;
+        let work = u64::try_from(end - start).unwrap_or(0);
+        let blocks = work.div_ceil(u64::from(BLOCK_THREADS)).clamp(1, MAX_BLOCKS) as u32;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(kernel);
+        launch.arg(&table).arg(&start).arg(&end);
+        // SAFETY: the kernel's signature is (ptr, i64, i64); the caller vouches for the
+        // buffers in the table.
+        unsafe { launch.launch(config) }.map_err(driver)?;
+        // The table must outlive the launch: wait before it is freed.
+        self.stream.synchronize().map_err(driver)
+    }
+}
+
+/// A program's kernels loaded on a device.
+pub struct LoadedModule {
+    kernels: Vec<Option<CudaFunction>>,
+}
+
+/// libcuda can be loaded (cudarc panics when it cannot).
+fn driver_present() -> Result<(), CudaError> {
+    // SAFETY: loading the driver library runs its initializers, as cudarc's own loading
+    // would; nothing from it is called here.
+    unsafe { libloading::Library::new("libcuda.so.1") }
+        .map(drop)
+        .map_err(|error| CudaError::NoDriver(error.to_string()))
+}

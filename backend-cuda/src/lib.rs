@@ -14,6 +14,7 @@
 //! yet: an executor of whole programs on the device (buffers sized from the lengths,
 //! cuBLAS GEMMs, copy kernels) and `compile` on CUDA tensors; see issue 12.
 
+pub mod check;
 mod device;
 pub mod ptxas;
 
@@ -120,6 +121,9 @@ pub enum CudaError {
         /// The devices there are.
         count: i32,
     },
+    /// A GPU-check case could not be read, written or run.
+    #[error("GPU check: {0}")]
+    Check(String),
     /// A call of the CUDA driver failed.
     #[error("CUDA driver: {0}")]
     Driver(String),

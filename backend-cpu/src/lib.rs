@@ -105,12 +105,18 @@ impl CpuKernels {
 /// Each compiled program has its own LLVM context, freed when its `CpuKernels` is
 /// dropped (a failed compile leaves it allocated).
 pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
-    // Attention runs on the host's GEMM library (faster here than the template).
-    compile_with(program, |step| !matches!(step, Step::Attention { .. }))
+    // Attention runs on the host's GEMM library (faster here than the template), and the
+    // padding copies as plain memory copies.
+    compile_with(program, |step| {
+        !matches!(
+            step,
+            Step::Attention { .. } | Step::Pad { .. } | Step::Unpad { .. }
+        )
+    })
 }
 
 /// [`compile`], with kernels for the steps `include` accepts among those with a
-/// template (tests run the GPU's attention template on the host this way).
+/// template (tests run the GPU's attention and padding templates on the host this way).
 pub fn compile_with(
     program: &Program,
     include: impl Fn(&Step) -> bool,

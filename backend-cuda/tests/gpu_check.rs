@@ -1,5 +1,5 @@
 //! The GPU check's cases: one per kernel template kind (every pointwise function, every
-//! row and segment kind, gather, attention causal or not), with random inputs and the
+//! row and segment kind, gather, pad and unpad, attention causal or not), with random inputs and the
 //! output the CPU backend computes, written where `NESTOR_GPU_CHECK_CASES` says (by
 //! `scripts/gpu-check.sh prepare`, for the GPU machine) or into a temporary folder.
 //!
@@ -215,6 +215,51 @@ fn cases() -> Vec<(String, Step, Case)> {
         step.clone(),
         case(&step, buffers, (0, ROWS), 0.0),
     ));
+    // Padding to a grid of the longest length, and back.
+    let longest = *LENGTHS.iter().max().unwrap();
+    let elements: Vec<i64> = LENGTHS
+        .iter()
+        .enumerate()
+        .flat_map(|(element, &length)| std::iter::repeat_n(element as i64, length as usize))
+        .collect();
+    let padded = LENGTHS.len() as i64 * longest;
+    let step = Step::Pad {
+        out: Slot(0),
+        x: Slot(1),
+        lengths: Slot(2),
+        width: WIDTH,
+        value: -1.5,
+    };
+    let buffers = vec![
+        Buffer::F32(vec![f32::NAN; (padded * WIDTH) as usize]),
+        Buffer::F32(values.floats(total * WIDTH)),
+        Buffer::I64(offsets(&LENGTHS)),
+        Buffer::I64(vec![longest]),
+    ];
+    cases.push((
+        "pad".into(),
+        step.clone(),
+        case(&step, buffers, (0, padded), 0.0),
+    ));
+    let step = Step::Unpad {
+        out: Slot(0),
+        x: Slot(1),
+        grid: Slot(2),
+        lengths: Slot(3),
+        width: WIDTH,
+    };
+    let buffers = vec![
+        Buffer::F32(vec![f32::NAN; (total * WIDTH) as usize]),
+        Buffer::F32(values.floats(padded * WIDTH)),
+        Buffer::I64(offsets(&LENGTHS)),
+        Buffer::I64(vec![longest]),
+        Buffer::I64(elements.clone()),
+    ];
+    cases.push((
+        "unpad".into(),
+        step.clone(),
+        case(&step, buffers, (0, total), 0.0),
+    ));
     // Attention, self (causal or not) and cross, 2 heads of 8.
     let (heads, head_dim) = (2, 8);
     let keys = [3, 5, 1, 0, 12];
@@ -238,11 +283,6 @@ fn cases() -> Vec<(String, Step, Case)> {
             causal,
             scale: 1.0 / (head_dim as f64).sqrt(),
         };
-        let elements: Vec<i64> = LENGTHS
-            .iter()
-            .enumerate()
-            .flat_map(|(element, &length)| std::iter::repeat_n(element as i64, length as usize))
-            .collect();
         let buffers = vec![
             Buffer::F32(vec![f32::NAN; (queries * width) as usize]),
             Buffer::F32(values.floats(queries * width)),
@@ -250,7 +290,7 @@ fn cases() -> Vec<(String, Step, Case)> {
             Buffer::F32(values.floats(key_rows * width)),
             Buffer::I64(offsets(&LENGTHS)),
             Buffer::I64(offsets(&key_lengths)),
-            Buffer::I64(elements),
+            Buffer::I64(elements.clone()),
         ];
         cases.push((
             name.into(),
@@ -273,7 +313,7 @@ fn the_gpu_check_runs_against_the_cpu_backend() {
     let dir = cases_dir();
     let _ = std::fs::remove_dir_all(&dir);
     let cases = cases();
-    assert_eq!(cases.len(), UnaryOp::ALL.len() + 8 + 6 + 1 + 3);
+    assert_eq!(cases.len(), UnaryOp::ALL.len() + 8 + 6 + 1 + 2 + 3);
     for (name, _, case) in &cases {
         case.write(&dir.join(name)).unwrap();
     }

@@ -56,6 +56,17 @@ const ATTENTION: &str = r#"graph @attention {
 }
 "#;
 
+/// Padding to a grid and back.
+const PADDING: &str = r#"graph @padding {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 8]
+  %2 = pad(%1) {value = 0.0} : f32[B, max(%0), 8]
+  %3 = tanh(%2) : f32[B, max(%0), 8]
+  %4 = unpad(%3, %0) : ragged<f32>[B; %0, 8]
+  return %2, %4
+}
+"#;
+
 /// Every pointwise function (one kernel each as it comes, one fused kernel through the
 /// optimizer), with scalar and broadcast operands.
 const POINTWISE: &str = r#"graph @pointwise {
@@ -108,6 +119,7 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
     for (name, text) in [
         ("rows_and_segments", ROWS_AND_SEGMENTS),
         ("attention", ATTENTION),
+        ("padding", PADDING),
         ("pointwise", POINTWISE),
     ] {
         for dtype in ["f32", "f64"] {
@@ -150,16 +162,17 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
     assert!(kernels > 100, "{kernels} kernels assembled");
 }
 
-/// Every step with a template has a PTX entry (attention included, which the CPU runs
-/// without one).
+/// Every step with a template has a PTX entry (attention and padding included, which
+/// the CPU runs without one).
 #[test]
 fn every_step_with_a_template_has_a_ptx_entry() {
-    let mut attention = 0;
-    for text in [ROWS_AND_SEGMENTS, ATTENTION] {
+    let (mut attention, mut padding) = (0, 0);
+    for text in [ROWS_AND_SEGMENTS, ATTENTION, PADDING] {
         let program = program(text, "f32", false);
         let module = ptx(&program, Arch::Sm80).unwrap();
         for (step, kernel) in program.steps.iter().zip(&module.kernels) {
             attention += usize::from(matches!(step, Step::Attention { .. }));
+            padding += usize::from(matches!(step, Step::Pad { .. } | Step::Unpad { .. }));
             let expected = !matches!(step, Step::Gemm { epilogue: None, .. });
             assert_eq!(kernel.is_some(), expected, "{step:?}");
             if let Some(kernel) = kernel {
@@ -170,7 +183,7 @@ fn every_step_with_a_template_has_a_ptx_entry() {
             }
         }
     }
-    assert_eq!(attention, 3);
+    assert_eq!((attention, padding), (3, 2));
 }
 
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a

@@ -323,12 +323,40 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.builder.build_int_signed_div(a, b, "div").map_err(err)
     }
 
+    /// `a < b` (signed).
+    pub(crate) fn less(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder
+            .build_int_compare(IntPredicate::SLT, a, b, "less")
+            .map_err(err)
+    }
+
+    /// `if condition { then() } else { otherwise() }`.
+    pub(crate) fn if_else(
+        &self,
+        condition: IntValue<'ctx>,
+        then: impl FnOnce() -> Gen<()>,
+        otherwise: impl FnOnce() -> Gen<()>,
+    ) -> Gen<()> {
+        let [yes, no, join] = ["then", "else", "join"]
+            .map(|name| self.context.append_basic_block(self.function, name));
+        self.builder
+            .build_conditional_branch(condition, yes, no)
+            .map_err(err)?;
+        for (block, body) in [
+            (yes, Box::new(then) as Box<dyn FnOnce() -> Gen<()>>),
+            (no, Box::new(otherwise)),
+        ] {
+            self.builder.position_at_end(block);
+            body()?;
+            self.builder.build_unconditional_branch(join).map_err(err)?;
+        }
+        self.builder.position_at_end(join);
+        Ok(())
+    }
+
     /// The smaller of two signed integers.
     pub(crate) fn min(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
-        let less = self
-            .builder
-            .build_int_compare(IntPredicate::SLT, a, b, "less")
-            .map_err(err)?;
+        let less = self.less(a, b)?;
         Ok(self
             .builder
             .build_select(less, a, b, "min")

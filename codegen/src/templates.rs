@@ -6,7 +6,11 @@
 //! - segment: `out, prologue inputs..., offsets (i64, B + 1)`; range = elements;
 //! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows;
 //! - attention: `out, q, k, v, query offsets (i64, B + 1), key offsets (i64, B + 1),
-//!   the element of each query row (i64)`; range = query rows x heads.
+//!   the element of each query row (i64)`; range = query rows x heads;
+//! - pad: `out, x, offsets (i64, B + 1), [longest length] (i64)`; range = B x longest
+//!   padded rows;
+//! - unpad: `out, x, offsets of the result (i64, B + 1), [the grid's longest length]
+//!   (i64), the element of each result row (i64)`; range = result rows.
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -50,10 +54,10 @@ pub(crate) fn generate<'ctx>(
             *causal,
             *scale,
         )?,
+        Step::Pad { width, value, .. } => pad(&kernel, *width, *value)?,
+        Step::Unpad { width, .. } => unpad(&kernel, *width)?,
         Step::Gemm { .. }
         | Step::Host { .. }
-        | Step::Pad { .. }
-        | Step::Unpad { .. }
         | Step::SumRows { .. }
         | Step::LengthValues { .. }
         | Step::OneHot { .. }
@@ -437,6 +441,64 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
         let target = kernel.mul(row, kernel.i64(width))?;
         kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
             let value = kernel.load_float(table, kernel.add(source, column)?)?;
+            kernel.store_float(out, kernel.add(target, column)?, value)
+        })
+    })
+}
+
+/// Padded row `p` of `B x longest`: row `p % longest` of element `p / longest`, or
+/// `value` past its length.
+fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, x, offsets, longest) = (
+        kernel.arg(0)?,
+        kernel.arg(1)?,
+        kernel.arg(2)?,
+        kernel.arg(3)?,
+    );
+    let longest = kernel.load_i64(longest, kernel.i64(0))?;
+    kernel.parallel_range(start, end, |padded| {
+        let element = kernel.div(padded, longest)?;
+        let position = kernel.rem(padded, longest)?;
+        let first = kernel.load_i64(offsets, element)?;
+        let length = kernel.sub(
+            kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?,
+            first,
+        )?;
+        let target = kernel.mul(padded, kernel.i64(width))?;
+        let columns = |body: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>| {
+            kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                kernel.store_float(out, kernel.add(target, column)?, body(column)?)
+            })
+        };
+        kernel.if_else(
+            kernel.less(position, length)?,
+            || {
+                let source = kernel.mul(kernel.add(first, position)?, kernel.i64(width))?;
+                columns(&|column| kernel.load_float(x, kernel.add(source, column)?))
+            },
+            || columns(&|_| Ok(kernel.constant(value))),
+        )
+    })
+}
+
+/// Result row `r` (of element `e`, position `r - offsets[e]`): row
+/// `e * longest + position` of the padded grid.
+fn unpad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, offsets, longest, elements] = [0, 1, 2, 3, 4].map(|index| kernel.arg(index));
+    let (out, x, offsets, elements) = (out?, x?, offsets?, elements?);
+    let longest = kernel.load_i64(longest?, kernel.i64(0))?;
+    kernel.parallel_range(start, end, |row| {
+        let element = kernel.load_i64(elements, row)?;
+        let position = kernel.sub(row, kernel.load_i64(offsets, element)?)?;
+        let padded = kernel.add(kernel.mul(element, longest)?, position)?;
+        let (source, target) = (
+            kernel.mul(padded, kernel.i64(width))?,
+            kernel.mul(row, kernel.i64(width))?,
+        );
+        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+            let value = kernel.load_float(x, kernel.add(source, column)?)?;
             kernel.store_float(out, kernel.add(target, column)?, value)
         })
     })

@@ -54,3 +54,68 @@ pub(super) unsafe fn unpad<T: Scalar>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The padding kernel templates (what the CUDA backend runs), generated for the host
+    //! and compared with these copies, bit for bit.
+
+    use super::*;
+    use nestor_passes::{Program, Slot, Step};
+    use proptest::prelude::*;
+
+    /// Runs the one-step program's kernel over `range` with `args`.
+    fn run_template(step: Step, args: &[*mut u8], range: i64) {
+        let program = Program {
+            steps: vec![step],
+            ..Program::default()
+        };
+        let kernels = nestor_backend_cpu::compile_with(&program, |_| true)
+            .unwrap_or_else(|error| panic!("{error}"));
+        let kernel = kernels.kernel(0).unwrap_or_else(|| panic!("no kernel"));
+        // The callers size every buffer for the step over `0..range`.
+        unsafe { kernel(args.as_ptr(), 0, range) };
+    }
+
+    proptest! {
+        #[test]
+        fn the_padding_templates_equal_the_host_copies(
+            lengths in proptest::collection::vec(0i64..6, 1..5),
+            width in 1i64..4,
+        ) {
+            let info = LengthsInfo::new(lengths.clone());
+            let total: i64 = lengths.iter().sum();
+            let values: Vec<f32> = (0..total * width).map(|index| index as f32 * 0.5 - 3.0).collect();
+            let padded_size = (lengths.len() as i64 * info.longest * width) as usize;
+            let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+
+            let mut expected = vec![f32::NAN; padded_size];
+            unsafe { pad::<f32>(expected.as_mut_ptr() as *mut u8, pointer(&values), &info, width, -7.5) };
+            let mut actual = vec![f32::NAN; padded_size];
+            let longest = [info.longest];
+            let step = Step::Pad { out: Slot(0), x: Slot(1), lengths: Slot(2), width, value: -7.5 };
+            run_template(step, &[
+                actual.as_mut_ptr() as *mut u8,
+                pointer(&values),
+                info.offsets.as_ptr() as *mut u8,
+                longest.as_ptr() as *mut u8,
+            ], lengths.len() as i64 * info.longest);
+            let bits = |values: &[f32]| values.iter().map(|value| value.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&actual), bits(&expected));
+
+            let mut unpadded = vec![f32::NAN; values.len()];
+            let step = Step::Unpad { out: Slot(0), x: Slot(1), grid: Slot(2), lengths: Slot(3), width };
+            run_template(step, &[
+                unpadded.as_mut_ptr() as *mut u8,
+                pointer(&expected),
+                info.offsets.as_ptr() as *mut u8,
+                longest.as_ptr() as *mut u8,
+                info.owners().as_ptr() as *mut u8,
+            ], total);
+            let mut host = vec![f32::NAN; values.len()];
+            unsafe { unpad::<f32>(host.as_mut_ptr() as *mut u8, pointer(&expected), &lengths, info.longest, width) };
+            prop_assert_eq!(bits(&unpadded), bits(&host));
+            prop_assert_eq!(bits(&unpadded), bits(&values));
+        }
+    }
+}

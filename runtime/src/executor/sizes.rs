@@ -19,7 +19,7 @@ pub(super) struct LengthsInfo {
 }
 
 impl LengthsInfo {
-    fn new(lengths: Vec<i64>) -> Self {
+    pub(super) fn new(lengths: Vec<i64>) -> Self {
         let mut offsets = Vec::with_capacity(lengths.len() + 1);
         offsets.push(0);
         for &length in &lengths {

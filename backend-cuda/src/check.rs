@@ -51,36 +51,31 @@ fn write_floats(path: &Path, values: &[f32]) -> Result<(), CudaError> {
     std::fs::write(path, bytes).map_err(|error| io(path, error))
 }
 
-fn read_floats(path: &Path, length: usize) -> Result<Vec<f32>, CudaError> {
+/// `length` little-endian values of `N` bytes from the file `path`.
+fn read_values<T, const N: usize>(
+    path: &Path,
+    length: usize,
+    from_bytes: fn([u8; N]) -> T,
+) -> Result<Vec<T>, CudaError> {
     let bytes = std::fs::read(path).map_err(|error| io(path, error))?;
-    if bytes.len() != length * 4 {
+    if bytes.len() != length * N {
         return Err(io(
             path,
-            format!("{} bytes, expected {}", bytes.len(), length * 4),
+            format!("{} bytes, expected {}", bytes.len(), length * N),
         ));
     }
     Ok(bytes
-        .chunks_exact(4)
-        .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+        .chunks_exact(N)
+        .map(|chunk| {
+            let mut word = [0u8; N];
+            word.copy_from_slice(chunk);
+            from_bytes(word)
+        })
         .collect())
 }
 
-fn read_integers(path: &Path, length: usize) -> Result<Vec<i64>, CudaError> {
-    let bytes = std::fs::read(path).map_err(|error| io(path, error))?;
-    if bytes.len() != length * 8 {
-        return Err(io(
-            path,
-            format!("{} bytes, expected {}", bytes.len(), length * 8),
-        ));
-    }
-    Ok(bytes
-        .chunks_exact(8)
-        .map(|chunk| {
-            let mut word = [0u8; 8];
-            word.copy_from_slice(chunk);
-            i64::from_le_bytes(word)
-        })
-        .collect())
+fn read_floats(path: &Path, length: usize) -> Result<Vec<f32>, CudaError> {
+    read_values(path, length, f32::from_le_bytes)
 }
 
 impl Case {
@@ -149,7 +144,7 @@ impl Case {
                     let file = dir.join(format!("buffer{}.bin", case.buffers.len()));
                     case.buffers.push(match kind {
                         "f32" => Buffer::F32(read_floats(&file, length)?),
-                        "i64" => Buffer::I64(read_integers(&file, length)?),
+                        "i64" => Buffer::I64(read_values(&file, length, i64::from_le_bytes)?),
                         _ => return Err(bad(line)),
                     });
                 }

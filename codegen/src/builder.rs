@@ -20,6 +20,9 @@ fn err(error: impl std::fmt::Display) -> CodegenError {
     CodegenError::new(error)
 }
 
+/// NVPTX's address space of global (device) memory.
+const GLOBAL_ADDRESS_SPACE: u16 = 1;
+
 /// LLVM's calling convention of PTX kernel entries (`ptx_kernel`).
 const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
 
@@ -110,11 +113,24 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 .build_gep(ptr, args, &[self.i64(index as i64)], "arg.slot")
         }
         .map_err(err)?;
-        Ok(self
+        let pointer = self
             .builder
             .build_load(ptr, slot, "arg")
             .map_err(err)?
-            .into_pointer_value())
+            .into_pointer_value();
+        match self.target {
+            Target::Host => Ok(pointer),
+            // Buffers are device (global) memory: `ld.global` / `st.global` rather than
+            // generic accesses that test the address space at run time.
+            Target::Nvptx => self
+                .builder
+                .build_address_space_cast(
+                    pointer,
+                    self.context.ptr_type(AddressSpace::from(GLOBAL_ADDRESS_SPACE)),
+                    "global",
+                )
+                .map_err(err),
+        }
     }
 
     pub(crate) fn load_float(

@@ -17,8 +17,9 @@ use inkwell::execution_engine::ExecutionEngine;
 use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, InitializationConfig, RelocMode, Target, TargetMachine};
 use inkwell::OptimizationLevel;
+pub use nestor_codegen::KernelSet;
 use nestor_codegen::{CodegenError, Target as CodegenTarget};
-use nestor_passes::{Program, Step};
+use nestor_passes::Program;
 use thiserror::Error;
 
 pub use nestor_codegen::{
@@ -105,22 +106,14 @@ impl CpuKernels {
 /// Each compiled program has its own LLVM context, freed when its `CpuKernels` is
 /// dropped (a failed compile leaves it allocated).
 pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
-    // Attention runs on the host's GEMM library (faster here than the template), and the
-    // padding copies as plain memory copies.
-    compile_with(program, |step| {
-        !matches!(
-            step,
-            Step::Attention { .. } | Step::Pad { .. } | Step::Unpad { .. }
-        )
-    })
+    // GEMMs and attention run on the host's GEMM library (faster here than the
+    // templates), the padding copies as plain memory copies.
+    compile_with(program, KernelSet::Library)
 }
 
-/// [`compile`], with kernels for the steps `include` accepts among those with a
-/// template (tests run the GPU's attention and padding templates on the host this way).
-pub fn compile_with(
-    program: &Program,
-    include: impl Fn(&Step) -> bool,
-) -> Result<CpuKernels, BackendError> {
+/// [`compile`] with the kernels of `set` ([`KernelSet::Complete`]: the GPU's, which the
+/// tests run on the host this way).
+pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, BackendError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
     let context_pointer = Box::into_raw(Box::new(Context::create()));
     // SAFETY: the pointer is a live allocation until `CpuKernels::drop` frees it, after
@@ -128,7 +121,7 @@ pub fn compile_with(
     let context: &'static Context = unsafe { &*context_pointer };
     let module = context.create_module("nestor");
     let names =
-        nestor_codegen::generate_kernels(program, context, &module, CodegenTarget::Host, include)?;
+        nestor_codegen::generate_kernels(program, context, &module, (CodegenTarget::Host, set))?;
     let triple = TargetMachine::get_default_triple();
     let target = Target::from_triple(&triple).map_err(BackendError::new)?;
     let cpu = TargetMachine::get_host_cpu_name().to_string();

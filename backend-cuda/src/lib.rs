@@ -29,7 +29,7 @@ use inkwell::targets::{
     CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple,
 };
 use inkwell::OptimizationLevel;
-use nestor_codegen::Target as CodegenTarget;
+use nestor_codegen::{KernelSet, Target as CodegenTarget};
 use nestor_passes::Program;
 use thiserror::Error;
 
@@ -168,10 +168,12 @@ pub fn ptx(program: &Program, arch: Arch) -> Result<PtxModule, CudaError> {
     Target::initialize_nvptx(&InitializationConfig::default());
     let context = Context::create();
     let module = context.create_module("nestor");
-    let kernels =
-        nestor_codegen::generate_kernels(program, &context, &module, CodegenTarget::Nvptx, |_| {
-            true
-        })?;
+    let kernels = nestor_codegen::generate_kernels(
+        program,
+        &context,
+        &module,
+        (CodegenTarget::Nvptx, KernelSet::Complete),
+    )?;
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(llvm)?;
     let machine = target

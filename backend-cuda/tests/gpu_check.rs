@@ -1,5 +1,5 @@
 //! The GPU check's cases: one per kernel template kind (every pointwise function, every
-//! row and segment kind, gather, pad and unpad, attention causal or not), with random inputs and the
+//! row and segment kind, gather, GEMM with its epilogue, pad and unpad, attention), with random inputs and the
 //! output the CPU backend computes, written where `NESTOR_GPU_CHECK_CASES` says (by
 //! `scripts/gpu-check.sh prepare`, for the GPU machine) or into a temporary folder.
 //!
@@ -73,7 +73,8 @@ fn case(step: &Step, buffers: Vec<Buffer>, range: (i64, i64), tolerance: f64) ->
 
 /// Runs the program's one kernel on the host over `buffers` (the output is buffer 0).
 fn run_on_host(program: &Program, buffers: &mut [Buffer], range: (i64, i64)) {
-    let kernels = nestor_backend_cpu::compile_with(program, |_| true).unwrap();
+    let kernels =
+        nestor_backend_cpu::compile_with(program, nestor_backend_cpu::KernelSet::Complete).unwrap();
     let kernel = kernels.kernel(0).unwrap();
     let args: Vec<*mut u8> = buffers
         .iter_mut()
@@ -215,6 +216,47 @@ fn cases() -> Vec<(String, Step, Case)> {
         step.clone(),
         case(&step, buffers, (0, ROWS), 0.0),
     ));
+    // A GEMM with bias and a residual epilogue, `x W^T` and `x W`.
+    for transposed in [false, true] {
+        let (k, n) = (WIDTH, 16);
+        let step = Step::Gemm {
+            out: Slot(0),
+            x: Slot(1),
+            weight: Slot(2),
+            bias: Some(Slot(3)),
+            rows: rows(),
+            k,
+            n,
+            transposed,
+            epilogue: Some(Fusion {
+                inputs: vec![Access::rows(Slot(0), n), Access::rows(Slot(4), n)],
+                expr: Expr::Binary(
+                    nestor_ir::BinaryOp::Add,
+                    Box::new(Expr::Unary(UnaryOp::Gelu, Box::new(Expr::Load(0)))),
+                    Box::new(Expr::Load(1)),
+                ),
+            }),
+        };
+        let buffers = vec![
+            Buffer::F32(vec![f32::NAN; (ROWS * n) as usize]),
+            Buffer::F32(values.floats(ROWS * k)),
+            Buffer::F32(values.floats(k * n)),
+            Buffer::F32(values.floats(n)),
+            // The epilogue's read of the output: the sum itself, never loaded.
+            Buffer::F32(vec![0.0]),
+            Buffer::F32(values.floats(ROWS * n)),
+        ];
+        let name = if transposed {
+            "gemm_transposed"
+        } else {
+            "gemm"
+        };
+        cases.push((
+            name.into(),
+            step.clone(),
+            case(&step, buffers, (0, ROWS * n), 1e-5),
+        ));
+    }
     // Padding to a grid of the longest length, and back.
     let longest = *LENGTHS.iter().max().unwrap();
     let elements: Vec<i64> = LENGTHS
@@ -313,7 +355,7 @@ fn the_gpu_check_runs_against_the_cpu_backend() {
     let dir = cases_dir();
     let _ = std::fs::remove_dir_all(&dir);
     let cases = cases();
-    assert_eq!(cases.len(), UnaryOp::ALL.len() + 8 + 6 + 1 + 2 + 3);
+    assert_eq!(cases.len(), UnaryOp::ALL.len() + 8 + 6 + 1 + 2 + 2 + 3);
     for (name, _, case) in &cases {
         case.write(&dir.join(name)).unwrap();
     }

@@ -126,7 +126,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 .builder
                 .build_address_space_cast(
                     pointer,
-                    self.context.ptr_type(AddressSpace::from(GLOBAL_ADDRESS_SPACE)),
+                    self.context
+                        .ptr_type(AddressSpace::from(GLOBAL_ADDRESS_SPACE)),
                     "global",
                 )
                 .map_err(err),

@@ -86,6 +86,17 @@ pub enum Target {
     Nvptx,
 }
 
+/// Which steps get a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelSet {
+    /// The CPU runtime's: GEMMs run on a GEMM library with their epilogue as a kernel of
+    /// its own; attention and the padding copies run without a kernel.
+    Library,
+    /// Every step with a template gets one (what a GPU runs): a GEMM and its epilogue
+    /// as one kernel, attention, padding.
+    Complete,
+}
+
 /// What went wrong while generating code: a bug of the templates (invalid IR), or an
 /// LLVM that lacks an intrinsic.
 #[derive(Debug, Error)]
@@ -98,33 +109,27 @@ impl CodegenError {
     }
 }
 
-/// Generates the kernels of `program` into `module` for `target`, and returns each
-/// step's kernel name: `None` for steps without a template (GEMMs without an epilogue,
-/// copies) and for those `include` leaves to the runtime (the CPU runs attention on its
-/// GEMM library). Steps that differ only in their buffers share one kernel (the buffers
-/// are arguments): the layers of a model, a forward op and its backward twin. The module
-/// is verified.
+/// Generates the kernels of `program` in `set` into `module` for `target`, and returns
+/// each step's kernel name (`None` for steps without one in the set). Steps that differ
+/// only in their buffers share one kernel (the buffers are arguments): the layers of a
+/// model, a forward op and its backward twin. The module is verified.
 pub fn generate_kernels<'ctx>(
     program: &Program,
     context: &'ctx Context,
     module: &Module<'ctx>,
-    target: Target,
-    include: impl Fn(&Step) -> bool,
+    (target, set): (Target, KernelSet),
 ) -> Result<Vec<Option<String>>, CodegenError> {
     let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
     let mut generated_for: HashMap<String, usize> = HashMap::new();
     for (index, step) in program.steps.iter().enumerate() {
-        if !include(step) {
-            names.push(None);
-            continue;
-        }
         let key = kernel_key(step);
         if let Some(&first) = generated_for.get(&key) {
             names.push(names[first].clone());
             continue;
         }
         let name = format!("step{index}");
-        let generated = templates::generate(program.float, target, context, module, &name, step)?;
+        let generated =
+            templates::generate(program.float, (target, set), context, module, &name, step)?;
         names.push(generated.then_some(name));
         generated_for.insert(key, index);
     }

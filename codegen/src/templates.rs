@@ -1,7 +1,10 @@
 //! One LLVM function per kernel step. The buffers each kernel takes, in `args` order:
 //!
 //! - pointwise: `out, inputs..., row-to-element maps (i64) of per-element inputs...`;
-//!   range = rows; a GEMM's epilogue is a pointwise kernel over its output rows;
+//!   range = rows; with [`KernelSet::Library`] a GEMM's epilogue is a pointwise kernel
+//!   over its output rows;
+//! - GEMM ([`KernelSet::Complete`]): `out, x, weight, bias or null, the epilogue's
+//!   inputs..., their row-to-element maps...`; range = rows x n output values;
 //! - row: `out, prologue inputs..., weight or null, bias or null`; range = rows;
 //! - segment: `out, prologue inputs..., offsets (i64, B + 1)`; range = elements;
 //! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows;
@@ -19,24 +22,45 @@ use inkwell::FloatPredicate;
 use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step};
 
 use crate::builder::{Gen, Kernel};
-use crate::Target;
+use crate::{KernelSet, Target};
 
-/// Generates the kernel of `step` as function `name`; false for steps without a template.
+/// Generates the kernel of `step` as function `name`; false for steps without one in
+/// `set`.
 pub(crate) fn generate<'ctx>(
     precision: nestor_passes::FloatType,
-    target: Target,
+    (target, set): (Target, KernelSet),
     context: &'ctx Context,
     module: &Module<'ctx>,
     name: &str,
     step: &Step,
 ) -> Gen<bool> {
     let kernel = Kernel::new(context, module, name, precision, target);
+    let library = set == KernelSet::Library;
     match step {
         Step::Gemm {
             epilogue: Some(epilogue),
             n,
             ..
-        } => pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?,
+        } if library => pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?,
+        Step::Gemm {
+            out,
+            bias,
+            k,
+            n,
+            transposed,
+            epilogue,
+            ..
+        } if !library => gemm(
+            &kernel,
+            (*out, bias.is_some()),
+            (*k, *n, *transposed),
+            epilogue.as_ref(),
+        )?,
+        Step::Attention { .. } | Step::Pad { .. } | Step::Unpad { .. } if library => {
+            // The CPU runtime runs these on its GEMM library and memory copies.
+            unsafe { kernel.function.delete() };
+            return Ok(false);
+        }
         Step::Attention {
             q,
             k,
@@ -443,6 +467,68 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
             let value = kernel.load_float(table, kernel.add(source, column)?)?;
             kernel.store_float(out, kernel.add(target, column)?, value)
         })
+    })
+}
+
+/// `out[r, j] = epilogue(sum_c x[r, c] W[j, c] + bias[j])` (`W[c, j]` when
+/// `transposed`): one output value per iteration of the parallel loop, the epilogue
+/// applied to the sum before it is stored (its reads of `out` are the sum itself).
+fn gemm<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (out_slot, has_bias): (nestor_passes::Slot, bool),
+    (k, n, transposed): (i64, i64, bool),
+    epilogue: Option<&Fusion>,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, x, weight) = (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
+    let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
+    let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
+    let pointers = (0..inputs.len())
+        .map(|i| kernel.arg(4 + i as u64))
+        .collect::<Gen<Vec<_>>>()?;
+    let mut maps = Vec::new();
+    let mut next_map = 4 + inputs.len() as u64;
+    for access in inputs {
+        maps.push(if access.per_element.is_some() {
+            next_map += 1;
+            Some(kernel.arg(next_map - 1)?)
+        } else {
+            None
+        });
+    }
+    kernel.parallel_range(start, end, |task| {
+        let row = kernel.div(task, kernel.i64(n))?;
+        let column = kernel.rem(task, kernel.i64(n))?;
+        let x_row = kernel.mul(row, kernel.i64(k))?;
+        let sum = row_sum(kernel, k, |inner| {
+            let at = if transposed {
+                kernel.add(kernel.mul(inner, kernel.i64(n))?, column)?
+            } else {
+                kernel.add(kernel.mul(column, kernel.i64(k))?, inner)?
+            };
+            let product = kernel.load_float(x, kernel.add(x_row, inner)?)?;
+            kernel.fmul(product, kernel.load_float(weight, at)?)
+        })?;
+        let sum = match bias {
+            Some(bias) => kernel.fadd(sum, kernel.load_float(bias, column)?)?,
+            None => sum,
+        };
+        let value = match epilogue {
+            None => sum,
+            Some(epilogue) => kernel.expr(&epilogue.expr, &|input: usize| {
+                let access = &inputs[input];
+                if access.slot == out_slot {
+                    return Ok(sum);
+                }
+                let element_row = match maps[input] {
+                    Some(map) => kernel.load_i64(map, row)?,
+                    None => row,
+                };
+                let at = index(kernel, access, element_row, column)?;
+                kernel.load_float(pointers[input], at)
+            })?,
+        };
+        kernel.store_float(out, task, value)
     })
 }
 

@@ -443,7 +443,9 @@ mod tests {
             steps: vec![step],
             ..Program::default()
         };
-        let kernels = nestor_backend_cpu::compile_with(&program, |_| true).unwrap();
+        let kernels =
+            nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
+                .unwrap();
         let kernel = kernels.kernel(0).unwrap();
         let elements: Vec<i64> = (0..q_lengths.len() as i64)
             .flat_map(|element| std::iter::repeat_n(element, q_lengths[element as usize] as usize))

@@ -70,8 +70,9 @@ mod tests {
             steps: vec![step],
             ..Program::default()
         };
-        let kernels = nestor_backend_cpu::compile_with(&program, |_| true)
-            .unwrap_or_else(|error| panic!("{error}"));
+        let kernels =
+            nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
+                .unwrap_or_else(|error| panic!("{error}"));
         let kernel = kernels.kernel(0).unwrap_or_else(|| panic!("no kernel"));
         // The callers size every buffer for the step over `0..range`.
         unsafe { kernel(args.as_ptr(), 0, range) };

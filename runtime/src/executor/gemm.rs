@@ -250,3 +250,77 @@ impl<T: Scalar> SumBuffers<T> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The GPU's GEMM template (sum, bias and epilogue in one kernel), generated for the
+    //! host and compared with this module's GEMM followed by the epilogue kernel.
+
+    use super::*;
+    use nestor_backend_cpu::KernelSet;
+    use nestor_ir::{BinaryOp, UnaryOp};
+    use nestor_passes::{Access, Expr, Fusion, Program, Rows, Slot, Step};
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_gemm_template_equals_the_library_gemm_and_its_epilogue(
+            (rows, k, n) in (0i64..6, 1i64..7, 1i64..6),
+            transposed in any::<bool>(),
+            with_bias in any::<bool>(),
+            with_epilogue in any::<bool>(),
+        ) {
+            let values = |count: i64, seed: f32| -> Vec<f32> {
+                (0..count).map(|index| (index as f32 * 0.37 + seed).sin() * 2.0).collect()
+            };
+            let (x, weight, bias, residual) =
+                (values(rows * k, 0.1), values(k * n, 0.7), values(n, 1.3), values(rows * n, 2.9));
+            // relu(out) + residual, reading the GEMM's output in place.
+            let epilogue = with_epilogue.then(|| Fusion {
+                inputs: vec![Access::rows(Slot(0), n), Access::rows(Slot(4), n)],
+                expr: Expr::Binary(
+                    BinaryOp::Add,
+                    Box::new(Expr::Unary(UnaryOp::Relu, Box::new(Expr::Load(0)))),
+                    Box::new(Expr::Load(1)),
+                ),
+            });
+            let step = Step::Gemm {
+                out: Slot(0),
+                x: Slot(1),
+                weight: Slot(2),
+                bias: with_bias.then_some(Slot(3)),
+                rows: Rows::fixed(rows),
+                k,
+                n,
+                transposed,
+                epilogue,
+            };
+            let program = Program { steps: vec![step], ..Program::default() };
+            let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+            let bias_pointer = with_bias.then(|| pointer(&bias));
+
+            let mut expected = vec![f32::NAN; (rows * n) as usize];
+            let library = nestor_backend_cpu::compile_with(&program, KernelSet::Library)
+                .unwrap_or_else(|error| panic!("{error}"));
+            let out = expected.as_mut_ptr() as *mut u8;
+            let epilogue_args = [out, out, pointer(&residual)];
+            let epilogue = library.kernel(0).map(|kernel| (kernel, Args(&epilogue_args)));
+            let shape = GemmShape { rows, k, n, transposed };
+            // The buffers hold rows*n, rows*k, k*n and n values.
+            unsafe { gemm::<f32>(out, pointer(&x), pointer(&weight), bias_pointer, shape, epilogue) };
+
+            let mut actual = vec![f32::NAN; (rows * n) as usize];
+            let complete = nestor_backend_cpu::compile_with(&program, KernelSet::Complete)
+                .unwrap_or_else(|error| panic!("{error}"));
+            let kernel = complete.kernel(0).unwrap_or_else(|| panic!("no GEMM kernel"));
+            let null = std::ptr::null_mut();
+            let out = actual.as_mut_ptr() as *mut u8;
+            let args = [out, pointer(&x), pointer(&weight), bias_pointer.unwrap_or(null), out, pointer(&residual)];
+            // The same buffers, over rows x n output values.
+            unsafe { kernel(args.as_ptr(), 0, rows * n) };
+            for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
+                prop_assert!((a - e).abs() <= 1e-5 * (1.0 + e.abs()), "value {index}: {a} vs {e}");
+            }
+        }
+    }
+}

@@ -10,6 +10,9 @@ use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, S
 use thiserror::Error;
 
 mod copies;
+mod device;
+
+pub use device::{HostBuffer, HostDevice, KernelDevice};
 mod gemm;
 mod sizes;
 mod steps;
@@ -412,39 +415,10 @@ impl Executable {
     /// buffers unless a sink holds them.
     fn outputs(&self, sizes: &Sizes, pointers: &[*mut u8], sunk: &[bool]) -> Vec<RunOutput> {
         let program = &self.program;
-        let lengths_of = |slot: &Slot| {
-            sizes
-                .get(*slot)
-                .map(|info| info.lengths.clone())
-                .unwrap_or_default()
-        };
-        program
-            .outputs
-            .iter()
+        self.output_shapes(sizes)
+            .into_iter()
             .enumerate()
-            .map(|(index, output)| {
-                let (slot, shape) = match output {
-                    Output::Ragged { slot, dims } => {
-                        let dims = dims.iter().map(|dim| match dim {
-                            OutDim::Ragged(lengths) => RunDim::Ragged(lengths_of(lengths)),
-                            OutDim::Static(size) => RunDim::Static(*size),
-                        });
-                        (*slot, RunShape::Ragged(dims.collect()))
-                    }
-                    Output::Dense { slot, tail } => (*slot, RunShape::Dense(tail.clone())),
-                    Output::Scalar { slot } => (*slot, RunShape::Full(Vec::new())),
-                    Output::Padded {
-                        slot,
-                        lengths,
-                        tail,
-                    } => {
-                        let (batch, longest) = sizes
-                            .get(*lengths)
-                            .map_or((0, 0), |info| (info.lengths.len() as i64, info.longest));
-                        let dims = [batch, longest].into_iter().chain(tail.iter().copied());
-                        (*slot, RunShape::Full(dims.collect()))
-                    }
-                };
+            .map(|(index, (slot, shape))| {
                 let elements = sizes.elements(program, slot);
                 let pointer = pointers[self.root(slot).0 as usize];
                 // The slot holds `elements` values of the program's type: an input of
@@ -459,6 +433,42 @@ impl Executable {
                     data,
                     shape,
                     dtype: program.info(slot).dtype,
+                }
+            })
+            .collect()
+    }
+
+    /// Each result's slot and shape in this run.
+    fn output_shapes(&self, sizes: &Sizes) -> Vec<(Slot, RunShape)> {
+        let lengths_of = |slot: &Slot| {
+            sizes
+                .get(*slot)
+                .map(|info| info.lengths.clone())
+                .unwrap_or_default()
+        };
+        self.program
+            .outputs
+            .iter()
+            .map(|output| match output {
+                Output::Ragged { slot, dims } => {
+                    let dims = dims.iter().map(|dim| match dim {
+                        OutDim::Ragged(lengths) => RunDim::Ragged(lengths_of(lengths)),
+                        OutDim::Static(size) => RunDim::Static(*size),
+                    });
+                    (*slot, RunShape::Ragged(dims.collect()))
+                }
+                Output::Dense { slot, tail } => (*slot, RunShape::Dense(tail.clone())),
+                Output::Scalar { slot } => (*slot, RunShape::Full(Vec::new())),
+                Output::Padded {
+                    slot,
+                    lengths,
+                    tail,
+                } => {
+                    let (batch, longest) = sizes
+                        .get(*lengths)
+                        .map_or((0, 0), |info| (info.lengths.len() as i64, info.longest));
+                    let dims = [batch, longest].into_iter().chain(tail.iter().copied());
+                    (*slot, RunShape::Full(dims.collect()))
                 }
             })
             .collect()

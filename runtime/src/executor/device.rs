@@ -1,0 +1,430 @@
+//! Whole programs on a kernel device: every step runs as a kernel of the `Complete`
+//! set (GEMMs, attention and padding included) on memory the device owns; the host
+//! only sizes the buffers from the lengths and uploads what the kernels index with
+//! (offsets, row-to-element maps, longest lengths).
+//!
+//! [`HostDevice`] runs those kernels on the CPU (how the tests check this executor and
+//! the GPU's templates without a GPU); [`CudaDevice`] on a GPU through the CUDA backend.
+
+use std::collections::HashMap;
+
+use nestor_backend_cpu::{CpuKernels, KernelSet};
+use nestor_passes::{Access, FloatType, Program, Slot, Source, Step};
+
+use super::sizes::Sizes;
+use super::{Executable, InputData, RunData, RunOutput, RuntimeError};
+
+/// Memory and kernel launches of one program's `Complete` kernel set.
+pub trait KernelDevice {
+    /// A buffer of the device.
+    type Buffer;
+    /// A buffer holding `values`.
+    fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError>;
+    /// A buffer holding `values`.
+    fn upload_i64(&self, values: &[i64]) -> Result<Self::Buffer, RuntimeError>;
+    /// The values of an f32 buffer.
+    fn download_f32(&self, buffer: &Self::Buffer) -> Result<Vec<f32>, RuntimeError>;
+    /// The buffer's address, as kernels take it in their argument table.
+    fn address(&self, buffer: &Self::Buffer) -> u64;
+    /// Runs step `step`'s kernel over `start..end` on the buffers at `addresses`.
+    ///
+    /// # Safety
+    /// The addresses must be buffers of this device, sized for the step over the range.
+    unsafe fn launch(
+        &self,
+        step: usize,
+        addresses: &[u64],
+        range: (i64, i64),
+    ) -> Result<(), RuntimeError>;
+}
+
+fn device_error(step: usize, reason: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Step {
+        step,
+        reason: reason.to_string(),
+    }
+}
+
+/// The CPU as a kernel device: the `Complete` kernels JIT-compiled for the host.
+pub struct HostDevice {
+    kernels: CpuKernels,
+}
+
+impl HostDevice {
+    /// The host device of `executable`'s program.
+    pub fn new(executable: &Executable) -> Result<Self, RuntimeError> {
+        Ok(Self {
+            kernels: nestor_backend_cpu::compile_with(executable.program(), KernelSet::Complete)?,
+        })
+    }
+}
+
+/// A host buffer: 8-byte words, so that f32 and i64 values are aligned.
+pub struct HostBuffer {
+    words: Vec<u64>,
+    floats: usize,
+}
+
+impl KernelDevice for HostDevice {
+    type Buffer = HostBuffer;
+
+    fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
+        let mut words = vec![0u64; values.len().div_ceil(2).max(1)];
+        // The words hold at least `values.len()` f32s.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                values.as_ptr(),
+                words.as_mut_ptr() as *mut f32,
+                values.len(),
+            )
+        };
+        Ok(HostBuffer {
+            words,
+            floats: values.len(),
+        })
+    }
+
+    fn upload_i64(&self, values: &[i64]) -> Result<HostBuffer, RuntimeError> {
+        let mut words: Vec<u64> = values.iter().map(|&value| value as u64).collect();
+        words.push(0);
+        Ok(HostBuffer { words, floats: 0 })
+    }
+
+    fn download_f32(&self, buffer: &HostBuffer) -> Result<Vec<f32>, RuntimeError> {
+        // The words hold `floats` f32s.
+        Ok(unsafe {
+            std::slice::from_raw_parts(buffer.words.as_ptr() as *const f32, buffer.floats)
+        }
+        .to_vec())
+    }
+
+    fn address(&self, buffer: &HostBuffer) -> u64 {
+        buffer.words.as_ptr() as u64
+    }
+
+    unsafe fn launch(
+        &self,
+        step: usize,
+        addresses: &[u64],
+        (start, end): (i64, i64),
+    ) -> Result<(), RuntimeError> {
+        let kernel = self
+            .kernels
+            .kernel(step)
+            .ok_or_else(|| device_error(step, "no kernel"))?;
+        let args: Vec<*mut u8> = addresses
+            .iter()
+            .map(|&address| address as *mut u8)
+            .collect();
+        // The caller vouches for the buffers (this device's) and the range.
+        unsafe { kernel(args.as_ptr(), start, end) };
+        Ok(())
+    }
+}
+
+/// The index buffers of one lengths slot that kernels take.
+#[derive(Clone, Copy, Hash, PartialEq, Eq)]
+enum Index {
+    /// `offsets`, `B + 1` values.
+    Offsets(Slot),
+    /// The element of every packed row.
+    Owners(Slot),
+    /// `[longest length]`.
+    Longest(Slot),
+}
+
+impl Executable {
+    /// Runs the program on `device` (an f32 program): buffers on the device, every step
+    /// a kernel of the `Complete` set, the results copied back. Steps without a device
+    /// kernel yet (host steps, training's one-hot rows, scatters, row sums, random masks,
+    /// attention gradients) are an error naming the step.
+    pub fn run_on_device<D: KernelDevice>(
+        &self,
+        device: &D,
+        inputs: &[InputData<'_>],
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
+        let program = &self.program;
+        if program.float != FloatType::F32 {
+            return Err(device_error(
+                0,
+                "device programs compute in f32 (this one in f64)",
+            ));
+        }
+        let sizes = Sizes::of_run(program, inputs)?;
+        // Checks every input's type and size.
+        self.input_pointers(inputs, &sizes)?;
+        let mut buffers: Vec<Option<D::Buffer>> = Vec::with_capacity(program.slots.len());
+        for (index, info) in program.slots.iter().enumerate() {
+            let elements = sizes.elements(program, Slot(index as u32));
+            buffers.push(match info.source {
+                Source::Input(input) => match inputs.get(input) {
+                    Some(InputData::F32(values)) => Some(device.upload_f32(values)?),
+                    Some(InputData::I64(values)) => Some(device.upload_i64(values)?),
+                    // `input_pointers` accepted only these for an f32 program.
+                    _ => None,
+                },
+                Source::Step => Some(device.upload_f32(&vec![0.0; elements])?),
+                // Aliases use their root's buffer.
+                Source::Alias(_) => None,
+            });
+        }
+        let mut indices: HashMap<Index, D::Buffer> = HashMap::new();
+        for (step_index, step) in program.steps.iter().enumerate() {
+            let plan = Plan {
+                program,
+                sizes: &sizes,
+                inputs,
+                step: step_index,
+            };
+            let (args, range) = plan.args(step)?;
+            let mut addresses = Vec::with_capacity(args.len());
+            for arg in args {
+                addresses.push(match arg {
+                    Arg::Slot(slot) => buffers[self.root(slot).0 as usize]
+                        .as_ref()
+                        .map_or(0, |buffer| device.address(buffer)),
+                    Arg::Index(index) => {
+                        if !indices.contains_key(&index) {
+                            let values = plan.index_values(index)?;
+                            indices.insert(index, device.upload_i64(&values)?);
+                        }
+                        indices
+                            .get(&index)
+                            .map_or(0, |buffer| device.address(buffer))
+                    }
+                    Arg::Null => 0,
+                });
+            }
+            // The buffers were sized from these lengths for this program's steps, and
+            // the index buffers from the same lengths.
+            unsafe { device.launch(step_index, &addresses, range)? };
+        }
+        self.output_shapes(&sizes)
+            .into_iter()
+            .map(|(slot, shape)| {
+                let buffer = buffers[self.root(slot).0 as usize]
+                    .as_ref()
+                    .ok_or_else(|| device_error(program.steps.len(), "an output has no buffer"))?;
+                let mut values = device.download_f32(buffer)?;
+                values.truncate(sizes.elements(program, slot));
+                Ok(RunOutput {
+                    data: RunData::F32(values),
+                    shape,
+                    dtype: program.info(slot).dtype,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One argument of a kernel.
+enum Arg {
+    /// A slot's buffer.
+    Slot(Slot),
+    /// An index buffer of lengths.
+    Index(Index),
+    /// No buffer (an absent bias or weight).
+    Null,
+}
+
+/// The arguments and range of a step's kernel in one run.
+struct Plan<'a> {
+    program: &'a Program,
+    sizes: &'a Sizes,
+    inputs: &'a [InputData<'a>],
+    step: usize,
+}
+
+impl Plan<'_> {
+    fn lengths(&self, slot: Slot) -> Result<&super::sizes::LengthsInfo, RuntimeError> {
+        self.sizes
+            .get(slot)
+            .ok_or_else(|| device_error(self.step, "a lengths buffer the run does not know"))
+    }
+
+    fn index_values(&self, index: Index) -> Result<Vec<i64>, RuntimeError> {
+        Ok(match index {
+            Index::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
+            Index::Owners(slot) => self.lengths(slot)?.owners().clone(),
+            Index::Longest(slot) => vec![self.lengths(slot)?.longest],
+        })
+    }
+
+    /// Ids of a gather are in the table (the kernel reads rows by them unchecked): only
+    /// ids given as inputs can be checked before the launch.
+    fn check_ids(&self, ids: Slot, vocabulary: i64) -> Result<(), RuntimeError> {
+        let Source::Input(input) = self.program.info(ids).source else {
+            return Err(device_error(
+                self.step,
+                "ids computed on the device cannot be checked yet",
+            ));
+        };
+        match self.inputs.get(input) {
+            Some(InputData::I64(values)) => {
+                match values.iter().find(|&&id| !(0..vocabulary).contains(&id)) {
+                    Some(id) => Err(RuntimeError::BadInput {
+                        input,
+                        reason: format!("id {id} is outside the table of {vocabulary} rows"),
+                    }),
+                    None => Ok(()),
+                }
+            }
+            _ => Err(device_error(self.step, "ids that are not i64 values")),
+        }
+    }
+
+    /// Inputs, then the row-to-element maps of the per-element ones.
+    fn accesses(accesses: &[Access]) -> Vec<Arg> {
+        let mut args: Vec<Arg> = accesses
+            .iter()
+            .map(|access| Arg::Slot(access.slot))
+            .collect();
+        args.extend(
+            accesses
+                .iter()
+                .filter_map(|access| access.per_element)
+                .map(|lengths| Arg::Index(Index::Owners(lengths))),
+        );
+        args
+    }
+
+    /// The kernel's arguments (in the order of its template) and range.
+    fn args(&self, step: &Step) -> Result<(Vec<Arg>, (i64, i64)), RuntimeError> {
+        let rows = |rows| self.sizes.rows(rows);
+        let optional = |slot: Option<Slot>| slot.map_or(Arg::Null, Arg::Slot);
+        Ok(match step {
+            Step::Pointwise {
+                out,
+                rows: count,
+                inputs,
+                ..
+            } => {
+                let mut args = vec![Arg::Slot(*out)];
+                args.extend(Self::accesses(inputs));
+                (args, (0, rows(*count)))
+            }
+            Step::Gemm {
+                out,
+                x,
+                weight,
+                bias,
+                rows: count,
+                n,
+                epilogue,
+                ..
+            } => {
+                let mut args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(*x),
+                    Arg::Slot(*weight),
+                    optional(*bias),
+                ];
+                if let Some(epilogue) = epilogue {
+                    args.extend(Self::accesses(&epilogue.inputs));
+                }
+                (args, (0, rows(*count).saturating_mul(*n)))
+            }
+            Step::Row {
+                out,
+                x,
+                weight,
+                bias,
+                rows: count,
+                ..
+            } => {
+                let mut args = vec![Arg::Slot(*out)];
+                args.extend(x.inputs.iter().map(|access| Arg::Slot(access.slot)));
+                args.extend([optional(*weight), optional(*bias)]);
+                (args, (0, rows(*count)))
+            }
+            Step::Segment {
+                out, x, lengths, ..
+            } => {
+                let mut args = vec![Arg::Slot(*out)];
+                args.extend(x.inputs.iter().map(|access| Arg::Slot(access.slot)));
+                args.push(Arg::Index(Index::Offsets(*lengths)));
+                (args, (0, self.lengths(*lengths)?.lengths.len() as i64))
+            }
+            Step::Gather {
+                out,
+                table,
+                ids,
+                rows: count,
+                ..
+            } => {
+                self.check_ids(*ids, rows(self.program.info(*table).rows))?;
+                (
+                    vec![Arg::Slot(*out), Arg::Slot(*table), Arg::Slot(*ids)],
+                    (0, rows(*count)),
+                )
+            }
+            Step::Attention {
+                out,
+                q,
+                k,
+                v,
+                q_lengths,
+                k_lengths,
+                heads,
+                ..
+            } => {
+                let queries = self.lengths(*q_lengths)?;
+                if queries.lengths.len() != self.lengths(*k_lengths)?.lengths.len() {
+                    return Err(device_error(
+                        self.step,
+                        "queries and keys of different batch sizes",
+                    ));
+                }
+                let total = queries.offsets.last().copied().unwrap_or(0);
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(q.slot),
+                    Arg::Slot(k.slot),
+                    Arg::Slot(v.slot),
+                    Arg::Index(Index::Offsets(*q_lengths)),
+                    Arg::Index(Index::Offsets(*k_lengths)),
+                    Arg::Index(Index::Owners(*q_lengths)),
+                ];
+                (args, (0, total.saturating_mul(*heads)))
+            }
+            Step::Pad {
+                out, x, lengths, ..
+            } => {
+                let info = self.lengths(*lengths)?;
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(*x),
+                    Arg::Index(Index::Offsets(*lengths)),
+                    Arg::Index(Index::Longest(*lengths)),
+                ];
+                (
+                    args,
+                    (0, (info.lengths.len() as i64).saturating_mul(info.longest)),
+                )
+            }
+            Step::Unpad {
+                out,
+                x,
+                grid,
+                lengths,
+                ..
+            } => {
+                let total = self.lengths(*lengths)?.offsets.last().copied().unwrap_or(0);
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(*x),
+                    Arg::Index(Index::Offsets(*lengths)),
+                    Arg::Index(Index::Longest(*grid)),
+                    Arg::Index(Index::Owners(*lengths)),
+                ];
+                (args, (0, total))
+            }
+            other => {
+                return Err(device_error(
+                    self.step,
+                    format!("{} has no device kernel yet", super::step_name(other)),
+                ))
+            }
+        })
+    }
+}

@@ -6,7 +6,7 @@
 //! [`HostDevice`] runs those kernels on the CPU (how the tests check this executor and
 //! the GPU's templates without a GPU); [`CudaDevice`] on a GPU through the CUDA backend.
 
-use std::collections::HashMap;
+use std::collections::hash_map::{Entry, HashMap};
 
 use nestor_backend_cpu::{CpuKernels, KernelSet};
 use nestor_passes::{Access, FloatType, Program, Slot, Source, Step};
@@ -184,13 +184,13 @@ impl Executable {
                         .as_ref()
                         .map_or(0, |buffer| device.address(buffer)),
                     Arg::Index(index) => {
-                        if !indices.contains_key(&index) {
-                            let values = plan.index_values(index)?;
-                            indices.insert(index, device.upload_i64(&values)?);
-                        }
-                        indices
-                            .get(&index)
-                            .map_or(0, |buffer| device.address(buffer))
+                        let buffer = match indices.entry(index) {
+                            Entry::Occupied(entry) => entry.into_mut(),
+                            Entry::Vacant(entry) => {
+                                entry.insert(device.upload_i64(&plan.index_values(index)?)?)
+                            }
+                        };
+                        device.address(buffer)
                     }
                     Arg::Null => 0,
                 });

@@ -60,8 +60,11 @@ fn inputs(graph: &nestor_ir::Graph, lengths: &[i64]) -> (Vec<Vec<f32>>, Vec<Vec<
     (floats, integers, order)
 }
 
-/// The CPU runtime's and the host device's results of `text` for `lengths`.
-fn both(text: &str, lengths: &[i64]) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), RuntimeError> {
+/// The values of each result of a run.
+type Results = Vec<Vec<f32>>;
+
+/// The host device's and the CPU runtime's results of `text` for `lengths`.
+fn both(text: &str, lengths: &[i64]) -> Result<(Results, Results), RuntimeError> {
     let graph = nestor_ir::parse(text).unwrap();
     // Decomposed (losses), as compile does.
     let graph = nestor_passes::Pipeline::unoptimized().run(&graph).unwrap();
@@ -81,7 +84,7 @@ fn both(text: &str, lengths: &[i64]) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), R
             }
         })
         .collect();
-    let values = |outputs: Vec<nestor_runtime::RunOutput>| -> Vec<Vec<f32>> {
+    let values = |outputs: Vec<nestor_runtime::RunOutput>| -> Results {
         outputs
             .into_iter()
             .map(|output| match output.data {

@@ -2,15 +2,21 @@
 # The GPU check, in two halves (issue 12).
 #
 #   scripts/gpu-check.sh prepare   # here, with Rust: writes gpu-check/ (ignored by git):
-#                                  # the cases (one per kernel template kind: PTX for
+#                                  # the kernel cases (one per template kind: PTX for
 #                                  # sm_80 and sm_90, inputs, the CPU backend's outputs)
-#                                  # and the `gpu-check` runner, which needs only libcuda
-#   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs every
-#                                  # case there, compares, writes $OUT/gpu-check.txt
+#                                  # and nestor-runtime's `gpu-check` runner, which also
+#                                  # runs whole programs (an encoder layer, a feed-forward
+#                                  # block, gathers and padding: lowered and made PTX
+#                                  # there, run on the GPU and on the CPU runtime and
+#                                  # compared); libdevice and the libraries LLVM needs
+#                                  # travel along
+#   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs it and
+#                                  # writes $OUT/gpu-check.txt (and nvidia-smi.txt)
 #
 # With the device tool: prepare here, then run `scripts/gpu-check.sh run` with
-# carry ["gpu-check"]. Not yet: the encoder forward and its timing against padded torch
-# (the CUDA backend has no executor of whole programs yet).
+# carry ["gpu-check"]. Not yet: the encoder at the report's sizes timed against padded
+# torch (the device programs are the small test graphs, and GEMMs run on a plain
+# template, not cuBLAS).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 folder="$root/gpu-check"
@@ -21,22 +27,26 @@ case "${1:-}" in
     mkdir -p "$folder/bin"
     NESTOR_GPU_CHECK_CASES="$folder/cases" "$root/scripts/cargo" test --release \
       -p nestor-backend-cuda --test gpu_check
-    "$root/scripts/cargo" build --release -p nestor-backend-cuda --bin gpu-check
+    "$root/scripts/cargo" build --release -p nestor-runtime --bin gpu-check
     # shellcheck source=scripts/env.sh
     source "$root/scripts/env.sh"
     cp "$CARGO_TARGET_DIR/release/gpu-check" "$folder/bin/"
     strip "$folder/bin/gpu-check"
-    # The runner links part of LLVM statically, which needs libffi: it travels along.
-    ffi=$(ldd "$folder/bin/gpu-check" | awk '/libffi/ {print $3}')
-    if [ -n "$ffi" ]; then cp "$ffi" "$folder/bin/"; fi
+    # The runner links LLVM statically, which needs libffi, zlib and zstd: they travel
+    # along (a few hundred KB), and so does libdevice (the programs are made PTX there).
+    ldd "$folder/bin/gpu-check" | awk '/libffi|libz\.|libzstd/ {print $3}' \
+      | while read -r library; do cp "$library" "$folder/bin/"; done
+    cp "${NESTOR_LIBDEVICE:-$LIBTORCH/../triton/backends/nvidia/lib/libdevice.10.bc}" "$folder/bin/"
     echo "gpu-check: $(find "$folder/cases" -name meta.txt | wc -l) cases, $(du -sh "$folder" | cut -f1) in $folder"
     ;;
   run)
     out="${OUT:-$folder/out}"
     mkdir -p "$out"
     (nvidia-smi || true) > "$out/nvidia-smi.txt" 2>&1
+    export LD_LIBRARY_PATH="$folder/bin:${LD_LIBRARY_PATH:-}"
+    export NESTOR_LIBDEVICE="$folder/bin/libdevice.10.bc"
     status=0
-    LD_LIBRARY_PATH="$folder/bin:${LD_LIBRARY_PATH:-}" "$folder/bin/gpu-check" "$folder/cases" "$out" || status=$?
+    "$folder/bin/gpu-check" --device cuda --cases "$folder/cases" "$out" || status=$?
     echo "gpu-check exited with $status" | tee -a "$out/gpu-check.txt"
     exit "$status"
     ;;

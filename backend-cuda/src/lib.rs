@@ -18,6 +18,7 @@ pub mod check;
 mod device;
 pub mod ptxas;
 
+pub use cudarc::driver::CudaSlice;
 pub use device::{Device, LoadedModule};
 
 use std::path::{Path, PathBuf};

@@ -5,8 +5,7 @@
 //!
 //! Here, without a GPU, the check runs against the CPU backend: the cases read back from
 //! disk, their kernels run on the host from the read buffers and the output compared as
-//! `gpu-check` compares it; and `gpu-check` itself runs and says there is no GPU (or, on
-//! a GPU machine, passes).
+//! `gpu-check` (nestor-runtime's binary) compares it.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -385,25 +384,6 @@ fn the_gpu_check_runs_against_the_cpu_backend() {
     wrong[3] = f32::NAN;
     assert!(compare(&wrong, &first.expected, first.tolerance).is_err());
 
-    // gpu-check itself: no GPU here (a clear message, status 2), or every case passes.
-    let out = dir.join("out");
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-check"))
-        .arg(&dir)
-        .arg(&out)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    match output.status.code() {
-        Some(0) => {
-            let report = std::fs::read_to_string(out.join("gpu-check.txt")).unwrap();
-            assert!(
-                report.contains(&format!("{0} of {0} cases passed", cases.len())),
-                "{report}"
-            );
-        }
-        Some(2) => assert!(stderr.contains("CUDA is not available"), "{stderr}"),
-        other => panic!("gpu-check exited with {other:?}: {stderr}"),
-    }
     if std::env::var_os("NESTOR_GPU_CHECK_CASES").is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }

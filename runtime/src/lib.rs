@@ -20,8 +20,8 @@ mod scalar;
 mod stats;
 
 pub use executor::{
-    Executable, HostBuffer, HostDevice, HostRunner, HostValue, InputData, KernelDevice, OutputSink,
-    RunData, RunDim, RunOutput, RunShape, RuntimeError,
+    CudaBuffer, CudaDevice, Executable, HostBuffer, HostDevice, HostRunner, HostValue, InputData,
+    KernelDevice, OutputSink, RunData, RunDim, RunOutput, RunShape, RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;

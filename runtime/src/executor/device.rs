@@ -122,6 +122,83 @@ impl KernelDevice for HostDevice {
     }
 }
 
+/// A GPU as a kernel device: the program's PTX loaded on a CUDA device.
+pub struct CudaDevice {
+    device: nestor_backend_cuda::Device,
+    module: nestor_backend_cuda::LoadedModule,
+}
+
+impl CudaDevice {
+    /// `executable`'s program as PTX for `device`, loaded on it.
+    pub fn new(
+        device: nestor_backend_cuda::Device,
+        executable: &Executable,
+    ) -> Result<Self, RuntimeError> {
+        let ptx = nestor_backend_cuda::ptx(executable.program(), device.arch())?;
+        let module = device.load(&ptx)?;
+        Ok(Self { device, module })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &nestor_backend_cuda::Device {
+        &self.device
+    }
+}
+
+/// A buffer on a GPU (never empty: an empty one holds one unused value).
+pub enum CudaBuffer {
+    /// `len` f32 values.
+    F32(nestor_backend_cuda::CudaSlice<f32>, usize),
+    /// i64 values.
+    I64(nestor_backend_cuda::CudaSlice<i64>),
+}
+
+impl KernelDevice for CudaDevice {
+    type Buffer = CudaBuffer;
+
+    fn upload_f32(&self, values: &[f32]) -> Result<CudaBuffer, RuntimeError> {
+        let stored = if values.is_empty() {
+            &[0.0][..]
+        } else {
+            values
+        };
+        Ok(CudaBuffer::F32(self.device.upload(stored)?, values.len()))
+    }
+
+    fn upload_i64(&self, values: &[i64]) -> Result<CudaBuffer, RuntimeError> {
+        let stored = if values.is_empty() { &[0][..] } else { values };
+        Ok(CudaBuffer::I64(self.device.upload(stored)?))
+    }
+
+    fn download_f32(&self, buffer: &CudaBuffer) -> Result<Vec<f32>, RuntimeError> {
+        match buffer {
+            CudaBuffer::F32(slice, len) => {
+                let mut values = self.device.download(slice)?;
+                values.truncate(*len);
+                Ok(values)
+            }
+            CudaBuffer::I64(_) => Err(device_error(0, "an i64 buffer read as f32")),
+        }
+    }
+
+    fn address(&self, buffer: &CudaBuffer) -> u64 {
+        match buffer {
+            CudaBuffer::F32(slice, _) => self.device.address(slice),
+            CudaBuffer::I64(slice) => self.device.address(slice),
+        }
+    }
+
+    unsafe fn launch(
+        &self,
+        step: usize,
+        addresses: &[u64],
+        range: (i64, i64),
+    ) -> Result<(), RuntimeError> {
+        // The caller vouches for the buffers (this device's) and the range.
+        Ok(unsafe { self.device.launch(&self.module, step, addresses, range) }?)
+    }
+}
+
 /// The index buffers of one lengths slot that kernels take.
 #[derive(Clone, Copy, Hash, PartialEq, Eq)]
 enum Index {

@@ -12,7 +12,7 @@ use thiserror::Error;
 mod copies;
 mod device;
 
-pub use device::{HostBuffer, HostDevice, KernelDevice};
+pub use device::{CudaBuffer, CudaDevice, HostBuffer, HostDevice, KernelDevice};
 mod gemm;
 mod sizes;
 mod steps;
@@ -30,6 +30,9 @@ pub enum RuntimeError {
     /// The program could not be compiled for this machine.
     #[error(transparent)]
     Backend(#[from] nestor_backend_cpu::BackendError),
+    /// The CUDA backend failed (no driver or device, PTX, a launch).
+    #[error(transparent)]
+    Cuda(#[from] nestor_backend_cuda::CudaError),
     /// A host step (a per-element region run through libtorch) failed.
     #[error("host step: {0}")]
     Host(String),

@@ -1,0 +1,313 @@
+//! The GPU check (`scripts/gpu-check.sh run` on a GPU machine; no Rust or libtorch
+//! needed there, only libcuda and libdevice through `NESTOR_LIBDEVICE`):
+//!
+//! - with `--cases DIR`, every kernel case written by `nestor-backend-cuda`'s
+//!   `tests/gpu_check.rs` (one kernel template each, its PTX, buffers and the CPU
+//!   backend's output) runs on the GPU and is compared;
+//! - whole programs (an optimized Transformer encoder layer, a feed-forward block, a graph
+//!   of gathers, padding and segmented kernels) are lowered here, run on the device
+//!   (`--device cuda`: the GPU, PTX made on the spot; `--device host`: the same kernels
+//!   on the CPU, the self-test of `make test`) and on the CPU runtime for several sets of
+//!   lengths, and compared.
+//!
+//! ```sh
+//! gpu-check --device cuda --cases gpu-check/cases OUT_DIR
+//! ```
+//!
+//! Writes `OUT_DIR/gpu-check.txt`; exit status 0 when everything matches, 1 when
+//! something differs or fails, 2 when the device cannot be opened.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type};
+use nestor_runtime::{
+    CudaDevice, Executable, HostDevice, InputData, KernelDevice, RunData, RuntimeError, Stats,
+};
+
+const PROGRAMS: [(&str, &str); 3] = [
+    (
+        "encoder_layer",
+        include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
+    ),
+    ("ffn", include_str!("../../../tests/filetests/ffn.nir")),
+    (
+        "device_mix",
+        include_str!("../../../tests/filetests/device_mix.nir"),
+    ),
+];
+
+/// Batches with empty and one-row elements, a batch of one, a larger one.
+const LENGTHS: [&[i64]; 4] = [&[4, 0, 1, 3], &[1], &[7, 2], &[64, 17, 3, 40, 9, 1, 33, 20]];
+
+/// Which device the programs run on.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Host,
+    Cuda,
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (kind, cases, out) = match &args[..] {
+        [flag, kind, rest @ ..] if flag == "--device" && (kind == "host" || kind == "cuda") => {
+            let kind = if kind == "host" {
+                Kind::Host
+            } else {
+                Kind::Cuda
+            };
+            match rest {
+                [out] => (kind, None, out),
+                [flag, cases, out] if flag == "--cases" && kind == Kind::Cuda => {
+                    (kind, Some(cases), out)
+                }
+                _ => return usage(),
+            }
+        }
+        _ => return usage(),
+    };
+    let mut report = String::new();
+    let mut failures = 0;
+    if kind == Kind::Cuda {
+        let device = match nestor_backend_cuda::Device::open(0) {
+            Ok(device) => device,
+            Err(error) => {
+                eprintln!("gpu-check: {error}");
+                return ExitCode::from(2);
+            }
+        };
+        report.push_str(&format!(
+            "device {} ({})\n",
+            device.name(),
+            device.arch().name()
+        ));
+        if let Some(cases) = cases {
+            match run_cases(&device, Path::new(cases)) {
+                Ok((lines, failed)) => {
+                    report.push_str(&lines);
+                    failures += failed;
+                }
+                Err(why) => {
+                    eprintln!("gpu-check: {why}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    }
+    for (name, text) in PROGRAMS {
+        for lengths in LENGTHS {
+            let line = match check(text, lengths, kind) {
+                Ok((worst, device_ms, cpu_ms)) => format!(
+                    "ok   {name} {lengths:?}: largest relative error {worst:.2e}; \
+                     device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
+                ),
+                Err(why) => {
+                    failures += 1;
+                    format!("FAIL {name} {lengths:?}: {why}")
+                }
+            };
+            println!("{line}");
+            report.push_str(&line);
+            report.push('\n');
+        }
+    }
+    let summary = if failures == 0 {
+        "everything matched\n".to_owned()
+    } else {
+        format!("{failures} failure(s)\n")
+    };
+    print!("{summary}");
+    report.push_str(&summary);
+    let path = Path::new(out).join("gpu-check.txt");
+    if let Err(error) = std::fs::create_dir_all(out).and_then(|()| std::fs::write(&path, report)) {
+        eprintln!("gpu-check: {}: {error}", path.display());
+        return ExitCode::from(2);
+    }
+    if failures == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn usage() -> ExitCode {
+    eprintln!("usage: gpu-check --device host|cuda [--cases DIR (cuda)] OUT_DIR");
+    ExitCode::from(2)
+}
+
+/// Runs every kernel case under `dir` on `device`: the report's lines and the number of
+/// failures.
+fn run_cases(device: &nestor_backend_cuda::Device, dir: &Path) -> Result<(String, usize), String> {
+    use nestor_backend_cuda::check::{compare, Case};
+    let mut folders: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map_err(|error| format!("{}: {error}", dir.display()))?
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .filter(|path| path.join("meta.txt").exists())
+        .collect();
+    if folders.is_empty() {
+        return Err(format!("no cases in {}", dir.display()));
+    }
+    folders.sort();
+    let (mut lines, mut failed) = (String::new(), 0);
+    for folder in &folders {
+        let name = folder
+            .file_name()
+            .map_or_else(String::new, |name| name.to_string_lossy().into_owned());
+        let outcome = Case::read(folder)
+            .map_err(|error| error.to_string())
+            .and_then(|case| {
+                let actual = case.run_on(device).map_err(|error| error.to_string())?;
+                compare(&actual, &case.expected, case.tolerance)
+            });
+        let line = match outcome {
+            Ok(worst) => format!("ok   kernel {name}: largest relative error {worst:.2e}"),
+            Err(why) => {
+                failed += 1;
+                format!("FAIL kernel {name}: {why}")
+            }
+        };
+        println!("{line}");
+        lines.push_str(&line);
+        lines.push('\n');
+    }
+    Ok((lines, failed))
+}
+
+/// Runs `text` for `lengths` on the device and on the CPU runtime: the largest relative
+/// difference and each one's time (the median of five runs after one).
+fn check(text: &str, lengths: &[i64], kind: Kind) -> Result<(f64, f64, f64), String> {
+    let fail = |error: RuntimeError| error.to_string();
+    let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
+    let graph = nestor_passes::Pipeline::unoptimized()
+        .run(&graph)
+        .map_err(|error| error.to_string())?;
+    let program = nestor_passes::lower(&graph).map_err(|error| error.to_string())?;
+    let executable = Executable::compile(program).map_err(fail)?;
+    let values = example_inputs(&graph, lengths);
+    let inputs: Vec<InputData<'_>> = values.iter().map(Values::data).collect();
+    let stats = Stats::default();
+    let (expected, cpu_ms) = timed(|| executable.run(&inputs, &stats, None)).map_err(fail)?;
+    let (actual, device_ms) = match kind {
+        Kind::Host => {
+            let device = HostDevice::new(&executable).map_err(fail)?;
+            run(&executable, &device, &inputs)
+        }
+        Kind::Cuda => {
+            let gpu = nestor_backend_cuda::Device::open(0).map_err(|error| error.to_string())?;
+            let device = CudaDevice::new(gpu, &executable).map_err(fail)?;
+            run(&executable, &device, &inputs)
+        }
+    }
+    .map_err(fail)?;
+    let mut worst = 0.0f64;
+    for (output, (a, e)) in actual.iter().zip(&expected).enumerate() {
+        let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
+            return Err(format!("output {output} is not f32"));
+        };
+        if a.len() != e.len() {
+            return Err(format!(
+                "output {output}: {} values, expected {}",
+                a.len(),
+                e.len()
+            ));
+        }
+        for (index, (&x, &y)) in a.iter().zip(e).enumerate() {
+            let error = if x.is_nan() || y.is_nan() {
+                if x.is_nan() == y.is_nan() {
+                    0.0
+                } else {
+                    f64::INFINITY
+                }
+            } else {
+                f64::from((x - y).abs()) / (1.0 + f64::from(y.abs()))
+            };
+            if error > 1e-4 {
+                return Err(format!(
+                    "output {output}, value {index}: device {x} vs CPU {y}"
+                ));
+            }
+            worst = worst.max(error);
+        }
+    }
+    Ok((worst, device_ms, cpu_ms))
+}
+
+fn run<D: KernelDevice>(
+    executable: &Executable,
+    device: &D,
+    inputs: &[InputData<'_>],
+) -> Result<(Vec<nestor_runtime::RunOutput>, f64), RuntimeError> {
+    timed(|| executable.run_on_device(device, inputs))
+}
+
+/// `step`'s result and its median time in milliseconds over five runs after one.
+fn timed<T>(mut step: impl FnMut() -> Result<T, RuntimeError>) -> Result<(T, f64), RuntimeError> {
+    let mut result = step()?;
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        result = step()?;
+        times.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((result, times[times.len() / 2]))
+}
+
+/// One input's values.
+enum Values {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+impl Values {
+    fn data(&self) -> InputData<'_> {
+        match self {
+            Values::F32(values) => InputData::F32(values),
+            Values::I64(values) => InputData::I64(values),
+        }
+    }
+}
+
+/// Values for every input of `graph` (one lengths input, set to `lengths`): floats of a
+/// fixed sequence in [-1, 1], integers (ids) in 0..3.
+fn example_inputs(graph: &Graph, lengths: &[i64]) -> Vec<Values> {
+    let total: i64 = lengths.iter().sum();
+    let batch = lengths.len() as i64;
+    let volume = |dims: &mut dyn Iterator<Item = &Dim>| -> i64 {
+        dims.map(|dim| match dim {
+            Dim::Static(size) => *size,
+            _ => batch,
+        })
+        .product()
+    };
+    let mut phase = 0.25f32;
+    graph
+        .nodes
+        .iter()
+        .filter(|node| matches!(node.op, Op::Input { .. } | Op::Param { .. }))
+        .map(|node| {
+            let (count, dtype) = match &node.ty {
+                Type::Lengths { .. } => return Values::I64(lengths.to_vec()),
+                Type::Ragged { dtype, dims, .. } => {
+                    let tail = volume(&mut dims.iter().filter_map(|dim| match dim {
+                        ElemDim::Fixed(dim) => Some(dim),
+                        ElemDim::Ragged(_) => None,
+                    }));
+                    (total * tail, *dtype)
+                }
+                Type::Dense { dtype, shape } => (volume(&mut shape.iter()), *dtype),
+            };
+            if dtype == DType::I64 {
+                Values::I64((0..count).map(|index| (index * 5) % 3).collect())
+            } else {
+                phase += 0.37;
+                Values::F32(
+                    (0..count)
+                        .map(|index| (index as f32 * 0.11 + phase).sin())
+                        .collect(),
+                )
+            }
+        })
+        .collect()
+}

@@ -501,12 +501,21 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         let function = intrinsic
             .get_declaration(self.module, &[self.float.into()])
             .ok_or_else(|| err(format!("no declaration of {name}")))?;
+        self.call_float(function, args, name)
+    }
+
+    /// The float `function(args)`.
+    fn call_float(
+        &self,
+        function: FunctionValue<'ctx>,
+        args: &[FloatValue<'ctx>],
+        name: &str,
+    ) -> Gen<FloatValue<'ctx>> {
         let args: Vec<_> = args.iter().map(|&arg| arg.into()).collect();
-        let call = self
-            .builder
+        self.builder
             .build_call(function, &args, name)
-            .map_err(err)?;
-        call.try_as_basic_value()
+            .map_err(err)?
+            .try_as_basic_value()
             .basic()
             .map(|value| value.into_float_value())
             .ok_or_else(|| err(format!("{name} returned nothing")))
@@ -678,15 +687,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             self.module
                 .add_function(name, self.float.fn_type(&parameters, false), None)
         });
-        let args: Vec<_> = args.iter().map(|&arg| arg.into()).collect();
-        let call = self
-            .builder
-            .build_call(function, &args, name)
-            .map_err(err)?;
-        call.try_as_basic_value()
-            .basic()
-            .map(|value| value.into_float_value())
-            .ok_or_else(|| err(format!("{name} returned nothing")))
+        self.call_float(function, args, name)
     }
 
     fn truth(&self, value: inkwell::values::IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {

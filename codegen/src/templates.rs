@@ -152,19 +152,7 @@ fn pointwise<'ctx>(
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let out = kernel.arg(0)?;
-    let pointers = (0..inputs.len())
-        .map(|i| kernel.arg(1 + i as u64))
-        .collect::<Gen<Vec<_>>>()?;
-    let mut maps = Vec::new();
-    let mut next_map = 1 + inputs.len() as u64;
-    for access in inputs {
-        maps.push(if access.per_element.is_some() {
-            next_map += 1;
-            Some(kernel.arg(next_map - 1)?)
-        } else {
-            None
-        });
-    }
+    let (pointers, maps) = fused_args(kernel, inputs, 1)?;
     // When every input is read element for element (or is one scalar), the rows are
     // one flat run of scalars: one loop, with no per-row overhead (narrow rows, such as
     // the channels of packed pixels, would otherwise spend most of their time there).
@@ -209,6 +197,35 @@ fn pointwise<'ctx>(
             kernel.store_float(out, kernel.add(base, column)?, value)
         })
     })
+}
+
+/// A fused expression's buffers and the row-to-element maps of its per-element inputs.
+type FusedArgs<'ctx> = (Vec<PointerValue<'ctx>>, Vec<Option<PointerValue<'ctx>>>);
+
+/// The buffers of a fused expression's `inputs` from argument `first` on, then the
+/// row-to-element maps of its per-element inputs (`None` for the others).
+fn fused_args<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    inputs: &[Access],
+    first: u64,
+) -> Gen<FusedArgs<'ctx>> {
+    let pointers = (0..inputs.len() as u64)
+        .map(|i| kernel.arg(first + i))
+        .collect::<Gen<Vec<_>>>()?;
+    let mut next_map = first + inputs.len() as u64;
+    let maps = inputs
+        .iter()
+        .map(|access| {
+            access
+                .per_element
+                .map(|_| {
+                    next_map += 1;
+                    kernel.arg(next_map - 1)
+                })
+                .transpose()
+        })
+        .collect::<Gen<Vec<_>>>()?;
+    Ok((pointers, maps))
 }
 
 /// `sum over column of f(column)` for one row of `width`.
@@ -483,19 +500,7 @@ fn gemm<'ctx>(
     let (out, x, weight) = (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
     let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
     let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
-    let pointers = (0..inputs.len())
-        .map(|i| kernel.arg(4 + i as u64))
-        .collect::<Gen<Vec<_>>>()?;
-    let mut maps = Vec::new();
-    let mut next_map = 4 + inputs.len() as u64;
-    for access in inputs {
-        maps.push(if access.per_element.is_some() {
-            next_map += 1;
-            Some(kernel.arg(next_map - 1)?)
-        } else {
-            None
-        });
-    }
+    let (pointers, maps) = fused_args(kernel, inputs, 4)?;
     kernel.parallel_range(start, end, |task| {
         let row = kernel.div(task, kernel.i64(n))?;
         let column = kernel.rem(task, kernel.i64(n))?;

@@ -340,6 +340,39 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.builder.build_int_signed_div(a, b, "div").map_err(err)
     }
 
+    /// The integer as a float.
+    pub(crate) fn to_float(&self, value: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        self.builder
+            .build_signed_int_to_float(value, self.float, "float")
+            .map_err(err)
+    }
+
+    /// `a == b`.
+    pub(crate) fn equal(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder
+            .build_int_compare(IntPredicate::EQ, a, b, "equal")
+            .map_err(err)
+    }
+
+    /// `condition ? a : b`.
+    pub(crate) fn select(
+        &self,
+        condition: IntValue<'ctx>,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        Ok(self
+            .builder
+            .build_select(condition, a, b, "select")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    /// `a && b` of two conditions.
+    pub(crate) fn and(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_and(a, b, "and").map_err(err)
+    }
+
     /// `a < b` (signed).
     pub(crate) fn less(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
         self.builder

@@ -13,7 +13,13 @@
 //! - pad: `out, x, offsets (i64, B + 1), [longest length] (i64)`; range = B x longest
 //!   padded rows;
 //! - unpad: `out, x, offsets of the result (i64, B + 1), [the grid's longest length]
-//!   (i64), the element of each result row (i64)`; range = result rows.
+//!   (i64), the element of each result row (i64)`; range = result rows;
+//! - one-hot: `out, ids (i64, checked by the runtime)`; range = rows;
+//! - length values: `out, lengths (i64)`; range = elements;
+//! - insert: `out, x`; range = rows;
+//! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values;
+//! - scatter rows: `out, g, ids (i64), [rows] (i64)`; range = vocabulary x width output
+//!   values (each sums the rows of its id: no atomics, one pass over the ids each).
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -80,13 +86,28 @@ pub(crate) fn generate<'ctx>(
         )?,
         Step::Pad { width, value, .. } => pad(&kernel, *width, *value)?,
         Step::Unpad { width, .. } => unpad(&kernel, *width)?,
-        Step::Gemm { .. }
-        | Step::Host { .. }
-        | Step::SumRows { .. }
+        Step::SumRows { .. }
         | Step::LengthValues { .. }
         | Step::OneHot { .. }
         | Step::ScatterRows { .. }
         | Step::Insert { .. }
+            if library =>
+        {
+            // The CPU runtime's host code.
+            unsafe { kernel.function.delete() };
+            return Ok(false);
+        }
+        Step::OneHot {
+            classes, ignore, ..
+        } => one_hot(&kernel, *classes, *ignore)?,
+        Step::LengthValues { .. } => length_values(&kernel)?,
+        Step::Insert {
+            size, index, inner, ..
+        } => insert(&kernel, *size, *index, *inner)?,
+        Step::SumRows { a, m, n, mean, .. } => sum_rows(&kernel, a.is_some(), (*m, *n), *mean)?,
+        Step::ScatterRows { width, padding, .. } => scatter_rows(&kernel, *width, *padding)?,
+        Step::Gemm { .. }
+        | Step::Host { .. }
         | Step::RandomMask { .. }
         | Step::AttentionGrad { .. } => {
             // No kernel (the runtime calls a GEMM library or copies): delete the empty
@@ -533,6 +554,136 @@ fn gemm<'ctx>(
                 kernel.load_float(pointers[input], at)
             })?,
         };
+        kernel.store_float(out, task, value)
+    })
+}
+
+/// `out[r, c] = 1` where `c == ids[r]` (a row of zeros for `ignore`), else 0.
+fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, ids) = (kernel.arg(0)?, kernel.arg(1)?);
+    let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
+    kernel.parallel_range(start, end, |row| {
+        let id = kernel.load_i64(ids, row)?;
+        let ignored = kernel.equal(id, kernel.i64(ignore))?;
+        let base = kernel.mul(row, kernel.i64(classes))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(classes), |class| {
+            let hit = kernel.select(kernel.equal(id, class)?, one, zero)?;
+            let value = kernel.select(ignored, zero, hit)?;
+            kernel.store_float(out, kernel.add(base, class)?, value)
+        })
+    })
+}
+
+/// `out[b] = lengths[b]` as numbers.
+fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, lengths) = (kernel.arg(0)?, kernel.arg(1)?);
+    kernel.parallel_range(start, end, |element| {
+        let value = kernel.to_float(kernel.load_i64(lengths, element)?)?;
+        kernel.store_float(out, element, value)
+    })
+}
+
+/// `out` viewed as `[rows, size, inner]`: `x`'s row at `index`, zeros elsewhere.
+fn insert<'ctx>(kernel: &Kernel<'ctx, '_>, size: i64, index: i64, inner: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, x) = (kernel.arg(0)?, kernel.arg(1)?);
+    let zero = kernel.constant(0.0);
+    kernel.parallel_range(start, end, |row| {
+        let source = kernel.mul(row, kernel.i64(inner))?;
+        let target = kernel.mul(row, kernel.i64(size * inner))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(size * inner), |at| {
+            let column = kernel.sub(at, kernel.i64(index * inner))?;
+            let inside = kernel.and(
+                kernel.less(kernel.i64(-1), column)?,
+                kernel.less(column, kernel.i64(inner))?,
+            )?;
+            let destination = kernel.add(target, at)?;
+            kernel.if_else(
+                inside,
+                || {
+                    let value = kernel.load_float(x, kernel.add(source, column)?)?;
+                    kernel.store_float(out, destination, value)
+                },
+                || kernel.store_float(out, destination, zero),
+            )
+        })
+    })
+}
+
+/// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones), divided by the
+/// number of rows when `mean` (NaN for none).
+fn sum_rows<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    has_a: bool,
+    (m, n): (i64, i64),
+    mean: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, b, count) = (kernel.arg(0)?, kernel.arg(2)?, kernel.arg(3)?);
+    let a = if has_a { Some(kernel.arg(1)?) } else { None };
+    let rows = kernel.load_i64(count, kernel.i64(0))?;
+    let total = kernel.accumulator("total")?;
+    kernel.parallel_range(start, end, |task| {
+        let i = kernel.div(task, kernel.i64(n))?;
+        let j = kernel.rem(task, kernel.i64(n))?;
+        kernel.set(total, kernel.constant(0.0))?;
+        kernel.for_range(kernel.i64(0), rows, |row| {
+            let y = kernel.load_float(b, kernel.add(kernel.mul(row, kernel.i64(n))?, j)?)?;
+            let term = match a {
+                Some(a) => {
+                    let x =
+                        kernel.load_float(a, kernel.add(kernel.mul(row, kernel.i64(m))?, i)?)?;
+                    kernel.fmul(x, y)?
+                }
+                None => y,
+            };
+            kernel.set(total, kernel.fadd_reassociable(kernel.get(total)?, term)?)
+        })?;
+        let sum = kernel.get(total)?;
+        let value = if mean {
+            kernel.fdiv(sum, kernel.to_float(rows)?)?
+        } else {
+            sum
+        };
+        kernel.store_float(out, task, value)
+    })
+}
+
+/// `out[v, c] = sum of g[r, c] over the rows r with ids[r] == v` (nothing for
+/// `padding`): each output value reads every id once.
+fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, g, ids, count) = (
+        kernel.arg(0)?,
+        kernel.arg(1)?,
+        kernel.arg(2)?,
+        kernel.arg(3)?,
+    );
+    let rows = kernel.load_i64(count, kernel.i64(0))?;
+    let total = kernel.accumulator("total")?;
+    let zero = kernel.constant(0.0);
+    kernel.parallel_range(start, end, |task| {
+        let entry = kernel.div(task, kernel.i64(width))?;
+        let column = kernel.rem(task, kernel.i64(width))?;
+        kernel.set(total, zero)?;
+        kernel.for_range(kernel.i64(0), rows, |row| {
+            let hit = kernel.equal(kernel.load_i64(ids, row)?, entry)?;
+            kernel.if_else(
+                hit,
+                || {
+                    let at = kernel.add(kernel.mul(row, kernel.i64(width))?, column)?;
+                    kernel.set(
+                        total,
+                        kernel.fadd(kernel.get(total)?, kernel.load_float(g, at)?)?,
+                    )
+                },
+                || Ok(()),
+            )
+        })?;
+        let padded = kernel.equal(entry, kernel.i64(padding))?;
+        let value = kernel.select(padded, zero, kernel.get(total)?)?;
         kernel.store_float(out, task, value)
     })
 }

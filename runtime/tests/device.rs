@@ -1,7 +1,7 @@
 //! Whole programs on a kernel device (`Executable::run_on_device`), with the host as the
 //! device: `gpu-check --device host` runs an optimized encoder layer, a feed-forward
-//! block and a gather / padding / segment graph for lengths with 0 and 1, batch size 1
-//! and a larger batch, from device buffers and index buffers, and compares every result
+//! block, a gather / padding / segment graph and a pooled classifier's training step
+//! (loss and gradients) for lengths with 0 and 1, batch size 1 and a larger batch, from device buffers and index buffers, and compares every result
 //! with the CPU runtime's (the same binary runs them on a GPU in `scripts/gpu-check.sh`).
 
 // Test code: a failed unwrap is a failed test.
@@ -30,7 +30,7 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        12
+        16
     );
     let _ = std::fs::remove_dir_all(&out);
 }
@@ -38,29 +38,25 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
 #[test]
 fn a_step_without_a_device_kernel_is_an_error_naming_it() {
     let graph = nestor_ir::parse(
-        r#"graph @one_hot {
+        r#"graph @dropout {
   %0 = input {name = "x.lengths"} : lengths[B]
-  %1 = input {name = "labels"} : i64[B]
-  %2 = one_hot(%1) {classes = 3, ignore = -100, dtype = f32} : f32[B, 3]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 4]
+  %2 = random_mask(%1) {p = 0.5, stream = 0} : ragged<f32>[B; %0, 4]
   return %2
 }"#,
     )
     .unwrap();
     let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
     let device = HostDevice::new(&executable).unwrap();
-    let (lengths, labels) = ([2i64, 1], [0i64, 2]);
+    let (lengths, x) = ([2i64, 1], [0.5f32; 12]);
     let error = executable
-        .run_on_device(
-            &device,
-            &[InputData::I64(&lengths), InputData::I64(&labels)],
-        )
+        .run_on_device(&device, &[InputData::I64(&lengths), InputData::F32(&x)])
         .err()
         .unwrap();
+    let message = error.to_string();
     assert!(
-        error
-            .to_string()
-            .contains("step 0: one_hot classes=3 has no device kernel yet"),
-        "{error}"
+        message.contains("random_mask p=0.5 has no device kernel yet"),
+        "{message}"
     );
 }
 

@@ -5,7 +5,8 @@
 //!   `tests/gpu_check.rs` (one kernel template each, its PTX, buffers and the CPU
 //!   backend's output) runs on the GPU and is compared;
 //! - whole programs (an optimized Transformer encoder layer, a feed-forward block, a graph
-//!   of gathers, padding and segmented kernels) are lowered here, run on the device
+//!   of gathers, padding and segmented kernels, and the training step of a pooled
+//!   classifier's loss with its gradients) are lowered here, run on the device
 //!   (`--device cuda`: the GPU, PTX made on the spot; `--device host`: the same kernels
 //!   on the CPU, the self-test of `make test`) and on the CPU runtime for several sets of
 //!   lengths, and compared.
@@ -26,7 +27,7 @@ use nestor_runtime::{
     CudaDevice, Executable, HostDevice, InputData, KernelDevice, RunData, RuntimeError, Stats,
 };
 
-const PROGRAMS: [(&str, &str); 3] = [
+const PROGRAMS: [(&str, &str); 4] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
@@ -35,6 +36,11 @@ const PROGRAMS: [(&str, &str); 3] = [
     (
         "device_mix",
         include_str!("../../../tests/filetests/device_mix.nir"),
+    ),
+    // Trained: the loss and every parameter's gradient.
+    (
+        "pooled_loss (training)",
+        include_str!("../../../tests/filetests/pooled_loss.nir"),
     ),
 ];
 
@@ -179,6 +185,11 @@ fn run_cases(device: &nestor_backend_cuda::Device, dir: &Path) -> Result<(String
 fn check(text: &str, lengths: &[i64], kind: Kind) -> Result<(f64, f64, f64), String> {
     let fail = |error: RuntimeError| error.to_string();
     let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
+    let graph = if text.contains("cross_entropy(") {
+        joint(&graph)?
+    } else {
+        graph
+    };
     let graph = nestor_passes::Pipeline::unoptimized()
         .run(&graph)
         .map_err(|error| error.to_string())?;
@@ -231,6 +242,26 @@ fn check(text: &str, lengths: &[i64], kind: Kind) -> Result<(f64, f64, f64), Str
         }
     }
     Ok((worst, device_ms, cpu_ms))
+}
+
+/// The joint forward + backward graph of a loss (the first output): decomposed, then
+/// differentiated with respect to every parameter.
+fn joint(graph: &Graph) -> Result<Graph, String> {
+    use nestor_passes::Pass;
+    let graph = nestor_passes::Decompose
+        .run(graph)
+        .map_err(|error| error.to_string())?;
+    let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len())
+        .filter(|&index| matches!(graph.nodes[index].op, Op::Param { .. }))
+        .map(|index| nestor_ir::ValueId(index as u32))
+        .collect();
+    let loss = *graph
+        .outputs
+        .first()
+        .ok_or("a loss graph returns its loss")?;
+    Ok(nestor_passes::differentiate(&graph, loss, &params)
+        .map_err(|error| error.to_string())?
+        .graph)
 }
 
 fn run<D: KernelDevice>(

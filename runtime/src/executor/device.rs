@@ -208,13 +208,15 @@ enum Index {
     Owners(Slot),
     /// `[longest length]`.
     Longest(Slot),
+    /// `[count]`: a number of rows.
+    Count(i64),
 }
 
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
     /// a kernel of the `Complete` set, the results copied back. Steps without a device
-    /// kernel yet (host steps, training's one-hot rows, scatters, row sums, random masks,
-    /// attention gradients) are an error naming the step.
+    /// kernel yet (host steps, random masks, attention gradients) are an error naming
+    /// the step.
     pub fn run_on_device<D: KernelDevice>(
         &self,
         device: &D,
@@ -324,12 +326,18 @@ impl Plan<'_> {
             Index::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
             Index::Owners(slot) => self.lengths(slot)?.owners().clone(),
             Index::Longest(slot) => vec![self.lengths(slot)?.longest],
+            Index::Count(count) => vec![count],
         })
     }
 
-    /// Ids of a gather are in the table (the kernel reads rows by them unchecked): only
-    /// ids given as inputs can be checked before the launch.
-    fn check_ids(&self, ids: Slot, vocabulary: i64) -> Result<(), RuntimeError> {
+    /// Ids are `valid` (kernels read rows or classes by them unchecked): only ids
+    /// given as inputs can be checked before the launch.
+    fn check_ids(
+        &self,
+        ids: Slot,
+        valid: impl Fn(i64) -> bool,
+        invalid: impl Fn() -> String,
+    ) -> Result<(), RuntimeError> {
         let Source::Input(input) = self.program.info(ids).source else {
             return Err(device_error(
                 self.step,
@@ -337,15 +345,13 @@ impl Plan<'_> {
             ));
         };
         match self.inputs.get(input) {
-            Some(InputData::I64(values)) => {
-                match values.iter().find(|&&id| !(0..vocabulary).contains(&id)) {
-                    Some(id) => Err(RuntimeError::BadInput {
-                        input,
-                        reason: format!("id {id} is outside the table of {vocabulary} rows"),
-                    }),
-                    None => Ok(()),
-                }
-            }
+            Some(InputData::I64(values)) => match values.iter().find(|&&id| !valid(id)) {
+                Some(id) => Err(RuntimeError::BadInput {
+                    input,
+                    reason: format!("id {id} is {}", invalid()),
+                }),
+                None => Ok(()),
+            },
             _ => Err(device_error(self.step, "ids that are not i64 values")),
         }
     }
@@ -429,7 +435,12 @@ impl Plan<'_> {
                 rows: count,
                 ..
             } => {
-                self.check_ids(*ids, rows(self.program.info(*table).rows))?;
+                let vocabulary = rows(self.program.info(*table).rows);
+                self.check_ids(
+                    *ids,
+                    |id| (0..vocabulary).contains(&id),
+                    || format!("outside the table of {vocabulary} rows"),
+                )?;
                 (
                     vec![Arg::Slot(*out), Arg::Slot(*table), Arg::Slot(*ids)],
                     (0, rows(*count)),
@@ -495,6 +506,64 @@ impl Plan<'_> {
                     Arg::Index(Index::Owners(*lengths)),
                 ];
                 (args, (0, total))
+            }
+            Step::OneHot {
+                out,
+                ids,
+                rows: count,
+                classes,
+                ignore,
+            } => {
+                self.check_ids(
+                    *ids,
+                    |id| id == *ignore || (0..*classes).contains(&id),
+                    || format!("outside 0..{classes}"),
+                )?;
+                (vec![Arg::Slot(*out), Arg::Slot(*ids)], (0, rows(*count)))
+            }
+            Step::LengthValues { out, lengths } => {
+                let batch = self.lengths(*lengths)?.lengths.len() as i64;
+                (vec![Arg::Slot(*out), Arg::Slot(*lengths)], (0, batch))
+            }
+            Step::Insert {
+                out,
+                x,
+                rows: count,
+                ..
+            } => (vec![Arg::Slot(*out), Arg::Slot(*x)], (0, rows(*count))),
+            Step::SumRows {
+                out,
+                a,
+                b,
+                rows: count,
+                m,
+                n,
+                ..
+            } => {
+                let args = vec![
+                    Arg::Slot(*out),
+                    optional(*a),
+                    Arg::Slot(*b),
+                    Arg::Index(Index::Count(rows(*count))),
+                ];
+                (args, (0, m.saturating_mul(*n)))
+            }
+            Step::ScatterRows {
+                out,
+                g,
+                ids,
+                rows: count,
+                width,
+                vocabulary,
+                ..
+            } => {
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(*g),
+                    Arg::Slot(*ids),
+                    Arg::Index(Index::Count(rows(*count))),
+                ];
+                (args, (0, vocabulary.saturating_mul(*width)))
             }
             other => {
                 return Err(device_error(

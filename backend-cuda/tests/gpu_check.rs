@@ -256,6 +256,23 @@ fn cases() -> Vec<(String, Step, Case)> {
             case(&step, buffers, (0, ROWS * n), 1e-5),
         ));
     }
+    // A dropout mask from a run's key.
+    let step = Step::RandomMask {
+        out: Slot(0),
+        rows: rows(),
+        width: WIDTH,
+        p: 0.3,
+        stream: 5,
+    };
+    let buffers = vec![
+        Buffer::F32(vec![f32::NAN; size as usize]),
+        Buffer::I64(vec![0x1234_5678_9abc_def0]),
+    ];
+    cases.push((
+        "random_mask".into(),
+        step.clone(),
+        case(&step, buffers, (0, size), 0.0),
+    ));
     // Padding to a grid of the longest length, and back.
     let longest = *LENGTHS.iter().max().unwrap();
     let elements: Vec<i64> = LENGTHS
@@ -354,7 +371,7 @@ fn the_gpu_check_runs_against_the_cpu_backend() {
     let dir = cases_dir();
     let _ = std::fs::remove_dir_all(&dir);
     let cases = cases();
-    assert_eq!(cases.len(), UnaryOp::ALL.len() + 8 + 6 + 1 + 2 + 2 + 3);
+    assert_eq!(cases.len(), UnaryOp::ALL.len() + 8 + 6 + 1 + 2 + 1 + 2 + 3);
     for (name, _, case) in &cases {
         case.write(&dir.join(name)).unwrap();
     }

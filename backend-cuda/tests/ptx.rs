@@ -68,6 +68,16 @@ const PADDING: &str = r#"graph @padding {
 }
 "#;
 
+/// A dropout mask (the counter-based generator) applied.
+const DROPOUT: &str = r#"graph @dropout {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 8]
+  %2 = random_mask(%1) {p = 0.25, stream = 3} : ragged<f32>[B; %0, 8]
+  %3 = mul(%1, %2) : ragged<f32>[B; %0, 8]
+  return %3
+}
+"#;
+
 /// Every pointwise function (one kernel each as it comes, one fused kernel through the
 /// optimizer), with scalar and broadcast operands.
 const POINTWISE: &str = r#"graph @pointwise {
@@ -121,6 +131,7 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
         ("rows_and_segments", ROWS_AND_SEGMENTS),
         ("attention", ATTENTION),
         ("padding", PADDING),
+        ("dropout", DROPOUT),
         ("pointwise", POINTWISE),
     ] {
         for dtype in ["f32", "f64"] {

@@ -347,6 +347,53 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .map_err(err)
     }
 
+    /// SplitMix64's finalizer of a 64-bit integer (wrapping arithmetic): the counter-based
+    /// generator of dropout masks, as the CPU runtime computes it.
+    pub(crate) fn split_mix(&self, value: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let b = &self.builder;
+        let constant = |value: u64| self.context.i64_type().const_int(value, false);
+        let shifted_xor = |z: IntValue<'ctx>, bits: u64| -> Gen<IntValue<'ctx>> {
+            let shifted = b
+                .build_right_shift(z, constant(bits), false, "shift")
+                .map_err(err)?;
+            b.build_xor(z, shifted, "xor").map_err(err)
+        };
+        let z = b
+            .build_int_add(value, constant(0x9E37_79B9_7F4A_7C15), "z")
+            .map_err(err)?;
+        let z = b
+            .build_int_mul(shifted_xor(z, 30)?, constant(0xBF58_476D_1CE4_E5B9), "z")
+            .map_err(err)?;
+        let z = b
+            .build_int_mul(shifted_xor(z, 27)?, constant(0x94D0_49BB_1331_11EB), "z")
+            .map_err(err)?;
+        shifted_xor(z, 31)
+    }
+
+    /// `a ^ b`.
+    pub(crate) fn xor(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_xor(a, b, "xor").map_err(err)
+    }
+
+    /// `a >= b`, unsigned.
+    pub(crate) fn at_least_unsigned(
+        &self,
+        a: IntValue<'ctx>,
+        b: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        self.builder
+            .build_int_compare(IntPredicate::UGE, a, b, "at_least")
+            .map_err(err)
+    }
+
+    /// `value >> bits`, unsigned.
+    pub(crate) fn shift_right(&self, value: IntValue<'ctx>, bits: u64) -> Gen<IntValue<'ctx>> {
+        let bits = self.context.i64_type().const_int(bits, false);
+        self.builder
+            .build_right_shift(value, bits, false, "shift")
+            .map_err(err)
+    }
+
     /// `a == b`.
     pub(crate) fn equal(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
         self.builder

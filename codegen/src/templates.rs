@@ -19,7 +19,8 @@
 //! - insert: `out, x`; range = rows;
 //! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values;
 //! - scatter rows: `out, g, ids (i64), [rows] (i64)`; range = vocabulary x width output
-//!   values (each sums the rows of its id: no atomics, one pass over the ids each).
+//!   values (each sums the rows of its id: no atomics, one pass over the ids each);
+//! - random mask: `out, [the run's key] (i64)`; range = values.
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -106,6 +107,7 @@ pub(crate) fn generate<'ctx>(
         } => insert(&kernel, *size, *index, *inner)?,
         Step::SumRows { a, m, n, mean, .. } => sum_rows(&kernel, a.is_some(), (*m, *n), *mean)?,
         Step::ScatterRows { width, padding, .. } => scatter_rows(&kernel, *width, *padding)?,
+        Step::RandomMask { p, .. } if !library => random_mask(&kernel, *p)?,
         Step::Gemm { .. }
         | Step::Host { .. }
         | Step::RandomMask { .. }
@@ -572,6 +574,26 @@ fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()
             let value = kernel.select(ignored, zero, hit)?;
             kernel.store_float(out, kernel.add(base, class)?, value)
         })
+    })
+}
+
+/// A dropout mask: value `i` is `1 / (1 - p)` where the top 53 bits of
+/// `split_mix(key ^ i)` as a fraction of 2^53 are at least `p`, else 0 (the CPU
+/// runtime's generator: the same key gives the same mask).
+fn random_mask<'ctx>(kernel: &Kernel<'ctx, '_>, p: f64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, key) = (kernel.arg(0)?, kernel.arg(1)?);
+    let key = kernel.load_i64(key, kernel.i64(0))?;
+    // `bits / 2^53 >= p` exactly when `bits >= ceil(p 2^53)` (both sides exact).
+    let threshold = (p * (1u64 << 53) as f64)
+        .ceil()
+        .clamp(0.0, (1u64 << 53) as f64) as u64;
+    let threshold = kernel.context.i64_type().const_int(threshold, false);
+    let [zero, kept] = [0.0, 1.0 / (1.0 - p)].map(|value| kernel.constant(value));
+    kernel.parallel_range(start, end, |position| {
+        let bits = kernel.shift_right(kernel.split_mix(kernel.xor(key, position)?)?, 11)?;
+        let value = kernel.select(kernel.at_least_unsigned(bits, threshold)?, kept, zero)?;
+        kernel.store_float(out, position, value)
     })
 }
 

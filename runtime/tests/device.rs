@@ -37,25 +37,34 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
 
 #[test]
 fn a_step_without_a_device_kernel_is_an_error_naming_it() {
+    // The gradient of attention, which has no device kernel yet.
     let graph = nestor_ir::parse(
-        r#"graph @dropout {
+        r#"graph @attention_loss {
   %0 = input {name = "x.lengths"} : lengths[B]
-  %1 = input {name = "x"} : ragged<f32>[B; %0, 4]
-  %2 = random_mask(%1) {p = 0.5, stream = 0} : ragged<f32>[B; %0, 4]
-  return %2
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 2, 4]
+  %2 = attention(%1, %1, %1) {causal = false} : ragged<f32>[B; %0, 2, 4]
+  %3 = sum(%2) {dims = [], keepdim = false} : f32[]
+  return %3
 }"#,
     )
     .unwrap();
-    let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let (loss, x) = (graph.outputs[0], nestor_ir::ValueId(1));
+    let joint = nestor_passes::differentiate(&graph, loss, &[x])
+        .unwrap()
+        .graph;
+    let executable = Executable::compile(nestor_passes::lower(&joint).unwrap()).unwrap();
     let device = HostDevice::new(&executable).unwrap();
-    let (lengths, x) = ([2i64, 1], [0.5f32; 12]);
+    let (lengths, values) = ([2i64, 1], [0.5f32; 24]);
     let error = executable
-        .run_on_device(&device, &[InputData::I64(&lengths), InputData::F32(&x)])
+        .run_on_device(
+            &device,
+            &[InputData::I64(&lengths), InputData::F32(&values)],
+        )
         .err()
         .unwrap();
     let message = error.to_string();
     assert!(
-        message.contains("random_mask p=0.5 has no device kernel yet"),
+        message.contains("attention") && message.contains("has no device kernel yet"),
         "{message}"
     );
 }

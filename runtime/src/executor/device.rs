@@ -208,15 +208,14 @@ enum Index {
     Owners(Slot),
     /// `[longest length]`.
     Longest(Slot),
-    /// `[count]`: a number of rows.
-    Count(i64),
+    /// `[number]`: a count of rows, or a dropout mask's key.
+    Number(i64),
 }
 
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
     /// a kernel of the `Complete` set, the results copied back. Steps without a device
-    /// kernel yet (host steps, random masks, attention gradients) are an error naming
-    /// the step.
+    /// kernel yet (host steps, attention gradients) are an error naming the step.
     pub fn run_on_device<D: KernelDevice>(
         &self,
         device: &D,
@@ -248,12 +247,15 @@ impl Executable {
             });
         }
         let mut indices: HashMap<Index, D::Buffer> = HashMap::new();
+        // Every run draws new dropout masks, as on the CPU.
+        let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for (step_index, step) in program.steps.iter().enumerate() {
             let plan = Plan {
                 program,
                 sizes: &sizes,
                 inputs,
                 step: step_index,
+                run,
             };
             let (args, range) = plan.args(step)?;
             let mut addresses = Vec::with_capacity(args.len());
@@ -312,6 +314,8 @@ struct Plan<'a> {
     sizes: &'a Sizes,
     inputs: &'a [InputData<'a>],
     step: usize,
+    /// The run's number (keys its dropout masks).
+    run: u64,
 }
 
 impl Plan<'_> {
@@ -326,7 +330,7 @@ impl Plan<'_> {
             Index::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
             Index::Owners(slot) => self.lengths(slot)?.owners().clone(),
             Index::Longest(slot) => vec![self.lengths(slot)?.longest],
-            Index::Count(count) => vec![count],
+            Index::Number(number) => vec![number],
         })
     }
 
@@ -521,6 +525,17 @@ impl Plan<'_> {
                 )?;
                 (vec![Arg::Slot(*out), Arg::Slot(*ids)], (0, rows(*count)))
             }
+            Step::RandomMask {
+                out,
+                rows: count,
+                width,
+                stream,
+                ..
+            } => {
+                let key = super::steps::mask_key(*stream, self.run) as i64;
+                let args = vec![Arg::Slot(*out), Arg::Index(Index::Number(key))];
+                (args, (0, rows(*count).saturating_mul(*width)))
+            }
             Step::LengthValues { out, lengths } => {
                 let batch = self.lengths(*lengths)?.lengths.len() as i64;
                 (vec![Arg::Slot(*out), Arg::Slot(*lengths)], (0, batch))
@@ -544,7 +559,7 @@ impl Plan<'_> {
                     Arg::Slot(*out),
                     optional(*a),
                     Arg::Slot(*b),
-                    Arg::Index(Index::Count(rows(*count))),
+                    Arg::Index(Index::Number(rows(*count))),
                 ];
                 (args, (0, m.saturating_mul(*n)))
             }
@@ -561,7 +576,7 @@ impl Plan<'_> {
                     Arg::Slot(*out),
                     Arg::Slot(*g),
                     Arg::Slot(*ids),
-                    Arg::Index(Index::Count(rows(*count))),
+                    Arg::Index(Index::Number(rows(*count))),
                 ];
                 (args, (0, vocabulary.saturating_mul(*width)))
             }

@@ -170,12 +170,17 @@ unsafe fn random_mask<T: crate::scalar::Scalar>(
     }
     let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, count) };
     let kept = T::from_f64(1.0 / (1.0 - p));
-    let key = split_mix(stream ^ split_mix(run));
+    let key = mask_key(stream as i64, run);
     for (position, value) in out.iter_mut().enumerate() {
         // The top 53 bits as a uniform number in [0, 1).
         let uniform = (split_mix(key ^ position as u64) >> 11) as f64 / (1u64 << 53) as f64;
         *value = if uniform >= p { kept } else { T::ZERO };
     }
+}
+
+/// The key of mask `stream` in run `run` (the device's mask kernel takes it too).
+pub(super) fn mask_key(stream: i64, run: u64) -> u64 {
+    split_mix(stream as u64 ^ split_mix(run))
 }
 
 /// SplitMix64's finalizer: a bijective mix of 64 bits.
@@ -735,5 +740,64 @@ impl Executable {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nestor_backend_cpu::KernelSet;
+    use nestor_passes::{Program, Rows};
+
+    /// The device's dropout-mask kernel draws the CPU's masks, bit for bit.
+    #[test]
+    fn the_mask_template_draws_the_host_masks() {
+        for (p, stream, run) in [(0.5, 3i64, 7u64), (0.1, 0, 0), (0.9, 12, 123_456)] {
+            let count = 1000;
+            let step = Step::RandomMask {
+                out: Slot(0),
+                rows: Rows::fixed(count as i64),
+                width: 1,
+                p,
+                stream,
+            };
+            let program = Program {
+                steps: vec![step],
+                ..Program::default()
+            };
+            let kernels = nestor_backend_cpu::compile_with(&program, KernelSet::Complete)
+                .unwrap_or_else(|error| panic!("{error}"));
+            let kernel = kernels
+                .kernel(0)
+                .unwrap_or_else(|| panic!("no mask kernel"));
+            let mut actual = vec![f32::NAN; count];
+            let key = [mask_key(stream, run) as i64];
+            let args = [actual.as_mut_ptr() as *mut u8, key.as_ptr() as *mut u8];
+            // `actual` holds the `count` values of the range.
+            unsafe { kernel(args.as_ptr(), 0, count as i64) };
+            let mut expected = vec![f32::NAN; count];
+            unsafe {
+                random_mask::<f32>(
+                    expected.as_mut_ptr() as *mut u8,
+                    count,
+                    p,
+                    (stream as u64, run),
+                )
+            };
+            assert_eq!(
+                actual
+                    .iter()
+                    .map(|value| value.to_bits())
+                    .collect::<Vec<_>>(),
+                expected
+                    .iter()
+                    .map(|value| value.to_bits())
+                    .collect::<Vec<_>>(),
+                "p {p}"
+            );
+            let dropped =
+                actual.iter().filter(|&&value| value == 0.0).count() as f64 / count as f64;
+            assert!((dropped - p).abs() < 0.06, "p {p}: dropped {dropped}");
+        }
     }
 }

@@ -231,50 +231,65 @@ fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
     ptxas::assemble(&module.ptx, Arch::Sm90).unwrap();
 }
 
-/// The training step of a pooled classifier (its joint forward + backward graph: one-hot
-/// rows, row sums for weight gradients, lengths as numbers, a scatter and an insert)
-/// assembles too.
+/// The training steps of a pooled classifier (one-hot rows, row sums for weight
+/// gradients, lengths as numbers, a scatter and an insert) and of causal attention (the
+/// gradients of the queries and of the keys and values) assemble too.
 #[test]
-fn a_training_step_assembles_for_sm80_and_sm90() {
+fn training_steps_assemble_for_sm80_and_sm90() {
     use nestor_passes::Pass;
     let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
-    let text = std::fs::read_to_string(
-        std::path::Path::new(&root).join("../tests/filetests/pooled_loss.nir"),
-    )
-    .unwrap();
-    let graph = nestor_passes::Decompose
-        .run(&nestor_ir::parse(&text).unwrap())
+    let mut kinds = Vec::new();
+    for file in ["pooled_loss.nir", "attention_loss.nir"] {
+        let text = std::fs::read_to_string(
+            std::path::Path::new(&root)
+                .join("../tests/filetests")
+                .join(file),
+        )
         .unwrap();
-    let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
-        .map(nestor_ir::ValueId)
-        .filter(|value| matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. }))
-        .collect();
-    let joint = nestor_passes::differentiate(&graph, graph.outputs[0], &params).unwrap();
-    let graph = Pipeline::unoptimized().run(&joint.graph).unwrap();
-    let program = lower(&graph).unwrap();
-    for kind in ["one-hot", "row sums", "length values", "scatter", "insert"] {
-        let present = program.steps.iter().any(|step| match kind {
-            "one-hot" => matches!(step, Step::OneHot { .. }),
-            "row sums" => matches!(step, Step::SumRows { .. }),
-            "length values" => matches!(step, Step::LengthValues { .. }),
-            "scatter" => matches!(step, Step::ScatterRows { .. }),
-            _ => matches!(step, Step::Insert { .. }),
-        });
-        assert!(present, "the training step has {kind}");
-    }
-    for arch in Arch::ALL {
-        let module = ptx(&program, arch).unwrap();
-        assert!(
-            module.kernels.iter().all(Option::is_some),
-            "every step has a kernel"
-        );
-        for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
-            assert_eq!(
-                (kernel.spill_stores, kernel.spill_loads),
-                (0, 0),
-                "{}",
-                kernel.name
+        let graph = nestor_passes::Decompose
+            .run(&nestor_ir::parse(&text).unwrap())
+            .unwrap();
+        let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
+            .map(nestor_ir::ValueId)
+            .filter(|value| matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. }))
+            .collect();
+        let joint = nestor_passes::differentiate(&graph, graph.outputs[0], &params).unwrap();
+        let graph = Pipeline::unoptimized().run(&joint.graph).unwrap();
+        let program = lower(&graph).unwrap();
+        kinds.extend(program.steps.iter().map(|step| {
+            format!("{step:?}")
+                .split([' ', '{'])
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        }));
+        for arch in Arch::ALL {
+            let module = ptx(&program, arch).unwrap();
+            assert!(
+                module.kernels.iter().all(Option::is_some),
+                "every step has a kernel"
             );
+            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+                assert_eq!(
+                    (kernel.spill_stores, kernel.spill_loads),
+                    (0, 0),
+                    "{}",
+                    kernel.name
+                );
+            }
         }
+    }
+    for kind in [
+        "OneHot",
+        "SumRows",
+        "LengthValues",
+        "ScatterRows",
+        "Insert",
+        "AttentionGrad",
+    ] {
+        assert!(
+            kinds.iter().any(|name| name == kind),
+            "the training steps have {kind}: {kinds:?}"
+        );
     }
 }

@@ -20,7 +20,10 @@
 //! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values;
 //! - scatter rows: `out, g, ids (i64), [rows] (i64)`; range = vocabulary x width output
 //!   values (each sums the rows of its id: no atomics, one pass over the ids each);
-//! - random mask: `out, [the run's key] (i64)`; range = values.
+//! - random mask: `out, [the run's key] (i64)`; range = values;
+//! - attention gradient: `out, q, k, v, g, query offsets (i64, B + 1), key offsets (i64,
+//!   B + 1), the element of each query row (of each key row for the keys' gradient)`;
+//!   range = query (key) rows x heads.
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -108,6 +111,23 @@ pub(crate) fn generate<'ctx>(
         Step::SumRows { a, m, n, mean, .. } => sum_rows(&kernel, a.is_some(), (*m, *n), *mean)?,
         Step::ScatterRows { width, padding, .. } => scatter_rows(&kernel, *width, *padding)?,
         Step::RandomMask { p, .. } if !library => random_mask(&kernel, *p)?,
+        Step::AttentionGrad {
+            q,
+            k,
+            v,
+            g,
+            heads,
+            head_dim,
+            causal,
+            scale,
+            keys,
+            ..
+        } if !library => attention_grad(
+            &kernel,
+            [q, k, v, g],
+            (*heads, *head_dim),
+            (*causal, *scale, *keys),
+        )?,
         Step::Gemm { .. }
         | Step::Host { .. }
         | Step::RandomMask { .. }
@@ -900,5 +920,198 @@ fn attention<'ctx>(
             let value = kernel.fmul(kernel.load_float(output, column)?, inverse)?;
             kernel.store_float(out, at, value)
         })
+    })
+}
+
+/// The gradient of varlen attention, `P = softmax(scale Q K^T)` recomputed from each query
+/// row's maximum and sum: the queries' (`dQ = scale dS K`, one query row and head per
+/// iteration) or the keys' and values' (`dK = scale dS^T Q`, `dV = P^T dO`, one key row
+/// and head per iteration, each visiting the queries that see it), with
+/// `dS = P (dO V^T - rowsum(P dO V^T))`. Elements without keys get zeros.
+fn attention_grad<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    [q, k, v, g]: [&Access; 4],
+    (heads, head_dim): (i64, i64),
+    (causal, scale, keys): (bool, f64, bool),
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, queries, key_rows, values, slopes, query_offsets, key_offsets, elements] =
+        [0, 1, 2, 3, 4, 5, 6, 7].map(|index| kernel.arg(index));
+    let (out, queries, key_rows, values, slopes) = (out?, queries?, key_rows?, values?, slopes?);
+    let (query_offsets, key_offsets, elements) = (query_offsets?, key_offsets?, elements?);
+    let [largest, total, dot] = ["largest", "total", "dot"].map(|name| kernel.accumulator(name));
+    let (largest, total, dot) = (largest?, total?, dot?);
+    let first_grad = kernel.accumulator_array("first", head_dim)?;
+    let second_grad = kernel.accumulator_array("second", head_dim)?;
+    let zero = kernel.constant(0.0);
+    let columns = |body: &dyn Fn(IntValue<'ctx>) -> Gen<()>| {
+        kernel.for_range(kernel.i64(0), kernel.i64(head_dim), body)
+    };
+    kernel.parallel_range(start, end, |task| {
+        let row = kernel.div(task, kernel.i64(heads))?;
+        let head = kernel.rem(task, kernel.i64(heads))?;
+        let base = kernel.mul(head, kernel.i64(head_dim))?;
+        let element = kernel.load_i64(elements, row)?;
+        let next = kernel.add(element, kernel.i64(1))?;
+        let (first_query, first_key) = (
+            kernel.load_i64(query_offsets, element)?,
+            kernel.load_i64(key_offsets, element)?,
+        );
+        let query_count = kernel.sub(kernel.load_i64(query_offsets, next)?, first_query)?;
+        let key_count = kernel.sub(kernel.load_i64(key_offsets, next)?, first_key)?;
+        // <a_x, b_y> over this head's columns.
+        let dot_rows = |(a, a_buffer): (&Access, PointerValue<'ctx>),
+                        x: IntValue<'ctx>,
+                        (b, b_buffer): (&Access, PointerValue<'ctx>),
+                        y: IntValue<'ctx>|
+         -> Gen<FloatValue<'ctx>> {
+            row_sum(kernel, head_dim, |column| {
+                let column = kernel.add(base, column)?;
+                let left = kernel.load_float(a_buffer, index(kernel, a, x, column)?)?;
+                let right = kernel.load_float(b_buffer, index(kernel, b, y, column)?)?;
+                kernel.fmul(left, right)
+            })
+        };
+        let score = |query: IntValue<'ctx>, key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+            let product = dot_rows((q, queries), query, (k, key_rows), key)?;
+            kernel.fmul(product, kernel.constant(scale))
+        };
+        let slope = |query: IntValue<'ctx>, key: IntValue<'ctx>| {
+            dot_rows((g, slopes), query, (v, values), key)
+        };
+        // The keys query row `query` (packed) sees: `0..visible` of its element.
+        let visible = |query: IntValue<'ctx>| -> Gen<IntValue<'ctx>> {
+            if causal {
+                let position = kernel.sub(query, first_query)?;
+                kernel.min(kernel.add(position, kernel.i64(1))?, key_count)
+            } else {
+                Ok(key_count)
+            }
+        };
+        // P[query, key] from the statistics of `query` in the accumulators.
+        let probability = |query: IntValue<'ctx>, key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+            let shifted = kernel.fsub(score(query, key)?, kernel.get(largest)?)?;
+            kernel.fdiv(kernel.fast_exp(shifted)?, kernel.get(total)?)
+        };
+        // Row `query`'s maximum, sum of exponentials and rowsum(P dP), into the
+        // accumulators.
+        let row_stats = |query: IntValue<'ctx>| -> Gen<()> {
+            let limit = visible(query)?;
+            kernel.set(largest, kernel.constant(f64::NEG_INFINITY))?;
+            kernel.for_range(kernel.i64(0), limit, |key| {
+                let value = score(query, kernel.add(first_key, key)?)?;
+                kernel.set(largest, kernel.extreme(kernel.get(largest)?, value, true)?)
+            })?;
+            kernel.set(total, zero)?;
+            kernel.for_range(kernel.i64(0), limit, |key| {
+                let shifted = kernel.fsub(
+                    score(query, kernel.add(first_key, key)?)?,
+                    kernel.get(largest)?,
+                )?;
+                kernel.set(
+                    total,
+                    kernel.fadd(kernel.get(total)?, kernel.fast_exp(shifted)?)?,
+                )
+            })?;
+            kernel.set(dot, zero)?;
+            kernel.for_range(kernel.i64(0), limit, |key| {
+                let key = kernel.add(first_key, key)?;
+                let p = probability(query, key)?;
+                kernel.set(
+                    dot,
+                    kernel.fadd(kernel.get(dot)?, kernel.fmul(p, slope(query, key)?)?)?,
+                )
+            })
+        };
+        columns(&|column| {
+            kernel.store_float(first_grad, column, zero)?;
+            kernel.store_float(second_grad, column, zero)
+        })?;
+        if keys {
+            // Key row `row`: the queries of its element that see it.
+            let position = kernel.sub(row, first_key)?;
+            kernel.for_range(kernel.i64(0), query_count, |query| {
+                let query = kernel.add(first_query, query)?;
+                let seen = if causal {
+                    kernel.less(position, visible(query)?)?
+                } else {
+                    kernel.less(kernel.i64(-1), position)?
+                };
+                kernel.if_else(
+                    seen,
+                    || {
+                        row_stats(query)?;
+                        let p = probability(query, row)?;
+                        let ds =
+                            kernel.fmul(p, kernel.fsub(slope(query, row)?, kernel.get(dot)?)?)?;
+                        columns(&|column| {
+                            let column_at = kernel.add(base, column)?;
+                            let x =
+                                kernel.load_float(queries, index(kernel, q, query, column_at)?)?;
+                            let y =
+                                kernel.load_float(slopes, index(kernel, g, query, column_at)?)?;
+                            let dk = kernel.fadd(
+                                kernel.load_float(first_grad, column)?,
+                                kernel.fmul(ds, x)?,
+                            )?;
+                            let dv = kernel.fadd(
+                                kernel.load_float(second_grad, column)?,
+                                kernel.fmul(p, y)?,
+                            )?;
+                            kernel.store_float(first_grad, column, dk)?;
+                            kernel.store_float(second_grad, column, dv)
+                        })
+                    },
+                    || Ok(()),
+                )
+            })?;
+            // [Lk, 2, heads, head_dim]: dK then dV.
+            let width = kernel.i64(2 * heads * head_dim);
+            let target = kernel.add(kernel.mul(row, width)?, base)?;
+            columns(&|column| {
+                let at = kernel.add(target, column)?;
+                let dk = kernel.fmul(
+                    kernel.load_float(first_grad, column)?,
+                    kernel.constant(scale),
+                )?;
+                kernel.store_float(out, at, dk)?;
+                let at = kernel.add(at, kernel.i64(heads * head_dim))?;
+                kernel.store_float(out, at, kernel.load_float(second_grad, column)?)
+            })
+        } else {
+            let limit = visible(row)?;
+            let has_keys = kernel.less(kernel.i64(0), limit)?;
+            kernel.if_else(
+                has_keys,
+                || {
+                    row_stats(row)?;
+                    kernel.for_range(kernel.i64(0), limit, |key| {
+                        let key = kernel.add(first_key, key)?;
+                        let p = probability(row, key)?;
+                        let ds =
+                            kernel.fmul(p, kernel.fsub(slope(row, key)?, kernel.get(dot)?)?)?;
+                        columns(&|column| {
+                            let column_at = kernel.add(base, column)?;
+                            let y =
+                                kernel.load_float(key_rows, index(kernel, k, key, column_at)?)?;
+                            let dq = kernel.fadd(
+                                kernel.load_float(first_grad, column)?,
+                                kernel.fmul(ds, y)?,
+                            )?;
+                            kernel.store_float(first_grad, column, dq)
+                        })
+                    })
+                },
+                || Ok(()),
+            )?;
+            let target = kernel.add(kernel.mul(row, kernel.i64(heads * head_dim))?, base)?;
+            columns(&|column| {
+                let dq = kernel.fmul(
+                    kernel.load_float(first_grad, column)?,
+                    kernel.constant(scale),
+                )?;
+                kernel.store_float(out, kernel.add(target, column)?, dq)
+            })
+        }
     })
 }

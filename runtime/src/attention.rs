@@ -516,4 +516,116 @@ mod tests {
             }
         }
     }
+
+    /// The host's attention gradient and the template's (keys' or queries'), on finite
+    /// values.
+    fn gradients(
+        (q_lengths, k_lengths): (&[i64], &[i64]),
+        (q, k, v, g): (&[f32], &[f32], &[f32], &[f32]),
+        (causal, keys): (bool, bool),
+    ) -> (Vec<f32>, Vec<f32>) {
+        let width = HEADS * HEAD_DIM;
+        let slot = nestor_passes::Slot;
+        let accesses = [1, 2, 3, 4].map(|index| Access::rows(slot(index), width));
+        let (q_offsets, k_offsets) = (offsets(q_lengths), offsets(k_lengths));
+        let (rows, lengths) = if keys {
+            (*k_offsets.last().unwrap_or(&0), k_lengths)
+        } else {
+            (*q_offsets.last().unwrap_or(&0), q_lengths)
+        };
+        let size = (rows * width * if keys { 2 } else { 1 }) as usize;
+        let scale = 0.7;
+        let host = AttentionGrad {
+            q: &accesses[0],
+            k: &accesses[1],
+            v: &accesses[2],
+            g: &accesses[3],
+            heads: HEADS,
+            head_dim: HEAD_DIM,
+            causal,
+            scale,
+            keys,
+            parallel: false,
+        };
+        let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+        let mut expected = vec![f32::NAN; size];
+        unsafe {
+            host.run::<f32>(
+                (
+                    expected.as_mut_ptr() as *mut u8,
+                    pointer(q),
+                    pointer(k),
+                    pointer(v),
+                    pointer(g),
+                ),
+                (&q_offsets, &k_offsets),
+            )
+        };
+        let [qa, ka, va, ga] = accesses;
+        let step = Step::AttentionGrad {
+            out: slot(0),
+            q: qa,
+            k: ka,
+            v: va,
+            g: ga,
+            q_lengths: slot(5),
+            k_lengths: slot(6),
+            heads: HEADS,
+            head_dim: HEAD_DIM,
+            causal,
+            scale,
+            keys,
+        };
+        let program = Program {
+            steps: vec![step],
+            ..Program::default()
+        };
+        let kernels =
+            nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
+                .unwrap();
+        let kernel = kernels.kernel(0).unwrap();
+        let elements: Vec<i64> = (0..lengths.len() as i64)
+            .flat_map(|element| std::iter::repeat_n(element, lengths[element as usize] as usize))
+            .collect();
+        let mut actual = vec![f32::NAN; size];
+        let args = [
+            actual.as_mut_ptr() as *mut u8,
+            pointer(q),
+            pointer(k),
+            pointer(v),
+            pointer(g),
+            q_offsets.as_ptr() as *mut u8,
+            k_offsets.as_ptr() as *mut u8,
+            elements.as_ptr() as *mut u8,
+        ];
+        // The buffers hold the rows of these offsets; `actual` the gradient's rows.
+        unsafe { kernel(args.as_ptr(), 0, rows * HEADS) };
+        (actual, expected)
+    }
+
+    proptest! {
+        #[test]
+        fn the_attention_gradient_template_equals_the_host_gradient(
+            (q_lengths, k_lengths, values, causal) in case(),
+            keys in any::<bool>(),
+        ) {
+            let width = (HEADS * HEAD_DIM) as usize;
+            let (queries, key_rows) = (q_lengths.iter().sum::<i64>() as usize, k_lengths.iter().sum::<i64>() as usize);
+            // Finite values only: the gradients' NaN semantics are not specified.
+            let finite: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).collect();
+            let needed = (2 * queries + 2 * key_rows) * width;
+            let finite: Vec<f32> = finite.iter().copied().cycle().take(needed.max(1)).collect();
+            let (q, rest) = finite.split_at(queries * width);
+            let (k, rest) = rest.split_at(key_rows * width);
+            let (v, rest) = rest.split_at(key_rows * width);
+            let g = &rest[..queries * width];
+            let (actual, expected) = gradients((&q_lengths, &k_lengths), (q, k, v, g), (causal, keys));
+            for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
+                prop_assert!(
+                    (a - e).abs() <= 1e-4 * (1.0 + e.abs()),
+                    "value {index}: template {a} vs host {e} (causal {causal}, keys {keys}, lengths {q_lengths:?} / {k_lengths:?})"
+                );
+            }
+        }
+    }
 }

@@ -5,8 +5,8 @@
 //!   `tests/gpu_check.rs` (one kernel template each, its PTX, buffers and the CPU
 //!   backend's output) runs on the GPU and is compared;
 //! - whole programs (an optimized Transformer encoder layer, a feed-forward block, a graph
-//!   of gathers, padding and segmented kernels, and the training step of a pooled
-//!   classifier's loss with its gradients) are lowered here, run on the device
+//!   of gathers, padding and segmented kernels, and the training steps of a pooled
+//!   classifier and of causal attention with their gradients) are lowered here, run on the device
 //!   (`--device cuda`: the GPU, PTX made on the spot; `--device host`: the same kernels
 //!   on the CPU, the self-test of `make test`) and on the CPU runtime for several sets of
 //!   lengths, and compared.
@@ -27,20 +27,33 @@ use nestor_runtime::{
     CudaDevice, Executable, HostDevice, InputData, KernelDevice, RunData, RuntimeError, Stats,
 };
 
-const PROGRAMS: [(&str, &str); 4] = [
+/// Name, text, and whether to run its training step (the loss, its first output, and
+/// every parameter's gradient) rather than the graph itself.
+const PROGRAMS: [(&str, &str, bool); 5] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
+        false,
     ),
-    ("ffn", include_str!("../../../tests/filetests/ffn.nir")),
+    (
+        "ffn",
+        include_str!("../../../tests/filetests/ffn.nir"),
+        false,
+    ),
     (
         "device_mix",
         include_str!("../../../tests/filetests/device_mix.nir"),
+        false,
     ),
-    // Trained: the loss and every parameter's gradient.
     (
         "pooled_loss (training)",
         include_str!("../../../tests/filetests/pooled_loss.nir"),
+        true,
+    ),
+    (
+        "attention_loss (training)",
+        include_str!("../../../tests/filetests/attention_loss.nir"),
+        true,
     ),
 ];
 
@@ -101,9 +114,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    for (name, text) in PROGRAMS {
+    for (name, text, train) in PROGRAMS {
         for lengths in LENGTHS {
-            let line = match check(text, lengths, kind) {
+            let line = match check(text, train, lengths, kind) {
                 Ok((worst, device_ms, cpu_ms)) => format!(
                     "ok   {name} {lengths:?}: largest relative error {worst:.2e}; \
                      device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
@@ -182,14 +195,10 @@ fn run_cases(device: &nestor_backend_cuda::Device, dir: &Path) -> Result<(String
 
 /// Runs `text` for `lengths` on the device and on the CPU runtime: the largest relative
 /// difference and each one's time (the median of five runs after one).
-fn check(text: &str, lengths: &[i64], kind: Kind) -> Result<(f64, f64, f64), String> {
+fn check(text: &str, train: bool, lengths: &[i64], kind: Kind) -> Result<(f64, f64, f64), String> {
     let fail = |error: RuntimeError| error.to_string();
     let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
-    let graph = if text.contains("cross_entropy(") {
-        joint(&graph)?
-    } else {
-        graph
-    };
+    let graph = if train { joint(&graph)? } else { graph };
     let graph = nestor_passes::Pipeline::unoptimized()
         .run(&graph)
         .map_err(|error| error.to_string())?;

@@ -214,8 +214,8 @@ enum Index {
 
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
-    /// a kernel of the `Complete` set, the results copied back. Steps without a device
-    /// kernel yet (host steps, attention gradients) are an error naming the step.
+    /// a kernel of the `Complete` set, the results copied back. Host steps (per-element
+    /// regions run through libtorch) are an error naming the step.
     pub fn run_on_device<D: KernelDevice>(
         &self,
         device: &D,
@@ -524,6 +524,40 @@ impl Plan<'_> {
                     || format!("outside 0..{classes}"),
                 )?;
                 (vec![Arg::Slot(*out), Arg::Slot(*ids)], (0, rows(*count)))
+            }
+            Step::AttentionGrad {
+                out,
+                q,
+                k,
+                v,
+                g,
+                q_lengths,
+                k_lengths,
+                heads,
+                keys,
+                ..
+            } => {
+                let rows_of = if *keys { *k_lengths } else { *q_lengths };
+                if self.lengths(*q_lengths)?.lengths.len()
+                    != self.lengths(*k_lengths)?.lengths.len()
+                {
+                    return Err(device_error(
+                        self.step,
+                        "queries and keys of different batch sizes",
+                    ));
+                }
+                let total = self.lengths(rows_of)?.offsets.last().copied().unwrap_or(0);
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(q.slot),
+                    Arg::Slot(k.slot),
+                    Arg::Slot(v.slot),
+                    Arg::Slot(g.slot),
+                    Arg::Index(Index::Offsets(*q_lengths)),
+                    Arg::Index(Index::Offsets(*k_lengths)),
+                    Arg::Index(Index::Owners(rows_of)),
+                ];
+                (args, (0, total.saturating_mul(*heads)))
             }
             Step::RandomMask {
                 out,

@@ -11,12 +11,13 @@
 #                                  # compared); libdevice and the libraries LLVM needs
 #                                  # travel along
 #   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs it and
-#                                  # writes $OUT/gpu-check.txt (and nvidia-smi.txt)
+#                                  # the padded torch baseline of its 256-wide encoder layer
+#                                  # (scripts/gpu-torch-baseline.py), writes
+#                                  # $OUT/gpu-check.txt, torch.txt and nvidia-smi.txt
 #
 # With the device tool: prepare here, then run `scripts/gpu-check.sh run` with
-# carry ["gpu-check"]. Not yet: the encoder at the report's sizes timed against padded
-# torch (the device programs are the small test graphs, and GEMMs run on a plain
-# template, not cuBLAS).
+# carry ["gpu-check"]. The device's GEMMs are a plain template (no cuBLAS yet) and its
+# attention one thread per query row: expect the timing to show it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 folder="$root/gpu-check"
@@ -37,6 +38,7 @@ case "${1:-}" in
     ldd "$folder/bin/gpu-check" | awk '/libffi|libz\.|libzstd/ {print $3}' \
       | while read -r library; do cp "$library" "$folder/bin/"; done
     cp "${NESTOR_LIBDEVICE:-$LIBTORCH/../triton/backends/nvidia/lib/libdevice.10.bc}" "$folder/bin/"
+    cp "$root/scripts/gpu-torch-baseline.py" "$folder/bin/"
     echo "gpu-check: $(find "$folder/cases" -name meta.txt | wc -l) cases, $(du -sh "$folder" | cut -f1) in $folder"
     ;;
   run)
@@ -48,6 +50,8 @@ case "${1:-}" in
     status=0
     "$folder/bin/gpu-check" --device cuda --cases "$folder/cases" "$out" || status=$?
     echo "gpu-check exited with $status" | tee -a "$out/gpu-check.txt"
+    # The padded PyTorch baseline of encoder_layer_256 (same sizes and lengths).
+    python3 "$folder/bin/gpu-torch-baseline.py" cuda 2>&1 | tee "$out/torch.txt" || true
     exit "$status"
     ;;
   *)

@@ -28,7 +28,7 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        20
+        21
     );
     let _ = std::fs::remove_dir_all(&out);
 }

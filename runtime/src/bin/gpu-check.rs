@@ -60,6 +60,37 @@ const PROGRAMS: [(&str, &str, bool); 5] = [
 /// Batches with empty and one-row elements, a batch of one, a larger one.
 const LENGTHS: [&[i64]; 4] = [&[4, 0, 1, 3], &[1], &[7, 2], &[64, 17, 3, 40, 9, 1, 33, 20]];
 
+/// 16 lengths up to 256 at 35% occupancy (the same in `scripts/gpu-torch-baseline.py`).
+const BENCHMARK_LENGTHS: [i64; 16] = [
+    256, 40, 117, 61, 98, 23, 135, 77, 52, 110, 89, 30, 125, 70, 64, 87,
+];
+
+/// The optimized encoder layer of the filetests (d_model 8, 2 heads, ff 16) at d_model
+/// 256, 4 heads of 64, feed-forward 1024.
+fn encoder_layer_256() -> String {
+    let replacements = [
+        ("[3, 2, 4]", "[3, 4, 64]"),
+        ("%0, 3, 2, 4]", "%0, 3, 4, 64]"),
+        ("%0, 2, 4]", "%0, 4, 64]"),
+        ("f32[24, 8]", "f32[768, 256]"),
+        ("f32[24]", "f32[768]"),
+        ("%0, 24]", "%0, 768]"),
+        ("f32[8, 8]", "f32[256, 256]"),
+        ("f32[16, 8]", "f32[1024, 256]"),
+        ("f32[8, 16]", "f32[256, 1024]"),
+        ("f32[16]", "f32[1024]"),
+        ("f32[8]", "f32[256]"),
+        ("%0, 16]", "%0, 1024]"),
+        ("%0, 8]", "%0, 256]"),
+        ("tail = [8]", "tail = [256]"),
+    ];
+    replacements
+        .into_iter()
+        .fold(PROGRAMS[0].1.to_owned(), |text, (from, to)| {
+            text.replace(from, to)
+        })
+}
+
 /// Which device the programs run on.
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -114,6 +145,21 @@ fn main() -> ExitCode {
             }
         }
     }
+    // The encoder layer at the benchmark's sizes, timed (against padded torch in
+    // `scripts/gpu-torch-baseline.py`, same lengths).
+    let line = match check(&encoder_layer_256(), false, &BENCHMARK_LENGTHS, kind) {
+        Ok((worst, device_ms, cpu_ms)) => format!(
+            "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at 35%): \
+             largest relative error {worst:.2e}; device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
+        ),
+        Err(why) => {
+            failures += 1;
+            format!("FAIL encoder_layer_256: {why}")
+        }
+    };
+    println!("{line}");
+    report.push_str(&line);
+    report.push('\n');
     for (name, text, train) in PROGRAMS {
         for lengths in LENGTHS {
             let line = match check(text, train, lengths, kind) {

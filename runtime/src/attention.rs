@@ -370,7 +370,7 @@ mod tests {
     //! the same NaN, infinity and empty-element behaviour.
 
     use super::*;
-    use nestor_passes::{Program, Step};
+    use nestor_passes::Step;
     use proptest::prelude::*;
 
     const HEADS: i64 = 2;
@@ -439,17 +439,7 @@ mod tests {
             causal,
             scale,
         };
-        let program = Program {
-            steps: vec![step],
-            ..Program::default()
-        };
-        let kernels =
-            nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
-                .unwrap();
-        let kernel = kernels.kernel(0).unwrap();
-        let elements: Vec<i64> = (0..q_lengths.len() as i64)
-            .flat_map(|element| std::iter::repeat_n(element, q_lengths[element as usize] as usize))
-            .collect();
+        let elements = crate::testing::row_elements(q_lengths);
         let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
         let args = [
             actual.as_mut_ptr() as *mut u8,
@@ -462,7 +452,7 @@ mod tests {
         ];
         // The kernel reads the buffers above, sized for these offsets, and writes the
         // rows x heads x value_dim values of `actual`.
-        unsafe { kernel(args.as_ptr(), 0, rows * HEADS) };
+        unsafe { crate::testing::run_template(step, &args, rows * HEADS) };
         (actual, expected)
     }
 
@@ -576,17 +566,7 @@ mod tests {
             scale,
             keys,
         };
-        let program = Program {
-            steps: vec![step],
-            ..Program::default()
-        };
-        let kernels =
-            nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
-                .unwrap();
-        let kernel = kernels.kernel(0).unwrap();
-        let elements: Vec<i64> = (0..lengths.len() as i64)
-            .flat_map(|element| std::iter::repeat_n(element, lengths[element as usize] as usize))
-            .collect();
+        let elements = crate::testing::row_elements(lengths);
         let mut actual = vec![f32::NAN; size];
         let args = [
             actual.as_mut_ptr() as *mut u8,
@@ -599,7 +579,7 @@ mod tests {
             elements.as_ptr() as *mut u8,
         ];
         // The buffers hold the rows of these offsets; `actual` the gradient's rows.
-        unsafe { kernel(args.as_ptr(), 0, rows * HEADS) };
+        unsafe { crate::testing::run_template(step, &args, rows * HEADS) };
         (actual, expected)
     }
 

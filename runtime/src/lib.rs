@@ -18,6 +18,8 @@ mod memory;
 mod parallel;
 mod scalar;
 mod stats;
+#[cfg(test)]
+mod testing;
 
 pub use executor::{
     CudaBuffer, CudaDevice, Executable, HostBuffer, HostDevice, HostRunner, HostValue, InputData,

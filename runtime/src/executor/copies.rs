@@ -61,22 +61,9 @@ mod tests {
     //! and compared with these copies, bit for bit.
 
     use super::*;
-    use nestor_passes::{Program, Slot, Step};
+    use crate::testing::run_template;
+    use nestor_passes::{Slot, Step};
     use proptest::prelude::*;
-
-    /// Runs the one-step program's kernel over `range` with `args`.
-    fn run_template(step: Step, args: &[*mut u8], range: i64) {
-        let program = Program {
-            steps: vec![step],
-            ..Program::default()
-        };
-        let kernels =
-            nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
-                .unwrap_or_else(|error| panic!("{error}"));
-        let kernel = kernels.kernel(0).unwrap_or_else(|| panic!("no kernel"));
-        // The callers size every buffer for the step over `0..range`.
-        unsafe { kernel(args.as_ptr(), 0, range) };
-    }
 
     proptest! {
         #[test]
@@ -95,24 +82,26 @@ mod tests {
             let mut actual = vec![f32::NAN; padded_size];
             let longest = [info.longest];
             let step = Step::Pad { out: Slot(0), x: Slot(1), lengths: Slot(2), width, value: -7.5 };
-            run_template(step, &[
+            // The buffers hold the values of these lengths.
+            unsafe { run_template(step, &[
                 actual.as_mut_ptr() as *mut u8,
                 pointer(&values),
                 info.offsets.as_ptr() as *mut u8,
                 longest.as_ptr() as *mut u8,
-            ], lengths.len() as i64 * info.longest);
+            ], lengths.len() as i64 * info.longest) };
             let bits = |values: &[f32]| values.iter().map(|value| value.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&actual), bits(&expected));
 
             let mut unpadded = vec![f32::NAN; values.len()];
             let step = Step::Unpad { out: Slot(0), x: Slot(1), grid: Slot(2), lengths: Slot(3), width };
-            run_template(step, &[
+            // The buffers hold the values of these lengths.
+            unsafe { run_template(step, &[
                 unpadded.as_mut_ptr() as *mut u8,
                 pointer(&expected),
                 info.offsets.as_ptr() as *mut u8,
                 longest.as_ptr() as *mut u8,
                 info.owners().as_ptr() as *mut u8,
-            ], total);
+            ], total) };
             let mut host = vec![f32::NAN; values.len()];
             unsafe { unpad::<f32>(host.as_mut_ptr() as *mut u8, pointer(&expected), &lengths, info.longest, width) };
             prop_assert_eq!(bits(&unpadded), bits(&host));

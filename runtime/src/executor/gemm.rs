@@ -310,14 +310,11 @@ mod tests {
             unsafe { gemm::<f32>(out, pointer(&x), pointer(&weight), bias_pointer, shape, epilogue) };
 
             let mut actual = vec![f32::NAN; (rows * n) as usize];
-            let complete = nestor_backend_cpu::compile_with(&program, KernelSet::Complete)
-                .unwrap_or_else(|error| panic!("{error}"));
-            let kernel = complete.kernel(0).unwrap_or_else(|| panic!("no GEMM kernel"));
             let null = std::ptr::null_mut();
             let out = actual.as_mut_ptr() as *mut u8;
             let args = [out, pointer(&x), pointer(&weight), bias_pointer.unwrap_or(null), out, pointer(&residual)];
             // The same buffers, over rows x n output values.
-            unsafe { kernel(args.as_ptr(), 0, rows * n) };
+            unsafe { crate::testing::run_template(program.steps[0].clone(), &args, rows * n) };
             for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 prop_assert!((a - e).abs() <= 1e-5 * (1.0 + e.abs()), "value {index}: {a} vs {e}");
             }

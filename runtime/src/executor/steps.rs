@@ -746,8 +746,7 @@ impl Executable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nestor_backend_cpu::KernelSet;
-    use nestor_passes::{Program, Rows};
+    use nestor_passes::Rows;
 
     /// The device's dropout-mask kernel draws the CPU's masks, bit for bit.
     #[test]
@@ -761,20 +760,11 @@ mod tests {
                 p,
                 stream,
             };
-            let program = Program {
-                steps: vec![step],
-                ..Program::default()
-            };
-            let kernels = nestor_backend_cpu::compile_with(&program, KernelSet::Complete)
-                .unwrap_or_else(|error| panic!("{error}"));
-            let kernel = kernels
-                .kernel(0)
-                .unwrap_or_else(|| panic!("no mask kernel"));
             let mut actual = vec![f32::NAN; count];
             let key = [mask_key(stream, run) as i64];
             let args = [actual.as_mut_ptr() as *mut u8, key.as_ptr() as *mut u8];
             // `actual` holds the `count` values of the range.
-            unsafe { kernel(args.as_ptr(), 0, count as i64) };
+            unsafe { crate::testing::run_template(step, &args, count as i64) };
             let mut expected = vec![f32::NAN; count];
             unsafe {
                 random_mask::<f32>(

@@ -97,6 +97,15 @@ impl Device {
         Ok(LoadedModule { kernels })
     }
 
+    /// A new device buffer of `count` zeros (at least one value: an empty buffer has no
+    /// address).
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        count: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.alloc_zeros(count.max(1)).map_err(driver)
+    }
+
     /// Copies `values` to a new device buffer.
     pub fn upload<T: cudarc::driver::DeviceRepr>(
         &self,

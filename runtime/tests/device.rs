@@ -53,3 +53,37 @@ fn the_gpu_check_without_a_gpu_says_so() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn device_buffers_over_the_memory_budget_are_an_error() {
+    use nestor_runtime::{Executable, HostDevice, InputData, MemoryBudget, RuntimeError};
+    let graph = nestor_ir::parse(
+        r#"graph @wide {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 4]
+  %2 = exp(%1) : ragged<f32>[B; %0, 4]
+  return %2
+}"#,
+    )
+    .unwrap();
+    let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let device = HostDevice::new(&executable).unwrap();
+    let (lengths, x) = ([100i64], vec![0.5f32; 400]);
+    let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+    // This binary's other tests run in their own processes: the budget is this test's.
+    MemoryBudget::set(Some(1000));
+    let result = executable.run_on_device(&device, &inputs);
+    MemoryBudget::set(None);
+    match result {
+        Err(RuntimeError::OutOfMemory {
+            bytes: 1600,
+            budget: 1000,
+            ..
+        }) => {}
+        other => panic!(
+            "expected OutOfMemory, got {:?}",
+            other.map(|outputs| outputs.len())
+        ),
+    }
+    assert_eq!(executable.run_on_device(&device, &inputs).unwrap().len(), 1);
+}

@@ -12,12 +12,14 @@ use nestor_backend_cpu::{CpuKernels, KernelSet};
 use nestor_passes::{Access, FloatType, Program, Slot, Source, Step};
 
 use super::sizes::Sizes;
-use super::{Executable, InputData, RunData, RunOutput, RuntimeError};
+use super::{within_budget, Executable, InputData, RunData, RunOutput, RuntimeError};
 
 /// Memory and kernel launches of one program's `Complete` kernel set.
 pub trait KernelDevice {
     /// A buffer of the device.
     type Buffer;
+    /// A buffer of `count` f32 zeros.
+    fn zeros_f32(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
     /// A buffer holding `values`.
     fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError>;
     /// A buffer holding `values`.
@@ -68,8 +70,22 @@ pub struct HostBuffer {
 impl KernelDevice for HostDevice {
     type Buffer = HostBuffer;
 
+    fn zeros_f32(&self, count: usize) -> Result<HostBuffer, RuntimeError> {
+        // One word at least: kernels take the address of every buffer.
+        let length = count.div_ceil(2).max(1);
+        let mut words = Vec::new();
+        words
+            .try_reserve_exact(length)
+            .map_err(|_| device_error(0, format!("cannot allocate {count} values")))?;
+        words.resize(length, 0u64);
+        Ok(HostBuffer {
+            words,
+            floats: count,
+        })
+    }
+
     fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
-        let mut words = vec![0u64; values.len().div_ceil(2).max(1)];
+        let HostBuffer { mut words, floats } = self.zeros_f32(values.len())?;
         // The words hold at least `values.len()` f32s.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -78,14 +94,12 @@ impl KernelDevice for HostDevice {
                 values.len(),
             )
         };
-        Ok(HostBuffer {
-            words,
-            floats: values.len(),
-        })
+        Ok(HostBuffer { words, floats })
     }
 
     fn upload_i64(&self, values: &[i64]) -> Result<HostBuffer, RuntimeError> {
         let mut words: Vec<u64> = values.iter().map(|&value| value as u64).collect();
+        // One word at least: kernels take the address of every buffer.
         words.push(0);
         Ok(HostBuffer { words, floats: 0 })
     }
@@ -155,6 +169,10 @@ pub enum CudaBuffer {
 
 impl KernelDevice for CudaDevice {
     type Buffer = CudaBuffer;
+
+    fn zeros_f32(&self, count: usize) -> Result<CudaBuffer, RuntimeError> {
+        Ok(CudaBuffer::F32(self.device.zeros(count)?, count))
+    }
 
     fn upload_f32(&self, values: &[f32]) -> Result<CudaBuffer, RuntimeError> {
         let stored = if values.is_empty() {
@@ -241,7 +259,14 @@ impl Executable {
                     // `input_pointers` accepted only these for an f32 program.
                     _ => None,
                 },
-                Source::Step => Some(device.upload_f32(&vec![0.0; elements])?),
+                Source::Step => {
+                    // A buffer no larger than the memory budget (a count near i64::MAX
+                    // from hostile lengths is over it), charged to the step writing it.
+                    let slot = Slot(index as u32);
+                    let step = program.steps.iter().position(|step| step.output() == slot);
+                    within_budget(step.unwrap_or(0), "its output", elements.checked_mul(4))?;
+                    Some(device.zeros_f32(elements)?)
+                }
                 // Aliases use their root's buffer.
                 Source::Alias(_) => None,
             });

@@ -134,6 +134,16 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         }
     }
 
+    /// Buffers `0..N` of the `args` array.
+    pub(crate) fn args<const N: usize>(&self) -> Gen<[PointerValue<'ctx>; N]> {
+        let pointers = (0..N as u64)
+            .map(|index| self.arg(index))
+            .collect::<Gen<Vec<_>>>()?;
+        pointers
+            .try_into()
+            .map_err(|_| err("a kernel's argument count"))
+    }
+
     pub(crate) fn load_float(
         &self,
         base: PointerValue<'ctx>,
@@ -177,6 +187,18 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     /// A float accumulator in the entry block (promoted to a register by the optimizer).
     pub(crate) fn accumulator(&self, name: &str) -> Gen<PointerValue<'ctx>> {
         self.alloca_in_entry(self.float.into(), name)
+    }
+
+    /// One accumulator per name.
+    pub(crate) fn accumulators<const N: usize>(
+        &self,
+        names: [&str; N],
+    ) -> Gen<[PointerValue<'ctx>; N]> {
+        let slots = names
+            .into_iter()
+            .map(|name| self.accumulator(name))
+            .collect::<Gen<Vec<_>>>()?;
+        slots.try_into().map_err(|_| err("accumulator count"))
     }
 
     /// `length` floats in the entry block (registers or local memory), indexed with

@@ -517,8 +517,7 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
 
 fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, table, ids): (PointerValue<'ctx>, PointerValue<'ctx>, PointerValue<'ctx>) =
-        (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
+    let [out, table, ids] = kernel.args()?;
     kernel.parallel_range(start, end, |row| {
         let id = kernel.load_i64(ids, row)?;
         let source = kernel.mul(id, kernel.i64(width))?;
@@ -540,7 +539,7 @@ fn gemm<'ctx>(
     epilogue: Option<&Fusion>,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, x, weight) = (kernel.arg(0)?, kernel.arg(1)?, kernel.arg(2)?);
+    let [out, x, weight] = kernel.args()?;
     let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
     let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
     let (pointers, maps) = fused_args(kernel, inputs, 4)?;
@@ -583,7 +582,7 @@ fn gemm<'ctx>(
 /// `out[r, c] = 1` where `c == ids[r]` (a row of zeros for `ignore`), else 0.
 fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, ids) = (kernel.arg(0)?, kernel.arg(1)?);
+    let [out, ids] = kernel.args()?;
     let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
     kernel.parallel_range(start, end, |row| {
         let id = kernel.load_i64(ids, row)?;
@@ -602,7 +601,7 @@ fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()
 /// runtime's generator: the same key gives the same mask).
 fn random_mask<'ctx>(kernel: &Kernel<'ctx, '_>, p: f64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, key) = (kernel.arg(0)?, kernel.arg(1)?);
+    let [out, key] = kernel.args()?;
     let key = kernel.load_i64(key, kernel.i64(0))?;
     // `bits / 2^53 >= p` exactly when `bits >= ceil(p 2^53)` (both sides exact).
     let threshold = (p * (1u64 << 53) as f64)
@@ -620,7 +619,7 @@ fn random_mask<'ctx>(kernel: &Kernel<'ctx, '_>, p: f64) -> Gen<()> {
 /// `out[b] = lengths[b]` as numbers.
 fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, lengths) = (kernel.arg(0)?, kernel.arg(1)?);
+    let [out, lengths] = kernel.args()?;
     kernel.parallel_range(start, end, |element| {
         let value = kernel.to_float(kernel.load_i64(lengths, element)?)?;
         kernel.store_float(out, element, value)
@@ -630,7 +629,7 @@ fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
 /// `out` viewed as `[rows, size, inner]`: `x`'s row at `index`, zeros elsewhere.
 fn insert<'ctx>(kernel: &Kernel<'ctx, '_>, size: i64, index: i64, inner: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, x) = (kernel.arg(0)?, kernel.arg(1)?);
+    let [out, x] = kernel.args()?;
     let zero = kernel.constant(0.0);
     kernel.parallel_range(start, end, |row| {
         let source = kernel.mul(row, kernel.i64(inner))?;
@@ -697,12 +696,7 @@ fn sum_rows<'ctx>(
 /// `padding`): each output value reads every id once.
 fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, g, ids, count) = (
-        kernel.arg(0)?,
-        kernel.arg(1)?,
-        kernel.arg(2)?,
-        kernel.arg(3)?,
-    );
+    let [out, g, ids, count] = kernel.args()?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let total = kernel.accumulator("total")?;
     let zero = kernel.constant(0.0);
@@ -734,12 +728,7 @@ fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Ge
 /// `value` past its length.
 fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, x, offsets, longest) = (
-        kernel.arg(0)?,
-        kernel.arg(1)?,
-        kernel.arg(2)?,
-        kernel.arg(3)?,
-    );
+    let [out, x, offsets, longest] = kernel.args()?;
     let longest = kernel.load_i64(longest, kernel.i64(0))?;
     kernel.parallel_range(start, end, |padded| {
         let element = kernel.div(padded, longest)?;
@@ -770,9 +759,8 @@ fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
 /// `e * longest + position` of the padded grid.
 fn unpad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, offsets, longest, elements] = [0, 1, 2, 3, 4].map(|index| kernel.arg(index));
-    let (out, x, offsets, elements) = (out?, x?, offsets?, elements?);
-    let longest = kernel.load_i64(longest?, kernel.i64(0))?;
+    let [out, x, offsets, longest, elements] = kernel.args()?;
+    let longest = kernel.load_i64(longest, kernel.i64(0))?;
     kernel.parallel_range(start, end, |row| {
         let element = kernel.load_i64(elements, row)?;
         let position = kernel.sub(row, kernel.load_i64(offsets, element)?)?;
@@ -803,14 +791,9 @@ fn attention<'ctx>(
     scale: f64,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, queries, keys, values, query_offsets, key_offsets, elements] =
-        [0, 1, 2, 3, 4, 5, 6].map(|index| kernel.arg(index));
-    let (out, queries, keys, values) = (out?, queries?, keys?, values?);
-    let (query_offsets, key_offsets, elements) = (query_offsets?, key_offsets?, elements?);
+    let [out, queries, keys, values, query_offsets, key_offsets, elements] = kernel.args()?;
     let output = kernel.accumulator_array("output", value_dim)?;
-    let [largest, total, poisoned] =
-        ["largest", "total", "poisoned"].map(|name| kernel.accumulator(name));
-    let (largest, total, poisoned) = (largest?, total?, poisoned?);
+    let [largest, total, poisoned] = kernel.accumulators(["largest", "total", "poisoned"])?;
     let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
     let [infinity, negative_infinity] =
         [f64::INFINITY, f64::NEG_INFINITY].map(|value| kernel.constant(value));
@@ -936,11 +919,8 @@ fn attention_grad<'ctx>(
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, queries, key_rows, values, slopes, query_offsets, key_offsets, elements] =
-        [0, 1, 2, 3, 4, 5, 6, 7].map(|index| kernel.arg(index));
-    let (out, queries, key_rows, values, slopes) = (out?, queries?, key_rows?, values?, slopes?);
-    let (query_offsets, key_offsets, elements) = (query_offsets?, key_offsets?, elements?);
-    let [largest, total, dot] = ["largest", "total", "dot"].map(|name| kernel.accumulator(name));
-    let (largest, total, dot) = (largest?, total?, dot?);
+        kernel.args()?;
+    let [largest, total, dot] = kernel.accumulators(["largest", "total", "dot"])?;
     let first_grad = kernel.accumulator_array("first", head_dim)?;
     let second_grad = kernel.accumulator_array("second", head_dim)?;
     let zero = kernel.constant(0.0);

@@ -105,3 +105,14 @@ fn large_batches_at_the_default_thresholds_equal_eager() {
         assert!(split >= 20, "only {split} step runs were split");
     });
 }
+
+/// In a process with libtorch (x86-64 builds link MKL and export it), compiled GEMMs
+/// multiply with that MKL, on its threads: the families above (GEMMs with epilogues,
+/// transposed weights, weight gradients' row sums) check its results against eager.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn compiled_gemms_use_the_processs_mkl() {
+    let forced_builtin = std::env::var("NESTOR_BLAS").is_ok_and(|choice| choice == "builtin");
+    let expected = if forced_builtin { "gemm crate" } else { "MKL" };
+    assert_eq!(nestor::gemm_library(), expected);
+}

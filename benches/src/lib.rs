@@ -9,6 +9,7 @@
 //! steps.
 
 pub mod lengths;
+pub mod limits;
 pub mod measure;
 pub mod models;
 pub mod operators;

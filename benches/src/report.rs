@@ -5,6 +5,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use crate::limits::Limits;
 use crate::models::{Column, Measurement, Mode, Model, Outcome};
 use crate::Result;
 
@@ -56,15 +57,17 @@ pub fn speedup(rows: &[Measurement], row: &Measurement) -> Option<f64> {
     Some(padded_median(rows, row)? / median(&row.outcome)?)
 }
 
-fn table(rows: &[Measurement], out: &mut String, with_mode: bool) {
+/// The table of `rows`; `peak_gflops` (the machine's GEMM limit) adds each cell's
+/// useful GFLOP/s as a share of it.
+fn table(rows: &[Measurement], out: &mut String, with_mode: bool, peak_gflops: Option<f64>) {
     let _ = writeln!(
         out,
-        "| {}occupancy | column | median ms | IQR ms | vs padded | GFLOP/s | peak MiB | compiles (first call) |",
+        "| {}occupancy | column | median ms | IQR ms | vs padded | GFLOP/s | % of GEMM peak | peak MiB | compiles (first call) |",
         if with_mode { "mode | " } else { "" }
     );
     let _ = writeln!(
         out,
-        "|{}---|---|---:|---:|---:|---:|---:|---|",
+        "|{}---|---|---:|---:|---:|---:|---:|---:|---|",
         if with_mode { "---|" } else { "" }
     );
     for row in rows_in_order(rows) {
@@ -87,14 +90,17 @@ fn table(rows: &[Measurement], out: &mut String, with_mode: bool) {
                     format!("{} ({:.0} ms)", cost.compiles, cost.seconds * 1e3)
                 });
                 let ratio = speedup(rows, row).map_or("-".into(), |ratio| format!("{ratio:.2}x"));
-                let gflops = if *gflops > 0.0 {
-                    format!("{gflops:.1}")
-                } else {
-                    "-".into()
+                let (gflops, share) = match peak_gflops {
+                    _ if *gflops <= 0.0 => ("-".into(), "-".into()),
+                    Some(limit) => (
+                        format!("{gflops:.1}"),
+                        format!("{:.0}%", 100.0 * gflops / limit),
+                    ),
+                    None => (format!("{gflops:.1}"), "-".into()),
                 };
                 let _ = writeln!(
                     out,
-                    "| {mode}{:.2} | {} | {:.3} | {:.3}-{:.3} | {ratio} | {gflops} | {peak} | {compile} |",
+                    "| {mode}{:.2} | {} | {:.3} | {:.3}-{:.3} | {ratio} | {gflops} | {share} | {peak} | {compile} |",
                     row.occupancy,
                     row.column.name(),
                     timing.median * 1e3,
@@ -105,7 +111,7 @@ fn table(rows: &[Measurement], out: &mut String, with_mode: bool) {
             Outcome::Unavailable(why) => {
                 let _ = writeln!(
                     out,
-                    "| {mode}{:.2} | {} | - | - | - | - | - | {} |",
+                    "| {mode}{:.2} | {} | - | - | - | - | - | - | {} |",
                     row.occupancy,
                     row.column.name(),
                     why.replace('|', "/")
@@ -169,6 +175,43 @@ fn summary(models: &[Measurement], out: &mut String) {
                 );
             }
         }
+    }
+}
+
+/// What the machine does at best, and the models' GEMMs in libtorch and nestor compiled.
+fn limits_section(limits: &Limits, out: &mut String) {
+    let _ = writeln!(out, "\n## Machine limits\n");
+    let _ = writeln!(
+        out,
+        "Measured at the start of the run. GEMM peak: libtorch's f32 matmul of two {side}x{side} \
+         matrices, {:.1} GFLOP/s. Memory bandwidth: a copy of {} MiB, {:.1} GB/s (bytes read plus \
+         written). Each GEMM of a Transformer layer at the models' lengths (every occupancy), \
+         `linear` with a bias on the packed rows: libtorch on the values tensor against nestor \
+         compiled on the batch (a whole compiled call).\n",
+        limits.peak_gflops,
+        limits.copy_bytes >> 20,
+        limits.bandwidth,
+        side = limits.peak_side,
+    );
+    let _ = writeln!(
+        out,
+        "| GEMM | rows x k x n | libtorch ms | libtorch GFLOP/s | compiled ms | compiled GFLOP/s | compiled / libtorch |"
+    );
+    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|");
+    for row in &limits.gemms {
+        let _ = writeln!(
+            out,
+            "| {} | {} x {} x {} | {:.3} | {:.1} | {:.3} | {:.1} | {:.2}x |",
+            row.what,
+            row.rows,
+            row.k,
+            row.n,
+            row.libtorch.median * 1e3,
+            row.gflops(&row.libtorch),
+            row.compiled.median * 1e3,
+            row.gflops(&row.compiled),
+            row.share()
+        );
     }
 }
 
@@ -283,6 +326,7 @@ pub fn chart(models: &[Measurement], model: Model, path: &Path) -> Result<()> {
 /// The whole report in Markdown; charts are linked as `chart_name(model)`.
 pub fn markdown(
     context: &Context,
+    limits: Option<&Limits>,
     packing: &[Packing],
     models: &[Measurement],
     operators: &[Measurement],
@@ -318,6 +362,9 @@ pub fn markdown(
     );
     let _ = writeln!(out, "## Summary: speed-up over padded tch eager\n");
     summary(models, &mut out);
+    if let Some(limits) = limits {
+        limits_section(limits, &mut out);
+    }
     let _ = writeln!(out, "\n## Packing (metadata, timed apart from the steps)\n");
     let _ = writeln!(
         out,
@@ -345,7 +392,12 @@ pub fn markdown(
         }
         let _ = writeln!(out, "### {}\n", model.name());
         let _ = writeln!(out, "![{} speed-up]({})\n", model.name(), chart_name(model));
-        table(&rows, &mut out, true);
+        table(
+            &rows,
+            &mut out,
+            true,
+            limits.map(|limits| limits.peak_gflops),
+        );
         out.push('\n');
     }
     let _ = writeln!(out, "## Operators\n");
@@ -365,7 +417,12 @@ pub fn markdown(
             .cloned()
             .collect();
         let _ = writeln!(out, "### {subject}\n");
-        table(&rows, &mut out, false);
+        table(
+            &rows,
+            &mut out,
+            false,
+            limits.map(|limits| limits.peak_gflops),
+        );
         out.push('\n');
     }
     out

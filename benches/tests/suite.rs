@@ -5,10 +5,11 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_bench::lengths::{image_sizes, lengths, occupancy};
+use nestor_bench::limits::measure_limits;
 use nestor_bench::models::{run_model, with_columns, Column, Columns, Mode, Model, Outcome};
 use nestor_bench::operators::{run_operator, Operator};
 use nestor_bench::report::{markdown, Context, Packing};
-use nestor_bench::Scale;
+use nestor_bench::{Scale, OCCUPANCIES};
 use tch::Kind;
 
 #[test]
@@ -90,7 +91,15 @@ fn every_model_column_and_operator_runs() {
         nested: 1e-5,
         padded: 2e-5,
     }];
-    let text = markdown(&context, &packing, &models, &operators);
+    let limits = measure_limits(&scale).unwrap();
+    assert!(
+        limits.peak_gflops > 0.0 && limits.bandwidth > 0.0,
+        "{limits:?}"
+    );
+    assert_eq!(limits.gemms.len(), 4 * OCCUPANCIES.len());
+    let text = markdown(&context, Some(&limits), &packing, &models, &operators);
+    assert!(text.contains("## Machine limits"));
+    assert!(text.contains("feed-forward down"));
     for model in Model::ALL {
         assert!(text.contains(model.name()), "{}", model.name());
     }

@@ -5,13 +5,15 @@
 //!   the eager `NestedTensor` and compiled programs);
 //! - [`Executable`]: a lowered program with its JIT-compiled kernels; `run` sizes every
 //!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
-//!   cores and calls GEMM (`matrixmultiply`, row chunks on rayon's pool);
+//!   cores and calls GEMM (the process's MKL, libtorch's, on its threads; otherwise the
+//!   `gemm` crate in row chunks on rayon's pool; [`gemm_library`] says which);
 //! - [`Parallelism`]: how runs split their work across threads;
 //! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
 //!
 //! This crate never depends on tch.
 
 mod attention;
+mod blas;
 mod executor;
 mod layout;
 mod memory;
@@ -25,6 +27,7 @@ pub use executor::{
     CudaBuffer, CudaDevice, Executable, HostBuffer, HostDevice, HostRunner, HostValue, InputData,
     KernelDevice, OutputSink, RunData, RunDim, RunOutput, RunShape, RuntimeError,
 };
+pub use blas::gemm_library;
 pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;
 pub use parallel::Parallelism;

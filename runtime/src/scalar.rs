@@ -1,5 +1,6 @@
 //! The floating-point types host steps compute in (f32, or f64 for f64 programs), so
-//! GEMM and attention are written once; matrix products go to `matrixmultiply`.
+//! GEMM and attention are written once; matrix products go to the `gemm` crate
+//! (AVX-512 micro-kernels where the CPU has them, chosen at run time).
 
 use std::ops::{AddAssign, Div, Mul, Sub};
 
@@ -30,12 +31,40 @@ pub(crate) trait Scalar:
     /// # Safety
     /// The pointers must be valid for the sizes and strides given.
     unsafe fn matmul(
-        sizes: (usize, usize, usize),
+        (m, k, n): (usize, usize, usize),
         scale: Self,
         a: (*const Self, isize, isize),
         b: (*const Self, isize, isize),
         c: (*mut Self, isize, isize),
-    );
+    ) {
+        // `gemm` takes column strides before row strides; `c = 0 * c + scale * a b`
+        // without reading `c`, on this thread (the executor splits the rows itself).
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                c.0,
+                c.2,
+                c.1,
+                false,
+                a.0,
+                a.2,
+                a.1,
+                b.0,
+                b.2,
+                b.1,
+                Self::ZERO,
+                scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    }
+    /// MKL's GEMM of this type.
+    fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self>;
     /// Replaces `scores` by `e^(score - max)` (softmax numerators) and returns their sum.
     fn softmax_numerators(scores: &mut [Self]) -> Self {
         exp_shifted(scores)
@@ -74,18 +103,8 @@ impl Scalar for f32 {
     fn exp(self) -> Self {
         nestor_backend_cpu::fast_exp(self)
     }
-    unsafe fn matmul(
-        (m, k, n): (usize, usize, usize),
-        scale: Self,
-        a: (*const Self, isize, isize),
-        b: (*const Self, isize, isize),
-        c: (*mut Self, isize, isize),
-    ) {
-        unsafe {
-            matrixmultiply::sgemm(
-                m, k, n, scale, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
-            )
-        }
+    fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
+        mkl.sgemm
     }
     fn softmax_numerators(scores: &mut [Self]) -> Self {
         #[cfg(target_arch = "x86_64")]
@@ -109,18 +128,8 @@ impl Scalar for f64 {
     fn exp(self) -> Self {
         f64::exp(self)
     }
-    unsafe fn matmul(
-        (m, k, n): (usize, usize, usize),
-        scale: Self,
-        a: (*const Self, isize, isize),
-        b: (*const Self, isize, isize),
-        c: (*mut Self, isize, isize),
-    ) {
-        unsafe {
-            matrixmultiply::dgemm(
-                m, k, n, scale, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
-            )
-        }
+    fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
+        mkl.dgemm
     }
 }
 

@@ -6,7 +6,8 @@
 //! ```
 //!
 //! Options: `--scale cpu|full|smoke` (default cpu), `--out DIR` (default
-//! `docs/benchmarks`). When `libnestor_memcount.so` sits next to the binary (`make
+//! `docs/benchmarks`), `--only TEXT` (only the models and operators whose name contains
+//! it, case-insensitive: for quick measurements; the report then has only those). When `libnestor_memcount.so` sits next to the binary (`make
 //! report` builds it), the report runs itself again with it preloaded to count peak
 //! memory.
 
@@ -15,6 +16,7 @@ use std::path::PathBuf;
 use indicatif::{ProgressBar, ProgressStyle};
 use nestor::NestedTensor;
 use nestor_bench::lengths::{lengths, occupancy};
+use nestor_bench::limits::measure_limits;
 use nestor_bench::measure::{memory_counted, time};
 use nestor_bench::models::{run_model, Measurement, Model, Outcome};
 use nestor_bench::operators::{run_operator, Operator};
@@ -58,12 +60,16 @@ fn run() -> Result<()> {
     }
     let mut scale_name = "cpu".to_owned();
     let mut out = PathBuf::from("docs/benchmarks");
+    let mut only: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--scale" => scale_name = args.next().ok_or("--scale needs cpu, full or smoke")?,
             "--out" => out = PathBuf::from(args.next().ok_or("--out needs a folder")?),
-            other => return Err(format!("unknown argument {other} (use --scale, --out)").into()),
+            "--only" => only = Some(args.next().ok_or("--only needs a name")?.to_lowercase()),
+            other => {
+                return Err(format!("unknown argument {other} (use --scale, --out, --only)").into())
+            }
         }
     }
     let scale = match scale_name.as_str() {
@@ -74,13 +80,46 @@ fn run() -> Result<()> {
     };
     register_font()?;
     std::fs::create_dir_all(&out)?;
+    let chosen = |name: &str| {
+        only.as_ref()
+            .is_none_or(|only| name.to_lowercase().contains(only))
+    };
+    let chosen_models: Vec<Model> = Model::ALL
+        .into_iter()
+        .filter(|model| chosen(model.name()))
+        .collect();
+    let chosen_operators: Vec<Operator> = Operator::ALL
+        .into_iter()
+        .filter(|operator| chosen(operator.name()))
+        .collect();
     // One step per model and occupancy, and per operator.
-    let bar = ProgressBar::new((Model::ALL.len() * OCCUPANCIES.len() + Operator::ALL.len()) as u64);
+    let bar =
+        ProgressBar::new((chosen_models.len() * OCCUPANCIES.len() + chosen_operators.len()) as u64);
     bar.set_style(ProgressStyle::with_template(
         "report {bar:30} {pos}/{len} [{elapsed_precise}, about {eta} left] {msg}",
     )?);
+    bar.set_message("machine limits");
+    let limits = measure_limits(&scale)?;
+    bar.suspend(|| {
+        eprintln!(
+            "report: GEMM peak {:.1} GFLOP/s, bandwidth {:.1} GB/s",
+            limits.peak_gflops, limits.bandwidth
+        );
+        for row in &limits.gemms {
+            eprintln!(
+                "report: {} {}x{}x{}: libtorch {:.1}, compiled {:.1} GFLOP/s ({:.2}x)",
+                row.what,
+                row.rows,
+                row.k,
+                row.n,
+                row.gflops(&row.libtorch),
+                row.gflops(&row.compiled),
+                row.share()
+            );
+        }
+    });
     let mut models: Vec<Measurement> = Vec::new();
-    for model in Model::ALL {
+    for &model in &chosen_models {
         for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
             bar.set_message(format!("{} at occupancy {occupancy}", model.name()));
             let rows = run_model(model, &scale, occupancy, 100 + index as u64)?;
@@ -92,7 +131,7 @@ fn run() -> Result<()> {
         }
     }
     let mut operators: Vec<Measurement> = Vec::new();
-    for operator in Operator::ALL {
+    for &operator in &chosen_operators {
         bar.set_message(operator.name());
         let rows = run_operator(operator, &scale, 0.35, 200)?;
         for row in &rows {
@@ -107,7 +146,7 @@ fn run() -> Result<()> {
         .enumerate()
         .map(|(index, &target)| packing(&scale, target, 100 + index as u64))
         .collect::<Result<Vec<_>>>()?;
-    for model in Model::ALL {
+    for &model in &chosen_models {
         chart(&models, model, &out.join(chart_name(model)))?;
     }
     let context = Context {
@@ -117,7 +156,10 @@ fn run() -> Result<()> {
         memory: memory_counted(),
     };
     let path = out.join("report.md");
-    std::fs::write(&path, markdown(&context, &packing, &models, &operators))?;
+    std::fs::write(
+        &path,
+        markdown(&context, Some(&limits), &packing, &models, &operators),
+    )?;
     eprintln!("report: wrote {}", path.display());
     Ok(())
 }

@@ -1,5 +1,7 @@
-//! GEMM steps on `matrixmultiply`: row chunks on rayon's pool, each followed by the
-//! step's epilogue kernel on its rows.
+//! GEMM steps: the whole product in one call to the process's MKL on its threads
+//! (`crate::blas`), then the bias and the step's epilogue kernel in row chunks on
+//! rayon's pool; without MKL, row chunks that each multiply on the `gemm` crate and then
+//! add the bias and run the epilogue on their rows.
 
 use nestor_backend_cpu::KernelFn;
 
@@ -37,16 +39,23 @@ pub(super) unsafe fn gemm<T: Scalar>(
         bias: bias.map(|bias| bias as *const T),
     };
     let threads = worker_threads();
+    let large = shape.rows * shape.k * shape.n >= gemm_parallel_macs();
     // Chunks of rows on rayon's pool (the pool the kernels use; `NESTOR_THREADS`).
-    let chunks = if shape.rows * shape.k * shape.n >= gemm_parallel_macs() {
+    let chunks = if large {
         threads.min(shape.rows / 16).max(1)
     } else {
         1
     };
+    // With MKL the product is done before the chunks, which only add the bias and run
+    // the epilogue.
+    let multiplied = unsafe { blas_product(buffers, shape, if large { threads } else { 1 }) };
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
     // over those rows, reading buffers the program sized) rewrites them in place.
     let rows = move |start: i64, end: i64| unsafe {
-        gemm_rows(buffers, shape, start, end);
+        if !multiplied {
+            gemm_rows(buffers, shape, start, end);
+        }
+        add_bias(buffers, shape, start, end);
         if let Some((kernel, args)) = epilogue {
             kernel(args.0.as_ptr(), start, end);
         }
@@ -57,12 +66,41 @@ pub(super) unsafe fn gemm<T: Scalar>(
     }
     crate::Parallelism::count_split();
     let per_chunk = (shape.rows + chunks - 1) / chunks;
-    rayon::scope(|scope| {
-        for chunk in 0..chunks {
+    rayon::in_place_scope(|scope| {
+        for chunk in 1..chunks {
             let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows));
             scope.spawn(move |_| rows(start, end));
         }
+        rows(0, per_chunk.min(shape.rows));
     });
+}
+
+/// The whole product `x W^T` with MKL on `threads` threads; `false` (nothing written)
+/// without MKL or for sizes it does not take.
+///
+/// # Safety
+/// The buffers must hold `rows*n`, `rows*k` and `n*k` values of type `T`.
+unsafe fn blas_product<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, threads: i64) -> bool {
+    let GemmShape {
+        rows,
+        k,
+        n,
+        transposed,
+    } = shape;
+    let weight = if transposed {
+        (buffers.weight, n as isize, 1)
+    } else {
+        (buffers.weight, 1, k as isize)
+    };
+    unsafe {
+        crate::blas::matmul(
+            (rows as usize, k as usize, n as usize),
+            (buffers.x, k as isize, 1),
+            weight,
+            (buffers.out, n as isize, 1),
+            threads as usize,
+        )
+    }
 }
 
 /// Multiply-adds from which a GEMM is split across the cores.
@@ -116,13 +154,29 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
             weight,
             (out, n as isize, 1),
         );
-        if let Some(bias) = buffers.bias {
-            let bias = std::slice::from_raw_parts(bias, n as usize);
-            let out = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
-            for row in out.chunks_mut(n as usize) {
-                for (value, &b) in row.iter_mut().zip(bias) {
-                    *value += b;
-                }
+    }
+}
+
+/// Adds the bias (if any) to rows `start..end` of `out`.
+///
+/// # Safety
+/// `out` must hold `end*n` values and the bias `n`.
+unsafe fn add_bias<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
+    let (Some(bias), n) = (buffers.bias, shape.n) else {
+        return;
+    };
+    if end <= start || n <= 0 {
+        return;
+    }
+    unsafe {
+        let bias = std::slice::from_raw_parts(bias, n as usize);
+        let out = std::slice::from_raw_parts_mut(
+            buffers.out.offset((start * n) as isize),
+            ((end - start) * n) as usize,
+        );
+        for row in out.chunks_mut(n as usize) {
+            for (value, &b) in row.iter_mut().zip(bias) {
+                *value += b;
             }
         }
     }
@@ -152,9 +206,23 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
     if rows == 0 {
         out.fill(T::ZERO);
     } else if let Some(a) = a {
+        let a = a as *const T;
+        // `a`'s columns read with swapped strides (no copy), as in `SumBuffers::product`.
+        let with_mkl = unsafe {
+            crate::blas::matmul(
+                (m, rows, n),
+                (a, 1, m as isize),
+                (b as *const T, n as isize, 1),
+                (out.as_mut_ptr(), n as isize, 1),
+                if parallel { threads } else { 1 },
+            )
+        };
+        if with_mkl {
+            return finish_mean(out, rows, mean);
+        }
         let buffers = SumBuffers {
             out: out.as_mut_ptr(),
-            a: a as *const T,
+            a,
             b: b as *const T,
         };
         let chunks = if parallel {
@@ -202,6 +270,11 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
             }
         }
     }
+    finish_mean(out, rows, mean)
+}
+
+/// Divides the sums in `out` by `rows` when they are to be a `mean`.
+fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {
     if mean {
         let count = T::from_f64(rows as f64);
         out.iter_mut().for_each(|value| *value = *value / count);

@@ -14,6 +14,7 @@ pub mod measure;
 pub mod models;
 pub mod operators;
 pub mod padded;
+pub mod pytorch;
 pub mod report;
 
 /// Errors of the suite: libtorch's, nestor's, I/O, charts.

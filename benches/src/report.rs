@@ -59,15 +59,34 @@ pub fn speedup(rows: &[Measurement], row: &Measurement) -> Option<f64> {
 
 /// The table of `rows`; `peak_gflops` (the machine's GEMM limit) adds each cell's
 /// useful GFLOP/s as a share of it.
+/// The fastest PyTorch option measured for the row's subject, mode and occupancy, and
+/// its median.
+fn best_pytorch<'r>(rows: &'r [Measurement], row: &Measurement) -> Option<(&'r Measurement, f64)> {
+    rows.iter()
+        .filter(|other| {
+            other.subject == row.subject
+                && other.mode == row.mode
+                && other.target == row.target
+                && other.column.is_pytorch()
+        })
+        .filter_map(|other| Some((other, median(&other.outcome)?)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+/// Speed-up of `row` over the best PyTorch option (above 1: faster).
+pub fn speedup_over_pytorch(rows: &[Measurement], row: &Measurement) -> Option<f64> {
+    Some(best_pytorch(rows, row)?.1 / median(&row.outcome)?)
+}
+
 fn table(rows: &[Measurement], out: &mut String, with_mode: bool, peak_gflops: Option<f64>) {
     let _ = writeln!(
         out,
-        "| {}occupancy | column | median ms | IQR ms | vs padded | GFLOP/s | % of GEMM peak | peak MiB | compiles (first call) |",
+        "| {}occupancy | column | median ms | IQR ms | vs padded | vs best PyTorch | GFLOP/s | % of GEMM peak | peak MiB | compiles (first call) |",
         if with_mode { "mode | " } else { "" }
     );
     let _ = writeln!(
         out,
-        "|{}---|---|---:|---:|---:|---:|---:|---:|---|",
+        "|{}---|---|---:|---:|---:|---:|---:|---:|---:|---|",
         if with_mode { "---|" } else { "" }
     );
     for row in rows_in_order(rows) {
@@ -89,7 +108,10 @@ fn table(rows: &[Measurement], out: &mut String, with_mode: bool, peak_gflops: O
                 let compile = compile.map_or("-".into(), |cost| {
                     format!("{} ({:.0} ms)", cost.compiles, cost.seconds * 1e3)
                 });
-                let ratio = speedup(rows, row).map_or("-".into(), |ratio| format!("{ratio:.2}x"));
+                let times =
+                    |ratio: Option<f64>| ratio.map_or("-".into(), |ratio| format!("{ratio:.2}x"));
+                let ratio = times(speedup(rows, row));
+                let pytorch = times(speedup_over_pytorch(rows, row));
                 let (gflops, share) = match peak_gflops {
                     _ if *gflops <= 0.0 => ("-".into(), "-".into()),
                     Some(limit) => (
@@ -100,7 +122,7 @@ fn table(rows: &[Measurement], out: &mut String, with_mode: bool, peak_gflops: O
                 };
                 let _ = writeln!(
                     out,
-                    "| {mode}{:.2} | {} | {:.3} | {:.3}-{:.3} | {ratio} | {gflops} | {share} | {peak} | {compile} |",
+                    "| {mode}{:.2} | {} | {:.3} | {:.3}-{:.3} | {ratio} | {pytorch} | {gflops} | {share} | {peak} | {compile} |",
                     row.occupancy,
                     row.column.name(),
                     timing.median * 1e3,
@@ -111,7 +133,7 @@ fn table(rows: &[Measurement], out: &mut String, with_mode: bool, peak_gflops: O
             Outcome::Unavailable(why) => {
                 let _ = writeln!(
                     out,
-                    "| {mode}{:.2} | {} | - | - | - | - | - | - | {} |",
+                    "| {mode}{:.2} | {} | - | - | - | - | - | - | - | {} |",
                     row.occupancy,
                     row.column.name(),
                     why.replace('|', "/")
@@ -132,7 +154,58 @@ fn rows_in_order(rows: &[Measurement]) -> Vec<&Measurement> {
     sorted
 }
 
-/// The summary: speed-up over padded of every column, per model, mode and occupancy.
+/// The headline: nestor's speed-up over the fastest PyTorch option, per model, mode and
+/// occupancy (rows only where PyTorch options were measured).
+fn pytorch_summary(models: &[Measurement], out: &mut String) {
+    let _ = writeln!(
+        out,
+        "| model | mode | occupancy | best PyTorch option | its ms | nestor eager | nestor compiled |"
+    );
+    let _ = writeln!(out, "|---|---|---:|---|---:|---:|---:|");
+    for model in Model::ALL {
+        for mode in [Mode::Inference, Mode::Training] {
+            let mut compiled: Vec<&Measurement> = models
+                .iter()
+                .filter(|row| {
+                    row.subject == model.name()
+                        && row.mode == mode
+                        && row.column == Column::NestorCompiled
+                })
+                .collect();
+            compiled.sort_by(|a, b| a.target.total_cmp(&b.target));
+            for row in compiled {
+                let Some((best, seconds)) = best_pytorch(models, row) else {
+                    continue;
+                };
+                let cell = |column: Column| {
+                    models
+                        .iter()
+                        .find(|other| {
+                            other.subject == row.subject
+                                && other.mode == mode
+                                && other.target == row.target
+                                && other.column == column
+                        })
+                        .and_then(|other| speedup_over_pytorch(models, other))
+                        .map_or("-".into(), |ratio| format!("{ratio:.2}x"))
+                };
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {:.2} | {} | {:.2} | {} | {} |",
+                    model.name(),
+                    mode.name(),
+                    row.occupancy,
+                    best.column.name().trim_start_matches("PyTorch "),
+                    seconds * 1e3,
+                    cell(Column::NestorEager),
+                    cell(Column::NestorCompiled)
+                );
+            }
+        }
+    }
+}
+
+/// The speed-up over padded of every Rust column, per model, mode and occupancy.
 fn summary(models: &[Measurement], out: &mut String) {
     let _ = writeln!(
         out,
@@ -350,17 +423,30 @@ pub fn markdown(
     let _ = writeln!(out, "## How to read it\n");
     let _ = writeln!(
         out,
-        "- **vs padded** is the padded median over the cell's median: above 1x the column is faster than \
-         libtorch on the padded batch with masks.\n\
+        "- **vs best PyTorch** is the median of the fastest PyTorch option over the cell's median. The \
+         PyTorch options are what a PyTorch user would run instead, run by `benches/pytorch.py` in the \
+         torch venv's Python on the same lengths and weight shapes: padded eager with the inference fast \
+         path on and off, padded under `torch.compile`, and `torch.nested` (jagged layout) eager and under \
+         `torch.compile` (encoder only); their compiles column counts the graphs torch.compile made \
+         (graph breaks and recompiles included) and the first call's time. None for the conv net yet.\n\
+         - **vs padded** is the padded median over the cell's median: above 1x the column is faster than \
+         libtorch on the padded batch with masks (a Rust baseline on the same libtorch).\n\
          - **GFLOP/s** counts only useful FLOPs, those of the real lengths (matrix products; attention over \
          each element's own square; training counts 3x forward), divided by the median: padding shows up as \
          lower GFLOP/s for the padded column, not higher.\n\
+         - **% of GEMM peak** is the cell's useful GFLOP/s over the machine's GEMM peak (see Machine \
+         limits): how far a GEMM-bound step is from what the machine does.\n\
          - **compiles (first call)**: programs compiled over all calls of the cell (1: one program served \
          every call) and the time of the first call, which traces, optimizes, lowers and JIT-compiles.\n\
          - Packing (building a batch's offsets and metadata, or padding it with its mask) is timed apart, \
          below, and not part of the steps.\n"
     );
-    let _ = writeln!(out, "## Summary: speed-up over padded tch eager\n");
+    let _ = writeln!(out, "## Summary: speed-up over the best PyTorch option\n");
+    pytorch_summary(models, &mut out);
+    let _ = writeln!(
+        out,
+        "\n## Speed-up over padded tch eager (the Rust baseline, on the same libtorch)\n"
+    );
     summary(models, &mut out);
     if let Some(limits) = limits {
         limits_section(limits, &mut out);

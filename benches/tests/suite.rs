@@ -8,6 +8,7 @@ use nestor_bench::lengths::{image_sizes, lengths, occupancy};
 use nestor_bench::limits::measure_limits;
 use nestor_bench::models::{run_model, with_columns, Column, Columns, Mode, Model, Outcome};
 use nestor_bench::operators::{run_operator, Operator};
+use nestor_bench::pytorch::run_pytorch;
 use nestor_bench::report::{markdown, Context, Packing};
 use nestor_bench::{Scale, OCCUPANCIES};
 use tch::Kind;
@@ -165,4 +166,31 @@ fn every_model_column_equals_the_padded_reference() {
         })
         .unwrap();
     }
+}
+
+/// `benches/pytorch.py` runs every PyTorch option on the encoder's smoke batches in the
+/// torch venv's Python, in both modes, and the report reads its lines back.
+#[test]
+fn every_pytorch_option_runs_on_the_same_batches() {
+    let scale = Scale::smoke();
+    let rows = run_pytorch(Model::Encoder, &scale, 0.5, 1).unwrap();
+    for mode in [Mode::Inference, Mode::Training] {
+        let columns: Vec<Column> = rows
+            .iter()
+            .filter(|row| row.mode == mode)
+            .map(|row| {
+                assert!(matches!(row.outcome, Outcome::Measured { .. }), "{row:?}");
+                row.column
+            })
+            .collect();
+        // The fast path is for inference only.
+        let expected = match mode {
+            Mode::Inference => Column::PYTORCH.to_vec(),
+            Mode::Training => Column::PYTORCH[1..].to_vec(),
+        };
+        assert_eq!(columns, expected, "{mode:?}");
+    }
+    assert!(run_pytorch(Model::ConvNet, &scale, 0.5, 1)
+        .unwrap()
+        .is_empty());
 }

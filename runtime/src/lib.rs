@@ -23,11 +23,11 @@ mod stats;
 #[cfg(test)]
 mod testing;
 
+pub use blas::gemm_library;
 pub use executor::{
     CudaBuffer, CudaDevice, Executable, HostBuffer, HostDevice, HostRunner, HostValue, InputData,
     KernelDevice, OutputSink, RunData, RunDim, RunOutput, RunShape, RuntimeError,
 };
-pub use blas::gemm_library;
 pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;
 pub use parallel::Parallelism;

@@ -20,6 +20,7 @@ use nestor_bench::limits::measure_limits;
 use nestor_bench::measure::{memory_counted, time};
 use nestor_bench::models::{run_model, Measurement, Model, Outcome};
 use nestor_bench::operators::{run_operator, Operator};
+use nestor_bench::pytorch::run_pytorch;
 use nestor_bench::report::{chart, chart_name, markdown, register_font, Context, Packing};
 use nestor_bench::{Result, Scale, OCCUPANCIES};
 use tch::{Device, Kind, Tensor};
@@ -122,7 +123,8 @@ fn run() -> Result<()> {
     for &model in &chosen_models {
         for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
             bar.set_message(format!("{} at occupancy {occupancy}", model.name()));
-            let rows = run_model(model, &scale, occupancy, 100 + index as u64)?;
+            let mut rows = run_model(model, &scale, occupancy, 100 + index as u64)?;
+            rows.extend(run_pytorch(model, &scale, occupancy, 100 + index as u64)?);
             for row in &rows {
                 bar.suspend(|| eprintln!("{}", progress(row)));
             }

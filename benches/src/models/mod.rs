@@ -21,7 +21,8 @@ mod transformer;
 
 pub use batch::{Images, Tokens};
 use convnet::ConvNet;
-use transformer::{transformer_flops, Stacks};
+pub use transformer::transformer_flops;
+use transformer::Stacks;
 
 /// A benchmarked model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,10 +88,20 @@ pub enum Column {
     NestorEager,
     /// `nestor::compile`.
     NestorCompiled,
+    /// PyTorch (the venv's Python): padded eager with the inference fast path on.
+    TorchFastPath,
+    /// PyTorch: padded eager with the fast path off.
+    TorchPadded,
+    /// PyTorch: padded under `torch.compile`.
+    TorchCompiled,
+    /// PyTorch: `torch.nested` jagged eager.
+    TorchNested,
+    /// PyTorch: `torch.nested` jagged under `torch.compile`.
+    TorchNestedCompiled,
 }
 
 impl Column {
-    /// Every column, in table order.
+    /// The Rust columns (every subject has them), in table order.
     pub const ALL: [Column; 4] = [
         Column::Padded,
         Column::PerElement,
@@ -105,7 +116,26 @@ impl Column {
             Column::PerElement => "per-element tch eager",
             Column::NestorEager => "nestor eager",
             Column::NestorCompiled => "nestor compiled",
+            Column::TorchFastPath => "PyTorch padded eager, fast path on",
+            Column::TorchPadded => "PyTorch padded eager, fast path off",
+            Column::TorchCompiled => "PyTorch padded torch.compile",
+            Column::TorchNested => "PyTorch torch.nested jagged eager",
+            Column::TorchNestedCompiled => "PyTorch torch.nested jagged torch.compile",
         }
+    }
+
+    /// The PyTorch options, in `benches/pytorch.py`'s order.
+    pub const PYTORCH: [Column; 5] = [
+        Column::TorchFastPath,
+        Column::TorchPadded,
+        Column::TorchCompiled,
+        Column::TorchNested,
+        Column::TorchNestedCompiled,
+    ];
+
+    /// Whether it is one of what a PyTorch user would run instead (the Python columns).
+    pub fn is_pytorch(self) -> bool {
+        Self::PYTORCH.contains(&self)
     }
 }
 
@@ -200,6 +230,15 @@ pub fn run_model(model: Model, scale: &Scale, target: f64, seed: u64) -> Result<
     Ok(measurements)
 }
 
+/// The lengths of the Transformer models' source and target batches at about `target`
+/// occupancy.
+pub fn token_lengths(scale: &Scale, target: f64, seed: u64) -> (Vec<i64>, Vec<i64>) {
+    (
+        lengths(scale.batch, scale.max_length, target, seed),
+        lengths(scale.batch, scale.max_length, target, seed + 1),
+    )
+}
+
 /// Builds `model` and a batch at about `target` occupancy, and hands `visit` the
 /// columns of each mode (inference, then training).
 pub fn with_columns(
@@ -228,16 +267,9 @@ pub fn with_columns(
                 TransformerDecoder::new(&(&root / "decoder"), &config, scale.layers, true)
             });
             let weights = Weights::new(&store);
-            let source = Tokens::new(
-                lengths(scale.batch, scale.max_length, target, seed),
-                scale.d_model,
-                scale.max_length,
-            )?;
-            let target_tokens = Tokens::new(
-                lengths(scale.batch, scale.max_length, target, seed + 1),
-                scale.d_model,
-                scale.max_length,
-            )?;
+            let (source_lengths, target_lengths) = token_lengths(scale, target, seed);
+            let source = Tokens::new(source_lengths, scale.d_model, scale.max_length)?;
+            let target_tokens = Tokens::new(target_lengths, scale.d_model, scale.max_length)?;
             let occupancy_now = occupancy(&source.lengths, scale.max_length);
             let flops = transformer_flops(model, scale, &source.lengths, &target_tokens.lengths);
             let stacks = Stacks {

@@ -12,12 +12,7 @@ use crate::{Result, Scale};
 
 /// The useful FLOPs of one forward pass (matrix products only; attention over the real
 /// lengths, the full square even when causal).
-pub(super) fn transformer_flops(
-    model: Model,
-    scale: &Scale,
-    source: &[i64],
-    target: &[i64],
-) -> f64 {
+pub fn transformer_flops(model: Model, scale: &Scale, source: &[i64], target: &[i64]) -> f64 {
     let (e, f) = (scale.d_model as f64, scale.feedforward as f64);
     let layers = scale.layers as f64;
     let sum = |lengths: &[i64]| lengths.iter().sum::<i64>() as f64;

@@ -1,0 +1,198 @@
+"""What a PyTorch user would run instead of nestor, timed on the report's batches.
+
+The report (benches/src/pytorch.rs) runs this file with the torch venv's Python, once per
+model, mode and batch, and reads one line per option from stdout:
+
+    <option>\t<median ms>\t<25th percentile ms>\t<75th percentile ms>\t<first call ms>\t<graphs>
+    <option>\tunavailable\t<why>
+
+Options (each on the same lengths and weight shapes as the report's other columns):
+- padded eager with the fast path on (PyTorch's default in eval mode under no_grad; the
+  encoder's fast path packs the batch into nested tensors itself), and off;
+- padded under torch.compile (the fast path off, as it does not trace);
+- torch.nested (jagged layout) eager and under torch.compile, through a hand-written
+  post-norm encoder layer on scaled_dot_product_attention (nn.MultiheadAttention does
+  not take jagged tensors); encoder only.
+"graphs" counts the graphs torch.compile compiled over every call (1: one compile served
+every call; more: graph breaks or recompiles). Training steps are the report's: the mean
+square of the real outputs, backward, SGD at rate 1e-5.
+
+    python3 benches/pytorch.py MODEL MODE D_MODEL HEADS FEEDFORWARD LAYERS SAMPLES THREADS \\
+        SOURCE_LENGTHS TARGET_LENGTHS
+
+MODEL is TransformerEncoder, TransformerDecoder or Transformer; MODE inference or
+training; lengths are comma-separated.
+"""
+import os
+import statistics
+import sys
+import time
+
+# A CPU benchmark: the CUDA wheel otherwise asks the (possibly missing) driver in some
+# nested-tensor paths and fails.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def timed(step, samples):
+    """(median, 25th, 75th percentile, first call) in ms, after the first call."""
+    started = time.perf_counter()
+    step()
+    first = (time.perf_counter() - started) * 1e3
+    times = []
+    for _ in range(max(samples, 1)):
+        started = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - started) * 1e3)
+    times.sort()
+    at = lambda fraction: times[round((len(times) - 1) * fraction)]
+    return statistics.median(times), at(0.25), at(0.75), first
+
+
+class Counting:
+    """A torch.compile backend that counts the graphs it compiles with inductor."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(graph, example_inputs)
+
+
+def padded_batch(lengths, d_model):
+    longest = max(lengths)
+    x = torch.randn(len(lengths), longest, d_model)
+    padding = torch.arange(longest)[None, :] >= torch.tensor(lengths)[:, None]
+    return x, padding
+
+
+class Model(nn.Module):
+    """The report's models: post-norm stacks with a final norm, no dropout."""
+
+    def __init__(self, kind, d_model, heads, feedforward, layers):
+        super().__init__()
+        layer = lambda cls: cls(d_model, heads, feedforward, dropout=0.0, batch_first=True)
+        self.encoder = None
+        self.decoder = None
+        if kind != "TransformerDecoder":
+            self.encoder = nn.TransformerEncoder(
+                layer(nn.TransformerEncoderLayer), layers, norm=nn.LayerNorm(d_model))
+        if kind != "TransformerEncoder":
+            self.decoder = nn.TransformerDecoder(
+                layer(nn.TransformerDecoderLayer), layers, norm=nn.LayerNorm(d_model))
+
+    def forward(self, source, source_padding, target, target_padding):
+        memory = source
+        if self.encoder is not None:
+            memory = self.encoder(source, src_key_padding_mask=source_padding)
+            if memory.is_nested:
+                # The fast path returns a nested tensor; the report's output is padded.
+                memory = memory.to_padded_tensor(0.0, source.size())
+        if self.decoder is None:
+            return memory
+        causal = nn.Transformer.generate_square_subsequent_mask(target.size(1))
+        return self.decoder(
+            target, memory, tgt_mask=causal, tgt_is_causal=True,
+            tgt_key_padding_mask=target_padding, memory_key_padding_mask=source_padding)
+
+
+def jagged_layer(layer, x, heads):
+    """One post-norm nn.TransformerEncoderLayer's computation on a jagged batch."""
+    attention = layer.self_attn
+    d_model = x.size(-1)
+    q, k, v = F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, dim=-1)
+    # The math backend (the CPU's for jagged batches) wants each of q, k, v contiguous.
+    split = lambda t: t.contiguous().unflatten(-1, [heads, d_model // heads]).transpose(1, 2)
+    y = F.scaled_dot_product_attention(split(q), split(k), split(v))
+    y = attention.out_proj(y.transpose(1, 2).flatten(-2))
+    x = layer.norm1(x + y)
+    y = layer.linear2(F.relu(layer.linear1(x)))
+    return layer.norm2(x + y)
+
+
+def jagged_encoder(model, x, heads):
+    for layer in model.encoder.layers:
+        x = jagged_layer(layer, x, heads)
+    return model.encoder.norm(x)
+
+
+def main():
+    (kind, mode, d_model, heads, feedforward, layers, samples, threads,
+     source_lengths, target_lengths) = sys.argv[1:11]
+    d_model, heads, feedforward = int(d_model), int(heads), int(feedforward)
+    layers, samples = int(layers), int(samples)
+    torch.set_num_threads(int(threads))
+    source_lengths = [int(length) for length in source_lengths.split(",")]
+    target_lengths = [int(length) for length in target_lengths.split(",")]
+    torch.manual_seed(0)
+    model = Model(kind, d_model, heads, feedforward, layers)
+    training = mode == "training"
+    model.train(training)
+    source, source_padding = padded_batch(source_lengths, d_model)
+    target, target_padding = padded_batch(target_lengths, d_model)
+    out_lengths = source_lengths if kind == "TransformerEncoder" else target_lengths
+    out_mask = (~(source_padding if kind == "TransformerEncoder" else target_padding))[..., None]
+    count = sum(out_lengths) * d_model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+
+    def step_of(forward, loss):
+        """An inference step, or a training step with the report's loss."""
+        if not training:
+            def infer():
+                with torch.no_grad():
+                    forward()
+            return infer
+
+        def train():
+            optimizer.zero_grad()
+            loss(forward()).backward()
+            optimizer.step()
+        return train
+
+    padded_loss = lambda output: (output.square() * out_mask).sum() / count
+    padded = lambda: model(source, source_padding, target, target_padding)
+    options = []
+    for fast in (True, False):
+        name = f"padded eager, fast path {'on' if fast else 'off'}"
+        if training and fast:
+            continue  # The fast path is for inference only.
+        options.append((name, fast, lambda: step_of(padded, padded_loss), None))
+    counting = Counting()
+    compiled_model = torch.compile(model, backend=counting)
+    options.append(("padded torch.compile", False,
+                    lambda: step_of(lambda: compiled_model(source, source_padding, target,
+                                                           target_padding), padded_loss),
+                    counting))
+    if kind == "TransformerEncoder":
+        elements = [torch.randn(length, d_model) for length in source_lengths]
+        jagged = torch.nested.nested_tensor(elements, layout=torch.jagged)
+        jagged_loss = lambda output: output.values().square().sum() / count
+        options.append(("torch.nested jagged eager", False,
+                        lambda: step_of(lambda: jagged_encoder(model, jagged, heads), jagged_loss),
+                        None))
+        jagged_counting = Counting()
+        compiled_jagged = torch.compile(jagged_encoder, backend=jagged_counting)
+        options.append(("torch.nested jagged torch.compile", False,
+                        lambda: step_of(lambda: compiled_jagged(model, jagged, heads), jagged_loss),
+                        jagged_counting))
+    for name, fast, make_step, counter in options:
+        torch.backends.mha.set_fastpath_enabled(fast)
+        try:
+            median, low, high, first = timed(make_step(), samples)
+        except Exception as error:  # An option PyTorch does not support here.
+            why = " ".join(str(error).split())[:200]
+            print(f"{name}\tunavailable\t{type(error).__name__}: {why}", flush=True)
+            continue
+        graphs = counter.graphs if counter is not None else 0
+        print(f"{name}\t{median:.4f}\t{low:.4f}\t{high:.4f}\t{first:.1f}\t{graphs}", flush=True)
+    torch.backends.mha.set_fastpath_enabled(True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,10 @@
 //! The host's BLAS, when the process already has one: Intel MKL, which libtorch links
 //! in and exports (`sgemm_`, `dgemm_`, `MKL_Set_Num_Threads_Local`). nestor never loads
 //! it: the symbols are looked up in the running process, so compiled GEMMs use the same
-//! kernels (and the same threads) as libtorch's `matmul`, and a process without MKL (the
-//! GPU check, the runtime's own tests) multiplies with the `gemm` crate instead.
+//! kernels as libtorch's `matmul`, and a process without MKL (the GPU check, the
+//! runtime's own tests) multiplies with the `gemm` crate instead. MKL runs sequential on
+//! the calling thread: the executor splits rows across rayon's pool as for every step,
+//! and an OpenMP team of MKL's own would spin on the cores the pool needs.
 //! `NESTOR_BLAS=builtin` forces the `gemm` crate.
 
 use std::ffi::c_char;
@@ -79,8 +81,8 @@ pub fn gemm_library() -> &'static str {
 /// A matrix of the row-major view as (pointer, row stride, column stride).
 pub(crate) type Strided<T> = (*const T, isize, isize);
 
-/// `c = a b` for `a [m x k]`, `b [k x n]`, `c [m x n]` (each as pointer, row stride,
-/// column stride; `c`'s columns contiguous) with MKL on `threads` threads. `false`
+/// `c = scale a b` for `a [m x k]`, `b [k x n]`, `c [m x n]` (each as pointer, row stride,
+/// column stride; `c`'s columns contiguous) with MKL on this thread. `false`
 /// (nothing written) when the process has no MKL or the sizes or strides are not ones
 /// BLAS takes: the caller multiplies another way.
 ///
@@ -88,10 +90,10 @@ pub(crate) type Strided<T> = (*const T, isize, isize);
 /// The pointers must be valid for the sizes and strides given.
 pub(crate) unsafe fn matmul<T: Scalar>(
     (m, k, n): (usize, usize, usize),
+    scale: T,
     a: Strided<T>,
     b: Strided<T>,
     c: (*mut T, isize, isize),
-    threads: usize,
 ) -> bool {
     let Some(mkl) = mkl() else {
         return false;
@@ -107,13 +109,14 @@ pub(crate) unsafe fn matmul<T: Scalar>(
     let (Some((op_b, ldb)), Some((op_a, lda))) = (operand(b, n, k), operand(a, k, m)) else {
         return false;
     };
-    let (one, zero) = (T::ONE, T::ZERO);
-    let threads = i32::try_from(threads.max(1)).unwrap_or(i32::MAX);
+    let zero = T::ZERO;
     unsafe {
-        let previous = (mkl.set_threads_local)(threads);
+        // On this thread alone: the executor splits the work across its own threads (an
+        // MKL team would spin on the cores they need).
+        let previous = (mkl.set_threads_local)(1);
         T::gemm_fn(mkl)(
-            &op_b, &op_a, &columns, &rows, &inner, &one, b.0, &ldb, a.0, &lda, &zero, c.0, &ldc, 1,
-            1,
+            &op_b, &op_a, &columns, &rows, &inner, &scale, b.0, &ldb, a.0, &lda, &zero, c.0, &ldc,
+            1, 1,
         );
         (mkl.set_threads_local)(previous);
     }

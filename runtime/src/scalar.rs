@@ -37,6 +37,10 @@ pub(crate) trait Scalar:
         b: (*const Self, isize, isize),
         c: (*mut Self, isize, isize),
     ) {
+        // The process's MKL on this thread when it has one (and takes these strides).
+        if unsafe { crate::blas::matmul((m, k, n), scale, a, b, c) } {
+            return;
+        }
         // `gemm` takes column strides before row strides; `c = 0 * c + scale * a b`
         // without reading `c`, on this thread (the executor splits the rows itself).
         unsafe {

@@ -46,15 +46,10 @@ pub(super) unsafe fn gemm<T: Scalar>(
     } else {
         1
     };
-    // With MKL the product is done before the chunks, which only add the bias and run
-    // the epilogue.
-    let multiplied = unsafe { blas_product(buffers, shape, if large { threads } else { 1 }) };
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
     // over those rows, reading buffers the program sized) rewrites them in place.
     let rows = move |start: i64, end: i64| unsafe {
-        if !multiplied {
-            gemm_rows(buffers, shape, start, end);
-        }
+        gemm_rows(buffers, shape, start, end);
         add_bias(buffers, shape, start, end);
         if let Some((kernel, args)) = epilogue {
             kernel(args.0.as_ptr(), start, end);
@@ -73,34 +68,6 @@ pub(super) unsafe fn gemm<T: Scalar>(
         }
         rows(0, per_chunk.min(shape.rows));
     });
-}
-
-/// The whole product `x W^T` with MKL on `threads` threads; `false` (nothing written)
-/// without MKL or for sizes it does not take.
-///
-/// # Safety
-/// The buffers must hold `rows*n`, `rows*k` and `n*k` values of type `T`.
-unsafe fn blas_product<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, threads: i64) -> bool {
-    let GemmShape {
-        rows,
-        k,
-        n,
-        transposed,
-    } = shape;
-    let weight = if transposed {
-        (buffers.weight, n as isize, 1)
-    } else {
-        (buffers.weight, 1, k as isize)
-    };
-    unsafe {
-        crate::blas::matmul(
-            (rows as usize, k as usize, n as usize),
-            (buffers.x, k as isize, 1),
-            weight,
-            (buffers.out, n as isize, 1),
-            threads as usize,
-        )
-    }
 }
 
 /// Multiply-adds from which a GEMM is split across the cores.
@@ -207,19 +174,6 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
         out.fill(T::ZERO);
     } else if let Some(a) = a {
         let a = a as *const T;
-        // `a`'s columns read with swapped strides (no copy), as in `SumBuffers::product`.
-        let with_mkl = unsafe {
-            crate::blas::matmul(
-                (m, rows, n),
-                (a, 1, m as isize),
-                (b as *const T, n as isize, 1),
-                (out.as_mut_ptr(), n as isize, 1),
-                if parallel { threads } else { 1 },
-            )
-        };
-        if with_mkl {
-            return finish_mean(out, rows, mean);
-        }
         let buffers = SumBuffers {
             out: out.as_mut_ptr(),
             a,

@@ -38,4 +38,6 @@ pub use nestor_ir::DType;
 pub use nestor_ir as ir;
 /// Passes over graphs (DCE, CSE, fusion) and lowering to kernel programs.
 pub use nestor_passes as passes;
-pub use nestor_runtime::{gemm_library, LayoutError, MemoryBudget, Parallelism, RaggedLayout};
+pub use nestor_runtime::{
+    gemm_library, pool, LayoutError, MemoryBudget, Parallelism, RaggedLayout,
+};

@@ -13,7 +13,7 @@ use common::families::{families, ids};
 use common::{assert_close_within, batch, eager_values, lengths};
 use nestor::{compile, Dense, NestedTensor, Parallelism};
 use proptest::prelude::*;
-use tch::Kind;
+use tch::{Kind, Tensor};
 
 /// The settings are process-wide: tests that change them take turns.
 static SETTINGS: Mutex<()> = Mutex::new(());
@@ -106,13 +106,72 @@ fn large_batches_at_the_default_thresholds_equal_eager() {
     });
 }
 
-/// In a process with libtorch (x86-64 builds link MKL and export it), compiled GEMMs
-/// multiply with that MKL, on its threads: the families above (GEMMs with epilogues,
-/// transposed weights, weight gradients' row sums) check its results against eager.
+/// In a process with libtorch (x86-64 builds link MKL and GNU OpenMP and export them),
+/// compiled GEMMs multiply with that MKL and split steps run on that OpenMP team: the
+/// tests above check their results against eager.
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn compiled_gemms_use_the_processs_mkl() {
-    let forced_builtin = std::env::var("NESTOR_BLAS").is_ok_and(|choice| choice == "builtin");
-    let expected = if forced_builtin { "gemm crate" } else { "MKL" };
-    assert_eq!(nestor::gemm_library(), expected);
+fn compiled_steps_use_the_processs_mkl_and_openmp() {
+    let forced =
+        |variable: &str, choice: &str| std::env::var(variable).is_ok_and(|value| value == choice);
+    let library = if forced("NESTOR_BLAS", "builtin") {
+        "gemm crate"
+    } else {
+        "MKL"
+    };
+    assert_eq!(nestor::gemm_library(), library);
+    let pool = if forced("NESTOR_POOL", "rayon") {
+        "rayon"
+    } else {
+        "OpenMP"
+    };
+    assert_eq!(nestor::pool(), pool);
+}
+
+/// A GEMM's rows do not depend on the chunk that computed them: a training step of a
+/// linear layer and a product with a transposed weight (the loss, the input's gradient
+/// and the weight's, a row sum `a^T b`) gives the same bits unsplit and split into four
+/// chunks, whatever sizes the GEMM library picks its kernels by.
+#[test]
+fn gemm_results_do_not_depend_on_the_split() {
+    let (x, _) = batch(&[37, 1, 0, 64, 5, 129, 18], &[48], Kind::Float, 9);
+    let x = x.set_requires_grad(true).unwrap();
+    let store = tch::nn::VarStore::new(tch::Device::Cpu);
+    let layer = tch::nn::linear(store.root() / "layer", 48, 40, Default::default());
+    let run = |settings: Parallelism| {
+        with_parallelism(settings, || {
+            let model = |inputs: &[NestedTensor], _: &[Dense]| {
+                let y = inputs[0].linear(&layer.ws, layer.bs.as_ref())?;
+                // `[40]`-wide rows times the weight as stored, `[40, 48]`.
+                y.matmul(&layer.ws)?
+                    .square()?
+                    .mean(&[], false)?
+                    .into_dense_handle()
+            };
+            let (outputs, gradients) = compile("gemms", model)
+                .train(&store)
+                .gradients(&[&x], &[])
+                .unwrap();
+            let mut tensors: Vec<Tensor> = outputs
+                .into_iter()
+                .map(|value| value.into_dense().unwrap())
+                .collect();
+            tensors.extend(gradients.into_iter().map(|(_, gradient)| gradient));
+            tensors
+        })
+    };
+    let whole = run(Parallelism {
+        threads: 1,
+        ..Parallelism::defaults()
+    });
+    let split = run(Parallelism {
+        threads: 4,
+        kernel_scalars: 1,
+        gemm_macs: 1,
+    });
+    // The loss, the layer's weight and bias gradients and the input's.
+    assert_eq!(whole.len(), 4);
+    for (whole, split) in whole.iter().zip(&split) {
+        assert!(whole.equal(split), "{whole} vs {split}");
+    }
 }

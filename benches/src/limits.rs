@@ -151,7 +151,9 @@ fn gemm_row(scale: &Scale, lengths: &[i64], what: &'static str, k: i64, n: i64) 
     let (expected, actual) = (values.f_linear(&weight, Some(&bias))?, step()?);
     let error = expected.f_sub(&actual)?.f_abs()?.f_max()?.double_value(&[]);
     let size = expected.f_abs()?.f_max()?.double_value(&[]);
-    if !(error <= 1e-4 * (1.0 + size)) {
+    // A NaN error fails too.
+    let close = error <= 1e-4 * (1.0 + size);
+    if !close {
         return Err(format!(
             "{what}: compiled differs from libtorch by {error} (largest value {size})"
         )

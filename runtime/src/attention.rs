@@ -3,7 +3,6 @@
 //! elements), and the GEMM library's microkernels do the arithmetic.
 
 use nestor_passes::Access;
-use rayon::prelude::*;
 
 use crate::scalar::Scalar;
 
@@ -17,7 +16,7 @@ pub(crate) struct Attention<'a> {
     pub value_dim: i64,
     pub causal: bool,
     pub scale: f64,
-    /// Spread the (element, head) tasks over rayon's pool.
+    /// Spread the (element, head) tasks over the team (`crate::team`).
     pub parallel: bool,
 }
 
@@ -67,11 +66,12 @@ impl Attention<'_> {
             // The task's rows and columns are in range of buffers the executor sized.
             unsafe { self.element(buffers, head, q_first, q_rows, k_first, k_rows) };
         };
-        if self.parallel {
-            tasks.into_par_iter().for_each(task);
+        let threads = if self.parallel {
+            crate::Parallelism::current().threads
         } else {
-            tasks.into_iter().for_each(task);
-        }
+            1
+        };
+        crate::team::for_each_chunk(tasks.len(), threads, &|index| task(tasks[index]));
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -189,7 +189,7 @@ pub(crate) struct AttentionGrad<'a> {
     /// The keys' and values' gradient (`[Lk, 2, heads, head_dim]` rows) rather than the
     /// queries' (`[Lq, heads, head_dim]` rows).
     pub keys: bool,
-    /// Spread the (element, head) tasks over rayon's pool.
+    /// Spread the (element, head) tasks over the team (`crate::team`).
     pub parallel: bool,
 }
 
@@ -235,11 +235,12 @@ impl AttentionGrad<'_> {
             // The task's rows and columns are in range of buffers the executor sized.
             unsafe { self.element(buffers, head, rows(q_offsets), rows(k_offsets)) };
         };
-        if self.parallel {
-            tasks.into_par_iter().for_each(task);
+        let threads = if self.parallel {
+            crate::Parallelism::current().threads
         } else {
-            tasks.into_iter().for_each(task);
-        }
+            1
+        };
+        crate::team::for_each_chunk(tasks.len(), threads, &|index| task(tasks[index]));
     }
 
     unsafe fn element<T: Scalar>(

@@ -3,7 +3,7 @@
 //! it: the symbols are looked up in the running process, so compiled GEMMs use the same
 //! kernels as libtorch's `matmul`, and a process without MKL (the GPU check, the
 //! runtime's own tests) multiplies with the `gemm` crate instead. MKL runs sequential on
-//! the calling thread: the executor splits rows across rayon's pool as for every step,
+//! the calling thread: the executor splits rows across its team as for every step,
 //! and an OpenMP team of MKL's own would spin on the cores the pool needs.
 //! `NESTOR_BLAS=builtin` forces the `gemm` crate.
 

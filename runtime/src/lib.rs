@@ -5,8 +5,9 @@
 //!   the eager `NestedTensor` and compiled programs);
 //! - [`Executable`]: a lowered program with its JIT-compiled kernels; `run` sizes every
 //!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
-//!   cores and calls GEMM (the process's MKL, libtorch's, on its threads; otherwise the
-//!   `gemm` crate in row chunks on rayon's pool; [`gemm_library`] says which);
+//!   cores (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`] says
+//!   which) and calls GEMM in row chunks (the process's MKL, else the `gemm` crate;
+//!   [`gemm_library`] says which);
 //! - [`Parallelism`]: how runs split their work across threads;
 //! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
 //!
@@ -20,6 +21,7 @@ mod memory;
 mod parallel;
 mod scalar;
 mod stats;
+mod team;
 #[cfg(test)]
 mod testing;
 
@@ -32,3 +34,4 @@ pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;
 pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};
+pub use team::pool;

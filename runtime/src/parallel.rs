@@ -18,12 +18,15 @@ use std::sync::OnceLock;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Parallelism {
     /// Chunks a step may be split into (at least 1). Default: `NESTOR_THREADS`, or the
-    /// machine's cores. Chunks run on rayon's global pool, the calling thread running
-    /// the first.
+    /// machine's cores. Chunks run on the process's OpenMP team when it has one
+    /// (libtorch's), else on rayon's global pool ([`crate::pool`]), the calling thread
+    /// taking part.
     pub threads: usize,
     /// Scalars per chunk below which a kernel is not split (weighted: a transcendental
-    /// function counts for several). Default 2^19: waking the pool costs more than it
-    /// saves on smaller work (relu and add on 384k values ran faster unsplit).
+    /// function counts for several). Default 2^17 on the process's OpenMP team, whose
+    /// threads are already running (relu of 366k values: 0.14 ms unsplit, 0.063 ms in two
+    /// chunks; below about 100k values splitting gains nothing), and 2^19 on rayon's
+    /// pool, which must be woken first (relu and add on 384k values ran faster unsplit).
     pub kernel_scalars: usize,
     /// Multiply-adds below which a GEMM (and its epilogue) is not split. Default 2^21.
     pub gemm_macs: usize,
@@ -63,7 +66,11 @@ impl Parallelism {
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                     .max(1)
             }),
-            kernel_scalars: 1 << 19,
+            kernel_scalars: if crate::team::pool() == "OpenMP" {
+                1 << 17
+            } else {
+                1 << 19
+            },
             gemm_macs: 1 << 21,
         }
     }

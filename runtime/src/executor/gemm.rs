@@ -1,11 +1,10 @@
-//! GEMM steps: the whole product in one call to the process's MKL on its threads
-//! (`crate::blas`), then the bias and the step's epilogue kernel in row chunks on
-//! rayon's pool; without MKL, row chunks that each multiply on the `gemm` crate and then
-//! add the bias and run the epilogue on their rows.
+//! GEMM steps: row chunks on the team (`crate::team`), each multiplied on its thread
+//! (`Scalar::matmul`: the process's MKL, else the `gemm` crate), then its bias added and
+//! the step's epilogue kernel run on its rows while they are in cache.
 
 use nestor_backend_cpu::KernelFn;
 
-use rayon::prelude::*;
+use std::sync::Mutex;
 
 use super::{worker_threads, Args};
 use crate::scalar::Scalar;
@@ -61,12 +60,9 @@ pub(super) unsafe fn gemm<T: Scalar>(
     }
     crate::Parallelism::count_split();
     let per_chunk = (shape.rows + chunks - 1) / chunks;
-    rayon::in_place_scope(|scope| {
-        for chunk in 1..chunks {
-            let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows));
-            scope.spawn(move |_| rows(start, end));
-        }
-        rows(0, per_chunk.min(shape.rows));
+    crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
+        let chunk = chunk as i64;
+        rows(chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows))
     });
 }
 
@@ -151,8 +147,9 @@ unsafe fn add_bias<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start: 
 
 /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1, the column
 /// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean). Large
-/// products split the output rows across the cores; column sums split the input rows
-/// (partial sums added at the end).
+/// products split the output rows across the cores; column sums add the partial sums of
+/// blocks of [`SUM_BLOCK_ROWS`] rows (split across the cores when large) in order, so
+/// the result does not depend on the split.
 ///
 /// # Safety
 /// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m` and `b` `rows*n`.
@@ -193,32 +190,32 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
             product(0, m);
         } else {
             crate::Parallelism::count_split();
-            // The calling thread computes the first chunk while the pool runs the others.
-            rayon::in_place_scope(|scope| {
-                for first in (per_chunk..m).step_by(per_chunk) {
-                    scope.spawn(move |_| product(first, per_chunk.min(m - first)));
-                }
-                product(0, per_chunk.min(m));
+            crate::team::for_each_chunk(chunks, threads, &|chunk| {
+                let first = chunk * per_chunk;
+                product(first, per_chunk.min(m - first))
             });
         }
     } else {
         let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
-        let chunks = if parallel {
-            threads.min(rows / 64).max(1)
-        } else {
-            1
-        };
-        // Small sums stay on this thread (no trip through the pool).
-        let partials: Vec<Vec<T>> = if chunks == 1 {
-            vec![column_sums(b, n)]
-        } else {
+        // Partial sums of blocks of a fixed number of rows, added in block order: the
+        // same arithmetic however many threads share the blocks.
+        let blocks: Vec<&[T]> = b.chunks(SUM_BLOCK_ROWS * n).collect();
+        let threads = if parallel { threads } else { 1 };
+        if threads > 1 && blocks.len() > 1 {
             crate::Parallelism::count_split();
-            b.par_chunks(rows.div_ceil(chunks) * n)
-                .map(|part| column_sums(part, n))
-                .collect()
-        };
+        }
+        let partials: Vec<Mutex<Vec<T>>> = blocks.iter().map(|_| Mutex::new(Vec::new())).collect();
+        crate::team::for_each_chunk(blocks.len(), threads, &|block| {
+            let sums = column_sums(blocks[block], n);
+            *partials[block]
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = sums;
+        });
         out.fill(T::ZERO);
         for partial in partials {
+            let partial = partial
+                .into_inner()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
             for (sum, value) in out.iter_mut().zip(partial) {
                 *sum += value;
             }
@@ -226,6 +223,9 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
     }
     finish_mean(out, rows, mean)
 }
+
+/// Rows per block of a column sum.
+const SUM_BLOCK_ROWS: usize = 1024;
 
 /// Divides the sums in `out` by `rows` when they are to be a `mean`.
 fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {

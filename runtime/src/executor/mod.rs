@@ -1,8 +1,9 @@
 //! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
 //! lengths inputs of each run; intermediate buffers are reused once their last reader
 //! has run; kernels split their rows (or elements) across the cores in chunks of at
-//! least 512k scalars (fewer for steps with transcendentals; see [`Parallelism`]), the
-//! calling thread running the first chunk. `NESTOR_PROFILE` prints per-step timings.
+//! least [`Parallelism::kernel_scalars`] scalars (fewer for steps with transcendentals),
+//! on the team of `crate::team`, the calling thread taking part. `NESTOR_PROFILE` prints
+//! per-step timings.
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
@@ -515,14 +516,15 @@ impl Executable {
         }
         Parallelism::count_split();
         let per_chunk = (total + chunks - 1) / chunks;
-        // Rayon's pool (shared with the GEMMs) runs the other chunks while this thread
-        // runs the first: one thread fewer to wake, none spawned per launch.
-        rayon::in_place_scope(|scope| {
-            for chunk in 1..chunks {
-                let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(total));
-                scope.spawn(move |_| call(kernel, shared, start, end));
-            }
-            call(kernel, shared, 0, per_chunk.min(total));
+        // The team (shared with the GEMMs) runs the chunks, this thread among them.
+        crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
+            let chunk = chunk as i64;
+            call(
+                kernel,
+                shared,
+                chunk * per_chunk,
+                ((chunk + 1) * per_chunk).min(total),
+            )
         });
         Ok(())
     }

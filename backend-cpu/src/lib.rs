@@ -141,11 +141,22 @@ pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, Bac
     // MCJIT generates code with its own default target machine (generic x86-64, SSE2):
     // every function names the host CPU and its features, so that both the passes and
     // the JIT's code generator use AVX2 / AVX-512 where the host has them.
+    // On AVX-512 hosts LLVM keeps to 256-bit vectors unless told otherwise; the
+    // kernels are throughput loops (libtorch's use 512 bits too).
+    let width = if features.contains("+avx512f") {
+        "512"
+    } else {
+        ""
+    };
     for function in module.get_functions() {
         for (key, value) in [
             ("target-cpu", cpu.as_str()),
             ("target-features", features.as_str()),
+            ("prefer-vector-width", width),
         ] {
+            if value.is_empty() {
+                continue;
+            }
             function.add_attribute(
                 AttributeLoc::Function,
                 context.create_string_attribute(key, value),

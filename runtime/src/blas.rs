@@ -45,23 +45,17 @@ pub(crate) struct Mkl {
 pub(crate) fn mkl() -> Option<&'static Mkl> {
     static MKL: OnceLock<Option<Mkl>> = OnceLock::new();
     MKL.get_or_init(|| {
-        if std::env::var("NESTOR_BLAS").is_ok_and(|choice| choice == "builtin") {
+        if crate::process::env_is("NESTOR_BLAS", "builtin") {
             return None;
         }
-        let this = libloading::os::unix::Library::this();
         // SAFETY: these are MKL's exported C and Fortran (LP64) functions, with these
         // signatures; all three must be present, so a BLAS that only shares the name
         // `sgemm_` is not taken for MKL.
         unsafe {
-            let sgemm = *this.get::<GemmFn<f32>>(b"sgemm_\0").ok()?;
-            let dgemm = *this.get::<GemmFn<f64>>(b"dgemm_\0").ok()?;
-            let set_threads_local = *this
-                .get::<unsafe extern "C" fn(i32) -> i32>(b"MKL_Set_Num_Threads_Local\0")
-                .ok()?;
             Some(Mkl {
-                sgemm,
-                dgemm,
-                set_threads_local,
+                sgemm: crate::process::function(b"sgemm_\0")?,
+                dgemm: crate::process::function(b"dgemm_\0")?,
+                set_threads_local: crate::process::function(b"MKL_Set_Num_Threads_Local\0")?,
             })
         }
     })

@@ -19,6 +19,7 @@ mod executor;
 mod layout;
 mod memory;
 mod parallel;
+mod process;
 mod scalar;
 mod stats;
 mod team;

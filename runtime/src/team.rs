@@ -19,20 +19,13 @@ struct Gomp {
 fn gomp() -> Option<&'static Gomp> {
     static GOMP: OnceLock<Option<Gomp>> = OnceLock::new();
     GOMP.get_or_init(|| {
-        if std::env::var("NESTOR_POOL").is_ok_and(|choice| choice == "rayon") {
+        if crate::process::env_is("NESTOR_POOL", "rayon") {
             return None;
         }
-        let this = libloading::os::unix::Library::this();
         // SAFETY: libgomp's `GOMP_parallel` (the ABI of `#pragma omp parallel` since GCC
         // 4.9) has this signature.
-        unsafe {
-            let parallel = *this
-                .get::<unsafe extern "C" fn(unsafe extern "C" fn(*mut c_void), *mut c_void, u32, u32)>(
-                    b"GOMP_parallel\0",
-                )
-                .ok()?;
-            Some(Gomp { parallel })
-        }
+        let parallel = unsafe { crate::process::function(b"GOMP_parallel\0")? };
+        Some(Gomp { parallel })
     })
     .as_ref()
 }
@@ -130,5 +123,38 @@ pub(crate) fn for_each_chunk(chunks: usize, threads: usize, task: &(dyn Fn(usize
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(panic) = panic {
         std::panic::resume_unwind(panic);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    #[test]
+    fn every_chunk_runs_once_whatever_the_threads() {
+        for (chunks, threads) in [(0, 4), (1, 4), (7, 1), (7, 3), (64, 2), (3, 8)] {
+            let runs: Vec<AtomicU64> = (0..chunks).map(|_| AtomicU64::new(0)).collect();
+            for_each_chunk(chunks, threads, &|chunk| {
+                runs[chunk].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                runs.iter().all(|runs| runs.load(Ordering::Relaxed) == 1),
+                "{chunks} {threads}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_panicking_chunk_panics_on_the_caller() {
+        let outcome = std::panic::catch_unwind(|| {
+            for_each_chunk(8, 4, &|chunk| assert_ne!(chunk, 5, "chunk 5 fails"));
+        });
+        let panic = outcome.expect_err("the panic of chunk 5 reaches the caller");
+        let message = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .unwrap_or_default();
+        assert!(message.contains("chunk 5 fails"), "{message}");
     }
 }

@@ -8,7 +8,7 @@ model, mode and batch, and reads one line per option from stdout:
 
 Options (each on the same lengths and weight shapes as the report's other columns):
 - padded eager with the fast path on (PyTorch's default in eval mode under no_grad; the
-  encoder's fast path packs the batch into nested tensors itself), and off;
+  encoder's fast path packs the batch into nested tensors itself), and without it;
 - padded under torch.compile (the fast path off, as it does not trace);
 - torch.nested (jagged layout) eager and under torch.compile, through a hand-written
   post-norm encoder layer on scaled_dot_product_attention (nn.MultiheadAttention does
@@ -17,12 +17,18 @@ Options (each on the same lengths and weight shapes as the report's other column
 every call; more: graph breaks or recompiles). Training steps are the report's: the mean
 square of the real outputs, backward, SGD at rate 1e-5.
 
-    python3 benches/pytorch.py MODEL MODE D_MODEL HEADS FEEDFORWARD LAYERS SAMPLES THREADS \\
-        SOURCE_LENGTHS TARGET_LENGTHS
+    python3 benches/pytorch.py --model TransformerEncoder --mode inference --samples 7 \
+        --threads 2 --d-model 256 --heads 4 --feedforward 1024 --layers 2 \
+        --source 256,40,117 --target 98,23,135
+    python3 benches/pytorch.py --model "ResNet-style conv net" --mode training --samples 7 \
+        --threads 2 --channels 16 --side 64 --images 64x64,31x12
 
-MODEL is TransformerEncoder, TransformerDecoder or Transformer; MODE inference or
-training; lengths are comma-separated.
+MODEL is TransformerEncoder, TransformerDecoder, Transformer or the conv net (padded
+eager and torch.compile only: a 3x3 stem, a residual block of two 3x3 convolutions, each
+output masked to the image's pixels, masked mean pooling, a linear head to 10 classes;
+the loss is the mean square of the logits). MODE is inference or training.
 """
+import argparse
 import os
 import statistics
 import sys
@@ -102,6 +108,24 @@ class Model(nn.Module):
             tgt_key_padding_mask=target_padding, memory_key_padding_mask=source_padding)
 
 
+class ConvNet(nn.Module):
+    """The report's conv net on padded images with a `[B, 1, side, side]` pixel mask."""
+
+    def __init__(self, channels):
+        super().__init__()
+        conv = lambda inputs: nn.Conv2d(inputs, channels, 3, padding=1)
+        self.stem, self.conv1, self.conv2 = conv(3), conv(channels), conv(channels)
+        self.head = nn.Linear(channels, 10)
+
+    def forward(self, images, mask):
+        conv = lambda layer, x: layer(x) * mask
+        stem = F.relu(conv(self.stem, images))
+        hidden = F.relu(conv(self.conv1, stem))
+        block = F.relu(conv(self.conv2, hidden) + stem)
+        pooled = block.sum((2, 3)) / mask.sum((2, 3))
+        return self.head(pooled)
+
+
 def jagged_layer(layer, x, heads):
     """One post-norm nn.TransformerEncoderLayer's computation on a jagged batch."""
     attention = layer.self_attn
@@ -122,17 +146,48 @@ def jagged_encoder(model, x, heads):
     return model.encoder.norm(x)
 
 
-def main():
-    (kind, mode, d_model, heads, feedforward, layers, samples, threads,
-     source_lengths, target_lengths) = sys.argv[1:11]
-    d_model, heads, feedforward = int(d_model), int(heads), int(feedforward)
-    layers, samples = int(layers), int(samples)
-    torch.set_num_threads(int(threads))
-    source_lengths = [int(length) for length in source_lengths.split(",")]
-    target_lengths = [int(length) for length in target_lengths.split(",")]
-    torch.manual_seed(0)
+def step_of(forward, loss, training, optimizer):
+    """An inference step, or a training step: loss, backward, an optimizer step."""
+    if not training:
+        def infer():
+            with torch.no_grad():
+                forward()
+        return infer
+
+    def train():
+        optimizer.zero_grad()
+        loss(forward()).backward()
+        optimizer.step()
+    return train
+
+
+def conv_options(args, training):
+    """Padded eager and padded torch.compile of the conv net."""
+    model = ConvNet(args.channels)
+    model.train(training)
+    images = torch.zeros(len(args.images), 3, args.side, args.side)
+    mask = torch.zeros(len(args.images), 1, args.side, args.side)
+    for index, (height, width) in enumerate(args.images):
+        images[index, :, :height, :width] = torch.randn(3, height, width)
+        mask[index, :, :height, :width] = 1.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    loss = lambda logits: logits.square().mean()
+    step = lambda module: step_of(lambda: module(images, mask), loss, training, optimizer)
+    counting = Counting()
+    compiled = torch.compile(model, backend=counting)
+    return [
+        ("padded eager (no fast path)", False, lambda: step(model), None),
+        ("padded torch.compile", False, lambda: step(compiled), counting),
+    ]
+
+
+def transformer_options(args, training):
+    """Padded eager (fast path on and off), padded torch.compile, torch.nested jagged
+    eager and compiled (encoder) of a Transformer model."""
+    kind, d_model, heads = args.model, args.d_model, args.heads
+    feedforward, layers = args.feedforward, args.layers
+    source_lengths, target_lengths = args.source, args.target
     model = Model(kind, d_model, heads, feedforward, layers)
-    training = mode == "training"
     model.train(training)
     source, source_padding = padded_batch(source_lengths, d_model)
     target, target_padding = padded_batch(target_lengths, d_model)
@@ -140,51 +195,67 @@ def main():
     out_mask = (~(source_padding if kind == "TransformerEncoder" else target_padding))[..., None]
     count = sum(out_lengths) * d_model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-
-    def step_of(forward, loss):
-        """An inference step, or a training step with the report's loss."""
-        if not training:
-            def infer():
-                with torch.no_grad():
-                    forward()
-            return infer
-
-        def train():
-            optimizer.zero_grad()
-            loss(forward()).backward()
-            optimizer.step()
-        return train
-
     padded_loss = lambda output: (output.square() * out_mask).sum() / count
     padded = lambda: model(source, source_padding, target, target_padding)
     options = []
     for fast in (True, False):
-        name = f"padded eager, fast path {'on' if fast else 'off'}"
+        name = "padded eager, fast path on" if fast else "padded eager (no fast path)"
         if training and fast:
             continue  # The fast path is for inference only.
-        options.append((name, fast, lambda: step_of(padded, padded_loss), None))
+        options.append((name, fast, lambda: step_of(padded, padded_loss, training, optimizer), None))
     counting = Counting()
     compiled_model = torch.compile(model, backend=counting)
     options.append(("padded torch.compile", False,
                     lambda: step_of(lambda: compiled_model(source, source_padding, target,
-                                                           target_padding), padded_loss),
+                                                           target_padding), padded_loss,
+                            training, optimizer),
                     counting))
     if kind == "TransformerEncoder":
         elements = [torch.randn(length, d_model) for length in source_lengths]
         jagged = torch.nested.nested_tensor(elements, layout=torch.jagged)
         jagged_loss = lambda output: output.values().square().sum() / count
         options.append(("torch.nested jagged eager", False,
-                        lambda: step_of(lambda: jagged_encoder(model, jagged, heads), jagged_loss),
+                        lambda: step_of(lambda: jagged_encoder(model, jagged, heads), jagged_loss,
+                                        training, optimizer),
                         None))
         jagged_counting = Counting()
         compiled_jagged = torch.compile(jagged_encoder, backend=jagged_counting)
         options.append(("torch.nested jagged torch.compile", False,
-                        lambda: step_of(lambda: compiled_jagged(model, jagged, heads), jagged_loss),
+                        lambda: step_of(lambda: compiled_jagged(model, jagged, heads), jagged_loss,
+                                        training, optimizer),
                         jagged_counting))
+    return options
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--mode", choices=["inference", "training"], required=True)
+    parser.add_argument("--samples", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    for name in ("--d-model", "--heads", "--feedforward", "--layers", "--channels", "--side"):
+        parser.add_argument(name, type=int, default=0)
+    lengths = lambda text: [int(length) for length in text.split(",")]
+    parser.add_argument("--source", type=lengths, default=[])
+    parser.add_argument("--target", type=lengths, default=[])
+    sizes = lambda text: [tuple(int(side) for side in size.split("x")) for size in text.split(",")]
+    parser.add_argument("--images", type=sizes, default=[])
+    return parser.parse_args()
+
+
+def main():
+    args = arguments()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    training = args.mode == "training"
+    if args.model == "ResNet-style conv net":
+        options = conv_options(args, training)
+    else:
+        options = transformer_options(args, training)
     for name, fast, make_step, counter in options:
         torch.backends.mha.set_fastpath_enabled(fast)
         try:
-            median, low, high, first = timed(make_step(), samples)
+            median, low, high, first = timed(make_step(), args.samples)
         except Exception as error:  # An option PyTorch does not support here.
             why = " ".join(str(error).split())[:200]
             print(f"{name}\tunavailable\t{type(error).__name__}: {why}", flush=True)

@@ -1,15 +1,17 @@
 //! What a PyTorch user would run instead: `benches/pytorch.py` (padded eager with the
-//! fast path on and off, padded `torch.compile`, `torch.nested` jagged eager and
-//! compiled), run with the torch venv's Python on the same lengths and weight shapes
-//! as the report's Transformer cells, its lines read back as measurements.
+//! fast path on and without it, padded `torch.compile`, `torch.nested` jagged eager and
+//! compiled; for the conv net padded eager and `torch.compile`), run with the torch
+//! venv's Python on the same lengths, image sizes and weight shapes as the report's
+//! other cells, its lines read back as measurements.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use crate::lengths::occupancy;
+use crate::lengths::{image_sizes, occupancy};
 use crate::measure::Timing;
 use crate::models::{
-    token_lengths, transformer_flops, Column, CompileCost, Measurement, Mode, Model, Outcome,
+    conv_flops, token_lengths, transformer_flops, Column, CompileCost, Measurement, Mode, Model,
+    Outcome,
 };
 use crate::{Result, Scale};
 
@@ -28,24 +30,62 @@ pub fn python() -> Option<PathBuf> {
     python.exists().then_some(python)
 }
 
-/// The PyTorch rows of `model` at about `target` occupancy (both modes), or rows that
-/// say why there are none (no venv Python, a model without PyTorch options).
+/// The PyTorch rows of `model` at about `target` occupancy (both modes; the batches of
+/// the report's other columns), or a row that says why there are none (no venv Python).
 pub fn run_pytorch(
     model: Model,
     scale: &Scale,
     target: f64,
     seed: u64,
 ) -> Result<Vec<Measurement>> {
-    if model == Model::ConvNet {
-        return Ok(Vec::new()); // Not written yet: no PyTorch options for the conv net.
-    }
-    let (source, target_lengths) = token_lengths(scale, target, seed);
-    let output = if model == Model::Decoder {
-        &target_lengths
+    let joined = |items: Vec<String>| items.join(",");
+    let mut args: Vec<String> = vec![
+        "--model".into(),
+        model.name().into(),
+        "--samples".into(),
+        scale.samples.to_string(),
+        "--threads".into(),
+        tch::get_num_threads().to_string(),
+    ];
+    let (occupancy, flops) = if model == Model::ConvNet {
+        let sizes = image_sizes(scale.batch, scale.image_side, target, seed);
+        let area: i64 = sizes.iter().map(|&(h, w)| h * w).sum();
+        let images = joined(sizes.iter().map(|(h, w)| format!("{h}x{w}")).collect());
+        args.extend([
+            "--channels".into(),
+            scale.channels.to_string(),
+            "--side".into(),
+            scale.image_side.to_string(),
+            "--images".into(),
+            images,
+        ]);
+        let pixels = (scale.batch * scale.image_side * scale.image_side) as f64;
+        (area as f64 / pixels, conv_flops(scale, &sizes))
     } else {
-        &source
+        let (source, target_lengths) = token_lengths(scale, target, seed);
+        let output = if model == Model::Decoder {
+            &target_lengths
+        } else {
+            &source
+        };
+        let lengths = |lengths: &[i64]| joined(lengths.iter().map(i64::to_string).collect());
+        args.extend([
+            "--d-model".into(),
+            scale.d_model.to_string(),
+            "--heads".into(),
+            scale.heads.to_string(),
+            "--feedforward".into(),
+            scale.feedforward.to_string(),
+            "--layers".into(),
+            scale.layers.to_string(),
+            "--source".into(),
+            lengths(&source),
+            "--target".into(),
+            lengths(&target_lengths),
+        ]);
+        let flops = transformer_flops(model, scale, &source, &target_lengths);
+        (occupancy(output, scale.max_length), flops)
     };
-    let occupancy = occupancy(output, scale.max_length);
     let mut rows = Vec::new();
     for mode in [Mode::Inference, Mode::Training] {
         let row = |column: Column, outcome: Outcome| Measurement {
@@ -61,38 +101,21 @@ pub fn run_pytorch(
             rows.push(row(Column::TorchPadded, Outcome::Unavailable(why)));
             continue;
         };
-        let factor = if mode == Mode::Training { 3.0 } else { 1.0 };
-        let flops = factor * transformer_flops(model, scale, &source, &target_lengths);
-        let joined = |lengths: &[i64]| {
-            lengths
-                .iter()
-                .map(i64::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        };
         let result = Command::new(&python)
             .arg("-c")
             .arg(SCRIPT)
-            .args([
-                model.name(),
-                mode.name(),
-                &scale.d_model.to_string(),
-                &scale.heads.to_string(),
-                &scale.feedforward.to_string(),
-                &scale.layers.to_string(),
-                &scale.samples.to_string(),
-                &tch::get_num_threads().to_string(),
-                &joined(&source),
-                &joined(&target_lengths),
-            ])
+            .args(&args)
+            .args(["--mode", mode.name()])
             .output()?;
         if !result.status.success() {
             let error = String::from_utf8_lossy(&result.stderr);
             let last = error.lines().last().unwrap_or("no message");
             return Err(format!("benches/pytorch.py failed ({}): {last}", result.status).into());
         }
+        // Training counts 3x the forward's FLOPs, as the other columns do.
+        let factor = if mode == Mode::Training { 3.0 } else { 1.0 };
         for line in String::from_utf8_lossy(&result.stdout).lines() {
-            let (column, outcome) = parse_line(line, flops)?;
+            let (column, outcome) = parse_line(line, factor * flops)?;
             rows.push(row(column, outcome));
         }
     }

@@ -426,9 +426,10 @@ pub fn markdown(
         "- **vs best PyTorch** is the median of the fastest PyTorch option over the cell's median. The \
          PyTorch options are what a PyTorch user would run instead, run by `benches/pytorch.py` in the \
          torch venv's Python on the same lengths and weight shapes: padded eager with the inference fast \
-         path on and off, padded under `torch.compile`, and `torch.nested` (jagged layout) eager and under \
-         `torch.compile` (encoder only); their compiles column counts the graphs torch.compile made \
-         (graph breaks and recompiles included) and the first call's time. None for the conv net yet.\n\
+         path on and without it, padded under `torch.compile`, and `torch.nested` (jagged layout) eager and under \
+         `torch.compile` (encoder only); for the conv net padded eager and padded `torch.compile`. Their \
+         compiles column counts the graphs torch.compile made (graph breaks and recompiles included) and \
+         the first call's time.\n\
          - **vs padded** is the padded median over the cell's median: above 1x the column is faster than \
          libtorch on the padded batch with masks (a Rust baseline on the same libtorch).\n\
          - **GFLOP/s** counts only useful FLOPs, those of the real lengths (matrix products; attention over \

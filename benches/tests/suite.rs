@@ -168,8 +168,9 @@ fn every_model_column_equals_the_padded_reference() {
     }
 }
 
-/// `benches/pytorch.py` runs every PyTorch option on the encoder's smoke batches in the
-/// torch venv's Python, in both modes, and the report reads its lines back.
+/// `benches/pytorch.py` runs every PyTorch option on the encoder's and the conv net's
+/// smoke batches in the torch venv's Python, in both modes, and the report reads its
+/// lines back.
 #[test]
 fn every_pytorch_option_runs_on_the_same_batches() {
     let scale = Scale::smoke();
@@ -190,7 +191,14 @@ fn every_pytorch_option_runs_on_the_same_batches() {
         };
         assert_eq!(columns, expected, "{mode:?}");
     }
-    assert!(run_pytorch(Model::ConvNet, &scale, 0.5, 1)
-        .unwrap()
-        .is_empty());
+    // The conv net: padded eager and padded torch.compile, in both modes.
+    let rows = run_pytorch(Model::ConvNet, &scale, 0.5, 1).unwrap();
+    let columns: Vec<Column> = rows.iter().map(|row| row.column).collect();
+    let each = [Column::TorchPadded, Column::TorchCompiled];
+    assert_eq!(columns, [each, each].concat(), "{rows:?}");
+    assert!(
+        rows.iter()
+            .all(|row| matches!(row.outcome, Outcome::Measured { .. })),
+        "{rows:?}"
+    );
 }

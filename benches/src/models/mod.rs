@@ -90,7 +90,7 @@ pub enum Column {
     NestorCompiled,
     /// PyTorch (the venv's Python): padded eager with the inference fast path on.
     TorchFastPath,
-    /// PyTorch: padded eager with the fast path off.
+    /// PyTorch: padded eager without the fast path (the conv net has none).
     TorchPadded,
     /// PyTorch: padded under `torch.compile`.
     TorchCompiled,
@@ -117,7 +117,7 @@ impl Column {
             Column::NestorEager => "nestor eager",
             Column::NestorCompiled => "nestor compiled",
             Column::TorchFastPath => "PyTorch padded eager, fast path on",
-            Column::TorchPadded => "PyTorch padded eager, fast path off",
+            Column::TorchPadded => "PyTorch padded eager (no fast path)",
             Column::TorchCompiled => "PyTorch padded torch.compile",
             Column::TorchNested => "PyTorch torch.nested jagged eager",
             Column::TorchNestedCompiled => "PyTorch torch.nested jagged torch.compile",
@@ -239,6 +239,15 @@ pub fn token_lengths(scale: &Scale, target: f64, seed: u64) -> (Vec<i64>, Vec<i6
     )
 }
 
+/// The useful FLOPs of one conv net forward over images of `sizes` (the convolutions).
+pub fn conv_flops(scale: &Scale, sizes: &[(i64, i64)]) -> f64 {
+    let c = scale.channels as f64;
+    sizes
+        .iter()
+        .map(|&(h, w)| 2.0 * (h * w) as f64 * 9.0 * (3.0 * c + 2.0 * c * c))
+        .sum()
+}
+
 /// Builds `model` and a batch at about `target` occupancy, and hands `visit` the
 /// columns of each mode (inference, then training).
 pub fn with_columns(
@@ -292,14 +301,7 @@ pub fn with_columns(
             )?;
             let occupancy_now =
                 images.area() / (scale.batch * scale.image_side * scale.image_side) as f64;
-            let flops = images
-                .sizes
-                .iter()
-                .map(|&(h, w)| {
-                    let c = scale.channels as f64;
-                    2.0 * (h * w) as f64 * 9.0 * (3.0 * c + 2.0 * c * c)
-                })
-                .sum::<f64>();
+            let flops = conv_flops(scale, &images.sizes);
             visit_modes(&store, occupancy_now, flops, visit, |mode, optimizer| {
                 net.columns(&weights, &images, mode, optimizer)
             })?;

@@ -50,10 +50,6 @@ impl Attention<'_> {
             k: k as *const T,
             v: v as *const T,
         };
-        let elements = q_offsets.len().saturating_sub(1);
-        let tasks: Vec<(usize, i64)> = (0..elements)
-            .flat_map(|e| (0..self.heads).map(move |h| (e, h)))
-            .collect();
         let task = |(element, head): (usize, i64)| {
             let (q_first, q_rows) = (
                 q_offsets[element],
@@ -66,12 +62,12 @@ impl Attention<'_> {
             // The task's rows and columns are in range of buffers the executor sized.
             unsafe { self.element(buffers, head, q_first, q_rows, k_first, k_rows) };
         };
-        let threads = if self.parallel {
-            crate::Parallelism::current().threads
-        } else {
-            1
-        };
-        crate::team::for_each_chunk(tasks.len(), threads, &|index| task(tasks[index]));
+        for_each_element_head(
+            q_offsets.len().saturating_sub(1),
+            self.heads,
+            self.parallel,
+            &task,
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -176,6 +172,24 @@ impl Attention<'_> {
     }
 }
 
+/// Runs `task((element, head))` for every element and head, on the team when `parallel`.
+fn for_each_element_head(
+    elements: usize,
+    heads: i64,
+    parallel: bool,
+    task: &(dyn Fn((usize, i64)) + Sync),
+) {
+    let heads = heads.max(0) as usize;
+    let threads = if parallel {
+        crate::Parallelism::current().threads
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(elements * heads, threads, &|index| {
+        task((index / heads, (index % heads) as i64))
+    });
+}
+
 /// The shape of one attention-gradient step (queries, keys and values of one width).
 pub(crate) struct AttentionGrad<'a> {
     pub q: &'a Access,
@@ -225,22 +239,18 @@ impl AttentionGrad<'_> {
             v: v as *const T,
             g: g as *const T,
         };
-        let elements = q_offsets.len().saturating_sub(1);
-        let tasks: Vec<(usize, i64)> = (0..elements)
-            .flat_map(|e| (0..self.heads).map(move |h| (e, h)))
-            .collect();
         let task = |(element, head): (usize, i64)| {
             let rows =
                 |offsets: &[i64]| (offsets[element], offsets[element + 1] - offsets[element]);
             // The task's rows and columns are in range of buffers the executor sized.
             unsafe { self.element(buffers, head, rows(q_offsets), rows(k_offsets)) };
         };
-        let threads = if self.parallel {
-            crate::Parallelism::current().threads
-        } else {
-            1
-        };
-        crate::team::for_each_chunk(tasks.len(), threads, &|index| task(tasks[index]));
+        for_each_element_head(
+            q_offsets.len().saturating_sub(1),
+            self.heads,
+            self.parallel,
+            &task,
+        );
     }
 
     unsafe fn element<T: Scalar>(

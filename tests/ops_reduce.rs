@@ -81,6 +81,38 @@ proptest! {
     }
 
     #[test]
+    fn the_batch_dim_alone_reduces_every_element_over_all_its_dims(
+        lengths in lengths(6, 9),
+        kind in float_kinds(),
+        keepdim in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        // As in DanLing: element i gives op(element_i) over all its dims.
+        let (nested, elements) = batch(&lengths, &[3], kind, seed);
+        let every = [0i64, 1];
+        for op in OPS {
+            let empty = lengths.contains(&0);
+            if empty && matches!(op, Reduce::Amax | Reduce::Amin) {
+                let result = nested.reduce(op, &[0], keepdim);
+                prop_assert!(matches!(result, Err(NestedError::EmptyReduction { .. })), "{:?}", op);
+                continue;
+            }
+            let result = dense(nested.reduce(op, &[0], keepdim).unwrap());
+            let expected: Vec<Tensor> = elements.iter().map(|e| reference(op, e, &every, keepdim)).collect();
+            prop_assert!(close(&result, &Tensor::stack(&expected, 0), kind), "{:?} over the batch dim", op);
+        }
+        if !lengths.contains(&0) {
+            let (values, indices) = nested.max_dim(0, false).unwrap();
+            let (values, indices) = (dense(values), dense(indices));
+            for (element, tensor) in elements.iter().enumerate() {
+                let element = element as i64;
+                prop_assert!(close(&values.get(element), &tensor.max(), kind));
+                prop_assert_eq!(indices.int64_value(&[element]), tensor.argmax(None, false).int64_value(&[]));
+            }
+        }
+    }
+
+    #[test]
     fn sums_and_means_over_the_ragged_dim_allow_empty_elements(lengths in lengths(6, 9), kind in float_kinds(), seed in 0i64..1000) {
         let (nested, elements) = batch(&lengths, &[4], kind, seed);
         let sums = dense(nested.sum(&[1], false).unwrap());
@@ -163,11 +195,13 @@ fn max_min_and_argmax_with_indices() -> Result<(), Box<dyn std::error::Error>> {
 fn reductions_over_the_batch_dim() -> Result<(), Box<dyn std::error::Error>> {
     let (nested, elements) = batch(&[3, 3, 3], &[2], Kind::Double, 12);
     let stacked = Tensor::stack(&elements, 0);
+    // The batch dim alone: every element's own sum (DanLing), not a sum across elements.
     assert!(close(
         &nested.sum(&[0], false)?.into_dense()?,
-        &stacked.sum_dim_intlist(0, false, None::<Kind>),
+        &stacked.sum_dim_intlist([1i64, 2].as_slice(), false, None::<Kind>),
         Kind::Double
     ));
+    assert_eq!(nested.sum(&[0], true)?.into_dense()?.size(), [3, 1, 1]);
     assert!(close(
         &nested.amax(&[0, 1], false)?.into_dense()?,
         &stacked.amax([0, 1], false),
@@ -187,7 +221,7 @@ fn reductions_over_the_batch_dim() -> Result<(), Box<dyn std::error::Error>> {
         Kind::Double
     ));
     assert!(matches!(
-        ragged.sum(&[0], false),
+        ragged.sum(&[0, 2], false),
         Err(NestedError::ElementShapeMismatch { element: 1, .. })
     ));
     Ok(())

@@ -311,6 +311,11 @@ impl Plan {
                 let variance = self
                     .sum(&deviation.f_square()?)?
                     .f_div(&counts.f_sub_scalar(correction)?)?;
+                // Nothing to average: NaN as in torch (not 0 / (0 - correction)).
+                let variance = variance.f_where_self(
+                    &counts.f_ne(0)?,
+                    &Tensor::f_scalar_tensor(f64::NAN, (variance.kind(), variance.device()))?,
+                )?;
                 if matches!(op, Reduce::Std { .. }) {
                     variance.f_sqrt()?
                 } else {
@@ -324,8 +329,11 @@ impl Plan {
 impl NestedTensor {
     /// Reduces over `dims` (NestedTensor dims; negative count from the end; the batch
     /// dim allowed; an empty list means every dim). Static dims reduce on the packed
-    /// values, ragged dims by segment, the batch dim over the per-element results
-    /// (which must then share a shape). The result is dense once no ragged dim is left.
+    /// values, ragged dims by segment. The batch dim alone reduces every element over
+    /// all its dims, as DanLing does (`[B]`, or `[B, 1, ..., 1]` with `keepdim`, which
+    /// broadcasts back per element); the batch dim with element dims reduces those
+    /// first, then across the per-element results (which must then share a shape).
+    /// The result is dense once no ragged dim is left.
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;
@@ -337,6 +345,9 @@ impl NestedTensor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn reduce(&self, op: Reduce, dims: &[i64], keepdim: bool) -> Result<Reduced> {
+        if let Some(every_element_dim) = self.batch_dim_alone(dims)? {
+            return self.reduce(op, &every_element_dim, keepdim);
+        }
         let result = self.reduce_eager(op, dims, keepdim)?;
         if self.trace.is_none() {
             return Ok(result);
@@ -476,6 +487,107 @@ impl NestedTensor {
         }
     }
 
+    /// When `dims` names the batch dim alone (of elements of rank at least 1): every
+    /// element dim, as NestedTensor dims, which is what DanLing reduces over then.
+    fn batch_dim_alone(&self, dims: &[i64]) -> Result<Option<Vec<i64>>> {
+        let rank = self.lay().rank();
+        let [dim] = dims else { return Ok(None) };
+        if rank == 0 || self.normalize_dim(*dim)? != self.batch_dim() {
+            return Ok(None);
+        }
+        let every: Vec<usize> = (0..rank).collect();
+        Ok(Some(element_dims_as_nested(self, &every)))
+    }
+
+    /// For every packed scalar, its position in its element read in row-major order
+    /// (i64, the packed shape): what `argmax` of a whole element returns.
+    fn flat_positions(&self) -> Result<Tensor> {
+        let layout = self.lay();
+        let device = self.device();
+        let owners = layout.row_elements();
+        // Row-major strides of every element dim, per element.
+        let strides: Vec<Vec<i64>> = layout
+            .element_sizes()
+            .iter()
+            .map(|sizes| {
+                let mut strides = vec![1i64; sizes.len()];
+                for dim in (0..sizes.len().saturating_sub(1)).rev() {
+                    strides[dim] = strides[dim + 1] * sizes[dim + 1];
+                }
+                strides
+            })
+            .collect();
+        let per_row = |dim: usize| -> Vec<i64> {
+            owners
+                .iter()
+                .map(|&element| strides[element as usize][dim])
+                .collect()
+        };
+        let mut base = vec![0i64; owners.len()];
+        for &dim in layout.ragged_dims() {
+            let coordinates = layout.row_coordinates(dim);
+            for ((base, coordinate), stride) in base.iter_mut().zip(coordinates).zip(per_row(dim)) {
+                *base += coordinate * stride;
+            }
+        }
+        let axes = layout.static_dims().len();
+        let mut view = vec![1i64; axes + 1];
+        view[0] = -1;
+        let mut positions = Tensor::f_from_slice(&base)?
+            .f_to_device(device)?
+            .f_view(view.as_slice())?;
+        for (axis, (&dim, &size)) in layout
+            .static_dims()
+            .iter()
+            .zip(layout.static_sizes())
+            .enumerate()
+        {
+            let stride = Tensor::f_from_slice(&per_row(dim))?
+                .f_to_device(device)?
+                .f_view(view.as_slice())?;
+            let mut along = vec![1i64; axes + 1];
+            along[axis + 1] = size;
+            let coordinate =
+                Tensor::f_arange(size, (Kind::Int64, device))?.f_view(along.as_slice())?;
+            positions = positions.f_add(&stride.f_mul(&coordinate)?)?;
+        }
+        Ok(positions
+            .f_expand(self.packed().size(), false)?
+            .f_contiguous()?)
+    }
+
+    /// The largest or smallest value of every element and its first flat position.
+    fn extreme_per_element(&self, largest: bool, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let op = if largest { "max" } else { "min" };
+        let every: Vec<usize> = (0..self.lay().rank()).collect();
+        let plan = Plan::new(self.lay(), &every, false, self.device())?;
+        if let Some(element) = plan.first_empty_element() {
+            return Err(NestedError::EmptyReduction { op, element });
+        }
+        let values = self.packed();
+        let rows = values.size()[0];
+        let flat = values.f_reshape([rows, -1])?;
+        let extreme = plan.extreme(values, if largest { "amax" } else { "amin" }, 0.0)?;
+        let per_row = plan.gather(&extreme)?.f_reshape([rows, 1])?;
+        // NaN is the extreme of an element that holds one, as in torch.
+        let hits = flat
+            .f_eq_tensor(&per_row)?
+            .f_logical_or(&flat.f_isnan()?.f_logical_and(&per_row.f_isnan()?)?)?;
+        let positions = self.flat_positions()?.f_reshape([rows, -1])?;
+        let candidates = positions
+            .f_where_scalarother(&hits, i64::MAX)?
+            .f_amin([1].as_slice(), false)?;
+        let batch = self.batch_size() as i64;
+        let owners = self.row_elements_tensor()?;
+        let indices = Tensor::f_full([batch], i64::MAX, (Kind::Int64, self.device()))?
+            .f_index_reduce(0, &owners, &candidates, "amin", false)?;
+        let mut shape = vec![batch];
+        if keepdim {
+            shape.extend(std::iter::repeat_n(1, self.lay().rank()));
+        }
+        Ok((extreme.f_reshape(&shape)?, indices.f_reshape(&shape)?))
+    }
+
     /// The elements stacked into `[B, ...]`; they must share a shape.
     fn stacked_elements(&self, op: &'static str) -> Result<Tensor> {
         match stack_same_shape(&self.elements()?, op)? {
@@ -487,7 +599,8 @@ impl NestedTensor {
         }
     }
 
-    /// Largest value and its index along one dim (static, ragged or the batch dim).
+    /// Largest value and its index along one dim (static, ragged or the batch dim:
+    /// then every element's largest value and its row-major position in the element).
     pub fn max_dim(&self, dim: i64, keepdim: bool) -> Result<(Reduced, Reduced)> {
         self.extreme_dim(dim, keepdim, true)
     }
@@ -512,12 +625,7 @@ impl NestedTensor {
         self.untraceable(op)?;
         let normalized = self.normalize_dim(dim)?;
         if normalized == self.batch_dim() {
-            let stacked = self.stacked_elements(op)?;
-            let (values, indices) = if largest {
-                stacked.f_max_dim(0, keepdim)?
-            } else {
-                stacked.f_min_dim(0, keepdim)?
-            };
+            let (values, indices) = self.extreme_per_element(largest, keepdim)?;
             return Ok((
                 Reduced::Dense(Dense::from(values)),
                 Reduced::Dense(Dense::from(indices)),

@@ -40,7 +40,7 @@ pub use nested::{
     BatchSelector, Bounds, ListData, ListElement, NestedBuilder, NestedOptions, NestedTensor,
 };
 pub use nestor_runtime::StatsSnapshot;
-pub use ops::{Binary, LossReduction, Operand, Reduce, Reduced, Target};
+pub use ops::{Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};
 pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 
 /// The result type of this crate.

@@ -12,9 +12,11 @@
 //!   segmented scans, cdist;
 //! - `per_element`: convolution, pooling, interpolation element by element;
 //! - `attention`: scaled dot-product attention over packed heads;
+//! - `compare`: `equal` and `allclose` of whole batches;
 //! - `loss`: losses on packed values.
 
 mod attention;
+mod compare;
 mod elementwise;
 mod linear;
 mod loss;
@@ -24,6 +26,7 @@ mod per_element;
 mod reduce;
 mod structure;
 
+pub use compare::Comparand;
 pub use elementwise::Binary;
 pub use loss::{LossReduction, Target};
 pub use operand::Operand;

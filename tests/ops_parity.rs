@@ -28,7 +28,7 @@ proptest! {
         // One value moved: no longer equal, still close within a loose tolerance.
         let total = nested.values().numel();
         if total > 0 {
-            let mut flat = nested.values().reshape([-1]).copy();
+            let flat = nested.values().reshape([-1]).copy();
             let position = (nudge % total) as i64;
             let value = flat.get(position).double_value(&[]);
             let _ = flat.get(position).fill_(value + 1e-3);
@@ -63,4 +63,122 @@ fn nans_are_close_only_when_asked() {
         Kind::Float
     ));
     assert!(dense.equal(&ragged).unwrap());
+}
+
+/// Elements `[L_i, C]` (ragged leading dim) or `[L_i, L_i + 1]` (two ragged dims, so the
+/// lines of dim 0 are not contiguous rows) with some values repeated (ties).
+fn sortable(lengths: &[i64], pairs: bool, kind: Kind, seed: i64) -> (NestedTensor, Vec<Tensor>) {
+    let mut random = common::Random::new(seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&length| {
+            let shape = if pairs {
+                [length, length + 1]
+            } else {
+                [length, 3]
+            };
+            // Integers in 0..4: many ties, exact in every kind.
+            random.below(4, &shape).to_kind(kind)
+        })
+        .collect();
+    let ragged: &[usize] = if pairs { &[0, 1] } else { &[0] };
+    let nested = NestedTensor::builder()
+        .ragged_dims(ragged)
+        .tensors(&elements)
+        .unwrap();
+    (nested, elements)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(24), ..ProptestConfig::default() })]
+
+    #[test]
+    fn sorts_and_scans_along_ragged_and_static_dims_match_every_element(
+        lengths in lengths(5, 7),
+        pairs in any::<bool>(),
+        kind in float_kinds(),
+        descending in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let (nested, elements) = sortable(&lengths, pairs, kind, seed);
+        for (dim, element_dim) in [(1i64, 0i64), (2, 1)] {
+            let (values, indices) = nested.sort(dim, descending).unwrap();
+            let (cummax, cummax_at) = nested.cummax(dim).unwrap();
+            let (cummin, cummin_at) = nested.cummin(dim).unwrap();
+            let unbound = [&values, &indices, &cummax, &cummax_at, &cummin, &cummin_at].map(|n| n.unbind().unwrap());
+            for (i, element) in elements.iter().enumerate() {
+                let (v, at) = element.sort_stable(true, element_dim, descending);
+                prop_assert!(unbound[0][i].equal(&v) && unbound[1][i].equal(&at), "sort dim {} element {}", dim, i);
+                let (v, at) = element.cummax(element_dim);
+                prop_assert!(unbound[2][i].equal(&v) && unbound[3][i].equal(&at), "cummax dim {} element {}", dim, i);
+                let (v, at) = element.cummin(element_dim);
+                prop_assert!(unbound[4][i].equal(&v) && unbound[5][i].equal(&at), "cummin dim {} element {}", dim, i);
+            }
+            let shortest = elements.iter().map(|e| e.size()[element_dim as usize]).min().unwrap();
+            for k in [0, 1, 2, 3] {
+                let topk = nested.topk(k, dim, !descending);
+                if k > shortest {
+                    prop_assert!(matches!(topk, Err(nestor::NestedError::ElementTooShort { .. })), "k {}", k);
+                    continue;
+                }
+                let (top, at) = topk.unwrap();
+                for ((element, top), at) in elements.iter().zip(top.unbind().unwrap()).zip(at.unbind().unwrap()) {
+                    let (expected, _) = element.topk(k, element_dim, !descending, true);
+                    prop_assert!(top.equal(&expected));
+                    prop_assert!(element.gather(element_dim, &at, false).equal(&top));
+                }
+                if k >= 1 {
+                    let (kth, at) = nested.kthvalue(k, dim, false).unwrap();
+                    let per_element = |reduced: nestor::Reduced| match reduced {
+                        nestor::Reduced::Nested(n) => n.unbind().unwrap(),
+                        nestor::Reduced::Dense(d) => d.tensor().unbind(0),
+                    };
+                    for ((element, kth), at) in elements.iter().zip(per_element(kth)).zip(per_element(at)) {
+                        let (expected, _) = element.kthvalue(k, element_dim, false);
+                        prop_assert!(kth.equal(&expected));
+                        prop_assert!(element.gather(element_dim, &at.unsqueeze(element_dim), false).squeeze_dim(element_dim).equal(&kth));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sorted_values_and_running_maxima_pass_gradients_back(lengths in lengths(5, 7), pairs in any::<bool>(), seed in 0i64..1000) {
+        let (nested, elements) = sortable(&lengths, pairs, Kind::Double, seed);
+        let leaf = nested.set_requires_grad(true).unwrap();
+        let weights = common::Random::new(seed + 1).normal(&[leaf.values().numel() as i64]).reshape(leaf.values().size());
+        let (sorted, _) = leaf.sort(1, true).unwrap();
+        let (running, _) = leaf.cummax(1).unwrap();
+        ((sorted.values() + running.values()) * &weights).sum(Kind::Double).backward();
+        let grads = leaf.grad().unwrap().unbind().unwrap();
+        let weights = leaf.packed_like(&weights).unwrap().unbind().unwrap();
+        for ((element, grad), weights) in elements.iter().zip(&grads).zip(&weights) {
+            let x = element.detach().set_requires_grad(true);
+            ((x.sort_stable(true, 0, true).0 + x.cummax(0).0) * weights).sum(Kind::Double).backward();
+            prop_assert!(close(grad, &x.grad(), Kind::Double));
+        }
+    }
+}
+
+#[test]
+fn nan_sorts_last_and_stays_the_running_maximum() {
+    let nested =
+        NestedTensor::from_lists(vec![vec![2.0f32, f32::NAN, 1.0, f32::NAN], vec![3.0, 1.0]])
+            .unwrap();
+    let (sorted, indices) = nested.sort(1, false).unwrap();
+    let (running, at) = nested.cummax(1).unwrap();
+    for (i, element) in nested.unbind().unwrap().iter().enumerate() {
+        let (v, a) = element.sort_stable(true, 0, false);
+        assert!(close(&sorted.get(i as i64).unwrap(), &v, Kind::Float));
+        assert!(indices.get(i as i64).unwrap().equal(&a));
+        let (v, a) = element.cummax(0);
+        assert!(close(&running.get(i as i64).unwrap(), &v, Kind::Float));
+        assert!(
+            at.get(i as i64).unwrap().equal(&a),
+            "{:?} vs {:?}",
+            at.get(i as i64).unwrap(),
+            a
+        );
+    }
 }

@@ -6,6 +6,7 @@
 //!   in-place variants;
 //! - `reduce`: reductions over static dims (packed), ragged dims (segmented), the batch
 //!   dim and all dims;
+//! - `sort`: sort, argsort, topk, kthvalue, cummax / cummin (ragged dims by segment);
 //! - `normalize`: softmax / log_softmax, layer_norm, rms_norm, batch_norm, dropout;
 //! - `linear`: linear, matmul, embedding;
 //! - `structure`: zero-copy reconstruction, repeats, reshapes of static dims,
@@ -24,6 +25,7 @@ mod normalize;
 mod operand;
 mod per_element;
 mod reduce;
+mod sort;
 mod structure;
 
 pub use compare::Comparand;

@@ -410,7 +410,7 @@ impl NestedTensor {
     }
 
     /// A result in `layout`: nested while ragged dims remain, else the dense `[B, ...]`.
-    fn wrap_reduced(&self, values: Tensor, layout: RaggedLayout) -> Reduced {
+    pub(crate) fn wrap_reduced(&self, values: Tensor, layout: RaggedLayout) -> Reduced {
         if layout.ragged_dims().is_empty() {
             Reduced::Dense(Dense::from(values))
         } else {

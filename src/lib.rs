@@ -23,10 +23,10 @@
 //! ```
 
 pub use nestor_frontend::{
-    collate, dtype_of, kind_of, nested_execution_guard, nn, BatchSelector, Batcher, Binary, Bounds,
-    Collate, Comparand, Dataset, ExecutionGuard, ListData, ListElement, LossReduction,
-    NestedBuilder, NestedError, NestedOptions, NestedTensor, Operand, PNTensor, Reduce, Reduced,
-    Result, SlowPath, Target,
+    collate, dtype_of, kind_of, load_batches, nested_execution_guard, nn, save_batches,
+    BatchSelector, Batcher, Binary, Bounds, Collate, Comparand, Dataset, ExecutionGuard, ListData,
+    ListElement, LossReduction, NestedBuilder, NestedError, NestedOptions, NestedTensor, Operand,
+    PNTensor, Reduce, Reduced, Result, SlowPath, Target,
 };
 pub use nestor_frontend::{
     compile, interpret, trace, Compiled, Dense, StatsSnapshot, TraceOutputs, TraceRef, Traced,

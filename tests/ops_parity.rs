@@ -182,3 +182,83 @@ fn nan_sorts_last_and_stays_the_running_maximum() {
         );
     }
 }
+
+/// A file path of this test process under the system's temp dir.
+fn temp_file(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("nestor-{}-{name}.safetensors", std::process::id()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(16), ..ProptestConfig::default() })]
+
+    #[test]
+    fn saved_batches_load_back_with_their_lengths_and_options(
+        lengths in lengths(5, 6),
+        pairs in any::<bool>(),
+        kind in prop_oneof![Just(Kind::Float), Just(Kind::Double), Just(Kind::Half), Just(Kind::BFloat16), Just(Kind::Int64), Just(Kind::Bool)],
+        batch_first in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let (nested, _) = sortable(&lengths, pairs, kind, seed);
+        let options = nestor::NestedOptions { batch_first, padding_value: -1.5, mask_value: !batch_first };
+        let nested = nested.with_options(options);
+        let (tokens, _) = batch(&lengths, &[], Kind::Float, seed + 1);
+        let path = temp_file(&format!("roundtrip-{seed}"));
+        nestor::save_batches(&path, &[("pairs", &nested), ("tokens", &tokens)]).unwrap();
+        let loaded = nestor::load_batches(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        prop_assert_eq!(loaded.len(), 2);
+        prop_assert_eq!(&loaded[0].0, "pairs");
+        let pairs_back = &loaded[0].1;
+        prop_assert!(pairs_back.equal(&nested).unwrap());
+        prop_assert_eq!(pairs_back.layout(), nested.layout());
+        prop_assert_eq!(pairs_back.options(), options);
+        prop_assert_eq!(pairs_back.kind(), kind);
+        prop_assert!(loaded[1].1.equal(&tokens).unwrap());
+        prop_assert_eq!(loaded[1].1.layout(), tokens.layout());
+    }
+}
+
+#[test]
+fn truncated_or_damaged_files_are_typed_errors() {
+    let (nested, _) = sortable(&[3, 0, 2], true, Kind::Float, 5);
+    let path = temp_file("damaged");
+    nested.save(&path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    assert!(NestedTensor::load(&path).unwrap().equal(&nested).unwrap());
+    // Every cut is an error: the header says how long the file must be.
+    for cut in (0..bytes.len()).step_by(7) {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let result = NestedTensor::load(&path);
+        assert!(
+            matches!(result, Err(nestor::NestedError::File { .. })),
+            "cut at {cut}: {result:?}"
+        );
+    }
+    // Flipped bytes: an error or a batch that holds together, never a panic.
+    let mut random = common::Random::new(9);
+    for _ in 0..200 {
+        let mut damaged = bytes.clone();
+        let at = random.below(bytes.len() as u64, &[1]).int64_value(&[0]) as usize;
+        damaged[at] ^= 1 << random.below(8, &[1]).int64_value(&[0]);
+        std::fs::write(&path, &damaged).unwrap();
+        if let Ok(batch) = NestedTensor::load(&path) {
+            assert_eq!(batch.values().size(), batch.layout().packed_shape());
+        }
+    }
+    // Not a file of batches.
+    Tensor::write_safetensors(
+        &[("x", Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)))],
+        &path,
+    )
+    .unwrap();
+    assert!(matches!(
+        NestedTensor::load(&path),
+        Err(nestor::NestedError::File { .. })
+    ));
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(
+        NestedTensor::load(&path),
+        Err(nestor::NestedError::File { .. })
+    ));
+}

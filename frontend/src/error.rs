@@ -227,6 +227,14 @@ pub enum NestedError {
         /// What overflowed, with its numbers.
         what: String,
     },
+    /// A file that cannot be written, or read back as saved batches.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// An error reported by libtorch. Displayed as its first line (libtorch appends a
     /// C++ backtrace); the whole report with `NESTOR_TORCH_BACKTRACE=1`, or from the
     /// `TchError` itself.

@@ -37,7 +37,8 @@ pub use error::NestedError;
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};
 pub use nested::{
-    BatchSelector, Bounds, ListData, ListElement, NestedBuilder, NestedOptions, NestedTensor,
+    load_batches, save_batches, BatchSelector, Bounds, ListData, ListElement, NestedBuilder,
+    NestedOptions, NestedTensor,
 };
 pub use nestor_runtime::StatsSnapshot;
 pub use ops::{Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};

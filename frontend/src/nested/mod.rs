@@ -2,6 +2,7 @@
 
 mod build;
 mod display;
+mod file;
 mod index;
 mod list;
 mod padded;
@@ -16,6 +17,7 @@ use crate::trace::{Arg, TraceRef};
 use crate::{dtype_of, NestedError, Result};
 
 pub use build::NestedBuilder;
+pub use file::{load_batches, save_batches};
 pub use index::{BatchSelector, Bounds};
 pub use list::{ListData, ListElement};
 

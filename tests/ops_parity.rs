@@ -262,3 +262,69 @@ fn truncated_or_damaged_files_are_typed_errors() {
         Err(nestor::NestedError::File { .. })
     ));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(24), ..ProptestConfig::default() })]
+
+    #[test]
+    fn nested_operands_broadcast_into_square_and_rectangular_pairs(
+        lengths in lengths(5, 6),
+        others in proptest::collection::vec(0i64..=6, 5),
+        kind in float_kinds(),
+        seed in 0i64..1000,
+    ) {
+        let (x, xs) = batch(&lengths, &[3], kind, seed);
+        let others = &others[..lengths.len()];
+        let (y, ys) = batch(others, &[1], kind, seed + 1);
+        // Square: [L_i, 1, C] * [1, L_i, C] -> [L_i, L_i, C].
+        let square = (&x.unsqueeze(2).unwrap() * &x.unsqueeze(1).unwrap()).unwrap();
+        let expected: Vec<Tensor> = xs.iter().map(|e| e.unsqueeze(1) * e.unsqueeze(0)).collect();
+        common::assert_elements(&square, &expected, kind);
+        prop_assert_eq!(square.values().size()[0], lengths.iter().map(|l| l * l).sum::<i64>());
+        // Rectangular, with a static dim broadcast too: [L_i, 1, C] - [1, M_i, 1].
+        let rectangle = (&x.unsqueeze(2).unwrap() - &y.unsqueeze(1).unwrap()).unwrap();
+        let expected: Vec<Tensor> = xs.iter().zip(&ys).map(|(a, b)| a.unsqueeze(1) - b.unsqueeze(0)).collect();
+        common::assert_elements(&rectangle, &expected, kind);
+        // Reversed operands (`other <op> self`).
+        let reversed = x.unsqueeze(1).unwrap().binary_reversed(nestor::Binary::Sub, &x.unsqueeze(2).unwrap()).unwrap();
+        let expected: Vec<Tensor> = xs.iter().map(|e| e.unsqueeze(1) - e.unsqueeze(0)).collect();
+        common::assert_elements(&reversed, &expected, kind);
+    }
+
+    #[test]
+    fn gradients_of_broadcast_pairs_accumulate(lengths in lengths(5, 6), seed in 0i64..1000) {
+        let (x, xs) = batch(&lengths, &[2], Kind::Double, seed);
+        let leaf = x.set_requires_grad(true).unwrap();
+        let pairs = (&leaf.unsqueeze(2).unwrap() * &leaf.unsqueeze(1).unwrap()).unwrap();
+        let weights = common::Random::new(seed).normal(&pairs.values().size());
+        (pairs.values() * &weights).sum(Kind::Double).backward();
+        let grads = leaf.grad().unwrap().unbind().unwrap();
+        let weights = pairs.packed_like(&weights).unwrap().unbind().unwrap();
+        for ((element, grad), weights) in xs.iter().zip(&grads).zip(&weights) {
+            let e = element.detach().set_requires_grad(true);
+            ((e.unsqueeze(1) * e.unsqueeze(0)) * weights).sum(Kind::Double).backward();
+            prop_assert!(close(grad, &e.grad(), Kind::Double));
+        }
+    }
+}
+
+#[test]
+fn elements_that_do_not_broadcast_are_still_a_structure_mismatch() {
+    let (x, _) = batch(&[3, 2], &[2], Kind::Float, 1);
+    let (y, _) = batch(&[2, 2], &[2], Kind::Float, 2);
+    assert!(matches!(
+        &x + &y,
+        Err(nestor::NestedError::StructureMismatch { .. })
+    ));
+    // A static dim of size 2 cannot become a ragged one: [1 (ragged), 2] + [2 (static), 2].
+    let (ones, _) = batch(&[1, 1], &[2], Kind::Float, 3);
+    let wide = NestedTensor::from_tensors(&[
+        Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)),
+        Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)),
+    ])
+    .unwrap();
+    assert!(matches!(
+        &ones + &wide,
+        Err(nestor::NestedError::Unsupported { .. })
+    ));
+}

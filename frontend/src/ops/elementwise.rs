@@ -277,6 +277,22 @@ impl NestedTensor {
         other: Operand<'_>,
         reversed: bool,
     ) -> Result<NestedTensor> {
+        if let Operand::Nested(nested) = &other {
+            if let Some(pair) = self.broadcast_nested(nested, op.name())? {
+                self.untraceable(op.name())?;
+                nested.untraceable(op.name())?;
+                let values = if reversed {
+                    op.apply(&pair.right, &pair.left)?
+                } else {
+                    op.apply(&pair.left, &pair.right)?
+                };
+                return Ok(NestedTensor::from_parts(
+                    values,
+                    pair.layout,
+                    self.options(),
+                ));
+            }
+        }
         let aligned = self.align(&other, op.name())?;
         let values = if reversed {
             op.apply(&aligned, self.packed())?

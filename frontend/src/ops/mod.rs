@@ -8,6 +8,8 @@
 //!   dim and all dims;
 //! - `sort`: sort, argsort, topk, kthvalue, cummax / cummin (ragged dims by segment);
 //! - `normalize`: softmax / log_softmax, layer_norm, rms_norm, batch_norm, dropout;
+//! - `pairs`: pair layouts from broadcasting nested operands (`[L_i, 1, C]` with
+//!   `[1, L_i, C]` gives `[L_i, L_i, C]`, packed);
 //! - `linear`: linear, matmul, embedding;
 //! - `structure`: zero-copy reconstruction, repeats, reshapes of static dims,
 //!   segmented scans, cdist;
@@ -23,6 +25,7 @@ mod linear;
 mod loss;
 mod normalize;
 mod operand;
+mod pairs;
 mod per_element;
 mod reduce;
 mod sort;

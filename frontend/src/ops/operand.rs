@@ -14,7 +14,9 @@ use crate::{Dense, NestedError, NestedTensor, Result};
 ///   must be 1, so a positional `[1, L, C]` is an error rather than a silent guess;
 /// - a dense tensor of rank `R + 1` with the batch size (or 1) at the batch dim applies
 ///   per element (`[B, 1, C]`);
-/// - a NestedTensor must have the same structure;
+/// - a NestedTensor must have the same structure, or elements that broadcast with
+///   these (per element, every dim equal or 1 in one of them): the result then has the
+///   broadcast shapes, packed (pair layouts such as `[L_i, L_i, C]`);
 /// - a [`Dense`] handle lines up as its tensor does, and stays traced (a per-element
 ///   statistic `[B, 1, C]` such as `x.mean(&[1], true)` used against `x`).
 pub enum Operand<'a> {

@@ -1,0 +1,141 @@
+//! Pair layouts: two nested operands whose elements broadcast to a larger shape
+//! (`x.unsqueeze(2) * x.unsqueeze(1)` for `[L_i, C]` elements gives `[L_i, L_i, C]`,
+//! stored packed, `sum L_i^2` rows). Each operand is gathered to the rows of the
+//! result, so gradients of repeated values accumulate through the gather.
+
+use tch::Tensor;
+
+use nestor_runtime::RaggedLayout;
+
+use crate::{NestedError, NestedTensor, Result};
+
+/// Two operands lined up on the rows of their broadcast layout.
+pub(crate) struct Broadcast {
+    /// The left operand's values on the result's rows.
+    pub(crate) left: Tensor,
+    /// The right operand's values on the result's rows.
+    pub(crate) right: Tensor,
+    /// The result's layout.
+    pub(crate) layout: RaggedLayout,
+}
+
+impl NestedTensor {
+    /// The broadcast of two batches whose elements have different shapes that
+    /// broadcast (per element, every dim equal or 1 in one of them), or `None` when the
+    /// element shapes are equal or do not broadcast (the caller's usual rules apply).
+    /// A dim is ragged in the result when it is ragged in either operand or its sizes
+    /// differ between elements.
+    pub(crate) fn broadcast_nested(
+        &self,
+        other: &NestedTensor,
+        op: &'static str,
+    ) -> Result<Option<Broadcast>> {
+        let (left, right) = (self.lay(), other.lay());
+        if left.element_sizes() == right.element_sizes()
+            || left.batch_size() != right.batch_size()
+            || left.rank() != right.rank()
+        {
+            return Ok(None);
+        }
+        let mut sizes = Vec::with_capacity(left.batch_size());
+        for (a, b) in left.element_sizes().iter().zip(right.element_sizes()) {
+            let mut element = Vec::with_capacity(a.len());
+            for (&a, &b) in a.iter().zip(b) {
+                match (a, b) {
+                    _ if a == b => element.push(a),
+                    (1, b) => element.push(b),
+                    (a, 1) => element.push(a),
+                    _ => return Ok(None),
+                }
+            }
+            sizes.push(element);
+        }
+        let mut ragged: Vec<usize> = left
+            .ragged_dims()
+            .iter()
+            .chain(right.ragged_dims())
+            .copied()
+            .collect();
+        ragged.sort_unstable();
+        ragged.dedup();
+        let layout = RaggedLayout::from_element_sizes(sizes, &ragged)?;
+        Ok(Some(Broadcast {
+            left: self.on_rows_of(&layout, op)?,
+            right: other.on_rows_of(&layout, op)?,
+            layout,
+        }))
+    }
+
+    /// The values gathered to the rows of `layout`, a broadcast of this batch's layout
+    /// whose ragged dims include this batch's: `[rows of layout, *static sizes]`, where
+    /// the static sizes broadcast against `layout`'s.
+    fn on_rows_of(&self, layout: &RaggedLayout, op: &'static str) -> Result<Tensor> {
+        let own = self.lay();
+        if own == layout {
+            return Ok(self.packed().shallow_clone());
+        }
+        // Static dims that become ragged must have size 1: they drop out of the values.
+        let mut kept = Vec::new();
+        for (axis, (&dim, &size)) in own.static_dims().iter().zip(own.static_sizes()).enumerate() {
+            if layout.is_ragged(dim) {
+                if size != 1 {
+                    return Err(NestedError::Unsupported {
+                        op,
+                        reason: format!(
+                            "element dim {dim} is static of size {size} in one operand and \
+                             ragged in the broadcast result; only size 1 can broadcast there"
+                        ),
+                    });
+                }
+            } else {
+                kept.push(axis as i64 + 1);
+            }
+        }
+        let rows = own.total_rows();
+        let shape: Vec<i64> = std::iter::once(rows)
+            .chain(kept.iter().map(|&axis| self.packed().size()[axis as usize]))
+            .collect();
+        let values = self.packed().f_reshape(&shape)?;
+        let map = Tensor::f_from_slice(&broadcast_rows(own, layout))?.f_to_device(self.device())?;
+        Ok(values.f_index_select(0, &map)?)
+    }
+}
+
+/// For every row of `layout`, the row of `own` (a layout that broadcasts to it, with a
+/// subset of its ragged dims) that holds its values: coordinates along `own`'s ragged
+/// dims, 0 where `own` has size 1.
+fn broadcast_rows(own: &RaggedLayout, layout: &RaggedLayout) -> Vec<i64> {
+    let mut map = Vec::with_capacity(layout.total_rows() as usize);
+    for (element, (own_sizes, sizes)) in own
+        .element_sizes()
+        .iter()
+        .zip(layout.element_sizes())
+        .enumerate()
+    {
+        let base = own.offsets()[element];
+        let extents: Vec<i64> = layout.ragged_dims().iter().map(|&dim| sizes[dim]).collect();
+        // The stride of each of the result's ragged dims in the operand's rows (0 where
+        // the operand does not move along it).
+        let mut strides = vec![0i64; extents.len()];
+        let mut stride = 1;
+        for &dim in own.ragged_dims().iter().rev() {
+            let level = layout.ragged_dims().iter().position(|&d| d == dim);
+            if let Some(level) = level {
+                if own_sizes[dim] != 1 {
+                    strides[level] = stride;
+                }
+            }
+            stride *= own_sizes[dim];
+        }
+        let count: i64 = extents.iter().product();
+        for row in 0..count {
+            let (mut rest, mut source) = (row, base);
+            for (extent, stride) in extents.iter().zip(&strides).rev() {
+                source += (rest % extent) * stride;
+                rest /= extent;
+            }
+            map.push(source);
+        }
+    }
+    map
+}

@@ -328,3 +328,72 @@ fn elements_that_do_not_broadcast_are_still_a_structure_mismatch() {
         Err(nestor::NestedError::Unsupported { .. })
     ));
 }
+
+/// `softmax(scale * q @ k^T) @ v` written by hand, element by element in libtorch.
+fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Tensor {
+    (q.matmul(&k.transpose(0, 1)) * scale)
+        .softmax(-1, None::<Kind>)
+        .matmul(v)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(24), ..ProptestConfig::default() })]
+
+    #[test]
+    fn hand_written_attention_runs_packed_and_matches_every_element(
+        lengths in lengths(6, 40),
+        keys in proptest::collection::vec(1i64..=40, 6),
+        cross in any::<bool>(),
+        kind in float_kinds(),
+        seed in 0i64..1000,
+    ) {
+        let keys: Vec<i64> = if cross { keys[..lengths.len()].to_vec() } else { lengths.clone() };
+        let (q, qs) = batch(&lengths, &[8], kind, seed);
+        let (k, ks) = batch(&keys, &[8], kind, seed + 1);
+        let (v, vs) = batch(&keys, &[5], kind, seed + 2);
+        let scale = 0.35;
+        // No per-element fallback, no padded materialization.
+        let (scores, output) = nestor::nested_execution_guard(|| {
+            let scores = q.matmul_nested(&k.transpose(1, 2)?)?;
+            let weights = (&scores * scale)?.softmax(2)?;
+            Ok::<_, nestor::NestedError>((scores, weights.matmul_nested(&v)?))
+        }).unwrap();
+        let expected: Vec<Tensor> = qs.iter().zip(&ks).map(|(q, k)| q.matmul(&k.transpose(0, 1))).collect();
+        common::assert_elements_of("scores", &scores, &expected, kind);
+        let expected: Vec<Tensor> = qs.iter().zip(&ks).zip(&vs).map(|((q, k), v)| attention_reference(q, k, v, scale)).collect();
+        common::assert_elements_of("attention", &output, &expected, kind);
+    }
+
+    #[test]
+    fn gradients_of_the_jagged_pair_matmuls_match(lengths in lengths(5, 20), seed in 0i64..1000) {
+        let (q, qs) = batch(&lengths, &[4], Kind::Double, seed);
+        let (k, ks) = batch(&lengths, &[4], Kind::Double, seed + 1);
+        let (v, vs) = batch(&lengths, &[3], Kind::Double, seed + 2);
+        let [q, k, v] = [q, k, v].map(|x| x.set_requires_grad(true).unwrap());
+        let weights = (&q.matmul_nested(&k.transpose(1, 2).unwrap()).unwrap() * 0.5).unwrap().softmax(2).unwrap();
+        let output = weights.matmul_nested(&v).unwrap();
+        let probe = common::Random::new(seed).normal(&output.values().size());
+        (output.values() * &probe).sum(Kind::Double).backward();
+        let probes = output.packed_like(&probe).unwrap().unbind().unwrap();
+        let grads = [&q, &k, &v].map(|x| x.grad().unwrap().unbind().unwrap());
+        for (i, ((qe, ke), ve)) in qs.iter().zip(&ks).zip(&vs).enumerate() {
+            let [qe, ke, ve] = [qe, ke, ve].map(|x| x.detach().set_requires_grad(true));
+            (attention_reference(&qe, &ke, &ve, 0.5) * &probes[i]).sum(Kind::Double).backward();
+            for (grad, leaf) in grads.iter().zip([&qe, &ke, &ve]) {
+                prop_assert!(close(&grad[i], &leaf.grad(), Kind::Double), "element {}", i);
+            }
+        }
+    }
+
+    #[test]
+    fn transposes_move_ragged_dims(lengths in lengths(5, 6), seed in 0i64..1000) {
+        let (pairs, elements) = sortable(&lengths, true, Kind::Float, seed);
+        let swapped = pairs.transpose(1, 2).unwrap();
+        common::assert_elements(&swapped, &elements.iter().map(|e| e.transpose(0, 1)).collect::<Vec<_>>(), Kind::Float);
+        let (tokens, elements) = batch(&lengths, &[3, 2], Kind::Float, seed);
+        for (dims, element_dims) in [((1, 3), (0, 2)), ((2, 1), (1, 0)), ((2, 3), (1, 2))] {
+            let swapped = tokens.transpose(dims.0, dims.1).unwrap();
+            common::assert_elements(&swapped, &elements.iter().map(|e| e.transpose(element_dims.0, element_dims.1)).collect::<Vec<_>>(), Kind::Float);
+        }
+    }
+}

@@ -65,10 +65,20 @@ impl NestedTensor {
 
     /// Matrix product of two NestedTensors element by element: `A_i @ B_i` for 2-d
     /// elements, e.g. `Q_i [L_i, d] @ K_i^T [d, L_i] -> [L_i, L_i]` and
-    /// `P_i [L_i, L_i] @ V_i [L_i, d] -> [L_i, d]`. A per-element path.
+    /// `P_i [L_i, L_i] @ V_i [L_i, d] -> [L_i, d]`. Those two forms (the jagged pairs
+    /// of attention) run packed, as a few batched GEMMs over elements grouped by size
+    /// (see `pairs.rs`); other ranks or layouts run element by element (a slow path).
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let q = NestedTensor::from_lists(vec![vec![vec![1.0f32, 0.0]; 3], vec![vec![0.0, 2.0]; 2]])?;
+    /// let scores = q.matmul_nested(&q.transpose(1, 2)?)?; // [L_i, L_i]
+    /// assert_eq!(scores.values().size(), [13]); // 3 * 3 + 2 * 2 scores, packed
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
     pub fn matmul_nested(&self, other: &NestedTensor) -> Result<NestedTensor> {
-        slow_path(SlowPath::PerElement, "matmul_nested")?;
         self.untraceable("matmul_nested")?;
+        other.untraceable("matmul_nested")?;
         if self.batch_size() != other.batch_size() {
             return Err(NestedError::StructureMismatch {
                 op: "matmul_nested",
@@ -76,6 +86,10 @@ impl NestedTensor {
                 right: other.lay().element_sizes().to_vec(),
             });
         }
+        if let Some(product) = self.pair_matmul(other)? {
+            return Ok(product);
+        }
+        slow_path(SlowPath::PerElement, "matmul_nested")?;
         let products = self
             .elements()?
             .iter()

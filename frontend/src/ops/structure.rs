@@ -336,10 +336,16 @@ impl NestedTensor {
         ))
     }
 
-    /// Swaps two static dims.
+    /// Swaps two element dims. Two static dims swap on the packed values; a ragged dim
+    /// swaps with a static one without moving any value (`[L_i, D]` elements give
+    /// `[D, L_i]`: the same packed rows); two ragged dims reorder each element's rows.
     pub fn transpose(&self, dim0: i64, dim1: i64) -> Result<NestedTensor> {
         let first = self.element_dim(dim0, "transpose")?;
         let second = self.element_dim(dim1, "transpose")?;
+        if self.lay().is_ragged(first) || self.lay().is_ragged(second) {
+            self.untraceable("transpose")?;
+            return self.transpose_ragged(first, second);
+        }
         let (axis0, axis1) = (
             self.static_axis_or_error(first, "transpose")?,
             self.static_axis_or_error(second, "transpose")?,
@@ -359,6 +365,43 @@ impl NestedTensor {
                 dim1: second,
             }
         })
+    }
+
+    /// [`transpose`](Self::transpose) of element dims at least one of which is ragged.
+    fn transpose_ragged(&self, first: usize, second: usize) -> Result<NestedTensor> {
+        let layout = self.lay();
+        let swap = |dim: usize| match dim {
+            _ if dim == first => second,
+            _ if dim == second => first,
+            _ => dim,
+        };
+        let sizes: Vec<Vec<i64>> = layout
+            .element_sizes()
+            .iter()
+            .map(|sizes| (0..sizes.len()).map(|dim| sizes[swap(dim)]).collect())
+            .collect();
+        let mut ragged: Vec<usize> = layout.ragged_dims().iter().map(|&dim| swap(dim)).collect();
+        ragged.sort_unstable();
+        let swapped = RaggedLayout::from_element_sizes(sizes, &ragged)?;
+        // Static dims keep their values axes unless two of them change order.
+        let static_order: Vec<i64> = std::iter::once(0)
+            .chain(swapped.static_dims().iter().map(|&dim| {
+                let old = swap(dim);
+                layout
+                    .static_dims()
+                    .iter()
+                    .position(|&d| d == old)
+                    .unwrap_or(0) as i64
+                    + 1
+            }))
+            .collect();
+        let mut values = self.packed().f_permute(static_order)?;
+        if layout.is_ragged(first) && layout.is_ragged(second) {
+            let rows = Tensor::f_from_slice(&transposed_rows(layout, &swapped, &swap))?
+                .f_to_device(self.device())?;
+            values = values.f_index_select(0, &rows)?;
+        }
+        Ok(NestedTensor::from_parts(values, swapped, self.options()))
     }
 
     /// Position `index` of static dim `dim` (a NestedTensor dim) in every element,
@@ -560,4 +603,46 @@ impl NestedTensor {
         let rows = self.row_elements_tensor()?;
         Ok(per_element.f_index_select(0, &rows)?)
     }
+}
+
+/// For every row of `swapped` (the layout with two ragged dims swapped by `swap`), the
+/// row of `layout` that holds its values.
+fn transposed_rows(
+    layout: &RaggedLayout,
+    swapped: &RaggedLayout,
+    swap: &dyn Fn(usize) -> usize,
+) -> Vec<i64> {
+    let mut rows = Vec::with_capacity(swapped.total_rows() as usize);
+    for (element, sizes) in layout.element_sizes().iter().enumerate() {
+        let base = layout.offsets()[element];
+        let extents: Vec<i64> = layout.ragged_dims().iter().map(|&dim| sizes[dim]).collect();
+        let mut strides = vec![1i64; extents.len()];
+        for level in (0..extents.len().saturating_sub(1)).rev() {
+            strides[level] = strides[level + 1] * extents[level + 1];
+        }
+        // The new ragged dims in order, each read from the old level it came from.
+        let levels: Vec<usize> = swapped
+            .ragged_dims()
+            .iter()
+            .map(|&dim| {
+                let old = swap(dim);
+                layout
+                    .ragged_dims()
+                    .iter()
+                    .position(|&d| d == old)
+                    .unwrap_or(0)
+            })
+            .collect();
+        let new_extents: Vec<i64> = levels.iter().map(|&level| extents[level]).collect();
+        let count: i64 = new_extents.iter().product();
+        for row in 0..count {
+            let (mut rest, mut source) = (row, base);
+            for (extent, &level) in new_extents.iter().zip(&levels).rev() {
+                source += (rest % extent) * strides[level];
+                rest /= extent;
+            }
+            rows.push(source);
+        }
+    }
+    rows
 }

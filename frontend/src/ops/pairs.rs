@@ -149,22 +149,20 @@ enum PairProduct {
     Mix,
 }
 
-/// Elements grouped by the size they are padded to in one batched GEMM.
-struct Bucket {
-    /// The padded rows and columns of the product.
-    rows: i64,
-    columns: i64,
-    /// The elements in the bucket, in batch order.
-    elements: Vec<usize>,
-    /// Where the bucket's products start in the concatenation of all buckets'.
-    start: i64,
+/// A jagged-pair matmul to run: its form, the operands and every element's extents
+/// `(rows, ragged)`: the product's rows and the other ragged extent (its columns for
+/// scores, the inner dim for the mix).
+struct PairMatmul<'a> {
+    product: PairProduct,
+    left: &'a NestedTensor,
+    right: &'a NestedTensor,
+    extents: Vec<(i64, i64)>,
 }
 
 impl NestedTensor {
-    /// The jagged-pair matmul `self @ other` as batched GEMMs over elements grouped by
-    /// size, or `None` when the operands are not one of the [`PairProduct`] forms.
-    /// Grouping pads each element to at most one grain (1/8 of the longest length, at
-    /// least 16) per dim, so the padding is bounded however ragged the batch is.
+    /// The jagged-pair matmul `self @ other`, or `None` when the operands are not one
+    /// of the [`PairProduct`] forms: a grouped GEMM, one GEMM per element on views of
+    /// the packed values (no copy in, no padding), concatenated once in packed order.
     pub(crate) fn pair_matmul(&self, other: &NestedTensor) -> Result<Option<NestedTensor>> {
         let (a, b) = (self.lay(), other.lay());
         let product = match (a.ragged_dims(), b.ragged_dims()) {
@@ -182,113 +180,31 @@ impl NestedTensor {
                 got: sizes_b[element].clone(),
             });
         }
-        // The product of element i is [rows_i, columns_i]; its GEMM pads rows_i and
-        // the other ragged extent (columns for scores, the inner dim for the mix).
         let extents: Vec<(i64, i64)> = (0..sizes_a.len())
             .map(|i| match product {
                 PairProduct::Scores => (sizes_a[i][0], sizes_b[i][1]),
                 PairProduct::Mix => (sizes_a[i][0], sizes_a[i][1]),
             })
             .collect();
-        let buckets = buckets(&extents, |rows, ragged| match product {
-            PairProduct::Scores => rows * ragged,
-            PairProduct::Mix => rows,
-        });
-        let device = self.device();
-        let index = |values: Vec<i64>| -> Result<Tensor> {
-            Ok(Tensor::f_from_slice(&values)?.f_to_device(device)?)
-        };
-        let mut products = Vec::with_capacity(buckets.len());
-        for bucket in &buckets {
-            let (rows, ragged) = (bucket.rows, bucket.columns);
-            let count = bucket.elements.len() as i64;
-            let left_rows = padded_rows(a, &bucket.elements, rows, |e, r| {
-                (r < extents[e].0).then_some(r)
-            });
-            let gemm = match product {
-                PairProduct::Scores => {
-                    let left =
-                        padded(self.packed(), index(left_rows)?)?.f_reshape([count, rows, -1])?;
-                    let right_rows = padded_rows(b, &bucket.elements, ragged, |e, c| {
-                        (c < extents[e].1).then_some(c)
-                    });
-                    let right = padded(other.packed(), index(right_rows)?)?
-                        .f_reshape([count, ragged, -1])?;
-                    left.f_bmm(&right.f_transpose(1, 2)?)?
-                }
-                PairProduct::Mix => {
-                    // The pairs' scalars [M_i * N_i] read as an [rows, ragged] grid.
-                    let cells = padded_rows(a, &bucket.elements, rows * ragged, |e, cell| {
-                        let (r, c) = (cell / ragged, cell % ragged);
-                        let (m, n) = extents[e];
-                        (r < m && c < n).then_some(r * n + c)
-                    });
-                    let scalars = self.packed().f_reshape([-1, 1])?;
-                    let left = padded(&scalars, index(cells)?)?.f_reshape([count, rows, ragged])?;
-                    let right_rows = padded_rows(b, &bucket.elements, ragged, |e, r| {
-                        (r < extents[e].1).then_some(r)
-                    });
-                    let right = padded(other.packed(), index(right_rows)?)?
-                        .f_reshape([count, ragged, -1])?;
-                    left.f_bmm(&right)?
-                }
-            };
-            products.push(match product {
-                PairProduct::Scores => gemm.f_reshape([-1])?,
-                PairProduct::Mix => gemm.f_reshape([count * rows, -1])?,
-            });
-        }
-        // Every element's real products, in batch order.
-        let mut slot_of = vec![(0usize, 0i64); extents.len()];
-        for (number, bucket) in buckets.iter().enumerate() {
-            for (slot, &element) in bucket.elements.iter().enumerate() {
-                slot_of[element] = (number, slot as i64);
-            }
-        }
-        // Past the end of the products: the zero row `padded` appends (the mix of an
-        // element with an empty inner dim is zeros).
-        let zero_row: i64 = products.iter().map(|p| p.size()[0]).sum();
-        let mut picks = Vec::new();
-        for (element, &(m, n)) in extents.iter().enumerate() {
-            let (number, slot) = slot_of[element];
-            if m == 0 || n == 0 {
-                if product == PairProduct::Mix {
-                    picks.extend(std::iter::repeat_n(zero_row, m as usize));
-                }
-                continue;
-            }
-            let bucket = &buckets[number];
-            match product {
-                PairProduct::Scores => {
-                    let base = bucket.start + slot * bucket.rows * bucket.columns;
-                    for r in 0..m {
-                        picks.extend((0..n).map(|c| base + r * bucket.columns + c));
-                    }
-                }
-                PairProduct::Mix => {
-                    let base = bucket.start + slot * bucket.rows;
-                    picks.extend((0..m).map(|r| base + r));
-                }
-            }
-        }
         let width = match product {
             PairProduct::Scores => None,
             PairProduct::Mix => Some(*b.static_sizes().first().unwrap_or(&0)),
         };
-        let all = if products.is_empty() {
-            // Nothing to multiply: an empty result that still depends on both operands,
-            // so a backward pass through it reaches them (with empty gradients).
-            let shape: Vec<i64> = std::iter::once(0).chain(width).collect();
-            let empty = |x: &NestedTensor| x.packed().f_reshape([-1])?.f_narrow(0, 0, 0);
-            Tensor::f_cat(&[empty(self)?, empty(other)?], 0)?.f_reshape(&shape)?
-        } else {
-            Tensor::f_cat(&products, 0)?
+        let matmul = PairMatmul {
+            product,
+            left: self,
+            right: other,
+            extents,
         };
-        let values = padded(&all, index(picks)?)?;
+        let values = matmul.grouped(width)?;
         let (sizes, ragged): (Vec<Vec<i64>>, &[usize]) = match product {
-            PairProduct::Scores => (extents.iter().map(|&(m, n)| vec![m, n]).collect(), &[0, 1]),
+            PairProduct::Scores => (
+                matmul.extents.iter().map(|&(m, n)| vec![m, n]).collect(),
+                &[0, 1],
+            ),
             PairProduct::Mix => (
-                extents
+                matmul
+                    .extents
                     .iter()
                     .map(|&(m, _)| vec![m, width.unwrap_or(0)])
                     .collect(),
@@ -304,66 +220,50 @@ impl NestedTensor {
     }
 }
 
-/// Elements grouped by `(rows, ragged)` extents rounded up to one grain, largest
-/// first; `products` gives the number of output rows of a padded product.
-fn buckets(extents: &[(i64, i64)], products: impl Fn(i64, i64) -> i64) -> Vec<Bucket> {
-    let longest = extents.iter().map(|&(m, n)| m.max(n)).max().unwrap_or(0);
-    let grain = (longest + 7) / 8;
-    let grain = grain.max(16);
-    let round = |size: i64| (size + grain - 1) / grain * grain;
-    let mut keyed: Vec<((i64, i64), usize)> = extents
-        .iter()
-        .enumerate()
-        .filter(|(_, &(m, n))| m > 0 && n > 0)
-        .map(|(element, &(m, n))| ((round(m), round(n)), element))
-        .collect();
-    keyed.sort_by_key(|&(key, element)| (std::cmp::Reverse(key), element));
-    let mut buckets: Vec<Bucket> = Vec::new();
-    let mut start = 0;
-    for ((rows, columns), element) in keyed {
-        match buckets.last_mut() {
-            Some(bucket) if (bucket.rows, bucket.columns) == (rows, columns) => {
-                bucket.elements.push(element);
+impl PairMatmul<'_> {
+    /// One GEMM per element on views of the packed values, concatenated in order.
+    /// Every operand is split into its elements' views by one call, so an element costs
+    /// one GEMM call (and a reshape for the scores).
+    fn grouped(&self, width: Option<i64>) -> Result<Tensor> {
+        let (rows, ragged): (Vec<i64>, Vec<i64>) = self.extents.iter().copied().unzip();
+        let products = match self.product {
+            PairProduct::Scores => {
+                // k^T's packed values are k's rows: [K, sum N_i] split by columns.
+                let lefts = self.left.packed().f_split_with_sizes(&rows, 0)?;
+                let rights = self
+                    .right
+                    .packed()
+                    .f_transpose(0, 1)?
+                    .f_split_with_sizes(&ragged, 1)?;
+                lefts
+                    .iter()
+                    .zip(&rights)
+                    .map(|(left, right)| Ok(left.f_mm(right)?.f_reshape([-1])?))
+                    .collect::<Result<Vec<_>>>()?
             }
-            _ => {
-                if let Some(bucket) = buckets.last() {
-                    start += bucket.elements.len() as i64 * products(bucket.rows, bucket.columns);
-                }
-                buckets.push(Bucket {
-                    rows,
-                    columns,
-                    elements: vec![element],
-                    start,
-                });
+            PairProduct::Mix => {
+                let cells: Vec<i64> = rows.iter().zip(&ragged).map(|(m, n)| m * n).collect();
+                let lefts = self.left.packed().f_split_with_sizes(&cells, 0)?;
+                let rights = self.right.packed().f_split_with_sizes(&ragged, 0)?;
+                lefts
+                    .iter()
+                    .zip(&rights)
+                    .zip(rows.iter().zip(&ragged))
+                    .map(|((left, right), (&m, &n))| Ok(left.f_reshape([m, n])?.f_mm(right)?))
+                    .collect::<Result<Vec<_>>>()?
             }
+        };
+        if products.is_empty() {
+            return self.empty(width);
         }
+        Ok(Tensor::f_cat(&products, 0)?)
     }
-    buckets
-}
 
-/// The packed rows of `layout` that fill `count` padded positions of each element in
-/// `elements`: `position(element, p)` is the element's own row at padded position `p`,
-/// or `None` for padding (which reads the zero row appended by [`padded`]).
-fn padded_rows(
-    layout: &RaggedLayout,
-    elements: &[usize],
-    count: i64,
-    position: impl Fn(usize, i64) -> Option<i64>,
-) -> Vec<i64> {
-    let zero_row = layout.total_rows();
-    let mut rows = Vec::with_capacity(elements.len() * count as usize);
-    for &element in elements {
-        let base = layout.offsets()[element];
-        rows.extend((0..count).map(|p| position(element, p).map_or(zero_row, |row| base + row)));
+    /// An empty product (`[0]`, or `[0, width]`) that still depends on both operands,
+    /// so a backward pass through it reaches them (with empty gradients).
+    fn empty(&self, width: Option<i64>) -> Result<Tensor> {
+        let shape: Vec<i64> = std::iter::once(0).chain(width).collect();
+        let empty = |x: &NestedTensor| x.packed().f_reshape([-1])?.f_narrow(0, 0, 0);
+        Ok(Tensor::f_cat(&[empty(self.left)?, empty(self.right)?], 0)?.f_reshape(&shape)?)
     }
-    rows
-}
-
-/// Rows `index` of `values` with one zero row appended (padding reads it), so
-/// gradients flow to the real rows only.
-fn padded(values: &Tensor, index: Tensor) -> Result<Tensor> {
-    let mut shape = values.size();
-    shape[0] = 1;
-    let zero = Tensor::f_zeros(&shape, (values.kind(), values.device()))?;
-    Ok(Tensor::f_cat(&[values.shallow_clone(), zero], 0)?.f_index_select(0, &index)?)
 }

@@ -397,3 +397,96 @@ proptest! {
         }
     }
 }
+
+/// Symmetric positive definite `[n_i, n_i]` elements (`R R^T + n I`) in `kind`, with
+/// both dims ragged, and their right-hand sides `[n_i, 2]`.
+fn spd(
+    sizes: &[i64],
+    kind: Kind,
+    seed: i64,
+) -> (NestedTensor, Vec<Tensor>, NestedTensor, Vec<Tensor>) {
+    let mut random = common::Random::new(seed);
+    let matrices: Vec<Tensor> = sizes
+        .iter()
+        .map(|&n| {
+            let r = random.normal(&[n, n]);
+            (r.matmul(&r.transpose(0, 1))
+                + Tensor::eye(n, (Kind::Double, tch::Device::Cpu)) * n as f64)
+                .to_kind(kind)
+        })
+        .collect();
+    let rhs: Vec<Tensor> = sizes
+        .iter()
+        .map(|&n| random.normal(&[n, 2]).to_kind(kind))
+        .collect();
+    let a = NestedTensor::builder()
+        .ragged_dims(&[0, 1])
+        .tensors(&matrices)
+        .unwrap();
+    let b = NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&rhs)
+        .unwrap();
+    (a, matrices, b, rhs)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(16), ..ProptestConfig::default() })]
+
+    #[test]
+    fn linear_algebra_of_square_elements_matches_every_element(
+        sizes in proptest::collection::vec(prop_oneof![Just(1i64), Just(3), 0i64..=5], 1..=5),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let tolerance = if double { 1e-9 } else { 1e-3 };
+        let near = |a: &Tensor, b: &Tensor| a.size() == b.size() && a.to_kind(Kind::Double).allclose(&b.to_kind(Kind::Double), tolerance, tolerance, false);
+        let (a, matrices, b, rhs) = spd(&sizes, kind, seed);
+        let det = a.det().unwrap().into_dense().unwrap();
+        let inverse = a.inverse().unwrap().unbind().unwrap();
+        let cholesky = a.cholesky(false).unwrap().unbind().unwrap();
+        let solution = a.solve(&b).unwrap().unbind().unwrap();
+        let (q, r) = a.qr().unwrap();
+        let (u, s, vh) = a.svd().unwrap();
+        let (w, v) = a.eigh().unwrap();
+        let [q, r, u, s, vh, w, v] = [q, r, u, s, vh, w, v].map(|x| x.unbind().unwrap());
+        for (i, m) in matrices.iter().enumerate() {
+            prop_assert!(near(&det.get(i as i64), &Tensor::linalg_det(m)), "det {}", i);
+            prop_assert!(near(&inverse[i], &Tensor::linalg_inv(m)), "inverse {}", i);
+            prop_assert!(near(&cholesky[i], &m.linalg_cholesky(false)), "cholesky {}", i);
+            prop_assert!(near(&solution[i], &Tensor::linalg_solve(m, &rhs[i], true)), "solve {}", i);
+            prop_assert!(near(&q[i].matmul(&r[i]), m), "qr {}", i);
+            prop_assert!(near(&s[i], &m.svd(true, true).1), "svd values {}", i);
+            prop_assert!(near(&(&u[i] * &s[i]).matmul(&vh[i]), m), "svd {}", i);
+            prop_assert!(near(&w[i], &Tensor::linalg_eigvalsh(m, "L")), "eigenvalues {}", i);
+            prop_assert!(near(&(&v[i] * &w[i]).matmul(&v[i].transpose(0, 1)), m), "eigh {}", i);
+        }
+    }
+
+    #[test]
+    fn gradients_of_det_and_solve_match(sizes in proptest::collection::vec(0i64..=4, 1..=4), seed in 0i64..1000) {
+        let (a, matrices, b, rhs) = spd(&sizes, Kind::Double, seed);
+        let a = a.set_requires_grad(true).unwrap();
+        let b = b.set_requires_grad(true).unwrap();
+        let det = a.det().unwrap().into_dense().unwrap();
+        let solution = a.solve(&b).unwrap();
+        (det.sum(Kind::Double) + solution.values().sum(Kind::Double)).backward();
+        let (ga, gb) = (a.grad().unwrap().unbind().unwrap(), b.grad().unwrap().unbind().unwrap());
+        for (i, (m, r)) in matrices.iter().zip(&rhs).enumerate() {
+            let (m, r) = (m.detach().set_requires_grad(true), r.detach().set_requires_grad(true));
+            (Tensor::linalg_det(&m) + Tensor::linalg_solve(&m, &r, true).sum(Kind::Double)).backward();
+            prop_assert!(close(&ga[i], &m.grad(), Kind::Double), "d det+solve / dA, element {}", i);
+            prop_assert!(close(&gb[i], &r.grad(), Kind::Double), "d solve / dB, element {}", i);
+        }
+    }
+}
+
+#[test]
+fn linear_algebra_needs_square_elements() {
+    let (tokens, _) = batch(&[3, 2], &[3], Kind::Float, 1);
+    assert!(matches!(
+        tokens.det(),
+        Err(nestor::NestedError::Unsupported { .. })
+    ));
+}

@@ -11,6 +11,8 @@
 //! - `pairs`: pair layouts from broadcasting nested operands (`[L_i, 1, C]` with
 //!   `[1, L_i, C]` gives `[L_i, L_i, C]`, packed);
 //! - `linear`: linear, matmul, embedding;
+//! - `linalg`: det, inverse, solve, cholesky, qr, svd, eigh of square elements,
+//!   batched over elements of equal shape;
 //! - `structure`: zero-copy reconstruction, repeats, reshapes of static dims,
 //!   segmented scans, cdist;
 //! - `per_element`: convolution, pooling, interpolation element by element;
@@ -21,6 +23,7 @@
 mod attention;
 mod compare;
 mod elementwise;
+mod linalg;
 mod linear;
 mod loss;
 mod normalize;

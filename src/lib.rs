@@ -23,7 +23,7 @@
 //! ```
 
 pub use nestor_frontend::{
-    collate, dtype_of, kind_of, load_batches, nested_execution_guard, nn, save_batches,
+    collate, dtype_of, einsum, kind_of, load_batches, nested_execution_guard, nn, save_batches,
     BatchSelector, Batcher, Binary, Bounds, Collate, Comparand, Dataset, ExecutionGuard, ListData,
     ListElement, LossReduction, NestedBuilder, NestedError, NestedOptions, NestedTensor, Operand,
     PNTensor, Reduce, Reduced, Result, SlowPath, Target,

@@ -490,3 +490,39 @@ fn linear_algebra_needs_square_elements() {
         Err(nestor::NestedError::Unsupported { .. })
     ));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(16), ..ProptestConfig::default() })]
+
+    #[test]
+    fn einsum_over_elements_matches_every_element(lengths in lengths(5, 6), keys in proptest::collection::vec(0i64..=6, 5), kind in float_kinds(), seed in 0i64..1000) {
+        use nestor::Operand::{Dense, Nested};
+        let (x, xs) = batch(&lengths, &[4], kind, seed);
+        let (y, ys) = batch(&lengths, &[4], kind, seed + 1);
+        let (k, ks) = batch(&keys[..lengths.len()], &[4], kind, seed + 2);
+        let w = common::Random::new(seed + 3).normal(&[4, 3]).to_kind(kind);
+        let (pairs, pair_elements) = sortable(&lengths, true, kind, seed + 4);
+        let packed = nestor::nested_execution_guard(|| -> nestor::Result<_> {
+            Ok([
+                nestor::einsum("ld,de->le", &[Nested(&x), Dense(&w)])?,
+                nestor::einsum("ld,ld->l", &[Nested(&x), Nested(&y)])?,
+                nestor::einsum("ld,ld->dl", &[Nested(&x), Nested(&y)])?,
+                nestor::einsum("lm,lm->lm", &[Nested(&pairs), Nested(&pairs)])?,
+            ])
+        }).unwrap();
+        let expected: [Vec<Tensor>; 4] = [
+            xs.iter().map(|e| Tensor::einsum("ld,de->le", &[e, &w], None::<&[i64]>)).collect(),
+            xs.iter().zip(&ys).map(|(a, b)| Tensor::einsum("ld,ld->l", &[a, b], None::<&[i64]>)).collect(),
+            xs.iter().zip(&ys).map(|(a, b)| Tensor::einsum("ld,ld->dl", &[a, b], None::<&[i64]>)).collect(),
+            pair_elements.iter().map(|e| e * e).collect(),
+        ];
+        for (result, expected) in packed.iter().zip(&expected) {
+            common::assert_elements(result, expected, kind);
+        }
+        // q @ k^T names two ragged dims by different letters: element by element.
+        let scores = nestor::einsum("ld,md->lm", &[Nested(&x), Nested(&k)]).unwrap();
+        let expected: Vec<Tensor> = xs.iter().zip(&ks).map(|(a, b)| a.matmul(&b.transpose(0, 1))).collect();
+        common::assert_elements(&scores, &expected, kind);
+        prop_assert!(nestor::nested_execution_guard(|| nestor::einsum("ld,md->lm", &[Nested(&x), Nested(&k)])).is_err());
+    }
+}

@@ -41,7 +41,7 @@ pub use nested::{
     NestedOptions, NestedTensor,
 };
 pub use nestor_runtime::StatsSnapshot;
-pub use ops::{Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};
+pub use ops::{einsum, Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};
 pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 
 /// The result type of this crate.

@@ -11,6 +11,7 @@
 //! - `pairs`: pair layouts from broadcasting nested operands (`[L_i, 1, C]` with
 //!   `[1, L_i, C]` gives `[L_i, L_i, C]`, packed);
 //! - `linear`: linear, matmul, embedding;
+//! - `einsum`: einsum over elements, on the packed values when the ragged dims line up;
 //! - `linalg`: det, inverse, solve, cholesky, qr, svd, eigh of square elements,
 //!   batched over elements of equal shape;
 //! - `structure`: zero-copy reconstruction, repeats, reshapes of static dims,
@@ -22,6 +23,7 @@
 
 mod attention;
 mod compare;
+mod einsum;
 mod elementwise;
 mod linalg;
 mod linear;
@@ -35,6 +37,7 @@ mod sort;
 mod structure;
 
 pub use compare::Comparand;
+pub use einsum::einsum;
 pub use elementwise::Binary;
 pub use loss::{LossReduction, Target};
 pub use operand::Operand;

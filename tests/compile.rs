@@ -754,3 +754,112 @@ fn an_empty_batch_compiles_as_it_runs_eagerly() {
         }
     }
 }
+
+/// Attention written by hand over jagged pairs: `softmax(scale * q @ k^T) @ v`.
+fn hand_written_attention(x: &[NestedTensor], scale: f64) -> nestor::Result<NestedTensor> {
+    let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
+    (&scores * scale)?.softmax(2)?.matmul_nested(&x[2])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    #[test]
+    fn hand_written_attention_compiles_to_the_fused_attention_kernel(
+        batches in proptest::collection::vec(lengths(5, 12), 1..3),
+        cross in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let dir = std::env::temp_dir().join(format!("nestor-pair-attention-{}-{seed}", std::process::id()));
+        let compiled = compile("pair_attention", |x: &[NestedTensor], _: &[Dense]| hand_written_attention(x, 0.25)).dump_to(&dir);
+        for (index, lengths) in batches.iter().enumerate() {
+            let seed = seed + 3 * index as i64;
+            let keys: Vec<i64> = if cross { lengths.iter().map(|l| (l * 7 + 3) % 11).collect() } else { lengths.clone() };
+            let (q, _) = batch(lengths, &[8], Kind::Float, seed);
+            let (k, _) = batch(&keys, &[8], Kind::Float, seed + 1);
+            let (v, _) = batch(&keys, &[5], Kind::Float, seed + 2);
+            let outputs = compiled.call(&[&q, &k, &v], &[]).unwrap();
+            let eager = eager_values(vec![hand_written_attention(&[q, k, v], 0.25).unwrap().into()]);
+            assert_close(&outputs, &eager, "hand-written attention");
+        }
+        // The rule fired: the optimized graph holds the attention op and no jagged pair.
+        let optimized = std::fs::read_dir(&dir).unwrap()
+            .filter_map(|entry| entry.ok())
+            .find(|entry| entry.file_name().to_string_lossy().ends_with("optimize.nir"))
+            .map(|entry| std::fs::read_to_string(entry.path()).unwrap())
+            .unwrap_or_default();
+        std::fs::remove_dir_all(&dir).unwrap();
+        prop_assert!(optimized.contains("attention("), "{}", optimized);
+        prop_assert!(!optimized.contains("pair_matmul"), "{}", optimized);
+    }
+}
+
+#[test]
+fn hand_written_attention_without_keys_is_zeros_as_in_eager() {
+    let compiled = compile("pair_attention", |x: &[NestedTensor], _: &[Dense]| {
+        hand_written_attention(x, 0.5)
+    });
+    let (q, _) = batch(&[3, 0, 2], &[4], Kind::Float, 1);
+    let (k, _) = batch(&[0, 2, 1], &[4], Kind::Float, 2);
+    let (v, _) = batch(&[0, 2, 1], &[3], Kind::Float, 3);
+    let outputs = compiled.call(&[&q, &k, &v], &[]).unwrap();
+    let eager = eager_values(vec![hand_written_attention(&[q, k, v], 0.5)
+        .unwrap()
+        .into()]);
+    assert_close(&outputs, &eager, "attention over no keys");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Without the attention pattern (scores kept, scaled by an input, mixed without a
+    /// softmax) the jagged pairs compile as they are: one GEMM per element.
+    #[test]
+    fn jagged_pair_matmuls_compile_on_their_own(
+        batches in proptest::collection::vec(lengths(5, 12), 1..3),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let (kind, tolerance) = if double { (Kind::Double, 1e-9) } else { (Kind::Float, 1e-4) };
+        let model = |x: &[NestedTensor], d: &[Dense]| -> nestor::Result<(NestedTensor, NestedTensor)> {
+            let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
+            let weights = (&scores * &d[0])?.tanh()?;
+            Ok((weights.matmul_nested(&x[2])?, scores))
+        };
+        let compiled = compile("pairs", model);
+        for (index, lengths) in batches.iter().enumerate() {
+            let seed = seed + 3 * index as i64;
+            let keys: Vec<i64> = lengths.iter().map(|l| (l * 5 + 1) % 9).collect();
+            let (q, _) = batch(lengths, &[6], kind, seed);
+            let (k, _) = batch(&keys, &[6], kind, seed + 1);
+            let (v, _) = batch(&keys, &[3], kind, seed + 2);
+            let scale = Tensor::from(0.3f64).to_kind(kind);
+            let outputs = compiled.call(&[&q, &k, &v], &[&scale]).unwrap();
+            let (mixed, scores) = model(&[q, k, v], &[Dense::from(scale)]).unwrap();
+            let eager = eager_values(vec![mixed.into(), scores.into()]);
+            assert_close_within(&outputs, &eager, tolerance, "jagged pairs");
+        }
+    }
+}
+
+#[test]
+fn softmax_over_jagged_pairs_is_a_typed_lowering_error() {
+    // Segments of N_i scores repeated M_i times: no lengths buffer describes them yet.
+    let compiled = compile("pair_softmax", |x: &[NestedTensor], d: &[Dense]| {
+        (&x[0].matmul_nested(&x[1].transpose(1, 2)?)? * &d[0])?.softmax(2)
+    });
+    let (q, _) = batch(&[3, 2], &[4], Kind::Float, 1);
+    let error = compiled
+        .call(&[&q, &q], &[&Tensor::from(0.5f32)])
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            NestedError::Compile {
+                stage: "lowering",
+                ..
+            }
+        ),
+        "{error}"
+    );
+}

@@ -346,9 +346,16 @@ fn reshapes_of_static_dims() -> Result<(), Box<dyn std::error::Error>> {
             .collect::<Vec<_>>(),
         Kind::Float,
     );
-    assert!(
-        matches!(nested.transpose(1, 2), Err(NestedError::Unsupported { .. })),
-        "the ragged dim cannot move"
+    // The ragged dim moves without moving a value: [L_i, 2, 4] -> [2, L_i, 4].
+    let moved = nested.transpose(1, 2)?;
+    assert!(moved.values().equal(nested.values()));
+    assert_elements(
+        &moved,
+        &elements
+            .iter()
+            .map(|e| e.transpose(0, 1))
+            .collect::<Vec<_>>(),
+        Kind::Float,
     );
     assert!(
         matches!(nested.squeeze_dim(2), Err(NestedError::Unsupported { .. })),

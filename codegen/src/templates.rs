@@ -129,6 +129,7 @@ pub(crate) fn generate<'ctx>(
             (*causal, *scale, *keys),
         )?,
         Step::Gemm { .. }
+        | Step::PairGemm { .. }
         | Step::Host { .. }
         | Step::RandomMask { .. }
         | Step::AttentionGrad { .. } => {

@@ -341,6 +341,25 @@ pub enum Step {
         /// Score scale.
         scale: f64,
     },
+    /// The jagged-pair matmul, one GEMM per element on the host: scores
+    /// `out [sum M_i N_i] = a [sum M_i, width] b^T` with `b [sum N_i, width]`, or (`mix`)
+    /// `out [sum M_i, width] = a [sum M_i N_i] b` with `b [sum N_i, width]`.
+    PairGemm {
+        /// Output.
+        out: Slot,
+        /// Left elements.
+        a: Slot,
+        /// Right elements.
+        b: Slot,
+        /// Lengths of the rows `M`.
+        rows: Slot,
+        /// Lengths of the other ragged dim `N`.
+        columns: Slot,
+        /// The inner size (scores) or the output width (mix).
+        width: i64,
+        /// `p @ v` rather than `q @ k^T`.
+        mix: bool,
+    },
     /// A graph the host runs (through libtorch) inside the program: an explicit
     /// per-element region. `inputs` are the slots of the host graph's inputs, in order
     /// (lengths slots for its `lengths` inputs).
@@ -544,6 +563,7 @@ impl Step {
             .concat(),
             Step::Segment { x, .. } => x.inputs.iter().map(|access| access.slot).collect(),
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
+            Step::PairGemm { a, b, .. } => vec![*a, *b],
             Step::Gather { table, ids, .. } => vec![*table, *ids],
             Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
             Step::LengthValues { .. } => Vec::new(),
@@ -581,6 +601,7 @@ impl Step {
             | Step::Row { out, .. }
             | Step::Segment { out, .. }
             | Step::Attention { out, .. }
+            | Step::PairGemm { out, .. }
             | Step::Host { out, .. }
             | Step::Pad { out, .. }
             | Step::Unpad { out, .. }

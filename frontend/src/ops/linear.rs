@@ -78,8 +78,6 @@ impl NestedTensor {
     /// # Ok::<(), nestor_frontend::NestedError>(())
     /// ```
     pub fn matmul_nested(&self, other: &NestedTensor) -> Result<NestedTensor> {
-        self.untraceable("matmul_nested")?;
-        other.untraceable("matmul_nested")?;
         if self.batch_size() != other.batch_size() {
             return Err(NestedError::StructureMismatch {
                 op: "matmul_nested",
@@ -88,8 +86,14 @@ impl NestedTensor {
             });
         }
         if let Some(product) = self.pair_matmul(other)? {
-            return Ok(product);
+            let args = [Arg::Nested(self), Arg::Nested(other)];
+            return product.traced(&args, "matmul_nested", |ids| Op::PairMatmul {
+                a: ids[0],
+                b: ids[1],
+            });
         }
+        self.untraceable("matmul_nested")?;
+        other.untraceable("matmul_nested")?;
         slow_path(SlowPath::PerElement, "matmul_nested")?;
         let products = self
             .elements()?

@@ -342,9 +342,21 @@ impl NestedTensor {
     pub fn transpose(&self, dim0: i64, dim1: i64) -> Result<NestedTensor> {
         let first = self.element_dim(dim0, "transpose")?;
         let second = self.element_dim(dim1, "transpose")?;
-        if self.lay().is_ragged(first) || self.lay().is_ragged(second) {
-            self.untraceable("transpose")?;
-            return self.transpose_ragged(first, second);
+        let layout = self.lay();
+        if layout.is_ragged(first) || layout.is_ragged(second) {
+            // A ragged dim with a static one is an IR op; two ragged dims are not yet.
+            if layout.is_ragged(first) && layout.is_ragged(second) {
+                self.untraceable("transpose")?;
+            }
+            return self.transpose_ragged(first, second)?.traced(
+                &[Arg::Nested(self)],
+                "transpose",
+                |ids| Op::TransposeRagged {
+                    x: ids[0],
+                    dim0: first,
+                    dim1: second,
+                },
+            );
         }
         let (axis0, axis1) = (
             self.static_axis_or_error(first, "transpose")?,

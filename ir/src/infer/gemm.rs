@@ -81,6 +81,51 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             Ok(Type::dense_static(float(&g)?, &[*vocabulary, width]))
         }
+        Op::PairMatmul { a, b } => pair_matmul(&ty(*a), &ty(*b)),
         other => Err(format!("{} is not a gemm op", other.name())),
     }
+}
+
+/// `[B; M, K] @ [B; K, N]` (`M`, `N` ragged) or `[B; M, N] @ [B; N, D]`.
+fn pair_matmul(a: &Type, b: &Type) -> Inferred {
+    let (
+        Type::Ragged {
+            dtype,
+            batch,
+            dims: left,
+        },
+        Type::Ragged {
+            dtype: right_dtype,
+            batch: right_batch,
+            dims: right,
+        },
+    ) = (a, b)
+    else {
+        return Err(format!(
+            "pair_matmul multiplies two ragged batches, got {a} and {b}"
+        ));
+    };
+    if batch != right_batch || dtype != right_dtype || !dtype.is_float() {
+        return Err(format!(
+            "pair_matmul needs one batch size and one float dtype, got {a} and {b}"
+        ));
+    }
+    use ElemDim::{Fixed, Ragged};
+    let dims = match (left.as_slice(), right.as_slice()) {
+        ([Ragged(m), Fixed(k)], [Fixed(k2), Ragged(n)]) if k == k2 => vec![Ragged(*m), Ragged(*n)],
+        ([Ragged(m), Ragged(n)], [Ragged(n2), Fixed(d)]) if n == n2 => {
+            vec![Ragged(*m), Fixed(d.clone())]
+        }
+        _ => {
+            return Err(format!(
+                "pair_matmul takes [B; M, K] @ [B; K, N] or [B; M, N] @ [B; N, D] with M and N \
+                 ragged, got {a} and {b}"
+            ))
+        }
+    };
+    Ok(Type::Ragged {
+        dtype: *dtype,
+        batch: batch.clone(),
+        dims,
+    })
 }

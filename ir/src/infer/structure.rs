@@ -45,6 +45,26 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             dims.swap(*dim0, *dim1);
             Ok(Type::Ragged { dtype, batch, dims })
         }
+        Op::TransposeRagged { x, dim0, dim1 } => match ty(*x) {
+            // Static dims keep their order (so no value moves) when none lies between.
+            Type::Ragged { dtype, batch, dims }
+                if *dim0 < dims.len()
+                    && *dim1 < dims.len()
+                    && matches!(dims[*dim0], ElemDim::Ragged(_))
+                        != matches!(dims[*dim1], ElemDim::Ragged(_))
+                    && dims[(*dim0).min(*dim1) + 1..(*dim0).max(*dim1)]
+                        .iter()
+                        .all(|dim| matches!(dim, ElemDim::Ragged(_))) =>
+            {
+                let mut dims = dims;
+                dims.swap(*dim0, *dim1);
+                Ok(Type::Ragged { dtype, batch, dims })
+            }
+            other => Err(format!(
+                "transpose_ragged swaps a ragged dim with a static one with no static dim \
+                 between them; dims {dim0} and {dim1} of {other} are not"
+            )),
+        },
         Op::Pad { x, .. } => match ty(*x) {
             Type::Ragged { dtype, batch, dims } => {
                 let shape = std::iter::once(batch)

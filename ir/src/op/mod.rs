@@ -419,6 +419,27 @@ pub enum Op {
         /// Second element dim.
         dim1: usize,
     },
+    /// Swaps a ragged element dim with a static one (`[B; L, D]` gives `[B; D, L]`):
+    /// no value moves, the packed rows are the same.
+    #[op(name = "transpose_ragged", family = Structure)]
+    TransposeRagged {
+        /// Input.
+        x: ValueId,
+        /// First element dim.
+        dim0: usize,
+        /// Second element dim (one of the two is ragged, the other static).
+        dim1: usize,
+    },
+    /// The jagged-pair matmul, element by element: `[B; M, K] @ [B; K, N] -> [B; M, N]`
+    /// with `M` and `N` ragged (attention's scores, `q @ k^T`), or
+    /// `[B; M, N] @ [B; N, D] -> [B; M, D]` with `M` and `N` ragged (its mix, `p @ v`).
+    #[op(name = "pair_matmul", family = Gemm)]
+    PairMatmul {
+        /// The left elements.
+        a: ValueId,
+        /// The right elements.
+        b: ValueId,
+    },
     /// Dropout with probability `p` (identity unless `train`).
     #[op(name = "dropout", family = Pointwise)]
     Dropout {

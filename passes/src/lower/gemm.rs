@@ -63,6 +63,7 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            Op::PairMatmul { a, b } => self.pair_gemm(value, op, ty, *a, *b),
             Op::ContractRows { a, b } => {
                 let (a_slot, a_rows, a_tail, _) = self.data(value, *a)?;
                 let (b_slot, _, b_tail, _) = self.data(value, *b)?;
@@ -193,6 +194,56 @@ impl Lowering<'_> {
             n,
             transposed,
             epilogue: None,
+        });
+        Ok(out)
+    }
+}
+
+impl Lowering<'_> {
+    /// The jagged-pair matmul: its row and column lengths from the operands' types.
+    fn pair_gemm(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+        a: ValueId,
+        b: ValueId,
+    ) -> Result<Lowered, LowerError> {
+        let dims = |operand: ValueId| match self.graph.ty(operand) {
+            Type::Ragged { dims, .. } => dims.clone(),
+            _ => Vec::new(),
+        };
+        // Inference accepted one of the two forms; each names its lengths values.
+        let (rows, columns, width, mix) = match (dims(a).as_slice(), dims(b).as_slice()) {
+            ([ElemDim::Ragged(m), ElemDim::Fixed(k)], [_, ElemDim::Ragged(n)]) => {
+                (*m, *n, k.clone(), false)
+            }
+            ([ElemDim::Ragged(m), ElemDim::Ragged(n)], [_, ElemDim::Fixed(d)]) => {
+                (*m, *n, d.clone(), true)
+            }
+            _ => return Err(unsupported(value, op, "not a jagged-pair matmul")),
+        };
+        let width = self.static_tail(value, std::slice::from_ref(&width))?[0];
+        let lengths = |lengths: ValueId| match self.get(lengths) {
+            Lowered::Lengths(slot) => Ok(slot),
+            _ => Err(unsupported(
+                value,
+                op,
+                "its lengths are not a lengths buffer",
+            )),
+        };
+        let (rows, columns) = (lengths(rows)?, lengths(columns)?);
+        let (a_slot, ..) = self.data(value, a)?;
+        let (b_slot, ..) = self.data(value, b)?;
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::PairGemm {
+            out: slot_of(&out),
+            a: a_slot,
+            b: b_slot,
+            rows,
+            columns,
+            width,
+            mix,
         });
         Ok(out)
     }

@@ -48,7 +48,10 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
-            Op::ReshapeTail { x, .. } => self.alias_of(value, *x, ty),
+            // A ragged dim swapped with a static one: the same packed rows.
+            Op::ReshapeTail { x, .. } | Op::TransposeRagged { x, .. } => {
+                self.alias_of(value, *x, ty)
+            }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
             Op::WindowLengths {
                 lengths,

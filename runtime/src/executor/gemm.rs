@@ -348,3 +348,113 @@ mod tests {
         }
     }
 }
+
+/// Where the elements of a jagged-pair GEMM start in its three buffers, and their
+/// sizes: for element `i`, `(rows M_i, columns N_i)` and the offsets (in values) of its
+/// `a`, `b` and `out` blocks.
+pub(super) struct PairBlocks {
+    pub(super) sizes: Vec<(i64, i64)>,
+    pub(super) starts: Vec<[i64; 3]>,
+}
+
+impl PairBlocks {
+    /// The blocks of a scores (`mix == false`) or mix GEMM of `width`, from the row and
+    /// column lengths (same batch size, checked by the caller).
+    pub(super) fn new(rows: &[i64], columns: &[i64], width: i64, mix: bool) -> Self {
+        let sizes: Vec<(i64, i64)> = rows.iter().copied().zip(columns.iter().copied()).collect();
+        let mut starts = Vec::with_capacity(sizes.len());
+        let mut at = [0i64; 3];
+        for &(m, n) in &sizes {
+            starts.push(at);
+            // Scores: a [m, width], b [n, width], out [m, n]; mix: a [m, n], b [n, width],
+            // out [m, width].
+            let (a, out) = if mix {
+                (m * n, m * width)
+            } else {
+                (m * width, m * n)
+            };
+            at = [at[0] + a, at[1] + n * width, at[2] + out];
+        }
+        Self { sizes, starts }
+    }
+}
+
+/// The jagged-pair matmul, one GEMM per element (elements split across the team):
+/// scores `out_i [m, n] = a_i [m, width] b_i^T` (b_i `[n, width]`), or mix
+/// `out_i [m, width] = a_i [m, n] b_i [n, width]`. An element with an empty inner dim
+/// gets zeros.
+///
+/// # Safety
+/// The buffers must hold the values `blocks` places in them, of type `T`.
+pub(super) unsafe fn pair_gemm<T: Scalar>(
+    (out, a, b): (*mut u8, *const u8, *const u8),
+    blocks: &PairBlocks,
+    width: i64,
+    mix: bool,
+) {
+    let (out, a, b) = (
+        SendPtr(out as *mut T),
+        SendPtr(a as *mut T),
+        SendPtr(b as *mut T),
+    );
+    let element = |i: usize| {
+        let (m, n) = blocks.sizes[i];
+        let [at_a, at_b, at_out] = blocks.starts[i];
+        let (a, b, out) = (a, b, out);
+        // SAFETY (the whole block): the offsets and sizes come from the lengths the
+        // buffers were sized by; elements write disjoint blocks of `out`.
+        if m == 0 || (n == 0 && !mix) {
+            return; // nothing to write
+        }
+        unsafe {
+            let (a, b, out) = (
+                a.0.add(at_a as usize),
+                b.0.add(at_b as usize),
+                out.0.add(at_out as usize),
+            );
+            let w = width as isize;
+            let (mu, nu, wu) = (m as usize, n as usize, width as usize);
+            if mix {
+                if n == 0 {
+                    std::ptr::write_bytes(out, 0, mu * wu);
+                    return;
+                }
+                T::matmul(
+                    (mu, nu, wu),
+                    T::ONE,
+                    (a, n as isize, 1),
+                    (b, w, 1),
+                    (out, w, 1),
+                );
+            } else {
+                if width == 0 {
+                    std::ptr::write_bytes(out, 0, mu * nu);
+                    return;
+                }
+                // b^T: element (k, j) of b^T is b[j, k].
+                T::matmul(
+                    (mu, wu, nu),
+                    T::ONE,
+                    (a, w, 1),
+                    (b, 1, w),
+                    (out, n as isize, 1),
+                );
+            }
+        }
+    };
+    let count = blocks.sizes.len();
+    let macs: i64 = blocks.sizes.iter().map(|&(m, n)| m * n * width).sum();
+    let threads = if macs >= gemm_parallel_macs() {
+        worker_threads() as usize
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(count, threads, &|i| element(i));
+}
+
+/// A pointer the team's threads share (each writes its own elements' blocks).
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+// SAFETY: the blocks each thread touches are disjoint (see `pair_gemm`).
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}

@@ -558,6 +558,7 @@ fn step_name(step: &Step) -> String {
         Step::Row { kind, .. } => format!("row {kind:?}"),
         Step::Segment { kind, .. } => format!("segment {kind:?}"),
         Step::Attention { .. } => "attention".into(),
+        Step::PairGemm { width, mix, .. } => format!("pair_gemm width={width} mix={mix}"),
         Step::Gather { .. } => "gather".into(),
         Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
         Step::LengthValues { .. } => "length_values".into(),

@@ -5,7 +5,7 @@
 use nestor_passes::{Access, FloatType, Slot, Source, Step};
 
 use super::copies::{pad, unpad};
-use super::gemm::{gemm, sum_rows, GemmShape};
+use super::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
 use super::sizes::{LengthsInfo, Sizes};
 use super::RuntimeError;
 use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
@@ -281,6 +281,7 @@ impl Executable {
                 self.launch(index, &args, run.sizes.batch(*lengths), 1)
             }
             Step::Attention { .. } => self.run_attention(index, step, run),
+            Step::PairGemm { .. } => self.run_pair_gemm(index, step, run),
             Step::Host { out, inputs, graph } => self.run_host(*out, inputs, *graph, run),
             Step::Pad {
                 out,
@@ -501,6 +502,55 @@ impl Executable {
             match self.program.float {
                 FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape, epilogue),
                 FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape, epilogue),
+            }
+        }
+        Ok(())
+    }
+
+    /// The jagged-pair matmul: row and column lengths must have as many elements.
+    fn run_pair_gemm(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Step::PairGemm {
+            out,
+            a,
+            b,
+            rows,
+            columns,
+            width,
+            mix,
+        } = step
+        else {
+            return Err(step_error(index, "not a pair GEMM".into()));
+        };
+        let (Some(rows), Some(columns)) = (run.lengths(*rows), run.lengths(*columns)) else {
+            return Ok(());
+        };
+        if rows.lengths.len() != columns.lengths.len() {
+            return Err(step_error(
+                index,
+                format!(
+                    "{} row lengths but {} column lengths",
+                    rows.lengths.len(),
+                    columns.lengths.len()
+                ),
+            ));
+        }
+        let blocks = PairBlocks::new(&rows.lengths, &columns.lengths, *width, *mix);
+        let buffers = (
+            run.pointer(*out),
+            run.pointer(*a) as *const u8,
+            run.pointer(*b) as *const u8,
+        );
+        // The buffers were sized from these lengths and the step's width, in the
+        // program's type.
+        unsafe {
+            match self.program.float {
+                FloatType::F32 => pair_gemm::<f32>(buffers, &blocks, *width, *mix),
+                FloatType::F64 => pair_gemm::<f64>(buffers, &blocks, *width, *mix),
             }
         }
         Ok(())

@@ -19,6 +19,9 @@ impl Interpreter<'_> {
                 Value::Nested(nested) => Value::Nested(nested.matmul(self.dense(*w)?)?),
                 _ => Value::Dense(self.dense(*x)?.f_matmul(self.dense(*w)?)?),
             },
+            Op::PairMatmul { a, b } => {
+                Value::Nested(self.nested(*a)?.matmul_nested(self.nested(*b)?)?)
+            }
             Op::Embedding {
                 ids,
                 weight,

@@ -14,6 +14,10 @@ impl Interpreter<'_> {
                 self.nested(*x)?
                     .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
             ),
+            Op::TransposeRagged { x, dim0, dim1 } => Value::Nested(
+                self.nested(*x)?
+                    .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
+            ),
             Op::Pad { x, value } => {
                 let nested = self.nested(*x)?;
                 let options = crate::NestedOptions {

@@ -10,6 +10,7 @@ use nestor_ir::{Op, Type};
 use super::egraph::{Builder, ENode, Term};
 
 mod algebra;
+mod attention;
 mod fusion;
 mod packed;
 mod structure;
@@ -160,6 +161,13 @@ pub static RULES: &[Rule] = &[
         why: "row-wise ops (linear, pointwise, norms, softmax, reductions, embedding) give \
               each element the same rows packed as alone",
         apply: packed::packed_per_element,
+    },
+    Rule {
+        name: "pair-attention",
+        set: RuleSet::Packed,
+        why: "softmax(scale * q @ k^T) @ v over jagged pairs is what the varlen attention op \
+              computes, one head at a time, without storing the L x L scores",
+        apply: attention::pair_attention,
     },
     Rule {
         name: "fuse-pointwise",

@@ -608,3 +608,69 @@ fn the_optimizer_keeps_every_bit_of_pointwise_graphs() {
         }
     }
 }
+
+/// Hand-written attention over jagged pairs: `q`, `k` `[B; L, 4]`, `v` `[B; V, 3]`, the
+/// scores scaled by `%5` (`scale` is its definition) and normalized over `axis`.
+fn pair_attention(values: &str, scale: &str, axis: i64) -> String {
+    format!(
+        "graph @g {{
+  %0 = input {{name = \"L\"}} : lengths[B]
+  %1 = input {{name = \"q\"}} : ragged<f32>[B; %0, 4]
+  %2 = input {{name = \"k\"}} : ragged<f32>[B; %0, 4]
+  %3 = input {{name = \"V\"}} : lengths[B]
+  %4 = input {{name = \"v\"}} : ragged<f32>[B; {values}, 3]
+  %5 = {scale}
+  %6 = transpose_ragged(%2) {{dim0 = 0, dim1 = 1}} : ragged<f32>[B; 4, %0]
+  %7 = pair_matmul(%1, %6) : ragged<f32>[B; %0, %0]
+  %8 = mul(%7, %5) : ragged<f32>[B; %0, %0]
+  %9 = softmax(%8) {{axis = {axis}}} : ragged<f32>[B; %0, %0]
+  %10 = pair_matmul(%9, %4) : ragged<f32>[B; %0, 3]
+  return %10
+}}
+"
+    )
+}
+
+const CONSTANT_SCALE: &str = "const {value = 0.5, dtype = f32} : f32[]";
+
+#[test]
+fn hand_written_attention_over_pairs_is_the_attention_op() {
+    rewrites(
+        "pair-attention",
+        &pair_attention("%0", CONSTANT_SCALE, 2),
+        "graph @g {
+  %0 = input {name = \"L\"} : lengths[B]
+  %1 = input {name = \"q\"} : ragged<f32>[B; %0, 4]
+  %2 = input {name = \"k\"} : ragged<f32>[B; %0, 4]
+  %3 = input {name = \"V\"} : lengths[B]
+  %4 = input {name = \"v\"} : ragged<f32>[B; %0, 3]
+  %5 = reshape_tail(%1) {tail = [1, 4]} : ragged<f32>[B; %0, 1, 4]
+  %6 = reshape_tail(%2) {tail = [1, 4]} : ragged<f32>[B; %0, 1, 4]
+  %7 = reshape_tail(%4) {tail = [1, 3]} : ragged<f32>[B; %0, 1, 3]
+  %8 = attention(%5, %6, %7) {causal = false, scale = 0.5} : ragged<f32>[B; %0, 1, 3]
+  %9 = reshape_tail(%8) {tail = [3]} : ragged<f32>[B; %0, 3]
+  return %9
+}
+",
+    );
+}
+
+#[test]
+fn attention_is_not_guessed_from_pairs_that_differ() {
+    let untouched = |start: &str| {
+        let optimized = print(&with_rule("pair-attention", start));
+        assert!(!optimized.contains("attention("), "{optimized}");
+        assert_eq!(optimized.matches("pair_matmul").count(), 2, "{optimized}");
+    };
+    // A scale that is not a constant: the attention op takes a number.
+    untouched(&pair_attention("%0", "input {name = \"s\"} : f32[]", 2));
+    // Softmax over the queries, not the keys.
+    untouched(&pair_attention("%0", CONSTANT_SCALE, 1));
+    // Values of other lengths than the keys (pair_matmul would reject them too: the
+    // start graph does not even type, so check the rule through the verifier's eyes).
+    let mismatched = pair_attention("%3", CONSTANT_SCALE, 2);
+    assert!(
+        parse(&mismatched).is_err(),
+        "values must share the keys' lengths"
+    );
+}

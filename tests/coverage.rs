@@ -95,6 +95,16 @@ fn forward_models() {
             Out::Dense(x[0].relu()?.pad()?),
         ])
     });
+    check("pairs", &[&x, &x], |x, _| {
+        // Jagged pairs (scores, then a mix), and attention written by hand (which the
+        // optimizer turns into the attention op).
+        let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
+        let attention = (&scores * 0.5)?.softmax(2)?.matmul_nested(&x[1])?;
+        Ok(vec![
+            scores.tanh()?.matmul_nested(&x[1])?.into(),
+            attention.into(),
+        ])
+    });
     not_lowered("transpose_static", &x, |x, _| {
         Ok(vec![x[0].reshape_tail(&[2, 2])?.transpose(2, 3)?.into()])
     });

@@ -863,3 +863,26 @@ fn softmax_over_jagged_pairs_is_a_typed_lowering_error() {
         "{error}"
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Pair layouts from broadcasting trace (`unsqueeze` and a broadcasting binary op)
+    /// and the interpreter runs them as eager does; compiling them is a typed error
+    /// until pointwise kernels read broadcast rows.
+    #[test]
+    fn broadcast_pairs_trace_and_interpret(lengths in lengths(5, 6), seed in 0i64..1000) {
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<NestedTensor> {
+            &x[0].unsqueeze(2)? * &x[0].unsqueeze(1)?
+        };
+        let (x, _) = batch(&lengths, &[3], Kind::Float, seed);
+        let traced = nestor::trace("pairs", &[&x], &[], None, model).unwrap();
+        let text = traced.text();
+        prop_assert!(text.contains("unsqueeze") && text.contains("ragged<f32>[B; %0, %0, 3]"), "{}", text);
+        let interpreted = traced.run(&[&x], &[]).unwrap();
+        let eager = eager_values(vec![model(&[x.shallow_clone()], &[]).unwrap().into()]);
+        assert_close_within(&interpreted, &eager, 0.0, "pairs interpreted");
+        let error = compile("pairs", model).call(&[&x], &[]).unwrap_err();
+        prop_assert!(error.to_string().contains("pair layout"), "{}", error);
+    }
+}

@@ -92,6 +92,7 @@ fn forward_models() {
         Ok(vec![
             x[0].gt(0.0)?.to_kind(Kind::Float)?.into(),
             x[0].dropout(0.5, false)?.into(),
+            x[0].unsqueeze(2)?.tanh()?.into(),
             Out::Dense(x[0].relu()?.pad()?),
         ])
     });

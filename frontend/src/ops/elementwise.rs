@@ -279,18 +279,27 @@ impl NestedTensor {
     ) -> Result<NestedTensor> {
         if let Operand::Nested(nested) = &other {
             if let Some(pair) = self.broadcast_nested(nested, op.name())? {
-                self.untraceable(op.name())?;
-                nested.untraceable(op.name())?;
                 let values = if reversed {
                     op.apply(&pair.right, &pair.left)?
                 } else {
                     op.apply(&pair.left, &pair.right)?
                 };
-                return Ok(NestedTensor::from_parts(
-                    values,
-                    pair.layout,
-                    self.options(),
-                ));
+                let result = NestedTensor::from_parts(values, pair.layout, self.options());
+                let Some(ir) = op.ir() else {
+                    self.untraceable(op.name())?;
+                    nested.untraceable(op.name())?;
+                    return Ok(result);
+                };
+                let args = if reversed {
+                    [Arg::Nested(nested), Arg::Nested(self)]
+                } else {
+                    [Arg::Nested(self), Arg::Nested(nested)]
+                };
+                return result.traced(&args, op.name(), |ids| Op::Binary {
+                    op: ir,
+                    lhs: ids[0],
+                    rhs: ids[1],
+                });
             }
         }
         let aligned = self.align(&other, op.name())?;

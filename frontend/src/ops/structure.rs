@@ -282,7 +282,6 @@ impl NestedTensor {
     /// Inserts a static dim of size 1 at NestedTensor dim `dim` (which may not be the
     /// batch dim; `dim` may equal `self.dim()` to append).
     pub fn unsqueeze(&self, dim: i64) -> Result<NestedTensor> {
-        self.untraceable("unsqueeze")?;
         let ndim = self.dim() as i64 + 1;
         let normalized = if dim < 0 { dim + ndim } else { dim };
         let batch_dim = self.batch_dim() as i64;
@@ -309,11 +308,14 @@ impl NestedTensor {
             .iter()
             .position(|&d| d == element_dim)
             .map_or(1, |p| p as i64 + 1);
-        Ok(NestedTensor::from_parts(
-            self.packed().f_unsqueeze(axis)?,
-            layout,
-            self.options(),
-        ))
+        NestedTensor::from_parts(self.packed().f_unsqueeze(axis)?, layout, self.options()).traced(
+            &[Arg::Nested(self)],
+            "unsqueeze",
+            |ids| Op::Unsqueeze {
+                x: ids[0],
+                dim: element_dim,
+            },
+        )
     }
 
     /// Removes static dim `dim`, which must have size 1.

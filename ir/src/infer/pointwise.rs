@@ -185,6 +185,10 @@ fn broadcast_ragged(a: &Type, b: &Type) -> Result<Type, String> {
                 Err(format!("the operands mix length symbols {x} and {y}"))
             }
             (ElemDim::Fixed(x), ElemDim::Fixed(y)) => broadcast_dims(x, y).map(ElemDim::Fixed),
+            // A size-1 dim broadcasts over a ragged one: pair layouts such as
+            // [L, 1, C] with [1, L, C] giving [L, L, C].
+            (ElemDim::Fixed(Dim::Static(1)), ElemDim::Ragged(x))
+            | (ElemDim::Ragged(x), ElemDim::Fixed(Dim::Static(1))) => Ok(ElemDim::Ragged(*x)),
             (x, y) => Err(format!("a ragged dim {x} meets a fixed dim {y}")),
         })
         .collect::<Result<_, _>>()?;

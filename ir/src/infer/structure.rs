@@ -45,6 +45,16 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             dims.swap(*dim0, *dim1);
             Ok(Type::Ragged { dtype, batch, dims })
         }
+        Op::Unsqueeze { x, dim } => match ty(*x) {
+            Type::Ragged { dtype, batch, dims } if *dim <= dims.len() => {
+                let mut dims = dims;
+                dims.insert(*dim, ElemDim::Fixed(Dim::Static(1)));
+                Ok(Type::Ragged { dtype, batch, dims })
+            }
+            other => Err(format!(
+                "cannot insert a dim at element dim {dim} of {other}"
+            )),
+        },
         Op::TransposeRagged { x, dim0, dim1 } => match ty(*x) {
             // Static dims keep their order (so no value moves) when none lies between.
             Type::Ragged { dtype, batch, dims }

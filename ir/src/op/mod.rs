@@ -419,6 +419,15 @@ pub enum Op {
         /// Second element dim.
         dim1: usize,
     },
+    /// A static dim of size 1 inserted at element dim `dim` (`0..=rank`): no value
+    /// moves.
+    #[op(name = "unsqueeze", family = Structure)]
+    Unsqueeze {
+        /// Input.
+        x: ValueId,
+        /// Where the new dim goes.
+        dim: usize,
+    },
     /// Swaps a ragged element dim with a static one (`[B; L, D]` gives `[B; D, L]`):
     /// no value moves, the packed rows are the same.
     #[op(name = "transpose_ragged", family = Structure)]

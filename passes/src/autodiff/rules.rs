@@ -600,6 +600,18 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
         Op::TransposeStatic { x, dim0, dim1 } => {
             Ok(vec![(x, b.push(Op::TransposeStatic { x: g, dim0, dim1 })?)])
         }
+        Op::TransposeRagged { x, dim0, dim1 } => {
+            Ok(vec![(x, b.push(Op::TransposeRagged { x: g, dim0, dim1 })?)])
+        }
+        // The size-1 dim selected away.
+        Op::Unsqueeze { x, dim } => Ok(vec![(
+            x,
+            b.push(Op::SelectStatic {
+                x: g,
+                dim,
+                index: 0,
+            })?,
+        )]),
         _ => Err(b.no_rule("no rule for this op yet")),
     }
 }

@@ -257,7 +257,35 @@ impl Lowering<'_> {
     ) -> Result<(RowUse, Vec<i64>), LowerError> {
         let op = self.graph.op(value);
         Ok(match (ty, operand_ty) {
-            (Type::Ragged { .. }, Type::Ragged { .. }) => (RowUse::Full, tail.to_vec()),
+            (
+                Type::Ragged { dims, .. },
+                Type::Ragged {
+                    dims: operand_dims, ..
+                },
+            ) => {
+                // The same rows only when the ragged dims are the same: an operand whose
+                // size-1 dim broadcasts over a ragged one (a pair layout) reads other rows.
+                let ragged = |dims: &[ElemDim]| -> Vec<(usize, ValueId)> {
+                    dims.iter()
+                        .enumerate()
+                        .filter_map(|(dim, size)| match size {
+                            ElemDim::Ragged(lengths) => Some((dim, *lengths)),
+                            ElemDim::Fixed(_) => None,
+                        })
+                        .collect()
+                };
+                if ragged(dims) != ragged(operand_dims) {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        format!(
+                            "broadcasting {operand} ({operand_ty}) over ragged dims of {ty} \
+                             (a pair layout) is not compiled yet"
+                        ),
+                    ));
+                }
+                (RowUse::Full, tail.to_vec())
+            }
             (Type::Ragged { dims, batch, .. }, Type::Dense { shape, .. }) => {
                 let rank = dims.len();
                 let static_shape: Vec<i64> = shape

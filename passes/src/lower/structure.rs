@@ -49,7 +49,8 @@ impl Lowering<'_> {
                 Ok(out)
             }
             // A ragged dim swapped with a static one: the same packed rows.
-            Op::ReshapeTail { x, .. } | Op::TransposeRagged { x, .. } => {
+            // and a size-1 dim inserted.
+            Op::ReshapeTail { x, .. } | Op::TransposeRagged { x, .. } | Op::Unsqueeze { x, .. } => {
                 self.alias_of(value, *x, ty)
             }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),

@@ -81,7 +81,10 @@ impl<'a> KernelCost<'a> {
         match &node.op {
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => 0.0,
             // Views: no kernel, no copy.
-            Op::ReshapeTail { .. } | Op::Dropout { train: false, .. } => 1.0,
+            Op::ReshapeTail { .. }
+            | Op::TransposeRagged { .. }
+            | Op::Unsqueeze { .. }
+            | Op::Dropout { train: false, .. } => 1.0,
             // Host arithmetic on lengths.
             Op::MaxLength { .. }
             | Op::TotalLength { .. }

@@ -867,22 +867,34 @@ fn softmax_over_jagged_pairs_is_a_typed_lowering_error() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 
-    /// Pair layouts from broadcasting trace (`unsqueeze` and a broadcasting binary op)
-    /// and the interpreter runs them as eager does; compiling them is a typed error
-    /// until pointwise kernels read broadcast rows.
+    /// Pair layouts from broadcasting (`unsqueeze` and a broadcasting binary op), square
+    /// and rectangular, traced, interpreted and compiled as eager computes them: the
+    /// kernels read each operand's rows through the pair layout's row maps.
     #[test]
-    fn broadcast_pairs_trace_and_interpret(lengths in lengths(5, 6), seed in 0i64..1000) {
-        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<NestedTensor> {
-            &x[0].unsqueeze(2)? * &x[0].unsqueeze(1)?
+    fn broadcast_pairs_trace_interpret_and_compile(
+        lengths in lengths(5, 6),
+        others in proptest::collection::vec(0i64..=6, 5),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let (kind, tolerance) = if double { (Kind::Double, 1e-12) } else { (Kind::Float, 1e-6) };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<(NestedTensor, NestedTensor)> {
+            let square = (&x[0].unsqueeze(2)? * &x[0].unsqueeze(1)?)?;
+            let rectangle = (&x[0].unsqueeze(2)? - &x[1].unsqueeze(1)?)?.relu()?;
+            Ok((square, rectangle))
         };
-        let (x, _) = batch(&lengths, &[3], Kind::Float, seed);
-        let traced = nestor::trace("pairs", &[&x], &[], None, model).unwrap();
+        let (x, _) = batch(&lengths, &[3], kind, seed);
+        let (y, _) = batch(&others[..lengths.len()], &[3], kind, seed + 1);
+        let traced = nestor::trace("pairs", &[&x, &y], &[], None, model).unwrap();
         let text = traced.text();
-        prop_assert!(text.contains("unsqueeze") && text.contains("ragged<f32>[B; %0, %0, 3]"), "{}", text);
-        let interpreted = traced.run(&[&x], &[]).unwrap();
-        let eager = eager_values(vec![model(&[x.shallow_clone()], &[]).unwrap().into()]);
+        prop_assert!(text.contains("unsqueeze") && text.contains("[B; %0, %0, 3]"), "{}", text);
+        let eager = {
+            let (square, rectangle) = model(&[x.shallow_clone(), y.shallow_clone()], &[]).unwrap();
+            eager_values(vec![square.into(), rectangle.into()])
+        };
+        let interpreted = traced.run(&[&x, &y], &[]).unwrap();
         assert_close_within(&interpreted, &eager, 0.0, "pairs interpreted");
-        let error = compile("pairs", model).call(&[&x], &[]).unwrap_err();
-        prop_assert!(error.to_string().contains("pair layout"), "{}", error);
+        let compiled = compile("pairs", model).call(&[&x, &y], &[]).unwrap();
+        assert_close_within(&compiled, &eager, tolerance, "pairs compiled");
     }
 }

@@ -201,7 +201,7 @@ fn pointwise<'ctx>(
     // one flat run of scalars: one loop, with no per-row overhead (narrow rows, such as
     // the channels of packed pixels, would otherwise spend most of their time there).
     let flat = inputs.iter().all(|access| {
-        let whole = access.per_element.is_none() && access.col_modulo == 0;
+        let whole = access.row_map.is_none() && access.col_modulo == 0;
         let elementwise = access.row_stride == width && access.col_stride == 1;
         let scalar = access.row_stride == 0 && access.col_stride == 0;
         whole && (elementwise || scalar)
@@ -261,7 +261,7 @@ fn fused_args<'ctx>(
         .iter()
         .map(|access| {
             access
-                .per_element
+                .row_map
                 .map(|_| {
                     next_map += 1;
                     kernel.arg(next_map - 1)

@@ -22,7 +22,7 @@ pub(crate) fn fold_prologue(program: &mut Program) -> bool {
     else {
         return false;
     };
-    let fits = inputs.iter().all(|access| access.per_element.is_none())
+    let fits = inputs.iter().all(|access| access.row_map.is_none())
         && match reader {
             Step::Row {
                 x,

@@ -33,7 +33,7 @@ fn compose(view: &Access, reader: &Access) -> Access {
         row_stride: view.row_stride,
         col_stride: 1,
         offset: view.offset + reader.offset,
-        per_element: None,
+        row_map: None,
         col_modulo: 0,
     }
 }
@@ -54,7 +54,7 @@ fn forwardable(program: &Program, index: usize) -> bool {
         return false;
     };
     let plain = |access: &Access| {
-        access.col_stride == 1 && access.per_element.is_none() && access.col_modulo == 0
+        access.col_stride == 1 && access.row_map.is_none() && access.col_modulo == 0
     };
     let is_output = program.outputs.iter().any(|output| output.slot() == *out);
     let aliased = program

@@ -79,8 +79,8 @@ pub enum Source {
 
 /// How a kernel reads an input: scalar `(row, col)` of the output comes from
 /// `offset + row' * row_stride + col' * col_stride`, where `row'` is the row or, with
-/// `per_element`, the element that owns it, and `col'` is `col % col_modulo` when
-/// `col_modulo > 0` (a broadcast tail).
+/// a `row_map`, `map[row]`, and `col'` is `col % col_modulo` when `col_modulo > 0` (a
+/// broadcast tail).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Access {
     /// The buffer.
@@ -91,8 +91,8 @@ pub struct Access {
     pub col_stride: i64,
     /// First scalar.
     pub offset: i64,
-    /// Index rows by the element that owns them, from this lengths buffer.
-    pub per_element: Option<Slot>,
+    /// Rows read through a map the runtime builds from lengths buffers.
+    pub row_map: Option<RowMap>,
     /// Wrap columns (0: no wrap).
     pub col_modulo: i64,
 }
@@ -106,10 +106,24 @@ impl Access {
             row_stride: width,
             col_stride: 1,
             offset: 0,
-            per_element: None,
+            row_map: None,
             col_modulo: 0,
         }
     }
+}
+
+/// A map from the rows of a kernel's output to the rows of one of its inputs, built
+/// by the runtime from lengths buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowMap {
+    /// The element that owns each row of a batch of these lengths (a per-element input
+    /// `[B, ...]`).
+    Owners(Slot),
+    /// For the rows `(i, m, n)` of a pair layout `[M_i, N_i, ...]` (lengths `M`, `N`),
+    /// the row `(i, m)` of an input `[M_i, 1, ...]`.
+    PairRows(Slot, Slot),
+    /// For the same rows, the row `(i, n)` of an input `[1, N_i, ...]`.
+    PairColumns(Slot, Slot),
 }
 
 /// A pointwise expression over the inputs of a kernel.

@@ -26,8 +26,8 @@ mod structure;
 use pointwise::translate;
 
 use crate::program::{
-    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, Rows,
-    SegmentKind, Slot, SlotInfo, Source, Step,
+    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, RowMap,
+    Rows, SegmentKind, Slot, SlotInfo, Source, Step,
 };
 
 /// An op the compiler cannot lower yet.
@@ -75,6 +75,8 @@ enum RowUse {
     Full,
     Broadcast,
     PerElement(Slot),
+    /// Rows read through a map (an operand broadcast over a pair layout's rows).
+    Mapped(RowMap),
 }
 
 struct Lowering<'g> {

@@ -224,7 +224,7 @@ impl Lowering<'_> {
                 row_stride,
                 col_stride,
                 offset: 0,
-                per_element: None,
+                row_map: None,
                 col_modulo,
             },
             RowUse::Broadcast => Access {
@@ -232,7 +232,7 @@ impl Lowering<'_> {
                 row_stride: 0,
                 col_stride,
                 offset: 0,
-                per_element: None,
+                row_map: None,
                 col_modulo,
             },
             RowUse::PerElement(lengths) => Access {
@@ -240,7 +240,15 @@ impl Lowering<'_> {
                 row_stride,
                 col_stride,
                 offset: 0,
-                per_element: Some(lengths),
+                row_map: Some(RowMap::Owners(lengths)),
+                col_modulo,
+            },
+            RowUse::Mapped(map) => Access {
+                slot,
+                row_stride,
+                col_stride,
+                offset: 0,
+                row_map: Some(map),
                 col_modulo,
             },
         })
@@ -263,8 +271,6 @@ impl Lowering<'_> {
                     dims: operand_dims, ..
                 },
             ) => {
-                // The same rows only when the ragged dims are the same: an operand whose
-                // size-1 dim broadcasts over a ragged one (a pair layout) reads other rows.
                 let ragged = |dims: &[ElemDim]| -> Vec<(usize, ValueId)> {
                     dims.iter()
                         .enumerate()
@@ -274,17 +280,46 @@ impl Lowering<'_> {
                         })
                         .collect()
                 };
-                if ragged(dims) != ragged(operand_dims) {
+                let (out_ragged, own) = (ragged(dims), ragged(operand_dims));
+                if out_ragged == own {
+                    return Ok((RowUse::Full, tail.to_vec()));
+                }
+                // A pair layout [M, N, ...] read by an operand [M, 1, ...] or [1, N, ...]:
+                // its rows through a map, its size-1 dim dropped from its tail.
+                let lengths = |lengths: ValueId| match self.get(lengths) {
+                    Lowered::Lengths(slot) => Some(slot),
+                    _ => None,
+                };
+                let map = match (out_ragged.as_slice(), own.as_slice()) {
+                    ([(0, m), (1, n)], [(0, mine)]) if mine == m => lengths(*m)
+                        .zip(lengths(*n))
+                        .map(|(m, n)| RowMap::PairRows(m, n)),
+                    ([(0, m), (1, n)], [(1, mine)]) if mine == n => lengths(*m)
+                        .zip(lengths(*n))
+                        .map(|(m, n)| RowMap::PairColumns(m, n)),
+                    _ => None,
+                };
+                let Some(map) = map else {
                     return Err(unsupported(
                         value,
                         op,
                         format!(
-                            "broadcasting {operand} ({operand_ty}) over ragged dims of {ty} \
-                             (a pair layout) is not compiled yet"
+                            "broadcasting {operand} ({operand_ty}) over the ragged dims of {ty} \
+                             is not compiled (only [M, 1, ...] and [1, N, ...] over a pair \
+                             layout [M, N, ...])"
                         ),
                     ));
-                }
-                (RowUse::Full, tail.to_vec())
+                };
+                let own_tail: Vec<i64> = operand_dims
+                    .iter()
+                    .enumerate()
+                    .filter(|(dim, _)| !out_ragged.iter().any(|(d, _)| d == dim))
+                    .map(|(_, size)| match size {
+                        ElemDim::Fixed(size) => size.as_static().unwrap_or(1),
+                        ElemDim::Ragged(_) => 1,
+                    })
+                    .collect();
+                (RowUse::Mapped(map), own_tail)
             }
             (Type::Ragged { dims, batch, .. }, Type::Dense { shape, .. }) => {
                 let rank = dims.len();

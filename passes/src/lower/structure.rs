@@ -159,7 +159,7 @@ impl Lowering<'_> {
             row_stride: volume(&tail),
             col_stride: 1,
             offset: index * inner,
-            per_element: None,
+            row_map: None,
             col_modulo: 0,
         };
         let out = self.result(value, ty)?;

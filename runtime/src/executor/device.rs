@@ -9,7 +9,7 @@
 use std::collections::hash_map::{Entry, HashMap};
 
 use nestor_backend_cpu::{CpuKernels, KernelSet};
-use nestor_passes::{Access, FloatType, Program, Slot, Source, Step};
+use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step};
 
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RuntimeError};
@@ -222,8 +222,9 @@ impl KernelDevice for CudaDevice {
 enum Index {
     /// `offsets`, `B + 1` values.
     Offsets(Slot),
-    /// The element of every packed row.
-    Owners(Slot),
+    /// An input row for every output row (the element of every packed row, or a pair
+    /// layout's row of a broadcast operand).
+    Rows(RowMap),
     /// `[longest length]`.
     Longest(Slot),
     /// `[number]`: a count of rows, or a dropout mask's key.
@@ -353,7 +354,13 @@ impl Plan<'_> {
     fn index_values(&self, index: Index) -> Result<Vec<i64>, RuntimeError> {
         Ok(match index {
             Index::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
-            Index::Owners(slot) => self.lengths(slot)?.owners().clone(),
+            Index::Rows(map) => {
+                let (values, count) = self.sizes.row_map(map).ok_or_else(|| {
+                    device_error(self.step, format!("the row map {map:?} cannot be built"))
+                })?;
+                // SAFETY: `row_map` gives the start and length of values the run keeps.
+                unsafe { std::slice::from_raw_parts(values, count) }.to_vec()
+            }
             Index::Longest(slot) => vec![self.lengths(slot)?.longest],
             Index::Number(number) => vec![number],
         })
@@ -394,8 +401,8 @@ impl Plan<'_> {
         args.extend(
             accesses
                 .iter()
-                .filter_map(|access| access.per_element)
-                .map(|lengths| Arg::Index(Index::Owners(lengths))),
+                .filter_map(|access| access.row_map)
+                .map(|map| Arg::Index(Index::Rows(map))),
         );
         args
     }
@@ -500,7 +507,7 @@ impl Plan<'_> {
                     Arg::Slot(v.slot),
                     Arg::Index(Index::Offsets(*q_lengths)),
                     Arg::Index(Index::Offsets(*k_lengths)),
-                    Arg::Index(Index::Owners(*q_lengths)),
+                    Arg::Index(Index::Rows(RowMap::Owners(*q_lengths))),
                 ];
                 (args, (0, total.saturating_mul(*heads)))
             }
@@ -532,7 +539,7 @@ impl Plan<'_> {
                     Arg::Slot(*x),
                     Arg::Index(Index::Offsets(*lengths)),
                     Arg::Index(Index::Longest(*grid)),
-                    Arg::Index(Index::Owners(*lengths)),
+                    Arg::Index(Index::Rows(RowMap::Owners(*lengths))),
                 ];
                 (args, (0, total))
             }
@@ -580,7 +587,7 @@ impl Plan<'_> {
                     Arg::Slot(g.slot),
                     Arg::Index(Index::Offsets(*q_lengths)),
                     Arg::Index(Index::Offsets(*k_lengths)),
-                    Arg::Index(Index::Owners(rows_of)),
+                    Arg::Index(Index::Rows(RowMap::Owners(rows_of))),
                 ];
                 (args, (0, total.saturating_mul(*heads)))
             }

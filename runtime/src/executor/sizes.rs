@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use nestor_ir::DType;
-use nestor_passes::{Program, RowBase, Rows, Slot, Source};
+use nestor_passes::{Program, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
 
@@ -47,6 +47,8 @@ impl LengthsInfo {
 /// The lengths of one run, by the slot of each lengths buffer.
 pub(super) struct Sizes {
     lengths: HashMap<Slot, LengthsInfo>,
+    /// The pair layouts' row maps built so far (kept for the run: kernels read them).
+    pair_maps: std::cell::RefCell<HashMap<RowMap, Box<[i64]>>>,
 }
 
 impl Sizes {
@@ -97,7 +99,49 @@ impl Sizes {
                 .unwrap_or_default();
             lengths.insert(op.out, LengthsInfo::new(values));
         }
-        Ok(Self { lengths })
+        Ok(Self {
+            lengths,
+            pair_maps: Default::default(),
+        })
+    }
+
+    /// The values of `map` for this run, built on first use: an input row for every
+    /// output row. `None` when a lengths buffer is unknown or the map cannot be
+    /// allocated.
+    pub(super) fn row_map(&self, map: RowMap) -> Option<(*const i64, usize)> {
+        let (rows, columns, of_rows) = match map {
+            RowMap::Owners(slot) => {
+                let owners = self.get(slot)?.owners();
+                return Some((owners.as_ptr(), owners.len()));
+            }
+            RowMap::PairRows(rows, columns) => (rows, columns, true),
+            RowMap::PairColumns(rows, columns) => (rows, columns, false),
+        };
+        let mut maps = self.pair_maps.borrow_mut();
+        if !maps.contains_key(&map) {
+            let (rows, columns) = (self.get(rows)?, self.get(columns)?);
+            let total: i64 = rows
+                .lengths
+                .iter()
+                .zip(&columns.lengths)
+                .try_fold(0i64, |sum, (m, n)| sum.checked_add(m.checked_mul(*n)?))?;
+            let mut values: Vec<i64> = Vec::new();
+            values
+                .try_reserve_exact(usize::try_from(total).ok()?)
+                .ok()?;
+            for (element, (&m, &n)) in rows.lengths.iter().zip(&columns.lengths).enumerate() {
+                let (row_start, column_start) = (rows.offsets[element], columns.offsets[element]);
+                for i in 0..m {
+                    if of_rows {
+                        values.extend(std::iter::repeat_n(row_start + i, n as usize));
+                    } else {
+                        values.extend(column_start..column_start + n);
+                    }
+                }
+            }
+            maps.insert(map, values.into_boxed_slice());
+        }
+        maps.get(&map).map(|values| (values.as_ptr(), values.len()))
     }
 
     /// What the run knows of the lengths buffer `slot`.

@@ -37,22 +37,25 @@ impl RunState<'_, '_> {
         })
     }
 
-    /// The arguments of a pointwise kernel: its output, its inputs, then the
-    /// row-to-element maps of its per-element inputs.
-    fn pointwise_args(&self, out: *mut u8, accesses: &[Access]) -> Vec<*mut u8> {
+    /// The arguments of a pointwise kernel: its output, its inputs, then the row maps
+    /// of the inputs that read rows through one.
+    fn pointwise_args(
+        &self,
+        index: usize,
+        out: *mut u8,
+        accesses: &[Access],
+    ) -> Result<Vec<*mut u8>, RuntimeError> {
         let mut args: Vec<*mut u8> = vec![out];
         args.extend(accesses.iter().map(|access| self.pointer(access.slot)));
         for access in accesses {
-            if let Some(lengths_slot) = access.per_element {
-                args.push(
-                    self.lengths(lengths_slot)
-                        .map_or(std::ptr::null_mut(), |info| {
-                            info.owners().as_ptr() as *mut u8
-                        }),
-                );
+            if let Some(map) = access.row_map {
+                let (values, _) = self.sizes.row_map(map).ok_or_else(|| {
+                    step_error(index, format!("the row map {map:?} cannot be built"))
+                })?;
+                args.push(values as *mut u8);
             }
         }
-        args
+        Ok(args)
     }
 }
 
@@ -253,7 +256,7 @@ impl Executable {
                 inputs: accesses,
                 ..
             } => {
-                let args = run.pointwise_args(run.pointer(*out), accesses);
+                let args = run.pointwise_args(index, run.pointer(*out), accesses)?;
                 self.launch(index, &args, run.sizes.rows(*rows), row_grain(step, *width))
             }
             Step::Row {
@@ -492,7 +495,8 @@ impl Executable {
         let bias = bias.map(|bias| run.pointer(bias));
         let epilogue_args: Option<Vec<*mut u8>> = epilogue
             .as_ref()
-            .map(|epilogue| run.pointwise_args(out, &epilogue.inputs));
+            .map(|epilogue| run.pointwise_args(index, out, &epilogue.inputs))
+            .transpose()?;
         let epilogue = match (&epilogue_args, self.kernels.kernel(index)) {
             (Some(args), Some(kernel)) => Some((kernel, Args(args))),
             _ => None,

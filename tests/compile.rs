@@ -812,8 +812,8 @@ fn hand_written_attention_without_keys_is_zeros_as_in_eager() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 
-    /// Without the attention pattern (scores kept, scaled by an input, mixed without a
-    /// softmax) the jagged pairs compile as they are: one GEMM per element.
+    /// Without the attention pattern (scores kept, scaled by an input) the jagged pairs
+    /// compile as they are: one GEMM per element, a segmented softmax over the keys.
     #[test]
     fn jagged_pair_matmuls_compile_on_their_own(
         batches in proptest::collection::vec(lengths(5, 12), 1..3),
@@ -823,7 +823,7 @@ proptest! {
         let (kind, tolerance) = if double { (Kind::Double, 1e-9) } else { (Kind::Float, 1e-4) };
         let model = |x: &[NestedTensor], d: &[Dense]| -> nestor::Result<(NestedTensor, NestedTensor)> {
             let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
-            let weights = (&scores * &d[0])?.tanh()?;
+            let weights = (&scores * &d[0])?.softmax(2)?;
             Ok((weights.matmul_nested(&x[2])?, scores))
         };
         let compiled = compile("pairs", model);
@@ -843,15 +843,13 @@ proptest! {
 }
 
 #[test]
-fn softmax_over_jagged_pairs_is_a_typed_lowering_error() {
-    // Segments of N_i scores repeated M_i times: no lengths buffer describes them yet.
-    let compiled = compile("pair_softmax", |x: &[NestedTensor], d: &[Dense]| {
-        (&x[0].matmul_nested(&x[1].transpose(1, 2)?)? * &d[0])?.softmax(2)
+fn softmax_over_the_first_dim_of_jagged_pairs_is_a_typed_lowering_error() {
+    // Its segments are strided columns of every element: no kernel reads them yet.
+    let compiled = compile("pair_softmax", |x: &[NestedTensor], _: &[Dense]| {
+        x[0].matmul_nested(&x[1].transpose(1, 2)?)?.softmax(1)
     });
     let (q, _) = batch(&[3, 2], &[4], Kind::Float, 1);
-    let error = compiled
-        .call(&[&q, &q], &[&Tensor::from(0.5f32)])
-        .unwrap_err();
+    let error = compiled.call(&[&q, &q], &[]).unwrap_err();
     assert!(
         matches!(
             error,

@@ -34,6 +34,6 @@ pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};
 pub use program::{
-    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, RowMap,
-    Rows, SegmentKind, Slot, SlotInfo, Source, Step,
+    Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
+    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, Step,
 };

@@ -241,22 +241,37 @@ pub enum SegmentKind {
     LogSoftmax,
 }
 
-/// Lengths computed from other lengths before a run sizes its buffers: the output
-/// sizes of a sliding window (convolution, pooling) over a ragged dim.
+/// Lengths computed from other lengths before a run sizes its buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LengthsOp {
     /// The lengths computed.
     pub out: Slot,
     /// The lengths they are computed from.
     pub input: Slot,
-    /// Window size.
-    pub kernel: i64,
-    /// Step.
-    pub stride: i64,
-    /// Padding on each side.
-    pub padding: i64,
-    /// Dilation.
-    pub dilation: i64,
+    /// How.
+    pub kind: LengthsKind,
+}
+
+/// How a [`LengthsOp`] computes its lengths from its input's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LengthsKind {
+    /// The output sizes of a sliding window (convolution, pooling) over a ragged dim.
+    Window {
+        /// Window size.
+        kernel: i64,
+        /// Step.
+        stride: i64,
+        /// Padding on each side.
+        padding: i64,
+        /// Dilation.
+        dilation: i64,
+    },
+    /// Every length `n_i` repeated `times[i]` times: the segments of a pair layout
+    /// `[M_i, N_i, ...]` along its second ragged dim (`times` the lengths `M`).
+    Repeated {
+        /// How many times each length repeats.
+        times: Slot,
+    },
 }
 
 /// One step of a program.

@@ -22,7 +22,7 @@ pub(crate) struct Broadcast {
 impl NestedTensor {
     /// The broadcast of two batches whose elements have different shapes that
     /// broadcast (per element, every dim equal or 1 in one of them), or `None` when the
-    /// element shapes are equal or do not broadcast (the caller's usual rules apply).
+    /// layouts are equal or do not broadcast (the caller's usual rules apply).
     /// A dim is ragged in the result when it is ragged in either operand or its sizes
     /// differ between elements.
     pub(crate) fn broadcast_nested(
@@ -31,11 +31,28 @@ impl NestedTensor {
         op: &'static str,
     ) -> Result<Option<Broadcast>> {
         let (left, right) = (self.lay(), other.lay());
-        if left.element_sizes() == right.element_sizes()
-            || left.batch_size() != right.batch_size()
-            || left.rank() != right.rank()
-        {
+        if left == right || left.batch_size() != right.batch_size() || left.rank() != right.rank() {
             return Ok(None);
+        }
+        // Equal elements packed by other ragged dims broadcast as pairs only when every
+        // dim ragged in one operand has size 1 in the other (`[L, 1, C]` with `[1, L, C]`
+        // for elements of length 1), so that the result has the structure a batch of
+        // other lengths would give; otherwise they are repacked (see `align`).
+        if left.element_sizes() == right.element_sizes() {
+            let static_one = |layout: &RaggedLayout, dim: usize| {
+                !layout.is_ragged(dim) && layout.element_sizes().iter().all(|sizes| sizes[dim] == 1)
+            };
+            let pairs = left
+                .ragged_dims()
+                .iter()
+                .all(|&dim| right.is_ragged(dim) || static_one(right, dim))
+                && right
+                    .ragged_dims()
+                    .iter()
+                    .all(|&dim| left.is_ragged(dim) || static_one(left, dim));
+            if !pairs {
+                return Ok(None);
+            }
         }
         let mut sizes = Vec::with_capacity(left.batch_size());
         for (a, b) in left.element_sizes().iter().zip(right.element_sizes()) {

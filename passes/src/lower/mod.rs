@@ -26,8 +26,8 @@ mod structure;
 use pointwise::translate;
 
 use crate::program::{
-    Access, Expr, FloatType, Fusion, LengthsOp, OutDim, Output, Program, RowBase, RowKind, RowMap,
-    Rows, SegmentKind, Slot, SlotInfo, Source, Step,
+    Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
+    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, Step,
 };
 
 /// An op the compiler cannot lower yet.

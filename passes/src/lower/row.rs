@@ -34,6 +34,9 @@ impl Lowering<'_> {
                 eps,
             } => self.row(value, ty, RowKind::RmsNorm, *x, *weight, None, *dims, eps.0),
             Op::Softmax { x, axis, log } => {
+                if let Some(lowered) = self.pair_softmax(value, ty, *x, *axis, *log)? {
+                    return Ok(lowered);
+                }
                 self.leading(value, *x)?;
                 let (slot, _, tail, lengths) = self.data(value, *x)?;
                 // The index of the last dim: after the batch dim, and the ragged dim if any.
@@ -239,4 +242,66 @@ fn leading_rows(dims: &[i64], ragged: bool, tail: &[i64]) -> Option<(i64, i64)> 
     }
     let split = count - row_dims;
     Some((volume(&tail[..split]), volume(&tail[split..])))
+}
+
+impl Lowering<'_> {
+    /// Softmax of a pair layout `[M, N, *tail]` over `N` (its second ragged dim): a
+    /// segmented kernel whose segments are the runs of `N_i` rows, `M_i` of them per
+    /// element (lengths the runtime derives before the run). `None` for other values.
+    fn pair_softmax(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        axis: i64,
+        log: bool,
+    ) -> Result<Option<Lowered>, LowerError> {
+        let Type::Ragged { dims, .. } = self.graph.ty(x) else {
+            return Ok(None);
+        };
+        let (Some(ElemDim::Ragged(rows)), Some(ElemDim::Ragged(columns))) =
+            (dims.first(), dims.get(1))
+        else {
+            return Ok(None);
+        };
+        let rank = dims.len() as i64;
+        if axis != 2 && axis != 2 - (rank + 1) {
+            return Ok(None);
+        }
+        let (Lowered::Lengths(rows), Lowered::Lengths(columns)) =
+            (self.get(*rows), self.get(*columns))
+        else {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                "its lengths are not lengths buffers",
+            ));
+        };
+        let (slot, _, tail, _) = self.data(value, x)?;
+        let segments = self.data_slot(DType::I64, Rows::fixed(1), 1, Source::Step);
+        // A lengths buffer's size is its own batch (see `typed`).
+        self.program.slots[segments.0 as usize].rows = Rows {
+            base: RowBase::Batch(segments),
+            factor: 1,
+        };
+        self.program.lengths_ops.push(LengthsOp {
+            out: segments,
+            input: columns,
+            kind: LengthsKind::Repeated { times: rows },
+        });
+        let kind = if log {
+            SegmentKind::LogSoftmax
+        } else {
+            SegmentKind::Softmax
+        };
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::Segment {
+            kind,
+            out: slot_of(&out),
+            x: Fusion::plain(slot, volume(&tail)),
+            lengths: segments,
+            width: volume(&tail),
+        });
+        Ok(Some(out))
+    }
 }

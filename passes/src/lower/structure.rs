@@ -69,10 +69,12 @@ impl Lowering<'_> {
                 self.program.lengths_ops.push(LengthsOp {
                     out: out_slot,
                     input,
-                    kernel: *kernel,
-                    stride: *stride,
-                    padding: *padding,
-                    dilation: *dilation,
+                    kind: LengthsKind::Window {
+                        kernel: *kernel,
+                        stride: *stride,
+                        padding: *padding,
+                        dilation: *dilation,
+                    },
                 });
                 Ok(out)
             }

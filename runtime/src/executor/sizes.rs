@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use nestor_ir::DType;
-use nestor_passes::{Program, RowBase, RowMap, Rows, Slot, Source};
+use nestor_passes::{LengthsKind, Program, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
 
@@ -80,23 +80,45 @@ impl Sizes {
             }
         }
         for op in &program.lengths_ops {
-            let values: Vec<i64> = lengths
+            let input = lengths
                 .get(&op.input)
-                .map(|info| {
-                    info.lengths
-                        .iter()
-                        .map(|&length| {
-                            nestor_ir::window_output_size(
-                                length,
-                                op.kernel,
-                                op.stride,
-                                op.padding,
-                                op.dilation,
-                            )
-                        })
-                        .collect()
-                })
+                .map(|info| &info.lengths[..])
                 .unwrap_or_default();
+            let values: Vec<i64> = match op.kind {
+                LengthsKind::Window {
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                } => input
+                    .iter()
+                    .map(|&length| {
+                        nestor_ir::window_output_size(length, kernel, stride, padding, dilation)
+                    })
+                    .collect(),
+                LengthsKind::Repeated { times } => {
+                    let times = lengths
+                        .get(&times)
+                        .map(|info| &info.lengths[..])
+                        .unwrap_or_default();
+                    let count = times
+                        .iter()
+                        .try_fold(0usize, |sum, &t| sum.checked_add(usize::try_from(t).ok()?));
+                    let mut values = Vec::new();
+                    if count.is_none_or(|count| values.try_reserve_exact(count).is_err()) {
+                        return Err(RuntimeError::OutOfMemory {
+                            step: 0,
+                            what: "the segments of a pair layout".into(),
+                            bytes: u64::MAX,
+                            budget: crate::MemoryBudget::bytes(),
+                        });
+                    }
+                    for (&length, &t) in input.iter().zip(times) {
+                        values.extend(std::iter::repeat_n(length, t as usize));
+                    }
+                    values
+                }
+            };
             lengths.insert(op.out, LengthsInfo::new(values));
         }
         Ok(Self {

@@ -3,7 +3,7 @@
 //! differentiate`), and the gradients come back into the parameters' `.grad()`.
 
 use nestor_ir::{Graph, Op, ValueId};
-use nestor_passes::{differentiate, Decompose, Pass};
+use nestor_passes::{differentiate, Decompose, Optimize, Pass};
 use tch::Tensor;
 
 use crate::trace::{normalized_input, Traced, Value};
@@ -43,6 +43,21 @@ pub(super) fn joint_graph(
     let graph = Decompose
         .run(traced.graph())
         .map_err(|error| compile_error(error.to_string()))?;
+    // Attention written over jagged pairs trains as the attention op, whose gradient
+    // is one kernel and stores no L x L scores: rewrite it before differentiating.
+    let graph = if graph
+        .nodes
+        .iter()
+        .any(|node| matches!(node.op, Op::PairMatmul { .. }))
+    {
+        Optimize::only(&["pair-attention"])
+            .map_err(|error| compile_error(error.to_string()))?
+            .optimize(&graph)
+            .map_err(|error| compile_error(error.to_string()))?
+            .0
+    } else {
+        graph
+    };
     let loss = *graph.outputs.first().ok_or_else(|| {
         compile_error("a training model returns its loss first; this one returns nothing".into())
     })?;

@@ -896,3 +896,25 @@ proptest! {
         assert_close_within(&compiled, &eager, tolerance, "pairs compiled");
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// The transpose of a pair layout compiles to a copy through the transposition map,
+    /// square (one lengths value for both dims: types alone cannot tell them apart)
+    /// and rectangular.
+    #[test]
+    fn pair_transposes_compile(lengths in lengths(5, 6), keys in proptest::collection::vec(0i64..=6, 5), square in any::<bool>(), seed in 0i64..1000) {
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<(NestedTensor, NestedTensor)> {
+            let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
+            let swapped = scores.transpose(1, 2)?;
+            Ok((swapped.tanh()?, swapped))
+        };
+        let keys: Vec<i64> = if square { lengths.clone() } else { keys[..lengths.len()].to_vec() };
+        let (q, _) = batch(&lengths, &[4], Kind::Double, seed);
+        let (k, _) = batch(&keys, &[4], Kind::Double, seed + 1);
+        let compiled = compile("transpose", model).call(&[&q, &k], &[]).unwrap();
+        let (a, b) = model(&[q, k], &[]).unwrap();
+        assert_close_within(&compiled, &eager_values(vec![a.into(), b.into()]), 1e-12, "pair transpose");
+    }
+}

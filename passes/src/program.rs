@@ -124,6 +124,9 @@ pub enum RowMap {
     PairRows(Slot, Slot),
     /// For the same rows, the row `(i, n)` of an input `[1, N_i, ...]`.
     PairColumns(Slot, Slot),
+    /// For the rows `(i, m, n)` of a pair layout `[M_i, N_i, ...]`, the row `(i, n, m)`
+    /// of an input `[N_i, M_i, ...]` (its transpose).
+    PairTransposed(Slot, Slot),
 }
 
 /// A pointwise expression over the inputs of a kernel.

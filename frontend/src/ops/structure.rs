@@ -346,10 +346,8 @@ impl NestedTensor {
         let second = self.element_dim(dim1, "transpose")?;
         let layout = self.lay();
         if layout.is_ragged(first) || layout.is_ragged(second) {
-            // A ragged dim with a static one is an IR op; two ragged dims are not yet.
-            if layout.is_ragged(first) && layout.is_ragged(second) {
-                self.untraceable("transpose")?;
-            }
+            // The IR's transpose_ragged takes a ragged dim with a static one, or a pair
+            // layout's two ragged dims.
             return self.transpose_ragged(first, second)?.traced(
                 &[Arg::Nested(self)],
                 "transpose",

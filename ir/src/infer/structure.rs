@@ -55,6 +55,27 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 "cannot insert a dim at element dim {dim} of {other}"
             )),
         },
+        // The two ragged dims of a pair layout: the rows move.
+        Op::TransposeRagged { x, dim0, dim1 }
+            if (*dim0).min(*dim1) == 0
+                && (*dim0).max(*dim1) == 1
+                && matches!(
+                    ty(*x),
+                    Type::Ragged { ref dims, .. }
+                        if matches!(dims.as_slice(), [ElemDim::Ragged(_), ElemDim::Ragged(_), ..])
+                ) =>
+        {
+            let Type::Ragged {
+                dtype,
+                batch,
+                mut dims,
+            } = ty(*x)
+            else {
+                unreachable_dense()
+            };
+            dims.swap(0, 1);
+            Ok(Type::Ragged { dtype, batch, dims })
+        }
         Op::TransposeRagged { x, dim0, dim1 } => match ty(*x) {
             // Static dims keep their order (so no value moves) when none lies between.
             Type::Ragged { dtype, batch, dims }

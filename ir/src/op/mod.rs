@@ -428,8 +428,9 @@ pub enum Op {
         /// Where the new dim goes.
         dim: usize,
     },
-    /// Swaps a ragged element dim with a static one (`[B; L, D]` gives `[B; D, L]`):
-    /// no value moves, the packed rows are the same.
+    /// Swaps a ragged element dim with a static one (`[B; L, D]` gives `[B; D, L]`: no
+    /// value moves, the packed rows are the same), or the two ragged dims of a pair
+    /// layout (`[B; M, N, ...]` gives `[B; N, M, ...]`: every element's rows reorder).
     #[op(name = "transpose_ragged", family = Structure)]
     TransposeRagged {
         /// Input.

@@ -292,6 +292,39 @@ fn gemm(
                 out.push((bias, b.unbroadcast(g, bias)?));
             }
         }
+        Op::PairMatmul { a, b: right } => {
+            let transpose = |b: &mut Builder, x: ValueId| {
+                b.push(Op::TransposeRagged {
+                    x,
+                    dim0: 0,
+                    dim1: 1,
+                })
+            };
+            let scores = matches!(b.ty(right), Type::Ragged { dims, .. }
+                if matches!(dims.first(), Some(nestor_ir::ElemDim::Fixed(_))));
+            if scores {
+                // c [M, N] = a [M, K] b [K, N]: da = c' b^T, db = (c'^T a)^T.
+                if wants(a) {
+                    let b_t = transpose(b, right)?;
+                    out.push((a, b.push(Op::PairMatmul { a: g, b: b_t })?));
+                }
+                if wants(right) {
+                    let g_t = transpose(b, g)?;
+                    let product = b.push(Op::PairMatmul { a: g_t, b: a })?;
+                    out.push((right, transpose(b, product)?));
+                }
+            } else {
+                // c [M, D] = p [M, N] v [N, D]: dp = c' v^T, dv = p^T c'.
+                if wants(a) {
+                    let v_t = transpose(b, right)?;
+                    out.push((a, b.push(Op::PairMatmul { a: g, b: v_t })?));
+                }
+                if wants(right) {
+                    let p_t = transpose(b, a)?;
+                    out.push((right, b.push(Op::PairMatmul { a: p_t, b: g })?));
+                }
+            }
+        }
         Op::Matmul { x, w } => {
             if matches!(b.ty(w), Type::Dense { shape, .. } if shape.len() != 2) {
                 return Err(b.no_rule("the gradient of a matrix-vector product"));

@@ -48,11 +48,20 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
-            // A ragged dim swapped with a static one: the same packed rows.
-            // and a size-1 dim inserted.
-            Op::ReshapeTail { x, .. } | Op::TransposeRagged { x, .. } | Op::Unsqueeze { x, .. } => {
-                self.alias_of(value, *x, ty)
-            }
+            // The two ragged dims of a pair layout: a copy reading every row through the
+            // transposition map.
+            Op::TransposeRagged { x, .. } => match self.graph.ty(*x) {
+                Type::Ragged { dims, .. } => match dims.as_slice() {
+                    [ElemDim::Ragged(m), ElemDim::Ragged(n), ..] => {
+                        self.transpose_pairs(value, ty, *x, (*m, *n))
+                    }
+                    _ => self.alias_of(value, *x, ty),
+                },
+                _ => Err(unsupported(value, op, "expects a ragged batch")),
+            },
+            // A ragged dim swapped with a static one: the same packed rows; and a size-1
+            // dim inserted.
+            Op::ReshapeTail { x, .. } | Op::Unsqueeze { x, .. } => self.alias_of(value, *x, ty),
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
             Op::WindowLengths {
                 lengths,
@@ -171,6 +180,44 @@ impl Lowering<'_> {
             rows: rows_of(&out),
             width,
             inputs: vec![access],
+            expr: Expr::Load(0),
+        });
+        Ok(out)
+    }
+}
+
+impl Lowering<'_> {
+    /// The transpose of a pair layout `x` `[M, N, *tail]` (lengths values `m`, `n`): a
+    /// copy reading every row through the transposition map (types cannot tell the two
+    /// dims apart when `M` and `N` are one lengths value, so the map is explicit).
+    fn transpose_pairs(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        (m, n): (ValueId, ValueId),
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        let lengths = |lengths: ValueId| match self.get(lengths) {
+            Lowered::Lengths(slot) => Ok(slot),
+            _ => Err(unsupported(
+                value,
+                op,
+                "its lengths are not lengths buffers",
+            )),
+        };
+        let (m, n) = (lengths(m)?, lengths(n)?);
+        let (slot, _, tail, _) = self.data(value, x)?;
+        let out = self.result(value, ty)?;
+        let width = volume(&tail);
+        self.program.steps.push(Step::Pointwise {
+            out: slot_of(&out),
+            rows: rows_of(&out),
+            width,
+            inputs: vec![Access {
+                row_map: Some(RowMap::PairTransposed(n, m)),
+                ..Access::rows(slot, width)
+            }],
             expr: Expr::Load(0),
         });
         Ok(out)

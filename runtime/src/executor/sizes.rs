@@ -131,13 +131,14 @@ impl Sizes {
     /// output row. `None` when a lengths buffer is unknown or the map cannot be
     /// allocated.
     pub(super) fn row_map(&self, map: RowMap) -> Option<(*const i64, usize)> {
-        let (rows, columns, of_rows) = match map {
+        let (rows, columns) = match map {
             RowMap::Owners(slot) => {
                 let owners = self.get(slot)?.owners();
                 return Some((owners.as_ptr(), owners.len()));
             }
-            RowMap::PairRows(rows, columns) => (rows, columns, true),
-            RowMap::PairColumns(rows, columns) => (rows, columns, false),
+            RowMap::PairRows(rows, columns)
+            | RowMap::PairColumns(rows, columns)
+            | RowMap::PairTransposed(rows, columns) => (rows, columns),
         };
         let mut maps = self.pair_maps.borrow_mut();
         if !maps.contains_key(&map) {
@@ -151,15 +152,20 @@ impl Sizes {
             values
                 .try_reserve_exact(usize::try_from(total).ok()?)
                 .ok()?;
+            let mut pairs_start = 0;
             for (element, (&m, &n)) in rows.lengths.iter().zip(&columns.lengths).enumerate() {
                 let (row_start, column_start) = (rows.offsets[element], columns.offsets[element]);
                 for i in 0..m {
-                    if of_rows {
-                        values.extend(std::iter::repeat_n(row_start + i, n as usize));
-                    } else {
-                        values.extend(column_start..column_start + n);
+                    match map {
+                        RowMap::PairRows(..) => {
+                            values.extend(std::iter::repeat_n(row_start + i, n as usize))
+                        }
+                        RowMap::PairColumns(..) => values.extend(column_start..column_start + n),
+                        // Row (i, j) of [M, N] reads row (j, i) of [N, M].
+                        _ => values.extend((0..n).map(|j| pairs_start + j * m + i)),
                     }
                 }
+                pairs_start += m * n;
             }
             maps.insert(map, values.into_boxed_slice());
         }

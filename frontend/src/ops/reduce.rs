@@ -197,8 +197,13 @@ impl Plan {
         }
     }
 
-    /// Sums over the reduced static axes (kept as size 1) and rows.
+    /// Sums over the reduced static axes (kept as size 1) and rows. Half-precision
+    /// values add up in f32 and round once, as torch's own sums do (an `index_add` in
+    /// bf16 would round after every row).
     fn sum(&self, values: &Tensor) -> Result<Tensor> {
+        if matches!(values.kind(), Kind::Half | Kind::BFloat16) && self.row_map.is_some() {
+            return Ok(self.sum(&values.f_to_kind(Kind::Float)?)?.f_to_kind(values.kind())?);
+        }
         let values = if values.kind() == Kind::Bool || !values.is_floating_point() {
             values.f_to_kind(Kind::Int64)?
         } else {

@@ -202,7 +202,9 @@ impl Plan {
     /// bf16 would round after every row).
     fn sum(&self, values: &Tensor) -> Result<Tensor> {
         if matches!(values.kind(), Kind::Half | Kind::BFloat16) && self.row_map.is_some() {
-            return Ok(self.sum(&values.f_to_kind(Kind::Float)?)?.f_to_kind(values.kind())?);
+            return Ok(self
+                .sum(&values.f_to_kind(Kind::Float)?)?
+                .f_to_kind(values.kind())?);
         }
         let values = if values.kind() == Kind::Bool || !values.is_floating_point() {
             values.f_to_kind(Kind::Int64)?

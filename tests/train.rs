@@ -975,15 +975,7 @@ fn hand_written_attention_trains_as_the_attention_op() {
     })
     .train(&nn::VarStore::new(Device::Cpu));
     let lengths = [3i64, 1, 4, 2];
-    let leaves = |seed: i64| -> Vec<NestedTensor> {
-        [(4, seed), (4, seed + 1), (4, seed + 2)]
-            .iter()
-            .map(|&(width, seed)| {
-                let (x, _) = batch(&lengths, &[width], Kind::Double, seed);
-                x.set_requires_grad(true).unwrap()
-            })
-            .collect()
-    };
+    let leaves = |seed: i64| pair_leaves(&lengths, [4, 4, 4], seed);
     let eager = leaves(7);
     let scores = eager[0]
         .matmul_nested(&eager[1].transpose(1, 2).unwrap())
@@ -999,14 +991,7 @@ fn hand_written_attention_trains_as_the_attention_op() {
     compiled
         .call(&ours.iter().collect::<Vec<_>>(), &[])
         .unwrap();
-    for (index, (ours, eager)) in ours.iter().zip(&eager).enumerate() {
-        assert_close(
-            ours.grad().unwrap().values(),
-            eager.grad().unwrap().values(),
-            1e-9,
-            &format!("operand {index}"),
-        );
-    }
+    assert_same_gradients(&ours, &eager);
 }
 
 /// Jagged pairs train compiled without the attention pattern too: the gradients of
@@ -1022,22 +1007,31 @@ fn jagged_pair_matmuls_train() {
     let compiled = compile("pairs", move |x: &[NestedTensor], _: &[Dense]| model(x))
         .train(&nn::VarStore::new(Device::Cpu));
     let lengths = [3i64, 0, 4, 2];
-    let leaves = |seed: i64| -> Vec<NestedTensor> {
-        [(4, seed), (4, seed + 1), (3, seed + 2)]
-            .iter()
-            .map(|&(width, seed)| {
-                let (x, _) = batch(&lengths, &[width], Kind::Double, seed);
-                x.set_requires_grad(true).unwrap()
-            })
-            .collect()
-    };
+    let leaves = |seed: i64| pair_leaves(&lengths, [4, 4, 3], seed);
     let eager = leaves(3);
     model(&eager).unwrap().into_tensor().backward();
     let ours = leaves(3);
     compiled
         .call(&ours.iter().collect::<Vec<_>>(), &[])
         .unwrap();
-    for (index, (ours, eager)) in ours.iter().zip(&eager).enumerate() {
+    assert_same_gradients(&ours, &eager);
+}
+
+/// Queries, keys and values `[L_i, width]` of `lengths` that require grad.
+fn pair_leaves(lengths: &[i64], widths: [i64; 3], seed: i64) -> Vec<NestedTensor> {
+    widths
+        .iter()
+        .zip(seed..)
+        .map(|(&width, seed)| {
+            let (x, _) = batch(lengths, &[width], Kind::Double, seed);
+            x.set_requires_grad(true).unwrap()
+        })
+        .collect()
+}
+
+/// The gradients of `ours` equal those of `eager`, operand by operand.
+fn assert_same_gradients(ours: &[NestedTensor], eager: &[NestedTensor]) {
+    for (index, (ours, eager)) in ours.iter().zip(eager).enumerate() {
         assert_close(
             ours.grad().unwrap().values(),
             eager.grad().unwrap().values(),

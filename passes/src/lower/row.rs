@@ -43,20 +43,7 @@ impl Lowering<'_> {
                 let last = tail.len() as i64 + i64::from(lengths.is_some());
                 let ragged_axis = lengths.is_some() && *axis == 1;
                 if ragged_axis {
-                    let kind = if *log {
-                        SegmentKind::LogSoftmax
-                    } else {
-                        SegmentKind::Softmax
-                    };
-                    let out = self.result(value, ty)?;
-                    self.program.steps.push(Step::Segment {
-                        kind,
-                        out: slot_of(&out),
-                        x: Fusion::plain(slot, volume(&tail)),
-                        lengths: lengths.unwrap_or(slot),
-                        width: volume(&tail),
-                    });
-                    Ok(out)
+                    self.segmented_softmax(value, ty, (slot, &tail), lengths.unwrap_or(slot), *log)
                 } else if *axis == last || *axis == -1 {
                     let kind = if *log {
                         RowKind::LogSoftmax
@@ -289,6 +276,20 @@ impl Lowering<'_> {
             input: columns,
             kind: LengthsKind::Repeated { times: rows },
         });
+        self.segmented_softmax(value, ty, (slot, &tail), segments, log)
+            .map(Some)
+    }
+
+    /// A softmax (or log-softmax) over the segments `lengths` gives of the rows of `x`
+    /// (its slot and tail).
+    fn segmented_softmax(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        (slot, tail): (Slot, &[i64]),
+        lengths: Slot,
+        log: bool,
+    ) -> Result<Lowered, LowerError> {
         let kind = if log {
             SegmentKind::LogSoftmax
         } else {
@@ -298,10 +299,10 @@ impl Lowering<'_> {
         self.program.steps.push(Step::Segment {
             kind,
             out: slot_of(&out),
-            x: Fusion::plain(slot, volume(&tail)),
-            lengths: segments,
-            width: volume(&tail),
+            x: Fusion::plain(slot, volume(tail)),
+            lengths,
+            width: volume(tail),
         });
-        Ok(Some(out))
+        Ok(out)
     }
 }

@@ -141,33 +141,8 @@ impl Sizes {
             | RowMap::PairTransposed(rows, columns) => (rows, columns),
         };
         let mut maps = self.pair_maps.borrow_mut();
-        if !maps.contains_key(&map) {
-            let (rows, columns) = (self.get(rows)?, self.get(columns)?);
-            let total: i64 = rows
-                .lengths
-                .iter()
-                .zip(&columns.lengths)
-                .try_fold(0i64, |sum, (m, n)| sum.checked_add(m.checked_mul(*n)?))?;
-            let mut values: Vec<i64> = Vec::new();
-            values
-                .try_reserve_exact(usize::try_from(total).ok()?)
-                .ok()?;
-            let mut pairs_start = 0;
-            for (element, (&m, &n)) in rows.lengths.iter().zip(&columns.lengths).enumerate() {
-                let (row_start, column_start) = (rows.offsets[element], columns.offsets[element]);
-                for i in 0..m {
-                    match map {
-                        RowMap::PairRows(..) => {
-                            values.extend(std::iter::repeat_n(row_start + i, n as usize))
-                        }
-                        RowMap::PairColumns(..) => values.extend(column_start..column_start + n),
-                        // Row (i, j) of [M, N] reads row (j, i) of [N, M].
-                        _ => values.extend((0..n).map(|j| pairs_start + j * m + i)),
-                    }
-                }
-                pairs_start += m * n;
-            }
-            maps.insert(map, values.into_boxed_slice());
+        if let std::collections::hash_map::Entry::Vacant(entry) = maps.entry(map) {
+            entry.insert(pair_map(map, self.get(rows)?, self.get(columns)?)?);
         }
         maps.get(&map).map(|values| (values.as_ptr(), values.len()))
     }
@@ -219,4 +194,34 @@ impl Sizes {
     pub(super) fn elements(&self, program: &Program, slot: Slot) -> usize {
         self.scalars(program, slot).max(0) as usize
     }
+}
+
+/// The values of a pair layout's row map (`rows`, `columns`: the lengths `M`, `N` of
+/// the layout `[M_i, N_i, ...]` it reads for); `None` when they cannot be allocated.
+fn pair_map(map: RowMap, rows: &LengthsInfo, columns: &LengthsInfo) -> Option<Box<[i64]>> {
+    let total: i64 = rows
+        .lengths
+        .iter()
+        .zip(&columns.lengths)
+        .try_fold(0i64, |sum, (m, n)| sum.checked_add(m.checked_mul(*n)?))?;
+    let mut values: Vec<i64> = Vec::new();
+    values
+        .try_reserve_exact(usize::try_from(total).ok()?)
+        .ok()?;
+    let mut pairs_start = 0;
+    for (element, (&m, &n)) in rows.lengths.iter().zip(&columns.lengths).enumerate() {
+        let (row_start, column_start) = (rows.offsets[element], columns.offsets[element]);
+        for i in 0..m {
+            match map {
+                RowMap::PairRows(..) => {
+                    values.extend(std::iter::repeat_n(row_start + i, n as usize))
+                }
+                RowMap::PairColumns(..) => values.extend(column_start..column_start + n),
+                // Row (i, j) of [M, N] reads row (j, i) of [N, M].
+                _ => values.extend((0..n).map(|j| pairs_start + j * m + i)),
+            }
+        }
+        pairs_start += m * n;
+    }
+    Some(values.into_boxed_slice())
 }

@@ -918,3 +918,27 @@ proptest! {
         assert_close_within(&compiled, &eager_values(vec![a.into(), b.into()]), 1e-12, "pair transpose");
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Reductions over the keys of jagged pairs (their second ragged dim) compile to
+    /// segmented kernels over the runs of keys, as eager computes them.
+    #[test]
+    fn reductions_over_the_keys_of_jagged_pairs_compile(lengths in lengths(5, 7), keys in proptest::collection::vec(1i64..=7, 5), seed in 0i64..1000) {
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
+            Ok(vec![
+                Out::Nested(scores.sum(&[2], false)?.into_nested()?),
+                Out::Nested(scores.mean(&[2], true)?.into_nested()?),
+                Out::Nested(scores.amax(&[-1], false)?.into_nested()?),
+                Out::Nested(scores.log_softmax(2)?),
+            ])
+        };
+        let (q, _) = batch(&lengths, &[4], Kind::Double, seed);
+        let (k, _) = batch(&keys[..lengths.len()], &[4], Kind::Double, seed + 1);
+        let compiled = compile("pair_reductions", model).call(&[&q, &k], &[]).unwrap();
+        let eager = eager_values(model(&[q, k], &[]).unwrap());
+        assert_close_within(&compiled, &eager, 1e-12, "reductions over keys");
+    }
+}

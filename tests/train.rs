@@ -1040,3 +1040,32 @@ fn assert_same_gradients(ours: &[NestedTensor], eager: &[NestedTensor]) {
         );
     }
 }
+
+/// Attention over jagged pairs with a scale that is an input (no attention op then)
+/// trains compiled through the softmax over pairs: its gradient sums over the keys of
+/// every query (a segmented sum over the pairs) and broadcasts back over them.
+#[test]
+fn softmax_over_jagged_pairs_trains() {
+    let model = |x: &[NestedTensor], d: &[Dense]| -> nestor::Result<Dense> {
+        let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
+        let weights = (&scores * &d[0])?.softmax(2)?;
+        weights
+            .matmul_nested(&x[2])?
+            .tanh()?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    let compiled = compile("pairs", model).train(&nn::VarStore::new(Device::Cpu));
+    let lengths = [3i64, 1, 4, 2];
+    let scale = Tensor::from(0.7f64);
+    let eager = pair_leaves(&lengths, [4, 4, 3], 11);
+    model(&eager, &[Dense::from(scale.shallow_clone())])
+        .unwrap()
+        .into_tensor()
+        .backward();
+    let ours = pair_leaves(&lengths, [4, 4, 3], 11);
+    compiled
+        .call(&ours.iter().collect::<Vec<_>>(), &[&scale])
+        .unwrap();
+    assert_same_gradients(&ours, &eager);
+}

@@ -43,7 +43,8 @@ impl Lowering<'_> {
                 let last = tail.len() as i64 + i64::from(lengths.is_some());
                 let ragged_axis = lengths.is_some() && *axis == 1;
                 if ragged_axis {
-                    self.segmented_softmax(value, ty, (slot, &tail), lengths.unwrap_or(slot), *log)
+                    let lengths = lengths.unwrap_or(slot);
+                    self.segmented(value, ty, softmax_kind(*log), (slot, &tail), lengths)
                 } else if *axis == last || *axis == -1 {
                     let kind = if *log {
                         RowKind::LogSoftmax
@@ -123,34 +124,32 @@ impl Lowering<'_> {
         keepdim: bool,
     ) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
+        let segment_kind = || match reduce {
+            ReduceOp::Sum => Ok(SegmentKind::Sum),
+            ReduceOp::Mean => Ok(SegmentKind::Mean),
+            ReduceOp::Amax => Ok(SegmentKind::Max),
+            ReduceOp::Amin => Ok(SegmentKind::Min),
+            other => Err(unsupported(
+                value,
+                op,
+                format!("{} over a ragged dim is not compiled", other.word()),
+            )),
+        };
+        // Over the second ragged dim of a pair layout: its segments.
+        if let [axis] = dims {
+            if let Some((x_slot, tail, segments)) = self.pair_segments(value, x, *axis)? {
+                let kind = segment_kind()?;
+                return self.segmented(value, ty, kind, (x_slot, &tail), segments);
+            }
+        }
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
         // The index of the last dim: after the batch dim, and the ragged dim if any.
         let last = tail.len() as i64 + i64::from(lengths.is_some());
         match (dims, lengths) {
             ([1], Some(lengths)) => {
-                let kind = match reduce {
-                    ReduceOp::Sum => SegmentKind::Sum,
-                    ReduceOp::Mean => SegmentKind::Mean,
-                    ReduceOp::Amax => SegmentKind::Max,
-                    ReduceOp::Amin => SegmentKind::Min,
-                    other => {
-                        return Err(unsupported(
-                            value,
-                            op,
-                            format!("{} over the ragged dim is not compiled", other.word()),
-                        ))
-                    }
-                };
-                let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Segment {
-                    kind,
-                    out: slot_of(&out),
-                    x: Fusion::plain(x_slot, volume(&tail)),
-                    lengths,
-                    width: volume(&tail),
-                });
-                Ok(out)
+                let kind = segment_kind()?;
+                self.segmented(value, ty, kind, (x_slot, &tail), lengths)
             }
             ([dim], _) if (*dim == last || *dim == -1) && !tail.is_empty() => {
                 let kind = match reduce {
@@ -233,8 +232,8 @@ fn leading_rows(dims: &[i64], ragged: bool, tail: &[i64]) -> Option<(i64, i64)> 
 
 impl Lowering<'_> {
     /// Softmax of a pair layout `[M, N, *tail]` over `N` (its second ragged dim): a
-    /// segmented kernel whose segments are the runs of `N_i` rows, `M_i` of them per
-    /// element (lengths the runtime derives before the run). `None` for other values.
+    /// segmented kernel over [`pair_segments`](Self::pair_segments). `None` for other
+    /// values.
     fn pair_softmax(
         &mut self,
         value: ValueId,
@@ -243,10 +242,28 @@ impl Lowering<'_> {
         axis: i64,
         log: bool,
     ) -> Result<Option<Lowered>, LowerError> {
-        let Type::Ragged { dims, .. } = self.graph.ty(x) else {
+        let Some((slot, tail, segments)) = self.pair_segments(value, x, axis)? else {
             return Ok(None);
         };
-        let (Some(ElemDim::Ragged(rows)), Some(ElemDim::Ragged(columns))) =
+        self.segmented(value, ty, softmax_kind(log), (slot, &tail), segments)
+            .map(Some)
+    }
+
+    /// When `x` is a pair layout `[M, N, *tail]` and `axis` (batch first, negative from
+    /// the end) names `N`: its slot, its tail and its segments along `N`, the runs of
+    /// `N_i` rows, `M_i` of them per element (lengths the runtime derives before the
+    /// run). `None` for other values or axes.
+    fn pair_segments(
+        &mut self,
+        value: ValueId,
+        x: ValueId,
+        axis: i64,
+    ) -> Result<Option<(Slot, Vec<i64>, Slot)>, LowerError> {
+        // From the lowered value (a prologue's input is not the op's own type).
+        let Lowered::Data { dims, .. } = self.get(x) else {
+            return Ok(None);
+        };
+        let (Some(&OutDim::Ragged(rows)), Some(&OutDim::Ragged(columns))) =
             (dims.first(), dims.get(1))
         else {
             return Ok(None);
@@ -255,15 +272,6 @@ impl Lowering<'_> {
         if axis != 2 && axis != 2 - (rank + 1) {
             return Ok(None);
         }
-        let (Lowered::Lengths(rows), Lowered::Lengths(columns)) =
-            (self.get(*rows), self.get(*columns))
-        else {
-            return Err(unsupported(
-                value,
-                self.graph.op(value),
-                "its lengths are not lengths buffers",
-            ));
-        };
         let (slot, _, tail, _) = self.data(value, x)?;
         let segments = self.data_slot(DType::I64, Rows::fixed(1), 1, Source::Step);
         // A lengths buffer's size is its own batch (see `typed`).
@@ -276,25 +284,19 @@ impl Lowering<'_> {
             input: columns,
             kind: LengthsKind::Repeated { times: rows },
         });
-        self.segmented_softmax(value, ty, (slot, &tail), segments, log)
-            .map(Some)
+        Ok(Some((slot, tail, segments)))
     }
 
-    /// A softmax (or log-softmax) over the segments `lengths` gives of the rows of `x`
+    /// A segmented kernel of `kind` over the segments `lengths` gives of the rows of `x`
     /// (its slot and tail).
-    fn segmented_softmax(
+    fn segmented(
         &mut self,
         value: ValueId,
         ty: &Type,
+        kind: SegmentKind,
         (slot, tail): (Slot, &[i64]),
         lengths: Slot,
-        log: bool,
     ) -> Result<Lowered, LowerError> {
-        let kind = if log {
-            SegmentKind::LogSoftmax
-        } else {
-            SegmentKind::Softmax
-        };
         let out = self.result(value, ty)?;
         self.program.steps.push(Step::Segment {
             kind,
@@ -304,5 +306,14 @@ impl Lowering<'_> {
             width: volume(tail),
         });
         Ok(out)
+    }
+}
+
+/// The segmented softmax kind, log or not.
+fn softmax_kind(log: bool) -> SegmentKind {
+    if log {
+        SegmentKind::LogSoftmax
+    } else {
+        SegmentKind::Softmax
     }
 }

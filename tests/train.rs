@@ -1069,3 +1069,22 @@ fn softmax_over_jagged_pairs_trains() {
         .unwrap();
     assert_same_gradients(&ours, &eager);
 }
+
+/// Pair layouts from broadcasting train compiled: the gradient of each operand sums
+/// the pair layout's cotangent over the dim it was broadcast along (the keys for
+/// `[M, 1, C]`, the queries for `[1, N, C]`).
+#[test]
+fn broadcast_pairs_train() {
+    let model = |x: &[NestedTensor]| -> nestor::Result<Dense> {
+        let pairs = (&x[0].unsqueeze(2)? * &x[1].unsqueeze(1)?)?;
+        pairs.tanh()?.sum(&[], false)?.into_dense_handle()
+    };
+    let compiled = compile("pairs", move |x: &[NestedTensor], _: &[Dense]| model(x))
+        .train(&nn::VarStore::new(Device::Cpu));
+    let lengths = [3i64, 0, 4, 2];
+    let eager = pair_leaves(&lengths, [4, 4, 4], 13);
+    model(&eager[..2]).unwrap().into_tensor().backward();
+    let ours = pair_leaves(&lengths, [4, 4, 4], 13);
+    compiled.call(&[&ours[0], &ours[1]], &[]).unwrap();
+    assert_same_gradients(&ours[..2], &eager[..2]);
+}

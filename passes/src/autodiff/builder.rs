@@ -153,8 +153,27 @@ impl Builder {
         operand: ValueId,
     ) -> Result<ValueId, AutodiffError> {
         let (from, to) = (self.ty(gradient).clone(), self.ty(operand).clone());
+        let queries_broadcast = matches!(
+            (&from, &to),
+            (Type::Ragged { dims: full, .. }, Type::Ragged { dims: own, .. })
+                if matches!(full.as_slice(), [ElemDim::Ragged(_), ElemDim::Ragged(_), ..])
+                    && matches!(own.as_slice(), [ElemDim::Fixed(Dim::Static(1)), ElemDim::Ragged(_), ..])
+        );
         let reduced = if same_shape(&from, &to) {
             gradient
+        } else if queries_broadcast {
+            // `[1, N, ...]` broadcast over a pair layout `[M, N, ...]`: the sum over `M`,
+            // the pairs' first ragged dim, is the sum over the second of their transpose.
+            let swap = |b: &mut Self, x: ValueId| {
+                b.push(Op::TransposeRagged {
+                    x,
+                    dim0: 0,
+                    dim1: 1,
+                })
+            };
+            let transposed = swap(self, gradient)?;
+            let sum = self.reduce(ReduceOp::Sum, transposed, vec![2], true)?;
+            swap(self, sum)?
         } else {
             let (dims, keepdim) = broadcast_dims(&from, &to)
                 .ok_or_else(|| self.no_rule(format!("the gradient of {to} broadcast to {from}")))?;

@@ -142,6 +142,28 @@ impl Lowering<'_> {
                 return self.segmented(value, ty, kind, (x_slot, &tail), segments);
             }
         }
+        // A sum or mean of everything, of any layout (pairs included): every scalar.
+        let ragged_dims = match self.get(x) {
+            Lowered::Data { dims: out_dims, .. } => out_dims
+                .iter()
+                .filter(|dim| matches!(dim, OutDim::Ragged(_)))
+                .count(),
+            _ => 0,
+        };
+        if dims.is_empty() && ragged_dims > 1 && matches!(reduce, ReduceOp::Sum | ReduceOp::Mean) {
+            let (x_slot, rows, tail, _) = self.data(value, x)?;
+            let out = self.result(value, ty)?;
+            self.program.steps.push(Step::SumRows {
+                out: slot_of(&out),
+                a: None,
+                b: x_slot,
+                rows: rows.times(volume(&tail)),
+                m: 1,
+                n: 1,
+                mean: reduce == ReduceOp::Mean,
+            });
+            return Ok(out);
+        }
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
         // The index of the last dim: after the batch dim, and the ragged dim if any.

@@ -155,6 +155,13 @@ impl Lowering<'_> {
         index: i64,
     ) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
+        // A dim of size 1 goes away without moving a value (an unsqueeze undone), in
+        // any layout.
+        if let Type::Ragged { dims, .. } = self.graph.ty(x) {
+            if matches!(dims.get(dim), Some(ElemDim::Fixed(Dim::Static(1)))) {
+                return self.alias_of(value, x, ty);
+            }
+        }
         self.leading(value, x)?;
         let (slot, _, tail, _) = self.data(value, x)?;
         if dim != 1 {

@@ -761,6 +761,15 @@ fn hand_written_attention(x: &[NestedTensor], scale: f64) -> nestor::Result<Nest
     (&scores * scale)?.softmax(2)?.matmul_nested(&x[2])
 }
 
+/// The same with a causal mask: keys after their query get no weight.
+fn hand_written_causal_attention(x: &[NestedTensor], scale: f64) -> nestor::Result<NestedTensor> {
+    let scores = (&x[0].matmul_nested(&x[1].transpose(1, 2)?)? * scale)?;
+    scores
+        .causal_fill(f64::NEG_INFINITY)?
+        .softmax(2)?
+        .matmul_nested(&x[2])
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 
@@ -941,4 +950,41 @@ proptest! {
         let eager = eager_values(model(&[q, k], &[]).unwrap());
         assert_close_within(&compiled, &eager, 1e-12, "reductions over keys");
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Causal attention written by hand compiles to the causal attention kernel.
+    #[test]
+    fn hand_written_causal_attention_compiles_to_causal_attention(
+        lengths in lengths(5, 12),
+        cross in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let keys: Vec<i64> = if cross { lengths.iter().map(|l| (l * 7 + 3) % 11).collect() } else { lengths.clone() };
+        let (q, _) = batch(&lengths, &[8], Kind::Float, seed);
+        let (k, _) = batch(&keys, &[8], Kind::Float, seed + 1);
+        let (v, _) = batch(&keys, &[5], Kind::Float, seed + 2);
+        let compiled = compile("causal", |x: &[NestedTensor], _: &[Dense]| hand_written_causal_attention(x, 0.25));
+        let text = compiled.graph_text(&[&q, &k, &v], &[]).unwrap();
+        prop_assert!(text.contains("causal = true") && !text.contains("pair_matmul"), "{}", text);
+        let outputs = compiled.call(&[&q, &k, &v], &[]).unwrap();
+        let eager = eager_values(vec![hand_written_causal_attention(&[q, k, v], 0.25).unwrap().into()]);
+        assert_close(&outputs, &eager, "causal attention");
+    }
+}
+
+#[test]
+fn a_causal_fill_outside_attention_is_a_typed_lowering_error() {
+    // Only the attention rule absorbs it yet: no kernel reads a pair's coordinates.
+    let compiled = compile("causal_fill", |x: &[NestedTensor], _: &[Dense]| {
+        x[0].matmul_nested(&x[1].transpose(1, 2)?)?.causal_fill(0.0)
+    });
+    let (q, _) = batch(&[3, 2], &[4], Kind::Float, 1);
+    let error = compiled.call(&[&q, &q], &[]).unwrap_err();
+    assert!(
+        matches!(&error, NestedError::Compile { stage: "lowering", reason } if reason.contains("causal_fill")),
+        "{error}"
+    );
 }

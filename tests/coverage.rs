@@ -101,9 +101,14 @@ fn forward_models() {
         // optimizer turns into the attention op).
         let scores = x[0].matmul_nested(&x[1].transpose(1, 2)?)?;
         let attention = (&scores * 0.5)?.softmax(2)?.matmul_nested(&x[1])?;
+        let causal = (&scores * 0.5)?
+            .causal_fill(f64::NEG_INFINITY)?
+            .softmax(2)?
+            .matmul_nested(&x[1])?;
         Ok(vec![
             scores.tanh()?.matmul_nested(&x[1])?.into(),
             attention.into(),
+            causal.into(),
         ])
     });
     not_lowered("transpose_static", &x, |x, _| {

@@ -526,3 +526,28 @@ proptest! {
         prop_assert!(nestor::nested_execution_guard(|| nestor::einsum("ld,md->lm", &[Nested(&x), Nested(&k)])).is_err());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(16), ..ProptestConfig::default() })]
+
+    #[test]
+    fn causal_fill_masks_keys_after_their_query(lengths in lengths(5, 6), keys in proptest::collection::vec(0i64..=6, 5), seed in 0i64..1000) {
+        let (q, qs) = batch(&lengths, &[3], Kind::Double, seed);
+        let (k, ks) = batch(&keys[..lengths.len()], &[3], Kind::Double, seed + 1);
+        let q = q.set_requires_grad(true).unwrap();
+        let scores = q.matmul_nested(&k.transpose(1, 2).unwrap()).unwrap();
+        let masked = scores.causal_fill(-5.0).unwrap();
+        masked.values().sum(Kind::Double).backward();
+        let grads = q.grad().unwrap().unbind().unwrap();
+        for (i, ((a, b), masked)) in qs.iter().zip(&ks).zip(masked.unbind().unwrap()).enumerate() {
+            let a = a.detach().set_requires_grad(true);
+            let s = a.matmul(&b.transpose(0, 1));
+            let (m, n) = (s.size()[0], s.size()[1]);
+            let after = Tensor::ones([m, n], (Kind::Bool, tch::Device::Cpu)).triu(1);
+            let expected = s.masked_fill(&after, -5.0);
+            prop_assert!(close(&masked, &expected, Kind::Double), "element {}", i);
+            expected.sum(Kind::Double).backward();
+            prop_assert!(close(&grads[i], &a.grad(), Kind::Double), "gradient {}", i);
+        }
+    }
+}

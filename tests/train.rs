@@ -1088,3 +1088,27 @@ fn broadcast_pairs_train() {
     compiled.call(&[&ours[0], &ours[1]], &[]).unwrap();
     assert_same_gradients(&ours[..2], &eager[..2]);
 }
+
+/// Causal attention written by hand trains compiled as the causal attention op.
+#[test]
+fn hand_written_causal_attention_trains() {
+    let model = |x: &[NestedTensor]| -> nestor::Result<Dense> {
+        let scores = (&x[0].matmul_nested(&x[1].transpose(1, 2)?)? * 0.5)?;
+        let weights = scores.causal_fill(f64::NEG_INFINITY)?.softmax(2)?;
+        weights
+            .matmul_nested(&x[2])?
+            .tanh()?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    let compiled = compile("causal", move |x: &[NestedTensor], _: &[Dense]| model(x))
+        .train(&nn::VarStore::new(Device::Cpu));
+    let lengths = [3i64, 1, 4, 2];
+    let eager = pair_leaves(&lengths, [4, 4, 4], 17);
+    model(&eager).unwrap().into_tensor().backward();
+    let ours = pair_leaves(&lengths, [4, 4, 4], 17);
+    compiled
+        .call(&ours.iter().collect::<Vec<_>>(), &[])
+        .unwrap();
+    assert_same_gradients(&ours, &eager);
+}

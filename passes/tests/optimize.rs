@@ -674,3 +674,55 @@ fn attention_is_not_guessed_from_pairs_that_differ() {
         "values must share the keys' lengths"
     );
 }
+
+/// `pair_attention` with the scaled scores masked by `mask` (its definition, of `%8`).
+fn masked_pair_attention(mask: &str) -> String {
+    pair_attention("%0", CONSTANT_SCALE, 2).replace(
+        "  %9 = softmax(%8) {axis = 2} : ragged<f32>[B; %0, %0]
+  %10 = pair_matmul(%9, %4) : ragged<f32>[B; %0, 3]
+  return %10",
+        &format!(
+            "  %9 = {mask}
+  %10 = softmax(%9) {{axis = 2}} : ragged<f32>[B; %0, %0]
+  %11 = pair_matmul(%10, %4) : ragged<f32>[B; %0, 3]
+  return %11"
+        ),
+    )
+}
+
+#[test]
+fn causally_masked_attention_over_pairs_is_causal_attention() {
+    let optimized = print(&with_rule(
+        "pair-attention",
+        &masked_pair_attention("causal_fill(%8) {value = -inf} : ragged<f32>[B; %0, %0]"),
+    ));
+    assert!(
+        optimized.contains("attention(") && optimized.contains("causal = true"),
+        "{optimized}"
+    );
+    assert!(!optimized.contains("pair_matmul"), "{optimized}");
+    assert_same_meaning(
+        &parse(&masked_pair_attention(
+            "causal_fill(%8) {value = -inf} : ragged<f32>[B; %0, %0]",
+        ))
+        .unwrap(),
+        &with_rule(
+            "pair-attention",
+            &masked_pair_attention("causal_fill(%8) {value = -inf} : ragged<f32>[B; %0, %0]"),
+        ),
+        "causal pair attention",
+    );
+}
+
+#[test]
+fn masks_that_are_not_causal_attention_stay_pairs() {
+    for mask in [
+        // Masked positions keep some weight: not causal attention.
+        "causal_fill(%8) {value = -1000.0} : ragged<f32>[B; %0, %0]",
+        // Any other mask (here, no mask at all but a non-causal op in between).
+        "tanh(%8) : ragged<f32>[B; %0, %0]",
+    ] {
+        let optimized = print(&with_rule("pair-attention", &masked_pair_attention(mask)));
+        assert!(!optimized.contains("attention("), "{mask}: {optimized}");
+    }
+}

@@ -118,6 +118,49 @@ impl NestedTensor {
     }
 }
 
+impl NestedTensor {
+    /// A pair layout `[M_i, N_i, ...]` with `value` where the key comes after its query
+    /// (`j > i`, query `i` seeing keys `0..=i`): the causal mask of attention written by
+    /// hand, `scores.causal_fill(f64::NEG_INFINITY)?.softmax(2)`. The compiler turns
+    /// `softmax(causal_fill(scale * q @ k^T, -inf)) @ v` into causal varlen attention.
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let q = NestedTensor::from_lists(vec![vec![vec![1.0f32]; 2], vec![vec![1.0]; 1]])?;
+    /// let scores = q.matmul_nested(&q.transpose(1, 2)?)?.causal_fill(-1.0)?;
+    /// assert_eq!(Vec::<f32>::try_from(scores.values())?, [1.0, -1.0, 1.0, 1.0, 1.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn causal_fill(&self, value: f64) -> Result<NestedTensor> {
+        let layout = self.lay();
+        if !(layout.rank() >= 2 && layout.is_ragged(0) && layout.is_ragged(1)) {
+            return Err(NestedError::Unsupported {
+                op: "causal_fill",
+                reason: format!(
+                    "it takes a pair layout [M_i, N_i, ...], got ragged dims {:?} of rank {}",
+                    layout.ragged_dims(),
+                    layout.rank()
+                ),
+            });
+        }
+        let (queries, keys) = (layout.row_coordinates(0), layout.row_coordinates(1));
+        let after: Vec<bool> = queries.iter().zip(&keys).map(|(i, j)| j > i).collect();
+        let mut shape = vec![1i64; self.packed().dim()];
+        shape[0] = -1;
+        let mask = Tensor::f_from_slice(&after)?
+            .f_to_device(self.device())?
+            .f_reshape(&shape)?;
+        let values = self.packed().f_masked_fill(&mask, value)?;
+        self.with_values(values)
+            .traced(&[crate::trace::Arg::Nested(self)], "causal_fill", |ids| {
+                nestor_ir::Op::CausalFill {
+                    x: ids[0],
+                    value: nestor_ir::F64(value),
+                }
+            })
+    }
+}
+
 /// For every row of `layout`, the row of `own` (a layout that broadcasts to it, with a
 /// subset of its ragged dims) that holds its values: coordinates along `own`'s ragged
 /// dims, 0 where `own` has size 1.

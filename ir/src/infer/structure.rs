@@ -45,6 +45,19 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             dims.swap(*dim0, *dim1);
             Ok(Type::Ragged { dtype, batch, dims })
         }
+        Op::CausalFill { x, .. } => match ty(*x) {
+            Type::Ragged { ref dims, .. }
+                if matches!(
+                    dims.as_slice(),
+                    [ElemDim::Ragged(_), ElemDim::Ragged(_), ..]
+                ) =>
+            {
+                Ok(ty(*x))
+            }
+            other => Err(format!(
+                "causal_fill takes a pair layout [B; M, N, ...], got {other}"
+            )),
+        },
         Op::Unsqueeze { x, dim } => match ty(*x) {
             Type::Ragged { dtype, batch, dims } if *dim <= dims.len() => {
                 let mut dims = dims;

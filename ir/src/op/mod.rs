@@ -419,6 +419,15 @@ pub enum Op {
         /// Second element dim.
         dim1: usize,
     },
+    /// A pair layout `[M, N, ...]` with `value` at the positions `(i, j)` of a key after
+    /// its query (`j > i`): the causal mask of attention written over pairs.
+    #[op(name = "causal_fill", family = Structure)]
+    CausalFill {
+        /// Input.
+        x: ValueId,
+        /// The value of masked positions (`-inf` for attention).
+        value: F64,
+    },
     /// A static dim of size 1 inserted at element dim `dim` (`0..=rank`): no value
     /// moves.
     #[op(name = "unsqueeze", family = Structure)]

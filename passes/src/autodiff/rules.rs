@@ -636,6 +636,14 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
         Op::TransposeRagged { x, dim0, dim1 } => {
             Ok(vec![(x, b.push(Op::TransposeRagged { x: g, dim0, dim1 })?)])
         }
+        // Masked positions do not depend on x.
+        Op::CausalFill { x, .. } => Ok(vec![(
+            x,
+            b.push(Op::CausalFill {
+                x: g,
+                value: nestor_ir::F64(0.0),
+            })?,
+        )]),
         // The size-1 dim selected away.
         Op::Unsqueeze { x, dim } => Ok(vec![(
             x,

@@ -14,6 +14,7 @@ impl Interpreter<'_> {
                 self.nested(*x)?
                     .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
             ),
+            Op::CausalFill { x, value } => Value::Nested(self.nested(*x)?.causal_fill(value.0)?),
             Op::Unsqueeze { x, dim } => Value::Nested(self.nested(*x)?.unsqueeze(*dim as i64 + 1)?),
             Op::TransposeRagged { x, dim0, dim1 } => Value::Nested(
                 self.nested(*x)?

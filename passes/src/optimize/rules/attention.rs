@@ -28,13 +28,29 @@ pub(super) fn pair_attention(cx: &Context, _class: Id, node: &ENode) -> Vec<Term
         if axis != 2 && axis != -1 {
             continue;
         }
-        for (scores, scale) in scaled_scores(cx, softmax.children[0]) {
-            for (q, k) in query_key(cx, scores) {
-                terms.extend(attention(cx, q, k, v, scale));
+        for (masked, causal) in causal_masked(cx, softmax.children[0]) {
+            for (scores, scale) in scaled_scores(cx, masked) {
+                for (q, k) in query_key(cx, scores) {
+                    terms.extend(attention(cx, q, k, v, scale, causal));
+                }
             }
         }
     }
     terms
+}
+
+/// The class itself (not causal), and what it masks with `causal_fill(_, -inf)`
+/// (causal): keys after their query get no weight, as in causal attention.
+fn causal_masked(cx: &Context, class: Id) -> Vec<(Id, bool)> {
+    let mut found = vec![(class, false)];
+    for node in cx.nodes(class) {
+        if let Op::CausalFill { value, .. } = node.op {
+            if value.0 == f64::NEG_INFINITY {
+                found.push((node.children[0], true));
+            }
+        }
+    }
+    found
 }
 
 /// The scores a class scales by a constant, with the scale: `s * c`, `c * s`, `s / c`,
@@ -85,7 +101,7 @@ fn width(ty: Option<&Type>) -> Option<i64> {
     }
 }
 
-fn attention(cx: &Context, q: Id, k: Id, v: Id, scale: f64) -> Option<Term> {
+fn attention(cx: &Context, q: Id, k: Id, v: Id, scale: f64, causal: bool) -> Option<Term> {
     let (d, dv) = (width(cx.ty(q))?, width(cx.ty(v))?);
     let one_head = |x: Id, width: i64| {
         Term::op(
@@ -101,7 +117,7 @@ fn attention(cx: &Context, q: Id, k: Id, v: Id, scale: f64) -> Option<Term> {
             q: nestor_ir::ValueId(0),
             k: nestor_ir::ValueId(0),
             v: nestor_ir::ValueId(0),
-            causal: false,
+            causal,
             scale: Some(F64(scale)),
         },
         vec![one_head(q, d), one_head(k, d), one_head(v, dv)],

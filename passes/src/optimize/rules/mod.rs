@@ -165,8 +165,9 @@ pub static RULES: &[Rule] = &[
     Rule {
         name: "pair-attention",
         set: RuleSet::Packed,
-        why: "softmax(scale * q @ k^T) @ v over jagged pairs is what the varlen attention op \
-              computes, one head at a time, without storing the L x L scores",
+        why: "softmax(scale * q @ k^T [causally masked with -inf]) @ v over jagged pairs is \
+              what the (causal) varlen attention op computes, one head at a time, without \
+              storing the L x L scores",
         apply: attention::pair_attention,
     },
     Rule {

@@ -551,3 +551,33 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Many short elements take the padded batched GEMM (one call for the batch): the
+    /// same products and gradients as every element alone.
+    #[test]
+    fn many_short_pairs_multiply_in_one_batched_gemm(
+        lengths in proptest::collection::vec(prop_oneof![Just(0i64), Just(1i64), 0i64..=6], 64..=80),
+        seed in 0i64..1000,
+    ) {
+        let (q, qs) = batch(&lengths, &[4], Kind::Double, seed);
+        let (v, vs) = batch(&lengths, &[3], Kind::Double, seed + 1);
+        let [q, v] = [q, v].map(|x| x.set_requires_grad(true).unwrap());
+        let scores = nestor::nested_execution_guard(|| q.matmul_nested(&q.transpose(1, 2)?)).unwrap();
+        let mixed = scores.tanh().unwrap().matmul_nested(&v).unwrap();
+        let expected: Vec<Tensor> = qs.iter().map(|e| e.matmul(&e.transpose(0, 1))).collect();
+        common::assert_elements_of("scores", &scores, &expected, Kind::Double);
+        let expected: Vec<Tensor> = qs.iter().zip(&vs).map(|(a, b)| a.matmul(&a.transpose(0, 1)).tanh().matmul(b)).collect();
+        common::assert_elements_of("mix", &mixed, &expected, Kind::Double);
+        mixed.values().sum(Kind::Double).backward();
+        let (gq, gv) = (q.grad().unwrap().unbind().unwrap(), v.grad().unwrap().unbind().unwrap());
+        for (i, (a, b)) in qs.iter().zip(&vs).enumerate() {
+            let (a, b) = (a.detach().set_requires_grad(true), b.detach().set_requires_grad(true));
+            a.matmul(&a.transpose(0, 1)).tanh().matmul(&b).sum(Kind::Double).backward();
+            prop_assert!(close(&gq[i], &a.grad(), Kind::Double), "dq {}", i);
+            prop_assert!(close(&gv[i], &b.grad(), Kind::Double), "dv {}", i);
+        }
+    }
+}

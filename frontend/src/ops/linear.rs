@@ -66,9 +66,10 @@ impl NestedTensor {
     /// Matrix product of two NestedTensors element by element: `A_i @ B_i` for 2-d
     /// elements, e.g. `Q_i [L_i, d] @ K_i^T [d, L_i] -> [L_i, L_i]` and
     /// `P_i [L_i, L_i] @ V_i [L_i, d] -> [L_i, d]`. Those two forms (the jagged pairs
-    /// of attention) run packed, as a grouped GEMM: one GEMM per element on views of the
-    /// packed values, no padding, the results written once in packed order (see
-    /// `pairs.rs`); other ranks or layouts run element by element (a slow path).
+    /// of attention) run packed (see `pairs.rs`): one GEMM per element on views of the
+    /// packed values, the results written once in packed order, or, for many short
+    /// elements, one batched GEMM padded to the longest; other ranks or layouts run
+    /// element by element (a slow path).
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;

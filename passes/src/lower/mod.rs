@@ -86,6 +86,9 @@ struct Lowering<'g> {
     values: Vec<Option<Lowered>>,
     /// Lengths slots by batch-size symbol, for dense values with a symbolic first dim.
     batches: HashMap<String, Slot>,
+    /// The derived segments of pair layouts, by their (rows, columns) lengths slots:
+    /// a softmax and its gradient's sums over one layout share one derivation.
+    pair_segments: HashMap<(Slot, Slot), Slot>,
 }
 
 /// Lowers `graph` to a program with the default options.
@@ -116,6 +119,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         program: Program::default(),
         values: vec![None; graph.nodes.len()],
         batches: HashMap::new(),
+        pair_segments: HashMap::new(),
     };
     let mut input_index = 0;
     for (index, node) in graph.nodes.iter().enumerate() {

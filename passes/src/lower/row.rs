@@ -295,17 +295,24 @@ impl Lowering<'_> {
             return Ok(None);
         }
         let (slot, _, tail, _) = self.data(value, x)?;
-        let segments = self.data_slot(DType::I64, Rows::fixed(1), 1, Source::Step);
-        // A lengths buffer's size is its own batch (see `typed`).
-        self.program.slots[segments.0 as usize].rows = Rows {
-            base: RowBase::Batch(segments),
-            factor: 1,
+        let segments = match self.pair_segments.get(&(rows, columns)) {
+            Some(&segments) => segments,
+            None => {
+                let segments = self.data_slot(DType::I64, Rows::fixed(1), 1, Source::Step);
+                // A lengths buffer's size is its own batch (see `typed`).
+                self.program.slots[segments.0 as usize].rows = Rows {
+                    base: RowBase::Batch(segments),
+                    factor: 1,
+                };
+                self.program.lengths_ops.push(LengthsOp {
+                    out: segments,
+                    input: columns,
+                    kind: LengthsKind::Repeated { times: rows },
+                });
+                self.pair_segments.insert((rows, columns), segments);
+                segments
+            }
         };
-        self.program.lengths_ops.push(LengthsOp {
-            out: segments,
-            input: columns,
-            kind: LengthsKind::Repeated { times: rows },
-        });
         Ok(Some((slot, tail, segments)))
     }
 

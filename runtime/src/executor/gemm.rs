@@ -392,26 +392,21 @@ pub(super) unsafe fn pair_gemm<T: Scalar>(
     width: i64,
     mix: bool,
 ) {
-    let (out, a, b) = (
-        SendPtr(out as *mut T),
-        SendPtr(a as *mut T),
-        SendPtr(b as *mut T),
-    );
+    let buffers = PairBuffers {
+        out: out as *mut T,
+        a: a as *const T,
+        b: b as *const T,
+    };
     let element = |i: usize| {
         let (m, n) = blocks.sizes[i];
         let [at_a, at_b, at_out] = blocks.starts[i];
-        let (a, b, out) = (a, b, out);
         // SAFETY (the whole block): the offsets and sizes come from the lengths the
         // buffers were sized by; elements write disjoint blocks of `out`.
         if m == 0 || (n == 0 && !mix) {
             return; // nothing to write
         }
         unsafe {
-            let (a, b, out) = (
-                a.0.add(at_a as usize),
-                b.0.add(at_b as usize),
-                out.0.add(at_out as usize),
-            );
+            let (a, b, out) = buffers.at([at_a, at_b, at_out]);
             let w = width as isize;
             let (mu, nu, wu) = (m as usize, n as usize, width as usize);
             if mix {
@@ -443,7 +438,9 @@ pub(super) unsafe fn pair_gemm<T: Scalar>(
         }
     };
     let count = blocks.sizes.len();
-    let macs: i64 = blocks.sizes.iter().map(|&(m, n)| m * n * width).sum();
+    let macs = blocks.sizes.iter().fold(0i64, |sum, &(m, n)| {
+        sum.saturating_add(m.saturating_mul(n).saturating_mul(width))
+    });
     let threads = if macs >= gemm_parallel_macs() {
         worker_threads() as usize
     } else {
@@ -452,9 +449,30 @@ pub(super) unsafe fn pair_gemm<T: Scalar>(
     crate::team::for_each_chunk(count, threads, &|i| element(i));
 }
 
-/// A pointer the team's threads share (each writes its own elements' blocks).
+/// The buffers of a jagged-pair GEMM, shared by the team's threads (each writes its own
+/// elements' blocks of `out`).
 #[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
-// SAFETY: the blocks each thread touches are disjoint (see `pair_gemm`).
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
+struct PairBuffers<T> {
+    out: *mut T,
+    a: *const T,
+    b: *const T,
+}
+// SAFETY: the blocks each thread writes are disjoint (see `pair_gemm`).
+unsafe impl<T> Send for PairBuffers<T> {}
+unsafe impl<T> Sync for PairBuffers<T> {}
+
+impl<T> PairBuffers<T> {
+    /// The blocks of `a`, `b` and `out` that start at these offsets (in values).
+    ///
+    /// # Safety
+    /// The offsets must lie within the buffers.
+    unsafe fn at(self, [a, b, out]: [i64; 3]) -> (*const T, *const T, *mut T) {
+        unsafe {
+            (
+                self.a.add(a as usize),
+                self.b.add(b as usize),
+                self.out.add(out as usize),
+            )
+        }
+    }
+}

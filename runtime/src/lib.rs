@@ -25,6 +25,7 @@ mod stats;
 mod team;
 #[cfg(test)]
 mod testing;
+mod window;
 
 pub use blas::gemm_library;
 pub use executor::{
@@ -36,3 +37,4 @@ pub use memory::MemoryBudget;
 pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};
 pub use team::pool;
+pub use window::{Outside, Window2d, WindowError, WindowTaps};

@@ -16,7 +16,10 @@
 //!   batched over elements of equal shape;
 //! - `structure`: zero-copy reconstruction, repeats, reshapes of static dims,
 //!   segmented scans, cdist;
-//! - `per_element`: convolution, pooling, interpolation element by element;
+//! - `window`: convolution (an implicit GEMM over gathered pixels) and pooling of
+//!   packed images `[C, H_i, W_i]`;
+//! - `per_element`: the same element by element where no packed form applies
+//!   (grouped convolutions, other layouts), interpolation;
 //! - `attention`: scaled dot-product attention over packed heads;
 //! - `compare`: `equal` and `allclose` of whole batches;
 //! - `loss`: losses on packed values.
@@ -35,6 +38,7 @@ mod per_element;
 mod reduce;
 mod sort;
 mod structure;
+mod window;
 
 pub use compare::Comparand;
 pub use einsum::einsum;

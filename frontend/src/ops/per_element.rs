@@ -1,9 +1,13 @@
-//! Convolution, pooling and interpolation for elements of different spatial size:
-//! element by element (no packed form exists), each element as a batch of one.
+//! Convolution, pooling and interpolation for elements of different spatial size: the
+//! public operators, packed where `window` has a packed form (images with ragged `H`
+//! and `W`), else element by element, each element as a batch of one; and their traces
+//! (a per-element region the compiler lowers).
 
 use nestor_ir::{Dim, ElemDim, Graph, Op, PoolKind, Type, ValueId};
+use nestor_runtime::Window2d;
 use tch::Tensor;
 
+use super::window::Pooling;
 use crate::trace::{record_with, trace_error, Arg};
 
 use crate::{NestedError, NestedTensor, Result};
@@ -59,11 +63,23 @@ impl NestedTensor {
         dilation: [i64; 2],
         groups: i64,
     ) -> Result<NestedTensor> {
-        let result = self.map_elements_eager("conv2d", true, |element| {
-            as_batch_of_one(element, |x| {
-                x.f_conv2d(weight, bias, stride, padding, dilation, groups)
-            })
-        })?;
+        let window = Window2d {
+            kernel: [
+                weight.size().get(2).copied().unwrap_or(0),
+                weight.size().get(3).copied().unwrap_or(0),
+            ],
+            stride,
+            padding,
+            dilation,
+        };
+        let result = match self.conv2d_packed(weight, bias, window, groups)? {
+            Some(packed) => packed,
+            None => self.map_elements_eager("conv2d", true, |element| {
+                as_batch_of_one(element, |x| {
+                    x.f_conv2d(weight, bias, stride, padding, dilation, groups)
+                })
+            })?,
+        };
         let mut params = vec![weight];
         params.extend(bias);
         let has_bias = bias.is_some();
@@ -91,11 +107,20 @@ impl NestedTensor {
         stride: [i64; 2],
         padding: [i64; 2],
     ) -> Result<NestedTensor> {
-        let result = self.map_elements_eager("max_pool2d", true, |element| {
-            as_batch_of_one(element, |x| {
-                x.f_max_pool2d(kernel, stride, padding, [1, 1], false)
-            })
-        })?;
+        let window = Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation: [1, 1],
+        };
+        let result = match self.pool2d_packed(Pooling::Max, window)? {
+            Some(packed) => packed,
+            None => self.map_elements_eager("max_pool2d", true, |element| {
+                as_batch_of_one(element, |x| {
+                    x.f_max_pool2d(kernel, stride, padding, [1, 1], false)
+                })
+            })?,
+        };
         let windows = Windows::Sliding {
             kernel,
             stride,
@@ -118,11 +143,20 @@ impl NestedTensor {
         stride: [i64; 2],
         padding: [i64; 2],
     ) -> Result<NestedTensor> {
-        let result = self.map_elements_eager("avg_pool2d", true, |element| {
-            as_batch_of_one(element, |x| {
-                x.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)
-            })
-        })?;
+        let window = Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation: [1, 1],
+        };
+        let result = match self.pool2d_packed(Pooling::Average, window)? {
+            Some(packed) => packed,
+            None => self.map_elements_eager("avg_pool2d", true, |element| {
+                as_batch_of_one(element, |x| {
+                    x.f_avg_pool2d(kernel, stride, padding, false, false, None::<i64>)
+                })
+            })?,
+        };
         let windows = Windows::Sliding {
             kernel,
             stride,
@@ -150,9 +184,16 @@ impl NestedTensor {
     /// Adaptive average pooling of elements `[C, H_i, W_i]` to `[C, *output]`; every
     /// element then has the same shape, so the result has no ragged dim.
     pub fn adaptive_avg_pool2d(&self, output: [i64; 2]) -> Result<NestedTensor> {
-        let result = self.map_elements_eager("adaptive_avg_pool2d", false, |element| {
-            as_batch_of_one(element, |x| x.f_adaptive_avg_pool2d(output))
-        })?;
+        let packed = match output {
+            [1, 1] => self.image_means()?,
+            _ => None,
+        };
+        let result = match packed {
+            Some(packed) => packed,
+            None => self.map_elements_eager("adaptive_avg_pool2d", false, |element| {
+                as_batch_of_one(element, |x| x.f_adaptive_avg_pool2d(output))
+            })?,
+        };
         self.record_per_element(
             result,
             "adaptive_avg_pool2d",

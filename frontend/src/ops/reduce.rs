@@ -416,6 +416,20 @@ impl NestedTensor {
         Ok(self.wrap_reduced(values, plan.out_layout))
     }
 
+    /// `op` over element dims `dims`, kept as size 1, as a NestedTensor even when no
+    /// ragged dim is left (global pooling keeps images as `[C, 1, 1]` elements).
+    pub(crate) fn reduce_keeping_layout(&self, op: Reduce, dims: &[usize]) -> Result<NestedTensor> {
+        let plan = Plan::new(self.lay(), dims, true, self.device())?;
+        let values = plan
+            .run(op, self.packed())?
+            .f_reshape(plan.out_layout.packed_shape())?;
+        Ok(NestedTensor::from_parts(
+            values,
+            plan.out_layout,
+            self.options(),
+        ))
+    }
+
     /// A result in `layout`: nested while ragged dims remain, else the dense `[B, ...]`.
     pub(crate) fn wrap_reduced(&self, values: Tensor, layout: RaggedLayout) -> Reduced {
         if layout.ragged_dims().is_empty() {

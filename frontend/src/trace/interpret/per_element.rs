@@ -65,6 +65,9 @@ impl Interpreter<'_> {
         ty: &Type,
     ) -> Result<Value> {
         let batch = self.nested(inputs[0])?;
+        if let Some(nested) = self.whole_batch(&batch, inputs, body)? {
+            return self.checked(value, ty, nested);
+        }
         let ragged: Vec<usize> = match ty {
             Type::Ragged { dims, .. } => dims
                 .iter()
@@ -89,6 +92,11 @@ impl Interpreter<'_> {
         let nested = NestedTensor::builder()
             .ragged_dims(&ragged)
             .tensors(&outputs)?;
+        self.checked(value, ty, nested)
+    }
+
+    /// `nested` as `value`, once it is checked against its type `ty`.
+    fn checked(&self, value: ValueId, ty: &Type, nested: NestedTensor) -> Result<Value> {
         let mut checker = Interpreter {
             graph: self.graph,
             values: self.values.iter().map(Value::share).collect(),
@@ -100,5 +108,78 @@ impl Interpreter<'_> {
             &Value::Nested(nested.shallow_clone()),
         )?;
         Ok(Value::Nested(nested))
+    }
+}
+
+impl Interpreter<'_> {
+    /// A region whose body is one convolution or pooling of its element runs as the
+    /// batch's operator (packed where the batch is packed images), as eager code did;
+    /// `None` for other bodies.
+    fn whole_batch(
+        &self,
+        batch: &NestedTensor,
+        inputs: &[ValueId],
+        body: &Graph,
+    ) -> Result<Option<NestedTensor>> {
+        let [output] = body.outputs[..] else {
+            return Ok(None);
+        };
+        let body_inputs = body.inputs();
+        // The region input a body value is (the element is input 0).
+        let input = |id: ValueId| body_inputs.iter().position(|&input| input == id);
+        let param = |id: ValueId| -> Result<Option<&Tensor>> {
+            match input(id) {
+                Some(position) if position > 0 => Ok(Some(self.dense(inputs[position])?)),
+                _ => Ok(None),
+            }
+        };
+        let pair = |values: &[i64]| <[i64; 2]>::try_from(values).ok();
+        Ok(match body.op(output) {
+            Op::Conv2d {
+                x,
+                weight,
+                bias,
+                stride,
+                padding,
+                dilation,
+                groups,
+            } if input(*x) == Some(0) => {
+                let (Some(weight), Some(stride), Some(padding), Some(dilation)) =
+                    (param(*weight)?, pair(stride), pair(padding), pair(dilation))
+                else {
+                    return Ok(None);
+                };
+                let bias = match bias {
+                    Some(bias) => match param(*bias)? {
+                        Some(bias) => Some(bias),
+                        None => return Ok(None),
+                    },
+                    None => None,
+                };
+                Some(batch.conv2d(weight, bias, stride, padding, dilation, *groups)?)
+            }
+            Op::Pool2d {
+                kind,
+                x,
+                kernel,
+                stride,
+                padding,
+            } if input(*x) == Some(0) => {
+                let (Some(kernel), Some(stride), Some(padding)) =
+                    (pair(kernel), pair(stride), pair(padding))
+                else {
+                    return Ok(None);
+                };
+                Some(match kind {
+                    PoolKind::Max => batch.max_pool2d(kernel, stride, padding)?,
+                    PoolKind::Avg => batch.avg_pool2d(kernel, stride, padding)?,
+                })
+            }
+            Op::AdaptiveAvgPool2d { x, output } if input(*x) == Some(0) => match pair(output) {
+                Some(output) => Some(batch.adaptive_avg_pool2d(output)?),
+                None => None,
+            },
+            _ => None,
+        })
     }
 }

@@ -1,0 +1,245 @@
+//! Convolution and pooling of packed images `[C, H_i, W_i]` (ragged `H` and `W`: one
+//! row of `C` scalars per pixel): a convolution is one implicit GEMM over the gathered
+//! pixels of all images (each image's borders read padding zeros), pooling a reduction
+//! over them, and global average pooling a segmented mean. No padding to the largest
+//! image, no loop over images; autograd flows through the gather and the GEMM.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use nestor_runtime::{Outside, RaggedLayout, Window2d};
+use tch::{Device, Kind, Tensor};
+
+use super::reduce::Reduce;
+use crate::{NestedError, NestedTensor, Result};
+
+/// How many gather tables a thread keeps (a model's layers share a few geometries).
+const CACHED_TABLES: usize = 8;
+
+/// What a gather table is built for.
+#[derive(Clone, PartialEq, Eq)]
+struct TableKey {
+    heights: Vec<i64>,
+    widths: Vec<i64>,
+    window: Window2d,
+    outside: Outside,
+    device: Device,
+}
+
+/// The gather table of one batch's window: input rows (an outside tap reads row
+/// `N`, one past the last pixel, or the window's first inside tap for max pooling).
+struct Table {
+    rows: Tensor,
+    output_sizes: Vec<(i64, i64)>,
+    taps: i64,
+    /// Taps inside the image per output pixel (average pooling's divisors).
+    inside: Vec<f64>,
+}
+
+thread_local! {
+    static TABLES: RefCell<Vec<(TableKey, Rc<Table>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A per-element pooling kind.
+#[derive(Clone, Copy)]
+pub(crate) enum Pooling {
+    Max,
+    Average,
+}
+
+impl NestedTensor {
+    /// Heights and widths of a batch of packed images: elements `[C, H_i, W_i]` whose
+    /// ragged dims are exactly `H` and `W` (rows are pixels). `None` otherwise.
+    pub(crate) fn packed_image_sizes(&self) -> Option<(Vec<i64>, Vec<i64>)> {
+        let layout = self.lay();
+        if layout.rank() != 3 || layout.ragged_dims() != [1, 2] || self.batch_size() == 0 {
+            return None;
+        }
+        let sizes = layout.element_sizes();
+        Some((
+            sizes.iter().map(|size| size[1]).collect(),
+            sizes.iter().map(|size| size[2]).collect(),
+        ))
+    }
+
+    /// The gather table of `window` over this batch of images (cached per thread).
+    fn window_table(
+        &self,
+        (heights, widths): (Vec<i64>, Vec<i64>),
+        window: Window2d,
+        outside: Outside,
+    ) -> Result<Rc<Table>> {
+        let key = TableKey {
+            heights,
+            widths,
+            window,
+            outside,
+            device: self.device(),
+        };
+        if let Some(table) = TABLES.with_borrow(|tables| {
+            tables
+                .iter()
+                .find(|(cached, _)| *cached == key)
+                .map(|(_, table)| table.clone())
+        }) {
+            return Ok(table);
+        }
+        let window_error = |error: nestor_runtime::WindowError| NestedError::Unsupported {
+            op: "window",
+            reason: error.to_string(),
+        };
+        let mut taps = window
+            .taps(&key.heights, &key.widths, outside)
+            .map_err(window_error)?;
+        let pixels = self.lay().total_rows();
+        let inside = taps
+            .rows
+            .chunks(taps.taps.max(1))
+            .map(|window| window.iter().filter(|&&row| row >= 0).count() as f64)
+            .collect();
+        for row in taps.rows.iter_mut().filter(|row| **row < 0) {
+            *row = pixels;
+        }
+        let table = Rc::new(Table {
+            rows: Tensor::f_from_slice(&taps.rows)?.f_to_device(key.device)?,
+            output_sizes: taps.output_sizes,
+            taps: taps.taps as i64,
+            inside,
+        });
+        TABLES.with_borrow_mut(|tables| {
+            if tables.len() == CACHED_TABLES {
+                tables.remove(0);
+            }
+            tables.push((key, table.clone()));
+        });
+        Ok(table)
+    }
+
+    /// Images of the output sizes of `table` with `channels` channels.
+    fn images_like(&self, values: Tensor, table: &Table, channels: i64) -> Result<NestedTensor> {
+        let sizes = table
+            .output_sizes
+            .iter()
+            .map(|&(height, width)| vec![channels, height, width])
+            .collect();
+        let layout = RaggedLayout::from_element_sizes(sizes, &[1, 2])?;
+        Ok(NestedTensor::from_parts(values, layout, self.options()))
+    }
+
+    /// The packed convolution (groups 1) of a batch of images, or `None` when the batch
+    /// is not packed images. `weight` is `[C_out, C_in, K_h, K_w]`.
+    pub(crate) fn conv2d_packed(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        window: Window2d,
+        groups: i64,
+    ) -> Result<Option<NestedTensor>> {
+        let Some(sizes) = self.packed_image_sizes() else {
+            return Ok(None);
+        };
+        let shape = weight.size();
+        let [out_channels, in_channels, kh, kw] = shape[..] else {
+            return Err(NestedError::ShapeMismatch {
+                what: "conv2d weight",
+                expected: "[C_out, C_in / groups, K_h, K_w]".into(),
+                got: shape,
+            });
+        };
+        let channels = self.lay().static_sizes()[0];
+        if groups != 1 || in_channels != channels || [kh, kw] != window.kernel {
+            // Grouped convolutions and mismatched shapes: libtorch's own checks and
+            // messages, element by element.
+            return Ok(None);
+        }
+        let values = self.packed();
+        if window.kernel == [1, 1] && window.stride == [1, 1] && window.padding == [0, 0] {
+            // Every tap is its own pixel: a linear layer over the rows.
+            let flat = weight.f_reshape([out_channels, in_channels])?;
+            let out = values.f_linear(&flat, bias)?;
+            let table = self.window_table(sizes, window, Outside::Marked)?;
+            return Ok(Some(self.images_like(out, &table, out_channels)?));
+        }
+        let table = self.window_table(sizes, window, Outside::Marked)?;
+        let rows = table.output_sizes.iter().map(|&(h, w)| h * w).sum::<i64>();
+        let inner = table.taps * in_channels;
+        let source = with_zero_row(values)?;
+        let columns = source
+            .f_index_select(0, &table.rows)?
+            .f_reshape([rows, inner])?;
+        // [C_out, C_in, K_h, K_w] -> [C_out, K_h, K_w, C_in]: the gathered rows' order.
+        let flat = weight
+            .f_permute([0, 2, 3, 1])?
+            .f_reshape([out_channels, inner])?
+            .f_transpose(0, 1)?;
+        let out = match bias {
+            Some(bias) => bias.f_addmm(&columns, &flat)?,
+            None => columns.f_mm(&flat)?,
+        };
+        Ok(Some(self.images_like(out, &table, out_channels)?))
+    }
+
+    /// Packed max or average pooling (padding not counted) of a batch of images, or
+    /// `None` when the batch is not packed images.
+    pub(crate) fn pool2d_packed(
+        &self,
+        kind: Pooling,
+        window: Window2d,
+    ) -> Result<Option<NestedTensor>> {
+        let Some(sizes) = self.packed_image_sizes() else {
+            return Ok(None);
+        };
+        if (0..2).any(|axis| 2 * window.padding[axis] > window.kernel[axis]) {
+            // libtorch's error, element by element.
+            return Ok(None);
+        }
+        let channels = self.lay().static_sizes()[0];
+        let values = self.packed();
+        let outside = match kind {
+            Pooling::Max => Outside::FirstInside,
+            Pooling::Average => Outside::Marked,
+        };
+        let table = self.window_table(sizes, window, outside)?;
+        let rows = table.output_sizes.iter().map(|&(h, w)| h * w).sum::<i64>();
+        let out = match kind {
+            // Every window has a tap inside its image (padding is at most half the
+            // window), so the table never reads past the pixels.
+            Pooling::Max => {
+                values
+                    .f_index_select(0, &table.rows)?
+                    .f_reshape([rows, table.taps, channels])?
+                    .f_max_dim(1, false)?
+                    .0
+            }
+            Pooling::Average => {
+                let source = with_zero_row(values)?;
+                let inside = Tensor::f_from_slice(&table.inside)?
+                    .f_to_kind(values.kind())?
+                    .f_to_device(self.device())?
+                    .f_reshape([rows, 1])?;
+                source
+                    .f_index_select(0, &table.rows)?
+                    .f_reshape([rows, table.taps, channels])?
+                    .f_sum_dim_intlist(&[1i64][..], false, None::<Kind>)?
+                    .f_div(&inside)?
+            }
+        };
+        Ok(Some(self.images_like(out, &table, channels)?))
+    }
+
+    /// Global average pooling (`adaptive_avg_pool2d` to `[1, 1]`) of packed images:
+    /// each image's mean pixel, elements `[C, 1, 1]`; `None` when the batch is not
+    /// packed images.
+    pub(crate) fn image_means(&self) -> Result<Option<NestedTensor>> {
+        if self.packed_image_sizes().is_none() {
+            return Ok(None);
+        }
+        self.reduce_keeping_layout(Reduce::Mean, &[1, 2]).map(Some)
+    }
+}
+
+/// The pixels `[N, C]` and one zero row after them, which the taps outside their image
+/// read.
+fn with_zero_row(values: &Tensor) -> Result<Tensor> {
+    Ok(values.f_constant_pad_nd([0, 0, 0, 1])?)
+}

@@ -1,0 +1,308 @@
+//! Packed convolution and pooling of images `[C, H_i, W_i]` (ragged `H` and `W`)
+//! against libtorch on every image alone: values and gradients, every float kind,
+//! random sizes (1 included), strides, paddings and dilations, batch size 1.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{cases, close, float_kinds, Random};
+use nestor::{nested_execution_guard, NestedTensor};
+use proptest::prelude::*;
+use tch::{Kind, Tensor};
+
+/// A window's geometry per axis: kernel, stride, padding, dilation.
+#[derive(Clone, Debug)]
+struct Geometry {
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+}
+
+fn geometry(max_dilation: i64) -> impl Strategy<Value = Geometry> {
+    let axis = (1i64..=3, 1i64..=2, 1i64..=max_dilation).prop_flat_map(|(k, s, d)| {
+        // Pooling takes padding up to half the window; convolution any, this suffices.
+        (Just(k), Just(s), 0..=k / 2, Just(d))
+    });
+    (axis.clone(), axis).prop_map(|(h, w)| Geometry {
+        kernel: [h.0, w.0],
+        stride: [h.1, w.1],
+        padding: [h.2, w.2],
+        dilation: [h.3, w.3],
+    })
+}
+
+fn image_sizes() -> impl Strategy<Value = Vec<(i64, i64)>> {
+    proptest::collection::vec((1i64..=9, 1i64..=9), 1..=4)
+}
+
+/// Leaves `[C, h, w]` in f64 (for the reference and their gradients) and the packed
+/// batch of their copies in `kind`, ragged in `H` and `W` even when sizes agree.
+fn images(
+    sizes: &[(i64, i64)],
+    channels: i64,
+    kind: Kind,
+    seed: i64,
+) -> (Vec<Tensor>, Vec<Tensor>, NestedTensor) {
+    let mut random = Random::new(seed);
+    let reference: Vec<Tensor> = sizes
+        .iter()
+        .map(|&(h, w)| {
+            random
+                .normal(&[channels, h, w])
+                .to_kind(kind)
+                .to_kind(Kind::Double)
+                .set_requires_grad(true)
+        })
+        .collect();
+    let leaves: Vec<Tensor> = reference
+        .iter()
+        .map(|e| e.detach().to_kind(kind).set_requires_grad(true))
+        .collect();
+    let nested = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&leaves)
+        .unwrap();
+    (reference, leaves, nested)
+}
+
+/// Runs `packed` on the batch and `alone` on each image (in f64), then the gradients
+/// of a random weighting of the outputs; compares outputs and the gradients of the
+/// images and of `params` (pairs of the packed run's and the reference's leaves).
+fn check(
+    sizes: &[(i64, i64)],
+    channels: i64,
+    kind: Kind,
+    packed: &dyn Fn(&NestedTensor) -> NestedTensor,
+    alone: &dyn Fn(&Tensor) -> Tensor,
+    params: &[(&Tensor, &Tensor)],
+) {
+    let (reference, leaves, nested) = images(sizes, channels, kind, 7);
+    // Packed: no per-element slow path.
+    let out = nested_execution_guard(|| packed(&nested));
+    let expected: Vec<Tensor> = reference
+        .iter()
+        .map(|e| alone(&e.unsqueeze(0)).squeeze_dim(0))
+        .collect();
+    let actual = out.unbind().unwrap();
+    assert_eq!(actual.len(), expected.len());
+    let mut random = Random::new(11);
+    let mut loss = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));
+    let mut reference_loss = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));
+    for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
+        assert!(
+            close(a, e, kind),
+            "{kind:?} output of image {index} {:?}",
+            sizes[index]
+        );
+        let weights = random.normal(&e.size());
+        loss += (a.to_kind(Kind::Double) * &weights).sum(Kind::Double);
+        reference_loss += (e * &weights).sum(Kind::Double);
+    }
+    loss.backward();
+    reference_loss.backward();
+    let gradient_kind = if matches!(kind, Kind::Half | Kind::BFloat16) {
+        Kind::BFloat16
+    } else {
+        kind
+    };
+    for (index, (leaf, reference)) in leaves.iter().zip(&reference).enumerate() {
+        assert!(
+            close(&leaf.grad(), &reference.grad(), gradient_kind),
+            "{kind:?} gradient of image {index}"
+        );
+    }
+    for (index, (param, reference)) in params.iter().enumerate() {
+        assert!(
+            close(&param.grad(), &reference.grad(), gradient_kind),
+            "{kind:?} gradient of parameter {index}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(24)))]
+
+    #[test]
+    fn packed_conv2d_matches_each_image(
+        sizes in image_sizes(),
+        geometry in geometry(2),
+        (c_in, c_out) in (1i64..=3, 1i64..=4),
+        with_bias in any::<bool>(),
+        kind in float_kinds(),
+        seed in 0i64..1000,
+    ) {
+        let Geometry { kernel, stride, padding, dilation } = geometry;
+        // Every image covers the window (libtorch refuses an empty output).
+        let reach = |axis: usize| dilation[axis] * (kernel[axis] - 1) + 1 - 2 * padding[axis];
+        let sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(reach(0)), w.max(reach(1)))).collect();
+        let mut random = Random::new(seed);
+        let weight_ref = random.normal(&[c_out, c_in, kernel[0], kernel[1]]).to_kind(kind).to_kind(Kind::Double).set_requires_grad(true);
+        let bias_ref = random.normal(&[c_out]).to_kind(kind).to_kind(Kind::Double).set_requires_grad(true);
+        let weight = weight_ref.detach().to_kind(kind).set_requires_grad(true);
+        let bias = bias_ref.detach().to_kind(kind).set_requires_grad(true);
+        let mut params = vec![(&weight, &weight_ref)];
+        if with_bias {
+            params.push((&bias, &bias_ref));
+        }
+        check(
+            &sizes,
+            c_in,
+            kind,
+            &|x| x.conv2d(&weight, with_bias.then_some(&bias), stride, padding, dilation, 1).unwrap(),
+            &|x| x.conv2d(&weight_ref, with_bias.then_some(&bias_ref), stride, padding, dilation, 1),
+            &params,
+        );
+    }
+
+    #[test]
+    fn packed_pooling_matches_each_image(
+        sizes in image_sizes(),
+        geometry in geometry(1),
+        channels in 1i64..=3,
+        kind in float_kinds(),
+    ) {
+        let Geometry { kernel, stride, padding, .. } = geometry;
+        let reach = |axis: usize| kernel[axis] - 2 * padding[axis];
+        let sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(reach(0)), w.max(reach(1)))).collect();
+        check(
+            &sizes,
+            channels,
+            kind,
+            &|x| x.max_pool2d(kernel, stride, padding).unwrap(),
+            &|x| x.max_pool2d(kernel, stride, padding, [1, 1], false),
+            &[],
+        );
+        check(
+            &sizes,
+            channels,
+            kind,
+            &|x| x.avg_pool2d(kernel, stride, padding).unwrap(),
+            &|x| x.avg_pool2d(kernel, stride, padding, false, false, None::<i64>),
+            &[],
+        );
+        check(
+            &sizes,
+            channels,
+            kind,
+            &|x| x.adaptive_avg_pool2d([1, 1]).unwrap(),
+            &|x| x.adaptive_avg_pool2d([1, 1]),
+            &[],
+        );
+    }
+}
+
+#[test]
+fn max_pooling_ties_and_nan_pick_the_pixel_libtorch_picks() {
+    // Ties (all ones), NaN and -inf, with padding: the gradient goes where libtorch's goes.
+    let image = Tensor::from_slice(&[
+        1.0f32,
+        1.0,
+        f32::NAN,
+        1.0,
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+    ])
+    .reshape([1, 3, 4]);
+    let other = Tensor::full(
+        [1, 2, 2],
+        f64::NEG_INFINITY,
+        (Kind::Float, tch::Device::Cpu),
+    );
+    for (kernel, stride, padding) in [
+        ([2, 2], [1, 1], [1, 1]),
+        ([3, 3], [2, 2], [1, 1]),
+        ([2, 3], [1, 2], [0, 1]),
+    ] {
+        let leaves = [
+            image.copy().set_requires_grad(true),
+            other.copy().set_requires_grad(true),
+        ];
+        let nested = NestedTensor::builder()
+            .ragged_dims(&[1, 2])
+            .tensors(&leaves)
+            .unwrap();
+        let out = nested.max_pool2d(kernel, stride, padding).unwrap();
+        out.values().sum(Kind::Float).backward();
+        for (leaf, pooled) in leaves.iter().zip(out.unbind().unwrap()) {
+            let reference = leaf.detach().set_requires_grad(true);
+            let expected = reference
+                .unsqueeze(0)
+                .max_pool2d(kernel, stride, padding, [1, 1], false)
+                .squeeze_dim(0);
+            assert!(
+                pooled.allclose(&expected, 0.0, 0.0, true),
+                "{pooled:?} vs {expected:?}"
+            );
+            expected.sum(Kind::Float).backward();
+            assert!(
+                leaf.grad().equal(&reference.grad()),
+                "{kernel:?} {stride:?} {padding:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn empty_outputs_grouped_convolutions_and_other_layouts() {
+    let weight = Tensor::randn([4, 2, 3, 3], (Kind::Float, tch::Device::Cpu));
+    // A 1 x 5 image under a 3 x 3 window without padding has no output pixel.
+    let sizes = [(1, 5), (4, 6)];
+    let elements: Vec<Tensor> = sizes
+        .iter()
+        .map(|&(h, w)| Tensor::randn([2, h, w], (Kind::Float, tch::Device::Cpu)))
+        .collect();
+    let nested = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&elements)
+        .unwrap();
+    let out = nested
+        .conv2d(&weight, None, [1, 1], [0, 0], [1, 1], 1)
+        .unwrap();
+    assert_eq!(out.layout().element_sizes(), [vec![4, 0, 3], vec![4, 2, 4]]);
+    // Grouped convolutions and images ragged in one dim only run per element.
+    let grouped = Tensor::randn([4, 1, 3, 3], (Kind::Float, tch::Device::Cpu));
+    let per_element = nested
+        .conv2d(&grouped, None, [1, 1], [1, 1], [1, 1], 2)
+        .unwrap();
+    let expected: Vec<Tensor> = elements
+        .iter()
+        .map(|e| {
+            e.unsqueeze(0)
+                .conv2d(&grouped, None::<Tensor>, [1, 1], [1, 1], [1, 1], 2)
+                .squeeze_dim(0)
+        })
+        .collect();
+    common::assert_elements(&per_element, &expected, Kind::Float);
+    let rows: Vec<Tensor> = [3, 5]
+        .iter()
+        .map(|&w| Tensor::randn([2, 4, w], (Kind::Float, tch::Device::Cpu)))
+        .collect();
+    let one_ragged = NestedTensor::from_tensors(&rows).unwrap();
+    assert_eq!(one_ragged.layout().ragged_dims(), [2]);
+    let out = one_ragged
+        .conv2d(&weight, None, [1, 1], [1, 1], [1, 1], 1)
+        .unwrap();
+    let expected: Vec<Tensor> = rows
+        .iter()
+        .map(|e| {
+            e.unsqueeze(0)
+                .conv2d(&weight, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1)
+                .squeeze_dim(0)
+        })
+        .collect();
+    common::assert_elements(&out, &expected, Kind::Float);
+    // A weight of the wrong shape is an error, not a panic.
+    let flat = Tensor::randn([4, 2], (Kind::Float, tch::Device::Cpu));
+    assert!(nested
+        .conv2d(&flat, None, [1, 1], [1, 1], [1, 1], 1)
+        .is_err());
+}

@@ -7,8 +7,8 @@
 
 mod common;
 
-use common::{cases, close, float_kinds, Random};
-use nestor::{nested_execution_guard, NestedTensor};
+use common::{assert_close_within, cases, close, eager_values, float_kinds, Out, Random};
+use nestor::{compile, nested_execution_guard, Dense, NestedTensor};
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 
@@ -305,4 +305,58 @@ fn empty_outputs_grouped_convolutions_and_other_layouts() {
     assert!(nested
         .conv2d(&flat, None, [1, 1], [1, 1], [1, 1], 1)
         .is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(12)))]
+
+    /// Compiled without any per-element fallback: convolution, pooling and global
+    /// average pooling are window steps, one program for every batch.
+    #[test]
+    fn compiled_windows_equal_eager(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        conv in geometry(2),
+        pool in geometry(1),
+        (c_in, c_out) in (1i64..=3, 1i64..=4),
+        average in any::<bool>(),
+        kind in float_kinds(),
+        seed in 0i64..1000,
+    ) {
+        let mut random = Random::new(seed);
+        let weight = random.normal(&[c_out, c_in, conv.kernel[0], conv.kernel[1]]).to_kind(kind);
+        let bias = random.normal(&[c_out]).to_kind(kind);
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let features = x[0]
+                .conv2d(&weight, Some(&bias), conv.stride, conv.padding, conv.dilation, 1)?
+                .relu()?;
+            let pooled = if average {
+                features.avg_pool2d(pool.kernel, pool.stride, pool.padding)?
+            } else {
+                features.max_pool2d(pool.kernel, pool.stride, pool.padding)?
+            };
+            Ok(vec![
+                features.shallow_clone().into(),
+                pooled.into(),
+                x[0].adaptive_avg_pool2d([1, 1])?.into(),
+            ])
+        };
+        let compiled = compile("windows", model);
+        // Every image covers both windows (libtorch refuses an empty output).
+        let reach = |axis: usize| {
+            let conv_reach = conv.dilation[axis] * (conv.kernel[axis] - 1) + 1 - 2 * conv.padding[axis];
+            let out = conv_reach.max(pool.kernel[axis] - 2 * pool.padding[axis]);
+            // The convolution's output must still cover the pooling window.
+            (out - 1) * conv.stride[axis] + conv_reach
+        };
+        for (index, sizes) in batches.iter().enumerate() {
+            let sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(reach(0)), w.max(reach(1)))).collect();
+            let (_, leaves, batch) = images(&sizes, c_in, kind, index as i64);
+            let batch = batch.detach().unwrap();
+            drop(leaves);
+            let outputs = compiled.call(&[&batch], &[]).unwrap();
+            let eager = eager_values(model(std::slice::from_ref(&batch), &[]).unwrap());
+            assert_close_within(&outputs, &eager, common::tolerance(kind).max(1e-5), &format!("{kind:?} windows {sizes:?}"));
+        }
+        prop_assert_eq!(compiled.stats().compiles, 1);
+    }
 }

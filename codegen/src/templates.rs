@@ -130,6 +130,7 @@ pub(crate) fn generate<'ctx>(
         )?,
         Step::Gemm { .. }
         | Step::PairGemm { .. }
+        | Step::Window { .. }
         | Step::Host { .. }
         | Step::RandomMask { .. }
         | Step::AttentionGrad { .. } => {

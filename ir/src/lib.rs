@@ -41,7 +41,7 @@ pub use dot::to_dot;
 pub use dtype::DType;
 pub use fused::FusedExpr;
 pub use graph::{Graph, Node, ValueId, VerifyError};
-pub use infer::{fused_type, window_output_size, with_inserted_dims};
+pub use infer::{fused_type, window_output_size, with_inserted_dims, Window2d};
 pub use op::{Attr, BinaryOp, LossReduction, Op, OpFamily, PoolKind, ReduceOp, UnaryOp, F64};
 pub use text::{parse, print, ParseError};
 pub use types::{Dim, ElemDim, Type};

@@ -35,5 +35,5 @@ pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};
 pub use program::{
     Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
-    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, Step,
+    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, Step, WindowKind,
 };

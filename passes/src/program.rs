@@ -2,7 +2,7 @@
 //! [`Slot`] of `rows x width` scalars, where `rows` is computed from lengths at run
 //! time, so one program serves every batch of its structure.
 
-use nestor_ir::{BinaryOp, DType, UnaryOp};
+use nestor_ir::{BinaryOp, DType, UnaryOp, Window2d};
 
 /// A buffer of a program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -244,6 +244,20 @@ pub enum SegmentKind {
     LogSoftmax,
 }
 
+/// What a [`Step::Window`] computes over each output pixel's window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WindowKind {
+    /// Convolution (groups 1): the window's pixels times the weight, plus the bias.
+    Conv,
+    /// The largest of the window's pixels inside the image (NaN wins, as in torch).
+    Max,
+    /// The mean of the window's pixels inside the image (padding not counted).
+    Average,
+    /// The mean of every pixel of each image (global average pooling; NaN for an
+    /// empty image).
+    ImageMean,
+}
+
 /// Lengths computed from other lengths before a run sizes its buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LengthsOp {
@@ -391,6 +405,33 @@ pub enum Step {
         width: i64,
         /// `p @ v` rather than `q @ k^T`.
         mix: bool,
+    },
+    /// A sliding window over packed images `[C, H_i, W_i]` (rows are pixels), on the
+    /// host: convolution as an implicit GEMM (each chunk of output pixels gathers its
+    /// windows' pixels, taps outside the image reading zeros, then one GEMM with the
+    /// weight), max or average pooling over the windows, or each image's mean.
+    Window {
+        /// What is computed over each window.
+        kind: WindowKind,
+        /// Output pixels `[sum H_out W_out, width]` (one row per image for
+        /// [`WindowKind::ImageMean`]).
+        out: Slot,
+        /// Input pixels `[sum H W, channels]`.
+        x: Slot,
+        /// `[width, channels, K_h, K_w]` (convolution).
+        weight: Option<Slot>,
+        /// `[width]` (convolution).
+        bias: Option<Slot>,
+        /// The images' heights.
+        heights: Slot,
+        /// The images' widths.
+        widths: Slot,
+        /// Input channels.
+        channels: i64,
+        /// Output channels.
+        width: i64,
+        /// The window's geometry.
+        window: Window2d,
     },
     /// A graph the host runs (through libtorch) inside the program: an explicit
     /// per-element region. `inputs` are the slots of the host graph's inputs, in order
@@ -596,6 +637,9 @@ impl Step {
             Step::Segment { x, .. } => x.inputs.iter().map(|access| access.slot).collect(),
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
             Step::PairGemm { a, b, .. } => vec![*a, *b],
+            Step::Window {
+                x, weight, bias, ..
+            } => [Some(*x), *weight, *bias].into_iter().flatten().collect(),
             Step::Gather { table, ids, .. } => vec![*table, *ids],
             Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
             Step::LengthValues { .. } => Vec::new(),
@@ -634,6 +678,7 @@ impl Step {
             | Step::Segment { out, .. }
             | Step::Attention { out, .. }
             | Step::PairGemm { out, .. }
+            | Step::Window { out, .. }
             | Step::Host { out, .. }
             | Step::Pad { out, .. }
             | Step::Unpad { out, .. }

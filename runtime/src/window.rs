@@ -4,26 +4,13 @@
 //! a convolution is a GEMM over gathered rows (an implicit GEMM) and pooling a
 //! reduction over them. Eager operators and the compiled window step share this table.
 
-use nestor_ir::window_output_size;
+use nestor_ir::Window2d;
 use thiserror::Error;
 
 /// The largest kernel, stride, padding or dilation a window takes.
 const MAX_GEOMETRY: i64 = 1 << 24;
 /// The largest image side: with [`MAX_GEOMETRY`], no coordinate overflows an `i64`.
 const MAX_SIDE: i64 = 1 << 40;
-
-/// The geometry of a 2-d sliding window (convolution or pooling), per spatial axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Window2d {
-    /// Window size.
-    pub kernel: [i64; 2],
-    /// Step.
-    pub stride: [i64; 2],
-    /// Zero padding on each side.
-    pub padding: [i64; 2],
-    /// Spacing of the window's taps.
-    pub dilation: [i64; 2],
-}
 
 /// Why a window cannot slide over a batch of images.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -84,132 +71,120 @@ pub struct WindowTaps {
     pub taps: usize,
 }
 
-impl Window2d {
-    /// Checks the geometry.
-    pub fn check(&self) -> Result<(), WindowError> {
-        for axis in 0..2 {
-            let (kernel, stride, padding, dilation) = (
-                self.kernel[axis],
-                self.stride[axis],
-                self.padding[axis],
-                self.dilation[axis],
-            );
-            let bounded = |value: i64| value <= MAX_GEOMETRY;
-            if kernel < 1
-                || stride < 1
-                || padding < 0
-                || dilation < 1
-                || ![kernel, stride, padding, dilation].into_iter().all(bounded)
-            {
-                return Err(WindowError::Geometry {
-                    axis,
-                    kernel,
-                    stride,
-                    padding,
-                    dilation,
-                });
-            }
+/// Checks a window's geometry.
+pub fn check_window(window: &Window2d) -> Result<(), WindowError> {
+    for axis in 0..2 {
+        let (kernel, stride, padding, dilation) = (
+            window.kernel[axis],
+            window.stride[axis],
+            window.padding[axis],
+            window.dilation[axis],
+        );
+        let bounded = |value: i64| value <= MAX_GEOMETRY;
+        if kernel < 1
+            || stride < 1
+            || padding < 0
+            || dilation < 1
+            || ![kernel, stride, padding, dilation].into_iter().all(bounded)
+        {
+            return Err(WindowError::Geometry {
+                axis,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            });
         }
-        Ok(())
     }
+    Ok(())
+}
 
-    /// The output size of an image `(height, width)`.
-    pub fn output_size(&self, (height, width): (i64, i64)) -> (i64, i64) {
-        let axis = |size: i64, axis: usize| {
-            window_output_size(
-                size,
-                self.kernel[axis],
-                self.stride[axis],
-                self.padding[axis],
-                self.dilation[axis],
-            )
-        };
-        (axis(height, 0), axis(width, 1))
-    }
-
-    /// The taps of every output pixel of images of these heights and widths. Every
-    /// size and count is checked (they come from users); the table is reserved
-    /// fallibly.
-    pub fn taps(
-        &self,
-        heights: &[i64],
-        widths: &[i64],
-        outside: Outside,
-    ) -> Result<WindowTaps, WindowError> {
-        self.check()?;
-        let taps = self.kernel[0]
-            .checked_mul(self.kernel[1])
-            .ok_or(WindowError::TooLarge {
-                rows: 0,
-                taps: i64::MAX,
-            })?;
-        let mut output_sizes = Vec::with_capacity(heights.len());
-        let mut rows = 0i64;
-        for image in 0..heights.len().max(widths.len()) {
-            let (height, width) = (
-                heights.get(image).copied().unwrap_or(-1),
-                widths.get(image).copied().unwrap_or(-1),
-            );
-            if !(0..=MAX_SIDE).contains(&height) || !(0..=MAX_SIDE).contains(&width) {
-                return Err(WindowError::BadImage {
-                    image,
-                    height,
-                    width,
-                });
-            }
-            height
-                .checked_mul(width)
-                .ok_or(WindowError::TooLarge { rows, taps })?;
-            let (out_h, out_w) = self.output_size((height, width));
-            rows = out_h
-                .checked_mul(out_w)
-                .and_then(|pixels| rows.checked_add(pixels))
-                .ok_or(WindowError::TooLarge { rows, taps })?;
-            output_sizes.push((out_h, out_w));
+/// The taps of every output pixel of images of these heights and widths under
+/// `window`. Every size and count is checked (they come from users); the table is
+/// reserved fallibly.
+pub fn window_taps(
+    window: &Window2d,
+    heights: &[i64],
+    widths: &[i64],
+    outside: Outside,
+) -> Result<WindowTaps, WindowError> {
+    check_window(window)?;
+    let taps = window.kernel[0]
+        .checked_mul(window.kernel[1])
+        .ok_or(WindowError::TooLarge {
+            rows: 0,
+            taps: i64::MAX,
+        })?;
+    let mut output_sizes = Vec::with_capacity(heights.len());
+    let mut rows = 0i64;
+    for image in 0..heights.len().max(widths.len()) {
+        let (height, width) = (
+            heights.get(image).copied().unwrap_or(-1),
+            widths.get(image).copied().unwrap_or(-1),
+        );
+        if !(0..=MAX_SIDE).contains(&height) || !(0..=MAX_SIDE).contains(&width) {
+            return Err(WindowError::BadImage {
+                image,
+                height,
+                width,
+            });
         }
-        let too_large = WindowError::TooLarge { rows, taps };
-        let count = rows
-            .checked_mul(taps)
-            .and_then(|count| usize::try_from(count).ok())
+        height
+            .checked_mul(width)
             .ok_or(WindowError::TooLarge { rows, taps })?;
-        let mut table = Vec::new();
-        table.try_reserve_exact(count).map_err(|_| too_large)?;
-        let mut first_pixel = 0i64;
-        let mut window = Vec::with_capacity(taps as usize);
-        for (image, &(out_h, out_w)) in output_sizes.iter().enumerate() {
-            let (height, width) = (heights[image], widths[image]);
-            for oy in 0..out_h {
-                for ox in 0..out_w {
-                    window.clear();
-                    for ky in 0..self.kernel[0] {
-                        let y = oy * self.stride[0] - self.padding[0] + ky * self.dilation[0];
-                        for kx in 0..self.kernel[1] {
-                            let x = ox * self.stride[1] - self.padding[1] + kx * self.dilation[1];
-                            let inside = (0..height).contains(&y) && (0..width).contains(&x);
-                            window.push(if inside {
-                                first_pixel + y * width + x
-                            } else {
-                                -1
-                            });
-                        }
-                    }
-                    if outside == Outside::FirstInside {
-                        let first = window.iter().copied().find(|&row| row >= 0).unwrap_or(-1);
-                        for row in window.iter_mut().filter(|row| **row < 0) {
-                            *row = first;
-                        }
-                    }
-                    table.extend_from_slice(&window);
-                }
-            }
-            first_pixel += height * width;
-        }
-        Ok(WindowTaps {
-            output_sizes,
-            rows: table,
-            taps: taps as usize,
-        })
+        let (out_h, out_w) = window.output_size((height, width));
+        rows = out_h
+            .checked_mul(out_w)
+            .and_then(|pixels| rows.checked_add(pixels))
+            .ok_or(WindowError::TooLarge { rows, taps })?;
+        output_sizes.push((out_h, out_w));
     }
+    let too_large = WindowError::TooLarge { rows, taps };
+    let count = rows
+        .checked_mul(taps)
+        .and_then(|count| usize::try_from(count).ok())
+        .ok_or(WindowError::TooLarge { rows, taps })?;
+    let mut table = Vec::new();
+    table.try_reserve_exact(count).map_err(|_| too_large)?;
+    let mut first_pixel = 0i64;
+    let mut taps_of_pixel = Vec::with_capacity(taps as usize);
+    for (image, &(out_h, out_w)) in output_sizes.iter().enumerate() {
+        let (height, width) = (heights[image], widths[image]);
+        for oy in 0..out_h {
+            for ox in 0..out_w {
+                taps_of_pixel.clear();
+                for ky in 0..window.kernel[0] {
+                    let y = oy * window.stride[0] - window.padding[0] + ky * window.dilation[0];
+                    for kx in 0..window.kernel[1] {
+                        let x = ox * window.stride[1] - window.padding[1] + kx * window.dilation[1];
+                        let inside = (0..height).contains(&y) && (0..width).contains(&x);
+                        taps_of_pixel.push(if inside {
+                            first_pixel + y * width + x
+                        } else {
+                            -1
+                        });
+                    }
+                }
+                if outside == Outside::FirstInside {
+                    let first = taps_of_pixel
+                        .iter()
+                        .copied()
+                        .find(|&row| row >= 0)
+                        .unwrap_or(-1);
+                    for row in taps_of_pixel.iter_mut().filter(|row| **row < 0) {
+                        *row = first;
+                    }
+                }
+                table.extend_from_slice(&taps_of_pixel);
+            }
+        }
+        first_pixel += height * width;
+    }
+    Ok(WindowTaps {
+        output_sizes,
+        rows: table,
+        taps: taps as usize,
+    })
 }
 
 #[cfg(test)]
@@ -228,7 +203,7 @@ mod tests {
     #[test]
     fn taps_of_a_same_convolution_mark_the_border() {
         // Two images, 2x2 and 1x3: pixels 0..4 and 4..7.
-        let taps = same3x3().taps(&[2, 1], &[2, 3], Outside::Marked).unwrap();
+        let taps = window_taps(&same3x3(), &[2, 1], &[2, 3], Outside::Marked).unwrap();
         assert_eq!(taps.output_sizes, [(2, 2), (1, 3)]);
         assert_eq!(taps.taps, 9);
         assert_eq!(taps.rows.len(), 7 * 9);
@@ -240,7 +215,7 @@ mod tests {
 
     #[test]
     fn first_inside_fills_the_outside_taps() {
-        let taps = same3x3().taps(&[2], &[2], Outside::FirstInside).unwrap();
+        let taps = window_taps(&same3x3(), &[2], &[2], Outside::FirstInside).unwrap();
         assert_eq!(&taps.rows[..9], &[0, 0, 0, 0, 0, 1, 0, 2, 3]);
     }
 
@@ -252,9 +227,7 @@ mod tests {
             padding: [0, 0],
             dilation: [1, 1],
         };
-        let taps = window
-            .taps(&[5, 0, 1], &[4, 3, 1], Outside::Marked)
-            .unwrap();
+        let taps = window_taps(&window, &[5, 0, 1], &[4, 3, 1], Outside::Marked).unwrap();
         assert_eq!(taps.output_sizes, [(2, 2), (0, 1), (0, 0)]);
         assert_eq!(&taps.rows[..4], &[0, 1, 4, 5]);
         assert_eq!(&taps.rows[12..16], &[10, 11, 14, 15]);
@@ -265,23 +238,28 @@ mod tests {
         let mut window = same3x3();
         window.stride[1] = 0;
         assert!(matches!(
-            window.taps(&[2], &[2], Outside::Marked),
+            window_taps(&window, &[2], &[2], Outside::Marked),
             Err(WindowError::Geometry { axis: 1, .. })
         ));
         assert!(matches!(
-            same3x3().taps(&[2, -3], &[2, 2], Outside::Marked),
+            window_taps(&same3x3(), &[2, -3], &[2, 2], Outside::Marked),
             Err(WindowError::BadImage { image: 1, .. })
         ));
         assert!(matches!(
-            same3x3().taps(&[2], &[], Outside::Marked),
+            window_taps(&same3x3(), &[2], &[], Outside::Marked),
             Err(WindowError::BadImage { image: 0, .. })
         ));
         assert!(matches!(
-            same3x3().taps(&[i64::MAX / 2], &[4], Outside::Marked),
+            window_taps(&same3x3(), &[i64::MAX / 2], &[4], Outside::Marked),
             Err(WindowError::BadImage { .. })
         ));
         assert!(matches!(
-            same3x3().taps(&[1 << 40, 1 << 40], &[1 << 40, 1 << 40], Outside::Marked),
+            window_taps(
+                &same3x3(),
+                &[1 << 40, 1 << 40],
+                &[1 << 40, 1 << 40],
+                Outside::Marked
+            ),
             Err(WindowError::TooLarge { .. })
         ));
     }

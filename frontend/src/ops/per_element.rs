@@ -3,8 +3,7 @@
 //! and `W`), else element by element, each element as a batch of one; and their traces
 //! (a per-element region the compiler lowers).
 
-use nestor_ir::{Dim, ElemDim, Graph, Op, PoolKind, Type, ValueId};
-use nestor_runtime::Window2d;
+use nestor_ir::{Dim, ElemDim, Graph, Op, PoolKind, Type, ValueId, Window2d};
 use tch::Tensor;
 
 use super::window::Pooling;

@@ -7,7 +7,8 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use nestor_runtime::{Outside, RaggedLayout, Window2d};
+use nestor_ir::Window2d;
+use nestor_runtime::{window_taps, Outside, RaggedLayout};
 use tch::{Device, Kind, Tensor};
 
 use super::reduce::Reduce;
@@ -88,9 +89,8 @@ impl NestedTensor {
             op: "window",
             reason: error.to_string(),
         };
-        let mut taps = window
-            .taps(&key.heights, &key.widths, outside)
-            .map_err(window_error)?;
+        let mut taps =
+            window_taps(&window, &key.heights, &key.widths, outside).map_err(window_error)?;
         let pixels = self.lay().total_rows();
         let inside = taps
             .rows

@@ -11,7 +11,7 @@ mod pointwise;
 mod reduce;
 mod structure;
 
-pub use per_element::window_output_size;
+pub use per_element::{window_output_size, Window2d};
 pub use pointwise::with_inserted_dims;
 use pointwise::{broadcast, infer_fused};
 

@@ -86,6 +86,40 @@ fn window(input: &Dim, kernel: i64, stride: i64, padding: i64, dilation: i64) ->
     }
 }
 
+/// The geometry of a 2-d sliding window (convolution or pooling), per spatial axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Window2d {
+    /// Window size.
+    pub kernel: [i64; 2],
+    /// Step.
+    pub stride: [i64; 2],
+    /// Zero padding on each side.
+    pub padding: [i64; 2],
+    /// Spacing of the window's taps.
+    pub dilation: [i64; 2],
+}
+
+impl Window2d {
+    /// The output size of an image `(height, width)`.
+    pub fn output_size(&self, (height, width): (i64, i64)) -> (i64, i64) {
+        let axis = |size: i64, axis: usize| {
+            window_output_size(
+                size,
+                self.kernel[axis],
+                self.stride[axis],
+                self.padding[axis],
+                self.dilation[axis],
+            )
+        };
+        (axis(height, 0), axis(width, 1))
+    }
+
+    /// The window's taps: `kernel[0] * kernel[1]`.
+    pub fn taps(&self) -> i64 {
+        self.kernel[0].saturating_mul(self.kernel[1])
+    }
+}
+
 /// The output size of a sliding window (convolution, pooling) over `size` positions,
 /// as torch computes it (never negative).
 pub fn window_output_size(size: i64, kernel: i64, stride: i64, padding: i64, dilation: i64) -> i64 {

@@ -1,6 +1,9 @@
-//! Per-element regions: host steps that run a one-op graph through libtorch.
+//! Per-element regions: one convolution or pooling of packed images as a window step,
+//! other regions as host steps that run a one-op graph through libtorch.
 
 use super::*;
+use crate::WindowKind;
+use nestor_ir::{PoolKind, Window2d};
 
 impl Lowering<'_> {
     /// Lowers a per element op.
@@ -10,15 +13,155 @@ impl Lowering<'_> {
         op: &Op,
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
-        match op {
-            Op::PerElement { .. } if !self.options.host_per_element => Err(unsupported(
+        let Op::PerElement { inputs, body } = op else {
+            return Err(unsupported(value, op, "not lowered yet"));
+        };
+        if let Some(window) = self.window_step(value, ty, inputs, body)? {
+            return Ok(window);
+        }
+        if !self.options.host_per_element {
+            return Err(unsupported(
                 value,
                 op,
-                "per-element regions run through libtorch only when asked (Compiled::per_element_fallback)",
-            )),
-            Op::PerElement { inputs, body } => self.host_region(value, ty, inputs, body),
-            other => Err(unsupported(value, other, "not lowered yet")),
+                "per-element regions other than one convolution (groups 1) or pooling of images with ragged H and W run through libtorch only when asked (Compiled::per_element_fallback)",
+            ));
         }
+        self.host_region(value, ty, inputs, body)
+    }
+
+    /// A region whose body is one convolution (groups 1), max / average pooling or
+    /// global average pooling of images `[C, H_i, W_i]` with ragged `H` and `W`, as a
+    /// [`Step::Window`]; `None` for other regions.
+    fn window_step(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        inputs: &[ValueId],
+        body: &Graph,
+    ) -> Result<Option<Lowered>, LowerError> {
+        let ([output], Some(&images)) = (&body.outputs[..], inputs.first()) else {
+            return Ok(None);
+        };
+        let Type::Ragged { dims, .. } = self.graph.ty(images) else {
+            return Ok(None);
+        };
+        let [ElemDim::Fixed(Dim::Static(channels)), ElemDim::Ragged(heights), ElemDim::Ragged(widths)] =
+            dims[..]
+        else {
+            return Ok(None);
+        };
+        let (Lowered::Lengths(heights), Lowered::Lengths(widths)) =
+            (self.get(heights), self.get(widths))
+        else {
+            return Ok(None);
+        };
+        let body_inputs = body.inputs();
+        // The region input a body value is (the images are input 0).
+        let region_input = |id: ValueId| {
+            body_inputs
+                .iter()
+                .position(|&input| input == id)
+                .map(|position| inputs[position])
+        };
+        let pair = |values: &[i64]| <[i64; 2]>::try_from(values).ok();
+        let reads_images = |x: &ValueId| region_input(*x) == Some(images);
+        let (kind, weight, bias, window) = match body.op(*output) {
+            Op::Conv2d {
+                x,
+                weight,
+                bias,
+                stride,
+                padding,
+                dilation,
+                groups: 1,
+            } if reads_images(x) => {
+                let Some(weight) = region_input(*weight) else {
+                    return Ok(None);
+                };
+                let bias = match bias.map(region_input) {
+                    Some(None) => return Ok(None),
+                    bias => bias.flatten(),
+                };
+                let shape: Option<Vec<i64>> = match self.graph.ty(weight) {
+                    Type::Dense { shape, .. } => shape.iter().map(Dim::as_static).collect(),
+                    _ => None,
+                };
+                let Some([_, _, kh, kw]) =
+                    shape.as_deref().and_then(|s| <[i64; 4]>::try_from(s).ok())
+                else {
+                    return Ok(None);
+                };
+                let (Some(stride), Some(padding), Some(dilation)) =
+                    (pair(stride), pair(padding), pair(dilation))
+                else {
+                    return Ok(None);
+                };
+                let window = Window2d {
+                    kernel: [kh, kw],
+                    stride,
+                    padding,
+                    dilation,
+                };
+                (WindowKind::Conv, Some(weight), bias, window)
+            }
+            Op::Pool2d {
+                kind,
+                x,
+                kernel,
+                stride,
+                padding,
+            } if reads_images(x) => {
+                let (Some(kernel), Some(stride), Some(padding)) =
+                    (pair(kernel), pair(stride), pair(padding))
+                else {
+                    return Ok(None);
+                };
+                let kind = match kind {
+                    PoolKind::Max => WindowKind::Max,
+                    PoolKind::Avg => WindowKind::Average,
+                };
+                let window = Window2d {
+                    kernel,
+                    stride,
+                    padding,
+                    dilation: [1, 1],
+                };
+                (kind, None, None, window)
+            }
+            Op::AdaptiveAvgPool2d { x, output } if reads_images(x) && output[..] == [1, 1] => {
+                let whole = Window2d {
+                    kernel: [1, 1],
+                    stride: [1, 1],
+                    padding: [0, 0],
+                    dilation: [1, 1],
+                };
+                (WindowKind::ImageMean, None, None, whole)
+            }
+            _ => return Ok(None),
+        };
+        let slot =
+            |lowering: &Self, operand: ValueId| lowering.data(value, operand).map(|data| data.0);
+        let x = slot(self, images)?;
+        let weight = weight.map(|weight| slot(self, weight)).transpose()?;
+        let bias = bias.map(|bias| slot(self, bias)).transpose()?;
+        let out = self.result(value, ty)?;
+        let Lowered::Data { tail, .. } = &out else {
+            return Ok(None);
+        };
+        let width = volume(tail);
+        self.program.steps.push(Step::Window {
+            kind,
+            out: slot_of(&out),
+            x,
+            weight,
+            bias,
+            heights,
+            widths,
+            channels,
+            width,
+            window,
+        });
+        Ok(Some(out))
     }
 
     /// A host step running a one-op graph (a per-element region) through libtorch: its

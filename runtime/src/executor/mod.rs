@@ -17,6 +17,7 @@ pub use device::{CudaBuffer, CudaDevice, HostBuffer, HostDevice, KernelDevice};
 mod gemm;
 mod sizes;
 mod steps;
+mod window;
 
 use crate::scalar::Scalar;
 use crate::{MemoryBudget, Parallelism};
@@ -559,6 +560,16 @@ fn step_name(step: &Step) -> String {
         Step::Segment { kind, .. } => format!("segment {kind:?}"),
         Step::Attention { .. } => "attention".into(),
         Step::PairGemm { width, mix, .. } => format!("pair_gemm width={width} mix={mix}"),
+        Step::Window {
+            kind,
+            channels,
+            width,
+            window,
+            ..
+        } => format!(
+            "window {kind:?} {channels}->{width} kernel={:?} stride={:?}",
+            window.kernel, window.stride
+        ),
         Step::Gather { .. } => "gather".into(),
         Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
         Step::LengthValues { .. } => "length_values".into(),

@@ -2,11 +2,13 @@
 //! element and row owners, and the number of rows of every slot computed from them.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use nestor_ir::DType;
+use nestor_ir::{DType, Window2d};
 use nestor_passes::{LengthsKind, Program, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
+use crate::window::{window_taps, Outside, WindowError, WindowTaps};
 
 /// What a run knows about one lengths input.
 pub(super) struct LengthsInfo {
@@ -49,6 +51,9 @@ pub(super) struct Sizes {
     lengths: HashMap<Slot, LengthsInfo>,
     /// The pair layouts' row maps built so far (kept for the run: kernels read them).
     pair_maps: std::cell::RefCell<HashMap<RowMap, Box<[i64]>>>,
+    /// The window steps' taps built so far, by geometry and image sizes (a model's
+    /// layers share them).
+    window_taps: std::cell::RefCell<HashMap<(Window2d, Slot, Slot), Arc<WindowTaps>>>,
 }
 
 impl Sizes {
@@ -124,6 +129,7 @@ impl Sizes {
         Ok(Self {
             lengths,
             pair_maps: Default::default(),
+            window_taps: Default::default(),
         })
     }
 
@@ -145,6 +151,28 @@ impl Sizes {
             entry.insert(pair_map(map, self.get(rows)?, self.get(columns)?)?);
         }
         maps.get(&map).map(|values| (values.as_ptr(), values.len()))
+    }
+
+    /// The taps of `window` over images of the heights and widths in these lengths
+    /// buffers, built on first use (taps outside an image are -1).
+    pub(super) fn window_taps(
+        &self,
+        window: Window2d,
+        (heights, widths): (Slot, Slot),
+    ) -> Result<Arc<WindowTaps>, WindowError> {
+        let key = (window, heights, widths);
+        if let Some(taps) = self.window_taps.borrow().get(&key) {
+            return Ok(taps.clone());
+        }
+        let sizes = |slot: Slot| self.get(slot).map_or(&[][..], |info| &info.lengths[..]);
+        let taps = Arc::new(window_taps(
+            &window,
+            sizes(heights),
+            sizes(widths),
+            Outside::Marked,
+        )?);
+        self.window_taps.borrow_mut().insert(key, taps.clone());
+        Ok(taps)
     }
 
     /// What the run knows of the lengths buffer `slot`.

@@ -23,7 +23,7 @@ pub(super) struct RunState<'r, 'i> {
 }
 
 impl RunState<'_, '_> {
-    fn pointer(&self, slot: Slot) -> *mut u8 {
+    pub(super) fn pointer(&self, slot: Slot) -> *mut u8 {
         self.pointers[slot.0 as usize]
     }
 
@@ -235,7 +235,7 @@ fn attention_offsets<'r>(
     Ok(Some((q_offsets, k_offsets)))
 }
 
-fn step_error(step: usize, reason: String) -> RuntimeError {
+pub(super) fn step_error(step: usize, reason: String) -> RuntimeError {
     RuntimeError::Step { step, reason }
 }
 
@@ -285,6 +285,7 @@ impl Executable {
             }
             Step::Attention { .. } => self.run_attention(index, step, run),
             Step::PairGemm { .. } => self.run_pair_gemm(index, step, run),
+            Step::Window { .. } => self.run_window(index, step, run),
             Step::Host { out, inputs, graph } => self.run_host(*out, inputs, *graph, run),
             Step::Pad {
                 out,

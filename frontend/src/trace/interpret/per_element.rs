@@ -65,7 +65,7 @@ impl Interpreter<'_> {
         ty: &Type,
     ) -> Result<Value> {
         let batch = self.nested(inputs[0])?;
-        if let Some(nested) = self.whole_batch(&batch, inputs, body)? {
+        if let Some(nested) = self.whole_batch(batch, inputs, body)? {
             return self.checked(value, ty, nested);
         }
         let ragged: Vec<usize> = match ty {

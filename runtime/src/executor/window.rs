@@ -1,0 +1,400 @@
+//! Window steps over packed images (rows are pixels, `channels` scalars each), on the
+//! host: convolution as an implicit GEMM (blocks of output pixels gather their windows
+//! into a buffer that stays in cache, then one GEMM each with the packed weight), max
+//! and average pooling over the windows, and the mean of every image. Blocks of
+//! output pixels run on the team; each writes its own rows.
+
+use nestor_passes::{FloatType, Step, WindowKind};
+
+use super::steps::{step_error, RunState};
+use super::{within_budget, worker_threads, Executable, RuntimeError};
+use crate::scalar::Scalar;
+use crate::window::WindowTaps;
+
+/// Output pixels a convolution gathers at once (its buffer stays in the core's cache).
+const BLOCK_ROWS: usize = 128;
+
+/// The buffers of a window step, shared by the team's threads (each writes its own
+/// output rows).
+#[derive(Clone, Copy)]
+struct Buffers<T> {
+    out: *mut T,
+    x: *const T,
+}
+// SAFETY: the output rows each thread writes are disjoint (see `run_blocks`).
+unsafe impl<T> Send for Buffers<T> {}
+unsafe impl<T> Sync for Buffers<T> {}
+
+impl<T> Buffers<T> {
+    // Methods, so that closures capture the whole (Sync) struct, not its pointers.
+    fn out(self) -> *mut T {
+        self.out
+    }
+
+    fn x(self) -> *const T {
+        self.x
+    }
+}
+
+/// The sizes of a window step.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Input channels.
+    channels: usize,
+    /// Output channels.
+    width: usize,
+    /// Taps per window.
+    taps: usize,
+}
+
+impl Executable {
+    /// A window step: its taps from the run's image sizes, then the kind's computation.
+    pub(super) fn run_window(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let Step::Window {
+            kind,
+            out,
+            x,
+            weight,
+            bias,
+            heights: heights_slot,
+            widths: widths_slot,
+            channels,
+            width,
+            window,
+        } = step
+        else {
+            return Err(step_error(index, "not a window step".into()));
+        };
+        let (Some(heights), Some(widths)) =
+            (run.sizes.get(*heights_slot), run.sizes.get(*widths_slot))
+        else {
+            return Ok(());
+        };
+        let shape = Shape {
+            channels: usize::try_from(*channels).unwrap_or(0),
+            width: usize::try_from(*width).unwrap_or(0),
+            taps: 0,
+        };
+        let out_scalars = run.sizes.elements(&self.program, *out);
+        if *kind == WindowKind::ImageMean {
+            let counts: Vec<i64> = heights
+                .lengths
+                .iter()
+                .zip(&widths.lengths)
+                .map(|(h, w)| h.saturating_mul(*w))
+                .collect();
+            if counts.len().checked_mul(shape.width) != Some(out_scalars) {
+                return Err(step_error(
+                    index,
+                    format!(
+                        "{} images do not fill {out_scalars} output scalars",
+                        counts.len()
+                    ),
+                ));
+            }
+            let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
+            // The buffers were sized from these lengths, in the program's type.
+            unsafe {
+                match self.program.float {
+                    FloatType::F32 => image_means::<f32>(buffers, &counts, shape.channels),
+                    FloatType::F64 => image_means::<f64>(buffers, &counts, shape.channels),
+                }
+            }
+            return Ok(());
+        }
+        let out_rows = run.sizes.rows(self.program.info(*out).rows);
+        let table_bytes = usize::try_from(out_rows)
+            .ok()
+            .and_then(|rows| rows.checked_mul(usize::try_from(window.taps()).ok()?))
+            .and_then(|count| count.checked_mul(std::mem::size_of::<i64>()));
+        within_budget(index, "window taps", table_bytes)?;
+        let taps = run
+            .sizes
+            .window_taps(*window, (*heights_slot, *widths_slot))
+            .map_err(|error| step_error(index, error.to_string()))?;
+        let rows = taps.rows.len() / taps.taps.max(1);
+        if rows.checked_mul(shape.width) != Some(out_scalars) {
+            return Err(step_error(
+                index,
+                format!("{rows} output pixels do not fill {out_scalars} output scalars"),
+            ));
+        }
+        let shape = Shape {
+            taps: taps.taps,
+            ..shape
+        };
+        let size = self.program.float.size();
+        let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
+        match kind {
+            WindowKind::Conv => {
+                let Some(weight) = weight else {
+                    return Err(step_error(index, "a convolution without a weight".into()));
+                };
+                let inner = shape.taps.checked_mul(shape.channels);
+                let block_bytes = inner
+                    .and_then(|inner| inner.checked_mul(BLOCK_ROWS * size))
+                    .and_then(|bytes| bytes.checked_mul(worker_threads().max(1) as usize));
+                within_budget(index, "convolution gather buffers", block_bytes)?;
+                let params = (
+                    run.pointer(*weight) as *const u8,
+                    bias.map(|bias| run.pointer(bias) as *const u8),
+                );
+                // The buffers were sized from these lengths and widths, in the
+                // program's type; the weight holds width x channels x taps values.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => convolve::<f32>(buffers, params, &taps, shape),
+                        FloatType::F64 => convolve::<f64>(buffers, params, &taps, shape),
+                    }
+                }
+            }
+            WindowKind::Max | WindowKind::Average => {
+                let max = *kind == WindowKind::Max;
+                // As above: buffers sized from these lengths.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => pool::<f32>(buffers, &taps, shape, max),
+                        FloatType::F64 => pool::<f64>(buffers, &taps, shape, max),
+                    }
+                }
+            }
+            WindowKind::ImageMean => {}
+        }
+        Ok(())
+    }
+}
+
+/// Runs `block(start, end)` over blocks of `rows` output rows on the team, split across
+/// the cores when `work` (scalars touched) is worth it.
+fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
+    let threads = if work >= crate::Parallelism::current().kernel_scalars {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    // A few blocks per thread, so that uneven images still balance.
+    let blocks = rows.div_ceil(BLOCK_ROWS).max(1);
+    let per_task = blocks.div_ceil(threads * 4).max(1) * BLOCK_ROWS;
+    let tasks = rows.div_ceil(per_task);
+    if tasks > 1 && threads > 1 {
+        crate::Parallelism::count_split();
+    }
+    crate::team::for_each_chunk(tasks, threads, &|task| {
+        block(task * per_task, ((task + 1) * per_task).min(rows))
+    });
+}
+
+/// The convolution: `out[r] = sum over taps t and channels c of x[taps[r, t], c]
+/// W[:, c, t] + bias`, taps outside their image reading zeros.
+///
+/// # Safety
+/// `out` must hold `rows * width` values, `x` every row the taps name, the weight
+/// `width * channels * taps` and the bias `width`, of type `T`.
+unsafe fn convolve<T: Scalar>(
+    (out, x): (*mut u8, *const u8),
+    (weight, bias): (*const u8, Option<*const u8>),
+    taps: &WindowTaps,
+    shape: Shape,
+) {
+    let Shape {
+        channels,
+        width,
+        taps: per_window,
+    } = shape;
+    let inner = per_window * channels;
+    let rows = taps.rows.len() / per_window.max(1);
+    // SAFETY (the whole function): sizes as the caller promises.
+    let (weight, bias) = unsafe {
+        (
+            std::slice::from_raw_parts(weight as *const T, width * inner),
+            bias.map(|bias| std::slice::from_raw_parts(bias as *const T, width)),
+        )
+    };
+    // `[width, channels, taps]` -> `[taps, channels, width]`: the gathered rows' order.
+    let mut packed = vec![T::ZERO; inner * width];
+    for o in 0..width {
+        for c in 0..channels {
+            for t in 0..per_window {
+                packed[(t * channels + c) * width + o] =
+                    weight[(o * channels + c) * per_window + t];
+            }
+        }
+    }
+    let buffers = Buffers {
+        out: out as *mut T,
+        x: x as *const T,
+    };
+    let block = |start: usize, end: usize| {
+        let mut gathered = vec![T::ZERO; BLOCK_ROWS.min(end - start) * inner];
+        let mut first = start;
+        while first < end {
+            let last = (first + BLOCK_ROWS).min(end);
+            let count = last - first;
+            for (row, windows) in gathered
+                .chunks_mut(inner.max(1))
+                .zip(taps.rows[first * per_window..last * per_window].chunks(per_window.max(1)))
+            {
+                for (tap, &source) in row.chunks_mut(channels.max(1)).zip(windows) {
+                    if source < 0 {
+                        tap.fill(T::ZERO);
+                    } else {
+                        // SAFETY: the taps name rows of `x`.
+                        let pixel = unsafe {
+                            std::slice::from_raw_parts(
+                                buffers.x().add(source as usize * channels),
+                                channels,
+                            )
+                        };
+                        tap.copy_from_slice(pixel);
+                    }
+                }
+            }
+            // SAFETY: rows `first..last` of `out` are this task's.
+            let out_rows = unsafe {
+                std::slice::from_raw_parts_mut(buffers.out().add(first * width), count * width)
+            };
+            if inner == 0 {
+                out_rows.fill(T::ZERO);
+            } else {
+                // SAFETY: the buffers hold the sizes given.
+                unsafe {
+                    T::matmul(
+                        (count, inner, width),
+                        T::ONE,
+                        (gathered.as_ptr(), inner as isize, 1),
+                        (packed.as_ptr(), width as isize, 1),
+                        (out_rows.as_mut_ptr(), width as isize, 1),
+                    );
+                }
+            }
+            if let Some(bias) = bias {
+                for row in out_rows.chunks_mut(width.max(1)) {
+                    for (value, &b) in row.iter_mut().zip(bias) {
+                        *value += b;
+                    }
+                }
+            }
+            first = last;
+        }
+    };
+    run_blocks(rows, rows.saturating_mul(inner), &block);
+}
+
+/// Max or average pooling: over each window's taps inside its image, per channel.
+///
+/// # Safety
+/// `out` must hold `rows * channels` values and `x` every row the taps name.
+unsafe fn pool<T: Scalar>(
+    (out, x): (*mut u8, *const u8),
+    taps: &WindowTaps,
+    shape: Shape,
+    max: bool,
+) {
+    let Shape {
+        channels,
+        taps: per_window,
+        ..
+    } = shape;
+    let rows = taps.rows.len() / per_window.max(1);
+    let buffers = Buffers {
+        out: out as *mut T,
+        x: x as *const T,
+    };
+    let block = |start: usize, end: usize| {
+        // SAFETY: rows `start..end` of `out` are this task's.
+        let out_rows = unsafe {
+            std::slice::from_raw_parts_mut(
+                buffers.out().add(start * channels),
+                (end - start) * channels,
+            )
+        };
+        for (row, windows) in out_rows
+            .chunks_mut(channels.max(1))
+            .zip(taps.rows[start * per_window..end * per_window].chunks(per_window.max(1)))
+        {
+            row.fill(if max { T::NEG_INFINITY } else { T::ZERO });
+            let mut inside = 0usize;
+            for &source in windows.iter().filter(|&&source| source >= 0) {
+                inside += 1;
+                // SAFETY: the taps name rows of `x`.
+                let pixel = unsafe {
+                    std::slice::from_raw_parts(
+                        buffers.x().add(source as usize * channels),
+                        channels,
+                    )
+                };
+                for (value, &p) in row.iter_mut().zip(pixel) {
+                    if max {
+                        // torch's max pooling: a larger value or a NaN replaces it.
+                        #[allow(clippy::eq_op)]
+                        if p > *value || p != p {
+                            *value = p;
+                        }
+                    } else {
+                        *value += p;
+                    }
+                }
+            }
+            if !max {
+                let divisor = T::from_f64(inside as f64);
+                for value in row.iter_mut() {
+                    *value = *value / divisor;
+                }
+            }
+        }
+    };
+    run_blocks(rows, rows.saturating_mul(per_window * channels), &block);
+}
+
+/// The mean pixel of every image (`counts` pixels each, packed in order): NaN for an
+/// empty image, as torch's mean.
+///
+/// # Safety
+/// `out` must hold `counts.len() * channels` values and `x` the sum of `counts` rows.
+unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64], channels: usize) {
+    let buffers = Buffers {
+        out: out as *mut T,
+        x: x as *const T,
+    };
+    let mut starts = Vec::with_capacity(counts.len());
+    let mut total = 0usize;
+    for &count in counts {
+        starts.push(total);
+        total += count.max(0) as usize;
+    }
+    let image = |index: usize| {
+        let count = counts[index].max(0) as usize;
+        // SAFETY: image `index` owns row `index` of `out` and its pixels' rows of `x`.
+        let (row, pixels) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(buffers.out().add(index * channels), channels),
+                std::slice::from_raw_parts(
+                    buffers.x().add(starts[index] * channels),
+                    count * channels,
+                ),
+            )
+        };
+        row.fill(T::ZERO);
+        for pixel in pixels.chunks(channels.max(1)) {
+            for (value, &p) in row.iter_mut().zip(pixel) {
+                *value += p;
+            }
+        }
+        let divisor = T::from_f64(count as f64);
+        for value in row.iter_mut() {
+            *value = *value / divisor;
+        }
+    };
+    let threads = if total.saturating_mul(channels) >= crate::Parallelism::current().kernel_scalars
+    {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(counts.len(), threads, &image);
+}

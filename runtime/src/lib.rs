@@ -37,4 +37,6 @@ pub use memory::MemoryBudget;
 pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};
 pub use team::pool;
-pub use window::{check_window, window_taps, Outside, WindowError, WindowTaps};
+pub use window::{
+    check_window, window_images, window_taps, Outside, WindowError, WindowImage, WindowTaps,
+};

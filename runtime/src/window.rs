@@ -13,7 +13,7 @@ const MAX_GEOMETRY: i64 = 1 << 24;
 const MAX_SIDE: i64 = 1 << 40;
 
 /// Why a window cannot slide over a batch of images.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum WindowError {
     /// Kernel, stride and dilation must be positive and padding not negative, all at
     /// most 2^24.
@@ -99,24 +99,31 @@ pub fn check_window(window: &Window2d) -> Result<(), WindowError> {
     Ok(())
 }
 
-/// The taps of every output pixel of images of these heights and widths under
-/// `window`. Every size and count is checked (they come from users); the table is
-/// reserved fallibly.
-pub fn window_taps(
+/// One image under a window: where its pixels start in the packed input and output,
+/// and its input and output sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowImage {
+    /// First input pixel (packed row).
+    pub input: usize,
+    /// First output pixel.
+    pub output: usize,
+    /// Input `(height, width)`.
+    pub size: (i64, i64),
+    /// Output `(height, width)`.
+    pub out: (i64, i64),
+}
+
+/// Images of these heights and widths under `window`. Every size and count is
+/// checked (they come from users): pixels in and out, in total, fit in an `i64`.
+pub fn window_images(
     window: &Window2d,
     heights: &[i64],
     widths: &[i64],
-    outside: Outside,
-) -> Result<WindowTaps, WindowError> {
+) -> Result<Vec<WindowImage>, WindowError> {
     check_window(window)?;
-    let taps = window.kernel[0]
-        .checked_mul(window.kernel[1])
-        .ok_or(WindowError::TooLarge {
-            rows: 0,
-            taps: i64::MAX,
-        })?;
-    let mut output_sizes = Vec::with_capacity(heights.len());
-    let mut rows = 0i64;
+    let taps = window.taps();
+    let mut images = Vec::with_capacity(heights.len());
+    let (mut inputs, mut outputs) = (0i64, 0i64);
     for image in 0..heights.len().max(widths.len()) {
         let (height, width) = (
             heights.get(image).copied().unwrap_or(-1),
@@ -129,27 +136,56 @@ pub fn window_taps(
                 width,
             });
         }
-        height
+        let out = window.output_size((height, width));
+        let too_large = WindowError::TooLarge {
+            rows: outputs,
+            taps,
+        };
+        let next_inputs = height
             .checked_mul(width)
-            .ok_or(WindowError::TooLarge { rows, taps })?;
-        let (out_h, out_w) = window.output_size((height, width));
-        rows = out_h
-            .checked_mul(out_w)
-            .and_then(|pixels| rows.checked_add(pixels))
-            .ok_or(WindowError::TooLarge { rows, taps })?;
-        output_sizes.push((out_h, out_w));
+            .and_then(|pixels| inputs.checked_add(pixels))
+            .ok_or(too_large.clone())?;
+        let next_outputs = out
+            .0
+            .checked_mul(out.1)
+            .and_then(|pixels| outputs.checked_add(pixels))
+            .ok_or(too_large)?;
+        images.push(WindowImage {
+            input: inputs as usize,
+            output: outputs as usize,
+            size: (height, width),
+            out,
+        });
+        (inputs, outputs) = (next_inputs, next_outputs);
     }
+    Ok(images)
+}
+
+/// The taps of every output pixel of images of these heights and widths under
+/// `window`. Every size and count is checked (they come from users); the table is
+/// reserved fallibly.
+pub fn window_taps(
+    window: &Window2d,
+    heights: &[i64],
+    widths: &[i64],
+    outside: Outside,
+) -> Result<WindowTaps, WindowError> {
+    let images = window_images(window, heights, widths)?;
+    let taps = window.taps();
+    let rows = images
+        .last()
+        .map_or(0, |last| last.output as i64 + last.out.0 * last.out.1);
     let too_large = WindowError::TooLarge { rows, taps };
     let count = rows
         .checked_mul(taps)
         .and_then(|count| usize::try_from(count).ok())
-        .ok_or(WindowError::TooLarge { rows, taps })?;
+        .ok_or(too_large.clone())?;
     let mut table = Vec::new();
     table.try_reserve_exact(count).map_err(|_| too_large)?;
-    let mut first_pixel = 0i64;
     let mut taps_of_pixel = Vec::with_capacity(taps as usize);
-    for (image, &(out_h, out_w)) in output_sizes.iter().enumerate() {
-        let (height, width) = (heights[image], widths[image]);
+    for image in &images {
+        let ((height, width), (out_h, out_w)) = (image.size, image.out);
+        let first_pixel = image.input as i64;
         for oy in 0..out_h {
             for ox in 0..out_w {
                 taps_of_pixel.clear();
@@ -178,10 +214,9 @@ pub fn window_taps(
                 table.extend_from_slice(&taps_of_pixel);
             }
         }
-        first_pixel += height * width;
     }
     Ok(WindowTaps {
-        output_sizes,
+        output_sizes: images.iter().map(|image| image.out).collect(),
         rows: table,
         taps: taps as usize,
     })

@@ -10,6 +10,7 @@ use nestor_ir::DType;
 use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, Step};
 use thiserror::Error;
 
+mod conv;
 mod copies;
 mod device;
 

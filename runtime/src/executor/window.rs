@@ -1,17 +1,18 @@
 //! Window steps over packed images (rows are pixels, `channels` scalars each), on the
-//! host: convolution as an implicit GEMM (blocks of output pixels gather their windows
-//! into a buffer that stays in cache, then one GEMM each with the packed weight), max
-//! and average pooling over the windows, and the mean of every image. Blocks of
-//! output pixels run on the team; each writes its own rows.
+//! host: direct convolution (`conv.rs`: every output row a task), max and average
+//! pooling over the windows' taps, and the mean of every image. Tasks run on the team;
+//! each writes its own output rows.
 
 use nestor_passes::{FloatType, Step, WindowKind};
 
+use super::conv::Plan;
 use super::steps::{step_error, RunState};
 use super::{within_budget, worker_threads, Executable, RuntimeError};
 use crate::scalar::Scalar;
-use crate::window::WindowTaps;
+use crate::window::{window_images, WindowImage, WindowTaps};
+use nestor_ir::Window2d;
 
-/// Output pixels a convolution gathers at once (its buffer stays in the core's cache).
+/// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;
 
 /// The buffers of a window step, shared by the team's threads (each writes its own
@@ -107,6 +108,44 @@ impl Executable {
             }
             return Ok(());
         }
+        let size = self.program.float.size();
+        let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
+        if *kind == WindowKind::Conv {
+            let Some(weight) = weight else {
+                return Err(step_error(index, "a convolution without a weight".into()));
+            };
+            let images = window_images(window, &heights.lengths, &widths.lengths)
+                .map_err(|error| step_error(index, error.to_string()))?;
+            let rows = images
+                .last()
+                .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+            if rows.checked_mul(shape.width) != Some(out_scalars) {
+                return Err(step_error(
+                    index,
+                    format!("{rows} output pixels do not fill {out_scalars} output scalars"),
+                ));
+            }
+            let taps = usize::try_from(window.taps()).unwrap_or(usize::MAX);
+            let weight_bytes = shape
+                .width
+                .div_ceil(16)
+                .checked_mul(16 * size)
+                .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
+            within_budget(index, "the packed convolution weight", weight_bytes)?;
+            let params = (
+                run.pointer(*weight) as *const u8,
+                bias.map(|bias| run.pointer(bias) as *const u8),
+            );
+            // The buffers were sized from these lengths and widths, in the program's
+            // type; the weight holds width x channels x taps values.
+            unsafe {
+                match self.program.float {
+                    FloatType::F32 => convolve::<f32>(buffers, params, &images, shape, *window),
+                    FloatType::F64 => convolve::<f64>(buffers, params, &images, shape, *window),
+                }
+            }
+            return Ok(());
+        }
         let out_rows = run.sizes.rows(self.program.info(*out).rows);
         let table_bytes = usize::try_from(out_rows)
             .ok()
@@ -128,31 +167,7 @@ impl Executable {
             taps: taps.taps,
             ..shape
         };
-        let size = self.program.float.size();
-        let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
         match kind {
-            WindowKind::Conv => {
-                let Some(weight) = weight else {
-                    return Err(step_error(index, "a convolution without a weight".into()));
-                };
-                let inner = shape.taps.checked_mul(shape.channels);
-                let block_bytes = inner
-                    .and_then(|inner| inner.checked_mul(BLOCK_ROWS * size))
-                    .and_then(|bytes| bytes.checked_mul(worker_threads().max(1) as usize));
-                within_budget(index, "convolution gather buffers", block_bytes)?;
-                let params = (
-                    run.pointer(*weight) as *const u8,
-                    bias.map(|bias| run.pointer(bias) as *const u8),
-                );
-                // The buffers were sized from these lengths and widths, in the
-                // program's type; the weight holds width x channels x taps values.
-                unsafe {
-                    match self.program.float {
-                        FloatType::F32 => convolve::<f32>(buffers, params, &taps, shape),
-                        FloatType::F64 => convolve::<f64>(buffers, params, &taps, shape),
-                    }
-                }
-            }
             WindowKind::Max | WindowKind::Average => {
                 let max = *kind == WindowKind::Max;
                 // As above: buffers sized from these lengths.
@@ -163,7 +178,7 @@ impl Executable {
                     }
                 }
             }
-            WindowKind::ImageMean => {}
+            WindowKind::Conv | WindowKind::ImageMean => {}
         }
         Ok(())
     }
@@ -189,100 +204,53 @@ fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
     });
 }
 
-/// The convolution: `out[r] = sum over taps t and channels c of x[taps[r, t], c]
-/// W[:, c, t] + bias`, taps outside their image reading zeros.
+/// The convolution of every image (see [`super::conv`]): one task per output row.
 ///
 /// # Safety
-/// `out` must hold `rows * width` values, `x` every row the taps name, the weight
-/// `width * channels * taps` and the bias `width`, of type `T`.
+/// `out` must hold every output pixel of `images` times `width` values, `x` every
+/// input pixel times `channels`, the weight `width * channels * taps` and the bias
+/// `width`, of type `T`.
 unsafe fn convolve<T: Scalar>(
     (out, x): (*mut u8, *const u8),
     (weight, bias): (*const u8, Option<*const u8>),
-    taps: &WindowTaps,
+    images: &[WindowImage],
     shape: Shape,
+    window: Window2d,
 ) {
-    let Shape {
-        channels,
-        width,
-        taps: per_window,
-    } = shape;
-    let inner = per_window * channels;
-    let rows = taps.rows.len() / per_window.max(1);
-    // SAFETY (the whole function): sizes as the caller promises.
-    let (weight, bias) = unsafe {
-        (
-            std::slice::from_raw_parts(weight as *const T, width * inner),
-            bias.map(|bias| std::slice::from_raw_parts(bias as *const T, width)),
+    // SAFETY: as the caller promises.
+    let plan = unsafe {
+        Plan::new(
+            (out as *mut T, x as *const T),
+            (weight as *const T, bias.map(|bias| bias as *const T)),
+            (shape.channels, shape.width),
+            window,
+            images,
         )
     };
-    // `[width, channels, taps]` -> `[taps, channels, width]`: the gathered rows' order.
-    let mut packed = vec![T::ZERO; inner * width];
-    for o in 0..width {
-        for c in 0..channels {
-            for t in 0..per_window {
-                packed[(t * channels + c) * width + o] =
-                    weight[(o * channels + c) * per_window + t];
-            }
-        }
+    let rows: Vec<(usize, i64)> = images
+        .iter()
+        .enumerate()
+        .flat_map(|(index, image)| (0..image.out.0).map(move |row| (index, row)))
+        .collect();
+    let pixels = images
+        .last()
+        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let macs = pixels
+        .saturating_mul(shape.width)
+        .saturating_mul(shape.channels)
+        .saturating_mul(window.taps() as usize);
+    let threads = if macs as f64 >= crate::Parallelism::current().gemm_macs as f64 {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    if threads > 1 {
+        crate::Parallelism::count_split();
     }
-    let buffers = Buffers {
-        out: out as *mut T,
-        x: x as *const T,
-    };
-    let block = |start: usize, end: usize| {
-        let mut gathered = vec![T::ZERO; BLOCK_ROWS.min(end - start) * inner];
-        let mut first = start;
-        while first < end {
-            let last = (first + BLOCK_ROWS).min(end);
-            let count = last - first;
-            for (row, windows) in gathered
-                .chunks_mut(inner.max(1))
-                .zip(taps.rows[first * per_window..last * per_window].chunks(per_window.max(1)))
-            {
-                for (tap, &source) in row.chunks_mut(channels.max(1)).zip(windows) {
-                    if source < 0 {
-                        tap.fill(T::ZERO);
-                    } else {
-                        // SAFETY: the taps name rows of `x`.
-                        let pixel = unsafe {
-                            std::slice::from_raw_parts(
-                                buffers.x().add(source as usize * channels),
-                                channels,
-                            )
-                        };
-                        tap.copy_from_slice(pixel);
-                    }
-                }
-            }
-            // SAFETY: rows `first..last` of `out` are this task's.
-            let out_rows = unsafe {
-                std::slice::from_raw_parts_mut(buffers.out().add(first * width), count * width)
-            };
-            if inner == 0 {
-                out_rows.fill(T::ZERO);
-            } else {
-                // SAFETY: the buffers hold the sizes given.
-                unsafe {
-                    T::matmul(
-                        (count, inner, width),
-                        T::ONE,
-                        (gathered.as_ptr(), inner as isize, 1),
-                        (packed.as_ptr(), width as isize, 1),
-                        (out_rows.as_mut_ptr(), width as isize, 1),
-                    );
-                }
-            }
-            if let Some(bias) = bias {
-                for row in out_rows.chunks_mut(width.max(1)) {
-                    for (value, &b) in row.iter_mut().zip(bias) {
-                        *value += b;
-                    }
-                }
-            }
-            first = last;
-        }
-    };
-    run_blocks(rows, rows.saturating_mul(inner), &block);
+    crate::team::for_each_chunk(rows.len(), threads, &|task| {
+        let (image, row) = rows[task];
+        plan.row(image, row)
+    });
 }
 
 /// Max or average pooling: over each window's taps inside its image, per channel.

@@ -1,0 +1,310 @@
+//! Direct convolution of packed images (rows are pixels, channels last): every output
+//! row of every image is a task; a task computes blocks of [`PIXELS`] output pixels x
+//! [`LANES`] output channels whose sums stay in registers, reading each tap's input
+//! pixels in place (a tap outside its image reads a zero pixel). No gathered copy, no
+//! padded image. f32 sums live in AVX-512 or AVX2 registers when the CPU has them;
+//! other types and CPUs run the same loops on arrays.
+
+use nestor_ir::Window2d;
+
+use crate::window::WindowImage;
+
+use crate::scalar::Scalar;
+
+/// Output channels computed at once (one 512-bit vector of f32).
+const LANES: usize = 16;
+
+/// Everything a task reads: the buffers, the weight packed for blocks of [`LANES`]
+/// output channels, the images.
+pub(super) struct Plan<'a, T> {
+    out: *mut T,
+    x: *const T,
+    /// `[taps, channels, lanes]` (output channels padded to a multiple of [`LANES`]).
+    weight: Vec<T>,
+    /// `[lanes]`: the bias, zeros when none, padded like the weight.
+    bias: Vec<T>,
+    /// A pixel of zeros (`channels` values): what taps outside their image read.
+    zeros: Vec<T>,
+    channels: usize,
+    width: usize,
+    lanes: usize,
+    window: Window2d,
+    images: &'a [WindowImage],
+}
+
+// SAFETY: tasks write disjoint output rows (each its own image row) and only read the
+// rest.
+unsafe impl<T: Sync> Sync for Plan<'_, T> {}
+
+impl<'a, T: Scalar> Plan<'a, T> {
+    /// A plan for the weight `[width, channels, K_h, K_w]` and the bias `[width]`.
+    ///
+    /// # Safety
+    /// `weight` and `bias` must hold that many values; `out` and `x` must hold every
+    /// pixel of `images` times `width` and `channels` values.
+    pub(super) unsafe fn new(
+        (out, x): (*mut T, *const T),
+        (weight, bias): (*const T, Option<*const T>),
+        (channels, width): (usize, usize),
+        window: Window2d,
+        images: &'a [WindowImage],
+    ) -> Self {
+        let taps = (window.kernel[0] * window.kernel[1]).max(0) as usize;
+        let lanes = width.div_ceil(LANES) * LANES;
+        let weight = unsafe { std::slice::from_raw_parts(weight, width * channels * taps) };
+        let mut packed = vec![T::ZERO; taps * channels * lanes];
+        for o in 0..width {
+            for c in 0..channels {
+                for t in 0..taps {
+                    packed[(t * channels + c) * lanes + o] = weight[(o * channels + c) * taps + t];
+                }
+            }
+        }
+        let mut padded_bias = vec![T::ZERO; lanes];
+        if let Some(bias) = bias {
+            padded_bias[..width]
+                .copy_from_slice(unsafe { std::slice::from_raw_parts(bias, width) });
+        }
+        Self {
+            out,
+            x,
+            weight: packed,
+            bias: padded_bias,
+            zeros: vec![T::ZERO; channels],
+            channels,
+            width,
+            lanes,
+            window,
+            images,
+        }
+    }
+
+    /// Output row `row` of `image`, with the fastest code the CPU runs.
+    pub(super) fn row(&self, image: usize, row: i64) {
+        #[cfg(target_arch = "x86_64")]
+        if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+            // SAFETY: `T` is `f32` (checked just above), so the plans are the same type.
+            let plan = unsafe { &*(self as *const Self as *const Plan<'_, f32>) };
+            if std::is_x86_feature_detected!("avx512f") {
+                // The CPU has AVX-512 (checked just above).
+                return unsafe { plan.row_avx512(image, row) };
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // The CPU has AVX2 and FMA (checked just above).
+                return unsafe { plan.row_avx2(image, row) };
+            }
+        }
+        // Portable code (any type, any CPU): sums in arrays.
+        unsafe { self.row_with::<[T; LANES], 4>(image, row) }
+    }
+
+    /// Output row `oy` of image `index`: blocks of `P` pixels x [`LANES`] channels
+    /// whose sums are held as `V`.
+    ///
+    /// # Safety
+    /// The CPU must run `V`'s instructions.
+    #[inline(always)]
+    unsafe fn row_with<V: Lanes<T>, const P: usize>(&self, index: usize, oy: i64) {
+        let image = self.images[index];
+        let Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation,
+        } = self.window;
+        let (height, width) = image.size;
+        let out_width = image.out.1;
+        let channels = self.channels;
+        let mut ox = 0;
+        while ox < out_width {
+            let count = (out_width - ox).min(P as i64) as usize;
+            for block in (0..self.lanes).step_by(LANES) {
+                // SAFETY (the block): the bias and weight hold `lanes` values per row.
+                let bias = unsafe { V::load(self.bias.as_ptr().add(block)) };
+                let mut sums = [bias; P];
+                for ky in 0..kernel[0] {
+                    let y = oy * stride[0] - padding[0] + ky * dilation[0];
+                    if !(0..height).contains(&y) {
+                        continue; // a row of padding zeros adds nothing
+                    }
+                    for kx in 0..kernel[1] {
+                        let mut sources = [self.zeros.as_ptr(); P];
+                        for (pixel, source) in sources.iter_mut().enumerate().take(count) {
+                            let x = (ox + pixel as i64) * stride[1] - padding[1] + kx * dilation[1];
+                            if (0..width).contains(&x) {
+                                let at = image.input + (y * width + x) as usize;
+                                // SAFETY: pixel (y, x) of the image is a row of `x`.
+                                *source = unsafe { self.x.add(at * channels) };
+                            }
+                        }
+                        let tap = (ky * kernel[1] + kx) as usize;
+                        let weights = unsafe {
+                            self.weight
+                                .as_ptr()
+                                .add(tap * channels * self.lanes + block)
+                        };
+                        for c in 0..channels {
+                            unsafe {
+                                let w = V::load(weights.add(c * self.lanes));
+                                for (sum, source) in sums.iter_mut().zip(&sources) {
+                                    // Every source holds `channels` values.
+                                    *sum = sum.add_product(V::splat(*source.add(c)), w);
+                                }
+                            }
+                        }
+                    }
+                }
+                let columns = (self.width - block).min(LANES);
+                for (pixel, sum) in sums.iter().enumerate().take(count) {
+                    let at = image.output + (oy * out_width + ox) as usize + pixel;
+                    // SAFETY: output pixel `at` is in this task's row.
+                    unsafe { sum.store(self.out.add(at * self.width + block), columns) };
+                }
+            }
+            ox += count as i64;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Plan<'_, f32> {
+    /// [`Plan::row`] for f32 on AVX-512: 8 pixels x 16 channels in 8 registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn row_avx512(&self, image: usize, row: i64) {
+        unsafe { self.row_with::<x86::Zmm, 8>(image, row) }
+    }
+
+    /// [`Plan::row`] for f32 on AVX2: 4 pixels x 16 channels in 8 registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_avx2(&self, image: usize, row: i64) {
+        unsafe { self.row_with::<x86::Ymm2, 4>(image, row) }
+    }
+}
+
+/// The sums of [`LANES`] output channels of one pixel.
+trait Lanes<T>: Copy {
+    /// [`LANES`] values from `at`.
+    ///
+    /// # Safety
+    /// `at` must hold them; the CPU must run the type's instructions.
+    unsafe fn load(at: *const T) -> Self;
+    /// `value` in every lane.
+    ///
+    /// # Safety
+    /// The CPU must run the type's instructions.
+    unsafe fn splat(value: T) -> Self;
+    /// `self + a * b`, lane by lane.
+    ///
+    /// # Safety
+    /// The CPU must run the type's instructions.
+    unsafe fn add_product(self, a: Self, b: Self) -> Self;
+    /// The first `count` lanes to `at`.
+    ///
+    /// # Safety
+    /// `at` must hold them; the CPU must run the type's instructions.
+    unsafe fn store(self, at: *mut T, count: usize);
+}
+
+/// Portable lanes.
+impl<T: Scalar> Lanes<T> for [T; LANES] {
+    #[inline(always)]
+    unsafe fn load(at: *const T) -> Self {
+        let mut lanes = [T::ZERO; LANES];
+        lanes.copy_from_slice(unsafe { std::slice::from_raw_parts(at, LANES) });
+        lanes
+    }
+    #[inline(always)]
+    unsafe fn splat(value: T) -> Self {
+        [value; LANES]
+    }
+    #[inline(always)]
+    unsafe fn add_product(mut self, a: Self, b: Self) -> Self {
+        for ((s, a), b) in self.iter_mut().zip(a).zip(b) {
+            *s += a * b;
+        }
+        self
+    }
+    #[inline(always)]
+    unsafe fn store(self, at: *mut T, count: usize) {
+        unsafe { std::slice::from_raw_parts_mut(at, count) }.copy_from_slice(&self[..count]);
+    }
+}
+
+/// f32 lanes in x86 vector registers (their functions are inlined into callers that
+/// enable the instructions).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{Lanes, LANES};
+
+    /// One AVX-512 register.
+    #[derive(Clone, Copy)]
+    pub(super) struct Zmm(__m512);
+
+    impl Lanes<f32> for Zmm {
+        #[inline(always)]
+        unsafe fn load(at: *const f32) -> Self {
+            Self(unsafe { _mm512_loadu_ps(at) })
+        }
+        #[inline(always)]
+        unsafe fn splat(value: f32) -> Self {
+            Self(unsafe { _mm512_set1_ps(value) })
+        }
+        #[inline(always)]
+        unsafe fn add_product(self, a: Self, b: Self) -> Self {
+            Self(unsafe { _mm512_fmadd_ps(a.0, b.0, self.0) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, at: *mut f32, count: usize) {
+            unsafe {
+                if count == LANES {
+                    _mm512_storeu_ps(at, self.0);
+                } else {
+                    let mask = ((1u32 << count) - 1) as __mmask16;
+                    _mm512_mask_storeu_ps(at, mask, self.0);
+                }
+            }
+        }
+    }
+
+    /// Two AVX2 registers.
+    #[derive(Clone, Copy)]
+    pub(super) struct Ymm2([__m256; 2]);
+
+    impl Lanes<f32> for Ymm2 {
+        #[inline(always)]
+        unsafe fn load(at: *const f32) -> Self {
+            unsafe { Self([_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]) }
+        }
+        #[inline(always)]
+        unsafe fn splat(value: f32) -> Self {
+            let lane = unsafe { _mm256_set1_ps(value) };
+            Self([lane, lane])
+        }
+        #[inline(always)]
+        unsafe fn add_product(self, a: Self, b: Self) -> Self {
+            unsafe {
+                Self([
+                    _mm256_fmadd_ps(a.0[0], b.0[0], self.0[0]),
+                    _mm256_fmadd_ps(a.0[1], b.0[1], self.0[1]),
+                ])
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(self, at: *mut f32, count: usize) {
+            let mut lanes = [0f32; LANES];
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), self.0[0]);
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), self.0[1]);
+                std::slice::from_raw_parts_mut(at, count).copy_from_slice(&lanes[..count]);
+            }
+        }
+    }
+}

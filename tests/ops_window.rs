@@ -115,9 +115,14 @@ fn check(
         );
     }
     for (index, (param, reference)) in params.iter().enumerate() {
+        // A parameter's gradient sums every pixel's terms: in half precision (whose
+        // output's gradient arrives rounded) compare against the largest entry.
+        let (actual, expected) = (param.grad().to_kind(Kind::Double), reference.grad());
+        let error = (&actual - &expected).abs().max().double_value(&[]);
+        let scale = 1.0 + expected.abs().max().double_value(&[]);
         assert!(
-            close(&param.grad(), &reference.grad(), gradient_kind),
-            "{kind:?} gradient of parameter {index}"
+            error <= common::tolerance(gradient_kind) * scale,
+            "{kind:?} gradient of parameter {index}: error {error}, scale {scale}"
         );
     }
 }
@@ -349,7 +354,11 @@ proptest! {
             (out - 1) * conv.stride[axis] + conv_reach
         };
         for (index, sizes) in batches.iter().enumerate() {
-            let sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(reach(0)), w.max(reach(1)))).collect();
+            let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(reach(0)), w.max(reach(1)))).collect();
+            // Heights and widths differ (equal lengths would trace as one symbol, another
+            // structure).
+            let side = reach(0).max(reach(1));
+            sizes.extend([(side, side + 1), (side + 1, side)]);
             let (_, leaves, batch) = images(&sizes, c_in, kind, index as i64);
             let batch = batch.detach().unwrap();
             drop(leaves);

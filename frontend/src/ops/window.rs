@@ -152,18 +152,26 @@ impl NestedTensor {
             // messages, element by element.
             return Ok(None);
         }
-        let values = self.packed();
+        // Half precision computes in f32 (so do libtorch's CPU convolutions): the
+        // gather's gradient sums up to `taps * C_out` terms per pixel.
+        let kind = self.kind();
+        let (values, weight, bias) = (
+            accumulating(self.packed())?,
+            accumulating(weight)?,
+            bias.map(accumulating).transpose()?,
+        );
+        let bias = bias.as_ref();
         if window.kernel == [1, 1] && window.stride == [1, 1] && window.padding == [0, 0] {
             // Every tap is its own pixel: a linear layer over the rows.
             let flat = weight.f_reshape([out_channels, in_channels])?;
-            let out = values.f_linear(&flat, bias)?;
+            let out = values.f_linear(&flat, bias)?.f_to_kind(kind)?;
             let table = self.window_table(sizes, window, Outside::Marked)?;
             return Ok(Some(self.images_like(out, &table, out_channels)?));
         }
         let table = self.window_table(sizes, window, Outside::Marked)?;
         let rows = table.output_sizes.iter().map(|&(h, w)| h * w).sum::<i64>();
         let inner = table.taps * in_channels;
-        let source = with_zero_row(values)?;
+        let source = with_zero_row(&values)?;
         let columns = source
             .f_index_select(0, &table.rows)?
             .f_reshape([rows, inner])?;
@@ -175,7 +183,8 @@ impl NestedTensor {
         let out = match bias {
             Some(bias) => bias.f_addmm(&columns, &flat)?,
             None => columns.f_mm(&flat)?,
-        };
+        }
+        .f_to_kind(kind)?;
         Ok(Some(self.images_like(out, &table, out_channels)?))
     }
 
@@ -212,9 +221,9 @@ impl NestedTensor {
                     .0
             }
             Pooling::Average => {
-                let source = with_zero_row(values)?;
+                let source = with_zero_row(&accumulating(values)?)?;
                 let inside = Tensor::f_from_slice(&table.inside)?
-                    .f_to_kind(values.kind())?
+                    .f_to_kind(source.kind())?
                     .f_to_device(self.device())?
                     .f_reshape([rows, 1])?;
                 source
@@ -222,6 +231,7 @@ impl NestedTensor {
                     .f_reshape([rows, table.taps, channels])?
                     .f_sum_dim_intlist(&[1i64][..], false, None::<Kind>)?
                     .f_div(&inside)?
+                    .f_to_kind(values.kind())?
             }
         };
         Ok(Some(self.images_like(out, &table, channels)?))
@@ -242,4 +252,12 @@ impl NestedTensor {
 /// read.
 fn with_zero_row(values: &Tensor) -> Result<Tensor> {
     Ok(values.f_constant_pad_nd([0, 0, 0, 1])?)
+}
+
+/// `tensor` in the type sums accumulate in: f32 for f16 and bf16, else its own.
+fn accumulating(tensor: &Tensor) -> Result<Tensor> {
+    Ok(match tensor.kind() {
+        Kind::Half | Kind::BFloat16 => tensor.f_to_kind(Kind::Float)?,
+        _ => tensor.shallow_clone(),
+    })
 }

@@ -82,11 +82,25 @@ fn check(
     let (reference, leaves, nested) = images(sizes, channels, kind, 7);
     // Packed: no per-element slow path.
     let out = nested_execution_guard(|| packed(&nested));
+    // Without gradients (inference), f32 convolutions run nestor's own kernel.
+    let inference = tch::no_grad(|| nested_execution_guard(|| packed(&nested)));
     let expected: Vec<Tensor> = reference
         .iter()
         .map(|e| alone(&e.unsqueeze(0)).squeeze_dim(0))
         .collect();
     let actual = out.unbind().unwrap();
+    for (index, (a, e)) in inference
+        .unbind()
+        .unwrap()
+        .iter()
+        .zip(&expected)
+        .enumerate()
+    {
+        assert!(
+            close(a, e, kind),
+            "{kind:?} inference output of image {index}"
+        );
+    }
     assert_eq!(actual.len(), expected.len());
     let mut random = Random::new(11);
     let mut loss = Tensor::zeros([], (Kind::Double, tch::Device::Cpu));

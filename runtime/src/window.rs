@@ -40,6 +40,16 @@ pub enum WindowError {
         /// Its width (-1 when missing).
         width: i64,
     },
+    /// A buffer does not hold what the images and the window need.
+    #[error("the {what} buffer holds {got} values, the images need {expected}")]
+    Buffer {
+        /// Which buffer.
+        what: &'static str,
+        /// What the sizes need (`usize::MAX` when that overflows).
+        expected: usize,
+        /// What it holds.
+        got: usize,
+    },
     /// The table would not fit in memory (or in an `i64`).
     #[error("the window table of {rows} output pixels x {taps} taps is too large")]
     TooLarge {

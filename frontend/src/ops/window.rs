@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use nestor_ir::Window2d;
-use nestor_runtime::{window_taps, Outside, RaggedLayout};
+use nestor_runtime::{convolve_images, window_images, window_taps, Outside, RaggedLayout};
 use tch::{Device, Kind, Tensor};
 
 use super::reduce::Reduce;
@@ -37,8 +37,95 @@ struct Table {
     inside: Vec<f64>,
 }
 
+/// What a canvas is built for.
+#[derive(Clone, PartialEq, Eq)]
+struct CanvasKey {
+    heights: Vec<i64>,
+    widths: Vec<i64>,
+    window: Window2d,
+    device: Device,
+}
+
+/// The images of a batch laid out on one canvas, apart by enough zero pixels that a
+/// stride-1 window over the canvas computes each image's own output: shelves of images
+/// (tallest first) on a canvas about as wide as it is high. The convolution of the
+/// canvas is then one libtorch convolution, channels last.
+struct Canvas {
+    /// `(height, width)` of the canvas.
+    size: (i64, i64),
+    /// For every packed pixel, its position on the canvas (row-major).
+    input_rows: Tensor,
+    /// For every output pixel, its position on the canvas's output.
+    output_rows: Tensor,
+    /// `(H_out, W_out)` of every image.
+    output_sizes: Vec<(i64, i64)>,
+}
+
+impl Canvas {
+    fn shelves(heights: &[i64], widths: &[i64], window: Window2d, device: Device) -> Result<Self> {
+        let too_large = |what: &str| NestedError::TooLarge {
+            op: "conv2d",
+            what: what.into(),
+        };
+        let images = window_images(&window, heights, widths).map_err(window_error)?;
+        // Zeros between images: what the window reads past an image (its padding),
+        // and room for outputs larger than their image.
+        let gap = |axis: usize| {
+            let reach = window.dilation[axis] * (window.kernel[axis] - 1);
+            window.padding[axis]
+                .max(2 * window.padding[axis] - reach)
+                .max(0)
+        };
+        let gaps = [gap(0), gap(1)];
+        let area = images.iter().try_fold(0i64, |sum, image| {
+            let (h, w) = image.size;
+            sum.checked_add((h + gaps[0]).checked_mul(w + gaps[1])?)
+        });
+        let area = area.ok_or_else(|| too_large("the canvas area"))?;
+        let widest = images.iter().map(|image| image.size.1).max().unwrap_or(0);
+        let canvas_width = widest.max((area as f64).sqrt().ceil() as i64);
+        let mut order: Vec<usize> = (0..images.len()).collect();
+        order.sort_by_key(|&index| std::cmp::Reverse(images[index].size.0));
+        let mut corners = vec![(0i64, 0i64); images.len()];
+        let (mut x, mut y, mut shelf) = (0i64, 0i64, 0i64);
+        for index in order {
+            let (h, w) = images[index].size;
+            if x > 0 && x + w > canvas_width {
+                (x, y, shelf) = (0, y + shelf + gaps[0], 0);
+            }
+            corners[index] = (y, x);
+            x += w + gaps[1];
+            shelf = shelf.max(h);
+        }
+        let size = (y + shelf, canvas_width);
+        let out_size = window.output_size(size);
+        size.0
+            .checked_mul(size.1)
+            .ok_or_else(|| too_large("the canvas"))?;
+        let mut input_rows = Vec::new();
+        let mut output_rows = Vec::new();
+        for (image, &(top, left)) in images.iter().zip(&corners) {
+            let ((h, w), (out_h, out_w)) = (image.size, image.out);
+            for row in 0..h {
+                input_rows.extend((0..w).map(|column| (top + row) * size.1 + left + column));
+            }
+            for row in 0..out_h {
+                output_rows
+                    .extend((0..out_w).map(|column| (top + row) * out_size.1 + left + column));
+            }
+        }
+        Ok(Self {
+            size,
+            input_rows: Tensor::f_from_slice(&input_rows)?.f_to_device(device)?,
+            output_rows: Tensor::f_from_slice(&output_rows)?.f_to_device(device)?,
+            output_sizes: images.iter().map(|image| image.out).collect(),
+        })
+    }
+}
+
 thread_local! {
     static TABLES: RefCell<Vec<(TableKey, Rc<Table>)>> = const { RefCell::new(Vec::new()) };
+    static CANVASES: RefCell<Vec<(CanvasKey, Rc<Canvas>)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A per-element pooling kind.
@@ -85,10 +172,6 @@ impl NestedTensor {
         }) {
             return Ok(table);
         }
-        let window_error = |error: nestor_runtime::WindowError| NestedError::Unsupported {
-            op: "window",
-            reason: error.to_string(),
-        };
         let mut taps =
             window_taps(&window, &key.heights, &key.widths, outside).map_err(window_error)?;
         let pixels = self.lay().total_rows();
@@ -113,6 +196,40 @@ impl NestedTensor {
             tables.push((key, table.clone()));
         });
         Ok(table)
+    }
+
+    /// The canvas a stride-1 window slides over for this batch of images (cached per
+    /// thread), or `None` when the window has strides or an image is empty.
+    fn window_canvas(
+        &self,
+        (heights, widths): &(Vec<i64>, Vec<i64>),
+        window: Window2d,
+    ) -> Result<Option<Rc<Canvas>>> {
+        if window.stride != [1, 1] || heights.iter().chain(widths).any(|&side| side < 1) {
+            return Ok(None);
+        }
+        let key = CanvasKey {
+            heights: heights.clone(),
+            widths: widths.clone(),
+            window,
+            device: self.device(),
+        };
+        if let Some(canvas) = CANVASES.with_borrow(|cached| {
+            cached
+                .iter()
+                .find(|(known, _)| *known == key)
+                .map(|(_, canvas)| canvas.clone())
+        }) {
+            return Ok(Some(canvas));
+        }
+        let canvas = Rc::new(Canvas::shelves(heights, widths, window, self.device())?);
+        CANVASES.with_borrow_mut(|cached| {
+            if cached.len() == CACHED_TABLES {
+                cached.remove(0);
+            }
+            cached.push((key, canvas.clone()));
+        });
+        Ok(Some(canvas))
     }
 
     /// Images of the output sizes of `table` with `channels` channels.
@@ -152,6 +269,9 @@ impl NestedTensor {
             // messages, element by element.
             return Ok(None);
         }
+        if let Some(out) = self.conv2d_native(weight, bias, window, &sizes)? {
+            return Ok(Some(out));
+        }
         // Half precision computes in f32 (so do libtorch's CPU convolutions): the
         // gather's gradient sums up to `taps * C_out` terms per pixel.
         let kind = self.kind();
@@ -167,6 +287,31 @@ impl NestedTensor {
             let out = values.f_linear(&flat, bias)?.f_to_kind(kind)?;
             let table = self.window_table(sizes, window, Outside::Marked)?;
             return Ok(Some(self.images_like(out, &table, out_channels)?));
+        }
+        if let Some(canvas) = self.window_canvas(&sizes, window)? {
+            // One libtorch convolution (channels last) over the images on a canvas.
+            let pixels = Tensor::f_zeros(
+                [canvas.size.0 * canvas.size.1, channels],
+                (values.kind(), values.device()),
+            )?
+            .f_index_copy(0, &canvas.input_rows, &values)?;
+            let out = pixels
+                .f_view([1, canvas.size.0, canvas.size.1, channels])?
+                .f_permute([0, 3, 1, 2])?
+                .f_conv2d(&weight, bias, [1, 1], window.padding, window.dilation, 1)?
+                .f_permute([0, 2, 3, 1])?
+                .f_reshape([-1, out_channels])?
+                .f_index_select(0, &canvas.output_rows)?
+                .f_to_kind(kind)?;
+            let layout = RaggedLayout::from_element_sizes(
+                canvas
+                    .output_sizes
+                    .iter()
+                    .map(|&(height, width)| vec![out_channels, height, width])
+                    .collect(),
+                &[1, 2],
+            )?;
+            return Ok(Some(NestedTensor::from_parts(out, layout, self.options())));
         }
         let table = self.window_table(sizes, window, Outside::Marked)?;
         let rows = table.output_sizes.iter().map(|&(h, w)| h * w).sum::<i64>();
@@ -186,6 +331,66 @@ impl NestedTensor {
         }
         .f_to_kind(kind)?;
         Ok(Some(self.images_like(out, &table, out_channels)?))
+    }
+
+    /// The convolution by nestor's own kernel (the one compiled programs run) when no
+    /// gradient is recorded (inference, `no_grad`) and everything is f32 on the CPU;
+    /// `None` otherwise.
+    fn conv2d_native(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        window: Window2d,
+        (heights, widths): &(Vec<i64>, Vec<i64>),
+    ) -> Result<Option<NestedTensor>> {
+        let operands = [Some(self.packed()), Some(weight), bias];
+        let native = operands
+            .iter()
+            .flatten()
+            .all(|tensor| tensor.kind() == Kind::Float && tensor.device() == Device::Cpu);
+        let mut recorded = false;
+        for tensor in operands.iter().flatten() {
+            // A view made while gradients are off does not require one.
+            recorded |= tensor.requires_grad() && tensor.f_alias()?.requires_grad();
+        }
+        if !native || recorded {
+            return Ok(None);
+        }
+        let [width, channels, ..] = weight.size()[..] else {
+            return Ok(None);
+        };
+        let images = window_images(&window, heights, widths).map_err(window_error)?;
+        let rows: i64 = images.iter().map(|image| image.out.0 * image.out.1).sum();
+        let (x, weight) = (self.packed().f_contiguous()?, weight.f_contiguous()?);
+        let bias = bias.map(Tensor::f_contiguous).transpose()?;
+        let out = Tensor::f_empty([rows, width], (Kind::Float, Device::Cpu))?;
+        // Contiguous f32 CPU tensors (checked above), each read for exactly its
+        // number of values; `out` is new and written only here.
+        let slices = unsafe {
+            (
+                float_slice_mut(&out),
+                float_slice(&x),
+                float_slice(&weight),
+                bias.as_ref().map(|bias| float_slice(bias)),
+            )
+        };
+        convolve_images(
+            slices.0,
+            slices.1,
+            (slices.2, slices.3),
+            (channels as usize, width as usize),
+            &window,
+            (heights, widths),
+        )
+        .map_err(window_error)?;
+        let layout = RaggedLayout::from_element_sizes(
+            images
+                .iter()
+                .map(|image| vec![width, image.out.0, image.out.1])
+                .collect(),
+            &[1, 2],
+        )?;
+        Ok(Some(NestedTensor::from_parts(out, layout, self.options())))
     }
 
     /// Packed max or average pooling (padding not counted) of a batch of images, or
@@ -260,4 +465,35 @@ fn accumulating(tensor: &Tensor) -> Result<Tensor> {
         Kind::Half | Kind::BFloat16 => tensor.f_to_kind(Kind::Float)?,
         _ => tensor.shallow_clone(),
     })
+}
+
+/// A window's error as the operators'.
+fn window_error(error: nestor_runtime::WindowError) -> NestedError {
+    NestedError::Unsupported {
+        op: "window",
+        reason: error.to_string(),
+    }
+}
+
+/// The values of a contiguous f32 CPU tensor.
+///
+/// # Safety
+/// The tensor must be contiguous f32 on the CPU, and not written while the slice lives.
+unsafe fn float_slice(tensor: &Tensor) -> &[f32] {
+    match tensor.numel() {
+        0 => &[],
+        count => unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const f32, count) },
+    }
+}
+
+/// The values of a contiguous f32 CPU tensor, to write.
+///
+/// # Safety
+/// As [`float_slice`], and nothing else may read or write the tensor while it lives.
+#[allow(clippy::mut_from_ref)]
+unsafe fn float_slice_mut(tensor: &Tensor) -> &mut [f32] {
+    match tensor.numel() {
+        0 => &mut [],
+        count => unsafe { std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut f32, count) },
+    }
 }

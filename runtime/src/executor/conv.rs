@@ -174,7 +174,7 @@ impl Plan<'_, f32> {
     /// The CPU must support AVX-512F.
     #[target_feature(enable = "avx512f")]
     unsafe fn row_avx512(&self, image: usize, row: i64) {
-        unsafe { self.row_with::<x86::Zmm, 8>(image, row) }
+        unsafe { self.row_with::<x86::Zmm, 12>(image, row) }
     }
 
     /// [`Plan::row`] for f32 on AVX2: 4 pixels x 16 channels in 8 registers.

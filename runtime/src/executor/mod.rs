@@ -20,6 +20,8 @@ mod sizes;
 mod steps;
 mod window;
 
+pub use window::convolve_images;
+
 use crate::scalar::Scalar;
 use crate::{MemoryBudget, Parallelism};
 use sizes::Sizes;

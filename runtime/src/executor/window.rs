@@ -3,13 +3,13 @@
 //! pooling over the windows' taps, and the mean of every image. Tasks run on the team;
 //! each writes its own output rows.
 
-use nestor_passes::{FloatType, Step, WindowKind};
+use nestor_passes::{FloatType, Slot, Step, WindowKind};
 
 use super::conv::Plan;
 use super::steps::{step_error, RunState};
 use super::{within_budget, worker_threads, Executable, RuntimeError};
 use crate::scalar::Scalar;
-use crate::window::{window_images, WindowImage, WindowTaps};
+use crate::window::{window_images, WindowError, WindowImage, WindowTaps};
 use nestor_ir::Window2d;
 
 /// Output pixels a pooling task takes at once.
@@ -114,17 +114,6 @@ impl Executable {
             let Some(weight) = weight else {
                 return Err(step_error(index, "a convolution without a weight".into()));
             };
-            let images = window_images(window, &heights.lengths, &widths.lengths)
-                .map_err(|error| step_error(index, error.to_string()))?;
-            let rows = images
-                .last()
-                .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
-            if rows.checked_mul(shape.width) != Some(out_scalars) {
-                return Err(step_error(
-                    index,
-                    format!("{rows} output pixels do not fill {out_scalars} output scalars"),
-                ));
-            }
             let taps = usize::try_from(window.taps()).unwrap_or(usize::MAX);
             let weight_bytes = shape
                 .width
@@ -132,18 +121,38 @@ impl Executable {
                 .checked_mul(16 * size)
                 .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
             within_budget(index, "the packed convolution weight", weight_bytes)?;
-            let params = (
-                run.pointer(*weight) as *const u8,
-                bias.map(|bias| run.pointer(bias) as *const u8),
-            );
-            // The buffers were sized from these lengths and widths, in the program's
-            // type; the weight holds width x channels x taps values.
-            unsafe {
+            let slot_len = |slot: Slot| run.sizes.elements(&self.program, slot);
+            let sizes = (&heights.lengths[..], &widths.lengths[..]);
+            let widths_ = (shape.channels, shape.width);
+            // Every slot holds the values the program sized it for, in its type; the
+            // output is written only here and no input aliases it.
+            let result = unsafe {
                 match self.program.float {
-                    FloatType::F32 => convolve::<f32>(buffers, params, &images, shape, *window),
-                    FloatType::F64 => convolve::<f64>(buffers, params, &images, shape, *window),
+                    FloatType::F32 => convolve_checked::<f32>(
+                        run_slice_mut(run.pointer(*out), out_scalars),
+                        run_slice(run.pointer(*x), slot_len(*x)),
+                        (
+                            run_slice(run.pointer(*weight), slot_len(*weight)),
+                            bias.map(|bias| run_slice(run.pointer(bias), slot_len(bias))),
+                        ),
+                        widths_,
+                        window,
+                        sizes,
+                    ),
+                    FloatType::F64 => convolve_checked::<f64>(
+                        run_slice_mut(run.pointer(*out), out_scalars),
+                        run_slice(run.pointer(*x), slot_len(*x)),
+                        (
+                            run_slice(run.pointer(*weight), slot_len(*weight)),
+                            bias.map(|bias| run_slice(run.pointer(bias), slot_len(bias))),
+                        ),
+                        widths_,
+                        window,
+                        sizes,
+                    ),
                 }
-            }
+            };
+            result.map_err(|error| step_error(index, error.to_string()))?;
             return Ok(());
         }
         let out_rows = run.sizes.rows(self.program.info(*out).rows);
@@ -202,6 +211,105 @@ fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
     crate::team::for_each_chunk(tasks, threads, &|task| {
         block(task * per_task, ((task + 1) * per_task).min(rows))
     });
+}
+
+/// Convolves packed images `x [sum H_i W_i, channels]` (rows are pixels, channels
+/// last) with `weight [width, channels, K_h, K_w]` and `bias [width]` into
+/// `out [sum H_out W_out, width]`: the direct convolution compiled programs run, on
+/// the team. Every size is checked against the buffers.
+pub fn convolve_images(
+    out: &mut [f32],
+    x: &[f32],
+    (weight, bias): (&[f32], Option<&[f32]>),
+    (channels, width): (usize, usize),
+    window: &Window2d,
+    (heights, widths): (&[i64], &[i64]),
+) -> Result<(), WindowError> {
+    convolve_checked(
+        out,
+        x,
+        (weight, bias),
+        (channels, width),
+        window,
+        (heights, widths),
+    )
+}
+
+/// [`convolve_images`] in the type `T`.
+fn convolve_checked<T: Scalar>(
+    out: &mut [T],
+    x: &[T],
+    (weight, bias): (&[T], Option<&[T]>),
+    (channels, width): (usize, usize),
+    window: &Window2d,
+    (heights, widths): (&[i64], &[i64]),
+) -> Result<(), WindowError> {
+    let images = window_images(window, heights, widths)?;
+    let (inputs, outputs) = images.last().map_or((0, 0), |last| {
+        (
+            last.input + (last.size.0 * last.size.1) as usize,
+            last.output + (last.out.0 * last.out.1) as usize,
+        )
+    });
+    let taps = usize::try_from(window.taps()).unwrap_or(usize::MAX);
+    let expect = |what: &'static str, expected: Option<usize>, got: usize| match expected {
+        Some(expected) if expected == got => Ok(()),
+        _ => Err(WindowError::Buffer {
+            what,
+            expected: expected.unwrap_or(usize::MAX),
+            got,
+        }),
+    };
+    expect("input pixels", inputs.checked_mul(channels), x.len())?;
+    expect("output pixels", outputs.checked_mul(width), out.len())?;
+    let weights = width
+        .checked_mul(channels)
+        .and_then(|n| n.checked_mul(taps));
+    expect("weight", weights, weight.len())?;
+    if let Some(bias) = bias {
+        expect("bias", Some(width), bias.len())?;
+    }
+    let shape = Shape {
+        channels,
+        width,
+        taps,
+    };
+    // Every buffer's size was checked just above.
+    unsafe {
+        convolve::<T>(
+            (out.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8),
+            (
+                weight.as_ptr() as *const u8,
+                bias.map(|bias| bias.as_ptr() as *const u8),
+            ),
+            &images,
+            shape,
+            *window,
+        )
+    };
+    Ok(())
+}
+
+/// `count` values of type `T` at a run's buffer (none when `count` is 0).
+///
+/// # Safety
+/// The buffer must hold them and not be written while the slice lives.
+unsafe fn run_slice<'a, T>(pointer: *mut u8, count: usize) -> &'a [T] {
+    match count {
+        0 => &[],
+        _ => unsafe { std::slice::from_raw_parts(pointer as *const T, count) },
+    }
+}
+
+/// [`run_slice`] to write.
+///
+/// # Safety
+/// As [`run_slice`], and nothing else may read or write the buffer while it lives.
+unsafe fn run_slice_mut<'a, T>(pointer: *mut u8, count: usize) -> &'a mut [T] {
+    match count {
+        0 => &mut [],
+        _ => unsafe { std::slice::from_raw_parts_mut(pointer as *mut T, count) },
+    }
 }
 
 /// The convolution of every image (see [`super::conv`]): one task per output row.

@@ -383,3 +383,34 @@ proptest! {
         prop_assert_eq!(compiled.stats().compiles, 1);
     }
 }
+
+#[test]
+fn hostile_geometry_is_an_error_not_a_panic() {
+    let elements: Vec<Tensor> = [(3, 4), (5, 2)]
+        .iter()
+        .map(|&(h, w)| Tensor::randn([2, h, w], (Kind::Float, tch::Device::Cpu)))
+        .collect();
+    let nested = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&elements)
+        .unwrap();
+    let weight = Tensor::randn([3, 2, 3, 3], (Kind::Float, tch::Device::Cpu));
+    for (stride, padding, dilation) in [
+        ([1, 1], [i64::MAX / 2, 1], [1, 1]),
+        ([1, 1], [i64::MAX, 1], [1, 1]),
+        ([0, 1], [1, 1], [1, 1]),
+        ([1, 1], [1, 1], [i64::MAX, 1]),
+        ([-1, 1], [-1, 1], [1, 1]),
+    ] {
+        for grad in [false, true] {
+            let run = || nested.conv2d(&weight, None, stride, padding, dilation, 1);
+            let result = if grad { run() } else { tch::no_grad(run) };
+            assert!(result.is_err(), "{stride:?} {padding:?} {dilation:?}");
+        }
+        if dilation == [1, 1] {
+            // Pooling has no dilation: the other geometries are hostile to it too.
+            assert!(nested.max_pool2d([3, 3], stride, padding).is_err());
+            assert!(nested.avg_pool2d([3, 3], stride, padding).is_err());
+        }
+    }
+}

@@ -403,7 +403,7 @@ impl NestedTensor {
         let Some(sizes) = self.packed_image_sizes() else {
             return Ok(None);
         };
-        if (0..2).any(|axis| 2 * window.padding[axis] > window.kernel[axis]) {
+        if (0..2).any(|axis| window.padding[axis].saturating_mul(2) > window.kernel[axis]) {
             // libtorch's error, element by element.
             return Ok(None);
         }

@@ -414,3 +414,92 @@ fn hostile_geometry_is_an_error_not_a_panic() {
         }
     }
 }
+
+/// A small conv net's loss, for compiled training: two convolutions (a residual), global
+/// average pooling, a linear head, the mean square.
+fn conv_net_loss(
+    x: &NestedTensor,
+    params: &[Tensor],
+    geometry: &Geometry,
+) -> nestor::Result<Dense> {
+    let conv = |x: &NestedTensor, weight: &Tensor, bias: &Tensor| {
+        x.conv2d(
+            weight,
+            Some(bias),
+            [1, 1],
+            geometry.padding,
+            geometry.dilation,
+            1,
+        )
+    };
+    let stem = conv(x, &params[0], &params[1])?.relu()?;
+    let hidden = conv(&stem, &params[2], &params[3])?.relu()?;
+    let block = (&hidden + &stem)?.relu()?;
+    let channels = params[0].size()[0];
+    block
+        .adaptive_avg_pool2d([1, 1])?
+        .reshape_tail(&[channels])?
+        .linear(&params[4], Some(&params[5]))?
+        .square()?
+        .mean(&[], false)?
+        .into_dense_handle()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// Compiled training of convolutions (stride 1), residuals and global average
+    /// pooling: the loss and the gradients of every parameter and of the images equal
+    /// eager autograd's.
+    #[test]
+    fn compiled_conv_net_gradients_equal_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        (k, dilation) in (1i64..=3, 1i64..=2),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        // A window that keeps every size (the residual needs it).
+        let reach = dilation * (k - 1);
+        prop_assume!(reach % 2 == 0);
+        let geometry = Geometry { kernel: [k, k], stride: [1, 1], padding: [reach / 2; 2], dilation: [dilation; 2] };
+        let (c_in, c) = (2, 3);
+        let mut random = Random::new(seed);
+        let shapes = [vec![c, c_in, k, k], vec![c], vec![c, c, k, k], vec![c], vec![2, c], vec![2]];
+        let params: Vec<Tensor> = shapes.iter().map(|shape| (random.normal(shape) * 0.5).to_kind(kind).set_requires_grad(true)).collect();
+        let traced = params.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
+        let store = tch::nn::VarStore::new(tch::Device::Cpu);
+        let root = store.root();
+        let names = ["stem_weight", "stem_bias", "conv_weight", "conv_bias", "head_weight", "head_bias"];
+        let variables: Vec<Tensor> = names.iter().zip(&params).map(|(name, param)| root.add(name, param.detach(), true)).collect();
+        let model_geometry = geometry.clone();
+        let compiled = compile("conv_net", move |x: &[NestedTensor], _: &[Dense]| conv_net_loss(&x[0], &variables, &model_geometry)).train(&store);
+        drop(traced);
+        for (index, sizes) in batches.iter().enumerate() {
+            let mut sizes = sizes.clone();
+            sizes.extend([(4, 5), (5, 4)]);
+            let (_, eager_leaves, eager_batch) = images(&sizes, c_in, kind, index as i64);
+            let eager_loss = conv_net_loss(&eager_batch, &params, &geometry).unwrap().into_tensor();
+            for param in &params {
+                let mut grad = param.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+            }
+            eager_loss.backward();
+            let (_, leaves, batch) = images(&sizes, c_in, kind, index as i64);
+            let (outputs, named) = compiled.gradients(&[&batch], &[]).unwrap();
+            let tolerance = if double { 1e-9 } else { 1e-4 };
+            let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
+            let loss = &loss;
+            let error = |a: &Tensor, e: &Tensor| ((a.to_kind(Kind::Double) - e.to_kind(Kind::Double)).abs() / (e.to_kind(Kind::Double).abs() + 1.0)).max().double_value(&[]);
+            prop_assert!(error(loss, &eager_loss) <= tolerance, "loss {loss:?} vs {eager_loss:?}");
+            for (name, param) in names.iter().zip(&params) {
+                let compiled_grad = named.iter().find(|(path, _)| path == name).map(|(_, grad)| grad).unwrap_or_else(|| panic!("no gradient for {name}: {:?}", named.iter().map(|(path, _)| path).collect::<Vec<_>>()));
+                prop_assert!(error(compiled_grad, &param.grad()) <= tolerance, "{kind:?} {name}: {compiled_grad:?} vs {:?}", param.grad());
+            }
+            drop((eager_leaves, leaves));
+        }
+        prop_assert_eq!(compiled.stats().compiles, 1);
+    }
+}

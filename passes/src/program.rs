@@ -256,6 +256,17 @@ pub enum WindowKind {
     /// The mean of every pixel of each image (global average pooling; NaN for an
     /// empty image).
     ImageMean,
+    /// A convolution's gradient with respect to its input: the convolution of the
+    /// output's gradient (`x`, `channels` = the convolution's output channels) with the
+    /// weight flipped and transposed (`window` is the convolution's adjoint).
+    ConvInputGrad,
+    /// A convolution's gradient with respect to its weight, `out [width, channels *
+    /// K_h * K_w]`: the windows of `x` times the output's gradient `grad`, summed over
+    /// every pixel in blocks of fixed size, added in order.
+    WeightGrad,
+    /// The gradient of every image's mean pixel (`x`: one row per image) spread over
+    /// the image's pixels, divided by their count.
+    ImageSpread,
 }
 
 /// Lengths computed from other lengths before a run sizes its buffers.
@@ -422,6 +433,9 @@ pub enum Step {
         weight: Option<Slot>,
         /// `[width]` (convolution).
         bias: Option<Slot>,
+        /// The gradient of the convolution's output `[sum H_out W_out, width]`
+        /// ([`WindowKind::WeightGrad`]).
+        grad: Option<Slot>,
         /// The images' heights.
         heights: Slot,
         /// The images' widths.
@@ -638,8 +652,15 @@ impl Step {
             Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
             Step::PairGemm { a, b, .. } => vec![*a, *b],
             Step::Window {
-                x, weight, bias, ..
-            } => [Some(*x), *weight, *bias].into_iter().flatten().collect(),
+                x,
+                weight,
+                bias,
+                grad,
+                ..
+            } => [Some(*x), *weight, *bias, *grad]
+                .into_iter()
+                .flatten()
+                .collect(),
             Step::Gather { table, ids, .. } => vec![*table, *ids],
             Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
             Step::LengthValues { .. } => Vec::new(),

@@ -74,6 +74,66 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 ],
             ))
         }
+        Op::Conv2dInputGrad {
+            g,
+            weight,
+            x,
+            padding,
+            dilation,
+        } => {
+            let weight = static_shape(&ty(*weight), "the weight")?;
+            let [out, channels, kh, kw] = weight.as_slice() else {
+                return Err(format!(
+                    "the weight must be [C_out, C_in, Kh, Kw], got {weight:?}"
+                ));
+            };
+            let (g, input) = (images(&ty(*g))?, images(&ty(*x))?);
+            if g.1 != Some(*out) || input.1 != Some(*channels) {
+                return Err(format!(
+                    "the gradient has {:?} channels and the input {:?}, the weight [{out}, {channels}, ..]",
+                    g.1, input.1
+                ));
+            }
+            if padding.len() != 2
+                || dilation.len() != 2
+                || (0..2).any(|axis| padding[axis] > dilation[axis] * ([*kh, *kw][axis] - 1))
+            {
+                return Err("needs 2-d paddings at most the window's reach".into());
+            }
+            Ok(ty(*x).with_dtype(g.0))
+        }
+        Op::Conv2dWeightGrad {
+            x,
+            g,
+            kernel,
+            padding,
+            dilation,
+        } => {
+            let (x, g) = (images(&ty(*x))?, images(&ty(*g))?);
+            let (Some(channels), Some(out), [kh, kw], 2, 2) =
+                (x.1, g.1, kernel.as_slice(), padding.len(), dilation.len())
+            else {
+                return Err("needs images of static channels and a 2-d window".into());
+            };
+            Ok(Type::dense_static(g.0, &[out, channels, *kh, *kw]))
+        }
+        Op::ImageMeanGrad { g, x } => {
+            let Type::Ragged { dims, dtype, .. } = ty(*g) else {
+                return Err("the gradient must be a batch of [C, 1, 1]".into());
+            };
+            let x_channels = images(&ty(*x))?.1;
+            match dims.as_slice() {
+                [ElemDim::Fixed(c), ElemDim::Fixed(Dim::Static(1)), ElemDim::Fixed(Dim::Static(1))]
+                    if c.as_static() == x_channels =>
+                {
+                    Ok(ty(*x).with_dtype(dtype))
+                }
+                _ => Err(format!(
+                    "the gradient must be [C, 1, 1] of the images' channels, got {}",
+                    ty(*g)
+                )),
+            }
+        }
         other => Err(format!("{} is not a per element op", other.name())),
     }
 }
@@ -130,5 +190,23 @@ fn element_image(ty: &Type) -> Result<(DType, Vec<Dim>), String> {
     match ty {
         Type::Dense { dtype, shape } if shape.len() == 3 => Ok((*dtype, shape.clone())),
         other => Err(format!("expects one element [C, H, W], got {other}")),
+    }
+}
+
+/// The element type and static channel count of a batch of images `[C, H_i, W_i]` with
+/// ragged `H` and `W`.
+fn images(ty: &Type) -> Result<(DType, Option<i64>), String> {
+    match ty {
+        Type::Ragged { dtype, dims, .. } => match dims.as_slice() {
+            [ElemDim::Fixed(channels), ElemDim::Ragged(_), ElemDim::Ragged(_)] => {
+                Ok((*dtype, channels.as_static()))
+            }
+            _ => Err(format!(
+                "expects images [C, H, W] with ragged H and W, got {ty}"
+            )),
+        },
+        other => Err(format!(
+            "expects images [C, H, W] with ragged H and W, got {other}"
+        )),
     }
 }

@@ -606,6 +606,47 @@ pub enum Op {
         /// Output spatial size.
         output: Vec<i64>,
     },
+    /// The gradient of a stride-1 convolution (groups 1) of images `[C_in, H_i, W_i]`
+    /// with respect to its input, from the gradient `g` of its output
+    /// `[C_out, H_out, W_out]` (a transposed convolution): images like `x`.
+    #[op(name = "conv2d_input_grad", family = PerElement)]
+    Conv2dInputGrad {
+        /// The output's gradient.
+        g: ValueId,
+        /// `[C_out, C_in, Kh, Kw]`.
+        weight: ValueId,
+        /// The convolution's input (its sizes).
+        x: ValueId,
+        /// Paddings.
+        padding: Vec<i64>,
+        /// Dilations.
+        dilation: Vec<i64>,
+    },
+    /// The gradient of a stride-1 convolution (groups 1) of images `x` with respect to
+    /// its weight, from the gradient `g` of its output: `[C_out, C_in, Kh, Kw]`, summed
+    /// over every image.
+    #[op(name = "conv2d_weight_grad", family = PerElement)]
+    Conv2dWeightGrad {
+        /// The convolution's input.
+        x: ValueId,
+        /// The output's gradient.
+        g: ValueId,
+        /// Window.
+        kernel: Vec<i64>,
+        /// Paddings.
+        padding: Vec<i64>,
+        /// Dilations.
+        dilation: Vec<i64>,
+    },
+    /// The gradient of each image's mean pixel (global average pooling) spread over its
+    /// pixels: `g [C, 1, 1]` divided by the image's pixel count, images like `x`.
+    #[op(name = "image_mean_grad", family = PerElement)]
+    ImageMeanGrad {
+        /// The means' gradient.
+        g: ValueId,
+        /// The pooled images (their sizes).
+        x: ValueId,
+    },
     /// Elementwise ops fused into one: `expr` over `inputs` (broadcast as `binary`
     /// broadcasts); one kernel.
     #[op(name = "fused", family = Pointwise)]

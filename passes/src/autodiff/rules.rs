@@ -35,6 +35,7 @@ pub(super) fn vjp(
         OpFamily::Norm => norm(b, value, op, g, &wants),
         OpFamily::Structure => structure(b, op, g),
         OpFamily::Attention => attention(b, op, g, &wants),
+        OpFamily::PerElement => per_element(b, op, g, &wants),
         _ => Err(b.no_rule("no rule for this op yet")),
     }
 }
@@ -701,6 +702,101 @@ fn attention(
                 })?;
                 out.push((operand, part));
             }
+        }
+    }
+    Ok(out)
+}
+
+/// A per-element region of one convolution (stride 1, groups 1, padding at most the
+/// window's reach) or global average pooling of images with ragged `H` and `W`.
+fn per_element(
+    b: &mut Builder,
+    op: &Op,
+    g: ValueId,
+    wants: &dyn Fn(ValueId) -> bool,
+) -> Result<Contributions, AutodiffError> {
+    let Op::PerElement { inputs, body } = op else {
+        return Err(b.no_rule("not a per-element region"));
+    };
+    let ([output], Some(&images)) = (&body.outputs[..], inputs.first()) else {
+        return Err(b.no_rule("a region of more than one op"));
+    };
+    let body_inputs = body.inputs();
+    // The region input a body value is (the images are input 0).
+    let region_input = |id: ValueId| {
+        body_inputs
+            .iter()
+            .position(|&input| input == id)
+            .map(|position| inputs[position])
+    };
+    let mut out = Vec::new();
+    match body.op(*output) {
+        Op::Conv2d {
+            x,
+            weight,
+            bias,
+            stride,
+            padding,
+            dilation,
+            groups,
+        } if region_input(*x) == Some(images) => {
+            let weight = region_input(*weight)
+                .ok_or_else(|| b.no_rule("the weight is not an input of the region"))?;
+            let kernel = match b.ty(weight) {
+                Type::Dense { shape, .. } if shape.len() == 4 => shape[2..]
+                    .iter()
+                    .filter_map(Dim::as_static)
+                    .collect::<Vec<_>>(),
+                _ => Vec::new(),
+            };
+            let reach = |axis: usize| dilation[axis] * (kernel[axis] - 1);
+            if *groups != 1
+                || stride[..] != [1, 1]
+                || kernel.len() != 2
+                || (0..2).any(|axis| padding[axis] > reach(axis))
+            {
+                return Err(b.no_rule(
+                    "compiled gradients of convolutions need stride 1, groups 1 and padding at most the window's reach",
+                ));
+            }
+            if wants(images) {
+                let grad = b.push(Op::Conv2dInputGrad {
+                    g,
+                    weight,
+                    x: images,
+                    padding: padding.clone(),
+                    dilation: dilation.clone(),
+                })?;
+                out.push((images, grad));
+            }
+            if wants(weight) {
+                let grad = b.push(Op::Conv2dWeightGrad {
+                    x: images,
+                    g,
+                    kernel,
+                    padding: padding.clone(),
+                    dilation: dilation.clone(),
+                })?;
+                out.push((weight, b.cast_like(grad, weight)?));
+            }
+            if let Some(bias) = bias.and_then(region_input).filter(|&bias| wants(bias)) {
+                // Every pixel of every image: the batch and both ragged dims.
+                let grad = b.reduce(ReduceOp::Sum, g, vec![0, 2, 3], false)?;
+                out.push((bias, b.cast_like(grad, bias)?));
+            }
+        }
+        Op::AdaptiveAvgPool2d { x, output }
+            if region_input(*x) == Some(images) && output[..] == [1, 1] =>
+        {
+            if wants(images) {
+                out.push((images, b.push(Op::ImageMeanGrad { g, x: images })?));
+            }
+        }
+        other => {
+            return Err(b.no_rule(format!(
+                "no compiled gradient for a per-element {} yet",
+                other.name()
+            )))
         }
     }
     Ok(out)

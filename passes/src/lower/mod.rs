@@ -401,15 +401,16 @@ impl Lowering<'_> {
         self.typed(value, ty, Source::Alias(source))
     }
 
-    /// Errors unless `operand` is dense or a batch with one leading ragged dim, the
-    /// layouts row-wise kernels (GEMM, norms, softmax, reductions) understand.
+    /// Errors unless `operand` is dense, a batch with one leading ragged dim, or a batch
+    /// without ragged dims (one row per element), the layouts row-wise kernels (GEMM,
+    /// norms, softmax, reductions) understand.
     fn leading(&self, value: ValueId, operand: ValueId) -> Result<(), LowerError> {
         match self.get(operand) {
             Lowered::Data {
                 lengths: None,
                 dims,
                 ..
-            } if !dims.is_empty() => Err(unsupported(
+            } if dims.iter().any(|dim| matches!(dim, OutDim::Ragged(_))) => Err(unsupported(
                 value,
                 self.graph.op(value),
                 format!(

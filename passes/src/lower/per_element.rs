@@ -14,7 +14,7 @@ impl Lowering<'_> {
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
         let Op::PerElement { inputs, body } = op else {
-            return Err(unsupported(value, op, "not lowered yet"));
+            return self.window_gradient(value, op, ty);
         };
         if let Some(window) = self.window_step(value, ty, inputs, body)? {
             return Ok(window);
@@ -42,16 +42,12 @@ impl Lowering<'_> {
         let ([output], Some(&images)) = (&body.outputs[..], inputs.first()) else {
             return Ok(None);
         };
-        let Type::Ragged { dims, .. } = self.graph.ty(images) else {
-            return Ok(None);
-        };
-        let [ElemDim::Fixed(Dim::Static(channels)), ElemDim::Ragged(heights), ElemDim::Ragged(widths)] =
-            dims[..]
-        else {
-            return Ok(None);
-        };
-        let (Lowered::Lengths(heights), Lowered::Lengths(widths)) =
-            (self.get(heights), self.get(widths))
+        let Some(ImageOperand {
+            channels,
+            heights,
+            widths,
+            ..
+        }) = self.image_operand(images)
         else {
             return Ok(None);
         };
@@ -155,6 +151,7 @@ impl Lowering<'_> {
             x,
             weight,
             bias,
+            grad: None,
             heights,
             widths,
             channels,
@@ -162,6 +159,153 @@ impl Lowering<'_> {
             window,
         });
         Ok(Some(out))
+    }
+
+    /// The buffer, channels and lengths of a batch of images `[C, H_i, W_i]` with
+    /// ragged `H` and `W`; `None` for other values.
+    pub(super) fn image_operand(&self, images: ValueId) -> Option<ImageOperand> {
+        let Type::Ragged { dims, .. } = self.graph.ty(images) else {
+            return None;
+        };
+        let [ElemDim::Fixed(Dim::Static(channels)), ElemDim::Ragged(heights), ElemDim::Ragged(widths)] =
+            dims[..]
+        else {
+            return None;
+        };
+        match (self.get(heights), self.get(widths), self.get(images)) {
+            (Lowered::Lengths(heights), Lowered::Lengths(widths), Lowered::Data { slot, .. }) => {
+                Some(ImageOperand {
+                    slot,
+                    channels,
+                    heights,
+                    widths,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The gradients of window steps (convolution, global average pooling), as window
+    /// steps.
+    fn window_gradient(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        let images = |lowering: &Self, operand: ValueId| {
+            lowering.image_operand(operand).ok_or_else(|| {
+                unsupported(
+                    value,
+                    op,
+                    format!("{operand} must be images with ragged H and W"),
+                )
+            })
+        };
+        let step = match op {
+            Op::Conv2dInputGrad {
+                g,
+                weight,
+                padding,
+                dilation,
+                ..
+            } => {
+                let grads = images(self, *g)?;
+                let shape: Vec<i64> = match self.graph.ty(*weight) {
+                    Type::Dense { shape, .. } => shape.iter().filter_map(Dim::as_static).collect(),
+                    _ => Vec::new(),
+                };
+                let [_, channels, kh, kw] = shape[..] else {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        "the weight must be [C_out, C_in, Kh, Kw]",
+                    ));
+                };
+                let (weight, ..) = self.data(value, *weight)?;
+                // The adjoint of a stride-1 convolution: the same window, padded by
+                // what the convolution's window reached past its padding.
+                let reach =
+                    |axis: usize, kernel: i64| dilation[axis] * (kernel - 1) - padding[axis];
+                let window = Window2d {
+                    kernel: [kh, kw],
+                    stride: [1, 1],
+                    padding: [reach(0, kh), reach(1, kw)],
+                    dilation: [dilation[0], dilation[1]],
+                };
+                (
+                    WindowKind::ConvInputGrad,
+                    grads,
+                    Some(weight),
+                    None,
+                    channels,
+                    window,
+                )
+            }
+            Op::Conv2dWeightGrad {
+                x,
+                g,
+                kernel,
+                padding,
+                dilation,
+            } => {
+                let inputs = images(self, *x)?;
+                let grads = images(self, *g)?;
+                let window = Window2d {
+                    kernel: [kernel[0], kernel[1]],
+                    stride: [1, 1],
+                    padding: [padding[0], padding[1]],
+                    dilation: [dilation[0], dilation[1]],
+                };
+                (
+                    WindowKind::WeightGrad,
+                    inputs,
+                    None,
+                    Some(grads.slot),
+                    grads.channels,
+                    window,
+                )
+            }
+            Op::ImageMeanGrad { g, x } => {
+                let pixels = images(self, *x)?;
+                let (means, ..) = self.data(value, *g)?;
+                let whole = Window2d {
+                    kernel: [1, 1],
+                    stride: [1, 1],
+                    padding: [0, 0],
+                    dilation: [1, 1],
+                };
+                let operand = ImageOperand {
+                    slot: means,
+                    ..pixels
+                };
+                (
+                    WindowKind::ImageSpread,
+                    operand,
+                    None,
+                    None,
+                    pixels.channels,
+                    whole,
+                )
+            }
+            other => return Err(unsupported(value, other, "not lowered yet")),
+        };
+        let (kind, operand, weight, grad, width, window) = step;
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::Window {
+            kind,
+            out: slot_of(&out),
+            x: operand.slot,
+            weight,
+            bias: None,
+            grad,
+            heights: operand.heights,
+            widths: operand.widths,
+            channels: operand.channels,
+            width,
+            window,
+        });
+        Ok(out)
     }
 
     /// A host step running a one-op graph (a per-element region) through libtorch: its
@@ -246,4 +390,13 @@ impl Lowering<'_> {
         });
         Ok(out)
     }
+}
+
+/// A batch of images in a program: its buffer, channels and lengths slots.
+#[derive(Clone, Copy)]
+pub(super) struct ImageOperand {
+    pub(super) slot: Slot,
+    pub(super) channels: i64,
+    pub(super) heights: Slot,
+    pub(super) widths: Slot,
 }

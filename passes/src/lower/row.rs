@@ -164,6 +164,24 @@ impl Lowering<'_> {
             });
             return Ok(out);
         }
+        // Over every pixel of images `[C, H, W]` (the batch and both ragged dims): the
+        // channels' column sums (a convolution's bias gradient).
+        if let (Some(images), [0, 2, 3], false, ReduceOp::Sum | ReduceOp::Mean) =
+            (self.image_operand(x), dims, keepdim, reduce)
+        {
+            let (_, rows, ..) = self.data(value, x)?;
+            let out = self.result(value, ty)?;
+            self.program.steps.push(Step::SumRows {
+                out: slot_of(&out),
+                a: None,
+                b: images.slot,
+                rows,
+                m: 1,
+                n: images.channels,
+                mean: reduce == ReduceOp::Mean,
+            });
+            return Ok(out);
+        }
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
         // The index of the last dim: after the batch dim, and the ragged dim if any.

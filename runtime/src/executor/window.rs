@@ -14,6 +14,9 @@ use nestor_ir::Window2d;
 
 /// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;
+/// Output pixels whose weight-gradient terms are summed together (fixed, so the sum's
+/// order never depends on the threads).
+const GRAD_BLOCK_ROWS: usize = 256;
 
 /// The buffers of a window step, shared by the team's threads (each writes its own
 /// output rows).
@@ -62,6 +65,7 @@ impl Executable {
             x,
             weight,
             bias,
+            grad,
             heights: heights_slot,
             widths: widths_slot,
             channels,
@@ -110,52 +114,80 @@ impl Executable {
         }
         let size = self.program.float.size();
         let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
-        if *kind == WindowKind::Conv {
+        let slot_len = |slot: Slot| run.sizes.elements(&self.program, slot);
+        let sizes = (&heights.lengths[..], &widths.lengths[..]);
+        if matches!(kind, WindowKind::Conv | WindowKind::ConvInputGrad) {
             let Some(weight) = weight else {
                 return Err(step_error(index, "a convolution without a weight".into()));
             };
             let taps = usize::try_from(window.taps()).unwrap_or(usize::MAX);
-            let weight_bytes = shape
-                .width
-                .div_ceil(16)
-                .checked_mul(16 * size)
+            // The packed weight, and the flipped one of an input's gradient.
+            let weight_bytes = (shape.width.div_ceil(16) * 16 + shape.width)
+                .checked_mul(size)
                 .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
             within_budget(index, "the packed convolution weight", weight_bytes)?;
-            let slot_len = |slot: Slot| run.sizes.elements(&self.program, slot);
-            let sizes = (&heights.lengths[..], &widths.lengths[..]);
-            let widths_ = (shape.channels, shape.width);
+            let adjoint = *kind == WindowKind::ConvInputGrad;
+            let buffers = SlotBuffers {
+                out: (run.pointer(*out), out_scalars),
+                x: (run.pointer(*x), slot_len(*x)),
+                weight: (run.pointer(*weight), slot_len(*weight)),
+                bias: bias.map(|bias| (run.pointer(bias), slot_len(bias))),
+            };
             // Every slot holds the values the program sized it for, in its type; the
             // output is written only here and no input aliases it.
             let result = unsafe {
                 match self.program.float {
-                    FloatType::F32 => convolve_checked::<f32>(
-                        run_slice_mut(run.pointer(*out), out_scalars),
-                        run_slice(run.pointer(*x), slot_len(*x)),
-                        (
-                            run_slice(run.pointer(*weight), slot_len(*weight)),
-                            bias.map(|bias| run_slice(run.pointer(bias), slot_len(bias))),
-                        ),
-                        widths_,
+                    FloatType::F32 => convolve_slots::<f32>(
+                        buffers,
+                        adjoint,
+                        (shape.channels, shape.width),
                         window,
                         sizes,
                     ),
-                    FloatType::F64 => convolve_checked::<f64>(
-                        run_slice_mut(run.pointer(*out), out_scalars),
-                        run_slice(run.pointer(*x), slot_len(*x)),
-                        (
-                            run_slice(run.pointer(*weight), slot_len(*weight)),
-                            bias.map(|bias| run_slice(run.pointer(bias), slot_len(bias))),
-                        ),
-                        widths_,
+                    FloatType::F64 => convolve_slots::<f64>(
+                        buffers,
+                        adjoint,
+                        (shape.channels, shape.width),
                         window,
                         sizes,
                     ),
                 }
             };
-            result.map_err(|error| step_error(index, error.to_string()))?;
+            return result.map_err(|error| step_error(index, error.to_string()));
+        }
+        if *kind == WindowKind::ImageSpread {
+            let counts: Vec<i64> = heights
+                .lengths
+                .iter()
+                .zip(&widths.lengths)
+                .map(|(h, w)| h.saturating_mul(*w))
+                .collect();
+            let pixels = counts
+                .iter()
+                .fold(0usize, |sum, &count| sum.saturating_add(count as usize));
+            if pixels.checked_mul(shape.width) != Some(out_scalars)
+                || slot_len(*x) != counts.len().saturating_mul(shape.channels)
+            {
+                return Err(step_error(
+                    index,
+                    "the images do not fill the spread's buffers".into(),
+                ));
+            }
+            let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
+            // The buffers hold what was just checked, in the program's type.
+            unsafe {
+                match self.program.float {
+                    FloatType::F32 => image_spread::<f32>(buffers, &counts, shape.channels),
+                    FloatType::F64 => image_spread::<f64>(buffers, &counts, shape.channels),
+                }
+            }
             return Ok(());
         }
-        let out_rows = run.sizes.rows(self.program.info(*out).rows);
+        // The windows' output pixels: the output's, or its gradient's for the weight's.
+        let pixels_slot = grad
+            .filter(|_| *kind == WindowKind::WeightGrad)
+            .unwrap_or(*out);
+        let out_rows = run.sizes.rows(self.program.info(pixels_slot).rows);
         let table_bytes = usize::try_from(out_rows)
             .ok()
             .and_then(|rows| rows.checked_mul(usize::try_from(window.taps()).ok()?))
@@ -166,7 +198,7 @@ impl Executable {
             .window_taps(*window, (*heights_slot, *widths_slot))
             .map_err(|error| step_error(index, error.to_string()))?;
         let rows = taps.rows.len() / taps.taps.max(1);
-        if rows.checked_mul(shape.width) != Some(out_scalars) {
+        if *kind != WindowKind::WeightGrad && rows.checked_mul(shape.width) != Some(out_scalars) {
             return Err(step_error(
                 index,
                 format!("{rows} output pixels do not fill {out_scalars} output scalars"),
@@ -187,7 +219,49 @@ impl Executable {
                     }
                 }
             }
-            WindowKind::Conv | WindowKind::ImageMean => {}
+            WindowKind::WeightGrad => {
+                let Some(grad) = grad else {
+                    return Err(step_error(
+                        index,
+                        "a weight gradient without the output's".into(),
+                    ));
+                };
+                let inner = shape.taps.saturating_mul(shape.channels);
+                let partials = rows.div_ceil(GRAD_BLOCK_ROWS).saturating_mul(shape.width);
+                let bytes = partials
+                    .checked_mul(inner)
+                    .and_then(|count| {
+                        count
+                            .checked_add(GRAD_BLOCK_ROWS * inner * worker_threads().max(1) as usize)
+                    })
+                    .and_then(|count| count.checked_mul(size));
+                within_budget(index, "the weight gradient's partial sums", bytes)?;
+                if out_scalars != shape.width.saturating_mul(inner)
+                    || slot_len(*grad) != rows.saturating_mul(shape.width)
+                {
+                    return Err(step_error(
+                        index,
+                        "the weight gradient's buffers do not match its window".into(),
+                    ));
+                }
+                let buffers = (
+                    run.pointer(*out),
+                    run.pointer(*x) as *const u8,
+                    run.pointer(*grad) as *const u8,
+                );
+                // The buffers hold what was just checked (and `x` every pixel the taps
+                // name), in the program's type.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => weight_grad::<f32>(buffers, &taps, shape),
+                        FloatType::F64 => weight_grad::<f64>(buffers, &taps, shape),
+                    }
+                }
+            }
+            WindowKind::Conv
+            | WindowKind::ConvInputGrad
+            | WindowKind::ImageMean
+            | WindowKind::ImageSpread => {}
         }
         Ok(())
     }
@@ -473,4 +547,191 @@ unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64],
         1
     };
     crate::team::for_each_chunk(counts.len(), threads, &image);
+}
+
+/// The buffers of a convolution step: pointers and value counts.
+struct SlotBuffers {
+    out: (*mut u8, usize),
+    x: (*mut u8, usize),
+    weight: (*mut u8, usize),
+    bias: Option<(*mut u8, usize)>,
+}
+
+/// A convolution step in `T`: with the weight as the program holds it, or (`adjoint`,
+/// an input's gradient) flipped and with its channels swapped.
+///
+/// # Safety
+/// Every buffer must hold its count of values of type `T`; the output no other.
+unsafe fn convolve_slots<T: Scalar>(
+    buffers: SlotBuffers,
+    adjoint: bool,
+    (channels, width): (usize, usize),
+    window: &Window2d,
+    sizes: (&[i64], &[i64]),
+) -> Result<(), WindowError> {
+    let (out, x, weight, bias) = unsafe {
+        (
+            run_slice_mut::<T>(buffers.out.0, buffers.out.1),
+            run_slice::<T>(buffers.x.0, buffers.x.1),
+            run_slice::<T>(buffers.weight.0, buffers.weight.1),
+            buffers
+                .bias
+                .map(|(pointer, count)| run_slice::<T>(pointer, count)),
+        )
+    };
+    if !adjoint {
+        return convolve_checked(out, x, (weight, bias), (channels, width), window, sizes);
+    }
+    // The forward weight `[channels, width, K_h, K_w]` (its output channels are this
+    // step's input): `W'[c, o, ky, kx] = W[o, c, K_h - 1 - ky, K_w - 1 - kx]`.
+    let [kh, kw] = window.kernel.map(|k| k.max(0) as usize);
+    let taps = kh * kw;
+    if weight.len() != channels * width * taps {
+        return Err(WindowError::Buffer {
+            what: "weight",
+            expected: channels * width * taps,
+            got: weight.len(),
+        });
+    }
+    let mut flipped = vec![T::ZERO; weight.len()];
+    for o in 0..channels {
+        for c in 0..width {
+            for t in 0..taps {
+                flipped[(c * channels + o) * taps + (taps - 1 - t)] =
+                    weight[(o * width + c) * taps + t];
+            }
+        }
+    }
+    convolve_checked(out, x, (&flipped, bias), (channels, width), window, sizes)
+}
+
+/// The gradient of every image's mean pixel spread over its pixels (`counts` each):
+/// `out[pixel] = g[image] / count`.
+///
+/// # Safety
+/// `out` must hold the sum of `counts` rows of `channels` values, `g` one row per image.
+unsafe fn image_spread<T: Scalar>((out, g): (*mut u8, *const u8), counts: &[i64], channels: usize) {
+    let buffers = Buffers {
+        out: out as *mut T,
+        x: g as *const T,
+    };
+    let mut starts = Vec::with_capacity(counts.len());
+    let mut total = 0usize;
+    for &count in counts {
+        starts.push(total);
+        total += count.max(0) as usize;
+    }
+    let image = |index: usize| {
+        let count = counts[index].max(0) as usize;
+        // SAFETY: image `index` owns row `index` of `g` and its pixels' rows of `out`.
+        let (mean, pixels) = unsafe {
+            (
+                std::slice::from_raw_parts(buffers.x().add(index * channels), channels),
+                std::slice::from_raw_parts_mut(
+                    buffers.out().add(starts[index] * channels),
+                    count * channels,
+                ),
+            )
+        };
+        let divisor = T::from_f64(count as f64);
+        for pixel in pixels.chunks_mut(channels.max(1)) {
+            for (value, &m) in pixel.iter_mut().zip(mean) {
+                *value = m / divisor;
+            }
+        }
+    };
+    let threads = if total.saturating_mul(channels) >= crate::Parallelism::current().kernel_scalars
+    {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(counts.len(), threads, &image);
+}
+
+/// A convolution's weight gradient: `out[o, c, t] = sum over output pixels r of
+/// g[r, o] x[taps[r, t], c]`, as one GEMM per block of [`GRAD_BLOCK_ROWS`] pixels
+/// (their windows gathered), the blocks' sums added in order.
+///
+/// # Safety
+/// `out` must hold `width * channels * taps` values, `g` a row of `width` per output
+/// pixel of `taps`, `x` every row the taps name.
+unsafe fn weight_grad<T: Scalar>(
+    (out, x, g): (*mut u8, *const u8, *const u8),
+    taps: &WindowTaps,
+    shape: Shape,
+) {
+    let Shape {
+        channels,
+        width,
+        taps: per_window,
+    } = shape;
+    let inner = per_window * channels;
+    let rows = taps.rows.len() / per_window.max(1);
+    let blocks = rows.div_ceil(GRAD_BLOCK_ROWS);
+    let mut partials = vec![T::ZERO; blocks * width * inner];
+    let sums = Buffers {
+        out: partials.as_mut_ptr(),
+        x: x as *const T,
+    };
+    let grads = Buffers {
+        out: std::ptr::null_mut(),
+        x: g as *const T,
+    };
+    let block = |index: usize| {
+        let (first, last) = (
+            index * GRAD_BLOCK_ROWS,
+            ((index + 1) * GRAD_BLOCK_ROWS).min(rows),
+        );
+        let count = last - first;
+        let mut gathered = vec![T::ZERO; count * inner];
+        for (row, windows) in gathered
+            .chunks_mut(inner.max(1))
+            .zip(taps.rows[first * per_window..last * per_window].chunks(per_window.max(1)))
+        {
+            for (tap, &source) in row.chunks_mut(channels.max(1)).zip(windows) {
+                if source >= 0 {
+                    // SAFETY: the taps name rows of `x`.
+                    tap.copy_from_slice(unsafe {
+                        std::slice::from_raw_parts(
+                            sums.x().add(source as usize * channels),
+                            channels,
+                        )
+                    });
+                }
+            }
+        }
+        if inner == 0 || width == 0 || count == 0 {
+            return;
+        }
+        // SAFETY: block `index` owns its partial sums; `g` holds the block's rows.
+        unsafe {
+            T::matmul(
+                (width, count, inner),
+                T::ONE,
+                (grads.x().add(first * width), 1, width as isize),
+                (gathered.as_ptr(), inner as isize, 1),
+                (sums.out().add(index * width * inner), inner as isize, 1),
+            );
+        }
+    };
+    let threads = if rows.saturating_mul(width * inner) >= crate::Parallelism::current().gemm_macs {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(blocks, threads, &block);
+    // SAFETY: `out` holds `width * inner` values.
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, width * inner) };
+    out.fill(T::ZERO);
+    for partial in partials.chunks(width * inner) {
+        for o in 0..width {
+            for t in 0..per_window {
+                for c in 0..channels {
+                    out[(o * channels + c) * per_window + t] +=
+                        partial[(o * per_window + t) * channels + c];
+                }
+            }
+        }
+    }
 }

@@ -53,6 +53,87 @@ impl Interpreter<'_> {
                     .f_squeeze_dim(0)?,
             ),
             Op::PerElement { inputs, body } => self.per_element(value, inputs, body, ty)?,
+            Op::Conv2dInputGrad {
+                g,
+                weight,
+                padding,
+                dilation,
+                ..
+            } => {
+                let weight = self.dense(*weight)?;
+                let images = self
+                    .nested(*g)?
+                    .elements()?
+                    .iter()
+                    .map(|g| {
+                        Ok(g.f_unsqueeze(0)?
+                            .f_conv_transpose2d(
+                                weight,
+                                None::<&Tensor>,
+                                [1, 1],
+                                padding,
+                                [0, 0],
+                                1,
+                                dilation,
+                            )?
+                            .f_squeeze_dim(0)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                self.images(value, ty, &images)?
+            }
+            Op::Conv2dWeightGrad {
+                x,
+                g,
+                kernel,
+                padding,
+                dilation,
+            } => {
+                let (images, grads) = (self.nested(*x)?, self.nested(*g)?);
+                let mut total: Option<Tensor> = None;
+                for (x, g) in images.elements()?.iter().zip(grads.elements()?) {
+                    // Each input channel as an image, each output channel's gradient as
+                    // a kernel: the window's taps are the output, the dilation its step.
+                    let part = x
+                        .f_unsqueeze(1)?
+                        .f_conv2d(
+                            &g.f_unsqueeze(1)?,
+                            None::<&Tensor>,
+                            dilation,
+                            padding,
+                            [1, 1],
+                            1,
+                        )?
+                        .f_narrow(2, 0, kernel[0])?
+                        .f_narrow(3, 0, kernel[1])?
+                        .f_transpose(0, 1)?;
+                    total = Some(match total {
+                        Some(sum) => sum.f_add(&part)?,
+                        None => part,
+                    });
+                }
+                let shape = match ty {
+                    Type::Dense { shape, .. } => shape.iter().filter_map(Dim::as_static).collect(),
+                    _ => Vec::new(),
+                };
+                Value::Dense(match total {
+                    Some(total) => total.f_contiguous()?,
+                    None => Tensor::f_zeros(shape.as_slice(), (images.kind(), images.device()))?,
+                })
+            }
+            Op::ImageMeanGrad { g, x } => {
+                let (grads, images) = (self.nested(*g)?, self.nested(*x)?);
+                let spread = grads
+                    .elements()?
+                    .iter()
+                    .zip(images.elements()?)
+                    .map(|(g, image)| {
+                        let size = image.size();
+                        Ok(g.f_expand(&size, false)?
+                            .f_div_scalar((size[1] * size[2]) as f64)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                self.images(value, ty, &spread)?
+            }
             other => return Err(not_in_family(other, "per element")),
         })
     }
@@ -92,6 +173,14 @@ impl Interpreter<'_> {
         let nested = NestedTensor::builder()
             .ragged_dims(&ragged)
             .tensors(&outputs)?;
+        self.checked(value, ty, nested)
+    }
+
+    /// Images (ragged `H` and `W`) as `value`, checked against its type `ty`.
+    fn images(&self, value: ValueId, ty: &Type, images: &[Tensor]) -> Result<Value> {
+        let nested = NestedTensor::builder()
+            .ragged_dims(&[1, 2])
+            .tensors(images)?;
         self.checked(value, ty, nested)
     }
 

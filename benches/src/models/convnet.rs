@@ -48,8 +48,21 @@ impl ConvNet {
             .f_linear(&self.head.ws, self.head.bs.as_ref())?)
     }
 
+    /// The mean square of the logits, traced whole (compiled training): the pooled
+    /// features through the head as nestor operators.
+    fn traced_loss(&self, images: &NestedTensor) -> nestor::Result<nestor::Dense> {
+        let channels = self.head.ws.size()[1];
+        self.features(images)?
+            .reshape_tail(&[channels])?
+            .linear(&self.head.ws, self.head.bs.as_ref())?
+            .square()?
+            .mean(&[], false)?
+            .into_dense_handle()
+    }
+
     pub(super) fn columns<'a>(
         &'a self,
+        store: &'a nn::VarStore,
         weights: &'a Weights,
         images: &'a Images,
         mode: Mode,
@@ -84,14 +97,22 @@ impl ConvNet {
         let nestor = step(Box::new(move || {
             self.head(self.features(&images.nested)?.values())
         }));
-        let compiled = (mode == Mode::Inference).then(|| {
-            let function = compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
-                self.features(&inputs[0])
-            })
-            .per_element_fallback(true);
-            compiled_step(function, vec![&images.nested], move |pooled| {
-                self.head(pooled.values())
-            })
+        let compiled = Some(match mode {
+            Mode::Inference => {
+                let function = compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
+                    self.features(&inputs[0])
+                });
+                compiled_step(function, vec![&images.nested], move |pooled| {
+                    self.head(pooled.values())
+                })
+            }
+            Mode::Training => {
+                let function = compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
+                    self.traced_loss(&inputs[0])
+                })
+                .train(store);
+                stepper.compiled_training(function, vec![&images.nested])
+            }
         });
         Ok(Columns {
             padded,

@@ -303,7 +303,7 @@ pub fn with_columns(
                 images.area() / (scale.batch * scale.image_side * scale.image_side) as f64;
             let flops = conv_flops(scale, &images.sizes);
             visit_modes(&store, occupancy_now, flops, visit, |mode, optimizer| {
-                net.columns(&weights, &images, mode, optimizer)
+                net.columns(&store, &weights, &images, mode, optimizer)
             })?;
         }
     }

@@ -187,6 +187,119 @@ impl Plan<'_, f32> {
     }
 }
 
+/// A convolution's weight gradient over blocks of output pixels: for every tap `t`,
+/// input channel `c` and output channel `o`, `sum over pixels r of g[r, o]
+/// x[taps[r, t], c]`, with the sums of [`LANES`] output channels x a few input channels
+/// in registers while the block's pixels stream by.
+pub(super) struct GradPlan<'a, T> {
+    /// Input pixels.
+    pub(super) x: *const T,
+    /// The output's gradient, rows of `lanes` values (output channels padded to a
+    /// multiple of [`LANES`]).
+    pub(super) g: &'a [T],
+    /// Input rows under each output pixel's taps (-1 outside its image).
+    pub(super) taps: &'a [i64],
+    pub(super) per_window: usize,
+    pub(super) channels: usize,
+    pub(super) lanes: usize,
+}
+
+// SAFETY: tasks only read the plan (each writes its own block's sums).
+unsafe impl<T: Sync> Sync for GradPlan<'_, T> {}
+
+impl<T: Scalar> GradPlan<'_, T> {
+    /// The sums over output pixels `first..last` into `partial` (`[taps, channels,
+    /// lanes]`, written whole).
+    pub(super) fn block(&self, (first, last): (usize, usize), partial: &mut [T]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+            // SAFETY: `T` is `f32` (checked just above): the same types.
+            let (plan, partial) = unsafe {
+                (
+                    &*(self as *const Self as *const GradPlan<'_, f32>),
+                    std::slice::from_raw_parts_mut(partial.as_mut_ptr() as *mut f32, partial.len()),
+                )
+            };
+            if std::is_x86_feature_detected!("avx512f") {
+                // The CPU has AVX-512 (checked just above).
+                return unsafe { plan.block_avx512((first, last), partial) };
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // The CPU has AVX2 and FMA (checked just above).
+                return unsafe { plan.block_avx2((first, last), partial) };
+            }
+        }
+        // Portable code (any type, any CPU).
+        unsafe { self.block_with::<[T; LANES], 4>((first, last), partial) }
+    }
+
+    /// [`GradPlan::block`] with sums held as `V`, `CH` input channels at a time.
+    ///
+    /// # Safety
+    /// The CPU must run `V`'s instructions.
+    #[inline(always)]
+    unsafe fn block_with<V: Lanes<T>, const CH: usize>(
+        &self,
+        (first, last): (usize, usize),
+        partial: &mut [T],
+    ) {
+        let (channels, lanes) = (self.channels, self.lanes);
+        for t in 0..self.per_window {
+            for block in (0..lanes).step_by(LANES) {
+                for c0 in (0..channels).step_by(CH) {
+                    let count = (channels - c0).min(CH);
+                    let mut sums = [unsafe { V::splat(T::ZERO) }; CH];
+                    for r in first..last {
+                        let source = self.taps[r * self.per_window + t];
+                        if source < 0 {
+                            continue;
+                        }
+                        // SAFETY: `g` holds `lanes` values per pixel; the taps name rows
+                        // of `x` of `channels` values.
+                        unsafe {
+                            let g = V::load(self.g.as_ptr().add(r * lanes + block));
+                            let pixel = self.x.add(source as usize * channels + c0);
+                            for (c, sum) in sums.iter_mut().enumerate() {
+                                if c < count {
+                                    *sum = sum.add_product(V::splat(*pixel.add(c)), g);
+                                }
+                            }
+                        }
+                    }
+                    for (c, sum) in sums.iter().enumerate().take(count) {
+                        let at = (t * channels + c0 + c) * lanes + block;
+                        // SAFETY: `partial` holds `taps * channels * lanes` values.
+                        unsafe { sum.store(partial.as_mut_ptr().add(at), LANES) };
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GradPlan<'_, f32> {
+    /// [`GradPlan::block`] for f32 on AVX-512: 16 input channels x 16 output channels
+    /// in 16 registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block_avx512(&self, rows: (usize, usize), partial: &mut [f32]) {
+        unsafe { self.block_with::<x86::Zmm, 16>(rows, partial) }
+    }
+
+    /// [`GradPlan::block`] for f32 on AVX2: 6 input channels x 16 output channels in 12
+    /// registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block_avx2(&self, rows: (usize, usize), partial: &mut [f32]) {
+        unsafe { self.block_with::<x86::Ymm2, 6>(rows, partial) }
+    }
+}
+
 /// The sums of [`LANES`] output channels of one pixel.
 trait Lanes<T>: Copy {
     /// [`LANES`] values from `at`.

@@ -5,7 +5,7 @@
 
 use nestor_passes::{FloatType, Slot, Step, WindowKind};
 
-use super::conv::Plan;
+use super::conv::{GradPlan, Plan};
 use super::steps::{step_error, RunState};
 use super::{within_budget, worker_threads, Executable, RuntimeError};
 use crate::scalar::Scalar;
@@ -16,7 +16,7 @@ use nestor_ir::Window2d;
 const BLOCK_ROWS: usize = 128;
 /// Output pixels whose weight-gradient terms are summed together (fixed, so the sum's
 /// order never depends on the threads).
-const GRAD_BLOCK_ROWS: usize = 256;
+const GRAD_BLOCK_ROWS: usize = 1024;
 
 /// The buffers of a window step, shared by the team's threads (each writes its own
 /// output rows).
@@ -227,13 +227,13 @@ impl Executable {
                     ));
                 };
                 let inner = shape.taps.saturating_mul(shape.channels);
-                let partials = rows.div_ceil(GRAD_BLOCK_ROWS).saturating_mul(shape.width);
-                let bytes = partials
+                // Partial sums per block of pixels, and the gradient padded to 16 lanes.
+                let lanes = shape.width.div_ceil(16) * 16;
+                let bytes = rows
+                    .div_ceil(GRAD_BLOCK_ROWS)
                     .checked_mul(inner)
-                    .and_then(|count| {
-                        count
-                            .checked_add(GRAD_BLOCK_ROWS * inner * worker_threads().max(1) as usize)
-                    })
+                    .and_then(|count| count.checked_mul(lanes))
+                    .and_then(|count| count.checked_add(rows.checked_mul(lanes)?))
                     .and_then(|count| count.checked_mul(size));
                 within_budget(index, "the weight gradient's partial sums", bytes)?;
                 if out_scalars != shape.width.saturating_mul(inner)
@@ -650,8 +650,8 @@ unsafe fn image_spread<T: Scalar>((out, g): (*mut u8, *const u8), counts: &[i64]
 }
 
 /// A convolution's weight gradient: `out[o, c, t] = sum over output pixels r of
-/// g[r, o] x[taps[r, t], c]`, as one GEMM per block of [`GRAD_BLOCK_ROWS`] pixels
-/// (their windows gathered), the blocks' sums added in order.
+/// g[r, o] x[taps[r, t], c]`, summed per block of [`GRAD_BLOCK_ROWS`] pixels
+/// ([`GradPlan`]), the blocks' sums added in order.
 ///
 /// # Safety
 /// `out` must hold `width * channels * taps` values, `g` a row of `width` per output
@@ -666,70 +666,62 @@ unsafe fn weight_grad<T: Scalar>(
         width,
         taps: per_window,
     } = shape;
-    let inner = per_window * channels;
     let rows = taps.rows.len() / per_window.max(1);
+    let lanes = width.div_ceil(16) * 16;
+    // SAFETY: as the caller promises.
+    let g = unsafe { std::slice::from_raw_parts(g as *const T, rows * width) };
+    // Rows of `lanes` values (the kernel reads 16 output channels at a time).
+    let padded;
+    let g = if lanes == width {
+        g
+    } else {
+        let mut rows_of_lanes = vec![T::ZERO; rows * lanes];
+        for (row, values) in rows_of_lanes.chunks_mut(lanes).zip(g.chunks(width.max(1))) {
+            row[..width].copy_from_slice(values);
+        }
+        padded = rows_of_lanes;
+        &padded[..]
+    };
+    let plan = GradPlan {
+        x: x as *const T,
+        g,
+        taps: &taps.rows,
+        per_window,
+        channels,
+        lanes,
+    };
+    let size = per_window * channels * lanes;
     let blocks = rows.div_ceil(GRAD_BLOCK_ROWS);
-    let mut partials = vec![T::ZERO; blocks * width * inner];
+    let mut partials = vec![T::ZERO; blocks * size];
     let sums = Buffers {
         out: partials.as_mut_ptr(),
-        x: x as *const T,
-    };
-    let grads = Buffers {
-        out: std::ptr::null_mut(),
-        x: g as *const T,
+        x: std::ptr::null(),
     };
     let block = |index: usize| {
-        let (first, last) = (
+        let rows = (
             index * GRAD_BLOCK_ROWS,
             ((index + 1) * GRAD_BLOCK_ROWS).min(rows),
         );
-        let count = last - first;
-        let mut gathered = vec![T::ZERO; count * inner];
-        for (row, windows) in gathered
-            .chunks_mut(inner.max(1))
-            .zip(taps.rows[first * per_window..last * per_window].chunks(per_window.max(1)))
-        {
-            for (tap, &source) in row.chunks_mut(channels.max(1)).zip(windows) {
-                if source >= 0 {
-                    // SAFETY: the taps name rows of `x`.
-                    tap.copy_from_slice(unsafe {
-                        std::slice::from_raw_parts(
-                            sums.x().add(source as usize * channels),
-                            channels,
-                        )
-                    });
-                }
-            }
-        }
-        if inner == 0 || width == 0 || count == 0 {
-            return;
-        }
-        // SAFETY: block `index` owns its partial sums; `g` holds the block's rows.
-        unsafe {
-            T::matmul(
-                (width, count, inner),
-                T::ONE,
-                (grads.x().add(first * width), 1, width as isize),
-                (gathered.as_ptr(), inner as isize, 1),
-                (sums.out().add(index * width * inner), inner as isize, 1),
-            );
-        }
+        // SAFETY: block `index` owns its partial sums.
+        let partial = unsafe { std::slice::from_raw_parts_mut(sums.out().add(index * size), size) };
+        plan.block(rows, partial);
     };
-    let threads = if rows.saturating_mul(width * inner) >= crate::Parallelism::current().gemm_macs {
+    let threads = if rows.saturating_mul(size) >= crate::Parallelism::current().gemm_macs {
         worker_threads().max(1) as usize
     } else {
         1
     };
     crate::team::for_each_chunk(blocks, threads, &block);
-    // SAFETY: `out` holds `width * inner` values.
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, width * inner) };
+    // SAFETY: `out` holds `width * channels * taps` values.
+    let out =
+        unsafe { std::slice::from_raw_parts_mut(out as *mut T, width * channels * per_window) };
     out.fill(T::ZERO);
-    for partial in partials.chunks(width * inner) {
+    for partial in partials.chunks(size.max(1)) {
         for o in 0..width {
-            for t in 0..per_window {
-                for c in 0..channels {
+            for c in 0..channels {
+                for t in 0..per_window {
                     out[(o * channels + c) * per_window + t] +=
-                        partial[(o * per_window + t) * channels + c];
+                        partial[(t * channels + c) * lanes + o];
                 }
             }
         }

@@ -421,6 +421,7 @@ fn conv_net_loss(
     x: &NestedTensor,
     params: &[Tensor],
     geometry: &Geometry,
+    pool: &Option<(bool, Geometry)>,
 ) -> nestor::Result<Dense> {
     let conv = |x: &NestedTensor, weight: &Tensor, bias: &Tensor| {
         x.conv2d(
@@ -434,7 +435,13 @@ fn conv_net_loss(
     };
     let stem = conv(x, &params[0], &params[1])?.relu()?;
     let hidden = conv(&stem, &params[2], &params[3])?.relu()?;
-    let block = (&hidden + &stem)?.relu()?;
+    let mut block = (&hidden + &stem)?.relu()?;
+    if let Some((max, pool)) = pool {
+        block = match max {
+            true => block.max_pool2d(pool.kernel, pool.stride, pool.padding)?,
+            false => block.avg_pool2d(pool.kernel, pool.stride, pool.padding)?,
+        };
+    }
     let channels = params[0].size()[0];
     block
         .adaptive_avg_pool2d([1, 1])?
@@ -455,6 +462,7 @@ proptest! {
     fn compiled_conv_net_gradients_equal_autograd(
         batches in proptest::collection::vec(image_sizes(), 2),
         (k, dilation) in (1i64..=3, 1i64..=2),
+        pool in proptest::option::of((any::<bool>(), geometry(1))),
         double in any::<bool>(),
         seed in 0i64..1000,
     ) {
@@ -472,14 +480,15 @@ proptest! {
         let root = store.root();
         let names = ["stem_weight", "stem_bias", "conv_weight", "conv_bias", "head_weight", "head_bias"];
         let variables: Vec<Tensor> = names.iter().zip(&params).map(|(name, param)| root.add(name, param.detach(), true)).collect();
-        let model_geometry = geometry.clone();
-        let compiled = compile("conv_net", move |x: &[NestedTensor], _: &[Dense]| conv_net_loss(&x[0], &variables, &model_geometry)).train(&store);
+        let (model_geometry, model_pool) = (geometry.clone(), pool.clone());
+        let compiled = compile("conv_net", move |x: &[NestedTensor], _: &[Dense]| conv_net_loss(&x[0], &variables, &model_geometry, &model_pool)).train(&store);
         drop(traced);
         for (index, sizes) in batches.iter().enumerate() {
-            let mut sizes = sizes.clone();
+            // At least the pooling window: every image keeps a pixel to average.
+            let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(3), w.max(3))).collect();
             sizes.extend([(4, 5), (5, 4)]);
             let (_, eager_leaves, eager_batch) = images(&sizes, c_in, kind, index as i64);
-            let eager_loss = conv_net_loss(&eager_batch, &params, &geometry).unwrap().into_tensor();
+            let eager_loss = conv_net_loss(&eager_batch, &params, &geometry, &pool).unwrap().into_tensor();
             for param in &params {
                 let mut grad = param.grad();
                 if grad.defined() {

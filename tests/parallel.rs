@@ -175,3 +175,71 @@ fn gemm_results_do_not_depend_on_the_split() {
         assert!(whole.equal(split), "{whole} vs {split}");
     }
 }
+
+/// Window steps (convolution, its input and weight gradients, pooling, image means)
+/// give the same bits whatever the split: output rows are tasks, weight-gradient sums
+/// are added per fixed block of pixels, in order.
+#[test]
+fn window_results_do_not_depend_on_the_split() {
+    let elements: Vec<Tensor> = [(40, 37), (1, 3), (64, 29), (17, 50)]
+        .iter()
+        .enumerate()
+        .map(|(index, &(h, w))| {
+            tch::manual_seed(index as i64);
+            Tensor::randn([3, h, w], (Kind::Float, tch::Device::Cpu))
+        })
+        .collect();
+    let images = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&elements)
+        .unwrap();
+    let store = tch::nn::VarStore::new(tch::Device::Cpu);
+    let config = tch::nn::ConvConfig {
+        padding: 1,
+        ..Default::default()
+    };
+    let stem = tch::nn::conv2d(store.root() / "stem", 3, 20, 3, config);
+    let conv = tch::nn::conv2d(store.root() / "conv", 20, 20, 3, config);
+    let run = |settings: Parallelism| {
+        with_parallelism(settings, || {
+            let model = |inputs: &[NestedTensor], _: &[Dense]| {
+                let conv2d = |x: &NestedTensor, layer: &tch::nn::Conv2D| {
+                    x.conv2d(&layer.ws, layer.bs.as_ref(), [1, 1], [1, 1], [1, 1], 1)
+                };
+                let hidden = conv2d(&inputs[0], &stem)?.relu()?;
+                let pooled = conv2d(&hidden, &conv)?
+                    .max_pool2d([2, 2], [1, 1], [1, 1])?
+                    .avg_pool2d([3, 3], [2, 2], [1, 1])?;
+                pooled
+                    .adaptive_avg_pool2d([1, 1])?
+                    .square()?
+                    .mean(&[], false)?
+                    .into_dense_handle()
+            };
+            let (outputs, gradients) = compile("windows", model)
+                .train(&store)
+                .gradients(&[&images], &[])
+                .unwrap();
+            let mut tensors: Vec<Tensor> = outputs
+                .into_iter()
+                .map(|value| value.into_dense().unwrap())
+                .collect();
+            tensors.extend(gradients.into_iter().map(|(_, gradient)| gradient));
+            tensors
+        })
+    };
+    let whole = run(Parallelism {
+        threads: 1,
+        ..Parallelism::defaults()
+    });
+    let split = run(Parallelism {
+        threads: 4,
+        kernel_scalars: 1,
+        gemm_macs: 1,
+    });
+    // The loss and both layers' weight and bias gradients.
+    assert_eq!(whole.len(), 5);
+    for (whole, split) in whole.iter().zip(&split) {
+        assert!(whole.equal(split), "{whole} vs {split}");
+    }
+}

@@ -267,6 +267,12 @@ pub enum WindowKind {
     /// The gradient of every image's mean pixel (`x`: one row per image) spread over
     /// the image's pixels, divided by their count.
     ImageSpread,
+    /// Max pooling's gradient: each window's `grad` to the pixel the pooling picked
+    /// (the first largest, or the last NaN, as libtorch), images like `x`.
+    MaxGrad,
+    /// Average pooling's gradient: each window's `grad` shared by its pixels inside
+    /// the image.
+    AverageGrad,
 }
 
 /// Lengths computed from other lengths before a run sizes its buffers.

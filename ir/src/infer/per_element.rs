@@ -117,6 +117,20 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             };
             Ok(Type::dense_static(g.0, &[out, channels, *kh, *kw]))
         }
+        Op::Pool2dGrad {
+            x,
+            g,
+            kernel,
+            stride,
+            padding,
+            ..
+        } => {
+            let (input, grads) = (images(&ty(*x))?, images(&ty(*g))?);
+            if input.1 != grads.1 || kernel.len() != 2 || stride.len() != 2 || padding.len() != 2 {
+                return Err("needs a gradient of the images' channels and a 2-d window".into());
+            }
+            Ok(ty(*x).with_dtype(grads.0))
+        }
         Op::ImageMeanGrad { g, x } => {
             let Type::Ragged { dims, dtype, .. } = ty(*g) else {
                 return Err("the gradient must be a batch of [C, 1, 1]".into());

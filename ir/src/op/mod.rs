@@ -638,6 +638,24 @@ pub enum Op {
         /// Dilations.
         dilation: Vec<i64>,
     },
+    /// The gradient of max (`max`) or average pooling (padding not counted) of images
+    /// `x` from the gradient `g` of its output: images like `x` (each window's share goes
+    /// to the pixel libtorch's pooling picked, or to every pixel it averaged).
+    #[op(name = "pool2d_grad", family = PerElement)]
+    Pool2dGrad {
+        /// Max pooling rather than average.
+        max: bool,
+        /// The pooled images.
+        x: ValueId,
+        /// The output's gradient.
+        g: ValueId,
+        /// Window.
+        kernel: Vec<i64>,
+        /// Strides.
+        stride: Vec<i64>,
+        /// Paddings.
+        padding: Vec<i64>,
+    },
     /// The gradient of each image's mean pixel (global average pooling) spread over its
     /// pixels: `g [C, 1, 1]` divided by the image's pixel count, images like `x`.
     #[op(name = "image_mean_grad", family = PerElement)]

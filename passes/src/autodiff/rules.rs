@@ -785,6 +785,25 @@ fn per_element(
                 out.push((bias, b.cast_like(grad, bias)?));
             }
         }
+        Op::Pool2d {
+            kind,
+            x,
+            kernel,
+            stride,
+            padding,
+        } if region_input(*x) == Some(images) => {
+            if wants(images) {
+                let grad = b.push(Op::Pool2dGrad {
+                    max: *kind == nestor_ir::PoolKind::Max,
+                    x: images,
+                    g,
+                    kernel: kernel.clone(),
+                    stride: stride.clone(),
+                    padding: padding.clone(),
+                })?;
+                out.push((images, grad));
+            }
+        }
         Op::AdaptiveAvgPool2d { x, output }
             if region_input(*x) == Some(images) && output[..] == [1, 1] =>
         {

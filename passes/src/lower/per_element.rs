@@ -266,6 +266,36 @@ impl Lowering<'_> {
                     window,
                 )
             }
+            Op::Pool2dGrad {
+                max,
+                x,
+                g,
+                kernel,
+                stride,
+                padding,
+            } => {
+                let inputs = images(self, *x)?;
+                let grads = images(self, *g)?;
+                let window = Window2d {
+                    kernel: [kernel[0], kernel[1]],
+                    stride: [stride[0], stride[1]],
+                    padding: [padding[0], padding[1]],
+                    dilation: [1, 1],
+                };
+                let kind = if *max {
+                    WindowKind::MaxGrad
+                } else {
+                    WindowKind::AverageGrad
+                };
+                (
+                    kind,
+                    inputs,
+                    None,
+                    Some(grads.slot),
+                    inputs.channels,
+                    window,
+                )
+            }
             Op::ImageMeanGrad { g, x } => {
                 let pixels = images(self, *x)?;
                 let (means, ..) = self.data(value, *g)?;

@@ -184,9 +184,11 @@ impl Executable {
             return Ok(());
         }
         // The windows' output pixels: the output's, or its gradient's for the weight's.
-        let pixels_slot = grad
-            .filter(|_| *kind == WindowKind::WeightGrad)
-            .unwrap_or(*out);
+        let from_grad = matches!(
+            kind,
+            WindowKind::WeightGrad | WindowKind::MaxGrad | WindowKind::AverageGrad
+        );
+        let pixels_slot = grad.filter(|_| from_grad).unwrap_or(*out);
         let out_rows = run.sizes.rows(self.program.info(pixels_slot).rows);
         let table_bytes = usize::try_from(out_rows)
             .ok()
@@ -198,7 +200,7 @@ impl Executable {
             .window_taps(*window, (*heights_slot, *widths_slot))
             .map_err(|error| step_error(index, error.to_string()))?;
         let rows = taps.rows.len() / taps.taps.max(1);
-        if *kind != WindowKind::WeightGrad && rows.checked_mul(shape.width) != Some(out_scalars) {
+        if !from_grad && rows.checked_mul(shape.width) != Some(out_scalars) {
             return Err(step_error(
                 index,
                 format!("{rows} output pixels do not fill {out_scalars} output scalars"),
@@ -255,6 +257,37 @@ impl Executable {
                     match self.program.float {
                         FloatType::F32 => weight_grad::<f32>(buffers, &taps, shape),
                         FloatType::F64 => weight_grad::<f64>(buffers, &taps, shape),
+                    }
+                }
+            }
+            WindowKind::MaxGrad | WindowKind::AverageGrad => {
+                let Some(grad) = grad else {
+                    return Err(step_error(
+                        index,
+                        "a pooling gradient without the output's".into(),
+                    ));
+                };
+                let images = window_images(window, &heights.lengths, &widths.lengths)
+                    .map_err(|error| step_error(index, error.to_string()))?;
+                if slot_len(*x) != out_scalars
+                    || slot_len(*grad) != rows.saturating_mul(shape.channels)
+                {
+                    return Err(step_error(
+                        index,
+                        "the pooling gradient's buffers do not match its window".into(),
+                    ));
+                }
+                let buffers = (
+                    run.pointer(*out),
+                    run.pointer(*x) as *const u8,
+                    run.pointer(*grad) as *const u8,
+                );
+                let max = *kind == WindowKind::MaxGrad;
+                // The buffers hold what was just checked, in the program's type.
+                unsafe {
+                    match self.program.float {
+                        FloatType::F32 => pool_grad::<f32>(buffers, &taps, &images, shape, max),
+                        FloatType::F64 => pool_grad::<f64>(buffers, &taps, &images, shape, max),
                     }
                 }
             }
@@ -726,4 +759,87 @@ unsafe fn weight_grad<T: Scalar>(
             }
         }
     }
+}
+
+/// Pooling's gradient: every output pixel's gradient to the input pixel max pooling
+/// picked (the first largest, or the last NaN, as libtorch's kernel), or shared by the
+/// pixels an average took. Images in parallel, each in order (their windows read only
+/// their own pixels).
+///
+/// # Safety
+/// `out` and `x` must hold every input pixel of `images`, `g` every output pixel, of
+/// `channels` values; the taps must be those of `images`.
+unsafe fn pool_grad<T: Scalar>(
+    (out, x, g): (*mut u8, *const u8, *const u8),
+    taps: &WindowTaps,
+    images: &[WindowImage],
+    shape: Shape,
+    max: bool,
+) {
+    let Shape {
+        channels,
+        taps: per_window,
+        ..
+    } = shape;
+    let inputs = Buffers {
+        out: out as *mut T,
+        x: x as *const T,
+    };
+    let grads = Buffers {
+        out: std::ptr::null_mut(),
+        x: g as *const T,
+    };
+    let image = |index: usize| {
+        let image = images[index];
+        let pixels = (image.size.0 * image.size.1) as usize;
+        let outputs = (image.out.0 * image.out.1) as usize;
+        // SAFETY: image `index` owns its input pixels' rows of `out`.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(
+                inputs.out().add(image.input * channels),
+                pixels * channels,
+            )
+        };
+        out.fill(T::ZERO);
+        for r in image.output..image.output + outputs {
+            let windows = &taps.rows[r * per_window..(r + 1) * per_window];
+            // SAFETY: `g` holds every output pixel.
+            let grad = unsafe { std::slice::from_raw_parts(grads.x().add(r * channels), channels) };
+            let local = |source: i64| source as usize - image.input;
+            if max {
+                for (c, &gradient) in grad.iter().enumerate() {
+                    let mut best = T::NEG_INFINITY;
+                    let mut picked = windows.iter().copied().find(|&source| source >= 0);
+                    for &source in windows.iter().filter(|&&source| source >= 0) {
+                        // SAFETY: the taps name rows of `x`.
+                        let value = unsafe { *inputs.x().add(source as usize * channels + c) };
+                        #[allow(clippy::eq_op)]
+                        if value > best || value != value {
+                            best = value;
+                            picked = Some(source);
+                        }
+                    }
+                    if let Some(source) = picked {
+                        out[local(source) * channels + c] += gradient;
+                    }
+                }
+            } else {
+                let inside = windows.iter().filter(|&&source| source >= 0).count();
+                let divisor = T::from_f64(inside as f64);
+                for &source in windows.iter().filter(|&&source| source >= 0) {
+                    let row = &mut out[local(source) * channels..][..channels];
+                    for (value, &gradient) in row.iter_mut().zip(grad) {
+                        *value += gradient / divisor;
+                    }
+                }
+            }
+        }
+    };
+    let work = taps.rows.len().saturating_mul(channels);
+    let threads = if work >= crate::Parallelism::current().kernel_scalars {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(images.len(), threads, &image);
 }

@@ -120,6 +120,54 @@ impl Interpreter<'_> {
                     None => Tensor::f_zeros(shape.as_slice(), (images.kind(), images.device()))?,
                 })
             }
+            Op::Pool2dGrad {
+                max,
+                x,
+                g,
+                kernel,
+                stride,
+                padding,
+            } => {
+                let (images, grads) = (self.nested(*x)?, self.nested(*g)?);
+                let spread = images
+                    .elements()?
+                    .iter()
+                    .zip(grads.elements()?)
+                    .map(|(image, grad)| {
+                        let (image, grad) = (image.f_unsqueeze(0)?, grad.f_unsqueeze(0)?);
+                        let spread = if *max {
+                            let (_, indices) = image.f_max_pool2d_with_indices(
+                                kernel,
+                                stride,
+                                padding,
+                                [1, 1],
+                                false,
+                            )?;
+                            image.f_max_pool2d_with_indices_backward(
+                                &grad,
+                                kernel,
+                                stride,
+                                padding,
+                                [1, 1],
+                                false,
+                                &indices,
+                            )?
+                        } else {
+                            image.f_avg_pool2d_backward(
+                                &grad,
+                                kernel,
+                                stride,
+                                padding,
+                                false,
+                                false,
+                                None::<i64>,
+                            )?
+                        };
+                        Ok(spread.f_squeeze_dim(0)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                self.images(value, ty, &spread)?
+            }
             Op::ImageMeanGrad { g, x } => {
                 let (grads, images) = (self.nested(*g)?, self.nested(*x)?);
                 let spread = grads

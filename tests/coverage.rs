@@ -204,6 +204,47 @@ fn training_models() {
         "{compiled} vs {eager}"
     );
     assert!(loss(0.25).is_finite());
+    // A conv net: convolutions (the second's input gradient too), both poolings and
+    // global average pooling, differentiated.
+    let kernel = root.randn("kernel", &[4, 3, 3, 3], 0.0, 0.5);
+    let shift = root.randn("shift", &[4], 0.0, 0.5);
+    let mixer = root.randn("mixer", &[4, 4, 3, 3], 0.0, 0.5);
+    let classifier = root.randn("classifier", &[2, 4], 0.0, 0.5);
+    let conv_net = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        x[0].conv2d(&kernel, Some(&shift), [1, 1], [1, 1], [1, 1], 1)?
+            .relu()?
+            .conv2d(&mixer, None, [1, 1], [2, 2], [2, 2], 1)?
+            .max_pool2d([2, 2], [1, 1], [1, 1])?
+            .avg_pool2d([3, 3], [2, 2], [1, 1])?
+            .adaptive_avg_pool2d([1, 1])?
+            .reshape_tail(&[4])?
+            .linear(&classifier, None)?
+            .square()?
+            .mean(&[], false)?
+            .into_dense_handle()
+    };
+    let images: Vec<Tensor> = [(6, 7), (9, 5), (4, 4)]
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
+        .collect();
+    let images = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&images)
+        .unwrap();
+    let compiled = compile("conv_training", conv_net)
+        .train(&store)
+        .call(&[&images], &[])
+        .unwrap()
+        .remove(0);
+    let compiled = common::value_parts(&compiled).0.double_value(&[]);
+    let eager = conv_net(&[images.shallow_clone()], &[])
+        .unwrap()
+        .into_tensor()
+        .double_value(&[]);
+    assert!(
+        (compiled - eager).abs() < 1e-5 * eager.abs().max(1.0),
+        "{compiled} vs {eager}"
+    );
 }
 
 #[test]

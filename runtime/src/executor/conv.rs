@@ -127,14 +127,27 @@ impl<'a, T: Scalar> Plan<'a, T> {
                     if !(0..height).contains(&y) {
                         continue; // a row of padding zeros adds nothing
                     }
+                    // SAFETY (the pointers below): pixel (y, x) of the image, for `x`
+                    // in `0..width`, is a row of `x`.
+                    let row =
+                        unsafe { self.x.add((image.input + (y * width) as usize) * channels) };
                     for kx in 0..kernel[1] {
+                        let first = ox * stride[1] - padding[1] + kx * dilation[1];
+                        let last = first + (count as i64 - 1) * stride[1];
                         let mut sources = [self.zeros.as_ptr(); P];
-                        for (pixel, source) in sources.iter_mut().enumerate().take(count) {
-                            let x = (ox + pixel as i64) * stride[1] - padding[1] + kx * dilation[1];
-                            if (0..width).contains(&x) {
-                                let at = image.input + (y * width + x) as usize;
-                                // SAFETY: pixel (y, x) of the image is a row of `x`.
-                                *source = unsafe { self.x.add(at * channels) };
+                        if count == P && first >= 0 && last < width {
+                            // The whole block inside the image: evenly spaced rows.
+                            let step = stride[1] as usize * channels;
+                            let start = unsafe { row.add(first as usize * channels) };
+                            for (pixel, source) in sources.iter_mut().enumerate() {
+                                *source = unsafe { start.add(pixel * step) };
+                            }
+                        } else {
+                            for (pixel, source) in sources.iter_mut().enumerate().take(count) {
+                                let x = first + pixel as i64 * stride[1];
+                                if (0..width).contains(&x) {
+                                    *source = unsafe { row.add(x as usize * channels) };
+                                }
                             }
                         }
                         let tap = (ky * kernel[1] + kx) as usize;

@@ -24,11 +24,12 @@ square of the real outputs, backward, SGD at rate 1e-5.
         --threads 2 --channels 16 --side 64 --images 64x64,31x12
 
 MODEL is TransformerEncoder, TransformerDecoder, Transformer or the conv net (padded
-eager and torch.compile only: a 3x3 stem, a residual block of two 3x3 convolutions, each
+eager and torch.compile only, in the default layout and channels-last: a 3x3 stem, a residual block of two 3x3 convolutions, each
 output masked to the image's pixels, masked mean pooling, a linear head to 10 classes;
 the loss is the mean square of the logits). MODE is inference or training.
 """
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -162,7 +163,8 @@ def step_of(forward, loss, training, optimizer):
 
 
 def conv_options(args, training):
-    """Padded eager and padded torch.compile of the conv net."""
+    """Padded eager and padded torch.compile of the conv net, in the default layout and
+    channels-last (the layout oneDNN's CPU convolutions run fastest in)."""
     model = ConvNet(args.channels)
     model.train(training)
     images = torch.zeros(len(args.images), 3, args.side, args.side)
@@ -175,9 +177,21 @@ def conv_options(args, training):
     step = lambda module: step_of(lambda: module(images, mask), loss, training, optimizer)
     counting = Counting()
     compiled = torch.compile(model, backend=counting)
+    # The same weights, images and mask channels-last, with their own optimizer.
+    last = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    last_images = images.contiguous(memory_format=torch.channels_last)
+    last_mask = mask.contiguous(memory_format=torch.channels_last)
+    last_optimizer = torch.optim.SGD(last.parameters(), lr=1e-5)
+    last_step = lambda module: step_of(lambda: module(last_images, last_mask), loss, training,
+                                       last_optimizer)
+    last_counting = Counting()
+    last_compiled = torch.compile(last, backend=last_counting)
     return [
         ("padded eager (no fast path)", False, lambda: step(model), None),
         ("padded torch.compile", False, lambda: step(compiled), counting),
+        ("padded eager channels-last", False, lambda: last_step(last), None),
+        ("padded torch.compile channels-last", False, lambda: last_step(last_compiled),
+         last_counting),
     ]
 
 

@@ -146,7 +146,10 @@ fn parse_line(line: &str, flops: f64) -> Result<(Column, Outcome)> {
         number(4)? / 1e3,
     );
     let graphs = number(5)? as u64;
-    let compiled = matches!(column, Column::TorchCompiled | Column::TorchNestedCompiled);
+    let compiled = matches!(
+        column,
+        Column::TorchCompiled | Column::TorchCompiledChannelsLast | Column::TorchNestedCompiled
+    );
     Ok((
         column,
         Outcome::Measured {

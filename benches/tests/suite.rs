@@ -40,32 +40,26 @@ fn every_model_column_and_operator_runs() {
     let mut models = Vec::new();
     for model in Model::ALL {
         let rows = run_model(model, &scale, 0.5, 1).unwrap();
-        // 2 modes x 4 columns, all measured but the conv net's compiled training (its
-        // convolutions run per element through libtorch and have no gradient rule).
+        // 2 modes x 4 columns, all measured.
         assert_eq!(rows.len(), 8, "{model:?}");
         for row in &rows {
-            let unavailable = model == Model::ConvNet
-                && row.column == Column::NestorCompiled
-                && row.mode == Mode::Training;
-            match (&row.outcome, unavailable) {
-                (
-                    Outcome::Measured {
-                        timing, compile, ..
-                    },
-                    false,
-                ) => {
-                    assert!(timing.median > 0.0);
-                    assert_eq!(
-                        compile.is_some(),
-                        row.column == Column::NestorCompiled,
-                        "{row:?}"
-                    );
-                    if let Some(cost) = compile {
-                        assert_eq!(cost.compiles, 1, "{row:?}");
-                    }
-                }
-                (Outcome::Unavailable(why), true) => assert!(why.contains("training"), "{why}"),
-                (outcome, _) => panic!("{model:?} {:?} {:?}: {outcome:?}", row.mode, row.column),
+            let Outcome::Measured {
+                timing, compile, ..
+            } = &row.outcome
+            else {
+                panic!(
+                    "{model:?} {:?} {:?}: {:?}",
+                    row.mode, row.column, row.outcome
+                );
+            };
+            assert!(timing.median > 0.0);
+            assert_eq!(
+                compile.is_some(),
+                row.column == Column::NestorCompiled,
+                "{row:?}"
+            );
+            if let Some(cost) = compile {
+                assert_eq!(cost.compiles, 1, "{row:?}");
             }
         }
         models.extend(rows);
@@ -185,16 +179,29 @@ fn every_pytorch_option_runs_on_the_same_batches() {
             })
             .collect();
         // The fast path is for inference only.
+        let encoder = [
+            Column::TorchFastPath,
+            Column::TorchPadded,
+            Column::TorchCompiled,
+            Column::TorchNested,
+            Column::TorchNestedCompiled,
+        ];
         let expected = match mode {
-            Mode::Inference => Column::PYTORCH.to_vec(),
-            Mode::Training => Column::PYTORCH[1..].to_vec(),
+            Mode::Inference => encoder.to_vec(),
+            Mode::Training => encoder[1..].to_vec(),
         };
         assert_eq!(columns, expected, "{mode:?}");
     }
-    // The conv net: padded eager and padded torch.compile, in both modes.
+    // The conv net: padded eager and padded torch.compile, in the default layout and
+    // channels-last, in both modes.
     let rows = run_pytorch(Model::ConvNet, &scale, 0.5, 1).unwrap();
     let columns: Vec<Column> = rows.iter().map(|row| row.column).collect();
-    let each = [Column::TorchPadded, Column::TorchCompiled];
+    let each = [
+        Column::TorchPadded,
+        Column::TorchCompiled,
+        Column::TorchChannelsLast,
+        Column::TorchCompiledChannelsLast,
+    ];
     assert_eq!(columns, [each, each].concat(), "{rows:?}");
     assert!(
         rows.iter()

@@ -94,6 +94,10 @@ pub enum Column {
     TorchPadded,
     /// PyTorch: padded under `torch.compile`.
     TorchCompiled,
+    /// PyTorch: padded eager, channels-last (the conv net).
+    TorchChannelsLast,
+    /// PyTorch: padded under `torch.compile`, channels-last (the conv net).
+    TorchCompiledChannelsLast,
     /// PyTorch: `torch.nested` jagged eager.
     TorchNested,
     /// PyTorch: `torch.nested` jagged under `torch.compile`.
@@ -119,16 +123,21 @@ impl Column {
             Column::TorchFastPath => "PyTorch padded eager, fast path on",
             Column::TorchPadded => "PyTorch padded eager (no fast path)",
             Column::TorchCompiled => "PyTorch padded torch.compile",
+            Column::TorchChannelsLast => "PyTorch padded eager channels-last",
+            Column::TorchCompiledChannelsLast => "PyTorch padded torch.compile channels-last",
             Column::TorchNested => "PyTorch torch.nested jagged eager",
             Column::TorchNestedCompiled => "PyTorch torch.nested jagged torch.compile",
         }
     }
 
-    /// The PyTorch options, in `benches/pytorch.py`'s order.
-    pub const PYTORCH: [Column; 5] = [
+    /// The PyTorch options, in `benches/pytorch.py`'s order (the channels-last ones
+    /// are the conv net's, the jagged ones the encoder's).
+    pub const PYTORCH: [Column; 7] = [
         Column::TorchFastPath,
         Column::TorchPadded,
         Column::TorchCompiled,
+        Column::TorchChannelsLast,
+        Column::TorchCompiledChannelsLast,
         Column::TorchNested,
         Column::TorchNestedCompiled,
     ];

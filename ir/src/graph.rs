@@ -210,6 +210,12 @@ impl Graph {
             .collect()
     }
 
+    /// Which of the graph's inputs `value` is (its position in [`Graph::inputs`]): in a
+    /// per-element body, the region operand it stands for.
+    pub fn input_position(&self, value: ValueId) -> Option<usize> {
+        self.inputs().iter().position(|&input| input == value)
+    }
+
     /// Checks every rule: operands defined before use, types as inferred, ragged types
     /// referring to lengths values of their batch size, outputs defined.
     pub fn verify(&self) -> Result<(), VerifyError> {

@@ -721,14 +721,8 @@ fn per_element(
     let ([output], Some(&images)) = (&body.outputs[..], inputs.first()) else {
         return Err(b.no_rule("a region of more than one op"));
     };
-    let body_inputs = body.inputs();
-    // The region input a body value is (the images are input 0).
-    let region_input = |id: ValueId| {
-        body_inputs
-            .iter()
-            .position(|&input| input == id)
-            .map(|position| inputs[position])
-    };
+    // The region operand a body value stands for (the images are operand 0).
+    let region_input = |id: ValueId| body.input_position(id).map(|position| inputs[position]);
     let mut out = Vec::new();
     match body.op(*output) {
         Op::Conv2d {

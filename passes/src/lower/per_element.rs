@@ -51,14 +51,8 @@ impl Lowering<'_> {
         else {
             return Ok(None);
         };
-        let body_inputs = body.inputs();
-        // The region input a body value is (the images are input 0).
-        let region_input = |id: ValueId| {
-            body_inputs
-                .iter()
-                .position(|&input| input == id)
-                .map(|position| inputs[position])
-        };
+        // The region operand a body value stands for (the images are operand 0).
+        let region_input = |id: ValueId| body.input_position(id).map(|position| inputs[position]);
         let pair = |values: &[i64]| <[i64; 2]>::try_from(values).ok();
         let reads_images = |x: &ValueId| region_input(*x) == Some(images);
         let (kind, weight, bias, window) = match body.op(*output) {

@@ -87,12 +87,7 @@ impl Executable {
         };
         let out_scalars = run.sizes.elements(&self.program, *out);
         if *kind == WindowKind::ImageMean {
-            let counts: Vec<i64> = heights
-                .lengths
-                .iter()
-                .zip(&widths.lengths)
-                .map(|(h, w)| h.saturating_mul(*w))
-                .collect();
+            let counts = pixel_counts(&heights.lengths, &widths.lengths);
             if counts.len().checked_mul(shape.width) != Some(out_scalars) {
                 return Err(step_error(
                     index,
@@ -156,12 +151,7 @@ impl Executable {
             return result.map_err(|error| step_error(index, error.to_string()));
         }
         if *kind == WindowKind::ImageSpread {
-            let counts: Vec<i64> = heights
-                .lengths
-                .iter()
-                .zip(&widths.lengths)
-                .map(|(h, w)| h.saturating_mul(*w))
-                .collect();
+            let counts = pixel_counts(&heights.lengths, &widths.lengths);
             let pixels = counts
                 .iter()
                 .fold(0usize, |sum, &count| sum.saturating_add(count as usize));
@@ -544,22 +534,12 @@ unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64],
         out: out as *mut T,
         x: x as *const T,
     };
-    let mut starts = Vec::with_capacity(counts.len());
-    let mut total = 0usize;
-    for &count in counts {
-        starts.push(total);
-        total += count.max(0) as usize;
-    }
-    let image = |index: usize| {
-        let count = counts[index].max(0) as usize;
+    for_each_image(counts, channels, &|index, first, count| {
         // SAFETY: image `index` owns row `index` of `out` and its pixels' rows of `x`.
         let (row, pixels) = unsafe {
             (
                 std::slice::from_raw_parts_mut(buffers.out().add(index * channels), channels),
-                std::slice::from_raw_parts(
-                    buffers.x().add(starts[index] * channels),
-                    count * channels,
-                ),
+                std::slice::from_raw_parts(buffers.x().add(first * channels), count * channels),
             )
         };
         row.fill(T::ZERO);
@@ -572,14 +552,27 @@ unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64],
         for value in row.iter_mut() {
             *value = *value / divisor;
         }
-    };
+    });
+}
+
+/// Runs `image(index, first pixel, pixels)` for every image (`counts` pixels each,
+/// packed in order) on the team, split across the cores when their values are worth it.
+fn for_each_image(counts: &[i64], channels: usize, image: &(dyn Fn(usize, usize, usize) + Sync)) {
+    let mut starts = Vec::with_capacity(counts.len());
+    let mut total = 0usize;
+    for &count in counts {
+        starts.push(total);
+        total += count.max(0) as usize;
+    }
     let threads = if total.saturating_mul(channels) >= crate::Parallelism::current().kernel_scalars
     {
         worker_threads().max(1) as usize
     } else {
         1
     };
-    crate::team::for_each_chunk(counts.len(), threads, &image);
+    crate::team::for_each_chunk(counts.len(), threads, &|index| {
+        image(index, starts[index], counts[index].max(0) as usize)
+    });
 }
 
 /// The buffers of a convolution step: pointers and value counts.
@@ -648,20 +641,13 @@ unsafe fn image_spread<T: Scalar>((out, g): (*mut u8, *const u8), counts: &[i64]
         out: out as *mut T,
         x: g as *const T,
     };
-    let mut starts = Vec::with_capacity(counts.len());
-    let mut total = 0usize;
-    for &count in counts {
-        starts.push(total);
-        total += count.max(0) as usize;
-    }
-    let image = |index: usize| {
-        let count = counts[index].max(0) as usize;
+    for_each_image(counts, channels, &|index, first, count| {
         // SAFETY: image `index` owns row `index` of `g` and its pixels' rows of `out`.
         let (mean, pixels) = unsafe {
             (
                 std::slice::from_raw_parts(buffers.x().add(index * channels), channels),
                 std::slice::from_raw_parts_mut(
-                    buffers.out().add(starts[index] * channels),
+                    buffers.out().add(first * channels),
                     count * channels,
                 ),
             )
@@ -672,14 +658,7 @@ unsafe fn image_spread<T: Scalar>((out, g): (*mut u8, *const u8), counts: &[i64]
                 *value = m / divisor;
             }
         }
-    };
-    let threads = if total.saturating_mul(channels) >= crate::Parallelism::current().kernel_scalars
-    {
-        worker_threads().max(1) as usize
-    } else {
-        1
-    };
-    crate::team::for_each_chunk(counts.len(), threads, &image);
+    });
 }
 
 /// A convolution's weight gradient: `out[o, c, t] = sum over output pixels r of
@@ -842,4 +821,13 @@ unsafe fn pool_grad<T: Scalar>(
         1
     };
     crate::team::for_each_chunk(images.len(), threads, &image);
+}
+
+/// Pixels of every image (saturating: sizes that large fail the buffer checks).
+fn pixel_counts(heights: &[i64], widths: &[i64]) -> Vec<i64> {
+    heights
+        .iter()
+        .zip(widths)
+        .map(|(h, w)| h.saturating_mul(*w))
+        .collect()
 }

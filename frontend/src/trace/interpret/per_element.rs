@@ -261,9 +261,8 @@ impl Interpreter<'_> {
         let [output] = body.outputs[..] else {
             return Ok(None);
         };
-        let body_inputs = body.inputs();
         // The region input a body value is (the element is input 0).
-        let input = |id: ValueId| body_inputs.iter().position(|&input| input == id);
+        let input = |id: ValueId| body.input_position(id);
         let param = |id: ValueId| -> Result<Option<&Tensor>> {
             match input(id) {
                 Some(position) if position > 0 => Ok(Some(self.dense(inputs[position])?)),

@@ -161,6 +161,13 @@ fn window(input: &Dim, kernel: i64, stride: i64, padding: i64, dilation: i64) ->
 }
 
 /// The geometry of a 2-d sliding window (convolution or pooling), per spatial axis.
+///
+/// ```
+/// use nestor_ir::Window2d;
+/// let pool = Window2d { kernel: [2, 2], stride: [2, 2], padding: [0, 0], dilation: [1, 1] };
+/// assert_eq!(pool.output_size((5, 4)), (2, 2));
+/// assert_eq!(pool.taps(), 4);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Window2d {
     /// Window size.

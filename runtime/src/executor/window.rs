@@ -314,6 +314,22 @@ fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
 /// last) with `weight [width, channels, K_h, K_w]` and `bias [width]` into
 /// `out [sum H_out W_out, width]`: the direct convolution compiled programs run, on
 /// the team. Every size is checked against the buffers.
+///
+/// ```
+/// use nestor_ir::Window2d;
+/// use nestor_runtime::convolve_images;
+///
+/// // One channel; a 2x2 image and a 1x1 one; a 3x3 window of ones keeping every size:
+/// // each output pixel sums its image's pixels around it (outside the image: zeros).
+/// let window = Window2d { kernel: [3, 3], stride: [1, 1], padding: [1, 1], dilation: [1, 1] };
+/// let pixels = [1.0, 2.0, 3.0, 4.0, 5.0];
+/// let mut out = [0.0f32; 5];
+/// convolve_images(&mut out, &pixels, (&[1.0; 9], Some(&[0.5])), (1, 1), &window, (&[2, 1], &[2, 1]))?;
+/// assert_eq!(out, [10.5, 10.5, 10.5, 10.5, 5.5]);
+/// // A weight of the wrong size is an error, not a read past it.
+/// assert!(convolve_images(&mut out, &pixels, (&[1.0; 4], None), (1, 1), &window, (&[2, 1], &[2, 1])).is_err());
+/// # Ok::<(), nestor_runtime::WindowError>(())
+/// ```
 pub fn convolve_images(
     out: &mut [f32],
     x: &[f32],

@@ -17,13 +17,12 @@ use crate::{NestedError, NestedTensor, Result};
 /// How many gather tables a thread keeps (a model's layers share a few geometries).
 const CACHED_TABLES: usize = 8;
 
-/// What a gather table is built for.
+/// The batch and window a gather table or canvas is built for.
 #[derive(Clone, PartialEq, Eq)]
-struct TableKey {
+struct WindowKey {
     heights: Vec<i64>,
     widths: Vec<i64>,
     window: Window2d,
-    outside: Outside,
     device: Device,
 }
 
@@ -35,15 +34,6 @@ struct Table {
     taps: i64,
     /// Taps inside the image per output pixel (average pooling's divisors).
     inside: Vec<f64>,
-}
-
-/// What a canvas is built for.
-#[derive(Clone, PartialEq, Eq)]
-struct CanvasKey {
-    heights: Vec<i64>,
-    widths: Vec<i64>,
-    window: Window2d,
-    device: Device,
 }
 
 /// The images of a batch laid out on one canvas, apart by enough zero pixels that a
@@ -124,8 +114,36 @@ impl Canvas {
 }
 
 thread_local! {
-    static TABLES: RefCell<Vec<(TableKey, Rc<Table>)>> = const { RefCell::new(Vec::new()) };
-    static CANVASES: RefCell<Vec<(CanvasKey, Rc<Canvas>)>> = const { RefCell::new(Vec::new()) };
+    static TABLES: Cache<(WindowKey, Outside), Table> = const { RefCell::new(Vec::new()) };
+    static CANVASES: Cache<WindowKey, Canvas> = const { RefCell::new(Vec::new()) };
+}
+
+/// A thread's last [`CACHED_TABLES`] values of one kind, by what they were built for.
+type Cache<K, T> = RefCell<Vec<(K, Rc<T>)>>;
+
+/// The value `cache` holds for `key`, else the one `build` makes (then kept).
+fn cached<K: PartialEq, T>(
+    cache: &'static std::thread::LocalKey<Cache<K, T>>,
+    key: K,
+    build: impl FnOnce(&K) -> Result<T>,
+) -> Result<Rc<T>> {
+    let known = cache.with_borrow(|values| {
+        values
+            .iter()
+            .find(|(known, _)| *known == key)
+            .map(|(_, value)| value.clone())
+    });
+    if let Some(value) = known {
+        return Ok(value);
+    }
+    let value = Rc::new(build(&key)?);
+    cache.with_borrow_mut(|values| {
+        if values.len() == CACHED_TABLES {
+            values.remove(0);
+        }
+        values.push((key, value.clone()));
+    });
+    Ok(value)
 }
 
 /// A per-element pooling kind.
@@ -150,94 +168,74 @@ impl NestedTensor {
         ))
     }
 
+    /// The batch and window a table or canvas of this batch is built for.
+    fn window_key(&self, (heights, widths): &(Vec<i64>, Vec<i64>), window: Window2d) -> WindowKey {
+        WindowKey {
+            heights: heights.clone(),
+            widths: widths.clone(),
+            window,
+            device: self.device(),
+        }
+    }
+
     /// The gather table of `window` over this batch of images (cached per thread).
     fn window_table(
         &self,
-        (heights, widths): (Vec<i64>, Vec<i64>),
+        sizes: &(Vec<i64>, Vec<i64>),
         window: Window2d,
         outside: Outside,
     ) -> Result<Rc<Table>> {
-        let key = TableKey {
-            heights,
-            widths,
-            window,
-            outside,
-            device: self.device(),
-        };
-        if let Some(table) = TABLES.with_borrow(|tables| {
-            tables
-                .iter()
-                .find(|(cached, _)| *cached == key)
-                .map(|(_, table)| table.clone())
-        }) {
-            return Ok(table);
-        }
-        let mut taps =
-            window_taps(&window, &key.heights, &key.widths, outside).map_err(window_error)?;
         let pixels = self.lay().total_rows();
-        let inside = taps
-            .rows
-            .chunks(taps.taps.max(1))
-            .map(|window| window.iter().filter(|&&row| row >= 0).count() as f64)
-            .collect();
-        for row in taps.rows.iter_mut().filter(|row| **row < 0) {
-            *row = pixels;
-        }
-        let table = Rc::new(Table {
-            rows: Tensor::f_from_slice(&taps.rows)?.f_to_device(key.device)?,
-            output_sizes: taps.output_sizes,
-            taps: taps.taps as i64,
-            inside,
-        });
-        TABLES.with_borrow_mut(|tables| {
-            if tables.len() == CACHED_TABLES {
-                tables.remove(0);
-            }
-            tables.push((key, table.clone()));
-        });
-        Ok(table)
+        cached(
+            &TABLES,
+            (self.window_key(sizes, window), outside),
+            |(key, _)| {
+                let mut taps = window_taps(&window, &key.heights, &key.widths, outside)
+                    .map_err(window_error)?;
+                let inside = taps
+                    .rows
+                    .chunks(taps.taps.max(1))
+                    .map(|window| window.iter().filter(|&&row| row >= 0).count() as f64)
+                    .collect();
+                for row in taps.rows.iter_mut().filter(|row| **row < 0) {
+                    *row = pixels;
+                }
+                Ok(Table {
+                    rows: Tensor::f_from_slice(&taps.rows)?.f_to_device(key.device)?,
+                    output_sizes: taps.output_sizes,
+                    taps: taps.taps as i64,
+                    inside,
+                })
+            },
+        )
     }
 
     /// The canvas a stride-1 window slides over for this batch of images (cached per
     /// thread), or `None` when the window has strides or an image is empty.
     fn window_canvas(
         &self,
-        (heights, widths): &(Vec<i64>, Vec<i64>),
+        sizes: &(Vec<i64>, Vec<i64>),
         window: Window2d,
     ) -> Result<Option<Rc<Canvas>>> {
-        if window.stride != [1, 1] || heights.iter().chain(widths).any(|&side| side < 1) {
+        if window.stride != [1, 1] || sizes.0.iter().chain(&sizes.1).any(|&side| side < 1) {
             return Ok(None);
         }
-        let key = CanvasKey {
-            heights: heights.clone(),
-            widths: widths.clone(),
-            window,
-            device: self.device(),
-        };
-        if let Some(canvas) = CANVASES.with_borrow(|cached| {
-            cached
-                .iter()
-                .find(|(known, _)| *known == key)
-                .map(|(_, canvas)| canvas.clone())
-        }) {
-            return Ok(Some(canvas));
-        }
-        let canvas = Rc::new(Canvas::shelves(heights, widths, window, self.device())?);
-        CANVASES.with_borrow_mut(|cached| {
-            if cached.len() == CACHED_TABLES {
-                cached.remove(0);
-            }
-            cached.push((key, canvas.clone()));
-        });
-        Ok(Some(canvas))
+        cached(&CANVASES, self.window_key(sizes, window), |key| {
+            Canvas::shelves(&key.heights, &key.widths, window, key.device)
+        })
+        .map(Some)
     }
 
-    /// Images of the output sizes of `table` with `channels` channels.
-    fn images_like(&self, values: Tensor, table: &Table, channels: i64) -> Result<NestedTensor> {
-        let sizes = table
-            .output_sizes
-            .iter()
-            .map(|&(height, width)| vec![channels, height, width])
+    /// Images of these output sizes with `channels` channels, packed in `values`.
+    fn images_like(
+        &self,
+        values: Tensor,
+        output_sizes: impl IntoIterator<Item = (i64, i64)>,
+        channels: i64,
+    ) -> Result<NestedTensor> {
+        let sizes = output_sizes
+            .into_iter()
+            .map(|(height, width)| vec![channels, height, width])
             .collect();
         let layout = RaggedLayout::from_element_sizes(sizes, &[1, 2])?;
         Ok(NestedTensor::from_parts(values, layout, self.options()))
@@ -256,7 +254,7 @@ impl NestedTensor {
             return Ok(None);
         };
         let shape = weight.size();
-        let [out_channels, in_channels, kh, kw] = shape[..] else {
+        let [out_channels, in_channels, ..] = shape[..] else {
             return Err(NestedError::ShapeMismatch {
                 what: "conv2d weight",
                 expected: "[C_out, C_in / groups, K_h, K_w]".into(),
@@ -264,7 +262,7 @@ impl NestedTensor {
             });
         };
         let channels = self.lay().static_sizes()[0];
-        if groups != 1 || in_channels != channels || [kh, kw] != window.kernel {
+        if groups != 1 || in_channels != channels {
             // Grouped convolutions and mismatched shapes: libtorch's own checks and
             // messages, element by element.
             return Ok(None);
@@ -285,8 +283,9 @@ impl NestedTensor {
             // Every tap is its own pixel: a linear layer over the rows.
             let flat = weight.f_reshape([out_channels, in_channels])?;
             let out = values.f_linear(&flat, bias)?.f_to_kind(kind)?;
-            let table = self.window_table(sizes, window, Outside::Marked)?;
-            return Ok(Some(self.images_like(out, &table, out_channels)?));
+            let images = window_images(&window, &sizes.0, &sizes.1).map_err(window_error)?;
+            let output_sizes = images.iter().map(|image| image.out);
+            return Ok(Some(self.images_like(out, output_sizes, out_channels)?));
         }
         if let Some(canvas) = self.window_canvas(&sizes, window)? {
             // One libtorch convolution (channels last) over the images on a canvas.
@@ -303,17 +302,10 @@ impl NestedTensor {
                 .f_reshape([-1, out_channels])?
                 .f_index_select(0, &canvas.output_rows)?
                 .f_to_kind(kind)?;
-            let layout = RaggedLayout::from_element_sizes(
-                canvas
-                    .output_sizes
-                    .iter()
-                    .map(|&(height, width)| vec![out_channels, height, width])
-                    .collect(),
-                &[1, 2],
-            )?;
-            return Ok(Some(NestedTensor::from_parts(out, layout, self.options())));
+            let output_sizes = canvas.output_sizes.iter().copied();
+            return Ok(Some(self.images_like(out, output_sizes, out_channels)?));
         }
-        let table = self.window_table(sizes, window, Outside::Marked)?;
+        let table = self.window_table(&sizes, window, Outside::Marked)?;
         let rows = table.output_sizes.iter().map(|&(h, w)| h * w).sum::<i64>();
         let inner = table.taps * in_channels;
         let source = with_zero_row(&values)?;
@@ -330,7 +322,8 @@ impl NestedTensor {
             None => columns.f_mm(&flat)?,
         }
         .f_to_kind(kind)?;
-        Ok(Some(self.images_like(out, &table, out_channels)?))
+        let output_sizes = table.output_sizes.iter().copied();
+        Ok(Some(self.images_like(out, output_sizes, out_channels)?))
     }
 
     /// The convolution by nestor's own kernel (the one compiled programs run) when no
@@ -383,14 +376,8 @@ impl NestedTensor {
             (heights, widths),
         )
         .map_err(window_error)?;
-        let layout = RaggedLayout::from_element_sizes(
-            images
-                .iter()
-                .map(|image| vec![width, image.out.0, image.out.1])
-                .collect(),
-            &[1, 2],
-        )?;
-        Ok(Some(NestedTensor::from_parts(out, layout, self.options())))
+        let output_sizes = images.iter().map(|image| image.out);
+        Ok(Some(self.images_like(out, output_sizes, width)?))
     }
 
     /// Packed max or average pooling (padding not counted) of a batch of images, or
@@ -413,7 +400,7 @@ impl NestedTensor {
             Pooling::Max => Outside::FirstInside,
             Pooling::Average => Outside::Marked,
         };
-        let table = self.window_table(sizes, window, outside)?;
+        let table = self.window_table(&sizes, window, outside)?;
         let rows = table.output_sizes.iter().map(|&(h, w)| h * w).sum::<i64>();
         let out = match kind {
             // Every window has a tap inside its image (padding is at most half the
@@ -439,7 +426,11 @@ impl NestedTensor {
                     .f_to_kind(values.kind())?
             }
         };
-        Ok(Some(self.images_like(out, &table, channels)?))
+        Ok(Some(self.images_like(
+            out,
+            table.output_sizes.iter().copied(),
+            channels,
+        )?))
     }
 
     /// Global average pooling (`adaptive_avg_pool2d` to `[1, 1]`) of packed images:

@@ -157,7 +157,7 @@ impl Lowering<'_> {
 
     /// The buffer, channels and lengths of a batch of images `[C, H_i, W_i]` with
     /// ragged `H` and `W`; `None` for other values.
-    pub(super) fn image_operand(&self, images: ValueId) -> Option<ImageOperand> {
+    fn image_operand(&self, images: ValueId) -> Option<ImageOperand> {
         let Type::Ragged { dims, .. } = self.graph.ty(images) else {
             return None;
         };
@@ -418,9 +418,9 @@ impl Lowering<'_> {
 
 /// A batch of images in a program: its buffer, channels and lengths slots.
 #[derive(Clone, Copy)]
-pub(super) struct ImageOperand {
-    pub(super) slot: Slot,
-    pub(super) channels: i64,
-    pub(super) heights: Slot,
-    pub(super) widths: Slot,
+struct ImageOperand {
+    slot: Slot,
+    channels: i64,
+    heights: Slot,
+    widths: Slot,
 }

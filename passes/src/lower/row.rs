@@ -164,23 +164,42 @@ impl Lowering<'_> {
             });
             return Ok(out);
         }
-        // Over every pixel of images `[C, H, W]` (the batch and both ragged dims): the
-        // channels' column sums (a convolution's bias gradient).
-        if let (Some(images), [0, 2, 3], false, ReduceOp::Sum | ReduceOp::Mean) =
-            (self.image_operand(x), dims, keepdim, reduce)
+        // Over the batch and every ragged dim, wherever they are (images `[C, H, W]`:
+        // every pixel, a convolution's bias gradient): the column sums of all packed rows.
+        if let (Lowered::Data { dims: out_dims, .. }, false, ReduceOp::Sum | ReduceOp::Mean) =
+            (self.get(x), keepdim, reduce)
         {
-            let (_, rows, ..) = self.data(value, x)?;
-            let out = self.result(value, ty)?;
-            self.program.steps.push(Step::SumRows {
-                out: slot_of(&out),
-                a: None,
-                b: images.slot,
-                rows,
-                m: 1,
-                n: images.channels,
-                mean: reduce == ReduceOp::Mean,
-            });
-            return Ok(out);
+            // The batch-first dims the packed rows stand for: the batch, the ragged dims.
+            let row_dims: Vec<i64> = std::iter::once(0)
+                .chain(
+                    out_dims
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, dim)| matches!(dim, OutDim::Ragged(_)))
+                        .map(|(index, _)| index as i64 + 1),
+                )
+                .collect();
+            let rank = 1 + out_dims.len() as i64;
+            let mut reduced: Vec<i64> = dims
+                .iter()
+                .map(|&dim| if dim < 0 { dim + rank } else { dim })
+                .collect();
+            reduced.sort_unstable();
+            reduced.dedup();
+            if row_dims.len() > 1 && reduced == row_dims {
+                let (x_slot, rows, tail, _) = self.data(value, x)?;
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::SumRows {
+                    out: slot_of(&out),
+                    a: None,
+                    b: x_slot,
+                    rows,
+                    m: 1,
+                    n: volume(&tail),
+                    mean: reduce == ReduceOp::Mean,
+                });
+                return Ok(out);
+            }
         }
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;

@@ -407,7 +407,22 @@ fn row<'ctx>(
                     kernel.store_float(out, at(column)?, affine(normed, column)?)
                 })
             }
-            RowKind::Softmax | RowKind::LogSoftmax => {
+            RowKind::Softmax => {
+                let max = row_extreme(kernel, width, true, true, load)?;
+                // One exp per value: e^(x - max) is written while it is summed, then
+                // scaled in place (as libtorch's kernel).
+                let total = row_sum(kernel, width, |column| {
+                    let value = kernel.fast_exp(kernel.fsub(load(column)?, max)?)?;
+                    kernel.store_float(out, at(column)?, value)?;
+                    Ok(value)
+                })?;
+                let inverse = kernel.fdiv(kernel.constant(1.0), total)?;
+                kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                    let value = kernel.load_float(out, at(column)?)?;
+                    kernel.store_float(out, at(column)?, kernel.fmul(value, inverse)?)
+                })
+            }
+            RowKind::LogSoftmax => {
                 let max = row_extreme(kernel, width, true, true, load)?;
                 let total = row_sum(kernel, width, |column| {
                     kernel.fast_exp(kernel.fsub(load(column)?, max)?)
@@ -415,12 +430,7 @@ fn row<'ctx>(
                 let log_total = kernel.math("log", &[total])?;
                 kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
                     let shifted = kernel.fsub(load(column)?, max)?;
-                    let value = if kind == RowKind::Softmax {
-                        kernel.fdiv(kernel.fast_exp(shifted)?, total)?
-                    } else {
-                        kernel.fsub(shifted, log_total)?
-                    };
-                    kernel.store_float(out, at(column)?, value)
+                    kernel.store_float(out, at(column)?, kernel.fsub(shifted, log_total)?)
                 })
             }
             RowKind::Sum | RowKind::Mean => {

@@ -6,7 +6,7 @@
 //! the team they belong to starts a step at once. `NESTOR_POOL=rayon` forces rayon.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// libgomp's entry points, found in this process.
@@ -14,6 +14,12 @@ struct Gomp {
     /// `GOMP_parallel(fn, data, num_threads, flags)`: runs `fn(data)` on a team of
     /// `num_threads` threads, the caller among them, and returns when all are done.
     parallel: unsafe extern "C" fn(unsafe extern "C" fn(*mut c_void), *mut c_void, u32, u32),
+    /// `omp_get_thread_num()`: the calling thread's number in its team (0 for the
+    /// thread that started it).
+    thread_num: unsafe extern "C" fn() -> i32,
+    /// `omp_get_num_threads()`: the size of the calling thread's team (smaller than
+    /// asked for inside another parallel region).
+    num_threads: unsafe extern "C" fn() -> i32,
 }
 
 fn gomp() -> Option<&'static Gomp> {
@@ -25,7 +31,15 @@ fn gomp() -> Option<&'static Gomp> {
         // SAFETY: libgomp's `GOMP_parallel` (the ABI of `#pragma omp parallel` since GCC
         // 4.9) has this signature.
         let parallel = unsafe { crate::process::function(b"GOMP_parallel\0")? };
-        Some(Gomp { parallel })
+        // SAFETY: OpenMP's `int omp_get_thread_num(void)`.
+        let thread_num = unsafe { crate::process::function(b"omp_get_thread_num\0")? };
+        // SAFETY: OpenMP's `int omp_get_num_threads(void)`.
+        let num_threads = unsafe { crate::process::function(b"omp_get_num_threads\0")? };
+        Some(Gomp {
+            parallel,
+            thread_num,
+            num_threads,
+        })
     })
     .as_ref()
 }
@@ -40,9 +54,21 @@ pub fn pool() -> &'static str {
 }
 
 /// What every thread of a team shares: the chunks left and the task.
+///
+/// Member `m` of a team of `t` threads runs chunk `m` first, then takes chunks from
+/// `t` on as they come (`t` is the team's real size, which nested parallelism may make
+/// smaller than asked for). When a step has one chunk per thread (kernels and GEMMs split
+/// in equal parts) each thread thus gets the same rows on every call and every step: the
+/// rows one step wrote are still in that core's cache when the next step reads them
+/// (libtorch's static schedule does the same). Taking chunks in arrival order instead
+/// sent rows to a different core on about half the calls: relu of 388k values took
+/// 45 us where libtorch's took 18.
 struct Work<'a> {
-    next: AtomicUsize,
+    /// Chunks taken after each member's first, counted from the team's size.
+    taken: AtomicUsize,
     chunks: usize,
+    /// Set by a panicking chunk: no chunk starts after it.
+    stopped: AtomicBool,
     task: &'a (dyn Fn(usize) + Sync),
     /// The first panic of a task, resumed on the calling thread (a panic must not
     /// unwind through libgomp).
@@ -50,11 +76,12 @@ struct Work<'a> {
 }
 
 impl Work<'_> {
-    /// Takes chunks until none is left.
-    fn run(&self) {
+    /// Runs chunk `member` (this thread's number in a team of `team`), then takes
+    /// chunks from `team` on until none is left.
+    fn run(&self, member: usize, team: usize) {
+        let mut chunk = if member < team { member } else { self.chunks };
         loop {
-            let chunk = self.next.fetch_add(1, Ordering::Relaxed);
-            if chunk >= self.chunks {
+            if chunk >= self.chunks || self.stopped.load(Ordering::Relaxed) {
                 return;
             }
             let task = self.task;
@@ -62,13 +89,14 @@ impl Work<'_> {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(chunk)))
             {
                 // Stop handing out chunks, and keep the first panic.
-                self.next.store(self.chunks, Ordering::Relaxed);
+                self.stopped.store(true, Ordering::Relaxed);
                 let mut first = self
                     .panic
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner());
                 first.get_or_insert(panic);
             }
+            chunk = team.saturating_add(self.taken.fetch_add(1, Ordering::Relaxed));
         }
     }
 }
@@ -79,7 +107,13 @@ impl Work<'_> {
 /// `data` must point to a live `Work`.
 unsafe extern "C" fn team_member(data: *mut c_void) {
     let work = unsafe { &*(data as *const Work<'_>) };
-    work.run();
+    // Called by libgomp inside a team, so `gomp()` found it; both calls only read the
+    // calling thread's team.
+    let (member, team) = gomp().map_or((0, 1), |gomp| unsafe {
+        ((gomp.thread_num)(), (gomp.num_threads)())
+    });
+    let index = |value: i32| usize::try_from(value).unwrap_or(0);
+    work.run(index(member), index(team).max(1));
 }
 
 /// Runs `task(chunk)` for every chunk in `0..chunks` on up to `threads` threads (the
@@ -92,8 +126,9 @@ pub(crate) fn for_each_chunk(chunks: usize, threads: usize, task: &(dyn Fn(usize
         return;
     }
     let work = Work {
-        next: AtomicUsize::new(0),
+        taken: AtomicUsize::new(0),
         chunks,
+        stopped: AtomicBool::new(false),
         task,
         panic: Mutex::new(None),
     };
@@ -111,10 +146,11 @@ pub(crate) fn for_each_chunk(chunks: usize, threads: usize, task: &(dyn Fn(usize
             };
         }
         None => rayon::in_place_scope(|scope| {
-            for _ in 1..threads {
-                scope.spawn(|_| work.run());
+            for member in 1..threads {
+                let work = &work;
+                scope.spawn(move |_| work.run(member, threads));
             }
-            work.run();
+            work.run(0, threads);
         }),
     }
     let panic = work
@@ -143,6 +179,34 @@ mod tests {
                 "{chunks} {threads}"
             );
         }
+    }
+
+    #[test]
+    fn the_first_chunk_runs_on_the_calling_thread_every_time() {
+        // Member 0 (the caller) always takes chunk 0: the rows a step split in equal
+        // parts gives this thread are the same on every call.
+        let caller = std::thread::current().id();
+        for _ in 0..20 {
+            let owner = Mutex::new(None);
+            for_each_chunk(2, 2, &|chunk| {
+                if chunk == 0 {
+                    *owner.lock().unwrap() = Some(std::thread::current().id());
+                }
+            });
+            assert_eq!(owner.into_inner().unwrap(), Some(caller));
+        }
+    }
+
+    #[test]
+    fn nested_teams_run_every_chunk() {
+        // Inside a team a nested one may get fewer threads than asked for.
+        let runs: Vec<AtomicU64> = (0..4 * 6).map(|_| AtomicU64::new(0)).collect();
+        for_each_chunk(4, 4, &|outer| {
+            for_each_chunk(6, 3, &|inner| {
+                runs[outer * 6 + inner].fetch_add(1, Ordering::Relaxed);
+            });
+        });
+        assert!(runs.iter().all(|runs| runs.load(Ordering::Relaxed) == 1));
     }
 
     #[test]

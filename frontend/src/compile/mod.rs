@@ -39,11 +39,8 @@ struct StructureKey {
 }
 
 impl StructureKey {
-    fn of(nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Self> {
-        let normalized = nested
-            .iter()
-            .map(|batch| normalized_input(batch))
-            .collect::<Result<Vec<_>>>()?;
+    /// The key of batches already normalized (`normalized_input`) and dense inputs.
+    fn of(normalized: &[&NestedTensor], dense: &[&Tensor]) -> Result<Self> {
         Ok(Self {
             nested: normalized
                 .iter()
@@ -61,8 +58,8 @@ impl StructureKey {
                 .iter()
                 .map(|tensor| (tensor.size().split_off(1.min(tensor.dim())), tensor.kind()))
                 .collect(),
-            shared: shared_lengths(&normalized.iter().collect::<Vec<_>>()),
-            requires_grad: nested
+            shared: shared_lengths(normalized),
+            requires_grad: normalized
                 .iter()
                 .map(|batch| batch.packed().requires_grad())
                 .collect(),
@@ -309,41 +306,32 @@ where
         {
             on_cpu(tensor)?;
         }
-        let entry = self.entry(nested, dense)?;
-        let values = entry.traced.bind(nested, dense)?;
+        let normalized = nested
+            .iter()
+            .map(|batch| normalized_input(batch))
+            .collect::<Result<Vec<_>>>()?;
+        let normalized: Vec<&NestedTensor> = normalized.iter().collect();
+        let entry = self.entry_of(&normalized, nested, dense)?;
+        let values = entry.traced.bind_normalized(&normalized, dense)?;
         check_inputs(entry.traced.graph(), &values)?;
         // Contiguous float / i64 views of the inputs, kept alive while the program runs.
         let float = match entry.executable.program().float {
             FloatType::F32 => Kind::Float,
             FloatType::F64 => Kind::Double,
         };
-        let mut keep: Vec<Tensor> = Vec::with_capacity(values.len());
-        let mut lengths: Vec<Vec<i64>> = Vec::new();
-        let mut order = Vec::with_capacity(values.len());
-        for value in &values {
-            match value {
-                Value::Lengths(values) => {
-                    lengths.push(values.clone());
-                    order.push((true, lengths.len() - 1));
-                }
-                Value::Nested(nested) => {
-                    keep.push(host_tensor(nested.packed(), float)?);
-                    order.push((false, keep.len() - 1));
-                }
-                Value::Dense(tensor) => {
-                    keep.push(host_tensor(tensor, float)?);
-                    order.push((false, keep.len() - 1));
-                }
-            }
-        }
-        let inputs = order
+        let host = values
             .iter()
-            .map(|&(is_lengths, index)| {
-                if is_lengths {
-                    Ok(InputData::I64(&lengths[index]))
-                } else {
-                    tensor_data(&keep[index])
-                }
+            .map(|value| match value {
+                Value::Lengths(lengths) => Ok(HostInput::Lengths(lengths)),
+                Value::Nested(nested) => host_tensor(nested.packed(), float).map(HostInput::Tensor),
+                Value::Dense(tensor) => host_tensor(tensor, float).map(HostInput::Tensor),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let inputs = host
+            .iter()
+            .map(|input| match input {
+                HostInput::Lengths(lengths) => Ok(InputData::I64(lengths)),
+                HostInput::Tensor(tensor) => tensor_data(tensor),
             })
             .collect::<Result<Vec<_>>>()?;
         let mut sink = TensorSink {
@@ -374,7 +362,21 @@ where
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
-        let key = StructureKey::of(nested, dense)?;
+        let normalized = nested
+            .iter()
+            .map(|batch| normalized_input(batch))
+            .collect::<Result<Vec<_>>>()?;
+        self.entry_of(&normalized.iter().collect::<Vec<_>>(), nested, dense)
+    }
+
+    /// The entry of batches `nested` (`normalized`: the same, normalized) and `dense`.
+    fn entry_of(
+        &self,
+        normalized: &[&NestedTensor],
+        nested: &[&NestedTensor],
+        dense: &[&Tensor],
+    ) -> Result<Arc<Entry>> {
+        let key = StructureKey::of(normalized, dense)?;
         let mut cache = self
             .cache
             .lock()
@@ -545,6 +547,13 @@ fn on_cpu(tensor: &Tensor) -> Result<()> {
     }
 }
 
+/// An input of a run as the executor reads it.
+enum HostInput<'a> {
+    Lengths(&'a [i64]),
+    /// A contiguous CPU tensor (`host_tensor`), alive while the program runs.
+    Tensor(Tensor),
+}
+
 /// A contiguous CPU tensor of the program's `float` kind (floats and bools) or i64
 /// (integers).
 fn host_tensor(tensor: &Tensor, float: Kind) -> Result<Tensor> {
@@ -554,11 +563,11 @@ fn host_tensor(tensor: &Tensor, float: Kind) -> Result<Tensor> {
         Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8 => Kind::Int64,
         _ => float,
     };
-    let host = tensor
-        .f_to_device(tch::Device::Cpu)?
-        .f_to_kind(target)?
-        .f_contiguous()?;
-    Ok(host.f_detach()?)
+    if kind == target && tensor.is_contiguous() {
+        // Already as the program reads it (the usual case): no dispatch.
+        return Ok(tensor.shallow_clone());
+    }
+    Ok(tensor.f_to_kind(target)?.f_contiguous()?)
 }
 
 /// The data of a contiguous host tensor, without copying.

@@ -467,17 +467,25 @@ impl Traced {
             .iter()
             .map(|batch| normalized_input(batch))
             .collect::<Result<Vec<_>>>()?;
-        let normalized: Vec<&NestedTensor> = normalized.iter().collect();
-        self.check_shared_lengths(&normalized)?;
+        self.bind_normalized(&normalized.iter().collect::<Vec<_>>(), dense)
+    }
+
+    /// [`Traced::bind`] of batches already normalized (`normalized_input`).
+    pub(crate) fn bind_normalized(
+        &self,
+        normalized: &[&NestedTensor],
+        dense: &[&Tensor],
+    ) -> Result<Vec<Value>> {
+        self.check_shared_lengths(normalized)?;
         // Sources are in the order of the graph's inputs, which passes keep.
         let mut inputs = Vec::with_capacity(self.sources.len());
         for (_, source) in &self.sources {
             let input = match source {
                 Source::Nested(index) => {
-                    Value::Nested(input_at(&normalized, *index)?.shallow_clone())
+                    Value::Nested(input_at(normalized, *index)?.shallow_clone())
                 }
                 Source::Lengths(index, dim) => {
-                    let layout = input_at(&normalized, *index)?.lay();
+                    let layout = input_at(normalized, *index)?.lay();
                     Value::Lengths(layout.dim_sizes(*dim).ok_or_else(|| {
                         NestedError::InputMismatch {
                             input: format!("x{index}"),

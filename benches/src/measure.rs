@@ -19,14 +19,25 @@ pub struct Timing {
     pub samples: usize,
 }
 
-/// Times `samples` runs of `step` after one warm-up run.
+/// How long one timed run lasts at least: a step shorter than this is called several
+/// times in a row per run, and the run's time divided by the calls. A step of tens of
+/// microseconds timed alone measures the timer and the scheduler as much as the step.
+pub const SHORTEST_RUN_SECONDS: f64 = 1e-3;
+
+/// Times `samples` runs of `step` after one warm-up run (each run at least
+/// [`SHORTEST_RUN_SECONDS`] of back-to-back calls; times are per call).
 pub fn time(samples: usize, mut step: impl FnMut() -> Result<()>) -> Result<Timing> {
     step()?;
+    let started = Instant::now();
+    step()?;
+    let calls = calls_per_run(started.elapsed().as_secs_f64());
     let mut times = Vec::with_capacity(samples.max(1));
     for _ in 0..samples.max(1) {
         let started = Instant::now();
-        step()?;
-        times.push(started.elapsed().as_secs_f64());
+        for _ in 0..calls {
+            step()?;
+        }
+        times.push(started.elapsed().as_secs_f64() / calls as f64);
     }
     times.sort_by(f64::total_cmp);
     let at = |fraction: f64| times[((times.len() - 1) as f64 * fraction).round() as usize];
@@ -36,6 +47,15 @@ pub fn time(samples: usize, mut step: impl FnMut() -> Result<()>) -> Result<Timi
         high: at(0.75),
         samples: times.len(),
     })
+}
+
+/// Calls of a step that took `seconds` once for a run of [`SHORTEST_RUN_SECONDS`]
+/// (at least 1, at most 1000).
+fn calls_per_run(seconds: f64) -> usize {
+    if seconds <= 0.0 || !seconds.is_finite() {
+        return 1000;
+    }
+    (SHORTEST_RUN_SECONDS / seconds).ceil().clamp(1.0, 1000.0) as usize
 }
 
 /// The counters of `nestor-memcount`, when it is preloaded.
@@ -92,4 +112,27 @@ pub fn peak_bytes(mut step: impl FnMut() -> Result<()>) -> Result<Option<u64>> {
     let before = (counter.current)();
     step()?;
     Ok(Some(((counter.peak)() - before).max(0) as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_steps_are_timed_in_runs_of_several_calls() {
+        assert_eq!(calls_per_run(2e-3), 1);
+        assert_eq!(calls_per_run(1e-3), 1);
+        assert_eq!(calls_per_run(4e-5), 25);
+        assert_eq!(calls_per_run(1e-9), 1000);
+        assert_eq!(calls_per_run(0.0), 1000);
+        let mut calls = 0;
+        let timing = time(3, || {
+            calls += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(timing.samples, 3);
+        // Warm-up, the estimate, then three runs of (at most) 1000 calls each.
+        assert!(calls > 3, "{calls} calls");
+    }
 }

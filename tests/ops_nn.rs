@@ -127,16 +127,7 @@ proptest! {
         let (k, k_elements) = batch(&key_lengths, &[2, 4], Kind::Double, seed + 1);
         let (v, v_elements) = batch(&key_lengths, &[2, 3], Kind::Double, seed + 2);
         let attended = q.scaled_dot_product_attention(&k, &v, causal, None).unwrap();
-        let expected: Vec<Tensor> = q_elements.iter().zip(&k_elements).zip(&v_elements).map(|((q, k), v)| {
-            let (q, k, v) = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
-            let mut scores = q.matmul(&k.transpose(1, 2)) / 2.0;
-            if causal {
-                let future = Tensor::ones([q.size()[1], k.size()[1]], (Kind::Bool, Device::Cpu)).triu(1);
-                scores = scores.masked_fill(&future, f64::NEG_INFINITY);
-            }
-            scores.softmax(-1, None::<Kind>).matmul(&v).transpose(0, 1)
-        }).collect();
-        assert_elements(&attended, &expected, Kind::Double);
+        assert_elements(&attended, &explicit_attention(&q_elements, &k_elements, &v_elements, causal), Kind::Double);
     }
 
     #[test]
@@ -149,6 +140,74 @@ proptest! {
         let expected: Vec<Tensor> = elements.iter().map(|e| reference_encoder_layer(&store, "layer", &layer, e, norm_first)).collect();
         assert_elements(&encoded, &expected, Kind::Float);
     }
+}
+
+/// `softmax(q k^T / sqrt(D)) v` per element and head, future keys masked when `causal`.
+fn explicit_attention(q: &[Tensor], k: &[Tensor], v: &[Tensor], causal: bool) -> Vec<Tensor> {
+    q.iter()
+        .zip(k)
+        .zip(v)
+        .map(|((q, k), v)| {
+            let (q, k, v) = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1));
+            let scale = (q.size()[2] as f64).sqrt();
+            let mut scores = q.matmul(&k.transpose(1, 2)) / scale;
+            if causal {
+                let future =
+                    Tensor::ones([q.size()[1], k.size()[1]], (Kind::Bool, Device::Cpu)).triu(1);
+                scores = scores.masked_fill(&future, f64::NEG_INFINITY);
+            }
+            scores.softmax(-1, None::<Kind>).matmul(&v).transpose(0, 1)
+        })
+        .collect()
+}
+
+#[test]
+fn attention_over_batches_of_equal_lengths_and_of_one() -> Result<(), Box<dyn std::error::Error>> {
+    // Elements of equal shapes make a batch without a ragged dim (its packed values
+    // carry the batch dim): attention once attended over the heads of such batches.
+    let element = |seed: i64, rows: i64, width: i64| {
+        common::batch(&[rows], &[2, width], Kind::Double, seed)
+            .1
+            .remove(0)
+    };
+    for (q_rows, k_rows) in [
+        (vec![3, 3], vec![3, 3]),
+        (vec![4], vec![4]),
+        (vec![2, 5], vec![3, 3]),
+    ] {
+        let q: Vec<Tensor> = q_rows
+            .iter()
+            .enumerate()
+            .map(|(i, &rows)| element(i as i64, rows, 4))
+            .collect();
+        let k: Vec<Tensor> = k_rows
+            .iter()
+            .enumerate()
+            .map(|(i, &rows)| element(10 + i as i64, rows, 4))
+            .collect();
+        let v: Vec<Tensor> = k_rows
+            .iter()
+            .enumerate()
+            .map(|(i, &rows)| element(20 + i as i64, rows, 3))
+            .collect();
+        let batch = |elements: &[Tensor]| NestedTensor::from_tensors(elements);
+        for causal in [false, true] {
+            let attended =
+                batch(&q)?.scaled_dot_product_attention(&batch(&k)?, &batch(&v)?, causal, None)?;
+            assert_eq!(attended.len(), q.len());
+            assert_eq!(
+                attended.layout().ragged_dims(),
+                batch(&q)?.layout().ragged_dims(),
+                "the result keeps the queries' structure"
+            );
+            assert_elements(
+                &attended,
+                &explicit_attention(&q, &k, &v, causal),
+                Kind::Double,
+            );
+        }
+    }
+    Ok(())
 }
 
 #[test]

@@ -25,6 +25,28 @@ impl NestedTensor {
         scale: Option<f64>,
     ) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, "scaled_dot_product_attention")?;
+        let regular = |batch: &NestedTensor| {
+            let layout = batch.lay();
+            layout.rank() > 0 && layout.ragged_dims().is_empty()
+        };
+        if [self, keys, values].into_iter().any(regular) {
+            // Batches of equal lengths (a batch of one among them) have no ragged dim:
+            // their packed values carry a batch dim. Attend over their rows as a ragged
+            // batch, and give the result the queries' structure.
+            let attended = self.ragged_leading()?.scaled_dot_product_attention(
+                &keys.ragged_leading()?,
+                &values.ragged_leading()?,
+                causal,
+                scale,
+            )?;
+            if !regular(self) {
+                return Ok(attended);
+            }
+            let width = attended.packed().size().last().copied().unwrap_or(0);
+            let layout = self.lay().with_static_size(self.lay().rank() - 1, width)?;
+            let packed = attended.packed().f_reshape(layout.packed_shape())?;
+            return Ok(NestedTensor::from_parts(packed, layout, self.options()));
+        }
         if keys.lay().offsets() != values.lay().offsets() {
             return Err(NestedError::StructureMismatch {
                 op: "scaled_dot_product_attention (keys vs values)",

@@ -1,10 +1,34 @@
-//! Varlen attention on the host as two GEMMs per element and head (`S = Q K^T`,
-//! `O = softmax(S) V`) with a row softmax in between: packed (no padding between
-//! elements), and the GEMM library's microkernels do the arithmetic.
+//! Varlen attention on the host, packed (no padding between elements).
+//!
+//! The forward is tiled with an online softmax (as FlashAttention): a task takes one
+//! element, head and tile of [`Tiles::queries`] query rows, and walks the keys in tiles
+//! of [`Tiles::keys`]: `S = scale Q K^T` for the tile (the GEMM library's microkernels),
+//! each row's running maximum and sum updated, the output rows rescaled and `P V` added.
+//! Memory is one tile of scores per task, never `L x L`; tasks of every element, head
+//! and query tile spread over the team. The gradient recomputes `P` per element and head.
 
 use nestor_passes::Access;
 
 use crate::scalar::Scalar;
+
+/// The tile sizes of the forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tiles {
+    /// Query rows per task.
+    pub queries: i64,
+    /// Keys per tile of scores.
+    pub keys: i64,
+}
+
+impl Tiles {
+    /// 64 query rows x 256 keys: 64 KiB of f32 scores per task (in L2 with the tile's
+    /// keys and values), whole elements of up to 256 keys in one tile (no rescaling),
+    /// and tasks enough for every core from a handful of long elements.
+    pub(crate) const DEFAULT: Tiles = Tiles {
+        queries: 64,
+        keys: 256,
+    };
+}
 
 /// The shape of one attention step.
 pub(crate) struct Attention<'a> {
@@ -16,8 +40,9 @@ pub(crate) struct Attention<'a> {
     pub value_dim: i64,
     pub causal: bool,
     pub scale: f64,
-    /// Spread the (element, head) tasks over the team (`crate::team`).
+    /// Spread the tasks over the team (`crate::team`).
     pub parallel: bool,
+    pub tiles: Tiles,
 }
 
 /// Pointers shared by the parallel tasks; each task writes its own rows and head
@@ -31,6 +56,27 @@ struct Buffers<T> {
 }
 unsafe impl<T> Send for Buffers<T> {}
 unsafe impl<T> Sync for Buffers<T> {}
+
+/// One task of the forward: a tile of query rows of one element and head.
+#[derive(Clone, Copy, Debug)]
+struct Task {
+    head: i64,
+    /// The element's first query row and first key row (packed), and its keys.
+    q_first: i64,
+    k_first: i64,
+    k_rows: i64,
+    /// The tile's first row within the element, and its rows.
+    row: i64,
+    rows: i64,
+}
+
+/// What each query row of a task has seen so far: the largest score, the sum of
+/// `e^(score - largest)`, and whether a masked score was NaN or `+inf`.
+struct RowState<T> {
+    largest: Vec<T>,
+    total: Vec<T>,
+    poisoned: Vec<bool>,
+}
 
 impl Attention<'_> {
     /// Runs the step on buffers of `T` (out, q, k, v). `out` holds
@@ -50,125 +96,167 @@ impl Attention<'_> {
             k: k as *const T,
             v: v as *const T,
         };
-        let task = |(element, head): (usize, i64)| {
-            let (q_first, q_rows) = (
-                q_offsets[element],
-                q_offsets[element + 1] - q_offsets[element],
-            );
-            let (k_first, k_rows) = (
-                k_offsets[element],
-                k_offsets[element + 1] - k_offsets[element],
-            );
-            // The task's rows and columns are in range of buffers the executor sized.
-            unsafe { self.element(buffers, head, q_first, q_rows, k_first, k_rows) };
+        let tile = self.tiles.queries.max(1);
+        let mut tasks = Vec::new();
+        for element in 0..q_offsets.len().saturating_sub(1) {
+            let q_first = q_offsets[element];
+            let q_rows = q_offsets[element + 1] - q_first;
+            let k_first = k_offsets[element];
+            let k_rows = k_offsets[element + 1] - k_first;
+            for head in 0..self.heads {
+                for row in (0..q_rows).step_by(tile as usize) {
+                    tasks.push(Task {
+                        head,
+                        q_first,
+                        k_first,
+                        k_rows,
+                        row,
+                        rows: tile.min(q_rows - row),
+                    });
+                }
+            }
+        }
+        let threads = if self.parallel {
+            crate::Parallelism::current().threads
+        } else {
+            1
         };
-        for_each_element_head(
-            q_offsets.len().saturating_sub(1),
-            self.heads,
-            self.parallel,
-            &task,
-        );
+        crate::team::for_each_chunk(tasks.len(), threads, &|index| {
+            // The task's rows and columns are in range of buffers the executor sized.
+            unsafe { self.task(buffers, tasks[index]) };
+        });
     }
 
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn element<T: Scalar>(
-        &self,
-        buffers: Buffers<T>,
-        head: i64,
-        q_first: i64,
-        q_rows: i64,
-        k_first: i64,
-        k_rows: i64,
-    ) {
-        if q_rows == 0 {
-            return;
-        }
+    /// One task: its query rows' outputs for one head.
+    unsafe fn task<T: Scalar>(&self, buffers: Buffers<T>, task: Task) {
         let (d, dv) = (self.head_dim, self.value_dim);
         let out_width = self.heads * dv;
-        let mut scores = vec![T::ZERO; (q_rows * k_rows.max(1)) as usize];
+        let rows = task.rows as usize;
+        let q_row = task.q_first + task.row;
         unsafe {
             let q = buffers
                 .q
-                .offset((q_first * self.q.row_stride + self.q.offset + head * d) as isize);
-            let k = buffers
-                .k
-                .offset((k_first * self.k.row_stride + self.k.offset + head * d) as isize);
-            let v = buffers
-                .v
-                .offset((k_first * self.v.row_stride + self.v.offset + head * dv) as isize);
+                .offset((q_row * self.q.row_stride + self.q.offset + task.head * d) as isize);
             let out = buffers
                 .out
-                .offset((q_first * out_width + head * dv) as isize);
-            if k_rows > 0 {
-                // S[q_rows, k_rows] = scale * Q K^T.
-                T::matmul(
-                    (q_rows as usize, d as usize, k_rows as usize),
-                    T::from_f64(self.scale),
-                    (q, self.q.row_stride as isize, 1),
-                    (k, 1, self.k.row_stride as isize),
-                    (scores.as_mut_ptr(), k_rows as isize, 1),
-                );
-            }
-            // Each row's softmax denominator: the output rows are divided by it after the
-            // second GEMM (dv values per row rather than k_rows scores).
-            let mut totals = vec![T::ONE; q_rows as usize];
-            for ((row, scores), total) in scores
-                .chunks_mut(k_rows.max(1) as usize)
-                .enumerate()
-                .zip(&mut totals)
-            {
-                let limit = if self.causal {
-                    (row + 1).min(k_rows as usize)
-                } else {
-                    k_rows as usize
-                };
-                // Libtorch masks by adding -inf: a masked score that is NaN or +inf
-                // makes the row NaN (dividing by a NaN total does).
-                let poisoned = scores[limit..].iter().any(|&score| {
-                    score.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less)
-                });
-                let row = &mut scores[..limit];
-                if row.iter().all(|&score| score == T::NEG_INFINITY) {
-                    // Libtorch's attention gives 0 for a row without a finite score.
-                    row.fill(T::ZERO);
-                } else {
-                    *total = T::softmax_numerators(row);
-                }
-                if poisoned {
-                    *total = T::NAN;
-                }
-                for score in &mut scores[limit..] {
-                    *score = T::ZERO;
-                }
-            }
-            if k_rows == 0 {
+                .offset((q_row * out_width + task.head * dv) as isize);
+            let out_row = |row: usize| {
+                std::slice::from_raw_parts_mut(out.add(row * out_width as usize), dv as usize)
+            };
+            if task.k_rows == 0 {
                 // No keys: libtorch's attention gives 0 (a row without a finite score).
-                for row in 0..q_rows {
-                    for column in 0..dv {
-                        *out.offset((row * out_width + column) as isize) = T::ZERO;
-                    }
+                for row in 0..rows {
+                    out_row(row).fill(T::ZERO);
                 }
                 return;
             }
-            // O[q_rows, dv] = P V.
-            T::matmul(
-                (q_rows as usize, k_rows as usize, dv as usize),
-                T::ONE,
-                (scores.as_ptr(), k_rows as isize, 1),
-                (v, self.v.row_stride as isize, 1),
-                (out, out_width as isize, 1),
-            );
-            for (row, &total) in totals.iter().enumerate() {
-                let row = std::slice::from_raw_parts_mut(
-                    out.offset(row as isize * out_width as isize),
-                    dv as usize,
+            let key_tile = self.tiles.keys.max(1).min(task.k_rows);
+            let mut scores = vec![T::ZERO; rows * key_tile as usize];
+            let mut products = vec![T::ZERO; rows * dv as usize];
+            let mut state = RowState {
+                largest: vec![T::NEG_INFINITY; rows],
+                total: vec![T::ZERO; rows],
+                poisoned: vec![false; rows],
+            };
+            for first_key in (0..task.k_rows).step_by(key_tile as usize) {
+                let keys = key_tile.min(task.k_rows - first_key) as usize;
+                let key_row = task.k_first + first_key;
+                let k = buffers
+                    .k
+                    .offset((key_row * self.k.row_stride + self.k.offset + task.head * d) as isize);
+                let v = buffers.v.offset(
+                    (key_row * self.v.row_stride + self.v.offset + task.head * dv) as isize,
                 );
+                let scores = &mut scores[..rows * keys];
+                // S[rows, keys] = scale * Q K^T.
+                T::matmul(
+                    (rows, d as usize, keys),
+                    T::from_f64(self.scale),
+                    (q, self.q.row_stride as isize, 1),
+                    (k, 1, self.k.row_stride as isize),
+                    (scores.as_mut_ptr(), keys as isize, 1),
+                );
+                let mut rescale = vec![T::ONE; rows];
+                for (row, scores) in scores.chunks_mut(keys).enumerate() {
+                    // Keys this row may see: all, or (causal) up to its own position.
+                    let visible = if self.causal {
+                        (task.row + row as i64 + 1 - first_key).clamp(0, keys as i64) as usize
+                    } else {
+                        keys
+                    };
+                    rescale[row] = state.update(row, scores, visible);
+                }
+                // O = rescale * O + P V (the first tile writes O).
+                let first = first_key == 0;
+                let target = if first { out } else { products.as_mut_ptr() };
+                let target_width = if first { out_width } else { dv };
+                T::matmul(
+                    (rows, keys, dv as usize),
+                    T::ONE,
+                    (scores.as_ptr(), keys as isize, 1),
+                    (v, self.v.row_stride as isize, 1),
+                    (target, target_width as isize, 1),
+                );
+                if !first {
+                    for (row, product) in products.chunks(dv as usize).enumerate() {
+                        let factor = rescale[row];
+                        for (value, &added) in out_row(row).iter_mut().zip(product) {
+                            *value = *value * factor + added;
+                        }
+                    }
+                }
+            }
+            for row in 0..rows {
+                // A row without a finite score keeps its zero numerators (libtorch
+                // gives 0); a masked NaN or +inf makes the row NaN (libtorch masks by
+                // adding -inf).
+                let total = if state.poisoned[row] {
+                    T::NAN
+                } else if state.total[row] == T::ZERO {
+                    T::ONE
+                } else {
+                    state.total[row]
+                };
                 let inverse = T::ONE / total;
-                for value in row {
+                for value in out_row(row) {
                     *value = *value * inverse;
                 }
             }
         }
+    }
+}
+
+impl<T: Scalar> RowState<T> {
+    /// Takes in a tile of `row`'s scores, of which the first `visible` are not masked:
+    /// replaces them by `e^(score - largest)` (the masked ones by 0) and returns the
+    /// factor the row's earlier output must be multiplied by (its largest score grew).
+    fn update(&mut self, row: usize, scores: &mut [T], visible: usize) -> T {
+        let (seen, masked) = scores.split_at_mut(visible);
+        if masked
+            .iter()
+            .any(|&score| score.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less))
+        {
+            self.poisoned[row] = true;
+        }
+        masked.fill(T::ZERO);
+        let before = self.largest[row];
+        let largest = match crate::scalar::max_of(seen) {
+            tile if tile > before => tile,
+            _ => before,
+        };
+        if largest == T::NEG_INFINITY {
+            // No finite score yet: the numerators are 0, or NaN for a NaN score.
+            for score in seen.iter_mut() {
+                *score = if *score == *score { T::ZERO } else { T::NAN };
+            }
+            self.total[row] += crate::scalar::sum_of(seen);
+            return T::ONE;
+        }
+        let factor = (before - largest).exp();
+        let added = T::exp_below(seen, largest);
+        self.total[row] = self.total[row] * factor + added;
+        self.largest[row] = largest;
+        factor
     }
 }
 
@@ -397,11 +485,13 @@ mod tests {
             .collect()
     }
 
-    /// Runs both on q `[sum Lq, H*D]`, k `[sum Lk, H*D]`, v `[sum Lk, H*Dv]`.
+    /// Runs both on q `[sum Lq, H*D]`, k `[sum Lk, H*D]`, v `[sum Lk, H*Dv]`, the host's
+    /// in `tiles`.
     fn both(
         (q_lengths, k_lengths): (&[i64], &[i64]),
         (q, k, v): (&[f32], &[f32], &[f32]),
         causal: bool,
+        tiles: Tiles,
     ) -> (Vec<f32>, Vec<f32>) {
         let width = HEADS * HEAD_DIM;
         let (q_access, k_access) = (
@@ -423,6 +513,7 @@ mod tests {
             causal,
             scale,
             parallel: false,
+            tiles,
         };
         let mut expected = vec![f32::from_bits(0x7fc0_0001); size];
         let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
@@ -500,20 +591,25 @@ mod tests {
     proptest! {
         #[test]
         fn the_attention_template_equals_the_host_attention(
-            (q_lengths, k_lengths, values, causal) in case()
+            (q_lengths, k_lengths, values, causal) in case(),
+            (queries, keys) in (1i64..4, 1i64..4),
+            small in any::<bool>(),
         ) {
+            // Small tiles walk the multi-tile paths (rescaling, causal tiles past a
+            // row's keys) on these short elements.
+            let tiles = if small { Tiles { queries, keys } } else { Tiles::DEFAULT };
             let q_size = (q_lengths.iter().sum::<i64>() * HEADS * HEAD_DIM) as usize;
             let k_size = (k_lengths.iter().sum::<i64>() * HEADS * HEAD_DIM) as usize;
             let v_size = (k_lengths.iter().sum::<i64>() * HEADS * VALUE_DIM) as usize;
             let (q, rest) = values.split_at(q_size);
             let (k, rest) = rest.split_at(k_size);
             let v = &rest[..v_size];
-            let (actual, expected) = both((&q_lengths, &k_lengths), (q, k, v), causal);
+            let (actual, expected) = both((&q_lengths, &k_lengths), (q, k, v), causal, tiles);
             for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 let close = (a.is_nan() && e.is_nan())
                     || a == e
                     || (a - e).abs() <= 1e-5 * (1.0 + e.abs());
-                prop_assert!(close, "value {index}: template {a} vs host {e} (causal {causal}, lengths {q_lengths:?} / {k_lengths:?})");
+                prop_assert!(close, "value {index}: template {a} vs host {e} (causal {causal}, lengths {q_lengths:?} / {k_lengths:?}, {tiles:?})");
             }
         }
     }

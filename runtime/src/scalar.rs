@@ -2,7 +2,7 @@
 //! GEMM and attention are written once; matrix products go to the `gemm` crate
 //! (AVX-512 micro-kernels where the CPU has them, chosen at run time).
 
-use std::ops::{AddAssign, Div, Mul, Sub};
+use std::ops::{Add, AddAssign, Div, Mul, Sub};
 
 /// A scalar the executor's host-side arithmetic works on.
 pub(crate) trait Scalar:
@@ -11,6 +11,7 @@ pub(crate) trait Scalar:
     + Sync
     + 'static
     + PartialOrd
+    + Add<Output = Self>
     + AddAssign
     + Sub<Output = Self>
     + Mul<Output = Self>
@@ -71,28 +72,31 @@ pub(crate) trait Scalar:
     fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self>;
     /// Replaces `scores` by `e^(score - max)` (softmax numerators) and returns their sum.
     fn softmax_numerators(scores: &mut [Self]) -> Self {
-        exp_shifted(scores)
+        Self::exp_below(scores, max_of(scores))
+    }
+    /// Replaces `scores` by `e^(score - largest)` and returns their sum.
+    fn exp_below(scores: &mut [Self], largest: Self) -> Self {
+        exp_below(scores, largest)
     }
 }
 
-/// [`Scalar::softmax_numerators`] in portable code: each pass is a loop that vectorizes.
+/// [`Scalar::exp_below`] in portable code: each pass is a loop that vectorizes.
 #[inline(always)]
-fn exp_shifted<T: Scalar>(scores: &mut [T]) -> T {
-    let max = max_of(scores);
+fn exp_below<T: Scalar>(scores: &mut [T], largest: T) -> T {
     for score in scores.iter_mut() {
-        *score = (*score - max).exp();
+        *score = (*score - largest).exp();
     }
     sum_of(scores)
 }
 
-/// [`exp_shifted`] compiled for AVX2 (8 lanes rather than SSE2's 4).
+/// [`exp_below`] compiled for AVX2 (8 lanes rather than SSE2's 4).
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn exp_shifted_avx2(scores: &mut [f32]) -> f32 {
-    exp_shifted(scores)
+unsafe fn exp_below_avx2(scores: &mut [f32], largest: f32) -> f32 {
+    exp_below(scores, largest)
 }
 
 impl Scalar for f32 {
@@ -110,13 +114,13 @@ impl Scalar for f32 {
     fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
         mkl.sgemm
     }
-    fn softmax_numerators(scores: &mut [Self]) -> Self {
+    fn exp_below(scores: &mut [Self], largest: Self) -> Self {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             // The CPU has AVX2 (checked just above).
-            return unsafe { exp_shifted_avx2(scores) };
+            return unsafe { exp_below_avx2(scores, largest) };
         }
-        exp_shifted(scores)
+        exp_below(scores, largest)
     }
 }
 

@@ -9,7 +9,7 @@ use super::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
 use super::sizes::{LengthsInfo, Sizes};
 use super::RuntimeError;
 use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
-use crate::attention::{Attention, AttentionGrad};
+use crate::attention::{Attention, AttentionGrad, Tiles};
 
 /// What every step of one run reads: the buffers of every slot (aliases resolved), the
 /// lengths, the inputs and the host runner.
@@ -599,6 +599,7 @@ impl Executable {
             causal: *causal,
             scale: *scale,
             parallel: worker_threads() > 1,
+            tiles: Tiles::DEFAULT,
         };
         let buffers = (
             run.pointer(*out),

@@ -420,6 +420,16 @@ fn edge_lengths_give_the_gradients_of_autograd() {
     }
 }
 
+/// Elements longer than the CPU attention's tiles (64 query rows, 256 keys): the
+/// forward's online softmax across key tiles and the gradient's query tiles.
+#[test]
+fn long_elements_cross_the_attention_tiles() {
+    for name in ["attention", "decoder_pre"] {
+        check(name, Kind::Double, &[vec![300, 70, 1], vec![257]], 5);
+        check(name, Kind::Float, &[vec![300, 70, 1]], 6);
+    }
+}
+
 /// A call accumulates into `.grad()` like `backward()`: twice the same batch is twice
 /// the gradient; `zero_grad` resets it; frozen parameters get nothing.
 #[test]

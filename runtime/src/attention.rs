@@ -5,7 +5,8 @@
 //! of [`Tiles::keys`]: `S = scale Q K^T` for the tile (the GEMM library's microkernels),
 //! each row's running maximum and sum updated, the output rows rescaled and `P V` added.
 //! Memory is one tile of scores per task, never `L x L`; tasks of every element, head
-//! and query tile spread over the team. The gradient recomputes `P` per element and head.
+//! and query tile spread over the team. The gradient recomputes `P` for a tile of query
+//! rows at a time over all keys (`tile x keys`: O(L) memory per task, no extra GEMM).
 
 use nestor_passes::Access;
 
@@ -14,7 +15,7 @@ use crate::scalar::Scalar;
 /// The tile sizes of the forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tiles {
-    /// Query rows per task.
+    /// Query rows per task (per tile of probabilities in the gradient).
     pub queries: i64,
     /// Keys per tile of scores.
     pub keys: i64,
@@ -293,6 +294,8 @@ pub(crate) struct AttentionGrad<'a> {
     pub keys: bool,
     /// Spread the (element, head) tasks over the team (`crate::team`).
     pub parallel: bool,
+    /// Query rows per tile of probabilities ([`Tiles::queries`]; all keys at once).
+    pub tiles: Tiles,
 }
 
 /// Pointers of a gradient step; each task writes its own rows and head columns.
@@ -383,79 +386,126 @@ impl AttentionGrad<'_> {
             }
             return;
         }
-        let mut probabilities = vec![T::ZERO; qs * ks];
-        let mut slopes = vec![T::ZERO; qs * ks];
-        unsafe {
-            // P = softmax(scale Q K^T), row by row, future keys masked.
-            T::matmul(
-                (qs, d as usize, ks),
-                T::from_f64(self.scale),
-                (q, self.q.row_stride as isize, 1),
-                (k, 1, self.k.row_stride as isize),
-                (probabilities.as_mut_ptr(), ks as isize, 1),
-            );
-            // dP = dO V^T.
-            T::matmul(
-                (qs, d as usize, ks),
-                T::ONE,
-                (g, self.g.row_stride as isize, 1),
-                (v, 1, self.v.row_stride as isize),
-                (slopes.as_mut_ptr(), ks as isize, 1),
-            );
-        }
-        for (row, (scores, slope)) in probabilities
-            .chunks_mut(ks)
-            .zip(slopes.chunks_mut(ks))
-            .enumerate()
-        {
-            let limit = if self.causal { (row + 1).min(ks) } else { ks };
-            let total = T::softmax_numerators(&mut scores[..limit]);
-            let inverse = T::ONE / total;
-            let mut dot = T::ZERO;
-            for (p, s) in scores[..limit].iter_mut().zip(&slope[..limit]) {
-                *p = *p * inverse;
-                dot += *p * *s;
-            }
-            for score in &mut scores[limit..] {
-                *score = T::ZERO;
-            }
-            // dS = P (dP - rowsum(P dP)), zero where P is.
-            for (s, &p) in slope.iter_mut().zip(scores.iter()) {
-                *s = p * (*s - dot);
-            }
-        }
+        // Query rows a tile at a time: each row's softmax spans all keys, so a tile of
+        // probabilities is `tile x keys` (never `L x L`). The queries' gradient rows of
+        // a tile are its own; the keys' and values' gradients sum over the tiles.
+        let tile = (self.tiles.queries.max(1) as usize).min(qs);
+        let mut probabilities = vec![T::ZERO; tile * ks];
+        let mut slopes = vec![T::ZERO; tile * ks];
+        let mut partial = if self.keys && qs > tile {
+            vec![T::ZERO; 2 * ks * d as usize]
+        } else {
+            Vec::new()
+        };
         let scale = T::from_f64(self.scale);
-        unsafe {
-            if self.keys {
-                let out_k = buffers
-                    .out
-                    .offset((k_first * 2 * width + head * d) as isize);
-                let out_v = out_k.offset(width as isize);
-                // dK = scale dS^T Q; dV = P^T dO.
+        for first in (0..qs).step_by(tile) {
+            let rows = tile.min(qs - first);
+            let (probabilities, slopes) =
+                (&mut probabilities[..rows * ks], &mut slopes[..rows * ks]);
+            let (q, g) = unsafe {
+                (
+                    q.offset(first as isize * self.q.row_stride as isize),
+                    g.offset(first as isize * self.g.row_stride as isize),
+                )
+            };
+            unsafe {
+                // P = softmax(scale Q K^T), row by row, future keys masked.
                 T::matmul(
-                    (ks, qs, d as usize),
+                    (rows, d as usize, ks),
                     scale,
-                    (slopes.as_ptr(), 1, ks as isize),
                     (q, self.q.row_stride as isize, 1),
-                    (out_k, 2 * width as isize, 1),
+                    (k, 1, self.k.row_stride as isize),
+                    (probabilities.as_mut_ptr(), ks as isize, 1),
                 );
+                // dP = dO V^T.
                 T::matmul(
-                    (ks, qs, d as usize),
+                    (rows, d as usize, ks),
                     T::ONE,
-                    (probabilities.as_ptr(), 1, ks as isize),
                     (g, self.g.row_stride as isize, 1),
-                    (out_v, 2 * width as isize, 1),
+                    (v, 1, self.v.row_stride as isize),
+                    (slopes.as_mut_ptr(), ks as isize, 1),
                 );
-            } else {
-                // dQ = scale dS K.
-                let out_q = buffers.out.offset((q_first * width + head * d) as isize);
-                T::matmul(
-                    (qs, ks, d as usize),
-                    scale,
-                    (slopes.as_ptr(), ks as isize, 1),
-                    (k, self.k.row_stride as isize, 1),
-                    (out_q, width as isize, 1),
-                );
+            }
+            for (row, (scores, slope)) in probabilities
+                .chunks_mut(ks)
+                .zip(slopes.chunks_mut(ks))
+                .enumerate()
+            {
+                let limit = if self.causal {
+                    (first + row + 1).min(ks)
+                } else {
+                    ks
+                };
+                let total = T::softmax_numerators(&mut scores[..limit]);
+                let inverse = T::ONE / total;
+                let mut dot = T::ZERO;
+                for (p, s) in scores[..limit].iter_mut().zip(&slope[..limit]) {
+                    *p = *p * inverse;
+                    dot += *p * *s;
+                }
+                for score in &mut scores[limit..] {
+                    *score = T::ZERO;
+                }
+                // dS = P (dP - rowsum(P dP)), zero where P is.
+                for (s, &p) in slope.iter_mut().zip(scores.iter()) {
+                    *s = p * (*s - dot);
+                }
+            }
+            unsafe {
+                if self.keys {
+                    // dK = scale dS^T Q; dV = P^T dO: written by the first tile, added
+                    // up from `partial` after the others.
+                    let out_k = buffers
+                        .out
+                        .offset((k_first * 2 * width + head * d) as isize);
+                    let (target, stride) = if first == 0 {
+                        (out_k, 2 * width as isize)
+                    } else {
+                        (partial.as_mut_ptr(), 2 * d as isize)
+                    };
+                    let half = if first == 0 { width } else { d };
+                    T::matmul(
+                        (ks, rows, d as usize),
+                        scale,
+                        (slopes.as_ptr(), 1, ks as isize),
+                        (q, self.q.row_stride as isize, 1),
+                        (target, stride, 1),
+                    );
+                    T::matmul(
+                        (ks, rows, d as usize),
+                        T::ONE,
+                        (probabilities.as_ptr(), 1, ks as isize),
+                        (g, self.g.row_stride as isize, 1),
+                        (target.offset(half as isize), stride, 1),
+                    );
+                    if first > 0 {
+                        for (key, sums) in partial.chunks(2 * d as usize).enumerate() {
+                            for (part, sums) in sums.chunks(d as usize).enumerate() {
+                                let row = std::slice::from_raw_parts_mut(
+                                    out_k.offset(
+                                        (key as i64 * 2 * width + part as i64 * width) as isize,
+                                    ),
+                                    d as usize,
+                                );
+                                for (value, &added) in row.iter_mut().zip(sums) {
+                                    *value += added;
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    // dQ = scale dS K.
+                    let out_q = buffers
+                        .out
+                        .offset(((q_first + first as i64) * width + head * d) as isize);
+                    T::matmul(
+                        (rows, ks, d as usize),
+                        scale,
+                        (slopes.as_ptr(), ks as isize, 1),
+                        (k, self.k.row_stride as isize, 1),
+                        (out_q, width as isize, 1),
+                    );
+                }
             }
         }
     }
@@ -620,6 +670,7 @@ mod tests {
         (q_lengths, k_lengths): (&[i64], &[i64]),
         (q, k, v, g): (&[f32], &[f32], &[f32], &[f32]),
         (causal, keys): (bool, bool),
+        tiles: Tiles,
     ) -> (Vec<f32>, Vec<f32>) {
         let width = HEADS * HEAD_DIM;
         let slot = nestor_passes::Slot;
@@ -643,6 +694,7 @@ mod tests {
             scale,
             keys,
             parallel: false,
+            tiles,
         };
         let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
         let mut expected = vec![f32::NAN; size];
@@ -695,7 +747,10 @@ mod tests {
         fn the_attention_gradient_template_equals_the_host_gradient(
             (q_lengths, k_lengths, values, causal) in case(),
             keys in any::<bool>(),
+            queries in 1i64..4,
+            small in any::<bool>(),
         ) {
+            let tiles = if small { Tiles { queries, keys: 1 } } else { Tiles::DEFAULT };
             let width = (HEADS * HEAD_DIM) as usize;
             let (queries, key_rows) = (q_lengths.iter().sum::<i64>() as usize, k_lengths.iter().sum::<i64>() as usize);
             // Finite values only: the gradients' NaN semantics are not specified.
@@ -706,11 +761,11 @@ mod tests {
             let (k, rest) = rest.split_at(key_rows * width);
             let (v, rest) = rest.split_at(key_rows * width);
             let g = &rest[..queries * width];
-            let (actual, expected) = gradients((&q_lengths, &k_lengths), (q, k, v, g), (causal, keys));
+            let (actual, expected) = gradients((&q_lengths, &k_lengths), (q, k, v, g), (causal, keys), tiles);
             for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 prop_assert!(
                     (a - e).abs() <= 1e-4 * (1.0 + e.abs()),
-                    "value {index}: template {a} vs host {e} (causal {causal}, keys {keys}, lengths {q_lengths:?} / {k_lengths:?})"
+                    "value {index}: template {a} vs host {e} (causal {causal}, keys {keys}, lengths {q_lengths:?} / {k_lengths:?}, {tiles:?})"
                 );
             }
         }

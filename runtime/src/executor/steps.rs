@@ -659,6 +659,7 @@ impl Executable {
             scale: *scale,
             keys: *keys,
             parallel: worker_threads() > 1,
+            tiles: Tiles::DEFAULT,
         };
         let buffers = (
             run.pointer(*out),

@@ -279,9 +279,10 @@ fn libtorch_errors_show_their_first_line() {
     assert!(!text.contains('\n') && !text.contains("frame #"), "{text}");
 }
 
-/// One element of 100,000 rows needs 40 GB of attention scores per head: compiled, it is
-/// the typed memory error, and so it is eagerly (libtorch's allocator refuses); smaller
-/// budgets stop smaller steps, and the function keeps working after.
+/// Attention holds one tile of scores per task, never `L x L`: an element of 5,000 rows
+/// (100 MB of scores per head) runs compiled within a 16 MiB budget and agrees with
+/// eager; a budget below one tile is the typed memory error of the attention step, and
+/// smaller budgets stop smaller steps; the function keeps working after.
 #[test]
 fn steps_over_the_memory_budget_are_typed_errors_not_aborts() {
     let _turn = compiled_turn();
@@ -299,8 +300,6 @@ fn steps_over_the_memory_budget_are_typed_errors_not_aborts() {
     let compiled = nestor::compile("long", |x: &[NestedTensor], _: &[nestor::Dense]| {
         encoder.forward(&x[0], false)
     });
-    // Traced on a short batch (tracing runs eager libtorch, whose 3-d attention would
-    // ask for 80 GB here: a typed libtorch error too), then run on the long one.
     let (short, _) = batch(&[30, 2], &[8], Kind::Float, 12);
     let eager = encoder.forward(&short, false).unwrap();
     let got = compiled
@@ -310,13 +309,24 @@ fn steps_over_the_memory_budget_are_typed_errors_not_aborts() {
         .into_nested()
         .unwrap();
     assert!(got.values().allclose(eager.values(), 1e-4, 1e-4, false));
-    let (long, _) = batch(&[100_000], &[8], Kind::Float, 11);
-    let error = compiled.call(&[&long], &[]).unwrap_err();
+    let (long, _) = batch(&[5_000], &[8], Kind::Float, 11);
+    nestor::MemoryBudget::set(Some(16 << 20));
+    let got = compiled.call(&[&long], &[]);
+    nestor::MemoryBudget::set(None);
+    let got = got.unwrap().remove(0).into_nested().unwrap();
+    let eager = encoder.forward(&long, false).unwrap();
+    assert!(got.values().allclose(eager.values(), 1e-4, 1e-4, false));
+    assert_eq!(compiled.stats().compiles, 1);
+    // 3.5 KiB holds every buffer of the short batch (the widest, 32 rows x 24 floats,
+    // is 3 KiB) but not a tile of attention scores of its 30-row element (30 x 34
+    // floats per task).
+    nestor::MemoryBudget::set(Some(3584));
+    let error = compiled.call(&[&short], &[]).unwrap_err();
+    nestor::MemoryBudget::set(None);
     assert!(
         matches!(&error, NestedError::Compile { stage: "runtime", reason } if reason.contains("memory budget") && reason.contains("attention")),
         "{error}"
     );
-    assert_eq!(compiled.stats().compiles, 1);
     // A budget of 1 KiB stops the first buffer of a batch of 30 x 8 floats (960 bytes
     // fit; 2,000 rows do not).
     nestor::MemoryBudget::set(Some(1024));

@@ -29,6 +29,31 @@ impl Tiles {
         queries: 64,
         keys: 256,
     };
+
+    /// Scalars a forward task over an element of `q_rows` queries and `k_rows` keys
+    /// holds at once (a tile of scores and one of `P V` products), `None` on overflow.
+    pub(crate) fn forward_scalars(
+        self,
+        (q_rows, k_rows): (i64, i64),
+        value_dim: i64,
+    ) -> Option<usize> {
+        let rows = self.queries.max(1).min(q_rows).max(0) as usize;
+        let keys = self.keys.max(1).min(k_rows).max(0) as usize;
+        rows.checked_mul(keys.checked_add(value_dim.max(0) as usize)?)
+    }
+
+    /// Scalars a gradient task holds at once: probabilities and slopes of a tile of
+    /// query rows over all keys, and the keys' gradient sums of the later tiles.
+    pub(crate) fn gradient_scalars(
+        self,
+        (q_rows, k_rows): (i64, i64),
+        head_dim: i64,
+    ) -> Option<usize> {
+        let rows = self.queries.max(1).min(q_rows).max(0) as usize;
+        let keys = k_rows.max(0) as usize;
+        let tiles = rows.checked_mul(keys)?.checked_mul(2)?;
+        tiles.checked_add(keys.checked_mul(head_dim.max(0) as usize)?.checked_mul(2)?)
+    }
 }
 
 /// The shape of one attention step.

@@ -203,7 +203,7 @@ fn attention_offsets<'r>(
     index: usize,
     run: &'r RunState<'_, '_>,
     (q_lengths, k_lengths): (Slot, Slot),
-    score_bytes: usize,
+    (task_scalars, scalar_bytes): (&dyn Fn((i64, i64)) -> Option<usize>, usize),
 ) -> Result<Option<Offsets<'r>>, RuntimeError> {
     let (batch, key_batch) = (run.sizes.batch(q_lengths), run.sizes.batch(k_lengths));
     if batch != key_batch {
@@ -218,17 +218,17 @@ fn attention_offsets<'r>(
     }) else {
         return Ok(None);
     };
-    // Each (element, head) task holds Lq x Lk scores of `score_bytes` each (all its
-    // score matrices together); up to one task per thread at once.
+    // Each task holds `task_scalars` of its element's lengths (its tiles of scores);
+    // up to one task per thread at once.
     let largest = q_offsets
         .windows(2)
         .zip(k_offsets.windows(2))
-        .map(|(q, k)| ((q[1] - q[0]) as usize).checked_mul((k[1] - k[0]) as usize))
-        .try_fold(0usize, |largest, scores| Some(largest.max(scores?)));
+        .map(|(q, k)| task_scalars((q[1] - q[0], k[1] - k[0])))
+        .try_fold(0usize, |largest, scalars| Some(largest.max(scalars?)));
     let tasks = worker_threads().max(1) as usize;
-    let bytes = largest.and_then(|scores| {
-        scores
-            .checked_mul(score_bytes)
+    let bytes = largest.and_then(|scalars| {
+        scalars
+            .checked_mul(scalar_bytes)
             .and_then(|bytes| bytes.checked_mul(tasks))
     });
     super::within_budget(index, "attention scores", bytes)?;
@@ -585,7 +585,10 @@ impl Executable {
             return Err(step_error(index, "not an attention step".into()));
         };
         let lengths = (*q_lengths, *k_lengths);
-        let Some(offsets) = attention_offsets(index, run, lengths, self.program.float.size())?
+        let tiles = Tiles::DEFAULT;
+        let scalars = |lengths| tiles.forward_scalars(lengths, *value_dim);
+        let Some(offsets) =
+            attention_offsets(index, run, lengths, (&scalars, self.program.float.size()))?
         else {
             return Ok(());
         };
@@ -599,7 +602,7 @@ impl Executable {
             causal: *causal,
             scale: *scale,
             parallel: worker_threads() > 1,
-            tiles: Tiles::DEFAULT,
+            tiles,
         };
         let buffers = (
             run.pointer(*out),
@@ -643,9 +646,11 @@ impl Executable {
         else {
             return Err(step_error(index, "not an attention gradient step".into()));
         };
-        // Two score matrices: the probabilities and their slopes.
-        let (lengths, score_bytes) = ((*q_lengths, *k_lengths), 2 * self.program.float.size());
-        let Some(offsets) = attention_offsets(index, run, lengths, score_bytes)? else {
+        let (lengths, tiles) = ((*q_lengths, *k_lengths), Tiles::DEFAULT);
+        let scalars = |lengths| tiles.gradient_scalars(lengths, *head_dim);
+        let Some(offsets) =
+            attention_offsets(index, run, lengths, (&scalars, self.program.float.size()))?
+        else {
             return Ok(());
         };
         let gradient = AttentionGrad {
@@ -659,7 +664,7 @@ impl Executable {
             scale: *scale,
             keys: *keys,
             parallel: worker_threads() > 1,
-            tiles: Tiles::DEFAULT,
+            tiles,
         };
         let buffers = (
             run.pointer(*out),

@@ -27,26 +27,47 @@ pub const SHORTEST_RUN_SECONDS: f64 = 1e-3;
 /// Times `samples` runs of `step` after one warm-up run (each run at least
 /// [`SHORTEST_RUN_SECONDS`] of back-to-back calls; times are per call).
 pub fn time(samples: usize, mut step: impl FnMut() -> Result<()>) -> Result<Timing> {
-    step()?;
-    let started = Instant::now();
-    step()?;
-    let calls = calls_per_run(started.elapsed().as_secs_f64());
-    let mut times = Vec::with_capacity(samples.max(1));
-    for _ in 0..samples.max(1) {
+    let mut timings = time_in_turns(samples, &mut [&mut step])?;
+    Ok(timings.remove(0))
+}
+
+/// [`time`] for several steps in turns: each round times one run of every step, so a
+/// machine that slows down for a while (a busy neighbour on a shared host) slows every
+/// step alike, and their ratios hold.
+pub fn time_in_turns(
+    samples: usize,
+    steps: &mut [&mut dyn FnMut() -> Result<()>],
+) -> Result<Vec<Timing>> {
+    let mut calls = Vec::with_capacity(steps.len());
+    for step in steps.iter_mut() {
+        step()?;
         let started = Instant::now();
-        for _ in 0..calls {
-            step()?;
-        }
-        times.push(started.elapsed().as_secs_f64() / calls as f64);
+        step()?;
+        calls.push(calls_per_run(started.elapsed().as_secs_f64()));
     }
+    let mut times = vec![Vec::with_capacity(samples.max(1)); steps.len()];
+    for _ in 0..samples.max(1) {
+        for ((step, &calls), times) in steps.iter_mut().zip(&calls).zip(&mut times) {
+            let started = Instant::now();
+            for _ in 0..calls {
+                step()?;
+            }
+            times.push(started.elapsed().as_secs_f64() / calls as f64);
+        }
+    }
+    Ok(times.into_iter().map(timing_of).collect())
+}
+
+/// The median and quartiles of `times`.
+fn timing_of(mut times: Vec<f64>) -> Timing {
     times.sort_by(f64::total_cmp);
     let at = |fraction: f64| times[((times.len() - 1) as f64 * fraction).round() as usize];
-    Ok(Timing {
+    Timing {
         median: at(0.5),
         low: at(0.25),
         high: at(0.75),
         samples: times.len(),
-    })
+    }
 }
 
 /// Calls of a step that took `seconds` once for a run of [`SHORTEST_RUN_SECONDS`]
@@ -134,5 +155,31 @@ mod tests {
         assert_eq!(timing.samples, 3);
         // Warm-up, the estimate, then three runs of (at most) 1000 calls each.
         assert!(calls > 3, "{calls} calls");
+    }
+
+    #[test]
+    fn steps_timed_in_turns_each_get_their_samples() {
+        let (mut slow, mut fast) = (0, 0);
+        let timings = time_in_turns(
+            5,
+            &mut [
+                &mut || {
+                    slow += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    Ok(())
+                },
+                &mut || {
+                    fast += 1;
+                    Ok(())
+                },
+            ],
+        )
+        .unwrap();
+        assert_eq!(timings.len(), 2);
+        assert!(timings.iter().all(|timing| timing.samples == 5));
+        assert!(timings[0].median > timings[1].median);
+        // One call per run for the slow step (2 ms), many for the fast one.
+        assert_eq!(slow, 2 + 5);
+        assert!(fast > 2 + 5);
     }
 }

@@ -6,7 +6,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::lengths::{lengths, occupancy};
 use crate::models::{
-    compiled_step, measure, measure_compiled, Column, Measurement, Mode, Outcome, Step, Tokens,
+    compiled_column, compiled_step, finish_compiled, measure_in_turns, Column, Measurement, Mode,
+    Step, Tokens,
 };
 use crate::{Result, Scale};
 
@@ -140,30 +141,23 @@ pub fn run_operator(
         seed,
         &mut |occupancy, flops, steps| {
             let OperatorSteps {
-                mut padded,
-                mut eager,
+                padded,
+                eager,
                 compiled,
                 compiles,
             } = steps;
-            let mut row = |column: Column, outcome: Outcome| {
-                rows.push(Measurement {
-                    subject: operator.name().to_owned(),
-                    mode: Mode::Inference,
-                    target,
-                    occupancy,
-                    column,
-                    outcome,
-                })
-            };
-            row(Column::Padded, measure(&mut padded, flops, scale, None)?);
-            row(
-                Column::NestorEager,
-                measure(&mut eager, flops, scale, None)?,
-            );
-            row(
-                Column::NestorCompiled,
-                measure_compiled(compiled, compiles, flops, scale)?,
-            );
+            let mut timed = vec![(Column::Padded, padded), (Column::NestorEager, eager)];
+            let compiled = compiled_column(compiled, compiles, &mut timed);
+            let mut outcomes = measure_in_turns(timed, flops, scale)?;
+            finish_compiled(compiled, &mut outcomes);
+            rows.extend(outcomes.into_iter().map(|(column, outcome)| Measurement {
+                subject: operator.name().to_owned(),
+                mode: Mode::Inference,
+                target,
+                occupancy,
+                column,
+                outcome,
+            }));
             Ok(())
         },
     )?;

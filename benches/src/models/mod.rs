@@ -11,7 +11,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Tensor};
 
 use crate::lengths::{image_sizes, lengths, occupancy};
-use crate::measure::{peak_bytes, time, Timing};
+use crate::measure::{peak_bytes, time, time_in_turns, Timing};
 use crate::padded::Weights;
 use crate::{Result, Scale};
 
@@ -443,9 +443,23 @@ fn measure_columns(
         compiled,
         ..
     } = columns;
-    let mut rows = Vec::new();
-    let mut row = |column: Column, outcome: Outcome| {
-        rows.push(Measurement {
+    let mut steps = vec![
+        (Column::Padded, padded),
+        (Column::PerElement, per_element),
+        (Column::NestorEager, nestor),
+    ];
+    let compiled = match compiled {
+        Some((step, compiles)) => compiled_column(step, compiles, &mut steps),
+        None => Err(Outcome::Unavailable(match mode {
+            Mode::Training => "no compiled training for this model yet".into(),
+            Mode::Inference => "does not compile".into(),
+        })),
+    };
+    let mut outcomes = measure_in_turns(steps, flops, scale)?;
+    finish_compiled(compiled, &mut outcomes);
+    Ok(outcomes
+        .into_iter()
+        .map(|(column, outcome)| Measurement {
             subject: subject.to_owned(),
             mode,
             target,
@@ -453,51 +467,84 @@ fn measure_columns(
             column,
             outcome,
         })
-    };
-    for (column, mut step) in [
-        (Column::Padded, padded),
-        (Column::PerElement, per_element),
-        (Column::NestorEager, nestor),
-    ] {
-        row(column, measure(&mut step, flops, scale, None)?);
-    }
-    match compiled {
-        Some((step, compiles)) => row(
-            Column::NestorCompiled,
-            measure_compiled(step, compiles, flops, scale)?,
-        ),
-        None => row(
-            Column::NestorCompiled,
-            Outcome::Unavailable(match mode {
-                Mode::Training => "no compiled training for this model yet".into(),
-                Mode::Inference => "does not compile".into(),
-            }),
-        ),
-    }
-    Ok(rows)
+        .collect())
 }
 
-/// Times a compiled step: the first call (which compiles) apart, then as any step. A
-/// model that does not compile is `Unavailable` with the error.
-pub fn measure_compiled(
-    mut step: Step<'_>,
-    compiles: Box<dyn Fn() -> u64 + '_>,
-    flops: f64,
-    scale: &Scale,
-) -> Result<Outcome> {
+/// What became of a compiled column before the timing: its first call's time and its
+/// compile counter (read after the timing), or the outcome of a model that did not
+/// compile.
+pub type CompiledColumn<'a> = std::result::Result<(f64, Box<dyn Fn() -> u64 + 'a>), Outcome>;
+
+/// Calls a compiled step once (it compiles) and, if it works, adds it to the `steps`
+/// to time as [`Column::NestorCompiled`].
+pub fn compiled_column<'a>(
+    mut step: Step<'a>,
+    compiles: Box<dyn Fn() -> u64 + 'a>,
+    steps: &mut Vec<(Column, Step<'a>)>,
+) -> CompiledColumn<'a> {
     let started = Instant::now();
     if let Err(error) = step() {
-        return Ok(Outcome::Unavailable(format!("does not compile: {error}")));
+        return Err(Outcome::Unavailable(format!("does not compile: {error}")));
     }
     let seconds = started.elapsed().as_secs_f64();
-    let mut outcome = measure(&mut step, flops, scale, None)?;
-    if let Outcome::Measured { compile, .. } = &mut outcome {
-        *compile = Some(CompileCost {
-            compiles: compiles(),
-            seconds,
-        });
+    steps.push((Column::NestorCompiled, step));
+    Ok((seconds, compiles))
+}
+
+/// Puts the compiled column's compile cost into its outcome, or its outcome in the
+/// table when it did not compile.
+pub fn finish_compiled(compiled: CompiledColumn<'_>, outcomes: &mut Vec<(Column, Outcome)>) {
+    match compiled {
+        Ok((seconds, compiles)) => {
+            for (column, outcome) in outcomes.iter_mut() {
+                if let (Column::NestorCompiled, Outcome::Measured { compile, .. }) =
+                    (column, outcome)
+                {
+                    *compile = Some(CompileCost {
+                        compiles: compiles(),
+                        seconds,
+                    });
+                }
+            }
+        }
+        Err(outcome) => outcomes.push((Column::NestorCompiled, outcome)),
     }
-    Ok(outcome)
+}
+
+/// Times the steps in turns ([`crate::measure::time_in_turns`]: a slow spell of the
+/// machine slows every column alike), then measures each one's peak memory.
+pub fn measure_in_turns(
+    mut steps: Vec<(Column, Step<'_>)>,
+    flops: f64,
+    scale: &Scale,
+) -> Result<Vec<(Column, Outcome)>> {
+    let timings = {
+        let mut runs: Vec<Box<dyn FnMut() -> Result<()> + '_>> = steps
+            .iter_mut()
+            .map(|(_, step)| Box::new(move || step().map(drop)) as Box<dyn FnMut() -> Result<()>>)
+            .collect();
+        let mut turns: Vec<&mut dyn FnMut() -> Result<()>> = runs
+            .iter_mut()
+            .map(|run| run.as_mut() as &mut dyn FnMut() -> Result<()>)
+            .collect();
+        time_in_turns(scale.samples, &mut turns)?
+    };
+    steps
+        .into_iter()
+        .zip(timings)
+        .map(|((column, mut step), timing)| {
+            let peak = peak_bytes(|| step().map(drop))?;
+            Ok((
+                column,
+                Outcome::Measured {
+                    timing,
+                    gflops: flops / timing.median / 1e9,
+                    peak,
+                    compile: None,
+                },
+            ))
+        })
+        .collect()
 }
 
 /// Times `step` and measures its peak memory.

@@ -690,6 +690,114 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.fmul(scaled, power_of_two(rest)?)
     }
 
+    /// `ln(x)` inline in f32 kernels, as [`crate::fast_log`] (within 2 ulp, libm's
+    /// values at 0, below 0, at `inf` and for NaN), so loops vectorize instead of
+    /// calling libm once per value; f64 kernels call libm.
+    pub(crate) fn fast_log(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        if self.double {
+            return self.math("log", &[x]);
+        }
+        let i32_type = self.context.i32_type();
+        let int = |value: u64| i32_type.const_int(value, false);
+        let compare = |predicate, a, b, name| {
+            self.builder
+                .build_float_compare(predicate, a, b, name)
+                .map_err(err)
+        };
+        let select_int = |condition, a: IntValue<'ctx>, b: IntValue<'ctx>| -> Gen<IntValue<'ctx>> {
+            Ok(self
+                .builder
+                .build_select(condition, a, b, "pick")
+                .map_err(err)?
+                .into_int_value())
+        };
+        let select_float =
+            |condition, a: FloatValue<'ctx>, b: FloatValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+                Ok(self
+                    .builder
+                    .build_select(condition, a, b, "pick")
+                    .map_err(err)?
+                    .into_float_value())
+            };
+        // Subnormals times 2^23 are normal.
+        let subnormal = compare(
+            FloatPredicate::OLT,
+            x,
+            self.constant(f32::MIN_POSITIVE.into()),
+            "subnormal",
+        )?;
+        let scaled = select_float(subnormal, self.fmul(x, self.constant(8_388_608.0))?, x)?;
+        let bits = self
+            .builder
+            .build_bit_cast(scaled, i32_type, "bits")
+            .map_err(err)?
+            .into_int_value();
+        let b = &self.builder;
+        // `scaled = 2^(e + 1) m`, m in [1/2, 1).
+        let biased = b
+            .build_right_shift(bits, int(23), false, "biased")
+            .map_err(err)?;
+        let biased = b.build_and(biased, int(0xff), "biased").map_err(err)?;
+        let offset = select_int(subnormal, int(126 + 23), int(126))?;
+        let exponent = b.build_int_sub(biased, offset, "exponent").map_err(err)?;
+        let mantissa = b
+            .build_and(bits, int(0x007f_ffff), "mantissa")
+            .map_err(err)?;
+        let mantissa = b
+            .build_or(mantissa, int(0x3f00_0000), "mantissa")
+            .map_err(err)?;
+        let m = b
+            .build_bit_cast(mantissa, self.float, "m")
+            .map_err(err)?
+            .into_float_value();
+        let low = compare(
+            FloatPredicate::OLT,
+            m,
+            self.constant(std::f64::consts::FRAC_1_SQRT_2),
+            "low",
+        )?;
+        let one = self.constant(1.0);
+        let f = select_float(low, self.fsub(self.fadd(m, m)?, one)?, self.fsub(m, one)?)?;
+        let exponent = b
+            .build_int_sub(exponent, select_int(low, int(1), int(0))?, "e")
+            .map_err(err)?;
+        let e = b
+            .build_signed_int_to_float(exponent, self.float, "e")
+            .map_err(err)?;
+        let square = self.fmul(f, f)?;
+        let coefficients = crate::LOG_COEFFICIENTS;
+        let polynomial = coefficients[1..]
+            .iter()
+            .try_fold(self.constant(coefficients[0]), |acc, &c| {
+                self.fadd(self.fmul(acc, f)?, self.constant(c))
+            })?;
+        let [high, low_part] = crate::LN_2_SPLIT;
+        let tail = self.fmul(self.fmul(polynomial, f)?, square)?;
+        let tail = self.fadd(tail, self.fmul(e, self.constant(low_part))?)?;
+        let tail = self.fsub(tail, self.fmul(square, self.constant(0.5))?)?;
+        let value = self.fadd(self.fadd(f, tail)?, self.fmul(e, self.constant(high))?)?;
+        // libm's values outside (0, inf): -inf at +-0, inf at inf, NaN below 0 and NaN.
+        let infinity = self.constant(f64::INFINITY);
+        let zero = self.constant(0.0);
+        let finite_positive = b
+            .build_and(
+                compare(FloatPredicate::OGT, x, zero, "positive")?,
+                compare(FloatPredicate::OLT, x, infinity, "finite")?,
+                "inside",
+            )
+            .map_err(err)?;
+        let edge = select_float(
+            compare(FloatPredicate::OEQ, x, zero, "zero")?,
+            self.constant(f64::NEG_INFINITY),
+            select_float(
+                compare(FloatPredicate::OEQ, x, infinity, "infinite")?,
+                infinity,
+                self.constant(f64::NAN),
+            )?,
+        )?;
+        select_float(finite_positive, value, edge)
+    }
+
     /// `erf(x)` inline in f32 kernels: `x p(x^2) / q(x^2)` on `x` clamped to [-4, 4]
     /// (beyond, erf is +-1 in f32), the rational approximation of Eigen and XLA
     /// ([`crate::fast_erf`] computes the same on the host), so loops vectorize: 17 vector operations and one division, about
@@ -816,7 +924,10 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             UnaryOp::Neg => self.builder.build_float_neg(x, "neg").map_err(err),
             UnaryOp::Abs => self.intrinsic("llvm.fabs", &[x]),
             UnaryOp::Exp => self.exp(x),
-            UnaryOp::Log => self.math("log", &[x]),
+            UnaryOp::Log => match self.target {
+                Target::Host => self.fast_log(x),
+                Target::Nvptx => self.math("log", &[x]),
+            },
             UnaryOp::Sqrt => self.intrinsic("llvm.sqrt", &[x]),
             UnaryOp::Rsqrt => {
                 let root = self.intrinsic("llvm.sqrt", &[x])?;

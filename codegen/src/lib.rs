@@ -121,6 +121,59 @@ pub fn fast_exp(x: f32) -> f32 {
     reduced * power_of_two(half) * power_of_two(exponent - half)
 }
 
+/// Coefficients of the polynomial `p` with `log(1 + f) = f - f^2 / 2 + f^3 p(f)` on
+/// `[sqrt(1/2) - 1, sqrt(2) - 1]`, highest degree first (Cephes' `logf`).
+pub const LOG_COEFFICIENTS: [f64; 9] = [
+    7.037_683_629_2e-2,
+    -1.151_461_031_0e-1,
+    1.167_699_874_0e-1,
+    -1.242_014_084_6e-1,
+    1.424_932_278_7e-1,
+    -1.666_805_766_5e-1,
+    2.000_071_476_5e-1,
+    -2.499_999_399_3e-1,
+    3.333_333_117_4e-1,
+];
+
+/// `ln(x)` computed as the generated f32 kernels compute it: `x = 2^e (1 + f)` with
+/// `1 + f` in `[sqrt(1/2), sqrt(2))` from the bits (subnormals scaled first),
+/// [`LOG_COEFFICIENTS`] for `log(1 + f)` and `e ln 2` added in two parts
+/// ([`LN_2_SPLIT`]); within 2 ulp; `-inf` at 0 and -0, NaN below 0 and for NaN, `inf`
+/// at `inf`, as libm.
+///
+/// ```
+/// let error = (nestor_codegen::fast_log(10.0) - std::f32::consts::LN_10).abs();
+/// assert!(error <= 2.0 * f32::EPSILON * std::f32::consts::LN_10);
+/// ```
+#[inline(always)]
+pub fn fast_log(x: f32) -> f32 {
+    // Subnormals times 2^23 are normal.
+    let subnormal = x < f32::MIN_POSITIVE;
+    let scaled = if subnormal { x * 8_388_608.0 } else { x };
+    let bits = scaled.to_bits() as i32;
+    // `scaled = 2^(e + 1) m`, m in [1/2, 1).
+    let exponent = ((bits >> 23) & 0xff) - 126 - if subnormal { 23 } else { 0 };
+    let m = f32::from_bits(((bits & 0x007f_ffff) | 0x3f00_0000) as u32);
+    let low = m < std::f32::consts::FRAC_1_SQRT_2;
+    let f = if low { m + m - 1.0 } else { m - 1.0 };
+    let e = (exponent - i32::from(low)) as f32;
+    let square = f * f;
+    let polynomial = LOG_COEFFICIENTS[1..]
+        .iter()
+        .fold(LOG_COEFFICIENTS[0] as f32, |acc, &c| acc * f + c as f32);
+    let tail = polynomial * f * square + e * LN_2_SPLIT[1] as f32 - 0.5 * square;
+    let value = f + tail + e * LN_2_SPLIT[0] as f32;
+    if x > 0.0 && x < f32::INFINITY {
+        value
+    } else if x == 0.0 {
+        f32::NEG_INFINITY
+    } else if x == f32::INFINITY {
+        f32::INFINITY
+    } else {
+        f32::NAN
+    }
+}
+
 /// Where the generated code runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Target {
@@ -216,6 +269,32 @@ mod tests {
         // Two f32 ulp (2^-22 relative).
         assert!(worst < 2.5e-7, "worst relative error {worst}");
         assert!(fast_exp(f32::NAN).is_nan(), "NaN propagates");
+    }
+
+    #[test]
+    fn fast_log_is_accurate_over_every_binade() {
+        let mut worst: f64 = 0.0;
+        // Every binade from the smallest subnormal to the largest float, 400 values each.
+        let mut x = f32::from_bits(1);
+        while x.is_finite() {
+            for step in 0..400 {
+                let value = x * (1.0 + step as f32 / 400.0);
+                if !value.is_finite() {
+                    break;
+                }
+                let exact = (value as f64).ln();
+                let ulp = f32::EPSILON as f64 * exact.abs().max(f64::MIN_POSITIVE);
+                worst = worst.max((fast_log(value) as f64 - exact).abs() / ulp);
+            }
+            x *= 2.0;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(fast_log(1.0), 0.0);
+        assert_eq!(fast_log(0.0), f32::NEG_INFINITY);
+        assert_eq!(fast_log(-0.0), f32::NEG_INFINITY);
+        assert_eq!(fast_log(f32::INFINITY), f32::INFINITY);
+        assert!(fast_log(-1.0).is_nan() && fast_log(f32::NAN).is_nan());
+        assert!(fast_log(f32::NEG_INFINITY).is_nan());
     }
 
     #[test]

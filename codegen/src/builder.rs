@@ -824,20 +824,32 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.fdiv(numerator, denominator)
     }
 
-    /// `tanh(x)` inline in f32 kernels as `1 - 2 / (e^{2|x|} + 1)` with the sign of `x`
-    /// (absolute error of the inline exp's order), so loops vectorize; f64 kernels call
-    /// libm.
+    /// `tanh(x)` inline in f32 kernels as [`crate::fast_tanh`]: `x p(x^2) / q(x^2)` on `x`
+    /// clamped to the rational's range (Eigen's), `x` itself near 0 and `+-1` from 9.1
+    /// on, so loops vectorize; f64 kernels call libm.
     pub(crate) fn fast_tanh(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         if self.double {
             return self.math("tanh", &[x]);
         }
+        let [edge, tiny, saturated] = crate::TANH_BOUNDS.map(|bound| self.constant(bound.into()));
+        let minus_edge = self.builder.build_float_neg(edge, "edge").map_err(err)?;
+        // Ordered compares: a NaN passes both clamps and makes the rational NaN.
+        let clamped = self.select_if(FloatPredicate::OLT, (x, minus_edge), minus_edge, x)?;
+        let clamped = self.select_if(FloatPredicate::OGT, (clamped, edge), edge, clamped)?;
+        let square = self.fmul(clamped, clamped)?;
+        let horner = |coefficients: &[f64]| {
+            coefficients[1..]
+                .iter()
+                .try_fold(self.constant(coefficients[0]), |acc, &coefficient| {
+                    self.fadd(self.fmul(acc, square)?, self.constant(coefficient))
+                })
+        };
+        let numerator = self.fmul(clamped, horner(&crate::TANH_NUMERATOR)?)?;
+        let rational = self.fdiv(numerator, horner(&crate::TANH_DENOMINATOR)?)?;
         let magnitude = self.intrinsic("llvm.fabs", &[x])?;
-        let grown = self.fast_exp(self.fmul(magnitude, self.constant(2.0))?)?;
-        let value = self.fsub(
-            self.constant(1.0),
-            self.fdiv(self.constant(2.0), self.fadd(grown, self.constant(1.0))?)?,
-        )?;
-        self.intrinsic("llvm.copysign", &[value, x])
+        let one = self.intrinsic("llvm.copysign", &[self.constant(1.0), x])?;
+        let value = self.select_if(FloatPredicate::OGE, (magnitude, saturated), one, rational)?;
+        self.select_if(FloatPredicate::OLT, (magnitude, tiny), x, value)
     }
 
     /// The math function `name` (`exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh`) of

@@ -424,9 +424,9 @@ pub enum Step {
         mix: bool,
     },
     /// A sliding window over packed images `[C, H_i, W_i]` (rows are pixels), on the
-    /// host: convolution as an implicit GEMM (each chunk of output pixels gathers its
-    /// windows' pixels, taps outside the image reading zeros, then one GEMM with the
-    /// weight), max or average pooling over the windows, or each image's mean.
+    /// host: a direct convolution over the packed pixels (taps outside an image read
+    /// zeros; no gathered copy), max or average pooling over the windows, each image's
+    /// mean, and their gradients.
     Window {
         /// What is computed over each window.
         kind: WindowKind,

@@ -56,7 +56,7 @@ fn the_gpu_check_without_a_gpu_says_so() {
 
 #[test]
 fn device_buffers_over_the_memory_budget_are_an_error() {
-    use nestor_runtime::{Executable, HostDevice, InputData, MemoryBudget, RuntimeError};
+    use nestor_runtime::{Executable, HostDevice, InputData, MemoryBudget, RuntimeError, Stats};
     let graph = nestor_ir::parse(
         r#"graph @wide {
   %0 = input {name = "x.lengths"} : lengths[B]
@@ -72,7 +72,8 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
     // This binary's other tests run in their own processes: the budget is this test's.
     MemoryBudget::set(Some(1000));
-    let result = executable.run_on_device(&device, &inputs);
+    let stats = Stats::default();
+    let result = executable.run_on_device(&device, &inputs, &stats);
     MemoryBudget::set(None);
     match result {
         Err(RuntimeError::OutOfMemory {
@@ -85,5 +86,26 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
             other.map(|outputs| outputs.len())
         ),
     }
-    assert_eq!(executable.run_on_device(&device, &inputs).unwrap().len(), 1);
+    assert_eq!(
+        stats.snapshot().kernel_launches,
+        0,
+        "a refused run launches nothing"
+    );
+    assert_eq!(
+        executable
+            .run_on_device(&device, &inputs, &stats)
+            .unwrap()
+            .len(),
+        1
+    );
+    // One step: exp of 400 values, 1600 bytes read and 1600 written, in a new buffer.
+    let counted = stats.snapshot();
+    assert_eq!(
+        (
+            counted.kernel_launches,
+            counted.bytes_moved,
+            counted.bytes_allocated
+        ),
+        (1, 3200, 1600)
+    );
 }

@@ -254,18 +254,27 @@ fn check(text: &str, train: bool, lengths: &[i64], kind: Kind) -> Result<(f64, f
     let inputs: Vec<InputData<'_>> = values.iter().map(Values::data).collect();
     let stats = Stats::default();
     let (expected, cpu_ms) = timed(|| executable.run(&inputs, &stats, None)).map_err(fail)?;
+    let device_stats = Stats::default();
     let (actual, device_ms) = match kind {
         Kind::Host => {
             let device = HostDevice::new(&executable).map_err(fail)?;
-            run(&executable, &device, &inputs)
+            run(&executable, &device, &inputs, &device_stats)
         }
         Kind::Cuda => {
             let gpu = nestor_backend_cuda::Device::open(0).map_err(|error| error.to_string())?;
             let device = CudaDevice::new(gpu, &executable).map_err(fail)?;
-            run(&executable, &device, &inputs)
+            run(&executable, &device, &inputs, &device_stats)
         }
     }
     .map_err(fail)?;
+    // As many runs on each: the same launches and bytes moved.
+    let (cpu, gpu) = (stats.snapshot(), device_stats.snapshot());
+    if (cpu.kernel_launches, cpu.bytes_moved) != (gpu.kernel_launches, gpu.bytes_moved) {
+        return Err(format!(
+            "the device counted {} launches and {} bytes moved, the CPU {} and {}",
+            gpu.kernel_launches, gpu.bytes_moved, cpu.kernel_launches, cpu.bytes_moved
+        ));
+    }
     let mut worst = 0.0f64;
     for (output, (a, e)) in actual.iter().zip(&expected).enumerate() {
         let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
@@ -323,8 +332,9 @@ fn run<D: KernelDevice>(
     executable: &Executable,
     device: &D,
     inputs: &[InputData<'_>],
+    stats: &Stats,
 ) -> Result<(Vec<nestor_runtime::RunOutput>, f64), RuntimeError> {
-    timed(|| executable.run_on_device(device, inputs))
+    timed(|| executable.run_on_device(device, inputs, stats))
 }
 
 /// `step`'s result and its median time in milliseconds over five runs after one.

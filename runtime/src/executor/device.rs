@@ -13,6 +13,7 @@ use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step};
 
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RuntimeError};
+use crate::Stats;
 
 /// Memory and kernel launches of one program's `Complete` kernel set.
 pub trait KernelDevice {
@@ -233,12 +234,15 @@ enum Index {
 
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
-    /// a kernel of the `Complete` set, the results copied back. Host steps (per-element
-    /// regions run through libtorch) are an error naming the step.
+    /// a kernel of the `Complete` set, the results copied back, and the launches, the
+    /// step buffers' bytes and the bytes moved counted into `stats` as a host run counts
+    /// them. Host steps (per-element regions run through libtorch) are an error naming
+    /// the step.
     pub fn run_on_device<D: KernelDevice>(
         &self,
         device: &D,
         inputs: &[InputData<'_>],
+        stats: &Stats,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
         if program.float != FloatType::F32 {
@@ -265,7 +269,9 @@ impl Executable {
                     // from hostile lengths is over it), charged to the step writing it.
                     let slot = Slot(index as u32);
                     let step = program.steps.iter().position(|step| step.output() == slot);
-                    within_budget(step.unwrap_or(0), "its output", elements.checked_mul(4))?;
+                    let bytes =
+                        within_budget(step.unwrap_or(0), "its output", elements.checked_mul(4))?;
+                    stats.allocated(bytes as u64);
                     Some(device.zeros_f32(elements)?)
                 }
                 // Aliases use their root's buffer.
@@ -305,7 +311,9 @@ impl Executable {
             // The buffers were sized from these lengths for this program's steps, and
             // the index buffers from the same lengths.
             unsafe { device.launch(step_index, &addresses, range)? };
+            stats.moved(self.bytes_moved(step_index, &sizes));
         }
+        stats.launched(program.steps.len() as u64);
         self.output_shapes(&sizes)
             .into_iter()
             .map(|(slot, shape)| {

@@ -256,16 +256,9 @@ impl Executable {
         );
         let (external, sunk) = self.sink_buffers(sink, &sizes);
         let mut moved: u64 = 0;
-        let slot_bytes = |slot: Slot| {
-            (sizes.elements(program, slot) as u64).saturating_mul(program.float.size() as u64)
-        };
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
-            // Every buffer the step reads, once, and the one it writes.
-            moved = self.reads[step_index]
-                .iter()
-                .map(|&slot| slot_bytes(slot))
-                .fold(moved.saturating_add(slot_bytes(out)), u64::saturating_add);
+            moved = moved.saturating_add(self.bytes_moved(step_index, &sizes));
             if let Some(buffer) = external[out.0 as usize] {
                 pointers[out.0 as usize] = buffer;
             } else {
@@ -333,6 +326,19 @@ impl Executable {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .extend(free);
         Ok(outputs)
+    }
+
+    /// The bytes step `index` reads and writes in memory: every buffer it reads, once,
+    /// and the one it writes ([`crate::StatsSnapshot::bytes_moved`]).
+    fn bytes_moved(&self, index: usize, sizes: &Sizes) -> u64 {
+        let program = &self.program;
+        let slot_bytes = |slot: Slot| {
+            (sizes.elements(program, slot) as u64).saturating_mul(program.float.size() as u64)
+        };
+        self.reads[index].iter().map(|&slot| slot_bytes(slot)).fold(
+            slot_bytes(program.steps[index].output()),
+            u64::saturating_add,
+        )
     }
 
     /// Every slot's pointer with the inputs' memory in place (null for the others),

@@ -129,6 +129,41 @@ fn a_linear_without_inputs_features_gives_its_bias_after_other_runs() {
     assert_close(&compiled_outputs, &eager, "linear with k = 0");
 }
 
+/// A ragged result takes an input's layout only when every dim agrees: same lengths and
+/// static sizes (a relu's), not a linear's wider rows, on empty batches too.
+#[test]
+fn results_share_an_input_layout_only_when_their_dims_agree() {
+    let weight = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+    let compiled = compile("two", |x: &[NestedTensor], _: &[Dense]| {
+        Ok(vec![
+            Out::Nested(x[0].relu()?),
+            Out::Nested(x[0].linear(&weight, None)?),
+        ])
+    });
+    for lengths in [vec![3i64, 0, 2], vec![], vec![1]] {
+        let (x, _) = batch(&lengths, &[3], Kind::Float, 4);
+        let outputs = compiled.call(&[&x], &[]).unwrap();
+        let eager = vec![
+            Value::Nested(x.relu().unwrap()),
+            Value::Nested(x.linear(&weight, None).unwrap()),
+        ];
+        assert_close(&outputs, &eager, "relu and linear");
+        for (output, width) in outputs.into_iter().zip([3, 5]) {
+            let nested = output.into_nested().unwrap();
+            assert_eq!(
+                nested.static_shape(),
+                vec![None, Some(width)],
+                "{lengths:?}"
+            );
+            assert_eq!(
+                nested.values().size(),
+                vec![lengths.iter().sum::<i64>(), width]
+            );
+            assert_eq!(nested.unbind().unwrap().len(), lengths.len());
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
 

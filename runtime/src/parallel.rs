@@ -23,10 +23,11 @@ pub struct Parallelism {
     /// taking part.
     pub threads: usize,
     /// Scalars per chunk below which a kernel is not split (weighted: a transcendental
-    /// function counts for several). Default 2^17 on the process's OpenMP team, whose
-    /// threads are already running (relu of 366k values: 0.14 ms unsplit, 0.063 ms in two
-    /// chunks; below about 100k values splitting gains nothing), and 2^19 on rayon's
-    /// pool, which must be woken first (relu and add on 384k values ran faster unsplit).
+    /// function counts for several). Default 2^15 on the process's OpenMP team, whose
+    /// threads are already running and keep their rows from step to step (libtorch's
+    /// grain too: relu of 77k values 15.5 us unsplit, 10.4 us in two chunks; of 26k
+    /// values no gain), and 2^19 on rayon's pool, which must be woken first (relu and
+    /// add on 384k values ran faster unsplit).
     pub kernel_scalars: usize,
     /// Multiply-adds below which a GEMM (and its epilogue) is not split. Default 2^21.
     pub gemm_macs: usize,
@@ -67,7 +68,7 @@ impl Parallelism {
                     .max(1)
             }),
             kernel_scalars: if crate::team::pool() == "OpenMP" {
-                1 << 17
+                1 << 15
             } else {
                 1 << 19
             },

@@ -356,7 +356,7 @@ where
         outputs
             .into_iter()
             .zip(written)
-            .map(|(output, tensor)| output_value(output, tensor))
+            .map(|(output, tensor)| output_value(output, tensor, &normalized))
             .collect::<Result<Vec<_>>>()
             .map(|values| (entry, values))
     }
@@ -611,54 +611,72 @@ struct TensorSink {
     tensors: Vec<(usize, Tensor)>,
 }
 
-// SAFETY: every buffer is the data of a new contiguous CPU tensor of `elements` values
-// of the program's float type (`kind`), kept in `tensors` (so alive) past the run.
+// SAFETY: every buffer is the data of a new contiguous CPU tensor of `shape` in the
+// program's float type (`kind`), kept in `tensors` (so alive) past the run.
 unsafe impl OutputSink for TensorSink {
-    fn buffer(&mut self, index: usize, elements: usize) -> Option<*mut u8> {
-        let tensor = Tensor::f_empty([elements as i64], (self.kind, tch::Device::Cpu)).ok()?;
+    fn buffer(&mut self, index: usize, shape: &[i64]) -> Option<*mut u8> {
+        let tensor = Tensor::f_empty(shape, (self.kind, tch::Device::Cpu)).ok()?;
         let pointer = tensor.data_ptr() as *mut u8;
         self.tensors.push((index, tensor));
         Some(pointer)
     }
 }
 
-/// The value of a result: the tensor it was written into, or its copied-out data.
-fn output_value(output: RunOutput, written: Option<Tensor>) -> Result<Value> {
-    // Rows of `tail`: as many as the values fill.
-    let rows_of = |tail: Vec<i64>| -> Vec<i64> {
-        let width: i64 = tail.iter().product();
-        let rows = if width == 0 {
-            0
-        } else {
-            output.data.len() as i64 / width
-        };
-        std::iter::once(rows).chain(tail).collect()
-    };
-    let shape = match &output.shape {
-        RunShape::Full(dims) => dims.clone(),
-        RunShape::Dense(tail) => rows_of(tail.clone()),
-        RunShape::Ragged(dims) => rows_of(static_sizes(dims)),
-    };
+/// The value of a result: the tensor it was written into (in its packed shape), or its
+/// copied-out data; a ragged result takes the layout of an input batch with the same
+/// dims (`inputs`) rather than a new one.
+fn output_value(
+    output: RunOutput,
+    written: Option<Tensor>,
+    inputs: &[&NestedTensor],
+) -> Result<Value> {
     let mut values = match (&output.data, written) {
         (RunData::Sunk(_), Some(tensor)) => tensor,
-        (RunData::F32(data), _) => Tensor::f_from_slice(data)?,
-        (RunData::F64(data), _) => Tensor::f_from_slice(data)?,
+        (RunData::F32(data), _) => {
+            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?
+        }
+        (RunData::F64(data), _) => {
+            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?
+        }
         (RunData::Sunk(_), None) => {
             return Err(NestedError::Compile {
                 stage: "runtime",
                 reason: "a result was written into a buffer the call did not give".into(),
             })
         }
-    }
-    .f_reshape(&shape)?;
+    };
     let kind = kind_of(output.dtype);
     if kind != values.f_kind()? {
         values = values.f_to_kind(kind)?;
     }
     match output.shape {
         RunShape::Dense(_) | RunShape::Full(_) => Ok(Value::Dense(values)),
-        RunShape::Ragged(dims) => Ok(Value::Nested(nested_from_dims(values, &dims)?)),
+        RunShape::Ragged(dims) => match inputs.iter().find(|input| same_dims(input.lay(), &dims)) {
+            Some(input) => Ok(Value::Nested(
+                input.sharing_layout(values, Default::default()),
+            )),
+            None => Ok(Value::Nested(nested_from_dims(values, &dims)?)),
+        },
     }
+}
+
+/// Whether `layout` has exactly `dims` (the same ragged dims, lengths and static sizes).
+fn same_dims(layout: &nestor_runtime::RaggedLayout, dims: &[RunDim]) -> bool {
+    let mut statics = layout.static_dims().iter().zip(layout.static_sizes());
+    layout.rank() == dims.len()
+        && dims.iter().enumerate().all(|(dim, run_dim)| match run_dim {
+            // Static dims come in order: this one must be the layout's next.
+            RunDim::Static(size) => statics.next() == Some((&dim, size)),
+            RunDim::Ragged(lengths) => {
+                layout.ragged_dims().contains(&dim)
+                    && layout.element_sizes().len() == lengths.len()
+                    && layout
+                        .element_sizes()
+                        .iter()
+                        .zip(lengths)
+                        .all(|(sizes, &length)| sizes[dim] == length)
+            }
+        })
 }
 
 /// A batch from packed values and the dims of its elements.

@@ -93,10 +93,16 @@ impl NestedTensor {
 
     /// The same layout and options around other packed values of the same shape.
     pub(crate) fn with_values(&self, values: Tensor) -> Self {
+        self.sharing_layout(values, self.options)
+    }
+
+    /// Other packed values of the same shape on this batch's layout (shared, not
+    /// copied), with `options`.
+    pub(crate) fn sharing_layout(&self, values: Tensor, options: NestedOptions) -> Self {
         Self {
             values,
             layout: Arc::clone(&self.layout),
-            options: self.options,
+            options,
             padded: OnceCell::new(),
             trace: None,
         }

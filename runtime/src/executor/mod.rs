@@ -96,12 +96,13 @@ pub enum RunDim {
 /// framework), so that results are not copied out.
 ///
 /// # Safety
-/// A buffer returned for `elements` must hold that many values of the program's float
-/// type, be valid for writes, and outlive the run.
+/// A buffer returned for `shape` must hold as many values of the program's float type
+/// as the product of its dims, be valid for writes, and outlive the run.
 pub unsafe trait OutputSink {
-    /// A buffer for output `index` of `elements` values, or `None` to have the runtime
-    /// allocate it (and copy the result out).
-    fn buffer(&mut self, index: usize, elements: usize) -> Option<*mut u8>;
+    /// A buffer for output `index`, of the values of packed shape `shape`
+    /// ([`RunShape::packed`]), or `None` to have the runtime allocate it (and copy the
+    /// result out).
+    fn buffer(&mut self, index: usize, shape: &[i64]) -> Option<*mut u8>;
 }
 
 /// The shape of a result.
@@ -124,6 +125,42 @@ pub enum RunData {
     F64(Vec<f64>),
     /// This many values, written into the buffer the [`OutputSink`] gave.
     Sunk(usize),
+}
+
+impl RunShape {
+    /// The shape of a result's packed values when it holds `elements` values: rows (as
+    /// many as the values fill) of the static dims of a ragged or dense result, or a
+    /// padded grid's own dims.
+    ///
+    /// ```
+    /// use nestor_runtime::{RunDim, RunShape};
+    /// let ragged = RunShape::Ragged(vec![RunDim::Ragged(vec![2, 3]), RunDim::Static(4)]);
+    /// assert_eq!(ragged.packed(20), vec![5, 4]);
+    /// assert_eq!(RunShape::Full(vec![2, 3]).packed(6), vec![2, 3]);
+    /// ```
+    pub fn packed(&self, elements: usize) -> Vec<i64> {
+        let rows_of = |tail: Vec<i64>| -> Vec<i64> {
+            let width: i64 = tail.iter().product();
+            let rows = if width == 0 {
+                0
+            } else {
+                elements as i64 / width
+            };
+            std::iter::once(rows).chain(tail).collect()
+        };
+        match self {
+            RunShape::Full(dims) => dims.clone(),
+            RunShape::Dense(tail) => rows_of(tail.clone()),
+            RunShape::Ragged(dims) => rows_of(
+                dims.iter()
+                    .filter_map(|dim| match dim {
+                        RunDim::Static(size) => Some(*size),
+                        RunDim::Ragged(_) => None,
+                    })
+                    .collect(),
+            ),
+        }
+    }
 }
 
 impl RunData {
@@ -410,13 +447,22 @@ impl Executable {
         let mut external: Vec<Option<*mut u8>> = vec![None; program.slots.len()];
         let mut sunk = vec![false; program.outputs.len()];
         if let Some(sink) = sink {
-            for (index, output) in program.outputs.iter().enumerate() {
-                let slot = output.slot();
+            for (index, (slot, shape)) in self.output_shapes(sizes).into_iter().enumerate() {
                 if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some()
                 {
                     continue;
                 }
-                if let Some(buffer) = sink.buffer(index, sizes.elements(program, slot)) {
+                let elements = sizes.elements(program, slot);
+                let shape = shape.packed(elements);
+                // The sink sizes the buffer by the shape: it must hold every value.
+                if shape
+                    .iter()
+                    .try_fold(1i64, |total, &dim| total.checked_mul(dim))
+                    != i64::try_from(elements).ok()
+                {
+                    continue;
+                }
+                if let Some(buffer) = sink.buffer(index, &shape) {
                     external[slot.0 as usize] = Some(buffer);
                     sunk[index] = true;
                 }

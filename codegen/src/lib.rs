@@ -81,14 +81,8 @@ pub fn fast_erf(x: f32) -> f32 {
             .iter()
             .fold(coefficients[0] as f32, |acc, &c| acc * at + c as f32)
     };
-    // `clamp` would keep a NaN too; written as the kernels' ordered compares.
-    let x = if x < -4.0 {
-        -4.0
-    } else if x > 4.0 {
-        4.0
-    } else {
-        x
-    };
+    // As the kernels' ordered compares: a NaN stays NaN.
+    let x = x.clamp(-4.0, 4.0);
     let square = x * x;
     x * horner(&ERF_NUMERATOR, square) / horner(&ERF_DENOMINATOR, square)
 }
@@ -128,13 +122,7 @@ pub const TANH_BOUNDS: [f32; 3] = [7.905_311, 4e-4, 9.1];
 /// ```
 pub fn fast_tanh(x: f32) -> f32 {
     let [edge, tiny, saturated] = TANH_BOUNDS;
-    let clamped = if x < -edge {
-        -edge
-    } else if x > edge {
-        edge
-    } else {
-        x
-    };
+    let clamped = x.clamp(-edge, edge);
     let square = clamped * clamped;
     let horner = |coefficients: &[f64]| {
         coefficients[1..]

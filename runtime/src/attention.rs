@@ -273,7 +273,7 @@ impl<T: Scalar> RowState<T> {
         if largest == T::NEG_INFINITY {
             // No finite score yet: the numerators are 0, or NaN for a NaN score.
             for score in seen.iter_mut() {
-                *score = if *score == *score { T::ZERO } else { T::NAN };
+                *score = if score.is_nan() { T::NAN } else { T::ZERO };
             }
             self.total[row] += crate::scalar::sum_of(seen);
             return T::ONE;

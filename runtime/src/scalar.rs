@@ -26,6 +26,8 @@ pub(crate) trait Scalar:
     fn from_f64(value: f64) -> Self;
     /// `e^self`, as accurate as the generated kernels' `exp` of this type.
     fn exp(self) -> Self;
+    /// Whether this is NaN.
+    fn is_nan(self) -> bool;
     /// `c = scale * a b` for `a [m x k]`, `b [k x n]` and `c [m x n]`, each given as
     /// (pointer, row stride, column stride); `c` is only written.
     ///
@@ -111,6 +113,9 @@ impl Scalar for f32 {
     fn exp(self) -> Self {
         nestor_backend_cpu::fast_exp(self)
     }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
     fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
         mkl.sgemm
     }
@@ -135,6 +140,9 @@ impl Scalar for f64 {
     }
     fn exp(self) -> Self {
         f64::exp(self)
+    }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
     }
     fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
         mkl.dgemm

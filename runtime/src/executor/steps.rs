@@ -199,11 +199,14 @@ type Offsets<'r> = (&'r [i64], &'r [i64]);
 
 /// The query and key offsets of an attention step, after checking that both batches
 /// have as many elements (`None`: lengths not given, nothing to do).
+/// The scalars one attention task holds at once for an element of (queries, keys).
+type TaskScalars<'a> = &'a dyn Fn((i64, i64)) -> Option<usize>;
+
 fn attention_offsets<'r>(
     index: usize,
     run: &'r RunState<'_, '_>,
     (q_lengths, k_lengths): (Slot, Slot),
-    (task_scalars, scalar_bytes): (&dyn Fn((i64, i64)) -> Option<usize>, usize),
+    (task_scalars, scalar_bytes): (TaskScalars<'_>, usize),
 ) -> Result<Option<Offsets<'r>>, RuntimeError> {
     let (batch, key_batch) = (run.sizes.batch(q_lengths), run.sizes.batch(k_lengths));
     if batch != key_batch {

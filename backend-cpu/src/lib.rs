@@ -111,10 +111,47 @@ pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     compile_with(program, KernelSet::Library)
 }
 
+/// Lets loops over `sin`, `cos`, `pow` (and f64 `exp`, `log`) vectorize into calls of
+/// glibc's vector math library (`libmvec`, 4 ulp at most, libm's values for NaN, the
+/// infinities and huge arguments) rather than one libm call per value: loads it into the
+/// process (the JIT resolves its symbols there) and tells LLVM, once per process.
+/// Without it (another libc), those loops keep calling libm. Returns whether it is in
+/// use.
+fn vector_math() -> bool {
+    static LOADED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LOADED.get_or_init(|| {
+        // SAFETY: glibc's own library; loading it runs no user code. It stays loaded
+        // (leaked) for the JIT's kernels.
+        let library = unsafe {
+            libloading::os::unix::Library::open(
+                Some("libmvec.so.1"),
+                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+            )
+        };
+        let Ok(library) = library else {
+            return false;
+        };
+        std::mem::forget(library);
+        let arguments = [c"nestor".as_ptr(), c"-vector-library=LIBMVEC-X86".as_ptr()];
+        // SAFETY: two NUL-terminated strings that outlive the call; LLVM copies what it
+        // keeps. Called once per process, before any pass runs.
+        unsafe {
+            inkwell::llvm_sys::support::LLVMParseCommandLineOptions(
+                arguments.len() as i32,
+                arguments.as_ptr(),
+                std::ptr::null(),
+            )
+        };
+        true
+    })
+}
+
 /// [`compile`] with the kernels of `set` ([`KernelSet::Complete`]: the GPU's, which the
 /// tests run on the host this way).
 pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, BackendError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
+    // Without glibc's vector math, such loops call libm per value: slower, as correct.
+    let _ = vector_math();
     let context_pointer = Box::into_raw(Box::new(Context::create()));
     // SAFETY: the pointer is a live allocation until `CpuKernels::drop` frees it, after
     // the engine, the last thing that borrows it.
@@ -190,4 +227,37 @@ pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, Bac
         kernels,
         ir,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loops_over_sin_cos_and_pow_call_the_vector_math_library() {
+        let graph = nestor_ir::parse(
+            "graph @g {
+  %0 = input {name = \"x.lengths\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f32>[B; %0, 64]
+  %2 = sin(%1) : ragged<f32>[B; %0, 64]
+  %3 = cos(%2) : ragged<f32>[B; %0, 64]
+  %4 = pow(%3, %1) : ragged<f32>[B; %0, 64]
+  return %4
+}",
+        )
+        .unwrap_or_else(|error| panic!("{error}"));
+        let program = nestor_passes::lower(&graph).unwrap_or_else(|error| panic!("{error}"));
+        let kernels = compile(&program).unwrap_or_else(|error| panic!("{error}"));
+        if !vector_math() {
+            eprintln!("skipped: no libmvec.so.1 in this process (not glibc)");
+            return;
+        }
+        let ir = kernels.llvm_ir();
+        for function in ["sinf", "cosf", "powf"] {
+            assert!(
+                ir.contains(&format!("v_{function}")),
+                "no vector {function} call in\n{ir}"
+            );
+        }
+    }
 }

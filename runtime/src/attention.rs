@@ -286,24 +286,6 @@ impl<T: Scalar> RowState<T> {
     }
 }
 
-/// Runs `task((element, head))` for every element and head, on the team when `parallel`.
-fn for_each_element_head(
-    elements: usize,
-    heads: i64,
-    parallel: bool,
-    task: &(dyn Fn((usize, i64)) + Sync),
-) {
-    let heads = heads.max(0) as usize;
-    let threads = if parallel {
-        crate::Parallelism::current().threads
-    } else {
-        1
-    };
-    crate::team::for_each_chunk(elements * heads, threads, &|index| {
-        task((index / heads, (index % heads) as i64))
-    });
-}
-
 /// The shape of one attention-gradient step (queries, keys and values of one width).
 pub(crate) struct AttentionGrad<'a> {
     pub q: &'a Access,
@@ -317,7 +299,7 @@ pub(crate) struct AttentionGrad<'a> {
     /// The keys' and values' gradient (`[Lk, 2, heads, head_dim]` rows) rather than the
     /// queries' (`[Lq, heads, head_dim]` rows).
     pub keys: bool,
-    /// Spread the (element, head) tasks over the team (`crate::team`).
+    /// Spread the tasks over the team (`crate::team`).
     pub parallel: bool,
     /// Query rows per tile of probabilities ([`Tiles::queries`]; all keys at once).
     pub tiles: Tiles,
@@ -355,26 +337,48 @@ impl AttentionGrad<'_> {
             v: v as *const T,
             g: g as *const T,
         };
-        let task = |(element, head): (usize, i64)| {
-            let rows =
-                |offsets: &[i64]| (offsets[element], offsets[element + 1] - offsets[element]);
-            // The task's rows and columns are in range of buffers the executor sized.
-            unsafe { self.element(buffers, head, rows(q_offsets), rows(k_offsets)) };
+        // Tasks: (element, head, first query row within the element, query rows). The
+        // queries' gradient splits an element's rows into tiles of their own; the keys'
+        // sums over every query row, so one task takes them all.
+        let tile = self.tiles.queries.max(1);
+        let mut tasks = Vec::new();
+        for element in 0..q_offsets.len().saturating_sub(1) {
+            let q_rows = q_offsets[element + 1] - q_offsets[element];
+            for head in 0..self.heads {
+                if self.keys {
+                    tasks.push((element, head, 0, q_rows));
+                } else {
+                    for row in (0..q_rows).step_by(tile as usize) {
+                        tasks.push((element, head, row, tile.min(q_rows - row)));
+                    }
+                }
+            }
+        }
+        let threads = if self.parallel {
+            crate::Parallelism::current().threads
+        } else {
+            1
         };
-        for_each_element_head(
-            q_offsets.len().saturating_sub(1),
-            self.heads,
-            self.parallel,
-            &task,
-        );
+        crate::team::for_each_chunk(tasks.len(), threads, &|index| {
+            let (element, head, row, rows) = tasks[index];
+            let keys = (
+                k_offsets[element],
+                k_offsets[element + 1] - k_offsets[element],
+            );
+            // The task's rows and columns are in range of buffers the executor sized.
+            unsafe { self.element(buffers, head, (q_offsets[element] + row, rows), keys, row) };
+        });
     }
 
+    /// The gradient of query rows `q_first..q_first + q_rows` (from row `row_offset` of
+    /// their element, which the causal mask counts from) of one head.
     unsafe fn element<T: Scalar>(
         &self,
         buffers: GradBuffers<T>,
         head: i64,
         (q_first, q_rows): (i64, i64),
         (k_first, k_rows): (i64, i64),
+        row_offset: i64,
     ) {
         let d = self.head_dim;
         let width = self.heads * d;
@@ -457,7 +461,7 @@ impl AttentionGrad<'_> {
                 .enumerate()
             {
                 let limit = if self.causal {
-                    (first + row + 1).min(ks)
+                    (row_offset.max(0) as usize + first + row + 1).min(ks)
                 } else {
                     ks
                 };

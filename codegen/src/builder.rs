@@ -623,6 +623,17 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .ok_or_else(|| err(format!("{name} returned nothing")))
     }
 
+    /// `p(at)` for the coefficients of `p`, highest degree first (Horner's scheme).
+    fn horner(&self, coefficients: &[f64], at: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let (&highest, rest) = coefficients
+            .split_first()
+            .ok_or_else(|| err("a polynomial without coefficients"))?;
+        rest.iter()
+            .try_fold(self.constant(highest), |acc, &coefficient| {
+                self.fadd(self.fmul(acc, at)?, self.constant(coefficient))
+            })
+    }
+
     /// `e^x` inline: `2^n e^r` with `n` the nearest integer to `x / ln 2`, `r = x - n ln 2`
     /// in two steps (Cody and Waite) and Cephes' polynomial for `e^r` (within 2 ulp), so
     /// loops over it vectorize instead of calling libm once per value. `2^n` is applied
@@ -642,11 +653,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         let [high, low] = crate::LN_2_SPLIT;
         let r = self.fsub(x, self.fmul(n, self.constant(high))?)?;
         let r = self.fsub(r, self.fmul(n, self.constant(low))?)?;
-        let coefficients = crate::EXP_COEFFICIENTS;
-        let mut polynomial = self.constant(coefficients[0]);
-        for &coefficient in &coefficients[1..] {
-            polynomial = self.fadd(self.fmul(polynomial, r)?, self.constant(coefficient))?;
-        }
+        let polynomial = self.horner(&crate::EXP_COEFFICIENTS, r)?;
         let square = self.fmul(r, r)?;
         let polynomial = self.fadd(
             self.fadd(self.fmul(polynomial, square)?, r)?,
@@ -765,12 +772,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .build_signed_int_to_float(exponent, self.float, "e")
             .map_err(err)?;
         let square = self.fmul(f, f)?;
-        let coefficients = crate::LOG_COEFFICIENTS;
-        let polynomial = coefficients[1..]
-            .iter()
-            .try_fold(self.constant(coefficients[0]), |acc, &c| {
-                self.fadd(self.fmul(acc, f)?, self.constant(c))
-            })?;
+        let polynomial = self.horner(&crate::LOG_COEFFICIENTS, f)?;
         let [high, low_part] = crate::LN_2_SPLIT;
         let tail = self.fmul(self.fmul(polynomial, f)?, square)?;
         let tail = self.fadd(tail, self.fmul(e, self.constant(low_part))?)?;
@@ -807,20 +809,13 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         if self.double {
             return self.math("erf", &[x]);
         }
-        let horner = |coefficients: &[f64], at: FloatValue<'ctx>| {
-            coefficients[1..]
-                .iter()
-                .try_fold(self.constant(coefficients[0]), |acc, &coefficient| {
-                    self.fadd(self.fmul(acc, at)?, self.constant(coefficient))
-                })
-        };
         let [lowest, highest] = [-4.0, 4.0].map(|bound| self.constant(bound));
         // Ordered compares: a NaN passes both clamps and makes the result NaN.
         let x = self.select_if(FloatPredicate::OLT, (x, lowest), lowest, x)?;
         let x = self.select_if(FloatPredicate::OGT, (x, highest), highest, x)?;
         let square = self.fmul(x, x)?;
-        let numerator = self.fmul(x, horner(&crate::ERF_NUMERATOR, square)?)?;
-        let denominator = horner(&crate::ERF_DENOMINATOR, square)?;
+        let numerator = self.fmul(x, self.horner(&crate::ERF_NUMERATOR, square)?)?;
+        let denominator = self.horner(&crate::ERF_DENOMINATOR, square)?;
         self.fdiv(numerator, denominator)
     }
 
@@ -837,15 +832,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         let clamped = self.select_if(FloatPredicate::OLT, (x, minus_edge), minus_edge, x)?;
         let clamped = self.select_if(FloatPredicate::OGT, (clamped, edge), edge, clamped)?;
         let square = self.fmul(clamped, clamped)?;
-        let horner = |coefficients: &[f64]| {
-            coefficients[1..]
-                .iter()
-                .try_fold(self.constant(coefficients[0]), |acc, &coefficient| {
-                    self.fadd(self.fmul(acc, square)?, self.constant(coefficient))
-                })
-        };
-        let numerator = self.fmul(clamped, horner(&crate::TANH_NUMERATOR)?)?;
-        let rational = self.fdiv(numerator, horner(&crate::TANH_DENOMINATOR)?)?;
+        let numerator = self.fmul(clamped, self.horner(&crate::TANH_NUMERATOR, square)?)?;
+        let rational = self.fdiv(numerator, self.horner(&crate::TANH_DENOMINATOR, square)?)?;
         let magnitude = self.intrinsic("llvm.fabs", &[x])?;
         let one = self.intrinsic("llvm.copysign", &[self.constant(1.0), x])?;
         let value = self.select_if(FloatPredicate::OGE, (magnitude, saturated), one, rational)?;

@@ -46,6 +46,13 @@ pub const EXP_INPUT_RANGE: [f32; 2] = [-104.0, 89.0];
 /// The lowest `n` of `2^n` that `exp` applies (`n` of the lowest input rounded: 2^-150).
 pub const EXP_LOWEST_EXPONENT: f32 = -150.0;
 
+/// `p(at)` in f32 for the coefficients of `p`, highest degree first (Horner's scheme,
+/// as the kernels evaluate their polynomials).
+#[inline(always)]
+fn horner(coefficients: &[f64], at: f32) -> f32 {
+    coefficients.iter().fold(0.0, |acc, &c| acc * at + c as f32)
+}
+
 /// The odd numerator `x p(x^2)` of the kernels' f32 erf, as the coefficients of `p`,
 /// highest degree first (Eigen's and XLA's rational erf; [`fast_erf`]).
 pub const ERF_NUMERATOR: [f64; 7] = [
@@ -76,11 +83,6 @@ pub const ERF_DENOMINATOR: [f64; 5] = [
 /// assert!(error < 4.5e-7);
 /// ```
 pub fn fast_erf(x: f32) -> f32 {
-    let horner = |coefficients: &[f64], at: f32| {
-        coefficients[1..]
-            .iter()
-            .fold(coefficients[0] as f32, |acc, &c| acc * at + c as f32)
-    };
     // As the kernels' ordered compares: a NaN stays NaN.
     let x = x.clamp(-4.0, 4.0);
     let square = x * x;
@@ -124,12 +126,7 @@ pub fn fast_tanh(x: f32) -> f32 {
     let [edge, tiny, saturated] = TANH_BOUNDS;
     let clamped = x.clamp(-edge, edge);
     let square = clamped * clamped;
-    let horner = |coefficients: &[f64]| {
-        coefficients[1..]
-            .iter()
-            .fold(coefficients[0] as f32, |acc, &c| acc * square + c as f32)
-    };
-    let rational = clamped * horner(&TANH_NUMERATOR) / horner(&TANH_DENOMINATOR);
+    let rational = clamped * horner(&TANH_NUMERATOR, square) / horner(&TANH_DENOMINATOR, square);
     if x.abs() < tiny {
         x
     } else if x.abs() >= saturated {
@@ -154,9 +151,7 @@ pub fn fast_exp(x: f32) -> f32 {
     let x = x.clamp(lowest, highest); // NaN stays NaN.
     let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
     let r = (x - n * LN_2_SPLIT[0] as f32) - n * LN_2_SPLIT[1] as f32;
-    let polynomial = EXP_COEFFICIENTS
-        .iter()
-        .fold(0.0f32, |acc, &c| acc * r + c as f32);
+    let polynomial = horner(&EXP_COEFFICIENTS, r);
     let reduced = polynomial * r * r + r + 1.0;
     // `n` is an integer in [-150, 129] (x was clamped; a NaN, which makes the polynomial
     // NaN, becomes -150 here since `max` ignores NaN), so the unchecked conversion is
@@ -204,9 +199,7 @@ pub fn fast_log(x: f32) -> f32 {
     let f = if low { m + m - 1.0 } else { m - 1.0 };
     let e = (exponent - i32::from(low)) as f32;
     let square = f * f;
-    let polynomial = LOG_COEFFICIENTS[1..]
-        .iter()
-        .fold(LOG_COEFFICIENTS[0] as f32, |acc, &c| acc * f + c as f32);
+    let polynomial = horner(&LOG_COEFFICIENTS, f);
     let tail = polynomial * f * square + e * LN_2_SPLIT[1] as f32 - 0.5 * square;
     let value = f + tail + e * LN_2_SPLIT[0] as f32;
     if x > 0.0 && x < f32::INFINITY {

@@ -179,6 +179,8 @@ impl Attention<'_> {
             let key_tile = self.tiles.keys.max(1).min(task.k_rows);
             let mut scores = vec![T::ZERO; rows * key_tile as usize];
             let mut products = vec![T::ZERO; rows * dv as usize];
+            // Per row, the factor its earlier output is multiplied by at this key tile.
+            let mut rescale = vec![T::ONE; rows];
             let mut state = RowState {
                 largest: vec![T::NEG_INFINITY; rows],
                 total: vec![T::ZERO; rows],
@@ -202,7 +204,6 @@ impl Attention<'_> {
                     (k, 1, self.k.row_stride as isize),
                     (scores.as_mut_ptr(), keys as isize, 1),
                 );
-                let mut rescale = vec![T::ONE; rows];
                 for (row, scores) in scores.chunks_mut(keys).enumerate() {
                     // Keys this row may see: all, or (causal) up to its own position.
                     let visible = if self.causal {

@@ -594,16 +594,6 @@ fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
     })
 }
 
-/// The sizes of the static dims among `dims`, in order.
-fn static_sizes(dims: &[RunDim]) -> Vec<i64> {
-    dims.iter()
-        .filter_map(|dim| match dim {
-            RunDim::Static(size) => Some(*size),
-            RunDim::Ragged(_) => None,
-        })
-        .collect()
-}
-
 /// Tensors the runtime writes results into (no copy out of its buffers).
 struct TensorSink {
     kind: Kind,
@@ -713,13 +703,7 @@ fn nested_from_dims(values: Tensor, dims: &[RunDim]) -> Result<NestedTensor> {
         .all(|(position, &dim)| position == dim);
     let layout = if batch == 0 && leading {
         // No element to read the rank from: the dims give it, as for an eager empty batch.
-        let statics: Vec<i64> = dims[ragged.len()..]
-            .iter()
-            .filter_map(|dim| match dim {
-                RunDim::Static(size) => Some(*size),
-                RunDim::Ragged(_) => None,
-            })
-            .collect();
+        let statics = RunDim::static_sizes(dims);
         nestor_runtime::RaggedLayout::from_ragged_sizes(ragged.len(), &[], &statics)?
     } else {
         nestor_runtime::RaggedLayout::from_element_sizes(element_sizes, &ragged)?
@@ -802,7 +786,9 @@ fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec
                         }),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let shape: Vec<i64> = std::iter::once(-1).chain(static_sizes(&run_dims)).collect();
+                let shape: Vec<i64> = std::iter::once(-1)
+                    .chain(RunDim::static_sizes(&run_dims))
+                    .collect();
                 let tensor = if data.is_empty() {
                     Tensor::f_zeros([0], (Kind::Float, tch::Device::Cpu))?
                 } else {

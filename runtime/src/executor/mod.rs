@@ -127,6 +127,18 @@ pub enum RunData {
     Sunk(usize),
 }
 
+impl RunDim {
+    /// The sizes of the static dims among `dims`, in order.
+    pub fn static_sizes(dims: &[RunDim]) -> Vec<i64> {
+        dims.iter()
+            .filter_map(|dim| match dim {
+                RunDim::Static(size) => Some(*size),
+                RunDim::Ragged(_) => None,
+            })
+            .collect()
+    }
+}
+
 impl RunShape {
     /// The shape of a result's packed values when it holds `elements` values: rows (as
     /// many as the values fill) of the static dims of a ragged or dense result, or a
@@ -151,14 +163,7 @@ impl RunShape {
         match self {
             RunShape::Full(dims) => dims.clone(),
             RunShape::Dense(tail) => rows_of(tail.clone()),
-            RunShape::Ragged(dims) => rows_of(
-                dims.iter()
-                    .filter_map(|dim| match dim {
-                        RunDim::Static(size) => Some(*size),
-                        RunDim::Ragged(_) => None,
-                    })
-                    .collect(),
-            ),
+            RunShape::Ragged(dims) => rows_of(RunDim::static_sizes(dims)),
         }
     }
 }
@@ -291,7 +296,8 @@ impl Executable {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner()),
         );
-        let (external, sunk) = self.sink_buffers(sink, &sizes);
+        let shapes = self.output_shapes(&sizes);
+        let (external, sunk) = self.sink_buffers(sink, &sizes, &shapes);
         let mut moved: u64 = 0;
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
@@ -355,7 +361,7 @@ impl Executable {
         }
         stats.launched(program.steps.len() as u64);
         stats.moved(moved);
-        let outputs = self.outputs(&sizes, &pointers, &sunk);
+        let outputs = self.outputs(&sizes, shapes, &pointers, &sunk);
         // Every buffer goes back to the pool for the next run.
         free.extend(owned.into_iter().flatten());
         self.pool
@@ -442,12 +448,13 @@ impl Executable {
         &self,
         sink: Option<&mut dyn OutputSink>,
         sizes: &Sizes,
+        shapes: &[(Slot, RunShape)],
     ) -> (Vec<Option<*mut u8>>, Vec<bool>) {
         let program = &self.program;
         let mut external: Vec<Option<*mut u8>> = vec![None; program.slots.len()];
         let mut sunk = vec![false; program.outputs.len()];
         if let Some(sink) = sink {
-            for (index, (slot, shape)) in self.output_shapes(sizes).into_iter().enumerate() {
+            for (index, &(slot, ref shape)) in shapes.iter().enumerate() {
                 if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some()
                 {
                     continue;
@@ -471,11 +478,17 @@ impl Executable {
         (external, sunk)
     }
 
-    /// The results of a run: shapes from the lengths, values copied out of their
-    /// buffers unless a sink holds them.
-    fn outputs(&self, sizes: &Sizes, pointers: &[*mut u8], sunk: &[bool]) -> Vec<RunOutput> {
+    /// The results of a run (of `shapes`, [`Self::output_shapes`]): values copied out of
+    /// their buffers unless a sink holds them.
+    fn outputs(
+        &self,
+        sizes: &Sizes,
+        shapes: Vec<(Slot, RunShape)>,
+        pointers: &[*mut u8],
+        sunk: &[bool],
+    ) -> Vec<RunOutput> {
         let program = &self.program;
-        self.output_shapes(sizes)
+        shapes
             .into_iter()
             .enumerate()
             .map(|(index, (slot, shape))| {

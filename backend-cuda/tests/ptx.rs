@@ -232,14 +232,19 @@ fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
 }
 
 /// The training steps of a pooled classifier (one-hot rows, row sums for weight
-/// gradients, lengths as numbers, a scatter and an insert) and of causal attention (the
-/// gradients of the queries and of the keys and values) assemble too.
+/// gradients, lengths as numbers, a scatter and an insert), of causal attention (the
+/// gradients of the queries and of the keys and values) and of attention over jagged
+/// pairs (pair matmuls, scores and mix) assemble too.
 #[test]
 fn training_steps_assemble_for_sm80_and_sm90() {
     use nestor_passes::Pass;
     let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
     let mut kinds = Vec::new();
-    for file in ["pooled_loss.nir", "attention_loss.nir"] {
+    for file in [
+        "pooled_loss.nir",
+        "attention_loss.nir",
+        "pair_attention_loss.nir",
+    ] {
         let text = std::fs::read_to_string(
             std::path::Path::new(&root)
                 .join("../tests/filetests")
@@ -286,6 +291,7 @@ fn training_steps_assemble_for_sm80_and_sm90() {
         "ScatterRows",
         "Insert",
         "AttentionGrad",
+        "PairGemm",
     ] {
         assert!(
             kinds.iter().any(|name| name == kind),

@@ -23,7 +23,11 @@
 //! - random mask: `out, [the run's key] (i64)`; range = values;
 //! - attention gradient: `out, q, k, v, g, query offsets (i64, B + 1), key offsets (i64,
 //!   B + 1), the element of each query row (of each key row for the keys' gradient)`;
-//!   range = query (key) rows x heads.
+//!   range = query (key) rows x heads;
+//! - jagged-pair matmul ([`KernelSet::Complete`]): `out, a, b, row offsets (i64, B + 1),
+//!   column offsets (i64, B + 1), pair offsets (i64, B + 1: the sums of M_i N_i), the
+//!   element of each row (i64)`; range = rows (`M`), each writing its row of scores
+//!   (`N_i` values) or of the mix (`width` values).
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -128,6 +132,7 @@ pub(crate) fn generate<'ctx>(
             (*heads, *head_dim),
             (*causal, *scale, *keys),
         )?,
+        Step::PairGemm { width, mix, .. } if !library => pair_gemm(&kernel, *width, *mix)?,
         Step::Gemm { .. }
         | Step::PairGemm { .. }
         | Step::Window { .. }
@@ -538,6 +543,53 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
             let value = kernel.load_float(table, kernel.add(source, column)?)?;
             kernel.store_float(out, kernel.add(target, column)?, value)
         })
+    })
+}
+
+/// The jagged-pair matmul, a row of `M` a task: scores `out[r, c] = sum_w a[r, w]
+/// b[c, w]` over the element's `N_i` columns `c`, or (`mix`) `out[r, w] = sum_c a[r, c]
+/// b[c, w]` over the element's pairs of row `r`.
+fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, a, b, row_offsets, column_offsets, pair_offsets, elements] = kernel.args()?;
+    let sum = kernel.accumulator("sum")?;
+    kernel.parallel_range(start, end, |row| {
+        let element = kernel.load_i64(elements, row)?;
+        let next = kernel.add(element, kernel.i64(1))?;
+        let position = kernel.sub(row, kernel.load_i64(row_offsets, element)?)?;
+        let first_column = kernel.load_i64(column_offsets, element)?;
+        let columns = kernel.sub(kernel.load_i64(column_offsets, next)?, first_column)?;
+        // The row's pairs: its element's, from the row's position on, `N_i` a row.
+        let pairs = kernel.add(
+            kernel.load_i64(pair_offsets, element)?,
+            kernel.mul(position, columns)?,
+        )?;
+        // `b[first column + c, w]`.
+        let b_at = |c: IntValue<'ctx>, w: IntValue<'ctx>| {
+            let b_row = kernel.add(first_column, c)?;
+            kernel.add(kernel.mul(b_row, kernel.i64(width))?, w)
+        };
+        if mix {
+            let out_row = kernel.mul(row, kernel.i64(width))?;
+            kernel.for_range(kernel.i64(0), kernel.i64(width), |w| {
+                kernel.set(sum, kernel.constant(0.0))?;
+                kernel.for_range(kernel.i64(0), columns, |c| {
+                    let x = kernel.load_float(a, kernel.add(pairs, c)?)?;
+                    let y = kernel.load_float(b, b_at(c, w)?)?;
+                    kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(x, y)?)?)
+                })?;
+                kernel.store_float(out, kernel.add(out_row, w)?, kernel.get(sum)?)
+            })
+        } else {
+            let a_row = kernel.mul(row, kernel.i64(width))?;
+            kernel.for_range(kernel.i64(0), columns, |c| {
+                let dot = row_sum(kernel, width, |w| {
+                    let x = kernel.load_float(a, kernel.add(a_row, w)?)?;
+                    kernel.fmul(x, kernel.load_float(b, b_at(c, w)?)?)
+                })?;
+                kernel.store_float(out, kernel.add(pairs, c)?, dot)
+            })
+        }
     })
 }
 

@@ -1,7 +1,8 @@
 //! Whole programs on a kernel device (`Executable::run_on_device`), with the host as the
 //! device: `gpu-check --device host` runs an optimized encoder layer, a feed-forward
-//! block, a gather / padding / segment graph and the training steps (loss and gradients)
-//! of a pooled classifier and of causal attention for lengths with 0 and 1, batch size 1 and a larger batch, from device buffers and index buffers, and compares every result
+//! block, a gather / padding / segment graph, attention over jagged pairs and the training
+//! steps (loss and gradients) of a pooled classifier, of causal attention and of the pair
+//! attention for lengths with 0 and 1, batch size 1 and a larger batch, from device buffers and index buffers, and compares every result
 //! with the CPU runtime's (the same binary runs them on a GPU in `scripts/gpu-check.sh`).
 
 // Test code: a failed unwrap is a failed test.
@@ -28,7 +29,7 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        21
+        29
     );
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -5,8 +5,9 @@
 //!   `tests/gpu_check.rs` (one kernel template each, its PTX, buffers and the CPU
 //!   backend's output) runs on the GPU and is compared;
 //! - whole programs (an optimized Transformer encoder layer, a feed-forward block, a graph
-//!   of gathers, padding and segmented kernels, and the training steps of a pooled
-//!   classifier and of causal attention with their gradients) are lowered here, run on the device
+//!   of gathers, padding and segmented kernels, attention written over jagged pairs, and
+//!   the training steps of a pooled classifier, of causal attention and of the pair
+//!   attention with their gradients) are lowered here, run on the device
 //!   (`--device cuda`: the GPU, PTX made on the spot; `--device host`: the same kernels
 //!   on the CPU, the self-test of `make test`) and on the CPU runtime for several sets of
 //!   lengths, and compared.
@@ -29,7 +30,7 @@ use nestor_runtime::{
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
 /// every parameter's gradient) rather than the graph itself.
-const PROGRAMS: [(&str, &str, bool); 5] = [
+const PROGRAMS: [(&str, &str, bool); 7] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
@@ -53,6 +54,16 @@ const PROGRAMS: [(&str, &str, bool); 5] = [
     (
         "attention_loss (training)",
         include_str!("../../../tests/filetests/attention_loss.nir"),
+        true,
+    ),
+    (
+        "pair_attention",
+        include_str!("../../../tests/filetests/pair_attention.nir"),
+        false,
+    ),
+    (
+        "pair_attention_loss (training)",
+        include_str!("../../../tests/filetests/pair_attention_loss.nir"),
         true,
     ),
 ];

@@ -228,6 +228,9 @@ enum Index {
     Rows(RowMap),
     /// `[longest length]`.
     Longest(Slot),
+    /// Where each element's pairs start in a pair layout of row lengths `.0` and column
+    /// lengths `.1` (`B + 1` values: the sums of `M_i N_i`).
+    PairOffsets(Slot, Slot),
     /// `[number]`: a count of rows, or a dropout mask's key.
     Number(i64),
 }
@@ -370,6 +373,21 @@ impl Plan<'_> {
                 unsafe { std::slice::from_raw_parts(values, count) }.to_vec()
             }
             Index::Longest(slot) => vec![self.lengths(slot)?.longest],
+            Index::PairOffsets(rows, columns) => {
+                let columns = &self.lengths(columns)?.lengths;
+                let mut offsets = vec![0i64];
+                let mut total = 0i64;
+                for (&m, &n) in self.lengths(rows)?.lengths.iter().zip(columns) {
+                    // The buffers were sized by the same products, so none overflows;
+                    // checked all the same.
+                    total = m
+                        .checked_mul(n)
+                        .and_then(|pairs| total.checked_add(pairs))
+                        .ok_or_else(|| device_error(self.step, "the pairs overflow i64"))?;
+                    offsets.push(total);
+                }
+                offsets
+            }
             Index::Number(number) => vec![number],
         })
     }
@@ -653,6 +671,32 @@ impl Plan<'_> {
                     Arg::Index(Index::Number(rows(*count))),
                 ];
                 (args, (0, vocabulary.saturating_mul(*width)))
+            }
+            Step::PairGemm {
+                out,
+                a,
+                b,
+                rows,
+                columns,
+                ..
+            } => {
+                let row_lengths = self.lengths(*rows)?;
+                if row_lengths.lengths.len() != self.lengths(*columns)?.lengths.len() {
+                    return Err(device_error(
+                        self.step,
+                        "row and column lengths of different batch sizes",
+                    ));
+                }
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(*a),
+                    Arg::Slot(*b),
+                    Arg::Index(Index::Offsets(*rows)),
+                    Arg::Index(Index::Offsets(*columns)),
+                    Arg::Index(Index::PairOffsets(*rows, *columns)),
+                    Arg::Index(Index::Rows(RowMap::Owners(*rows))),
+                ];
+                (args, (0, row_lengths.offsets.last().copied().unwrap_or(0)))
             }
             other => {
                 return Err(device_error(

@@ -260,4 +260,37 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn gelu_at_infinity_follows_the_program() {
+        let graph = nestor_ir::parse(
+            "graph @g {
+  %0 = input {name = \"x.lengths\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
+  %2 = gelu(%1) : ragged<f32>[B; %0, 4]
+  return %2
+}",
+        )
+        .unwrap_or_else(|error| panic!("{error}"));
+        let mut program = nestor_passes::lower(&graph).unwrap_or_else(|error| panic!("{error}"));
+        let x = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1.0];
+        for nan_at_infinity in [false, true] {
+            program.gelu_nan_at_infinity = nan_at_infinity;
+            let kernels = compile(&program).unwrap_or_else(|error| panic!("{error}"));
+            let kernel = kernels
+                .kernel(0)
+                .unwrap_or_else(|| panic!("no gelu kernel"));
+            let mut out = [0.0f32; 4];
+            let args = [out.as_mut_ptr() as *mut u8, x.as_ptr() as *mut u8];
+            // One row of 4 values: both buffers hold it.
+            unsafe { kernel(args.as_ptr(), 0, 1) };
+            assert_eq!(out[0].is_nan(), nan_at_infinity, "{out:?}");
+            if !nan_at_infinity {
+                assert_eq!(out[0], f32::INFINITY);
+            }
+            // -inf * 0 and NaN: NaN either way, as libtorch's.
+            assert!(out[1].is_nan() && out[2].is_nan(), "{out:?}");
+            assert!((out[3] - 0.841_344_7).abs() < 1e-6, "{out:?}");
+        }
+    }
 }

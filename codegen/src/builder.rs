@@ -35,6 +35,8 @@ pub(crate) struct Kernel<'ctx, 'm> {
     pub(crate) float: FloatType<'ctx>,
     /// Whether `float` is f64.
     pub(crate) double: bool,
+    /// gelu(+inf) is NaN ([`nestor_passes::Program::gelu_nan_at_infinity`]).
+    gelu_nan_at_infinity: bool,
     target: Target,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
 }
@@ -44,9 +46,10 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         context: &'ctx Context,
         module: &'m Module<'ctx>,
         name: &str,
-        precision: nestor_passes::FloatType,
+        program: &nestor_passes::Program,
         target: Target,
     ) -> Self {
+        let precision = program.float;
         let ptr = context.ptr_type(AddressSpace::default());
         let i64 = context.i64_type();
         let signature = context
@@ -70,6 +73,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 context.f32_type()
             },
             double: precision == nestor_passes::FloatType::F64,
+            gelu_nan_at_infinity: program.gelu_nan_at_infinity,
             target,
             entry,
         }
@@ -948,7 +952,11 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 let erf = self.fast_erf(scaled)?;
                 let half = self.fmul(x, self.constant(0.5))?;
                 let gelu = self.fmul(half, self.fadd(self.constant(1.0), erf)?)?;
-                // Libtorch's gelu is NaN at +inf (and at -inf, as `-inf * 0` is here).
+                // NaN at -inf, as `-inf * 0` is here and in libtorch; at +inf, libtorch's
+                // AVX-512 kernels give NaN, its AVX2 ones +inf (as this product does).
+                if !self.gelu_nan_at_infinity {
+                    return Ok(gelu);
+                }
                 let infinity = self.constant(f64::INFINITY);
                 self.select_if(
                     FloatPredicate::OEQ,

@@ -267,8 +267,7 @@ pub fn generate_kernels<'ctx>(
             continue;
         }
         let name = format!("step{index}");
-        let generated =
-            templates::generate(program.float, (target, set), context, module, &name, step)?;
+        let generated = templates::generate(program, (target, set), context, module, &name, step)?;
         names.push(generated.then_some(name));
         generated_for.insert(key, index);
     }

@@ -41,14 +41,14 @@ use crate::{KernelSet, Target};
 /// Generates the kernel of `step` as function `name`; false for steps without one in
 /// `set`.
 pub(crate) fn generate<'ctx>(
-    precision: nestor_passes::FloatType,
+    program: &nestor_passes::Program,
     (target, set): (Target, KernelSet),
     context: &'ctx Context,
     module: &Module<'ctx>,
     name: &str,
     step: &Step,
 ) -> Gen<bool> {
-    let kernel = Kernel::new(context, module, name, precision, target);
+    let kernel = Kernel::new(context, module, name, program, target);
     let library = set == KernelSet::Library;
     match step {
         Step::Gemm {

@@ -790,6 +790,10 @@ pub struct Program {
     pub host_graphs: Vec<nestor_ir::Graph>,
     /// What kernels compute in and buffers hold: f32, or f64 for f64 programs.
     pub float: FloatType,
+    /// Whether kernels give NaN for gelu(+inf), as libtorch's AVX-512 kernels do, rather
+    /// than +inf, as its AVX2 kernels and the math do (the default): the frontend sets
+    /// it to what the process's eager gelu gives.
+    pub gelu_nan_at_infinity: bool,
 }
 
 /// The floating-point type a program computes in.

@@ -7,7 +7,7 @@ mod train;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use nestor_passes::{lower_with, FloatType, Limits, LowerOptions, Pipeline};
 use nestor_runtime::{
@@ -460,11 +460,12 @@ where
             reason: error.to_string(),
         })?;
         phases.done("passes");
-        let program =
+        let mut program =
             lower_with(&optimized, self.lower_options).map_err(|error| NestedError::Compile {
                 stage: "lowering",
                 reason: error.to_string(),
             })?;
+        program.gelu_nan_at_infinity = eager_gelu_nan_at_infinity(program.float);
         phases.done("lowering");
         let executable = Executable::compile(program).map_err(|error| NestedError::Compile {
             stage: "backend",
@@ -494,6 +495,25 @@ where
             gradients,
         })
     }
+}
+
+/// Whether this process's eager gelu gives NaN at +inf in `float` (libtorch's AVX-512
+/// kernels do, its AVX2 kernels give +inf), so that compiled kernels give what eager
+/// does on every CPU. Asked once per type, on a full vector's worth of +inf.
+fn eager_gelu_nan_at_infinity(float: FloatType) -> bool {
+    static ANSWERS: [OnceLock<bool>; 2] = [OnceLock::new(), OnceLock::new()];
+    let (answer, kind) = match float {
+        FloatType::F32 => (&ANSWERS[0], Kind::Float),
+        FloatType::F64 => (&ANSWERS[1], Kind::Double),
+    };
+    *answer.get_or_init(|| {
+        let _no_grad = tch::no_grad_guard();
+        Tensor::f_full([64], f64::INFINITY, (kind, tch::Device::Cpu))
+            .and_then(|infinities| infinities.f_gelu("none"))
+            .map(|gelu| gelu.double_value(&[0]).is_nan())
+            // Without an answer, the math's +inf.
+            .unwrap_or(false)
+    })
 }
 
 /// How long each phase of a compile took, printed to stderr with `NESTOR_PROFILE`.

@@ -362,6 +362,24 @@ impl Plan<'_> {
             .ok_or_else(|| device_error(self.step, "a lengths buffer the run does not know"))
     }
 
+    /// The lengths of `first`, which must have as many elements as `second`'s (`what`
+    /// names the two in the error).
+    fn paired_lengths(
+        &self,
+        first: Slot,
+        second: Slot,
+        what: &str,
+    ) -> Result<&super::sizes::LengthsInfo, RuntimeError> {
+        let lengths = self.lengths(first)?;
+        if lengths.lengths.len() != self.lengths(second)?.lengths.len() {
+            return Err(device_error(
+                self.step,
+                format!("{what} of different batch sizes"),
+            ));
+        }
+        Ok(lengths)
+    }
+
     fn index_values(&self, index: Index) -> Result<Vec<i64>, RuntimeError> {
         Ok(match index {
             Index::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
@@ -518,13 +536,7 @@ impl Plan<'_> {
                 heads,
                 ..
             } => {
-                let queries = self.lengths(*q_lengths)?;
-                if queries.lengths.len() != self.lengths(*k_lengths)?.lengths.len() {
-                    return Err(device_error(
-                        self.step,
-                        "queries and keys of different batch sizes",
-                    ));
-                }
+                let queries = self.paired_lengths(*q_lengths, *k_lengths, "queries and keys")?;
                 let total = queries.offsets.last().copied().unwrap_or(0);
                 let args = vec![
                     Arg::Slot(*out),
@@ -596,14 +608,7 @@ impl Plan<'_> {
                 ..
             } => {
                 let rows_of = if *keys { *k_lengths } else { *q_lengths };
-                if self.lengths(*q_lengths)?.lengths.len()
-                    != self.lengths(*k_lengths)?.lengths.len()
-                {
-                    return Err(device_error(
-                        self.step,
-                        "queries and keys of different batch sizes",
-                    ));
-                }
+                self.paired_lengths(*q_lengths, *k_lengths, "queries and keys")?;
                 let total = self.lengths(rows_of)?.offsets.last().copied().unwrap_or(0);
                 let args = vec![
                     Arg::Slot(*out),
@@ -680,13 +685,7 @@ impl Plan<'_> {
                 columns,
                 ..
             } => {
-                let row_lengths = self.lengths(*rows)?;
-                if row_lengths.lengths.len() != self.lengths(*columns)?.lengths.len() {
-                    return Err(device_error(
-                        self.step,
-                        "row and column lengths of different batch sizes",
-                    ));
-                }
+                let row_lengths = self.paired_lengths(*rows, *columns, "row and column lengths")?;
                 let args = vec![
                     Arg::Slot(*out),
                     Arg::Slot(*a),

@@ -233,9 +233,15 @@ pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, Bac
 mod tests {
     use super::*;
 
+    /// The program of a graph's text.
+    fn lowered(text: &str) -> Program {
+        let graph = nestor_ir::parse(text).unwrap_or_else(|error| panic!("{error}"));
+        nestor_passes::lower(&graph).unwrap_or_else(|error| panic!("{error}"))
+    }
+
     #[test]
     fn loops_over_sin_cos_and_pow_call_the_vector_math_library() {
-        let graph = nestor_ir::parse(
+        let program = lowered(
             "graph @g {
   %0 = input {name = \"x.lengths\"} : lengths[B]
   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 64]
@@ -244,9 +250,7 @@ mod tests {
   %4 = pow(%3, %1) : ragged<f32>[B; %0, 64]
   return %4
 }",
-        )
-        .unwrap_or_else(|error| panic!("{error}"));
-        let program = nestor_passes::lower(&graph).unwrap_or_else(|error| panic!("{error}"));
+        );
         let kernels = compile(&program).unwrap_or_else(|error| panic!("{error}"));
         if !vector_math() {
             eprintln!("skipped: no libmvec.so.1 in this process (not glibc)");
@@ -263,16 +267,14 @@ mod tests {
 
     #[test]
     fn gelu_at_infinity_follows_the_program() {
-        let graph = nestor_ir::parse(
+        let mut program = lowered(
             "graph @g {
   %0 = input {name = \"x.lengths\"} : lengths[B]
   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
   %2 = gelu(%1) : ragged<f32>[B; %0, 4]
   return %2
 }",
-        )
-        .unwrap_or_else(|error| panic!("{error}"));
-        let mut program = nestor_passes::lower(&graph).unwrap_or_else(|error| panic!("{error}"));
+        );
         let x = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1.0];
         for nan_at_infinity in [false, true] {
             program.gelu_nan_at_infinity = nan_at_infinity;

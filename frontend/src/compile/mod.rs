@@ -5,7 +5,7 @@
 
 mod train;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -17,68 +17,70 @@ use nestor_runtime::{
 use tch::{Kind, Tensor};
 
 use crate::trace::{
-    check_inputs, interpret, normalized_input, parameter_names, shared_lengths, trace_named, Dense,
-    ParameterNames, SharedLengths, TraceOutputs, Traced, Value,
+    check_inputs, earlier_equal_lengths, interpret, normalized_input, parameter_names, trace_named,
+    Dense, ParameterNames, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
 use train::Gradient;
 
-/// What a compiled program depends on: per batch its rank, ragged dims, static sizes
-/// and dtype; per dense input its dims after the first and dtype. Never lengths.
+/// What a compiled program depends on, written as words: the numbers of batches and
+/// dense inputs; per batch its dtype, whether its values require grad (in training,
+/// their gradients are computed), rank, ragged dims, static sizes and, per ragged dim,
+/// the earlier dim with equal lengths (traced as one lengths input); per dense input
+/// its dtype, rank and dims after the first; per input (batches, then dense), the first
+/// with the same batch size (traced as one batch-size symbol). Never lengths. Every
+/// list is preceded by its length, so two structures never write the same words.
+///
+/// Built on every call: one allocation, no lengths copied, a cheap hash.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct StructureKey {
-    nested: Vec<(Vec<usize>, Vec<i64>, usize, Kind)>,
-    dense: Vec<(Vec<i64>, Kind)>,
-    /// Which ragged dims have equal lengths (traced as one lengths input).
-    shared: SharedLengths,
-    /// For every batch (nested, then dense), the first with the same batch size (traced
-    /// as one batch-size symbol).
-    batch_sizes: Vec<usize>,
-    /// Which batches' values require grad (in training, their gradients are computed).
-    requires_grad: Vec<bool>,
-}
+struct StructureKey(Vec<u64>);
 
 impl StructureKey {
     /// The key of batches already normalized (`normalized_input`) and dense inputs.
-    fn of(normalized: &[&NestedTensor], dense: &[&Tensor]) -> Result<Self> {
-        Ok(Self {
-            nested: normalized
+    fn of(normalized: &[&NestedTensor], dense: &[&Tensor]) -> Self {
+        let mut words = Vec::with_capacity(2 + 12 * normalized.len() + 6 * dense.len());
+        words.extend([normalized.len() as u64, dense.len() as u64]);
+        for (index, batch) in normalized.iter().enumerate() {
+            let layout = batch.lay();
+            words.extend([
+                batch.kind() as u64,
+                u64::from(batch.packed().requires_grad()),
+                layout.rank() as u64,
+                layout.ragged_dims().len() as u64,
+            ]);
+            words.extend(layout.ragged_dims().iter().map(|&dim| dim as u64));
+            words.push(layout.static_sizes().len() as u64);
+            words.extend(layout.static_sizes().iter().map(|&size| size as u64));
+            words.extend(layout.ragged_dims().iter().map(|&dim| {
+                earlier_equal_lengths(normalized, index, dim)
+                    .map_or(u64::MAX, |(batch, dim)| ((batch as u64) << 32) | dim as u64)
+            }));
+        }
+        let mut batch_sizes: Vec<i64> = normalized
+            .iter()
+            .map(|batch| batch.batch_size() as i64)
+            .collect();
+        for tensor in dense {
+            let size = tensor.size();
+            batch_sizes.push(size.first().copied().unwrap_or(1));
+            words.extend([tensor.kind() as u64, size.len() as u64]);
+            words.extend(size.iter().skip(1).map(|&size| size as u64));
+        }
+        words.extend(batch_sizes.iter().map(|size| {
+            batch_sizes
                 .iter()
-                .map(|batch| {
-                    let layout = batch.lay();
-                    (
-                        layout.ragged_dims().to_vec(),
-                        layout.static_sizes().to_vec(),
-                        layout.rank(),
-                        batch.kind(),
-                    )
-                })
-                .collect(),
-            dense: dense
-                .iter()
-                .map(|tensor| (tensor.size().split_off(1.min(tensor.dim())), tensor.kind()))
-                .collect(),
-            shared: shared_lengths(normalized),
-            requires_grad: normalized
-                .iter()
-                .map(|batch| batch.packed().requires_grad())
-                .collect(),
-            batch_sizes: {
-                let sizes: Vec<i64> = normalized
-                    .iter()
-                    .map(|batch| batch.batch_size() as i64)
-                    .chain(
-                        dense
-                            .iter()
-                            .map(|tensor| tensor.size().first().copied().unwrap_or(1)),
-                    )
-                    .collect();
-                sizes
-                    .iter()
-                    .map(|size| sizes.iter().position(|known| known == size).unwrap_or(0))
-                    .collect()
-            },
-        })
+                .position(|known| known == size)
+                .unwrap_or(0) as u64
+        }));
+        Self(words)
+    }
+
+    /// How many batches and dense inputs the structure has.
+    fn inputs(&self) -> (u64, u64) {
+        (
+            self.0.first().copied().unwrap_or(0),
+            self.0.get(1).copied().unwrap_or(0),
+        )
     }
 }
 
@@ -113,7 +115,7 @@ pub struct Compiled<F> {
     limits: Limits,
     /// Where every compile writes its stages (`NESTOR_DUMP` by default).
     dump: Option<PathBuf>,
-    cache: Mutex<HashMap<StructureKey, Arc<Entry>>>,
+    cache: Mutex<FxHashMap<StructureKey, Arc<Entry>>>,
     stats: Stats,
 }
 
@@ -153,7 +155,7 @@ where
         optimize: true,
         limits: Limits::default(),
         dump: std::env::var_os("NESTOR_DUMP").map(PathBuf::from),
-        cache: Mutex::new(HashMap::new()),
+        cache: Mutex::new(FxHashMap::default()),
         stats: Stats::default(),
     }
 }
@@ -376,7 +378,7 @@ where
         nested: &[&NestedTensor],
         dense: &[&Tensor],
     ) -> Result<Arc<Entry>> {
-        let key = StructureKey::of(normalized, dense)?;
+        let key = StructureKey::of(normalized, dense);
         let mut cache = self
             .cache
             .lock()
@@ -387,10 +389,7 @@ where
         }
         // Every structure of one function takes as many inputs as the first.
         if let Some(first) = cache.keys().next() {
-            let (expected, got) = (
-                (first.nested.len(), first.dense.len()),
-                (key.nested.len(), key.dense.len()),
-            );
+            let (expected, got) = (first.inputs(), key.inputs());
             if expected != got {
                 return Err(NestedError::InputMismatch {
                     input: "inputs".into(),
@@ -401,7 +400,11 @@ where
                 });
             }
         }
-        let entry = Arc::new(self.build(nested, dense, &key.requires_grad)?);
+        let requires_grad: Vec<bool> = normalized
+            .iter()
+            .map(|batch| batch.packed().requires_grad())
+            .collect();
+        let entry = Arc::new(self.build(nested, dense, &requires_grad)?);
         self.stats.compiled();
         cache.insert(key, Arc::clone(&entry));
         Ok(entry)
@@ -853,4 +856,48 @@ fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec
         });
     }
     Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn batch(lengths: &[i64], width: i64) -> NestedTensor {
+        let elements: Vec<Tensor> = lengths
+            .iter()
+            .map(|&length| Tensor::zeros([length, width], (Kind::Float, Device::Cpu)))
+            .collect();
+        NestedTensor::from_tensors(&elements).expect("a batch of rows")
+    }
+
+    fn key(nested: &[&NestedTensor], dense: &[&Tensor]) -> StructureKey {
+        let normalized: Vec<NestedTensor> = nested
+            .iter()
+            .map(|batch| normalized_input(batch).expect("a normalized batch"))
+            .collect();
+        StructureKey::of(&normalized.iter().collect::<Vec<_>>(), dense)
+    }
+
+    #[test]
+    fn structure_keys_ignore_lengths_but_not_which_lengths_are_shared() {
+        let (a, b, c) = (batch(&[3, 1], 4), batch(&[3, 1], 4), batch(&[2, 5], 4));
+        let (d, e) = (batch(&[7, 0], 4), batch(&[1, 6], 4));
+        // Other lengths, the same sharing: one program.
+        assert_eq!(key(&[&a, &b], &[]), key(&[&d, &d], &[]));
+        assert_eq!(key(&[&a, &c], &[]), key(&[&d, &e], &[]));
+        // Lengths shared or not: two programs.
+        assert_ne!(key(&[&a, &b], &[]), key(&[&a, &c], &[]));
+        // Static sizes, dtypes, batch sizes and input counts are part of the structure.
+        assert_ne!(key(&[&a], &[]), key(&[&batch(&[3, 1], 5)], &[]));
+        assert_ne!(
+            key(&[&a], &[]),
+            key(&[&a.to_kind(Kind::Double).expect("a cast")], &[])
+        );
+        let dense = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+        let other_batch = Tensor::zeros([5, 3], (Kind::Float, Device::Cpu));
+        assert_ne!(key(&[&a], &[&dense]), key(&[&a], &[&other_batch]));
+        assert_ne!(key(&[&a], &[]), key(&[&a], &[&dense]));
+        assert_eq!(key(&[&a], &[&dense]), key(&[&e], &[&dense]));
+    }
 }

@@ -42,27 +42,60 @@ pub(crate) type SharedLengths = Vec<Vec<Option<(usize, usize)>>>;
 
 /// The [`SharedLengths`] of (normalized) batches.
 pub(crate) fn shared_lengths(nested: &[&NestedTensor]) -> SharedLengths {
-    let mut seen: Vec<((usize, usize), Vec<i64>)> = Vec::new();
     nested
         .iter()
         .enumerate()
         .map(|(index, batch)| {
-            let layout = batch.lay();
-            (0..layout.rank())
-                .map(|dim| {
-                    let lengths = layout.dim_sizes(dim).filter(|_| layout.is_ragged(dim))?;
-                    let earlier = seen
-                        .iter()
-                        .find(|(_, known)| *known == lengths)
-                        .map(|(at, _)| *at);
-                    if earlier.is_none() {
-                        seen.push(((index, dim), lengths));
-                    }
-                    earlier
-                })
+            (0..batch.lay().rank())
+                .map(|dim| earlier_equal_lengths(nested, index, dim))
                 .collect()
         })
         .collect()
+}
+
+/// The first `(batch, dim)` before ragged dim `dim` of batch `index` (batches in order,
+/// then dims) with the same lengths; `None` for a static dim or new lengths.
+pub(crate) fn earlier_equal_lengths(
+    nested: &[&NestedTensor],
+    index: usize,
+    dim: usize,
+) -> Option<(usize, usize)> {
+    let layout = nested.get(index)?.lay();
+    if !layout.is_ragged(dim) {
+        return None;
+    }
+    nested[..index]
+        .iter()
+        .enumerate()
+        .flat_map(|(earlier, batch)| {
+            batch
+                .lay()
+                .ragged_dims()
+                .iter()
+                .map(move |&earlier_dim| (earlier, earlier_dim))
+        })
+        .chain(
+            layout
+                .ragged_dims()
+                .iter()
+                .take_while(|&&earlier_dim| earlier_dim < dim)
+                .map(|&earlier_dim| (index, earlier_dim)),
+        )
+        .find(|&at| same_lengths(nested, at, (index, dim)))
+}
+
+/// Whether dim `a.1` of batch `a.0` and dim `b.1` of batch `b.0` have the same sizes in
+/// every element (compared in place: no lengths are copied).
+fn same_lengths(nested: &[&NestedTensor], a: (usize, usize), b: (usize, usize)) -> bool {
+    let (Some(first), Some(second)) = (nested.get(a.0), nested.get(b.0)) else {
+        return false;
+    };
+    let (first, second) = (first.lay().element_sizes(), second.lay().element_sizes());
+    first.len() == second.len()
+        && first
+            .iter()
+            .zip(second)
+            .all(|(x, y)| x.get(a.1).is_some_and(|size| Some(size) == y.get(b.1)))
 }
 
 // A `Traced` only hands out shallow clones of its parameter tensors (libtorch counts
@@ -519,17 +552,12 @@ impl Traced {
 impl Traced {
     /// Dims traced with one shared lengths input must have equal lengths again.
     fn check_shared_lengths(&self, nested: &[&NestedTensor]) -> Result<()> {
-        let lengths_of = |index: usize, dim: usize| {
-            nested
-                .get(index)
-                .and_then(|batch| batch.lay().dim_sizes(dim))
-        };
         for (index, dims) in self.shared.iter().enumerate() {
             for (dim, earlier) in dims.iter().enumerate() {
                 let Some((first, first_dim)) = *earlier else {
                     continue;
                 };
-                if lengths_of(index, dim) != lengths_of(first, first_dim) {
+                if !same_lengths(nested, (index, dim), (first, first_dim)) {
                     return Err(NestedError::InputMismatch {
                         input: format!("x{index}"),
                         reason: format!(

@@ -15,7 +15,7 @@ mod interpret;
 mod record;
 
 pub(crate) use api::{
-    normalized_input, parameter_names, shared_lengths, trace_named, ParameterNames, SharedLengths,
+    earlier_equal_lengths, normalized_input, parameter_names, trace_named, ParameterNames,
 };
 pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;

@@ -1,7 +1,7 @@
 //! What a run knows of its lengths: every lengths buffer's values, offsets, longest
 //! element and row owners, and the number of rows of every slot computed from them.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 use nestor_ir::{DType, Window2d};
@@ -64,7 +64,7 @@ impl Sizes {
         inputs: &[InputData<'_>],
     ) -> Result<Self, RuntimeError> {
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
-        let mut lengths: HashMap<Slot, LengthsInfo> = HashMap::new();
+        let mut lengths: HashMap<Slot, LengthsInfo> = HashMap::default();
         for (index, info) in program.slots.iter().enumerate() {
             if let (Source::Input(input), DType::I64, RowBase::Batch(own)) =
                 (info.source, info.dtype, info.rows.base)

@@ -96,7 +96,7 @@ fn mismatch(input: impl Into<String>, reason: String) -> NestedError {
 pub fn check_inputs(graph: &Graph, inputs: &[Value]) -> Result<()> {
     let mut checker = Interpreter {
         graph,
-        values: Vec::new(),
+        values: Vec::with_capacity(graph.nodes.len()),
         symbols: HashMap::new(),
     };
     let mut inputs = inputs.iter();
@@ -107,8 +107,14 @@ pub fn check_inputs(graph: &Graph, inputs: &[Value]) -> Result<()> {
                     .next()
                     .ok_or_else(|| mismatch(name.clone(), "missing".into()))?;
                 checker.check(name, &node.ty, input)?;
-                input.share()
+                // Later types read only lengths (no batch or tensor is kept).
+                match input {
+                    Value::Lengths(lengths) => Value::Lengths(lengths.clone()),
+                    _ => Value::Lengths(Vec::new()),
+                }
             }
+            // Every input is checked: only a missing one is left to find.
+            _ if inputs.len() == 0 => continue,
             // Types only refer to values defined before them; later ops are not needed.
             _ => Value::Lengths(Vec::new()),
         };
@@ -228,11 +234,15 @@ impl Interpreter<'_> {
             Dim::Static(expected) if *expected != size => Err(mismatch(input, format!("a dim has size {size}, expected {expected}"))),
             // `?` is a size known only at run time, different per element.
             Dim::Sym(symbol) if symbol == "?" => Ok(()),
-            Dim::Sym(symbol) => match self.symbols.insert(symbol.clone(), size) {
-                Some(bound) if bound != size => {
+            Dim::Sym(symbol) => match self.symbols.get(symbol.as_str()) {
+                Some(&bound) if bound != size => {
                     Err(mismatch(input, format!("batch size {size} differs from {bound}, the size of {symbol} in another input")))
                 }
-                _ => Ok(()),
+                Some(_) => Ok(()),
+                None => {
+                    self.symbols.insert(symbol.clone(), size);
+                    Ok(())
+                }
             },
             _ => Ok(()),
         }

@@ -299,3 +299,42 @@ fn training_steps_assemble_for_sm80_and_sm90() {
         );
     }
 }
+
+/// The window steps of a conv net's forward (a convolution with bias, max and average
+/// pooling, image means) have kernels, and they assemble without spills.
+#[test]
+fn window_steps_assemble_for_sm80_and_sm90() {
+    let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
+    let text = std::fs::read_to_string(
+        std::path::Path::new(&root).join("../tests/filetests/conv_net.nir"),
+    )
+    .unwrap();
+    let graph = Pipeline::unoptimized()
+        .run(&nestor_ir::parse(&text).unwrap())
+        .unwrap();
+    let program = lower(&graph).unwrap();
+    let windows: Vec<String> = program
+        .steps
+        .iter()
+        .filter_map(|step| match step {
+            Step::Window { kind, .. } => Some(format!("{kind:?}")),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(windows, ["Conv", "Max", "Average", "ImageMean"]);
+    for arch in Arch::ALL {
+        let module = ptx(&program, arch).unwrap();
+        assert!(
+            module.kernels.iter().all(Option::is_some),
+            "every step has a kernel"
+        );
+        for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+            assert_eq!(
+                (kernel.spill_stores, kernel.spill_loads),
+                (0, 0),
+                "{}",
+                kernel.name
+            );
+        }
+    }
+}

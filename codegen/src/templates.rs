@@ -27,13 +27,18 @@
 //! - jagged-pair matmul ([`KernelSet::Complete`]): `out, a, b, row offsets (i64, B + 1),
 //!   column offsets (i64, B + 1), pair offsets (i64, B + 1: the sums of M_i N_i), the
 //!   element of each row (i64)`; range = rows (`M`), each writing its row of scores
-//!   (`N_i` values) or of the mix (`width` values).
+//!   (`N_i` values) or of the mix (`width` values);
+//! - window steps ([`KernelSet::Complete`]; on the CPU they run in the runtime):
+//!   convolution `out, x, weight, bias or null, taps (i64: rows x taps input pixels, -1
+//!   outside the image)` and max / average pooling `out, x, taps`, range = output
+//!   pixels; image means `out, x, pixel offsets (i64, B + 1: the sums of H_i W_i)`,
+//!   range = images. Their gradients have no kernel yet.
 
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
 use inkwell::FloatPredicate;
-use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step};
+use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step, WindowKind};
 
 use crate::builder::{Gen, Kernel};
 use crate::{KernelSet, Target};
@@ -133,6 +138,25 @@ pub(crate) fn generate<'ctx>(
             (*causal, *scale, *keys),
         )?,
         Step::PairGemm { width, mix, .. } if !library => pair_gemm(&kernel, *width, *mix)?,
+        Step::Window {
+            kind: WindowKind::Conv,
+            channels,
+            width,
+            window,
+            bias,
+            ..
+        } if !library => convolution(&kernel, (*channels, *width), window.taps(), bias.is_some())?,
+        Step::Window {
+            kind: kind @ (WindowKind::Max | WindowKind::Average),
+            channels,
+            window,
+            ..
+        } if !library => pool(&kernel, *channels, window.taps(), *kind == WindowKind::Max)?,
+        Step::Window {
+            kind: WindowKind::ImageMean,
+            channels,
+            ..
+        } if !library => image_mean(&kernel, *channels)?,
         Step::Gemm { .. }
         | Step::PairGemm { .. }
         | Step::Window { .. }
@@ -590,6 +614,134 @@ fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> 
                 kernel.store_float(out, kernel.add(pairs, c)?, dot)
             })
         }
+    })
+}
+
+/// A direct convolution, an output pixel a task: `out[r, o] = bias[o] + sum over the
+/// taps t inside the image and the channels c of x[taps[r, t], c] weight[o, c, t]`.
+fn convolution<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (channels, width): (i64, i64),
+    taps: i64,
+    has_bias: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let (out, x, weight, table) = (
+        kernel.arg(0)?,
+        kernel.arg(1)?,
+        kernel.arg(2)?,
+        kernel.arg(4)?,
+    );
+    let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
+    let sum = kernel.accumulator("sum")?;
+    kernel.parallel_range(start, end, |row| {
+        let first_tap = kernel.mul(row, kernel.i64(taps))?;
+        let out_row = kernel.mul(row, kernel.i64(width))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(width), |o| {
+            let initial = match bias {
+                Some(bias) => kernel.load_float(bias, o)?,
+                None => kernel.constant(0.0),
+            };
+            kernel.set(sum, initial)?;
+            kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
+                let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
+                kernel.if_else(
+                    kernel.less(kernel.i64(-1), source)?,
+                    || {
+                        let pixel = kernel.mul(source, kernel.i64(channels))?;
+                        // `weight[o, c, t]` of `[width, channels, taps]`.
+                        let weights = kernel
+                            .add(kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?, t)?;
+                        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+                            let value = kernel.load_float(x, kernel.add(pixel, c)?)?;
+                            let w = kernel.load_float(
+                                weight,
+                                kernel.add(weights, kernel.mul(c, kernel.i64(taps))?)?,
+                            )?;
+                            kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
+                        })
+                    },
+                    || Ok(()),
+                )
+            })?;
+            kernel.store_float(out, kernel.add(out_row, o)?, kernel.get(sum)?)
+        })
+    })
+}
+
+/// Max or average pooling, an output pixel a task: over the window's taps inside the
+/// image, in order, the largest value (a NaN replaces it, as in torch; -inf for a
+/// window without one) or the mean (NaN for none).
+fn pool<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, table] = kernel.args()?;
+    let [value, inside] = kernel.accumulators(["value", "inside"])?;
+    let initial = kernel.constant(if max { f64::NEG_INFINITY } else { 0.0 });
+    kernel.parallel_range(start, end, |row| {
+        let first_tap = kernel.mul(row, kernel.i64(taps))?;
+        let out_row = kernel.mul(row, kernel.i64(channels))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+            kernel.set(value, initial)?;
+            kernel.set(inside, kernel.constant(0.0))?;
+            kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
+                let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
+                kernel.if_else(
+                    kernel.less(kernel.i64(-1), source)?,
+                    || {
+                        let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
+                        let p = kernel.load_float(x, at)?;
+                        let current = kernel.get(value)?;
+                        let next = if max {
+                            let larger =
+                                kernel.select_if(FloatPredicate::OGT, (p, current), p, current)?;
+                            kernel.select_if(FloatPredicate::UNO, (p, p), p, larger)?
+                        } else {
+                            kernel.fadd(current, p)?
+                        };
+                        kernel.set(value, next)?;
+                        kernel.set(
+                            inside,
+                            kernel.fadd(kernel.get(inside)?, kernel.constant(1.0))?,
+                        )
+                    },
+                    || Ok(()),
+                )
+            })?;
+            let result = if max {
+                kernel.get(value)?
+            } else {
+                kernel.fdiv(kernel.get(value)?, kernel.get(inside)?)?
+            };
+            kernel.store_float(out, kernel.add(out_row, c)?, result)
+        })
+    })
+}
+
+/// Every image's mean pixel, an image a task: its pixels summed in order, divided by
+/// their count (NaN for an empty image, as torch's mean).
+fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, offsets] = kernel.args()?;
+    let sum = kernel.accumulator("sum")?;
+    kernel.parallel_range(start, end, |image| {
+        let first = kernel.load_i64(offsets, image)?;
+        let pixels = kernel.sub(
+            kernel.load_i64(offsets, kernel.add(image, kernel.i64(1))?)?,
+            first,
+        )?;
+        let out_row = kernel.mul(image, kernel.i64(channels))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+            kernel.set(sum, kernel.constant(0.0))?;
+            kernel.for_range(kernel.i64(0), pixels, |p| {
+                let at = kernel.add(kernel.mul(kernel.add(first, p)?, kernel.i64(channels))?, c)?;
+                kernel.set(
+                    sum,
+                    kernel.fadd(kernel.get(sum)?, kernel.load_float(x, at)?)?,
+                )
+            })?;
+            let mean = kernel.fdiv(kernel.get(sum)?, kernel.to_float(pixels)?)?;
+            kernel.store_float(out, kernel.add(out_row, c)?, mean)
+        })
     })
 }
 

@@ -2,7 +2,8 @@
 //! device: `gpu-check --device host` runs an optimized encoder layer, a feed-forward
 //! block, a gather / padding / segment graph, attention over jagged pairs and the training
 //! steps (loss and gradients) of a pooled classifier, of causal attention and of the pair
-//! attention for lengths with 0 and 1, batch size 1 and a larger batch, from device buffers and index buffers, and compares every result
+//! attention, and a conv net's forward (convolution, pooling, image means over images
+//! `L x L`) for lengths with 0 and 1, batch size 1 and a larger batch, from device buffers and index buffers, and compares every result
 //! with the CPU runtime's (the same binary runs them on a GPU in `scripts/gpu-check.sh`).
 
 // Test code: a failed unwrap is a failed test.
@@ -29,7 +30,7 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        29
+        33
     );
     let _ = std::fs::remove_dir_all(&out);
 }
@@ -108,5 +109,50 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
             counted.bytes_allocated
         ),
         (1, 3200, 1600)
+    );
+}
+
+#[test]
+fn window_gradients_without_a_device_kernel_are_a_typed_error() {
+    use nestor_runtime::{Executable, HostDevice, InputData, RuntimeError, Stats};
+    let graph = nestor_ir::parse(include_str!("../../tests/filetests/window_grads.nir")).unwrap();
+    let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let device = HostDevice::new(&executable).unwrap();
+    // Two images, 2 x 3 and 1 x 1, three channels in, four out.
+    let (heights, widths) = ([2i64, 1], [3i64, 1]);
+    let (x, w, g, means) = (
+        vec![0.5f32; 21],
+        vec![0.1f32; 108],
+        vec![1.0f32; 28],
+        vec![0.0f32; 6],
+    );
+    let inputs = [
+        InputData::I64(&heights),
+        InputData::I64(&widths),
+        InputData::F32(&x),
+        InputData::F32(&w),
+        InputData::F32(&g),
+        InputData::F32(&means),
+    ];
+    // The convolution itself has a kernel; its input's gradient (step 1) has none yet.
+    match executable.run_on_device(&device, &inputs, &Stats::default()) {
+        Err(RuntimeError::Step { step: 1, reason }) => {
+            assert!(
+                reason.contains("ConvInputGrad has no device kernel yet"),
+                "{reason}"
+            )
+        }
+        other => panic!(
+            "expected a step error, got {:?}",
+            other.map(|outputs| outputs.len())
+        ),
+    }
+    // The CPU runtime runs every step of the same program.
+    assert_eq!(
+        executable
+            .run(&inputs, &Stats::default(), None)
+            .unwrap()
+            .len(),
+        6
     );
 }

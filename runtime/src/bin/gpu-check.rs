@@ -30,7 +30,7 @@ use nestor_runtime::{
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
 /// every parameter's gradient) rather than the graph itself.
-const PROGRAMS: [(&str, &str, bool); 7] = [
+const PROGRAMS: [(&str, &str, bool); 8] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
@@ -65,6 +65,11 @@ const PROGRAMS: [(&str, &str, bool); 7] = [
         "pair_attention_loss (training)",
         include_str!("../../../tests/filetests/pair_attention_loss.nir"),
         true,
+    ),
+    (
+        "conv_net",
+        include_str!("../../../tests/filetests/conv_net.nir"),
+        false,
     ),
 ];
 
@@ -376,10 +381,9 @@ impl Values {
     }
 }
 
-/// Values for every input of `graph` (one lengths input, set to `lengths`): floats of a
-/// fixed sequence in [-1, 1], integers (ids) in 0..3.
+/// Values for every input of `graph` (every lengths input set to `lengths`): floats of
+/// a fixed sequence in [-1, 1], integers (ids) in 0..3.
 fn example_inputs(graph: &Graph, lengths: &[i64]) -> Vec<Values> {
-    let total: i64 = lengths.iter().sum();
     let batch = lengths.len() as i64;
     let volume = |dims: &mut dyn Iterator<Item = &Dim>| -> i64 {
         dims.map(|dim| match dim {
@@ -401,7 +405,14 @@ fn example_inputs(graph: &Graph, lengths: &[i64]) -> Vec<Values> {
                         ElemDim::Fixed(dim) => Some(dim),
                         ElemDim::Ragged(_) => None,
                     }));
-                    (total * tail, *dtype)
+                    // Every lengths input holds `lengths`: an element is `L_i` long in
+                    // each of its ragged dims (images `L_i x L_i`).
+                    let ragged = dims
+                        .iter()
+                        .filter(|dim| matches!(dim, ElemDim::Ragged(_)))
+                        .count() as u32;
+                    let rows: i64 = lengths.iter().map(|&length| length.pow(ragged)).sum();
+                    (rows * tail, *dtype)
                 }
                 Type::Dense { dtype, shape } => (volume(&mut shape.iter()), *dtype),
             };

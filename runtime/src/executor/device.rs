@@ -9,7 +9,8 @@
 use std::collections::hash_map::{Entry, HashMap};
 
 use nestor_backend_cpu::{CpuKernels, KernelSet};
-use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step};
+use nestor_ir::Window2d;
+use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step, WindowKind};
 
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RuntimeError};
@@ -233,6 +234,9 @@ enum Index {
     PairOffsets(Slot, Slot),
     /// `[number]`: a count of rows, or a dropout mask's key.
     Number(i64),
+    /// The input pixel of every tap of every output pixel's window (-1 outside the
+    /// image) over images of the heights `.1` and widths `.2`.
+    Taps(Window2d, Slot, Slot),
 }
 
 impl Executable {
@@ -407,7 +411,119 @@ impl Plan<'_> {
                 offsets
             }
             Index::Number(number) => vec![number],
+            Index::Taps(window, heights, widths) => {
+                self.taps(window, heights, widths)?.rows.clone()
+            }
         })
+    }
+
+    /// The taps of `window` over the images of `heights` and `widths` (the run builds
+    /// them once), within the memory budget.
+    fn taps(
+        &self,
+        window: Window2d,
+        heights: Slot,
+        widths: Slot,
+    ) -> Result<std::sync::Arc<crate::window::WindowTaps>, RuntimeError> {
+        let pixels = self
+            .lengths(heights)?
+            .lengths
+            .iter()
+            .zip(&self.lengths(widths)?.lengths)
+            .try_fold(0usize, |sum, (&h, &w)| {
+                let (h, w) = (usize::try_from(h).ok()?, usize::try_from(w).ok()?);
+                sum.checked_add(h.checked_mul(w)?)
+            });
+        // At most every input pixel's taps: a bound on the table before it is built.
+        let bytes = pixels
+            .and_then(|pixels| pixels.checked_mul(usize::try_from(window.taps()).ok()?))
+            .and_then(|count| count.checked_mul(std::mem::size_of::<i64>()));
+        within_budget(self.step, "window taps", bytes)?;
+        self.sizes
+            .window_taps(window, (heights, widths))
+            .map_err(|error| device_error(self.step, error))
+    }
+
+    /// The kernel arguments and range of a window step with a device kernel.
+    fn window_args(&self, step: &Step) -> Result<(Vec<Arg>, (i64, i64)), RuntimeError> {
+        let Step::Window {
+            kind,
+            out,
+            x,
+            weight,
+            bias,
+            heights,
+            widths,
+            channels,
+            width,
+            window,
+            ..
+        } = step
+        else {
+            return Err(device_error(self.step, "not a window step"));
+        };
+        let out_scalars = self.sizes.elements(self.program, *out);
+        // Kernels write `width` values per output row: the buffer must hold them all.
+        // Pooling keeps the channels: its kernels write `channels` values per row.
+        let pooling = matches!(
+            kind,
+            WindowKind::ImageMean | WindowKind::Max | WindowKind::Average
+        );
+        if pooling && channels != width {
+            return Err(device_error(
+                self.step,
+                format!("pooling {channels} channels into {width}"),
+            ));
+        }
+        let fills = |rows: usize| {
+            if rows.checked_mul(usize::try_from(*width).unwrap_or(usize::MAX)) == Some(out_scalars)
+            {
+                Ok(rows as i64)
+            } else {
+                Err(device_error(
+                    self.step,
+                    format!("{rows} output rows do not fill {out_scalars} output scalars"),
+                ))
+            }
+        };
+        match kind {
+            WindowKind::ImageMean => {
+                let images = self.paired_lengths(*heights, *widths, "heights and widths")?;
+                let rows = fills(images.lengths.len())?;
+                let args = vec![
+                    Arg::Slot(*out),
+                    Arg::Slot(*x),
+                    Arg::Index(Index::PairOffsets(*heights, *widths)),
+                ];
+                Ok((args, (0, rows)))
+            }
+            WindowKind::Conv | WindowKind::Max | WindowKind::Average => {
+                self.paired_lengths(*heights, *widths, "heights and widths")?;
+                let taps = self.taps(*window, *heights, *widths)?;
+                let rows = fills(taps.rows.len() / taps.taps.max(1))?;
+                let table = Arg::Index(Index::Taps(*window, *heights, *widths));
+                let args = if *kind == WindowKind::Conv {
+                    let Some(weight) = weight else {
+                        return Err(device_error(self.step, "a convolution without a weight"));
+                    };
+                    let bias = bias.map_or(Arg::Null, Arg::Slot);
+                    vec![
+                        Arg::Slot(*out),
+                        Arg::Slot(*x),
+                        Arg::Slot(*weight),
+                        bias,
+                        table,
+                    ]
+                } else {
+                    vec![Arg::Slot(*out), Arg::Slot(*x), table]
+                };
+                Ok((args, (0, rows)))
+            }
+            other => Err(device_error(
+                self.step,
+                format!("window {other:?} has no device kernel yet"),
+            )),
+        }
     }
 
     /// Ids are `valid` (kernels read rows or classes by them unchecked): only ids
@@ -697,6 +813,7 @@ impl Plan<'_> {
                 ];
                 (args, (0, row_lengths.offsets.last().copied().unwrap_or(0)))
             }
+            Step::Window { .. } => self.window_args(step)?,
             other => {
                 return Err(device_error(
                     self.step,

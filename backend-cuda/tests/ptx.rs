@@ -301,40 +301,71 @@ fn training_steps_assemble_for_sm80_and_sm90() {
 }
 
 /// The window steps of a conv net's forward (a convolution with bias, max and average
-/// pooling, image means) have kernels, and they assemble without spills.
+/// pooling, image means) and their gradients (the convolution's input and weight, max
+/// and average pooling's, the means' spread) have kernels, which assemble without
+/// spills.
 #[test]
 fn window_steps_assemble_for_sm80_and_sm90() {
     let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
-    let text = std::fs::read_to_string(
-        std::path::Path::new(&root).join("../tests/filetests/conv_net.nir"),
-    )
-    .unwrap();
-    let graph = Pipeline::unoptimized()
-        .run(&nestor_ir::parse(&text).unwrap())
-        .unwrap();
-    let program = lower(&graph).unwrap();
-    let windows: Vec<String> = program
-        .steps
-        .iter()
-        .filter_map(|step| match step {
+    let read = |file: &str| {
+        std::fs::read_to_string(
+            std::path::Path::new(&root)
+                .join("../tests/filetests")
+                .join(file),
+        )
+        .unwrap()
+    };
+    let mut windows: Vec<String> = Vec::new();
+    for file in ["conv_net.nir", "window_grads.nir", "conv_net_loss.nir"] {
+        let graph = nestor_ir::parse(&read(file)).unwrap();
+        let graph = if file == "conv_net_loss.nir" {
+            let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
+                .map(nestor_ir::ValueId)
+                .filter(|value| {
+                    matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. })
+                })
+                .collect();
+            nestor_passes::differentiate(&graph, graph.outputs[0], &params)
+                .unwrap()
+                .graph
+        } else {
+            graph
+        };
+        let program = lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap();
+        windows.extend(program.steps.iter().filter_map(|step| match step {
             Step::Window { kind, .. } => Some(format!("{kind:?}")),
             _ => None,
-        })
-        .collect();
-    assert_eq!(windows, ["Conv", "Max", "Average", "ImageMean"]);
-    for arch in Arch::ALL {
-        let module = ptx(&program, arch).unwrap();
-        assert!(
-            module.kernels.iter().all(Option::is_some),
-            "every step has a kernel"
-        );
-        for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
-            assert_eq!(
-                (kernel.spill_stores, kernel.spill_loads),
-                (0, 0),
-                "{}",
-                kernel.name
+        }));
+        for arch in Arch::ALL {
+            let module = ptx(&program, arch).unwrap();
+            assert!(
+                module.kernels.iter().all(Option::is_some),
+                "every step of {file} has a kernel"
             );
+            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+                assert_eq!(
+                    (kernel.spill_stores, kernel.spill_loads),
+                    (0, 0),
+                    "{}",
+                    kernel.name
+                );
+            }
         }
+    }
+    for kind in [
+        "Conv",
+        "Max",
+        "Average",
+        "ImageMean",
+        "ConvInputGrad",
+        "WeightGrad",
+        "MaxGrad",
+        "AverageGrad",
+        "ImageSpread",
+    ] {
+        assert!(
+            windows.iter().any(|name| name == kind),
+            "{kind}: {windows:?}"
+        );
     }
 }

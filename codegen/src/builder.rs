@@ -193,6 +193,24 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         self.alloca_in_entry(self.float.into(), name)
     }
 
+    /// An i64 variable in the entry block (a row index a loop keeps).
+    pub(crate) fn index_variable(&self, name: &str) -> Gen<PointerValue<'ctx>> {
+        self.alloca_in_entry(self.context.i64_type().into(), name)
+    }
+
+    pub(crate) fn get_index(&self, slot: PointerValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        Ok(self
+            .builder
+            .build_load(self.context.i64_type(), slot, "index")
+            .map_err(err)?
+            .into_int_value())
+    }
+
+    pub(crate) fn set_index(&self, slot: PointerValue<'ctx>, value: IntValue<'ctx>) -> Gen<()> {
+        self.builder.build_store(slot, value).map_err(err)?;
+        Ok(())
+    }
+
     /// One accumulator per name.
     pub(crate) fn accumulators<const N: usize>(
         &self,
@@ -444,6 +462,37 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     /// `a && b` of two conditions.
     pub(crate) fn and(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
         self.builder.build_and(a, b, "and").map_err(err)
+    }
+
+    /// `a || b` of two conditions.
+    pub(crate) fn or(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_or(a, b, "or").map_err(err)
+    }
+
+    /// `x <predicate> y`, a condition.
+    pub(crate) fn float_compare(
+        &self,
+        predicate: FloatPredicate,
+        x: FloatValue<'ctx>,
+        y: FloatValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        self.builder
+            .build_float_compare(predicate, x, y, "fcmp")
+            .map_err(err)
+    }
+
+    /// `condition ? a : b` of two integers.
+    pub(crate) fn select_index(
+        &self,
+        condition: IntValue<'ctx>,
+        a: IntValue<'ctx>,
+        b: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        Ok(self
+            .builder
+            .build_select(condition, a, b, "pick")
+            .map_err(err)?
+            .into_int_value())
     }
 
     /// `a < b` (signed).

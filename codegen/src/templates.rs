@@ -29,10 +29,13 @@
 //!   element of each row (i64)`; range = rows (`M`), each writing its row of scores
 //!   (`N_i` values) or of the mix (`width` values);
 //! - window steps ([`KernelSet::Complete`]; on the CPU they run in the runtime):
-//!   convolution `out, x, weight, bias or null, taps (i64: rows x taps input pixels, -1
-//!   outside the image)` and max / average pooling `out, x, taps`, range = output
-//!   pixels; image means `out, x, pixel offsets (i64, B + 1: the sums of H_i W_i)`,
-//!   range = images. Their gradients have no kernel yet.
+//!   convolution and its input's gradient `out, x, weight, bias or null, taps (i64:
+//!   rows x taps input pixels, -1 outside the image)` and max / average pooling `out, x,
+//!   taps`, range = output pixels; image means and their spread `out, x, pixel offsets
+//!   (i64, B + 1: the sums of H_i W_i)`, range = images; the weight's gradient `out, x,
+//!   g, taps, [rows] (i64)`, range = weights; pooling's gradient `out, x, g, taps, the
+//!   windows of each input pixel (i64)`, range = input pixels (each sums its own: no
+//!   atomics, the same order as the CPU).
 
 use inkwell::context::Context;
 use inkwell::module::Module;
@@ -139,13 +142,41 @@ pub(crate) fn generate<'ctx>(
         )?,
         Step::PairGemm { width, mix, .. } if !library => pair_gemm(&kernel, *width, *mix)?,
         Step::Window {
-            kind: WindowKind::Conv,
+            kind: kind @ (WindowKind::Conv | WindowKind::ConvInputGrad),
             channels,
             width,
             window,
             bias,
             ..
-        } if !library => convolution(&kernel, (*channels, *width), window.taps(), bias.is_some())?,
+        } if !library => convolution(
+            &kernel,
+            (*channels, *width),
+            window.taps(),
+            (bias.is_some(), *kind == WindowKind::ConvInputGrad),
+        )?,
+        Step::Window {
+            kind: WindowKind::WeightGrad,
+            channels,
+            width,
+            window,
+            ..
+        } if !library => weight_grad(&kernel, (*channels, *width), window.taps())?,
+        Step::Window {
+            kind: kind @ (WindowKind::MaxGrad | WindowKind::AverageGrad),
+            channels,
+            window,
+            ..
+        } if !library => pool_grad(
+            &kernel,
+            *channels,
+            window.taps(),
+            *kind == WindowKind::MaxGrad,
+        )?,
+        Step::Window {
+            kind: WindowKind::ImageSpread,
+            channels,
+            ..
+        } if !library => image_spread(&kernel, *channels)?,
         Step::Window {
             kind: kind @ (WindowKind::Max | WindowKind::Average),
             channels,
@@ -618,12 +649,14 @@ fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> 
 }
 
 /// A direct convolution, an output pixel a task: `out[r, o] = bias[o] + sum over the
-/// taps t inside the image and the channels c of x[taps[r, t], c] weight[o, c, t]`.
+/// taps t inside the image and the channels c of x[taps[r, t], c] weight[o, c, t]`; the
+/// `adjoint` (a convolution's input gradient, `x` its output's) reads the forward weight
+/// `[channels, width, taps]` flipped and transposed: `weight[c, o, taps - 1 - t]`.
 fn convolution<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     (channels, width): (i64, i64),
     taps: i64,
-    has_bias: bool,
+    (has_bias, adjoint): (bool, bool),
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let (out, x, weight, table) = (
@@ -649,14 +682,22 @@ fn convolution<'ctx>(
                     kernel.less(kernel.i64(-1), source)?,
                     || {
                         let pixel = kernel.mul(source, kernel.i64(channels))?;
-                        // `weight[o, c, t]` of `[width, channels, taps]`.
-                        let weights = kernel
-                            .add(kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?, t)?;
+                        // Where `weight` holds the tap, and how far apart its channels are.
+                        let (first, stride) = if adjoint {
+                            // `weight[c, o, taps - 1 - t]` of `[channels, width, taps]`.
+                            let flipped = kernel.sub(kernel.i64(taps - 1), t)?;
+                            let at = kernel.add(kernel.mul(o, kernel.i64(taps))?, flipped)?;
+                            (at, width.saturating_mul(taps))
+                        } else {
+                            // `weight[o, c, t]` of `[width, channels, taps]`.
+                            let row = kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?;
+                            (kernel.add(row, t)?, taps)
+                        };
                         kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
                             let value = kernel.load_float(x, kernel.add(pixel, c)?)?;
                             let w = kernel.load_float(
                                 weight,
-                                kernel.add(weights, kernel.mul(c, kernel.i64(taps))?)?,
+                                kernel.add(first, kernel.mul(c, kernel.i64(stride))?)?,
                             )?;
                             kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
                         })
@@ -741,6 +782,132 @@ fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
             })?;
             let mean = kernel.fdiv(kernel.get(sum)?, kernel.to_float(pixels)?)?;
             kernel.store_float(out, kernel.add(out_row, c)?, mean)
+        })
+    })
+}
+
+/// A convolution's weight gradient, a weight a task: `out[o, c, t] = sum over the
+/// output pixels r (in order) of g[r, o] x[taps[r, t], c]`, taps outside the image
+/// skipped.
+fn weight_grad<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (channels, width): (i64, i64),
+    taps: i64,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, g, table, count] = kernel.args()?;
+    let rows = kernel.load_i64(count, kernel.i64(0))?;
+    let sum = kernel.accumulator("sum")?;
+    let per_output = channels.saturating_mul(taps);
+    kernel.parallel_range(start, end, |task| {
+        let o = kernel.div(task, kernel.i64(per_output))?;
+        let inner = kernel.rem(task, kernel.i64(per_output))?;
+        let c = kernel.div(inner, kernel.i64(taps))?;
+        let t = kernel.rem(inner, kernel.i64(taps))?;
+        kernel.set(sum, kernel.constant(0.0))?;
+        kernel.for_range(kernel.i64(0), rows, |r| {
+            let source =
+                kernel.load_i64(table, kernel.add(kernel.mul(r, kernel.i64(taps))?, t)?)?;
+            kernel.if_else(
+                kernel.less(kernel.i64(-1), source)?,
+                || {
+                    let value = kernel
+                        .load_float(x, kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?)?;
+                    let gradient =
+                        kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(width))?, o)?)?;
+                    kernel.set(
+                        sum,
+                        kernel.fadd(kernel.get(sum)?, kernel.fmul(gradient, value)?)?,
+                    )
+                },
+                || Ok(()),
+            )
+        })?;
+        kernel.store_float(out, task, kernel.get(sum)?)
+    })
+}
+
+/// Pooling's gradient, an input pixel a task: the gradients of the windows that read it
+/// (`inverse`: per pixel, where its windows' list starts and ends in the same buffer,
+/// then the lists, windows in order), added in order: each divided by its window's taps
+/// inside the image for average pooling; for max pooling those whose window picked it
+/// (the first largest, or the last NaN, as libtorch's kernel).
+fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, g, table, inverse] = kernel.args()?;
+    let [sum, best, inside] = kernel.accumulators(["sum", "best", "inside"])?;
+    let picked = kernel.index_variable("picked")?;
+    kernel.parallel_range(start, end, |pixel| {
+        let from = kernel.load_i64(inverse, pixel)?;
+        let to = kernel.load_i64(inverse, kernel.add(pixel, kernel.i64(1))?)?;
+        let out_row = kernel.mul(pixel, kernel.i64(channels))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+            kernel.set(sum, kernel.constant(0.0))?;
+            kernel.for_range(from, to, |entry| {
+                let r = kernel.load_i64(inverse, entry)?;
+                let first_tap = kernel.mul(r, kernel.i64(taps))?;
+                let gradient =
+                    kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(channels))?, c)?)?;
+                kernel.set(best, kernel.constant(f64::NEG_INFINITY))?;
+                kernel.set(inside, kernel.constant(0.0))?;
+                kernel.set_index(picked, kernel.i64(-1))?;
+                kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
+                    let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
+                    kernel.if_else(
+                        kernel.less(kernel.i64(-1), source)?,
+                        || {
+                            let one = kernel.constant(1.0);
+                            kernel.set(inside, kernel.fadd(kernel.get(inside)?, one)?)?;
+                            if !max {
+                                return Ok(());
+                            }
+                            let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
+                            let value = kernel.load_float(x, at)?;
+                            let current = kernel.get(best)?;
+                            // A larger value or a NaN replaces the best so far; the first
+                            // tap inside is picked whatever its value.
+                            let larger = kernel.or(
+                                kernel.float_compare(FloatPredicate::OGT, value, current)?,
+                                kernel.float_compare(FloatPredicate::UNO, value, value)?,
+                            )?;
+                            let index = kernel.get_index(picked)?;
+                            let replaces =
+                                kernel.or(larger, kernel.equal(index, kernel.i64(-1))?)?;
+                            kernel.set(best, kernel.select(larger, value, current)?)?;
+                            kernel.set_index(picked, kernel.select_index(replaces, source, index)?)
+                        },
+                        || Ok(()),
+                    )
+                })?;
+                let add = |share| kernel.set(sum, kernel.fadd(kernel.get(sum)?, share)?);
+                if max {
+                    let hit = kernel.equal(kernel.get_index(picked)?, pixel)?;
+                    kernel.if_else(hit, || add(gradient), || Ok(()))
+                } else {
+                    add(kernel.fdiv(gradient, kernel.get(inside)?)?)
+                }
+            })?;
+            kernel.store_float(out, kernel.add(out_row, c)?, kernel.get(sum)?)
+        })
+    })
+}
+
+/// The gradient of every image's mean pixel spread over its pixels, an image a task:
+/// `out[p, c] = x[image, c] / pixels` (`offsets`: the images' first pixels).
+fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, offsets] = kernel.args()?;
+    kernel.parallel_range(start, end, |image| {
+        let first = kernel.load_i64(offsets, image)?;
+        let last = kernel.load_i64(offsets, kernel.add(image, kernel.i64(1))?)?;
+        let divisor = kernel.to_float(kernel.sub(last, first)?)?;
+        let mean_row = kernel.mul(image, kernel.i64(channels))?;
+        kernel.for_range(first, last, |p| {
+            let out_row = kernel.mul(p, kernel.i64(channels))?;
+            kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+                let mean = kernel.load_float(x, kernel.add(mean_row, c)?)?;
+                kernel.store_float(out, kernel.add(out_row, c)?, kernel.fdiv(mean, divisor)?)
+            })
         })
     })
 }

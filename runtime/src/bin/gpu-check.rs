@@ -30,7 +30,7 @@ use nestor_runtime::{
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
 /// every parameter's gradient) rather than the graph itself.
-const PROGRAMS: [(&str, &str, bool); 8] = [
+const PROGRAMS: [(&str, &str, bool); 10] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
@@ -70,6 +70,16 @@ const PROGRAMS: [(&str, &str, bool); 8] = [
         "conv_net",
         include_str!("../../../tests/filetests/conv_net.nir"),
         false,
+    ),
+    (
+        "window_grads",
+        include_str!("../../../tests/filetests/window_grads.nir"),
+        false,
+    ),
+    (
+        "conv_net_loss (training)",
+        include_str!("../../../tests/filetests/conv_net_loss.nir"),
+        true,
     ),
 ];
 

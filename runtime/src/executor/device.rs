@@ -1,7 +1,7 @@
 //! Whole programs on a kernel device: every step runs as a kernel of the `Complete`
-//! set (GEMMs, attention and padding included) on memory the device owns; the host
-//! only sizes the buffers from the lengths and uploads what the kernels index with
-//! (offsets, row-to-element maps, longest lengths).
+//! set (GEMMs, attention, padding and window steps included) on memory the device
+//! owns; the host only sizes the buffers from the lengths and uploads what the kernels
+//! index with (offsets, row-to-element maps, longest lengths, window taps).
 //!
 //! [`HostDevice`] runs those kernels on the CPU (how the tests check this executor and
 //! the GPU's templates without a GPU); [`CudaDevice`] on a GPU through the CUDA backend.
@@ -237,6 +237,9 @@ enum Index {
     /// The input pixel of every tap of every output pixel's window (-1 outside the
     /// image) over images of the heights `.1` and widths `.2`.
     Taps(Window2d, Slot, Slot),
+    /// The windows that read each input pixel, for the same images
+    /// ([`Plan::windows_of_pixels`]).
+    Windows(Window2d, Slot, Slot),
 }
 
 impl Executable {
@@ -414,6 +417,9 @@ impl Plan<'_> {
             Index::Taps(window, heights, widths) => {
                 self.taps(window, heights, widths)?.rows.clone()
             }
+            Index::Windows(window, heights, widths) => {
+                self.windows_of_pixels(window, heights, widths)?
+            }
         })
     }
 
@@ -444,7 +450,8 @@ impl Plan<'_> {
             .map_err(|error| device_error(self.step, error))
     }
 
-    /// The kernel arguments and range of a window step with a device kernel.
+    /// The kernel arguments and range of a window step, after checking that its buffers
+    /// hold what its kernel reads and writes for these image sizes.
     fn window_args(&self, step: &Step) -> Result<(Vec<Arg>, (i64, i64)), RuntimeError> {
         let Step::Window {
             kind,
@@ -452,78 +459,177 @@ impl Plan<'_> {
             x,
             weight,
             bias,
+            grad,
             heights,
             widths,
             channels,
             width,
             window,
-            ..
         } = step
         else {
             return Err(device_error(self.step, "not a window step"));
         };
-        let out_scalars = self.sizes.elements(self.program, *out);
-        // Kernels write `width` values per output row: the buffer must hold them all.
+        let elements = |slot: Slot| self.sizes.elements(self.program, slot);
+        let count = |value: i64| usize::try_from(value).unwrap_or(usize::MAX);
+        let (channels, width, taps) = (count(*channels), count(*width), count(window.taps()));
+        // Rows of `columns` values fill `slot` exactly (kernels index them unchecked).
+        let fills = |slot: Slot, rows: usize, columns: usize| {
+            if rows.checked_mul(columns) == Some(elements(slot)) {
+                Ok(())
+            } else {
+                Err(device_error(
+                    self.step,
+                    format!(
+                        "{rows} rows of {columns} do not fill the {} values of slot {}",
+                        elements(slot),
+                        slot.0
+                    ),
+                ))
+            }
+        };
+        let needed = |slot: Option<Slot>, what: &str| {
+            slot.ok_or_else(|| device_error(self.step, format!("a window step without {what}")))
+        };
+        let images = self
+            .paired_lengths(*heights, *widths, "heights and widths")?
+            .lengths
+            .len();
+        let pixels = self.pixels(*heights, *widths)?;
         // Pooling keeps the channels: its kernels write `channels` values per row.
-        let pooling = matches!(
+        let convolution = matches!(
             kind,
-            WindowKind::ImageMean | WindowKind::Max | WindowKind::Average
+            WindowKind::Conv | WindowKind::ConvInputGrad | WindowKind::WeightGrad
         );
-        if pooling && channels != width {
+        if !convolution && channels != width {
             return Err(device_error(
                 self.step,
                 format!("pooling {channels} channels into {width}"),
             ));
         }
-        let fills = |rows: usize| {
-            if rows.checked_mul(usize::try_from(*width).unwrap_or(usize::MAX)) == Some(out_scalars)
-            {
-                Ok(rows as i64)
-            } else {
-                Err(device_error(
-                    self.step,
-                    format!("{rows} output rows do not fill {out_scalars} output scalars"),
-                ))
-            }
+        // The images' pixels, or (spread) their means.
+        let x_rows = if *kind == WindowKind::ImageSpread {
+            images
+        } else {
+            pixels
         };
-        match kind {
+        fills(*x, x_rows, channels)?;
+        let offsets = Arg::Index(Index::PairOffsets(*heights, *widths));
+        let table = Arg::Index(Index::Taps(*window, *heights, *widths));
+        let windows = || -> Result<usize, RuntimeError> {
+            let taps = self.taps(*window, *heights, *widths)?;
+            Ok(taps.rows.len() / taps.taps.max(1))
+        };
+        let (out, x) = (*out, Arg::Slot(*x));
+        Ok(match kind {
             WindowKind::ImageMean => {
-                let images = self.paired_lengths(*heights, *widths, "heights and widths")?;
-                let rows = fills(images.lengths.len())?;
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(*x),
-                    Arg::Index(Index::PairOffsets(*heights, *widths)),
-                ];
-                Ok((args, (0, rows)))
+                fills(out, images, width)?;
+                (vec![Arg::Slot(out), x, offsets], (0, images as i64))
             }
-            WindowKind::Conv | WindowKind::Max | WindowKind::Average => {
-                self.paired_lengths(*heights, *widths, "heights and widths")?;
-                let taps = self.taps(*window, *heights, *widths)?;
-                let rows = fills(taps.rows.len() / taps.taps.max(1))?;
-                let table = Arg::Index(Index::Taps(*window, *heights, *widths));
-                let args = if *kind == WindowKind::Conv {
-                    let Some(weight) = weight else {
-                        return Err(device_error(self.step, "a convolution without a weight"));
-                    };
-                    let bias = bias.map_or(Arg::Null, Arg::Slot);
-                    vec![
-                        Arg::Slot(*out),
-                        Arg::Slot(*x),
-                        Arg::Slot(*weight),
-                        bias,
-                        table,
-                    ]
-                } else {
-                    vec![Arg::Slot(*out), Arg::Slot(*x), table]
+            WindowKind::ImageSpread => {
+                fills(out, pixels, width)?;
+                (vec![Arg::Slot(out), x, offsets], (0, images as i64))
+            }
+            WindowKind::Conv | WindowKind::ConvInputGrad => {
+                let rows = windows()?;
+                fills(out, rows, width)?;
+                let weight = needed(*weight, "a weight")?;
+                fills(weight, width.saturating_mul(channels), taps)?;
+                let bias = match bias {
+                    Some(bias) => {
+                        fills(*bias, 1, width)?;
+                        Arg::Slot(*bias)
+                    }
+                    None => Arg::Null,
                 };
-                Ok((args, (0, rows)))
+                let args = vec![Arg::Slot(out), x, Arg::Slot(weight), bias, table];
+                (args, (0, rows as i64))
             }
-            other => Err(device_error(
-                self.step,
-                format!("window {other:?} has no device kernel yet"),
-            )),
+            WindowKind::Max | WindowKind::Average => {
+                let rows = windows()?;
+                fills(out, rows, width)?;
+                (vec![Arg::Slot(out), x, table], (0, rows as i64))
+            }
+            WindowKind::WeightGrad => {
+                let rows = windows()?;
+                let grad = needed(*grad, "the output's gradient")?;
+                fills(grad, rows, width)?;
+                fills(out, width.saturating_mul(channels), taps)?;
+                let args = vec![
+                    Arg::Slot(out),
+                    x,
+                    Arg::Slot(grad),
+                    table,
+                    Arg::Index(Index::Number(rows as i64)),
+                ];
+                (args, (0, elements(out) as i64))
+            }
+            WindowKind::MaxGrad | WindowKind::AverageGrad => {
+                let rows = windows()?;
+                let grad = needed(*grad, "the output's gradient")?;
+                fills(grad, rows, channels)?;
+                fills(out, pixels, channels)?;
+                let inverse = Arg::Index(Index::Windows(*window, *heights, *widths));
+                let args = vec![Arg::Slot(out), x, Arg::Slot(grad), table, inverse];
+                (args, (0, pixels as i64))
+            }
+        })
+    }
+
+    /// The pixels of the images of `heights` and `widths` (`H_i W_i` summed, checked).
+    fn pixels(&self, heights: Slot, widths: Slot) -> Result<usize, RuntimeError> {
+        let count = |value: i64| usize::try_from(value).ok();
+        self.lengths(heights)?
+            .lengths
+            .iter()
+            .zip(&self.lengths(widths)?.lengths)
+            .try_fold(0usize, |sum, (&h, &w)| {
+                sum.checked_add(count(h)?.checked_mul(count(w)?)?)
+            })
+            .ok_or_else(|| device_error(self.step, "the images' pixels overflow"))
+    }
+
+    /// For every input pixel of the images of `heights` and `widths`, the windows of
+    /// `window` that read it, in order: `P + 1` positions into the same buffer (pixel
+    /// `p`'s windows are at `values[values[p]..values[p + 1]]`), then the windows.
+    fn windows_of_pixels(
+        &self,
+        window: Window2d,
+        heights: Slot,
+        widths: Slot,
+    ) -> Result<Vec<i64>, RuntimeError> {
+        let taps = self.taps(window, heights, widths)?;
+        let pixels = self.pixels(heights, widths)?;
+        // Windows per pixel, then where each pixel's list starts (after the positions).
+        let mut starts = vec![0usize; pixels + 1];
+        for &source in taps.rows.iter().filter(|&&source| source >= 0) {
+            let slot = usize::try_from(source)
+                .ok()
+                .and_then(|pixel| starts.get_mut(pixel + 1))
+                .ok_or_else(|| device_error(self.step, "a tap outside the images"))?;
+            *slot += 1;
         }
+        starts[0] = pixels + 1;
+        for pixel in 1..=pixels {
+            starts[pixel] += starts[pixel - 1];
+        }
+        let total = starts[pixels];
+        let mut values: Vec<i64> = Vec::new();
+        values
+            .try_reserve_exact(total)
+            .map_err(|_| device_error(self.step, "the windows of every pixel do not fit"))?;
+        values.extend(starts.iter().map(|&start| start as i64));
+        values.resize(total, 0);
+        // Windows in order, so that each pixel's list is in order.
+        let mut next = starts;
+        for (r, window_taps) in taps.rows.chunks(taps.taps.max(1)).enumerate() {
+            for &source in window_taps.iter().filter(|&&source| source >= 0) {
+                // Counted above: every tap inside is a pixel with room left.
+                let at = &mut next[source as usize];
+                values[*at] = r as i64;
+                *at += 1;
+            }
+        }
+        Ok(values)
     }
 
     /// Ids are `valid` (kernels read rows or classes by them unchecked): only ids

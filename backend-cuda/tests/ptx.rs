@@ -231,6 +231,48 @@ fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
     ptxas::assemble(&module.ptx, Arch::Sm90).unwrap();
 }
 
+/// The text of `tests/filetests/<file>`.
+fn filetest(file: &str) -> String {
+    let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
+    std::fs::read_to_string(
+        std::path::Path::new(&root)
+            .join("../tests/filetests")
+            .join(file),
+    )
+    .unwrap()
+}
+
+/// The program of the joint forward + backward graph of `graph`'s loss (its first
+/// output) with respect to every parameter.
+fn training_program(graph: &nestor_ir::Graph) -> nestor_passes::Program {
+    let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
+        .map(nestor_ir::ValueId)
+        .filter(|value| matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. }))
+        .collect();
+    let joint = nestor_passes::differentiate(graph, graph.outputs[0], &params).unwrap();
+    lower(&Pipeline::unoptimized().run(&joint.graph).unwrap()).unwrap()
+}
+
+/// Every step of `program` has a kernel, and ptxas assembles them for every
+/// architecture without spills.
+fn assert_every_step_assembles(program: &nestor_passes::Program, what: &str) {
+    for arch in Arch::ALL {
+        let module = ptx(program, arch).unwrap();
+        assert!(
+            module.kernels.iter().all(Option::is_some),
+            "every step of {what} has a kernel"
+        );
+        for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+            assert_eq!(
+                (kernel.spill_stores, kernel.spill_loads),
+                (0, 0),
+                "{what}: {}",
+                kernel.name
+            );
+        }
+    }
+}
+
 /// The training steps of a pooled classifier (one-hot rows, row sums for weight
 /// gradients, lengths as numbers, a scatter and an insert), of causal attention (the
 /// gradients of the queries and of the keys and values) and of attention over jagged
@@ -238,29 +280,16 @@ fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
 #[test]
 fn training_steps_assemble_for_sm80_and_sm90() {
     use nestor_passes::Pass;
-    let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
     let mut kinds = Vec::new();
     for file in [
         "pooled_loss.nir",
         "attention_loss.nir",
         "pair_attention_loss.nir",
     ] {
-        let text = std::fs::read_to_string(
-            std::path::Path::new(&root)
-                .join("../tests/filetests")
-                .join(file),
-        )
-        .unwrap();
         let graph = nestor_passes::Decompose
-            .run(&nestor_ir::parse(&text).unwrap())
+            .run(&nestor_ir::parse(&filetest(file)).unwrap())
             .unwrap();
-        let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
-            .map(nestor_ir::ValueId)
-            .filter(|value| matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. }))
-            .collect();
-        let joint = nestor_passes::differentiate(&graph, graph.outputs[0], &params).unwrap();
-        let graph = Pipeline::unoptimized().run(&joint.graph).unwrap();
-        let program = lower(&graph).unwrap();
+        let program = training_program(&graph);
         kinds.extend(program.steps.iter().map(|step| {
             format!("{step:?}")
                 .split([' ', '{'])
@@ -268,21 +297,7 @@ fn training_steps_assemble_for_sm80_and_sm90() {
                 .unwrap_or_default()
                 .to_owned()
         }));
-        for arch in Arch::ALL {
-            let module = ptx(&program, arch).unwrap();
-            assert!(
-                module.kernels.iter().all(Option::is_some),
-                "every step has a kernel"
-            );
-            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
-                assert_eq!(
-                    (kernel.spill_stores, kernel.spill_loads),
-                    (0, 0),
-                    "{}",
-                    kernel.name
-                );
-            }
-        }
+        assert_every_step_assembles(&program, file);
     }
     for kind in [
         "OneHot",
@@ -306,51 +321,19 @@ fn training_steps_assemble_for_sm80_and_sm90() {
 /// spills.
 #[test]
 fn window_steps_assemble_for_sm80_and_sm90() {
-    let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
-    let read = |file: &str| {
-        std::fs::read_to_string(
-            std::path::Path::new(&root)
-                .join("../tests/filetests")
-                .join(file),
-        )
-        .unwrap()
-    };
     let mut windows: Vec<String> = Vec::new();
     for file in ["conv_net.nir", "window_grads.nir", "conv_net_loss.nir"] {
-        let graph = nestor_ir::parse(&read(file)).unwrap();
-        let graph = if file == "conv_net_loss.nir" {
-            let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
-                .map(nestor_ir::ValueId)
-                .filter(|value| {
-                    matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. })
-                })
-                .collect();
-            nestor_passes::differentiate(&graph, graph.outputs[0], &params)
-                .unwrap()
-                .graph
+        let graph = nestor_ir::parse(&filetest(file)).unwrap();
+        let program = if file == "conv_net_loss.nir" {
+            training_program(&graph)
         } else {
-            graph
+            lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap()
         };
-        let program = lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap();
         windows.extend(program.steps.iter().filter_map(|step| match step {
             Step::Window { kind, .. } => Some(format!("{kind:?}")),
             _ => None,
         }));
-        for arch in Arch::ALL {
-            let module = ptx(&program, arch).unwrap();
-            assert!(
-                module.kernels.iter().all(Option::is_some),
-                "every step of {file} has a kernel"
-            );
-            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
-                assert_eq!(
-                    (kernel.spill_stores, kernel.spill_loads),
-                    (0, 0),
-                    "{}",
-                    kernel.name
-                );
-            }
-        }
+        assert_every_step_assembles(&program, file);
     }
     for kind in [
         "Conv",

@@ -6,10 +6,11 @@
 #                                  # sm_80 and sm_90, inputs, the CPU backend's outputs)
 #                                  # and nestor-runtime's `gpu-check` runner, which also
 #                                  # runs whole programs (an encoder layer, a feed-forward
-#                                  # block, gathers and padding: lowered and made PTX
-#                                  # there, run on the GPU and on the CPU runtime and
-#                                  # compared); libdevice and the libraries LLVM needs
-#                                  # travel along
+#                                  # block, gathers and padding, attention over jagged
+#                                  # pairs, a conv net's windows, and training steps:
+#                                  # lowered and made PTX there, run on the GPU and on the
+#                                  # CPU runtime and compared); libdevice and the
+#                                  # libraries LLVM needs travel along
 #   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs it and
 #                                  # the padded torch baseline of its 256-wide encoder layer
 #                                  # (scripts/gpu-torch-baseline.py), writes

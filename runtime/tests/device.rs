@@ -9,6 +9,9 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
+/// Held by the tests that set the process's memory budget.
+static BUDGET: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
     let out = std::env::temp_dir().join(format!("nestor-gpu-programs-{}", std::process::id()));
@@ -72,7 +75,11 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
     let device = HostDevice::new(&executable).unwrap();
     let (lengths, x) = ([100i64], vec![0.5f32; 400]);
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
-    // This binary's other tests run in their own processes: the budget is this test's.
+    // The budget is the process's: the tests that set one take turns (the others' buffers
+    // are far under it).
+    let _turn = BUDGET
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     MemoryBudget::set(Some(1000));
     let stats = Stats::default();
     let result = executable.run_on_device(&device, &inputs, &stats);
@@ -118,6 +125,8 @@ fn window_gradients_on_the_device_follow_the_cpu_on_ties_nan_and_infinities() {
     let graph = nestor_ir::parse(include_str!("../../tests/filetests/window_grads.nir")).unwrap();
     let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
     let device = HostDevice::new(&executable).unwrap();
+    // Not under another test's small memory budget.
+    let _turn = BUDGET.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     // Two images, 2 x 3 and 1 x 1, three channels in, four out. Channel 0 is all ties
     // (max pooling picks the first largest) but for a NaN (the last NaN wins), channel 1
     // of the 1 x 1 image is -inf (its only tap is picked all the same), channel 2 has
@@ -160,4 +169,44 @@ fn window_gradients_on_the_device_follow_the_cpu_on_ties_nan_and_infinities() {
             );
         }
     }
+}
+
+#[test]
+fn window_taps_over_the_memory_budget_are_an_error() {
+    use nestor_runtime::{Executable, HostDevice, InputData, MemoryBudget, RuntimeError, Stats};
+    let graph = nestor_ir::parse(include_str!("../../tests/filetests/conv_net.nir")).unwrap();
+    let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let device = HostDevice::new(&executable).unwrap();
+    // One 64 x 64 image: its convolution's taps table (4096 pixels x 9 taps x 8 bytes,
+    // 295 KB) is over a 200 KB budget, though every buffer is under it.
+    let (sizes, x) = ([64i64], vec![0.5f32; 3 * 64 * 64]);
+    let (w, b) = (vec![0.1f32; 108], vec![0.0f32; 4]);
+    let inputs = [
+        InputData::I64(&sizes),
+        InputData::I64(&sizes),
+        InputData::F32(&x),
+        InputData::F32(&w),
+        InputData::F32(&b),
+    ];
+    let _turn = BUDGET
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    MemoryBudget::set(Some(200_000));
+    let result = executable.run_on_device(&device, &inputs, &Stats::default());
+    MemoryBudget::set(None);
+    match result {
+        Err(RuntimeError::OutOfMemory {
+            step: 0,
+            what,
+            bytes: 294_912,
+            budget: 200_000,
+        }) => assert_eq!(what, "window taps"),
+        other => panic!(
+            "expected OutOfMemory, got {:?}",
+            other.map(|outputs| outputs.len())
+        ),
+    }
+    assert!(executable
+        .run_on_device(&device, &inputs, &Stats::default())
+        .is_ok());
 }

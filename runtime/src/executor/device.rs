@@ -424,27 +424,13 @@ impl Plan<'_> {
     }
 
     /// The taps of `window` over the images of `heights` and `widths` (the run builds
-    /// them once), within the memory budget.
+    /// them once; `window_args` checked their size against the memory budget first).
     fn taps(
         &self,
         window: Window2d,
         heights: Slot,
         widths: Slot,
     ) -> Result<std::sync::Arc<crate::window::WindowTaps>, RuntimeError> {
-        let pixels = self
-            .lengths(heights)?
-            .lengths
-            .iter()
-            .zip(&self.lengths(widths)?.lengths)
-            .try_fold(0usize, |sum, (&h, &w)| {
-                let (h, w) = (usize::try_from(h).ok()?, usize::try_from(w).ok()?);
-                sum.checked_add(h.checked_mul(w)?)
-            });
-        // At most every input pixel's taps: a bound on the table before it is built.
-        let bytes = pixels
-            .and_then(|pixels| pixels.checked_mul(usize::try_from(window.taps()).ok()?))
-            .and_then(|count| count.checked_mul(std::mem::size_of::<i64>()));
-        within_budget(self.step, "window taps", bytes)?;
         self.sizes
             .window_taps(window, (heights, widths))
             .map_err(|error| device_error(self.step, error))
@@ -515,9 +501,17 @@ impl Plan<'_> {
         fills(*x, x_rows, channels)?;
         let offsets = Arg::Index(Index::PairOffsets(*heights, *widths));
         let table = Arg::Index(Index::Taps(*window, *heights, *widths));
-        let windows = || -> Result<usize, RuntimeError> {
-            let taps = self.taps(*window, *heights, *widths)?;
-            Ok(taps.rows.len() / taps.taps.max(1))
+        // The windows (the output's pixels, or its gradient's), `taps` indices each:
+        // within the memory budget before the table is built.
+        let windows = |pixels_slot: Slot| -> Result<usize, RuntimeError> {
+            let rows = self.sizes.rows(self.program.info(pixels_slot).rows);
+            let bytes = usize::try_from(rows).ok().and_then(|rows| {
+                rows.checked_mul(taps)?
+                    .checked_mul(std::mem::size_of::<i64>())
+            });
+            within_budget(self.step, "window taps", bytes)?;
+            let table = self.taps(*window, *heights, *widths)?;
+            Ok(table.rows.len() / table.taps.max(1))
         };
         let (out, x) = (*out, Arg::Slot(*x));
         Ok(match kind {
@@ -530,7 +524,7 @@ impl Plan<'_> {
                 (vec![Arg::Slot(out), x, offsets], (0, images as i64))
             }
             WindowKind::Conv | WindowKind::ConvInputGrad => {
-                let rows = windows()?;
+                let rows = windows(out)?;
                 fills(out, rows, width)?;
                 let weight = needed(*weight, "a weight")?;
                 fills(weight, width.saturating_mul(channels), taps)?;
@@ -545,13 +539,13 @@ impl Plan<'_> {
                 (args, (0, rows as i64))
             }
             WindowKind::Max | WindowKind::Average => {
-                let rows = windows()?;
+                let rows = windows(out)?;
                 fills(out, rows, width)?;
                 (vec![Arg::Slot(out), x, table], (0, rows as i64))
             }
             WindowKind::WeightGrad => {
-                let rows = windows()?;
                 let grad = needed(*grad, "the output's gradient")?;
+                let rows = windows(grad)?;
                 fills(grad, rows, width)?;
                 fills(out, width.saturating_mul(channels), taps)?;
                 let args = vec![
@@ -564,8 +558,8 @@ impl Plan<'_> {
                 (args, (0, elements(out) as i64))
             }
             WindowKind::MaxGrad | WindowKind::AverageGrad => {
-                let rows = windows()?;
                 let grad = needed(*grad, "the output's gradient")?;
+                let rows = windows(grad)?;
                 fills(grad, rows, channels)?;
                 fills(out, pixels, channels)?;
                 let inverse = Arg::Index(Index::Windows(*window, *heights, *widths));

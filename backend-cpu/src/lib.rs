@@ -23,7 +23,7 @@ use nestor_passes::Program;
 use thiserror::Error;
 
 pub use nestor_codegen::{
-    fast_exp, EXP_COEFFICIENTS, EXP_INPUT_RANGE, EXP_LOWEST_EXPONENT, LN_2_SPLIT,
+    fast_exp, Storage, EXP_COEFFICIENTS, EXP_INPUT_RANGE, EXP_LOWEST_EXPONENT, LN_2_SPLIT,
 };
 
 /// A compiled kernel: `args` holds the step's buffers, in the order documented on each
@@ -149,6 +149,16 @@ fn vector_math() -> bool {
 /// [`compile`] with the kernels of `set` ([`KernelSet::Complete`]: the GPU's, which the
 /// tests run on the host this way).
 pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, BackendError> {
+    compile_storing(program, set, Storage::Compute)
+}
+
+/// [`compile_with`], the kernels keeping floats in memory as `storage` says (bf16: the
+/// GPU's half-size buffers, which the tests run on the host this way).
+pub fn compile_storing(
+    program: &Program,
+    set: KernelSet,
+    storage: Storage,
+) -> Result<CpuKernels, BackendError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
     // Without glibc's vector math, such loops call libm per value: slower, as correct.
     let _ = vector_math();
@@ -157,8 +167,12 @@ pub fn compile_with(program: &Program, set: KernelSet) -> Result<CpuKernels, Bac
     // the engine, the last thing that borrows it.
     let context: &'static Context = unsafe { &*context_pointer };
     let module = context.create_module("nestor");
-    let names =
-        nestor_codegen::generate_kernels(program, context, &module, (CodegenTarget::Host, set))?;
+    let names = nestor_codegen::generate_kernels(
+        program,
+        context,
+        &module,
+        (CodegenTarget::Host, set, storage),
+    )?;
     let triple = TargetMachine::get_default_triple();
     let target = Target::from_triple(&triple).map_err(BackendError::new)?;
     let cpu = TargetMachine::get_host_cpu_name().to_string();
@@ -293,6 +307,70 @@ mod tests {
             // -inf * 0 and NaN: NaN either way, as libtorch's.
             assert!(out[1].is_nan() && out[2].is_nan(), "{out:?}");
             assert!((out[3] - 0.841_344_7).abs() < 1e-6, "{out:?}");
+        }
+    }
+    #[test]
+    fn bf16_storage_widens_loads_and_rounds_stores_to_nearest_even() {
+        let program = lowered(
+            "graph @g {
+  %0 = input {name = \"x.lengths\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f32>[B; %0, 64]
+  %2 = input {name = \"y\"} : ragged<f32>[B; %0, 64]
+  %3 = mul(%1, %2) : ragged<f32>[B; %0, 64]
+  return %3
+}",
+        );
+        let kernels = compile_storing(&program, KernelSet::Complete, Storage::Bf16)
+            .unwrap_or_else(|error| panic!("{error}"));
+        let kernel = kernels
+            .kernel(0)
+            .unwrap_or_else(|| panic!("no kernel for the product"));
+        // Products of bf16 values are exact in f32 (8 significant bits each), so the
+        // store's rounding is the only one: two products halfway between bf16 values
+        // (1.0078125 x 1.5 rounds up to the even neighbour, 1.015625 x 1.25 down),
+        // NaN, infinities, signed zeros, a subnormal and an overflow.
+        let mut pairs: Vec<(f32, f32)> = vec![
+            (1.0078125, 1.5),
+            (1.015625, 1.25),
+            (f32::NAN, 1.0),
+            (f32::INFINITY, -2.0),
+            (f32::NEG_INFINITY, 0.0),
+            (0.0, -1.0),
+            (1.0e-20, 1.0e-20),
+            (3.0e38, 3.0e38),
+        ];
+        pairs.extend((0..56).map(|i| (i as f32 * 0.37 - 9.0, 1.0 - i as f32 * 0.05)));
+        let bf16 = |value: f32| half::bf16::from_f32(value);
+        let x: Vec<u16> = pairs.iter().map(|&(a, _)| bf16(a).to_bits()).collect();
+        let y: Vec<u16> = pairs.iter().map(|&(_, b)| bf16(b).to_bits()).collect();
+        let mut out = vec![0u16; 64];
+        let args = [
+            out.as_mut_ptr() as *mut u8,
+            x.as_ptr() as *mut u8,
+            y.as_ptr() as *mut u8,
+        ];
+        // One row of 64 values: every buffer holds it.
+        unsafe { kernel(args.as_ptr(), 0, 1) };
+        for (&(a, b), &got) in pairs.iter().zip(&out) {
+            let product = bf16(a).to_f32() * bf16(b).to_f32();
+            if product.is_nan() {
+                assert_eq!(got, 0x7FC0, "NaN is bf16's quiet NaN, as torch's");
+            } else {
+                assert_eq!(got, bf16(product).to_bits(), "{a} x {b} = {product}");
+            }
+        }
+        // bf16 buffers are for f32 programs: an f64 one is a typed error.
+        let f64_program = lowered(
+            "graph @g {
+  %0 = input {name = \"x.lengths\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f64>[B; %0, 4]
+  %2 = relu(%1) : ragged<f64>[B; %0, 4]
+  return %2
+}",
+        );
+        match compile_storing(&f64_program, KernelSet::Complete, Storage::Bf16) {
+            Err(error) => assert!(error.to_string().contains("bf16 storage"), "{error}"),
+            Ok(_) => panic!("bf16 storage of an f64 program compiled"),
         }
     }
 }

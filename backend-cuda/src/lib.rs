@@ -30,6 +30,7 @@ use inkwell::targets::{
     CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple,
 };
 use inkwell::OptimizationLevel;
+pub use nestor_codegen::Storage;
 use nestor_codegen::{KernelSet, Target as CodegenTarget};
 use nestor_passes::Program;
 use thiserror::Error;
@@ -166,6 +167,16 @@ pub struct PtxModule {
 /// # }
 /// ```
 pub fn ptx(program: &Program, arch: Arch) -> Result<PtxModule, CudaError> {
+    ptx_storing(program, arch, Storage::Compute)
+}
+
+/// [`ptx`] with floats kept in memory as `storage` says (bf16: half the bytes to move,
+/// f32 arithmetic).
+pub fn ptx_storing(
+    program: &Program,
+    arch: Arch,
+    storage: Storage,
+) -> Result<PtxModule, CudaError> {
     Target::initialize_nvptx(&InitializationConfig::default());
     let context = Context::create();
     let module = context.create_module("nestor");
@@ -173,7 +184,7 @@ pub fn ptx(program: &Program, arch: Arch) -> Result<PtxModule, CudaError> {
         program,
         &context,
         &module,
-        (CodegenTarget::Nvptx, KernelSet::Complete),
+        (CodegenTarget::Nvptx, KernelSet::Complete, storage),
     )?;
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(llvm)?;

@@ -1,13 +1,14 @@
 //! PTX of every kernel template, checked without a GPU: each graph below is lowered
 //! (as it comes and through the optimizer, for the fused forms), generated for NVPTX,
-//! and assembled by ptxas for sm_80 and sm_90 in f32 and f64; ptxas must accept it and
+//! and assembled by ptxas for sm_80 and sm_90 in f32, f64 and f32 with bf16 buffers;
+//! ptxas must accept it and
 //! the kernels must not spill. The registers and spills of every kernel are printed
 //! (`cargo test -p nestor-backend-cuda --test ptx -- --nocapture`).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use nestor_backend_cuda::{ptx, ptxas, Arch};
+use nestor_backend_cuda::{ptx, ptx_storing, ptxas, Arch, Storage};
 use nestor_passes::{lower, Limits, Pipeline, Step};
 
 /// Row kernels (norms, softmax, reductions over the last dim), segmented kernels
@@ -134,11 +135,16 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
         ("dropout", DROPOUT),
         ("pointwise", POINTWISE),
     ] {
-        for dtype in ["f32", "f64"] {
+        // bf16: an f32 program whose buffers hold bf16.
+        for dtype in ["f32", "f64", "bf16"] {
+            let (float, storage) = match dtype {
+                "bf16" => ("f32", Storage::Bf16),
+                other => (other, Storage::Compute),
+            };
             for optimized in [false, true] {
-                let program = program(text, dtype, optimized);
+                let program = program(text, float, optimized);
                 for arch in Arch::ALL {
-                    let module = ptx(&program, arch).unwrap();
+                    let module = ptx_storing(&program, arch, storage).unwrap();
                     let report = ptxas::assemble(&module.ptx, arch).unwrap_or_else(|error| {
                         panic!("{name} {dtype} on {}: {error}", arch.name())
                     });
@@ -254,10 +260,13 @@ fn training_program(graph: &nestor_ir::Graph) -> nestor_passes::Program {
 }
 
 /// Every step of `program` has a kernel, and ptxas assembles them for every
-/// architecture without spills.
+/// architecture, with f32 and bf16 buffers, without spills.
 fn assert_every_step_assembles(program: &nestor_passes::Program, what: &str) {
-    for arch in Arch::ALL {
-        let module = ptx(program, arch).unwrap();
+    for (arch, storage) in Arch::ALL
+        .into_iter()
+        .flat_map(|arch| [(arch, Storage::Compute), (arch, Storage::Bf16)])
+    {
+        let module = ptx_storing(program, arch, storage).unwrap();
         assert!(
             module.kernels.iter().all(Option::is_some),
             "every step of {what} has a kernel"

@@ -12,7 +12,7 @@ use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 use nestor_ir::{BinaryOp, UnaryOp};
 use nestor_passes::Expr;
 
-use crate::{CodegenError, Target};
+use crate::{CodegenError, Storage, Target};
 
 pub(crate) type Gen<T> = Result<T, CodegenError>;
 
@@ -26,6 +26,10 @@ const GLOBAL_ADDRESS_SPACE: u16 = 1;
 /// LLVM's calling convention of PTX kernel entries (`ptx_kernel`).
 const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
 
+/// Floats of the compute type in a kernel's own memory (never bf16).
+#[derive(Clone, Copy)]
+pub(crate) struct Local<'ctx>(PointerValue<'ctx>);
+
 /// A kernel under construction: `fn(args: ptr, start: i64, end: i64)`.
 pub(crate) struct Kernel<'ctx, 'm> {
     pub(crate) context: &'ctx Context,
@@ -37,6 +41,8 @@ pub(crate) struct Kernel<'ctx, 'm> {
     pub(crate) double: bool,
     /// gelu(+inf) is NaN ([`nestor_passes::Program::gelu_nan_at_infinity`]).
     gelu_nan_at_infinity: bool,
+    /// Floats in memory are bf16 ([`Storage::Bf16`]).
+    bf16: bool,
     target: Target,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
 }
@@ -47,7 +53,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         module: &'m Module<'ctx>,
         name: &str,
         program: &nestor_passes::Program,
-        target: Target,
+        (target, storage): (Target, Storage),
     ) -> Self {
         let precision = program.float;
         let ptr = context.ptr_type(AddressSpace::default());
@@ -74,6 +80,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             },
             double: precision == nestor_passes::FloatType::F64,
             gelu_nan_at_infinity: program.gelu_nan_at_infinity,
+            bf16: storage == Storage::Bf16,
             target,
             entry,
         }
@@ -148,18 +155,33 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .map_err(|_| err("a kernel's argument count"))
     }
 
+    /// Value `index` of buffer `base`, in the compute type (widened from bf16 storage).
     pub(crate) fn load_float(
         &self,
         base: PointerValue<'ctx>,
         index: IntValue<'ctx>,
     ) -> Gen<FloatValue<'ctx>> {
-        let address =
-            unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
-        Ok(self
-            .builder
-            .build_load(self.float, address, "x")
-            .map_err(err)?
-            .into_float_value())
+        if self.bf16 {
+            let i16 = self.context.i16_type();
+            let i32 = self.context.i32_type();
+            let address =
+                unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
+            let half = self.builder.build_load(i16, address, "bf16").map_err(err)?;
+            let wide = self
+                .builder
+                .build_int_z_extend(half.into_int_value(), i32, "wide")
+                .map_err(err)?;
+            let bits = self
+                .builder
+                .build_left_shift(wide, i32.const_int(16, false), "bits")
+                .map_err(err)?;
+            return Ok(self
+                .builder
+                .build_bit_cast(bits, self.float, "x")
+                .map_err(err)?
+                .into_float_value());
+        }
+        self.load_local(Local(base), index)
     }
 
     pub(crate) fn load_i64(
@@ -176,9 +198,86 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .into_int_value())
     }
 
+    /// Stores `value` as value `index` of buffer `base` (rounded to the nearest even
+    /// bf16 for bf16 storage, NaN as bf16's quiet NaN, as torch's conversion).
     pub(crate) fn store_float(
         &self,
         base: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+        value: FloatValue<'ctx>,
+    ) -> Gen<()> {
+        if self.bf16 {
+            let i16 = self.context.i16_type();
+            let i32 = self.context.i32_type();
+            let constant = |value: u64| i32.const_int(value, false);
+            let bits = self
+                .builder
+                .build_bit_cast(value, i32, "bits")
+                .map_err(err)?
+                .into_int_value();
+            let sixteen = constant(16);
+            let above = self
+                .builder
+                .build_right_shift(bits, sixteen, false, "above")
+                .map_err(err)?;
+            let odd = self
+                .builder
+                .build_and(above, constant(1), "odd")
+                .map_err(err)?;
+            let bias = self
+                .builder
+                .build_int_add(odd, constant(0x7FFF), "bias")
+                .map_err(err)?;
+            let biased = self
+                .builder
+                .build_int_add(bits, bias, "biased")
+                .map_err(err)?;
+            let rounded = self
+                .builder
+                .build_right_shift(biased, sixteen, false, "rounded")
+                .map_err(err)?;
+            let nan = self
+                .builder
+                .build_float_compare(FloatPredicate::UNO, value, value, "nan")
+                .map_err(err)?;
+            let half = self
+                .builder
+                .build_select(nan, constant(0x7FC0), rounded, "half")
+                .map_err(err)?
+                .into_int_value();
+            let narrow = self
+                .builder
+                .build_int_truncate(half, i16, "bf16")
+                .map_err(err)?;
+            let address =
+                unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
+            self.builder.build_store(address, narrow).map_err(err)?;
+            return Ok(());
+        }
+        self.store_local(Local(base), index, value)
+    }
+
+    /// Value `index` of a local array ([`Kernel::accumulator_array`]), or of a buffer
+    /// stored in the compute type.
+    pub(crate) fn load_local(
+        &self,
+        Local(base): Local<'ctx>,
+        index: IntValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let address =
+            unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
+        Ok(self
+            .builder
+            .build_load(self.float, address, "x")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    /// Stores `value` as value `index` of a local array, or of a buffer stored in the
+    /// compute type.
+    pub(crate) fn store_local(
+        &self,
+        Local(base): Local<'ctx>,
         index: IntValue<'ctx>,
         value: FloatValue<'ctx>,
     ) -> Gen<()> {
@@ -223,11 +322,14 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         slots.try_into().map_err(|_| err("accumulator count"))
     }
 
-    /// `length` floats in the entry block (registers or local memory), indexed with
-    /// [`Kernel::load_float`] and [`Kernel::store_float`].
-    pub(crate) fn accumulator_array(&self, name: &str, length: i64) -> Gen<PointerValue<'ctx>> {
+    /// `length` floats of the compute type in the entry block (registers or local
+    /// memory), indexed with [`Kernel::load_local`] and [`Kernel::store_local`].
+    pub(crate) fn accumulator_array(&self, name: &str, length: i64) -> Gen<Local<'ctx>> {
         let length = u32::try_from(length.max(1)).map_err(err)?;
-        self.alloca_in_entry(self.float.array_type(length).into(), name)
+        Ok(Local(self.alloca_in_entry(
+            self.float.array_type(length).into(),
+            name,
+        )?))
     }
 
     /// A stack slot of `ty`, allocated once in the entry block whatever the loop the

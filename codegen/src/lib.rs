@@ -236,6 +236,18 @@ pub enum KernelSet {
     Complete,
 }
 
+/// How kernels keep floats in memory; they compute in the program's float type either
+/// way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Storage {
+    /// The program's float type.
+    #[default]
+    Compute,
+    /// bfloat16 (f32 programs only): loads widen to f32, stores round to the nearest
+    /// even bf16, NaN to bf16's quiet NaN (torch's conversion). Half the bytes to move.
+    Bf16,
+}
+
 /// What went wrong while generating code: a bug of the templates (invalid IR), or an
 /// LLVM that lacks an intrinsic.
 #[derive(Debug, Error)]
@@ -256,8 +268,14 @@ pub fn generate_kernels<'ctx>(
     program: &Program,
     context: &'ctx Context,
     module: &Module<'ctx>,
-    (target, set): (Target, KernelSet),
+    (target, set, storage): (Target, KernelSet, Storage),
 ) -> Result<Vec<Option<String>>, CodegenError> {
+    if storage == Storage::Bf16 && program.float != nestor_passes::FloatType::F32 {
+        return Err(CodegenError::new(format!(
+            "bf16 storage is for f32 programs (this one computes in {:?})",
+            program.float
+        )));
+    }
     let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
     let mut generated_for: HashMap<String, usize> = HashMap::new();
     for (index, step) in program.steps.iter().enumerate() {
@@ -267,7 +285,14 @@ pub fn generate_kernels<'ctx>(
             continue;
         }
         let name = format!("step{index}");
-        let generated = templates::generate(program, (target, set), context, module, &name, step)?;
+        let generated = templates::generate(
+            program,
+            (target, set, storage),
+            context,
+            module,
+            &name,
+            step,
+        )?;
         names.push(generated.then_some(name));
         generated_for.insert(key, index);
     }

@@ -44,19 +44,19 @@ use inkwell::FloatPredicate;
 use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step, WindowKind};
 
 use crate::builder::{Gen, Kernel};
-use crate::{KernelSet, Target};
+use crate::{KernelSet, Storage, Target};
 
 /// Generates the kernel of `step` as function `name`; false for steps without one in
 /// `set`.
 pub(crate) fn generate<'ctx>(
     program: &nestor_passes::Program,
-    (target, set): (Target, KernelSet),
+    (target, set, storage): (Target, KernelSet, Storage),
     context: &'ctx Context,
     module: &Module<'ctx>,
     name: &str,
     step: &Step,
 ) -> Gen<bool> {
-    let kernel = Kernel::new(context, module, name, program, target);
+    let kernel = Kernel::new(context, module, name, program, (target, storage));
     let library = set == KernelSet::Library;
     match step {
         Step::Gemm {
@@ -1213,7 +1213,7 @@ fn attention<'ctx>(
         kernel.set(total, zero)?;
         kernel.set(poisoned, zero)?;
         columns(value_dim, &|column| {
-            kernel.store_float(output, column, zero)
+            kernel.store_local(output, column, zero)
         })?;
         kernel.for_range(kernel.i64(0), visible, |key| {
             let value = score(key)?;
@@ -1243,8 +1243,8 @@ fn attention<'ctx>(
             columns(value_dim, &|column| {
                 let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
                 let contribution = kernel.fmul(weight, kernel.load_float(values, at)?)?;
-                let kept = kernel.fmul(kernel.load_float(output, column)?, rescale)?;
-                kernel.store_float(output, column, kernel.fadd(kept, contribution)?)
+                let kept = kernel.fmul(kernel.load_local(output, column)?, rescale)?;
+                kernel.store_local(output, column, kernel.fadd(kept, contribution)?)
             })?;
             kernel.set(largest, after)
         })?;
@@ -1262,8 +1262,8 @@ fn attention<'ctx>(
                 columns(value_dim, &|column| {
                     let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
                     let masked = kernel.fmul(zero, kernel.load_float(values, at)?)?;
-                    let kept = kernel.load_float(output, column)?;
-                    kernel.store_float(output, column, kernel.fadd(kept, masked)?)
+                    let kept = kernel.load_local(output, column)?;
+                    kernel.store_local(output, column, kernel.fadd(kept, masked)?)
                 })
             })?;
         }
@@ -1283,7 +1283,7 @@ fn attention<'ctx>(
         let out_row = kernel.mul(row, kernel.i64(heads * value_dim))?;
         columns(value_dim, &|column| {
             let at = kernel.add(out_row, kernel.add(value_base, column)?)?;
-            let value = kernel.fmul(kernel.load_float(output, column)?, inverse)?;
+            let value = kernel.fmul(kernel.load_local(output, column)?, inverse)?;
             kernel.store_float(out, at, value)
         })
     })
@@ -1387,8 +1387,8 @@ fn attention_grad<'ctx>(
             })
         };
         columns(&|column| {
-            kernel.store_float(first_grad, column, zero)?;
-            kernel.store_float(second_grad, column, zero)
+            kernel.store_local(first_grad, column, zero)?;
+            kernel.store_local(second_grad, column, zero)
         })?;
         if keys {
             // Key row `row`: the queries of its element that see it.
@@ -1414,15 +1414,15 @@ fn attention_grad<'ctx>(
                             let y =
                                 kernel.load_float(slopes, index(kernel, g, query, column_at)?)?;
                             let dk = kernel.fadd(
-                                kernel.load_float(first_grad, column)?,
+                                kernel.load_local(first_grad, column)?,
                                 kernel.fmul(ds, x)?,
                             )?;
                             let dv = kernel.fadd(
-                                kernel.load_float(second_grad, column)?,
+                                kernel.load_local(second_grad, column)?,
                                 kernel.fmul(p, y)?,
                             )?;
-                            kernel.store_float(first_grad, column, dk)?;
-                            kernel.store_float(second_grad, column, dv)
+                            kernel.store_local(first_grad, column, dk)?;
+                            kernel.store_local(second_grad, column, dv)
                         })
                     },
                     || Ok(()),
@@ -1434,12 +1434,12 @@ fn attention_grad<'ctx>(
             columns(&|column| {
                 let at = kernel.add(target, column)?;
                 let dk = kernel.fmul(
-                    kernel.load_float(first_grad, column)?,
+                    kernel.load_local(first_grad, column)?,
                     kernel.constant(scale),
                 )?;
                 kernel.store_float(out, at, dk)?;
                 let at = kernel.add(at, kernel.i64(heads * head_dim))?;
-                kernel.store_float(out, at, kernel.load_float(second_grad, column)?)
+                kernel.store_float(out, at, kernel.load_local(second_grad, column)?)
             })
         } else {
             let limit = visible(row)?;
@@ -1458,10 +1458,10 @@ fn attention_grad<'ctx>(
                             let y =
                                 kernel.load_float(key_rows, index(kernel, k, key, column_at)?)?;
                             let dq = kernel.fadd(
-                                kernel.load_float(first_grad, column)?,
+                                kernel.load_local(first_grad, column)?,
                                 kernel.fmul(ds, y)?,
                             )?;
-                            kernel.store_float(first_grad, column, dq)
+                            kernel.store_local(first_grad, column, dq)
                         })
                     })
                 },
@@ -1470,7 +1470,7 @@ fn attention_grad<'ctx>(
             let target = kernel.add(kernel.mul(row, kernel.i64(heads * head_dim))?, base)?;
             columns(&|column| {
                 let dq = kernel.fmul(
-                    kernel.load_float(first_grad, column)?,
+                    kernel.load_local(first_grad, column)?,
                     kernel.constant(scale),
                 )?;
                 kernel.store_float(out, kernel.add(target, column)?, dq)

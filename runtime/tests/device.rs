@@ -126,7 +126,9 @@ fn window_gradients_on_the_device_follow_the_cpu_on_ties_nan_and_infinities() {
     let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
     let device = HostDevice::new(&executable).unwrap();
     // Not under another test's small memory budget.
-    let _turn = BUDGET.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _turn = BUDGET
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     // Two images, 2 x 3 and 1 x 1, three channels in, four out. Channel 0 is all ties
     // (max pooling picks the first largest) but for a NaN (the last NaN wins), channel 1
     // of the 1 x 1 image is -inf (its only tap is picked all the same), channel 2 has

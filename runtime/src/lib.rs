@@ -29,12 +29,14 @@ mod window;
 
 pub use blas::gemm_library;
 pub use executor::{
-    convolve_images, CudaBuffer, CudaDevice, Executable, HostBuffer, HostDevice, HostRunner,
-    HostValue, InputData, KernelDevice, OutputSink, RunData, RunDim, RunOutput, RunShape,
-    RuntimeError,
+    convolve_images, round_to_bf16, CudaBuffer, CudaDevice, Executable, HostBuffer, HostDevice,
+    HostRunner, HostValue, InputData, KernelDevice, OutputSink, RunData, RunDim, RunOutput,
+    RunShape, RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;
+/// How device buffers hold floats (bf16: half the bytes; kernels compute in f32).
+pub use nestor_backend_cpu::Storage;
 pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};
 pub use team::pool;

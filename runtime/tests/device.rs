@@ -1,10 +1,12 @@
 //! Whole programs on a kernel device (`Executable::run_on_device`), with the host as the
 //! device: `gpu-check --device host` runs an optimized encoder layer, a feed-forward
-//! block, a gather / padding / segment graph, attention over jagged pairs and the training
+//! block, a gather / padding / segment graph, attention over jagged pairs, the training
 //! steps (loss and gradients) of a pooled classifier, of causal attention and of the pair
 //! attention, a conv net's forward (convolution, pooling, image means over images
-//! `L x L`), its training step and the window gradients for lengths with 0 and 1, batch size 1 and a larger batch, from device buffers and index buffers, and compares every result
-//! with the CPU runtime's (the same binary runs them on a GPU in `scripts/gpu-check.sh`).
+//! `L x L`), its training step and the window gradients, for lengths with 0 and 1, batch
+//! size 1 and a larger batch, with f32 buffers (and bf16 buffers for two of the batches),
+//! from device buffers and index buffers, and compares every result with the CPU
+//! runtime's (the same binary runs them on a GPU in `scripts/gpu-check.sh`).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -33,7 +35,7 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        41
+        62
     );
     let _ = std::fs::remove_dir_all(&out);
 }

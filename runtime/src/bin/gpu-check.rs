@@ -25,7 +25,8 @@ use std::time::Instant;
 
 use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type};
 use nestor_runtime::{
-    CudaDevice, Executable, HostDevice, InputData, KernelDevice, RunData, RuntimeError, Stats,
+    round_to_bf16, CudaDevice, Executable, HostDevice, InputData, KernelDevice, RunData,
+    RuntimeError, Stats, Storage,
 };
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
@@ -171,36 +172,53 @@ fn main() -> ExitCode {
             }
         }
     }
-    // The encoder layer at the benchmark's sizes, timed (against padded torch in
-    // `scripts/gpu-torch-baseline.py`, same lengths).
-    let line = match check(&encoder_layer_256(), false, &BENCHMARK_LENGTHS, kind) {
-        Ok((worst, device_ms, cpu_ms)) => format!(
-            "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at 35%): \
-             largest relative error {worst:.2e}; device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
-        ),
-        Err(why) => {
-            failures += 1;
-            format!("FAIL encoder_layer_256: {why}")
-        }
+    let mut record = |line: String| {
+        println!("{line}");
+        report.push_str(&line);
+        report.push('\n');
     };
-    println!("{line}");
-    report.push_str(&line);
-    report.push('\n');
-    for (name, text, train) in PROGRAMS {
-        for lengths in LENGTHS {
-            let line = match check(text, train, lengths, kind) {
-                Ok((worst, device_ms, cpu_ms)) => format!(
-                    "ok   {name} {lengths:?}: largest relative error {worst:.2e}; \
+    // The encoder layer at the benchmark's sizes, timed (against padded torch in
+    // `scripts/gpu-torch-baseline.py`, same lengths), with f32 and bf16 buffers.
+    for storage in [Storage::Compute, Storage::Bf16] {
+        let buffers = buffers_name(storage);
+        record(
+            match check(
+                &encoder_layer_256(),
+                false,
+                &BENCHMARK_LENGTHS,
+                (kind, storage),
+            ) {
+                Ok((error, device_ms, cpu_ms)) => format!(
+                    "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at 35%; \
+                     {buffers}): relative error {error:.2e}; device {device_ms:.3} ms, \
+                     CPU runtime {cpu_ms:.3} ms"
+                ),
+                Err(why) => {
+                    failures += 1;
+                    format!("FAIL encoder_layer_256 ({buffers}): {why}")
+                }
+            },
+        );
+    }
+    // Every program for every batch with f32 buffers; with bf16 buffers for a batch
+    // with empty and one-row elements and for the largest one.
+    let runs = LENGTHS
+        .iter()
+        .map(|lengths| (*lengths, Storage::Compute))
+        .chain([LENGTHS[0], LENGTHS[3]].map(|lengths| (lengths, Storage::Bf16)));
+    for (lengths, storage) in runs {
+        for (name, text, train) in PROGRAMS {
+            let buffers = buffers_name(storage);
+            record(match check(text, train, lengths, (kind, storage)) {
+                Ok((error, device_ms, cpu_ms)) => format!(
+                    "ok   {name} {lengths:?} ({buffers}): relative error {error:.2e}; \
                      device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
                 ),
                 Err(why) => {
                     failures += 1;
-                    format!("FAIL {name} {lengths:?}: {why}")
+                    format!("FAIL {name} {lengths:?} ({buffers}): {why}")
                 }
-            };
-            println!("{line}");
-            report.push_str(&line);
-            report.push('\n');
+            });
         }
     }
     let summary = if failures == 0 {
@@ -219,6 +237,14 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    }
+}
+
+/// How a report line names a storage.
+fn buffers_name(storage: Storage) -> &'static str {
+    match storage {
+        Storage::Compute => "f32 buffers",
+        Storage::Bf16 => "bf16 buffers",
     }
 }
 
@@ -267,7 +293,12 @@ fn run_cases(device: &nestor_backend_cuda::Device, dir: &Path) -> Result<(String
 
 /// Runs `text` for `lengths` on the device and on the CPU runtime: the largest relative
 /// difference and each one's time (the median of five runs after one).
-fn check(text: &str, train: bool, lengths: &[i64], kind: Kind) -> Result<(f64, f64, f64), String> {
+fn check(
+    text: &str,
+    train: bool,
+    lengths: &[i64],
+    (kind, storage): (Kind, Storage),
+) -> Result<(f64, f64, f64), String> {
     let fail = |error: RuntimeError| error.to_string();
     let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
     let graph = if train { joint(&graph)? } else { graph };
@@ -276,19 +307,29 @@ fn check(text: &str, train: bool, lengths: &[i64], kind: Kind) -> Result<(f64, f
         .map_err(|error| error.to_string())?;
     let program = nestor_passes::lower(&graph).map_err(|error| error.to_string())?;
     let executable = Executable::compile(program).map_err(fail)?;
-    let values = example_inputs(&graph, lengths);
+    let mut values = example_inputs(&graph, lengths);
+    if storage == Storage::Bf16 {
+        // The CPU runtime computes on what the device's bf16 buffers hold.
+        for input in &mut values {
+            if let Values::F32(floats) = input {
+                floats
+                    .iter_mut()
+                    .for_each(|value| *value = round_to_bf16(*value));
+            }
+        }
+    }
     let inputs: Vec<InputData<'_>> = values.iter().map(Values::data).collect();
     let stats = Stats::default();
     let (expected, cpu_ms) = timed(|| executable.run(&inputs, &stats, None)).map_err(fail)?;
     let device_stats = Stats::default();
     let (actual, device_ms) = match kind {
         Kind::Host => {
-            let device = HostDevice::new(&executable).map_err(fail)?;
+            let device = HostDevice::storing(&executable, storage).map_err(fail)?;
             run(&executable, &device, &inputs, &device_stats)
         }
         Kind::Cuda => {
             let gpu = nestor_backend_cuda::Device::open(0).map_err(|error| error.to_string())?;
-            let device = CudaDevice::new(gpu, &executable).map_err(fail)?;
+            let device = CudaDevice::storing(gpu, &executable, storage).map_err(fail)?;
             run(&executable, &device, &inputs, &device_stats)
         }
     }
@@ -306,32 +347,55 @@ fn check(text: &str, train: bool, lengths: &[i64], kind: Kind) -> Result<(f64, f
         let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
             return Err(format!("output {output} is not f32"));
         };
-        if a.len() != e.len() {
-            return Err(format!(
-                "output {output}: {} values, expected {}",
-                a.len(),
-                e.len()
-            ));
-        }
-        for (index, (&x, &y)) in a.iter().zip(e).enumerate() {
-            let error = if x.is_nan() || y.is_nan() {
-                if x.is_nan() == y.is_nan() {
-                    0.0
-                } else {
-                    f64::INFINITY
-                }
-            } else {
-                f64::from((x - y).abs()) / (1.0 + f64::from(y.abs()))
-            };
-            if error > 1e-4 {
-                return Err(format!(
-                    "output {output}, value {index}: device {x} vs CPU {y}"
-                ));
-            }
-            worst = worst.max(error);
-        }
+        let error = compare(a, e, storage).map_err(|why| format!("output {output}, {why}"))?;
+        worst = worst.max(error);
     }
     Ok((worst, device_ms, cpu_ms))
+}
+
+/// The error of `actual` against `expected` (the CPU runtime's): NaN and infinities
+/// where expected, and then with f32 buffers every value within 1e-4 of it relative to
+/// `1 + |expected|` (the largest such error is returned); with bf16 buffers, whose every
+/// step rounds its results to 8 significant bits, the error's norm within 2e-2 of the
+/// expected values' norm, or of the square root of their count where that is larger
+/// (values near 0 measured against 1, as the f32 check does; that relative error is
+/// returned).
+fn compare(actual: &[f32], expected: &[f32], storage: Storage) -> Result<f64, String> {
+    if actual.len() != expected.len() {
+        return Err(format!(
+            "{} values, expected {}",
+            actual.len(),
+            expected.len()
+        ));
+    }
+    let (mut worst, mut error_norm, mut norm) = (0.0f64, 0.0f64, 0.0f64);
+    for (index, (&x, &y)) in actual.iter().zip(expected).enumerate() {
+        let mismatch = || format!("value {index}: device {x} vs CPU {y}");
+        if !y.is_finite() || !x.is_finite() {
+            if x.is_nan() != y.is_nan() || (!x.is_nan() && x != y) {
+                return Err(mismatch());
+            }
+            continue;
+        }
+        let (x, y) = (f64::from(x), f64::from(y));
+        let error = (x - y).abs() / (1.0 + y.abs());
+        if storage == Storage::Compute && error > 1e-4 {
+            return Err(mismatch());
+        }
+        worst = worst.max(error);
+        error_norm += (x - y) * (x - y);
+        norm += y * y;
+    }
+    if storage == Storage::Compute {
+        return Ok(worst);
+    }
+    let relative = error_norm.sqrt() / norm.max(actual.len() as f64).sqrt();
+    if relative > 2e-2 {
+        return Err(format!(
+            "the error's norm is {relative:.2e} of the values' (largest error {worst:.2e})"
+        ));
+    }
+    Ok(relative)
 }
 
 /// The joint forward + backward graph of a loss (the first output): decomposed, then

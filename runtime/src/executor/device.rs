@@ -8,7 +8,7 @@
 
 use std::collections::hash_map::{Entry, HashMap};
 
-use nestor_backend_cpu::{CpuKernels, KernelSet};
+use nestor_backend_cpu::{CpuKernels, KernelSet, Storage};
 use nestor_ir::Window2d;
 use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step, WindowKind};
 
@@ -52,18 +52,52 @@ fn device_error(step: usize, reason: impl std::fmt::Display) -> RuntimeError {
 /// The CPU as a kernel device: the `Complete` kernels JIT-compiled for the host.
 pub struct HostDevice {
     kernels: CpuKernels,
+    storage: Storage,
 }
 
 impl HostDevice {
     /// The host device of `executable`'s program.
     pub fn new(executable: &Executable) -> Result<Self, RuntimeError> {
+        Self::storing(executable, Storage::Compute)
+    }
+
+    /// The host device of `executable`'s program, its buffers holding floats as
+    /// `storage` says (bf16: the GPU's half-size buffers, checked on the CPU).
+    pub fn storing(executable: &Executable, storage: Storage) -> Result<Self, RuntimeError> {
         Ok(Self {
-            kernels: nestor_backend_cpu::compile_with(executable.program(), KernelSet::Complete)?,
+            kernels: nestor_backend_cpu::compile_storing(
+                executable.program(),
+                KernelSet::Complete,
+                storage,
+            )?,
+            storage,
         })
     }
 }
 
-/// A host buffer: 8-byte words, so that f32 and i64 values are aligned.
+/// `value` as bf16 bits, rounded to the nearest even (NaN as 0x7FC0): what the kernels'
+/// stores do, and torch's conversion.
+fn to_bf16(value: f32) -> u16 {
+    if value.is_nan() {
+        return 0x7FC0;
+    }
+    let bits = value.to_bits();
+    let odd = (bits >> 16) & 1;
+    (bits.wrapping_add(0x7FFF + odd) >> 16) as u16
+}
+
+/// The f32 value of bf16 bits (exact).
+fn from_bf16(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// `value` rounded to the nearest bf16 (ties to even, NaN to bf16's quiet NaN), as an
+/// f32: what a bf16 buffer keeps of it.
+pub fn round_to_bf16(value: f32) -> f32 {
+    from_bf16(to_bf16(value))
+}
+
+/// A host buffer: 8-byte words, so that f32, bf16 and i64 values are aligned.
 pub struct HostBuffer {
     words: Vec<u64>,
     floats: usize,
@@ -74,7 +108,8 @@ impl KernelDevice for HostDevice {
 
     fn zeros_f32(&self, count: usize) -> Result<HostBuffer, RuntimeError> {
         // One word at least: kernels take the address of every buffer.
-        let length = count.div_ceil(2).max(1);
+        let per_word = if self.storage == Storage::Bf16 { 4 } else { 2 };
+        let length = count.div_ceil(per_word).max(1);
         let mut words = Vec::new();
         words
             .try_reserve_exact(length)
@@ -88,13 +123,20 @@ impl KernelDevice for HostDevice {
 
     fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
         let HostBuffer { mut words, floats } = self.zeros_f32(values.len())?;
-        // The words hold at least `values.len()` f32s.
+        // The words hold at least `values.len()` values of the storage type.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                values.as_ptr(),
-                words.as_mut_ptr() as *mut f32,
-                values.len(),
-            )
+            if self.storage == Storage::Bf16 {
+                let stored = words.as_mut_ptr() as *mut u16;
+                for (index, &value) in values.iter().enumerate() {
+                    *stored.add(index) = to_bf16(value);
+                }
+            } else {
+                std::ptr::copy_nonoverlapping(
+                    values.as_ptr(),
+                    words.as_mut_ptr() as *mut f32,
+                    values.len(),
+                )
+            }
         };
         Ok(HostBuffer { words, floats })
     }
@@ -107,11 +149,18 @@ impl KernelDevice for HostDevice {
     }
 
     fn download_f32(&self, buffer: &HostBuffer) -> Result<Vec<f32>, RuntimeError> {
-        // The words hold `floats` f32s.
+        // The words hold `floats` values of the storage type.
         Ok(unsafe {
-            std::slice::from_raw_parts(buffer.words.as_ptr() as *const f32, buffer.floats)
-        }
-        .to_vec())
+            if self.storage == Storage::Bf16 {
+                std::slice::from_raw_parts(buffer.words.as_ptr() as *const u16, buffer.floats)
+                    .iter()
+                    .map(|&bits| from_bf16(bits))
+                    .collect()
+            } else {
+                std::slice::from_raw_parts(buffer.words.as_ptr() as *const f32, buffer.floats)
+                    .to_vec()
+            }
+        })
     }
 
     fn address(&self, buffer: &HostBuffer) -> u64 {
@@ -142,6 +191,7 @@ impl KernelDevice for HostDevice {
 pub struct CudaDevice {
     device: nestor_backend_cuda::Device,
     module: nestor_backend_cuda::LoadedModule,
+    storage: Storage,
 }
 
 impl CudaDevice {
@@ -150,9 +200,22 @@ impl CudaDevice {
         device: nestor_backend_cuda::Device,
         executable: &Executable,
     ) -> Result<Self, RuntimeError> {
-        let ptx = nestor_backend_cuda::ptx(executable.program(), device.arch())?;
+        Self::storing(device, executable, Storage::Compute)
+    }
+
+    /// [`CudaDevice::new`], its buffers holding floats as `storage` says.
+    pub fn storing(
+        device: nestor_backend_cuda::Device,
+        executable: &Executable,
+        storage: Storage,
+    ) -> Result<Self, RuntimeError> {
+        let ptx = nestor_backend_cuda::ptx_storing(executable.program(), device.arch(), storage)?;
         let module = device.load(&ptx)?;
-        Ok(Self { device, module })
+        Ok(Self {
+            device,
+            module,
+            storage,
+        })
     }
 
     /// The device.
@@ -165,6 +228,8 @@ impl CudaDevice {
 pub enum CudaBuffer {
     /// `len` f32 values.
     F32(nestor_backend_cuda::CudaSlice<f32>, usize),
+    /// `len` bf16 values (their bits).
+    Bf16(nestor_backend_cuda::CudaSlice<u16>, usize),
     /// i64 values.
     I64(nestor_backend_cuda::CudaSlice<i64>),
 }
@@ -173,10 +238,20 @@ impl KernelDevice for CudaDevice {
     type Buffer = CudaBuffer;
 
     fn zeros_f32(&self, count: usize) -> Result<CudaBuffer, RuntimeError> {
-        Ok(CudaBuffer::F32(self.device.zeros(count)?, count))
+        Ok(match self.storage {
+            Storage::Bf16 => CudaBuffer::Bf16(self.device.zeros(count)?, count),
+            Storage::Compute => CudaBuffer::F32(self.device.zeros(count)?, count),
+        })
     }
 
     fn upload_f32(&self, values: &[f32]) -> Result<CudaBuffer, RuntimeError> {
+        if self.storage == Storage::Bf16 {
+            let mut stored: Vec<u16> = values.iter().map(|&value| to_bf16(value)).collect();
+            if stored.is_empty() {
+                stored.push(0);
+            }
+            return Ok(CudaBuffer::Bf16(self.device.upload(&stored)?, values.len()));
+        }
         let stored = if values.is_empty() {
             &[0.0][..]
         } else {
@@ -197,6 +272,11 @@ impl KernelDevice for CudaDevice {
                 values.truncate(*len);
                 Ok(values)
             }
+            CudaBuffer::Bf16(slice, len) => {
+                let mut values = self.device.download(slice)?;
+                values.truncate(*len);
+                Ok(values.into_iter().map(from_bf16).collect())
+            }
             CudaBuffer::I64(_) => Err(device_error(0, "an i64 buffer read as f32")),
         }
     }
@@ -204,6 +284,7 @@ impl KernelDevice for CudaDevice {
     fn address(&self, buffer: &CudaBuffer) -> u64 {
         match buffer {
             CudaBuffer::F32(slice, _) => self.device.address(slice),
+            CudaBuffer::Bf16(slice, _) => self.device.address(slice),
             CudaBuffer::I64(slice) => self.device.address(slice),
         }
     }

@@ -14,7 +14,7 @@ mod conv;
 mod copies;
 mod device;
 
-pub use device::{CudaBuffer, CudaDevice, HostBuffer, HostDevice, KernelDevice};
+pub use device::{round_to_bf16, CudaBuffer, CudaDevice, HostBuffer, HostDevice, KernelDevice};
 mod gemm;
 mod sizes;
 mod steps;

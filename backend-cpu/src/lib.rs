@@ -309,6 +309,7 @@ mod tests {
             assert!((out[3] - 0.841_344_7).abs() < 1e-6, "{out:?}");
         }
     }
+
     #[test]
     fn bf16_storage_widens_loads_and_rounds_stores_to_nearest_even() {
         let program = lowered(

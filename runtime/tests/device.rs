@@ -214,3 +214,69 @@ fn window_taps_over_the_memory_budget_are_an_error() {
         .run_on_device(&device, &inputs, &Stats::default())
         .is_ok());
 }
+
+/// Values in [-1, 1] from a seed.
+fn waves(count: usize, seed: f32) -> Vec<f32> {
+    (0..count)
+        .map(|index| (index as f32 * 0.61 + seed).sin())
+        .collect()
+}
+
+proptest::proptest! {
+    // 24 cases, or `PROPTEST_CASES` (`make fuzz`).
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(24),
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+
+    /// Windows over images of any heights and widths (0 and 1 included, not square, a
+    /// batch of one) give on the host device what the CPU runtime gives: a conv net's
+    /// forward and every window gradient.
+    #[test]
+    fn window_kernels_on_the_device_equal_the_cpu_for_any_image_sizes(
+        sizes in proptest::collection::vec((0i64..7, 0i64..7), 1..5),
+        seed in 0.0f32..6.0,
+    ) {
+        use nestor_runtime::{Executable, HostDevice, InputData, RunData, Stats};
+        let _turn = BUDGET.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let heights: Vec<i64> = sizes.iter().map(|&(h, _)| h).collect();
+        let widths: Vec<i64> = sizes.iter().map(|&(_, w)| w).collect();
+        let pixels = sizes.iter().map(|&(h, w)| (h * w) as usize).sum::<usize>();
+        let forward = (
+            include_str!("../../tests/filetests/conv_net.nir"),
+            vec![waves(pixels * 3, seed), waves(108, seed + 1.0), waves(4, seed + 2.0)],
+        );
+        let gradients = (
+            include_str!("../../tests/filetests/window_grads.nir"),
+            vec![
+                waves(pixels * 3, seed),
+                waves(108, seed + 1.0),
+                waves(pixels * 4, seed + 2.0),
+                waves(sizes.len() * 3, seed + 3.0),
+            ],
+        );
+        for (text, floats) in [forward, gradients] {
+            let graph = nestor_ir::parse(text).unwrap();
+            let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+            let device = HostDevice::new(&executable).unwrap();
+            let mut inputs = vec![InputData::I64(&heights), InputData::I64(&widths)];
+            inputs.extend(floats.iter().map(|values| InputData::F32(values)));
+            let on_device = executable.run_on_device(&device, &inputs, &Stats::default()).unwrap();
+            let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
+            for (output, (a, e)) in on_device.iter().zip(&on_cpu).enumerate() {
+                let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
+                    panic!("output {output} is not f32");
+                };
+                proptest::prop_assert_eq!(a.len(), e.len());
+                for (index, (&a, &e)) in a.iter().zip(e).enumerate() {
+                    let same = (a.is_nan() && e.is_nan())
+                        || (a - e).abs() <= 1e-4 * (1.0 + e.abs());
+                    proptest::prop_assert!(
+                        same,
+                        "{sizes:?}, output {output}, value {index}: device {a} vs CPU {e}"
+                    );
+                }
+            }
+        }
+    }
+}

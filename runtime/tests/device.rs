@@ -280,3 +280,48 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn host_steps_on_a_device_are_a_typed_error() {
+    use nestor_runtime::{Executable, HostDevice, InputData, RuntimeError, Stats};
+    // A grouped convolution has no window step: with the per-element fallback it is a
+    // host step, which libtorch runs on the CPU only.
+    let graph = nestor_ir::parse(
+        r#"graph @grouped {
+  %0 = input {name = "x.lengths1"} : lengths[B]
+  %1 = input {name = "x.lengths2"} : lengths[B]
+  %2 = input {name = "x"} : ragged<f32>[B; 3, %0, %1]
+  %3 = param {name = "w"} : f32[3, 1, 3, 3]
+  %4 = per_element(%2, %3) : ragged<f32>[B; 3, %0, %1] graph @conv2d {
+    %0 = input {name = "element"} : f32[3, ?, ?]
+    %1 = input {name = "w"} : f32[3, 1, 3, 3]
+    %2 = conv2d(%0, %1) {stride = [1, 1], padding = [1, 1], dilation = [1, 1], groups = 3} : f32[3, ?, ?]
+    return %2
+  }
+  return %4
+}"#,
+    )
+    .unwrap();
+    let options = nestor_passes::LowerOptions {
+        host_per_element: true,
+    };
+    let program = nestor_passes::lower_with(&graph, options).unwrap();
+    let executable = Executable::compile(program).unwrap();
+    let device = HostDevice::new(&executable).unwrap();
+    let (sizes, x, w) = ([2i64], vec![0.5f32; 12], vec![0.1f32; 27]);
+    let inputs = [
+        InputData::I64(&sizes),
+        InputData::I64(&sizes),
+        InputData::F32(&x),
+        InputData::F32(&w),
+    ];
+    match executable.run_on_device(&device, &inputs, &Stats::default()) {
+        Err(RuntimeError::Step { reason, .. }) => {
+            assert!(reason.contains("host step"), "{reason}")
+        }
+        other => panic!(
+            "expected a step error, got {:?}",
+            other.map(|outputs| outputs.len())
+        ),
+    }
+}

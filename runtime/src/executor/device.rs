@@ -995,10 +995,11 @@ impl Plan<'_> {
                 (args, (0, row_lengths.offsets.last().copied().unwrap_or(0)))
             }
             Step::Window { .. } => self.window_args(step)?,
-            other => {
+            Step::Host { .. } => {
                 return Err(device_error(
                     self.step,
-                    format!("{} has no device kernel yet", super::step_name(other)),
+                    "a host step (a per-element region run through libtorch, from \
+                     `per_element_fallback`) has no device kernel",
                 ))
             }
         })

@@ -848,18 +848,21 @@ fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: boo
                 let first_tap = kernel.mul(r, kernel.i64(taps))?;
                 let gradient =
                     kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(channels))?, c)?)?;
-                kernel.set(best, kernel.constant(f64::NEG_INFINITY))?;
-                kernel.set(inside, kernel.constant(0.0))?;
-                kernel.set_index(picked, kernel.i64(-1))?;
+                // Max pooling: the tap the window picked; average: its taps inside.
+                if max {
+                    kernel.set(best, kernel.constant(f64::NEG_INFINITY))?;
+                    kernel.set_index(picked, kernel.i64(-1))?;
+                } else {
+                    kernel.set(inside, kernel.constant(0.0))?;
+                }
                 kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
                     let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
                     kernel.if_else(
                         kernel.less(kernel.i64(-1), source)?,
                         || {
-                            let one = kernel.constant(1.0);
-                            kernel.set(inside, kernel.fadd(kernel.get(inside)?, one)?)?;
                             if !max {
-                                return Ok(());
+                                let one = kernel.constant(1.0);
+                                return kernel.set(inside, kernel.fadd(kernel.get(inside)?, one)?);
                             }
                             let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
                             let value = kernel.load_float(x, at)?;

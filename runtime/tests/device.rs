@@ -123,7 +123,7 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
 
 #[test]
 fn window_gradients_on_the_device_follow_the_cpu_on_ties_nan_and_infinities() {
-    use nestor_runtime::{Executable, HostDevice, InputData, RunData, Stats};
+    use nestor_runtime::{Executable, HostDevice, InputData, Stats};
     let graph = nestor_ir::parse(include_str!("../../tests/filetests/window_grads.nir")).unwrap();
     let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
     let device = HostDevice::new(&executable).unwrap();
@@ -156,23 +156,51 @@ fn window_gradients_on_the_device_follow_the_cpu_on_ties_nan_and_infinities() {
         .unwrap();
     let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
     assert_eq!(on_device.len(), 6);
-    for (output, (a, e)) in on_device.iter().zip(&on_cpu).enumerate() {
+    if let Some(why) = first_difference(&on_device, &on_cpu, 1e-5) {
+        panic!("{why}");
+    }
+}
+
+/// Where `on_device` differs from `on_cpu` first: a value farther than `tolerance`
+/// relative to `1 + |expected|`, NaN or an infinity where the CPU has none, or a shape.
+fn first_difference(
+    on_device: &[nestor_runtime::RunOutput],
+    on_cpu: &[nestor_runtime::RunOutput],
+    tolerance: f32,
+) -> Option<String> {
+    use nestor_runtime::RunData;
+    if on_device.len() != on_cpu.len() {
+        return Some(format!(
+            "{} outputs, expected {}",
+            on_device.len(),
+            on_cpu.len()
+        ));
+    }
+    for (output, (a, e)) in on_device.iter().zip(on_cpu).enumerate() {
         let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
-            panic!("output {output} is not f32");
+            return Some(format!("output {output} is not f32"));
         };
-        assert_eq!(a.len(), e.len(), "output {output}");
+        if a.len() != e.len() {
+            return Some(format!(
+                "output {output}: {} values, expected {}",
+                a.len(),
+                e.len()
+            ));
+        }
         for (index, (&a, &e)) in a.iter().zip(e).enumerate() {
             let same = if a.is_finite() && e.is_finite() {
-                (a - e).abs() <= 1e-5 * (1.0 + e.abs())
+                (a - e).abs() <= tolerance * (1.0 + e.abs())
             } else {
                 a.is_nan() && e.is_nan() || a == e
             };
-            assert!(
-                same,
-                "output {output}, value {index}: device {a} vs CPU {e}"
-            );
+            if !same {
+                return Some(format!(
+                    "output {output}, value {index}: device {a} vs CPU {e}"
+                ));
+            }
         }
     }
+    None
 }
 
 #[test]
@@ -237,7 +265,7 @@ proptest::proptest! {
         sizes in proptest::collection::vec((0i64..7, 0i64..7), 1..5),
         seed in 0.0f32..6.0,
     ) {
-        use nestor_runtime::{Executable, HostDevice, InputData, RunData, Stats};
+        use nestor_runtime::{Executable, HostDevice, InputData, Stats};
         let _turn = BUDGET.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let heights: Vec<i64> = sizes.iter().map(|&(h, _)| h).collect();
         let widths: Vec<i64> = sizes.iter().map(|&(_, w)| w).collect();
@@ -263,20 +291,8 @@ proptest::proptest! {
             inputs.extend(floats.iter().map(|values| InputData::F32(values)));
             let on_device = executable.run_on_device(&device, &inputs, &Stats::default()).unwrap();
             let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
-            for (output, (a, e)) in on_device.iter().zip(&on_cpu).enumerate() {
-                let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
-                    panic!("output {output} is not f32");
-                };
-                proptest::prop_assert_eq!(a.len(), e.len());
-                for (index, (&a, &e)) in a.iter().zip(e).enumerate() {
-                    let same = (a.is_nan() && e.is_nan())
-                        || (a - e).abs() <= 1e-4 * (1.0 + e.abs());
-                    proptest::prop_assert!(
-                        same,
-                        "{sizes:?}, output {output}, value {index}: device {a} vs CPU {e}"
-                    );
-                }
-            }
+            let difference = first_difference(&on_device, &on_cpu, 1e-4);
+            proptest::prop_assert!(difference.is_none(), "{sizes:?}: {difference:?}");
         }
     }
 }

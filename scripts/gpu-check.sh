@@ -14,14 +14,29 @@
 #   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs it and
 #                                  # the padded torch baseline of its 256-wide encoder layer
 #                                  # (scripts/gpu-torch-baseline.py), writes
-#                                  # $OUT/gpu-check.txt, torch.txt and nvidia-smi.txt
+#                                  # $OUT/gpu-check.txt, torch.txt, cublas.txt and
+#                                  # nvidia-smi.txt
 #
 # With the device tool: prepare here, then run `scripts/gpu-check.sh run` with
-# carry ["gpu-check"]. The device's GEMMs are a plain template (no cuBLAS yet) and its
-# attention one thread per query row: expect the timing to show it.
+# carry ["gpu-check"]. GEMM products run on the machine's cuBLAS (found below: CUDA's
+# folders or its Python's NVIDIA wheels; gpu-check.txt's first line says whether it
+# loaded) and, compared, in GEMM kernels; attention is one thread per query row: expect
+# the timing to show it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 folder="$root/gpu-check"
+
+# Folders holding libcublas (CUDA 13's first, then 12's), one per line.
+cublas_folders() {
+  local roots=(/usr/local /usr/lib/x86_64-linux-gnu /opt)
+  local packages
+  packages=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+  # shellcheck disable=SC2206
+  roots+=($packages)
+  for version in 13 12; do
+    find "${roots[@]}" -maxdepth 6 -name "libcublas.so.$version*" -printf '%h\n' 2>/dev/null || true
+  done | awk '!seen[$0]++'
+}
 
 case "${1:-}" in
   prepare)
@@ -46,7 +61,9 @@ case "${1:-}" in
     out="${OUT:-$folder/out}"
     mkdir -p "$out"
     (nvidia-smi || true) > "$out/nvidia-smi.txt" 2>&1
-    export LD_LIBRARY_PATH="$folder/bin:${LD_LIBRARY_PATH:-}"
+    cublas=$(cublas_folders | paste -sd: -)
+    echo "libcublas folders: ${cublas:-none found}" > "$out/cublas.txt"
+    export LD_LIBRARY_PATH="$folder/bin:${cublas:+$cublas:}${LD_LIBRARY_PATH:-}"
     export NESTOR_LIBDEVICE="$folder/bin/libdevice.10.bc"
     status=0
     "$folder/bin/gpu-check" --device cuda --cases "$folder/cases" "$out" || status=$?

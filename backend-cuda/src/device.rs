@@ -65,6 +65,11 @@ impl Device {
         self.arch
     }
 
+    /// The stream the device's work is ordered on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
     /// The device's name (`NVIDIA H200`).
     pub fn name(&self) -> &str {
         &self.name

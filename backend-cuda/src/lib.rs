@@ -10,10 +10,13 @@
 //! Attention is one kernel of its own (online softmax, no scores in memory), the same
 //! template the CPU backend can generate (and its tests run on the host). [`Device`]
 //! opens a GPU through the driver (`cudarc`, libcuda loaded at run time: a machine
-//! without it gets [`CudaError::NoDriver`]), loads the PTX and launches kernels. Not here
-//! yet: an executor of whole programs on the device (buffers sized from the lengths,
-//! cuBLAS GEMMs, copy kernels) and `compile` on CUDA tensors; see issue 12.
+//! without it gets [`CudaError::NoDriver`]), loads the PTX and launches kernels;
+//! [`blas::Blas`] runs GEMM products on cuBLAS (libcublas loaded at run time too:
+//! [`CudaError::NoBlas`] without it), their bias and epilogue then a kernel of
+//! [`KernelSet::DeviceBlas`]. nestor-runtime's device executor runs whole programs on
+//! these. Not here yet: `compile` on CUDA tensors; see issue 12.
 
+pub mod blas;
 pub mod check;
 mod device;
 pub mod ptxas;
@@ -30,8 +33,8 @@ use inkwell::targets::{
     CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple,
 };
 use inkwell::OptimizationLevel;
-pub use nestor_codegen::Storage;
-use nestor_codegen::{KernelSet, Target as CodegenTarget};
+use nestor_codegen::Target as CodegenTarget;
+pub use nestor_codegen::{KernelSet, Storage};
 use nestor_passes::Program;
 use thiserror::Error;
 
@@ -129,6 +132,12 @@ pub enum CudaError {
     /// A call of the CUDA driver failed.
     #[error("CUDA driver: {0}")]
     Driver(String),
+    /// libcublas cannot be loaded or lacks a function nestor calls.
+    #[error("cuBLAS is not available: {0}")]
+    NoBlas(String),
+    /// A cuBLAS call failed, or a GEMM does not fit its sizes.
+    #[error("cuBLAS: {0}")]
+    Blas(String),
     /// An architecture name that is not `sm_80` or `sm_90`.
     #[error("unknown architecture `{0}` (sm_80 or sm_90)")]
     UnknownArch(String),
@@ -177,6 +186,19 @@ pub fn ptx_storing(
     arch: Arch,
     storage: Storage,
 ) -> Result<PtxModule, CudaError> {
+    ptx_of(program, arch, (KernelSet::Complete, storage))
+}
+
+/// The kernels of `set` (`Complete`, or `DeviceBlas` when cuBLAS runs the GEMM
+/// products) as PTX, floats kept in memory as `storage` says.
+pub fn ptx_of(
+    program: &Program,
+    arch: Arch,
+    (set, storage): (KernelSet, Storage),
+) -> Result<PtxModule, CudaError> {
+    if set == KernelSet::Library {
+        return Err(llvm("the Library kernel set is the CPU runtime's"));
+    }
     Target::initialize_nvptx(&InitializationConfig::default());
     let context = Context::create();
     let module = context.create_module("nestor");
@@ -184,7 +206,7 @@ pub fn ptx_storing(
         program,
         &context,
         &module,
-        (CodegenTarget::Nvptx, KernelSet::Complete, storage),
+        (CodegenTarget::Nvptx, set, storage),
     )?;
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(llvm)?;

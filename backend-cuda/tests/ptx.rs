@@ -8,7 +8,7 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use nestor_backend_cuda::{ptx, ptx_storing, ptxas, Arch, Storage};
+use nestor_backend_cuda::{ptx, ptx_of, ptx_storing, ptxas, Arch, KernelSet, Storage};
 use nestor_passes::{lower, Limits, Pipeline, Step};
 
 /// Row kernels (norms, softmax, reductions over the last dim), segmented kernels
@@ -201,6 +201,45 @@ fn every_step_with_a_template_has_a_ptx_entry() {
         }
     }
     assert_eq!((attention, padding), (3, 2));
+}
+
+/// With cuBLAS computing GEMM products (`DeviceBlas`), a GEMM step with a bias or an
+/// epilogue keeps a kernel (adding them to the product in place), one with neither has
+/// none, every other step keeps its kernel; they assemble without spills, with f32 and
+/// bf16 buffers.
+#[test]
+fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
+    let program = program(ROWS_AND_SEGMENTS, "f32", false);
+    let mut gemms = (0, 0);
+    for arch in Arch::ALL {
+        for storage in [Storage::Compute, Storage::Bf16] {
+            let module = ptx_of(&program, arch, (KernelSet::DeviceBlas, storage)).unwrap();
+            gemms = (0, 0);
+            for (step, kernel) in program.steps.iter().zip(&module.kernels) {
+                match step {
+                    Step::Gemm { bias, epilogue, .. } if bias.is_none() && epilogue.is_none() => {
+                        gemms.0 += 1;
+                        assert!(kernel.is_none(), "{step:?}");
+                    }
+                    Step::Gemm { .. } => {
+                        gemms.1 += 1;
+                        assert!(kernel.is_some(), "{step:?}");
+                    }
+                    _ => assert!(kernel.is_some(), "{step:?}"),
+                }
+            }
+            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+                assert_eq!(
+                    (kernel.spill_stores, kernel.spill_loads),
+                    (0, 0),
+                    "{}",
+                    kernel.name
+                );
+            }
+        }
+    }
+    // `linear(x, w)` alone; the two GEMMs with a bias and an epilogue.
+    assert_eq!(gemms, (1, 2));
 }
 
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a

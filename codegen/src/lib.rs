@@ -234,6 +234,10 @@ pub enum KernelSet {
     /// Every step with a template gets one (what a GPU runs): a GEMM and its epilogue
     /// as one kernel, attention, padding.
     Complete,
+    /// What a GPU with a BLAS library runs: every kernel of `Complete`, but a GEMM's
+    /// product is the library's, written to its output first; its kernel then only adds
+    /// the bias and applies the epilogue in place (no kernel when it has neither).
+    DeviceBlas,
 }
 
 /// How kernels keep floats in memory; they compute in the program's float type either

@@ -4,7 +4,10 @@
 //!   range = rows; with [`KernelSet::Library`] a GEMM's epilogue is a pointwise kernel
 //!   over its output rows;
 //! - GEMM ([`KernelSet::Complete`]): `out, x, weight, bias or null, the epilogue's
-//!   inputs..., their row-to-element maps...`; range = rows x n output values;
+//!   inputs..., their row-to-element maps...`; range = rows x n output values; with
+//!   [`KernelSet::DeviceBlas`] the same arguments and range, `out` holding the product
+//!   already (the kernel adds the bias and applies the epilogue; `x` and `weight` are
+//!   not read);
 //! - row: `out, prologue inputs..., weight or null, bias or null`; range = rows;
 //! - segment: `out, prologue inputs..., offsets (i64, B + 1)`; range = elements;
 //! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows;
@@ -58,12 +61,22 @@ pub(crate) fn generate<'ctx>(
 ) -> Gen<bool> {
     let kernel = Kernel::new(context, module, name, program, (target, storage));
     let library = set == KernelSet::Library;
+    let blas_product = set == KernelSet::DeviceBlas;
     match step {
         Step::Gemm {
             epilogue: Some(epilogue),
             n,
             ..
         } if library => pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?,
+        Step::Gemm {
+            bias: None,
+            epilogue: None,
+            ..
+        } if blas_product => {
+            // The BLAS product is the whole result.
+            unsafe { kernel.function.delete() };
+            return Ok(false);
+        }
         Step::Gemm {
             out,
             bias,
@@ -74,7 +87,7 @@ pub(crate) fn generate<'ctx>(
             ..
         } if !library => gemm(
             &kernel,
-            (*out, bias.is_some()),
+            (*out, bias.is_some(), blas_product),
             (*k, *n, *transposed),
             epilogue.as_ref(),
         )?,
@@ -917,10 +930,11 @@ fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
 
 /// `out[r, j] = epilogue(sum_c x[r, c] W[j, c] + bias[j])` (`W[c, j]` when
 /// `transposed`): one output value per iteration of the parallel loop, the epilogue
-/// applied to the sum before it is stored (its reads of `out` are the sum itself).
+/// applied to the sum before it is stored (its reads of `out` are the sum itself). With
+/// `product_given`, the sum is what `out[r, j]` holds (a BLAS wrote it).
 fn gemm<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    (out_slot, has_bias): (nestor_passes::Slot, bool),
+    (out_slot, has_bias, product_given): (nestor_passes::Slot, bool, bool),
     (k, n, transposed): (i64, i64, bool),
     epilogue: Option<&Fusion>,
 ) -> Gen<()> {
@@ -932,16 +946,20 @@ fn gemm<'ctx>(
     kernel.parallel_range(start, end, |task| {
         let row = kernel.div(task, kernel.i64(n))?;
         let column = kernel.rem(task, kernel.i64(n))?;
-        let x_row = kernel.mul(row, kernel.i64(k))?;
-        let sum = row_sum(kernel, k, |inner| {
-            let at = if transposed {
-                kernel.add(kernel.mul(inner, kernel.i64(n))?, column)?
-            } else {
-                kernel.add(kernel.mul(column, kernel.i64(k))?, inner)?
-            };
-            let product = kernel.load_float(x, kernel.add(x_row, inner)?)?;
-            kernel.fmul(product, kernel.load_float(weight, at)?)
-        })?;
+        let sum = if product_given {
+            kernel.load_float(out, task)?
+        } else {
+            let x_row = kernel.mul(row, kernel.i64(k))?;
+            row_sum(kernel, k, |inner| {
+                let at = if transposed {
+                    kernel.add(kernel.mul(inner, kernel.i64(n))?, column)?
+                } else {
+                    kernel.add(kernel.mul(column, kernel.i64(k))?, inner)?
+                };
+                let product = kernel.load_float(x, kernel.add(x_row, inner)?)?;
+                kernel.fmul(product, kernel.load_float(weight, at)?)
+            })?
+        };
         let sum = match bias {
             Some(bias) => kernel.fadd(sum, kernel.load_float(bias, column)?)?,
             None => sum,

@@ -1,5 +1,6 @@
 //! The GPU check (`scripts/gpu-check.sh run` on a GPU machine; no Rust or libtorch
-//! needed there, only libcuda and libdevice through `NESTOR_LIBDEVICE`):
+//! needed there, only libcuda, libcublas on the library path (the runs with BLAS GEMMs
+//! fail without it) and libdevice through `NESTOR_LIBDEVICE`):
 //!
 //! - with `--cases DIR`, every kernel case written by `nestor-backend-cuda`'s
 //!   `tests/gpu_check.rs` (one kernel template each, its PTX, buffers and the CPU
@@ -10,7 +11,8 @@
 //!   attention with their gradients) are lowered here, run on the device
 //!   (`--device cuda`: the GPU, PTX made on the spot; `--device host`: the same kernels
 //!   on the CPU, the self-test of `make test`) and on the CPU runtime for several sets of
-//!   lengths, and compared.
+//!   lengths, with f32 and bf16 buffers, GEMM products on the BLAS (cuBLAS; on the host
+//!   the same column-major calls) and in GEMM kernels, and compared.
 //!
 //! ```sh
 //! gpu-check --device cuda --cases gpu-check/cases OUT_DIR
@@ -25,7 +27,7 @@ use std::time::Instant;
 
 use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type};
 use nestor_runtime::{
-    round_to_bf16, CudaDevice, Executable, HostDevice, InputData, KernelDevice, RunData,
+    round_to_bf16, CudaDevice, Executable, Gemms, HostDevice, InputData, KernelDevice, RunData,
     RuntimeError, Stats, Storage,
 };
 
@@ -155,9 +157,13 @@ fn main() -> ExitCode {
             }
         };
         report.push_str(&format!(
-            "device {} ({})\n",
+            "device {} ({}); {}\n",
             device.name(),
-            device.arch().name()
+            device.arch().name(),
+            match nestor_backend_cuda::blas::Blas::new(&device) {
+                Ok(_) => "cuBLAS loaded".to_owned(),
+                Err(error) => error.to_string(),
+            }
         ));
         if let Some(cases) = cases {
             match run_cases(&device, Path::new(cases)) {
@@ -178,45 +184,52 @@ fn main() -> ExitCode {
         report.push('\n');
     };
     // The encoder layer at the benchmark's sizes, timed (against padded torch in
-    // `scripts/gpu-torch-baseline.py`, same lengths), with f32 and bf16 buffers.
+    // `scripts/gpu-torch-baseline.py`, same lengths), with f32 and bf16 buffers, its
+    // GEMM products on the BLAS and in kernels.
     for storage in [Storage::Compute, Storage::Bf16] {
-        let buffers = buffers_name(storage);
-        record(
-            match check(
-                &encoder_layer_256(),
-                false,
-                &BENCHMARK_LENGTHS,
-                (kind, storage),
-            ) {
-                Ok((error, device_ms, cpu_ms)) => format!(
-                    "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at 35%; \
-                     {buffers}): relative error {error:.2e}; device {device_ms:.3} ms, \
-                     CPU runtime {cpu_ms:.3} ms"
-                ),
-                Err(why) => {
-                    failures += 1;
-                    format!("FAIL encoder_layer_256 ({buffers}): {why}")
-                }
-            },
-        );
+        for gemms in [Gemms::Blas, Gemms::Kernels] {
+            let how = how_named(storage, gemms);
+            record(
+                match check(
+                    &encoder_layer_256(),
+                    false,
+                    &BENCHMARK_LENGTHS,
+                    (kind, storage, gemms),
+                ) {
+                    Ok((error, device_ms, cpu_ms)) => format!(
+                        "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at \
+                         35%; {how}): relative error {error:.2e}; device {device_ms:.3} ms, \
+                         CPU runtime {cpu_ms:.3} ms"
+                    ),
+                    Err(why) => {
+                        failures += 1;
+                        format!("FAIL encoder_layer_256 ({how}): {why}")
+                    }
+                },
+            );
+        }
     }
-    // Every program for every batch with f32 buffers; with bf16 buffers for a batch
-    // with empty and one-row elements and for the largest one.
+    // Every program for every batch with f32 buffers and BLAS products (what a GPU runs
+    // by default); with GEMM kernels, and with bf16 buffers, for a batch with empty and
+    // one-row elements and for the largest one (bf16 with GEMM kernels: the largest).
+    let (first, largest) = (LENGTHS[0], LENGTHS[3]);
     let runs = LENGTHS
         .iter()
-        .map(|lengths| (*lengths, Storage::Compute))
-        .chain([LENGTHS[0], LENGTHS[3]].map(|lengths| (lengths, Storage::Bf16)));
-    for (lengths, storage) in runs {
+        .map(|lengths| (*lengths, Storage::Compute, Gemms::Blas))
+        .chain([first, largest].map(|lengths| (lengths, Storage::Compute, Gemms::Kernels)))
+        .chain([first, largest].map(|lengths| (lengths, Storage::Bf16, Gemms::Blas)))
+        .chain([(largest, Storage::Bf16, Gemms::Kernels)]);
+    for (lengths, storage, gemms) in runs {
         for (name, text, train) in PROGRAMS {
-            let buffers = buffers_name(storage);
-            record(match check(text, train, lengths, (kind, storage)) {
+            let how = how_named(storage, gemms);
+            record(match check(text, train, lengths, (kind, storage, gemms)) {
                 Ok((error, device_ms, cpu_ms)) => format!(
-                    "ok   {name} {lengths:?} ({buffers}): relative error {error:.2e}; \
+                    "ok   {name} {lengths:?} ({how}): relative error {error:.2e}; \
                      device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
                 ),
                 Err(why) => {
                     failures += 1;
-                    format!("FAIL {name} {lengths:?} ({buffers}): {why}")
+                    format!("FAIL {name} {lengths:?} ({how}): {why}")
                 }
             });
         }
@@ -240,12 +253,17 @@ fn main() -> ExitCode {
     }
 }
 
-/// How a report line names a storage.
-fn buffers_name(storage: Storage) -> &'static str {
-    match storage {
+/// How a report line names a storage and where GEMM products ran.
+fn how_named(storage: Storage, gemms: Gemms) -> String {
+    let buffers = match storage {
         Storage::Compute => "f32 buffers",
         Storage::Bf16 => "bf16 buffers",
-    }
+    };
+    let products = match gemms {
+        Gemms::Blas => "BLAS GEMMs",
+        Gemms::Kernels => "GEMM kernels",
+    };
+    format!("{buffers}, {products}")
 }
 
 fn usage() -> ExitCode {
@@ -292,12 +310,13 @@ fn run_cases(device: &nestor_backend_cuda::Device, dir: &Path) -> Result<(String
 }
 
 /// Runs `text` for `lengths` on the device and on the CPU runtime: the largest relative
-/// difference and each one's time (the median of five runs after one).
+/// difference and each one's time (on a GPU the median of five runs after one; on the
+/// host, one run).
 fn check(
     text: &str,
     train: bool,
     lengths: &[i64],
-    (kind, storage): (Kind, Storage),
+    (kind, storage, gemms): (Kind, Storage, Gemms),
 ) -> Result<(f64, f64, f64), String> {
     let fail = |error: RuntimeError| error.to_string();
     let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
@@ -320,17 +339,19 @@ fn check(
     }
     let inputs: Vec<InputData<'_>> = values.iter().map(Values::data).collect();
     let stats = Stats::default();
-    let (expected, cpu_ms) = timed(|| executable.run(&inputs, &stats, None)).map_err(fail)?;
+    // Timed on a GPU; the host's self-test runs each once.
+    let runs = if kind == Kind::Cuda { 5 } else { 0 };
+    let (expected, cpu_ms) = timed(runs, || executable.run(&inputs, &stats, None)).map_err(fail)?;
     let device_stats = Stats::default();
     let (actual, device_ms) = match kind {
         Kind::Host => {
-            let device = HostDevice::storing(&executable, storage).map_err(fail)?;
-            run(&executable, &device, &inputs, &device_stats)
+            let device = HostDevice::with(&executable, storage, gemms).map_err(fail)?;
+            run(&executable, &device, &inputs, &device_stats, runs)
         }
         Kind::Cuda => {
             let gpu = nestor_backend_cuda::Device::open(0).map_err(|error| error.to_string())?;
-            let device = CudaDevice::storing(gpu, &executable, storage).map_err(fail)?;
-            run(&executable, &device, &inputs, &device_stats)
+            let device = CudaDevice::with(gpu, &executable, storage, gemms).map_err(fail)?;
+            run(&executable, &device, &inputs, &device_stats, runs)
         }
     }
     .map_err(fail)?;
@@ -423,15 +444,24 @@ fn run<D: KernelDevice>(
     device: &D,
     inputs: &[InputData<'_>],
     stats: &Stats,
+    runs: usize,
 ) -> Result<(Vec<nestor_runtime::RunOutput>, f64), RuntimeError> {
-    timed(|| executable.run_on_device(device, inputs, stats))
+    timed(runs, || executable.run_on_device(device, inputs, stats))
 }
 
-/// `step`'s result and its median time in milliseconds over five runs after one.
-fn timed<T>(mut step: impl FnMut() -> Result<T, RuntimeError>) -> Result<(T, f64), RuntimeError> {
+/// `step`'s result and its median time in milliseconds over `runs` runs after one (the
+/// first one's time when `runs` is 0).
+fn timed<T>(
+    runs: usize,
+    mut step: impl FnMut() -> Result<T, RuntimeError>,
+) -> Result<(T, f64), RuntimeError> {
+    let started = Instant::now();
     let mut result = step()?;
-    let mut times = Vec::new();
-    for _ in 0..5 {
+    let mut times = vec![started.elapsed().as_secs_f64() * 1e3];
+    if runs > 0 {
+        times.clear();
+    }
+    for _ in 0..runs {
         let started = Instant::now();
         result = step()?;
         times.push(started.elapsed().as_secs_f64() * 1e3);

@@ -9,6 +9,7 @@
 use std::collections::hash_map::{Entry, HashMap};
 
 use nestor_backend_cpu::{CpuKernels, KernelSet, Storage};
+use nestor_backend_cuda::blas::{Blas, BlasCall, Product};
 use nestor_ir::Window2d;
 use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step, WindowKind};
 
@@ -40,6 +41,41 @@ pub trait KernelDevice {
         addresses: &[u64],
         range: (i64, i64),
     ) -> Result<(), RuntimeError>;
+    /// Where the device computes GEMM products.
+    fn gemms(&self) -> Gemms;
+    /// Runs `call` for step `step` on the device's BLAS, `[a, b, c]` the buffers of the
+    /// weight, the input and the output (asked only of devices whose [`Self::gemms`] is
+    /// [`Gemms::Blas`]).
+    ///
+    /// # Safety
+    /// The addresses must be buffers of this device holding [`BlasCall::lengths`] values.
+    unsafe fn blas(
+        &self,
+        step: usize,
+        call: &BlasCall,
+        buffers: [u64; 3],
+    ) -> Result<(), RuntimeError>;
+}
+
+/// Where a device computes the products of GEMM steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gemms {
+    /// In the GEMM step's own kernel ([`KernelSet::Complete`]): a thread per output
+    /// value.
+    Kernels,
+    /// On the device's BLAS (cuBLAS on a GPU), then a kernel that adds the bias and
+    /// applies the epilogue in place ([`KernelSet::DeviceBlas`]).
+    Blas,
+}
+
+impl Gemms {
+    /// The kernel set a device computing GEMM products this way runs.
+    fn kernel_set(self) -> KernelSet {
+        match self {
+            Gemms::Kernels => KernelSet::Complete,
+            Gemms::Blas => KernelSet::DeviceBlas,
+        }
+    }
 }
 
 fn device_error(step: usize, reason: impl std::fmt::Display) -> RuntimeError {
@@ -49,10 +85,13 @@ fn device_error(step: usize, reason: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
-/// The CPU as a kernel device: the `Complete` kernels JIT-compiled for the host.
+/// The CPU as a kernel device: the GPU's kernels JIT-compiled for the host, and (with
+/// [`Gemms::Blas`]) the column-major BLAS calls a GPU makes, run through their strides
+/// ([`BlasCall::strides`]) by the runtime's GEMM.
 pub struct HostDevice {
     kernels: CpuKernels,
     storage: Storage,
+    gemms: Gemms,
 }
 
 impl HostDevice {
@@ -64,14 +103,42 @@ impl HostDevice {
     /// The host device of `executable`'s program, its buffers holding floats as
     /// `storage` says (bf16: the GPU's half-size buffers, checked on the CPU).
     pub fn storing(executable: &Executable, storage: Storage) -> Result<Self, RuntimeError> {
+        Self::with(executable, storage, Gemms::Kernels)
+    }
+
+    /// [`HostDevice::storing`], GEMM products computed as `gemms` says.
+    pub fn with(
+        executable: &Executable,
+        storage: Storage,
+        gemms: Gemms,
+    ) -> Result<Self, RuntimeError> {
         Ok(Self {
             kernels: nestor_backend_cpu::compile_storing(
                 executable.program(),
-                KernelSet::Complete,
+                gemms.kernel_set(),
                 storage,
             )?,
             storage,
+            gemms,
         })
+    }
+
+    /// `count` values of the storage type at `address`, as f32.
+    ///
+    /// # Safety
+    /// `address` must hold `count` values of the storage type.
+    unsafe fn read_floats(&self, address: u64, count: usize) -> Vec<f32> {
+        // The caller vouches for the values.
+        unsafe {
+            if self.storage == Storage::Bf16 {
+                std::slice::from_raw_parts(address as *const u16, count)
+                    .iter()
+                    .map(|&bits| from_bf16(bits))
+                    .collect()
+            } else {
+                std::slice::from_raw_parts(address as *const f32, count).to_vec()
+            }
+        }
     }
 }
 
@@ -150,17 +217,7 @@ impl KernelDevice for HostDevice {
 
     fn download_f32(&self, buffer: &HostBuffer) -> Result<Vec<f32>, RuntimeError> {
         // The words hold `floats` values of the storage type.
-        Ok(unsafe {
-            if self.storage == Storage::Bf16 {
-                std::slice::from_raw_parts(buffer.words.as_ptr() as *const u16, buffer.floats)
-                    .iter()
-                    .map(|&bits| from_bf16(bits))
-                    .collect()
-            } else {
-                std::slice::from_raw_parts(buffer.words.as_ptr() as *const f32, buffer.floats)
-                    .to_vec()
-            }
-        })
+        Ok(unsafe { self.read_floats(self.address(buffer), buffer.floats) })
     }
 
     fn address(&self, buffer: &HostBuffer) -> u64 {
@@ -185,17 +242,63 @@ impl KernelDevice for HostDevice {
         unsafe { kernel(args.as_ptr(), start, end) };
         Ok(())
     }
+
+    fn gemms(&self) -> Gemms {
+        self.gemms
+    }
+
+    unsafe fn blas(
+        &self,
+        _step: usize,
+        call: &BlasCall,
+        [a, b, c]: [u64; 3],
+    ) -> Result<(), RuntimeError> {
+        let [a_len, b_len, c_len] = call.lengths();
+        // The caller vouches for the buffers' lengths.
+        let (a, b) = unsafe { (self.read_floats(a, a_len), self.read_floats(b, b_len)) };
+        let mut product = vec![0.0f32; c_len];
+        let count = |value: i32| usize::try_from(value).unwrap_or(0);
+        let [a_strides, b_strides, c_strides] = call.strides();
+        if call.k > 0 {
+            // `a`, `b` and `product` hold what the call's strides reach (`lengths`).
+            unsafe {
+                <f32 as crate::scalar::Scalar>::matmul(
+                    (count(call.m), count(call.k), count(call.n)),
+                    1.0,
+                    (a.as_ptr(), a_strides.0, a_strides.1),
+                    (b.as_ptr(), b_strides.0, b_strides.1),
+                    (product.as_mut_ptr(), c_strides.0, c_strides.1),
+                )
+            };
+        }
+        // The caller vouches for `c`: `c_len` values of the storage type.
+        unsafe {
+            if self.storage == Storage::Bf16 {
+                let stored = c as *mut u16;
+                for (index, &value) in product.iter().enumerate() {
+                    *stored.add(index) = to_bf16(value);
+                }
+            } else {
+                std::ptr::copy_nonoverlapping(product.as_ptr(), c as *mut f32, c_len);
+            }
+        }
+        Ok(())
+    }
 }
 
-/// A GPU as a kernel device: the program's PTX loaded on a CUDA device.
+/// A GPU as a kernel device: the program's PTX loaded on a CUDA device, GEMM products
+/// on cuBLAS where it loads.
 pub struct CudaDevice {
     device: nestor_backend_cuda::Device,
     module: nestor_backend_cuda::LoadedModule,
     storage: Storage,
+    blas: Option<Blas>,
 }
 
 impl CudaDevice {
-    /// `executable`'s program as PTX for `device`, loaded on it.
+    /// `executable`'s program as PTX for `device`, loaded on it; GEMM products on cuBLAS
+    /// where libcublas loads, else in the GEMM steps' kernels ([`CudaDevice::gemms`]
+    /// says which).
     pub fn new(
         device: nestor_backend_cuda::Device,
         executable: &Executable,
@@ -209,12 +312,36 @@ impl CudaDevice {
         executable: &Executable,
         storage: Storage,
     ) -> Result<Self, RuntimeError> {
-        let ptx = nestor_backend_cuda::ptx_storing(executable.program(), device.arch(), storage)?;
+        let gemms = match Blas::new(&device) {
+            Ok(_) => Gemms::Blas,
+            Err(_) => Gemms::Kernels,
+        };
+        Self::with(device, executable, storage, gemms)
+    }
+
+    /// [`CudaDevice::storing`], GEMM products computed as `gemms` says (cuBLAS must
+    /// load for [`Gemms::Blas`]: [`nestor_backend_cuda::CudaError::NoBlas`] otherwise).
+    pub fn with(
+        device: nestor_backend_cuda::Device,
+        executable: &Executable,
+        storage: Storage,
+        gemms: Gemms,
+    ) -> Result<Self, RuntimeError> {
+        let blas = match gemms {
+            Gemms::Blas => Some(Blas::new(&device)?),
+            Gemms::Kernels => None,
+        };
+        let ptx = nestor_backend_cuda::ptx_of(
+            executable.program(),
+            device.arch(),
+            (gemms.kernel_set(), storage),
+        )?;
         let module = device.load(&ptx)?;
         Ok(Self {
             device,
             module,
             storage,
+            blas,
         })
     }
 
@@ -297,6 +424,28 @@ impl KernelDevice for CudaDevice {
     ) -> Result<(), RuntimeError> {
         // The caller vouches for the buffers (this device's) and the range.
         Ok(unsafe { self.device.launch(&self.module, step, addresses, range) }?)
+    }
+
+    fn gemms(&self) -> Gemms {
+        if self.blas.is_some() {
+            Gemms::Blas
+        } else {
+            Gemms::Kernels
+        }
+    }
+
+    unsafe fn blas(
+        &self,
+        step: usize,
+        call: &BlasCall,
+        buffers: [u64; 3],
+    ) -> Result<(), RuntimeError> {
+        let blas = self
+            .blas
+            .as_ref()
+            .ok_or_else(|| device_error(step, "this device runs GEMMs in kernels"))?;
+        // The caller vouches for the buffers.
+        Ok(unsafe { blas.run(call, buffers, self.storage) }?)
     }
 }
 
@@ -381,6 +530,7 @@ impl Executable {
                 run,
             };
             let (args, range) = plan.args(step)?;
+            let product = plan.blas_product(step, device.gemms())?;
             let mut addresses = Vec::with_capacity(args.len());
             for arg in args {
                 addresses.push(match arg {
@@ -398,6 +548,21 @@ impl Executable {
                     }
                     Arg::Null => 0,
                 });
+            }
+            if let Some((call, launch)) = product {
+                // A GEMM's buffers come first: out, x, weight (`args`); `blas_product`
+                // checked that they hold what the call reads and writes.
+                unsafe {
+                    device.blas(
+                        step_index,
+                        &call,
+                        [addresses[2], addresses[1], addresses[0]],
+                    )?
+                };
+                if !launch {
+                    stats.moved(self.bytes_moved(step_index, &sizes));
+                    continue;
+                }
             }
             // The buffers were sized from these lengths for this program's steps, and
             // the index buffers from the same lengths.
@@ -648,6 +813,54 @@ impl Plan<'_> {
                 (args, (0, pixels as i64))
             }
         })
+    }
+
+    /// For a GEMM step on a device whose BLAS computes products, the BLAS call and
+    /// whether a kernel follows it (for the bias or the epilogue), after checking that
+    /// the step's buffers hold what the call reads and writes; `None` otherwise.
+    fn blas_product(
+        &self,
+        step: &Step,
+        gemms: Gemms,
+    ) -> Result<Option<(BlasCall, bool)>, RuntimeError> {
+        let Step::Gemm {
+            out,
+            x,
+            weight,
+            bias,
+            rows,
+            k,
+            n,
+            transposed,
+            epilogue,
+        } = step
+        else {
+            return Ok(None);
+        };
+        if gemms == Gemms::Kernels {
+            return Ok(None);
+        }
+        let call = Product {
+            rows: self.sizes.rows(*rows),
+            k: *k,
+            n: *n,
+            transposed: *transposed,
+        }
+        .blas_call()
+        .map_err(|error| device_error(self.step, error))?;
+        for (slot, needed) in [*weight, *x, *out].into_iter().zip(call.lengths()) {
+            let held = self.sizes.elements(self.program, slot);
+            if held < needed {
+                return Err(device_error(
+                    self.step,
+                    format!(
+                        "slot {} holds {held} values, its GEMM reads {needed}",
+                        slot.0
+                    ),
+                ));
+            }
+        }
+        Ok(Some((call, bias.is_some() || epilogue.is_some())))
     }
 
     /// The pixels of the images of `heights` and `widths` (`H_i W_i` summed, checked).

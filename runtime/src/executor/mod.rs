@@ -14,7 +14,9 @@ mod conv;
 mod copies;
 mod device;
 
-pub use device::{round_to_bf16, CudaBuffer, CudaDevice, HostBuffer, HostDevice, KernelDevice};
+pub use device::{
+    round_to_bf16, CudaBuffer, CudaDevice, Gemms, HostBuffer, HostDevice, KernelDevice,
+};
 mod gemm;
 mod sizes;
 mod steps;

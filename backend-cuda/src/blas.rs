@@ -1,0 +1,331 @@
+//! GEMM products on cuBLAS (libcublas loaded at run time, as libcuda is). The
+//! column-major call a product becomes ([`BlasCall`]) also tells its strides, so the
+//! host device runs the same call and the translation is checked without a GPU.
+//!
+//! A GEMM step's product `out = x W^T` over row-major buffers is, read column-major,
+//! `out^T = W x^T`: cuBLAS is asked for `C = op(A) B` with `A` the weight, `B` the input
+//! and `C` the output, each buffer as it is (no copies).
+
+use std::ffi::c_void;
+
+use cudarc::cublas::{result, sys, CudaBlas};
+
+use crate::{CudaError, Device, Storage};
+
+/// A GEMM step's product over row-major buffers: `x [rows, k]`, the weight `[n, k]`
+/// (`[k, n]` when `transposed`: `out = x W`), `out [rows, n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Product {
+    /// Rows of `x` and `out`.
+    pub rows: i64,
+    /// Inner size.
+    pub k: i64,
+    /// Columns of `out`.
+    pub n: i64,
+    /// The weight is `[k, n]`.
+    pub transposed: bool,
+}
+
+/// A column-major BLAS call `C = op(A) B` (`C` is `m x n`, `op(A)` `m x k`, `B` `k x n`;
+/// `op(A) = A^T` when `transpose_a`), with its leading dimensions: cuBLAS's `gemm`
+/// arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlasCall {
+    /// `op(A) = A^T`.
+    pub transpose_a: bool,
+    /// Rows of `C`.
+    pub m: i32,
+    /// Columns of `C`.
+    pub n: i32,
+    /// Inner size.
+    pub k: i32,
+    /// Leading dimension of `A`.
+    pub lda: i32,
+    /// Leading dimension of `B`.
+    pub ldb: i32,
+    /// Leading dimension of `C`.
+    pub ldc: i32,
+}
+
+impl Product {
+    /// The column-major call computing this product with `A` the weight, `B` the input
+    /// and `C` the output; an error when a size does not fit cuBLAS's 32-bit integers.
+    ///
+    /// ```
+    /// use nestor_backend_cuda::blas::Product;
+    /// let call = Product { rows: 5, k: 3, n: 4, transposed: false }.blas_call()?;
+    /// assert!(call.transpose_a);
+    /// assert_eq!((call.m, call.n, call.k), (4, 5, 3));
+    /// # Ok::<(), nestor_backend_cuda::CudaError>(())
+    /// ```
+    pub fn blas_call(&self) -> Result<BlasCall, CudaError> {
+        let size = |value: i64, what: &str| {
+            i32::try_from(value).map_err(|_| {
+                CudaError::Blas(format!(
+                    "{what} {value} does not fit cuBLAS's 32-bit sizes ({self:?})"
+                ))
+            })
+        };
+        let (rows, k, n) = (
+            size(self.rows, "rows")?,
+            size(self.k, "k")?,
+            size(self.n, "n")?,
+        );
+        // Leading dimensions of at least 1, as BLAS requires even for empty matrices.
+        Ok(BlasCall {
+            // Row-major W [n, k] is column-major k x n (A^T is the n x k we need);
+            // row-major W [k, n] is column-major n x k already.
+            transpose_a: !self.transposed,
+            m: n,
+            n: rows,
+            k,
+            lda: if self.transposed { n } else { k }.max(1),
+            ldb: k.max(1),
+            ldc: n.max(1),
+        })
+    }
+}
+
+impl BlasCall {
+    /// Values each buffer must hold: `[A, B, C]`.
+    pub fn lengths(&self) -> [usize; 3] {
+        let count = |value: i32| usize::try_from(value).unwrap_or(0);
+        let (m, n, k) = (count(self.m), count(self.n), count(self.k));
+        let (lda, ldb, ldc) = (count(self.lda), count(self.ldb), count(self.ldc));
+        // Column-major: the last column starts `ld * (columns - 1)` in.
+        let span = |ld: usize, rows: usize, columns: usize| {
+            if rows == 0 || columns == 0 {
+                0
+            } else {
+                ld * (columns - 1) + rows
+            }
+        };
+        let a = if self.transpose_a {
+            span(lda, k, m)
+        } else {
+            span(lda, m, k)
+        };
+        [a, span(ldb, k, n), span(ldc, m, n)]
+    }
+
+    /// How the call reads and writes its matrices, as cuBLAS does: the (row, column)
+    /// strides in values of `op(A)` (`m x k`), `B` (`k x n`) and `C` (`m x n`).
+    pub fn strides(&self) -> [(isize, isize); 3] {
+        let stride = |ld: i32| ld as isize;
+        let a = if self.transpose_a {
+            (stride(self.lda), 1)
+        } else {
+            (1, stride(self.lda))
+        };
+        [a, (1, stride(self.ldb)), (1, stride(self.ldc))]
+    }
+}
+
+/// The cuBLAS functions nestor calls (cudarc panics on a missing one, so they are
+/// looked for first).
+pub const BLAS_SYMBOLS: [&str; 5] = [
+    "cublasCreate_v2",
+    "cublasDestroy_v2",
+    "cublasSetStream_v2",
+    "cublasSgemm_v2",
+    "cublasGemmEx",
+];
+
+/// The first of [`BLAS_SYMBOLS`] that `library` lacks.
+pub fn missing_symbol(library: &libloading::Library) -> Option<&'static str> {
+    BLAS_SYMBOLS.into_iter().find(|name| {
+        // SAFETY: the symbol is only looked up, never called or read.
+        unsafe { library.get::<*const c_void>(name.as_bytes()) }.is_err()
+    })
+}
+
+/// cuBLAS on a device's stream: GEMM products ordered with the device's kernels.
+pub struct Blas {
+    blas: CudaBlas,
+}
+
+impl Blas {
+    /// cuBLAS for `device`: [`CudaError::NoBlas`] when libcublas cannot be loaded (it is
+    /// looked for under its usual names on the library path) or lacks a function nestor
+    /// calls.
+    pub fn new(device: &Device) -> Result<Blas, CudaError> {
+        // SAFETY: loading libcublas runs its initializers, as cudarc's own loading would.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaError::NoBlas(
+                "libcublas cannot be loaded (add its folder to LD_LIBRARY_PATH)".to_owned(),
+            ));
+        }
+        // SAFETY: as above; present, so cudarc's loading does not panic.
+        if let Some(name) = missing_symbol(unsafe { sys::culib() }) {
+            return Err(CudaError::NoBlas(format!("libcublas has no {name}")));
+        }
+        let blas = CudaBlas::new(device.stream().clone())
+            .map_err(|error| CudaError::Blas(error.to_string()))?;
+        Ok(Blas { blas })
+    }
+
+    /// Runs `call` on the device's stream: `c = op(a) b` over buffers of f32, or of
+    /// bf16 (`storage`) with f32 accumulation.
+    ///
+    /// # Safety
+    /// `[a, b, c]` must be device buffers of the blas's device holding
+    /// [`BlasCall::lengths`] values of the storage type, alive until the work is done.
+    pub unsafe fn run(
+        &self,
+        call: &BlasCall,
+        [a, b, c]: [u64; 3],
+        storage: Storage,
+    ) -> Result<(), CudaError> {
+        if call.m == 0 || call.n == 0 {
+            return Ok(());
+        }
+        let transpose_a = if call.transpose_a {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        };
+        let no = sys::cublasOperation_t::CUBLAS_OP_N;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let handle = *self.blas.handle();
+        // SAFETY: the caller vouches for the buffers; the sizes are the call's.
+        let outcome = unsafe {
+            match storage {
+                Storage::Compute => result::sgemm(
+                    handle,
+                    transpose_a,
+                    no,
+                    call.m,
+                    call.n,
+                    call.k,
+                    &alpha,
+                    a as *const f32,
+                    call.lda,
+                    b as *const f32,
+                    call.ldb,
+                    &beta,
+                    c as *mut f32,
+                    call.ldc,
+                ),
+                Storage::Bf16 => {
+                    let bf16 = sys::cudaDataType::CUDA_R_16BF;
+                    result::gemm_ex(
+                        handle,
+                        transpose_a,
+                        no,
+                        call.m,
+                        call.n,
+                        call.k,
+                        &alpha as *const f32 as *const c_void,
+                        a as *const c_void,
+                        bf16,
+                        call.lda,
+                        b as *const c_void,
+                        bf16,
+                        call.ldb,
+                        &beta as *const f32 as *const c_void,
+                        c as *mut c_void,
+                        bf16,
+                        call.ldc,
+                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            }
+        };
+        outcome.map_err(|error| CudaError::Blas(format!("{error:?} for {call:?}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `x W^T` (or `x W`) the plain row-major way.
+    fn reference(product: &Product, x: &[f32], weight: &[f32]) -> Vec<f32> {
+        let (rows, k, n) = (
+            product.rows as usize,
+            product.k as usize,
+            product.n as usize,
+        );
+        let mut out = vec![0.0f32; rows * n];
+        for r in 0..rows {
+            for j in 0..n {
+                out[r * n + j] = (0..k)
+                    .map(|c| {
+                        let w = if product.transposed {
+                            weight[c * n + j]
+                        } else {
+                            weight[j * k + c]
+                        };
+                        x[r * k + c] * w
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    /// `c = op(a) b` read through the call's strides, summed in order.
+    fn run_on_host(call: &BlasCall, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let [(a_row, a_column), (b_row, b_column), (c_row, c_column)] = call.strides();
+        for i in 0..call.m as isize {
+            for j in 0..call.n as isize {
+                let sum = (0..call.k as isize)
+                    .map(|l| {
+                        a[(i * a_row + l * a_column) as usize]
+                            * b[(l * b_row + j * b_column) as usize]
+                    })
+                    .sum();
+                c[(i * c_row + j * c_column) as usize] = sum;
+            }
+        }
+    }
+
+    #[test]
+    fn the_blas_call_computes_the_row_major_product() {
+        for (rows, k, n) in [(5, 3, 4), (1, 1, 1), (0, 3, 2), (3, 0, 2), (7, 16, 1)] {
+            for transposed in [false, true] {
+                let product = Product {
+                    rows,
+                    k,
+                    n,
+                    transposed,
+                };
+                let x: Vec<f32> = (0..rows * k).map(|i| (i % 7) as f32 - 3.0).collect();
+                let weight: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
+                let call = product.blas_call().unwrap();
+                let [a, b, c] = call.lengths();
+                assert!(a <= weight.len() && b <= x.len(), "{product:?}: {call:?}");
+                assert_eq!(c, (rows * n) as usize, "{product:?}: {call:?}");
+                let mut out = vec![f32::NAN; (rows * n) as usize];
+                run_on_host(&call, &weight, &x, &mut out);
+                assert_eq!(out, reference(&product, &x, &weight), "{product:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_venvs_cublas_has_every_function_nestor_calls() {
+        // The torch venv's CUDA libraries (a GPU machine's come with its torch or CUDA).
+        let torch = std::env::var_os("LIBTORCH").expect("LIBTORCH is set by scripts/env.sh");
+        let path = std::path::Path::new(&torch).join("../nvidia/cu13/lib/libcublas.so.13");
+        // SAFETY: loading runs the library's initializers; nothing is called.
+        let library = unsafe { libloading::Library::new(&path) }
+            .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+        assert_eq!(missing_symbol(&library), None);
+        // A library without them says which it lacks.
+        let libc = unsafe { libloading::Library::new("libc.so.6") }.unwrap();
+        assert_eq!(missing_symbol(&libc), Some("cublasCreate_v2"));
+    }
+
+    #[test]
+    fn sizes_past_cublas_integers_are_an_error() {
+        let product = Product {
+            rows: 1 << 31,
+            k: 2,
+            n: 2,
+            transposed: false,
+        };
+        assert!(matches!(product.blas_call(), Err(CudaError::Blas(_))));
+    }
+}

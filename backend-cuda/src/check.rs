@@ -193,9 +193,11 @@ impl Case {
                 Uploaded::I64(buffer) => device.address(buffer),
             })
             .collect();
+        let table = device.upload(&addresses)?;
         // SAFETY: the buffers are the case's, which the CPU backend ran the same kernel
-        // on over the same range; they live until the launch is done (it synchronizes).
-        unsafe { device.launch(&module, 0, &addresses, self.range)? };
+        // on over the same range; they and the table live until the download, which
+        // waits for the kernel.
+        unsafe { device.launch(&module, 0, device.address(&table), self.range)? };
         match &uploaded[self.output] {
             Uploaded::F32(output) => device.download(output),
             Uploaded::I64(_) => Err(CudaError::Check("the output is not an f32 buffer".into())),

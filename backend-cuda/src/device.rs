@@ -133,18 +133,20 @@ impl Device {
         address
     }
 
-    /// Runs the kernel of step `step` over `start..end` with its buffers at `addresses`
-    /// (in the order the step's template documents), ordered on the device's stream.
+    /// Queues the kernel of step `step` over `start..end` on the device's stream, its
+    /// argument table (the addresses of its buffers, in the order the step's template
+    /// documents) at device address `table`. It does not wait: work on the stream runs
+    /// in order, and a download waits for it.
     ///
     /// # Safety
-    /// The addresses must be device buffers of this device, alive until the work is
-    /// done, and sized for the step over `start..end` (the kernel reads and writes them
-    /// without checks).
+    /// The table and the buffers it names must be device buffers of this device, sized
+    /// for the step over `start..end` (the kernel reads and writes them without checks)
+    /// and alive until the work is done.
     pub unsafe fn launch(
         &self,
         module: &LoadedModule,
         step: usize,
-        addresses: &[u64],
+        table: u64,
         (start, end): (i64, i64),
     ) -> Result<(), CudaError> {
         let kernel = module
@@ -155,7 +157,6 @@ impl Device {
         if end <= start {
             return Ok(());
         }
-        let table = self.upload(addresses)?;
         let work = u64::try_from(end - start).unwrap_or(0);
         let blocks = work.div_ceil(u64::from(BLOCK_THREADS)).clamp(1, MAX_BLOCKS) as u32;
         let config = LaunchConfig {
@@ -166,10 +167,9 @@ impl Device {
         let mut launch = self.stream.launch_builder(kernel);
         launch.arg(&table).arg(&start).arg(&end);
         // SAFETY: the kernel's signature is (ptr, i64, i64); the caller vouches for the
-        // buffers in the table.
+        // table and the buffers it names.
         unsafe { launch.launch(config) }.map_err(driver)?;
-        // The table must outlive the launch: wait before it is freed.
-        self.stream.synchronize().map_err(driver)
+        Ok(())
     }
 }
 

@@ -37,9 +37,12 @@ fn a_device_opens_or_says_why_not() {
     let x: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) / 100.0).collect();
     let input = device.upload(&x).unwrap();
     let output = device.upload(&vec![f32::NAN; x.len()]).unwrap();
-    let addresses = [device.address(&output), device.address(&input)];
-    // SAFETY: both buffers hold the 100 rows of 10 values the kernel covers.
-    unsafe { device.launch(&module, 0, &addresses, (0, 100)) }.unwrap();
+    let table = device
+        .upload(&[device.address(&output), device.address(&input)])
+        .unwrap();
+    // SAFETY: both buffers hold the 100 rows of 10 values the kernel covers; they and the
+    // table live until the download, which waits for the kernel.
+    unsafe { device.launch(&module, 0, device.address(&table), (0, 100)) }.unwrap();
     let on_device = device.download(&output).unwrap();
     for (value, result) in x.iter().zip(&on_device) {
         assert!(

@@ -31,16 +31,15 @@ pub trait KernelDevice {
     fn download_f32(&self, buffer: &Self::Buffer) -> Result<Vec<f32>, RuntimeError>;
     /// The buffer's address, as kernels take it in their argument table.
     fn address(&self, buffer: &Self::Buffer) -> u64;
-    /// Runs step `step`'s kernel over `start..end` on the buffers at `addresses`.
+    /// Runs step `step`'s kernel over `start..end`, its argument table (the addresses
+    /// of its buffers, in its template's order) at address `table` of this device; the
+    /// work may still run when this returns (a download waits for it).
     ///
     /// # Safety
-    /// The addresses must be buffers of this device, sized for the step over the range.
-    unsafe fn launch(
-        &self,
-        step: usize,
-        addresses: &[u64],
-        range: (i64, i64),
-    ) -> Result<(), RuntimeError>;
+    /// The table and the buffers it names must be this device's, sized for the step over
+    /// the range, and alive until the work is done.
+    unsafe fn launch(&self, step: usize, table: u64, range: (i64, i64))
+        -> Result<(), RuntimeError>;
     /// Where the device computes GEMM products.
     fn gemms(&self) -> Gemms;
     /// Runs `call` for step `step` on the device's BLAS, `[a, b, c]` the buffers of the
@@ -227,19 +226,15 @@ impl KernelDevice for HostDevice {
     unsafe fn launch(
         &self,
         step: usize,
-        addresses: &[u64],
+        table: u64,
         (start, end): (i64, i64),
     ) -> Result<(), RuntimeError> {
         let kernel = self
             .kernels
             .kernel(step)
             .ok_or_else(|| device_error(step, "no kernel"))?;
-        let args: Vec<*mut u8> = addresses
-            .iter()
-            .map(|&address| address as *mut u8)
-            .collect();
-        // The caller vouches for the buffers (this device's) and the range.
-        unsafe { kernel(args.as_ptr(), start, end) };
+        // The caller vouches for the table, the buffers (this device's) and the range.
+        unsafe { kernel(table as *const *mut u8, start, end) };
         Ok(())
     }
 
@@ -419,11 +414,11 @@ impl KernelDevice for CudaDevice {
     unsafe fn launch(
         &self,
         step: usize,
-        addresses: &[u64],
+        table: u64,
         range: (i64, i64),
     ) -> Result<(), RuntimeError> {
-        // The caller vouches for the buffers (this device's) and the range.
-        Ok(unsafe { self.device.launch(&self.module, step, addresses, range) }?)
+        // The caller vouches for the table, the buffers (this device's) and the range.
+        Ok(unsafe { self.device.launch(&self.module, step, table, range) }?)
     }
 
     fn gemms(&self) -> Gemms {
@@ -518,10 +513,14 @@ impl Executable {
                 Source::Alias(_) => None,
             });
         }
-        let mut indices: HashMap<Index, D::Buffer> = HashMap::new();
-        // Every run draws new dropout masks, as on the CPU.
+        // Every step's arguments and range, planned before anything runs; the index
+        // buffers they name gathered into one upload.
         let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut indices: HashMap<Index, usize> = HashMap::new();
+        let mut index_values: Vec<i64> = Vec::new();
+        let mut planned = Vec::with_capacity(program.steps.len());
         for (step_index, step) in program.steps.iter().enumerate() {
+            // Every run draws new dropout masks, as on the CPU.
             let plan = Plan {
                 program,
                 sizes: &sizes,
@@ -530,43 +529,55 @@ impl Executable {
                 run,
             };
             let (args, range) = plan.args(step)?;
-            let product = plan.blas_product(step, device.gemms())?;
-            let mut addresses = Vec::with_capacity(args.len());
-            for arg in args {
-                addresses.push(match arg {
-                    Arg::Slot(slot) => buffers[self.root(slot).0 as usize]
-                        .as_ref()
-                        .map_or(0, |buffer| device.address(buffer)),
-                    Arg::Index(index) => {
-                        let buffer = match indices.entry(index) {
-                            Entry::Occupied(entry) => entry.into_mut(),
-                            Entry::Vacant(entry) => {
-                                entry.insert(device.upload_i64(&plan.index_values(index)?)?)
-                            }
-                        };
-                        device.address(buffer)
+            for arg in &args {
+                if let Arg::Index(index) = arg {
+                    if let Entry::Vacant(entry) = indices.entry(*index) {
+                        entry.insert(index_values.len());
+                        index_values.extend(plan.index_values(*index)?);
                     }
-                    Arg::Null => 0,
-                });
+                }
             }
+            planned.push((args, range, plan.blas_product(step, device.gemms())?));
+        }
+        let index_buffer = device.upload_i64(&index_values)?;
+        // Every step's argument table, uploaded at once. Positions are below the
+        // uploaded lengths, so `8 * position` stays within the buffer's addresses.
+        let address_in =
+            |buffer: &D::Buffer, position: usize| device.address(buffer) + 8 * position as u64;
+        let mut tables: Vec<i64> = Vec::new();
+        let mut table_starts = Vec::with_capacity(planned.len());
+        for (args, ..) in &planned {
+            table_starts.push(tables.len());
+            tables.extend(args.iter().map(|arg| {
+                match arg {
+                    Arg::Slot(slot) => buffers[self.root(*slot).0 as usize]
+                        .as_ref()
+                        .map_or(0, |buffer| device.address(buffer))
+                        as i64,
+                    Arg::Index(index) => address_in(&index_buffer, indices[index]) as i64,
+                    Arg::Null => 0,
+                }
+            }));
+        }
+        let table_buffer = device.upload_i64(&tables)?;
+        for (step_index, ((args, range, product), start)) in
+            planned.iter().zip(table_starts).enumerate()
+        {
             if let Some((call, launch)) = product {
                 // A GEMM's buffers come first: out, x, weight (`args`); `blas_product`
                 // checked that they hold what the call reads and writes.
-                unsafe {
-                    device.blas(
-                        step_index,
-                        &call,
-                        [addresses[2], addresses[1], addresses[0]],
-                    )?
-                };
+                let [out, x, weight] = [0, 1, 2].map(|at| tables[start + at] as u64);
+                unsafe { device.blas(step_index, call, [weight, x, out])? };
                 if !launch {
                     stats.moved(self.bytes_moved(step_index, &sizes));
                     continue;
                 }
             }
-            // The buffers were sized from these lengths for this program's steps, and
-            // the index buffers from the same lengths.
-            unsafe { device.launch(step_index, &addresses, range)? };
+            debug_assert!(start + args.len() <= tables.len());
+            // The buffers were sized from these lengths for this program's steps, the
+            // index buffers from the same lengths, and every buffer (tables included)
+            // lives until the outputs are downloaded, after the last step's work.
+            unsafe { device.launch(step_index, address_in(&table_buffer, start), *range)? };
             stats.moved(self.bytes_moved(step_index, &sizes));
         }
         stats.launched(program.steps.len() as u64);

@@ -127,6 +127,37 @@ impl Device {
         self.stream.clone_dtoh(buffer).map_err(driver)
     }
 
+    /// Copies `count` values at device address `address` back, after the work queued
+    /// before.
+    ///
+    /// # Safety
+    /// `address` must be a buffer of this device holding `count` values of `T`, alive
+    /// until the copy is done.
+    pub unsafe fn download_at<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        address: u64,
+        count: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        let mut values = vec![T::default(); count];
+        if count == 0 {
+            return Ok(values);
+        }
+        self.context.bind_to_thread().map_err(driver)?;
+        // SAFETY: the caller vouches for the buffer; `values` lives until the stream has
+        // run the copy (synchronized below).
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut values, address, self.stream.cu_stream())
+        }
+        .map_err(driver)?;
+        self.synchronize()?;
+        Ok(values)
+    }
+
+    /// Waits for the work queued on the device's stream.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(driver)
+    }
+
     /// The device address of `buffer`, for a kernel's argument table.
     pub fn address<T>(&self, buffer: &CudaSlice<T>) -> u64 {
         let (address, _record) = buffer.device_ptr(&self.stream);

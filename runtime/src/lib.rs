@@ -29,9 +29,9 @@ mod window;
 
 pub use blas::gemm_library;
 pub use executor::{
-    convolve_images, round_to_bf16, CudaBuffer, CudaDevice, Executable, Gemms, HostBuffer,
-    HostDevice, HostRunner, HostValue, InputData, KernelDevice, OutputSink, RunData, RunDim,
-    RunOutput, RunShape, RuntimeError,
+    convolve_images, round_to_bf16, CudaBuffer, CudaDevice, DeviceOutput, DeviceResults,
+    Executable, Gemms, HostBuffer, HostDevice, HostRunner, HostValue, InputData, KernelDevice,
+    OutputSink, RunData, RunDim, RunOutput, RunShape, RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;

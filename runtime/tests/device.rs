@@ -342,3 +342,56 @@ fn host_steps_on_a_device_are_a_typed_error() {
         ),
     }
 }
+
+#[test]
+fn inputs_and_results_stay_on_the_device() {
+    use nestor_runtime::{Executable, HostDevice, InputData, KernelDevice, Stats};
+    let graph = nestor_ir::parse(
+        r#"graph @resident {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 2]
+  %2 = exp(%1) : ragged<f32>[B; %0, 2]
+  return %2, %1
+}"#,
+    )
+    .unwrap();
+    let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let device = HostDevice::new(&executable).unwrap();
+    let (lengths, x) = ([2i64, 0, 1], [0.5f32, -1.0, 0.0, 2.0, f32::NAN, -0.25]);
+    let buffer = device.upload_f32(&x).unwrap();
+    let address = device.address(&buffer);
+    let inputs = [
+        InputData::I64(&lengths),
+        InputData::OnDevice { address, len: 6 },
+    ];
+    let stats = Stats::default();
+    let results = executable
+        .run_device_resident(&device, &inputs, &stats)
+        .unwrap();
+    // The returned input is the caller's own buffer; the result a buffer of the run.
+    assert_eq!(results.outputs[1].address, address);
+    assert_ne!(results.outputs[0].address, address);
+    assert_eq!(results.outputs[0].len, 6);
+    let outputs = results.download(&device).unwrap();
+    let host = [InputData::I64(&lengths), InputData::F32(&x)];
+    let expected = executable.run(&host, &stats, None).unwrap();
+    assert_eq!(first_difference(&outputs, &expected, 1e-6), None);
+    for (output, expected) in outputs.iter().zip(&expected) {
+        assert_eq!(output.shape, expected.shape);
+    }
+    // A device buffer of the wrong size, or given to the CPU runtime, is a typed error.
+    let short = [
+        InputData::I64(&lengths),
+        InputData::OnDevice { address, len: 4 },
+    ];
+    let error = executable
+        .run_device_resident(&device, &short, &stats)
+        .err()
+        .unwrap();
+    assert!(
+        error.to_string().contains("has 4 values, expected 6"),
+        "{error}"
+    );
+    let error = executable.run(&inputs, &stats, None).unwrap_err();
+    assert!(error.to_string().contains("a device buffer"), "{error}");
+}

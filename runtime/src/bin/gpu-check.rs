@@ -28,7 +28,7 @@ use std::time::Instant;
 use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type};
 use nestor_runtime::{
     round_to_bf16, CudaDevice, Executable, Gemms, HostDevice, InputData, KernelDevice, RunData,
-    RuntimeError, Stats, Storage,
+    RunOutput, RuntimeError, Stats, Storage,
 };
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
@@ -198,8 +198,8 @@ fn main() -> ExitCode {
                 ) {
                     Ok((error, device_ms, cpu_ms)) => format!(
                         "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at \
-                         35%; {how}): relative error {error:.2e}; device {device_ms:.3} ms, \
-                         CPU runtime {cpu_ms:.3} ms"
+                         35%; {how}): relative error {error:.2e}; device {device_ms:.3} ms \
+                         (inputs and results on the device), CPU runtime {cpu_ms:.3} ms"
                     ),
                     Err(why) => {
                         failures += 1;
@@ -343,35 +343,60 @@ fn check(
     let runs = if kind == Kind::Cuda { 5 } else { 0 };
     let (expected, cpu_ms) = timed(runs, || executable.run(&inputs, &stats, None)).map_err(fail)?;
     let device_stats = Stats::default();
-    let (actual, device_ms) = match kind {
+    let (uploaded, resident, device_ms) = match kind {
         Kind::Host => {
             let device = HostDevice::with(&executable, storage, gemms).map_err(fail)?;
-            run(&executable, &device, &inputs, &device_stats, runs)
+            on_device(&executable, &device, &inputs, &device_stats, runs)
         }
         Kind::Cuda => {
             let gpu = nestor_backend_cuda::Device::open(0).map_err(|error| error.to_string())?;
             let device = CudaDevice::with(gpu, &executable, storage, gemms).map_err(fail)?;
-            run(&executable, &device, &inputs, &device_stats, runs)
+            on_device(&executable, &device, &inputs, &device_stats, runs)
         }
     }
     .map_err(fail)?;
-    // As many runs on each: the same launches and bytes moved.
+    // One run from host memory against the CPU's timed ones: the same launches and
+    // bytes moved per run.
     let (cpu, gpu) = (stats.snapshot(), device_stats.snapshot());
-    if (cpu.kernel_launches, cpu.bytes_moved) != (gpu.kernel_launches, gpu.bytes_moved) {
+    let per_run = |count: u64| count.checked_div(runs as u64 + 1).unwrap_or(0);
+    let cpu_counts = (per_run(cpu.kernel_launches), per_run(cpu.bytes_moved));
+    if cpu_counts != (gpu.kernel_launches, gpu.bytes_moved) {
         return Err(format!(
-            "the device counted {} launches and {} bytes moved, the CPU {} and {}",
-            gpu.kernel_launches, gpu.bytes_moved, cpu.kernel_launches, cpu.bytes_moved
+            "the device counted {} launches and {} bytes moved, the CPU {} and {} a run",
+            gpu.kernel_launches, gpu.bytes_moved, cpu_counts.0, cpu_counts.1
         ));
     }
     let mut worst = 0.0f64;
-    for (output, (a, e)) in actual.iter().zip(&expected).enumerate() {
+    for (what, actual) in [("from host memory", uploaded), ("resident", resident)] {
+        worst = worst.max(
+            compare_outputs(&actual, &expected, storage).map_err(|why| format!("{what}: {why}"))?,
+        );
+    }
+    Ok((worst, device_ms, cpu_ms))
+}
+
+/// The largest error of `actual` against `expected`, output by output ([`compare`]).
+fn compare_outputs(
+    actual: &[RunOutput],
+    expected: &[RunOutput],
+    storage: Storage,
+) -> Result<f64, String> {
+    if actual.len() != expected.len() {
+        return Err(format!(
+            "{} outputs, expected {}",
+            actual.len(),
+            expected.len()
+        ));
+    }
+    let mut worst = 0.0f64;
+    for (output, (a, e)) in actual.iter().zip(expected).enumerate() {
         let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
             return Err(format!("output {output} is not f32"));
         };
         let error = compare(a, e, storage).map_err(|why| format!("output {output}, {why}"))?;
         worst = worst.max(error);
     }
-    Ok((worst, device_ms, cpu_ms))
+    Ok(worst)
 }
 
 /// The error of `actual` against `expected` (the CPU runtime's): NaN and infinities
@@ -439,14 +464,43 @@ fn joint(graph: &Graph) -> Result<Graph, String> {
         .graph)
 }
 
-fn run<D: KernelDevice>(
+/// The program on `device`: once from host memory (counted into `stats`), then with
+/// its float inputs already on the device and its results left there, timed over
+/// `runs` runs after one until the device's work is done (as torch's timings, which
+/// synchronize); both runs' results and that time.
+fn on_device<D: KernelDevice>(
     executable: &Executable,
     device: &D,
     inputs: &[InputData<'_>],
     stats: &Stats,
     runs: usize,
-) -> Result<(Vec<nestor_runtime::RunOutput>, f64), RuntimeError> {
-    timed(runs, || executable.run_on_device(device, inputs, stats))
+) -> Result<(Vec<RunOutput>, Vec<RunOutput>, f64), RuntimeError> {
+    let uploaded = executable.run_on_device(device, inputs, stats)?;
+    let buffers = inputs
+        .iter()
+        .map(|input| match input {
+            InputData::F32(values) => device.upload_f32(values).map(Some),
+            _ => Ok(None),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let resident_inputs: Vec<InputData<'_>> = inputs
+        .iter()
+        .zip(&buffers)
+        .map(|(input, buffer)| match (input, buffer) {
+            (InputData::F32(values), Some(buffer)) => InputData::OnDevice {
+                address: device.address(buffer),
+                len: values.len(),
+            },
+            _ => *input,
+        })
+        .collect();
+    let unseen = Stats::default();
+    let (results, device_ms) = timed(runs, || {
+        let results = executable.run_device_resident(device, &resident_inputs, &unseen)?;
+        device.wait()?;
+        Ok(results)
+    })?;
+    Ok((uploaded, results.download(device)?, device_ms))
 }
 
 /// `step`'s result and its median time in milliseconds over `runs` runs after one (the

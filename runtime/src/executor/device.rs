@@ -14,7 +14,7 @@ use nestor_ir::Window2d;
 use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step, WindowKind};
 
 use super::sizes::Sizes;
-use super::{within_budget, Executable, InputData, RunData, RunOutput, RuntimeError};
+use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
 use crate::Stats;
 
 /// Memory and kernel launches of one program's `Complete` kernel set.
@@ -27,8 +27,15 @@ pub trait KernelDevice {
     fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError>;
     /// A buffer holding `values`.
     fn upload_i64(&self, values: &[i64]) -> Result<Self::Buffer, RuntimeError>;
-    /// The values of an f32 buffer.
-    fn download_f32(&self, buffer: &Self::Buffer) -> Result<Vec<f32>, RuntimeError>;
+    /// The `count` floats at `address` (in the device's storage type), as f32, once the
+    /// work queued before has run.
+    ///
+    /// # Safety
+    /// `address` must be a buffer of this device holding `count` floats, alive until the
+    /// copy is done.
+    unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError>;
+    /// Waits until the work queued on the device has run.
+    fn wait(&self) -> Result<(), RuntimeError>;
     /// The buffer's address, as kernels take it in their argument table.
     fn address(&self, buffer: &Self::Buffer) -> u64;
     /// Runs step `step`'s kernel over `start..end`, its argument table (the addresses
@@ -166,7 +173,6 @@ pub fn round_to_bf16(value: f32) -> f32 {
 /// A host buffer: 8-byte words, so that f32, bf16 and i64 values are aligned.
 pub struct HostBuffer {
     words: Vec<u64>,
-    floats: usize,
 }
 
 impl KernelDevice for HostDevice {
@@ -181,14 +187,11 @@ impl KernelDevice for HostDevice {
             .try_reserve_exact(length)
             .map_err(|_| device_error(0, format!("cannot allocate {count} values")))?;
         words.resize(length, 0u64);
-        Ok(HostBuffer {
-            words,
-            floats: count,
-        })
+        Ok(HostBuffer { words })
     }
 
     fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
-        let HostBuffer { mut words, floats } = self.zeros_f32(values.len())?;
+        let HostBuffer { mut words } = self.zeros_f32(values.len())?;
         // The words hold at least `values.len()` values of the storage type.
         unsafe {
             if self.storage == Storage::Bf16 {
@@ -204,19 +207,24 @@ impl KernelDevice for HostDevice {
                 )
             }
         };
-        Ok(HostBuffer { words, floats })
+        Ok(HostBuffer { words })
     }
 
     fn upload_i64(&self, values: &[i64]) -> Result<HostBuffer, RuntimeError> {
         let mut words: Vec<u64> = values.iter().map(|&value| value as u64).collect();
         // One word at least: kernels take the address of every buffer.
         words.push(0);
-        Ok(HostBuffer { words, floats: 0 })
+        Ok(HostBuffer { words })
     }
 
-    fn download_f32(&self, buffer: &HostBuffer) -> Result<Vec<f32>, RuntimeError> {
-        // The words hold `floats` values of the storage type.
-        Ok(unsafe { self.read_floats(self.address(buffer), buffer.floats) })
+    unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {
+        // The caller vouches for the values.
+        Ok(unsafe { self.read_floats(address, count) })
+    }
+
+    fn wait(&self) -> Result<(), RuntimeError> {
+        // Kernels ran when they were launched.
+        Ok(())
     }
 
     fn address(&self, buffer: &HostBuffer) -> u64 {
@@ -387,20 +395,19 @@ impl KernelDevice for CudaDevice {
         Ok(CudaBuffer::I64(self.device.upload(stored)?))
     }
 
-    fn download_f32(&self, buffer: &CudaBuffer) -> Result<Vec<f32>, RuntimeError> {
-        match buffer {
-            CudaBuffer::F32(slice, len) => {
-                let mut values = self.device.download(slice)?;
-                values.truncate(*len);
-                Ok(values)
-            }
-            CudaBuffer::Bf16(slice, len) => {
-                let mut values = self.device.download(slice)?;
-                values.truncate(*len);
-                Ok(values.into_iter().map(from_bf16).collect())
-            }
-            CudaBuffer::I64(_) => Err(device_error(0, "an i64 buffer read as f32")),
-        }
+    unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {
+        // The caller vouches for the buffer.
+        Ok(match self.storage {
+            Storage::Compute => unsafe { self.device.download_at(address, count) }?,
+            Storage::Bf16 => unsafe { self.device.download_at::<u16>(address, count) }?
+                .into_iter()
+                .map(from_bf16)
+                .collect(),
+        })
+    }
+
+    fn wait(&self) -> Result<(), RuntimeError> {
+        Ok(self.device.synchronize()?)
     }
 
     fn address(&self, buffer: &CudaBuffer) -> u64 {
@@ -472,13 +479,27 @@ impl Executable {
     /// a kernel of the `Complete` set, the results copied back, and the launches, the
     /// step buffers' bytes and the bytes moved counted into `stats` as a host run counts
     /// them. Host steps (per-element regions run through libtorch) are an error naming
-    /// the step.
+    /// the step. Inputs in host memory are uploaded; [`InputData::OnDevice`] ones are
+    /// read where they are.
     pub fn run_on_device<D: KernelDevice>(
         &self,
         device: &D,
         inputs: &[InputData<'_>],
         stats: &Stats,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
+        self.run_device_resident(device, inputs, stats)?
+            .download(device)
+    }
+
+    /// [`Executable::run_on_device`] without copying the results back: they stay in the
+    /// device's buffers, which the returned [`DeviceResults`] keeps; the work may still
+    /// be running when this returns ([`KernelDevice::wait`] or a download waits for it).
+    pub fn run_device_resident<D: KernelDevice>(
+        &self,
+        device: &D,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+    ) -> Result<DeviceResults<D::Buffer>, RuntimeError> {
         let program = &self.program;
         if program.float != FloatType::F32 {
             return Err(device_error(
@@ -488,16 +509,25 @@ impl Executable {
         }
         let sizes = Sizes::of_run(program, inputs)?;
         // Checks every input's type and size.
-        self.input_pointers(inputs, &sizes)?;
-        let mut buffers: Vec<Option<D::Buffer>> = Vec::with_capacity(program.slots.len());
+        self.input_pointers(inputs, &sizes, true)?;
+        // Every slot's address on the device (aliases use their root's), and the
+        // buffers of the run, kept until its work is done.
+        let mut addresses = vec![0u64; program.slots.len()];
+        let mut buffers: Vec<D::Buffer> = Vec::new();
+        let mut keep = |buffer: D::Buffer| {
+            let address = device.address(&buffer);
+            buffers.push(buffer);
+            address
+        };
         for (index, info) in program.slots.iter().enumerate() {
             let elements = sizes.elements(program, Slot(index as u32));
-            buffers.push(match info.source {
+            addresses[index] = match info.source {
                 Source::Input(input) => match inputs.get(input) {
-                    Some(InputData::F32(values)) => Some(device.upload_f32(values)?),
-                    Some(InputData::I64(values)) => Some(device.upload_i64(values)?),
+                    Some(InputData::F32(values)) => keep(device.upload_f32(values)?),
+                    Some(InputData::I64(values)) => keep(device.upload_i64(values)?),
+                    Some(&InputData::OnDevice { address, .. }) => address,
                     // `input_pointers` accepted only these for an f32 program.
-                    _ => None,
+                    _ => 0,
                 },
                 Source::Step => {
                     // A buffer no larger than the memory budget (a count near i64::MAX
@@ -507,12 +537,13 @@ impl Executable {
                     let bytes =
                         within_budget(step.unwrap_or(0), "its output", elements.checked_mul(4))?;
                     stats.allocated(bytes as u64);
-                    Some(device.zeros_f32(elements)?)
+                    keep(device.zeros_f32(elements)?)
                 }
                 // Aliases use their root's buffer.
-                Source::Alias(_) => None,
-            });
+                Source::Alias(_) => 0,
+            };
         }
+        let slot_address = |slot: Slot| addresses[self.root(slot).0 as usize];
         // Every step's arguments and range, planned before anything runs; the index
         // buffers they name gathered into one upload.
         let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -539,27 +570,21 @@ impl Executable {
             }
             planned.push((args, range, plan.blas_product(step, device.gemms())?));
         }
-        let index_buffer = device.upload_i64(&index_values)?;
-        // Every step's argument table, uploaded at once. Positions are below the
-        // uploaded lengths, so `8 * position` stays within the buffer's addresses.
-        let address_in =
-            |buffer: &D::Buffer, position: usize| device.address(buffer) + 8 * position as u64;
+        // Positions are below the uploaded lengths, so `8 * position` stays within the
+        // buffer's addresses.
+        let index_base = keep(device.upload_i64(&index_values)?);
+        // Every step's argument table, uploaded at once.
         let mut tables: Vec<i64> = Vec::new();
         let mut table_starts = Vec::with_capacity(planned.len());
         for (args, ..) in &planned {
             table_starts.push(tables.len());
-            tables.extend(args.iter().map(|arg| {
-                match arg {
-                    Arg::Slot(slot) => buffers[self.root(*slot).0 as usize]
-                        .as_ref()
-                        .map_or(0, |buffer| device.address(buffer))
-                        as i64,
-                    Arg::Index(index) => address_in(&index_buffer, indices[index]) as i64,
-                    Arg::Null => 0,
-                }
+            tables.extend(args.iter().map(|arg| match arg {
+                Arg::Slot(slot) => slot_address(*slot) as i64,
+                Arg::Index(index) => (index_base + 8 * indices[index] as u64) as i64,
+                Arg::Null => 0,
             }));
         }
-        let table_buffer = device.upload_i64(&tables)?;
+        let table_base = keep(device.upload_i64(&tables)?);
         for (step_index, ((args, range, product), start)) in
             planned.iter().zip(table_starts).enumerate()
         {
@@ -576,26 +601,70 @@ impl Executable {
             debug_assert!(start + args.len() <= tables.len());
             // The buffers were sized from these lengths for this program's steps, the
             // index buffers from the same lengths, and every buffer (tables included)
-            // lives until the outputs are downloaded, after the last step's work.
-            unsafe { device.launch(step_index, address_in(&table_buffer, start), *range)? };
+            // lives as long as the results, which wait for the work before they are read.
+            unsafe { device.launch(step_index, table_base + 8 * start as u64, *range)? };
             stats.moved(self.bytes_moved(step_index, &sizes));
         }
         stats.launched(program.steps.len() as u64);
-        self.output_shapes(&sizes)
+        let outputs = self
+            .output_shapes(&sizes)
             .into_iter()
-            .map(|(slot, shape)| {
-                let buffer = buffers[self.root(slot).0 as usize]
-                    .as_ref()
-                    .ok_or_else(|| device_error(program.steps.len(), "an output has no buffer"))?;
-                let mut values = device.download_f32(buffer)?;
-                values.truncate(sizes.elements(program, slot));
+            .map(|(slot, shape)| DeviceOutput {
+                address: slot_address(slot),
+                len: sizes.elements(program, slot),
+                shape,
+                dtype: program.info(slot).dtype,
+            })
+            .collect();
+        Ok(DeviceResults { outputs, buffers })
+    }
+}
+
+/// Where one result of a device run is.
+#[derive(Debug)]
+pub struct DeviceOutput {
+    /// The address of its buffer on the device (an input's own buffer when the program
+    /// returns an input).
+    pub address: u64,
+    /// Its values (packed rows times the static dims), in the device's storage type.
+    pub len: usize,
+    /// What the values are.
+    pub shape: RunShape,
+    /// Element type at the boundary.
+    pub dtype: nestor_ir::DType,
+}
+
+/// The results of a run on a device, left in the device's buffers: this keeps every
+/// buffer of the run alive (dropping it frees them once the device's work is done).
+pub struct DeviceResults<B> {
+    /// Each result, in the program's output order.
+    pub outputs: Vec<DeviceOutput>,
+    buffers: Vec<B>,
+}
+
+impl<B> DeviceResults<B> {
+    /// Copies every result back (after the run's work), as [`Executable::run_on_device`]
+    /// returns them.
+    pub fn download<D: KernelDevice<Buffer = B>>(
+        self,
+        device: &D,
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
+        let outputs = self
+            .outputs
+            .into_iter()
+            .map(|output| {
+                // The address is a buffer of this run holding `len` values (or an input
+                // the caller vouched for), alive while `self.buffers` is.
+                let values = unsafe { device.download_f32(output.address, output.len)? };
                 Ok(RunOutput {
                     data: RunData::F32(values),
-                    shape,
-                    dtype: program.info(slot).dtype,
+                    shape: output.shape,
+                    dtype: output.dtype,
                 })
             })
-            .collect()
+            .collect();
+        drop(self.buffers);
+        outputs
     }
 }
 

@@ -15,7 +15,8 @@ mod copies;
 mod device;
 
 pub use device::{
-    round_to_bf16, CudaBuffer, CudaDevice, Gemms, HostBuffer, HostDevice, KernelDevice,
+    round_to_bf16, CudaBuffer, CudaDevice, DeviceOutput, DeviceResults, Gemms, HostBuffer,
+    HostDevice, KernelDevice,
 };
 mod gemm;
 mod sizes;
@@ -83,6 +84,16 @@ pub enum InputData<'a> {
     F64(&'a [f64]),
     /// i64 values (lengths, ids).
     I64(&'a [i64]),
+    /// `len` floats already in a buffer of the kernel device a program runs on, at
+    /// `address` (as its kernels take it), in the device's storage type: an f32
+    /// program's float input to `Executable::run_device_resident` or `run_on_device`,
+    /// which then neither uploads nor frees it. The CPU runtime rejects it.
+    OnDevice {
+        /// The buffer's address on the device.
+        address: u64,
+        /// Its values.
+        len: usize,
+    },
 }
 
 /// A dim of the elements of a ragged result.
@@ -290,7 +301,7 @@ impl Executable {
         // Lengths first: every size depends on them.
         let sizes = Sizes::of_run(program, inputs)?;
         // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
-        let mut pointers = self.input_pointers(inputs, &sizes)?;
+        let mut pointers = self.input_pointers(inputs, &sizes, false)?;
         let mut owned: Vec<Option<Vec<u64>>> = (0..program.slots.len()).map(|_| None).collect();
         let mut free: Vec<Vec<u64>> = std::mem::take(
             &mut *self
@@ -392,6 +403,7 @@ impl Executable {
         &self,
         inputs: &[InputData<'_>],
         sizes: &Sizes,
+        on_device: bool,
     ) -> Result<Vec<*mut u8>, RuntimeError> {
         let program = &self.program;
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
@@ -411,6 +423,17 @@ impl Executable {
                 }
                 (Some(InputData::F64(values)), FloatType::F64) if floats => {
                     (values.as_ptr() as *mut u8, values.len() as i64)
+                }
+                (Some(&InputData::OnDevice { address, len }), FloatType::F32)
+                    if floats && on_device =>
+                {
+                    (address as *mut u8, i64::try_from(len).unwrap_or(i64::MAX))
+                }
+                (Some(InputData::OnDevice { .. }), _) if !on_device => {
+                    return Err(bad(
+                        input,
+                        "a device buffer given to the CPU runtime (run it on its device)".into(),
+                    ));
                 }
                 (Some(_), float) => {
                     let expected = if floats {

@@ -177,6 +177,9 @@ impl Case {
             arch: *arch,
             ptx: ptx.clone(),
             kernels: vec![Some(self.kernel.clone())],
+            // A thread per task: grid-stride loops cover the range with any grid (a row
+            // kernel's warps then take several rows each).
+            threads_per_task: vec![1],
         })?;
         let uploaded = self
             .buffers

@@ -14,7 +14,7 @@ use cudarc::driver::{
 use crate::{Arch, CudaError, PtxModule};
 
 /// Threads per block of the template kernels (their loops are grid-stride, so any grid
-/// covers the range).
+/// covers the range; a multiple of 32, as row kernels' warps need).
 const BLOCK_THREADS: u32 = 256;
 /// The most blocks a launch asks for; more work loops inside the threads.
 const MAX_BLOCKS: u64 = 65_535;
@@ -99,7 +99,10 @@ impl Device {
                     .transpose()
             })
             .collect::<Result<_, _>>()?;
-        Ok(LoadedModule { kernels })
+        Ok(LoadedModule {
+            kernels,
+            threads_per_task: module.threads_per_task.clone(),
+        })
     }
 
     /// A new device buffer of `count` zeros (at least one value: an empty buffer has no
@@ -188,7 +191,10 @@ impl Device {
         if end <= start {
             return Ok(());
         }
-        let work = u64::try_from(end - start).unwrap_or(0);
+        let threads = module.threads_per_task.get(step).copied().unwrap_or(1);
+        let work = u64::try_from(end - start)
+            .unwrap_or(0)
+            .saturating_mul(u64::from(threads));
         let blocks = work.div_ceil(u64::from(BLOCK_THREADS)).clamp(1, MAX_BLOCKS) as u32;
         let config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
@@ -207,6 +213,7 @@ impl Device {
 /// A program's kernels loaded on a device.
 pub struct LoadedModule {
     kernels: Vec<Option<CudaFunction>>,
+    threads_per_task: Vec<u32>,
 }
 
 /// libcuda can be loaded (cudarc panics when it cannot).

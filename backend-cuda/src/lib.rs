@@ -156,6 +156,8 @@ pub struct PtxModule {
     pub ptx: String,
     /// Each step's kernel entry, `None` for steps without a kernel.
     pub kernels: Vec<Option<String>>,
+    /// Threads per task of each step's kernel ([`nestor_codegen::gpu_threads_per_task`]).
+    pub threads_per_task: Vec<u32>,
 }
 
 /// The PTX of `program`'s kernels for `arch`.
@@ -232,7 +234,17 @@ pub fn ptx_of(
     let ptx = String::from_utf8_lossy(buffer.as_slice())
         .trim_end_matches('\0')
         .to_owned();
-    Ok(PtxModule { arch, ptx, kernels })
+    let threads_per_task = program
+        .steps
+        .iter()
+        .map(nestor_codegen::gpu_threads_per_task)
+        .collect();
+    Ok(PtxModule {
+        arch,
+        ptx,
+        kernels,
+        threads_per_task,
+    })
 }
 
 /// Links libdevice into `module` when its kernels call `__nv_*` functions, and makes

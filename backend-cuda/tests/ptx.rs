@@ -242,6 +242,41 @@ fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
     assert_eq!(gemms, (1, 2));
 }
 
+/// A row kernel's row is a warp's: its lanes combine their sums and extremes with
+/// butterfly shuffles (f64 as two 32-bit halves), and its launch takes 32 threads a row;
+/// other kernels take one thread a task.
+#[test]
+fn row_kernels_share_each_row_across_a_warp() {
+    for dtype in ["f32", "f64"] {
+        let program = program(ROWS_AND_SEGMENTS, dtype, false);
+        let module = ptx(&program, Arch::Sm90).unwrap();
+        let mut rows = 0;
+        for ((step, kernel), threads) in program
+            .steps
+            .iter()
+            .zip(&module.kernels)
+            .zip(&module.threads_per_task)
+        {
+            let kernel = kernel.as_ref().unwrap();
+            let text = module
+                .ptx
+                .split(".entry ")
+                .find(|entry| entry.starts_with(&format!("{kernel}(")))
+                .unwrap();
+            let shuffles = text.matches("shfl.sync.bfly").count();
+            if matches!(step, Step::Row { .. }) {
+                rows += 1;
+                assert_eq!(*threads, 32, "{step:?}");
+                // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
+                assert!(shuffles >= 5, "{dtype} {kernel}: {shuffles} shuffles");
+            } else {
+                assert_eq!(*threads, 1, "{step:?}");
+            }
+        }
+        assert!(rows >= 8, "{rows} row kernels");
+    }
+}
+
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a
 /// pointwise `relu(x) * 2`. Re-bless with `NESTOR_BLESS=1` after an intended change
 /// (another LLVM release changes it too).

@@ -26,6 +26,18 @@ const GLOBAL_ADDRESS_SPACE: u16 = 1;
 /// LLVM's calling convention of PTX kernel entries (`ptx_kernel`).
 const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
 
+/// Threads of a GPU warp: a row kernel's row is one warp's on a GPU, each thread a lane
+/// over every 32nd column ([`Kernel::parallel_rows`]).
+pub(crate) const WARP_LANES: i64 = 32;
+
+/// How the threads of one task share its columns: `count` lanes, this thread's is
+/// `lane` (one lane on the host: the task is one thread's).
+#[derive(Clone, Copy)]
+pub(crate) struct Lanes<'ctx> {
+    pub(crate) lane: IntValue<'ctx>,
+    pub(crate) count: i64,
+}
+
 /// Floats of the compute type in a kernel's own memory (never bf16).
 #[derive(Clone, Copy)]
 pub(crate) struct Local<'ctx>(PointerValue<'ctx>);
@@ -398,6 +410,134 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 self.for_range_by(self.add(start, global)?, end, threads, body)
             }
         }
+    }
+
+    /// One lane: a task that one thread runs whole.
+    pub(crate) fn single_lane(&self) -> Lanes<'ctx> {
+        Lanes {
+            lane: self.i64(0),
+            count: 1,
+        }
+    }
+
+    /// The kernel's loop over the rows `start..end` of its range, each row a task of
+    /// [`Lanes`]: on the host, one thread's ([`Kernel::parallel_range`]); on a GPU, a
+    /// warp's (warp `w` of the grid takes every `warps`-th row from `start + w`; the
+    /// launch must give blocks a multiple of 32 threads), so every lane of a warp runs
+    /// the same rows and may exchange values with [`Kernel::across_lanes`].
+    pub(crate) fn parallel_rows(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>, Lanes<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        match self.target {
+            Target::Host => self.for_range(start, end, |row| body(row, self.single_lane())),
+            Target::Nvptx => {
+                let register =
+                    |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
+                let block_size = register("ntid.x")?;
+                let thread = register("tid.x")?;
+                let global = self.add(self.mul(register("ctaid.x")?, block_size)?, thread)?;
+                let lanes = self.i64(WARP_LANES);
+                let warps = self.div(self.mul(register("nctaid.x")?, block_size)?, lanes)?;
+                let lanes = Lanes {
+                    lane: self.rem(thread, lanes)?,
+                    count: WARP_LANES,
+                };
+                let first = self.add(start, self.div(global, self.i64(WARP_LANES))?)?;
+                self.for_range_by(first, end, warps, |row| body(row, lanes))
+            }
+        }
+    }
+
+    /// `for column in (lane..width).step_by(lanes)`: a lane's columns of a row.
+    pub(crate) fn lane_range(
+        &self,
+        lanes: Lanes<'ctx>,
+        width: i64,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        if lanes.count == 1 {
+            return self.for_range(self.i64(0), self.i64(width), body);
+        }
+        self.for_range_by(lanes.lane, self.i64(width), self.i64(lanes.count), body)
+    }
+
+    /// Every lane's `value` combined by `combine` (a sum, a largest value), the result in
+    /// every lane: butterfly shuffles across the warp on a GPU, `value` itself with one
+    /// lane. Every lane of the warp must call it.
+    pub(crate) fn across_lanes(
+        &self,
+        lanes: Lanes<'ctx>,
+        value: FloatValue<'ctx>,
+        combine: impl Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let mut value = value;
+        let mut offset = lanes.count / 2;
+        while offset >= 1 {
+            value = combine(value, self.shuffle_xor(value, offset)?)?;
+            offset /= 2;
+        }
+        Ok(value)
+    }
+
+    /// The `value` of lane `lane ^ offset` of this warp (`shfl.sync.bfly` over the
+    /// whole warp; an f64 as its two 32-bit halves).
+    fn shuffle_xor(&self, value: FloatValue<'ctx>, offset: i64) -> Gen<FloatValue<'ctx>> {
+        let i32 = self.context.i32_type();
+        let shuffle = |name: &str, value: inkwell::values::BasicValueEnum<'ctx>| {
+            let intrinsic =
+                Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+            let function = intrinsic
+                .get_declaration(self.module, &[])
+                .ok_or_else(|| err(format!("no declaration of {name}")))?;
+            let whole_warp = i32.const_int(u64::from(u32::MAX), false);
+            let lane_offset = i32.const_int(offset as u64, false);
+            let clamp = i32.const_int(0x1f, false);
+            self.builder
+                .build_call(
+                    function,
+                    &[
+                        whole_warp.into(),
+                        value.into(),
+                        lane_offset.into(),
+                        clamp.into(),
+                    ],
+                    "shuffled",
+                )
+                .map_err(err)?
+                .try_as_basic_value()
+                .basic()
+                .ok_or_else(|| err(format!("{name} returned nothing")))
+        };
+        if !self.double {
+            return Ok(shuffle("llvm.nvvm.shfl.sync.bfly.f32", value.into())?.into_float_value());
+        }
+        let halves = i32.vec_type(2);
+        let split = self
+            .builder
+            .build_bit_cast(value, halves, "halves")
+            .map_err(err)?
+            .into_vector_value();
+        let mut joined = halves.get_undef();
+        for half in 0..2 {
+            let index = i32.const_int(half, false);
+            let part = self
+                .builder
+                .build_extract_element(split, index, "half")
+                .map_err(err)?;
+            let moved = shuffle("llvm.nvvm.shfl.sync.bfly.i32", part)?;
+            joined = self
+                .builder
+                .build_insert_element(joined, moved, index, "joined")
+                .map_err(err)?;
+        }
+        Ok(self
+            .builder
+            .build_bit_cast(joined, self.float, "shuffled")
+            .map_err(err)?
+            .into_float_value())
     }
 
     /// A PTX special register (`llvm.nvvm.read.ptx.sreg.*`, an i32) as an i64.

@@ -252,6 +252,17 @@ pub enum Storage {
     Bf16,
 }
 
+/// How many GPU threads run each task of `step`'s kernel range: a warp per row for row
+/// kernels (their lanes share the row's columns), else one. A launch sizes its grid by
+/// it; any grid gives the same result (the loops are grid-stride), this one runs every
+/// task at once.
+pub fn gpu_threads_per_task(step: &Step) -> u32 {
+    match step {
+        Step::Row { .. } => builder::WARP_LANES as u32,
+        _ => 1,
+    }
+}
+
 /// What went wrong while generating code: a bug of the templates (invalid IR), or an
 /// LLVM that lacks an intrinsic.
 #[derive(Debug, Error)]

@@ -46,7 +46,7 @@ use inkwell::values::{FloatValue, IntValue, PointerValue};
 use inkwell::FloatPredicate;
 use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step, WindowKind};
 
-use crate::builder::{Gen, Kernel};
+use crate::builder::{Gen, Kernel, Lanes};
 use crate::{KernelSet, Storage, Target};
 
 /// Generates the kernel of `step` as function `name`; false for steps without one in
@@ -352,24 +352,43 @@ fn row_sum<'ctx>(
     width: i64,
     f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<FloatValue<'ctx>> {
+    lane_sum(kernel, kernel.single_lane(), width, f)
+}
+
+/// [`row_sum`] over a row shared by `lanes`: each lane sums its columns, then the lanes'
+/// sums are added (the total in every lane).
+fn lane_sum<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    lanes: Lanes<'ctx>,
+    width: i64,
+    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
     let acc = kernel.accumulator("sum")?;
     kernel.set(acc, kernel.constant(0.0))?;
-    kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+    kernel.lane_range(lanes, width, |column| {
         let value = f(column)?;
         kernel.set(acc, kernel.fadd_reassociable(kernel.get(acc)?, value)?)
     })?;
-    kernel.get(acc)
+    kernel.across_lanes(lanes, kernel.get(acc)?, |a, b| kernel.fadd(a, b))
 }
 
-/// The largest (or smallest) of `f(column)` over a row, NaN if any is NaN; with
-/// `bound`, a largest value for softmax (see [`Kernel::softmax_bound`]).
-fn row_extreme<'ctx>(
+/// The largest (or smallest) of `f(column)` over a row shared by `lanes` (in every
+/// lane), NaN if any is NaN; with `bound`, a largest value for softmax (see
+/// [`Kernel::softmax_bound`]).
+fn lane_extreme<'ctx>(
     kernel: &Kernel<'ctx, '_>,
+    lanes: Lanes<'ctx>,
     width: i64,
-    largest: bool,
-    bound: bool,
+    (largest, bound): (bool, bool),
     f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<FloatValue<'ctx>> {
+    let combine = |a, b| {
+        if bound {
+            kernel.softmax_bound(a, b)
+        } else {
+            kernel.extreme(a, b, largest)
+        }
+    };
     let acc = kernel.accumulator("extreme")?;
     kernel.set(
         acc,
@@ -379,16 +398,11 @@ fn row_extreme<'ctx>(
             f64::INFINITY
         }),
     )?;
-    kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+    kernel.lane_range(lanes, width, |column| {
         let value = f(column)?;
-        let next = if bound {
-            kernel.softmax_bound(kernel.get(acc)?, value)?
-        } else {
-            kernel.extreme(kernel.get(acc)?, value, largest)?
-        };
-        kernel.set(acc, next)
+        kernel.set(acc, combine(kernel.get(acc)?, value)?)
     })?;
-    kernel.get(acc)
+    kernel.across_lanes(lanes, kernel.get(acc)?, combine)
 }
 
 /// The pointers of a prologue's inputs (arguments 1..) and the index of the next
@@ -442,7 +456,8 @@ fn row<'ctx>(
         None
     };
     let n = kernel.constant(width as f64);
-    kernel.parallel_range(start, end, |row| {
+    // A row is a warp's on a GPU (its lanes share the columns), one thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
         // Each pass over the row computes the prologue again (it is cheap, the row is
@@ -461,12 +476,12 @@ fn row<'ctx>(
         match kind {
             RowKind::LayerNorm | RowKind::RmsNorm => {
                 let mean = if kind == RowKind::LayerNorm {
-                    kernel.fdiv(row_sum(kernel, width, load)?, n)?
+                    kernel.fdiv(lane_sum(kernel, lanes, width, load)?, n)?
                 } else {
                     kernel.constant(0.0)
                 };
                 let variance = kernel.fdiv(
-                    row_sum(kernel, width, |column| {
+                    lane_sum(kernel, lanes, width, |column| {
                         let centered = kernel.fsub(load(column)?, mean)?;
                         kernel.fmul(centered, centered)
                     })?,
@@ -475,53 +490,71 @@ fn row<'ctx>(
                 let root = kernel
                     .intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
                 let inverse = kernel.fdiv(kernel.constant(1.0), root)?;
-                kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                kernel.lane_range(lanes, width, |column| {
                     let normed = kernel.fmul(kernel.fsub(load(column)?, mean)?, inverse)?;
                     kernel.store_float(out, at(column)?, affine(normed, column)?)
                 })
             }
             RowKind::Softmax => {
-                let max = row_extreme(kernel, width, true, true, load)?;
+                let max = lane_extreme(kernel, lanes, width, (true, true), load)?;
                 // One exp per value: e^(x - max) is written while it is summed, then
                 // scaled in place (as libtorch's kernel).
-                let total = row_sum(kernel, width, |column| {
+                let total = lane_sum(kernel, lanes, width, |column| {
                     let value = kernel.fast_exp(kernel.fsub(load(column)?, max)?)?;
                     kernel.store_float(out, at(column)?, value)?;
                     Ok(value)
                 })?;
                 let inverse = kernel.fdiv(kernel.constant(1.0), total)?;
-                kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                kernel.lane_range(lanes, width, |column| {
                     let value = kernel.load_float(out, at(column)?)?;
                     kernel.store_float(out, at(column)?, kernel.fmul(value, inverse)?)
                 })
             }
             RowKind::LogSoftmax => {
-                let max = row_extreme(kernel, width, true, true, load)?;
-                let total = row_sum(kernel, width, |column| {
+                let max = lane_extreme(kernel, lanes, width, (true, true), load)?;
+                let total = lane_sum(kernel, lanes, width, |column| {
                     kernel.fast_exp(kernel.fsub(load(column)?, max)?)
                 })?;
                 let log_total = kernel.math("log", &[total])?;
-                kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+                kernel.lane_range(lanes, width, |column| {
                     let shifted = kernel.fsub(load(column)?, max)?;
                     kernel.store_float(out, at(column)?, kernel.fsub(shifted, log_total)?)
                 })
             }
             RowKind::Sum | RowKind::Mean => {
-                let sum = row_sum(kernel, width, load)?;
+                let sum = lane_sum(kernel, lanes, width, load)?;
                 let value = if kind == RowKind::Mean {
                     kernel.fdiv(sum, n)?
                 } else {
                     sum
                 };
-                kernel.store_float(out, row, value)
+                first_lane_stores(kernel, lanes, out, row, value)
             }
-            RowKind::Max | RowKind::Min => kernel.store_float(
-                out,
-                row,
-                row_extreme(kernel, width, kind == RowKind::Max, false, load)?,
-            ),
+            RowKind::Max | RowKind::Min => {
+                let largest = kind == RowKind::Max;
+                let value = lane_extreme(kernel, lanes, width, (largest, false), load)?;
+                first_lane_stores(kernel, lanes, out, row, value)
+            }
         }
     })
+}
+
+/// Stores a row's one result (which every lane holds) from its first lane.
+fn first_lane_stores<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    lanes: Lanes<'ctx>,
+    out: PointerValue<'ctx>,
+    at: IntValue<'ctx>,
+    value: FloatValue<'ctx>,
+) -> Gen<()> {
+    if lanes.count == 1 {
+        return kernel.store_float(out, at, value);
+    }
+    kernel.if_else(
+        kernel.equal(lanes.lane, kernel.i64(0))?,
+        || kernel.store_float(out, at, value),
+        || Ok(()),
+    )
 }
 
 fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width: i64) -> Gen<()> {

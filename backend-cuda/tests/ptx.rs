@@ -244,7 +244,8 @@ fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
 
 /// A row kernel's row is a warp's: its lanes combine their sums and extremes with
 /// butterfly shuffles (f64 as two 32-bit halves), and its launch takes 32 threads a row;
-/// other kernels take one thread a task.
+/// segmented kernels and gathers take a warp a task too (lanes over the columns, no
+/// shuffles), GEMMs one thread an output value.
 #[test]
 fn row_kernels_share_each_row_across_a_warp() {
     for dtype in ["f32", "f64"] {
@@ -264,13 +265,17 @@ fn row_kernels_share_each_row_across_a_warp() {
                 .find(|entry| entry.starts_with(&format!("{kernel}(")))
                 .unwrap();
             let shuffles = text.matches("shfl.sync.bfly").count();
-            if matches!(step, Step::Row { .. }) {
-                rows += 1;
-                assert_eq!(*threads, 32, "{step:?}");
-                // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
-                assert!(shuffles >= 5, "{dtype} {kernel}: {shuffles} shuffles");
-            } else {
-                assert_eq!(*threads, 1, "{step:?}");
+            match step {
+                Step::Row { .. } => {
+                    rows += 1;
+                    assert_eq!(*threads, 32, "{step:?}");
+                    // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
+                    assert!(shuffles >= 5, "{dtype} {kernel}: {shuffles} shuffles");
+                }
+                Step::Segment { .. } | Step::Gather { .. } => {
+                    assert_eq!((*threads, shuffles), (32, 0), "{step:?}")
+                }
+                _ => assert_eq!((*threads, shuffles), (1, 0), "{step:?}"),
             }
         }
         assert!(rows >= 8, "{rows} row kernels");

@@ -252,14 +252,16 @@ pub enum Storage {
     Bf16,
 }
 
-/// How many GPU threads run each task of `step`'s kernel range: a warp per row for row
-/// kernels (their lanes share the row's columns), else one. A launch sizes its grid by
-/// it; any grid gives the same result (the loops are grid-stride), this one runs every
-/// task at once.
+/// How many GPU threads run each task of `step`'s kernel range: a warp for row and
+/// segmented kernels, gathers, padding copies and pointwise kernels over rows (their
+/// lanes share the row's or element's columns), else one. A launch sizes its grid by it;
+/// any grid gives the same result (the loops are grid-stride), this one runs every task
+/// at once.
 pub fn gpu_threads_per_task(step: &Step) -> u32 {
-    match step {
-        Step::Row { .. } => builder::WARP_LANES as u32,
-        _ => 1,
+    if templates::warp_per_task(step) {
+        builder::WARP_LANES as u32
+    } else {
+        1
     }
 }
 

@@ -271,16 +271,7 @@ fn pointwise<'ctx>(
     let (start, end) = kernel.range()?;
     let out = kernel.arg(0)?;
     let (pointers, maps) = fused_args(kernel, inputs, 1)?;
-    // When every input is read element for element (or is one scalar), the rows are
-    // one flat run of scalars: one loop, with no per-row overhead (narrow rows, such as
-    // the channels of packed pixels, would otherwise spend most of their time there).
-    let flat = inputs.iter().all(|access| {
-        let whole = access.row_map.is_none() && access.col_modulo == 0;
-        let elementwise = access.row_stride == width && access.col_stride == 1;
-        let scalar = access.row_stride == 0 && access.col_stride == 0;
-        whole && (elementwise || scalar)
-    });
-    if flat {
+    if flat(width, inputs) {
         let first = kernel.mul(start, kernel.i64(width))?;
         let last = kernel.mul(end, kernel.i64(width))?;
         return kernel.parallel_range(first, last, |at| {
@@ -297,7 +288,7 @@ fn pointwise<'ctx>(
             kernel.store_float(out, at, value)
         });
     }
-    kernel.parallel_range(start, end, |row| {
+    kernel.parallel_rows(start, end, |row, lanes| {
         let rows = maps
             .iter()
             .map(|map| match map {
@@ -306,7 +297,7 @@ fn pointwise<'ctx>(
             })
             .collect::<Gen<Vec<_>>>()?;
         let base = kernel.mul(row, kernel.i64(width))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+        kernel.lane_range(lanes, width, |column| {
             let load = |input: usize| -> Gen<FloatValue<'ctx>> {
                 let at = index(kernel, &inputs[input], rows[input], column)?;
                 kernel.load_float(pointers[input], at)
@@ -315,6 +306,34 @@ fn pointwise<'ctx>(
             kernel.store_float(out, kernel.add(base, column)?, value)
         })
     })
+}
+
+/// Whether a pointwise kernel's rows are one flat run of scalars: every input read
+/// element for element (or one scalar). Then it is one loop over the scalars, with no
+/// per-row overhead (narrow rows, such as the channels of packed pixels, would otherwise
+/// spend most of their time there); else a loop over rows.
+fn flat(width: i64, inputs: &[Access]) -> bool {
+    inputs.iter().all(|access| {
+        let whole = access.row_map.is_none() && access.col_modulo == 0;
+        let elementwise = access.row_stride == width && access.col_stride == 1;
+        let scalar = access.row_stride == 0 && access.col_stride == 0;
+        whole && (elementwise || scalar)
+    })
+}
+
+/// Whether `step`'s kernel runs each task of its range on a warp on a GPU
+/// ([`Kernel::parallel_rows`]): row and segmented kernels, gathers, padding copies and
+/// pointwise kernels over rows, whose lanes share a row's (an element's) columns.
+pub(crate) fn warp_per_task(step: &Step) -> bool {
+    match step {
+        Step::Row { .. }
+        | Step::Segment { .. }
+        | Step::Gather { .. }
+        | Step::Pad { .. }
+        | Step::Unpad { .. } => true,
+        Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
+        _ => false,
+    }
 }
 
 /// A fused expression's buffers and the row-to-element maps of its per-element inputs.
@@ -562,10 +581,11 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
     let out = kernel.arg(0)?;
     let (inputs, offsets) = prologue_args(kernel, x)?;
     let offsets = kernel.arg(offsets)?;
-    kernel.parallel_range(start, end, |element| {
+    // An element is a warp's on a GPU (each lane its columns), one thread's on the host.
+    kernel.parallel_rows(start, end, |element, lanes| {
         let first = kernel.load_i64(offsets, element)?;
         let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
-        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+        kernel.lane_range(lanes, width, |column| {
             let at = |row: IntValue<'ctx>| kernel.add(kernel.mul(row, kernel.i64(width))?, column);
             let load = |row| prologue(kernel, x, &inputs, row, column);
             let fold =
@@ -636,11 +656,11 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
 fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, table, ids] = kernel.args()?;
-    kernel.parallel_range(start, end, |row| {
+    kernel.parallel_rows(start, end, |row, lanes| {
         let id = kernel.load_i64(ids, row)?;
         let source = kernel.mul(id, kernel.i64(width))?;
         let target = kernel.mul(row, kernel.i64(width))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+        kernel.lane_range(lanes, width, |column| {
             let value = kernel.load_float(table, kernel.add(source, column)?)?;
             kernel.store_float(out, kernel.add(target, column)?, value)
         })
@@ -1167,7 +1187,7 @@ fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x, offsets, longest] = kernel.args()?;
     let longest = kernel.load_i64(longest, kernel.i64(0))?;
-    kernel.parallel_range(start, end, |padded| {
+    kernel.parallel_rows(start, end, |padded, lanes| {
         let element = kernel.div(padded, longest)?;
         let position = kernel.rem(padded, longest)?;
         let first = kernel.load_i64(offsets, element)?;
@@ -1177,7 +1197,7 @@ fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
         )?;
         let target = kernel.mul(padded, kernel.i64(width))?;
         let columns = |body: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>| {
-            kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+            kernel.lane_range(lanes, width, |column| {
                 kernel.store_float(out, kernel.add(target, column)?, body(column)?)
             })
         };
@@ -1198,7 +1218,7 @@ fn unpad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x, offsets, longest, elements] = kernel.args()?;
     let longest = kernel.load_i64(longest, kernel.i64(0))?;
-    kernel.parallel_range(start, end, |row| {
+    kernel.parallel_rows(start, end, |row, lanes| {
         let element = kernel.load_i64(elements, row)?;
         let position = kernel.sub(row, kernel.load_i64(offsets, element)?)?;
         let padded = kernel.add(kernel.mul(element, longest)?, position)?;
@@ -1206,7 +1226,7 @@ fn unpad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
             kernel.mul(padded, kernel.i64(width))?,
             kernel.mul(row, kernel.i64(width))?,
         );
-        kernel.for_range(kernel.i64(0), kernel.i64(width), |column| {
+        kernel.lane_range(lanes, width, |column| {
             let value = kernel.load_float(x, kernel.add(source, column)?)?;
             kernel.store_float(out, kernel.add(target, column)?, value)
         })

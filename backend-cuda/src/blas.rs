@@ -12,27 +12,44 @@ use cudarc::cublas::{result, sys, CudaBlas};
 
 use crate::{CudaError, Device, Storage};
 
-/// A GEMM step's product over row-major buffers: `x [rows, k]`, the weight `[n, k]`
-/// (`[k, n]` when `transposed`: `out = x W`), `out [rows, n]`.
+/// A product over row-major buffers that a BLAS call computes in place of a step's
+/// kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Product {
-    /// Rows of `x` and `out`.
-    pub rows: i64,
-    /// Inner size.
-    pub k: i64,
-    /// Columns of `out`.
-    pub n: i64,
-    /// The weight is `[k, n]`.
-    pub transposed: bool,
+pub enum Product {
+    /// A GEMM step's `out = x W^T` (`x W` when `transposed`): `x [rows, k]`, the weight
+    /// `[n, k]` (`[k, n]`), `out [rows, n]`. The call's `[A, B, C]` are the weight, `x`
+    /// and `out`.
+    Linear {
+        /// Rows of `x` and `out`.
+        rows: i64,
+        /// Inner size.
+        k: i64,
+        /// Columns of `out`.
+        n: i64,
+        /// The weight is `[k, n]`.
+        transposed: bool,
+    },
+    /// A row-sums step's `out [m, n] = a^T b` over the rows of `a [rows, m]` and
+    /// `b [rows, n]` (weight gradients). The call's `[A, B, C]` are `b`, `a` and `out`.
+    RowSums {
+        /// Rows summed over.
+        rows: i64,
+        /// Columns of `a`.
+        m: i64,
+        /// Columns of `b`.
+        n: i64,
+    },
 }
 
-/// A column-major BLAS call `C = op(A) B` (`C` is `m x n`, `op(A)` `m x k`, `B` `k x n`;
-/// `op(A) = A^T` when `transpose_a`), with its leading dimensions: cuBLAS's `gemm`
-/// arguments.
+/// A column-major BLAS call `C = op(A) op(B)` (`C` is `m x n`, `op(A)` `m x k`, `op(B)`
+/// `k x n`; `op(X) = X^T` when it is transposed), with its leading dimensions: cuBLAS's
+/// `gemm` arguments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlasCall {
     /// `op(A) = A^T`.
     pub transpose_a: bool,
+    /// `op(B) = B^T`.
+    pub transpose_b: bool,
     /// Rows of `C`.
     pub m: i32,
     /// Columns of `C`.
@@ -48,13 +65,14 @@ pub struct BlasCall {
 }
 
 impl Product {
-    /// The column-major call computing this product with `A` the weight, `B` the input
-    /// and `C` the output; an error when a size does not fit cuBLAS's 32-bit integers.
+    /// The column-major call computing this product (row-major buffers read as the
+    /// transposes they are column-major); an error when a size does not fit cuBLAS's
+    /// 32-bit integers.
     ///
     /// ```
     /// use nestor_backend_cuda::blas::Product;
-    /// let call = Product { rows: 5, k: 3, n: 4, transposed: false }.blas_call()?;
-    /// assert!(call.transpose_a);
+    /// let call = Product::Linear { rows: 5, k: 3, n: 4, transposed: false }.blas_call()?;
+    /// assert!(call.transpose_a && !call.transpose_b);
     /// assert_eq!((call.m, call.n, call.k), (4, 5, 3));
     /// # Ok::<(), nestor_backend_cuda::CudaError>(())
     /// ```
@@ -66,22 +84,43 @@ impl Product {
                 ))
             })
         };
-        let (rows, k, n) = (
-            size(self.rows, "rows")?,
-            size(self.k, "k")?,
-            size(self.n, "n")?,
-        );
         // Leading dimensions of at least 1, as BLAS requires even for empty matrices.
-        Ok(BlasCall {
-            // Row-major W [n, k] is column-major k x n (A^T is the n x k we need);
-            // row-major W [k, n] is column-major n x k already.
-            transpose_a: !self.transposed,
-            m: n,
-            n: rows,
-            k,
-            lda: if self.transposed { n } else { k }.max(1),
-            ldb: k.max(1),
-            ldc: n.max(1),
+        Ok(match *self {
+            Product::Linear {
+                rows,
+                k,
+                n,
+                transposed,
+            } => {
+                let (rows, k, n) = (size(rows, "rows")?, size(k, "k")?, size(n, "n")?);
+                // `out^T = W x^T`: row-major W [n, k] is column-major k x n (A^T is the
+                // n x k needed); W [k, n] is column-major n x k already.
+                BlasCall {
+                    transpose_a: !transposed,
+                    transpose_b: false,
+                    m: n,
+                    n: rows,
+                    k,
+                    lda: if transposed { n } else { k }.max(1),
+                    ldb: k.max(1),
+                    ldc: n.max(1),
+                }
+            }
+            Product::RowSums { rows, m, n } => {
+                let (rows, m, n) = (size(rows, "rows")?, size(m, "m")?, size(n, "n")?);
+                // `out^T = b^T a`: row-major b [rows, n] is column-major n x rows, and
+                // a [rows, m] column-major m x rows (transposed: rows x m).
+                BlasCall {
+                    transpose_a: false,
+                    transpose_b: true,
+                    m: n,
+                    n: m,
+                    k: rows,
+                    lda: n.max(1),
+                    ldb: m.max(1),
+                    ldc: n.max(1),
+                }
+            }
         })
     }
 }
@@ -105,19 +144,29 @@ impl BlasCall {
         } else {
             span(lda, m, k)
         };
-        [a, span(ldb, k, n), span(ldc, m, n)]
+        let b = if self.transpose_b {
+            span(ldb, n, k)
+        } else {
+            span(ldb, k, n)
+        };
+        [a, b, span(ldc, m, n)]
     }
 
     /// How the call reads and writes its matrices, as cuBLAS does: the (row, column)
-    /// strides in values of `op(A)` (`m x k`), `B` (`k x n`) and `C` (`m x n`).
+    /// strides in values of `op(A)` (`m x k`), `op(B)` (`k x n`) and `C` (`m x n`).
     pub fn strides(&self) -> [(isize, isize); 3] {
-        let stride = |ld: i32| ld as isize;
-        let a = if self.transpose_a {
-            (stride(self.lda), 1)
-        } else {
-            (1, stride(self.lda))
+        let operand = |ld: i32, transposed: bool| {
+            if transposed {
+                (ld as isize, 1)
+            } else {
+                (1, ld as isize)
+            }
         };
-        [a, (1, stride(self.ldb)), (1, stride(self.ldc))]
+        [
+            operand(self.lda, self.transpose_a),
+            operand(self.ldb, self.transpose_b),
+            (1, self.ldc as isize),
+        ]
     }
 }
 
@@ -164,7 +213,7 @@ impl Blas {
         Ok(Blas { blas })
     }
 
-    /// Runs `call` on the device's stream: `c = op(a) b` over buffers of f32, or of
+    /// Runs `call` on the device's stream: `c = op(a) op(b)` over buffers of f32, or of
     /// bf16 (`storage`) with f32 accumulation.
     ///
     /// # Safety
@@ -179,12 +228,14 @@ impl Blas {
         if call.m == 0 || call.n == 0 {
             return Ok(());
         }
-        let transpose_a = if call.transpose_a {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
+        let operation = |transposed: bool| {
+            if transposed {
+                sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                sys::cublasOperation_t::CUBLAS_OP_N
+            }
         };
-        let no = sys::cublasOperation_t::CUBLAS_OP_N;
+        let (transpose_a, transpose_b) = (operation(call.transpose_a), operation(call.transpose_b));
         let (alpha, beta) = (1.0f32, 0.0f32);
         let handle = *self.blas.handle();
         // SAFETY: the caller vouches for the buffers; the sizes are the call's.
@@ -193,7 +244,7 @@ impl Blas {
                 Storage::Compute => result::sgemm(
                     handle,
                     transpose_a,
-                    no,
+                    transpose_b,
                     call.m,
                     call.n,
                     call.k,
@@ -211,7 +262,7 @@ impl Blas {
                     result::gemm_ex(
                         handle,
                         transpose_a,
-                        no,
+                        transpose_b,
                         call.m,
                         call.n,
                         call.k,
@@ -241,21 +292,16 @@ mod tests {
     use super::*;
 
     /// `x W^T` (or `x W`) the plain row-major way.
-    fn reference(product: &Product, x: &[f32], weight: &[f32]) -> Vec<f32> {
-        let (rows, k, n) = (
-            product.rows as usize,
-            product.k as usize,
-            product.n as usize,
-        );
+    fn linear(rows: usize, k: usize, n: usize, transposed: bool, x: &[f32], w: &[f32]) -> Vec<f32> {
         let mut out = vec![0.0f32; rows * n];
         for r in 0..rows {
             for j in 0..n {
                 out[r * n + j] = (0..k)
                     .map(|c| {
-                        let w = if product.transposed {
-                            weight[c * n + j]
+                        let w = if transposed {
+                            w[c * n + j]
                         } else {
-                            weight[j * k + c]
+                            w[j * k + c]
                         };
                         x[r * k + c] * w
                     })
@@ -265,7 +311,25 @@ mod tests {
         out
     }
 
-    /// `c = op(a) b` read through the call's strides, summed in order.
+    /// `a^T b` the plain row-major way.
+    fn row_sums(rows: usize, m: usize, n: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..rows).map(|r| a[r * m + i] * b[r * n + j]).sum();
+            }
+        }
+        out
+    }
+
+    /// Values `0..count` of a fixed sequence.
+    fn values(count: i64, seed: usize) -> Vec<f32> {
+        (0..count as usize)
+            .map(|i| ((i * 7 + seed) % 11) as f32 * 0.25 - 1.25)
+            .collect()
+    }
+
+    /// `c = op(a) op(b)` read through the call's strides, summed in order.
     fn run_on_host(call: &BlasCall, a: &[f32], b: &[f32], c: &mut [f32]) {
         let [(a_row, a_column), (b_row, b_column), (c_row, c_column)] = call.strides();
         for i in 0..call.m as isize {
@@ -285,22 +349,45 @@ mod tests {
     fn the_blas_call_computes_the_row_major_product() {
         for (rows, k, n) in [(5, 3, 4), (1, 1, 1), (0, 3, 2), (3, 0, 2), (7, 16, 1)] {
             for transposed in [false, true] {
-                let product = Product {
+                let product = Product::Linear {
                     rows,
                     k,
                     n,
                     transposed,
                 };
-                let x: Vec<f32> = (0..rows * k).map(|i| (i % 7) as f32 - 3.0).collect();
-                let weight: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
+                let (x, weight) = (values(rows * k, 1), values(k * n, 2));
                 let call = product.blas_call().unwrap();
                 let [a, b, c] = call.lengths();
                 assert!(a <= weight.len() && b <= x.len(), "{product:?}: {call:?}");
                 assert_eq!(c, (rows * n) as usize, "{product:?}: {call:?}");
                 let mut out = vec![f32::NAN; (rows * n) as usize];
                 run_on_host(&call, &weight, &x, &mut out);
-                assert_eq!(out, reference(&product, &x, &weight), "{product:?}");
+                let (rows, k, n) = (rows as usize, k as usize, n as usize);
+                assert_eq!(
+                    out,
+                    linear(rows, k, n, transposed, &x, &weight),
+                    "{product:?}"
+                );
             }
+        }
+    }
+
+    #[test]
+    fn the_blas_call_computes_row_sums() {
+        for (rows, m, n) in [(5, 3, 4), (1, 1, 1), (0, 3, 2), (6, 1, 5), (2, 7, 3)] {
+            let product = Product::RowSums { rows, m, n };
+            let (a, b) = (values(rows * m, 3), values(rows * n, 4));
+            let call = product.blas_call().unwrap();
+            let [a_len, b_len, c_len] = call.lengths();
+            assert!(
+                a_len <= b.len() && b_len <= a.len(),
+                "{product:?}: {call:?}"
+            );
+            assert_eq!(c_len, (m * n) as usize, "{product:?}: {call:?}");
+            let mut out = vec![f32::NAN; (m * n) as usize];
+            run_on_host(&call, &b, &a, &mut out);
+            let (rows, m, n) = (rows as usize, m as usize, n as usize);
+            assert_eq!(out, row_sums(rows, m, n, &a, &b), "{product:?}");
         }
     }
 
@@ -320,7 +407,7 @@ mod tests {
 
     #[test]
     fn sizes_past_cublas_integers_are_an_error() {
-        let product = Product {
+        let product = Product::Linear {
             rows: 1 << 31,
             k: 2,
             n: 2,

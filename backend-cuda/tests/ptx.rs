@@ -240,6 +240,35 @@ fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
     }
     // `linear(x, w)` alone; the two GEMMs with a bias and an epilogue.
     assert_eq!(gemms, (1, 2));
+    // Weight gradients (row sums of products) are cuBLAS's alone; column sums keep
+    // their kernel.
+    use nestor_passes::Pass;
+    let graph = nestor_passes::Decompose
+        .run(&nestor_ir::parse(&filetest("attention_loss.nir")).unwrap())
+        .unwrap();
+    let program = training_program(&graph);
+    let module = ptx_of(
+        &program,
+        Arch::Sm90,
+        (KernelSet::DeviceBlas, Storage::Compute),
+    )
+    .unwrap();
+    let mut products = 0;
+    for (step, kernel) in program.steps.iter().zip(&module.kernels) {
+        match step {
+            Step::SumRows {
+                a: Some(_),
+                mean: false,
+                ..
+            } => {
+                products += 1;
+                assert!(kernel.is_none(), "{step:?}");
+            }
+            Step::Gemm { .. } => {}
+            _ => assert!(kernel.is_some(), "{step:?}"),
+        }
+    }
+    assert!(products >= 1, "{products} weight gradients");
 }
 
 /// A row kernel's row is a warp's: its lanes combine their sums and extremes with

@@ -236,7 +236,8 @@ pub enum KernelSet {
     Complete,
     /// What a GPU with a BLAS library runs: every kernel of `Complete`, but a GEMM's
     /// product is the library's, written to its output first; its kernel then only adds
-    /// the bias and applies the epilogue in place (no kernel when it has neither).
+    /// the bias and applies the epilogue in place (no kernel when it has neither); row
+    /// sums of products `a^T b` (weight gradients) are the library's alone.
     DeviceBlas,
 }
 

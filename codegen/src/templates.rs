@@ -20,7 +20,8 @@
 //! - one-hot: `out, ids (i64, checked by the runtime)`; range = rows;
 //! - length values: `out, lengths (i64)`; range = elements;
 //! - insert: `out, x`; range = rows;
-//! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values;
+//! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values (with
+//!   [`KernelSet::DeviceBlas`], sums of products `a^T b` are the BLAS's: no kernel);
 //! - scatter rows: `out, g, ids (i64), [rows] (i64)`; range = vocabulary x width output
 //!   values (each sums the rows of its id: no atomics, one pass over the ids each);
 //! - random mask: `out, [the run's key] (i64)`; range = values;
@@ -133,6 +134,15 @@ pub(crate) fn generate<'ctx>(
         Step::Insert {
             size, index, inner, ..
         } => insert(&kernel, *size, *index, *inner)?,
+        Step::SumRows {
+            a: Some(_),
+            mean: false,
+            ..
+        } if blas_product => {
+            // `a^T b` is the BLAS's whole result.
+            unsafe { kernel.function.delete() };
+            return Ok(false);
+        }
         Step::SumRows { a, m, n, mean, .. } => sum_rows(&kernel, a.is_some(), (*m, *n), *mean)?,
         Step::ScatterRows { width, padding, .. } => scatter_rows(&kernel, *width, *padding)?,
         Step::RandomMask { p, .. } if !library => random_mask(&kernel, *p)?,

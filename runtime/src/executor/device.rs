@@ -49,9 +49,8 @@ pub trait KernelDevice {
         -> Result<(), RuntimeError>;
     /// Where the device computes GEMM products.
     fn gemms(&self) -> Gemms;
-    /// Runs `call` for step `step` on the device's BLAS, `[a, b, c]` the buffers of the
-    /// weight, the input and the output (asked only of devices whose [`Self::gemms`] is
-    /// [`Gemms::Blas`]).
+    /// Runs `call` for step `step` on the device's BLAS, `[a, b, c]` the buffers of its
+    /// `A`, `B` and `C` (asked only of devices whose [`Self::gemms`] is [`Gemms::Blas`]).
     ///
     /// # Safety
     /// The addresses must be buffers of this device holding [`BlasCall::lengths`] values.
@@ -70,7 +69,8 @@ pub enum Gemms {
     /// value.
     Kernels,
     /// On the device's BLAS (cuBLAS on a GPU), then a kernel that adds the bias and
-    /// applies the epilogue in place ([`KernelSet::DeviceBlas`]).
+    /// applies the epilogue in place ([`KernelSet::DeviceBlas`]); row sums of products
+    /// (weight gradients) on the BLAS too.
     Blas,
 }
 
@@ -262,7 +262,7 @@ impl KernelDevice for HostDevice {
         let mut product = vec![0.0f32; c_len];
         let count = |value: i32| usize::try_from(value).unwrap_or(0);
         let [a_strides, b_strides, c_strides] = call.strides();
-        if call.k > 0 {
+        if call.k > 0 && call.m > 0 && call.n > 0 {
             // `a`, `b` and `product` hold what the call's strides reach (`lengths`).
             unsafe {
                 <f32 as crate::scalar::Scalar>::matmul(
@@ -589,10 +589,10 @@ impl Executable {
             planned.iter().zip(table_starts).enumerate()
         {
             if let Some((call, launch)) = product {
-                // A GEMM's buffers come first: out, x, weight (`args`); `blas_product`
-                // checked that they hold what the call reads and writes.
-                let [out, x, weight] = [0, 1, 2].map(|at| tables[start + at] as u64);
-                unsafe { device.blas(step_index, call, [weight, x, out])? };
+                // `blas_product` checked that arguments 2, 1 and 0 hold what the call
+                // reads and writes.
+                let [a, b, c] = [2, 1, 0].map(|at| tables[start + at] as u64);
+                unsafe { device.blas(step_index, call, [a, b, c])? };
                 if !launch {
                     stats.moved(self.bytes_moved(step_index, &sizes));
                     continue;
@@ -895,52 +895,75 @@ impl Plan<'_> {
         })
     }
 
-    /// For a GEMM step on a device whose BLAS computes products, the BLAS call and
-    /// whether a kernel follows it (for the bias or the epilogue), after checking that
-    /// the step's buffers hold what the call reads and writes; `None` otherwise.
+    /// For a GEMM step or a row-sums step of products (`a^T b`) on a device whose BLAS
+    /// computes them, the BLAS call and whether a kernel follows it (a GEMM's bias or
+    /// epilogue), after checking that the step's buffers hold what the call reads and
+    /// writes; `None` otherwise. The call's `[A, B, C]` are the step's arguments 2, 1
+    /// and 0 (a GEMM's weight, input and output; the row sums' `b`, `a` and output).
     fn blas_product(
         &self,
         step: &Step,
         gemms: Gemms,
     ) -> Result<Option<(BlasCall, bool)>, RuntimeError> {
-        let Step::Gemm {
-            out,
-            x,
-            weight,
-            bias,
-            rows,
-            k,
-            n,
-            transposed,
-            epilogue,
-        } = step
-        else {
-            return Ok(None);
-        };
         if gemms == Gemms::Kernels {
             return Ok(None);
         }
-        let call = Product {
-            rows: self.sizes.rows(*rows),
-            k: *k,
-            n: *n,
-            transposed: *transposed,
-        }
-        .blas_call()
-        .map_err(|error| device_error(self.step, error))?;
-        for (slot, needed) in [*weight, *x, *out].into_iter().zip(call.lengths()) {
+        let (product, buffers, launch) = match *step {
+            Step::Gemm {
+                out,
+                x,
+                weight,
+                bias,
+                rows,
+                k,
+                n,
+                transposed,
+                ref epilogue,
+            } => (
+                Product::Linear {
+                    rows: self.sizes.rows(rows),
+                    k,
+                    n,
+                    transposed,
+                },
+                [weight, x, out],
+                bias.is_some() || epilogue.is_some(),
+            ),
+            Step::SumRows {
+                out,
+                a: Some(a),
+                b,
+                rows,
+                m,
+                n,
+                mean: false,
+            } => (
+                Product::RowSums {
+                    rows: self.sizes.rows(rows),
+                    m,
+                    n,
+                },
+                [b, a, out],
+                false,
+            ),
+            _ => return Ok(None),
+        };
+        let call = product
+            .blas_call()
+            .map_err(|error| device_error(self.step, error))?;
+        for (slot, needed) in buffers.into_iter().zip(call.lengths()) {
             let held = self.sizes.elements(self.program, slot);
             if held < needed {
                 return Err(device_error(
                     self.step,
                     format!(
-                        "slot {} holds {held} values, its GEMM reads {needed}",
+                        "slot {} holds {held} values, its product reads {needed}",
                         slot.0
                     ),
                 ));
             }
         }
-        Ok(Some((call, bias.is_some() || epilogue.is_some())))
+        Ok(Some((call, launch)))
     }
 
     /// The pixels of the images of `heights` and `widths` (`H_i W_i` summed, checked).

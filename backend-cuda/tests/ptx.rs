@@ -273,42 +273,45 @@ fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
 
 /// A row kernel's row is a warp's: its lanes combine their sums and extremes with
 /// butterfly shuffles (f64 as two 32-bit halves), and its launch takes 32 threads a row;
+/// so is attention's (query row, head) (the lanes add their parts of each score);
 /// segmented kernels and gathers take a warp a task too (lanes over the columns, no
 /// shuffles), GEMMs one thread an output value.
 #[test]
 fn row_kernels_share_each_row_across_a_warp() {
+    let mut shared = 0;
     for dtype in ["f32", "f64"] {
-        let program = program(ROWS_AND_SEGMENTS, dtype, false);
-        let module = ptx(&program, Arch::Sm90).unwrap();
-        let mut rows = 0;
-        for ((step, kernel), threads) in program
-            .steps
-            .iter()
-            .zip(&module.kernels)
-            .zip(&module.threads_per_task)
-        {
-            let kernel = kernel.as_ref().unwrap();
-            let text = module
-                .ptx
-                .split(".entry ")
-                .find(|entry| entry.starts_with(&format!("{kernel}(")))
-                .unwrap();
-            let shuffles = text.matches("shfl.sync.bfly").count();
-            match step {
-                Step::Row { .. } => {
-                    rows += 1;
-                    assert_eq!(*threads, 32, "{step:?}");
-                    // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
-                    assert!(shuffles >= 5, "{dtype} {kernel}: {shuffles} shuffles");
+        for text in [ROWS_AND_SEGMENTS, ATTENTION] {
+            let program = program(text, dtype, false);
+            let module = ptx(&program, Arch::Sm90).unwrap();
+            for ((step, kernel), threads) in program
+                .steps
+                .iter()
+                .zip(&module.kernels)
+                .zip(&module.threads_per_task)
+            {
+                let kernel = kernel.as_ref().unwrap();
+                let text = module
+                    .ptx
+                    .split(".entry ")
+                    .find(|entry| entry.starts_with(&format!("{kernel}(")))
+                    .unwrap();
+                let shuffles = text.matches("shfl.sync.bfly").count();
+                match step {
+                    Step::Row { .. } | Step::Attention { .. } => {
+                        shared += 1;
+                        assert_eq!(*threads, 32, "{step:?}");
+                        // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
+                        assert!(shuffles >= 5, "{dtype} {kernel}: {shuffles} shuffles");
+                    }
+                    Step::Segment { .. } | Step::Gather { .. } => {
+                        assert_eq!((*threads, shuffles), (32, 0), "{step:?}")
+                    }
+                    _ => assert_eq!((*threads, shuffles), (1, 0), "{step:?}"),
                 }
-                Step::Segment { .. } | Step::Gather { .. } => {
-                    assert_eq!((*threads, shuffles), (32, 0), "{step:?}")
-                }
-                _ => assert_eq!((*threads, shuffles), (1, 0), "{step:?}"),
             }
         }
-        assert!(rows >= 8, "{rows} row kernels");
     }
+    assert!(shared >= 2 * (8 + 3), "{shared} row and attention kernels");
 }
 
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a

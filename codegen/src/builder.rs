@@ -412,6 +412,30 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         }
     }
 
+    /// The lanes of a task of [`Kernel::parallel_rows`] on this target: a warp on a GPU,
+    /// one on the host.
+    pub(crate) fn lane_count(&self) -> i64 {
+        match self.target {
+            Target::Host => 1,
+            Target::Nvptx => WARP_LANES,
+        }
+    }
+
+    /// Where a lane keeps its value of `column` (one of the columns its [`lane_range`]
+    /// gives) in a kernel-local array of `columns / lanes` (rounded up) values.
+    ///
+    /// [`lane_range`]: Kernel::lane_range
+    pub(crate) fn lane_slot(
+        &self,
+        lanes: Lanes<'ctx>,
+        column: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        if lanes.count == 1 {
+            return Ok(column);
+        }
+        self.div(column, self.i64(lanes.count))
+    }
+
     /// One lane: a task that one thread runs whole.
     pub(crate) fn single_lane(&self) -> Lanes<'ctx> {
         Lanes {
@@ -439,13 +463,16 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 let block_size = register("ntid.x")?;
                 let thread = register("tid.x")?;
                 let global = self.add(self.mul(register("ctaid.x")?, block_size)?, thread)?;
-                let lanes = self.i64(WARP_LANES);
-                let warps = self.div(self.mul(register("nctaid.x")?, block_size)?, lanes)?;
+                let count = self.lane_count();
+                let warps = self.div(
+                    self.mul(register("nctaid.x")?, block_size)?,
+                    self.i64(count),
+                )?;
                 let lanes = Lanes {
-                    lane: self.rem(thread, lanes)?,
-                    count: WARP_LANES,
+                    lane: self.rem(thread, self.i64(count))?,
+                    count,
                 };
-                let first = self.add(start, self.div(global, self.i64(WARP_LANES))?)?;
+                let first = self.add(start, self.div(global, self.i64(count))?)?;
                 self.for_range_by(first, end, warps, |row| body(row, lanes))
             }
         }

@@ -340,7 +340,8 @@ pub(crate) fn warp_per_task(step: &Step) -> bool {
         | Step::Segment { .. }
         | Step::Gather { .. }
         | Step::Pad { .. }
-        | Step::Unpad { .. } => true,
+        | Step::Unpad { .. }
+        | Step::Attention { .. } => true,
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
     }
@@ -1243,8 +1244,10 @@ fn unpad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     })
 }
 
-/// Varlen attention without scores in memory: one (query row, head) per iteration of
-/// the parallel loop, an online softmax over the keys of the row's element (the running
+/// Varlen attention without scores in memory: one (query row, head) per task of the
+/// parallel loop (a warp's on a GPU: its lanes share the head's columns and add their
+/// parts of each score with shuffles; one thread's on the host), an online softmax over
+/// the keys of the row's element (the running
 /// maximum rescales the running sum and output), as libtorch's scaled dot-product
 /// attention: a row without a finite score (or without keys) gives 0, a NaN score makes
 /// the row NaN, and with `causal` a masked (future) key's score that is NaN or +inf
@@ -1259,15 +1262,20 @@ fn attention<'ctx>(
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, queries, keys, values, query_offsets, key_offsets, elements] = kernel.args()?;
-    let output = kernel.accumulator_array("output", value_dim)?;
+    // Each lane's output columns (every one on the host).
+    let slots = (value_dim + kernel.lane_count() - 1) / kernel.lane_count();
+    let output = kernel.accumulator_array("output", slots)?;
     let [largest, total, poisoned] = kernel.accumulators(["largest", "total", "poisoned"])?;
     let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
     let [infinity, negative_infinity] =
         [f64::INFINITY, f64::NEG_INFINITY].map(|value| kernel.constant(value));
-    let columns = |count: i64, body: &dyn Fn(IntValue<'ctx>) -> Gen<()>| {
-        kernel.for_range(kernel.i64(0), kernel.i64(count), body)
-    };
-    kernel.parallel_range(start, end, |task| {
+    kernel.parallel_rows(start, end, |task, lanes| {
+        // This lane's value columns, each with its slot in `output`.
+        let columns = |body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>| {
+            kernel.lane_range(lanes, value_dim, |column| {
+                body(column, kernel.lane_slot(lanes, column)?)
+            })
+        };
         let row = kernel.div(task, kernel.i64(heads))?;
         let head = kernel.rem(task, kernel.i64(heads))?;
         let element = kernel.load_i64(elements, row)?;
@@ -1285,7 +1293,7 @@ fn attention<'ctx>(
         // scale * <q_row, k_key> over this head's columns.
         let score = |key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
             let key_row = kernel.add(first_key, key)?;
-            let dot = row_sum(kernel, head_dim, |column| {
+            let dot = lane_sum(kernel, lanes, head_dim, |column| {
                 let column = kernel.add(query_base, column)?;
                 let x = kernel.load_float(queries, index(kernel, q, row, column)?)?;
                 let y = kernel.load_float(keys, index(kernel, k, key_row, column)?)?;
@@ -1296,9 +1304,7 @@ fn attention<'ctx>(
         kernel.set(largest, negative_infinity)?;
         kernel.set(total, zero)?;
         kernel.set(poisoned, zero)?;
-        columns(value_dim, &|column| {
-            kernel.store_local(output, column, zero)
-        })?;
+        columns(&|_, slot| kernel.store_local(output, slot, zero))?;
         kernel.for_range(kernel.i64(0), visible, |key| {
             let value = score(key)?;
             let before = kernel.get(largest)?;
@@ -1324,11 +1330,11 @@ fn attention<'ctx>(
                 kernel.fadd(kernel.fmul(kernel.get(total)?, rescale)?, weight)?,
             )?;
             let key_row = kernel.add(first_key, key)?;
-            columns(value_dim, &|column| {
+            columns(&|column, slot| {
                 let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
                 let contribution = kernel.fmul(weight, kernel.load_float(values, at)?)?;
-                let kept = kernel.fmul(kernel.load_local(output, column)?, rescale)?;
-                kernel.store_local(output, column, kernel.fadd(kept, contribution)?)
+                let kept = kernel.fmul(kernel.load_local(output, slot)?, rescale)?;
+                kernel.store_local(output, slot, kernel.fadd(kept, contribution)?)
             })?;
             kernel.set(largest, after)
         })?;
@@ -1343,11 +1349,11 @@ fn attention<'ctx>(
                 )?;
                 // A masked key's values count with weight 0 (NaN where one is not finite).
                 let key_row = kernel.add(first_key, key)?;
-                columns(value_dim, &|column| {
+                columns(&|column, slot| {
                     let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
                     let masked = kernel.fmul(zero, kernel.load_float(values, at)?)?;
-                    let kept = kernel.load_local(output, column)?;
-                    kernel.store_local(output, column, kernel.fadd(kept, masked)?)
+                    let kept = kernel.load_local(output, slot)?;
+                    kernel.store_local(output, slot, kernel.fadd(kept, masked)?)
                 })
             })?;
         }
@@ -1365,9 +1371,9 @@ fn attention<'ctx>(
             inverse,
         )?;
         let out_row = kernel.mul(row, kernel.i64(heads * value_dim))?;
-        columns(value_dim, &|column| {
+        columns(&|column, slot| {
             let at = kernel.add(out_row, kernel.add(value_base, column)?)?;
-            let value = kernel.fmul(kernel.load_local(output, column)?, inverse)?;
+            let value = kernel.fmul(kernel.load_local(output, slot)?, inverse)?;
             kernel.store_float(out, at, value)
         })
     })

@@ -312,6 +312,21 @@ fn row_kernels_share_each_row_across_a_warp() {
         }
     }
     assert!(shared >= 2 * (8 + 3), "{shared} row and attention kernels");
+    // The gradients of attention too.
+    use nestor_passes::Pass;
+    let graph = nestor_passes::Decompose
+        .run(&nestor_ir::parse(&filetest("attention_loss.nir")).unwrap())
+        .unwrap();
+    let program = training_program(&graph);
+    let module = ptx(&program, Arch::Sm90).unwrap();
+    let gradients: Vec<u32> = program
+        .steps
+        .iter()
+        .zip(&module.threads_per_task)
+        .filter(|(step, _)| matches!(step, Step::AttentionGrad { .. }))
+        .map(|(_, &threads)| threads)
+        .collect();
+    assert_eq!(gradients, [32, 32], "the queries' and the keys' gradients");
 }
 
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a

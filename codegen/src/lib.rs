@@ -254,8 +254,9 @@ pub enum Storage {
 }
 
 /// How many GPU threads run each task of `step`'s kernel range: a warp for row and
-/// segmented kernels, gathers, padding copies and pointwise kernels over rows (their
-/// lanes share the row's or element's columns), else one. A launch sizes its grid by it;
+/// segmented kernels, attention and its gradient, gathers, padding copies and pointwise
+/// kernels over rows (their lanes share the row's, element's or head's columns), else
+/// one. A launch sizes its grid by it;
 /// any grid gives the same result (the loops are grid-stride), this one runs every task
 /// at once.
 pub fn gpu_threads_per_task(step: &Step) -> u32 {

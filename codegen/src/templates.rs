@@ -332,8 +332,9 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 }
 
 /// Whether `step`'s kernel runs each task of its range on a warp on a GPU
-/// ([`Kernel::parallel_rows`]): row and segmented kernels, gathers, padding copies and
-/// pointwise kernels over rows, whose lanes share a row's (an element's) columns.
+/// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
+/// gathers, padding copies and pointwise kernels over rows, whose lanes share a row's
+/// (an element's, a head's) columns.
 pub(crate) fn warp_per_task(step: &Step) -> bool {
     match step {
         Step::Row { .. }
@@ -341,7 +342,8 @@ pub(crate) fn warp_per_task(step: &Step) -> bool {
         | Step::Gather { .. }
         | Step::Pad { .. }
         | Step::Unpad { .. }
-        | Step::Attention { .. } => true,
+        | Step::Attention { .. }
+        | Step::AttentionGrad { .. } => true,
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
     }
@@ -1383,7 +1385,9 @@ fn attention<'ctx>(
 /// row's maximum and sum: the queries' (`dQ = scale dS K`, one query row and head per
 /// iteration) or the keys' and values' (`dK = scale dS^T Q`, `dV = P^T dO`, one key row
 /// and head per iteration, each visiting the queries that see it), with
-/// `dS = P (dO V^T - rowsum(P dO V^T))`. Elements without keys get zeros.
+/// `dS = P (dO V^T - rowsum(P dO V^T))`. Elements without keys get zeros. A task is a
+/// warp's on a GPU (lanes over the head's columns, dot products added with shuffles),
+/// one thread's on the host.
 fn attention_grad<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     [q, k, v, g]: [&Access; 4],
@@ -1394,13 +1398,18 @@ fn attention_grad<'ctx>(
     let [out, queries, key_rows, values, slopes, query_offsets, key_offsets, elements] =
         kernel.args()?;
     let [largest, total, dot] = kernel.accumulators(["largest", "total", "dot"])?;
-    let first_grad = kernel.accumulator_array("first", head_dim)?;
-    let second_grad = kernel.accumulator_array("second", head_dim)?;
+    // Each lane's columns of the head (every one on the host).
+    let slots = (head_dim + kernel.lane_count() - 1) / kernel.lane_count();
+    let first_grad = kernel.accumulator_array("first", slots)?;
+    let second_grad = kernel.accumulator_array("second", slots)?;
     let zero = kernel.constant(0.0);
-    let columns = |body: &dyn Fn(IntValue<'ctx>) -> Gen<()>| {
-        kernel.for_range(kernel.i64(0), kernel.i64(head_dim), body)
-    };
-    kernel.parallel_range(start, end, |task| {
+    kernel.parallel_rows(start, end, |task, lanes| {
+        // This lane's columns of the head, each with its slot in the gradients.
+        let columns = |body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>| {
+            kernel.lane_range(lanes, head_dim, |column| {
+                body(column, kernel.lane_slot(lanes, column)?)
+            })
+        };
         let row = kernel.div(task, kernel.i64(heads))?;
         let head = kernel.rem(task, kernel.i64(heads))?;
         let base = kernel.mul(head, kernel.i64(head_dim))?;
@@ -1418,7 +1427,7 @@ fn attention_grad<'ctx>(
                         (b, b_buffer): (&Access, PointerValue<'ctx>),
                         y: IntValue<'ctx>|
          -> Gen<FloatValue<'ctx>> {
-            row_sum(kernel, head_dim, |column| {
+            lane_sum(kernel, lanes, head_dim, |column| {
                 let column = kernel.add(base, column)?;
                 let left = kernel.load_float(a_buffer, index(kernel, a, x, column)?)?;
                 let right = kernel.load_float(b_buffer, index(kernel, b, y, column)?)?;
@@ -1476,9 +1485,9 @@ fn attention_grad<'ctx>(
                 )
             })
         };
-        columns(&|column| {
-            kernel.store_local(first_grad, column, zero)?;
-            kernel.store_local(second_grad, column, zero)
+        columns(&|_, slot| {
+            kernel.store_local(first_grad, slot, zero)?;
+            kernel.store_local(second_grad, slot, zero)
         })?;
         if keys {
             // Key row `row`: the queries of its element that see it.
@@ -1497,22 +1506,18 @@ fn attention_grad<'ctx>(
                         let p = probability(query, row)?;
                         let ds =
                             kernel.fmul(p, kernel.fsub(slope(query, row)?, kernel.get(dot)?)?)?;
-                        columns(&|column| {
+                        columns(&|column, slot| {
                             let column_at = kernel.add(base, column)?;
                             let x =
                                 kernel.load_float(queries, index(kernel, q, query, column_at)?)?;
                             let y =
                                 kernel.load_float(slopes, index(kernel, g, query, column_at)?)?;
-                            let dk = kernel.fadd(
-                                kernel.load_local(first_grad, column)?,
-                                kernel.fmul(ds, x)?,
-                            )?;
-                            let dv = kernel.fadd(
-                                kernel.load_local(second_grad, column)?,
-                                kernel.fmul(p, y)?,
-                            )?;
-                            kernel.store_local(first_grad, column, dk)?;
-                            kernel.store_local(second_grad, column, dv)
+                            let dk = kernel
+                                .fadd(kernel.load_local(first_grad, slot)?, kernel.fmul(ds, x)?)?;
+                            let dv = kernel
+                                .fadd(kernel.load_local(second_grad, slot)?, kernel.fmul(p, y)?)?;
+                            kernel.store_local(first_grad, slot, dk)?;
+                            kernel.store_local(second_grad, slot, dv)
                         })
                     },
                     || Ok(()),
@@ -1521,15 +1526,13 @@ fn attention_grad<'ctx>(
             // [Lk, 2, heads, head_dim]: dK then dV.
             let width = kernel.i64(2 * heads * head_dim);
             let target = kernel.add(kernel.mul(row, width)?, base)?;
-            columns(&|column| {
+            columns(&|column, slot| {
                 let at = kernel.add(target, column)?;
-                let dk = kernel.fmul(
-                    kernel.load_local(first_grad, column)?,
-                    kernel.constant(scale),
-                )?;
+                let dk =
+                    kernel.fmul(kernel.load_local(first_grad, slot)?, kernel.constant(scale))?;
                 kernel.store_float(out, at, dk)?;
                 let at = kernel.add(at, kernel.i64(heads * head_dim))?;
-                kernel.store_float(out, at, kernel.load_local(second_grad, column)?)
+                kernel.store_float(out, at, kernel.load_local(second_grad, slot)?)
             })
         } else {
             let limit = visible(row)?;
@@ -1543,26 +1546,22 @@ fn attention_grad<'ctx>(
                         let p = probability(row, key)?;
                         let ds =
                             kernel.fmul(p, kernel.fsub(slope(row, key)?, kernel.get(dot)?)?)?;
-                        columns(&|column| {
+                        columns(&|column, slot| {
                             let column_at = kernel.add(base, column)?;
                             let y =
                                 kernel.load_float(key_rows, index(kernel, k, key, column_at)?)?;
-                            let dq = kernel.fadd(
-                                kernel.load_local(first_grad, column)?,
-                                kernel.fmul(ds, y)?,
-                            )?;
-                            kernel.store_local(first_grad, column, dq)
+                            let dq = kernel
+                                .fadd(kernel.load_local(first_grad, slot)?, kernel.fmul(ds, y)?)?;
+                            kernel.store_local(first_grad, slot, dq)
                         })
                     })
                 },
                 || Ok(()),
             )?;
             let target = kernel.add(kernel.mul(row, kernel.i64(heads * head_dim))?, base)?;
-            columns(&|column| {
-                let dq = kernel.fmul(
-                    kernel.load_local(first_grad, column)?,
-                    kernel.constant(scale),
-                )?;
+            columns(&|column, slot| {
+                let dq =
+                    kernel.fmul(kernel.load_local(first_grad, slot)?, kernel.constant(scale))?;
                 kernel.store_float(out, kernel.add(target, column)?, dq)
             })
         }

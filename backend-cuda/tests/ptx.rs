@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_backend_cuda::{ptx, ptx_of, ptx_storing, ptxas, Arch, KernelSet, Storage};
-use nestor_passes::{lower, Limits, Pipeline, Step};
+use nestor_passes::{lower, Limits, Pipeline, Step, WindowKind};
 
 /// Row kernels (norms, softmax, reductions over the last dim), segmented kernels
 /// (softmax and reductions over the ragged dim), a gather, GEMMs with and without
@@ -464,10 +464,22 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         } else {
             lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap()
         };
-        windows.extend(program.steps.iter().filter_map(|step| match step {
-            Step::Window { kind, .. } => Some(format!("{kind:?}")),
-            _ => None,
-        }));
+        // Convolutions and pooling take a warp an output pixel (lanes over its
+        // channels); the gradients' gathers and the means a thread a task.
+        let threads = ptx(&program, Arch::Sm90).unwrap().threads_per_task;
+        for (step, threads) in program.steps.iter().zip(threads) {
+            if let Step::Window { kind, .. } = step {
+                windows.push(format!("{kind:?}"));
+                let warp = matches!(
+                    kind,
+                    WindowKind::Conv
+                        | WindowKind::ConvInputGrad
+                        | WindowKind::Max
+                        | WindowKind::Average
+                );
+                assert_eq!(threads, if warp { 32 } else { 1 }, "{kind:?}");
+            }
+        }
         assert_every_step_assembles(&program, file);
     }
     for kind in [

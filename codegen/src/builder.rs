@@ -485,10 +485,20 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         width: i64,
         body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
+        self.lane_range_until(lanes, self.i64(width), body)
+    }
+
+    /// [`Kernel::lane_range`] to a bound known at run time.
+    pub(crate) fn lane_range_until(
+        &self,
+        lanes: Lanes<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
         if lanes.count == 1 {
-            return self.for_range(self.i64(0), self.i64(width), body);
+            return self.for_range(self.i64(0), end, body);
         }
-        self.for_range_by(lanes.lane, self.i64(width), self.i64(lanes.count), body)
+        self.for_range_by(lanes.lane, end, self.i64(lanes.count), body)
     }
 
     /// Every lane's `value` combined by `combine` (a sum, a largest value), the result in

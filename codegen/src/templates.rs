@@ -333,8 +333,9 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 
 /// Whether `step`'s kernel runs each task of its range on a warp on a GPU
 /// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
-/// gathers, padding copies and pointwise kernels over rows, whose lanes share a row's
-/// (an element's, a head's) columns.
+/// jagged-pair matmuls, convolutions and pooling, gathers, padding copies and pointwise
+/// kernels over rows, whose lanes share a row's (an element's, a head's, a pixel's)
+/// columns.
 pub(crate) fn warp_per_task(step: &Step) -> bool {
     match step {
         Step::Row { .. }
@@ -343,7 +344,12 @@ pub(crate) fn warp_per_task(step: &Step) -> bool {
         | Step::Pad { .. }
         | Step::Unpad { .. }
         | Step::Attention { .. }
-        | Step::AttentionGrad { .. } => true,
+        | Step::AttentionGrad { .. }
+        | Step::PairGemm { .. } => true,
+        Step::Window { kind, .. } => matches!(
+            kind,
+            WindowKind::Conv | WindowKind::ConvInputGrad | WindowKind::Max | WindowKind::Average
+        ),
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
     }
@@ -687,7 +693,8 @@ fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> 
     let (start, end) = kernel.range()?;
     let [out, a, b, row_offsets, column_offsets, pair_offsets, elements] = kernel.args()?;
     let sum = kernel.accumulator("sum")?;
-    kernel.parallel_range(start, end, |row| {
+    // A row is a warp's on a GPU (each lane its own outputs), one thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
         let element = kernel.load_i64(elements, row)?;
         let next = kernel.add(element, kernel.i64(1))?;
         let position = kernel.sub(row, kernel.load_i64(row_offsets, element)?)?;
@@ -705,7 +712,7 @@ fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> 
         };
         if mix {
             let out_row = kernel.mul(row, kernel.i64(width))?;
-            kernel.for_range(kernel.i64(0), kernel.i64(width), |w| {
+            kernel.lane_range(lanes, width, |w| {
                 kernel.set(sum, kernel.constant(0.0))?;
                 kernel.for_range(kernel.i64(0), columns, |c| {
                     let x = kernel.load_float(a, kernel.add(pairs, c)?)?;
@@ -716,7 +723,7 @@ fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> 
             })
         } else {
             let a_row = kernel.mul(row, kernel.i64(width))?;
-            kernel.for_range(kernel.i64(0), columns, |c| {
+            kernel.lane_range_until(lanes, columns, |c| {
                 let dot = row_sum(kernel, width, |w| {
                     let x = kernel.load_float(a, kernel.add(a_row, w)?)?;
                     kernel.fmul(x, kernel.load_float(b, b_at(c, w)?)?)
@@ -746,10 +753,12 @@ fn convolution<'ctx>(
     );
     let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
     let sum = kernel.accumulator("sum")?;
-    kernel.parallel_range(start, end, |row| {
+    // An output pixel is a warp's on a GPU (each lane its output channels), one
+    // thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
         let first_tap = kernel.mul(row, kernel.i64(taps))?;
         let out_row = kernel.mul(row, kernel.i64(width))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(width), |o| {
+        kernel.lane_range(lanes, width, |o| {
             let initial = match bias {
                 Some(bias) => kernel.load_float(bias, o)?,
                 None => kernel.constant(0.0),
@@ -797,10 +806,12 @@ fn pool<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) ->
     let [out, x, table] = kernel.args()?;
     let [value, inside] = kernel.accumulators(["value", "inside"])?;
     let initial = kernel.constant(if max { f64::NEG_INFINITY } else { 0.0 });
-    kernel.parallel_range(start, end, |row| {
+    // An output pixel is a warp's on a GPU (each lane its channels), one thread's on the
+    // host.
+    kernel.parallel_rows(start, end, |row, lanes| {
         let first_tap = kernel.mul(row, kernel.i64(taps))?;
         let out_row = kernel.mul(row, kernel.i64(channels))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+        kernel.lane_range(lanes, channels, |c| {
             kernel.set(value, initial)?;
             kernel.set(inside, kernel.constant(0.0))?;
             kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {

@@ -464,19 +464,13 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         } else {
             lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap()
         };
-        // Convolutions and pooling take a warp an output pixel (lanes over its
-        // channels); the gradients' gathers and the means a thread a task.
+        // Window steps take a warp a pixel or image (lanes over its channels), but the
+        // weight gradient, a thread a weight.
         let threads = ptx(&program, Arch::Sm90).unwrap().threads_per_task;
         for (step, threads) in program.steps.iter().zip(threads) {
             if let Step::Window { kind, .. } = step {
                 windows.push(format!("{kind:?}"));
-                let warp = matches!(
-                    kind,
-                    WindowKind::Conv
-                        | WindowKind::ConvInputGrad
-                        | WindowKind::Max
-                        | WindowKind::Average
-                );
+                let warp = *kind != WindowKind::WeightGrad;
                 assert_eq!(threads, if warp { 32 } else { 1 }, "{kind:?}");
             }
         }

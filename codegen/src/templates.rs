@@ -333,9 +333,9 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 
 /// Whether `step`'s kernel runs each task of its range on a warp on a GPU
 /// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
-/// jagged-pair matmuls, convolutions and pooling, gathers, padding copies and pointwise
-/// kernels over rows, whose lanes share a row's (an element's, a head's, a pixel's)
-/// columns.
+/// jagged-pair matmuls, the window steps but the weight gradient, gathers, padding
+/// copies and pointwise kernels over rows, whose lanes share a row's (an element's, a
+/// head's, a pixel's, an image's) columns.
 pub(crate) fn warp_per_task(step: &Step) -> bool {
     match step {
         Step::Row { .. }
@@ -346,10 +346,8 @@ pub(crate) fn warp_per_task(step: &Step) -> bool {
         | Step::Attention { .. }
         | Step::AttentionGrad { .. }
         | Step::PairGemm { .. } => true,
-        Step::Window { kind, .. } => matches!(
-            kind,
-            WindowKind::Conv | WindowKind::ConvInputGrad | WindowKind::Max | WindowKind::Average
-        ),
+        // A weight gradient's task is one weight.
+        Step::Window { kind, .. } => *kind != WindowKind::WeightGrad,
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
     }
@@ -854,14 +852,15 @@ fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x, offsets] = kernel.args()?;
     let sum = kernel.accumulator("sum")?;
-    kernel.parallel_range(start, end, |image| {
+    // An image is a warp's on a GPU (each lane its channels), one thread's on the host.
+    kernel.parallel_rows(start, end, |image, lanes| {
         let first = kernel.load_i64(offsets, image)?;
         let pixels = kernel.sub(
             kernel.load_i64(offsets, kernel.add(image, kernel.i64(1))?)?,
             first,
         )?;
         let out_row = kernel.mul(image, kernel.i64(channels))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+        kernel.lane_range(lanes, channels, |c| {
             kernel.set(sum, kernel.constant(0.0))?;
             kernel.for_range(kernel.i64(0), pixels, |p| {
                 let at = kernel.add(kernel.mul(kernel.add(first, p)?, kernel.i64(channels))?, c)?;
@@ -927,11 +926,13 @@ fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: boo
     let [out, x, g, table, inverse] = kernel.args()?;
     let [sum, best, inside] = kernel.accumulators(["sum", "best", "inside"])?;
     let picked = kernel.index_variable("picked")?;
-    kernel.parallel_range(start, end, |pixel| {
+    // An input pixel is a warp's on a GPU (each lane its channels), one thread's on the
+    // host.
+    kernel.parallel_rows(start, end, |pixel, lanes| {
         let from = kernel.load_i64(inverse, pixel)?;
         let to = kernel.load_i64(inverse, kernel.add(pixel, kernel.i64(1))?)?;
         let out_row = kernel.mul(pixel, kernel.i64(channels))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+        kernel.lane_range(lanes, channels, |c| {
             kernel.set(sum, kernel.constant(0.0))?;
             kernel.for_range(from, to, |entry| {
                 let r = kernel.load_i64(inverse, entry)?;
@@ -990,14 +991,15 @@ fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: boo
 fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x, offsets] = kernel.args()?;
-    kernel.parallel_range(start, end, |image| {
+    // An image is a warp's on a GPU (each lane its channels), one thread's on the host.
+    kernel.parallel_rows(start, end, |image, lanes| {
         let first = kernel.load_i64(offsets, image)?;
         let last = kernel.load_i64(offsets, kernel.add(image, kernel.i64(1))?)?;
         let divisor = kernel.to_float(kernel.sub(last, first)?)?;
         let mean_row = kernel.mul(image, kernel.i64(channels))?;
         kernel.for_range(first, last, |p| {
             let out_row = kernel.mul(p, kernel.i64(channels))?;
-            kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+            kernel.lane_range(lanes, channels, |c| {
                 let mean = kernel.load_float(x, kernel.add(mean_row, c)?)?;
                 kernel.store_float(out, kernel.add(out_row, c)?, kernel.fdiv(mean, divisor)?)
             })

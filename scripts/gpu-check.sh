@@ -20,8 +20,8 @@
 # With the device tool: prepare here, then run `scripts/gpu-check.sh run` with
 # carry ["gpu-check"]. GEMM products run on the machine's cuBLAS (found below: CUDA's
 # folders or its Python's NVIDIA wheels; gpu-check.txt's first line says whether it
-# loaded) and, compared, in GEMM kernels; attention is one thread per query row: expect
-# the timing to show it.
+# loaded) and, compared, in GEMM kernels; attention is a warp per query row and head
+# (no tiles shared between queries, no tensor cores yet): expect the timing to show it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 folder="$root/gpu-check"

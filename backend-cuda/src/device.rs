@@ -114,6 +114,17 @@ impl Device {
         self.stream.alloc_zeros(count.max(1)).map_err(driver)
     }
 
+    /// A new device buffer for `count` values (at least one), not initialized: for
+    /// kernels that write every value before any is read. `T` is a plain number type,
+    /// for which any bits are a value.
+    pub fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        count: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        // SAFETY: the memory stays on the device; any bits are a value of `T`.
+        unsafe { self.stream.alloc(count.max(1)) }.map_err(driver)
+    }
+
     /// Copies `values` to a new device buffer.
     pub fn upload<T: cudarc::driver::DeviceRepr>(
         &self,

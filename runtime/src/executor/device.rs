@@ -21,8 +21,9 @@ use crate::Stats;
 pub trait KernelDevice {
     /// A buffer of the device.
     type Buffer;
-    /// A buffer of `count` f32 zeros.
-    fn zeros_f32(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
+    /// A buffer for `count` f32 values that a step writes whole (what it holds before is
+    /// unspecified: NaN on the host, the allocator's leftovers on a GPU).
+    fn alloc_f32(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
     /// A buffer holding `values`.
     fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError>;
     /// A buffer holding `values`.
@@ -178,7 +179,7 @@ pub struct HostBuffer {
 impl KernelDevice for HostDevice {
     type Buffer = HostBuffer;
 
-    fn zeros_f32(&self, count: usize) -> Result<HostBuffer, RuntimeError> {
+    fn alloc_f32(&self, count: usize) -> Result<HostBuffer, RuntimeError> {
         // One word at least: kernels take the address of every buffer.
         let per_word = if self.storage == Storage::Bf16 { 4 } else { 2 };
         let length = count.div_ceil(per_word).max(1);
@@ -186,12 +187,14 @@ impl KernelDevice for HostDevice {
         words
             .try_reserve_exact(length)
             .map_err(|_| device_error(0, format!("cannot allocate {count} values")))?;
-        words.resize(length, 0u64);
+        // NaN in every value (all bits set), as a GPU's buffers hold leftovers: a step
+        // that leaves a value unwritten shows.
+        words.resize(length, u64::MAX);
         Ok(HostBuffer { words })
     }
 
     fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
-        let HostBuffer { mut words } = self.zeros_f32(values.len())?;
+        let HostBuffer { mut words } = self.alloc_f32(values.len())?;
         // The words hold at least `values.len()` values of the storage type.
         unsafe {
             if self.storage == Storage::Bf16 {
@@ -367,10 +370,11 @@ pub enum CudaBuffer {
 impl KernelDevice for CudaDevice {
     type Buffer = CudaBuffer;
 
-    fn zeros_f32(&self, count: usize) -> Result<CudaBuffer, RuntimeError> {
+    fn alloc_f32(&self, count: usize) -> Result<CudaBuffer, RuntimeError> {
+        // Not zeroed: every step writes its whole output (no memset a buffer).
         Ok(match self.storage {
-            Storage::Bf16 => CudaBuffer::Bf16(self.device.zeros(count)?, count),
-            Storage::Compute => CudaBuffer::F32(self.device.zeros(count)?, count),
+            Storage::Bf16 => CudaBuffer::Bf16(self.device.alloc(count)?, count),
+            Storage::Compute => CudaBuffer::F32(self.device.alloc(count)?, count),
         })
     }
 
@@ -537,7 +541,7 @@ impl Executable {
                     let bytes =
                         within_budget(step.unwrap_or(0), "its output", elements.checked_mul(4))?;
                     stats.allocated(bytes as u64);
-                    keep(device.zeros_f32(elements)?)
+                    keep(device.alloc_f32(elements)?)
                 }
                 // Aliases use their root's buffer.
                 Source::Alias(_) => 0,

@@ -237,7 +237,7 @@ pub fn ptx_of(
     let threads_per_task = program
         .steps
         .iter()
-        .map(nestor_codegen::gpu_threads_per_task)
+        .map(|step| nestor_codegen::gpu_threads_per_task(program, step))
         .collect();
     Ok(PtxModule {
         arch,

@@ -425,6 +425,15 @@ fn training_steps_assemble_for_sm80_and_sm90() {
             .run(&nestor_ir::parse(&filetest(file)).unwrap())
             .unwrap();
         let program = training_program(&graph);
+        // A scatter of an input's ids sums each table row's own rows (an index the host
+        // builds): a warp a table row.
+        let threads = ptx(&program, Arch::Sm90).unwrap().threads_per_task;
+        for (step, threads) in program.steps.iter().zip(threads) {
+            if let Step::ScatterRows { ids, .. } = step {
+                assert!(program.is_input(*ids), "{step:?}");
+                assert_eq!(threads, 32, "{step:?}");
+            }
+        }
         kinds.extend(program.steps.iter().map(|step| {
             format!("{step:?}")
                 .split([' ', '{'])

@@ -23,7 +23,10 @@
 //! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values (with
 //!   [`KernelSet::DeviceBlas`], sums of products `a^T b` are the BLAS's: no kernel);
 //! - scatter rows: `out, g, ids (i64), [rows] (i64)`; range = vocabulary x width output
-//!   values (each sums the rows of its id: no atomics, one pass over the ids each);
+//!   values (each sums the rows of its id: no atomics, one pass over the ids each); when
+//!   the ids are an input (the host reads them), `out, g, the rows of each id (i64: V + 1
+//!   positions into itself, then the rows in order)`, range = vocabulary (each table row
+//!   sums its own rows);
 //! - random mask: `out, [the run's key] (i64)`; range = values;
 //! - attention gradient: `out, q, k, v, g, query offsets (i64, B + 1), key offsets (i64,
 //!   B + 1), the element of each query row (of each key row for the keys' gradient)`;
@@ -144,7 +147,18 @@ pub(crate) fn generate<'ctx>(
             return Ok(false);
         }
         Step::SumRows { a, m, n, mean, .. } => sum_rows(&kernel, a.is_some(), (*m, *n), *mean)?,
-        Step::ScatterRows { width, padding, .. } => scatter_rows(&kernel, *width, *padding)?,
+        Step::ScatterRows {
+            ids,
+            width,
+            padding,
+            ..
+        } => {
+            if program.is_input(*ids) {
+                scatter_indexed_rows(&kernel, *width, *padding)?
+            } else {
+                scatter_rows(&kernel, *width, *padding)?
+            }
+        }
         Step::RandomMask { p, .. } if !library => random_mask(&kernel, *p)?,
         Step::AttentionGrad {
             q,
@@ -333,11 +347,12 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 
 /// Whether `step`'s kernel runs each task of its range on a warp on a GPU
 /// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
-/// jagged-pair matmuls, the window steps but the weight gradient, gathers, padding
-/// copies and pointwise kernels over rows, whose lanes share a row's (an element's, a
-/// head's, a pixel's, an image's) columns.
-pub(crate) fn warp_per_task(step: &Step) -> bool {
+/// jagged-pair matmuls, the window steps but the weight gradient, gathers, scatters by
+/// an index, padding copies and pointwise kernels over rows, whose lanes share a row's
+/// (an element's, a head's, a pixel's, an image's, a table row's) columns.
+pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
+        Step::ScatterRows { ids, .. } => program.is_input(*ids),
         Step::Row { .. }
         | Step::Segment { .. }
         | Step::Gather { .. }
@@ -1204,6 +1219,36 @@ fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Ge
         let padded = kernel.equal(entry, kernel.i64(padding))?;
         let value = kernel.select(padded, zero, kernel.get(total)?)?;
         kernel.store_float(out, task, value)
+    })
+}
+
+/// `out[v, c] = sum of g[r, c] over the rows r with ids[r] == v, in order` (nothing for
+/// `padding`), a table row a task (a warp's on a GPU, each lane its columns) over the
+/// rows of its id: `rows` holds `V + 1` positions into itself (id `v`'s rows are at
+/// `rows[rows[v]..rows[v + 1]]`), then the rows, in order.
+fn scatter_indexed_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, g, rows] = kernel.args()?;
+    let total = kernel.accumulator("total")?;
+    let zero = kernel.constant(0.0);
+    kernel.parallel_rows(start, end, |entry, lanes| {
+        let from = kernel.load_i64(rows, entry)?;
+        let to = kernel.load_i64(rows, kernel.add(entry, kernel.i64(1))?)?;
+        let padded = kernel.equal(entry, kernel.i64(padding))?;
+        let out_row = kernel.mul(entry, kernel.i64(width))?;
+        kernel.lane_range(lanes, width, |column| {
+            kernel.set(total, zero)?;
+            kernel.for_range(from, to, |at| {
+                let row = kernel.load_i64(rows, at)?;
+                let at = kernel.add(kernel.mul(row, kernel.i64(width))?, column)?;
+                kernel.set(
+                    total,
+                    kernel.fadd(kernel.get(total)?, kernel.load_float(g, at)?)?,
+                )
+            })?;
+            let value = kernel.select(padded, zero, kernel.get(total)?)?;
+            kernel.store_float(out, kernel.add(out_row, column)?, value)
+        })
     })
 }
 

@@ -828,6 +828,13 @@ impl Program {
         &self.slots[slot.0 as usize]
     }
 
+    /// Whether `slot` is one of the program's inputs as given (its values are in the
+    /// caller's memory when a run starts, so the host can read them: ids to check, or to
+    /// index by).
+    pub fn is_input(&self, slot: Slot) -> bool {
+        matches!(self.info(slot).source, Source::Input(_))
+    }
+
     /// The number of kernel launches per run (one per step).
     pub fn launches(&self) -> usize {
         self.steps.len()

@@ -476,6 +476,9 @@ enum Index {
     /// The windows that read each input pixel, for the same images
     /// ([`Plan::windows_of_pixels`]).
     Windows(Window2d, Slot, Slot),
+    /// The rows of each id `0..vocabulary` among the ids input `.0`
+    /// ([`Plan::rows_of_ids`]).
+    RowsOfIds(Slot, i64),
 }
 
 impl Executable {
@@ -750,7 +753,48 @@ impl Plan<'_> {
             Index::Windows(window, heights, widths) => {
                 self.windows_of_pixels(window, heights, widths)?
             }
+            Index::RowsOfIds(ids, vocabulary) => self.rows_of_ids(ids, vocabulary)?,
         })
+    }
+
+    /// For every id `0..vocabulary`, the rows of the ids input `ids` that hold it, in
+    /// order: `vocabulary + 1` positions into the same buffer (id `v`'s rows are at
+    /// `values[values[v]..values[v + 1]]`), then the rows. Ids outside the table have
+    /// no row listed (a scatter adds nothing for them).
+    fn rows_of_ids(&self, ids: Slot, vocabulary: i64) -> Result<Vec<i64>, RuntimeError> {
+        let Some(InputData::I64(ids)) = self.input_of(ids) else {
+            return Err(device_error(
+                self.step,
+                "scattered ids that are not an i64 input",
+            ));
+        };
+        let table = usize::try_from(vocabulary)
+            .map_err(|_| device_error(self.step, format!("a table of {vocabulary} rows")))?;
+        let slot = |id: i64| usize::try_from(id).ok().filter(|&id| id < table);
+        // Rows per id, then where each id's list starts (after the positions).
+        let mut starts = Vec::new();
+        starts
+            .try_reserve_exact(table + 1)
+            .map_err(|_| device_error(self.step, format!("a table of {vocabulary} rows")))?;
+        starts.resize(table + 1, table + 1);
+        let mut counts = vec![0usize; table];
+        for id in ids.iter().filter_map(|&id| slot(id)) {
+            counts[id] += 1;
+        }
+        for id in 0..table {
+            starts[id + 1] = starts[id] + counts[id];
+        }
+        let mut values: Vec<i64> = starts.iter().map(|&start| start as i64).collect();
+        values.resize(starts[table], 0);
+        // Rows in order, so that each id's list is in order.
+        let mut next = starts;
+        for (row, id) in ids.iter().enumerate() {
+            if let Some(id) = slot(*id) {
+                values[next[id]] = row as i64;
+                next[id] += 1;
+            }
+        }
+        Ok(values)
     }
 
     /// The taps of `window` over the images of `heights` and `widths` (the run builds
@@ -1027,6 +1071,14 @@ impl Plan<'_> {
         Ok(values)
     }
 
+    /// The caller's data of `slot` when it is an input of the program.
+    fn input_of(&self, slot: Slot) -> Option<&InputData<'_>> {
+        match self.program.info(slot).source {
+            Source::Input(input) => self.inputs.get(input),
+            _ => None,
+        }
+    }
+
     /// Ids are `valid` (kernels read rows or classes by them unchecked): only ids
     /// given as inputs can be checked before the launch.
     fn check_ids(
@@ -1276,6 +1328,17 @@ impl Plan<'_> {
                     Arg::Index(Index::Number(rows(*count))),
                 ];
                 (args, (0, m.saturating_mul(*n)))
+            }
+            Step::ScatterRows {
+                out,
+                g,
+                ids,
+                vocabulary,
+                ..
+            } if self.program.is_input(*ids) => {
+                // The kernel reads the rows of each id from an index (see the template).
+                let rows = Arg::Index(Index::RowsOfIds(*ids, *vocabulary));
+                (vec![Arg::Slot(*out), Arg::Slot(*g), rows], (0, *vocabulary))
             }
             Step::ScatterRows {
                 out,

@@ -172,11 +172,10 @@ impl BlasCall {
 
 /// The cuBLAS functions nestor calls (cudarc panics on a missing one, so they are
 /// looked for first).
-pub const BLAS_SYMBOLS: [&str; 5] = [
+pub const BLAS_SYMBOLS: [&str; 4] = [
     "cublasCreate_v2",
     "cublasDestroy_v2",
     "cublasSetStream_v2",
-    "cublasSgemm_v2",
     "cublasGemmEx",
 ];
 
@@ -213,8 +212,8 @@ impl Blas {
         Ok(Blas { blas })
     }
 
-    /// Runs `call` on the device's stream: `c = op(a) op(b)` over buffers of f32, or of
-    /// bf16 (`storage`) with f32 accumulation.
+    /// Runs `call` on the device's stream (cuBLAS's GemmEx): `c = op(a) op(b)` over
+    /// buffers of f32, or of bf16 (`storage`), with f32 arithmetic.
     ///
     /// # Safety
     /// `[a, b, c]` must be device buffers of the blas's device holding
@@ -237,51 +236,34 @@ impl Blas {
         };
         let (transpose_a, transpose_b) = (operation(call.transpose_a), operation(call.transpose_b));
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let handle = *self.blas.handle();
+        // f32 arithmetic either way (no TF32, as torch's default for f32 matmuls).
+        let values = match storage {
+            Storage::Compute => sys::cudaDataType::CUDA_R_32F,
+            Storage::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        };
         // SAFETY: the caller vouches for the buffers; the sizes are the call's.
         let outcome = unsafe {
-            match storage {
-                Storage::Compute => result::sgemm(
-                    handle,
-                    transpose_a,
-                    transpose_b,
-                    call.m,
-                    call.n,
-                    call.k,
-                    &alpha,
-                    a as *const f32,
-                    call.lda,
-                    b as *const f32,
-                    call.ldb,
-                    &beta,
-                    c as *mut f32,
-                    call.ldc,
-                ),
-                Storage::Bf16 => {
-                    let bf16 = sys::cudaDataType::CUDA_R_16BF;
-                    result::gemm_ex(
-                        handle,
-                        transpose_a,
-                        transpose_b,
-                        call.m,
-                        call.n,
-                        call.k,
-                        &alpha as *const f32 as *const c_void,
-                        a as *const c_void,
-                        bf16,
-                        call.lda,
-                        b as *const c_void,
-                        bf16,
-                        call.ldb,
-                        &beta as *const f32 as *const c_void,
-                        c as *mut c_void,
-                        bf16,
-                        call.ldc,
-                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
-            }
+            result::gemm_ex(
+                *self.blas.handle(),
+                transpose_a,
+                transpose_b,
+                call.m,
+                call.n,
+                call.k,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                values,
+                call.lda,
+                b as *const c_void,
+                values,
+                call.ldb,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                values,
+                call.ldc,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
         };
         outcome.map_err(|error| CudaError::Blas(format!("{error:?} for {call:?}")))
     }

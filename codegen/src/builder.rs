@@ -38,6 +38,14 @@ pub(crate) struct Lanes<'ctx> {
     pub(crate) count: i64,
 }
 
+/// A GPU thread's place in its launch: its index in the grid, the grid's threads, and
+/// its index in its block.
+struct Grid<'ctx> {
+    global: IntValue<'ctx>,
+    threads: IntValue<'ctx>,
+    thread: IntValue<'ctx>,
+}
+
 /// Floats of the compute type in a kernel's own memory (never bf16).
 #[derive(Clone, Copy)]
 pub(crate) struct Local<'ctx>(PointerValue<'ctx>);
@@ -399,17 +407,24 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         match self.target {
             Target::Host => self.for_range(start, end, body),
             Target::Nvptx => {
-                let register =
-                    |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
-                let block_size = register("ntid.x")?;
-                let global = self.add(
-                    self.mul(register("ctaid.x")?, block_size)?,
-                    register("tid.x")?,
-                )?;
-                let threads = self.mul(register("nctaid.x")?, block_size)?;
-                self.for_range_by(self.add(start, global)?, end, threads, body)
+                let grid = self.grid()?;
+                self.for_range_by(self.add(start, grid.global)?, end, grid.threads, body)
             }
         }
+    }
+
+    /// Where this GPU thread is in the launch's grid (PTX's special registers).
+    fn grid(&self) -> Gen<Grid<'ctx>> {
+        let register =
+            |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
+        let block_size = register("ntid.x")?;
+        let block_start = self.mul(register("ctaid.x")?, block_size)?;
+        let thread = register("tid.x")?;
+        Ok(Grid {
+            global: self.add(block_start, thread)?,
+            threads: self.mul(register("nctaid.x")?, block_size)?,
+            thread,
+        })
     }
 
     /// The lanes of a task of [`Kernel::parallel_rows`] on this target: a warp on a GPU,
@@ -458,21 +473,14 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         match self.target {
             Target::Host => self.for_range(start, end, |row| body(row, self.single_lane())),
             Target::Nvptx => {
-                let register =
-                    |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
-                let block_size = register("ntid.x")?;
-                let thread = register("tid.x")?;
-                let global = self.add(self.mul(register("ctaid.x")?, block_size)?, thread)?;
+                let grid = self.grid()?;
                 let count = self.lane_count();
-                let warps = self.div(
-                    self.mul(register("nctaid.x")?, block_size)?,
-                    self.i64(count),
-                )?;
+                let warps = self.div(grid.threads, self.i64(count))?;
                 let lanes = Lanes {
-                    lane: self.rem(thread, self.i64(count))?,
+                    lane: self.rem(grid.thread, self.i64(count))?,
                     count,
                 };
-                let first = self.add(start, self.div(global, self.i64(count))?)?;
+                let first = self.add(start, self.div(grid.global, self.i64(count))?)?;
                 self.for_range_by(first, end, warps, |row| body(row, lanes))
             }
         }

@@ -501,6 +501,31 @@ impl Executable {
     /// [`Executable::run_on_device`] without copying the results back: they stay in the
     /// device's buffers, which the returned [`DeviceResults`] keeps; the work may still
     /// be running when this returns ([`KernelDevice::wait`] or a download waits for it).
+    ///
+    /// ```
+    /// use nestor_runtime::{Executable, HostDevice, InputData, KernelDevice, RunData, Stats};
+    /// let graph = nestor_ir::parse(
+    ///     r#"graph @g {
+    ///   %0 = input {name = "x.lengths"} : lengths[B]
+    ///   %1 = input {name = "x"} : ragged<f32>[B; %0, 2]
+    ///   %2 = neg(%1) : ragged<f32>[B; %0, 2]
+    ///   return %2
+    /// }"#,
+    /// )?;
+    /// let executable = Executable::compile(nestor_passes::lower(&graph)?)?;
+    /// let device = HostDevice::new(&executable)?;
+    /// // x already on the device: two elements of one row.
+    /// let x = device.upload_f32(&[0.5, 1.0, 2.0, -3.0])?;
+    /// let inputs = [
+    ///     InputData::I64(&[1, 1]),
+    ///     InputData::OnDevice { address: device.address(&x), len: 4 },
+    /// ];
+    /// let results = executable.run_device_resident(&device, &inputs, &Stats::default())?;
+    /// assert_eq!(results.outputs[0].len, 4);
+    /// let outputs = results.download(&device)?;
+    /// assert!(matches!(&outputs[0].data, RunData::F32(v) if v == &[-0.5, -1.0, -2.0, 3.0]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn run_device_resident<D: KernelDevice>(
         &self,
         device: &D,

@@ -318,11 +318,8 @@ impl CudaDevice {
         executable: &Executable,
         storage: Storage,
     ) -> Result<Self, RuntimeError> {
-        let gemms = match Blas::new(&device) {
-            Ok(_) => Gemms::Blas,
-            Err(_) => Gemms::Kernels,
-        };
-        Self::with(device, executable, storage, gemms)
+        let blas = Blas::new(&device).ok();
+        Self::loading(device, executable, storage, blas)
     }
 
     /// [`CudaDevice::storing`], GEMM products computed as `gemms` says (cuBLAS must
@@ -336,6 +333,22 @@ impl CudaDevice {
         let blas = match gemms {
             Gemms::Blas => Some(Blas::new(&device)?),
             Gemms::Kernels => None,
+        };
+        Self::loading(device, executable, storage, blas)
+    }
+
+    /// The program's kernels for `blas` (GEMM products on it, or in kernels without it)
+    /// loaded on `device`.
+    fn loading(
+        device: nestor_backend_cuda::Device,
+        executable: &Executable,
+        storage: Storage,
+        blas: Option<Blas>,
+    ) -> Result<Self, RuntimeError> {
+        let gemms = if blas.is_some() {
+            Gemms::Blas
+        } else {
+            Gemms::Kernels
         };
         let ptx = nestor_backend_cuda::ptx_of(
             executable.program(),

@@ -429,9 +429,14 @@ fn training_steps_assemble_for_sm80_and_sm90() {
         // builds): a warp a table row.
         let threads = ptx(&program, Arch::Sm90).unwrap().threads_per_task;
         for (step, threads) in program.steps.iter().zip(threads) {
-            if let Step::ScatterRows { ids, .. } = step {
-                assert!(program.is_input(*ids), "{step:?}");
-                assert_eq!(threads, 32, "{step:?}");
+            match step {
+                Step::ScatterRows { ids, .. } => {
+                    assert!(program.is_input(*ids), "{step:?}");
+                    assert_eq!(threads, 32, "{step:?}");
+                }
+                // One-hot rows and inserts: a warp a row too.
+                Step::OneHot { .. } | Step::Insert { .. } => assert_eq!(threads, 32, "{step:?}"),
+                _ => {}
             }
         }
         kinds.extend(program.steps.iter().map(|step| {

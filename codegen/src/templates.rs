@@ -348,8 +348,9 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 /// Whether `step`'s kernel runs each task of its range on a warp on a GPU
 /// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
 /// jagged-pair matmuls, the window steps but the weight gradient, gathers, scatters by
-/// an index, padding copies and pointwise kernels over rows, whose lanes share a row's
-/// (an element's, a head's, a pixel's, an image's, a table row's) columns.
+/// an index, one-hot rows, inserts, padding copies and pointwise kernels over rows, whose
+/// lanes share a row's (an element's, a head's, a pixel's, an image's, a table row's)
+/// columns.
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
         Step::ScatterRows { ids, .. } => program.is_input(*ids),
@@ -360,7 +361,9 @@ pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bo
         | Step::Unpad { .. }
         | Step::Attention { .. }
         | Step::AttentionGrad { .. }
-        | Step::PairGemm { .. } => true,
+        | Step::PairGemm { .. }
+        | Step::OneHot { .. }
+        | Step::Insert { .. } => true,
         // A weight gradient's task is one weight.
         Step::Window { kind, .. } => *kind != WindowKind::WeightGrad,
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
@@ -1082,11 +1085,12 @@ fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()
     let (start, end) = kernel.range()?;
     let [out, ids] = kernel.args()?;
     let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
-    kernel.parallel_range(start, end, |row| {
+    // A row is a warp's on a GPU (each lane its classes), one thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
         let id = kernel.load_i64(ids, row)?;
         let ignored = kernel.equal(id, kernel.i64(ignore))?;
         let base = kernel.mul(row, kernel.i64(classes))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(classes), |class| {
+        kernel.lane_range(lanes, classes, |class| {
             let hit = kernel.select(kernel.equal(id, class)?, one, zero)?;
             let value = kernel.select(ignored, zero, hit)?;
             kernel.store_float(out, kernel.add(base, class)?, value)
@@ -1129,10 +1133,11 @@ fn insert<'ctx>(kernel: &Kernel<'ctx, '_>, size: i64, index: i64, inner: i64) ->
     let (start, end) = kernel.range()?;
     let [out, x] = kernel.args()?;
     let zero = kernel.constant(0.0);
-    kernel.parallel_range(start, end, |row| {
+    // A row is a warp's on a GPU (each lane its values), one thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
         let source = kernel.mul(row, kernel.i64(inner))?;
         let target = kernel.mul(row, kernel.i64(size * inner))?;
-        kernel.for_range(kernel.i64(0), kernel.i64(size * inner), |at| {
+        kernel.lane_range(lanes, size * inner, |at| {
             let column = kernel.sub(at, kernel.i64(index * inner))?;
             let inside = kernel.and(
                 kernel.less(kernel.i64(-1), column)?,

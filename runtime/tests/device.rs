@@ -395,3 +395,35 @@ fn inputs_and_results_stay_on_the_device() {
     let error = executable.run(&inputs, &stats, None).unwrap_err();
     assert!(error.to_string().contains("a device buffer"), "{error}");
 }
+
+#[test]
+fn device_buffers_are_reused_within_a_run_and_across_runs() {
+    use nestor_runtime::{Executable, HostDevice, InputData, Stats};
+    let graph = nestor_ir::parse(
+        r#"graph @chain {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 4]
+  %2 = exp(%1) : ragged<f32>[B; %0, 4]
+  %3 = neg(%2) : ragged<f32>[B; %0, 4]
+  %4 = exp(%3) : ragged<f32>[B; %0, 4]
+  return %4
+}"#,
+    )
+    .unwrap();
+    let executable = Executable::compile(nestor_passes::lower(&graph).unwrap()).unwrap();
+    assert_eq!(executable.program().steps.len(), 3);
+    let device = HostDevice::new(&executable).unwrap();
+    let (lengths, x) = ([60i64, 40], vec![0.25f32; 400]);
+    let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+    let stats = Stats::default();
+    let first = executable.run_on_device(&device, &inputs, &stats).unwrap();
+    // Three outputs of 1600 bytes in two buffers: the last step writes into the first
+    // step's, whose last reader ran before it.
+    assert_eq!(stats.snapshot().bytes_allocated, 3200);
+    let second = executable.run_on_device(&device, &inputs, &stats).unwrap();
+    // The next run finds every buffer it needs among the spare ones.
+    assert_eq!(stats.snapshot().bytes_allocated, 3200);
+    let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
+    assert_eq!(first_difference(&first, &on_cpu, 1e-6), None);
+    assert_eq!(first_difference(&second, &on_cpu, 1e-6), None);
+}

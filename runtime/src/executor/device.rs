@@ -7,6 +7,7 @@
 //! the GPU's templates without a GPU); [`CudaDevice`] on a GPU through the CUDA backend.
 
 use std::collections::hash_map::{Entry, HashMap};
+use std::sync::Mutex;
 
 use nestor_backend_cpu::{CpuKernels, KernelSet, Storage};
 use nestor_backend_cuda::blas::{Blas, BlasCall, Product};
@@ -24,6 +25,10 @@ pub trait KernelDevice {
     /// A buffer for `count` f32 values that a step writes whole (what it holds before is
     /// unspecified: NaN on the host, the allocator's leftovers on a GPU).
     fn alloc_f32(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
+    /// The f32 values `buffer` has room for (0 for an i64 buffer).
+    fn capacity_f32(&self, buffer: &Self::Buffer) -> usize;
+    /// The device's spare float buffers, kept between runs for the next ones to reuse.
+    fn spare(&self) -> &Mutex<Vec<Self::Buffer>>;
     /// A buffer holding `values`.
     fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError>;
     /// A buffer holding `values`.
@@ -99,6 +104,7 @@ pub struct HostDevice {
     kernels: CpuKernels,
     storage: Storage,
     gemms: Gemms,
+    spare: Mutex<Vec<HostBuffer>>,
 }
 
 impl HostDevice {
@@ -127,6 +133,7 @@ impl HostDevice {
             )?,
             storage,
             gemms,
+            spare: Mutex::default(),
         })
     }
 
@@ -191,6 +198,15 @@ impl KernelDevice for HostDevice {
         // that leaves a value unwritten shows.
         words.resize(length, u64::MAX);
         Ok(HostBuffer { words })
+    }
+
+    fn capacity_f32(&self, buffer: &HostBuffer) -> usize {
+        let per_word = if self.storage == Storage::Bf16 { 4 } else { 2 };
+        buffer.words.len() * per_word
+    }
+
+    fn spare(&self) -> &Mutex<Vec<HostBuffer>> {
+        &self.spare
     }
 
     fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
@@ -299,6 +315,7 @@ pub struct CudaDevice {
     module: nestor_backend_cuda::LoadedModule,
     storage: Storage,
     blas: Option<Blas>,
+    spare: Mutex<Vec<CudaBuffer>>,
 }
 
 impl CudaDevice {
@@ -361,6 +378,7 @@ impl CudaDevice {
             module,
             storage,
             blas,
+            spare: Mutex::default(),
         })
     }
 
@@ -389,6 +407,17 @@ impl KernelDevice for CudaDevice {
             Storage::Bf16 => CudaBuffer::Bf16(self.device.alloc(count)?, count),
             Storage::Compute => CudaBuffer::F32(self.device.alloc(count)?, count),
         })
+    }
+
+    fn capacity_f32(&self, buffer: &CudaBuffer) -> usize {
+        match buffer {
+            CudaBuffer::F32(_, len) | CudaBuffer::Bf16(_, len) => *len,
+            CudaBuffer::I64(_) => 0,
+        }
+    }
+
+    fn spare(&self) -> &Mutex<Vec<CudaBuffer>> {
+        &self.spare
     }
 
     fn upload_f32(&self, values: &[f32]) -> Result<CudaBuffer, RuntimeError> {
@@ -565,28 +594,47 @@ impl Executable {
             address
         };
         for (index, info) in program.slots.iter().enumerate() {
-            let elements = sizes.elements(program, Slot(index as u32));
-            addresses[index] = match info.source {
-                Source::Input(input) => match inputs.get(input) {
+            if let Source::Input(input) = info.source {
+                addresses[index] = match inputs.get(input) {
                     Some(InputData::F32(values)) => keep(device.upload_f32(values)?),
                     Some(InputData::I64(values)) => keep(device.upload_i64(values)?),
                     Some(&InputData::OnDevice { address, .. }) => address,
                     // `input_pointers` accepted only these for an f32 program.
                     _ => 0,
-                },
-                Source::Step => {
+                };
+            }
+        }
+        // Step outputs in step order, in the device's spare buffers where they fit and
+        // in buffers whose last reader has run (as on the CPU; the device runs steps in
+        // order), else new ones.
+        let mut spare = std::mem::take(
+            &mut *device
+                .spare()
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        let mut owned: Vec<Option<D::Buffer>> = (0..program.slots.len()).map(|_| None).collect();
+        for (step_index, step) in program.steps.iter().enumerate() {
+            let out = step.output();
+            let elements = sizes.elements(program, out);
+            let reuse = spare
+                .iter()
+                .position(|buffer| device.capacity_f32(buffer) >= elements);
+            let buffer = match reuse {
+                Some(position) => spare.swap_remove(position),
+                None => {
                     // A buffer no larger than the memory budget (a count near i64::MAX
-                    // from hostile lengths is over it), charged to the step writing it.
-                    let slot = Slot(index as u32);
-                    let step = program.steps.iter().position(|step| step.output() == slot);
-                    let bytes =
-                        within_budget(step.unwrap_or(0), "its output", elements.checked_mul(4))?;
+                    // from hostile lengths is over it).
+                    let bytes = within_budget(step_index, "its output", elements.checked_mul(4))?;
                     stats.allocated(bytes as u64);
-                    keep(device.alloc_f32(elements)?)
+                    device.alloc_f32(elements)?
                 }
-                // Aliases use their root's buffer.
-                Source::Alias(_) => 0,
             };
+            addresses[out.0 as usize] = device.address(&buffer);
+            owned[out.0 as usize] = Some(buffer);
+            for slot in &self.frees[step_index] {
+                spare.extend(owned[slot.0 as usize].take());
+            }
         }
         let slot_address = |slot: Slot| addresses[self.root(slot).0 as usize];
         // Every step's arguments and range, planned before anything runs; the index
@@ -661,7 +709,23 @@ impl Executable {
                 dtype: program.info(slot).dtype,
             })
             .collect();
-        Ok(DeviceResults { outputs, buffers })
+        // The results' buffers stay with them; the rest are spare for the next run (its
+        // steps come after this run's on the device).
+        let mut results = Vec::new();
+        for output in &program.outputs {
+            results.extend(owned[self.root(output.slot()).0 as usize].take());
+        }
+        spare.extend(owned.into_iter().flatten());
+        device
+            .spare()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(spare);
+        Ok(DeviceResults {
+            outputs,
+            results,
+            buffers,
+        })
     }
 }
 
@@ -679,17 +743,21 @@ pub struct DeviceOutput {
     pub dtype: nestor_ir::DType,
 }
 
-/// The results of a run on a device, left in the device's buffers: this keeps every
-/// buffer of the run alive (dropping it frees them once the device's work is done).
+/// The results of a run on a device, left in the device's buffers: this keeps the
+/// buffers they are in and the run's uploads alive (dropping it frees them once the
+/// device's work is done).
 pub struct DeviceResults<B> {
     /// Each result, in the program's output order.
     pub outputs: Vec<DeviceOutput>,
+    /// The buffers steps wrote the results to.
+    results: Vec<B>,
+    /// The run's other buffers (uploads, index buffers, argument tables).
     buffers: Vec<B>,
 }
 
 impl<B> DeviceResults<B> {
     /// Copies every result back (after the run's work), as [`Executable::run_on_device`]
-    /// returns them.
+    /// returns them; the results' buffers become the device's spare ones.
     pub fn download<D: KernelDevice<Buffer = B>>(
         self,
         device: &D,
@@ -708,6 +776,11 @@ impl<B> DeviceResults<B> {
                 })
             })
             .collect();
+        device
+            .spare()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(self.results);
         drop(self.buffers);
         outputs
     }

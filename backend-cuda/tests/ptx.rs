@@ -334,7 +334,8 @@ fn row_kernels_share_each_row_across_a_warp() {
 /// (another LLVM release changes it too).
 #[test]
 fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
-    let program = program(
+    assert_snapshot(
+        "relu_twice",
         r#"graph @relu_twice {
   %0 = input {name = "x.lengths"} : lengths[B]
   %1 = input {name = "x"} : ragged<f32>[B; %0, 8]
@@ -343,12 +344,31 @@ fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
   %4 = mul(%3, %2) : ragged<f32>[B; %0, 8]
   return %4
 }"#,
-        "f32",
-        true,
     );
-    let module = ptx(&program, Arch::Sm90).unwrap();
+}
+
+/// The PTX of a row kernel, whole: softmax over rows of 40 values, a row a warp (two
+/// columns for the first 8 lanes, one for the others), the largest value and the sum
+/// each combined by five butterfly shuffles. Re-bless as above.
+#[test]
+fn the_ptx_of_a_row_kernel_is_its_snapshot() {
+    assert_snapshot(
+        "softmax_rows",
+        r#"graph @softmax_rows {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 40]
+  %2 = softmax(%1) {axis = -1} : ragged<f32>[B; %0, 40]
+  return %2
+}"#,
+    );
+}
+
+/// The optimized program of `text` as sm_90 PTX equals `tests/snapshots/<name>.sm_90.ptx`
+/// (written instead with `NESTOR_BLESS=1`) and assembles.
+fn assert_snapshot(name: &str, text: &str) {
+    let module = ptx(&program(text, "f32", true), Arch::Sm90).unwrap();
     let root = std::env::var_os("CARGO_MANIFEST_DIR").unwrap();
-    let path = std::path::Path::new(&root).join("tests/snapshots/relu_twice.sm_90.ptx");
+    let path = std::path::Path::new(&root).join(format!("tests/snapshots/{name}.sm_90.ptx"));
     if std::env::var_os("NESTOR_BLESS").is_some() {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, &module.ptx).unwrap();

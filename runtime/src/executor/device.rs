@@ -673,6 +673,7 @@ impl Executable {
             table_starts.push(tables.len());
             tables.extend(args.iter().map(|arg| match arg {
                 Arg::Slot(slot) => slot_address(*slot) as i64,
+                // Every index an argument names was gathered while planning.
                 Arg::Index(index) => (index_base + 8 * indices[index] as u64) as i64,
                 Arg::Null => 0,
             }));

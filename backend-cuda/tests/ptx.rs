@@ -11,6 +11,18 @@
 use nestor_backend_cuda::{ptx, ptx_of, ptx_storing, ptxas, Arch, KernelSet, Storage};
 use nestor_passes::{lower, Limits, Pipeline, Step, WindowKind};
 
+/// The butterfly shuffles in the PTX of step `step`'s kernel.
+fn shuffles(module: &nestor_backend_cuda::PtxModule, step: usize) -> usize {
+    let kernel = module.kernels[step].as_ref().unwrap();
+    module
+        .ptx
+        .split(".entry ")
+        .find(|entry| entry.starts_with(&format!("{kernel}(")))
+        .unwrap()
+        .matches("shfl.sync.bfly")
+        .count()
+}
+
 /// Row kernels (norms, softmax, reductions over the last dim), segmented kernels
 /// (softmax and reductions over the ragged dim), a gather, GEMMs with and without
 /// epilogues and a norm prologue.
@@ -283,25 +295,19 @@ fn row_kernels_share_each_row_across_a_warp() {
         for text in [ROWS_AND_SEGMENTS, ATTENTION] {
             let program = program(text, dtype, false);
             let module = ptx(&program, Arch::Sm90).unwrap();
-            for ((step, kernel), threads) in program
+            for (index, (step, threads)) in program
                 .steps
                 .iter()
-                .zip(&module.kernels)
                 .zip(&module.threads_per_task)
+                .enumerate()
             {
-                let kernel = kernel.as_ref().unwrap();
-                let text = module
-                    .ptx
-                    .split(".entry ")
-                    .find(|entry| entry.starts_with(&format!("{kernel}(")))
-                    .unwrap();
-                let shuffles = text.matches("shfl.sync.bfly").count();
+                let shuffles = shuffles(&module, index);
                 match step {
                     Step::Row { .. } | Step::Attention { .. } => {
                         shared += 1;
                         assert_eq!(*threads, 32, "{step:?}");
                         // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
-                        assert!(shuffles >= 5, "{dtype} {kernel}: {shuffles} shuffles");
+                        assert!(shuffles >= 5, "{dtype} {step:?}: {shuffles} shuffles");
                     }
                     Step::Segment { .. } | Step::Gather { .. } => {
                         assert_eq!((*threads, shuffles), (32, 0), "{step:?}")
@@ -498,14 +504,22 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         } else {
             lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap()
         };
-        // Window steps take a warp a pixel or image (lanes over its channels), but the
-        // weight gradient, a thread a weight.
-        let threads = ptx(&program, Arch::Sm90).unwrap().threads_per_task;
-        for (step, threads) in program.steps.iter().zip(threads) {
+        // Window steps take a warp a pixel or image (lanes over its channels) or a
+        // weight (lanes over the pixels).
+        let module = ptx(&program, Arch::Sm90).unwrap();
+        for (index, (step, &threads)) in program
+            .steps
+            .iter()
+            .zip(&module.threads_per_task)
+            .enumerate()
+        {
             if let Step::Window { kind, .. } = step {
                 windows.push(format!("{kind:?}"));
-                let warp = *kind != WindowKind::WeightGrad;
-                assert_eq!(threads, if warp { 32 } else { 1 }, "{kind:?}");
+                assert_eq!(threads, 32, "{kind:?}");
+                // The weight gradient adds its lanes' sums with shuffles.
+                if *kind == WindowKind::WeightGrad {
+                    assert!(shuffles(&module, index) >= 5, "{kind:?}");
+                }
             }
         }
         assert_every_step_assembles(&program, file);

@@ -347,10 +347,10 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 
 /// Whether `step`'s kernel runs each task of its range on a warp on a GPU
 /// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
-/// jagged-pair matmuls, the window steps but the weight gradient, gathers, scatters by
-/// an index, one-hot rows, inserts, padding copies and pointwise kernels over rows, whose
-/// lanes share a row's (an element's, a head's, a pixel's, an image's, a table row's)
-/// columns.
+/// jagged-pair matmuls, the window steps, gathers, scatters by an index, one-hot rows,
+/// inserts, padding copies and pointwise kernels over rows, whose lanes share a row's
+/// (an element's, a head's, a pixel's, an image's, a table row's) columns, or a weight
+/// gradient's pixels.
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
         Step::ScatterRows { ids, .. } => program.is_input(*ids),
@@ -364,8 +364,7 @@ pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bo
         | Step::PairGemm { .. }
         | Step::OneHot { .. }
         | Step::Insert { .. } => true,
-        // A weight gradient's task is one weight.
-        Step::Window { kind, .. } => *kind != WindowKind::WeightGrad,
+        Step::Window { .. } => true,
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
     }
@@ -894,8 +893,8 @@ fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
 }
 
 /// A convolution's weight gradient, a weight a task: `out[o, c, t] = sum over the
-/// output pixels r (in order) of g[r, o] x[taps[r, t], c]`, taps outside the image
-/// skipped.
+/// output pixels r (in order; on a GPU each lane in order over its pixels) of g[r, o]
+/// x[taps[r, t], c]`, taps outside the image skipped.
 fn weight_grad<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     (channels, width): (i64, i64),
@@ -906,13 +905,15 @@ fn weight_grad<'ctx>(
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let sum = kernel.accumulator("sum")?;
     let per_output = channels.saturating_mul(taps);
-    kernel.parallel_range(start, end, |task| {
+    // A weight is a warp's on a GPU (each lane every 32nd pixel, the lanes' sums added
+    // with shuffles), one thread's on the host (every pixel in order).
+    kernel.parallel_rows(start, end, |task, lanes| {
         let o = kernel.div(task, kernel.i64(per_output))?;
         let inner = kernel.rem(task, kernel.i64(per_output))?;
         let c = kernel.div(inner, kernel.i64(taps))?;
         let t = kernel.rem(inner, kernel.i64(taps))?;
         kernel.set(sum, kernel.constant(0.0))?;
-        kernel.for_range(kernel.i64(0), rows, |r| {
+        kernel.lane_range_until(lanes, rows, |r| {
             let source =
                 kernel.load_i64(table, kernel.add(kernel.mul(r, kernel.i64(taps))?, t)?)?;
             kernel.if_else(
@@ -930,7 +931,8 @@ fn weight_grad<'ctx>(
                 || Ok(()),
             )
         })?;
-        kernel.store_float(out, task, kernel.get(sum)?)
+        let total = kernel.across_lanes(lanes, kernel.get(sum)?, |a, b| kernel.fadd(a, b))?;
+        first_lane_stores(kernel, lanes, out, task, total)
     })
 }
 

@@ -460,8 +460,10 @@ fn training_steps_assemble_for_sm80_and_sm90() {
                     assert!(program.is_input(*ids), "{step:?}");
                     assert_eq!(threads, 32, "{step:?}");
                 }
-                // One-hot rows and inserts: a warp a row too.
-                Step::OneHot { .. } | Step::Insert { .. } => assert_eq!(threads, 32, "{step:?}"),
+                // One-hot rows, inserts and column sums: a warp a task too.
+                Step::OneHot { .. } | Step::Insert { .. } | Step::SumRows { .. } => {
+                    assert_eq!(threads, 32, "{step:?}")
+                }
                 _ => {}
             }
         }

@@ -256,8 +256,8 @@ pub enum Storage {
 /// How many GPU threads run each task of `step`'s kernel range: a warp for the kernels
 /// whose tasks are rows of columns (row and segmented kernels, attention and its
 /// gradient, jagged-pair matmuls, window steps, gathers, scatters by an index, one-hot
-/// rows, inserts, padding copies, pointwise kernels over rows: their lanes share the
-/// columns, or a weight gradient's pixels), else one. A launch sizes its grid by it;
+/// rows, inserts, padding copies, pointwise kernels over rows, row sums: their lanes
+/// share the columns, or the rows summed), else one. A launch sizes its grid by it;
 /// any grid gives the same result (the loops are grid-stride), this one runs every task
 /// at once.
 pub fn gpu_threads_per_task(program: &Program, step: &Step) -> u32 {

@@ -349,8 +349,8 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 /// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
 /// jagged-pair matmuls, the window steps, gathers, scatters by an index, one-hot rows,
 /// inserts, padding copies and pointwise kernels over rows, whose lanes share a row's
-/// (an element's, a head's, a pixel's, an image's, a table row's) columns, or a weight
-/// gradient's pixels.
+/// (an element's, a head's, a pixel's, an image's, a table row's) columns, and the sums
+/// over rows (row sums, a weight gradient's pixels), whose lanes share the rows.
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
         Step::ScatterRows { ids, .. } => program.is_input(*ids),
@@ -363,7 +363,8 @@ pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bo
         | Step::AttentionGrad { .. }
         | Step::PairGemm { .. }
         | Step::OneHot { .. }
-        | Step::Insert { .. } => true,
+        | Step::Insert { .. }
+        | Step::SumRows { .. } => true,
         Step::Window { .. } => true,
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
@@ -1171,11 +1172,13 @@ fn sum_rows<'ctx>(
     let a = if has_a { Some(kernel.arg(1)?) } else { None };
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let total = kernel.accumulator("total")?;
-    kernel.parallel_range(start, end, |task| {
+    // An output value is a warp's on a GPU (each lane every 32nd row in order, the
+    // lanes' sums added with shuffles), one thread's on the host.
+    kernel.parallel_rows(start, end, |task, lanes| {
         let i = kernel.div(task, kernel.i64(n))?;
         let j = kernel.rem(task, kernel.i64(n))?;
         kernel.set(total, kernel.constant(0.0))?;
-        kernel.for_range(kernel.i64(0), rows, |row| {
+        kernel.lane_range_until(lanes, rows, |row| {
             let y = kernel.load_float(b, kernel.add(kernel.mul(row, kernel.i64(n))?, j)?)?;
             let term = match a {
                 Some(a) => {
@@ -1187,13 +1190,13 @@ fn sum_rows<'ctx>(
             };
             kernel.set(total, kernel.fadd_reassociable(kernel.get(total)?, term)?)
         })?;
-        let sum = kernel.get(total)?;
+        let sum = kernel.across_lanes(lanes, kernel.get(total)?, |a, b| kernel.fadd(a, b))?;
         let value = if mean {
             kernel.fdiv(sum, kernel.to_float(rows)?)?
         } else {
             sum
         };
-        kernel.store_float(out, task, value)
+        first_lane_stores(kernel, lanes, out, task, value)
     })
 }
 

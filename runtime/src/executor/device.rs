@@ -320,8 +320,32 @@ pub struct CudaDevice {
 
 impl CudaDevice {
     /// `executable`'s program as PTX for `device`, loaded on it; GEMM products on cuBLAS
-    /// where libcublas loads, else in the GEMM steps' kernels ([`CudaDevice::gemms`]
+    /// where libcublas loads, else in the GEMM steps' kernels ([`KernelDevice::gemms`]
     /// says which).
+    ///
+    /// ```
+    /// use nestor_runtime::{CudaDevice, Executable, InputData, KernelDevice, Stats};
+    /// let graph = nestor_ir::parse(
+    ///     r#"graph @g {
+    ///   %0 = input {name = "x.lengths"} : lengths[B]
+    ///   %1 = input {name = "x"} : ragged<f32>[B; %0, 2]
+    ///   %2 = tanh(%1) : ragged<f32>[B; %0, 2]
+    ///   return %2
+    /// }"#,
+    /// )?;
+    /// let executable = Executable::compile(nestor_passes::lower(&graph)?)?;
+    /// match nestor_backend_cuda::Device::open(0) {
+    ///     Ok(gpu) => {
+    ///         let device = CudaDevice::new(gpu, &executable)?;
+    ///         let (lengths, x) = ([1i64, 1], [0.5f32, 1.0, 2.0, -3.0]);
+    ///         let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+    ///         let outputs = executable.run_on_device(&device, &inputs, &Stats::default())?;
+    ///         println!("{:?} ({:?} GEMMs)", outputs[0].data, device.gemms());
+    ///     }
+    ///     Err(why) => println!("no GPU here: {why}"),
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(
         device: nestor_backend_cuda::Device,
         executable: &Executable,

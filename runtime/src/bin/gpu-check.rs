@@ -196,10 +196,11 @@ fn main() -> ExitCode {
                     &BENCHMARK_LENGTHS,
                     (kind, storage, gemms),
                 ) {
-                    Ok((error, device_ms, cpu_ms)) => format!(
+                    Ok((error, device, cpu_ms)) => format!(
                         "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at \
-                         35%; {how}): relative error {error:.2e}; device {device_ms:.3} ms \
-                         (inputs and results on the device), CPU runtime {cpu_ms:.3} ms"
+                         35%; {how}): relative error {error:.2e}; device {:.3} ms (inputs and \
+                         results on the device; queued in {:.3} ms), CPU runtime {cpu_ms:.3} ms",
+                        device.total_ms, device.queued_ms
                     ),
                     Err(why) => {
                         failures += 1;
@@ -223,9 +224,10 @@ fn main() -> ExitCode {
         for (name, text, train) in PROGRAMS {
             let how = how_named(storage, gemms);
             record(match check(text, train, lengths, (kind, storage, gemms)) {
-                Ok((error, device_ms, cpu_ms)) => format!(
+                Ok((error, device, cpu_ms)) => format!(
                     "ok   {name} {lengths:?} ({how}): relative error {error:.2e}; \
-                     device {device_ms:.3} ms, CPU runtime {cpu_ms:.3} ms"
+                     device {:.3} ms (queued in {:.3} ms), CPU runtime {cpu_ms:.3} ms",
+                    device.total_ms, device.queued_ms
                 ),
                 Err(why) => {
                     failures += 1;
@@ -317,7 +319,7 @@ fn check(
     train: bool,
     lengths: &[i64],
     (kind, storage, gemms): (Kind, Storage, Gemms),
-) -> Result<(f64, f64, f64), String> {
+) -> Result<(f64, Timing, f64), String> {
     let fail = |error: RuntimeError| error.to_string();
     let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
     let graph = if train { joint(&graph)? } else { graph };
@@ -343,7 +345,7 @@ fn check(
     let runs = if kind == Kind::Cuda { 5 } else { 0 };
     let (expected, cpu_ms) = timed(runs, || executable.run(&inputs, &stats, None)).map_err(fail)?;
     let device_stats = Stats::default();
-    let (uploaded, resident, device_ms) = match kind {
+    let (uploaded, resident, device) = match kind {
         Kind::Host => {
             let device = HostDevice::with(&executable, storage, gemms).map_err(fail)?;
             on_device(&executable, &device, &inputs, &device_stats, runs)
@@ -372,7 +374,7 @@ fn check(
             compare_outputs(&actual, &expected, storage).map_err(|why| format!("{what}: {why}"))?,
         );
     }
-    Ok((worst, device_ms, cpu_ms))
+    Ok((worst, device, cpu_ms))
 }
 
 /// The largest error of `actual` against `expected`, output by output ([`compare`]).
@@ -474,7 +476,7 @@ fn on_device<D: KernelDevice>(
     inputs: &[InputData<'_>],
     stats: &Stats,
     runs: usize,
-) -> Result<(Vec<RunOutput>, Vec<RunOutput>, f64), RuntimeError> {
+) -> Result<(Vec<RunOutput>, Vec<RunOutput>, Timing), RuntimeError> {
     let uploaded = executable.run_on_device(device, inputs, stats)?;
     let buffers = inputs
         .iter()
@@ -495,12 +497,38 @@ fn on_device<D: KernelDevice>(
         })
         .collect();
     let unseen = Stats::default();
-    let (results, device_ms) = timed(runs, || {
+    let queued = std::cell::RefCell::new(Vec::new());
+    let (results, total_ms) = timed(runs, || {
+        let started = Instant::now();
         let results = executable.run_device_resident(device, &resident_inputs, &unseen)?;
+        queued
+            .borrow_mut()
+            .push(started.elapsed().as_secs_f64() * 1e3);
         device.wait()?;
         Ok(results)
     })?;
-    Ok((uploaded, results.download(device)?, device_ms))
+    // The timed runs' (the first one's alone when there are none).
+    let mut queued = queued.into_inner();
+    let queued = queued.split_off(queued.len().saturating_sub(runs.max(1)));
+    let timing = Timing {
+        total_ms,
+        queued_ms: median(queued),
+    };
+    Ok((uploaded, results.download(device)?, timing))
+}
+
+/// A device run's median time until its work is done, and until its launches are queued
+/// (the host's share: sizes, index buffers, argument tables, launches).
+#[derive(Clone, Copy)]
+struct Timing {
+    total_ms: f64,
+    queued_ms: f64,
+}
+
+/// The median of `times` (0 for none).
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times.get(times.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// `step`'s result and its median time in milliseconds over `runs` runs after one (the
@@ -520,8 +548,7 @@ fn timed<T>(
         result = step()?;
         times.push(started.elapsed().as_secs_f64() * 1e3);
     }
-    times.sort_by(f64::total_cmp);
-    Ok((result, times[times.len() / 2]))
+    Ok((result, median(times)))
 }
 
 /// One input's values.

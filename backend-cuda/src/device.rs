@@ -105,15 +105,6 @@ impl Device {
         })
     }
 
-    /// A new device buffer of `count` zeros (at least one value: an empty buffer has no
-    /// address).
-    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        count: usize,
-    ) -> Result<CudaSlice<T>, CudaError> {
-        self.stream.alloc_zeros(count.max(1)).map_err(driver)
-    }
-
     /// A new device buffer for `count` values (at least one), not initialized: for
     /// kernels that write every value before any is read. `T` is a plain number type,
     /// for which any bits are a value.

@@ -780,38 +780,53 @@ fn convolution<'ctx>(
                 None => kernel.constant(0.0),
             };
             kernel.set(sum, initial)?;
-            kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
-                let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
-                kernel.if_else(
-                    kernel.less(kernel.i64(-1), source)?,
-                    || {
-                        let pixel = kernel.mul(source, kernel.i64(channels))?;
-                        // Where `weight` holds the tap, and how far apart its channels are.
-                        let (first, stride) = if adjoint {
-                            // `weight[c, o, taps - 1 - t]` of `[channels, width, taps]`.
-                            let flipped = kernel.sub(kernel.i64(taps - 1), t)?;
-                            let at = kernel.add(kernel.mul(o, kernel.i64(taps))?, flipped)?;
-                            (at, width.saturating_mul(taps))
-                        } else {
-                            // `weight[o, c, t]` of `[width, channels, taps]`.
-                            let row = kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?;
-                            (kernel.add(row, t)?, taps)
-                        };
-                        kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
-                            let value = kernel.load_float(x, kernel.add(pixel, c)?)?;
-                            let w = kernel.load_float(
-                                weight,
-                                kernel.add(first, kernel.mul(c, kernel.i64(stride))?)?,
-                            )?;
-                            kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
-                        })
-                    },
-                    || Ok(()),
-                )
+            taps_inside(kernel, (table, first_tap, taps), |t, source| {
+                let pixel = kernel.mul(source, kernel.i64(channels))?;
+                // Where `weight` holds the tap, and how far apart its channels are.
+                let (first, stride) = if adjoint {
+                    // `weight[c, o, taps - 1 - t]` of `[channels, width, taps]`.
+                    let flipped = kernel.sub(kernel.i64(taps - 1), t)?;
+                    let at = kernel.add(kernel.mul(o, kernel.i64(taps))?, flipped)?;
+                    (at, width.saturating_mul(taps))
+                } else {
+                    // `weight[o, c, t]` of `[width, channels, taps]`.
+                    let row = kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?;
+                    (kernel.add(row, t)?, taps)
+                };
+                kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+                    let value = kernel.load_float(x, kernel.add(pixel, c)?)?;
+                    let w = kernel.load_float(
+                        weight,
+                        kernel.add(first, kernel.mul(c, kernel.i64(stride))?)?,
+                    )?;
+                    kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
+                })
             })?;
             kernel.store_float(out, kernel.add(out_row, o)?, kernel.get(sum)?)
         })
     })
+}
+
+/// `body(t, source)` for the taps `t` of a window that fall inside its image: `taps`
+/// input pixels (`source`) from `first_tap` in `table`, -1 marking a tap outside.
+fn taps_inside<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (table, first_tap, taps): (PointerValue<'ctx>, IntValue<'ctx>, i64),
+    body: impl Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
+) -> Gen<()> {
+    kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
+        let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
+        if_inside(kernel, source, || body(t, source))
+    })
+}
+
+/// `body()` when `source` is an input pixel (not -1: a tap outside the image).
+fn if_inside<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    source: IntValue<'ctx>,
+    body: impl FnOnce() -> Gen<()>,
+) -> Gen<()> {
+    kernel.if_else(kernel.less(kernel.i64(-1), source)?, body, || Ok(()))
 }
 
 /// Max or average pooling, an output pixel a task: over the window's taps inside the
@@ -830,28 +845,20 @@ fn pool<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) ->
         kernel.lane_range(lanes, channels, |c| {
             kernel.set(value, initial)?;
             kernel.set(inside, kernel.constant(0.0))?;
-            kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
-                let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
-                kernel.if_else(
-                    kernel.less(kernel.i64(-1), source)?,
-                    || {
-                        let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
-                        let p = kernel.load_float(x, at)?;
-                        let current = kernel.get(value)?;
-                        let next = if max {
-                            let larger =
-                                kernel.select_if(FloatPredicate::OGT, (p, current), p, current)?;
-                            kernel.select_if(FloatPredicate::UNO, (p, p), p, larger)?
-                        } else {
-                            kernel.fadd(current, p)?
-                        };
-                        kernel.set(value, next)?;
-                        kernel.set(
-                            inside,
-                            kernel.fadd(kernel.get(inside)?, kernel.constant(1.0))?,
-                        )
-                    },
-                    || Ok(()),
+            taps_inside(kernel, (table, first_tap, taps), |_, source| {
+                let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
+                let p = kernel.load_float(x, at)?;
+                let current = kernel.get(value)?;
+                let next = if max {
+                    let larger = kernel.select_if(FloatPredicate::OGT, (p, current), p, current)?;
+                    kernel.select_if(FloatPredicate::UNO, (p, p), p, larger)?
+                } else {
+                    kernel.fadd(current, p)?
+                };
+                kernel.set(value, next)?;
+                kernel.set(
+                    inside,
+                    kernel.fadd(kernel.get(inside)?, kernel.constant(1.0))?,
                 )
             })?;
             let result = if max {
@@ -917,20 +924,16 @@ fn weight_grad<'ctx>(
         kernel.lane_range_until(lanes, rows, |r| {
             let source =
                 kernel.load_i64(table, kernel.add(kernel.mul(r, kernel.i64(taps))?, t)?)?;
-            kernel.if_else(
-                kernel.less(kernel.i64(-1), source)?,
-                || {
-                    let value = kernel
-                        .load_float(x, kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?)?;
-                    let gradient =
-                        kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(width))?, o)?)?;
-                    kernel.set(
-                        sum,
-                        kernel.fadd(kernel.get(sum)?, kernel.fmul(gradient, value)?)?,
-                    )
-                },
-                || Ok(()),
-            )
+            if_inside(kernel, source, || {
+                let value = kernel
+                    .load_float(x, kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?)?;
+                let gradient =
+                    kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(width))?, o)?)?;
+                kernel.set(
+                    sum,
+                    kernel.fadd(kernel.get(sum)?, kernel.fmul(gradient, value)?)?,
+                )
+            })
         })?;
         let total = kernel.across_lanes(lanes, kernel.get(sum)?, |a, b| kernel.fadd(a, b))?;
         first_lane_stores(kernel, lanes, out, task, total)
@@ -967,32 +970,24 @@ fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: boo
                 } else {
                     kernel.set(inside, kernel.constant(0.0))?;
                 }
-                kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
-                    let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
-                    kernel.if_else(
-                        kernel.less(kernel.i64(-1), source)?,
-                        || {
-                            if !max {
-                                let one = kernel.constant(1.0);
-                                return kernel.set(inside, kernel.fadd(kernel.get(inside)?, one)?);
-                            }
-                            let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
-                            let value = kernel.load_float(x, at)?;
-                            let current = kernel.get(best)?;
-                            // A larger value or a NaN replaces the best so far; the first
-                            // tap inside is picked whatever its value.
-                            let larger = kernel.or(
-                                kernel.float_compare(FloatPredicate::OGT, value, current)?,
-                                kernel.float_compare(FloatPredicate::UNO, value, value)?,
-                            )?;
-                            let index = kernel.get_index(picked)?;
-                            let replaces =
-                                kernel.or(larger, kernel.equal(index, kernel.i64(-1))?)?;
-                            kernel.set(best, kernel.select(larger, value, current)?)?;
-                            kernel.set_index(picked, kernel.select_index(replaces, source, index)?)
-                        },
-                        || Ok(()),
-                    )
+                taps_inside(kernel, (table, first_tap, taps), |_, source| {
+                    if !max {
+                        let one = kernel.constant(1.0);
+                        return kernel.set(inside, kernel.fadd(kernel.get(inside)?, one)?);
+                    }
+                    let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
+                    let value = kernel.load_float(x, at)?;
+                    let current = kernel.get(best)?;
+                    // A larger value or a NaN replaces the best so far; the first
+                    // tap inside is picked whatever its value.
+                    let larger = kernel.or(
+                        kernel.float_compare(FloatPredicate::OGT, value, current)?,
+                        kernel.float_compare(FloatPredicate::UNO, value, value)?,
+                    )?;
+                    let index = kernel.get_index(picked)?;
+                    let replaces = kernel.or(larger, kernel.equal(index, kernel.i64(-1))?)?;
+                    kernel.set(best, kernel.select(larger, value, current)?)?;
+                    kernel.set_index(picked, kernel.select_index(replaces, source, index)?)
                 })?;
                 let add = |share| kernel.set(sum, kernel.fadd(kernel.get(sum)?, share)?);
                 if max {

@@ -539,14 +539,15 @@ fn timed<T>(
 ) -> Result<(T, f64), RuntimeError> {
     let started = Instant::now();
     let mut result = step()?;
-    let mut times = vec![started.elapsed().as_secs_f64() * 1e3];
-    if runs > 0 {
-        times.clear();
-    }
+    let first = started.elapsed().as_secs_f64() * 1e3;
+    let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
         let started = Instant::now();
         result = step()?;
         times.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    if times.is_empty() {
+        times.push(first);
     }
     Ok((result, median(times)))
 }

@@ -189,6 +189,23 @@ fn a_compiled_function_keeps_the_number_of_inputs_it_was_first_called_with() {
 }
 
 #[test]
+fn a_parameter_resized_after_compiling_is_a_typed_error_not_a_wrong_read() {
+    // Calls of a known structure skip the graph's type check (the structure key fixes
+    // the inputs' types); the runtime still checks every buffer's size.
+    let _turn = compiled_turn();
+    let mut weight = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    let captured = weight.shallow_clone();
+    let compiled = nestor::compile("resized", move |x: &[NestedTensor], _: &[nestor::Dense]| {
+        x[0].linear(&captured, None)
+    });
+    let (a, _) = batch(&[2, 1], &[3], Kind::Float, 6);
+    compiled.call(&[&a], &[]).unwrap();
+    tch::no_grad(|| weight.resize_([5, 3]));
+    let error = compiled.call(&[&a], &[]).unwrap_err();
+    assert!(error.to_string().contains("values"), "{error}");
+}
+
+#[test]
 fn reshapes_whose_sizes_overflow_do_not_type() {
     let text = "graph @g {
   %0 = input {name = \"L\"} : lengths[B]

@@ -18,7 +18,7 @@ use tch::{Kind, Tensor};
 
 use crate::trace::{
     check_inputs, earlier_equal_lengths, interpret, normalized_input, parameter_names, trace_named,
-    Dense, ParameterNames, TraceOutputs, Traced, Value,
+    Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
 use train::Gradient;
@@ -300,6 +300,12 @@ where
     }
 
     /// Runs the program: every output, gradients included.
+    ///
+    /// A call of a known structure does little besides the run: the structure key
+    /// fixes every dtype, rank, static size and shared length the graph's input types
+    /// need, so those are checked only when a structure is compiled, and inputs are
+    /// borrowed (no tensor is cloned); the runtime still checks every input's size
+    /// against its lengths.
     fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<(Arc<Entry>, Vec<Value>)> {
         for tensor in nested
             .iter()
@@ -312,21 +318,25 @@ where
             .iter()
             .map(|batch| normalized_input(batch))
             .collect::<Result<Vec<_>>>()?;
-        let normalized: Vec<&NestedTensor> = normalized.iter().collect();
-        let entry = self.entry_of(&normalized, nested, dense)?;
-        let values = entry.traced.bind_normalized(&normalized, dense)?;
-        check_inputs(entry.traced.graph(), &values)?;
+        let normalized: Vec<&NestedTensor> = normalized.iter().map(|batch| &**batch).collect();
+        let (entry, built) = self.entry_of(&normalized, nested, dense)?;
+        if built {
+            let values = entry.traced.bind_normalized(&normalized, dense)?;
+            check_inputs(entry.traced.graph(), &values)?;
+        }
         // Contiguous float / i64 views of the inputs, kept alive while the program runs.
         let float = match entry.executable.program().float {
             FloatType::F32 => Kind::Float,
             FloatType::F64 => Kind::Double,
         };
-        let host = values
-            .iter()
-            .map(|value| match value {
-                Value::Lengths(lengths) => Ok(HostInput::Lengths(lengths)),
-                Value::Nested(nested) => host_tensor(nested.packed(), float).map(HostInput::Tensor),
-                Value::Dense(tensor) => host_tensor(tensor, float).map(HostInput::Tensor),
+        let host = entry
+            .traced
+            .bound(&normalized, dense)?
+            .into_iter()
+            .map(|input| match input {
+                Bound::Lengths(lengths) => Ok(HostInput::Lengths(lengths)),
+                Bound::Nested(batch) => host_tensor(batch.packed(), float).map(HostInput::Tensor),
+                Bound::Dense(tensor) => host_tensor(tensor, float).map(HostInput::Tensor),
             })
             .collect::<Result<Vec<_>>>()?;
         let inputs = host
@@ -358,7 +368,7 @@ where
         outputs
             .into_iter()
             .zip(written)
-            .map(|(output, tensor)| output_value(output, tensor, &normalized))
+            .map(|(output, tensor)| output_value(output, tensor, float, &normalized))
             .collect::<Result<Vec<_>>>()
             .map(|values| (entry, values))
     }
@@ -368,16 +378,18 @@ where
             .iter()
             .map(|batch| normalized_input(batch))
             .collect::<Result<Vec<_>>>()?;
-        self.entry_of(&normalized.iter().collect::<Vec<_>>(), nested, dense)
+        let normalized: Vec<&NestedTensor> = normalized.iter().map(|batch| &**batch).collect();
+        Ok(self.entry_of(&normalized, nested, dense)?.0)
     }
 
-    /// The entry of batches `nested` (`normalized`: the same, normalized) and `dense`.
+    /// The entry of batches `nested` (`normalized`: the same, normalized) and `dense`,
+    /// and whether it was built now.
     fn entry_of(
         &self,
         normalized: &[&NestedTensor],
         nested: &[&NestedTensor],
         dense: &[&Tensor],
-    ) -> Result<Arc<Entry>> {
+    ) -> Result<(Arc<Entry>, bool)> {
         let key = StructureKey::of(normalized, dense);
         let mut cache = self
             .cache
@@ -385,7 +397,7 @@ where
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(entry) = cache.get(&key) {
             self.stats.hit();
-            return Ok(Arc::clone(entry));
+            return Ok((Arc::clone(entry), false));
         }
         // Every structure of one function takes as many inputs as the first.
         if let Some(first) = cache.keys().next() {
@@ -407,7 +419,7 @@ where
         let entry = Arc::new(self.build(nested, dense, &requires_grad)?);
         self.stats.compiled();
         cache.insert(key, Arc::clone(&entry));
-        Ok(entry)
+        Ok((entry, true))
     }
 
     /// Traces, differentiates (in training; the gradients of the batches that
@@ -572,14 +584,31 @@ fn on_cpu(tensor: &Tensor) -> Result<()> {
 
 /// An input of a run as the executor reads it.
 enum HostInput<'a> {
-    Lengths(&'a [i64]),
+    Lengths(Vec<i64>),
     /// A contiguous CPU tensor (`host_tensor`), alive while the program runs.
-    Tensor(Tensor),
+    Tensor(HostTensor<'a>),
+}
+
+/// A tensor as the program reads it: the caller's, or a converted copy.
+enum HostTensor<'a> {
+    Borrowed(&'a Tensor),
+    Converted(Tensor),
+}
+
+impl std::ops::Deref for HostTensor<'_> {
+    type Target = Tensor;
+
+    fn deref(&self) -> &Tensor {
+        match self {
+            HostTensor::Borrowed(tensor) => tensor,
+            HostTensor::Converted(tensor) => tensor,
+        }
+    }
 }
 
 /// A contiguous CPU tensor of the program's `float` kind (floats and bools) or i64
 /// (integers).
-fn host_tensor(tensor: &Tensor, float: Kind) -> Result<Tensor> {
+fn host_tensor(tensor: &Tensor, float: Kind) -> Result<HostTensor<'_>> {
     on_cpu(tensor)?;
     let kind = tensor.f_kind()?;
     let target = match kind {
@@ -587,10 +616,12 @@ fn host_tensor(tensor: &Tensor, float: Kind) -> Result<Tensor> {
         _ => float,
     };
     if kind == target && tensor.is_contiguous() {
-        // Already as the program reads it (the usual case): no dispatch.
-        return Ok(tensor.shallow_clone());
+        // Already as the program reads it (the usual case): no dispatch, no clone.
+        return Ok(HostTensor::Borrowed(tensor));
     }
-    Ok(tensor.f_to_kind(target)?.f_contiguous()?)
+    Ok(HostTensor::Converted(
+        tensor.f_to_kind(target)?.f_contiguous()?,
+    ))
 }
 
 /// The data of a contiguous host tensor, without copying.
@@ -635,22 +666,25 @@ unsafe impl OutputSink for TensorSink {
     }
 }
 
-/// The value of a result: the tensor it was written into (in its packed shape), or its
-/// copied-out data; a ragged result takes the layout of an input batch with the same
-/// dims (`inputs`) rather than a new one.
+/// The value of a result: the tensor it was written into (in its packed shape, of the
+/// program's `float` kind), or its copied-out data; a ragged result takes the layout of
+/// an input batch with the same dims (`inputs`) rather than a new one.
 fn output_value(
     output: RunOutput,
     written: Option<Tensor>,
+    float: Kind,
     inputs: &[&NestedTensor],
 ) -> Result<Value> {
-    let mut values = match (&output.data, written) {
-        (RunData::Sunk(_), Some(tensor)) => tensor,
-        (RunData::F32(data), _) => {
-            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?
-        }
-        (RunData::F64(data), _) => {
-            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?
-        }
+    let (mut values, written_kind) = match (&output.data, written) {
+        (RunData::Sunk(_), Some(tensor)) => (tensor, float),
+        (RunData::F32(data), _) => (
+            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?,
+            Kind::Float,
+        ),
+        (RunData::F64(data), _) => (
+            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?,
+            Kind::Double,
+        ),
         (RunData::Sunk(_), None) => {
             return Err(NestedError::Compile {
                 stage: "runtime",
@@ -659,7 +693,7 @@ fn output_value(
         }
     };
     let kind = kind_of(output.dtype);
-    if kind != values.f_kind()? {
+    if kind != written_kind {
         values = values.f_to_kind(kind)?;
     }
     match output.shape {
@@ -872,11 +906,14 @@ mod tests {
     }
 
     fn key(nested: &[&NestedTensor], dense: &[&Tensor]) -> StructureKey {
-        let normalized: Vec<NestedTensor> = nested
+        let normalized: Vec<_> = nested
             .iter()
             .map(|batch| normalized_input(batch).expect("a normalized batch"))
             .collect();
-        StructureKey::of(&normalized.iter().collect::<Vec<_>>(), dense)
+        StructureKey::of(
+            &normalized.iter().map(|batch| &**batch).collect::<Vec<_>>(),
+            dense,
+        )
     }
 
     #[test]

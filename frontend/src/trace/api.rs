@@ -1,5 +1,6 @@
 //! `trace`: run model code on example batches and record it as a graph.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -215,7 +216,7 @@ pub(crate) fn trace_named<O: TraceOutputs>(
         .iter()
         .map(|batch| normalized_input(batch))
         .collect::<Result<Vec<_>>>()?;
-    let shared = shared_lengths(&normalized.iter().collect::<Vec<_>>());
+    let shared = shared_lengths(&normalized.iter().map(|batch| &**batch).collect::<Vec<_>>());
     let mut lengths_inputs = HashMap::new();
     let traced_nested = normalized
         .iter()
@@ -421,15 +422,20 @@ fn trace_input(
 /// A batch as traced and compiled graphs take it: batch first; a batch with no ragged
 /// dim (sequences of equal lengths) gets its leading dim ragged, so that it shares the
 /// structure of batches of other lengths.
-pub(crate) fn normalized_input(input: &NestedTensor) -> Result<NestedTensor> {
+/// The batch itself (no clone) when it already is one.
+pub(crate) fn normalized_input(input: &NestedTensor) -> Result<Cow<'_, NestedTensor>> {
+    let ragged = !input.lay().ragged_dims().is_empty();
+    if ragged && input.options().batch_first {
+        return Ok(Cow::Borrowed(input));
+    }
     let batch_first = input.with_options(NestedOptions {
         batch_first: true,
         ..input.options()
     });
-    if batch_first.lay().ragged_dims().is_empty() {
-        batch_first.ragged_leading()
+    if ragged {
+        Ok(Cow::Owned(batch_first))
     } else {
-        Ok(batch_first)
+        batch_first.ragged_leading().map(Cow::Owned)
     }
 }
 
@@ -500,7 +506,10 @@ impl Traced {
             .iter()
             .map(|batch| normalized_input(batch))
             .collect::<Result<Vec<_>>>()?;
-        self.bind_normalized(&normalized.iter().collect::<Vec<_>>(), dense)
+        self.bind_normalized(
+            &normalized.iter().map(|batch| &**batch).collect::<Vec<_>>(),
+            dense,
+        )
     }
 
     /// [`Traced::bind`] of batches already normalized (`normalized_input`).
@@ -510,32 +519,51 @@ impl Traced {
         dense: &[&Tensor],
     ) -> Result<Vec<Value>> {
         self.check_shared_lengths(normalized)?;
+        Ok(self
+            .bound(normalized, dense)?
+            .into_iter()
+            .map(|input| match input {
+                Bound::Nested(batch) => Value::Nested(batch.shallow_clone()),
+                Bound::Lengths(lengths) => Value::Lengths(lengths),
+                Bound::Dense(tensor) => Value::Dense(tensor.shallow_clone()),
+            })
+            .collect())
+    }
+
+    /// What every graph input (inputs and parameters, in graph order) is bound to for
+    /// these normalized batches and dense inputs, borrowed (no tensor is cloned). The
+    /// caller checks that dims traced with shared lengths still share them (a compiled
+    /// program's structure key does).
+    pub(crate) fn bound<'a>(
+        &'a self,
+        normalized: &[&'a NestedTensor],
+        dense: &[&'a Tensor],
+    ) -> Result<Vec<Bound<'a>>> {
         // Sources are in the order of the graph's inputs, which passes keep.
         let mut inputs = Vec::with_capacity(self.sources.len());
         for (_, source) in &self.sources {
             let input = match source {
-                Source::Nested(index) => {
-                    Value::Nested(input_at(normalized, *index)?.shallow_clone())
-                }
+                Source::Nested(index) => Bound::Nested(input_at(normalized, *index)?),
                 Source::Lengths(index, dim) => {
                     let layout = input_at(normalized, *index)?.lay();
-                    Value::Lengths(layout.dim_sizes(*dim).ok_or_else(|| {
+                    Bound::Lengths(layout.dim_sizes(*dim).ok_or_else(|| {
                         NestedError::InputMismatch {
                             input: format!("x{index}"),
                             reason: format!("elements of rank {} have no dim {dim}", layout.rank()),
                         }
                     })?)
                 }
-                Source::Dense(index) => Value::Dense(
-                    dense
-                        .get(*index)
-                        .ok_or_else(|| NestedError::InputMismatch {
-                            input: format!("dense{index}"),
-                            reason: "missing".into(),
-                        })?
-                        .shallow_clone(),
-                ),
-                Source::Param(position) => Value::Dense(self.params[*position].1.shallow_clone()),
+                Source::Dense(index) => {
+                    Bound::Dense(
+                        dense
+                            .get(*index)
+                            .ok_or_else(|| NestedError::InputMismatch {
+                                input: format!("dense{index}"),
+                                reason: "missing".into(),
+                            })?,
+                    )
+                }
+                Source::Param(position) => Bound::Dense(&self.params[*position].1),
             };
             inputs.push(input);
         }
@@ -547,6 +575,16 @@ impl Traced {
         }
         Ok(inputs)
     }
+}
+
+/// What a graph input is bound to in a run ([`Traced::bound`]).
+pub(crate) enum Bound<'a> {
+    /// A batch's packed values (the input is the batch).
+    Nested(&'a NestedTensor),
+    /// The sizes of a ragged dim of a batch.
+    Lengths(Vec<i64>),
+    /// A dense input or a parameter.
+    Dense(&'a Tensor),
 }
 
 impl Traced {

@@ -589,19 +589,18 @@ enum HostInput<'a> {
     Tensor(HostTensor<'a>),
 }
 
-/// A tensor as the program reads it: the caller's, or a converted copy.
+/// A contiguous CPU tensor as the program reads it (the caller's, or a converted
+/// copy), and its kind: the program's float kind, or i64.
 enum HostTensor<'a> {
-    Borrowed(&'a Tensor),
-    Converted(Tensor),
+    Borrowed(&'a Tensor, Kind),
+    Converted(Tensor, Kind),
 }
 
-impl std::ops::Deref for HostTensor<'_> {
-    type Target = Tensor;
-
-    fn deref(&self) -> &Tensor {
+impl HostTensor<'_> {
+    fn tensor_and_kind(&self) -> (&Tensor, Kind) {
         match self {
-            HostTensor::Borrowed(tensor) => tensor,
-            HostTensor::Converted(tensor) => tensor,
+            HostTensor::Borrowed(tensor, kind) => (tensor, *kind),
+            HostTensor::Converted(tensor, kind) => (tensor, *kind),
         }
     }
 }
@@ -617,27 +616,29 @@ fn host_tensor(tensor: &Tensor, float: Kind) -> Result<HostTensor<'_>> {
     };
     if kind == target && tensor.is_contiguous() {
         // Already as the program reads it (the usual case): no dispatch, no clone.
-        return Ok(HostTensor::Borrowed(tensor));
+        return Ok(HostTensor::Borrowed(tensor, kind));
     }
     Ok(HostTensor::Converted(
         tensor.f_to_kind(target)?.f_contiguous()?,
+        target,
     ))
 }
 
 /// The data of a contiguous host tensor, without copying.
-fn tensor_data(tensor: &Tensor) -> Result<InputData<'_>> {
+fn tensor_data<'a>(host: &'a HostTensor<'_>) -> Result<InputData<'a>> {
+    let (tensor, kind) = host.tensor_and_kind();
     let elements = tensor.numel();
     let pointer = tensor.data_ptr();
     if elements == 0 || pointer.is_null() {
-        return Ok(match tensor.kind() {
+        return Ok(match kind {
             Kind::Int64 => InputData::I64(&[]),
             Kind::Double => InputData::F64(&[]),
             _ => InputData::F32(&[]),
         });
     }
-    // `host_tensor` made the tensor contiguous on the CPU with this element type; the
+    // `host_tensor` made the tensor contiguous on the CPU with element type `kind`; the
     // slice borrows the tensor, which outlives the run.
-    Ok(match tensor.kind() {
+    Ok(match kind {
         Kind::Int64 => {
             InputData::I64(unsafe { std::slice::from_raw_parts(pointer as *const i64, elements) })
         }

@@ -238,6 +238,8 @@ pub struct Executable {
     reads: Vec<Vec<Slot>>,
     /// The buffers each step is the last reader of (inputs excepted), freed after it.
     frees: Vec<Vec<Slot>>,
+    /// The slot whose memory each slot uses (itself, unless it is an alias).
+    roots: Vec<Slot>,
     /// Intermediate buffers kept between runs (their pages are already mapped), as
     /// 8-byte words so that f32 and f64 values are both aligned.
     pool: std::sync::Mutex<Vec<Vec<u64>>>,
@@ -256,11 +258,15 @@ impl Executable {
         let kernels = nestor_backend_cpu::compile(&program)?;
         let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
         let frees = last_readers(&program, &reads);
+        let roots = (0..program.slots.len())
+            .map(|index| root(&program, Slot(index as u32)))
+            .collect();
         Ok(Self {
             program,
             kernels,
             reads,
             frees,
+            roots,
             pool: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -351,7 +357,8 @@ impl Executable {
             }
             let started = profile().then(std::time::Instant::now);
             let state = RunState {
-                pointers: self.resolved(&pointers),
+                pointers: &pointers,
+                roots: &self.roots,
                 sizes: &sizes,
                 inputs,
                 host,
@@ -574,14 +581,7 @@ impl Executable {
 
     /// The slot whose memory `slot` uses (itself, unless it is an alias).
     fn root(&self, slot: Slot) -> Slot {
-        root(&self.program, slot)
-    }
-
-    /// Every slot's pointer, aliases pointing at their roots' memory.
-    fn resolved(&self, pointers: &[*mut u8]) -> Vec<*mut u8> {
-        (0..pointers.len())
-            .map(|index| pointers[self.root(Slot(index as u32)).0 as usize])
-            .collect()
+        self.roots[slot.0 as usize]
     }
 
     /// Runs kernel `index` over `0..total`, split across the cores in chunks of at least

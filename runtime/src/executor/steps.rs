@@ -11,10 +11,13 @@ use super::RuntimeError;
 use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
 use crate::attention::{Attention, AttentionGrad, Tiles};
 
-/// What every step of one run reads: the buffers of every slot (aliases resolved), the
-/// lengths, the inputs and the host runner.
+/// What every step of one run reads: the buffers of every slot (an alias's is its
+/// root's), the lengths, the inputs and the host runner.
 pub(super) struct RunState<'r, 'i> {
-    pub(super) pointers: Vec<*mut u8>,
+    /// The buffer of every slot that has its own memory (null for aliases).
+    pub(super) pointers: &'r [*mut u8],
+    /// The slot whose memory each slot uses ([`Executable`]'s `roots`).
+    pub(super) roots: &'r [Slot],
     pub(super) sizes: &'r Sizes,
     pub(super) inputs: &'r [InputData<'i>],
     pub(super) host: Option<&'r dyn HostRunner>,
@@ -24,7 +27,7 @@ pub(super) struct RunState<'r, 'i> {
 
 impl RunState<'_, '_> {
     pub(super) fn pointer(&self, slot: Slot) -> *mut u8 {
-        self.pointers[slot.0 as usize]
+        self.pointers[self.roots[slot.0 as usize].0 as usize]
     }
 
     fn lengths(&self, slot: Slot) -> Option<&LengthsInfo> {

@@ -17,8 +17,8 @@ use nestor_runtime::{
 use tch::{Kind, Tensor};
 
 use crate::trace::{
-    check_inputs, earlier_equal_lengths, interpret, normalized_input, parameter_names, trace_named,
-    Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
+    check_inputs, earlier_equal_lengths, interpret, normalized_inputs, parameter_names,
+    trace_named, Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
 use train::Gradient;
@@ -314,10 +314,7 @@ where
         {
             on_cpu(tensor)?;
         }
-        let normalized = nested
-            .iter()
-            .map(|batch| normalized_input(batch))
-            .collect::<Result<Vec<_>>>()?;
+        let normalized = normalized_inputs(nested)?;
         let normalized: Vec<&NestedTensor> = normalized.iter().map(|batch| &**batch).collect();
         let (entry, built) = self.entry_of(&normalized, nested, dense)?;
         if built {
@@ -374,10 +371,7 @@ where
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
-        let normalized = nested
-            .iter()
-            .map(|batch| normalized_input(batch))
-            .collect::<Result<Vec<_>>>()?;
+        let normalized = normalized_inputs(nested)?;
         let normalized: Vec<&NestedTensor> = normalized.iter().map(|batch| &**batch).collect();
         Ok(self.entry_of(&normalized, nested, dense)?.0)
     }
@@ -907,10 +901,7 @@ mod tests {
     }
 
     fn key(nested: &[&NestedTensor], dense: &[&Tensor]) -> StructureKey {
-        let normalized: Vec<_> = nested
-            .iter()
-            .map(|batch| normalized_input(batch).expect("a normalized batch"))
-            .collect();
+        let normalized = normalized_inputs(nested).expect("normalized batches");
         StructureKey::of(
             &normalized.iter().map(|batch| &**batch).collect::<Vec<_>>(),
             dense,

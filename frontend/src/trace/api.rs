@@ -212,10 +212,7 @@ pub(crate) fn trace_named<O: TraceOutputs>(
     let tracer = Arc::new(Mutex::new(Tracer::new(name, names)));
     let mut sources = Vec::new();
     let batch_symbol = BatchSymbols::default();
-    let normalized = nested
-        .iter()
-        .map(|batch| normalized_input(batch))
-        .collect::<Result<Vec<_>>>()?;
+    let normalized = normalized_inputs(nested)?;
     let shared = shared_lengths(&normalized.iter().map(|batch| &**batch).collect::<Vec<_>>());
     let mut lengths_inputs = HashMap::new();
     let traced_nested = normalized
@@ -419,10 +416,17 @@ fn trace_input(
     Ok(traced)
 }
 
+/// Every batch as traced and compiled graphs take it ([`normalized_input`]).
+pub(crate) fn normalized_inputs<'a>(
+    nested: &[&'a NestedTensor],
+) -> Result<Vec<Cow<'a, NestedTensor>>> {
+    nested.iter().map(|batch| normalized_input(batch)).collect()
+}
+
 /// A batch as traced and compiled graphs take it: batch first; a batch with no ragged
 /// dim (sequences of equal lengths) gets its leading dim ragged, so that it shares the
-/// structure of batches of other lengths.
-/// The batch itself (no clone) when it already is one.
+/// structure of batches of other lengths. A batch that already is one is borrowed, not
+/// cloned.
 pub(crate) fn normalized_input(input: &NestedTensor) -> Result<Cow<'_, NestedTensor>> {
     let ragged = !input.lay().ragged_dims().is_empty();
     if ragged && input.options().batch_first {
@@ -502,10 +506,7 @@ impl Traced {
     /// The value of every graph input (inputs and parameters, in graph order) for these
     /// batches and dense inputs.
     pub fn bind(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
-        let normalized = nested
-            .iter()
-            .map(|batch| normalized_input(batch))
-            .collect::<Result<Vec<_>>>()?;
+        let normalized = normalized_inputs(nested)?;
         self.bind_normalized(
             &normalized.iter().map(|batch| &**batch).collect::<Vec<_>>(),
             dense,

@@ -257,10 +257,10 @@ impl Executable {
     pub fn compile(program: Program) -> Result<Self, RuntimeError> {
         let kernels = nestor_backend_cpu::compile(&program)?;
         let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
-        let frees = last_readers(&program, &reads);
-        let roots = (0..program.slots.len())
+        let roots: Vec<Slot> = (0..program.slots.len())
             .map(|index| root(&program, Slot(index as u32)))
             .collect();
+        let frees = last_readers(&program, &reads, &roots);
         Ok(Self {
             program,
             kernels,
@@ -713,10 +713,10 @@ fn root(program: &Program, slot: Slot) -> Slot {
     current
 }
 
-/// The buffers each step is the last reader of (their memory, for aliases), never the
-/// program's inputs or results.
-fn last_readers(program: &Program, reads: &[Vec<Slot>]) -> Vec<Vec<Slot>> {
-    let root = |slot: Slot| root(program, slot);
+/// The buffers each step is the last reader of (their memory, for aliases: `roots`),
+/// never the program's inputs or results.
+fn last_readers(program: &Program, reads: &[Vec<Slot>], roots: &[Slot]) -> Vec<Vec<Slot>> {
+    let root = |slot: Slot| roots[slot.0 as usize];
     let mut last: Vec<Option<usize>> = vec![None; program.slots.len()];
     for (index, slots) in reads.iter().enumerate() {
         for &slot in slots {

@@ -1,5 +1,7 @@
 //! Decomposition: composite ops rewritten into the primitive ops they are made of, so
 //! that lowering and autodiff need no rule of their own for them:
+//! - `batch_norm` is `(x - mean) * rsqrt(var + eps) * weight + bias`, the per-channel
+//!   values reshaped to `[1, .., C, .., 1]` to broadcast over the batch;
 //! - `mse_loss` is `mean` / `sum` of `square(x - target)` (or the squares themselves);
 //! - training-mode `dropout` is `x * random_mask(x)` (the mask, a value, is read again
 //!   by the backward); dropout that keeps every value (eval mode, `p = 0`) is its input;
@@ -71,6 +73,15 @@ impl Pass for Decompose {
                     smoothing.0,
                     reduction,
                 )?,
+                Op::BatchNorm {
+                    x,
+                    mean,
+                    var,
+                    weight,
+                    bias,
+                    channel,
+                    eps,
+                } => batch_norm(&mut result, x, (mean, var), (weight, bias), channel, eps.0)?,
                 // Dropout that keeps every value (eval mode, or p = 0) is its input.
                 Op::Dropout {
                     x, train: false, ..
@@ -216,4 +227,55 @@ fn cross_entropy(
             binary(graph, BinaryOp::Div, sum, count)
         }
     }
+}
+
+/// `batch_norm` in primitive ops (see the module docs).
+fn batch_norm(
+    graph: &mut Graph,
+    x: ValueId,
+    (mean, var): (ValueId, ValueId),
+    (weight, bias): (Option<ValueId>, Option<ValueId>),
+    channel: usize,
+    eps: f64,
+) -> Result<ValueId, VerifyError> {
+    let binary = |graph: &mut Graph, op: BinaryOp, lhs: ValueId, rhs: ValueId| {
+        graph.push(Op::Binary { op, lhs, rhs })
+    };
+    let shape = crate::channel_shape(graph.ty(x), channel).ok_or_else(|| VerifyError {
+        value: x,
+        op: "batch_norm",
+        rule: format!(
+            "element dim {channel} of {} is no static channel dim",
+            graph.ty(x)
+        ),
+    })?;
+    let spread = |graph: &mut Graph, value: ValueId| {
+        graph.push(Op::Reshape {
+            x: value,
+            shape: shape.clone(),
+        })
+    };
+    let dtype = graph.ty(var).dtype().unwrap_or(DType::F32);
+    let eps = graph.push(Op::Const {
+        value: F64(eps),
+        dtype,
+    })?;
+    let shifted = binary(graph, BinaryOp::Add, var, eps)?;
+    let inverse = graph.push(Op::Unary {
+        op: UnaryOp::Rsqrt,
+        x: shifted,
+    })?;
+    let mean = spread(graph, mean)?;
+    let centered = binary(graph, BinaryOp::Sub, x, mean)?;
+    let inverse = spread(graph, inverse)?;
+    let mut y = binary(graph, BinaryOp::Mul, centered, inverse)?;
+    if let Some(weight) = weight {
+        let weight = spread(graph, weight)?;
+        y = binary(graph, BinaryOp::Mul, y, weight)?;
+    }
+    if let Some(bias) = bias {
+        let bias = spread(graph, bias)?;
+        y = binary(graph, BinaryOp::Add, y, bias)?;
+    }
+    Ok(y)
 }

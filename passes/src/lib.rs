@@ -16,6 +16,7 @@
 //! Depends on no heavy crate (no tch, LLVM or CUDA).
 
 mod autodiff;
+mod count;
 mod cse;
 mod dce;
 mod decompose;
@@ -27,6 +28,9 @@ mod pipeline;
 mod program;
 
 pub use autodiff::{differentiate, AutodiffError, Gradients};
+pub use count::{
+    batch_statistics, channel_shape, count, statistics_dims, BatchStatistics, CountError,
+};
 pub use cse::Cse;
 pub use dce::Dce;
 pub use decompose::Decompose;

@@ -91,7 +91,8 @@ pub type NamedGradients = Vec<(String, Tensor)>;
 struct Entry {
     traced: Traced,
     executable: Executable,
-    /// The model's outputs (the program's first outputs; gradients follow).
+    /// The traced graph's outputs (the program's first outputs: the model's, then batch
+    /// statistics; gradients follow).
     outputs: usize,
     /// In training, the parameter of each gradient output, in output order.
     gradients: Vec<Gradient>,
@@ -282,7 +283,7 @@ where
         let (entry, mut values) = self.run(nested, dense)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
         train::accumulate(&entry.gradients, gradients, nested)?;
-        Ok(values)
+        entry.traced.finish_run(values)
     }
 
     /// In training, the model's outputs and the gradient of every trainable parameter
@@ -296,7 +297,7 @@ where
         let (entry, mut values) = self.run(nested, dense)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
         let named = train::named(&entry.gradients, gradients, nested)?;
-        Ok((values, named))
+        Ok((entry.traced.finish_run(values)?, named))
     }
 
     /// Runs the program: every output, gradients included.

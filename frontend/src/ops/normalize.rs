@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 
 use nestor_ir::{Op, F64};
 
-use crate::trace::Arg;
+use crate::trace::{check_dtype, record_with, Arg, RunningStatistics};
 use crate::{NestedError, NestedTensor, Result};
 
 impl NestedTensor {
@@ -165,8 +165,29 @@ impl NestedTensor {
     }
 
     /// Batch normalization over channel dim `channel_dim` (a static NestedTensor dim),
-    /// with statistics over every real element (padding never counts). Running
-    /// statistics are updated in training mode, as in torch.
+    /// with statistics over every real element (padding never counts). In training
+    /// mode the batch's statistics normalize it and update the running ones (when
+    /// given) as in torch: `running = (1 - momentum) * running + momentum * batch`, the
+    /// variance unbiased. In eval mode the running statistics normalize it.
+    ///
+    /// Traced and compiled: a compiled training-mode call updates the running
+    /// statistics after it runs (tracing itself leaves them alone, so a compiled call
+    /// updates them once, as an eager one does).
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let images = NestedTensor::builder().ragged_dims(&[1, 2]).tensors(&[
+    ///     Tensor::randn([3, 4, 5], (Kind::Float, Device::Cpu)),
+    ///     Tensor::randn([3, 2, 6], (Kind::Float, Device::Cpu)),
+    /// ])?;
+    /// let (mean, var) = (Tensor::zeros([3], (Kind::Float, Device::Cpu)), Tensor::ones([3], (Kind::Float, Device::Cpu)));
+    /// let normalized = images.batch_norm(1, Some(&mean), Some(&var), None, None, true, 0.1, 1e-5)?;
+    /// assert_eq!(normalized.values().size(), images.values().size());
+    /// assert!(mean.abs().sum(Kind::Float).double_value(&[]) > 0.0); // updated
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
     #[allow(clippy::too_many_arguments)]
     pub fn batch_norm(
         &self,
@@ -179,28 +200,75 @@ impl NestedTensor {
         momentum: f64,
         eps: f64,
     ) -> Result<NestedTensor> {
-        self.untraceable("batch_norm")?;
-        let element_dim = self.element_dim(channel_dim, "batch_norm")?;
-        let Some(axis) = self.static_axis(element_dim) else {
+        let channel = self.element_dim(channel_dim, "batch_norm")?;
+        let Some(axis) = self.static_axis(channel) else {
             return Err(NestedError::Unsupported {
                 op: "batch_norm",
                 reason: format!("the channel dim {channel_dim} is ragged; it must be static"),
             });
         };
+        // A trace's graph updates the running statistics when it runs; tracing does not
+        // (compile's first call traces and runs).
+        let tracing = self.trace.is_some();
+        let (eager_mean, eager_var) = match tracing && training {
+            true => (None, None),
+            false => (running_mean, running_var),
+        };
         // torch's batch_norm takes channels at axis 1 of [N, C, *].
         let moved = self.packed().f_movedim(axis, 1)?;
         let normalized = Tensor::f_batch_norm(
-            &moved,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            training,
-            momentum,
-            eps,
-            true,
+            &moved, weight, bias, eager_mean, eager_var, training, momentum, eps, true,
         )?;
-        Ok(self.with_values(normalized.f_movedim(1, axis)?))
+        let mut result = self.with_values(normalized.f_movedim(1, axis)?);
+        if !tracing {
+            return Ok(result);
+        }
+        // Eval mode normalizes by the running statistics (the eager call checked that
+        // they are given), training mode by the batch's.
+        let given = match (training, running_mean, running_var) {
+            (false, Some(mean), Some(var)) => Some((mean, var)),
+            _ => None,
+        };
+        let mut args = vec![Arg::Nested(self)];
+        if let Some((mean, var)) = given {
+            args.extend([Arg::Dense(mean, None), Arg::Dense(var, None)]);
+        }
+        args.extend(weight.map(|weight| Arg::Dense(weight, None)));
+        args.extend(bias.map(|bias| Arg::Dense(bias, None)));
+        let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
+        let mut batch = None;
+        let traced = record_with(&args, "batch_norm", |graph, ids| {
+            let (mean, var, affine) = match given {
+                Some(_) => (ids[1], ids[2], &ids[3..]),
+                None => {
+                    let statistics = nestor_passes::batch_statistics(graph, ids[0], channel)?;
+                    batch = Some(statistics);
+                    (statistics.mean, statistics.var, &ids[1..])
+                }
+            };
+            graph.push(Op::BatchNorm {
+                x: ids[0],
+                mean,
+                var,
+                weight: has_weight.then(|| affine[0]),
+                bias: has_bias.then(|| affine[usize::from(has_weight)]),
+                channel,
+                eps: F64(eps),
+            })
+        })?;
+        if let Some(trace) = traced {
+            check_dtype(&trace, result.packed().kind(), "batch_norm")?;
+            if let (Some(batch), Some(mean), Some(var)) = (batch, running_mean, running_var) {
+                trace.lock().running.push(RunningStatistics {
+                    mean: mean.shallow_clone(),
+                    var: var.shallow_clone(),
+                    momentum,
+                    batch,
+                });
+            }
+            result.trace = Some(trace);
+        }
+        Ok(result)
     }
 
     /// Dropout with probability `p` when `train` is true; identity otherwise.

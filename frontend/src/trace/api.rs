@@ -9,7 +9,7 @@ use nestor_ir::{Dim, ElemDim, Graph, Op, Type, ValueId};
 use tch::Tensor;
 
 use super::interpret::{interpret, Value};
-use super::record::{trace_error, TraceRef, Tracer};
+use super::record::{trace_error, RunningStatistics, TraceRef, Tracer};
 use super::Dense;
 use crate::{dtype_of, NestedError, NestedOptions, NestedTensor, Reduced, Result};
 
@@ -27,13 +27,22 @@ enum Source {
 }
 
 /// A traced graph, with how to feed it: which inputs are batches, lengths, dense
-/// tensors, and the tensors its parameters are bound to.
+/// tensors, and the tensors its parameters are bound to. The graph's outputs are the
+/// model's, then for every training-mode batch normalization with running statistics
+/// the batch's mean, variance and count, which each run folds into the running
+/// statistics.
 pub struct Traced {
     graph: Graph,
     sources: Vec<(ValueId, Source)>,
     params: Vec<(ValueId, Tensor)>,
     /// Which ragged dims share a lengths input (see [`shared_lengths`]).
     shared: SharedLengths,
+    /// How many of the graph's outputs are the model's; each running statistics'
+    /// batch mean, variance and count follow them.
+    outputs: usize,
+    /// What training-mode batch normalizations update after every run (locked while
+    /// they are updated, so that concurrent runs update them one at a time).
+    running: Mutex<Vec<RunningStatistics>>,
 }
 
 /// For every batch, for each of its dims, the earlier `(batch, dim)` whose lengths it
@@ -100,7 +109,8 @@ fn same_lengths(nested: &[&NestedTensor], a: (usize, usize), b: (usize, usize)) 
 }
 
 // A `Traced` only hands out shallow clones of its parameter tensors (libtorch counts
-// references atomically) and never mutates them, so threads may share it.
+// references atomically) and never mutates them but the running statistics, which it
+// updates under a lock, so threads may share it.
 unsafe impl Sync for Traced {}
 
 impl std::fmt::Debug for Traced {
@@ -291,6 +301,12 @@ pub(crate) fn trace_named<O: TraceOutputs>(
             }
         }
     }
+    let outputs = output_values.len();
+    let running = std::mem::take(&mut state.running);
+    for statistics in &running {
+        let batch = statistics.batch;
+        output_values.extend([batch.mean, batch.var, batch.count]);
+    }
     let mut graph = std::mem::take(&mut state.graph);
     graph.outputs = output_values;
     graph
@@ -304,6 +320,8 @@ pub(crate) fn trace_named<O: TraceOutputs>(
         sources,
         params: std::mem::take(&mut state.params),
         shared,
+        outputs,
+        running: Mutex::new(running),
     };
     if let Some(dir) = dump {
         traced.dump(dir, "00-traced")?;
@@ -499,8 +517,33 @@ impl Traced {
 
     /// Runs the graph op by op with tch (the interpreter) on new batches of the same
     /// structure (any lengths) and dense inputs, with the bound parameters.
+    /// Training-mode batch normalizations update their running statistics.
     pub fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
-        interpret(&self.graph, self.bind(nested, dense)?)
+        self.finish_run(interpret(&self.graph, self.bind(nested, dense)?)?)
+    }
+
+    /// The model's outputs of a run's `values` (every output of the traced graph),
+    /// once the batch statistics after them are folded into the running statistics.
+    pub(crate) fn finish_run(&self, mut values: Vec<Value>) -> Result<Vec<Value>> {
+        let statistics = values.split_off(self.outputs.min(values.len()));
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if statistics.len() != 3 * running.len() {
+            return Err(trace_error(
+                "batch_norm",
+                format!(
+                    "{} running statistics to update but {} batch statistics",
+                    running.len(),
+                    statistics.len()
+                ),
+            ));
+        }
+        for (running, batch) in running.iter().zip(statistics.chunks_exact(3)) {
+            running.update(&batch[0], &batch[1], &batch[2])?;
+        }
+        Ok(values)
     }
 
     /// The value of every graph input (inputs and parameters, in graph order) for these

@@ -22,4 +22,4 @@ pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;
 pub use interpret::{check_inputs, interpret, Value};
 pub use record::TraceRef;
-pub(crate) use record::{record_with, trace_error, Arg};
+pub(crate) use record::{check_dtype, record_with, trace_error, Arg, RunningStatistics};

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use nestor_ir::{Graph, Op, Type, ValueId, F64};
 use tch::Tensor;
 
+use super::Value;
 use crate::{dtype_of, NestedError, NestedTensor, Result};
 
 /// The state of one trace: the graph so far, parameters bound to tensors, and the
@@ -20,6 +21,21 @@ pub(crate) struct Tracer {
     known: HashMap<(usize, Vec<i64>), ValueId>,
     /// Calls that read concrete lengths or values while tracing.
     pub(crate) concrete_reads: Vec<&'static str>,
+    /// Running statistics that each run of the graph updates.
+    pub(crate) running: Vec<RunningStatistics>,
+}
+
+/// Running statistics a traced training-mode batch normalization updates after each
+/// run of the graph, from the batch statistics the graph outputs after the model's.
+pub(crate) struct RunningStatistics {
+    /// The running mean `[C]` (a shallow clone of the model's tensor).
+    pub(crate) mean: Tensor,
+    /// The running (unbiased) variance `[C]`.
+    pub(crate) var: Tensor,
+    /// The weight of each batch's statistics.
+    pub(crate) momentum: f64,
+    /// The batch statistics in the graph.
+    pub(crate) batch: nestor_passes::BatchStatistics,
 }
 
 impl Tracer {
@@ -30,6 +46,7 @@ impl Tracer {
             names,
             known: HashMap::new(),
             concrete_reads: Vec::new(),
+            running: Vec::new(),
         }
     }
 
@@ -55,6 +72,42 @@ impl Tracer {
         self.known.insert(key, value);
         self.params.push((value, tensor.shallow_clone()));
         Ok(value)
+    }
+}
+
+impl RunningStatistics {
+    /// Folds a batch's statistics into the running ones, as libtorch does: nothing for
+    /// an empty batch, else `running = (1 - momentum) * running + momentum * batch`, the
+    /// variance made unbiased (`n / (n - 1)`: NaN for one value per channel, as there).
+    pub(crate) fn update(&self, mean: &Value, var: &Value, count: &Value) -> Result<()> {
+        let dense = |value: &Value, what: &str| match value {
+            Value::Dense(tensor) => Ok(tensor.shallow_clone()),
+            _ => Err(trace_error(
+                "batch_norm",
+                format!("the batch {what} is not a dense tensor"),
+            )),
+        };
+        let (mean, var, count) = (
+            dense(mean, "mean")?,
+            dense(var, "variance")?,
+            dense(count, "count")?,
+        );
+        let count = count.f_double_value(&[])?;
+        if count == 0.0 {
+            return Ok(());
+        }
+        let _no_grad = tch::no_grad_guard();
+        let keep = 1.0 - self.momentum;
+        let unbiased = var.f_mul_scalar(count / (count - 1.0))?;
+        for (running, batch) in [(&self.mean, mean), (&self.var, unbiased)] {
+            let mut running = running.shallow_clone();
+            let batch = batch
+                .f_reshape([-1])?
+                .f_to_kind(running.f_kind()?)?
+                .f_mul_scalar(self.momentum)?;
+            let _updated = running.f_mul_scalar_(keep)?.f_add_(&batch)?;
+        }
+        Ok(())
     }
 }
 

@@ -1,4 +1,5 @@
-//! Row ops: layer and RMS normalization, softmax over a static or ragged dim.
+//! Normalizations: layer and RMS normalization and softmax (row ops), batch
+//! normalization (composite).
 
 use super::*;
 
@@ -39,6 +40,35 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 let shape = static_shape(&ty(*weight), "weight")?;
                 if shape != tail {
                     return Err(format!("the weight must be {tail:?}, got {shape:?}"));
+                }
+            }
+            float(&x).map(|_| x)
+        }
+        Op::BatchNorm {
+            x,
+            mean,
+            var,
+            weight,
+            bias,
+            channel,
+            ..
+        } => {
+            let x = ty(*x);
+            let channels = static_element_dim(&x, *channel)?;
+            let parameters = [
+                ("mean", Some(mean)),
+                ("var", Some(var)),
+                ("weight", weight.as_ref()),
+                ("bias", bias.as_ref()),
+            ];
+            for (name, parameter) in parameters {
+                if let Some(parameter) = parameter {
+                    let shape = static_shape(&ty(*parameter), name)?;
+                    if shape != [channels] {
+                        return Err(format!(
+                            "the {name} must be [{channels}] (one per channel), got {shape:?}"
+                        ));
+                    }
                 }
             }
             float(&x).map(|_| x)

@@ -7,6 +7,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     let ty = |value: ValueId| graph.ty(value).clone();
     match op {
         Op::ReshapeTail { x, tail } => reshape_tail(&ty(*x), tail),
+        Op::Reshape { x, shape } => reshape(&ty(*x), shape),
         Op::SelectStatic { x, dim, index } => {
             let x = ty(*x);
             let size = static_element_dim(&x, *dim)?;
@@ -259,6 +260,31 @@ fn repeat_batch(
 }
 
 /// The type of `reshape_tail`: the static tail after the leading ragged dims, reshaped.
+fn reshape(x: &Type, shape: &[i64]) -> Inferred {
+    let Type::Dense { dtype, shape: old } = x else {
+        return Err(format!("expects a dense value, got {x}"));
+    };
+    let old: Vec<i64> = old
+        .iter()
+        .map(|dim| {
+            dim.as_static()
+                .ok_or_else(|| format!("cannot reshape {x}: {dim} is not static"))
+        })
+        .collect::<Result<_, _>>()?;
+    let (before, after) = (checked_volume(&old), checked_volume(shape));
+    if before.is_none() || before != after || shape.iter().any(|&size| size < 0) {
+        return Err(format!("cannot reshape {old:?} to {shape:?}"));
+    }
+    Ok(Type::dense_static(*dtype, shape))
+}
+
+/// The product of `sizes`, `None` when it overflows (sizes come from texts and users).
+fn checked_volume(sizes: &[i64]) -> Option<i64> {
+    sizes
+        .iter()
+        .try_fold(1i64, |volume, &size| volume.checked_mul(size))
+}
+
 fn reshape_tail(x: &Type, tail: &[i64]) -> Inferred {
     let Type::Ragged { dtype, batch, dims } = x else {
         return Err(format!("expects a ragged value, got {x}"));
@@ -271,13 +297,7 @@ fn reshape_tail(x: &Type, tail: &[i64]) -> Inferred {
         .iter()
         .map(fixed_static)
         .collect::<Result<_, _>>()?;
-    // Sizes come from texts and users: a product that overflows matches nothing.
-    let volume = |sizes: &[i64]| {
-        sizes
-            .iter()
-            .try_fold(1i64, |volume, &size| volume.checked_mul(size))
-    };
-    let (before, after) = (volume(&old), volume(tail));
+    let (before, after) = (checked_volume(&old), checked_volume(tail));
     if before.is_none() || before != after || tail.iter().any(|&size| size < 0) {
         return Err(format!("cannot reshape a static tail {old:?} to {tail:?}"));
     }

@@ -340,6 +340,27 @@ pub enum Op {
         /// Epsilon.
         eps: F64,
     },
+    /// Batch normalization by given per-channel statistics (the batch's own, which
+    /// traced models compute with reductions, or eval mode's running ones): each channel
+    /// (static element dim `channel`) minus its mean, over `sqrt(var + eps)`, scaled and
+    /// shifted. Composite: decomposition makes it pointwise ops.
+    #[op(name = "batch_norm", family = Norm)]
+    BatchNorm {
+        /// Input.
+        x: ValueId,
+        /// Per-channel mean `[C]`.
+        mean: ValueId,
+        /// Per-channel (biased) variance `[C]`.
+        var: ValueId,
+        /// Scale `[C]`.
+        weight: Option<ValueId>,
+        /// Shift `[C]`.
+        bias: Option<ValueId>,
+        /// The channel's element dim.
+        channel: usize,
+        /// Epsilon.
+        eps: F64,
+    },
     /// softmax or log-softmax along `axis` (static: packed; ragged: segmented).
     #[op(family = Norm)]
     Softmax {
@@ -398,6 +419,15 @@ pub enum Op {
         x: ValueId,
         /// New static tail.
         tail: Vec<i64>,
+    },
+    /// A dense value of static shape seen with another static shape of the same volume
+    /// (no value moves).
+    #[op(name = "reshape", family = Structure)]
+    Reshape {
+        /// Input.
+        x: ValueId,
+        /// New shape.
+        shape: Vec<i64>,
     },
     /// Selects `index` of static element dim `dim`, removing it.
     #[op(name = "select_static", family = Structure)]

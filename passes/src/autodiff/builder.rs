@@ -5,6 +5,7 @@
 use nestor_ir::{BinaryOp, DType, Dim, ElemDim, Graph, Op, ReduceOp, Type, UnaryOp, ValueId, F64};
 
 use super::AutodiffError;
+use crate::count::CountError;
 
 /// The joint graph under construction; `at` names the value whose rule is running (for
 /// errors).
@@ -34,13 +35,17 @@ impl Builder {
         self.graph.ty(value)
     }
 
-    /// A lengths value of the graph whose batch is `batch`.
-    pub(super) fn lengths_of_batch(&self, batch: &Dim) -> Option<ValueId> {
-        self.graph
-            .nodes
-            .iter()
-            .position(|node| matches!(&node.ty, Type::Lengths { batch: own } if own == batch))
-            .map(|index| ValueId(index as u32))
+    /// How many values of `x` a reduction over `dims` (normalized) combines
+    /// ([`crate::count::count`]).
+    pub(super) fn count(&mut self, x: ValueId, dims: &[i64]) -> Result<ValueId, AutodiffError> {
+        crate::count::count(&mut self.graph, x, dims).map_err(|error| match error {
+            CountError::Verify(error) => AutodiffError::Rule {
+                value: self.at,
+                op: self.graph.op(self.at).name(),
+                reason: error.to_string(),
+            },
+            CountError::Unsupported(reason) => self.no_rule(reason),
+        })
     }
 
     /// The error for an op this rule cannot differentiate.

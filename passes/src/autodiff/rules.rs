@@ -407,7 +407,7 @@ fn reduce(
     let spread = b.expand(g, x, inserted.clone())?;
     let gradient = match kind {
         ReduceOp::Mean => {
-            let count = count(b, x, &reduced)?;
+            let count = b.count(x, &reduced)?;
             b.div(spread, count)?
         }
         ReduceOp::Amax | ReduceOp::Amin => {
@@ -424,69 +424,6 @@ fn reduce(
         _ => spread,
     };
     Ok(vec![(x, gradient)])
-}
-
-/// The number of values a reduction of `x` over `dims` (batch-first, normalized) averages:
-/// a constant for static dims, times the lengths for the ragged dim (per element, or
-/// their sum when the batch dim is reduced too), or times the batch size when the batch
-/// dim is reduced without a ragged dim.
-fn count(b: &mut Builder, x: ValueId, dims: &[i64]) -> Result<ValueId, AutodiffError> {
-    let ty = b.ty(x).clone();
-    let mut constant = 1i64;
-    let mut ragged = None;
-    let (batch, element): (Dim, Vec<ElemDim>) = match &ty {
-        Type::Ragged { batch, dims, .. } => (batch.clone(), dims.clone()),
-        Type::Dense { shape, .. } if !shape.is_empty() => (
-            shape[0].clone(),
-            shape[1..].iter().cloned().map(ElemDim::Fixed).collect(),
-        ),
-        _ => return b.constant(1.0, x),
-    };
-    for &dim in dims.iter().filter(|&&dim| dim >= 1) {
-        match element.get(dim as usize - 1) {
-            Some(ElemDim::Fixed(size)) => {
-                constant *= size
-                    .as_static()
-                    .ok_or_else(|| b.no_rule("a mean over a symbolic dim"))?
-            }
-            Some(ElemDim::Ragged(lengths)) if ragged.is_none() => ragged = Some(*lengths),
-            _ => return Err(b.no_rule("a mean over two ragged dims")),
-        }
-    }
-    let dtype = ty.dtype().unwrap_or(DType::F32);
-    let factor = b.constant(constant as f64, x)?;
-    let variable = match (ragged, dims.contains(&0)) {
-        (None, false) => return Ok(factor),
-        (Some(lengths), false) => b.push(Op::LengthValues {
-            lengths,
-            dtype,
-            rank: rank(&ty),
-        })?,
-        (Some(lengths), true) => {
-            let values = b.push(Op::LengthValues {
-                lengths,
-                dtype,
-                rank: 1,
-            })?;
-            b.reduce(ReduceOp::Sum, values, vec![0], false)?
-        }
-        (None, true) => {
-            let lengths = b
-                .lengths_of_batch(&batch)
-                .ok_or_else(|| b.no_rule(format!("a mean over the batch {batch}")))?;
-            let values = b.push(Op::LengthValues {
-                lengths,
-                dtype,
-                rank: 1,
-            })?;
-            // One per element (lengths are never negative), summed: the batch size.
-            let zero = b.constant(0.0, values)?;
-            let present = b.binary(BinaryOp::Ge, values, zero)?;
-            let ones = b.push(Op::Cast { x: present, dtype })?;
-            b.reduce(ReduceOp::Sum, ones, vec![0], false)?
-        }
-    };
-    b.mul(variable, factor)
 }
 
 fn norm(
@@ -645,6 +582,14 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
                 value: nestor_ir::F64(0.0),
             })?,
         )]),
+        Op::Reshape { x, .. } => {
+            let shape = match b.ty(x) {
+                Type::Dense { shape, .. } => shape.iter().map(Dim::as_static).collect(),
+                _ => None,
+            }
+            .ok_or_else(|| b.no_rule("a reshape of a value without a static shape"))?;
+            Ok(vec![(x, b.push(Op::Reshape { x: g, shape })?)])
+        }
         // The size-1 dim selected away.
         Op::Unsqueeze { x, dim } => Ok(vec![(
             x,

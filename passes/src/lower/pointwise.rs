@@ -327,35 +327,47 @@ impl Lowering<'_> {
                     .iter()
                     .map(|dim| dim.as_static().unwrap_or(-1))
                     .collect();
+                // The operand's sizes at the result's static dims, in order: the packed
+                // rows stand for the batch and the ragged dims (where type inference
+                // made the operand's size 1), the tail for the static dims.
+                let at_static = |element: &[i64]| -> Vec<i64> {
+                    element
+                        .iter()
+                        .zip(dims)
+                        .filter(|(_, dim)| matches!(dim, ElemDim::Fixed(_)))
+                        .map(|(&size, _)| size)
+                        .collect()
+                };
                 if shape.len() == rank + 1 {
                     let per_element = shape[0] == *batch && shape[0] != Dim::Static(1);
-                    let ragged_lengths = ty.length_values().first().copied();
-                    let lengths = ragged_lengths.and_then(|l| match self.get(l) {
-                        Lowered::Lengths(slot) => Some(slot),
+                    let ragged_lengths = ty.length_values();
+                    let lengths = match ragged_lengths.as_slice() {
+                        [lengths] => match self.get(*lengths) {
+                            Lowered::Lengths(slot) => Some(slot),
+                            _ => None,
+                        },
                         _ => None,
-                    });
+                    };
                     match (per_element, lengths) {
                         (true, Some(lengths)) => {
-                            (RowUse::PerElement(lengths), static_shape[2..].to_vec())
+                            (RowUse::PerElement(lengths), at_static(&static_shape[1..]))
                         }
-                        (false, _) => (RowUse::Broadcast, static_shape[2..].to_vec()),
+                        (false, _) => (RowUse::Broadcast, at_static(&static_shape[1..])),
                         (true, None) => {
                             return Err(unsupported(
                                 value,
                                 op,
-                                "a per-element operand without lengths",
+                                "a per-element operand over other than one ragged dim",
                             ))
                         }
                     }
                 } else {
-                    // A tail: the leading (ragged) position is 1 or absent.
-                    let element = static_shape;
-                    let tail_part = if element.len() == rank {
-                        element[1..].to_vec()
-                    } else {
-                        element
-                    };
-                    (RowUse::Broadcast, tail_part)
+                    // A tail, right-aligned to the element dims (1 at the ragged ones).
+                    let element: Vec<i64> =
+                        std::iter::repeat_n(1, rank.saturating_sub(shape.len()))
+                            .chain(static_shape)
+                            .collect();
+                    (RowUse::Broadcast, at_static(&element))
                 }
             }
             (

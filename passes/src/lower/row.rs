@@ -165,9 +165,10 @@ impl Lowering<'_> {
             return Ok(out);
         }
         // Over the batch and every ragged dim, wherever they are (images `[C, H, W]`:
-        // every pixel, a convolution's bias gradient): the column sums of all packed rows.
-        if let (Lowered::Data { dims: out_dims, .. }, false, ReduceOp::Sum | ReduceOp::Mean) =
-            (self.get(x), keepdim, reduce)
+        // every pixel, a convolution's bias gradient, batch statistics), kept or not:
+        // the column sums of all packed rows.
+        if let (Lowered::Data { dims: out_dims, .. }, ReduceOp::Sum | ReduceOp::Mean) =
+            (self.get(x), reduce)
         {
             // The batch-first dims the packed rows stand for: the batch, the ragged dims.
             let row_dims: Vec<i64> = std::iter::once(0)

@@ -61,7 +61,9 @@ impl Lowering<'_> {
             },
             // A ragged dim swapped with a static one: the same packed rows; and a size-1
             // dim inserted.
-            Op::ReshapeTail { x, .. } | Op::Unsqueeze { x, .. } => self.alias_of(value, *x, ty),
+            Op::ReshapeTail { x, .. } | Op::Reshape { x, .. } | Op::Unsqueeze { x, .. } => {
+                self.alias_of(value, *x, ty)
+            }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
             Op::WindowLengths {
                 lengths,

@@ -82,6 +82,7 @@ impl<'a> KernelCost<'a> {
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => 0.0,
             // Views: no kernel, no copy.
             Op::ReshapeTail { .. }
+            | Op::Reshape { .. }
             | Op::TransposeRagged { .. }
             | Op::Unsqueeze { .. }
             | Op::Dropout { train: false, .. } => 1.0,

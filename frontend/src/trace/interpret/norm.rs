@@ -1,4 +1,4 @@
-//! Layer and RMS normalization, softmax.
+//! Layer, RMS and batch normalization, softmax.
 
 use super::*;
 
@@ -47,6 +47,30 @@ impl Interpreter<'_> {
                         Some(eps.0),
                     )?),
                 }
+            }
+            Op::BatchNorm {
+                x,
+                mean,
+                var,
+                weight,
+                bias,
+                channel,
+                eps,
+            } => {
+                let weight = weight.map(|w| self.dense(w)).transpose()?;
+                let bias = bias.map(|b| self.dense(b)).transpose()?;
+                let (mean, var) = (self.dense(*mean)?, self.dense(*var)?);
+                // Normalized by the given statistics: eval mode's arithmetic.
+                Value::Nested(self.nested(*x)?.batch_norm(
+                    *channel as i64 + 1,
+                    Some(mean),
+                    Some(var),
+                    weight,
+                    bias,
+                    false,
+                    0.0,
+                    eps.0,
+                )?)
             }
             Op::Softmax { x, axis, log } => match (self.get(*x), log) {
                 (Value::Nested(nested), false) => Value::Nested(nested.softmax(*axis)?),

@@ -7,6 +7,7 @@ impl Interpreter<'_> {
     pub(super) fn run_structure(&self, op: &Op) -> Result<Value> {
         Ok(match op {
             Op::ReshapeTail { x, tail } => Value::Nested(self.nested(*x)?.reshape_tail(tail)?),
+            Op::Reshape { x, shape } => Value::Dense(self.dense(*x)?.f_reshape(shape.as_slice())?),
             Op::SelectStatic { x, dim, index } => {
                 Value::Nested(self.nested(*x)?.select_static(*dim as i64 + 1, *index)?)
             }

@@ -136,11 +136,20 @@ fn forward_models() {
         .tensors(&images)
         .unwrap();
     let weight = Tensor::randn([4, 3, 3, 3], (Kind::Float, Device::Cpu));
+    let (mean, var) = (
+        Tensor::randn([4], (Kind::Float, Device::Cpu)),
+        Tensor::rand([4], (Kind::Float, Device::Cpu)) + 0.5,
+    );
     check("per_element", &[&images], |x, _| {
         let features = x[0].conv2d(&weight, None, [1, 1], [1, 1], [1, 1], 1)?;
+        // Batch normalization by the running statistics (eval mode) and by the batch's.
+        let eval = features.batch_norm(1, Some(&mean), Some(&var), None, None, false, 0.1, 1e-5)?;
+        let training = features.batch_norm(1, None, None, Some(&var), None, true, 0.1, 1e-5)?;
         Ok(vec![
             features.max_pool2d([2, 2], [2, 2], [0, 0])?.into(),
             features.adaptive_avg_pool2d([1, 1])?.into(),
+            eval.into(),
+            training.into(),
         ])
     });
 }

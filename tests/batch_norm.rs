@@ -125,7 +125,7 @@ proptest! {
             let [Value::Nested(got)] = got.as_slice() else { panic!("one batch expected") };
             prop_assert_eq!(got.layout().element_sizes(), eager.layout().element_sizes());
             let what = format!("call {call} ({kind:?}, training {training})");
-            assert_same_values(&got.values(), &eager.values(), output_tolerance(kind), output_tolerance(kind), &what);
+            assert_same_values(got.values(), eager.values(), output_tolerance(kind), output_tolerance(kind), &what);
             let tolerance = tolerance(kind);
             assert_same_values(&compiled_mean, &eager_mean, tolerance, tolerance, &format!("{what}: running mean"));
             assert_same_values(&compiled_var, &eager_var, tolerance, tolerance, &format!("{what}: running var"));
@@ -180,7 +180,7 @@ fn empty_batches_and_single_values_update_running_statistics_as_libtorch() {
             panic!("one batch expected")
         };
         let what = format!("{sizes:?}");
-        assert_same_values(&got.values(), &eager.values(), 1e-4, 1e-4, &what);
+        assert_same_values(got.values(), eager.values(), 1e-4, 1e-4, &what);
         assert_same_values(&mean, &eager_mean, 1e-6, 1e-6, &format!("{what}: mean"));
         assert_same_values(&var, &eager_var, 1e-6, 1e-6, &format!("{what}: var"));
     }

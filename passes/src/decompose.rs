@@ -1,7 +1,8 @@
 //! Decomposition: composite ops rewritten into the primitive ops they are made of, so
 //! that lowering and autodiff need no rule of their own for them:
-//! - `batch_norm` is `(x - mean) * rsqrt(var + eps) * weight + bias`, the per-channel
-//!   values reshaped to `[1, .., C, .., 1]` to broadcast over the batch;
+//! - `batch_norm` is `x * scale + shift` with `scale = weight * rsqrt(var + eps)` and
+//!   `shift = bias - mean * scale` per channel (libtorch's arithmetic), reshaped to
+//!   `[1, .., C, .., 1]` to broadcast over the batch;
 //! - `mse_loss` is `mean` / `sum` of `square(x - target)` (or the squares themselves);
 //! - training-mode `dropout` is `x * random_mask(x)` (the mask, a value, is read again
 //!   by the backward); dropout that keeps every value (eval mode, `p = 0`) is its input;
@@ -255,27 +256,29 @@ fn batch_norm(
             shape: shape.clone(),
         })
     };
-    let dtype = graph.ty(var).dtype().unwrap_or(DType::F32);
+    // Per channel, as libtorch: scale = weight / sqrt(var + eps), shift = bias - mean *
+    // scale; then one pass over the batch.
     let eps = graph.push(Op::Const {
         value: F64(eps),
-        dtype,
+        dtype: graph.ty(var).dtype().unwrap_or(DType::F32),
     })?;
     let shifted = binary(graph, BinaryOp::Add, var, eps)?;
-    let inverse = graph.push(Op::Unary {
+    let mut scale = graph.push(Op::Unary {
         op: UnaryOp::Rsqrt,
         x: shifted,
     })?;
-    let mean = spread(graph, mean)?;
-    let centered = binary(graph, BinaryOp::Sub, x, mean)?;
-    let inverse = spread(graph, inverse)?;
-    let mut y = binary(graph, BinaryOp::Mul, centered, inverse)?;
     if let Some(weight) = weight {
-        let weight = spread(graph, weight)?;
-        y = binary(graph, BinaryOp::Mul, y, weight)?;
+        scale = binary(graph, BinaryOp::Mul, scale, weight)?;
     }
-    if let Some(bias) = bias {
-        let bias = spread(graph, bias)?;
-        y = binary(graph, BinaryOp::Add, y, bias)?;
-    }
-    Ok(y)
+    let moved = binary(graph, BinaryOp::Mul, mean, scale)?;
+    let shift = match bias {
+        Some(bias) => binary(graph, BinaryOp::Sub, bias, moved)?,
+        None => graph.push(Op::Unary {
+            op: UnaryOp::Neg,
+            x: moved,
+        })?,
+    };
+    let (scale, shift) = (spread(graph, scale)?, spread(graph, shift)?);
+    let scaled = binary(graph, BinaryOp::Mul, x, scale)?;
+    binary(graph, BinaryOp::Add, scaled, shift)
 }

@@ -1,7 +1,7 @@
 //! Batch normalization compiled: outputs and running statistics equal eager's call after
 //! call (training and eval mode, sequences `[L, C]` and images `[C, H, W]`, every float
-//! kind, empty elements and batches), and compiled training through it gives autograd's
-//! gradients.
+//! kind, f32 parameters for half-precision batches, empty elements and batches), and
+//! compiled training through it gives autograd's gradients.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -97,12 +97,18 @@ proptest! {
         kind in float_kinds(),
         training in any::<bool>(),
         affine in any::<bool>(),
+        mixed in any::<bool>(),
         seed in 0i64..1000,
     ) {
+        // Mixed precision: f32 parameters and statistics for a half-precision batch.
+        let parameters = match kind {
+            Kind::Half | Kind::BFloat16 if mixed => Kind::Float,
+            _ => kind,
+        };
         let mut random = Random::new(seed);
-        let (weight, bias) = (per_channel(&mut random, kind, true), per_channel(&mut random, kind, false));
+        let (weight, bias) = (per_channel(&mut random, parameters, true), per_channel(&mut random, parameters, false));
         let affine = affine.then_some((weight, bias));
-        let (mean, var) = (per_channel(&mut random, kind, false), per_channel(&mut random, kind, true));
+        let (mean, var) = (per_channel(&mut random, parameters, false), per_channel(&mut random, parameters, true));
         let (eager_mean, eager_var) = (mean.copy(), var.copy());
         let (compiled_mean, compiled_var) = (mean.copy(), var.copy());
         let (model_mean, model_var, model_affine) = (
@@ -124,6 +130,7 @@ proptest! {
             let got = compiled.call(&[&batch], &[]).unwrap();
             let [Value::Nested(got)] = got.as_slice() else { panic!("one batch expected") };
             prop_assert_eq!(got.layout().element_sizes(), eager.layout().element_sizes());
+            prop_assert_eq!(got.values().kind(), eager.values().kind());
             let what = format!("call {call} ({kind:?}, training {training})");
             assert_same_values(got.values(), eager.values(), output_tolerance(kind), output_tolerance(kind), &what);
             let tolerance = tolerance(kind);

@@ -300,6 +300,21 @@ fn norms_and_gemms_match_eager_on_special_values() {
             x.layer_norm(&[4], Some(&gain), Some(&bias.narrow(0, 0, 4)), 1e-5)?
                 .into(),
             x.rms_norm(&[4], Some(&gain), Some(1e-6))?.into(),
+            // Batch norm by running statistics, and by the batch's (NaN where a
+            // channel holds NaN or infinities of both signs).
+            x.batch_norm(
+                -1,
+                Some(&gain),
+                Some(&gain.abs()),
+                None,
+                Some(&gain),
+                false,
+                0.1,
+                1e-5,
+            )?
+            .into(),
+            x.batch_norm(-1, None, None, Some(&gain), None, true, 0.1, 1e-5)?
+                .into(),
         ])
     });
     check("gemms", 1e-5, |x, _| {

@@ -170,7 +170,7 @@ pub fn statistics_dims(rank: usize, channel: usize) -> Vec<i64> {
 
 /// Adds the [`BatchStatistics`] of `x` (a batch) over every value of each channel (its
 /// element dim `channel`) to `graph`: the mean, then the mean square of the values
-/// minus it (two passes, as libtorch).
+/// minus it (two passes), in f32 for f16 and bf16 batches.
 pub fn batch_statistics(
     graph: &mut Graph,
     x: ValueId,
@@ -189,6 +189,15 @@ pub fn batch_statistics(
         )));
     };
     let dims = statistics_dims(element.len(), channel);
+    // Half-precision batches are summed in f32, as libtorch does (their statistics,
+    // and the count, would lose digits otherwise).
+    let x = match ty.dtype() {
+        Some(DType::F16 | DType::BF16) => graph.push(Op::Cast {
+            x,
+            dtype: DType::F32,
+        })?,
+        _ => x,
+    };
     let reduce = |graph: &mut Graph, x: ValueId| {
         graph.push(Op::Reduce {
             op: ReduceOp::Mean,

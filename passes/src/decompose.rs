@@ -280,5 +280,11 @@ fn batch_norm(
     };
     let (scale, shift) = (spread(graph, scale)?, spread(graph, shift)?);
     let scaled = binary(graph, BinaryOp::Mul, x, scale)?;
-    binary(graph, BinaryOp::Add, scaled, shift)
+    let y = binary(graph, BinaryOp::Add, scaled, shift)?;
+    // Statistics or parameters in a wider type (f32 for a bf16 batch) widen the
+    // arithmetic; the result has the batch's type, as libtorch's.
+    match (graph.ty(x).dtype(), graph.ty(y).dtype()) {
+        (Some(dtype), Some(wider)) if dtype != wider => graph.push(Op::Cast { x: y, dtype }),
+        _ => Ok(y),
+    }
 }

@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::{assert_same_values, cases, float_kinds, lengths, tolerance, Random};
+use common::{
+    assert_same_values, cases, float_kinds, lengths, pooled_head_loss, tolerance, Random,
+};
 use nestor::{compile, Dense, NestedTensor, Value};
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
@@ -196,8 +198,8 @@ fn empty_batches_and_single_values_update_running_statistics_as_libtorch() {
 /// A small conv net with batch normalization (training mode, running statistics): a
 /// convolution, batch norm, relu, global average pooling, a linear head, the mean square.
 fn conv_bn_loss(x: &NestedTensor, params: &[Tensor], running: &[Tensor]) -> nestor::Result<Dense> {
-    let channels = params[0].size()[0];
-    x.conv2d(&params[0], Some(&params[1]), [1, 1], [1, 1], [1, 1], 1)?
+    let normalized = x
+        .conv2d(&params[0], Some(&params[1]), [1, 1], [1, 1], [1, 1], 1)?
         .batch_norm(
             1,
             Some(&running[0]),
@@ -207,14 +209,8 @@ fn conv_bn_loss(x: &NestedTensor, params: &[Tensor], running: &[Tensor]) -> nest
             true,
             0.1,
             1e-5,
-        )?
-        .relu()?
-        .adaptive_avg_pool2d([1, 1])?
-        .reshape_tail(&[channels])?
-        .linear(&params[4], Some(&params[5]))?
-        .square()?
-        .mean(&[], false)?
-        .into_dense_handle()
+        )?;
+    pooled_head_loss(&normalized.relu()?, &params[4], &params[5])
 }
 
 proptest! {

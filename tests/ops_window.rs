@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::{assert_close_within, cases, close, eager_values, float_kinds, Out, Random};
+use common::{
+    assert_close_within, cases, close, eager_values, float_kinds, pooled_head_loss, Out, Random,
+};
 use nestor::{compile, nested_execution_guard, Dense, NestedTensor};
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
@@ -453,14 +455,7 @@ fn conv_net_loss(
             false => block.avg_pool2d(pool.kernel, pool.stride, pool.padding)?,
         };
     }
-    let channels = params[0].size()[0];
-    block
-        .adaptive_avg_pool2d([1, 1])?
-        .reshape_tail(&[channels])?
-        .linear(&params[4], Some(&params[5]))?
-        .square()?
-        .mean(&[], false)?
-        .into_dense_handle()
+    pooled_head_loss(&block, &params[4], &params[5])
 }
 
 proptest! {

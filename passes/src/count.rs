@@ -8,7 +8,7 @@ use nestor_ir::{
 
 /// Why a count cannot be written.
 #[derive(Debug)]
-pub enum CountError {
+pub(crate) enum CountError {
     /// The graph rejected an op of the count.
     Verify(VerifyError),
     /// The reduction's count is not expressible (a symbolic static dim, a batch with
@@ -21,17 +21,6 @@ impl From<VerifyError> for CountError {
         CountError::Verify(error)
     }
 }
-
-impl std::fmt::Display for CountError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CountError::Verify(error) => error.fmt(f),
-            CountError::Unsupported(reason) => write!(f, "no count for {reason}"),
-        }
-    }
-}
-
-impl std::error::Error for CountError {}
 
 /// A lengths value of `graph` whose batch is `batch`.
 pub(crate) fn lengths_of_batch(graph: &Graph, batch: &Dim) -> Option<ValueId> {
@@ -47,7 +36,7 @@ pub(crate) fn lengths_of_batch(graph: &Graph, batch: &Dim) -> Option<ValueId> {
 /// lengths of the reduced ragged dims (per element, `[B, 1, ...]` of `x`'s rank, or
 /// summed when the batch dim is reduced too), or times the batch size when the batch
 /// dim is reduced without a ragged dim.
-pub fn count(graph: &mut Graph, x: ValueId, dims: &[i64]) -> Result<ValueId, CountError> {
+pub(crate) fn count(graph: &mut Graph, x: ValueId, dims: &[i64]) -> Result<ValueId, CountError> {
     let ty = graph.ty(x).clone();
     let dtype = ty
         .dtype()
@@ -158,7 +147,7 @@ pub struct BatchStatistics {
 
 /// The batch-first dims a channel's statistics reduce: the batch and every element dim
 /// but `channel` (an element dim of a value of element rank `rank`).
-pub fn statistics_dims(rank: usize, channel: usize) -> Vec<i64> {
+fn statistics_dims(rank: usize, channel: usize) -> Vec<i64> {
     std::iter::once(0)
         .chain(
             (0..rank)
@@ -229,7 +218,7 @@ pub fn batch_statistics(
 /// The shape `[1, .., C, .., 1]` a per-channel value `[C]` takes to broadcast over
 /// `batch` (a ragged type) whose channel is its static element dim `channel`; `None`
 /// when that dim is not static.
-pub fn channel_shape(batch: &Type, channel: usize) -> Option<Vec<i64>> {
+pub(crate) fn channel_shape(batch: &Type, channel: usize) -> Option<Vec<i64>> {
     let Type::Ragged { dims, .. } = batch else {
         return None;
     };

@@ -28,9 +28,8 @@ mod pipeline;
 mod program;
 
 pub use autodiff::{differentiate, AutodiffError, Gradients};
-pub use count::{
-    batch_statistics, channel_shape, count, statistics_dims, BatchStatistics, CountError,
-};
+pub(crate) use count::channel_shape;
+pub use count::{batch_statistics, BatchStatistics};
 pub use cse::Cse;
 pub use dce::Dce;
 pub use decompose::Decompose;

@@ -289,3 +289,20 @@ pub fn assert_same_values(
         );
     }
 }
+
+/// The head of the conv-net test models: global average pooling of the images, a linear
+/// layer (`weight [out, C]`), the mean square of its outputs.
+pub fn pooled_head_loss(
+    images: &NestedTensor,
+    weight: &Tensor,
+    bias: &Tensor,
+) -> nestor::Result<Dense> {
+    let channels = weight.size()[1];
+    images
+        .adaptive_avg_pool2d([1, 1])?
+        .reshape_tail(&[channels])?
+        .linear(weight, Some(bias))?
+        .square()?
+        .mean(&[], false)?
+        .into_dense_handle()
+}

@@ -166,7 +166,13 @@ pub(super) unsafe fn sum_rows<T: Scalar>(
     }
     let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, m * n) };
     let threads = worker_threads().max(1) as usize;
-    let parallel = (rows * m * n) as i64 >= gemm_parallel_macs() && threads > 1;
+    // Products split as GEMMs do; column sums read each value once, as a pointwise
+    // kernel, and split at its grain.
+    let grain = match a {
+        Some(_) => gemm_parallel_macs(),
+        None => crate::Parallelism::current().kernel_scalars as i64,
+    };
+    let parallel = (rows * m * n) as i64 >= grain && threads > 1;
     if rows == 0 {
         out.fill(T::ZERO);
     } else if let Some(a) = a {

@@ -286,3 +286,57 @@ proptest! {
         prop_assert!(compiled.stats().compiles <= 2);
     }
 }
+
+/// Tracing leaves the running statistics alone; each interpreted run of the traced
+/// graph updates them as one eager call does.
+#[test]
+fn traced_runs_update_running_statistics_once() {
+    let (batch, channel) = Layout::Sequences(vec![3, 0, 5]).batch(Kind::Float, 11);
+    let options = (Kind::Float, Device::Cpu);
+    let (mean, var) = (
+        Tensor::zeros([CHANNELS], options),
+        Tensor::ones([CHANNELS], options),
+    );
+    let (eager_mean, eager_var) = (mean.copy(), var.copy());
+    let traced = nestor::trace("batch_norm", &[&batch], &[], None, |x, _| {
+        x[0].batch_norm(
+            channel,
+            Some(&mean),
+            Some(&var),
+            None,
+            None,
+            true,
+            0.1,
+            1e-5,
+        )
+    })
+    .unwrap();
+    assert_eq!(
+        mean.abs().sum(Kind::Float).double_value(&[]),
+        0.0,
+        "tracing updated the mean"
+    );
+    assert!(traced.text().contains("batch_norm("), "{}", traced.text());
+    for run in 0..2 {
+        let got = traced.run(&[&batch], &[]).unwrap();
+        let eager = batch
+            .batch_norm(
+                channel,
+                Some(&eager_mean),
+                Some(&eager_var),
+                None,
+                None,
+                true,
+                0.1,
+                1e-5,
+            )
+            .unwrap();
+        let [Value::Nested(got)] = got.as_slice() else {
+            panic!("one batch expected")
+        };
+        let what = format!("run {run}");
+        assert_same_values(got.values(), eager.values(), 1e-5, 1e-5, &what);
+        assert_same_values(&mean, &eager_mean, 1e-6, 1e-6, &format!("{what}: mean"));
+        assert_same_values(&var, &eager_var, 1e-6, 1e-6, &format!("{what}: var"));
+    }
+}

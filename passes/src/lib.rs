@@ -3,7 +3,9 @@
 //! - [`Pass`] and [`Pipeline`]: an explicit list of named passes, the verifier after
 //!   each one, and an optional dump of the IR after every stage;
 //! - [`Dce`] and [`Cse`]: dead-code and common-subexpression elimination;
-//! - [`Decompose`]: composite ops (losses) into primitive ones;
+//! - [`Decompose`]: composite ops (losses, training-mode dropout, batch normalization)
+//!   into primitive ones; [`batch_statistics`]: the per-channel statistics traced batch
+//!   norms record;
 //! - [`Optimize`]: the egg e-graph optimizer: named rule sets (structure, algebra,
 //!   packed paths, fusion into `fused`, `prologue` and `epilogue` kernels), a cost
 //!   model, limits;

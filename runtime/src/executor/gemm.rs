@@ -241,8 +241,8 @@ fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {
     }
 }
 
-/// The sums of the columns of `values`, rows of `width`.
-fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
+/// The sums of the columns of `values`, rows of `width` (at least 1).
+pub(super) fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
     if width == 1 {
         return vec![crate::scalar::sum_of(values)];
     }

@@ -558,12 +558,7 @@ unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64],
                 std::slice::from_raw_parts(buffers.x().add(first * channels), count * channels),
             )
         };
-        row.fill(T::ZERO);
-        for pixel in pixels.chunks(channels.max(1)) {
-            for (value, &p) in row.iter_mut().zip(pixel) {
-                *value += p;
-            }
-        }
+        row.copy_from_slice(&super::gemm::column_sums(pixels, channels));
         let divisor = T::from_f64(count as f64);
         for value in row.iter_mut() {
             *value = *value / divisor;

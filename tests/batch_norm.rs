@@ -145,6 +145,17 @@ proptest! {
     }
 }
 
+/// Training-mode batch norm with running statistics and no affine parameters, torch's
+/// defaults (momentum 0.1, eps 1e-5).
+fn train_norm(
+    x: &NestedTensor,
+    channel: i64,
+    mean: &Tensor,
+    var: &Tensor,
+) -> nestor::Result<NestedTensor> {
+    x.batch_norm(channel, Some(mean), Some(var), None, None, true, 0.1, 1e-5)
+}
+
 /// Statistics of nothing leave the running ones alone (an empty batch), and one value
 /// per channel gives a NaN running variance (`n / (n - 1)`), as libtorch.
 #[test]
@@ -158,31 +169,11 @@ fn empty_batches_and_single_values_update_running_statistics_as_libtorch() {
             )
         };
         let (eager_mean, eager_var) = running();
-        let eager = batch
-            .batch_norm(
-                channel,
-                Some(&eager_mean),
-                Some(&eager_var),
-                None,
-                None,
-                true,
-                0.1,
-                1e-5,
-            )
-            .unwrap();
+        let eager = train_norm(&batch, channel, &eager_mean, &eager_var).unwrap();
         let (mean, var) = running();
         let (model_mean, model_var) = (mean.shallow_clone(), var.shallow_clone());
         let compiled = compile("batch_norm", move |x: &[NestedTensor], _: &[Dense]| {
-            x[0].batch_norm(
-                channel,
-                Some(&model_mean),
-                Some(&model_var),
-                None,
-                None,
-                true,
-                0.1,
-                1e-5,
-            )
+            train_norm(&x[0], channel, &model_mean, &model_var)
         });
         let got = compiled.call(&[&batch], &[]).unwrap();
         let [Value::Nested(got)] = got.as_slice() else {
@@ -299,16 +290,7 @@ fn traced_runs_update_running_statistics_once() {
     );
     let (eager_mean, eager_var) = (mean.copy(), var.copy());
     let traced = nestor::trace("batch_norm", &[&batch], &[], None, |x, _| {
-        x[0].batch_norm(
-            channel,
-            Some(&mean),
-            Some(&var),
-            None,
-            None,
-            true,
-            0.1,
-            1e-5,
-        )
+        train_norm(&x[0], channel, &mean, &var)
     })
     .unwrap();
     assert_eq!(
@@ -319,18 +301,7 @@ fn traced_runs_update_running_statistics_once() {
     assert!(traced.text().contains("batch_norm("), "{}", traced.text());
     for run in 0..2 {
         let got = traced.run(&[&batch], &[]).unwrap();
-        let eager = batch
-            .batch_norm(
-                channel,
-                Some(&eager_mean),
-                Some(&eager_var),
-                None,
-                None,
-                true,
-                0.1,
-                1e-5,
-            )
-            .unwrap();
+        let eager = train_norm(&batch, channel, &eager_mean, &eager_var).unwrap();
         let [Value::Nested(got)] = got.as_slice() else {
             panic!("one batch expected")
         };

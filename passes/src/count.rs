@@ -22,6 +22,15 @@ impl From<VerifyError> for CountError {
     }
 }
 
+/// The number of batch-first dims of a value of type `ty`.
+pub(crate) fn rank(ty: &Type) -> usize {
+    match ty {
+        Type::Ragged { dims, .. } => dims.len() + 1,
+        Type::Dense { shape, .. } => shape.len(),
+        Type::Lengths { .. } => 1,
+    }
+}
+
 /// A lengths value of `graph` whose batch is `batch`.
 pub(crate) fn lengths_of_batch(graph: &Graph, batch: &Dim) -> Option<ValueId> {
     graph
@@ -64,7 +73,9 @@ pub(crate) fn count(graph: &mut Graph, x: ValueId, dims: &[i64]) -> Result<Value
                 let size = size
                     .as_static()
                     .ok_or_else(|| CountError::Unsupported("a mean over a symbolic dim".into()))?;
-                fixed = fixed.saturating_mul(size);
+                fixed = fixed.checked_mul(size).ok_or_else(|| {
+                    CountError::Unsupported(format!("a count over dims {dims:?} of {ty}"))
+                })?;
             }
             Some(ElemDim::Ragged(lengths)) => ragged.push(*lengths),
             None => return Err(CountError::Unsupported(format!("dim {dim} of {ty}"))),
@@ -72,11 +83,7 @@ pub(crate) fn count(graph: &mut Graph, x: ValueId, dims: &[i64]) -> Result<Value
     }
     let factor = constant(graph, fixed as f64)?;
     let batch_reduced = dims.contains(&0);
-    let rank = match &ty {
-        Type::Ragged { dims, .. } => dims.len() + 1,
-        Type::Dense { shape, .. } => shape.len(),
-        Type::Lengths { .. } => 1,
-    };
+    let rank = rank(&ty);
     // The product of the reduced ragged dims' lengths, per element.
     let mut per_element: Option<ValueId> = None;
     for lengths in ragged {

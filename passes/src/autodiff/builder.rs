@@ -5,6 +5,7 @@
 use nestor_ir::{BinaryOp, DType, Dim, ElemDim, Graph, Op, ReduceOp, Type, UnaryOp, ValueId, F64};
 
 use super::AutodiffError;
+pub(super) use crate::count::rank;
 use crate::count::CountError;
 
 /// The joint graph under construction; `at` names the value whose rule is running (for
@@ -201,15 +202,6 @@ impl Builder {
             Some(dtype) if self.ty(x).dtype() != Some(dtype) => self.push(Op::Cast { x, dtype }),
             _ => Ok(x),
         }
-    }
-}
-
-/// Batch-first rank: the batch and the element dims.
-pub(super) fn rank(ty: &Type) -> usize {
-    match ty {
-        Type::Ragged { dims, .. } => dims.len() + 1,
-        Type::Dense { shape, .. } => shape.len(),
-        Type::Lengths { .. } => 1,
     }
 }
 

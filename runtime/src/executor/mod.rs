@@ -349,9 +349,16 @@ impl Executable {
                         buffer
                     }
                 };
-                // Every step writes all of its output, so a reused buffer keeps its old
-                // contents (only a grown part is zeroed): no memset per step.
-                buffer.resize(words, 0);
+                // Every step writes all of its output, so a buffer's old contents are
+                // never read: it is used as it is, its length unused (zeroing the grown
+                // part of a reused buffer was a 4 MiB memset per encoder layer and run).
+                // Debug builds fill it with NaN, so that a step leaving values unwritten
+                // fails the tests rather than passing on zeros.
+                #[cfg(debug_assertions)]
+                {
+                    buffer.clear();
+                    buffer.resize(words, UNWRITTEN);
+                }
                 pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
                 owned[out.0 as usize] = Some(buffer);
             }
@@ -623,6 +630,11 @@ impl Executable {
         Ok(())
     }
 }
+
+/// What debug builds fill each step's output buffer with before the step: NaN as an
+/// f64 and as both f32 halves.
+#[cfg(debug_assertions)]
+const UNWRITTEN: u64 = 0x7FF8_0000_7FC0_0000;
 
 /// Runs of every program of the process: the key that makes each run's random masks
 /// new.

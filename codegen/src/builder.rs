@@ -7,7 +7,10 @@ use inkwell::context::Context;
 use inkwell::intrinsics::Intrinsic;
 use inkwell::module::Module;
 use inkwell::types::FloatType;
-use inkwell::values::{FastMathFlags, FloatValue, FunctionValue, IntValue, PointerValue};
+use inkwell::values::{
+    BasicMetadataValueEnum, BasicValue, BasicValueEnum, FastMathFlags, FloatValue, FunctionValue,
+    InstructionValue, IntValue, MetadataValue, PointerValue,
+};
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 use nestor_ir::{BinaryOp, UnaryOp};
 use nestor_passes::Expr;
@@ -65,6 +68,46 @@ pub(crate) struct Kernel<'ctx, 'm> {
     bf16: bool,
     target: Target,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
+    /// The buffers of the `args` array loaded so far, and whether each is the output
+    /// (buffer 0): accesses through them carry [`Scopes`].
+    buffers: std::cell::RefCell<Vec<(PointerValue<'ctx>, bool)>>,
+    scopes: Scopes<'ctx>,
+}
+
+/// Alias scopes that tell LLVM a kernel's output (buffer 0) never overlaps the buffers
+/// it reads (the executors give every step a buffer of its own, none of its inputs'):
+/// without them a kernel over short rows with a broadcast operand (batch norm's
+/// `(x - mean)^2` over 16 channels) was unrolled into scalar code that reloaded the
+/// operand after every store. Host kernels only (the PTX is left as it was).
+#[derive(Clone, Copy)]
+struct Scopes<'ctx> {
+    /// `!alias.scope` / `!noalias` kind ids.
+    scope_kind: u32,
+    noalias_kind: u32,
+    /// Scope lists `!{out}` and `!{inputs}`.
+    output: MetadataValue<'ctx>,
+    inputs: MetadataValue<'ctx>,
+}
+
+impl<'ctx> Scopes<'ctx> {
+    fn new(context: &'ctx Context, kernel: &str) -> Self {
+        let node = |values: &[BasicMetadataValueEnum<'ctx>]| context.metadata_node(values);
+        let named = |name: String| BasicMetadataValueEnum::from(context.metadata_string(&name));
+        let domain = node(&[named(format!("nestor.{kernel}.buffers"))]);
+        let scope = |what: &str| {
+            node(&[
+                named(format!("nestor.{kernel}.{what}")),
+                BasicMetadataValueEnum::from(domain),
+            ])
+        };
+        let (output, inputs) = (scope("output"), scope("inputs"));
+        Self {
+            scope_kind: context.get_kind_id("alias.scope"),
+            noalias_kind: context.get_kind_id("noalias"),
+            output: node(&[output.into()]),
+            inputs: node(&[inputs.into()]),
+        }
+    }
 }
 
 impl<'ctx, 'm> Kernel<'ctx, 'm> {
@@ -103,7 +146,43 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             bf16: storage == Storage::Bf16,
             target,
             entry,
+            buffers: std::cell::RefCell::new(Vec::new()),
+            scopes: Scopes::new(context, name),
         }
+    }
+
+    /// [`Kernel::scoped`] of a load's value.
+    fn scoped_load(&self, load: BasicValueEnum<'ctx>, base: PointerValue<'ctx>) -> Gen<()> {
+        match load.as_instruction_value() {
+            Some(access) => self.scoped(access, base),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks `access`, a load or store at `base`, with its buffer's alias scope when
+    /// `base` is a buffer of the `args` array (host kernels).
+    fn scoped(&self, access: InstructionValue<'ctx>, base: PointerValue<'ctx>) -> Gen<()> {
+        if self.target != Target::Host {
+            return Ok(());
+        }
+        let output = self
+            .buffers
+            .borrow()
+            .iter()
+            .find(|(buffer, _)| *buffer == base)
+            .map(|&(_, output)| output);
+        let Some(output) = output else {
+            return Ok(());
+        };
+        let Scopes {
+            scope_kind,
+            noalias_kind,
+            output: out,
+            inputs,
+        } = self.scopes;
+        let (own, other) = if output { (out, inputs) } else { (inputs, out) };
+        access.set_metadata(own, scope_kind).map_err(err)?;
+        access.set_metadata(other, noalias_kind).map_err(err)
     }
 
     /// Finishes the kernel with `ret void`.
@@ -150,7 +229,10 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .map_err(err)?
             .into_pointer_value();
         match self.target {
-            Target::Host => Ok(pointer),
+            Target::Host => {
+                self.buffers.borrow_mut().push((pointer, index == 0));
+                Ok(pointer)
+            }
             // Buffers are device (global) memory: `ld.global` / `st.global` rather than
             // generic accesses that test the address space at run time.
             Target::Nvptx => self
@@ -187,6 +269,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             let address =
                 unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
             let half = self.builder.build_load(i16, address, "bf16").map_err(err)?;
+            self.scoped_load(half, base)?;
             let wide = self
                 .builder
                 .build_int_z_extend(half.into_int_value(), i32, "wide")
@@ -211,11 +294,9 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     ) -> Gen<IntValue<'ctx>> {
         let i64 = self.context.i64_type();
         let address = unsafe { self.builder.build_gep(i64, base, &[index], "at") }.map_err(err)?;
-        Ok(self
-            .builder
-            .build_load(i64, address, "n")
-            .map_err(err)?
-            .into_int_value())
+        let value = self.builder.build_load(i64, address, "n").map_err(err)?;
+        self.scoped_load(value, base)?;
+        Ok(value.into_int_value())
     }
 
     /// Stores `value` as value `index` of buffer `base` (rounded to the nearest even
@@ -271,8 +352,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 .map_err(err)?;
             let address =
                 unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
-            self.builder.build_store(address, narrow).map_err(err)?;
-            return Ok(());
+            let store = self.builder.build_store(address, narrow).map_err(err)?;
+            return self.scoped(store, base);
         }
         self.store_local(Local(base), index, value)
     }
@@ -286,11 +367,12 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     ) -> Gen<FloatValue<'ctx>> {
         let address =
             unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
-        Ok(self
+        let value = self
             .builder
             .build_load(self.float, address, "x")
-            .map_err(err)?
-            .into_float_value())
+            .map_err(err)?;
+        self.scoped_load(value, base)?;
+        Ok(value.into_float_value())
     }
 
     /// Stores `value` as value `index` of a local array, or of a buffer stored in the
@@ -303,8 +385,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     ) -> Gen<()> {
         let address =
             unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
-        self.builder.build_store(address, value).map_err(err)?;
-        Ok(())
+        let store = self.builder.build_store(address, value).map_err(err)?;
+        self.scoped(store, base)
     }
 
     /// A float accumulator in the entry block (promoted to a register by the optimizer).

@@ -150,13 +150,18 @@ unsafe fn insert<T: crate::scalar::Scalar>(
     }
     let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, rows * size * inner) };
     let x = unsafe { std::slice::from_raw_parts(x as *const T, rows * inner) };
-    out.fill(T::ZERO);
-    let start = index.max(0) as usize * inner;
+    // Each value written once: the zeros around the inserted part, and the part (at
+    // `index < size`, which the IR's type check ensures; `min` keeps it in the row).
+    let start = (index.max(0) as usize * inner).min(size * inner - inner);
     for (row, values) in out
         .chunks_exact_mut(size * inner)
         .zip(x.chunks_exact(inner))
     {
-        row[start..start + inner].copy_from_slice(values);
+        let (before, rest) = row.split_at_mut(start);
+        let (inserted, after) = rest.split_at_mut(inner);
+        before.fill(T::ZERO);
+        inserted.copy_from_slice(values);
+        after.fill(T::ZERO);
     }
 }
 

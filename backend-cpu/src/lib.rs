@@ -374,4 +374,50 @@ mod tests {
             Ok(_) => panic!("bf16 storage of an f64 program compiled"),
         }
     }
+
+    /// A GEMM's epilogue kernel runs on the GEMM's result in place: its reads of that
+    /// result are in the output's alias scope, as its stores (in another scope LLVM
+    /// could assume a store leaves them unchanged), and the residual it adds in the
+    /// inputs'.
+    #[test]
+    fn an_epilogue_reads_its_result_in_the_outputs_alias_scope() {
+        let program = lowered(
+            "graph @g {
+  %0 = input {name = \"x.lengths\"} : lengths[B]
+  %1 = input {name = \"x\"} : ragged<f32>[B; %0, 8]
+  %2 = param {name = \"w\"} : f32[8, 8]
+  %3 = param {name = \"b\"} : f32[8]
+  %4 = epilogue(%1, %2, %3, %1) {expr = \"(add (gelu $0) $1)\", inputs = 1, core = linear} : ragged<f32>[B; %0, 8]
+  return %4
+}",
+        );
+        let kernels = compile(&program).unwrap_or_else(|error| panic!("{error}"));
+        let ir = kernels.llvm_ir();
+        let scope = |line: &str| {
+            let at = line.find("!alias.scope !")? + "!alias.scope ".len();
+            line[at..].split(',').next().map(str::to_owned)
+        };
+        let stores: Vec<String> = ir
+            .lines()
+            .filter(|line| line.trim_start().starts_with("store"))
+            .filter_map(scope)
+            .collect();
+        let loads: Vec<String> = ir
+            .lines()
+            .filter(|line| line.contains(" = load "))
+            .filter_map(scope)
+            .collect();
+        let output = stores
+            .first()
+            .unwrap_or_else(|| panic!("no scoped store in\n{ir}"));
+        assert!(stores.iter().all(|scope| scope == output), "{ir}");
+        assert!(
+            loads.iter().any(|scope| scope == output),
+            "no load of the result in\n{ir}"
+        );
+        assert!(
+            loads.iter().any(|scope| scope != output),
+            "no load of the residual in\n{ir}"
+        );
+    }
 }

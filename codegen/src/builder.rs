@@ -69,13 +69,17 @@ pub(crate) struct Kernel<'ctx, 'm> {
     target: Target,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
     /// The buffers of the `args` array loaded so far, and whether each is the output
-    /// (buffer 0): accesses through them carry [`Scopes`].
+    /// (buffer 0, or one of `output_args`): accesses through them carry [`Scopes`].
     buffers: std::cell::RefCell<Vec<(PointerValue<'ctx>, bool)>>,
+    /// Arguments besides buffer 0 that are the output's buffer ([`Kernel::output_also`]).
+    output_args: std::cell::RefCell<Vec<u64>>,
     scopes: Scopes<'ctx>,
 }
 
 /// Alias scopes that tell LLVM a kernel's output (buffer 0) never overlaps the buffers
-/// it reads (the executors give every step a buffer of its own, none of its inputs'):
+/// it reads (the executors give every step a buffer of its own, none of its inputs';
+/// a GEMM epilogue reading the GEMM's own result is given that buffer again, and its
+/// template says so with [`Kernel::output_also`]):
 /// without them a kernel over short rows with a broadcast operand (batch norm's
 /// `(x - mean)^2` over 16 channels) was unrolled into scalar code that reloaded the
 /// operand after every store. Host kernels only (the PTX is left as it was).
@@ -147,8 +151,16 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             target,
             entry,
             buffers: std::cell::RefCell::new(Vec::new()),
+            output_args: std::cell::RefCell::new(Vec::new()),
             scopes: Scopes::new(context, name),
         }
+    }
+
+    /// Declares that arguments `args` (besides buffer 0) are the output's buffer too,
+    /// so that accesses through them share the output's alias scope. Call it before
+    /// loading them with [`Kernel::arg`].
+    pub(crate) fn output_also(&self, args: impl IntoIterator<Item = u64>) {
+        self.output_args.borrow_mut().extend(args);
     }
 
     /// [`Kernel::scoped`] of a load's value.
@@ -230,7 +242,8 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .into_pointer_value();
         match self.target {
             Target::Host => {
-                self.buffers.borrow_mut().push((pointer, index == 0));
+                let output = index == 0 || self.output_args.borrow().contains(&index);
+                self.buffers.borrow_mut().push((pointer, output));
                 Ok(pointer)
             }
             // Buffers are device (global) memory: `ld.global` / `st.global` rather than

@@ -68,10 +68,16 @@ pub(crate) fn generate<'ctx>(
     let blas_product = set == KernelSet::DeviceBlas;
     match step {
         Step::Gemm {
+            out,
             epilogue: Some(epilogue),
             n,
             ..
-        } if library => pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?,
+        } if library => {
+            // Run on the GEMM's result in place: its reads of that result (the
+            // inputs of slot `out`, arguments from 1 on) are the output's buffer.
+            kernel.output_also(inputs_of(&epilogue.inputs, *out, 1));
+            pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?
+        }
         Step::Gemm {
             bias: None,
             epilogue: None,
@@ -369,6 +375,16 @@ pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bo
         Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
         _ => false,
     }
+}
+
+/// The arguments of the `inputs` that read slot `slot`, the inputs' buffers being
+/// arguments `first..` ([`fused_args`]).
+fn inputs_of(inputs: &[Access], slot: nestor_passes::Slot, first: u64) -> Vec<u64> {
+    (first..)
+        .zip(inputs)
+        .filter(|(_, access)| access.slot == slot)
+        .map(|(arg, _)| arg)
+        .collect()
 }
 
 /// A fused expression's buffers and the row-to-element maps of its per-element inputs.
@@ -1037,6 +1053,9 @@ fn gemm<'ctx>(
     let [out, x, weight] = kernel.args()?;
     let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
     let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
+    // The epilogue's reads of the result are the sum itself (never loaded), but their
+    // arguments are the output's buffer.
+    kernel.output_also(inputs_of(inputs, out_slot, 4));
     let (pointers, maps) = fused_args(kernel, inputs, 4)?;
     kernel.parallel_range(start, end, |task| {
         let row = kernel.div(task, kernel.i64(n))?;

@@ -371,6 +371,8 @@ impl Executable {
                 host,
                 run: run_number,
             };
+            #[cfg(debug_assertions)]
+            self.check_own_output(step_index, &pointers, &sizes);
             self.execute(step_index, step, &state)?;
             if let Some(started) = started {
                 eprintln!(
@@ -396,6 +398,34 @@ impl Executable {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .extend(free);
         Ok(outputs)
+    }
+
+    /// Debug builds: step `index`'s output shares no byte with a buffer the step reads
+    /// (but its own result, which a GEMM's epilogue reads in place), as the host kernels'
+    /// alias scopes assume.
+    #[cfg(debug_assertions)]
+    fn check_own_output(&self, index: usize, pointers: &[*mut u8], sizes: &Sizes) {
+        let program = &self.program;
+        let span = |slot: Slot| {
+            let start = pointers[self.root(slot).0 as usize] as usize;
+            let width = match program.info(slot).dtype {
+                DType::I64 => 8,
+                _ => program.float.size(),
+            };
+            (start, start + sizes.elements(program, slot) * width)
+        };
+        let out = program.steps[index].output();
+        let (start, end) = span(out);
+        for &read in &self.reads[index] {
+            let (from, to) = span(read);
+            let apart = end <= from || to <= start || start == end || from == to;
+            debug_assert!(
+                apart || self.root(read) == self.root(out),
+                "step {index} writes slot {} over slot {}, which it reads",
+                out.0,
+                read.0
+            );
+        }
     }
 
     /// The bytes step `index` reads and writes in memory: every buffer it reads, once,

@@ -172,11 +172,9 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     }
 
     /// Marks `access`, a load or store at `base`, with its buffer's alias scope when
-    /// `base` is a buffer of the `args` array (host kernels).
+    /// `base` is a buffer of the `args` array (only host kernels register theirs, in
+    /// [`Kernel::arg`]).
     fn scoped(&self, access: InstructionValue<'ctx>, base: PointerValue<'ctx>) -> Gen<()> {
-        if self.target != Target::Host {
-            return Ok(());
-        }
         let output = self
             .buffers
             .borrow()

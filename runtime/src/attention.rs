@@ -197,7 +197,7 @@ impl Attention<'_> {
                 );
                 let scores = &mut scores[..rows * keys];
                 // S[rows, keys] = scale * Q K^T.
-                T::matmul(
+                T::tile_matmul(
                     (rows, d as usize, keys),
                     T::from_f64(self.scale),
                     (q, self.q.row_stride as isize, 1),
@@ -217,7 +217,7 @@ impl Attention<'_> {
                 let first = first_key == 0;
                 let target = if first { out } else { products.as_mut_ptr() };
                 let target_width = if first { out_width } else { dv };
-                T::matmul(
+                T::tile_matmul(
                     (rows, keys, dv as usize),
                     T::ONE,
                     (scores.as_ptr(), keys as isize, 1),
@@ -440,7 +440,7 @@ impl AttentionGrad<'_> {
             };
             unsafe {
                 // P = softmax(scale Q K^T), row by row, future keys masked.
-                T::matmul(
+                T::tile_matmul(
                     (rows, d as usize, ks),
                     scale,
                     (q, self.q.row_stride as isize, 1),
@@ -448,7 +448,7 @@ impl AttentionGrad<'_> {
                     (probabilities.as_mut_ptr(), ks as isize, 1),
                 );
                 // dP = dO V^T.
-                T::matmul(
+                T::tile_matmul(
                     (rows, d as usize, ks),
                     T::ONE,
                     (g, self.g.row_stride as isize, 1),
@@ -494,14 +494,14 @@ impl AttentionGrad<'_> {
                         (partial.as_mut_ptr(), 2 * d as isize)
                     };
                     let half = if first == 0 { width } else { d };
-                    T::matmul(
+                    T::tile_matmul(
                         (ks, rows, d as usize),
                         scale,
                         (slopes.as_ptr(), 1, ks as isize),
                         (q, self.q.row_stride as isize, 1),
                         (target, stride, 1),
                     );
-                    T::matmul(
+                    T::tile_matmul(
                         (ks, rows, d as usize),
                         T::ONE,
                         (probabilities.as_ptr(), 1, ks as isize),
@@ -528,7 +528,7 @@ impl AttentionGrad<'_> {
                     let out_q = buffers
                         .out
                         .offset(((q_first + first as i64) * width + head * d) as isize);
-                    T::matmul(
+                    T::tile_matmul(
                         (rows, ks, d as usize),
                         scale,
                         (slopes.as_ptr(), ks as isize, 1),

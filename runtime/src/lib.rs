@@ -18,6 +18,7 @@ mod blas;
 mod executor;
 mod layout;
 mod memory;
+mod microkernel;
 mod parallel;
 mod process;
 mod scalar;

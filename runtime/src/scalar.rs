@@ -1,6 +1,7 @@
 //! The floating-point types host steps compute in (f32, or f64 for f64 programs), so
-//! GEMM and attention are written once; matrix products go to the `gemm` crate
-//! (AVX-512 micro-kernels where the CPU has them, chosen at run time).
+//! GEMM and attention are written once; matrix products go to the process's MKL, else
+//! the `gemm` crate, and attention's small f32 tiles to `crate::microkernel` where the
+//! host suits it.
 
 use std::ops::{Add, AddAssign, Div, Mul, Sub};
 
@@ -70,6 +71,21 @@ pub(crate) trait Scalar:
             )
         }
     }
+    /// [`Scalar::matmul`] for attention's small tiles: f32 on AVX2 hosts without
+    /// AVX-512 multiplies in registers (`crate::microkernel`), everything else as
+    /// `matmul`.
+    ///
+    /// # Safety
+    /// As [`Scalar::matmul`].
+    unsafe fn tile_matmul(
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+    ) {
+        unsafe { Self::matmul(shape, scale, a, b, c) }
+    }
     /// MKL's GEMM of this type.
     fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self>;
     /// Replaces `scores` by `e^(score - max)` (softmax numerators) and returns their sum.
@@ -118,6 +134,20 @@ impl Scalar for f32 {
     }
     fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
         mkl.sgemm
+    }
+    unsafe fn tile_matmul(
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+    ) {
+        // The caller vouches for the pointers (as for `matmul`).
+        unsafe {
+            if !crate::microkernel::matmul(shape, scale, a, b, c) {
+                Self::matmul(shape, scale, a, b, c)
+            }
+        }
     }
     fn exp_below(scores: &mut [Self], largest: Self) -> Self {
         #[cfg(target_arch = "x86_64")]

@@ -4,8 +4,8 @@
 //! element's keys, over a head of 64): MKL packs both operands on every such call and
 //! reached about 75 useful GFLOP/s on them on a Zen 3 host, half of what it reaches on
 //! the model's large GEMMs. Here `b` is copied once into a panel of 16-column blocks
-//! (`k x 16` each, in L1) and every block of 6 rows of `a` is read in place and
-//! multiplied into 12 accumulator registers. Used where the host has AVX2 and FMA but
+//! (`k x 16` each, in L1) and every block of 6 rows of `a` is read in place (at any
+//! strides: the gradient's `dS^T` too) and multiplied into 12 accumulator registers. Used where the host has AVX2 and FMA but
 //! not AVX-512 (there MKL's AVX-512 kernels are twice as wide); f64 and other hosts keep
 //! [`crate::scalar::Scalar::matmul`].
 
@@ -40,7 +40,7 @@ thread_local! {
 
 /// `c = scale * a b` for `a [m x k]`, `b [k x n]`, `c [m x n]` (pointer, row stride,
 /// column stride each) in AVX2 registers. `false` (nothing written) when the host or the
-/// operands do not suit it: `a` and `c` need contiguous columns, and `k` at least 1.
+/// operands do not suit it: `c` needs contiguous columns, and `k` at least 1.
 ///
 /// # Safety
 /// The pointers must be valid for the sizes and strides given.
@@ -51,7 +51,7 @@ pub(crate) unsafe fn matmul(
     b: (*const f32, isize, isize),
     c: (*mut f32, isize, isize),
 ) -> bool {
-    if !available() || a.2 != 1 || c.2 != 1 || m == 0 || n == 0 || k == 0 {
+    if !available() || c.2 != 1 || m == 0 || n == 0 || k == 0 {
         return false;
     }
     let blocks = n.div_ceil(COLUMNS);
@@ -76,7 +76,7 @@ pub(crate) unsafe fn matmul(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available` checked AVX2 and FMA; the caller vouches for `a` and `c`.
         unsafe {
-            multiply(panel, (m, k, n), scale, (a.0, a.1), (c.0, c.1))
+            multiply(panel, (m, k, n), scale, a, (c.0, c.1))
         };
         true
     })
@@ -134,7 +134,7 @@ unsafe fn pack(
 /// `c = scale * a panel` in blocks of 6 rows x 16 columns.
 ///
 /// # Safety
-/// AVX2 and FMA; `a` valid for `m x k` values at row stride `a.1` (columns contiguous),
+/// AVX2 and FMA; `a` valid for `m x k` values at its strides,
 /// `c` for `m x n` at row stride `c.1`, `panel` packed by [`pack`] for `k x n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
@@ -142,7 +142,7 @@ unsafe fn multiply(
     panel: &[f32],
     (m, k, n): (usize, usize, usize),
     scale: f32,
-    a: (*const f32, isize),
+    a: (*const f32, isize, isize),
     c: (*mut f32, isize),
 ) {
     for (block, panel) in panel.chunks_exact(k * COLUMNS).enumerate() {
@@ -151,7 +151,7 @@ unsafe fn multiply(
         for row in (0..m).step_by(ROWS) {
             // SAFETY: rows `row..row + ROWS.min(m - row)` of `a` and `c` are in range.
             unsafe {
-                let rows_a = (a.0.offset(row as isize * a.1), a.1);
+                let rows_a = (a.0.offset(row as isize * a.1), a.1, a.2);
                 let rows_c = (c.0.offset(row as isize * c.1 + first as isize), c.1);
                 let tile = (panel, k, scale, rows_a, rows_c, width);
                 match m - row {
@@ -167,14 +167,14 @@ unsafe fn multiply(
     }
 }
 
-/// One tile of `R` rows x 16 columns: `(panel block, k, scale, (a, a's row stride),
-/// (c, c's row stride), columns of c to write)`.
+/// One tile of `R` rows x 16 columns: `(panel block, k, scale, (a, a's row and column
+/// strides), (c, c's row stride), columns of c to write)`.
 #[cfg(target_arch = "x86_64")]
 type Tile<'a> = (
     &'a [f32],
     usize,
     f32,
-    (*const f32, isize),
+    (*const f32, isize, isize),
     (*mut f32, isize),
     usize,
 );
@@ -185,7 +185,9 @@ type Tile<'a> = (
 /// AVX2 and FMA; as [`multiply`], for `R` rows.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_of<const R: usize>((panel, k, scale, (a, a_row), (c, c_row), width): Tile<'_>) {
+unsafe fn block_of<const R: usize>(
+    (panel, k, scale, (a, a_row, a_column), (c, c_row), width): Tile<'_>,
+) {
     use std::arch::x86_64::*;
     // SAFETY: the panel holds k rows of 16 values; `a` holds R rows of k values.
     unsafe {
@@ -194,8 +196,9 @@ unsafe fn block_of<const R: usize>((panel, k, scale, (a, a_row), (c, c_row), wid
         for p in 0..k {
             let low = _mm256_loadu_ps(values.add(p * COLUMNS));
             let high = _mm256_loadu_ps(values.add(p * COLUMNS + 8));
+            let column = a.offset(p as isize * a_column);
             for (r, sum) in sums.iter_mut().enumerate() {
-                let x = _mm256_broadcast_ss(&*a.offset(r as isize * a_row + p as isize));
+                let x = _mm256_broadcast_ss(&*column.offset(r as isize * a_row));
                 sum[0] = _mm256_fmadd_ps(x, low, sum[0]);
                 sum[1] = _mm256_fmadd_ps(x, high, sum[1]);
             }
@@ -222,29 +225,56 @@ unsafe fn block_of<const R: usize>((panel, k, scale, (a, a_row), (c, c_row), wid
 mod tests {
     use super::*;
 
+    /// A matrix's values and its (row, column) strides.
+    type Strided<'a> = (&'a [f32], (usize, usize));
+
     /// `c = scale a b` by definition, in f64.
-    fn reference(
-        (m, k, n): (usize, usize, usize),
-        scale: f32,
-        a: &[f32],
-        b: &[f32],
-        b_strides: (usize, usize),
-    ) -> Vec<f64> {
+    fn reference((m, k, n): (usize, usize, usize), scale: f32, a: Strided, b: Strided) -> Vec<f64> {
+        let at = |(values, (row, column)): Strided, i: usize, j: usize| {
+            values[i * row + j * column] as f64
+        };
         let mut c = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
-                let dot: f64 = (0..k)
-                    .map(|p| a[i * k + p] as f64 * b[p * b_strides.0 + j * b_strides.1] as f64)
-                    .sum();
+                let dot: f64 = (0..k).map(|p| at(a, i, p) * at(b, p, j)).sum();
                 c[i * n + j] = scale as f64 * dot;
             }
         }
         c
     }
 
+    /// A row-major `[rows x columns]` matrix, then the same values stored transposed
+    /// (read through swapped strides), each with its strides.
+    fn both_layouts(rows: usize, columns: usize, seed: usize) -> [(Vec<f32>, (usize, usize)); 2] {
+        let value = |index: usize| ((index * 37 + 11 + seed) % 23) as f32 / 8.0 - 1.4;
+        let plain: Vec<f32> = (0..rows * columns).map(value).collect();
+        let transposed = (0..rows * columns)
+            .map(|index| plain[(index % rows) * columns + index / rows])
+            .collect();
+        [(plain, (columns, 1)), (transposed, (1, rows))]
+    }
+
     #[test]
     fn products_match_the_definition_at_every_edge() {
-        let value = |index: usize| ((index * 37 + 11) % 23) as f32 / 8.0 - 1.4;
+        if !available() {
+            let mut c = [0.0f32; 1];
+            let one = [1.0f32];
+            let taken = unsafe {
+                matmul(
+                    (1, 1, 1),
+                    1.0,
+                    (one.as_ptr(), 1, 1),
+                    (one.as_ptr(), 1, 1),
+                    (c.as_mut_ptr(), 1, 1),
+                )
+            };
+            assert!(
+                !taken,
+                "a host without AVX2 and FMA (or with AVX-512) must decline"
+            );
+            eprintln!("skipped: this host does not take the micro-kernel");
+            return;
+        }
         for (m, k, n) in [
             (1, 1, 1),
             (6, 64, 16),
@@ -253,75 +283,63 @@ mod tests {
             (64, 64, 256),
             (11, 70, 5),
         ] {
-            let a: Vec<f32> = (0..m * k).map(value).collect();
-            let b: Vec<f32> = (0..k * n).map(|index| value(index + 5)).collect();
-            // `b` row-major, then the same values read as a transpose (`K^T`).
-            let transposed: Vec<f32> = (0..n * k)
-                .map(|index| b[(index % k) * n + index / k])
-                .collect();
-            for (values, strides) in [(&b, (n, 1)), (&transposed, (1, k))] {
-                // Row stride of `c` wider than `n`, with a canary past each row.
-                let mut c = vec![f32::NAN; m * (n + 3)];
-                let done = unsafe {
-                    matmul(
-                        (m, k, n),
-                        0.5,
-                        (a.as_ptr(), k as isize, 1),
-                        (values.as_ptr(), strides.0 as isize, strides.1 as isize),
-                        (c.as_mut_ptr(), (n + 3) as isize, 1),
-                    )
-                };
-                if !available() {
-                    assert!(
-                        !done,
-                        "a host without AVX2 and FMA (or with AVX-512) must decline"
-                    );
-                    eprintln!("skipped: this host does not take the micro-kernel");
-                    return;
-                }
-                assert!(done);
-                let expected = reference((m, k, n), 0.5, &a, values, strides);
-                for i in 0..m {
-                    for j in 0..n {
-                        let got = c[i * (n + 3) + j] as f64;
-                        let want = expected[i * n + j];
-                        assert!(
-                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                            "{m}x{k}x{n} strides {strides:?}: c[{i}][{j}] = {got}, expected {want}"
-                        );
+            // `a` and `b` row-major or transposed (`dS^T`, `K^T`), in every pairing.
+            for (a, a_strides) in &both_layouts(m, k, 0) {
+                for (b, b_strides) in &both_layouts(k, n, 5) {
+                    // Row stride of `c` wider than `n`, with a canary past each row.
+                    let mut c = vec![f32::NAN; m * (n + 3)];
+                    let taken = unsafe {
+                        matmul(
+                            (m, k, n),
+                            0.5,
+                            (a.as_ptr(), a_strides.0 as isize, a_strides.1 as isize),
+                            (b.as_ptr(), b_strides.0 as isize, b_strides.1 as isize),
+                            (c.as_mut_ptr(), (n + 3) as isize, 1),
+                        )
+                    };
+                    assert!(taken);
+                    let expected = reference((m, k, n), 0.5, (a, *a_strides), (b, *b_strides));
+                    for i in 0..m {
+                        for j in 0..n {
+                            let got = c[i * (n + 3) + j] as f64;
+                            let want = expected[i * n + j];
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{m}x{k}x{n}, a {a_strides:?}, b {b_strides:?}: c[{i}][{j}] = {got}, expected {want}"
+                            );
+                        }
+                        assert!(c[i * (n + 3) + n..(i + 1) * (n + 3)]
+                            .iter()
+                            .all(|x| x.is_nan()));
                     }
-                    assert!(c[i * (n + 3) + n..(i + 1) * (n + 3)]
-                        .iter()
-                        .all(|x| x.is_nan()));
                 }
             }
         }
     }
 
     #[test]
-    fn strided_columns_of_a_and_empty_sums_are_declined() {
+    fn strided_columns_of_c_and_empty_sums_are_declined() {
         let a = [1.0f32; 4];
         let mut c = [0.0f32; 4];
-        let c_out = (c.as_mut_ptr(), 2, 1);
-        let (transposed_a, no_inner) = unsafe {
+        let (strided_c, no_inner) = unsafe {
             (
                 matmul(
                     (2, 2, 2),
                     1.0,
-                    (a.as_ptr(), 1, 2),
                     (a.as_ptr(), 2, 1),
-                    c_out,
+                    (a.as_ptr(), 2, 1),
+                    (c.as_mut_ptr(), 1, 2),
                 ),
                 matmul(
                     (2, 0, 2),
                     1.0,
                     (a.as_ptr(), 0, 1),
                     (a.as_ptr(), 2, 1),
-                    c_out,
+                    (c.as_mut_ptr(), 2, 1),
                 ),
             )
         };
-        assert!(!transposed_a && !no_inner);
+        assert!(!strided_c && !no_inner);
         assert_eq!(c, [0.0; 4]);
     }
 }

@@ -75,8 +75,9 @@ pub fn gemm_library() -> &'static str {
 /// A matrix of the row-major view as (pointer, row stride, column stride).
 pub(crate) type Strided<T> = (*const T, isize, isize);
 
-/// `c = scale a b` for `a [m x k]`, `b [k x n]`, `c [m x n]` (each as pointer, row stride,
-/// column stride; `c`'s columns contiguous) with MKL on this thread. `false`
+/// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
+/// `c [m x n]` (each as pointer, row stride, column stride; `c`'s columns contiguous)
+/// with MKL on this thread. `false`
 /// (nothing written) when the process has no MKL or the sizes or strides are not ones
 /// BLAS takes: the caller multiplies another way.
 ///
@@ -88,6 +89,7 @@ pub(crate) unsafe fn matmul<T: Scalar>(
     a: Strided<T>,
     b: Strided<T>,
     c: (*mut T, isize, isize),
+    add: bool,
 ) -> bool {
     let Some(mkl) = mkl() else {
         return false;
@@ -103,13 +105,13 @@ pub(crate) unsafe fn matmul<T: Scalar>(
     let (Some((op_b, ldb)), Some((op_a, lda))) = (operand(b, n, k), operand(a, k, m)) else {
         return false;
     };
-    let zero = T::ZERO;
+    let beta = if add { T::ONE } else { T::ZERO };
     unsafe {
         // On this thread alone: the executor splits the work across its own threads (an
         // MKL team would spin on the cores they need).
         let previous = (mkl.set_threads_local)(1);
         T::gemm_fn(mkl)(
-            &op_b, &op_a, &columns, &rows, &inner, &scale, b.0, &ldb, a.0, &lda, &zero, c.0, &ldc,
+            &op_b, &op_a, &columns, &rows, &inner, &scale, b.0, &ldb, a.0, &lda, &beta, c.0, &ldc,
             1, 1,
         );
         (mkl.set_threads_local)(previous);

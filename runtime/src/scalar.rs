@@ -35,18 +35,33 @@ pub(crate) trait Scalar:
     /// # Safety
     /// The pointers must be valid for the sizes and strides given.
     unsafe fn matmul(
-        (m, k, n): (usize, usize, usize),
+        shape: (usize, usize, usize),
         scale: Self,
         a: (*const Self, isize, isize),
         b: (*const Self, isize, isize),
         c: (*mut Self, isize, isize),
     ) {
+        unsafe { Self::product(shape, scale, a, b, c, false) }
+    }
+    /// [`Scalar::matmul`], or `c += scale * a b` when `add` (`c` read first: a GEMM's
+    /// bias written before the product, as libtorch's `addmm` does, saves a pass).
+    ///
+    /// # Safety
+    /// As [`Scalar::matmul`]; with `add`, `c` must hold `m x n` values.
+    unsafe fn product(
+        (m, k, n): (usize, usize, usize),
+        scale: Self,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+        add: bool,
+    ) {
         // The process's MKL on this thread when it has one (and takes these strides).
-        if unsafe { crate::blas::matmul((m, k, n), scale, a, b, c) } {
+        if unsafe { crate::blas::matmul((m, k, n), scale, a, b, c, add) } {
             return;
         }
-        // `gemm` takes column strides before row strides; `c = 0 * c + scale * a b`
-        // without reading `c`, on this thread (the executor splits the rows itself).
+        // `gemm` takes column strides before row strides; `c = alpha c + beta a b` (`c`
+        // read only with `add`), on this thread (the executor splits the rows itself).
         unsafe {
             gemm::gemm(
                 m,
@@ -55,14 +70,14 @@ pub(crate) trait Scalar:
                 c.0,
                 c.2,
                 c.1,
-                false,
+                add,
                 a.0,
                 a.2,
                 a.1,
                 b.0,
                 b.2,
                 b.1,
-                Self::ZERO,
+                Self::ONE,
                 scale,
                 false,
                 false,

@@ -1,6 +1,6 @@
 //! GEMM steps: row chunks on the team (`crate::team`), each multiplied on its thread
-//! (`Scalar::matmul`: the process's MKL, else the `gemm` crate), then its bias added and
-//! the step's epilogue kernel run on its rows while they are in cache.
+//! (`Scalar::product`: the process's MKL, else the `gemm` crate) onto its bias written
+//! first, then the step's epilogue kernel run on its rows while they are in cache.
 
 use nestor_backend_cpu::KernelFn;
 
@@ -49,7 +49,6 @@ pub(super) unsafe fn gemm<T: Scalar>(
     // over those rows, reading buffers the program sized) rewrites them in place.
     let rows = move |start: i64, end: i64| unsafe {
         gemm_rows(buffers, shape, start, end);
-        add_bias(buffers, shape, start, end);
         if let Some((kernel, args)) = epilogue {
             kernel(args.0.as_ptr(), start, end);
         }
@@ -87,7 +86,9 @@ impl<T> Copy for GemmBuffers<T> {}
 unsafe impl<T> Send for GemmBuffers<T> {}
 unsafe impl<T> Sync for GemmBuffers<T> {}
 
-/// Rows `start..end` of a GEMM, on this thread.
+/// Rows `start..end` of a GEMM, on this thread: the bias (if any) written first and the
+/// product added to it (one pass over the rows fewer than adding the bias after; the
+/// library would otherwise clear them first).
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
@@ -101,47 +102,34 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
     }
     unsafe {
         let out = buffers.out.offset((start * n) as isize);
+        let values = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
+        match buffers.bias {
+            Some(bias) => {
+                let bias = std::slice::from_raw_parts(bias, n as usize);
+                for row in values.chunks_mut(n as usize) {
+                    row.copy_from_slice(bias);
+                }
+            }
+            // No inner products: the output is zeros.
+            None if k == 0 => values.fill(T::ZERO),
+            None => {}
+        }
         if k == 0 {
-            // No inner products: the output is the bias (or zeros); write it in full.
-            std::slice::from_raw_parts_mut(out, (rows * n) as usize).fill(T::ZERO);
+            return;
         }
         let weight = if transposed {
             (buffers.weight, n as isize, 1)
         } else {
             (buffers.weight, 1, k as isize)
         };
-        T::matmul(
+        T::product(
             (rows as usize, k as usize, n as usize),
             T::ONE,
             (buffers.x.offset((start * k) as isize), k as isize, 1),
             weight,
             (out, n as isize, 1),
+            buffers.bias.is_some(),
         );
-    }
-}
-
-/// Adds the bias (if any) to rows `start..end` of `out`.
-///
-/// # Safety
-/// `out` must hold `end*n` values and the bias `n`.
-unsafe fn add_bias<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
-    let (Some(bias), n) = (buffers.bias, shape.n) else {
-        return;
-    };
-    if end <= start || n <= 0 {
-        return;
-    }
-    unsafe {
-        let bias = std::slice::from_raw_parts(bias, n as usize);
-        let out = std::slice::from_raw_parts_mut(
-            buffers.out.offset((start * n) as isize),
-            ((end - start) * n) as usize,
-        );
-        for row in out.chunks_mut(n as usize) {
-            for (value, &b) in row.iter_mut().zip(bias) {
-                *value += b;
-            }
-        }
     }
 }
 

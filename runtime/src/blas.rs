@@ -75,6 +75,9 @@ pub fn gemm_library() -> &'static str {
 /// A matrix of the row-major view as (pointer, row stride, column stride).
 pub(crate) type Strided<T> = (*const T, isize, isize);
 
+/// A matrix written through (pointer, row stride, column stride).
+pub(crate) type StridedMut<T> = (*mut T, isize, isize);
+
 /// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
 /// `c [m x n]` (each as pointer, row stride, column stride; `c`'s columns contiguous)
 /// with MKL on this thread. `false`
@@ -88,7 +91,7 @@ pub(crate) unsafe fn matmul<T: Scalar>(
     scale: T,
     a: Strided<T>,
     b: Strided<T>,
-    c: (*mut T, isize, isize),
+    c: StridedMut<T>,
     add: bool,
 ) -> bool {
     let Some(mkl) = mkl() else {

@@ -11,6 +11,8 @@
 
 use std::cell::RefCell;
 
+use crate::blas::{Strided, StridedMut};
+
 /// Rows of `a` per register block.
 const ROWS: usize = 6;
 /// Columns of `b` per register block (two 8-lane vectors).
@@ -47,9 +49,9 @@ thread_local! {
 pub(crate) unsafe fn matmul(
     (m, k, n): (usize, usize, usize),
     scale: f32,
-    a: (*const f32, isize, isize),
-    b: (*const f32, isize, isize),
-    c: (*mut f32, isize, isize),
+    a: Strided<f32>,
+    b: Strided<f32>,
+    c: StridedMut<f32>,
 ) -> bool {
     if !available() || c.2 != 1 || m == 0 || n == 0 || k == 0 {
         return false;
@@ -90,7 +92,7 @@ pub(crate) unsafe fn matmul(
 /// `b` must be valid for `k x n` values at its strides; `panel` holds `blocks * k * 16`.
 unsafe fn pack(
     panel: &mut [f32],
-    (b, row_stride, column_stride): (*const f32, isize, isize),
+    (b, row_stride, column_stride): Strided<f32>,
     (k, n): (usize, usize),
 ) {
     for (block, values) in panel.chunks_exact_mut(k * COLUMNS).enumerate() {
@@ -142,7 +144,7 @@ unsafe fn multiply(
     panel: &[f32],
     (m, k, n): (usize, usize, usize),
     scale: f32,
-    a: (*const f32, isize, isize),
+    a: Strided<f32>,
     c: (*mut f32, isize),
 ) {
     for (block, panel) in panel.chunks_exact(k * COLUMNS).enumerate() {
@@ -174,7 +176,7 @@ type Tile<'a> = (
     &'a [f32],
     usize,
     f32,
-    (*const f32, isize, isize),
+    Strided<f32>,
     (*mut f32, isize),
     usize,
 );
@@ -226,11 +228,11 @@ mod tests {
     use super::*;
 
     /// A matrix's values and its (row, column) strides.
-    type Strided<'a> = (&'a [f32], (usize, usize));
+    type Values<'a> = (&'a [f32], (usize, usize));
 
     /// `c = scale a b` by definition, in f64.
-    fn reference((m, k, n): (usize, usize, usize), scale: f32, a: Strided, b: Strided) -> Vec<f64> {
-        let at = |(values, (row, column)): Strided, i: usize, j: usize| {
+    fn reference((m, k, n): (usize, usize, usize), scale: f32, a: Values, b: Values) -> Vec<f64> {
+        let at = |(values, (row, column)): Values, i: usize, j: usize| {
             values[i * row + j * column] as f64
         };
         let mut c = vec![0.0; m * n];

@@ -5,6 +5,8 @@
 
 use std::ops::{Add, AddAssign, Div, Mul, Sub};
 
+use crate::blas::{Strided, StridedMut};
+
 /// A scalar the executor's host-side arithmetic works on.
 pub(crate) trait Scalar:
     Copy
@@ -37,9 +39,9 @@ pub(crate) trait Scalar:
     unsafe fn matmul(
         shape: (usize, usize, usize),
         scale: Self,
-        a: (*const Self, isize, isize),
-        b: (*const Self, isize, isize),
-        c: (*mut Self, isize, isize),
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
     ) {
         unsafe { Self::product(shape, scale, a, b, c, false) }
     }
@@ -51,9 +53,9 @@ pub(crate) trait Scalar:
     unsafe fn product(
         (m, k, n): (usize, usize, usize),
         scale: Self,
-        a: (*const Self, isize, isize),
-        b: (*const Self, isize, isize),
-        c: (*mut Self, isize, isize),
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
         add: bool,
     ) {
         // The process's MKL on this thread when it has one (and takes these strides).
@@ -95,9 +97,9 @@ pub(crate) trait Scalar:
     unsafe fn tile_matmul(
         shape: (usize, usize, usize),
         scale: Self,
-        a: (*const Self, isize, isize),
-        b: (*const Self, isize, isize),
-        c: (*mut Self, isize, isize),
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
     ) {
         unsafe { Self::matmul(shape, scale, a, b, c) }
     }
@@ -153,9 +155,9 @@ impl Scalar for f32 {
     unsafe fn tile_matmul(
         shape: (usize, usize, usize),
         scale: Self,
-        a: (*const Self, isize, isize),
-        b: (*const Self, isize, isize),
-        c: (*mut Self, isize, isize),
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
     ) {
         // The caller vouches for the pointers (as for `matmul`).
         unsafe {

@@ -102,8 +102,27 @@ unsafe fn pack(
             values.fill(0.0);
         }
         if row_stride == 1 {
-            // `K^T`: column by column, each contiguous in `b`.
+            // `K^T`: eight columns by eight rows at a time transposed in registers, each
+            // column contiguous in `b`; the rest column by column.
+            let (columns8, rows8) = (width / 8 * 8, k / 8 * 8);
+            #[cfg(target_arch = "x86_64")]
+            for column in (0..columns8).step_by(8) {
+                for row in (0..rows8).step_by(8) {
+                    // SAFETY: `pack` runs only on AVX2 hosts (`matmul` checked); columns
+                    // `first + column..+8` < n hold rows `row..row + 8` < k.
+                    unsafe {
+                        transpose_8x8(
+                            b.offset((first + column) as isize * column_stride + row as isize),
+                            column_stride,
+                            values[row * COLUMNS + column..].as_mut_ptr(),
+                        )
+                    };
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let (columns8, rows8) = (0, 0);
             for column in 0..width {
+                let rows_done = if column < columns8 { rows8 } else { 0 };
                 // SAFETY: column `first + column` < n holds k values at stride 1.
                 let source = unsafe {
                     std::slice::from_raw_parts(
@@ -111,7 +130,7 @@ unsafe fn pack(
                         k,
                     )
                 };
-                for (row, &value) in source.iter().enumerate() {
+                for (row, &value) in source.iter().enumerate().skip(rows_done) {
                     values[row * COLUMNS + column] = value;
                 }
             }
@@ -129,6 +148,52 @@ unsafe fn pack(
                     }
                 }
             }
+        }
+    }
+}
+
+/// Writes the 8 x 8 block at `source` (8 columns `column_stride` apart, each 8
+/// contiguous rows) transposed into `target`'s 8 rows, [`COLUMNS`] apart.
+///
+/// # Safety
+/// AVX; `source` valid for the 8 x 8 values, `target` for 8 rows of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn transpose_8x8(source: *const f32, column_stride: isize, target: *mut f32) {
+    use std::arch::x86_64::*;
+    // SAFETY: as the caller vouches.
+    unsafe {
+        let c: [__m256; 8] =
+            std::array::from_fn(|i| _mm256_loadu_ps(source.offset(i as isize * column_stride)));
+        // Pairs, then quads of columns interleaved within each 128-bit half, then halves.
+        let t0 = _mm256_unpacklo_ps(c[0], c[1]);
+        let t1 = _mm256_unpackhi_ps(c[0], c[1]);
+        let t2 = _mm256_unpacklo_ps(c[2], c[3]);
+        let t3 = _mm256_unpackhi_ps(c[2], c[3]);
+        let t4 = _mm256_unpacklo_ps(c[4], c[5]);
+        let t5 = _mm256_unpackhi_ps(c[4], c[5]);
+        let t6 = _mm256_unpacklo_ps(c[6], c[7]);
+        let t7 = _mm256_unpackhi_ps(c[6], c[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let rows = [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ];
+        for (i, row) in rows.into_iter().enumerate() {
+            _mm256_storeu_ps(target.add(i * COLUMNS), row);
         }
     }
 }
@@ -284,6 +349,7 @@ mod tests {
             (13, 3, 40),
             (64, 64, 256),
             (11, 70, 5),
+            (5, 70, 24),
         ] {
             // `a` and `b` row-major or transposed (`dS^T`, `K^T`), in every pairing.
             for (a, a_strides) in &both_layouts(m, k, 0) {

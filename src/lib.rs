@@ -39,5 +39,5 @@ pub use nestor_ir as ir;
 /// Passes over graphs (DCE, CSE, fusion) and lowering to kernel programs.
 pub use nestor_passes as passes;
 pub use nestor_runtime::{
-    gemm_library, pool, LayoutError, MemoryBudget, Parallelism, RaggedLayout,
+    gemm_library, gemm_probe, pool, GemmProbe, LayoutError, MemoryBudget, Parallelism, RaggedLayout,
 };

@@ -107,8 +107,9 @@ fn large_batches_at_the_default_thresholds_equal_eager() {
 }
 
 /// In a process with libtorch (x86-64 builds link MKL and GNU OpenMP and export them),
-/// compiled GEMMs multiply with that MKL and split steps run on that OpenMP team: the
-/// tests above check their results against eager.
+/// compiled GEMMs multiply with that MKL where a probe finds it faster than the `gemm`
+/// crate, and split steps run on that OpenMP team: the tests above check their results
+/// against eager.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn compiled_steps_use_the_processs_mkl_and_openmp() {
@@ -116,8 +117,20 @@ fn compiled_steps_use_the_processs_mkl_and_openmp() {
         |variable: &str, choice: &str| std::env::var(variable).is_ok_and(|value| value == choice);
     let library = if forced("NESTOR_BLAS", "builtin") {
         "gemm crate"
-    } else {
+    } else if forced("NESTOR_BLAS", "mkl") {
         "MKL"
+    } else {
+        // libtorch's MKL is found, and the faster library kept.
+        let probe = nestor::gemm_probe().expect("the probe ran: libtorch's MKL was found");
+        assert!(
+            probe.mkl_seconds > 0.0 && probe.builtin_seconds > 0.0,
+            "{probe:?}"
+        );
+        if probe.mkl_wins() {
+            "MKL"
+        } else {
+            "gemm crate"
+        }
     };
     assert_eq!(nestor::gemm_library(), library);
     let pool = if forced("NESTOR_POOL", "rayon") {

@@ -1,5 +1,5 @@
 //! The machine's limits, measured at the start of a report: the best GEMM throughput
-//! libtorch reaches, the memory bandwidth (a stream copy), and every GEMM shape of the
+//! libtorch or nestor compiled reaches, the memory bandwidth (a stream copy), and every GEMM shape of the
 //! Transformer models run by libtorch's `linear` and by nestor compiled on the same
 //! packed rows, so that a compiled cell can be read as a share of what the machine does.
 
@@ -14,9 +14,13 @@ use crate::{Result, Scale, OCCUPANCIES};
 /// What the machine does at best, and the models' GEMMs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Limits {
-    /// libtorch's matmul of two square f32 matrices of this side ...
+    /// The side of the square f32 product that measures the GEMM peak ...
     pub peak_side: i64,
-    /// ... in GFLOP/s (its median run).
+    /// ... libtorch's matmul of it in GFLOP/s (its median run) ...
+    pub libtorch_gflops: f64,
+    /// ... nestor compiled's `linear` (with a bias) of it, on a batch of four elements ...
+    pub compiled_gflops: f64,
+    /// ... and the better of the two: the machine's GEMM peak.
     pub peak_gflops: f64,
     /// Bytes copied of the stream copy ...
     pub copy_bytes: usize,
@@ -63,7 +67,10 @@ impl GemmRow {
 /// Measures the limits of this machine at `scale`.
 pub fn measure_limits(scale: &Scale) -> Result<Limits> {
     let _no_grad = tch::no_grad_guard();
-    let (peak_side, peak_gflops) = peak_gemm(scale)?;
+    let (peak_side, libtorch_gflops) = peak_gemm(scale)?;
+    let square = vec![peak_side / 4; 4];
+    let square = gemm_row(scale, &square, "square", peak_side, peak_side)?;
+    let compiled_gflops = square.gflops(&square.compiled);
     let (copy_bytes, bandwidth) = stream_copy(scale)?;
     let mut gemms = Vec::new();
     for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
@@ -75,7 +82,9 @@ pub fn measure_limits(scale: &Scale) -> Result<Limits> {
     }
     Ok(Limits {
         peak_side,
-        peak_gflops,
+        libtorch_gflops,
+        compiled_gflops,
+        peak_gflops: libtorch_gflops.max(compiled_gflops),
         copy_bytes,
         bandwidth,
         gemms,
@@ -131,7 +140,8 @@ fn stream_copy(scale: &Scale) -> Result<(usize, f64)> {
 /// `[total, k] x [k, n] + bias` on tokens of `lengths`: libtorch's `linear` on the
 /// packed values, and the compiled nested `linear` (checked to give the same values).
 fn gemm_row(scale: &Scale, lengths: &[i64], what: &'static str, k: i64, n: i64) -> Result<GemmRow> {
-    let tokens = Tokens::new(lengths.to_vec(), k, scale.max_length)?;
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let tokens = Tokens::new(lengths.to_vec(), k, longest.max(scale.max_length))?;
     let options = (Kind::Float, Device::Cpu);
     let weight = Tensor::f_randn([n, k], options)?.f_mul_scalar(0.05)?;
     let bias = Tensor::f_randn([n], options)?;

@@ -1,14 +1,17 @@
 //! The host's BLAS, when the process already has one: Intel MKL, which libtorch links
 //! in and exports (`sgemm_`, `dgemm_`, `MKL_Set_Num_Threads_Local`). nestor never loads
-//! it: the symbols are looked up in the running process, so compiled GEMMs use the same
-//! kernels as libtorch's `matmul`, and a process without MKL (the GPU check, the
-//! runtime's own tests) multiplies with the `gemm` crate instead. MKL runs sequential on
-//! the calling thread: the executor splits rows across its team as for every step,
-//! and an OpenMP team of MKL's own would spin on the cores the pool needs.
-//! `NESTOR_BLAS=builtin` forces the `gemm` crate.
+//! it: the symbols are looked up in the running process, and a process without MKL (the
+//! GPU check, the runtime's own tests) multiplies with the `gemm` crate. Where both
+//! are there, a probe at the first GEMM times one product with each and keeps the
+//! faster: MKL on Intel hosts, the `gemm` crate where MKL runs its AVX2 kernels on a
+//! host with AVX-512 (AMD Zen 5: the encoder's GEMMs twice as fast). MKL runs
+//! sequential on the calling thread: the executor splits rows across its team as for
+//! every step, and an OpenMP team of MKL's own would spin on the cores the pool needs.
+//! `NESTOR_BLAS=builtin` forces the `gemm` crate, `NESTOR_BLAS=mkl` MKL (when found).
 
 use std::ffi::c_char;
 use std::sync::OnceLock;
+use std::time::Instant;
 
 use crate::scalar::Scalar;
 
@@ -41,35 +44,128 @@ pub(crate) struct Mkl {
     set_threads_local: unsafe extern "C" fn(i32) -> i32,
 }
 
-/// MKL, when this process has it (and `NESTOR_BLAS` does not say `builtin`).
-pub(crate) fn mkl() -> Option<&'static Mkl> {
-    static MKL: OnceLock<Option<Mkl>> = OnceLock::new();
-    MKL.get_or_init(|| {
-        if crate::process::env_is("NESTOR_BLAS", "builtin") {
-            return None;
+/// How the process chose its GEMM library: one f32 product of [`GemmProbe::SIDE`]
+/// squared matrices on one thread, timed with each library (best of a few runs in
+/// turns).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmProbe {
+    /// MKL's best time, in seconds.
+    pub mkl_seconds: f64,
+    /// The `gemm` crate's best time, in seconds.
+    pub builtin_seconds: f64,
+}
+
+impl GemmProbe {
+    /// The side of the probe's square matrices (the models' widths; a GEMM chunk's rows
+    /// are of this order).
+    pub const SIDE: usize = 256;
+    /// Timed runs of each library.
+    const RUNS: usize = 5;
+
+    /// Times both libraries (after one untimed run each, which sets up their buffers).
+    fn measure(mkl: &Mkl) -> Self {
+        let side = Self::SIDE;
+        // Values with no pattern a library could skip work on (no zeros, no denormals).
+        let a: Vec<f32> = (0..side * side)
+            .map(|i| 1.0 + (i % 7) as f32 / 8.0)
+            .collect();
+        let b: Vec<f32> = (0..side * side)
+            .map(|i| 1.0 - (i % 5) as f32 / 8.0)
+            .collect();
+        let mut c = vec![0f32; side * side];
+        let stride = side as isize;
+        let mut run = |with_mkl: bool| {
+            let (a, b) = ((a.as_ptr(), stride, 1), (b.as_ptr(), stride, 1));
+            let c = (c.as_mut_ptr(), stride, 1);
+            let started = Instant::now();
+            // SAFETY: the three buffers hold side x side values, row-major.
+            unsafe {
+                if !(with_mkl && mkl_matmul(mkl, (side, side, side), 1.0, a, b, c, false)) {
+                    builtin_matmul((side, side, side), 1.0, a, b, c, false);
+                }
+            }
+            started.elapsed().as_secs_f64()
+        };
+        let mut best = [f64::INFINITY; 2];
+        for timed in [false].into_iter().chain([true; Self::RUNS]) {
+            for (library, best) in best.iter_mut().enumerate() {
+                let seconds = run(library == 0);
+                if timed {
+                    *best = best.min(seconds);
+                }
+            }
         }
-        // SAFETY: these are MKL's exported C and Fortran (LP64) functions, with these
-        // signatures; all three must be present, so a BLAS that only shares the name
-        // `sgemm_` is not taken for MKL.
-        unsafe {
-            Some(Mkl {
-                sgemm: crate::process::function(b"sgemm_\0")?,
-                dgemm: crate::process::function(b"dgemm_\0")?,
-                set_threads_local: crate::process::function(b"MKL_Set_Num_Threads_Local\0")?,
-            })
+        Self {
+            mkl_seconds: best[0],
+            builtin_seconds: best[1],
         }
+    }
+
+    /// Whether MKL is the one to use (a tie keeps libtorch's library).
+    pub fn mkl_wins(&self) -> bool {
+        self.mkl_seconds <= self.builtin_seconds
+    }
+}
+
+/// The process's MKL and the probe that chose between it and the `gemm` crate (`None`
+/// when `NESTOR_BLAS` forced the choice).
+struct Choice {
+    mkl: Option<Mkl>,
+    probe: Option<GemmProbe>,
+}
+
+/// The choice, made once per process.
+fn choice() -> &'static Choice {
+    static CHOICE: OnceLock<Choice> = OnceLock::new();
+    CHOICE.get_or_init(|| {
+        let forced = |value| crate::process::env_is("NESTOR_BLAS", value);
+        let (mkl, probe) = match find_mkl() {
+            _ if forced("builtin") => (None, None),
+            Some(mkl) if forced("mkl") => (Some(mkl), None),
+            Some(mkl) => {
+                let probe = GemmProbe::measure(&mkl);
+                (probe.mkl_wins().then_some(mkl), Some(probe))
+            }
+            None => (None, None),
+        };
+        Choice { mkl, probe }
     })
-    .as_ref()
+}
+
+/// MKL's entry points in this process, if it has them.
+fn find_mkl() -> Option<Mkl> {
+    // SAFETY: these are MKL's exported C and Fortran (LP64) functions, with these
+    // signatures; all three must be present, so a BLAS that only shares the name
+    // `sgemm_` is not taken for MKL.
+    unsafe {
+        Some(Mkl {
+            sgemm: crate::process::function(b"sgemm_\0")?,
+            dgemm: crate::process::function(b"dgemm_\0")?,
+            set_threads_local: crate::process::function(b"MKL_Set_Num_Threads_Local\0")?,
+        })
+    }
+}
+
+/// MKL, when this process has it and uses it for its GEMMs.
+fn mkl() -> Option<&'static Mkl> {
+    choice().mkl.as_ref()
 }
 
 /// Which library multiplies a compiled program's GEMMs in this process: `"MKL"` (the
-/// process's, usually libtorch's) or `"gemm crate"` (none found, or `NESTOR_BLAS=builtin`).
+/// process's, usually libtorch's, when it was the faster) or `"gemm crate"` (no MKL
+/// found, the faster, or `NESTOR_BLAS=builtin`). The first call makes the choice.
 pub fn gemm_library() -> &'static str {
     if mkl().is_some() {
         "MKL"
     } else {
         "gemm crate"
     }
+}
+
+/// The timings that chose [`gemm_library`]; `None` when the process has no MKL or
+/// `NESTOR_BLAS` forced the choice.
+pub fn gemm_probe() -> Option<GemmProbe> {
+    choice().probe
 }
 
 /// A matrix of the row-major view as (pointer, row stride, column stride).
@@ -80,13 +176,29 @@ pub(crate) type StridedMut<T> = (*mut T, isize, isize);
 
 /// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
 /// `c [m x n]` (each as pointer, row stride, column stride; `c`'s columns contiguous)
-/// with MKL on this thread. `false`
-/// (nothing written) when the process has no MKL or the sizes or strides are not ones
-/// BLAS takes: the caller multiplies another way.
+/// with MKL on this thread. `false` (nothing written) when the process does not use MKL
+/// or the sizes or strides are not ones BLAS takes: the caller multiplies another way
+/// ([`builtin_matmul`]).
 ///
 /// # Safety
 /// The pointers must be valid for the sizes and strides given.
 pub(crate) unsafe fn matmul<T: Scalar>(
+    shape: (usize, usize, usize),
+    scale: T,
+    a: Strided<T>,
+    b: Strided<T>,
+    c: StridedMut<T>,
+    add: bool,
+) -> bool {
+    mkl().is_some_and(|mkl| unsafe { mkl_matmul(mkl, shape, scale, a, b, c, add) })
+}
+
+/// [`matmul`] with this MKL.
+///
+/// # Safety
+/// As [`matmul`].
+unsafe fn mkl_matmul<T: Scalar>(
+    mkl: &Mkl,
     (m, k, n): (usize, usize, usize),
     scale: T,
     a: Strided<T>,
@@ -94,9 +206,6 @@ pub(crate) unsafe fn matmul<T: Scalar>(
     c: StridedMut<T>,
     add: bool,
 ) -> bool {
-    let Some(mkl) = mkl() else {
-        return false;
-    };
     let int = |value: usize| i32::try_from(value).ok().filter(|&value| value > 0);
     let (Some(rows), Some(inner), Some(columns)) = (int(m), int(k), int(n)) else {
         return false;
@@ -120,6 +229,46 @@ pub(crate) unsafe fn matmul<T: Scalar>(
         (mkl.set_threads_local)(previous);
     }
     true
+}
+
+/// [`matmul`] with the `gemm` crate on this thread (the executor splits the rows
+/// itself), at any strides.
+///
+/// # Safety
+/// As [`matmul`].
+pub(crate) unsafe fn builtin_matmul<T: Scalar>(
+    (m, k, n): (usize, usize, usize),
+    scale: T,
+    a: Strided<T>,
+    b: Strided<T>,
+    c: StridedMut<T>,
+    add: bool,
+) {
+    // `gemm` takes column strides before row strides; `c = alpha c + beta a b` (`c`
+    // read only with `add`).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.0,
+            c.2,
+            c.1,
+            add,
+            a.0,
+            a.2,
+            a.1,
+            b.0,
+            b.2,
+            b.1,
+            T::ONE,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
 }
 
 /// How BLAS reads the transpose of a row-major-view matrix `[cols x rows]` given as

@@ -7,7 +7,7 @@
 //!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
 //!   cores (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`] says
 //!   which) and calls GEMM in row chunks (the process's MKL, else the `gemm` crate;
-//!   [`gemm_library`] says which);
+//!   [`gemm_library`] says which, [`gemm_probe`] why);
 //! - [`Parallelism`]: how runs split their work across threads;
 //! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
 //!
@@ -28,7 +28,7 @@ mod team;
 mod testing;
 mod window;
 
-pub use blas::gemm_library;
+pub use blas::{gemm_library, gemm_probe, GemmProbe};
 pub use executor::{
     convolve_images, round_to_bf16, CudaBuffer, CudaDevice, DeviceOutput, DeviceResults,
     Executable, Gemms, HostBuffer, HostDevice, HostRunner, HostValue, InputData, KernelDevice,

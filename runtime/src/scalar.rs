@@ -58,34 +58,11 @@ pub(crate) trait Scalar:
         c: StridedMut<Self>,
         add: bool,
     ) {
-        // The process's MKL on this thread when it has one (and takes these strides).
-        if unsafe { crate::blas::matmul((m, k, n), scale, a, b, c, add) } {
-            return;
-        }
-        // `gemm` takes column strides before row strides; `c = alpha c + beta a b` (`c`
-        // read only with `add`), on this thread (the executor splits the rows itself).
+        // The process's MKL on this thread when it uses it (and it takes these strides).
         unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                c.0,
-                c.2,
-                c.1,
-                add,
-                a.0,
-                a.2,
-                a.1,
-                b.0,
-                b.2,
-                b.1,
-                Self::ONE,
-                scale,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
+            if !crate::blas::matmul((m, k, n), scale, a, b, c, add) {
+                crate::blas::builtin_matmul((m, k, n), scale, a, b, c, add);
+            }
         }
     }
     /// [`Scalar::matmul`] for attention's small tiles: f32 on AVX2 hosts without

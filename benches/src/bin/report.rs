@@ -103,8 +103,8 @@ fn run() -> Result<()> {
     let limits = measure_limits(&scale)?;
     bar.suspend(|| {
         eprintln!(
-            "report: GEMM peak {:.1} GFLOP/s, bandwidth {:.1} GB/s",
-            limits.peak_gflops, limits.bandwidth
+            "report: GEMM peak {:.1} GFLOP/s (libtorch {:.1}, compiled {:.1}), bandwidth {:.1} GB/s",
+            limits.peak_gflops, limits.libtorch_gflops, limits.compiled_gflops, limits.bandwidth
         );
         for row in &limits.gemms {
             eprintln!(
@@ -227,19 +227,43 @@ fn describe(scale: &Scale) -> String {
     )
 }
 
+/// The CPU (name, family and model, widest vectors), the threads and which library
+/// multiplies the compiled GEMMs (chosen by a probe, see `nestor::gemm_probe`).
 fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|line| line.starts_with("model name"))
-                .and_then(|line| line.split(':').nth(1))
-                .map(|name| name.trim().to_owned())
-        })
-        .unwrap_or_else(|| "an unknown CPU".into());
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .find(|line| line.split(':').next().is_some_and(|key| key.trim() == name))
+            .and_then(|line| line.split(':').nth(1))
+            .map_or("?".to_owned(), |value| value.trim().to_owned())
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    #[cfg(target_arch = "x86_64")]
+    let vectors = if std::is_x86_feature_detected!("avx512f") {
+        "AVX-512"
+    } else if std::is_x86_feature_detected!("avx2") {
+        "AVX2"
+    } else {
+        "no AVX2"
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let vectors = "not x86-64";
+    let probe = nestor::gemm_probe().map_or(String::new(), |probe| {
+        format!(
+            " (a {side}^3 f32 product on one thread: MKL {:.3} ms, gemm crate {:.3} ms)",
+            probe.mkl_seconds * 1e3,
+            probe.builtin_seconds * 1e3,
+            side = nestor::GemmProbe::SIDE
+        )
+    });
     format!(
-        "{cpu}, {cores} cores, libtorch 2.13 through tch 0.26, {} threads",
-        tch::get_num_threads()
+        "{} (family {}, model {}, {vectors}), {cores} cores, libtorch 2.13 through tch 0.26, {} \
+         threads; compiled GEMMs by the {}{probe}",
+        field("model name"),
+        field("cpu family"),
+        field("model"),
+        tch::get_num_threads(),
+        nestor::gemm_library()
     )
 }

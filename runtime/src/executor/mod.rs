@@ -268,6 +268,9 @@ impl Executable {
             .map(|index| root(&program, Slot(index as u32)))
             .collect();
         let frees = last_readers(&program, &reads, &roots);
+        // The GEMM library is chosen (a probe of a few milliseconds, once per process)
+        // while compiling rather than inside a run.
+        crate::blas::gemm_library();
         Ok(Self {
             program,
             kernels,

@@ -72,6 +72,13 @@ pub fn measure_limits(scale: &Scale) -> Result<Limits> {
     let square = gemm_row(scale, &square, "square", peak_side, peak_side)?;
     let compiled_gflops = square.gflops(&square.compiled);
     let (copy_bytes, bandwidth) = stream_copy(scale)?;
+    // One untimed pass over the first occupancy's shapes: the process's first compiled
+    // GEMMs run slower (the first row measured 0.45x-1.31x libtorch in three runs where
+    // a second pass in the same process measured 1.9-2.0x).
+    let first = lengths(scale.batch, scale.max_length, OCCUPANCIES[0], 100);
+    for (what, k, n) in model_gemms(scale) {
+        gemm_row(scale, &first, what, k, n)?;
+    }
     let mut gemms = Vec::new();
     for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
         // The lengths the models' cells use at this occupancy (same seeds).

@@ -261,7 +261,9 @@ fn limits_section(limits: &Limits, out: &mut String) {
          ({:.1} GFLOP/s), {:.1} GFLOP/s. Memory bandwidth: a copy of {} MiB, {:.1} GB/s (bytes \
          read plus written). Each GEMM of a Transformer layer at the models' lengths (every \
          occupancy), `linear` with a bias on the packed rows: libtorch on the values tensor \
-         against nestor compiled on the batch (a whole compiled call).\n",
+         against nestor compiled on the batch (a whole compiled call), after one untimed \
+         pass over the first occupancy's rows (the process's first compiled GEMMs ran \
+         slower).\n",
         limits.libtorch_gflops,
         limits.compiled_gflops,
         limits.peak_gflops,

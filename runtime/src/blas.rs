@@ -1,10 +1,11 @@
 //! The host's BLAS, when the process already has one: Intel MKL, which libtorch links
 //! in and exports (`sgemm_`, `dgemm_`, `MKL_Set_Num_Threads_Local`). nestor never loads
 //! it: the symbols are looked up in the running process, and a process without MKL (the
-//! GPU check, the runtime's own tests) multiplies with the `gemm` crate. Where both
-//! are there, a probe at the first GEMM times one product with each and keeps the
-//! faster: MKL on Intel hosts, the `gemm` crate where MKL runs its AVX2 kernels on a
-//! host with AVX-512 (AMD Zen 5: the encoder's GEMMs twice as fast). MKL runs
+//! GPU check, the runtime's own tests) multiplies with the `gemm` crate. Where both are
+//! there, a probe at the first compile times one product with each and keeps the faster
+//! (on an AMD Zen 5 with AVX-512, MKL's Zen kernels reached about 100 GFLOP/s on one core
+//! and the `gemm` crate's AVX-512 ones 235: the encoder's GEMMs ran twice as fast; on the
+//! Zen 3 and Xeon hosts of earlier reports MKL ran them level with libtorch). MKL runs
 //! sequential on the calling thread: the executor splits rows across its team as for
 //! every step, and an OpenMP team of MKL's own would spin on the cores the pool needs.
 //! `NESTOR_BLAS=builtin` forces the `gemm` crate, `NESTOR_BLAS=mkl` MKL (when found).

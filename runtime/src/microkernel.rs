@@ -19,15 +19,26 @@ const ROWS: usize = 6;
 /// Columns of `b` per register block (two 8-lane vectors).
 const COLUMNS: usize = 16;
 
-/// Whether this host takes the micro-kernel (decided once per process).
+/// Whether this host can run the micro-kernel (AVX2 and FMA).
+fn supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether attention takes the micro-kernel on this host: it can run it and has no
+/// AVX-512, whose GEMM kernels beat it (decided once per process).
 fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && !std::is_x86_feature_detected!("avx512f")
+            supported() && !std::is_x86_feature_detected!("avx512f")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -48,13 +59,29 @@ thread_local! {
 /// # Safety
 /// The pointers must be valid for the sizes and strides given.
 pub(crate) unsafe fn matmul(
+    shape: (usize, usize, usize),
+    scale: f32,
+    a: Strided<f32>,
+    b: Strided<f32>,
+    c: StridedMut<f32>,
+) -> bool {
+    // SAFETY: as the caller vouches.
+    available() && unsafe { matmul_where_supported(shape, scale, a, b, c) }
+}
+
+/// [`matmul`] on any host that can run it ([`supported`]), taken by attention or not
+/// (the tests run it on every such host).
+///
+/// # Safety
+/// As [`matmul`].
+unsafe fn matmul_where_supported(
     (m, k, n): (usize, usize, usize),
     scale: f32,
     a: Strided<f32>,
     b: Strided<f32>,
     c: StridedMut<f32>,
 ) -> bool {
-    if !available() || c.2 != 1 || m == 0 || n == 0 || k == 0 {
+    if !supported() || c.2 != 1 || m == 0 || n == 0 || k == 0 {
         return false;
     }
     let blocks = n.div_ceil(COLUMNS);
@@ -77,7 +104,7 @@ pub(crate) unsafe fn matmul(
         // `blocks * k * 16` values.
         unsafe { pack(panel, b, (k, n)) };
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `available` checked AVX2 and FMA; the caller vouches for `a` and `c`.
+        // SAFETY: `supported` checked AVX2 and FMA; the caller vouches for `a` and `c`.
         unsafe {
             multiply(panel, (m, k, n), scale, a, (c.0, c.1))
         };
@@ -109,7 +136,7 @@ unsafe fn pack(
             #[cfg(target_arch = "x86_64")]
             for column in (0..columns8).step_by(8) {
                 for row in (0..rows8).step_by(8) {
-                    // SAFETY: `pack` runs only on AVX2 hosts (`matmul` checked); columns
+                    // SAFETY: `pack` runs only on AVX2 hosts (`supported` checked); columns
                     // `first + column..+8` < n hold rows `row..row + 8` < k.
                     unsafe {
                         transpose_8x8(
@@ -322,25 +349,34 @@ mod tests {
         [(plain, (columns, 1)), (transposed, (1, rows))]
     }
 
+    /// Whether attention's entry point multiplies a 1 x 1 x 1 product here.
+    fn attention_takes_it() -> bool {
+        let mut c = [0.0f32; 1];
+        let one = [1.0f32];
+        unsafe {
+            matmul(
+                (1, 1, 1),
+                1.0,
+                (one.as_ptr(), 1, 1),
+                (one.as_ptr(), 1, 1),
+                (c.as_mut_ptr(), 1, 1),
+            )
+        }
+    }
+
+    #[test]
+    fn attention_takes_it_on_avx2_hosts_without_avx512_only() {
+        #[cfg(target_arch = "x86_64")]
+        let expected = supported() && !std::is_x86_feature_detected!("avx512f");
+        #[cfg(not(target_arch = "x86_64"))]
+        let expected = false;
+        assert_eq!(attention_takes_it(), expected);
+    }
+
     #[test]
     fn products_match_the_definition_at_every_edge() {
-        if !available() {
-            let mut c = [0.0f32; 1];
-            let one = [1.0f32];
-            let taken = unsafe {
-                matmul(
-                    (1, 1, 1),
-                    1.0,
-                    (one.as_ptr(), 1, 1),
-                    (one.as_ptr(), 1, 1),
-                    (c.as_mut_ptr(), 1, 1),
-                )
-            };
-            assert!(
-                !taken,
-                "a host without AVX2 and FMA (or with AVX-512) must decline"
-            );
-            eprintln!("skipped: this host does not take the micro-kernel");
+        if !supported() {
+            eprintln!("skipped: this host has no AVX2 and FMA for the micro-kernel");
             return;
         }
         for (m, k, n) in [
@@ -358,7 +394,7 @@ mod tests {
                     // Row stride of `c` wider than `n`, with a canary past each row.
                     let mut c = vec![f32::NAN; m * (n + 3)];
                     let taken = unsafe {
-                        matmul(
+                        matmul_where_supported(
                             (m, k, n),
                             0.5,
                             (a.as_ptr(), a_strides.0 as isize, a_strides.1 as isize),
@@ -392,14 +428,14 @@ mod tests {
         let mut c = [0.0f32; 4];
         let (strided_c, no_inner) = unsafe {
             (
-                matmul(
+                matmul_where_supported(
                     (2, 2, 2),
                     1.0,
                     (a.as_ptr(), 2, 1),
                     (a.as_ptr(), 2, 1),
                     (c.as_mut_ptr(), 1, 2),
                 ),
-                matmul(
+                matmul_where_supported(
                     (2, 0, 2),
                     1.0,
                     (a.as_ptr(), 0, 1),

@@ -17,8 +17,8 @@ use nestor_runtime::{
 use tch::{Kind, Tensor};
 
 use crate::trace::{
-    check_inputs, earlier_equal_lengths, interpret, normalized_inputs, parameter_names,
-    trace_named, Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
+    check_inputs, earlier_equal_lengths, interpret, is_normalized, normalized_inputs,
+    parameter_names, trace_named, Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
 use train::Gradient;
@@ -56,22 +56,25 @@ impl StructureKey {
                     .map_or(u64::MAX, |(batch, dim)| ((batch as u64) << 32) | dim as u64)
             }));
         }
-        let mut batch_sizes: Vec<i64> = normalized
-            .iter()
-            .map(|batch| batch.batch_size() as i64)
-            .collect();
+        // The dense inputs' batch sizes (no allocation without dense inputs).
+        let mut dense_batch = Vec::new();
         for tensor in dense {
             let size = tensor.size();
-            batch_sizes.push(size.first().copied().unwrap_or(1));
+            dense_batch.push(size.first().copied().unwrap_or(1));
             words.extend([tensor.kind() as u64, size.len() as u64]);
             words.extend(size.iter().skip(1).map(|&size| size as u64));
         }
-        words.extend(batch_sizes.iter().map(|size| {
-            batch_sizes
-                .iter()
-                .position(|known| known == size)
-                .unwrap_or(0) as u64
-        }));
+        // Per input, the first input with its batch size.
+        let batch_size = |input: usize| match normalized.get(input) {
+            Some(batch) => batch.batch_size() as i64,
+            None => dense_batch[input - normalized.len()],
+        };
+        let inputs = normalized.len() + dense.len();
+        for input in 0..inputs {
+            let size = batch_size(input);
+            let first = (0..input).find(|&known| batch_size(known) == size);
+            words.push(first.unwrap_or(input) as u64);
+        }
         Self(words)
     }
 
@@ -315,11 +318,19 @@ where
         {
             on_cpu(tensor)?;
         }
-        let normalized = normalized_inputs(nested)?;
-        let normalized: Vec<&NestedTensor> = normalized.iter().map(|batch| &**batch).collect();
-        let (entry, built) = self.entry_of(&normalized, nested, dense)?;
+        // Batches already as the program takes them (the usual case) are used as they
+        // are, without collecting them anew.
+        let (owned, renormalized);
+        let normalized: &[&NestedTensor] = if nested.iter().all(|batch| is_normalized(batch)) {
+            nested
+        } else {
+            owned = normalized_inputs(nested)?;
+            renormalized = owned.iter().map(|batch| &**batch).collect::<Vec<_>>();
+            &renormalized
+        };
+        let (entry, built) = self.entry_of(normalized, nested, dense)?;
         if built {
-            let values = entry.traced.bind_normalized(&normalized, dense)?;
+            let values = entry.traced.bind_normalized(normalized, dense)?;
             check_inputs(entry.traced.graph(), &values)?;
         }
         // Contiguous float / i64 views of the inputs, kept alive while the program runs.
@@ -327,26 +338,26 @@ where
             FloatType::F32 => Kind::Float,
             FloatType::F64 => Kind::Double,
         };
-        let host = entry
-            .traced
-            .bound(&normalized, dense)?
-            .into_iter()
-            .map(|input| match input {
-                Bound::Lengths(lengths) => Ok(HostInput::Lengths(lengths)),
-                Bound::Nested(batch) => host_tensor(batch.packed(), float).map(HostInput::Tensor),
-                Bound::Dense(tensor) => host_tensor(tensor, float).map(HostInput::Tensor),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let inputs = host
-            .iter()
-            .map(|input| match input {
-                HostInput::Lengths(lengths) => Ok(InputData::I64(lengths)),
-                HostInput::Tensor(tensor) => tensor_data(tensor),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // (Loops rather than collecting `Result`s, which cannot size the vectors first.)
+        let bound = entry.traced.bound(normalized, dense)?;
+        let mut host = Vec::with_capacity(bound.len());
+        for input in bound {
+            host.push(match input {
+                Bound::Lengths(lengths) => HostInput::Lengths(lengths),
+                Bound::Nested(batch) => HostInput::Tensor(host_tensor(batch.packed(), float)?),
+                Bound::Dense(tensor) => HostInput::Tensor(host_tensor(tensor, float)?),
+            });
+        }
+        let mut inputs = Vec::with_capacity(host.len());
+        for input in &host {
+            inputs.push(match input {
+                HostInput::Lengths(lengths) => InputData::I64(lengths),
+                HostInput::Tensor(tensor) => tensor_data(tensor)?,
+            });
+        }
         let mut sink = TensorSink {
             kind: float,
-            tensors: Vec::new(),
+            tensors: Vec::with_capacity(entry.executable.program().outputs.len()),
         };
         let outputs = entry
             .executable
@@ -356,19 +367,16 @@ where
                 reason: error.to_string(),
             })?;
         // The tensor each output was written into, if any (outputs that are inputs or
-        // aliases were not: they are copied out).
-        let mut written: Vec<Option<Tensor>> = outputs.iter().map(|_| None).collect();
-        for (index, tensor) in sink.tensors {
-            if let Some(slot) = written.get_mut(index) {
-                *slot = Some(tensor);
-            }
+        // aliases were not: they are copied out); the sink gave them in output order.
+        let mut written = sink.tensors.into_iter().peekable();
+        let mut values = Vec::with_capacity(outputs.len());
+        for (index, output) in outputs.into_iter().enumerate() {
+            let tensor = written
+                .next_if(|(output, _)| *output == index)
+                .map(|(_, tensor)| tensor);
+            values.push(output_value(output, tensor, float, normalized)?);
         }
-        outputs
-            .into_iter()
-            .zip(written)
-            .map(|(output, tensor)| output_value(output, tensor, float, &normalized))
-            .collect::<Result<Vec<_>>>()
-            .map(|values| (entry, values))
+        Ok((entry, values))
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
@@ -622,7 +630,7 @@ fn host_tensor(tensor: &Tensor, float: Kind) -> Result<HostTensor<'_>> {
 /// The data of a contiguous host tensor, without copying.
 fn tensor_data<'a>(host: &'a HostTensor<'_>) -> Result<InputData<'a>> {
     let (tensor, kind) = host.tensor_and_kind();
-    let elements = tensor.numel();
+    let elements = numel(tensor);
     let pointer = tensor.data_ptr();
     if elements == 0 || pointer.is_null() {
         return Ok(match kind {
@@ -642,6 +650,24 @@ fn tensor_data<'a>(host: &'a HostTensor<'_>) -> Result<InputData<'a>> {
         }
         _ => InputData::F32(unsafe { std::slice::from_raw_parts(pointer as *const f32, elements) }),
     })
+}
+
+/// The number of values of `tensor`, without allocating its shape (tch's `numel` does:
+/// one allocation per input and call).
+fn numel(tensor: &Tensor) -> usize {
+    let mut shape = [0i64; 8];
+    let dims = tensor.dim();
+    if dims > shape.len() {
+        return tensor.numel();
+    }
+    // SAFETY: `at_shape` writes the tensor's `dims` sizes, which `shape` has room for.
+    unsafe {
+        torch_sys::at_shape(
+            tensor.as_ptr() as *mut torch_sys::C_tensor,
+            shape.as_mut_ptr(),
+        )
+    };
+    shape[..dims].iter().product::<i64>().max(0) as usize
 }
 
 /// Tensors the runtime writes results into (no copy out of its buffers).

@@ -441,15 +441,21 @@ pub(crate) fn normalized_inputs<'a>(
     nested.iter().map(|batch| normalized_input(batch)).collect()
 }
 
+/// Whether `input` already is as traced and compiled graphs take it
+/// ([`normalized_input`] borrows it).
+pub(crate) fn is_normalized(input: &NestedTensor) -> bool {
+    !input.lay().ragged_dims().is_empty() && input.options().batch_first
+}
+
 /// A batch as traced and compiled graphs take it: batch first; a batch with no ragged
 /// dim (sequences of equal lengths) gets its leading dim ragged, so that it shares the
 /// structure of batches of other lengths. A batch that already is one is borrowed, not
 /// cloned.
 pub(crate) fn normalized_input(input: &NestedTensor) -> Result<Cow<'_, NestedTensor>> {
-    let ragged = !input.lay().ragged_dims().is_empty();
-    if ragged && input.options().batch_first {
+    if is_normalized(input) {
         return Ok(Cow::Borrowed(input));
     }
+    let ragged = !input.lay().ragged_dims().is_empty();
     let batch_first = input.with_options(NestedOptions {
         batch_first: true,
         ..input.options()
@@ -568,8 +574,16 @@ impl Traced {
         dense: &[&Tensor],
     ) -> Result<Vec<Value>> {
         self.check_shared_lengths(normalized)?;
-        Ok(self
-            .bound(normalized, dense)?
+        let bound = self.bound(normalized, dense)?;
+        // Checked here, when a structure is first bound, rather than on every run:
+        // the graph does not change after it.
+        if bound.len() != self.graph.inputs().len() {
+            return Err(trace_error(
+                "run",
+                "the graph's inputs no longer match the traced inputs".into(),
+            ));
+        }
+        Ok(bound
             .into_iter()
             .map(|input| match input {
                 Bound::Nested(batch) => Value::Nested(batch.shallow_clone()),
@@ -582,7 +596,8 @@ impl Traced {
     /// What every graph input (inputs and parameters, in graph order) is bound to for
     /// these normalized batches and dense inputs, borrowed (no tensor is cloned). The
     /// caller checks that dims traced with shared lengths still share them (a compiled
-    /// program's structure key does).
+    /// program's structure key does) and, once per structure, that the graph takes as
+    /// many inputs ([`Traced::bind_normalized`]).
     pub(crate) fn bound<'a>(
         &'a self,
         normalized: &[&'a NestedTensor],
@@ -615,12 +630,6 @@ impl Traced {
                 Source::Param(position) => Bound::Dense(&self.params[*position].1),
             };
             inputs.push(input);
-        }
-        if inputs.len() != self.graph.inputs().len() {
-            return Err(trace_error(
-                "run",
-                "the graph's inputs no longer match the traced inputs".into(),
-            ));
         }
         Ok(inputs)
     }

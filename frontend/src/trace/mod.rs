@@ -15,8 +15,8 @@ mod interpret;
 mod record;
 
 pub(crate) use api::{
-    earlier_equal_lengths, normalized_input, normalized_inputs, parameter_names, trace_named,
-    Bound, ParameterNames,
+    earlier_equal_lengths, is_normalized, normalized_input, normalized_inputs, parameter_names,
+    trace_named, Bound, ParameterNames,
 };
 pub use api::{trace, TraceOutputs, Traced};
 pub use dense::Dense;

@@ -10,11 +10,11 @@ use crate::scalar::Scalar;
 pub(super) unsafe fn pad<T: Scalar>(
     out: *mut u8,
     x: *const u8,
-    info: &LengthsInfo,
+    info: &LengthsInfo<'_>,
     width: i64,
     value: f64,
 ) {
-    let lengths = &info.lengths;
+    let lengths = &info.lengths[..];
     let (width, longest) = (width.max(0) as usize, info.longest.max(0) as usize);
     if width == 0 || longest == 0 {
         return;
@@ -71,7 +71,7 @@ mod tests {
             lengths in proptest::collection::vec(0i64..6, 1..5),
             width in 1i64..4,
         ) {
-            let info = LengthsInfo::new(lengths.clone());
+            let info = LengthsInfo::new(lengths.clone().into());
             let total: i64 = lengths.iter().sum();
             let values: Vec<f32> = (0..total * width).map(|index| index as f32 * 0.5 - 3.0).collect();
             let padded_size = (lengths.len() as i64 * info.longest * width) as usize;

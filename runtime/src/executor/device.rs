@@ -824,7 +824,7 @@ enum Arg {
 /// The arguments and range of a step's kernel in one run.
 struct Plan<'a> {
     program: &'a Program,
-    sizes: &'a Sizes,
+    sizes: &'a Sizes<'a>,
     inputs: &'a [InputData<'a>],
     step: usize,
     /// The run's number (keys its dropout masks).
@@ -832,7 +832,7 @@ struct Plan<'a> {
 }
 
 impl Plan<'_> {
-    fn lengths(&self, slot: Slot) -> Result<&super::sizes::LengthsInfo, RuntimeError> {
+    fn lengths(&self, slot: Slot) -> Result<&super::sizes::LengthsInfo<'_>, RuntimeError> {
         self.sizes
             .get(slot)
             .ok_or_else(|| device_error(self.step, "a lengths buffer the run does not know"))
@@ -845,7 +845,7 @@ impl Plan<'_> {
         first: Slot,
         second: Slot,
         what: &str,
-    ) -> Result<&super::sizes::LengthsInfo, RuntimeError> {
+    ) -> Result<&super::sizes::LengthsInfo<'_>, RuntimeError> {
         let lengths = self.lengths(first)?;
         if lengths.lengths.len() != self.lengths(second)?.lengths.len() {
             return Err(device_error(
@@ -871,7 +871,7 @@ impl Plan<'_> {
                 let columns = &self.lengths(columns)?.lengths;
                 let mut offsets = vec![0i64];
                 let mut total = 0i64;
-                for (&m, &n) in self.lengths(rows)?.lengths.iter().zip(columns) {
+                for (&m, &n) in self.lengths(rows)?.lengths.iter().zip(columns.iter()) {
                     // The buffers were sized by the same products, so none overflows;
                     // checked all the same.
                     total = m
@@ -1156,7 +1156,7 @@ impl Plan<'_> {
         self.lengths(heights)?
             .lengths
             .iter()
-            .zip(&self.lengths(widths)?.lengths)
+            .zip(self.lengths(widths)?.lengths.iter())
             .try_fold(0usize, |sum, (&h, &w)| {
                 sum.checked_add(count(h)?.checked_mul(count(w)?)?)
             })

@@ -164,19 +164,27 @@ impl RunShape {
     /// assert_eq!(RunShape::Full(vec![2, 3]).packed(6), vec![2, 3]);
     /// ```
     pub fn packed(&self, elements: usize) -> Vec<i64> {
-        let rows_of = |tail: Vec<i64>| -> Vec<i64> {
-            let width: i64 = tail.iter().product();
-            let rows = if width == 0 {
-                0
-            } else {
-                elements as i64 / width
-            };
-            std::iter::once(rows).chain(tail).collect()
+        // One allocation: the rows, then the tail (at most `dims` sizes).
+        let rows_of = |dims: usize, tail: &mut dyn Iterator<Item = i64>| -> Vec<i64> {
+            let mut shape = Vec::with_capacity(1 + dims);
+            shape.push(0);
+            shape.extend(tail);
+            let width: i64 = shape[1..].iter().product();
+            if width != 0 {
+                shape[0] = elements as i64 / width;
+            }
+            shape
         };
         match self {
             RunShape::Full(dims) => dims.clone(),
-            RunShape::Dense(tail) => rows_of(tail.clone()),
-            RunShape::Ragged(dims) => rows_of(RunDim::static_sizes(dims)),
+            RunShape::Dense(tail) => rows_of(tail.len(), &mut tail.iter().copied()),
+            RunShape::Ragged(dims) => rows_of(
+                dims.len(),
+                &mut dims.iter().filter_map(|dim| match dim {
+                    RunDim::Static(size) => Some(*size),
+                    RunDim::Ragged(_) => None,
+                }),
+            ),
         }
     }
 }
@@ -596,7 +604,7 @@ impl Executable {
         let lengths_of = |slot: &Slot| {
             sizes
                 .get(*slot)
-                .map(|info| info.lengths.clone())
+                .map(|info| info.lengths.to_vec())
                 .unwrap_or_default()
         };
         self.program

@@ -2,6 +2,7 @@
 //! element and row owners, and the number of rows of every slot computed from them.
 
 use rustc_hash::FxHashMap as HashMap;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use nestor_ir::{DType, Window2d};
@@ -10,9 +11,10 @@ use nestor_passes::{LengthsKind, Program, RowBase, RowMap, Rows, Slot, Source};
 use super::{InputData, RuntimeError};
 use crate::window::{window_taps, Outside, WindowError, WindowTaps};
 
-/// What a run knows about one lengths input.
-pub(super) struct LengthsInfo {
-    pub(super) lengths: Vec<i64>,
+/// What a run knows about one lengths input: its values borrowed from the run's input
+/// (or computed, for derived lengths).
+pub(super) struct LengthsInfo<'a> {
+    pub(super) lengths: Cow<'a, [i64]>,
     pub(super) offsets: Vec<i64>,
     /// The longest length (0 for an empty batch): the row stride of a padded grid.
     pub(super) longest: i64,
@@ -20,11 +22,11 @@ pub(super) struct LengthsInfo {
     owners: std::cell::OnceCell<Vec<i64>>,
 }
 
-impl LengthsInfo {
-    pub(super) fn new(lengths: Vec<i64>) -> Self {
+impl<'a> LengthsInfo<'a> {
+    pub(super) fn new(lengths: Cow<'a, [i64]>) -> Self {
         let mut offsets = Vec::with_capacity(lengths.len() + 1);
         offsets.push(0);
-        for &length in &lengths {
+        for &length in lengths.iter() {
             offsets.push(offsets.last().copied().unwrap_or(0) + length);
         }
         Self {
@@ -46,9 +48,10 @@ impl LengthsInfo {
     }
 }
 
-/// The lengths of one run, by the slot of each lengths buffer.
-pub(super) struct Sizes {
-    lengths: HashMap<Slot, LengthsInfo>,
+/// The lengths of one run, by the slot of each lengths buffer (a program has a handful:
+/// a list, searched in order, costs less per run than a map).
+pub(super) struct Sizes<'a> {
+    lengths: Vec<(Slot, LengthsInfo<'a>)>,
     /// The pair layouts' row maps built so far (kept for the run: kernels read them).
     pair_maps: std::cell::RefCell<HashMap<RowMap, Box<[i64]>>>,
     /// The window steps' taps built so far, by geometry and image sizes (a model's
@@ -56,15 +59,20 @@ pub(super) struct Sizes {
     window_taps: std::cell::RefCell<HashMap<(Window2d, Slot, Slot), Arc<WindowTaps>>>,
 }
 
-impl Sizes {
+impl<'a> Sizes<'a> {
     /// Reads the lengths inputs of `program` from `inputs` (an error for a missing or
-    /// negative length) and computes the lengths its `lengths_ops` derive from them.
+    /// negative length; borrowed, not copied) and computes the lengths its
+    /// `lengths_ops` derive from them.
     pub(super) fn of_run(
         program: &Program,
-        inputs: &[InputData<'_>],
+        inputs: &[InputData<'a>],
     ) -> Result<Self, RuntimeError> {
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
-        let mut lengths: HashMap<Slot, LengthsInfo> = HashMap::default();
+        let mut sizes = Self {
+            lengths: Vec::new(),
+            pair_maps: Default::default(),
+            window_taps: Default::default(),
+        };
         for (index, info) in program.slots.iter().enumerate() {
             if let (Source::Input(input), DType::I64, RowBase::Batch(own)) =
                 (info.source, info.dtype, info.rows.base)
@@ -72,7 +80,7 @@ impl Sizes {
                 if own != Slot(index as u32) {
                     continue;
                 }
-                let Some(InputData::I64(values)) = inputs.get(input) else {
+                let Some(&InputData::I64(values)) = inputs.get(input) else {
                     return Err(bad(input, "expected lengths (i64)".into()));
                 };
                 if let Some((element, &length)) = values.iter().enumerate().find(|(_, &l)| l < 0) {
@@ -81,14 +89,12 @@ impl Sizes {
                         format!("element {element} has negative length {length}"),
                     ));
                 }
-                lengths.insert(Slot(index as u32), LengthsInfo::new(values.to_vec()));
+                sizes.insert(Slot(index as u32), Cow::Borrowed(values));
             }
         }
         for op in &program.lengths_ops {
-            let input = lengths
-                .get(&op.input)
-                .map(|info| &info.lengths[..])
-                .unwrap_or_default();
+            let lengths_of = |slot: Slot| sizes.get(slot).map_or(&[][..], |info| &info.lengths[..]);
+            let input = lengths_of(op.input);
             let values: Vec<i64> = match op.kind {
                 LengthsKind::Window {
                     kernel,
@@ -102,10 +108,7 @@ impl Sizes {
                     })
                     .collect(),
                 LengthsKind::Repeated { times } => {
-                    let times = lengths
-                        .get(&times)
-                        .map(|info| &info.lengths[..])
-                        .unwrap_or_default();
+                    let times = lengths_of(times);
                     let count = times
                         .iter()
                         .try_fold(0usize, |sum, &t| sum.checked_add(usize::try_from(t).ok()?));
@@ -124,13 +127,15 @@ impl Sizes {
                     values
                 }
             };
-            lengths.insert(op.out, LengthsInfo::new(values));
+            sizes.insert(op.out, Cow::Owned(values));
         }
-        Ok(Self {
-            lengths,
-            pair_maps: Default::default(),
-            window_taps: Default::default(),
-        })
+        Ok(sizes)
+    }
+
+    /// Records the lengths of `slot` (replacing any before).
+    fn insert(&mut self, slot: Slot, lengths: Cow<'a, [i64]>) {
+        self.lengths.retain(|(known, _)| *known != slot);
+        self.lengths.push((slot, LengthsInfo::new(lengths)));
     }
 
     /// The values of `map` for this run, built on first use: an input row for every
@@ -176,8 +181,10 @@ impl Sizes {
     }
 
     /// What the run knows of the lengths buffer `slot`.
-    pub(super) fn get(&self, slot: Slot) -> Option<&LengthsInfo> {
-        self.lengths.get(&slot)
+    pub(super) fn get(&self, slot: Slot) -> Option<&LengthsInfo<'a>> {
+        self.lengths
+            .iter()
+            .find_map(|(known, info)| (*known == slot).then_some(info))
     }
 
     /// The number of elements in the batch of lengths buffer `slot`.
@@ -195,7 +202,7 @@ impl Sizes {
                 (Some(a), Some(b)) => a
                     .lengths
                     .iter()
-                    .zip(&b.lengths)
+                    .zip(b.lengths.iter())
                     .fold(0i64, |sum, (x, y)| sum.saturating_add(x.saturating_mul(*y))),
                 _ => 0,
             },
@@ -226,18 +233,18 @@ impl Sizes {
 
 /// The values of a pair layout's row map (`rows`, `columns`: the lengths `M`, `N` of
 /// the layout `[M_i, N_i, ...]` it reads for); `None` when they cannot be allocated.
-fn pair_map(map: RowMap, rows: &LengthsInfo, columns: &LengthsInfo) -> Option<Box<[i64]>> {
+fn pair_map(map: RowMap, rows: &LengthsInfo<'_>, columns: &LengthsInfo<'_>) -> Option<Box<[i64]>> {
     let total: i64 = rows
         .lengths
         .iter()
-        .zip(&columns.lengths)
+        .zip(columns.lengths.iter())
         .try_fold(0i64, |sum, (m, n)| sum.checked_add(m.checked_mul(*n)?))?;
     let mut values: Vec<i64> = Vec::new();
     values
         .try_reserve_exact(usize::try_from(total).ok()?)
         .ok()?;
     let mut pairs_start = 0;
-    for (element, (&m, &n)) in rows.lengths.iter().zip(&columns.lengths).enumerate() {
+    for (element, (&m, &n)) in rows.lengths.iter().zip(columns.lengths.iter()).enumerate() {
         let (row_start, column_start) = (rows.offsets[element], columns.offsets[element]);
         for i in 0..m {
             match map {

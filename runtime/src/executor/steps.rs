@@ -18,7 +18,7 @@ pub(super) struct RunState<'r, 'i> {
     pub(super) pointers: &'r [*mut u8],
     /// The slot whose memory each slot uses ([`Executable`]'s `roots`).
     pub(super) roots: &'r [Slot],
-    pub(super) sizes: &'r Sizes,
+    pub(super) sizes: &'r Sizes<'i>,
     pub(super) inputs: &'r [InputData<'i>],
     pub(super) host: Option<&'r dyn HostRunner>,
     /// The run's number (keys its random masks).
@@ -30,7 +30,7 @@ impl RunState<'_, '_> {
         self.pointers[self.roots[slot.0 as usize].0 as usize]
     }
 
-    fn lengths(&self, slot: Slot) -> Option<&LengthsInfo> {
+    fn lengths(&self, slot: Slot) -> Option<&LengthsInfo<'_>> {
         self.sizes.get(slot)
     }
 
@@ -48,7 +48,9 @@ impl RunState<'_, '_> {
         out: *mut u8,
         accesses: &[Access],
     ) -> Result<Vec<*mut u8>, RuntimeError> {
-        let mut args: Vec<*mut u8> = vec![out];
+        // The output, every input, then the row maps: one allocation.
+        let mut args: Vec<*mut u8> = Vec::with_capacity(1 + 2 * accesses.len());
+        args.push(out);
         args.extend(accesses.iter().map(|access| self.pointer(access.slot)));
         for access in accesses {
             if let Some(map) = access.row_map {

@@ -143,12 +143,15 @@ pub enum RunData {
 impl RunDim {
     /// The sizes of the static dims among `dims`, in order.
     pub fn static_sizes(dims: &[RunDim]) -> Vec<i64> {
-        dims.iter()
-            .filter_map(|dim| match dim {
-                RunDim::Static(size) => Some(*size),
-                RunDim::Ragged(_) => None,
-            })
-            .collect()
+        Self::statics(dims).collect()
+    }
+
+    /// [`RunDim::static_sizes`] without collecting them.
+    fn statics(dims: &[RunDim]) -> impl Iterator<Item = i64> + '_ {
+        dims.iter().filter_map(|dim| match dim {
+            RunDim::Static(size) => Some(*size),
+            RunDim::Ragged(_) => None,
+        })
     }
 }
 
@@ -178,13 +181,7 @@ impl RunShape {
         match self {
             RunShape::Full(dims) => dims.clone(),
             RunShape::Dense(tail) => rows_of(tail.len(), &mut tail.iter().copied()),
-            RunShape::Ragged(dims) => rows_of(
-                dims.len(),
-                &mut dims.iter().filter_map(|dim| match dim {
-                    RunDim::Static(size) => Some(*size),
-                    RunDim::Ragged(_) => None,
-                }),
-            ),
+            RunShape::Ragged(dims) => rows_of(dims.len(), &mut RunDim::statics(dims)),
         }
     }
 }

@@ -71,7 +71,7 @@ mod tests {
             lengths in proptest::collection::vec(0i64..6, 1..5),
             width in 1i64..4,
         ) {
-            let info = LengthsInfo::new(lengths.clone().into());
+            let info = LengthsInfo::new(lengths.clone().into(), Vec::new());
             let total: i64 = lengths.iter().sum();
             let values: Vec<f32> = (0..total * width).map(|index| index as f32 * 0.5 - 3.0).collect();
             let padded_size = (lengths.len() as i64 * info.longest * width) as usize;

@@ -605,9 +605,9 @@ impl Executable {
                 "device programs compute in f32 (this one in f64)",
             ));
         }
-        let sizes = Sizes::of_run(program, inputs)?;
+        let sizes = Sizes::of_run(program, inputs, &mut Vec::new())?;
         // Checks every input's type and size.
-        self.input_pointers(inputs, &sizes, true)?;
+        self.input_pointers(inputs, &sizes, true, &mut Vec::new())?;
         // Every slot's address on the device (aliases use their root's), and the
         // buffers of the run, kept until its work is done.
         let mut addresses = vec![0u64; program.slots.len()];

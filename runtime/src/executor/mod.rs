@@ -167,21 +167,33 @@ impl RunShape {
     /// assert_eq!(RunShape::Full(vec![2, 3]).packed(6), vec![2, 3]);
     /// ```
     pub fn packed(&self, elements: usize) -> Vec<i64> {
-        // One allocation: the rows, then the tail (at most `dims` sizes).
-        let rows_of = |dims: usize, tail: &mut dyn Iterator<Item = i64>| -> Vec<i64> {
-            let mut shape = Vec::with_capacity(1 + dims);
-            shape.push(0);
-            shape.extend(tail);
-            let width: i64 = shape[1..].iter().product();
-            if width != 0 {
-                shape[0] = elements as i64 / width;
+        let mut shape = Vec::new();
+        self.packed_into(elements, &mut shape);
+        shape
+    }
+
+    /// [`RunShape::packed`], written into `shape` (its memory reused).
+    fn packed_into(&self, elements: usize, shape: &mut Vec<i64>) {
+        shape.clear();
+        let tail = match self {
+            RunShape::Full(dims) => return shape.extend_from_slice(dims),
+            RunShape::Dense(tail) => {
+                shape.reserve(1 + tail.len());
+                shape.push(0);
+                shape.extend_from_slice(tail);
+                &shape[1..]
             }
-            shape
+            RunShape::Ragged(dims) => {
+                shape.reserve(1 + dims.len());
+                shape.push(0);
+                shape.extend(RunDim::statics(dims));
+                &shape[1..]
+            }
         };
-        match self {
-            RunShape::Full(dims) => dims.clone(),
-            RunShape::Dense(tail) => rows_of(tail.len(), &mut tail.iter().copied()),
-            RunShape::Ragged(dims) => rows_of(dims.len(), &mut RunDim::statics(dims)),
+        // As many rows as the values fill.
+        let width: i64 = tail.iter().product();
+        if width != 0 {
+            shape[0] = elements as i64 / width;
         }
     }
 }
@@ -245,8 +257,46 @@ pub struct Executable {
     frees: Vec<Vec<Slot>>,
     /// The slot whose memory each slot uses (itself, unless it is an alias).
     roots: Vec<Slot>,
-    /// Intermediate buffers kept between runs (their pages are already mapped).
-    pool: std::sync::Mutex<Vec<Vec<CacheLine>>>,
+    /// What finished runs leave for the next: one per run that was in progress at once.
+    scratch: std::sync::Mutex<Vec<Scratch>>,
+}
+
+/// A run's working lists, kept between runs with the intermediate buffers, so that a
+/// run allocates none of them anew (a compiled call of a small program made 24 small
+/// allocations, eager libtorch 6).
+#[derive(Default)]
+struct Scratch {
+    /// Intermediate buffers free for reuse (their pages are already mapped).
+    free: Vec<Vec<CacheLine>>,
+    /// Every slot's buffer (null for aliases, which read their root's).
+    pointers: Vec<*mut u8>,
+    /// The intermediate buffers of this run, by slot.
+    owned: Vec<Option<Vec<CacheLine>>>,
+    /// The sink's buffers, by slot.
+    external: Vec<Option<*mut u8>>,
+    /// Which outputs the sink holds.
+    sunk: Vec<bool>,
+    /// A result's packed shape, as the sink is asked for it.
+    shape: Vec<i64>,
+    /// A kernel's argument list.
+    args: std::cell::RefCell<Vec<*mut u8>>,
+    /// Offsets buffers of the lengths, for the next run's.
+    offsets: Vec<Vec<i64>>,
+}
+
+// SAFETY: the pointer lists hold addresses only for the run that filled them; between
+// runs, when a `Scratch` may move to another thread, they are empty.
+unsafe impl Send for Scratch {}
+
+impl Scratch {
+    /// Ready for the next run: every buffer free, the lists empty (their memory kept).
+    fn clear(&mut self) {
+        self.free.extend(self.owned.drain(..).flatten());
+        self.pointers.clear();
+        self.external.clear();
+        self.sunk.clear();
+        self.args.get_mut().clear();
+    }
 }
 
 /// The unit of the executor's intermediate buffers: every buffer starts on a cache line.
@@ -282,7 +332,7 @@ impl Executable {
             reads,
             frees,
             roots,
-            pool: std::sync::Mutex::new(Vec::new()),
+            scratch: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -316,23 +366,48 @@ impl Executable {
         host: Option<&dyn HostRunner>,
         sink: Option<&mut dyn OutputSink>,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
+        let lock = || {
+            self.scratch
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        };
+        let mut scratch = lock().pop().unwrap_or_default();
+        let result = self.run_with(&mut scratch, inputs, stats, host, sink);
+        // Kept for the next run, failed or not.
+        scratch.clear();
+        lock().push(scratch);
+        result
+    }
+
+    /// [`Executable::run_into`] with the working lists and free buffers of `scratch`.
+    fn run_with(
+        &self,
+        scratch: &mut Scratch,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+        host: Option<&dyn HostRunner>,
+        sink: Option<&mut dyn OutputSink>,
+    ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
         // Every run draws new random masks.
         let run_number = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Scratch {
+            free,
+            pointers,
+            owned,
+            external,
+            sunk,
+            shape,
+            args,
+            offsets,
+        } = scratch;
         // Lengths first: every size depends on them.
-        let sizes = Sizes::of_run(program, inputs)?;
+        let sizes = Sizes::of_run(program, inputs, offsets)?;
         // Buffers: inputs borrowed, intermediates allocated (and reused), aliases shared.
-        let mut pointers = self.input_pointers(inputs, &sizes, false)?;
-        let mut owned: Vec<Option<Vec<CacheLine>>> =
-            (0..program.slots.len()).map(|_| None).collect();
-        let mut free: Vec<Vec<CacheLine>> = std::mem::take(
-            &mut *self
-                .pool
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
+        self.input_pointers(inputs, &sizes, false, pointers)?;
+        owned.resize_with(program.slots.len(), || None);
         let shapes = self.output_shapes(&sizes);
-        let (external, sunk) = self.sink_buffers(sink, &sizes, &shapes);
+        self.sink_buffers(sink, &sizes, &shapes, (external, sunk), shape);
         let mut moved: u64 = 0;
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
@@ -380,15 +455,16 @@ impl Executable {
             }
             let started = profile().then(std::time::Instant::now);
             let state = RunState {
-                pointers: &pointers,
+                pointers,
                 roots: &self.roots,
                 sizes: &sizes,
                 inputs,
                 host,
                 run: run_number,
+                args,
             };
             #[cfg(debug_assertions)]
-            self.check_own_output(step_index, &pointers, &sizes);
+            self.check_own_output(step_index, pointers, &sizes);
             self.execute(step_index, step, &state)?;
             if let Some(started) = started {
                 eprintln!(
@@ -397,7 +473,7 @@ impl Executable {
                     step_name(step)
                 );
             }
-            // Buffers whose last reader was this step go back to the pool.
+            // Buffers whose last reader was this step are free for the next steps.
             for slot in &self.frees[step_index] {
                 if let Some(buffer) = owned[slot.0 as usize].take() {
                     free.push(buffer);
@@ -406,13 +482,8 @@ impl Executable {
         }
         stats.launched(program.steps.len() as u64);
         stats.moved(moved);
-        let outputs = self.outputs(&sizes, shapes, &pointers, &sunk);
-        // Every buffer goes back to the pool for the next run.
-        free.extend(owned.into_iter().flatten());
-        self.pool
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .extend(free);
+        let outputs = self.outputs(&sizes, shapes, pointers, sunk);
+        sizes.recycle(offsets);
         Ok(outputs)
     }
 
@@ -457,17 +528,19 @@ impl Executable {
         )
     }
 
-    /// Every slot's pointer with the inputs' memory in place (null for the others),
-    /// after checking each input's type and size against the program.
+    /// Sets `pointers` to every slot's pointer with the inputs' memory in place (null for
+    /// the others), after checking each input's type and size against the program.
     fn input_pointers(
         &self,
         inputs: &[InputData<'_>],
         sizes: &Sizes,
         on_device: bool,
-    ) -> Result<Vec<*mut u8>, RuntimeError> {
+        pointers: &mut Vec<*mut u8>,
+    ) -> Result<(), RuntimeError> {
         let program = &self.program;
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
-        let mut pointers: Vec<*mut u8> = vec![std::ptr::null_mut(); program.slots.len()];
+        pointers.clear();
+        pointers.resize(program.slots.len(), std::ptr::null_mut());
         for (index, info) in program.slots.iter().enumerate() {
             // Aliases read their root's pointer when used (roots are written later).
             let Source::Input(input) = info.source else {
@@ -524,28 +597,32 @@ impl Executable {
             }
             pointers[index] = pointer;
         }
-        Ok(pointers)
+        Ok(())
     }
 
-    /// The sink's buffers for the results that steps compute, by slot, and which
-    /// outputs they hold.
+    /// Sets `external` to the sink's buffers for the results that steps compute, by
+    /// slot, and `sunk` to which outputs they hold.
     fn sink_buffers(
         &self,
         sink: Option<&mut dyn OutputSink>,
         sizes: &Sizes,
         shapes: &[(Slot, RunShape)],
-    ) -> (Vec<Option<*mut u8>>, Vec<bool>) {
+        (external, sunk): (&mut Vec<Option<*mut u8>>, &mut Vec<bool>),
+        shape: &mut Vec<i64>,
+    ) {
         let program = &self.program;
-        let mut external: Vec<Option<*mut u8>> = vec![None; program.slots.len()];
-        let mut sunk = vec![false; program.outputs.len()];
+        external.clear();
+        external.resize(program.slots.len(), None);
+        sunk.clear();
+        sunk.resize(program.outputs.len(), false);
         if let Some(sink) = sink {
-            for (index, &(slot, ref shape)) in shapes.iter().enumerate() {
+            for (index, &(slot, ref run_shape)) in shapes.iter().enumerate() {
                 if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some()
                 {
                     continue;
                 }
                 let elements = sizes.elements(program, slot);
-                let shape = shape.packed(elements);
+                run_shape.packed_into(elements, shape);
                 // The sink sizes the buffer by the shape: it must hold every value.
                 if shape
                     .iter()
@@ -554,13 +631,12 @@ impl Executable {
                 {
                     continue;
                 }
-                if let Some(buffer) = sink.buffer(index, &shape) {
+                if let Some(buffer) = sink.buffer(index, shape) {
                     external[slot.0 as usize] = Some(buffer);
                     sunk[index] = true;
                 }
             }
         }
-        (external, sunk)
     }
 
     /// The results of a run (of `shapes`, [`Self::output_shapes`]): values copied out of

@@ -23,8 +23,10 @@ pub(super) struct LengthsInfo<'a> {
 }
 
 impl<'a> LengthsInfo<'a> {
-    pub(super) fn new(lengths: Cow<'a, [i64]>) -> Self {
-        let mut offsets = Vec::with_capacity(lengths.len() + 1);
+    /// The info of `lengths`, its offsets written into `offsets` (its memory reused).
+    pub(super) fn new(lengths: Cow<'a, [i64]>, mut offsets: Vec<i64>) -> Self {
+        offsets.clear();
+        offsets.reserve(lengths.len() + 1);
         offsets.push(0);
         for &length in lengths.iter() {
             offsets.push(offsets.last().copied().unwrap_or(0) + length);
@@ -62,35 +64,46 @@ pub(super) struct Sizes<'a> {
 impl<'a> Sizes<'a> {
     /// Reads the lengths inputs of `program` from `inputs` (an error for a missing or
     /// negative length; borrowed, not copied) and computes the lengths its
-    /// `lengths_ops` derive from them.
+    /// `lengths_ops` derive from them. Offsets go into the buffers of `spare` while it
+    /// has some ([`Sizes::recycle`] gives them back).
     pub(super) fn of_run(
         program: &Program,
         inputs: &[InputData<'a>],
+        spare: &mut Vec<Vec<i64>>,
     ) -> Result<Self, RuntimeError> {
         let bad = |input: usize, reason: String| RuntimeError::BadInput { input, reason };
+        // The lengths inputs: (slot, input) of each slot that is its own batch's lengths.
+        let lengths_inputs = || {
+            program
+                .slots
+                .iter()
+                .enumerate()
+                .filter_map(|(index, info)| {
+                    let slot = Slot(index as u32);
+                    match (info.source, info.dtype, info.rows.base) {
+                        (Source::Input(input), DType::I64, RowBase::Batch(own)) if own == slot => {
+                            Some((slot, input))
+                        }
+                        _ => None,
+                    }
+                })
+        };
         let mut sizes = Self {
-            lengths: Vec::new(),
+            lengths: Vec::with_capacity(lengths_inputs().count() + program.lengths_ops.len()),
             pair_maps: Default::default(),
             window_taps: Default::default(),
         };
-        for (index, info) in program.slots.iter().enumerate() {
-            if let (Source::Input(input), DType::I64, RowBase::Batch(own)) =
-                (info.source, info.dtype, info.rows.base)
-            {
-                if own != Slot(index as u32) {
-                    continue;
-                }
-                let Some(&InputData::I64(values)) = inputs.get(input) else {
-                    return Err(bad(input, "expected lengths (i64)".into()));
-                };
-                if let Some((element, &length)) = values.iter().enumerate().find(|(_, &l)| l < 0) {
-                    return Err(bad(
-                        input,
-                        format!("element {element} has negative length {length}"),
-                    ));
-                }
-                sizes.insert(Slot(index as u32), Cow::Borrowed(values));
+        for (slot, input) in lengths_inputs() {
+            let Some(&InputData::I64(values)) = inputs.get(input) else {
+                return Err(bad(input, "expected lengths (i64)".into()));
+            };
+            if let Some((element, &length)) = values.iter().enumerate().find(|(_, &l)| l < 0) {
+                return Err(bad(
+                    input,
+                    format!("element {element} has negative length {length}"),
+                ));
             }
+            sizes.insert(slot, Cow::Borrowed(values), spare.pop());
         }
         for op in &program.lengths_ops {
             let lengths_of = |slot: Slot| sizes.get(slot).map_or(&[][..], |info| &info.lengths[..]);
@@ -127,15 +140,22 @@ impl<'a> Sizes<'a> {
                     values
                 }
             };
-            sizes.insert(op.out, Cow::Owned(values));
+            sizes.insert(op.out, Cow::Owned(values), spare.pop());
         }
         Ok(sizes)
     }
 
-    /// Records the lengths of `slot` (replacing any before).
-    fn insert(&mut self, slot: Slot, lengths: Cow<'a, [i64]>) {
+    /// Records the lengths of `slot` (replacing any before), with `offsets`' memory
+    /// for their offsets if given.
+    fn insert(&mut self, slot: Slot, lengths: Cow<'a, [i64]>, offsets: Option<Vec<i64>>) {
         self.lengths.retain(|(known, _)| *known != slot);
-        self.lengths.push((slot, LengthsInfo::new(lengths)));
+        let info = LengthsInfo::new(lengths, offsets.unwrap_or_default());
+        self.lengths.push((slot, info));
+    }
+
+    /// Ends the run: the offsets buffers go to `spare` for the next.
+    pub(super) fn recycle(self, spare: &mut Vec<Vec<i64>>) {
+        spare.extend(self.lengths.into_iter().map(|(_, info)| info.offsets));
     }
 
     /// The values of `map` for this run, built on first use: an input row for every

@@ -23,9 +23,11 @@ pub(super) struct RunState<'r, 'i> {
     pub(super) host: Option<&'r dyn HostRunner>,
     /// The run's number (keys its random masks).
     pub(super) run: u64,
+    /// The argument list pointwise kernels are given (reused by every step).
+    pub(super) args: &'r std::cell::RefCell<Vec<*mut u8>>,
 }
 
-impl RunState<'_, '_> {
+impl<'r> RunState<'r, '_> {
     pub(super) fn pointer(&self, slot: Slot) -> *mut u8 {
         self.pointers[self.roots[slot.0 as usize].0 as usize]
     }
@@ -47,9 +49,14 @@ impl RunState<'_, '_> {
         index: usize,
         out: *mut u8,
         accesses: &[Access],
-    ) -> Result<Vec<*mut u8>, RuntimeError> {
-        // The output, every input, then the row maps: one allocation.
-        let mut args: Vec<*mut u8> = Vec::with_capacity(1 + 2 * accesses.len());
+    ) -> Result<std::cell::RefMut<'r, Vec<*mut u8>>, RuntimeError> {
+        // Steps run one at a time and release the list when they end.
+        let mut args = self
+            .args
+            .try_borrow_mut()
+            .map_err(|_| step_error(index, "the argument list is in use".into()))?;
+        // The output, every input, then the row maps.
+        args.clear();
         args.push(out);
         args.extend(accesses.iter().map(|access| self.pointer(access.slot)));
         for access in accesses {
@@ -507,7 +514,7 @@ impl Executable {
         };
         let (out, x, weight) = (run.pointer(*out), run.pointer(*x), run.pointer(*weight));
         let bias = bias.map(|bias| run.pointer(bias));
-        let epilogue_args: Option<Vec<*mut u8>> = epilogue
+        let epilogue_args = epilogue
             .as_ref()
             .map(|epilogue| run.pointwise_args(index, out, &epilogue.inputs))
             .transpose()?;

@@ -31,14 +31,36 @@ use train::Gradient;
 /// with the same batch size (traced as one batch-size symbol). Never lengths. Every
 /// list is preceded by its length, so two structures never write the same words.
 ///
-/// Built on every call: one allocation, no lengths copied, a cheap hash.
+/// Written on every call into a buffer of the calling thread (no allocation, no lengths
+/// copied, a cheap hash); a key is made only for a new structure.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct StructureKey(Vec<u64>);
+
+// Hashes as its words do (`Vec`'s hash is its slice's), so the cache is searched by the
+// words alone.
+impl std::borrow::Borrow<[u64]> for StructureKey {
+    fn borrow(&self) -> &[u64] {
+        &self.0
+    }
+}
+
+thread_local! {
+    /// The words of the calling thread's last structure key.
+    static KEY_WORDS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 impl StructureKey {
     /// The key of batches already normalized (`normalized_input`) and dense inputs.
     fn of(normalized: &[&NestedTensor], dense: &[&Tensor]) -> Self {
-        let mut words = Vec::with_capacity(2 + 12 * normalized.len() + 6 * dense.len());
+        let mut words = Vec::new();
+        Self::write(normalized, dense, &mut words);
+        Self(words)
+    }
+
+    /// Writes the key's words into `words` (replacing what it held).
+    fn write(normalized: &[&NestedTensor], dense: &[&Tensor], words: &mut Vec<u64>) {
+        words.clear();
+        words.reserve(2 + 12 * normalized.len() + 6 * dense.len());
         words.extend([normalized.len() as u64, dense.len() as u64]);
         for (index, batch) in normalized.iter().enumerate() {
             let layout = batch.lay();
@@ -75,7 +97,6 @@ impl StructureKey {
             let first = (0..input).find(|&known| batch_size(known) == size);
             words.push(first.unwrap_or(input) as u64);
         }
-        Self(words)
     }
 
     /// How many batches and dense inputs the structure has.
@@ -393,11 +414,24 @@ where
         nested: &[&NestedTensor],
         dense: &[&Tensor],
     ) -> Result<(Arc<Entry>, bool)> {
+        let lock = || {
+            self.cache
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        };
+        // A known structure: found by the thread's key words (the borrow ends before
+        // anything else can write them).
+        let known = KEY_WORDS.with_borrow_mut(|words| {
+            StructureKey::write(normalized, dense, words);
+            lock().get(words.as_slice()).cloned()
+        });
+        if let Some(entry) = known {
+            self.stats.hit();
+            return Ok((entry, false));
+        }
         let key = StructureKey::of(normalized, dense);
-        let mut cache = self
-            .cache
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut cache = lock();
+        // Another thread may have built it meanwhile.
         if let Some(entry) = cache.get(&key) {
             self.stats.hit();
             return Ok((Arc::clone(entry), false));

@@ -256,14 +256,14 @@ fn limits_section(limits: &Limits, out: &mut String) {
     let _ = writeln!(out, "\n## Machine limits\n");
     let _ = writeln!(
         out,
-        "Measured at the start of the run. GEMM peak: the faster of libtorch's f32 matmul of two \
-         {side}x{side} matrices ({:.1} GFLOP/s) and nestor compiled's `linear` of the same sizes \
-         ({:.1} GFLOP/s), {:.1} GFLOP/s. Memory bandwidth: a copy of {} MiB, {:.1} GB/s (bytes \
-         read plus written). Each GEMM of a Transformer layer at the models' lengths (every \
+        "Measured at the start of the run, after one untimed pass over the first occupancy's \
+         GEMMs below (the process's first compiled GEMMs ran slower). GEMM peak: the best of \
+         libtorch's f32 matmul of two {side}x{side} matrices ({:.1} GFLOP/s), nestor \
+         compiled's `linear` of the same sizes ({:.1} GFLOP/s) and every product of the table \
+         below, {:.1} GFLOP/s. Memory bandwidth: a copy of {} MiB, {:.1} GB/s (bytes read \
+         plus written). Each GEMM of a Transformer layer at the models' lengths (every \
          occupancy), `linear` with a bias on the packed rows: libtorch on the values tensor \
-         against nestor compiled on the batch (a whole compiled call), after one untimed \
-         pass over the first occupancy's rows (the process's first compiled GEMMs ran \
-         slower).\n",
+         against nestor compiled on the batch (a whole compiled call).\n",
         limits.libtorch_gflops,
         limits.compiled_gflops,
         limits.peak_gflops,

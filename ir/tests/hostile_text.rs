@@ -78,3 +78,49 @@ fn bad_escapes_are_errors() {
         assert!(parse(&text).is_err(), "{bad}");
     }
 }
+
+/// A per-element pooling graph with `attributes` on its `max_pool2d`.
+fn pooling(attributes: &str) -> String {
+    format!(
+        "graph @g {{
+  %0 = input {{name = \"H\"}} : lengths[B]
+  %1 = input {{name = \"W\"}} : lengths[B]
+  %2 = input {{name = \"x\"}} : ragged<f32>[B; 4, %0, %1]
+  %3 = window_lengths(%0) {{kernel = 2, stride = 2, padding = 0, dilation = 1}} : lengths[B]
+  %4 = window_lengths(%1) {{kernel = 2, stride = 2, padding = 0, dilation = 1}} : lengths[B]
+  %5 = per_element(%2) : ragged<f32>[B; 4, %3, %4] graph @pool2d {{
+    %0 = input {{name = \"element\"}} : f32[4, ?, ?]
+    %1 = max_pool2d(%0) {{{attributes}}} : f32[4, ?, ?]
+    return %1
+  }}
+  return %5
+}}
+"
+    )
+}
+
+#[test]
+fn window_geometries_of_the_wrong_length_or_sign_are_errors() {
+    let good = pooling("kernel = [2, 2], stride = [2, 2], padding = [0, 0]");
+    parse(&good).unwrap_or_else(|error| panic!("{error}\n{good}"));
+    for (attributes, what) in [
+        ("kernel = [2, 2], stride = [2, 2], padding = [11]", "padding"),
+        ("kernel = [2], stride = [2, 2], padding = [0, 0]", "kernel"),
+        ("kernel = [2, 2], stride = [2, 0], padding = [0, 0]", "stride"),
+        ("kernel = [2, 2], stride = [2, 2], padding = [0, -1]", "padding"),
+        ("kernel = [2, 2], stride = [2, 2, 2], padding = [0, 0]", "stride"),
+    ] {
+        let text = pooling(attributes);
+        let error = parse(&text).unwrap_err();
+        assert!(error.message.contains(what), "{attributes}: {error}");
+    }
+}
+
+#[test]
+fn huge_window_geometries_give_sizes_not_overflows() {
+    use nestor_ir::window_output_size;
+    assert_eq!(window_output_size(5, 2, 2, 0, 1), 2);
+    assert_eq!(window_output_size(i64::MAX, 1, 1, i64::MAX, 1), i64::MAX);
+    assert_eq!(window_output_size(4, i64::MAX, 1, 0, i64::MAX), 0);
+    assert_eq!(window_output_size(i64::MAX, 3, 1, 1, 1), i64::MAX);
+}

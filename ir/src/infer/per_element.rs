@@ -37,6 +37,11 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                     return Err(format!("the bias must be [{out}]"));
                 }
             }
+            let (stride, padding, dilation) = (
+                pair("stride", stride, 1)?,
+                pair("padding", padding, 0)?,
+                pair("dilation", dilation, 1)?,
+            );
             let spatial = [
                 window(&shape[1], *kh, stride[0], padding[0], dilation[0]),
                 window(&shape[2], *kw, stride[1], padding[1], dilation[1]),
@@ -54,6 +59,11 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             ..
         } => {
             let (dtype, shape) = element_image(&ty(*x))?;
+            let (kernel, stride, padding) = (
+                pair("kernel", kernel, 1)?,
+                pair("stride", stride, 1)?,
+                pair("padding", padding, 0)?,
+            );
             Ok(Type::dense(
                 dtype,
                 [
@@ -65,6 +75,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         }
         Op::AdaptiveAvgPool2d { x, output } => {
             let (dtype, shape) = element_image(&ty(*x))?;
+            let output = pair("output size", output, 1)?;
             Ok(Type::dense(
                 dtype,
                 [
@@ -94,10 +105,15 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                     g.1, input.1
                 ));
             }
-            if padding.len() != 2
-                || dilation.len() != 2
-                || (0..2).any(|axis| padding[axis] > dilation[axis] * ([*kh, *kw][axis] - 1))
-            {
+            let (padding, dilation) =
+                (pair("padding", padding, 0)?, pair("dilation", dilation, 1)?);
+            let reach = |axis: usize| {
+                let kernel: i64 = [*kh, *kw][axis];
+                kernel
+                    .checked_sub(1)
+                    .and_then(|taps| dilation[axis].checked_mul(taps))
+            };
+            if (0..2).any(|axis| reach(axis).is_none_or(|reach| padding[axis] > reach)) {
                 return Err("needs 2-d paddings at most the window's reach".into());
             }
             Ok(ty(*x).with_dtype(g.0))
@@ -110,12 +126,13 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             dilation,
         } => {
             let (x, g) = (images(&ty(*x))?, images(&ty(*g))?);
-            let (Some(channels), Some(out), [kh, kw], 2, 2) =
-                (x.1, g.1, kernel.as_slice(), padding.len(), dilation.len())
-            else {
-                return Err("needs images of static channels and a 2-d window".into());
+            let [kh, kw] = pair("kernel", kernel, 1)?;
+            pair("padding", padding, 0)?;
+            pair("dilation", dilation, 1)?;
+            let (Some(channels), Some(out)) = (x.1, g.1) else {
+                return Err("needs images of static channels".into());
             };
-            Ok(Type::dense_static(g.0, &[out, channels, *kh, *kw]))
+            Ok(Type::dense_static(g.0, &[out, channels, kh, kw]))
         }
         Op::Pool2dGrad {
             x,
@@ -126,8 +143,11 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             ..
         } => {
             let (input, grads) = (images(&ty(*x))?, images(&ty(*g))?);
-            if input.1 != grads.1 || kernel.len() != 2 || stride.len() != 2 || padding.len() != 2 {
-                return Err("needs a gradient of the images' channels and a 2-d window".into());
+            pair("kernel", kernel, 1)?;
+            pair("stride", stride, 1)?;
+            pair("padding", padding, 0)?;
+            if input.1 != grads.1 {
+                return Err("needs a gradient of the images' channels".into());
             }
             Ok(ty(*x).with_dtype(grads.0))
         }
@@ -149,6 +169,16 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
         }
         other => Err(format!("{} is not a per element op", other.name())),
+    }
+}
+
+/// A window attribute (`what`): one value per spatial axis, each at least `least`.
+fn pair(what: &str, values: &[i64], least: i64) -> Result<[i64; 2], String> {
+    match values {
+        &[first, second] if first >= least && second >= least => Ok([first, second]),
+        _ => Err(format!(
+            "the {what} must be two values of at least {least}, got {values:?}"
+        )),
     }
 }
 
@@ -202,9 +232,14 @@ impl Window2d {
 }
 
 /// The output size of a sliding window (convolution, pooling) over `size` positions,
-/// as torch computes it (never negative).
+/// as torch computes it (never negative; `stride` at least 1, as type inference
+/// checks). Computed in 128 bits, so that no geometry overflows.
 pub fn window_output_size(size: i64, kernel: i64, stride: i64, padding: i64, dilation: i64) -> i64 {
-    ((size + 2 * padding - dilation * (kernel - 1) - 1).div_euclid(stride) + 1).max(0)
+    let [size, kernel, stride, padding, dilation] =
+        [size, kernel, stride.max(1), padding, dilation].map(i128::from);
+    let reach = dilation * (kernel - 1) + 1;
+    let positions = (size + 2 * padding - reach).div_euclid(stride) + 1;
+    positions.clamp(0, i128::from(i64::MAX)) as i64
 }
 
 fn element_image(ty: &Type) -> Result<(DType, Vec<Dim>), String> {

@@ -104,11 +104,23 @@ fn window_geometries_of_the_wrong_length_or_sign_are_errors() {
     let good = pooling("kernel = [2, 2], stride = [2, 2], padding = [0, 0]");
     parse(&good).unwrap_or_else(|error| panic!("{error}\n{good}"));
     for (attributes, what) in [
-        ("kernel = [2, 2], stride = [2, 2], padding = [11]", "padding"),
+        (
+            "kernel = [2, 2], stride = [2, 2], padding = [11]",
+            "padding",
+        ),
         ("kernel = [2], stride = [2, 2], padding = [0, 0]", "kernel"),
-        ("kernel = [2, 2], stride = [2, 0], padding = [0, 0]", "stride"),
-        ("kernel = [2, 2], stride = [2, 2], padding = [0, -1]", "padding"),
-        ("kernel = [2, 2], stride = [2, 2, 2], padding = [0, 0]", "stride"),
+        (
+            "kernel = [2, 2], stride = [2, 0], padding = [0, 0]",
+            "stride",
+        ),
+        (
+            "kernel = [2, 2], stride = [2, 2], padding = [0, -1]",
+            "padding",
+        ),
+        (
+            "kernel = [2, 2], stride = [2, 2, 2], padding = [0, 0]",
+            "stride",
+        ),
     ] {
         let text = pooling(attributes);
         let error = parse(&text).unwrap_err();

@@ -361,7 +361,10 @@ proptest! {
         let expected: Vec<Tensor> = qs.iter().zip(&ks).map(|(q, k)| q.matmul(&k.transpose(0, 1))).collect();
         common::assert_elements_of("scores", &scores, &expected, kind);
         let expected: Vec<Tensor> = qs.iter().zip(&ks).zip(&vs).map(|((q, k), v)| attention_reference(q, k, v, scale)).collect();
-        common::assert_elements_of("attention", &output, &expected, kind);
+        // Four rounding steps (product, scale, softmax, product) on each side, in
+        // different orders: half precision differed by 2.4e-3 in 1 of 400 cases
+        // (lengths [36], seed 624), over the one-step tolerance of 2e-3.
+        common::assert_elements_within("attention", &output, &expected, 4.0 * common::tolerance(kind));
     }
 
     #[test]

@@ -122,11 +122,15 @@ impl Random {
 /// Whether two tensors agree within the tolerance of `kind` (compared in f64; NaNs
 /// must agree in position).
 pub fn close(actual: &Tensor, expected: &Tensor, kind: Kind) -> bool {
+    close_within(actual, expected, tolerance(kind))
+}
+
+/// [`close`] within `tolerance` (absolute and relative).
+pub fn close_within(actual: &Tensor, expected: &Tensor, tolerance: f64) -> bool {
     if actual.size() != expected.size() {
         eprintln!("shape {:?} != {:?}", actual.size(), expected.size());
         return false;
     }
-    let tolerance = tolerance(kind);
     let (a, e) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
     let ok = a.allclose(&e, tolerance, tolerance, true);
     if !ok {
@@ -149,10 +153,23 @@ pub fn assert_elements(nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
 
 /// [`assert_elements`] for the result named `what` (in the failure message).
 pub fn assert_elements_of(what: &str, nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
+    assert_elements_within(what, nested, expected, tolerance(kind))
+}
+
+/// [`assert_elements_of`] within `tolerance` (absolute and relative).
+pub fn assert_elements_within(
+    what: &str,
+    nested: &NestedTensor,
+    expected: &[Tensor],
+    tolerance: f64,
+) {
     let actual = nested.unbind().unwrap();
     assert_eq!(actual.len(), expected.len(), "{what}: batch size");
     for (index, (a, e)) in actual.iter().zip(expected).enumerate() {
-        assert!(close(a, e, kind), "{what}, element {index}: {a:?} vs {e:?}");
+        assert!(
+            close_within(a, e, tolerance),
+            "{what}, element {index}: {a:?} vs {e:?}"
+        );
     }
 }
 

@@ -50,14 +50,8 @@ thread_local! {
 }
 
 impl StructureKey {
-    /// The key of batches already normalized (`normalized_input`) and dense inputs.
-    fn of(normalized: &[&NestedTensor], dense: &[&Tensor]) -> Self {
-        let mut words = Vec::new();
-        Self::write(normalized, dense, &mut words);
-        Self(words)
-    }
-
-    /// Writes the key's words into `words` (replacing what it held).
+    /// Writes the words of the key of batches already normalized (`normalized_input`)
+    /// and dense inputs into `words` (replacing what they held).
     fn write(normalized: &[&NestedTensor], dense: &[&Tensor], words: &mut Vec<u64>) {
         words.clear();
         words.reserve(2 + 12 * normalized.len() + 6 * dense.len());
@@ -414,28 +408,26 @@ where
         nested: &[&NestedTensor],
         dense: &[&Tensor],
     ) -> Result<(Arc<Entry>, bool)> {
-        let lock = || {
-            self.cache
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-        };
-        // A known structure: found by the thread's key words (the borrow ends before
-        // anything else can write them).
-        let known = KEY_WORDS.with_borrow_mut(|words| {
+        let mut cache = self
+            .cache
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // A known structure is found by the thread's key words; a new one's key copies
+        // them (the borrow ends before anything else can write them).
+        let found = KEY_WORDS.with_borrow_mut(|words| {
             StructureKey::write(normalized, dense, words);
-            lock().get(words.as_slice()).cloned()
+            cache
+                .get(words.as_slice())
+                .cloned()
+                .ok_or_else(|| StructureKey(words.clone()))
         });
-        if let Some(entry) = known {
-            self.stats.hit();
-            return Ok((entry, false));
-        }
-        let key = StructureKey::of(normalized, dense);
-        let mut cache = lock();
-        // Another thread may have built it meanwhile.
-        if let Some(entry) = cache.get(&key) {
-            self.stats.hit();
-            return Ok((Arc::clone(entry), false));
-        }
+        let key = match found {
+            Ok(entry) => {
+                self.stats.hit();
+                return Ok((entry, false));
+            }
+            Err(key) => key,
+        };
         // Every structure of one function takes as many inputs as the first.
         if let Some(first) = cache.keys().next() {
             let (expected, got) = (first.inputs(), key.inputs());
@@ -963,10 +955,13 @@ mod tests {
 
     fn key(nested: &[&NestedTensor], dense: &[&Tensor]) -> StructureKey {
         let normalized = normalized_inputs(nested).expect("normalized batches");
-        StructureKey::of(
+        let mut words = Vec::new();
+        StructureKey::write(
             &normalized.iter().map(|batch| &**batch).collect::<Vec<_>>(),
             dense,
-        )
+            &mut words,
+        );
+        StructureKey(words)
     }
 
     #[test]

@@ -42,9 +42,9 @@ impl<'r> RunState<'r, '_> {
         })
     }
 
-    /// The arguments of a pointwise kernel: its output, its inputs, then the row maps
-    /// of the inputs that read rows through one.
-    fn pointwise_args(
+    /// The run's argument list for step `index`'s kernel, holding its output and the
+    /// buffers `accesses` read.
+    fn kernel_args(
         &self,
         index: usize,
         out: *mut u8,
@@ -55,10 +55,21 @@ impl<'r> RunState<'r, '_> {
             .args
             .try_borrow_mut()
             .map_err(|_| step_error(index, "the argument list is in use".into()))?;
-        // The output, every input, then the row maps.
         args.clear();
         args.push(out);
         args.extend(accesses.iter().map(|access| self.pointer(access.slot)));
+        Ok(args)
+    }
+
+    /// The arguments of a pointwise kernel: its output, its inputs, then the row maps
+    /// of the inputs that read rows through one.
+    fn pointwise_args(
+        &self,
+        index: usize,
+        out: *mut u8,
+        accesses: &[Access],
+    ) -> Result<std::cell::RefMut<'r, Vec<*mut u8>>, RuntimeError> {
+        let mut args = self.kernel_args(index, out, accesses)?;
         for access in accesses {
             if let Some(map) = access.row_map {
                 let (values, _) = self.sizes.row_map(map).ok_or_else(|| {
@@ -290,16 +301,14 @@ impl Executable {
             } => {
                 let optional =
                     |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), |s| run.pointer(s));
-                let mut args = vec![run.pointer(*out)];
-                args.extend(x.inputs.iter().map(|access| run.pointer(access.slot)));
+                let mut args = run.kernel_args(index, run.pointer(*out), &x.inputs)?;
                 args.extend([optional(weight), optional(bias)]);
                 self.launch(index, &args, run.sizes.rows(*rows), row_grain(step, *width))
             }
             Step::Segment {
                 out, x, lengths, ..
             } => {
-                let mut args = vec![run.pointer(*out)];
-                args.extend(x.inputs.iter().map(|access| run.pointer(access.slot)));
+                let mut args = run.kernel_args(index, run.pointer(*out), &x.inputs)?;
                 args.push(run.offsets(*lengths));
                 self.launch(index, &args, run.sizes.batch(*lengths), 1)
             }

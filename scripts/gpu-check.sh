@@ -4,7 +4,7 @@
 #   scripts/gpu-check.sh prepare   # here, with Rust: writes gpu-check/ (ignored by git):
 #                                  # the kernel cases (one per template kind: PTX for
 #                                  # sm_80 and sm_90, inputs, the CPU backend's outputs)
-#                                  # and nestor-runtime's `gpu-check` runner, which also
+#                                  # and nestor-backend-cuda's `gpu-check` runner, which also
 #                                  # runs whole programs (an encoder layer, a feed-forward
 #                                  # block, gathers and padding, attention over jagged
 #                                  # pairs, a conv net's windows, and training steps:
@@ -44,7 +44,7 @@ case "${1:-}" in
     mkdir -p "$folder/bin"
     NESTOR_GPU_CHECK_CASES="$folder/cases" "$root/scripts/cargo" test --release \
       -p nestor-backend-cuda --test gpu_check
-    "$root/scripts/cargo" build --release -p nestor-runtime --bin gpu-check
+    "$root/scripts/cargo" build --release -p nestor-backend-cuda --bin gpu-check
     # shellcheck source=scripts/env.sh
     source "$root/scripts/env.sh"
     cp "$CARGO_TARGET_DIR/release/gpu-check" "$folder/bin/"

@@ -12,6 +12,7 @@ use nestor::nn::{TransformerConfig, TransformerEncoder, TransformerEncoderLayer}
 use nestor::passes::optimize::StopReason;
 use nestor::passes::{lower, Limits, Optimize, Pipeline, Step};
 use nestor::{compile, trace, Dense, NestedTensor};
+use nestor_passes::step::{Gemm, Row};
 use tch::{nn, Device, Kind};
 
 fn config() -> TransformerConfig {
@@ -51,17 +52,19 @@ fn the_optimized_post_norm_encoder_layer_is_seven_kernels() {
         .filter(|step| {
             matches!(
                 step,
-                Step::Gemm {
+                Step::Gemm(Gemm {
                     epilogue: Some(_),
                     ..
-                }
+                })
             )
         })
         .count();
     let prologues = program
         .steps
         .iter()
-        .filter(|step| matches!(step, Step::Row { x, width, .. } if x.as_plain(*width).is_none()))
+        .filter(
+            |step| matches!(step, Step::Row(Row { x, width, .. }) if x.as_plain(*width).is_none()),
+        )
         .count();
     // The residual adds could as well be layer_norm prologues: the same launches and
     // bytes, so the cost model ties and extraction keeps the epilogues.

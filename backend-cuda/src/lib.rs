@@ -19,10 +19,12 @@
 pub mod blas;
 pub mod check;
 mod device;
+mod kernel_device;
 pub mod ptxas;
 
 pub use cudarc::driver::CudaSlice;
 pub use device::{Device, LoadedModule};
+pub use kernel_device::{CudaBuffer, CudaDevice};
 
 use std::path::{Path, PathBuf};
 

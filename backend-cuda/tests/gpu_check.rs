@@ -10,6 +10,9 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
+use nestor_passes::step::{
+    Attention, Gather, Gemm, Pad, Pointwise, RandomMask, Row, Segment, Unpad,
+};
 use std::path::PathBuf;
 
 use nestor_backend_cuda::check::{compare, Buffer, Case};
@@ -105,13 +108,13 @@ fn cases() -> Vec<(String, Step, Case)> {
     // Every pointwise function, alone over a flat run of scalars.
     for &op in UnaryOp::ALL.iter() {
         let x = values.floats(size);
-        let step = Step::Pointwise {
+        let step = Step::Pointwise(Pointwise {
             out: Slot(0),
             rows: rows(),
             width: WIDTH,
             inputs: vec![Access::rows(Slot(1), WIDTH)],
             expr: Expr::Unary(op, Box::new(Expr::Load(0))),
-        };
+        });
         let buffers = vec![Buffer::F32(vec![f32::NAN; size as usize]), Buffer::F32(x)];
         // libdevice and libm differ by an ulp or two in the transcendental functions.
         cases.push((
@@ -137,7 +140,7 @@ fn cases() -> Vec<(String, Step, Case)> {
             RowKind::Sum | RowKind::Mean | RowKind::Max | RowKind::Min
         );
         let out = if reduces { ROWS } else { size };
-        let step = Step::Row {
+        let step = Step::Row(Row {
             kind,
             out: Slot(0),
             x: Fusion::plain(Slot(1), WIDTH),
@@ -145,8 +148,8 @@ fn cases() -> Vec<(String, Step, Case)> {
             bias: affine.then_some(Slot(3)),
             rows: rows(),
             width: WIDTH,
-            eps: 1e-5,
-        };
+            eps: nestor_ir::F64(1e-5),
+        });
         let mut buffers = vec![
             Buffer::F32(vec![f32::NAN; out as usize]),
             Buffer::F32(values.floats(size)),
@@ -177,13 +180,13 @@ fn cases() -> Vec<(String, Step, Case)> {
         } else {
             LENGTHS.len() as i64 * WIDTH
         };
-        let step = Step::Segment {
+        let step = Step::Segment(Segment {
             kind,
             out: Slot(0),
             x: Fusion::plain(Slot(1), WIDTH),
             lengths: Slot(2),
             width: WIDTH,
-        };
+        });
         let buffers = vec![
             Buffer::F32(vec![f32::NAN; out as usize]),
             Buffer::F32(values.floats(total * WIDTH)),
@@ -198,13 +201,13 @@ fn cases() -> Vec<(String, Step, Case)> {
     }
     // Gather: rows of a table by id.
     let ids: Vec<i64> = (0..ROWS).map(|row| (row * 7) % 11).collect();
-    let step = Step::Gather {
+    let step = Step::Gather(Gather {
         out: Slot(0),
         table: Slot(1),
         ids: Slot(2),
         rows: rows(),
         width: WIDTH,
-    };
+    });
     let buffers = vec![
         Buffer::F32(vec![f32::NAN; size as usize]),
         Buffer::F32(values.floats(11 * WIDTH)),
@@ -218,7 +221,7 @@ fn cases() -> Vec<(String, Step, Case)> {
     // A GEMM with bias and a residual epilogue, `x W^T` and `x W`.
     for transposed in [false, true] {
         let (k, n) = (WIDTH, 16);
-        let step = Step::Gemm {
+        let step = Step::Gemm(Gemm {
             out: Slot(0),
             x: Slot(1),
             weight: Slot(2),
@@ -235,7 +238,7 @@ fn cases() -> Vec<(String, Step, Case)> {
                     Box::new(Expr::Load(1)),
                 ),
             }),
-        };
+        });
         let buffers = vec![
             Buffer::F32(vec![f32::NAN; (ROWS * n) as usize]),
             Buffer::F32(values.floats(ROWS * k)),
@@ -257,13 +260,13 @@ fn cases() -> Vec<(String, Step, Case)> {
         ));
     }
     // A dropout mask from a run's key.
-    let step = Step::RandomMask {
+    let step = Step::RandomMask(RandomMask {
         out: Slot(0),
         rows: rows(),
         width: WIDTH,
-        p: 0.3,
+        p: nestor_ir::F64(0.3),
         stream: 5,
-    };
+    });
     let buffers = vec![
         Buffer::F32(vec![f32::NAN; size as usize]),
         Buffer::I64(vec![0x1234_5678_9abc_def0]),
@@ -281,13 +284,13 @@ fn cases() -> Vec<(String, Step, Case)> {
         .flat_map(|(element, &length)| std::iter::repeat_n(element as i64, length as usize))
         .collect();
     let padded = LENGTHS.len() as i64 * longest;
-    let step = Step::Pad {
+    let step = Step::Pad(Pad {
         out: Slot(0),
         x: Slot(1),
         lengths: Slot(2),
         width: WIDTH,
-        value: -1.5,
-    };
+        value: nestor_ir::F64(-1.5),
+    });
     let buffers = vec![
         Buffer::F32(vec![f32::NAN; (padded * WIDTH) as usize]),
         Buffer::F32(values.floats(total * WIDTH)),
@@ -299,13 +302,13 @@ fn cases() -> Vec<(String, Step, Case)> {
         step.clone(),
         case(&step, buffers, (0, padded), 0.0),
     ));
-    let step = Step::Unpad {
+    let step = Step::Unpad(Unpad {
         out: Slot(0),
         x: Slot(1),
         grid: Slot(2),
         lengths: Slot(3),
         width: WIDTH,
-    };
+    });
     let buffers = vec![
         Buffer::F32(vec![f32::NAN; (total * WIDTH) as usize]),
         Buffer::F32(values.floats(padded * WIDTH)),
@@ -328,7 +331,7 @@ fn cases() -> Vec<(String, Step, Case)> {
     ] {
         let width = heads * head_dim;
         let (queries, key_rows): (i64, i64) = (total, key_lengths.iter().sum());
-        let step = Step::Attention {
+        let step = Step::Attention(Attention {
             out: Slot(0),
             q: Access::rows(Slot(1), width),
             k: Access::rows(Slot(2), width),
@@ -339,8 +342,8 @@ fn cases() -> Vec<(String, Step, Case)> {
             head_dim,
             value_dim: head_dim,
             causal,
-            scale: 1.0 / (head_dim as f64).sqrt(),
-        };
+            scale: nestor_ir::F64(1.0 / (head_dim as f64).sqrt()),
+        });
         let buffers = vec![
             Buffer::F32(vec![f32::NAN; (queries * width) as usize]),
             Buffer::F32(values.floats(queries * width)),

@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_backend_cuda::{ptx, ptx_of, ptx_storing, ptxas, Arch, KernelSet, Storage};
+use nestor_passes::step::{Gemm, ScatterRows, SumRows, Window};
 use nestor_passes::{lower, Limits, Pipeline, Step, WindowKind};
 
 /// The butterfly shuffles in the PTX of step `step`'s kernel.
@@ -201,8 +202,8 @@ fn every_step_with_a_template_has_a_ptx_entry() {
         let program = program(text, "f32", false);
         let module = ptx(&program, Arch::Sm80).unwrap();
         for (step, kernel) in program.steps.iter().zip(&module.kernels) {
-            attention += usize::from(matches!(step, Step::Attention { .. }));
-            padding += usize::from(matches!(step, Step::Pad { .. } | Step::Unpad { .. }));
+            attention += usize::from(matches!(step, Step::Attention(_)));
+            padding += usize::from(matches!(step, Step::Pad(_) | Step::Unpad(_)));
             assert!(kernel.is_some(), "{step:?}");
             if let Some(kernel) = kernel {
                 assert!(
@@ -229,11 +230,13 @@ fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
             gemms = (0, 0);
             for (step, kernel) in program.steps.iter().zip(&module.kernels) {
                 match step {
-                    Step::Gemm { bias, epilogue, .. } if bias.is_none() && epilogue.is_none() => {
+                    Step::Gemm(Gemm { bias, epilogue, .. })
+                        if bias.is_none() && epilogue.is_none() =>
+                    {
                         gemms.0 += 1;
                         assert!(kernel.is_none(), "{step:?}");
                     }
-                    Step::Gemm { .. } => {
+                    Step::Gemm(_) => {
                         gemms.1 += 1;
                         assert!(kernel.is_some(), "{step:?}");
                     }
@@ -268,15 +271,15 @@ fn gemm_steps_after_cublas_keep_only_their_bias_and_epilogue() {
     let mut products = 0;
     for (step, kernel) in program.steps.iter().zip(&module.kernels) {
         match step {
-            Step::SumRows {
+            Step::SumRows(SumRows {
                 a: Some(_),
                 mean: false,
                 ..
-            } => {
+            }) => {
                 products += 1;
                 assert!(kernel.is_none(), "{step:?}");
             }
-            Step::Gemm { .. } => {}
+            Step::Gemm(_) => {}
             _ => assert!(kernel.is_some(), "{step:?}"),
         }
     }
@@ -303,13 +306,13 @@ fn row_kernels_share_each_row_across_a_warp() {
             {
                 let shuffles = shuffles(&module, index);
                 match step {
-                    Step::Row { .. } | Step::Attention { .. } => {
+                    Step::Row(_) | Step::Attention(_) => {
                         shared += 1;
                         assert_eq!(*threads, 32, "{step:?}");
                         // Five steps (16, 8, 4, 2, 1 lanes apart) per combined value.
                         assert!(shuffles >= 5, "{dtype} {step:?}: {shuffles} shuffles");
                     }
-                    Step::Segment { .. } | Step::Gather { .. } => {
+                    Step::Segment(_) | Step::Gather(_) => {
                         assert_eq!((*threads, shuffles), (32, 0), "{step:?}")
                     }
                     _ => assert_eq!((*threads, shuffles), (1, 0), "{step:?}"),
@@ -329,7 +332,7 @@ fn row_kernels_share_each_row_across_a_warp() {
         .steps
         .iter()
         .zip(&module.threads_per_task)
-        .filter(|(step, _)| matches!(step, Step::AttentionGrad { .. }))
+        .filter(|(step, _)| matches!(step, Step::AttentionGrad(_)))
         .map(|(_, &threads)| threads)
         .collect();
     assert_eq!(gradients, [32, 32], "the queries' and the keys' gradients");
@@ -456,12 +459,12 @@ fn training_steps_assemble_for_sm80_and_sm90() {
         let threads = ptx(&program, Arch::Sm90).unwrap().threads_per_task;
         for (step, threads) in program.steps.iter().zip(threads) {
             match step {
-                Step::ScatterRows { ids, .. } => {
+                Step::ScatterRows(ScatterRows { ids, .. }) => {
                     assert!(program.is_input(*ids), "{step:?}");
                     assert_eq!(threads, 32, "{step:?}");
                 }
                 // One-hot rows, inserts and column sums: a warp a task too.
-                Step::OneHot { .. } | Step::Insert { .. } | Step::SumRows { .. } => {
+                Step::OneHot(_) | Step::Insert(_) | Step::SumRows(_) => {
                     assert_eq!(threads, 32, "{step:?}")
                 }
                 _ => {}
@@ -515,7 +518,7 @@ fn window_steps_assemble_for_sm80_and_sm90() {
             .zip(&module.threads_per_task)
             .enumerate()
         {
-            if let Step::Window { kind, .. } = step {
+            if let Step::Window(Window { kind, .. }) = step {
                 windows.push(format!("{kind:?}"));
                 assert_eq!(threads, 32, "{kind:?}");
                 // The weight gradient adds its lanes' sums with shuffles.

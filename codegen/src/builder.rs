@@ -13,7 +13,7 @@ use inkwell::values::{
 };
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 use nestor_ir::{BinaryOp, UnaryOp};
-use nestor_passes::Expr;
+use nestor_passes::{Arg, Expr, Role, Signature};
 
 use crate::{CodegenError, Storage, Target};
 
@@ -69,10 +69,16 @@ pub(crate) struct Kernel<'ctx, 'm> {
     target: Target,
     entry: inkwell::basic_block::BasicBlock<'ctx>,
     /// The buffers of the `args` array loaded so far, and whether each is the output
-    /// (buffer 0, or one of `output_args`): accesses through them carry [`Scopes`].
+    /// ([`Role::Out`], or one of `output_roles`): accesses through them carry [`Scopes`].
     buffers: std::cell::RefCell<Vec<(PointerValue<'ctx>, bool)>>,
-    /// Arguments besides buffer 0 that are the output's buffer ([`Kernel::output_also`]).
-    output_args: std::cell::RefCell<Vec<u64>>,
+    /// Arguments besides [`Role::Out`] that are the output's buffer
+    /// ([`Kernel::output_also`]).
+    output_roles: std::cell::RefCell<Vec<Role>>,
+    /// The kernel's arguments: the template asks for them by role.
+    signature: &'m Signature,
+    /// The roles the template has asked for ([`Kernel::finish`] checks it asked for
+    /// every one).
+    asked: std::cell::RefCell<Vec<Role>>,
     scopes: Scopes<'ctx>,
 }
 
@@ -121,14 +127,15 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         name: &str,
         program: &nestor_passes::Program,
         (target, storage): (Target, Storage),
+        signature: &'m Signature,
     ) -> Self {
         let precision = program.float;
         let ptr = context.ptr_type(AddressSpace::default());
         let i64 = context.i64_type();
-        let signature = context
+        let function_type = context
             .void_type()
             .fn_type(&[ptr.into(), i64.into(), i64.into()], false);
-        let function = module.add_function(name, signature, None);
+        let function = module.add_function(name, function_type, None);
         if target == Target::Nvptx {
             function.set_call_conventions(PTX_KERNEL_CALLING_CONVENTION);
         }
@@ -151,16 +158,18 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             target,
             entry,
             buffers: std::cell::RefCell::new(Vec::new()),
-            output_args: std::cell::RefCell::new(Vec::new()),
+            output_roles: std::cell::RefCell::new(Vec::new()),
+            signature,
+            asked: std::cell::RefCell::new(Vec::new()),
             scopes: Scopes::new(context, name),
         }
     }
 
-    /// Declares that arguments `args` (besides buffer 0) are the output's buffer too,
-    /// so that accesses through them share the output's alias scope. Call it before
-    /// loading them with [`Kernel::arg`].
-    pub(crate) fn output_also(&self, args: impl IntoIterator<Item = u64>) {
-        self.output_args.borrow_mut().extend(args);
+    /// Declares that the arguments of `roles` (besides [`Role::Out`]) are the output's
+    /// buffer too, so that accesses through them share the output's alias scope. Call
+    /// it before asking for them with [`Kernel::param`].
+    pub(crate) fn output_also(&self, roles: impl IntoIterator<Item = Role>) {
+        self.output_roles.borrow_mut().extend(roles);
     }
 
     /// [`Kernel::scoped`] of a load's value.
@@ -195,8 +204,22 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         access.set_metadata(other, noalias_kind).map_err(err)
     }
 
-    /// Finishes the kernel with `ret void`.
+    /// Finishes the kernel with `ret void`, after checking that the template asked for
+    /// every argument of its signature (an argument it never reads is a signature and a
+    /// template that disagree).
     pub(crate) fn finish(self) -> Gen<()> {
+        let asked = self.asked.borrow();
+        if let Some(unread) = self
+            .signature
+            .params
+            .iter()
+            .find(|param| !asked.contains(&param.role))
+        {
+            return Err(err(format!(
+                "the signature's argument {:?} ({:?}) is never read by the template",
+                unread.role, unread.arg
+            )));
+        }
         self.builder.build_return(None).map_err(err)?;
         Ok(())
     }
@@ -220,8 +243,55 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         Ok((param(1)?, param(2)?))
     }
 
-    /// Buffer number `index` of the `args` array.
-    pub(crate) fn arg(&self, index: u64) -> Gen<PointerValue<'ctx>> {
+    /// The argument of `role`, which must be in the signature and not absent.
+    pub(crate) fn param(&self, role: Role) -> Gen<PointerValue<'ctx>> {
+        self.optional(role)?.ok_or_else(|| {
+            err(format!(
+                "the template reads {role:?}, which its step does not have"
+            ))
+        })
+    }
+
+    /// The arguments of `roles`, as [`Kernel::param`].
+    pub(crate) fn params<const N: usize>(&self, roles: [Role; N]) -> Gen<[PointerValue<'ctx>; N]> {
+        let pointers = roles
+            .into_iter()
+            .map(|role| self.param(role))
+            .collect::<Gen<Vec<_>>>()?;
+        pointers
+            .try_into()
+            .map_err(|_| err("a kernel's argument count"))
+    }
+
+    /// The argument of `role`, `None` where the signature has it absent (an optional
+    /// buffer). An argument the signature lacks, or one of another kind than `role`
+    /// takes, is an error: the template and the signature disagree.
+    pub(crate) fn optional(&self, role: Role) -> Gen<Option<PointerValue<'ctx>>> {
+        let Some(index) = self
+            .signature
+            .params
+            .iter()
+            .position(|param| param.role == role)
+        else {
+            return Err(err(format!(
+                "the template reads {role:?}, which its signature lacks"
+            )));
+        };
+        let arg = self.signature.params[index].arg;
+        if !role.accepts(&arg) {
+            return Err(err(format!(
+                "the template reads {role:?}, but the signature passes {arg:?} there"
+            )));
+        }
+        self.asked.borrow_mut().push(role);
+        if arg == Arg::Absent {
+            return Ok(None);
+        }
+        self.arg(index as u64, role).map(Some)
+    }
+
+    /// Buffer number `index` of the `args` array, of role `role`.
+    fn arg(&self, index: u64, role: Role) -> Gen<PointerValue<'ctx>> {
         let args = self
             .function
             .get_nth_param(0)
@@ -240,7 +310,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .into_pointer_value();
         match self.target {
             Target::Host => {
-                let output = index == 0 || self.output_args.borrow().contains(&index);
+                let output = role == Role::Out || self.output_roles.borrow().contains(&role);
                 self.buffers.borrow_mut().push((pointer, output));
                 Ok(pointer)
             }
@@ -256,16 +326,6 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
                 )
                 .map_err(err),
         }
-    }
-
-    /// Buffers `0..N` of the `args` array.
-    pub(crate) fn args<const N: usize>(&self) -> Gen<[PointerValue<'ctx>; N]> {
-        let pointers = (0..N as u64)
-            .map(|index| self.arg(index))
-            .collect::<Gen<Vec<_>>>()?;
-        pointers
-            .try_into()
-            .map_err(|_| err("a kernel's argument count"))
     }
 
     /// Value `index` of buffer `base`, in the compute type (widened from bf16 storage).
@@ -1315,7 +1375,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
     ) -> Gen<FloatValue<'ctx>> {
         Ok(match expr {
             Expr::Load(input) => load(*input)?,
-            Expr::Const(value) => self.constant(*value),
+            Expr::Const(value) => self.constant(value.0),
             Expr::Unary(op, x) => {
                 let x = self.expr(x, load)?;
                 self.unary(*op, x)?

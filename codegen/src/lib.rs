@@ -9,9 +9,9 @@
 //! grid-stride loop over it), how a kernel is marked (a PTX kernel entry) and which math
 //! library the transcendental functions call (LLVM intrinsics and libm, or libdevice).
 //!
-//! Every kernel has one signature, `void (ptr args, i64 start, i64 end)`: `args` are
-//! the buffers the step reads and writes (see `templates`), `start..end` the rows (or
-//! elements, for segmented kernels) to run.
+//! Every kernel has one signature, `void (ptr args, i64 start, i64 end)`: `args` is the
+//! table of its step's [`Signature`] (`nestor_passes::signature`), which the templates
+//! read by role, `start..end` a part of the signature's range.
 
 mod builder;
 mod templates;
@@ -20,7 +20,8 @@ use std::collections::HashMap;
 
 use inkwell::context::Context;
 use inkwell::module::Module;
-use nestor_passes::{Program, Step};
+pub use nestor_passes::KernelSet;
+use nestor_passes::{Program, Signature, Step};
 use thiserror::Error;
 
 /// `ln 2` split in two (Cody and Waite): `n * LN_2_SPLIT[0]` is exact for the `n` of
@@ -225,22 +226,6 @@ pub enum Target {
     Nvptx,
 }
 
-/// Which steps get a kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KernelSet {
-    /// The CPU runtime's: GEMMs run on a GEMM library with their epilogue as a kernel of
-    /// its own; attention and the padding copies run without a kernel.
-    Library,
-    /// Every step with a template gets one (what a GPU runs): a GEMM and its epilogue
-    /// as one kernel, attention, padding.
-    Complete,
-    /// What a GPU with a BLAS library runs: every kernel of `Complete`, but a GEMM's
-    /// product is the library's, written to its output first; its kernel then only adds
-    /// the bias and applies the epilogue in place (no kernel when it has neither); row
-    /// sums of products `a^T b` (weight gradients) are the library's alone.
-    DeviceBlas,
-}
-
 /// How kernels keep floats in memory; they compute in the program's float type either
 /// way.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -281,9 +266,9 @@ impl CodegenError {
 }
 
 /// Generates the kernels of `program` in `set` into `module` for `target`, and returns
-/// each step's kernel name (`None` for steps without one in the set). Steps that differ
-/// only in their buffers share one kernel (the buffers are arguments): the layers of a
-/// model, a forward op and its backward twin. The module is verified.
+/// each step's kernel name (`None` for steps whose placement in `set` has no kernel).
+/// Steps with one [`Step::kernel_key`] share one kernel (the buffers are arguments): the
+/// layers of a model, a forward op and its backward twin. The module is verified.
 pub fn generate_kernels<'ctx>(
     program: &Program,
     context: &'ctx Context,
@@ -297,23 +282,27 @@ pub fn generate_kernels<'ctx>(
         )));
     }
     let mut names: Vec<Option<String>> = Vec::with_capacity(program.steps.len());
-    let mut generated_for: HashMap<String, usize> = HashMap::new();
+    let mut generated_for: HashMap<nestor_passes::KernelKey, usize> = HashMap::new();
     for (index, step) in program.steps.iter().enumerate() {
-        let key = kernel_key(step);
+        let placement = step.placement(program, set);
+        let Some(signature) = placement.kernel() else {
+            names.push(None);
+            continue;
+        };
+        let key = step.kernel_key(signature);
         if let Some(&first) = generated_for.get(&key) {
             names.push(names[first].clone());
             continue;
         }
         let name = format!("step{index}");
-        let generated = templates::generate(
+        generate_kernel(
             program,
             (target, set, storage),
-            context,
-            module,
+            (context, module),
             &name,
-            step,
+            (step, signature),
         )?;
-        names.push(generated.then_some(name));
+        names.push(Some(name));
         generated_for.insert(key, index);
     }
     module
@@ -322,19 +311,25 @@ pub fn generate_kernels<'ctx>(
     Ok(names)
 }
 
-/// What a step's kernel code depends on: the step with its buffers' slot numbers
-/// erased (kernels take their buffers as arguments).
-fn kernel_key(step: &Step) -> String {
-    let text = format!("{step:?}");
-    let mut key = String::with_capacity(text.len());
-    let mut rest = text.as_str();
-    while let Some(start) = rest.find("Slot(") {
-        key.push_str(&rest[..start + 5]);
-        rest = &rest[start + 5..];
-        rest = rest.trim_start_matches(|c: char| c.is_ascii_digit());
-    }
-    key.push_str(rest);
-    key
+/// Generates the kernel of `step` in `set` as function `name` of `module`, its arguments
+/// those of `signature`; an error when the template and the signature disagree (it
+/// reads an argument the signature lacks or passes as another kind, or never reads one
+/// the signature has).
+pub fn generate_kernel<'ctx>(
+    program: &Program,
+    (target, set, storage): (Target, KernelSet, Storage),
+    (context, module): (&'ctx Context, &Module<'ctx>),
+    name: &str,
+    (step, signature): (&Step, &Signature),
+) -> Result<(), CodegenError> {
+    templates::generate(
+        program,
+        (target, set, storage),
+        (context, module),
+        name,
+        (step, signature),
+    )
+    .map_err(|error| CodegenError::new(format!("{} step {name}: {}", step.name(), error.0)))
 }
 
 #[cfg(test)]

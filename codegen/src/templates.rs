@@ -1,112 +1,53 @@
-//! One LLVM function per kernel step. The buffers each kernel takes, in `args` order:
-//!
-//! - pointwise: `out, inputs..., row-to-element maps (i64) of per-element inputs...`;
-//!   range = rows; with [`KernelSet::Library`] a GEMM's epilogue is a pointwise kernel
-//!   over its output rows;
-//! - GEMM ([`KernelSet::Complete`]): `out, x, weight, bias or null, the epilogue's
-//!   inputs..., their row-to-element maps...`; range = rows x n output values; with
-//!   [`KernelSet::DeviceBlas`] the same arguments and range, `out` holding the product
-//!   already (the kernel adds the bias and applies the epilogue; `x` and `weight` are
-//!   not read);
-//! - row: `out, prologue inputs..., weight or null, bias or null`; range = rows;
-//! - segment: `out, prologue inputs..., offsets (i64, B + 1)`; range = elements;
-//! - gather: `out, table, ids (i64, checked by the runtime)`; range = rows;
-//! - attention: `out, q, k, v, query offsets (i64, B + 1), key offsets (i64, B + 1),
-//!   the element of each query row (i64)`; range = query rows x heads;
-//! - pad: `out, x, offsets (i64, B + 1), [longest length] (i64)`; range = B x longest
-//!   padded rows;
-//! - unpad: `out, x, offsets of the result (i64, B + 1), [the grid's longest length]
-//!   (i64), the element of each result row (i64)`; range = result rows;
-//! - one-hot: `out, ids (i64, checked by the runtime)`; range = rows;
-//! - length values: `out, lengths (i64)`; range = elements;
-//! - insert: `out, x`; range = rows;
-//! - row sums: `out, a or null, b, [rows] (i64)`; range = m x n output values (with
-//!   [`KernelSet::DeviceBlas`], sums of products `a^T b` are the BLAS's: no kernel);
-//! - scatter rows: `out, g, ids (i64), [rows] (i64)`; range = vocabulary x width output
-//!   values (each sums the rows of its id: no atomics, one pass over the ids each); when
-//!   the ids are an input (the host reads them), `out, g, the rows of each id (i64: V + 1
-//!   positions into itself, then the rows in order)`, range = vocabulary (each table row
-//!   sums its own rows);
-//! - random mask: `out, [the run's key] (i64)`; range = values;
-//! - attention gradient: `out, q, k, v, g, query offsets (i64, B + 1), key offsets (i64,
-//!   B + 1), the element of each query row (of each key row for the keys' gradient)`;
-//!   range = query (key) rows x heads;
-//! - jagged-pair matmul ([`KernelSet::Complete`]): `out, a, b, row offsets (i64, B + 1),
-//!   column offsets (i64, B + 1), pair offsets (i64, B + 1: the sums of M_i N_i), the
-//!   element of each row (i64)`; range = rows (`M`), each writing its row of scores
-//!   (`N_i` values) or of the mix (`width` values);
-//! - window steps ([`KernelSet::Complete`]; on the CPU they run in the runtime):
-//!   convolution and its input's gradient `out, x, weight, bias or null, taps (i64:
-//!   rows x taps input pixels, -1 outside the image)` and max / average pooling `out, x,
-//!   taps`, range = output pixels; image means and their spread `out, x, pixel offsets
-//!   (i64, B + 1: the sums of H_i W_i)`, range = images; the weight's gradient `out, x,
-//!   g, taps, [rows] (i64)`, range = weights; pooling's gradient `out, x, g, taps, the
-//!   windows of each input pixel (i64)`, range = input pixels (each sums its own: no
-//!   atomics, the same order as the CPU).
+//! One LLVM function per kernel step, its arguments asked for by role from the step's
+//! [`Signature`] (`nestor_passes::signature` declares every kind's). The kernel range of
+//! each template: pointwise kernels, rows; GEMMs, output values (in the
+//! [`KernelSet::Library`] set a GEMM's epilogue is a pointwise kernel over its rows);
+//! row kernels, rows; segmented kernels, elements; gathers, rows; attention and its
+//! gradient, query (or key) rows x heads; padding, the padded grid's rows; unpadding,
+//! the result's rows; one-hot rows and inserts, rows; length values, elements; row
+//! sums, output values; scatters, table values (or, with the ids an input the host
+//! indexes, table rows: each sums its own rows, no atomics); random masks, values;
+//! jagged-pair matmuls, rows (`M`); window steps, output pixels (image means and their
+//! spread: images; the weight's gradient: weights; pooling's gradient: input pixels,
+//! each summing its own windows in the CPU's order).
 
 use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
 use inkwell::FloatPredicate;
-use nestor_passes::{Access, Fusion, RowKind, SegmentKind, Step, WindowKind};
+use nestor_passes::step::{
+    Attention, AttentionGrad, Gemm, Insert, OneHot, Pad, PairGemm, Pointwise, RandomMask, Row,
+    ScatterRows, Segment, SumRows, Unpad, Window,
+};
+use nestor_passes::{Access, Fusion, Role, RowKind, SegmentKind, Signature, Step, WindowKind};
 
 use crate::builder::{Gen, Kernel, Lanes};
 use crate::{KernelSet, Storage, Target};
 
-/// Generates the kernel of `step` as function `name`; false for steps without one in
-/// `set`.
+/// Generates the kernel of `step` with `signature` (its placement's in `set`) as
+/// function `name`.
 pub(crate) fn generate<'ctx>(
     program: &nestor_passes::Program,
     (target, set, storage): (Target, KernelSet, Storage),
-    context: &'ctx Context,
-    module: &Module<'ctx>,
+    (context, module): (&'ctx Context, &Module<'ctx>),
     name: &str,
-    step: &Step,
-) -> Gen<bool> {
-    let kernel = Kernel::new(context, module, name, program, (target, storage));
-    let library = set == KernelSet::Library;
-    let blas_product = set == KernelSet::DeviceBlas;
+    (step, signature): (&Step, &Signature),
+) -> Gen<()> {
+    let kernel = Kernel::new(context, module, name, program, (target, storage), signature);
     match step {
-        Step::Gemm {
+        Step::Gemm(Gemm {
             out,
             epilogue: Some(epilogue),
             n,
             ..
-        } if library => {
-            // Run on the GEMM's result in place: its reads of that result (the
-            // inputs of slot `out`, arguments from 1 on) are the output's buffer.
-            kernel.output_also(inputs_of(&epilogue.inputs, *out, 1));
+        }) if set == KernelSet::Library => {
+            // Run on the GEMM's result in place: its reads of that result are the
+            // output's buffer.
+            kernel.output_also(inputs_of(&epilogue.inputs, *out));
             pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?
         }
-        Step::Gemm {
-            bias: None,
-            epilogue: None,
-            ..
-        } if blas_product => {
-            // The BLAS product is the whole result.
-            unsafe { kernel.function.delete() };
-            return Ok(false);
-        }
-        Step::Gemm {
-            out,
-            bias,
-            k,
-            n,
-            transposed,
-            epilogue,
-            ..
-        } if !library => gemm(
-            &kernel,
-            (*out, bias.is_some(), blas_product),
-            (*k, *n, *transposed),
-            epilogue.as_ref(),
-        )?,
-        Step::Attention { .. } | Step::Pad { .. } | Step::Unpad { .. } if library => {
-            // The CPU runtime runs these on its GEMM library and memory copies.
-            unsafe { kernel.function.delete() };
-            return Ok(false);
-        }
-        Step::Attention {
+        Step::Gemm(gemm_step) => gemm(&kernel, gemm_step, set == KernelSet::DeviceBlas)?,
+        Step::Attention(Attention {
             q,
             k,
             v,
@@ -116,57 +57,37 @@ pub(crate) fn generate<'ctx>(
             causal,
             scale,
             ..
-        } => attention(
+        }) => attention(
             &kernel,
             [q, k, v],
             (*heads, *head_dim, *value_dim),
             *causal,
-            *scale,
+            scale.0,
         )?,
-        Step::Pad { width, value, .. } => pad(&kernel, *width, *value)?,
-        Step::Unpad { width, .. } => unpad(&kernel, *width)?,
-        Step::SumRows { .. }
-        | Step::LengthValues { .. }
-        | Step::OneHot { .. }
-        | Step::ScatterRows { .. }
-        | Step::Insert { .. }
-            if library =>
-        {
-            // The CPU runtime's host code.
-            unsafe { kernel.function.delete() };
-            return Ok(false);
-        }
-        Step::OneHot {
+        Step::Pad(Pad { width, value, .. }) => pad(&kernel, *width, value.0)?,
+        Step::Unpad(Unpad { width, .. }) => unpad(&kernel, *width)?,
+        Step::OneHot(OneHot {
             classes, ignore, ..
-        } => one_hot(&kernel, *classes, *ignore)?,
-        Step::LengthValues { .. } => length_values(&kernel)?,
-        Step::Insert {
+        }) => one_hot(&kernel, *classes, *ignore)?,
+        Step::LengthValues(_) => length_values(&kernel)?,
+        Step::Insert(Insert {
             size, index, inner, ..
-        } => insert(&kernel, *size, *index, *inner)?,
-        Step::SumRows {
-            a: Some(_),
-            mean: false,
-            ..
-        } if blas_product => {
-            // `a^T b` is the BLAS's whole result.
-            unsafe { kernel.function.delete() };
-            return Ok(false);
-        }
-        Step::SumRows { a, m, n, mean, .. } => sum_rows(&kernel, a.is_some(), (*m, *n), *mean)?,
-        Step::ScatterRows {
+        }) => insert(&kernel, *size, *index, *inner)?,
+        Step::SumRows(SumRows { m, n, mean, .. }) => sum_rows(&kernel, (*m, *n), *mean)?,
+        Step::ScatterRows(ScatterRows {
             ids,
             width,
             padding,
             ..
-        } => {
+        }) => {
             if program.is_input(*ids) {
                 scatter_indexed_rows(&kernel, *width, *padding)?
             } else {
                 scatter_rows(&kernel, *width, *padding)?
             }
         }
-        Step::RandomMask { p, .. } if !library => random_mask(&kernel, *p)?,
-        Step::AttentionGrad {
+        Step::RandomMask(RandomMask { p, .. }) => random_mask(&kernel, p.0)?,
+        Step::AttentionGrad(AttentionGrad {
             q,
             k,
             v,
@@ -177,99 +98,65 @@ pub(crate) fn generate<'ctx>(
             scale,
             keys,
             ..
-        } if !library => attention_grad(
+        }) => attention_grad(
             &kernel,
             [q, k, v, g],
             (*heads, *head_dim),
-            (*causal, *scale, *keys),
+            (*causal, scale.0, *keys),
         )?,
-        Step::PairGemm { width, mix, .. } if !library => pair_gemm(&kernel, *width, *mix)?,
-        Step::Window {
-            kind: kind @ (WindowKind::Conv | WindowKind::ConvInputGrad),
-            channels,
-            width,
-            window,
-            bias,
-            ..
-        } if !library => convolution(
-            &kernel,
-            (*channels, *width),
-            window.taps(),
-            (bias.is_some(), *kind == WindowKind::ConvInputGrad),
-        )?,
-        Step::Window {
-            kind: WindowKind::WeightGrad,
-            channels,
-            width,
-            window,
-            ..
-        } if !library => weight_grad(&kernel, (*channels, *width), window.taps())?,
-        Step::Window {
-            kind: kind @ (WindowKind::MaxGrad | WindowKind::AverageGrad),
-            channels,
-            window,
-            ..
-        } if !library => pool_grad(
-            &kernel,
-            *channels,
-            window.taps(),
-            *kind == WindowKind::MaxGrad,
-        )?,
-        Step::Window {
-            kind: WindowKind::ImageSpread,
-            channels,
-            ..
-        } if !library => image_spread(&kernel, *channels)?,
-        Step::Window {
-            kind: kind @ (WindowKind::Max | WindowKind::Average),
-            channels,
-            window,
-            ..
-        } if !library => pool(&kernel, *channels, window.taps(), *kind == WindowKind::Max)?,
-        Step::Window {
-            kind: WindowKind::ImageMean,
-            channels,
-            ..
-        } if !library => image_mean(&kernel, *channels)?,
-        Step::Gemm { .. }
-        | Step::PairGemm { .. }
-        | Step::Window { .. }
-        | Step::Host { .. }
-        | Step::RandomMask { .. }
-        | Step::AttentionGrad { .. } => {
-            // No kernel (the runtime calls a GEMM library or copies): delete the empty
-            // function.
-            unsafe { kernel.function.delete() };
-            return Ok(false);
+        Step::PairGemm(PairGemm { width, mix, .. }) => pair_gemm(&kernel, *width, *mix)?,
+        Step::Window(window) => window_kernel(&kernel, window)?,
+        Step::Host(_) => {
+            return Err(crate::CodegenError::new(
+                "a host step (a per-element region run through libtorch) has no kernel",
+            ))
         }
-        Step::Pointwise {
+        Step::Pointwise(Pointwise {
             width,
             inputs,
             expr,
             ..
-        } => pointwise(&kernel, *width, inputs, expr)?,
-        Step::Row {
+        }) => pointwise(&kernel, *width, inputs, expr)?,
+        Step::Row(Row {
             kind,
             x,
             width,
             eps,
-            weight,
-            bias,
             ..
-        } => row(
-            &kernel,
-            *kind,
-            x,
-            *width,
-            *eps,
-            weight.is_some(),
-            bias.is_some(),
-        )?,
-        Step::Segment { kind, x, width, .. } => segment(&kernel, *kind, x, *width)?,
-        Step::Gather { width, .. } => gather(&kernel, *width)?,
+        }) => row(&kernel, *kind, x, *width, eps.0)?,
+        Step::Segment(Segment { kind, x, width, .. }) => segment(&kernel, *kind, x, *width)?,
+        Step::Gather(gather_step) => gather(&kernel, gather_step.width)?,
     }
-    kernel.finish()?;
-    Ok(true)
+    kernel.finish()
+}
+
+/// The kernel of a window step.
+fn window_kernel(kernel: &Kernel<'_, '_>, step: &Window) -> Gen<()> {
+    let Window {
+        kind,
+        channels,
+        width,
+        window,
+        ..
+    } = *step;
+    let taps = window.taps();
+    match kind {
+        WindowKind::Conv | WindowKind::ConvInputGrad => convolution(
+            kernel,
+            (channels, width),
+            taps,
+            kind == WindowKind::ConvInputGrad,
+        ),
+        WindowKind::WeightGrad => weight_grad(kernel, (channels, width), taps),
+        WindowKind::MaxGrad | WindowKind::AverageGrad => {
+            pool_grad(kernel, channels, taps, kind == WindowKind::MaxGrad)
+        }
+        WindowKind::ImageSpread => image_spread(kernel, channels),
+        WindowKind::Max | WindowKind::Average => {
+            pool(kernel, channels, taps, kind == WindowKind::Max)
+        }
+        WindowKind::ImageMean => image_mean(kernel, channels),
+    }
 }
 
 /// The scalar index of `access` at output row `row` (or its element) and column `column`.
@@ -299,8 +186,8 @@ fn pointwise<'ctx>(
     expr: &nestor_passes::Expr,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let out = kernel.arg(0)?;
-    let (pointers, maps) = fused_args(kernel, inputs, 1)?;
+    let out = kernel.param(Role::Out)?;
+    let (pointers, maps) = fused_args(kernel, inputs)?;
     if flat(width, inputs) {
         let first = kernel.mul(start, kernel.i64(width))?;
         let last = kernel.mul(end, kernel.i64(width))?;
@@ -359,57 +246,46 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 /// over rows (row sums, a weight gradient's pixels), whose lanes share the rows.
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
-        Step::ScatterRows { ids, .. } => program.is_input(*ids),
-        Step::Row { .. }
-        | Step::Segment { .. }
-        | Step::Gather { .. }
-        | Step::Pad { .. }
-        | Step::Unpad { .. }
-        | Step::Attention { .. }
-        | Step::AttentionGrad { .. }
-        | Step::PairGemm { .. }
-        | Step::OneHot { .. }
-        | Step::Insert { .. }
-        | Step::SumRows { .. } => true,
-        Step::Window { .. } => true,
-        Step::Pointwise { width, inputs, .. } => !flat(*width, inputs),
+        Step::ScatterRows(ScatterRows { ids, .. }) => program.is_input(*ids),
+        Step::Row(_)
+        | Step::Segment(_)
+        | Step::Gather(_)
+        | Step::Pad(_)
+        | Step::Unpad(_)
+        | Step::Attention(_)
+        | Step::AttentionGrad(_)
+        | Step::PairGemm(_)
+        | Step::OneHot(_)
+        | Step::Insert(_)
+        | Step::SumRows(_) => true,
+        Step::Window(_) => true,
+        Step::Pointwise(Pointwise { width, inputs, .. }) => !flat(*width, inputs),
         _ => false,
     }
 }
 
-/// The arguments of the `inputs` that read slot `slot`, the inputs' buffers being
-/// arguments `first..` ([`fused_args`]).
-fn inputs_of(inputs: &[Access], slot: nestor_passes::Slot, first: u64) -> Vec<u64> {
-    (first..)
+/// The roles of the `inputs` that read slot `slot`.
+fn inputs_of(inputs: &[Access], slot: nestor_passes::Slot) -> Vec<Role> {
+    (0u32..)
         .zip(inputs)
         .filter(|(_, access)| access.slot == slot)
-        .map(|(arg, _)| arg)
+        .map(|(index, _)| Role::Input(index))
         .collect()
 }
 
 /// A fused expression's buffers and the row-to-element maps of its per-element inputs.
 type FusedArgs<'ctx> = (Vec<PointerValue<'ctx>>, Vec<Option<PointerValue<'ctx>>>);
 
-/// The buffers of a fused expression's `inputs` from argument `first` on, then the
-/// row-to-element maps of its per-element inputs (`None` for the others).
-fn fused_args<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    inputs: &[Access],
-    first: u64,
-) -> Gen<FusedArgs<'ctx>> {
-    let pointers = (0..inputs.len() as u64)
-        .map(|i| kernel.arg(first + i))
-        .collect::<Gen<Vec<_>>>()?;
-    let mut next_map = first + inputs.len() as u64;
-    let maps = inputs
-        .iter()
-        .map(|access| {
+/// The buffers of a fused expression's `inputs` and the row-to-element maps of its
+/// per-element inputs (`None` for the others).
+fn fused_args<'ctx>(kernel: &Kernel<'ctx, '_>, inputs: &[Access]) -> Gen<FusedArgs<'ctx>> {
+    let pointers = prologue_args(kernel, inputs)?;
+    let maps = (0u32..)
+        .zip(inputs)
+        .map(|(index, access)| {
             access
                 .row_map
-                .map(|_| {
-                    next_map += 1;
-                    kernel.arg(next_map - 1)
-                })
+                .map(|_| kernel.param(Role::InputRows(index)))
                 .transpose()
         })
         .collect::<Gen<Vec<_>>>()?;
@@ -475,16 +351,15 @@ fn lane_extreme<'ctx>(
     kernel.across_lanes(lanes, kernel.get(acc)?, combine)
 }
 
-/// The pointers of a prologue's inputs (arguments 1..) and the index of the next
-/// argument.
+/// The buffers of a fused expression's inputs.
 fn prologue_args<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    x: &Fusion,
-) -> Gen<(Vec<PointerValue<'ctx>>, u64)> {
-    let inputs = (0..x.inputs.len())
-        .map(|i| kernel.arg(1 + i as u64))
-        .collect::<Gen<Vec<_>>>()?;
-    Ok((inputs, 1 + x.inputs.len() as u64))
+    inputs: &[Access],
+) -> Gen<Vec<PointerValue<'ctx>>> {
+    (0u32..)
+        .zip(inputs)
+        .map(|(index, _)| kernel.param(Role::Input(index)))
+        .collect()
 }
 
 /// A kernel's input at `(row, column)`: its prologue's expression over its loads (a
@@ -502,29 +377,18 @@ fn prologue<'ctx>(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
 fn row<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     kind: RowKind,
     x: &Fusion,
     width: i64,
     eps: f64,
-    has_weight: bool,
-    has_bias: bool,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let out = kernel.arg(0)?;
-    let (inputs, after) = prologue_args(kernel, x)?;
-    let weight = if has_weight {
-        Some(kernel.arg(after)?)
-    } else {
-        None
-    };
-    let bias = if has_bias {
-        Some(kernel.arg(after + 1)?)
-    } else {
-        None
-    };
+    let out = kernel.param(Role::Out)?;
+    let inputs = prologue_args(kernel, &x.inputs)?;
+    let weight = kernel.optional(Role::Weight)?;
+    let bias = kernel.optional(Role::Bias)?;
     let n = kernel.constant(width as f64);
     // A row is a warp's on a GPU (its lanes share the columns), one thread's on the host.
     kernel.parallel_rows(start, end, |row, lanes| {
@@ -629,9 +493,9 @@ fn first_lane_stores<'ctx>(
 
 fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let out = kernel.arg(0)?;
-    let (inputs, offsets) = prologue_args(kernel, x)?;
-    let offsets = kernel.arg(offsets)?;
+    let out = kernel.param(Role::Out)?;
+    let inputs = prologue_args(kernel, &x.inputs)?;
+    let offsets = kernel.param(Role::Offsets)?;
     // An element is a warp's on a GPU (each lane its columns), one thread's on the host.
     kernel.parallel_rows(start, end, |element, lanes| {
         let first = kernel.load_i64(offsets, element)?;
@@ -706,7 +570,7 @@ fn segment<'ctx>(kernel: &Kernel<'ctx, '_>, kind: SegmentKind, x: &Fusion, width
 
 fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, table, ids] = kernel.args()?;
+    let [out, table, ids] = kernel.params([Role::Out, Role::Table, Role::Ids])?;
     kernel.parallel_rows(start, end, |row, lanes| {
         let id = kernel.load_i64(ids, row)?;
         let source = kernel.mul(id, kernel.i64(width))?;
@@ -723,7 +587,15 @@ fn gather<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
 /// b[c, w]` over the element's pairs of row `r`.
 fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, a, b, row_offsets, column_offsets, pair_offsets, elements] = kernel.args()?;
+    let [out, a, b, row_offsets, column_offsets, pair_offsets, elements] = kernel.params([
+        Role::Out,
+        Role::A,
+        Role::B,
+        Role::Offsets,
+        Role::ColumnOffsets,
+        Role::PairOffsets,
+        Role::RowOwners,
+    ])?;
     let sum = kernel.accumulator("sum")?;
     // A row is a warp's on a GPU (each lane its own outputs), one thread's on the host.
     kernel.parallel_rows(start, end, |row, lanes| {
@@ -774,16 +646,12 @@ fn convolution<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     (channels, width): (i64, i64),
     taps: i64,
-    (has_bias, adjoint): (bool, bool),
+    adjoint: bool,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, x, weight, table) = (
-        kernel.arg(0)?,
-        kernel.arg(1)?,
-        kernel.arg(2)?,
-        kernel.arg(4)?,
-    );
-    let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
+    let [out, x, weight] = kernel.params([Role::Out, Role::X, Role::Weight])?;
+    let bias = kernel.optional(Role::Bias)?;
+    let table = kernel.param(Role::Taps)?;
     let sum = kernel.accumulator("sum")?;
     // An output pixel is a warp's on a GPU (each lane its output channels), one
     // thread's on the host.
@@ -850,7 +718,7 @@ fn if_inside<'ctx>(
 /// window without one) or the mean (NaN for none).
 fn pool<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, table] = kernel.args()?;
+    let [out, x, table] = kernel.params([Role::Out, Role::X, Role::Taps])?;
     let [value, inside] = kernel.accumulators(["value", "inside"])?;
     let initial = kernel.constant(if max { f64::NEG_INFINITY } else { 0.0 });
     // An output pixel is a warp's on a GPU (each lane its channels), one thread's on the
@@ -891,7 +759,7 @@ fn pool<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) ->
 /// their count (NaN for an empty image, as torch's mean).
 fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, offsets] = kernel.args()?;
+    let [out, x, offsets] = kernel.params([Role::Out, Role::X, Role::PairOffsets])?;
     let sum = kernel.accumulator("sum")?;
     // An image is a warp's on a GPU (each lane its channels), one thread's on the host.
     kernel.parallel_rows(start, end, |image, lanes| {
@@ -925,7 +793,8 @@ fn weight_grad<'ctx>(
     taps: i64,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, g, table, count] = kernel.args()?;
+    let [out, x, g, table, count] =
+        kernel.params([Role::Out, Role::X, Role::Gradient, Role::Taps, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let sum = kernel.accumulator("sum")?;
     let per_output = channels.saturating_mul(taps);
@@ -963,7 +832,13 @@ fn weight_grad<'ctx>(
 /// (the first largest, or the last NaN, as libtorch's kernel).
 fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: bool) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, g, table, inverse] = kernel.args()?;
+    let [out, x, g, table, inverse] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Gradient,
+        Role::Taps,
+        Role::WindowsOfPixels,
+    ])?;
     let [sum, best, inside] = kernel.accumulators(["sum", "best", "inside"])?;
     let picked = kernel.index_variable("picked")?;
     // An input pixel is a warp's on a GPU (each lane its channels), one thread's on the
@@ -1022,7 +897,7 @@ fn pool_grad<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64, taps: i64, max: boo
 /// `out[p, c] = x[image, c] / pixels` (`offsets`: the images' first pixels).
 fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, offsets] = kernel.args()?;
+    let [out, x, offsets] = kernel.params([Role::Out, Role::X, Role::PairOffsets])?;
     // An image is a warp's on a GPU (each lane its channels), one thread's on the host.
     kernel.parallel_rows(start, end, |image, lanes| {
         let first = kernel.load_i64(offsets, image)?;
@@ -1043,26 +918,34 @@ fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
 /// `transposed`): one output value per iteration of the parallel loop, the epilogue
 /// applied to the sum before it is stored (its reads of `out` are the sum itself). With
 /// `product_given`, the sum is what `out[r, j]` holds (a BLAS wrote it).
-fn gemm<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    (out_slot, has_bias, product_given): (nestor_passes::Slot, bool, bool),
-    (k, n, transposed): (i64, i64, bool),
-    epilogue: Option<&Fusion>,
-) -> Gen<()> {
+fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: bool) -> Gen<()> {
+    let Gemm {
+        out: out_slot,
+        k,
+        n,
+        transposed,
+        ref epilogue,
+        ..
+    } = *step;
     let (start, end) = kernel.range()?;
-    let [out, x, weight] = kernel.args()?;
-    let bias = if has_bias { Some(kernel.arg(3)?) } else { None };
+    let out = kernel.param(Role::Out)?;
+    // A given product is the output already: the kernel does not read the operands.
+    let operands = if product_given {
+        None
+    } else {
+        Some(kernel.params([Role::X, Role::Weight])?)
+    };
+    let bias = kernel.optional(Role::Bias)?;
+    let epilogue = epilogue.as_ref();
     let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
     // The epilogue's reads of the result are the sum itself (never loaded), but their
     // arguments are the output's buffer.
-    kernel.output_also(inputs_of(inputs, out_slot, 4));
-    let (pointers, maps) = fused_args(kernel, inputs, 4)?;
+    kernel.output_also(inputs_of(inputs, out_slot));
+    let (pointers, maps) = fused_args(kernel, inputs)?;
     kernel.parallel_range(start, end, |task| {
         let row = kernel.div(task, kernel.i64(n))?;
         let column = kernel.rem(task, kernel.i64(n))?;
-        let sum = if product_given {
-            kernel.load_float(out, task)?
-        } else {
+        let sum = if let Some([x, weight]) = operands {
             let x_row = kernel.mul(row, kernel.i64(k))?;
             row_sum(kernel, k, |inner| {
                 let at = if transposed {
@@ -1073,6 +956,8 @@ fn gemm<'ctx>(
                 let product = kernel.load_float(x, kernel.add(x_row, inner)?)?;
                 kernel.fmul(product, kernel.load_float(weight, at)?)
             })?
+        } else {
+            kernel.load_float(out, task)?
         };
         let sum = match bias {
             Some(bias) => kernel.fadd(sum, kernel.load_float(bias, column)?)?,
@@ -1100,7 +985,7 @@ fn gemm<'ctx>(
 /// `out[r, c] = 1` where `c == ids[r]` (a row of zeros for `ignore`), else 0.
 fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, ids] = kernel.args()?;
+    let [out, ids] = kernel.params([Role::Out, Role::Ids])?;
     let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
     // A row is a warp's on a GPU (each lane its classes), one thread's on the host.
     kernel.parallel_rows(start, end, |row, lanes| {
@@ -1120,7 +1005,7 @@ fn one_hot<'ctx>(kernel: &Kernel<'ctx, '_>, classes: i64, ignore: i64) -> Gen<()
 /// runtime's generator: the same key gives the same mask).
 fn random_mask<'ctx>(kernel: &Kernel<'ctx, '_>, p: f64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, key] = kernel.args()?;
+    let [out, key] = kernel.params([Role::Out, Role::MaskKey])?;
     let key = kernel.load_i64(key, kernel.i64(0))?;
     // `bits / 2^53 >= p` exactly when `bits >= ceil(p 2^53)` (both sides exact).
     let threshold = (p * (1u64 << 53) as f64)
@@ -1138,7 +1023,7 @@ fn random_mask<'ctx>(kernel: &Kernel<'ctx, '_>, p: f64) -> Gen<()> {
 /// `out[b] = lengths[b]` as numbers.
 fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, lengths] = kernel.args()?;
+    let [out, lengths] = kernel.params([Role::Out, Role::Lengths])?;
     kernel.parallel_range(start, end, |element| {
         let value = kernel.to_float(kernel.load_i64(lengths, element)?)?;
         kernel.store_float(out, element, value)
@@ -1148,7 +1033,7 @@ fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
 /// `out` viewed as `[rows, size, inner]`: `x`'s row at `index`, zeros elsewhere.
 fn insert<'ctx>(kernel: &Kernel<'ctx, '_>, size: i64, index: i64, inner: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x] = kernel.args()?;
+    let [out, x] = kernel.params([Role::Out, Role::X])?;
     let zero = kernel.constant(0.0);
     // A row is a warp's on a GPU (each lane its values), one thread's on the host.
     kernel.parallel_rows(start, end, |row, lanes| {
@@ -1175,15 +1060,11 @@ fn insert<'ctx>(kernel: &Kernel<'ctx, '_>, size: i64, index: i64, inner: i64) ->
 
 /// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones), divided by the
 /// number of rows when `mean` (NaN for none).
-fn sum_rows<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    has_a: bool,
-    (m, n): (i64, i64),
-    mean: bool,
-) -> Gen<()> {
+fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean: bool) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let (out, b, count) = (kernel.arg(0)?, kernel.arg(2)?, kernel.arg(3)?);
-    let a = if has_a { Some(kernel.arg(1)?) } else { None };
+    let out = kernel.param(Role::Out)?;
+    let a = kernel.optional(Role::A)?;
+    let [b, count] = kernel.params([Role::B, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let total = kernel.accumulator("total")?;
     // An output value is a warp's on a GPU (each lane every 32nd row in order, the
@@ -1218,7 +1099,8 @@ fn sum_rows<'ctx>(
 /// `padding`): each output value reads every id once.
 fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, g, ids, count] = kernel.args()?;
+    let [out, g, ids, count] =
+        kernel.params([Role::Out, Role::Gradient, Role::Ids, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let total = kernel.accumulator("total")?;
     let zero = kernel.constant(0.0);
@@ -1252,7 +1134,7 @@ fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Ge
 /// `rows[rows[v]..rows[v + 1]]`), then the rows, in order.
 fn scatter_indexed_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, g, rows] = kernel.args()?;
+    let [out, g, rows] = kernel.params([Role::Out, Role::Gradient, Role::RowsOfIds])?;
     let total = kernel.accumulator("total")?;
     let zero = kernel.constant(0.0);
     kernel.parallel_rows(start, end, |entry, lanes| {
@@ -1280,7 +1162,8 @@ fn scatter_indexed_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i6
 /// `value` past its length.
 fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, offsets, longest] = kernel.args()?;
+    let [out, x, offsets, longest] =
+        kernel.params([Role::Out, Role::X, Role::Offsets, Role::Longest])?;
     let longest = kernel.load_i64(longest, kernel.i64(0))?;
     kernel.parallel_rows(start, end, |padded, lanes| {
         let element = kernel.div(padded, longest)?;
@@ -1311,7 +1194,13 @@ fn pad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, value: f64) -> Gen<()> {
 /// `e * longest + position` of the padded grid.
 fn unpad<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, x, offsets, longest, elements] = kernel.args()?;
+    let [out, x, offsets, longest, elements] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Offsets,
+        Role::Longest,
+        Role::RowOwners,
+    ])?;
     let longest = kernel.load_i64(longest, kernel.i64(0))?;
     kernel.parallel_rows(start, end, |row, lanes| {
         let element = kernel.load_i64(elements, row)?;
@@ -1345,7 +1234,15 @@ fn attention<'ctx>(
     scale: f64,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, queries, keys, values, query_offsets, key_offsets, elements] = kernel.args()?;
+    let [out, queries, keys, values, query_offsets, key_offsets, elements] = kernel.params([
+        Role::Out,
+        Role::Queries,
+        Role::Keys,
+        Role::Values,
+        Role::Offsets,
+        Role::KeyOffsets,
+        Role::RowOwners,
+    ])?;
     // Each lane's output columns (every one on the host).
     let slots = (value_dim + kernel.lane_count() - 1) / kernel.lane_count();
     let output = kernel.accumulator_array("output", slots)?;
@@ -1477,8 +1374,17 @@ fn attention_grad<'ctx>(
     (causal, scale, keys): (bool, f64, bool),
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
-    let [out, queries, key_rows, values, slopes, query_offsets, key_offsets, elements] =
-        kernel.args()?;
+    let [out, queries, key_rows, values, slopes, query_offsets, key_offsets, elements] = kernel
+        .params([
+            Role::Out,
+            Role::Queries,
+            Role::Keys,
+            Role::Values,
+            Role::Gradient,
+            Role::Offsets,
+            Role::KeyOffsets,
+            Role::RowOwners,
+        ])?;
     let [largest, total, dot] = kernel.accumulators(["largest", "total", "dot"])?;
     // Each lane's columns of the head (every one on the host).
     let slots = (head_dim + kernel.lane_count() - 1) / kernel.lane_count();

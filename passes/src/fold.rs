@@ -7,36 +7,38 @@
 //! pointwise result other than element for element as written, the two steps stay
 //! (the result is the same, one launch more).
 
-use crate::program::{Access, Fusion, Program, RowBase, Rows, Step};
+use crate::program::{Access, Fusion, Program, RowBase, Rows};
+use crate::step::Step;
+use crate::step::{Gemm, Pointwise, Row, Segment};
 
 /// Folds the last two steps, a pointwise step and the row or segmented kernel that
 /// reads its output, into that kernel. Returns whether it did.
 pub(crate) fn fold_prologue(program: &mut Program) -> bool {
-    let [.., Step::Pointwise {
+    let [.., Step::Pointwise(Pointwise {
         out,
         rows,
         width,
         inputs,
         ..
-    }, reader] = &program.steps[..]
+    }), reader] = &program.steps[..]
     else {
         return false;
     };
     let fits = inputs.iter().all(|access| access.row_map.is_none())
         && match reader {
-            Step::Row {
+            Step::Row(Row {
                 x,
                 rows: row_rows,
                 width: row_width,
                 ..
-            } => x.as_plain(*width) == Some(*out) && row_rows == rows && row_width == width,
+            }) => x.as_plain(*width) == Some(*out) && row_rows == rows && row_width == width,
             // A segmented kernel reads the packed rows of its lengths.
-            Step::Segment {
+            Step::Segment(Segment {
                 x,
                 lengths,
                 width: segment_width,
                 ..
-            } => {
+            }) => {
                 x.as_plain(*width) == Some(*out)
                     && *rows
                         == Rows {
@@ -50,12 +52,12 @@ pub(crate) fn fold_prologue(program: &mut Program) -> bool {
     if !fits {
         return false;
     }
-    let (Some(mut reader), Some(Step::Pointwise { inputs, expr, .. })) =
+    let (Some(mut reader), Some(Step::Pointwise(Pointwise { inputs, expr, .. }))) =
         (program.steps.pop(), program.steps.pop())
     else {
         return false;
     };
-    if let Step::Row { x, .. } | Step::Segment { x, .. } = &mut reader {
+    if let Step::Row(Row { x, .. }) | Step::Segment(Segment { x, .. }) = &mut reader {
         *x = Fusion { inputs, expr };
     }
     program.steps.push(reader);
@@ -66,18 +68,18 @@ pub(crate) fn fold_prologue(program: &mut Program) -> bool {
 /// for element, into the GEMM (the pointwise step becomes its epilogue, computed in
 /// place in the pointwise step's buffer). Returns whether it did.
 pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
-    let [.., Step::Gemm {
+    let [.., Step::Gemm(Gemm {
         out: written,
         rows: gemm_rows,
         n,
         epilogue: None,
         ..
-    }, Step::Pointwise {
+    }), Step::Pointwise(Pointwise {
         rows,
         width,
         inputs,
         ..
-    }] = &program.steps[..]
+    })] = &program.steps[..]
     else {
         return false;
     };
@@ -90,17 +92,17 @@ pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
     if !fits {
         return false;
     }
-    let Some(Step::Pointwise {
+    let Some(Step::Pointwise(Pointwise {
         out, inputs, expr, ..
-    }) = program.steps.pop()
+    })) = program.steps.pop()
     else {
         return false;
     };
-    let Some(Step::Gemm {
+    let Some(Step::Gemm(Gemm {
         out: gemm_out,
         epilogue,
         ..
-    }) = program.steps.last_mut()
+    })) = program.steps.last_mut()
     else {
         return false;
     };

@@ -2,7 +2,9 @@
 //! view of another buffer (`select`, `narrow` or a head split before attention) is
 //! dropped when every reader can read that view directly through its own access.
 
-use crate::program::{Access, Expr, Program, RowBase, Source, Step};
+use crate::program::{Access, Expr, Program, RowBase, Source};
+use crate::step::Step;
+use crate::step::{Attention, Pointwise};
 
 /// Drops the copies whose readers all take accesses, rewriting those accesses to read
 /// the copied view in place. The program computes the same values with fewer steps.
@@ -10,7 +12,7 @@ pub(crate) fn forward_copies(program: &mut Program) {
     // Dropping a copy can make an earlier one forwardable (its readers change), so the
     // search starts over; programs have tens to hundreds of steps.
     while let Some(index) = (0..program.steps.len()).find(|&index| forwardable(program, index)) {
-        let Step::Pointwise { out, inputs, .. } = &program.steps[index] else {
+        let Step::Pointwise(Pointwise { out, inputs, .. }) = &program.steps[index] else {
             return;
         };
         let (copy, view) = (*out, inputs[0]);
@@ -40,13 +42,13 @@ fn compose(view: &Access, reader: &Access) -> Access {
 
 /// Whether step `index` is a plain copy every reader of which can read its view.
 fn forwardable(program: &Program, index: usize) -> bool {
-    let Step::Pointwise {
+    let Step::Pointwise(Pointwise {
         out,
         rows,
         width,
         inputs,
         expr: Expr::Load(0),
-    } = &program.steps[index]
+    }) = &program.steps[index]
     else {
         return false;
     };
@@ -75,12 +77,12 @@ fn forwardable(program: &Program, index: usize) -> bool {
             return true;
         }
         match step {
-            Step::Pointwise {
+            Step::Pointwise(Pointwise {
                 rows: reader_rows,
                 width: reader_width,
                 inputs,
                 ..
-            } => {
+            }) => {
                 reader_rows == rows
                     && reader_width == width
                     && inputs
@@ -88,14 +90,14 @@ fn forwardable(program: &Program, index: usize) -> bool {
                         .filter(|access| access.slot == *out)
                         .all(|access| row_access(access) && access.offset == 0)
             }
-            Step::Attention {
+            Step::Attention(Attention {
                 q,
                 k,
                 v,
                 q_lengths,
                 k_lengths,
                 ..
-            } => [(q, q_lengths), (k, k_lengths), (v, k_lengths)]
+            }) => [(q, q_lengths), (k, k_lengths), (v, k_lengths)]
                 .into_iter()
                 .filter(|(access, _)| access.slot == *out)
                 .all(|(access, lengths)| {
@@ -110,8 +112,8 @@ fn forwardable(program: &Program, index: usize) -> bool {
 /// The accesses of a step that reads through accesses.
 fn accesses_mut(step: &mut Step) -> Vec<&mut Access> {
     match step {
-        Step::Pointwise { inputs, .. } => inputs.iter_mut().collect(),
-        Step::Attention { q, k, v, .. } => vec![q, k, v],
+        Step::Pointwise(Pointwise { inputs, .. }) => inputs.iter_mut().collect(),
+        Step::Attention(Attention { q, k, v, .. }) => vec![q, k, v],
         _ => Vec::new(),
     }
 }

@@ -28,8 +28,10 @@ mod lower;
 pub mod optimize;
 mod pipeline;
 mod program;
+pub mod signature;
+pub mod step;
 
-pub use autodiff::{differentiate, AutodiffError, Gradients};
+pub use autodiff::{differentiate, differentiate_loss, AutodiffError, Gradients, LossGraphError};
 pub(crate) use count::channel_shape;
 pub use count::{batch_statistics, BatchStatistics};
 pub use cse::Cse;
@@ -40,5 +42,7 @@ pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};
 pub use program::{
     Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
-    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, Step, WindowKind,
+    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, WindowKind,
 };
+pub use signature::{Arg, KernelKey, KernelSet, Param, Placement, Role, Signature};
+pub use step::Step;

@@ -2,7 +2,9 @@
 //! [`Slot`] of `rows x width` scalars, where `rows` is computed from lengths at run
 //! time, so one program serves every batch of its structure.
 
-use nestor_ir::{BinaryOp, DType, UnaryOp, Window2d};
+use nestor_ir::{BinaryOp, DType, UnaryOp, F64};
+
+use crate::step::Step;
 
 /// A buffer of a program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,10 +44,34 @@ impl Rows {
         }
     }
 
-    /// The rows times `factor`.
+    /// One row per entry of `lengths`: the batch.
+    pub fn batch(lengths: Slot) -> Self {
+        Self {
+            base: RowBase::Batch(lengths),
+            factor: 1,
+        }
+    }
+
+    /// The sum of `lengths`: the packed rows.
+    pub fn total(lengths: Slot) -> Self {
+        Self {
+            base: RowBase::Total(lengths),
+            factor: 1,
+        }
+    }
+
+    /// The rows of the padded grid of `lengths`.
+    pub fn padded(lengths: Slot) -> Self {
+        Self {
+            base: RowBase::Padded(lengths),
+            factor: 1,
+        }
+    }
+
+    /// The rows times `factor` (saturating, as run-time counts do).
     pub fn times(self, factor: i64) -> Self {
         Self {
-            factor: self.factor * factor,
+            factor: self.factor.saturating_mul(factor),
             ..self
         }
     }
@@ -130,12 +156,12 @@ pub enum RowMap {
 }
 
 /// A pointwise expression over the inputs of a kernel.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Expr {
     /// Input number `n` at the current position.
     Load(usize),
     /// A constant.
-    Const(f64),
+    Const(F64),
     /// A unary function.
     Unary(UnaryOp, Box<Expr>),
     /// A binary function (predicates give 0 or 1).
@@ -179,7 +205,7 @@ impl Expr {
 /// A pointwise expression computed inside another kernel: a row or segmented kernel's
 /// input (its prologue) or what a GEMM does to its output rows (its epilogue). `Load(i)` reads
 /// `inputs[i]` at the kernel's current row and column.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Fusion {
     /// Inputs, read as their accesses say (never per element).
     pub inputs: Vec<Access>,
@@ -306,419 +332,6 @@ pub enum LengthsKind {
         /// How many times each length repeats.
         times: Slot,
     },
-}
-
-/// One step of a program.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Step {
-    /// `out[r, c] = expr(inputs at (r, c))` for every row and column.
-    Pointwise {
-        /// Output slot.
-        out: Slot,
-        /// Output rows.
-        rows: Rows,
-        /// Output width.
-        width: i64,
-        /// Inputs, read as their accesses say.
-        inputs: Vec<Access>,
-        /// The expression.
-        expr: Expr,
-    },
-    /// `out = x W^T + b` (or `x W` with `transposed`): one GEMM over all rows.
-    Gemm {
-        /// Output slot `[rows, n]`.
-        out: Slot,
-        /// Input `[rows, k]`.
-        x: Slot,
-        /// Weight `[n, k]` (or `[k, n]` when `transposed`).
-        weight: Slot,
-        /// Bias `[n]`.
-        bias: Option<Slot>,
-        /// Rows.
-        rows: Rows,
-        /// Inner size.
-        k: i64,
-        /// Output width.
-        n: i64,
-        /// The weight is `[k, n]`.
-        transposed: bool,
-        /// Computed on each chunk of output rows right after the GEMM writes it, in
-        /// place (one of its inputs is `out` itself, read where it is written).
-        epilogue: Option<Fusion>,
-    },
-    /// A row kernel (norms, softmax, row reductions).
-    Row {
-        /// Which.
-        kind: RowKind,
-        /// Output slot.
-        out: Slot,
-        /// The input rows: a buffer as it is, or a fused pointwise prologue.
-        x: Fusion,
-        /// Scale `[width]`.
-        weight: Option<Slot>,
-        /// Shift `[width]`.
-        bias: Option<Slot>,
-        /// Rows.
-        rows: Rows,
-        /// Scalars per row.
-        width: i64,
-        /// Epsilon of the norms.
-        eps: f64,
-    },
-    /// A segmented kernel over the rows of each element.
-    Segment {
-        /// Which.
-        kind: SegmentKind,
-        /// Output slot.
-        out: Slot,
-        /// The input rows `[sum L, width]`: a buffer as it is, or a fused pointwise
-        /// prologue.
-        x: Fusion,
-        /// The lengths that split the rows.
-        lengths: Slot,
-        /// Scalars per row.
-        width: i64,
-    },
-    /// Varlen attention on packed heads: each element's queries attend to its keys.
-    Attention {
-        /// Output `[sum Lq, heads * value_dim]`.
-        out: Slot,
-        /// Queries `[sum Lq, heads * head_dim]`, read with `q_access`.
-        q: Access,
-        /// Keys `[sum Lk, heads * head_dim]`.
-        k: Access,
-        /// Values `[sum Lk, heads * value_dim]`.
-        v: Access,
-        /// Query lengths.
-        q_lengths: Slot,
-        /// Key lengths.
-        k_lengths: Slot,
-        /// Heads.
-        heads: i64,
-        /// Query/key width per head.
-        head_dim: i64,
-        /// Value width per head.
-        value_dim: i64,
-        /// Mask future keys.
-        causal: bool,
-        /// Score scale.
-        scale: f64,
-    },
-    /// The jagged-pair matmul, one GEMM per element on the host: scores
-    /// `out [sum M_i N_i] = a [sum M_i, width] b^T` with `b [sum N_i, width]`, or (`mix`)
-    /// `out [sum M_i, width] = a [sum M_i N_i] b` with `b [sum N_i, width]`.
-    PairGemm {
-        /// Output.
-        out: Slot,
-        /// Left elements.
-        a: Slot,
-        /// Right elements.
-        b: Slot,
-        /// Lengths of the rows `M`.
-        rows: Slot,
-        /// Lengths of the other ragged dim `N`.
-        columns: Slot,
-        /// The inner size (scores) or the output width (mix).
-        width: i64,
-        /// `p @ v` rather than `q @ k^T`.
-        mix: bool,
-    },
-    /// A sliding window over packed images `[C, H_i, W_i]` (rows are pixels), on the
-    /// host: a direct convolution over the packed pixels (taps outside an image read
-    /// zeros; no gathered copy), max or average pooling over the windows, each image's
-    /// mean, and their gradients.
-    Window {
-        /// What is computed over each window.
-        kind: WindowKind,
-        /// Output pixels `[sum H_out W_out, width]` (one row per image for
-        /// [`WindowKind::ImageMean`]).
-        out: Slot,
-        /// Input pixels `[sum H W, channels]`.
-        x: Slot,
-        /// `[width, channels, K_h, K_w]` (convolution).
-        weight: Option<Slot>,
-        /// `[width]` (convolution).
-        bias: Option<Slot>,
-        /// The gradient of the convolution's output `[sum H_out W_out, width]`
-        /// ([`WindowKind::WeightGrad`]).
-        grad: Option<Slot>,
-        /// The images' heights.
-        heights: Slot,
-        /// The images' widths.
-        widths: Slot,
-        /// Input channels.
-        channels: i64,
-        /// Output channels.
-        width: i64,
-        /// The window's geometry.
-        window: Window2d,
-    },
-    /// A graph the host runs (through libtorch) inside the program: an explicit
-    /// per-element region. `inputs` are the slots of the host graph's inputs, in order
-    /// (lengths slots for its `lengths` inputs).
-    Host {
-        /// Output slot.
-        out: Slot,
-        /// The slots of the host graph's inputs.
-        inputs: Vec<Slot>,
-        /// Index into [`Program::host_graphs`].
-        graph: usize,
-    },
-    /// The padded grid of a batch with one leading ragged dim: row `(b, t)` of `out`
-    /// (`B x max(L)` rows) is row `offsets[b] + t` of `x` for `t < L_b`, else `value`.
-    Pad {
-        /// Output slot `[B * max(L), width]`.
-        out: Slot,
-        /// Packed rows `[sum L, width]`.
-        x: Slot,
-        /// The lengths of the ragged dim.
-        lengths: Slot,
-        /// Scalars per row.
-        width: i64,
-        /// The padding value.
-        value: f64,
-    },
-    /// The packed rows of a padded grid: row `offsets[b] + t` of `out` is row
-    /// `b * max(grid lengths) + t` of `x`, for `t < L_b` (the inverse of [`Step::Pad`]).
-    Unpad {
-        /// Output slot `[sum L, width]`.
-        out: Slot,
-        /// The padded grid `[B * max(grid lengths), width]`.
-        x: Slot,
-        /// The lengths the grid was padded for (its row stride is their longest).
-        grid: Slot,
-        /// The lengths of the result.
-        lengths: Slot,
-        /// Scalars per row.
-        width: i64,
-    },
-    /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1: the
-    /// column sums of `b`), divided by the number of rows when `mean` (NaN for none):
-    /// weight gradients and reductions over every row.
-    SumRows {
-        /// Output slot `[m, n]`.
-        out: Slot,
-        /// `[rows, m]`, or ones.
-        a: Option<Slot>,
-        /// `[rows, n]`.
-        b: Slot,
-        /// Rows.
-        rows: Rows,
-        /// Width of `a`.
-        m: i64,
-        /// Width of `b`.
-        n: i64,
-        /// Divide by the number of rows.
-        mean: bool,
-    },
-    /// `out[r, c] = 1` where `c == ids[r]`, else 0 (a row of zeros for `ignore`; other
-    /// ids outside `0..classes` are bad input, checked before the step runs).
-    OneHot {
-        /// Output slot `[rows, classes]`.
-        out: Slot,
-        /// Ids (i64) `[rows]`.
-        ids: Slot,
-        /// Rows.
-        rows: Rows,
-        /// Row width.
-        classes: i64,
-        /// The id whose row stays zero.
-        ignore: i64,
-    },
-    /// `out[v] = sum of g[r] over rows r with ids[r] == v`, zero for `padding` and ids
-    /// outside the table.
-    ScatterRows {
-        /// Output slot `[vocabulary, width]`.
-        out: Slot,
-        /// Rows `[rows, width]`.
-        g: Slot,
-        /// Ids (i64) `[rows]`.
-        ids: Slot,
-        /// Rows.
-        rows: Rows,
-        /// Row width.
-        width: i64,
-        /// Table rows.
-        vocabulary: i64,
-        /// The id that gets nothing.
-        padding: i64,
-    },
-    /// `out` viewed as `[rows, size, inner]` is zero but for `out[:, index, :] = x`
-    /// (`x` viewed as `[rows, inner]`).
-    Insert {
-        /// Output slot.
-        out: Slot,
-        /// Input slot.
-        x: Slot,
-        /// Rows (the packed rows times the dims before the inserted one).
-        rows: Rows,
-        /// The inserted dim's size.
-        size: i64,
-        /// Where `x` goes.
-        index: i64,
-        /// Scalars after the inserted dim.
-        inner: i64,
-    },
-    /// The gradient of varlen attention: of the queries, or (`keys`) of the keys and
-    /// values stacked per row (`[Lk, 2, heads, head_dim]`).
-    AttentionGrad {
-        /// Output slot.
-        out: Slot,
-        /// Queries `[sum Lq, heads, head_dim]`.
-        q: Access,
-        /// Keys `[sum Lk, heads, head_dim]`.
-        k: Access,
-        /// Values `[sum Lk, heads, head_dim]`.
-        v: Access,
-        /// The output's cotangent `[sum Lq, heads, head_dim]`.
-        g: Access,
-        /// Query lengths.
-        q_lengths: Slot,
-        /// Key lengths.
-        k_lengths: Slot,
-        /// Heads.
-        heads: i64,
-        /// Width per head (queries, keys and values alike).
-        head_dim: i64,
-        /// Mask future keys.
-        causal: bool,
-        /// Score scale.
-        scale: f64,
-        /// The keys' and values' gradient rather than the queries'.
-        keys: bool,
-    },
-    /// A dropout mask: every value `1 / (1 - p)` with probability `1 - p`, else 0, from
-    /// a counter-based generator keyed by `stream`, the position and the run.
-    RandomMask {
-        /// Output slot.
-        out: Slot,
-        /// Rows.
-        rows: Rows,
-        /// Scalars per row.
-        width: i64,
-        /// Drop probability.
-        p: f64,
-        /// Which mask of the program.
-        stream: i64,
-    },
-    /// `out[b] = lengths[b]` as numbers.
-    LengthValues {
-        /// Output slot `[B]`.
-        out: Slot,
-        /// The lengths.
-        lengths: Slot,
-    },
-    /// `out[r] = table[ids[r]]`.
-    Gather {
-        /// Output slot `[rows, width]`.
-        out: Slot,
-        /// Table `[vocabulary, width]`.
-        table: Slot,
-        /// Ids (i64) `[rows]`.
-        ids: Slot,
-        /// Rows.
-        rows: Rows,
-        /// Table width.
-        width: i64,
-    },
-}
-
-impl Step {
-    /// The slots the step reads (lengths slots excepted).
-    pub fn reads(&self) -> Vec<Slot> {
-        match self {
-            Step::Pointwise { inputs, .. } => inputs.iter().map(|access| access.slot).collect(),
-            Step::Gemm {
-                out,
-                x,
-                weight,
-                bias,
-                epilogue,
-                ..
-            } => [
-                vec![*x, *weight],
-                bias.iter().copied().collect(),
-                epilogue
-                    .iter()
-                    .flat_map(|fusion| fusion.inputs.iter())
-                    .map(|access| access.slot)
-                    .filter(|slot| slot != out)
-                    .collect(),
-            ]
-            .concat(),
-            Step::Row {
-                x, weight, bias, ..
-            } => [
-                x.inputs.iter().map(|access| access.slot).collect(),
-                weight.iter().copied().collect(),
-                bias.iter().copied().collect::<Vec<_>>(),
-            ]
-            .concat(),
-            Step::Segment { x, .. } => x.inputs.iter().map(|access| access.slot).collect(),
-            Step::Attention { q, k, v, .. } => vec![q.slot, k.slot, v.slot],
-            Step::PairGemm { a, b, .. } => vec![*a, *b],
-            Step::Window {
-                x,
-                weight,
-                bias,
-                grad,
-                ..
-            } => [Some(*x), *weight, *bias, *grad]
-                .into_iter()
-                .flatten()
-                .collect(),
-            Step::Gather { table, ids, .. } => vec![*table, *ids],
-            Step::SumRows { a, b, .. } => a.iter().copied().chain([*b]).collect(),
-            Step::LengthValues { .. } => Vec::new(),
-            Step::OneHot { ids, .. } => vec![*ids],
-            Step::ScatterRows { g, ids, .. } => vec![*g, *ids],
-            Step::Insert { x, .. } => vec![*x],
-            Step::RandomMask { .. } => Vec::new(),
-            Step::AttentionGrad { q, k, v, g, .. } => vec![q.slot, k.slot, v.slot, g.slot],
-            Step::Pad { x, .. } | Step::Unpad { x, .. } => vec![*x],
-            Step::Host { inputs, .. } => inputs.clone(),
-        }
-    }
-
-    /// The transcendental functions the step evaluates per output value (its
-    /// expression's, a softmax's two exponentials): what makes it compute-bound.
-    pub fn transcendentals(&self) -> usize {
-        match self {
-            Step::Pointwise { expr, .. } => expr.transcendentals(),
-            Step::Row { kind, x, .. } => {
-                let exponentials = match kind {
-                    RowKind::Softmax | RowKind::LogSoftmax => 2,
-                    _ => 0,
-                };
-                exponentials + x.expr.transcendentals()
-            }
-            _ => 0,
-        }
-    }
-
-    /// The slot the step writes.
-    pub fn output(&self) -> Slot {
-        match self {
-            Step::Pointwise { out, .. }
-            | Step::Gemm { out, .. }
-            | Step::Row { out, .. }
-            | Step::Segment { out, .. }
-            | Step::Attention { out, .. }
-            | Step::PairGemm { out, .. }
-            | Step::Window { out, .. }
-            | Step::Host { out, .. }
-            | Step::Pad { out, .. }
-            | Step::Unpad { out, .. }
-            | Step::Gather { out, .. }
-            | Step::SumRows { out, .. }
-            | Step::LengthValues { out, .. }
-            | Step::OneHot { out, .. }
-            | Step::ScatterRows { out, .. }
-            | Step::Insert { out, .. }
-            | Step::RandomMask { out, .. }
-            | Step::AttentionGrad { out, .. } => *out,
-        }
-    }
 }
 
 /// A dim of the elements of a ragged result.

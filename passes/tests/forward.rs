@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_ir::parse;
+use nestor_passes::step::{Attention, Pointwise};
 use nestor_passes::{lower, Expr, Step};
 
 const QKV: &str = "graph @qkv {
@@ -25,10 +26,10 @@ fn copies(steps: &[Step]) -> usize {
         .filter(|step| {
             matches!(
                 step,
-                Step::Pointwise {
+                Step::Pointwise(Pointwise {
                     expr: Expr::Load(0),
                     ..
-                }
+                })
             )
         })
         .count()
@@ -38,7 +39,7 @@ fn copies(steps: &[Step]) -> usize {
 fn attention_reads_q_k_v_in_place_from_the_packed_projection() {
     let program = lower(&parse(QKV).unwrap()).unwrap();
     assert_eq!(program.steps.len(), 1, "{:#?}", program.steps);
-    let Step::Attention { q, k, v, .. } = &program.steps[0] else {
+    let Step::Attention(Attention { q, k, v, .. }) = &program.steps[0] else {
         panic!("{:#?}", program.steps)
     };
     for (access, offset) in [(q, 0), (k, 8), (v, 16)] {

@@ -57,7 +57,7 @@ impl Tiles {
 }
 
 /// The shape of one attention step.
-pub(crate) struct Attention<'a> {
+pub(crate) struct AttentionRun<'a> {
     pub q: &'a Access,
     pub k: &'a Access,
     pub v: &'a Access,
@@ -104,7 +104,7 @@ struct RowState<T> {
     poisoned: Vec<bool>,
 }
 
-impl Attention<'_> {
+impl AttentionRun<'_> {
     /// Runs the step on buffers of `T` (out, q, k, v). `out` holds
     /// `sum(Lq) x heads*value_dim` values; the inputs are sized for the offsets (the
     /// executor checked them).
@@ -288,7 +288,7 @@ impl<T: Scalar> RowState<T> {
 }
 
 /// The shape of one attention-gradient step (queries, keys and values of one width).
-pub(crate) struct AttentionGrad<'a> {
+pub(crate) struct AttentionGradRun<'a> {
     pub q: &'a Access,
     pub k: &'a Access,
     pub v: &'a Access,
@@ -318,7 +318,7 @@ struct GradBuffers<T> {
 unsafe impl<T> Send for GradBuffers<T> {}
 unsafe impl<T> Sync for GradBuffers<T> {}
 
-impl AttentionGrad<'_> {
+impl AttentionGradRun<'_> {
     /// Runs the step on buffers of `T` (out, q, k, v, g), per element and head:
     /// `P = softmax(scale Q K^T)` again, then `dS = P (dO V^T - rowsum(P dO V^T))`,
     /// `dQ = scale dS K`, `dK = scale dS^T Q`, `dV = P^T dO` (no padding, no `L x L`
@@ -583,7 +583,7 @@ mod tests {
         let rows = *q_offsets.last().unwrap_or(&0);
         let size = (rows * HEADS * VALUE_DIM) as usize;
         let scale = 1.0 / (HEAD_DIM as f64).sqrt();
-        let host = Attention {
+        let host = AttentionRun {
             q: &q_access,
             k: &k_access,
             v: &v_access,
@@ -608,7 +608,7 @@ mod tests {
                 (&q_offsets, &k_offsets),
             )
         };
-        let step = Step::Attention {
+        let step = Step::Attention(nestor_passes::step::Attention {
             out: nestor_passes::Slot(0),
             q: q_access,
             k: k_access,
@@ -619,8 +619,8 @@ mod tests {
             head_dim: HEAD_DIM,
             value_dim: VALUE_DIM,
             causal,
-            scale,
-        };
+            scale: nestor_ir::F64(scale),
+        });
         let elements = crate::testing::row_elements(q_lengths);
         let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
         let args = [
@@ -713,7 +713,7 @@ mod tests {
         };
         let size = (rows * width * if keys { 2 } else { 1 }) as usize;
         let scale = 0.7;
-        let host = AttentionGrad {
+        let host = AttentionGradRun {
             q: &accesses[0],
             k: &accesses[1],
             v: &accesses[2],
@@ -741,7 +741,7 @@ mod tests {
             )
         };
         let [qa, ka, va, ga] = accesses;
-        let step = Step::AttentionGrad {
+        let step = Step::AttentionGrad(nestor_passes::step::AttentionGrad {
             out: slot(0),
             q: qa,
             k: ka,
@@ -752,9 +752,9 @@ mod tests {
             heads: HEADS,
             head_dim: HEAD_DIM,
             causal,
-            scale,
+            scale: nestor_ir::F64(scale),
             keys,
-        };
+        });
         let elements = crate::testing::row_elements(lengths);
         let mut actual = vec![f32::NAN; size];
         let args = [

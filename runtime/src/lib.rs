@@ -30,9 +30,9 @@ mod window;
 
 pub use blas::{gemm_library, gemm_probe, GemmProbe};
 pub use executor::{
-    convolve_images, round_to_bf16, CudaBuffer, CudaDevice, DeviceOutput, DeviceResults,
-    Executable, Gemms, HostBuffer, HostDevice, HostRunner, HostValue, InputData, KernelDevice,
-    OutputSink, RunData, RunDim, RunOutput, RunShape, RuntimeError,
+    convolve_images, from_bf16, round_to_bf16, to_bf16, BlasCall, BlasSizeError, DeviceOutput,
+    DeviceResults, Executable, Gemms, HostBuffer, HostDevice, HostRunner, HostValue, InputData,
+    KernelDevice, OutputSink, Product, RunData, RunDim, RunOutput, RunShape, RuntimeError,
 };
 pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;

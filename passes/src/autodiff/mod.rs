@@ -40,6 +40,34 @@ use thiserror::Error;
 
 use builder::Builder;
 
+/// The joint graph of a loss graph: its first output, a float scalar, differentiated
+/// with respect to every parameter after [`crate::Decompose`] (how the GPU check and the
+/// kernel tests train a `.nir` loss).
+pub fn differentiate_loss(graph: &Graph) -> Result<Gradients, LossGraphError> {
+    use crate::Pass;
+    let graph = crate::Decompose.run(graph)?;
+    let params: Vec<ValueId> = (0..graph.nodes.len())
+        .filter(|&index| matches!(graph.nodes[index].op, Op::Param { .. }))
+        .map(|index| ValueId(index as u32))
+        .collect();
+    let loss = *graph.outputs.first().ok_or(LossGraphError::NoLoss)?;
+    Ok(differentiate(&graph, loss, &params)?)
+}
+
+/// Why [`differentiate_loss`] failed.
+#[derive(Debug, Error)]
+pub enum LossGraphError {
+    /// Decomposition broke the graph (a bug of the pass).
+    #[error(transparent)]
+    Decompose(#[from] nestor_ir::VerifyError),
+    /// Differentiation failed.
+    #[error(transparent)]
+    Autodiff(#[from] AutodiffError),
+    /// The graph returns nothing.
+    #[error("a loss graph returns its loss first; this one returns nothing")]
+    NoLoss,
+}
+
 /// Why a graph could not be differentiated.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum AutodiffError {

@@ -1,6 +1,7 @@
 //! GEMMs (linear, matmul), the embedding gather and varlen attention.
 
 use super::*;
+use crate::step::{Attention, AttentionGrad, Gather, Gemm, PairGemm, ScatterRows, SumRows};
 
 impl Lowering<'_> {
     /// Lowers a gemm op.
@@ -19,13 +20,13 @@ impl Lowering<'_> {
                 let (table, _, table_tail, _) = self.data(value, *weight)?;
                 let width = table_tail.first().copied().unwrap_or(1);
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Gather {
+                self.program.steps.push(Step::Gather(Gather {
                     out: slot_of(&out),
                     table,
                     ids: ids_slot,
                     rows,
                     width,
-                });
+                }));
                 Ok(out)
             }
             Op::Attention {
@@ -48,7 +49,7 @@ impl Lowering<'_> {
                         "attention needs ragged queries and keys",
                     ));
                 };
-                self.program.steps.push(Step::Attention {
+                self.program.steps.push(Step::Attention(Attention {
                     out: slot_of(&out),
                     q: full(q_slot, heads * head_dim),
                     k: full(k_slot, heads * head_dim),
@@ -59,8 +60,8 @@ impl Lowering<'_> {
                     head_dim,
                     value_dim,
                     causal: *causal,
-                    scale: scale.map_or(1.0 / (head_dim as f64).sqrt(), |scale| scale.0),
-                });
+                    scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
+                }));
                 Ok(out)
             }
             Op::PairMatmul { a, b } => self.pair_gemm(value, op, ty, *a, *b),
@@ -73,7 +74,7 @@ impl Lowering<'_> {
                 );
                 let rows = a_rows.times(volume(&a_tail[..a_tail.len().saturating_sub(1)]));
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::SumRows {
+                self.program.steps.push(Step::SumRows(SumRows {
                     out: slot_of(&out),
                     a: Some(a_slot),
                     b: b_slot,
@@ -81,7 +82,7 @@ impl Lowering<'_> {
                     m,
                     n,
                     mean: false,
-                });
+                }));
                 Ok(out)
             }
             Op::ScatterRows {
@@ -94,7 +95,7 @@ impl Lowering<'_> {
                 let (ids, ..) = self.integer_ids(value, *ids)?;
                 let width = tail.last().copied().unwrap_or(1);
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::ScatterRows {
+                self.program.steps.push(Step::ScatterRows(ScatterRows {
                     out: slot_of(&out),
                     g,
                     ids,
@@ -102,7 +103,7 @@ impl Lowering<'_> {
                     width,
                     vocabulary: *vocabulary,
                     padding: *padding_idx,
-                });
+                }));
                 Ok(out)
             }
             Op::AttentionGrad {
@@ -128,7 +129,7 @@ impl Lowering<'_> {
                 let (heads, head_dim) = (q_tail[0], q_tail[1]);
                 let rows = |slot| Access::rows(slot, heads * head_dim);
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::AttentionGrad {
+                self.program.steps.push(Step::AttentionGrad(AttentionGrad {
                     out: slot_of(&out),
                     q: rows(q_slot),
                     k: rows(k_slot),
@@ -139,9 +140,9 @@ impl Lowering<'_> {
                     heads,
                     head_dim,
                     causal: *causal,
-                    scale: scale.map_or(1.0 / (head_dim as f64).sqrt(), |scale| scale.0),
+                    scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
                     keys: *keys,
-                });
+                }));
                 Ok(out)
             }
             other => Err(unsupported(value, other, "not lowered yet")),
@@ -184,7 +185,7 @@ impl Lowering<'_> {
         };
         let out = self.result(value, ty)?;
         let outer = volume(&tail[..tail.len().saturating_sub(1)]);
-        self.program.steps.push(Step::Gemm {
+        self.program.steps.push(Step::Gemm(Gemm {
             out: slot_of(&out),
             x: x_slot,
             weight: weight_slot,
@@ -194,7 +195,7 @@ impl Lowering<'_> {
             n,
             transposed,
             epilogue: None,
-        });
+        }));
         Ok(out)
     }
 }
@@ -236,7 +237,7 @@ impl Lowering<'_> {
         let (a_slot, ..) = self.data(value, a)?;
         let (b_slot, ..) = self.data(value, b)?;
         let out = self.result(value, ty)?;
-        self.program.steps.push(Step::PairGemm {
+        self.program.steps.push(Step::PairGemm(PairGemm {
             out: slot_of(&out),
             a: a_slot,
             b: b_slot,
@@ -244,7 +245,7 @@ impl Lowering<'_> {
             columns,
             width,
             mix,
-        });
+        }));
         Ok(out)
     }
 }

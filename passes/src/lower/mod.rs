@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use nestor_ir::{
-    BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, OpFamily, ReduceOp, Type, ValueId,
+    BinaryOp, DType, Dim, ElemDim, FusedExpr, Graph, Op, OpFamily, ReduceOp, Type, ValueId, F64,
 };
 use thiserror::Error;
 
@@ -25,9 +25,11 @@ mod structure;
 
 use pointwise::translate;
 
+use crate::step::Step;
+
 use crate::program::{
     Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
-    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, Step,
+    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source,
 };
 
 /// An op the compiler cannot lower yet.

@@ -2,6 +2,7 @@
 //! other regions as host steps that run a one-op graph through libtorch.
 
 use super::*;
+use crate::step::{Host, Window};
 use crate::WindowKind;
 use nestor_ir::{PoolKind, Window2d};
 
@@ -139,7 +140,7 @@ impl Lowering<'_> {
             return Ok(None);
         };
         let width = volume(tail);
-        self.program.steps.push(Step::Window {
+        self.program.steps.push(Step::Window(Window {
             kind,
             out: slot_of(&out),
             x,
@@ -151,7 +152,7 @@ impl Lowering<'_> {
             channels,
             width,
             window,
-        });
+        }));
         Ok(Some(out))
     }
 
@@ -316,7 +317,7 @@ impl Lowering<'_> {
         };
         let (kind, operand, weight, grad, width, window) = step;
         let out = self.result(value, ty)?;
-        self.program.steps.push(Step::Window {
+        self.program.steps.push(Step::Window(Window {
             kind,
             out: slot_of(&out),
             x: operand.slot,
@@ -328,7 +329,7 @@ impl Lowering<'_> {
             channels: operand.channels,
             width,
             window,
-        });
+        }));
         Ok(out)
     }
 
@@ -407,11 +408,11 @@ impl Lowering<'_> {
         host.outputs = vec![region];
         let out = self.result(value, ty)?;
         self.program.host_graphs.push(host);
-        self.program.steps.push(Step::Host {
+        self.program.steps.push(Step::Host(Host {
             out: slot_of(&out),
             inputs: slots,
             graph: self.program.host_graphs.len() - 1,
-        });
+        }));
         Ok(out)
     }
 }

@@ -1,6 +1,7 @@
 //! Pointwise ops: one `Step::Pointwise` over a fused expression, operands read through `Access` patterns (broadcasting, per-element operands, strided views).
 
 use super::*;
+use crate::step::{Pointwise, RandomMask};
 
 impl Lowering<'_> {
     /// Lowers a pointwise op.
@@ -49,7 +50,7 @@ impl Lowering<'_> {
                     Expr::Binary(
                         BinaryOp::Ne,
                         Box::new(loads[0].clone()),
-                        Box::new(Expr::Const(0.0)),
+                        Box::new(Expr::Const(F64(0.0))),
                     )
                 }),
                 other => Err(unsupported(
@@ -72,13 +73,13 @@ impl Lowering<'_> {
             Op::RandomMask { p, stream, .. } => {
                 let out = self.result(value, ty)?;
                 let width = volume(&tail_of(&out));
-                self.program.steps.push(Step::RandomMask {
+                self.program.steps.push(Step::RandomMask(RandomMask {
                     out: slot_of(&out),
                     rows: rows_of(&out),
                     width,
-                    p: p.0,
+                    p: *p,
                     stream: *stream,
-                });
+                }));
                 Ok(out)
             }
             other => Err(unsupported(value, other, "not lowered yet")),
@@ -106,13 +107,13 @@ impl Lowering<'_> {
         let out = self.result(value, ty)?;
         let out_tail = tail_of(&out);
         let access = self.access_as(value, ty, (x, &inserted), slot, &tail, &out_tail)?;
-        self.program.steps.push(Step::Pointwise {
+        self.program.steps.push(Step::Pointwise(Pointwise {
             out: slot_of(&out),
             rows: rows_of(&out),
             width: volume(&out_tail),
             inputs: vec![access],
             expr: Expr::Load(0),
-        });
+        }));
         Ok(out)
     }
 
@@ -129,7 +130,7 @@ impl Lowering<'_> {
         let mut loads = Vec::new();
         for &operand in operands {
             match self.get(operand) {
-                Lowered::Const(constant) => loads.push(Expr::Const(constant)),
+                Lowered::Const(constant) => loads.push(Expr::Const(F64(constant))),
                 Lowered::Lengths(_) => {
                     return Err(unsupported(
                         value,
@@ -144,13 +145,13 @@ impl Lowering<'_> {
                 }
             }
         }
-        self.program.steps.push(Step::Pointwise {
+        self.program.steps.push(Step::Pointwise(Pointwise {
             out: out_slot,
             rows: out_rows,
             width: volume(&out_tail),
             inputs,
             expr: build(&loads),
-        });
+        }));
         Ok(out)
     }
 
@@ -418,12 +419,12 @@ pub(super) fn translate(expr: &FusedExpr, loads: &[Expr]) -> Expr {
     let recurse = |expr: &FusedExpr| Box::new(translate(expr, loads));
     match expr {
         FusedExpr::Input(index) => loads[*index].clone(),
-        FusedExpr::Const { value, .. } => Expr::Const(value.0),
+        FusedExpr::Const { value, .. } => Expr::Const(*value),
         FusedExpr::Unary(op, x) => Expr::Unary(*op, recurse(x)),
         FusedExpr::Binary(op, a, b) => Expr::Binary(*op, recurse(a), recurse(b)),
         FusedExpr::Where(c, a, b) => Expr::Select(recurse(c), recurse(a), recurse(b)),
         FusedExpr::Cast(DType::Bool, x) => {
-            Expr::Binary(BinaryOp::Ne, recurse(x), Box::new(Expr::Const(0.0)))
+            Expr::Binary(BinaryOp::Ne, recurse(x), Box::new(Expr::Const(F64(0.0))))
         }
         FusedExpr::Cast(_, x) => *recurse(x),
     }

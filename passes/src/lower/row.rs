@@ -1,6 +1,7 @@
 //! Row and segmented kernels: layer and RMS norm, softmax, reductions over the tail or the ragged dim.
 
 use super::*;
+use crate::step::{Row, Segment, SumRows};
 
 impl Lowering<'_> {
     /// Lowers a row op.
@@ -101,7 +102,7 @@ impl Lowering<'_> {
             .transpose()?;
         let out = self.result(value, ty)?;
         let outer = volume(&tail[..tail.len() - dims]);
-        self.program.steps.push(Step::Row {
+        self.program.steps.push(Step::Row(Row {
             kind,
             out: slot_of(&out),
             x: Fusion::plain(x_slot, width),
@@ -109,8 +110,8 @@ impl Lowering<'_> {
             bias,
             rows: rows.times(outer),
             width,
-            eps,
-        });
+            eps: F64(eps),
+        }));
         Ok(out)
     }
 
@@ -153,7 +154,7 @@ impl Lowering<'_> {
         if dims.is_empty() && ragged_dims > 1 && matches!(reduce, ReduceOp::Sum | ReduceOp::Mean) {
             let (x_slot, rows, tail, _) = self.data(value, x)?;
             let out = self.result(value, ty)?;
-            self.program.steps.push(Step::SumRows {
+            self.program.steps.push(Step::SumRows(SumRows {
                 out: slot_of(&out),
                 a: None,
                 b: x_slot,
@@ -161,7 +162,7 @@ impl Lowering<'_> {
                 m: 1,
                 n: 1,
                 mean: reduce == ReduceOp::Mean,
-            });
+            }));
             return Ok(out);
         }
         // Over the batch and every ragged dim, wherever they are (images `[C, H, W]`:
@@ -190,7 +191,7 @@ impl Lowering<'_> {
             if row_dims.len() > 1 && reduced == row_dims {
                 let (x_slot, rows, tail, _) = self.data(value, x)?;
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::SumRows {
+                self.program.steps.push(Step::SumRows(SumRows {
                     out: slot_of(&out),
                     a: None,
                     b: x_slot,
@@ -198,7 +199,7 @@ impl Lowering<'_> {
                     m: 1,
                     n: volume(&tail),
                     mean: reduce == ReduceOp::Mean,
-                });
+                }));
                 return Ok(out);
             }
         }
@@ -227,7 +228,7 @@ impl Lowering<'_> {
                 };
                 let width = *tail.last().unwrap_or(&1);
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Row {
+                self.program.steps.push(Step::Row(Row {
                     kind,
                     out: slot_of(&out),
                     x: Fusion::plain(x_slot, width),
@@ -235,14 +236,14 @@ impl Lowering<'_> {
                     bias: None,
                     rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
                     width,
-                    eps: 0.0,
-                });
+                    eps: F64(0.0),
+                }));
                 Ok(out)
             }
             _ => match (reduce, leading_rows(dims, lengths.is_some(), &tail)) {
                 (ReduceOp::Sum | ReduceOp::Mean, Some((rows_factor, n))) => {
                     let out = self.result(value, ty)?;
-                    self.program.steps.push(Step::SumRows {
+                    self.program.steps.push(Step::SumRows(SumRows {
                         out: slot_of(&out),
                         a: None,
                         b: x_slot,
@@ -250,7 +251,7 @@ impl Lowering<'_> {
                         m: 1,
                         n,
                         mean: reduce == ReduceOp::Mean,
-                    });
+                    }));
                     Ok(out)
                 }
                 _ => Err(unsupported(
@@ -365,13 +366,13 @@ impl Lowering<'_> {
         lengths: Slot,
     ) -> Result<Lowered, LowerError> {
         let out = self.result(value, ty)?;
-        self.program.steps.push(Step::Segment {
+        self.program.steps.push(Step::Segment(Segment {
             kind,
             out: slot_of(&out),
             x: Fusion::plain(slot, volume(tail)),
             lengths,
             width: volume(tail),
-        });
+        }));
         Ok(out)
     }
 }

@@ -1,6 +1,7 @@
 //! Structure: padding copies, aliases (reshapes, eval dropout), static selections, window lengths.
 
 use super::*;
+use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Unpad};
 
 impl Lowering<'_> {
     /// Lowers a structure op.
@@ -19,13 +20,13 @@ impl Lowering<'_> {
                     return Err(unsupported(value, op, format!("{x} must be a padded grid")));
                 };
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Unpad {
+                self.program.steps.push(Step::Unpad(Unpad {
                     out: slot_of(&out),
                     x: x_slot,
                     grid,
                     lengths,
                     width: volume(&tail),
-                });
+                }));
                 Ok(out)
             }
             Op::Pad { x, value: padding } => {
@@ -39,13 +40,13 @@ impl Lowering<'_> {
                     ));
                 };
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Pad {
+                self.program.steps.push(Step::Pad(Pad {
                     out: slot_of(&out),
                     x: x_slot,
                     lengths,
                     width: volume(&tail),
-                    value: padding.0,
-                });
+                    value: *padding,
+                }));
                 Ok(out)
             }
             // The two ragged dims of a pair layout: a copy reading every row through the
@@ -94,10 +95,10 @@ impl Lowering<'_> {
                     return Err(unsupported(value, op, "expects a lengths buffer"));
                 };
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::LengthValues {
+                self.program.steps.push(Step::LengthValues(LengthValues {
                     out: slot_of(&out),
                     lengths,
-                });
+                }));
                 Ok(out)
             }
             Op::OneHot {
@@ -108,13 +109,13 @@ impl Lowering<'_> {
             } => {
                 let (ids, rows, tail) = self.integer_ids(value, *ids)?;
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::OneHot {
+                self.program.steps.push(Step::OneHot(OneHot {
                     out: slot_of(&out),
                     ids,
                     rows: rows.times(volume(&tail)),
                     classes: *classes,
                     ignore: *ignore,
-                });
+                }));
                 Ok(out)
             }
             Op::InsertStatic {
@@ -133,14 +134,14 @@ impl Lowering<'_> {
                     ));
                 }
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Insert {
+                self.program.steps.push(Step::Insert(Insert {
                     out: slot_of(&out),
                     x: x_slot,
                     rows: rows.times(volume(&tail[..dim - 1])),
                     size: *size,
                     index: *index,
                     inner: volume(&tail[dim - 1..]),
-                });
+                }));
                 Ok(out)
             }
             other => Err(unsupported(value, other, "not lowered yet")),
@@ -184,13 +185,13 @@ impl Lowering<'_> {
         };
         let out = self.result(value, ty)?;
         let width = volume(&tail_of(&out));
-        self.program.steps.push(Step::Pointwise {
+        self.program.steps.push(Step::Pointwise(Pointwise {
             out: slot_of(&out),
             rows: rows_of(&out),
             width,
             inputs: vec![access],
             expr: Expr::Load(0),
-        });
+        }));
         Ok(out)
     }
 }
@@ -219,7 +220,7 @@ impl Lowering<'_> {
         let (slot, _, tail, _) = self.data(value, x)?;
         let out = self.result(value, ty)?;
         let width = volume(&tail);
-        self.program.steps.push(Step::Pointwise {
+        self.program.steps.push(Step::Pointwise(Pointwise {
             out: slot_of(&out),
             rows: rows_of(&out),
             width,
@@ -228,7 +229,7 @@ impl Lowering<'_> {
                 ..Access::rows(slot, width)
             }],
             expr: Expr::Load(0),
-        });
+        }));
         Ok(out)
     }
 }

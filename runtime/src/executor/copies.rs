@@ -62,6 +62,7 @@ mod tests {
 
     use super::*;
     use crate::testing::run_template;
+    use nestor_passes::step::{Pad, Unpad};
     use nestor_passes::{Slot, Step};
     use proptest::prelude::*;
 
@@ -81,7 +82,7 @@ mod tests {
             unsafe { pad::<f32>(expected.as_mut_ptr() as *mut u8, pointer(&values), &info, width, -7.5) };
             let mut actual = vec![f32::NAN; padded_size];
             let longest = [info.longest];
-            let step = Step::Pad { out: Slot(0), x: Slot(1), lengths: Slot(2), width, value: -7.5 };
+            let step = Step::Pad(Pad { out: Slot(0), x: Slot(1), lengths: Slot(2), width, value: nestor_ir::F64(-7.5) });
             // The buffers hold the values of these lengths.
             unsafe { run_template(step, &[
                 actual.as_mut_ptr() as *mut u8,
@@ -93,7 +94,7 @@ mod tests {
             prop_assert_eq!(bits(&actual), bits(&expected));
 
             let mut unpadded = vec![f32::NAN; values.len()];
-            let step = Step::Unpad { out: Slot(0), x: Slot(1), grid: Slot(2), lengths: Slot(3), width };
+            let step = Step::Unpad(Unpad { out: Slot(0), x: Slot(1), grid: Slot(2), lengths: Slot(3), width });
             // The buffers hold the values of these lengths.
             unsafe { run_template(step, &[
                 unpadded.as_mut_ptr() as *mut u8,

@@ -1,18 +1,23 @@
-//! Whole programs on a kernel device: every step runs as a kernel of the `Complete`
-//! set (GEMMs, attention, padding and window steps included) on memory the device
+//! Whole programs on a kernel device: every step runs as its placement in the device's
+//! kernel set says (a kernel of the `Complete` set, GEMMs, attention, padding and window
+//! steps included; or the device's BLAS and a kernel after it) on memory the device
 //! owns; the host only sizes the buffers from the lengths and uploads what the kernels
-//! index with (offsets, row-to-element maps, longest lengths, window taps).
+//! index with (offsets, row-to-element maps, longest lengths, window taps), each
+//! kernel's argument table written from its step's signature.
 //!
 //! [`HostDevice`] runs those kernels on the CPU (how the tests check this executor and
-//! the GPU's templates without a GPU); [`CudaDevice`] on a GPU through the CUDA backend.
+//! the GPU's templates without a GPU); the CUDA backend's `CudaDevice` on a GPU.
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Mutex;
 
+use super::product::{BlasCall, Product};
 use nestor_backend_cpu::{CpuKernels, KernelSet, Storage};
-use nestor_backend_cuda::blas::{Blas, BlasCall, Product};
 use nestor_ir::Window2d;
-use nestor_passes::{Access, FloatType, Program, RowMap, Slot, Source, Step, WindowKind};
+use nestor_passes::step::{
+    Attention, AttentionGrad, Gather, Gemm, OneHot, PairGemm, SumRows, Window,
+};
+use nestor_passes::{Arg, FloatType, Placement, Program, Slot, Source, Step, WindowKind};
 
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
@@ -82,7 +87,7 @@ pub enum Gemms {
 
 impl Gemms {
     /// The kernel set a device computing GEMM products this way runs.
-    fn kernel_set(self) -> KernelSet {
+    pub fn kernel_set(self) -> KernelSet {
         match self {
             Gemms::Kernels => KernelSet::Complete,
             Gemms::Blas => KernelSet::DeviceBlas,
@@ -158,7 +163,7 @@ impl HostDevice {
 
 /// `value` as bf16 bits, rounded to the nearest even (NaN as 0x7FC0): what the kernels'
 /// stores do, and torch's conversion.
-fn to_bf16(value: f32) -> u16 {
+pub fn to_bf16(value: f32) -> u16 {
     if value.is_nan() {
         return 0x7FC0;
     }
@@ -168,7 +173,7 @@ fn to_bf16(value: f32) -> u16 {
 }
 
 /// The f32 value of bf16 bits (exact).
-fn from_bf16(bits: u16) -> f32 {
+pub fn from_bf16(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
 }
 
@@ -308,245 +313,6 @@ impl KernelDevice for HostDevice {
     }
 }
 
-/// A GPU as a kernel device: the program's PTX loaded on a CUDA device, GEMM products
-/// on cuBLAS where it loads.
-pub struct CudaDevice {
-    device: nestor_backend_cuda::Device,
-    module: nestor_backend_cuda::LoadedModule,
-    storage: Storage,
-    blas: Option<Blas>,
-    spare: Mutex<Vec<CudaBuffer>>,
-}
-
-impl CudaDevice {
-    /// `executable`'s program as PTX for `device`, loaded on it; GEMM products on cuBLAS
-    /// where libcublas loads, else in the GEMM steps' kernels ([`KernelDevice::gemms`]
-    /// says which).
-    ///
-    /// ```
-    /// use nestor_runtime::{CudaDevice, Executable, InputData, KernelDevice, Stats};
-    /// let graph = nestor_ir::parse(
-    ///     r#"graph @g {
-    ///   %0 = input {name = "x.lengths"} : lengths[B]
-    ///   %1 = input {name = "x"} : ragged<f32>[B; %0, 2]
-    ///   %2 = tanh(%1) : ragged<f32>[B; %0, 2]
-    ///   return %2
-    /// }"#,
-    /// )?;
-    /// let executable = Executable::compile(nestor_passes::lower(&graph)?)?;
-    /// match nestor_backend_cuda::Device::open(0) {
-    ///     Ok(gpu) => {
-    ///         let device = CudaDevice::new(gpu, &executable)?;
-    ///         let (lengths, x) = ([1i64, 1], [0.5f32, 1.0, 2.0, -3.0]);
-    ///         let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
-    ///         let outputs = executable.run_on_device(&device, &inputs, &Stats::default())?;
-    ///         println!("{:?} ({:?} GEMMs)", outputs[0].data, device.gemms());
-    ///     }
-    ///     Err(why) => println!("no GPU here: {why}"),
-    /// }
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn new(
-        device: nestor_backend_cuda::Device,
-        executable: &Executable,
-    ) -> Result<Self, RuntimeError> {
-        Self::storing(device, executable, Storage::Compute)
-    }
-
-    /// [`CudaDevice::new`], its buffers holding floats as `storage` says.
-    pub fn storing(
-        device: nestor_backend_cuda::Device,
-        executable: &Executable,
-        storage: Storage,
-    ) -> Result<Self, RuntimeError> {
-        let blas = Blas::new(&device).ok();
-        Self::loading(device, executable, storage, blas)
-    }
-
-    /// [`CudaDevice::storing`], GEMM products computed as `gemms` says (cuBLAS must
-    /// load for [`Gemms::Blas`]: [`nestor_backend_cuda::CudaError::NoBlas`] otherwise).
-    pub fn with(
-        device: nestor_backend_cuda::Device,
-        executable: &Executable,
-        storage: Storage,
-        gemms: Gemms,
-    ) -> Result<Self, RuntimeError> {
-        let blas = match gemms {
-            Gemms::Blas => Some(Blas::new(&device)?),
-            Gemms::Kernels => None,
-        };
-        Self::loading(device, executable, storage, blas)
-    }
-
-    /// The program's kernels for `blas` (GEMM products on it, or in kernels without it)
-    /// loaded on `device`.
-    fn loading(
-        device: nestor_backend_cuda::Device,
-        executable: &Executable,
-        storage: Storage,
-        blas: Option<Blas>,
-    ) -> Result<Self, RuntimeError> {
-        let gemms = if blas.is_some() {
-            Gemms::Blas
-        } else {
-            Gemms::Kernels
-        };
-        let ptx = nestor_backend_cuda::ptx_of(
-            executable.program(),
-            device.arch(),
-            (gemms.kernel_set(), storage),
-        )?;
-        let module = device.load(&ptx)?;
-        Ok(Self {
-            device,
-            module,
-            storage,
-            blas,
-            spare: Mutex::default(),
-        })
-    }
-
-    /// The device.
-    pub fn device(&self) -> &nestor_backend_cuda::Device {
-        &self.device
-    }
-}
-
-/// A buffer on a GPU (never empty: an empty one holds one unused value).
-pub enum CudaBuffer {
-    /// `len` f32 values.
-    F32(nestor_backend_cuda::CudaSlice<f32>, usize),
-    /// `len` bf16 values (their bits).
-    Bf16(nestor_backend_cuda::CudaSlice<u16>, usize),
-    /// i64 values.
-    I64(nestor_backend_cuda::CudaSlice<i64>),
-}
-
-impl KernelDevice for CudaDevice {
-    type Buffer = CudaBuffer;
-
-    fn alloc_f32(&self, count: usize) -> Result<CudaBuffer, RuntimeError> {
-        // Not zeroed: every step writes its whole output (no memset a buffer).
-        Ok(match self.storage {
-            Storage::Bf16 => CudaBuffer::Bf16(self.device.alloc(count)?, count),
-            Storage::Compute => CudaBuffer::F32(self.device.alloc(count)?, count),
-        })
-    }
-
-    fn capacity_f32(&self, buffer: &CudaBuffer) -> usize {
-        match buffer {
-            CudaBuffer::F32(_, len) | CudaBuffer::Bf16(_, len) => *len,
-            CudaBuffer::I64(_) => 0,
-        }
-    }
-
-    fn spare(&self) -> &Mutex<Vec<CudaBuffer>> {
-        &self.spare
-    }
-
-    fn upload_f32(&self, values: &[f32]) -> Result<CudaBuffer, RuntimeError> {
-        if self.storage == Storage::Bf16 {
-            let mut stored: Vec<u16> = values.iter().map(|&value| to_bf16(value)).collect();
-            if stored.is_empty() {
-                stored.push(0);
-            }
-            return Ok(CudaBuffer::Bf16(self.device.upload(&stored)?, values.len()));
-        }
-        let stored = if values.is_empty() {
-            &[0.0][..]
-        } else {
-            values
-        };
-        Ok(CudaBuffer::F32(self.device.upload(stored)?, values.len()))
-    }
-
-    fn upload_i64(&self, values: &[i64]) -> Result<CudaBuffer, RuntimeError> {
-        let stored = if values.is_empty() { &[0][..] } else { values };
-        Ok(CudaBuffer::I64(self.device.upload(stored)?))
-    }
-
-    unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {
-        // The caller vouches for the buffer.
-        Ok(match self.storage {
-            Storage::Compute => unsafe { self.device.download_at(address, count) }?,
-            Storage::Bf16 => unsafe { self.device.download_at::<u16>(address, count) }?
-                .into_iter()
-                .map(from_bf16)
-                .collect(),
-        })
-    }
-
-    fn wait(&self) -> Result<(), RuntimeError> {
-        Ok(self.device.synchronize()?)
-    }
-
-    fn address(&self, buffer: &CudaBuffer) -> u64 {
-        match buffer {
-            CudaBuffer::F32(slice, _) => self.device.address(slice),
-            CudaBuffer::Bf16(slice, _) => self.device.address(slice),
-            CudaBuffer::I64(slice) => self.device.address(slice),
-        }
-    }
-
-    unsafe fn launch(
-        &self,
-        step: usize,
-        table: u64,
-        range: (i64, i64),
-    ) -> Result<(), RuntimeError> {
-        // The caller vouches for the table, the buffers (this device's) and the range.
-        Ok(unsafe { self.device.launch(&self.module, step, table, range) }?)
-    }
-
-    fn gemms(&self) -> Gemms {
-        if self.blas.is_some() {
-            Gemms::Blas
-        } else {
-            Gemms::Kernels
-        }
-    }
-
-    unsafe fn blas(
-        &self,
-        step: usize,
-        call: &BlasCall,
-        buffers: [u64; 3],
-    ) -> Result<(), RuntimeError> {
-        let blas = self
-            .blas
-            .as_ref()
-            .ok_or_else(|| device_error(step, "this device runs GEMMs in kernels"))?;
-        // The caller vouches for the buffers.
-        Ok(unsafe { blas.run(call, buffers, self.storage) }?)
-    }
-}
-
-/// The index buffers of one lengths slot that kernels take.
-#[derive(Clone, Copy, Hash, PartialEq, Eq)]
-enum Index {
-    /// `offsets`, `B + 1` values.
-    Offsets(Slot),
-    /// An input row for every output row (the element of every packed row, or a pair
-    /// layout's row of a broadcast operand).
-    Rows(RowMap),
-    /// `[longest length]`.
-    Longest(Slot),
-    /// Where each element's pairs start in a pair layout of row lengths `.0` and column
-    /// lengths `.1` (`B + 1` values: the sums of `M_i N_i`).
-    PairOffsets(Slot, Slot),
-    /// `[number]`: a count of rows, or a dropout mask's key.
-    Number(i64),
-    /// The input pixel of every tap of every output pixel's window (-1 outside the
-    /// image) over images of the heights `.1` and widths `.2`.
-    Taps(Window2d, Slot, Slot),
-    /// The windows that read each input pixel, for the same images
-    /// ([`Plan::windows_of_pixels`]).
-    Windows(Window2d, Slot, Slot),
-    /// The rows of each id `0..vocabulary` among the ids input `.0`
-    /// ([`Plan::rows_of_ids`]).
-    RowsOfIds(Slot, i64),
-}
-
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
     /// a kernel of the `Complete` set, the results copied back, and the launches, the
@@ -664,7 +430,8 @@ impl Executable {
         // Every step's arguments and range, planned before anything runs; the index
         // buffers they name gathered into one upload.
         let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut indices: HashMap<Index, usize> = HashMap::new();
+        let set = device.gemms().kernel_set();
+        let mut indices: HashMap<Arg, usize> = HashMap::new();
         let mut index_values: Vec<i64> = Vec::new();
         let mut planned = Vec::with_capacity(program.steps.len());
         for (step_index, step) in program.steps.iter().enumerate() {
@@ -676,16 +443,34 @@ impl Executable {
                 step: step_index,
                 run,
             };
-            let (args, range) = plan.args(step)?;
-            for arg in &args {
-                if let Arg::Index(index) = arg {
-                    if let Entry::Vacant(entry) = indices.entry(*index) {
-                        entry.insert(index_values.len());
-                        index_values.extend(plan.index_values(*index)?);
+            plan.check(step)?;
+            let placement = step.placement(program, set);
+            let product = match placement {
+                Placement::Product(_) => Some(plan.blas_product(step)?),
+                _ => None,
+            };
+            let kernel = match placement {
+                Placement::Kernel(signature) | Placement::Product(Some(signature)) => {
+                    for param in &signature.params {
+                        if !matches!(param.arg, Arg::Buffer(_) | Arg::Absent) {
+                            if let Entry::Vacant(entry) = indices.entry(param.arg) {
+                                entry.insert(index_values.len());
+                                index_values.extend(plan.index_values(param.arg)?);
+                            }
+                        }
                     }
+                    Some(signature)
                 }
-            }
-            planned.push((args, range, plan.blas_product(step, device.gemms())?));
+                Placement::Product(None) => None,
+                Placement::Backend | Placement::Libtorch => {
+                    return Err(device_error(
+                        step_index,
+                        "a host step (a per-element region run through libtorch, from \
+                         `per_element_fallback`) has no device kernel",
+                    ))
+                }
+            };
+            planned.push((kernel, product));
         }
         // Positions are below the uploaded lengths, so `8 * position` stays within the
         // buffer's addresses.
@@ -693,34 +478,38 @@ impl Executable {
         // Every step's argument table, uploaded at once.
         let mut tables: Vec<i64> = Vec::new();
         let mut table_starts = Vec::with_capacity(planned.len());
-        for (args, ..) in &planned {
+        for (kernel, _) in &planned {
             table_starts.push(tables.len());
-            tables.extend(args.iter().map(|arg| match arg {
-                Arg::Slot(slot) => slot_address(*slot) as i64,
-                // Every index an argument names was gathered while planning.
-                Arg::Index(index) => (index_base + 8 * indices[index] as u64) as i64,
-                Arg::Null => 0,
-            }));
+            let mut table = Vec::new();
+            if let Some(signature) = kernel {
+                super::marshal::marshal(signature, &mut table, |arg| {
+                    Ok::<_, RuntimeError>(match arg {
+                        Arg::Buffer(slot) => slot_address(*slot) as i64,
+                        Arg::Absent => 0,
+                        // Every index an argument names was gathered while planning.
+                        index => (index_base + 8 * indices[index] as u64) as i64,
+                    })
+                })?;
+            }
+            tables.extend(table);
         }
         let table_base = keep(device.upload_i64(&tables)?);
-        for (step_index, ((args, range, product), start)) in
-            planned.iter().zip(table_starts).enumerate()
+        for (step_index, ((kernel, product), start)) in planned.iter().zip(table_starts).enumerate()
         {
-            if let Some((call, launch)) = product {
-                // `blas_product` checked that arguments 2, 1 and 0 hold what the call
-                // reads and writes.
-                let [a, b, c] = [2, 1, 0].map(|at| tables[start + at] as u64);
-                unsafe { device.blas(step_index, call, [a, b, c])? };
-                if !launch {
-                    stats.moved(self.bytes_moved(step_index, &sizes));
-                    continue;
-                }
+            if let Some((call, [a, b, c])) = product {
+                // `blas_product` checked that the buffers hold what the call reads and
+                // writes.
+                let buffers = [*a, *b, *c].map(slot_address);
+                unsafe { device.blas(step_index, call, buffers)? };
             }
-            debug_assert!(start + args.len() <= tables.len());
-            // The buffers were sized from these lengths for this program's steps, the
-            // index buffers from the same lengths, and every buffer (tables included)
-            // lives as long as the results, which wait for the work before they are read.
-            unsafe { device.launch(step_index, table_base + 8 * start as u64, *range)? };
+            if let Some(signature) = kernel {
+                let range = (0, sizes.rows(signature.range));
+                // The buffers were sized from these lengths for this program's steps,
+                // the index buffers from the same lengths, and every buffer (tables
+                // included) lives as long as the results, which wait for the work
+                // before they are read.
+                unsafe { device.launch(step_index, table_base + 8 * start as u64, range)? };
+            }
             stats.moved(self.bytes_moved(step_index, &sizes));
         }
         stats.launched(program.steps.len() as u64);
@@ -811,16 +600,6 @@ impl<B> DeviceResults<B> {
     }
 }
 
-/// One argument of a kernel.
-enum Arg {
-    /// A slot's buffer.
-    Slot(Slot),
-    /// An index buffer of lengths.
-    Index(Index),
-    /// No buffer (an absent bias or weight).
-    Null,
-}
-
 /// The arguments and range of a step's kernel in one run.
 struct Plan<'a> {
     program: &'a Program,
@@ -856,18 +635,22 @@ impl Plan<'_> {
         Ok(lengths)
     }
 
-    fn index_values(&self, index: Index) -> Result<Vec<i64>, RuntimeError> {
-        Ok(match index {
-            Index::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
-            Index::Rows(map) => {
+    /// The values of an index argument (offsets, row maps, counts, taps, ...).
+    fn index_values(&self, arg: Arg) -> Result<Vec<i64>, RuntimeError> {
+        Ok(match arg {
+            Arg::Buffer(_) | Arg::Absent => {
+                return Err(device_error(self.step, "a buffer is not an index"))
+            }
+            Arg::Offsets(slot) => self.lengths(slot)?.offsets.clone(),
+            Arg::RowMap(map) => {
                 let (values, count) = self.sizes.row_map(map).ok_or_else(|| {
                     device_error(self.step, format!("the row map {map:?} cannot be built"))
                 })?;
                 // SAFETY: `row_map` gives the start and length of values the run keeps.
                 unsafe { std::slice::from_raw_parts(values, count) }.to_vec()
             }
-            Index::Longest(slot) => vec![self.lengths(slot)?.longest],
-            Index::PairOffsets(rows, columns) => {
+            Arg::Longest(slot) => vec![self.lengths(slot)?.longest],
+            Arg::PairOffsets(rows, columns) => {
                 let columns = &self.lengths(columns)?.lengths;
                 let mut offsets = vec![0i64];
                 let mut total = 0i64;
@@ -882,14 +665,13 @@ impl Plan<'_> {
                 }
                 offsets
             }
-            Index::Number(number) => vec![number],
-            Index::Taps(window, heights, widths) => {
-                self.taps(window, heights, widths)?.rows.clone()
-            }
-            Index::Windows(window, heights, widths) => {
+            Arg::Count(rows) => vec![self.sizes.rows(rows)],
+            Arg::MaskKey(stream) => vec![super::steps::mask_key(stream, self.run) as i64],
+            Arg::Taps(window, heights, widths) => self.taps(window, heights, widths)?.rows.clone(),
+            Arg::WindowsOfPixels(window, heights, widths) => {
                 self.windows_of_pixels(window, heights, widths)?
             }
-            Index::RowsOfIds(ids, vocabulary) => self.rows_of_ids(ids, vocabulary)?,
+            Arg::RowsOfIds(ids, vocabulary) => self.rows_of_ids(ids, vocabulary)?,
         })
     }
 
@@ -946,10 +728,10 @@ impl Plan<'_> {
             .map_err(|error| device_error(self.step, error))
     }
 
-    /// The kernel arguments and range of a window step, after checking that its buffers
-    /// hold what its kernel reads and writes for these image sizes.
-    fn window_args(&self, step: &Step) -> Result<(Vec<Arg>, (i64, i64)), RuntimeError> {
-        let Step::Window {
+    /// Checks that a window step's buffers hold what its kernel reads and writes for
+    /// these image sizes, and that its taps fit the memory budget.
+    fn check_window(&self, step: &Window) -> Result<(), RuntimeError> {
+        let Window {
             kind,
             out,
             x,
@@ -961,10 +743,7 @@ impl Plan<'_> {
             channels,
             width,
             window,
-        } = step
-        else {
-            return Err(device_error(self.step, "not a window step"));
-        };
+        } = step;
         let elements = |slot: Slot| self.sizes.elements(self.program, slot);
         let count = |value: i64| usize::try_from(value).unwrap_or(usize::MAX);
         let (channels, width, taps) = (count(*channels), count(*width), count(window.taps()));
@@ -1009,8 +788,6 @@ impl Plan<'_> {
             pixels
         };
         fills(*x, x_rows, channels)?;
-        let offsets = Arg::Index(Index::PairOffsets(*heights, *widths));
-        let table = Arg::Index(Index::Taps(*window, *heights, *widths));
         // The windows (the output's pixels, or its gradient's), `taps` indices each:
         // within the memory budget before the table is built.
         let windows = |pixels_slot: Slot| -> Result<usize, RuntimeError> {
@@ -1023,87 +800,49 @@ impl Plan<'_> {
             let table = self.taps(*window, *heights, *widths)?;
             Ok(table.rows.len() / table.taps.max(1))
         };
-        let (out, x) = (*out, Arg::Slot(*x));
-        Ok(match kind {
-            WindowKind::ImageMean => {
-                fills(out, images, width)?;
-                (vec![Arg::Slot(out), x, offsets], (0, images as i64))
-            }
-            WindowKind::ImageSpread => {
-                fills(out, pixels, width)?;
-                (vec![Arg::Slot(out), x, offsets], (0, images as i64))
-            }
+        let out = *out;
+        match kind {
+            WindowKind::ImageMean => fills(out, images, width),
+            WindowKind::ImageSpread => fills(out, pixels, width),
             WindowKind::Conv | WindowKind::ConvInputGrad => {
-                let rows = windows(out)?;
-                fills(out, rows, width)?;
-                let weight = needed(*weight, "a weight")?;
-                fills(weight, width.saturating_mul(channels), taps)?;
-                let bias = match bias {
-                    Some(bias) => {
-                        fills(*bias, 1, width)?;
-                        Arg::Slot(*bias)
-                    }
-                    None => Arg::Null,
-                };
-                let args = vec![Arg::Slot(out), x, Arg::Slot(weight), bias, table];
-                (args, (0, rows as i64))
+                fills(out, windows(out)?, width)?;
+                fills(
+                    needed(*weight, "a weight")?,
+                    width.saturating_mul(channels),
+                    taps,
+                )?;
+                bias.map_or(Ok(()), |bias| fills(bias, 1, width))
             }
-            WindowKind::Max | WindowKind::Average => {
-                let rows = windows(out)?;
-                fills(out, rows, width)?;
-                (vec![Arg::Slot(out), x, table], (0, rows as i64))
-            }
+            WindowKind::Max | WindowKind::Average => fills(out, windows(out)?, width),
             WindowKind::WeightGrad => {
                 let grad = needed(*grad, "the output's gradient")?;
-                let rows = windows(grad)?;
-                fills(grad, rows, width)?;
-                fills(out, width.saturating_mul(channels), taps)?;
-                let args = vec![
-                    Arg::Slot(out),
-                    x,
-                    Arg::Slot(grad),
-                    table,
-                    Arg::Index(Index::Number(rows as i64)),
-                ];
-                (args, (0, elements(out) as i64))
+                fills(grad, windows(grad)?, width)?;
+                fills(out, width.saturating_mul(channels), taps)
             }
             WindowKind::MaxGrad | WindowKind::AverageGrad => {
                 let grad = needed(*grad, "the output's gradient")?;
-                let rows = windows(grad)?;
-                fills(grad, rows, channels)?;
-                fills(out, pixels, channels)?;
-                let inverse = Arg::Index(Index::Windows(*window, *heights, *widths));
-                let args = vec![Arg::Slot(out), x, Arg::Slot(grad), table, inverse];
-                (args, (0, pixels as i64))
+                fills(grad, windows(grad)?, channels)?;
+                fills(out, pixels, channels)
             }
-        })
+        }
     }
 
-    /// For a GEMM step or a row-sums step of products (`a^T b`) on a device whose BLAS
-    /// computes them, the BLAS call and whether a kernel follows it (a GEMM's bias or
-    /// epilogue), after checking that the step's buffers hold what the call reads and
-    /// writes; `None` otherwise. The call's `[A, B, C]` are the step's arguments 2, 1
-    /// and 0 (a GEMM's weight, input and output; the row sums' `b`, `a` and output).
-    fn blas_product(
-        &self,
-        step: &Step,
-        gemms: Gemms,
-    ) -> Result<Option<(BlasCall, bool)>, RuntimeError> {
-        if gemms == Gemms::Kernels {
-            return Ok(None);
-        }
-        let (product, buffers, launch) = match *step {
-            Step::Gemm {
+    /// The BLAS call of a step the device's BLAS computes (a GEMM's product, row sums of
+    /// products `a^T b`) and the slots of its `[A, B, C]` (a GEMM's weight, input and
+    /// output; the row sums' `b`, `a` and output), after checking that they hold what
+    /// the call reads and writes.
+    fn blas_product(&self, step: &Step) -> Result<(BlasCall, [Slot; 3]), RuntimeError> {
+        let (product, buffers) = match *step {
+            Step::Gemm(Gemm {
                 out,
                 x,
                 weight,
-                bias,
                 rows,
                 k,
                 n,
                 transposed,
-                ref epilogue,
-            } => (
+                ..
+            }) => (
                 Product::Linear {
                     rows: self.sizes.rows(rows),
                     k,
@@ -1111,9 +850,8 @@ impl Plan<'_> {
                     transposed,
                 },
                 [weight, x, out],
-                bias.is_some() || epilogue.is_some(),
             ),
-            Step::SumRows {
+            Step::SumRows(SumRows {
                 out,
                 a: Some(a),
                 b,
@@ -1121,16 +859,15 @@ impl Plan<'_> {
                 m,
                 n,
                 mean: false,
-            } => (
+            }) => (
                 Product::RowSums {
                     rows: self.sizes.rows(rows),
                     m,
                     n,
                 },
                 [b, a, out],
-                false,
             ),
-            _ => return Ok(None),
+            _ => return Err(device_error(self.step, "a product of no GEMM")),
         };
         let call = product
             .blas_call()
@@ -1147,7 +884,7 @@ impl Plan<'_> {
                 ));
             }
         }
-        Ok(Some((call, launch)))
+        Ok((call, buffers))
     }
 
     /// The pixels of the images of `heights` and `widths` (`H_i W_i` summed, checked).
@@ -1241,286 +978,46 @@ impl Plan<'_> {
         }
     }
 
-    /// Inputs, then the row-to-element maps of the per-element ones.
-    fn accesses(accesses: &[Access]) -> Vec<Arg> {
-        let mut args: Vec<Arg> = accesses
-            .iter()
-            .map(|access| Arg::Slot(access.slot))
-            .collect();
-        args.extend(
-            accesses
-                .iter()
-                .filter_map(|access| access.row_map)
-                .map(|map| Arg::Index(Index::Rows(map))),
-        );
-        args
-    }
-
-    /// The kernel's arguments (in the order of its template) and range.
-    fn args(&self, step: &Step) -> Result<(Vec<Arg>, (i64, i64)), RuntimeError> {
-        let rows = |rows| self.sizes.rows(rows);
-        let optional = |slot: Option<Slot>| slot.map_or(Arg::Null, Arg::Slot);
-        Ok(match step {
-            Step::Pointwise {
-                out,
-                rows: count,
-                inputs,
-                ..
-            } => {
-                let mut args = vec![Arg::Slot(*out)];
-                args.extend(Self::accesses(inputs));
-                (args, (0, rows(*count)))
-            }
-            Step::Gemm {
-                out,
-                x,
-                weight,
-                bias,
-                rows: count,
-                n,
-                epilogue,
-                ..
-            } => {
-                let mut args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(*x),
-                    Arg::Slot(*weight),
-                    optional(*bias),
-                ];
-                if let Some(epilogue) = epilogue {
-                    args.extend(Self::accesses(&epilogue.inputs));
-                }
-                (args, (0, rows(*count).saturating_mul(*n)))
-            }
-            Step::Row {
-                out,
-                x,
-                weight,
-                bias,
-                rows: count,
-                ..
-            } => {
-                let mut args = vec![Arg::Slot(*out)];
-                args.extend(x.inputs.iter().map(|access| Arg::Slot(access.slot)));
-                args.extend([optional(*weight), optional(*bias)]);
-                (args, (0, rows(*count)))
-            }
-            Step::Segment {
-                out, x, lengths, ..
-            } => {
-                let mut args = vec![Arg::Slot(*out)];
-                args.extend(x.inputs.iter().map(|access| Arg::Slot(access.slot)));
-                args.push(Arg::Index(Index::Offsets(*lengths)));
-                (args, (0, self.lengths(*lengths)?.lengths.len() as i64))
-            }
-            Step::Gather {
-                out,
-                table,
-                ids,
-                rows: count,
-                ..
-            } => {
-                let vocabulary = rows(self.program.info(*table).rows);
+    /// Checks what a step's kernel reads unchecked: ids within their table (gathers,
+    /// one-hot rows), lengths of one batch size where a kernel pairs them, a window
+    /// step's buffers for its images.
+    fn check(&self, step: &Step) -> Result<(), RuntimeError> {
+        match step {
+            Step::Gather(Gather { table, ids, .. }) => {
+                let vocabulary = self.sizes.rows(self.program.info(*table).rows);
                 self.check_ids(
                     *ids,
                     |id| (0..vocabulary).contains(&id),
                     || format!("outside the table of {vocabulary} rows"),
-                )?;
-                (
-                    vec![Arg::Slot(*out), Arg::Slot(*table), Arg::Slot(*ids)],
-                    (0, rows(*count)),
                 )
             }
-            Step::Attention {
-                out,
-                q,
-                k,
-                v,
-                q_lengths,
-                k_lengths,
-                heads,
-                ..
-            } => {
-                let queries = self.paired_lengths(*q_lengths, *k_lengths, "queries and keys")?;
-                let total = queries.offsets.last().copied().unwrap_or(0);
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(q.slot),
-                    Arg::Slot(k.slot),
-                    Arg::Slot(v.slot),
-                    Arg::Index(Index::Offsets(*q_lengths)),
-                    Arg::Index(Index::Offsets(*k_lengths)),
-                    Arg::Index(Index::Rows(RowMap::Owners(*q_lengths))),
-                ];
-                (args, (0, total.saturating_mul(*heads)))
-            }
-            Step::Pad {
-                out, x, lengths, ..
-            } => {
-                let info = self.lengths(*lengths)?;
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(*x),
-                    Arg::Index(Index::Offsets(*lengths)),
-                    Arg::Index(Index::Longest(*lengths)),
-                ];
-                (
-                    args,
-                    (0, (info.lengths.len() as i64).saturating_mul(info.longest)),
-                )
-            }
-            Step::Unpad {
-                out,
-                x,
-                grid,
-                lengths,
-                ..
-            } => {
-                let total = self.lengths(*lengths)?.offsets.last().copied().unwrap_or(0);
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(*x),
-                    Arg::Index(Index::Offsets(*lengths)),
-                    Arg::Index(Index::Longest(*grid)),
-                    Arg::Index(Index::Rows(RowMap::Owners(*lengths))),
-                ];
-                (args, (0, total))
-            }
-            Step::OneHot {
-                out,
+            Step::OneHot(OneHot {
                 ids,
-                rows: count,
                 classes,
                 ignore,
-            } => {
-                self.check_ids(
-                    *ids,
-                    |id| id == *ignore || (0..*classes).contains(&id),
-                    || format!("outside 0..{classes}"),
-                )?;
-                (vec![Arg::Slot(*out), Arg::Slot(*ids)], (0, rows(*count)))
-            }
-            Step::AttentionGrad {
-                out,
-                q,
-                k,
-                v,
-                g,
+                ..
+            }) => self.check_ids(
+                *ids,
+                |id| id == *ignore || (0..*classes).contains(&id),
+                || format!("outside 0..{classes}"),
+            ),
+            Step::Attention(Attention {
                 q_lengths,
                 k_lengths,
-                heads,
-                keys,
                 ..
-            } => {
-                let rows_of = if *keys { *k_lengths } else { *q_lengths };
-                self.paired_lengths(*q_lengths, *k_lengths, "queries and keys")?;
-                let total = self.lengths(rows_of)?.offsets.last().copied().unwrap_or(0);
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(q.slot),
-                    Arg::Slot(k.slot),
-                    Arg::Slot(v.slot),
-                    Arg::Slot(g.slot),
-                    Arg::Index(Index::Offsets(*q_lengths)),
-                    Arg::Index(Index::Offsets(*k_lengths)),
-                    Arg::Index(Index::Rows(RowMap::Owners(rows_of))),
-                ];
-                (args, (0, total.saturating_mul(*heads)))
-            }
-            Step::RandomMask {
-                out,
-                rows: count,
-                width,
-                stream,
+            })
+            | Step::AttentionGrad(AttentionGrad {
+                q_lengths,
+                k_lengths,
                 ..
-            } => {
-                let key = super::steps::mask_key(*stream, self.run) as i64;
-                let args = vec![Arg::Slot(*out), Arg::Index(Index::Number(key))];
-                (args, (0, rows(*count).saturating_mul(*width)))
-            }
-            Step::LengthValues { out, lengths } => {
-                let batch = self.lengths(*lengths)?.lengths.len() as i64;
-                (vec![Arg::Slot(*out), Arg::Slot(*lengths)], (0, batch))
-            }
-            Step::Insert {
-                out,
-                x,
-                rows: count,
-                ..
-            } => (vec![Arg::Slot(*out), Arg::Slot(*x)], (0, rows(*count))),
-            Step::SumRows {
-                out,
-                a,
-                b,
-                rows: count,
-                m,
-                n,
-                ..
-            } => {
-                let args = vec![
-                    Arg::Slot(*out),
-                    optional(*a),
-                    Arg::Slot(*b),
-                    Arg::Index(Index::Number(rows(*count))),
-                ];
-                (args, (0, m.saturating_mul(*n)))
-            }
-            Step::ScatterRows {
-                out,
-                g,
-                ids,
-                vocabulary,
-                ..
-            } if self.program.is_input(*ids) => {
-                // The kernel reads the rows of each id from an index (see the template).
-                let rows = Arg::Index(Index::RowsOfIds(*ids, *vocabulary));
-                (vec![Arg::Slot(*out), Arg::Slot(*g), rows], (0, *vocabulary))
-            }
-            Step::ScatterRows {
-                out,
-                g,
-                ids,
-                rows: count,
-                width,
-                vocabulary,
-                ..
-            } => {
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(*g),
-                    Arg::Slot(*ids),
-                    Arg::Index(Index::Number(rows(*count))),
-                ];
-                (args, (0, vocabulary.saturating_mul(*width)))
-            }
-            Step::PairGemm {
-                out,
-                a,
-                b,
-                rows,
-                columns,
-                ..
-            } => {
-                let row_lengths = self.paired_lengths(*rows, *columns, "row and column lengths")?;
-                let args = vec![
-                    Arg::Slot(*out),
-                    Arg::Slot(*a),
-                    Arg::Slot(*b),
-                    Arg::Index(Index::Offsets(*rows)),
-                    Arg::Index(Index::Offsets(*columns)),
-                    Arg::Index(Index::PairOffsets(*rows, *columns)),
-                    Arg::Index(Index::Rows(RowMap::Owners(*rows))),
-                ];
-                (args, (0, row_lengths.offsets.last().copied().unwrap_or(0)))
-            }
-            Step::Window { .. } => self.window_args(step)?,
-            Step::Host { .. } => {
-                return Err(device_error(
-                    self.step,
-                    "a host step (a per-element region run through libtorch, from \
-                     `per_element_fallback`) has no device kernel",
-                ))
-            }
-        })
+            }) => self
+                .paired_lengths(*q_lengths, *k_lengths, "queries and keys")
+                .map(|_| ()),
+            Step::PairGemm(PairGemm { rows, columns, .. }) => self
+                .paired_lengths(*rows, *columns, "row and column lengths")
+                .map(|_| ()),
+            Step::Window(window) => self.check_window(window),
+            _ => Ok(()),
+        }
     }
 }

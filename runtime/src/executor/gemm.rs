@@ -344,7 +344,7 @@ mod tests {
                     Box::new(Expr::Load(1)),
                 ),
             });
-            let step = Step::Gemm {
+            let step = Step::Gemm(nestor_passes::step::Gemm {
                 out: Slot(0),
                 x: Slot(1),
                 weight: Slot(2),
@@ -354,7 +354,7 @@ mod tests {
                 n,
                 transposed,
                 epilogue,
-            };
+            });
             let program = Program { steps: vec![step], ..Program::default() };
             let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
             let bias_pointer = with_bias.then(|| pointer(&bias));

@@ -7,7 +7,13 @@
 
 use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
-use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, Step};
+use nestor_passes::step::{
+    AttentionGrad, Gemm, Insert, OneHot, PairGemm, RandomMask, Row, ScatterRows, Segment, SumRows,
+    Window,
+};
+use nestor_passes::{
+    FloatType, KernelSet, OutDim, Output, Placement, Program, RowBase, Slot, Source, Step,
+};
 use thiserror::Error;
 
 mod conv;
@@ -15,10 +21,14 @@ mod copies;
 mod device;
 
 pub use device::{
-    round_to_bf16, CudaBuffer, CudaDevice, DeviceOutput, DeviceResults, Gemms, HostBuffer,
-    HostDevice, KernelDevice,
+    from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, Gemms, HostBuffer, HostDevice,
+    KernelDevice,
 };
 mod gemm;
+mod marshal;
+mod product;
+
+pub use product::{BlasCall, BlasSizeError, Product};
 mod sizes;
 mod steps;
 mod window;
@@ -38,9 +48,13 @@ pub enum RuntimeError {
     /// The program could not be compiled for this machine.
     #[error(transparent)]
     Backend(#[from] nestor_backend_cpu::BackendError),
-    /// The CUDA backend failed (no driver or device, PTX, a launch).
+    /// A kernel device failed (no driver or device, its code, a launch, a copy): the
+    /// device's own error, which a caller can downcast (the CUDA backend's `CudaError`).
+    #[error("device: {0}")]
+    Device(Box<dyn std::error::Error + Send + Sync>),
+    /// A product's sizes do not fit the device's BLAS.
     #[error(transparent)]
-    Cuda(#[from] nestor_backend_cuda::CudaError),
+    BlasSize(#[from] BlasSizeError),
     /// A host step (a per-element region run through libtorch) failed.
     #[error("host step: {0}")]
     Host(String),
@@ -251,6 +265,9 @@ pub trait HostRunner: Sync {
 pub struct Executable {
     program: Program,
     kernels: CpuKernels,
+    /// Where each step runs on the CPU ([`KernelSet::Library`]), with its kernel's
+    /// signature.
+    placements: Vec<Placement>,
     /// The slots each step reads (lengths excepted): fixed by the program.
     reads: Vec<Vec<Slot>>,
     /// The buffers each step is the last reader of (inputs excepted), freed after it.
@@ -318,6 +335,11 @@ impl Executable {
     /// Compiles the kernels of `program`.
     pub fn compile(program: Program) -> Result<Self, RuntimeError> {
         let kernels = nestor_backend_cpu::compile(&program)?;
+        let placements = program
+            .steps
+            .iter()
+            .map(|step| step.placement(&program, KernelSet::Library))
+            .collect();
         let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
         let roots: Vec<Slot> = (0..program.slots.len())
             .map(|index| root(&program, Slot(index as u32)))
@@ -329,6 +351,7 @@ impl Executable {
         Ok(Self {
             program,
             kernels,
+            placements,
             reads,
             frees,
             roots,
@@ -781,37 +804,37 @@ fn profile() -> bool {
 
 fn step_name(step: &Step) -> String {
     match step {
-        Step::Pointwise { .. } => "pointwise".into(),
-        Step::Gemm { rows, k, n, .. } => format!("gemm k={k} n={n} rows={rows:?}"),
-        Step::Row { kind, .. } => format!("row {kind:?}"),
-        Step::Segment { kind, .. } => format!("segment {kind:?}"),
-        Step::Attention { .. } => "attention".into(),
-        Step::PairGemm { width, mix, .. } => format!("pair_gemm width={width} mix={mix}"),
-        Step::Window {
+        Step::Pointwise(_) => "pointwise".into(),
+        Step::Gemm(Gemm { rows, k, n, .. }) => format!("gemm k={k} n={n} rows={rows:?}"),
+        Step::Row(Row { kind, .. }) => format!("row {kind:?}"),
+        Step::Segment(Segment { kind, .. }) => format!("segment {kind:?}"),
+        Step::Attention(_) => "attention".into(),
+        Step::PairGemm(PairGemm { width, mix, .. }) => format!("pair_gemm width={width} mix={mix}"),
+        Step::Window(Window {
             kind,
             channels,
             width,
             window,
             ..
-        } => format!(
+        }) => format!(
             "window {kind:?} {channels}->{width} kernel={:?} stride={:?}",
             window.kernel, window.stride
         ),
-        Step::Gather { .. } => "gather".into(),
-        Step::SumRows { m, n, .. } => format!("sum_rows m={m} n={n}"),
-        Step::LengthValues { .. } => "length_values".into(),
-        Step::OneHot { classes, .. } => format!("one_hot classes={classes}"),
-        Step::Insert { size, .. } => format!("insert size={size}"),
-        Step::RandomMask { p, .. } => format!("random_mask p={p}"),
-        Step::AttentionGrad { keys, .. } => format!("attention_grad keys={keys}"),
-        Step::ScatterRows {
+        Step::Gather(_) => "gather".into(),
+        Step::SumRows(SumRows { m, n, .. }) => format!("sum_rows m={m} n={n}"),
+        Step::LengthValues(_) => "length_values".into(),
+        Step::OneHot(OneHot { classes, .. }) => format!("one_hot classes={classes}"),
+        Step::Insert(Insert { size, .. }) => format!("insert size={size}"),
+        Step::RandomMask(RandomMask { p, .. }) => format!("random_mask p={}", p.0),
+        Step::AttentionGrad(AttentionGrad { keys, .. }) => format!("attention_grad keys={keys}"),
+        Step::ScatterRows(ScatterRows {
             vocabulary, width, ..
-        } => {
+        }) => {
             format!("scatter_rows vocabulary={vocabulary} width={width}")
         }
-        Step::Host { .. } => "host".into(),
-        Step::Pad { .. } => "pad".into(),
-        Step::Unpad { .. } => "unpad".into(),
+        Step::Host(_) => "host".into(),
+        Step::Pad(_) => "pad".into(),
+        Step::Unpad(_) => "unpad".into(),
     }
 }
 

@@ -2,14 +2,18 @@
 //! cores, GEMMs, varlen attention, host steps and the padding copies, each reading the
 //! buffers of the run's state.
 
-use nestor_passes::{Access, FloatType, Slot, Source, Step};
+use nestor_passes::step::{
+    Attention, AttentionGrad, Gemm, Host, Insert, LengthValues, OneHot, Pad, PairGemm, RandomMask,
+    ScatterRows, SumRows, Unpad,
+};
+use nestor_passes::{Arg, FloatType, Placement, Signature, Slot, Source, Step};
 
 use super::copies::{pad, unpad};
 use super::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
 use super::sizes::{LengthsInfo, Sizes};
 use super::RuntimeError;
 use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
-use crate::attention::{Attention, AttentionGrad, Tiles};
+use crate::attention::{AttentionGradRun, AttentionRun, Tiles};
 
 /// What every step of one run reads: the buffers of every slot (an alias's is its
 /// root's), the lengths, the inputs and the host runner.
@@ -42,42 +46,32 @@ impl<'r> RunState<'r, '_> {
         })
     }
 
-    /// The run's argument list for step `index`'s kernel, holding its output and the
-    /// buffers `accesses` read.
+    /// The run's argument list for step `index`'s kernel of `signature`: the CPU's
+    /// kernels take buffers, offsets and row maps.
     fn kernel_args(
         &self,
         index: usize,
-        out: *mut u8,
-        accesses: &[Access],
+        signature: &Signature,
     ) -> Result<std::cell::RefMut<'r, Vec<*mut u8>>, RuntimeError> {
         // Steps run one at a time and release the list when they end.
         let mut args = self
             .args
             .try_borrow_mut()
             .map_err(|_| step_error(index, "the argument list is in use".into()))?;
-        args.clear();
-        args.push(out);
-        args.extend(accesses.iter().map(|access| self.pointer(access.slot)));
-        Ok(args)
-    }
-
-    /// The arguments of a pointwise kernel: its output, its inputs, then the row maps
-    /// of the inputs that read rows through one.
-    fn pointwise_args(
-        &self,
-        index: usize,
-        out: *mut u8,
-        accesses: &[Access],
-    ) -> Result<std::cell::RefMut<'r, Vec<*mut u8>>, RuntimeError> {
-        let mut args = self.kernel_args(index, out, accesses)?;
-        for access in accesses {
-            if let Some(map) = access.row_map {
-                let (values, _) = self.sizes.row_map(map).ok_or_else(|| {
-                    step_error(index, format!("the row map {map:?} cannot be built"))
-                })?;
-                args.push(values as *mut u8);
-            }
-        }
+        super::marshal::marshal(signature, &mut args, |arg| match *arg {
+            Arg::Buffer(slot) => Ok(self.pointer(slot)),
+            Arg::Absent => Ok(std::ptr::null_mut()),
+            Arg::Offsets(lengths) => Ok(self.offsets(lengths)),
+            Arg::RowMap(map) => self
+                .sizes
+                .row_map(map)
+                .map(|(values, _)| values as *mut u8)
+                .ok_or_else(|| step_error(index, format!("the row map {map:?} cannot be built"))),
+            other => Err(step_error(
+                index,
+                format!("the CPU's kernels take no {other:?}"),
+            )),
+        })?;
         Ok(args)
     }
 }
@@ -271,58 +265,74 @@ pub(super) fn step_error(step: usize, reason: String) -> RuntimeError {
 }
 
 impl Executable {
-    /// Runs step `index` of the program.
+    /// Runs step `index` of the program, where its placement on the CPU says.
     pub(super) fn execute(
         &self,
         index: usize,
         step: &Step,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
+        match (&self.placements[index], step) {
+            (Placement::Kernel(signature), _) => self.run_kernel(index, step, signature, run),
+            (Placement::Product(epilogue), Step::Gemm(gemm)) => {
+                self.run_gemm(index, gemm, epilogue.as_ref(), run)
+            }
+            (Placement::Libtorch, Step::Host(Host { out, inputs, graph })) => {
+                self.run_host(*out, inputs, *graph, run)
+            }
+            (Placement::Backend, _) => self.run_backend(index, step, run),
+            (placement, _) => Err(step_error(
+                index,
+                format!(
+                    "the CPU cannot run a {} step placed as {placement:?}",
+                    step.name()
+                ),
+            )),
+        }
+    }
+
+    /// A generated kernel over its signature's range, split in chunks across the cores.
+    fn run_kernel(
+        &self,
+        index: usize,
+        step: &Step,
+        signature: &Signature,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let grain = match step {
+            Step::Pointwise(pointwise) => row_grain(step, pointwise.width),
+            Step::Row(row) => row_grain(step, row.width),
+            Step::Gather(gather) => {
+                let vocabulary = run.sizes.rows(self.program.info(gather.table).rows);
+                self.check_ids(index, gather.ids, (vocabulary, None), run)?;
+                row_grain(step, gather.width)
+            }
+            _ => 1,
+        };
+        let args = run.kernel_args(index, signature)?;
+        self.launch(index, &args, run.sizes.rows(signature.range), grain)
+    }
+
+    /// The steps the CPU runs on its own code: attention, jagged-pair GEMMs, window
+    /// steps, the padding copies and the training steps.
+    fn run_backend(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
         match step {
-            Step::Gemm { .. } => self.run_gemm(index, step, run),
-            Step::Pointwise {
-                out,
-                rows,
-                width,
-                inputs: accesses,
-                ..
-            } => {
-                let args = run.pointwise_args(index, run.pointer(*out), accesses)?;
-                self.launch(index, &args, run.sizes.rows(*rows), row_grain(step, *width))
-            }
-            Step::Row {
-                out,
-                x,
-                weight,
-                bias,
-                rows,
-                width,
-                ..
-            } => {
-                let optional =
-                    |slot: &Option<Slot>| slot.map_or(std::ptr::null_mut(), |s| run.pointer(s));
-                let mut args = run.kernel_args(index, run.pointer(*out), &x.inputs)?;
-                args.extend([optional(weight), optional(bias)]);
-                self.launch(index, &args, run.sizes.rows(*rows), row_grain(step, *width))
-            }
-            Step::Segment {
-                out, x, lengths, ..
-            } => {
-                let mut args = run.kernel_args(index, run.pointer(*out), &x.inputs)?;
-                args.push(run.offsets(*lengths));
-                self.launch(index, &args, run.sizes.batch(*lengths), 1)
-            }
-            Step::Attention { .. } => self.run_attention(index, step, run),
-            Step::PairGemm { .. } => self.run_pair_gemm(index, step, run),
-            Step::Window { .. } => self.run_window(index, step, run),
-            Step::Host { out, inputs, graph } => self.run_host(*out, inputs, *graph, run),
-            Step::Pad {
+            Step::Attention(attention) => self.run_attention(index, attention, run),
+            Step::AttentionGrad(gradient) => self.run_attention_grad(index, gradient, run),
+            Step::PairGemm(pair_gemm) => self.run_pair_gemm(index, pair_gemm, run),
+            Step::Window(window) => self.run_window(index, window, run),
+            Step::Pad(Pad {
                 out,
                 x,
                 lengths,
                 width,
                 value,
-            } => {
+            }) => {
                 let Some(info) = run.lengths(*lengths) else {
                     return Ok(());
                 };
@@ -330,36 +340,14 @@ impl Executable {
                 // The executor sized `out` for `B x max(L)` rows and `x` for `sum L` rows.
                 unsafe {
                     match self.program.float {
-                        FloatType::F32 => pad::<f32>(out, x, info, *width, *value),
-                        FloatType::F64 => pad::<f64>(out, x, info, *width, *value),
+                        FloatType::F32 => pad::<f32>(out, x, info, *width, value.0),
+                        FloatType::F64 => pad::<f64>(out, x, info, *width, value.0),
                     }
                 };
                 Ok(())
             }
-            Step::Unpad { .. } => self.run_unpad(index, step, run),
-            Step::SumRows { .. }
-            | Step::OneHot { .. }
-            | Step::ScatterRows { .. }
-            | Step::Insert { .. }
-            | Step::RandomMask { .. }
-            | Step::LengthValues { .. } => self.run_data_step(index, step, run),
-            Step::AttentionGrad { .. } => self.run_attention_grad(index, step, run),
-            Step::Gather {
-                out,
-                table,
-                ids,
-                rows,
-                width,
-            } => {
-                let vocabulary = run.sizes.rows(self.program.info(*table).rows);
-                self.check_ids(index, *ids, (vocabulary, None), run)?;
-                self.launch(
-                    index,
-                    &[run.pointer(*out), run.pointer(*table), run.pointer(*ids)],
-                    run.sizes.rows(*rows),
-                    row_grain(step, *width),
-                )
-            }
+            Step::Unpad(unpad) => self.run_unpad(index, unpad, run),
+            _ => self.run_data_step(index, step, run),
         }
     }
 
@@ -372,7 +360,7 @@ impl Executable {
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
         match step {
-            Step::SumRows {
+            Step::SumRows(SumRows {
                 out,
                 a,
                 b,
@@ -380,7 +368,7 @@ impl Executable {
                 m,
                 n,
                 mean,
-            } => {
+            }) => {
                 let (out, b) = (run.pointer(*out), run.pointer(*b) as *const u8);
                 let a = a.map(|a| run.pointer(a) as *const u8);
                 let sizes = (run.sizes.rows(*rows), *m, *n);
@@ -394,13 +382,13 @@ impl Executable {
                 };
                 Ok(())
             }
-            Step::OneHot {
+            Step::OneHot(OneHot {
                 out,
                 ids,
                 rows,
                 classes,
                 ignore,
-            } => {
+            }) => {
                 self.check_ids(index, *ids, (*classes, Some(*ignore)), run)?;
                 let rows = run.sizes.rows(*rows).max(0) as usize;
                 let (out, ids) = (run.pointer(*out), run.pointer(*ids) as *const i64);
@@ -412,7 +400,7 @@ impl Executable {
                 }
                 Ok(())
             }
-            Step::ScatterRows {
+            Step::ScatterRows(ScatterRows {
                 out,
                 g,
                 ids,
@@ -420,7 +408,7 @@ impl Executable {
                 width,
                 vocabulary,
                 padding,
-            } => {
+            }) => {
                 let rows = run.sizes.rows(*rows).max(0) as usize;
                 let buffers = (
                     run.pointer(*out),
@@ -436,14 +424,14 @@ impl Executable {
                 }
                 Ok(())
             }
-            Step::Insert {
+            Step::Insert(Insert {
                 out,
                 x,
                 rows,
                 size,
                 index,
                 inner,
-            } => {
+            }) => {
                 let rows = run.sizes.rows(*rows).max(0) as usize;
                 let (out, x) = (run.pointer(*out), run.pointer(*x) as *const u8);
                 // `x` holds `rows * inner` and `out` `rows * size * inner` values of the
@@ -458,24 +446,24 @@ impl Executable {
                 }
                 Ok(())
             }
-            Step::RandomMask {
+            Step::RandomMask(RandomMask {
                 out,
                 rows,
                 width,
                 p,
                 stream,
-            } => {
+            }) => {
                 let count = (run.sizes.rows(*rows) * width).max(0) as usize;
                 let out = run.pointer(*out);
                 let key = (*stream as u64, run.run);
                 // `out` holds `count` values of the program's type.
                 match self.program.float {
-                    FloatType::F32 => unsafe { random_mask::<f32>(out, count, *p, key) },
-                    FloatType::F64 => unsafe { random_mask::<f64>(out, count, *p, key) },
+                    FloatType::F32 => unsafe { random_mask::<f32>(out, count, p.0, key) },
+                    FloatType::F64 => unsafe { random_mask::<f64>(out, count, p.0, key) },
                 }
                 Ok(())
             }
-            Step::LengthValues { out, lengths } => {
+            Step::LengthValues(LengthValues { out, lengths }) => {
                 let Some(info) = run.lengths(*lengths) else {
                     return Ok(());
                 };
@@ -494,14 +482,15 @@ impl Executable {
         }
     }
 
-    /// A GEMM, its epilogue kernel run on each chunk of rows.
+    /// A GEMM, its epilogue kernel (of `epilogue`'s signature) run on each chunk of rows.
     fn run_gemm(
         &self,
         index: usize,
-        step: &Step,
+        step: &Gemm,
+        epilogue: Option<&Signature>,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Step::Gemm {
+        let Gemm {
             out,
             x,
             weight,
@@ -510,11 +499,8 @@ impl Executable {
             k,
             n,
             transposed,
-            epilogue,
-        } = step
-        else {
-            return Err(step_error(index, "not a GEMM".into()));
-        };
+            ..
+        } = step;
         let shape = GemmShape {
             rows: run.sizes.rows(*rows),
             k: *k,
@@ -524,8 +510,7 @@ impl Executable {
         let (out, x, weight) = (run.pointer(*out), run.pointer(*x), run.pointer(*weight));
         let bias = bias.map(|bias| run.pointer(bias));
         let epilogue_args = epilogue
-            .as_ref()
-            .map(|epilogue| run.pointwise_args(index, out, &epilogue.inputs))
+            .map(|signature| run.kernel_args(index, signature))
             .transpose()?;
         let epilogue = match (&epilogue_args, self.kernels.kernel(index)) {
             (Some(args), Some(kernel)) => Some((kernel, Args(args))),
@@ -545,10 +530,10 @@ impl Executable {
     fn run_pair_gemm(
         &self,
         index: usize,
-        step: &Step,
+        step: &PairGemm,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Step::PairGemm {
+        let PairGemm {
             out,
             a,
             b,
@@ -556,10 +541,7 @@ impl Executable {
             columns,
             width,
             mix,
-        } = step
-        else {
-            return Err(step_error(index, "not a pair GEMM".into()));
-        };
+        } = step;
         let (Some(rows), Some(columns)) = (run.lengths(*rows), run.lengths(*columns)) else {
             return Ok(());
         };
@@ -594,10 +576,10 @@ impl Executable {
     fn run_attention(
         &self,
         index: usize,
-        step: &Step,
+        step: &Attention,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Step::Attention {
+        let Attention {
             out,
             q,
             k,
@@ -609,10 +591,7 @@ impl Executable {
             value_dim,
             causal,
             scale,
-        } = step
-        else {
-            return Err(step_error(index, "not an attention step".into()));
-        };
+        } = step;
         let lengths = (*q_lengths, *k_lengths);
         let tiles = Tiles::DEFAULT;
         let scalars = |lengths| tiles.forward_scalars(lengths, *value_dim);
@@ -621,7 +600,7 @@ impl Executable {
         else {
             return Ok(());
         };
-        let attention = Attention {
+        let attention = AttentionRun {
             q,
             k,
             v,
@@ -629,7 +608,7 @@ impl Executable {
             head_dim: *head_dim,
             value_dim: *value_dim,
             causal: *causal,
-            scale: *scale,
+            scale: scale.0,
             parallel: worker_threads() > 1,
             tiles,
         };
@@ -655,10 +634,10 @@ impl Executable {
     fn run_attention_grad(
         &self,
         index: usize,
-        step: &Step,
+        step: &AttentionGrad,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Step::AttentionGrad {
+        let AttentionGrad {
             out,
             q,
             k,
@@ -671,10 +650,7 @@ impl Executable {
             causal,
             scale,
             keys,
-        } = step
-        else {
-            return Err(step_error(index, "not an attention gradient step".into()));
-        };
+        } = step;
         let (lengths, tiles) = ((*q_lengths, *k_lengths), Tiles::DEFAULT);
         let scalars = |lengths| tiles.gradient_scalars(lengths, *head_dim);
         let Some(offsets) =
@@ -682,7 +658,7 @@ impl Executable {
         else {
             return Ok(());
         };
-        let gradient = AttentionGrad {
+        let gradient = AttentionGradRun {
             q,
             k,
             v,
@@ -690,7 +666,7 @@ impl Executable {
             heads: *heads,
             head_dim: *head_dim,
             causal: *causal,
-            scale: *scale,
+            scale: scale.0,
             keys: *keys,
             parallel: worker_threads() > 1,
             tiles,
@@ -760,19 +736,16 @@ impl Executable {
     fn run_unpad(
         &self,
         index: usize,
-        step: &Step,
+        step: &Unpad,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Step::Unpad {
+        let Unpad {
             out,
             x,
             grid,
             lengths,
             width,
-        } = step
-        else {
-            return Err(step_error(index, "not an unpad step".into()));
-        };
+        } = step;
         let (Some(grid), Some(info)) = (run.lengths(*grid), run.lengths(*lengths)) else {
             return Ok(());
         };
@@ -844,13 +817,13 @@ mod tests {
     fn the_mask_template_draws_the_host_masks() {
         for (p, stream, run) in [(0.5, 3i64, 7u64), (0.1, 0, 0), (0.9, 12, 123_456)] {
             let count = 1000;
-            let step = Step::RandomMask {
+            let step = Step::RandomMask(RandomMask {
                 out: Slot(0),
                 rows: Rows::fixed(count as i64),
                 width: 1,
-                p,
+                p: nestor_ir::F64(p),
                 stream,
-            };
+            });
             let mut actual = vec![f32::NAN; count];
             let key = [mask_key(stream, run) as i64];
             let args = [actual.as_mut_ptr() as *mut u8, key.as_ptr() as *mut u8];

@@ -3,7 +3,8 @@
 //! pooling over the windows' taps, and the mean of every image. Tasks run on the team;
 //! each writes its own output rows.
 
-use nestor_passes::{FloatType, Slot, Step, WindowKind};
+use nestor_passes::step::Window;
+use nestor_passes::{FloatType, Slot, WindowKind};
 
 use super::conv::{GradPlan, Plan};
 use super::steps::{step_error, RunState};
@@ -56,10 +57,10 @@ impl Executable {
     pub(super) fn run_window(
         &self,
         index: usize,
-        step: &Step,
+        step: &Window,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Step::Window {
+        let Window {
             kind,
             out,
             x,
@@ -71,10 +72,7 @@ impl Executable {
             channels,
             width,
             window,
-        } = step
-        else {
-            return Err(step_error(index, "not a window step".into()));
-        };
+        } = step;
         let (Some(heights), Some(widths)) =
             (run.sizes.get(*heights_slot), run.sizes.get(*widths_slot))
         else {

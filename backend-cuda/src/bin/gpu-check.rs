@@ -25,10 +25,11 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use nestor_backend_cuda::CudaDevice;
 use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type};
 use nestor_runtime::{
-    round_to_bf16, CudaDevice, Executable, Gemms, HostDevice, InputData, KernelDevice, RunData,
-    RunOutput, RuntimeError, Stats, Storage,
+    round_to_bf16, Executable, Gemms, HostDevice, InputData, KernelDevice, RunData, RunOutput,
+    RuntimeError, Stats, Storage,
 };
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
@@ -449,21 +450,9 @@ fn compare(actual: &[f32], expected: &[f32], storage: Storage) -> Result<f64, St
 /// The joint forward + backward graph of a loss (the first output): decomposed, then
 /// differentiated with respect to every parameter.
 fn joint(graph: &Graph) -> Result<Graph, String> {
-    use nestor_passes::Pass;
-    let graph = nestor_passes::Decompose
-        .run(graph)
-        .map_err(|error| error.to_string())?;
-    let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len())
-        .filter(|&index| matches!(graph.nodes[index].op, Op::Param { .. }))
-        .map(|index| nestor_ir::ValueId(index as u32))
-        .collect();
-    let loss = *graph
-        .outputs
-        .first()
-        .ok_or("a loss graph returns its loss")?;
-    Ok(nestor_passes::differentiate(&graph, loss, &params)
-        .map_err(|error| error.to_string())?
-        .graph)
+    nestor_passes::differentiate_loss(graph)
+        .map(|joint| joint.graph)
+        .map_err(|error| error.to_string())
 }
 
 /// The program on `device`: once from host memory (counted into `stats`), then with

@@ -7,7 +7,8 @@
 //! pointwise result other than element for element as written, the two steps stay
 //! (the result is the same, one launch more).
 
-use crate::program::{Access, Fusion, Program, RowBase, Rows};
+use crate::operands::{Access, Fusion, RowBase, Rows};
+use crate::program::Program;
 use crate::step::Step;
 use crate::step::{Gemm, Pointwise, Row, Segment};
 

@@ -2,7 +2,8 @@
 //! view of another buffer (`select`, `narrow` or a head split before attention) is
 //! dropped when every reader can read that view directly through its own access.
 
-use crate::program::{Access, Expr, Program, RowBase, Source};
+use crate::operands::{Access, Expr, RowBase};
+use crate::program::{Program, Source};
 use crate::step::Step;
 use crate::step::{Attention, Pointwise};
 

@@ -25,6 +25,7 @@ mod decompose;
 mod fold;
 mod forward;
 mod lower;
+mod operands;
 pub mod optimize;
 mod pipeline;
 mod program;
@@ -38,11 +39,11 @@ pub use cse::Cse;
 pub use dce::Dce;
 pub use decompose::Decompose;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
+pub use operands::{
+    Access, Expr, Fusion, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot, WindowKind,
+};
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};
-pub use program::{
-    Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
-    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source, WindowKind,
-};
+pub use program::{FloatType, LengthsKind, LengthsOp, OutDim, Output, Program, SlotInfo, Source};
 pub use signature::{Arg, KernelKey, KernelSet, Param, Placement, Role, Signature};
 pub use step::Step;

@@ -9,7 +9,8 @@
 
 use nestor_ir::Window2d;
 
-use crate::program::{Access, Program, RowMap, Rows, Slot, WindowKind};
+use crate::operands::{Access, RowMap, Rows, Slot, WindowKind};
+use crate::program::Program;
 use crate::step::{
     Attention, AttentionGrad, Gather, Gemm, Host, Insert, LengthValues, OneHot, Pad, PairGemm,
     Pointwise, RandomMask, Row, ScatterRows, Segment, Step, SumRows, Unpad, Window,
@@ -202,12 +203,23 @@ pub trait Placed {
     fn placement(&self, program: &Program, set: KernelSet) -> Placement;
 }
 
-impl Step {
-    /// Where the step runs on a backend of `set` ([`Placed::placement`]).
-    pub fn placement(&self, program: &Program, set: KernelSet) -> Placement {
-        self.kind().placement(program, set)
-    }
+/// Implements [`Step::placement`]: each kind's [`Placed::placement`].
+macro_rules! placements {
+    ($($kind:ident),* $(,)?) => {
+        impl Step {
+            /// Where the step runs on a backend of `set` ([`Placed::placement`]).
+            pub fn placement(&self, program: &Program, set: KernelSet) -> Placement {
+                match self {
+                    $(Step::$kind(payload) => payload.placement(program, set),)*
+                }
+            }
+        }
+    };
+}
 
+crate::step::with_step_kinds!(placements);
+
+impl Step {
     /// What the step's kernel code depends on: the step with its output's slot as
     /// `Slot(0)` and every other slot as `Slot(1)` (kernels take their buffers as
     /// arguments, and reading the output in place is the one identity they compile

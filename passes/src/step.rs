@@ -3,7 +3,7 @@
 
 use nestor_ir::{Window2d, F64};
 
-use crate::program::{
+use crate::operands::{
     Access, Expr, Fusion, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot, WindowKind,
 };
 
@@ -411,9 +411,9 @@ pub struct Gather {
     pub width: i64,
 }
 
-/// What every step kind says about its buffers; [`crate::signature::Placed`] says where
-/// it runs and with which kernel arguments.
-pub trait StepKind: std::fmt::Debug + crate::signature::Placed {
+/// What every step kind says about its buffers (`crate::signature::Placed` says where it
+/// runs and with which kernel arguments).
+pub trait StepKind: std::fmt::Debug {
     /// The slot the step writes.
     fn output(&self) -> Slot;
     /// The slots the step reads (lengths slots excepted).
@@ -464,26 +464,35 @@ macro_rules! step_kinds {
     };
 }
 
-step_kinds!(
-    Pointwise,
-    Gemm,
-    Row,
-    Segment,
-    Attention,
-    PairGemm,
-    Window,
-    Host,
-    Pad,
-    Unpad,
-    SumRows,
-    OneHot,
-    ScatterRows,
-    Insert,
-    AttentionGrad,
-    RandomMask,
-    LengthValues,
-    Gather,
-);
+/// Calls macro `$callback` with the name of every step kind (each a variant of [`Step`]
+/// and its payload struct): the one list of them.
+macro_rules! with_step_kinds {
+    ($callback:ident) => {
+        $callback!(
+            Pointwise,
+            Gemm,
+            Row,
+            Segment,
+            Attention,
+            PairGemm,
+            Window,
+            Host,
+            Pad,
+            Unpad,
+            SumRows,
+            OneHot,
+            ScatterRows,
+            Insert,
+            AttentionGrad,
+            RandomMask,
+            LengthValues,
+            Gather,
+        );
+    };
+}
+pub(crate) use with_step_kinds;
+
+with_step_kinds!(step_kinds);
 
 impl Step {
     /// The slots the step reads (lengths slots excepted).

@@ -10,6 +10,7 @@
 
 use nestor_passes::Access;
 
+use crate::blas::Gemm;
 use crate::scalar::Scalar;
 
 /// The tile sizes of the forward.
@@ -111,7 +112,7 @@ impl AttentionRun<'_> {
     ///
     /// # Safety
     /// The pointers must be valid for the sizes the offsets and accesses imply.
-    pub(crate) unsafe fn run<T: Scalar>(
+    pub(crate) unsafe fn run<T: Gemm>(
         &self,
         (out, q, k, v): (*mut u8, *mut u8, *mut u8, *mut u8),
         (q_offsets, k_offsets): (&[i64], &[i64]),
@@ -154,7 +155,7 @@ impl AttentionRun<'_> {
     }
 
     /// One task: its query rows' outputs for one head.
-    unsafe fn task<T: Scalar>(&self, buffers: Buffers<T>, task: Task) {
+    unsafe fn task<T: Gemm>(&self, buffers: Buffers<T>, task: Task) {
         let (d, dv) = (self.head_dim, self.value_dim);
         let out_width = self.heads * dv;
         let rows = task.rows as usize;
@@ -326,7 +327,7 @@ impl AttentionGradRun<'_> {
     ///
     /// # Safety
     /// The pointers must be valid for the sizes the offsets and accesses imply.
-    pub(crate) unsafe fn run<T: Scalar>(
+    pub(crate) unsafe fn run<T: Gemm>(
         &self,
         (out, q, k, v, g): (*mut u8, *mut u8, *mut u8, *mut u8, *mut u8),
         (q_offsets, k_offsets): (&[i64], &[i64]),
@@ -373,7 +374,7 @@ impl AttentionGradRun<'_> {
 
     /// The gradient of query rows `q_first..q_first + q_rows` (from row `row_offset` of
     /// their element, which the causal mask counts from) of one head.
-    unsafe fn element<T: Scalar>(
+    unsafe fn element<T: Gemm>(
         &self,
         buffers: GradBuffers<T>,
         head: i64,

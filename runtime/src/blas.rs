@@ -15,6 +15,93 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use crate::scalar::Scalar;
+use crate::strided::{Strided, StridedMut};
+
+/// The matrix products of a scalar type: on the process's MKL when it uses it, else the
+/// `gemm` crate, and attention's small f32 tiles in registers where the host suits it
+/// (`crate::microkernel`).
+pub(crate) trait Gemm: Scalar {
+    /// MKL's GEMM of this type.
+    fn gemm_fn(mkl: &Mkl) -> GemmFn<Self>;
+
+    /// `c = scale * a b` for `a [m x k]`, `b [k x n]` and `c [m x n]`, each given as
+    /// (pointer, row stride, column stride); `c` is only written.
+    ///
+    /// # Safety
+    /// The pointers must be valid for the sizes and strides given.
+    unsafe fn matmul(
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+    ) {
+        unsafe { Self::product(shape, scale, a, b, c, false) }
+    }
+
+    /// [`Gemm::matmul`], or `c += scale * a b` when `add` (`c` read first: a GEMM's
+    /// bias written before the product, as libtorch's `addmm` does, saves a pass).
+    ///
+    /// # Safety
+    /// As [`Gemm::matmul`]; with `add`, `c` must hold `m x n` values.
+    unsafe fn product(
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+        add: bool,
+    ) {
+        // The process's MKL on this thread when it uses it (and it takes these strides).
+        unsafe {
+            if !matmul(shape, scale, a, b, c, add) {
+                builtin_matmul(shape, scale, a, b, c, add);
+            }
+        }
+    }
+
+    /// [`Gemm::matmul`] for attention's small tiles: f32 on AVX2 hosts without AVX-512
+    /// multiplies in registers (`crate::microkernel`), everything else as `matmul`.
+    ///
+    /// # Safety
+    /// As [`Gemm::matmul`].
+    unsafe fn tile_matmul(
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+    ) {
+        unsafe { Self::matmul(shape, scale, a, b, c) }
+    }
+}
+
+impl Gemm for f32 {
+    fn gemm_fn(mkl: &Mkl) -> GemmFn<Self> {
+        mkl.sgemm
+    }
+
+    unsafe fn tile_matmul(
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+    ) {
+        // The caller vouches for the pointers (as for `matmul`).
+        unsafe {
+            if !crate::microkernel::matmul(shape, scale, a, b, c) {
+                Self::matmul(shape, scale, a, b, c)
+            }
+        }
+    }
+}
+
+impl Gemm for f64 {
+    fn gemm_fn(mkl: &Mkl) -> GemmFn<Self> {
+        mkl.dgemm
+    }
+}
 
 /// Fortran `?gemm_` (LP64): `c = alpha op(a) op(b) + beta c`, column-major, every
 /// argument by pointer, then the hidden lengths of the two character arguments.
@@ -169,12 +256,6 @@ pub fn gemm_probe() -> Option<GemmProbe> {
     choice().probe
 }
 
-/// A matrix of the row-major view as (pointer, row stride, column stride).
-pub(crate) type Strided<T> = (*const T, isize, isize);
-
-/// A matrix written through (pointer, row stride, column stride).
-pub(crate) type StridedMut<T> = (*mut T, isize, isize);
-
 /// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
 /// `c [m x n]` (each as pointer, row stride, column stride; `c`'s columns contiguous)
 /// with MKL on this thread. `false` (nothing written) when the process does not use MKL
@@ -183,7 +264,7 @@ pub(crate) type StridedMut<T> = (*mut T, isize, isize);
 ///
 /// # Safety
 /// The pointers must be valid for the sizes and strides given.
-pub(crate) unsafe fn matmul<T: Scalar>(
+pub(crate) unsafe fn matmul<T: Gemm>(
     shape: (usize, usize, usize),
     scale: T,
     a: Strided<T>,
@@ -198,7 +279,7 @@ pub(crate) unsafe fn matmul<T: Scalar>(
 ///
 /// # Safety
 /// As [`matmul`].
-unsafe fn mkl_matmul<T: Scalar>(
+unsafe fn mkl_matmul<T: Gemm>(
     mkl: &Mkl,
     (m, k, n): (usize, usize, usize),
     scale: T,

@@ -23,6 +23,7 @@ mod parallel;
 mod process;
 mod scalar;
 mod stats;
+mod strided;
 mod team;
 #[cfg(test)]
 mod testing;

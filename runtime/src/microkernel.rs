@@ -8,11 +8,11 @@
 //! strides: the gradient's `dS^T` too) and multiplied into 12 accumulator registers. Used where the host has AVX2 and FMA but
 //! not AVX-512 (there the GEMM library's AVX-512 kernels are twice as wide: on a Zen 5
 //! host attention took 2.4-2.5 ms per call with this kernel, 1.9-2.1 ms with the `gemm`
-//! crate); f64 and other hosts keep [`crate::scalar::Scalar::matmul`].
+//! crate); f64 and other hosts keep [`crate::blas::Gemm::matmul`].
 
 use std::cell::RefCell;
 
-use crate::blas::{Strided, StridedMut};
+use crate::strided::{Strided, StridedMut};
 
 /// Rows of `a` per register block.
 const ROWS: usize = 6;

@@ -1,11 +1,8 @@
 //! The floating-point types host steps compute in (f32, or f64 for f64 programs), so
-//! GEMM and attention are written once; matrix products go to the process's MKL, else
-//! the `gemm` crate, and attention's small f32 tiles to `crate::microkernel` where the
-//! host suits it.
+//! host steps are written once: their constants, conversions, `exp` and the reductions
+//! softmax needs (matrix products are `crate::blas::Gemm`'s).
 
 use std::ops::{Add, AddAssign, Div, Mul, Sub};
-
-use crate::blas::{Strided, StridedMut};
 
 /// A scalar the executor's host-side arithmetic works on.
 pub(crate) trait Scalar:
@@ -31,57 +28,6 @@ pub(crate) trait Scalar:
     fn exp(self) -> Self;
     /// Whether this is NaN.
     fn is_nan(self) -> bool;
-    /// `c = scale * a b` for `a [m x k]`, `b [k x n]` and `c [m x n]`, each given as
-    /// (pointer, row stride, column stride); `c` is only written.
-    ///
-    /// # Safety
-    /// The pointers must be valid for the sizes and strides given.
-    unsafe fn matmul(
-        shape: (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
-        c: StridedMut<Self>,
-    ) {
-        unsafe { Self::product(shape, scale, a, b, c, false) }
-    }
-    /// [`Scalar::matmul`], or `c += scale * a b` when `add` (`c` read first: a GEMM's
-    /// bias written before the product, as libtorch's `addmm` does, saves a pass).
-    ///
-    /// # Safety
-    /// As [`Scalar::matmul`]; with `add`, `c` must hold `m x n` values.
-    unsafe fn product(
-        (m, k, n): (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
-        c: StridedMut<Self>,
-        add: bool,
-    ) {
-        // The process's MKL on this thread when it uses it (and it takes these strides).
-        unsafe {
-            if !crate::blas::matmul((m, k, n), scale, a, b, c, add) {
-                crate::blas::builtin_matmul((m, k, n), scale, a, b, c, add);
-            }
-        }
-    }
-    /// [`Scalar::matmul`] for attention's small tiles: f32 on AVX2 hosts without
-    /// AVX-512 multiplies in registers (`crate::microkernel`), everything else as
-    /// `matmul`.
-    ///
-    /// # Safety
-    /// As [`Scalar::matmul`].
-    unsafe fn tile_matmul(
-        shape: (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
-        c: StridedMut<Self>,
-    ) {
-        unsafe { Self::matmul(shape, scale, a, b, c) }
-    }
-    /// MKL's GEMM of this type.
-    fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self>;
     /// Replaces `scores` by `e^(score - max)` (softmax numerators) and returns their sum.
     fn softmax_numerators(scores: &mut [Self]) -> Self {
         Self::exp_below(scores, max_of(scores))
@@ -126,23 +72,6 @@ impl Scalar for f32 {
     fn is_nan(self) -> bool {
         f32::is_nan(self)
     }
-    fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
-        mkl.sgemm
-    }
-    unsafe fn tile_matmul(
-        shape: (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
-        c: StridedMut<Self>,
-    ) {
-        // The caller vouches for the pointers (as for `matmul`).
-        unsafe {
-            if !crate::microkernel::matmul(shape, scale, a, b, c) {
-                Self::matmul(shape, scale, a, b, c)
-            }
-        }
-    }
     fn exp_below(scores: &mut [Self], largest: Self) -> Self {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
@@ -167,9 +96,6 @@ impl Scalar for f64 {
     }
     fn is_nan(self) -> bool {
         f64::is_nan(self)
-    }
-    fn gemm_fn(mkl: &crate::blas::Mkl) -> crate::blas::GemmFn<Self> {
-        mkl.dgemm
     }
 }
 

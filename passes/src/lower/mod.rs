@@ -27,9 +27,9 @@ use pointwise::translate;
 
 use crate::step::Step;
 
+use crate::operands::{Access, Expr, Fusion, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot};
 use crate::program::{
-    Access, Expr, FloatType, Fusion, LengthsKind, LengthsOp, OutDim, Output, Program, RowBase,
-    RowKind, RowMap, Rows, SegmentKind, Slot, SlotInfo, Source,
+    FloatType, LengthsKind, LengthsOp, OutDim, Output, Program, SlotInfo, Source,
 };
 
 /// An op the compiler cannot lower yet.

@@ -289,7 +289,7 @@ impl KernelDevice for HostDevice {
         if call.k > 0 && call.m > 0 && call.n > 0 {
             // `a`, `b` and `product` hold what the call's strides reach (`lengths`).
             unsafe {
-                <f32 as crate::scalar::Scalar>::matmul(
+                <f32 as crate::blas::Gemm>::matmul(
                     (count(call.m), count(call.k), count(call.n)),
                     1.0,
                     (a.as_ptr(), a_strides.0, a_strides.1),

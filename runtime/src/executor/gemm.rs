@@ -7,6 +7,7 @@ use nestor_backend_cpu::KernelFn;
 use std::sync::Mutex;
 
 use super::{worker_threads, Args};
+use crate::blas::Gemm;
 use crate::scalar::Scalar;
 
 /// The sizes of one GEMM.
@@ -23,7 +24,7 @@ pub(super) struct GemmShape {
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
-pub(super) unsafe fn gemm<T: Scalar>(
+pub(super) unsafe fn gemm<T: Gemm>(
     out: *mut u8,
     x: *const u8,
     weight: *const u8,
@@ -92,7 +93,7 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
-unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
+unsafe fn gemm_rows<T: Gemm>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
     let GemmShape {
         k, n, transposed, ..
     } = shape;
@@ -141,7 +142,7 @@ unsafe fn gemm_rows<T: Scalar>(buffers: GemmBuffers<T>, shape: GemmShape, start:
 ///
 /// # Safety
 /// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m` and `b` `rows*n`.
-pub(super) unsafe fn sum_rows<T: Scalar>(
+pub(super) unsafe fn sum_rows<T: Gemm>(
     out: *mut u8,
     a: Option<*const u8>,
     b: *const u8,
@@ -270,7 +271,7 @@ struct SumBuffers<T> {
 unsafe impl<T> Send for SumBuffers<T> {}
 unsafe impl<T> Sync for SumBuffers<T> {}
 
-impl<T: Scalar> SumBuffers<T> {
+impl<T: Gemm> SumBuffers<T> {
     /// Rows `first..first + count` of `out = a^T b`, `a`'s columns read with swapped
     /// strides (no copy).
     ///
@@ -419,7 +420,7 @@ impl PairBlocks {
 ///
 /// # Safety
 /// The buffers must hold the values `blocks` places in them, of type `T`.
-pub(super) unsafe fn pair_gemm<T: Scalar>(
+pub(super) unsafe fn pair_gemm<T: Gemm>(
     (out, a, b): (*mut u8, *const u8, *const u8),
     blocks: &PairBlocks,
     width: i64,

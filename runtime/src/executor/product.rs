@@ -284,7 +284,7 @@ mod tests {
     }
 
     #[test]
-    fn sizes_past_cublas_integers_are_an_error() {
+    fn sizes_past_32_bit_blas_integers_are_an_error() {
         let product = Product::Linear {
             rows: 1 << 31,
             k: 2,

@@ -1,0 +1,291 @@
+//! The operands of steps: buffers ([`Slot`]) and their row counts ([`Rows`], from
+//! lengths at run time), how a kernel reads a buffer ([`Access`], through a [`RowMap`]),
+//! the pointwise expressions fused into kernels ([`Expr`], [`Fusion`]), and the kinds
+//! of row, segmented and window kernels.
+
+use nestor_ir::{BinaryOp, UnaryOp, F64};
+
+/// A buffer of a program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Slot(pub u32);
+
+/// How many rows a buffer has: `factor` times a count known at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rows {
+    /// What is counted.
+    pub base: RowBase,
+    /// Rows per counted unit.
+    pub factor: i64,
+}
+
+/// The run-time count behind [`Rows`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowBase {
+    /// One (a static number of rows).
+    One,
+    /// The sum of a lengths buffer: the packed rows of a ragged batch.
+    Total(Slot),
+    /// The number of entries of a lengths buffer: the batch size.
+    Batch(Slot),
+    /// `sum(a[i] * b[i])` of two lengths buffers: the packed rows of a batch with two
+    /// ragged dims (images `[C, H_i, W_i]`).
+    Volume(Slot, Slot),
+    /// The batch size times the longest length: the rows of a padded `[B, max(L)]` grid.
+    Padded(Slot),
+}
+
+impl Rows {
+    /// `count` static rows.
+    pub fn fixed(count: i64) -> Self {
+        Self {
+            base: RowBase::One,
+            factor: count,
+        }
+    }
+
+    /// One row per entry of `lengths`: the batch.
+    pub fn batch(lengths: Slot) -> Self {
+        Self {
+            base: RowBase::Batch(lengths),
+            factor: 1,
+        }
+    }
+
+    /// The sum of `lengths`: the packed rows.
+    pub fn total(lengths: Slot) -> Self {
+        Self {
+            base: RowBase::Total(lengths),
+            factor: 1,
+        }
+    }
+
+    /// The rows of the padded grid of `lengths`.
+    pub fn padded(lengths: Slot) -> Self {
+        Self {
+            base: RowBase::Padded(lengths),
+            factor: 1,
+        }
+    }
+
+    /// The rows times `factor` (saturating, as run-time counts do).
+    pub fn times(self, factor: i64) -> Self {
+        Self {
+            factor: self.factor.saturating_mul(factor),
+            ..self
+        }
+    }
+}
+
+/// How a kernel reads an input: scalar `(row, col)` of the output comes from
+/// `offset + row' * row_stride + col' * col_stride`, where `row'` is the row or, with
+/// a `row_map`, `map[row]`, and `col'` is `col % col_modulo` when `col_modulo > 0` (a
+/// broadcast tail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Access {
+    /// The buffer.
+    pub slot: Slot,
+    /// Scalars between rows (0 broadcasts over rows).
+    pub row_stride: i64,
+    /// Scalars between columns (0 broadcasts over columns).
+    pub col_stride: i64,
+    /// First scalar.
+    pub offset: i64,
+    /// Rows read through a map the runtime builds from lengths buffers.
+    pub row_map: Option<RowMap>,
+    /// Wrap columns (0: no wrap).
+    pub col_modulo: i64,
+}
+
+impl Access {
+    /// Rows of `width` scalars of `slot`, read as they are (row `r`, column `c` is
+    /// scalar `r * width + c`).
+    pub fn rows(slot: Slot, width: i64) -> Self {
+        Self {
+            slot,
+            row_stride: width,
+            col_stride: 1,
+            offset: 0,
+            row_map: None,
+            col_modulo: 0,
+        }
+    }
+}
+
+/// A map from the rows of a kernel's output to the rows of one of its inputs, built
+/// by the runtime from lengths buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowMap {
+    /// The element that owns each row of a batch of these lengths (a per-element input
+    /// `[B, ...]`).
+    Owners(Slot),
+    /// For the rows `(i, m, n)` of a pair layout `[M_i, N_i, ...]` (lengths `M`, `N`),
+    /// the row `(i, m)` of an input `[M_i, 1, ...]`.
+    PairRows(Slot, Slot),
+    /// For the same rows, the row `(i, n)` of an input `[1, N_i, ...]`.
+    PairColumns(Slot, Slot),
+    /// For the rows `(i, m, n)` of a pair layout `[M_i, N_i, ...]`, the row `(i, n, m)`
+    /// of an input `[N_i, M_i, ...]` (its transpose).
+    PairTransposed(Slot, Slot),
+}
+
+/// A pointwise expression over the inputs of a kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Expr {
+    /// Input number `n` at the current position.
+    Load(usize),
+    /// A constant.
+    Const(F64),
+    /// A unary function.
+    Unary(UnaryOp, Box<Expr>),
+    /// A binary function (predicates give 0 or 1).
+    Binary(BinaryOp, Box<Expr>, Box<Expr>),
+    /// `condition != 0 ? a : b`.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+}
+
+impl Expr {
+    /// The transcendental functions the expression evaluates per element (exp, log,
+    /// tanh, erf and the activations built on them): what makes a kernel compute-bound.
+    pub fn transcendentals(&self) -> usize {
+        match self {
+            Expr::Load(_) | Expr::Const(_) => 0,
+            Expr::Unary(op, x) => {
+                let heavy = matches!(
+                    op,
+                    UnaryOp::Exp
+                        | UnaryOp::Log
+                        | UnaryOp::Tanh
+                        | UnaryOp::Sigmoid
+                        | UnaryOp::Gelu
+                        | UnaryOp::GeluTanh
+                        | UnaryOp::Silu
+                        | UnaryOp::Erf
+                        | UnaryOp::Sin
+                        | UnaryOp::Cos
+                );
+                usize::from(heavy) + x.transcendentals()
+            }
+            Expr::Binary(op, a, b) => {
+                usize::from(*op == BinaryOp::Pow) + a.transcendentals() + b.transcendentals()
+            }
+            Expr::Select(c, a, b) => {
+                c.transcendentals() + a.transcendentals() + b.transcendentals()
+            }
+        }
+    }
+}
+
+/// A pointwise expression computed inside another kernel: a row or segmented kernel's
+/// input (its prologue) or what a GEMM does to its output rows (its epilogue). `Load(i)` reads
+/// `inputs[i]` at the kernel's current row and column.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Fusion {
+    /// Inputs, read as their accesses say (never per element).
+    pub inputs: Vec<Access>,
+    /// The expression.
+    pub expr: Expr,
+}
+
+impl Fusion {
+    /// Reads rows of `width` scalars of `slot` as they are.
+    pub fn plain(slot: Slot, width: i64) -> Self {
+        Self {
+            inputs: vec![Access::rows(slot, width)],
+            expr: Expr::Load(0),
+        }
+    }
+
+    /// The slot read, when the fusion only reads one buffer as it is.
+    pub fn as_plain(&self, width: i64) -> Option<Slot> {
+        let [access] = &self.inputs[..] else {
+            return None;
+        };
+        (self.expr == Expr::Load(0) && *self == Fusion::plain(access.slot, width))
+            .then_some(access.slot)
+    }
+}
+
+/// Row kernels: one row of `width` scalars at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowKind {
+    /// `(x - mean) / sqrt(var + eps) * weight + bias`.
+    LayerNorm,
+    /// `x / sqrt(mean(x^2) + eps) * weight`.
+    RmsNorm,
+    /// softmax over the row.
+    Softmax,
+    /// log-softmax over the row.
+    LogSoftmax,
+    /// The row's sum (output width 1).
+    Sum,
+    /// The row's mean (output width 1).
+    Mean,
+    /// The row's largest value (output width 1).
+    Max,
+    /// The row's smallest value (output width 1).
+    Min,
+}
+
+/// Segmented kernels over the rows of each element, column by column.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentKind {
+    /// Sum over each element's rows (output: one row per element).
+    Sum,
+    /// Mean over each element's rows (NaN for an empty element, as torch).
+    Mean,
+    /// Largest value over each element's rows.
+    Max,
+    /// Smallest value over each element's rows.
+    Min,
+    /// softmax over each element's rows (output: same shape).
+    Softmax,
+    /// log-softmax over each element's rows.
+    LogSoftmax,
+}
+
+/// What a [`crate::Step::Window`] computes over each output pixel's window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WindowKind {
+    /// Convolution (groups 1): the window's pixels times the weight, plus the bias.
+    Conv,
+    /// The largest of the window's pixels inside the image (NaN wins, as in torch).
+    Max,
+    /// The mean of the window's pixels inside the image (padding not counted).
+    Average,
+    /// The mean of every pixel of each image (global average pooling; NaN for an
+    /// empty image).
+    ImageMean,
+    /// A convolution's gradient with respect to its input: the convolution of the
+    /// output's gradient (`x`, `channels` = the convolution's output channels) with the
+    /// weight flipped and transposed (`window` is the convolution's adjoint).
+    ConvInputGrad,
+    /// A convolution's gradient with respect to its weight, `out [width, channels *
+    /// K_h * K_w]`: the windows of `x` times the output's gradient `grad`, summed over
+    /// every pixel in blocks of fixed size, added in order.
+    WeightGrad,
+    /// The gradient of every image's mean pixel (`x`: one row per image) spread over
+    /// the image's pixels, divided by their count.
+    ImageSpread,
+    /// Max pooling's gradient: each window's `grad` to the pixel the pooling picked
+    /// (the first largest, or the last NaN, as libtorch), images like `x`.
+    MaxGrad,
+    /// Average pooling's gradient: each window's `grad` shared by its pixels inside
+    /// the image.
+    AverageGrad,
+}
+
+impl std::fmt::Display for Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let base = match self.base {
+            RowBase::One => return write!(f, "{}", self.factor),
+            RowBase::Total(lengths) => format!("total(s{})", lengths.0),
+            RowBase::Batch(lengths) => format!("batch(s{})", lengths.0),
+            RowBase::Volume(a, b) => format!("volume(s{}, s{})", a.0, b.0),
+            RowBase::Padded(lengths) => format!("padded(s{})", lengths.0),
+        };
+        match self.factor {
+            1 => f.write_str(&base),
+            factor => write!(f, "{base} * {factor}"),
+        }
+    }
+}

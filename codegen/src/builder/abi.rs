@@ -1,0 +1,99 @@
+//! The argument ABI: a kernel's arguments asked for by role from its step's signature,
+//! each a pointer loaded from the `args` table (with its alias scope on the host, as
+//! global memory on a GPU).
+
+use super::*;
+
+impl<'ctx> Kernel<'ctx, '_> {
+    /// Declares that the arguments of `roles` (besides [`Role::Out`]) are the output's
+    /// buffer too, so that accesses through them share the output's alias scope. Call
+    /// it before asking for them with [`Kernel::param`].
+    pub(crate) fn output_also(&self, roles: impl IntoIterator<Item = Role>) {
+        self.output_roles.borrow_mut().extend(roles);
+    }
+
+    /// The argument of `role`, which must be in the signature and not absent.
+    pub(crate) fn param(&self, role: Role) -> Gen<PointerValue<'ctx>> {
+        self.optional(role)?.ok_or_else(|| {
+            err(format!(
+                "the template reads {role:?}, which its step does not have"
+            ))
+        })
+    }
+
+    /// The arguments of `roles`, as [`Kernel::param`].
+    pub(crate) fn params<const N: usize>(&self, roles: [Role; N]) -> Gen<[PointerValue<'ctx>; N]> {
+        let pointers = roles
+            .into_iter()
+            .map(|role| self.param(role))
+            .collect::<Gen<Vec<_>>>()?;
+        pointers
+            .try_into()
+            .map_err(|_| err("a kernel's argument count"))
+    }
+
+    /// The argument of `role`, `None` where the signature has it absent (an optional
+    /// buffer). An argument the signature lacks, or one of another kind than `role`
+    /// takes, is an error: the template and the signature disagree.
+    pub(crate) fn optional(&self, role: Role) -> Gen<Option<PointerValue<'ctx>>> {
+        let Some(index) = self
+            .signature
+            .params
+            .iter()
+            .position(|param| param.role == role)
+        else {
+            return Err(err(format!(
+                "the template reads {role:?}, which its signature lacks"
+            )));
+        };
+        let arg = self.signature.params[index].arg;
+        if !role.accepts(&arg) {
+            return Err(err(format!(
+                "the template reads {role:?}, but the signature passes {arg:?} there"
+            )));
+        }
+        self.asked.borrow_mut().push(role);
+        if arg == Arg::Absent {
+            return Ok(None);
+        }
+        self.arg(index as u64, role).map(Some)
+    }
+
+    /// Buffer number `index` of the `args` array, of role `role`.
+    fn arg(&self, index: u64, role: Role) -> Gen<PointerValue<'ctx>> {
+        let args = self
+            .function
+            .get_nth_param(0)
+            .ok_or_else(|| err("missing args"))?
+            .into_pointer_value();
+        let ptr = self.context.ptr_type(AddressSpace::default());
+        let slot = unsafe {
+            self.builder
+                .build_gep(ptr, args, &[self.i64(index as i64)], "arg.slot")
+        }
+        .map_err(err)?;
+        let pointer = self
+            .builder
+            .build_load(ptr, slot, "arg")
+            .map_err(err)?
+            .into_pointer_value();
+        match self.target {
+            Target::Host => {
+                let output = role == Role::Out || self.output_roles.borrow().contains(&role);
+                self.buffers.borrow_mut().push((pointer, output));
+                Ok(pointer)
+            }
+            // Buffers are device (global) memory: `ld.global` / `st.global` rather than
+            // generic accesses that test the address space at run time.
+            Target::Nvptx => self
+                .builder
+                .build_address_space_cast(
+                    pointer,
+                    self.context
+                        .ptr_type(AddressSpace::from(GLOBAL_ADDRESS_SPACE)),
+                    "global",
+                )
+                .map_err(err),
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! Loops and GPU lanes: counted loops, the parallel loop over a kernel's range (in order
+//! on the host, grid-stride on a GPU), a task's lanes and their butterfly shuffles.
+
+use super::*;
+
+impl<'ctx> Kernel<'ctx, '_> {
+    /// `for i in start..end { body(i) }`.
+    pub(crate) fn for_range(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        self.for_range_by(start, end, self.i64(1), body)
+    }
+
+    /// The kernel's loop over the rows (or elements) `start..end` of its range: in order
+    /// on the host; on a GPU, each thread takes every `threads`-th from `start + its
+    /// global index`, so any grid covers the range.
+    pub(crate) fn parallel_range(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        match self.target {
+            Target::Host => self.for_range(start, end, body),
+            Target::Nvptx => {
+                let grid = self.grid()?;
+                self.for_range_by(self.add(start, grid.global)?, end, grid.threads, body)
+            }
+        }
+    }
+
+    /// Where this GPU thread is in the launch's grid (PTX's special registers).
+    fn grid(&self) -> Gen<Grid<'ctx>> {
+        let register =
+            |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
+        let block_size = register("ntid.x")?;
+        let block_start = self.mul(register("ctaid.x")?, block_size)?;
+        let thread = register("tid.x")?;
+        Ok(Grid {
+            global: self.add(block_start, thread)?,
+            threads: self.mul(register("nctaid.x")?, block_size)?,
+            thread,
+        })
+    }
+
+    /// The lanes of a task of [`Kernel::parallel_rows`] on this target: a warp on a GPU,
+    /// one on the host.
+    pub(crate) fn lane_count(&self) -> i64 {
+        match self.target {
+            Target::Host => 1,
+            Target::Nvptx => WARP_LANES,
+        }
+    }
+
+    /// Where a lane keeps its value of `column` (one of the columns its [`lane_range`]
+    /// gives) in a kernel-local array of `columns / lanes` (rounded up) values.
+    ///
+    /// [`lane_range`]: Kernel::lane_range
+    pub(crate) fn lane_slot(
+        &self,
+        lanes: Lanes<'ctx>,
+        column: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        if lanes.count == 1 {
+            return Ok(column);
+        }
+        self.div(column, self.i64(lanes.count))
+    }
+
+    /// One lane: a task that one thread runs whole.
+    pub(crate) fn single_lane(&self) -> Lanes<'ctx> {
+        Lanes {
+            lane: self.i64(0),
+            count: 1,
+        }
+    }
+
+    /// The kernel's loop over the rows `start..end` of its range, each row a task of
+    /// [`Lanes`]: on the host, one thread's ([`Kernel::parallel_range`]); on a GPU, a
+    /// warp's (warp `w` of the grid takes every `warps`-th row from `start + w`; the
+    /// launch must give blocks a multiple of 32 threads), so every lane of a warp runs
+    /// the same rows and may exchange values with [`Kernel::across_lanes`].
+    pub(crate) fn parallel_rows(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>, Lanes<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        match self.target {
+            Target::Host => self.for_range(start, end, |row| body(row, self.single_lane())),
+            Target::Nvptx => {
+                let grid = self.grid()?;
+                let count = self.lane_count();
+                let warps = self.div(grid.threads, self.i64(count))?;
+                let lanes = Lanes {
+                    lane: self.rem(grid.thread, self.i64(count))?,
+                    count,
+                };
+                let first = self.add(start, self.div(grid.global, self.i64(count))?)?;
+                self.for_range_by(first, end, warps, |row| body(row, lanes))
+            }
+        }
+    }
+
+    /// `for column in (lane..width).step_by(lanes)`: a lane's columns of a row.
+    pub(crate) fn lane_range(
+        &self,
+        lanes: Lanes<'ctx>,
+        width: i64,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        self.lane_range_until(lanes, self.i64(width), body)
+    }
+
+    /// [`Kernel::lane_range`] to a bound known at run time.
+    pub(crate) fn lane_range_until(
+        &self,
+        lanes: Lanes<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        if lanes.count == 1 {
+            return self.for_range(self.i64(0), end, body);
+        }
+        self.for_range_by(lanes.lane, end, self.i64(lanes.count), body)
+    }
+
+    /// Every lane's `value` combined by `combine` (a sum, a largest value), the result in
+    /// every lane: butterfly shuffles across the warp on a GPU, `value` itself with one
+    /// lane. Every lane of the warp must call it.
+    pub(crate) fn across_lanes(
+        &self,
+        lanes: Lanes<'ctx>,
+        value: FloatValue<'ctx>,
+        combine: impl Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let mut value = value;
+        let mut offset = lanes.count / 2;
+        while offset >= 1 {
+            value = combine(value, self.shuffle_xor(value, offset)?)?;
+            offset /= 2;
+        }
+        Ok(value)
+    }
+
+    /// The `value` of lane `lane ^ offset` of this warp (`shfl.sync.bfly` over the
+    /// whole warp; an f64 as its two 32-bit halves).
+    fn shuffle_xor(&self, value: FloatValue<'ctx>, offset: i64) -> Gen<FloatValue<'ctx>> {
+        let i32 = self.context.i32_type();
+        let shuffle = |name: &str, value: inkwell::values::BasicValueEnum<'ctx>| {
+            let intrinsic =
+                Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+            let function = intrinsic
+                .get_declaration(self.module, &[])
+                .ok_or_else(|| err(format!("no declaration of {name}")))?;
+            let whole_warp = i32.const_int(u64::from(u32::MAX), false);
+            let lane_offset = i32.const_int(offset as u64, false);
+            let clamp = i32.const_int(0x1f, false);
+            self.builder
+                .build_call(
+                    function,
+                    &[
+                        whole_warp.into(),
+                        value.into(),
+                        lane_offset.into(),
+                        clamp.into(),
+                    ],
+                    "shuffled",
+                )
+                .map_err(err)?
+                .try_as_basic_value()
+                .basic()
+                .ok_or_else(|| err(format!("{name} returned nothing")))
+        };
+        if !self.double {
+            return Ok(shuffle("llvm.nvvm.shfl.sync.bfly.f32", value.into())?.into_float_value());
+        }
+        let halves = i32.vec_type(2);
+        let split = self
+            .builder
+            .build_bit_cast(value, halves, "halves")
+            .map_err(err)?
+            .into_vector_value();
+        let mut joined = halves.get_undef();
+        for half in 0..2 {
+            let index = i32.const_int(half, false);
+            let part = self
+                .builder
+                .build_extract_element(split, index, "half")
+                .map_err(err)?;
+            let moved = shuffle("llvm.nvvm.shfl.sync.bfly.i32", part)?;
+            joined = self
+                .builder
+                .build_insert_element(joined, moved, index, "joined")
+                .map_err(err)?;
+        }
+        Ok(self
+            .builder
+            .build_bit_cast(joined, self.float, "shuffled")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    /// A PTX special register (`llvm.nvvm.read.ptx.sreg.*`, an i32) as an i64.
+    fn special_register(&self, name: &str) -> Gen<IntValue<'ctx>> {
+        let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+        let function = intrinsic
+            .get_declaration(self.module, &[])
+            .ok_or_else(|| err(format!("no declaration of {name}")))?;
+        let value = self
+            .builder
+            .build_call(function, &[], name)
+            .map_err(err)?
+            .try_as_basic_value()
+            .basic()
+            .ok_or_else(|| err(format!("{name} returned nothing")))?
+            .into_int_value();
+        self.builder
+            .build_int_z_extend(value, self.context.i64_type(), "index")
+            .map_err(err)
+    }
+
+    /// `for (i = start; i < end; i += step) { body(i) }` (`step > 0`).
+    fn for_range_by(
+        &self,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        step: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        let before = self
+            .builder
+            .get_insert_block()
+            .ok_or_else(|| err("no insert block"))?;
+        let header = self.context.append_basic_block(self.function, "loop");
+        let inner = self.context.append_basic_block(self.function, "body");
+        let exit = self.context.append_basic_block(self.function, "exit");
+        self.builder
+            .build_unconditional_branch(header)
+            .map_err(err)?;
+        self.builder.position_at_end(header);
+        let index = self
+            .builder
+            .build_phi(self.context.i64_type(), "i")
+            .map_err(err)?;
+        index.add_incoming(&[(&start, before)]);
+        let i = index.as_basic_value().into_int_value();
+        let more = self
+            .builder
+            .build_int_compare(IntPredicate::SLT, i, end, "more")
+            .map_err(err)?;
+        self.builder
+            .build_conditional_branch(more, inner, exit)
+            .map_err(err)?;
+        self.builder.position_at_end(inner);
+        body(i)?;
+        let next = self.builder.build_int_add(i, step, "next").map_err(err)?;
+        let latch = self
+            .builder
+            .get_insert_block()
+            .ok_or_else(|| err("no insert block"))?;
+        index.add_incoming(&[(&next, latch)]);
+        self.builder
+            .build_unconditional_branch(header)
+            .map_err(err)?;
+        self.builder.position_at_end(exit);
+        Ok(())
+    }
+}

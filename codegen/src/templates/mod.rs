@@ -1,0 +1,339 @@
+//! One LLVM function per kernel step, its arguments asked for by role from the step's
+//! [`Signature`] (`nestor_passes::signature` declares every kind's). The kernel range of
+//! each template: pointwise kernels, rows; GEMMs, output values (in the
+//! [`KernelSet::Library`] set a GEMM's epilogue is a pointwise kernel over its rows);
+//! row kernels, rows; segmented kernels, elements; gathers, rows; attention and its
+//! gradient, query (or key) rows x heads; padding, the padded grid's rows; unpadding,
+//! the result's rows; one-hot rows and inserts, rows; length values, elements; row
+//! sums, output values; scatters, table values (or, with the ids an input the host
+//! indexes, table rows: each sums its own rows, no atomics); random masks, values;
+//! jagged-pair matmuls, rows (`M`); window steps, output pixels (image means and their
+//! spread: images; the weight's gradient: weights; pooling's gradient: input pixels,
+//! each summing its own windows in the CPU's order). One file per family: `pointwise`,
+//! `rows` (row and segmented kernels), `products` (GEMMs, row sums, jagged pairs),
+//! `attention`, `windows`, `padding`, `data` (gathers, scatters, one-hot rows, inserts,
+//! masks, length values); this module dispatches and holds what they share.
+
+use inkwell::context::Context;
+use inkwell::module::Module;
+use inkwell::values::{FloatValue, IntValue, PointerValue};
+use inkwell::FloatPredicate;
+use nestor_passes::step::{
+    Attention, AttentionGrad, Gemm, Insert, OneHot, Pad, PairGemm, Pointwise, RandomMask, Row,
+    ScatterRows, Segment, SumRows, Unpad, Window,
+};
+use nestor_passes::{Access, Fusion, Role, RowKind, SegmentKind, Signature, Step, WindowKind};
+
+use crate::builder::{Gen, Kernel, Lanes};
+use crate::{KernelSet, Storage, Target};
+
+mod attention;
+mod data;
+mod padding;
+mod pointwise;
+mod products;
+mod rows;
+mod windows;
+
+use attention::{attention, attention_grad};
+use data::{
+    gather, insert, length_values, one_hot, random_mask, scatter_indexed_rows, scatter_rows,
+};
+use padding::{pad, unpad};
+use pointwise::pointwise;
+use products::{gemm, pair_gemm, sum_rows};
+use rows::{row, segment};
+use windows::{convolution, image_mean, image_spread, pool, pool_grad, weight_grad};
+
+/// Generates the kernel of `step` with `signature` (its placement's in `set`) as
+/// function `name`.
+pub(crate) fn generate<'ctx>(
+    program: &nestor_passes::Program,
+    (target, set, storage): (Target, KernelSet, Storage),
+    (context, module): (&'ctx Context, &Module<'ctx>),
+    name: &str,
+    (step, signature): (&Step, &Signature),
+) -> Gen<()> {
+    let kernel = Kernel::new(context, module, name, program, (target, storage), signature);
+    match step {
+        Step::Gemm(Gemm {
+            out,
+            epilogue: Some(epilogue),
+            n,
+            ..
+        }) if set == KernelSet::Library => {
+            // Run on the GEMM's result in place: its reads of that result are the
+            // output's buffer.
+            kernel.output_also(inputs_of(&epilogue.inputs, *out));
+            pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?
+        }
+        Step::Gemm(gemm_step) => gemm(&kernel, gemm_step, set == KernelSet::DeviceBlas)?,
+        Step::Attention(step) => attention(&kernel, step)?,
+        Step::Pad(Pad { width, value, .. }) => pad(&kernel, *width, value.0)?,
+        Step::Unpad(Unpad { width, .. }) => unpad(&kernel, *width)?,
+        Step::OneHot(OneHot {
+            classes, ignore, ..
+        }) => one_hot(&kernel, *classes, *ignore)?,
+        Step::LengthValues(_) => length_values(&kernel)?,
+        Step::Insert(Insert {
+            size, index, inner, ..
+        }) => insert(&kernel, *size, *index, *inner)?,
+        Step::SumRows(SumRows { m, n, mean, .. }) => sum_rows(&kernel, (*m, *n), *mean)?,
+        Step::ScatterRows(ScatterRows {
+            ids,
+            width,
+            padding,
+            ..
+        }) => {
+            if program.is_input(*ids) {
+                scatter_indexed_rows(&kernel, *width, *padding)?
+            } else {
+                scatter_rows(&kernel, *width, *padding)?
+            }
+        }
+        Step::RandomMask(RandomMask { p, .. }) => random_mask(&kernel, p.0)?,
+        Step::AttentionGrad(step) => attention_grad(&kernel, step)?,
+        Step::PairGemm(PairGemm { width, mix, .. }) => pair_gemm(&kernel, *width, *mix)?,
+        Step::Window(window) => window_kernel(&kernel, window)?,
+        Step::Host(_) => {
+            return Err(crate::CodegenError::new(
+                "a host step (a per-element region run through libtorch) has no kernel",
+            ))
+        }
+        Step::Pointwise(Pointwise {
+            width,
+            inputs,
+            expr,
+            ..
+        }) => pointwise(&kernel, *width, inputs, expr)?,
+        Step::Row(Row {
+            kind,
+            x,
+            width,
+            eps,
+            ..
+        }) => row(&kernel, *kind, x, *width, eps.0)?,
+        Step::Segment(Segment { kind, x, width, .. }) => segment(&kernel, *kind, x, *width)?,
+        Step::Gather(gather_step) => gather(&kernel, gather_step.width)?,
+    }
+    kernel.finish()
+}
+
+/// The kernel of a window step.
+fn window_kernel(kernel: &Kernel<'_, '_>, step: &Window) -> Gen<()> {
+    let Window {
+        kind,
+        channels,
+        width,
+        window,
+        ..
+    } = *step;
+    let taps = window.taps();
+    match kind {
+        WindowKind::Conv | WindowKind::ConvInputGrad => convolution(
+            kernel,
+            (channels, width),
+            taps,
+            kind == WindowKind::ConvInputGrad,
+        ),
+        WindowKind::WeightGrad => weight_grad(kernel, (channels, width), taps),
+        WindowKind::MaxGrad | WindowKind::AverageGrad => {
+            pool_grad(kernel, channels, taps, kind == WindowKind::MaxGrad)
+        }
+        WindowKind::ImageSpread => image_spread(kernel, channels),
+        WindowKind::Max | WindowKind::Average => {
+            pool(kernel, channels, taps, kind == WindowKind::Max)
+        }
+        WindowKind::ImageMean => image_mean(kernel, channels),
+    }
+}
+
+/// The scalar index of `access` at output row `row` (or its element) and column `column`.
+fn index<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    access: &Access,
+    row: IntValue<'ctx>,
+    column: IntValue<'ctx>,
+) -> Gen<IntValue<'ctx>> {
+    let column = if access.col_modulo > 0 {
+        kernel.rem(column, kernel.i64(access.col_modulo))?
+    } else {
+        column
+    };
+    let row_part = kernel.mul(row, kernel.i64(access.row_stride))?;
+    let column_part = kernel.mul(column, kernel.i64(access.col_stride))?;
+    kernel.add(
+        kernel.add(row_part, column_part)?,
+        kernel.i64(access.offset),
+    )
+}
+
+/// Whether a pointwise kernel's rows are one flat run of scalars: every input read
+/// element for element (or one scalar). Then it is one loop over the scalars, with no
+/// per-row overhead (narrow rows, such as the channels of packed pixels, would otherwise
+/// spend most of their time there); else a loop over rows.
+fn flat(width: i64, inputs: &[Access]) -> bool {
+    inputs.iter().all(|access| {
+        let whole = access.row_map.is_none() && access.col_modulo == 0;
+        let elementwise = access.row_stride == width && access.col_stride == 1;
+        let scalar = access.row_stride == 0 && access.col_stride == 0;
+        whole && (elementwise || scalar)
+    })
+}
+
+/// Whether `step`'s kernel runs each task of its range on a warp on a GPU
+/// ([`Kernel::parallel_rows`]): row and segmented kernels, attention and its gradient,
+/// jagged-pair matmuls, the window steps, gathers, scatters by an index, one-hot rows,
+/// inserts, padding copies and pointwise kernels over rows, whose lanes share a row's
+/// (an element's, a head's, a pixel's, an image's, a table row's) columns, and the sums
+/// over rows (row sums, a weight gradient's pixels), whose lanes share the rows.
+pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
+    match step {
+        Step::ScatterRows(ScatterRows { ids, .. }) => program.is_input(*ids),
+        Step::Row(_)
+        | Step::Segment(_)
+        | Step::Gather(_)
+        | Step::Pad(_)
+        | Step::Unpad(_)
+        | Step::Attention(_)
+        | Step::AttentionGrad(_)
+        | Step::PairGemm(_)
+        | Step::OneHot(_)
+        | Step::Insert(_)
+        | Step::SumRows(_) => true,
+        Step::Window(_) => true,
+        Step::Pointwise(Pointwise { width, inputs, .. }) => !flat(*width, inputs),
+        _ => false,
+    }
+}
+
+/// The roles of the `inputs` that read slot `slot`.
+fn inputs_of(inputs: &[Access], slot: nestor_passes::Slot) -> Vec<Role> {
+    (0u32..)
+        .zip(inputs)
+        .filter(|(_, access)| access.slot == slot)
+        .map(|(index, _)| Role::Input(index))
+        .collect()
+}
+
+/// A fused expression's buffers and the row-to-element maps of its per-element inputs.
+type FusedArgs<'ctx> = (Vec<PointerValue<'ctx>>, Vec<Option<PointerValue<'ctx>>>);
+
+/// The buffers of a fused expression's `inputs` and the row-to-element maps of its
+/// per-element inputs (`None` for the others).
+fn fused_args<'ctx>(kernel: &Kernel<'ctx, '_>, inputs: &[Access]) -> Gen<FusedArgs<'ctx>> {
+    let pointers = prologue_args(kernel, inputs)?;
+    let maps = (0u32..)
+        .zip(inputs)
+        .map(|(index, access)| {
+            access
+                .row_map
+                .map(|_| kernel.param(Role::InputRows(index)))
+                .transpose()
+        })
+        .collect::<Gen<Vec<_>>>()?;
+    Ok((pointers, maps))
+}
+
+/// `sum over column of f(column)` for one row of `width`.
+fn row_sum<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    width: i64,
+    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
+    lane_sum(kernel, kernel.single_lane(), width, f)
+}
+
+/// [`row_sum`] over a row shared by `lanes`: each lane sums its columns, then the lanes'
+/// sums are added (the total in every lane).
+fn lane_sum<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    lanes: Lanes<'ctx>,
+    width: i64,
+    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
+    let acc = kernel.accumulator("sum")?;
+    kernel.set(acc, kernel.constant(0.0))?;
+    kernel.lane_range(lanes, width, |column| {
+        let value = f(column)?;
+        kernel.set(acc, kernel.fadd_reassociable(kernel.get(acc)?, value)?)
+    })?;
+    kernel.across_lanes(lanes, kernel.get(acc)?, |a, b| kernel.fadd(a, b))
+}
+
+/// The largest (or smallest) of `f(column)` over a row shared by `lanes` (in every
+/// lane), NaN if any is NaN; with `bound`, a largest value for softmax (see
+/// [`Kernel::softmax_bound`]).
+fn lane_extreme<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    lanes: Lanes<'ctx>,
+    width: i64,
+    (largest, bound): (bool, bool),
+    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
+    let combine = |a, b| {
+        if bound {
+            kernel.softmax_bound(a, b)
+        } else {
+            kernel.extreme(a, b, largest)
+        }
+    };
+    let acc = kernel.accumulator("extreme")?;
+    kernel.set(
+        acc,
+        kernel.constant(if largest {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        }),
+    )?;
+    kernel.lane_range(lanes, width, |column| {
+        let value = f(column)?;
+        kernel.set(acc, combine(kernel.get(acc)?, value)?)
+    })?;
+    kernel.across_lanes(lanes, kernel.get(acc)?, combine)
+}
+
+/// The buffers of a fused expression's inputs.
+fn prologue_args<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    inputs: &[Access],
+) -> Gen<Vec<PointerValue<'ctx>>> {
+    (0u32..)
+        .zip(inputs)
+        .map(|(index, _)| kernel.param(Role::Input(index)))
+        .collect()
+}
+
+/// A kernel's input at `(row, column)`: its prologue's expression over its loads (a
+/// plain buffer is one load).
+fn prologue<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    x: &Fusion,
+    inputs: &[PointerValue<'ctx>],
+    row: IntValue<'ctx>,
+    column: IntValue<'ctx>,
+) -> Gen<FloatValue<'ctx>> {
+    kernel.expr(&x.expr, &|input: usize| {
+        let at = index(kernel, &x.inputs[input], row, column)?;
+        kernel.load_float(inputs[input], at)
+    })
+}
+
+/// Stores a row's one result (which every lane holds) from its first lane.
+fn first_lane_stores<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    lanes: Lanes<'ctx>,
+    out: PointerValue<'ctx>,
+    at: IntValue<'ctx>,
+    value: FloatValue<'ctx>,
+) -> Gen<()> {
+    if lanes.count == 1 {
+        return kernel.store_float(out, at, value);
+    }
+    kernel.if_else(
+        kernel.equal(lanes.lane, kernel.i64(0))?,
+        || kernel.store_float(out, at, value),
+        || Ok(()),
+    )
+}

@@ -1,0 +1,165 @@
+//! Products: the GEMM (its sum, bias and epilogue in one kernel, or only the bias and
+//! epilogue after a BLAS product), row sums `a^T b`, and the jagged-pair matmul.
+
+use super::*;
+
+/// `out[r, j] = epilogue(sum_c x[r, c] W[j, c] + bias[j])` (`W[c, j]` when
+/// `transposed`): one output value per iteration of the parallel loop, the epilogue
+/// applied to the sum before it is stored (its reads of `out` are the sum itself). With
+/// `product_given`, the sum is what `out[r, j]` holds (a BLAS wrote it).
+pub(super) fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: bool) -> Gen<()> {
+    let Gemm {
+        out: out_slot,
+        k,
+        n,
+        transposed,
+        ref epilogue,
+        ..
+    } = *step;
+    let (start, end) = kernel.range()?;
+    let out = kernel.param(Role::Out)?;
+    // A given product is the output already: the kernel does not read the operands.
+    let operands = if product_given {
+        None
+    } else {
+        Some(kernel.params([Role::X, Role::Weight])?)
+    };
+    let bias = kernel.optional(Role::Bias)?;
+    let epilogue = epilogue.as_ref();
+    let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
+    // The epilogue's reads of the result are the sum itself (never loaded), but their
+    // arguments are the output's buffer.
+    kernel.output_also(inputs_of(inputs, out_slot));
+    let (pointers, maps) = fused_args(kernel, inputs)?;
+    kernel.parallel_range(start, end, |task| {
+        let row = kernel.div(task, kernel.i64(n))?;
+        let column = kernel.rem(task, kernel.i64(n))?;
+        let sum = if let Some([x, weight]) = operands {
+            let x_row = kernel.mul(row, kernel.i64(k))?;
+            row_sum(kernel, k, |inner| {
+                let at = if transposed {
+                    kernel.add(kernel.mul(inner, kernel.i64(n))?, column)?
+                } else {
+                    kernel.add(kernel.mul(column, kernel.i64(k))?, inner)?
+                };
+                let product = kernel.load_float(x, kernel.add(x_row, inner)?)?;
+                kernel.fmul(product, kernel.load_float(weight, at)?)
+            })?
+        } else {
+            kernel.load_float(out, task)?
+        };
+        let sum = match bias {
+            Some(bias) => kernel.fadd(sum, kernel.load_float(bias, column)?)?,
+            None => sum,
+        };
+        let value = match epilogue {
+            None => sum,
+            Some(epilogue) => kernel.expr(&epilogue.expr, &|input: usize| {
+                let access = &inputs[input];
+                if access.slot == out_slot {
+                    return Ok(sum);
+                }
+                let element_row = match maps[input] {
+                    Some(map) => kernel.load_i64(map, row)?,
+                    None => row,
+                };
+                let at = index(kernel, access, element_row, column)?;
+                kernel.load_float(pointers[input], at)
+            })?,
+        };
+        kernel.store_float(out, task, value)
+    })
+}
+
+/// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones), divided by the
+/// number of rows when `mean` (NaN for none).
+pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean: bool) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let out = kernel.param(Role::Out)?;
+    let a = kernel.optional(Role::A)?;
+    let [b, count] = kernel.params([Role::B, Role::Count])?;
+    let rows = kernel.load_i64(count, kernel.i64(0))?;
+    let total = kernel.accumulator("total")?;
+    // An output value is a warp's on a GPU (each lane every 32nd row in order, the
+    // lanes' sums added with shuffles), one thread's on the host.
+    kernel.parallel_rows(start, end, |task, lanes| {
+        let i = kernel.div(task, kernel.i64(n))?;
+        let j = kernel.rem(task, kernel.i64(n))?;
+        kernel.set(total, kernel.constant(0.0))?;
+        kernel.lane_range_until(lanes, rows, |row| {
+            let y = kernel.load_float(b, kernel.add(kernel.mul(row, kernel.i64(n))?, j)?)?;
+            let term = match a {
+                Some(a) => {
+                    let x =
+                        kernel.load_float(a, kernel.add(kernel.mul(row, kernel.i64(m))?, i)?)?;
+                    kernel.fmul(x, y)?
+                }
+                None => y,
+            };
+            kernel.set(total, kernel.fadd_reassociable(kernel.get(total)?, term)?)
+        })?;
+        let sum = kernel.across_lanes(lanes, kernel.get(total)?, |a, b| kernel.fadd(a, b))?;
+        let value = if mean {
+            kernel.fdiv(sum, kernel.to_float(rows)?)?
+        } else {
+            sum
+        };
+        first_lane_stores(kernel, lanes, out, task, value)
+    })
+}
+
+/// The jagged-pair matmul, a row of `M` a task: scores `out[r, c] = sum_w a[r, w]
+/// b[c, w]` over the element's `N_i` columns `c`, or (`mix`) `out[r, w] = sum_c a[r, c]
+/// b[c, w]` over the element's pairs of row `r`.
+pub(super) fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, a, b, row_offsets, column_offsets, pair_offsets, elements] = kernel.params([
+        Role::Out,
+        Role::A,
+        Role::B,
+        Role::Offsets,
+        Role::ColumnOffsets,
+        Role::PairOffsets,
+        Role::RowOwners,
+    ])?;
+    let sum = kernel.accumulator("sum")?;
+    // A row is a warp's on a GPU (each lane its own outputs), one thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
+        let element = kernel.load_i64(elements, row)?;
+        let next = kernel.add(element, kernel.i64(1))?;
+        let position = kernel.sub(row, kernel.load_i64(row_offsets, element)?)?;
+        let first_column = kernel.load_i64(column_offsets, element)?;
+        let columns = kernel.sub(kernel.load_i64(column_offsets, next)?, first_column)?;
+        // The row's pairs: its element's, from the row's position on, `N_i` a row.
+        let pairs = kernel.add(
+            kernel.load_i64(pair_offsets, element)?,
+            kernel.mul(position, columns)?,
+        )?;
+        // `b[first column + c, w]`.
+        let b_at = |c: IntValue<'ctx>, w: IntValue<'ctx>| {
+            let b_row = kernel.add(first_column, c)?;
+            kernel.add(kernel.mul(b_row, kernel.i64(width))?, w)
+        };
+        if mix {
+            let out_row = kernel.mul(row, kernel.i64(width))?;
+            kernel.lane_range(lanes, width, |w| {
+                kernel.set(sum, kernel.constant(0.0))?;
+                kernel.for_range(kernel.i64(0), columns, |c| {
+                    let x = kernel.load_float(a, kernel.add(pairs, c)?)?;
+                    let y = kernel.load_float(b, b_at(c, w)?)?;
+                    kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(x, y)?)?)
+                })?;
+                kernel.store_float(out, kernel.add(out_row, w)?, kernel.get(sum)?)
+            })
+        } else {
+            let a_row = kernel.mul(row, kernel.i64(width))?;
+            kernel.lane_range_until(lanes, columns, |c| {
+                let dot = row_sum(kernel, width, |w| {
+                    let x = kernel.load_float(a, kernel.add(a_row, w)?)?;
+                    kernel.fmul(x, kernel.load_float(b, b_at(c, w)?)?)
+                })?;
+                kernel.store_float(out, kernel.add(pairs, c)?, dot)
+            })
+        }
+    })
+}

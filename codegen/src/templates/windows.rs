@@ -1,0 +1,291 @@
+//! Window steps over packed images: direct convolution and its input's gradient, max
+//! and average pooling over window taps, image means and their spread, the weight's
+//! gradient, and pooling's gradient (an input pixel a task over the windows that read it).
+
+use super::*;
+
+/// A direct convolution, an output pixel a task: `out[r, o] = bias[o] + sum over the
+/// taps t inside the image and the channels c of x[taps[r, t], c] weight[o, c, t]`; the
+/// `adjoint` (a convolution's input gradient, `x` its output's) reads the forward weight
+/// `[channels, width, taps]` flipped and transposed: `weight[c, o, taps - 1 - t]`.
+pub(super) fn convolution<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (channels, width): (i64, i64),
+    taps: i64,
+    adjoint: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, weight] = kernel.params([Role::Out, Role::X, Role::Weight])?;
+    let bias = kernel.optional(Role::Bias)?;
+    let table = kernel.param(Role::Taps)?;
+    let sum = kernel.accumulator("sum")?;
+    // An output pixel is a warp's on a GPU (each lane its output channels), one
+    // thread's on the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
+        let first_tap = kernel.mul(row, kernel.i64(taps))?;
+        let out_row = kernel.mul(row, kernel.i64(width))?;
+        kernel.lane_range(lanes, width, |o| {
+            let initial = match bias {
+                Some(bias) => kernel.load_float(bias, o)?,
+                None => kernel.constant(0.0),
+            };
+            kernel.set(sum, initial)?;
+            taps_inside(kernel, (table, first_tap, taps), |t, source| {
+                let pixel = kernel.mul(source, kernel.i64(channels))?;
+                // Where `weight` holds the tap, and how far apart its channels are.
+                let (first, stride) = if adjoint {
+                    // `weight[c, o, taps - 1 - t]` of `[channels, width, taps]`.
+                    let flipped = kernel.sub(kernel.i64(taps - 1), t)?;
+                    let at = kernel.add(kernel.mul(o, kernel.i64(taps))?, flipped)?;
+                    (at, width.saturating_mul(taps))
+                } else {
+                    // `weight[o, c, t]` of `[width, channels, taps]`.
+                    let row = kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?;
+                    (kernel.add(row, t)?, taps)
+                };
+                kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
+                    let value = kernel.load_float(x, kernel.add(pixel, c)?)?;
+                    let w = kernel.load_float(
+                        weight,
+                        kernel.add(first, kernel.mul(c, kernel.i64(stride))?)?,
+                    )?;
+                    kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
+                })
+            })?;
+            kernel.store_float(out, kernel.add(out_row, o)?, kernel.get(sum)?)
+        })
+    })
+}
+
+/// `body(t, source)` for the taps `t` of a window that fall inside its image: `taps`
+/// input pixels (`source`) from `first_tap` in `table`, -1 marking a tap outside.
+pub(super) fn taps_inside<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (table, first_tap, taps): (PointerValue<'ctx>, IntValue<'ctx>, i64),
+    body: impl Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
+) -> Gen<()> {
+    kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
+        let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
+        if_inside(kernel, source, || body(t, source))
+    })
+}
+
+/// `body()` when `source` is an input pixel (not -1: a tap outside the image).
+pub(super) fn if_inside<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    source: IntValue<'ctx>,
+    body: impl FnOnce() -> Gen<()>,
+) -> Gen<()> {
+    kernel.if_else(kernel.less(kernel.i64(-1), source)?, body, || Ok(()))
+}
+
+/// Max or average pooling, an output pixel a task: over the window's taps inside the
+/// image, in order, the largest value (a NaN replaces it, as in torch; -inf for a
+/// window without one) or the mean (NaN for none).
+pub(super) fn pool<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    taps: i64,
+    max: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, table] = kernel.params([Role::Out, Role::X, Role::Taps])?;
+    let [value, inside] = kernel.accumulators(["value", "inside"])?;
+    let initial = kernel.constant(if max { f64::NEG_INFINITY } else { 0.0 });
+    // An output pixel is a warp's on a GPU (each lane its channels), one thread's on the
+    // host.
+    kernel.parallel_rows(start, end, |row, lanes| {
+        let first_tap = kernel.mul(row, kernel.i64(taps))?;
+        let out_row = kernel.mul(row, kernel.i64(channels))?;
+        kernel.lane_range(lanes, channels, |c| {
+            kernel.set(value, initial)?;
+            kernel.set(inside, kernel.constant(0.0))?;
+            taps_inside(kernel, (table, first_tap, taps), |_, source| {
+                let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
+                let p = kernel.load_float(x, at)?;
+                let current = kernel.get(value)?;
+                let next = if max {
+                    let larger = kernel.select_if(FloatPredicate::OGT, (p, current), p, current)?;
+                    kernel.select_if(FloatPredicate::UNO, (p, p), p, larger)?
+                } else {
+                    kernel.fadd(current, p)?
+                };
+                kernel.set(value, next)?;
+                kernel.set(
+                    inside,
+                    kernel.fadd(kernel.get(inside)?, kernel.constant(1.0))?,
+                )
+            })?;
+            let result = if max {
+                kernel.get(value)?
+            } else {
+                kernel.fdiv(kernel.get(value)?, kernel.get(inside)?)?
+            };
+            kernel.store_float(out, kernel.add(out_row, c)?, result)
+        })
+    })
+}
+
+/// Every image's mean pixel, an image a task: its pixels summed in order, divided by
+/// their count (NaN for an empty image, as torch's mean).
+pub(super) fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, offsets] = kernel.params([Role::Out, Role::X, Role::PairOffsets])?;
+    let sum = kernel.accumulator("sum")?;
+    // An image is a warp's on a GPU (each lane its channels), one thread's on the host.
+    kernel.parallel_rows(start, end, |image, lanes| {
+        let first = kernel.load_i64(offsets, image)?;
+        let pixels = kernel.sub(
+            kernel.load_i64(offsets, kernel.add(image, kernel.i64(1))?)?,
+            first,
+        )?;
+        let out_row = kernel.mul(image, kernel.i64(channels))?;
+        kernel.lane_range(lanes, channels, |c| {
+            kernel.set(sum, kernel.constant(0.0))?;
+            kernel.for_range(kernel.i64(0), pixels, |p| {
+                let at = kernel.add(kernel.mul(kernel.add(first, p)?, kernel.i64(channels))?, c)?;
+                kernel.set(
+                    sum,
+                    kernel.fadd(kernel.get(sum)?, kernel.load_float(x, at)?)?,
+                )
+            })?;
+            let mean = kernel.fdiv(kernel.get(sum)?, kernel.to_float(pixels)?)?;
+            kernel.store_float(out, kernel.add(out_row, c)?, mean)
+        })
+    })
+}
+
+/// A convolution's weight gradient, a weight a task: `out[o, c, t] = sum over the
+/// output pixels r (in order; on a GPU each lane in order over its pixels) of g[r, o]
+/// x[taps[r, t], c]`, taps outside the image skipped.
+pub(super) fn weight_grad<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (channels, width): (i64, i64),
+    taps: i64,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, g, table, count] =
+        kernel.params([Role::Out, Role::X, Role::Gradient, Role::Taps, Role::Count])?;
+    let rows = kernel.load_i64(count, kernel.i64(0))?;
+    let sum = kernel.accumulator("sum")?;
+    let per_output = channels.saturating_mul(taps);
+    // A weight is a warp's on a GPU (each lane every 32nd pixel, the lanes' sums added
+    // with shuffles), one thread's on the host (every pixel in order).
+    kernel.parallel_rows(start, end, |task, lanes| {
+        let o = kernel.div(task, kernel.i64(per_output))?;
+        let inner = kernel.rem(task, kernel.i64(per_output))?;
+        let c = kernel.div(inner, kernel.i64(taps))?;
+        let t = kernel.rem(inner, kernel.i64(taps))?;
+        kernel.set(sum, kernel.constant(0.0))?;
+        kernel.lane_range_until(lanes, rows, |r| {
+            let source =
+                kernel.load_i64(table, kernel.add(kernel.mul(r, kernel.i64(taps))?, t)?)?;
+            if_inside(kernel, source, || {
+                let value = kernel
+                    .load_float(x, kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?)?;
+                let gradient =
+                    kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(width))?, o)?)?;
+                kernel.set(
+                    sum,
+                    kernel.fadd(kernel.get(sum)?, kernel.fmul(gradient, value)?)?,
+                )
+            })
+        })?;
+        let total = kernel.across_lanes(lanes, kernel.get(sum)?, |a, b| kernel.fadd(a, b))?;
+        first_lane_stores(kernel, lanes, out, task, total)
+    })
+}
+
+/// Pooling's gradient, an input pixel a task: the gradients of the windows that read it
+/// (`inverse`: per pixel, where its windows' list starts and ends in the same buffer,
+/// then the lists, windows in order), added in order: each divided by its window's taps
+/// inside the image for average pooling; for max pooling those whose window picked it
+/// (the first largest, or the last NaN, as libtorch's kernel).
+pub(super) fn pool_grad<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    taps: i64,
+    max: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, g, table, inverse] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Gradient,
+        Role::Taps,
+        Role::WindowsOfPixels,
+    ])?;
+    let [sum, best, inside] = kernel.accumulators(["sum", "best", "inside"])?;
+    let picked = kernel.index_variable("picked")?;
+    // An input pixel is a warp's on a GPU (each lane its channels), one thread's on the
+    // host.
+    kernel.parallel_rows(start, end, |pixel, lanes| {
+        let from = kernel.load_i64(inverse, pixel)?;
+        let to = kernel.load_i64(inverse, kernel.add(pixel, kernel.i64(1))?)?;
+        let out_row = kernel.mul(pixel, kernel.i64(channels))?;
+        kernel.lane_range(lanes, channels, |c| {
+            kernel.set(sum, kernel.constant(0.0))?;
+            kernel.for_range(from, to, |entry| {
+                let r = kernel.load_i64(inverse, entry)?;
+                let first_tap = kernel.mul(r, kernel.i64(taps))?;
+                let gradient =
+                    kernel.load_float(g, kernel.add(kernel.mul(r, kernel.i64(channels))?, c)?)?;
+                // Max pooling: the tap the window picked; average: its taps inside.
+                if max {
+                    kernel.set(best, kernel.constant(f64::NEG_INFINITY))?;
+                    kernel.set_index(picked, kernel.i64(-1))?;
+                } else {
+                    kernel.set(inside, kernel.constant(0.0))?;
+                }
+                taps_inside(kernel, (table, first_tap, taps), |_, source| {
+                    if !max {
+                        let one = kernel.constant(1.0);
+                        return kernel.set(inside, kernel.fadd(kernel.get(inside)?, one)?);
+                    }
+                    let at = kernel.add(kernel.mul(source, kernel.i64(channels))?, c)?;
+                    let value = kernel.load_float(x, at)?;
+                    let current = kernel.get(best)?;
+                    // A larger value or a NaN replaces the best so far; the first
+                    // tap inside is picked whatever its value.
+                    let larger = kernel.or(
+                        kernel.float_compare(FloatPredicate::OGT, value, current)?,
+                        kernel.float_compare(FloatPredicate::UNO, value, value)?,
+                    )?;
+                    let index = kernel.get_index(picked)?;
+                    let replaces = kernel.or(larger, kernel.equal(index, kernel.i64(-1))?)?;
+                    kernel.set(best, kernel.select(larger, value, current)?)?;
+                    kernel.set_index(picked, kernel.select_index(replaces, source, index)?)
+                })?;
+                let add = |share| kernel.set(sum, kernel.fadd(kernel.get(sum)?, share)?);
+                if max {
+                    let hit = kernel.equal(kernel.get_index(picked)?, pixel)?;
+                    kernel.if_else(hit, || add(gradient), || Ok(()))
+                } else {
+                    add(kernel.fdiv(gradient, kernel.get(inside)?)?)
+                }
+            })?;
+            kernel.store_float(out, kernel.add(out_row, c)?, kernel.get(sum)?)
+        })
+    })
+}
+
+/// The gradient of every image's mean pixel spread over its pixels, an image a task:
+/// `out[p, c] = x[image, c] / pixels` (`offsets`: the images' first pixels).
+pub(super) fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, offsets] = kernel.params([Role::Out, Role::X, Role::PairOffsets])?;
+    // An image is a warp's on a GPU (each lane its channels), one thread's on the host.
+    kernel.parallel_rows(start, end, |image, lanes| {
+        let first = kernel.load_i64(offsets, image)?;
+        let last = kernel.load_i64(offsets, kernel.add(image, kernel.i64(1))?)?;
+        let divisor = kernel.to_float(kernel.sub(last, first)?)?;
+        let mean_row = kernel.mul(image, kernel.i64(channels))?;
+        kernel.for_range(first, last, |p| {
+            let out_row = kernel.mul(p, kernel.i64(channels))?;
+            kernel.lane_range(lanes, channels, |c| {
+                let mean = kernel.load_float(x, kernel.add(mean_row, c)?)?;
+                kernel.store_float(out, kernel.add(out_row, c)?, kernel.fdiv(mean, divisor)?)
+            })
+        })
+    })
+}

@@ -26,6 +26,7 @@ lint: setup
 	cargo fmt --all -- --check
 	scripts/cargo clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" scripts/cargo doc --no-deps --workspace --quiet
+	scripts/check-layers.sh
 
 # The benchmark report (docs/benchmarks/report.md and its charts), from scratch:
 # builds the counting malloc the report preloads for peak memory, then runs the suite.

@@ -28,16 +28,16 @@ pub use nestor_frontend::{
     ListElement, LossReduction, NestedBuilder, NestedError, NestedOptions, NestedTensor, Operand,
     PNTensor, Reduce, Reduced, Result, SlowPath, Target,
 };
-pub use nestor_frontend::{
-    compile, interpret, trace, Compiled, Dense, StatsSnapshot, TraceOutputs, TraceRef, Traced,
-    Value,
-};
+#[cfg(feature = "compile")]
+pub use nestor_frontend::{compile, Compiled, NamedGradients, StatsSnapshot};
+pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 pub use nestor_ir::DType;
 
+pub use nestor_backend_cpu::{gemm_library, gemm_probe, pool, GemmProbe, Parallelism};
 /// The ragged graph IR (types, ops, text form, verifier, Graphviz output).
 pub use nestor_ir as ir;
+pub use nestor_layout::{LayoutError, RaggedLayout};
 /// Passes over graphs (DCE, CSE, fusion) and lowering to kernel programs.
 pub use nestor_passes as passes;
-pub use nestor_runtime::{
-    gemm_library, gemm_probe, pool, GemmProbe, LayoutError, MemoryBudget, Parallelism, RaggedLayout,
-};
+#[cfg(feature = "compile")]
+pub use nestor_runtime::MemoryBudget;

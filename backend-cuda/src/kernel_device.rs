@@ -3,9 +3,9 @@
 
 use std::sync::Mutex;
 
-use nestor_runtime::{
-    from_bf16, to_bf16, BlasCall, Executable, Gemms, KernelDevice, RuntimeError, Storage,
-};
+use nestor_runtime::{from_bf16, to_bf16, BlasCall, Executable, Gemms, KernelDevice, RuntimeError};
+
+use nestor_codegen::Storage;
 
 use crate::blas::Blas;
 
@@ -26,7 +26,7 @@ impl CudaDevice {
     ///
     /// ```
     /// use nestor_backend_cuda::CudaDevice;
-    /// use nestor_runtime::{Executable, InputData, KernelDevice, Stats};
+    /// use nestor_runtime::{InputData, KernelDevice, Stats};
     /// let graph = nestor_ir::parse(
     ///     r#"graph @g {
     ///   %0 = input {name = "x.lengths"} : lengths[B]
@@ -35,7 +35,7 @@ impl CudaDevice {
     ///   return %2
     /// }"#,
     /// )?;
-    /// let executable = Executable::compile(nestor_passes::lower(&graph)?)?;
+    /// let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph)?)?;
     /// match nestor_backend_cuda::Device::open(0) {
     ///     Ok(gpu) => {
     ///         let device = CudaDevice::new(gpu, &executable)?;

@@ -5,7 +5,7 @@
 //!
 //! Here, without a GPU, the check runs against the CPU backend: the cases read back from
 //! disk, their kernels run on the host from the read buffers and the output compared as
-//! `gpu-check` (nestor-runtime's binary) compares it.
+//! `gpu-check` (this crate's binary) compares it.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]

@@ -1,6 +1,6 @@
 //! The error type of the frontend.
 
-use nestor_runtime::LayoutError;
+use nestor_layout::LayoutError;
 use tch::{Device, Kind, TchError};
 use thiserror::Error;
 

@@ -19,8 +19,11 @@
 //! assert_eq!(padded, [[1, 2, 3], [4, 5, 0]]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+// Without `compile`, the tracer's helpers that only `compile` calls stay unused.
+#![cfg_attr(not(feature = "compile"), allow(dead_code, unused_imports))]
 
 mod collate;
+#[cfg(feature = "compile")]
 mod compile;
 mod dense;
 mod error;
@@ -32,6 +35,7 @@ mod ops;
 mod trace;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
+#[cfg(feature = "compile")]
 pub use compile::{compile, Compiled, NamedGradients};
 pub use error::NestedError;
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
@@ -40,6 +44,7 @@ pub use nested::{
     load_batches, save_batches, BatchSelector, Bounds, ListData, ListElement, NestedBuilder,
     NestedOptions, NestedTensor,
 };
+#[cfg(feature = "compile")]
 pub use nestor_runtime::StatsSnapshot;
 pub use ops::{einsum, Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};
 pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};

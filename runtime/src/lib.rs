@@ -1,47 +1,29 @@
-//! nestor-runtime: what a ragged batch looks like in memory, and the executor that runs
-//! compiled programs.
+//! nestor-runtime: the backend-agnostic executor of compiled programs.
 //!
-//! - [`RaggedLayout`]: element sizes, ragged dims, offsets (plain integers, shared by
-//!   the eager `NestedTensor` and compiled programs);
-//! - [`Executable`]: a lowered program with its JIT-compiled kernels; `run` sizes every
-//!   buffer from the lengths inputs, reuses intermediate buffers, splits kernels across
-//!   cores (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`] says
-//!   which) and calls GEMM in row chunks (the process's MKL, else the `gemm` crate;
-//!   [`gemm_library`] says which, [`gemm_probe`] why);
-//! - [`Parallelism`]: how runs split their work across threads;
-//! - [`Stats`]: compiles, cache hits, kernel launches, bytes allocated.
+//! - [`Executable`]: a lowered program and the backend's code for its steps
+//!   ([`HostSteps`]); `run` sizes every buffer from the lengths inputs ([`Sizes`]),
+//!   reuses intermediate buffers once their last reader has run, writes results into
+//!   the caller's buffers ([`OutputSink`]) and runs every step through the backend,
+//!   which sees the run as a [`RunState`];
+//! - [`KernelDevice`]: a device that runs a program's `Complete` kernel set on memory it
+//!   owns ([`Executable::run_on_device`]); the CPU backend's `HostDevice` and the CUDA
+//!   backend's `CudaDevice` implement it;
+//! - every kernel's argument list written from its step's signature, by one function
+//!   (the CPU's lists, [`RunState::kernel_args`], and the devices' tables alike);
+//! - [`MemoryBudget`] and [`Stats`]: what a run may allocate, and what runs did.
 //!
-//! This crate never depends on tch.
+//! This crate knows no backend: the backends depend on it (the CPU backend's
+//! `executable` compiles a program into an [`Executable`]). It never depends on tch.
 
-mod attention;
-mod blas;
 mod executor;
-mod layout;
 mod memory;
-mod microkernel;
-mod parallel;
-mod process;
-mod scalar;
 mod stats;
-mod strided;
-mod team;
-#[cfg(test)]
-mod testing;
-mod window;
 
-pub use blas::{gemm_library, gemm_probe, GemmProbe};
 pub use executor::{
-    convolve_images, from_bf16, round_to_bf16, to_bf16, BlasCall, BlasSizeError, DeviceOutput,
-    DeviceResults, Executable, Gemms, HostBuffer, HostDevice, HostRunner, HostValue, InputData,
-    KernelDevice, OutputSink, Product, RunData, RunDim, RunOutput, RunShape, RuntimeError,
+    from_bf16, mask_key, round_to_bf16, split_mix, step_error, to_bf16, within_budget, BlasCall,
+    BlasSizeError, DeviceOutput, DeviceResults, Executable, Gemms, HostRunner, HostSteps,
+    HostValue, InputData, KernelDevice, LengthsInfo, OutputSink, Product, RunData, RunDim,
+    RunOutput, RunShape, RunState, RuntimeError, Sizes,
 };
-pub use layout::{LayoutError, RaggedLayout};
 pub use memory::MemoryBudget;
-/// How device buffers hold floats (bf16: half the bytes; kernels compute in f32).
-pub use nestor_backend_cpu::Storage;
-pub use parallel::Parallelism;
 pub use stats::{Stats, StatsSnapshot};
-pub use team::pool;
-pub use window::{
-    check_window, window_images, window_taps, Outside, WindowError, WindowImage, WindowTaps,
-};

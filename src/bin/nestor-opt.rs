@@ -225,9 +225,9 @@ fn lowered(graph: &Graph, options: &Options) -> Result<String, Failure> {
         Emit::Ptx => return ptx(&program, options),
         _ => {}
     }
-    let executable = nestor_runtime::Executable::compile(program)
+    let executable = nestor_backend_cpu::executable(program)
         .map_err(|error| Failure::Rejected(format!("backend: {error}")))?;
-    Ok(executable.llvm_ir().to_owned())
+    Ok(executable.code().to_owned())
 }
 
 fn ptx(program: &nestor::passes::Program, options: &Options) -> Result<String, Failure> {

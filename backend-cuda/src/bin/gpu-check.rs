@@ -25,11 +25,12 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use nestor_backend_cpu::{HostDevice, Storage};
 use nestor_backend_cuda::CudaDevice;
 use nestor_ir::{DType, Dim, ElemDim, Graph, Op, Type};
 use nestor_runtime::{
-    round_to_bf16, Executable, Gemms, HostDevice, InputData, KernelDevice, RunData, RunOutput,
-    RuntimeError, Stats, Storage,
+    round_to_bf16, Executable, Gemms, InputData, KernelDevice, RunData, RunOutput, RuntimeError,
+    Stats,
 };
 
 /// Name, text, and whether to run its training step (the loss, its first output, and
@@ -328,7 +329,7 @@ fn check(
         .run(&graph)
         .map_err(|error| error.to_string())?;
     let program = nestor_passes::lower(&graph).map_err(|error| error.to_string())?;
-    let executable = Executable::compile(program).map_err(fail)?;
+    let executable = nestor_backend_cpu::executable(program).map_err(fail)?;
     let mut values = example_inputs(&graph, lengths);
     if storage == Storage::Bf16 {
         // The CPU runtime computes on what the device's bf16 buffers hold.

@@ -511,10 +511,11 @@ where
             })?;
         program.gelu_nan_at_infinity = eager_gelu_nan_at_infinity(program.float);
         phases.done("lowering");
-        let executable = Executable::compile(program).map_err(|error| NestedError::Compile {
-            stage: "backend",
-            reason: error.to_string(),
-        })?;
+        let executable =
+            nestor_backend_cpu::executable(program).map_err(|error| NestedError::Compile {
+                stage: "backend",
+                reason: error.to_string(),
+            })?;
         phases.done("backend");
         phases.report(&self.name);
         if let Some(dir) = dump {
@@ -530,7 +531,7 @@ where
                 })
             };
             write("lowered.txt", executable.program().to_string())?;
-            write("kernels.ll", executable.llvm_ir().to_owned())?;
+            write("kernels.ll", executable.code().to_owned())?;
         }
         Ok(Entry {
             traced: traced.with_graph(optimized),
@@ -756,7 +757,7 @@ fn output_value(
 }
 
 /// Whether `layout` has exactly `dims` (the same ragged dims, lengths and static sizes).
-fn same_dims(layout: &nestor_runtime::RaggedLayout, dims: &[RunDim]) -> bool {
+fn same_dims(layout: &nestor_layout::RaggedLayout, dims: &[RunDim]) -> bool {
     let mut statics = layout.static_dims().iter().zip(layout.static_sizes());
     layout.rank() == dims.len()
         && dims.iter().enumerate().all(|(dim, run_dim)| match run_dim {
@@ -809,9 +810,9 @@ fn nested_from_dims(values: Tensor, dims: &[RunDim]) -> Result<NestedTensor> {
     let layout = if batch == 0 && leading {
         // No element to read the rank from: the dims give it, as for an eager empty batch.
         let statics = RunDim::static_sizes(dims);
-        nestor_runtime::RaggedLayout::from_ragged_sizes(ragged.len(), &[], &statics)?
+        nestor_layout::RaggedLayout::from_ragged_sizes(ragged.len(), &[], &statics)?
     } else {
-        nestor_runtime::RaggedLayout::from_element_sizes(element_sizes, &ragged)?
+        nestor_layout::RaggedLayout::from_element_sizes(element_sizes, &ragged)?
     };
     if values.size() != layout.packed_shape() {
         return Err(NestedError::Compile {

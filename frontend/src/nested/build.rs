@@ -2,7 +2,7 @@
 //! with its mask, or packed values with lengths.
 
 use nestor_ir::DType;
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 use tch::{Device, Kind, Tensor};
 
 use super::{ListElement, NestedOptions, NestedTensor};

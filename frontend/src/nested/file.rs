@@ -13,7 +13,7 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors, View};
 use tch::{Device, Kind, Tensor};
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 
 use super::{NestedOptions, NestedTensor};
 use crate::{NestedError, Result};

@@ -3,7 +3,7 @@
 
 use std::ops::{Bound, Range, RangeBounds, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 use tch::{Kind, Tensor};
 
 use super::{ListElement, NestedTensor};

@@ -10,7 +10,7 @@ mod padded;
 use std::cell::OnceCell;
 use std::sync::Arc;
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 use tch::{Device, Kind, Tensor};
 
 use crate::trace::{Arg, TraceRef};

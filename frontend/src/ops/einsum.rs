@@ -9,7 +9,7 @@
 
 use tch::Tensor;
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 
 use crate::guard::{slow_path, SlowPath};
 use crate::ops::Operand;

@@ -201,7 +201,7 @@ impl NestedTensor {
     /// class dim).
     fn per_row_target(
         &self,
-        rows_layout: &nestor_runtime::RaggedLayout,
+        rows_layout: &nestor_layout::RaggedLayout,
         dense: &Tensor,
     ) -> Result<Tensor> {
         let rows = NestedTensor::from_parts(

@@ -5,7 +5,7 @@
 
 use tch::Tensor;
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 
 use crate::{NestedError, NestedTensor, Result};
 

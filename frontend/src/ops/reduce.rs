@@ -1,7 +1,7 @@
 //! Reductions: over static dims on the packed values, over ragged dims by segment
 //! (scatter over packed rows, no padding), over the batch dim, and over everything.
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 use tch::{Kind, Tensor};
 
 use nestor_ir::{Op, ReduceOp, ValueId};

@@ -8,7 +8,7 @@
 
 use tch::{Kind, Tensor};
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 
 use crate::ops::Reduced;
 use crate::{NestedError, NestedTensor, Result};

@@ -1,7 +1,7 @@
 //! Structure operations: zero-copy reconstruction from packed values, repeats over the
 //! batch dim, reshapes of static dims, segmented scans, and cdist between elements.
 
-use nestor_runtime::RaggedLayout;
+use nestor_layout::RaggedLayout;
 use tch::{Kind, Tensor};
 
 use nestor_ir::Op;

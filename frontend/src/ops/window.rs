@@ -7,8 +7,9 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use nestor_backend_cpu::convolve_images;
 use nestor_ir::Window2d;
-use nestor_runtime::{convolve_images, window_images, window_taps, Outside, RaggedLayout};
+use nestor_layout::{window_images, window_taps, Outside, RaggedLayout};
 use tch::{Device, Kind, Tensor};
 
 use super::reduce::Reduce;
@@ -459,7 +460,7 @@ fn accumulating(tensor: &Tensor) -> Result<Tensor> {
 }
 
 /// A window's error as the operators'.
-fn window_error(error: nestor_runtime::WindowError) -> NestedError {
+fn window_error(error: nestor_layout::WindowError) -> NestedError {
     NestedError::Unsupported {
         op: "window",
         reason: error.to_string(),

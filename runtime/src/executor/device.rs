@@ -5,19 +5,22 @@
 //! index with (offsets, row-to-element maps, longest lengths, window taps), each
 //! kernel's argument table written from its step's signature.
 //!
-//! [`HostDevice`] runs those kernels on the CPU (how the tests check this executor and
-//! the GPU's templates without a GPU); the CUDA backend's `CudaDevice` on a GPU.
+//! The CPU backend's `HostDevice` runs those kernels on the CPU (how the tests check
+//! this executor and the GPU's templates without a GPU); the CUDA backend's
+//! `CudaDevice` on a GPU.
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Mutex;
 
 use super::product::{BlasCall, Product};
-use nestor_backend_cpu::{CpuKernels, KernelSet, Storage};
 use nestor_ir::Window2d;
 use nestor_passes::step::{
     Attention, AttentionGrad, Gather, Gemm, OneHot, PairGemm, SumRows, Window,
 };
-use nestor_passes::{Arg, FloatType, Placement, Program, Slot, Source, Step, WindowKind};
+use nestor_passes::KernelSet;
+use nestor_passes::{
+    Arg, FloatType, Placement, Program, Signature, Slot, Source, Step, WindowKind,
+};
 
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
@@ -102,65 +105,6 @@ fn device_error(step: usize, reason: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
-/// The CPU as a kernel device: the GPU's kernels JIT-compiled for the host, and (with
-/// [`Gemms::Blas`]) the column-major BLAS calls a GPU makes, run through their strides
-/// ([`BlasCall::strides`]) by the runtime's GEMM.
-pub struct HostDevice {
-    kernels: CpuKernels,
-    storage: Storage,
-    gemms: Gemms,
-    spare: Mutex<Vec<HostBuffer>>,
-}
-
-impl HostDevice {
-    /// The host device of `executable`'s program.
-    pub fn new(executable: &Executable) -> Result<Self, RuntimeError> {
-        Self::storing(executable, Storage::Compute)
-    }
-
-    /// The host device of `executable`'s program, its buffers holding floats as
-    /// `storage` says (bf16: the GPU's half-size buffers, checked on the CPU).
-    pub fn storing(executable: &Executable, storage: Storage) -> Result<Self, RuntimeError> {
-        Self::with(executable, storage, Gemms::Kernels)
-    }
-
-    /// [`HostDevice::storing`], GEMM products computed as `gemms` says.
-    pub fn with(
-        executable: &Executable,
-        storage: Storage,
-        gemms: Gemms,
-    ) -> Result<Self, RuntimeError> {
-        Ok(Self {
-            kernels: nestor_backend_cpu::compile_storing(
-                executable.program(),
-                gemms.kernel_set(),
-                storage,
-            )?,
-            storage,
-            gemms,
-            spare: Mutex::default(),
-        })
-    }
-
-    /// `count` values of the storage type at `address`, as f32.
-    ///
-    /// # Safety
-    /// `address` must hold `count` values of the storage type.
-    unsafe fn read_floats(&self, address: u64, count: usize) -> Vec<f32> {
-        // The caller vouches for the values.
-        unsafe {
-            if self.storage == Storage::Bf16 {
-                std::slice::from_raw_parts(address as *const u16, count)
-                    .iter()
-                    .map(|&bits| from_bf16(bits))
-                    .collect()
-            } else {
-                std::slice::from_raw_parts(address as *const f32, count).to_vec()
-            }
-        }
-    }
-}
-
 /// `value` as bf16 bits, rounded to the nearest even (NaN as 0x7FC0): what the kernels'
 /// stores do, and torch's conversion.
 pub fn to_bf16(value: f32) -> u16 {
@@ -183,136 +127,6 @@ pub fn round_to_bf16(value: f32) -> f32 {
     from_bf16(to_bf16(value))
 }
 
-/// A host buffer: 8-byte words, so that f32, bf16 and i64 values are aligned.
-pub struct HostBuffer {
-    words: Vec<u64>,
-}
-
-impl KernelDevice for HostDevice {
-    type Buffer = HostBuffer;
-
-    fn alloc_f32(&self, count: usize) -> Result<HostBuffer, RuntimeError> {
-        // One word at least: kernels take the address of every buffer.
-        let per_word = if self.storage == Storage::Bf16 { 4 } else { 2 };
-        let length = count.div_ceil(per_word).max(1);
-        let mut words = Vec::new();
-        words
-            .try_reserve_exact(length)
-            .map_err(|_| device_error(0, format!("cannot allocate {count} values")))?;
-        // NaN in every value (all bits set), as a GPU's buffers hold leftovers: a step
-        // that leaves a value unwritten shows.
-        words.resize(length, u64::MAX);
-        Ok(HostBuffer { words })
-    }
-
-    fn capacity_f32(&self, buffer: &HostBuffer) -> usize {
-        let per_word = if self.storage == Storage::Bf16 { 4 } else { 2 };
-        buffer.words.len() * per_word
-    }
-
-    fn spare(&self) -> &Mutex<Vec<HostBuffer>> {
-        &self.spare
-    }
-
-    fn upload_f32(&self, values: &[f32]) -> Result<HostBuffer, RuntimeError> {
-        let HostBuffer { mut words } = self.alloc_f32(values.len())?;
-        // The words hold at least `values.len()` values of the storage type.
-        unsafe {
-            if self.storage == Storage::Bf16 {
-                let stored = words.as_mut_ptr() as *mut u16;
-                for (index, &value) in values.iter().enumerate() {
-                    *stored.add(index) = to_bf16(value);
-                }
-            } else {
-                std::ptr::copy_nonoverlapping(
-                    values.as_ptr(),
-                    words.as_mut_ptr() as *mut f32,
-                    values.len(),
-                )
-            }
-        };
-        Ok(HostBuffer { words })
-    }
-
-    fn upload_i64(&self, values: &[i64]) -> Result<HostBuffer, RuntimeError> {
-        let mut words: Vec<u64> = values.iter().map(|&value| value as u64).collect();
-        // One word at least: kernels take the address of every buffer.
-        words.push(0);
-        Ok(HostBuffer { words })
-    }
-
-    unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {
-        // The caller vouches for the values.
-        Ok(unsafe { self.read_floats(address, count) })
-    }
-
-    fn wait(&self) -> Result<(), RuntimeError> {
-        // Kernels ran when they were launched.
-        Ok(())
-    }
-
-    fn address(&self, buffer: &HostBuffer) -> u64 {
-        buffer.words.as_ptr() as u64
-    }
-
-    unsafe fn launch(
-        &self,
-        step: usize,
-        table: u64,
-        (start, end): (i64, i64),
-    ) -> Result<(), RuntimeError> {
-        let kernel = self
-            .kernels
-            .kernel(step)
-            .ok_or_else(|| device_error(step, "no kernel"))?;
-        // The caller vouches for the table, the buffers (this device's) and the range.
-        unsafe { kernel(table as *const *mut u8, start, end) };
-        Ok(())
-    }
-
-    fn gemms(&self) -> Gemms {
-        self.gemms
-    }
-
-    unsafe fn blas(
-        &self,
-        _step: usize,
-        call: &BlasCall,
-        [a, b, c]: [u64; 3],
-    ) -> Result<(), RuntimeError> {
-        let [a_len, b_len, c_len] = call.lengths();
-        // The caller vouches for the buffers' lengths.
-        let (a, b) = unsafe { (self.read_floats(a, a_len), self.read_floats(b, b_len)) };
-        let mut product = vec![0.0f32; c_len];
-        let count = |value: i32| usize::try_from(value).unwrap_or(0);
-        let [a_strides, b_strides, c_strides] = call.strides();
-        if call.k > 0 && call.m > 0 && call.n > 0 {
-            // `a`, `b` and `product` hold what the call's strides reach (`lengths`).
-            unsafe {
-                <f32 as crate::blas::Gemm>::matmul(
-                    (count(call.m), count(call.k), count(call.n)),
-                    1.0,
-                    (a.as_ptr(), a_strides.0, a_strides.1),
-                    (b.as_ptr(), b_strides.0, b_strides.1),
-                    (product.as_mut_ptr(), c_strides.0, c_strides.1),
-                )
-            };
-        }
-        // The caller vouches for `c`: `c_len` values of the storage type.
-        unsafe {
-            if self.storage == Storage::Bf16 {
-                let stored = c as *mut u16;
-                for (index, &value) in product.iter().enumerate() {
-                    *stored.add(index) = to_bf16(value);
-                }
-            } else {
-                std::ptr::copy_nonoverlapping(product.as_ptr(), c as *mut f32, c_len);
-            }
-        }
-        Ok(())
-    }
-}
-
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
     /// a kernel of the `Complete` set, the results copied back, and the launches, the
@@ -333,31 +147,7 @@ impl Executable {
     /// [`Executable::run_on_device`] without copying the results back: they stay in the
     /// device's buffers, which the returned [`DeviceResults`] keeps; the work may still
     /// be running when this returns ([`KernelDevice::wait`] or a download waits for it).
-    ///
-    /// ```
-    /// use nestor_runtime::{Executable, HostDevice, InputData, KernelDevice, RunData, Stats};
-    /// let graph = nestor_ir::parse(
-    ///     r#"graph @g {
-    ///   %0 = input {name = "x.lengths"} : lengths[B]
-    ///   %1 = input {name = "x"} : ragged<f32>[B; %0, 2]
-    ///   %2 = neg(%1) : ragged<f32>[B; %0, 2]
-    ///   return %2
-    /// }"#,
-    /// )?;
-    /// let executable = Executable::compile(nestor_passes::lower(&graph)?)?;
-    /// let device = HostDevice::new(&executable)?;
-    /// // x already on the device: two elements of one row.
-    /// let x = device.upload_f32(&[0.5, 1.0, 2.0, -3.0])?;
-    /// let inputs = [
-    ///     InputData::I64(&[1, 1]),
-    ///     InputData::OnDevice { address: device.address(&x), len: 4 },
-    /// ];
-    /// let results = executable.run_device_resident(&device, &inputs, &Stats::default())?;
-    /// assert_eq!(results.outputs[0].len, 4);
-    /// let outputs = results.download(&device)?;
-    /// assert!(matches!(&outputs[0].data, RunData::F32(v) if v == &[-0.5, -1.0, -2.0, 3.0]));
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
+    /// (`nestor_backend_cpu::HostDevice` shows it on the CPU.)
     pub fn run_device_resident<D: KernelDevice>(
         &self,
         device: &D,
@@ -374,44 +164,113 @@ impl Executable {
         let sizes = Sizes::of_run(program, inputs, &mut Vec::new())?;
         // Checks every input's type and size.
         self.input_pointers(inputs, &sizes, true, &mut Vec::new())?;
-        // Every slot's address on the device (aliases use their root's), and the
-        // buffers of the run, kept until its work is done.
-        let mut addresses = vec![0u64; program.slots.len()];
-        let mut buffers: Vec<D::Buffer> = Vec::new();
-        let mut keep = |buffer: D::Buffer| {
-            let address = device.address(&buffer);
-            buffers.push(buffer);
-            address
+        let mut memory = self.device_memory(device, inputs, &sizes, stats)?;
+        // Every step's arguments and range, planned before anything runs; the index
+        // buffers they name gathered into one upload. Every run draws new dropout
+        // masks, as on the CPU.
+        let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (planned, indices, index_values) =
+            self.plan_steps(&sizes, inputs, device.gemms().kernel_set(), run)?;
+        // Positions are below the uploaded lengths, so `8 * position` stays within the
+        // buffer's addresses.
+        let index_base = memory.keep(device, device.upload_i64(&index_values)?);
+        let slot_address = |slot: Slot| memory.addresses[self.root(slot).0 as usize];
+        // Every step's argument table, uploaded at once.
+        let mut tables: Vec<i64> = Vec::new();
+        let mut table_starts = Vec::with_capacity(planned.len());
+        let mut table = Vec::new();
+        for (kernel, _) in &planned {
+            table_starts.push(tables.len());
+            if let Some(signature) = kernel {
+                super::marshal::marshal(signature, &mut table, |arg| {
+                    Ok::<_, RuntimeError>(match arg {
+                        Arg::Buffer(slot) => slot_address(*slot) as i64,
+                        Arg::Absent => 0,
+                        // Every index an argument names was gathered while planning.
+                        index => (index_base + 8 * indices[index] as u64) as i64,
+                    })
+                })?;
+                tables.extend_from_slice(&table);
+            }
+        }
+        let table_base = device.upload_i64(&tables)?;
+        let table_base = memory.keep(device, table_base);
+        let slot_address = |slot: Slot| memory.addresses[self.root(slot).0 as usize];
+        for (step_index, ((kernel, product), start)) in planned.iter().zip(table_starts).enumerate()
+        {
+            if let Some((call, [a, b, c])) = product {
+                // `blas_product` checked that the buffers hold what the call reads and
+                // writes.
+                let buffers = [*a, *b, *c].map(slot_address);
+                unsafe { device.blas(step_index, call, buffers)? };
+            }
+            if let Some(signature) = kernel {
+                let range = (0, sizes.rows(signature.range));
+                // The buffers were sized from these lengths for this program's steps,
+                // the index buffers from the same lengths, and every buffer (tables
+                // included) lives as long as the results, which wait for the work
+                // before they are read.
+                unsafe { device.launch(step_index, table_base + 8 * start as u64, range)? };
+            }
+            stats.moved(self.bytes_moved(step_index, &sizes));
+        }
+        stats.launched(program.steps.len() as u64);
+        let outputs = self
+            .output_shapes(&sizes)
+            .into_iter()
+            .map(|(slot, shape)| DeviceOutput {
+                address: slot_address(slot),
+                len: sizes.elements(program, slot),
+                shape,
+                dtype: program.info(slot).dtype,
+            })
+            .collect();
+        Ok(memory.finish(device, program, |slot| self.root(slot), outputs))
+    }
+
+    /// The device memory of a run: the inputs' buffers (uploaded, or the caller's on
+    /// the device) and every step's output, in step order, in the device's spare
+    /// buffers where they fit and in buffers whose last reader has run (as on the CPU;
+    /// the device runs steps in order), else new ones.
+    fn device_memory<D: KernelDevice>(
+        &self,
+        device: &D,
+        inputs: &[InputData<'_>],
+        sizes: &Sizes,
+        stats: &Stats,
+    ) -> Result<DeviceMemory<D::Buffer>, RuntimeError> {
+        let program = &self.program;
+        let mut memory = DeviceMemory {
+            addresses: vec![0u64; program.slots.len()],
+            kept: Vec::new(),
+            owned: (0..program.slots.len()).map(|_| None).collect(),
+            spare: std::mem::take(
+                &mut *device
+                    .spare()
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()),
+            ),
         };
         for (index, info) in program.slots.iter().enumerate() {
             if let Source::Input(input) = info.source {
-                addresses[index] = match inputs.get(input) {
-                    Some(InputData::F32(values)) => keep(device.upload_f32(values)?),
-                    Some(InputData::I64(values)) => keep(device.upload_i64(values)?),
+                memory.addresses[index] = match inputs.get(input) {
+                    Some(InputData::F32(values)) => memory.keep(device, device.upload_f32(values)?),
+                    Some(InputData::I64(values)) => memory.keep(device, device.upload_i64(values)?),
                     Some(&InputData::OnDevice { address, .. }) => address,
                     // `input_pointers` accepted only these for an f32 program.
                     _ => 0,
                 };
             }
         }
-        // Step outputs in step order, in the device's spare buffers where they fit and
-        // in buffers whose last reader has run (as on the CPU; the device runs steps in
-        // order), else new ones.
-        let mut spare = std::mem::take(
-            &mut *device
-                .spare()
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
-        let mut owned: Vec<Option<D::Buffer>> = (0..program.slots.len()).map(|_| None).collect();
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
             let elements = sizes.elements(program, out);
-            let reuse = spare
+            let reuse = memory
+                .spare
                 .iter()
                 .position(|buffer| device.capacity_f32(buffer) >= elements);
             let buffer = match reuse {
-                Some(position) => spare.swap_remove(position),
+                Some(position) => memory.spare.swap_remove(position),
                 None => {
                     // A buffer no larger than the memory budget (a count near i64::MAX
                     // from hostile lengths is over it).
@@ -420,25 +279,34 @@ impl Executable {
                     device.alloc_f32(elements)?
                 }
             };
-            addresses[out.0 as usize] = device.address(&buffer);
-            owned[out.0 as usize] = Some(buffer);
+            memory.addresses[out.0 as usize] = device.address(&buffer);
+            memory.owned[out.0 as usize] = Some(buffer);
             for slot in &self.frees[step_index] {
-                spare.extend(owned[slot.0 as usize].take());
+                let freed = memory.owned[slot.0 as usize].take();
+                memory.spare.extend(freed);
             }
         }
-        let slot_address = |slot: Slot| addresses[self.root(slot).0 as usize];
-        // Every step's arguments and range, planned before anything runs; the index
-        // buffers they name gathered into one upload.
-        let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let set = device.gemms().kernel_set();
+        Ok(memory)
+    }
+
+    /// Every step's kernel signature and BLAS call for kernel set `set`, after checking
+    /// it against the run; the index buffers the kernels read (offsets, row maps, ...),
+    /// each once, at their positions in one list of values.
+    fn plan_steps(
+        &self,
+        sizes: &Sizes,
+        inputs: &[InputData<'_>],
+        set: KernelSet,
+        run: u64,
+    ) -> Result<PlannedSteps, RuntimeError> {
+        let program = &self.program;
         let mut indices: HashMap<Arg, usize> = HashMap::new();
         let mut index_values: Vec<i64> = Vec::new();
         let mut planned = Vec::with_capacity(program.steps.len());
         for (step_index, step) in program.steps.iter().enumerate() {
-            // Every run draws new dropout masks, as on the CPU.
             let plan = Plan {
                 program,
-                sizes: &sizes,
+                sizes,
                 inputs,
                 step: step_index,
                 run,
@@ -472,74 +340,62 @@ impl Executable {
             };
             planned.push((kernel, product));
         }
-        // Positions are below the uploaded lengths, so `8 * position` stays within the
-        // buffer's addresses.
-        let index_base = keep(device.upload_i64(&index_values)?);
-        // Every step's argument table, uploaded at once.
-        let mut tables: Vec<i64> = Vec::new();
-        let mut table_starts = Vec::with_capacity(planned.len());
-        for (kernel, _) in &planned {
-            table_starts.push(tables.len());
-            let mut table = Vec::new();
-            if let Some(signature) = kernel {
-                super::marshal::marshal(signature, &mut table, |arg| {
-                    Ok::<_, RuntimeError>(match arg {
-                        Arg::Buffer(slot) => slot_address(*slot) as i64,
-                        Arg::Absent => 0,
-                        // Every index an argument names was gathered while planning.
-                        index => (index_base + 8 * indices[index] as u64) as i64,
-                    })
-                })?;
-            }
-            tables.extend(table);
-        }
-        let table_base = keep(device.upload_i64(&tables)?);
-        for (step_index, ((kernel, product), start)) in planned.iter().zip(table_starts).enumerate()
-        {
-            if let Some((call, [a, b, c])) = product {
-                // `blas_product` checked that the buffers hold what the call reads and
-                // writes.
-                let buffers = [*a, *b, *c].map(slot_address);
-                unsafe { device.blas(step_index, call, buffers)? };
-            }
-            if let Some(signature) = kernel {
-                let range = (0, sizes.rows(signature.range));
-                // The buffers were sized from these lengths for this program's steps,
-                // the index buffers from the same lengths, and every buffer (tables
-                // included) lives as long as the results, which wait for the work
-                // before they are read.
-                unsafe { device.launch(step_index, table_base + 8 * start as u64, range)? };
-            }
-            stats.moved(self.bytes_moved(step_index, &sizes));
-        }
-        stats.launched(program.steps.len() as u64);
-        let outputs = self
-            .output_shapes(&sizes)
-            .into_iter()
-            .map(|(slot, shape)| DeviceOutput {
-                address: slot_address(slot),
-                len: sizes.elements(program, slot),
-                shape,
-                dtype: program.info(slot).dtype,
-            })
-            .collect();
-        // The results' buffers stay with them; the rest are spare for the next run (its
-        // steps come after this run's on the device).
+        Ok((planned, indices, index_values))
+    }
+}
+
+/// Every step's kernel signature and BLAS call (with its `A`, `B`, `C` slots), the
+/// position of every index argument in the index values, and those values.
+type PlannedSteps = (
+    Vec<(Option<Signature>, Option<(BlasCall, [Slot; 3])>)>,
+    HashMap<Arg, usize>,
+    Vec<i64>,
+);
+
+/// The memory of one device run.
+struct DeviceMemory<B> {
+    /// Every slot's address on the device (0 for aliases, which use their root's).
+    addresses: Vec<u64>,
+    /// Uploaded buffers, kept until the run's work is done.
+    kept: Vec<B>,
+    /// The step outputs' buffers, by slot.
+    owned: Vec<Option<B>>,
+    /// Buffers free for the run's next outputs (then the device's next runs).
+    spare: Vec<B>,
+}
+
+impl<B> DeviceMemory<B> {
+    /// Keeps `buffer` for the run; its address.
+    fn keep<D: KernelDevice<Buffer = B>>(&mut self, device: &D, buffer: B) -> u64 {
+        let address = device.address(&buffer);
+        self.kept.push(buffer);
+        address
+    }
+
+    /// The run's results: the results' buffers stay with them, the rest are spare for
+    /// the device's next run (its steps come after this run's on the device).
+    fn finish<D: KernelDevice<Buffer = B>>(
+        mut self,
+        device: &D,
+        program: &Program,
+        root: impl Fn(Slot) -> Slot,
+        outputs: Vec<DeviceOutput>,
+    ) -> DeviceResults<B> {
         let mut results = Vec::new();
         for output in &program.outputs {
-            results.extend(owned[self.root(output.slot()).0 as usize].take());
+            results.extend(self.owned[root(output.slot()).0 as usize].take());
         }
-        spare.extend(owned.into_iter().flatten());
+        self.spare.extend(self.owned.into_iter().flatten());
         device
             .spare()
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .extend(spare);
-        Ok(DeviceResults {
+            .extend(self.spare);
+        DeviceResults {
             outputs,
             results,
-            buffers,
-        })
+            buffers: self.kept,
+        }
     }
 }
 
@@ -666,7 +522,7 @@ impl Plan<'_> {
                 offsets
             }
             Arg::Count(rows) => vec![self.sizes.rows(rows)],
-            Arg::MaskKey(stream) => vec![super::steps::mask_key(stream, self.run) as i64],
+            Arg::MaskKey(stream) => vec![super::run_state::mask_key(stream, self.run) as i64],
             Arg::Taps(window, heights, widths) => self.taps(window, heights, widths)?.rows.clone(),
             Arg::WindowsOfPixels(window, heights, widths) => {
                 self.windows_of_pixels(window, heights, widths)?
@@ -722,7 +578,7 @@ impl Plan<'_> {
         window: Window2d,
         heights: Slot,
         widths: Slot,
-    ) -> Result<std::sync::Arc<crate::window::WindowTaps>, RuntimeError> {
+    ) -> Result<std::sync::Arc<nestor_layout::WindowTaps>, RuntimeError> {
         self.sizes
             .window_taps(window, (heights, widths))
             .map_err(|error| device_error(self.step, error))

@@ -1,53 +1,39 @@
 //! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
 //! lengths inputs of each run; intermediate buffers are reused once their last reader
-//! has run; kernels split their rows (or elements) across the cores in chunks of at
-//! least [`Parallelism::kernel_scalars`] scalars (fewer for steps with transcendentals),
-//! on the team of `crate::team`, the calling thread taking part. `NESTOR_PROFILE` prints
-//! per-step timings.
+//! has run; each step runs through the backend's [`HostSteps`], which reads and writes
+//! the run's buffers ([`RunState`]). `NESTOR_PROFILE` prints per-step timings.
 
-use nestor_backend_cpu::{CpuKernels, KernelFn};
 use nestor_ir::DType;
 use nestor_passes::step::{
     AttentionGrad, Gemm, Insert, OneHot, PairGemm, RandomMask, Row, ScatterRows, Segment, SumRows,
     Window,
 };
-use nestor_passes::{
-    FloatType, KernelSet, OutDim, Output, Placement, Program, RowBase, Slot, Source, Step,
-};
+use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, Step};
 use thiserror::Error;
 
-mod conv;
-mod copies;
 mod device;
-
-pub use device::{
-    from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, Gemms, HostBuffer, HostDevice,
-    KernelDevice,
-};
-mod gemm;
 mod marshal;
 mod product;
-
-pub use product::{BlasCall, BlasSizeError, Product};
+mod run_state;
 mod sizes;
-mod steps;
-mod window;
 
-pub use window::convolve_images;
+pub use device::{
+    from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, Gemms, KernelDevice,
+};
+pub use product::{BlasCall, BlasSizeError, Product};
+pub use run_state::{mask_key, split_mix, step_error, RunState};
+pub use sizes::{LengthsInfo, Sizes};
 
-use crate::scalar::Scalar;
-use crate::{MemoryBudget, Parallelism};
-use sizes::Sizes;
-use steps::RunState;
-
+use crate::MemoryBudget;
 use crate::Stats;
 
 /// Why a run could not happen.
 #[derive(Debug, Error)]
 pub enum RuntimeError {
-    /// The program could not be compiled for this machine.
+    /// The program could not be compiled for this machine: the backend's own error,
+    /// which a caller can downcast (the CPU backend's `BackendError`).
     #[error(transparent)]
-    Backend(#[from] nestor_backend_cpu::BackendError),
+    Backend(Box<dyn std::error::Error + Send + Sync>),
     /// A kernel device failed (no driver or device, its code, a launch, a copy): the
     /// device's own error, which a caller can downcast (the CUDA backend's `CudaError`).
     #[error("device: {0}")]
@@ -261,13 +247,25 @@ pub trait HostRunner: Sync {
     ) -> Result<(), String>;
 }
 
-/// A program and its compiled kernels.
+/// How a backend runs a program's steps on the host (the CPU backend: its JIT-compiled
+/// kernels, GEMM libraries and hand-written steps).
+pub trait HostSteps: Send + Sync {
+    /// Runs step `index` (`step`) of the run's program: reads the buffers of the slots
+    /// it reads and writes all of its output's.
+    fn execute(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError>;
+    /// The code generated for the steps (the CPU's optimized LLVM IR), for dumps.
+    fn code(&self) -> &str;
+}
+
+/// A program and the backend's code that runs its steps.
 pub struct Executable {
     program: Program,
-    kernels: CpuKernels,
-    /// Where each step runs on the CPU ([`KernelSet::Library`]), with its kernel's
-    /// signature.
-    placements: Vec<Placement>,
+    steps: Box<dyn HostSteps>,
     /// The slots each step reads (lengths excepted): fixed by the program.
     reads: Vec<Vec<Slot>>,
     /// The buffers each step is the last reader of (inputs excepted), freed after it.
@@ -324,39 +322,22 @@ impl Scratch {
 #[repr(C, align(64))]
 struct CacheLine([u64; 8]);
 
-/// Raw buffer pointers handed to kernels on several threads; each thread writes a
-/// disjoint range of the output, and inputs are only read.
-#[derive(Clone, Copy)]
-struct Args<'a>(&'a [*mut u8]);
-unsafe impl Send for Args<'_> {}
-unsafe impl Sync for Args<'_> {}
-
 impl Executable {
-    /// Compiles the kernels of `program`.
-    pub fn compile(program: Program) -> Result<Self, RuntimeError> {
-        let kernels = nestor_backend_cpu::compile(&program)?;
-        let placements = program
-            .steps
-            .iter()
-            .map(|step| step.placement(&program, KernelSet::Library))
-            .collect();
+    /// `program`, its steps run by `steps` (a backend's, compiled for `program`).
+    pub fn new(program: Program, steps: Box<dyn HostSteps>) -> Self {
         let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
         let roots: Vec<Slot> = (0..program.slots.len())
             .map(|index| root(&program, Slot(index as u32)))
             .collect();
         let frees = last_readers(&program, &reads, &roots);
-        // The GEMM library is chosen (a probe of a few milliseconds, once per process)
-        // while compiling rather than inside a run.
-        crate::blas::gemm_library();
-        Ok(Self {
+        Self {
             program,
-            kernels,
-            placements,
+            steps,
             reads,
             frees,
             roots,
             scratch: std::sync::Mutex::new(Vec::new()),
-        })
+        }
     }
 
     /// The program.
@@ -364,9 +345,9 @@ impl Executable {
         &self.program
     }
 
-    /// The optimized LLVM IR of the kernels.
-    pub fn llvm_ir(&self) -> &str {
-        self.kernels.llvm_ir()
+    /// The code the backend generated for the steps (the CPU's optimized LLVM IR).
+    pub fn code(&self) -> &str {
+        self.steps.code()
     }
 
     /// Runs the program on `inputs` (one per graph input, in order); `host` runs host
@@ -445,39 +426,13 @@ impl Executable {
                         .elements(program, out)
                         .checked_mul(program.float.size()),
                 )?;
-                let lines = bytes.div_ceil(std::mem::size_of::<CacheLine>());
-                let reuse = free.iter().position(|buffer| buffer.capacity() >= lines);
-                let mut buffer = match reuse {
-                    Some(position) => free.swap_remove(position),
-                    None => {
-                        stats.allocated(bytes as u64);
-                        let mut buffer = Vec::new();
-                        buffer
-                            .try_reserve_exact(lines)
-                            .map_err(|_| RuntimeError::OutOfMemory {
-                                step: step_index,
-                                what: "its output".into(),
-                                bytes: bytes as u64,
-                                budget: MemoryBudget::bytes(),
-                            })?;
-                        buffer
-                    }
-                };
-                // Every step writes all of its output, so a buffer's old contents are
-                // never read: it is used as it is, its length unused (zeroing the grown
-                // part of a reused buffer was a 4 MiB memset per encoder layer and run).
-                // Debug builds fill it with NaN, so that a step leaving values unwritten
-                // fails the tests rather than passing on zeros.
-                #[cfg(debug_assertions)]
-                {
-                    buffer.clear();
-                    buffer.resize(lines, CacheLine([UNWRITTEN; 8]));
-                }
+                let mut buffer = output_buffer(step_index, bytes, free, stats)?;
                 pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
                 owned[out.0 as usize] = Some(buffer);
             }
             let started = profile().then(std::time::Instant::now);
             let state = RunState {
+                program,
                 pointers,
                 roots: &self.roots,
                 sizes: &sizes,
@@ -488,7 +443,7 @@ impl Executable {
             };
             #[cfg(debug_assertions)]
             self.check_own_output(step_index, pointers, &sizes);
-            self.execute(step_index, step, &state)?;
+            self.steps.execute(step_index, step, &state)?;
             if let Some(started) = started {
                 eprintln!(
                     "nestor profile: step {step_index} {:.1} us {}",
@@ -735,45 +690,45 @@ impl Executable {
     fn root(&self, slot: Slot) -> Slot {
         self.roots[slot.0 as usize]
     }
+}
 
-    /// Runs kernel `index` over `0..total`, split across the cores in chunks of at least
-    /// `grain` rows or elements.
-    fn launch(
-        &self,
-        index: usize,
-        args: &[*mut u8],
-        total: i64,
-        grain: i64,
-    ) -> Result<(), RuntimeError> {
-        let Some(kernel) = self.kernels.kernel(index) else {
-            return Ok(());
-        };
-        let threads = worker_threads();
-        let chunks = threads.min(total / grain.max(1)).max(1);
-        let shared = Args(args);
-        let call = |kernel: KernelFn, args: Args<'_>, start: i64, end: i64| {
-            // The kernel reads and writes only the buffers in `args`, sized for the
-            // program's lengths, and writes rows start..end of its output.
-            unsafe { kernel(args.0.as_ptr(), start, end) }
-        };
-        if chunks == 1 {
-            call(kernel, shared, 0, total);
-            return Ok(());
+/// A buffer of `bytes` for step `index`'s output: a free one that is large enough, else
+/// a new one (counted into `stats`). Every step writes all of its output, so a buffer's
+/// old contents are never read: it is used as it is, its length unused (zeroing the
+/// grown part of a reused buffer would be a pass over memory per step). Debug builds
+/// fill it with NaN, so that a step leaving values unwritten fails the tests rather
+/// than passing on zeros.
+fn output_buffer(
+    index: usize,
+    bytes: usize,
+    free: &mut Vec<Vec<CacheLine>>,
+    stats: &Stats,
+) -> Result<Vec<CacheLine>, RuntimeError> {
+    let lines = bytes.div_ceil(std::mem::size_of::<CacheLine>());
+    let reuse = free.iter().position(|buffer| buffer.capacity() >= lines);
+    #[allow(unused_mut)]
+    let mut buffer = match reuse {
+        Some(position) => free.swap_remove(position),
+        None => {
+            stats.allocated(bytes as u64);
+            let mut buffer = Vec::new();
+            buffer
+                .try_reserve_exact(lines)
+                .map_err(|_| RuntimeError::OutOfMemory {
+                    step: index,
+                    what: "its output".into(),
+                    bytes: bytes as u64,
+                    budget: MemoryBudget::bytes(),
+                })?;
+            buffer
         }
-        Parallelism::count_split();
-        let per_chunk = (total + chunks - 1) / chunks;
-        // The team (shared with the GEMMs) runs the chunks, this thread among them.
-        crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
-            let chunk = chunk as i64;
-            call(
-                kernel,
-                shared,
-                chunk * per_chunk,
-                ((chunk + 1) * per_chunk).min(total),
-            )
-        });
-        Ok(())
+    };
+    #[cfg(debug_assertions)]
+    {
+        buffer.clear();
+        buffer.resize(lines, CacheLine([UNWRITTEN; 8]));
     }
+    Ok(buffer)
 }
 
 /// What debug builds fill each step's output buffer with before the step: NaN as an
@@ -785,17 +740,6 @@ const UNWRITTEN: u64 = 0x7FF8_0000_7FC0_0000;
 /// new.
 static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// How many scalars' worth of memory traffic one transcendental function (an
-/// exponential, erf, tanh) counts for when deciding to split a kernel.
-const TRANSCENDENTAL_WEIGHT: i64 = 8;
-
-/// Rows per chunk of `step` over rows of `width` scalars: fewer when it evaluates
-/// transcendentals, which make a kernel worth splitting across threads sooner.
-fn row_grain(step: &Step, width: i64) -> i64 {
-    let weight = 1 + TRANSCENDENTAL_WEIGHT * step.transcendentals() as i64;
-    let scalars = Parallelism::current().kernel_scalars as i64;
-    (scalars / (width * weight).max(1)).max(1)
-}
 /// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
 fn profile() -> bool {
     static PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -838,12 +782,9 @@ fn step_name(step: &Step) -> String {
     }
 }
 
-/// `bytes` if a step may allocate them at once (a count that overflowed is `None`).
-pub(super) fn within_budget(
-    step: usize,
-    what: &str,
-    bytes: Option<usize>,
-) -> Result<usize, RuntimeError> {
+/// `bytes` if a step may allocate them at once (a count that overflowed is `None`): an
+/// [`RuntimeError::OutOfMemory`] naming step `step` and `what` otherwise.
+pub fn within_budget(step: usize, what: &str, bytes: Option<usize>) -> Result<usize, RuntimeError> {
     let budget = MemoryBudget::bytes();
     match bytes {
         Some(bytes) if (bytes as u64) <= budget => Ok(bytes),
@@ -854,11 +795,6 @@ pub(super) fn within_budget(
             budget,
         }),
     }
-}
-
-/// Chunks a step may be split into ([`Parallelism::threads`]).
-fn worker_threads() -> i64 {
-    Parallelism::current().threads as i64
 }
 
 /// The slot whose memory `slot` uses in `program` (itself, unless it is an alias).
@@ -898,9 +834,9 @@ fn last_readers(program: &Program, reads: &[Vec<Slot>], roots: &[Slot]) -> Vec<V
 ///
 /// # Safety
 /// A non-null `pointer` must hold `elements` values of type `T`.
-unsafe fn copy_out<T: Scalar>(pointer: *const u8, elements: usize) -> Vec<T> {
+unsafe fn copy_out<T: Copy + Default>(pointer: *const u8, elements: usize) -> Vec<T> {
     if elements == 0 || pointer.is_null() {
-        return vec![T::ZERO; elements];
+        return vec![T::default(); elements];
     }
     unsafe { std::slice::from_raw_parts(pointer as *const T, elements) }.to_vec()
 }

@@ -9,22 +9,24 @@ use nestor_ir::{DType, Window2d};
 use nestor_passes::{LengthsKind, Program, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
-use crate::window::{window_taps, Outside, WindowError, WindowTaps};
+use nestor_layout::{window_taps, Outside, WindowError, WindowTaps};
 
 /// What a run knows about one lengths input: its values borrowed from the run's input
 /// (or computed, for derived lengths).
-pub(super) struct LengthsInfo<'a> {
-    pub(super) lengths: Cow<'a, [i64]>,
-    pub(super) offsets: Vec<i64>,
+pub struct LengthsInfo<'a> {
+    /// Every element's length.
+    pub lengths: Cow<'a, [i64]>,
+    /// Where each element starts, and the total at the end (`lengths.len() + 1` values).
+    pub offsets: Vec<i64>,
     /// The longest length (0 for an empty batch): the row stride of a padded grid.
-    pub(super) longest: i64,
+    pub longest: i64,
     /// For every packed row, the element that owns it (built on first use).
     owners: std::cell::OnceCell<Vec<i64>>,
 }
 
 impl<'a> LengthsInfo<'a> {
     /// The info of `lengths`, its offsets written into `offsets` (its memory reused).
-    pub(super) fn new(lengths: Cow<'a, [i64]>, mut offsets: Vec<i64>) -> Self {
+    pub fn new(lengths: Cow<'a, [i64]>, mut offsets: Vec<i64>) -> Self {
         offsets.clear();
         offsets.reserve(lengths.len() + 1);
         offsets.push(0);
@@ -39,7 +41,8 @@ impl<'a> LengthsInfo<'a> {
         }
     }
 
-    pub(super) fn owners(&self) -> &Vec<i64> {
+    /// For every packed row, the element that owns it.
+    pub fn owners(&self) -> &Vec<i64> {
         self.owners.get_or_init(|| {
             self.lengths
                 .iter()
@@ -52,7 +55,7 @@ impl<'a> LengthsInfo<'a> {
 
 /// The lengths of one run, by the slot of each lengths buffer (a program has a handful:
 /// a list, searched in order, costs less per run than a map).
-pub(super) struct Sizes<'a> {
+pub struct Sizes<'a> {
     lengths: Vec<(Slot, LengthsInfo<'a>)>,
     /// The pair layouts' row maps built so far (kept for the run: kernels read them).
     pair_maps: std::cell::RefCell<HashMap<RowMap, Box<[i64]>>>,
@@ -66,7 +69,7 @@ impl<'a> Sizes<'a> {
     /// negative length; borrowed, not copied) and computes the lengths its
     /// `lengths_ops` derive from them. Offsets go into the buffers of `spare` while it
     /// has some ([`Sizes::recycle`] gives them back).
-    pub(super) fn of_run(
+    pub(crate) fn of_run(
         program: &Program,
         inputs: &[InputData<'a>],
         spare: &mut Vec<Vec<i64>>,
@@ -154,14 +157,14 @@ impl<'a> Sizes<'a> {
     }
 
     /// Ends the run: the offsets buffers go to `spare` for the next.
-    pub(super) fn recycle(self, spare: &mut Vec<Vec<i64>>) {
+    pub(crate) fn recycle(self, spare: &mut Vec<Vec<i64>>) {
         spare.extend(self.lengths.into_iter().map(|(_, info)| info.offsets));
     }
 
     /// The values of `map` for this run, built on first use: an input row for every
     /// output row. `None` when a lengths buffer is unknown or the map cannot be
     /// allocated.
-    pub(super) fn row_map(&self, map: RowMap) -> Option<(*const i64, usize)> {
+    pub fn row_map(&self, map: RowMap) -> Option<(*const i64, usize)> {
         let (rows, columns) = match map {
             RowMap::Owners(slot) => {
                 let owners = self.get(slot)?.owners();
@@ -180,7 +183,7 @@ impl<'a> Sizes<'a> {
 
     /// The taps of `window` over images of the heights and widths in these lengths
     /// buffers, built on first use (taps outside an image are -1).
-    pub(super) fn window_taps(
+    pub fn window_taps(
         &self,
         window: Window2d,
         (heights, widths): (Slot, Slot),
@@ -201,14 +204,14 @@ impl<'a> Sizes<'a> {
     }
 
     /// What the run knows of the lengths buffer `slot`.
-    pub(super) fn get(&self, slot: Slot) -> Option<&LengthsInfo<'a>> {
+    pub fn get(&self, slot: Slot) -> Option<&LengthsInfo<'a>> {
         self.lengths
             .iter()
             .find_map(|(known, info)| (*known == slot).then_some(info))
     }
 
     /// The number of elements in the batch of lengths buffer `slot`.
-    pub(super) fn batch(&self, slot: Slot) -> i64 {
+    pub fn batch(&self, slot: Slot) -> i64 {
         self.get(slot).map_or(0, |info| info.lengths.len() as i64)
     }
 
@@ -216,7 +219,7 @@ impl<'a> Sizes<'a> {
     ///
     /// Counts saturate at `i64::MAX`: a count that large is over any memory budget, so
     /// the step that would allocate it fails with `OutOfMemory` rather than wrapping.
-    pub(super) fn rows(&self, rows: Rows) -> i64 {
+    pub fn rows(&self, rows: Rows) -> i64 {
         let base = match rows.base {
             RowBase::Volume(first, second) => match (self.get(first), self.get(second)) {
                 (Some(a), Some(b)) => a
@@ -240,13 +243,13 @@ impl<'a> Sizes<'a> {
 
     /// The number of scalars slot `slot` of `program` holds in this run (saturating, as
     /// [`Sizes::rows`]).
-    pub(super) fn scalars(&self, program: &Program, slot: Slot) -> i64 {
+    pub fn scalars(&self, program: &Program, slot: Slot) -> i64 {
         let info = program.info(slot);
         self.rows(info.rows).saturating_mul(info.width)
     }
 
     /// [`Sizes::scalars`] as a buffer length.
-    pub(super) fn elements(&self, program: &Program, slot: Slot) -> usize {
+    pub fn elements(&self, program: &Program, slot: Slot) -> usize {
         self.scalars(program, slot).max(0) as usize
     }
 }

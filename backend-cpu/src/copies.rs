@@ -1,7 +1,7 @@
 //! The runtime's copies between packed rows and a padded grid.
 
-use super::sizes::LengthsInfo;
 use crate::scalar::Scalar;
+use nestor_runtime::LengthsInfo;
 
 /// Writes the padded grid `[B, max(L), width]` of packed rows `x`.
 ///

@@ -12,9 +12,8 @@ pub(crate) unsafe fn run_template(step: Step, args: &[*mut u8], range: i64) {
         steps: vec![step],
         ..Program::default()
     };
-    let kernels =
-        nestor_backend_cpu::compile_with(&program, nestor_backend_cpu::KernelSet::Complete)
-            .unwrap_or_else(|error| panic!("{error}"));
+    let kernels = crate::compile_with(&program, crate::KernelSet::Complete)
+        .unwrap_or_else(|error| panic!("{error}"));
     let kernel = kernels
         .kernel(0)
         .unwrap_or_else(|| panic!("the step has no template"));

@@ -1,219 +1,35 @@
-//! One step of a run: kernels (pointwise, row, segmented, gather) launched on the
-//! cores, GEMMs, varlen attention, host steps and the padding copies, each reading the
-//! buffers of the run's state.
+//! The CPU's steps of a run: generated kernels (pointwise, row, segmented, gather)
+//! launched on the cores, GEMMs on the GEMM library with a kernel for their epilogue,
+//! varlen attention, window steps, host steps and the padding copies, each reading and
+//! writing the buffers of the run's state.
 
 use nestor_passes::step::{
     Attention, AttentionGrad, Gemm, Host, Insert, LengthValues, OneHot, Pad, PairGemm, RandomMask,
     ScatterRows, SumRows, Unpad,
 };
-use nestor_passes::{Arg, FloatType, Placement, Signature, Slot, Source, Step};
+use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Source, Step};
+use nestor_runtime::{
+    step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
+};
 
-use super::copies::{pad, unpad};
-use super::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
-use super::sizes::{LengthsInfo, Sizes};
-use super::RuntimeError;
-use super::{row_grain, worker_threads, Args, Executable, HostRunner, HostValue, InputData};
 use crate::attention::{AttentionGradRun, AttentionRun, Tiles};
+use crate::copies::{pad, unpad};
+use crate::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
+use crate::jit::{BackendError, CpuKernels};
+use crate::parallel::{row_grain, worker_threads, Args};
+use crate::{KernelFn, Parallelism};
 
-/// What every step of one run reads: the buffers of every slot (an alias's is its
-/// root's), the lengths, the inputs and the host runner.
-pub(super) struct RunState<'r, 'i> {
-    /// The buffer of every slot that has its own memory (null for aliases).
-    pub(super) pointers: &'r [*mut u8],
-    /// The slot whose memory each slot uses ([`Executable`]'s `roots`).
-    pub(super) roots: &'r [Slot],
-    pub(super) sizes: &'r Sizes<'i>,
-    pub(super) inputs: &'r [InputData<'i>],
-    pub(super) host: Option<&'r dyn HostRunner>,
-    /// The run's number (keys its random masks).
-    pub(super) run: u64,
-    /// The argument list pointwise kernels are given (reused by every step).
-    pub(super) args: &'r std::cell::RefCell<Vec<*mut u8>>,
-}
+mod data;
+mod window;
 
-impl<'r> RunState<'r, '_> {
-    pub(super) fn pointer(&self, slot: Slot) -> *mut u8 {
-        self.pointers[self.roots[slot.0 as usize].0 as usize]
-    }
+use data::{insert, one_hot, random_mask, scatter_rows, write_numbers};
 
-    fn lengths(&self, slot: Slot) -> Option<&LengthsInfo<'_>> {
-        self.sizes.get(slot)
-    }
-
-    fn offsets(&self, slot: Slot) -> *mut u8 {
-        self.lengths(slot).map_or(std::ptr::null_mut(), |info| {
-            info.offsets.as_ptr() as *mut u8
-        })
-    }
-
-    /// The run's argument list for step `index`'s kernel of `signature`: the CPU's
-    /// kernels take buffers, offsets and row maps.
-    fn kernel_args(
-        &self,
-        index: usize,
-        signature: &Signature,
-    ) -> Result<std::cell::RefMut<'r, Vec<*mut u8>>, RuntimeError> {
-        // Steps run one at a time and release the list when they end.
-        let mut args = self
-            .args
-            .try_borrow_mut()
-            .map_err(|_| step_error(index, "the argument list is in use".into()))?;
-        super::marshal::marshal(signature, &mut args, |arg| match *arg {
-            Arg::Buffer(slot) => Ok(self.pointer(slot)),
-            Arg::Absent => Ok(std::ptr::null_mut()),
-            Arg::Offsets(lengths) => Ok(self.offsets(lengths)),
-            Arg::RowMap(map) => self
-                .sizes
-                .row_map(map)
-                .map(|(values, _)| values as *mut u8)
-                .ok_or_else(|| step_error(index, format!("the row map {map:?} cannot be built"))),
-            other => Err(step_error(
-                index,
-                format!("the CPU's kernels take no {other:?}"),
-            )),
-        })?;
-        Ok(args)
-    }
-}
-
-/// Writes `values` as numbers of type `T`.
-///
-/// # Safety
-/// `out` must hold `values.len()` values of type `T` (or be unused when it is empty).
-unsafe fn write_numbers<T: crate::scalar::Scalar>(out: *mut u8, values: &[i64]) {
-    if values.is_empty() {
-        return;
-    }
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, values.len()) };
-    for (number, &value) in out.iter_mut().zip(values) {
-        *number = T::from_f64(value as f64);
-    }
-}
-
-/// One-hot rows of `ids` (zero rows for `ignore` and out-of-range ids).
-///
-/// # Safety
-/// `ids` must hold `rows` values and `out` `rows * classes` values of type `T` (either
-/// may be unused when `rows` is 0).
-unsafe fn one_hot<T: crate::scalar::Scalar>(
-    out: *mut u8,
-    ids: *const i64,
-    rows: usize,
-    classes: i64,
-    ignore: i64,
-) {
-    let width = classes.max(0) as usize;
-    if rows == 0 || width == 0 {
-        return;
-    }
-    let ids = unsafe { std::slice::from_raw_parts(ids, rows) };
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, rows * width) };
-    for (row, &id) in out.chunks_exact_mut(width).zip(ids) {
-        row.fill(T::ZERO);
-        if id != ignore && (0..classes).contains(&id) {
-            row[id as usize] = T::ONE;
-        }
-    }
-}
-
-/// Adds every row of `g` into the row of `out` its id names (none for `padding` and
-/// ids outside the table).
-///
-/// # Safety
-/// `ids` must hold `rows` values, `g` `rows * width` and `out` `vocabulary * width`
-/// values of type `T` (any may be unused when empty).
-unsafe fn scatter_rows<T: crate::scalar::Scalar>(
-    (out, g, ids): (*mut u8, *const u8, *const i64),
-    (rows, width, vocabulary, padding): (usize, i64, i64, i64),
-) {
-    let width = width.max(0) as usize;
-    let table = vocabulary.max(0) as usize * width;
-    if table == 0 {
-        return;
-    }
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, table) };
-    out.fill(T::ZERO);
-    if rows == 0 {
-        return;
-    }
-    let ids = unsafe { std::slice::from_raw_parts(ids, rows) };
-    let g = unsafe { std::slice::from_raw_parts(g as *const T, rows * width) };
-    for (row, &id) in g.chunks_exact(width).zip(ids) {
-        if id != padding && (0..vocabulary).contains(&id) {
-            let start = id as usize * width;
-            for (sum, &value) in out[start..start + width].iter_mut().zip(row) {
-                *sum += value;
-            }
-        }
-    }
-}
-
-/// `out` (`[rows, size, inner]`) zero but for `out[:, index, :] = x` (`[rows, inner]`).
-///
-/// # Safety
-/// `x` must hold `rows * inner` and `out` `rows * size * inner` values of type `T`.
-unsafe fn insert<T: crate::scalar::Scalar>(
-    out: *mut u8,
-    x: *const u8,
-    rows: usize,
-    (size, index, inner): (i64, i64, i64),
-) {
-    let (size, inner) = (size.max(0) as usize, inner.max(0) as usize);
-    if rows * size * inner == 0 {
-        return;
-    }
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, rows * size * inner) };
-    let x = unsafe { std::slice::from_raw_parts(x as *const T, rows * inner) };
-    // Each value written once: the zeros around the inserted part, and the part (at
-    // `index < size`, which the IR's type check ensures; `min` keeps it in the row).
-    let start = (index.max(0) as usize * inner).min(size * inner - inner);
-    for (row, values) in out
-        .chunks_exact_mut(size * inner)
-        .zip(x.chunks_exact(inner))
-    {
-        let (before, rest) = row.split_at_mut(start);
-        let (inserted, after) = rest.split_at_mut(inner);
-        before.fill(T::ZERO);
-        inserted.copy_from_slice(values);
-        after.fill(T::ZERO);
-    }
-}
-
-/// A dropout mask of `count` values: `1 / (1 - p)` where the position's uniform number
-/// (SplitMix64 of the stream, the run and the position) is at least `p`, else 0.
-///
-/// # Safety
-/// `out` must hold `count` values of type `T` (or be unused when `count` is 0).
-unsafe fn random_mask<T: crate::scalar::Scalar>(
-    out: *mut u8,
-    count: usize,
-    p: f64,
-    (stream, run): (u64, u64),
-) {
-    if count == 0 {
-        return;
-    }
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, count) };
-    let kept = T::from_f64(1.0 / (1.0 - p));
-    let key = mask_key(stream as i64, run);
-    for (position, value) in out.iter_mut().enumerate() {
-        // The top 53 bits as a uniform number in [0, 1).
-        let uniform = (split_mix(key ^ position as u64) >> 11) as f64 / (1u64 << 53) as f64;
-        *value = if uniform >= p { kept } else { T::ZERO };
-    }
-}
-
-/// The key of mask `stream` in run `run` (the device's mask kernel takes it too).
-pub(super) fn mask_key(stream: i64, run: u64) -> u64 {
-    split_mix(stream as u64 ^ split_mix(run))
-}
-
-/// SplitMix64's finalizer: a bijective mix of 64 bits.
-fn split_mix(value: u64) -> u64 {
-    let mut z = value.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// How the CPU runs a program's steps: the JIT-compiled kernels of its generated steps
+/// and where each step runs ([`KernelSet::Library`]'s placements, with each kernel's
+/// signature).
+pub(crate) struct CpuSteps {
+    kernels: CpuKernels,
+    placements: Vec<Placement>,
 }
 
 /// The row offsets of an attention step's queries and keys.
@@ -230,7 +46,7 @@ fn attention_offsets<'r>(
     (q_lengths, k_lengths): (Slot, Slot),
     (task_scalars, scalar_bytes): (TaskScalars<'_>, usize),
 ) -> Result<Option<Offsets<'r>>, RuntimeError> {
-    let (batch, key_batch) = (run.sizes.batch(q_lengths), run.sizes.batch(k_lengths));
+    let (batch, key_batch) = (run.sizes().batch(q_lengths), run.sizes().batch(k_lengths));
     if batch != key_batch {
         return Err(step_error(
             index,
@@ -256,17 +72,12 @@ fn attention_offsets<'r>(
             .checked_mul(scalar_bytes)
             .and_then(|bytes| bytes.checked_mul(tasks))
     });
-    super::within_budget(index, "attention scores", bytes)?;
+    within_budget(index, "attention scores", bytes)?;
     Ok(Some((q_offsets, k_offsets)))
 }
 
-pub(super) fn step_error(step: usize, reason: String) -> RuntimeError {
-    RuntimeError::Step { step, reason }
-}
-
-impl Executable {
-    /// Runs step `index` of the program, where its placement on the CPU says.
-    pub(super) fn execute(
+impl HostSteps for CpuSteps {
+    fn execute(
         &self,
         index: usize,
         step: &Step,
@@ -291,6 +102,68 @@ impl Executable {
         }
     }
 
+    fn code(&self) -> &str {
+        self.kernels.llvm_ir()
+    }
+}
+
+impl CpuSteps {
+    /// Compiles the kernels of `program`'s steps that the CPU runs as generated code
+    /// ([`KernelSet::Library`]), and chooses the GEMM library (a probe of a few
+    /// milliseconds, once per process) now rather than inside a run.
+    pub(crate) fn compile(program: &Program) -> Result<Self, BackendError> {
+        let kernels = crate::jit::compile(program)?;
+        let placements = program
+            .steps
+            .iter()
+            .map(|step| step.placement(program, KernelSet::Library))
+            .collect();
+        crate::blas::gemm_library();
+        Ok(Self {
+            kernels,
+            placements,
+        })
+    }
+
+    /// Runs kernel `index` over `0..total`, split across the cores in chunks of at least
+    /// `grain` rows or elements.
+    fn launch(
+        &self,
+        index: usize,
+        args: &[*mut u8],
+        total: i64,
+        grain: i64,
+    ) -> Result<(), RuntimeError> {
+        let Some(kernel) = self.kernels.kernel(index) else {
+            return Ok(());
+        };
+        let threads = worker_threads();
+        let chunks = threads.min(total / grain.max(1)).max(1);
+        let shared = Args(args);
+        let call = |kernel: KernelFn, args: Args<'_>, start: i64, end: i64| {
+            // The kernel reads and writes only the buffers in `args`, sized for the
+            // program's lengths, and writes rows start..end of its output.
+            unsafe { kernel(args.0.as_ptr(), start, end) }
+        };
+        if chunks == 1 {
+            call(kernel, shared, 0, total);
+            return Ok(());
+        }
+        Parallelism::count_split();
+        let per_chunk = (total + chunks - 1) / chunks;
+        // The team (shared with the GEMMs) runs the chunks, this thread among them.
+        crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
+            let chunk = chunk as i64;
+            call(
+                kernel,
+                shared,
+                chunk * per_chunk,
+                ((chunk + 1) * per_chunk).min(total),
+            )
+        });
+        Ok(())
+    }
+
     /// A generated kernel over its signature's range, split in chunks across the cores.
     fn run_kernel(
         &self,
@@ -303,14 +176,14 @@ impl Executable {
             Step::Pointwise(pointwise) => row_grain(step, pointwise.width),
             Step::Row(row) => row_grain(step, row.width),
             Step::Gather(gather) => {
-                let vocabulary = run.sizes.rows(self.program.info(gather.table).rows);
+                let vocabulary = run.sizes().rows(run.program().info(gather.table).rows);
                 self.check_ids(index, gather.ids, (vocabulary, None), run)?;
                 row_grain(step, gather.width)
             }
             _ => 1,
         };
         let args = run.kernel_args(index, signature)?;
-        self.launch(index, &args, run.sizes.rows(signature.range), grain)
+        self.launch(index, &args, run.sizes().rows(signature.range), grain)
     }
 
     /// The steps the CPU runs on its own code: attention, jagged-pair GEMMs, window
@@ -339,7 +212,7 @@ impl Executable {
                 let (out, x) = (run.pointer(*out), run.pointer(*x));
                 // The executor sized `out` for `B x max(L)` rows and `x` for `sum L` rows.
                 unsafe {
-                    match self.program.float {
+                    match run.program().float {
                         FloatType::F32 => pad::<f32>(out, x, info, *width, value.0),
                         FloatType::F64 => pad::<f64>(out, x, info, *width, value.0),
                     }
@@ -371,11 +244,11 @@ impl Executable {
             }) => {
                 let (out, b) = (run.pointer(*out), run.pointer(*b) as *const u8);
                 let a = a.map(|a| run.pointer(a) as *const u8);
-                let sizes = (run.sizes.rows(*rows), *m, *n);
+                let sizes = (run.sizes().rows(*rows), *m, *n);
                 // The executor sized the buffers for these rows and widths, in the
                 // program's type.
                 unsafe {
-                    match self.program.float {
+                    match run.program().float {
                         FloatType::F32 => sum_rows::<f32>(out, a, b, sizes, *mean),
                         FloatType::F64 => sum_rows::<f64>(out, a, b, sizes, *mean),
                     }
@@ -390,11 +263,11 @@ impl Executable {
                 ignore,
             }) => {
                 self.check_ids(index, *ids, (*classes, Some(*ignore)), run)?;
-                let rows = run.sizes.rows(*rows).max(0) as usize;
+                let rows = run.sizes().rows(*rows).max(0) as usize;
                 let (out, ids) = (run.pointer(*out), run.pointer(*ids) as *const i64);
                 // `ids` holds `rows` i64 values (an input of that checked size) and `out`
                 // `rows * classes` values of the program's type.
-                match self.program.float {
+                match run.program().float {
                     FloatType::F32 => unsafe { one_hot::<f32>(out, ids, rows, *classes, *ignore) },
                     FloatType::F64 => unsafe { one_hot::<f64>(out, ids, rows, *classes, *ignore) },
                 }
@@ -409,7 +282,7 @@ impl Executable {
                 vocabulary,
                 padding,
             }) => {
-                let rows = run.sizes.rows(*rows).max(0) as usize;
+                let rows = run.sizes().rows(*rows).max(0) as usize;
                 let buffers = (
                     run.pointer(*out),
                     run.pointer(*g) as *const u8,
@@ -418,7 +291,7 @@ impl Executable {
                 let sizes = (rows, *width, *vocabulary, *padding);
                 // `ids` holds `rows` i64 values, `g` `rows * width` and `out`
                 // `vocabulary * width` values of the program's type.
-                match self.program.float {
+                match run.program().float {
                     FloatType::F32 => unsafe { scatter_rows::<f32>(buffers, sizes) },
                     FloatType::F64 => unsafe { scatter_rows::<f64>(buffers, sizes) },
                 }
@@ -432,11 +305,11 @@ impl Executable {
                 index,
                 inner,
             }) => {
-                let rows = run.sizes.rows(*rows).max(0) as usize;
+                let rows = run.sizes().rows(*rows).max(0) as usize;
                 let (out, x) = (run.pointer(*out), run.pointer(*x) as *const u8);
                 // `x` holds `rows * inner` and `out` `rows * size * inner` values of the
                 // program's type.
-                match self.program.float {
+                match run.program().float {
                     FloatType::F32 => unsafe {
                         insert::<f32>(out, x, rows, (*size, *index, *inner))
                     },
@@ -453,11 +326,11 @@ impl Executable {
                 p,
                 stream,
             }) => {
-                let count = (run.sizes.rows(*rows) * width).max(0) as usize;
+                let count = (run.sizes().rows(*rows) * width).max(0) as usize;
                 let out = run.pointer(*out);
-                let key = (*stream as u64, run.run);
+                let key = (*stream as u64, run.run());
                 // `out` holds `count` values of the program's type.
-                match self.program.float {
+                match run.program().float {
                     FloatType::F32 => unsafe { random_mask::<f32>(out, count, p.0, key) },
                     FloatType::F64 => unsafe { random_mask::<f64>(out, count, p.0, key) },
                 }
@@ -469,7 +342,7 @@ impl Executable {
                 };
                 let out = run.pointer(*out);
                 // `out` holds one value per element of these lengths, in the program's type.
-                match self.program.float {
+                match run.program().float {
                     FloatType::F32 => unsafe { write_numbers::<f32>(out, &info.lengths) },
                     FloatType::F64 => unsafe { write_numbers::<f64>(out, &info.lengths) },
                 }
@@ -477,7 +350,7 @@ impl Executable {
             }
             other => Err(step_error(
                 index,
-                format!("{} is not a host data step", super::step_name(other)),
+                format!("{} is not a host data step", other.name()),
             )),
         }
     }
@@ -502,7 +375,7 @@ impl Executable {
             ..
         } = step;
         let shape = GemmShape {
-            rows: run.sizes.rows(*rows),
+            rows: run.sizes().rows(*rows),
             k: *k,
             n: *n,
             transposed: *transposed,
@@ -518,7 +391,7 @@ impl Executable {
         };
         // The executor sized the buffers for `shape` in the program's type.
         unsafe {
-            match self.program.float {
+            match run.program().float {
                 FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape, epilogue),
                 FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape, epilogue),
             }
@@ -564,7 +437,7 @@ impl Executable {
         // The buffers were sized from these lengths and the step's width, in the
         // program's type.
         unsafe {
-            match self.program.float {
+            match run.program().float {
                 FloatType::F32 => pair_gemm::<f32>(buffers, &blocks, *width, *mix),
                 FloatType::F64 => pair_gemm::<f64>(buffers, &blocks, *width, *mix),
             }
@@ -596,7 +469,7 @@ impl Executable {
         let tiles = Tiles::DEFAULT;
         let scalars = |lengths| tiles.forward_scalars(lengths, *value_dim);
         let Some(offsets) =
-            attention_offsets(index, run, lengths, (&scalars, self.program.float.size()))?
+            attention_offsets(index, run, lengths, (&scalars, run.program().float.size()))?
         else {
             return Ok(());
         };
@@ -621,7 +494,7 @@ impl Executable {
         // The buffers were sized from these offsets and the step's widths, in the
         // program's type.
         unsafe {
-            match self.program.float {
+            match run.program().float {
                 FloatType::F32 => attention.run::<f32>(buffers, offsets),
                 FloatType::F64 => attention.run::<f64>(buffers, offsets),
             }
@@ -654,7 +527,7 @@ impl Executable {
         let (lengths, tiles) = ((*q_lengths, *k_lengths), Tiles::DEFAULT);
         let scalars = |lengths| tiles.gradient_scalars(lengths, *head_dim);
         let Some(offsets) =
-            attention_offsets(index, run, lengths, (&scalars, self.program.float.size()))?
+            attention_offsets(index, run, lengths, (&scalars, run.program().float.size()))?
         else {
             return Ok(());
         };
@@ -681,7 +554,7 @@ impl Executable {
         // The buffers were sized from these offsets and the step's widths, in the
         // program's type.
         unsafe {
-            match self.program.float {
+            match run.program().float {
                 FloatType::F32 => gradient.run::<f32>(buffers, offsets),
                 FloatType::F64 => gradient.run::<f64>(buffers, offsets),
             }
@@ -698,17 +571,17 @@ impl Executable {
         graph: usize,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Some(host) = run.host else {
+        let Some(host) = run.host() else {
             return Err(RuntimeError::Host(
                 "the program has host steps but no host runner was given".into(),
             ));
         };
-        if self.program.float != FloatType::F32 {
+        if run.program().float != FloatType::F32 {
             return Err(RuntimeError::Host(
                 "host steps exchange f32 values; this program computes in f64".into(),
             ));
         }
-        let size = |slot: Slot| run.sizes.elements(&self.program, slot);
+        let size = |slot: Slot| run.sizes().elements(run.program(), slot);
         let values = inputs
             .iter()
             .map(|&slot| match run.lengths(slot) {
@@ -728,7 +601,7 @@ impl Executable {
             // input of this step is that slot.
             unsafe { std::slice::from_raw_parts_mut(run.pointer(out) as *mut f32, expected) }
         };
-        host.run(&self.program.host_graphs[graph], &values, out)
+        host.run(&run.program().host_graphs[graph], &values, out)
             .map_err(RuntimeError::Host)
     }
 
@@ -771,7 +644,7 @@ impl Executable {
         let (out, x) = (run.pointer(*out), run.pointer(*x));
         // `x` holds `B x longest` rows, `out` `sum L` rows, each length <= longest.
         unsafe {
-            match self.program.float {
+            match run.program().float {
                 FloatType::F32 => unpad::<f32>(out, x, &info.lengths, longest, *width),
                 FloatType::F64 => unpad::<f64>(out, x, &info.lengths, longest, *width),
             }
@@ -788,10 +661,10 @@ impl Executable {
         (limit, ignored): (i64, Option<i64>),
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Source::Input(input) = self.program.info(ids).source else {
+        let Source::Input(input) = run.program().info(ids).source else {
             return Err(step_error(index, "ids must be an input".into()));
         };
-        if let Some(InputData::I64(values)) = run.inputs.get(input) {
+        if let Some(InputData::I64(values)) = run.inputs().get(input) {
             if let Some((row, &id)) = values
                 .iter()
                 .enumerate()
@@ -811,6 +684,7 @@ impl Executable {
 mod tests {
     use super::*;
     use nestor_passes::Rows;
+    use nestor_runtime::mask_key;
 
     /// The device's dropout-mask kernel draws the CPU's masks, bit for bit.
     #[test]

@@ -7,7 +7,7 @@
 
 use nestor_ir::parse;
 use nestor_passes::lower;
-use nestor_runtime::{Executable, InputData, RunData, RuntimeError, Stats};
+use nestor_runtime::{InputData, RunData, RuntimeError, Stats};
 use proptest::prelude::*;
 
 /// Padding reads the longest length, the sum over each element's rows its offsets; the
@@ -62,7 +62,7 @@ proptest! {
             1..6,
         ),
     ) {
-        let executable = Executable::compile(lower(&parse(PADDED_RELU).unwrap()).unwrap()).unwrap();
+        let executable = nestor_backend_cpu::executable(lower(&parse(PADDED_RELU).unwrap()).unwrap()).unwrap();
         for (lengths, fail_first) in batches {
             let total: i64 = lengths.iter().sum();
             let values: Vec<f32> = (0..total * 3).map(|i| (i % 7) as f32 - 3.0).collect();
@@ -88,7 +88,8 @@ proptest! {
 
 #[test]
 fn runs_on_several_threads_at_once_each_get_their_own_lists() {
-    let executable = Executable::compile(lower(&parse(PADDED_RELU).unwrap()).unwrap()).unwrap();
+    let executable =
+        nestor_backend_cpu::executable(lower(&parse(PADDED_RELU).unwrap()).unwrap()).unwrap();
     std::thread::scope(|scope| {
         for thread in 0..4i64 {
             let executable = &executable;

@@ -2,12 +2,12 @@
 //! (`Scalar::product`: the process's MKL, else the `gemm` crate) onto its bias written
 //! first, then the step's epilogue kernel run on its rows while they are in cache.
 
-use nestor_backend_cpu::KernelFn;
+use crate::KernelFn;
 
 use std::sync::Mutex;
 
-use super::{worker_threads, Args};
 use crate::blas::Gemm;
+use crate::parallel::{worker_threads, Args};
 use crate::scalar::Scalar;
 
 /// The sizes of one GEMM.
@@ -297,7 +297,7 @@ mod tests {
     //! column sums.
 
     use super::*;
-    use nestor_backend_cpu::KernelSet;
+    use crate::KernelSet;
     use nestor_ir::{BinaryOp, UnaryOp};
     use nestor_passes::{Access, Expr, Fusion, Program, Rows, Slot, Step};
     use proptest::prelude::*;
@@ -361,7 +361,7 @@ mod tests {
             let bias_pointer = with_bias.then(|| pointer(&bias));
 
             let mut expected = vec![f32::NAN; (rows * n) as usize];
-            let library = nestor_backend_cpu::compile_with(&program, KernelSet::Library)
+            let library = crate::compile_with(&program, KernelSet::Library)
                 .unwrap_or_else(|error| panic!("{error}"));
             let out = expected.as_mut_ptr() as *mut u8;
             let epilogue_args = [out, out, pointer(&residual)];

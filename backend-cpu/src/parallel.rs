@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 /// tests check that): they only trade the cost of waking threads against the work.
 ///
 /// ```
-/// use nestor_runtime::Parallelism;
+/// use nestor_backend_cpu::Parallelism;
 /// // Split every kernel and GEMM into four chunks, however small (for tests).
 /// let saved = Parallelism::current();
 /// Parallelism { threads: 4, kernel_scalars: 1, gemm_macs: 1 }.set();
@@ -96,3 +96,27 @@ impl Parallelism {
         SPLIT_STEPS.fetch_add(1, Ordering::Relaxed);
     }
 }
+
+/// Chunks a step may be split into ([`Parallelism::threads`]).
+pub(crate) fn worker_threads() -> i64 {
+    Parallelism::current().threads as i64
+}
+
+/// How many scalars' worth of memory traffic one transcendental function (an
+/// exponential, erf, tanh) counts for when deciding to split a kernel.
+const TRANSCENDENTAL_WEIGHT: i64 = 8;
+
+/// Rows per chunk of `step` over rows of `width` scalars: fewer when it evaluates
+/// transcendentals, which make a kernel worth splitting across threads sooner.
+pub(crate) fn row_grain(step: &nestor_passes::Step, width: i64) -> i64 {
+    let weight = 1 + TRANSCENDENTAL_WEIGHT * step.transcendentals() as i64;
+    let scalars = Parallelism::current().kernel_scalars as i64;
+    (scalars / (width * weight).max(1)).max(1)
+}
+
+/// Raw buffer pointers handed to kernels on several threads; each thread writes a
+/// disjoint range of the output, and inputs are only read.
+#[derive(Clone, Copy)]
+pub(crate) struct Args<'a>(pub(crate) &'a [*mut u8]);
+unsafe impl Send for Args<'_> {}
+unsafe impl Sync for Args<'_> {}

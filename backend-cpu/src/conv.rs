@@ -7,7 +7,7 @@
 
 use nestor_ir::Window2d;
 
-use crate::window::WindowImage;
+use nestor_layout::WindowImage;
 
 use crate::scalar::Scalar;
 

@@ -6,7 +6,7 @@
 
 use nestor_ir::parse;
 use nestor_passes::lower;
-use nestor_runtime::{Executable, InputData, RunData, RunShape, Stats};
+use nestor_runtime::{InputData, RunData, RunShape, Stats};
 use proptest::prelude::*;
 
 const ROUND_TRIP: &str = "graph @round_trip {
@@ -24,7 +24,7 @@ proptest! {
 
     #[test]
     fn padding_and_packing_again_round_trips(lengths in proptest::collection::vec(0i64..5, 1..5)) {
-        let executable = Executable::compile(lower(&parse(ROUND_TRIP).unwrap()).unwrap()).unwrap();
+        let executable = nestor_backend_cpu::executable(lower(&parse(ROUND_TRIP).unwrap()).unwrap()).unwrap();
         let total: i64 = lengths.iter().sum();
         let values: Vec<f32> = (0..total * 2).map(|i| i as f32 - total as f32).collect();
         let outputs = executable

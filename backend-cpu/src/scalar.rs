@@ -67,7 +67,7 @@ impl Scalar for f32 {
         value as f32
     }
     fn exp(self) -> Self {
-        nestor_backend_cpu::fast_exp(self)
+        nestor_math::fast_exp(self)
     }
     fn is_nan(self) -> bool {
         f32::is_nan(self)

@@ -75,7 +75,7 @@ fn non_negative(dim: usize, size: i64) -> Result<(), LayoutError> {
 /// Where every element of a packed ragged batch lives. See the module docs.
 ///
 /// ```
-/// use nestor_runtime::RaggedLayout;
+/// use nestor_layout::RaggedLayout;
 ///
 /// // Three sequences of 3, 0 and 2 tokens of 4 features, packed as [5, 4].
 /// let layout = RaggedLayout::from_lengths(&[3, 0, 2], &[4])?;
@@ -83,7 +83,7 @@ fn non_negative(dim: usize, size: i64) -> Result<(), LayoutError> {
 /// assert_eq!(layout.offsets(), [0, 3, 3, 5]);
 /// assert_eq!(layout.max_sizes(), [3, 4]);
 /// assert!(RaggedLayout::from_lengths(&[-1], &[4]).is_err());
-/// # Ok::<(), nestor_runtime::LayoutError>(())
+/// # Ok::<(), nestor_layout::LayoutError>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RaggedLayout {

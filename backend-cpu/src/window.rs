@@ -1,23 +1,21 @@
-//! Window steps over packed images (rows are pixels, `channels` scalars each), on the
-//! host: direct convolution (`conv.rs`: every output row a task), max and average
-//! pooling over the windows' taps, and the mean of every image. Tasks run on the team;
-//! each writes its own output rows.
+//! Window computations over packed images (rows are pixels, `channels` scalars each),
+//! on the host: direct convolution (`conv.rs`: every output row a task), max and
+//! average pooling over the windows' taps, and the mean of every image, with their
+//! gradients; the eager convolution of whole images ([`convolve_images`]). Tasks run
+//! on the team; each writes its own output rows.
 
-use nestor_passes::step::Window;
-use nestor_passes::{FloatType, Slot, WindowKind};
+use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 
-use super::conv::{GradPlan, Plan};
-use super::steps::{step_error, RunState};
-use super::{within_budget, worker_threads, Executable, RuntimeError};
+use crate::conv::{GradPlan, Plan};
+use crate::parallel::worker_threads;
 use crate::scalar::Scalar;
-use crate::window::{window_images, WindowError, WindowImage, WindowTaps};
 use nestor_ir::Window2d;
 
 /// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;
 /// Output pixels whose weight-gradient terms are summed together (fixed, so the sum's
 /// order never depends on the threads).
-const GRAD_BLOCK_ROWS: usize = 1024;
+pub(crate) const GRAD_BLOCK_ROWS: usize = 1024;
 
 /// The buffers of a window step, shared by the team's threads (each writes its own
 /// output rows).
@@ -43,249 +41,13 @@ impl<T> Buffers<T> {
 
 /// The sizes of a window step.
 #[derive(Clone, Copy)]
-struct Shape {
+pub(crate) struct Shape {
     /// Input channels.
-    channels: usize,
+    pub(crate) channels: usize,
     /// Output channels.
-    width: usize,
+    pub(crate) width: usize,
     /// Taps per window.
-    taps: usize,
-}
-
-impl Executable {
-    /// A window step: its taps from the run's image sizes, then the kind's computation.
-    pub(super) fn run_window(
-        &self,
-        index: usize,
-        step: &Window,
-        run: &RunState<'_, '_>,
-    ) -> Result<(), RuntimeError> {
-        let Window {
-            kind,
-            out,
-            x,
-            weight,
-            bias,
-            grad,
-            heights: heights_slot,
-            widths: widths_slot,
-            channels,
-            width,
-            window,
-        } = step;
-        let (Some(heights), Some(widths)) =
-            (run.sizes.get(*heights_slot), run.sizes.get(*widths_slot))
-        else {
-            return Ok(());
-        };
-        let shape = Shape {
-            channels: usize::try_from(*channels).unwrap_or(0),
-            width: usize::try_from(*width).unwrap_or(0),
-            taps: 0,
-        };
-        let out_scalars = run.sizes.elements(&self.program, *out);
-        if *kind == WindowKind::ImageMean {
-            let counts = pixel_counts(&heights.lengths, &widths.lengths);
-            if counts.len().checked_mul(shape.width) != Some(out_scalars) {
-                return Err(step_error(
-                    index,
-                    format!(
-                        "{} images do not fill {out_scalars} output scalars",
-                        counts.len()
-                    ),
-                ));
-            }
-            let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
-            // The buffers were sized from these lengths, in the program's type.
-            unsafe {
-                match self.program.float {
-                    FloatType::F32 => image_means::<f32>(buffers, &counts, shape.channels),
-                    FloatType::F64 => image_means::<f64>(buffers, &counts, shape.channels),
-                }
-            }
-            return Ok(());
-        }
-        let size = self.program.float.size();
-        let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
-        let slot_len = |slot: Slot| run.sizes.elements(&self.program, slot);
-        let sizes = (&heights.lengths[..], &widths.lengths[..]);
-        if matches!(kind, WindowKind::Conv | WindowKind::ConvInputGrad) {
-            let Some(weight) = weight else {
-                return Err(step_error(index, "a convolution without a weight".into()));
-            };
-            let taps = usize::try_from(window.taps()).unwrap_or(usize::MAX);
-            // The packed weight, and the flipped one of an input's gradient.
-            let weight_bytes = (shape.width.div_ceil(16) * 16 + shape.width)
-                .checked_mul(size)
-                .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
-            within_budget(index, "the packed convolution weight", weight_bytes)?;
-            let adjoint = *kind == WindowKind::ConvInputGrad;
-            let buffers = SlotBuffers {
-                out: (run.pointer(*out), out_scalars),
-                x: (run.pointer(*x), slot_len(*x)),
-                weight: (run.pointer(*weight), slot_len(*weight)),
-                bias: bias.map(|bias| (run.pointer(bias), slot_len(bias))),
-            };
-            // Every slot holds the values the program sized it for, in its type; the
-            // output is written only here and no input aliases it.
-            let result = unsafe {
-                match self.program.float {
-                    FloatType::F32 => convolve_slots::<f32>(
-                        buffers,
-                        adjoint,
-                        (shape.channels, shape.width),
-                        window,
-                        sizes,
-                    ),
-                    FloatType::F64 => convolve_slots::<f64>(
-                        buffers,
-                        adjoint,
-                        (shape.channels, shape.width),
-                        window,
-                        sizes,
-                    ),
-                }
-            };
-            return result.map_err(|error| step_error(index, error.to_string()));
-        }
-        if *kind == WindowKind::ImageSpread {
-            let counts = pixel_counts(&heights.lengths, &widths.lengths);
-            let pixels = counts
-                .iter()
-                .fold(0usize, |sum, &count| sum.saturating_add(count as usize));
-            if pixels.checked_mul(shape.width) != Some(out_scalars)
-                || slot_len(*x) != counts.len().saturating_mul(shape.channels)
-            {
-                return Err(step_error(
-                    index,
-                    "the images do not fill the spread's buffers".into(),
-                ));
-            }
-            let buffers = (run.pointer(*out), run.pointer(*x) as *const u8);
-            // The buffers hold what was just checked, in the program's type.
-            unsafe {
-                match self.program.float {
-                    FloatType::F32 => image_spread::<f32>(buffers, &counts, shape.channels),
-                    FloatType::F64 => image_spread::<f64>(buffers, &counts, shape.channels),
-                }
-            }
-            return Ok(());
-        }
-        // The windows' output pixels: the output's, or its gradient's for the weight's.
-        let from_grad = matches!(
-            kind,
-            WindowKind::WeightGrad | WindowKind::MaxGrad | WindowKind::AverageGrad
-        );
-        let pixels_slot = grad.filter(|_| from_grad).unwrap_or(*out);
-        let out_rows = run.sizes.rows(self.program.info(pixels_slot).rows);
-        let table_bytes = usize::try_from(out_rows)
-            .ok()
-            .and_then(|rows| rows.checked_mul(usize::try_from(window.taps()).ok()?))
-            .and_then(|count| count.checked_mul(std::mem::size_of::<i64>()));
-        within_budget(index, "window taps", table_bytes)?;
-        let taps = run
-            .sizes
-            .window_taps(*window, (*heights_slot, *widths_slot))
-            .map_err(|error| step_error(index, error.to_string()))?;
-        let rows = taps.rows.len() / taps.taps.max(1);
-        if !from_grad && rows.checked_mul(shape.width) != Some(out_scalars) {
-            return Err(step_error(
-                index,
-                format!("{rows} output pixels do not fill {out_scalars} output scalars"),
-            ));
-        }
-        let shape = Shape {
-            taps: taps.taps,
-            ..shape
-        };
-        match kind {
-            WindowKind::Max | WindowKind::Average => {
-                let max = *kind == WindowKind::Max;
-                // As above: buffers sized from these lengths.
-                unsafe {
-                    match self.program.float {
-                        FloatType::F32 => pool::<f32>(buffers, &taps, shape, max),
-                        FloatType::F64 => pool::<f64>(buffers, &taps, shape, max),
-                    }
-                }
-            }
-            WindowKind::WeightGrad => {
-                let Some(grad) = grad else {
-                    return Err(step_error(
-                        index,
-                        "a weight gradient without the output's".into(),
-                    ));
-                };
-                let inner = shape.taps.saturating_mul(shape.channels);
-                // Partial sums per block of pixels, and the gradient padded to 16 lanes.
-                let lanes = shape.width.div_ceil(16) * 16;
-                let bytes = rows
-                    .div_ceil(GRAD_BLOCK_ROWS)
-                    .checked_mul(inner)
-                    .and_then(|count| count.checked_mul(lanes))
-                    .and_then(|count| count.checked_add(rows.checked_mul(lanes)?))
-                    .and_then(|count| count.checked_mul(size));
-                within_budget(index, "the weight gradient's partial sums", bytes)?;
-                if out_scalars != shape.width.saturating_mul(inner)
-                    || slot_len(*grad) != rows.saturating_mul(shape.width)
-                {
-                    return Err(step_error(
-                        index,
-                        "the weight gradient's buffers do not match its window".into(),
-                    ));
-                }
-                let buffers = (
-                    run.pointer(*out),
-                    run.pointer(*x) as *const u8,
-                    run.pointer(*grad) as *const u8,
-                );
-                // The buffers hold what was just checked (and `x` every pixel the taps
-                // name), in the program's type.
-                unsafe {
-                    match self.program.float {
-                        FloatType::F32 => weight_grad::<f32>(buffers, &taps, shape),
-                        FloatType::F64 => weight_grad::<f64>(buffers, &taps, shape),
-                    }
-                }
-            }
-            WindowKind::MaxGrad | WindowKind::AverageGrad => {
-                let Some(grad) = grad else {
-                    return Err(step_error(
-                        index,
-                        "a pooling gradient without the output's".into(),
-                    ));
-                };
-                let images = window_images(window, &heights.lengths, &widths.lengths)
-                    .map_err(|error| step_error(index, error.to_string()))?;
-                if slot_len(*x) != out_scalars
-                    || slot_len(*grad) != rows.saturating_mul(shape.channels)
-                {
-                    return Err(step_error(
-                        index,
-                        "the pooling gradient's buffers do not match its window".into(),
-                    ));
-                }
-                let buffers = (
-                    run.pointer(*out),
-                    run.pointer(*x) as *const u8,
-                    run.pointer(*grad) as *const u8,
-                );
-                let max = *kind == WindowKind::MaxGrad;
-                // The buffers hold what was just checked, in the program's type.
-                unsafe {
-                    match self.program.float {
-                        FloatType::F32 => pool_grad::<f32>(buffers, &taps, &images, shape, max),
-                        FloatType::F64 => pool_grad::<f64>(buffers, &taps, &images, shape, max),
-                    }
-                }
-            }
-            WindowKind::Conv
-            | WindowKind::ConvInputGrad
-            | WindowKind::ImageMean
-            | WindowKind::ImageSpread => {}
-        }
-        Ok(())
-    }
+    pub(crate) taps: usize,
 }
 
 /// Runs `block(start, end)` over blocks of `rows` output rows on the team, split across
@@ -315,7 +77,7 @@ fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
 ///
 /// ```
 /// use nestor_ir::Window2d;
-/// use nestor_runtime::convolve_images;
+/// use nestor_backend_cpu::convolve_images;
 ///
 /// // One channel; a 2x2 image and a 1x1 one; a 3x3 window of ones keeping every size:
 /// // each output pixel sums its image's pixels around it (outside the image: zeros).
@@ -326,7 +88,7 @@ fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
 /// assert_eq!(out, [10.5, 10.5, 10.5, 10.5, 5.5]);
 /// // A weight of the wrong size is an error, not a read past it.
 /// assert!(convolve_images(&mut out, &pixels, (&[1.0; 4], None), (1, 1), &window, (&[2, 1], &[2, 1])).is_err());
-/// # Ok::<(), nestor_runtime::WindowError>(())
+/// # Ok::<(), nestor_layout::WindowError>(())
 /// ```
 pub fn convolve_images(
     out: &mut [f32],
@@ -423,7 +185,7 @@ unsafe fn run_slice_mut<'a, T>(pointer: *mut u8, count: usize) -> &'a mut [T] {
     }
 }
 
-/// The convolution of every image (see [`super::conv`]): one task per output row.
+/// The convolution of every image (see [`crate::conv`]): one task per output row.
 ///
 /// # Safety
 /// `out` must hold every output pixel of `images` times `width` values, `x` every
@@ -476,7 +238,7 @@ unsafe fn convolve<T: Scalar>(
 ///
 /// # Safety
 /// `out` must hold `rows * channels` values and `x` every row the taps name.
-unsafe fn pool<T: Scalar>(
+pub(crate) unsafe fn pool<T: Scalar>(
     (out, x): (*mut u8, *const u8),
     taps: &WindowTaps,
     shape: Shape,
@@ -543,7 +305,11 @@ unsafe fn pool<T: Scalar>(
 ///
 /// # Safety
 /// `out` must hold `counts.len() * channels` values and `x` the sum of `counts` rows.
-unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64], channels: usize) {
+pub(crate) unsafe fn image_means<T: Scalar>(
+    (out, x): (*mut u8, *const u8),
+    counts: &[i64],
+    channels: usize,
+) {
     let buffers = Buffers {
         out: out as *mut T,
         x: x as *const T,
@@ -556,7 +322,7 @@ unsafe fn image_means<T: Scalar>((out, x): (*mut u8, *const u8), counts: &[i64],
                 std::slice::from_raw_parts(buffers.x().add(first * channels), count * channels),
             )
         };
-        row.copy_from_slice(&super::gemm::column_sums(pixels, channels));
+        row.copy_from_slice(&crate::gemm::column_sums(pixels, channels));
         let divisor = T::from_f64(count as f64);
         for value in row.iter_mut() {
             *value = *value / divisor;
@@ -585,11 +351,11 @@ fn for_each_image(counts: &[i64], channels: usize, image: &(dyn Fn(usize, usize,
 }
 
 /// The buffers of a convolution step: pointers and value counts.
-struct SlotBuffers {
-    out: (*mut u8, usize),
-    x: (*mut u8, usize),
-    weight: (*mut u8, usize),
-    bias: Option<(*mut u8, usize)>,
+pub(crate) struct SlotBuffers {
+    pub(crate) out: (*mut u8, usize),
+    pub(crate) x: (*mut u8, usize),
+    pub(crate) weight: (*mut u8, usize),
+    pub(crate) bias: Option<(*mut u8, usize)>,
 }
 
 /// A convolution step in `T`: with the weight as the program holds it, or (`adjoint`,
@@ -597,7 +363,7 @@ struct SlotBuffers {
 ///
 /// # Safety
 /// Every buffer must hold its count of values of type `T`; the output no other.
-unsafe fn convolve_slots<T: Scalar>(
+pub(crate) unsafe fn convolve_slots<T: Scalar>(
     buffers: SlotBuffers,
     adjoint: bool,
     (channels, width): (usize, usize),
@@ -645,7 +411,11 @@ unsafe fn convolve_slots<T: Scalar>(
 ///
 /// # Safety
 /// `out` must hold the sum of `counts` rows of `channels` values, `g` one row per image.
-unsafe fn image_spread<T: Scalar>((out, g): (*mut u8, *const u8), counts: &[i64], channels: usize) {
+pub(crate) unsafe fn image_spread<T: Scalar>(
+    (out, g): (*mut u8, *const u8),
+    counts: &[i64],
+    channels: usize,
+) {
     let buffers = Buffers {
         out: out as *mut T,
         x: g as *const T,
@@ -677,7 +447,7 @@ unsafe fn image_spread<T: Scalar>((out, g): (*mut u8, *const u8), counts: &[i64]
 /// # Safety
 /// `out` must hold `width * channels * taps` values, `g` a row of `width` per output
 /// pixel of `taps`, `x` every row the taps name.
-unsafe fn weight_grad<T: Scalar>(
+pub(crate) unsafe fn weight_grad<T: Scalar>(
     (out, x, g): (*mut u8, *const u8, *const u8),
     taps: &WindowTaps,
     shape: Shape,
@@ -757,7 +527,7 @@ unsafe fn weight_grad<T: Scalar>(
 /// # Safety
 /// `out` and `x` must hold every input pixel of `images`, `g` every output pixel, of
 /// `channels` values; the taps must be those of `images`.
-unsafe fn pool_grad<T: Scalar>(
+pub(crate) unsafe fn pool_grad<T: Scalar>(
     (out, x, g): (*mut u8, *const u8, *const u8),
     taps: &WindowTaps,
     images: &[WindowImage],
@@ -833,7 +603,7 @@ unsafe fn pool_grad<T: Scalar>(
 }
 
 /// Pixels of every image (saturating: sizes that large fail the buffer checks).
-fn pixel_counts(heights: &[i64], widths: &[i64]) -> Vec<i64> {
+pub(crate) fn pixel_counts(heights: &[i64], widths: &[i64]) -> Vec<i64> {
     heights
         .iter()
         .zip(widths)

@@ -177,7 +177,7 @@ pub fn window_images(
 ///
 /// ```
 /// use nestor_ir::Window2d;
-/// use nestor_runtime::{window_taps, Outside};
+/// use nestor_layout::{window_taps, Outside};
 ///
 /// // A 3x3 window keeping every size, over a 2x2 image and a 1x3 one (pixels 0..4, 4..7).
 /// let window = Window2d { kernel: [3, 3], stride: [1, 1], padding: [1, 1], dilation: [1, 1] };
@@ -185,7 +185,7 @@ pub fn window_images(
 /// assert_eq!(taps.output_sizes, [(2, 2), (1, 3)]);
 /// // Pixel (0, 0) of the first image: its window's centre is row 0, -1 outside the image.
 /// assert_eq!(&taps.rows[..9], &[-1, -1, -1, -1, 0, 1, -1, 2, 3]);
-/// # Ok::<(), nestor_runtime::WindowError>(())
+/// # Ok::<(), nestor_layout::WindowError>(())
 /// ```
 pub fn window_taps(
     window: &Window2d,

@@ -1,0 +1,278 @@
+//! A window step of a run: its taps from the run's image sizes, then the kind's
+//! computation (`crate::window`) on the run's buffers.
+
+use nestor_layout::{window_images, WindowTaps};
+use nestor_passes::step::Window;
+use nestor_passes::{FloatType, Slot, WindowKind};
+use nestor_runtime::{step_error, within_budget, RunState, RuntimeError};
+
+use super::CpuSteps;
+use crate::window::{
+    convolve_slots, image_means, image_spread, pixel_counts, pool, pool_grad, weight_grad, Shape,
+    SlotBuffers, GRAD_BLOCK_ROWS,
+};
+
+impl CpuSteps {
+    /// A window step: its taps from the run's image sizes, then the kind's computation.
+    pub(super) fn run_window(
+        &self,
+        index: usize,
+        step: &Window,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
+        let (Some(heights), Some(widths)) =
+            (run.sizes().get(step.heights), run.sizes().get(step.widths))
+        else {
+            return Ok(());
+        };
+        let window = WindowRun {
+            index,
+            step,
+            run,
+            sizes: (&heights.lengths, &widths.lengths),
+            shape: Shape {
+                channels: usize::try_from(step.channels).unwrap_or(0),
+                width: usize::try_from(step.width).unwrap_or(0),
+                taps: 0,
+            },
+            out_scalars: run.sizes().elements(run.program(), step.out),
+        };
+        match step.kind {
+            WindowKind::ImageMean => window.image_means(),
+            WindowKind::ImageSpread => window.image_spread(),
+            WindowKind::Conv | WindowKind::ConvInputGrad => window.convolution(),
+            WindowKind::Max
+            | WindowKind::Average
+            | WindowKind::WeightGrad
+            | WindowKind::MaxGrad
+            | WindowKind::AverageGrad => window.over_taps(),
+        }
+    }
+}
+
+/// One window step of a run, with what every kind reads.
+struct WindowRun<'a, 'r, 'i> {
+    index: usize,
+    step: &'a Window,
+    run: &'a RunState<'r, 'i>,
+    /// The images' heights and widths.
+    sizes: (&'a [i64], &'a [i64]),
+    /// Channels in and out (no taps yet).
+    shape: Shape,
+    /// The scalars of the output buffer.
+    out_scalars: usize,
+}
+
+impl WindowRun<'_, '_, '_> {
+    fn error(&self, reason: String) -> RuntimeError {
+        step_error(self.index, reason)
+    }
+
+    /// The values slot `slot` holds in this run.
+    fn slot_len(&self, slot: Slot) -> usize {
+        self.run.sizes().elements(self.run.program(), slot)
+    }
+
+    /// The output's and `x`'s buffers.
+    fn out_and_x(&self) -> (*mut u8, *const u8) {
+        (
+            self.run.pointer(self.step.out),
+            self.run.pointer(self.step.x) as *const u8,
+        )
+    }
+
+    /// The output, `x` and the output's gradient (an error naming `what` without it).
+    fn with_grad(&self, what: &str) -> Result<(*mut u8, *const u8, *const u8), RuntimeError> {
+        let grad = self
+            .step
+            .grad
+            .ok_or_else(|| self.error(format!("a {what} without the output's")))?;
+        let (out, x) = self.out_and_x();
+        Ok((out, x, self.run.pointer(grad) as *const u8))
+    }
+
+    /// The mean of every image.
+    fn image_means(&self) -> Result<(), RuntimeError> {
+        let counts = pixel_counts(self.sizes.0, self.sizes.1);
+        if counts.len().checked_mul(self.shape.width) != Some(self.out_scalars) {
+            return Err(self.error(format!(
+                "{} images do not fill {} output scalars",
+                counts.len(),
+                self.out_scalars
+            )));
+        }
+        let buffers = self.out_and_x();
+        // The buffers were sized from these lengths, in the program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => image_means::<f32>(buffers, &counts, self.shape.channels),
+                FloatType::F64 => image_means::<f64>(buffers, &counts, self.shape.channels),
+            }
+        }
+        Ok(())
+    }
+
+    /// Every image's values spread back over its pixels (the means' gradient).
+    fn image_spread(&self) -> Result<(), RuntimeError> {
+        let counts = pixel_counts(self.sizes.0, self.sizes.1);
+        let pixels = counts
+            .iter()
+            .fold(0usize, |sum, &count| sum.saturating_add(count as usize));
+        if pixels.checked_mul(self.shape.width) != Some(self.out_scalars)
+            || self.slot_len(self.step.x) != counts.len().saturating_mul(self.shape.channels)
+        {
+            return Err(self.error("the images do not fill the spread's buffers".into()));
+        }
+        let buffers = self.out_and_x();
+        // The buffers hold what was just checked, in the program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => image_spread::<f32>(buffers, &counts, self.shape.channels),
+                FloatType::F64 => image_spread::<f64>(buffers, &counts, self.shape.channels),
+            }
+        }
+        Ok(())
+    }
+
+    /// A convolution, or its input's gradient (the adjoint convolution).
+    fn convolution(&self) -> Result<(), RuntimeError> {
+        let (step, run, shape) = (self.step, self.run, self.shape);
+        let Some(weight) = step.weight else {
+            return Err(self.error("a convolution without a weight".into()));
+        };
+        let taps = usize::try_from(step.window.taps()).unwrap_or(usize::MAX);
+        // The packed weight, and the flipped one of an input's gradient.
+        let weight_bytes = (shape.width.div_ceil(16) * 16 + shape.width)
+            .checked_mul(run.program().float.size())
+            .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
+        within_budget(self.index, "the packed convolution weight", weight_bytes)?;
+        let adjoint = step.kind == WindowKind::ConvInputGrad;
+        let buffers = SlotBuffers {
+            out: (run.pointer(step.out), self.out_scalars),
+            x: (run.pointer(step.x), self.slot_len(step.x)),
+            weight: (run.pointer(weight), self.slot_len(weight)),
+            bias: step
+                .bias
+                .map(|bias| (run.pointer(bias), self.slot_len(bias))),
+        };
+        let channels = (shape.channels, shape.width);
+        // Every slot holds the values the program sized it for, in its type; the output
+        // is written only here and no input aliases it.
+        let result = unsafe {
+            match run.program().float {
+                FloatType::F32 => {
+                    convolve_slots::<f32>(buffers, adjoint, channels, &step.window, self.sizes)
+                }
+                FloatType::F64 => {
+                    convolve_slots::<f64>(buffers, adjoint, channels, &step.window, self.sizes)
+                }
+            }
+        };
+        result.map_err(|error| self.error(error.to_string()))
+    }
+
+    /// The kinds over the windows' taps: pooling, the weight's gradient, pooling's.
+    fn over_taps(&self) -> Result<(), RuntimeError> {
+        let (step, run) = (self.step, self.run);
+        // The windows' output pixels: the output's, or its gradient's for the weight's.
+        let from_grad = matches!(
+            step.kind,
+            WindowKind::WeightGrad | WindowKind::MaxGrad | WindowKind::AverageGrad
+        );
+        let pixels_slot = step.grad.filter(|_| from_grad).unwrap_or(step.out);
+        let out_rows = run.sizes().rows(run.program().info(pixels_slot).rows);
+        let table_bytes = usize::try_from(out_rows)
+            .ok()
+            .and_then(|rows| rows.checked_mul(usize::try_from(step.window.taps()).ok()?))
+            .and_then(|count| count.checked_mul(std::mem::size_of::<i64>()));
+        within_budget(self.index, "window taps", table_bytes)?;
+        let taps = run
+            .sizes()
+            .window_taps(step.window, (step.heights, step.widths))
+            .map_err(|error| self.error(error.to_string()))?;
+        let rows = taps.rows.len() / taps.taps.max(1);
+        if !from_grad && rows.checked_mul(self.shape.width) != Some(self.out_scalars) {
+            return Err(self.error(format!(
+                "{rows} output pixels do not fill {} output scalars",
+                self.out_scalars
+            )));
+        }
+        let shape = Shape {
+            taps: taps.taps,
+            ..self.shape
+        };
+        match step.kind {
+            WindowKind::Max | WindowKind::Average => {
+                let max = step.kind == WindowKind::Max;
+                let buffers = self.out_and_x();
+                // Buffers sized from these lengths, in the program's type.
+                unsafe {
+                    match run.program().float {
+                        FloatType::F32 => pool::<f32>(buffers, &taps, shape, max),
+                        FloatType::F64 => pool::<f64>(buffers, &taps, shape, max),
+                    }
+                }
+                Ok(())
+            }
+            WindowKind::WeightGrad => self.weight_grad(&taps, shape, rows),
+            _ => self.pool_grad(&taps, shape, rows),
+        }
+    }
+
+    /// The convolution weight's gradient over `rows` output pixels.
+    fn weight_grad(
+        &self,
+        taps: &WindowTaps,
+        shape: Shape,
+        rows: usize,
+    ) -> Result<(), RuntimeError> {
+        let buffers = self.with_grad("weight gradient")?;
+        let inner = shape.taps.saturating_mul(shape.channels);
+        // Partial sums per block of pixels, and the gradient padded to 16 lanes.
+        let lanes = shape.width.div_ceil(16) * 16;
+        let bytes = rows
+            .div_ceil(GRAD_BLOCK_ROWS)
+            .checked_mul(inner)
+            .and_then(|count| count.checked_mul(lanes))
+            .and_then(|count| count.checked_add(rows.checked_mul(lanes)?))
+            .and_then(|count| count.checked_mul(self.run.program().float.size()));
+        within_budget(self.index, "the weight gradient's partial sums", bytes)?;
+        let grad_len = self.step.grad.map_or(0, |grad| self.slot_len(grad));
+        if self.out_scalars != shape.width.saturating_mul(inner)
+            || grad_len != rows.saturating_mul(shape.width)
+        {
+            return Err(self.error("the weight gradient's buffers do not match its window".into()));
+        }
+        // The buffers hold what was just checked (and `x` every pixel the taps name), in
+        // the program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape),
+                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape),
+            }
+        }
+        Ok(())
+    }
+
+    /// Max or average pooling's gradient over `rows` output pixels.
+    fn pool_grad(&self, taps: &WindowTaps, shape: Shape, rows: usize) -> Result<(), RuntimeError> {
+        let buffers = self.with_grad("pooling gradient")?;
+        let images = window_images(&self.step.window, self.sizes.0, self.sizes.1)
+            .map_err(|error| self.error(error.to_string()))?;
+        let grad_len = self.step.grad.map_or(0, |grad| self.slot_len(grad));
+        if self.slot_len(self.step.x) != self.out_scalars
+            || grad_len != rows.saturating_mul(shape.channels)
+        {
+            return Err(self.error("the pooling gradient's buffers do not match its window".into()));
+        }
+        let max = self.step.kind == WindowKind::MaxGrad;
+        // The buffers hold what was just checked, in the program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => pool_grad::<f32>(buffers, taps, &images, shape, max),
+                FloatType::F64 => pool_grad::<f64>(buffers, taps, &images, shape, max),
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,119 @@
+//! What a backend's host steps see of a run: every slot's buffer, the lengths, the
+//! inputs, the host runner and the run's number, and the CPU kernels' argument lists
+//! written from a step's signature.
+
+use nestor_passes::{Arg, Program, Signature, Slot};
+
+use super::sizes::{LengthsInfo, Sizes};
+use super::{HostRunner, InputData, RuntimeError};
+
+/// What every step of one run reads: the buffers of every slot (an alias's is its
+/// root's), the lengths, the inputs and the host runner.
+pub struct RunState<'r, 'i> {
+    /// The program that runs.
+    pub(super) program: &'r Program,
+    /// The buffer of every slot that has its own memory (null for aliases).
+    pub(super) pointers: &'r [*mut u8],
+    /// The slot whose memory each slot uses (itself, unless it is an alias).
+    pub(super) roots: &'r [Slot],
+    pub(super) sizes: &'r Sizes<'i>,
+    pub(super) inputs: &'r [InputData<'i>],
+    pub(super) host: Option<&'r dyn HostRunner>,
+    /// The run's number (keys its random masks).
+    pub(super) run: u64,
+    /// The argument list kernels are given (reused by every step).
+    pub(super) args: &'r std::cell::RefCell<Vec<*mut u8>>,
+}
+
+impl<'r, 'i> RunState<'r, 'i> {
+    /// The program that runs.
+    pub fn program(&self) -> &'r Program {
+        self.program
+    }
+
+    /// The buffer of `slot` (its root's, for an alias): sized for the run's lengths, its
+    /// values written by the step that computes it, or the caller's input.
+    pub fn pointer(&self, slot: Slot) -> *mut u8 {
+        self.pointers[self.roots[slot.0 as usize].0 as usize]
+    }
+
+    /// The run's lengths, offsets and row counts.
+    pub fn sizes(&self) -> &'r Sizes<'i> {
+        self.sizes
+    }
+
+    /// The lengths buffer `slot`, if the run knows it.
+    pub fn lengths(&self, slot: Slot) -> Option<&'r LengthsInfo<'i>> {
+        self.sizes.get(slot)
+    }
+
+    /// The offsets of lengths buffer `slot` (null when the run does not know it).
+    pub fn offsets(&self, slot: Slot) -> *mut u8 {
+        self.lengths(slot).map_or(std::ptr::null_mut(), |info| {
+            info.offsets.as_ptr() as *mut u8
+        })
+    }
+
+    /// The run's inputs, one per graph input.
+    pub fn inputs(&self) -> &'r [InputData<'i>] {
+        self.inputs
+    }
+
+    /// What runs host steps, if the caller gave one.
+    pub fn host(&self) -> Option<&'r dyn HostRunner> {
+        self.host
+    }
+
+    /// The run's number (keys its random masks: [`mask_key`]).
+    pub fn run(&self) -> u64 {
+        self.run
+    }
+
+    /// The run's argument list for step `index`'s kernel of `signature`: the CPU's
+    /// kernels take buffers, offsets and row maps.
+    pub fn kernel_args(
+        &self,
+        index: usize,
+        signature: &Signature,
+    ) -> Result<std::cell::RefMut<'r, Vec<*mut u8>>, RuntimeError> {
+        // Steps run one at a time and release the list when they end.
+        let mut args = self
+            .args
+            .try_borrow_mut()
+            .map_err(|_| step_error(index, "the argument list is in use".into()))?;
+        super::marshal::marshal(signature, &mut args, |arg| match *arg {
+            Arg::Buffer(slot) => Ok(self.pointer(slot)),
+            Arg::Absent => Ok(std::ptr::null_mut()),
+            Arg::Offsets(lengths) => Ok(self.offsets(lengths)),
+            Arg::RowMap(map) => self
+                .sizes
+                .row_map(map)
+                .map(|(values, _)| values as *mut u8)
+                .ok_or_else(|| step_error(index, format!("the row map {map:?} cannot be built"))),
+            other => Err(step_error(
+                index,
+                format!("the CPU's kernels take no {other:?}"),
+            )),
+        })?;
+        Ok(args)
+    }
+}
+
+/// The key of mask `stream` in run `run` (the device's mask kernel takes it too).
+pub fn mask_key(stream: i64, run: u64) -> u64 {
+    split_mix(stream as u64 ^ split_mix(run))
+}
+
+/// SplitMix64's finalizer: a bijective mix of 64 bits (a mask's value at a position is
+/// `split_mix(key ^ position)`).
+pub fn split_mix(value: u64) -> u64 {
+    let mut z = value.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A [`RuntimeError::Step`] of step `step`.
+pub fn step_error(step: usize, reason: String) -> RuntimeError {
+    RuntimeError::Step { step, reason }
+}

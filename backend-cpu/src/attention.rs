@@ -395,26 +395,9 @@ impl AttentionGradRun<'_> {
             at(self.g, buffers.g, q_first),
         );
         if qs == 0 || ks == 0 {
-            if !self.keys && qs > 0 {
-                // No keys: the forward gave 0 whatever the queries, so their gradient is 0.
-                for row in 0..q_rows {
-                    let out = unsafe {
-                        buffers
-                            .out
-                            .offset((row + q_first) as isize * width as isize + (head * d) as isize)
-                    };
-                    unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
-                }
-            }
-            if self.keys {
-                for row in 0..k_rows {
-                    let base = (k_first + row) * 2 * width + head * d;
-                    for part in 0..2 {
-                        let out = unsafe { buffers.out.offset((base + part * width) as isize) };
-                        unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
-                    }
-                }
-            }
+            // No keys, or no queries: the forward gave 0 whatever the queries, and the
+            // keys were read by no query.
+            unsafe { self.zero_gradient(buffers, head, (q_first, q_rows), (k_first, k_rows)) };
             return;
         }
         // Query rows a tile at a time: each row's softmax spans all keys, so a tile of
@@ -457,31 +440,11 @@ impl AttentionGradRun<'_> {
                     (slopes.as_mut_ptr(), ks as isize, 1),
                 );
             }
-            for (row, (scores, slope)) in probabilities
-                .chunks_mut(ks)
-                .zip(slopes.chunks_mut(ks))
-                .enumerate()
-            {
-                let limit = if self.causal {
-                    (row_offset.max(0) as usize + first + row + 1).min(ks)
-                } else {
-                    ks
-                };
-                let total = T::softmax_numerators(&mut scores[..limit]);
-                let inverse = T::ONE / total;
-                let mut dot = T::ZERO;
-                for (p, s) in scores[..limit].iter_mut().zip(&slope[..limit]) {
-                    *p = *p * inverse;
-                    dot += *p * *s;
-                }
-                for score in &mut scores[limit..] {
-                    *score = T::ZERO;
-                }
-                // dS = P (dP - rowsum(P dP)), zero where P is.
-                for (s, &p) in slope.iter_mut().zip(scores.iter()) {
-                    *s = p * (*s - dot);
-                }
-            }
+            self.softmax_slopes(
+                (probabilities, slopes),
+                ks,
+                row_offset.max(0) as usize + first,
+            );
             unsafe {
                 if self.keys {
                     // dK = scale dS^T Q; dV = P^T dO: written by the first tile, added
@@ -489,41 +452,12 @@ impl AttentionGradRun<'_> {
                     let out_k = buffers
                         .out
                         .offset((k_first * 2 * width + head * d) as isize);
-                    let (target, stride) = if first == 0 {
-                        (out_k, 2 * width as isize)
-                    } else {
-                        (partial.as_mut_ptr(), 2 * d as isize)
-                    };
-                    let half = if first == 0 { width } else { d };
-                    T::tile_matmul(
-                        (ks, rows, d as usize),
-                        scale,
-                        (slopes.as_ptr(), 1, ks as isize),
-                        (q, self.q.row_stride as isize, 1),
-                        (target, stride, 1),
+                    self.key_gradients(
+                        (out_k, &mut partial, first == 0),
+                        (probabilities, slopes),
+                        (q, g),
+                        (rows, ks),
                     );
-                    T::tile_matmul(
-                        (ks, rows, d as usize),
-                        T::ONE,
-                        (probabilities.as_ptr(), 1, ks as isize),
-                        (g, self.g.row_stride as isize, 1),
-                        (target.offset(half as isize), stride, 1),
-                    );
-                    if first > 0 {
-                        for (key, sums) in partial.chunks(2 * d as usize).enumerate() {
-                            for (part, sums) in sums.chunks(d as usize).enumerate() {
-                                let row = std::slice::from_raw_parts_mut(
-                                    out_k.offset(
-                                        (key as i64 * 2 * width + part as i64 * width) as isize,
-                                    ),
-                                    d as usize,
-                                );
-                                for (value, &added) in row.iter_mut().zip(sums) {
-                                    *value += added;
-                                }
-                            }
-                        }
-                    }
                 } else {
                     // dQ = scale dS K.
                     let out_q = buffers
@@ -536,6 +470,127 @@ impl AttentionGradRun<'_> {
                         (k, self.k.row_stride as isize, 1),
                         (out_q, width as isize, 1),
                     );
+                }
+            }
+        }
+    }
+
+    /// Zeros the task's gradient rows: the queries' (when there are no keys) or the
+    /// keys' and values' (when there are no queries).
+    ///
+    /// # Safety
+    /// The rows must be in range of the output buffer.
+    unsafe fn zero_gradient<T: Gemm>(
+        &self,
+        buffers: GradBuffers<T>,
+        head: i64,
+        (q_first, q_rows): (i64, i64),
+        (k_first, k_rows): (i64, i64),
+    ) {
+        let d = self.head_dim;
+        let width = self.heads * d;
+        let zero = |offset: i64| {
+            let out = unsafe { buffers.out.offset(offset as isize) };
+            unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
+        };
+        if !self.keys && k_rows <= 0 {
+            for row in 0..q_rows {
+                zero((row + q_first) * width + head * d);
+            }
+        }
+        if self.keys {
+            for row in 0..k_rows {
+                let base = (k_first + row) * 2 * width + head * d;
+                zero(base);
+                zero(base + width);
+            }
+        }
+    }
+
+    /// Turns a tile's scores into probabilities `P` (softmax over the keys each row
+    /// sees: with a causal mask, up to its own position, `first_row` + its index) and
+    /// its `dP` into `dS = P (dP - rowsum(P dP))`, zero where `P` is.
+    fn softmax_slopes<T: Gemm>(
+        &self,
+        (probabilities, slopes): (&mut [T], &mut [T]),
+        ks: usize,
+        first_row: usize,
+    ) {
+        for (row, (scores, slope)) in probabilities
+            .chunks_mut(ks)
+            .zip(slopes.chunks_mut(ks))
+            .enumerate()
+        {
+            let limit = if self.causal {
+                (first_row + row + 1).min(ks)
+            } else {
+                ks
+            };
+            let total = T::softmax_numerators(&mut scores[..limit]);
+            let inverse = T::ONE / total;
+            let mut dot = T::ZERO;
+            for (p, s) in scores[..limit].iter_mut().zip(&slope[..limit]) {
+                *p = *p * inverse;
+                dot += *p * *s;
+            }
+            for score in &mut scores[limit..] {
+                *score = T::ZERO;
+            }
+            for (s, &p) in slope.iter_mut().zip(scores.iter()) {
+                *s = p * (*s - dot);
+            }
+        }
+    }
+
+    /// A tile's share of `dK = scale dS^T Q` and `dV = P^T dO`, into `out_k` (the
+    /// head's first key row) for the first tile, else summed in `partial` and added.
+    ///
+    /// # Safety
+    /// `out_k` must hold the element's `ks` key rows; `q` and `g` the tile's `rows`.
+    unsafe fn key_gradients<T: Gemm>(
+        &self,
+        (out_k, partial, first_tile): (*mut T, &mut [T], bool),
+        (probabilities, slopes): (&[T], &[T]),
+        (q, g): (*const T, *const T),
+        (rows, ks): (usize, usize),
+    ) {
+        let d = self.head_dim;
+        let width = self.heads * d;
+        let scale = T::from_f64(self.scale);
+        let (target, stride) = if first_tile {
+            (out_k, 2 * width as isize)
+        } else {
+            (partial.as_mut_ptr(), 2 * d as isize)
+        };
+        let half = if first_tile { width } else { d };
+        // The caller vouches for the rows; `partial` holds `ks` rows of `2 d`.
+        unsafe {
+            T::tile_matmul(
+                (ks, rows, d as usize),
+                scale,
+                (slopes.as_ptr(), 1, ks as isize),
+                (q, self.q.row_stride as isize, 1),
+                (target, stride, 1),
+            );
+            T::tile_matmul(
+                (ks, rows, d as usize),
+                T::ONE,
+                (probabilities.as_ptr(), 1, ks as isize),
+                (g, self.g.row_stride as isize, 1),
+                (target.offset(half as isize), stride, 1),
+            );
+        }
+        if first_tile {
+            return;
+        }
+        for (key, sums) in partial.chunks(2 * d as usize).enumerate() {
+            for (part, sums) in sums.chunks(d as usize).enumerate() {
+                let offset = key as i64 * 2 * width + part as i64 * width;
+                let row = unsafe {
+                    std::slice::from_raw_parts_mut(out_k.offset(offset as isize), d as usize)
+                };
+                for (value, &added) in row.iter_mut().zip(sums) {
+                    *value += added;
                 }
             }
         }

@@ -1,15 +1,91 @@
 //! The data steps the CPU runs in Rust: numbers from lengths, one-hot rows, inserted
 //! slices, scattered embedding gradients and dropout masks.
 
-use nestor_runtime::{mask_key, split_mix};
+use nestor_passes::step::{Insert, LengthValues, OneHot, RandomMask, ScatterRows};
+use nestor_passes::FloatType;
+use nestor_runtime::{mask_key, split_mix, RunState};
 
 use crate::scalar::Scalar;
+
+/// A one-hot step of the run (its ids already checked).
+pub(super) fn one_hot_step(step: &OneHot, run: &RunState<'_, '_>) {
+    let OneHot {
+        out,
+        ids,
+        rows,
+        classes,
+        ignore,
+    } = *step;
+    let rows = run.sizes().rows(rows).max(0) as usize;
+    let (out, ids) = (run.pointer(out), run.pointer(ids) as *const i64);
+    // `ids` holds `rows` i64 values (an input of that checked size) and `out`
+    // `rows * classes` values of the program's type.
+    match run.program().float {
+        FloatType::F32 => unsafe { one_hot::<f32>(out, ids, rows, classes, ignore) },
+        FloatType::F64 => unsafe { one_hot::<f64>(out, ids, rows, classes, ignore) },
+    }
+}
+
+/// A scatter-add step of the run (an embedding's gradient).
+pub(super) fn scatter_rows_step(step: &ScatterRows, run: &RunState<'_, '_>) {
+    let rows = run.sizes().rows(step.rows).max(0) as usize;
+    let buffers = (
+        run.pointer(step.out),
+        run.pointer(step.g) as *const u8,
+        run.pointer(step.ids) as *const i64,
+    );
+    let sizes = (rows, step.width, step.vocabulary, step.padding);
+    // `ids` holds `rows` i64 values, `g` `rows * width` and `out` `vocabulary * width`
+    // values of the program's type.
+    match run.program().float {
+        FloatType::F32 => unsafe { scatter_rows::<f32>(buffers, sizes) },
+        FloatType::F64 => unsafe { scatter_rows::<f64>(buffers, sizes) },
+    }
+}
+
+/// An insert step of the run.
+pub(super) fn insert_step(step: &Insert, run: &RunState<'_, '_>) {
+    let rows = run.sizes().rows(step.rows).max(0) as usize;
+    let (out, x) = (run.pointer(step.out), run.pointer(step.x) as *const u8);
+    let at = (step.size, step.index, step.inner);
+    // `x` holds `rows * inner` and `out` `rows * size * inner` values of the program's
+    // type.
+    match run.program().float {
+        FloatType::F32 => unsafe { insert::<f32>(out, x, rows, at) },
+        FloatType::F64 => unsafe { insert::<f64>(out, x, rows, at) },
+    }
+}
+
+/// A dropout-mask step of the run (keyed by its stream and the run's number).
+pub(super) fn random_mask_step(step: &RandomMask, run: &RunState<'_, '_>) {
+    let count = (run.sizes().rows(step.rows) * step.width).max(0) as usize;
+    let out = run.pointer(step.out);
+    let key = (step.stream as u64, run.run());
+    // `out` holds `count` values of the program's type.
+    match run.program().float {
+        FloatType::F32 => unsafe { random_mask::<f32>(out, count, step.p.0, key) },
+        FloatType::F64 => unsafe { random_mask::<f64>(out, count, step.p.0, key) },
+    }
+}
+
+/// A length-values step of the run (nothing when the run does not know the lengths).
+pub(super) fn length_values_step(step: &LengthValues, run: &RunState<'_, '_>) {
+    let Some(info) = run.lengths(step.lengths) else {
+        return;
+    };
+    let out = run.pointer(step.out);
+    // `out` holds one value per element of these lengths, in the program's type.
+    match run.program().float {
+        FloatType::F32 => unsafe { write_numbers::<f32>(out, &info.lengths) },
+        FloatType::F64 => unsafe { write_numbers::<f64>(out, &info.lengths) },
+    }
+}
 
 /// Writes `values` as numbers of type `T`.
 ///
 /// # Safety
 /// `out` must hold `values.len()` values of type `T` (or be unused when it is empty).
-pub(super) unsafe fn write_numbers<T: Scalar>(out: *mut u8, values: &[i64]) {
+unsafe fn write_numbers<T: Scalar>(out: *mut u8, values: &[i64]) {
     if values.is_empty() {
         return;
     }
@@ -24,7 +100,7 @@ pub(super) unsafe fn write_numbers<T: Scalar>(out: *mut u8, values: &[i64]) {
 /// # Safety
 /// `ids` must hold `rows` values and `out` `rows * classes` values of type `T` (either
 /// may be unused when `rows` is 0).
-pub(super) unsafe fn one_hot<T: Scalar>(
+unsafe fn one_hot<T: Scalar>(
     out: *mut u8,
     ids: *const i64,
     rows: usize,
@@ -51,7 +127,7 @@ pub(super) unsafe fn one_hot<T: Scalar>(
 /// # Safety
 /// `ids` must hold `rows` values, `g` `rows * width` and `out` `vocabulary * width`
 /// values of type `T` (any may be unused when empty).
-pub(super) unsafe fn scatter_rows<T: Scalar>(
+unsafe fn scatter_rows<T: Scalar>(
     (out, g, ids): (*mut u8, *const u8, *const i64),
     (rows, width, vocabulary, padding): (usize, i64, i64, i64),
 ) {
@@ -81,7 +157,7 @@ pub(super) unsafe fn scatter_rows<T: Scalar>(
 ///
 /// # Safety
 /// `x` must hold `rows * inner` and `out` `rows * size * inner` values of type `T`.
-pub(super) unsafe fn insert<T: Scalar>(
+unsafe fn insert<T: Scalar>(
     out: *mut u8,
     x: *const u8,
     rows: usize,

@@ -3,10 +3,7 @@
 //! varlen attention, window steps, host steps and the padding copies, each reading and
 //! writing the buffers of the run's state.
 
-use nestor_passes::step::{
-    Attention, AttentionGrad, Gemm, Host, Insert, LengthValues, OneHot, Pad, PairGemm, RandomMask,
-    ScatterRows, SumRows, Unpad,
-};
+use nestor_passes::step::{Attention, AttentionGrad, Gemm, Host, Pad, PairGemm, SumRows, Unpad};
 use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Source, Step};
 use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
@@ -21,8 +18,6 @@ use crate::{KernelFn, Parallelism};
 
 mod data;
 mod window;
-
-use data::{insert, one_hot, random_mask, scatter_rows, write_numbers};
 
 /// How the CPU runs a program's steps: the JIT-compiled kernels of its generated steps
 /// and where each step runs ([`KernelSet::Library`]'s placements, with each kernel's
@@ -255,97 +250,25 @@ impl CpuSteps {
                 };
                 Ok(())
             }
-            Step::OneHot(OneHot {
-                out,
-                ids,
-                rows,
-                classes,
-                ignore,
-            }) => {
-                self.check_ids(index, *ids, (*classes, Some(*ignore)), run)?;
-                let rows = run.sizes().rows(*rows).max(0) as usize;
-                let (out, ids) = (run.pointer(*out), run.pointer(*ids) as *const i64);
-                // `ids` holds `rows` i64 values (an input of that checked size) and `out`
-                // `rows * classes` values of the program's type.
-                match run.program().float {
-                    FloatType::F32 => unsafe { one_hot::<f32>(out, ids, rows, *classes, *ignore) },
-                    FloatType::F64 => unsafe { one_hot::<f64>(out, ids, rows, *classes, *ignore) },
-                }
+            Step::OneHot(step) => {
+                self.check_ids(index, step.ids, (step.classes, Some(step.ignore)), run)?;
+                data::one_hot_step(step, run);
                 Ok(())
             }
-            Step::ScatterRows(ScatterRows {
-                out,
-                g,
-                ids,
-                rows,
-                width,
-                vocabulary,
-                padding,
-            }) => {
-                let rows = run.sizes().rows(*rows).max(0) as usize;
-                let buffers = (
-                    run.pointer(*out),
-                    run.pointer(*g) as *const u8,
-                    run.pointer(*ids) as *const i64,
-                );
-                let sizes = (rows, *width, *vocabulary, *padding);
-                // `ids` holds `rows` i64 values, `g` `rows * width` and `out`
-                // `vocabulary * width` values of the program's type.
-                match run.program().float {
-                    FloatType::F32 => unsafe { scatter_rows::<f32>(buffers, sizes) },
-                    FloatType::F64 => unsafe { scatter_rows::<f64>(buffers, sizes) },
-                }
+            Step::ScatterRows(step) => {
+                data::scatter_rows_step(step, run);
                 Ok(())
             }
-            Step::Insert(Insert {
-                out,
-                x,
-                rows,
-                size,
-                index,
-                inner,
-            }) => {
-                let rows = run.sizes().rows(*rows).max(0) as usize;
-                let (out, x) = (run.pointer(*out), run.pointer(*x) as *const u8);
-                // `x` holds `rows * inner` and `out` `rows * size * inner` values of the
-                // program's type.
-                match run.program().float {
-                    FloatType::F32 => unsafe {
-                        insert::<f32>(out, x, rows, (*size, *index, *inner))
-                    },
-                    FloatType::F64 => unsafe {
-                        insert::<f64>(out, x, rows, (*size, *index, *inner))
-                    },
-                }
+            Step::Insert(step) => {
+                data::insert_step(step, run);
                 Ok(())
             }
-            Step::RandomMask(RandomMask {
-                out,
-                rows,
-                width,
-                p,
-                stream,
-            }) => {
-                let count = (run.sizes().rows(*rows) * width).max(0) as usize;
-                let out = run.pointer(*out);
-                let key = (*stream as u64, run.run());
-                // `out` holds `count` values of the program's type.
-                match run.program().float {
-                    FloatType::F32 => unsafe { random_mask::<f32>(out, count, p.0, key) },
-                    FloatType::F64 => unsafe { random_mask::<f64>(out, count, p.0, key) },
-                }
+            Step::RandomMask(step) => {
+                data::random_mask_step(step, run);
                 Ok(())
             }
-            Step::LengthValues(LengthValues { out, lengths }) => {
-                let Some(info) = run.lengths(*lengths) else {
-                    return Ok(());
-                };
-                let out = run.pointer(*out);
-                // `out` holds one value per element of these lengths, in the program's type.
-                match run.program().float {
-                    FloatType::F32 => unsafe { write_numbers::<f32>(out, &info.lengths) },
-                    FloatType::F64 => unsafe { write_numbers::<f64>(out, &info.lengths) },
-                }
+            Step::LengthValues(step) => {
+                data::length_values_step(step, run);
                 Ok(())
             }
             other => Err(step_error(
@@ -683,8 +606,11 @@ impl CpuSteps {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nestor_passes::step::RandomMask;
     use nestor_passes::Rows;
     use nestor_runtime::mask_key;
+
+    use super::data::random_mask;
 
     /// The device's dropout-mask kernel draws the CPU's masks, bit for bit.
     #[test]

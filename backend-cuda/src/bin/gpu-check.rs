@@ -131,60 +131,93 @@ enum Kind {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (kind, cases, out) = match &args[..] {
-        [flag, kind, rest @ ..] if flag == "--device" && (kind == "host" || kind == "cuda") => {
-            let kind = if kind == "host" {
-                Kind::Host
-            } else {
-                Kind::Cuda
-            };
-            match rest {
-                [out] => (kind, None, out),
-                [flag, cases, out] if flag == "--cases" && kind == Kind::Cuda => {
-                    (kind, Some(cases), out)
-                }
-                _ => return usage(),
-            }
-        }
-        _ => return usage(),
+    let Some((kind, cases, out)) = parse_args(&args) else {
+        return usage();
     };
     let mut report = String::new();
     let mut failures = 0;
     if kind == Kind::Cuda {
-        let device = match nestor_backend_cuda::Device::open(0) {
-            Ok(device) => device,
-            Err(error) => {
-                eprintln!("gpu-check: {error}");
+        match device_report(cases) {
+            Ok((lines, failed)) => {
+                report.push_str(&lines);
+                failures += failed;
+            }
+            Err(why) => {
+                eprintln!("gpu-check: {why}");
                 return ExitCode::from(2);
-            }
-        };
-        report.push_str(&format!(
-            "device {} ({}); {}\n",
-            device.name(),
-            device.arch().name(),
-            match nestor_backend_cuda::blas::Blas::new(&device) {
-                Ok(_) => "cuBLAS loaded".to_owned(),
-                Err(error) => error.to_string(),
-            }
-        ));
-        if let Some(cases) = cases {
-            match run_cases(&device, Path::new(cases)) {
-                Ok((lines, failed)) => {
-                    report.push_str(&lines);
-                    failures += failed;
-                }
-                Err(why) => {
-                    eprintln!("gpu-check: {why}");
-                    return ExitCode::from(2);
-                }
             }
         }
     }
-    let mut record = |line: String| {
+    failures += run_programs(kind, &mut |line: String| {
         println!("{line}");
         report.push_str(&line);
         report.push('\n');
+    });
+    let summary = if failures == 0 {
+        "everything matched\n".to_owned()
+    } else {
+        format!("{failures} failure(s)\n")
     };
+    print!("{summary}");
+    report.push_str(&summary);
+    let path = Path::new(out).join("gpu-check.txt");
+    if let Err(error) = std::fs::create_dir_all(out).and_then(|()| std::fs::write(&path, report)) {
+        eprintln!("gpu-check: {}: {error}", path.display());
+        return ExitCode::from(2);
+    }
+    if failures == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// `--device host|cuda [--cases FILE] OUT` (cases only on CUDA), or `None`.
+fn parse_args(args: &[String]) -> Option<(Kind, Option<&String>, &String)> {
+    let [flag, kind, rest @ ..] = args else {
+        return None;
+    };
+    let kind = match (flag.as_str(), kind.as_str()) {
+        ("--device", "host") => Kind::Host,
+        ("--device", "cuda") => Kind::Cuda,
+        _ => return None,
+    };
+    match rest {
+        [out] => Some((kind, None, out)),
+        [flag, cases, out] if flag == "--cases" && kind == Kind::Cuda => {
+            Some((kind, Some(cases), out))
+        }
+        _ => None,
+    }
+}
+
+/// The device's header line (its name, architecture and whether cuBLAS loaded) and the
+/// lines of the cases file, if any, with their failures; an error if the device does
+/// not open or the cases cannot be read.
+fn device_report(cases: Option<&String>) -> Result<(String, usize), String> {
+    let device = nestor_backend_cuda::Device::open(0).map_err(|error| error.to_string())?;
+    let mut report = format!(
+        "device {} ({}); {}\n",
+        device.name(),
+        device.arch().name(),
+        match nestor_backend_cuda::blas::Blas::new(&device) {
+            Ok(_) => "cuBLAS loaded".to_owned(),
+            Err(error) => error.to_string(),
+        }
+    );
+    let mut failures = 0;
+    if let Some(cases) = cases {
+        let (lines, failed) = run_cases(&device, Path::new(cases))?;
+        report.push_str(&lines);
+        failures += failed;
+    }
+    Ok((report, failures))
+}
+
+/// Runs the encoder layer and every program on `kind`, a line per run to `record`;
+/// returns the failures.
+fn run_programs(kind: Kind, record: &mut dyn FnMut(String)) -> usize {
+    let mut failures = 0;
     // The encoder layer at the benchmark's sizes, timed (against padded torch in
     // `scripts/gpu-torch-baseline.py`, same lengths), with f32 and bf16 buffers, its
     // GEMM products on the BLAS and in kernels.
@@ -238,23 +271,7 @@ fn main() -> ExitCode {
             });
         }
     }
-    let summary = if failures == 0 {
-        "everything matched\n".to_owned()
-    } else {
-        format!("{failures} failure(s)\n")
-    };
-    print!("{summary}");
-    report.push_str(&summary);
-    let path = Path::new(out).join("gpu-check.txt");
-    if let Err(error) = std::fs::create_dir_all(out).and_then(|()| std::fs::write(&path, report)) {
-        eprintln!("gpu-check: {}: {error}", path.display());
-        return ExitCode::from(2);
-    }
-    if failures == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
+    failures
 }
 
 /// How a report line names a storage and where GEMM products ran.

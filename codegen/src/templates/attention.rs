@@ -13,18 +13,6 @@ use super::*;
 /// makes the row NaN (libtorch adds -inf to it) and its values count with weight 0 (a
 /// value that is not finite makes its column NaN, as libtorch's product does).
 pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Gen<()> {
-    let Attention {
-        ref q,
-        ref k,
-        ref v,
-        heads,
-        head_dim,
-        value_dim,
-        causal,
-        scale,
-        ..
-    } = *step;
-    let scale = scale.0;
     let (start, end) = kernel.range()?;
     let [out, queries, keys, values, query_offsets, key_offsets, elements] = kernel.params([
         Role::Out,
@@ -36,104 +24,175 @@ pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Ge
         Role::RowOwners,
     ])?;
     // Each lane's output columns (every one on the host).
-    let slots = (value_dim + kernel.lane_count() - 1) / kernel.lane_count();
+    let slots = (step.value_dim + kernel.lane_count() - 1) / kernel.lane_count();
     let output = kernel.accumulator_array("output", slots)?;
-    let [largest, total, poisoned] = kernel.accumulators(["largest", "total", "poisoned"])?;
-    let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
-    let [infinity, negative_infinity] =
-        [f64::INFINITY, f64::NEG_INFINITY].map(|value| kernel.constant(value));
+    let stats = kernel.accumulators(["largest", "total", "poisoned"])?;
+    let [largest, total, poisoned] = stats;
+    let zero = kernel.constant(0.0);
+    let negative_infinity = kernel.constant(f64::NEG_INFINITY);
     kernel.parallel_rows(start, end, |task, lanes| {
-        // This lane's value columns, each with its slot in `output`.
-        let columns = |body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>| {
-            kernel.lane_range(lanes, value_dim, |column| {
-                body(column, kernel.lane_slot(lanes, column)?)
-            })
-        };
-        let row = kernel.div(task, kernel.i64(heads))?;
-        let head = kernel.rem(task, kernel.i64(heads))?;
+        let row = kernel.div(task, kernel.i64(step.heads))?;
+        let head = kernel.rem(task, kernel.i64(step.heads))?;
         let element = kernel.load_i64(elements, row)?;
         let next = kernel.add(element, kernel.i64(1))?;
         let position = kernel.sub(row, kernel.load_i64(query_offsets, element)?)?;
         let first_key = kernel.load_i64(key_offsets, element)?;
         let key_count = kernel.sub(kernel.load_i64(key_offsets, next)?, first_key)?;
-        let visible = if causal {
+        let visible = if step.causal {
             kernel.min(kernel.add(position, kernel.i64(1))?, key_count)?
         } else {
             key_count
         };
-        let query_base = kernel.mul(head, kernel.i64(head_dim))?;
-        let value_base = kernel.mul(head, kernel.i64(value_dim))?;
-        // scale * <q_row, k_key> over this head's columns.
-        let score = |key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
-            let key_row = kernel.add(first_key, key)?;
-            let dot = lane_sum(kernel, lanes, head_dim, |column| {
-                let column = kernel.add(query_base, column)?;
-                let x = kernel.load_float(queries, index(kernel, q, row, column)?)?;
-                let y = kernel.load_float(keys, index(kernel, k, key_row, column)?)?;
-                kernel.fmul(x, y)
-            })?;
-            kernel.fmul(dot, kernel.constant(scale))
+        let task = AttentionTask {
+            kernel,
+            step,
+            lanes,
+            buffers: [queries, keys, values],
+            output,
+            stats,
+            row,
+            first_key,
+            query_base: kernel.mul(head, kernel.i64(step.head_dim))?,
+            value_base: kernel.mul(head, kernel.i64(step.value_dim))?,
         };
         kernel.set(largest, negative_infinity)?;
         kernel.set(total, zero)?;
         kernel.set(poisoned, zero)?;
-        columns(&|_, slot| kernel.store_local(output, slot, zero))?;
-        kernel.for_range(kernel.i64(0), visible, |key| {
-            let value = score(key)?;
-            let before = kernel.get(largest)?;
-            let after = kernel.extreme(before, value, true)?;
-            // While every score so far is -inf nothing is kept (and exp(-inf - -inf)
-            // would be NaN).
-            let rescale = kernel.fast_exp(kernel.fsub(before, after)?)?;
-            let rescale = kernel.select_if(
-                FloatPredicate::OEQ,
-                (after, negative_infinity),
-                one,
-                rescale,
-            )?;
-            let weight = kernel.fast_exp(kernel.fsub(value, after)?)?;
-            let weight = kernel.select_if(
-                FloatPredicate::OEQ,
-                (after, negative_infinity),
-                zero,
-                weight,
-            )?;
-            kernel.set(
-                total,
-                kernel.fadd(kernel.fmul(kernel.get(total)?, rescale)?, weight)?,
-            )?;
-            let key_row = kernel.add(first_key, key)?;
-            columns(&|column, slot| {
-                let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
-                let contribution = kernel.fmul(weight, kernel.load_float(values, at)?)?;
-                let kept = kernel.fmul(kernel.load_local(output, slot)?, rescale)?;
-                kernel.store_local(output, slot, kernel.fadd(kept, contribution)?)
-            })?;
-            kernel.set(largest, after)
-        })?;
-        if causal {
-            kernel.for_range(visible, key_count, |key| {
-                // A masked score that is not below +inf (NaN or +inf) poisons the row.
-                let poison =
-                    kernel.select_if(FloatPredicate::OLT, (score(key)?, infinity), zero, one)?;
-                kernel.set(
-                    poisoned,
-                    kernel.extreme(kernel.get(poisoned)?, poison, true)?,
-                )?;
-                // A masked key's values count with weight 0 (NaN where one is not finite).
-                let key_row = kernel.add(first_key, key)?;
-                columns(&|column, slot| {
-                    let at = index(kernel, v, key_row, kernel.add(value_base, column)?)?;
-                    let masked = kernel.fmul(zero, kernel.load_float(values, at)?)?;
-                    let kept = kernel.load_local(output, slot)?;
-                    kernel.store_local(output, slot, kernel.fadd(kept, masked)?)
-                })
-            })?;
+        task.columns(&|_, slot| kernel.store_local(output, slot, zero))?;
+        kernel.for_range(kernel.i64(0), visible, |key| task.attend(key))?;
+        if step.causal {
+            kernel.for_range(visible, key_count, |key| task.mask(key))?;
         }
+        task.write(out)
+    })
+}
+
+/// One task of [`attention`]: a query row and head, its element's first key, the
+/// buffers (`Q`, `K`, `V`) and the accumulators of its online softmax.
+struct AttentionTask<'a, 'ctx, 'm> {
+    kernel: &'a Kernel<'ctx, 'm>,
+    step: &'a Attention,
+    lanes: Lanes<'ctx>,
+    buffers: [PointerValue<'ctx>; 3],
+    /// This lane's output columns.
+    output: Local<'ctx>,
+    /// The running maximum, the running sum and whether a masked score poisons the row.
+    stats: [PointerValue<'ctx>; 3],
+    row: IntValue<'ctx>,
+    first_key: IntValue<'ctx>,
+    query_base: IntValue<'ctx>,
+    value_base: IntValue<'ctx>,
+}
+
+impl<'ctx> AttentionTask<'_, 'ctx, '_> {
+    /// This lane's value columns, each with its slot in the output.
+    fn columns(&self, body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
+        let (kernel, lanes) = (self.kernel, self.lanes);
+        kernel.lane_range(lanes, self.step.value_dim, |column| {
+            body(column, kernel.lane_slot(lanes, column)?)
+        })
+    }
+
+    /// `scale * <q_row, k_key>` over this head's columns.
+    fn score(&self, key: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let (kernel, step) = (self.kernel, self.step);
+        let [queries, keys, _] = self.buffers;
+        let key_row = kernel.add(self.first_key, key)?;
+        let dot = lane_sum(kernel, self.lanes, step.head_dim, |column| {
+            let column = kernel.add(self.query_base, column)?;
+            let x = kernel.load_float(queries, index(kernel, &step.q, self.row, column)?)?;
+            let y = kernel.load_float(keys, index(kernel, &step.k, key_row, column)?)?;
+            kernel.fmul(x, y)
+        })?;
+        kernel.fmul(dot, kernel.constant(step.scale.0))
+    }
+
+    /// Adds `weight * v_key` to each column, after multiplying it by `rescale` if given.
+    fn add_values(
+        &self,
+        key: IntValue<'ctx>,
+        weight: FloatValue<'ctx>,
+        rescale: Option<FloatValue<'ctx>>,
+    ) -> Gen<()> {
+        let (kernel, step, output) = (self.kernel, self.step, self.output);
+        let key_row = kernel.add(self.first_key, key)?;
+        self.columns(&|column, slot| {
+            let at = index(
+                kernel,
+                &step.v,
+                key_row,
+                kernel.add(self.value_base, column)?,
+            )?;
+            let contribution = kernel.fmul(weight, kernel.load_float(self.buffers[2], at)?)?;
+            let kept = kernel.load_local(output, slot)?;
+            let kept = match rescale {
+                Some(rescale) => kernel.fmul(kept, rescale)?,
+                None => kept,
+            };
+            kernel.store_local(output, slot, kernel.fadd(kept, contribution)?)
+        })
+    }
+
+    /// One visible key of the online softmax: the running maximum rescales the running
+    /// sum and output, then the key's weight and values are added.
+    fn attend(&self, key: IntValue<'ctx>) -> Gen<()> {
+        let kernel = self.kernel;
+        let [largest, total, _] = self.stats;
+        let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
+        let negative_infinity = kernel.constant(f64::NEG_INFINITY);
+        let value = self.score(key)?;
+        let before = kernel.get(largest)?;
+        let after = kernel.extreme(before, value, true)?;
+        // While every score so far is -inf nothing is kept (and exp(-inf - -inf) would
+        // be NaN).
+        let rescale = kernel.fast_exp(kernel.fsub(before, after)?)?;
+        let rescale = kernel.select_if(
+            FloatPredicate::OEQ,
+            (after, negative_infinity),
+            one,
+            rescale,
+        )?;
+        let weight = kernel.fast_exp(kernel.fsub(value, after)?)?;
+        let weight = kernel.select_if(
+            FloatPredicate::OEQ,
+            (after, negative_infinity),
+            zero,
+            weight,
+        )?;
+        kernel.set(
+            total,
+            kernel.fadd(kernel.fmul(kernel.get(total)?, rescale)?, weight)?,
+        )?;
+        self.add_values(key, weight, Some(rescale))?;
+        kernel.set(largest, after)
+    }
+
+    /// One masked (future) key: a score that is not below +inf (NaN or +inf) poisons
+    /// the row, and its values count with weight 0 (NaN where one is not finite).
+    fn mask(&self, key: IntValue<'ctx>) -> Gen<()> {
+        let kernel = self.kernel;
+        let poisoned = self.stats[2];
+        let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
+        let infinity = kernel.constant(f64::INFINITY);
+        let poison =
+            kernel.select_if(FloatPredicate::OLT, (self.score(key)?, infinity), zero, one)?;
+        kernel.set(
+            poisoned,
+            kernel.extreme(kernel.get(poisoned)?, poison, true)?,
+        )?;
+        self.add_values(key, zero, None)
+    }
+
+    /// The output row: the columns over the sum, 0 without a finite score, NaN if
+    /// poisoned.
+    fn write(&self, out: PointerValue<'ctx>) -> Gen<()> {
+        let (kernel, step, output) = (self.kernel, self.step, self.output);
+        let [largest, total, poisoned] = self.stats;
+        let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
         let inverse = kernel.fdiv(one, kernel.get(total)?)?;
         let inverse = kernel.select_if(
             FloatPredicate::OEQ,
-            (kernel.get(largest)?, negative_infinity),
+            (kernel.get(largest)?, kernel.constant(f64::NEG_INFINITY)),
             zero,
             inverse,
         )?;
@@ -143,13 +202,13 @@ pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Ge
             kernel.constant(f64::NAN),
             inverse,
         )?;
-        let out_row = kernel.mul(row, kernel.i64(heads * value_dim))?;
-        columns(&|column, slot| {
-            let at = kernel.add(out_row, kernel.add(value_base, column)?)?;
+        let out_row = kernel.mul(self.row, kernel.i64(step.heads * step.value_dim))?;
+        self.columns(&|column, slot| {
+            let at = kernel.add(out_row, kernel.add(self.value_base, column)?)?;
             let value = kernel.fmul(kernel.load_local(output, slot)?, inverse)?;
             kernel.store_float(out, at, value)
         })
-    })
+    }
 }
 
 /// The gradient of varlen attention, `P = softmax(scale Q K^T)` recomputed from each query
@@ -160,21 +219,8 @@ pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Ge
 /// warp's on a GPU (lanes over the head's columns, dot products added with shuffles),
 /// one thread's on the host.
 pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGrad) -> Gen<()> {
-    let AttentionGrad {
-        ref q,
-        ref k,
-        ref v,
-        ref g,
-        heads,
-        head_dim,
-        causal,
-        scale,
-        keys,
-        ..
-    } = *step;
-    let scale = scale.0;
     let (start, end) = kernel.range()?;
-    let [out, queries, key_rows, values, slopes, query_offsets, key_offsets, elements] = kernel
+    let [out, queries, keys, values, slopes, query_offsets, key_offsets, elements] = kernel
         .params([
             Role::Out,
             Role::Queries,
@@ -185,22 +231,18 @@ pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGr
             Role::KeyOffsets,
             Role::RowOwners,
         ])?;
-    let [largest, total, dot] = kernel.accumulators(["largest", "total", "dot"])?;
+    let stats = kernel.accumulators(["largest", "total", "dot"])?;
     // Each lane's columns of the head (every one on the host).
-    let slots = (head_dim + kernel.lane_count() - 1) / kernel.lane_count();
-    let first_grad = kernel.accumulator_array("first", slots)?;
-    let second_grad = kernel.accumulator_array("second", slots)?;
+    let slots = (step.head_dim + kernel.lane_count() - 1) / kernel.lane_count();
+    let grads = [
+        kernel.accumulator_array("first", slots)?,
+        kernel.accumulator_array("second", slots)?,
+    ];
     let zero = kernel.constant(0.0);
     kernel.parallel_rows(start, end, |task, lanes| {
-        // This lane's columns of the head, each with its slot in the gradients.
-        let columns = |body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>| {
-            kernel.lane_range(lanes, head_dim, |column| {
-                body(column, kernel.lane_slot(lanes, column)?)
-            })
-        };
-        let row = kernel.div(task, kernel.i64(heads))?;
-        let head = kernel.rem(task, kernel.i64(heads))?;
-        let base = kernel.mul(head, kernel.i64(head_dim))?;
+        let row = kernel.div(task, kernel.i64(step.heads))?;
+        let head = kernel.rem(task, kernel.i64(step.heads))?;
+        let base = kernel.mul(head, kernel.i64(step.head_dim))?;
         let element = kernel.load_i64(elements, row)?;
         let next = kernel.add(element, kernel.i64(1))?;
         let (first_query, first_key) = (
@@ -209,149 +251,274 @@ pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGr
         );
         let query_count = kernel.sub(kernel.load_i64(query_offsets, next)?, first_query)?;
         let key_count = kernel.sub(kernel.load_i64(key_offsets, next)?, first_key)?;
-        // <a_x, b_y> over this head's columns.
-        let dot_rows = |(a, a_buffer): (&Access, PointerValue<'ctx>),
-                        x: IntValue<'ctx>,
-                        (b, b_buffer): (&Access, PointerValue<'ctx>),
-                        y: IntValue<'ctx>|
-         -> Gen<FloatValue<'ctx>> {
-            lane_sum(kernel, lanes, head_dim, |column| {
-                let column = kernel.add(base, column)?;
-                let left = kernel.load_float(a_buffer, index(kernel, a, x, column)?)?;
-                let right = kernel.load_float(b_buffer, index(kernel, b, y, column)?)?;
-                kernel.fmul(left, right)
-            })
+        let task = GradTask {
+            kernel,
+            step,
+            lanes,
+            buffers: GradBuffers {
+                out,
+                queries,
+                keys,
+                values,
+                slopes,
+            },
+            stats,
+            grads,
+            zero,
+            row,
+            base,
+            first_query,
+            first_key,
+            query_count,
+            key_count,
         };
-        let score = |query: IntValue<'ctx>, key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
-            let product = dot_rows((q, queries), query, (k, key_rows), key)?;
-            kernel.fmul(product, kernel.constant(scale))
-        };
-        let slope = |query: IntValue<'ctx>, key: IntValue<'ctx>| {
-            dot_rows((g, slopes), query, (v, values), key)
-        };
-        // The keys query row `query` (packed) sees: `0..visible` of its element.
-        let visible = |query: IntValue<'ctx>| -> Gen<IntValue<'ctx>> {
-            if causal {
-                let position = kernel.sub(query, first_query)?;
-                kernel.min(kernel.add(position, kernel.i64(1))?, key_count)
-            } else {
-                Ok(key_count)
-            }
-        };
-        // P[query, key] from the statistics of `query` in the accumulators.
-        let probability = |query: IntValue<'ctx>, key: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
-            let shifted = kernel.fsub(score(query, key)?, kernel.get(largest)?)?;
-            kernel.fdiv(kernel.fast_exp(shifted)?, kernel.get(total)?)
-        };
-        // Row `query`'s maximum, sum of exponentials and rowsum(P dP), into the
-        // accumulators.
-        let row_stats = |query: IntValue<'ctx>| -> Gen<()> {
-            let limit = visible(query)?;
-            kernel.set(largest, kernel.constant(f64::NEG_INFINITY))?;
-            kernel.for_range(kernel.i64(0), limit, |key| {
-                let value = score(query, kernel.add(first_key, key)?)?;
-                kernel.set(largest, kernel.extreme(kernel.get(largest)?, value, true)?)
-            })?;
-            kernel.set(total, zero)?;
-            kernel.for_range(kernel.i64(0), limit, |key| {
-                let shifted = kernel.fsub(
-                    score(query, kernel.add(first_key, key)?)?,
-                    kernel.get(largest)?,
-                )?;
-                kernel.set(
-                    total,
-                    kernel.fadd(kernel.get(total)?, kernel.fast_exp(shifted)?)?,
-                )
-            })?;
-            kernel.set(dot, zero)?;
-            kernel.for_range(kernel.i64(0), limit, |key| {
-                let key = kernel.add(first_key, key)?;
-                let p = probability(query, key)?;
-                kernel.set(
-                    dot,
-                    kernel.fadd(kernel.get(dot)?, kernel.fmul(p, slope(query, key)?)?)?,
-                )
-            })
-        };
-        columns(&|_, slot| {
-            kernel.store_local(first_grad, slot, zero)?;
-            kernel.store_local(second_grad, slot, zero)
+        task.columns(&|_, slot| {
+            kernel.store_local(grads[0], slot, zero)?;
+            kernel.store_local(grads[1], slot, zero)
         })?;
-        if keys {
-            // Key row `row`: the queries of its element that see it.
-            let position = kernel.sub(row, first_key)?;
-            kernel.for_range(kernel.i64(0), query_count, |query| {
-                let query = kernel.add(first_query, query)?;
-                let seen = if causal {
-                    kernel.less(position, visible(query)?)?
-                } else {
-                    kernel.less(kernel.i64(-1), position)?
-                };
-                kernel.if_else(
-                    seen,
-                    || {
-                        row_stats(query)?;
-                        let p = probability(query, row)?;
-                        let ds =
-                            kernel.fmul(p, kernel.fsub(slope(query, row)?, kernel.get(dot)?)?)?;
-                        columns(&|column, slot| {
-                            let column_at = kernel.add(base, column)?;
-                            let x =
-                                kernel.load_float(queries, index(kernel, q, query, column_at)?)?;
-                            let y =
-                                kernel.load_float(slopes, index(kernel, g, query, column_at)?)?;
-                            let dk = kernel
-                                .fadd(kernel.load_local(first_grad, slot)?, kernel.fmul(ds, x)?)?;
-                            let dv = kernel
-                                .fadd(kernel.load_local(second_grad, slot)?, kernel.fmul(p, y)?)?;
-                            kernel.store_local(first_grad, slot, dk)?;
-                            kernel.store_local(second_grad, slot, dv)
-                        })
-                    },
-                    || Ok(()),
-                )
-            })?;
-            // [Lk, 2, heads, head_dim]: dK then dV.
-            let width = kernel.i64(2 * heads * head_dim);
-            let target = kernel.add(kernel.mul(row, width)?, base)?;
-            columns(&|column, slot| {
-                let at = kernel.add(target, column)?;
-                let dk =
-                    kernel.fmul(kernel.load_local(first_grad, slot)?, kernel.constant(scale))?;
-                kernel.store_float(out, at, dk)?;
-                let at = kernel.add(at, kernel.i64(heads * head_dim))?;
-                kernel.store_float(out, at, kernel.load_local(second_grad, slot)?)
-            })
+        if step.keys {
+            task.keys_gradient()
         } else {
-            let limit = visible(row)?;
-            let has_keys = kernel.less(kernel.i64(0), limit)?;
+            task.queries_gradient()
+        }
+    })
+}
+
+/// The buffers of [`attention_grad`]: its output, `Q`, `K`, `V` and `dO`.
+#[derive(Clone, Copy)]
+struct GradBuffers<'ctx> {
+    out: PointerValue<'ctx>,
+    queries: PointerValue<'ctx>,
+    keys: PointerValue<'ctx>,
+    values: PointerValue<'ctx>,
+    slopes: PointerValue<'ctx>,
+}
+
+/// One task of [`attention_grad`]: its row (a query row, or a key row of the keys'
+/// gradient) and head, the packed rows of its element, and the accumulators it shares.
+struct GradTask<'a, 'ctx, 'm> {
+    kernel: &'a Kernel<'ctx, 'm>,
+    step: &'a AttentionGrad,
+    lanes: Lanes<'ctx>,
+    buffers: GradBuffers<'ctx>,
+    /// A query row's maximum, sum of exponentials and rowsum(P dP).
+    stats: [PointerValue<'ctx>; 3],
+    /// This lane's columns of the first (dK or dQ) and second (dV) gradient.
+    grads: [Local<'ctx>; 2],
+    zero: FloatValue<'ctx>,
+    row: IntValue<'ctx>,
+    /// The head's first column.
+    base: IntValue<'ctx>,
+    first_query: IntValue<'ctx>,
+    first_key: IntValue<'ctx>,
+    query_count: IntValue<'ctx>,
+    key_count: IntValue<'ctx>,
+}
+
+impl<'ctx> GradTask<'_, 'ctx, '_> {
+    /// This lane's columns of the head, each with its slot in the gradients.
+    fn columns(&self, body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
+        let (kernel, lanes) = (self.kernel, self.lanes);
+        kernel.lane_range(lanes, self.step.head_dim, |column| {
+            body(column, kernel.lane_slot(lanes, column)?)
+        })
+    }
+
+    /// `<a_x, b_y>` over this head's columns.
+    fn dot_rows(
+        &self,
+        (a, a_buffer): (&Access, PointerValue<'ctx>),
+        x: IntValue<'ctx>,
+        (b, b_buffer): (&Access, PointerValue<'ctx>),
+        y: IntValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let kernel = self.kernel;
+        lane_sum(kernel, self.lanes, self.step.head_dim, |column| {
+            let column = kernel.add(self.base, column)?;
+            let left = kernel.load_float(a_buffer, index(kernel, a, x, column)?)?;
+            let right = kernel.load_float(b_buffer, index(kernel, b, y, column)?)?;
+            kernel.fmul(left, right)
+        })
+    }
+
+    /// `scale <q_query, k_key>`.
+    fn score(&self, query: IntValue<'ctx>, key: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let (step, buffers) = (self.step, self.buffers);
+        let product = self.dot_rows(
+            (&step.q, buffers.queries),
+            query,
+            (&step.k, buffers.keys),
+            key,
+        )?;
+        self.kernel
+            .fmul(product, self.kernel.constant(step.scale.0))
+    }
+
+    /// `<dO_query, v_key>`.
+    fn slope(&self, query: IntValue<'ctx>, key: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let (step, buffers) = (self.step, self.buffers);
+        self.dot_rows(
+            (&step.g, buffers.slopes),
+            query,
+            (&step.v, buffers.values),
+            key,
+        )
+    }
+
+    /// The keys query row `query` (packed) sees: `0..visible` of its element.
+    fn visible(&self, query: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let kernel = self.kernel;
+        if self.step.causal {
+            let position = kernel.sub(query, self.first_query)?;
+            kernel.min(kernel.add(position, kernel.i64(1))?, self.key_count)
+        } else {
+            Ok(self.key_count)
+        }
+    }
+
+    /// `P[query, key]` from the statistics of `query` in the accumulators.
+    fn probability(&self, query: IntValue<'ctx>, key: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let kernel = self.kernel;
+        let [largest, total, _] = self.stats;
+        let shifted = kernel.fsub(self.score(query, key)?, kernel.get(largest)?)?;
+        kernel.fdiv(kernel.fast_exp(shifted)?, kernel.get(total)?)
+    }
+
+    /// `dS[query, key] = P (dP - rowsum(P dP))` from the statistics of `query`, with `P`.
+    fn score_slope(
+        &self,
+        query: IntValue<'ctx>,
+        key: IntValue<'ctx>,
+    ) -> Gen<(FloatValue<'ctx>, FloatValue<'ctx>)> {
+        let kernel = self.kernel;
+        let p = self.probability(query, key)?;
+        let centred = kernel.fsub(self.slope(query, key)?, kernel.get(self.stats[2])?)?;
+        Ok((p, kernel.fmul(p, centred)?))
+    }
+
+    /// Row `query`'s maximum, sum of exponentials and rowsum(P dP), into the
+    /// accumulators.
+    fn row_stats(&self, query: IntValue<'ctx>) -> Gen<()> {
+        let (kernel, zero) = (self.kernel, self.zero);
+        let [largest, total, dot] = self.stats;
+        let limit = self.visible(query)?;
+        kernel.set(largest, kernel.constant(f64::NEG_INFINITY))?;
+        kernel.for_range(kernel.i64(0), limit, |key| {
+            let value = self.score(query, kernel.add(self.first_key, key)?)?;
+            kernel.set(largest, kernel.extreme(kernel.get(largest)?, value, true)?)
+        })?;
+        kernel.set(total, zero)?;
+        kernel.for_range(kernel.i64(0), limit, |key| {
+            let shifted = kernel.fsub(
+                self.score(query, kernel.add(self.first_key, key)?)?,
+                kernel.get(largest)?,
+            )?;
+            kernel.set(
+                total,
+                kernel.fadd(kernel.get(total)?, kernel.fast_exp(shifted)?)?,
+            )
+        })?;
+        kernel.set(dot, zero)?;
+        kernel.for_range(kernel.i64(0), limit, |key| {
+            let key = kernel.add(self.first_key, key)?;
+            let p = self.probability(query, key)?;
+            kernel.set(
+                dot,
+                kernel.fadd(kernel.get(dot)?, kernel.fmul(p, self.slope(query, key)?)?)?,
+            )
+        })
+    }
+
+    /// Key row `row`'s dK and dV: over the queries of its element that see it, into
+    /// `[Lk, 2, heads, head_dim]` (dK then dV).
+    fn keys_gradient(&self) -> Gen<()> {
+        let (kernel, step, buffers) = (self.kernel, self.step, self.buffers);
+        let [first_grad, second_grad] = self.grads;
+        let (row, base) = (self.row, self.base);
+        let position = kernel.sub(row, self.first_key)?;
+        kernel.for_range(kernel.i64(0), self.query_count, |query| {
+            let query = kernel.add(self.first_query, query)?;
+            let seen = if step.causal {
+                kernel.less(position, self.visible(query)?)?
+            } else {
+                kernel.less(kernel.i64(-1), position)?
+            };
             kernel.if_else(
-                has_keys,
+                seen,
                 || {
-                    row_stats(row)?;
-                    kernel.for_range(kernel.i64(0), limit, |key| {
-                        let key = kernel.add(first_key, key)?;
-                        let p = probability(row, key)?;
-                        let ds =
-                            kernel.fmul(p, kernel.fsub(slope(row, key)?, kernel.get(dot)?)?)?;
-                        columns(&|column, slot| {
-                            let column_at = kernel.add(base, column)?;
-                            let y =
-                                kernel.load_float(key_rows, index(kernel, k, key, column_at)?)?;
-                            let dq = kernel
-                                .fadd(kernel.load_local(first_grad, slot)?, kernel.fmul(ds, y)?)?;
-                            kernel.store_local(first_grad, slot, dq)
-                        })
+                    self.row_stats(query)?;
+                    let (p, ds) = self.score_slope(query, row)?;
+                    self.columns(&|column, slot| {
+                        let column_at = kernel.add(base, column)?;
+                        let x = kernel.load_float(
+                            buffers.queries,
+                            index(kernel, &step.q, query, column_at)?,
+                        )?;
+                        let y = kernel.load_float(
+                            buffers.slopes,
+                            index(kernel, &step.g, query, column_at)?,
+                        )?;
+                        let dk = kernel
+                            .fadd(kernel.load_local(first_grad, slot)?, kernel.fmul(ds, x)?)?;
+                        let dv = kernel
+                            .fadd(kernel.load_local(second_grad, slot)?, kernel.fmul(p, y)?)?;
+                        kernel.store_local(first_grad, slot, dk)?;
+                        kernel.store_local(second_grad, slot, dv)
                     })
                 },
                 || Ok(()),
+            )
+        })?;
+        let width = kernel.i64(2 * step.heads * step.head_dim);
+        let target = kernel.add(kernel.mul(row, width)?, base)?;
+        self.columns(&|column, slot| {
+            let at = kernel.add(target, column)?;
+            let dk = kernel.fmul(
+                kernel.load_local(first_grad, slot)?,
+                kernel.constant(step.scale.0),
             )?;
-            let target = kernel.add(kernel.mul(row, kernel.i64(heads * head_dim))?, base)?;
-            columns(&|column, slot| {
-                let dq =
-                    kernel.fmul(kernel.load_local(first_grad, slot)?, kernel.constant(scale))?;
-                kernel.store_float(out, kernel.add(target, column)?, dq)
-            })
-        }
-    })
+            kernel.store_float(buffers.out, at, dk)?;
+            let at = kernel.add(at, kernel.i64(step.heads * step.head_dim))?;
+            kernel.store_float(buffers.out, at, kernel.load_local(second_grad, slot)?)
+        })
+    }
+
+    /// Query row `row`'s dQ: over the keys it sees, into `[Lq, heads, head_dim]`.
+    fn queries_gradient(&self) -> Gen<()> {
+        let (kernel, step, buffers) = (self.kernel, self.step, self.buffers);
+        let first_grad = self.grads[0];
+        let (row, base) = (self.row, self.base);
+        let limit = self.visible(row)?;
+        let has_keys = kernel.less(kernel.i64(0), limit)?;
+        kernel.if_else(
+            has_keys,
+            || {
+                self.row_stats(row)?;
+                kernel.for_range(kernel.i64(0), limit, |key| {
+                    let key = kernel.add(self.first_key, key)?;
+                    let (_, ds) = self.score_slope(row, key)?;
+                    self.columns(&|column, slot| {
+                        let column_at = kernel.add(base, column)?;
+                        let y = kernel
+                            .load_float(buffers.keys, index(kernel, &step.k, key, column_at)?)?;
+                        let dq = kernel
+                            .fadd(kernel.load_local(first_grad, slot)?, kernel.fmul(ds, y)?)?;
+                        kernel.store_local(first_grad, slot, dq)
+                    })
+                })
+            },
+            || Ok(()),
+        )?;
+        let target = kernel.add(
+            kernel.mul(row, kernel.i64(step.heads * step.head_dim))?,
+            base,
+        )?;
+        self.columns(&|column, slot| {
+            let dq = kernel.fmul(
+                kernel.load_local(first_grad, slot)?,
+                kernel.constant(step.scale.0),
+            )?;
+            kernel.store_float(buffers.out, kernel.add(target, column)?, dq)
+        })
+    }
 }

@@ -24,7 +24,7 @@ use nestor_passes::step::{
 };
 use nestor_passes::{Access, Fusion, Role, RowKind, SegmentKind, Signature, Step, WindowKind};
 
-use crate::builder::{Gen, Kernel, Lanes};
+use crate::builder::{Gen, Kernel, Lanes, Local};
 use crate::{KernelSet, Storage, Target};
 
 mod attention;

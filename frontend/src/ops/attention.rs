@@ -47,34 +47,7 @@ impl NestedTensor {
             let packed = attended.packed().f_reshape(layout.packed_shape())?;
             return Ok(NestedTensor::from_parts(packed, layout, self.options()));
         }
-        if keys.lay().offsets() != values.lay().offsets() {
-            return Err(NestedError::StructureMismatch {
-                op: "scaled_dot_product_attention (keys vs values)",
-                left: keys.lay().element_sizes().to_vec(),
-                right: values.lay().element_sizes().to_vec(),
-            });
-        }
-        if keys.batch_size() != self.batch_size() {
-            return Err(NestedError::BatchSizeMismatch {
-                op: "scaled_dot_product_attention",
-                what: "keys",
-                expected: self.batch_size(),
-                got: keys.batch_size(),
-            });
-        }
-        for (name, nested) in [("queries", self), ("keys", keys), ("values", values)] {
-            let layout = nested.lay();
-            if layout.rank() != 3 || layout.ragged_dims().iter().any(|&dim| dim != 0) {
-                return Err(NestedError::Unsupported {
-                    op: "scaled_dot_product_attention",
-                    reason: format!(
-                        "{name} must be [L_i, heads, head_dim] with only the first dim ragged; got ragged dims {:?} of rank {}",
-                        layout.ragged_dims(),
-                        layout.rank()
-                    ),
-                });
-            }
-        }
+        self.check_attention_operands(keys, values)?;
         let (query_offsets, key_offsets) = (self.lay().offsets(), keys.lay().offsets());
         let outputs = (0..self.batch_size())
             .map(|element| {
@@ -117,5 +90,40 @@ impl NestedTensor {
                 causal,
                 scale: scale.map(F64),
             })
+    }
+
+    /// The queries (`self`), keys and values of an attention: keys and values of one
+    /// structure, as many elements as the queries, each `[L_i, heads, head_dim]` with
+    /// only the first dim ragged.
+    fn check_attention_operands(&self, keys: &NestedTensor, values: &NestedTensor) -> Result<()> {
+        if keys.lay().offsets() != values.lay().offsets() {
+            return Err(NestedError::StructureMismatch {
+                op: "scaled_dot_product_attention (keys vs values)",
+                left: keys.lay().element_sizes().to_vec(),
+                right: values.lay().element_sizes().to_vec(),
+            });
+        }
+        if keys.batch_size() != self.batch_size() {
+            return Err(NestedError::BatchSizeMismatch {
+                op: "scaled_dot_product_attention",
+                what: "keys",
+                expected: self.batch_size(),
+                got: keys.batch_size(),
+            });
+        }
+        for (name, nested) in [("queries", self), ("keys", keys), ("values", values)] {
+            let layout = nested.lay();
+            if layout.rank() != 3 || layout.ragged_dims().iter().any(|&dim| dim != 0) {
+                return Err(NestedError::Unsupported {
+                    op: "scaled_dot_product_attention",
+                    reason: format!(
+                        "{name} must be [L_i, heads, head_dim] with only the first dim ragged; got ragged dims {:?} of rank {}",
+                        layout.ragged_dims(),
+                        layout.rank()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 }

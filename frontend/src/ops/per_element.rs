@@ -24,6 +24,54 @@ enum Windows {
     Fixed([i64; 2]),
 }
 
+impl Windows {
+    /// Spatial dim `axis` of the output for the input's `dim`: the fixed size, the
+    /// input's lengths for a window that keeps every size, or lengths computed by a
+    /// `window_lengths` op of `graph` (`fixed`: the output's size where the input's is
+    /// static).
+    fn output_dim(
+        &self,
+        graph: &mut Graph,
+        axis: usize,
+        dim: &ElemDim,
+        fixed: i64,
+    ) -> Result<ElemDim, nestor_ir::VerifyError> {
+        Ok(match (self, dim) {
+            (Windows::Fixed(size), _) => ElemDim::Fixed(Dim::Static(size[axis])),
+            (
+                Windows::Sliding {
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                },
+                ElemDim::Ragged(lengths),
+            ) if stride[axis] == 1 && 2 * padding[axis] == dilation[axis] * (kernel[axis] - 1) => {
+                // A window that keeps every size (a "same" convolution): the
+                // result has the input's lengths, so it can meet the input again
+                // (residual connections).
+                ElemDim::Ragged(*lengths)
+            }
+            (
+                Windows::Sliding {
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                },
+                ElemDim::Ragged(lengths),
+            ) => ElemDim::Ragged(graph.push(Op::WindowLengths {
+                lengths: *lengths,
+                kernel: kernel[axis],
+                stride: stride[axis],
+                padding: padding[axis],
+                dilation: dilation[axis],
+            })?),
+            (Windows::Sliding { .. }, ElemDim::Fixed(_)) => ElemDim::Fixed(Dim::Static(fixed)),
+        })
+    }
+}
+
 /// Runs a batched tch op on one element `[C, *spatial]` as a batch of one.
 fn as_batch_of_one(
     element: &Tensor,
@@ -260,43 +308,8 @@ impl NestedTensor {
             body_graph.outputs = vec![output];
             let mut out_dims = vec![ElemDim::Fixed(Dim::Static(out_channels))];
             for (axis, dim) in dims[1..].iter().enumerate() {
-                out_dims.push(match (&windows, dim) {
-                    (Windows::Fixed(size), _) => ElemDim::Fixed(Dim::Static(size[axis])),
-                    (
-                        Windows::Sliding {
-                            kernel,
-                            stride,
-                            padding,
-                            dilation,
-                        },
-                        ElemDim::Ragged(lengths),
-                    ) if stride[axis] == 1
-                        && 2 * padding[axis] == dilation[axis] * (kernel[axis] - 1) =>
-                    {
-                        // A window that keeps every size (a "same" convolution): the
-                        // result has the input's lengths, so it can meet the input again
-                        // (residual connections).
-                        ElemDim::Ragged(*lengths)
-                    }
-                    (
-                        Windows::Sliding {
-                            kernel,
-                            stride,
-                            padding,
-                            dilation,
-                        },
-                        ElemDim::Ragged(lengths),
-                    ) => ElemDim::Ragged(graph.push(Op::WindowLengths {
-                        lengths: *lengths,
-                        kernel: kernel[axis],
-                        stride: stride[axis],
-                        padding: padding[axis],
-                        dilation: dilation[axis],
-                    })?),
-                    (Windows::Sliding { .. }, ElemDim::Fixed(_)) => {
-                        ElemDim::Fixed(Dim::Static(result.lay().max_sizes()[axis + 1]))
-                    }
-                });
+                let fixed = result.lay().max_sizes().get(axis + 1).copied().unwrap_or(0);
+                out_dims.push(windows.output_dim(graph, axis, dim, fixed)?);
             }
             let ty = Type::Ragged {
                 dtype,

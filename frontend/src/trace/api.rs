@@ -240,38 +240,7 @@ pub(crate) fn trace_named<O: TraceOutputs>(
     let traced_dense = dense
         .iter()
         .enumerate()
-        .map(|(index, tensor)| {
-            let kind = tensor.f_kind()?;
-            let dtype = dtype_of(kind).ok_or(NestedError::UnsupportedKind {
-                element: index,
-                kind,
-            })?;
-            let shape: Vec<Dim> = tensor
-                .size()
-                .iter()
-                .enumerate()
-                .map(|(dim, &size)| {
-                    if dim == 0 {
-                        batch_symbol.dim(size)
-                    } else {
-                        Dim::Static(size)
-                    }
-                })
-                .collect();
-            let value = add_input(
-                &tracer,
-                format!("dense{index}"),
-                Type::Dense { dtype, shape },
-            )?;
-            sources.push((value, Source::Dense(index)));
-            Ok(Dense {
-                tensor: tensor.shallow_clone(),
-                trace: Some(TraceRef {
-                    tracer: Arc::clone(&tracer),
-                    value,
-                }),
-            })
-        })
+        .map(|(index, tensor)| trace_dense(&tracer, &batch_symbol, (index, tensor), &mut sources))
         .collect::<Result<Vec<_>>>()?;
     let outputs = f(&traced_nested, &traced_dense);
     let mut state = tracer
@@ -327,6 +296,46 @@ pub(crate) fn trace_named<O: TraceOutputs>(
         traced.dump(dir, "00-traced")?;
     }
     Ok(traced)
+}
+
+/// Dense input `index` of a trace (`tensor`): a graph input whose first dim is a
+/// batch-size symbol, and its source.
+fn trace_dense(
+    tracer: &Arc<Mutex<Tracer>>,
+    batch_symbol: &BatchSymbols,
+    (index, tensor): (usize, &Tensor),
+    sources: &mut Vec<(ValueId, Source)>,
+) -> Result<Dense> {
+    let kind = tensor.f_kind()?;
+    let dtype = dtype_of(kind).ok_or(NestedError::UnsupportedKind {
+        element: index,
+        kind,
+    })?;
+    let shape: Vec<Dim> = tensor
+        .size()
+        .iter()
+        .enumerate()
+        .map(|(dim, &size)| {
+            if dim == 0 {
+                batch_symbol.dim(size)
+            } else {
+                Dim::Static(size)
+            }
+        })
+        .collect();
+    let value = add_input(
+        tracer,
+        format!("dense{index}"),
+        Type::Dense { dtype, shape },
+    )?;
+    sources.push((value, Source::Dense(index)));
+    Ok(Dense {
+        tensor: tensor.shallow_clone(),
+        trace: Some(TraceRef {
+            tracer: Arc::clone(tracer),
+            value,
+        }),
+    })
 }
 
 /// One batch-size symbol per distinct example batch size (`B`, then `B1`, ...).

@@ -85,6 +85,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 ],
             ))
         }
+        _ => gradient(graph, op),
+    }
+}
+
+/// The type of a per-element gradient op in `graph`, or why it is ill-typed.
+fn gradient(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
         Op::Conv2dInputGrad {
             g,
             weight,

@@ -46,6 +46,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             dims.swap(*dim0, *dim1);
             Ok(Type::Ragged { dtype, batch, dims })
         }
+        _ => pair_views(graph, op),
+    }
+}
+
+/// The type of a view of a pair layout (or of a new dim) in `graph`, or why it is ill-typed.
+fn pair_views(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
         Op::CausalFill { x, .. } => match ty(*x) {
             Type::Ragged { ref dims, .. }
                 if matches!(
@@ -110,6 +118,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                  between them; dims {dim0} and {dim1} of {other} are not"
             )),
         },
+        _ => padding_and_lengths(graph, op),
+    }
+}
+
+/// The type of a padding, mask, lengths or repeat op in `graph`, or why it is ill-typed.
+fn padding_and_lengths(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
         Op::Pad { x, .. } => match ty(*x) {
             Type::Ragged { dtype, batch, dims } => {
                 let shape = std::iter::once(batch)
@@ -154,6 +170,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             let ones = std::iter::repeat_n(Dim::Static(1), rank - 1);
             Ok(Type::dense(*dtype, std::iter::once(batch).chain(ones)))
         }
+        _ => lengths_ops(graph, op),
+    }
+}
+
+/// The type of an op computed from lengths (one-hot rows, totals, repeats, window sizes) in `graph`, or why it is ill-typed.
+fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
+    let ty = |value: ValueId| graph.ty(value).clone();
+    match op {
         Op::OneHot {
             ids,
             classes,

@@ -65,6 +65,18 @@ impl Lowering<'_> {
                 Ok(out)
             }
             Op::PairMatmul { a, b } => self.pair_gemm(value, op, ty, *a, *b),
+            _ => self.lower_gemm_gradient(value, op, ty),
+        }
+    }
+
+    /// Lowers a gradient op of a product (row contractions, embedding scatters, attention's gradient).
+    fn lower_gemm_gradient(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        match op {
             Op::ContractRows { a, b } => {
                 let (a_slot, a_rows, a_tail, _) = self.data(value, *a)?;
                 let (b_slot, _, b_tail, _) = self.data(value, *b)?;

@@ -54,7 +54,6 @@ impl Lowering<'_> {
         };
         // The region operand a body value stands for (the images are operand 0).
         let region_input = |id: ValueId| body.input_position(id).map(|position| inputs[position]);
-        let pair = |values: &[i64]| <[i64; 2]>::try_from(values).ok();
         let reads_images = |x: &ValueId| region_input(*x) == Some(images);
         let (kind, weight, bias, window) = match body.op(*output) {
             Op::Conv2d {
@@ -73,25 +72,9 @@ impl Lowering<'_> {
                     Some(None) => return Ok(None),
                     bias => bias.flatten(),
                 };
-                let shape: Option<Vec<i64>> = match self.graph.ty(weight) {
-                    Type::Dense { shape, .. } => shape.iter().map(Dim::as_static).collect(),
-                    _ => None,
-                };
-                let Some([_, _, kh, kw]) =
-                    shape.as_deref().and_then(|s| <[i64; 4]>::try_from(s).ok())
+                let Some(window) = conv_window(self.graph, weight, (stride, padding, dilation))
                 else {
                     return Ok(None);
-                };
-                let (Some(stride), Some(padding), Some(dilation)) =
-                    (pair(stride), pair(padding), pair(dilation))
-                else {
-                    return Ok(None);
-                };
-                let window = Window2d {
-                    kernel: [kh, kw],
-                    stride,
-                    padding,
-                    dilation,
                 };
                 (WindowKind::Conv, Some(weight), bias, window)
             }
@@ -102,31 +85,17 @@ impl Lowering<'_> {
                 stride,
                 padding,
             } if reads_images(x) => {
-                let (Some(kernel), Some(stride), Some(padding)) =
-                    (pair(kernel), pair(stride), pair(padding))
-                else {
+                let Some(window) = pool_window(kernel, stride, padding) else {
                     return Ok(None);
                 };
                 let kind = match kind {
                     PoolKind::Max => WindowKind::Max,
                     PoolKind::Avg => WindowKind::Average,
                 };
-                let window = Window2d {
-                    kernel,
-                    stride,
-                    padding,
-                    dilation: [1, 1],
-                };
                 (kind, None, None, window)
             }
             Op::AdaptiveAvgPool2d { x, output } if reads_images(x) && output[..] == [1, 1] => {
-                let whole = Window2d {
-                    kernel: [1, 1],
-                    stride: [1, 1],
-                    padding: [0, 0],
-                    dilation: [1, 1],
-                };
-                (WindowKind::ImageMean, None, None, whole)
+                (WindowKind::ImageMean, None, None, WHOLE_IMAGE)
             }
             _ => return Ok(None),
         };
@@ -206,36 +175,7 @@ impl Lowering<'_> {
                 ..
             } => {
                 let grads = images(self, *g)?;
-                let shape: Vec<i64> = match self.graph.ty(*weight) {
-                    Type::Dense { shape, .. } => shape.iter().filter_map(Dim::as_static).collect(),
-                    _ => Vec::new(),
-                };
-                let [_, channels, kh, kw] = shape[..] else {
-                    return Err(unsupported(
-                        value,
-                        op,
-                        "the weight must be [C_out, C_in, Kh, Kw]",
-                    ));
-                };
-                let (weight, ..) = self.data(value, *weight)?;
-                // The adjoint of a stride-1 convolution: the same window, padded by
-                // what the convolution's window reached past its padding.
-                let reach =
-                    |axis: usize, kernel: i64| dilation[axis] * (kernel - 1) - padding[axis];
-                let window = Window2d {
-                    kernel: [kh, kw],
-                    stride: [1, 1],
-                    padding: [reach(0, kh), reach(1, kw)],
-                    dilation: [dilation[0], dilation[1]],
-                };
-                (
-                    WindowKind::ConvInputGrad,
-                    grads,
-                    Some(weight),
-                    None,
-                    channels,
-                    window,
-                )
+                self.conv_input_grad(value, op, (grads, *weight), (padding, dilation))?
             }
             Op::Conv2dWeightGrad {
                 x,
@@ -294,12 +234,6 @@ impl Lowering<'_> {
             Op::ImageMeanGrad { g, x } => {
                 let pixels = images(self, *x)?;
                 let (means, ..) = self.data(value, *g)?;
-                let whole = Window2d {
-                    kernel: [1, 1],
-                    stride: [1, 1],
-                    padding: [0, 0],
-                    dilation: [1, 1],
-                };
                 let operand = ImageOperand {
                     slot: means,
                     ..pixels
@@ -310,11 +244,21 @@ impl Lowering<'_> {
                     None,
                     None,
                     pixels.channels,
-                    whole,
+                    WHOLE_IMAGE,
                 )
             }
             other => return Err(unsupported(value, other, "not lowered yet")),
         };
+        self.push_window_gradient(value, ty, step)
+    }
+
+    /// Pushes the window step of a gradient (`step`), the result of `value`.
+    fn push_window_gradient(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        step: WindowGradient,
+    ) -> Result<Lowered, LowerError> {
         let (kind, operand, weight, grad, width, window) = step;
         let out = self.result(value, ty)?;
         self.program.steps.push(Step::Window(Window {
@@ -331,6 +275,46 @@ impl Lowering<'_> {
             window,
         }));
         Ok(out)
+    }
+
+    /// The window step of a convolution's input gradient (`g` the output's gradient, as
+    /// images): the adjoint convolution by `weight`.
+    fn conv_input_grad(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        (grads, weight): (ImageOperand, ValueId),
+        (padding, dilation): (&[i64], &[i64]),
+    ) -> Result<WindowGradient, LowerError> {
+        let shape: Vec<i64> = match self.graph.ty(weight) {
+            Type::Dense { shape, .. } => shape.iter().filter_map(Dim::as_static).collect(),
+            _ => Vec::new(),
+        };
+        let [_, channels, kh, kw] = shape[..] else {
+            return Err(unsupported(
+                value,
+                op,
+                "the weight must be [C_out, C_in, Kh, Kw]",
+            ));
+        };
+        let (weight, ..) = self.data(value, weight)?;
+        // The adjoint of a stride-1 convolution: the same window, padded by
+        // what the convolution's window reached past its padding.
+        let reach = |axis: usize, kernel: i64| dilation[axis] * (kernel - 1) - padding[axis];
+        let window = Window2d {
+            kernel: [kh, kw],
+            stride: [1, 1],
+            padding: [reach(0, kh), reach(1, kw)],
+            dilation: [dilation[0], dilation[1]],
+        };
+        Ok((
+            WindowKind::ConvInputGrad,
+            grads,
+            Some(weight),
+            None,
+            channels,
+            window,
+        ))
     }
 
     /// A host step running a one-op graph (a per-element region) through libtorch: its
@@ -424,4 +408,56 @@ struct ImageOperand {
     channels: i64,
     heights: Slot,
     widths: Slot,
+}
+
+/// A gradient's window step: its kind, its images, weight and gradient buffers, its
+/// output's channels and its window.
+type WindowGradient = (
+    WindowKind,
+    ImageOperand,
+    Option<Slot>,
+    Option<Slot>,
+    i64,
+    Window2d,
+);
+
+/// The window of a pooling (no dilation), `None` unless every list has two values.
+fn pool_window(kernel: &[i64], stride: &[i64], padding: &[i64]) -> Option<Window2d> {
+    let pair = |values: &[i64]| <[i64; 2]>::try_from(values).ok();
+    Some(Window2d {
+        kernel: pair(kernel)?,
+        stride: pair(stride)?,
+        padding: pair(padding)?,
+        dilation: [1, 1],
+    })
+}
+
+/// The window of an image mean: every pixel its own tap (the step reads the images'
+/// sizes, not the window).
+const WHOLE_IMAGE: Window2d = Window2d {
+    kernel: [1, 1],
+    stride: [1, 1],
+    padding: [0, 0],
+    dilation: [1, 1],
+};
+
+/// The window of a convolution by `weight` (a dense `[O, C, kh, kw]` of `graph`) with
+/// these strides, paddings and dilations (two each); `None` for other shapes.
+fn conv_window(
+    graph: &Graph,
+    weight: ValueId,
+    (stride, padding, dilation): (&[i64], &[i64], &[i64]),
+) -> Option<Window2d> {
+    let pair = |values: &[i64]| <[i64; 2]>::try_from(values).ok();
+    let shape: Option<Vec<i64>> = match graph.ty(weight) {
+        Type::Dense { shape, .. } => shape.iter().map(Dim::as_static).collect(),
+        _ => None,
+    };
+    let [_, _, kh, kw] = <[i64; 4]>::try_from(shape?.as_slice()).ok()?;
+    Some(Window2d {
+        kernel: [kh, kw],
+        stride: pair(stride)?,
+        padding: pair(padding)?,
+        dilation: pair(dilation)?,
+    })
 }

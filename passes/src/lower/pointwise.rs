@@ -255,6 +255,105 @@ impl Lowering<'_> {
         })
     }
 
+    /// [`Self::operand_rows`] of a ragged operand (element dims `operand_dims`) of a
+    /// ragged result (element dims `dims`): the same rows, or a pair layout's rows
+    /// through a map.
+    fn ragged_operand_rows(
+        &self,
+        value: ValueId,
+        ty: &Type,
+        (operand, operand_ty): (ValueId, &Type),
+        tail: &[i64],
+        (dims, operand_dims): (&[ElemDim], &[ElemDim]),
+    ) -> Result<(RowUse, Vec<i64>), LowerError> {
+        let op = self.graph.op(value);
+        let ragged = |dims: &[ElemDim]| -> Vec<(usize, ValueId)> {
+            dims.iter()
+                .enumerate()
+                .filter_map(|(dim, size)| match size {
+                    ElemDim::Ragged(lengths) => Some((dim, *lengths)),
+                    ElemDim::Fixed(_) => None,
+                })
+                .collect()
+        };
+        let (out_ragged, own) = (ragged(dims), ragged(operand_dims));
+        if out_ragged == own {
+            return Ok((RowUse::Full, tail.to_vec()));
+        }
+        // A pair layout [M, N, ...] read by an operand [M, 1, ...] or [1, N, ...]:
+        // its rows through a map, its size-1 dim dropped from its tail.
+        let lengths = |lengths: ValueId| match self.get(lengths) {
+            Lowered::Lengths(slot) => Some(slot),
+            _ => None,
+        };
+        let map = match (out_ragged.as_slice(), own.as_slice()) {
+            ([(0, m), (1, n)], [(0, mine)]) if mine == m => lengths(*m)
+                .zip(lengths(*n))
+                .map(|(m, n)| RowMap::PairRows(m, n)),
+            ([(0, m), (1, n)], [(1, mine)]) if mine == n => lengths(*m)
+                .zip(lengths(*n))
+                .map(|(m, n)| RowMap::PairColumns(m, n)),
+            _ => None,
+        };
+        let Some(map) = map else {
+            return Err(unsupported(
+                value,
+                op,
+                format!(
+                    "broadcasting {operand} ({operand_ty}) over the ragged dims of {ty} \
+                     is not compiled (only [M, 1, ...] and [1, N, ...] over a pair \
+                     layout [M, N, ...])"
+                ),
+            ));
+        };
+        let own_tail: Vec<i64> = operand_dims
+            .iter()
+            .enumerate()
+            .filter(|(dim, _)| !out_ragged.iter().any(|(d, _)| d == dim))
+            .map(|(_, size)| match size {
+                ElemDim::Fixed(size) => size.as_static().unwrap_or(1),
+                ElemDim::Ragged(_) => 1,
+            })
+            .collect();
+        Ok((RowUse::Mapped(map), own_tail))
+    }
+
+    /// [`Self::operand_rows`] of a dense operand (`shape`) of a dense result
+    /// (`out_shape`): padded grids of the same shape, equal or broadcast rows.
+    fn dense_operand_rows(
+        &self,
+        value: ValueId,
+        ty: &Type,
+        (operand, operand_ty): (ValueId, &Type),
+        (out_shape, shape): (&[Dim], &[Dim]),
+    ) -> Result<(RowUse, Vec<i64>), LowerError> {
+        let op = self.graph.op(value);
+        if let [_, Dim::Max(_), rest @ ..] = shape {
+            // Padded grids: rows are `B x max(L)`; only same-shape operands.
+            if shape != out_shape {
+                return Err(unsupported(
+                    value,
+                    op,
+                    format!("cannot broadcast {operand_ty} into {ty}"),
+                ));
+            }
+            Ok((RowUse::Full, self.static_tail(operand, rest)?))
+        } else if shape.len() == out_shape.len() && !shape.is_empty() {
+            let row = if shape[0] == out_shape[0] {
+                RowUse::Full
+            } else {
+                RowUse::Broadcast
+            };
+            Ok((row, self.static_tail(operand, &shape[1..])?))
+        } else {
+            let all: Vec<i64> = shape
+                .iter()
+                .map(|dim| dim.as_static().unwrap_or(-1))
+                .collect();
+            Ok((RowUse::Broadcast, all))
+        }
+    }
+
     /// How an operand's rows relate to the rows of a pointwise result of type `ty`, and
     /// the operand's tail (to be right-aligned to the result's).
     fn operand_rows(
@@ -271,57 +370,13 @@ impl Lowering<'_> {
                 Type::Ragged {
                     dims: operand_dims, ..
                 },
-            ) => {
-                let ragged = |dims: &[ElemDim]| -> Vec<(usize, ValueId)> {
-                    dims.iter()
-                        .enumerate()
-                        .filter_map(|(dim, size)| match size {
-                            ElemDim::Ragged(lengths) => Some((dim, *lengths)),
-                            ElemDim::Fixed(_) => None,
-                        })
-                        .collect()
-                };
-                let (out_ragged, own) = (ragged(dims), ragged(operand_dims));
-                if out_ragged == own {
-                    return Ok((RowUse::Full, tail.to_vec()));
-                }
-                // A pair layout [M, N, ...] read by an operand [M, 1, ...] or [1, N, ...]:
-                // its rows through a map, its size-1 dim dropped from its tail.
-                let lengths = |lengths: ValueId| match self.get(lengths) {
-                    Lowered::Lengths(slot) => Some(slot),
-                    _ => None,
-                };
-                let map = match (out_ragged.as_slice(), own.as_slice()) {
-                    ([(0, m), (1, n)], [(0, mine)]) if mine == m => lengths(*m)
-                        .zip(lengths(*n))
-                        .map(|(m, n)| RowMap::PairRows(m, n)),
-                    ([(0, m), (1, n)], [(1, mine)]) if mine == n => lengths(*m)
-                        .zip(lengths(*n))
-                        .map(|(m, n)| RowMap::PairColumns(m, n)),
-                    _ => None,
-                };
-                let Some(map) = map else {
-                    return Err(unsupported(
-                        value,
-                        op,
-                        format!(
-                            "broadcasting {operand} ({operand_ty}) over the ragged dims of {ty} \
-                             is not compiled (only [M, 1, ...] and [1, N, ...] over a pair \
-                             layout [M, N, ...])"
-                        ),
-                    ));
-                };
-                let own_tail: Vec<i64> = operand_dims
-                    .iter()
-                    .enumerate()
-                    .filter(|(dim, _)| !out_ragged.iter().any(|(d, _)| d == dim))
-                    .map(|(_, size)| match size {
-                        ElemDim::Fixed(size) => size.as_static().unwrap_or(1),
-                        ElemDim::Ragged(_) => 1,
-                    })
-                    .collect();
-                (RowUse::Mapped(map), own_tail)
-            }
+            ) => self.ragged_operand_rows(
+                value,
+                ty,
+                (operand, operand_ty),
+                tail,
+                (dims, operand_dims),
+            )?,
             (Type::Ragged { dims, batch, .. }, Type::Dense { shape, .. }) => {
                 let rank = dims.len();
                 let static_shape: Vec<i64> = shape
@@ -376,32 +431,7 @@ impl Lowering<'_> {
                     shape: out_shape, ..
                 },
                 Type::Dense { shape, .. },
-            ) => {
-                if let [_, Dim::Max(_), rest @ ..] = shape.as_slice() {
-                    // Padded grids: rows are `B x max(L)`; only same-shape operands.
-                    if shape != out_shape {
-                        return Err(unsupported(
-                            value,
-                            op,
-                            format!("cannot broadcast {operand_ty} into {ty}"),
-                        ));
-                    }
-                    (RowUse::Full, self.static_tail(operand, rest)?)
-                } else if shape.len() == out_shape.len() && !shape.is_empty() {
-                    let row = if shape[0] == out_shape[0] {
-                        RowUse::Full
-                    } else {
-                        RowUse::Broadcast
-                    };
-                    (row, self.static_tail(operand, &shape[1..])?)
-                } else {
-                    let all: Vec<i64> = shape
-                        .iter()
-                        .map(|dim| dim.as_static().unwrap_or(-1))
-                        .collect();
-                    (RowUse::Broadcast, all)
-                }
-            }
+            ) => self.dense_operand_rows(value, ty, (operand, operand_ty), (out_shape, shape))?,
             _ => {
                 return Err(unsupported(
                     value,

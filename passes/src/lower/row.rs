@@ -143,65 +143,8 @@ impl Lowering<'_> {
                 return self.segmented(value, ty, kind, (x_slot, &tail), segments);
             }
         }
-        // A sum or mean of everything, of any layout (pairs included): every scalar.
-        let ragged_dims = match self.get(x) {
-            Lowered::Data { dims: out_dims, .. } => out_dims
-                .iter()
-                .filter(|dim| matches!(dim, OutDim::Ragged(_)))
-                .count(),
-            _ => 0,
-        };
-        if dims.is_empty() && ragged_dims > 1 && matches!(reduce, ReduceOp::Sum | ReduceOp::Mean) {
-            let (x_slot, rows, tail, _) = self.data(value, x)?;
-            let out = self.result(value, ty)?;
-            self.program.steps.push(Step::SumRows(SumRows {
-                out: slot_of(&out),
-                a: None,
-                b: x_slot,
-                rows: rows.times(volume(&tail)),
-                m: 1,
-                n: 1,
-                mean: reduce == ReduceOp::Mean,
-            }));
+        if let Some(out) = self.column_sums(value, ty, reduce, x, dims)? {
             return Ok(out);
-        }
-        // Over the batch and every ragged dim, wherever they are (images `[C, H, W]`:
-        // every pixel, a convolution's bias gradient, batch statistics), kept or not:
-        // the column sums of all packed rows.
-        if let (Lowered::Data { dims: out_dims, .. }, ReduceOp::Sum | ReduceOp::Mean) =
-            (self.get(x), reduce)
-        {
-            // The batch-first dims the packed rows stand for: the batch, the ragged dims.
-            let row_dims: Vec<i64> = std::iter::once(0)
-                .chain(
-                    out_dims
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, dim)| matches!(dim, OutDim::Ragged(_)))
-                        .map(|(index, _)| index as i64 + 1),
-                )
-                .collect();
-            let rank = 1 + out_dims.len() as i64;
-            let mut reduced: Vec<i64> = dims
-                .iter()
-                .map(|&dim| if dim < 0 { dim + rank } else { dim })
-                .collect();
-            reduced.sort_unstable();
-            reduced.dedup();
-            if row_dims.len() > 1 && reduced == row_dims {
-                let (x_slot, rows, tail, _) = self.data(value, x)?;
-                let out = self.result(value, ty)?;
-                self.program.steps.push(Step::SumRows(SumRows {
-                    out: slot_of(&out),
-                    a: None,
-                    b: x_slot,
-                    rows,
-                    m: 1,
-                    n: volume(&tail),
-                    mean: reduce == ReduceOp::Mean,
-                }));
-                return Ok(out);
-            }
         }
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
@@ -261,6 +204,82 @@ impl Lowering<'_> {
                 )),
             },
         }
+    }
+
+    /// A sum or mean that adds whole packed rows: of everything (any layout, pairs
+    /// included: every scalar), or over the batch and every ragged dim, wherever they
+    /// are (images `[C, H, W]`: every pixel, a convolution's bias gradient, batch
+    /// statistics), kept or not: the column sums of all packed rows. `None` for other
+    /// reductions.
+    fn column_sums(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        reduce: ReduceOp,
+        x: ValueId,
+        dims: &[i64],
+    ) -> Result<Option<Lowered>, LowerError> {
+        // A sum or mean of everything, of any layout (pairs included): every scalar.
+        let ragged_dims = match self.get(x) {
+            Lowered::Data { dims: out_dims, .. } => out_dims
+                .iter()
+                .filter(|dim| matches!(dim, OutDim::Ragged(_)))
+                .count(),
+            _ => 0,
+        };
+        if dims.is_empty() && ragged_dims > 1 && matches!(reduce, ReduceOp::Sum | ReduceOp::Mean) {
+            let (x_slot, rows, tail, _) = self.data(value, x)?;
+            let out = self.result(value, ty)?;
+            self.program.steps.push(Step::SumRows(SumRows {
+                out: slot_of(&out),
+                a: None,
+                b: x_slot,
+                rows: rows.times(volume(&tail)),
+                m: 1,
+                n: 1,
+                mean: reduce == ReduceOp::Mean,
+            }));
+            return Ok(Some(out));
+        }
+        // Over the batch and every ragged dim, wherever they are (images `[C, H, W]`:
+        // every pixel, a convolution's bias gradient, batch statistics), kept or not:
+        // the column sums of all packed rows.
+        if let (Lowered::Data { dims: out_dims, .. }, ReduceOp::Sum | ReduceOp::Mean) =
+            (self.get(x), reduce)
+        {
+            // The batch-first dims the packed rows stand for: the batch, the ragged dims.
+            let row_dims: Vec<i64> = std::iter::once(0)
+                .chain(
+                    out_dims
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, dim)| matches!(dim, OutDim::Ragged(_)))
+                        .map(|(index, _)| index as i64 + 1),
+                )
+                .collect();
+            let rank = 1 + out_dims.len() as i64;
+            let mut reduced: Vec<i64> = dims
+                .iter()
+                .map(|&dim| if dim < 0 { dim + rank } else { dim })
+                .collect();
+            reduced.sort_unstable();
+            reduced.dedup();
+            if row_dims.len() > 1 && reduced == row_dims {
+                let (x_slot, rows, tail, _) = self.data(value, x)?;
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::SumRows(SumRows {
+                    out: slot_of(&out),
+                    a: None,
+                    b: x_slot,
+                    rows,
+                    m: 1,
+                    n: volume(&tail),
+                    mean: reduce == ReduceOp::Mean,
+                }));
+                return Ok(Some(out));
+            }
+        }
+        Ok(None)
     }
 }
 

@@ -66,6 +66,18 @@ impl Lowering<'_> {
                 self.alias_of(value, *x, ty)
             }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
+            _ => self.lower_lengths_op(value, op, ty),
+        }
+    }
+
+    /// Lowers an op computed from lengths (window sizes, length values, one-hot rows, inserts).
+    fn lower_lengths_op(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Lowered, LowerError> {
+        match op {
             Op::WindowLengths {
                 lengths,
                 kernel,

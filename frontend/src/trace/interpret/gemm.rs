@@ -42,6 +42,13 @@ impl Interpreter<'_> {
                 *causal,
                 scale.map(|scale| scale.0),
             )?),
+            _ => self.run_gemm_gradient(op)?,
+        })
+    }
+
+    /// Runs a gradient op of a product (row contractions, embedding scatters, attention's gradient).
+    fn run_gemm_gradient(&self, op: &Op) -> Result<Value> {
+        Ok(match op {
             Op::ContractRows { a, b } => {
                 let rows = |value: &Value| -> Result<Tensor> {
                     let tensor = match value {

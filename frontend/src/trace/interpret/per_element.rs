@@ -53,6 +53,13 @@ impl Interpreter<'_> {
                     .f_squeeze_dim(0)?,
             ),
             Op::PerElement { inputs, body } => self.per_element(value, inputs, body, ty)?,
+            _ => self.run_window_gradient(value, op, ty)?,
+        })
+    }
+
+    /// Runs the gradient op of a convolution (its input's or its weight's).
+    fn run_window_gradient(&self, value: ValueId, op: &Op, ty: &Type) -> Result<Value> {
+        Ok(match op {
             Op::Conv2dInputGrad {
                 g,
                 weight,
@@ -120,6 +127,13 @@ impl Interpreter<'_> {
                     None => Tensor::f_zeros(shape.as_slice(), (images.kind(), images.device()))?,
                 })
             }
+            _ => self.run_pooling_gradient(value, op, ty)?,
+        })
+    }
+
+    /// Runs the gradient op of a pooling or an image mean.
+    fn run_pooling_gradient(&self, value: ValueId, op: &Op, ty: &Type) -> Result<Value> {
+        Ok(match op {
             Op::Pool2dGrad {
                 max,
                 x,

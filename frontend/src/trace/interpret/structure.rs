@@ -21,6 +21,13 @@ impl Interpreter<'_> {
                 self.nested(*x)?
                     .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,
             ),
+            _ => self.run_lengths_op(op)?,
+        })
+    }
+
+    /// Runs a padding, mask or lengths op.
+    fn run_lengths_op(&self, op: &Op) -> Result<Value> {
+        Ok(match op {
             Op::Pad { x, value } => {
                 let nested = self.nested(*x)?;
                 let options = crate::NestedOptions {
@@ -88,6 +95,13 @@ impl Interpreter<'_> {
                     })
                     .collect(),
             ),
+            _ => self.run_lengths_data(op)?,
+        })
+    }
+
+    /// Runs an op that writes values from lengths or ids (length values, one-hot rows, inserts).
+    fn run_lengths_data(&self, op: &Op) -> Result<Value> {
+        Ok(match op {
             Op::LengthValues {
                 lengths,
                 dtype,

@@ -24,9 +24,9 @@
 
 pub use nestor_frontend::{
     collate, dtype_of, einsum, kind_of, load_batches, nested_execution_guard, nn, save_batches,
-    BatchSelector, Batcher, Binary, Bounds, Collate, Comparand, Dataset, ExecutionGuard, ListData,
-    ListElement, LossReduction, NestedBuilder, NestedError, NestedOptions, NestedTensor, Operand,
-    PNTensor, Reduce, Reduced, Result, SlowPath, Target,
+    BatchSelector, Batcher, Binary, Bounds, Collate, Comparand, CompileCause, CompileReason,
+    Dataset, ExecutionGuard, ListData, ListElement, LossReduction, NestedBuilder, NestedError,
+    NestedOptions, NestedTensor, Operand, PNTensor, Reduce, Reduced, Result, SlowPath, Target,
 };
 #[cfg(feature = "compile")]
 pub use nestor_frontend::{compile, Compiled, NamedGradients, StatsSnapshot};
@@ -40,4 +40,4 @@ pub use nestor_layout::{LayoutError, RaggedLayout};
 /// Passes over graphs (DCE, CSE, fusion) and lowering to kernel programs.
 pub use nestor_passes as passes;
 #[cfg(feature = "compile")]
-pub use nestor_runtime::MemoryBudget;
+pub use nestor_runtime::{MemoryBudget, RuntimeError};

@@ -516,3 +516,84 @@ fn dtypes_the_model_refuses_are_its_own_one_line_errors() {
         "converting",
     );
 }
+
+/// A failed compiled call says why in a type a caller can match on (the reason's
+/// cause) and keeps the failing layer's error to downcast: an id out of range is bad
+/// input (the message names the same input), a step over the memory budget says its
+/// step and sizes, a program mixing f64 and f32 is unsupported by the lowering, and a
+/// training model without a scalar loss is the model's fault.
+#[test]
+fn compiled_failures_have_typed_causes() {
+    use nestor::passes::{AutodiffError, LowerError};
+    use nestor::{CompileCause, RuntimeError};
+    let _turn = compiled_turn();
+    let reason = |error: NestedError| match error {
+        NestedError::Compile { reason, .. } => reason,
+        other => panic!("expected a compile error, got {other:?}"),
+    };
+    let table = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
+    let embed = nestor::compile("embed", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        x[0].embedding(&table, -1)
+    });
+    let ids = |last: i64| {
+        NestedTensor::from_tensors(&[Tensor::from_slice(&[0i64, 4]), Tensor::from_slice(&[last])])
+            .unwrap()
+    };
+    embed.call(&[&ids(3)], &[]).unwrap();
+    let bad = reason(embed.call(&[&ids(9)], &[]).unwrap_err());
+    let CompileCause::BadInput { input } = bad.cause() else {
+        panic!("an id out of range: {:?}", bad.cause());
+    };
+    assert!(bad.starts_with(&format!("input {input}: ")), "{bad}");
+    assert!(bad.contains("has id 9"), "{bad}");
+    assert!(matches!(
+        bad.error().and_then(|error| error.downcast_ref::<RuntimeError>()),
+        Some(RuntimeError::BadInput { input: got, .. }) if *got == input
+    ));
+
+    // The hidden buffer (2,000 rows of 8 floats) is the program's own.
+    let weight = Tensor::randn([8, 8], (Kind::Float, Device::Cpu));
+    let relu = nestor::compile("mlp", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        x[0].linear(&weight, None)?.relu()?.linear(&weight, None)
+    });
+    let (wide, _) = batch(&[2_000], &[8], Kind::Float, 13);
+    nestor::MemoryBudget::set(Some(1024));
+    let over = relu.call(&[&wide], &[]);
+    nestor::MemoryBudget::set(None);
+    let over = reason(over.unwrap_err());
+    assert!(
+        matches!(over.cause(), CompileCause::MemoryBudget { bytes, budget: 1024, .. } if bytes > 1024),
+        "{over:?}"
+    );
+    assert!(over.contains("memory budget"), "{over}");
+    relu.call(&[&wide], &[]).unwrap();
+
+    let (double, _) = batch(&[3, 1], &[4], Kind::Double, 2);
+    let (single, _) = batch(&[3, 1], &[4], Kind::Float, 2);
+    let mixed = nestor::compile("mixed", |x: &[NestedTensor], _: &[nestor::Dense]| {
+        Ok(vec![x[0].relu()?, x[1].relu()?])
+    });
+    let mixed = reason(mixed.call(&[&double, &single], &[]).unwrap_err());
+    assert_eq!(mixed.cause(), CompileCause::Unsupported, "{mixed}");
+    assert!(mixed
+        .error()
+        .and_then(|error| error.downcast_ref::<LowerError>())
+        .is_some());
+
+    let store = nn::VarStore::new(Device::Cpu);
+    let weight = store.root().randn("weight", &[3, 4], 0.0, 0.5);
+    let not_scalar = nestor::compile(
+        "not_scalar",
+        move |x: &[NestedTensor], _: &[nestor::Dense]| x[0].linear(&weight, None),
+    )
+    .train(&store);
+    let (inputs, _) = batch(&[2, 1], &[4], Kind::Float, 1);
+    let model = reason(not_scalar.call(&[&inputs], &[]).unwrap_err());
+    assert_eq!(model.cause(), CompileCause::Model, "{model}");
+    assert!(matches!(
+        model
+            .error()
+            .and_then(|error| error.downcast_ref::<AutodiffError>()),
+        Some(AutodiffError::LossNotScalar { .. })
+    ));
+}

@@ -186,13 +186,15 @@ pub enum NestedError {
         /// What does not fit.
         reason: String,
     },
-    /// A graph could not be compiled or run by the compiled runtime.
+    /// A graph could not be compiled or run by the compiled runtime; match on
+    /// `reason.cause()` for why.
     #[error("compile ({stage}): {reason}")]
     Compile {
-        /// Which stage: passes, lowering, backend, runtime.
+        /// Which stage: autodiff, passes, lowering, backend, device, runtime, host, dump.
         stage: &'static str,
-        /// What went wrong.
-        reason: String,
+        /// Why, typed ([`CompileReason::cause`]), with the message and the error of the
+        /// layer that failed.
+        reason: CompileReason,
     },
     /// Two batches (or two per-element lists) an operation pairs element by element
     /// have different sizes.
@@ -258,4 +260,126 @@ fn torch_summary(error: &TchError) -> String {
             ""
         }
     )
+}
+
+/// Why a compiled call failed: a [`CompileCause`] to match on, the message (the
+/// reason reads as that `str`), and the error of the layer that failed, if any (a
+/// `nestor_runtime::RuntimeError`, `nestor_passes::LowerError`, `AutodiffError` or
+/// `PassError`), to downcast.
+///
+/// ```
+/// use nestor_frontend::{CompileCause, CompileReason};
+///
+/// let reason = CompileReason::new(CompileCause::Unsupported, "no gradient rule for sort");
+/// assert_eq!(reason.cause(), CompileCause::Unsupported);
+/// assert!(reason.contains("sort"));
+/// ```
+#[derive(Debug)]
+pub struct CompileReason {
+    cause: CompileCause,
+    message: String,
+    error: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+/// The kinds of [`CompileReason`]: what a caller may do something about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CompileCause {
+    /// The compiler does not support the graph: an op, or a mix of ops, dtypes or
+    /// layouts, that it cannot lower or differentiate (run it eagerly).
+    Unsupported,
+    /// The model does not suit the mode: a training model whose first result is not a
+    /// float scalar loss, or whose loss depends on nothing trainable.
+    Model,
+    /// Input `input` of the program (its inputs, then its parameters) does not fit it:
+    /// its sizes, lengths or values (an id out of range).
+    BadInput {
+        /// Which graph input.
+        input: usize,
+    },
+    /// Step `step` needs `bytes` at once, over the memory budget of `budget` bytes.
+    MemoryBudget {
+        /// Which step of the program.
+        step: usize,
+        /// What it needs (`u64::MAX` when the count overflows).
+        bytes: u64,
+        /// The budget.
+        budget: u64,
+    },
+    /// A tensor is on a device compiled programs do not run on, or a kernel device
+    /// failed.
+    Device,
+    /// The backend could not compile the program for this machine.
+    Backend,
+    /// A per-element region the program runs through libtorch failed.
+    HostStep,
+    /// A graph dump could not be written.
+    Io,
+    /// The compiler or runtime found its own program inconsistent: a bug of nestor.
+    Internal,
+}
+
+impl CompileReason {
+    /// A reason without an underlying error.
+    pub fn new(cause: CompileCause, message: impl Into<String>) -> Self {
+        Self {
+            cause,
+            message: message.into(),
+            error: None,
+        }
+    }
+
+    /// A reason for `error` of a lower layer, with its message.
+    pub fn of(cause: CompileCause, error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self {
+            cause,
+            message: error.to_string(),
+            error: Some(Box::new(error)),
+        }
+    }
+
+    /// What kind of failure it is.
+    pub fn cause(&self) -> CompileCause {
+        self.cause
+    }
+
+    /// The message (as the error prints it after the stage).
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The error of the layer that failed, if any, to downcast (for instance to
+    /// `nestor_runtime::RuntimeError`).
+    pub fn error(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.error.as_deref()
+    }
+}
+
+impl std::fmt::Display for CompileReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// The reason reads as its message, so `reason.contains(..)` and friends work on it.
+impl std::ops::Deref for CompileReason {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.message
+    }
+}
+
+impl NestedError {
+    /// A [`NestedError::Compile`] at `stage` without an underlying error.
+    pub(crate) fn compile(
+        stage: &'static str,
+        cause: CompileCause,
+        message: impl Into<String>,
+    ) -> Self {
+        NestedError::Compile {
+            stage,
+            reason: CompileReason::new(cause, message),
+        }
+    }
 }

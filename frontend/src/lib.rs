@@ -37,7 +37,7 @@ mod trace;
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
 #[cfg(feature = "compile")]
 pub use compile::{compile, Compiled, NamedGradients};
-pub use error::NestedError;
+pub use error::{CompileCause, CompileReason, NestedError};
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};
 pub use nested::{

@@ -3,6 +3,7 @@
 //! [`Compiled::train`], the program also computes the gradients of the model's loss
 //! (`train.rs`).
 
+mod reasons;
 mod train;
 
 use rustc_hash::FxHashMap;
@@ -16,6 +17,7 @@ use nestor_runtime::{
 };
 use tch::{Kind, Tensor};
 
+use crate::error::{CompileCause, CompileReason};
 use crate::trace::{
     check_inputs, earlier_equal_lengths, interpret, is_normalized, normalized_inputs,
     parameter_names, trace_named, Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
@@ -379,7 +381,7 @@ where
             .run_into(&inputs, &self.stats, Some(&TorchHost), Some(&mut sink))
             .map_err(|error| NestedError::Compile {
                 stage: "runtime",
-                reason: error.to_string(),
+                reason: error.into(),
             })?;
         // The tensor each output was written into, if any (outputs that are inputs or
         // aliases were not: they are copied out); the sink gave them in output order.
@@ -485,10 +487,11 @@ where
             // The joint forward + backward graph, before any pass.
             let path = dir.join(format!("{}.00-autodiff.nir", self.name));
             std::fs::write(&path, nestor_ir::print(&graph)).map_err(|error| {
-                NestedError::Compile {
-                    stage: "dump",
-                    reason: format!("{}: {error}", path.display()),
-                }
+                NestedError::compile(
+                    "dump",
+                    CompileCause::Io,
+                    format!("{}: {error}", path.display()),
+                )
             })?;
         }
         let mut pipeline = if self.optimize {
@@ -501,20 +504,20 @@ where
         }
         let optimized = pipeline.run(&graph).map_err(|error| NestedError::Compile {
             stage: "passes",
-            reason: error.to_string(),
+            reason: error.into(),
         })?;
         phases.done("passes");
         let mut program =
             lower_with(&optimized, self.lower_options).map_err(|error| NestedError::Compile {
                 stage: "lowering",
-                reason: error.to_string(),
+                reason: error.into(),
             })?;
         program.gelu_nan_at_infinity = eager_gelu_nan_at_infinity(program.float);
         phases.done("lowering");
         let executable =
             nestor_backend_cpu::executable(program).map_err(|error| NestedError::Compile {
                 stage: "backend",
-                reason: error.to_string(),
+                reason: error.into(),
             })?;
         phases.done("backend");
         phases.report(&self.name);
@@ -527,7 +530,7 @@ where
                 )
                 .map_err(|error| NestedError::Compile {
                     stage: "dump",
-                    reason: error.to_string(),
+                    reason: CompileReason::of(CompileCause::Io, error),
                 })
             };
             write("lowered.txt", executable.program().to_string())?;
@@ -601,14 +604,15 @@ impl Phases {
 fn on_cpu(tensor: &Tensor) -> Result<()> {
     match tensor.device() {
         tch::Device::Cpu => Ok(()),
-        device => Err(NestedError::Compile {
-            stage: "device",
-            reason: format!(
+        device => Err(NestedError::compile(
+            "device",
+            CompileCause::Device,
+            format!(
                 "an input or parameter is on {device:?}: compiled programs run on the CPU only \
                  for now (the CUDA backend makes and checks PTX but has no executor yet); move \
                  the model and inputs to the CPU, or run it eagerly"
             ),
-        }),
+        )),
     }
 }
 
@@ -735,10 +739,11 @@ fn output_value(
             Kind::Double,
         ),
         (RunData::Sunk(_), None) => {
-            return Err(NestedError::Compile {
-                stage: "runtime",
-                reason: "a result was written into a buffer the call did not give".into(),
-            })
+            return Err(NestedError::compile(
+                "runtime",
+                CompileCause::Internal,
+                "a result was written into a buffer the call did not give",
+            ))
         }
     };
     let kind = kind_of(output.dtype);
@@ -815,14 +820,15 @@ fn nested_from_dims(values: Tensor, dims: &[RunDim]) -> Result<NestedTensor> {
         nestor_layout::RaggedLayout::from_element_sizes(element_sizes, &ragged)?
     };
     if values.size() != layout.packed_shape() {
-        return Err(NestedError::Compile {
-            stage: "runtime",
-            reason: format!(
+        return Err(NestedError::compile(
+            "runtime",
+            CompileCause::Internal,
+            format!(
                 "a result has shape {:?}, its layout needs {:?}",
                 values.size(),
                 layout.packed_shape()
             ),
-        });
+        ));
     }
     Ok(NestedTensor::from_parts(values, layout, Default::default()))
 }
@@ -836,10 +842,8 @@ impl HostRunner for TorchHost {
         graph: &nestor_ir::Graph,
         inputs: &[HostValue<'_>],
         out: &mut [f32],
-    ) -> std::result::Result<(), String> {
-        let values = host_values(graph, inputs).map_err(|error| error.to_string())?;
-        let output = interpret(graph, values)
-            .map_err(|error| error.to_string())?
+    ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let output = interpret(graph, host_values(graph, inputs)?)?
             .into_iter()
             .next()
             .ok_or("the host graph returned nothing")?;
@@ -850,17 +854,16 @@ impl HostRunner for TorchHost {
         };
         let flat = packed
             .f_to_kind(Kind::Float)
-            .and_then(|t| t.f_contiguous())
-            .map_err(|error| error.to_string())?;
+            .and_then(|t| t.f_contiguous())?;
         if flat.numel() != out.len() {
             return Err(format!(
                 "a host step returned {} values, expected {}",
                 flat.numel(),
                 out.len()
-            ));
+            )
+            .into());
         }
-        flat.f_copy_data(out, out.len())
-            .map_err(|error| error.to_string())
+        Ok(flat.f_copy_data(out, out.len())?)
     }
 }
 
@@ -886,10 +889,11 @@ fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec
                             lengths_of.get(lengths).cloned().unwrap_or_default(),
                         )),
                         ElemDim::Fixed(Dim::Static(size)) => Ok(RunDim::Static(*size)),
-                        ElemDim::Fixed(other) => Err(NestedError::Compile {
-                            stage: "host",
-                            reason: format!("dim {other} is not static"),
-                        }),
+                        ElemDim::Fixed(other) => Err(NestedError::compile(
+                            "host",
+                            CompileCause::Internal,
+                            format!("dim {other} is not static"),
+                        )),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let shape: Vec<i64> = std::iter::once(-1)
@@ -931,10 +935,11 @@ fn host_values(graph: &nestor_ir::Graph, inputs: &[HostValue<'_>]) -> Result<Vec
                 Value::Dense(Tensor::f_from_slice(data)?.f_reshape(&shape)?)
             }
             (ty, _) => {
-                return Err(NestedError::Compile {
-                    stage: "host",
-                    reason: format!("an input of type {ty} got the wrong kind of buffer"),
-                })
+                return Err(NestedError::compile(
+                    "host",
+                    CompileCause::Internal,
+                    format!("an input of type {ty} got the wrong kind of buffer"),
+                ))
             }
         });
     }

@@ -6,6 +6,7 @@ use nestor_ir::{Graph, Op, ValueId};
 use nestor_passes::{differentiate, Decompose, Optimize, Pass};
 use tch::Tensor;
 
+use crate::error::{CompileCause, CompileReason};
 use crate::trace::{normalized_input, Traced, Value};
 use crate::{NestedError, NestedTensor, Result};
 
@@ -27,11 +28,17 @@ pub(super) enum Gradient {
 // locks the parameter), so threads may share it.
 unsafe impl Sync for Gradient {}
 
-fn compile_error(reason: String) -> NestedError {
+/// An error of the autodiff stage.
+fn compile_error(reason: impl Into<CompileReason>) -> NestedError {
     NestedError::Compile {
         stage: "autodiff",
-        reason,
+        reason: reason.into(),
     }
+}
+
+/// An error of the autodiff stage without an underlying error.
+fn autodiff_error(cause: CompileCause, message: String) -> NestedError {
+    NestedError::compile("autodiff", cause, message)
 }
 
 /// The joint graph of `traced` (its outputs, then one gradient per trainable parameter
@@ -40,9 +47,7 @@ pub(super) fn joint_graph(
     traced: &Traced,
     requires_grad: &[bool],
 ) -> Result<(Graph, Vec<Gradient>)> {
-    let graph = Decompose
-        .run(traced.graph())
-        .map_err(|error| compile_error(error.to_string()))?;
+    let graph = Decompose.run(traced.graph()).map_err(compile_error)?;
     // Attention written over jagged pairs trains as the attention op, whose gradient
     // is one kernel and stores no L x L scores: rewrite it before differentiating.
     let graph = if graph
@@ -51,15 +56,18 @@ pub(super) fn joint_graph(
         .any(|node| matches!(node.op, Op::PairMatmul { .. }))
     {
         Optimize::only(&["pair-attention"])
-            .map_err(|error| compile_error(error.to_string()))?
+            .map_err(|error| compile_error(CompileReason::of(CompileCause::Internal, error)))?
             .optimize(&graph)
-            .map_err(|error| compile_error(error.to_string()))?
+            .map_err(compile_error)?
             .0
     } else {
         graph
     };
     let loss = *graph.outputs.first().ok_or_else(|| {
-        compile_error("a training model returns its loss first; this one returns nothing".into())
+        autodiff_error(
+            CompileCause::Model,
+            "a training model returns its loss first; this one returns nothing".into(),
+        )
     })?;
     // Decomposition keeps inputs and parameters in order, so the traced sources and
     // parameter list still line up with the graph's `input` and `param` ops.
@@ -84,8 +92,7 @@ pub(super) fn joint_graph(
         }
     }
     let wrt: Vec<ValueId> = wanted.iter().map(|(value, _)| *value).collect();
-    let joint =
-        differentiate(&graph, loss, &wrt).map_err(|error| compile_error(error.to_string()))?;
+    let joint = differentiate(&graph, loss, &wrt).map_err(compile_error)?;
     let mut gradients = Vec::new();
     let mut outputs = graph.outputs.clone();
     for ((_, gradient), output) in wanted.into_iter().zip(&joint.gradients) {
@@ -114,7 +121,10 @@ impl Gradient {
             Gradient::Param { tensor, .. } => Ok(tensor.shallow_clone()),
             Gradient::Input(index) => {
                 let batch = nested.get(*index).ok_or_else(|| {
-                    compile_error(format!("no nested input {index} for its gradient"))
+                    autodiff_error(
+                        CompileCause::Internal,
+                        format!("no nested input {index} for its gradient"),
+                    )
                 })?;
                 Ok(normalized_input(batch)?.packed().shallow_clone())
             }
@@ -137,11 +147,10 @@ fn tensors(
     nested: &[&NestedTensor],
 ) -> Result<Vec<(Tensor, Tensor)>> {
     if params.len() != values.len() {
-        return Err(compile_error(format!(
-            "{} gradients for {} values",
-            values.len(),
-            params.len()
-        )));
+        return Err(autodiff_error(
+            CompileCause::Internal,
+            format!("{} gradients for {} values", values.len(), params.len()),
+        ));
     }
     params
         .iter()

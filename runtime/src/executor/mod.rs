@@ -41,9 +41,11 @@ pub enum RuntimeError {
     /// A product's sizes do not fit the device's BLAS.
     #[error(transparent)]
     BlasSize(#[from] BlasSizeError),
-    /// A host step (a per-element region run through libtorch) failed.
+    /// A host step (a per-element region run through libtorch) failed: the
+    /// [`HostRunner`]'s error, which a caller can downcast (the frontend's
+    /// `NestedError`).
     #[error("host step: {0}")]
-    Host(String),
+    Host(Box<dyn std::error::Error + Send + Sync>),
     /// A step cannot run on what it was given (inputs that must agree do not, or a
     /// program the runtime cannot execute).
     #[error("step {step}: {reason}")]
@@ -244,7 +246,7 @@ pub trait HostRunner: Sync {
         graph: &nestor_ir::Graph,
         inputs: &[HostValue<'_>],
         out: &mut [f32],
-    ) -> Result<(), String>;
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
 }
 
 /// How a backend runs a program's steps on the host (the CPU backend: its JIT-compiled

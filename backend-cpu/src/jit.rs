@@ -106,7 +106,7 @@ impl CpuKernels {
 /// dropped (a failed compile leaves it allocated).
 pub fn compile(program: &Program) -> Result<CpuKernels, BackendError> {
     // GEMMs and attention run on the host's GEMM library (faster here than the
-    // templates), the padding copies as plain memory copies.
+    // templates).
     compile_with(program, KernelSet::Library)
 }
 

@@ -5,7 +5,7 @@
 //!   LLVM through `nestor-codegen`'s templates) and the CPU's steps (`steps/`): each
 //!   step runs where its placement in [`KernelSet::Library`] says, a generated kernel
 //!   split across the cores, a GEMM on the GEMM library with a kernel for its epilogue,
-//!   or the CPU's own code (attention, windows, padding copies, data steps), on the
+//!   or the CPU's own code (attention, windows, some data steps), on the
 //!   runtime's [`nestor_runtime::Executable`];
 //! - the GEMM libraries (the process's MKL, else the `gemm` crate; [`gemm_library`]
 //!   says which, [`gemm_probe`] why) and an f32 micro-kernel for small tiles;
@@ -23,7 +23,6 @@
 mod attention;
 mod blas;
 mod conv;
-mod copies;
 mod gemm;
 #[cfg(feature = "jit")]
 mod host_device;

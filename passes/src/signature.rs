@@ -411,10 +411,7 @@ impl Placed for AttentionGrad {
 }
 
 impl Placed for Pad {
-    fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
-            return Placement::Backend;
-        }
+    fn placement(&self, _: &Program, _: KernelSet) -> Placement {
         Params::new(self.out)
             .buffer(Role::X, self.x)
             .with(Role::Offsets, Arg::Offsets(self.lengths))
@@ -424,10 +421,7 @@ impl Placed for Pad {
 }
 
 impl Placed for Unpad {
-    fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
-            return Placement::Backend;
-        }
+    fn placement(&self, _: &Program, _: KernelSet) -> Placement {
         Params::new(self.out)
             .buffer(Role::X, self.x)
             .with(Role::Offsets, Arg::Offsets(self.lengths))
@@ -438,10 +432,7 @@ impl Placed for Unpad {
 }
 
 impl Placed for OneHot {
-    fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
-            return Placement::Backend;
-        }
+    fn placement(&self, _: &Program, _: KernelSet) -> Placement {
         Params::new(self.out)
             .buffer(Role::Ids, self.ids)
             .kernel(self.rows)
@@ -460,10 +451,7 @@ impl Placed for LengthValues {
 }
 
 impl Placed for Insert {
-    fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
-            return Placement::Backend;
-        }
+    fn placement(&self, _: &Program, _: KernelSet) -> Placement {
         Params::new(self.out)
             .buffer(Role::X, self.x)
             .kernel(self.rows)
@@ -506,10 +494,7 @@ impl Placed for ScatterRows {
 }
 
 impl Placed for RandomMask {
-    fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
-            return Placement::Backend;
-        }
+    fn placement(&self, _: &Program, _: KernelSet) -> Placement {
         Params::new(self.out)
             .with(Role::MaskKey, Arg::MaskKey(self.stream))
             .kernel(self.rows.times(self.width))

@@ -1,16 +1,16 @@
-//! The CPU's steps of a run: generated kernels (pointwise, row, segmented, gather)
-//! launched on the cores, GEMMs on the GEMM library with a kernel for their epilogue,
-//! varlen attention, window steps, host steps and the padding copies, each reading and
-//! writing the buffers of the run's state.
+//! The CPU's steps of a run: generated kernels (pointwise, row, segmented, gather,
+//! padding, one-hot rows, inserts, dropout masks) launched on the cores, GEMMs on the GEMM
+//! library with a kernel for their epilogue, varlen attention, window steps, host steps
+//! and the data steps its own code runs faster, each reading and writing the buffers
+//! of the run's state.
 
-use nestor_passes::step::{Attention, AttentionGrad, Gemm, Host, Pad, PairGemm, SumRows, Unpad};
+use nestor_passes::step::{Attention, AttentionGrad, Gemm, Host, PairGemm, SumRows, Unpad};
 use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Source, Step};
 use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
 };
 
 use crate::attention::{AttentionGradRun, AttentionRun, Tiles};
-use crate::copies::{pad, unpad};
 use crate::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
 use crate::jit::{BackendError, CpuKernels};
 use crate::parallel::{row_grain, worker_threads, Args};
@@ -175,6 +175,15 @@ impl CpuSteps {
                 self.check_ids(index, gather.ids, (vocabulary, None), run)?;
                 row_grain(step, gather.width)
             }
+            Step::OneHot(one_hot) => {
+                let ids = (one_hot.classes, Some(one_hot.ignore));
+                self.check_ids(index, one_hot.ids, ids, run)?;
+                1
+            }
+            Step::Unpad(unpad) => {
+                self.check_unpad(index, unpad, run)?;
+                1
+            }
             _ => 1,
         };
         let args = run.kernel_args(index, signature)?;
@@ -182,7 +191,7 @@ impl CpuSteps {
     }
 
     /// The steps the CPU runs on its own code: attention, jagged-pair GEMMs, window
-    /// steps, the padding copies and the training steps.
+    /// steps and the data steps of training.
     fn run_backend(
         &self,
         index: usize,
@@ -194,33 +203,12 @@ impl CpuSteps {
             Step::AttentionGrad(gradient) => self.run_attention_grad(index, gradient, run),
             Step::PairGemm(pair_gemm) => self.run_pair_gemm(index, pair_gemm, run),
             Step::Window(window) => self.run_window(index, window, run),
-            Step::Pad(Pad {
-                out,
-                x,
-                lengths,
-                width,
-                value,
-            }) => {
-                let Some(info) = run.lengths(*lengths) else {
-                    return Ok(());
-                };
-                let (out, x) = (run.pointer(*out), run.pointer(*x));
-                // The executor sized `out` for `B x max(L)` rows and `x` for `sum L` rows.
-                unsafe {
-                    match run.program().float {
-                        FloatType::F32 => pad::<f32>(out, x, info, *width, value.0),
-                        FloatType::F64 => pad::<f64>(out, x, info, *width, value.0),
-                    }
-                };
-                Ok(())
-            }
-            Step::Unpad(unpad) => self.run_unpad(index, unpad, run),
             _ => self.run_data_step(index, step, run),
         }
     }
 
-    /// The steps that fill a buffer on the host: row sums, one-hot rows, scatter-adds,
-    /// inserted copies, random masks and length values.
+    /// The steps that fill a buffer on the host: row sums, scatter-adds and length
+    /// values.
     fn run_data_step(
         &self,
         index: usize,
@@ -250,21 +238,8 @@ impl CpuSteps {
                 };
                 Ok(())
             }
-            Step::OneHot(step) => {
-                self.check_ids(index, step.ids, (step.classes, Some(step.ignore)), run)?;
-                data::one_hot_step(step, run);
-                Ok(())
-            }
             Step::ScatterRows(step) => {
                 data::scatter_rows_step(step, run);
-                Ok(())
-            }
-            Step::Insert(step) => {
-                data::insert_step(step, run);
-                Ok(())
-            }
-            Step::RandomMask(step) => {
-                data::random_mask_step(step, run);
                 Ok(())
             }
             Step::LengthValues(step) => {
@@ -528,21 +503,15 @@ impl CpuSteps {
             .map_err(RuntimeError::Host)
     }
 
-    /// Packed rows out of a padded grid, after checking that every length fits it.
-    fn run_unpad(
+    /// Checks that an unpad step's grid has as many elements as its lengths and that
+    /// every length fits the grid (its kernel reads each element's rows from it).
+    fn check_unpad(
         &self,
         index: usize,
         step: &Unpad,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Unpad {
-            out,
-            x,
-            grid,
-            lengths,
-            width,
-        } = step;
-        let (Some(grid), Some(info)) = (run.lengths(*grid), run.lengths(*lengths)) else {
+        let (Some(grid), Some(info)) = (run.lengths(step.grid), run.lengths(step.lengths)) else {
             return Ok(());
         };
         let longest = grid.longest;
@@ -564,14 +533,6 @@ impl CpuSteps {
                 format!("unpad: element {element} has length {length}, the grid holds {longest}"),
             ));
         }
-        let (out, x) = (run.pointer(*out), run.pointer(*x));
-        // `x` holds `B x longest` rows, `out` `sum L` rows, each length <= longest.
-        unsafe {
-            match run.program().float {
-                FloatType::F32 => unpad::<f32>(out, x, &info.lengths, longest, *width),
-                FloatType::F64 => unpad::<f64>(out, x, &info.lengths, longest, *width),
-            }
-        };
         Ok(())
     }
 
@@ -600,58 +561,5 @@ impl CpuSteps {
             }
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use nestor_passes::step::RandomMask;
-    use nestor_passes::Rows;
-    use nestor_runtime::mask_key;
-
-    use super::data::random_mask;
-
-    /// The device's dropout-mask kernel draws the CPU's masks, bit for bit.
-    #[test]
-    fn the_mask_template_draws_the_host_masks() {
-        for (p, stream, run) in [(0.5, 3i64, 7u64), (0.1, 0, 0), (0.9, 12, 123_456)] {
-            let count = 1000;
-            let step = Step::RandomMask(RandomMask {
-                out: Slot(0),
-                rows: Rows::fixed(count as i64),
-                width: 1,
-                p: nestor_ir::F64(p),
-                stream,
-            });
-            let mut actual = vec![f32::NAN; count];
-            let key = [mask_key(stream, run) as i64];
-            let args = [actual.as_mut_ptr() as *mut u8, key.as_ptr() as *mut u8];
-            // `actual` holds the `count` values of the range.
-            unsafe { crate::testing::run_template(step, &args, count as i64) };
-            let mut expected = vec![f32::NAN; count];
-            unsafe {
-                random_mask::<f32>(
-                    expected.as_mut_ptr() as *mut u8,
-                    count,
-                    p,
-                    (stream as u64, run),
-                )
-            };
-            assert_eq!(
-                actual
-                    .iter()
-                    .map(|value| value.to_bits())
-                    .collect::<Vec<_>>(),
-                expected
-                    .iter()
-                    .map(|value| value.to_bits())
-                    .collect::<Vec<_>>(),
-                "p {p}"
-            );
-            let dropped =
-                actual.iter().filter(|&&value| value == 0.0).count() as f64 / count as f64;
-            assert!((dropped - p).abs() < 0.06, "p {p}: dropped {dropped}");
-        }
     }
 }

@@ -296,7 +296,7 @@ struct Scratch {
     /// A result's packed shape, as the sink is asked for it.
     shape: Vec<i64>,
     /// A kernel's argument list.
-    args: std::cell::RefCell<Vec<*mut u8>>,
+    args: std::cell::RefCell<run_state::KernelArgs>,
     /// Offsets buffers of the lengths, for the next run's.
     offsets: Vec<Vec<i64>>,
 }

@@ -22,7 +22,23 @@ pub struct RunState<'r, 'i> {
     /// The run's number (keys its random masks).
     pub(super) run: u64,
     /// The argument list kernels are given (reused by every step).
-    pub(super) args: &'r std::cell::RefCell<Vec<*mut u8>>,
+    pub(super) args: &'r std::cell::RefCell<KernelArgs>,
+}
+
+/// A CPU kernel's argument list, and the numbers its scalar arguments (a longest
+/// length, a row count, a mask key) point to. Reused by every step of a run.
+#[derive(Default)]
+pub(super) struct KernelArgs {
+    pointers: Vec<*mut u8>,
+    numbers: Vec<i64>,
+}
+
+impl KernelArgs {
+    /// Empty, the memory kept.
+    pub(super) fn clear(&mut self) {
+        self.pointers.clear();
+        self.numbers.clear();
+    }
 }
 
 impl<'r, 'i> RunState<'r, 'i> {
@@ -70,7 +86,8 @@ impl<'r, 'i> RunState<'r, 'i> {
     }
 
     /// The run's argument list for step `index`'s kernel of `signature`: the CPU's
-    /// kernels take buffers, offsets and row maps.
+    /// kernels take buffers, offsets, row maps, and pointers to the numbers of a
+    /// longest length, a row count and a mask key (as a device's tables hold them).
     pub fn kernel_args(
         &self,
         index: usize,
@@ -81,7 +98,15 @@ impl<'r, 'i> RunState<'r, 'i> {
             .args
             .try_borrow_mut()
             .map_err(|_| step_error(index, "the argument list is in use".into()))?;
-        super::marshal::marshal(signature, &mut args, |arg| match *arg {
+        let KernelArgs { pointers, numbers } = &mut *args;
+        numbers.clear();
+        // At most one number per argument: pushing never moves the ones pointed to.
+        numbers.reserve(signature.params.len());
+        let mut number = |value: i64| {
+            numbers.push(value);
+            numbers.as_mut_ptr().wrapping_add(numbers.len() - 1) as *mut u8
+        };
+        super::marshal::marshal(signature, pointers, |arg| match *arg {
             Arg::Buffer(slot) => Ok(self.pointer(slot)),
             Arg::Absent => Ok(std::ptr::null_mut()),
             Arg::Offsets(lengths) => Ok(self.offsets(lengths)),
@@ -90,12 +115,18 @@ impl<'r, 'i> RunState<'r, 'i> {
                 .row_map(map)
                 .map(|(values, _)| values as *mut u8)
                 .ok_or_else(|| step_error(index, format!("the row map {map:?} cannot be built"))),
+            Arg::Longest(lengths) => self
+                .lengths(lengths)
+                .map(|info| number(info.longest))
+                .ok_or_else(|| step_error(index, format!("no lengths {lengths:?} in this run"))),
+            Arg::Count(rows) => Ok(number(self.sizes.rows(rows))),
+            Arg::MaskKey(stream) => Ok(number(mask_key(stream, self.run) as i64)),
             other => Err(step_error(
                 index,
                 format!("the CPU's kernels take no {other:?}"),
             )),
         })?;
-        Ok(args)
+        Ok(std::cell::RefMut::map(args, |args| &mut args.pointers))
     }
 }
 

@@ -474,10 +474,7 @@ impl Placed for SumRows {
 }
 
 impl Placed for ScatterRows {
-    fn placement(&self, program: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
-            return Placement::Backend;
-        }
+    fn placement(&self, program: &Program, _: KernelSet) -> Placement {
         let params = Params::new(self.out).buffer(Role::Gradient, self.g);
         if program.is_input(self.ids) {
             // Ids the host reads: each table row sums its own rows, from an index.

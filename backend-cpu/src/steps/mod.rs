@@ -1,5 +1,5 @@
 //! The CPU's steps of a run: generated kernels (pointwise, row, segmented, gather,
-//! padding, one-hot rows, inserts, dropout masks) launched on the cores, GEMMs on the GEMM
+//! padding, one-hot rows, inserts, scatter-adds, dropout masks) launched on the cores, GEMMs on the GEMM
 //! library with a kernel for their epilogue, varlen attention, window steps, host steps
 //! and the data steps its own code runs faster, each reading and writing the buffers
 //! of the run's state.
@@ -207,8 +207,7 @@ impl CpuSteps {
         }
     }
 
-    /// The steps that fill a buffer on the host: row sums, scatter-adds and length
-    /// values.
+    /// The steps that fill a buffer on the host: row sums and length values.
     fn run_data_step(
         &self,
         index: usize,
@@ -236,10 +235,6 @@ impl CpuSteps {
                         FloatType::F64 => sum_rows::<f64>(out, a, b, sizes, *mean),
                     }
                 };
-                Ok(())
-            }
-            Step::ScatterRows(step) => {
-                data::scatter_rows_step(step, run);
                 Ok(())
             }
             Step::LengthValues(step) => {

@@ -22,6 +22,7 @@ use nestor_passes::{
     Arg, FloatType, Placement, Program, Signature, Slot, Source, Step, WindowKind,
 };
 
+use super::run_state::{mask_key, rows_of_ids};
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
 use crate::Stats;
@@ -522,7 +523,7 @@ impl Plan<'_> {
                 offsets
             }
             Arg::Count(rows) => vec![self.sizes.rows(rows)],
-            Arg::MaskKey(stream) => vec![super::run_state::mask_key(stream, self.run) as i64],
+            Arg::MaskKey(stream) => vec![mask_key(stream, self.run) as i64],
             Arg::Taps(window, heights, widths) => self.taps(window, heights, widths)?.rows.clone(),
             Arg::WindowsOfPixels(window, heights, widths) => {
                 self.windows_of_pixels(window, heights, widths)?
@@ -531,10 +532,7 @@ impl Plan<'_> {
         })
     }
 
-    /// For every id `0..vocabulary`, the rows of the ids input `ids` that hold it, in
-    /// order: `vocabulary + 1` positions into the same buffer (id `v`'s rows are at
-    /// `values[values[v]..values[v + 1]]`), then the rows. Ids outside the table have
-    /// no row listed (a scatter adds nothing for them).
+    /// The index of the rows of each id of the ids input `ids` ([`rows_of_ids`]).
     fn rows_of_ids(&self, ids: Slot, vocabulary: i64) -> Result<Vec<i64>, RuntimeError> {
         let Some(InputData::I64(ids)) = self.input_of(ids) else {
             return Err(device_error(
@@ -542,33 +540,8 @@ impl Plan<'_> {
                 "scattered ids that are not an i64 input",
             ));
         };
-        let table = usize::try_from(vocabulary)
-            .map_err(|_| device_error(self.step, format!("a table of {vocabulary} rows")))?;
-        let slot = |id: i64| usize::try_from(id).ok().filter(|&id| id < table);
-        // Rows per id, then where each id's list starts (after the positions).
-        let mut starts = Vec::new();
-        starts
-            .try_reserve_exact(table + 1)
-            .map_err(|_| device_error(self.step, format!("a table of {vocabulary} rows")))?;
-        starts.resize(table + 1, table + 1);
-        let mut counts = vec![0usize; table];
-        for id in ids.iter().filter_map(|&id| slot(id)) {
-            counts[id] += 1;
-        }
-        for id in 0..table {
-            starts[id + 1] = starts[id] + counts[id];
-        }
-        let mut values: Vec<i64> = starts.iter().map(|&start| start as i64).collect();
-        values.resize(starts[table], 0);
-        // Rows in order, so that each id's list is in order.
-        let mut next = starts;
-        for (row, id) in ids.iter().enumerate() {
-            if let Some(id) = slot(*id) {
-                values[next[id]] = row as i64;
-                next[id] += 1;
-            }
-        }
-        Ok(values)
+        rows_of_ids(ids, vocabulary)
+            .ok_or_else(|| device_error(self.step, format!("a table of {vocabulary} rows")))
     }
 
     /// The taps of `window` over the images of `heights` and `widths` (the run builds

@@ -2,7 +2,7 @@
 //! inputs, the host runner and the run's number, and the CPU kernels' argument lists
 //! written from a step's signature.
 
-use nestor_passes::{Arg, Program, Signature, Slot};
+use nestor_passes::{Arg, Program, Signature, Slot, Source};
 
 use super::sizes::{LengthsInfo, Sizes};
 use super::{HostRunner, InputData, RuntimeError};
@@ -25,12 +25,14 @@ pub struct RunState<'r, 'i> {
     pub(super) args: &'r std::cell::RefCell<KernelArgs>,
 }
 
-/// A CPU kernel's argument list, and the numbers its scalar arguments (a longest
-/// length, a row count, a mask key) point to. Reused by every step of a run.
+/// A CPU kernel's argument list, the numbers its scalar arguments (a longest length,
+/// a row count, a mask key) point to, and the index of ids it reads. Reused by every
+/// step of a run.
 #[derive(Default)]
 pub(super) struct KernelArgs {
     pointers: Vec<*mut u8>,
     numbers: Vec<i64>,
+    index: Vec<i64>,
 }
 
 impl KernelArgs {
@@ -38,6 +40,7 @@ impl KernelArgs {
     pub(super) fn clear(&mut self) {
         self.pointers.clear();
         self.numbers.clear();
+        self.index.clear();
     }
 }
 
@@ -75,6 +78,14 @@ impl<'r, 'i> RunState<'r, 'i> {
         self.inputs
     }
 
+    /// The data of `slot` when it is a graph input.
+    pub fn input(&self, slot: Slot) -> Option<&'r InputData<'i>> {
+        match self.program.info(slot).source {
+            Source::Input(input) => self.inputs.get(input),
+            _ => None,
+        }
+    }
+
     /// What runs host steps, if the caller gave one.
     pub fn host(&self) -> Option<&'r dyn HostRunner> {
         self.host
@@ -86,8 +97,9 @@ impl<'r, 'i> RunState<'r, 'i> {
     }
 
     /// The run's argument list for step `index`'s kernel of `signature`: the CPU's
-    /// kernels take buffers, offsets, row maps, and pointers to the numbers of a
-    /// longest length, a row count and a mask key (as a device's tables hold them).
+    /// kernels take buffers, offsets, row maps, pointers to the numbers of a longest
+    /// length, a row count and a mask key, and the index of the rows of each id (as a
+    /// device's tables hold them).
     pub fn kernel_args(
         &self,
         index: usize,
@@ -98,7 +110,11 @@ impl<'r, 'i> RunState<'r, 'i> {
             .args
             .try_borrow_mut()
             .map_err(|_| step_error(index, "the argument list is in use".into()))?;
-        let KernelArgs { pointers, numbers } = &mut *args;
+        let KernelArgs {
+            pointers,
+            numbers,
+            index: ids_index,
+        } = &mut *args;
         numbers.clear();
         // At most one number per argument: pushing never moves the ones pointed to.
         numbers.reserve(signature.params.len());
@@ -121,6 +137,18 @@ impl<'r, 'i> RunState<'r, 'i> {
                 .ok_or_else(|| step_error(index, format!("no lengths {lengths:?} in this run"))),
             Arg::Count(rows) => Ok(number(self.sizes.rows(rows))),
             Arg::MaskKey(stream) => Ok(number(mask_key(stream, self.run) as i64)),
+            Arg::RowsOfIds(ids, vocabulary) => {
+                let Some(InputData::I64(values)) = self.input(ids) else {
+                    return Err(step_error(
+                        index,
+                        "scattered ids that are not an i64 input".into(),
+                    ));
+                };
+                // One index per kernel: no other argument points into it.
+                *ids_index = rows_of_ids(values, vocabulary)
+                    .ok_or_else(|| step_error(index, format!("a table of {vocabulary} rows")))?;
+                Ok(ids_index.as_mut_ptr() as *mut u8)
+            }
             other => Err(step_error(
                 index,
                 format!("the CPU's kernels take no {other:?}"),
@@ -128,6 +156,38 @@ impl<'r, 'i> RunState<'r, 'i> {
         })?;
         Ok(std::cell::RefMut::map(args, |args| &mut args.pointers))
     }
+}
+
+/// For every id `0..vocabulary`, the rows of `ids` that hold it, in order:
+/// `vocabulary + 1` positions into the same buffer (id `v`'s rows are at
+/// `values[values[v]..values[v + 1]]`), then the rows. Ids outside the table have no
+/// row listed (a scatter adds nothing for them). `None` when the table's size is
+/// negative or cannot be allocated.
+pub(super) fn rows_of_ids(ids: &[i64], vocabulary: i64) -> Option<Vec<i64>> {
+    let table = usize::try_from(vocabulary).ok()?;
+    let slot = |id: i64| usize::try_from(id).ok().filter(|&id| id < table);
+    // Rows per id, then where each id's list starts (after the positions).
+    let mut starts = Vec::new();
+    starts.try_reserve_exact(table.checked_add(1)?).ok()?;
+    starts.resize(table + 1, table + 1);
+    let mut counts = vec![0usize; table];
+    for id in ids.iter().filter_map(|&id| slot(id)) {
+        counts[id] += 1;
+    }
+    for id in 0..table {
+        starts[id + 1] = starts[id] + counts[id];
+    }
+    let mut values: Vec<i64> = starts.iter().map(|&start| start as i64).collect();
+    values.resize(starts[table], 0);
+    // Rows in order, so that each id's list is in order.
+    let mut next = starts;
+    for (row, id) in ids.iter().enumerate() {
+        if let Some(id) = slot(*id) {
+            values[next[id]] = row as i64;
+            next[id] += 1;
+        }
+    }
+    Some(values)
 }
 
 /// The key of mask `stream` in run `run` (the device's mask kernel takes it too).

@@ -1,11 +1,11 @@
 //! The CPU's steps of a run: generated kernels (pointwise, row, segmented, gather,
-//! padding, one-hot rows, inserts, scatter-adds, dropout masks) launched on the cores, GEMMs on the GEMM
-//! library with a kernel for their epilogue, varlen attention, window steps, host steps
-//! and the data steps its own code runs faster, each reading and writing the buffers
-//! of the run's state.
+//! padding, one-hot rows, inserts, scatter-adds, dropout masks) launched on the cores,
+//! GEMMs on the GEMM library with a kernel for their epilogue, and the CPU's own code
+//! where it is faster (varlen attention, window steps, row sums) or simplest (length
+//! values), and host steps, each reading and writing the buffers of the run's state.
 
 use nestor_passes::step::{Attention, AttentionGrad, Gemm, Host, PairGemm, SumRows, Unpad};
-use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Source, Step};
+use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Step};
 use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
 };
@@ -191,7 +191,7 @@ impl CpuSteps {
     }
 
     /// The steps the CPU runs on its own code: attention, jagged-pair GEMMs, window
-    /// steps and the data steps of training.
+    /// steps, row sums and length values.
     fn run_backend(
         &self,
         index: usize,
@@ -540,10 +540,10 @@ impl CpuSteps {
         (limit, ignored): (i64, Option<i64>),
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
-        let Source::Input(input) = run.program().info(ids).source else {
+        let Some((input, data)) = run.input(ids) else {
             return Err(step_error(index, "ids must be an input".into()));
         };
-        if let Some(InputData::I64(values)) = run.inputs().get(input) {
+        if let InputData::I64(values) = data {
             if let Some((row, &id)) = values
                 .iter()
                 .enumerate()

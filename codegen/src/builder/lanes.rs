@@ -55,19 +55,22 @@ impl<'ctx> Kernel<'ctx, '_> {
         }
     }
 
-    /// Where a lane keeps its value of `column` (one of the columns its [`lane_range`]
-    /// gives) in a kernel-local array of `columns / lanes` (rounded up) values.
-    ///
-    /// [`lane_range`]: Kernel::lane_range
-    pub(crate) fn lane_slot(
+    /// [`Kernel::lane_range`] over `width` columns, each with where the lane keeps its
+    /// value of it in a kernel-local array of `width / lanes` (rounded up) values.
+    pub(crate) fn lane_columns(
         &self,
         lanes: Lanes<'ctx>,
-        column: IntValue<'ctx>,
-    ) -> Gen<IntValue<'ctx>> {
-        if lanes.count == 1 {
-            return Ok(column);
-        }
-        self.div(column, self.i64(lanes.count))
+        width: i64,
+        body: impl FnOnce(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        self.lane_range(lanes, width, |column| {
+            let slot = if lanes.count == 1 {
+                column
+            } else {
+                self.div(column, self.i64(lanes.count))?
+            };
+            body(column, slot)
+        })
     }
 
     /// One lane: a task that one thread runs whole.

@@ -87,10 +87,8 @@ struct AttentionTask<'a, 'ctx, 'm> {
 impl<'ctx> AttentionTask<'_, 'ctx, '_> {
     /// This lane's value columns, each with its slot in the output.
     fn columns(&self, body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
-        let (kernel, lanes) = (self.kernel, self.lanes);
-        kernel.lane_range(lanes, self.step.value_dim, |column| {
-            body(column, kernel.lane_slot(lanes, column)?)
-        })
+        self.kernel
+            .lane_columns(self.lanes, self.step.value_dim, body)
     }
 
     /// `scale * <q_row, k_key>` over this head's columns.
@@ -318,10 +316,8 @@ struct GradTask<'a, 'ctx, 'm> {
 impl<'ctx> GradTask<'_, 'ctx, '_> {
     /// This lane's columns of the head, each with its slot in the gradients.
     fn columns(&self, body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
-        let (kernel, lanes) = (self.kernel, self.lanes);
-        kernel.lane_range(lanes, self.step.head_dim, |column| {
-            body(column, kernel.lane_slot(lanes, column)?)
-        })
+        self.kernel
+            .lane_columns(self.lanes, self.step.head_dim, body)
     }
 
     /// `<a_x, b_y>` over this head's columns.

@@ -46,27 +46,22 @@ impl Windows {
                     dilation,
                 },
                 ElemDim::Ragged(lengths),
-            ) if stride[axis] == 1 && 2 * padding[axis] == dilation[axis] * (kernel[axis] - 1) => {
-                // A window that keeps every size (a "same" convolution): the
-                // result has the input's lengths, so it can meet the input again
-                // (residual connections).
-                ElemDim::Ragged(*lengths)
+            ) => {
+                if stride[axis] == 1 && 2 * padding[axis] == dilation[axis] * (kernel[axis] - 1) {
+                    // A window that keeps every size (a "same" convolution): the
+                    // result has the input's lengths, so it can meet the input again
+                    // (residual connections).
+                    ElemDim::Ragged(*lengths)
+                } else {
+                    ElemDim::Ragged(graph.push(Op::WindowLengths {
+                        lengths: *lengths,
+                        kernel: kernel[axis],
+                        stride: stride[axis],
+                        padding: padding[axis],
+                        dilation: dilation[axis],
+                    })?)
+                }
             }
-            (
-                Windows::Sliding {
-                    kernel,
-                    stride,
-                    padding,
-                    dilation,
-                },
-                ElemDim::Ragged(lengths),
-            ) => ElemDim::Ragged(graph.push(Op::WindowLengths {
-                lengths: *lengths,
-                kernel: kernel[axis],
-                stride: stride[axis],
-                padding: padding[axis],
-                dilation: dilation[axis],
-            })?),
             (Windows::Sliding { .. }, ElemDim::Fixed(_)) => ElemDim::Fixed(Dim::Static(fixed)),
         })
     }

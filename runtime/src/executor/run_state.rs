@@ -78,10 +78,10 @@ impl<'r, 'i> RunState<'r, 'i> {
         self.inputs
     }
 
-    /// The data of `slot` when it is a graph input.
-    pub fn input(&self, slot: Slot) -> Option<&'r InputData<'i>> {
+    /// Which graph input `slot` is, with its data (`None` for other slots).
+    pub fn input(&self, slot: Slot) -> Option<(usize, &'r InputData<'i>)> {
         match self.program.info(slot).source {
-            Source::Input(input) => self.inputs.get(input),
+            Source::Input(input) => Some((input, self.inputs.get(input)?)),
             _ => None,
         }
     }
@@ -138,7 +138,7 @@ impl<'r, 'i> RunState<'r, 'i> {
             Arg::Count(rows) => Ok(number(self.sizes.rows(rows))),
             Arg::MaskKey(stream) => Ok(number(mask_key(stream, self.run) as i64)),
             Arg::RowsOfIds(ids, vocabulary) => {
-                let Some(InputData::I64(values)) = self.input(ids) else {
+                let Some((_, InputData::I64(values))) = self.input(ids) else {
                     return Err(step_error(
                         index,
                         "scattered ids that are not an i64 input".into(),

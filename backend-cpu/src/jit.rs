@@ -158,6 +158,20 @@ pub fn compile_storing(
     set: KernelSet,
     storage: Storage,
 ) -> Result<CpuKernels, BackendError> {
+    compile_for(program, (CodegenTarget::Host, set, storage), &[])
+}
+
+/// [`compile_storing`] of the code for `target` (the host's, or a simulated GPU's,
+/// [`CodegenTarget::Simulated`]), the external functions named in `symbols` resolved to
+/// the addresses given there (a simulator's).
+pub fn compile_for(
+    program: &Program,
+    (target, set, storage): (CodegenTarget, KernelSet, Storage),
+    symbols: &[(&str, usize)],
+) -> Result<CpuKernels, BackendError> {
+    if target == CodegenTarget::Nvptx {
+        return Err(BackendError::new("NVPTX code does not run on the host"));
+    }
     Target::initialize_native(&InitializationConfig::default()).map_err(BackendError::new)?;
     // Without glibc's vector math, such loops call libm per value: slower, as correct.
     let _ = vector_math();
@@ -166,12 +180,8 @@ pub fn compile_storing(
     // the engine, the last thing that borrows it.
     let context: &'static Context = unsafe { &*context_pointer };
     let module = context.create_module("nestor");
-    let names = nestor_codegen::generate_kernels(
-        program,
-        context,
-        &module,
-        (CodegenTarget::Host, set, storage),
-    )?;
+    let names =
+        nestor_codegen::generate_kernels(program, context, &module, (target, set, storage))?;
     let triple = TargetMachine::get_default_triple();
     let target = Target::from_triple(&triple).map_err(BackendError::new)?;
     let cpu = TargetMachine::get_host_cpu_name().to_string();
@@ -220,6 +230,11 @@ pub fn compile_storing(
     let engine = module
         .create_jit_execution_engine(OptimizationLevel::Aggressive)
         .map_err(BackendError::new)?;
+    for &(name, address) in symbols {
+        if let Some(function) = module.get_function(name) {
+            engine.add_global_mapping(&function, address);
+        }
+    }
     let kernels = names
         .iter()
         .map(|name| {

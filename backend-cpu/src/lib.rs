@@ -44,7 +44,7 @@ pub use blas::{gemm_library, gemm_probe, GemmProbe};
 #[cfg(feature = "jit")]
 pub use host_device::{HostBuffer, HostDevice};
 #[cfg(feature = "jit")]
-pub use jit::{compile, compile_storing, compile_with, BackendError, CpuKernels};
+pub use jit::{compile, compile_for, compile_storing, compile_with, BackendError, CpuKernels};
 #[cfg(feature = "jit")]
 pub use nestor_codegen::Storage;
 pub use nestor_passes::KernelSet;

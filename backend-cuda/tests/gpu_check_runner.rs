@@ -16,7 +16,7 @@
 fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
     let out = std::env::temp_dir().join(format!("nestor-gpu-programs-{}", std::process::id()));
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-check"))
-        .args(["--device", "host"])
+        .args(["--device", "sim"])
         .arg(&out)
         .output()
         .unwrap();

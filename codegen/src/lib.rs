@@ -8,6 +8,8 @@
 //! ([`Target::Host`]: the `start..end` a thread is given; [`Target::Nvptx`]: a
 //! grid-stride loop over it), how a kernel is marked (a PTX kernel entry) and which math
 //! library the transcendental functions call (LLVM intrinsics and libm, or libdevice).
+//! [`Target::Simulated`] is the GPU's code for the host, its few GPU instructions calls
+//! into a simulator ([`sim_abi`]).
 //!
 //! Every kernel has one signature, `void (ptr args, i64 start, i64 end)`: `args` is the
 //! table of its step's [`Signature`] (`nestor_passes::signature`), which the templates
@@ -40,6 +42,55 @@ pub enum Target {
     /// covers the range), and `exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh` call
     /// libdevice's `__nv_*` functions (the module must be linked with libdevice).
     Nvptx,
+    /// The GPU's kernels for the host, to run on a simulated GPU (`nestor-sim`): the
+    /// structure of [`Target::Nvptx`] (grid-stride loops, a warp per task, butterfly
+    /// shuffles), its special registers, shuffles and every access to a buffer calls into
+    /// the simulator ([`sim_abi`]), and the math functions are the host's libm.
+    Simulated,
+}
+
+/// The functions kernels of [`Target::Simulated`] call, which the simulator provides
+/// under these names.
+pub mod sim_abi {
+    /// `i32 (i32 register)`: a special register of the calling GPU thread
+    /// ([`SpecialRegister`]).
+    pub const SPECIAL_REGISTER: &str = "nestor_sim_special_register";
+    /// `i32 (i32 mode, i32 member_mask, i32 value, i32 b, i32 c)`: PTX's `shfl.sync`
+    /// ([`ShuffleMode`]; `b` the lane or offset, `c` the clamp and segment mask) of a
+    /// 32-bit value (an f32 as its bits).
+    pub const SHUFFLE: &str = "nestor_sim_shuffle";
+    /// `ptr (ptr address, i64 bytes, i32 store)`: checks an access of `bytes` at
+    /// `address` of a buffer (a store when `store` is 1) and returns the address to
+    /// access.
+    pub const ACCESS: &str = "nestor_sim_access";
+
+    /// The special registers of [`SPECIAL_REGISTER`] (the `x` dimension).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    #[repr(i32)]
+    pub enum SpecialRegister {
+        /// `%tid.x`: the thread's index in its block.
+        Thread = 0,
+        /// `%ntid.x`: threads per block.
+        BlockThreads = 1,
+        /// `%ctaid.x`: the block's index in the grid.
+        Block = 2,
+        /// `%nctaid.x`: blocks in the grid.
+        GridBlocks = 3,
+    }
+
+    /// The modes of [`SHUFFLE`], PTX's `shfl.sync.{up, down, bfly, idx}`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    #[repr(i32)]
+    pub enum ShuffleMode {
+        /// From lane `lane - b`.
+        Up = 0,
+        /// From lane `lane + b`.
+        Down = 1,
+        /// From lane `lane ^ b`.
+        Butterfly = 2,
+        /// From lane `b`.
+        Index = 3,
+    }
 }
 
 /// How kernels keep floats in memory; they compute in the program's float type either
@@ -67,6 +118,48 @@ pub fn gpu_threads_per_task(program: &Program, step: &Step) -> u32 {
     } else {
         1
     }
+}
+
+/// Threads per block of nestor's GPU launches (a multiple of 32: a warp per task).
+pub const GPU_BLOCK_THREADS: u32 = 256;
+
+/// The most blocks of one of nestor's GPU launches (the kernels' grid-stride loops cover
+/// any range with fewer).
+pub const GPU_MAX_BLOCKS: u32 = 65_535;
+
+/// A GPU launch's geometry (one dimension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuGrid {
+    /// Blocks in the grid.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+/// How a GPU launches a kernel over `start..end`, `threads_per_task` threads per task
+/// ([`gpu_threads_per_task`]): blocks of [`GPU_BLOCK_THREADS`], enough for every task
+/// at once up to [`GPU_MAX_BLOCKS`]; `None` for an empty range (nothing to launch).
+///
+/// ```
+/// use nestor_codegen::{gpu_grid, GpuGrid};
+/// assert_eq!(gpu_grid(32, (0, 10)), Some(GpuGrid { blocks: 2, threads: 256 }));
+/// assert_eq!(gpu_grid(1, (5, 5)), None);
+/// ```
+pub fn gpu_grid(threads_per_task: u32, (start, end): (i64, i64)) -> Option<GpuGrid> {
+    if end <= start {
+        return None;
+    }
+    let work = u64::try_from(end - start)
+        .unwrap_or(u64::MAX)
+        .saturating_mul(u64::from(threads_per_task.max(1)));
+    let blocks = work
+        .div_ceil(u64::from(GPU_BLOCK_THREADS))
+        .clamp(1, u64::from(GPU_MAX_BLOCKS));
+    Some(GpuGrid {
+        // At most GPU_MAX_BLOCKS, a u32.
+        blocks: blocks as u32,
+        threads: GPU_BLOCK_THREADS,
+    })
 }
 
 /// What went wrong while generating code: a bug of the templates (invalid IR), or an

@@ -1,6 +1,6 @@
 //! The argument ABI: a kernel's arguments asked for by role from its step's signature,
 //! each a pointer loaded from the `args` table (with its alias scope on the host, as
-//! global memory on a GPU).
+//! global memory on a GPU, every access checked on the simulated GPU).
 
 use super::*;
 
@@ -72,13 +72,14 @@ impl<'ctx> Kernel<'ctx, '_> {
                 .build_gep(ptr, args, &[self.i64(index as i64)], "arg.slot")
         }
         .map_err(err)?;
+        let slot = self.checked(slot, 8, false)?;
         let pointer = self
             .builder
             .build_load(ptr, slot, "arg")
             .map_err(err)?
             .into_pointer_value();
         match self.target {
-            Target::Host => {
+            Target::Host | Target::Simulated => {
                 let output = role == Role::Out || self.output_roles.borrow().contains(&role);
                 self.buffers.borrow_mut().push((pointer, output));
                 Ok(pointer)

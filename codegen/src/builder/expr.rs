@@ -47,11 +47,12 @@ impl<'ctx> Kernel<'ctx, '_> {
 
     /// `e^x` of a pointwise kernel: inline on the host ([`Self::fast_exp`]: LLVM's
     /// `llvm.exp` is a libm call per value, about 12x slower than the vectorized
-    /// polynomial), libdevice's on the GPU (a hardware instruction there).
+    /// polynomial), libdevice's on the GPU (a hardware instruction there), libm's on the
+    /// simulated GPU.
     fn exp(&self, x: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         match self.target {
             Target::Host => self.fast_exp(x),
-            Target::Nvptx => self.math("exp", &[x]),
+            Target::Nvptx | Target::Simulated => self.math("exp", &[x]),
         }
     }
 
@@ -68,7 +69,7 @@ impl<'ctx> Kernel<'ctx, '_> {
             UnaryOp::Exp => self.exp(x),
             UnaryOp::Log => match self.target {
                 Target::Host => self.fast_log(x),
-                Target::Nvptx => self.math("log", &[x]),
+                Target::Nvptx | Target::Simulated => self.math("log", &[x]),
             },
             UnaryOp::Sqrt => self.intrinsic("llvm.sqrt", &[x]),
             UnaryOp::Rsqrt => {

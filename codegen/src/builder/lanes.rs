@@ -25,7 +25,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     ) -> Gen<()> {
         match self.target {
             Target::Host => self.for_range(start, end, body),
-            Target::Nvptx => {
+            Target::Nvptx | Target::Simulated => {
                 let grid = self.grid()?;
                 self.for_range_by(self.add(start, grid.global)?, end, grid.threads, body)
             }
@@ -34,14 +34,16 @@ impl<'ctx> Kernel<'ctx, '_> {
 
     /// Where this GPU thread is in the launch's grid (PTX's special registers).
     fn grid(&self) -> Gen<Grid<'ctx>> {
-        let register =
-            |name: &str| self.special_register(&format!("llvm.nvvm.read.ptx.sreg.{name}"));
-        let block_size = register("ntid.x")?;
-        let block_start = self.mul(register("ctaid.x")?, block_size)?;
-        let thread = register("tid.x")?;
+        use crate::sim_abi::SpecialRegister;
+        let block_size = self.special_register(SpecialRegister::BlockThreads)?;
+        let block_start = self.mul(self.special_register(SpecialRegister::Block)?, block_size)?;
+        let thread = self.special_register(SpecialRegister::Thread)?;
         Ok(Grid {
             global: self.add(block_start, thread)?,
-            threads: self.mul(register("nctaid.x")?, block_size)?,
+            threads: self.mul(
+                self.special_register(SpecialRegister::GridBlocks)?,
+                block_size,
+            )?,
             thread,
         })
     }
@@ -51,7 +53,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     pub(crate) fn lane_count(&self) -> i64 {
         match self.target {
             Target::Host => 1,
-            Target::Nvptx => WARP_LANES,
+            Target::Nvptx | Target::Simulated => WARP_LANES,
         }
     }
 
@@ -94,7 +96,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     ) -> Gen<()> {
         match self.target {
             Target::Host => self.for_range(start, end, |row| body(row, self.single_lane())),
-            Target::Nvptx => {
+            Target::Nvptx | Target::Simulated => {
                 let grid = self.grid()?;
                 let count = self.lane_count();
                 let warps = self.div(grid.threads, self.i64(count))?;
@@ -153,15 +155,47 @@ impl<'ctx> Kernel<'ctx, '_> {
     /// whole warp; an f64 as its two 32-bit halves).
     fn shuffle_xor(&self, value: FloatValue<'ctx>, offset: i64) -> Gen<FloatValue<'ctx>> {
         let i32 = self.context.i32_type();
-        let shuffle = |name: &str, value: inkwell::values::BasicValueEnum<'ctx>| {
+        let constant = |value: u64| i32.const_int(value, false);
+        // The whole warp, `lane ^ offset`, no clamp (`c` = 0x1f: one segment of 32).
+        let (whole_warp, lane_offset, clamp) = (
+            constant(u64::from(u32::MAX)),
+            constant(offset as u64),
+            constant(0x1f),
+        );
+        let shuffle = |bits: bool, value: BasicValueEnum<'ctx>| -> Gen<BasicValueEnum<'ctx>> {
+            if self.target == Target::Simulated {
+                let mode = constant(crate::sim_abi::ShuffleMode::Butterfly as u64);
+                let word = self
+                    .builder
+                    .build_bit_cast(value, i32, "word")
+                    .map_err(err)?
+                    .into_int_value();
+                let moved = self.simulator_call(
+                    crate::sim_abi::SHUFFLE,
+                    i32.fn_type(&[i32.into(); 5], false),
+                    &[
+                        mode.into(),
+                        whole_warp.into(),
+                        word.into(),
+                        lane_offset.into(),
+                        clamp.into(),
+                    ],
+                )?;
+                return self
+                    .builder
+                    .build_bit_cast(moved, value.get_type(), "shuffled")
+                    .map_err(err);
+            }
+            let name = if bits {
+                "llvm.nvvm.shfl.sync.bfly.i32"
+            } else {
+                "llvm.nvvm.shfl.sync.bfly.f32"
+            };
             let intrinsic =
                 Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
             let function = intrinsic
                 .get_declaration(self.module, &[])
                 .ok_or_else(|| err(format!("no declaration of {name}")))?;
-            let whole_warp = i32.const_int(u64::from(u32::MAX), false);
-            let lane_offset = i32.const_int(offset as u64, false);
-            let clamp = i32.const_int(0x1f, false);
             self.builder
                 .build_call(
                     function,
@@ -179,7 +213,7 @@ impl<'ctx> Kernel<'ctx, '_> {
                 .ok_or_else(|| err(format!("{name} returned nothing")))
         };
         if !self.double {
-            return Ok(shuffle("llvm.nvvm.shfl.sync.bfly.f32", value.into())?.into_float_value());
+            return Ok(shuffle(false, value.into())?.into_float_value());
         }
         let halves = i32.vec_type(2);
         let split = self
@@ -194,7 +228,7 @@ impl<'ctx> Kernel<'ctx, '_> {
                 .builder
                 .build_extract_element(split, index, "half")
                 .map_err(err)?;
-            let moved = shuffle("llvm.nvvm.shfl.sync.bfly.i32", part)?;
+            let moved = shuffle(true, part)?;
             joined = self
                 .builder
                 .build_insert_element(joined, moved, index, "joined")
@@ -207,23 +241,60 @@ impl<'ctx> Kernel<'ctx, '_> {
             .into_float_value())
     }
 
-    /// A PTX special register (`llvm.nvvm.read.ptx.sreg.*`, an i32) as an i64.
-    fn special_register(&self, name: &str) -> Gen<IntValue<'ctx>> {
-        let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
-        let function = intrinsic
-            .get_declaration(self.module, &[])
-            .ok_or_else(|| err(format!("no declaration of {name}")))?;
-        let value = self
-            .builder
-            .build_call(function, &[], name)
+    /// A special register of this GPU thread (an i32 of PTX's
+    /// `llvm.nvvm.read.ptx.sreg.*`, or the simulator's) as an i64.
+    fn special_register(&self, register: crate::sim_abi::SpecialRegister) -> Gen<IntValue<'ctx>> {
+        use crate::sim_abi::SpecialRegister;
+        let i32 = self.context.i32_type();
+        let value = if self.target == Target::Simulated {
+            let code = i32.const_int(register as u64, false);
+            self.simulator_call(
+                crate::sim_abi::SPECIAL_REGISTER,
+                i32.fn_type(&[i32.into()], false),
+                &[code.into()],
+            )?
+        } else {
+            let name = match register {
+                SpecialRegister::Thread => "llvm.nvvm.read.ptx.sreg.tid.x",
+                SpecialRegister::BlockThreads => "llvm.nvvm.read.ptx.sreg.ntid.x",
+                SpecialRegister::Block => "llvm.nvvm.read.ptx.sreg.ctaid.x",
+                SpecialRegister::GridBlocks => "llvm.nvvm.read.ptx.sreg.nctaid.x",
+            };
+            let intrinsic =
+                Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+            let function = intrinsic
+                .get_declaration(self.module, &[])
+                .ok_or_else(|| err(format!("no declaration of {name}")))?;
+            self.builder
+                .build_call(function, &[], name)
+                .map_err(err)?
+                .try_as_basic_value()
+                .basic()
+                .ok_or_else(|| err(format!("{name} returned nothing")))?
+        };
+        self.builder
+            .build_int_z_extend(value.into_int_value(), self.context.i64_type(), "index")
+            .map_err(err)
+    }
+
+    /// A call of the simulator's function `name` ([`crate::sim_abi`]) of type `ty`,
+    /// declared on first use.
+    pub(crate) fn simulator_call(
+        &self,
+        name: &str,
+        ty: inkwell::types::FunctionType<'ctx>,
+        args: &[BasicMetadataValueEnum<'ctx>],
+    ) -> Gen<BasicValueEnum<'ctx>> {
+        let function = self
+            .module
+            .get_function(name)
+            .unwrap_or_else(|| self.module.add_function(name, ty, None));
+        self.builder
+            .build_call(function, args, name)
             .map_err(err)?
             .try_as_basic_value()
             .basic()
-            .ok_or_else(|| err(format!("{name} returned nothing")))?
-            .into_int_value();
-        self.builder
-            .build_int_z_extend(value, self.context.i64_type(), "index")
-            .map_err(err)
+            .ok_or_else(|| err(format!("{name} returned nothing")))
     }
 
     /// `for (i = start; i < end; i += step) { body(i) }` (`step > 0`).

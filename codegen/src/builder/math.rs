@@ -249,12 +249,15 @@ impl<'ctx> Kernel<'ctx, '_> {
 
     /// The math function `name` (`exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh`) of
     /// the target: on the host LLVM's intrinsic (`llvm.exp`) or, for `erf` and `tanh`,
-    /// the process's libm (`tanhf` in f32 kernels); on NVPTX libdevice's `__nv_tanhf`.
+    /// the process's libm (`tanhf` in f32 kernels), as on the simulated GPU; on NVPTX
+    /// libdevice's `__nv_tanhf`.
     pub(crate) fn math(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
         let suffix = if self.double { "" } else { "f" };
         match (self.target, name) {
-            (Target::Host, "erf" | "tanh") => self.external(&format!("{name}{suffix}"), args),
-            (Target::Host, _) => self.intrinsic(&format!("llvm.{name}"), args),
+            (Target::Host | Target::Simulated, "erf" | "tanh") => {
+                self.external(&format!("{name}{suffix}"), args)
+            }
+            (Target::Host | Target::Simulated, _) => self.intrinsic(&format!("llvm.{name}"), args),
             (Target::Nvptx, _) => self.external(&format!("__nv_{name}{suffix}"), args),
         }
     }

@@ -15,6 +15,7 @@ impl<'ctx> Kernel<'ctx, '_> {
             let i32 = self.context.i32_type();
             let address =
                 unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
+            let address = self.in_buffer(address, base, 2, false)?;
             let half = self.builder.build_load(i16, address, "bf16").map_err(err)?;
             self.scoped_load(half, base)?;
             let wide = self
@@ -41,6 +42,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     ) -> Gen<IntValue<'ctx>> {
         let i64 = self.context.i64_type();
         let address = unsafe { self.builder.build_gep(i64, base, &[index], "at") }.map_err(err)?;
+        let address = self.in_buffer(address, base, 8, false)?;
         let value = self.builder.build_load(i64, address, "n").map_err(err)?;
         self.scoped_load(value, base)?;
         Ok(value.into_int_value())
@@ -99,6 +101,7 @@ impl<'ctx> Kernel<'ctx, '_> {
                 .map_err(err)?;
             let address =
                 unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
+            let address = self.in_buffer(address, base, 2, true)?;
             let store = self.builder.build_store(address, narrow).map_err(err)?;
             return self.scoped(store, base);
         }
@@ -114,6 +117,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     ) -> Gen<FloatValue<'ctx>> {
         let address =
             unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
+        let address = self.in_buffer(address, base, self.float_bytes(), false)?;
         let value = self
             .builder
             .build_load(self.float, address, "x")
@@ -132,8 +136,60 @@ impl<'ctx> Kernel<'ctx, '_> {
     ) -> Gen<()> {
         let address =
             unsafe { self.builder.build_gep(self.float, base, &[index], "at") }.map_err(err)?;
+        let address = self.in_buffer(address, base, self.float_bytes(), true)?;
         let store = self.builder.build_store(address, value).map_err(err)?;
         self.scoped(store, base)
+    }
+
+    /// Bytes of a float of the compute type.
+    fn float_bytes(&self) -> i64 {
+        if self.double {
+            8
+        } else {
+            4
+        }
+    }
+
+    /// [`Kernel::checked`] where `base` is a buffer of the `args` array (not a local
+    /// array).
+    fn in_buffer(
+        &self,
+        address: PointerValue<'ctx>,
+        base: PointerValue<'ctx>,
+        bytes: i64,
+        store: bool,
+    ) -> Gen<PointerValue<'ctx>> {
+        if self.buffer_kind(base).is_none() {
+            return Ok(address);
+        }
+        self.checked(address, bytes, store)
+    }
+
+    /// The address an access of `bytes` at `address` of device memory goes to: on the
+    /// simulated GPU the simulator checks it against the device's buffers
+    /// ([`crate::sim_abi::ACCESS`]), elsewhere `address` itself.
+    pub(crate) fn checked(
+        &self,
+        address: PointerValue<'ctx>,
+        bytes: i64,
+        store: bool,
+    ) -> Gen<PointerValue<'ctx>> {
+        if self.target != Target::Simulated {
+            return Ok(address);
+        }
+        let (ptr, i64, i32) = (
+            self.context.ptr_type(AddressSpace::default()),
+            self.context.i64_type(),
+            self.context.i32_type(),
+        );
+        let kind = i32.const_int(u64::from(store), false);
+        Ok(self
+            .simulator_call(
+                crate::sim_abi::ACCESS,
+                ptr.fn_type(&[ptr.into(), i64.into(), i32.into()], false),
+                &[address.into(), self.i64(bytes).into(), kind.into()],
+            )?
+            .into_pointer_value())
     }
 
     /// A float accumulator in the entry block (promoted to a register by the optimizer).

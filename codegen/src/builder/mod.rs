@@ -145,6 +145,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             .fn_type(&[ptr.into(), i64.into(), i64.into()], false);
         let function = module.add_function(name, function_type, None);
         if target == Target::Nvptx {
+            // A PTX kernel entry (simulated kernels are plain host functions).
             function.set_call_conventions(PTX_KERNEL_CALLING_CONVENTION);
         }
         let entry = context.append_basic_block(function, "entry");
@@ -181,17 +182,23 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
         }
     }
 
-    /// Marks `access`, a load or store at `base`, with its buffer's alias scope when
-    /// `base` is a buffer of the `args` array (only host kernels register theirs, in
-    /// [`Kernel::arg`]).
-    fn scoped(&self, access: InstructionValue<'ctx>, base: PointerValue<'ctx>) -> Gen<()> {
-        let output = self
-            .buffers
+    /// Whether `base` is a buffer of the `args` array, and if so whether it is the
+    /// output's (host and simulated kernels register theirs, in [`Kernel::arg`]).
+    fn buffer_kind(&self, base: PointerValue<'ctx>) -> Option<bool> {
+        self.buffers
             .borrow()
             .iter()
             .find(|(buffer, _)| *buffer == base)
-            .map(|&(_, output)| output);
-        let Some(output) = output else {
+            .map(|&(_, output)| output)
+    }
+
+    /// Marks `access`, a load or store at `base`, with its buffer's alias scope when
+    /// `base` is a buffer of the `args` array (host kernels only).
+    fn scoped(&self, access: InstructionValue<'ctx>, base: PointerValue<'ctx>) -> Gen<()> {
+        if self.target != Target::Host {
+            return Ok(());
+        }
+        let Some(output) = self.buffer_kind(base) else {
             return Ok(());
         };
         let Scopes {

@@ -1,0 +1,314 @@
+//! [`SimDevice`]: the simulated GPU as the runtime's kernel device.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use nestor_backend_cpu::{compile_for, CpuKernels};
+use nestor_codegen::{gpu_grid, gpu_threads_per_task, GpuGrid, Storage, Target};
+use nestor_runtime::{from_bf16, to_bf16, BlasCall, Executable, Gemms, KernelDevice, RuntimeError};
+
+use crate::block::Call;
+use crate::launch::{run_grid, Launch, Limits};
+use crate::memory::{Registry, SimBuffer};
+use crate::SimError;
+
+/// How the simulated device launches kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Geometry {
+    /// As the CUDA device does ([`nestor_codegen::gpu_grid`]).
+    Gpu,
+    /// Every launch this grid, whatever its range (one block, a grid smaller than the
+    /// work, a block size the kernels do not expect).
+    Fixed(GpuGrid),
+}
+
+/// A simulated device's settings.
+#[derive(Clone, Copy, Debug)]
+pub struct SimOptions {
+    /// How floats are kept in buffers.
+    pub storage: Storage,
+    /// Where GEMM products are computed (on [`Gemms::Blas`], the cuBLAS calls a GPU
+    /// makes, run by definition).
+    pub gemms: Gemms,
+    /// Launch geometry.
+    pub geometry: Geometry,
+    /// The architecture's limits every launch is checked against.
+    pub limits: Limits,
+    /// Draws the order of blocks and threads of every launch.
+    pub seed: u64,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        Self {
+            storage: Storage::Compute,
+            gemms: Gemms::Kernels,
+            geometry: Geometry::Gpu,
+            limits: Limits::SM_90,
+            seed: 0x5EED,
+        }
+    }
+}
+
+/// What the device knows of a step's kernel.
+struct StepKernel {
+    /// `step3 (row)`, for reports.
+    name: String,
+    threads_per_task: u32,
+    /// Argument 0 is the output, NaN before every launch.
+    output_first: bool,
+}
+
+/// The simulated CUDA device: the program's GPU kernels (generated for
+/// [`Target::Simulated`]: the NVPTX kernels' structure, their GPU instructions calls into
+/// the simulator) run as GPU grids on the CPU, each thread a fiber; device memory in host
+/// memory, NaN when allocated and every step's output NaN again before its launch, every
+/// access checked against the live buffers; launches checked against the
+/// architecture's limits; GEMM products as the cuBLAS calls a GPU makes. A bug a GPU
+/// would hide (a missing rendezvous, an access out of bounds, a value never written)
+/// is an error or a NaN here.
+///
+/// ```
+/// use nestor_runtime::{InputData, KernelDevice, RunData, Stats};
+/// use nestor_sim::SimDevice;
+/// let graph = nestor_ir::parse(
+///     r#"graph @g {
+///   %0 = input {name = "x.lengths"} : lengths[B]
+///   %1 = input {name = "x"} : ragged<f32>[B; %0, 40]
+///   %2 = softmax(%1) {axis = -1} : ragged<f32>[B; %0, 40]
+///   return %2
+/// }"#,
+/// )?;
+/// let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph)?)?;
+/// let device = SimDevice::new(&executable)?;
+/// let (lengths, x) = ([1i64, 2], vec![0.5f32; 120]);
+/// let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+/// let outputs = executable.run_on_device(&device, &inputs, &Stats::default())?;
+/// let RunData::F32(y) = &outputs[0].data else { panic!("f32") };
+/// assert!(y.iter().all(|&value| (value - 1.0 / 40.0).abs() < 1e-7));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct SimDevice {
+    kernels: CpuKernels,
+    steps: Vec<StepKernel>,
+    options: SimOptions,
+    registry: Registry,
+    spare: Mutex<Vec<SimBuffer>>,
+    launches: AtomicU64,
+    /// The step whose BLAS call ran last (its kernel then reads the product in place).
+    blas_step: AtomicUsize,
+}
+
+impl SimDevice {
+    /// The simulated device of `executable`'s program, with the default options.
+    pub fn new(executable: &Executable) -> Result<Self, RuntimeError> {
+        Self::with(executable, SimOptions::default())
+    }
+
+    /// The simulated device of `executable`'s program, as `options` say.
+    pub fn with(executable: &Executable, options: SimOptions) -> Result<Self, RuntimeError> {
+        let program = executable.program();
+        let set = options.gemms.kernel_set();
+        let kernels = compile_for(
+            program,
+            (Target::Simulated, set, options.storage),
+            &crate::abi::symbols(),
+        )?;
+        let steps = program
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(index, step)| {
+                let placement = step.placement(program, set);
+                let output_first = placement.kernel().is_some_and(|signature| {
+                    signature
+                        .params
+                        .first()
+                        .is_some_and(|param| param.role == nestor_passes::Role::Out)
+                });
+                StepKernel {
+                    name: format!("step{index} ({})", step.name()),
+                    threads_per_task: gpu_threads_per_task(program, step),
+                    output_first,
+                }
+            })
+            .collect();
+        Ok(Self {
+            kernels,
+            steps,
+            options,
+            registry: Registry::default(),
+            spare: Mutex::default(),
+            launches: AtomicU64::new(0),
+            blas_step: AtomicUsize::new(usize::MAX),
+        })
+    }
+
+    /// Bytes of a float in the device's buffers.
+    fn float_bytes(&self) -> u64 {
+        if self.options.storage == Storage::Bf16 {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Checks that `bytes` at `address` are a device buffer's.
+    fn check_copy(&self, address: u64, bytes: u64) -> Result<(), SimError> {
+        match self.registry.snapshot().holding(address, bytes) {
+            Some(_) => Ok(()),
+            None => Err(SimError::Copy { address, bytes }),
+        }
+    }
+
+    /// Fills the buffer holding `address` with NaN (all bits set).
+    fn poison(&self, address: u64) {
+        if let Some((start, bytes)) = self.registry.snapshot().holding(address, 0) {
+            // A live buffer of the device (its extents are what it allocated, whole
+            // words), which no launch is running on.
+            unsafe { std::ptr::write_bytes(start as *mut u8, 0xFF, bytes as usize) };
+        }
+    }
+}
+
+impl KernelDevice for SimDevice {
+    type Buffer = SimBuffer;
+
+    fn alloc_f32(&self, count: usize) -> Result<SimBuffer, RuntimeError> {
+        let bytes = (count as u64)
+            .checked_mul(self.float_bytes())
+            .ok_or(SimError::Memory(u64::MAX))?;
+        Ok(self.registry.alloc(bytes)?)
+    }
+
+    fn capacity_f32(&self, buffer: &SimBuffer) -> usize {
+        (buffer.bytes() / self.float_bytes()) as usize
+    }
+
+    fn spare(&self) -> &Mutex<Vec<SimBuffer>> {
+        &self.spare
+    }
+
+    fn upload_f32(&self, values: &[f32]) -> Result<SimBuffer, RuntimeError> {
+        let mut buffer = self.alloc_f32(values.len())?;
+        let words = buffer.words_mut().as_mut_ptr();
+        // The buffer holds `values.len()` values of the storage type.
+        unsafe {
+            if self.options.storage == Storage::Bf16 {
+                let stored = words as *mut u16;
+                for (index, &value) in values.iter().enumerate() {
+                    *stored.add(index) = to_bf16(value);
+                }
+            } else {
+                std::ptr::copy_nonoverlapping(values.as_ptr(), words as *mut f32, values.len());
+            }
+        }
+        Ok(buffer)
+    }
+
+    fn upload_i64(&self, values: &[i64]) -> Result<SimBuffer, RuntimeError> {
+        let mut buffer = self.registry.alloc(values.len() as u64 * 8)?;
+        for (word, &value) in buffer.words_mut().iter_mut().zip(values) {
+            *word = value as u64;
+        }
+        Ok(buffer)
+    }
+
+    unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {
+        self.check_copy(address, count as u64 * self.float_bytes())?;
+        // Checked to be a live buffer's values.
+        Ok(unsafe {
+            if self.options.storage == Storage::Bf16 {
+                std::slice::from_raw_parts(address as *const u16, count)
+                    .iter()
+                    .map(|&bits| from_bf16(bits))
+                    .collect()
+            } else {
+                std::slice::from_raw_parts(address as *const f32, count).to_vec()
+            }
+        })
+    }
+
+    fn wait(&self) -> Result<(), RuntimeError> {
+        // Kernels ran when they were launched.
+        Ok(())
+    }
+
+    fn address(&self, buffer: &SimBuffer) -> u64 {
+        buffer.address()
+    }
+
+    unsafe fn launch(
+        &self,
+        step: usize,
+        table: u64,
+        range: (i64, i64),
+    ) -> Result<(), RuntimeError> {
+        let (Some(kernel), Some(info)) = (self.kernels.kernel(step), self.steps.get(step)) else {
+            return Err(SimError::NoKernel(step).into());
+        };
+        let after_blas = self.blas_step.swap(usize::MAX, Ordering::Relaxed) == step;
+        if info.output_first && !after_blas {
+            self.check_copy(table, 8)?;
+            // The table's first entry, checked to be in a buffer.
+            let output = unsafe { *(table as *const u64) };
+            self.poison(output);
+        }
+        let grid = match self.options.geometry {
+            Geometry::Gpu => match gpu_grid(info.threads_per_task, range) {
+                Some(grid) => grid,
+                None => return Ok(()),
+            },
+            Geometry::Fixed(grid) => grid,
+        };
+        let launch = Launch {
+            grid,
+            shared_bytes: 0,
+        };
+        let seed = self.options.seed ^ self.launches.fetch_add(1, Ordering::Relaxed);
+        let call = Call {
+            kernel,
+            table,
+            range,
+        };
+        // The kernel is of the simulated target; the caller vouches for the table, the
+        // buffers and the range.
+        unsafe {
+            run_grid(
+                &info.name,
+                call,
+                (launch, &self.options.limits),
+                self.registry.snapshot(),
+                seed,
+            )
+        }?;
+        Ok(())
+    }
+
+    fn gemms(&self) -> Gemms {
+        self.options.gemms
+    }
+
+    unsafe fn blas(
+        &self,
+        step: usize,
+        call: &BlasCall,
+        buffers: [u64; 3],
+    ) -> Result<(), RuntimeError> {
+        if self.options.gemms != Gemms::Blas {
+            return Err(SimError::Blas {
+                step,
+                call: format!("{call:?}"),
+                why: "this device runs GEMMs in kernels".into(),
+            }
+            .into());
+        }
+        // cuBLAS writes all of C with beta = 0: what it held before must not matter.
+        self.poison(buffers[2]);
+        let extents = self.registry.snapshot();
+        // The extents are the device's live buffers.
+        unsafe { crate::blas::gemm_ex(step, call, buffers, (self.options.storage, &extents)) }?;
+        self.blas_step.store(step, Ordering::Relaxed);
+        Ok(())
+    }
+}

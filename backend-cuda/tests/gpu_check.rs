@@ -89,6 +89,59 @@ fn run_on_host(program: &Program, buffers: &mut [Buffer], range: (i64, i64)) {
     unsafe { kernel(args.as_ptr(), range.0, range.1) };
 }
 
+/// Runs the program's one kernel on the simulated GPU over `buffers` (the output is
+/// buffer 0), launched as `geometry` says (the CUDA device's grid when `None`); an error
+/// is the simulator's report.
+fn run_on_sim(
+    program: &Program,
+    buffers: &mut [Buffer],
+    range: (i64, i64),
+    geometry: Option<nestor_codegen::GpuGrid>,
+) -> Result<(), nestor_sim::SimError> {
+    let kernels = nestor_backend_cpu::compile_for(
+        program,
+        (
+            nestor_codegen::Target::Simulated,
+            nestor_backend_cpu::KernelSet::Complete,
+            nestor_backend_cpu::Storage::Compute,
+        ),
+        &nestor_sim::symbols(),
+    )
+    .unwrap();
+    let kernel = kernels.kernel(0).unwrap();
+    let mut extents = Vec::new();
+    let args: Vec<*mut u8> = buffers
+        .iter_mut()
+        .map(|buffer| {
+            let (pointer, bytes) = match buffer {
+                Buffer::F32(values) => (values.as_mut_ptr() as *mut u8, 4 * values.len()),
+                Buffer::I64(values) => (values.as_mut_ptr() as *mut u8, 8 * values.len()),
+            };
+            extents.push((pointer as u64, bytes as u64));
+            pointer
+        })
+        .collect();
+    extents.push((args.as_ptr() as u64, 8 * args.len() as u64));
+    let threads = nestor_codegen::gpu_threads_per_task(program, &program.steps[0]);
+    let Some(grid) = geometry.or_else(|| nestor_codegen::gpu_grid(threads, range)) else {
+        return Ok(());
+    };
+    let launch = nestor_sim::Launch {
+        grid,
+        shared_bytes: 0,
+    };
+    // The buffers are sized for the step over `range`, and every access is checked.
+    unsafe {
+        nestor_sim::run_kernel(
+            kernel,
+            (args.as_ptr() as u64, range),
+            (launch, &nestor_sim::Limits::SM_90),
+            &extents,
+            0x5EED,
+        )
+    }
+}
+
 fn one_step(step: &Step) -> Program {
     Program {
         steps: vec![step.clone()],
@@ -392,6 +445,20 @@ fn the_gpu_check_runs_against_the_cpu_backend() {
         };
         compare(actual, &case.expected, case.tolerance)
             .unwrap_or_else(|why| panic!("{name}: {why}"));
+        // And on the simulated GPU: the CUDA device's grid, one block, a grid smaller
+        // than the work.
+        for geometry in [None, Some((1, 256)), Some((2, 64))] {
+            let geometry =
+                geometry.map(|(blocks, threads)| nestor_codegen::GpuGrid { blocks, threads });
+            let mut buffers = case.buffers.clone();
+            run_on_sim(&one_step(step), &mut buffers, case.range, geometry)
+                .unwrap_or_else(|why| panic!("{name} on the simulated GPU ({geometry:?}): {why}"));
+            let Buffer::F32(actual) = &buffers[case.output] else {
+                panic!("{name}: the output is f32")
+            };
+            compare(actual, &case.expected, case.tolerance)
+                .unwrap_or_else(|why| panic!("{name} on the simulated GPU ({geometry:?}): {why}"));
+        }
         for (arch, ptx) in &case.ptx {
             assert!(ptx.contains(&format!(".target {}", arch.name())), "{name}");
         }

@@ -296,22 +296,32 @@ fn describe_waiting(states: &[State], count: u32) -> String {
         }
     }
     for (warp, mask, threads) in masks {
-        let missing: Vec<String> = (0..WARP_LANES)
-            .filter(|&lane| mask & (1 << lane) != 0)
-            .filter_map(|lane| {
-                let thread = (warp * WARP_LANES + lane) as usize;
-                let why = match states.get(thread) {
-                    None => "does not exist",
-                    Some(State::Exited) => "exited",
-                    Some(State::Waiting(Request::Barrier)) => "waits at a barrier",
-                    Some(State::Waiting(Request::Shuffle { mask: other, .. }))
-                        if *other != mask =>
-                    {
-                        "shuffles with another mask"
-                    }
-                    _ => return None,
-                };
-                Some(format!("lane {lane} {why}"))
+        // The lanes of the mask that are not there, by why.
+        let mut missing: Vec<((&str, &str), Vec<usize>)> = Vec::new();
+        for lane in (0..WARP_LANES).filter(|&lane| mask & (1 << lane) != 0) {
+            let thread = (warp * WARP_LANES + lane) as usize;
+            // Why, for one lane and for several.
+            let why = match states.get(thread) {
+                None => ("does not exist", "do not exist"),
+                Some(State::Exited) => ("exited", "exited"),
+                Some(State::Waiting(Request::Barrier)) => {
+                    ("waits at a barrier", "wait at a barrier")
+                }
+                Some(State::Waiting(Request::Shuffle { mask: other, .. })) if *other != mask => {
+                    ("shuffles over another mask", "shuffle over another mask")
+                }
+                _ => continue,
+            };
+            match missing.iter_mut().find(|(reason, _)| *reason == why) {
+                Some((_, lanes)) => lanes.push(lane as usize),
+                None => missing.push((why, vec![lane as usize])),
+            }
+        }
+        let missing: Vec<String> = missing
+            .iter()
+            .map(|((one, several), lanes)| match lanes.as_slice() {
+                [lane] => format!("lane {lane} {one}"),
+                _ => format!("lanes {} {several}", ranges(lanes)),
             })
             .collect();
         let _ = write!(

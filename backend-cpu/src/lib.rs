@@ -13,8 +13,6 @@
 //!   images (`conv.rs`, `window.rs`; [`convolve_images`] for the eager API);
 //! - the thread team (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`]
 //!   says which) and how runs split their work ([`Parallelism`]);
-//! - [`HostDevice`]: the CPU as a [`nestor_runtime::KernelDevice`], running the GPU's
-//!   kernel set on host memory (how the tests check the device executor).
 //!
 //! Without the default `jit` feature the crate links no LLVM and holds the numerics
 //! only (what the eager `NestedTensor` uses).
@@ -24,8 +22,6 @@ mod attention;
 mod blas;
 mod conv;
 mod gemm;
-#[cfg(feature = "jit")]
-mod host_device;
 #[cfg(feature = "jit")]
 mod jit;
 mod microkernel;
@@ -41,8 +37,6 @@ mod testing;
 mod window;
 
 pub use blas::{gemm_library, gemm_probe, GemmProbe};
-#[cfg(feature = "jit")]
-pub use host_device::{HostBuffer, HostDevice};
 #[cfg(feature = "jit")]
 pub use jit::{compile, compile_for, compile_storing, compile_with, BackendError, CpuKernels};
 #[cfg(feature = "jit")]

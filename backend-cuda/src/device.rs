@@ -13,12 +13,6 @@ use cudarc::driver::{
 
 use crate::{Arch, CudaError, PtxModule};
 
-/// Threads per block of the template kernels (their loops are grid-stride, so any grid
-/// covers the range; a multiple of 32, as row kernels' warps need).
-const BLOCK_THREADS: u32 = 256;
-/// The most blocks a launch asks for; more work loops inside the threads.
-const MAX_BLOCKS: u64 = 65_535;
-
 fn driver(error: impl std::fmt::Display) -> CudaError {
     CudaError::Driver(error.to_string())
 }
@@ -190,17 +184,14 @@ impl Device {
             .get(step)
             .and_then(Option::as_ref)
             .ok_or_else(|| CudaError::Driver(format!("step {step} has no kernel")))?;
-        if end <= start {
-            return Ok(());
-        }
         let threads = module.threads_per_task.get(step).copied().unwrap_or(1);
-        let work = u64::try_from(end - start)
-            .unwrap_or(0)
-            .saturating_mul(u64::from(threads));
-        let blocks = work.div_ceil(u64::from(BLOCK_THREADS)).clamp(1, MAX_BLOCKS) as u32;
+        // The grid the simulated GPU's tests launch too.
+        let Some(grid) = nestor_codegen::gpu_grid(threads, (start, end)) else {
+            return Ok(());
+        };
         let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (BLOCK_THREADS, 1, 1),
+            grid_dim: (grid.blocks, 1, 1),
+            block_dim: (grid.threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = self.stream.launch_builder(kernel);

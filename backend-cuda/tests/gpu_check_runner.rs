@@ -1,11 +1,11 @@
-//! Whole programs on a kernel device, with the host as the device: `gpu-check --device
-//! host` runs an optimized encoder layer, a feed-forward block, a gather / padding /
+//! Whole programs on a kernel device, the simulated GPU (`nestor-sim`): `gpu-check
+//! --device sim` runs an optimized encoder layer, a feed-forward block, a gather / padding /
 //! segment graph, attention over jagged pairs, the training steps (loss and gradients)
 //! of a pooled classifier, of causal attention and of the pair attention, a conv net's
 //! forward (convolution, pooling, image means over images `L x L`), its training step
 //! and the window gradients, for lengths with 0 and 1, batch size 1 and a larger batch,
 //! with f32 buffers (and bf16 buffers for two of the batches), GEMM products in the BLAS
-//! calls a GPU makes to cuBLAS (run on the host) and in GEMM kernels, from device
+//! calls a GPU makes to cuBLAS (run by definition) and in GEMM kernels, from device
 //! buffers and index buffers, and compares every result with the CPU runtime's (the
 //! same binary runs them on a GPU in `scripts/gpu-check.sh`).
 
@@ -13,7 +13,7 @@
 #![allow(clippy::unwrap_used)]
 
 #[test]
-fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
+fn programs_run_on_the_simulated_gpu_as_on_the_cpu_runtime() {
     let out = std::env::temp_dir().join(format!("nestor-gpu-programs-{}", std::process::id()));
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-check"))
         .args(["--device", "sim"])
@@ -33,7 +33,7 @@ fn programs_run_on_the_host_device_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        94
+        90
     );
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -6,8 +6,8 @@
 //!   the caller's buffers ([`OutputSink`]) and runs every step through the backend,
 //!   which sees the run as a [`RunState`];
 //! - [`KernelDevice`]: a device that runs a program's `Complete` kernel set on memory it
-//!   owns ([`Executable::run_on_device`]); the CPU backend's `HostDevice` and the CUDA
-//!   backend's `CudaDevice` implement it;
+//!   owns ([`Executable::run_on_device`]); `nestor-sim`'s `SimDevice` (a simulated GPU)
+//!   and the CUDA backend's `CudaDevice` implement it;
 //! - every kernel's argument list written from its step's signature, by one function
 //!   (the CPU's lists, [`RunState::kernel_args`], and the devices' tables alike);
 //! - [`MemoryBudget`] and [`Stats`]: what a run may allocate, and what runs did.

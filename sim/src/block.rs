@@ -39,10 +39,15 @@ impl Order {
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 
+    /// A number below `bound` (a multiply's high half: no division).
+    fn below(&mut self, bound: usize) -> usize {
+        ((u128::from(self.next()) * bound as u128) >> 64) as usize
+    }
+
     /// `items` in a random order (Fisher-Yates).
     pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
         for last in (1..items.len()).rev() {
-            let other = (self.next() % (last as u64 + 1)) as usize;
+            let other = self.below(last + 1);
             items.swap(last, other);
         }
     }
@@ -162,7 +167,7 @@ impl Block {
         if self.ready.is_empty() {
             return None;
         }
-        let index = (order.next() % self.ready.len() as u64) as usize;
+        let index = order.below(self.ready.len());
         Some(self.ready.swap_remove(index))
     }
 

@@ -5,7 +5,7 @@
 //! index with (offsets, row-to-element maps, longest lengths, window taps), each
 //! kernel's argument table written from its step's signature.
 //!
-//! The CPU backend's `HostDevice` runs those kernels on the CPU (how the tests check
+//! `nestor-sim`'s `SimDevice` runs those kernels on a simulated GPU (how the tests check
 //! this executor and the GPU's templates without a GPU); the CUDA backend's
 //! `CudaDevice` on a GPU.
 
@@ -32,7 +32,7 @@ pub trait KernelDevice {
     /// A buffer of the device.
     type Buffer;
     /// A buffer for `count` f32 values that a step writes whole (what it holds before is
-    /// unspecified: NaN on the host, the allocator's leftovers on a GPU).
+    /// unspecified: NaN on the simulated GPU, the allocator's leftovers on a GPU).
     fn alloc_f32(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
     /// The f32 values `buffer` has room for (0 for an i64 buffer).
     fn capacity_f32(&self, buffer: &Self::Buffer) -> usize;
@@ -148,7 +148,7 @@ impl Executable {
     /// [`Executable::run_on_device`] without copying the results back: they stay in the
     /// device's buffers, which the returned [`DeviceResults`] keeps; the work may still
     /// be running when this returns ([`KernelDevice::wait`] or a download waits for it).
-    /// (`nestor_backend_cpu::HostDevice` shows it on the CPU.)
+    /// (`nestor_sim::SimDevice` shows it on the simulated GPU.)
     pub fn run_device_resident<D: KernelDevice>(
         &self,
         device: &D,

@@ -1,5 +1,7 @@
-//! Programs on a kernel device (`nestor_runtime::Executable::run_on_device`), with the host as the
-//! device (whole models run in `nestor-backend-cuda`'s `tests/gpu_check_runner.rs`).
+//! Programs on a kernel device (`nestor_runtime::Executable::run_on_device`), with the
+//! simulated GPU as the device: memory budgets, window steps, host steps, inputs and
+//! results left on the device, buffer reuse (whole models run in `nestor-backend-cuda`'s
+//! `tests/gpu_check_runner.rs`).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -9,8 +11,8 @@ static BUDGET: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn device_buffers_over_the_memory_budget_are_an_error() {
-    use nestor_backend_cpu::HostDevice;
     use nestor_runtime::{InputData, MemoryBudget, RuntimeError, Stats};
+    use nestor_sim::SimDevice;
     let graph = nestor_ir::parse(
         r#"graph @wide {
   %0 = input {name = "x.lengths"} : lengths[B]
@@ -21,7 +23,7 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
     )
     .unwrap();
     let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
-    let device = HostDevice::new(&executable).unwrap();
+    let device = SimDevice::new(&executable).unwrap();
     let (lengths, x) = ([100i64], vec![0.5f32; 400]);
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
     // The budget is the process's: the tests that set one take turns (the others' buffers
@@ -70,11 +72,11 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
 
 #[test]
 fn window_gradients_on_the_device_follow_the_cpu_on_ties_nan_and_infinities() {
-    use nestor_backend_cpu::HostDevice;
     use nestor_runtime::{InputData, Stats};
+    use nestor_sim::SimDevice;
     let graph = nestor_ir::parse(include_str!("../../tests/filetests/window_grads.nir")).unwrap();
     let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
-    let device = HostDevice::new(&executable).unwrap();
+    let device = SimDevice::new(&executable).unwrap();
     // Not under another test's small memory budget.
     let _turn = BUDGET
         .lock()
@@ -153,11 +155,11 @@ fn first_difference(
 
 #[test]
 fn window_taps_over_the_memory_budget_are_an_error() {
-    use nestor_backend_cpu::HostDevice;
     use nestor_runtime::{InputData, MemoryBudget, RuntimeError, Stats};
+    use nestor_sim::SimDevice;
     let graph = nestor_ir::parse(include_str!("../../tests/filetests/conv_net.nir")).unwrap();
     let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
-    let device = HostDevice::new(&executable).unwrap();
+    let device = SimDevice::new(&executable).unwrap();
     // One 64 x 64 image: its convolution's taps table (4096 pixels x 9 taps x 8 bytes,
     // 295 KB) is over a 200 KB budget, though every buffer is under it.
     let (sizes, x) = ([64i64], vec![0.5f32; 3 * 64 * 64]);
@@ -214,7 +216,7 @@ proptest::proptest! {
         sizes in proptest::collection::vec((0i64..7, 0i64..7), 1..5),
         seed in 0.0f32..6.0,
     ) {
-        use nestor_backend_cpu::HostDevice;
+        use nestor_sim::SimDevice;
     use nestor_runtime::{InputData, Stats};
         let _turn = BUDGET.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let heights: Vec<i64> = sizes.iter().map(|&(h, _)| h).collect();
@@ -236,7 +238,7 @@ proptest::proptest! {
         for (text, floats) in [forward, gradients] {
             let graph = nestor_ir::parse(text).unwrap();
             let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
-            let device = HostDevice::new(&executable).unwrap();
+            let device = SimDevice::new(&executable).unwrap();
             let mut inputs = vec![InputData::I64(&heights), InputData::I64(&widths)];
             inputs.extend(floats.iter().map(|values| InputData::F32(values)));
             let on_device = executable.run_on_device(&device, &inputs, &Stats::default()).unwrap();
@@ -249,8 +251,8 @@ proptest::proptest! {
 
 #[test]
 fn host_steps_on_a_device_are_a_typed_error() {
-    use nestor_backend_cpu::HostDevice;
     use nestor_runtime::{InputData, RuntimeError, Stats};
+    use nestor_sim::SimDevice;
     // A grouped convolution has no window step: with the per-element fallback it is a
     // host step, which libtorch runs on the CPU only.
     let graph = nestor_ir::parse(
@@ -274,7 +276,7 @@ fn host_steps_on_a_device_are_a_typed_error() {
     };
     let program = nestor_passes::lower_with(&graph, options).unwrap();
     let executable = nestor_backend_cpu::executable(program).unwrap();
-    let device = HostDevice::new(&executable).unwrap();
+    let device = SimDevice::new(&executable).unwrap();
     let (sizes, x, w) = ([2i64], vec![0.5f32; 12], vec![0.1f32; 27]);
     let inputs = [
         InputData::I64(&sizes),
@@ -295,8 +297,8 @@ fn host_steps_on_a_device_are_a_typed_error() {
 
 #[test]
 fn inputs_and_results_stay_on_the_device() {
-    use nestor_backend_cpu::HostDevice;
     use nestor_runtime::{InputData, KernelDevice, Stats};
+    use nestor_sim::SimDevice;
     let graph = nestor_ir::parse(
         r#"graph @resident {
   %0 = input {name = "x.lengths"} : lengths[B]
@@ -307,7 +309,7 @@ fn inputs_and_results_stay_on_the_device() {
     )
     .unwrap();
     let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
-    let device = HostDevice::new(&executable).unwrap();
+    let device = SimDevice::new(&executable).unwrap();
     let (lengths, x) = ([2i64, 0, 1], [0.5f32, -1.0, 0.0, 2.0, f32::NAN, -0.25]);
     let buffer = device.upload_f32(&x).unwrap();
     let address = device.address(&buffer);
@@ -349,8 +351,8 @@ fn inputs_and_results_stay_on_the_device() {
 
 #[test]
 fn device_buffers_are_reused_within_a_run_and_across_runs() {
-    use nestor_backend_cpu::HostDevice;
     use nestor_runtime::{InputData, Stats};
+    use nestor_sim::SimDevice;
     let graph = nestor_ir::parse(
         r#"graph @chain {
   %0 = input {name = "x.lengths"} : lengths[B]
@@ -364,7 +366,7 @@ fn device_buffers_are_reused_within_a_run_and_across_runs() {
     .unwrap();
     let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
     assert_eq!(executable.program().steps.len(), 3);
-    let device = HostDevice::new(&executable).unwrap();
+    let device = SimDevice::new(&executable).unwrap();
     let (lengths, x) = ([60i64, 40], vec![0.25f32; 400]);
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
     let stats = Stats::default();

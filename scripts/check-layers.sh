@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The crate layers hold (make lint):
 # - the runtime depends on no backend (the backends depend on it) and links no LLVM;
+# - the simulated GPU (nestor-sim) needs no CUDA (neither the CUDA backend nor cudarc);
 # - the eager configuration (the facade without its default `compile` feature) builds
 #   without warnings and links neither LLVM (inkwell) nor the CUDA driver's crate (cudarc).
 set -euo pipefail
@@ -20,7 +21,8 @@ forbid() { # forbid <what> <pattern> <cargo tree args...>
 }
 
 forbid "nestor-runtime" '^(nestor-backend-|inkwell|cudarc|nestor-codegen)' -p nestor-runtime
+forbid "nestor-sim (the simulated GPU needs no CUDA)" '^(nestor-backend-cuda|cudarc)' -p nestor-sim
 forbid "the eager configuration (nestor --no-default-features)" '^(inkwell|cudarc|nestor-codegen|nestor-backend-cuda)' \
     -p nestor --no-default-features
 "$cargo" clippy -p nestor --no-default-features --lib --quiet -- -D warnings
-echo "check-layers: the runtime depends on no backend; the eager configuration links neither LLVM nor cudarc"
+echo "check-layers: the runtime depends on no backend; the simulator needs no CUDA; the eager configuration links neither LLVM nor cudarc"

@@ -133,7 +133,7 @@ fn run_on_sim(
     // The buffers are sized for the step over `range`, and every access is checked.
     unsafe {
         nestor_sim::run_kernel(
-            kernel,
+            ("step0", kernel),
             (args.as_ptr() as u64, range),
             (launch, &nestor_sim::Limits::SM_90),
             &extents,

@@ -58,7 +58,7 @@ pub(crate) struct LaunchState {
     /// The first bad access, and how many there were.
     pub(crate) bad: RefCell<(Option<BadAccess>, u64)>,
     /// Where a bad access goes instead (NaN for loads).
-    scratch: UnsafeCell<[u64; 2]>,
+    scratch: UnsafeCell<[u64; SCRATCH_WORDS]>,
 }
 
 impl LaunchState {
@@ -70,7 +70,7 @@ impl LaunchState {
             shared: RefCell::new(vec![u64::MAX; shared_bytes.div_ceil(8) as usize]),
             shared_bytes,
             bad: RefCell::new((None, 0)),
-            scratch: UnsafeCell::new([u64::MAX; 2]),
+            scratch: UnsafeCell::new([u64::MAX; SCRATCH_WORDS]),
         }
     }
 
@@ -83,6 +83,9 @@ impl LaunchState {
                 .is_some_and(|end| end <= start + self.shared_bytes)
     }
 }
+
+/// Words of the scratch memory a bad access goes to: accesses are at most 64 bytes.
+const SCRATCH_WORDS: usize = 8;
 
 thread_local! {
     static LAUNCH: Cell<*const LaunchState> = const { Cell::new(std::ptr::null()) };
@@ -180,10 +183,10 @@ extern "C" fn access(address: *mut u8, bytes: i64, store: i32) -> *mut u8 {
         });
     }
     bad.1 += 1;
-    // The access goes to the scratch words instead (at most 8 bytes), NaN for a load.
+    // The access goes to the scratch words instead, NaN for a load.
     let scratch = launch.scratch.get();
     // Only this OS thread's fibers use the launch, one at a time.
-    unsafe { *scratch = [u64::MAX; 2] };
+    unsafe { *scratch = [u64::MAX; SCRATCH_WORDS] };
     scratch as *mut u8
 }
 
@@ -226,7 +229,9 @@ pub mod calls {
     pub fn shared() -> *mut u8 {
         super::shared()
     }
-    /// The address an access of `bytes` at `address` goes to (checked).
+    /// The address an access of `bytes` (at most 64) at `address` goes to: `address`
+    /// when it is in a buffer or the block's shared memory, else scratch memory (NaN)
+    /// and the access recorded, to be reported after the launch.
     pub fn access(address: *mut u8, bytes: i64, store: bool) -> *mut u8 {
         super::access(address, bytes, i32::from(store))
     }

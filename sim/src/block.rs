@@ -90,7 +90,11 @@ pub(crate) fn run_block(
             yielder: Cell::new(std::ptr::null()),
         })
         .collect();
-    let mut fibers: Vec<Fiber> = threads.iter().map(|thread| fiber(call, thread)).collect();
+    // Fibers that never started drop without running anything.
+    let mut fibers = threads
+        .iter()
+        .map(|thread| fiber(call, thread))
+        .collect::<Result<Vec<Fiber>, SimError>>()?;
     let mut block = Block {
         states: vec![State::Ready(0); count as usize],
         ready: (0..count as usize).collect(),
@@ -252,21 +256,20 @@ impl Block {
     }
 }
 
-/// The fiber of GPU thread `thread`, on a stack of this OS thread's pool.
-fn fiber(call: Call, thread: &ThreadState) -> Fiber {
-    let stack = STACKS
-        .with(|stacks| stacks.borrow_mut().pop())
-        .map_or_else(|| DefaultStack::new(STACK_BYTES), Ok);
-    // Without memory for a stack the process cannot go on (as an allocation failure).
-    #[allow(clippy::expect_used)]
-    let stack = stack.expect("a GPU thread's stack");
+/// The fiber of GPU thread `thread`, on a stack of this OS thread's pool (an error when
+/// no memory is left for a new one).
+fn fiber(call: Call, thread: &ThreadState) -> Result<Fiber, SimError> {
+    let stack = match STACKS.with(|stacks| stacks.borrow_mut().pop()) {
+        Some(stack) => stack,
+        None => DefaultStack::new(STACK_BYTES).map_err(|_| SimError::Memory(STACK_BYTES as u64))?,
+    };
     let state = thread as *const ThreadState as usize;
-    Coroutine::with_stack(stack, move |yielder, _| {
+    Ok(Coroutine::with_stack(stack, move |yielder, _| {
         // The thread's state outlives its fiber (`run_block` holds both).
         unsafe { (*(state as *const ThreadState)).yielder.set(yielder) };
         // The caller of the launch vouches for the table and range.
         unsafe { (call.kernel)(call.table as *const *mut u8, call.range.0, call.range.1) };
-    })
+    }))
 }
 
 /// The threads of a deadlocked block: where each waits and, for shuffles, the lanes of
@@ -282,11 +285,11 @@ fn describe_waiting(states: &[State], count: u32) -> String {
     if !at_barrier.is_empty() {
         let _ = write!(
             text,
-            "threads {} wait at a barrier of all {count} threads",
-            ranges(&at_barrier)
+            "{} at a barrier of all {count} threads",
+            who(&at_barrier, ("waits", "wait"))
         );
         if !exited.is_empty() {
-            let _ = write!(text, ", threads {} exited without it", ranges(&exited));
+            let _ = write!(text, ", {} without it", who(&exited, ("exited", "exited")));
         }
         text.push_str("; ");
     }
@@ -331,13 +334,28 @@ fn describe_waiting(states: &[State], count: u32) -> String {
             .collect();
         let _ = write!(
             text,
-            "threads {} (warp {warp}) wait at a shuffle over mask {mask:#010x}: {}; ",
-            ranges(&threads),
+            "{} at a shuffle over mask {mask:#010x}: {}; ",
+            who(
+                &threads,
+                (
+                    &format!("(warp {warp}) waits"),
+                    &format!("(warp {warp}) wait")
+                )
+            ),
             missing.join(", ")
         );
     }
     let _ = write!(text, "a block of {count} threads");
     text
+}
+
+/// `thread 3 exited` or `threads 0-2, 4-39 exited`: `threads` and the verb for one or
+/// several.
+fn who(threads: &[usize], (one, several): (&str, &str)) -> String {
+    match threads {
+        [thread] => format!("thread {thread} {one}"),
+        _ => format!("threads {} {several}", ranges(threads)),
+    }
 }
 
 /// `0-31, 40` for the sorted `items`.

@@ -107,8 +107,8 @@ pub enum SimError {
         /// Its bytes.
         bytes: u64,
     },
-    /// The device ran out of host memory for a buffer.
-    #[error("cannot allocate {0} bytes of device memory")]
+    /// The host has no memory left for a buffer or a GPU thread's stack.
+    #[error("cannot allocate {0} bytes of host memory for the simulated device")]
     Memory(u64),
     /// A step without a kernel was launched.
     #[error("step {0} has no kernel")]

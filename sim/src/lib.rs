@@ -42,7 +42,7 @@ pub use launch::{Launch, Limits};
 pub use memory::SimBuffer;
 pub use shuffle::{source_lane, WARP_LANES};
 
-/// Runs `kernel` over `range` as `launch` says on a GPU with `limits`, its argument
+/// Runs `kernel` (named `name` in reports) over `range` as `launch` says on a GPU with `limits`, its argument
 /// table at `table` and its accesses checked against `buffers` (start, bytes): how the
 /// simulator's tests run kernels written against its ABI ([`calls`]).
 ///
@@ -50,7 +50,7 @@ pub use shuffle::{source_lane, WARP_LANES};
 /// `kernel` must access memory only through [`calls::access`] (or within `buffers`),
 /// and the table and buffers must be what it expects over the range.
 pub unsafe fn run_kernel(
-    kernel: nestor_backend_cpu::KernelFn,
+    (name, kernel): (&str, nestor_backend_cpu::KernelFn),
     (table, range): (u64, (i64, i64)),
     (launch, limits): (Launch, &Limits),
     buffers: &[(u64, u64)],
@@ -63,5 +63,5 @@ pub unsafe fn run_kernel(
         range,
     };
     // The caller vouches for the kernel, the table and the buffers.
-    unsafe { launch::run_grid("kernel", call, (launch, limits), extents, seed) }
+    unsafe { launch::run_grid(name, call, (launch, limits), extents, seed) }
 }

@@ -95,7 +95,7 @@ fn outputs(step: &Step, buffers: &[Buffer], range: (i64, i64)) -> Vec<Vec<f64>> 
         // As above; every access is checked.
         unsafe {
             run_kernel(
-                simulated.kernel(0).unwrap(),
+                ("step0", simulated.kernel(0).unwrap()),
                 (args.as_ptr() as u64, range),
                 (launch, &Limits::SM_90),
                 &extents,

@@ -353,6 +353,7 @@ fn a_block_size_the_kernels_do_not_expect_is_a_deadlock() {
     };
     let error = difference(&program, &[vec![3, 2]], options).unwrap_err();
     let message = error.to_string();
+    eprintln!("{message}");
     assert!(
         matches!(sim_error(&error), SimError::Deadlock { .. }),
         "{message}"
@@ -379,6 +380,7 @@ fn a_kernel_run_one_row_past_its_buffers_is_out_of_bounds() {
     // The table and buffers are the device's; one row past them the kernel is caught.
     let error = unsafe { device.launch(0, device.address(&table), (0, 3)) }.unwrap_err();
     let message = error.to_string();
+    eprintln!("{message}");
     let SimError::OutOfBounds { first, .. } = sim_error(&error) else {
         panic!("{message}")
     };

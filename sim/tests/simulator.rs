@@ -52,10 +52,10 @@ fn global() -> usize {
     block * calls::special_register(SpecialRegister::BlockThreads) as usize + thread()
 }
 
-/// Runs `kernel` with a table of `buffers` (each a `Vec<T>`, as raw parts) under
+/// Runs `kernel` (named `name`) with a table of `buffers` (each a `Vec<T>`, as raw parts) under
 /// `launch`, every buffer and the table checked.
 fn run(
-    kernel: nestor_backend_cpu::KernelFn,
+    (name, kernel): (&str, nestor_backend_cpu::KernelFn),
     buffers: &mut [&mut [u64]],
     launch: Launch,
     seed: u64,
@@ -72,7 +72,7 @@ fn run(
     // The kernels below access only their table's buffers, through the checks.
     unsafe {
         run_kernel(
-            kernel,
+            (name, kernel),
             (table.as_ptr() as u64, (0, 0)),
             (launch, &Limits::SM_90),
             &extents,
@@ -118,7 +118,12 @@ fn shuffles_read_the_lanes_the_ptx_isa_defines() {
                 for c in [0x1f, 0x0, 0x101f, 0x181f, 0x1807] {
                     let mut params = [index as u64, u64::from(mask), b, c];
                     let mut out = vec![0u64; 64];
-                    let result = run(shuffle_lanes, &mut [&mut params, &mut out], grid(1, 64), 7);
+                    let result = run(
+                        ("shuffle_lanes", shuffle_lanes),
+                        &mut [&mut params, &mut out],
+                        grid(1, 64),
+                        7,
+                    );
                     let expected: Vec<u64> = (0..64u32)
                         .map(|thread| {
                             let lane = thread % 32;
@@ -166,10 +171,22 @@ unsafe extern "C" fn butterfly_sum<const WRONG: bool>(args: *const *mut u8, _: i
 #[test]
 fn a_butterfly_sum_is_the_warps_sum_and_a_wrong_offset_is_caught() {
     let mut out = vec![0u64; 96];
-    run(butterfly_sum::<false>, &mut [&mut out], grid(3, 32), 1).unwrap();
+    run(
+        ("butterfly_sum", butterfly_sum::<false>),
+        &mut [&mut out],
+        grid(3, 32),
+        1,
+    )
+    .unwrap();
     assert!(out.iter().all(|&sum| sum == (0..32).sum::<u64>()));
     // Planted: a wrong offset leaves every lane with a partial sum.
-    run(butterfly_sum::<true>, &mut [&mut out], grid(3, 32), 1).unwrap();
+    run(
+        ("butterfly_sum", butterfly_sum::<true>),
+        &mut [&mut out],
+        grid(3, 32),
+        1,
+    )
+    .unwrap();
     assert!(
         out.iter().all(|&sum| sum != (0..32).sum::<u64>()),
         "{out:?}"
@@ -191,8 +208,15 @@ unsafe extern "C" fn half_warp_offset_16(args: *const *mut u8, _: i64, _: i64) {
 #[test]
 fn a_shuffle_reading_outside_its_mask_is_an_error() {
     let mut out = vec![0u64; 32];
-    let error = run(half_warp_offset_16, &mut [&mut out], grid(1, 32), 3).unwrap_err();
+    let error = run(
+        ("half_warp_offset_16", half_warp_offset_16),
+        &mut [&mut out],
+        grid(1, 32),
+        3,
+    )
+    .unwrap_err();
     let message = error.to_string();
+    eprintln!("{message}");
     assert!(
         message.contains("reads lane 16, outside its member mask 0x0000ffff"),
         "{message}"
@@ -215,12 +239,19 @@ unsafe extern "C" fn lane_skips_shuffle(args: *const *mut u8, _: i64, _: i64) {
 #[test]
 fn a_lane_that_skips_a_shuffle_is_a_deadlock() {
     let mut out = vec![0u64; 64];
-    let error = run(lane_skips_shuffle, &mut [&mut out], grid(1, 64), 11).unwrap_err();
+    let error = run(
+        ("lane_skips_shuffle", lane_skips_shuffle),
+        &mut [&mut out],
+        grid(1, 64),
+        11,
+    )
+    .unwrap_err();
     assert!(
         matches!(error, SimError::Deadlock { block: 0, .. }),
         "{error}"
     );
     let message = error.to_string();
+    eprintln!("{message}");
     assert!(
         message.contains(
             "threads 0-4, 6-31 (warp 0) wait at a shuffle over mask 0xffffffff: lane 5 exited"
@@ -257,7 +288,13 @@ fn a_barrier_orders_shared_memory_and_a_missing_one_reads_nan() {
         shared_bytes: 128 * 4,
     };
     let mut out = vec![0u64; 128];
-    run(neighbours::<true>, &mut [&mut out], launch, 5).unwrap();
+    run(
+        ("neighbours", neighbours::<true>),
+        &mut [&mut out],
+        launch,
+        5,
+    )
+    .unwrap();
     let read = |words: &[u64]| -> Vec<f32> {
         words
             .iter()
@@ -268,13 +305,25 @@ fn a_barrier_orders_shared_memory_and_a_missing_one_reads_nan() {
     assert_eq!(read(&out), expected);
     // Planted: without the barrier some threads read a neighbour that has not written
     // yet, the NaN shared memory starts as.
-    run(neighbours::<false>, &mut [&mut out], launch, 5).unwrap();
+    run(
+        ("neighbours", neighbours::<false>),
+        &mut [&mut out],
+        launch,
+        5,
+    )
+    .unwrap();
     let values = read(&out);
     assert!(values.iter().any(|value| value.is_nan()), "{values:?}");
     assert!(values.iter().any(|value| !value.is_nan()), "{values:?}");
     // Another seed, another order: the result of a race depends on it.
     let mut again = vec![0u64; 128];
-    run(neighbours::<false>, &mut [&mut again], launch, 6).unwrap();
+    run(
+        ("neighbours", neighbours::<false>),
+        &mut [&mut again],
+        launch,
+        6,
+    )
+    .unwrap();
     assert_ne!(
         read(&again).iter().map(|v| v.is_nan()).collect::<Vec<_>>(),
         values.iter().map(|v| v.is_nan()).collect::<Vec<_>>()
@@ -290,11 +339,18 @@ unsafe extern "C" fn exits_before_barrier(_: *const *mut u8, _: i64, _: i64) {
 
 #[test]
 fn a_barrier_a_thread_never_reaches_is_a_deadlock() {
-    let error = run(exits_before_barrier, &mut [], grid(1, 40), 2).unwrap_err();
+    let error = run(
+        ("exits_before_barrier", exits_before_barrier),
+        &mut [],
+        grid(1, 40),
+        2,
+    )
+    .unwrap_err();
     let message = error.to_string();
+    eprintln!("{message}");
     assert!(
         message.contains(
-            "threads 0-2, 4-39 wait at a barrier of all 40 threads, threads 3 exited without it"
+            "threads 0-2, 4-39 wait at a barrier of all 40 threads, thread 3 exited without it"
         ),
         "{message}"
     );
@@ -313,7 +369,13 @@ fn an_access_out_of_bounds_is_an_error_naming_the_thread_and_address() {
     // 65 threads over 64 values.
     let mut out = vec![0u64; 64];
     let base = out.as_ptr() as u64;
-    let error = run(one_past_the_end, &mut [&mut out], grid(1, 65), 9).unwrap_err();
+    let error = run(
+        ("one_past_the_end", one_past_the_end),
+        &mut [&mut out],
+        grid(1, 65),
+        9,
+    )
+    .unwrap_err();
     let SimError::OutOfBounds { first, count, .. } = &error else {
         panic!("{error}")
     };

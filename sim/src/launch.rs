@@ -6,6 +6,7 @@ use nestor_codegen::GpuGrid;
 
 use crate::abi::{with_launch, LaunchState};
 use crate::block::{run_block, Call, Order};
+use crate::error::BadAccess;
 use crate::memory::Extents;
 use crate::SimError;
 
@@ -84,8 +85,10 @@ impl Launch {
 }
 
 /// Runs `kernel` (named `name`) over `range` with argument table `table` as `launch`
-/// says, its accesses checked against `extents`, its blocks and threads in the order
-/// `seed` draws.
+/// says, its accesses checked against `extents`: its blocks in the order `seed` draws,
+/// dealt out in turn to the cores (rayon's pool), each block's threads in the order its
+/// own seed draws (so a block runs the same whichever core runs it). The error of the
+/// earliest block to fail, else the first out-of-bounds access.
 ///
 /// # Safety
 /// `kernel` must be a kernel of the simulated target (or call only the simulator's ABI
@@ -98,26 +101,75 @@ pub(crate) unsafe fn run_grid(
     extents: Extents,
     seed: u64,
 ) -> Result<(), SimError> {
+    use rayon::prelude::*;
     launch.check(name, limits)?;
-    let state = LaunchState::new(launch.grid, extents, u64::from(launch.shared_bytes));
-    let mut order = Order::new(seed);
     let mut blocks: Vec<u32> = (0..launch.grid.blocks).collect();
-    order.shuffle(&mut blocks);
-    with_launch(&state, || {
-        for block in blocks {
-            state.block.set(block);
-            state.shared.borrow_mut().fill(u64::MAX);
-            run_block(name, call, &state, &mut order)?;
-        }
-        Ok::<(), SimError>(())
-    })?;
-    let (first, count) = state.bad.take();
-    match first {
-        Some(first) => Err(SimError::OutOfBounds {
+    Order::new(seed).shuffle(&mut blocks);
+    let workers = rayon::current_num_threads().clamp(1, blocks.len());
+    let outcomes: Vec<Outcome> = (0..workers)
+        .into_par_iter()
+        .map(|worker| {
+            let state =
+                LaunchState::new(launch.grid, extents.clone(), u64::from(launch.shared_bytes));
+            let failed = with_launch(&state, || {
+                for (position, &block) in blocks.iter().enumerate().skip(worker).step_by(workers) {
+                    state.block.set(block);
+                    state.shared.borrow_mut().fill(u64::MAX);
+                    let mut order =
+                        Order::new(seed ^ u64::from(block).wrapping_mul(0xD1B5_4A32_D192_ED03));
+                    if let Err(error) = run_block(name, call, &state, &mut order) {
+                        return Some((position, error));
+                    }
+                }
+                None
+            });
+            let (first, count) = state.bad.take();
+            let position = |block: u32| {
+                blocks
+                    .iter()
+                    .position(|&b| b == block)
+                    .unwrap_or(usize::MAX)
+            };
+            Outcome {
+                failed,
+                bad: first.map(|first| (position(first.block), first)),
+                count,
+            }
+        })
+        .collect();
+    let count: u64 = outcomes.iter().map(|outcome| outcome.count).sum();
+    let (mut failed, mut bad) = (None, None);
+    for outcome in outcomes {
+        failed = earliest(failed, outcome.failed);
+        bad = earliest(bad, outcome.bad);
+    }
+    if let Some((_, error)) = failed {
+        return Err(error);
+    }
+    match bad {
+        Some((_, first)) => Err(SimError::OutOfBounds {
             kernel: name.to_owned(),
             first,
             count,
         }),
         None => Ok(()),
+    }
+}
+
+/// What one core's share of a grid came to.
+struct Outcome {
+    /// The first of its blocks to fail (its position in the grid's order) and why.
+    failed: Option<(usize, SimError)>,
+    /// Its first out-of-bounds access, with its block's position.
+    bad: Option<(usize, BadAccess)>,
+    /// Its out-of-bounds accesses.
+    count: u64,
+}
+
+/// Of two positioned values, the earlier.
+fn earliest<T>(a: Option<(usize, T)>, b: Option<(usize, T)>) -> Option<(usize, T)> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+        (a, b) => a.or(b),
     }
 }

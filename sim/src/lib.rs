@@ -9,7 +9,7 @@
 //!
 //! - every GPU thread is a fiber on its own small stack (`corosensei`); the fibers of a
 //!   block run in a seeded random order and switch only at synchronization points
-//!   (`block.rs`);
+//!   (`block.rs`); the blocks of a grid are dealt out to the cores (`launch.rs`);
 //! - `bar.sync` is a rendezvous of the whole block, `shfl.sync` one of the lanes of its
 //!   member mask with PTX's exact source lanes, clamps and segments (`shuffle.rs`); a
 //!   rendezvous that can never complete is a [`SimError::Deadlock`] naming the kernel,

@@ -81,6 +81,7 @@ impl Drop for SimBuffer {
 }
 
 /// The extents of a device's buffers at a launch, sorted by address.
+#[derive(Clone)]
 pub(crate) struct Extents(Vec<(u64, u64)>);
 
 impl Extents {

@@ -78,6 +78,23 @@ pub mod sim_abi {
         GridBlocks = 3,
     }
 
+    impl SpecialRegister {
+        /// Every register, in code order.
+        pub const ALL: [SpecialRegister; 4] = [
+            SpecialRegister::Thread,
+            SpecialRegister::BlockThreads,
+            SpecialRegister::Block,
+            SpecialRegister::GridBlocks,
+        ];
+
+        /// The register of a call's code, if it is one.
+        pub fn of_code(code: i32) -> Option<Self> {
+            Self::ALL
+                .into_iter()
+                .find(|register| *register as i32 == code)
+        }
+    }
+
     /// The modes of [`SHUFFLE`], PTX's `shfl.sync.{up, down, bfly, idx}`.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     #[repr(i32)]
@@ -90,6 +107,21 @@ pub mod sim_abi {
         Butterfly = 2,
         /// From lane `b`.
         Index = 3,
+    }
+
+    impl ShuffleMode {
+        /// Every mode, in code order.
+        pub const ALL: [ShuffleMode; 4] = [
+            ShuffleMode::Up,
+            ShuffleMode::Down,
+            ShuffleMode::Butterfly,
+            ShuffleMode::Index,
+        ];
+
+        /// The mode of a call's code, if it is one.
+        pub fn of_code(code: i32) -> Option<Self> {
+            Self::ALL.into_iter().find(|mode| *mode as i32 == code)
+        }
     }
 }
 

@@ -131,12 +131,12 @@ extern "C" fn special_register(register: i32) -> i32 {
     let Some((launch, thread)) = current() else {
         return 0;
     };
-    let value = match register {
-        r if r == SpecialRegister::Thread as i32 => thread.thread,
-        r if r == SpecialRegister::BlockThreads as i32 => launch.grid.threads,
-        r if r == SpecialRegister::Block as i32 => launch.block.get(),
-        r if r == SpecialRegister::GridBlocks as i32 => launch.grid.blocks,
-        _ => u32::MAX,
+    let value = match SpecialRegister::of_code(register) {
+        Some(SpecialRegister::Thread) => thread.thread,
+        Some(SpecialRegister::BlockThreads) => launch.grid.threads,
+        Some(SpecialRegister::Block) => launch.block.get(),
+        Some(SpecialRegister::GridBlocks) => launch.grid.blocks,
+        None => u32::MAX,
     };
     value as i32
 }

@@ -11,7 +11,9 @@ use corosensei::{Coroutine, CoroutineResult};
 use nestor_backend_cpu::KernelFn;
 
 use crate::abi::{set_thread, LaunchState, Request, ThreadState};
-use crate::shuffle::{mode_of, source_lane, WARP_LANES};
+use nestor_codegen::sim_abi::ShuffleMode;
+
+use crate::shuffle::{source_lane, WARP_LANES};
 use crate::SimError;
 
 /// Bytes of a GPU thread's stack (its frames and the kernel's local arrays).
@@ -236,7 +238,7 @@ impl Block {
                     "lanes {first} and {lane} of warp {warp} shuffle over mask {mask:#010x} in modes {mode} and {own_mode}"
                 ));
             }
-            let shuffle = mode_of(mode).ok_or_else(|| {
+            let shuffle = ShuffleMode::of_code(mode).ok_or_else(|| {
                 format!("lane {lane} of warp {warp} shuffles in mode {mode}, which PTX lacks")
             })?;
             let source = source_lane(shuffle, lane as u32, b, c) as usize;

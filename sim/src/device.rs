@@ -155,7 +155,7 @@ impl SimDevice {
 
     /// Checks that `bytes` at `address` are a device buffer's.
     fn check_copy(&self, address: u64, bytes: u64) -> Result<(), SimError> {
-        match self.registry.snapshot().holding(address, bytes) {
+        match self.registry.holding(address, bytes) {
             Some(_) => Ok(()),
             None => Err(SimError::Copy { address, bytes }),
         }
@@ -163,7 +163,7 @@ impl SimDevice {
 
     /// Fills the buffer holding `address` with NaN (all bits set).
     fn poison(&self, address: u64) {
-        if let Some((start, bytes)) = self.registry.snapshot().holding(address, 0) {
+        if let Some((start, bytes)) = self.registry.holding(address, 0) {
             // A live buffer of the device (its extents are what it allocated, whole
             // words), which no launch is running on.
             unsafe { std::ptr::write_bytes(start as *mut u8, 0xFF, bytes as usize) };

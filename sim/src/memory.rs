@@ -19,6 +19,14 @@ impl Registry {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The live buffer `(start, bytes)` holding `bytes` bytes at `address`, if one does
+    /// (looked up in place: no copy of the registry).
+    pub(crate) fn holding(&self, address: u64, bytes: u64) -> Option<(u64, u64)> {
+        let map = self.map();
+        let (&start, &length) = map.range(..=address).next_back()?;
+        within((start, length), address, bytes)
+    }
+
     /// The extents now, for a launch to check its accesses against.
     pub(crate) fn snapshot(&self) -> Extents {
         Extents(
@@ -94,9 +102,7 @@ impl Extents {
 
     /// The buffer `(start, bytes)` holding `bytes` bytes at `address`, if one does.
     pub(crate) fn holding(&self, address: u64, bytes: u64) -> Option<(u64, u64)> {
-        let (start, length) = self.below(address)?;
-        let end = address.checked_add(bytes)?;
-        (end <= start + length).then_some((start, length))
+        within(self.below(address)?, address, bytes)
     }
 
     /// The buffer starting nearest below or at `address`.
@@ -104,4 +110,12 @@ impl Extents {
         let after = self.0.partition_point(|&(start, _)| start <= address);
         after.checked_sub(1).map(|index| self.0[index])
     }
+}
+
+/// `buffer` (start, bytes, starting at or below `address`) if it holds `bytes` bytes at
+/// `address`.
+fn within(buffer: (u64, u64), address: u64, bytes: u64) -> Option<(u64, u64)> {
+    let (start, length) = buffer;
+    let end = address.checked_add(bytes)?;
+    (end <= start.checked_add(length)?).then_some(buffer)
 }

@@ -5,18 +5,6 @@ use nestor_codegen::sim_abi::ShuffleMode;
 /// Lanes of a warp.
 pub const WARP_LANES: u32 = 32;
 
-/// The mode of a shuffle's code ([`nestor_codegen::sim_abi::SHUFFLE`]'s first argument).
-pub fn mode_of(code: i32) -> Option<ShuffleMode> {
-    [
-        ShuffleMode::Up,
-        ShuffleMode::Down,
-        ShuffleMode::Butterfly,
-        ShuffleMode::Index,
-    ]
-    .into_iter()
-    .find(|mode| *mode as i32 == code)
-}
-
 /// The lane that lane `lane` reads in a `shfl.sync` of `mode` with operands `b` and `c`
 /// (the PTX ISA's definition: `c` packs the clamp value in bits 0-4 and the segment mask
 /// in bits 8-12; a source out of the lane's segment or clamp is the lane itself).
@@ -105,18 +93,12 @@ mod tests {
 
     #[test]
     fn every_mode_lane_and_operand_follows_the_isa() {
-        let modes = [
-            ShuffleMode::Up,
-            ShuffleMode::Down,
-            ShuffleMode::Butterfly,
-            ShuffleMode::Index,
-        ];
         // Clamps of every value with the segment widths 32, 16, 8, 4, 2, 1.
         let cs: Vec<u32> = [0u32, 16, 24, 28, 30, 31]
             .into_iter()
             .flat_map(|segment| (0..32).map(move |clamp| (segment << 8) | clamp))
             .collect();
-        for mode in modes {
+        for mode in ShuffleMode::ALL {
             for lane in 0..32 {
                 for b in 0..40 {
                     for &c in &cs {
@@ -148,7 +130,7 @@ mod tests {
         assert_eq!(source_lane(ShuffleMode::Butterfly, 9, 4, 0x181f), 13);
         assert_eq!(source_lane(ShuffleMode::Butterfly, 9, 8, 0x181f), 1);
         assert_eq!(source_lane(ShuffleMode::Butterfly, 1, 8, 0x181f), 1);
-        assert_eq!(mode_of(2), Some(ShuffleMode::Butterfly));
-        assert_eq!(mode_of(4), None);
+        assert_eq!(ShuffleMode::of_code(2), Some(ShuffleMode::Butterfly));
+        assert_eq!(ShuffleMode::of_code(4), None);
     }
 }

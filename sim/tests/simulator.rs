@@ -88,12 +88,7 @@ unsafe extern "C" fn shuffle_lanes(args: *const *mut u8, _: i64, _: i64) {
         let (params, out) = (arg::<u64>(args, 0), arg::<u64>(args, 1));
         let [mode, mask, b, c] = [0, 1, 2, 3].map(|index| load(params, index) as u32);
         let lane = (thread() % 32) as u32;
-        let mode = [
-            ShuffleMode::Up,
-            ShuffleMode::Down,
-            ShuffleMode::Butterfly,
-            ShuffleMode::Index,
-        ][mode as usize];
+        let mode = ShuffleMode::ALL[mode as usize];
         let read = if mask & (1 << lane) != 0 {
             u64::from(calls::shuffle(mode, mask, lane, b, c))
         } else {
@@ -105,14 +100,8 @@ unsafe extern "C" fn shuffle_lanes(args: *const *mut u8, _: i64, _: i64) {
 
 #[test]
 fn shuffles_read_the_lanes_the_ptx_isa_defines() {
-    let modes = [
-        ShuffleMode::Up,
-        ShuffleMode::Down,
-        ShuffleMode::Butterfly,
-        ShuffleMode::Index,
-    ];
     // Whole warps and a half warp; segments of 32, 16 and 8 lanes with their clamps.
-    for (index, mode) in modes.into_iter().enumerate() {
+    for (index, mode) in ShuffleMode::ALL.into_iter().enumerate() {
         for mask in [u32::MAX, 0x0000_ffff] {
             for b in [0, 1, 3, 8, 17] {
                 for c in [0x1f, 0x0, 0x101f, 0x181f, 0x1807] {

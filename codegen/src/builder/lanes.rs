@@ -191,26 +191,15 @@ impl<'ctx> Kernel<'ctx, '_> {
             } else {
                 "llvm.nvvm.shfl.sync.bfly.f32"
             };
-            let intrinsic =
-                Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
-            let function = intrinsic
-                .get_declaration(self.module, &[])
-                .ok_or_else(|| err(format!("no declaration of {name}")))?;
-            self.builder
-                .build_call(
-                    function,
-                    &[
-                        whole_warp.into(),
-                        value.into(),
-                        lane_offset.into(),
-                        clamp.into(),
-                    ],
-                    "shuffled",
-                )
-                .map_err(err)?
-                .try_as_basic_value()
-                .basic()
-                .ok_or_else(|| err(format!("{name} returned nothing")))
+            self.nvvm(
+                name,
+                &[
+                    whole_warp.into(),
+                    value.into(),
+                    lane_offset.into(),
+                    clamp.into(),
+                ],
+            )
         };
         if !self.double {
             return Ok(shuffle(false, value.into())?.into_float_value());
@@ -260,21 +249,25 @@ impl<'ctx> Kernel<'ctx, '_> {
                 SpecialRegister::Block => "llvm.nvvm.read.ptx.sreg.ctaid.x",
                 SpecialRegister::GridBlocks => "llvm.nvvm.read.ptx.sreg.nctaid.x",
             };
-            let intrinsic =
-                Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
-            let function = intrinsic
-                .get_declaration(self.module, &[])
-                .ok_or_else(|| err(format!("no declaration of {name}")))?;
-            self.builder
-                .build_call(function, &[], name)
-                .map_err(err)?
-                .try_as_basic_value()
-                .basic()
-                .ok_or_else(|| err(format!("{name} returned nothing")))?
+            self.nvvm(name, &[])?
         };
         self.builder
             .build_int_z_extend(value.into_int_value(), self.context.i64_type(), "index")
             .map_err(err)
+    }
+
+    /// A call of the NVVM intrinsic `name` (not overloaded).
+    fn nvvm(&self, name: &str, args: &[BasicMetadataValueEnum<'ctx>]) -> Gen<BasicValueEnum<'ctx>> {
+        let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+        let function = intrinsic
+            .get_declaration(self.module, &[])
+            .ok_or_else(|| err(format!("no declaration of {name}")))?;
+        self.builder
+            .build_call(function, args, name)
+            .map_err(err)?
+            .try_as_basic_value()
+            .basic()
+            .ok_or_else(|| err(format!("{name} returned nothing")))
     }
 
     /// A call of the simulator's function `name` ([`crate::sim_abi`]) of type `ty`,

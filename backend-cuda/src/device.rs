@@ -118,6 +118,24 @@ impl Device {
         self.stream.clone_htod(values).map_err(driver)
     }
 
+    /// Copies `values` into the first values of `buffer` (which holds at least as many),
+    /// queued on the device's stream after the work before it.
+    pub fn write<T: cudarc::driver::DeviceRepr>(
+        &self,
+        buffer: &mut CudaSlice<T>,
+        values: &[T],
+    ) -> Result<(), CudaError> {
+        if values.len() > buffer.len() {
+            return Err(CudaError::Driver(format!(
+                "a copy of {} values into a buffer of {}",
+                values.len(),
+                buffer.len()
+            )));
+        }
+        let mut first = buffer.slice_mut(..values.len());
+        self.stream.memcpy_htod(values, &mut first).map_err(driver)
+    }
+
     /// Copies a device buffer back (waiting for the work before it).
     pub fn download<T: cudarc::driver::DeviceRepr>(
         &self,

@@ -117,8 +117,8 @@ pub enum CudaBuffer {
     F32(crate::CudaSlice<f32>, usize),
     /// `len` bf16 values (their bits).
     Bf16(crate::CudaSlice<u16>, usize),
-    /// i64 values.
-    I64(crate::CudaSlice<i64>),
+    /// `len` i64 values.
+    I64(crate::CudaSlice<i64>, usize),
 }
 
 impl KernelDevice for CudaDevice {
@@ -132,10 +132,21 @@ impl KernelDevice for CudaDevice {
         })
     }
 
+    fn alloc_i64(&self, count: usize) -> Result<CudaBuffer, RuntimeError> {
+        Ok(CudaBuffer::I64(self.device.alloc(count)?, count))
+    }
+
     fn capacity_f32(&self, buffer: &CudaBuffer) -> usize {
         match buffer {
             CudaBuffer::F32(_, len) | CudaBuffer::Bf16(_, len) => *len,
-            CudaBuffer::I64(_) => 0,
+            CudaBuffer::I64(..) => 0,
+        }
+    }
+
+    fn capacity_i64(&self, buffer: &CudaBuffer) -> usize {
+        match buffer {
+            CudaBuffer::I64(_, len) => *len,
+            CudaBuffer::F32(..) | CudaBuffer::Bf16(..) => 0,
         }
     }
 
@@ -143,25 +154,28 @@ impl KernelDevice for CudaDevice {
         &self.spare
     }
 
-    fn upload_f32(&self, values: &[f32]) -> Result<CudaBuffer, RuntimeError> {
-        if self.storage == Storage::Bf16 {
-            let mut stored: Vec<u16> = values.iter().map(|&value| to_bf16(value)).collect();
-            if stored.is_empty() {
-                stored.push(0);
+    fn write_f32(&self, buffer: &mut CudaBuffer, values: &[f32]) -> Result<(), RuntimeError> {
+        let capacity = self.capacity_f32(buffer);
+        match buffer {
+            _ if values.len() > capacity => Err(too_small(values.len(), capacity)),
+            _ if values.is_empty() => Ok(()),
+            CudaBuffer::F32(slice, _) => Ok(self.device.write(slice, values)?),
+            CudaBuffer::Bf16(slice, _) => {
+                let stored: Vec<u16> = values.iter().map(|&value| to_bf16(value)).collect();
+                Ok(self.device.write(slice, &stored)?)
             }
-            return Ok(CudaBuffer::Bf16(self.device.upload(&stored)?, values.len()));
+            CudaBuffer::I64(..) => Err(too_small(values.len(), 0)),
         }
-        let stored = if values.is_empty() {
-            &[0.0][..]
-        } else {
-            values
-        };
-        Ok(CudaBuffer::F32(self.device.upload(stored)?, values.len()))
     }
 
-    fn upload_i64(&self, values: &[i64]) -> Result<CudaBuffer, RuntimeError> {
-        let stored = if values.is_empty() { &[0][..] } else { values };
-        Ok(CudaBuffer::I64(self.device.upload(stored)?))
+    fn write_i64(&self, buffer: &mut CudaBuffer, values: &[i64]) -> Result<(), RuntimeError> {
+        let capacity = self.capacity_i64(buffer);
+        match buffer {
+            _ if values.len() > capacity => Err(too_small(values.len(), capacity)),
+            _ if values.is_empty() => Ok(()),
+            CudaBuffer::I64(slice, _) => Ok(self.device.write(slice, values)?),
+            _ => Err(too_small(values.len(), 0)),
+        }
     }
 
     unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {
@@ -183,7 +197,7 @@ impl KernelDevice for CudaDevice {
         match buffer {
             CudaBuffer::F32(slice, _) => self.device.address(slice),
             CudaBuffer::Bf16(slice, _) => self.device.address(slice),
-            CudaBuffer::I64(slice) => self.device.address(slice),
+            CudaBuffer::I64(slice, _) => self.device.address(slice),
         }
     }
 
@@ -218,6 +232,13 @@ impl KernelDevice for CudaDevice {
         // The caller vouches for the buffers.
         Ok(unsafe { blas.run(call, buffers, self.storage) }?)
     }
+}
+
+/// A copy of `count` values into a buffer with room for `capacity` of their type.
+fn too_small(count: usize, capacity: usize) -> RuntimeError {
+    RuntimeError::Device(Box::new(crate::CudaError::Driver(format!(
+        "a copy of {count} values into a buffer with room for {capacity} of their type"
+    ))))
 }
 
 impl From<crate::CudaError> for RuntimeError {

@@ -9,7 +9,7 @@ use nestor_runtime::{from_bf16, to_bf16, BlasCall, Executable, Gemms, KernelDevi
 
 use crate::block::Call;
 use crate::launch::{run_grid, Launch, Limits};
-use crate::memory::{Registry, SimBuffer};
+use crate::memory::{Adopted, Registry, SimBuffer};
 use crate::SimError;
 
 /// How the simulated device launches kernels.
@@ -144,6 +144,19 @@ impl SimDevice {
         })
     }
 
+    /// Makes the caller's memory at `address` (`bytes` bytes) a buffer of the device
+    /// while the returned guard lives: kernels may read and write it as their own
+    /// buffers (inputs given as [`nestor_runtime::InputData::OnDevice`], results written
+    /// through a [`nestor_runtime::DeviceSink`]), as a GPU's kernels use a framework's
+    /// tensors in place. An error if it overlaps a buffer of the device.
+    ///
+    /// # Safety
+    /// The memory must be valid for reads and writes, and not be used otherwise while
+    /// a launch may access it, for as long as the guard lives.
+    pub unsafe fn adopt(&self, address: u64, bytes: u64) -> Result<Adopted, RuntimeError> {
+        Ok(self.registry.adopt(address, bytes)?)
+    }
+
     /// Bytes of a float in the device's buffers.
     fn float_bytes(&self) -> u64 {
         if self.options.storage == Storage::Bf16 {
@@ -181,18 +194,36 @@ impl KernelDevice for SimDevice {
         Ok(self.registry.alloc(bytes)?)
     }
 
+    fn alloc_i64(&self, count: usize) -> Result<SimBuffer, RuntimeError> {
+        let bytes = (count as u64)
+            .checked_mul(8)
+            .ok_or(SimError::Memory(u64::MAX))?;
+        Ok(self.registry.alloc(bytes)?)
+    }
+
     fn capacity_f32(&self, buffer: &SimBuffer) -> usize {
         (buffer.bytes() / self.float_bytes()) as usize
+    }
+
+    fn capacity_i64(&self, buffer: &SimBuffer) -> usize {
+        (buffer.bytes() / 8) as usize
     }
 
     fn spare(&self) -> &Mutex<Vec<SimBuffer>> {
         &self.spare
     }
 
-    fn upload_f32(&self, values: &[f32]) -> Result<SimBuffer, RuntimeError> {
-        let mut buffer = self.alloc_f32(values.len())?;
+    fn write_f32(&self, buffer: &mut SimBuffer, values: &[f32]) -> Result<(), RuntimeError> {
+        let needed = values.len() as u64 * self.float_bytes();
+        if needed > buffer.bytes() {
+            return Err(SimError::Copy {
+                address: buffer.address(),
+                bytes: needed,
+            }
+            .into());
+        }
         let words = buffer.words_mut().as_mut_ptr();
-        // The buffer holds `values.len()` values of the storage type.
+        // The buffer holds `values.len()` values of the storage type (checked above).
         unsafe {
             if self.options.storage == Storage::Bf16 {
                 let stored = words as *mut u16;
@@ -203,15 +234,21 @@ impl KernelDevice for SimDevice {
                 std::ptr::copy_nonoverlapping(values.as_ptr(), words as *mut f32, values.len());
             }
         }
-        Ok(buffer)
+        Ok(())
     }
 
-    fn upload_i64(&self, values: &[i64]) -> Result<SimBuffer, RuntimeError> {
-        let mut buffer = self.registry.alloc(values.len() as u64 * 8)?;
+    fn write_i64(&self, buffer: &mut SimBuffer, values: &[i64]) -> Result<(), RuntimeError> {
+        if values.len() as u64 * 8 > buffer.bytes() {
+            return Err(SimError::Copy {
+                address: buffer.address(),
+                bytes: values.len() as u64 * 8,
+            }
+            .into());
+        }
         for (word, &value) in buffer.words_mut().iter_mut().zip(values) {
             *word = value as u64;
         }
-        Ok(buffer)
+        Ok(())
     }
 
     unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError> {

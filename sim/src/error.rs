@@ -99,6 +99,14 @@ pub enum SimError {
         /// What is wrong with them.
         why: String,
     },
+    /// Memory adopted as a device buffer that overlaps one.
+    #[error("the {bytes} bytes at {address:#x} overlap a device buffer")]
+    Adopt {
+        /// Its address.
+        address: u64,
+        /// Its bytes.
+        bytes: u64,
+    },
     /// A copy to or from the host outside the device's buffers.
     #[error("copy of {bytes} bytes at {address:#x} outside the device's buffers")]
     Copy {

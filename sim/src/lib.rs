@@ -39,7 +39,7 @@ pub use abi::{calls, symbols, BARRIER, SHARED};
 pub use device::{Geometry, SimDevice, SimOptions};
 pub use error::{BadAccess, SimError};
 pub use launch::{Launch, Limits};
-pub use memory::SimBuffer;
+pub use memory::{Adopted, SimBuffer};
 pub use shuffle::{source_lane, WARP_LANES};
 
 /// Runs `kernel` (named `name` in reports) over `range` as `launch` says on a GPU with `limits`, its argument

@@ -57,6 +57,38 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// Registers the caller's memory `address..address + bytes` as a device buffer while
+    /// the returned guard lives (none for no bytes); an error if it overlaps one.
+    pub(crate) fn adopt(&self, address: u64, bytes: u64) -> Result<Adopted, SimError> {
+        if bytes == 0 {
+            return Ok(Adopted(None));
+        }
+        let end = address
+            .checked_add(bytes)
+            .ok_or(SimError::Adopt { address, bytes })?;
+        let mut map = self.map();
+        let before = map.range(..end).next_back();
+        if before.is_some_and(|(&start, &length)| start.saturating_add(length) > address) {
+            return Err(SimError::Adopt { address, bytes });
+        }
+        map.insert(address, bytes);
+        Ok(Adopted(Some((self.clone(), address))))
+    }
+}
+
+/// Memory of the caller that is a device buffer while this lives
+/// ([`crate::SimDevice::adopt`]).
+pub struct Adopted(Option<(Registry, u64)>);
+
+impl Drop for Adopted {
+    fn drop(&mut self) {
+        if let Some((registry, address)) = self.0.take() {
+            registry.map().remove(&address);
+        }
+    }
+}
+
 /// A buffer of the simulated device.
 pub struct SimBuffer {
     words: Vec<u64>,

@@ -46,11 +46,10 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
             other.map(|outputs| outputs.len())
         ),
     }
-    assert_eq!(
-        stats.snapshot().kernel_launches,
-        0,
-        "a refused run launches nothing"
-    );
+    let refused = stats.snapshot();
+    assert_eq!(refused.kernel_launches, 0, "a refused run launches nothing");
+    // The staged values' buffer and the input's upload, not the output's.
+    assert_eq!(refused.device.allocations, 2);
     assert_eq!(
         executable
             .run_on_device(&device, &inputs, &stats)
@@ -58,15 +57,17 @@ fn device_buffers_over_the_memory_budget_are_an_error() {
             .len(),
         1
     );
-    // One step: exp of 400 values, 1600 bytes read and 1600 written, in a new buffer.
+    // One step: exp of 400 values, 1600 bytes read and 1600 written, in a new buffer
+    // (the refused run's buffers are reused).
     let counted = stats.snapshot();
     assert_eq!(
         (
             counted.kernel_launches,
             counted.bytes_moved,
-            counted.bytes_allocated
+            counted.bytes_allocated - refused.bytes_allocated,
+            counted.device.allocations,
         ),
-        (1, 3200, 1600)
+        (1, 3200, 1600, 3)
     );
 }
 
@@ -325,7 +326,7 @@ fn inputs_and_results_stay_on_the_device() {
     assert_eq!(results.outputs[1].address, address);
     assert_ne!(results.outputs[0].address, address);
     assert_eq!(results.outputs[0].len, 6);
-    let outputs = results.download(&device).unwrap();
+    let outputs = results.download(&device, &stats).unwrap();
     let host = [InputData::I64(&lengths), InputData::F32(&x)];
     let expected = executable.run(&host, &stats, None).unwrap();
     assert_eq!(first_difference(&outputs, &expected, 1e-6), None);
@@ -371,12 +372,23 @@ fn device_buffers_are_reused_within_a_run_and_across_runs() {
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
     let stats = Stats::default();
     let first = executable.run_on_device(&device, &inputs, &stats).unwrap();
-    // Three outputs of 1600 bytes in two buffers: the last step writes into the first
-    // step's, whose last reader ran before it.
-    assert_eq!(stats.snapshot().bytes_allocated, 3200);
+    // The input's upload, one staged buffer of lengths, offsets and tables, and three
+    // outputs of 1600 bytes in two buffers: the last step writes into the first step's,
+    // whose last reader ran before it.
+    let after_first = stats.snapshot();
+    assert_eq!(after_first.device.allocations, 4);
+    assert_eq!(after_first.device.uploads, 2);
+    assert_eq!(after_first.device.downloads, 1);
     let second = executable.run_on_device(&device, &inputs, &stats).unwrap();
     // The next run finds every buffer it needs among the spare ones.
-    assert_eq!(stats.snapshot().bytes_allocated, 3200);
+    let after_second = stats.snapshot();
+    assert_eq!(after_second.device.allocations, 4);
+    assert_eq!(after_second.bytes_allocated, after_first.bytes_allocated);
+    assert_eq!(after_second.device.uploads, 4);
+    assert_eq!(
+        after_second.device.bytes_uploaded,
+        2 * after_first.device.bytes_uploaded
+    );
     let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
     assert_eq!(first_difference(&first, &on_cpu, 1e-6), None);
     assert_eq!(first_difference(&second, &on_cpu, 1e-6), None);

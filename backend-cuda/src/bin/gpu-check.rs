@@ -542,7 +542,7 @@ fn on_device<D: KernelDevice>(
         total_ms,
         queued_ms: median(queued),
     };
-    Ok((uploaded, results.download(device)?, timing))
+    Ok((uploaded, results.download(device, &unseen)?, timing))
 }
 
 /// A device run's median time until its work is done, and until its launches are queued

@@ -25,23 +25,46 @@ use nestor_passes::{
 use super::run_state::{mask_key, rows_of_ids};
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
+use crate::stats::DeviceCounter;
 use crate::Stats;
 
-/// Memory and kernel launches of one program's `Complete` kernel set.
+/// Memory and kernel launches of one program's `Complete` kernel set. A device runs its
+/// work (copies, launches, BLAS calls) in the order it is queued, as one CUDA stream
+/// does, so a run may hand its buffers to the next run as soon as its work is queued.
 pub trait KernelDevice {
     /// A buffer of the device.
     type Buffer;
     /// A buffer for `count` f32 values that a step writes whole (what it holds before is
     /// unspecified: NaN on the simulated GPU, the allocator's leftovers on a GPU).
     fn alloc_f32(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
+    /// A buffer for `count` i64 values (uninitialized, as [`Self::alloc_f32`]).
+    fn alloc_i64(&self, count: usize) -> Result<Self::Buffer, RuntimeError>;
     /// The f32 values `buffer` has room for (0 for an i64 buffer).
     fn capacity_f32(&self, buffer: &Self::Buffer) -> usize;
-    /// The device's spare float buffers, kept between runs for the next ones to reuse.
+    /// The i64 values `buffer` has room for (0 for a float buffer).
+    fn capacity_i64(&self, buffer: &Self::Buffer) -> usize;
+    /// The device's spare buffers (float ones for steps' outputs and float inputs, i64
+    /// ones for a run's staged indices), kept between runs for the next ones to reuse.
     fn spare(&self) -> &Mutex<Vec<Self::Buffer>>;
-    /// A buffer holding `values`.
-    fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError>;
-    /// A buffer holding `values`.
-    fn upload_i64(&self, values: &[i64]) -> Result<Self::Buffer, RuntimeError>;
+    /// Copies `values` into the first values of `buffer` (a float buffer, in the
+    /// device's storage type), after the work queued before; `values` may be dropped
+    /// when this returns.
+    fn write_f32(&self, buffer: &mut Self::Buffer, values: &[f32]) -> Result<(), RuntimeError>;
+    /// Copies `values` into the first values of `buffer` (an i64 buffer), as
+    /// [`Self::write_f32`].
+    fn write_i64(&self, buffer: &mut Self::Buffer, values: &[i64]) -> Result<(), RuntimeError>;
+    /// A new buffer holding `values`.
+    fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer, RuntimeError> {
+        let mut buffer = self.alloc_f32(values.len())?;
+        self.write_f32(&mut buffer, values)?;
+        Ok(buffer)
+    }
+    /// A new buffer holding `values`.
+    fn upload_i64(&self, values: &[i64]) -> Result<Self::Buffer, RuntimeError> {
+        let mut buffer = self.alloc_i64(values.len())?;
+        self.write_i64(&mut buffer, values)?;
+        Ok(buffer)
+    }
     /// The `count` floats at `address` (in the device's storage type), as f32, once the
     /// work queued before has run.
     ///
@@ -128,13 +151,26 @@ pub fn round_to_bf16(value: f32) -> f32 {
     from_bf16(to_bf16(value))
 }
 
+/// Where a device run may write its results: buffers of the caller on the device (a
+/// framework's tensors), so that the run neither allocates nor copies them.
+///
+/// # Safety
+/// An address given for `shape` must be a buffer of the device the run is on, holding as
+/// many floats of the device's storage type as the product of the dims, and alive until
+/// the run's work is done.
+pub unsafe trait DeviceSink {
+    /// The device address of a buffer for output `index`, of packed shape `shape`
+    /// ([`RunShape::packed`]), or `None` to have the run allocate it.
+    fn buffer(&mut self, index: usize, shape: &[i64]) -> Option<u64>;
+}
+
 impl Executable {
     /// Runs the program on `device` (an f32 program): buffers on the device, every step
     /// a kernel of the `Complete` set, the results copied back, and the launches, the
-    /// step buffers' bytes and the bytes moved counted into `stats` as a host run counts
-    /// them. Host steps (per-element regions run through libtorch) are an error naming
-    /// the step. Inputs in host memory are uploaded; [`InputData::OnDevice`] ones are
-    /// read where they are.
+    /// step buffers' bytes, the bytes moved and the device's copies counted into
+    /// `stats`. Host steps (per-element regions run through libtorch) are an error
+    /// naming the step. Inputs in host memory are uploaded; [`InputData::OnDevice`] ones
+    /// are read where they are.
     pub fn run_on_device<D: KernelDevice>(
         &self,
         device: &D,
@@ -142,7 +178,7 @@ impl Executable {
         stats: &Stats,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         self.run_device_resident(device, inputs, stats)?
-            .download(device)
+            .download(device, stats)
     }
 
     /// [`Executable::run_on_device`] without copying the results back: they stay in the
@@ -155,6 +191,24 @@ impl Executable {
         inputs: &[InputData<'_>],
         stats: &Stats,
     ) -> Result<DeviceResults<D::Buffer>, RuntimeError> {
+        self.run_device_into(device, inputs, stats, None)
+    }
+
+    /// [`Executable::run_device_resident`], every result a step computes written into
+    /// the buffer `sink` gives for it (where it gives one): such results are neither
+    /// allocated by the run nor copied ([`RunData::Sunk`] when downloaded).
+    ///
+    /// A run makes one upload of its own (the lengths and other i64 inputs, the offsets,
+    /// row maps and other indices its kernels read, and every step's argument table, in
+    /// one staged buffer), takes every buffer it needs from the device's spare ones
+    /// first, and waits for the device only to download results.
+    pub fn run_device_into<D: KernelDevice>(
+        &self,
+        device: &D,
+        inputs: &[InputData<'_>],
+        stats: &Stats,
+        sink: Option<&mut dyn DeviceSink>,
+    ) -> Result<DeviceResults<D::Buffer>, RuntimeError> {
         let program = &self.program;
         if program.float != FloatType::F32 {
             return Err(device_error(
@@ -165,40 +219,66 @@ impl Executable {
         let sizes = Sizes::of_run(program, inputs, &mut Vec::new())?;
         // Checks every input's type and size.
         self.input_pointers(inputs, &sizes, true, &mut Vec::new())?;
-        let mut memory = self.device_memory(device, inputs, &sizes, stats)?;
-        // Every step's arguments and range, planned before anything runs; the index
-        // buffers they name gathered into one upload. Every run draws new dropout
-        // masks, as on the CPU.
+        let shapes = self.output_shapes(&sizes);
+        let (mut external, mut sunk) = (Vec::new(), Vec::new());
+        let lists = (&mut external, &mut sunk);
+        match sink {
+            Some(sink) => self.sink_buffers(
+                |index, shape| sink.buffer(index, shape),
+                &sizes,
+                &shapes,
+                lists,
+                &mut Vec::new(),
+            ),
+            None => self.sink_buffers(|_, _| None, &sizes, &shapes, lists, &mut Vec::new()),
+        }
+        // Every step's arguments and range, planned before anything runs. Every run
+        // draws new dropout masks, as on the CPU.
         let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (planned, indices, index_values) =
             self.plan_steps(&sizes, inputs, device.gemms().kernel_set(), run)?;
-        // Positions are below the uploaded lengths, so `8 * position` stays within the
-        // buffer's addresses.
-        let index_base = memory.keep(device, device.upload_i64(&index_values)?);
-        let slot_address = |slot: Slot| memory.addresses[self.root(slot).0 as usize];
-        // Every step's argument table, uploaded at once.
-        let mut tables: Vec<i64> = Vec::new();
-        let mut table_starts = Vec::with_capacity(planned.len());
-        let mut table = Vec::new();
-        for (kernel, _) in &planned {
-            table_starts.push(tables.len());
-            if let Some(signature) = kernel {
-                super::marshal::marshal(signature, &mut table, |arg| {
-                    Ok::<_, RuntimeError>(match arg {
-                        Arg::Buffer(slot) => slot_address(*slot) as i64,
-                        Arg::Absent => 0,
-                        // Every index an argument names was gathered while planning.
-                        index => (index_base + 8 * indices[index] as u64) as i64,
-                    })
-                })?;
-                tables.extend_from_slice(&table);
-            }
+        let staged = (
+            inputs,
+            (&planned[..], &indices, &index_values[..]),
+        );
+        // A run that fails leaves its buffers to the next (the device runs its work in
+        // order, so any still queued runs before theirs).
+        let mut memory = DeviceMemory::taking(device, program.slots.len());
+        let ran = self
+            .device_memory(device, staged, (&sizes, &external), &mut memory, stats)
+            .and_then(|()| self.stage(device, staged, &mut memory, stats))
+            .and_then(|tables| self.launch_steps(device, (&planned, tables), &memory, &sizes, stats));
+        if let Err(error) = ran {
+            memory.release(device);
+            return Err(error);
         }
-        let table_base = device.upload_i64(&tables)?;
-        let table_base = memory.keep(device, table_base);
         let slot_address = |slot: Slot| memory.addresses[self.root(slot).0 as usize];
-        for (step_index, ((kernel, product), start)) in planned.iter().zip(table_starts).enumerate()
-        {
+        stats.launched(program.steps.len() as u64);
+        let outputs = shapes
+            .into_iter()
+            .zip(sunk)
+            .map(|((slot, shape), in_sink)| DeviceOutput {
+                address: slot_address(slot),
+                len: sizes.elements(program, slot),
+                shape,
+                dtype: program.info(slot).dtype,
+                in_sink,
+            })
+            .collect();
+        Ok(memory.finish(device, program, |slot| self.root(slot), outputs))
+    }
+
+    /// Queues every step's BLAS call and kernel, its table at `tables[step]`.
+    fn launch_steps<D: KernelDevice>(
+        &self,
+        device: &D,
+        (planned, tables): (&PlannedKernels, Vec<u64>),
+        memory: &DeviceMemory<D::Buffer>,
+        sizes: &Sizes,
+        stats: &Stats,
+    ) -> Result<(), RuntimeError> {
+        let slot_address = |slot: Slot| memory.addresses[self.root(slot).0 as usize];
+        for (step_index, ((kernel, product), table)) in planned.iter().zip(tables).enumerate() {
             if let Some((call, [a, b, c])) = product {
                 // `blas_product` checked that the buffers hold what the call reads and
                 // writes.
@@ -209,85 +289,154 @@ impl Executable {
                 let range = (0, sizes.rows(signature.range));
                 // The buffers were sized from these lengths for this program's steps,
                 // the index buffers from the same lengths, and every buffer (tables
-                // included) lives as long as the results, which wait for the work
-                // before they are read.
-                unsafe { device.launch(step_index, table_base + 8 * start as u64, range)? };
+                // included) is the run's until its work is done: later work on the
+                // device, which reuses them, runs after it.
+                unsafe { device.launch(step_index, table, range)? };
             }
-            stats.moved(self.bytes_moved(step_index, &sizes));
+            stats.moved(self.bytes_moved(step_index, sizes));
         }
-        stats.launched(program.steps.len() as u64);
-        let outputs = self
-            .output_shapes(&sizes)
-            .into_iter()
-            .map(|(slot, shape)| DeviceOutput {
-                address: slot_address(slot),
-                len: sizes.elements(program, slot),
-                shape,
-                dtype: program.info(slot).dtype,
-            })
-            .collect();
-        Ok(memory.finish(device, program, |slot| self.root(slot), outputs))
+        Ok(())
     }
 
-    /// The device memory of a run: the inputs' buffers (uploaded, or the caller's on
-    /// the device) and every step's output, in step order, in the device's spare
-    /// buffers where they fit and in buffers whose last reader has run (as on the CPU;
-    /// the device runs steps in order), else new ones.
+    /// The device memory of a run: the inputs' buffers (float ones in host memory
+    /// uploaded, the caller's on the device as they are; i64 ones are staged later) and
+    /// every step's output, in step order: the sink's buffer (`external`, by slot), else
+    /// the device's spare buffers where they fit and buffers whose last reader has run
+    /// (as on the CPU; the device runs steps in order), else new ones.
     fn device_memory<D: KernelDevice>(
         &self,
         device: &D,
-        inputs: &[InputData<'_>],
-        sizes: &Sizes,
+        staged: Staged<'_, '_>,
+        (sizes, external): (&Sizes, &[Option<u64>]),
+        memory: &mut DeviceMemory<D::Buffer>,
         stats: &Stats,
-    ) -> Result<DeviceMemory<D::Buffer>, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         let program = &self.program;
-        let mut memory = DeviceMemory {
-            addresses: vec![0u64; program.slots.len()],
-            kept: Vec::new(),
-            owned: (0..program.slots.len()).map(|_| None).collect(),
-            spare: std::mem::take(
-                &mut *device
-                    .spare()
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner()),
-            ),
-        };
+        let inputs = staged.0;
+        // The staged values are read by every step: their buffer first, before any
+        // buffer is freed for reuse.
+        let staging = memory.index_buffer(device, self.staged_values(staged), stats)?;
+        memory.staging = Some(staging);
         for (index, info) in program.slots.iter().enumerate() {
             if let Source::Input(input) = info.source {
                 memory.addresses[index] = match inputs.get(input) {
-                    Some(InputData::F32(values)) => memory.keep(device, device.upload_f32(values)?),
-                    Some(InputData::I64(values)) => memory.keep(device, device.upload_i64(values)?),
+                    Some(InputData::F32(values)) => {
+                        // Host memory the caller holds: no larger than what it holds.
+                        let mut buffer = memory.float_buffer(device, values.len(), stats)?;
+                        device.write_f32(&mut buffer, values)?;
+                        stats.device(DeviceCounter::Uploads, 1);
+                        stats.device(DeviceCounter::BytesUploaded, 4 * values.len() as u64);
+                        memory.keep(device, buffer)
+                    }
                     Some(&InputData::OnDevice { address, .. }) => address,
-                    // `input_pointers` accepted only these for an f32 program.
+                    // i64 inputs are staged with the indices; `input_pointers` accepted
+                    // only these for an f32 program.
                     _ => 0,
                 };
             }
         }
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
-            let elements = sizes.elements(program, out);
-            let reuse = memory
-                .spare
-                .iter()
-                .position(|buffer| device.capacity_f32(buffer) >= elements);
-            let buffer = match reuse {
-                Some(position) => memory.spare.swap_remove(position),
-                None => {
-                    // A buffer no larger than the memory budget (a count near i64::MAX
-                    // from hostile lengths is over it).
-                    let bytes = within_budget(step_index, "its output", elements.checked_mul(4))?;
-                    stats.allocated(bytes as u64);
-                    device.alloc_f32(elements)?
-                }
-            };
-            memory.addresses[out.0 as usize] = device.address(&buffer);
-            memory.owned[out.0 as usize] = Some(buffer);
+            if let Some(address) = external[out.0 as usize] {
+                memory.addresses[out.0 as usize] = address;
+            } else {
+                let elements = sizes.elements(program, out);
+                // A buffer no larger than the memory budget (a count near i64::MAX from
+                // hostile lengths is over it).
+                within_budget(step_index, "its output", elements.checked_mul(4))?;
+                let buffer = memory.float_buffer(device, elements, stats)?;
+                memory.addresses[out.0 as usize] = device.address(&buffer);
+                memory.owned[out.0 as usize] = Some(buffer);
+            }
             for slot in &self.frees[step_index] {
                 let freed = memory.owned[slot.0 as usize].take();
                 memory.spare.extend(freed);
             }
         }
-        Ok(memory)
+        Ok(())
+    }
+
+    /// How many i64 values a run stages ([`Self::stage`]).
+    fn staged_values(&self, (inputs, (planned, _, index_values)): Staged<'_, '_>) -> usize {
+        let i64_inputs: usize = self
+            .program
+            .slots
+            .iter()
+            .filter_map(|info| match info.source {
+                Source::Input(input) => match inputs.get(input) {
+                    Some(InputData::I64(values)) => Some(values.len()),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .sum();
+        let tables: usize = planned
+            .iter()
+            .filter_map(|(kernel, _)| kernel.as_ref())
+            .map(|signature| signature.params.len())
+            .sum();
+        i64_inputs + index_values.len() + tables
+    }
+
+    /// Stages the run's i64 values in its staging buffer with one upload: the i64 inputs
+    /// (their slots' addresses set in `memory`), the index values, and every step's
+    /// argument table (which name the buffers and those indices); the address of each
+    /// step's table.
+    fn stage<D: KernelDevice>(
+        &self,
+        device: &D,
+        (inputs, (planned, indices, index_values)): Staged<'_, '_>,
+        memory: &mut DeviceMemory<D::Buffer>,
+        stats: &Stats,
+    ) -> Result<Vec<u64>, RuntimeError> {
+        let program = &self.program;
+        let mut staged: Vec<i64> = Vec::with_capacity(self.staged_values((
+            inputs,
+            (planned, indices, index_values),
+        )));
+        let mut input_positions = Vec::new();
+        for (index, info) in program.slots.iter().enumerate() {
+            if let Source::Input(input) = info.source {
+                if let Some(InputData::I64(values)) = inputs.get(input) {
+                    input_positions.push((index, staged.len()));
+                    staged.extend_from_slice(values);
+                }
+            }
+        }
+        let index_start = staged.len();
+        staged.extend_from_slice(index_values);
+        let mut buffer = memory
+            .staging
+            .take()
+            .ok_or_else(|| device_error(0, "a run without its staging buffer"))?;
+        // Positions are below the staged values' count, which the buffer holds, so
+        // `8 * position` stays within its addresses.
+        let base = device.address(&buffer);
+        let at = |position: usize| base + 8 * position as u64;
+        for (slot, position) in input_positions {
+            memory.addresses[slot] = at(position);
+        }
+        let mut starts = Vec::with_capacity(planned.len());
+        let mut table = Vec::new();
+        for (kernel, _) in planned {
+            starts.push(at(staged.len()));
+            if let Some(signature) = kernel {
+                super::marshal::marshal(signature, &mut table, |arg| {
+                    Ok::<_, RuntimeError>(match arg {
+                        Arg::Buffer(slot) => memory.addresses[self.root(*slot).0 as usize] as i64,
+                        Arg::Absent => 0,
+                        // Every index an argument names was gathered while planning.
+                        index => at(index_start + indices[index]) as i64,
+                    })
+                })?;
+                staged.extend_from_slice(&table);
+            }
+        }
+        device.write_i64(&mut buffer, &staged)?;
+        stats.device(DeviceCounter::Uploads, 1);
+        stats.device(DeviceCounter::BytesUploaded, 8 * staged.len() as u64);
+        memory.kept.push(buffer);
+        Ok(starts)
     }
 
     /// Every step's kernel signature and BLAS call for kernel set `set`, after checking
@@ -345,27 +494,64 @@ impl Executable {
     }
 }
 
-/// Every step's kernel signature and BLAS call (with its `A`, `B`, `C` slots), the
-/// position of every index argument in the index values, and those values.
-type PlannedSteps = (
-    Vec<(Option<Signature>, Option<(BlasCall, [Slot; 3])>)>,
-    HashMap<Arg, usize>,
-    Vec<i64>,
+/// Every step's kernel signature and BLAS call (with its `A`, `B`, `C` slots).
+type PlannedKernels = Vec<(Option<Signature>, Option<(BlasCall, [Slot; 3])>)>;
+
+/// What a run stages: its inputs (the i64 ones), and its planned kernels, the positions
+/// of their index arguments and those values.
+type Staged<'r, 'i> = (
+    &'r [InputData<'i>],
+    (&'r [(Option<Signature>, Option<(BlasCall, [Slot; 3])>)], &'r HashMap<Arg, usize>, &'r [i64]),
 );
+
+/// Every step's kernel signature and BLAS call, the position of every index argument in
+/// the index values, and those values.
+type PlannedSteps = (PlannedKernels, HashMap<Arg, usize>, Vec<i64>);
 
 /// The memory of one device run.
 struct DeviceMemory<B> {
     /// Every slot's address on the device (0 for aliases, which use their root's).
     addresses: Vec<u64>,
-    /// Uploaded buffers, kept until the run's work is done.
+    /// Uploaded buffers (float inputs, the staged indices and tables).
     kept: Vec<B>,
+    /// The buffer of the staged values, until they are staged.
+    staging: Option<B>,
     /// The step outputs' buffers, by slot.
     owned: Vec<Option<B>>,
-    /// Buffers free for the run's next outputs (then the device's next runs).
+    /// Buffers free for the run's next buffers (then the device's next runs).
     spare: Vec<B>,
 }
 
 impl<B> DeviceMemory<B> {
+    /// The memory of a run of a program of `slots` slots, holding the device's spare
+    /// buffers.
+    fn taking<D: KernelDevice<Buffer = B>>(device: &D, slots: usize) -> Self {
+        Self {
+            addresses: vec![0u64; slots],
+            kept: Vec::new(),
+            staging: None,
+            owned: (0..slots).map(|_| None).collect(),
+            spare: std::mem::take(
+                &mut *device
+                    .spare()
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()),
+            ),
+        }
+    }
+
+    /// Every buffer back to the device's spare ones (a failed run's).
+    fn release<D: KernelDevice<Buffer = B>>(mut self, device: &D) {
+        self.spare.extend(self.owned.into_iter().flatten());
+        self.spare.extend(self.kept);
+        self.spare.extend(self.staging);
+        device
+            .spare()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(self.spare);
+    }
+
     /// Keeps `buffer` for the run; its address.
     fn keep<D: KernelDevice<Buffer = B>>(&mut self, device: &D, buffer: B) -> u64 {
         let address = device.address(&buffer);
@@ -373,8 +559,63 @@ impl<B> DeviceMemory<B> {
         address
     }
 
+    /// The smallest spare buffer holding `count` values by `capacity`, else a new one
+    /// (`alloc`, counted into `stats`: `bytes` each value).
+    fn buffer(
+        &mut self,
+        (count, bytes): (usize, u64),
+        capacity: impl Fn(&B) -> usize,
+        alloc: impl FnOnce(usize) -> Result<B, RuntimeError>,
+        stats: &Stats,
+    ) -> Result<B, RuntimeError> {
+        let best = self
+            .spare
+            .iter()
+            .enumerate()
+            .filter(|(_, buffer)| capacity(buffer) >= count)
+            .min_by_key(|(_, buffer)| capacity(buffer))
+            .map(|(position, _)| position);
+        if let Some(position) = best {
+            return Ok(self.spare.swap_remove(position));
+        }
+        let buffer = alloc(count)?;
+        stats.allocated((count as u64).saturating_mul(bytes));
+        stats.device(DeviceCounter::Allocations, 1);
+        Ok(buffer)
+    }
+
+    /// A float buffer for `count` values ([`Self::buffer`]).
+    fn float_buffer<D: KernelDevice<Buffer = B>>(
+        &mut self,
+        device: &D,
+        count: usize,
+        stats: &Stats,
+    ) -> Result<B, RuntimeError> {
+        self.buffer(
+            (count, 4),
+            |buffer| device.capacity_f32(buffer),
+            |count| device.alloc_f32(count),
+            stats,
+        )
+    }
+
+    /// An i64 buffer for `count` values (at least one; [`Self::buffer`]).
+    fn index_buffer<D: KernelDevice<Buffer = B>>(
+        &mut self,
+        device: &D,
+        count: usize,
+        stats: &Stats,
+    ) -> Result<B, RuntimeError> {
+        self.buffer(
+            (count.max(1), 8),
+            |buffer| device.capacity_i64(buffer),
+            |count| device.alloc_i64(count),
+            stats,
+        )
+    }
+
     /// The run's results: the results' buffers stay with them, the rest are spare for
-    /// the device's next run (its steps come after this run's on the device).
+    /// the device's next run (whose work runs after this run's on the device).
     fn finish<D: KernelDevice<Buffer = B>>(
         mut self,
         device: &D,
@@ -386,17 +627,8 @@ impl<B> DeviceMemory<B> {
         for output in &program.outputs {
             results.extend(self.owned[root(output.slot()).0 as usize].take());
         }
-        self.spare.extend(self.owned.into_iter().flatten());
-        device
-            .spare()
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .extend(self.spare);
-        DeviceResults {
-            outputs,
-            results,
-            buffers: self.kept,
-        }
+        self.release(device);
+        DeviceResults { outputs, results }
     }
 }
 
@@ -404,7 +636,7 @@ impl<B> DeviceMemory<B> {
 #[derive(Debug)]
 pub struct DeviceOutput {
     /// The address of its buffer on the device (an input's own buffer when the program
-    /// returns an input).
+    /// returns an input, the sink's when it gave one).
     pub address: u64,
     /// Its values (packed rows times the static dims), in the device's storage type.
     pub len: usize,
@@ -412,36 +644,46 @@ pub struct DeviceOutput {
     pub shape: RunShape,
     /// Element type at the boundary.
     pub dtype: nestor_ir::DType,
+    /// Whether it is in a buffer the run's [`DeviceSink`] gave.
+    pub in_sink: bool,
 }
 
 /// The results of a run on a device, left in the device's buffers: this keeps the
-/// buffers they are in and the run's uploads alive (dropping it frees them once the
-/// device's work is done).
+/// buffers they are in (dropping it frees them once the device's work is done).
 pub struct DeviceResults<B> {
     /// Each result, in the program's output order.
     pub outputs: Vec<DeviceOutput>,
     /// The buffers steps wrote the results to.
     results: Vec<B>,
-    /// The run's other buffers (uploads, index buffers, argument tables).
-    buffers: Vec<B>,
 }
 
 impl<B> DeviceResults<B> {
     /// Copies every result back (after the run's work), as [`Executable::run_on_device`]
-    /// returns them; the results' buffers become the device's spare ones.
+    /// returns them (those in a sink's buffers as [`RunData::Sunk`], not copied),
+    /// counting the copies into `stats`; the results' buffers become the device's spare
+    /// ones.
     pub fn download<D: KernelDevice<Buffer = B>>(
         self,
         device: &D,
+        stats: &Stats,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let outputs = self
             .outputs
             .into_iter()
             .map(|output| {
-                // The address is a buffer of this run holding `len` values (or an input
-                // the caller vouched for), alive while `self.buffers` is.
-                let values = unsafe { device.download_f32(output.address, output.len)? };
+                let data = if output.in_sink {
+                    RunData::Sunk(output.len)
+                } else {
+                    // The address is a buffer of this run holding `len` values (or an
+                    // input the caller vouched for), alive while `self.results` is.
+                    let values = unsafe { device.download_f32(output.address, output.len)? };
+                    stats.device(DeviceCounter::Downloads, 1);
+                    stats.device(DeviceCounter::Synchronizations, 1);
+                    stats.device(DeviceCounter::BytesDownloaded, 4 * output.len as u64);
+                    RunData::F32(values)
+                };
                 Ok(RunOutput {
-                    data: RunData::F32(values),
+                    data,
                     shape: output.shape,
                     dtype: output.dtype,
                 })
@@ -452,7 +694,6 @@ impl<B> DeviceResults<B> {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .extend(self.results);
-        drop(self.buffers);
         outputs
     }
 }

@@ -18,7 +18,7 @@ mod run_state;
 mod sizes;
 
 pub use device::{
-    from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, Gemms, KernelDevice,
+    from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, DeviceSink, Gemms, KernelDevice,
 };
 pub use product::{BlasCall, BlasSizeError, Product};
 pub use run_state::{mask_key, split_mix, step_error, RunState};
@@ -413,7 +413,16 @@ impl Executable {
         self.input_pointers(inputs, &sizes, false, pointers)?;
         owned.resize_with(program.slots.len(), || None);
         let shapes = self.output_shapes(&sizes);
-        self.sink_buffers(sink, &sizes, &shapes, (external, sunk), shape);
+        match sink {
+            Some(sink) => self.sink_buffers(
+                |index, shape| sink.buffer(index, shape),
+                &sizes,
+                &shapes,
+                (external, sunk),
+                shape,
+            ),
+            None => self.sink_buffers(|_, _| None, &sizes, &shapes, (external, sunk), shape),
+        }
         let mut moved: u64 = 0;
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
@@ -580,14 +589,15 @@ impl Executable {
         Ok(())
     }
 
-    /// Sets `external` to the sink's buffers for the results that steps compute, by
-    /// slot, and `sunk` to which outputs they hold.
-    fn sink_buffers(
+    /// Sets `external` to the buffers `sink` gives for the results that steps compute
+    /// (host pointers, or a device's addresses), by slot, and `sunk` to which outputs
+    /// they hold.
+    pub(super) fn sink_buffers<T: Copy>(
         &self,
-        sink: Option<&mut dyn OutputSink>,
+        mut sink: impl FnMut(usize, &[i64]) -> Option<T>,
         sizes: &Sizes,
         shapes: &[(Slot, RunShape)],
-        (external, sunk): (&mut Vec<Option<*mut u8>>, &mut Vec<bool>),
+        (external, sunk): (&mut Vec<Option<T>>, &mut Vec<bool>),
         shape: &mut Vec<i64>,
     ) {
         let program = &self.program;
@@ -595,26 +605,23 @@ impl Executable {
         external.resize(program.slots.len(), None);
         sunk.clear();
         sunk.resize(program.outputs.len(), false);
-        if let Some(sink) = sink {
-            for (index, &(slot, ref run_shape)) in shapes.iter().enumerate() {
-                if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some()
-                {
-                    continue;
-                }
-                let elements = sizes.elements(program, slot);
-                run_shape.packed_into(elements, shape);
-                // The sink sizes the buffer by the shape: it must hold every value.
-                if shape
-                    .iter()
-                    .try_fold(1i64, |total, &dim| total.checked_mul(dim))
-                    != i64::try_from(elements).ok()
-                {
-                    continue;
-                }
-                if let Some(buffer) = sink.buffer(index, shape) {
-                    external[slot.0 as usize] = Some(buffer);
-                    sunk[index] = true;
-                }
+        for (index, &(slot, ref run_shape)) in shapes.iter().enumerate() {
+            if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some() {
+                continue;
+            }
+            let elements = sizes.elements(program, slot);
+            run_shape.packed_into(elements, shape);
+            // The sink sizes the buffer by the shape: it must hold every value.
+            if shape
+                .iter()
+                .try_fold(1i64, |total, &dim| total.checked_mul(dim))
+                != i64::try_from(elements).ok()
+            {
+                continue;
+            }
+            if let Some(buffer) = sink(index, shape) {
+                external[slot.0 as usize] = Some(buffer);
+                sunk[index] = true;
             }
         }
     }

@@ -29,7 +29,9 @@ pub use nestor_frontend::{
     NestedOptions, NestedTensor, Operand, PNTensor, Reduce, Reduced, Result, SlowPath, Target,
 };
 #[cfg(feature = "compile")]
-pub use nestor_frontend::{compile, Compiled, NamedGradients, StatsSnapshot};
+pub use nestor_frontend::{
+    compile, Compiled, DeviceCounts, NamedGradients, RunDevice, SimOptions, StatsSnapshot,
+};
 pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 pub use nestor_ir::DType;
 

@@ -54,6 +54,11 @@ impl Device {
         })
     }
 
+    /// The device's ordinal (CUDA's number for it).
+    pub fn ordinal(&self) -> usize {
+        self.context.ordinal()
+    }
+
     /// The architecture PTX for this device is made for.
     pub fn arch(&self) -> Arch {
         self.arch

@@ -36,7 +36,7 @@ mod trace;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
 #[cfg(feature = "compile")]
-pub use compile::{compile, Compiled, NamedGradients};
+pub use compile::{compile, Compiled, NamedGradients, RunDevice, SimOptions};
 pub use error::{CompileCause, CompileReason, NestedError};
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};
@@ -45,7 +45,7 @@ pub use nested::{
     NestedOptions, NestedTensor,
 };
 #[cfg(feature = "compile")]
-pub use nestor_runtime::StatsSnapshot;
+pub use nestor_runtime::{DeviceCounts, StatsSnapshot};
 pub use ops::{einsum, Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};
 pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 

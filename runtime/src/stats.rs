@@ -99,7 +99,8 @@ impl Stats {
             bytes_allocated: self.bytes_allocated.load(Ordering::Relaxed),
             bytes_moved: self.bytes_moved.load(Ordering::Relaxed),
             device: {
-                let count = |counter: DeviceCounter| self.device[counter as usize].load(Ordering::Relaxed);
+                let count =
+                    |counter: DeviceCounter| self.device[counter as usize].load(Ordering::Relaxed);
                 DeviceCounts {
                     uploads: count(DeviceCounter::Uploads),
                     bytes_uploaded: count(DeviceCounter::BytesUploaded),

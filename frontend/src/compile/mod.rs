@@ -3,8 +3,12 @@
 //! [`Compiled::train`], the program also computes the gradients of the model's loss
 //! (`train.rs`).
 
+mod device;
 mod reasons;
 mod train;
+
+pub use device::RunDevice;
+pub use nestor_sim::SimOptions;
 
 use rustc_hash::FxHashMap;
 use std::path::PathBuf;
@@ -23,10 +27,11 @@ use crate::trace::{
     parameter_names, trace_named, Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
+use device::{DeviceInput, Placement, Runner};
 use train::Gradient;
 
 /// What a compiled program depends on, written as words: the numbers of batches and
-/// dense inputs; per batch its dtype, whether its values require grad (in training,
+/// dense inputs; where it runs (the CPU, the simulated GPU, a GPU); per batch its dtype, whether its values require grad (in training,
 /// their gradients are computed), rank, ragged dims, static sizes and, per ragged dim,
 /// the earlier dim with equal lengths (traced as one lengths input); per dense input
 /// its dtype, rank and dims after the first; per input (batches, then dense), the first
@@ -54,10 +59,19 @@ thread_local! {
 impl StructureKey {
     /// Writes the words of the key of batches already normalized (`normalized_input`)
     /// and dense inputs into `words` (replacing what they held).
-    fn write(normalized: &[&NestedTensor], dense: &[&Tensor], words: &mut Vec<u64>) {
+    fn write(
+        normalized: &[&NestedTensor],
+        dense: &[&Tensor],
+        placement: Placement,
+        words: &mut Vec<u64>,
+    ) {
         words.clear();
-        words.reserve(2 + 12 * normalized.len() + 6 * dense.len());
-        words.extend([normalized.len() as u64, dense.len() as u64]);
+        words.reserve(3 + 12 * normalized.len() + 6 * dense.len());
+        words.extend([
+            normalized.len() as u64,
+            dense.len() as u64,
+            placement.key_word(),
+        ]);
         for (index, batch) in normalized.iter().enumerate() {
             let layout = batch.lay();
             words.extend([
@@ -111,6 +125,8 @@ pub type NamedGradients = Vec<(String, Tensor)>;
 struct Entry {
     traced: Traced,
     executable: Executable,
+    /// Where the program runs.
+    runner: Runner,
     /// The traced graph's outputs (the program's first outputs: the model's, then batch
     /// statistics; gradients follow).
     outputs: usize,
@@ -118,9 +134,10 @@ struct Entry {
     gradients: Vec<Gradient>,
 }
 
-/// A model compiled for the host CPU. Call it with batches of any lengths: each new
-/// input structure (ragged dims, static sizes, dtypes) is traced and compiled once, then
-/// every call with that structure reuses the program.
+/// A compiled model. Call it with batches of any lengths: each new input structure
+/// (ragged dims, static sizes, dtypes, the device) is traced and compiled once, then
+/// every call with that structure reuses the program. Programs run where the inputs
+/// are (the host CPU, or a CUDA GPU), or where [`Compiled::on_device`] says.
 pub struct Compiled<F> {
     name: String,
     /// Called only while tracing a new structure (under the cache lock); the mutex makes
@@ -138,6 +155,8 @@ pub struct Compiled<F> {
     dump: Option<PathBuf>,
     cache: Mutex<FxHashMap<StructureKey, Arc<Entry>>>,
     stats: Stats,
+    /// Where programs run.
+    device: RunDevice,
 }
 
 /// Compiles `model` (written against `NestedTensor` and [`Dense`], as for [`trace`](crate::trace())).
@@ -178,6 +197,7 @@ where
         dump: std::env::var_os("NESTOR_DUMP").map(PathBuf::from),
         cache: Mutex::new(FxHashMap::default()),
         stats: Stats::default(),
+        device: RunDevice::Inputs,
     }
 }
 
@@ -232,6 +252,34 @@ where
     /// ```
     pub fn dump_to(mut self, dir: impl Into<PathBuf>) -> Self {
         self.dump = Some(dir.into());
+        self
+    }
+
+    /// Runs the programs on `device` (default [`RunDevice::Inputs`]: where the inputs
+    /// are). [`RunDevice::Simulated`] runs the GPU's kernels on the simulated GPU with
+    /// CPU tensors in and out, which is how the GPU path is tested without a GPU:
+    ///
+    /// ```
+    /// use nestor_frontend::{compile, Dense, NestedTensor, RunDevice, SimOptions};
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    /// let model = move |x: &[NestedTensor], _: &[Dense]| x[0].linear(&weight, None)?.gelu();
+    /// let batch = NestedTensor::from_tensors(&[
+    ///     Tensor::randn([3, 4], (Kind::Float, Device::Cpu)),
+    ///     Tensor::randn([1, 4], (Kind::Float, Device::Cpu)),
+    /// ])?;
+    /// let on_cpu = compile("ffn", model.clone()).call(&[&batch], &[])?.remove(0).into_nested()?;
+    /// let simulated = compile("ffn", model)
+    ///     .on_device(RunDevice::Simulated(SimOptions::default()))
+    ///     .call(&[&batch], &[])?
+    ///     .remove(0)
+    ///     .into_nested()?;
+    /// assert!(on_cpu.packed().allclose(simulated.packed(), 1e-5, 1e-5, false));
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
+    pub fn on_device(mut self, device: RunDevice) -> Self {
+        self.device = device;
         self
     }
 
@@ -328,13 +376,7 @@ where
     /// borrowed (no tensor is cloned); the runtime still checks every input's size
     /// against its lengths.
     fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<(Arc<Entry>, Vec<Value>)> {
-        for tensor in nested
-            .iter()
-            .map(|batch| batch.packed())
-            .chain(dense.iter().copied())
-        {
-            on_cpu(tensor)?;
-        }
+        let placement = Placement::of(self.device, inputs_device(nested, dense)?)?;
         // Batches already as the program takes them (the usual case) are used as they
         // are, without collecting them anew.
         let (owned, renormalized);
@@ -345,7 +387,7 @@ where
             renormalized = owned.iter().map(|batch| &**batch).collect::<Vec<_>>();
             &renormalized
         };
-        let (entry, built) = self.entry_of(normalized, nested, dense)?;
+        let (entry, built) = self.entry_of(normalized, nested, dense, placement)?;
         if built {
             let values = entry.traced.bind_normalized(normalized, dense)?;
             check_inputs(entry.traced.graph(), &values)?;
@@ -356,17 +398,51 @@ where
             FloatType::F64 => Kind::Double,
         };
         // (Loops rather than collecting `Result`s, which cannot size the vectors first.)
+        let on = placement.tensors();
         let bound = entry.traced.bound(normalized, dense)?;
         let mut host = Vec::with_capacity(bound.len());
         for input in bound {
             host.push(match input {
                 Bound::Lengths(lengths) => HostInput::Lengths(lengths),
-                Bound::Nested(batch) => HostInput::Tensor(host_tensor(batch.packed(), float)?),
-                Bound::Dense(tensor) => HostInput::Tensor(host_tensor(tensor, float)?),
+                Bound::Nested(batch) => HostInput::Tensor(host_tensor(batch.packed(), float, on)?),
+                Bound::Dense(tensor) => HostInput::Tensor(host_tensor(tensor, float, on)?),
             });
         }
+        let (outputs, written) = if entry.runner.is_host() {
+            self.run_on_host(&entry, &host, float)?
+        } else {
+            let inputs: Vec<DeviceInput<'_>> = host
+                .iter()
+                .map(|input| match input {
+                    HostInput::Lengths(lengths) => DeviceInput::Lengths(lengths),
+                    HostInput::Tensor(tensor) => DeviceInput::Tensor(tensor.tensor_and_kind().0),
+                })
+                .collect();
+            entry.runner.run(&entry.executable, &inputs, &self.stats)?
+        };
+        // The tensor each output was written into, if any (outputs that are inputs or
+        // aliases were not: they are copied out); the sink gave them in output order.
+        let mut written = written.into_iter().peekable();
+        let mut values = Vec::with_capacity(outputs.len());
+        for (index, output) in outputs.into_iter().enumerate() {
+            let tensor = written
+                .next_if(|(output, _)| *output == index)
+                .map(|(_, tensor)| tensor);
+            values.push(output_value(output, tensor, (float, on), normalized)?);
+        }
+        Ok((entry, values))
+    }
+
+    /// Runs `entry`'s program on the host CPU: its outputs, and the tensors the results
+    /// were written into, by output.
+    fn run_on_host(
+        &self,
+        entry: &Entry,
+        host: &[HostInput<'_>],
+        float: Kind,
+    ) -> Result<(Vec<RunOutput>, Vec<(usize, Tensor)>)> {
         let mut inputs = Vec::with_capacity(host.len());
-        for input in &host {
+        for input in host {
             inputs.push(match input {
                 HostInput::Lengths(lengths) => InputData::I64(lengths),
                 HostInput::Tensor(tensor) => tensor_data(tensor)?,
@@ -383,23 +459,14 @@ where
                 stage: "runtime",
                 reason: error.into(),
             })?;
-        // The tensor each output was written into, if any (outputs that are inputs or
-        // aliases were not: they are copied out); the sink gave them in output order.
-        let mut written = sink.tensors.into_iter().peekable();
-        let mut values = Vec::with_capacity(outputs.len());
-        for (index, output) in outputs.into_iter().enumerate() {
-            let tensor = written
-                .next_if(|(output, _)| *output == index)
-                .map(|(_, tensor)| tensor);
-            values.push(output_value(output, tensor, float, normalized)?);
-        }
-        Ok((entry, values))
+        Ok((outputs, sink.tensors))
     }
 
     fn entry(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Arc<Entry>> {
+        let placement = Placement::of(self.device, inputs_device(nested, dense)?)?;
         let normalized = normalized_inputs(nested)?;
         let normalized: Vec<&NestedTensor> = normalized.iter().map(|batch| &**batch).collect();
-        Ok(self.entry_of(&normalized, nested, dense)?.0)
+        Ok(self.entry_of(&normalized, nested, dense, placement)?.0)
     }
 
     /// The entry of batches `nested` (`normalized`: the same, normalized) and `dense`,
@@ -409,6 +476,7 @@ where
         normalized: &[&NestedTensor],
         nested: &[&NestedTensor],
         dense: &[&Tensor],
+        placement: Placement,
     ) -> Result<(Arc<Entry>, bool)> {
         let mut cache = self
             .cache
@@ -417,7 +485,7 @@ where
         // A known structure is found by the thread's key words; a new one's key copies
         // them (the borrow ends before anything else can write them).
         let found = KEY_WORDS.with_borrow_mut(|words| {
-            StructureKey::write(normalized, dense, words);
+            StructureKey::write(normalized, dense, placement, words);
             cache
                 .get(words.as_slice())
                 .cloned()
@@ -447,7 +515,7 @@ where
             .iter()
             .map(|batch| batch.packed().requires_grad())
             .collect();
-        let entry = Arc::new(self.build(nested, dense, &requires_grad)?);
+        let entry = Arc::new(self.build(nested, dense, &requires_grad, placement)?);
         self.stats.compiled();
         cache.insert(key, Arc::clone(&entry));
         Ok((entry, true))
@@ -460,6 +528,7 @@ where
         nested: &[&NestedTensor],
         dense: &[&Tensor],
         requires_grad: &[bool],
+        placement: Placement,
     ) -> Result<Entry> {
         let model = self
             .model
@@ -519,6 +588,7 @@ where
                 stage: "backend",
                 reason: error.into(),
             })?;
+        let runner = Runner::new(placement, &executable)?;
         phases.done("backend");
         phases.report(&self.name);
         if let Some(dir) = dump {
@@ -539,6 +609,7 @@ where
         Ok(Entry {
             traced: traced.with_graph(optimized),
             executable,
+            runner,
             outputs,
             gradients,
         })
@@ -598,21 +669,27 @@ impl Phases {
     }
 }
 
-/// Compiled programs run on the CPU for now: a tensor on another device is an error
-/// rather than a silent copy (the CUDA backend emits and checks PTX but cannot run a
-/// whole program yet).
-fn on_cpu(tensor: &Tensor) -> Result<()> {
-    match tensor.device() {
-        tch::Device::Cpu => Ok(()),
-        device => Err(NestedError::compile(
-            "device",
-            CompileCause::Device,
-            format!(
-                "an input or parameter is on {device:?}: compiled programs run on the CPU only \
-                 for now (the CUDA backend makes and checks PTX but has no executor yet); move \
-                 the model and inputs to the CPU, or run it eagerly"
+/// The device of the inputs (the CPU without any): an error if they are on different
+/// devices (nothing is moved silently).
+fn inputs_device(nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<tch::Device> {
+    let mut tensors = nested
+        .iter()
+        .map(|batch| batch.packed())
+        .chain(dense.iter().copied())
+        .enumerate();
+    let Some((_, first)) = tensors.next() else {
+        return Ok(tch::Device::Cpu);
+    };
+    let device = first.device();
+    match tensors.find(|(_, tensor)| tensor.device() != device) {
+        None => Ok(device),
+        Some((input, other)) => Err(NestedError::InputMismatch {
+            input: format!("input {input}"),
+            reason: format!(
+                "is on {:?}, the first input on {device:?}: move every input to one device",
+                other.device()
             ),
-        )),
+        }),
     }
 }
 
@@ -639,21 +716,37 @@ impl HostTensor<'_> {
     }
 }
 
-/// A contiguous CPU tensor of the program's `float` kind (floats and bools) or i64
-/// (integers).
-fn host_tensor(tensor: &Tensor, float: Kind) -> Result<HostTensor<'_>> {
-    on_cpu(tensor)?;
+/// A contiguous tensor of the program's `float` kind (floats and bools) on `on`, the
+/// device the program runs with, or of i64 values (integers) on the CPU, where the
+/// runtime checks them.
+fn host_tensor(tensor: &Tensor, float: Kind, on: tch::Device) -> Result<HostTensor<'_>> {
+    let device = tensor.device();
+    if device != on {
+        return Err(NestedError::compile(
+            "device",
+            CompileCause::Device,
+            format!(
+                "an input or parameter is on {device:?}, the program runs with tensors on \
+                 {on:?}: move the model and inputs to one device"
+            ),
+        ));
+    }
     let kind = tensor.f_kind()?;
-    let target = match kind {
-        Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8 => Kind::Int64,
-        _ => float,
+    let (target, target_device) = match kind {
+        Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8 => {
+            (Kind::Int64, tch::Device::Cpu)
+        }
+        _ => (float, on),
     };
-    if kind == target && tensor.is_contiguous() {
+    if kind == target && device == target_device && tensor.is_contiguous() {
         // Already as the program reads it (the usual case): no dispatch, no clone.
         return Ok(HostTensor::Borrowed(tensor, kind));
     }
     Ok(HostTensor::Converted(
-        tensor.f_to_kind(target)?.f_contiguous()?,
+        tensor
+            .f_to_device(target_device)?
+            .f_to_kind(target)?
+            .f_contiguous()?,
         target,
     ))
 }
@@ -662,25 +755,23 @@ fn host_tensor(tensor: &Tensor, float: Kind) -> Result<HostTensor<'_>> {
 fn tensor_data<'a>(host: &'a HostTensor<'_>) -> Result<InputData<'a>> {
     let (tensor, kind) = host.tensor_and_kind();
     let elements = numel(tensor);
-    let pointer = tensor.data_ptr();
-    if elements == 0 || pointer.is_null() {
-        return Ok(match kind {
-            Kind::Int64 => InputData::I64(&[]),
-            Kind::Double => InputData::F64(&[]),
-            _ => InputData::F32(&[]),
-        });
-    }
-    // `host_tensor` made the tensor contiguous on the CPU with element type `kind`; the
-    // slice borrows the tensor, which outlives the run.
     Ok(match kind {
-        Kind::Int64 => {
-            InputData::I64(unsafe { std::slice::from_raw_parts(pointer as *const i64, elements) })
-        }
-        Kind::Double => {
-            InputData::F64(unsafe { std::slice::from_raw_parts(pointer as *const f64, elements) })
-        }
-        _ => InputData::F32(unsafe { std::slice::from_raw_parts(pointer as *const f32, elements) }),
+        Kind::Int64 => InputData::I64(slice_of(tensor, elements).unwrap_or(&[])),
+        Kind::Double => InputData::F64(slice_of(tensor, elements).unwrap_or(&[])),
+        _ => InputData::F32(slice_of(tensor, elements).unwrap_or(&[])),
     })
+}
+
+/// The `elements` values of a contiguous CPU tensor whose element type is `T` (`None`
+/// for a tensor without data).
+fn slice_of<T>(tensor: &Tensor, elements: usize) -> Option<&[T]> {
+    let pointer = tensor.data_ptr();
+    if elements == 0 || pointer.is_null() || tensor.device() != tch::Device::Cpu {
+        return None;
+    }
+    // The callers made the tensor contiguous on the CPU with element type `T`; the slice
+    // borrows the tensor.
+    Some(unsafe { std::slice::from_raw_parts(pointer as *const T, elements) })
 }
 
 /// The number of values of `tensor`, without allocating its shape (tch's `numel` does:
@@ -725,17 +816,21 @@ unsafe impl OutputSink for TensorSink {
 fn output_value(
     output: RunOutput,
     written: Option<Tensor>,
-    float: Kind,
+    (float, on): (Kind, tch::Device),
     inputs: &[&NestedTensor],
 ) -> Result<Value> {
     let (mut values, written_kind) = match (&output.data, written) {
         (RunData::Sunk(_), Some(tensor)) => (tensor, float),
         (RunData::F32(data), _) => (
-            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?,
+            Tensor::f_from_slice(data)?
+                .f_reshape(output.shape.packed(data.len()))?
+                .f_to_device(on)?,
             Kind::Float,
         ),
         (RunData::F64(data), _) => (
-            Tensor::f_from_slice(data)?.f_reshape(output.shape.packed(data.len()))?,
+            Tensor::f_from_slice(data)?
+                .f_reshape(output.shape.packed(data.len()))?
+                .f_to_device(on)?,
             Kind::Double,
         ),
         (RunData::Sunk(_), None) => {
@@ -965,6 +1060,7 @@ mod tests {
         StructureKey::write(
             &normalized.iter().map(|batch| &**batch).collect::<Vec<_>>(),
             dense,
+            Placement::Host,
             &mut words,
         );
         StructureKey(words)

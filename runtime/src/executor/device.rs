@@ -237,17 +237,16 @@ impl Executable {
         let run = super::RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (planned, indices, index_values) =
             self.plan_steps(&sizes, inputs, device.gemms().kernel_set(), run)?;
-        let staged = (
-            inputs,
-            (&planned[..], &indices, &index_values[..]),
-        );
+        let staged = (inputs, (&planned[..], &indices, &index_values[..]));
         // A run that fails leaves its buffers to the next (the device runs its work in
         // order, so any still queued runs before theirs).
         let mut memory = DeviceMemory::taking(device, program.slots.len());
         let ran = self
             .device_memory(device, staged, (&sizes, &external), &mut memory, stats)
             .and_then(|()| self.stage(device, staged, &mut memory, stats))
-            .and_then(|tables| self.launch_steps(device, (&planned, tables), &memory, &sizes, stats));
+            .and_then(|tables| {
+                self.launch_steps(device, (&planned, tables), &memory, &sizes, stats)
+            });
         if let Err(error) = ran {
             memory.release(device);
             return Err(error);
@@ -390,10 +389,8 @@ impl Executable {
         stats: &Stats,
     ) -> Result<Vec<u64>, RuntimeError> {
         let program = &self.program;
-        let mut staged: Vec<i64> = Vec::with_capacity(self.staged_values((
-            inputs,
-            (planned, indices, index_values),
-        )));
+        let mut staged: Vec<i64> =
+            Vec::with_capacity(self.staged_values((inputs, (planned, indices, index_values))));
         let mut input_positions = Vec::new();
         for (index, info) in program.slots.iter().enumerate() {
             if let Source::Input(input) = info.source {
@@ -501,7 +498,11 @@ type PlannedKernels = Vec<(Option<Signature>, Option<(BlasCall, [Slot; 3])>)>;
 /// of their index arguments and those values.
 type Staged<'r, 'i> = (
     &'r [InputData<'i>],
-    (&'r [(Option<Signature>, Option<(BlasCall, [Slot; 3])>)], &'r HashMap<Arg, usize>, &'r [i64]),
+    (
+        &'r [(Option<Signature>, Option<(BlasCall, [Slot; 3])>)],
+        &'r HashMap<Arg, usize>,
+        &'r [i64],
+    ),
 );
 
 /// Every step's kernel signature and BLAS call, the position of every index argument in

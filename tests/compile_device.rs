@@ -1,0 +1,259 @@
+//! `nestor::compile` on a GPU's path, run on the simulated GPU
+//! (`RunDevice::Simulated`: the GPU's kernels on the CPU, CPU tensors adopted as device
+//! memory): every op family, the Transformer encoder, decoder and full Transformer,
+//! and a compiled training step equal the CPU backend (f32 1e-4; bf16 2e-2); what one
+//! call asks of the device (uploads, downloads, synchronizations, allocations in
+//! steady state); a GPU asked for without a driver is a typed error.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::families::{families, ids};
+use common::{assert_close_within, batch, lengths};
+use nestor::nn::{Transformer, TransformerConfig, TransformerDecoder, TransformerEncoder};
+use nestor::{
+    compile, CompileCause, Dense, LossReduction, NestedError, NestedTensor, RunDevice, SimOptions,
+    Value,
+};
+use proptest::prelude::*;
+use tch::{nn, Device, Kind, Tensor};
+
+fn simulated() -> RunDevice {
+    RunDevice::Simulated(SimOptions::default())
+}
+
+/// The tolerance of a simulated result against the CPU's: the GPU's kernels sum in
+/// another order (f32), and bf16 results round an f32 value that differs slightly.
+fn tolerance(kind: Kind) -> f64 {
+    match kind {
+        Kind::BFloat16 | Kind::Half => 2e-2,
+        _ => 1e-4,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(3), ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_family_on_the_simulated_gpu_equals_the_cpu(batches in proptest::collection::vec(lengths(4, 7), 1..3), seed in 0i64..1000) {
+        for kind in [Kind::Float, Kind::BFloat16] {
+            for (family, model) in families(kind) {
+                let on_cpu = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+                let on_sim = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d))
+                    .on_device(simulated());
+                for (index, lengths) in batches.iter().enumerate() {
+                    let (x, _) = batch(lengths, &[4], kind, seed + index as i64);
+                    let tokens = ids(lengths, seed + index as i64);
+                    let expected = on_cpu.call(&[&x, &tokens], &[]).unwrap();
+                    let actual = on_sim
+                        .call(&[&x, &tokens], &[])
+                        .unwrap_or_else(|error| panic!("{family} ({kind:?}): {error}"));
+                    assert_close_within(&actual, &expected, tolerance(kind), &format!("{family} ({kind:?})"));
+                }
+                prop_assert_eq!(on_sim.stats().compiles, 1, "{} compiles once", family);
+            }
+        }
+    }
+}
+
+/// A small Transformer configuration (no dropout).
+fn small_config(norm_first: bool) -> TransformerConfig {
+    TransformerConfig {
+        d_model: 16,
+        nhead: 2,
+        dim_feedforward: 32,
+        dropout: 0.0,
+        norm_first,
+        ..Default::default()
+    }
+}
+
+/// `model` compiled for the CPU and for the simulated GPU agree on every batch.
+fn assert_simulated_equals_cpu<F>(what: &str, model: F, batches: &[Vec<&NestedTensor>])
+where
+    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<NestedTensor> + Clone,
+{
+    let on_cpu = compile(what, model.clone());
+    let on_sim = compile(what, model).on_device(simulated());
+    for inputs in batches {
+        let expected = on_cpu.call(inputs, &[]).unwrap();
+        let actual = on_sim
+            .call(inputs, &[])
+            .unwrap_or_else(|error| panic!("{what}: {error}"));
+        assert_close_within(&actual, &expected, 1e-4, what);
+    }
+}
+
+#[test]
+fn transformer_stacks_on_the_simulated_gpu_equal_the_cpu() {
+    tch::manual_seed(3);
+    let store = nn::VarStore::new(Device::Cpu);
+    let (src, _) = batch(&[5, 1, 0, 3], &[16], Kind::Float, 1);
+    let (tgt, _) = batch(&[2, 4, 1, 3], &[16], Kind::Float, 2);
+    let (other, _) = batch(&[7], &[16], Kind::Float, 3);
+    let (other_tgt, _) = batch(&[1], &[16], Kind::Float, 4);
+    for norm_first in [false, true] {
+        let config = small_config(norm_first);
+        let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 2, true);
+        assert_simulated_equals_cpu(
+            "encoder",
+            |x: &[NestedTensor], _: &[Dense]| encoder.forward(&x[0], false),
+            &[vec![&src], vec![&other]],
+        );
+        let decoder = TransformerDecoder::new(&(store.root() / "decoder"), &config, 2, true);
+        assert_simulated_equals_cpu(
+            "decoder",
+            |x: &[NestedTensor], _: &[Dense]| decoder.forward(&x[0], &x[1], true, false),
+            &[vec![&tgt, &src], vec![&other_tgt, &other]],
+        );
+    }
+    let transformer = Transformer::new(&(store.root() / "transformer"), &small_config(true), 1, 1);
+    assert_simulated_equals_cpu(
+        "transformer",
+        |x: &[NestedTensor], _: &[Dense]| transformer.forward(&x[0], &x[1], true, false),
+        &[vec![&src, &tgt], vec![&other, &other_tgt]],
+    );
+}
+
+#[test]
+fn a_training_step_on_the_simulated_gpu_equals_the_cpu() {
+    tch::manual_seed(5);
+    let store = nn::VarStore::new(Device::Cpu);
+    let config = small_config(true);
+    let encoder = TransformerEncoder::new(&(store.root() / "encoder"), &config, 1, true);
+    let head = nn::linear(store.root() / "head", 16, 3, Default::default());
+    let model = |x: &[NestedTensor], _: &[Dense]| {
+        let hidden = encoder.forward(&x[0], false)?;
+        let logits = hidden.linear(&head.ws, head.bs.as_ref())?;
+        logits
+            .cross_entropy(&x[1], -100, 0.0, LossReduction::Mean)?
+            .into_dense_handle()
+    };
+    let on_cpu = compile("train", model.clone()).train(&store);
+    let on_sim = compile("train", model).train(&store).on_device(simulated());
+    for (lengths, seed) in [(vec![4i64, 1, 6], 7), (vec![3], 8)] {
+        let (x, _) = batch(&lengths, &[16], Kind::Float, seed);
+        let classes: Vec<Tensor> = lengths
+            .iter()
+            .map(|&length| Tensor::randint(3, [length], (Kind::Int64, Device::Cpu)))
+            .collect();
+        let targets = NestedTensor::from_tensors(&classes).unwrap();
+        let (loss, gradients) = on_cpu.gradients(&[&x, &targets], &[]).unwrap();
+        let (sim_loss, sim_gradients) = on_sim
+            .gradients(&[&x, &targets], &[])
+            .unwrap_or_else(|error| panic!("training step: {error}"));
+        assert_close_within(&sim_loss, &loss, 1e-4, "loss");
+        assert_eq!(sim_gradients.len(), gradients.len());
+        assert!(!gradients.is_empty());
+        for ((name, expected), (sim_name, actual)) in gradients.iter().zip(&sim_gradients) {
+            assert_eq!(name, sim_name);
+            assert_close_within(
+                &[Value::Dense(actual.shallow_clone())],
+                &[Value::Dense(expected.shallow_clone())],
+                1e-4,
+                name,
+            );
+        }
+    }
+    // `call` accumulates the simulated gradients into `.grad()`, as on the CPU.
+    let (x, _) = batch(&[2, 3], &[16], Kind::Float, 9);
+    let targets = NestedTensor::from_tensors(&[
+        Tensor::zeros([2], (Kind::Int64, Device::Cpu)),
+        Tensor::ones([3], (Kind::Int64, Device::Cpu)),
+    ])
+    .unwrap();
+    let (_, expected) = on_cpu.gradients(&[&x, &targets], &[]).unwrap();
+    on_sim.call(&[&x, &targets], &[]).unwrap();
+    let variables = store.variables();
+    for (name, gradient) in &expected {
+        let accumulated = variables[name].grad();
+        assert!(
+            accumulated.defined() && accumulated.allclose(gradient, 1e-4, 1e-4, false),
+            "{name}: .grad() holds the simulated gradient"
+        );
+    }
+}
+
+#[test]
+fn a_steady_encoder_call_uploads_once_and_allocates_nothing() {
+    tch::manual_seed(11);
+    let store = nn::VarStore::new(Device::Cpu);
+    let encoder =
+        TransformerEncoder::new(&(store.root() / "encoder"), &small_config(false), 2, true);
+    let compiled = compile("encoder", move |x: &[NestedTensor], _: &[Dense]| {
+        encoder.forward(&x[0], false)
+    })
+    .on_device(simulated());
+    let (x, _) = batch(&[9, 3, 14, 1], &[16], Kind::Float, 12);
+    compiled.call(&[&x], &[]).unwrap();
+    let first = compiled.stats();
+    compiled.call(&[&x], &[]).unwrap();
+    let second = compiled.stats();
+    let (launches, device) = (
+        second.kernel_launches - first.kernel_launches,
+        second.device,
+    );
+    eprintln!(
+        "one steady encoder call on the simulated GPU: {launches} launches, {} upload(s) of \
+         {} bytes, {} download(s), {} synchronization(s), {} allocation(s); first call {} \
+         allocation(s) ({} bytes)",
+        device.uploads - first.device.uploads,
+        device.bytes_uploaded - first.device.bytes_uploaded,
+        device.downloads - first.device.downloads,
+        device.synchronizations - first.device.synchronizations,
+        device.allocations - first.device.allocations,
+        first.device.allocations,
+        first.bytes_allocated,
+    );
+    assert!(launches > 0);
+    // Inputs and parameters are read in place and results written into the returned
+    // tensors: the lengths, indices and tables are the one upload; nothing is waited for.
+    assert_eq!(device.uploads - first.device.uploads, 1);
+    assert_eq!(device.downloads - first.device.downloads, 0);
+    assert_eq!(device.synchronizations - first.device.synchronizations, 0);
+    assert_eq!(device.allocations - first.device.allocations, 0);
+    assert_eq!(second.bytes_allocated, first.bytes_allocated);
+}
+
+#[test]
+fn a_failed_simulated_call_leaves_the_function_usable() {
+    let weight = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
+    let compiled = compile("pair", move |x: &[NestedTensor], _: &[Dense]| {
+        &x[0].linear(&weight, None)? + &x[1].linear(&weight, None)?
+    })
+    .on_device(simulated());
+    let (a, _) = batch(&[2, 3], &[4], Kind::Float, 1);
+    let (b, _) = batch(&[2, 3], &[4], Kind::Float, 2);
+    let (short, _) = batch(&[2, 1], &[4], Kind::Float, 3);
+    let expected = compiled.call(&[&a, &b], &[]).unwrap();
+    assert!(compiled.call(&[&a, &short], &[]).is_err());
+    let again = compiled.call(&[&a, &b], &[]).unwrap();
+    assert_close_within(&again, &expected, 0.0, "after a failed call");
+}
+
+#[test]
+fn a_gpu_without_a_driver_is_a_typed_error() {
+    let compiled = compile("double", |x: &[NestedTensor], _: &[Dense]| &x[0] * 2.0)
+        .on_device(RunDevice::Cuda(0));
+    let (x, _) = batch(&[2], &[3], Kind::Float, 1);
+    match compiled.call(&[&x], &[]) {
+        Err(NestedError::Compile { reason, .. }) => {
+            assert_eq!(reason.cause(), CompileCause::Device, "{reason}");
+            let message = reason.to_string();
+            if message.contains("an input is on") {
+                eprintln!("skipped: this machine has a CUDA device ({message})");
+            } else {
+                assert!(
+                    message.contains("libcuda") || message.contains("does not exist"),
+                    "the error says what is missing: {message}"
+                );
+            }
+        }
+        other => panic!("expected a device error, got {:?}", other.map(|v| v.len())),
+    }
+    // Tensors on two devices are never moved silently (here: a CPU batch for a CUDA
+    // function errs before anything runs, and the function stays usable).
+    assert!(compiled.call(&[&x], &[]).is_err());
+}

@@ -257,3 +257,32 @@ fn a_gpu_without_a_driver_is_a_typed_error() {
     // function errs before anything runs, and the function stays usable).
     assert!(compiled.call(&[&x], &[]).is_err());
 }
+
+#[test]
+fn a_bf16_encoder_runs_in_bf16_buffers_on_the_simulated_gpu() {
+    tch::manual_seed(13);
+    let mut store = nn::VarStore::new(Device::Cpu);
+    let encoder =
+        TransformerEncoder::new(&(store.root() / "encoder"), &small_config(false), 2, true);
+    store.bfloat16();
+    let model = |x: &[NestedTensor], _: &[Dense]| encoder.forward(&x[0], false);
+    let on_cpu = compile("encoder", model);
+    let on_sim = compile("encoder", model).on_device(simulated());
+    for (lengths, seed) in [(vec![6i64, 1, 0, 9], 14), (vec![4], 15)] {
+        let (x, _) = batch(&lengths, &[16], Kind::BFloat16, seed);
+        let expected = on_cpu.call(&[&x], &[]).unwrap();
+        let actual = on_sim.call(&[&x], &[]).unwrap();
+        let Value::Nested(result) = &actual[0] else {
+            panic!("a batch")
+        };
+        assert_eq!(result.kind(), Kind::BFloat16);
+        // Every intermediate is stored in bf16 on the device (f32 on the CPU).
+        assert_close_within(&actual, &expected, 2e-2, "bf16 encoder");
+    }
+    let before = on_sim.stats();
+    let (x, _) = batch(&[6, 1, 0, 9], &[16], Kind::BFloat16, 14);
+    on_sim.call(&[&x], &[]).unwrap();
+    let after = on_sim.stats();
+    assert_eq!(after.device.uploads - before.device.uploads, 1);
+    assert_eq!(after.device.allocations, before.device.allocations);
+}

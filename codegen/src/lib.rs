@@ -63,6 +63,12 @@ pub mod sim_abi {
     /// `address` of a buffer (a store when `store` is 1) and returns the address to
     /// access.
     pub const ACCESS: &str = "nestor_sim_access";
+    /// `void (ptr d, ptr a, ptr b, ptr c)`: PTX's
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` of the calling lane's
+    /// fragments, a rendezvous of the whole warp: `a` four i32 registers (two bf16 of
+    /// `A` each, the lower index in the low half), `b` two, `c` four f32; the lane's
+    /// four f32 of `D = A B + C` are written to `d`.
+    pub const MMA_BF16: &str = "nestor_sim_mma_m16n8k16_bf16";
 
     /// The special registers of [`SPECIAL_REGISTER`] (the `x` dimension).
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -31,6 +31,14 @@ pub(crate) enum Request {
     },
     /// `bar.sync`.
     Barrier,
+    /// `mma.sync.aligned.m16n8k16` of the whole warp: the lane's fragments, and where
+    /// its part of `D` goes (all on its fiber's stack, alive while it waits).
+    Mma {
+        d: *mut f32,
+        a: *const u32,
+        b: *const u32,
+        c: *const f32,
+    },
 }
 
 /// A GPU thread's fiber: resumed with a shuffle's result, suspended at a rendezvous.
@@ -156,6 +164,10 @@ extern "C" fn barrier() {
     suspend(Request::Barrier);
 }
 
+extern "C" fn mma_bf16(d: *mut f32, a: *const u32, b: *const u32, c: *const f32) {
+    suspend(Request::Mma { d, a, b, c });
+}
+
 extern "C" fn shared() -> *mut u8 {
     match current() {
         Some((launch, _)) => launch.shared.borrow_mut().as_mut_ptr() as *mut u8,
@@ -191,7 +203,7 @@ extern "C" fn access(address: *mut u8, bytes: i64, store: i32) -> *mut u8 {
 }
 
 /// Every function of the simulator's ABI, by name, as the JIT resolves them.
-pub fn symbols() -> [(&'static str, usize); 5] {
+pub fn symbols() -> [(&'static str, usize); 6] {
     [
         (
             sim_abi::SPECIAL_REGISTER,
@@ -199,6 +211,7 @@ pub fn symbols() -> [(&'static str, usize); 5] {
         ),
         (sim_abi::SHUFFLE, shuffle as *const () as usize),
         (sim_abi::ACCESS, access as *const () as usize),
+        (sim_abi::MMA_BF16, mma_bf16 as *const () as usize),
         (BARRIER, barrier as *const () as usize),
         (SHARED, shared as *const () as usize),
     ]
@@ -224,6 +237,13 @@ pub mod calls {
     /// `bar.sync 0`.
     pub fn barrier() {
         super::barrier()
+    }
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` of this lane's fragments
+    /// ([`crate::mma`]): its four values of `D`.
+    pub fn mma_bf16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        let mut d = c;
+        super::mma_bf16(d.as_mut_ptr(), a.as_ptr(), b.as_ptr(), c.as_ptr());
+        d
     }
     /// The block's shared memory.
     pub fn shared() -> *mut u8 {

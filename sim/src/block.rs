@@ -13,6 +13,7 @@ use nestor_backend_cpu::KernelFn;
 use crate::abi::{set_thread, LaunchState, Request, ThreadState};
 use nestor_codegen::sim_abi::ShuffleMode;
 
+use crate::mma::{mma_m16n8k16, Fragments};
 use crate::shuffle::{source_lane, WARP_LANES};
 use crate::SimError;
 
@@ -103,6 +104,7 @@ pub(crate) fn run_block(
         warps: (0..count.div_ceil(WARP_LANES))
             .map(|_| Arrivals::default())
             .collect(),
+        at_mma: vec![0; count.div_ceil(WARP_LANES) as usize],
         at_barrier: 0,
     };
     let outcome = loop {
@@ -163,6 +165,8 @@ struct Block {
     ready: Vec<usize>,
     /// Each warp's lanes waiting at shuffles.
     warps: Vec<Arrivals>,
+    /// Each warp's lanes waiting at an `mma` (a rendezvous of all 32).
+    at_mma: Vec<u32>,
     /// Threads waiting at the barrier.
     at_barrier: usize,
 }
@@ -191,6 +195,15 @@ impl Block {
                 }
                 Ok(())
             }
+            Request::Mma { .. } => {
+                let (warp, lane) = (t / WARP_LANES as usize, t % WARP_LANES as usize);
+                self.at_mma[warp] |= 1 << lane;
+                if self.at_mma[warp] == u32::MAX {
+                    self.at_mma[warp] = 0;
+                    self.complete_mma(warp);
+                }
+                Ok(())
+            }
             Request::Shuffle { mask, .. } => {
                 let (warp, lane) = (t / WARP_LANES as usize, t % WARP_LANES as usize);
                 if mask & (1 << lane) == 0 {
@@ -213,6 +226,35 @@ impl Block {
                 arrivals.swap_remove(entry);
                 self.complete_shuffle(warp, mask)
             }
+        }
+    }
+
+    /// Every lane of warp `warp` waits at an `mma`: each gets its part of `D`.
+    fn complete_mma(&mut self, warp: usize) {
+        let base = warp * WARP_LANES as usize;
+        let mut fragments = [Fragments::default(); WARP_LANES as usize];
+        let mut outputs = [std::ptr::null_mut(); WARP_LANES as usize];
+        for (lane, (fragment, output)) in fragments.iter_mut().zip(&mut outputs).enumerate() {
+            if let State::Waiting(Request::Mma { d, a, b, c }) = self.states[base + lane] {
+                // The lane's fragments are on its fiber's stack, which lives while it
+                // waits (`calls::mma_bf16` and generated kernels pass arrays of these
+                // lengths).
+                unsafe {
+                    fragment.a = *(a as *const [u32; 4]);
+                    fragment.b = *(b as *const [u32; 2]);
+                    fragment.c = *(c as *const [f32; 4]);
+                }
+                *output = d;
+            }
+        }
+        let d = mma_m16n8k16(&fragments);
+        for (lane, (values, output)) in d.iter().zip(outputs).enumerate() {
+            if !output.is_null() {
+                // As above: four f32 on the waiting lane's stack.
+                unsafe { *(output as *mut [f32; 4]) = *values };
+            }
+            self.states[base + lane] = State::Ready(0);
+            self.ready.push(base + lane);
         }
     }
 
@@ -295,17 +337,22 @@ fn describe_waiting(states: &[State], count: u32) -> String {
         }
         text.push_str("; ");
     }
-    let mut masks: Vec<(u32, u32, Vec<usize>)> = Vec::new();
+    // Warp rendezvous by warp and member mask (an `mma`'s is the whole warp; `None`).
+    let mut masks: Vec<(u32, Option<u32>, Vec<usize>)> = Vec::new();
     for (thread, state) in states.iter().enumerate() {
-        if let State::Waiting(Request::Shuffle { mask, .. }) = *state {
-            let warp = thread as u32 / WARP_LANES;
-            match masks.iter_mut().find(|(w, m, _)| (*w, *m) == (warp, mask)) {
-                Some((_, _, threads)) => threads.push(thread),
-                None => masks.push((warp, mask, vec![thread])),
-            }
+        let mask = match *state {
+            State::Waiting(Request::Shuffle { mask, .. }) => Some(mask),
+            State::Waiting(Request::Mma { .. }) => None,
+            _ => continue,
+        };
+        let warp = thread as u32 / WARP_LANES;
+        match masks.iter_mut().find(|(w, m, _)| (*w, *m) == (warp, mask)) {
+            Some((_, _, threads)) => threads.push(thread),
+            None => masks.push((warp, mask, vec![thread])),
         }
     }
-    for (warp, mask, threads) in masks {
+    for (warp, shuffle_mask, threads) in masks {
+        let mask = shuffle_mask.unwrap_or(u32::MAX);
         // The lanes of the mask that are not there, by why.
         let mut missing: Vec<((&str, &str), Vec<usize>)> = Vec::new();
         for lane in (0..WARP_LANES).filter(|&lane| mask & (1 << lane) != 0) {
@@ -317,8 +364,16 @@ fn describe_waiting(states: &[State], count: u32) -> String {
                 Some(State::Waiting(Request::Barrier)) => {
                     ("waits at a barrier", "wait at a barrier")
                 }
-                Some(State::Waiting(Request::Shuffle { mask: other, .. })) if *other != mask => {
+                Some(State::Waiting(Request::Shuffle { .. })) if shuffle_mask.is_none() => {
+                    ("waits at a shuffle", "wait at a shuffle")
+                }
+                Some(State::Waiting(Request::Shuffle { mask: other, .. }))
+                    if Some(*other) != shuffle_mask =>
+                {
                     ("shuffles over another mask", "shuffle over another mask")
+                }
+                Some(State::Waiting(Request::Mma { .. })) if shuffle_mask.is_some() => {
+                    ("waits at an mma", "wait at an mma")
                 }
                 _ => continue,
             };
@@ -334,9 +389,13 @@ fn describe_waiting(states: &[State], count: u32) -> String {
                 _ => format!("lanes {} {several}", ranges(lanes)),
             })
             .collect();
+        let rendezvous = match shuffle_mask {
+            Some(mask) => format!("a shuffle over mask {mask:#010x}"),
+            None => "an mma (all 32 lanes)".to_owned(),
+        };
         let _ = write!(
             text,
-            "{} at a shuffle over mask {mask:#010x}: {}; ",
+            "{} at {rendezvous}: {}; ",
             who(
                 &threads,
                 (

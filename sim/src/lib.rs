@@ -35,6 +35,8 @@ mod launch;
 mod memory;
 mod shuffle;
 
+pub mod mma;
+
 pub use abi::{calls, symbols, BARRIER, SHARED};
 pub use device::{Geometry, SimDevice, SimOptions};
 pub use error::{BadAccess, SimError};

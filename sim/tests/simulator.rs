@@ -406,3 +406,154 @@ fn launches_over_the_architectures_limits_are_refused() {
     let error = launch(0, 0).check("k", &limits).unwrap_err().to_string();
     assert!(error.contains("an empty grid"), "{error}");
 }
+
+/// bf16 bits of `value` (truncated: the test's values are exact in bf16).
+fn bf16_bits(value: f32) -> u32 {
+    value.to_bits() >> 16
+}
+
+/// Each lane loads its fragments of `A` (16 x 16), `B` (16 x 8) and `C` (16 x 8)
+/// (bf16 bits and f32 bits, a value a word, row-major) by the PTX ISA's layouts, runs
+/// the warp's `mma` and stores its values of `D` where the layout puts them.
+unsafe extern "C" fn mma_warp(args: *const *mut u8, _: i64, _: i64) {
+    use nestor_sim::mma::{a_element, b_element, c_element, K, N};
+    unsafe {
+        let [a, b, c, d] = [0, 1, 2, 3].map(|index| arg::<u64>(args, index));
+        let lane = (thread() % 32) as u32;
+        let mut fragments = ([0u32; 4], [0u32; 2], [0f32; 4]);
+        for i in 0..8 {
+            let (row, column) = a_element(lane, i);
+            let bits = load(a, row * K + column) as u32;
+            fragments.0[(i / 2) as usize] |= bits << (16 * (i % 2));
+        }
+        for i in 0..4 {
+            let (row, column) = b_element(lane, i);
+            let bits = load(b, row * N + column) as u32;
+            fragments.1[(i / 2) as usize] |= bits << (16 * (i % 2));
+            let (row, column) = c_element(lane, i);
+            fragments.2[i as usize] = f32::from_bits(load(c, row * N + column) as u32);
+        }
+        let values = calls::mma_bf16(fragments.0, fragments.1, fragments.2);
+        for (i, value) in (0..4).zip(values) {
+            let (row, column) = c_element(lane, i);
+            store(d, row * N + column, u64::from(value.to_bits()));
+        }
+    }
+}
+
+#[test]
+fn mma_fragments_follow_the_ptx_isa_layouts() {
+    use nestor_sim::mma::{a_element, b_element, c_element, K, M, N};
+    // The ISA's figures: lane 0 holds A[0][0..2], A[8][0..2], A[0][8..10], A[8][8..10];
+    // lane 5 (group 1, thread 1) A[1][2..4], ...; B's lane 0 B[0..2][0], B[8..10][0];
+    // C's lane 0 C[0][0..2], C[8][0..2]; lane 31 (group 7, thread 3) C[7][6..8], C[15][6..8].
+    let a0: Vec<_> = (0..8).map(|i| a_element(0, i)).collect();
+    assert_eq!(
+        a0,
+        [
+            (0, 0),
+            (0, 1),
+            (8, 0),
+            (8, 1),
+            (0, 8),
+            (0, 9),
+            (8, 8),
+            (8, 9)
+        ]
+    );
+    let a5: Vec<_> = (0..8).map(|i| a_element(5, i)).collect();
+    assert_eq!(
+        a5,
+        [
+            (1, 2),
+            (1, 3),
+            (9, 2),
+            (9, 3),
+            (1, 10),
+            (1, 11),
+            (9, 10),
+            (9, 11)
+        ]
+    );
+    let b0: Vec<_> = (0..4).map(|i| b_element(0, i)).collect();
+    assert_eq!(b0, [(0, 0), (1, 0), (8, 0), (9, 0)]);
+    let b6: Vec<_> = (0..4).map(|i| b_element(6, i)).collect();
+    assert_eq!(b6, [(4, 1), (5, 1), (12, 1), (13, 1)]);
+    let c31: Vec<_> = (0..4).map(|i| c_element(31, i)).collect();
+    assert_eq!(c31, [(7, 6), (7, 7), (15, 6), (15, 7)]);
+    // Every element of every matrix is in exactly one lane's fragment.
+    let mut seen = ([[0; K]; M], [[0; N]; K], [[0; N]; M]);
+    for lane in 0..32 {
+        for i in 0..8 {
+            let (row, column) = a_element(lane, i);
+            seen.0[row][column] += 1;
+        }
+        for i in 0..4 {
+            let (row, column) = b_element(lane, i);
+            seen.1[row][column] += 1;
+            let (row, column) = c_element(lane, i);
+            seen.2[row][column] += 1;
+        }
+    }
+    assert!(seen.0.iter().flatten().all(|&count| count == 1));
+    assert!(seen.1.iter().flatten().all(|&count| count == 1));
+    assert!(seen.2.iter().flatten().all(|&count| count == 1));
+}
+
+#[test]
+fn a_warps_mma_equals_the_scalar_product() {
+    use nestor_sim::mma::{K, M, N};
+    // Values exact in bf16 (8 bits of mantissa), so the products are exact in f32.
+    let value = |seed: usize| ((seed * 37 + 11) % 23) as f32 / 8.0 - 1.375;
+    let a: Vec<f32> = (0..M * K).map(value).collect();
+    let b: Vec<f32> = (0..K * N).map(|index| value(index + 500)).collect();
+    let c: Vec<f32> = (0..M * N).map(|index| value(index + 900) * 3.0).collect();
+    let mut a_words: Vec<u64> = a.iter().map(|&x| u64::from(bf16_bits(x))).collect();
+    let mut b_words: Vec<u64> = b.iter().map(|&x| u64::from(bf16_bits(x))).collect();
+    let mut c_words: Vec<u64> = c.iter().map(|&x| u64::from(x.to_bits())).collect();
+    let mut d_words = vec![u64::MAX; M * N];
+    for seed in [1, 2, 3] {
+        run(
+            ("mma_warp", mma_warp),
+            &mut [&mut a_words, &mut b_words, &mut c_words, &mut d_words],
+            grid(1, 32),
+            seed,
+        )
+        .unwrap();
+        for row in 0..M {
+            for column in 0..N {
+                let expected = (0..K).fold(f64::from(c[row * N + column]), |sum, k| {
+                    sum + f64::from(a[row * K + k]) * f64::from(b[k * N + column])
+                });
+                let got = f32::from_bits(d_words[row * N + column] as u32);
+                assert!(
+                    (f64::from(got) - expected).abs() <= 1e-6 * expected.abs().max(1.0),
+                    "D[{row}][{column}] = {got}, expected {expected}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn an_mma_without_its_whole_warp_is_a_deadlock() {
+    let (mut a, mut b, mut c, mut d) = (
+        vec![0u64; 256],
+        vec![0u64; 128],
+        vec![0u64; 128],
+        vec![0u64; 128],
+    );
+    let error = run(
+        ("mma_warp", mma_warp),
+        &mut [&mut a, &mut b, &mut c, &mut d],
+        grid(1, 16),
+        1,
+    )
+    .unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, SimError::Deadlock { .. }), "{text}");
+    assert!(
+        text.contains("an mma") && text.contains("lanes 16-31 do not exist"),
+        "{text}"
+    );
+}

@@ -10,6 +10,7 @@
 //! so libtorch's later work is ordered after it without a synchronization.
 
 use nestor_backend_cuda::CudaDevice;
+use nestor_codegen::Storage;
 use nestor_runtime::{DeviceSink, Executable, InputData, KernelDevice, RunOutput, Stats};
 use nestor_sim::{SimDevice, SimOptions};
 use tch::{Kind, Tensor};
@@ -31,6 +32,31 @@ pub enum RunDevice {
     /// CUDA device `n`: every input must be on it. Without an NVIDIA driver or that
     /// device, a call is a typed error that says which is missing.
     Cuda(usize),
+}
+
+/// How a device keeps a program's floats: bf16 buffers when every float the program
+/// takes and returns is bf16 (a bf16 model's tensors are then read and written in
+/// place, and its intermediates stored in bf16, as a GPU's bf16 model does), else f32.
+fn storage_of(program: &nestor_passes::Program) -> Storage {
+    use nestor_ir::DType;
+    let mut boundary = program
+        .slots
+        .iter()
+        .filter(|info| matches!(info.source, nestor_passes::Source::Input(_)))
+        .map(|info| info.dtype)
+        .chain(
+            program
+                .outputs
+                .iter()
+                .map(|output| program.info(output.slot()).dtype),
+        )
+        .filter(|dtype| dtype.is_float());
+    let first = boundary.next();
+    if first == Some(DType::BF16) && boundary.all(|dtype| dtype == DType::BF16) {
+        Storage::Bf16
+    } else {
+        Storage::Compute
+    }
 }
 
 /// Where the program of one structure runs.
@@ -104,8 +130,10 @@ fn device_error(error: impl std::error::Error + Send + Sync + 'static) -> Nested
 pub(super) enum Runner {
     /// The host CPU (the executable's own kernels).
     Host,
-    Simulated(SimDevice),
-    Cuda(CudaDevice),
+    /// The simulated GPU, and how it keeps floats.
+    Simulated(SimDevice, Storage),
+    /// A GPU, and how it keeps floats.
+    Cuda(CudaDevice, Storage),
 }
 
 impl Runner {
@@ -118,13 +146,36 @@ impl Runner {
         Ok(match placement {
             Placement::Host => Runner::Host,
             Placement::Simulated(options) => {
-                Runner::Simulated(SimDevice::with(executable, options).map_err(backend)?)
+                let options = SimOptions {
+                    storage: storage_of(executable.program()),
+                    ..options
+                };
+                Runner::Simulated(
+                    SimDevice::with(executable, options).map_err(backend)?,
+                    options.storage,
+                )
             }
             Placement::Cuda(ordinal) => {
                 let gpu = nestor_backend_cuda::Device::open(ordinal).map_err(device_error)?;
-                Runner::Cuda(CudaDevice::new(gpu, executable).map_err(backend)?)
+                let storage = storage_of(executable.program());
+                Runner::Cuda(
+                    CudaDevice::storing(gpu, executable, storage).map_err(backend)?,
+                    storage,
+                )
             }
         })
+    }
+
+    /// The kind of the float tensors a device run reads and writes in place (`None`
+    /// on the host).
+    pub(super) fn float_kind(&self) -> Option<Kind> {
+        match self {
+            Runner::Host => None,
+            Runner::Simulated(_, storage) | Runner::Cuda(_, storage) => Some(match storage {
+                Storage::Bf16 => Kind::BFloat16,
+                Storage::Compute => Kind::Float,
+            }),
+        }
     }
 
     /// Whether the program runs on the host.
@@ -133,7 +184,7 @@ impl Runner {
     }
 
     /// Runs `executable` on the device with `inputs` (tensors on the placement's
-    /// device: floats of the program's f32, i64 values on the CPU; or lengths): its
+    /// device: floats of [`Self::float_kind`], i64 values on the CPU; or lengths): its
     /// outputs, and the tensors of the results written in place, by output.
     pub(super) fn run(
         &self,
@@ -141,13 +192,14 @@ impl Runner {
         inputs: &[DeviceInput<'_>],
         stats: &Stats,
     ) -> Result<(Vec<RunOutput>, Vec<(usize, Tensor)>)> {
+        let kind = self.float_kind().unwrap_or(Kind::Float);
         match self {
             Runner::Host => Err(NestedError::compile(
                 "device",
                 CompileCause::Internal,
                 "a host program run as a device's",
             )),
-            Runner::Simulated(device) => {
+            Runner::Simulated(device, _) => {
                 let mut adopted: Vec<nestor_sim::Adopted> = Vec::new();
                 let adopt = |address: u64, bytes: u64| {
                     // A CPU tensor's memory, alive while the guard is (the guards are
@@ -156,17 +208,24 @@ impl Runner {
                     adopted.push(guard);
                     Some(())
                 };
-                run_on(device, executable, inputs, stats, adopt, tch::Device::Cpu)
+                run_on(
+                    device,
+                    executable,
+                    inputs,
+                    stats,
+                    adopt,
+                    (tch::Device::Cpu, kind),
+                )
             }
-            Runner::Cuda(device) => {
-                let ordinal = device.device().ordinal();
+            Runner::Cuda(device, _) => {
+                let on = tch::Device::Cuda(device.device().ordinal());
                 run_on(
                     device,
                     executable,
                     inputs,
                     stats,
                     |_, _| Some(()),
-                    tch::Device::Cuda(ordinal),
+                    (on, kind),
                 )
             }
         }
@@ -183,39 +242,53 @@ pub(super) enum DeviceInput<'a> {
 
 /// Runs `executable` on `device`: every float input in place where `share` accepts its
 /// memory (the simulated GPU adopts a CPU tensor's; a GPU's tensors are its own), else
-/// uploaded; results into new f32 tensors on `on` (shared with the device the same way).
+/// uploaded; results into new tensors of `kind` on `on` (shared with the device the
+/// same way).
 fn run_on<D: KernelDevice>(
     device: &D,
     executable: &Executable,
     inputs: &[DeviceInput<'_>],
     stats: &Stats,
     mut share: impl FnMut(u64, u64) -> Option<()>,
-    on: tch::Device,
+    (on, kind): (tch::Device, Kind),
 ) -> Result<(Vec<RunOutput>, Vec<(usize, Tensor)>)> {
-    let mut data = Vec::with_capacity(inputs.len());
+    // The f32 values of the float inputs whose memory is not shared (a tensor given
+    // twice), uploaded instead.
+    let mut uploaded = Vec::with_capacity(inputs.len());
     for input in inputs {
-        data.push(match input {
-            DeviceInput::Lengths(lengths) => InputData::I64(lengths),
-            DeviceInput::Tensor(tensor) => {
-                let elements = super::numel(tensor);
-                let address = tensor.data_ptr() as u64;
-                if tensor.kind() == Kind::Int64 {
-                    super::slice_of::<i64>(tensor, elements)
-                        .map_or(InputData::I64(&[]), InputData::I64)
-                } else if share(address, 4 * elements as u64).is_some() {
-                    InputData::OnDevice {
-                        address,
-                        len: elements,
-                    }
-                } else {
-                    super::slice_of::<f32>(tensor, elements)
-                        .map_or(InputData::F32(&[]), InputData::F32)
+        uploaded.push(match input {
+            DeviceInput::Tensor(tensor) if tensor.kind() != Kind::Int64 => {
+                let bytes = tensor_bytes(tensor);
+                match share(tensor.data_ptr() as u64, bytes) {
+                    Some(()) => None,
+                    None => Some(
+                        tensor
+                            .f_to_kind(Kind::Float)?
+                            .f_to_device(tch::Device::Cpu)?,
+                    ),
                 }
+            }
+            _ => None,
+        });
+    }
+    let mut data = Vec::with_capacity(inputs.len());
+    for (input, upload) in inputs.iter().zip(&uploaded) {
+        data.push(match (input, upload) {
+            (DeviceInput::Lengths(lengths), _) => InputData::I64(lengths),
+            (DeviceInput::Tensor(tensor), None) if tensor.kind() == Kind::Int64 => {
+                InputData::I64(super::slice_of(tensor, super::numel(tensor)).unwrap_or(&[]))
+            }
+            (DeviceInput::Tensor(tensor), None) => InputData::OnDevice {
+                address: tensor.data_ptr() as u64,
+                len: super::numel(tensor),
+            },
+            (_, Some(values)) => {
+                InputData::F32(super::slice_of(values, super::numel(values)).unwrap_or(&[]))
             }
         });
     }
     let mut sink = TensorSink {
-        on,
+        on: (on, kind),
         tensors: Vec::with_capacity(executable.program().outputs.len()),
         share: &mut share,
     };
@@ -229,24 +302,65 @@ fn run_on<D: KernelDevice>(
     Ok((results, sink.tensors))
 }
 
-/// New f32 tensors on a device that a device run writes its results into.
+/// The bytes of a contiguous tensor's values.
+fn tensor_bytes(tensor: &Tensor) -> u64 {
+    (super::numel(tensor) * tensor.kind().elt_size_in_bytes()) as u64
+}
+
+/// New tensors on a device that a device run writes its results into.
 struct TensorSink<'s, S> {
-    on: tch::Device,
+    /// The device and kind of the tensors.
+    on: (tch::Device, Kind),
     /// The tensors given, with the output each is for, in output order.
     tensors: Vec<(usize, Tensor)>,
     /// Makes a tensor's memory the device's.
     share: &'s mut S,
 }
 
-// SAFETY: every address is the memory of a new contiguous f32 tensor of `shape` on the
-// run's device (made the simulated device's own by `share`), kept in `tensors` past the
-// run's work.
+// SAFETY: every address is the memory of a new contiguous tensor of `shape` on the run's
+// device, of the device's float kind (made the simulated device's own by `share`), kept
+// in `tensors` past the run's work.
 unsafe impl<S: FnMut(u64, u64) -> Option<()>> DeviceSink for TensorSink<'_, S> {
     fn buffer(&mut self, index: usize, shape: &[i64]) -> Option<u64> {
-        let tensor = Tensor::f_empty(shape, (Kind::Float, self.on)).ok()?;
+        let (on, kind) = self.on;
+        let tensor = Tensor::f_empty(shape, (kind, on)).ok()?;
         let address = tensor.data_ptr() as u64;
-        (self.share)(address, 4 * super::numel(&tensor) as u64)?;
+        (self.share)(address, tensor_bytes(&tensor))?;
         self.tensors.push((index, tensor));
         Some(address)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn program(text: &str) -> nestor_passes::Program {
+        let graph = nestor_ir::parse(text).expect("a graph");
+        nestor_passes::lower(&graph).expect("a program")
+    }
+
+    #[test]
+    fn bf16_programs_keep_bf16_buffers_and_others_f32() {
+        let bf16 = program(
+            r#"graph @g {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<bf16>[B; %0, 4]
+  %2 = tanh(%1) : ragged<bf16>[B; %0, 4]
+  %3 = gt(%1, %2) : ragged<bool>[B; %0, 4]
+  return %2, %3
+}"#,
+        );
+        assert_eq!(storage_of(&bf16), Storage::Bf16);
+        let mixed = program(
+            r#"graph @g {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<bf16>[B; %0, 4]
+  %2 = input {name = "w"} : f32[4]
+  %3 = mul(%1, %2) : ragged<f32>[B; %0, 4]
+  return %3
+}"#,
+        );
+        assert_eq!(storage_of(&mixed), Storage::Compute);
     }
 }

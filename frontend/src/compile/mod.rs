@@ -399,6 +399,9 @@ where
         };
         // (Loops rather than collecting `Result`s, which cannot size the vectors first.)
         let on = placement.tensors();
+        // A device reads and writes its float tensors as it keeps them (bf16 tensors of
+        // a bf16 program in place).
+        let float = entry.runner.float_kind().unwrap_or(float);
         let bound = entry.traced.bound(normalized, dense)?;
         let mut host = Vec::with_capacity(bound.len());
         for input in bound {

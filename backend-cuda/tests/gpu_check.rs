@@ -140,6 +140,7 @@ fn run_on_sim(
             0x5EED,
         )
     }
+    .map(drop)
 }
 
 fn one_step(step: &Step) -> Program {

@@ -58,6 +58,25 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
 }
 "#;
 
+/// Rows kept in a warp's registers (1000 values) and rows of a block (3000 values,
+/// combined through shared memory).
+const WIDE_ROWS: &str = r#"graph @wide_rows {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 1000]
+  %2 = input {name = "y"} : ragged<f32>[B; %0, 3000]
+  %3 = param {name = "gain"} : f32[3000]
+  %4 = layer_norm(%1) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 1000]
+  %5 = softmax(%1) {axis = -1} : ragged<f32>[B; %0, 1000]
+  %6 = layer_norm(%2, %3, %3) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 3000]
+  %7 = rms_norm(%2, %3) {dims = 1, eps = 1e-6} : ragged<f32>[B; %0, 3000]
+  %8 = softmax(%2) {axis = -1} : ragged<f32>[B; %0, 3000]
+  %9 = log_softmax(%2) {axis = -1} : ragged<f32>[B; %0, 3000]
+  %10 = sum(%2) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %11 = amax(%2) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  return %4, %5, %6, %7, %8, %9, %10, %11
+}
+"#;
+
 /// Varlen attention (self and cross, causal or not), one kernel each.
 const ATTENTION: &str = r#"graph @attention {
   %0 = input {name = "x.lengths"} : lengths[B]
@@ -143,6 +162,7 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
     let mut kernels = 0;
     for (name, text) in [
         ("rows_and_segments", ROWS_AND_SEGMENTS),
+        ("wide_rows", WIDE_ROWS),
         ("attention", ATTENTION),
         ("padding", PADDING),
         ("dropout", DROPOUT),
@@ -357,8 +377,9 @@ fn the_ptx_of_a_pointwise_kernel_is_its_snapshot() {
 }
 
 /// The PTX of a row kernel, whole: softmax over rows of 40 values, a row a warp (two
-/// columns for the first 8 lanes, one for the others), the largest value and the sum
-/// each combined by five butterfly shuffles. Re-bless as above.
+/// columns for the first 8 lanes, one for the others, read once into registers), the
+/// largest value and the sum each combined by five butterfly shuffles, the result
+/// written once. Re-bless as above.
 #[test]
 fn the_ptx_of_a_row_kernel_is_its_snapshot() {
     assert_snapshot(

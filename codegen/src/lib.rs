@@ -69,6 +69,11 @@ pub mod sim_abi {
     /// `A` each, the lower index in the low half), `b` two, `c` four f32; the lane's
     /// four f32 of `D = A B + C` are written to `d`.
     pub const MMA_BF16: &str = "nestor_sim_mma_m16n8k16_bf16";
+    /// `void ()`: PTX's `bar.sync 0`, a rendezvous of every thread of the block.
+    pub const BARRIER: &str = "nestor_sim_barrier";
+    /// `ptr ()`: the block's shared memory (the launch's bytes of it, NaN before the
+    /// block runs; its accesses are checked as the buffers' are).
+    pub const SHARED: &str = "nestor_sim_shared";
 
     /// The special registers of [`SPECIAL_REGISTER`] (the `x` dimension).
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,10 +156,22 @@ pub enum Storage {
 /// any grid gives the same result (the loops are grid-stride), this one runs every task
 /// at once.
 pub fn gpu_threads_per_task(program: &Program, step: &Step) -> u32 {
-    if templates::warp_per_task(program, step) {
+    if templates::block_per_task(step) {
+        GPU_BLOCK_THREADS
+    } else if templates::warp_per_task(program, step) {
         builder::WARP_LANES as u32
     } else {
         1
+    }
+}
+
+/// Bytes of shared memory a block of `step`'s GPU kernel uses (its warps' partial
+/// values, where a task is a whole block), for `float` values.
+pub fn gpu_shared_bytes(step: &Step, float: nestor_passes::FloatType) -> u32 {
+    if templates::block_per_task(step) {
+        GPU_BLOCK_THREADS / builder::WARP_LANES as u32 * float.size() as u32
+    } else {
+        0
     }
 }
 

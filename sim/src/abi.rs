@@ -12,10 +12,10 @@ use crate::error::BadAccess;
 use crate::memory::Extents;
 
 /// `void ()`: PTX's `bar.sync 0`, a rendezvous of every thread of the block.
-pub const BARRIER: &str = "nestor_sim_barrier";
+pub const BARRIER: &str = sim_abi::BARRIER;
 /// `ptr ()`: the block's shared memory (the launch's bytes of it, NaN before the block
 /// runs; its accesses are checked as the buffers' are).
-pub const SHARED: &str = "nestor_sim_shared";
+pub const SHARED: &str = sim_abi::SHARED;
 
 /// Why a GPU thread suspends: the rendezvous it waits at.
 #[derive(Clone, Copy, Debug)]
@@ -65,6 +65,8 @@ pub(crate) struct LaunchState {
     pub(crate) shared_bytes: u64,
     /// The first bad access, and how many there were.
     pub(crate) bad: RefCell<(Option<BadAccess>, u64)>,
+    /// Bytes loaded from and stored to the device's buffers (shared memory apart).
+    pub(crate) traffic: Cell<Traffic>,
     /// Where a bad access goes instead (NaN for loads).
     scratch: UnsafeCell<[u64; SCRATCH_WORDS]>,
 }
@@ -78,6 +80,7 @@ impl LaunchState {
             shared: RefCell::new(vec![u64::MAX; shared_bytes.div_ceil(8) as usize]),
             shared_bytes,
             bad: RefCell::new((None, 0)),
+            traffic: Cell::new(Traffic::default()),
             scratch: UnsafeCell::new([u64::MAX; SCRATCH_WORDS]),
         }
     }
@@ -89,6 +92,24 @@ impl LaunchState {
             && address
                 .checked_add(bytes)
                 .is_some_and(|end| end <= start + self.shared_bytes)
+    }
+}
+
+/// The bytes kernels loaded from and stored to the device's buffers (their global
+/// memory: argument tables included, shared memory not), as a GPU's memory traffic
+/// would be without caches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes loaded.
+    pub loaded: u64,
+    /// Bytes stored.
+    pub stored: u64,
+}
+
+impl std::ops::AddAssign for Traffic {
+    fn add_assign(&mut self, other: Traffic) {
+        self.loaded += other.loaded;
+        self.stored += other.stored;
     }
 }
 
@@ -180,7 +201,17 @@ extern "C" fn access(address: *mut u8, bytes: i64, store: i32) -> *mut u8 {
         return address;
     };
     let (at, bytes) = (address as u64, bytes.max(0) as u64);
-    if launch.extents.holding(at, bytes).is_some() || launch.in_shared(at, bytes) {
+    if launch.extents.holding(at, bytes).is_some() {
+        let mut traffic = launch.traffic.get();
+        if store != 0 {
+            traffic.stored += bytes;
+        } else {
+            traffic.loaded += bytes;
+        }
+        launch.traffic.set(traffic);
+        return address;
+    }
+    if launch.in_shared(at, bytes) {
         return address;
     }
     let mut bad = launch.bad.borrow_mut();

@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use nestor_backend_cpu::{compile_for, CpuKernels};
-use nestor_codegen::{gpu_grid, gpu_threads_per_task, GpuGrid, Storage, Target};
+use nestor_codegen::{
+    gpu_grid, gpu_shared_bytes, gpu_threads_per_task, GpuGrid, Storage, Target, GPU_BLOCK_THREADS,
+};
 use nestor_runtime::{from_bf16, to_bf16, BlasCall, Executable, Gemms, KernelDevice, RuntimeError};
 
 use crate::block::Call;
@@ -55,6 +57,8 @@ struct StepKernel {
     /// `step3 (row)`, for reports.
     name: String,
     threads_per_task: u32,
+    /// Bytes of shared memory a block uses.
+    shared_bytes: u32,
     /// Argument 0 is the output, NaN before every launch.
     output_first: bool,
 }
@@ -95,6 +99,8 @@ pub struct SimDevice {
     registry: Registry,
     spare: Mutex<Vec<SimBuffer>>,
     launches: AtomicU64,
+    /// Bytes the kernels loaded and stored.
+    traffic: [AtomicU64; 2],
     /// The step whose BLAS call ran last (its kernel then reads the product in place).
     blas_step: AtomicUsize,
 }
@@ -129,6 +135,7 @@ impl SimDevice {
                 StepKernel {
                     name: format!("step{index} ({})", step.name()),
                     threads_per_task: gpu_threads_per_task(program, step),
+                    shared_bytes: gpu_shared_bytes(step, program.float),
                     output_first,
                 }
             })
@@ -140,6 +147,7 @@ impl SimDevice {
             registry: Registry::default(),
             spare: Mutex::default(),
             launches: AtomicU64::new(0),
+            traffic: [AtomicU64::new(0), AtomicU64::new(0)],
             blas_step: AtomicUsize::new(usize::MAX),
         })
     }
@@ -155,6 +163,15 @@ impl SimDevice {
     /// a launch may access it, for as long as the guard lives.
     pub unsafe fn adopt(&self, address: u64, bytes: u64) -> Result<Adopted, RuntimeError> {
         Ok(self.registry.adopt(address, bytes)?)
+    }
+
+    /// The bytes the device's kernels have loaded from and stored to its buffers (GEMM
+    /// products on the simulated BLAS apart), over every launch so far.
+    pub fn traffic(&self) -> crate::Traffic {
+        crate::Traffic {
+            loaded: self.traffic[0].load(Ordering::Relaxed),
+            stored: self.traffic[1].load(Ordering::Relaxed),
+        }
     }
 
     /// Bytes of a float in the device's buffers.
@@ -296,11 +313,24 @@ impl KernelDevice for SimDevice {
                 Some(grid) => grid,
                 None => return Ok(()),
             },
-            Geometry::Fixed(grid) => grid,
+            Geometry::Fixed(grid) => {
+                // A task of a whole block takes the block the kernel was made for.
+                if info.threads_per_task == GPU_BLOCK_THREADS && grid.threads != GPU_BLOCK_THREADS {
+                    return Err(SimError::Launch {
+                        kernel: info.name.clone(),
+                        blocks: u64::from(grid.blocks),
+                        threads: u64::from(grid.threads),
+                        shared: u64::from(info.shared_bytes),
+                        why: format!("its tasks are blocks of {GPU_BLOCK_THREADS} threads"),
+                    }
+                    .into());
+                }
+                grid
+            }
         };
         let launch = Launch {
             grid,
-            shared_bytes: 0,
+            shared_bytes: info.shared_bytes,
         };
         let seed = self.options.seed ^ self.launches.fetch_add(1, Ordering::Relaxed);
         let call = Call {
@@ -310,7 +340,7 @@ impl KernelDevice for SimDevice {
         };
         // The kernel is of the simulated target; the caller vouches for the table, the
         // buffers and the range.
-        unsafe {
+        let traffic = unsafe {
             run_grid(
                 &info.name,
                 call,
@@ -319,6 +349,8 @@ impl KernelDevice for SimDevice {
                 seed,
             )
         }?;
+        self.traffic[0].fetch_add(traffic.loaded, Ordering::Relaxed);
+        self.traffic[1].fetch_add(traffic.stored, Ordering::Relaxed);
         Ok(())
     }
 

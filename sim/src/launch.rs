@@ -4,7 +4,7 @@
 
 use nestor_codegen::GpuGrid;
 
-use crate::abi::{with_launch, LaunchState};
+use crate::abi::{with_launch, LaunchState, Traffic};
 use crate::block::{run_block, Call, Order};
 use crate::error::BadAccess;
 use crate::memory::Extents;
@@ -87,8 +87,9 @@ impl Launch {
 /// Runs `kernel` (named `name`) over `range` with argument table `table` as `launch`
 /// says, its accesses checked against `extents`: its blocks in the order `seed` draws,
 /// dealt out in turn to the cores (rayon's pool), each block's threads in the order its
-/// own seed draws (so a block runs the same whichever core runs it). The error of the
-/// earliest block to fail, else the first out-of-bounds access.
+/// own seed draws (so a block runs the same whichever core runs it). Its memory
+/// traffic; the error of the earliest block to fail, else the first out-of-bounds
+/// access.
 ///
 /// # Safety
 /// `kernel` must be a kernel of the simulated target (or call only the simulator's ABI
@@ -100,7 +101,7 @@ pub(crate) unsafe fn run_grid(
     (launch, limits): (Launch, &Limits),
     extents: Extents,
     seed: u64,
-) -> Result<(), SimError> {
+) -> Result<Traffic, SimError> {
     use rayon::prelude::*;
     launch.check(name, limits)?;
     let mut blocks: Vec<u32> = (0..launch.grid.blocks).collect();
@@ -134,12 +135,14 @@ pub(crate) unsafe fn run_grid(
                 failed,
                 bad: first.map(|first| (position(first.block), first)),
                 count,
+                traffic: state.traffic.get(),
             }
         })
         .collect();
     let count: u64 = outcomes.iter().map(|outcome| outcome.count).sum();
-    let (mut failed, mut bad) = (None, None);
+    let (mut failed, mut bad, mut traffic) = (None, None, Traffic::default());
     for outcome in outcomes {
+        traffic += outcome.traffic;
         failed = earliest(failed, outcome.failed);
         bad = earliest(bad, outcome.bad);
     }
@@ -152,7 +155,7 @@ pub(crate) unsafe fn run_grid(
             first,
             count,
         }),
-        None => Ok(()),
+        None => Ok(traffic),
     }
 }
 
@@ -164,6 +167,8 @@ struct Outcome {
     bad: Option<(usize, BadAccess)>,
     /// Its out-of-bounds accesses.
     count: u64,
+    /// Its memory traffic.
+    traffic: Traffic,
 }
 
 /// Of two positioned values, the earlier.

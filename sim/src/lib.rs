@@ -37,7 +37,7 @@ mod shuffle;
 
 pub mod mma;
 
-pub use abi::{calls, symbols, BARRIER, SHARED};
+pub use abi::{calls, symbols, Traffic, BARRIER, SHARED};
 pub use device::{Geometry, SimDevice, SimOptions};
 pub use error::{BadAccess, SimError};
 pub use launch::{Launch, Limits};
@@ -57,7 +57,7 @@ pub unsafe fn run_kernel(
     (launch, limits): (Launch, &Limits),
     buffers: &[(u64, u64)],
     seed: u64,
-) -> Result<(), SimError> {
+) -> Result<Traffic, SimError> {
     let extents = memory::Extents::of(buffers);
     let call = block::Call {
         kernel,

@@ -393,3 +393,115 @@ fn device_buffers_are_reused_within_a_run_and_across_runs() {
     assert_eq!(first_difference(&first, &on_cpu, 1e-6), None);
     assert_eq!(first_difference(&second, &on_cpu, 1e-6), None);
 }
+
+/// The memory traffic of one run of `text` on the simulated GPU in one warp (so that
+/// the argument tables are loaded 32 times only; the lengths `[5, 3]`, float inputs of
+/// `values` each), and the bytes of its first float input.
+fn traffic_of(text: &str, values: &[usize]) -> (nestor_sim::Traffic, u64) {
+    use nestor_runtime::{InputData, Stats};
+    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    let graph = nestor_ir::parse(text).unwrap();
+    let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let one_warp = nestor_codegen::GpuGrid {
+        blocks: 1,
+        threads: 32,
+    };
+    let options = SimOptions {
+        geometry: Geometry::Fixed(one_warp),
+        ..SimOptions::default()
+    };
+    let device = SimDevice::with(&executable, options).unwrap();
+    let lengths = [5i64, 3];
+    let data: Vec<Vec<f32>> = values
+        .iter()
+        .map(|&count| (0..count).map(|i| (i % 7) as f32 * 0.25 - 0.5).collect())
+        .collect();
+    let inputs: Vec<InputData<'_>> = std::iter::once(InputData::I64(&lengths))
+        .chain(data.iter().map(|values| InputData::F32(values)))
+        .collect();
+    let on_device = executable
+        .run_on_device(&device, &inputs, &Stats::default())
+        .unwrap();
+    let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
+    assert_eq!(first_difference(&on_device, &on_cpu, 1e-5), None);
+    (device.traffic(), 4 * values[0] as u64)
+}
+
+#[test]
+fn rows_of_several_passes_read_their_input_once_on_the_gpu() {
+    // A row a warp, 200 values: 7 a lane, kept in registers.
+    let (traffic, bytes) = traffic_of(
+        r#"graph @norm {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 200]
+  %2 = input {name = "w"} : f32[200]
+  %3 = input {name = "b"} : f32[200]
+  %4 = layer_norm(%1, %2, %3) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 200]
+  %5 = softmax(%1) {axis = -1} : ragged<f32>[B; %0, 200]
+  return %4, %5
+}"#,
+        &[8 * 200, 200, 200],
+    );
+    eprintln!("layer norm and softmax of 8 rows of 200: {traffic:?}, x {bytes} bytes");
+    // Layer norm reads x once and its weight and bias once a row; softmax reads x once;
+    // each writes its output once. The rest is the argument tables (8 bytes an entry,
+    // 32 threads: under 2 KiB a kernel). Before the rows were kept in registers, layer
+    // norm read x three times and softmax read x twice and its output once more.
+    let values = 2 * bytes + 2 * bytes;
+    assert!(
+        traffic.loaded >= values && traffic.loaded < values + bytes,
+        "{traffic:?}"
+    );
+    assert_eq!(traffic.stored, 2 * bytes);
+}
+
+#[test]
+fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
+    // 1000 values a row: a warp's, 32 a lane in registers; 3000: a block's, its warps'
+    // values combined through shared memory. Every kind of row kernel, against the CPU
+    // (`traffic_of` compares them), on the CUDA device's grid.
+    use nestor_runtime::{InputData, Stats};
+    use nestor_sim::SimDevice;
+    for width in [1000, 3000] {
+        let text = format!(
+            r#"graph @wide {{
+  %0 = input {{name = "x.lengths"}} : lengths[B]
+  %1 = input {{name = "x"}} : ragged<f32>[B; %0, {width}]
+  %2 = input {{name = "w"}} : f32[{width}]
+  %3 = layer_norm(%1, %2, %2) {{dims = 1, eps = 1e-5}} : ragged<f32>[B; %0, {width}]
+  %4 = rms_norm(%1, %2) {{dims = 1, eps = 1e-6}} : ragged<f32>[B; %0, {width}]
+  %5 = softmax(%1) {{axis = -1}} : ragged<f32>[B; %0, {width}]
+  %6 = log_softmax(%1) {{axis = -1}} : ragged<f32>[B; %0, {width}]
+  %7 = sum(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
+  %8 = mean(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
+  %9 = amax(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
+  %10 = amin(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
+  return %3, %4, %5, %6, %7, %8, %9, %10
+}}"#
+        );
+        let graph = nestor_ir::parse(&text).unwrap();
+        let executable =
+            nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
+        let device = SimDevice::new(&executable).unwrap();
+        let lengths = [3i64, 0, 1, 2];
+        let rows = 6 * width;
+        let x: Vec<f32> = (0..rows)
+            .map(|i| ((i * 37) % 101) as f32 * 0.05 - 2.5)
+            .collect();
+        let w: Vec<f32> = (0..width).map(|i| 1.0 + (i % 5) as f32 * 0.1).collect();
+        let inputs = [
+            InputData::I64(&lengths),
+            InputData::F32(&x),
+            InputData::F32(&w),
+        ];
+        let on_device = executable
+            .run_on_device(&device, &inputs, &Stats::default())
+            .unwrap();
+        let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
+        assert_eq!(
+            first_difference(&on_device, &on_cpu, 1e-5),
+            None,
+            "width {width}"
+        );
+    }
+}

@@ -59,7 +59,7 @@ fn run(
     buffers: &mut [&mut [u64]],
     launch: Launch,
     seed: u64,
-) -> Result<(), SimError> {
+) -> Result<nestor_sim::Traffic, SimError> {
     let table: Vec<u64> = buffers
         .iter_mut()
         .map(|buffer| buffer.as_mut_ptr() as u64)
@@ -513,13 +513,18 @@ fn a_warps_mma_equals_the_scalar_product() {
     let mut c_words: Vec<u64> = c.iter().map(|&x| u64::from(x.to_bits())).collect();
     let mut d_words = vec![u64::MAX; M * N];
     for seed in [1, 2, 3] {
-        run(
+        let traffic = run(
             ("mma_warp", mma_warp),
             &mut [&mut a_words, &mut b_words, &mut c_words, &mut d_words],
             grid(1, 32),
             seed,
         )
         .unwrap();
+        // Every value of A, B and C loaded once (a word each), every value of D stored
+        // once, and each lane's four table entries.
+        let words = (M * K + K * N + M * N) as u64 + 32 * 4;
+        assert_eq!(traffic.loaded, 8 * words);
+        assert_eq!(traffic.stored, 8 * (M * N) as u64);
         for row in 0..M {
             for column in 0..N {
                 let expected = (0..K).fold(f64::from(c[row * N + column]), |sum, k| {

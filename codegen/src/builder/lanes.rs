@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// The most columns of a row a GPU lane keeps in registers ([`Kernel::register_chunks`]):
+/// rows of up to 1024 values are read from memory once.
+pub(crate) const ROW_REGISTERS: i64 = 32;
+
 impl<'ctx> Kernel<'ctx, '_> {
     /// `for i in start..end { body(i) }`.
     pub(crate) fn for_range(
@@ -94,11 +98,24 @@ impl<'ctx> Kernel<'ctx, '_> {
         end: IntValue<'ctx>,
         body: impl FnOnce(IntValue<'ctx>, Lanes<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
+        self.parallel_rows_of(self.lane_count(), start, end, body)
+    }
+
+    /// [`Kernel::parallel_rows`] with tasks of `count` lanes on a GPU: a warp
+    /// ([`WARP_LANES`]) or a whole block ([`crate::GPU_BLOCK_THREADS`], launched so:
+    /// [`crate::gpu_threads_per_task`]), whose lanes combine values through shared
+    /// memory ([`Kernel::across_lanes`]).
+    pub(crate) fn parallel_rows_of(
+        &self,
+        count: i64,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>, Lanes<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
         match self.target {
             Target::Host => self.for_range(start, end, |row| body(row, self.single_lane())),
             Target::Nvptx | Target::Simulated => {
                 let grid = self.grid()?;
-                let count = self.lane_count();
                 let warps = self.div(grid.threads, self.i64(count))?;
                 let lanes = Lanes {
                     lane: self.rem(grid.thread, self.i64(count))?,
@@ -118,6 +135,37 @@ impl<'ctx> Kernel<'ctx, '_> {
         body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
         self.lane_range_until(lanes, self.i64(width), body)
+    }
+
+    /// On a GPU, how many columns of a row of `width` each of `lanes` takes (its
+    /// columns `lane + count * chunk`) when they fit [`ROW_REGISTERS`], so that a
+    /// kernel may keep them in registers; `None` on the host and for longer rows.
+    pub(crate) fn register_chunks(&self, lanes: Lanes<'ctx>, width: i64) -> Option<i64> {
+        let count = lanes.count.max(1);
+        let chunks = (width.max(0) + count - 1) / count;
+        (lanes.count > 1 && chunks <= ROW_REGISTERS).then_some(chunks)
+    }
+
+    /// `body(column, chunk)` for each of a lane's columns `lane + count * chunk` of a row
+    /// of `width` (`chunk < chunks`, [`Kernel::register_chunks`]), unrolled (each
+    /// `chunk` a constant, so values kept by chunk stay in registers); the last chunk
+    /// only in the lanes whose column is inside the row.
+    pub(crate) fn unrolled_lane_range(
+        &self,
+        lanes: Lanes<'ctx>,
+        (width, chunks): (i64, i64),
+        mut body: impl FnMut(IntValue<'ctx>, i64) -> Gen<()>,
+    ) -> Gen<()> {
+        for chunk in 0..chunks {
+            let column = self.add(lanes.lane, self.i64(chunk * lanes.count))?;
+            if (chunk + 1) * lanes.count <= width {
+                body(column, chunk)?;
+            } else {
+                let inside = self.less(column, self.i64(width))?;
+                self.if_else(inside, || body(column, chunk), || Ok(()))?;
+            }
+        }
+        Ok(())
     }
 
     /// [`Kernel::lane_range`] to a bound known at run time.
@@ -143,12 +191,33 @@ impl<'ctx> Kernel<'ctx, '_> {
         combine: impl Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
     ) -> Gen<FloatValue<'ctx>> {
         let mut value = value;
-        let mut offset = lanes.count / 2;
+        let mut offset = lanes.count.min(WARP_LANES) / 2;
         while offset >= 1 {
             value = combine(value, self.shuffle_xor(value, offset)?)?;
             offset /= 2;
         }
-        Ok(value)
+        if lanes.count <= WARP_LANES {
+            return Ok(value);
+        }
+        // A block's lanes: each warp's value through shared memory, combined in warp
+        // order by every lane (so all get the same bits). The first barrier keeps a
+        // slot from being written while another lane still reads its last value.
+        let warps = lanes.count / WARP_LANES;
+        let shared = self.shared_floats(warps)?;
+        self.barrier()?;
+        let lane_in_warp = self.rem(lanes.lane, self.i64(WARP_LANES))?;
+        let warp = self.div(lanes.lane, self.i64(WARP_LANES))?;
+        self.if_else(
+            self.equal(lane_in_warp, self.i64(0))?,
+            || self.store_shared(shared, warp, value),
+            || Ok(()),
+        )?;
+        self.barrier()?;
+        let mut combined = self.load_shared(shared, self.i64(0))?;
+        for index in 1..warps {
+            combined = combine(combined, self.load_shared(shared, self.i64(index))?)?;
+        }
+        Ok(combined)
     }
 
     /// The `value` of lane `lane ^ offset` of this warp (`shfl.sync.bfly` over the
@@ -254,6 +323,89 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.builder
             .build_int_z_extend(value.into_int_value(), self.context.i64_type(), "index")
             .map_err(err)
+    }
+
+    /// `bar.sync 0`: waits until every thread of the block is here.
+    pub(crate) fn barrier(&self) -> Gen<()> {
+        if self.target == Target::Simulated {
+            let function_type = self.context.void_type().fn_type(&[], false);
+            let function = self
+                .module
+                .get_function(crate::sim_abi::BARRIER)
+                .unwrap_or_else(|| {
+                    self.module
+                        .add_function(crate::sim_abi::BARRIER, function_type, None)
+                });
+            self.builder.build_call(function, &[], "").map_err(err)?;
+            return Ok(());
+        }
+        let name = "llvm.nvvm.barrier0";
+        let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
+        let function = intrinsic
+            .get_declaration(self.module, &[])
+            .ok_or_else(|| err(format!("no declaration of {name}")))?;
+        self.builder.build_call(function, &[], "").map_err(err)?;
+        Ok(())
+    }
+
+    /// The block's `count` floats of shared memory (the kernel's only shared array:
+    /// [`crate::gpu_shared_bytes`] tells a launch its size). On the simulated GPU the
+    /// block's shared memory, its accesses checked; on NVPTX an `addrspace(3)` array.
+    pub(crate) fn shared_floats(&self, count: i64) -> Gen<PointerValue<'ctx>> {
+        let ptr = self.context.ptr_type(AddressSpace::default());
+        if self.target == Target::Simulated {
+            return Ok(self
+                .simulator_call(crate::sim_abi::SHARED, ptr.fn_type(&[], false), &[])?
+                .into_pointer_value());
+        }
+        let name = format!("{}.shared", self.function.get_name().to_string_lossy());
+        let array = self.float.array_type(u32::try_from(count).map_err(err)?);
+        let global = match self.module.get_global(&name) {
+            Some(global) => global,
+            None => {
+                let global = self
+                    .module
+                    .add_global(array, Some(AddressSpace::from(3u16)), &name);
+                global.set_linkage(inkwell::module::Linkage::Internal);
+                global.set_initializer(&array.get_undef());
+                global
+            }
+        };
+        self.builder
+            .build_address_space_cast(global.as_pointer_value(), ptr, "shared")
+            .map_err(err)
+    }
+
+    /// Value `index` of shared memory `shared` ([`Kernel::shared_floats`]).
+    fn load_shared(
+        &self,
+        shared: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let address =
+            unsafe { self.builder.build_gep(self.float, shared, &[index], "at") }.map_err(err)?;
+        let bytes = if self.double { 8 } else { 4 };
+        let address = self.checked(address, bytes, false)?;
+        Ok(self
+            .builder
+            .build_load(self.float, address, "shared_value")
+            .map_err(err)?
+            .into_float_value())
+    }
+
+    /// Stores `value` as value `index` of shared memory `shared`.
+    fn store_shared(
+        &self,
+        shared: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+        value: FloatValue<'ctx>,
+    ) -> Gen<()> {
+        let address =
+            unsafe { self.builder.build_gep(self.float, shared, &[index], "at") }.map_err(err)?;
+        let bytes = if self.double { 8 } else { 4 };
+        let address = self.checked(address, bytes, true)?;
+        self.builder.build_store(address, value).map_err(err)?;
+        Ok(())
     }
 
     /// A call of the NVVM intrinsic `name` (not overloaded).

@@ -7,6 +7,7 @@ mod abi;
 mod arith;
 mod expr;
 mod lanes;
+pub(crate) use lanes::ROW_REGISTERS;
 mod math;
 mod memory;
 

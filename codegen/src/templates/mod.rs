@@ -24,7 +24,7 @@ use nestor_passes::step::{
 };
 use nestor_passes::{Access, Fusion, Role, RowKind, SegmentKind, Signature, Step, WindowKind};
 
-use crate::builder::{Gen, Kernel, Lanes, Local};
+use crate::builder::{Gen, Kernel, Lanes, Local, ROW_REGISTERS, WARP_LANES};
 use crate::{KernelSet, Storage, Target};
 
 mod attention;
@@ -187,6 +187,15 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 /// inserts, padding copies and pointwise kernels over rows, whose lanes share a row's
 /// (an element's, a head's, a pixel's, an image's, a table row's) columns, and the sums
 /// over rows (row sums, a weight gradient's pixels), whose lanes share the rows.
+/// Rows longer than this are a block's on a GPU (a warp's otherwise): [`ROW_REGISTERS`]
+/// values a lane of a warp.
+pub(crate) const BLOCK_ROW_WIDTH: i64 = WARP_LANES * ROW_REGISTERS;
+
+/// Whether a task of `step`'s GPU kernel is a whole block (a row kernel's long rows).
+pub(crate) fn block_per_task(step: &Step) -> bool {
+    matches!(step, Step::Row(row) if row.width > BLOCK_ROW_WIDTH)
+}
+
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
         Step::ScatterRows(ScatterRows { ids, .. }) => program.is_input(*ids),
@@ -259,39 +268,6 @@ fn lane_sum<'ctx>(
         kernel.set(acc, kernel.fadd_reassociable(kernel.get(acc)?, value)?)
     })?;
     kernel.across_lanes(lanes, kernel.get(acc)?, |a, b| kernel.fadd(a, b))
-}
-
-/// The largest (or smallest) of `f(column)` over a row shared by `lanes` (in every
-/// lane), NaN if any is NaN; with `bound`, a largest value for softmax (see
-/// [`Kernel::softmax_bound`]).
-fn lane_extreme<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    lanes: Lanes<'ctx>,
-    width: i64,
-    (largest, bound): (bool, bool),
-    f: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-) -> Gen<FloatValue<'ctx>> {
-    let combine = |a, b| {
-        if bound {
-            kernel.softmax_bound(a, b)
-        } else {
-            kernel.extreme(a, b, largest)
-        }
-    };
-    let acc = kernel.accumulator("extreme")?;
-    kernel.set(
-        acc,
-        kernel.constant(if largest {
-            f64::NEG_INFINITY
-        } else {
-            f64::INFINITY
-        }),
-    )?;
-    kernel.lane_range(lanes, width, |column| {
-        let value = f(column)?;
-        kernel.set(acc, combine(kernel.get(acc)?, value)?)
-    })?;
-    kernel.across_lanes(lanes, kernel.get(acc)?, combine)
 }
 
 /// The buffers of a fused expression's inputs.

@@ -16,13 +16,28 @@ pub(super) fn row<'ctx>(
     let weight = kernel.optional(Role::Weight)?;
     let bias = kernel.optional(Role::Bias)?;
     let n = kernel.constant(width as f64);
-    // A row is a warp's on a GPU (its lanes share the columns), one thread's on the host.
-    kernel.parallel_rows(start, end, |row, lanes| {
+    let passes = matches!(
+        kind,
+        RowKind::LayerNorm | RowKind::RmsNorm | RowKind::Softmax | RowKind::LogSoftmax
+    );
+    // A row is a warp's on a GPU (its lanes share the columns; a block's for rows over
+    // `BLOCK_ROW_WIDTH`), one thread's on the host.
+    let lanes_per_row = if width > BLOCK_ROW_WIDTH {
+        i64::from(crate::GPU_BLOCK_THREADS)
+    } else {
+        kernel.lane_count()
+    };
+    kernel.parallel_rows_of(lanes_per_row, start, end, |row, lanes| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
-        // Each pass over the row computes the prologue again (it is cheap, the row is
-        // in cache, and the input is never written to memory).
         let load = |column| prologue(kernel, x, &inputs, row, column);
+        // Kernels of several passes over the row keep it in registers on a GPU (read
+        // once); on the host each pass computes the prologue again (it is cheap, the
+        // row is in cache, and the input is never written to memory).
+        let row_values = match kernel.register_chunks(lanes, width).filter(|_| passes) {
+            Some(chunks) => RowValues::kept(kernel, lanes, (width, chunks), &load)?,
+            None => RowValues::loaded(kernel, lanes, width, &load),
+        };
         let affine = |value: FloatValue<'ctx>, column| -> Gen<FloatValue<'ctx>> {
             let scaled = match weight {
                 Some(weight) => kernel.fmul(value, kernel.load_float(weight, column)?)?,
@@ -36,13 +51,13 @@ pub(super) fn row<'ctx>(
         match kind {
             RowKind::LayerNorm | RowKind::RmsNorm => {
                 let mean = if kind == RowKind::LayerNorm {
-                    kernel.fdiv(lane_sum(kernel, lanes, width, load)?, n)?
+                    kernel.fdiv(row_values.sum(|_, value| Ok(value))?, n)?
                 } else {
                     kernel.constant(0.0)
                 };
                 let variance = kernel.fdiv(
-                    lane_sum(kernel, lanes, width, |column| {
-                        let centered = kernel.fsub(load(column)?, mean)?;
+                    row_values.sum(|_, value| {
+                        let centered = kernel.fsub(value, mean)?;
                         kernel.fmul(centered, centered)
                     })?,
                     n,
@@ -50,39 +65,35 @@ pub(super) fn row<'ctx>(
                 let root = kernel
                     .intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
                 let inverse = kernel.fdiv(kernel.constant(1.0), root)?;
-                kernel.lane_range(lanes, width, |column| {
-                    let normed = kernel.fmul(kernel.fsub(load(column)?, mean)?, inverse)?;
+                row_values.each(|column, value| {
+                    let normed = kernel.fmul(kernel.fsub(value, mean)?, inverse)?;
                     kernel.store_float(out, at(column)?, affine(normed, column)?)
                 })
             }
             RowKind::Softmax => {
-                let max = lane_extreme(kernel, lanes, width, (true, true), load)?;
-                // One exp per value: e^(x - max) is written while it is summed, then
-                // scaled in place (as libtorch's kernel).
-                let total = lane_sum(kernel, lanes, width, |column| {
-                    let value = kernel.fast_exp(kernel.fsub(load(column)?, max)?)?;
-                    kernel.store_float(out, at(column)?, value)?;
-                    Ok(value)
-                })?;
+                let max = row_values.extreme((true, true))?;
+                // One exp per value: e^(x - max) is kept (in registers, else written to
+                // the output) while it is summed, then scaled (as libtorch's kernel).
+                let store = |column, value| kernel.store_float(out, at(column)?, value);
+                let total = row_values
+                    .replace(|_, value| kernel.fast_exp(kernel.fsub(value, max)?), &store)?;
                 let inverse = kernel.fdiv(kernel.constant(1.0), total)?;
-                kernel.lane_range(lanes, width, |column| {
-                    let value = kernel.load_float(out, at(column)?)?;
+                let stored = |column| kernel.load_float(out, at(column)?);
+                row_values.each_replaced(&stored, |column, value| {
                     kernel.store_float(out, at(column)?, kernel.fmul(value, inverse)?)
                 })
             }
             RowKind::LogSoftmax => {
-                let max = lane_extreme(kernel, lanes, width, (true, true), load)?;
-                let total = lane_sum(kernel, lanes, width, |column| {
-                    kernel.fast_exp(kernel.fsub(load(column)?, max)?)
-                })?;
+                let max = row_values.extreme((true, true))?;
+                let total = row_values.sum(|_, value| kernel.fast_exp(kernel.fsub(value, max)?))?;
                 let log_total = kernel.math("log", &[total])?;
-                kernel.lane_range(lanes, width, |column| {
-                    let shifted = kernel.fsub(load(column)?, max)?;
+                row_values.each(|column, value| {
+                    let shifted = kernel.fsub(value, max)?;
                     kernel.store_float(out, at(column)?, kernel.fsub(shifted, log_total)?)
                 })
             }
             RowKind::Sum | RowKind::Mean => {
-                let sum = lane_sum(kernel, lanes, width, load)?;
+                let sum = row_values.sum(|_, value| Ok(value))?;
                 let value = if kind == RowKind::Mean {
                     kernel.fdiv(sum, n)?
                 } else {
@@ -91,12 +102,157 @@ pub(super) fn row<'ctx>(
                 first_lane_stores(kernel, lanes, out, row, value)
             }
             RowKind::Max | RowKind::Min => {
-                let largest = kind == RowKind::Max;
-                let value = lane_extreme(kernel, lanes, width, (largest, false), load)?;
+                let value = row_values.extreme((kind == RowKind::Max, false))?;
                 first_lane_stores(kernel, lanes, out, row, value)
             }
         }
     })
+}
+
+/// A row's values as the passes of a row kernel see them: kept in a lane's registers
+/// (a GPU's rows of up to [`ROW_REGISTERS`] values a lane, read once), or loaded (the
+/// prologue computed) again by every pass.
+struct RowValues<'a, 'ctx, 'm> {
+    kernel: &'a Kernel<'ctx, 'm>,
+    lanes: Lanes<'ctx>,
+    width: i64,
+    /// The value at a column.
+    load: &'a dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    /// The lane's values, one a chunk, and how many chunks.
+    kept: Option<(Local<'ctx>, i64)>,
+}
+
+impl<'a, 'ctx, 'm> RowValues<'a, 'ctx, 'm> {
+    /// Values `load` gives, computed by every pass.
+    fn loaded(
+        kernel: &'a Kernel<'ctx, 'm>,
+        lanes: Lanes<'ctx>,
+        width: i64,
+        load: &'a dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ) -> Self {
+        Self {
+            kernel,
+            lanes,
+            width,
+            load,
+            kept: None,
+        }
+    }
+
+    /// Values `load` gives, each computed once into the lane's registers.
+    fn kept(
+        kernel: &'a Kernel<'ctx, 'm>,
+        lanes: Lanes<'ctx>,
+        (width, chunks): (i64, i64),
+        load: &'a dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ) -> Gen<Self> {
+        let values = kernel.accumulator_array("row", chunks)?;
+        kernel.unrolled_lane_range(lanes, (width, chunks), |column, chunk| {
+            kernel.store_local(values, kernel.i64(chunk), load(column)?)
+        })?;
+        Ok(Self {
+            kernel,
+            lanes,
+            width,
+            load,
+            kept: Some((values, chunks)),
+        })
+    }
+
+    /// `body(column, value)` over the lane's columns.
+    fn each(&self, mut body: impl FnMut(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<()>) -> Gen<()> {
+        let kernel = self.kernel;
+        match self.kept {
+            Some((values, chunks)) => {
+                kernel.unrolled_lane_range(self.lanes, (self.width, chunks), |column, chunk| {
+                    body(column, kernel.load_local(values, kernel.i64(chunk))?)
+                })
+            }
+            None => kernel.lane_range(self.lanes, self.width, |column| {
+                body(column, (self.load)(column)?)
+            }),
+        }
+    }
+
+    /// The sum of `f(column, value)` over the row, in every lane.
+    fn sum(
+        &self,
+        f: impl Fn(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let kernel = self.kernel;
+        let acc = kernel.accumulator("sum")?;
+        kernel.set(acc, kernel.constant(0.0))?;
+        self.each(|column, value| {
+            kernel.set(
+                acc,
+                kernel.fadd_reassociable(kernel.get(acc)?, f(column, value)?)?,
+            )
+        })?;
+        kernel.across_lanes(self.lanes, kernel.get(acc)?, |a, b| kernel.fadd(a, b))
+    }
+
+    /// The largest (or smallest) value of the row, in every lane, NaN if any is NaN;
+    /// with `bound`, a largest value for softmax ([`Kernel::softmax_bound`]).
+    fn extreme(&self, (largest, bound): (bool, bool)) -> Gen<FloatValue<'ctx>> {
+        let kernel = self.kernel;
+        let combine = |a, b| {
+            if bound {
+                kernel.softmax_bound(a, b)
+            } else {
+                kernel.extreme(a, b, largest)
+            }
+        };
+        let acc = kernel.accumulator("extreme")?;
+        let start = if largest {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        };
+        kernel.set(acc, kernel.constant(start))?;
+        self.each(|_, value| kernel.set(acc, combine(kernel.get(acc)?, value)?))?;
+        kernel.across_lanes(self.lanes, kernel.get(acc)?, combine)
+    }
+
+    /// The sum of `f(column, value)` over the row, each result kept in place of the
+    /// value (registers), or given to `store` (which keeps it in memory).
+    fn replace(
+        &self,
+        f: impl Fn(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+        store: &dyn Fn(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<()>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let kernel = self.kernel;
+        self.sum(|column, value| {
+            let result = f(column, value)?;
+            match self.kept {
+                Some((values, _)) => {
+                    // `column` is `lane + count * chunk` with `chunk` a constant, which
+                    // this folds back to.
+                    let chunk = kernel.div(
+                        kernel.sub(column, self.lanes.lane)?,
+                        kernel.i64(self.lanes.count),
+                    )?;
+                    kernel.store_local(values, chunk, result)?
+                }
+                None => store(column, result)?,
+            }
+            Ok(result)
+        })
+    }
+
+    /// `body(column, value)` over what [`Self::replace`] kept: the registers, or what
+    /// `stored` reads back.
+    fn each_replaced(
+        &self,
+        stored: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+        mut body: impl FnMut(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        match self.kept {
+            Some(_) => self.each(body),
+            None => self.kernel.lane_range(self.lanes, self.width, |column| {
+                body(column, stored(column)?)
+            }),
+        }
+    }
 }
 
 pub(super) fn segment<'ctx>(

@@ -59,6 +59,18 @@ fn storage_of(program: &nestor_passes::Program) -> Storage {
     }
 }
 
+impl RunDevice {
+    /// The default of every compiled function: [`RunDevice::Inputs`], or the simulated
+    /// GPU where `NESTOR_DEVICE=sim` says so (to run a program's or a whole test
+    /// suite's compiled calls on the GPU's kernels without a GPU).
+    pub fn from_env() -> Self {
+        match std::env::var("NESTOR_DEVICE").as_deref() {
+            Ok("sim") => RunDevice::Simulated(SimOptions::default()),
+            _ => RunDevice::Inputs,
+        }
+    }
+}
+
 /// Where the program of one structure runs.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Placement {

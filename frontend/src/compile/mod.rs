@@ -197,7 +197,7 @@ where
         dump: std::env::var_os("NESTOR_DUMP").map(PathBuf::from),
         cache: Mutex::new(FxHashMap::default()),
         stats: Stats::default(),
-        device: RunDevice::Inputs,
+        device: RunDevice::from_env(),
     }
 }
 

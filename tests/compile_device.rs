@@ -286,3 +286,23 @@ fn a_bf16_encoder_runs_in_bf16_buffers_on_the_simulated_gpu() {
     assert_eq!(after.device.uploads - before.device.uploads, 1);
     assert_eq!(after.device.allocations, before.device.allocations);
 }
+
+#[test]
+fn f64_models_on_the_gpu_are_an_unsupported_error() {
+    let compiled =
+        compile("double", |x: &[NestedTensor], _: &[Dense]| &x[0] * 2.0).on_device(simulated());
+    let (x, _) = batch(&[2, 1], &[3], Kind::Double, 1);
+    match compiled.call(&[&x], &[]) {
+        Err(NestedError::Compile { reason, .. }) => {
+            assert_eq!(reason.cause(), CompileCause::Unsupported, "{reason}");
+            assert!(
+                reason.to_string().contains("f64 programs run on the CPU"),
+                "{reason}"
+            );
+        }
+        other => panic!(
+            "expected an unsupported error, got {:?}",
+            other.map(|v| v.len())
+        ),
+    }
+}

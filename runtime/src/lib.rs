@@ -20,10 +20,10 @@ mod memory;
 mod stats;
 
 pub use executor::{
-    from_bf16, mask_key, round_to_bf16, split_mix, step_error, to_bf16, within_budget, BlasCall,
-    BlasSizeError, DeviceOutput, DeviceResults, DeviceSink, Executable, Gemms, HostRunner,
-    HostSteps, HostValue, InputData, KernelDevice, LengthsInfo, OutputSink, Product, RunData,
-    RunDim, RunOutput, RunShape, RunState, RuntimeError, Sizes,
+    check_ids, from_bf16, mask_key, round_to_bf16, split_mix, step_error, to_bf16, within_budget,
+    BlasCall, BlasSizeError, DeviceOutput, DeviceResults, DeviceSink, Executable, Gemms,
+    HostRunner, HostSteps, HostValue, InputData, KernelDevice, LengthsInfo, OutputSink, Product,
+    RunData, RunDim, RunOutput, RunShape, RunState, RuntimeError, Sizes,
 };
 pub use memory::MemoryBudget;
 pub use stats::{DeviceCounts, Stats, StatsSnapshot};

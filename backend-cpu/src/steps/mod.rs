@@ -543,18 +543,9 @@ impl CpuSteps {
         let Some((input, data)) = run.input(ids) else {
             return Err(step_error(index, "ids must be an input".into()));
         };
-        if let InputData::I64(values) = data {
-            if let Some((row, &id)) = values
-                .iter()
-                .enumerate()
-                .find(|(_, &id)| Some(id) != ignored && !(0..limit).contains(&id))
-            {
-                return Err(RuntimeError::BadInput {
-                    input,
-                    reason: format!("row {row} has id {id}, outside 0..{limit}"),
-                });
-            }
+        match data {
+            InputData::I64(values) => nestor_runtime::check_ids(input, values, (limit, ignored)),
+            _ => Ok(()),
         }
-        Ok(())
     }
 }

@@ -155,6 +155,40 @@ impl Runner {
             stage: "backend",
             reason: error.into(),
         };
+        let on_device = !matches!(placement, Placement::Host);
+        if on_device && executable.program().float == nestor_passes::FloatType::F64 {
+            return Err(NestedError::compile(
+                "device",
+                CompileCause::Unsupported,
+                "f64 programs run on the CPU only: GPU programs compute in f32 (f16 and bf16 \
+                 tensors in f32 too); use f32 or bf16 tensors on the GPU",
+            ));
+        }
+        // Per-element regions through libtorch (`per_element_fallback`) are the host's.
+        let program = executable.program();
+        let kernel_set = match placement {
+            Placement::Simulated(options) => Some(options.gemms.kernel_set()),
+            Placement::Cuda(_) => Some(nestor_runtime::Gemms::Blas.kernel_set()),
+            Placement::Host => None,
+        };
+        if let Some(set) = kernel_set {
+            let host_step = program.steps.iter().position(|step| {
+                matches!(
+                    step.placement(program, set),
+                    nestor_passes::Placement::Backend | nestor_passes::Placement::Libtorch
+                )
+            });
+            if let Some(step) = host_step {
+                return Err(NestedError::compile(
+                    "device",
+                    CompileCause::Unsupported,
+                    format!(
+                        "step {step} is a per-element region run through libtorch \
+                         (`per_element_fallback`), which runs on the CPU only"
+                    ),
+                ));
+            }
+        }
         Ok(match placement {
             Placement::Host => Runner::Host,
             Placement::Simulated(options) => {

@@ -22,7 +22,7 @@ use nestor_passes::{
     Arg, FloatType, Placement, Program, Signature, Slot, Source, Step, WindowKind,
 };
 
-use super::run_state::{mask_key, rows_of_ids};
+use super::run_state::{check_ids, mask_key, rows_of_ids};
 use super::sizes::Sizes;
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
 use crate::stats::DeviceCounter;
@@ -1023,14 +1023,10 @@ impl Plan<'_> {
         }
     }
 
-    /// Ids are `valid` (kernels read rows or classes by them unchecked): only ids
-    /// given as inputs can be checked before the launch.
-    fn check_ids(
-        &self,
-        ids: Slot,
-        valid: impl Fn(i64) -> bool,
-        invalid: impl Fn() -> String,
-    ) -> Result<(), RuntimeError> {
+    /// Ids within `0..limit` (or `ignored`) ([`check_ids`]: kernels read rows or
+    /// classes by them unchecked): only ids given as inputs can be checked before the
+    /// launch.
+    fn check_ids(&self, ids: Slot, bounds: (i64, Option<i64>)) -> Result<(), RuntimeError> {
         let Source::Input(input) = self.program.info(ids).source else {
             return Err(device_error(
                 self.step,
@@ -1038,13 +1034,7 @@ impl Plan<'_> {
             ));
         };
         match self.inputs.get(input) {
-            Some(InputData::I64(values)) => match values.iter().find(|&&id| !valid(id)) {
-                Some(id) => Err(RuntimeError::BadInput {
-                    input,
-                    reason: format!("id {id} is {}", invalid()),
-                }),
-                None => Ok(()),
-            },
+            Some(InputData::I64(values)) => check_ids(input, values, bounds),
             _ => Err(device_error(self.step, "ids that are not i64 values")),
         }
     }
@@ -1056,22 +1046,14 @@ impl Plan<'_> {
         match step {
             Step::Gather(Gather { table, ids, .. }) => {
                 let vocabulary = self.sizes.rows(self.program.info(*table).rows);
-                self.check_ids(
-                    *ids,
-                    |id| (0..vocabulary).contains(&id),
-                    || format!("outside the table of {vocabulary} rows"),
-                )
+                self.check_ids(*ids, (vocabulary, None))
             }
             Step::OneHot(OneHot {
                 ids,
                 classes,
                 ignore,
                 ..
-            }) => self.check_ids(
-                *ids,
-                |id| id == *ignore || (0..*classes).contains(&id),
-                || format!("outside 0..{classes}"),
-            ),
+            }) => self.check_ids(*ids, (*classes, Some(*ignore))),
             Step::Attention(Attention {
                 q_lengths,
                 k_lengths,

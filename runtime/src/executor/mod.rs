@@ -21,7 +21,7 @@ pub use device::{
     from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, DeviceSink, Gemms, KernelDevice,
 };
 pub use product::{BlasCall, BlasSizeError, Product};
-pub use run_state::{mask_key, split_mix, step_error, RunState};
+pub use run_state::{check_ids, mask_key, split_mix, step_error, RunState};
 pub use sizes::{LengthsInfo, Sizes};
 
 use crate::MemoryBudget;

@@ -208,3 +208,24 @@ pub fn split_mix(value: u64) -> u64 {
 pub fn step_error(step: usize, reason: String) -> RuntimeError {
     RuntimeError::Step { step, reason }
 }
+
+/// Checks that every id of input `input` (`values`) is in `0..limit` (or `ignored`),
+/// which kernels index with unchecked: a [`RuntimeError::BadInput`] naming the first row
+/// that is not.
+pub fn check_ids(
+    input: usize,
+    values: &[i64],
+    (limit, ignored): (i64, Option<i64>),
+) -> Result<(), RuntimeError> {
+    match values
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| Some(id) != ignored && !(0..limit).contains(&id))
+    {
+        Some((row, &id)) => Err(RuntimeError::BadInput {
+            input,
+            reason: format!("row {row} has id {id}, outside 0..{limit}"),
+        }),
+        None => Ok(()),
+    }
+}

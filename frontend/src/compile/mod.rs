@@ -264,7 +264,7 @@ where
     /// use tch::{Device, Kind, Tensor};
     ///
     /// let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
-    /// let model = move |x: &[NestedTensor], _: &[Dense]| x[0].linear(&weight, None)?.gelu();
+    /// let model = |x: &[NestedTensor], _: &[Dense]| x[0].linear(&weight, None)?.gelu("none");
     /// let batch = NestedTensor::from_tensors(&[
     ///     Tensor::randn([3, 4], (Kind::Float, Device::Cpu)),
     ///     Tensor::randn([1, 4], (Kind::Float, Device::Cpu)),
@@ -275,7 +275,7 @@ where
     ///     .call(&[&batch], &[])?
     ///     .remove(0)
     ///     .into_nested()?;
-    /// assert!(on_cpu.packed().allclose(simulated.packed(), 1e-5, 1e-5, false));
+    /// assert!(on_cpu.values().allclose(simulated.values(), 1e-5, 1e-5, false));
     /// # Ok::<(), nestor_frontend::NestedError>(())
     /// ```
     pub fn on_device(mut self, device: RunDevice) -> Self {

@@ -131,7 +131,7 @@ fn a_training_step_on_the_simulated_gpu_equals_the_cpu() {
             .cross_entropy(&x[1], -100, 0.0, LossReduction::Mean)?
             .into_dense_handle()
     };
-    let on_cpu = compile("train", model.clone()).train(&store);
+    let on_cpu = compile("train", model).train(&store);
     let on_sim = compile("train", model).train(&store).on_device(simulated());
     for (lengths, seed) in [(vec![4i64, 1, 6], 7), (vec![3], 8)] {
         let (x, _) = batch(&lengths, &[16], Kind::Float, seed);

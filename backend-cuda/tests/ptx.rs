@@ -59,7 +59,7 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
 "#;
 
 /// Rows kept in a warp's registers (1000 values) and rows of a block (3000 values,
-/// combined through shared memory).
+/// combined through shared memory); segments of 3000 columns, a block each.
 const WIDE_ROWS: &str = r#"graph @wide_rows {
   %0 = input {name = "x.lengths"} : lengths[B]
   %1 = input {name = "x"} : ragged<f32>[B; %0, 1000]
@@ -73,7 +73,9 @@ const WIDE_ROWS: &str = r#"graph @wide_rows {
   %9 = log_softmax(%2) {axis = -1} : ragged<f32>[B; %0, 3000]
   %10 = sum(%2) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
   %11 = amax(%2) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
-  return %4, %5, %6, %7, %8, %9, %10, %11
+  %12 = softmax(%2) {axis = 1} : ragged<f32>[B; %0, 3000]
+  %13 = sum(%2) {dims = [1], keepdim = false} : f32[B, 3000]
+  return %4, %5, %6, %7, %8, %9, %10, %11, %12, %13
 }
 "#;
 

@@ -168,7 +168,7 @@ pub fn gpu_threads_per_task(program: &Program, step: &Step) -> u32 {
 /// Bytes of shared memory a block of `step`'s GPU kernel uses (its warps' partial
 /// values, where a task is a whole block), for `float` values.
 pub fn gpu_shared_bytes(step: &Step, float: nestor_passes::FloatType) -> u32 {
-    if templates::block_per_task(step) {
+    if templates::uses_shared_memory(step) {
         GPU_BLOCK_THREADS / builder::WARP_LANES as u32 * float.size() as u32
     } else {
         0

@@ -58,7 +58,7 @@ pub struct Fragments {
 /// The bf16 element `i` of `registers` (two per register, the lower index low).
 fn half(registers: &[u32], i: u32) -> f32 {
     let register = registers[(i / 2) as usize];
-    let bits = if i % 2 == 0 {
+    let bits = if i.is_multiple_of(2) {
         register & 0xFFFF
     } else {
         register >> 16

@@ -505,3 +505,45 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
         );
     }
 }
+
+#[test]
+fn wide_segments_are_a_block_each() {
+    // 300 columns: a block of 256 threads an element (44 of them take two columns), every
+    // segmented kind against the CPU, on the CUDA device's grid.
+    use nestor_runtime::{InputData, Stats};
+    use nestor_sim::SimDevice;
+    let graph = nestor_ir::parse(
+        r#"graph @segments {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 300]
+  %2 = softmax(%1) {axis = 1} : ragged<f32>[B; %0, 300]
+  %3 = log_softmax(%1) {axis = 1} : ragged<f32>[B; %0, 300]
+  %4 = sum(%1) {dims = [1], keepdim = false} : f32[B, 300]
+  %5 = mean(%1) {dims = [1], keepdim = false} : f32[B, 300]
+  %6 = amax(%1) {dims = [1], keepdim = false} : f32[B, 300]
+  %7 = amin(%1) {dims = [1], keepdim = false} : f32[B, 300]
+  return %2, %3, %4, %5, %6, %7
+}"#,
+    )
+    .unwrap();
+    let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let program = executable.program();
+    let segments = program
+        .steps
+        .iter()
+        .filter(|step| matches!(step, nestor_passes::Step::Segment(_)));
+    for step in segments {
+        assert_eq!(nestor_codegen::gpu_threads_per_task(program, step), 256);
+    }
+    let device = SimDevice::new(&executable).unwrap();
+    let lengths = [4i64, 1, 0, 7];
+    let x: Vec<f32> = (0..12 * 300)
+        .map(|i| ((i * 53) % 97) as f32 * 0.04 - 2.0)
+        .collect();
+    let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+    let on_device = executable
+        .run_on_device(&device, &inputs, &Stats::default())
+        .unwrap();
+    let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
+    assert_eq!(first_difference(&on_device, &on_cpu, 1e-5), None);
+}

@@ -191,8 +191,23 @@ fn flat(width: i64, inputs: &[Access]) -> bool {
 /// values a lane of a warp.
 pub(crate) const BLOCK_ROW_WIDTH: i64 = WARP_LANES * ROW_REGISTERS;
 
-/// Whether a task of `step`'s GPU kernel is a whole block (a row kernel's long rows).
+/// Segments at least this wide are a block's on a GPU (a warp's otherwise): a thread
+/// per column of each element, every thread busy.
+pub(crate) const BLOCK_SEGMENT_WIDTH: i64 = crate::GPU_BLOCK_THREADS as i64;
+
+/// Whether a task of `step`'s GPU kernel is a whole block: a row kernel's long rows, or
+/// a segmented kernel's wide elements.
 pub(crate) fn block_per_task(step: &Step) -> bool {
+    match step {
+        Step::Row(row) => row.width > BLOCK_ROW_WIDTH,
+        Step::Segment(segment) => segment.width >= BLOCK_SEGMENT_WIDTH,
+        _ => false,
+    }
+}
+
+/// Whether `step`'s GPU kernel combines its lanes' values through shared memory (a
+/// block's rows).
+pub(crate) fn uses_shared_memory(step: &Step) -> bool {
     matches!(step, Step::Row(row) if row.width > BLOCK_ROW_WIDTH)
 }
 

@@ -265,8 +265,15 @@ pub(super) fn segment<'ctx>(
     let out = kernel.param(Role::Out)?;
     let inputs = prologue_args(kernel, &x.inputs)?;
     let offsets = kernel.param(Role::Offsets)?;
-    // An element is a warp's on a GPU (each lane its columns), one thread's on the host.
-    kernel.parallel_rows(start, end, |element, lanes| {
+    // An element is a warp's on a GPU (each lane its columns; a block's for elements
+    // of at least `BLOCK_SEGMENT_WIDTH` columns, a thread a column), one thread's on the
+    // host. Columns are independent: the lanes never combine values.
+    let lanes_per_element = if width >= BLOCK_SEGMENT_WIDTH {
+        i64::from(crate::GPU_BLOCK_THREADS)
+    } else {
+        kernel.lane_count()
+    };
+    kernel.parallel_rows_of(lanes_per_element, start, end, |element, lanes| {
         let first = kernel.load_i64(offsets, element)?;
         let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
         kernel.lane_range(lanes, width, |column| {

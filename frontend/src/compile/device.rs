@@ -237,7 +237,7 @@ impl Runner {
         executable: &Executable,
         inputs: &[DeviceInput<'_>],
         stats: &Stats,
-    ) -> Result<(Vec<RunOutput>, Vec<(usize, Tensor)>)> {
+    ) -> Result<RunResults> {
         let kind = self.float_kind().unwrap_or(Kind::Float);
         match self {
             Runner::Host => Err(NestedError::compile(
@@ -278,6 +278,9 @@ impl Runner {
     }
 }
 
+/// A run's outputs, and the tensors the results were written into, by output.
+pub(super) type RunResults = (Vec<RunOutput>, Vec<(usize, Tensor)>);
+
 /// An input of a device run.
 pub(super) enum DeviceInput<'a> {
     Lengths(&'a [i64]),
@@ -297,7 +300,7 @@ fn run_on<D: KernelDevice>(
     stats: &Stats,
     mut share: impl FnMut(u64, u64) -> Option<()>,
     (on, kind): (tch::Device, Kind),
-) -> Result<(Vec<RunOutput>, Vec<(usize, Tensor)>)> {
+) -> Result<RunResults> {
     // The f32 values of the float inputs whose memory is not shared (a tensor given
     // twice), uploaded instead.
     let mut uploaded = Vec::with_capacity(inputs.len());

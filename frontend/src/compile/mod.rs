@@ -27,7 +27,7 @@ use crate::trace::{
     parameter_names, trace_named, Bound, Dense, ParameterNames, TraceOutputs, Traced, Value,
 };
 use crate::{kind_of, NestedError, NestedTensor, Result};
-use device::{DeviceInput, Placement, Runner};
+use device::{DeviceInput, Placement, RunResults, Runner};
 use train::Gradient;
 
 /// What a compiled program depends on, written as words: the numbers of batches and
@@ -443,7 +443,7 @@ where
         entry: &Entry,
         host: &[HostInput<'_>],
         float: Kind,
-    ) -> Result<(Vec<RunOutput>, Vec<(usize, Tensor)>)> {
+    ) -> Result<RunResults> {
         let mut inputs = Vec::with_capacity(host.len());
         for input in host {
             inputs.push(match input {

@@ -306,3 +306,20 @@ fn f64_models_on_the_gpu_are_an_unsupported_error() {
         ),
     }
 }
+
+#[test]
+fn a_batch_given_twice_is_read_twice_on_the_simulated_gpu() {
+    // The second input's memory is the first's: adopted once, the other uploaded.
+    let compiled =
+        compile("twice", |x: &[NestedTensor], _: &[Dense]| &x[0] * &x[1]).on_device(simulated());
+    let on_cpu = compile("twice", |x: &[NestedTensor], _: &[Dense]| &x[0] * &x[1]);
+    let (x, _) = batch(&[3, 0, 2], &[4], Kind::Float, 5);
+    let expected = on_cpu.call(&[&x, &x], &[]).unwrap();
+    let actual = compiled.call(&[&x, &x], &[]).unwrap();
+    assert_close_within(&actual, &expected, 0.0, "x * x");
+    assert_eq!(
+        compiled.stats().device.uploads,
+        2,
+        "the staged values and one copy of x"
+    );
+}

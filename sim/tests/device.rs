@@ -532,9 +532,12 @@ fn wide_segments_are_a_block_each() {
         .steps
         .iter()
         .filter(|step| matches!(step, nestor_passes::Step::Segment(_)));
+    let mut count = 0;
     for step in segments {
         assert_eq!(nestor_codegen::gpu_threads_per_task(program, step), 256);
+        count += 1;
     }
+    assert_eq!(count, 6, "every output a segmented step");
     let device = SimDevice::new(&executable).unwrap();
     let lengths = [4i64, 1, 0, 7];
     let x: Vec<f32> = (0..12 * 300)

@@ -253,9 +253,13 @@ fn a_gpu_without_a_driver_is_a_typed_error() {
         }
         other => panic!("expected a device error, got {:?}", other.map(|v| v.len())),
     }
-    // Tensors on two devices are never moved silently (here: a CPU batch for a CUDA
-    // function errs before anything runs, and the function stays usable).
-    assert!(compiled.call(&[&x], &[]).is_err());
+    // The failed call left nothing behind: the next fails the same way, not with a
+    // poisoned cache.
+    let again = compiled.call(&[&x], &[]).unwrap_err();
+    assert!(
+        matches!(&again, NestedError::Compile { reason, .. } if reason.cause() == CompileCause::Device),
+        "{again}"
+    );
 }
 
 #[test]

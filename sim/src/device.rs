@@ -201,6 +201,17 @@ impl SimDevice {
     }
 }
 
+/// Checks that a copy of `bytes` fits `buffer`.
+fn has_room(buffer: &SimBuffer, bytes: u64) -> Result<(), SimError> {
+    if bytes > buffer.bytes() {
+        return Err(SimError::Copy {
+            address: buffer.address(),
+            bytes,
+        });
+    }
+    Ok(())
+}
+
 impl KernelDevice for SimDevice {
     type Buffer = SimBuffer;
 
@@ -231,14 +242,7 @@ impl KernelDevice for SimDevice {
     }
 
     fn write_f32(&self, buffer: &mut SimBuffer, values: &[f32]) -> Result<(), RuntimeError> {
-        let needed = values.len() as u64 * self.float_bytes();
-        if needed > buffer.bytes() {
-            return Err(SimError::Copy {
-                address: buffer.address(),
-                bytes: needed,
-            }
-            .into());
-        }
+        has_room(buffer, values.len() as u64 * self.float_bytes())?;
         let words = buffer.words_mut().as_mut_ptr();
         // The buffer holds `values.len()` values of the storage type (checked above).
         unsafe {
@@ -255,13 +259,7 @@ impl KernelDevice for SimDevice {
     }
 
     fn write_i64(&self, buffer: &mut SimBuffer, values: &[i64]) -> Result<(), RuntimeError> {
-        if values.len() as u64 * 8 > buffer.bytes() {
-            return Err(SimError::Copy {
-                address: buffer.address(),
-                bytes: values.len() as u64 * 8,
-            }
-            .into());
-        }
+        has_room(buffer, values.len() as u64 * 8)?;
         for (word, &value) in buffer.words_mut().iter_mut().zip(values) {
             *word = value as u64;
         }

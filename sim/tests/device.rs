@@ -394,14 +394,33 @@ fn device_buffers_are_reused_within_a_run_and_across_runs() {
     assert_eq!(first_difference(&second, &on_cpu, 1e-6), None);
 }
 
+/// The CPU's executable of the graph `text`.
+fn executable_of(text: &str) -> nestor_runtime::Executable {
+    let graph = nestor_ir::parse(text).unwrap();
+    nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap()
+}
+
+/// `executable` on `device` gives the CPU runtime's results on `inputs` (to 1e-5).
+fn assert_device_matches_cpu(
+    executable: &nestor_runtime::Executable,
+    device: &nestor_sim::SimDevice,
+    inputs: &[nestor_runtime::InputData<'_>],
+) {
+    use nestor_runtime::Stats;
+    let on_device = executable
+        .run_on_device(device, inputs, &Stats::default())
+        .unwrap();
+    let on_cpu = executable.run(inputs, &Stats::default(), None).unwrap();
+    assert_eq!(first_difference(&on_device, &on_cpu, 1e-5), None);
+}
+
 /// The memory traffic of one run of `text` on the simulated GPU in one warp (so that
 /// the argument tables are loaded 32 times only; the lengths `[5, 3]`, float inputs of
 /// `values` each), and the bytes of its first float input.
 fn traffic_of(text: &str, values: &[usize]) -> (nestor_sim::Traffic, u64) {
-    use nestor_runtime::{InputData, Stats};
+    use nestor_runtime::InputData;
     use nestor_sim::{Geometry, SimDevice, SimOptions};
-    let graph = nestor_ir::parse(text).unwrap();
-    let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
+    let executable = executable_of(text);
     let one_warp = nestor_codegen::GpuGrid {
         blocks: 1,
         threads: 32,
@@ -419,11 +438,7 @@ fn traffic_of(text: &str, values: &[usize]) -> (nestor_sim::Traffic, u64) {
     let inputs: Vec<InputData<'_>> = std::iter::once(InputData::I64(&lengths))
         .chain(data.iter().map(|values| InputData::F32(values)))
         .collect();
-    let on_device = executable
-        .run_on_device(&device, &inputs, &Stats::default())
-        .unwrap();
-    let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
-    assert_eq!(first_difference(&on_device, &on_cpu, 1e-5), None);
+    assert_device_matches_cpu(&executable, &device, &inputs);
     (device.traffic(), 4 * values[0] as u64)
 }
 
@@ -460,7 +475,7 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
     // 1000 values a row: a warp's, 32 a lane in registers; 3000: a block's, its warps'
     // values combined through shared memory. Every kind of row kernel, against the CPU
     // (`traffic_of` compares them), on the CUDA device's grid.
-    use nestor_runtime::{InputData, Stats};
+    use nestor_runtime::InputData;
     use nestor_sim::SimDevice;
     for width in [1000, 3000] {
         let text = format!(
@@ -479,9 +494,7 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
   return %3, %4, %5, %6, %7, %8, %9, %10
 }}"#
         );
-        let graph = nestor_ir::parse(&text).unwrap();
-        let executable =
-            nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
+        let executable = executable_of(&text);
         let device = SimDevice::new(&executable).unwrap();
         let lengths = [3i64, 0, 1, 2];
         let rows = 6 * width;
@@ -494,15 +507,7 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
             InputData::F32(&x),
             InputData::F32(&w),
         ];
-        let on_device = executable
-            .run_on_device(&device, &inputs, &Stats::default())
-            .unwrap();
-        let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
-        assert_eq!(
-            first_difference(&on_device, &on_cpu, 1e-5),
-            None,
-            "width {width}"
-        );
+        assert_device_matches_cpu(&executable, &device, &inputs);
     }
 }
 
@@ -510,9 +515,9 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
 fn wide_segments_are_a_block_each() {
     // 300 columns: a block of 256 threads an element (44 of them take two columns), every
     // segmented kind against the CPU, on the CUDA device's grid.
-    use nestor_runtime::{InputData, Stats};
+    use nestor_runtime::InputData;
     use nestor_sim::SimDevice;
-    let graph = nestor_ir::parse(
+    let executable = executable_of(
         r#"graph @segments {
   %0 = input {name = "x.lengths"} : lengths[B]
   %1 = input {name = "x"} : ragged<f32>[B; %0, 300]
@@ -524,9 +529,7 @@ fn wide_segments_are_a_block_each() {
   %7 = amin(%1) {dims = [1], keepdim = false} : f32[B, 300]
   return %2, %3, %4, %5, %6, %7
 }"#,
-    )
-    .unwrap();
-    let executable = nestor_backend_cpu::executable(nestor_passes::lower(&graph).unwrap()).unwrap();
+    );
     let program = executable.program();
     let segments = program
         .steps
@@ -544,9 +547,5 @@ fn wide_segments_are_a_block_each() {
         .map(|i| ((i * 53) % 97) as f32 * 0.04 - 2.0)
         .collect();
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
-    let on_device = executable
-        .run_on_device(&device, &inputs, &Stats::default())
-        .unwrap();
-    let on_cpu = executable.run(&inputs, &Stats::default(), None).unwrap();
-    assert_eq!(first_difference(&on_device, &on_cpu, 1e-5), None);
+    assert_device_matches_cpu(&executable, &device, &inputs);
 }

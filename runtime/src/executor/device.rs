@@ -358,16 +358,8 @@ impl Executable {
     /// How many i64 values a run stages ([`Self::stage`]).
     fn staged_values(&self, (inputs, (planned, _, index_values)): Staged<'_, '_>) -> usize {
         let i64_inputs: usize = self
-            .program
-            .slots
-            .iter()
-            .filter_map(|info| match info.source {
-                Source::Input(input) => match inputs.get(input) {
-                    Some(InputData::I64(values)) => Some(values.len()),
-                    _ => None,
-                },
-                _ => None,
-            })
+            .i64_inputs(inputs)
+            .map(|(_, values)| values.len())
             .sum();
         let tables: usize = planned
             .iter()
@@ -375,6 +367,24 @@ impl Executable {
             .map(|signature| signature.params.len())
             .sum();
         i64_inputs + index_values.len() + tables
+    }
+
+    /// Every slot that is an i64 input given in host memory, with its values.
+    fn i64_inputs<'a>(
+        &'a self,
+        inputs: &'a [InputData<'_>],
+    ) -> impl Iterator<Item = (usize, &'a [i64])> + 'a {
+        self.program
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(move |(index, info)| match info.source {
+                Source::Input(input) => match inputs.get(input) {
+                    Some(InputData::I64(values)) => Some((index, *values)),
+                    _ => None,
+                },
+                _ => None,
+            })
     }
 
     /// Stages the run's i64 values in its staging buffer with one upload: the i64 inputs
@@ -388,24 +398,19 @@ impl Executable {
         memory: &mut DeviceMemory<D::Buffer>,
         stats: &Stats,
     ) -> Result<Vec<u64>, RuntimeError> {
-        let program = &self.program;
-        let mut staged: Vec<i64> =
-            Vec::with_capacity(self.staged_values((inputs, (planned, indices, index_values))));
-        let mut input_positions = Vec::new();
-        for (index, info) in program.slots.iter().enumerate() {
-            if let Source::Input(input) = info.source {
-                if let Some(InputData::I64(values)) = inputs.get(input) {
-                    input_positions.push((index, staged.len()));
-                    staged.extend_from_slice(values);
-                }
-            }
-        }
-        let index_start = staged.len();
-        staged.extend_from_slice(index_values);
         let mut buffer = memory
             .staging
             .take()
             .ok_or_else(|| device_error(0, "a run without its staging buffer"))?;
+        // The buffer was sized for every staged value (`staged_values`).
+        let mut staged: Vec<i64> = Vec::with_capacity(device.capacity_i64(&buffer));
+        let mut input_positions = Vec::new();
+        for (slot, values) in self.i64_inputs(inputs) {
+            input_positions.push((slot, staged.len()));
+            staged.extend_from_slice(values);
+        }
+        let index_start = staged.len();
+        staged.extend_from_slice(index_values);
         // Positions are below the staged values' count, which the buffer holds, so
         // `8 * position` stays within its addresses.
         let base = device.address(&buffer);
@@ -492,17 +497,16 @@ impl Executable {
 }
 
 /// Every step's kernel signature and BLAS call (with its `A`, `B`, `C` slots).
-type PlannedKernels = Vec<(Option<Signature>, Option<(BlasCall, [Slot; 3])>)>;
+type PlannedKernel = (Option<Signature>, Option<(BlasCall, [Slot; 3])>);
+
+/// Every step's [`PlannedKernel`].
+type PlannedKernels = Vec<PlannedKernel>;
 
 /// What a run stages: its inputs (the i64 ones), and its planned kernels, the positions
 /// of their index arguments and those values.
 type Staged<'r, 'i> = (
     &'r [InputData<'i>],
-    (
-        &'r [(Option<Signature>, Option<(BlasCall, [Slot; 3])>)],
-        &'r HashMap<Arg, usize>,
-        &'r [i64],
-    ),
+    (&'r [PlannedKernel], &'r HashMap<Arg, usize>, &'r [i64]),
 );
 
 /// Every step's kernel signature and BLAS call, the position of every index argument in

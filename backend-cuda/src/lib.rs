@@ -239,7 +239,7 @@ pub fn ptx_of(
     let threads_per_task = program
         .steps
         .iter()
-        .map(|step| nestor_codegen::gpu_threads_per_task(program, step))
+        .map(|step| nestor_codegen::gpu_threads_per_task(program, step, storage))
         .collect();
     Ok(PtxModule {
         arch,

@@ -122,13 +122,14 @@ fn run_on_sim(
         })
         .collect();
     extents.push((args.as_ptr() as u64, 8 * args.len() as u64));
-    let threads = nestor_codegen::gpu_threads_per_task(program, &program.steps[0]);
+    let (step, storage) = (&program.steps[0], nestor_backend_cpu::Storage::Compute);
+    let threads = nestor_codegen::gpu_threads_per_task(program, step, storage);
     let Some(grid) = geometry.or_else(|| nestor_codegen::gpu_grid(threads, range)) else {
         return Ok(());
     };
     let launch = nestor_sim::Launch {
         grid,
-        shared_bytes: 0,
+        shared_bytes: nestor_codegen::gpu_shared_bytes(step, program.float, storage),
     };
     // The buffers are sized for the step over `range`, and every access is checked.
     unsafe {

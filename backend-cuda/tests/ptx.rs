@@ -569,3 +569,43 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         );
     }
 }
+
+/// Attention with bf16 buffers runs on tensor cores (`mma.sync` m16n8k16, bf16 in, f32
+/// out) at the head sizes of real models (64: BERT; 128, the widest it takes), without
+/// spills; with f32 buffers, and heads of 256 columns (whose causal kernel spilled on
+/// sm_80), it keeps the warp kernel (no `mma`).
+#[test]
+fn bf16_attention_runs_on_tensor_cores_without_spills() {
+    const MMA: &str = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32";
+    for head_dim in [64usize, 128, 256] {
+        let text = ATTENTION.replace("2, 8]", &format!("4, {head_dim}]"));
+        let program = program(&text, "f32", false);
+        for arch in Arch::ALL {
+            for storage in [Storage::Compute, Storage::Bf16] {
+                let module = ptx_storing(&program, arch, storage).unwrap();
+                let products = module.ptx.matches(MMA).count();
+                if storage == Storage::Compute || head_dim > 128 {
+                    assert_eq!(products, 0, "no tensor cores");
+                    continue;
+                }
+                // Per kernel (causal, and one the two others share) and chunk of 16
+                // keys: two products per 16 columns of the head for the scores (for each
+                // group of 64 value columns), one per 8 value columns for P V
+                // (unrolled).
+                let groups = head_dim.div_ceil(64);
+                assert_eq!(products, 2 * (groups * head_dim / 16 * 2 + head_dim / 8));
+                for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+                    println!(
+                        "attention d={head_dim} bf16 {} {}: {} registers, {} / {} bytes spilled",
+                        arch.name(),
+                        kernel.name,
+                        kernel.registers,
+                        kernel.spill_stores,
+                        kernel.spill_loads
+                    );
+                    assert_eq!((kernel.spill_stores, kernel.spill_loads), (0, 0));
+                }
+            }
+        }
+    }
+}

@@ -148,15 +148,18 @@ pub enum Storage {
     Bf16,
 }
 
-/// How many GPU threads run each task of `step`'s kernel range: a warp for the kernels
-/// whose tasks are rows of columns (row and segmented kernels, attention and its
-/// gradient, jagged-pair matmuls, window steps, gathers, scatters by an index, one-hot
-/// rows, inserts, padding copies, pointwise kernels over rows, row sums: their lanes
-/// share the columns, or the rows summed), else one. A launch sizes its grid by it;
-/// any grid gives the same result (the loops are grid-stride), this one runs every task
-/// at once.
-pub fn gpu_threads_per_task(program: &Program, step: &Step) -> u32 {
-    if templates::block_per_task(step) {
+/// How many GPU threads run each task of `step`'s kernel range, its floats kept in
+/// memory as `storage` says: a warp for the kernels whose tasks are rows of columns (row
+/// and segmented kernels, attention and its gradient, jagged-pair matmuls, window steps,
+/// gathers, scatters by an index, one-hot rows, inserts, padding copies, pointwise
+/// kernels over rows, row sums: their lanes share the columns, or the rows summed), two
+/// for attention on tensor cores (a warp per 16 query rows), else one. A launch sizes
+/// its grid by it; any grid gives the same result (the loops are grid-stride), this one
+/// runs every task at once.
+pub fn gpu_threads_per_task(program: &Program, step: &Step, storage: Storage) -> u32 {
+    if let Some(threads) = templates::threads_per_task(step, program.float, storage) {
+        threads
+    } else if templates::block_per_task(step) {
         GPU_BLOCK_THREADS
     } else if templates::warp_per_task(program, step) {
         builder::WARP_LANES as u32
@@ -165,14 +168,12 @@ pub fn gpu_threads_per_task(program: &Program, step: &Step) -> u32 {
     }
 }
 
-/// Bytes of shared memory a block of `step`'s GPU kernel uses (its warps' partial
-/// values, where a task is a whole block), for `float` values.
-pub fn gpu_shared_bytes(step: &Step, float: nestor_passes::FloatType) -> u32 {
-    if templates::uses_shared_memory(step) {
-        GPU_BLOCK_THREADS / builder::WARP_LANES as u32 * float.size() as u32
-    } else {
-        0
-    }
+/// Bytes of shared memory a block of `step`'s GPU kernel uses (a block's rows: its
+/// warps' partial values; attention: the keys and values it stages), for `float`
+/// values kept in memory as `storage` says.
+pub fn gpu_shared_bytes(step: &Step, float: nestor_passes::FloatType, storage: Storage) -> u32 {
+    // At most a few KiB: a block's warps, or `STAGED_FLOATS` of attention's keys.
+    (templates::shared_floats(step, float, storage) * float.size() as i64) as u32
 }
 
 /// Threads per block of nestor's GPU launches (a multiple of 32: a warp per task).

@@ -134,8 +134,8 @@ impl SimDevice {
                 });
                 StepKernel {
                     name: format!("step{index} ({})", step.name()),
-                    threads_per_task: gpu_threads_per_task(program, step),
-                    shared_bytes: gpu_shared_bytes(step, program.float),
+                    threads_per_task: gpu_threads_per_task(program, step, options.storage),
+                    shared_bytes: gpu_shared_bytes(step, program.float, options.storage),
                     output_first,
                 }
             })

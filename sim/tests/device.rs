@@ -537,7 +537,10 @@ fn wide_segments_are_a_block_each() {
         .filter(|step| matches!(step, nestor_passes::Step::Segment(_)));
     let mut count = 0;
     for step in segments {
-        assert_eq!(nestor_codegen::gpu_threads_per_task(program, step), 256);
+        assert_eq!(
+            nestor_codegen::gpu_threads_per_task(program, step, nestor_codegen::Storage::Compute),
+            256
+        );
         count += 1;
     }
     assert_eq!(count, 6, "every output a segmented step");
@@ -548,4 +551,215 @@ fn wide_segments_are_a_block_each() {
         .collect();
     let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
     assert_device_matches_cpu(&executable, &device, &inputs);
+}
+
+#[test]
+fn attention_stages_each_key_once_a_block() {
+    // Query lengths 0, 1, odd, and longer than a tile of 64 keys (100: a tile and 36);
+    // cross attention with other key lengths, and causal self-attention. On the CUDA
+    // device's grid (8 warps a block) and on 3 blocks of 2 warps (the grid-stride loop
+    // over groups of two rows), against the CPU.
+    use nestor_runtime::InputData;
+    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    let (heads, head_dim) = (2i64, 8i64);
+    let queries = [100i64, 1, 0, 33, 9];
+    let cross = [70i64, 5, 3, 0, 40];
+    for (causal, keys) in [(false, cross), (true, queries)] {
+        let text = attention_text(heads, (head_dim, head_dim), causal);
+        let executable = executable_of(&text);
+        let width = (heads * head_dim) as usize;
+        let (query_rows, key_rows) = (queries.iter().sum::<i64>(), keys.iter().sum::<i64>());
+        let q = waves(query_rows as usize * width, 0.3);
+        let k = waves(key_rows as usize * width, 1.1);
+        let v = waves(key_rows as usize * width, 2.7);
+        let inputs = [
+            InputData::I64(&queries),
+            InputData::F32(&q),
+            InputData::I64(&keys),
+            InputData::F32(&k),
+            InputData::F32(&v),
+        ];
+        // Every thread loads the argument table and its rows' offsets: the grid of
+        // one warp a block has as many threads as the CUDA device's grid, so that the
+        // two differ only in how often a key is loaded.
+        let blocks = (query_rows * heads) as u32;
+        let traffic = [
+            Geometry::Gpu,
+            Geometry::Fixed(nestor_codegen::GpuGrid {
+                blocks: 3,
+                threads: 64,
+            }),
+            Geometry::Fixed(nestor_codegen::GpuGrid {
+                blocks,
+                threads: 32,
+            }),
+        ]
+        .map(|geometry| {
+            let options = SimOptions {
+                geometry,
+                ..SimOptions::default()
+            };
+            let device = SimDevice::with(&executable, options).unwrap();
+            assert_device_matches_cpu(&executable, &device, &inputs);
+            device.traffic()
+        });
+        // A warp a (query row, head) loads each key's 16 columns of K and V once a
+        // query row; a block of 8 warps stages them once for its 8 rows.
+        let keys_read: i64 = queries
+            .iter()
+            .zip(&keys)
+            .map(|(&rows, &keys)| rows * keys * heads * 2 * head_dim * 4)
+            .sum();
+        let (staged, alone) = (traffic[0].loaded, traffic[2].loaded);
+        eprintln!("attention (causal {causal}): {staged} bytes loaded by blocks of 8 warps, {alone} by warps alone, {keys_read} of keys and values a row each");
+        assert!(
+            alone - staged > keys_read as u64 / 2,
+            "{staged} bytes loaded by blocks, {alone} by warps alone"
+        );
+    }
+}
+
+/// A graph of varlen attention: `heads` heads of `head_dim` columns of queries and keys
+/// and `value_dim` of values, queries of lengths `q.lengths`, keys and values of
+/// `kv.lengths`.
+fn attention_text(heads: i64, (head_dim, value_dim): (i64, i64), causal: bool) -> String {
+    format!(
+        r#"graph @attention {{
+  %0 = input {{name = "q.lengths"}} : lengths[B]
+  %1 = input {{name = "q"}} : ragged<f32>[B; %0, {heads}, {head_dim}]
+  %2 = input {{name = "kv.lengths"}} : lengths[B]
+  %3 = input {{name = "k"}} : ragged<f32>[B; %2, {heads}, {head_dim}]
+  %4 = input {{name = "v"}} : ragged<f32>[B; %2, {heads}, {value_dim}]
+  %5 = attention(%1, %3, %4) {{causal = {causal}}} : ragged<f32>[B; %0, {heads}, {value_dim}]
+  return %5
+}}"#
+    )
+}
+
+/// `values` as bf16 buffers hold them.
+fn bf16_rounded(values: Vec<f32>) -> Vec<f32> {
+    values
+        .into_iter()
+        .map(nestor_runtime::round_to_bf16)
+        .collect()
+}
+
+#[test]
+fn attention_on_tensor_cores_equals_the_cpu() {
+    // bf16 buffers: a warp per 16 query rows of a head, both products on the simulated
+    // tensor cores (mma.m16n8k16). Query lengths 0, 1, odd, a tile and one (17) and
+    // more than two tiles (40); heads of 24 columns and values of 12 (neither fills a
+    // fragment); cross attention with other key lengths (0 included), causal
+    // self-attention, and causal cross attention (fewer keys than queries, or more);
+    // on the CUDA device's grid and on 3 blocks of 2 warps (a grid smaller than the
+    // work), against the CPU's f32 on the same (bf16) values.
+    use nestor_runtime::InputData;
+    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    let heads = 2i64;
+    let queries = [17i64, 1, 0, 40, 9, 3];
+    let cross = [20i64, 5, 3, 0, 33, 1];
+    // Values of 72 columns: two groups of output fragments (64 and 8 columns), the keys
+    // taken again for the second.
+    let cases = [
+        (false, cross, 24i64, 12i64),
+        (true, queries, 24, 12),
+        (true, cross, 16, 72),
+    ];
+    for (causal, keys, head_dim, value_dim) in cases {
+        let executable = executable_of(&attention_text(heads, (head_dim, value_dim), causal));
+        let (query_rows, key_rows) = (queries.iter().sum::<i64>(), keys.iter().sum::<i64>());
+        let q = bf16_rounded(waves((query_rows * heads * head_dim) as usize, 0.3));
+        let k = bf16_rounded(waves((key_rows * heads * head_dim) as usize, 1.1));
+        let v = bf16_rounded(waves((key_rows * heads * value_dim) as usize, 2.7));
+        let inputs = [
+            InputData::I64(&queries),
+            InputData::F32(&q),
+            InputData::I64(&keys),
+            InputData::F32(&k),
+            InputData::F32(&v),
+        ];
+        let small = nestor_codegen::GpuGrid {
+            blocks: 3,
+            threads: 64,
+        };
+        for geometry in [Geometry::Gpu, Geometry::Fixed(small)] {
+            let options = SimOptions {
+                storage: nestor_codegen::Storage::Bf16,
+                geometry,
+                ..SimOptions::default()
+            };
+            let device = SimDevice::with(&executable, options).unwrap();
+            let step = &executable.program().steps[0];
+            assert_eq!(
+                nestor_codegen::gpu_threads_per_task(
+                    executable.program(),
+                    step,
+                    nestor_codegen::Storage::Bf16
+                ),
+                2,
+                "a warp per 16 query rows"
+            );
+            let on_device = executable
+                .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
+                .unwrap();
+            let on_cpu = executable
+                .run(&inputs, &nestor_runtime::Stats::default(), None)
+                .unwrap();
+            // The probabilities are rounded to bf16 for the second product (and the
+            // results as the buffers store them).
+            assert_eq!(
+                first_difference(&on_device, &on_cpu, 2e-2),
+                None,
+                "causal {causal}, {geometry:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_on_tensor_cores_keeps_the_cpu_special_values() {
+    // Causal self-attention over 5 and 18 rows: an infinite key column makes scores
+    // +-inf or NaN (rows that see the key, and rows for which it is masked: NaN or +inf
+    // there poisons the row), an infinite value makes its column NaN even where its
+    // key is masked (weight 0), as libtorch's product does; -inf queries give rows
+    // without a finite score.
+    use nestor_runtime::InputData;
+    use nestor_sim::{SimDevice, SimOptions};
+    let (heads, head_dim, value_dim) = (1i64, 16i64, 8i64);
+    let lengths = [5i64, 18];
+    let executable = executable_of(&attention_text(heads, (head_dim, value_dim), true));
+    let rows = lengths.iter().sum::<i64>() as usize;
+    let mut q = bf16_rounded(waves(rows * head_dim as usize, 0.7));
+    let mut k = bf16_rounded(waves(rows * head_dim as usize, 1.9));
+    let mut v = bf16_rounded(waves(rows * value_dim as usize, 0.2));
+    k[3 * head_dim as usize] = f32::INFINITY;
+    v[4 * value_dim as usize + 2] = f32::INFINITY;
+    k[(5 + 10) * head_dim as usize + 1] = f32::NAN;
+    for column in 0..head_dim as usize {
+        q[(5 + 2) * head_dim as usize + column] = f32::NEG_INFINITY;
+    }
+    let inputs = [
+        InputData::I64(&lengths),
+        InputData::F32(&q),
+        InputData::I64(&lengths),
+        InputData::F32(&k),
+        InputData::F32(&v),
+    ];
+    let options = SimOptions {
+        storage: nestor_codegen::Storage::Bf16,
+        ..SimOptions::default()
+    };
+    let device = SimDevice::with(&executable, options).unwrap();
+    let on_device = executable
+        .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
+        .unwrap();
+    let on_cpu = executable
+        .run(&inputs, &nestor_runtime::Stats::default(), None)
+        .unwrap();
+    let nan = |outputs: &[nestor_runtime::RunOutput]| match &outputs[0].data {
+        nestor_runtime::RunData::F32(values) => values.iter().filter(|x| x.is_nan()).count(),
+        _ => 0,
+    };
+    assert!(nan(&on_cpu) > 0 && nan(&on_cpu) < rows * value_dim as usize);
+    assert_eq!(first_difference(&on_device, &on_cpu, 2e-2), None);
 }

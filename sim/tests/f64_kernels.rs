@@ -5,7 +5,7 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use nestor_codegen::{gpu_grid, gpu_threads_per_task, GpuGrid, Storage, Target};
+use nestor_codegen::{gpu_grid, gpu_shared_bytes, gpu_threads_per_task, GpuGrid, Storage, Target};
 use nestor_passes::step::{Attention, Row, Segment};
 use nestor_passes::{
     Access, FloatType, Fusion, KernelSet, Program, RowKind, Rows, SegmentKind, Slot, Step,
@@ -77,7 +77,7 @@ fn outputs(step: &Step, buffers: &[Buffer], range: (i64, i64)) -> Vec<Vec<f64>> 
         &nestor_sim::symbols(),
     )
     .unwrap();
-    let threads = gpu_threads_per_task(&program, step);
+    let threads = gpu_threads_per_task(&program, step, Storage::Compute);
     for grid in [
         gpu_grid(threads, range).unwrap(),
         GpuGrid {
@@ -90,7 +90,7 @@ fn outputs(step: &Step, buffers: &[Buffer], range: (i64, i64)) -> Vec<Vec<f64>> 
         extents.push((args.as_ptr() as u64, 8 * args.len() as u64));
         let launch = Launch {
             grid,
-            shared_bytes: 0,
+            shared_bytes: gpu_shared_bytes(step, program.float, Storage::Compute),
         };
         // As above; every access is checked.
         unsafe {

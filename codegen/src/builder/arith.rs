@@ -103,6 +103,11 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.builder.build_and(a, b, "and").map_err(err)
     }
 
+    /// `!a` of a condition.
+    pub(crate) fn not(&self, a: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder.build_not(a, "not").map_err(err)
+    }
+
     /// `a || b` of two conditions.
     pub(crate) fn or(&self, a: IntValue<'ctx>, b: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
         self.builder.build_or(a, b, "or").map_err(err)

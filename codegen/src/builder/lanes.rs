@@ -36,6 +36,33 @@ impl<'ctx> Kernel<'ctx, '_> {
         }
     }
 
+    /// Whether the kernel runs on a GPU (NVPTX or the simulated GPU).
+    pub(crate) fn on_gpu(&self) -> bool {
+        self.target != Target::Host
+    }
+
+    /// Where this GPU thread is in its block and the block in the grid.
+    pub(crate) fn block_place(&self) -> Gen<BlockPlace<'ctx>> {
+        use crate::sim_abi::SpecialRegister;
+        Ok(BlockPlace {
+            block: self.special_register(SpecialRegister::Block)?,
+            blocks: self.special_register(SpecialRegister::GridBlocks)?,
+            thread: self.special_register(SpecialRegister::Thread)?,
+            threads: self.special_register(SpecialRegister::BlockThreads)?,
+        })
+    }
+
+    /// On a GPU, `for group in (block..groups).step_by(blocks)`: every thread of a block
+    /// runs the same groups, so they may meet at barriers ([`Kernel::barrier`]).
+    pub(crate) fn block_groups(
+        &self,
+        place: &BlockPlace<'ctx>,
+        groups: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        self.for_range_by(place.block, groups, place.blocks, body)
+    }
+
     /// Where this GPU thread is in the launch's grid (PTX's special registers).
     fn grid(&self) -> Gen<Grid<'ctx>> {
         use crate::sim_abi::SpecialRegister;
@@ -70,13 +97,22 @@ impl<'ctx> Kernel<'ctx, '_> {
         body: impl FnOnce(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
         self.lane_range(lanes, width, |column| {
-            let slot = if lanes.count == 1 {
-                column
-            } else {
-                self.div(column, self.i64(lanes.count))?
-            };
-            body(column, slot)
+            body(column, self.lane_slot(lanes, column)?)
         })
+    }
+
+    /// Where a lane keeps its value of `column` (one of its [`Kernel::lane_range`]) in a
+    /// kernel-local array ([`Kernel::lane_columns`]).
+    pub(crate) fn lane_slot(
+        &self,
+        lanes: Lanes<'ctx>,
+        column: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        if lanes.count == 1 {
+            Ok(column)
+        } else {
+            self.div(column, self.i64(lanes.count))
+        }
     }
 
     /// One lane: a task that one thread runs whole.
@@ -222,7 +258,11 @@ impl<'ctx> Kernel<'ctx, '_> {
 
     /// The `value` of lane `lane ^ offset` of this warp (`shfl.sync.bfly` over the
     /// whole warp; an f64 as its two 32-bit halves).
-    fn shuffle_xor(&self, value: FloatValue<'ctx>, offset: i64) -> Gen<FloatValue<'ctx>> {
+    pub(crate) fn shuffle_xor(
+        &self,
+        value: FloatValue<'ctx>,
+        offset: i64,
+    ) -> Gen<FloatValue<'ctx>> {
         let i32 = self.context.i32_type();
         let constant = |value: u64| i32.const_int(value, false);
         // The whole warp, `lane ^ offset`, no clamp (`c` = 0x1f: one segment of 32).
@@ -377,7 +417,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     }
 
     /// Value `index` of shared memory `shared` ([`Kernel::shared_floats`]).
-    fn load_shared(
+    pub(crate) fn load_shared(
         &self,
         shared: PointerValue<'ctx>,
         index: IntValue<'ctx>,
@@ -394,7 +434,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     }
 
     /// Stores `value` as value `index` of shared memory `shared`.
-    fn store_shared(
+    pub(crate) fn store_shared(
         &self,
         shared: PointerValue<'ctx>,
         index: IntValue<'ctx>,
@@ -409,7 +449,11 @@ impl<'ctx> Kernel<'ctx, '_> {
     }
 
     /// A call of the NVVM intrinsic `name` (not overloaded).
-    fn nvvm(&self, name: &str, args: &[BasicMetadataValueEnum<'ctx>]) -> Gen<BasicValueEnum<'ctx>> {
+    pub(super) fn nvvm(
+        &self,
+        name: &str,
+        args: &[BasicMetadataValueEnum<'ctx>],
+    ) -> Gen<BasicValueEnum<'ctx>> {
         let intrinsic = Intrinsic::find(name).ok_or_else(|| err(format!("no intrinsic {name}")))?;
         let function = intrinsic
             .get_declaration(self.module, &[])
@@ -443,7 +487,7 @@ impl<'ctx> Kernel<'ctx, '_> {
     }
 
     /// `for (i = start; i < end; i += step) { body(i) }` (`step > 0`).
-    fn for_range_by(
+    pub(crate) fn for_range_by(
         &self,
         start: IntValue<'ctx>,
         end: IntValue<'ctx>,

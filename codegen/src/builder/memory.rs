@@ -57,50 +57,16 @@ impl<'ctx> Kernel<'ctx, '_> {
         value: FloatValue<'ctx>,
     ) -> Gen<()> {
         if self.bf16 {
-            let i16 = self.context.i16_type();
-            let i32 = self.context.i32_type();
-            let constant = |value: u64| i32.const_int(value, false);
-            let bits = self
-                .builder
-                .build_bit_cast(value, i32, "bits")
-                .map_err(err)?
-                .into_int_value();
-            let sixteen = constant(16);
-            let above = self
-                .builder
-                .build_right_shift(bits, sixteen, false, "above")
-                .map_err(err)?;
-            let odd = self
-                .builder
-                .build_and(above, constant(1), "odd")
-                .map_err(err)?;
-            let bias = self
-                .builder
-                .build_int_add(odd, constant(0x7FFF), "bias")
-                .map_err(err)?;
-            let biased = self
-                .builder
-                .build_int_add(bits, bias, "biased")
-                .map_err(err)?;
-            let rounded = self
-                .builder
-                .build_right_shift(biased, sixteen, false, "rounded")
-                .map_err(err)?;
-            let nan = self
-                .builder
-                .build_float_compare(FloatPredicate::UNO, value, value, "nan")
-                .map_err(err)?;
-            let half = self
-                .builder
-                .build_select(nan, constant(0x7FC0), rounded, "half")
-                .map_err(err)?
-                .into_int_value();
+            let half = self.bf16_bits(value)?;
             let narrow = self
                 .builder
-                .build_int_truncate(half, i16, "bf16")
+                .build_int_truncate(half, self.context.i16_type(), "bf16")
                 .map_err(err)?;
-            let address =
-                unsafe { self.builder.build_gep(i16, base, &[index], "at") }.map_err(err)?;
+            let address = unsafe {
+                self.builder
+                    .build_gep(self.context.i16_type(), base, &[index], "at")
+            }
+            .map_err(err)?;
             let address = self.in_buffer(address, base, 2, true)?;
             let store = self.builder.build_store(address, narrow).map_err(err)?;
             return self.scoped(store, base);
@@ -239,7 +205,7 @@ impl<'ctx> Kernel<'ctx, '_> {
 
     /// A stack slot of `ty`, allocated once in the entry block whatever the loop the
     /// builder is in.
-    fn alloca_in_entry(
+    pub(super) fn alloca_in_entry(
         &self,
         ty: inkwell::types::BasicTypeEnum<'ctx>,
         name: &str,

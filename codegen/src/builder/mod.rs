@@ -10,6 +10,8 @@ mod lanes;
 pub(crate) use lanes::ROW_REGISTERS;
 mod math;
 mod memory;
+mod tensor_core;
+pub(crate) use tensor_core::{FragmentA, FragmentB, FragmentC};
 
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -56,6 +58,14 @@ struct Grid<'ctx> {
     global: IntValue<'ctx>,
     threads: IntValue<'ctx>,
     thread: IntValue<'ctx>,
+}
+
+/// A GPU thread's place in its block, and its block's in the grid.
+pub(crate) struct BlockPlace<'ctx> {
+    pub(crate) block: IntValue<'ctx>,
+    pub(crate) blocks: IntValue<'ctx>,
+    pub(crate) thread: IntValue<'ctx>,
+    pub(crate) threads: IntValue<'ctx>,
 }
 
 /// Floats of the compute type in a kernel's own memory (never bf16).

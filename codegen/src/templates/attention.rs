@@ -1,6 +1,7 @@
 //! Varlen attention (online softmax, a query row and head a warp on a GPU) and its
 //! gradient.
 
+use super::tensor_attention::{on_tensor_cores, tensor_attention};
 use super::*;
 
 /// Varlen attention without scores in memory: one (query row, head) per task of the
@@ -23,16 +24,84 @@ pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Ge
         Role::KeyOffsets,
         Role::RowOwners,
     ])?;
+    if kernel.on_gpu() && on_tensor_cores(step, kernel.float_type(), kernel.storage()) {
+        let buffers = [
+            out,
+            queries,
+            keys,
+            values,
+            query_offsets,
+            key_offsets,
+            elements,
+        ];
+        return tensor_attention(kernel, step, buffers, end);
+    }
     // Each lane's output columns (every one on the host).
     let slots = (step.value_dim + kernel.lane_count() - 1) / kernel.lane_count();
-    let output = kernel.accumulator_array("output", slots)?;
-    let stats = kernel.accumulators(["largest", "total", "poisoned"])?;
-    let [largest, total, poisoned] = stats;
-    let zero = kernel.constant(0.0);
-    let negative_infinity = kernel.constant(f64::NEG_INFINITY);
+    let query_slots = (step.head_dim + kernel.lane_count() - 1) / kernel.lane_count();
+    let frame = Frame {
+        kernel,
+        step,
+        buffers: [queries, keys, values],
+        offsets: [query_offsets, key_offsets, elements],
+        output: kernel.accumulator_array("output", slots)?,
+        query: kernel.accumulator_array("query", query_slots)?,
+        stats: kernel.accumulators(["largest", "total", "poisoned"])?,
+        out,
+    };
+    if kernel.on_gpu() {
+        if let Some(tile) = key_tile(step) {
+            return frame.tiled(end, tile);
+        }
+    }
     kernel.parallel_rows(start, end, |task, lanes| {
         let row = kernel.div(task, kernel.i64(step.heads))?;
         let head = kernel.rem(task, kernel.i64(step.heads))?;
+        frame.task(row, head, lanes)?.run_from_memory()
+    })
+}
+
+/// The most floats of keys and values a GPU block stages at once (16 KiB of f32).
+const STAGED_FLOATS: i64 = 4096;
+
+/// How many keys a GPU block of [`attention`] stages in shared memory at once (at most
+/// 64, and [`STAGED_FLOATS`] floats of keys and values); `None` when one key's columns
+/// are more than that (the warps then read the keys from memory).
+fn key_tile(step: &Attention) -> Option<i64> {
+    let width = step.head_dim + step.value_dim;
+    (width > 0 && width <= STAGED_FLOATS).then(|| (STAGED_FLOATS / width).min(64))
+}
+
+/// Floats of shared memory a GPU block of [`attention`] uses.
+pub(super) fn staged_floats(step: &Attention) -> i64 {
+    key_tile(step).map_or(0, |tile| tile * (step.head_dim + step.value_dim))
+}
+
+/// What every task of [`attention`] shares: the step, its buffers (`Q`, `K`, `V`; the
+/// query and key offsets and the rows' elements; the output) and the accumulators.
+struct Frame<'a, 'ctx, 'm> {
+    kernel: &'a Kernel<'ctx, 'm>,
+    step: &'a Attention,
+    buffers: [PointerValue<'ctx>; 3],
+    offsets: [PointerValue<'ctx>; 3],
+    output: Local<'ctx>,
+    /// The lane's columns of the query row.
+    query: Local<'ctx>,
+    stats: [PointerValue<'ctx>; 3],
+    out: PointerValue<'ctx>,
+}
+
+impl<'a, 'ctx, 'm> Frame<'a, 'ctx, 'm> {
+    /// The task of query row `row` (packed) and head `head`, its accumulators reset.
+    fn task(
+        &self,
+        row: IntValue<'ctx>,
+        head: IntValue<'ctx>,
+        lanes: Lanes<'ctx>,
+    ) -> Gen<AttentionTask<'a, 'ctx, 'm>> {
+        let kernel = self.kernel;
+        let step = self.step;
+        let [query_offsets, key_offsets, elements] = self.offsets;
         let element = kernel.load_i64(elements, row)?;
         let next = kernel.add(element, kernel.i64(1))?;
         let position = kernel.sub(row, kernel.load_i64(query_offsets, element)?)?;
@@ -47,28 +116,99 @@ pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Ge
             kernel,
             step,
             lanes,
-            buffers: [queries, keys, values],
-            output,
-            stats,
+            buffers: self.buffers,
+            output: self.output,
+            query: self.query,
+            stats: self.stats,
             row,
             first_key,
+            key_count,
+            visible,
             query_base: kernel.mul(head, kernel.i64(step.head_dim))?,
             value_base: kernel.mul(head, kernel.i64(step.value_dim))?,
+            out: self.out,
         };
-        kernel.set(largest, negative_infinity)?;
+        let [largest, total, poisoned] = self.stats;
+        let zero = kernel.constant(0.0);
+        kernel.set(largest, kernel.constant(f64::NEG_INFINITY))?;
         kernel.set(total, zero)?;
         kernel.set(poisoned, zero)?;
-        task.columns(&|_, slot| kernel.store_local(output, slot, zero))?;
-        kernel.for_range(kernel.i64(0), visible, |key| task.attend(key))?;
-        if step.causal {
-            kernel.for_range(visible, key_count, |key| task.mask(key))?;
-        }
-        task.write(out)
-    })
+        task.columns(&|_, slot| kernel.store_local(self.output, slot, zero))?;
+        let queries = self.buffers[0];
+        kernel.lane_columns(lanes, step.head_dim, |column, slot| {
+            let at = index(kernel, &step.q, row, kernel.add(task.query_base, column)?)?;
+            kernel.store_local(self.query, slot, kernel.load_float(queries, at)?)
+        })?;
+        Ok(task)
+    }
+
+    /// The GPU kernel: a block per group of as many tasks as it has warps, a warp a
+    /// task, the tasks head-major (task `t` is head `t / rows`, query row `t % rows`, so
+    /// a group is consecutive query rows of a head). A group whose rows are of one
+    /// element and head stages that element's keys and values through shared memory,
+    /// `tile` keys at a time, which each warp then reads there; any other group's warps
+    /// read them from memory. Either way a warp adds its scores in the order of the
+    /// host's kernel. The launch covers the whole range (`0..rows x heads`).
+    fn tiled(&self, end: IntValue<'ctx>, tile: i64) -> Gen<()> {
+        let (kernel, step) = (self.kernel, self.step);
+        let width = step.head_dim + step.value_dim;
+        let shared = kernel.shared_floats(tile * width)?;
+        let place = kernel.block_place()?;
+        let warp_lanes = kernel.i64(WARP_LANES);
+        let warps = kernel.div(place.threads, warp_lanes)?;
+        let warp = kernel.div(place.thread, warp_lanes)?;
+        let lanes = Lanes {
+            lane: kernel.rem(place.thread, warp_lanes)?,
+            count: WARP_LANES,
+        };
+        let heads = kernel.i64(step.heads);
+        let rows = kernel.div(end, heads)?;
+        let groups = kernel.div(kernel.add(end, kernel.sub(warps, kernel.i64(1))?)?, warps)?;
+        let elements = self.offsets[2];
+        kernel.block_groups(&place, groups, |group| {
+            let first = kernel.mul(group, warps)?;
+            let last = kernel.sub(kernel.min(kernel.add(first, warps)?, end)?, kernel.i64(1))?;
+            let own = kernel.add(first, warp)?;
+            let active = kernel.and(kernel.less(warp, warps)?, kernel.less(own, end)?)?;
+            // Threads past the group's tasks take its last one's row (and do nothing
+            // with it), so that every load is in bounds.
+            let task = kernel.min(own, last)?;
+            let place_of = |task| -> Gen<_> {
+                let row = kernel.rem(task, rows)?;
+                Ok((
+                    kernel.div(task, rows)?,
+                    row,
+                    kernel.load_i64(elements, row)?,
+                ))
+            };
+            let (head, row, _) = place_of(task)?;
+            let (first_head, _, first_element) = place_of(first)?;
+            let (last_head, _, last_element) = place_of(last)?;
+            let one_source = kernel.and(
+                kernel.equal(first_head, last_head)?,
+                kernel.equal(first_element, last_element)?,
+            )?;
+            let task = self.task(row, head, lanes)?;
+            kernel.if_else(
+                one_source,
+                || task.run_staged((shared, tile), &place, active),
+                || kernel.if_else(active, || task.run_from_memory(), || Ok(())),
+            )
+        })
+    }
 }
 
-/// One task of [`attention`]: a query row and head, its element's first key, the
-/// buffers (`Q`, `K`, `V`) and the accumulators of its online softmax.
+/// Where a key's columns are read: its packed row in `K` and `V`, or its slot of the
+/// keys a block staged in shared memory (keys then values, a slot each).
+#[derive(Clone, Copy)]
+enum KeyAt<'ctx> {
+    Memory(IntValue<'ctx>),
+    Staged(PointerValue<'ctx>, IntValue<'ctx>),
+}
+
+/// One task of [`attention`]: a query row and head, its element's keys (the first, how
+/// many, how many it sees), the buffers (`Q`, `K`, `V`) and the accumulators of its
+/// online softmax.
 struct AttentionTask<'a, 'ctx, 'm> {
     kernel: &'a Kernel<'ctx, 'm>,
     step: &'a Attention,
@@ -76,31 +216,135 @@ struct AttentionTask<'a, 'ctx, 'm> {
     buffers: [PointerValue<'ctx>; 3],
     /// This lane's output columns.
     output: Local<'ctx>,
+    /// This lane's columns of the query row.
+    query: Local<'ctx>,
     /// The running maximum, the running sum and whether a masked score poisons the row.
     stats: [PointerValue<'ctx>; 3],
     row: IntValue<'ctx>,
     first_key: IntValue<'ctx>,
+    key_count: IntValue<'ctx>,
+    visible: IntValue<'ctx>,
     query_base: IntValue<'ctx>,
     value_base: IntValue<'ctx>,
+    out: PointerValue<'ctx>,
 }
 
 impl<'ctx> AttentionTask<'_, 'ctx, '_> {
+    /// The task with every key read from memory: the visible keys, then (causal) the
+    /// masked ones, then the output row.
+    fn run_from_memory(&self) -> Gen<()> {
+        let kernel = self.kernel;
+        let at = |key| -> Gen<KeyAt<'ctx>> { Ok(KeyAt::Memory(kernel.add(self.first_key, key)?)) };
+        kernel.for_range(kernel.i64(0), self.visible, |key| self.attend(at(key)?))?;
+        if self.step.causal {
+            kernel.for_range(self.visible, self.key_count, |key| self.mask(at(key)?))?;
+        }
+        self.write()
+    }
+
+    /// The task of one warp of a GPU block whose tasks share their keys (its whole
+    /// block runs this, `active` its warps with a task): `tile` keys at a time, the
+    /// block stages their columns in `shared` (a key's `head_dim` columns of `K` then
+    /// its `value_dim` of `V`), then each active warp takes them in order.
+    fn run_staged(
+        &self,
+        (shared, tile): (PointerValue<'ctx>, i64),
+        place: &crate::builder::BlockPlace<'ctx>,
+        active: IntValue<'ctx>,
+    ) -> Gen<()> {
+        let (kernel, step) = (self.kernel, self.step);
+        let [_, keys, values] = self.buffers;
+        let width = step.head_dim + step.value_dim;
+        kernel.for_range_by(kernel.i64(0), self.key_count, kernel.i64(tile), |first| {
+            let count = kernel.min(kernel.i64(tile), kernel.sub(self.key_count, first)?)?;
+            let first_row = kernel.add(self.first_key, first)?;
+            // Every warp is done with the last tile.
+            kernel.barrier()?;
+            let stage = |(columns, offset, base, access, buffer): (i64, i64, _, _, _)| {
+                let total = kernel.mul(count, kernel.i64(columns))?;
+                kernel.for_range_by(place.thread, total, place.threads, |at| {
+                    let (key, column) = (
+                        kernel.div(at, kernel.i64(columns))?,
+                        kernel.rem(at, kernel.i64(columns))?,
+                    );
+                    let from = index(
+                        kernel,
+                        access,
+                        kernel.add(first_row, key)?,
+                        kernel.add(base, column)?,
+                    )?;
+                    let to = kernel.add(
+                        kernel.mul(key, kernel.i64(width))?,
+                        kernel.add(column, kernel.i64(offset))?,
+                    )?;
+                    kernel.store_shared(shared, to, kernel.load_float(buffer, from)?)
+                })
+            };
+            stage((step.head_dim, 0, self.query_base, &step.k, keys))?;
+            stage((
+                step.value_dim,
+                step.head_dim,
+                self.value_base,
+                &step.v,
+                values,
+            ))?;
+            kernel.barrier()?;
+            kernel.if_else(
+                active,
+                || {
+                    kernel.for_range(kernel.i64(0), count, |slot| {
+                        let at = KeyAt::Staged(shared, kernel.mul(slot, kernel.i64(width))?);
+                        if !step.causal {
+                            return self.attend(at);
+                        }
+                        let seen = kernel.less(kernel.add(first, slot)?, self.visible)?;
+                        kernel.if_else(seen, || self.attend(at), || self.mask(at))
+                    })
+                },
+                || Ok(()),
+            )
+        })?;
+        kernel.if_else(active, || self.write(), || Ok(()))
+    }
+
     /// This lane's value columns, each with its slot in the output.
     fn columns(&self, body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
         self.kernel
             .lane_columns(self.lanes, self.step.value_dim, body)
     }
 
-    /// `scale * <q_row, k_key>` over this head's columns.
-    fn score(&self, key: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+    /// Column `column` of this head of the key (`values`: of its value).
+    fn key_column(
+        &self,
+        key: KeyAt<'ctx>,
+        column: IntValue<'ctx>,
+        values: bool,
+    ) -> Gen<FloatValue<'ctx>> {
         let (kernel, step) = (self.kernel, self.step);
-        let [queries, keys, _] = self.buffers;
-        let key_row = kernel.add(self.first_key, key)?;
+        match key {
+            KeyAt::Memory(key_row) => {
+                let (access, base, buffer) = if values {
+                    (&step.v, self.value_base, self.buffers[2])
+                } else {
+                    (&step.k, self.query_base, self.buffers[1])
+                };
+                let at = index(kernel, access, key_row, kernel.add(base, column)?)?;
+                kernel.load_float(buffer, at)
+            }
+            KeyAt::Staged(shared, slot) => {
+                let offset = if values { step.head_dim } else { 0 };
+                let at = kernel.add(slot, kernel.add(column, kernel.i64(offset))?)?;
+                kernel.load_shared(shared, at)
+            }
+        }
+    }
+
+    /// `scale * <q_row, k_key>` over this head's columns.
+    fn score(&self, key: KeyAt<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let (kernel, step) = (self.kernel, self.step);
         let dot = lane_sum(kernel, self.lanes, step.head_dim, |column| {
-            let column = kernel.add(self.query_base, column)?;
-            let x = kernel.load_float(queries, index(kernel, &step.q, self.row, column)?)?;
-            let y = kernel.load_float(keys, index(kernel, &step.k, key_row, column)?)?;
-            kernel.fmul(x, y)
+            let x = kernel.load_local(self.query, kernel.lane_slot(self.lanes, column)?)?;
+            kernel.fmul(x, self.key_column(key, column, false)?)
         })?;
         kernel.fmul(dot, kernel.constant(step.scale.0))
     }
@@ -108,20 +352,13 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
     /// Adds `weight * v_key` to each column, after multiplying it by `rescale` if given.
     fn add_values(
         &self,
-        key: IntValue<'ctx>,
+        key: KeyAt<'ctx>,
         weight: FloatValue<'ctx>,
         rescale: Option<FloatValue<'ctx>>,
     ) -> Gen<()> {
-        let (kernel, step, output) = (self.kernel, self.step, self.output);
-        let key_row = kernel.add(self.first_key, key)?;
+        let (kernel, output) = (self.kernel, self.output);
         self.columns(&|column, slot| {
-            let at = index(
-                kernel,
-                &step.v,
-                key_row,
-                kernel.add(self.value_base, column)?,
-            )?;
-            let contribution = kernel.fmul(weight, kernel.load_float(self.buffers[2], at)?)?;
+            let contribution = kernel.fmul(weight, self.key_column(key, column, true)?)?;
             let kept = kernel.load_local(output, slot)?;
             let kept = match rescale {
                 Some(rescale) => kernel.fmul(kept, rescale)?,
@@ -133,7 +370,7 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
 
     /// One visible key of the online softmax: the running maximum rescales the running
     /// sum and output, then the key's weight and values are added.
-    fn attend(&self, key: IntValue<'ctx>) -> Gen<()> {
+    fn attend(&self, key: KeyAt<'ctx>) -> Gen<()> {
         let kernel = self.kernel;
         let [largest, total, _] = self.stats;
         let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
@@ -167,7 +404,7 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
 
     /// One masked (future) key: a score that is not below +inf (NaN or +inf) poisons
     /// the row, and its values count with weight 0 (NaN where one is not finite).
-    fn mask(&self, key: IntValue<'ctx>) -> Gen<()> {
+    fn mask(&self, key: KeyAt<'ctx>) -> Gen<()> {
         let kernel = self.kernel;
         let poisoned = self.stats[2];
         let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
@@ -183,8 +420,8 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
 
     /// The output row: the columns over the sum, 0 without a finite score, NaN if
     /// poisoned.
-    fn write(&self, out: PointerValue<'ctx>) -> Gen<()> {
-        let (kernel, step, output) = (self.kernel, self.step, self.output);
+    fn write(&self) -> Gen<()> {
+        let (kernel, step, output, out) = (self.kernel, self.step, self.output, self.out);
         let [largest, total, poisoned] = self.stats;
         let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
         let inverse = kernel.fdiv(one, kernel.get(total)?)?;

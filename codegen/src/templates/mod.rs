@@ -33,6 +33,7 @@ mod padding;
 mod pointwise;
 mod products;
 mod rows;
+mod tensor_attention;
 mod windows;
 
 use attention::{attention, attention_grad};
@@ -205,10 +206,38 @@ pub(crate) fn block_per_task(step: &Step) -> bool {
     }
 }
 
-/// Whether `step`'s GPU kernel combines its lanes' values through shared memory (a
-/// block's rows).
-pub(crate) fn uses_shared_memory(step: &Step) -> bool {
-    matches!(step, Step::Row(row) if row.width > BLOCK_ROW_WIDTH)
+/// Floats of shared memory a block of `step`'s GPU kernel uses: a block's rows combine
+/// their warps' values there, attention (but on tensor cores) stages its keys and
+/// values there.
+pub(crate) fn shared_floats(step: &Step, float: nestor_passes::FloatType, storage: Storage) -> i64 {
+    match step {
+        Step::Row(row) if row.width > BLOCK_ROW_WIDTH => {
+            i64::from(crate::GPU_BLOCK_THREADS) / WARP_LANES
+        }
+        Step::Attention(attention)
+            if !tensor_attention::on_tensor_cores(attention, float, storage) =>
+        {
+            attention::staged_floats(attention)
+        }
+        _ => 0,
+    }
+}
+
+/// GPU threads per task of `step`'s kernel when that is not a block, a warp or one
+/// ([`crate::gpu_threads_per_task`]): attention on tensor cores, a warp per 16 rows.
+pub(crate) fn threads_per_task(
+    step: &Step,
+    float: nestor_passes::FloatType,
+    storage: Storage,
+) -> Option<u32> {
+    match step {
+        Step::Attention(attention)
+            if tensor_attention::on_tensor_cores(attention, float, storage) =>
+        {
+            Some(tensor_attention::THREADS_PER_ROW)
+        }
+        _ => None,
+    }
 }
 
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {

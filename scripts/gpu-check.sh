@@ -11,17 +11,22 @@
 #                                  # lowered and made PTX there, run on the GPU and on the
 #                                  # CPU runtime and compared); libdevice and the
 #                                  # libraries LLVM needs travel along
-#   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs it and
-#                                  # the padded torch baseline of its 256-wide encoder layer
-#                                  # (scripts/gpu-torch-baseline.py), writes
-#                                  # $OUT/gpu-check.txt, torch.txt, cublas.txt and
+#   scripts/gpu-check.sh run       # on the GPU machine (no Rust, no network): runs it
+#                                  # (the kernel cases, the programs, and timed lines: the
+#                                  # 256-wide encoder layer at 20 / 35 / 77% occupancy in
+#                                  # f32 and bf16, attention's TFLOP/s on long elements,
+#                                  # a pointwise kernel's GB/s) and the PyTorch baselines
+#                                  # of the same sizes (scripts/gpu-torch-baseline.py:
+#                                  # padded eager, torch.compile, autocast bf16, SDPA),
+#                                  # writes $OUT/gpu-check.txt, torch.txt, cublas.txt and
 #                                  # nvidia-smi.txt
 #
 # With the device tool: prepare here, then run `scripts/gpu-check.sh run` with
 # carry ["gpu-check"]. GEMM products run on the machine's cuBLAS (found below: CUDA's
 # folders or its Python's NVIDIA wheels; gpu-check.txt's first line says whether it
-# loaded) and, compared, in GEMM kernels; attention is a warp per query row and head
-# (no tiles shared between queries, no tensor cores yet): expect the timing to show it.
+# loaded) and, compared, in GEMM kernels; attention with bf16 buffers runs on tensor
+# cores (a warp per 16 query rows), with f32 buffers a block per 8 query rows sharing
+# its keys through shared memory.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 folder="$root/gpu-check"

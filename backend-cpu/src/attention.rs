@@ -605,6 +605,7 @@ mod tests {
     //! the same NaN, infinity and empty-element behaviour.
 
     use super::*;
+    use nestor_passes::step::AttentionPart;
     use nestor_passes::Step;
     use proptest::prelude::*;
 
@@ -750,12 +751,13 @@ mod tests {
         }
     }
 
-    /// The host's attention gradient and the template's (keys' or queries'), on finite
+    /// The host's attention gradient and the template's (keys' or queries'; with
+    /// `saved`, reading the statistics the template of the statistics wrote), on finite
     /// values.
     fn gradients(
         (q_lengths, k_lengths): (&[i64], &[i64]),
         (q, k, v, g): (&[f32], &[f32], &[f32], &[f32]),
-        (causal, keys): (bool, bool),
+        (causal, keys, saved): (bool, bool, bool),
         tiles: Tiles,
     ) -> (Vec<f32>, Vec<f32>) {
         let width = HEADS * HEAD_DIM;
@@ -797,20 +799,50 @@ mod tests {
             )
         };
         let [qa, ka, va, ga] = accesses;
-        let step = Step::AttentionGrad(nestor_passes::step::AttentionGrad {
-            out: slot(0),
-            q: qa,
-            k: ka,
-            v: va,
-            g: ga,
-            q_lengths: slot(5),
-            k_lengths: slot(6),
-            heads: HEADS,
-            head_dim: HEAD_DIM,
-            causal,
-            scale: nestor_ir::F64(scale),
-            keys,
-        });
+        let step = |part, statistics| {
+            Step::AttentionGrad(nestor_passes::step::AttentionGrad {
+                out: slot(0),
+                q: qa,
+                k: ka,
+                v: va,
+                g: ga,
+                q_lengths: slot(5),
+                k_lengths: slot(6),
+                heads: HEADS,
+                head_dim: HEAD_DIM,
+                causal,
+                scale: nestor_ir::F64(scale),
+                part,
+                statistics,
+            })
+        };
+        let q_rows = *q_offsets.last().unwrap_or(&0);
+        let width_of_statistics = AttentionPart::STATISTICS_WIDTH;
+        let mut statistics = vec![f32::NAN; (q_rows * HEADS * width_of_statistics) as usize];
+        let absent = std::ptr::null_mut();
+        if saved {
+            let elements = crate::testing::row_elements(q_lengths);
+            let args = [
+                statistics.as_mut_ptr() as *mut u8,
+                pointer(q),
+                pointer(k),
+                pointer(v),
+                pointer(g),
+                absent,
+                q_offsets.as_ptr() as *mut u8,
+                k_offsets.as_ptr() as *mut u8,
+                elements.as_ptr() as *mut u8,
+            ];
+            // `statistics` holds a head's statistics per query row and head.
+            let statistics_step = step(AttentionPart::Statistics, None);
+            unsafe { crate::testing::run_template(statistics_step, &args, q_rows * HEADS) };
+        }
+        let part = if keys {
+            AttentionPart::KeysValues
+        } else {
+            AttentionPart::Queries
+        };
+        let gradient_step = step(part, saved.then_some(slot(7)));
         let elements = crate::testing::row_elements(lengths);
         let mut actual = vec![f32::NAN; size];
         let args = [
@@ -819,12 +851,17 @@ mod tests {
             pointer(k),
             pointer(v),
             pointer(g),
+            if saved {
+                statistics.as_mut_ptr() as *mut u8
+            } else {
+                absent
+            },
             q_offsets.as_ptr() as *mut u8,
             k_offsets.as_ptr() as *mut u8,
             elements.as_ptr() as *mut u8,
         ];
         // The buffers hold the rows of these offsets; `actual` the gradient's rows.
-        unsafe { crate::testing::run_template(step, &args, rows * HEADS) };
+        unsafe { crate::testing::run_template(gradient_step, &args, rows * HEADS) };
         (actual, expected)
     }
 
@@ -833,6 +870,7 @@ mod tests {
         fn the_attention_gradient_template_equals_the_host_gradient(
             (q_lengths, k_lengths, values, causal) in case(),
             keys in any::<bool>(),
+            saved in any::<bool>(),
             queries in 1i64..4,
             small in any::<bool>(),
         ) {
@@ -847,11 +885,11 @@ mod tests {
             let (k, rest) = rest.split_at(key_rows * width);
             let (v, rest) = rest.split_at(key_rows * width);
             let g = &rest[..queries * width];
-            let (actual, expected) = gradients((&q_lengths, &k_lengths), (q, k, v, g), (causal, keys), tiles);
+            let (actual, expected) = gradients((&q_lengths, &k_lengths), (q, k, v, g), (causal, keys, saved), tiles);
             for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 prop_assert!(
                     (a - e).abs() <= 1e-4 * (1.0 + e.abs()),
-                    "value {index}: template {a} vs host {e} (causal {causal}, keys {keys}, lengths {q_lengths:?} / {k_lengths:?}, {tiles:?})"
+                    "value {index}: template {a} vs host {e} (causal {causal}, keys {keys}, saved {saved}, lengths {q_lengths:?} / {k_lengths:?}, {tiles:?})"
                 );
             }
         }

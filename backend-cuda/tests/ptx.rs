@@ -426,15 +426,20 @@ fn filetest(file: &str) -> String {
     .unwrap()
 }
 
-/// The program of the joint forward + backward graph of `graph`'s loss (its first
-/// output) with respect to every parameter.
+/// The GPU program of the joint forward + backward graph of `graph`'s loss (its first
+/// output) with respect to every parameter (attention's statistics saved).
 fn training_program(graph: &nestor_ir::Graph) -> nestor_passes::Program {
     let params: Vec<nestor_ir::ValueId> = (0..graph.nodes.len() as u32)
         .map(nestor_ir::ValueId)
         .filter(|value| matches!(graph.nodes[value.index()].op, nestor_ir::Op::Param { .. }))
         .collect();
     let joint = nestor_passes::differentiate(graph, graph.outputs[0], &params).unwrap();
-    lower(&Pipeline::unoptimized().run(&joint.graph).unwrap()).unwrap()
+    // A GPU's program: attention's gradients read saved statistics.
+    let options = nestor_passes::LowerOptions {
+        attention_statistics: true,
+        ..nestor_passes::LowerOptions::default()
+    };
+    nestor_passes::lower_with(&Pipeline::unoptimized().run(&joint.graph).unwrap(), options).unwrap()
 }
 
 /// Every step of `program` has a kernel, and ptxas assembles them for every

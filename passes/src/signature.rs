@@ -12,8 +12,8 @@ use nestor_ir::Window2d;
 use crate::operands::{Access, RowMap, Rows, Slot, WindowKind};
 use crate::program::Program;
 use crate::step::{
-    Attention, AttentionGrad, Gather, Gemm, Host, Insert, LengthValues, OneHot, Pad, PairGemm,
-    Pointwise, RandomMask, Row, ScatterRows, Segment, Step, SumRows, Unpad, Window,
+    Attention, AttentionGrad, AttentionPart, Gather, Gemm, Host, Insert, LengthValues, OneHot, Pad,
+    PairGemm, Pointwise, RandomMask, Row, ScatterRows, Segment, Step, SumRows, Unpad, Window,
 };
 
 /// Which steps a backend runs as generated kernels.
@@ -107,6 +107,9 @@ pub enum Role {
     Values,
     /// A gradient read (an output's cotangent).
     Gradient,
+    /// Softmax statistics of attention's query rows (written once, read by its
+    /// gradients).
+    Statistics,
     /// The left operand of a product.
     A,
     /// The right operand of a product.
@@ -179,6 +182,7 @@ impl Role {
             | Role::Keys
             | Role::Values
             | Role::Gradient
+            | Role::Statistics
             | Role::A
             | Role::B => matches!(arg, Arg::Buffer(_) | Arg::Absent),
             Role::Ids | Role::Lengths => matches!(arg, Arg::Buffer(_)),
@@ -389,11 +393,13 @@ impl Placed for Attention {
 
 impl Placed for AttentionGrad {
     fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
+        // The statistics are a kernel everywhere (the CPU's gradients do without them:
+        // only programs for a GPU have them); the gradients are the CPU's own code.
+        if set == KernelSet::Library && self.part != AttentionPart::Statistics {
             return Placement::Backend;
         }
         // A task per query row and head, or (the keys' gradient) per key row and head.
-        let rows = if self.keys {
+        let rows = if self.part == AttentionPart::KeysValues {
             self.k_lengths
         } else {
             self.q_lengths
@@ -403,6 +409,7 @@ impl Placed for AttentionGrad {
             .buffer(Role::Keys, self.k.slot)
             .buffer(Role::Values, self.v.slot)
             .buffer(Role::Gradient, self.g.slot)
+            .optional(Role::Statistics, self.statistics)
             .with(Role::Offsets, Arg::Offsets(self.q_lengths))
             .with(Role::KeyOffsets, Arg::Offsets(self.k_lengths))
             .with(Role::RowOwners, owners(rows))

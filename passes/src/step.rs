@@ -53,8 +53,9 @@ pub enum Step {
     /// `out` viewed as `[rows, size, inner]` is zero but for `out[:, index, :] = x`
     /// (`x` viewed as `[rows, inner]`).
     Insert(Insert),
-    /// The gradient of varlen attention: of the queries, or (`keys`) of the keys and
-    /// values stacked per row (`[Lk, 2, heads, head_dim]`).
+    /// The gradient of varlen attention ([`AttentionPart`]): of the queries, of the
+    /// keys and values stacked per row (`[Lk, 2, heads, head_dim]`), or the softmax
+    /// statistics of every query row that the other two read.
     AttentionGrad(AttentionGrad),
     /// A dropout mask: every value `1 / (1 - p)` with probability `1 - p`, else 0, from
     /// a counter-based generator keyed by `stream`, the position and the run.
@@ -341,8 +342,7 @@ pub struct Insert {
     pub inner: i64,
 }
 
-/// The gradient of varlen attention: of the queries, or (`keys`) of the keys and
-/// values stacked per row (`[Lk, 2, heads, head_dim]`).
+/// A part of the gradient of varlen attention ([`AttentionPart`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct AttentionGrad {
     /// Output slot.
@@ -367,8 +367,31 @@ pub struct AttentionGrad {
     pub causal: bool,
     /// Score scale.
     pub scale: F64,
-    /// The keys' and values' gradient rather than the queries'.
-    pub keys: bool,
+    /// Which part.
+    pub part: AttentionPart,
+    /// The statistics of the query rows (an [`AttentionPart::Statistics`] step's
+    /// output), which the gradients' GPU kernels read instead of computing them again
+    /// for every key (the CPU's tiles compute their own).
+    pub statistics: Option<Slot>,
+}
+
+/// What an [`AttentionGrad`] step computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionPart {
+    /// The queries' gradient `[Lq, heads, head_dim]`.
+    Queries,
+    /// The keys' and values' gradients stacked per row, `[Lk, 2, heads, head_dim]`.
+    KeysValues,
+    /// For every query row and head, its largest visible score, its sum of
+    /// exponentials and `rowsum(P dP)`, in the program's float type whatever the
+    /// storage: [`AttentionPart::STATISTICS_WIDTH`] values of the storage a head hold
+    /// the three (`[Lq, heads, 6]`: bf16 buffers' six halves are three f32).
+    Statistics,
+}
+
+impl AttentionPart {
+    /// Values of a statistics slot per query row and head.
+    pub const STATISTICS_WIDTH: i64 = 6;
 }
 
 /// A dropout mask: every value `1 / (1 - p)` with probability `1 - p`, else 0, from
@@ -808,7 +831,9 @@ impl StepKind for AttentionGrad {
         self.out
     }
     fn reads(&self) -> Vec<Slot> {
-        vec![self.q.slot, self.k.slot, self.v.slot, self.g.slot]
+        let mut reads = vec![self.q.slot, self.k.slot, self.v.slot, self.g.slot];
+        reads.extend(self.statistics);
+        reads
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
         visit(&mut self.out);
@@ -817,6 +842,9 @@ impl StepKind for AttentionGrad {
         }
         visit(&mut self.q_lengths);
         visit(&mut self.k_lengths);
+        if let Some(statistics) = &mut self.statistics {
+            visit(statistics);
+        }
     }
 }
 

@@ -274,6 +274,7 @@ fn host_steps_on_a_device_are_a_typed_error() {
     .unwrap();
     let options = nestor_passes::LowerOptions {
         host_per_element: true,
+        ..nestor_passes::LowerOptions::default()
     };
     let program = nestor_passes::lower_with(&graph, options).unwrap();
     let executable = nestor_backend_cpu::executable(program).unwrap();
@@ -554,6 +555,50 @@ fn wide_segments_are_a_block_each() {
 }
 
 #[test]
+fn long_segments_are_a_block_each_short_ones_a_warp() {
+    // 40 columns (lanes take one or two): elements of 0, 1, 63 rows (a warp's) and 64,
+    // 200 rows (a block's: the warps take every 8th row and combine through shared
+    // memory), every segmented kind against the CPU, on the CUDA device's grid (groups
+    // of 8 elements), on 3 blocks of 2 warps (groups of 2, the grid-stride loop) and on
+    // one warp (a long element alone). Values include a NaN and infinities in the long
+    // elements, which every warp's part must carry to the result.
+    use nestor_runtime::InputData;
+    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    let executable = executable_of(
+        r#"graph @segments {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 40]
+  %2 = softmax(%1) {axis = 1} : ragged<f32>[B; %0, 40]
+  %3 = log_softmax(%1) {axis = 1} : ragged<f32>[B; %0, 40]
+  %4 = sum(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  %5 = mean(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  %6 = amax(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  %7 = amin(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  return %2, %3, %4, %5, %6, %7
+}"#,
+    );
+    let lengths = [63i64, 200, 1, 0, 64, 5, 130, 2, 9];
+    let rows = lengths.iter().sum::<i64>() as usize;
+    let mut x: Vec<f32> = (0..rows * 40)
+        .map(|i| ((i * 53) % 97) as f32 * 0.04 - 2.0)
+        .collect();
+    // Element 1 (rows 63..263): a NaN in column 3, +inf in column 5, -inf in column 6.
+    x[(63 + 150) * 40 + 3] = f32::NAN;
+    x[(63 + 7) * 40 + 5] = f32::INFINITY;
+    x[(63 + 199) * 40 + 6] = f32::NEG_INFINITY;
+    let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+    let grid = |blocks, threads| Geometry::Fixed(nestor_codegen::GpuGrid { blocks, threads });
+    for geometry in [Geometry::Gpu, grid(3, 64), grid(1, 32)] {
+        let options = SimOptions {
+            geometry,
+            ..SimOptions::default()
+        };
+        let device = SimDevice::with(&executable, options).unwrap();
+        assert_device_matches_cpu(&executable, &device, &inputs);
+    }
+}
+
+#[test]
 fn attention_stages_each_key_once_a_block() {
     // Query lengths 0, 1, odd, and longer than a tile of 64 keys (100: a tile and 36);
     // cross attention with other key lengths, and causal self-attention. On the CUDA
@@ -762,4 +807,61 @@ fn attention_on_tensor_cores_keeps_the_cpu_special_values() {
     };
     assert!(nan(&on_cpu) > 0 && nan(&on_cpu) < rows * value_dim as usize);
     assert_eq!(first_difference(&on_device, &on_cpu, 2e-2), None);
+}
+
+#[test]
+fn attention_gradients_read_saved_statistics_once() {
+    // Training causal attention (tests/filetests/attention_loss.nir): lowered for a GPU,
+    // a statistics step computes each query row's largest score, sum of exponentials
+    // and rowsum(P dP) once, and both gradients read them; without it the keys'
+    // gradient computes them again for every key a query sees (cubic in the length).
+    // Both equal the CPU; the saved statistics cut the memory the program loads.
+    use nestor_passes::step::AttentionPart;
+    use nestor_passes::{LowerOptions, Step};
+    use nestor_runtime::InputData;
+    use nestor_sim::SimDevice;
+    let graph = nestor_ir::parse(include_str!("../../tests/filetests/attention_loss.nir")).unwrap();
+    let joint = nestor_passes::differentiate_loss(&graph).unwrap().graph;
+    let joint = nestor_passes::Pipeline::unoptimized().run(&joint).unwrap();
+    let lengths = [64i64, 1, 0, 17];
+    let rows = lengths.iter().sum::<i64>() as usize;
+    let (x, qkv) = (waves(rows * 8, 0.4), waves(24 * 8, 1.3));
+    let inputs = [
+        InputData::I64(&lengths),
+        InputData::F32(&x),
+        InputData::F32(&qkv),
+    ];
+    let loaded = [false, true].map(|attention_statistics| {
+        let options = LowerOptions {
+            attention_statistics,
+            ..LowerOptions::default()
+        };
+        let program = nestor_passes::lower_with(&joint, options).unwrap();
+        let parts: Vec<AttentionPart> = program
+            .steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::AttentionGrad(grad) => Some(grad.part),
+                _ => None,
+            })
+            .collect();
+        let statistics_steps = parts
+            .iter()
+            .filter(|part| **part == AttentionPart::Statistics)
+            .count();
+        assert_eq!(
+            statistics_steps,
+            usize::from(attention_statistics),
+            "{parts:?}"
+        );
+        let executable = nestor_backend_cpu::executable(program).unwrap();
+        let device = SimDevice::new(&executable).unwrap();
+        assert_device_matches_cpu(&executable, &device, &inputs);
+        device.traffic().loaded
+    });
+    eprintln!(
+        "attention training, lengths {lengths:?}: {} bytes loaded recomputing the statistics, {} reading them",
+        loaded[0], loaded[1]
+    );
+    assert!(loaded[1] * 3 < loaded[0], "{loaded:?}");
 }

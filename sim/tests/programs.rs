@@ -130,7 +130,12 @@ fn executable(text: &str, train: bool) -> (Executable, Graph) {
         graph
     };
     let graph = nestor_passes::Pipeline::unoptimized().run(&graph).unwrap();
-    let program = nestor_passes::lower(&graph).unwrap();
+    // A GPU's program: attention's gradients read saved statistics.
+    let options = nestor_passes::LowerOptions {
+        attention_statistics: true,
+        ..nestor_passes::LowerOptions::default()
+    };
+    let program = nestor_passes::lower_with(&graph, options).unwrap();
     (nestor_backend_cpu::executable(program).unwrap(), graph)
 }
 

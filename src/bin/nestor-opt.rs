@@ -217,6 +217,8 @@ fn run(options: &Options) -> Result<(), Failure> {
 fn lowered(graph: &Graph, options: &Options) -> Result<String, Failure> {
     let lower_options = LowerOptions {
         host_per_element: options.per_element_fallback,
+        // PTX is a GPU's program: attention's gradients read saved statistics.
+        attention_statistics: options.emit == Emit::Ptx,
     };
     let program = lower_with(graph, lower_options)
         .map_err(|error| Failure::Rejected(format!("lowering: {error}")))?;

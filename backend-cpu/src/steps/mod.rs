@@ -4,7 +4,9 @@
 //! where it is faster (varlen attention, window steps, row sums) or simplest (length
 //! values), and host steps, each reading and writing the buffers of the run's state.
 
-use nestor_passes::step::{Attention, AttentionGrad, Gemm, Host, PairGemm, SumRows, Unpad};
+use nestor_passes::step::{
+    Attention, AttentionGrad, AttentionPart, Gemm, Host, PairGemm, SumRows, Unpad,
+};
 use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Step};
 use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
@@ -415,8 +417,20 @@ impl CpuSteps {
             head_dim,
             causal,
             scale,
-            keys,
+            part,
+            ..
         } = step;
+        let keys = match part {
+            AttentionPart::Queries => false,
+            AttentionPart::KeysValues => true,
+            // Placed as a kernel in every set.
+            AttentionPart::Statistics => {
+                return Err(step_error(
+                    index,
+                    "attention's statistics are a kernel's, not the CPU's own code".to_owned(),
+                ))
+            }
+        };
         let (lengths, tiles) = ((*q_lengths, *k_lengths), Tiles::DEFAULT);
         let scalars = |lengths| tiles.gradient_scalars(lengths, *head_dim);
         let Some(offsets) =
@@ -433,7 +447,7 @@ impl CpuSteps {
             head_dim: *head_dim,
             causal: *causal,
             scale: scale.0,
-            keys: *keys,
+            keys,
             parallel: worker_threads() > 1,
             tiles,
         };

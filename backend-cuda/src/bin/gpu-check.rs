@@ -18,6 +18,9 @@
 //! gpu-check --device cuda --cases gpu-check/cases OUT_DIR
 //! ```
 //!
+//! On a GPU it also times the encoder layer at three occupancies, attention's achieved
+//! TFLOP/s and a pointwise kernel's bandwidth ([`run_benchmarks`]).
+//!
 //! Writes `OUT_DIR/gpu-check.txt`; exit status 0 when everything matches, 1 when
 //! something differs or fails, 2 when the device cannot be opened.
 
@@ -91,10 +94,77 @@ const PROGRAMS: [(&str, &str, bool); 10] = [
 /// Batches with empty and one-row elements, a batch of one, a larger one.
 const LENGTHS: [&[i64]; 4] = [&[4, 0, 1, 3], &[1], &[7, 2], &[64, 17, 3, 40, 9, 1, 33, 20]];
 
-/// 16 lengths up to 256 at 35% occupancy (the same in `scripts/gpu-torch-baseline.py`).
-const BENCHMARK_LENGTHS: [i64; 16] = [
-    256, 40, 117, 61, 98, 23, 135, 77, 52, 110, 89, 30, 125, 70, 64, 87,
+/// 16 lengths up to 256 at 20, 35 and 77% occupancy, DanLing's benchmark's (the same in
+/// `scripts/gpu-torch-baseline.py`).
+const BENCHMARK_LENGTHS: [(&str, [i64; 16]); 3] = [
+    (
+        "20%",
+        [
+            256, 20, 45, 31, 60, 12, 70, 41, 28, 55, 47, 15, 52, 36, 30, 21,
+        ],
+    ),
+    (
+        "35%",
+        [
+            256, 40, 117, 61, 98, 23, 135, 77, 52, 110, 89, 30, 125, 70, 64, 87,
+        ],
+    ),
+    (
+        "77%",
+        [
+            256, 180, 240, 199, 220, 150, 256, 210, 175, 230, 205, 160, 245, 190, 198, 40,
+        ],
+    ),
 ];
+
+/// Long elements for attention's throughput: 16 heads of 64 columns.
+const ATTENTION_LENGTHS: [i64; 4] = [2048, 1536, 1024, 512];
+
+/// Varlen self-attention (16 heads of 64), causal or not.
+fn attention_graph(causal: bool) -> String {
+    format!(
+        r#"graph @attention {{
+  %0 = input {{name = "x.lengths"}} : lengths[B]
+  %1 = input {{name = "q"}} : ragged<f32>[B; %0, 16, 64]
+  %2 = input {{name = "k"}} : ragged<f32>[B; %0, 16, 64]
+  %3 = input {{name = "v"}} : ragged<f32>[B; %0, 16, 64]
+  %4 = attention(%1, %2, %3) {{causal = {causal}}} : ragged<f32>[B; %0, 16, 64]
+  return %4
+}}"#
+    )
+}
+
+/// The floating-point operations of attention over `lengths` (two products of
+/// `2 L^2 d` per head; causal: the visible half and the diagonal).
+fn attention_flops(lengths: &[i64], causal: bool) -> f64 {
+    lengths
+        .iter()
+        .map(|&length| {
+            let pairs = if causal {
+                length * (length + 1) / 2
+            } else {
+                length * length
+            };
+            4.0 * pairs as f64 * 16.0 * 64.0
+        })
+        .sum()
+}
+
+/// A pointwise kernel over 32 Mi values (8 elements of 4096 rows of 1024): memory
+/// bound, its bytes read and written measure the device's bandwidth.
+const POINTWISE: &str = r#"graph @pointwise {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; %0, 1024]
+  %2 = exp(%1) : ragged<f32>[B; %0, 1024]
+  return %2
+}"#;
+
+/// The H200's dense bf16 tensor-core peak (TFLOP/s), which attention's line is read
+/// against.
+const H200_BF16_TFLOPS: f64 = 989.0;
+
+/// The H200's memory bandwidth (HBM3e, GB/s), which the pointwise line is read against.
+const H200_GBPS: f64 = 4800.0;
 
 /// The optimized encoder layer of the filetests (d_model 8, 2 heads, ff 16) at d_model
 /// 256, 4 heads of 64, feed-forward 1024.
@@ -219,47 +289,16 @@ fn device_report(cases: Option<&String>) -> Result<(String, usize), String> {
 /// returns the failures.
 fn run_programs(kind: Kind, record: &mut dyn FnMut(String)) -> usize {
     let mut failures = 0;
-    // The encoder layer at the benchmark's sizes, timed (against padded torch in
-    // `scripts/gpu-torch-baseline.py`, same lengths), with f32 and bf16 buffers, its
-    // GEMM products on the BLAS and in kernels. A GPU's timing, not a check: the
-    // simulated GPU (about a minute a run on two cores) leaves it to the programs below.
-    let timed = if kind == Kind::Cuda {
-        &[Storage::Compute, Storage::Bf16][..]
-    } else {
-        &[]
-    };
-    for &storage in timed {
-        for gemms in [Gemms::Blas, Gemms::Kernels] {
-            let how = how_named(storage, gemms);
-            record(
-                match check(
-                    &encoder_layer_256(),
-                    false,
-                    &BENCHMARK_LENGTHS,
-                    (kind, storage, gemms),
-                ) {
-                    Ok((error, device, cpu_ms)) => format!(
-                        "ok   encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at \
-                         35%; {how}): relative error {error:.2e}; device {:.3} ms (inputs and \
-                         results on the device; queued in {:.3} ms), CPU runtime {cpu_ms:.3} ms",
-                        device.total_ms, device.queued_ms
-                    ),
-                    Err(why) => {
-                        failures += 1;
-                        format!("FAIL encoder_layer_256 ({how}): {why}")
-                    }
-                },
-            );
-        }
+    if kind == Kind::Cuda {
+        failures += run_benchmarks(record);
     }
     // Every program for every batch with f32 buffers and BLAS products (what a GPU runs
     // by default); with GEMM kernels, and with bf16 buffers, for a batch with empty and
     // one-row elements and for the largest one (bf16 with GEMM kernels: the largest).
     let first = LENGTHS[0];
-    // The simulated GPU (about 60 ns a thread switch) runs the largest batch, whose
-    // causal attention's keys gradient recomputes every query's statistics for every
-    // key (L^3 shuffles), with f32 buffers and BLAS GEMMs only; the others with
-    // `[7, 2]`.
+    // The simulated GPU (about 60 ns a thread switch, every dot product of attention's
+    // gradients a warp's shuffles) runs the largest batch with f32 buffers and BLAS
+    // GEMMs only; the others with `[7, 2]`.
     let largest = if kind == Kind::Cuda {
         LENGTHS[3]
     } else {
@@ -286,6 +325,96 @@ fn run_programs(kind: Kind, record: &mut dyn FnMut(String)) -> usize {
                 }
             });
         }
+    }
+    failures
+}
+
+/// The timed checks of a GPU: the encoder layer at the benchmark's sizes and three
+/// occupancies (against padded torch in `scripts/gpu-torch-baseline.py`, same lengths),
+/// with f32 and bf16 buffers and BLAS GEMMs (GEMM kernels too at 35%); attention's
+/// achieved TFLOP/s on long elements (bf16 buffers: tensor cores); a pointwise kernel's
+/// achieved bandwidth. Each is checked against the CPU runtime too. A line per run to
+/// `record`; returns the failures.
+fn run_benchmarks(record: &mut dyn FnMut(String)) -> usize {
+    let mut failures = 0;
+    let mut line = |name: String,
+                    outcome: Result<(f64, Timing, f64), String>,
+                    rate: &dyn Fn(f64) -> String| {
+        record(match outcome {
+            Ok((error, device, cpu_ms)) => format!(
+                "ok   {name}: relative error {error:.2e}; device {:.3} ms (inputs and results \
+                 on the device; queued in {:.3} ms){}, CPU runtime {cpu_ms:.3} ms",
+                device.total_ms,
+                device.queued_ms,
+                rate(device.total_ms)
+            ),
+            Err(why) => {
+                failures += 1;
+                format!("FAIL {name}: {why}")
+            }
+        });
+    };
+    for (occupancy, lengths) in BENCHMARK_LENGTHS {
+        for storage in [Storage::Compute, Storage::Bf16] {
+            let gemms: &[Gemms] = if occupancy == "35%" {
+                &[Gemms::Blas, Gemms::Kernels]
+            } else {
+                &[Gemms::Blas]
+            };
+            for &gemms in gemms {
+                let how = how_named(storage, gemms);
+                let name = format!(
+                    "encoder_layer_256 (d_model 256, 4 heads, ff 1024; 16 elements at \
+                     {occupancy}; {how})"
+                );
+                let run = (Kind::Cuda, storage, gemms);
+                line(
+                    name,
+                    check(&encoder_layer_256(), false, &lengths, run),
+                    &|_| String::new(),
+                );
+            }
+        }
+    }
+    for causal in [false, true] {
+        for storage in [Storage::Compute, Storage::Bf16] {
+            let flops = attention_flops(&ATTENTION_LENGTHS, causal);
+            let name = format!(
+                "attention (16 heads of 64, lengths {ATTENTION_LENGTHS:?}, causal {causal}; {})",
+                how_named(storage, Gemms::Blas)
+            );
+            let run = (Kind::Cuda, storage, Gemms::Blas);
+            let outcome = check(&attention_graph(causal), false, &ATTENTION_LENGTHS, run);
+            line(name, outcome, &|ms| {
+                let tflops = flops / (ms * 1e-3) / 1e12;
+                format!(
+                    "; {tflops:.1} TFLOP/s, {:.1}% of the H200's {H200_BF16_TFLOPS} bf16 peak",
+                    100.0 * tflops / H200_BF16_TFLOPS
+                )
+            });
+        }
+    }
+    for storage in [Storage::Compute, Storage::Bf16] {
+        let lengths = [4096i64; 8];
+        let values = lengths.iter().sum::<i64>() as f64 * 1024.0;
+        let bytes = 2.0 * values * if storage == Storage::Bf16 { 2.0 } else { 4.0 };
+        let name = format!(
+            "pointwise exp over 32 Mi values ({})",
+            how_named(storage, Gemms::Blas)
+        );
+        let outcome = check(
+            POINTWISE,
+            false,
+            &lengths,
+            (Kind::Cuda, storage, Gemms::Blas),
+        );
+        line(name, outcome, &|ms| {
+            let gbps = bytes / (ms * 1e-3) / 1e9;
+            format!(
+                "; {gbps:.0} GB/s, {:.1}% of the H200's {H200_GBPS} GB/s",
+                100.0 * gbps / H200_GBPS
+            )
+        });
     }
     failures
 }
@@ -361,7 +490,12 @@ fn check(
     let graph = nestor_passes::Pipeline::unoptimized()
         .run(&graph)
         .map_err(|error| error.to_string())?;
-    let program = nestor_passes::lower(&graph).map_err(|error| error.to_string())?;
+    // A GPU's program: attention's gradients read saved statistics.
+    let options = nestor_passes::LowerOptions {
+        attention_statistics: true,
+        ..nestor_passes::LowerOptions::default()
+    };
+    let program = nestor_passes::lower_with(&graph, options).map_err(|error| error.to_string())?;
     let executable = nestor_backend_cpu::executable(program).map_err(fail)?;
     let mut values = example_inputs(&graph, lengths);
     if storage == Storage::Bf16 {
@@ -642,4 +776,34 @@ fn example_inputs(graph: &Graph, lengths: &[i64]) -> Vec<Values> {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_benchmark_lengths_have_the_occupancies_they_are_named_by() {
+        for (name, lengths) in BENCHMARK_LENGTHS {
+            let longest = lengths.iter().copied().max().unwrap_or(0);
+            let occupancy = lengths.iter().sum::<i64>() as f64 / (16 * longest) as f64;
+            assert_eq!(format!("{:.0}%", 100.0 * occupancy), name);
+        }
+    }
+
+    #[test]
+    fn the_timed_graphs_lower_and_count_their_work() {
+        for text in [
+            attention_graph(false),
+            attention_graph(true),
+            POINTWISE.to_owned(),
+        ] {
+            let graph = nestor_ir::parse(&text).unwrap_or_else(|error| panic!("{error}"));
+            assert!(nestor_passes::lower(&graph).is_ok());
+        }
+        // One element of 2: 4 scores of 64 columns, 16 heads, two products of 2 flops;
+        // causal: 3 of the 4 pairs.
+        assert_eq!(attention_flops(&[2], false), 4.0 * 4.0 * 16.0 * 64.0);
+        assert_eq!(attention_flops(&[2], true), 4.0 * 3.0 * 16.0 * 64.0);
+    }
 }

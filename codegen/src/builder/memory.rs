@@ -107,6 +107,12 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.scoped(store, base)
     }
 
+    /// Buffer `buffer` as values of the compute type whatever the storage (for
+    /// [`Kernel::load_local`] and [`Kernel::store_local`]): attention's statistics.
+    pub(crate) fn compute_type(&self, buffer: PointerValue<'ctx>) -> Local<'ctx> {
+        Local(buffer)
+    }
+
     /// Bytes of a float of the compute type.
     fn float_bytes(&self) -> i64 {
         if self.double {

@@ -446,6 +446,10 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
     }
 }
 
+/// The statistics of a query row and head: its largest score, sum of exponentials and
+/// rowsum(P dP).
+const STATISTICS: i64 = 3;
+
 /// The gradient of varlen attention, `P = softmax(scale Q K^T)` recomputed from each query
 /// row's maximum and sum: the queries' (`dQ = scale dS K`, one query row and head per
 /// iteration) or the keys' and values' (`dK = scale dS^T Q`, `dV = P^T dO`, one key row
@@ -466,6 +470,9 @@ pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGr
             Role::KeyOffsets,
             Role::RowOwners,
         ])?;
+    let statistics = kernel
+        .optional(Role::Statistics)?
+        .map(|buffer| kernel.compute_type(buffer));
     let stats = kernel.accumulators(["largest", "total", "dot"])?;
     // Each lane's columns of the head (every one on the host).
     let slots = (step.head_dim + kernel.lane_count() - 1) / kernel.lane_count();
@@ -511,10 +518,10 @@ pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGr
             kernel.store_local(grads[0], slot, zero)?;
             kernel.store_local(grads[1], slot, zero)
         })?;
-        if step.keys {
-            task.keys_gradient()
-        } else {
-            task.queries_gradient()
+        match step.part {
+            AttentionPart::Queries => task.queries_gradient(statistics),
+            AttentionPart::KeysValues => task.keys_gradient(statistics),
+            AttentionPart::Statistics => task.statistics(kernel.compute_type(out)),
         }
     })
 }
@@ -629,11 +636,30 @@ impl<'ctx> GradTask<'_, 'ctx, '_> {
         Ok((p, kernel.fmul(p, centred)?))
     }
 
+    /// Where query row `query`'s statistics are in a statistics buffer, in values of
+    /// the compute type: three a head (a head's `STATISTICS_WIDTH` values of the storage
+    /// hold at least as many bytes).
+    fn statistics_at(&self, query: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let kernel = self.kernel;
+        let head = kernel.div(self.base, kernel.i64(self.step.head_dim.max(1)))?;
+        let entry = kernel.add(kernel.mul(query, kernel.i64(self.step.heads))?, head)?;
+        kernel.mul(entry, kernel.i64(STATISTICS))
+    }
+
     /// Row `query`'s maximum, sum of exponentials and rowsum(P dP), into the
-    /// accumulators.
-    fn row_stats(&self, query: IntValue<'ctx>) -> Gen<()> {
+    /// accumulators: read from `saved` (an [`AttentionPart::Statistics`] step's), or
+    /// computed over the keys the row sees.
+    fn row_stats(&self, query: IntValue<'ctx>, saved: Option<Local<'ctx>>) -> Gen<()> {
         let (kernel, zero) = (self.kernel, self.zero);
         let [largest, total, dot] = self.stats;
+        if let Some(saved) = saved {
+            let at = self.statistics_at(query)?;
+            for (index, accumulator) in (0i64..).zip(self.stats) {
+                let value = kernel.load_local(saved, kernel.add(at, kernel.i64(index))?)?;
+                kernel.set(accumulator, value)?;
+            }
+            return Ok(());
+        }
         let limit = self.visible(query)?;
         kernel.set(largest, kernel.constant(f64::NEG_INFINITY))?;
         kernel.for_range(kernel.i64(0), limit, |key| {
@@ -662,9 +688,31 @@ impl<'ctx> GradTask<'_, 'ctx, '_> {
         })
     }
 
+    /// The statistics of this task's query row ([`GradTask::row_stats`]) into `out`,
+    /// three values of the compute type a head ([`GradTask::statistics_at`]), written by
+    /// the first lane.
+    fn statistics(&self, out: Local<'ctx>) -> Gen<()> {
+        let kernel = self.kernel;
+        // A row without keys: -inf, 0 and 0.
+        self.row_stats(self.row, None)?;
+        let at = self.statistics_at(self.row)?;
+        let first_lane = kernel.equal(self.lanes.lane, kernel.i64(0))?;
+        kernel.if_else(
+            first_lane,
+            || {
+                for (index, accumulator) in (0i64..).zip(self.stats) {
+                    let value = kernel.get(accumulator)?;
+                    kernel.store_local(out, kernel.add(at, kernel.i64(index))?, value)?;
+                }
+                Ok(())
+            },
+            || Ok(()),
+        )
+    }
+
     /// Key row `row`'s dK and dV: over the queries of its element that see it, into
     /// `[Lk, 2, heads, head_dim]` (dK then dV).
-    fn keys_gradient(&self) -> Gen<()> {
+    fn keys_gradient(&self, saved: Option<Local<'ctx>>) -> Gen<()> {
         let (kernel, step, buffers) = (self.kernel, self.step, self.buffers);
         let [first_grad, second_grad] = self.grads;
         let (row, base) = (self.row, self.base);
@@ -679,7 +727,7 @@ impl<'ctx> GradTask<'_, 'ctx, '_> {
             kernel.if_else(
                 seen,
                 || {
-                    self.row_stats(query)?;
+                    self.row_stats(query, saved)?;
                     let (p, ds) = self.score_slope(query, row)?;
                     self.columns(&|column, slot| {
                         let column_at = kernel.add(base, column)?;
@@ -717,7 +765,7 @@ impl<'ctx> GradTask<'_, 'ctx, '_> {
     }
 
     /// Query row `row`'s dQ: over the keys it sees, into `[Lq, heads, head_dim]`.
-    fn queries_gradient(&self) -> Gen<()> {
+    fn queries_gradient(&self, saved: Option<Local<'ctx>>) -> Gen<()> {
         let (kernel, step, buffers) = (self.kernel, self.step, self.buffers);
         let first_grad = self.grads[0];
         let (row, base) = (self.row, self.base);
@@ -726,7 +774,7 @@ impl<'ctx> GradTask<'_, 'ctx, '_> {
         kernel.if_else(
             has_keys,
             || {
-                self.row_stats(row)?;
+                self.row_stats(row, saved)?;
                 kernel.for_range(kernel.i64(0), limit, |key| {
                     let key = kernel.add(self.first_key, key)?;
                     let (_, ds) = self.score_slope(row, key)?;

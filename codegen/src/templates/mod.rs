@@ -10,7 +10,7 @@
 //! jagged-pair matmuls, rows (`M`); window steps, output pixels (image means and their
 //! spread: images; the weight's gradient: weights; pooling's gradient: input pixels,
 //! each summing its own windows in the CPU's order). One file per family: `pointwise`,
-//! `rows` (row and segmented kernels), `products` (GEMMs, row sums, jagged pairs),
+//! `rows` (row kernels), `segments` (segmented kernels), `products` (GEMMs, row sums, jagged pairs),
 //! `attention`, `windows`, `padding`, `data` (gathers, scatters, one-hot rows, inserts,
 //! masks, length values); this module dispatches and holds what they share.
 
@@ -18,6 +18,7 @@ use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
 use inkwell::FloatPredicate;
+use nestor_passes::step::AttentionPart;
 use nestor_passes::step::{
     Attention, AttentionGrad, Gemm, Insert, OneHot, Pad, PairGemm, Pointwise, RandomMask, Row,
     ScatterRows, Segment, SumRows, Unpad, Window,
@@ -33,6 +34,7 @@ mod padding;
 mod pointwise;
 mod products;
 mod rows;
+mod segments;
 mod tensor_attention;
 mod windows;
 
@@ -43,7 +45,8 @@ use data::{
 use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
-use rows::{row, segment};
+use rows::row;
+use segments::segment;
 use windows::{convolution, image_mean, image_spread, pool, pool_grad, weight_grad};
 
 /// Generates the kernel of `step` with `signature` (its placement's in `set`) as
@@ -206,14 +209,15 @@ pub(crate) fn block_per_task(step: &Step) -> bool {
     }
 }
 
-/// Floats of shared memory a block of `step`'s GPU kernel uses: a block's rows combine
-/// their warps' values there, attention (but on tensor cores) stages its keys and
-/// values there.
+/// Floats of shared memory a block of `step`'s GPU kernel uses: a block's rows and a
+/// block's long elements combine their warps' values there, attention (but on tensor
+/// cores) stages its keys and values there.
 pub(crate) fn shared_floats(step: &Step, float: nestor_passes::FloatType, storage: Storage) -> i64 {
     match step {
         Step::Row(row) if row.width > BLOCK_ROW_WIDTH => {
             i64::from(crate::GPU_BLOCK_THREADS) / WARP_LANES
         }
+        Step::Segment(segment) => segments::segment_shared_floats(segment.width),
         Step::Attention(attention)
             if !tensor_attention::on_tensor_cores(attention, float, storage) =>
         {

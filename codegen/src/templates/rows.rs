@@ -1,5 +1,5 @@
-//! Row kernels (norms, softmax, row reductions: a row a warp on a GPU) and segmented
-//! kernels (reductions and softmax over each element's rows: an element a warp).
+//! Row kernels: norms, softmax, row reductions (a row a warp on a GPU, a block for long
+//! rows).
 
 use super::*;
 
@@ -253,93 +253,4 @@ impl<'a, 'ctx, 'm> RowValues<'a, 'ctx, 'm> {
             }),
         }
     }
-}
-
-pub(super) fn segment<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    kind: SegmentKind,
-    x: &Fusion,
-    width: i64,
-) -> Gen<()> {
-    let (start, end) = kernel.range()?;
-    let out = kernel.param(Role::Out)?;
-    let inputs = prologue_args(kernel, &x.inputs)?;
-    let offsets = kernel.param(Role::Offsets)?;
-    // An element is a warp's on a GPU (each lane its columns; a block's for elements
-    // of at least `BLOCK_SEGMENT_WIDTH` columns, a thread a column), one thread's on the
-    // host. Columns are independent: the lanes never combine values.
-    let lanes_per_element = if width >= BLOCK_SEGMENT_WIDTH {
-        i64::from(crate::GPU_BLOCK_THREADS)
-    } else {
-        kernel.lane_count()
-    };
-    kernel.parallel_rows_of(lanes_per_element, start, end, |element, lanes| {
-        let first = kernel.load_i64(offsets, element)?;
-        let last = kernel.load_i64(offsets, kernel.add(element, kernel.i64(1))?)?;
-        kernel.lane_range(lanes, width, |column| {
-            let at = |row: IntValue<'ctx>| kernel.add(kernel.mul(row, kernel.i64(width))?, column);
-            let load = |row| prologue(kernel, x, &inputs, row, column);
-            let fold =
-                |initial: f64,
-                 step: &dyn Fn(FloatValue<'ctx>, IntValue<'ctx>) -> Gen<FloatValue<'ctx>>|
-                 -> Gen<FloatValue<'ctx>> {
-                    let acc = kernel.accumulator("segment")?;
-                    kernel.set(acc, kernel.constant(initial))?;
-                    kernel.for_range(first, last, |row| {
-                        kernel.set(acc, step(kernel.get(acc)?, row)?)
-                    })?;
-                    kernel.get(acc)
-                };
-            let out_at = kernel.add(kernel.mul(element, kernel.i64(width))?, column)?;
-            match kind {
-                SegmentKind::Sum | SegmentKind::Mean => {
-                    let sum = fold(0.0, &|acc, row| kernel.fadd(acc, load(row)?))?;
-                    let value = if kind == SegmentKind::Mean {
-                        let count = kernel
-                            .builder
-                            .build_int_sub(last, first, "count")
-                            .map_err(crate::CodegenError::new)?;
-                        let count = kernel
-                            .builder
-                            .build_signed_int_to_float(count, kernel.float, "n")
-                            .map_err(crate::CodegenError::new)?;
-                        kernel.fdiv(sum, count)?
-                    } else {
-                        sum
-                    };
-                    kernel.store_float(out, out_at, value)
-                }
-                SegmentKind::Max | SegmentKind::Min => {
-                    let largest = kind == SegmentKind::Max;
-                    let initial = if largest {
-                        f64::NEG_INFINITY
-                    } else {
-                        f64::INFINITY
-                    };
-                    let value = fold(initial, &|acc, row| {
-                        kernel.extreme(acc, load(row)?, largest)
-                    })?;
-                    kernel.store_float(out, out_at, value)
-                }
-                SegmentKind::Softmax | SegmentKind::LogSoftmax => {
-                    let max = fold(f64::NEG_INFINITY, &|acc, row| {
-                        kernel.extreme(acc, load(row)?, true)
-                    })?;
-                    let total = fold(0.0, &|acc, row| {
-                        kernel.fadd(acc, kernel.fast_exp(kernel.fsub(load(row)?, max)?)?)
-                    })?;
-                    let log_total = kernel.math("log", &[total])?;
-                    kernel.for_range(first, last, |row| {
-                        let shifted = kernel.fsub(load(row)?, max)?;
-                        let value = if kind == SegmentKind::Softmax {
-                            kernel.fdiv(kernel.fast_exp(shifted)?, total)?
-                        } else {
-                            kernel.fsub(shifted, log_total)?
-                        };
-                        kernel.store_float(out, at(row)?, value)
-                    })
-                }
-            }
-        })
-    })
 }

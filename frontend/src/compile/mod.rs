@@ -579,8 +579,13 @@ where
             reason: error.into(),
         })?;
         phases.done("passes");
+        // A GPU's attention gradients read saved statistics (the CPU's need none).
+        let lower_options = LowerOptions {
+            attention_statistics: !matches!(placement, Placement::Host),
+            ..self.lower_options
+        };
         let mut program =
-            lower_with(&optimized, self.lower_options).map_err(|error| NestedError::Compile {
+            lower_with(&optimized, lower_options).map_err(|error| NestedError::Compile {
                 stage: "lowering",
                 reason: error.into(),
             })?;

@@ -1,7 +1,9 @@
 //! GEMMs (linear, matmul), the embedding gather and varlen attention.
 
 use super::*;
-use crate::step::{Attention, AttentionGrad, Gather, Gemm, PairGemm, ScatterRows, SumRows};
+use crate::step::{
+    Attention, AttentionGrad, AttentionPart, Gather, Gemm, PairGemm, ScatterRows, SumRows,
+};
 
 impl Lowering<'_> {
     /// Lowers a gemm op.
@@ -140,21 +142,53 @@ impl Lowering<'_> {
                 };
                 let (heads, head_dim) = (q_tail[0], q_tail[1]);
                 let rows = |slot| Access::rows(slot, heads * head_dim);
+                let step = |out, part, statistics| {
+                    Step::AttentionGrad(AttentionGrad {
+                        out,
+                        q: rows(q_slot),
+                        k: rows(k_slot),
+                        v: rows(v_slot),
+                        g: rows(g_slot),
+                        q_lengths,
+                        k_lengths,
+                        heads,
+                        head_dim,
+                        causal: *causal,
+                        scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
+                        part,
+                        statistics,
+                    })
+                };
+                let statistics = if self.options.attention_statistics {
+                    let key = [*q, *k, *v, *g];
+                    Some(match self.attention_statistics.get(&key) {
+                        Some(&slot) => slot,
+                        None => {
+                            let slot = self.program.slot(SlotInfo {
+                                dtype: DType::F32,
+                                rows: Rows::total(q_lengths).times(heads),
+                                width: AttentionPart::STATISTICS_WIDTH,
+                                source: Source::Step,
+                            });
+                            self.program
+                                .steps
+                                .push(step(slot, AttentionPart::Statistics, None));
+                            self.attention_statistics.insert(key, slot);
+                            slot
+                        }
+                    })
+                } else {
+                    None
+                };
+                let part = if *keys {
+                    AttentionPart::KeysValues
+                } else {
+                    AttentionPart::Queries
+                };
                 let out = self.result(value, ty)?;
-                self.program.steps.push(Step::AttentionGrad(AttentionGrad {
-                    out: slot_of(&out),
-                    q: rows(q_slot),
-                    k: rows(k_slot),
-                    v: rows(v_slot),
-                    g: rows(g_slot),
-                    q_lengths,
-                    k_lengths,
-                    heads,
-                    head_dim,
-                    causal: *causal,
-                    scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
-                    keys: *keys,
-                }));
+                self.program
+                    .steps
+                    .push(step(slot_of(&out), part, statistics));
                 Ok(out)
             }
             other => Err(unsupported(value, other, "not lowered yet")),

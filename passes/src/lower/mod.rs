@@ -69,6 +69,12 @@ pub struct LowerOptions {
     /// Run `per_element` regions (convolutions, pooling) on the host through libtorch
     /// inside the program, instead of failing to lower them.
     pub host_per_element: bool,
+    /// Attention's gradients read the softmax statistics of each query row from a step
+    /// of their own (`AttentionPart::Statistics`, once for both gradients): what GPU
+    /// kernels need, whose keys' gradient visits every query of a key and would
+    /// otherwise compute its statistics again each time (cubic in the length). The
+    /// CPU's gradients compute them inside their tiles: its programs do without.
+    pub attention_statistics: bool,
 }
 
 /// How an operand's rows relate to the output's rows.
@@ -91,6 +97,9 @@ struct Lowering<'g> {
     /// The derived segments of pair layouts, by their (rows, columns) lengths slots:
     /// a softmax and its gradient's sums over one layout share one derivation.
     pair_segments: HashMap<(Slot, Slot), Slot>,
+    /// The statistics slot of attention's gradients, by their queries, keys, values and
+    /// cotangent ([`LowerOptions::attention_statistics`]): both gradients read one.
+    attention_statistics: HashMap<[ValueId; 4], Slot>,
 }
 
 /// Lowers `graph` to a program with the default options.
@@ -122,6 +131,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         values: vec![None; graph.nodes.len()],
         batches: HashMap::new(),
         pair_segments: HashMap::new(),
+        attention_statistics: HashMap::new(),
     };
     let mut input_index = 0;
     for (index, node) in graph.nodes.iter().enumerate() {

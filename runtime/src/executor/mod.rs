@@ -779,7 +779,7 @@ fn step_name(step: &Step) -> String {
         Step::OneHot(OneHot { classes, .. }) => format!("one_hot classes={classes}"),
         Step::Insert(Insert { size, .. }) => format!("insert size={size}"),
         Step::RandomMask(RandomMask { p, .. }) => format!("random_mask p={}", p.0),
-        Step::AttentionGrad(AttentionGrad { keys, .. }) => format!("attention_grad keys={keys}"),
+        Step::AttentionGrad(AttentionGrad { part, .. }) => format!("attention_grad {part:?}"),
         Step::ScatterRows(ScatterRows {
             vocabulary, width, ..
         }) => {

@@ -1,0 +1,394 @@
+//! Segmented kernels: reductions and softmax over each element's rows (the ragged dim),
+//! column by column. On the host an element is one thread's. On a GPU:
+//!
+//! - elements of at least [`BLOCK_SEGMENT_WIDTH`] columns are a block each, a thread a
+//!   column;
+//! - narrower ones go to blocks in groups of as many as a block has warps: an element of
+//!   fewer than [`LONG_SEGMENT_ROWS`] rows is one warp's (lanes over its columns, its rows
+//!   in order), a longer one the whole block's (the warps take every `warps`-th row, then
+//!   combine their values column by column through shared memory, in warp order).
+//!
+//! Columns are independent: lanes never combine values across columns.
+
+use super::*;
+
+/// The fewest rows of an element that a whole block reduces (fewer: a warp).
+pub(crate) const LONG_SEGMENT_ROWS: i64 = 64;
+
+/// The most warps of a block (the shared memory of a block's long elements is sized for
+/// them: a launch of larger blocks is refused by the simulated GPU's bounds).
+const BLOCK_WARPS: i64 = crate::GPU_BLOCK_THREADS as i64 / WARP_LANES;
+
+/// Floats of shared memory a block of a segmented kernel of `width` columns uses: a value
+/// a warp and column, for its long elements (none for a block a column).
+pub(crate) fn segment_shared_floats(width: i64) -> i64 {
+    if width >= BLOCK_SEGMENT_WIDTH {
+        0
+    } else {
+        BLOCK_WARPS * width
+    }
+}
+
+pub(super) fn segment<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    kind: SegmentKind,
+    x: &Fusion,
+    width: i64,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let segments = Segments {
+        kernel,
+        kind,
+        x,
+        inputs: prologue_args(kernel, &x.inputs)?,
+        out: kernel.param(Role::Out)?,
+        offsets: kernel.param(Role::Offsets)?,
+        width,
+    };
+    if width >= BLOCK_SEGMENT_WIDTH {
+        let threads = i64::from(crate::GPU_BLOCK_THREADS);
+        return kernel.parallel_rows_of(threads, start, end, |element, lanes| {
+            segments.alone(element, lanes)
+        });
+    }
+    if !kernel.on_gpu() {
+        return kernel.parallel_rows(start, end, |element, lanes| segments.alone(element, lanes));
+    }
+    // The launch covers the whole range (`0..B`).
+    segments.grouped(end)
+}
+
+/// A segmented kernel's step and buffers.
+struct Segments<'a, 'ctx, 'm> {
+    kernel: &'a Kernel<'ctx, 'm>,
+    kind: SegmentKind,
+    x: &'a Fusion,
+    inputs: Vec<PointerValue<'ctx>>,
+    out: PointerValue<'ctx>,
+    offsets: PointerValue<'ctx>,
+    width: i64,
+}
+
+/// How a value folds into a running one, and where the fold starts.
+struct Fold<'a, 'ctx> {
+    initial: f64,
+    step: &'a dyn Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+}
+
+impl<'ctx> Segments<'_, 'ctx, '_> {
+    /// The element's first row and the row after its last.
+    fn rows(&self, element: IntValue<'ctx>) -> Gen<(IntValue<'ctx>, IntValue<'ctx>)> {
+        let kernel = self.kernel;
+        let next = kernel.add(element, kernel.i64(1))?;
+        Ok((
+            kernel.load_i64(self.offsets, element)?,
+            kernel.load_i64(self.offsets, next)?,
+        ))
+    }
+
+    /// The input at `(row, column)` (its prologue computed).
+    fn load(&self, row: IntValue<'ctx>, column: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        prologue(self.kernel, self.x, &self.inputs, row, column)
+    }
+
+    /// Where `(row, column)` of a `width`-wide buffer is.
+    fn at(&self, row: IntValue<'ctx>, column: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let kernel = self.kernel;
+        kernel.add(kernel.mul(row, kernel.i64(self.width))?, column)
+    }
+
+    /// The largest value (`softmax`'s shift, `max`) or the smallest.
+    fn extreme(
+        &self,
+        largest: bool,
+    ) -> impl Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> + '_ {
+        move |a, b| self.kernel.extreme(a, b, largest)
+    }
+
+    /// A sum.
+    fn sum(&self) -> impl Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> + '_ {
+        move |a, b| self.kernel.fadd(a, b)
+    }
+
+    /// Element `element` by one task of `lanes` (each lane its columns, the rows in
+    /// order).
+    fn alone(&self, element: IntValue<'ctx>, lanes: Lanes<'ctx>) -> Gen<()> {
+        let (kernel, kind) = (self.kernel, self.kind);
+        let (first, last) = self.rows(element)?;
+        kernel.lane_range(lanes, self.width, |column| {
+            // The column's values (after subtracting `shift`, their exponentials) folded.
+            let fold = |fold: Fold<'_, 'ctx>, shift: Option<FloatValue<'ctx>>| {
+                let acc = kernel.accumulator("segment")?;
+                kernel.set(acc, kernel.constant(fold.initial))?;
+                kernel.for_range(first, last, |row| {
+                    let x = self.load(row, column)?;
+                    let x = match shift {
+                        Some(shift) => kernel.fast_exp(kernel.fsub(x, shift)?)?,
+                        None => x,
+                    };
+                    kernel.set(acc, (fold.step)(kernel.get(acc)?, x)?)
+                })?;
+                kernel.get(acc)
+            };
+            let out_at = self.at(element, column)?;
+            let sum = self.sum();
+            match kind {
+                SegmentKind::Sum | SegmentKind::Mean => {
+                    let total = fold(
+                        Fold {
+                            initial: 0.0,
+                            step: &sum,
+                        },
+                        None,
+                    )?;
+                    kernel.store_float(self.out, out_at, self.finished(total, (first, last))?)
+                }
+                SegmentKind::Max | SegmentKind::Min => {
+                    let (initial, extreme) = self.bound();
+                    let value = fold(
+                        Fold {
+                            initial,
+                            step: &extreme,
+                        },
+                        None,
+                    )?;
+                    kernel.store_float(self.out, out_at, value)
+                }
+                SegmentKind::Softmax | SegmentKind::LogSoftmax => {
+                    let largest = self.extreme(true);
+                    let shift = fold(
+                        Fold {
+                            initial: f64::NEG_INFINITY,
+                            step: &largest,
+                        },
+                        None,
+                    )?;
+                    let total = fold(
+                        Fold {
+                            initial: 0.0,
+                            step: &sum,
+                        },
+                        Some(shift),
+                    )?;
+                    kernel.for_range(first, last, |row| {
+                        self.softmax_at(row, column, (shift, total))
+                    })
+                }
+            }
+        })
+    }
+
+    /// A reduction's result from its fold over rows `first..last`: the mean divides
+    /// the sum by their count (NaN for none).
+    fn finished(
+        &self,
+        folded: FloatValue<'ctx>,
+        (first, last): (IntValue<'ctx>, IntValue<'ctx>),
+    ) -> Gen<FloatValue<'ctx>> {
+        let kernel = self.kernel;
+        if self.kind != SegmentKind::Mean {
+            return Ok(folded);
+        }
+        kernel.fdiv(folded, kernel.to_float(kernel.sub(last, first)?)?)
+    }
+
+    /// Where `max` and `min` start, and how they fold.
+    fn bound(
+        &self,
+    ) -> (
+        f64,
+        impl Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> + '_,
+    ) {
+        let largest = self.kind == SegmentKind::Max;
+        let initial = if largest {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        };
+        (initial, self.extreme(largest))
+    }
+
+    /// Softmax (or log-softmax) at `(row, column)` from the column's largest value and
+    /// sum of exponentials.
+    fn softmax_at(
+        &self,
+        row: IntValue<'ctx>,
+        column: IntValue<'ctx>,
+        (shift, total): (FloatValue<'ctx>, FloatValue<'ctx>),
+    ) -> Gen<()> {
+        let kernel = self.kernel;
+        let shifted = kernel.fsub(self.load(row, column)?, shift)?;
+        let value = if self.kind == SegmentKind::Softmax {
+            kernel.fdiv(kernel.fast_exp(shifted)?, total)?
+        } else {
+            kernel.fsub(shifted, kernel.math("log", &[total])?)?
+        };
+        kernel.store_float(self.out, self.at(row, column)?, value)
+    }
+
+    /// The GPU kernel of narrow elements: a block per group of as many elements as it
+    /// has warps (the grid-stride loop over groups), each short element its warp's,
+    /// then each long one the whole block's.
+    fn grouped(&self, end: IntValue<'ctx>) -> Gen<()> {
+        let kernel = self.kernel;
+        let place = kernel.block_place()?;
+        let warp_lanes = kernel.i64(WARP_LANES);
+        let warps = kernel.div(place.threads, warp_lanes)?;
+        let warp = kernel.div(place.thread, warp_lanes)?;
+        let lanes = Lanes {
+            lane: kernel.rem(place.thread, warp_lanes)?,
+            count: WARP_LANES,
+        };
+        let groups = kernel.div(kernel.add(end, kernel.sub(warps, kernel.i64(1))?)?, warps)?;
+        let last_element = kernel.sub(end, kernel.i64(1))?;
+        // Element `first + index` of the group, if there is one and it is long (or
+        // short): every thread of the block computes the same for the same index.
+        let of_length = |first, index, long: bool| -> Gen<(IntValue<'ctx>, IntValue<'ctx>)> {
+            let element = kernel.add(first, index)?;
+            let exists = kernel.less(element, end)?;
+            let element = kernel.min(element, last_element)?;
+            let (rows_start, rows_end) = self.rows(element)?;
+            let rows = kernel.sub(rows_end, rows_start)?;
+            let is_long = kernel.less(kernel.i64(LONG_SEGMENT_ROWS - 1), rows)?;
+            let wanted = if long { is_long } else { kernel.not(is_long)? };
+            Ok((element, kernel.and(exists, wanted)?))
+        };
+        kernel.block_groups(&place, groups, |group| {
+            let first = kernel.mul(group, warps)?;
+            let (own, short) = of_length(first, warp, false)?;
+            kernel.if_else(short, || self.alone(own, lanes), || Ok(()))?;
+            kernel.for_range(kernel.i64(0), warps, |index| {
+                let (element, long) = of_length(first, index, true)?;
+                kernel.if_else(
+                    long,
+                    || self.together(element, (warp, warps), lanes),
+                    || Ok(()),
+                )
+            })
+        })
+    }
+
+    /// Long element `element` by the whole block: warp `warp` of `warps` folds rows
+    /// `first + warp`, `first + warp + warps`, ..., each lane its columns; the warps'
+    /// values are combined column by column in warp order through shared memory, so
+    /// that every warp has each column's result; warp 0 writes reductions, every warp
+    /// its rows of a softmax.
+    fn together(
+        &self,
+        element: IntValue<'ctx>,
+        (warp, warps): (IntValue<'ctx>, IntValue<'ctx>),
+        lanes: Lanes<'ctx>,
+    ) -> Gen<()> {
+        let kernel = self.kernel;
+        let (first, last) = self.rows(element)?;
+        let shared = kernel.shared_floats(segment_shared_floats(self.width))?;
+        let my_rows = |body: &dyn Fn(IntValue<'ctx>) -> Gen<()>| {
+            kernel.for_range_by(kernel.add(first, warp)?, last, warps, body)
+        };
+        let slots = (self.width + WARP_LANES - 1) / WARP_LANES;
+        let partial = kernel.accumulator_array("partial", slots)?;
+        // Every column's fold over the element's rows: this warp's rows into `partial`,
+        // then the warps' partial values combined (the result in `partial`).
+        let fold_columns = |fold: Fold<'_, 'ctx>, shifts: Option<Local<'ctx>>| -> Gen<()> {
+            let value = |row: IntValue<'ctx>, column: IntValue<'ctx>, slot: IntValue<'ctx>| {
+                let x = self.load(row, column)?;
+                match shifts {
+                    None => Ok(x),
+                    Some(shifts) => {
+                        kernel.fast_exp(kernel.fsub(x, kernel.load_local(shifts, slot)?)?)
+                    }
+                }
+            };
+            kernel.lane_columns(lanes, self.width, |_, slot| {
+                kernel.store_local(partial, slot, kernel.constant(fold.initial))
+            })?;
+            my_rows(&|row| {
+                kernel.lane_columns(lanes, self.width, |column, slot| {
+                    let kept = kernel.load_local(partial, slot)?;
+                    let next = (fold.step)(kept, value(row, column, slot)?)?;
+                    kernel.store_local(partial, slot, next)
+                })
+            })?;
+            // The last readers of the shared values are done before they change.
+            kernel.barrier()?;
+            let base = kernel.mul(warp, kernel.i64(self.width))?;
+            kernel.lane_columns(lanes, self.width, |column, slot| {
+                let at = kernel.add(base, column)?;
+                kernel.store_shared(shared, at, kernel.load_local(partial, slot)?)
+            })?;
+            kernel.barrier()?;
+            kernel.lane_columns(lanes, self.width, |column, slot| {
+                let combined = kernel.accumulator("combined")?;
+                kernel.set(combined, kernel.constant(fold.initial))?;
+                kernel.for_range(kernel.i64(0), warps, |other| {
+                    let at = kernel.add(kernel.mul(other, kernel.i64(self.width))?, column)?;
+                    let value = kernel.load_shared(shared, at)?;
+                    kernel.set(combined, (fold.step)(kernel.get(combined)?, value)?)
+                })?;
+                kernel.store_local(partial, slot, kernel.get(combined)?)
+            })
+        };
+        let sum = self.sum();
+        match self.kind {
+            SegmentKind::Softmax | SegmentKind::LogSoftmax => {
+                let largest = self.extreme(true);
+                let shifts = kernel.accumulator_array("shifts", slots)?;
+                fold_columns(
+                    Fold {
+                        initial: f64::NEG_INFINITY,
+                        step: &largest,
+                    },
+                    None,
+                )?;
+                kernel.lane_columns(lanes, self.width, |_, slot| {
+                    kernel.store_local(shifts, slot, kernel.load_local(partial, slot)?)
+                })?;
+                fold_columns(
+                    Fold {
+                        initial: 0.0,
+                        step: &sum,
+                    },
+                    Some(shifts),
+                )?;
+                my_rows(&|row| {
+                    kernel.lane_columns(lanes, self.width, |column, slot| {
+                        let shift = kernel.load_local(shifts, slot)?;
+                        let total = kernel.load_local(partial, slot)?;
+                        self.softmax_at(row, column, (shift, total))
+                    })
+                })
+            }
+            kind => {
+                if matches!(kind, SegmentKind::Max | SegmentKind::Min) {
+                    let (initial, extreme) = self.bound();
+                    fold_columns(
+                        Fold {
+                            initial,
+                            step: &extreme,
+                        },
+                        None,
+                    )?;
+                } else {
+                    fold_columns(
+                        Fold {
+                            initial: 0.0,
+                            step: &sum,
+                        },
+                        None,
+                    )?;
+                }
+                kernel.if_else(
+                    kernel.equal(warp, kernel.i64(0))?,
+                    || {
+                        kernel.lane_columns(lanes, self.width, |column, slot| {
+                            let value =
+                                self.finished(kernel.load_local(partial, slot)?, (first, last))?;
+                            kernel.store_float(self.out, self.at(element, column)?, value)
+                        })
+                    },
+                    || Ok(()),
+                )
+            }
+        }
+    }
+}

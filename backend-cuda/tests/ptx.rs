@@ -357,7 +357,12 @@ fn row_kernels_share_each_row_across_a_warp() {
         .filter(|(step, _)| matches!(step, Step::AttentionGrad(_)))
         .map(|(_, &threads)| threads)
         .collect();
-    assert_eq!(gradients, [32, 32], "the queries' and the keys' gradients");
+    // f32 buffers: the statistics and both gradients are warp kernels.
+    assert_eq!(
+        gradients,
+        [32, 32, 32],
+        "the statistics, the queries' and the keys' gradients"
+    );
 }
 
 /// The PTX of a small kernel, whole: a grid-stride loop over the flat scalars of a
@@ -610,6 +615,55 @@ fn bf16_attention_runs_on_tensor_cores_without_spills() {
                     );
                     assert_eq!((kernel.spill_stores, kernel.spill_loads), (0, 0));
                 }
+            }
+        }
+    }
+}
+
+/// Attention's gradients with bf16 buffers run on tensor cores at heads of 64 columns
+/// (the queries' and the keys' and values', reading the statistics step's results),
+/// without spills; wider heads keep the warp kernels.
+#[test]
+fn bf16_attention_gradients_run_on_tensor_cores_without_spills() {
+    const MMA: &str = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32";
+    for head_dim in [64usize, 128] {
+        let text = format!(
+            r#"graph @attention_grad {{
+  %0 = input {{name = "x.lengths"}} : lengths[B]
+  %1 = input {{name = "q"}} : ragged<f32>[B; %0, 4, {head_dim}]
+  %2 = input {{name = "g"}} : ragged<f32>[B; %0, 4, {head_dim}]
+  %3 = attention_grad(%1, %1, %1, %2) {{causal = true, keys = false}} : ragged<f32>[B; %0, 4, {head_dim}]
+  %4 = attention_grad(%1, %1, %1, %2) {{causal = true, keys = true}} : ragged<f32>[B; %0, 2, 4, {head_dim}]
+  return %3, %4
+}}"#
+        );
+        let options = nestor_passes::LowerOptions {
+            attention_statistics: true,
+            ..nestor_passes::LowerOptions::default()
+        };
+        let program =
+            nestor_passes::lower_with(&nestor_ir::parse(&text).unwrap(), options).unwrap();
+        for arch in Arch::ALL {
+            let module = ptx_storing(&program, arch, Storage::Bf16).unwrap();
+            let products = module.ptx.matches(MMA).count();
+            if head_dim > 64 {
+                assert_eq!(products, 0, "heads of {head_dim}: no tensor cores");
+                continue;
+            }
+            // Queries: scores and slopes (2 x 2 products per 16 columns), dQ (one per
+            // 8); keys: the same, dV and dK (one each per 8).
+            let per_chunk = head_dim / 16 * 4;
+            assert_eq!(products, 2 * per_chunk + head_dim / 8 * 3, "{products} mma");
+            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+                println!(
+                    "attention_grad d={head_dim} bf16 {} {}: {} registers, {} / {} bytes spilled",
+                    arch.name(),
+                    kernel.name,
+                    kernel.registers,
+                    kernel.spill_stores,
+                    kernel.spill_loads
+                );
+                assert_eq!((kernel.spill_stores, kernel.spill_loads), (0, 0));
             }
         }
     }

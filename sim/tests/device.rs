@@ -865,3 +865,105 @@ fn attention_gradients_read_saved_statistics_once() {
     );
     assert!(loaded[1] * 3 < loaded[0], "{loaded:?}");
 }
+
+#[test]
+fn attention_gradients_on_tensor_cores_equal_the_cpu() {
+    // bf16 buffers: the statistics step, then the queries' gradient (a warp per 16 query
+    // rows) and the keys' and values' (a warp per 16 key rows) on the simulated tensor
+    // cores, against the CPU's gradients on the same (bf16) values. Query lengths 0, 1,
+    // odd, 17 and 40; cross attention with other key lengths (0 included), causal
+    // self-attention and causal cross attention; heads of 24 columns (not a fragment's
+    // multiple); the CUDA device's grid and 3 blocks of 2 warps.
+    use nestor_passes::step::AttentionPart;
+    use nestor_passes::{LowerOptions, Step};
+    use nestor_runtime::InputData;
+    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    let (heads, head_dim) = (2i64, 24i64);
+    let queries = [17i64, 1, 0, 40, 9, 3];
+    let cross = [20i64, 5, 3, 0, 33, 1];
+    for (causal, keys) in [(false, cross), (true, queries), (true, cross)] {
+        let text = format!(
+            r#"graph @attention_grad {{
+  %0 = input {{name = "q.lengths"}} : lengths[B]
+  %1 = input {{name = "q"}} : ragged<f32>[B; %0, {heads}, {head_dim}]
+  %2 = input {{name = "kv.lengths"}} : lengths[B]
+  %3 = input {{name = "k"}} : ragged<f32>[B; %2, {heads}, {head_dim}]
+  %4 = input {{name = "v"}} : ragged<f32>[B; %2, {heads}, {head_dim}]
+  %5 = input {{name = "g"}} : ragged<f32>[B; %0, {heads}, {head_dim}]
+  %6 = attention_grad(%1, %3, %4, %5) {{causal = {causal}, keys = false}} : ragged<f32>[B; %0, {heads}, {head_dim}]
+  %7 = attention_grad(%1, %3, %4, %5) {{causal = {causal}, keys = true}} : ragged<f32>[B; %2, 2, {heads}, {head_dim}]
+  return %6, %7
+}}"#
+        );
+        let graph = nestor_ir::parse(&text).unwrap();
+        let options = LowerOptions {
+            attention_statistics: true,
+            ..LowerOptions::default()
+        };
+        let program = nestor_passes::lower_with(&graph, options).unwrap();
+        let parts: Vec<AttentionPart> = program
+            .steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::AttentionGrad(grad) => Some(grad.part),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                AttentionPart::Statistics,
+                AttentionPart::Queries,
+                AttentionPart::KeysValues
+            ]
+        );
+        let threads: Vec<u32> = program
+            .steps
+            .iter()
+            .map(|step| {
+                nestor_codegen::gpu_threads_per_task(&program, step, nestor_codegen::Storage::Bf16)
+            })
+            .collect();
+        assert_eq!(threads, [32, 2, 2], "the gradients a warp per 16 rows");
+        let executable = nestor_backend_cpu::executable(program).unwrap();
+        let (query_rows, key_rows) = (queries.iter().sum::<i64>(), keys.iter().sum::<i64>());
+        let width = (heads * head_dim) as usize;
+        let q = bf16_rounded(waves(query_rows as usize * width, 0.3));
+        let k = bf16_rounded(waves(key_rows as usize * width, 1.1));
+        let v = bf16_rounded(waves(key_rows as usize * width, 2.7));
+        let g = bf16_rounded(waves(query_rows as usize * width, 0.9));
+        let inputs = [
+            InputData::I64(&queries),
+            InputData::F32(&q),
+            InputData::I64(&keys),
+            InputData::F32(&k),
+            InputData::F32(&v),
+            InputData::F32(&g),
+        ];
+        let small = nestor_codegen::GpuGrid {
+            blocks: 3,
+            threads: 64,
+        };
+        for geometry in [Geometry::Gpu, Geometry::Fixed(small)] {
+            let options = SimOptions {
+                storage: nestor_codegen::Storage::Bf16,
+                geometry,
+                ..SimOptions::default()
+            };
+            let device = SimDevice::with(&executable, options).unwrap();
+            let on_device = executable
+                .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
+                .unwrap();
+            let on_cpu = executable
+                .run(&inputs, &nestor_runtime::Stats::default(), None)
+                .unwrap();
+            // P and dS are rounded to bf16 for the products that follow (and the results
+            // as the buffers store them).
+            assert_eq!(
+                first_difference(&on_device, &on_cpu, 3e-2),
+                None,
+                "causal {causal}, keys {keys:?}, {geometry:?}"
+            );
+        }
+    }
+}

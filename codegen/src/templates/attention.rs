@@ -2,6 +2,9 @@
 //! gradient.
 
 use super::tensor_attention::{on_tensor_cores, tensor_attention};
+use super::tensor_attention_grad::{
+    grad_on_tensor_cores, tensor_attention_grad, TensorGradBuffers,
+};
 use super::*;
 
 /// Varlen attention without scores in memory: one (query row, head) per task of the
@@ -448,7 +451,7 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
 
 /// The statistics of a query row and head: its largest score, sum of exponentials and
 /// rowsum(P dP).
-const STATISTICS: i64 = 3;
+pub(super) const STATISTICS: i64 = 3;
 
 /// The gradient of varlen attention, `P = softmax(scale Q K^T)` recomputed from each query
 /// row's maximum and sum: the queries' (`dQ = scale dS K`, one query row and head per
@@ -473,6 +476,18 @@ pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGr
     let statistics = kernel
         .optional(Role::Statistics)?
         .map(|buffer| kernel.compute_type(buffer));
+    if let Some(statistics) = statistics.filter(|_| {
+        kernel.on_gpu() && grad_on_tensor_cores(step, kernel.float_type(), kernel.storage())
+    }) {
+        let buffers = TensorGradBuffers {
+            out,
+            matrices: [queries, keys, values, slopes],
+            statistics,
+            offsets: [query_offsets, key_offsets],
+            elements,
+        };
+        return tensor_attention_grad(kernel, step, buffers, end);
+    }
     let stats = kernel.accumulators(["largest", "total", "dot"])?;
     // Each lane's columns of the head (every one on the host).
     let slots = (step.head_dim + kernel.lane_count() - 1) / kernel.lane_count();

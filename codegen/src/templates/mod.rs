@@ -30,12 +30,14 @@ use crate::{KernelSet, Storage, Target};
 
 mod attention;
 mod data;
+mod fragments;
 mod padding;
 mod pointwise;
 mod products;
 mod rows;
 mod segments;
 mod tensor_attention;
+mod tensor_attention_grad;
 mod windows;
 
 use attention::{attention, attention_grad};
@@ -228,7 +230,8 @@ pub(crate) fn shared_floats(step: &Step, float: nestor_passes::FloatType, storag
 }
 
 /// GPU threads per task of `step`'s kernel when that is not a block, a warp or one
-/// ([`crate::gpu_threads_per_task`]): attention on tensor cores, a warp per 16 rows.
+/// ([`crate::gpu_threads_per_task`]): attention and its gradients on tensor cores, a
+/// warp per 16 rows.
 pub(crate) fn threads_per_task(
     step: &Step,
     float: nestor_passes::FloatType,
@@ -237,6 +240,11 @@ pub(crate) fn threads_per_task(
     match step {
         Step::Attention(attention)
             if tensor_attention::on_tensor_cores(attention, float, storage) =>
+        {
+            Some(tensor_attention::THREADS_PER_ROW)
+        }
+        Step::AttentionGrad(gradient)
+            if tensor_attention_grad::grad_on_tensor_cores(gradient, float, storage) =>
         {
             Some(tensor_attention::THREADS_PER_ROW)
         }

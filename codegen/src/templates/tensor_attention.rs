@@ -14,8 +14,9 @@
 
 use std::ops::Range;
 
+use super::fragments::{a_of_c, HeadColumns, Lane};
 use super::*;
-use crate::builder::{FragmentA, FragmentB, FragmentC};
+use crate::builder::{FragmentA, FragmentC};
 
 /// Query rows of a warp's tile: the rows of an `m16n8k16` product.
 const TILE_ROWS: i64 = 16;
@@ -85,15 +86,7 @@ pub(super) fn tensor_attention<'ctx>(
             kernel.add(first_row, kernel.i64(TILE_ROWS - 1))?,
             kernel.sub(rows, kernel.i64(1))?,
         )?;
-        let four = kernel.i64(4);
-        let lane = Lane {
-            group: kernel.div(lanes.lane, four)?,
-            pair: kernel.mul(kernel.rem(lanes.lane, four)?, kernel.i64(2))?,
-            quad: Lanes {
-                lane: lanes.lane,
-                count: 4,
-            },
-        };
+        let lane = Lane::of(kernel, lanes)?;
         let tile = warp.tile(head, first_row, &lane)?;
         let first_element = kernel.load_i64(elements, first_row)?;
         let last_element = kernel.load_i64(elements, last_row)?;
@@ -103,15 +96,6 @@ pub(super) fn tensor_attention<'ctx>(
             |element| warp.element(&tile, element, out),
         )
     })
-}
-
-/// A lane's place in the fragments: `group = lane / 4`, `pair = 2 (lane % 4)` (its
-/// first column of a `C` fragment, and of each half of an `A` row), and the four lanes
-/// of its group (which share its rows).
-struct Lane<'ctx> {
-    group: IntValue<'ctx>,
-    pair: IntValue<'ctx>,
-    quad: Lanes<'ctx>,
 }
 
 /// What a warp's tasks share: the step, `Q`, `K`, `V`, the query and key offsets, the
@@ -151,47 +135,21 @@ struct Keys<'ctx> {
 }
 
 impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
-    /// Value `(row, column)` of this head of `buffer` (read through `access`), 0 where
-    /// the row or the column is not valid (`None`: known to be; an invalid one is read
-    /// at 0 instead, which exists).
-    fn value_or_zero(
-        &self,
-        (buffer, access, base): (PointerValue<'ctx>, &Access, IntValue<'ctx>),
-        (row, column): (IntValue<'ctx>, IntValue<'ctx>),
-        (row_valid, column_valid): (Option<IntValue<'ctx>>, Option<IntValue<'ctx>>),
-    ) -> Gen<FloatValue<'ctx>> {
-        let kernel = self.kernel;
-        let zero = kernel.i64(0);
-        let inside = |valid: Option<IntValue<'ctx>>, at: IntValue<'ctx>| match valid {
-            Some(valid) => kernel.select_index(valid, at, zero),
-            None => Ok(at),
+    /// This head's columns of `Q`, `K` (`buffer` 0, 1: `head_dim` wide) or `V` (2:
+    /// `value_dim`).
+    fn head(&self, head: IntValue<'ctx>, buffer: usize) -> Gen<HeadColumns<'a, 'ctx>> {
+        let (kernel, step) = (self.kernel, self.step);
+        let (access, width) = match buffer {
+            0 => (&step.q, step.head_dim),
+            1 => (&step.k, step.head_dim),
+            _ => (&step.v, step.value_dim),
         };
-        let at = index(
-            kernel,
+        Ok(HeadColumns {
+            buffer: self.buffers[buffer],
             access,
-            inside(row_valid, row)?,
-            kernel.add(base, inside(column_valid, column)?)?,
-        )?;
-        let value = kernel.load_float(buffer, at)?;
-        let valid = match (row_valid, column_valid) {
-            (Some(row), Some(column)) => kernel.and(row, column)?,
-            (Some(valid), None) | (None, Some(valid)) => valid,
-            (None, None) => return Ok(value),
-        };
-        kernel.select(valid, value, kernel.constant(0.0))
-    }
-
-    /// Whether `column` (at most `last`) is one of `width`: `None` when `last` is.
-    fn column_valid(
-        &self,
-        column: IntValue<'ctx>,
-        last: i64,
-        width: i64,
-    ) -> Gen<Option<IntValue<'ctx>>> {
-        if last < width {
-            return Ok(None);
-        }
-        Ok(Some(self.kernel.less(column, self.kernel.i64(width))?))
+            base: kernel.mul(head, kernel.i64(width))?,
+            width,
+        })
     }
 
     /// The tile of `head` from packed query row `first`: the lane's rows, and its query
@@ -202,12 +160,10 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
         first: IntValue<'ctx>,
         lane: &'l Lane<'ctx>,
     ) -> Gen<Tile<'l, 'ctx>> {
-        let kernel = self.kernel;
-        let low = kernel.add(first, lane.group)?;
         let mut tile = Tile {
             head,
             lane,
-            rows: [low, kernel.add(low, kernel.i64(8))?],
+            rows: lane.rows(self.kernel, first)?,
             queries: Vec::new(),
         };
         if self.step.head_dim <= HELD_QUERY_COLUMNS {
@@ -224,29 +180,11 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
         if let Some(fragment) = tile.queries.get(chunk as usize) {
             return Ok(*fragment);
         }
-        let (kernel, step) = (self.kernel, self.step);
-        let base = kernel.mul(tile.head, kernel.i64(step.head_dim))?;
-        // Register r holds row `rows[r % 2]`, columns `2 thread + 8 (r / 2)` and the
-        // next (the PTX ISA's layout of `A`).
-        let register = |register: usize| -> Gen<IntValue<'ctx>> {
-            let row = tile.rows[register % 2];
-            let column = kernel.add(
-                tile.lane.pair,
-                kernel.i64(chunk * 16 + 8 * (register as i64 / 2)),
-            )?;
-            let row_valid = Some(kernel.less(row, self.rows)?);
-            let [low, high] = [0, 1].map(|next| -> Gen<FloatValue<'ctx>> {
-                let column = kernel.add(column, kernel.i64(next))?;
-                let column_valid = self.column_valid(column, chunk * 16 + 15, step.head_dim)?;
-                self.value_or_zero(
-                    (self.buffers[0], &step.q, base),
-                    (row, column),
-                    (row_valid, column_valid),
-                )
-            });
-            kernel.pack_bf16(low?, high?)
-        };
-        Ok([register(0)?, register(1)?, register(2)?, register(3)?])
+        let kernel = self.kernel;
+        let valid = tile.rows.map(|row| kernel.less(row, self.rows));
+        let [low, high] = valid;
+        let queries = self.head(tile.head, 0)?;
+        queries.a(kernel, tile.lane, (tile.rows, [low?, high?]), chunk)
     }
 
     /// Element `element`'s turn in `tile`: when it has query rows, its keys, then its
@@ -333,37 +271,17 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
     ) -> Gen<()> {
         let (kernel, step) = (self.kernel, self.step);
         let lane = tile.lane;
-        let pair = lane.pair;
         // Scores: fragment `n` holds keys `chunk + 8n..`; its value `i` is row
         // `rows[i / 2]`, key `chunk + 8n + 2 thread + i % 2`.
-        let key_base = kernel.mul(tile.head, kernel.i64(step.head_dim))?;
+        let keys_of_head = self.head(tile.head, 1)?;
         let mut scores = Vec::with_capacity(2);
         for n in 0..2 {
             let key = kernel.add(chunk, kernel.add(lane.group, kernel.i64(8 * n))?)?;
-            let key_valid = kernel.less(key, keys.count)?;
-            let key_row = kernel.add(keys.first, key)?;
-            let zero = kernel.constant(0.0);
-            let mut sums: FragmentC<'ctx> = [zero; 4];
+            let key_row = (kernel.add(keys.first, key)?, kernel.less(key, keys.count)?);
+            let mut sums: FragmentC<'ctx> = [kernel.constant(0.0); 4];
             for head_chunk in 0..(step.head_dim + 15) / 16 {
                 let queries = self.queries(tile, head_chunk)?;
-                // `B` is `K^T`: register r holds head columns `2 thread + 8 r` and the
-                // next of key `group`.
-                let registers = [0, 1].map(|register| -> Gen<IntValue<'ctx>> {
-                    let column = kernel.add(pair, kernel.i64(head_chunk * 16 + 8 * register))?;
-                    let [low, high] = [0, 1].map(|next| -> Gen<FloatValue<'ctx>> {
-                        let column = kernel.add(column, kernel.i64(next))?;
-                        let column_valid =
-                            self.column_valid(column, head_chunk * 16 + 15, step.head_dim)?;
-                        self.value_or_zero(
-                            (self.buffers[1], &step.k, key_base),
-                            (key_row, column),
-                            (Some(key_valid), column_valid),
-                        )
-                    });
-                    kernel.pack_bf16(low?, high?)
-                });
-                let [first, second] = registers;
-                let b: FragmentB<'ctx> = [first?, second?];
+                let b = keys_of_head.b_transposed(kernel, lane, key_row, head_chunk)?;
                 sums = kernel.mma_bf16(queries, b, sums)?;
             }
             scores.push(sums);
@@ -380,36 +298,14 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
                 }
             }
         }
-        // `P` as `A`: register r holds row `rows[r % 2]`, keys `2 thread + 8 (r / 2)`
-        // and the next, which are fragment `r / 2`'s values `2 (r % 2)` and the next.
-        let p = |register: usize| -> Gen<IntValue<'ctx>> {
-            let values = probabilities[register / 2];
-            let first = 2 * (register % 2);
-            kernel.pack_bf16(values[first], values[first + 1])
-        };
-        let a: FragmentA<'ctx> = [p(0)?, p(1)?, p(2)?, p(3)?];
-        let value_base = kernel.mul(tile.head, kernel.i64(step.value_dim))?;
+        let a = a_of_c(kernel, probabilities)?;
+        let values = self.head(tile.head, 2)?;
+        let rest = (
+            kernel.add(keys.first, chunk)?,
+            kernel.sub(keys.count, chunk)?,
+        );
         for (local, slot) in (0i64..).zip(slots) {
-            // `B` is `V`: register r holds keys `2 thread + 8 r` and the next, value
-            // column `8 slot + group`.
-            let column = kernel.add(lane.group, kernel.i64(8 * slot))?;
-            let column_valid = self.column_valid(column, 8 * slot + 7, step.value_dim)?;
-            let registers = [0, 1].map(|register| -> Gen<IntValue<'ctx>> {
-                let [low, high] = [0, 1].map(|next| -> Gen<FloatValue<'ctx>> {
-                    let key =
-                        kernel.add(chunk, kernel.add(pair, kernel.i64(8 * register + next))?)?;
-                    let key_valid = Some(kernel.less(key, keys.count)?);
-                    let key_row = kernel.add(keys.first, key)?;
-                    self.value_or_zero(
-                        (self.buffers[2], &step.v, value_base),
-                        (key_row, column),
-                        (key_valid, column_valid),
-                    )
-                });
-                kernel.pack_bf16(low?, high?)
-            });
-            let [first, second] = registers;
-            let b: FragmentB<'ctx> = [first?, second?];
+            let b = values.b(kernel, lane, rest, slot)?;
             let c: FragmentC<'ctx> = [0, 1, 2, 3]
                 .map(|next| kernel.load_local(self.output, kernel.i64(local * 4 + next)))
                 .into_iter()

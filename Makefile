@@ -17,10 +17,11 @@ test: setup
 
 # The property tests with many more cases (PROPTEST_CASES, default 256) and a million
 # mutated .nir texts (NESTOR_FUZZ_TEXTS) and 100,000 arbitrary sizes and indices
-# (NESTOR_FUZZ_INPUTS), in release: about 15 minutes on two cores.
+# (NESTOR_FUZZ_INPUTS), optimized but with overflow checks and debug assertions (the
+# `fuzz` profile of Cargo.toml): about 15 minutes on two cores.
 fuzz: setup
 	PROPTEST_CASES=$${PROPTEST_CASES:-256} NESTOR_FUZZ_TEXTS=$${NESTOR_FUZZ_TEXTS:-1000000} NESTOR_FUZZ_INPUTS=$${NESTOR_FUZZ_INPUTS:-100000} \
-		scripts/cargo test --workspace --all-targets --release --no-fail-fast
+		scripts/cargo test --workspace --all-targets --profile fuzz --no-fail-fast
 
 lint: setup
 	cargo fmt --all -- --check

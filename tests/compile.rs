@@ -538,6 +538,69 @@ fn per_element_regions_run_through_libtorch_when_asked() {
     assert_eq!(compiled.stats().compiles, 1);
 }
 
+#[test]
+fn a_strided_bottleneck_block_compiles_once_for_every_image_size() {
+    // ResNet's bottleneck with downsampling: 1x1, 3x3 of stride 2 and padding 1, 1x1,
+    // batch norm (inference), and a 1x1 downsample of stride 2 on the shortcut. The two
+    // strided windows have one size formula, so their lengths are one symbol and the
+    // residual add traces; one compile serves every set of image sizes (odd and even
+    // sides, 1 x 1 included).
+    tch::manual_seed(8);
+    let options = (Kind::Float, Device::Cpu);
+    let reduce = Tensor::randn([4, 3, 1, 1], options);
+    let spatial = Tensor::randn([4, 4, 3, 3], options);
+    let expand = Tensor::randn([8, 4, 1, 1], options);
+    let downsample = Tensor::randn([8, 3, 1, 1], options);
+    let (mean, var) = (
+        Tensor::randn([8], options),
+        Tensor::rand([8], options) + 0.5,
+    );
+    let (scale, shift) = (Tensor::randn([8], options), Tensor::randn([8], options));
+    let block = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        let h = x[0]
+            .conv2d(&reduce, None, [1, 1], [0, 0], [1, 1], 1)?
+            .relu()?;
+        let h = h
+            .conv2d(&spatial, None, [2, 2], [1, 1], [1, 1], 1)?
+            .relu()?;
+        let h = h.conv2d(&expand, None, [1, 1], [0, 0], [1, 1], 1)?;
+        let h = h.batch_norm(
+            1,
+            Some(&mean),
+            Some(&var),
+            Some(&scale),
+            Some(&shift),
+            false,
+            0.1,
+            1e-5,
+        )?;
+        let shortcut = x[0].conv2d(&downsample, None, [2, 2], [0, 0], [1, 1], 1)?;
+        Ok(vec![(&h + &shortcut)?.relu()?.into()])
+    };
+    let images = |sizes: &[(i64, i64)], seed: i64| {
+        tch::manual_seed(seed);
+        let elements: Vec<Tensor> = sizes
+            .iter()
+            .map(|&(h, w)| Tensor::randn([3, h, w], options))
+            .collect();
+        NestedTensor::builder()
+            .ragged_dims(&[1, 2])
+            .tensors(&elements)
+            .unwrap()
+    };
+    let compiled = compile("bottleneck", &block);
+    for (index, sizes) in [vec![(7, 6), (9, 5)], vec![(8, 8), (1, 1), (12, 3)]]
+        .iter()
+        .enumerate()
+    {
+        let batch = images(sizes, 30 + index as i64);
+        let compiled_outputs = compiled.call(&[&batch], &[]).unwrap();
+        let eager = eager_values(block(std::slice::from_ref(&batch), &[]).unwrap());
+        assert_close(&compiled_outputs, &eager, "bottleneck");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}
+
 /// One step of a random model: what it does to the running value, reading earlier
 /// values for binary steps.
 #[derive(Clone, Debug)]

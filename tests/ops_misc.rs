@@ -426,3 +426,45 @@ fn permute_moves_static_dims_only() -> Result<(), Box<dyn std::error::Error>> {
     ));
     Ok(())
 }
+
+#[test]
+fn losses_and_binary_ops_between_structures_fail_alike_eager_and_compiled() {
+    // Lengths [2, 1] against [1, 2]: element 0 of length 2 meets one of length 1 in a
+    // dim ragged in both, which is another structure (not a broadcast), eagerly as in
+    // compiled code, for losses and plain binary ops alike.
+    let options = (Kind::Float, Device::Cpu);
+    let of = |lengths: [i64; 2]| {
+        let elements: Vec<Tensor> = lengths
+            .iter()
+            .map(|&length| Tensor::arange(length * 3, options).view([length, 3]))
+            .collect();
+        NestedTensor::from_tensors(&elements).unwrap()
+    };
+    let (x, target) = (of([2, 1]), of([1, 2]));
+    let is_mismatch = |error: &NestedError| {
+        matches!(error, NestedError::StructureMismatch { .. })
+            && error.to_string().contains("element 0 is [2, 3] vs [1, 3]")
+    };
+    for reduction in [LossReduction::Mean, LossReduction::Sum] {
+        let error = x.mse_loss(&target, reduction).unwrap_err();
+        assert!(is_mismatch(&error), "mse_loss: {error}");
+        let error = x.l1_loss(&target, reduction).unwrap_err();
+        assert!(is_mismatch(&error), "l1_loss: {error}");
+    }
+    let error = (&x + &target).unwrap_err();
+    assert!(is_mismatch(&error), "add: {error}");
+    let model =
+        |inputs: &[NestedTensor], _: &[nestor::Dense]| -> nestor::Result<Vec<common::Out>> {
+            Ok(vec![inputs[0]
+                .mse_loss(&inputs[1], LossReduction::Mean)?
+                .into()])
+        };
+    let compiled = nestor::compile("mismatched_loss", &model);
+    let error = compiled.call(&[&x, &target], &[]).unwrap_err();
+    assert!(
+        error.to_string().contains("element 0 is [2, 3] vs [1, 3]"),
+        "compiled: {error}"
+    );
+    // The same structure still works, and a static dim of size 1 still broadcasts.
+    assert!(x.mse_loss(&of([2, 1]), LossReduction::Mean).is_ok());
+}

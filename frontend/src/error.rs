@@ -133,7 +133,10 @@ pub enum NestedError {
         path: crate::SlowPath,
     },
     /// Two NestedTensors of different structure in an operation that needs one.
-    #[error("{op}: the operands have different structures (element sizes {left:?} vs {right:?})")]
+    #[error(
+        "{op}: the operands have different structures (element sizes {left:?} vs {right:?}{})",
+        first_difference(.left, .right)
+    )]
     StructureMismatch {
         /// The operation.
         op: &'static str,
@@ -382,4 +385,18 @@ impl NestedError {
             reason: CompileReason::new(cause, message),
         }
     }
+}
+
+/// `; element i is [..] vs [..]` for the first element of other sizes in two lists of
+/// element sizes, or nothing.
+fn first_difference(left: &[Vec<i64>], right: &[Vec<i64>]) -> String {
+    left.iter()
+        .zip(right)
+        .position(|(a, b)| a != b)
+        .map_or_else(String::new, |element| {
+            format!(
+                "; element {element} is {:?} vs {:?}",
+                left[element], right[element]
+            )
+        })
 }

@@ -168,6 +168,63 @@ impl Graph {
         Ok(value)
     }
 
+    /// The lengths of a window (`kernel`, `stride`, `padding`, `dilation`) sliding over
+    /// `lengths`, as one symbol for every window of one formula: the output size
+    /// `floor((L + 2 padding - dilation (kernel - 1) - 1) / stride) + 1` depends on the
+    /// window only through its stride and `2 padding - dilation (kernel - 1)`, so
+    /// windows that agree on those (a 3x3 convolution of stride 2 and padding 1 and a
+    /// 1x1 of stride 2: ResNet's two branches) give the same lengths value, and a window
+    /// that keeps every size gives `lengths` itself. Otherwise a `window_lengths` op is
+    /// appended.
+    ///
+    /// ```
+    /// use nestor_ir::{DType, Graph, Op, Type};
+    /// let mut graph = Graph::new("g");
+    /// let lengths = graph.add_declared(
+    ///     Op::Input { name: "h".into() },
+    ///     Type::Lengths { batch: nestor_ir::Dim::Sym("B".into()) },
+    /// )?;
+    /// let strided = graph.window_lengths(lengths, [3, 2, 1, 1])?;
+    /// assert_eq!(graph.window_lengths(lengths, [1, 2, 0, 1])?, strided);
+    /// assert_eq!(graph.window_lengths(lengths, [3, 1, 1, 1])?, lengths);
+    /// assert_ne!(graph.window_lengths(lengths, [3, 2, 0, 1])?, strided);
+    /// # Ok::<(), nestor_ir::VerifyError>(())
+    /// ```
+    pub fn window_lengths(
+        &mut self,
+        lengths: ValueId,
+        [kernel, stride, padding, dilation]: [i64; 4],
+    ) -> Result<ValueId, VerifyError> {
+        let form = |kernel: i64, stride: i64, padding: i64, dilation: i64| {
+            let reach = i128::from(dilation) * (i128::from(kernel) - 1);
+            (stride.max(1), 2 * i128::from(padding) - reach)
+        };
+        let wanted = form(kernel, stride, padding, dilation);
+        if wanted == (1, 0) {
+            return Ok(lengths);
+        }
+        let existing = self.nodes.iter().position(|node| match node.op {
+            Op::WindowLengths {
+                lengths: of,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            } => of == lengths && form(kernel, stride, padding, dilation) == wanted,
+            _ => false,
+        });
+        match existing {
+            Some(index) => Ok(ValueId(index as u32)),
+            None => self.push(Op::WindowLengths {
+                lengths,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            }),
+        }
+    }
+
     /// The type `op` would have if it were appended, or the rule it breaks.
     pub fn type_of(&self, op: &Op) -> Result<Type, VerifyError> {
         self.infer(ValueId(self.nodes.len() as u32), op)

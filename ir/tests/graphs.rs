@@ -335,3 +335,61 @@ fn every_kind_word_names_one_op_and_parses_back() {
         assert_eq!(parsed.as_ref(), Ok(&op), "{}", op.name());
     }
 }
+
+#[test]
+fn products_convolutions_and_attention_of_mixed_dtypes_are_rejected() {
+    // libtorch refuses these (it promotes elsewhere: elementwise ops, where, losses).
+    let cases = [
+        (
+            "linear",
+            r#"%2 = param {name = "w"} : f64[4, 8]
+  %3 = linear(%1, %2) : ragged<f32>[B; %0, 4]"#,
+        ),
+        (
+            "matmul",
+            r#"%2 = param {name = "w"} : bf16[8, 4]
+  %3 = matmul(%1, %2) : ragged<f32>[B; %0, 4]"#,
+        ),
+        (
+            "attention",
+            r#"%2 = cast(%1) {dtype = f64} : ragged<f64>[B; %0, 8]
+  %3 = reshape_tail(%1) {tail = [2, 4]} : ragged<f32>[B; %0, 2, 4]
+  %4 = reshape_tail(%2) {tail = [2, 4]} : ragged<f64>[B; %0, 2, 4]
+  %5 = attention(%3, %4, %3) {causal = false} : ragged<f32>[B; %0, 2, 4]"#,
+        ),
+    ];
+    for (op, body) in cases {
+        let result = if op == "attention" { "%5" } else { "%3" };
+        let text = format!(
+            r#"graph @g {{
+  %0 = input {{name = "x.lengths"}} : lengths[B]
+  %1 = input {{name = "x"}} : ragged<f32>[B; %0, 8]
+  {body}
+  return {result}
+}}"#
+        );
+        let error = nestor_ir::parse(&text).unwrap_err().to_string();
+        assert!(
+            error.contains(&format!("{op} needs operands of one dtype")),
+            "{op}: {error}"
+        );
+    }
+    let conv = r#"graph @g {
+  %0 = input {name = "h"} : lengths[B]
+  %1 = input {name = "w"} : lengths[B]
+  %2 = input {name = "x"} : ragged<f32>[B; 3, %0, %1]
+  %3 = param {name = "k"} : f64[4, 3, 3, 3]
+  %4 = per_element(%2, %3) : ragged<f32>[B; 4, %0, %1] graph @conv2d {
+    %0 = input {name = "x"} : f32[3, ?, ?]
+    %1 = input {name = "k"} : f64[4, 3, 3, 3]
+    %2 = conv2d(%0, %1) {stride = [1, 1], padding = [1, 1], dilation = [1, 1], groups = 1} : f32[4, ?, ?]
+    return %2
+  }
+  return %4
+}"#;
+    let error = nestor_ir::parse(conv).unwrap_err().to_string();
+    assert!(
+        error.contains("conv2d needs operands of one dtype"),
+        "{error}"
+    );
+}

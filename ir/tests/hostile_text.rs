@@ -136,3 +136,24 @@ fn huge_window_geometries_give_sizes_not_overflows() {
     assert_eq!(window_output_size(4, i64::MAX, 1, 0, i64::MAX), 0);
     assert_eq!(window_output_size(i64::MAX, 3, 1, 1, 1), i64::MAX);
 }
+
+#[test]
+fn a_convolution_whose_channels_overflow_is_an_error() {
+    // Channels a group times groups past i64 (found by the text fuzzer in a build with
+    // overflow checks): a typed error naming the product, not a panic.
+    let text = r#"graph @g {
+  %0 = input {name = "h"} : lengths[B]
+  %1 = input {name = "w"} : lengths[B]
+  %2 = input {name = "x"} : ragged<f32>[B; 3, %0, %1]
+  %3 = param {name = "k"} : f32[4, 4611686018427387904, 3, 3]
+  %4 = per_element(%2, %3) : ragged<f32>[B; 4, %0, %1] graph @conv2d {
+    %0 = input {name = "x"} : f32[3, ?, ?]
+    %1 = input {name = "k"} : f32[4, 4611686018427387904, 3, 3]
+    %2 = conv2d(%0, %1) {stride = [1, 1], padding = [1, 1], dilation = [1, 1], groups = 4} : f32[4, ?, ?]
+    return %2
+  }
+  return %4
+}"#;
+    let error = parse(text).unwrap_err();
+    assert!(error.message.contains("overflows"), "{error}");
+}

@@ -57,9 +57,14 @@ impl NestedTensor {
         let mut sizes = Vec::with_capacity(left.batch_size());
         for (a, b) in left.element_sizes().iter().zip(right.element_sizes()) {
             let mut element = Vec::with_capacity(a.len());
-            for (&a, &b) in a.iter().zip(b) {
+            for (dim, (&a, &b)) in a.iter().zip(b).enumerate() {
+                // A dim ragged in both operands never broadcasts: an element of length 1
+                // against a longer one is another structure (compiled code sees two
+                // length symbols), a StructureMismatch from `align`.
+                let both_ragged = left.is_ragged(dim) && right.is_ragged(dim);
                 match (a, b) {
                     _ if a == b => element.push(a),
+                    _ if both_ragged => return Ok(None),
                     (1, b) => element.push(b),
                     (a, 1) => element.push(a),
                     _ => return Ok(None),

@@ -47,20 +47,13 @@ impl Windows {
                 },
                 ElemDim::Ragged(lengths),
             ) => {
-                if stride[axis] == 1 && 2 * padding[axis] == dilation[axis] * (kernel[axis] - 1) {
-                    // A window that keeps every size (a "same" convolution): the
-                    // result has the input's lengths, so it can meet the input again
-                    // (residual connections).
-                    ElemDim::Ragged(*lengths)
-                } else {
-                    ElemDim::Ragged(graph.push(Op::WindowLengths {
-                        lengths: *lengths,
-                        kernel: kernel[axis],
-                        stride: stride[axis],
-                        padding: padding[axis],
-                        dilation: dilation[axis],
-                    })?)
-                }
+                // One symbol for every window of one size formula (a window that keeps
+                // every size: the input's own), so that branches meet again (residual
+                // connections, strided downsampling).
+                ElemDim::Ragged(graph.window_lengths(
+                    *lengths,
+                    [kernel[axis], stride[axis], padding[axis], dilation[axis]],
+                )?)
             }
             (Windows::Sliding { .. }, ElemDim::Fixed(_)) => ElemDim::Fixed(Dim::Static(fixed)),
         })

@@ -11,7 +11,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             q, k, v, g, keys, ..
         } => {
             let output = attention(&ty(*q), &ty(*k), &ty(*v), *q, *k, *v)?;
-            if ty(*g).with_dtype(DType::F32) != output.with_dtype(DType::F32) {
+            if ty(*g) != output {
                 return Err(format!(
                     "the cotangent {g} must be {output}, got {}",
                     ty(*g)
@@ -41,6 +41,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
 }
 
 fn attention(q: &Type, k: &Type, v: &Type, qv: ValueId, kv: ValueId, vv: ValueId) -> Inferred {
+    same_dtype(
+        "attention",
+        &[
+            ("the queries", Some(q)),
+            ("the keys", Some(k)),
+            ("the values", Some(v)),
+        ],
+    )?;
     let parts = |ty: &Type, value: ValueId| -> Result<(DType, Dim, ValueId, i64, i64), String> {
         match ty {
             Type::Ragged { dtype, batch, dims } => match dims.as_slice() {

@@ -8,8 +8,18 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     match op {
         Op::Linear { x, weight, bias } => {
             let x = ty(*x);
+            let weight_type = ty(*weight);
+            let bias_type = bias.map(ty);
+            same_dtype(
+                "linear",
+                &[
+                    ("the input", Some(&x)),
+                    ("the weight", Some(&weight_type)),
+                    ("the bias", bias_type.as_ref()),
+                ],
+            )?;
             let width = last_static(&x, "linear")?;
-            let weight = static_shape(&ty(*weight), "the weight")?;
+            let weight = static_shape(&weight_type, "the weight")?;
             if weight.len() != 2 || weight[1] != width {
                 return Err(format!("the weight must be [out, {width}] for an input of width {width}, got {weight:?}"));
             }
@@ -22,9 +32,13 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             Ok(with_last(&x, Some(weight[0])))
         }
         Op::Matmul { x, w } => {
-            let x = ty(*x);
+            let (x, w) = (ty(*x), ty(*w));
+            same_dtype(
+                "matmul",
+                &[("the input", Some(&x)), ("the matrix", Some(&w))],
+            )?;
             let width = last_static(&x, "matmul")?;
-            match static_shape(&ty(*w), "the matrix")?.as_slice() {
+            match static_shape(&w, "the matrix")?.as_slice() {
                 [k, m] if *k == width => Ok(with_last(&x, Some(*m))),
                 [k] if *k == width => Ok(with_last(&x, None)),
                 other => Err(format!("expected [{width}, M] or [{width}], got {other:?}")),

@@ -72,6 +72,24 @@ fn float(ty: &Type) -> Result<DType, String> {
     }
 }
 
+/// That the operands of `op` that are present have one dtype, as libtorch requires of
+/// products, convolutions and attention (it promotes elsewhere): an error naming the
+/// first operand and one of another dtype, with their types.
+fn same_dtype(op: &str, operands: &[(&str, Option<&Type>)]) -> Result<(), String> {
+    let mut present = operands
+        .iter()
+        .filter_map(|(name, ty)| ty.map(|ty| (*name, ty)));
+    let Some((first_name, first)) = present.next() else {
+        return Ok(());
+    };
+    match present.find(|(_, ty)| ty.dtype() != first.dtype()) {
+        Some((name, ty)) => Err(format!(
+            "{op} needs operands of one dtype: {first_name} is {first}, {name} is {ty}"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Dims after the batch: element dims of a ragged value, trailing dims of a dense one.
 fn element_rank(ty: &Type) -> usize {
     match ty {

@@ -15,21 +15,30 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             dilation,
             groups,
         } => {
-            let (dtype, shape) = element_image(&ty(*x))?;
-            let weight = static_shape(&ty(*weight), "the weight")?;
+            let (x_type, weight_type) = (ty(*x), ty(*weight));
+            let bias_type = bias.map(ty);
+            same_dtype(
+                "conv2d",
+                &[
+                    ("the input", Some(&x_type)),
+                    ("the weight", Some(&weight_type)),
+                    ("the bias", bias_type.as_ref()),
+                ],
+            )?;
+            let (dtype, shape) = element_image(&x_type)?;
+            let weight = static_shape(&weight_type, "the weight")?;
             let [out, per_group, kh, kw] = weight.as_slice() else {
                 return Err(format!(
                     "the weight must be [C_out, C_in / groups, Kh, Kw], got {weight:?}"
                 ));
             };
-            if shape[0]
-                .as_static()
-                .is_some_and(|channels| channels != per_group * groups)
-            {
+            let channels = per_group.checked_mul(*groups).ok_or_else(|| {
+                format!("{per_group} channels a group times {groups} groups overflows")
+            })?;
+            if shape[0].as_static().is_some_and(|given| given != channels) {
                 return Err(format!(
-                    "the input has {} channels, the weight expects {}",
+                    "the input has {} channels, the weight expects {channels}",
                     shape[0],
-                    per_group * groups
                 ));
             }
             if let Some(bias) = bias {

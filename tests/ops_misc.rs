@@ -367,6 +367,14 @@ fn reshapes_of_static_dims() -> Result<(), Box<dyn std::error::Error>> {
 #[test]
 fn the_guard_turns_slow_paths_into_errors() -> Result<(), Box<dyn std::error::Error>> {
     let (nested, _) = batch(&[3, 1], &[2], Kind::Float, 7);
+    let square = |side: i64| Tensor::randn([side, side], (Kind::Float, Device::Cpu));
+    let squares =
+        NestedTensor::builder()
+            .ragged_dims(&[0, 1])
+            .tensors(&[square(2), square(3), square(4)])?;
+    let same_squares = NestedTensor::builder()
+        .ragged_dims(&[0, 1])
+        .tensors(&[square(3), square(3)])?;
     let padded = nested.tensor()?;
     nested_execution_guard(|| {
         assert!(matches!(
@@ -403,8 +411,25 @@ fn the_guard_turns_slow_paths_into_errors() -> Result<(), Box<dyn std::error::Er
             "slicing a ragged dim is a packed gather"
         );
         assert!(nested.sum(&[1], false).is_ok());
+        // Linear algebra on square elements of several shapes: a call per shape.
+        assert!(matches!(
+            squares.det(),
+            Err(NestedError::SlowPathForbidden {
+                path: SlowPath::PerElement,
+                ..
+            })
+        ));
+        assert!(matches!(
+            squares.svd(),
+            Err(NestedError::SlowPathForbidden {
+                path: SlowPath::PerElement,
+                ..
+            })
+        ));
+        assert!(same_squares.det().is_ok(), "one shape: one batched call");
     });
     assert!(nested.tensor().is_ok(), "the guard ends with its scope");
+    assert!(squares.det().is_ok());
     Ok(())
 }
 
@@ -467,4 +492,34 @@ fn losses_and_binary_ops_between_structures_fail_alike_eager_and_compiled() {
     );
     // The same structure still works, and a static dim of size 1 still broadcasts.
     assert!(x.mse_loss(&of([2, 1]), LossReduction::Mean).is_ok());
+}
+
+#[test]
+fn scans_over_static_dims_say_they_cannot_be_compiled_yet() {
+    // A cumulative sum or product over a static dim has no IR form yet: compiling it is
+    // an error naming the operator (it once left the trace silently and the error named
+    // none).
+    let (x, _) = batch(&[3, 1], &[2], Kind::Float, 3);
+    for op in ["cumsum", "cumprod"] {
+        let model = move |inputs: &[NestedTensor],
+                          _: &[nestor::Dense]|
+              -> nestor::Result<Vec<common::Out>> {
+            let scanned = if op == "cumsum" {
+                inputs[0].cumsum(2)?
+            } else {
+                inputs[0].cumprod(2)?
+            };
+            Ok(vec![scanned.into()])
+        };
+        let error = nestor::compile(op, &model).call(&[&x], &[]).unwrap_err();
+        assert!(error.to_string().contains(op), "{op}: {error}");
+        assert!(
+            error.to_string().contains("cannot be traced"),
+            "{op}: {error}"
+        );
+        assert!(
+            model(std::slice::from_ref(&x), &[]).is_ok(),
+            "eager {op} works"
+        );
+    }
 }

@@ -210,22 +210,48 @@ fn every_unary_op_matches_eager_on_special_values() {
     });
 }
 
+/// [`MODERATE`] without subnormals: where `x / y` overflows (100 over 1e-40) libtorch's
+/// `remainder` gives NaN in its vectorized loop and the exact remainder in its scalar
+/// tail, by position, so there is no one answer to match.
+const NO_OVERFLOWING_QUOTIENTS: [f32; 9] = [
+    f32::NAN,
+    f32::INFINITY,
+    f32::NEG_INFINITY,
+    -0.0,
+    0.0,
+    100.0,
+    -100.0,
+    88.8,
+    -104.0,
+];
+
 #[test]
 fn every_binary_op_matches_eager_on_special_values() {
-    check("binary", 2e-6, |x, y| {
-        BinaryOp::ALL
-            .iter()
-            .flat_map(|&op| {
-                let op = Binary::from_ir(op);
-                [
-                    x.binary(op, y),
-                    x.binary(op, 0.5),
-                    x.binary(op, f64::NEG_INFINITY),
-                ]
-            })
-            .map(|result| Ok(result?.into()))
-            .collect()
-    });
+    let binary = |ops: Vec<BinaryOp>| {
+        move |x: &NestedTensor, y: &NestedTensor| -> nestor::Result<Vec<Out>> {
+            ops.iter()
+                .flat_map(|&op| {
+                    let op = Binary::from_ir(op);
+                    [
+                        x.binary(op, y),
+                        x.binary(op, 0.5),
+                        x.binary(op, f64::NEG_INFINITY),
+                    ]
+                })
+                .map(|result| Ok(result?.into()))
+                .collect()
+        }
+    };
+    let (remainder, others): (Vec<BinaryOp>, Vec<BinaryOp>) = BinaryOp::ALL
+        .iter()
+        .partition(|&&op| op == BinaryOp::Remainder);
+    check("binary", 2e-6, binary(others));
+    check_with(
+        &NO_OVERFLOWING_QUOTIENTS,
+        "remainder",
+        2e-6,
+        binary(remainder),
+    );
 }
 
 #[test]

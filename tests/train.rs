@@ -89,7 +89,8 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let mixed = (&(&tail * &x[1])? + &ragged.sigmoid()?)?;
             scalar(mixed.sum(&[], false)?)
         }),
-        // Elementwise functions and binary ops with dense operands broadcast over rows.
+        // Elementwise functions and binary ops (atan2 and remainder too) with dense
+        // operands broadcast over rows.
         "pointwise" => Box::new(move |x, _| {
             let y = (&x[0] * &scale)?;
             let a = y.sigmoid()?.exp()?;
@@ -99,7 +100,10 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let e = d.maximum(&c)?.minimum(&(&a * 3.0)?)?;
             let f = e.where_self(&y.gt(0.3)?, &(&y.sin()? * &y.cos()?)?)?;
             let g = (&f + &(&y.abs()? + 0.5)?.sqrt()?)?;
-            scalar(g.mse_loss(&x[0], LossReduction::Mean)?)
+            // The angle and remainder functions (their jumps are far from these values).
+            let h = (&g + &y.atan2(&(&b + 0.1)?)?)?;
+            let r = h.remainder(&(&a + 2.7)?)?;
+            scalar(r.mse_loss(&x[0], LossReduction::Mean)?)
         }),
         // Cross entropy with label smoothing and an ignored class, from a two-layer head.
         "classifier" => Box::new(move |x, _| {

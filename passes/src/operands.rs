@@ -166,7 +166,9 @@ impl Expr {
                 usize::from(heavy) + x.transcendentals()
             }
             Expr::Binary(op, a, b) => {
-                usize::from(*op == BinaryOp::Pow) + a.transcendentals() + b.transcendentals()
+                usize::from(matches!(op, BinaryOp::Pow | BinaryOp::Atan2))
+                    + a.transcendentals()
+                    + b.transcendentals()
             }
             Expr::Select(c, a, b) => {
                 c.transcendentals() + a.transcendentals() + b.transcendentals()

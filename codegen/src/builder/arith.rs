@@ -228,6 +228,26 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.builder.build_float_div(a, b, "fdiv").map_err(err)
     }
 
+    /// torch's `remainder` of floats: `fmod(a, b)`, plus `b` when that is not 0 and its
+    /// sign is not `b`'s (the result takes the divisor's sign; NaN for `b = 0`). Where
+    /// `a / b` overflows libtorch's vectorized CPU loop gives NaN (Sleef's fmod gives up)
+    /// and its scalar tail the exact remainder; this is the exact one.
+    pub(crate) fn remainder(
+        &self,
+        a: FloatValue<'ctx>,
+        b: FloatValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let modulo = self.builder.build_float_rem(a, b, "fmod").map_err(err)?;
+        let zero = self.constant(0.0);
+        let nonzero = self.float_compare(FloatPredicate::UNE, modulo, zero)?;
+        let signs_differ = self.xor(
+            self.float_compare(FloatPredicate::OLT, b, zero)?,
+            self.float_compare(FloatPredicate::OLT, modulo, zero)?,
+        )?;
+        let adjusted = self.fadd(modulo, b)?;
+        self.select(self.and(nonzero, signs_differ)?, adjusted, modulo)
+    }
+
     /// The larger of `a` and `b` (the smaller with `largest` false), NaN when either is
     /// NaN, as torch's `maximum` / `minimum` (`llvm.maximum`: a running maximum built from
     /// it still vectorizes, as a compare, a max and a NaN blend per vector).

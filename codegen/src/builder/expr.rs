@@ -157,6 +157,8 @@ impl<'ctx> Kernel<'ctx, '_> {
             BinaryOp::Mul => self.fmul(a, b),
             BinaryOp::Div => self.fdiv(a, b),
             BinaryOp::Pow => self.math("pow", &[a, b]),
+            BinaryOp::Atan2 => self.math("atan2", &[a, b]),
+            BinaryOp::Remainder => self.remainder(a, b),
             BinaryOp::Maximum => self.extreme(a, b, true),
             BinaryOp::Minimum => self.extreme(a, b, false),
             BinaryOp::Eq => compare(FloatPredicate::OEQ),

@@ -247,14 +247,14 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.select_if(FloatPredicate::OLT, (magnitude, tiny), x, value)
     }
 
-    /// The math function `name` (`exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh`) of
-    /// the target: on the host LLVM's intrinsic (`llvm.exp`) or, for `erf` and `tanh`,
-    /// the process's libm (`tanhf` in f32 kernels), as on the simulated GPU; on NVPTX
-    /// libdevice's `__nv_tanhf`.
+    /// The math function `name` (`exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh`,
+    /// `atan2`) of the target: on the host LLVM's intrinsic (`llvm.exp`) or, for `erf`,
+    /// `tanh` and `atan2`, the process's libm (`tanhf` in f32 kernels), as on the
+    /// simulated GPU; on NVPTX libdevice's `__nv_tanhf`.
     pub(crate) fn math(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
         let suffix = if self.double { "" } else { "f" };
         match (self.target, name) {
-            (Target::Host | Target::Simulated, "erf" | "tanh") => {
+            (Target::Host | Target::Simulated, "erf" | "tanh" | "atan2") => {
                 self.external(&format!("{name}{suffix}"), args)
             }
             (Target::Host | Target::Simulated, _) => self.intrinsic(&format!("llvm.{name}"), args),

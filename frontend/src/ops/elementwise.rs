@@ -96,7 +96,9 @@ impl Binary {
             Binary::Ge => BinaryOp::Ge,
             Binary::LogicalAnd => BinaryOp::And,
             Binary::LogicalOr => BinaryOp::Or,
-            Binary::Remainder | Binary::Atan2 | Binary::LogicalXor => return None,
+            Binary::Remainder => BinaryOp::Remainder,
+            Binary::Atan2 => BinaryOp::Atan2,
+            Binary::LogicalXor => return None,
         })
     }
 

@@ -5,6 +5,7 @@
 
 use tch::Tensor;
 
+use crate::guard::{slow_path, SlowPath};
 use crate::ops::Reduced;
 use crate::trace::Dense;
 use crate::{NestedError, NestedTensor, Result};
@@ -121,8 +122,9 @@ impl NestedTensor {
     }
 
     /// Runs `op` on the elements grouped by shape (and by the shape of `with`'s
-    /// element, when given): one batched call per group of stacked elements. Returns
-    /// every output's per-element results in batch order.
+    /// element, when given): one batched call per group of stacked elements (more than
+    /// one group is a per-element slow path, which the execution guard refuses).
+    /// Returns every output's per-element results in batch order.
     fn square_op<const N: usize>(
         &self,
         op: &'static str,
@@ -157,6 +159,10 @@ impl NestedTensor {
                 Some((_, members)) => members.push(element),
                 None => groups.push((key, vec![element])),
             }
+        }
+        if groups.len() > 1 {
+            // A call per shape: a loop over the elements' shapes.
+            slow_path(SlowPath::PerElement, op)?;
         }
         let mut outputs: [Vec<Option<Tensor>>; N] =
             std::array::from_fn(|_| (0..elements.len()).map(|_| None).collect());

@@ -249,6 +249,9 @@ impl NestedTensor {
     ) -> Result<NestedTensor> {
         let element_dim = self.element_dim(dim, op)?;
         if let Some(axis) = self.static_axis(element_dim) {
+            // Not recorded yet: a traced scan is an error naming it, never a result that
+            // silently leaves the trace.
+            self.untraceable(op)?;
             return Ok(self.with_values(scan(self.packed(), axis)?));
         }
         self.map_elements(op, true, |element| Ok(scan(element, element_dim as i64)?))

@@ -88,6 +88,11 @@ pub enum BinaryOp {
     And,
     /// `a || b`
     Or,
+    /// `a - b floor(a / b)`: the remainder with the divisor's sign (torch's
+    /// `remainder`, Python's `%`).
+    Remainder,
+    /// `atan2(a, b)`: the angle of the point `(b, a)`.
+    Atan2,
 }
 
 impl ReduceOp {
@@ -197,7 +202,7 @@ word_enum!(UnaryOp {
 word_enum!(BinaryOp {
     Add => "add", Sub => "sub", Mul => "mul", Div => "div", Pow => "pow", Maximum => "maximum",
     Minimum => "minimum", Eq => "eq", Ne => "ne", Lt => "lt", Le => "le", Gt => "gt", Ge => "ge",
-    And => "and", Or => "or",
+    And => "and", Or => "or", Remainder => "remainder", Atan2 => "atan2",
 });
 word_enum!(ReduceOp {
     Sum => "sum", Mean => "mean", Amax => "amax", Amin => "amin", LogSumExp => "logsumexp",

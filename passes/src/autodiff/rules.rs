@@ -263,6 +263,33 @@ fn binary(
             };
             (left, right)
         }
+        BinaryOp::Remainder => {
+            // y = a - b floor(a / b): d/da = 1, d/db = -floor(a / b) = -(a - y) / b.
+            let right = if wants(rhs) {
+                let whole = b.sub(lhs, y)?;
+                let quotient = b.div(whole, rhs)?;
+                let slope = b.mul(g, quotient)?;
+                Some(b.unary(UnaryOp::Neg, slope)?)
+            } else {
+                None
+            };
+            (Some(g), right)
+        }
+        BinaryOp::Atan2 => {
+            // d/da = b / (a^2 + b^2), d/db = -a / (a^2 + b^2).
+            let lhs_square = b.mul(lhs, lhs)?;
+            let rhs_square = b.mul(rhs, rhs)?;
+            let radius = b.add(lhs_square, rhs_square)?;
+            let scaled = b.div(g, radius)?;
+            let left = wants(lhs).then(|| b.mul(scaled, rhs)).transpose()?;
+            let right = if wants(rhs) {
+                let slope = b.mul(scaled, lhs)?;
+                Some(b.unary(UnaryOp::Neg, slope)?)
+            } else {
+                None
+            };
+            (left, right)
+        }
         _ => return Ok(Vec::new()),
     };
     let mut out = Vec::new();

@@ -565,6 +565,8 @@ impl Binary {
             BinaryOp::Ge => Binary::Ge,
             BinaryOp::And => Binary::LogicalAnd,
             BinaryOp::Or => Binary::LogicalOr,
+            BinaryOp::Remainder => Binary::Remainder,
+            BinaryOp::Atan2 => Binary::Atan2,
         }
     }
 }

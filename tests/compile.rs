@@ -601,6 +601,31 @@ fn a_strided_bottleneck_block_compiles_once_for_every_image_size() {
     assert_eq!(compiled.stats().compiles, 1);
 }
 
+#[test]
+fn variance_and_standard_deviation_compile_over_ragged_and_static_dims() {
+    // Decomposed into means of squared deviations (times n / (n - correction)): over the
+    // ragged dim (an empty element and one of one row give NaN, as torch; a correction
+    // of 2 over 1 row a negative count) and over the static tail; corrected and not,
+    // kept dims and not; a batch of one. (Over both at once, the mean it takes has no
+    // compiled lowering with kept dims yet.)
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        Ok(vec![
+            Out::Dense(x[0].var(&[1], 1, false)?.into_dense_handle()?),
+            Out::Dense(x[0].std(&[1], 0, true)?.into_dense_handle()?),
+            Out::Nested(x[0].var(&[2], 1, false)?.into_nested()?),
+            Out::Dense(x[0].var(&[1], 2, true)?.into_dense_handle()?),
+        ])
+    };
+    let compiled = compile("variance", &model);
+    for lengths in [vec![4, 0, 1, 7], vec![5], vec![3, 2]] {
+        let (x, _) = batch(&lengths, &[3], Kind::Float, 11);
+        let got = compiled.call(&[&x], &[]).unwrap();
+        let want = eager_values(model(std::slice::from_ref(&x), &[]).unwrap());
+        assert_close(&got, &want, "variance");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}
+
 /// One step of a random model: what it does to the running value, reading earlier
 /// values for binary steps.
 #[derive(Clone, Debug)]

@@ -127,8 +127,8 @@ fn reduction(op: ReduceOp) -> (Reduce, bool) {
         ReduceOp::Amax => (Reduce::Amax, true),
         ReduceOp::Amin => (Reduce::Amin, true),
         ReduceOp::LogSumExp => (Reduce::LogSumExp, false),
-        ReduceOp::Var => (Reduce::Var { correction: 1 }, false),
-        ReduceOp::Std => (Reduce::Std { correction: 1 }, false),
+        ReduceOp::Var => (Reduce::Var { correction: 1 }, true),
+        ReduceOp::Std => (Reduce::Std { correction: 1 }, true),
         ReduceOp::All => (Reduce::All, false),
         ReduceOp::Any => (Reduce::Any, false),
     }

@@ -598,12 +598,15 @@ fn bf16_attention_runs_on_tensor_cores_without_spills() {
                     assert_eq!(products, 0, "no tensor cores");
                     continue;
                 }
-                // Per kernel (causal, and one the two others share) and chunk of 16
-                // keys: two products per 16 columns of the head for the scores (for each
-                // group of 64 value columns), one per 8 value columns for P V
-                // (unrolled).
+                // Per kernel (causal, and one the two others share), per way of reading
+                // keys (staged by the block, or from memory), and chunk of 16 keys: two
+                // products per 16 columns of the head for the scores (for each group of
+                // 64 value columns), one per 8 value columns for P V (unrolled).
                 let groups = head_dim.div_ceil(64);
-                assert_eq!(products, 2 * (groups * head_dim / 16 * 2 + head_dim / 8));
+                assert_eq!(
+                    products,
+                    2 * 2 * (groups * head_dim / 16 * 2 + head_dim / 8)
+                );
                 for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
                     println!(
                         "attention d={head_dim} bf16 {} {}: {} registers, {} / {} bytes spilled",

@@ -6,6 +6,10 @@
 //! - `mse_loss` is `mean` / `sum` of `square(x - target)` (or the squares themselves);
 //! - training-mode `dropout` is `x * random_mask(x)` (the mask, a value, is read again
 //!   by the backward); dropout that keeps every value (eval mode, `p = 0`) is its input;
+//! - `var` (and `std`, its square root) over any dims, ragged ones included, is the
+//!   `mean` of `square(x - mean(x))`, times `n / (n - correction)` (the count of the
+//!   reduced values, per element over ragged dims) before the mean when corrected: NaN
+//!   for an empty element, as torch;
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
 //!   towards uniform, summed or divided by the number of counted rows, as torch.
@@ -83,6 +87,23 @@ impl Pass for Decompose {
                     channel,
                     eps,
                 } => batch_norm(&mut result, x, (mean, var), (weight, bias), channel, eps.0)?,
+                Op::Reduce {
+                    op: reduce @ (ReduceOp::Var | ReduceOp::Std),
+                    x,
+                    dims,
+                    keepdim,
+                    correction,
+                } => {
+                    let var = variance(&mut result, x, &dims, (keepdim, correction))?;
+                    if reduce == ReduceOp::Std {
+                        result.push(Op::Unary {
+                            op: UnaryOp::Sqrt,
+                            x: var,
+                        })?
+                    } else {
+                        var
+                    }
+                }
                 // Dropout that keeps every value (eval mode, or p = 0) is its input.
                 Op::Dropout {
                     x, train: false, ..
@@ -287,4 +308,73 @@ fn batch_norm(
         (Some(dtype), Some(wider)) if dtype != wider => graph.push(Op::Cast { x: y, dtype }),
         _ => Ok(y),
     }
+}
+
+/// `var(x)` over batch-first `dims` (all of them when empty) with a Bessel
+/// `correction`, in primitive ops (see the module docs).
+fn variance(
+    graph: &mut Graph,
+    x: ValueId,
+    dims: &[i64],
+    (keepdim, correction): (bool, i64),
+) -> Result<ValueId, VerifyError> {
+    let rank = crate::count::rank(graph.ty(x)) as i64;
+    let all: Vec<i64> = if dims.is_empty() {
+        (0..rank).collect()
+    } else {
+        dims.iter()
+            .map(|&dim| if dim < 0 { dim + rank } else { dim })
+            .collect()
+    };
+    let mean = |graph: &mut Graph, x: ValueId, keepdim: bool| {
+        graph.push(Op::Reduce {
+            op: ReduceOp::Mean,
+            x,
+            dims: dims.to_vec(),
+            keepdim,
+            correction: 0,
+        })
+    };
+    let center = mean(graph, x, true)?;
+    let centered = graph.push(Op::Binary {
+        op: BinaryOp::Sub,
+        lhs: x,
+        rhs: center,
+    })?;
+    let square = graph.push(Op::Unary {
+        op: UnaryOp::Square,
+        x: centered,
+    })?;
+    if correction == 0 {
+        return mean(graph, square, keepdim);
+    }
+    let count = crate::count::count(graph, x, &all).map_err(|error| match error {
+        crate::count::CountError::Verify(error) => error,
+        crate::count::CountError::Unsupported(rule) => VerifyError {
+            value: x,
+            op: "var",
+            rule,
+        },
+    })?;
+    let dtype = graph.ty(count).dtype().unwrap_or(DType::F32);
+    let correction = graph.push(Op::Const {
+        value: F64(correction as f64),
+        dtype,
+    })?;
+    let degrees = graph.push(Op::Binary {
+        op: BinaryOp::Sub,
+        lhs: count,
+        rhs: correction,
+    })?;
+    let ratio = graph.push(Op::Binary {
+        op: BinaryOp::Div,
+        lhs: count,
+        rhs: degrees,
+    })?;
+    let scaled = graph.push(Op::Binary {
+        op: BinaryOp::Mul,
+        lhs: square,
+        rhs: ratio,
+    })?;
+    mean(graph, scaled, keepdim)
 }

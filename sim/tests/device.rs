@@ -967,3 +967,63 @@ fn attention_gradients_on_tensor_cores_equal_the_cpu() {
         }
     }
 }
+
+#[test]
+fn attention_on_tensor_cores_stages_keys_once_a_block() {
+    // A block of 8 warps (8 tiles of 16 query rows) inside one element and head stages
+    // its keys and values through shared memory, 128 keys at a time (the last stage of
+    // 300 keys partial, 44 of them), and its warps read their fragments there; a block
+    // whose tiles span elements (the tail of 300 and the element of 7) reads them from
+    // memory warp by warp. Causal and not, against the CPU, and against blocks of one
+    // warp, which load every key once per tile.
+    use nestor_runtime::InputData;
+    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    let (heads, head_dim) = (2i64, 16i64);
+    let lengths = [300i64, 7];
+    let rows = lengths.iter().sum::<i64>();
+    for causal in [false, true] {
+        let executable = executable_of(&attention_text(heads, (head_dim, head_dim), causal));
+        let width = (rows * heads * head_dim) as usize;
+        let (q, k, v) = (
+            bf16_rounded(waves(width, 0.3)),
+            bf16_rounded(waves(width, 1.1)),
+            bf16_rounded(waves(width, 2.7)),
+        );
+        let inputs = [
+            InputData::I64(&lengths),
+            InputData::F32(&q),
+            InputData::I64(&lengths),
+            InputData::F32(&k),
+            InputData::F32(&v),
+        ];
+        let one_warp_blocks = nestor_codegen::GpuGrid {
+            blocks: 40,
+            threads: 32,
+        };
+        let loaded = [Geometry::Gpu, Geometry::Fixed(one_warp_blocks)].map(|geometry| {
+            let options = SimOptions {
+                storage: nestor_codegen::Storage::Bf16,
+                geometry,
+                ..SimOptions::default()
+            };
+            let device = SimDevice::with(&executable, options).unwrap();
+            let on_device = executable
+                .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
+                .unwrap();
+            let on_cpu = executable
+                .run(&inputs, &nestor_runtime::Stats::default(), None)
+                .unwrap();
+            assert_eq!(
+                first_difference(&on_device, &on_cpu, 2e-2),
+                None,
+                "causal {causal}, {geometry:?}"
+            );
+            device.traffic().loaded
+        });
+        eprintln!(
+            "tensor-core attention (causal {causal}): {} bytes loaded by blocks of 8 warps, {} by blocks of one",
+            loaded[0], loaded[1]
+        );
+        assert!(loaded[0] * 2 < loaded[1], "{loaded:?}");
+    }
+}

@@ -40,14 +40,29 @@ impl<'ctx> Lane<'ctx> {
     }
 }
 
-/// One head's `width` columns (from column `base`) of a buffer of packed rows, read
-/// through `access`.
+/// One head's `width` columns of packed rows: of a buffer (from column `base`, read
+/// through `access`), or of rows a block staged in shared memory.
 #[derive(Clone, Copy)]
 pub(super) struct HeadColumns<'a, 'ctx> {
-    pub(super) buffer: PointerValue<'ctx>,
-    pub(super) access: &'a Access,
-    pub(super) base: IntValue<'ctx>,
+    pub(super) source: Source<'a, 'ctx>,
     pub(super) width: i64,
+}
+
+/// Where [`HeadColumns`] are.
+#[derive(Clone, Copy)]
+pub(super) enum Source<'a, 'ctx> {
+    /// A buffer's rows, the head's columns from `base`.
+    Buffer {
+        buffer: PointerValue<'ctx>,
+        access: &'a Access,
+        base: IntValue<'ctx>,
+    },
+    /// Shared memory of rows of `stride` floats, the head's columns from `base`.
+    Shared {
+        shared: PointerValue<'ctx>,
+        stride: i64,
+        base: i64,
+    },
 }
 
 /// Whether `column` (at most `last`) is one of `width`: `None` when `last` is.
@@ -93,13 +108,25 @@ impl<'ctx> HeadColumns<'_, 'ctx> {
             Some(valid) => kernel.select_index(valid, at, zero),
             None => Ok(at),
         };
-        let at = index(
-            kernel,
-            self.access,
-            inside(row_valid, row)?,
-            kernel.add(self.base, inside(column_valid, column)?)?,
-        )?;
-        let value = kernel.load_float(self.buffer, at)?;
+        let (row, column) = (inside(row_valid, row)?, inside(column_valid, column)?);
+        let value = match self.source {
+            Source::Buffer {
+                buffer,
+                access,
+                base,
+            } => {
+                let at = index(kernel, access, row, kernel.add(base, column)?)?;
+                kernel.load_float(buffer, at)?
+            }
+            Source::Shared {
+                shared,
+                stride,
+                base,
+            } => {
+                let at = kernel.add(kernel.mul(row, kernel.i64(stride))?, column)?;
+                kernel.load_shared(shared, kernel.add(at, kernel.i64(base))?)?
+            }
+        };
         let valid = match (row_valid, column_valid) {
             (Some(row), Some(column)) => kernel.and(row, column)?,
             (Some(valid), None) | (None, Some(valid)) => valid,

@@ -220,10 +220,12 @@ pub(crate) fn shared_floats(step: &Step, float: nestor_passes::FloatType, storag
             i64::from(crate::GPU_BLOCK_THREADS) / WARP_LANES
         }
         Step::Segment(segment) => segments::segment_shared_floats(segment.width),
-        Step::Attention(attention)
-            if !tensor_attention::on_tensor_cores(attention, float, storage) =>
-        {
-            attention::staged_floats(attention)
+        Step::Attention(attention) => {
+            if tensor_attention::on_tensor_cores(attention, float, storage) {
+                tensor_attention::staged_floats(attention)
+            } else {
+                attention::staged_floats(attention)
+            }
         }
         _ => 0,
     }

@@ -1,5 +1,9 @@
 //! Varlen attention on tensor cores: bf16 storage on a GPU, a warp per (head, tile of
-//! 16 packed query rows), both products as `mma.m16n8k16` (bf16 in, f32 out).
+//! 16 packed query rows), both products as `mma.m16n8k16` (bf16 in, f32 out). A block
+//! takes as many consecutive tiles as it has warps; when they are all one element's and
+//! head's, the block stages that element's keys and values through shared memory
+//! ([`STAGED_FLOATS`] at a time) and every warp reads its `B` fragments there, else each
+//! warp reads them from memory.
 //!
 //! A warp holds its tile's queries as `A` fragments, and for each element with rows in
 //! the tile takes that element's keys 16 at a time: the scores `S = Q K^T` (two
@@ -14,7 +18,7 @@
 
 use std::ops::Range;
 
-use super::fragments::{a_of_c, HeadColumns, Lane};
+use super::fragments::{a_of_c, HeadColumns, Lane, Source};
 use super::*;
 use crate::builder::{FragmentA, FragmentC};
 
@@ -79,23 +83,100 @@ pub(super) fn tensor_attention<'ctx>(
         rows,
         value_chunks,
     };
-    kernel.parallel_rows(kernel.i64(0), kernel.mul(tiles, heads)?, |task, lanes| {
-        let head = kernel.div(task, tiles)?;
+    let width = step.head_dim + step.value_dim;
+    let stage = Stage {
+        shared: kernel.shared_floats(stage_keys(step) * width)?,
+        keys: stage_keys(step),
+        place: kernel.block_place()?,
+    };
+    let place = &stage.place;
+    let warp_lanes = kernel.i64(WARP_LANES);
+    let warps = kernel.div(place.threads, warp_lanes)?;
+    let warp_index = kernel.div(place.thread, warp_lanes)?;
+    let lanes = Lanes {
+        lane: kernel.rem(place.thread, warp_lanes)?,
+        count: WARP_LANES,
+    };
+    let tasks = kernel.mul(tiles, heads)?;
+    let last_task = kernel.sub(tasks, kernel.i64(1))?;
+    let groups = kernel.div(kernel.add(tasks, kernel.sub(warps, kernel.i64(1))?)?, warps)?;
+    // A task's head, its tile's first packed row and the element of its first and last
+    // rows.
+    let place_of = |task: IntValue<'ctx>| -> Gen<_> {
         let first_row = kernel.mul(kernel.rem(task, tiles)?, tile_rows)?;
         let last_row = kernel.min(
             kernel.add(first_row, kernel.i64(TILE_ROWS - 1))?,
             kernel.sub(rows, kernel.i64(1))?,
         )?;
+        Ok((
+            kernel.div(task, tiles)?,
+            first_row,
+            kernel.load_i64(elements, first_row)?,
+            kernel.load_i64(elements, last_row)?,
+        ))
+    };
+    kernel.block_groups(place, groups, |group| {
+        let first_task = kernel.mul(group, warps)?;
+        let own = kernel.add(first_task, warp_index)?;
+        let active = kernel.less(own, tasks)?;
+        // Warps past the last task take its tile (and write nothing).
+        let (head, first_row, first_element, last_element) = place_of(kernel.min(own, last_task)?)?;
+        let group_last = kernel.min(
+            kernel.add(first_task, kernel.sub(warps, kernel.i64(1))?)?,
+            last_task,
+        )?;
+        let (group_head, _, group_element, _) = place_of(first_task)?;
+        let (last_head, _, _, last_of_group) = place_of(group_last)?;
+        let one_source = kernel.and(
+            kernel.equal(group_head, last_head)?,
+            kernel.equal(group_element, last_of_group)?,
+        )?;
         let lane = Lane::of(kernel, lanes)?;
         let tile = warp.tile(head, first_row, &lane)?;
-        let first_element = kernel.load_i64(elements, first_row)?;
-        let last_element = kernel.load_i64(elements, last_row)?;
-        kernel.for_range(
-            first_element,
-            kernel.add(last_element, kernel.i64(1))?,
-            |element| warp.element(&tile, element, out),
+        kernel.if_else(
+            one_source,
+            || {
+                let (_, keys) = warp.keys_of(&tile, group_element, Some(active))?;
+                warp.run((&tile, &keys), out, Some(&stage))
+            },
+            || {
+                kernel.if_else(
+                    active,
+                    || {
+                        kernel.for_range(
+                            first_element,
+                            kernel.add(last_element, kernel.i64(1))?,
+                            |element| warp.element(&tile, element, out),
+                        )
+                    },
+                    || Ok(()),
+                )
+            },
         )
     })
+}
+
+/// The most floats of keys and values a block stages in shared memory at once (16 KiB).
+const STAGED_FLOATS: i64 = 4096;
+
+/// Keys a block stages at once: a multiple of [`KEY_CHUNK`], at most
+/// [`STAGED_FLOATS`] floats of keys and values (at least one chunk).
+fn stage_keys(step: &Attention) -> i64 {
+    let width = (step.head_dim + step.value_dim).max(1);
+    (STAGED_FLOATS / width / KEY_CHUNK).max(1) * KEY_CHUNK
+}
+
+/// Floats of shared memory a block of the tensor-core kernel uses.
+pub(crate) fn staged_floats(step: &Attention) -> i64 {
+    stage_keys(step) * (step.head_dim + step.value_dim)
+}
+
+/// A block's staging of keys and values: its shared memory (`keys` rows of `K`'s then
+/// `V`'s head columns) and its place in the grid.
+struct Stage<'ctx> {
+    shared: PointerValue<'ctx>,
+    keys: i64,
+    place: crate::builder::BlockPlace<'ctx>,
 }
 
 /// What a warp's tasks share: the step, `Q`, `K`, `V`, the query and key offsets, the
@@ -125,6 +206,15 @@ struct Tile<'a, 'ctx> {
     queries: Vec<FragmentA<'ctx>>,
 }
 
+/// Where a chunk's keys and values are read: this head's columns of `K` and `V` (their
+/// packed rows, `first` the row of the element's key 0), or a stage of them in shared
+/// memory (`first` minus the stage's first key).
+struct KeySource<'a, 'ctx> {
+    keys: HeadColumns<'a, 'ctx>,
+    values: HeadColumns<'a, 'ctx>,
+    first: IntValue<'ctx>,
+}
+
 /// One element's keys as a tile sees them: where they start, how many, and for each of
 /// the lane's rows whether it is the element's and how many keys it sees.
 struct Keys<'ctx> {
@@ -145,9 +235,11 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
             _ => (&step.v, step.value_dim),
         };
         Ok(HeadColumns {
-            buffer: self.buffers[buffer],
-            access,
-            base: kernel.mul(head, kernel.i64(width))?,
+            source: Source::Buffer {
+                buffer: self.buffers[buffer],
+                access,
+                base: kernel.mul(head, kernel.i64(width))?,
+            },
             width,
         })
     }
@@ -196,53 +288,146 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
         out: PointerValue<'ctx>,
     ) -> Gen<()> {
         let kernel = self.kernel;
+        let (has_rows, keys) = self.keys_of(tile, element, None)?;
+        kernel.if_else(has_rows, || self.run((tile, &keys), out, None), || Ok(()))
+    }
+
+    /// Whether `element` has query rows, and its keys as `tile` sees them (its rows
+    /// only where `active`, when given).
+    fn keys_of(
+        &self,
+        tile: &Tile<'_, 'ctx>,
+        element: IntValue<'ctx>,
+        active: Option<IntValue<'ctx>>,
+    ) -> Gen<(IntValue<'ctx>, Keys<'ctx>)> {
+        let kernel = self.kernel;
         let [query_offsets, key_offsets] = self.offsets;
         let next = kernel.add(element, kernel.i64(1))?;
         let first_query = kernel.load_i64(query_offsets, element)?;
         let query_end = kernel.load_i64(query_offsets, next)?;
-        let has_rows = kernel.less(first_query, query_end)?;
-        kernel.if_else(
-            has_rows,
-            || {
-                let first = kernel.load_i64(key_offsets, element)?;
-                let count = kernel.sub(kernel.load_i64(key_offsets, next)?, first)?;
-                let own_and_visible =
-                    |row: IntValue<'ctx>| -> Gen<(IntValue<'ctx>, IntValue<'ctx>)> {
-                        let own = kernel.and(
-                            kernel.less(row, query_end)?,
-                            kernel.less(kernel.sub(first_query, kernel.i64(1))?, row)?,
-                        )?;
-                        let visible = if self.step.causal {
-                            let seen = kernel.add(kernel.sub(row, first_query)?, kernel.i64(1))?;
-                            kernel.min(seen, count)?
-                        } else {
-                            count
-                        };
-                        Ok((own, visible))
+        let first = kernel.load_i64(key_offsets, element)?;
+        let count = kernel.sub(kernel.load_i64(key_offsets, next)?, first)?;
+        let own_and_visible = |row: IntValue<'ctx>| -> Gen<(IntValue<'ctx>, IntValue<'ctx>)> {
+            let own = kernel.and(
+                kernel.less(row, query_end)?,
+                kernel.less(kernel.sub(first_query, kernel.i64(1))?, row)?,
+            )?;
+            let visible = if self.step.causal {
+                let seen = kernel.add(kernel.sub(row, first_query)?, kernel.i64(1))?;
+                kernel.min(seen, count)?
+            } else {
+                count
+            };
+            let own = match active {
+                Some(active) => kernel.and(own, active)?,
+                None => own,
+            };
+            Ok((own, visible))
+        };
+        let (low_own, low_visible) = own_and_visible(tile.rows[0])?;
+        let (high_own, high_visible) = own_and_visible(tile.rows[1])?;
+        let keys = Keys {
+            first,
+            count,
+            own: [low_own, high_own],
+            visible: [low_visible, high_visible],
+        };
+        Ok((kernel.less(first_query, query_end)?, keys))
+    }
+
+    /// The tile's rows of one element: for each group of output columns, every chunk of
+    /// its keys (read from memory, or, with `stage`, staged by the whole block, which
+    /// must all run this), then the rows written.
+    fn run(
+        &self,
+        (tile, keys): (&Tile<'_, 'ctx>, &Keys<'ctx>),
+        out: PointerValue<'ctx>,
+        stage: Option<&Stage<'ctx>>,
+    ) -> Gen<()> {
+        let kernel = self.kernel;
+        let groups = (self.value_chunks + GROUP_SLOTS - 1) / GROUP_SLOTS;
+        for group in 0..groups {
+            let slots = group * GROUP_SLOTS..self.value_chunks.min((group + 1) * GROUP_SLOTS);
+            self.reset(slots.clone())?;
+            match stage {
+                None => {
+                    let source = KeySource {
+                        keys: self.head(tile.head, 1)?,
+                        values: self.head(tile.head, 2)?,
+                        first: keys.first,
                     };
-                let (low_own, low_visible) = own_and_visible(tile.rows[0])?;
-                let (high_own, high_visible) = own_and_visible(tile.rows[1])?;
-                let keys = Keys {
-                    first,
-                    count,
-                    own: [low_own, high_own],
-                    visible: [low_visible, high_visible],
-                };
-                // The output columns a group of slots at a time, the keys again for each.
-                let groups = (self.value_chunks + GROUP_SLOTS - 1) / GROUP_SLOTS;
-                for group in 0..groups {
-                    let slots =
-                        group * GROUP_SLOTS..self.value_chunks.min((group + 1) * GROUP_SLOTS);
-                    self.reset(slots.clone())?;
-                    kernel.for_range_by(kernel.i64(0), count, kernel.i64(KEY_CHUNK), |chunk| {
-                        self.key_chunk(tile, &keys, chunk, slots.clone())
-                    })?;
-                    self.write(tile, &keys, out, slots)?;
+                    kernel.for_range_by(
+                        kernel.i64(0),
+                        keys.count,
+                        kernel.i64(KEY_CHUNK),
+                        |chunk| self.key_chunk((tile, keys, &source), chunk, slots.clone()),
+                    )?;
                 }
-                Ok(())
+                Some(stage) => {
+                    kernel.for_range_by(
+                        kernel.i64(0),
+                        keys.count,
+                        kernel.i64(stage.keys),
+                        |first| self.staged_keys((tile, keys, stage), first, slots.clone()),
+                    )?;
+                }
+            }
+            self.write(tile, keys, out, slots)?;
+        }
+        Ok(())
+    }
+
+    /// Keys `first..first + stage.keys` of the element staged by the block (their
+    /// `K` columns, then `V`'s, a row each, zero past the last key), then taken a chunk
+    /// at a time from shared memory.
+    fn staged_keys(
+        &self,
+        (tile, keys, stage): (&Tile<'_, 'ctx>, &Keys<'ctx>, &Stage<'ctx>),
+        first: IntValue<'ctx>,
+        slots: Range<i64>,
+    ) -> Gen<()> {
+        let (kernel, step) = (self.kernel, self.step);
+        let width = step.head_dim + step.value_dim;
+        let place = &stage.place;
+        // Every warp is done with the last stage.
+        kernel.barrier()?;
+        for (matrix, offset) in [(1, 0), (2, step.head_dim)] {
+            let columns = self.head(tile.head, matrix)?;
+            let total = kernel.i64(stage.keys * columns.width);
+            kernel.for_range_by(place.thread, total, place.threads, |at| {
+                let (key, column) = (
+                    kernel.div(at, kernel.i64(columns.width))?,
+                    kernel.rem(at, kernel.i64(columns.width))?,
+                );
+                let key_index = kernel.add(first, key)?;
+                let row = kernel.add(keys.first, key_index)?;
+                let valid = kernel.less(key_index, keys.count)?;
+                let value = columns.value_or_zero(kernel, (row, column), (Some(valid), None))?;
+                let to = kernel.add(
+                    kernel.mul(key, kernel.i64(width))?,
+                    kernel.add(column, kernel.i64(offset))?,
+                )?;
+                kernel.store_shared(stage.shared, to, value)
+            })?;
+        }
+        kernel.barrier()?;
+        let staged = |base: i64, width: i64| HeadColumns {
+            source: Source::Shared {
+                shared: stage.shared,
+                stride: step.head_dim + step.value_dim,
+                base,
             },
-            || Ok(()),
-        )
+            width,
+        };
+        let source = KeySource {
+            keys: staged(0, step.head_dim),
+            values: staged(step.head_dim, step.value_dim),
+            first: kernel.sub(kernel.i64(0), first)?,
+        };
+        let end = kernel.min(kernel.add(first, kernel.i64(stage.keys))?, keys.count)?;
+        kernel.for_range_by(first, end, kernel.i64(KEY_CHUNK), |chunk| {
+            self.key_chunk((tile, keys, &source), chunk, slots.clone())
+        })
     }
 
     /// Empty statistics and output fragments.
@@ -264,8 +449,7 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
     /// lane's rows, and `P V` added to the output fragments.
     fn key_chunk(
         &self,
-        tile: &Tile<'_, 'ctx>,
-        keys: &Keys<'ctx>,
+        (tile, keys, source): (&Tile<'_, 'ctx>, &Keys<'ctx>, &KeySource<'_, 'ctx>),
         chunk: IntValue<'ctx>,
         slots: Range<i64>,
     ) -> Gen<()> {
@@ -273,11 +457,14 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
         let lane = tile.lane;
         // Scores: fragment `n` holds keys `chunk + 8n..`; its value `i` is row
         // `rows[i / 2]`, key `chunk + 8n + 2 thread + i % 2`.
-        let keys_of_head = self.head(tile.head, 1)?;
+        let keys_of_head = source.keys;
         let mut scores = Vec::with_capacity(2);
         for n in 0..2 {
             let key = kernel.add(chunk, kernel.add(lane.group, kernel.i64(8 * n))?)?;
-            let key_row = (kernel.add(keys.first, key)?, kernel.less(key, keys.count)?);
+            let key_row = (
+                kernel.add(source.first, key)?,
+                kernel.less(key, keys.count)?,
+            );
             let mut sums: FragmentC<'ctx> = [kernel.constant(0.0); 4];
             for head_chunk in 0..(step.head_dim + 15) / 16 {
                 let queries = self.queries(tile, head_chunk)?;
@@ -299,9 +486,9 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
             }
         }
         let a = a_of_c(kernel, probabilities)?;
-        let values = self.head(tile.head, 2)?;
+        let values = source.values;
         let rest = (
-            kernel.add(keys.first, chunk)?,
+            kernel.add(source.first, chunk)?,
             kernel.sub(keys.count, chunk)?,
         );
         for (local, slot) in (0i64..).zip(slots) {

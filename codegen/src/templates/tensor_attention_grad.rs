@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use super::fragments::{a_of_c, HeadColumns, Lane};
+use super::fragments::{a_of_c, HeadColumns, Lane, Source};
 use super::*;
 use crate::builder::{FragmentA, FragmentC};
 
@@ -145,9 +145,11 @@ impl<'ctx> GradWarp<'_, 'ctx, '_> {
         let (kernel, step) = (self.kernel, self.step);
         let access = [&step.q, &step.k, &step.v, &step.g][matrix];
         Ok(HeadColumns {
-            buffer: self.buffers.matrices[matrix],
-            access,
-            base: kernel.mul(head, kernel.i64(step.head_dim))?,
+            source: Source::Buffer {
+                buffer: self.buffers.matrices[matrix],
+                access,
+                base: kernel.mul(head, kernel.i64(step.head_dim))?,
+            },
             width: step.head_dim,
         })
     }

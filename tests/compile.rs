@@ -626,6 +626,26 @@ fn variance_and_standard_deviation_compile_over_ragged_and_static_dims() {
     assert_eq!(compiled.stats().compiles, 1);
 }
 
+#[test]
+fn scans_over_the_ragged_dim_compile() {
+    // cumsum and cumprod down each element's rows (a segmented scan, one thread a
+    // column), empty and one-row elements and a batch of one included, one compile.
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        Ok(vec![
+            Out::Nested(x[0].cumsum(1)?),
+            Out::Nested((&x[0] * 0.5)?.cumprod(1)?),
+        ])
+    };
+    let compiled = compile("scans", &model);
+    for lengths in [vec![4, 0, 1, 7], vec![5], vec![3, 2]] {
+        let (x, _) = batch(&lengths, &[3], Kind::Float, 12);
+        let got = compiled.call(&[&x], &[]).unwrap();
+        let want = eager_values(model(std::slice::from_ref(&x), &[]).unwrap());
+        assert_close(&got, &want, "scans");
+    }
+    assert_eq!(compiled.stats().compiles, 1);
+}
+
 /// One step of a random model: what it does to the running value, reading earlier
 /// values for binary steps.
 #[derive(Clone, Debug)]

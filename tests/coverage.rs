@@ -94,6 +94,8 @@ fn forward_models() {
             x[0].dropout(0.5, false)?.into(),
             x[0].unsqueeze(2)?.tanh()?.into(),
             Out::Dense(x[0].relu()?.pad()?),
+            x[0].cumsum(1)?.into(),
+            x[0].cumprod(1)?.into(),
         ])
     });
     check("pairs", &[&x, &x], |x, _| {

@@ -81,12 +81,14 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 .into_dense_handle()?;
             loss.add(&total)
         }),
-        // Softmax over the tail and over the ragged dim, log-softmax, sums.
+        // Softmax over the tail and over the ragged dim, log-softmax, a cumulative sum
+        // down the ragged dim, sums.
         "softmax" => Box::new(move |x, _| {
             let logits = x[0].matmul(&matrix)?;
             let tail = logits.softmax(-1)?;
             let ragged = logits.log_softmax(1)?;
-            let mixed = (&(&tail * &x[1])? + &ragged.sigmoid()?)?;
+            let running = logits.cumsum(1)?.tanh()?;
+            let mixed = (&(&(&tail * &x[1])? + &ragged.sigmoid()?)? + &running)?;
             scalar(mixed.sum(&[], false)?)
         }),
         // Elementwise functions and binary ops (atan2 and remainder too) with dense

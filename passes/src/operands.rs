@@ -243,6 +243,18 @@ pub enum SegmentKind {
     Softmax,
     /// log-softmax over each element's rows.
     LogSoftmax,
+    /// The cumulative sum down each element's rows (output: same shape).
+    CumSum,
+    /// The cumulative product down each element's rows.
+    CumProd,
+}
+
+impl SegmentKind {
+    /// Whether each row of the output depends on the rows before it only (a scan, run
+    /// down the rows in order by one thread a column).
+    pub fn is_scan(self) -> bool {
+        matches!(self, SegmentKind::CumSum | SegmentKind::CumProd)
+    }
 }
 
 /// What a [`crate::Step::Window`] computes over each output pixel's window.

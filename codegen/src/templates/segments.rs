@@ -1,12 +1,14 @@
-//! Segmented kernels: reductions and softmax over each element's rows (the ragged dim),
-//! column by column. On the host an element is one thread's. On a GPU:
+//! Segmented kernels: reductions, softmax and scans (cumulative sums and products) over
+//! each element's rows (the ragged dim), column by column. On the host an element is
+//! one thread's. On a GPU:
 //!
 //! - elements of at least [`BLOCK_SEGMENT_WIDTH`] columns are a block each, a thread a
 //!   column;
 //! - narrower ones go to blocks in groups of as many as a block has warps: an element of
 //!   fewer than [`LONG_SEGMENT_ROWS`] rows is one warp's (lanes over its columns, its rows
 //!   in order), a longer one the whole block's (the warps take every `warps`-th row, then
-//!   combine their values column by column through shared memory, in warp order).
+//!   combine their values column by column through shared memory, in warp order); a
+//!   scan's elements are a warp's however long (each lane down its columns' rows).
 //!
 //! Columns are independent: lanes never combine values across columns.
 
@@ -154,6 +156,21 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                     )?;
                     kernel.store_float(self.out, out_at, value)
                 }
+                SegmentKind::CumSum | SegmentKind::CumProd => {
+                    let product = kind == SegmentKind::CumProd;
+                    let acc = kernel.accumulator("scan")?;
+                    kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
+                    kernel.for_range(first, last, |row| {
+                        let x = self.load(row, column)?;
+                        let next = if product {
+                            kernel.fmul(kernel.get(acc)?, x)?
+                        } else {
+                            kernel.fadd(kernel.get(acc)?, x)?
+                        };
+                        kernel.set(acc, next)?;
+                        kernel.store_float(self.out, self.at(row, column)?, next)
+                    })
+                }
                 SegmentKind::Softmax | SegmentKind::LogSoftmax => {
                     let largest = self.extreme(true);
                     let shift = fold(
@@ -249,7 +266,12 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             let element = kernel.min(element, last_element)?;
             let (rows_start, rows_end) = self.rows(element)?;
             let rows = kernel.sub(rows_end, rows_start)?;
-            let is_long = kernel.less(kernel.i64(LONG_SEGMENT_ROWS - 1), rows)?;
+            // A scan runs down the rows in order: its elements are a warp's however long.
+            let is_long = if self.kind.is_scan() {
+                kernel.less(rows, kernel.i64(0))?
+            } else {
+                kernel.less(kernel.i64(LONG_SEGMENT_ROWS - 1), rows)?
+            };
             let wanted = if long { is_long } else { kernel.not(is_long)? };
             Ok((element, kernel.and(exists, wanted)?))
         };

@@ -254,7 +254,14 @@ impl NestedTensor {
             self.untraceable(op)?;
             return Ok(self.with_values(scan(self.packed(), axis)?));
         }
-        self.map_elements(op, true, |element| Ok(scan(element, element_dim as i64)?))
+        let axis = self.ir_dims(&[dim])?[0];
+        let product = op == "cumprod";
+        self.map_elements_eager(op, true, |element| Ok(scan(element, element_dim as i64)?))?
+            .traced(&[Arg::Nested(self)], op, |ids| Op::Cumulative {
+                x: ids[0],
+                axis,
+                product,
+            })
     }
 
     /// Pairwise `p`-norm distances between the elements of two batches:

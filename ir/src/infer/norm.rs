@@ -85,6 +85,17 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             float(&x).map(|_| x)
         }
+        Op::Cumulative { x, axis, .. } => {
+            let x = ty(*x);
+            let ndim = element_rank(&x) as i64 + 1;
+            let normalized = if *axis < 0 { axis + ndim } else { *axis };
+            if !(1..ndim).contains(&normalized) {
+                return Err(format!(
+                    "axis {axis} is out of range for {ndim} dims (the batch dim has no order)"
+                ));
+            }
+            float(&x).map(|_| x)
+        }
         other => Err(format!("{} is not a norm op", other.name())),
     }
 }

@@ -377,6 +377,18 @@ pub enum Op {
         #[op(names("softmax", "log_softmax"))]
         log: bool,
     },
+    /// The cumulative sum or product along the ragged dim `axis` (segmented: each
+    /// element's rows in order).
+    #[op(family = Norm)]
+    Cumulative {
+        /// Input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// A product rather than a sum.
+        #[op(names("cumsum", "cumprod"))]
+        product: bool,
+    },
     /// A reduction over batch-first dims (`0` is the batch; empty means all).
     #[op(family = Reduce)]
     Reduce {

@@ -481,6 +481,23 @@ fn norm(
             };
             Ok(vec![(x, gradient)])
         }
+        Op::Cumulative {
+            x,
+            axis,
+            product: false,
+        } => {
+            // The reverse cumulative sum: sum(g) - cumsum(g) + g.
+            let full = rank(b.ty(x)) as i64;
+            let axis = if axis < 0 { axis + full } else { axis };
+            let total = b.reduce(ReduceOp::Sum, g, vec![axis], true)?;
+            let running = b.push(Op::Cumulative {
+                x: g,
+                axis,
+                product: false,
+            })?;
+            let later = b.sub(total, running)?;
+            Ok(vec![(x, b.add(later, g)?)])
+        }
         Op::LayerNorm {
             x,
             weight,

@@ -68,6 +68,25 @@ impl Lowering<'_> {
                 keepdim,
                 ..
             } => self.reduce(value, ty, *reduce, *x, dims, *keepdim),
+            Op::Cumulative { x, axis, product } => {
+                self.leading(value, *x)?;
+                let (slot, _, tail, lengths) = self.data(value, *x)?;
+                let kind = if *product {
+                    SegmentKind::CumProd
+                } else {
+                    SegmentKind::CumSum
+                };
+                match lengths {
+                    Some(lengths) if *axis == 1 => {
+                        self.segmented(value, ty, kind, (slot, &tail), lengths)
+                    }
+                    _ => Err(unsupported(
+                        value,
+                        op,
+                        "a scan over another dim than the ragged one is not compiled",
+                    )),
+                }
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }

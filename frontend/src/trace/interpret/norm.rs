@@ -78,6 +78,15 @@ impl Interpreter<'_> {
                 (_, false) => Value::Dense(self.dense(*x)?.f_softmax(*axis, None::<Kind>)?),
                 (_, true) => Value::Dense(self.dense(*x)?.f_log_softmax(*axis, None::<Kind>)?),
             },
+            Op::Cumulative { x, axis, product } => {
+                let nested = self.nested(*x)?;
+                let dim = *axis - 1;
+                Value::Nested(if *product {
+                    nested.cumprod(dim)?
+                } else {
+                    nested.cumsum(dim)?
+                })
+            }
             other => return Err(not_in_family(other, "norm")),
         })
     }

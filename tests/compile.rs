@@ -588,17 +588,35 @@ fn a_strided_bottleneck_block_compiles_once_for_every_image_size() {
             .tensors(&elements)
             .unwrap()
     };
-    let compiled = compile("bottleneck", &block);
-    for (index, sizes) in [vec![(7, 6), (9, 5)], vec![(8, 8), (1, 1), (12, 3)]]
-        .iter()
-        .enumerate()
-    {
-        let batch = images(sizes, 30 + index as i64);
-        let compiled_outputs = compiled.call(&[&batch], &[]).unwrap();
-        let eager = eager_values(block(std::slice::from_ref(&batch), &[]).unwrap());
-        assert_close(&compiled_outputs, &eager, "bottleneck");
+    let batches = [
+        images(&[(7, 6), (9, 5)], 30),
+        images(&[(8, 8), (1, 1), (12, 3)], 31),
+    ];
+    assert_one_compile_equals_eager("bottleneck", block, &batches);
+}
+
+/// `model` compiled once equals eager on every batch of `batches` (of one structure).
+fn assert_one_compile_equals_eager(
+    name: &str,
+    model: impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>,
+    batches: &[NestedTensor],
+) {
+    let compiled = compile(name, &model);
+    for batch in batches {
+        let got = compiled.call(&[batch], &[]).unwrap();
+        let want = eager_values(model(std::slice::from_ref(batch), &[]).unwrap());
+        assert_close(&got, &want, name);
     }
-    assert_eq!(compiled.stats().compiles, 1);
+    assert_eq!(compiled.stats().compiles, 1, "{name}");
+}
+
+/// Batches `[L_i, 3]` of the lengths a compiled test runs: empty and one-row elements,
+/// a batch of one.
+fn edge_batches(seed: i64) -> Vec<NestedTensor> {
+    [vec![4, 0, 1, 7], vec![5], vec![3, 2]]
+        .iter()
+        .map(|lengths| batch(lengths, &[3], Kind::Float, seed).0)
+        .collect()
 }
 
 #[test]
@@ -616,14 +634,7 @@ fn variance_and_standard_deviation_compile_over_ragged_and_static_dims() {
             Out::Dense(x[0].var(&[1], 2, true)?.into_dense_handle()?),
         ])
     };
-    let compiled = compile("variance", &model);
-    for lengths in [vec![4, 0, 1, 7], vec![5], vec![3, 2]] {
-        let (x, _) = batch(&lengths, &[3], Kind::Float, 11);
-        let got = compiled.call(&[&x], &[]).unwrap();
-        let want = eager_values(model(std::slice::from_ref(&x), &[]).unwrap());
-        assert_close(&got, &want, "variance");
-    }
-    assert_eq!(compiled.stats().compiles, 1);
+    assert_one_compile_equals_eager("variance", model, &edge_batches(11));
 }
 
 #[test]
@@ -636,14 +647,7 @@ fn scans_over_the_ragged_dim_compile() {
             Out::Nested((&x[0] * 0.5)?.cumprod(1)?),
         ])
     };
-    let compiled = compile("scans", &model);
-    for lengths in [vec![4, 0, 1, 7], vec![5], vec![3, 2]] {
-        let (x, _) = batch(&lengths, &[3], Kind::Float, 12);
-        let got = compiled.call(&[&x], &[]).unwrap();
-        let want = eager_values(model(std::slice::from_ref(&x), &[]).unwrap());
-        assert_close(&got, &want, "scans");
-    }
-    assert_eq!(compiled.stats().compiles, 1);
+    assert_one_compile_equals_eager("scans", model, &edge_batches(12));
 }
 
 /// One step of a random model: what it does to the running value, reading earlier

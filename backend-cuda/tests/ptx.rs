@@ -607,17 +607,11 @@ fn bf16_attention_runs_on_tensor_cores_without_spills() {
                     products,
                     2 * 2 * (groups * head_dim / 16 * 2 + head_dim / 8)
                 );
-                for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
-                    println!(
-                        "attention d={head_dim} bf16 {} {}: {} registers, {} / {} bytes spilled",
-                        arch.name(),
-                        kernel.name,
-                        kernel.registers,
-                        kernel.spill_stores,
-                        kernel.spill_loads
-                    );
-                    assert_eq!((kernel.spill_stores, kernel.spill_loads), (0, 0));
-                }
+                assert_assembles_without_spills(
+                    &module,
+                    arch,
+                    &format!("attention d={head_dim} bf16"),
+                );
             }
         }
     }
@@ -657,17 +651,36 @@ fn bf16_attention_gradients_run_on_tensor_cores_without_spills() {
             // 8); keys: the same, dV and dK (one each per 8).
             let per_chunk = head_dim / 16 * 4;
             assert_eq!(products, 2 * per_chunk + head_dim / 8 * 3, "{products} mma");
-            for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
-                println!(
-                    "attention_grad d={head_dim} bf16 {} {}: {} registers, {} / {} bytes spilled",
-                    arch.name(),
-                    kernel.name,
-                    kernel.registers,
-                    kernel.spill_stores,
-                    kernel.spill_loads
-                );
-                assert_eq!((kernel.spill_stores, kernel.spill_loads), (0, 0));
-            }
+            assert_assembles_without_spills(
+                &module,
+                arch,
+                &format!("attention_grad d={head_dim} bf16"),
+            );
         }
+    }
+}
+
+/// ptxas assembles `module` for `arch` and no kernel spills; each kernel's registers
+/// are printed after `what`.
+fn assert_assembles_without_spills(
+    module: &nestor_backend_cuda::PtxModule,
+    arch: Arch,
+    what: &str,
+) {
+    for kernel in ptxas::assemble(&module.ptx, arch).unwrap() {
+        println!(
+            "{what} {} {}: {} registers, {} / {} bytes spilled",
+            arch.name(),
+            kernel.name,
+            kernel.registers,
+            kernel.spill_stores,
+            kernel.spill_loads
+        );
+        assert_eq!(
+            (kernel.spill_stores, kernel.spill_loads),
+            (0, 0),
+            "{what}: {}",
+            kernel.name
+        );
     }
 }

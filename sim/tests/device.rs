@@ -407,12 +407,49 @@ fn assert_device_matches_cpu(
     device: &nestor_sim::SimDevice,
     inputs: &[nestor_runtime::InputData<'_>],
 ) {
+    assert_device_within(executable, device, inputs, (1e-5, ""));
+}
+
+/// `executable` on `device` gives the CPU runtime's results on `inputs` within
+/// `tolerance` ([`first_difference`]); `what` names the case when it does not.
+fn assert_device_within(
+    executable: &nestor_runtime::Executable,
+    device: &nestor_sim::SimDevice,
+    inputs: &[nestor_runtime::InputData<'_>],
+    (tolerance, what): (f32, &str),
+) {
     use nestor_runtime::Stats;
     let on_device = executable
         .run_on_device(device, inputs, &Stats::default())
         .unwrap();
     let on_cpu = executable.run(inputs, &Stats::default(), None).unwrap();
-    assert_eq!(first_difference(&on_device, &on_cpu, 1e-5), None);
+    assert_eq!(
+        first_difference(&on_device, &on_cpu, tolerance),
+        None,
+        "{what}"
+    );
+}
+
+/// [`assert_device_within`] on a simulated GPU of `options`: that device's memory
+/// traffic.
+fn traffic_within(
+    executable: &nestor_runtime::Executable,
+    options: nestor_sim::SimOptions,
+    inputs: &[nestor_runtime::InputData<'_>],
+    (tolerance, what): (f32, &str),
+) -> nestor_sim::Traffic {
+    let device = nestor_sim::SimDevice::with(executable, options).unwrap();
+    assert_device_within(executable, &device, inputs, (tolerance, what));
+    device.traffic()
+}
+
+/// Simulated-GPU options with bf16 buffers and `geometry`.
+fn bf16_on(geometry: nestor_sim::Geometry) -> nestor_sim::SimOptions {
+    nestor_sim::SimOptions {
+        storage: nestor_codegen::Storage::Bf16,
+        geometry,
+        ..nestor_sim::SimOptions::default()
+    }
 }
 
 /// The memory traffic of one run of `text` on the simulated GPU in one warp (so that
@@ -608,7 +645,7 @@ fn attention_stages_each_key_once_a_block() {
     // device's grid (8 warps a block) and on 3 blocks of 2 warps (the grid-stride loop
     // over groups of two rows), against the CPU.
     use nestor_runtime::InputData;
-    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    use nestor_sim::{Geometry, SimOptions};
     let (heads, head_dim) = (2i64, 8i64);
     let queries = [100i64, 1, 0, 33, 9];
     let cross = [70i64, 5, 3, 0, 40];
@@ -647,9 +684,7 @@ fn attention_stages_each_key_once_a_block() {
                 geometry,
                 ..SimOptions::default()
             };
-            let device = SimDevice::with(&executable, options).unwrap();
-            assert_device_matches_cpu(&executable, &device, &inputs);
-            device.traffic()
+            traffic_within(&executable, options, &inputs, (1e-5, ""))
         });
         // A warp a (query row, head) loads each key's 16 columns of K and V once a
         // query row; a block of 8 warps stages them once for its 8 rows.
@@ -702,7 +737,7 @@ fn attention_on_tensor_cores_equals_the_cpu() {
     // on the CUDA device's grid and on 3 blocks of 2 warps (a grid smaller than the
     // work), against the CPU's f32 on the same (bf16) values.
     use nestor_runtime::InputData;
-    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    use nestor_sim::Geometry;
     let heads = 2i64;
     let queries = [17i64, 1, 0, 40, 9, 3];
     let cross = [20i64, 5, 3, 0, 33, 1];
@@ -731,12 +766,6 @@ fn attention_on_tensor_cores_equals_the_cpu() {
             threads: 64,
         };
         for geometry in [Geometry::Gpu, Geometry::Fixed(small)] {
-            let options = SimOptions {
-                storage: nestor_codegen::Storage::Bf16,
-                geometry,
-                ..SimOptions::default()
-            };
-            let device = SimDevice::with(&executable, options).unwrap();
             let step = &executable.program().steps[0];
             assert_eq!(
                 nestor_codegen::gpu_threads_per_task(
@@ -747,19 +776,10 @@ fn attention_on_tensor_cores_equals_the_cpu() {
                 2,
                 "a warp per 16 query rows"
             );
-            let on_device = executable
-                .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
-                .unwrap();
-            let on_cpu = executable
-                .run(&inputs, &nestor_runtime::Stats::default(), None)
-                .unwrap();
             // The probabilities are rounded to bf16 for the second product (and the
             // results as the buffers store them).
-            assert_eq!(
-                first_difference(&on_device, &on_cpu, 2e-2),
-                None,
-                "causal {causal}, {geometry:?}"
-            );
+            let what = format!("causal {causal}, {geometry:?}");
+            traffic_within(&executable, bf16_on(geometry), &inputs, (2e-2, &what));
         }
     }
 }
@@ -880,7 +900,7 @@ fn attention_gradients_on_tensor_cores_equal_the_cpu() {
     use nestor_passes::step::AttentionPart;
     use nestor_passes::{LowerOptions, Step};
     use nestor_runtime::InputData;
-    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    use nestor_sim::Geometry;
     let (heads, head_dim) = (2i64, 24i64);
     let queries = [17i64, 1, 0, 40, 9, 3];
     let cross = [20i64, 5, 3, 0, 33, 1];
@@ -948,25 +968,10 @@ fn attention_gradients_on_tensor_cores_equal_the_cpu() {
             threads: 64,
         };
         for geometry in [Geometry::Gpu, Geometry::Fixed(small)] {
-            let options = SimOptions {
-                storage: nestor_codegen::Storage::Bf16,
-                geometry,
-                ..SimOptions::default()
-            };
-            let device = SimDevice::with(&executable, options).unwrap();
-            let on_device = executable
-                .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
-                .unwrap();
-            let on_cpu = executable
-                .run(&inputs, &nestor_runtime::Stats::default(), None)
-                .unwrap();
             // P and dS are rounded to bf16 for the products that follow (and the results
             // as the buffers store them).
-            assert_eq!(
-                first_difference(&on_device, &on_cpu, 3e-2),
-                None,
-                "causal {causal}, keys {keys:?}, {geometry:?}"
-            );
+            let what = format!("causal {causal}, keys {keys:?}, {geometry:?}");
+            traffic_within(&executable, bf16_on(geometry), &inputs, (3e-2, &what));
         }
     }
 }
@@ -980,7 +985,7 @@ fn attention_on_tensor_cores_stages_keys_once_a_block() {
     // memory warp by warp. Causal and not, against the CPU, and against blocks of one
     // warp, which load every key once per tile.
     use nestor_runtime::InputData;
-    use nestor_sim::{Geometry, SimDevice, SimOptions};
+    use nestor_sim::Geometry;
     let (heads, head_dim) = (2i64, 16i64);
     let lengths = [300i64, 7];
     let rows = lengths.iter().sum::<i64>();
@@ -1004,24 +1009,8 @@ fn attention_on_tensor_cores_stages_keys_once_a_block() {
             threads: 32,
         };
         let loaded = [Geometry::Gpu, Geometry::Fixed(one_warp_blocks)].map(|geometry| {
-            let options = SimOptions {
-                storage: nestor_codegen::Storage::Bf16,
-                geometry,
-                ..SimOptions::default()
-            };
-            let device = SimDevice::with(&executable, options).unwrap();
-            let on_device = executable
-                .run_on_device(&device, &inputs, &nestor_runtime::Stats::default())
-                .unwrap();
-            let on_cpu = executable
-                .run(&inputs, &nestor_runtime::Stats::default(), None)
-                .unwrap();
-            assert_eq!(
-                first_difference(&on_device, &on_cpu, 2e-2),
-                None,
-                "causal {causal}, {geometry:?}"
-            );
-            device.traffic().loaded
+            let what = format!("causal {causal}, {geometry:?}");
+            traffic_within(&executable, bf16_on(geometry), &inputs, (2e-2, &what)).loaded
         });
         eprintln!(
             "tensor-core attention (causal {causal}): {} bytes loaded by blocks of 8 warps, {} by blocks of one",

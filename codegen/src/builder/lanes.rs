@@ -44,23 +44,38 @@ impl<'ctx> Kernel<'ctx, '_> {
     /// Where this GPU thread is in its block and the block in the grid.
     pub(crate) fn block_place(&self) -> Gen<BlockPlace<'ctx>> {
         use crate::sim_abi::SpecialRegister;
+        let thread = self.special_register(SpecialRegister::Thread)?;
+        let threads = self.special_register(SpecialRegister::BlockThreads)?;
+        let warp_lanes = self.i64(WARP_LANES);
         Ok(BlockPlace {
             block: self.special_register(SpecialRegister::Block)?,
             blocks: self.special_register(SpecialRegister::GridBlocks)?,
-            thread: self.special_register(SpecialRegister::Thread)?,
-            threads: self.special_register(SpecialRegister::BlockThreads)?,
+            thread,
+            threads,
+            warps: self.div(threads, warp_lanes)?,
+            warp: self.div(thread, warp_lanes)?,
+            lanes: Lanes {
+                lane: self.rem(thread, warp_lanes)?,
+                count: WARP_LANES,
+            },
         })
     }
 
-    /// On a GPU, `for group in (block..groups).step_by(blocks)`: every thread of a block
-    /// runs the same groups, so they may meet at barriers ([`Kernel::barrier`]).
-    pub(crate) fn block_groups(
+    /// On a GPU, the groups of as many consecutive tasks of `0..tasks` as a block has
+    /// warps, a block at a time (grid-stride): `body(first task of the group)`. Every
+    /// thread of a block runs the same groups, so they may meet at barriers
+    /// ([`Kernel::barrier`]); warp `place.warp` takes the group's task `first + warp`.
+    pub(crate) fn warp_groups(
         &self,
         place: &BlockPlace<'ctx>,
-        groups: IntValue<'ctx>,
+        tasks: IntValue<'ctx>,
         body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
-        self.for_range_by(place.block, groups, place.blocks, body)
+        let last = self.sub(place.warps, self.i64(1))?;
+        let groups = self.div(self.add(tasks, last)?, place.warps)?;
+        self.for_range_by(place.block, groups, place.blocks, |group| {
+            body(self.mul(group, place.warps)?)
+        })
     }
 
     /// Where this GPU thread is in the launch's grid (PTX's special registers).

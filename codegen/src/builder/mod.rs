@@ -60,12 +60,16 @@ struct Grid<'ctx> {
     thread: IntValue<'ctx>,
 }
 
-/// A GPU thread's place in its block, and its block's in the grid.
+/// A GPU thread's place in its block, and its block's in the grid: its thread and
+/// warp (the block's `warps`, this thread's `warp`, its lanes).
 pub(crate) struct BlockPlace<'ctx> {
     pub(crate) block: IntValue<'ctx>,
     pub(crate) blocks: IntValue<'ctx>,
     pub(crate) thread: IntValue<'ctx>,
     pub(crate) threads: IntValue<'ctx>,
+    pub(crate) warps: IntValue<'ctx>,
+    pub(crate) warp: IntValue<'ctx>,
+    pub(crate) lanes: Lanes<'ctx>,
 }
 
 /// Floats of the compute type in a kernel's own memory (never bf16).

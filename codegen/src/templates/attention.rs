@@ -64,6 +64,43 @@ pub(super) fn attention<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Attention) -> Ge
     })
 }
 
+/// How many of its element's keys a query at `position` sees: all `count`, or with
+/// `causal` those up to its own position (none for a negative position).
+pub(super) fn visible_keys<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    causal: bool,
+    position: IntValue<'ctx>,
+    count: IntValue<'ctx>,
+) -> Gen<IntValue<'ctx>> {
+    if causal {
+        kernel.min(kernel.add(position, kernel.i64(1))?, count)
+    } else {
+        Ok(count)
+    }
+}
+
+/// What an output row of the online softmax is multiplied by, from the row's largest
+/// score, sum and poison: `1 / sum`, 0 without a finite score, NaN if poisoned.
+pub(super) fn output_scale<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    [largest, total, poisoned]: [FloatValue<'ctx>; 3],
+) -> Gen<FloatValue<'ctx>> {
+    let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
+    let inverse = kernel.fdiv(one, total)?;
+    let inverse = kernel.select_if(
+        FloatPredicate::OEQ,
+        (largest, kernel.constant(f64::NEG_INFINITY)),
+        zero,
+        inverse,
+    )?;
+    kernel.select_if(
+        FloatPredicate::OGT,
+        (poisoned, zero),
+        kernel.constant(f64::NAN),
+        inverse,
+    )
+}
+
 /// The most floats of keys and values a GPU block stages at once (16 KiB of f32).
 const STAGED_FLOATS: i64 = 4096;
 
@@ -110,11 +147,7 @@ impl<'a, 'ctx, 'm> Frame<'a, 'ctx, 'm> {
         let position = kernel.sub(row, kernel.load_i64(query_offsets, element)?)?;
         let first_key = kernel.load_i64(key_offsets, element)?;
         let key_count = kernel.sub(kernel.load_i64(key_offsets, next)?, first_key)?;
-        let visible = if step.causal {
-            kernel.min(kernel.add(position, kernel.i64(1))?, key_count)?
-        } else {
-            key_count
-        };
+        let visible = visible_keys(kernel, step.causal, position, key_count)?;
         let task = AttentionTask {
             kernel,
             step,
@@ -157,19 +190,11 @@ impl<'a, 'ctx, 'm> Frame<'a, 'ctx, 'm> {
         let width = step.head_dim + step.value_dim;
         let shared = kernel.shared_floats(tile * width)?;
         let place = kernel.block_place()?;
-        let warp_lanes = kernel.i64(WARP_LANES);
-        let warps = kernel.div(place.threads, warp_lanes)?;
-        let warp = kernel.div(place.thread, warp_lanes)?;
-        let lanes = Lanes {
-            lane: kernel.rem(place.thread, warp_lanes)?,
-            count: WARP_LANES,
-        };
+        let (warps, warp, lanes) = (place.warps, place.warp, place.lanes);
         let heads = kernel.i64(step.heads);
         let rows = kernel.div(end, heads)?;
-        let groups = kernel.div(kernel.add(end, kernel.sub(warps, kernel.i64(1))?)?, warps)?;
         let elements = self.offsets[2];
-        kernel.block_groups(&place, groups, |group| {
-            let first = kernel.mul(group, warps)?;
+        kernel.warp_groups(&place, end, |first| {
             let last = kernel.sub(kernel.min(kernel.add(first, warps)?, end)?, kernel.i64(1))?;
             let own = kernel.add(first, warp)?;
             let active = kernel.and(kernel.less(warp, warps)?, kernel.less(own, end)?)?;
@@ -426,19 +451,13 @@ impl<'ctx> AttentionTask<'_, 'ctx, '_> {
     fn write(&self) -> Gen<()> {
         let (kernel, step, output, out) = (self.kernel, self.step, self.output, self.out);
         let [largest, total, poisoned] = self.stats;
-        let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
-        let inverse = kernel.fdiv(one, kernel.get(total)?)?;
-        let inverse = kernel.select_if(
-            FloatPredicate::OEQ,
-            (kernel.get(largest)?, kernel.constant(f64::NEG_INFINITY)),
-            zero,
-            inverse,
-        )?;
-        let inverse = kernel.select_if(
-            FloatPredicate::OGT,
-            (kernel.get(poisoned)?, zero),
-            kernel.constant(f64::NAN),
-            inverse,
+        let inverse = output_scale(
+            kernel,
+            [
+                kernel.get(largest)?,
+                kernel.get(total)?,
+                kernel.get(poisoned)?,
+            ],
         )?;
         let out_row = kernel.mul(self.row, kernel.i64(step.heads * step.value_dim))?;
         self.columns(&|column, slot| {
@@ -622,13 +641,8 @@ impl<'ctx> GradTask<'_, 'ctx, '_> {
 
     /// The keys query row `query` (packed) sees: `0..visible` of its element.
     fn visible(&self, query: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
-        let kernel = self.kernel;
-        if self.step.causal {
-            let position = kernel.sub(query, self.first_query)?;
-            kernel.min(kernel.add(position, kernel.i64(1))?, self.key_count)
-        } else {
-            Ok(self.key_count)
-        }
+        let position = self.kernel.sub(query, self.first_query)?;
+        visible_keys(self.kernel, self.step.causal, position, self.key_count)
     }
 
     /// `P[query, key]` from the statistics of `query` in the accumulators.

@@ -6,6 +6,16 @@
 use super::*;
 use crate::builder::{FragmentA, FragmentB, FragmentC};
 
+/// Rows of an `m16n8k16` product's `A` and its `k`: a warp's tile of 16 rows, and 16
+/// keys (or queries) a product takes.
+pub(super) const TILE: i64 = 16;
+
+/// Whether kernels of an `float` program keeping floats as `storage` may use tensor
+/// cores: bf16 buffers of an f32 program (the products take bf16 as stored).
+pub(super) fn tensor_core_storage(float: nestor_passes::FloatType, storage: Storage) -> bool {
+    storage == Storage::Bf16 && float == nestor_passes::FloatType::F32
+}
+
 /// A lane's place in the fragments: `group = lane / 4`, `pair = 2 (lane % 4)` (its
 /// first column of a `C` fragment, and of each half of an `A` row), and the four lanes
 /// of its group (which share its rows).

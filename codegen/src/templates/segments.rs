@@ -249,14 +249,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
     fn grouped(&self, end: IntValue<'ctx>) -> Gen<()> {
         let kernel = self.kernel;
         let place = kernel.block_place()?;
-        let warp_lanes = kernel.i64(WARP_LANES);
-        let warps = kernel.div(place.threads, warp_lanes)?;
-        let warp = kernel.div(place.thread, warp_lanes)?;
-        let lanes = Lanes {
-            lane: kernel.rem(place.thread, warp_lanes)?,
-            count: WARP_LANES,
-        };
-        let groups = kernel.div(kernel.add(end, kernel.sub(warps, kernel.i64(1))?)?, warps)?;
+        let (warps, warp, lanes) = (place.warps, place.warp, place.lanes);
         let last_element = kernel.sub(end, kernel.i64(1))?;
         // Element `first + index` of the group, if there is one and it is long (or
         // short): every thread of the block computes the same for the same index.
@@ -275,8 +268,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             let wanted = if long { is_long } else { kernel.not(is_long)? };
             Ok((element, kernel.and(exists, wanted)?))
         };
-        kernel.block_groups(&place, groups, |group| {
-            let first = kernel.mul(group, warps)?;
+        kernel.warp_groups(&place, end, |first| {
             let (own, short) = of_length(first, warp, false)?;
             kernel.if_else(short, || self.alone(own, lanes), || Ok(()))?;
             kernel.for_range(kernel.i64(0), warps, |index| {

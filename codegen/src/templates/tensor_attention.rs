@@ -18,12 +18,13 @@
 
 use std::ops::Range;
 
-use super::fragments::{a_of_c, HeadColumns, Lane, Source};
+use super::attention::{output_scale, visible_keys};
+use super::fragments::{a_of_c, tensor_core_storage, HeadColumns, Lane, Source, TILE};
 use super::*;
 use crate::builder::{FragmentA, FragmentC};
 
 /// Query rows of a warp's tile: the rows of an `m16n8k16` product.
-const TILE_ROWS: i64 = 16;
+const TILE_ROWS: i64 = TILE;
 /// The widest head whose query fragments a lane keeps in registers for all its keys;
 /// wider ones are read again (from the caches) for each chunk of keys, so that the
 /// output's fragments fit beside them.
@@ -33,7 +34,7 @@ const HELD_QUERY_COLUMNS: i64 = 64;
 /// fragments fit in registers.
 const GROUP_SLOTS: i64 = 8;
 /// Keys a warp takes at once: the `k` of the product `P V`.
-const KEY_CHUNK: i64 = 16;
+const KEY_CHUNK: i64 = TILE;
 /// The widest head (queries and keys, or values) whose fragments a lane keeps in
 /// registers.
 const WIDEST_HEAD: i64 = 128;
@@ -45,8 +46,7 @@ pub(crate) fn on_tensor_cores(
     float: nestor_passes::FloatType,
     storage: Storage,
 ) -> bool {
-    storage == Storage::Bf16
-        && float == nestor_passes::FloatType::F32
+    tensor_core_storage(float, storage)
         && (1..=WIDEST_HEAD).contains(&step.head_dim)
         && (1..=WIDEST_HEAD).contains(&step.value_dim)
 }
@@ -90,16 +90,9 @@ pub(super) fn tensor_attention<'ctx>(
         place: kernel.block_place()?,
     };
     let place = &stage.place;
-    let warp_lanes = kernel.i64(WARP_LANES);
-    let warps = kernel.div(place.threads, warp_lanes)?;
-    let warp_index = kernel.div(place.thread, warp_lanes)?;
-    let lanes = Lanes {
-        lane: kernel.rem(place.thread, warp_lanes)?,
-        count: WARP_LANES,
-    };
+    let (warps, warp_index, lanes) = (place.warps, place.warp, place.lanes);
     let tasks = kernel.mul(tiles, heads)?;
     let last_task = kernel.sub(tasks, kernel.i64(1))?;
-    let groups = kernel.div(kernel.add(tasks, kernel.sub(warps, kernel.i64(1))?)?, warps)?;
     // A task's head, its tile's first packed row and the element of its first and last
     // rows.
     let place_of = |task: IntValue<'ctx>| -> Gen<_> {
@@ -115,8 +108,7 @@ pub(super) fn tensor_attention<'ctx>(
             kernel.load_i64(elements, last_row)?,
         ))
     };
-    kernel.block_groups(place, groups, |group| {
-        let first_task = kernel.mul(group, warps)?;
+    kernel.warp_groups(place, tasks, |first_task| {
         let own = kernel.add(first_task, warp_index)?;
         let active = kernel.less(own, tasks)?;
         // Warps past the last task take its tile (and write nothing).
@@ -312,12 +304,8 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
                 kernel.less(row, query_end)?,
                 kernel.less(kernel.sub(first_query, kernel.i64(1))?, row)?,
             )?;
-            let visible = if self.step.causal {
-                let seen = kernel.add(kernel.sub(row, first_query)?, kernel.i64(1))?;
-                kernel.min(seen, count)?
-            } else {
-                count
-            };
+            let position = kernel.sub(row, first_query)?;
+            let visible = visible_keys(kernel, self.step.causal, position, count)?;
             let own = match active {
                 Some(active) => kernel.and(own, active)?,
                 None => own,
@@ -603,7 +591,6 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
         slots: Range<i64>,
     ) -> Gen<()> {
         let (kernel, step) = (self.kernel, self.step);
-        let [zero, one] = [0.0, 1.0].map(|value| kernel.constant(value));
         let (quad, pair) = (tile.lane.quad, tile.lane.pair);
         let value_base = kernel.mul(tile.head, kernel.i64(step.value_dim))?;
         for half in 0..2 {
@@ -611,19 +598,8 @@ impl<'a, 'ctx, 'm> Warp<'a, 'ctx, 'm> {
             let poisoned = kernel.across_lanes(quad, kernel.get(poisoned)?, |a, b| {
                 kernel.extreme(a, b, true)
             })?;
-            let inverse = kernel.fdiv(one, kernel.get(total)?)?;
-            let inverse = kernel.select_if(
-                FloatPredicate::OEQ,
-                (kernel.get(largest)?, kernel.constant(f64::NEG_INFINITY)),
-                zero,
-                inverse,
-            )?;
-            let inverse = kernel.select_if(
-                FloatPredicate::OGT,
-                (poisoned, zero),
-                kernel.constant(f64::NAN),
-                inverse,
-            )?;
+            let inverse =
+                output_scale(kernel, [kernel.get(largest)?, kernel.get(total)?, poisoned])?;
             let row = tile.rows[half];
             let out_row = kernel.mul(row, kernel.i64(step.heads * step.value_dim))?;
             kernel.if_else(

@@ -18,12 +18,10 @@
 
 use std::ops::Range;
 
-use super::fragments::{a_of_c, HeadColumns, Lane, Source};
+use super::attention::visible_keys;
+use super::fragments::{a_of_c, tensor_core_storage, HeadColumns, Lane, Source, TILE};
 use super::*;
 use crate::builder::{FragmentA, FragmentC};
-
-/// Rows of a warp's tile, and keys (or queries) taken at once.
-const TILE: i64 = 16;
 
 /// The widest head whose gradients run on tensor cores (a lane keeps two heads' rows of
 /// fragments and two gradients' accumulators).
@@ -37,8 +35,7 @@ pub(crate) fn grad_on_tensor_cores(
     float: nestor_passes::FloatType,
     storage: Storage,
 ) -> bool {
-    storage == Storage::Bf16
-        && float == nestor_passes::FloatType::F32
+    tensor_core_storage(float, storage)
         && step.part != AttentionPart::Statistics
         && step.statistics.is_some()
         && (1..=WIDEST_HEAD).contains(&step.head_dim)
@@ -285,8 +282,16 @@ impl<'ctx> GradWarp<'_, 'ctx, '_> {
                         self.query_chunk(tile, &of, positions, chunk)
                     })?;
                 } else {
+                    // The tile's query rows: their statistics and the keys they see.
+                    let [low, high] = [0, 1].map(|half| -> Gen<_> {
+                        let row = (tile.rows[half], tile.valid[half]);
+                        let visible =
+                            visible_keys(kernel, self.step.causal, positions[half], of.keys)?;
+                        Ok((self.statistics(tile.head, row)?, visible))
+                    });
+                    let rows = [low?, high?];
                     kernel.for_range_by(kernel.i64(0), of.keys, kernel.i64(TILE), |chunk| {
-                        self.key_chunk(tile, &of, positions, chunk)
+                        self.key_chunk(tile, &of, rows, chunk)
                     })?;
                 }
                 self.write(tile, (positions, count))
@@ -296,12 +301,12 @@ impl<'ctx> GradWarp<'_, 'ctx, '_> {
     }
 
     /// The queries' gradient over keys `chunk..chunk + 16` of the element (the tile's
-    /// rows are queries at `positions` in it).
+    /// rows are queries with `rows`' statistics, seeing that many keys).
     fn key_chunk(
         &self,
         tile: &GradTile<'_, 'ctx>,
         of: &Element<'ctx>,
-        positions: [IntValue<'ctx>; 2],
+        rows: [(Statistics<'ctx>, IntValue<'ctx>); 2],
         chunk: IntValue<'ctx>,
     ) -> Gen<()> {
         let kernel = self.kernel;
@@ -311,10 +316,6 @@ impl<'ctx> GradWarp<'_, 'ctx, '_> {
         );
         let scores = self.products(tile, (0, 1), keys)?;
         let slopes = self.products(tile, (3, 2), keys)?;
-        let statistics =
-            [0, 1].map(|half| self.statistics(tile.head, (tile.rows[half], tile.valid[half])));
-        let [low, high] = statistics;
-        let statistics = [low?, high?];
         let mut ds = [[kernel.constant(0.0); 4]; 2];
         for n in 0..2 {
             for i in 0..4 {
@@ -323,15 +324,10 @@ impl<'ctx> GradWarp<'_, 'ctx, '_> {
                     chunk,
                     kernel.add(tile.lane.pair, kernel.i64(8 * n as i64 + (i % 2) as i64))?,
                 )?;
-                let visible = if self.step.causal {
-                    let seen = kernel.add(positions[half], kernel.i64(1))?;
-                    kernel.min(seen, of.keys)?
-                } else {
-                    of.keys
-                };
+                let (statistics, visible) = rows[half];
                 let seen = kernel.less(key, visible)?;
                 ds[n][i] = self
-                    .slopes((scores[n][i], slopes[n][i]), statistics[half], seen)?
+                    .slopes((scores[n][i], slopes[n][i]), statistics, seen)?
                     .1;
             }
         }

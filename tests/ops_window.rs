@@ -478,43 +478,201 @@ proptest! {
         prop_assume!(reach % 2 == 0);
         let geometry = Geometry { kernel: [k, k], stride: [1, 1], padding: [reach / 2; 2], dilation: [dilation; 2] };
         let (c_in, c) = (2, 3);
-        let mut random = Random::new(seed);
         let shapes = [vec![c, c_in, k, k], vec![c], vec![c, c, k, k], vec![c], vec![2, c], vec![2]];
-        let params: Vec<Tensor> = shapes.iter().map(|shape| (random.normal(shape) * 0.5).to_kind(kind).set_requires_grad(true)).collect();
-        let traced = params.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
-        let store = tch::nn::VarStore::new(tch::Device::Cpu);
-        let root = store.root();
         let names = ["stem_weight", "stem_bias", "conv_weight", "conv_bias", "head_weight", "head_bias"];
-        let variables: Vec<Tensor> = names.iter().zip(&params).map(|(name, param)| root.add(name, param.detach(), true)).collect();
-        let (model_geometry, model_pool) = (geometry.clone(), pool.clone());
-        let compiled = compile("conv_net", move |x: &[NestedTensor], _: &[Dense]| conv_net_loss(&x[0], &variables, &model_geometry, &model_pool)).train(&store);
-        drop(traced);
-        for (index, sizes) in batches.iter().enumerate() {
-            // At least the pooling window: every image keeps a pixel to average.
+        // At least the pooling window: every image keeps a pixel to average.
+        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
             let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(3), w.max(3))).collect();
             sizes.extend([(4, 5), (5, 4)]);
-            let (_, eager_leaves, eager_batch) = images(&sizes, c_in, kind, index as i64);
-            let eager_loss = conv_net_loss(&eager_batch, &params, &geometry, &pool).unwrap().into_tensor();
-            for param in &params {
-                let mut grad = param.grad();
-                if grad.defined() {
-                    let _ = grad.zero_();
-                }
-            }
-            eager_loss.backward();
-            let (_, leaves, batch) = images(&sizes, c_in, kind, index as i64);
-            let (outputs, named) = compiled.gradients(&[&batch], &[]).unwrap();
-            let tolerance = if double { 1e-9 } else { 1e-4 };
-            let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
-            let loss = &loss;
-            let error = |a: &Tensor, e: &Tensor| ((a.to_kind(Kind::Double) - e.to_kind(Kind::Double)).abs() / (e.to_kind(Kind::Double).abs() + 1.0)).max().double_value(&[]);
-            prop_assert!(error(loss, &eager_loss) <= tolerance, "loss {loss:?} vs {eager_loss:?}");
-            for (name, param) in names.iter().zip(&params) {
-                let compiled_grad = named.iter().find(|(path, _)| path == name).map(|(_, grad)| grad).unwrap_or_else(|| panic!("no gradient for {name}: {:?}", named.iter().map(|(path, _)| path).collect::<Vec<_>>()));
-                prop_assert!(error(compiled_grad, &param.grad()) <= tolerance, "{kind:?} {name}: {compiled_grad:?} vs {:?}", param.grad());
-            }
-            drop((eager_leaves, leaves));
-        }
-        prop_assert_eq!(compiled.stats().compiles, 1);
+            sizes
+        }).collect();
+        let loss = move |x: &NestedTensor, params: &[Tensor]| conv_net_loss(x, params, &geometry, &pool);
+        assert_trains_as_autograd("conv_net", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
     }
+
+    /// Compiled training of two convolutions of any stride, padding (beyond the
+    /// window's reach too) and dilation: the loss and every parameter's gradient equal
+    /// eager autograd's (the second convolution's input gradient reaches the first's
+    /// parameters).
+    #[test]
+    fn compiled_strided_conv_gradients_equal_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        first in strided_geometry(),
+        second in strided_geometry(),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let (c_in, c) = (2, 3);
+        let shapes = [vec![c, c_in, first.kernel[0], first.kernel[1]], vec![c], vec![c, c, second.kernel[0], second.kernel[1]], vec![c], vec![2, c], vec![2]];
+        let names = ["first_weight", "first_bias", "second_weight", "second_bias", "head_weight", "head_bias"];
+        // Images large enough that both windows leave a pixel to average.
+        let least = |axis: usize| {
+            let needs = |g: &Geometry, out: i64| (out - 1) * g.stride[axis] + g.dilation[axis] * (g.kernel[axis] - 1) + 1 - 2 * g.padding[axis];
+            needs(&first, needs(&second, 1).max(1)).max(1)
+        };
+        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
+            let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(least(0)), w.max(least(1)))).collect();
+            // Heights equal to the widths are another structure (shared lengths).
+            if sizes.iter().all(|(h, w)| h == w) {
+                sizes[0].1 += 1;
+            }
+            sizes
+        }).collect();
+        let loss = move |x: &NestedTensor, params: &[Tensor]| {
+            let conv = |x: &NestedTensor, g: &Geometry, weight: &Tensor, bias: &Tensor| x.conv2d(weight, Some(bias), g.stride, g.padding, g.dilation, 1);
+            let hidden = conv(x, &first, &params[0], &params[1])?.relu()?;
+            let hidden = conv(&hidden, &second, &params[2], &params[3])?.relu()?;
+            pooled_head_loss(&hidden, &params[4], &params[5])
+        };
+        assert_trains_as_autograd("strided_convs", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(4)))]
+
+    /// Compiled training of ResNet's bottleneck block with downsampling (1x1, 3x3 of
+    /// stride 2 and padding 1, 1x1, batch norm in training mode after each, a 1x1
+    /// downsample of stride 2 with its batch norm on the shortcut): one compile for
+    /// images of every size (1 x 1 included), its loss and every parameter's gradient
+    /// equal eager autograd's.
+    #[test]
+    fn compiled_bottleneck_training_equals_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let (c_in, mid, out) = (3, 2, 4);
+        let names = [
+            "reduce", "reduce_scale", "reduce_shift", "spatial", "spatial_scale", "spatial_shift",
+            "expand", "expand_scale", "expand_shift", "downsample", "downsample_scale",
+            "downsample_shift", "head_weight", "head_bias",
+        ];
+        let shapes = [
+            vec![mid, c_in, 1, 1], vec![mid], vec![mid], vec![mid, mid, 3, 3], vec![mid], vec![mid],
+            vec![out, mid, 1, 1], vec![out], vec![out], vec![out, c_in, 1, 1], vec![out], vec![out],
+            vec![2, out], vec![2],
+        ];
+        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
+            let mut sizes = sizes.clone();
+            // Heights equal to the widths are another structure (shared lengths).
+            if sizes.iter().all(|(h, w)| h == w) {
+                sizes[0].1 += 1;
+            }
+            sizes
+        }).collect();
+        assert_trains_as_autograd("bottleneck", bottleneck_loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
+    }
+}
+
+/// ResNet's bottleneck block with a strided downsample (see
+/// `compiled_bottleneck_training_equals_autograd`), then the pooled head's loss.
+fn bottleneck_loss(x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Dense> {
+    // A convolution then batch norm in training mode (no running statistics).
+    let conv_norm = |x: &NestedTensor, at: usize, stride: i64, padding: i64| {
+        x.conv2d(&params[at], None, [stride; 2], [padding; 2], [1, 1], 1)?
+            .batch_norm(
+                1,
+                None,
+                None,
+                Some(&params[at + 1]),
+                Some(&params[at + 2]),
+                true,
+                0.1,
+                1e-5,
+            )
+    };
+    let h = conv_norm(x, 0, 1, 0)?.relu()?;
+    let h = conv_norm(&h, 3, 2, 1)?.relu()?;
+    let h = conv_norm(&h, 6, 1, 0)?;
+    let shortcut = conv_norm(x, 9, 2, 0)?;
+    pooled_head_loss(&(&h + &shortcut)?.relu()?, &params[12], &params[13])
+}
+
+/// A convolution's geometry of strides 1 to 3 and paddings up to 3 (beyond the reach of
+/// small windows).
+fn strided_geometry() -> impl Strategy<Value = Geometry> {
+    let axis = (1i64..=3, 1i64..=3, 0i64..=3, 1i64..=2);
+    (axis.clone(), axis).prop_map(|(h, w)| Geometry {
+        kernel: [h.0, w.0],
+        stride: [h.1, w.1],
+        padding: [h.2, w.2],
+        dilation: [h.3, w.3],
+    })
+}
+
+/// Compiles `loss` (of a batch of images `[c_in, H, W]` and parameters of these `names`
+/// and `shapes`, random from `seed`) for training once, then for every image sizes of
+/// `batches` compares its loss and parameters' gradients with eager autograd's.
+fn assert_trains_as_autograd(
+    name: &str,
+    loss: impl Fn(&NestedTensor, &[Tensor]) -> nestor::Result<Dense> + Clone + 'static,
+    (names, shapes): (&[&str], &[Vec<i64>]),
+    batches: &[Vec<(i64, i64)>],
+    (c_in, kind): (i64, Kind),
+    seed: i64,
+) -> Result<(), TestCaseError> {
+    let mut random = Random::new(seed);
+    let params: Vec<Tensor> = shapes
+        .iter()
+        .map(|shape| {
+            (random.normal(shape) * 0.5)
+                .to_kind(kind)
+                .set_requires_grad(true)
+        })
+        .collect();
+    let store = tch::nn::VarStore::new(tch::Device::Cpu);
+    let root = store.root();
+    let variables: Vec<Tensor> = names
+        .iter()
+        .zip(&params)
+        .map(|(name, param)| root.add(name, param.detach(), true))
+        .collect();
+    let model = loss.clone();
+    let compiled = compile(name, move |x: &[NestedTensor], _: &[Dense]| {
+        model(&x[0], &variables)
+    })
+    .train(&store);
+    let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
+    let error = |a: &Tensor, e: &Tensor| {
+        ((a.to_kind(Kind::Double) - e.to_kind(Kind::Double)).abs()
+            / (e.to_kind(Kind::Double).abs() + 1.0))
+            .max()
+            .double_value(&[])
+    };
+    for (index, sizes) in batches.iter().enumerate() {
+        let (_, eager_leaves, eager_batch) = images(sizes, c_in, kind, index as i64);
+        let eager_loss = loss(&eager_batch, &params).unwrap().into_tensor();
+        for param in &params {
+            let mut grad = param.grad();
+            if grad.defined() {
+                let _ = grad.zero_();
+            }
+        }
+        eager_loss.backward();
+        let (_, leaves, batch) = images(sizes, c_in, kind, index as i64);
+        let (outputs, named) = compiled.gradients(&[&batch], &[]).unwrap();
+        let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
+        prop_assert!(
+            error(&loss, &eager_loss) <= tolerance,
+            "{name} {sizes:?}: loss {loss:?} vs {eager_loss:?}"
+        );
+        for (param_name, param) in names.iter().zip(&params) {
+            let compiled_grad = named
+                .iter()
+                .find(|(path, _)| path == param_name)
+                .map(|(_, grad)| grad)
+                .unwrap_or_else(|| panic!("{name}: no gradient for {param_name}"));
+            prop_assert!(
+                error(compiled_grad, &param.grad()) <= tolerance,
+                "{name} {sizes:?} {kind:?} {param_name}: {compiled_grad:?} vs {:?}",
+                param.grad()
+            );
+        }
+        drop((eager_leaves, leaves));
+    }
+    prop_assert_eq!(compiled.stats().compiles, 1);
+    Ok(())
 }

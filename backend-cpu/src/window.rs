@@ -519,6 +519,86 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
     }
 }
 
+/// A convolution's input gradient for any stride and padding: each window's gradient
+/// `g[r, :]` times the weight at each of its taps inside the image, added to that tap's
+/// input pixel. Images in parallel, each in order (their windows read only their own
+/// pixels).
+///
+/// # Safety
+/// `out` must hold every input pixel of `images` times `width` values, `g` every output
+/// pixel times `channels`, `weight` `channels * width * taps` (`[C_out, C_in, taps]`);
+/// the taps must be those of `images`.
+pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
+    (out, g, weight): (*mut u8, *const u8, *const u8),
+    taps: &WindowTaps,
+    images: &[WindowImage],
+    shape: Shape,
+) {
+    let Shape {
+        channels,
+        width,
+        taps: per_window,
+    } = shape;
+    // SAFETY: as the caller promises.
+    let weight =
+        unsafe { std::slice::from_raw_parts(weight as *const T, channels * width * per_window) };
+    // `[taps, width, channels]`: a tap's weights for an input channel are contiguous over
+    // the output channels, as a gradient's row.
+    let mut packed = vec![T::ZERO; weight.len()];
+    for o in 0..channels {
+        for c in 0..width {
+            for t in 0..per_window {
+                packed[(t * width + c) * channels + o] = weight[(o * width + c) * per_window + t];
+            }
+        }
+    }
+    let buffers = Buffers {
+        out: out as *mut T,
+        x: g as *const T,
+    };
+    let image = |index: usize| {
+        let image = images[index];
+        let pixels = (image.size.0 * image.size.1) as usize;
+        let outputs = (image.out.0 * image.out.1) as usize;
+        // SAFETY: image `index` owns its input pixels' rows of `out`.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(buffers.out().add(image.input * width), pixels * width)
+        };
+        out.fill(T::ZERO);
+        for r in image.output..image.output + outputs {
+            // SAFETY: `g` holds every output pixel.
+            let grad =
+                unsafe { std::slice::from_raw_parts(buffers.x().add(r * channels), channels) };
+            let windows = &taps.rows[r * per_window..(r + 1) * per_window];
+            for (t, &source) in windows.iter().enumerate() {
+                if source < 0 {
+                    continue;
+                }
+                let row = &mut out[(source as usize - image.input) * width..][..width];
+                let weights = &packed[t * width * channels..][..width * channels];
+                for (value, tap) in row.iter_mut().zip(weights.chunks(channels.max(1))) {
+                    let mut sum = T::ZERO;
+                    for (&gradient, &w) in grad.iter().zip(tap) {
+                        sum += gradient * w;
+                    }
+                    *value += sum;
+                }
+            }
+        }
+    };
+    let work = taps
+        .rows
+        .len()
+        .saturating_mul(channels)
+        .saturating_mul(width);
+    let threads = if work >= crate::Parallelism::current().kernel_scalars {
+        worker_threads().max(1) as usize
+    } else {
+        1
+    };
+    crate::team::for_each_chunk(images.len(), threads, &image);
+}
+
 /// Pooling's gradient: every output pixel's gradient to the input pixel max pooling
 /// picked (the first largest, or the last NaN, as libtorch's kernel), or shared by the
 /// pixels an average took. Images in parallel, each in order (their windows read only

@@ -530,14 +530,19 @@ fn training_steps_assemble_for_sm80_and_sm90() {
 
 /// The window steps of a conv net's forward (a convolution with bias, max and average
 /// pooling, image means) and their gradients (the convolution's input and weight, max
-/// and average pooling's, the means' spread) have kernels, which assemble without
-/// spills.
+/// and average pooling's, the means' spread, a strided convolution's input) have
+/// kernels, which assemble without spills.
 #[test]
 fn window_steps_assemble_for_sm80_and_sm90() {
     let mut windows: Vec<String> = Vec::new();
-    for file in ["conv_net.nir", "window_grads.nir", "conv_net_loss.nir"] {
+    for file in [
+        "conv_net.nir",
+        "window_grads.nir",
+        "conv_net_loss.nir",
+        "strided_conv_loss.nir",
+    ] {
         let graph = nestor_ir::parse(&filetest(file)).unwrap();
-        let program = if file == "conv_net_loss.nir" {
+        let program = if file.ends_with("_loss.nir") {
             training_program(&graph)
         } else {
             lower(&Pipeline::unoptimized().run(&graph).unwrap()).unwrap()
@@ -568,6 +573,7 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         "Average",
         "ImageMean",
         "ConvInputGrad",
+        "StridedConvInputGrad",
         "WeightGrad",
         "MaxGrad",
         "AverageGrad",

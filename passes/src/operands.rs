@@ -273,6 +273,12 @@ pub enum WindowKind {
     /// output's gradient (`x`, `channels` = the convolution's output channels) with the
     /// weight flipped and transposed (`window` is the convolution's adjoint).
     ConvInputGrad,
+    /// A convolution's gradient with respect to its input for any stride and padding,
+    /// an input pixel a task: over the convolution's windows that read it (`window` is
+    /// the convolution's, `heights` and `widths` its input's), the output's gradient
+    /// (`x`, a row per window, `channels` = the convolution's output channels) times
+    /// the weight `[channels, width, taps]` at the pixel's tap.
+    StridedConvInputGrad,
     /// A convolution's gradient with respect to its weight, `out [width, channels *
     /// K_h * K_w]`: the windows of `x` times the output's gradient `grad`, summed over
     /// every pixel in blocks of fixed size, added in order.

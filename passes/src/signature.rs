@@ -528,6 +528,7 @@ impl Placed for Window {
         }
         let (heights, widths) = (self.heights, self.widths);
         let taps = Arg::Taps(self.window, heights, widths);
+        let windows_of_pixels = Arg::WindowsOfPixels(self.window, heights, widths);
         let params = Params::new(self.out).buffer(Role::X, self.x);
         let out_rows = program.info(self.out).rows;
         let grad = |params: Params| params.optional(Role::Gradient, self.grad);
@@ -554,10 +555,12 @@ impl Placed for Window {
             // An input pixel a task, over the windows that read it.
             WindowKind::MaxGrad | WindowKind::AverageGrad => grad(params)
                 .with(Role::Taps, taps)
-                .with(
-                    Role::WindowsOfPixels,
-                    Arg::WindowsOfPixels(self.window, heights, widths),
-                )
+                .with(Role::WindowsOfPixels, windows_of_pixels)
+                .kernel(out_rows),
+            WindowKind::StridedConvInputGrad => params
+                .optional(Role::Weight, self.weight)
+                .with(Role::Taps, taps)
+                .with(Role::WindowsOfPixels, windows_of_pixels)
                 .kernel(out_rows),
         }
     }

@@ -41,7 +41,7 @@ const DECODER: &str = r#"graph @decoder {
 }"#;
 
 /// Name, text, and whether its training step (loss and gradients) runs.
-const PROGRAMS: [(&str, &str, bool); 8] = [
+const PROGRAMS: [(&str, &str, bool); 9] = [
     (
         "encoder_layer",
         include_str!("../../tests/filetests/encoder_layer.optimized.nir"),
@@ -76,6 +76,11 @@ const PROGRAMS: [(&str, &str, bool); 8] = [
     (
         "conv_net_loss (training)",
         include_str!("../../tests/filetests/conv_net_loss.nir"),
+        true,
+    ),
+    (
+        "strided_conv_loss (training)",
+        include_str!("../../tests/filetests/strided_conv_loss.nir"),
         true,
     ),
 ];

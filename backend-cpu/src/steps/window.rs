@@ -8,8 +8,8 @@ use nestor_runtime::{step_error, within_budget, RunState, RuntimeError};
 
 use super::CpuSteps;
 use crate::window::{
-    convolve_slots, image_means, image_spread, pixel_counts, pool, pool_grad, weight_grad, Shape,
-    SlotBuffers, GRAD_BLOCK_ROWS,
+    convolve_slots, image_means, image_spread, pixel_counts, pool, pool_grad,
+    strided_conv_input_grad, weight_grad, Shape, SlotBuffers, GRAD_BLOCK_ROWS,
 };
 
 impl CpuSteps {
@@ -45,7 +45,8 @@ impl CpuSteps {
             | WindowKind::Average
             | WindowKind::WeightGrad
             | WindowKind::MaxGrad
-            | WindowKind::AverageGrad => window.over_taps(),
+            | WindowKind::AverageGrad
+            | WindowKind::StridedConvInputGrad => window.over_taps(),
         }
     }
 }
@@ -174,12 +175,19 @@ impl WindowRun<'_, '_, '_> {
     /// The kinds over the windows' taps: pooling, the weight's gradient, pooling's.
     fn over_taps(&self) -> Result<(), RuntimeError> {
         let (step, run) = (self.step, self.run);
-        // The windows' output pixels: the output's, or its gradient's for the weight's.
+        // The windows' output pixels: the output's, or its gradient's for the gradients
+        // (`x` for the strided convolution's input gradient).
         let from_grad = matches!(
             step.kind,
-            WindowKind::WeightGrad | WindowKind::MaxGrad | WindowKind::AverageGrad
+            WindowKind::WeightGrad
+                | WindowKind::MaxGrad
+                | WindowKind::AverageGrad
+                | WindowKind::StridedConvInputGrad
         );
-        let pixels_slot = step.grad.filter(|_| from_grad).unwrap_or(step.out);
+        let pixels_slot = match step.kind {
+            WindowKind::StridedConvInputGrad => step.x,
+            _ => step.grad.filter(|_| from_grad).unwrap_or(step.out),
+        };
         let out_rows = run.sizes().rows(run.program().info(pixels_slot).rows);
         let table_bytes = usize::try_from(out_rows)
             .ok()
@@ -215,6 +223,7 @@ impl WindowRun<'_, '_, '_> {
                 Ok(())
             }
             WindowKind::WeightGrad => self.weight_grad(&taps, shape, rows),
+            WindowKind::StridedConvInputGrad => self.strided_conv_input_grad(&taps, shape, rows),
             _ => self.pool_grad(&taps, shape, rows),
         }
     }
@@ -249,6 +258,40 @@ impl WindowRun<'_, '_, '_> {
             match self.run.program().float {
                 FloatType::F32 => weight_grad::<f32>(buffers, taps, shape),
                 FloatType::F64 => weight_grad::<f64>(buffers, taps, shape),
+            }
+        }
+        Ok(())
+    }
+
+    /// A strided convolution's input gradient from `rows` output pixels' gradients.
+    fn strided_conv_input_grad(
+        &self,
+        taps: &WindowTaps,
+        shape: Shape,
+        rows: usize,
+    ) -> Result<(), RuntimeError> {
+        let Some(weight) = self.step.weight else {
+            return Err(self.error("an input gradient without the weight".into()));
+        };
+        let images = window_images(&self.step.window, self.sizes.0, self.sizes.1)
+            .map_err(|error| self.error(error.to_string()))?;
+        let pixels = images
+            .last()
+            .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
+        let weight_len = shape.channels.saturating_mul(shape.width);
+        if self.out_scalars != pixels.saturating_mul(shape.width)
+            || self.slot_len(self.step.x) != rows.saturating_mul(shape.channels)
+            || self.slot_len(weight) != weight_len.saturating_mul(shape.taps)
+        {
+            return Err(self.error("the input gradient's buffers do not match its window".into()));
+        }
+        let (out, grads) = self.out_and_x();
+        let buffers = (out, grads, self.run.pointer(weight) as *const u8);
+        // The buffers hold what was just checked, in the program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => strided_conv_input_grad::<f32>(buffers, taps, &images, shape),
+                FloatType::F64 => strided_conv_input_grad::<f64>(buffers, taps, &images, shape),
             }
         }
         Ok(())

@@ -49,7 +49,9 @@ use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
 use rows::row;
 use segments::segment;
-use windows::{convolution, image_mean, image_spread, pool, pool_grad, weight_grad};
+use windows::{
+    convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
+};
 
 /// Generates the kernel of `step` with `signature` (its placement's in `set`) as
 /// function `name`.
@@ -142,6 +144,9 @@ fn window_kernel(kernel: &Kernel<'_, '_>, step: &Window) -> Gen<()> {
             taps,
             kind == WindowKind::ConvInputGrad,
         ),
+        WindowKind::StridedConvInputGrad => {
+            strided_conv_input_grad(kernel, (channels, width), taps)
+        }
         WindowKind::WeightGrad => weight_grad(kernel, (channels, width), taps),
         WindowKind::MaxGrad | WindowKind::AverageGrad => {
             pool_grad(kernel, channels, taps, kind == WindowKind::MaxGrad)

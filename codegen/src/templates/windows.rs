@@ -1,6 +1,8 @@
-//! Window steps over packed images: direct convolution and its input's gradient, max
-//! and average pooling over window taps, image means and their spread, the weight's
-//! gradient, and pooling's gradient (an input pixel a task over the windows that read it).
+//! Window steps over packed images: direct convolution and its input's gradient (the
+//! adjoint convolution, or for strides an input pixel a task over the windows that read
+//! it), max and average pooling over window taps, image means and their spread, the
+//! weight's gradient, and pooling's gradient (an input pixel a task over the windows
+//! that read it).
 
 use super::*;
 
@@ -193,6 +195,68 @@ pub(super) fn weight_grad<'ctx>(
         })?;
         let total = kernel.across_lanes(lanes, kernel.get(sum)?, |a, b| kernel.fadd(a, b))?;
         first_lane_stores(kernel, lanes, out, task, total)
+    })
+}
+
+/// A convolution's input gradient for any stride and padding, an input pixel a task:
+/// `out[p, c] = sum over the windows r that read p (in order, from `inverse`), at the
+/// tap t where r reads p, and over the output channels o of x[r, o] weight[o, c, t]`
+/// (`x` the output's gradient, `weight` the forward `[channels, width, taps]`).
+pub(super) fn strided_conv_input_grad<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (channels, width): (i64, i64),
+    taps: i64,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, weight, table, inverse] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Weight,
+        Role::Taps,
+        Role::WindowsOfPixels,
+    ])?;
+    let sum = kernel.accumulator("sum")?;
+    let tap = kernel.index_variable("tap")?;
+    // An input pixel is a warp's on a GPU (each lane its channels), one thread's on the
+    // host.
+    kernel.parallel_rows(start, end, |pixel, lanes| {
+        let from = kernel.load_i64(inverse, pixel)?;
+        let to = kernel.load_i64(inverse, kernel.add(pixel, kernel.i64(1))?)?;
+        let out_row = kernel.mul(pixel, kernel.i64(width))?;
+        kernel.lane_range(lanes, width, |c| {
+            kernel.set(sum, kernel.constant(0.0))?;
+            kernel.for_range(from, to, |entry| {
+                let r = kernel.load_i64(inverse, entry)?;
+                let first_tap = kernel.mul(r, kernel.i64(taps))?;
+                // The window's one tap on this pixel.
+                kernel.set_index(tap, kernel.i64(-1))?;
+                kernel.for_range(kernel.i64(0), kernel.i64(taps), |t| {
+                    let source = kernel.load_i64(table, kernel.add(first_tap, t)?)?;
+                    let here = kernel.equal(source, pixel)?;
+                    let current = kernel.get_index(tap)?;
+                    kernel.set_index(tap, kernel.select_index(here, t, current)?)
+                })?;
+                let t = kernel.get_index(tap)?;
+                let grads = kernel.mul(r, kernel.i64(channels))?;
+                if_inside(kernel, t, || {
+                    // `weight[o, c, t]` of `[channels, width, taps]`.
+                    let first = kernel.add(kernel.mul(c, kernel.i64(taps))?, t)?;
+                    let step = width.saturating_mul(taps);
+                    kernel.for_range(kernel.i64(0), kernel.i64(channels), |o| {
+                        let gradient = kernel.load_float(x, kernel.add(grads, o)?)?;
+                        let w = kernel.load_float(
+                            weight,
+                            kernel.add(first, kernel.mul(o, kernel.i64(step))?)?,
+                        )?;
+                        kernel.set(
+                            sum,
+                            kernel.fadd(kernel.get(sum)?, kernel.fmul(gradient, w)?)?,
+                        )
+                    })
+                })
+            })?;
+            kernel.store_float(out, kernel.add(out_row, c)?, kernel.get(sum)?)
+        })
     })
 }
 

@@ -106,11 +106,12 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
             g,
             weight,
             x,
+            stride,
             padding,
             dilation,
         } => {
             let weight = static_shape(&ty(*weight), "the weight")?;
-            let [out, channels, kh, kw] = weight.as_slice() else {
+            let [out, channels, _, _] = weight.as_slice() else {
                 return Err(format!(
                     "the weight must be [C_out, C_in, Kh, Kw], got {weight:?}"
                 ));
@@ -122,28 +123,22 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
                     g.1, input.1
                 ));
             }
-            let (padding, dilation) =
-                (pair("padding", padding, 0)?, pair("dilation", dilation, 1)?);
-            let reach = |axis: usize| {
-                let kernel: i64 = [*kh, *kw][axis];
-                kernel
-                    .checked_sub(1)
-                    .and_then(|taps| dilation[axis].checked_mul(taps))
-            };
-            if (0..2).any(|axis| reach(axis).is_none_or(|reach| padding[axis] > reach)) {
-                return Err("needs 2-d paddings at most the window's reach".into());
-            }
+            pair("stride", stride, 1)?;
+            pair("padding", padding, 0)?;
+            pair("dilation", dilation, 1)?;
             Ok(ty(*x).with_dtype(g.0))
         }
         Op::Conv2dWeightGrad {
             x,
             g,
             kernel,
+            stride,
             padding,
             dilation,
         } => {
             let (x, g) = (images(&ty(*x))?, images(&ty(*g))?);
             let [kh, kw] = pair("kernel", kernel, 1)?;
+            pair("stride", stride, 1)?;
             pair("padding", padding, 0)?;
             pair("dilation", dilation, 1)?;
             let (Some(channels), Some(out)) = (x.1, g.1) else {

@@ -653,9 +653,9 @@ pub enum Op {
         /// Output spatial size.
         output: Vec<i64>,
     },
-    /// The gradient of a stride-1 convolution (groups 1) of images `[C_in, H_i, W_i]`
-    /// with respect to its input, from the gradient `g` of its output
-    /// `[C_out, H_out, W_out]` (a transposed convolution): images like `x`.
+    /// The gradient of a convolution (groups 1) of images `[C_in, H_i, W_i]` with
+    /// respect to its input, from the gradient `g` of its output `[C_out, H_out, W_out]`
+    /// (a transposed convolution): images like `x`.
     #[op(name = "conv2d_input_grad", family = PerElement)]
     Conv2dInputGrad {
         /// The output's gradient.
@@ -664,14 +664,16 @@ pub enum Op {
         weight: ValueId,
         /// The convolution's input (its sizes).
         x: ValueId,
+        /// Strides.
+        stride: Vec<i64>,
         /// Paddings.
         padding: Vec<i64>,
         /// Dilations.
         dilation: Vec<i64>,
     },
-    /// The gradient of a stride-1 convolution (groups 1) of images `x` with respect to
-    /// its weight, from the gradient `g` of its output: `[C_out, C_in, Kh, Kw]`, summed
-    /// over every image.
+    /// The gradient of a convolution (groups 1) of images `x` with respect to its
+    /// weight, from the gradient `g` of its output: `[C_out, C_in, Kh, Kw]`, summed over
+    /// every image.
     #[op(name = "conv2d_weight_grad", family = PerElement)]
     Conv2dWeightGrad {
         /// The convolution's input.
@@ -680,6 +682,8 @@ pub enum Op {
         g: ValueId,
         /// Window.
         kernel: Vec<i64>,
+        /// Strides.
+        stride: Vec<i64>,
         /// Paddings.
         padding: Vec<i64>,
         /// Dilations.

@@ -696,12 +696,12 @@ fn attention(
     Ok(out)
 }
 
-/// The window of a convolution by `weight` whose gradients compile: stride 1, groups 1
-/// and padding at most the window's reach (an error naming them otherwise).
+/// The window of a convolution by `weight` whose gradients compile: groups 1 (an error
+/// naming them otherwise).
 fn differentiable_kernel(
     b: &Builder,
     weight: ValueId,
-    (groups, stride, padding, dilation): (i64, &[i64], &[i64], &[i64]),
+    groups: i64,
 ) -> Result<Vec<i64>, AutodiffError> {
     let kernel = match b.ty(weight) {
         Type::Dense { shape, .. } if shape.len() == 4 => shape[2..]
@@ -710,20 +710,16 @@ fn differentiable_kernel(
             .collect::<Vec<_>>(),
         _ => Vec::new(),
     };
-    if groups != 1
-        || stride[..] != [1, 1]
-        || kernel.len() != 2
-        || (0..2).any(|axis| padding[axis] > dilation[axis] * (kernel[axis] - 1))
-    {
-        return Err(b.no_rule(
-            "compiled gradients of convolutions need stride 1, groups 1 and padding at most the window's reach",
-        ));
+    if groups != 1 || kernel.len() != 2 {
+        return Err(
+            b.no_rule("compiled gradients of convolutions need groups 1 and a static 2-d window")
+        );
     }
     Ok(kernel)
 }
 
-/// A per-element region of one convolution (stride 1, groups 1, padding at most the
-/// window's reach) or global average pooling of images with ragged `H` and `W`.
+/// A per-element region of one convolution (groups 1) or global average pooling of
+/// images with ragged `H` and `W`.
 fn per_element(
     b: &mut Builder,
     op: &Op,
@@ -751,12 +747,13 @@ fn per_element(
         } if region_input(*x) == Some(images) => {
             let weight = region_input(*weight)
                 .ok_or_else(|| b.no_rule("the weight is not an input of the region"))?;
-            let kernel = differentiable_kernel(b, weight, (*groups, stride, padding, dilation))?;
+            let kernel = differentiable_kernel(b, weight, *groups)?;
             if wants(images) {
                 let grad = b.push(Op::Conv2dInputGrad {
                     g,
                     weight,
                     x: images,
+                    stride: stride.clone(),
                     padding: padding.clone(),
                     dilation: dilation.clone(),
                 })?;
@@ -767,6 +764,7 @@ fn per_element(
                     x: images,
                     g,
                     kernel,
+                    stride: stride.clone(),
                     padding: padding.clone(),
                     dilation: dilation.clone(),
                 })?;

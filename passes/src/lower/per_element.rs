@@ -170,17 +170,20 @@ impl Lowering<'_> {
             Op::Conv2dInputGrad {
                 g,
                 weight,
+                x,
+                stride,
                 padding,
                 dilation,
-                ..
             } => {
-                let grads = images(self, *g)?;
-                self.conv_input_grad(value, op, (grads, *weight), (padding, dilation))?
+                let (grads, inputs) = (images(self, *g)?, images(self, *x)?);
+                let geometry = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
+                self.conv_input_grad(value, op, (grads, inputs, *weight), geometry)?
             }
             Op::Conv2dWeightGrad {
                 x,
                 g,
                 kernel,
+                stride,
                 padding,
                 dilation,
             } => {
@@ -188,7 +191,7 @@ impl Lowering<'_> {
                 let grads = images(self, *g)?;
                 let window = Window2d {
                     kernel: [kernel[0], kernel[1]],
-                    stride: [1, 1],
+                    stride: [stride[0], stride[1]],
                     padding: [padding[0], padding[1]],
                     dilation: [dilation[0], dilation[1]],
                 };
@@ -278,38 +281,68 @@ impl Lowering<'_> {
     }
 
     /// The window step of a convolution's input gradient (`g` the output's gradient, as
-    /// images): the adjoint convolution by `weight`.
+    /// images; `x` the convolution's input): the adjoint convolution by `weight` when
+    /// the convolution has stride 1 and padding at most its window's reach, else the
+    /// windows that read each input pixel.
     fn conv_input_grad(
         &mut self,
         value: ValueId,
         op: &Op,
-        (grads, weight): (ImageOperand, ValueId),
-        (padding, dilation): (&[i64], &[i64]),
+        (grads, inputs, weight): (ImageOperand, ImageOperand, ValueId),
+        (stride, padding, dilation): (&[i64], &[i64], &[i64]),
     ) -> Result<WindowGradient, LowerError> {
         let shape: Vec<i64> = match self.graph.ty(weight) {
             Type::Dense { shape, .. } => shape.iter().filter_map(Dim::as_static).collect(),
             _ => Vec::new(),
         };
-        let [_, channels, kh, kw] = shape[..] else {
+        let ([_, channels, kh, kw], [_, _], [_, _], [_, _]) =
+            (&shape[..], stride, padding, dilation)
+        else {
             return Err(unsupported(
                 value,
                 op,
-                "the weight must be [C_out, C_in, Kh, Kw]",
+                "the weight must be [C_out, C_in, Kh, Kw] and the window 2-d",
             ));
         };
+        let (channels, kernel) = (*channels, [*kh, *kw]);
         let (weight, ..) = self.data(value, weight)?;
-        // The adjoint of a stride-1 convolution: the same window, padded by
-        // what the convolution's window reached past its padding.
-        let reach = |axis: usize, kernel: i64| dilation[axis] * (kernel - 1) - padding[axis];
+        // How far the window reaches past its first tap.
+        let reach = |axis: usize| dilation[axis].saturating_mul(kernel[axis] - 1);
+        if stride == [1, 1] && (0..2).all(|axis| padding[axis] <= reach(axis)) {
+            // The adjoint of a stride-1 convolution: the same window over the output's
+            // gradient, padded by what the convolution's window reached past its
+            // padding.
+            let window = Window2d {
+                kernel,
+                stride: [1, 1],
+                padding: [reach(0) - padding[0], reach(1) - padding[1]],
+                dilation: [dilation[0], dilation[1]],
+            };
+            return Ok((
+                WindowKind::ConvInputGrad,
+                grads,
+                Some(weight),
+                None,
+                channels,
+                window,
+            ));
+        }
+        // The convolution's own windows over the input's images; the gradient's pixels
+        // are their rows.
         let window = Window2d {
-            kernel: [kh, kw],
-            stride: [1, 1],
-            padding: [reach(0, kh), reach(1, kw)],
+            kernel,
+            stride: [stride[0], stride[1]],
+            padding: [padding[0], padding[1]],
             dilation: [dilation[0], dilation[1]],
         };
+        let operand = ImageOperand {
+            heights: inputs.heights,
+            widths: inputs.widths,
+            ..grads
+        };
         Ok((
-            WindowKind::ConvInputGrad,
-            grads,
+            WindowKind::StridedConvInputGrad,
+            operand,
             Some(weight),
             None,
             channels,

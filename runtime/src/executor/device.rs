@@ -848,7 +848,10 @@ impl Plan<'_> {
         // Pooling keeps the channels: its kernels write `channels` values per row.
         let convolution = matches!(
             kind,
-            WindowKind::Conv | WindowKind::ConvInputGrad | WindowKind::WeightGrad
+            WindowKind::Conv
+                | WindowKind::ConvInputGrad
+                | WindowKind::StridedConvInputGrad
+                | WindowKind::WeightGrad
         );
         if !convolution && channels != width {
             return Err(device_error(
@@ -856,13 +859,15 @@ impl Plan<'_> {
                 format!("pooling {channels} channels into {width}"),
             ));
         }
-        // The images' pixels, or (spread) their means.
-        let x_rows = if *kind == WindowKind::ImageSpread {
-            images
-        } else {
-            pixels
+        // The images' pixels, or (spread) their means; a strided input gradient's `x`
+        // has a row per window (checked below).
+        let x_rows = match kind {
+            WindowKind::ImageSpread => images,
+            _ => pixels,
         };
-        fills(*x, x_rows, channels)?;
+        if *kind != WindowKind::StridedConvInputGrad {
+            fills(*x, x_rows, channels)?;
+        }
         // The windows (the output's pixels, or its gradient's), `taps` indices each:
         // within the memory budget before the table is built.
         let windows = |pixels_slot: Slot| -> Result<usize, RuntimeError> {
@@ -898,6 +903,15 @@ impl Plan<'_> {
                 let grad = needed(*grad, "the output's gradient")?;
                 fills(grad, windows(grad)?, channels)?;
                 fills(out, pixels, channels)
+            }
+            WindowKind::StridedConvInputGrad => {
+                fills(*x, windows(*x)?, channels)?;
+                fills(
+                    needed(*weight, "a weight")?,
+                    width.saturating_mul(channels),
+                    taps,
+                )?;
+                fills(out, pixels, width)
             }
         }
     }

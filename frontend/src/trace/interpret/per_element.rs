@@ -63,23 +63,38 @@ impl Interpreter<'_> {
             Op::Conv2dInputGrad {
                 g,
                 weight,
+                x,
+                stride,
                 padding,
                 dilation,
-                ..
             } => {
                 let weight = self.dense(*weight)?;
+                let (kernel, inputs) = (weight.size(), self.nested(*x)?);
                 let images = self
                     .nested(*g)?
                     .elements()?
                     .iter()
-                    .map(|g| {
+                    .zip(inputs.elements()?)
+                    .map(|(g, x)| {
+                        if g.numel() == 0 {
+                            return Ok(x.f_zeros_like()?.f_to_kind(g.kind())?);
+                        }
+                        // The rows and columns past the last window's reach, which no
+                        // window read: the transposed convolution's output padding.
+                        let (size, out) = (x.size(), g.size());
+                        let unread = |axis: usize| {
+                            let reach = (out[axis + 1] - 1) * stride[axis] - 2 * padding[axis]
+                                + dilation[axis] * (kernel[axis + 2] - 1)
+                                + 1;
+                            size[axis + 1] - reach
+                        };
                         Ok(g.f_unsqueeze(0)?
                             .f_conv_transpose2d(
                                 weight,
                                 None::<&Tensor>,
-                                [1, 1],
+                                stride,
                                 padding,
-                                [0, 0],
+                                [unread(0), unread(1)],
                                 1,
                                 dilation,
                             )?
@@ -92,14 +107,19 @@ impl Interpreter<'_> {
                 x,
                 g,
                 kernel,
+                stride,
                 padding,
                 dilation,
             } => {
                 let (images, grads) = (self.nested(*x)?, self.nested(*g)?);
                 let mut total: Option<Tensor> = None;
                 for (x, g) in images.elements()?.iter().zip(grads.elements()?) {
+                    if g.numel() == 0 {
+                        continue;
+                    }
                     // Each input channel as an image, each output channel's gradient as
-                    // a kernel: the window's taps are the output, the dilation its step.
+                    // a kernel: the window's taps are the output, so the convolution's
+                    // stride is this one's dilation and its dilation this one's stride.
                     let part = x
                         .f_unsqueeze(1)?
                         .f_conv2d(
@@ -107,7 +127,7 @@ impl Interpreter<'_> {
                             None::<&Tensor>,
                             dilation,
                             padding,
-                            [1, 1],
+                            stride,
                             1,
                         )?
                         .f_narrow(2, 0, kernel[0])?

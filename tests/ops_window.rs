@@ -10,7 +10,7 @@ mod common;
 use common::{
     assert_close_within, cases, close, eager_values, float_kinds, pooled_head_loss, Out, Random,
 };
-use nestor::{compile, nested_execution_guard, Dense, NestedTensor};
+use nestor::{compile, nested_execution_guard, CompileCause, Dense, NestedError, NestedTensor};
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 
@@ -565,6 +565,83 @@ proptest! {
         }).collect();
         assert_trains_as_autograd("bottleneck", bottleneck_loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
     }
+}
+
+/// Two branches of different window geometry, 3x3 and 2x2 both of stride 2, whose sizes
+/// agree on odd sides only (`(H - 1) / 2` and `H / 2`), added, then the pooled head's
+/// loss.
+fn odd_windows_loss(x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Dense> {
+    let three = x.conv2d(&params[0], None, [2, 2], [0, 0], [1, 1], 1)?;
+    let two = x.conv2d(&params[1], None, [2, 2], [0, 0], [1, 1], 1)?;
+    pooled_head_loss(&(&three + &two)?.relu()?, &params[2], &params[3])
+}
+
+/// Windows of different formulas that agree on the traced sizes meet in one op: the
+/// program checks their sizes each call. Odd sides compile once and train as autograd;
+/// an even side is a typed error naming the element, as eager's structure mismatch.
+#[test]
+fn windows_that_agree_when_traced_are_checked_each_call() {
+    let names = ["three", "two", "head_weight", "head_bias"];
+    let shapes = [vec![3, 2, 3, 3], vec![3, 2, 2, 2], vec![2, 3], vec![2]];
+    let odd = [
+        vec![(7, 5), (9, 3)],
+        vec![(3, 11)],
+        vec![(5, 7), (13, 9), (3, 3)],
+    ];
+    for kind in [Kind::Float, Kind::Double] {
+        assert_trains_as_autograd(
+            "odd_windows",
+            odd_windows_loss,
+            (&names, &shapes),
+            &odd,
+            (2, kind),
+            3,
+        )
+        .unwrap();
+    }
+    let mut random = Random::new(5);
+    let params: Vec<Tensor> = shapes
+        .iter()
+        .map(|shape| random.normal(shape).to_kind(Kind::Float))
+        .collect();
+    let model = {
+        let params: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
+        move |x: &[NestedTensor], _: &[Dense]| {
+            Ok(vec![Out::Dense(odd_windows_loss(&x[0], &params)?)])
+        }
+    };
+    let compiled = compile("odd_windows", &model);
+    for sizes in &odd {
+        let (_, _, batch) = images(sizes, 2, Kind::Float, 1);
+        let want = eager_values(model(std::slice::from_ref(&batch), &[]).unwrap());
+        assert_close_within(
+            &compiled.call(&[&batch], &[]).unwrap(),
+            &want,
+            1e-5,
+            "odd sides",
+        );
+    }
+    // Element 1's height is even: 2x2 windows give 4 rows, 3x3 ones 3.
+    let (_, _, even) = images(&[(7, 5), (8, 3)], 2, Kind::Float, 2);
+    let eager = model(std::slice::from_ref(&even), &[]).err().unwrap();
+    assert!(
+        matches!(eager, NestedError::StructureMismatch { .. }),
+        "{eager}"
+    );
+    let error = compiled.call(&[&even], &[]).err().unwrap();
+    let NestedError::Compile { reason, .. } = &error else {
+        panic!("{error}");
+    };
+    assert_eq!(
+        reason.cause(),
+        CompileCause::SizesDiffer { element: 1 },
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("element 1 has sizes 4 and 3"),
+        "{error}"
+    );
+    assert_eq!(compiled.stats().compiles, 1);
 }
 
 /// ResNet's bottleneck block with a strided downsample (see

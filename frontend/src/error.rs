@@ -309,6 +309,13 @@ pub enum CompileCause {
         /// The budget.
         budget: u64,
     },
+    /// Element `element` of this call breaks an equality of sizes the traced model
+    /// relied on (windows of different geometry whose sizes agreed when traced, met in
+    /// one op).
+    SizesDiffer {
+        /// The first element whose sizes differ.
+        element: usize,
+    },
     /// A tensor is on a device compiled programs do not run on, or a kernel device
     /// failed.
     Device,

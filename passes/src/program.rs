@@ -64,6 +64,12 @@ pub enum LengthsKind {
         /// How many times each length repeats.
         times: Slot,
     },
+    /// The input's lengths, checked equal to `against`'s (two window formulas that
+    /// agreed when traced): an unequal run is an error before any buffer is sized.
+    Checked {
+        /// The lengths the input must equal.
+        against: Slot,
+    },
 }
 
 /// A dim of the elements of a ragged result.

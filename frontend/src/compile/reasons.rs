@@ -26,6 +26,7 @@ impl From<RuntimeError> for CompileReason {
                 budget,
             },
             &RuntimeError::BadInput { input, .. } => CompileCause::BadInput { input },
+            &RuntimeError::LengthsDiffer { element, .. } => CompileCause::SizesDiffer { element },
         };
         CompileReason::of(cause, error)
     }

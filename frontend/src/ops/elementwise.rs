@@ -279,6 +279,8 @@ impl NestedTensor {
         other: Operand<'_>,
         reversed: bool,
     ) -> Result<NestedTensor> {
+        let mut matched = None;
+        let other = other.matched(self, &mut matched)?;
         if let Operand::Nested(nested) = &other {
             if let Some(pair) = self.broadcast_nested(nested, op.name())? {
                 let values = if reversed {
@@ -374,7 +376,9 @@ impl NestedTensor {
         condition: impl Into<Operand<'a>>,
         other: impl Into<Operand<'b>>,
     ) -> Result<NestedTensor> {
-        let (condition, other) = (condition.into(), other.into());
+        let (mut matched_condition, mut matched_other) = (None, None);
+        let condition = condition.into().matched(self, &mut matched_condition)?;
+        let other = other.into().matched(self, &mut matched_other)?;
         let condition_values = self
             .align(&condition, "where")?
             .f_to_kind(tch::Kind::Bool)?;
@@ -401,7 +405,8 @@ impl NestedTensor {
         mask: impl Into<Operand<'a>>,
         value: f64,
     ) -> Result<NestedTensor> {
-        let mask = mask.into();
+        let mut matched = None;
+        let mask = mask.into().matched(self, &mut matched)?;
         let mask_values = self
             .align(&mask, "masked_fill")?
             .f_to_kind(tch::Kind::Bool)?;

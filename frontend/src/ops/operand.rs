@@ -34,6 +34,27 @@ pub enum Operand<'a> {
     Handle(&'a Dense),
 }
 
+impl<'a> Operand<'a> {
+    /// This operand, a batch traced with `base`'s length symbols
+    /// ([`NestedTensor::lengths_matched`]; a new batch is kept in `matched`).
+    pub(crate) fn matched<'s>(
+        self,
+        base: &NestedTensor,
+        matched: &'s mut Option<NestedTensor>,
+    ) -> Result<Operand<'s>>
+    where
+        'a: 's,
+    {
+        if let Operand::Nested(nested) = self {
+            *matched = base.lengths_matched(nested)?;
+            if let Some(batch) = matched.as_ref() {
+                return Ok(Operand::Nested(batch));
+            }
+        }
+        Ok(self)
+    }
+}
+
 impl From<f64> for Operand<'_> {
     fn from(value: f64) -> Self {
         Operand::Float(value)

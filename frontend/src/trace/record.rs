@@ -244,6 +244,34 @@ impl NestedTensor {
         Ok(self)
     }
 
+    /// `other` traced with this batch's length symbols where theirs differ although
+    /// their sizes agree in this trace (windows of different geometry, such as a 3x3
+    /// stride-2 and a 2x2 stride-2 one, that agree on odd sizes): a `match_lengths`,
+    /// which every run checks. `None` when nothing needs matching (untraced, another
+    /// structure, or the symbols agree already). Ops whose operands must have one
+    /// structure (elementwise ops, `where`, losses) call it; ops that combine
+    /// batches of any lengths (attention, concatenation) never do.
+    pub(crate) fn lengths_matched(&self, other: &NestedTensor) -> Result<Option<NestedTensor>> {
+        let (Some(own), Some(theirs)) = (&self.trace, &other.trace) else {
+            return Ok(None);
+        };
+        if !Arc::ptr_eq(&own.tracer, &theirs.tracer) || self.lay() != other.lay() {
+            return Ok(None);
+        }
+        let (symbols, their_symbols) = (own.ty().length_values(), theirs.ty().length_values());
+        if symbols == their_symbols || symbols.len() != their_symbols.len() {
+            return Ok(None);
+        }
+        let mut matched = other.clone();
+        matched.trace = record(&[Arg::Nested(other)], "match_lengths", |ids| {
+            Op::MatchLengths {
+                x: ids[0],
+                lengths: symbols,
+            }
+        })?;
+        Ok(Some(matched))
+    }
+
     /// Errors when `self` is traced: `op` has no IR form yet.
     pub(crate) fn untraceable(&self, op: &'static str) -> Result<()> {
         match self.trace {

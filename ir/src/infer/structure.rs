@@ -216,6 +216,7 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
             repeats,
             interleave,
         } => repeat_batch(graph, *x, lengths, *repeats, *interleave),
+        Op::MatchLengths { x, lengths } => match_lengths(graph, *x, lengths),
         Op::WindowLengths {
             lengths,
             kernel,
@@ -231,6 +232,47 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
         }
         other => Err(format!("{} is not a structure op", other.name())),
     }
+}
+
+/// The type of `match_lengths`: `x` with its ragged dims sized by `lengths`, lengths
+/// of its own batch.
+fn match_lengths(graph: &Graph, x: ValueId, lengths: &[ValueId]) -> Inferred {
+    let ty = graph.ty(x);
+    let Type::Ragged { dtype, batch, dims } = ty else {
+        return Err(format!("expects a ragged value, got {ty}"));
+    };
+    let old = ty.length_values();
+    if old.len() != lengths.len() {
+        return Err(format!(
+            "needs {} lengths (one per ragged dim), got {}",
+            old.len(),
+            lengths.len()
+        ));
+    }
+    for &new in lengths {
+        let of = lengths_batch(graph, new)?;
+        if of != *batch {
+            return Err(format!("{new} has a batch of {of}, {x} of {batch}"));
+        }
+    }
+    Ok(Type::Ragged {
+        dtype: *dtype,
+        batch: batch.clone(),
+        dims: replace_ragged(dims, lengths),
+    })
+}
+
+/// `dims` with their ragged dims sized by `lengths`, in order.
+fn replace_ragged(dims: &[ElemDim], lengths: &[ValueId]) -> Vec<ElemDim> {
+    let mut replacements = lengths.iter();
+    dims.iter()
+        .map(|dim| match dim {
+            ElemDim::Ragged(_) => replacements
+                .next()
+                .map_or(dim.clone(), |&new| ElemDim::Ragged(new)),
+            fixed => fixed.clone(),
+        })
+        .collect()
 }
 
 /// The type of `repeat_batch`: `x` repeated, its ragged dims sized by `lengths`, which
@@ -266,20 +308,10 @@ fn repeat_batch(
             ));
         }
     }
-    let mut replacements = lengths.iter();
-    let dims = dims
-        .into_iter()
-        .map(|dim| match dim {
-            ElemDim::Ragged(_) => replacements
-                .next()
-                .map_or(dim.clone(), |&new| ElemDim::Ragged(new)),
-            fixed => fixed,
-        })
-        .collect();
     Ok(Type::Ragged {
         dtype,
         batch: Dim::Sym(format!("{batch}x{repeats}")),
-        dims,
+        dims: replace_ragged(&dims, lengths),
     })
 }
 

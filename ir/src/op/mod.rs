@@ -588,6 +588,17 @@ pub enum Op {
         /// Element by element rather than whole.
         interleave: bool,
     },
+    /// `x` seen with other lengths values for its ragged dims (`lengths`, one per
+    /// ragged dim, in order), which must equal its own when the program runs (window
+    /// sizes of two formulas that agreed when traced): the same values; an unequal run
+    /// is an error naming the element.
+    #[op(name = "match_lengths", family = Structure)]
+    MatchLengths {
+        /// The batch.
+        x: ValueId,
+        /// The lengths its ragged dims take, one per ragged dim.
+        lengths: Vec<ValueId>,
+    },
     /// Mean squared error.
     #[op(name = "mse_loss", family = Loss)]
     MseLoss {

@@ -634,6 +634,11 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             .ok_or_else(|| b.no_rule("a reshape of a value without a static shape"))?;
             Ok(vec![(x, b.push(Op::Reshape { x: g, shape })?)])
         }
+        // The gradient seen with x's own lengths again.
+        Op::MatchLengths { x, .. } => {
+            let lengths = b.ty(x).length_values();
+            Ok(vec![(x, b.push(Op::MatchLengths { x: g, lengths })?)])
+        }
         // The size-1 dim selected away.
         Op::Unsqueeze { x, dim } => Ok(vec![(
             x,

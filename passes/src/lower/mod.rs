@@ -294,19 +294,24 @@ impl Lowering<'_> {
         self.typed(value, ty, Source::Step)
     }
 
+    /// A new lengths slot (its own size is its batch: it refers to itself).
+    fn lengths_slot(&mut self, source: Source) -> Slot {
+        let slot = self.data_slot(DType::I64, Rows::fixed(1), 1, source);
+        self.program.slots[slot.0 as usize].rows = Rows {
+            base: RowBase::Batch(slot),
+            factor: 1,
+        };
+        slot
+    }
+
     fn typed(&mut self, value: ValueId, ty: &Type, source: Source) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
         match ty {
             Type::Lengths { batch } => {
-                let slot = self.data_slot(DType::I64, Rows::fixed(1), 1, source);
+                let slot = self.lengths_slot(source);
                 if let Dim::Sym(symbol) = batch {
                     self.batches.entry(symbol.clone()).or_insert(slot);
                 }
-                // A lengths slot's own size is its batch: it refers to itself.
-                self.program.slots[slot.0 as usize].rows = Rows {
-                    base: RowBase::Batch(slot),
-                    factor: 1,
-                };
                 Ok(Lowered::Lengths(slot))
             }
             Type::Ragged { dtype, dims, batch } => {

@@ -66,8 +66,38 @@ impl Lowering<'_> {
                 self.alias_of(value, *x, ty)
             }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
+            Op::MatchLengths { x, lengths } => self.match_lengths(value, ty, *x, lengths),
             _ => self.lower_lengths_op(value, op, ty),
         }
+    }
+
+    /// `x` seen with the ragged dims of `lengths` (an alias), each checked equal to
+    /// x's own before the run sizes its buffers (a lengths op whose result is unused).
+    fn match_lengths(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        lengths: &[ValueId],
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        let own = self.graph.ty(x).length_values();
+        for (&own, &new) in own.iter().zip(lengths) {
+            let (Lowered::Lengths(input), Lowered::Lengths(against)) =
+                (self.get(own), self.get(new))
+            else {
+                return Err(unsupported(value, op, "expects lengths buffers"));
+            };
+            if input != against {
+                let out = self.lengths_slot(Source::Step);
+                self.program.lengths_ops.push(LengthsOp {
+                    out,
+                    input,
+                    kind: LengthsKind::Checked { against },
+                });
+            }
+        }
+        self.alias_of(value, x, ty)
     }
 
     /// Lowers an op computed from lengths (window sizes, length values, one-hot rows, inserts).

@@ -85,6 +85,7 @@ impl<'a> KernelCost<'a> {
             | Op::Reshape { .. }
             | Op::TransposeRagged { .. }
             | Op::Unsqueeze { .. }
+            | Op::MatchLengths { .. }
             | Op::Dropout { train: false, .. } => 1.0,
             // Host arithmetic on lengths.
             Op::MaxLength { .. }

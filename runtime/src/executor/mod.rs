@@ -75,6 +75,17 @@ pub enum RuntimeError {
         /// What is wrong.
         reason: String,
     },
+    /// Two sizes the program assumes equal (windows of different formulas that agreed
+    /// when traced, met in one op) differ in this run.
+    #[error("element {element} has sizes {left} and {right} where the traced model met them in one op (windows of different geometry that agreed when traced); call it with sizes on which they agree")]
+    LengthsDiffer {
+        /// The first element whose sizes differ.
+        element: usize,
+        /// Its size along one.
+        left: i64,
+        /// Its size along the other.
+        right: i64,
+    },
 }
 
 /// The data of one graph input, borrowed from the caller (no copy).

@@ -142,6 +142,20 @@ impl<'a> Sizes<'a> {
                     }
                     values
                 }
+                LengthsKind::Checked { against } => {
+                    let against = lengths_of(against);
+                    let differs = (0..input.len().max(against.len()))
+                        .find(|&element| input.get(element) != against.get(element));
+                    if let Some(element) = differs {
+                        let size = |lengths: &[i64]| lengths.get(element).copied().unwrap_or(-1);
+                        return Err(RuntimeError::LengthsDiffer {
+                            element,
+                            left: size(input),
+                            right: size(against),
+                        });
+                    }
+                    input.to_vec()
+                }
             };
             sizes.insert(op.out, Cow::Owned(values), spare.pop());
         }

@@ -81,6 +81,34 @@ impl Interpreter<'_> {
                     nested.repeat_batch(repeats)?
                 })
             }
+            Op::MatchLengths { x, lengths } => {
+                let own = self.graph.ty(*x).length_values();
+                let sizes = |of: &[ValueId]| -> Result<Vec<Vec<i64>>> {
+                    let columns = of
+                        .iter()
+                        .map(|&lengths| self.lengths(lengths))
+                        .collect::<Result<Vec<_>>>()?;
+                    let elements = columns.first().map_or(0, |lengths| lengths.len());
+                    Ok((0..elements)
+                        .map(|element| {
+                            let size = |lengths: &&[i64]| lengths.get(element).copied();
+                            columns
+                                .iter()
+                                .map(|lengths| size(lengths).unwrap_or(-1))
+                                .collect()
+                        })
+                        .collect())
+                };
+                let (left, right) = (sizes(&own)?, sizes(lengths)?);
+                if left != right {
+                    return Err(NestedError::StructureMismatch {
+                        op: "match_lengths",
+                        left,
+                        right,
+                    });
+                }
+                Value::Nested(self.nested(*x)?.clone())
+            }
             Op::WindowLengths {
                 lengths,
                 kernel,

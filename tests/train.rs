@@ -1131,3 +1131,54 @@ fn hand_written_causal_attention_trains() {
         .unwrap();
     assert_same_gradients(&ours, &eager);
 }
+
+/// Batches `[L_i, 2]` of `values` (halves, zeros frequent) in `kind`, requiring grad.
+fn halves(values: &[Vec<(i64, i64)>], kind: Kind) -> NestedTensor {
+    let elements: Vec<Tensor> = values
+        .iter()
+        .map(|rows| {
+            let flat: Vec<f64> = rows
+                .iter()
+                .flat_map(|&(a, b)| [a as f64 / 2.0, b as f64 / 2.0])
+                .collect();
+            Tensor::from_slice(&flat)
+                .reshape([rows.len() as i64, 2])
+                .to_kind(kind)
+        })
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&elements)
+        .unwrap()
+        .set_requires_grad(true)
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(32)))]
+
+    /// cumprod's compiled gradient equals autograd's with zeros anywhere (none, one or
+    /// several per column, first and last rows included), empty and one-row elements,
+    /// in f32 and f64; cumsum's (the reverse scan) too.
+    #[test]
+    fn scan_gradients_with_zeros_equal_autograd(
+        values in proptest::collection::vec(proptest::collection::vec((-3i64..=3, -3i64..=3), 0..=6), 1..=4),
+        double in any::<bool>(),
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let products = x[0].cumprod(1)?.sin()?;
+            let sums = x[0].cumsum(1)?.cos()?;
+            (&products + &sums)?.sum(&[], false)?.into_dense_handle()
+        };
+        let compiled = compile("scans", model).train(&nn::VarStore::new(Device::Cpu));
+        let eager = halves(&values, kind);
+        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+        let ours = halves(&values, kind);
+        compiled.call(&[&ours], &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-5 };
+        if ours.values().numel() > 0 {
+            assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "scans");
+        }
+    }
+}

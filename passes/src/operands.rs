@@ -247,13 +247,23 @@ pub enum SegmentKind {
     CumSum,
     /// The cumulative product down each element's rows.
     CumProd,
+    /// The cumulative sum up each element's rows (each row and the rows after it).
+    ReverseCumSum,
+    /// The cumulative product up each element's rows.
+    ReverseCumProd,
 }
 
 impl SegmentKind {
-    /// Whether each row of the output depends on the rows before it only (a scan, run
-    /// down the rows in order by one thread a column).
+    /// Whether each row of the output depends on the rows before (or, reversed, after)
+    /// it only (a scan, run over the rows in order by one thread a column).
     pub fn is_scan(self) -> bool {
-        matches!(self, SegmentKind::CumSum | SegmentKind::CumProd)
+        matches!(
+            self,
+            SegmentKind::CumSum
+                | SegmentKind::CumProd
+                | SegmentKind::ReverseCumSum
+                | SegmentKind::ReverseCumProd
+        )
     }
 }
 

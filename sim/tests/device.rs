@@ -595,7 +595,7 @@ fn wide_segments_are_a_block_each() {
 fn long_segments_are_a_block_each_short_ones_a_warp() {
     // 40 columns (lanes take one or two): elements of 0, 1, 63 rows (a warp's) and 64,
     // 200 rows (a block's: the warps take every 8th row and combine through shared
-    // memory; scans stay a warp's, down the rows in order), every segmented kind against
+    // memory; scans stay a warp's, down the rows in order or up), every segmented kind against
     // the CPU, on the CUDA device's grid (groups
     // of 8 elements), on 3 blocks of 2 warps (groups of 2, the grid-stride loop) and on
     // one warp (a long element alone). Values include a NaN and infinities in the long
@@ -612,9 +612,11 @@ fn long_segments_are_a_block_each_short_ones_a_warp() {
   %5 = mean(%1) {dims = [1], keepdim = false} : f32[B, 40]
   %6 = amax(%1) {dims = [1], keepdim = false} : f32[B, 40]
   %7 = amin(%1) {dims = [1], keepdim = false} : f32[B, 40]
-  %8 = cumsum(%1) {axis = 1} : ragged<f32>[B; %0, 40]
-  %9 = cumprod(%1) {axis = 1} : ragged<f32>[B; %0, 40]
-  return %2, %3, %4, %5, %6, %7, %8, %9
+  %8 = cumsum(%1) {axis = 1, reverse = false} : ragged<f32>[B; %0, 40]
+  %9 = cumprod(%1) {axis = 1, reverse = false} : ragged<f32>[B; %0, 40]
+  %10 = cumsum(%1) {axis = 1, reverse = true} : ragged<f32>[B; %0, 40]
+  %11 = cumprod(%1) {axis = 1, reverse = true} : ragged<f32>[B; %0, 40]
+  return %2, %3, %4, %5, %6, %7, %8, %9, %10, %11
 }"#,
     );
     let lengths = [63i64, 200, 1, 0, 64, 5, 130, 2, 9];

@@ -156,11 +156,25 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                     )?;
                     kernel.store_float(self.out, out_at, value)
                 }
-                SegmentKind::CumSum | SegmentKind::CumProd => {
-                    let product = kind == SegmentKind::CumProd;
+                SegmentKind::CumSum
+                | SegmentKind::CumProd
+                | SegmentKind::ReverseCumSum
+                | SegmentKind::ReverseCumProd => {
+                    let product =
+                        matches!(kind, SegmentKind::CumProd | SegmentKind::ReverseCumProd);
+                    let reverse = matches!(
+                        kind,
+                        SegmentKind::ReverseCumSum | SegmentKind::ReverseCumProd
+                    );
                     let acc = kernel.accumulator("scan")?;
                     kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
-                    kernel.for_range(first, last, |row| {
+                    kernel.for_range(first, last, |step| {
+                        // Reversed: from the last row back to the first.
+                        let row = match reverse {
+                            true => kernel
+                                .sub(kernel.add(first, last)?, kernel.add(step, kernel.i64(1))?)?,
+                            false => step,
+                        };
                         let x = self.load(row, column)?;
                         let next = if product {
                             kernel.fmul(kernel.get(acc)?, x)?

@@ -261,6 +261,7 @@ impl NestedTensor {
                 x: ids[0],
                 axis,
                 product,
+                reverse: false,
             })
     }
 

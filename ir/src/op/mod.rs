@@ -378,7 +378,7 @@ pub enum Op {
         log: bool,
     },
     /// The cumulative sum or product along the ragged dim `axis` (segmented: each
-    /// element's rows in order).
+    /// element's rows in order, or from its last row back for `reverse`).
     #[op(family = Norm)]
     Cumulative {
         /// Input.
@@ -388,6 +388,8 @@ pub enum Op {
         /// A product rather than a sum.
         #[op(names("cumsum", "cumprod"))]
         product: bool,
+        /// From the last row back: each row combines itself and the rows after it.
+        reverse: bool,
     },
     /// A reduction over batch-first dims (`0` is the batch; empty means all).
     #[op(family = Reduce)]

@@ -481,23 +481,19 @@ fn norm(
             };
             Ok(vec![(x, gradient)])
         }
+        // A sum's gradient is the sum the other way.
         Op::Cumulative {
             x,
             axis,
             product: false,
-        } => {
-            // The reverse cumulative sum: sum(g) - cumsum(g) + g.
-            let full = rank(b.ty(x)) as i64;
-            let axis = if axis < 0 { axis + full } else { axis };
-            let total = b.reduce(ReduceOp::Sum, g, vec![axis], true)?;
-            let running = b.push(Op::Cumulative {
-                x: g,
-                axis,
-                product: false,
-            })?;
-            let later = b.sub(total, running)?;
-            Ok(vec![(x, b.add(later, g)?)])
-        }
+            reverse,
+        } => Ok(vec![(x, scan(b, g, axis, false, !reverse)?)]),
+        Op::Cumulative {
+            x,
+            axis,
+            product: true,
+            reverse: false,
+        } => Ok(vec![(x, cumprod_gradient(b, x, axis, g)?)]),
         Op::LayerNorm {
             x,
             weight,
@@ -513,6 +509,55 @@ fn norm(
         } => normalization(b, (x, weight, None), dims, eps.0, false, g, wants),
         _ => Err(b.no_rule("no rule for this op yet")),
     }
+}
+
+/// The cumulative sum (or product) of `x` along `axis`, reversed or not.
+fn scan(
+    b: &mut Builder,
+    x: ValueId,
+    axis: i64,
+    product: bool,
+    reverse: bool,
+) -> Result<ValueId, AutodiffError> {
+    b.push(Op::Cumulative {
+        x,
+        axis,
+        product,
+        reverse,
+    })
+}
+
+/// The gradient of `y = cumprod(x)` along `axis`, zeros included as torch's: before an
+/// element's first zero `dx_i = sum_{j >= i} g_j y_j / x_i` (the rows from its first
+/// zero on have `y_j = 0`); at the first zero the same sum over the products with that
+/// zero left out (`cumprod` of `x` with it replaced by 1); after it 0 (every product
+/// there has two zeros or the first zero and `x_i`'s own row's).
+fn cumprod_gradient(
+    b: &mut Builder,
+    x: ValueId,
+    axis: i64,
+    g: ValueId,
+) -> Result<ValueId, AutodiffError> {
+    let (zero, one) = (b.constant(0.0, x)?, b.constant(1.0, x)?);
+    let is_zero = b.binary(BinaryOp::Eq, x, zero)?;
+    let zeros = b.cast_like(is_zero, x)?;
+    let zeros_so_far = scan(b, zeros, axis, false, false)?;
+    let before = b.binary(BinaryOp::Eq, zeros_so_far, zero)?;
+    let first = b.binary(BinaryOp::Eq, zeros_so_far, one)?;
+    let first_zero = b.binary(BinaryOp::And, is_zero, first)?;
+    // Before the first zero.
+    let y = scan(b, x, axis, true, false)?;
+    let weighted = b.mul(g, y)?;
+    let later = scan(b, weighted, axis, false, true)?;
+    let divisor = b.select(before, x, one)?;
+    let early = b.div(later, divisor)?;
+    // At the first zero.
+    let without = b.select(first_zero, one, x)?;
+    let y_without = scan(b, without, axis, true, false)?;
+    let weighted = b.mul(g, y_without)?;
+    let at_zero = scan(b, weighted, axis, false, true)?;
+    let rest = b.select(first_zero, at_zero, zero)?;
+    b.select(before, early, rest)
 }
 
 /// Layer norm (`centered`) or RMS norm over the last dim: the normalized input is

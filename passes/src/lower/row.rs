@@ -68,13 +68,19 @@ impl Lowering<'_> {
                 keepdim,
                 ..
             } => self.reduce(value, ty, *reduce, *x, dims, *keepdim),
-            Op::Cumulative { x, axis, product } => {
+            Op::Cumulative {
+                x,
+                axis,
+                product,
+                reverse,
+            } => {
                 self.leading(value, *x)?;
                 let (slot, _, tail, lengths) = self.data(value, *x)?;
-                let kind = if *product {
-                    SegmentKind::CumProd
-                } else {
-                    SegmentKind::CumSum
+                let kind = match (*product, *reverse) {
+                    (false, false) => SegmentKind::CumSum,
+                    (true, false) => SegmentKind::CumProd,
+                    (false, true) => SegmentKind::ReverseCumSum,
+                    (true, true) => SegmentKind::ReverseCumProd,
                 };
                 match lengths {
                     Some(lengths) if *axis == 1 => {

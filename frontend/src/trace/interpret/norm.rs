@@ -78,13 +78,29 @@ impl Interpreter<'_> {
                 (_, false) => Value::Dense(self.dense(*x)?.f_softmax(*axis, None::<Kind>)?),
                 (_, true) => Value::Dense(self.dense(*x)?.f_log_softmax(*axis, None::<Kind>)?),
             },
-            Op::Cumulative { x, axis, product } => {
+            Op::Cumulative {
+                x,
+                axis,
+                product,
+                reverse,
+            } => {
                 let nested = self.nested(*x)?;
                 let dim = *axis - 1;
-                Value::Nested(if *product {
-                    nested.cumprod(dim)?
-                } else {
-                    nested.cumsum(dim)?
+                Value::Nested(match (*product, *reverse) {
+                    (true, false) => nested.cumprod(dim)?,
+                    (false, false) => nested.cumsum(dim)?,
+                    (product, true) => {
+                        // The element's dim (`axis` counts the batch dim first).
+                        let dim = if *axis < 0 { *axis } else { dim };
+                        nested.map_elements_eager("reverse scan", true, |element| {
+                            let flipped = element.f_flip([dim])?;
+                            let scanned = match product {
+                                true => flipped.f_cumprod(dim, None::<Kind>)?,
+                                false => flipped.f_cumsum(dim, None::<Kind>)?,
+                            };
+                            Ok(scanned.f_flip([dim])?)
+                        })?
+                    }
                 })
             }
             other => return Err(not_in_family(other, "norm")),

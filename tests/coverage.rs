@@ -142,6 +142,20 @@ fn forward_models() {
         Tensor::randn([4], (Kind::Float, Device::Cpu)),
         Tensor::rand([4], (Kind::Float, Device::Cpu)) + 0.5,
     );
+    // Windows of different formulas that agree on odd sides, added (match_lengths).
+    let odd: Vec<Tensor> = [(7, 5), (9, 3)]
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
+        .collect();
+    let odd = NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&odd)
+        .unwrap();
+    check("window_formulas", &[&odd], |x, _| {
+        let three = x[0].max_pool2d([3, 3], [2, 2], [0, 0])?;
+        let two = x[0].avg_pool2d([2, 2], [2, 2], [0, 0])?;
+        Ok(vec![(&three + &two)?.into()])
+    });
     check("per_element", &[&images], |x, _| {
         let features = x[0].conv2d(&weight, None, [1, 1], [1, 1], [1, 1], 1)?;
         // Batch normalization by the running statistics (eval mode) and by the batch's.

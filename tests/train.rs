@@ -1182,3 +1182,60 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
+
+    /// cdist's compiled gradient (p = 2) equals autograd's for both point sets, with
+    /// points against themselves (zero distances, whose gradient is 0 as torch's),
+    /// empty and one-point elements, batch size 1, in f32 and f64; other norms have no
+    /// gradient rule and say so.
+    #[test]
+    fn cdist_gradients_equal_autograd(
+        pairs in proptest::collection::vec((0i64..=5, 0i64..=5), 1..=4),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let across = x[0].cdist(&x[1], 2.0)?.sin()?;
+            let within = x[0].cdist(&x[0], 2.0)?.cos()?.sum(&[], false)?.into_dense_handle()?;
+            across.sum(&[], false)?.into_dense_handle()?.add(&within)
+        };
+        let compiled = compile("cdist", model).train(&nn::VarStore::new(Device::Cpu));
+        let (left, right): (Vec<i64>, Vec<i64>) = pairs.iter().copied().unzip();
+        let leaves = || {
+            [(&left, seed), (&right, seed + 1)].map(|(lengths, seed)| {
+                batch(lengths, &[3], kind, seed).0.set_requires_grad(true).unwrap()
+            })
+        };
+        let eager = leaves();
+        model(&eager, &[]).unwrap().into_tensor().backward();
+        let ours = leaves();
+        compiled.call(&ours.iter().collect::<Vec<_>>(), &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-4 };
+        for (side, (ours, eager)) in ours.iter().zip(&eager).enumerate() {
+            if ours.values().numel() > 0 {
+                assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, &format!("points {side}"));
+            }
+        }
+    }
+}
+
+/// cdist's gradient for norms other than 2 is a typed error naming the op.
+#[test]
+fn cdist_gradients_of_other_norms_are_an_unsupported_error() {
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        x[0].cdist(&x[0], 1.0)?.sum(&[], false)?.into_dense_handle()
+    };
+    let compiled = compile("cdist_l1", model).train(&nn::VarStore::new(Device::Cpu));
+    let x = batch(&[3, 2], &[3], Kind::Float, 1)
+        .0
+        .set_requires_grad(true)
+        .unwrap();
+    let error = compiled.call(&[&x], &[]).err().unwrap().to_string();
+    assert!(
+        error.contains("cdist") && error.contains("p = 2"),
+        "{error}"
+    );
+}

@@ -159,6 +159,20 @@ fn program(text: &str, dtype: &str, optimized: bool) -> nestor_passes::Program {
     lower(&graph).unwrap()
 }
 
+/// cdist of every kind of norm (libdevice's `fabs`, `sqrt` and `pow`).
+const CDIST: &str = r#"graph @cdist {
+  %0 = input {name = "a.lengths"} : lengths[B]
+  %1 = input {name = "a"} : ragged<f32>[B; %0, 8]
+  %2 = input {name = "b.lengths"} : lengths[B]
+  %3 = input {name = "b"} : ragged<f32>[B; %2, 8]
+  %4 = cdist(%1, %3) {p = 2.0} : ragged<f32>[B; %0, %2]
+  %5 = cdist(%1, %3) {p = 1.0} : ragged<f32>[B; %0, %2]
+  %6 = cdist(%1, %3) {p = 0.0} : ragged<f32>[B; %0, %2]
+  %7 = cdist(%1, %3) {p = inf} : ragged<f32>[B; %0, %2]
+  %8 = cdist(%1, %3) {p = 3.0} : ragged<f32>[B; %0, %2]
+  return %4, %5, %6, %7, %8
+}"#;
+
 #[test]
 fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
     let mut kernels = 0;
@@ -169,6 +183,7 @@ fn every_kernel_template_assembles_for_sm80_and_sm90_without_spills() {
         ("padding", PADDING),
         ("dropout", DROPOUT),
         ("pointwise", POINTWISE),
+        ("cdist", CDIST),
     ] {
         // bf16: an f32 program whose buffers hold bf16.
         for dtype in ["f32", "f64", "bf16"] {

@@ -507,7 +507,8 @@ impl Placed for RandomMask {
 
 impl Placed for PairGemm {
     fn placement(&self, _: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
+        // Distances have no library call: a kernel in every set.
+        if set == KernelSet::Library && self.distance.is_none() {
             return Placement::Backend;
         }
         Params::new(self.out)

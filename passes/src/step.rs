@@ -188,6 +188,9 @@ pub struct PairGemm {
     pub width: i64,
     /// `p @ v` rather than `q @ k^T`.
     pub mix: bool,
+    /// Instead of the scores `q @ k^T`, the `p`-norm distances of the rows of `a` and
+    /// `b` (`cdist`; kernels only).
+    pub distance: Option<F64>,
 }
 
 /// A sliding window over packed images `[C, H_i, W_i]` (rows are pixels), on the

@@ -89,6 +89,21 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
             }),
         ),
         (
+            "cdist",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                // Points against themselves (zero distances) and against others of the
+                // same lengths, every kind of norm (p = 0 counts differing coordinates,
+                // which bf16 storage of the others would change: against themselves).
+                let other = x[0].tanh()?;
+                let mut outputs = vec![x[0].cdist(&x[0], 0.0)?.into()];
+                for p in [2.0, 1.0, f64::INFINITY, 3.0] {
+                    outputs.push(x[0].cdist(&x[0], p)?.into());
+                    outputs.push(x[0].cdist(&other, p)?.into());
+                }
+                Ok(outputs)
+            }),
+        ),
+        (
             "attention",
             Box::new(|x: &[NestedTensor], _: &[Dense]| {
                 let heads = x[0].reshape_tail(&[2, 2])?;

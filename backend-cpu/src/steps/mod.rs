@@ -309,7 +309,14 @@ impl CpuSteps {
             columns,
             width,
             mix,
+            distance,
         } = step;
+        if distance.is_some() {
+            return Err(step_error(
+                index,
+                "distances run as a kernel, not a GEMM".into(),
+            ));
+        }
         let (Some(rows), Some(columns)) = (run.lengths(*rows), run.lengths(*columns)) else {
             return Ok(());
         };

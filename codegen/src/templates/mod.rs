@@ -101,7 +101,12 @@ pub(crate) fn generate<'ctx>(
         }
         Step::RandomMask(RandomMask { p, .. }) => random_mask(&kernel, p.0)?,
         Step::AttentionGrad(step) => attention_grad(&kernel, step)?,
-        Step::PairGemm(PairGemm { width, mix, .. }) => pair_gemm(&kernel, *width, *mix)?,
+        Step::PairGemm(PairGemm {
+            width,
+            mix,
+            distance,
+            ..
+        }) => pair_gemm(&kernel, *width, *mix, distance.map(|p| p.0))?,
         Step::Window(window) => window_kernel(&kernel, window)?,
         Step::Host(_) => {
             return Err(crate::CodegenError::new(

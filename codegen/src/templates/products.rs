@@ -108,10 +108,59 @@ pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean
     })
 }
 
+/// The `p`-norm of the differences `difference(w)` over a row of `width`, as torch's
+/// `cdist`: `(sum |d|^p)^(1/p)`, the root of the sum of squares for 2, the count of
+/// nonzero differences for 0 (a NaN counts), the largest magnitude for infinity.
+fn p_norm<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    width: i64,
+    p: f64,
+    difference: impl Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<FloatValue<'ctx>> {
+    if p == f64::INFINITY {
+        let largest = kernel.accumulator("largest")?;
+        kernel.set(largest, kernel.constant(0.0))?;
+        kernel.for_range(kernel.i64(0), kernel.i64(width), |w| {
+            let magnitude = kernel.math("fabs", &[difference(w)?])?;
+            kernel.set(
+                largest,
+                kernel.extreme(kernel.get(largest)?, magnitude, true)?,
+            )
+        })?;
+        return kernel.get(largest);
+    }
+    let sum = row_sum(kernel, width, |w| {
+        let d = difference(w)?;
+        if p == 0.0 {
+            let differs = kernel.float_compare(FloatPredicate::UNE, d, kernel.constant(0.0))?;
+            return kernel.select(differs, kernel.constant(1.0), kernel.constant(0.0));
+        }
+        if p == 2.0 {
+            return kernel.fmul(d, d);
+        }
+        let magnitude = kernel.math("fabs", &[d])?;
+        match p == 1.0 {
+            true => Ok(magnitude),
+            false => kernel.math("pow", &[magnitude, kernel.constant(p)]),
+        }
+    })?;
+    match p {
+        0.0 | 1.0 => Ok(sum),
+        2.0 => kernel.math("sqrt", &[sum]),
+        _ => kernel.math("pow", &[sum, kernel.constant(1.0 / p)]),
+    }
+}
+
 /// The jagged-pair matmul, a row of `M` a task: scores `out[r, c] = sum_w a[r, w]
 /// b[c, w]` over the element's `N_i` columns `c`, or (`mix`) `out[r, w] = sum_c a[r, c]
-/// b[c, w]` over the element's pairs of row `r`.
-pub(super) fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) -> Gen<()> {
+/// b[c, w]` over the element's pairs of row `r`; with a `distance` norm `p`, `cdist`:
+/// `out[r, c]` the `p`-norm of `a[r, :] - b[c, :]`.
+pub(super) fn pair_gemm<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    width: i64,
+    mix: bool,
+    distance: Option<f64>,
+) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, a, b, row_offsets, column_offsets, pair_offsets, elements] = kernel.params([
         Role::Out,
@@ -154,11 +203,21 @@ pub(super) fn pair_gemm<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, mix: bool) 
         } else {
             let a_row = kernel.mul(row, kernel.i64(width))?;
             kernel.lane_range_until(lanes, columns, |c| {
-                let dot = row_sum(kernel, width, |w| {
+                let pair = |w| {
                     let x = kernel.load_float(a, kernel.add(a_row, w)?)?;
-                    kernel.fmul(x, kernel.load_float(b, b_at(c, w)?)?)
-                })?;
-                kernel.store_float(out, kernel.add(pairs, c)?, dot)
+                    Ok((x, kernel.load_float(b, b_at(c, w)?)?))
+                };
+                let value = match distance {
+                    Some(p) => p_norm(kernel, width, p, |w| {
+                        let (x, y) = pair(w)?;
+                        kernel.fsub(x, y)
+                    })?,
+                    None => row_sum(kernel, width, |w| {
+                        let (x, y) = pair(w)?;
+                        kernel.fmul(x, y)
+                    })?,
+                };
+                kernel.store_float(out, kernel.add(pairs, c)?, value)
             })
         }
     })

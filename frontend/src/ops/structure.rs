@@ -266,9 +266,32 @@ impl NestedTensor {
     }
 
     /// Pairwise `p`-norm distances between the elements of two batches:
-    /// `[L_i, D]` and `[M_i, D]` give `[L_i, M_i]`. Element by element.
+    /// `[L_i, D]` and `[M_i, D]` give `[L_i, M_i]`, as torch's `cdist` on each element
+    /// (bf16 and f16 computed in f32, rounded once).
+    /// Compiled (one kernel over every element's pairs, no padding); its gradient
+    /// compiles for `p = 2`.
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let a = NestedTensor::from_lists(vec![vec![vec![0.0f32, 0.0], vec![3.0, 4.0]], vec![vec![1.0, 1.0]]])?;
+    /// let b = NestedTensor::from_lists(vec![vec![vec![0.0f32, 4.0]], vec![vec![1.0, 2.0], vec![4.0, 5.0]]])?;
+    /// let distances = a.cdist(&b, 2.0)?; // [2, 1] and [1, 2]
+    /// assert_eq!(Vec::<f32>::try_from(distances.values())?, [4.0, 3.0, 1.0, 5.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn cdist(&self, other: &NestedTensor, p: f64) -> Result<NestedTensor> {
-        self.untraceable("cdist")?;
+        let distances = self.cdist_eager(other, p)?;
+        distances.traced(&[Arg::Nested(self), Arg::Nested(other)], "cdist", |ids| {
+            Op::Cdist {
+                a: ids[0],
+                b: ids[1],
+                p: nestor_ir::F64(p),
+            }
+        })
+    }
+
+    /// `cdist` element by element through libtorch.
+    fn cdist_eager(&self, other: &NestedTensor, p: f64) -> Result<NestedTensor> {
         slow_path(SlowPath::PerElement, "cdist")?;
         if self.batch_size() != other.batch_size() {
             return Err(NestedError::BatchSizeMismatch {
@@ -282,12 +305,42 @@ impl NestedTensor {
             .elements()?
             .iter()
             .zip(other.elements()?)
-            .map(|(a, b)| Ok(Tensor::f_cdist(a, &b, p, None::<i64>)?))
+            .map(|(a, b)| {
+                // libtorch has no half-precision cdist on the CPU: computed in f32 and
+                // rounded once, as compiled programs do.
+                let kind = a.kind();
+                if matches!(kind, Kind::BFloat16 | Kind::Half) {
+                    let (a, b) = (a.f_to_kind(Kind::Float)?, b.f_to_kind(Kind::Float)?);
+                    return Ok(Tensor::f_cdist(&a, &b, p, None::<i64>)?.f_to_kind(kind)?);
+                }
+                Ok(Tensor::f_cdist(a, &b, p, None::<i64>)?)
+            })
             .collect::<Result<Vec<_>>>()?;
-        NestedTensor::builder()
-            .options(self.options())
-            .ragged_dims(&[0, 1])
-            .tensors(&distances)
+        if self.lay().rank() != 2 || other.lay().rank() != 2 {
+            // Batches of point sets `[*, L_i, D]`: torch's batched distances.
+            return NestedTensor::builder()
+                .options(self.options())
+                .ragged_dims(&[0, 1])
+                .tensors(&distances);
+        }
+        // Pairs `[L_i, M_i]`, an empty batch included.
+        let sizes: Vec<Vec<i64>> = distances.iter().map(Tensor::size).collect();
+        let layout = RaggedLayout::from_ragged_sizes(2, &sizes, &[])?;
+        let values = match distances.is_empty() {
+            true => Tensor::f_empty([0], (self.kind(), self.device()))?,
+            false => Tensor::f_cat(
+                &distances
+                    .iter()
+                    .map(|d| d.f_reshape([-1]))
+                    .collect::<Result<Vec<_>, _>>()?,
+                0,
+            )?,
+        };
+        Ok(NestedTensor::from_parts(
+            values.f_reshape(layout.packed_shape())?,
+            layout,
+            self.options(),
+        ))
     }
 
     /// Inserts a static dim of size 1 at NestedTensor dim `dim` (which may not be the

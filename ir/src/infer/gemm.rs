@@ -96,7 +96,40 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             Ok(Type::dense_static(float(&g)?, &[*vocabulary, width]))
         }
         Op::PairMatmul { a, b } => pair_matmul(&ty(*a), &ty(*b)),
+        Op::Cdist { a, b, p } => cdist(&ty(*a), &ty(*b), p.0),
         other => Err(format!("{} is not a gemm op", other.name())),
+    }
+}
+
+/// `[B; M, D]` and `[B; N, D]` (`M`, `N` ragged) give `[B; M, N]`.
+fn cdist(a: &Type, b: &Type, p: f64) -> Inferred {
+    if p.is_nan() || p < 0.0 {
+        return Err(format!("the norm must be at least 0, got {p}"));
+    }
+    use ElemDim::{Fixed, Ragged};
+    match (a, b) {
+        (
+            Type::Ragged { dtype, batch, dims },
+            Type::Ragged {
+                dtype: right_dtype,
+                batch: right_batch,
+                dims: right,
+            },
+        ) if batch == right_batch && dtype == right_dtype && dtype.is_float() => {
+            match (dims.as_slice(), right.as_slice()) {
+                ([Ragged(m), Fixed(d)], [Ragged(n), Fixed(d2)]) if d == d2 => Ok(Type::Ragged {
+                    dtype: *dtype,
+                    batch: batch.clone(),
+                    dims: vec![Ragged(*m), Ragged(*n)],
+                }),
+                _ => Err(format!(
+                    "cdist takes [B; M, D] and [B; N, D] with M and N ragged, got {a} and {b}"
+                )),
+            }
+        }
+        _ => Err(format!(
+            "cdist needs two ragged batches of one size and float dtype, got {a} and {b}"
+        )),
     }
 }
 

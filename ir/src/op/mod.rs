@@ -508,6 +508,18 @@ pub enum Op {
         /// The right elements.
         b: ValueId,
     },
+    /// Pairwise `p`-norm distances, element by element: `[B; M, D]` and `[B; N, D]`
+    /// give `[B; M, N]` (`M`, `N` ragged; torch's `cdist`: `p = 0` counts the differing
+    /// coordinates, `p = inf` takes the largest difference).
+    #[op(name = "cdist", family = Gemm)]
+    Cdist {
+        /// The left points.
+        a: ValueId,
+        /// The right points.
+        b: ValueId,
+        /// The norm (at least 0, `inf` included).
+        p: F64,
+    },
     /// Dropout with probability `p` (identity unless `train`).
     #[op(name = "dropout", family = Pointwise)]
     Dropout {

@@ -353,6 +353,37 @@ fn gemm(
                 }
             }
         }
+        Op::Cdist { a, b: right, p } => {
+            if p.0 != 2.0 {
+                return Err(b.no_rule(format!(
+                    "cdist's gradient compiles for p = 2, not p = {}",
+                    p.0
+                )));
+            }
+            // d [M, N] = |a_i - b_j|: with w = g / d (0 where d = 0, as torch),
+            // da = a rowsum(w) - w b and db = b rowsum(w^T) - w^T a.
+            let distances = b.push(Op::Cdist { a, b: right, p })?;
+            let zero = b.constant(0.0, distances)?;
+            let apart = b.binary(BinaryOp::Ne, distances, zero)?;
+            let ratio = b.div(g, distances)?;
+            let w = b.select(apart, ratio, zero)?;
+            let w_t = b.push(Op::TransposeRagged {
+                x: w,
+                dim0: 0,
+                dim1: 1,
+            })?;
+            for (point, weights, other) in [(a, w, right), (right, w_t, a)] {
+                if wants(point) {
+                    let total = b.reduce(ReduceOp::Sum, weights, vec![2], true)?;
+                    let own = b.mul(point, total)?;
+                    let mixed = b.push(Op::PairMatmul {
+                        a: weights,
+                        b: other,
+                    })?;
+                    out.push((point, b.sub(own, mixed)?));
+                }
+            }
+        }
         Op::Matmul { x, w } => {
             if matches!(b.ty(w), Type::Dense { shape, .. } if shape.len() != 2) {
                 return Err(b.no_rule("the gradient of a matrix-vector product"));

@@ -66,7 +66,8 @@ impl Lowering<'_> {
                 }));
                 Ok(out)
             }
-            Op::PairMatmul { a, b } => self.pair_gemm(value, op, ty, *a, *b),
+            Op::PairMatmul { a, b } => self.pair_gemm(value, op, ty, (*a, *b), None),
+            Op::Cdist { a, b, p } => self.pair_gemm(value, op, ty, (*a, *b), Some(*p)),
             _ => self.lower_gemm_gradient(value, op, ty),
         }
     }
@@ -247,14 +248,15 @@ impl Lowering<'_> {
 }
 
 impl Lowering<'_> {
-    /// The jagged-pair matmul: its row and column lengths from the operands' types.
+    /// The jagged-pair matmul (or, with a `distance` norm, `cdist`): its row and
+    /// column lengths from the operands' types.
     fn pair_gemm(
         &mut self,
         value: ValueId,
         op: &Op,
         ty: &Type,
-        a: ValueId,
-        b: ValueId,
+        (a, b): (ValueId, ValueId),
+        distance: Option<F64>,
     ) -> Result<Lowered, LowerError> {
         let dims = |operand: ValueId| match self.graph.ty(operand) {
             Type::Ragged { dims, .. } => dims.clone(),
@@ -264,6 +266,12 @@ impl Lowering<'_> {
         let (rows, columns, width, mix) = match (dims(a).as_slice(), dims(b).as_slice()) {
             ([ElemDim::Ragged(m), ElemDim::Fixed(k)], [_, ElemDim::Ragged(n)]) => {
                 (*m, *n, k.clone(), false)
+            }
+            // cdist's points `[M, D]` and `[N, D]`.
+            ([ElemDim::Ragged(m), ElemDim::Fixed(d)], [ElemDim::Ragged(n), _])
+                if distance.is_some() =>
+            {
+                (*m, *n, d.clone(), false)
             }
             ([ElemDim::Ragged(m), ElemDim::Ragged(n)], [_, ElemDim::Fixed(d)]) => {
                 (*m, *n, d.clone(), true)
@@ -291,6 +299,7 @@ impl Lowering<'_> {
             columns,
             width,
             mix,
+            distance,
         }));
         Ok(out)
     }

@@ -23,7 +23,7 @@ use nestor_passes::{
 };
 
 use super::run_state::{check_ids, mask_key, rows_of_ids};
-use super::sizes::Sizes;
+use super::sizes::{pair_offsets, Sizes};
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
 use crate::stats::DeviceCounter;
 use crate::Stats;
@@ -754,19 +754,9 @@ impl Plan<'_> {
             }
             Arg::Longest(slot) => vec![self.lengths(slot)?.longest],
             Arg::PairOffsets(rows, columns) => {
-                let columns = &self.lengths(columns)?.lengths;
-                let mut offsets = vec![0i64];
-                let mut total = 0i64;
-                for (&m, &n) in self.lengths(rows)?.lengths.iter().zip(columns.iter()) {
-                    // The buffers were sized by the same products, so none overflows;
-                    // checked all the same.
-                    total = m
-                        .checked_mul(n)
-                        .and_then(|pairs| total.checked_add(pairs))
-                        .ok_or_else(|| device_error(self.step, "the pairs overflow i64"))?;
-                    offsets.push(total);
-                }
-                offsets
+                let (rows, columns) = (self.lengths(rows)?, self.lengths(columns)?);
+                pair_offsets(&rows.lengths, &columns.lengths)
+                    .ok_or_else(|| device_error(self.step, "the pairs overflow i64"))?
             }
             Arg::Count(rows) => vec![self.sizes.rows(rows)],
             Arg::MaskKey(stream) => vec![mask_key(stream, self.run) as i64],

@@ -773,7 +773,15 @@ fn step_name(step: &Step) -> String {
         Step::Row(Row { kind, .. }) => format!("row {kind:?}"),
         Step::Segment(Segment { kind, .. }) => format!("segment {kind:?}"),
         Step::Attention(_) => "attention".into(),
-        Step::PairGemm(PairGemm { width, mix, .. }) => format!("pair_gemm width={width} mix={mix}"),
+        Step::PairGemm(PairGemm {
+            width,
+            mix,
+            distance,
+            ..
+        }) => match distance {
+            Some(p) => format!("cdist width={width} p={}", p.0),
+            None => format!("pair_gemm width={width} mix={mix}"),
+        },
         Step::Window(Window {
             kind,
             channels,

@@ -4,7 +4,7 @@
 
 use nestor_passes::{Arg, Program, Signature, Slot, Source};
 
-use super::sizes::{LengthsInfo, Sizes};
+use super::sizes::{pair_offsets, LengthsInfo, Sizes};
 use super::{HostRunner, InputData, RuntimeError};
 
 /// What every step of one run reads: the buffers of every slot (an alias's is its
@@ -33,6 +33,7 @@ pub(super) struct KernelArgs {
     pointers: Vec<*mut u8>,
     numbers: Vec<i64>,
     index: Vec<i64>,
+    pairs: Vec<i64>,
 }
 
 impl KernelArgs {
@@ -41,6 +42,7 @@ impl KernelArgs {
         self.pointers.clear();
         self.numbers.clear();
         self.index.clear();
+        self.pairs.clear();
     }
 }
 
@@ -114,6 +116,7 @@ impl<'r, 'i> RunState<'r, 'i> {
             pointers,
             numbers,
             index: ids_index,
+            pairs,
         } = &mut *args;
         numbers.clear();
         // At most one number per argument: pushing never moves the ones pointed to.
@@ -148,6 +151,17 @@ impl<'r, 'i> RunState<'r, 'i> {
                 *ids_index = rows_of_ids(values, vocabulary)
                     .ok_or_else(|| step_error(index, format!("a table of {vocabulary} rows")))?;
                 Ok(ids_index.as_mut_ptr() as *mut u8)
+            }
+            Arg::PairOffsets(rows, columns) => {
+                let lengths = |slot| {
+                    self.lengths(slot).ok_or_else(|| {
+                        step_error(index, format!("no lengths {slot:?} in this run"))
+                    })
+                };
+                // One table of pairs per kernel: no other argument points into it.
+                *pairs = pair_offsets(&lengths(rows)?.lengths, &lengths(columns)?.lengths)
+                    .ok_or_else(|| step_error(index, "the pairs overflow i64".into()))?;
+                Ok(pairs.as_mut_ptr() as *mut u8)
             }
             other => Err(step_error(
                 index,

@@ -64,6 +64,19 @@ pub struct Sizes<'a> {
     window_taps: std::cell::RefCell<HashMap<(Window2d, Slot, Slot), Arc<WindowTaps>>>,
 }
 
+/// Where each element's pairs `[M_i, N_i]` start, then their total (`None` when a sum
+/// overflows; buffers sized by the same products never do, checked all the same).
+pub(crate) fn pair_offsets(rows: &[i64], columns: &[i64]) -> Option<Vec<i64>> {
+    let mut offsets = Vec::with_capacity(rows.len() + 1);
+    offsets.push(0i64);
+    let mut total = 0i64;
+    for (&m, &n) in rows.iter().zip(columns) {
+        total = total.checked_add(m.checked_mul(n)?)?;
+        offsets.push(total);
+    }
+    Some(offsets)
+}
+
 impl<'a> Sizes<'a> {
     /// Reads the lengths inputs of `program` from `inputs` (an error for a missing or
     /// negative length; borrowed, not copied) and computes the lengths its

@@ -22,6 +22,7 @@ impl Interpreter<'_> {
             Op::PairMatmul { a, b } => {
                 Value::Nested(self.nested(*a)?.matmul_nested(self.nested(*b)?)?)
             }
+            Op::Cdist { a, b, p } => Value::Nested(self.nested(*a)?.cdist(self.nested(*b)?, p.0)?),
             Op::Embedding {
                 ids,
                 weight,

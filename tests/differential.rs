@@ -1,0 +1,230 @@
+//! The differential fuzzer of the compiler: random well-typed programs (sequences of
+//! eager operators over a pool of `[L_i, 4]` batches: elementwise functions, binary
+//! ops between pool values, linear layers, norms, softmax over the tail and over the
+//! ragged dim, scans, per-element means broadcast back, attention, cdist and jagged
+//! pairs) are compiled once and run on random lengths (0 and 1 included, batch size 1),
+//! on the CPU and (f32) on the simulated GPU, their values against eager; then compiled
+//! for training, every parameter's gradient against autograd; in f32 and f64. `PROPTEST_CASES` sets how many programs (`make
+//! fuzz` runs 256; `make test` 24).
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{batch, lengths, Random};
+use nestor::{compile, Dense, NestedTensor, RunDevice, SimOptions};
+use proptest::prelude::*;
+use tch::{nn, Device, Kind, Tensor};
+
+/// The width of every pool value.
+const WIDTH: i64 = 4;
+/// Linear layers a program may use (each `[WIDTH, WIDTH]` with a bias).
+const LAYERS: usize = 3;
+
+/// One operator of a program; operands index the pool (taken modulo its size).
+#[derive(Clone, Debug)]
+enum Step {
+    /// tanh, sigmoid, sin, gelu, relu, silu, abs, square halved.
+    Unary(u8, usize),
+    /// Add, subtract, multiply, maximum, divide by `|b| + 1`, atan2.
+    Binary(u8, usize, usize),
+    /// A linear layer with bias.
+    Linear(usize, usize),
+    /// Layer norm over the tail.
+    LayerNorm(usize),
+    /// Softmax over the tail, or over the ragged dim.
+    Softmax(usize, bool),
+    /// The cumulative sum down the ragged dim, scaled down.
+    Cumsum(usize),
+    /// Minus the per-element mean over the ragged dim (a per-element operand).
+    Center(usize),
+    /// Self-attention over two heads, causal or not.
+    Attention(usize, bool),
+    /// `softmax(-cdist(a, b)) @ b`: distances between two pool values, back to
+    /// `[L_i, WIDTH]` through a jagged-pair product.
+    Neighbours(usize, usize),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let operand = 0usize..8;
+    prop_oneof![
+        (0u8..8, operand.clone()).prop_map(|(op, x)| Step::Unary(op, x)),
+        (0u8..6, operand.clone(), operand.clone()).prop_map(|(op, a, b)| Step::Binary(op, a, b)),
+        (0..LAYERS, operand.clone()).prop_map(|(layer, x)| Step::Linear(layer, x)),
+        operand.clone().prop_map(Step::LayerNorm),
+        (operand.clone(), any::<bool>()).prop_map(|(x, ragged)| Step::Softmax(x, ragged)),
+        operand.clone().prop_map(Step::Cumsum),
+        operand.clone().prop_map(Step::Center),
+        (operand.clone(), any::<bool>()).prop_map(|(x, causal)| Step::Attention(x, causal)),
+        (operand.clone(), operand).prop_map(|(a, b)| Step::Neighbours(a, b)),
+    ]
+}
+
+/// The program's result: every step's value joins the pool; the last is the output.
+fn run(steps: &[Step], x: &NestedTensor, params: &[Tensor]) -> nestor::Result<NestedTensor> {
+    // The input and a linear layer of it: most programs reach a parameter.
+    let mut pool = vec![x.shallow_clone(), x.linear(&params[0], Some(&params[1]))?];
+    for step in steps {
+        let at = |index: usize| &pool[index % pool.len()];
+        let value = match *step {
+            Step::Unary(op, a) => {
+                let a = at(a);
+                match op {
+                    0 => a.tanh()?,
+                    1 => a.sigmoid()?,
+                    2 => a.sin()?,
+                    3 => a.gelu("none")?,
+                    4 => a.relu()?,
+                    5 => a.silu()?,
+                    6 => a.abs()?,
+                    _ => (&a.square()? * 0.5)?,
+                }
+            }
+            Step::Binary(op, a, b) => {
+                let (a, b) = (at(a), at(b));
+                match op {
+                    0 => (a + b)?,
+                    1 => (a - b)?,
+                    2 => (a * b)?,
+                    3 => a.maximum(b)?,
+                    4 => (a / &(&b.abs()? + 1.0)?)?,
+                    _ => a.atan2(&(&b.abs()? + 0.5)?)?,
+                }
+            }
+            Step::Linear(layer, a) => {
+                at(a).linear(&params[2 * layer], Some(&params[2 * layer + 1]))?
+            }
+            Step::LayerNorm(a) => at(a).layer_norm(&[WIDTH], None, None, 1e-5)?,
+            Step::Softmax(a, ragged) => at(a).softmax(if ragged { 1 } else { -1 })?,
+            Step::Cumsum(a) => (&at(a).cumsum(1)? * 0.25)?,
+            Step::Center(a) => {
+                let a = at(a);
+                let mean = a.mean(&[1], true)?.into_dense_handle()?;
+                a.binary(nestor::Binary::Sub, &mean)?
+            }
+            Step::Attention(a, causal) => {
+                let heads = at(a).reshape_tail(&[2, 2])?;
+                heads
+                    .scaled_dot_product_attention(&heads, &heads, causal, None)?
+                    .reshape_tail(&[WIDTH])?
+            }
+            Step::Neighbours(a, b) => {
+                let (a, b) = (at(a), at(b));
+                let weights = (&a.cdist(b, 2.0)? * -1.0)?.softmax(2)?;
+                weights.matmul_nested(b)?
+            }
+        };
+        pool.push(value);
+    }
+    Ok(pool.pop().unwrap_or_else(|| x.shallow_clone()))
+}
+
+/// The largest error relative to `|expected| + 1` (0 for no values); NaNs must agree.
+fn error(actual: &Tensor, expected: &Tensor) -> f64 {
+    let (a, e) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
+    assert_eq!(a.size(), e.size(), "shapes");
+    if a.numel() == 0 {
+        return 0.0;
+    }
+    let nan = a.isnan().logical_xor(&e.isnan()).any().int64_value(&[]) != 0;
+    if nan {
+        return f64::INFINITY;
+    }
+    ((&a - &e).abs() / (e.abs() + 1.0))
+        .nan_to_num(0.0, None, None)
+        .max()
+        .double_value(&[])
+}
+
+/// Random parameters of the linear layers, in `kind`.
+fn parameters(kind: Kind, seed: i64) -> Vec<Tensor> {
+    let mut random = Random::new(seed);
+    (0..LAYERS)
+        .flat_map(|_| [vec![WIDTH, WIDTH], vec![WIDTH]])
+        .map(|shape| (random.normal(&shape) * 0.5).to_kind(kind))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
+
+    /// A random program compiled once equals eager on every set of lengths, and its
+    /// compiled training gives autograd's gradients.
+    #[test]
+    fn random_programs_compile_to_what_eager_computes(
+        steps in proptest::collection::vec(step(), 1..=8),
+        batches in proptest::collection::vec(lengths(4, 6), 2),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let tolerance = if double { 1e-9 } else { 1e-4 };
+        let params = parameters(kind, seed);
+        // Inference: one compile for both sets of lengths.
+        let model = {
+            let (steps, params) = (steps.clone(), params.iter().map(Tensor::shallow_clone).collect::<Vec<_>>());
+            move |x: &[NestedTensor], _: &[Dense]| run(&steps, &x[0], &params)
+        };
+        let compiled = compile("differential", &model);
+        // f32 programs on the simulated GPU too (GPUs take no f64 programs).
+        let simulated = (!double).then(|| {
+            compile("differential_gpu", &model).on_device(RunDevice::Simulated(SimOptions::default()))
+        });
+        for (index, lengths) in batches.iter().enumerate() {
+            let (x, _) = batch(lengths, &[WIDTH], kind, seed + index as i64);
+            let want = model(std::slice::from_ref(&x), &[]).unwrap();
+            for (device, compiled) in std::iter::once(("cpu", &compiled)).chain(simulated.as_ref().map(|c| ("simulated gpu", c))) {
+                let got = compiled.call(&[&x], &[]).unwrap_or_else(|e| panic!("{device}: {steps:?} on {lengths:?}: {e}"));
+                let got = got.into_iter().next().unwrap().into_nested().unwrap();
+                let worst = error(got.values(), want.values());
+                prop_assert!(worst <= tolerance, "{device}: {steps:?} on {lengths:?}: error {worst:e}");
+            }
+        }
+        prop_assert_eq!(compiled.stats().compiles, 1);
+        // Training: the mean square of the output, every parameter's gradient.
+        let store = nn::VarStore::new(Device::Cpu);
+        let root = store.root();
+        let variables: Vec<Tensor> = params.iter().enumerate().map(|(i, p)| root.add(&format!("p{i}"), p.copy(), true)).collect();
+        let leaves: Vec<Tensor> = params.iter().map(|p| p.copy().set_requires_grad(true)).collect();
+        let loss = |steps: &[Step], x: &NestedTensor, params: &[Tensor]| -> nestor::Result<Dense> {
+            run(steps, x, params)?.square()?.mean(&[], false)?.into_dense_handle()
+        };
+        let traced_steps = steps.clone();
+        let training = compile("differential_training", move |x: &[NestedTensor], _: &[Dense]| loss(&traced_steps, &x[0], &variables)).train(&store);
+        for (index, lengths) in batches.iter().enumerate() {
+            let (x, _) = batch(lengths, &[WIDTH], kind, seed + index as i64);
+            for leaf in &leaves {
+                let mut grad = leaf.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+            }
+            let eager = loss(&steps, &x, &leaves).unwrap().into_tensor();
+            if !eager.requires_grad() {
+                // No parameter reaches the output: nothing to train.
+                break;
+            }
+            if eager.double_value(&[]).is_nan() {
+                // A mean over no values: nothing to compare.
+                continue;
+            }
+            eager.backward();
+            let (outputs, named) = training.gradients(&[&x], &[]).unwrap_or_else(|e| panic!("{steps:?} on {lengths:?}: {e}"));
+            let got = outputs.into_iter().next().unwrap().into_dense().unwrap();
+            let worst = error(&got, &eager);
+            prop_assert!(worst <= tolerance, "{steps:?} on {lengths:?}: loss error {worst:e}");
+            for (i, leaf) in leaves.iter().enumerate() {
+                let name = format!("p{i}");
+                let expected = leaf.grad();
+                let Some((_, grad)) = named.iter().find(|(path, _)| *path == name) else {
+                    // No gradient: the parameter is not used (eager gives none or zeros).
+                    prop_assert!(!expected.defined() || expected.abs().sum(Kind::Double).double_value(&[]) == 0.0, "{steps:?}: no compiled gradient for {name}");
+                    continue;
+                };
+                let worst = error(grad, &expected);
+                prop_assert!(worst <= tolerance, "{steps:?} on {lengths:?}: {name} error {worst:e}");
+            }
+        }
+    }
+}

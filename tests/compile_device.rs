@@ -86,6 +86,56 @@ where
     }
 }
 
+/// Repeated batches (their row maps are device tables) and the sum of their copies
+/// (repeat_batch's gradient) on the simulated GPU equal the CPU, and so does cdist.
+#[test]
+fn repeats_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
+    let (x, _) = batch(&[5, 1, 0, 3], &[4], Kind::Float, 1);
+    let (one, _) = batch(&[2], &[4], Kind::Float, 2);
+    assert_simulated_equals_cpu(
+        "repeats",
+        |x: &[NestedTensor], _: &[Dense]| {
+            let whole = x[0].repeat_batch(3)?.tanh()?;
+            (&whole
+                .cdist(&whole, 2.0)?
+                .softmax(2)?
+                .matmul_nested(&whole)?
+                + 1.0)?
+                .repeat_interleave(2)
+        },
+        &[vec![&x], vec![&one]],
+    );
+    for interleave in [false, true] {
+        let loss = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let repeated = match interleave {
+                true => x[0].repeat_interleave(3)?,
+                false => x[0].repeat_batch(3)?,
+            };
+            (&repeated.sin()? * &repeated)?
+                .sum(&[], false)?
+                .into_dense_handle()
+        };
+        let store = nn::VarStore::new(Device::Cpu);
+        let on_cpu = compile("repeat_loss", loss).train(&store);
+        let on_sim = compile("repeat_loss", loss)
+            .train(&store)
+            .on_device(simulated());
+        for batch in [&x, &one] {
+            let (ours, theirs) = (
+                batch.detach().unwrap().set_requires_grad(true).unwrap(),
+                batch.detach().unwrap().set_requires_grad(true).unwrap(),
+            );
+            on_cpu.call(&[&ours], &[]).unwrap();
+            on_sim.call(&[&theirs], &[]).unwrap();
+            let (ours, theirs) = (ours.grad().unwrap(), theirs.grad().unwrap());
+            assert!(
+                ours.values().allclose(theirs.values(), 1e-4, 1e-4, false),
+                "interleave {interleave}"
+            );
+        }
+    }
+}
+
 #[test]
 fn transformer_stacks_on_the_simulated_gpu_equal_the_cpu() {
     tch::manual_seed(3);

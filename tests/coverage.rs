@@ -38,7 +38,7 @@ const UNREACHABLE: &[(&str, &str)] = &[
 ];
 
 /// Ops that do not compile yet (a typed error names them; the interpreter runs them).
-const NOT_LOWERED: &[&str] = &["TransposeStatic", "RepeatBatch", "RepeatLengths"];
+const NOT_LOWERED: &[&str] = &["TransposeStatic"];
 
 /// The variants of `graph`'s ops and of its per-element bodies.
 fn variants(graph: &Graph, into: &mut BTreeSet<&'static str>) {
@@ -116,8 +116,11 @@ fn forward_models() {
     not_lowered("transpose_static", &x, |x, _| {
         Ok(vec![x[0].reshape_tail(&[2, 2])?.transpose(2, 3)?.into()])
     });
-    not_lowered("repeat_lengths", &x, |x, _| {
-        Ok(vec![x[0].repeat_batch(2)?.tanh()?.into()])
+    check("repeats", &[&x], |x, _| {
+        Ok(vec![
+            x[0].repeat_batch(2)?.tanh()?.into(),
+            x[0].repeat_interleave(3)?.into(),
+        ])
     });
     let classes = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
     check("losses", &[&x, &tokens], |x, _| {
@@ -199,8 +202,13 @@ fn training_models() {
                 .linear(&head, None)?
                 .cross_entropy(&x[2], -100, 0.0, LossReduction::Mean)?
                 .into_dense_handle()?;
-            // A mean over the ragged dim and a padded grid in the loss too.
-            let mean = hidden.mean(&[1], false)?.into_dense_handle()?.sum_all()?;
+            // A mean over the ragged dim of a repeated batch (its gradient sums the
+            // copies back) and a padded grid in the loss too.
+            let mean = hidden
+                .repeat_interleave(2)?
+                .mean(&[1], false)?
+                .into_dense_handle()?
+                .sum_all()?;
             let padded = hidden.tanh()?.pad()?.sum_all()?.scale(0.1)?;
             loss.add(&mean)?.add(&padded)
         }

@@ -126,6 +126,42 @@ pub enum RowMap {
     /// For the rows `(i, m, n)` of a pair layout `[M_i, N_i, ...]`, the row `(i, n, m)`
     /// of an input `[N_i, M_i, ...]` (its transpose).
     PairTransposed(Slot, Slot),
+    /// For the rows of a batch of these lengths repeated ([`Repeats`]), the row of the
+    /// batch each copies.
+    Repeated(Slot, Repeats),
+    /// For the rows of a batch of these lengths, the row of its copy number `copy` in
+    /// the batch repeated ([`Repeats`]).
+    Copy(Slot, Repeats, i64),
+}
+
+/// How a batch is repeated: whole (`[e_0, e_1, e_0, e_1]`) or element by element
+/// (`interleave`: `[e_0, e_0, e_1, e_1]`), `times` copies of each element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Repeats {
+    /// Copies of every element.
+    pub times: i64,
+    /// Element by element rather than whole.
+    pub interleave: bool,
+}
+
+impl Repeats {
+    /// The element of a batch of `batch` elements that element `index` of the
+    /// repeated batch copies.
+    pub fn source(self, index: i64, batch: i64) -> i64 {
+        match self.interleave {
+            true => index / self.times.max(1),
+            false => index % batch.max(1),
+        }
+    }
+
+    /// The element of the repeated batch that is copy `copy` of element `element` (of a
+    /// batch of `batch` elements).
+    pub fn copy_of(self, element: i64, copy: i64, batch: i64) -> i64 {
+        match self.interleave {
+            true => element * self.times + copy,
+            false => copy * batch + element,
+        }
+    }
 }
 
 /// A pointwise expression over the inputs of a kernel.

@@ -64,6 +64,8 @@ pub enum LengthsKind {
         /// How many times each length repeats.
         times: Slot,
     },
+    /// The input's lengths repeated: whole or element by element.
+    Repeat(crate::Repeats),
     /// The input's lengths, checked equal to `against`'s (two window formulas that
     /// agreed when traced): an unequal run is an error before any buffer is sized.
     Checked {

@@ -147,14 +147,17 @@ impl NestedTensor {
         ))
     }
 
-    /// The whole batch repeated `repeats` times: `[e_0, ..., e_B, e_0, ...]`.
+    /// The whole batch repeated `repeats` times: `[e_0, ..., e_B, e_0, ...]`. Compiled
+    /// for batches with one leading ragged dim (a copy through a row map, the new
+    /// lengths computed each run); its gradient sums every copy back into its element.
     pub fn repeat_batch(&self, repeats: usize) -> Result<NestedTensor> {
         let batch = self.batch_size();
         let indices = self.repeat_indices("repeat_batch", repeats, |i| i % batch.max(1))?;
         self.repeated(indices, repeats, false)
     }
 
-    /// Every element repeated `repeats` times in place: `[e_0, e_0, e_1, e_1, ...]`.
+    /// Every element repeated `repeats` times in place: `[e_0, e_0, e_1, e_1, ...]`
+    /// (compiled as [`repeat_batch`](Self::repeat_batch) is).
     pub fn repeat_interleave(&self, repeats: usize) -> Result<NestedTensor> {
         let indices = self.repeat_indices("repeat_interleave", repeats, |i| i / repeats)?;
         self.repeated(indices, repeats, true)

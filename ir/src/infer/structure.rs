@@ -217,6 +217,35 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
             interleave,
         } => repeat_batch(graph, *x, lengths, *repeats, *interleave),
         Op::MatchLengths { x, lengths } => match_lengths(graph, *x, lengths),
+        Op::UnrepeatBatch {
+            g,
+            like,
+            repeats,
+            interleave,
+        } => {
+            let (grads, own) = (ty(*g), ty(*like));
+            let lengths = own
+                .length_values()
+                .into_iter()
+                .map(|lengths| Op::RepeatLengths {
+                    lengths,
+                    repeats: *repeats,
+                    interleave: *interleave,
+                })
+                .collect::<Vec<_>>();
+            let repeated = grads.length_values();
+            let matches = lengths.len() == repeated.len()
+                && lengths
+                    .iter()
+                    .zip(&repeated)
+                    .all(|(expected, &got)| graph.op(got) == expected);
+            if !matches || grads.ragged_tail() != own.ragged_tail() {
+                return Err(format!(
+                    "{g} must be {like} repeated {repeats} times, got {grads} for {own}"
+                ));
+            }
+            float(&grads).map(|dtype| own.with_dtype(dtype))
+        }
         Op::WindowLengths {
             lengths,
             kernel,

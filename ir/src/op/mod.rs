@@ -602,6 +602,19 @@ pub enum Op {
         /// Element by element rather than whole.
         interleave: bool,
     },
+    /// The sum of the copies of each element of a repeated batch `g` (`repeat_batch`'s
+    /// gradient): elements like `like`, the batch that was repeated.
+    #[op(name = "unrepeat_batch", family = Structure)]
+    UnrepeatBatch {
+        /// The repeated batch.
+        g: ValueId,
+        /// The batch that was repeated (its type).
+        like: ValueId,
+        /// Copies of every element.
+        repeats: i64,
+        /// Element by element rather than whole.
+        interleave: bool,
+    },
     /// `x` seen with other lengths values for its ragged dims (`lengths`, one per
     /// ragged dim, in order), which must equal its own when the program runs (window
     /// sizes of two formulas that agreed when traced): the same values; an unequal run

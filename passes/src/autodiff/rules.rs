@@ -710,6 +710,21 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             .ok_or_else(|| b.no_rule("a reshape of a value without a static shape"))?;
             Ok(vec![(x, b.push(Op::Reshape { x: g, shape })?)])
         }
+        // Each element's copies summed back.
+        Op::RepeatBatch {
+            x,
+            repeats,
+            interleave,
+            ..
+        } => Ok(vec![(
+            x,
+            b.push(Op::UnrepeatBatch {
+                g,
+                like: x,
+                repeats,
+                interleave,
+            })?,
+        )]),
         // The gradient seen with x's own lengths again.
         Op::MatchLengths { x, .. } => {
             let lengths = b.ty(x).length_values();

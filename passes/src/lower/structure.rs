@@ -2,6 +2,11 @@
 
 use super::*;
 use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Unpad};
+use crate::Repeats;
+
+/// The most copies of a repeated batch whose gradient is one kernel (a sum of as many
+/// reads).
+const MAX_COPIES_SUMMED: i64 = 32;
 
 impl Lowering<'_> {
     /// Lowers a structure op.
@@ -67,8 +72,91 @@ impl Lowering<'_> {
             }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
             Op::MatchLengths { x, lengths } => self.match_lengths(value, ty, *x, lengths),
+            Op::RepeatBatch {
+                x,
+                repeats,
+                interleave,
+                ..
+            } => {
+                let repeats = Repeats {
+                    times: *repeats,
+                    interleave: *interleave,
+                };
+                let (slot, lengths, width) = self.leading_batch(value, *x)?;
+                let map = RowMap::Repeated(lengths, repeats);
+                self.copies(value, ty, vec![(slot, map)], width)
+            }
+            Op::UnrepeatBatch {
+                g,
+                like,
+                repeats,
+                interleave,
+            } => {
+                if *repeats > MAX_COPIES_SUMMED {
+                    return Err(unsupported(
+                        value,
+                        op,
+                        format!("the gradient of more than {MAX_COPIES_SUMMED} repeats"),
+                    ));
+                }
+                let repeats_of = Repeats {
+                    times: *repeats,
+                    interleave: *interleave,
+                };
+                let (slot, ..) = self.data(value, *g)?;
+                let (_, lengths, width) = self.leading_batch(value, *like)?;
+                let copies = (0..*repeats)
+                    .map(|copy| (slot, RowMap::Copy(lengths, repeats_of, copy)))
+                    .collect();
+                self.copies(value, ty, copies, width)
+            }
             _ => self.lower_lengths_op(value, op, ty),
         }
+    }
+
+    /// The slot, lengths and row width of `x`, a batch with one leading ragged dim (an
+    /// error otherwise).
+    fn leading_batch(&self, value: ValueId, x: ValueId) -> Result<(Slot, Slot, i64), LowerError> {
+        self.leading(value, x)?;
+        let (slot, _, tail, lengths) = self.data(value, x)?;
+        let lengths = lengths.ok_or_else(|| {
+            unsupported(
+                value,
+                self.graph.op(value),
+                format!("{x} must be a batch with one leading ragged dim"),
+            )
+        })?;
+        Ok((slot, lengths, volume(&tail)))
+    }
+
+    /// A kernel summing rows of `width` read through row maps (a copy for one).
+    fn copies(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        reads: Vec<(Slot, RowMap)>,
+        width: i64,
+    ) -> Result<Lowered, LowerError> {
+        let out = self.result(value, ty)?;
+        let expr = (0..reads.len())
+            .map(Expr::Load)
+            .reduce(|sum, load| Expr::Binary(BinaryOp::Add, Box::new(sum), Box::new(load)))
+            .unwrap_or(Expr::Const(F64(0.0)));
+        let inputs = reads
+            .into_iter()
+            .map(|(slot, map)| Access {
+                row_map: Some(map),
+                ..Access::rows(slot, width)
+            })
+            .collect();
+        self.program.steps.push(Step::Pointwise(Pointwise {
+            out: slot_of(&out),
+            rows: rows_of(&out),
+            width,
+            inputs,
+            expr,
+        }));
+        Ok(out)
     }
 
     /// `x` seen with the ragged dims of `lengths` (an alias), each checked equal to
@@ -108,6 +196,25 @@ impl Lowering<'_> {
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
         match op {
+            Op::RepeatLengths {
+                lengths,
+                repeats,
+                interleave,
+            } => {
+                let Lowered::Lengths(input) = self.get(*lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                self.program.lengths_ops.push(LengthsOp {
+                    out: slot_of(&out),
+                    input,
+                    kind: LengthsKind::Repeat(Repeats {
+                        times: *repeats,
+                        interleave: *interleave,
+                    }),
+                });
+                Ok(out)
+            }
             Op::WindowLengths {
                 lengths,
                 kernel,

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use nestor_ir::{DType, Window2d};
-use nestor_passes::{LengthsKind, Program, RowBase, RowMap, Rows, Slot, Source};
+use nestor_passes::{LengthsKind, Program, Repeats, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
 use nestor_layout::{window_taps, Outside, WindowError, WindowTaps};
@@ -155,6 +155,13 @@ impl<'a> Sizes<'a> {
                     }
                     values
                 }
+                LengthsKind::Repeat(repeats) => {
+                    let batch = input.len() as i64;
+                    let count = usize::try_from(batch.saturating_mul(repeats.times)).unwrap_or(0);
+                    (0..count as i64)
+                        .map(|index| input[repeats.source(index, batch) as usize])
+                        .collect()
+                }
                 LengthsKind::Checked { against } => {
                     let against = lengths_of(against);
                     let differs = (0..input.len().max(against.len()))
@@ -200,10 +207,16 @@ impl<'a> Sizes<'a> {
             RowMap::PairRows(rows, columns)
             | RowMap::PairColumns(rows, columns)
             | RowMap::PairTransposed(rows, columns) => (rows, columns),
+            RowMap::Repeated(lengths, _) | RowMap::Copy(lengths, ..) => (lengths, lengths),
         };
         let mut maps = self.pair_maps.borrow_mut();
         if let std::collections::hash_map::Entry::Vacant(entry) = maps.entry(map) {
-            entry.insert(pair_map(map, self.get(rows)?, self.get(columns)?)?);
+            let values = match map {
+                RowMap::Repeated(_, repeats) => repeat_map(self.get(rows)?, repeats, None)?,
+                RowMap::Copy(_, repeats, copy) => repeat_map(self.get(rows)?, repeats, Some(copy))?,
+                _ => pair_map(map, self.get(rows)?, self.get(columns)?)?,
+            };
+            entry.insert(values);
         }
         maps.get(&map).map(|values| (values.as_ptr(), values.len()))
     }
@@ -283,6 +296,54 @@ impl<'a> Sizes<'a> {
 
 /// The values of a pair layout's row map (`rows`, `columns`: the lengths `M`, `N` of
 /// the layout `[M_i, N_i, ...]` it reads for); `None` when they cannot be allocated.
+/// The rows of a repeat of a batch of `lengths` (one leading ragged dim): without a
+/// `copy`, the row each row of the repeated batch copies; with one, the row of the
+/// repeated batch that is copy `copy` of each row. `None` when it cannot be allocated.
+fn repeat_map(
+    lengths: &LengthsInfo<'_>,
+    repeats: Repeats,
+    copy: Option<i64>,
+) -> Option<Box<[i64]>> {
+    let batch = i64::try_from(lengths.lengths.len()).ok()?;
+    let elements = batch.checked_mul(repeats.times)?;
+    let rows = |element: i64| -> Option<(i64, i64)> {
+        let element = usize::try_from(element).ok()?;
+        Some((lengths.offsets[element], lengths.lengths[element]))
+    };
+    // Where each element of the repeated batch starts.
+    let mut starts = Vec::new();
+    starts
+        .try_reserve_exact(usize::try_from(elements).ok()?)
+        .ok()?;
+    let mut total = 0i64;
+    for index in 0..elements {
+        starts.push(total);
+        total = total.checked_add(rows(repeats.source(index, batch))?.1)?;
+    }
+    let mut values: Vec<i64> = Vec::new();
+    match copy {
+        None => {
+            values
+                .try_reserve_exact(usize::try_from(total).ok()?)
+                .ok()?;
+            for index in 0..elements {
+                let (first, count) = rows(repeats.source(index, batch))?;
+                values.extend(first..first + count);
+            }
+        }
+        Some(copy) => {
+            values
+                .try_reserve_exact(lengths.offsets.last().copied().unwrap_or(0) as usize)
+                .ok()?;
+            for element in 0..batch {
+                let start = starts[usize::try_from(repeats.copy_of(element, copy, batch)).ok()?];
+                values.extend(start..start + rows(element)?.1);
+            }
+        }
+    }
+    Some(values.into_boxed_slice())
+}
+
 fn pair_map(map: RowMap, rows: &LengthsInfo<'_>, columns: &LengthsInfo<'_>) -> Option<Box<[i64]>> {
     let total: i64 = rows
         .lengths

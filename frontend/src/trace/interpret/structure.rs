@@ -81,6 +81,39 @@ impl Interpreter<'_> {
                     nested.repeat_batch(repeats)?
                 })
             }
+            Op::UnrepeatBatch {
+                g,
+                like,
+                repeats,
+                interleave,
+            } => {
+                let (grads, own) = (self.nested(*g)?, self.nested(*like)?);
+                let batch = own.batch_size() as i64;
+                let repeats = nestor_passes::Repeats {
+                    times: *repeats,
+                    interleave: *interleave,
+                };
+                let mut total: Option<Tensor> = None;
+                for copy in 0..repeats.times {
+                    let indices: Vec<i64> = (0..batch)
+                        .map(|element| repeats.copy_of(element, copy, batch))
+                        .collect();
+                    let part = grads.select_batch(indices)?.packed().shallow_clone();
+                    total = Some(match total {
+                        Some(sum) => sum.f_add(&part)?,
+                        None => part,
+                    });
+                }
+                let values = match total {
+                    Some(total) => total,
+                    None => own.packed().f_zeros_like()?.f_to_kind(grads.kind())?,
+                };
+                Value::Nested(NestedTensor::from_parts(
+                    values,
+                    own.lay().clone(),
+                    own.options(),
+                ))
+            }
             Op::MatchLengths { x, lengths } => {
                 let own = self.graph.ty(*x).length_values();
                 let sizes = |of: &[ValueId]| -> Result<Vec<Vec<i64>>> {

@@ -10,6 +10,9 @@ use crate::guard::{slow_path, SlowPath};
 use crate::trace::{record_with, Arg};
 use crate::{NestedError, NestedTensor, Result};
 
+/// torch's `cdist` compute mode that never takes the matrix-product shortcut.
+const DIRECT_DISTANCES: i64 = 2;
+
 impl NestedTensor {
     /// Zero-copy: new packed values in this batch's layout. `values` must have the shape
     /// of [`values`](Self::values); it keeps its storage and autograd history.
@@ -269,8 +272,10 @@ impl NestedTensor {
     }
 
     /// Pairwise `p`-norm distances between the elements of two batches:
-    /// `[L_i, D]` and `[M_i, D]` give `[L_i, M_i]`, as torch's `cdist` on each element
-    /// (bf16 and f16 computed in f32, rounded once).
+    /// `[L_i, D]` and `[M_i, D]` give `[L_i, M_i]`, as torch's `cdist` on each element,
+    /// computed directly (torch's `compute_mode="donot_use_mm_for_euclid_dist"`: its
+    /// default matrix-product shortcut for more than 25 points gives a distance of
+    /// 0.001 between a point and itself), bf16 and f16 in f32, rounded once.
     /// Compiled (one kernel over every element's pairs, no padding); its gradient
     /// compiles for `p = 2`.
     ///
@@ -314,9 +319,9 @@ impl NestedTensor {
                 let kind = a.kind();
                 if matches!(kind, Kind::BFloat16 | Kind::Half) {
                     let (a, b) = (a.f_to_kind(Kind::Float)?, b.f_to_kind(Kind::Float)?);
-                    return Ok(Tensor::f_cdist(&a, &b, p, None::<i64>)?.f_to_kind(kind)?);
+                    return Ok(Tensor::f_cdist(&a, &b, p, DIRECT_DISTANCES)?.f_to_kind(kind)?);
                 }
-                Ok(Tensor::f_cdist(a, &b, p, None::<i64>)?)
+                Ok(Tensor::f_cdist(a, &b, p, DIRECT_DISTANCES)?)
             })
             .collect::<Result<Vec<_>>>()?;
         if self.lay().rank() != 2 || other.lay().rank() != 2 {

@@ -393,3 +393,40 @@ fn products_convolutions_and_attention_of_mixed_dtypes_are_rejected() {
         "{error}"
     );
 }
+
+#[test]
+fn layer_norm_parameters_take_the_input_dtype_or_f32_for_half_inputs() {
+    // libtorch: f32 input with f64 or bf16 parameters fails; bf16 / f16 input with f32
+    // parameters is its mixed-dtype kernel.
+    let text = |x: &str, parameter: &str| {
+        format!(
+            r#"graph @g {{
+  %0 = input {{name = "x.lengths"}} : lengths[B]
+  %1 = input {{name = "x"}} : ragged<{x}>[B; %0, 8]
+  %2 = param {{name = "w"}} : {parameter}[8]
+  %3 = layer_norm(%1, %2, %2) {{dims = 1, eps = 1e-5}} : ragged<{x}>[B; %0, 8]
+  return %3
+}}"#
+        )
+    };
+    for (x, parameter, accepted) in [
+        ("f32", "f64", false),
+        ("f32", "bf16", false),
+        ("f64", "f32", false),
+        ("f32", "f32", true),
+        ("bf16", "f32", true),
+        ("f16", "f32", true),
+        ("bf16", "bf16", true),
+    ] {
+        let result = nestor_ir::parse(&text(x, parameter));
+        assert_eq!(result.is_ok(), accepted, "{x} with {parameter}: {result:?}");
+        if let Err(error) = result {
+            assert!(
+                error
+                    .to_string()
+                    .contains("layer_norm needs a weight of the input's dtype"),
+                "{error}"
+            );
+        }
+    }
+}

@@ -21,7 +21,18 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             let tail = static_tail(&x, *dims)?;
             for (name, parameter) in [("weight", weight), ("bias", bias)] {
                 if let Some(parameter) = parameter {
-                    let shape = static_shape(&ty(*parameter), name)?;
+                    let parameter = ty(*parameter);
+                    // libtorch's rule: the input's dtype, or f32 for a bf16 / f16 input.
+                    let (own, of) = (x.dtype(), parameter.dtype());
+                    let mixed =
+                        matches!(own, Some(DType::BF16 | DType::F16)) && of == Some(DType::F32);
+                    if own != of && !mixed {
+                        return Err(format!(
+                            "layer_norm needs a {name} of the input's dtype (or f32 for a bf16 \
+                             or f16 input): the input is {x}, the {name} is {parameter}"
+                        ));
+                    }
+                    let shape = static_shape(&parameter, name)?;
                     if shape != tail {
                         return Err(format!(
                             "the {name} must be {tail:?} (the normalized tail), got {shape:?}"

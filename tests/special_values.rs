@@ -116,6 +116,12 @@ fn unary(op: UnaryOp, x: &NestedTensor) -> nestor::Result<NestedTensor> {
         UnaryOp::Erf => x.erf(),
         UnaryOp::Sign => x.sign(),
         UnaryOp::Not => x.logical_not(),
+        UnaryOp::Expm1 => x.expm1(),
+        UnaryOp::Log1p => x.log1p(),
+        UnaryOp::Reciprocal => x.reciprocal(),
+        UnaryOp::Floor => x.floor(),
+        UnaryOp::Ceil => x.ceil(),
+        UnaryOp::Round => x.round(),
     }
 }
 

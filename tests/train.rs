@@ -91,8 +91,8 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let mixed = (&(&(&tail * &x[1])? + &ragged.sigmoid()?)? + &running)?;
             scalar(mixed.sum(&[], false)?)
         }),
-        // Elementwise functions and binary ops (atan2 and remainder too) with dense
-        // operands broadcast over rows.
+        // Elementwise functions (expm1, log1p, reciprocal and the roundings too) and
+        // binary ops (atan2 and remainder too) with dense operands broadcast over rows.
         "pointwise" => Box::new(move |x, _| {
             let y = (&x[0] * &scale)?;
             let a = y.sigmoid()?.exp()?;
@@ -105,7 +105,11 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             // The angle and remainder functions (their jumps are far from these values).
             let h = (&g + &y.atan2(&(&b + 0.1)?)?)?;
             let r = h.remainder(&(&a + 2.7)?)?;
-            scalar(r.mse_loss(&x[0], LossReduction::Mean)?)
+            // expm1, log1p and the reciprocal; the roundings (zero gradient, as torch).
+            let smooth = (&y.tanh()?.expm1()? + &(&a.log1p()? + &(&b + 1.0)?.reciprocal()?)?)?;
+            let steps = (&(&y.floor()? + &y.ceil()?)? + &(&y * 3.0)?.round()?)?;
+            let s = (&r + &(&smooth + &(&steps * 0.1)?)?)?;
+            scalar(s.mse_loss(&x[0], LossReduction::Mean)?)
         }),
         // Cross entropy with label smoothing and an ignored class, from a two-layer head.
         "classifier" => Box::new(move |x, _| {

@@ -144,7 +144,13 @@ const POINTWISE: &str = r#"graph @pointwise {
   %25 = sub(%24, %3) : ragged<f32>[B; %0, 8]
   %26 = gt(%25, %1) : ragged<bool>[B; %0, 8]
   %27 = where(%26, %25, %1) : ragged<f32>[B; %0, 8]
-  return %27
+  %28 = expm1(%27) : ragged<f32>[B; %0, 8]
+  %29 = log1p(%28) : ragged<f32>[B; %0, 8]
+  %30 = reciprocal(%29) : ragged<f32>[B; %0, 8]
+  %31 = floor(%30) : ragged<f32>[B; %0, 8]
+  %32 = ceil(%31) : ragged<f32>[B; %0, 8]
+  %33 = round(%32) : ragged<f32>[B; %0, 8]
+  return %33
 }
 "#;
 

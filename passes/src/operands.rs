@@ -196,6 +196,8 @@ impl Expr {
                         | UnaryOp::GeluTanh
                         | UnaryOp::Silu
                         | UnaryOp::Erf
+                        | UnaryOp::Expm1
+                        | UnaryOp::Log1p
                         | UnaryOp::Sin
                         | UnaryOp::Cos
                 );

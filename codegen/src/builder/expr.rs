@@ -128,6 +128,12 @@ impl<'ctx> Kernel<'ctx, '_> {
                     .build_float_sub(positive, negative, "sign")
                     .map_err(err)
             }
+            UnaryOp::Expm1 => self.math("expm1", &[x]),
+            UnaryOp::Log1p => self.math("log1p", &[x]),
+            UnaryOp::Reciprocal => self.fdiv(self.constant(1.0), x),
+            UnaryOp::Floor => self.intrinsic("llvm.floor", &[x]),
+            UnaryOp::Ceil => self.intrinsic("llvm.ceil", &[x]),
+            UnaryOp::Round => self.intrinsic("llvm.roundeven", &[x]),
             UnaryOp::Not => {
                 let zero = self
                     .builder

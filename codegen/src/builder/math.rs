@@ -248,13 +248,13 @@ impl<'ctx> Kernel<'ctx, '_> {
     }
 
     /// The math function `name` (`exp`, `log`, `sin`, `cos`, `pow`, `erf`, `tanh`,
-    /// `atan2`) of the target: on the host LLVM's intrinsic (`llvm.exp`) or, for `erf`,
-    /// `tanh` and `atan2`, the process's libm (`tanhf` in f32 kernels), as on the
+    /// `atan2`, `expm1`, `log1p`) of the target: on the host LLVM's intrinsic
+    /// (`llvm.exp`) or, for `erf`, `tanh`, `atan2`, `expm1` and `log1p`, the process's libm (`tanhf` in f32 kernels), as on the
     /// simulated GPU; on NVPTX libdevice's `__nv_tanhf`.
     pub(crate) fn math(&self, name: &str, args: &[FloatValue<'ctx>]) -> Gen<FloatValue<'ctx>> {
         let suffix = if self.double { "" } else { "f" };
         match (self.target, name) {
-            (Target::Host | Target::Simulated, "erf" | "tanh" | "atan2") => {
+            (Target::Host | Target::Simulated, "erf" | "tanh" | "atan2" | "expm1" | "log1p") => {
                 self.external(&format!("{name}{suffix}"), args)
             }
             (Target::Host | Target::Simulated, _) => self.intrinsic(&format!("llvm.{name}"), args),

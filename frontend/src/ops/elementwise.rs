@@ -146,11 +146,11 @@ unary_ops! {
     /// `e^x`.
     exp => f_exp, Some(UnaryOp::Exp);
     /// `e^x - 1`.
-    expm1 => f_expm1, None;
+    expm1 => f_expm1, Some(UnaryOp::Expm1);
     /// Natural logarithm.
     log => f_log, Some(UnaryOp::Log);
     /// `ln(1 + x)`.
-    log1p => f_log1p, None;
+    log1p => f_log1p, Some(UnaryOp::Log1p);
     /// Square root.
     sqrt => f_sqrt, Some(UnaryOp::Sqrt);
     /// `1 / sqrt(x)`.
@@ -158,7 +158,7 @@ unary_ops! {
     /// `x * x`.
     square => f_square, Some(UnaryOp::Square);
     /// `1 / x`.
-    reciprocal => f_reciprocal, None;
+    reciprocal => f_reciprocal, Some(UnaryOp::Reciprocal);
     /// Sine.
     sin => f_sin, Some(UnaryOp::Sin);
     /// Cosine.
@@ -178,11 +178,11 @@ unary_ops! {
     /// Sign: -1, 0 or 1.
     sign => f_sign, Some(UnaryOp::Sign);
     /// Round down.
-    floor => f_floor, None;
+    floor => f_floor, Some(UnaryOp::Floor);
     /// Round up.
-    ceil => f_ceil, None;
+    ceil => f_ceil, Some(UnaryOp::Ceil);
     /// Round half to even.
-    round => f_round, None;
+    round => f_round, Some(UnaryOp::Round);
     /// Logical not (true where the value is zero).
     logical_not => f_logical_not, Some(UnaryOp::Not);
 }

@@ -53,6 +53,18 @@ pub enum UnaryOp {
     Sign,
     /// logical not
     Not,
+    /// `e^x - 1`
+    Expm1,
+    /// `ln(1 + x)`
+    Log1p,
+    /// `1 / x`
+    Reciprocal,
+    /// round down
+    Floor,
+    /// round up
+    Ceil,
+    /// round half to even
+    Round,
 }
 
 /// Elementwise functions of two arguments.
@@ -198,6 +210,8 @@ word_enum!(UnaryOp {
     Neg => "neg", Abs => "abs", Exp => "exp", Log => "log", Sqrt => "sqrt", Rsqrt => "rsqrt",
     Square => "square", Sin => "sin", Cos => "cos", Tanh => "tanh", Sigmoid => "sigmoid",
     Relu => "relu", Gelu => "gelu", GeluTanh => "gelu_tanh", Silu => "silu", Erf => "erf", Sign => "sign", Not => "not",
+    Expm1 => "expm1", Log1p => "log1p", Reciprocal => "reciprocal", Floor => "floor", Ceil => "ceil",
+    Round => "round",
 });
 word_enum!(BinaryOp {
     Add => "add", Sub => "sub", Mul => "mul", Div => "div", Pow => "pow", Maximum => "maximum",

@@ -165,9 +165,28 @@ fn unary(
             let slope = b.scale(exp, FRAC_2_SQRT_PI)?;
             b.mul(g, slope)?
         }
-        UnaryOp::Sign | UnaryOp::Not => {
-            return Err(b.no_rule(format!("{} has no gradient", op.word())))
+        UnaryOp::Expm1 => {
+            let one = b.constant(1.0, x)?;
+            let slope = b.add(y, one)?;
+            b.mul(g, slope)?
         }
+        UnaryOp::Log1p => {
+            let one = b.constant(1.0, x)?;
+            let divisor = b.add(x, one)?;
+            b.div(g, divisor)?
+        }
+        UnaryOp::Reciprocal => {
+            let square = b.mul(y, y)?;
+            let slope = b.unary(UnaryOp::Neg, square)?;
+            b.mul(g, slope)?
+        }
+        // Steps: zero almost everywhere, as torch.
+        UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round => {
+            let zero = b.constant(0.0, g)?;
+            let everywhere = b.binary(BinaryOp::Eq, g, g)?;
+            b.select(everywhere, zero, zero)?
+        }
+        UnaryOp::Not => return Err(b.no_rule(format!("{} has no gradient", op.word()))),
     };
     Ok(gradient)
 }

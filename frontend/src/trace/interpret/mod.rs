@@ -472,6 +472,12 @@ fn unary_nested(nested: &NestedTensor, op: UnaryOp) -> Result<NestedTensor> {
         UnaryOp::Erf => nested.erf(),
         UnaryOp::Sign => nested.sign(),
         UnaryOp::Not => nested.logical_not(),
+        UnaryOp::Expm1 => nested.expm1(),
+        UnaryOp::Log1p => nested.log1p(),
+        UnaryOp::Reciprocal => nested.reciprocal(),
+        UnaryOp::Floor => nested.floor(),
+        UnaryOp::Ceil => nested.ceil(),
+        UnaryOp::Round => nested.round(),
     }
 }
 
@@ -495,6 +501,12 @@ fn unary_dense(tensor: &Tensor, op: UnaryOp) -> Result<Tensor> {
         UnaryOp::Erf => tensor.f_erf()?,
         UnaryOp::Sign => tensor.f_sign()?,
         UnaryOp::Not => tensor.f_logical_not()?,
+        UnaryOp::Expm1 => tensor.f_expm1()?,
+        UnaryOp::Log1p => tensor.f_log1p()?,
+        UnaryOp::Reciprocal => tensor.f_reciprocal()?,
+        UnaryOp::Floor => tensor.f_floor()?,
+        UnaryOp::Ceil => tensor.f_ceil()?,
+        UnaryOp::Round => tensor.f_round()?,
     })
 }
 

@@ -74,7 +74,9 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 .relu()?;
             let rms = normed.rms_norm(&[6], Some(&gain), Some(1e-6))?;
             let pooled = rms.mean(&[1], false)?.into_dense_handle()?;
-            let total = pooled.mul(&pooled)?.mean_all()?;
+            // Over the ragged and static dims together, and their spread.
+            let spread = rms.std(&[1, 2], 1, true)?.into_dense_handle()?.sum_all()?;
+            let total = pooled.mul(&pooled)?.mean_all()?.add(&spread)?;
             let out = rms.linear(&w2, None)?;
             let loss = out
                 .mse_loss(&x[1], LossReduction::Sum)?

@@ -10,6 +10,8 @@
 //!   `mean` of `square(x - mean(x))`, times `n / (n - correction)` (the count of the
 //!   reduced values, per element over ragged dims) before the mean when corrected: NaN
 //!   for an empty element, as torch;
+//! - a sum, mean, extreme or logical reduction over ragged and static element dims
+//!   together is one over the static dims, then one over the ragged ones;
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
 //!   towards uniform, summed or divided by the number of counted rows, as torch.
@@ -103,6 +105,15 @@ impl Pass for Decompose {
                     } else {
                         var
                     }
+                }
+                Op::Reduce {
+                    op,
+                    x,
+                    ref dims,
+                    keepdim,
+                    ..
+                } if split_reduction(&result, op, x, dims).is_some() => {
+                    reduce(&mut result, op, x, dims, keepdim)?
                 }
                 // Dropout that keeps every value (eval mode, or p = 0) is its input.
                 Op::Dropout {
@@ -310,6 +321,83 @@ fn batch_norm(
     }
 }
 
+/// The reduction `op` of `x` over batch-first `dims`, split as [`split_reduction`] says
+/// when it mixes ragged and static element dims.
+fn reduce(
+    graph: &mut Graph,
+    op: ReduceOp,
+    x: ValueId,
+    dims: &[i64],
+    keepdim: bool,
+) -> Result<ValueId, VerifyError> {
+    let Some((static_dims, ragged_dims)) = split_reduction(graph, op, x, dims) else {
+        return graph.push(Op::Reduce {
+            op,
+            x,
+            dims: dims.to_vec(),
+            keepdim,
+            correction: 0,
+        });
+    };
+    let inner = graph.push(Op::Reduce {
+        op,
+        x,
+        dims: static_dims.clone(),
+        keepdim,
+        correction: 0,
+    })?;
+    // Without keepdim the static dims before a ragged one are gone.
+    let before = |dim: i64| static_dims.iter().filter(|&&s| s < dim).count() as i64;
+    let shifted = ragged_dims
+        .iter()
+        .map(|&dim| if keepdim { dim } else { dim - before(dim) })
+        .collect();
+    graph.push(Op::Reduce {
+        op,
+        x: inner,
+        dims: shifted,
+        keepdim,
+        correction: 0,
+    })
+}
+
+/// A reduction `op` of `x` over batch-first `dims` that mixes ragged and static element
+/// dims (not the batch), split into its static dims and its ragged ones (in order):
+/// lowering reduces either kind alone, and these reductions compose (a sum of sums, a
+/// mean of means over equal counts, an extreme of extremes). `None` for any other.
+fn split_reduction(
+    graph: &Graph,
+    op: ReduceOp,
+    x: ValueId,
+    dims: &[i64],
+) -> Option<(Vec<i64>, Vec<i64>)> {
+    let composes = matches!(
+        op,
+        ReduceOp::Sum
+            | ReduceOp::Mean
+            | ReduceOp::Amax
+            | ReduceOp::Amin
+            | ReduceOp::All
+            | ReduceOp::Any
+    );
+    let Type::Ragged { dims: element, .. } = graph.ty(x) else {
+        return None;
+    };
+    let rank = element.len() as i64 + 1;
+    let mut normalized: Vec<i64> = dims
+        .iter()
+        .map(|&dim| if dim < 0 { dim + rank } else { dim })
+        .collect();
+    normalized.sort_unstable();
+    normalized.dedup();
+    if !composes || normalized.is_empty() || normalized.iter().any(|&dim| dim < 1 || dim >= rank) {
+        return None;
+    }
+    let ragged = |dim: &i64| matches!(element[(*dim - 1) as usize], nestor_ir::ElemDim::Ragged(_));
+    let (ragged_dims, static_dims): (Vec<i64>, Vec<i64>) = normalized.into_iter().partition(ragged);
+    (!ragged_dims.is_empty() && !static_dims.is_empty()).then_some((static_dims, ragged_dims))
+}
+
 /// `var(x)` over batch-first `dims` (all of them when empty) with a Bessel
 /// `correction`, in primitive ops (see the module docs).
 fn variance(
@@ -327,13 +415,7 @@ fn variance(
             .collect()
     };
     let mean = |graph: &mut Graph, x: ValueId, keepdim: bool| {
-        graph.push(Op::Reduce {
-            op: ReduceOp::Mean,
-            x,
-            dims: dims.to_vec(),
-            keepdim,
-            correction: 0,
-        })
+        reduce(graph, ReduceOp::Mean, x, dims, keepdim)
     };
     let center = mean(graph, x, true)?;
     let centered = graph.push(Op::Binary {

@@ -82,6 +82,9 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].layer_norm(&[4], Some(&g2), None, 1e-5)?.into(),
                     // Over the batch and ragged dims (a column sum).
                     x[0].sum(&[0, 1], false)?.into(),
+                    // Over the ragged and static dims together.
+                    x[0].mean(&[1, 2], true)?.into(),
+                    x[0].sum(&[-1, 1], false)?.into(),
                     // Per-element operands `[B, 1, 4]` broadcast over each element's rows.
                     x[0].binary(Binary::Sub, &x[0].mean(&[1], true)?.into_dense_handle()?)?
                         .into(),

@@ -110,7 +110,10 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             // expm1, log1p and the reciprocal; the roundings (zero gradient, as torch).
             let smooth = (&y.tanh()?.expm1()? + &(&a.log1p()? + &(&b + 1.0)?.reciprocal()?)?)?;
             let steps = (&(&y.floor()? + &y.ceil()?)? + &(&y * 3.0)?.round()?)?;
-            let s = (&r + &(&smooth + &(&steps * 0.1)?)?)?;
+            // leaky_relu, elu and softplus (their linear and curved parts).
+            let activations =
+                (&(&y.leaky_relu(0.1)? + &y.elu(0.7)?)? + &(&y * 4.0)?.softplus(0.5, 2.0)?)?;
+            let s = (&(&r + &(&smooth + &(&steps * 0.1)?)?)? + &activations)?;
             scalar(s.mse_loss(&x[0], LossReduction::Mean)?)
         }),
         // Cross entropy with label smoothing and an ignored class, from a two-layer head.
@@ -1296,4 +1299,40 @@ proptest! {
             assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "repeat gradient");
         }
     }
+}
+
+/// elu's and softplus's gradients at inputs whose exponential overflows are torch's
+/// (1 on the linear side, not the NaN of `inf * 0` through the unused branch), eager
+/// and compiled.
+#[test]
+fn elu_and_softplus_gradients_stay_finite_where_the_exponential_overflows() {
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        (&x[0].elu(1.0)? + &x[0].softplus(1.0, 20.0)?)?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    let values = Tensor::from_slice(&[100.0f32, 500.0, -100.0, 0.0, 3.0, -3.0]).reshape([3, 2]);
+    let leaves = || {
+        NestedTensor::builder()
+            .ragged_dims(&[0])
+            .tensors(&[values.shallow_clone()])
+            .unwrap()
+            .set_requires_grad(true)
+            .unwrap()
+    };
+    let (eager, ours) = (leaves(), leaves());
+    model(std::slice::from_ref(&eager), &[])
+        .unwrap()
+        .into_tensor()
+        .backward();
+    let compiled = compile("activations", model).train(&nn::VarStore::new(Device::Cpu));
+    compiled.call(&[&ours], &[]).unwrap();
+    // torch's own elu and softplus on the same values.
+    let reference = values.detach().set_requires_grad(true);
+    let _ = (reference.elu() + reference.softplus())
+        .sum(Kind::Float)
+        .backward();
+    let expected = reference.grad();
+    assert_close(eager.grad().unwrap().values(), &expected, 1e-6, "eager");
+    assert_close(ours.grad().unwrap().values(), &expected, 1e-6, "compiled");
 }

@@ -38,6 +38,9 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].where_self(&x[0].lt(0.0)?, 0.5)?.into(),
                     x[0].sign()?.into(),
                     x[0].expm1()?.into(),
+                    x[0].leaky_relu(0.1)?.into(),
+                    x[0].elu(0.7)?.into(),
+                    (&x[0] * 30.0)?.softplus(0.5, 5.0)?.into(),
                     x[0].abs()?.log1p()?.into(),
                     (&x[0].abs()? + 0.5)?.reciprocal()?.into(),
                     // Roundings of the inputs themselves: bf16 storage of an

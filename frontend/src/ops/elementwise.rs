@@ -216,35 +216,29 @@ impl NestedTensor {
         self.unary("gelu", Some(op), self.packed().f_gelu(approximate)?)
     }
 
-    /// `x` where positive, `negative_slope * x` elsewhere.
+    /// `x` where positive, `negative_slope * x` elsewhere (traced as that `where`).
     pub fn leaky_relu(&self, negative_slope: f64) -> Result<NestedTensor> {
-        let values = self.packed();
-        let result =
-            values.f_where_self(&values.f_gt(0.0)?, &values.f_mul_scalar(negative_slope)?)?;
-        self.unary("leaky_relu", None, result)
+        self.where_self(&self.gt(0.0)?, &(self * negative_slope)?)
     }
 
-    /// `x` where positive, `alpha * (e^x - 1)` elsewhere.
+    /// `x` where positive, `alpha * (e^x - 1)` elsewhere (traced as that `where`; the
+    /// exponential reads 0 where `x` is positive, so large inputs give no `inf * 0` in
+    /// the gradient).
     pub fn elu(&self, alpha: f64) -> Result<NestedTensor> {
-        let values = self.packed();
-        let negative = values.f_expm1()?.f_mul_scalar(alpha)?;
-        self.unary(
-            "elu",
-            None,
-            values.f_where_self(&values.f_gt(0.0)?, &negative)?,
-        )
+        let positive = self.gt(0.0)?;
+        let negative = self.where_self(&positive.logical_not()?, 0.0)?;
+        self.where_self(&positive, &(&negative.expm1()? * alpha)?)
     }
 
-    /// `ln(1 + e^(beta x)) / beta`, linear above `threshold` (as torch's softplus).
+    /// `ln(1 + e^(beta x)) / beta`, linear where `beta x` is above `threshold` (as
+    /// torch's softplus; traced as that `where`, the exponential reading 0 there so
+    /// large inputs give no `inf * 0` in the gradient).
     pub fn softplus(&self, beta: f64, threshold: f64) -> Result<NestedTensor> {
-        let values = self.packed();
-        let scaled = values.f_mul_scalar(beta)?;
-        let smooth = scaled.f_exp()?.f_log1p()?.f_div_scalar(beta)?;
-        self.unary(
-            "softplus",
-            None,
-            values.f_where_self(&scaled.f_gt(threshold)?, &smooth)?,
-        )
+        let scaled = (self * beta)?;
+        let linear = scaled.gt(threshold)?;
+        let safe = scaled.where_self(&linear.logical_not()?, 0.0)?;
+        let smooth = (&safe.exp()?.log1p()? / beta)?;
+        self.where_self(&linear, &smooth)
     }
 
     /// Clamps into `[min, max]`; `None` leaves that side open.

@@ -392,7 +392,6 @@ impl NestedTensor {
 
     /// Removes static dim `dim`, which must have size 1.
     pub fn squeeze_dim(&self, dim: i64) -> Result<NestedTensor> {
-        self.untraceable("squeeze")?;
         let element_dim = self.element_dim(dim, "squeeze")?;
         let axis = self.static_axis_or_error(element_dim, "squeeze")?;
         let size = self.packed().size()[axis as usize];
@@ -403,11 +402,32 @@ impl NestedTensor {
             });
         }
         let layout = self.lay().without_dim(element_dim)?;
-        Ok(NestedTensor::from_parts(
-            self.packed().f_squeeze_dim(axis)?,
-            layout,
-            self.options(),
-        ))
+        let squeezed =
+            NestedTensor::from_parts(self.packed().f_squeeze_dim(axis)?, layout, self.options());
+        self.traced_as_new_tail(squeezed, "squeeze")
+    }
+
+    /// `result`, a reshape of this batch's static dims, recorded as `reshape_tail` (when
+    /// the ragged dims lead the elements of both; otherwise a traced batch is an error
+    /// naming `op`).
+    fn traced_as_new_tail(&self, result: NestedTensor, op: &'static str) -> Result<NestedTensor> {
+        let ragged_first = |batch: &NestedTensor| {
+            let layout = batch.lay();
+            layout
+                .ragged_dims()
+                .iter()
+                .enumerate()
+                .all(|(position, &dim)| position == dim)
+        };
+        if !ragged_first(self) || !ragged_first(&result) {
+            self.untraceable(op)?;
+            return Ok(result);
+        }
+        let tail = result.packed().size().split_off(1);
+        result.traced(&[Arg::Nested(self)], op, |ids| Op::ReshapeTail {
+            x: ids[0],
+            tail,
+        })
     }
 
     /// Swaps two element dims. Two static dims swap on the packed values; a ragged dim
@@ -568,7 +588,6 @@ impl NestedTensor {
 
     /// Flattens the consecutive static dims `start..=end` into one.
     pub fn flatten(&self, start: i64, end: i64) -> Result<NestedTensor> {
-        self.untraceable("flatten")?;
         let first = self.element_dim(start, "flatten")?;
         let last = self.element_dim(end, "flatten")?;
         if last < first {
@@ -590,7 +609,10 @@ impl NestedTensor {
         }
         let layout = layout.with_static_dim(first, volume)?;
         let values = self.packed().f_flatten(axes[0], axes[axes.len() - 1])?;
-        Ok(NestedTensor::from_parts(values, layout, self.options()))
+        self.traced_as_new_tail(
+            NestedTensor::from_parts(values, layout, self.options()),
+            "flatten",
+        )
     }
 
     /// Reshapes the static tail: elements `[*ragged, *static]` (ragged dims first)

@@ -12,8 +12,6 @@
 //!   for an empty element, as torch;
 //! - a sum, mean, extreme or logical reduction over ragged and static element dims
 //!   together is one over the static dims, then one over the ragged ones;
-//! - `logsumexp` over a ragged dim is `log(sum(exp(x - m))) + m`, `m` the largest value
-//!   or 0 where that is infinite (libtorch's arithmetic);
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
 //!   towards uniform, summed or divided by the number of counted rows, as torch.
@@ -108,13 +106,6 @@ impl Pass for Decompose {
                         var
                     }
                 }
-                Op::Reduce {
-                    op: ReduceOp::LogSumExp,
-                    x,
-                    ref dims,
-                    keepdim,
-                    ..
-                } if over_ragged(&result, x, dims) => log_sum_exp(&mut result, x, dims, keepdim)?,
                 Op::Reduce {
                     op,
                     x,
@@ -328,81 +319,6 @@ fn batch_norm(
         (Some(dtype), Some(wider)) if dtype != wider => graph.push(Op::Cast { x: y, dtype }),
         _ => Ok(y),
     }
-}
-
-/// Whether batch-first `dims` of `x` (all when empty) include a ragged dim.
-fn over_ragged(graph: &Graph, x: ValueId, dims: &[i64]) -> bool {
-    let Type::Ragged { dims: element, .. } = graph.ty(x) else {
-        return false;
-    };
-    let rank = element.len() as i64 + 1;
-    let ragged = |dim: i64| {
-        let dim = if dim < 0 { dim + rank } else { dim };
-        (1..rank).contains(&dim)
-            && matches!(element[(dim - 1) as usize], nestor_ir::ElemDim::Ragged(_))
-    };
-    dims.is_empty() || dims.iter().any(|&dim| ragged(dim))
-}
-
-/// `logsumexp(x)` over `dims`, as libtorch computes it: `log(sum(exp(x - m))) + m` with
-/// `m` the largest value, or 0 where that is infinite (an empty element gives -inf).
-fn log_sum_exp(
-    graph: &mut Graph,
-    x: ValueId,
-    dims: &[i64],
-    keepdim: bool,
-) -> Result<ValueId, VerifyError> {
-    let dtype = graph.ty(x).dtype().unwrap_or(DType::F32);
-    let constant = |graph: &mut Graph, value: f64| {
-        graph.push(Op::Const {
-            value: F64(value),
-            dtype,
-        })
-    };
-    let (zero, infinity) = (constant(graph, 0.0)?, constant(graph, f64::INFINITY)?);
-    // The largest value, 0 where it is infinite.
-    let finite_max = |graph: &mut Graph, keepdim: bool| -> Result<ValueId, VerifyError> {
-        let max = reduce(graph, ReduceOp::Amax, x, dims, keepdim)?;
-        let magnitude = graph.push(Op::Unary {
-            op: UnaryOp::Abs,
-            x: max,
-        })?;
-        let infinite = graph.push(Op::Binary {
-            op: BinaryOp::Eq,
-            lhs: magnitude,
-            rhs: infinity,
-        })?;
-        graph.push(Op::Where {
-            condition: infinite,
-            x: zero,
-            y: max,
-        })
-    };
-    let shift = finite_max(graph, true)?;
-    let shifted = graph.push(Op::Binary {
-        op: BinaryOp::Sub,
-        lhs: x,
-        rhs: shift,
-    })?;
-    let exp = graph.push(Op::Unary {
-        op: UnaryOp::Exp,
-        x: shifted,
-    })?;
-    let sum = reduce(graph, ReduceOp::Sum, exp, dims, keepdim)?;
-    let log = graph.push(Op::Unary {
-        op: UnaryOp::Log,
-        x: sum,
-    })?;
-    let shift = if keepdim {
-        shift
-    } else {
-        finite_max(graph, false)?
-    };
-    graph.push(Op::Binary {
-        op: BinaryOp::Add,
-        lhs: log,
-        rhs: shift,
-    })
 }
 
 /// The reduction `op` of `x` over batch-first `dims`, split as [`split_reduction`] says

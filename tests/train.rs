@@ -113,6 +113,7 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             // leaky_relu, elu and softplus (their linear and curved parts).
             let activations =
                 (&(&y.leaky_relu(0.1)? + &y.elu(0.7)?)? + &(&y * 4.0)?.softplus(0.5, 2.0)?)?;
+            let activations = (&activations + &y.clamp(Some(-0.3), Some(0.4))?)?;
             let s = (&(&r + &(&smooth + &(&steps * 0.1)?)?)? + &activations)?;
             scalar(s.mse_loss(&x[0], LossReduction::Mean)?)
         }),
@@ -1335,4 +1336,38 @@ fn elu_and_softplus_gradients_stay_finite_where_the_exponential_overflows() {
     let expected = reference.grad();
     assert_close(eager.grad().unwrap().values(), &expected, 1e-6, "eager");
     assert_close(ours.grad().unwrap().values(), &expected, 1e-6, "compiled");
+}
+
+/// clamp's gradient is torch's, eager and compiled: it passes where `min <= x <= max`,
+/// bounds included, and is 0 at NaN (whose value stays NaN).
+#[test]
+fn clamp_gradients_pass_inside_the_bounds_only() {
+    // The loss weights every value but the NaN's (a where keeps it out of the sum).
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        let clamped = x[0].clamp(Some(-1.0), Some(1.0))?;
+        let finite = clamped.eq(&clamped)?;
+        clamped
+            .where_self(&finite, 0.0)?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    let values = Tensor::from_slice(&[f32::NAN, -2.0, 0.5, 2.0, -1.0, 1.0]).reshape([3, 2]);
+    let leaves = || {
+        NestedTensor::builder()
+            .ragged_dims(&[0])
+            .tensors(&[values.shallow_clone()])
+            .unwrap()
+            .set_requires_grad(true)
+            .unwrap()
+    };
+    let (eager, ours) = (leaves(), leaves());
+    model(std::slice::from_ref(&eager), &[])
+        .unwrap()
+        .into_tensor()
+        .backward();
+    let compiled = compile("clamp", model).train(&nn::VarStore::new(Device::Cpu));
+    compiled.call(&[&ours], &[]).unwrap();
+    let expected = Tensor::from_slice(&[0.0f32, 0.0, 1.0, 0.0, 1.0, 1.0]).reshape([3, 2]);
+    assert_close(eager.grad().unwrap().values(), &expected, 0.0, "eager");
+    assert_close(ours.grad().unwrap().values(), &expected, 0.0, "compiled");
 }

@@ -39,6 +39,8 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].sign()?.into(),
                     x[0].expm1()?.into(),
                     x[0].leaky_relu(0.1)?.into(),
+                    x[0].clamp(Some(-0.5), Some(0.5))?.into(),
+                    x[0].clamp(None, Some(0.2))?.into(),
                     x[0].elu(0.7)?.into(),
                     (&x[0] * 30.0)?.softplus(0.5, 5.0)?.into(),
                     x[0].abs()?.log1p()?.into(),

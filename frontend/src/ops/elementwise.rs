@@ -250,7 +250,16 @@ impl NestedTensor {
         if let Some(max) = max {
             values = values.f_clamp_max(max)?;
         }
-        self.unary("clamp", None, values)
+        let (min, max) = (
+            nestor_ir::F64(min.unwrap_or(f64::NEG_INFINITY)),
+            nestor_ir::F64(max.unwrap_or(f64::INFINITY)),
+        );
+        self.with_values(values)
+            .traced(&[Arg::Nested(self)], "clamp", |ids| Op::Clamp {
+                x: ids[0],
+                min,
+                max,
+            })
     }
 
     /// The trace argument of an operand lined up as `aligned` (whose dtype a constant

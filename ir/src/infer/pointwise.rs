@@ -37,6 +37,11 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         }
         Op::Cast { x, dtype } => Ok(data(ty(*x))?.with_dtype(*dtype)),
         Op::Dropout { x, .. } => data(ty(*x)),
+        Op::Clamp { x, .. } => {
+            let x = data(ty(*x))?;
+            float(&x)?;
+            Ok(x)
+        }
         Op::Expand { x, like, dims } => expand(&ty(*x), &ty(*like), dims),
         Op::RandomMask { like, p, .. } => {
             let like = data(ty(*like))?;

@@ -534,6 +534,17 @@ pub enum Op {
         /// The norm (at least 0, `inf` included).
         p: F64,
     },
+    /// `x` clamped into `[min, max]` (an infinite bound leaves that side open; NaN stays
+    /// NaN), as torch's `clamp`, whose gradient passes where `min <= x <= max`.
+    #[op(name = "clamp", family = Pointwise)]
+    Clamp {
+        /// Input.
+        x: ValueId,
+        /// The lower bound.
+        min: F64,
+        /// The upper bound.
+        max: F64,
+    },
     /// Dropout with probability `p` (identity unless `train`).
     #[op(name = "dropout", family = Pointwise)]
     Dropout {

@@ -64,6 +64,18 @@ fn pointwise(
             Ok(out)
         }
         Op::Cast { x, .. } => Ok(vec![(x, b.cast_like(g, x)?)]),
+        // Passes where `min <= x <= max` (0 at NaN), as torch's clamp.
+        Op::Clamp { x, min, max } => {
+            let (low, high, zero) = (
+                b.constant(min.0, x)?,
+                b.constant(max.0, x)?,
+                b.constant(0.0, g)?,
+            );
+            let above = b.binary(BinaryOp::Ge, x, low)?;
+            let below = b.binary(BinaryOp::Le, x, high)?;
+            let inside = b.binary(BinaryOp::And, above, below)?;
+            Ok(vec![(x, b.select(inside, g, zero)?)])
+        }
         Op::Dropout {
             x, train: false, ..
         } => Ok(vec![(x, g)]),

@@ -21,6 +21,10 @@ impl Interpreter<'_> {
                 let inputs: Vec<&Value> = inputs.iter().map(|&input| self.get(input)).collect();
                 fused_value(expr, &inputs)?
             }
+            Op::Clamp { x, min, max } => match self.get(*x) {
+                Value::Nested(nested) => Value::Nested(nested.clamp(Some(min.0), Some(max.0))?),
+                _ => Value::Dense(self.dense(*x)?.f_clamp_min(min.0)?.f_clamp_max(max.0)?),
+            },
             Op::Dropout { x, p, train } => match self.get(*x) {
                 Value::Nested(nested) => Value::Nested(nested.dropout(p.0, *train)?),
                 _ => Value::Dense(self.dense(*x)?.f_dropout(p.0, *train)?),

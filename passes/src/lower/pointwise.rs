@@ -44,16 +44,16 @@ impl Lowering<'_> {
             }
             // `x < min ? min : (x > max ? max : x)`: NaN passes through.
             Op::Clamp { x, min, max } => self.pointwise(value, ty, &[*x], |loads| {
-                let x = Box::new(loads[0].clone());
+                let x = &loads[0];
                 let bound = |value: F64| Box::new(Expr::Const(value));
                 let compare =
-                    |op, x: &Box<Expr>, value| Box::new(Expr::Binary(op, x.clone(), bound(value)));
-                let upper = Expr::Select(compare(BinaryOp::Gt, &x, *max), bound(*max), x.clone());
-                Expr::Select(
-                    compare(BinaryOp::Lt, &x, *min),
-                    bound(*min),
-                    Box::new(upper),
-                )
+                    |op, value| Box::new(Expr::Binary(op, Box::new(x.clone()), bound(value)));
+                let upper = Expr::Select(
+                    compare(BinaryOp::Gt, *max),
+                    bound(*max),
+                    Box::new(x.clone()),
+                );
+                Expr::Select(compare(BinaryOp::Lt, *min), bound(*min), Box::new(upper))
             }),
             Op::Cast { x, dtype } => match dtype {
                 DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {

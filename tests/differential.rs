@@ -1,11 +1,12 @@
 //! The differential fuzzer of the compiler: random well-typed programs (sequences of
-//! eager operators over a pool of `[L_i, 4]` batches: elementwise functions, binary
-//! ops between pool values, linear layers, norms, softmax over the tail and over the
-//! ragged dim, scans, per-element means broadcast back, attention, cdist and jagged
-//! pairs) are compiled once and run on random lengths (0 and 1 included, batch size 1),
-//! on the CPU and (f32) on the simulated GPU, their values against eager; then compiled
-//! for training, every parameter's gradient against autograd; in f32 and f64. `PROPTEST_CASES` sets how many programs (`make
-//! fuzz` runs 256; `make test` 24).
+//! eager operators over a pool of `[L_i, 4]` batches: elementwise functions and
+//! activations (clamp, softplus, elu, ...), binary ops between pool values, linear
+//! layers, norms, softmax over the tail and over the ragged dim, scans, per-element
+//! means broadcast back, attention, cdist and jagged pairs) are compiled once and run
+//! on random lengths (0 and 1 included, batch size 1), on the CPU and (f32) on the
+//! simulated GPU, their values against eager; then compiled for training, every
+//! parameter's gradient against autograd; in f32 and f64. `PROPTEST_CASES` sets how
+//! many programs (`make fuzz` runs 256; `make test` 24).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -25,7 +26,8 @@ const LAYERS: usize = 3;
 /// One operator of a program; operands index the pool (taken modulo its size).
 #[derive(Clone, Debug)]
 enum Step {
-    /// tanh, sigmoid, sin, gelu, relu, silu, abs, square halved.
+    /// tanh, sigmoid, sin, gelu, relu, silu, abs, leaky_relu, elu, softplus, clamp,
+    /// expm1, log1p, reciprocal, square halved.
     Unary(u8, usize),
     /// Add, subtract, multiply, maximum, divide by `|b| + 1`, atan2.
     Binary(u8, usize, usize),
@@ -49,7 +51,7 @@ enum Step {
 fn step() -> impl Strategy<Value = Step> {
     let operand = 0usize..8;
     prop_oneof![
-        (0u8..8, operand.clone()).prop_map(|(op, x)| Step::Unary(op, x)),
+        (0u8..15, operand.clone()).prop_map(|(op, x)| Step::Unary(op, x)),
         (0u8..6, operand.clone(), operand.clone()).prop_map(|(op, a, b)| Step::Binary(op, a, b)),
         (0..LAYERS, operand.clone()).prop_map(|(layer, x)| Step::Linear(layer, x)),
         operand.clone().prop_map(Step::LayerNorm),
@@ -78,6 +80,13 @@ fn run(steps: &[Step], x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Ne
                     4 => a.relu()?,
                     5 => a.silu()?,
                     6 => a.abs()?,
+                    7 => a.leaky_relu(0.2)?,
+                    8 => a.elu(0.5)?,
+                    9 => a.softplus(2.0, 3.0)?,
+                    10 => a.clamp(Some(-0.5), Some(0.8))?,
+                    11 => a.tanh()?.expm1()?,
+                    12 => a.abs()?.log1p()?,
+                    13 => (&a.abs()? + 1.0)?.reciprocal()?,
                     _ => (&a.square()? * 0.5)?,
                 }
             }

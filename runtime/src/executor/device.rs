@@ -678,6 +678,9 @@ impl<B> DeviceResults<B> {
             .map(|output| {
                 let data = if output.in_sink {
                     RunData::Sunk(output.len)
+                } else if output.len == 0 {
+                    // Nothing to copy (an empty input's address may be null).
+                    RunData::F32(Vec::new())
                 } else {
                     // The address is a buffer of this run holding `len` values (or an
                     // input the caller vouched for), alive while `self.results` is.

@@ -132,7 +132,7 @@ fn reduction(op: ReduceOp) -> (Reduce, bool) {
         ReduceOp::Mean => (Reduce::Mean, true),
         ReduceOp::Amax => (Reduce::Amax, true),
         ReduceOp::Amin => (Reduce::Amin, true),
-        ReduceOp::LogSumExp => (Reduce::LogSumExp, false),
+        ReduceOp::LogSumExp => (Reduce::LogSumExp, true),
         ReduceOp::Var => (Reduce::Var { correction: 1 }, true),
         ReduceOp::Std => (Reduce::Std { correction: 1 }, true),
         ReduceOp::All => (Reduce::All, false),

@@ -76,6 +76,16 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let pooled = rms.mean(&[1], false)?.into_dense_handle()?;
             // Over the ragged and static dims together, and their spread.
             let spread = rms.std(&[1, 2], 1, true)?.into_dense_handle()?.sum_all()?;
+            // logsumexp over the ragged dim and over the tail.
+            let spread = spread.add(
+                &rms.reduce(nestor::Reduce::LogSumExp, &[1], false)?
+                    .into_dense_handle()?
+                    .sum_all()?,
+            )?;
+            let tail = rms
+                .reduce(nestor::Reduce::LogSumExp, &[-1], false)?
+                .into_nested()?;
+            let spread = spread.add(&tail.sum(&[], false)?.into_dense_handle()?)?;
             let total = pooled.mul(&pooled)?.mean_all()?.add(&spread)?;
             let out = rms.linear(&w2, None)?;
             let loss = out

@@ -54,7 +54,9 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
   %23 = epilogue(%22, %6, %4, %1) {expr = "(add $1 $0)", inputs = 1, core = linear} : ragged<f32>[B; %0, 8]
   %24 = prologue(%1, %22, %23, %3, %4) {expr = "(add $0 (mul $1 $2))", inputs = 3, core = layer_norm, dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 8]
   %25 = linear(%1, %6) : ragged<f32>[B; %0, 8]
-  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25
+  %26 = logsumexp(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %27 = logsumexp(%1) {dims = [1], keepdim = false} : f32[B, 8]
+  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27
 }
 "#;
 

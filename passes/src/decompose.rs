@@ -10,8 +10,8 @@
 //!   `mean` of `square(x - mean(x))`, times `n / (n - correction)` (the count of the
 //!   reduced values, per element over ragged dims) before the mean when corrected: NaN
 //!   for an empty element, as torch;
-//! - a sum, mean, extreme or logical reduction over ragged and static element dims
-//!   together is one over the static dims, then one over the ragged ones;
+//! - a sum, mean, extreme, logsumexp or logical reduction over ragged and static
+//!   element dims together is one over the static dims, then one over the ragged ones;
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
 //!   towards uniform, summed or divided by the number of counted rows, as torch.
@@ -377,6 +377,7 @@ fn split_reduction(
             | ReduceOp::Mean
             | ReduceOp::Amax
             | ReduceOp::Amin
+            | ReduceOp::LogSumExp
             | ReduceOp::All
             | ReduceOp::Any
     );

@@ -264,6 +264,9 @@ pub enum RowKind {
     Max,
     /// The row's smallest value (output width 1).
     Min,
+    /// `log(sum(exp(x - m))) + m` over the row, `m` its largest value or 0 where that is
+    /// infinite (libtorch's logsumexp; output width 1).
+    LogSumExp,
 }
 
 /// Segmented kernels over the rows of each element, column by column.
@@ -277,6 +280,9 @@ pub enum SegmentKind {
     Max,
     /// Smallest value over each element's rows.
     Min,
+    /// logsumexp over each element's rows, as [`RowKind::LogSumExp`] (-inf for an empty
+    /// element).
+    LogSumExp,
     /// softmax over each element's rows (output: same shape).
     Softmax,
     /// log-softmax over each element's rows.

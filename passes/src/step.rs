@@ -538,7 +538,7 @@ impl Step {
             Step::Pointwise(pointwise) => pointwise.expr.transcendentals(),
             Step::Row(row) => {
                 let exponentials = match row.kind {
-                    RowKind::Softmax | RowKind::LogSoftmax => 2,
+                    RowKind::Softmax | RowKind::LogSoftmax | RowKind::LogSumExp => 2,
                     _ => 0,
                 };
                 exponentials + row.x.expr.transcendentals()

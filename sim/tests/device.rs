@@ -616,7 +616,8 @@ fn long_segments_are_a_block_each_short_ones_a_warp() {
   %9 = cumprod(%1) {axis = 1, reverse = false} : ragged<f32>[B; %0, 40]
   %10 = cumsum(%1) {axis = 1, reverse = true} : ragged<f32>[B; %0, 40]
   %11 = cumprod(%1) {axis = 1, reverse = true} : ragged<f32>[B; %0, 40]
-  return %2, %3, %4, %5, %6, %7, %8, %9, %10, %11
+  %12 = logsumexp(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  return %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12
 }"#,
     );
     let lengths = [63i64, 200, 1, 0, 64, 5, 130, 2, 9];

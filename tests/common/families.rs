@@ -1,6 +1,6 @@
 //! One model per lowered kernel family, for the compiled-vs-eager tests.
 
-use nestor::{Binary, Dense, NestedTensor};
+use nestor::{Binary, Dense, NestedTensor, Reduce};
 use tch::{Kind, Tensor};
 
 use super::{Out, Random};
@@ -90,6 +90,11 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     // Over the ragged and static dims together.
                     x[0].mean(&[1, 2], true)?.into(),
                     x[0].sum(&[-1, 1], false)?.into(),
+                    // logsumexp over the ragged dim (-inf for an empty element), the
+                    // last dim, and both.
+                    x[0].reduce(Reduce::LogSumExp, &[1], false)?.into(),
+                    x[0].reduce(Reduce::LogSumExp, &[-1], true)?.into(),
+                    x[0].reduce(Reduce::LogSumExp, &[1, 2], false)?.into(),
                     // Static reshapes: flatten and squeeze.
                     x[0].reshape_tail(&[2, 2])?.flatten(2, 3)?.into(),
                     x[0].unsqueeze(2)?.squeeze_dim(2)?.into(),

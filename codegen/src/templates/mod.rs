@@ -47,7 +47,7 @@ use data::{
 use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
-use rows::row;
+use rows::{finite_shift, row};
 use segments::segment;
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,

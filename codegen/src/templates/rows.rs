@@ -105,8 +105,30 @@ pub(super) fn row<'ctx>(
                 let value = row_values.extreme((kind == RowKind::Max, false))?;
                 first_lane_stores(kernel, lanes, out, row, value)
             }
+            RowKind::LogSumExp => {
+                let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;
+                let total =
+                    row_values.sum(|_, value| kernel.fast_exp(kernel.fsub(value, shift)?))?;
+                let value = kernel.fadd(kernel.math("log", &[total])?, shift)?;
+                first_lane_stores(kernel, lanes, out, row, value)
+            }
         }
     })
+}
+
+/// logsumexp's shift: the largest value, or 0 where that is infinite (as libtorch, so
+/// that a row of -inf gives -inf and a row with +inf gives +inf, not NaN).
+pub(super) fn finite_shift<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    largest: FloatValue<'ctx>,
+) -> Gen<FloatValue<'ctx>> {
+    let magnitude = kernel.intrinsic("llvm.fabs", &[largest])?;
+    let infinite = kernel.float_compare(
+        FloatPredicate::OEQ,
+        magnitude,
+        kernel.constant(f64::INFINITY),
+    )?;
+    kernel.select(infinite, kernel.constant(0.0), largest)
 }
 
 /// A row's values as the passes of a row kernel see them: kept in a lane's registers

@@ -145,6 +145,26 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                     )?;
                     kernel.store_float(self.out, out_at, self.finished(total, (first, last))?)
                 }
+                SegmentKind::LogSumExp => {
+                    let largest = self.extreme(true);
+                    let shift = fold(
+                        Fold {
+                            initial: f64::NEG_INFINITY,
+                            step: &largest,
+                        },
+                        None,
+                    )?;
+                    let shift = finite_shift(kernel, shift)?;
+                    let total = fold(
+                        Fold {
+                            initial: 0.0,
+                            step: &sum,
+                        },
+                        Some(shift),
+                    )?;
+                    let value = kernel.fadd(kernel.math("log", &[total])?, shift)?;
+                    kernel.store_float(self.out, out_at, value)
+                }
                 SegmentKind::Max | SegmentKind::Min => {
                     let (initial, extreme) = self.bound();
                     let value = fold(
@@ -385,6 +405,40 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                         self.softmax_at(row, column, (shift, total))
                     })
                 })
+            }
+            SegmentKind::LogSumExp => {
+                let largest = self.extreme(true);
+                let shifts = kernel.accumulator_array("shifts", slots)?;
+                fold_columns(
+                    Fold {
+                        initial: f64::NEG_INFINITY,
+                        step: &largest,
+                    },
+                    None,
+                )?;
+                kernel.lane_columns(lanes, self.width, |_, slot| {
+                    let shift = finite_shift(kernel, kernel.load_local(partial, slot)?)?;
+                    kernel.store_local(shifts, slot, shift)
+                })?;
+                fold_columns(
+                    Fold {
+                        initial: 0.0,
+                        step: &sum,
+                    },
+                    Some(shifts),
+                )?;
+                kernel.if_else(
+                    kernel.equal(warp, kernel.i64(0))?,
+                    || {
+                        kernel.lane_columns(lanes, self.width, |column, slot| {
+                            let total = kernel.load_local(partial, slot)?;
+                            let shift = kernel.load_local(shifts, slot)?;
+                            let value = kernel.fadd(kernel.math("log", &[total])?, shift)?;
+                            kernel.store_float(self.out, self.at(element, column)?, value)
+                        })
+                    },
+                    || Ok(()),
+                )
             }
             kind => {
                 if matches!(kind, SegmentKind::Max | SegmentKind::Min) {

@@ -476,7 +476,7 @@ fn reduce(
     };
     if !matches!(
         kind,
-        ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin
+        ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin | ReduceOp::LogSumExp
     ) {
         return Err(b.no_rule(format!("no rule for {} yet", kind.word())));
     }
@@ -509,6 +509,13 @@ fn reduce(
             let ties = b.expand(ties, x, Vec::new())?;
             let share = b.div(spread, ties)?;
             b.mul(share, mask)?
+        }
+        // g * exp(x - logsumexp(x)), as libtorch.
+        ReduceOp::LogSumExp => {
+            let result = b.expand(y, x, inserted)?;
+            let shifted = b.sub(x, result)?;
+            let weights = b.unary(UnaryOp::Exp, shifted)?;
+            b.mul(spread, weights)?
         }
         _ => spread,
     };

@@ -155,6 +155,7 @@ impl Lowering<'_> {
             ReduceOp::Mean => Ok(SegmentKind::Mean),
             ReduceOp::Amax => Ok(SegmentKind::Max),
             ReduceOp::Amin => Ok(SegmentKind::Min),
+            ReduceOp::LogSumExp => Ok(SegmentKind::LogSumExp),
             other => Err(unsupported(
                 value,
                 op,
@@ -186,6 +187,7 @@ impl Lowering<'_> {
                     ReduceOp::Mean => RowKind::Mean,
                     ReduceOp::Amax => RowKind::Max,
                     ReduceOp::Amin => RowKind::Min,
+                    ReduceOp::LogSumExp => RowKind::LogSumExp,
                     other => {
                         return Err(unsupported(
                             value,

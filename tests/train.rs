@@ -94,12 +94,12 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             loss.add(&total)
         }),
         // Softmax over the tail and over the ragged dim, log-softmax, a cumulative sum
-        // down the ragged dim, sums.
+        // down the ragged dim and a cumulative product along the tail, sums.
         "softmax" => Box::new(move |x, _| {
             let logits = x[0].matmul(&matrix)?;
             let tail = logits.softmax(-1)?;
             let ragged = logits.log_softmax(1)?;
-            let running = logits.cumsum(1)?.tanh()?;
+            let running = (&logits.cumsum(1)?.tanh()? + &logits.cumprod(-1)?.tanh()?)?;
             let mixed = (&(&(&tail * &x[1])? + &ragged.sigmoid()?)? + &running)?;
             scalar(mixed.sum(&[], false)?)
         }),
@@ -1182,7 +1182,8 @@ proptest! {
 
     /// cumprod's compiled gradient equals autograd's with zeros anywhere (none, one or
     /// several per column, first and last rows included), empty and one-row elements,
-    /// in f32 and f64; cumsum's (the reverse scan) too.
+    /// in f32 and f64, down the ragged dim and along the tail; cumsum's (the reverse
+    /// scan) too.
     #[test]
     fn scan_gradients_with_zeros_equal_autograd(
         values in proptest::collection::vec(proptest::collection::vec((-3i64..=3, -3i64..=3), 0..=6), 1..=4),
@@ -1190,8 +1191,8 @@ proptest! {
     ) {
         let kind = if double { Kind::Double } else { Kind::Float };
         let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
-            let products = x[0].cumprod(1)?.sin()?;
-            let sums = x[0].cumsum(1)?.cos()?;
+            let products = (&x[0].cumprod(1)?.sin()? + &x[0].cumprod(2)?.sin()?)?;
+            let sums = (&x[0].cumsum(1)?.cos()? + &x[0].cumsum(-1)?.cos()?)?;
             (&products + &sums)?.sum(&[], false)?.into_dense_handle()
         };
         let compiled = compile("scans", model).train(&nn::VarStore::new(Device::Cpu));

@@ -267,6 +267,14 @@ pub enum RowKind {
     /// `log(sum(exp(x - m))) + m` over the row, `m` its largest value or 0 where that is
     /// infinite (libtorch's logsumexp; output width 1).
     LogSumExp,
+    /// The cumulative sum (or `product`) along the row, from its last column back for
+    /// `reverse` (output: the row's width; one thread a row).
+    Scan {
+        /// A product rather than a sum.
+        product: bool,
+        /// From the last column back.
+        reverse: bool,
+    },
 }
 
 /// Segmented kernels over the rows of each element, column by column.

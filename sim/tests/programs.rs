@@ -272,13 +272,16 @@ fn difference(
 }
 
 /// What each storage needs: f32 to 1e-5 of every value (the check of the kernels'
-/// logic), bf16 buffers to 2e-2 of the outputs' norms (their rounding at every step's
+/// logic; 5e-5 for a training program's, whose weight gradients sum hundreds of products
+/// in another order than the CPU's: 1.4e-5 for strided_conv_loss on lengths [1, 3, 9, 11]),
+/// bf16 buffers to 2e-2 of the outputs' norms (their rounding at every step's
 /// store), 1e-1 for a training program's: its gradients go back through every rounded
 /// value, and the conv net's batch norm over an image of 8 x 1 pixels divides bf16
 /// differences of nearly equal values by a small deviation (8.7e-2 on heights [8, 5],
 /// widths [1, 4]; 1.2e-2 on [8, 5] x [8, 5]).
 fn tolerance(storage: Storage, train: bool) -> f64 {
     match storage {
+        Storage::Compute if train => 5e-5,
         Storage::Compute => 1e-5,
         Storage::Bf16 if train => 1e-1,
         Storage::Bf16 => 2e-2,

@@ -95,6 +95,9 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].reduce(Reduce::LogSumExp, &[1], false)?.into(),
                     x[0].reduce(Reduce::LogSumExp, &[-1], true)?.into(),
                     x[0].reduce(Reduce::LogSumExp, &[1, 2], false)?.into(),
+                    // Scans along the tail (the last dim, static).
+                    x[0].cumsum(2)?.into(),
+                    (&x[0] * 0.5)?.cumprod(-1)?.into(),
                     // Static reshapes: flatten and squeeze.
                     x[0].reshape_tail(&[2, 2])?.flatten(2, 3)?.into(),
                     x[0].unsqueeze(2)?.squeeze_dim(2)?.into(),

@@ -215,7 +215,7 @@ pub(crate) const BLOCK_SEGMENT_WIDTH: i64 = crate::GPU_BLOCK_THREADS as i64;
 /// a segmented kernel's wide elements.
 pub(crate) fn block_per_task(step: &Step) -> bool {
     match step {
-        Step::Row(row) => row.width > BLOCK_ROW_WIDTH,
+        Step::Row(row) => row.width > BLOCK_ROW_WIDTH && !scans(row),
         Step::Segment(segment) => segment.width >= BLOCK_SEGMENT_WIDTH,
         _ => false,
     }
@@ -226,7 +226,7 @@ pub(crate) fn block_per_task(step: &Step) -> bool {
 /// cores) stages its keys and values there.
 pub(crate) fn shared_floats(step: &Step, float: nestor_passes::FloatType, storage: Storage) -> i64 {
     match step {
-        Step::Row(row) if row.width > BLOCK_ROW_WIDTH => {
+        Step::Row(row) if row.width > BLOCK_ROW_WIDTH && !scans(row) => {
             i64::from(crate::GPU_BLOCK_THREADS) / WARP_LANES
         }
         Step::Segment(segment) => segments::segment_shared_floats(segment.width),
@@ -264,11 +264,16 @@ pub(crate) fn threads_per_task(
     }
 }
 
+/// Whether a row kernel scans its row (one thread a row: the columns run in order).
+fn scans(row: &Row) -> bool {
+    matches!(row.kind, RowKind::Scan { .. })
+}
+
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
     match step {
         Step::ScatterRows(ScatterRows { ids, .. }) => program.is_input(*ids),
-        Step::Row(_)
-        | Step::Segment(_)
+        Step::Row(row) => !scans(row),
+        Step::Segment(_)
         | Step::Gather(_)
         | Step::Pad(_)
         | Step::Unpad(_)

@@ -21,8 +21,11 @@ pub(super) fn row<'ctx>(
         RowKind::LayerNorm | RowKind::RmsNorm | RowKind::Softmax | RowKind::LogSoftmax
     );
     // A row is a warp's on a GPU (its lanes share the columns; a block's for rows over
-    // `BLOCK_ROW_WIDTH`), one thread's on the host.
-    let lanes_per_row = if width > BLOCK_ROW_WIDTH {
+    // `BLOCK_ROW_WIDTH`; a thread's for a scan, whose columns run in order), one
+    // thread's on the host.
+    let lanes_per_row = if matches!(kind, RowKind::Scan { .. }) {
+        1
+    } else if width > BLOCK_ROW_WIDTH {
         i64::from(crate::GPU_BLOCK_THREADS)
     } else {
         kernel.lane_count()
@@ -104,6 +107,23 @@ pub(super) fn row<'ctx>(
             RowKind::Max | RowKind::Min => {
                 let value = row_values.extreme((kind == RowKind::Max, false))?;
                 first_lane_stores(kernel, lanes, out, row, value)
+            }
+            RowKind::Scan { product, reverse } => {
+                let acc = kernel.accumulator("scan")?;
+                kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
+                kernel.for_range(kernel.i64(0), kernel.i64(width), |step| {
+                    let column = match reverse {
+                        true => kernel.sub(kernel.i64(width - 1), step)?,
+                        false => step,
+                    };
+                    let x = load(column)?;
+                    let next = match product {
+                        true => kernel.fmul(kernel.get(acc)?, x)?,
+                        false => kernel.fadd(kernel.get(acc)?, x)?,
+                    };
+                    kernel.set(acc, next)?;
+                    kernel.store_float(out, at(column)?, next)
+                })
             }
             RowKind::LogSumExp => {
                 let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;

@@ -254,21 +254,21 @@ impl NestedTensor {
         scan: impl Fn(&Tensor, i64) -> Result<Tensor, tch::TchError>,
     ) -> Result<NestedTensor> {
         let element_dim = self.element_dim(dim, op)?;
-        if let Some(axis) = self.static_axis(element_dim) {
-            // Not recorded yet: a traced scan is an error naming it, never a result that
-            // silently leaves the trace.
-            self.untraceable(op)?;
-            return Ok(self.with_values(scan(self.packed(), axis)?));
-        }
         let axis = self.ir_dims(&[dim])?[0];
         let product = op == "cumprod";
-        self.map_elements_eager(op, true, |element| Ok(scan(element, element_dim as i64)?))?
-            .traced(&[Arg::Nested(self)], op, |ids| Op::Cumulative {
-                x: ids[0],
-                axis,
-                product,
-                reverse: false,
-            })
+        let result = match self.static_axis(element_dim) {
+            // A static dim: on the packed values at once.
+            Some(packed_axis) => self.with_values(scan(self.packed(), packed_axis)?),
+            None => {
+                self.map_elements_eager(op, true, |element| Ok(scan(element, element_dim as i64)?))?
+            }
+        };
+        result.traced(&[Arg::Nested(self)], op, |ids| Op::Cumulative {
+            x: ids[0],
+            axis,
+            product,
+            reverse: false,
+        })
     }
 
     /// Pairwise `p`-norm distances between the elements of two batches:

@@ -82,6 +82,27 @@ impl Lowering<'_> {
                     (false, true) => SegmentKind::ReverseCumSum,
                     (true, true) => SegmentKind::ReverseCumProd,
                 };
+                // The last dim, static: a scan along each row.
+                let last = tail.len() as i64 + i64::from(lengths.is_some());
+                if (*axis == last || *axis == -1) && !tail.is_empty() {
+                    let width = *tail.last().unwrap_or(&1);
+                    let rows = self.data(value, *x)?.1;
+                    let out = self.result(value, ty)?;
+                    self.program.steps.push(Step::Row(Row {
+                        kind: RowKind::Scan {
+                            product: *product,
+                            reverse: *reverse,
+                        },
+                        out: slot_of(&out),
+                        x: Fusion::plain(slot, width),
+                        weight: None,
+                        bias: None,
+                        rows: rows.times(volume(&tail[..tail.len() - 1])),
+                        width,
+                        eps: F64(0.0),
+                    }));
+                    return Ok(out);
+                }
                 match lengths {
                     Some(lengths) if *axis == 1 => {
                         self.segmented(value, ty, kind, (slot, &tail), lengths)
@@ -89,7 +110,7 @@ impl Lowering<'_> {
                     _ => Err(unsupported(
                         value,
                         op,
-                        "a scan over another dim than the ragged one is not compiled",
+                        "a scan over a dim other than the ragged one or the last is not compiled",
                     )),
                 }
             }

@@ -124,6 +124,7 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
             let activations =
                 (&(&y.leaky_relu(0.1)? + &y.elu(0.7)?)? + &(&y * 4.0)?.softplus(0.5, 2.0)?)?;
             let activations = (&activations + &y.clamp(Some(-0.3), Some(0.4))?)?;
+            let activations = (&activations + &(&y * 8.0)?.mish()?)?;
             let s = (&(&r + &(&smooth + &(&steps * 0.1)?)?)? + &activations)?;
             scalar(s.mse_loss(&x[0], LossReduction::Mean)?)
         }),

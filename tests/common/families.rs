@@ -39,6 +39,8 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].sign()?.into(),
                     x[0].expm1()?.into(),
                     x[0].leaky_relu(0.1)?.into(),
+                    (&x[0] * 8.0)?.mish()?.into(),
+                    x[0].gt(0.2)?.logical_xor(&x[0].lt(-0.1)?)?.into(),
                     x[0].clamp(Some(-0.5), Some(0.5))?.into(),
                     x[0].clamp(None, Some(0.2))?.into(),
                     x[0].elu(0.7)?.into(),

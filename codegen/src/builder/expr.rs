@@ -173,12 +173,12 @@ impl<'ctx> Kernel<'ctx, '_> {
             BinaryOp::Le => compare(FloatPredicate::OLE),
             BinaryOp::Gt => compare(FloatPredicate::OGT),
             BinaryOp::Ge => compare(FloatPredicate::OGE),
-            BinaryOp::And | BinaryOp::Or => {
+            BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
                 let (a, b) = (self.nonzero(a)?, self.nonzero(b)?);
-                let result = if op == BinaryOp::And {
-                    self.builder.build_and(a, b, "and")
-                } else {
-                    self.builder.build_or(a, b, "or")
+                let result = match op {
+                    BinaryOp::And => self.builder.build_and(a, b, "and"),
+                    BinaryOp::Or => self.builder.build_or(a, b, "or"),
+                    _ => self.builder.build_xor(a, b, "xor"),
                 }
                 .map_err(err)?;
                 self.truth(result)

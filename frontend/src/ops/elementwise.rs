@@ -98,7 +98,7 @@ impl Binary {
             Binary::LogicalOr => BinaryOp::Or,
             Binary::Remainder => BinaryOp::Remainder,
             Binary::Atan2 => BinaryOp::Atan2,
-            Binary::LogicalXor => return None,
+            Binary::LogicalXor => BinaryOp::Xor,
         })
     }
 
@@ -173,8 +173,6 @@ unary_ops! {
     relu => f_relu, Some(UnaryOp::Relu);
     /// `x * sigmoid(x)`.
     silu => f_silu, Some(UnaryOp::Silu);
-    /// `x * tanh(softplus(x))`.
-    mish => f_mish, None;
     /// Sign: -1, 0 or 1.
     sign => f_sign, Some(UnaryOp::Sign);
     /// Round down.
@@ -239,6 +237,43 @@ impl NestedTensor {
         let safe = scaled.where_self(&linear.logical_not()?, 0.0)?;
         let smooth = (&safe.exp()?.log1p()? / beta)?;
         self.where_self(&linear, &smooth)
+    }
+
+    /// `x * tanh(softplus(x))`: libtorch's kernel eagerly, traced as those ops
+    /// (softplus linear above torch's threshold of 20, its exponential reading 0 there).
+    pub fn mish(&self) -> Result<NestedTensor> {
+        let mut result = self.with_values(self.packed().f_mish()?);
+        result.trace = crate::trace::record_with(&[Arg::Nested(self)], "mish", |graph, ids| {
+            let x = ids[0];
+            let dtype = graph.ty(x).dtype().unwrap_or(DType::F32);
+            let mut constant = |value: f64| {
+                graph.push(Op::Const {
+                    value: nestor_ir::F64(value),
+                    dtype,
+                })
+            };
+            let (threshold, zero) = (constant(20.0)?, constant(0.0)?);
+            let binary = |graph: &mut nestor_ir::Graph, op, lhs, rhs| {
+                graph.push(Op::Binary { op, lhs, rhs })
+            };
+            let unary = |graph: &mut nestor_ir::Graph, op, x| graph.push(Op::Unary { op, x });
+            let linear = binary(graph, BinaryOp::Gt, x, threshold)?;
+            let safe = graph.push(Op::Where {
+                condition: linear,
+                x: zero,
+                y: x,
+            })?;
+            let exp = unary(graph, UnaryOp::Exp, safe)?;
+            let smooth = unary(graph, UnaryOp::Log1p, exp)?;
+            let softplus = graph.push(Op::Where {
+                condition: linear,
+                x,
+                y: smooth,
+            })?;
+            let tanh = unary(graph, UnaryOp::Tanh, softplus)?;
+            binary(graph, BinaryOp::Mul, x, tanh)
+        })?;
+        Ok(result)
     }
 
     /// Clamps into `[min, max]`; `None` leaves that side open.

@@ -100,6 +100,8 @@ pub enum BinaryOp {
     And,
     /// `a || b`
     Or,
+    /// `a != b` as truth values (exactly one nonzero)
+    Xor,
     /// `a - b floor(a / b)`: the remainder with the divisor's sign (torch's
     /// `remainder`, Python's `%`).
     Remainder,
@@ -127,6 +129,7 @@ impl BinaryOp {
                 | BinaryOp::Ge
                 | BinaryOp::And
                 | BinaryOp::Or
+                | BinaryOp::Xor
         )
     }
 }
@@ -216,7 +219,7 @@ word_enum!(UnaryOp {
 word_enum!(BinaryOp {
     Add => "add", Sub => "sub", Mul => "mul", Div => "div", Pow => "pow", Maximum => "maximum",
     Minimum => "minimum", Eq => "eq", Ne => "ne", Lt => "lt", Le => "le", Gt => "gt", Ge => "ge",
-    And => "and", Or => "or", Remainder => "remainder", Atan2 => "atan2",
+    And => "and", Or => "or", Xor => "xor", Remainder => "remainder", Atan2 => "atan2",
 });
 word_enum!(ReduceOp {
     Sum => "sum", Mean => "mean", Amax => "amax", Amin => "amin", LogSumExp => "logsumexp",

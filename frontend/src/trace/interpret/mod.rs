@@ -577,6 +577,7 @@ impl Binary {
             BinaryOp::Ge => Binary::Ge,
             BinaryOp::And => Binary::LogicalAnd,
             BinaryOp::Or => Binary::LogicalOr,
+            BinaryOp::Xor => Binary::LogicalXor,
             BinaryOp::Remainder => Binary::Remainder,
             BinaryOp::Atan2 => Binary::Atan2,
         }

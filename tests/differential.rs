@@ -5,8 +5,10 @@
 //! means broadcast back, attention, cdist and jagged pairs) are compiled once and run
 //! on random lengths (0 and 1 included, batch size 1), on the CPU and (f32) on the
 //! simulated GPU, their values against eager; then compiled for training, every
-//! parameter's gradient against autograd; in f32 and f64. `PROPTEST_CASES` sets how
-//! many programs (`make fuzz` runs 256; `make test` 24).
+//! parameter's gradient against autograd; in f32 and f64. Image programs too
+//! (convolutions of any kernel, stride and padding, pooling, batch norm, sums of
+//! branches) trained against autograd. `PROPTEST_CASES` sets how many programs (`make
+//! fuzz` runs 256 of each; `make test` 24 and 12).
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -233,6 +235,180 @@ proptest! {
                 };
                 let worst = error(grad, &expected);
                 prop_assert!(worst <= tolerance, "{steps:?} on {lengths:?}: {name} error {worst:e}");
+            }
+        }
+    }
+}
+
+/// One operator of an image program; operands index the pool of `[CHANNELS, H_i, W_i]`
+/// batches.
+#[derive(Clone, Debug)]
+enum ImageStep {
+    /// A convolution (a layer's weight and bias) of `kernel`, `stride`, `padding`.
+    Conv(usize, usize, [i64; 3]),
+    /// relu.
+    Relu(usize),
+    /// Max (or average) pooling, 2x2 of stride 2 or 3x3 of stride 1 and padding 1.
+    Pool(usize, bool, bool),
+    /// Batch norm in training mode (the batch's statistics).
+    Norm(usize),
+    /// The sum of two pool values (skipped where their sizes differ eagerly).
+    Add(usize, usize),
+}
+
+/// Image channels.
+const CHANNELS: i64 = 2;
+
+fn image_step() -> impl Strategy<Value = ImageStep> {
+    let operand = 0usize..6;
+    let geometry = (1i64..=3, 1i64..=2)
+        .prop_flat_map(|(k, s)| (Just(k), Just(s), 0..=k / 2))
+        .prop_map(|(k, s, p)| [k, s, p]);
+    prop_oneof![
+        (operand.clone(), 0..LAYERS, geometry)
+            .prop_map(|(x, layer, g)| ImageStep::Conv(x, layer, g)),
+        operand.clone().prop_map(ImageStep::Relu),
+        (operand.clone(), any::<bool>(), any::<bool>())
+            .prop_map(|(x, max, halve)| ImageStep::Pool(x, max, halve)),
+        operand.clone().prop_map(ImageStep::Norm),
+        (operand.clone(), operand).prop_map(|(a, b)| ImageStep::Add(a, b)),
+    ]
+}
+
+/// An image program's loss: every step's value joins the pool; the last one's pixels
+/// are averaged per image, then the mean square.
+fn run_images(steps: &[ImageStep], x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Dense> {
+    let mut pool = vec![x.conv2d(&params[0], Some(&params[1]), [1, 1], [1, 1], [1, 1], 1)?];
+    for step in steps {
+        let at = |index: usize| &pool[index % pool.len()];
+        let value = match *step {
+            ImageStep::Conv(a, layer, [k, s, p]) => {
+                // Layer `layer`'s kernel cut to k x k (the weights are 3 x 3).
+                let weight = params[2 * layer].narrow(2, 0, k).narrow(3, 0, k);
+                at(a).conv2d(
+                    &weight,
+                    Some(&params[2 * layer + 1]),
+                    [s, s],
+                    [p, p],
+                    [1, 1],
+                    1,
+                )?
+            }
+            ImageStep::Relu(a) => at(a).relu()?,
+            ImageStep::Pool(a, max, halve) => {
+                let (kernel, stride, padding) = if halve {
+                    ([2, 2], [2, 2], [0, 0])
+                } else {
+                    ([3, 3], [1, 1], [1, 1])
+                };
+                match max {
+                    true => at(a).max_pool2d(kernel, stride, padding)?,
+                    false => at(a).avg_pool2d(kernel, stride, padding)?,
+                }
+            }
+            ImageStep::Norm(a) => at(a).batch_norm(1, None, None, None, None, true, 0.1, 1e-5)?,
+            ImageStep::Add(a, b) => match at(a) + at(b) {
+                Ok(sum) => sum,
+                // Different sizes: the step is skipped (the same when traced).
+                Err(_) => at(a).shallow_clone(),
+            },
+        };
+        pool.push(value);
+    }
+    let last = pool.pop().unwrap_or_else(|| x.shallow_clone());
+    last.adaptive_avg_pool2d([1, 1])?
+        .square()?
+        .mean(&[], false)?
+        .into_dense_handle()
+}
+
+/// Parameters of the image programs: `LAYERS` convolutions `[CHANNELS, CHANNELS, 3, 3]`
+/// with biases, the first taking `CHANNELS` channels too.
+fn image_parameters(kind: Kind, seed: i64) -> Vec<Tensor> {
+    let mut random = Random::new(seed);
+    (0..LAYERS)
+        .flat_map(|_| [vec![CHANNELS, CHANNELS, 3, 3], vec![CHANNELS]])
+        .map(|shape| (random.normal(&shape) * 0.4).to_kind(kind))
+        .collect()
+}
+
+/// A batch of images of these sizes (ragged in H and W).
+fn image_batch(sizes: &[(i64, i64)], kind: Kind, seed: i64) -> NestedTensor {
+    let mut random = Random::new(seed);
+    let images: Vec<Tensor> = sizes
+        .iter()
+        .map(|&(h, w)| random.normal(&[CHANNELS, h, w]).to_kind(kind))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&images)
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(12)))]
+
+    /// A random image program (convolutions of any kernel, stride and padding, pooling,
+    /// batch norm, sums of branches: windows of different geometry meet through the
+    /// run-time size check) trained compiled gives eager's loss and autograd's
+    /// gradients; a call whose sizes break an equality the trace relied on is the
+    /// typed error where eager fails too.
+    #[test]
+    fn random_image_programs_train_as_autograd(
+        steps in proptest::collection::vec(image_step(), 1..=5),
+        batches in proptest::collection::vec(proptest::collection::vec((12i64..=20, 12i64..=20), 1..=3), 2),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let tolerance = if double { 1e-8 } else { 2e-4 };
+        let params = image_parameters(kind, seed);
+        let store = nn::VarStore::new(Device::Cpu);
+        let root = store.root();
+        let variables: Vec<Tensor> = params.iter().enumerate().map(|(i, p)| root.add(&format!("p{i}"), p.copy(), true)).collect();
+        let leaves: Vec<Tensor> = params.iter().map(|p| p.copy().set_requires_grad(true)).collect();
+        let (traced_steps, traced) = (steps.clone(), variables.iter().map(Tensor::shallow_clone).collect::<Vec<_>>());
+        let training = compile("images", move |x: &[NestedTensor], _: &[Dense]| run_images(&traced_steps, &x[0], &traced)).train(&store);
+        for (index, sizes) in batches.iter().enumerate() {
+            let mut sizes = sizes.clone();
+            // Heights equal to the widths are another structure (shared lengths).
+            if sizes.iter().all(|(h, w)| h == w) {
+                sizes[0].1 += 1;
+            }
+            let x = image_batch(&sizes, kind, seed + index as i64);
+            for leaf in &leaves {
+                let mut grad = leaf.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+            }
+            for variable in &variables {
+                let mut grad = variable.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+            }
+            let eager = run_images(&steps, &x, &leaves);
+            // `call` accumulates into the variables' `.grad()`, through autograd for the
+            // kernels cut from them (`narrow` views, parameters of their own in the trace).
+            let compiled = training.call(&[&x], &[]);
+            let Ok(eager) = eager.map(Dense::into_tensor) else {
+                prop_assert!(compiled.is_err(), "{steps:?} on {sizes:?}: eager fails, compiled does not");
+                continue;
+            };
+            eager.backward();
+            let outputs = compiled.unwrap_or_else(|e| panic!("{steps:?} on {sizes:?}: {e}"));
+            let got = outputs.into_iter().next().unwrap().into_dense().unwrap();
+            let worst = error(&got, &eager);
+            prop_assert!(worst <= tolerance, "{steps:?} on {sizes:?}: loss error {worst:e}");
+            for (i, (leaf, variable)) in leaves.iter().zip(&variables).enumerate() {
+                let (expected, got) = (leaf.grad(), variable.grad());
+                if !expected.defined() {
+                    prop_assert!(!got.defined() || got.abs().sum(Kind::Double).double_value(&[]) == 0.0, "{steps:?}: p{i} has a gradient eager has not");
+                    continue;
+                }
+                let worst = error(&got, &expected);
+                prop_assert!(worst <= tolerance, "{steps:?} on {sizes:?}: p{i} error {worst:e}");
             }
         }
     }

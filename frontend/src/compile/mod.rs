@@ -356,7 +356,12 @@ where
 
     /// In training, the model's outputs and the gradient of every trainable parameter
     /// (named after its `VarStore` path) and of every batch whose values require grad
-    /// (named `x<index>`, packed values), returned rather than accumulated.
+    /// (named `x<index>`, packed values), returned rather than accumulated. A tensor the
+    /// model derives from a parameter outside the trace (a view such as `narrow`, an
+    /// expression) is a parameter of its own here, named `param<index>`; [`call`]
+    /// accumulates its gradient into the parameter it came from through autograd.
+    ///
+    /// [`call`]: Compiled::call
     pub fn gradients(
         &self,
         nested: &[&NestedTensor],

@@ -87,6 +87,11 @@ fn family(name: &str, store: &nn::VarStore) -> Model {
                 .into_nested()?;
             let spread = spread.add(&tail.sum(&[], false)?.into_dense_handle()?)?;
             let total = pooled.mul(&pooled)?.mean_all()?.add(&spread)?;
+            // The last two static dims swapped (and back, into the linear layer).
+            let rms = rms
+                .reshape_tail(&[2, 3])?
+                .transpose(2, 3)?
+                .reshape_tail(&[6])?;
             let out = rms.linear(&w2, None)?;
             let loss = out
                 .mse_loss(&x[1], LossReduction::Sum)?

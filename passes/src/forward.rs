@@ -38,6 +38,7 @@ fn compose(view: &Access, reader: &Access) -> Access {
         offset: view.offset + reader.offset,
         row_map: None,
         col_modulo: 0,
+        col_quotient: 0,
     }
 }
 
@@ -57,7 +58,10 @@ fn forwardable(program: &Program, index: usize) -> bool {
         return false;
     };
     let plain = |access: &Access| {
-        access.col_stride == 1 && access.row_map.is_none() && access.col_modulo == 0
+        access.col_stride == 1
+            && access.row_map.is_none()
+            && access.col_modulo == 0
+            && access.col_quotient == 0
     };
     let is_output = program.outputs.iter().any(|output| output.slot() == *out);
     let aliased = program

@@ -77,9 +77,10 @@ impl Rows {
 }
 
 /// How a kernel reads an input: scalar `(row, col)` of the output comes from
-/// `offset + row' * row_stride + col' * col_stride`, where `row'` is the row or, with
-/// a `row_map`, `map[row]`, and `col'` is `col % col_modulo` when `col_modulo > 0` (a
-/// broadcast tail).
+/// `offset + row' * row_stride + col' * col_stride + col / col_quotient`, where `row'`
+/// is the row or, with a `row_map`, `map[row]`, `col'` is `col % col_modulo` when
+/// `col_modulo > 0` (a broadcast tail), and the last term is there when `col_quotient >
+/// 0` (a row `[A, B]` read transposed: `col % A * B + col / A`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Access {
     /// The buffer.
@@ -94,6 +95,8 @@ pub struct Access {
     pub row_map: Option<RowMap>,
     /// Wrap columns (0: no wrap).
     pub col_modulo: i64,
+    /// Add the column divided by this (0: nothing).
+    pub col_quotient: i64,
 }
 
 impl Access {
@@ -107,6 +110,7 @@ impl Access {
             offset: 0,
             row_map: None,
             col_modulo: 0,
+            col_quotient: 0,
         }
     }
 }

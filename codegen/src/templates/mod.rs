@@ -171,6 +171,7 @@ fn index<'ctx>(
     row: IntValue<'ctx>,
     column: IntValue<'ctx>,
 ) -> Gen<IntValue<'ctx>> {
+    let original = column;
     let column = if access.col_modulo > 0 {
         kernel.rem(column, kernel.i64(access.col_modulo))?
     } else {
@@ -178,6 +179,14 @@ fn index<'ctx>(
     };
     let row_part = kernel.mul(row, kernel.i64(access.row_stride))?;
     let column_part = kernel.mul(column, kernel.i64(access.col_stride))?;
+    let column_part = if access.col_quotient > 0 {
+        kernel.add(
+            column_part,
+            kernel.div(original, kernel.i64(access.col_quotient))?,
+        )?
+    } else {
+        column_part
+    };
     kernel.add(
         kernel.add(row_part, column_part)?,
         kernel.i64(access.offset),
@@ -190,7 +199,7 @@ fn index<'ctx>(
 /// spend most of their time there); else a loop over rows.
 fn flat(width: i64, inputs: &[Access]) -> bool {
     inputs.iter().all(|access| {
-        let whole = access.row_map.is_none() && access.col_modulo == 0;
+        let whole = access.row_map.is_none() && access.col_modulo == 0 && access.col_quotient == 0;
         let elementwise = access.row_stride == width && access.col_stride == 1;
         let scalar = access.row_stride == 0 && access.col_stride == 0;
         whole && (elementwise || scalar)

@@ -240,6 +240,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: None,
                 col_modulo,
+                col_quotient: 0,
             },
             RowUse::Broadcast => Access {
                 slot,
@@ -248,6 +249,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: None,
                 col_modulo,
+                col_quotient: 0,
             },
             RowUse::PerElement(lengths) => Access {
                 slot,
@@ -256,6 +258,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: Some(RowMap::Owners(lengths)),
                 col_modulo,
+                col_quotient: 0,
             },
             RowUse::Mapped(map) => Access {
                 slot,
@@ -264,6 +267,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: Some(map),
                 col_modulo,
+                col_quotient: 0,
             },
         })
     }

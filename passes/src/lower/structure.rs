@@ -72,6 +72,9 @@ impl Lowering<'_> {
             }
             Op::SelectStatic { x, dim, index } => self.select_static(value, ty, *x, *dim, *index),
             Op::MatchLengths { x, lengths } => self.match_lengths(value, ty, *x, lengths),
+            Op::TransposeStatic { x, dim0, dim1 } => {
+                self.transpose_static(value, ty, *x, (*dim0, *dim1))
+            }
             Op::RepeatBatch {
                 x,
                 repeats,
@@ -112,6 +115,54 @@ impl Lowering<'_> {
             }
             _ => self.lower_lengths_op(value, op, ty),
         }
+    }
+
+    /// Two static dims of `x` swapped, when they are its last two: a copy reading each
+    /// packed row `[A, B]` transposed (`Access::col_quotient`), the dims before them
+    /// folded into the rows.
+    fn transpose_static(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        (dim0, dim1): (usize, usize),
+    ) -> Result<Lowered, LowerError> {
+        let op = self.graph.op(value);
+        let rank = match self.graph.ty(x) {
+            Type::Ragged { dims, .. } => dims.len(),
+            _ => 0,
+        };
+        let last_two = rank >= 2 && dim0.min(dim1) == rank - 2 && dim0.max(dim1) == rank - 1;
+        let (slot, rows, tail, _) = self.data(value, x)?;
+        let [.., a, b] = tail[..] else {
+            return Err(unsupported(
+                value,
+                op,
+                "expects a static tail of two dims or more",
+            ));
+        };
+        if !last_two {
+            return Err(unsupported(
+                value,
+                op,
+                "only the last two dims of a batch are swapped in compiled code",
+            ));
+        }
+        let leading = volume(&tail[..tail.len() - 2]);
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::Pointwise(Pointwise {
+            out: slot_of(&out),
+            rows: rows.times(leading),
+            width: a * b,
+            inputs: vec![Access {
+                col_stride: b,
+                col_modulo: a,
+                col_quotient: a,
+                ..Access::rows(slot, a * b)
+            }],
+            expr: Expr::Load(0),
+        }));
+        Ok(out)
     }
 
     /// The slot, lengths and row width of `x`, a batch with one leading ragged dim (an
@@ -331,6 +382,7 @@ impl Lowering<'_> {
             offset: index * inner,
             row_map: None,
             col_modulo: 0,
+            col_quotient: 0,
         };
         let out = self.result(value, ty)?;
         let width = volume(&tail_of(&out));

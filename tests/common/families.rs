@@ -103,6 +103,7 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     // The last two static dims swapped.
                     x[0].reshape_tail(&[2, 2])?.transpose(2, 3)?.into(),
                     x[0].reshape_tail(&[1, 2, 2])?.transpose(-1, -2)?.into(),
+                    x[0].reshape_tail(&[2, 2])?.permute(&[0, 1, 3, 2])?.into(),
                     // Static reshapes: flatten and squeeze.
                     x[0].reshape_tail(&[2, 2])?.flatten(2, 3)?.into(),
                     x[0].unsqueeze(2)?.squeeze_dim(2)?.into(),

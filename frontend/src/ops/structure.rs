@@ -540,9 +540,9 @@ impl NestedTensor {
     }
 
     /// Reorders the dims: `dims` is a permutation of the NestedTensor dims that keeps
-    /// the batch dim and every ragged dim in place, so only static dims move.
+    /// the batch dim and every ragged dim in place, so only static dims move. Traced as
+    /// the transposes of static dims that make it (compiled when each swaps the last two).
     pub fn permute(&self, dims: &[i64]) -> Result<NestedTensor> {
-        self.untraceable("permute")?;
         let ndim = self.dim();
         let normalized = dims
             .iter()
@@ -574,6 +574,21 @@ impl NestedTensor {
                 let axis = self.static_axis_or_error(element_dim(source), "permute")?;
                 static_order.push(axis as usize - 1);
             }
+        }
+        if self.trace.is_some() {
+            // One transpose a misplaced dim: the same values, each step recorded.
+            let mut order: Vec<usize> = (0..ndim).collect();
+            let mut result = self.shallow_clone();
+            for position in 0..ndim {
+                let Some(from) = order.iter().position(|&dim| dim == normalized[position]) else {
+                    continue;
+                };
+                if from != position {
+                    result = result.transpose(position as i64, from as i64)?;
+                    order.swap(position, from);
+                }
+            }
+            return Ok(result);
         }
         let axes: Vec<i64> = std::iter::once(0)
             .chain(static_order.iter().map(|&p| p as i64 + 1))

@@ -579,8 +579,8 @@ impl NestedTensor {
             // One transpose a misplaced dim: the same values, each step recorded.
             let mut order: Vec<usize> = (0..ndim).collect();
             let mut result = self.shallow_clone();
-            for position in 0..ndim {
-                let Some(from) = order.iter().position(|&dim| dim == normalized[position]) else {
+            for (position, &wanted) in normalized.iter().enumerate() {
+                let Some(from) = order.iter().position(|&dim| dim == wanted) else {
                     continue;
                 };
                 if from != position {

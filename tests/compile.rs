@@ -486,17 +486,6 @@ fn per_element_regions_run_through_libtorch_when_asked() {
             features.adaptive_avg_pool2d([2, 2])?.into(),
         ])
     };
-    let images = |sizes: &[(i64, i64)], seed: i64| {
-        tch::manual_seed(seed);
-        let elements: Vec<Tensor> = sizes
-            .iter()
-            .map(|&(h, w)| Tensor::randn([3, h, w], options))
-            .collect();
-        NestedTensor::builder()
-            .ragged_dims(&[1, 2])
-            .tensors(&elements)
-            .unwrap()
-    };
     let strict = compile("conv_strict", &block);
     let error = strict
         .call(&[&images(&[(6, 7), (9, 5)], 1)], &[])
@@ -577,22 +566,24 @@ fn a_strided_bottleneck_block_compiles_once_for_every_image_size() {
         let shortcut = x[0].conv2d(&downsample, None, [2, 2], [0, 0], [1, 1], 1)?;
         Ok(vec![(&h + &shortcut)?.relu()?.into()])
     };
-    let images = |sizes: &[(i64, i64)], seed: i64| {
-        tch::manual_seed(seed);
-        let elements: Vec<Tensor> = sizes
-            .iter()
-            .map(|&(h, w)| Tensor::randn([3, h, w], options))
-            .collect();
-        NestedTensor::builder()
-            .ragged_dims(&[1, 2])
-            .tensors(&elements)
-            .unwrap()
-    };
     let batches = [
         images(&[(7, 6), (9, 5)], 30),
         images(&[(8, 8), (1, 1), (12, 3)], 31),
     ];
     assert_one_compile_equals_eager("bottleneck", block, &batches);
+}
+
+/// Images `[3, h, w]` of these sizes from libtorch's generator seeded with `seed`.
+fn images(sizes: &[(i64, i64)], seed: i64) -> NestedTensor {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = sizes
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&elements)
+        .unwrap()
 }
 
 /// `model` compiled once equals eager on every batch of `batches` (of one structure).

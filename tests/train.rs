@@ -1319,17 +1319,15 @@ proptest! {
     }
 }
 
-/// elu's and softplus's gradients at inputs whose exponential overflows are torch's
-/// (1 on the linear side, not the NaN of `inf * 0` through the unused branch), eager
-/// and compiled.
-#[test]
-fn elu_and_softplus_gradients_stay_finite_where_the_exponential_overflows() {
-    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
-        (&x[0].elu(1.0)? + &x[0].softplus(1.0, 20.0)?)?
-            .sum(&[], false)?
-            .into_dense_handle()
-    };
-    let values = Tensor::from_slice(&[100.0f32, 500.0, -100.0, 0.0, 3.0, -3.0]).reshape([3, 2]);
+/// Asserts that `model`'s gradient with respect to one element of `values` (a
+/// `[3, 2]` f32 tensor) is `expected` within `tolerance`, eager and compiled.
+fn assert_input_gradient(
+    name: &str,
+    model: impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense> + Copy,
+    values: &Tensor,
+    expected: &Tensor,
+    tolerance: f64,
+) {
     let leaves = || {
         NestedTensor::builder()
             .ragged_dims(&[0])
@@ -1343,16 +1341,34 @@ fn elu_and_softplus_gradients_stay_finite_where_the_exponential_overflows() {
         .unwrap()
         .into_tensor()
         .backward();
-    let compiled = compile("activations", model).train(&nn::VarStore::new(Device::Cpu));
+    let compiled = compile(name, model).train(&nn::VarStore::new(Device::Cpu));
     compiled.call(&[&ours], &[]).unwrap();
+    assert_close(eager.grad().unwrap().values(), expected, tolerance, "eager");
+    assert_close(
+        ours.grad().unwrap().values(),
+        expected,
+        tolerance,
+        "compiled",
+    );
+}
+
+/// elu's and softplus's gradients at inputs whose exponential overflows are torch's
+/// (1 on the linear side, not the NaN of `inf * 0` through the unused branch), eager
+/// and compiled.
+#[test]
+fn elu_and_softplus_gradients_stay_finite_where_the_exponential_overflows() {
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        (&x[0].elu(1.0)? + &x[0].softplus(1.0, 20.0)?)?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    let values = Tensor::from_slice(&[100.0f32, 500.0, -100.0, 0.0, 3.0, -3.0]).reshape([3, 2]);
     // torch's own elu and softplus on the same values.
     let reference = values.detach().set_requires_grad(true);
     (reference.elu() + reference.softplus())
         .sum(Kind::Float)
         .backward();
-    let expected = reference.grad();
-    assert_close(eager.grad().unwrap().values(), &expected, 1e-6, "eager");
-    assert_close(ours.grad().unwrap().values(), &expected, 1e-6, "compiled");
+    assert_input_gradient("activations", model, &values, &reference.grad(), 1e-6);
 }
 
 /// clamp's gradient is torch's, eager and compiled: it passes where `min <= x <= max`,
@@ -1369,22 +1385,6 @@ fn clamp_gradients_pass_inside_the_bounds_only() {
             .into_dense_handle()
     };
     let values = Tensor::from_slice(&[f32::NAN, -2.0, 0.5, 2.0, -1.0, 1.0]).reshape([3, 2]);
-    let leaves = || {
-        NestedTensor::builder()
-            .ragged_dims(&[0])
-            .tensors(&[values.shallow_clone()])
-            .unwrap()
-            .set_requires_grad(true)
-            .unwrap()
-    };
-    let (eager, ours) = (leaves(), leaves());
-    model(std::slice::from_ref(&eager), &[])
-        .unwrap()
-        .into_tensor()
-        .backward();
-    let compiled = compile("clamp", model).train(&nn::VarStore::new(Device::Cpu));
-    compiled.call(&[&ours], &[]).unwrap();
     let expected = Tensor::from_slice(&[0.0f32, 0.0, 1.0, 0.0, 1.0, 1.0]).reshape([3, 2]);
-    assert_close(eager.grad().unwrap().values(), &expected, 0.0, "eager");
-    assert_close(ours.grad().unwrap().values(), &expected, 0.0, "compiled");
+    assert_input_gradient("clamp", model, &values, &expected, 0.0);
 }

@@ -50,14 +50,20 @@ pub(crate) struct Shape {
     pub(crate) taps: usize,
 }
 
-/// Runs `block(start, end)` over blocks of `rows` output rows on the team, split across
-/// the cores when `work` (scalars touched) is worth it.
-fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
-    let threads = if work >= crate::Parallelism::current().kernel_scalars {
+/// The team's threads for a kernel touching `work` scalars: all of them when it is worth
+/// splitting, else one.
+fn team_threads(work: usize) -> usize {
+    if work >= crate::Parallelism::current().kernel_scalars {
         worker_threads().max(1) as usize
     } else {
         1
-    };
+    }
+}
+
+/// Runs `block(start, end)` over blocks of `rows` output rows on the team, split across
+/// the cores when `work` (scalars touched) is worth it.
+fn run_blocks(rows: usize, work: usize, block: &(dyn Fn(usize, usize) + Sync)) {
+    let threads = team_threads(work);
     // A few blocks per thread, so that uneven images still balance.
     let blocks = rows.div_ceil(BLOCK_ROWS).max(1);
     let per_task = blocks.div_ceil(threads * 4).max(1) * BLOCK_ROWS;
@@ -339,12 +345,7 @@ fn for_each_image(counts: &[i64], channels: usize, image: &(dyn Fn(usize, usize,
         starts.push(total);
         total += count.max(0) as usize;
     }
-    let threads = if total.saturating_mul(channels) >= crate::Parallelism::current().kernel_scalars
-    {
-        worker_threads().max(1) as usize
-    } else {
-        1
-    };
+    let threads = team_threads(total.saturating_mul(channels));
     crate::team::for_each_chunk(counts.len(), threads, &|index| {
         image(index, starts[index], counts[index].max(0) as usize)
     });
@@ -552,9 +553,55 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
             }
         }
     }
-    let buffers = Buffers {
-        out: out as *mut T,
+    let grads = Buffers {
+        out: std::ptr::null_mut(),
         x: g as *const T,
+    };
+    let work = taps
+        .rows
+        .len()
+        .saturating_mul(channels)
+        .saturating_mul(width);
+    let window = |image: &WindowImage, r: usize, out: &mut [T]| {
+        // SAFETY: `g` holds every output pixel.
+        let grad = unsafe { std::slice::from_raw_parts(grads.x().add(r * channels), channels) };
+        let windows = &taps.rows[r * per_window..(r + 1) * per_window];
+        for (t, &source) in windows.iter().enumerate() {
+            if source < 0 {
+                continue;
+            }
+            let row = &mut out[(source as usize - image.input) * width..][..width];
+            let weights = &packed[t * width * channels..][..width * channels];
+            for (value, tap) in row.iter_mut().zip(weights.chunks(channels.max(1))) {
+                let mut sum = T::ZERO;
+                for (&gradient, &w) in grad.iter().zip(tap) {
+                    sum += gradient * w;
+                }
+                *value += sum;
+            }
+        }
+    };
+    // SAFETY: `out` holds every input pixel of `images`, `width` values each.
+    unsafe { scatter_windows(out as *mut T, images, width, work, &window) }
+}
+
+/// Runs `window(image, r, out)` for every window `r` of every image, in order, with
+/// `out` that image's input pixels (`width` values each), zeroed first: the windows
+/// scatter into the pixels they read. Images in parallel (their windows read only their
+/// own pixels), split across the cores when `work` (scalars touched) is worth it.
+///
+/// # Safety
+/// `out` must hold every input pixel of `images` times `width` values.
+unsafe fn scatter_windows<T: Scalar>(
+    out: *mut T,
+    images: &[WindowImage],
+    width: usize,
+    work: usize,
+    window: &(dyn Fn(&WindowImage, usize, &mut [T]) + Sync),
+) {
+    let buffers = Buffers {
+        out,
+        x: std::ptr::null(),
     };
     let image = |index: usize| {
         let image = images[index];
@@ -566,37 +613,10 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
         };
         out.fill(T::ZERO);
         for r in image.output..image.output + outputs {
-            // SAFETY: `g` holds every output pixel.
-            let grad =
-                unsafe { std::slice::from_raw_parts(buffers.x().add(r * channels), channels) };
-            let windows = &taps.rows[r * per_window..(r + 1) * per_window];
-            for (t, &source) in windows.iter().enumerate() {
-                if source < 0 {
-                    continue;
-                }
-                let row = &mut out[(source as usize - image.input) * width..][..width];
-                let weights = &packed[t * width * channels..][..width * channels];
-                for (value, tap) in row.iter_mut().zip(weights.chunks(channels.max(1))) {
-                    let mut sum = T::ZERO;
-                    for (&gradient, &w) in grad.iter().zip(tap) {
-                        sum += gradient * w;
-                    }
-                    *value += sum;
-                }
-            }
+            window(&image, r, out);
         }
     };
-    let work = taps
-        .rows
-        .len()
-        .saturating_mul(channels)
-        .saturating_mul(width);
-    let threads = if work >= crate::Parallelism::current().kernel_scalars {
-        worker_threads().max(1) as usize
-    } else {
-        1
-    };
-    crate::team::for_each_chunk(images.len(), threads, &image);
+    crate::team::for_each_chunk(images.len(), team_threads(work), &image);
 }
 
 /// Pooling's gradient: every output pixel's gradient to the input pixel max pooling
@@ -620,66 +640,49 @@ pub(crate) unsafe fn pool_grad<T: Scalar>(
         ..
     } = shape;
     let inputs = Buffers {
-        out: out as *mut T,
+        out: std::ptr::null_mut(),
         x: x as *const T,
     };
     let grads = Buffers {
         out: std::ptr::null_mut(),
         x: g as *const T,
     };
-    let image = |index: usize| {
-        let image = images[index];
-        let pixels = (image.size.0 * image.size.1) as usize;
-        let outputs = (image.out.0 * image.out.1) as usize;
-        // SAFETY: image `index` owns its input pixels' rows of `out`.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(
-                inputs.out().add(image.input * channels),
-                pixels * channels,
-            )
-        };
-        out.fill(T::ZERO);
-        for r in image.output..image.output + outputs {
-            let windows = &taps.rows[r * per_window..(r + 1) * per_window];
-            // SAFETY: `g` holds every output pixel.
-            let grad = unsafe { std::slice::from_raw_parts(grads.x().add(r * channels), channels) };
-            let local = |source: i64| source as usize - image.input;
-            if max {
-                for (c, &gradient) in grad.iter().enumerate() {
-                    let mut best = T::NEG_INFINITY;
-                    let mut picked = windows.iter().copied().find(|&source| source >= 0);
-                    for &source in windows.iter().filter(|&&source| source >= 0) {
-                        // SAFETY: the taps name rows of `x`.
-                        let value = unsafe { *inputs.x().add(source as usize * channels + c) };
-                        #[allow(clippy::eq_op)]
-                        if value > best || value != value {
-                            best = value;
-                            picked = Some(source);
-                        }
-                    }
-                    if let Some(source) = picked {
-                        out[local(source) * channels + c] += gradient;
+    let window = |image: &WindowImage, r: usize, out: &mut [T]| {
+        let windows = &taps.rows[r * per_window..(r + 1) * per_window];
+        // SAFETY: `g` holds every output pixel.
+        let grad = unsafe { std::slice::from_raw_parts(grads.x().add(r * channels), channels) };
+        let local = |source: i64| source as usize - image.input;
+        if max {
+            for (c, &gradient) in grad.iter().enumerate() {
+                let mut best = T::NEG_INFINITY;
+                let mut picked = windows.iter().copied().find(|&source| source >= 0);
+                for &source in windows.iter().filter(|&&source| source >= 0) {
+                    // SAFETY: the taps name rows of `x`.
+                    let value = unsafe { *inputs.x().add(source as usize * channels + c) };
+                    #[allow(clippy::eq_op)]
+                    if value > best || value != value {
+                        best = value;
+                        picked = Some(source);
                     }
                 }
-            } else {
-                let inside = windows.iter().filter(|&&source| source >= 0).count();
-                let divisor = T::from_f64(inside as f64);
-                for &source in windows.iter().filter(|&&source| source >= 0) {
-                    let row = &mut out[local(source) * channels..][..channels];
-                    for (value, &gradient) in row.iter_mut().zip(grad) {
-                        *value += gradient / divisor;
-                    }
+                if let Some(source) = picked {
+                    out[local(source) * channels + c] += gradient;
+                }
+            }
+        } else {
+            let inside = windows.iter().filter(|&&source| source >= 0).count();
+            let divisor = T::from_f64(inside as f64);
+            for &source in windows.iter().filter(|&&source| source >= 0) {
+                let row = &mut out[local(source) * channels..][..channels];
+                for (value, &gradient) in row.iter_mut().zip(grad) {
+                    *value += gradient / divisor;
                 }
             }
         }
     };
     let work = taps.rows.len().saturating_mul(channels);
-    let threads = if work >= crate::Parallelism::current().kernel_scalars {
-        worker_threads().max(1) as usize
-    } else {
-        1
-    };
-    crate::team::for_each_chunk(images.len(), threads, &image);
+    // SAFETY: `out` holds every input pixel of `images`, `channels` values each.
+    unsafe { scatter_windows(out as *mut T, images, channels, work, &window) }
 }
 
 /// Pixels of every image (saturating: sizes that large fail the buffer checks).

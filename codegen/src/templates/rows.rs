@@ -108,23 +108,13 @@ pub(super) fn row<'ctx>(
                 let value = row_values.extreme((kind == RowKind::Max, false))?;
                 first_lane_stores(kernel, lanes, out, row, value)
             }
-            RowKind::Scan { product, reverse } => {
-                let acc = kernel.accumulator("scan")?;
-                kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
-                kernel.for_range(kernel.i64(0), kernel.i64(width), |step| {
-                    let column = match reverse {
-                        true => kernel.sub(kernel.i64(width - 1), step)?,
-                        false => step,
-                    };
-                    let x = load(column)?;
-                    let next = match product {
-                        true => kernel.fmul(kernel.get(acc)?, x)?,
-                        false => kernel.fadd(kernel.get(acc)?, x)?,
-                    };
-                    kernel.set(acc, next)?;
-                    kernel.store_float(out, at(column)?, next)
-                })
-            }
+            RowKind::Scan { product, reverse } => scan(
+                kernel,
+                (product, reverse),
+                (kernel.i64(0), kernel.i64(width)),
+                &load,
+                |column, value| kernel.store_float(out, at(column)?, value),
+            ),
             RowKind::LogSumExp => {
                 let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;
                 let total =

@@ -60,6 +60,33 @@ pub(super) fn segment<'ctx>(
     segments.grouped(end)
 }
 
+/// A running sum (or `product`) over positions `start..end` (from the last back for
+/// `reverse`): each position's `load`, the running value given to `store` there. A
+/// segment's rows and a row's columns scan this way.
+pub(super) fn scan<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (product, reverse): (bool, bool),
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    store: impl Fn(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<()>,
+) -> Gen<()> {
+    let acc = kernel.accumulator("scan")?;
+    kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
+    kernel.for_range(start, end, |step| {
+        let position = match reverse {
+            true => kernel.sub(kernel.add(start, end)?, kernel.add(step, kernel.i64(1))?)?,
+            false => step,
+        };
+        let x = load(position)?;
+        let next = match product {
+            true => kernel.fmul(kernel.get(acc)?, x)?,
+            false => kernel.fadd(kernel.get(acc)?, x)?,
+        };
+        kernel.set(acc, next)?;
+        store(position, next)
+    })
+}
+
 /// A segmented kernel's step and buffers.
 struct Segments<'a, 'ctx, 'm> {
     kernel: &'a Kernel<'ctx, 'm>,
@@ -134,6 +161,31 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             };
             let out_at = self.at(element, column)?;
             let sum = self.sum();
+            // The column's largest value (0 where infinite, for logsumexp: `finite`) and
+            // the sum of the exponentials of the values less it.
+            let exp_sum = |finite: bool| -> Gen<(FloatValue<'ctx>, FloatValue<'ctx>)> {
+                let largest = self.extreme(true);
+                let shift = fold(
+                    Fold {
+                        initial: f64::NEG_INFINITY,
+                        step: &largest,
+                    },
+                    None,
+                )?;
+                let shift = if finite {
+                    finite_shift(kernel, shift)?
+                } else {
+                    shift
+                };
+                let total = fold(
+                    Fold {
+                        initial: 0.0,
+                        step: &sum,
+                    },
+                    Some(shift),
+                )?;
+                Ok((shift, total))
+            };
             match kind {
                 SegmentKind::Sum | SegmentKind::Mean => {
                     let total = fold(
@@ -146,22 +198,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                     kernel.store_float(self.out, out_at, self.finished(total, (first, last))?)
                 }
                 SegmentKind::LogSumExp => {
-                    let largest = self.extreme(true);
-                    let shift = fold(
-                        Fold {
-                            initial: f64::NEG_INFINITY,
-                            step: &largest,
-                        },
-                        None,
-                    )?;
-                    let shift = finite_shift(kernel, shift)?;
-                    let total = fold(
-                        Fold {
-                            initial: 0.0,
-                            step: &sum,
-                        },
-                        Some(shift),
-                    )?;
+                    let (shift, total) = exp_sum(true)?;
                     let value = kernel.fadd(kernel.math("log", &[total])?, shift)?;
                     kernel.store_float(self.out, out_at, value)
                 }
@@ -186,41 +223,16 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                         kind,
                         SegmentKind::ReverseCumSum | SegmentKind::ReverseCumProd
                     );
-                    let acc = kernel.accumulator("scan")?;
-                    kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
-                    kernel.for_range(first, last, |step| {
-                        // Reversed: from the last row back to the first.
-                        let row = match reverse {
-                            true => kernel
-                                .sub(kernel.add(first, last)?, kernel.add(step, kernel.i64(1))?)?,
-                            false => step,
-                        };
-                        let x = self.load(row, column)?;
-                        let next = if product {
-                            kernel.fmul(kernel.get(acc)?, x)?
-                        } else {
-                            kernel.fadd(kernel.get(acc)?, x)?
-                        };
-                        kernel.set(acc, next)?;
-                        kernel.store_float(self.out, self.at(row, column)?, next)
-                    })
+                    scan(
+                        kernel,
+                        (product, reverse),
+                        (first, last),
+                        &|row| self.load(row, column),
+                        |row, value| kernel.store_float(self.out, self.at(row, column)?, value),
+                    )
                 }
                 SegmentKind::Softmax | SegmentKind::LogSoftmax => {
-                    let largest = self.extreme(true);
-                    let shift = fold(
-                        Fold {
-                            initial: f64::NEG_INFINITY,
-                            step: &largest,
-                        },
-                        None,
-                    )?;
-                    let total = fold(
-                        Fold {
-                            initial: 0.0,
-                            step: &sum,
-                        },
-                        Some(shift),
-                    )?;
+                    let (shift, total) = exp_sum(false)?;
                     kernel.for_range(first, last, |row| {
                         self.softmax_at(row, column, (shift, total))
                     })
@@ -377,27 +389,39 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             })
         };
         let sum = self.sum();
+        // Every column's largest value (0 where infinite, for logsumexp: `finite`) in
+        // `shifts`, then the sum of the exponentials of its values less it in `partial`.
+        let exp_sums = |finite: bool| -> Gen<Local<'ctx>> {
+            let largest = self.extreme(true);
+            let shifts = kernel.accumulator_array("shifts", slots)?;
+            fold_columns(
+                Fold {
+                    initial: f64::NEG_INFINITY,
+                    step: &largest,
+                },
+                None,
+            )?;
+            kernel.lane_columns(lanes, self.width, |_, slot| {
+                let largest = kernel.load_local(partial, slot)?;
+                let shift = if finite {
+                    finite_shift(kernel, largest)?
+                } else {
+                    largest
+                };
+                kernel.store_local(shifts, slot, shift)
+            })?;
+            fold_columns(
+                Fold {
+                    initial: 0.0,
+                    step: &sum,
+                },
+                Some(shifts),
+            )?;
+            Ok(shifts)
+        };
         match self.kind {
             SegmentKind::Softmax | SegmentKind::LogSoftmax => {
-                let largest = self.extreme(true);
-                let shifts = kernel.accumulator_array("shifts", slots)?;
-                fold_columns(
-                    Fold {
-                        initial: f64::NEG_INFINITY,
-                        step: &largest,
-                    },
-                    None,
-                )?;
-                kernel.lane_columns(lanes, self.width, |_, slot| {
-                    kernel.store_local(shifts, slot, kernel.load_local(partial, slot)?)
-                })?;
-                fold_columns(
-                    Fold {
-                        initial: 0.0,
-                        step: &sum,
-                    },
-                    Some(shifts),
-                )?;
+                let shifts = exp_sums(false)?;
                 my_rows(&|row| {
                     kernel.lane_columns(lanes, self.width, |column, slot| {
                         let shift = kernel.load_local(shifts, slot)?;
@@ -407,26 +431,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 })
             }
             SegmentKind::LogSumExp => {
-                let largest = self.extreme(true);
-                let shifts = kernel.accumulator_array("shifts", slots)?;
-                fold_columns(
-                    Fold {
-                        initial: f64::NEG_INFINITY,
-                        step: &largest,
-                    },
-                    None,
-                )?;
-                kernel.lane_columns(lanes, self.width, |_, slot| {
-                    let shift = finite_shift(kernel, kernel.load_local(partial, slot)?)?;
-                    kernel.store_local(shifts, slot, shift)
-                })?;
-                fold_columns(
-                    Fold {
-                        initial: 0.0,
-                        step: &sum,
-                    },
-                    Some(shifts),
-                )?;
+                let shifts = exp_sums(true)?;
                 kernel.if_else(
                     kernel.equal(warp, kernel.i64(0))?,
                     || {

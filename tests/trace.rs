@@ -528,6 +528,33 @@ fn golden_graphs_of_an_ffn_an_encoder_layer_and_a_loss() {
     golden("loss", &loss.text());
 }
 
+/// The graph of a loss over the operators added for compiled coverage (a segmented and a
+/// row scan, clamp, expm1 and log1p, logsumexp over a ragged and a static dim, cdist and
+/// a repeated batch): `gpu-check` trains it on a GPU against the CPU runtime.
+#[test]
+fn golden_graph_of_the_coverage_loss() {
+    tch::manual_seed(13);
+    let store = nn::VarStore::new(Device::Cpu);
+    let linear = nn::linear(store.root() / "proj", 4, 4, Default::default());
+    let (tokens, _) = batch(&[5, 1, 0, 3], &[4], Kind::Float, 14);
+    let loss = trace("coverage_loss", &[&tokens], &[], Some(&store), |x, _| {
+        let hidden = nestor::nn::linear(&linear, &x[0])?.tanh()?;
+        let scans = (&hidden.cumsum(1)? + &hidden.sigmoid()?.cumprod(2)?)?;
+        let row_lse = hidden.logsumexp(&[2], true)?.into_nested()?;
+        let mixed = (&scans.clamp(Some(-1.5), Some(1.5))?.expm1()? * &row_lse)?;
+        let repeated = mixed
+            .repeat_batch(2)?
+            .sum(&[], false)?
+            .into_dense_handle()?;
+        let distances = hidden.cdist(&hidden, 2.0)?.log1p()?;
+        let distances = distances.sum(&[], false)?.into_dense_handle()?;
+        let ragged_lse = hidden.logsumexp(&[1], false)?.into_dense_handle()?;
+        repeated.add(&distances)?.add(&ragged_lse.sum_all()?)
+    })
+    .unwrap();
+    golden("coverage_loss", &loss.text());
+}
+
 #[test]
 fn dumps_write_text_and_dot() {
     let (example, _) = batch(&[2, 3], &[4], Kind::Float, 13);

@@ -7,8 +7,9 @@
 //!   backend's output) runs on the GPU and is compared;
 //! - whole programs (an optimized Transformer encoder layer, a feed-forward block, a graph
 //!   of gathers, padding and segmented kernels, attention written over jagged pairs, and
-//!   the training steps of a pooled classifier, of causal attention and of the pair
-//!   attention with their gradients) are lowered here, run on the device
+//!   the training steps of a pooled classifier, of causal attention, of the pair
+//!   attention, of a strided conv net and of a loss over scans, logsumexp, cdist and
+//!   repeated batches, with their gradients) are lowered here, run on the device
 //!   (`--device cuda`: the GPU, PTX made on the spot; `--device sim`: the same kernels
 //!   on the simulated GPU, `nestor-sim`, the self-test of `make test`) and on the CPU runtime for several sets of
 //!   lengths, with f32 and bf16 buffers, GEMM products on the BLAS (cuBLAS; on the host
@@ -36,60 +37,88 @@ use nestor_runtime::{
     Stats,
 };
 
-/// Name, text, and whether to run its training step (the loss, its first output, and
-/// every parameter's gradient) rather than the graph itself.
-const PROGRAMS: [(&str, &str, bool); 10] = [
+/// Name, text, whether to run its training step (the loss, its first output, and every
+/// parameter's gradient) rather than the graph itself, and the bf16 buffers' tolerance
+/// ([`compare`]).
+const PROGRAMS: [(&str, &str, bool, f64); 12] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
         false,
+        BF16_TOLERANCE,
     ),
     (
         "ffn",
         include_str!("../../../tests/filetests/ffn.nir"),
         false,
+        BF16_TOLERANCE,
     ),
     (
         "device_mix",
         include_str!("../../../tests/filetests/device_mix.nir"),
         false,
+        BF16_TOLERANCE,
     ),
     (
         "pooled_loss (training)",
         include_str!("../../../tests/filetests/pooled_loss.nir"),
         true,
+        BF16_TOLERANCE,
     ),
     (
         "attention_loss (training)",
         include_str!("../../../tests/filetests/attention_loss.nir"),
         true,
+        BF16_TOLERANCE,
     ),
     (
         "pair_attention",
         include_str!("../../../tests/filetests/pair_attention.nir"),
         false,
+        BF16_TOLERANCE,
     ),
     (
         "pair_attention_loss (training)",
         include_str!("../../../tests/filetests/pair_attention_loss.nir"),
         true,
+        BF16_TOLERANCE,
     ),
     (
         "conv_net",
         include_str!("../../../tests/filetests/conv_net.nir"),
         false,
+        BF16_TOLERANCE,
     ),
     (
         "window_grads",
         include_str!("../../../tests/filetests/window_grads.nir"),
         false,
+        BF16_TOLERANCE,
     ),
     (
         "conv_net_loss (training)",
         include_str!("../../../tests/filetests/conv_net_loss.nir"),
         true,
+        BF16_TOLERANCE,
+    ),
+    (
+        "strided_conv_loss (training)",
+        include_str!("../../../tests/filetests/strided_conv_loss.nir"),
+        true,
+        BF16_TOLERANCE,
+    ),
+    (
+        "coverage_loss (training)",
+        include_str!("../../../tests/filetests/coverage_loss.nir"),
+        true,
+        // Its weight gradient sums terms that nearly cancel (cdist's, the scans'):
+        // eager torch's own bf16 gradient of this loss is 4.6e-2 off its f64 one.
+        1e-1,
     ),
 ];
+
+/// The bf16 buffers' tolerance of a program whose gradients are well conditioned.
+const BF16_TOLERANCE: f64 = 2e-2;
 
 /// Batches with empty and one-row elements, a batch of one, a larger one.
 const LENGTHS: [&[i64]; 4] = [&[4, 0, 1, 3], &[1], &[7, 2], &[64, 17, 3, 40, 9, 1, 33, 20]];
@@ -311,19 +340,21 @@ fn run_programs(kind: Kind, record: &mut dyn FnMut(String)) -> usize {
         .chain([first, largest].map(|lengths| (lengths, Storage::Bf16, Gemms::Blas)))
         .chain([(largest, Storage::Bf16, Gemms::Kernels)]);
     for (lengths, storage, gemms) in runs {
-        for (name, text, train) in PROGRAMS {
+        for (name, text, train, bf16_tolerance) in PROGRAMS {
             let how = how_named(storage, gemms);
-            record(match check(text, train, lengths, (kind, storage, gemms)) {
-                Ok((error, device, cpu_ms)) => format!(
-                    "ok   {name} {lengths:?} ({how}): relative error {error:.2e}; \
+            record(
+                match check(text, train, lengths, (kind, storage, gemms), bf16_tolerance) {
+                    Ok((error, device, cpu_ms)) => format!(
+                        "ok   {name} {lengths:?} ({how}): relative error {error:.2e}; \
                      device {:.3} ms (queued in {:.3} ms), CPU runtime {cpu_ms:.3} ms",
-                    device.total_ms, device.queued_ms
-                ),
-                Err(why) => {
-                    failures += 1;
-                    format!("FAIL {name} {lengths:?} ({how}): {why}")
-                }
-            });
+                        device.total_ms, device.queued_ms
+                    ),
+                    Err(why) => {
+                        failures += 1;
+                        format!("FAIL {name} {lengths:?} ({how}): {why}")
+                    }
+                },
+            );
         }
     }
     failures
@@ -370,7 +401,7 @@ fn run_benchmarks(record: &mut dyn FnMut(String)) -> usize {
                 let run = (Kind::Cuda, storage, gemms);
                 line(
                     name,
-                    check(&encoder_layer_256(), false, &lengths, run),
+                    check(&encoder_layer_256(), false, &lengths, run, BF16_TOLERANCE),
                     &|_| String::new(),
                 );
             }
@@ -384,7 +415,13 @@ fn run_benchmarks(record: &mut dyn FnMut(String)) -> usize {
                 how_named(storage, Gemms::Blas)
             );
             let run = (Kind::Cuda, storage, Gemms::Blas);
-            let outcome = check(&attention_graph(causal), false, &ATTENTION_LENGTHS, run);
+            let outcome = check(
+                &attention_graph(causal),
+                false,
+                &ATTENTION_LENGTHS,
+                run,
+                BF16_TOLERANCE,
+            );
             line(name, outcome, &|ms| {
                 let tflops = flops / (ms * 1e-3) / 1e12;
                 format!(
@@ -407,6 +444,7 @@ fn run_benchmarks(record: &mut dyn FnMut(String)) -> usize {
             false,
             &lengths,
             (Kind::Cuda, storage, Gemms::Blas),
+            BF16_TOLERANCE,
         );
         line(name, outcome, &|ms| {
             let gbps = bytes / (ms * 1e-3) / 1e9;
@@ -483,6 +521,7 @@ fn check(
     train: bool,
     lengths: &[i64],
     (kind, storage, gemms): (Kind, Storage, Gemms),
+    bf16_tolerance: f64,
 ) -> Result<(f64, Timing, f64), String> {
     let fail = |error: RuntimeError| error.to_string();
     let graph = nestor_ir::parse(text).map_err(|error| error.to_string())?;
@@ -545,7 +584,8 @@ fn check(
     let mut worst = 0.0f64;
     for (what, actual) in [("from host memory", uploaded), ("resident", resident)] {
         worst = worst.max(
-            compare_outputs(&actual, &expected, storage).map_err(|why| format!("{what}: {why}"))?,
+            compare_outputs(&actual, &expected, storage, bf16_tolerance)
+                .map_err(|why| format!("{what}: {why}"))?,
         );
     }
     Ok((worst, device, cpu_ms))
@@ -556,6 +596,7 @@ fn compare_outputs(
     actual: &[RunOutput],
     expected: &[RunOutput],
     storage: Storage,
+    bf16_tolerance: f64,
 ) -> Result<f64, String> {
     if actual.len() != expected.len() {
         return Err(format!(
@@ -569,7 +610,8 @@ fn compare_outputs(
         let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
             return Err(format!("output {output} is not f32"));
         };
-        let error = compare(a, e, storage).map_err(|why| format!("output {output}, {why}"))?;
+        let error = compare(a, e, storage, bf16_tolerance)
+            .map_err(|why| format!("output {output}, {why}"))?;
         worst = worst.max(error);
     }
     Ok(worst)
@@ -578,11 +620,16 @@ fn compare_outputs(
 /// The error of `actual` against `expected` (the CPU runtime's): NaN and infinities
 /// where expected, and then with f32 buffers every value within 1e-4 of it relative to
 /// `1 + |expected|` (the largest such error is returned); with bf16 buffers, whose every
-/// step rounds its results to 8 significant bits, the error's norm within 2e-2 of the
-/// expected values' norm, or of the square root of their count where that is larger
+/// step rounds its results to 8 significant bits, the error's norm within
+/// `bf16_tolerance` of the expected values' norm, or of the square root of their count where that is larger
 /// (values near 0 measured against 1, as the f32 check does; that relative error is
 /// returned).
-fn compare(actual: &[f32], expected: &[f32], storage: Storage) -> Result<f64, String> {
+fn compare(
+    actual: &[f32],
+    expected: &[f32],
+    storage: Storage,
+    bf16_tolerance: f64,
+) -> Result<f64, String> {
     if actual.len() != expected.len() {
         return Err(format!(
             "{} values, expected {}",
@@ -612,7 +659,7 @@ fn compare(actual: &[f32], expected: &[f32], storage: Storage) -> Result<f64, St
         return Ok(worst);
     }
     let relative = error_norm.sqrt() / norm.max(actual.len() as f64).sqrt();
-    if relative > 2e-2 {
+    if relative > bf16_tolerance {
         return Err(format!(
             "the error's norm is {relative:.2e} of the values' (largest error {worst:.2e})"
         ));

@@ -153,7 +153,8 @@ pub enum Storage {
 /// and segmented kernels, attention and its gradient, jagged-pair matmuls, window steps,
 /// gathers, scatters by an index, one-hot rows, inserts, padding copies, pointwise
 /// kernels over rows, row sums: their lanes share the columns, or the rows summed), two
-/// for attention on tensor cores (a warp per 16 query rows), else one. A launch sizes
+/// for attention on tensor cores (a warp per 16 query rows), a row's values (up to a
+/// block) for flat pointwise kernels, else one. A launch sizes
 /// its grid by it; any grid gives the same result (the loops are grid-stride), this one
 /// runs every task at once.
 pub fn gpu_threads_per_task(program: &Program, step: &Step, storage: Storage) -> u32 {

@@ -252,7 +252,9 @@ pub(crate) fn shared_floats(step: &Step, float: nestor_passes::FloatType, storag
 
 /// GPU threads per task of `step`'s kernel when that is not a block, a warp or one
 /// ([`crate::gpu_threads_per_task`]): attention and its gradients on tensor cores, a
-/// warp per 16 rows.
+/// warp per 16 rows; a flat pointwise kernel, a thread per value of a row (up to a
+/// block's), so that its grid-stride loop over the values starts every value at once
+/// (a thread per row left the H200 at 12% of its bandwidth: too few loads in flight).
 pub(crate) fn threads_per_task(
     step: &Step,
     float: nestor_passes::FloatType,
@@ -268,6 +270,11 @@ pub(crate) fn threads_per_task(
             if tensor_attention_grad::grad_on_tensor_cores(gradient, float, storage) =>
         {
             Some(tensor_attention::THREADS_PER_ROW)
+        }
+        Step::Pointwise(Pointwise { width, inputs, .. }) if flat(*width, inputs) => {
+            let block = i64::from(crate::GPU_BLOCK_THREADS);
+            // Within 1..=GPU_BLOCK_THREADS, a u32.
+            Some((*width).clamp(1, block) as u32)
         }
         _ => None,
     }

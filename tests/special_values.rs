@@ -386,3 +386,50 @@ fn losses_and_embeddings_match_eager_on_special_values() {
         assert_close_within(&got, &want, 1e-5, &format!("losses, stride {stride}"));
     }
 }
+
+/// `max_dim` / `min_dim` (and `argmax` / `argmin`) along a ragged or a static dim give,
+/// element by element, what libtorch gives on the element: NaN is the extreme wherever a
+/// slice holds one, at the position of its first NaN.
+#[test]
+fn extremes_with_indices_follow_libtorch_on_special_values() {
+    for (shift, stride) in [(0, 5), (2, 7), (1, 3)] {
+        let batch = special_batch(&SPECIALS, &[4, 1, 6, 3], shift, stride, 31);
+        let elements = batch.unbind().unwrap();
+        for largest in [true, false] {
+            for dim in [1i64, 2] {
+                let (values, indices) = if largest {
+                    batch.max_dim(dim, true).unwrap()
+                } else {
+                    batch.min_dim(dim, true).unwrap()
+                };
+                // Per element: a ragged dim reduced leaves a dense `[B, 1, 4]`.
+                let per_element = |reduced: nestor::Reduced| match reduced {
+                    nestor::Reduced::Nested(nested) => nested.unbind().unwrap(),
+                    nestor::Reduced::Dense(dense) => dense.tensor().unbind(0),
+                };
+                let (values, indices) = (per_element(values), per_element(indices));
+                for (index, element) in elements.iter().enumerate() {
+                    let (expected, positions) = if largest {
+                        element.max_dim(dim - 1, true)
+                    } else {
+                        element.min_dim(dim - 1, true)
+                    };
+                    let what =
+                        format!("largest {largest}, dim {dim}, element {index}, shift {shift}");
+                    assert!(
+                        values[index].allclose(&expected, 0.0, 0.0, true),
+                        "{what}: {} vs {}",
+                        values[index],
+                        expected
+                    );
+                    assert!(
+                        indices[index].equal(&positions),
+                        "{what}: {} vs {}",
+                        indices[index],
+                        positions
+                    );
+                }
+            }
+        }
+    }
+}

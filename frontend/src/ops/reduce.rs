@@ -590,10 +590,7 @@ impl NestedTensor {
         let flat = values.f_reshape([rows, -1])?;
         let extreme = plan.extreme(values, if largest { "amax" } else { "amin" }, 0.0)?;
         let per_row = plan.gather(&extreme)?.f_reshape([rows, 1])?;
-        // NaN is the extreme of an element that holds one, as in torch.
-        let hits = flat
-            .f_eq_tensor(&per_row)?
-            .f_logical_or(&flat.f_isnan()?.f_logical_and(&per_row.f_isnan()?)?)?;
+        let hits = extreme_hits(&flat, &per_row)?;
         let positions = self.flat_positions()?.f_reshape([rows, -1])?;
         let candidates = positions
             .f_where_scalarother(&hits, i64::MAX)?
@@ -675,7 +672,7 @@ impl NestedTensor {
                 let coordinates = Tensor::f_from_slice(&layout.row_coordinates(element_dim))?
                     .f_to_device(self.device())?;
                 let coordinates = plan.expand_map(&coordinates, values)?;
-                let hits = values.f_eq_tensor(&plan.gather(&extreme)?)?;
+                let hits = extreme_hits(values, &plan.gather(&extreme)?)?;
                 let candidates = coordinates.f_where_scalarother(&hits, i64::MAX)?;
                 let initial =
                     Tensor::f_full(extreme.size(), i64::MAX, (Kind::Int64, self.device()))?;
@@ -691,6 +688,14 @@ impl NestedTensor {
             self.wrap_reduced(indices.f_reshape(&shape)?, plan.out_layout),
         ))
     }
+}
+
+/// Where `values` hold their slice's `extreme` (broadcast against them): equal to it, or
+/// NaN where it is NaN (NaN is the extreme of a slice that holds one, as in torch).
+fn extreme_hits(values: &Tensor, extreme: &Tensor) -> Result<Tensor> {
+    Ok(values
+        .f_eq_tensor(extreme)?
+        .f_logical_or(&values.f_isnan()?.f_logical_and(&extreme.f_isnan()?)?)?)
 }
 
 /// Element dims as NestedTensor dims of a batch-first view (for recursive calls).

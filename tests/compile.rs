@@ -20,7 +20,7 @@ fn assert_kinds(outputs: &[Value], kind: Kind, family: &str) {
     for output in outputs {
         if let Value::Nested(output) = output {
             assert!(
-                matches!(output.kind(), Kind::Bool) || output.kind() == kind,
+                matches!(output.kind(), Kind::Bool | Kind::Int64) || output.kind() == kind,
                 "{family}: {:?} result",
                 output.kind()
             );
@@ -1126,4 +1126,80 @@ fn a_causal_fill_outside_attention_is_a_typed_lowering_error() {
         matches!(&error, NestedError::Compile { stage: "lowering", reason } if reason.contains("causal_fill")),
         "{error}"
     );
+}
+
+/// argmax and argmin along the ragged dim (each element's rows, column by column), kept
+/// dims or not, and along the last dim: compiled positions (i64) equal eager's in every
+/// float kind, the first of equal values winning (bf16 and f16 values tie often).
+fn positions_model(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
+    Ok(vec![
+        x[0].argmax(1, false)?.into(),
+        x[0].argmin(1, true)?.into(),
+        x[0].argmax(-1, false)?.into(),
+    ])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    #[test]
+    fn compiled_positions_along_the_ragged_dim_equal_eager(batches in proptest::collection::vec(proptest::collection::vec(1i64..80, 1..5), 1..3), seed in 0i64..1000) {
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let compiled = compile("positions", positions_model);
+            for (index, lengths) in batches.iter().enumerate() {
+                let (x, _) = batch(lengths, &[3], kind, seed + index as i64);
+                let got = compiled.call(&[&x], &[]).unwrap();
+                let want = eager_values(positions_model(&[x], &[]).unwrap());
+                for (got, want) in got.iter().zip(&want) {
+                    let (got, want) = (value_parts(got).0, value_parts(want).0);
+                    prop_assert_eq!(got.kind(), Kind::Int64);
+                    prop_assert!(got.equal(&want), "{:?} {:?}: {} vs {}", kind, lengths, got, want);
+                }
+            }
+            prop_assert_eq!(compiled.stats().compiles, 1);
+        }
+    }
+}
+
+/// An element without rows has no position of its largest value: eagerly (and when a
+/// first call traces on it) `EmptyReduction`, a compiled program's call
+/// `CompileCause::EmptyElement` naming the element, checked before the run; the
+/// compiled function keeps working.
+#[test]
+fn compiled_positions_of_an_empty_element_are_an_error() {
+    let compiled = compile("positions", positions_model);
+    let (empty, _) = batch(&[3, 0, 2], &[3], Kind::Float, 1);
+    for error in [
+        positions_model(&[empty.shallow_clone()], &[])
+            .err()
+            .unwrap(),
+        compiled.call(&[&empty], &[]).err().unwrap(),
+    ] {
+        assert!(
+            matches!(
+                error,
+                NestedError::EmptyReduction {
+                    op: "argmax",
+                    element: 1
+                }
+            ),
+            "{error}"
+        );
+    }
+    let (fine, _) = batch(&[3, 1, 2], &[3], Kind::Float, 2);
+    assert!(compiled.call(&[&fine], &[]).is_ok());
+    let error = compiled.call(&[&empty], &[]).err().unwrap();
+    let NestedError::Compile { reason, .. } = &error else {
+        panic!("{error}");
+    };
+    assert_eq!(
+        reason.cause(),
+        nestor::CompileCause::EmptyElement {
+            op: "argmax",
+            element: 1
+        },
+        "{error}"
+    );
+    assert!(compiled.call(&[&fine], &[]).is_ok());
+    assert_eq!(compiled.stats().compiles, 1);
 }

@@ -11,7 +11,7 @@
 mod common;
 
 use common::families::{families, ids};
-use common::{assert_close_within, batch, lengths};
+use common::{assert_close_within, batch, lengths, Out};
 use nestor::nn::{Transformer, TransformerConfig, TransformerDecoder, TransformerEncoder};
 use nestor::{
     compile, CompileCause, Dense, LossReduction, NestedError, NestedTensor, RunDevice, SimOptions,
@@ -71,9 +71,10 @@ fn small_config(norm_first: bool) -> TransformerConfig {
 }
 
 /// `model` compiled for the CPU and for the simulated GPU agree on every batch.
-fn assert_simulated_equals_cpu<F>(what: &str, model: F, batches: &[Vec<&NestedTensor>])
+fn assert_simulated_equals_cpu<F, O>(what: &str, model: F, batches: &[Vec<&NestedTensor>])
 where
-    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<NestedTensor> + Clone,
+    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<O> + Clone,
+    O: nestor::TraceOutputs,
 {
     let on_cpu = compile(what, model.clone());
     let on_sim = compile(what, model).on_device(simulated());
@@ -84,6 +85,26 @@ where
             .unwrap_or_else(|error| panic!("{what}: {error}"));
         assert_close_within(&actual, &expected, 1e-4, what);
     }
+}
+
+/// argmax and argmin along the ragged dim (elements longer than a block's threshold
+/// included: a warp's however long) and along the last dim on the simulated GPU equal
+/// the CPU: i64 buffers written by kernels and downloaded as positions.
+#[test]
+fn positions_on_the_simulated_gpu_equal_the_cpu() {
+    let (x, _) = batch(&[70, 1, 3, 130], &[5], Kind::Float, 3);
+    let (one, _) = batch(&[2], &[5], Kind::Float, 4);
+    assert_simulated_equals_cpu(
+        "positions",
+        |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            Ok(vec![
+                x[0].argmax(1, false)?.into(),
+                x[0].relu()?.argmin(1, true)?.into(),
+                x[0].argmax(-1, true)?.into(),
+            ])
+        },
+        &[vec![&x], vec![&one]],
+    );
 }
 
 /// Repeated batches (their row maps are device tables) and the sum of their copies

@@ -125,9 +125,10 @@ fn unary(op: UnaryOp, x: &NestedTensor) -> nestor::Result<NestedTensor> {
     }
 }
 
-/// The eager reduction of each IR reduction, and whether the compiler lowers it.
-fn reduction(op: ReduceOp) -> (Reduce, bool) {
-    match op {
+/// The eager reduction of each IR reduction (`None`: the positions argmax and argmin),
+/// and whether the compiler lowers it.
+fn reduction(op: ReduceOp) -> (Option<Reduce>, bool) {
+    let (reduce, lowered) = match op {
         ReduceOp::Sum => (Reduce::Sum, true),
         ReduceOp::Mean => (Reduce::Mean, true),
         ReduceOp::Amax => (Reduce::Amax, true),
@@ -137,6 +138,17 @@ fn reduction(op: ReduceOp) -> (Reduce, bool) {
         ReduceOp::Std => (Reduce::Std { correction: 1 }, true),
         ReduceOp::All => (Reduce::All, false),
         ReduceOp::Any => (Reduce::Any, false),
+        ReduceOp::Argmax | ReduceOp::Argmin => return (None, true),
+    };
+    (Some(reduce), lowered)
+}
+
+/// `op` of `x` over `dim`, eagerly (traced when tracing).
+fn reduced(op: ReduceOp, x: &NestedTensor, dim: i64) -> nestor::Result<nestor::Reduced> {
+    match reduction(op).0 {
+        Some(reduce) => x.reduce(reduce, &[dim], false),
+        None if op == ReduceOp::Argmax => x.argmax(dim, false),
+        None => x.argmin(dim, false),
     }
 }
 
@@ -275,12 +287,11 @@ fn softmax_matches_eager_on_special_values() {
 #[test]
 fn lowered_reductions_match_eager_on_special_values() {
     for &op in ReduceOp::ALL {
-        let (reduce, lowered) = reduction(op);
+        let lowered = reduction(op).1;
         for dim in [-1, 1] {
             let name = format!("{}, dim {dim}", op.word());
+            let model = move |x: &[NestedTensor], _: &[Dense]| reduced(op, &x[0], dim);
             if !lowered {
-                let model =
-                    move |x: &[NestedTensor], _: &[Dense]| x[0].reduce(reduce, &[dim], false);
                 let x = special_batch(&SPECIALS, &LENGTHS, 0, 3, 1);
                 let error = compile(&name, model).call(&[&x], &[]);
                 let error = error
@@ -289,11 +300,15 @@ fn lowered_reductions_match_eager_on_special_values() {
                 assert!(error.to_string().contains(op.word()), "{name}: {error}");
                 continue;
             }
-            // Empty elements have no maximum (eager fails): amax/amin over the ragged dim
-            // run on non-empty elements only.
-            if dim == 1 && matches!(op, ReduceOp::Amax | ReduceOp::Amin) {
-                let model =
-                    move |x: &[NestedTensor], _: &[Dense]| x[0].reduce(reduce, &[dim], false);
+            // Empty elements have no maximum (eager fails): amax/amin and argmax/argmin
+            // over the ragged dim run on non-empty elements only.
+            let extreme = [
+                ReduceOp::Amax,
+                ReduceOp::Amin,
+                ReduceOp::Argmax,
+                ReduceOp::Argmin,
+            ];
+            if dim == 1 && extreme.contains(&op) {
                 let compiled = compile(&name, model);
                 let x = special_batch(&SPECIALS, &[3, 1, 7, 2], 0, 3, 1);
                 let got = compiled.call(&[&x], &[]).unwrap();
@@ -302,7 +317,7 @@ fn lowered_reductions_match_eager_on_special_values() {
                 continue;
             }
             check(&name, 1e-6, move |x, _| {
-                Ok(vec![x.reduce(reduce, &[dim], false)?.into()])
+                Ok(vec![reduced(op, x, dim)?.into()])
             });
         }
     }

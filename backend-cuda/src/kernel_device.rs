@@ -189,6 +189,11 @@ impl KernelDevice for CudaDevice {
         })
     }
 
+    unsafe fn download_i64(&self, address: u64, count: usize) -> Result<Vec<i64>, RuntimeError> {
+        // The caller vouches for the buffer.
+        Ok(unsafe { self.device.download_at(address, count) }?)
+    }
+
     fn wait(&self) -> Result<(), RuntimeError> {
         Ok(self.device.synchronize()?)
     }

@@ -10,7 +10,7 @@
 
 use nestor_backend_cuda::{ptx, ptx_of, ptx_storing, ptxas, Arch, KernelSet, Storage};
 use nestor_passes::step::{Gemm, ScatterRows, SumRows, Window};
-use nestor_passes::{lower, Limits, Pipeline, RowKind, Step, WindowKind};
+use nestor_passes::{lower, Limits, Pipeline, Step, WindowKind};
 
 /// The butterfly shuffles in the PTX of step `step`'s kernel.
 fn shuffles(module: &nestor_backend_cuda::PtxModule, step: usize) -> usize {
@@ -58,7 +58,9 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
   %27 = logsumexp(%1) {dims = [1], keepdim = false} : f32[B, 8]
   %28 = cumsum(%1) {axis = -1, reverse = false} : ragged<f32>[B; %0, 8]
   %29 = cumprod(%1) {axis = 2, reverse = true} : ragged<f32>[B; %0, 8]
-  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29
+  %30 = argmax(%1) {dims = [-1], keepdim = false} : ragged<i64>[B; %0]
+  %31 = argmin(%1) {dims = [1], keepdim = true} : i64[B, 1, 8]
+  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31
 }
 "#;
 
@@ -353,8 +355,8 @@ fn row_kernels_share_each_row_across_a_warp() {
             {
                 let shuffles = shuffles(&module, index);
                 match step {
-                    // A scan along the row: a thread's, its columns in order.
-                    Step::Row(row) if matches!(row.kind, RowKind::Scan { .. }) => {
+                    // A scan (or argmax) along the row: a thread's, its columns in order.
+                    Step::Row(row) if row.kind.one_thread_a_row() => {
                         assert_eq!((*threads, shuffles), (1, 0), "{step:?}")
                     }
                     Step::Row(_) | Step::Attention(_) => {

@@ -316,6 +316,14 @@ pub enum CompileCause {
         /// The first element whose sizes differ.
         element: usize,
     },
+    /// `op`, a reduction without a neutral value (argmax), meets an empty element in
+    /// this call (eager's [`NestedError::EmptyReduction`](crate::NestedError)).
+    EmptyElement {
+        /// The operation.
+        op: &'static str,
+        /// The first empty element.
+        element: usize,
+    },
     /// A tensor is on a device compiled programs do not run on, or a kernel device
     /// failed.
     Device,

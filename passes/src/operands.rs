@@ -279,6 +279,12 @@ pub enum RowKind {
         /// From the last column back.
         reverse: bool,
     },
+    /// The column (i64) of the row's largest value (or smallest: not `largest`): its
+    /// first, or its first NaN (output width 1; one thread a row).
+    Position {
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
 }
 
 /// Segmented kernels over the rows of each element, column by column.
@@ -307,6 +313,11 @@ pub enum SegmentKind {
     ReverseCumSum,
     /// The cumulative product up each element's rows.
     ReverseCumProd,
+    /// The row (i64, counted from the element's first) of each column's largest value:
+    /// its first, or its first NaN (elements are not empty: checked before the run).
+    ArgMax,
+    /// The row of each column's smallest value, as [`SegmentKind::ArgMax`].
+    ArgMin,
 }
 
 impl SegmentKind {
@@ -320,6 +331,18 @@ impl SegmentKind {
                 | SegmentKind::ReverseCumSum
                 | SegmentKind::ReverseCumProd
         )
+    }
+
+    /// Whether the output holds positions (i64) rather than values.
+    pub fn gives_positions(self) -> bool {
+        matches!(self, SegmentKind::ArgMax | SegmentKind::ArgMin)
+    }
+}
+
+impl RowKind {
+    /// Whether a GPU runs each row on one thread (its columns in order), not a warp.
+    pub fn one_thread_a_row(self) -> bool {
+        matches!(self, RowKind::Scan { .. } | RowKind::Position { .. })
     }
 }
 

@@ -20,6 +20,10 @@ pub struct SlotInfo {
     pub width: i64,
     /// Where the contents come from.
     pub source: Source,
+    /// Whether the buffer holds i64 values: lengths, ids and other integer inputs, and
+    /// the positions steps compute (argmax); other integer results (an integer sum) are
+    /// computed in the program's float type and converted at the boundary.
+    pub integers: bool,
 }
 
 /// Where a slot's contents come from.
@@ -71,6 +75,12 @@ pub enum LengthsKind {
     Checked {
         /// The lengths the input must equal.
         against: Slot,
+    },
+    /// The input's lengths, checked non-zero (a reduction without a neutral value over
+    /// them: argmax), as `op` (its name in the error) needs.
+    NonEmpty {
+        /// The operation that needs every element non-empty.
+        op: &'static str,
     },
 }
 
@@ -179,6 +189,16 @@ impl Program {
     /// A slot's description.
     pub fn info(&self, slot: Slot) -> &SlotInfo {
         &self.slots[slot.0 as usize]
+    }
+
+    /// Bytes per value of `slot`'s buffer: 8 for i64 values
+    /// ([`SlotInfo::integers`]), else the program's float type's.
+    pub fn value_bytes(&self, slot: Slot) -> usize {
+        if self.info(slot).integers {
+            8
+        } else {
+            self.float.size()
+        }
     }
 
     /// Whether `slot` is one of the program's inputs as given (its values are in the

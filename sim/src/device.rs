@@ -281,6 +281,12 @@ impl KernelDevice for SimDevice {
         })
     }
 
+    unsafe fn download_i64(&self, address: u64, count: usize) -> Result<Vec<i64>, RuntimeError> {
+        self.check_copy(address, count as u64 * 8)?;
+        // Checked to be a live buffer's values.
+        Ok(unsafe { std::slice::from_raw_parts(address as *const i64, count).to_vec() })
+    }
+
     fn wait(&self) -> Result<(), RuntimeError> {
         // Kernels ran when they were launched.
         Ok(())

@@ -116,6 +116,19 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
             }),
         ),
         (
+            "positions",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                Ok(vec![
+                    // argmax / argmin along the last dim (i64 positions), of the values
+                    // and of rows with ties (relu's zeros: the first wins).
+                    x[0].argmax(-1, false)?.into(),
+                    x[0].argmin(2, true)?.into(),
+                    x[0].relu()?.argmax(-1, true)?.into(),
+                    x[0].reshape_tail(&[2, 2])?.argmin(-1, false)?.into(),
+                ])
+            }),
+        ),
+        (
             "embedding",
             Box::new(move |x: &[NestedTensor], _: &[Dense]| {
                 Ok(vec![x[1].embedding(&table, -1)?.relu()?.into()])

@@ -48,6 +48,20 @@ impl<'ctx> Kernel<'ctx, '_> {
         Ok(value.into_int_value())
     }
 
+    /// Stores the i64 `value` as value `index` of buffer `base` (a buffer of positions).
+    pub(crate) fn store_i64(
+        &self,
+        base: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+        value: IntValue<'ctx>,
+    ) -> Gen<()> {
+        let i64 = self.context.i64_type();
+        let address = unsafe { self.builder.build_gep(i64, base, &[index], "at") }.map_err(err)?;
+        let address = self.in_buffer(address, base, 8, true)?;
+        let store = self.builder.build_store(address, value).map_err(err)?;
+        self.scoped(store, base)
+    }
+
     /// Stores `value` as value `index` of buffer `base` (rounded to the nearest even
     /// bf16 for bf16 storage, NaN as bf16's quiet NaN, as torch's conversion).
     pub(crate) fn store_float(

@@ -48,7 +48,7 @@ use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
 use rows::{finite_shift, row};
-use segments::{scan, segment};
+use segments::{position_of_extreme, scan, segment};
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
 };
@@ -280,9 +280,10 @@ pub(crate) fn threads_per_task(
     }
 }
 
-/// Whether a row kernel scans its row (one thread a row: the columns run in order).
+/// Whether a row kernel runs its row on one thread (its columns in order: a scan, a
+/// search for a position).
 fn scans(row: &Row) -> bool {
-    matches!(row.kind, RowKind::Scan { .. })
+    row.kind.one_thread_a_row()
 }
 
 pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {

@@ -23,7 +23,7 @@ pub(super) fn row<'ctx>(
     // A row is a warp's on a GPU (its lanes share the columns; a block's for rows over
     // `BLOCK_ROW_WIDTH`; a thread's for a scan, whose columns run in order), one
     // thread's on the host.
-    let lanes_per_row = if matches!(kind, RowKind::Scan { .. }) {
+    let lanes_per_row = if kind.one_thread_a_row() {
         1
     } else if width > BLOCK_ROW_WIDTH {
         i64::from(crate::GPU_BLOCK_THREADS)
@@ -115,6 +115,11 @@ pub(super) fn row<'ctx>(
                 &load,
                 |column, value| kernel.store_float(out, at(column)?, value),
             ),
+            RowKind::Position { largest } => {
+                let range = (kernel.i64(0), kernel.i64(width));
+                let position = position_of_extreme(kernel, largest, range, &load)?;
+                kernel.store_i64(out, row, position)
+            }
             RowKind::LogSumExp => {
                 let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;
                 let total =

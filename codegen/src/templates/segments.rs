@@ -87,6 +87,49 @@ pub(super) fn scan<'ctx>(
     })
 }
 
+/// The position, counted from `start`, of the largest value (the smallest: not
+/// `largest`) among positions `start..end`: its first, or the first NaN, as torch's
+/// argmax (0 for an empty range). A segment's rows and a row's columns run this way.
+pub(super) fn position_of_extreme<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    largest: bool,
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<IntValue<'ctx>> {
+    let best = kernel.accumulator("best")?;
+    let at = kernel.index_variable("at")?;
+    // Every value but a NaN or the bound itself is beyond the bound; a range of bounds
+    // gives its first position.
+    let bound = if largest {
+        f64::NEG_INFINITY
+    } else {
+        f64::INFINITY
+    };
+    kernel.set(best, kernel.constant(bound))?;
+    kernel.set_index(at, start)?;
+    let beyond = if largest {
+        FloatPredicate::OGT
+    } else {
+        FloatPredicate::OLT
+    };
+    kernel.for_range(start, end, |position| {
+        let x = load(position)?;
+        let current = kernel.get(best)?;
+        // A NaN wins over any number; nothing wins over a NaN.
+        let first_nan = kernel.and(
+            kernel.float_compare(FloatPredicate::UNO, x, x)?,
+            kernel.float_compare(FloatPredicate::ORD, current, current)?,
+        )?;
+        let wins = kernel.or(kernel.float_compare(beyond, x, current)?, first_nan)?;
+        kernel.set(best, kernel.select(wins, x, current)?)?;
+        kernel.set_index(
+            at,
+            kernel.select_index(wins, position, kernel.get_index(at)?)?,
+        )
+    })?;
+    kernel.sub(kernel.get_index(at)?, start)
+}
+
 /// A segmented kernel's step and buffers.
 struct Segments<'a, 'ctx, 'm> {
     kernel: &'a Kernel<'ctx, 'm>,
@@ -237,6 +280,12 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                         self.softmax_at(row, column, (shift, total))
                     })
                 }
+                SegmentKind::ArgMax | SegmentKind::ArgMin => {
+                    let largest = kind == SegmentKind::ArgMax;
+                    let load = |row| self.load(row, column);
+                    let position = position_of_extreme(kernel, largest, (first, last), &load)?;
+                    kernel.store_i64(self.out, out_at, position)
+                }
             }
         })
     }
@@ -305,8 +354,9 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             let element = kernel.min(element, last_element)?;
             let (rows_start, rows_end) = self.rows(element)?;
             let rows = kernel.sub(rows_end, rows_start)?;
-            // A scan runs down the rows in order: its elements are a warp's however long.
-            let is_long = if self.kind.is_scan() {
+            // A scan (or a search for a position) runs down the rows in order: its
+            // elements are a warp's however long.
+            let is_long = if self.kind.is_scan() || self.kind.gives_positions() {
                 kernel.less(rows, kernel.i64(0))?
             } else {
                 kernel.less(kernel.i64(LONG_SEGMENT_ROWS - 1), rows)?

@@ -846,6 +846,12 @@ fn output_value(
                 .f_to_device(on)?,
             Kind::Double,
         ),
+        (RunData::I64(data), _) => (
+            Tensor::f_from_slice(data)?
+                .f_reshape(output.shape.packed(data.len()))?
+                .f_to_device(on)?,
+            Kind::Int64,
+        ),
         (RunData::Sunk(_), None) => {
             return Err(NestedError::compile(
                 "runtime",

@@ -27,6 +27,9 @@ impl From<RuntimeError> for CompileReason {
             },
             &RuntimeError::BadInput { input, .. } => CompileCause::BadInput { input },
             &RuntimeError::LengthsDiffer { element, .. } => CompileCause::SizesDiffer { element },
+            &RuntimeError::EmptyElement { op, element } => {
+                CompileCause::EmptyElement { op, element }
+            }
         };
         CompileReason::of(cause, error)
     }

@@ -356,11 +356,22 @@ impl NestedTensor {
             return self.reduce(op, &every_element_dim, keepdim);
         }
         let result = self.reduce_eager(op, dims, keepdim)?;
+        self.traced_reduction(result, (op.ir(), op.name()), dims, keepdim)
+    }
+
+    /// `result`, the reduction `ir` (with its correction; `name` for errors) of this
+    /// batch over `dims`, recorded when tracing.
+    fn traced_reduction(
+        &self,
+        result: Reduced,
+        ((ir, correction), name): ((ReduceOp, i64), &'static str),
+        dims: &[i64],
+        keepdim: bool,
+    ) -> Result<Reduced> {
         if self.trace.is_none() {
             return Ok(result);
         }
         let ir_dims = self.ir_dims(dims)?;
-        let (ir, correction) = op.ir();
         let build = |ids: &[ValueId]| Op::Reduce {
             op: ir,
             x: ids[0],
@@ -370,11 +381,11 @@ impl NestedTensor {
         };
         let args = [Arg::Nested(self)];
         Ok(match result {
-            Reduced::Nested(nested) => Reduced::Nested(nested.traced(&args, op.name(), build)?),
+            Reduced::Nested(nested) => Reduced::Nested(nested.traced(&args, name, build)?),
             Reduced::Dense(dense) => Reduced::Dense(Dense::traced(
                 dense.raw().shallow_clone(),
                 &args,
-                op.name(),
+                name,
                 build,
             )?),
         })
@@ -628,19 +639,45 @@ impl NestedTensor {
         self.extreme_dim(dim, keepdim, false)
     }
 
-    /// Index of the largest value along one dim.
+    /// Index (i64) of the largest value along one dim: its first, or its first NaN
+    /// (compiled along a ragged dim or the last static one).
     pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Reduced> {
-        Ok(self.extreme_dim(dim, keepdim, true)?.1)
+        self.position_of_extreme(dim, keepdim, true)
     }
 
-    /// Index of the smallest value along one dim.
+    /// Index of the smallest value along one dim (as [`argmax`](Self::argmax)).
     pub fn argmin(&self, dim: i64, keepdim: bool) -> Result<Reduced> {
-        Ok(self.extreme_dim(dim, keepdim, false)?.1)
+        self.position_of_extreme(dim, keepdim, false)
+    }
+
+    /// argmax or argmin (not `largest`), recorded when tracing (but along the batch dim,
+    /// which gives each element's flat position).
+    fn position_of_extreme(&self, dim: i64, keepdim: bool, largest: bool) -> Result<Reduced> {
+        let (ir, name) = match largest {
+            true => (ReduceOp::Argmax, "argmax"),
+            false => (ReduceOp::Argmin, "argmin"),
+        };
+        if self.normalize_dim(dim)? == self.batch_dim() {
+            self.untraceable(name)?;
+        }
+        let positions = self.extreme_dim_eager(dim, keepdim, (largest, name))?.1;
+        self.traced_reduction(positions, ((ir, 0), name), &[dim], keepdim)
     }
 
     fn extreme_dim(&self, dim: i64, keepdim: bool, largest: bool) -> Result<(Reduced, Reduced)> {
         let op = if largest { "max" } else { "min" };
         self.untraceable(op)?;
+        self.extreme_dim_eager(dim, keepdim, (largest, op))
+    }
+
+    /// The extreme values along `dim` and their positions, computed eagerly (`op`
+    /// names the operation in errors).
+    fn extreme_dim_eager(
+        &self,
+        dim: i64,
+        keepdim: bool,
+        (largest, op): (bool, &'static str),
+    ) -> Result<(Reduced, Reduced)> {
         let normalized = self.normalize_dim(dim)?;
         if normalized == self.batch_dim() {
             let (values, indices) = self.extreme_per_element(largest, keepdim)?;

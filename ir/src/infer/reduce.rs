@@ -18,6 +18,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                     "a correction ({correction}) applies to var and std only"
                 ));
             }
+            if op.gives_positions() {
+                if dims.len() != 1 {
+                    return Err(format!("{} takes one dim, got {dims:?}", op.word()));
+                }
+                if !ty(*x).dtype().is_some_and(|dtype| dtype.is_float()) {
+                    return Err(format!("{} of {} (floats only)", op.word(), ty(*x)));
+                }
+            }
             reduce(&ty(*x), *op, dims, *keepdim)
         }
         other => Err(format!("{} is not a reduce op", other.name())),
@@ -27,6 +35,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
 fn reduce(x: &Type, op: ReduceOp, dims: &[i64], keepdim: bool) -> Inferred {
     let dtype = match (op, x.dtype()) {
         (ReduceOp::All | ReduceOp::Any, _) => DType::Bool,
+        (ReduceOp::Argmax | ReduceOp::Argmin, _) => DType::I64,
         (ReduceOp::Sum, Some(dtype)) if !dtype.is_float() => DType::I64,
         (ReduceOp::Mean | ReduceOp::LogSumExp | ReduceOp::Var | ReduceOp::Std, Some(dtype))
             if !dtype.is_float() =>
@@ -56,6 +65,9 @@ fn reduce(x: &Type, op: ReduceOp, dims: &[i64], keepdim: bool) -> Inferred {
     }
     reduced.sort_unstable();
     reduced.dedup();
+    if op.gives_positions() && reduced.contains(&0) {
+        return Err(format!("{} over the batch dim is not an IR op", op.word()));
+    }
     if reduced.is_empty() || reduced.len() as i64 == ndim {
         let shape = if keepdim {
             vec![Dim::Static(1); ndim as usize]

@@ -114,6 +114,11 @@ impl ReduceOp {
     pub fn has_correction(self) -> bool {
         matches!(self, ReduceOp::Var | ReduceOp::Std)
     }
+
+    /// Whether the reduction gives positions (i64) rather than values.
+    pub fn gives_positions(self) -> bool {
+        matches!(self, ReduceOp::Argmax | ReduceOp::Argmin)
+    }
 }
 
 impl BinaryOp {
@@ -155,6 +160,11 @@ pub enum ReduceOp {
     All,
     /// any non-zero
     Any,
+    /// the position (i64) of the largest value along one dim: its first, or its first
+    /// NaN
+    Argmax,
+    /// the position (i64) of the smallest value along one dim, as [`ReduceOp::Argmax`]
+    Argmin,
 }
 
 /// How a loss reduces over real positions.
@@ -223,7 +233,8 @@ word_enum!(BinaryOp {
 });
 word_enum!(ReduceOp {
     Sum => "sum", Mean => "mean", Amax => "amax", Amin => "amin", LogSumExp => "logsumexp",
-    Var => "var", Std => "std", All => "all", Any => "any",
+    Var => "var", Std => "std", All => "all", Any => "any", Argmax => "argmax",
+    Argmin => "argmin",
 });
 word_enum!(LossReduction { Mean => "mean", Sum => "sum", None => "none" });
 word_enum!(PoolKind { Max => "max_pool2d", Avg => "avg_pool2d" });

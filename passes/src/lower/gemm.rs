@@ -170,6 +170,7 @@ impl Lowering<'_> {
                                 rows: Rows::total(q_lengths).times(heads),
                                 width: AttentionPart::STATISTICS_WIDTH,
                                 source: Source::Step,
+                                integers: false,
                             });
                             self.program
                                 .steps

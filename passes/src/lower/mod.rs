@@ -243,13 +243,30 @@ impl Lowering<'_> {
             .unwrap_or(Lowered::Const(f64::NAN))
     }
 
+    /// A new slot: integer inputs (and views of integer slots) hold i64 values, other
+    /// slots floats (a step of positions marks its own, [`Self::holding_positions`]).
     fn data_slot(&mut self, dtype: DType, rows: Rows, width: i64, source: Source) -> Slot {
+        let integers = dtype == DType::I64
+            && match source {
+                Source::Input(_) => true,
+                Source::Alias(root) => self.program.info(root).integers,
+                Source::Step => false,
+            };
         self.program.slot(SlotInfo {
             dtype,
             rows,
             width,
             source,
+            integers,
         })
+    }
+
+    /// `lowered`, whose slot a step of positions writes, marked as holding i64 values.
+    fn holding_positions(&mut self, lowered: Lowered) -> Lowered {
+        if let Some(info) = self.program.slots.get_mut(slot_of(&lowered).0 as usize) {
+            info.integers = true;
+        }
+        lowered
     }
 
     /// The rows of a dim: static, or the batch size of a lengths input.
@@ -297,10 +314,12 @@ impl Lowering<'_> {
     /// A new lengths slot (its own size is its batch: it refers to itself).
     fn lengths_slot(&mut self, source: Source) -> Slot {
         let slot = self.data_slot(DType::I64, Rows::fixed(1), 1, source);
-        self.program.slots[slot.0 as usize].rows = Rows {
+        let info = &mut self.program.slots[slot.0 as usize];
+        info.rows = Rows {
             base: RowBase::Batch(slot),
             factor: 1,
         };
+        info.integers = true;
         slot
     }
 

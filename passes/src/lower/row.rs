@@ -171,6 +171,9 @@ impl Lowering<'_> {
         keepdim: bool,
     ) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
+        if reduce.gives_positions() {
+            return self.positions(value, ty, reduce, x, dims);
+        }
         let segment_kind = || match reduce {
             ReduceOp::Sum => Ok(SegmentKind::Sum),
             ReduceOp::Mean => Ok(SegmentKind::Mean),
@@ -217,19 +220,7 @@ impl Lowering<'_> {
                         ))
                     }
                 };
-                let width = *tail.last().unwrap_or(&1);
-                let out = self.result(value, ty)?;
-                self.program.steps.push(Step::Row(Row {
-                    kind,
-                    out: slot_of(&out),
-                    x: Fusion::plain(x_slot, width),
-                    weight: None,
-                    bias: None,
-                    rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
-                    width,
-                    eps: F64(0.0),
-                }));
-                Ok(out)
+                self.row_reduction(value, ty, kind, (x_slot, rows, &tail))
             }
             _ => match (reduce, leading_rows(dims, lengths.is_some(), &tail)) {
                 (ReduceOp::Sum | ReduceOp::Mean, Some((rows_factor, n))) => {
@@ -252,6 +243,78 @@ impl Lowering<'_> {
                 )),
             },
         }
+    }
+
+    /// The reduction `kind` of each row of `x` (its last dim, `tail`'s last).
+    fn row_reduction(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        kind: RowKind,
+        (x, rows, tail): (Slot, Rows, &[i64]),
+    ) -> Result<Lowered, LowerError> {
+        let width = *tail.last().unwrap_or(&1);
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::Row(Row {
+            kind,
+            out: slot_of(&out),
+            x: Fusion::plain(x, width),
+            weight: None,
+            bias: None,
+            rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
+            width,
+            eps: F64(0.0),
+        }));
+        Ok(out)
+    }
+
+    /// argmax or argmin (`reduce`) along the ragged dim (each element's rows, every
+    /// element checked non-empty before the run, as eager's `EmptyReduction`) or the last
+    /// static dim (each row): i64 positions.
+    fn positions(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        reduce: ReduceOp,
+        x: ValueId,
+        dims: &[i64],
+    ) -> Result<Lowered, LowerError> {
+        let largest = reduce == ReduceOp::Argmax;
+        self.leading(value, x)?;
+        let (x_slot, rows, tail, lengths) = self.data(value, x)?;
+        // The index of the last dim: after the batch dim, and the ragged dim if any.
+        let last = tail.len() as i64 + i64::from(lengths.is_some());
+        let out = match (dims, lengths) {
+            ([1], Some(lengths)) => {
+                let checked = self.lengths_slot(Source::Step);
+                self.program.lengths_ops.push(LengthsOp {
+                    out: checked,
+                    input: lengths,
+                    kind: LengthsKind::NonEmpty { op: reduce.word() },
+                });
+                let kind = match largest {
+                    true => SegmentKind::ArgMax,
+                    false => SegmentKind::ArgMin,
+                };
+                self.segmented(value, ty, kind, (x_slot, &tail), checked)?
+            }
+            ([dim], _) if (*dim == last || *dim == -1) && !tail.is_empty() => {
+                let kind = RowKind::Position { largest };
+                self.row_reduction(value, ty, kind, (x_slot, rows, &tail))?
+            }
+            _ => {
+                return Err(unsupported(
+                    value,
+                    self.graph.op(value),
+                    format!(
+                        "{} over dims {dims:?} is not compiled (the ragged dim or the last \
+                         are)",
+                        reduce.word()
+                    ),
+                ))
+            }
+        };
+        Ok(self.holding_positions(out))
     }
 
     /// A sum or mean that adds whole packed rows: of everything (any layout, pairs

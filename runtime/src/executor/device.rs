@@ -72,6 +72,12 @@ pub trait KernelDevice {
     /// `address` must be a buffer of this device holding `count` floats, alive until the
     /// copy is done.
     unsafe fn download_f32(&self, address: u64, count: usize) -> Result<Vec<f32>, RuntimeError>;
+    /// The `count` i64 values at `address`, once the work queued before has run.
+    ///
+    /// # Safety
+    /// `address` must be a buffer of this device holding `count` i64 values, alive until
+    /// the copy is done.
+    unsafe fn download_i64(&self, address: u64, count: usize) -> Result<Vec<i64>, RuntimeError>;
     /// Waits until the work queued on the device has run.
     fn wait(&self) -> Result<(), RuntimeError>;
     /// The buffer's address, as kernels take it in their argument table.
@@ -261,6 +267,7 @@ impl Executable {
                 len: sizes.elements(program, slot),
                 shape,
                 dtype: program.info(slot).dtype,
+                integers: program.info(slot).integers,
                 in_sink,
             })
             .collect();
@@ -342,8 +349,13 @@ impl Executable {
                 let elements = sizes.elements(program, out);
                 // A buffer no larger than the memory budget (a count near i64::MAX from
                 // hostile lengths is over it).
-                within_budget(step_index, "its output", elements.checked_mul(4))?;
-                let buffer = memory.float_buffer(device, elements, stats)?;
+                let integers = program.info(out).integers;
+                let bytes = if integers { 8 } else { 4 };
+                within_budget(step_index, "its output", elements.checked_mul(bytes))?;
+                let buffer = match integers {
+                    true => memory.index_buffer(device, elements, stats)?,
+                    false => memory.float_buffer(device, elements, stats)?,
+                };
                 memory.addresses[out.0 as usize] = device.address(&buffer);
                 memory.owned[out.0 as usize] = Some(buffer);
             }
@@ -649,6 +661,8 @@ pub struct DeviceOutput {
     pub shape: RunShape,
     /// Element type at the boundary.
     pub dtype: nestor_ir::DType,
+    /// Whether its buffer holds i64 values (positions), not floats.
+    pub integers: bool,
     /// Whether it is in a buffer the run's [`DeviceSink`] gave.
     pub in_sink: bool,
 }
@@ -680,15 +694,29 @@ impl<B> DeviceResults<B> {
                     RunData::Sunk(output.len)
                 } else if output.len == 0 {
                     // Nothing to copy (an empty input's address may be null).
-                    RunData::F32(Vec::new())
+                    match output.integers {
+                        true => RunData::I64(Vec::new()),
+                        false => RunData::F32(Vec::new()),
+                    }
                 } else {
                     // The address is a buffer of this run holding `len` values (or an
                     // input the caller vouched for), alive while `self.results` is.
-                    let values = unsafe { device.download_f32(output.address, output.len)? };
+                    let (data, bytes) = match output.integers {
+                        true => {
+                            let values =
+                                unsafe { device.download_i64(output.address, output.len)? };
+                            (RunData::I64(values), 8)
+                        }
+                        false => {
+                            let values =
+                                unsafe { device.download_f32(output.address, output.len)? };
+                            (RunData::F32(values), 4)
+                        }
+                    };
                     stats.device(DeviceCounter::Downloads, 1);
                     stats.device(DeviceCounter::Synchronizations, 1);
-                    stats.device(DeviceCounter::BytesDownloaded, 4 * output.len as u64);
-                    RunData::F32(values)
+                    stats.device(DeviceCounter::BytesDownloaded, bytes * output.len as u64);
+                    data
                 };
                 Ok(RunOutput {
                     data,

@@ -86,6 +86,14 @@ pub enum RuntimeError {
         /// Its size along the other.
         right: i64,
     },
+    /// An operation without a neutral value (argmax) reduces an empty element.
+    #[error("{op} of element {element}, which is empty")]
+    EmptyElement {
+        /// The operation.
+        op: &'static str,
+        /// The first empty element.
+        element: usize,
+    },
 }
 
 /// The data of one graph input, borrowed from the caller (no copy).
@@ -149,6 +157,8 @@ pub enum RunData {
     F32(Vec<f32>),
     /// Values of a program that computes in f64.
     F64(Vec<f64>),
+    /// Positions (argmax), whatever type the program computes in.
+    I64(Vec<i64>),
     /// This many values, written into the buffer the [`OutputSink`] gave.
     Sunk(usize),
 }
@@ -217,6 +227,7 @@ impl RunData {
         match self {
             RunData::F32(values) => values.len(),
             RunData::F64(values) => values.len(),
+            RunData::I64(values) => values.len(),
             RunData::Sunk(elements) => *elements,
         }
     }
@@ -446,7 +457,7 @@ impl Executable {
                     "its output",
                     sizes
                         .elements(program, out)
-                        .checked_mul(program.float.size()),
+                        .checked_mul(program.value_bytes(out)),
                 )?;
                 let mut buffer = output_buffer(step_index, bytes, free, stats)?;
                 pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
@@ -495,10 +506,7 @@ impl Executable {
         let program = &self.program;
         let span = |slot: Slot| {
             let start = pointers[self.root(slot).0 as usize] as usize;
-            let width = match program.info(slot).dtype {
-                DType::I64 => 8,
-                _ => program.float.size(),
-            };
+            let width = program.value_bytes(slot);
             (start, start + sizes.elements(program, slot) * width)
         };
         let out = program.steps[index].output();
@@ -520,7 +528,7 @@ impl Executable {
     fn bytes_moved(&self, index: usize, sizes: &Sizes) -> u64 {
         let program = &self.program;
         let slot_bytes = |slot: Slot| {
-            (sizes.elements(program, slot) as u64).saturating_mul(program.float.size() as u64)
+            (sizes.elements(program, slot) as u64).saturating_mul(program.value_bytes(slot) as u64)
         };
         self.reads[index].iter().map(|&slot| slot_bytes(slot)).fold(
             slot_bytes(program.steps[index].output()),
@@ -546,7 +554,7 @@ impl Executable {
             let Source::Input(input) = info.source else {
                 continue;
             };
-            let floats = info.dtype != DType::I64;
+            let floats = !info.integers;
             let (pointer, length) = match (inputs.get(input), program.float) {
                 (Some(InputData::I64(values)), _) if !floats => {
                     (values.as_ptr() as *mut u8, values.len() as i64)
@@ -617,7 +625,9 @@ impl Executable {
         sunk.clear();
         sunk.resize(program.outputs.len(), false);
         for (index, &(slot, ref run_shape)) in shapes.iter().enumerate() {
-            if program.info(slot).source != Source::Step || external[slot.0 as usize].is_some() {
+            // Sinks give float buffers: positions are copied out.
+            let info = program.info(slot);
+            if info.source != Source::Step || info.integers || external[slot.0 as usize].is_some() {
                 continue;
             }
             let elements = sizes.elements(program, slot);
@@ -658,6 +668,9 @@ impl Executable {
                 // (outputs are never freed).
                 let data = match program.float {
                     _ if sunk[index] => RunData::Sunk(elements),
+                    _ if program.info(slot).integers => {
+                        RunData::I64(unsafe { copy_out(pointer, elements) })
+                    }
                     FloatType::F32 => RunData::F32(unsafe { copy_out(pointer, elements) }),
                     FloatType::F64 => RunData::F64(unsafe { copy_out(pointer, elements) }),
                 };

@@ -176,6 +176,12 @@ impl<'a> Sizes<'a> {
                     }
                     input.to_vec()
                 }
+                LengthsKind::NonEmpty { op: name } => {
+                    if let Some(element) = input.iter().position(|&length| length == 0) {
+                        return Err(RuntimeError::EmptyElement { op: name, element });
+                    }
+                    input.to_vec()
+                }
             };
             sizes.insert(op.out, Cow::Owned(values), spare.pop());
         }

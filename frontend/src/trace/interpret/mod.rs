@@ -539,6 +539,8 @@ fn reduce_dense(
             .iter()
             .rev()
             .try_fold(tensor.f_ne(0)?, |t, &d| t.f_any_dim(d, keepdim))?,
+        ReduceOp::Argmax => tensor.f_argmax(dims.first().copied(), keepdim)?,
+        ReduceOp::Argmin => tensor.f_argmin(dims.first().copied(), keepdim)?,
     })
 }
 
@@ -585,9 +587,10 @@ impl Binary {
 }
 
 impl Reduce {
-    /// The eager reduction of an IR reduction.
-    pub fn from_ir(op: ReduceOp, correction: i64) -> Reduce {
-        match op {
+    /// The eager reduction of an IR reduction (`None` for the positions argmax and
+    /// argmin, which [`NestedTensor::argmax`](crate::NestedTensor::argmax) gives).
+    pub fn from_ir(op: ReduceOp, correction: i64) -> Option<Reduce> {
+        Some(match op {
             ReduceOp::Sum => Reduce::Sum,
             ReduceOp::Mean => Reduce::Mean,
             ReduceOp::Amax => Reduce::Amax,
@@ -597,6 +600,7 @@ impl Reduce {
             ReduceOp::Std => Reduce::Std { correction },
             ReduceOp::All => Reduce::All,
             ReduceOp::Any => Reduce::Any,
-        }
+            ReduceOp::Argmax | ReduceOp::Argmin => return None,
+        })
     }
 }

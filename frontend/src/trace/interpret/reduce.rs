@@ -13,9 +13,18 @@ impl Interpreter<'_> {
                 keepdim,
                 correction,
             } => {
-                let reduce = Reduce::from_ir(*op, *correction);
-                match self.get(*x) {
-                    Value::Nested(nested) => Value::from(nested.reduce(reduce, dims, *keepdim)?),
+                match (
+                    self.get(*x),
+                    Reduce::from_ir(*op, *correction),
+                    dims.as_slice(),
+                ) {
+                    (Value::Nested(nested), Some(reduce), _) => {
+                        Value::from(nested.reduce(reduce, dims, *keepdim)?)
+                    }
+                    (Value::Nested(nested), None, &[dim]) => Value::from(match op {
+                        ReduceOp::Argmax => nested.argmax(dim, *keepdim)?,
+                        _ => nested.argmin(dim, *keepdim)?,
+                    }),
                     _ => Value::Dense(reduce_dense(
                         self.dense(*x)?,
                         *op,

@@ -128,8 +128,14 @@ fn first_difference(
         ));
     }
     for (output, (a, e)) in on_device.iter().zip(on_cpu).enumerate() {
-        let (RunData::F32(a), RunData::F32(e)) = (&a.data, &e.data) else {
-            return Some(format!("output {output} is not f32"));
+        let (a, e) = match (&a.data, &e.data) {
+            (RunData::F32(a), RunData::F32(e)) => (a, e),
+            // Positions are equal or not.
+            (RunData::I64(a), RunData::I64(e)) if a == e => continue,
+            (RunData::I64(a), RunData::I64(e)) => {
+                return Some(format!("output {output}: positions {a:?} vs {e:?}"))
+            }
+            _ => return Some(format!("output {output}: not f32 on both")),
         };
         if a.len() != e.len() {
             return Some(format!(
@@ -552,50 +558,60 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
 #[test]
 fn wide_segments_are_a_block_each() {
     // 300 columns: a block of 256 threads an element (44 of them take two columns), every
-    // segmented kind against the CPU, on the CUDA device's grid.
+    // segmented kind against the CPU, on the CUDA device's grid; the extremes and their
+    // positions on elements that are not empty.
     use nestor_runtime::InputData;
     use nestor_sim::SimDevice;
-    let executable = executable_of(
-        r#"graph @segments {
-  %0 = input {name = "x.lengths"} : lengths[B]
-  %1 = input {name = "x"} : ragged<f32>[B; %0, 300]
+    let kinds = r#"
   %2 = softmax(%1) {axis = 1} : ragged<f32>[B; %0, 300]
   %3 = log_softmax(%1) {axis = 1} : ragged<f32>[B; %0, 300]
   %4 = sum(%1) {dims = [1], keepdim = false} : f32[B, 300]
   %5 = mean(%1) {dims = [1], keepdim = false} : f32[B, 300]
-  %6 = amax(%1) {dims = [1], keepdim = false} : f32[B, 300]
-  %7 = amin(%1) {dims = [1], keepdim = false} : f32[B, 300]
-  return %2, %3, %4, %5, %6, %7
-}"#,
-    );
-    let program = executable.program();
-    let segments = program
-        .steps
-        .iter()
-        .filter(|step| matches!(step, nestor_passes::Step::Segment(_)));
-    let mut count = 0;
-    for step in segments {
-        assert_eq!(
-            nestor_codegen::gpu_threads_per_task(program, step, nestor_codegen::Storage::Compute),
-            256
-        );
-        count += 1;
+  return %2, %3, %4, %5"#;
+    let extremes = r#"
+  %2 = amax(%1) {dims = [1], keepdim = false} : f32[B, 300]
+  %3 = amin(%1) {dims = [1], keepdim = false} : f32[B, 300]
+  %4 = argmax(%1) {dims = [1], keepdim = false} : i64[B, 300]
+  %5 = argmin(%1) {dims = [1], keepdim = true} : i64[B, 1, 300]
+  return %2, %3, %4, %5"#;
+    for (body, lengths) in [(kinds, [4i64, 1, 0, 7]), (extremes, [4, 1, 2, 5])] {
+        let executable = executable_of(&format!(
+            "graph @segments {{\n  %0 = input {{name = \"x.lengths\"}} : lengths[B]\n  \
+             %1 = input {{name = \"x\"}} : ragged<f32>[B; %0, 300]{body}\n}}"
+        ));
+        let program = executable.program();
+        let segments = program
+            .steps
+            .iter()
+            .filter(|step| matches!(step, nestor_passes::Step::Segment(_)));
+        let mut count = 0;
+        for step in segments {
+            assert_eq!(
+                nestor_codegen::gpu_threads_per_task(
+                    program,
+                    step,
+                    nestor_codegen::Storage::Compute
+                ),
+                256
+            );
+            count += 1;
+        }
+        assert_eq!(count, 4, "every output a segmented step");
+        let device = SimDevice::new(&executable).unwrap();
+        let x: Vec<f32> = (0..12 * 300)
+            .map(|i| ((i * 53) % 97) as f32 * 0.04 - 2.0)
+            .collect();
+        let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
+        assert_device_matches_cpu(&executable, &device, &inputs);
     }
-    assert_eq!(count, 6, "every output a segmented step");
-    let device = SimDevice::new(&executable).unwrap();
-    let lengths = [4i64, 1, 0, 7];
-    let x: Vec<f32> = (0..12 * 300)
-        .map(|i| ((i * 53) % 97) as f32 * 0.04 - 2.0)
-        .collect();
-    let inputs = [InputData::I64(&lengths), InputData::F32(&x)];
-    assert_device_matches_cpu(&executable, &device, &inputs);
 }
 
 #[test]
 fn long_segments_are_a_block_each_short_ones_a_warp() {
-    // 40 columns (lanes take one or two): elements of 0, 1, 63 rows (a warp's) and 64,
+    // 40 columns (lanes take one or two): elements of 1, 3, 63 rows (a warp's) and 64,
     // 200 rows (a block's: the warps take every 8th row and combine through shared
-    // memory; scans stay a warp's, down the rows in order or up), every segmented kind against
+    // memory; scans and positions stay a warp's, down the rows in order or up), every
+    // segmented kind against
     // the CPU, on the CUDA device's grid (groups
     // of 8 elements), on 3 blocks of 2 warps (groups of 2, the grid-stride loop) and on
     // one warp (a long element alone). Values include a NaN and infinities in the long
@@ -610,17 +626,20 @@ fn long_segments_are_a_block_each_short_ones_a_warp() {
   %3 = log_softmax(%1) {axis = 1} : ragged<f32>[B; %0, 40]
   %4 = sum(%1) {dims = [1], keepdim = false} : f32[B, 40]
   %5 = mean(%1) {dims = [1], keepdim = false} : f32[B, 40]
-  %6 = amax(%1) {dims = [1], keepdim = false} : f32[B, 40]
-  %7 = amin(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  %6 = argmax(%1) {dims = [1], keepdim = false} : i64[B, 40]
+  %7 = argmin(%1) {dims = [1], keepdim = false} : i64[B, 40]
   %8 = cumsum(%1) {axis = 1, reverse = false} : ragged<f32>[B; %0, 40]
   %9 = cumprod(%1) {axis = 1, reverse = false} : ragged<f32>[B; %0, 40]
   %10 = cumsum(%1) {axis = 1, reverse = true} : ragged<f32>[B; %0, 40]
   %11 = cumprod(%1) {axis = 1, reverse = true} : ragged<f32>[B; %0, 40]
   %12 = logsumexp(%1) {dims = [1], keepdim = false} : f32[B, 40]
-  return %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12
+  %13 = amax(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  %14 = amin(%1) {dims = [1], keepdim = false} : f32[B, 40]
+  return %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14
 }"#,
     );
-    let lengths = [63i64, 200, 1, 0, 64, 5, 130, 2, 9];
+    // No element is empty: the extremes and their positions have none.
+    let lengths = [63i64, 200, 1, 3, 64, 5, 130, 2, 9];
     let rows = lengths.iter().sum::<i64>() as usize;
     let mut x: Vec<f32> = (0..rows * 40)
         .map(|i| ((i * 53) % 97) as f32 * 0.04 - 2.0)

@@ -203,6 +203,11 @@ impl Lowering<'_> {
         match (dims, lengths) {
             ([1], Some(lengths)) => {
                 let kind = segment_kind()?;
+                // The largest and smallest value of an empty element do not exist.
+                let lengths = match reduce {
+                    ReduceOp::Amax | ReduceOp::Amin => self.non_empty(lengths, reduce),
+                    _ => lengths,
+                };
                 self.segmented(value, ty, kind, (x_slot, &tail), lengths)
             }
             ([dim], _) if (*dim == last || *dim == -1) && !tail.is_empty() => {
@@ -286,12 +291,7 @@ impl Lowering<'_> {
         let last = tail.len() as i64 + i64::from(lengths.is_some());
         let out = match (dims, lengths) {
             ([1], Some(lengths)) => {
-                let checked = self.lengths_slot(Source::Step);
-                self.program.lengths_ops.push(LengthsOp {
-                    out: checked,
-                    input: lengths,
-                    kind: LengthsKind::NonEmpty { op: reduce.word() },
-                });
+                let checked = self.non_empty(lengths, reduce);
                 let kind = match largest {
                     true => SegmentKind::ArgMax,
                     false => SegmentKind::ArgMin,
@@ -315,6 +315,18 @@ impl Lowering<'_> {
             }
         };
         Ok(self.holding_positions(out))
+    }
+
+    /// `lengths`, checked non-empty before the run for `reduce` (which has no value for
+    /// an empty element: eager's `EmptyReduction`).
+    fn non_empty(&mut self, lengths: Slot, reduce: ReduceOp) -> Slot {
+        let checked = self.lengths_slot(Source::Step);
+        self.program.lengths_ops.push(LengthsOp {
+            out: checked,
+            input: lengths,
+            kind: LengthsKind::NonEmpty { op: reduce.word() },
+        });
+        checked
     }
 
     /// A sum or mean that adds whole packed rows: of everything (any layout, pairs

@@ -210,7 +210,14 @@ fn training_models() {
                 .into_dense_handle()?
                 .sum_all()?;
             let padded = hidden.tanh()?.pad()?.sum_all()?.scale(0.1)?;
-            loss.add(&mean)?.add(&padded)
+            // Sorted values (their gradient goes back where each came from).
+            let sorted = hidden
+                .sort(1, true)?
+                .0
+                .sin()?
+                .sum(&[], false)?
+                .into_dense_handle()?;
+            loss.add(&mean)?.add(&padded)?.add(&sorted)
         }
     };
     let lengths = [3i64, 1, 5];

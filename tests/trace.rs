@@ -201,6 +201,9 @@ fn families(weights: &Weights) -> Vec<(&'static str, Box<Model<'static>>)> {
                     x[0].reduce(Reduce::Var { correction: 0 }, &[], false)?
                         .into(),
                     x[0].amax(&[-1], false)?.into(),
+                    x[0].argmax(-1, false)?.into(),
+                    x[0].sort(1, true)?.0.into(),
+                    x[0].argsort(1, false)?.into(),
                 ])
             }),
         ),
@@ -434,12 +437,12 @@ fn concrete_reads_fail_the_trace_and_name_the_call() {
 #[test]
 fn untraceable_operators_and_untraced_outputs_are_errors() {
     let (example, _) = batch(&[3, 1], &[4], Kind::Float, 6);
-    let sort = trace("sort", &[&example], &[], None, |x, _| {
-        Ok(x[0].sort(1, false)?.0)
+    let topk = trace("topk", &[&example], &[], None, |x, _| {
+        Ok(x[0].topk(1, 1, true)?.0)
     });
     assert!(
-        matches!(sort, Err(NestedError::Trace { op: "sort", .. })),
-        "{sort:?}"
+        matches!(topk, Err(NestedError::Trace { op: "topk", .. })),
+        "{topk:?}"
     );
     let (untraced, _) = batch(&[3, 1], &[4], Kind::Float, 7);
     let mixed = trace("mixed", &[&example], &[], None, |x, _| &x[0] + &untraced);

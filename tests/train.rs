@@ -1212,6 +1212,34 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
+
+    /// sort's compiled gradient (down the ragged dim, both orders) equals autograd's
+    /// with ties everywhere (values from -3 to 3: the stable order decides which tied
+    /// value takes which gradient), empty and one-row elements, in f32 and f64.
+    #[test]
+    fn sort_gradients_with_ties_equal_autograd(
+        values in proptest::collection::vec(proptest::collection::vec((-3i64..=3, -3i64..=3), 0..=7), 1..=4),
+        double in any::<bool>(),
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let (ascending, _) = x[0].sort(1, false)?;
+            let (descending, _) = (&x[0] * 0.5)?.sort(1, true)?;
+            let weighted = (&ascending.cumsum(1)?.sin()? + &(&descending * &descending.cos()?)?)?;
+            weighted.sum(&[], false)?.into_dense_handle()
+        };
+        let compiled = compile("sorts", model).train(&nn::VarStore::new(Device::Cpu));
+        let eager = halves(&values, kind);
+        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+        let ours = halves(&values, kind);
+        compiled.call(&[&ours], &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-5 };
+        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "sorts");
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
 
     /// cdist's compiled gradient (p = 2) equals autograd's for both point sets, with

@@ -241,6 +241,7 @@ fn cases() -> Vec<(String, Step, Case)> {
             x: Fusion::plain(Slot(1), WIDTH),
             lengths: Slot(2),
             width: WIDTH,
+            keys: None,
         });
         let buffers = vec![
             Buffer::F32(vec![f32::NAN; out as usize]),

@@ -318,6 +318,24 @@ pub enum SegmentKind {
     ArgMax,
     /// The row of each column's smallest value, as [`SegmentKind::ArgMax`].
     ArgMin,
+    /// Each element's rows sorted, column by column (stable; NaN after every number,
+    /// or first when `descending`; output: same shape): a row's rank among the rows is
+    /// where its value goes.
+    Sort {
+        /// Largest first.
+        descending: bool,
+    },
+    /// The rows (i64, counted from the element's first) the sorted values come from.
+    ArgSort {
+        /// Largest first.
+        descending: bool,
+    },
+    /// A sort's gradient: each row takes `x` (the sorted values' gradient) at its rank
+    /// among the step's keys (the sorted input).
+    SortGrad {
+        /// Largest first.
+        descending: bool,
+    },
 }
 
 impl SegmentKind {
@@ -335,7 +353,21 @@ impl SegmentKind {
 
     /// Whether the output holds positions (i64) rather than values.
     pub fn gives_positions(self) -> bool {
-        matches!(self, SegmentKind::ArgMax | SegmentKind::ArgMin)
+        matches!(
+            self,
+            SegmentKind::ArgMax | SegmentKind::ArgMin | SegmentKind::ArgSort { .. }
+        )
+    }
+
+    /// Whether a GPU runs an element on one warp however long, each lane down its
+    /// columns' rows (scans, positions, sorts: nothing a block combines).
+    pub fn down_the_rows(self) -> bool {
+        self.is_scan()
+            || self.gives_positions()
+            || matches!(
+                self,
+                SegmentKind::Sort { .. } | SegmentKind::SortGrad { .. }
+            )
     }
 }
 

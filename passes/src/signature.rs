@@ -101,7 +101,7 @@ pub enum Role {
     Ids,
     /// Attention's queries.
     Queries,
-    /// Attention's keys.
+    /// Attention's keys; the values that order a sort's rows.
     Keys,
     /// Attention's values.
     Values,
@@ -362,6 +362,7 @@ impl Placed for Segment {
         Params::new(self.out)
             .prologue(&self.x.inputs)
             .with(Role::Offsets, Arg::Offsets(self.lengths))
+            .optional(Role::Keys, self.keys)
             .kernel(Rows::batch(self.lengths))
     }
 }

@@ -140,6 +140,9 @@ pub struct Segment {
     pub lengths: Slot,
     /// Scalars per row.
     pub width: i64,
+    /// The values that order each element's rows when they are not `x` (a sort's
+    /// gradient ranks the sorted input and moves `x`, the values' gradient).
+    pub keys: Option<Slot>,
 }
 
 /// Varlen attention on packed heads: each element's queries attend to its keys.
@@ -660,12 +663,15 @@ impl StepKind for Segment {
         self.out
     }
     fn reads(&self) -> Vec<Slot> {
-        slots_of(&self.x.inputs).collect()
+        slots_of(&self.x.inputs).chain(self.keys).collect()
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
         visit(&mut self.out);
         visit_accesses(&mut self.x.inputs, visit);
         visit(&mut self.lengths);
+        if let Some(keys) = &mut self.keys {
+            visit(keys);
+        }
     }
 }
 

@@ -169,6 +169,7 @@ fn f64_row_segment_and_attention_kernels_match_the_host() {
             x: Fusion::plain(Slot(1), WIDTH),
             lengths: Slot(2),
             width: WIDTH,
+            keys: None,
         });
         let buffers = vec![
             Buffer::F64(vec![f64::NAN; out as usize]),

@@ -129,6 +129,21 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
             }),
         ),
         (
+            "sorts",
+            Box::new(|x: &[NestedTensor], _: &[Dense]| {
+                // Sorted down the ragged dim (stable), both orders, values and positions,
+                // of the values and of rows with ties (relu's zeros).
+                let (ascending, from) = x[0].sort(1, false)?;
+                let (descending, _) = x[0].relu()?.sort(1, true)?;
+                Ok(vec![
+                    ascending.into(),
+                    from.into(),
+                    descending.into(),
+                    x[0].relu()?.argsort(1, true)?.into(),
+                ])
+            }),
+        ),
+        (
             "embedding",
             Box::new(move |x: &[NestedTensor], _: &[Dense]| {
                 Ok(vec![x[1].embedding(&table, -1)?.relu()?.into()])

@@ -46,6 +46,7 @@ pub(super) fn segment<'ctx>(
         out: kernel.param(Role::Out)?,
         offsets: kernel.param(Role::Offsets)?,
         width,
+        keys: kernel.optional(Role::Keys)?,
     };
     if width >= BLOCK_SEGMENT_WIDTH {
         let threads = i64::from(crate::GPU_BLOCK_THREADS);
@@ -130,6 +131,50 @@ pub(super) fn position_of_extreme<'ctx>(
     kernel.sub(kernel.get_index(at)?, start)
 }
 
+/// Where position `row`'s value goes in a stable sort of positions `start..end` (the
+/// smallest first, or the largest: `descending`), counted from `start`: the positions
+/// whose values sort before it, and the equal ones before it (NaN after every number,
+/// before when descending; NaNs are equal, and so are -0 and 0). A loop over the range
+/// a position.
+fn rank<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    descending: bool,
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    row: IntValue<'ctx>,
+    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<IntValue<'ctx>> {
+    let own = load(row)?;
+    let own_nan = kernel.float_compare(FloatPredicate::UNO, own, own)?;
+    let count = kernel.index_variable("rank")?;
+    kernel.set_index(count, kernel.i64(0))?;
+    let (beyond, ahead) = match descending {
+        true => (FloatPredicate::OGT, true),
+        false => (FloatPredicate::OLT, false),
+    };
+    kernel.for_range(start, end, |other| {
+        let value = load(other)?;
+        let nan = kernel.float_compare(FloatPredicate::UNO, value, value)?;
+        // NaN sorts after every number ascending, before every number descending.
+        let nan_first = match ahead {
+            true => kernel.and(nan, kernel.not(own_nan)?)?,
+            false => kernel.and(kernel.not(nan)?, own_nan)?,
+        };
+        let before = kernel.or(kernel.float_compare(beyond, value, own)?, nan_first)?;
+        let equal = kernel.or(
+            kernel.float_compare(FloatPredicate::OEQ, value, own)?,
+            kernel.and(nan, own_nan)?,
+        )?;
+        let earlier_equal = kernel.and(equal, kernel.less(other, row)?)?;
+        let counts = kernel.or(before, earlier_equal)?;
+        let next = kernel.add(kernel.get_index(count)?, kernel.i64(1))?;
+        kernel.set_index(
+            count,
+            kernel.select_index(counts, next, kernel.get_index(count)?)?,
+        )
+    })?;
+    kernel.get_index(count)
+}
+
 /// A segmented kernel's step and buffers.
 struct Segments<'a, 'ctx, 'm> {
     kernel: &'a Kernel<'ctx, 'm>,
@@ -139,6 +184,8 @@ struct Segments<'a, 'ctx, 'm> {
     out: PointerValue<'ctx>,
     offsets: PointerValue<'ctx>,
     width: i64,
+    /// The values that order the rows, when not `x` (a sort's gradient).
+    keys: Option<PointerValue<'ctx>>,
 }
 
 /// How a value folds into a running one, and where the fold starts.
@@ -286,6 +333,39 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                     let position = position_of_extreme(kernel, largest, (first, last), &load)?;
                     kernel.store_i64(self.out, out_at, position)
                 }
+                SegmentKind::Sort { descending }
+                | SegmentKind::ArgSort { descending }
+                | SegmentKind::SortGrad { descending } => {
+                    self.sorted(column, (first, last), descending)
+                }
+            }
+        })
+    }
+
+    /// Column `column` of the element of rows `first..last` sorted (or its positions, or
+    /// a sort's gradient): each row's rank among the rows' keys.
+    fn sorted(
+        &self,
+        column: IntValue<'ctx>,
+        (first, last): (IntValue<'ctx>, IntValue<'ctx>),
+        descending: bool,
+    ) -> Gen<()> {
+        let kernel = self.kernel;
+        let keys = |row: IntValue<'ctx>| match self.keys {
+            Some(keys) => kernel.load_float(keys, self.at(row, column)?),
+            None => self.load(row, column),
+        };
+        kernel.for_range(first, last, |row| {
+            let rank = rank(kernel, descending, (first, last), row, &keys)?;
+            let to = kernel.add(first, rank)?;
+            match self.kind {
+                SegmentKind::Sort { .. } => {
+                    kernel.store_float(self.out, self.at(to, column)?, self.load(row, column)?)
+                }
+                SegmentKind::ArgSort { .. } => {
+                    kernel.store_i64(self.out, self.at(to, column)?, kernel.sub(row, first)?)
+                }
+                _ => kernel.store_float(self.out, self.at(row, column)?, self.load(to, column)?),
             }
         })
     }
@@ -354,9 +434,9 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             let element = kernel.min(element, last_element)?;
             let (rows_start, rows_end) = self.rows(element)?;
             let rows = kernel.sub(rows_end, rows_start)?;
-            // A scan (or a search for a position) runs down the rows in order: its
+            // A scan (a search for a position, a sort) runs down the rows in order: its
             // elements are a warp's however long.
-            let is_long = if self.kind.is_scan() || self.kind.gives_positions() {
+            let is_long = if self.kind.down_the_rows() {
                 kernel.less(rows, kernel.i64(0))?
             } else {
                 kernel.less(kernel.i64(LONG_SEGMENT_ROWS - 1), rows)?

@@ -10,7 +10,10 @@ use tch::{Kind, Tensor};
 
 use nestor_layout::RaggedLayout;
 
+use nestor_ir::Op;
+
 use crate::ops::Reduced;
+use crate::trace::Arg;
 use crate::{NestedError, NestedTensor, Result};
 
 /// A libtorch operator along one axis giving values and indices.
@@ -30,13 +33,25 @@ impl NestedTensor {
     /// assert_eq!(Vec::<i64>::try_from(indices.values())?, [1, 2, 0, 1, 0]);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
+    ///
+    /// Compiled along the ragged dim (values, with their gradient, and positions).
     pub fn sort(&self, dim: i64, descending: bool) -> Result<(NestedTensor, NestedTensor)> {
-        self.untraceable("sort")?;
         let element_dim = self.element_dim(dim, "sort")?;
+        let axis = self.ir_dims(&[dim])?[0];
         let layout = self.lay().clone();
-        self.along(element_dim, layout, &|x, axis| {
+        let (values, positions) = self.along(element_dim, layout, &|x, axis| {
             x.f_sort_stable(true, axis, descending)
-        })
+        })?;
+        let record = |result: NestedTensor, positions: bool| {
+            let name = if positions { "argsort" } else { "sort" };
+            result.traced(&[Arg::Nested(self)], name, |ids| Op::Sort {
+                x: ids[0],
+                axis,
+                descending,
+                positions,
+            })
+        };
+        Ok((record(values, false)?, record(positions, true)?))
     }
 
     /// The positions that sort each element along `dim` (see [`sort`](Self::sort)).
@@ -110,6 +125,51 @@ impl NestedTensor {
     /// values when the dim is static, else on every element's view
     /// `[*ragged sizes, *static sizes]` (the dim's axis is its ragged level), the results
     /// concatenated in packed order.
+    /// This batch's values sent along `dim` to `positions` (same sizes, i64): `out` at
+    /// `positions[i]` is `self[i]`, each element on its own (a sort's values'
+    /// gradient, sent back where they came from).
+    pub(crate) fn scatter_along(&self, dim: i64, positions: &NestedTensor) -> Result<NestedTensor> {
+        let element_dim = self.element_dim(dim, "sort_grad")?;
+        if let Some(axis) = self.static_axis(element_dim) {
+            let values = self.packed();
+            return Ok(self.with_values(values.f_zeros_like()?.f_scatter(
+                axis,
+                positions.packed(),
+                values,
+            )?));
+        }
+        let own = self.lay();
+        let level = own
+            .ragged_dims()
+            .iter()
+            .position(|&d| d == element_dim)
+            .unwrap_or(0) as i64;
+        let rows: Vec<i64> = own
+            .offsets()
+            .windows(2)
+            .map(|pair| pair[1] - pair[0])
+            .collect();
+        let views = self.packed().f_split_with_sizes(&rows, 0)?;
+        let targets = positions.packed().f_split_with_sizes(&rows, 0)?;
+        let mut parts = Vec::with_capacity(views.len());
+        for ((view, target), sizes) in views.iter().zip(&targets).zip(own.element_sizes()) {
+            let shape: Vec<i64> = own
+                .ragged_dims()
+                .iter()
+                .map(|&d| sizes[d])
+                .chain(own.static_sizes().iter().copied())
+                .collect();
+            let (view, target) = (view.f_reshape(&shape)?, target.f_reshape(&shape)?);
+            let sent = view.f_zeros_like()?.f_scatter(level, &target, &view)?;
+            parts.push(sent.f_reshape([-1])?);
+        }
+        if parts.is_empty() {
+            return Ok(self.shallow_clone());
+        }
+        let values = Tensor::f_cat(&parts, 0)?.f_reshape(own.packed_shape())?;
+        Ok(self.with_values(values))
+    }
+
     fn along(
         &self,
         dim: usize,
@@ -189,5 +249,24 @@ impl NestedTensor {
             }),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::NestedTensor;
+
+    #[test]
+    fn scattered_values_go_to_their_positions() -> Result<(), Box<dyn std::error::Error>> {
+        let batch = NestedTensor::from_lists(vec![vec![3.0f32, 1.0, 2.0], vec![5.0, 4.0]])?;
+        let (_, positions) = batch.sort(1, false)?;
+        let gradient = NestedTensor::from_lists(vec![vec![10.0f32, 20.0, 30.0], vec![40.0, 50.0]])?;
+        let back = gradient.scatter_along(1, &positions)?;
+        // The sorted values 1, 2, 3 came from positions 1, 2, 0; 4, 5 from 1, 0.
+        assert_eq!(
+            Vec::<f32>::try_from(back.values())?,
+            [30.0, 10.0, 20.0, 50.0, 40.0]
+        );
+        Ok(())
     }
 }

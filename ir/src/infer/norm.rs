@@ -3,6 +3,19 @@
 
 use super::*;
 
+/// `x`, a float batch with an element dim `axis` (not the batch's, which has no order),
+/// the type of an op along it.
+fn along_element_dim(x: Type, axis: i64) -> Inferred {
+    let ndim = element_rank(&x) as i64 + 1;
+    let normalized = if axis < 0 { axis + ndim } else { axis };
+    if !(1..ndim).contains(&normalized) {
+        return Err(format!(
+            "axis {axis} is out of range for {ndim} dims (the batch dim has no order)"
+        ));
+    }
+    float(&x).map(|_| x)
+}
+
 /// The type of a norm op in `graph`, or why it is ill-typed.
 pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     let ty = |value: ValueId| graph.ty(value).clone();
@@ -96,16 +109,22 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             float(&x).map(|_| x)
         }
-        Op::Cumulative { x, axis, .. } => {
-            let x = ty(*x);
-            let ndim = element_rank(&x) as i64 + 1;
-            let normalized = if *axis < 0 { axis + ndim } else { *axis };
-            if !(1..ndim).contains(&normalized) {
-                return Err(format!(
-                    "axis {axis} is out of range for {ndim} dims (the batch dim has no order)"
-                ));
+        Op::Cumulative { x, axis, .. } => along_element_dim(ty(*x), *axis),
+        Op::Sort {
+            x, axis, positions, ..
+        } => {
+            let values = along_element_dim(ty(*x), *axis)?;
+            Ok(match positions {
+                true => values.with_dtype(DType::I64),
+                false => values,
+            })
+        }
+        Op::SortGrad { g, x, axis, .. } => {
+            let (g, x) = (ty(*g), along_element_dim(ty(*x), *axis)?);
+            if g != x {
+                return Err(format!("the gradient is {g}, the sorted input {x}"));
             }
-            float(&x).map(|_| x)
+            Ok(x)
         }
         other => Err(format!("{} is not a norm op", other.name())),
     }

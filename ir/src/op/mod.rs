@@ -419,6 +419,34 @@ pub enum Op {
         /// From the last row back: each row combines itself and the rows after it.
         reverse: bool,
     },
+    /// Each element sorted along `axis` (stable: equal values keep their order; NaN
+    /// after every number, or first when `descending`), as torch's stable sort: the
+    /// values, or (`argsort`) the positions (i64) they come from.
+    #[op(family = Norm)]
+    Sort {
+        /// Input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// Largest first.
+        descending: bool,
+        /// The positions rather than the values.
+        #[op(names("sort", "argsort"))]
+        positions: bool,
+    },
+    /// The gradient of `sort(x)`'s values: `g` sent back where each value came from
+    /// (`out[i] = g[rank of x[i]]` along `axis`).
+    #[op(name = "sort_grad", family = Norm)]
+    SortGrad {
+        /// The values' gradient (`x`'s type).
+        g: ValueId,
+        /// The sorted input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// Largest first.
+        descending: bool,
+    },
     /// A reduction over batch-first dims (`0` is the batch; empty means all).
     #[op(family = Reduce)]
     Reduce {

@@ -563,6 +563,21 @@ fn norm(
             product: true,
             reverse: false,
         } => Ok(vec![(x, cumprod_gradient(b, x, axis, g)?)]),
+        // Each sorted value's gradient goes back where the value came from.
+        Op::Sort {
+            x,
+            axis,
+            descending,
+            positions: false,
+        } => Ok(vec![(
+            x,
+            b.push(Op::SortGrad {
+                g,
+                x,
+                axis,
+                descending,
+            })?,
+        )]),
         Op::LayerNorm {
             x,
             weight,

@@ -114,7 +114,60 @@ impl Lowering<'_> {
                     )),
                 }
             }
+            Op::Sort {
+                x,
+                axis,
+                descending,
+                positions,
+            } => {
+                let descending = *descending;
+                let (slot, tail, lengths) = self.along_ragged(value, *x, *axis, "a sort")?;
+                let kind = match positions {
+                    true => SegmentKind::ArgSort { descending },
+                    false => SegmentKind::Sort { descending },
+                };
+                let out = self.segmented(value, ty, kind, (slot, &tail), lengths)?;
+                Ok(match positions {
+                    true => self.holding_positions(out),
+                    false => out,
+                })
+            }
+            Op::SortGrad {
+                g,
+                x,
+                axis,
+                descending,
+            } => {
+                let (keys, _, lengths) = self.along_ragged(value, *x, *axis, "a sort")?;
+                let (slot, _, tail, _) = self.data(value, *g)?;
+                let kind = SegmentKind::SortGrad {
+                    descending: *descending,
+                };
+                self.segmented_by(value, ty, kind, (slot, &tail), (lengths, Some(keys)))
+            }
             other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+
+    /// The buffer, tail and lengths of `x` for `what` along its ragged dim `axis` (the
+    /// first element dim of a batch with one leading ragged dim); a typed error for
+    /// other dims.
+    fn along_ragged(
+        &self,
+        value: ValueId,
+        x: ValueId,
+        axis: i64,
+        what: &str,
+    ) -> Result<(Slot, Vec<i64>, Slot), LowerError> {
+        self.leading(value, x)?;
+        let (slot, _, tail, lengths) = self.data(value, x)?;
+        match lengths {
+            Some(lengths) if axis == 1 => Ok((slot, tail, lengths)),
+            _ => Err(unsupported(
+                value,
+                self.graph.op(value),
+                format!("{what} along a dim other than the ragged one is not compiled"),
+            )),
         }
     }
 
@@ -507,6 +560,19 @@ impl Lowering<'_> {
         (slot, tail): (Slot, &[i64]),
         lengths: Slot,
     ) -> Result<Lowered, LowerError> {
+        self.segmented_by(value, ty, kind, (slot, tail), (lengths, None))
+    }
+
+    /// [`Self::segmented`] with the rows ordered by `keys` where given (a sort's
+    /// gradient).
+    fn segmented_by(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        kind: SegmentKind,
+        (slot, tail): (Slot, &[i64]),
+        (lengths, keys): (Slot, Option<Slot>),
+    ) -> Result<Lowered, LowerError> {
         let out = self.result(value, ty)?;
         self.program.steps.push(Step::Segment(Segment {
             kind,
@@ -514,6 +580,7 @@ impl Lowering<'_> {
             x: Fusion::plain(slot, volume(tail)),
             lengths,
             width: volume(tail),
+            keys,
         }));
         Ok(out)
     }

@@ -103,6 +103,26 @@ impl Interpreter<'_> {
                     }
                 })
             }
+            Op::Sort {
+                x,
+                axis,
+                descending,
+                positions,
+            } => {
+                let (values, indices) = self.nested(*x)?.sort(*axis, *descending)?;
+                Value::Nested(if *positions { indices } else { values })
+            }
+            Op::SortGrad {
+                g,
+                x,
+                axis,
+                descending,
+            } => {
+                let (g, x) = (self.nested(*g)?, self.nested(*x)?);
+                let positions = x.sort(*axis, *descending)?.1;
+                // Each value's gradient back at the position it came from.
+                Value::Nested(g.scatter_along(*axis, &positions)?)
+            }
             other => return Err(not_in_family(other, "norm")),
         })
     }

@@ -101,6 +101,8 @@ fn positions_on_the_simulated_gpu_equal_the_cpu() {
                 x[0].argmax(1, false)?.into(),
                 x[0].relu()?.argmin(1, true)?.into(),
                 x[0].argmax(-1, true)?.into(),
+                x[0].max_dim(1, true)?.0.into(),
+                x[0].min_dim(-1, false)?.0.into(),
             ])
         },
         &[vec![&x], vec![&one]],

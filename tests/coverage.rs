@@ -217,7 +217,9 @@ fn training_models() {
                 .sin()?
                 .sum(&[], false)?
                 .into_dense_handle()?;
-            loss.add(&mean)?.add(&padded)?.add(&sorted)
+            // The largest value of each column (its gradient to that one position).
+            let largest = hidden.max_dim(1, false)?.0.into_dense_handle()?.sum_all()?;
+            loss.add(&mean)?.add(&padded)?.add(&sorted)?.add(&largest)
         }
     };
     let lengths = [3i64, 1, 5];

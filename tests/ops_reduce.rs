@@ -152,6 +152,26 @@ proptest! {
         }
     }
 
+    /// max_dim's values' gradient along the ragged dim goes to the first position of the
+    /// largest value alone, as torch's max(dim) on each element (values rounded to
+    /// halves: ties everywhere).
+    #[test]
+    fn max_dim_gradients_match_each_elements(lengths in proptest::collection::vec(1i64..8, 1..5), seed in 0i64..1000) {
+        let (_, elements) = batch(&lengths, &[2], Kind::Double, seed);
+        let elements: Vec<Tensor> = elements.iter().map(|e| (e * 2.0).round() / 2.0).collect();
+        let nested = NestedTensor::builder().ragged_dims(&[0]).tensors(&elements).unwrap();
+        let leaf = nested.set_requires_grad(true).unwrap();
+        let weights = Tensor::randn([2], (Kind::Double, Device::Cpu));
+        let (largest, _) = leaf.max_dim(1, false).unwrap();
+        (dense(largest) * &weights).sum(Kind::Double).backward();
+        let grads = leaf.grad().unwrap().unbind().unwrap();
+        for (element, grad) in elements.iter().zip(&grads) {
+            let x = element.detach().set_requires_grad(true);
+            (x.max_dim(0, false).0 * &weights).sum(Kind::Double).backward();
+            prop_assert!(close(grad, &x.grad(), Kind::Double), "{} vs {}", grad, x.grad());
+        }
+    }
+
     #[test]
     fn layer_norm_and_rms_norm_on_the_static_tail(lengths in lengths(6, 9), kind in float_kinds(), seed in 0i64..1000) {
         let (nested, elements) = batch(&lengths, &[8], kind, seed);

@@ -125,7 +125,7 @@ fn unary(op: UnaryOp, x: &NestedTensor) -> nestor::Result<NestedTensor> {
     }
 }
 
-/// The eager reduction of each IR reduction (`None`: the positions argmax and argmin),
+/// The eager reduction of each IR reduction (`None`: those that pick one position),
 /// and whether the compiler lowers it.
 fn reduction(op: ReduceOp) -> (Option<Reduce>, bool) {
     let (reduce, lowered) = match op {
@@ -138,7 +138,7 @@ fn reduction(op: ReduceOp) -> (Option<Reduce>, bool) {
         ReduceOp::Std => (Reduce::Std { correction: 1 }, true),
         ReduceOp::All => (Reduce::All, false),
         ReduceOp::Any => (Reduce::Any, false),
-        ReduceOp::Argmax | ReduceOp::Argmin => return (None, true),
+        ReduceOp::Argmax | ReduceOp::Argmin | ReduceOp::Max | ReduceOp::Min => return (None, true),
     };
     (Some(reduce), lowered)
 }
@@ -147,8 +147,12 @@ fn reduction(op: ReduceOp) -> (Option<Reduce>, bool) {
 fn reduced(op: ReduceOp, x: &NestedTensor, dim: i64) -> nestor::Result<nestor::Reduced> {
     match reduction(op).0 {
         Some(reduce) => x.reduce(reduce, &[dim], false),
-        None if op == ReduceOp::Argmax => x.argmax(dim, false),
-        None => x.argmin(dim, false),
+        None => match op {
+            ReduceOp::Argmax => x.argmax(dim, false),
+            ReduceOp::Argmin => x.argmin(dim, false),
+            ReduceOp::Max => Ok(x.max_dim(dim, false)?.0),
+            _ => Ok(x.min_dim(dim, false)?.0),
+        },
     }
 }
 
@@ -307,6 +311,8 @@ fn lowered_reductions_match_eager_on_special_values() {
                 ReduceOp::Amin,
                 ReduceOp::Argmax,
                 ReduceOp::Argmin,
+                ReduceOp::Max,
+                ReduceOp::Min,
             ];
             if dim == 1 && extreme.contains(&op) {
                 let compiled = compile(&name, model);

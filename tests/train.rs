@@ -1240,6 +1240,35 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
+
+    /// max_dim's and min_dim's compiled gradients (down the ragged dim, dims kept or not)
+    /// equal autograd's with ties everywhere: each goes to the first position of the
+    /// extreme alone, where amax shares it (one-row elements, batch size 1, f32 and
+    /// f64).
+    #[test]
+    fn extreme_gradients_with_ties_equal_autograd(
+        values in proptest::collection::vec(proptest::collection::vec((-3i64..=3, -3i64..=3), 1..=7), 1..=4),
+        double in any::<bool>(),
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let largest = x[0].max_dim(1, false)?.0.into_dense_handle()?;
+            let smallest = x[0].sin()?.min_dim(1, true)?.0.into_dense_handle()?;
+            let both = largest.mul(&largest)?.sum_all()?;
+            both.add(&smallest.sum_all()?)
+        };
+        let compiled = compile("extremes", model).train(&nn::VarStore::new(Device::Cpu));
+        let eager = halves(&values, kind);
+        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+        let ours = halves(&values, kind);
+        compiled.call(&[&ours], &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-5 };
+        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "extremes");
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
 
     /// cdist's compiled gradient (p = 2) equals autograd's for both point sets, with

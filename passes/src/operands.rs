@@ -336,6 +336,13 @@ pub enum SegmentKind {
         /// Largest first.
         descending: bool,
     },
+    /// The gradient of each column's largest (or smallest) value: `x` (one row an
+    /// element: the values' gradient) at the first row of the extreme among the step's
+    /// keys (the reduced input; the first NaN), zero at the other rows.
+    ExtremeGrad {
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
 }
 
 impl SegmentKind {
@@ -366,7 +373,9 @@ impl SegmentKind {
             || self.gives_positions()
             || matches!(
                 self,
-                SegmentKind::Sort { .. } | SegmentKind::SortGrad { .. }
+                SegmentKind::Sort { .. }
+                    | SegmentKind::SortGrad { .. }
+                    | SegmentKind::ExtremeGrad { .. }
             )
     }
 }

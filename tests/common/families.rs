@@ -125,6 +125,8 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].argmin(2, true)?.into(),
                     x[0].relu()?.argmax(-1, true)?.into(),
                     x[0].reshape_tail(&[2, 2])?.argmin(-1, false)?.into(),
+                    x[0].max_dim(-1, false)?.0.into(),
+                    x[0].relu()?.min_dim(2, true)?.1.into(),
                 ])
             }),
         ),

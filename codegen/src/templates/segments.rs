@@ -338,8 +338,27 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 | SegmentKind::SortGrad { descending } => {
                     self.sorted(column, (first, last), descending)
                 }
+                SegmentKind::ExtremeGrad { largest } => {
+                    let keys = |row| self.key(row, column);
+                    let at = position_of_extreme(kernel, largest, (first, last), &keys)?;
+                    let gradient = self.load(element, column)?;
+                    let zero = kernel.constant(0.0);
+                    kernel.for_range(first, last, |row| {
+                        let hit = kernel.equal(kernel.sub(row, first)?, at)?;
+                        let value = kernel.select(hit, gradient, zero)?;
+                        kernel.store_float(self.out, self.at(row, column)?, value)
+                    })
+                }
             }
         })
+    }
+
+    /// The value that orders row `row` in column `column`: the step's keys, or `x`.
+    fn key(&self, row: IntValue<'ctx>, column: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        match self.keys {
+            Some(keys) => self.kernel.load_float(keys, self.at(row, column)?),
+            None => self.load(row, column),
+        }
     }
 
     /// Column `column` of the element of rows `first..last` sorted (or its positions, or
@@ -351,10 +370,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
         descending: bool,
     ) -> Gen<()> {
         let kernel = self.kernel;
-        let keys = |row: IntValue<'ctx>| match self.keys {
-            Some(keys) => kernel.load_float(keys, self.at(row, column)?),
-            None => self.load(row, column),
-        };
+        let keys = |row| self.key(row, column);
         kernel.for_range(first, last, |row| {
             let rank = rank(kernel, descending, (first, last), row, &keys)?;
             let to = kernel.add(first, rank)?;

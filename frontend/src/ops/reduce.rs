@@ -630,11 +630,14 @@ impl NestedTensor {
 
     /// Largest value and its index along one dim (static, ragged or the batch dim:
     /// then every element's largest value and its row-major position in the element).
+    /// The value's gradient goes to that one position (`amax` shares it among equal
+    /// values). Compiled along a ragged dim (values, positions and the gradient) or the
+    /// last static one (values and positions).
     pub fn max_dim(&self, dim: i64, keepdim: bool) -> Result<(Reduced, Reduced)> {
         self.extreme_dim(dim, keepdim, true)
     }
 
-    /// Smallest value and its index along one dim.
+    /// Smallest value and its index along one dim (as [`max_dim`](Self::max_dim)).
     pub fn min_dim(&self, dim: i64, keepdim: bool) -> Result<(Reduced, Reduced)> {
         self.extreme_dim(dim, keepdim, false)
     }
@@ -665,9 +668,18 @@ impl NestedTensor {
     }
 
     fn extreme_dim(&self, dim: i64, keepdim: bool, largest: bool) -> Result<(Reduced, Reduced)> {
-        let op = if largest { "max" } else { "min" };
-        self.untraceable(op)?;
-        self.extreme_dim_eager(dim, keepdim, (largest, op))
+        let (op, positions) = match largest {
+            true => (ReduceOp::Max, ReduceOp::Argmax),
+            false => (ReduceOp::Min, ReduceOp::Argmin),
+        };
+        if self.normalize_dim(dim)? == self.batch_dim() {
+            self.untraceable(op.word())?;
+        }
+        let (values, at) = self.extreme_dim_eager(dim, keepdim, (largest, op.word()))?;
+        Ok((
+            self.traced_reduction(values, ((op, 0), op.word()), &[dim], keepdim)?,
+            self.traced_reduction(at, ((positions, 0), positions.word()), &[dim], keepdim)?,
+        ))
     }
 
     /// The extreme values along `dim` and their positions, computed eagerly (`op`
@@ -705,17 +717,23 @@ impl NestedTensor {
             Some(map) => {
                 let values = self.packed();
                 let extreme = plan.extreme(values, if largest { "amax" } else { "amin" }, 0.0)?;
-                // The first position along the dim that holds the extreme value.
-                let coordinates = Tensor::f_from_slice(&layout.row_coordinates(element_dim))?
-                    .f_to_device(self.device())?;
-                let coordinates = plan.expand_map(&coordinates, values)?;
+                // The first packed row of each output's rows that holds the extreme value
+                // (an output's rows differ only along the dim, in packed order).
+                let device = self.device();
+                let rows = Tensor::f_arange(values.size()[0], (Kind::Int64, device))?;
+                let rows = plan.expand_map(&rows, values)?;
                 let hits = extreme_hits(values, &plan.gather(&extreme)?)?;
-                let candidates = coordinates.f_where_scalarother(&hits, i64::MAX)?;
-                let initial =
-                    Tensor::f_full(extreme.size(), i64::MAX, (Kind::Int64, self.device()))?;
+                let candidates = rows.f_where_scalarother(&hits, i64::MAX)?;
+                let initial = Tensor::f_full(extreme.size(), i64::MAX, (Kind::Int64, device))?;
+                let first = initial.f_index_reduce(0, map, &candidates, "amin", false)?;
+                let coordinates = Tensor::f_from_slice(&layout.row_coordinates(element_dim))?
+                    .f_to_device(device)?;
+                let coordinates = plan.expand_map(&coordinates, values)?;
+                // The values taken at those rows: their gradient goes there alone, as
+                // torch's max(dim) on each element.
                 (
-                    extreme,
-                    initial.f_index_reduce(0, map, &candidates, "amin", false)?,
+                    values.f_gather(0, &first, false)?,
+                    coordinates.f_gather(0, &first, false)?,
                 )
             }
         };

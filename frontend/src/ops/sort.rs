@@ -170,6 +170,54 @@ impl NestedTensor {
         Ok(self.with_values(values))
     }
 
+    /// The gradient of this batch's `max(dim)` or `min(dim)` (`positions`, kept dims,
+    /// the extremes' positions; `g` the values' gradient, `[B, ...]` dims kept or not):
+    /// `g` at each position, zero elsewhere. A ragged dim leading the elements' dims.
+    pub(crate) fn extreme_gradient(
+        &self,
+        dim: i64,
+        positions: &Reduced,
+        g: &Tensor,
+    ) -> Result<NestedTensor> {
+        let element_dim = self.element_dim(dim, "max_grad")?;
+        let positions = match positions {
+            Reduced::Dense(dense) => dense.raw().shallow_clone(),
+            Reduced::Nested(nested) => nested.packed().shallow_clone(),
+        };
+        let values = self.packed();
+        if let Some(axis) = self.static_axis(element_dim) {
+            let g = g.f_reshape(positions.size())?;
+            let sent = values.f_zeros_like()?.f_scatter(axis, &positions, &g)?;
+            return Ok(self.with_values(sent));
+        }
+        if self.lay().ragged_dims() != [0] || element_dim != 0 {
+            return Err(NestedError::Unsupported {
+                op: "max_grad",
+                reason: "the ragged dim must lead the elements' dims".into(),
+            });
+        }
+        // Per element `[L_i, *tail]`: its position `[1, *tail]` takes `g`.
+        let rows: Vec<i64> = self
+            .lay()
+            .offsets()
+            .windows(2)
+            .map(|pair| pair[1] - pair[0])
+            .collect();
+        let batch = rows.len() as i64;
+        let mut shape = vec![batch, 1];
+        shape.extend(self.lay().static_sizes());
+        let (positions, g) = (positions.f_reshape(&shape)?, g.f_reshape(&shape)?);
+        let mut parts = Vec::with_capacity(rows.len());
+        for (index, view) in values.f_split_with_sizes(&rows, 0)?.iter().enumerate() {
+            let (at, gradient) = (positions.get(index as i64), g.get(index as i64));
+            parts.push(view.f_zeros_like()?.f_scatter(0, &at, &gradient)?);
+        }
+        if parts.is_empty() {
+            return Ok(self.shallow_clone());
+        }
+        Ok(self.with_values(Tensor::f_cat(&parts, 0)?))
+    }
+
     fn along(
         &self,
         dim: usize,

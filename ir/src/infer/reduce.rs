@@ -18,7 +18,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                     "a correction ({correction}) applies to var and std only"
                 ));
             }
-            if op.gives_positions() {
+            if op.picks_one() {
                 if dims.len() != 1 {
                     return Err(format!("{} takes one dim, got {dims:?}", op.word()));
                 }
@@ -27,6 +27,17 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 }
             }
             reduce(&ty(*x), *op, dims, *keepdim)
+        }
+        Op::ExtremeGrad { g, x, axis, .. } => {
+            let (g, x) = (ty(*g), ty(*x));
+            let reduced = |keepdim| reduce(&x, ReduceOp::Max, &[*axis], keepdim);
+            if reduced(true)? != g && reduced(false)? != g {
+                return Err(format!(
+                    "the gradient is {g}, the values of {x} reduced along {axis} are {}",
+                    reduced(false)?
+                ));
+            }
+            Ok(x)
         }
         other => Err(format!("{} is not a reduce op", other.name())),
     }
@@ -65,7 +76,7 @@ fn reduce(x: &Type, op: ReduceOp, dims: &[i64], keepdim: bool) -> Inferred {
     }
     reduced.sort_unstable();
     reduced.dedup();
-    if op.gives_positions() && reduced.contains(&0) {
+    if op.picks_one() && reduced.contains(&0) {
         return Err(format!("{} over the batch dim is not an IR op", op.word()));
     }
     if reduced.is_empty() || reduced.len() as i64 == ndim {

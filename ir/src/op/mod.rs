@@ -119,6 +119,15 @@ impl ReduceOp {
     pub fn gives_positions(self) -> bool {
         matches!(self, ReduceOp::Argmax | ReduceOp::Argmin)
     }
+
+    /// Whether the reduction chooses one position along one dim (its value, or the
+    /// position itself).
+    pub fn picks_one(self) -> bool {
+        matches!(
+            self,
+            ReduceOp::Argmax | ReduceOp::Argmin | ReduceOp::Max | ReduceOp::Min
+        )
+    }
 }
 
 impl BinaryOp {
@@ -165,6 +174,11 @@ pub enum ReduceOp {
     Argmax,
     /// the position (i64) of the smallest value along one dim, as [`ReduceOp::Argmax`]
     Argmin,
+    /// the largest value along one dim, its gradient to that one position (torch's
+    /// `max(dim)`; `amax` shares it among equal values)
+    Max,
+    /// the smallest value along one dim, as [`ReduceOp::Max`]
+    Min,
 }
 
 /// How a loss reduces over real positions.
@@ -234,7 +248,7 @@ word_enum!(BinaryOp {
 word_enum!(ReduceOp {
     Sum => "sum", Mean => "mean", Amax => "amax", Amin => "amin", LogSumExp => "logsumexp",
     Var => "var", Std => "std", All => "all", Any => "any", Argmax => "argmax",
-    Argmin => "argmin",
+    Argmin => "argmin", Max => "max", Min => "min",
 });
 word_enum!(LossReduction { Mean => "mean", Sum => "sum", None => "none" });
 word_enum!(PoolKind { Max => "max_pool2d", Avg => "avg_pool2d" });
@@ -446,6 +460,21 @@ pub enum Op {
         axis: i64,
         /// Largest first.
         descending: bool,
+    },
+    /// The gradient of `max(x)` (`largest`) or `min(x)` along the element dim `axis`:
+    /// `g` (the reduced values' gradient, dims kept or not) at the first position of
+    /// the extreme (the first NaN), zero elsewhere.
+    #[op(family = Reduce)]
+    ExtremeGrad {
+        /// The values' gradient.
+        g: ValueId,
+        /// The reduced input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// The largest rather than the smallest.
+        #[op(names("min_grad", "max_grad"))]
+        largest: bool,
     },
     /// A reduction over batch-first dims (`0` is the batch; empty means all).
     #[op(family = Reduce)]

@@ -474,6 +474,16 @@ fn reduce(
     else {
         return Err(b.no_rule("not a reduction"));
     };
+    if let (ReduceOp::Max | ReduceOp::Min, [axis]) = (kind, dims.as_slice()) {
+        // To the first position of the extreme alone, as torch's max(dim).
+        let gradient = b.push(Op::ExtremeGrad {
+            g,
+            x,
+            axis: *axis,
+            largest: kind == ReduceOp::Max,
+        })?;
+        return Ok(vec![(x, gradient)]);
+    }
     if !matches!(
         kind,
         ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin | ReduceOp::LogSumExp

@@ -132,6 +132,18 @@ impl Lowering<'_> {
                     false => out,
                 })
             }
+            Op::ExtremeGrad {
+                g,
+                x,
+                axis,
+                largest,
+            } => {
+                let what = "the gradient of max or min";
+                let (keys, tail, lengths) = self.along_ragged(value, *x, *axis, what)?;
+                let (slot, ..) = self.data(value, *g)?;
+                let kind = SegmentKind::ExtremeGrad { largest: *largest };
+                self.segmented_by(value, ty, kind, (slot, &tail), (lengths, Some(keys)))
+            }
             Op::SortGrad {
                 g,
                 x,
@@ -230,8 +242,8 @@ impl Lowering<'_> {
         let segment_kind = || match reduce {
             ReduceOp::Sum => Ok(SegmentKind::Sum),
             ReduceOp::Mean => Ok(SegmentKind::Mean),
-            ReduceOp::Amax => Ok(SegmentKind::Max),
-            ReduceOp::Amin => Ok(SegmentKind::Min),
+            ReduceOp::Amax | ReduceOp::Max => Ok(SegmentKind::Max),
+            ReduceOp::Amin | ReduceOp::Min => Ok(SegmentKind::Min),
             ReduceOp::LogSumExp => Ok(SegmentKind::LogSumExp),
             other => Err(unsupported(
                 value,
@@ -258,7 +270,9 @@ impl Lowering<'_> {
                 let kind = segment_kind()?;
                 // The largest and smallest value of an empty element do not exist.
                 let lengths = match reduce {
-                    ReduceOp::Amax | ReduceOp::Amin => self.non_empty(lengths, reduce),
+                    ReduceOp::Amax | ReduceOp::Amin | ReduceOp::Max | ReduceOp::Min => {
+                        self.non_empty(lengths, reduce)
+                    }
                     _ => lengths,
                 };
                 self.segmented(value, ty, kind, (x_slot, &tail), lengths)
@@ -267,8 +281,8 @@ impl Lowering<'_> {
                 let kind = match reduce {
                     ReduceOp::Sum => RowKind::Sum,
                     ReduceOp::Mean => RowKind::Mean,
-                    ReduceOp::Amax => RowKind::Max,
-                    ReduceOp::Amin => RowKind::Min,
+                    ReduceOp::Amax | ReduceOp::Max => RowKind::Max,
+                    ReduceOp::Amin | ReduceOp::Min => RowKind::Min,
                     ReduceOp::LogSumExp => RowKind::LogSumExp,
                     other => {
                         return Err(unsupported(

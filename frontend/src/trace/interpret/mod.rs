@@ -541,6 +541,16 @@ fn reduce_dense(
             .try_fold(tensor.f_ne(0)?, |t, &d| t.f_any_dim(d, keepdim))?,
         ReduceOp::Argmax => tensor.f_argmax(dims.first().copied(), keepdim)?,
         ReduceOp::Argmin => tensor.f_argmin(dims.first().copied(), keepdim)?,
+        ReduceOp::Max => {
+            tensor
+                .f_max_dim(dims.first().copied().unwrap_or(0), keepdim)?
+                .0
+        }
+        ReduceOp::Min => {
+            tensor
+                .f_min_dim(dims.first().copied().unwrap_or(0), keepdim)?
+                .0
+        }
     })
 }
 
@@ -587,8 +597,9 @@ impl Binary {
 }
 
 impl Reduce {
-    /// The eager reduction of an IR reduction (`None` for the positions argmax and
-    /// argmin, which [`NestedTensor::argmax`](crate::NestedTensor::argmax) gives).
+    /// The eager reduction of an IR reduction (`None` for the reductions that pick one
+    /// position: argmax, argmin, max and min, which
+    /// [`NestedTensor::max_dim`](crate::NestedTensor::max_dim) and its kin give).
     pub fn from_ir(op: ReduceOp, correction: i64) -> Option<Reduce> {
         Some(match op {
             ReduceOp::Sum => Reduce::Sum,
@@ -600,7 +611,7 @@ impl Reduce {
             ReduceOp::Std => Reduce::Std { correction },
             ReduceOp::All => Reduce::All,
             ReduceOp::Any => Reduce::Any,
-            ReduceOp::Argmax | ReduceOp::Argmin => return None,
+            ReduceOp::Argmax | ReduceOp::Argmin | ReduceOp::Max | ReduceOp::Min => return None,
         })
     }
 }

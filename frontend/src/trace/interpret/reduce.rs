@@ -23,7 +23,9 @@ impl Interpreter<'_> {
                     }
                     (Value::Nested(nested), None, &[dim]) => Value::from(match op {
                         ReduceOp::Argmax => nested.argmax(dim, *keepdim)?,
-                        _ => nested.argmin(dim, *keepdim)?,
+                        ReduceOp::Argmin => nested.argmin(dim, *keepdim)?,
+                        ReduceOp::Max => nested.max_dim(dim, *keepdim)?.0,
+                        _ => nested.min_dim(dim, *keepdim)?.0,
                     }),
                     _ => Value::Dense(reduce_dense(
                         self.dense(*x)?,
@@ -33,6 +35,23 @@ impl Interpreter<'_> {
                         *correction,
                     )?),
                 }
+            }
+            Op::ExtremeGrad {
+                g,
+                x,
+                axis,
+                largest,
+            } => {
+                let x = self.nested(*x)?;
+                let positions = match largest {
+                    true => x.argmax(*axis, true)?,
+                    false => x.argmin(*axis, true)?,
+                };
+                let g = match self.get(*g) {
+                    Value::Nested(nested) => nested.values().shallow_clone(),
+                    _ => self.dense(*g)?.shallow_clone(),
+                };
+                Value::Nested(x.extreme_gradient(*axis, &positions, &g)?)
             }
             other => return Err(not_in_family(other, "reduce")),
         })

@@ -18,7 +18,7 @@ impl Lowering<'_> {
             Op::Matmul { x, w } => self.gemm(value, ty, *x, *w, None, true),
             Op::Embedding { ids, weight, .. } => {
                 self.leading(value, *ids)?;
-                let (ids_slot, rows, _, _) = self.data(value, *ids)?;
+                let (ids_slot, rows, _) = self.integer_ids(value, *ids)?;
                 let (table, _, table_tail, _) = self.data(value, *weight)?;
                 let width = table_tail.first().copied().unwrap_or(1);
                 let out = self.result(value, ty)?;

@@ -428,7 +428,7 @@ impl Lowering<'_> {
 
     /// `value` as a view of the buffer of `x`.
     fn alias_of(&mut self, value: ValueId, x: ValueId, ty: &Type) -> Result<Lowered, LowerError> {
-        let (slot, ..) = self.data(value, x)?;
+        let (slot, ..) = self.any_data(value, x)?;
         self.alias(value, slot, ty)
     }
 
@@ -458,7 +458,34 @@ impl Lowering<'_> {
         }
     }
 
+    /// The buffer, rows, tail and lengths of the float tensor `operand` of `value`; a
+    /// typed error for a buffer of i64 values (positions, ids), which only gathers and
+    /// views read.
     fn data(
+        &self,
+        value: ValueId,
+        operand: ValueId,
+    ) -> Result<(Slot, Rows, Vec<i64>, Option<Slot>), LowerError> {
+        let found = self.any_data(value, operand)?;
+        self.floats(value, found.0)?;
+        Ok(found)
+    }
+
+    /// Errors unless `slot`, read by `value`, holds floats (or 0/1 truth values).
+    fn floats(&self, value: ValueId, slot: Slot) -> Result<(), LowerError> {
+        if self.program.info(slot).integers {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                "its operand holds i64 values (positions or ids), which compiled programs \
+                 only return, view or gather by",
+            ));
+        }
+        Ok(())
+    }
+
+    /// [`Self::data`] of any buffer, floats or i64 values.
+    fn any_data(
         &self,
         value: ValueId,
         operand: ValueId,
@@ -479,14 +506,19 @@ impl Lowering<'_> {
         }
     }
 
-    /// The buffer of integer ids `ids` (an input: steps write floats), its rows and tail.
+    /// The buffer of integer ids `ids` (an input, or a view of one: the host checks them
+    /// before the run), its rows and tail.
     fn integer_ids(
         &self,
         value: ValueId,
         ids: ValueId,
     ) -> Result<(Slot, Rows, Vec<i64>), LowerError> {
-        let (slot, rows, tail, _) = self.data(value, ids)?;
-        if self.program.info(slot).dtype != DType::I64 {
+        let (slot, rows, tail, _) = self.any_data(value, ids)?;
+        let mut root = slot;
+        while let Source::Alias(of) = self.program.info(root).source {
+            root = of;
+        }
+        if !self.program.info(slot).integers || !self.program.is_input(root) {
             return Err(unsupported(
                 value,
                 self.graph.op(value),

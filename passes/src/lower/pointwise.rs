@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::step::{Pointwise, RandomMask};
+use nestor_ir::UnaryOp;
 
 impl Lowering<'_> {
     /// Lowers a pointwise op.
@@ -66,6 +67,7 @@ impl Lowering<'_> {
                         Box::new(Expr::Const(F64(0.0))),
                     )
                 }),
+                DType::I64 => self.pointwise(value, ty, &[*x], |loads| truncated(&loads[0])),
                 other => Err(unsupported(
                     value,
                     op,
@@ -152,6 +154,7 @@ impl Lowering<'_> {
                     ))
                 }
                 Lowered::Data { slot, tail, .. } => {
+                    self.floats(value, slot)?;
                     let access = self.access(value, ty, operand, slot, &tail, &out_tail)?;
                     loads.push(Expr::Load(inputs.len()));
                     inputs.push(access);
@@ -473,8 +476,25 @@ pub(super) fn translate(expr: &FusedExpr, loads: &[Expr]) -> Expr {
         FusedExpr::Cast(DType::Bool, x) => {
             Expr::Binary(BinaryOp::Ne, recurse(x), Box::new(Expr::Const(F64(0.0))))
         }
+        FusedExpr::Cast(DType::I64, x) => truncated(&recurse(x)),
         FusedExpr::Cast(_, x) => *recurse(x),
     }
+}
+
+/// `x` rounded toward zero: a cast to i64 computed in the float type (exact: the
+/// rounded value of a float is a float) and converted at the boundary by libtorch, so
+/// NaN and values out of range convert as eager's cast does.
+fn truncated(x: &Expr) -> Expr {
+    let negative = Expr::Binary(
+        BinaryOp::Lt,
+        Box::new(x.clone()),
+        Box::new(Expr::Const(F64(0.0))),
+    );
+    Expr::Select(
+        Box::new(negative),
+        Box::new(Expr::Unary(UnaryOp::Ceil, Box::new(x.clone()))),
+        Box::new(Expr::Unary(UnaryOp::Floor, Box::new(x.clone()))),
+    )
 }
 
 /// The first cast in `expr` to a type compiled code does not compute in.
@@ -484,7 +504,7 @@ pub(super) fn unsupported_cast(expr: &FusedExpr) -> Option<DType> {
         FusedExpr::Cast(dtype, _)
             if !matches!(
                 dtype,
-                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::Bool
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::Bool | DType::I64
             ) =>
         {
             Some(*dtype)

@@ -1214,7 +1214,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
 
-    /// sort's compiled gradient (down the ragged dim, both orders) equals autograd's
+    /// sort's compiled gradient (down the ragged dim, both orders, and along the last)
+    /// equals autograd's
     /// with ties everywhere (values from -3 to 3: the stable order decides which tied
     /// value takes which gradient), empty and one-row elements, in f32 and f64.
     #[test]
@@ -1226,7 +1227,9 @@ proptest! {
         let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
             let (ascending, _) = x[0].sort(1, false)?;
             let (descending, _) = (&x[0] * 0.5)?.sort(1, true)?;
+            let (along, _) = x[0].sort(-1, true)?;
             let weighted = (&ascending.cumsum(1)?.sin()? + &(&descending * &descending.cos()?)?)?;
+            let weighted = (&weighted + &along.cumprod(-1)?)?;
             weighted.sum(&[], false)?.into_dense_handle()
         };
         let compiled = compile("sorts", model).train(&nn::VarStore::new(Device::Cpu));
@@ -1242,7 +1245,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
 
-    /// max_dim's and min_dim's compiled gradients (down the ragged dim, dims kept or not)
+    /// max_dim's and min_dim's compiled gradients (down the ragged dim, dims kept or not,
+    /// and along the last)
     /// equal autograd's with ties everywhere: each goes to the first position of the
     /// extreme alone, where amax shares it (one-row elements, batch size 1, f32 and
     /// f64).
@@ -1258,7 +1262,10 @@ proptest! {
             // paths may round a tie apart.
             let smallest = (&x[0] * -0.5)?.min_dim(1, true)?.0.into_dense_handle()?;
             let both = largest.mul(&largest)?.sum_all()?;
-            both.add(&smallest.sum_all()?)
+            // Along the last dim too.
+            let last = x[0].max_dim(-1, false)?.0.into_nested()?;
+            let last = last.sum(&[], false)?.into_dense_handle()?;
+            both.add(&smallest.sum_all()?)?.add(&last)
         };
         let compiled = compile("extremes", model).train(&nn::VarStore::new(Device::Cpu));
         let eager = halves(&values, kind);

@@ -204,6 +204,7 @@ fn cases() -> Vec<(String, Step, Case)> {
             rows: rows(),
             width: WIDTH,
             eps: nestor_ir::F64(1e-5),
+            keys: None,
         });
         let mut buffers = vec![
             Buffer::F32(vec![f32::NAN; out as usize]),

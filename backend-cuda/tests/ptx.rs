@@ -65,7 +65,12 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
   %34 = sort_grad(%9, %1) {axis = 1, descending = true} : ragged<f32>[B; %0, 8]
   %35 = max(%1) {dims = [1], keepdim = false} : f32[B, 8]
   %36 = max_grad(%35, %1) {axis = 1} : ragged<f32>[B; %0, 8]
-  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36
+  %37 = sort(%1) {axis = -1, descending = true} : ragged<f32>[B; %0, 8]
+  %38 = argsort(%1) {axis = 2, descending = false} : ragged<i64>[B; %0, 8]
+  %39 = sort_grad(%9, %1) {axis = -1, descending = false} : ragged<f32>[B; %0, 8]
+  %40 = min(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
+  %41 = min_grad(%40, %1) {axis = -1} : ragged<f32>[B; %0, 8]
+  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41
 }
 "#;
 

@@ -285,6 +285,29 @@ pub enum RowKind {
         /// The largest rather than the smallest.
         largest: bool,
     },
+    /// The row sorted (stable; NaN after every number, or first when `descending`;
+    /// one thread a row): a column's rank among the columns is where its value goes.
+    Sort {
+        /// Largest first.
+        descending: bool,
+    },
+    /// The columns (i64) the sorted values come from.
+    ArgSort {
+        /// Largest first.
+        descending: bool,
+    },
+    /// A sort's gradient: each column takes `x` (the sorted values' gradient) at its
+    /// rank among the row's keys (the sorted input).
+    SortGrad {
+        /// Largest first.
+        descending: bool,
+    },
+    /// The gradient of the row's largest (or smallest) value: `x` (one value a row) at
+    /// the first column of the extreme among the row's keys, zero elsewhere.
+    ExtremeGrad {
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
 }
 
 /// Segmented kernels over the rows of each element, column by column.
@@ -383,7 +406,15 @@ impl SegmentKind {
 impl RowKind {
     /// Whether a GPU runs each row on one thread (its columns in order), not a warp.
     pub fn one_thread_a_row(self) -> bool {
-        matches!(self, RowKind::Scan { .. } | RowKind::Position { .. })
+        matches!(
+            self,
+            RowKind::Scan { .. }
+                | RowKind::Position { .. }
+                | RowKind::Sort { .. }
+                | RowKind::ArgSort { .. }
+                | RowKind::SortGrad { .. }
+                | RowKind::ExtremeGrad { .. }
+        )
     }
 }
 

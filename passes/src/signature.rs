@@ -353,6 +353,7 @@ impl Placed for Row {
             .prologue(&self.x.inputs)
             .optional(Role::Weight, self.weight)
             .optional(Role::Bias, self.bias)
+            .optional(Role::Keys, self.keys)
             .kernel(self.rows)
     }
 }

@@ -124,6 +124,9 @@ pub struct Row {
     pub width: i64,
     /// Epsilon of the norms.
     pub eps: F64,
+    /// The values that order each row when they are not `x` (the gradients of a sort
+    /// and of max / min read the sorted or reduced input, and move `x`).
+    pub keys: Option<Slot>,
 }
 
 /// A segmented kernel over the rows of each element.
@@ -647,6 +650,7 @@ impl StepKind for Row {
         slots_of(&self.x.inputs)
             .chain(self.weight)
             .chain(self.bias)
+            .chain(self.keys)
             .collect()
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
@@ -654,6 +658,7 @@ impl StepKind for Row {
         visit_accesses(&mut self.x.inputs, visit);
         visit_optional(&mut self.weight, visit);
         visit_optional(&mut self.bias, visit);
+        visit_optional(&mut self.keys, visit);
         visit_rows(&mut self.rows, visit);
     }
 }

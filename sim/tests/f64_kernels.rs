@@ -147,6 +147,7 @@ fn f64_row_segment_and_attention_kernels_match_the_host() {
             rows: Rows::fixed(rows),
             width: WIDTH,
             eps: nestor_ir::F64(1e-5),
+            keys: None,
         });
         let mut buffers = vec![
             Buffer::F64(vec![f64::NAN; out as usize]),

@@ -141,11 +141,16 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                 // of the values and of rows with ties (relu's zeros).
                 let (ascending, from) = x[0].sort(1, false)?;
                 let (descending, _) = x[0].relu()?.sort(1, true)?;
+                // And along the last dim.
+                let (along, columns) = x[0].relu()?.sort(-1, false)?;
                 Ok(vec![
                     ascending.into(),
                     from.into(),
                     descending.into(),
                     x[0].relu()?.argsort(1, true)?.into(),
+                    along.into(),
+                    columns.into(),
+                    x[0].argsort(2, true)?.into(),
                 ])
             }),
         ),

@@ -48,7 +48,7 @@ use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
 use rows::{finite_shift, row};
-use segments::{position_of_extreme, scan, segment};
+use segments::{position_of_extreme, rank, scan, segment};
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
 };

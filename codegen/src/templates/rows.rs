@@ -15,6 +15,7 @@ pub(super) fn row<'ctx>(
     let inputs = prologue_args(kernel, &x.inputs)?;
     let weight = kernel.optional(Role::Weight)?;
     let bias = kernel.optional(Role::Bias)?;
+    let keys = kernel.optional(Role::Keys)?;
     let n = kernel.constant(width as f64);
     let passes = matches!(
         kind,
@@ -119,6 +120,37 @@ pub(super) fn row<'ctx>(
                 let range = (kernel.i64(0), kernel.i64(width));
                 let position = position_of_extreme(kernel, largest, range, &load)?;
                 kernel.store_i64(out, row, position)
+            }
+            RowKind::Sort { descending }
+            | RowKind::ArgSort { descending }
+            | RowKind::SortGrad { descending } => {
+                // The row's order: its keys (a gradient's sorted input), or `x`.
+                let key = |column| match keys {
+                    Some(keys) => kernel.load_float(keys, at(column)?),
+                    None => load(column),
+                };
+                let range = (kernel.i64(0), kernel.i64(width));
+                kernel.for_range(range.0, range.1, |column| {
+                    let rank = rank(kernel, descending, range, column, &key)?;
+                    match kind {
+                        RowKind::Sort { .. } => kernel.store_float(out, at(rank)?, load(column)?),
+                        RowKind::ArgSort { .. } => kernel.store_i64(out, at(rank)?, column),
+                        _ => kernel.store_float(out, at(column)?, load(rank)?),
+                    }
+                })
+            }
+            RowKind::ExtremeGrad { largest } => {
+                let keys = kernel.param(Role::Keys)?;
+                let key = |column| kernel.load_float(keys, at(column)?);
+                let range = (kernel.i64(0), kernel.i64(width));
+                let position = position_of_extreme(kernel, largest, range, &key)?;
+                // `x` holds one value a row: the extreme's gradient.
+                let gradient = prologue(kernel, x, &inputs, row, kernel.i64(0))?;
+                let zero = kernel.constant(0.0);
+                kernel.for_range(range.0, range.1, |column| {
+                    let value = kernel.select(kernel.equal(column, position)?, gradient, zero)?;
+                    kernel.store_float(out, at(column)?, value)
+                })
             }
             RowKind::LogSumExp => {
                 let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;

@@ -136,7 +136,7 @@ pub(super) fn position_of_extreme<'ctx>(
 /// whose values sort before it, and the equal ones before it (NaN after every number,
 /// before when descending; NaNs are equal, and so are -0 and 0). A loop over the range
 /// a position.
-fn rank<'ctx>(
+pub(super) fn rank<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     descending: bool,
     (start, end): (IntValue<'ctx>, IntValue<'ctx>),

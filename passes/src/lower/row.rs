@@ -100,6 +100,7 @@ impl Lowering<'_> {
                         rows: rows.times(volume(&tail[..tail.len() - 1])),
                         width,
                         eps: F64(0.0),
+                        keys: None,
                     }));
                     return Ok(out);
                 }
@@ -121,12 +122,27 @@ impl Lowering<'_> {
                 positions,
             } => {
                 let descending = *descending;
-                let (slot, tail, lengths) = self.along_ragged(value, *x, *axis, "a sort")?;
-                let kind = match positions {
-                    true => SegmentKind::ArgSort { descending },
-                    false => SegmentKind::Sort { descending },
+                let out = match self.along(value, *x, *axis)? {
+                    Along::Ragged {
+                        slot,
+                        tail,
+                        lengths,
+                    } => {
+                        let kind = match positions {
+                            true => SegmentKind::ArgSort { descending },
+                            false => SegmentKind::Sort { descending },
+                        };
+                        self.segmented(value, ty, kind, (slot, &tail), lengths)?
+                    }
+                    Along::Last { slot, rows, width } => {
+                        let kind = match positions {
+                            true => RowKind::ArgSort { descending },
+                            false => RowKind::Sort { descending },
+                        };
+                        let x = Fusion::plain(slot, width);
+                        self.row_kernel(value, ty, kind, (x, rows, width), None)?
+                    }
                 };
-                let out = self.segmented(value, ty, kind, (slot, &tail), lengths)?;
                 Ok(match positions {
                     true => self.holding_positions(out),
                     false => out,
@@ -138,11 +154,24 @@ impl Lowering<'_> {
                 axis,
                 largest,
             } => {
-                let what = "the gradient of max or min";
-                let (keys, tail, lengths) = self.along_ragged(value, *x, *axis, what)?;
-                let (slot, ..) = self.data(value, *g)?;
-                let kind = SegmentKind::ExtremeGrad { largest: *largest };
-                self.segmented_by(value, ty, kind, (slot, &tail), (lengths, Some(keys)))
+                let (g, ..) = self.data(value, *g)?;
+                let largest = *largest;
+                match self.along(value, *x, *axis)? {
+                    Along::Ragged {
+                        slot,
+                        tail,
+                        lengths,
+                    } => {
+                        let kind = SegmentKind::ExtremeGrad { largest };
+                        self.segmented_by(value, ty, kind, (g, &tail), (lengths, Some(slot)))
+                    }
+                    // One gradient a row.
+                    Along::Last { slot, rows, width } => {
+                        let kind = RowKind::ExtremeGrad { largest };
+                        let x = Fusion::plain(g, 1);
+                        self.row_kernel(value, ty, kind, (x, rows, width), Some(slot))
+                    }
+                }
             }
             Op::SortGrad {
                 g,
@@ -150,35 +179,51 @@ impl Lowering<'_> {
                 axis,
                 descending,
             } => {
-                let (keys, _, lengths) = self.along_ragged(value, *x, *axis, "a sort")?;
-                let (slot, _, tail, _) = self.data(value, *g)?;
-                let kind = SegmentKind::SortGrad {
-                    descending: *descending,
-                };
-                self.segmented_by(value, ty, kind, (slot, &tail), (lengths, Some(keys)))
+                let (g, ..) = self.data(value, *g)?;
+                let descending = *descending;
+                match self.along(value, *x, *axis)? {
+                    Along::Ragged {
+                        slot,
+                        tail,
+                        lengths,
+                    } => {
+                        let kind = SegmentKind::SortGrad { descending };
+                        self.segmented_by(value, ty, kind, (g, &tail), (lengths, Some(slot)))
+                    }
+                    Along::Last { slot, rows, width } => {
+                        let kind = RowKind::SortGrad { descending };
+                        let x = Fusion::plain(g, width);
+                        self.row_kernel(value, ty, kind, (x, rows, width), Some(slot))
+                    }
+                }
             }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }
 
-    /// The buffer, tail and lengths of `x` for `what` along its ragged dim `axis` (the
-    /// first element dim of a batch with one leading ragged dim); a typed error for
-    /// other dims.
-    fn along_ragged(
-        &self,
-        value: ValueId,
-        x: ValueId,
-        axis: i64,
-        what: &str,
-    ) -> Result<(Slot, Vec<i64>, Slot), LowerError> {
+    /// Where an op along the element dim `axis` of `x` runs: down the ragged dim (the
+    /// first element dim of a batch with one leading ragged dim) or along the last
+    /// static dim; a typed error for other dims.
+    fn along(&self, value: ValueId, x: ValueId, axis: i64) -> Result<Along, LowerError> {
         self.leading(value, x)?;
-        let (slot, _, tail, lengths) = self.data(value, x)?;
-        match lengths {
-            Some(lengths) if axis == 1 => Ok((slot, tail, lengths)),
+        let (slot, rows, tail, lengths) = self.data(value, x)?;
+        // The index of the last dim: after the batch dim, and the ragged dim if any.
+        let last = tail.len() as i64 + i64::from(lengths.is_some());
+        match (lengths, tail.split_last()) {
+            (Some(lengths), _) if axis == 1 => Ok(Along::Ragged {
+                slot,
+                tail,
+                lengths,
+            }),
+            (_, Some((&width, outer))) if axis == last || axis == -1 => Ok(Along::Last {
+                slot,
+                rows: rows.times(volume(outer)),
+                width,
+            }),
             _ => Err(unsupported(
                 value,
                 self.graph.op(value),
-                format!("{what} along a dim other than the ragged one is not compiled"),
+                "along a dim other than the ragged one or the last is not compiled",
             )),
         }
     }
@@ -222,6 +267,7 @@ impl Lowering<'_> {
             rows: rows.times(outer),
             width,
             eps: F64(eps),
+            keys: None,
         }));
         Ok(out)
     }
@@ -326,16 +372,37 @@ impl Lowering<'_> {
         (x, rows, tail): (Slot, Rows, &[i64]),
     ) -> Result<Lowered, LowerError> {
         let width = *tail.last().unwrap_or(&1);
+        let rows = rows.times(volume(&tail[..tail.len().saturating_sub(1)]));
+        self.row_kernel(
+            value,
+            ty,
+            kind,
+            (Fusion::plain(x, width), rows, width),
+            None,
+        )
+    }
+
+    /// A row kernel `kind` over `rows` of `width` values (`x` read as its expression),
+    /// ordered by `keys` where given.
+    fn row_kernel(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        kind: RowKind,
+        (x, rows, width): (Fusion, Rows, i64),
+        keys: Option<Slot>,
+    ) -> Result<Lowered, LowerError> {
         let out = self.result(value, ty)?;
         self.program.steps.push(Step::Row(Row {
             kind,
             out: slot_of(&out),
-            x: Fusion::plain(x, width),
+            x,
             weight: None,
             bias: None,
-            rows: rows.times(volume(&tail[..tail.len().saturating_sub(1)])),
+            rows,
             width,
             eps: F64(0.0),
+            keys,
         }));
         Ok(out)
     }
@@ -352,33 +419,30 @@ impl Lowering<'_> {
         dims: &[i64],
     ) -> Result<Lowered, LowerError> {
         let largest = reduce == ReduceOp::Argmax;
-        self.leading(value, x)?;
-        let (x_slot, rows, tail, lengths) = self.data(value, x)?;
-        // The index of the last dim: after the batch dim, and the ragged dim if any.
-        let last = tail.len() as i64 + i64::from(lengths.is_some());
-        let out = match (dims, lengths) {
-            ([1], Some(lengths)) => {
+        let [dim] = dims else {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                format!("{} takes one dim, got {dims:?}", reduce.word()),
+            ));
+        };
+        let out = match self.along(value, x, *dim)? {
+            Along::Ragged {
+                slot,
+                tail,
+                lengths,
+            } => {
                 let checked = self.non_empty(lengths, reduce);
                 let kind = match largest {
                     true => SegmentKind::ArgMax,
                     false => SegmentKind::ArgMin,
                 };
-                self.segmented(value, ty, kind, (x_slot, &tail), checked)?
+                self.segmented(value, ty, kind, (slot, &tail), checked)?
             }
-            ([dim], _) if (*dim == last || *dim == -1) && !tail.is_empty() => {
+            Along::Last { slot, rows, width } => {
                 let kind = RowKind::Position { largest };
-                self.row_reduction(value, ty, kind, (x_slot, rows, &tail))?
-            }
-            _ => {
-                return Err(unsupported(
-                    value,
-                    self.graph.op(value),
-                    format!(
-                        "{} over dims {dims:?} is not compiled (the ragged dim or the last \
-                         are)",
-                        reduce.word()
-                    ),
-                ))
+                let x = Fusion::plain(slot, width);
+                self.row_kernel(value, ty, kind, (x, rows, width), None)?
             }
         };
         Ok(self.holding_positions(out))
@@ -598,6 +662,18 @@ impl Lowering<'_> {
         }));
         Ok(out)
     }
+}
+
+/// Where an op along one element dim runs.
+enum Along {
+    /// Down the ragged dim: `slot`'s rows split by `lengths`, `tail` values each.
+    Ragged {
+        slot: Slot,
+        tail: Vec<i64>,
+        lengths: Slot,
+    },
+    /// Along the last static dim: `rows` rows of `width` values.
+    Last { slot: Slot, rows: Rows, width: i64 },
 }
 
 /// The segmented softmax kind, log or not.

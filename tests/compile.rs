@@ -1216,16 +1216,16 @@ fn compiled_positions_of_an_empty_element_are_an_error() {
     assert_eq!(compiled.stats().compiles, 1);
 }
 
+/// A model returning results of positions.
+type PositionsModel = fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>;
+
 /// Positions (argmax) and ids are returned, viewed or gathered by; arithmetic on them
 /// (here a cast back to floats, an add and a sum) is a typed lowering error naming the
 /// op, never a read of their i64 values as floats. Eagerly they compute.
 #[test]
 fn arithmetic_on_positions_is_a_typed_error() {
     let (x, _) = batch(&[3, 1, 2], &[3], Kind::Float, 3);
-    let models: [(
-        &str,
-        fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>>,
-    ); 2] = [
+    let models: [(&str, PositionsModel); 2] = [
         ("add", |x, _| {
             let positions = x[0].argmax(-1, false)?.into_nested()?;
             Ok(vec![(&positions + 1.0)?.into()])

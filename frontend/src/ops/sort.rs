@@ -121,10 +121,6 @@ impl NestedTensor {
         self.along(element_dim, self.lay().clone(), &|x, axis| x.f_cummin(axis))
     }
 
-    /// Runs `op` along element dim `dim`, giving results in `layout`: on the packed
-    /// values when the dim is static, else on every element's view
-    /// `[*ragged sizes, *static sizes]` (the dim's axis is its ragged level), the results
-    /// concatenated in packed order.
     /// This batch's values sent along `dim` to `positions` (same sizes, i64): `out` at
     /// `positions[i]` is `self[i]`, each element on its own (a sort's values'
     /// gradient, sent back where they came from).
@@ -138,36 +134,56 @@ impl NestedTensor {
                 values,
             )?));
         }
+        let (level, views) = self.element_views(self.packed(), element_dim)?;
+        let (_, targets) = self.element_views(positions.packed(), element_dim)?;
+        let mut parts = Vec::with_capacity(views.len());
+        for (view, target) in views.iter().zip(&targets) {
+            let sent = view.f_zeros_like()?.f_scatter(level, target, view)?;
+            parts.push(sent.f_reshape([-1])?);
+        }
+        self.with_element_parts(&parts)
+    }
+
+    /// The batch of this one's layout whose elements' packed values are `parts`, in
+    /// order (this batch for none).
+    fn with_element_parts(&self, parts: &[Tensor]) -> Result<NestedTensor> {
+        if parts.is_empty() {
+            return Ok(self.shallow_clone());
+        }
+        let values = Tensor::f_cat(parts, 0)?.f_reshape(self.lay().packed_shape())?;
+        Ok(self.with_values(values))
+    }
+
+    /// Each element's rows of `packed` (values in this batch's packed layout) seen as
+    /// `[*ragged sizes, *static sizes]` (no copy), and the axis of the ragged element dim
+    /// `dim` in them (its ragged level).
+    fn element_views(&self, packed: &Tensor, dim: usize) -> Result<(i64, Vec<Tensor>)> {
         let own = self.lay();
         let level = own
             .ragged_dims()
             .iter()
-            .position(|&d| d == element_dim)
+            .position(|&d| d == dim)
             .unwrap_or(0) as i64;
         let rows: Vec<i64> = own
             .offsets()
             .windows(2)
             .map(|pair| pair[1] - pair[0])
             .collect();
-        let views = self.packed().f_split_with_sizes(&rows, 0)?;
-        let targets = positions.packed().f_split_with_sizes(&rows, 0)?;
-        let mut parts = Vec::with_capacity(views.len());
-        for ((view, target), sizes) in views.iter().zip(&targets).zip(own.element_sizes()) {
-            let shape: Vec<i64> = own
-                .ragged_dims()
-                .iter()
-                .map(|&d| sizes[d])
-                .chain(own.static_sizes().iter().copied())
-                .collect();
-            let (view, target) = (view.f_reshape(&shape)?, target.f_reshape(&shape)?);
-            let sent = view.f_zeros_like()?.f_scatter(level, &target, &view)?;
-            parts.push(sent.f_reshape([-1])?);
-        }
-        if parts.is_empty() {
-            return Ok(self.shallow_clone());
-        }
-        let values = Tensor::f_cat(&parts, 0)?.f_reshape(own.packed_shape())?;
-        Ok(self.with_values(values))
+        let views = packed.f_split_with_sizes(&rows, 0)?;
+        let shaped = views
+            .iter()
+            .zip(own.element_sizes())
+            .map(|(view, sizes)| {
+                let shape: Vec<i64> = own
+                    .ragged_dims()
+                    .iter()
+                    .map(|&d| sizes[d])
+                    .chain(own.static_sizes().iter().copied())
+                    .collect();
+                view.f_reshape(&shape)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok((level, shaped))
     }
 
     /// The gradient of this batch's `max(dim)` or `min(dim)` (`positions`, kept dims,
@@ -197,34 +213,28 @@ impl NestedTensor {
             });
         }
         // Per element `[L_i, *tail]`: its position `[1, *tail]` takes `g`.
-        let rows: Vec<i64> = self
-            .lay()
-            .offsets()
-            .windows(2)
-            .map(|pair| pair[1] - pair[0])
-            .collect();
-        let batch = rows.len() as i64;
-        let mut shape = vec![batch, 1];
+        let (_, views) = self.element_views(values, element_dim)?;
+        let mut shape = vec![views.len() as i64, 1];
         shape.extend(self.lay().static_sizes());
         let (positions, g) = (positions.f_reshape(&shape)?, g.f_reshape(&shape)?);
-        let mut parts = Vec::with_capacity(rows.len());
-        for (index, view) in values.f_split_with_sizes(&rows, 0)?.iter().enumerate() {
+        let mut parts = Vec::with_capacity(views.len());
+        for (index, view) in views.iter().enumerate() {
             let (at, gradient) = (positions.get(index as i64), g.get(index as i64));
             parts.push(view.f_zeros_like()?.f_scatter(0, &at, &gradient)?);
         }
-        if parts.is_empty() {
-            return Ok(self.shallow_clone());
-        }
-        Ok(self.with_values(Tensor::f_cat(&parts, 0)?))
+        self.with_element_parts(&parts)
     }
 
+    /// Runs `op` along element dim `dim`, giving results in `layout`: on the packed
+    /// values when the dim is static, else on every element's view
+    /// `[*ragged sizes, *static sizes]` (the dim's axis is its ragged level), the results
+    /// concatenated in packed order.
     fn along(
         &self,
         dim: usize,
         layout: RaggedLayout,
         op: &AlongAxis<'_>,
     ) -> Result<(NestedTensor, NestedTensor)> {
-        let own = self.lay();
         let wrap = |values: Tensor| -> Result<NestedTensor> {
             let values = values.f_reshape(layout.packed_shape())?;
             Ok(NestedTensor::from_parts(
@@ -237,27 +247,11 @@ impl NestedTensor {
             let (values, indices) = op(self.packed(), axis)?;
             return Ok((wrap(values)?, wrap(indices)?));
         }
-        let level = own
-            .ragged_dims()
-            .iter()
-            .position(|&d| d == dim)
-            .unwrap_or(0) as i64;
-        let rows: Vec<i64> = own
-            .offsets()
-            .windows(2)
-            .map(|pair| pair[1] - pair[0])
-            .collect();
-        let views = self.packed().f_split_with_sizes(&rows, 0)?;
+        let (level, views) = self.element_views(self.packed(), dim)?;
         let mut values = Vec::with_capacity(views.len());
         let mut indices = Vec::with_capacity(views.len());
-        for (view, sizes) in views.iter().zip(own.element_sizes()) {
-            let shape: Vec<i64> = own
-                .ragged_dims()
-                .iter()
-                .map(|&d| sizes[d])
-                .chain(own.static_sizes().iter().copied())
-                .collect();
-            let (value, index) = op(&view.f_reshape(&shape)?, level)?;
+        for view in &views {
+            let (value, index) = op(view, level)?;
             values.push(value.f_reshape([-1])?);
             indices.push(index.f_reshape([-1])?);
         }
@@ -315,6 +309,18 @@ mod tests {
             Vec::<f32>::try_from(back.values())?,
             [30.0, 10.0, 20.0, 50.0, 40.0]
         );
+        Ok(())
+    }
+
+    #[test]
+    fn the_extremes_gradient_goes_to_their_first_position() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let batch = NestedTensor::from_lists(vec![vec![1.0f32, 3.0, 3.0], vec![2.0]])?;
+        let positions = batch.argmax(1, true)?;
+        let gradient = tch::Tensor::from_slice(&[10.0f32, 20.0]);
+        let back = batch.extreme_gradient(1, &positions, &gradient)?;
+        // The first 3 of the first element (a tie) and the only value of the second.
+        assert_eq!(Vec::<f32>::try_from(back.values())?, [0.0, 10.0, 0.0, 20.0]);
         Ok(())
     }
 }

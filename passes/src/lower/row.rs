@@ -148,56 +148,63 @@ impl Lowering<'_> {
                     false => out,
                 })
             }
-            Op::ExtremeGrad {
+            // One gradient a row (or a column of an element).
+            &Op::ExtremeGrad {
                 g,
                 x,
                 axis,
                 largest,
-            } => {
-                let (g, ..) = self.data(value, *g)?;
-                let largest = *largest;
-                match self.along(value, *x, *axis)? {
-                    Along::Ragged {
-                        slot,
-                        tail,
-                        lengths,
-                    } => {
-                        let kind = SegmentKind::ExtremeGrad { largest };
-                        self.segmented_by(value, ty, kind, (g, &tail), (lengths, Some(slot)))
-                    }
-                    // One gradient a row.
-                    Along::Last { slot, rows, width } => {
-                        let kind = RowKind::ExtremeGrad { largest };
-                        let x = Fusion::plain(g, 1);
-                        self.row_kernel(value, ty, kind, (x, rows, width), Some(slot))
-                    }
-                }
-            }
-            Op::SortGrad {
+            } => self.ordered_gradient(
+                value,
+                ty,
+                (g, x, axis),
+                (
+                    SegmentKind::ExtremeGrad { largest },
+                    RowKind::ExtremeGrad { largest },
+                ),
+                false,
+            ),
+            &Op::SortGrad {
                 g,
                 x,
                 axis,
                 descending,
-            } => {
-                let (g, ..) = self.data(value, *g)?;
-                let descending = *descending;
-                match self.along(value, *x, *axis)? {
-                    Along::Ragged {
-                        slot,
-                        tail,
-                        lengths,
-                    } => {
-                        let kind = SegmentKind::SortGrad { descending };
-                        self.segmented_by(value, ty, kind, (g, &tail), (lengths, Some(slot)))
-                    }
-                    Along::Last { slot, rows, width } => {
-                        let kind = RowKind::SortGrad { descending };
-                        let x = Fusion::plain(g, width);
-                        self.row_kernel(value, ty, kind, (x, rows, width), Some(slot))
-                    }
-                }
-            }
+            } => self.ordered_gradient(
+                value,
+                ty,
+                (g, x, axis),
+                (
+                    SegmentKind::SortGrad { descending },
+                    RowKind::SortGrad { descending },
+                ),
+                true,
+            ),
             other => Err(unsupported(value, other, "not lowered yet")),
+        }
+    }
+
+    /// A gradient kernel that orders each element's rows (`segment`) or each row
+    /// (`row`) by `x` along `axis` and moves `g` (a row as wide as `x`'s: `whole`, else
+    /// one value a row or an element's column).
+    fn ordered_gradient(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        (g, x, axis): (ValueId, ValueId, i64),
+        (segment, row): (SegmentKind, RowKind),
+        whole: bool,
+    ) -> Result<Lowered, LowerError> {
+        let (g, ..) = self.data(value, g)?;
+        match self.along(value, x, axis)? {
+            Along::Ragged {
+                slot,
+                tail,
+                lengths,
+            } => self.segmented_by(value, ty, segment, (g, &tail), (lengths, Some(slot))),
+            Along::Last { slot, rows, width } => {
+                let g = Fusion::plain(g, if whole { width } else { 1 });
+                self.row_kernel(value, ty, row, (g, rows, width), Some(slot))
+            }
         }
     }
 

@@ -1138,7 +1138,13 @@ fn a_causal_fill_outside_attention_is_a_typed_lowering_error() {
 fn positions_model(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
     let (largest, at) = x[0].max_dim(1, true)?;
     let (smallest, _) = x[0].min_dim(-1, false)?;
+    let (first, first_at) = x[0].kthvalue(1, 1, false)?;
+    let (second, second_at) = x[0].kthvalue(2, -1, true)?;
     Ok(vec![
+        first.into(),
+        first_at.into(),
+        second.into(),
+        second_at.into(),
         x[0].argmax(1, false)?.into(),
         x[0].argmin(1, true)?.into(),
         x[0].argmax(-1, false)?.into(),
@@ -1172,7 +1178,7 @@ proptest! {
 
 /// An element without rows has no largest value nor its position: eagerly (and when a
 /// first call traces on it) `EmptyReduction`, a compiled program's call
-/// `CompileCause::EmptyElement` naming the element, checked before the run; the
+/// `CompileCause::TooShort` naming the element, checked before the run; the
 /// compiled function keeps working.
 #[test]
 fn compiled_positions_of_an_empty_element_are_an_error() {
@@ -1201,13 +1207,14 @@ fn compiled_positions_of_an_empty_element_are_an_error() {
     let NestedError::Compile { reason, .. } = &error else {
         panic!("{error}");
     };
-    // The first check the program runs names its reduction (max or argmax).
+    // The first check the program runs names its reduction.
     assert!(
         matches!(
             reason.cause(),
-            nestor::CompileCause::EmptyElement {
-                op: "max" | "argmax",
-                element: 1
+            nestor::CompileCause::TooShort {
+                op: "max" | "argmax" | "kthvalue",
+                element: 1,
+                needed: 1
             }
         ),
         "{error}"
@@ -1240,4 +1247,37 @@ fn arithmetic_on_positions_is_a_typed_error() {
         let error = compile(name, model).call(&[&x], &[]).err().unwrap();
         assert!(error.to_string().contains("i64 values"), "{name}: {error}");
     }
+}
+
+/// The k-th smallest value of an element with fewer than k rows: eagerly
+/// `ElementTooShort`, a compiled call `CompileCause::TooShort` (checked before the run);
+/// the compiled function keeps working.
+#[test]
+fn the_kth_value_of_a_short_element_is_an_error() {
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+        Ok(vec![x[0].kthvalue(2, 1, false)?.0.into()])
+    };
+    let compiled = compile("kth", model);
+    let (fine, _) = batch(&[3, 2, 4], &[3], Kind::Float, 1);
+    let (short, _) = batch(&[3, 1, 2], &[3], Kind::Float, 2);
+    assert!(compiled.call(&[&fine], &[]).is_ok());
+    let eager = model(&[short.shallow_clone()], &[]).err().unwrap();
+    assert!(
+        matches!(eager, NestedError::ElementTooShort { element: 1, .. }),
+        "{eager}"
+    );
+    let error = compiled.call(&[&short], &[]).err().unwrap();
+    let NestedError::Compile { reason, .. } = &error else {
+        panic!("{error}");
+    };
+    assert_eq!(
+        reason.cause(),
+        nestor::CompileCause::TooShort {
+            op: "kthvalue",
+            element: 1,
+            needed: 2
+        },
+        "{error}"
+    );
+    assert!(compiled.call(&[&fine], &[]).is_ok());
 }

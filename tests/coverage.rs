@@ -219,7 +219,16 @@ fn training_models() {
                 .into_dense_handle()?;
             // The largest value of each column (its gradient to that one position).
             let largest = hidden.max_dim(1, false)?.0.into_dense_handle()?.sum_all()?;
-            loss.add(&mean)?.add(&padded)?.add(&sorted)?.add(&largest)
+            let kth = hidden
+                .kthvalue(1, 1, false)?
+                .0
+                .into_dense_handle()?
+                .sum_all()?;
+            loss.add(&mean)?
+                .add(&padded)?
+                .add(&sorted)?
+                .add(&largest)?
+                .add(&kth)
         }
     };
     let lengths = [3i64, 1, 5];

@@ -1245,8 +1245,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
 
-    /// max_dim's and min_dim's compiled gradients (down the ragged dim, dims kept or not,
-    /// and along the last)
+    /// max_dim's, min_dim's and kthvalue's compiled gradients (down the ragged dim, dims
+    /// kept or not, and along the last)
     /// equal autograd's with ties everywhere: each goes to the first position of the
     /// extreme alone, where amax shares it (one-row elements, batch size 1, f32 and
     /// f64).
@@ -1265,7 +1265,11 @@ proptest! {
             // Along the last dim too.
             let last = x[0].max_dim(-1, false)?.0.into_nested()?;
             let last = last.sum(&[], false)?.into_dense_handle()?;
-            both.add(&smallest.sum_all()?)?.add(&last)
+            // The k-th smallest values (their gradient to that one position).
+            let kth = x[0].kthvalue(1, 1, false)?.0.into_dense_handle()?;
+            let second = x[0].kthvalue(2, -1, true)?.0.into_nested()?;
+            let second = (&second * &second)?.sum(&[], false)?.into_dense_handle()?;
+            both.add(&smallest.sum_all()?)?.add(&last)?.add(&kth.sum_all()?)?.add(&second)
         };
         let compiled = compile("extremes", model).train(&nn::VarStore::new(Device::Cpu));
         let eager = halves(&values, kind);

@@ -316,13 +316,17 @@ pub enum CompileCause {
         /// The first element whose sizes differ.
         element: usize,
     },
-    /// `op`, a reduction without a neutral value (argmax), meets an empty element in
-    /// this call (eager's [`NestedError::EmptyReduction`](crate::NestedError)).
-    EmptyElement {
+    /// `op` needs `needed` positions along its dim and element `element` of this call
+    /// has fewer (argmax or max of an empty element: eager's
+    /// [`NestedError::EmptyReduction`](crate::NestedError); the `k`-th smallest value:
+    /// eager's `ElementTooShort`).
+    TooShort {
         /// The operation.
         op: &'static str,
-        /// The first empty element.
+        /// The first element too short.
         element: usize,
+        /// The positions the operation needs.
+        needed: i64,
     },
     /// A tensor is on a device compiled programs do not run on, or a kernel device
     /// failed.

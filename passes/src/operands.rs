@@ -302,11 +302,36 @@ pub enum RowKind {
         /// Largest first.
         descending: bool,
     },
-    /// The gradient of the row's largest (or smallest) value: `x` (one value a row) at
-    /// the first column of the extreme among the row's keys, zero elsewhere.
-    ExtremeGrad {
+    /// The row's `k`-th smallest value (output width 1; one thread a row).
+    Kth {
+        /// Which smallest value, from 1.
+        k: i64,
+    },
+    /// The column (i64) of the row's `k`-th smallest value.
+    ArgKth {
+        /// Which smallest value, from 1.
+        k: i64,
+    },
+    /// The gradient of a value picked from the row: `x` (one value a row) at the column
+    /// `pick` chooses among the row's keys, zero elsewhere.
+    PickGrad {
+        /// Which value was picked.
+        pick: Pick,
+    },
+}
+
+/// Which one value of a row (or of an element's column) a kernel picks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pick {
+    /// The largest value (the smallest: not `largest`): its first, or the first NaN.
+    Extreme {
         /// The largest rather than the smallest.
         largest: bool,
+    },
+    /// The `k`-th smallest (from 1) of a stable sort: of equal values, the first.
+    Kth {
+        /// Which smallest value, from 1.
+        k: i64,
     },
 }
 
@@ -359,12 +384,24 @@ pub enum SegmentKind {
         /// Largest first.
         descending: bool,
     },
-    /// The gradient of each column's largest (or smallest) value: `x` (one row an
-    /// element: the values' gradient) at the first row of the extreme among the step's
-    /// keys (the reduced input; the first NaN), zero at the other rows.
-    ExtremeGrad {
-        /// The largest rather than the smallest.
-        largest: bool,
+    /// Each column's `k`-th smallest value over each element's rows (elements have at
+    /// least `k` rows: checked before the run).
+    Kth {
+        /// Which smallest value, from 1.
+        k: i64,
+    },
+    /// The row (i64, counted from the element's first) of each column's `k`-th smallest
+    /// value.
+    ArgKth {
+        /// Which smallest value, from 1.
+        k: i64,
+    },
+    /// The gradient of a value picked from each column: `x` (one row an element: the
+    /// values' gradient) at the row `pick` chooses among the step's keys (the reduced
+    /// input), zero at the other rows.
+    PickGrad {
+        /// Which value was picked.
+        pick: Pick,
     },
 }
 
@@ -385,7 +422,10 @@ impl SegmentKind {
     pub fn gives_positions(self) -> bool {
         matches!(
             self,
-            SegmentKind::ArgMax | SegmentKind::ArgMin | SegmentKind::ArgSort { .. }
+            SegmentKind::ArgMax
+                | SegmentKind::ArgMin
+                | SegmentKind::ArgSort { .. }
+                | SegmentKind::ArgKth { .. }
         )
     }
 
@@ -398,7 +438,8 @@ impl SegmentKind {
                 self,
                 SegmentKind::Sort { .. }
                     | SegmentKind::SortGrad { .. }
-                    | SegmentKind::ExtremeGrad { .. }
+                    | SegmentKind::Kth { .. }
+                    | SegmentKind::PickGrad { .. }
             )
     }
 }
@@ -413,7 +454,9 @@ impl RowKind {
                 | RowKind::Sort { .. }
                 | RowKind::ArgSort { .. }
                 | RowKind::SortGrad { .. }
-                | RowKind::ExtremeGrad { .. }
+                | RowKind::Kth { .. }
+                | RowKind::ArgKth { .. }
+                | RowKind::PickGrad { .. }
         )
     }
 }

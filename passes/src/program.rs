@@ -76,10 +76,13 @@ pub enum LengthsKind {
         /// The lengths the input must equal.
         against: Slot,
     },
-    /// The input's lengths, checked non-zero (a reduction without a neutral value over
-    /// them: argmax), as `op` (its name in the error) needs.
-    NonEmpty {
-        /// The operation that needs every element non-empty.
+    /// The input's lengths, checked at least `count` before the run (a reduction
+    /// without a value for shorter elements: argmax over an empty one, the `count`-th
+    /// smallest value), as `op` (its name in the error) needs.
+    AtLeast {
+        /// The fewest positions each element needs.
+        count: i64,
+        /// The operation that needs them.
         op: &'static str,
     },
 }

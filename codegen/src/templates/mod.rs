@@ -23,7 +23,9 @@ use nestor_passes::step::{
     Attention, AttentionGrad, Gemm, Insert, OneHot, Pad, PairGemm, Pointwise, RandomMask, Row,
     ScatterRows, Segment, SumRows, Unpad, Window,
 };
-use nestor_passes::{Access, Fusion, Role, RowKind, SegmentKind, Signature, Step, WindowKind};
+use nestor_passes::{
+    Access, Fusion, Pick, Role, RowKind, SegmentKind, Signature, Step, WindowKind,
+};
 
 use crate::builder::{Gen, Kernel, Lanes, Local, ROW_REGISTERS, WARP_LANES};
 use crate::{KernelSet, Storage, Target};
@@ -48,7 +50,7 @@ use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
 use rows::{finite_shift, row};
-use segments::{position_of_extreme, rank, scan, segment};
+use segments::{picked, position_of_extreme, rank, scan, segment};
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
 };

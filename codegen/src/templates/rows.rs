@@ -139,12 +139,20 @@ pub(super) fn row<'ctx>(
                     }
                 })
             }
-            RowKind::ExtremeGrad { largest } => {
+            RowKind::Kth { k } | RowKind::ArgKth { k } => {
+                let range = (kernel.i64(0), kernel.i64(width));
+                let position = picked(kernel, Pick::Kth { k }, range, &load)?;
+                match kind {
+                    RowKind::Kth { .. } => kernel.store_float(out, row, load(position)?),
+                    _ => kernel.store_i64(out, row, position),
+                }
+            }
+            RowKind::PickGrad { pick } => {
                 let keys = kernel.param(Role::Keys)?;
                 let key = |column| kernel.load_float(keys, at(column)?);
                 let range = (kernel.i64(0), kernel.i64(width));
-                let position = position_of_extreme(kernel, largest, range, &key)?;
-                // `x` holds one value a row: the extreme's gradient.
+                let position = picked(kernel, pick, range, &key)?;
+                // `x` holds one value a row: the picked value's gradient.
                 let gradient = prologue(kernel, x, &inputs, row, kernel.i64(0))?;
                 let zero = kernel.constant(0.0);
                 kernel.for_range(range.0, range.1, |column| {

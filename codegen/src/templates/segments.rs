@@ -131,6 +131,34 @@ pub(super) fn position_of_extreme<'ctx>(
     kernel.sub(kernel.get_index(at)?, start)
 }
 
+/// The position, counted from `start`, of the value `pick` chooses among positions
+/// `start..end`.
+pub(super) fn picked<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    pick: Pick,
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+) -> Gen<IntValue<'ctx>> {
+    let k = match pick {
+        Pick::Extreme { largest } => {
+            return position_of_extreme(kernel, largest, (start, end), load)
+        }
+        Pick::Kth { k } => k,
+    };
+    // The position whose rank in a stable ascending sort is k - 1.
+    let at = kernel.index_variable("kth")?;
+    kernel.set_index(at, start)?;
+    kernel.for_range(start, end, |position| {
+        let rank = rank(kernel, false, (start, end), position, load)?;
+        let hit = kernel.equal(rank, kernel.i64(k - 1))?;
+        kernel.set_index(
+            at,
+            kernel.select_index(hit, position, kernel.get_index(at)?)?,
+        )
+    })?;
+    kernel.sub(kernel.get_index(at)?, start)
+}
+
 /// Where position `row`'s value goes in a stable sort of positions `start..end` (the
 /// smallest first, or the largest: `descending`), counted from `start`: the positions
 /// whose values sort before it, and the equal ones before it (NaN after every number,
@@ -338,9 +366,20 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 | SegmentKind::SortGrad { descending } => {
                     self.sorted(column, (first, last), descending)
                 }
-                SegmentKind::ExtremeGrad { largest } => {
+                SegmentKind::Kth { k } | SegmentKind::ArgKth { k } => {
+                    let load = |row| self.load(row, column);
+                    let at = picked(kernel, Pick::Kth { k }, (first, last), &load)?;
+                    match kind {
+                        SegmentKind::Kth { .. } => {
+                            let value = self.load(kernel.add(first, at)?, column)?;
+                            kernel.store_float(self.out, out_at, value)
+                        }
+                        _ => kernel.store_i64(self.out, out_at, at),
+                    }
+                }
+                SegmentKind::PickGrad { pick } => {
                     let keys = |row| self.key(row, column);
-                    let at = position_of_extreme(kernel, largest, (first, last), &keys)?;
+                    let at = picked(kernel, pick, (first, last), &keys)?;
                     let gradient = self.load(element, column)?;
                     let zero = kernel.constant(0.0);
                     kernel.for_range(first, last, |row| {

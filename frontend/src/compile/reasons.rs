@@ -27,9 +27,16 @@ impl From<RuntimeError> for CompileReason {
             },
             &RuntimeError::BadInput { input, .. } => CompileCause::BadInput { input },
             &RuntimeError::LengthsDiffer { element, .. } => CompileCause::SizesDiffer { element },
-            &RuntimeError::EmptyElement { op, element } => {
-                CompileCause::EmptyElement { op, element }
-            }
+            &RuntimeError::TooShort {
+                op,
+                element,
+                needed,
+                ..
+            } => CompileCause::TooShort {
+                op,
+                element,
+                needed,
+            },
         };
         CompileReason::of(cause, error)
     }

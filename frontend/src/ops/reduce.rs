@@ -372,13 +372,27 @@ impl NestedTensor {
             return Ok(result);
         }
         let ir_dims = self.ir_dims(dims)?;
-        let build = |ids: &[ValueId]| Op::Reduce {
+        self.traced_reduced(result, name, &|x| Op::Reduce {
             op: ir,
-            x: ids[0],
+            x,
             dims: ir_dims.clone(),
             keepdim,
             correction,
-        };
+        })
+    }
+
+    /// `result`, computed from this batch, recorded as `build(this batch)` when tracing
+    /// (`name` for errors).
+    pub(crate) fn traced_reduced(
+        &self,
+        result: Reduced,
+        name: &'static str,
+        build: &dyn Fn(ValueId) -> Op,
+    ) -> Result<Reduced> {
+        if self.trace.is_none() {
+            return Ok(result);
+        }
+        let build = |ids: &[ValueId]| build(ids[0]);
         let args = [Arg::Nested(self)];
         Ok(match result {
             Reduced::Nested(nested) => Reduced::Nested(nested.traced(&args, name, build)?),

@@ -88,21 +88,41 @@ impl NestedTensor {
     /// The `k`-th smallest value along `dim` (`k` from 1) and its position, the dim
     /// reduced (kept as size 1 with `keepdim`). Along a ragged dim every element must
     /// have at least `k` positions.
+    ///
+    /// The `k`-th value of a stable sort: of equal values, the first position (torch's
+    /// `kthvalue` leaves which one open). Compiled along a ragged dim or the last static
+    /// one, its gradient going to that position alone.
     pub fn kthvalue(&self, k: i64, dim: i64, keepdim: bool) -> Result<(Reduced, Reduced)> {
-        self.untraceable("kthvalue")?;
         let element_dim = self.element_dim(dim, "kthvalue")?;
         self.check_k("kthvalue", k, 1, dim, element_dim)?;
+        let axis = self.ir_dims(&[dim])?[0];
         let mut reduced = self.lay().without_dim(element_dim)?;
         if keepdim {
             reduced = reduced.with_static_dim(element_dim, 1)?;
         }
         let (values, indices) = self.along(element_dim, reduced, &|x, axis| {
-            x.f_kthvalue(k, axis, keepdim)
+            let (sorted, from) = x.f_sort_stable(true, axis, false)?;
+            let (value, index) = (
+                sorted.f_narrow(axis, k - 1, 1)?,
+                from.f_narrow(axis, k - 1, 1)?,
+            );
+            match keepdim {
+                true => Ok((value, index)),
+                false => Ok((value.f_squeeze_dim(axis)?, index.f_squeeze_dim(axis)?)),
+            }
         })?;
-        Ok((
-            self.wrap_reduced(values.packed().shallow_clone(), values.lay().clone()),
-            self.wrap_reduced(indices.packed().shallow_clone(), indices.lay().clone()),
-        ))
+        let record = |result: NestedTensor, positions: bool| {
+            let name = if positions { "argkth" } else { "kthvalue" };
+            let reduced = self.wrap_reduced(result.packed().shallow_clone(), result.lay().clone());
+            self.traced_reduced(reduced, name, &|x| Op::KthValue {
+                x,
+                axis,
+                k,
+                keepdim,
+                positions,
+            })
+        };
+        Ok((record(values, false)?, record(indices, true)?))
     }
 
     /// The running largest value along `dim` and the position it was last seen at
@@ -186,10 +206,10 @@ impl NestedTensor {
         Ok((level, shaped))
     }
 
-    /// The gradient of this batch's `max(dim)` or `min(dim)` (`positions`, kept dims,
-    /// the extremes' positions; `g` the values' gradient, `[B, ...]` dims kept or not):
-    /// `g` at each position, zero elsewhere. A ragged dim leading the elements' dims.
-    pub(crate) fn extreme_gradient(
+    /// The gradient of a value picked along `dim` from this batch (`max(dim)`,
+    /// `kthvalue`: `positions`, kept dims, where they were; `g` the values' gradient,
+    /// `[B, ...]` dims kept or not): `g` at each position, zero elsewhere. A ragged dim leading the elements' dims.
+    pub(crate) fn picked_gradient(
         &self,
         dim: i64,
         positions: &Reduced,
@@ -318,7 +338,7 @@ mod tests {
         let batch = NestedTensor::from_lists(vec![vec![1.0f32, 3.0, 3.0], vec![2.0]])?;
         let positions = batch.argmax(1, true)?;
         let gradient = tch::Tensor::from_slice(&[10.0f32, 20.0]);
-        let back = batch.extreme_gradient(1, &positions, &gradient)?;
+        let back = batch.picked_gradient(1, &positions, &gradient)?;
         // The first 3 of the first element (a tie) and the only value of the second.
         assert_eq!(Vec::<f32>::try_from(back.values())?, [0.0, 10.0, 0.0, 20.0]);
         Ok(())

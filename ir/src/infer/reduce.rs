@@ -28,19 +28,43 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             reduce(&ty(*x), *op, dims, *keepdim)
         }
-        Op::ExtremeGrad { g, x, axis, .. } => {
-            let (g, x) = (ty(*g), ty(*x));
-            let reduced = |keepdim| reduce(&x, ReduceOp::Max, &[*axis], keepdim);
-            if reduced(true)? != g && reduced(false)? != g {
-                return Err(format!(
-                    "the gradient is {g}, the values of {x} reduced along {axis} are {}",
-                    reduced(false)?
-                ));
+        Op::KthValue {
+            x,
+            axis,
+            k,
+            keepdim,
+            positions,
+        } => {
+            let x = ty(*x);
+            if !x.dtype().is_some_and(|dtype| dtype.is_float()) {
+                return Err(format!("kthvalue of {x} (floats only)"));
             }
-            Ok(x)
+            if *k < 1 {
+                return Err(format!("k must be at least 1, got {k}"));
+            }
+            let reduced = reduce(&x, ReduceOp::Max, &[*axis], *keepdim)?;
+            Ok(match positions {
+                true => reduced.with_dtype(DType::I64),
+                false => reduced,
+            })
         }
+        Op::KthGrad { g, x, axis, .. } => picked_gradient(&ty(*g), &ty(*x), *axis),
+        Op::ExtremeGrad { g, x, axis, .. } => picked_gradient(&ty(*g), &ty(*x), *axis),
         other => Err(format!("{} is not a reduce op", other.name())),
     }
+}
+
+/// `x`'s type, for the gradient `g` of a value picked from `x` along `axis` (dims kept
+/// or not).
+fn picked_gradient(g: &Type, x: &Type, axis: i64) -> Inferred {
+    let reduced = |keepdim| reduce(x, ReduceOp::Max, &[axis], keepdim);
+    if reduced(true)? != *g && reduced(false)? != *g {
+        return Err(format!(
+            "the gradient is {g}, the values of {x} reduced along {axis} are {}",
+            reduced(false)?
+        ));
+    }
+    Ok(x.clone())
 }
 
 fn reduce(x: &Type, op: ReduceOp, dims: &[i64], keepdim: bool) -> Inferred {

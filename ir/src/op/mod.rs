@@ -461,6 +461,36 @@ pub enum Op {
         /// Largest first.
         descending: bool,
     },
+    /// The `k`-th smallest value along the element dim `axis` (`k` from 1; the `k`-th
+    /// of a stable sort: of equal values, the first), or (`positions`) its position,
+    /// the dim reduced (kept as 1: `keepdim`).
+    #[op(family = Reduce)]
+    KthValue {
+        /// Input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// Which smallest value, from 1.
+        k: i64,
+        /// Keep the dim with size 1.
+        keepdim: bool,
+        /// The position rather than the value.
+        #[op(names("kthvalue", "argkth"))]
+        positions: bool,
+    },
+    /// The gradient of `kthvalue(x)` along `axis`: `g` (dims kept or not) at the
+    /// position of the `k`-th smallest value, zero elsewhere.
+    #[op(name = "kthvalue_grad", family = Reduce)]
+    KthGrad {
+        /// The values' gradient.
+        g: ValueId,
+        /// The reduced input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// Which smallest value, from 1.
+        k: i64,
+    },
     /// The gradient of `max(x)` (`largest`) or `min(x)` along the element dim `axis`:
     /// `g` (the reduced values' gradient, dims kept or not) at the first position of
     /// the extreme (the first NaN), zero elsewhere.

@@ -464,6 +464,17 @@ fn reduce(
     op: &Op,
     g: ValueId,
 ) -> Result<Contributions, AutodiffError> {
+    // The k-th smallest value's gradient goes to its position alone.
+    if let Op::KthValue {
+        x,
+        axis,
+        k,
+        positions: false,
+        ..
+    } = *op
+    {
+        return Ok(vec![(x, b.push(Op::KthGrad { g, x, axis, k })?)]);
+    }
     let Op::Reduce {
         op: kind,
         x,

@@ -27,7 +27,9 @@ use pointwise::translate;
 
 use crate::step::Step;
 
-use crate::operands::{Access, Expr, Fusion, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot};
+use crate::operands::{
+    Access, Expr, Fusion, Pick, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
+};
 use crate::program::{
     FloatType, LengthsKind, LengthsOp, OutDim, Output, Program, SlotInfo, Source,
 };

@@ -154,16 +154,57 @@ impl Lowering<'_> {
                 x,
                 axis,
                 largest,
-            } => self.ordered_gradient(
-                value,
-                ty,
-                (g, x, axis),
-                (
-                    SegmentKind::ExtremeGrad { largest },
-                    RowKind::ExtremeGrad { largest },
-                ),
-                false,
-            ),
+            } => {
+                let pick = Pick::Extreme { largest };
+                let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
+                self.ordered_gradient(value, ty, (g, x, axis), kinds, false)
+            }
+            &Op::KthGrad { g, x, axis, k } => {
+                let pick = Pick::Kth { k };
+                let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
+                self.ordered_gradient(value, ty, (g, x, axis), kinds, false)
+            }
+            &Op::KthValue {
+                x,
+                axis,
+                k,
+                positions,
+                ..
+            } => {
+                let out = match self.along(value, x, axis)? {
+                    Along::Ragged {
+                        slot,
+                        tail,
+                        lengths,
+                    } => {
+                        let checked = self.at_least(lengths, (k, "kthvalue"));
+                        let kind = match positions {
+                            true => SegmentKind::ArgKth { k },
+                            false => SegmentKind::Kth { k },
+                        };
+                        self.segmented(value, ty, kind, (slot, &tail), checked)?
+                    }
+                    Along::Last { slot, rows, width } => {
+                        if width < k {
+                            return Err(unsupported(
+                                value,
+                                op,
+                                format!("k = {k} of a dim of size {width}"),
+                            ));
+                        }
+                        let kind = match positions {
+                            true => RowKind::ArgKth { k },
+                            false => RowKind::Kth { k },
+                        };
+                        let x = Fusion::plain(slot, width);
+                        self.row_kernel(value, ty, kind, (x, rows, width), None)?
+                    }
+                };
+                Ok(match positions {
+                    true => self.holding_positions(out),
+                    false => out,
+                })
+            }
             &Op::SortGrad {
                 g,
                 x,
@@ -458,11 +499,16 @@ impl Lowering<'_> {
     /// `lengths`, checked non-empty before the run for `reduce` (which has no value for
     /// an empty element: eager's `EmptyReduction`).
     fn non_empty(&mut self, lengths: Slot, reduce: ReduceOp) -> Slot {
+        self.at_least(lengths, (1, reduce.word()))
+    }
+
+    /// `lengths`, checked at least `count` before the run for `op`.
+    fn at_least(&mut self, lengths: Slot, (count, op): (i64, &'static str)) -> Slot {
         let checked = self.lengths_slot(Source::Step);
         self.program.lengths_ops.push(LengthsOp {
             out: checked,
             input: lengths,
-            kind: LengthsKind::NonEmpty { op: reduce.word() },
+            kind: LengthsKind::AtLeast { count, op },
         });
         checked
     }

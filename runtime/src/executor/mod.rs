@@ -86,13 +86,18 @@ pub enum RuntimeError {
         /// Its size along the other.
         right: i64,
     },
-    /// An operation without a neutral value (argmax) reduces an empty element.
-    #[error("{op} of element {element}, which is empty")]
-    EmptyElement {
+    /// An operation needs more positions along a dim than an element has (argmax or
+    /// max of an empty element, the `k`-th smallest value of fewer than `k`).
+    #[error("{op} of element {element}, which has {length} positions along the dim where {needed} are needed")]
+    TooShort {
         /// The operation.
         op: &'static str,
-        /// The first empty element.
+        /// The first element too short.
         element: usize,
+        /// Its length.
+        length: i64,
+        /// The fewest positions the operation needs.
+        needed: i64,
     },
 }
 

@@ -176,9 +176,14 @@ impl<'a> Sizes<'a> {
                     }
                     input.to_vec()
                 }
-                LengthsKind::NonEmpty { op: name } => {
-                    if let Some(element) = input.iter().position(|&length| length == 0) {
-                        return Err(RuntimeError::EmptyElement { op: name, element });
+                LengthsKind::AtLeast { count, op: name } => {
+                    if let Some(element) = input.iter().position(|&length| length < count) {
+                        return Err(RuntimeError::TooShort {
+                            op: name,
+                            element,
+                            length: input[element],
+                            needed: count,
+                        });
                     }
                     input.to_vec()
                 }

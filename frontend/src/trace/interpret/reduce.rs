@@ -47,13 +47,40 @@ impl Interpreter<'_> {
                     true => x.argmax(*axis, true)?,
                     false => x.argmin(*axis, true)?,
                 };
-                let g = match self.get(*g) {
-                    Value::Nested(nested) => nested.values().shallow_clone(),
-                    _ => self.dense(*g)?.shallow_clone(),
-                };
-                Value::Nested(x.extreme_gradient(*axis, &positions, &g)?)
+                self.picked_gradient(*g, x, *axis, &positions)?
+            }
+            Op::KthValue {
+                x,
+                axis,
+                k,
+                keepdim,
+                positions,
+            } => {
+                let (values, at) = self.nested(*x)?.kthvalue(*k, *axis, *keepdim)?;
+                Value::from(if *positions { at } else { values })
+            }
+            Op::KthGrad { g, x, axis, k } => {
+                let x = self.nested(*x)?;
+                let positions = x.kthvalue(*k, *axis, true)?.1;
+                self.picked_gradient(*g, x, *axis, &positions)?
             }
             other => return Err(not_in_family(other, "reduce")),
         })
+    }
+
+    /// The gradient `g` of values picked from `x` along `axis` at `positions`, sent
+    /// there.
+    fn picked_gradient(
+        &self,
+        g: ValueId,
+        x: &NestedTensor,
+        axis: i64,
+        positions: &Reduced,
+    ) -> Result<Value> {
+        let g = match self.get(g) {
+            Value::Nested(nested) => nested.values().shallow_clone(),
+            _ => self.dense(g)?.shallow_clone(),
+        };
+        Ok(Value::Nested(x.picked_gradient(axis, positions, &g)?))
     }
 }

@@ -454,3 +454,20 @@ fn extremes_with_indices_follow_libtorch_on_special_values() {
         }
     }
 }
+
+/// cummax / cummin down the ragged dim and along the last one: compiled values and
+/// positions equal libtorch's on every element (a NaN, once seen, stays; an equal value
+/// takes the running one's place).
+#[test]
+fn running_extremes_follow_libtorch_on_special_values() {
+    check("running extremes", 0.0, |x, _| {
+        let (largest, seen) = x.cummax(1)?;
+        let (smallest, at) = x.cummin(-1)?;
+        Ok(vec![
+            largest.into(),
+            seen.into(),
+            smallest.into(),
+            at.into(),
+        ])
+    });
+}

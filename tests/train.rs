@@ -1214,8 +1214,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
 
-    /// sort's compiled gradient (down the ragged dim, both orders, and along the last)
-    /// equals autograd's
+    /// sort's, cummax's and cummin's compiled gradients (down the ragged dim, both
+    /// orders, and along the last) equal autograd's
     /// with ties everywhere (values from -3 to 3: the stable order decides which tied
     /// value takes which gradient), empty and one-row elements, in f32 and f64.
     #[test]
@@ -1230,6 +1230,10 @@ proptest! {
             let (along, _) = x[0].sort(-1, true)?;
             let weighted = (&ascending.cumsum(1)?.sin()? + &(&descending * &descending.cos()?)?)?;
             let weighted = (&weighted + &along.cumprod(-1)?)?;
+            // Running extremes (their gradients summed where each value was seen).
+            let (largest, _) = x[0].cummax(1)?;
+            let (smallest, _) = (&x[0] * 0.5)?.cummin(-1)?;
+            let weighted = (&weighted + &(&largest.sin()? * &smallest)?)?;
             weighted.sum(&[], false)?.into_dense_handle()
         };
         let compiled = compile("sorts", model).train(&nn::VarStore::new(Device::Cpu));

@@ -75,7 +75,11 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
   %44 = kthvalue_grad(%42, %1) {axis = 1, k = 2} : ragged<f32>[B; %0, 8]
   %45 = kthvalue(%1) {axis = -1, k = 3, keepdim = false} : ragged<f32>[B; %0]
   %46 = kthvalue_grad(%45, %1) {axis = -1, k = 3} : ragged<f32>[B; %0, 8]
-  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46
+  %47 = cummax(%1) {axis = 1, positions = false} : ragged<f32>[B; %0, 8]
+  %48 = cummin(%1) {axis = -1, positions = true} : ragged<i64>[B; %0, 8]
+  %49 = cummax_grad(%9, %1) {axis = 1} : ragged<f32>[B; %0, 8]
+  %50 = cummin_grad(%9, %1) {axis = -1} : ragged<f32>[B; %0, 8]
+  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50
 }
 "#;
 

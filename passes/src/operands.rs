@@ -302,6 +302,20 @@ pub enum RowKind {
         /// Largest first.
         descending: bool,
     },
+    /// The running largest (or smallest) value along the row, or (`positions`) the
+    /// column (i64) it was last seen at, as torch's `cummax` (one thread a row).
+    Running {
+        /// The largest rather than the smallest.
+        largest: bool,
+        /// The positions rather than the values.
+        positions: bool,
+    },
+    /// The gradient of the running largest (or smallest) value: each column's `x` (the
+    /// values' gradient) summed where its running value was seen among the row's keys.
+    RunningGrad {
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
     /// The row's `k`-th smallest value (output width 1; one thread a row).
     Kth {
         /// Which smallest value, from 1.
@@ -384,6 +398,21 @@ pub enum SegmentKind {
         /// Largest first.
         descending: bool,
     },
+    /// The running largest (or smallest) value down each element's rows, or
+    /// (`positions`) the row (i64, from the element's first) it was last seen at, as
+    /// torch's `cummax`.
+    Running {
+        /// The largest rather than the smallest.
+        largest: bool,
+        /// The positions rather than the values.
+        positions: bool,
+    },
+    /// The gradient of the running largest (or smallest) value: each row's `x` (the
+    /// values' gradient) summed where its running value was seen among the step's keys.
+    RunningGrad {
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
     /// Each column's `k`-th smallest value over each element's rows (elements have at
     /// least `k` rows: checked before the run).
     Kth {
@@ -426,6 +455,10 @@ impl SegmentKind {
                 | SegmentKind::ArgMin
                 | SegmentKind::ArgSort { .. }
                 | SegmentKind::ArgKth { .. }
+                | SegmentKind::Running {
+                    positions: true,
+                    ..
+                }
         )
     }
 
@@ -440,6 +473,8 @@ impl SegmentKind {
                     | SegmentKind::SortGrad { .. }
                     | SegmentKind::Kth { .. }
                     | SegmentKind::PickGrad { .. }
+                    | SegmentKind::Running { .. }
+                    | SegmentKind::RunningGrad { .. }
             )
     }
 }
@@ -457,6 +492,8 @@ impl RowKind {
                 | RowKind::Kth { .. }
                 | RowKind::ArgKth { .. }
                 | RowKind::PickGrad { .. }
+                | RowKind::Running { .. }
+                | RowKind::RunningGrad { .. }
         )
     }
 }

@@ -145,6 +145,9 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                 let (descending, _) = x[0].relu()?.sort(1, true)?;
                 // And along the last dim.
                 let (along, columns) = x[0].relu()?.sort(-1, false)?;
+                // Running extremes (relu's ties: the latest equal value takes the place).
+                let (largest, seen) = x[0].relu()?.cummax(1)?;
+                let (smallest, at) = x[0].cummin(-1)?;
                 Ok(vec![
                     ascending.into(),
                     from.into(),
@@ -153,6 +156,10 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     along.into(),
                     columns.into(),
                     x[0].argsort(2, true)?.into(),
+                    largest.into(),
+                    seen.into(),
+                    smallest.into(),
+                    at.into(),
                 ])
             }),
         ),

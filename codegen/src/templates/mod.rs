@@ -50,7 +50,7 @@ use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
 use rows::{finite_shift, row};
-use segments::{picked, position_of_extreme, rank, scan, segment};
+use segments::{picked, position_of_extreme, rank, running, running_gradient, scan, segment};
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
 };

@@ -139,6 +139,25 @@ pub(super) fn row<'ctx>(
                     }
                 })
             }
+            RowKind::Running { largest, positions } => {
+                let range = (kernel.i64(0), kernel.i64(width));
+                running(
+                    kernel,
+                    largest,
+                    range,
+                    &load,
+                    |column, value, seen| match positions {
+                        true => kernel.store_i64(out, at(column)?, seen),
+                        false => kernel.store_float(out, at(column)?, value),
+                    },
+                )
+            }
+            RowKind::RunningGrad { largest } => {
+                let keys = kernel.param(Role::Keys)?;
+                let key = |column| kernel.load_float(keys, at(column)?);
+                let range = (kernel.i64(0), kernel.i64(width));
+                running_gradient(kernel, (largest, out), range, (&key, &load), &at)
+            }
             RowKind::Kth { k } | RowKind::ArgKth { k } => {
                 let range = (kernel.i64(0), kernel.i64(width));
                 let position = picked(kernel, Pick::Kth { k }, range, &load)?;

@@ -131,6 +131,73 @@ pub(super) fn position_of_extreme<'ctx>(
     kernel.sub(kernel.get_index(at)?, start)
 }
 
+/// Walks positions `start..end` keeping the running largest value (the smallest: not
+/// `largest`) as torch's `cummax`: a value equal to it takes its place, a NaN always
+/// does (and after a NaN only NaNs); `each(position, running value, where it was
+/// seen)` at every position.
+pub(super) fn running<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    largest: bool,
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    each: impl Fn(IntValue<'ctx>, FloatValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
+) -> Gen<()> {
+    let best = kernel.accumulator("running")?;
+    let seen = kernel.index_variable("seen")?;
+    let bound = if largest {
+        f64::NEG_INFINITY
+    } else {
+        f64::INFINITY
+    };
+    kernel.set(best, kernel.constant(bound))?;
+    kernel.set_index(seen, start)?;
+    let not_behind = if largest {
+        FloatPredicate::OGE
+    } else {
+        FloatPredicate::OLE
+    };
+    kernel.for_range(start, end, |position| {
+        let x = load(position)?;
+        let current = kernel.get(best)?;
+        let takes = kernel.or(
+            kernel.float_compare(FloatPredicate::UNO, x, x)?,
+            kernel.and(
+                kernel.float_compare(FloatPredicate::ORD, current, current)?,
+                kernel.float_compare(not_behind, x, current)?,
+            )?,
+        )?;
+        kernel.set(best, kernel.select(takes, x, current)?)?;
+        kernel.set_index(
+            seen,
+            kernel.select_index(takes, position, kernel.get_index(seen)?)?,
+        )?;
+        each(position, kernel.get(best)?, kernel.get_index(seen)?)
+    })
+}
+
+/// `x`'s gradient of a running extreme over positions `start..end` of `out` (`at` a
+/// position's place in it): zeros, then each position's gradient (`gradient`) added
+/// where its running value was seen among `keys`.
+pub(super) fn running_gradient<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (largest, out): (bool, PointerValue<'ctx>),
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    (keys, gradient): (
+        &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+        &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ),
+    at: &dyn Fn(IntValue<'ctx>) -> Gen<IntValue<'ctx>>,
+) -> Gen<()> {
+    kernel.for_range(start, end, |position| {
+        kernel.store_float(out, at(position)?, kernel.constant(0.0))
+    })?;
+    running(kernel, largest, (start, end), keys, |position, _, seen| {
+        let place = at(seen)?;
+        let sum = kernel.fadd(kernel.load_float(out, place)?, gradient(position)?)?;
+        kernel.store_float(out, place, sum)
+    })
+}
+
 /// The position, counted from `start`, of the value `pick` chooses among positions
 /// `start..end`.
 pub(super) fn picked<'ctx>(
@@ -365,6 +432,28 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 | SegmentKind::ArgSort { descending }
                 | SegmentKind::SortGrad { descending } => {
                     self.sorted(column, (first, last), descending)
+                }
+                SegmentKind::Running { largest, positions } => {
+                    let load = |row| self.load(row, column);
+                    running(kernel, largest, (first, last), &load, |row, value, seen| {
+                        let to = self.at(row, column)?;
+                        match positions {
+                            true => kernel.store_i64(self.out, to, kernel.sub(seen, first)?),
+                            false => kernel.store_float(self.out, to, value),
+                        }
+                    })
+                }
+                SegmentKind::RunningGrad { largest } => {
+                    let keys = |row| self.key(row, column);
+                    let gradient = |row| self.load(row, column);
+                    let at = |row| self.at(row, column);
+                    running_gradient(
+                        kernel,
+                        (largest, self.out),
+                        (first, last),
+                        (&keys, &gradient),
+                        &at,
+                    )
                 }
                 SegmentKind::Kth { k } | SegmentKind::ArgKth { k } => {
                     let load = |row| self.load(row, column);

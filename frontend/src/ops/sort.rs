@@ -127,28 +127,49 @@ impl NestedTensor {
 
     /// The running largest value along `dim` and the position it was last seen at
     /// (torch's `cummax`: NaN, once seen, stays).
+    ///
+    /// Compiled along a ragged dim or the last static one, its values' gradient summed
+    /// where each running value was seen.
     pub fn cummax(&self, dim: i64) -> Result<(NestedTensor, NestedTensor)> {
-        self.untraceable("cummax")?;
-        let element_dim = self.element_dim(dim, "cummax")?;
-        self.along(element_dim, self.lay().clone(), &|x, axis| x.f_cummax(axis))
+        self.running(dim, true)
     }
 
     /// The running smallest value along `dim` and its last position (see
     /// [`cummax`](Self::cummax)).
     pub fn cummin(&self, dim: i64) -> Result<(NestedTensor, NestedTensor)> {
-        self.untraceable("cummin")?;
-        let element_dim = self.element_dim(dim, "cummin")?;
-        self.along(element_dim, self.lay().clone(), &|x, axis| x.f_cummin(axis))
+        self.running(dim, false)
     }
 
-    /// This batch's values sent along `dim` to `positions` (same sizes, i64): `out` at
-    /// `positions[i]` is `self[i]`, each element on its own (a sort's values'
-    /// gradient, sent back where they came from).
+    /// cummax (`largest`) or cummin, recorded when tracing.
+    fn running(&self, dim: i64, largest: bool) -> Result<(NestedTensor, NestedTensor)> {
+        let name = if largest { "cummax" } else { "cummin" };
+        let element_dim = self.element_dim(dim, name)?;
+        let axis = self.ir_dims(&[dim])?[0];
+        let (values, positions) =
+            self.along(element_dim, self.lay().clone(), &|x, axis| match largest {
+                true => x.f_cummax(axis),
+                false => x.f_cummin(axis),
+            })?;
+        let record = |result: NestedTensor, positions: bool| {
+            result.traced(&[Arg::Nested(self)], name, |ids| Op::Running {
+                x: ids[0],
+                axis,
+                largest,
+                positions,
+            })
+        };
+        Ok((record(values, false)?, record(positions, true)?))
+    }
+
+    /// This batch's values sent along `dim` to `positions` (same sizes, i64) and summed
+    /// there: `out` at `p` is the sum of `self[i]` with `positions[i] = p`, each element
+    /// on its own (a sort's values' gradient sent back where they came from, a running
+    /// extreme's summed where its values were seen).
     pub(crate) fn scatter_along(&self, dim: i64, positions: &NestedTensor) -> Result<NestedTensor> {
         let element_dim = self.element_dim(dim, "sort_grad")?;
         if let Some(axis) = self.static_axis(element_dim) {
             let values = self.packed();
-            return Ok(self.with_values(values.f_zeros_like()?.f_scatter(
+            return Ok(self.with_values(values.f_zeros_like()?.f_scatter_add(
                 axis,
                 positions.packed(),
                 values,
@@ -158,7 +179,7 @@ impl NestedTensor {
         let (_, targets) = self.element_views(positions.packed(), element_dim)?;
         let mut parts = Vec::with_capacity(views.len());
         for (view, target) in views.iter().zip(&targets) {
-            let sent = view.f_zeros_like()?.f_scatter(level, target, view)?;
+            let sent = view.f_zeros_like()?.f_scatter_add(level, target, view)?;
             parts.push(sent.f_reshape([-1])?);
         }
         self.with_element_parts(&parts)

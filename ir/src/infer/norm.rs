@@ -119,7 +119,16 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 false => values,
             })
         }
-        Op::SortGrad { g, x, axis, .. } => {
+        Op::Running {
+            x, axis, positions, ..
+        } => {
+            let values = along_element_dim(ty(*x), *axis)?;
+            Ok(match positions {
+                true => values.with_dtype(DType::I64),
+                false => values,
+            })
+        }
+        Op::RunningGrad { g, x, axis, .. } | Op::SortGrad { g, x, axis, .. } => {
             let (g, x) = (ty(*g), along_element_dim(ty(*x), *axis)?);
             if g != x {
                 return Err(format!("the gradient is {g}, the sorted input {x}"));

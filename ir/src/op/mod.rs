@@ -433,6 +433,35 @@ pub enum Op {
         /// From the last row back: each row combines itself and the rows after it.
         reverse: bool,
     },
+    /// The running largest (`largest`) or smallest value along the element dim `axis`,
+    /// or (`positions`) where it was last seen (i64), as torch's `cummax` / `cummin`: a
+    /// value equal to the running one takes its place, and a NaN, once seen, stays.
+    #[op(family = Norm)]
+    Running {
+        /// Input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// The largest rather than the smallest.
+        #[op(names("cummin", "cummax"))]
+        largest: bool,
+        /// The positions rather than the values.
+        positions: bool,
+    },
+    /// The gradient of `cummax(x)` (or `cummin`) along `axis`: each position's `g`
+    /// summed where its running value was seen.
+    #[op(family = Norm)]
+    RunningGrad {
+        /// The values' gradient (`x`'s type).
+        g: ValueId,
+        /// The input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// The largest rather than the smallest.
+        #[op(names("cummin_grad", "cummax_grad"))]
+        largest: bool,
+    },
     /// Each element sorted along `axis` (stable: equal values keep their order; NaN
     /// after every number, or first when `descending`), as torch's stable sort: the
     /// values, or (`argsort`) the positions (i64) they come from.

@@ -584,6 +584,21 @@ fn norm(
             product: true,
             reverse: false,
         } => Ok(vec![(x, cumprod_gradient(b, x, axis, g)?)]),
+        // Each running value's gradient goes where the value was seen.
+        Op::Running {
+            x,
+            axis,
+            largest,
+            positions: false,
+        } => Ok(vec![(
+            x,
+            b.push(Op::RunningGrad {
+                g,
+                x,
+                axis,
+                largest,
+            })?,
+        )]),
         // Each sorted value's gradient goes back where the value came from.
         Op::Sort {
             x,

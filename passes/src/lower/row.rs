@@ -159,6 +159,44 @@ impl Lowering<'_> {
                 let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
                 self.ordered_gradient(value, ty, (g, x, axis), kinds, false)
             }
+            &Op::RunningGrad {
+                g,
+                x,
+                axis,
+                largest,
+            } => {
+                let kinds = (
+                    SegmentKind::RunningGrad { largest },
+                    RowKind::RunningGrad { largest },
+                );
+                self.ordered_gradient(value, ty, (g, x, axis), kinds, true)
+            }
+            &Op::Running {
+                x,
+                axis,
+                largest,
+                positions,
+            } => {
+                let out = match self.along(value, x, axis)? {
+                    Along::Ragged {
+                        slot,
+                        tail,
+                        lengths,
+                    } => {
+                        let kind = SegmentKind::Running { largest, positions };
+                        self.segmented(value, ty, kind, (slot, &tail), lengths)?
+                    }
+                    Along::Last { slot, rows, width } => {
+                        let kind = RowKind::Running { largest, positions };
+                        let x = Fusion::plain(slot, width);
+                        self.row_kernel(value, ty, kind, (x, rows, width), None)?
+                    }
+                };
+                Ok(match positions {
+                    true => self.holding_positions(out),
+                    false => out,
+                })
+            }
             &Op::KthGrad { g, x, axis, k } => {
                 let pick = Pick::Kth { k };
                 let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });

@@ -112,6 +112,33 @@ impl Interpreter<'_> {
                 let (values, indices) = self.nested(*x)?.sort(*axis, *descending)?;
                 Value::Nested(if *positions { indices } else { values })
             }
+            Op::Running {
+                x,
+                axis,
+                largest,
+                positions,
+            } => {
+                let x = self.nested(*x)?;
+                let (values, at) = match largest {
+                    true => x.cummax(*axis)?,
+                    false => x.cummin(*axis)?,
+                };
+                Value::Nested(if *positions { at } else { values })
+            }
+            Op::RunningGrad {
+                g,
+                x,
+                axis,
+                largest,
+            } => {
+                let (g, x) = (self.nested(*g)?, self.nested(*x)?);
+                let seen = match largest {
+                    true => x.cummax(*axis)?.1,
+                    false => x.cummin(*axis)?.1,
+                };
+                // Each running value's gradient summed where the value was seen.
+                Value::Nested(g.scatter_along(*axis, &seen)?)
+            }
             Op::SortGrad {
                 g,
                 x,

@@ -131,6 +131,9 @@ pub(super) fn position_of_extreme<'ctx>(
     kernel.sub(kernel.get_index(at)?, start)
 }
 
+/// The value at each position of a range.
+type Values<'a, 'ctx> = &'a dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>;
+
 /// Walks positions `start..end` keeping the running largest value (the smallest: not
 /// `largest`) as torch's `cummax`: a value equal to it takes its place, a NaN always
 /// does (and after a NaN only NaNs); `each(position, running value, where it was
@@ -182,10 +185,7 @@ pub(super) fn running_gradient<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     (largest, out): (bool, PointerValue<'ctx>),
     (start, end): (IntValue<'ctx>, IntValue<'ctx>),
-    (keys, gradient): (
-        &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-        &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-    ),
+    (keys, gradient): (Values<'_, 'ctx>, Values<'_, 'ctx>),
     at: &dyn Fn(IntValue<'ctx>) -> Gen<IntValue<'ctx>>,
 ) -> Gen<()> {
     kernel.for_range(start, end, |position| {

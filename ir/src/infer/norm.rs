@@ -112,14 +112,8 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         Op::Cumulative { x, axis, .. } => along_element_dim(ty(*x), *axis),
         Op::Sort {
             x, axis, positions, ..
-        } => {
-            let values = along_element_dim(ty(*x), *axis)?;
-            Ok(match positions {
-                true => values.with_dtype(DType::I64),
-                false => values,
-            })
         }
-        Op::Running {
+        | Op::Running {
             x, axis, positions, ..
         } => {
             let values = along_element_dim(ty(*x), *axis)?;

@@ -115,38 +115,23 @@ impl Lowering<'_> {
                     )),
                 }
             }
-            Op::Sort {
+            &Op::Sort {
                 x,
                 axis,
                 descending,
                 positions,
             } => {
-                let descending = *descending;
-                let out = match self.along(value, *x, *axis)? {
-                    Along::Ragged {
-                        slot,
-                        tail,
-                        lengths,
-                    } => {
-                        let kind = match positions {
-                            true => SegmentKind::ArgSort { descending },
-                            false => SegmentKind::Sort { descending },
-                        };
-                        self.segmented(value, ty, kind, (slot, &tail), lengths)?
-                    }
-                    Along::Last { slot, rows, width } => {
-                        let kind = match positions {
-                            true => RowKind::ArgSort { descending },
-                            false => RowKind::Sort { descending },
-                        };
-                        let x = Fusion::plain(slot, width);
-                        self.row_kernel(value, ty, kind, (x, rows, width), None)?
-                    }
+                let kinds = match positions {
+                    true => (
+                        SegmentKind::ArgSort { descending },
+                        RowKind::ArgSort { descending },
+                    ),
+                    false => (
+                        SegmentKind::Sort { descending },
+                        RowKind::Sort { descending },
+                    ),
                 };
-                Ok(match positions {
-                    true => self.holding_positions(out),
-                    false => out,
-                })
+                self.order_kernel(value, ty, (x, axis), kinds, (None, positions))
             }
             // One gradient a row (or a column of an element).
             &Op::ExtremeGrad {
@@ -176,27 +161,16 @@ impl Lowering<'_> {
                 axis,
                 largest,
                 positions,
-            } => {
-                let out = match self.along(value, x, axis)? {
-                    Along::Ragged {
-                        slot,
-                        tail,
-                        lengths,
-                    } => {
-                        let kind = SegmentKind::Running { largest, positions };
-                        self.segmented(value, ty, kind, (slot, &tail), lengths)?
-                    }
-                    Along::Last { slot, rows, width } => {
-                        let kind = RowKind::Running { largest, positions };
-                        let x = Fusion::plain(slot, width);
-                        self.row_kernel(value, ty, kind, (x, rows, width), None)?
-                    }
-                };
-                Ok(match positions {
-                    true => self.holding_positions(out),
-                    false => out,
-                })
-            }
+            } => self.order_kernel(
+                value,
+                ty,
+                (x, axis),
+                (
+                    SegmentKind::Running { largest, positions },
+                    RowKind::Running { largest, positions },
+                ),
+                (None, positions),
+            ),
             &Op::KthGrad { g, x, axis, k } => {
                 let pick = Pick::Kth { k };
                 let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
@@ -209,39 +183,12 @@ impl Lowering<'_> {
                 positions,
                 ..
             } => {
-                let out = match self.along(value, x, axis)? {
-                    Along::Ragged {
-                        slot,
-                        tail,
-                        lengths,
-                    } => {
-                        let checked = self.at_least(lengths, (k, "kthvalue"));
-                        let kind = match positions {
-                            true => SegmentKind::ArgKth { k },
-                            false => SegmentKind::Kth { k },
-                        };
-                        self.segmented(value, ty, kind, (slot, &tail), checked)?
-                    }
-                    Along::Last { slot, rows, width } => {
-                        if width < k {
-                            return Err(unsupported(
-                                value,
-                                op,
-                                format!("k = {k} of a dim of size {width}"),
-                            ));
-                        }
-                        let kind = match positions {
-                            true => RowKind::ArgKth { k },
-                            false => RowKind::Kth { k },
-                        };
-                        let x = Fusion::plain(slot, width);
-                        self.row_kernel(value, ty, kind, (x, rows, width), None)?
-                    }
+                let kinds = match positions {
+                    true => (SegmentKind::ArgKth { k }, RowKind::ArgKth { k }),
+                    false => (SegmentKind::Kth { k }, RowKind::Kth { k }),
                 };
-                Ok(match positions {
-                    true => self.holding_positions(out),
-                    false => out,
-                })
+                let least = Some((k, "kthvalue"));
+                self.order_kernel(value, ty, (x, axis), kinds, (least, positions))
             }
             &Op::SortGrad {
                 g,
@@ -512,26 +459,53 @@ impl Lowering<'_> {
                 format!("{} takes one dim, got {dims:?}", reduce.word()),
             ));
         };
-        let out = match self.along(value, x, *dim)? {
+        let kinds = match largest {
+            true => (SegmentKind::ArgMax, RowKind::Position { largest }),
+            false => (SegmentKind::ArgMin, RowKind::Position { largest }),
+        };
+        let least = Some((1, reduce.word()));
+        self.order_kernel(value, ty, (x, *dim), kinds, (least, true))
+    }
+
+    /// `segment` down the ragged dim or `row` along the last dim of `x` (`axis`), each
+    /// element first checked to hold `least`'s count of rows where given (its name in
+    /// the error); the result holds i64 positions (`positions`) or values.
+    fn order_kernel(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        (x, axis): (ValueId, i64),
+        (segment, row): (SegmentKind, RowKind),
+        (least, positions): (Option<(i64, &'static str)>, bool),
+    ) -> Result<Lowered, LowerError> {
+        let out = match self.along(value, x, axis)? {
             Along::Ragged {
                 slot,
                 tail,
                 lengths,
             } => {
-                let checked = self.non_empty(lengths, reduce);
-                let kind = match largest {
-                    true => SegmentKind::ArgMax,
-                    false => SegmentKind::ArgMin,
+                let lengths = match least {
+                    Some(least) => self.at_least(lengths, least),
+                    None => lengths,
                 };
-                self.segmented(value, ty, kind, (slot, &tail), checked)?
+                self.segmented(value, ty, segment, (slot, &tail), lengths)?
             }
             Along::Last { slot, rows, width } => {
-                let kind = RowKind::Position { largest };
+                if let Some((count, op)) = least.filter(|&(count, _)| width < count) {
+                    return Err(unsupported(
+                        value,
+                        self.graph.op(value),
+                        format!("{op} needs {count} positions along a dim of size {width}"),
+                    ));
+                }
                 let x = Fusion::plain(slot, width);
-                self.row_kernel(value, ty, kind, (x, rows, width), None)?
+                self.row_kernel(value, ty, row, (x, rows, width), None)?
             }
         };
-        Ok(self.holding_positions(out))
+        Ok(match positions {
+            true => self.holding_positions(out),
+            false => out,
+        })
     }
 
     /// `lengths`, checked non-empty before the run for `reduce` (which has no value for

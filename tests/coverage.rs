@@ -225,6 +225,12 @@ fn training_models() {
                 .into_dense_handle()?
                 .sum_all()?;
             let running = hidden.cummax(1)?.0.sum(&[], false)?.into_dense_handle()?;
+            let top = hidden
+                .topk(2, -1, true)?
+                .0
+                .sum(&[], false)?
+                .into_dense_handle()?;
+            let running = running.add(&top)?;
             let total = loss.add(&mean)?.add(&padded)?.add(&sorted)?;
             total.add(&largest)?.add(&kth)?.add(&running)
         }

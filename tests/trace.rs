@@ -205,6 +205,7 @@ fn families(weights: &Weights) -> Vec<(&'static str, Box<Model<'static>>)> {
                     x[0].sort(1, true)?.0.into(),
                     x[0].argsort(1, false)?.into(),
                     x[0].kthvalue(2, -1, false)?.0.into(),
+                    x[0].topk(2, -1, false)?.0.into(),
                 ])
             }),
         ),

@@ -1230,6 +1230,9 @@ proptest! {
             let (along, _) = x[0].sort(-1, true)?;
             let weighted = (&ascending.cumsum(1)?.sin()? + &(&descending * &descending.cos()?)?)?;
             let weighted = (&weighted + &along.cumprod(-1)?)?;
+            // The top value of each row (its gradient back where it came from).
+            let (top, _) = x[0].topk(1, -1, true)?;
+            let weighted = (&weighted + &top.tanh()?.sum(&[-1], true)?.into_nested()?)?;
             // Running extremes (their gradients summed where each value was seen).
             let (largest, _) = x[0].cummax(1)?;
             let (smallest, _) = (&x[0] * 0.5)?.cummin(-1)?;

@@ -302,6 +302,24 @@ pub enum RowKind {
         /// Largest first.
         descending: bool,
     },
+    /// The row's `k` largest (or smallest) values in order, of equal values the first
+    /// first, or (`positions`) their columns (i64): output width `k`, one thread a row.
+    TopK {
+        /// How many values.
+        k: i64,
+        /// The largest rather than the smallest.
+        largest: bool,
+        /// The positions rather than the values.
+        positions: bool,
+    },
+    /// The gradient of the row's top `k`: each column takes `x` (the values' gradient,
+    /// `k` a row) at its rank among the row's keys when the rank is below `k`, else 0.
+    TopKGrad {
+        /// How many values.
+        k: i64,
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
     /// The running largest (or smallest) value along the row, or (`positions`) the
     /// column (i64) it was last seen at, as torch's `cummax` (one thread a row).
     Running {
@@ -494,6 +512,8 @@ impl RowKind {
                 | RowKind::PickGrad { .. }
                 | RowKind::Running { .. }
                 | RowKind::RunningGrad { .. }
+                | RowKind::TopK { .. }
+                | RowKind::TopKGrad { .. }
         )
     }
 }

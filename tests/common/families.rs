@@ -129,6 +129,9 @@ pub fn families_rounded(kind: Kind, rounded: Kind) -> Vec<(&'static str, Model)>
                     x[0].relu()?.min_dim(2, true)?.1.into(),
                     x[0].kthvalue(2, -1, false)?.0.into(),
                     x[0].relu()?.kthvalue(3, -1, true)?.1.into(),
+                    // The top values along the last dim (relu's ties: the first first).
+                    x[0].topk(2, -1, true)?.0.into(),
+                    x[0].relu()?.topk(3, 2, false)?.1.into(),
                     // Casts to i64 (toward zero; a scaling by 4 is exact in every
                     // float kind), and of truth values.
                     (&x[0] * 4.0)?.to_kind(Kind::Int64)?.into(),

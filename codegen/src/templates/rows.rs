@@ -139,6 +139,41 @@ pub(super) fn row<'ctx>(
                     }
                 })
             }
+            RowKind::TopK {
+                k,
+                largest,
+                positions,
+            } => {
+                let range = (kernel.i64(0), kernel.i64(width));
+                let first = kernel.mul(row, kernel.i64(k))?;
+                kernel.for_range(range.0, range.1, |column| {
+                    let rank = rank(kernel, largest, range, column, &load)?;
+                    let to = kernel.add(first, rank)?;
+                    kernel.if_else(
+                        kernel.less(rank, kernel.i64(k))?,
+                        || match positions {
+                            true => kernel.store_i64(out, to, column),
+                            false => kernel.store_float(out, to, load(column)?),
+                        },
+                        || Ok(()),
+                    )
+                })
+            }
+            RowKind::TopKGrad { k, largest } => {
+                let keys = kernel.param(Role::Keys)?;
+                let key = |column| kernel.load_float(keys, at(column)?);
+                let range = (kernel.i64(0), kernel.i64(width));
+                let zero = kernel.constant(0.0);
+                kernel.for_range(range.0, range.1, |column| {
+                    let rank = rank(kernel, largest, range, column, &key)?;
+                    let kept = kernel.less(rank, kernel.i64(k))?;
+                    // `x` holds `k` gradients a row: a kept column's at its rank.
+                    let place = kernel.min(rank, kernel.i64(k - 1))?;
+                    let gradient = prologue(kernel, x, &inputs, row, place)?;
+                    let value = kernel.select(kept, gradient, zero)?;
+                    kernel.store_float(out, at(column)?, value)
+                })
+            }
             RowKind::Running { largest, positions } => {
                 let range = (kernel.i64(0), kernel.i64(width));
                 running(

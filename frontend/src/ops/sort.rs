@@ -59,13 +59,18 @@ impl NestedTensor {
         Ok(self.sort(dim, descending)?.1)
     }
 
-    /// The `k` largest (or smallest) values along `dim`, sorted, and their positions.
-    /// Along a ragged dim every element must have at least `k` positions.
+    /// The `k` largest (or smallest) values along `dim`, sorted, and their positions
+    /// (of equal values the first first: the first `k` of a stable sort; torch leaves
+    /// which open). Along a ragged dim every element must have at least `k` positions.
+    /// Compiled along the last static dim, with the values' gradient.
     pub fn topk(&self, k: i64, dim: i64, largest: bool) -> Result<(NestedTensor, NestedTensor)> {
-        self.untraceable("topk")?;
         let element_dim = self.element_dim(dim, "topk")?;
         self.check_k("topk", k, 0, dim, element_dim)?;
         let layout = self.lay();
+        if layout.is_ragged(element_dim) {
+            self.untraceable("topk")?;
+        }
+        let axis = self.ir_dims(&[dim])?[0];
         let resized = if layout.is_ragged(element_dim) {
             let sizes: Vec<Vec<i64>> = layout
                 .element_sizes()
@@ -80,9 +85,21 @@ impl NestedTensor {
         } else {
             layout.with_static_size(element_dim, k)?
         };
-        self.along(element_dim, resized, &|x, axis| {
-            x.f_topk(k, axis, largest, true)
-        })
+        let (values, positions) = self.along(element_dim, resized, &|x, axis| {
+            let (sorted, from) = x.f_sort_stable(true, axis, largest)?;
+            Ok((sorted.f_narrow(axis, 0, k)?, from.f_narrow(axis, 0, k)?))
+        })?;
+        let record = |result: NestedTensor, positions: bool| {
+            let name = if positions { "argtopk" } else { "topk" };
+            result.traced(&[Arg::Nested(self)], name, |ids| Op::TopK {
+                x: ids[0],
+                axis,
+                k,
+                largest,
+                positions,
+            })
+        };
+        Ok((record(values, false)?, record(positions, true)?))
     }
 
     /// The `k`-th smallest value along `dim` (`k` from 1) and its position, the dim

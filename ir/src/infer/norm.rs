@@ -16,6 +16,44 @@ fn along_element_dim(x: Type, axis: i64) -> Inferred {
     float(&x).map(|_| x)
 }
 
+/// `x` with its static element dim `axis` (batch-first) `k` long: the type of its top
+/// `k` values; an error for a ragged dim or one shorter than `k`.
+fn top(x: &Type, axis: i64, k: i64) -> Inferred {
+    let ndim = element_rank(x) as i64 + 1;
+    let normalized = if axis < 0 { axis + ndim } else { axis };
+    let at = (normalized - 1) as usize;
+    let size = |dim: &Dim| match dim {
+        Dim::Static(size) if (1..=*size).contains(&k) => Ok(Dim::Static(k)),
+        other => Err(format!("k = {k} of a dim of size {other} (1 to the size)")),
+    };
+    match x {
+        Type::Ragged { dtype, batch, dims } => {
+            let mut dims = dims.clone();
+            match dims.get(at) {
+                Some(ElemDim::Fixed(dim)) => dims[at] = ElemDim::Fixed(size(dim)?),
+                _ => return Err("topk along a ragged dim is not an IR op yet".into()),
+            }
+            Ok(Type::Ragged {
+                dtype: *dtype,
+                batch: batch.clone(),
+                dims,
+            })
+        }
+        Type::Dense { dtype, shape } => {
+            let mut shape = shape.clone();
+            let dim = shape
+                .get(normalized as usize)
+                .ok_or_else(|| format!("axis {axis} is out of range"))?;
+            shape[normalized as usize] = size(dim)?;
+            Ok(Type::Dense {
+                dtype: *dtype,
+                shape,
+            })
+        }
+        Type::Lengths { .. } => Err("a lengths value has no values to pick".into()),
+    }
+}
+
 /// The type of a norm op in `graph`, or why it is ill-typed.
 pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     let ty = |value: ValueId| graph.ty(value).clone();
@@ -110,6 +148,27 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             float(&x).map(|_| x)
         }
         Op::Cumulative { x, axis, .. } => along_element_dim(ty(*x), *axis),
+        Op::TopK {
+            x,
+            axis,
+            k,
+            positions,
+            ..
+        } => {
+            let values = top(&along_element_dim(ty(*x), *axis)?, *axis, *k)?;
+            Ok(match positions {
+                true => values.with_dtype(DType::I64),
+                false => values,
+            })
+        }
+        Op::TopKGrad { g, x, axis, k, .. } => {
+            let (g, x) = (ty(*g), along_element_dim(ty(*x), *axis)?);
+            let values = top(&x, *axis, *k)?;
+            if g != values {
+                return Err(format!("the gradient is {g}, the top values {values}"));
+            }
+            Ok(x)
+        }
         Op::Sort {
             x, axis, positions, ..
         }

@@ -433,6 +433,38 @@ pub enum Op {
         /// From the last row back: each row combines itself and the rows after it.
         reverse: bool,
     },
+    /// The `k` largest (`largest`) or smallest values along the static element dim
+    /// `axis`, in order (of equal values, the first first), or (`positions`) their
+    /// positions (i64): the dim becomes `k` long.
+    #[op(family = Norm)]
+    TopK {
+        /// Input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// How many values.
+        k: i64,
+        /// The largest rather than the smallest.
+        largest: bool,
+        /// The positions rather than the values.
+        #[op(names("topk", "argtopk"))]
+        positions: bool,
+    },
+    /// The gradient of `topk(x)` along `axis`: each of the `k` values' gradient (`g`)
+    /// at the position it came from, zero elsewhere.
+    #[op(name = "topk_grad", family = Norm)]
+    TopKGrad {
+        /// The values' gradient.
+        g: ValueId,
+        /// The input.
+        x: ValueId,
+        /// A batch-first dim (negative from the end).
+        axis: i64,
+        /// How many values.
+        k: i64,
+        /// The largest rather than the smallest.
+        largest: bool,
+    },
     /// The running largest (`largest`) or smallest value along the element dim `axis`,
     /// or (`positions`) where it was last seen (i64), as torch's `cummax` / `cummin`: a
     /// value equal to the running one takes its place, and a NaN, once seen, stays.

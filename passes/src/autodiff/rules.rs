@@ -584,6 +584,23 @@ fn norm(
             product: true,
             reverse: false,
         } => Ok(vec![(x, cumprod_gradient(b, x, axis, g)?)]),
+        // Each top value's gradient goes back where the value came from.
+        Op::TopK {
+            x,
+            axis,
+            k,
+            largest,
+            positions: false,
+        } => Ok(vec![(
+            x,
+            b.push(Op::TopKGrad {
+                g,
+                x,
+                axis,
+                k,
+                largest,
+            })?,
+        )]),
         // Each running value's gradient goes where the value was seen.
         Op::Running {
             x,

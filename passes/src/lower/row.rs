@@ -144,6 +144,43 @@ impl Lowering<'_> {
                 let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
                 self.ordered_gradient(value, ty, (g, x, axis), kinds, false)
             }
+            &Op::TopK {
+                x,
+                axis,
+                k,
+                largest,
+                positions,
+            } => {
+                let Along::Last { slot, rows, width } = self.along(value, x, axis)? else {
+                    return Err(unsupported(value, op, "topk along a ragged dim"));
+                };
+                let kind = RowKind::TopK {
+                    k,
+                    largest,
+                    positions,
+                };
+                let x = Fusion::plain(slot, width);
+                let out = self.row_kernel(value, ty, kind, (x, rows, width), None)?;
+                Ok(match positions {
+                    true => self.holding_positions(out),
+                    false => out,
+                })
+            }
+            &Op::TopKGrad {
+                g,
+                x,
+                axis,
+                k,
+                largest,
+            } => {
+                let Along::Last { slot, rows, width } = self.along(value, x, axis)? else {
+                    return Err(unsupported(value, op, "topk along a ragged dim"));
+                };
+                let (g, ..) = self.data(value, g)?;
+                let kind = RowKind::TopKGrad { k, largest };
+                let g = Fusion::plain(g, k);
+                self.row_kernel(value, ty, kind, (g, rows, width), Some(slot))
+            }
             &Op::RunningGrad {
                 g,
                 x,

@@ -112,6 +112,29 @@ impl Interpreter<'_> {
                 let (values, indices) = self.nested(*x)?.sort(*axis, *descending)?;
                 Value::Nested(if *positions { indices } else { values })
             }
+            Op::TopK {
+                x,
+                axis,
+                k,
+                largest,
+                positions,
+            } => {
+                let (values, at) = self.nested(*x)?.topk(*k, *axis, *largest)?;
+                Value::Nested(if *positions { at } else { values })
+            }
+            Op::TopKGrad {
+                g,
+                x,
+                axis,
+                k,
+                largest,
+            } => {
+                let (g, x) = (self.nested(*g)?, self.nested(*x)?);
+                let from = x.topk(*k, *axis, *largest)?.1;
+                // Each top value's gradient back where it came from.
+                let positions = crate::ops::Reduced::Nested(from);
+                Value::Nested(x.picked_gradient(*axis, &positions, g.values())?)
+            }
             Op::Running {
                 x,
                 axis,

@@ -263,10 +263,10 @@ impl Lowering<'_> {
         })
     }
 
-    /// `lowered`, whose slot a step of positions writes, marked as holding i64 values.
-    fn holding_positions(&mut self, lowered: Lowered) -> Lowered {
+    /// `lowered`, marked as holding i64 values when its step writes `positions`.
+    fn holding_positions(&mut self, positions: bool, lowered: Lowered) -> Lowered {
         if let Some(info) = self.program.slots.get_mut(slot_of(&lowered).0 as usize) {
-            info.integers = true;
+            info.integers |= positions;
         }
         lowered
     }

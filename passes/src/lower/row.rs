@@ -161,10 +161,7 @@ impl Lowering<'_> {
                 };
                 let x = Fusion::plain(slot, width);
                 let out = self.row_kernel(value, ty, kind, (x, rows, width), None)?;
-                Ok(match positions {
-                    true => self.holding_positions(out),
-                    false => out,
-                })
+                Ok(self.holding_positions(positions, out))
             }
             &Op::TopKGrad {
                 g,
@@ -539,10 +536,7 @@ impl Lowering<'_> {
                 self.row_kernel(value, ty, row, (x, rows, width), None)?
             }
         };
-        Ok(match positions {
-            true => self.holding_positions(out),
-            false => out,
-        })
+        Ok(self.holding_positions(positions, out))
     }
 
     /// `lengths`, checked non-empty before the run for `reduce` (which has no value for

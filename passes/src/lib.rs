@@ -40,7 +40,7 @@ pub use dce::Dce;
 pub use decompose::Decompose;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use operands::{
-    Access, Expr, Fusion, Pick, Repeats, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
+    Access, Expr, Fusion, Order, Pick, Repeats, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
     WindowKind,
 };
 pub use optimize::{Limits, Optimize, Report};

@@ -279,31 +279,38 @@ pub enum RowKind {
         /// From the last column back.
         reverse: bool,
     },
-    /// The column (i64) of the row's largest value (or smallest: not `largest`): its
-    /// first, or its first NaN (output width 1; one thread a row).
+    /// An order kernel along the row (one thread a row).
+    Order(Order),
+}
+
+/// Kernels that order the values along a line: a row's columns, or one column of an
+/// element's rows. A line is one thread's; positions (i64) count from its first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Order {
+    /// The position of the largest value (or smallest: not `largest`): its first, or
+    /// its first NaN (one value a line; lines are not empty: checked before the run).
     Position {
         /// The largest rather than the smallest.
         largest: bool,
     },
-    /// The row sorted (stable; NaN after every number, or first when `descending`;
-    /// one thread a row): a column's rank among the columns is where its value goes.
+    /// The line sorted (stable; NaN after every number, or first when `descending`),
+    /// or (`positions`) the positions the sorted values come from: a position's rank
+    /// among the line's is where its value goes.
     Sort {
         /// Largest first.
         descending: bool,
+        /// The positions rather than the values.
+        positions: bool,
     },
-    /// The columns (i64) the sorted values come from.
-    ArgSort {
-        /// Largest first.
-        descending: bool,
-    },
-    /// A sort's gradient: each column takes `x` (the sorted values' gradient) at its
-    /// rank among the row's keys (the sorted input).
+    /// A sort's gradient: each position takes `x` (the sorted values' gradient) at its
+    /// rank among the step's keys (the sorted input).
     SortGrad {
         /// Largest first.
         descending: bool,
     },
-    /// The row's `k` largest (or smallest) values in order, of equal values the first
-    /// first, or (`positions`) their columns (i64): output width `k`, one thread a row.
+    /// The line's `k` largest (or smallest) values in order, of equal values the first
+    /// first, or (`positions`) their positions: `k` values a line (lines have at least
+    /// `k` positions: checked before the run).
     TopK {
         /// How many values.
         k: i64,
@@ -312,44 +319,87 @@ pub enum RowKind {
         /// The positions rather than the values.
         positions: bool,
     },
-    /// The gradient of the row's top `k`: each column takes `x` (the values' gradient,
-    /// `k` a row) at its rank among the row's keys when the rank is below `k`, else 0.
+    /// The gradient of the line's top `k`: each position takes `x` (the values'
+    /// gradient, `k` a line) at its rank among the step's keys when the rank is below
+    /// `k`, else 0.
     TopKGrad {
         /// How many values.
         k: i64,
         /// The largest rather than the smallest.
         largest: bool,
     },
-    /// The running largest (or smallest) value along the row, or (`positions`) the
-    /// column (i64) it was last seen at, as torch's `cummax` (one thread a row).
+    /// The running largest (or smallest) value along the line, or (`positions`) the
+    /// position it was last seen at, as torch's `cummax`.
     Running {
         /// The largest rather than the smallest.
         largest: bool,
         /// The positions rather than the values.
         positions: bool,
     },
-    /// The gradient of the running largest (or smallest) value: each column's `x` (the
-    /// values' gradient) summed where its running value was seen among the row's keys.
+    /// The gradient of the running largest (or smallest) value: each position's `x`
+    /// (the values' gradient) summed where its running value was seen among the
+    /// step's keys.
     RunningGrad {
         /// The largest rather than the smallest.
         largest: bool,
     },
-    /// The row's `k`-th smallest value (output width 1; one thread a row).
+    /// The line's `k`-th smallest value (one value a line; lines have at least `k`
+    /// positions: checked before the run), or (`positions`) its position.
     Kth {
         /// Which smallest value, from 1.
         k: i64,
+        /// The position rather than the value.
+        positions: bool,
     },
-    /// The column (i64) of the row's `k`-th smallest value.
-    ArgKth {
-        /// Which smallest value, from 1.
-        k: i64,
-    },
-    /// The gradient of a value picked from the row: `x` (one value a row) at the column
-    /// `pick` chooses among the row's keys, zero elsewhere.
+    /// The gradient of a value picked from the line: `x` (one value a line) at the
+    /// position `pick` chooses among the step's keys, zero elsewhere.
     PickGrad {
         /// Which value was picked.
         pick: Pick,
     },
+}
+
+impl Order {
+    /// Whether the output holds positions (i64) rather than values.
+    pub fn gives_positions(self) -> bool {
+        match self {
+            Order::Position { .. } => true,
+            Order::Sort { positions, .. }
+            | Order::TopK { positions, .. }
+            | Order::Running { positions, .. }
+            | Order::Kth { positions, .. } => positions,
+            Order::SortGrad { .. }
+            | Order::TopKGrad { .. }
+            | Order::RunningGrad { .. }
+            | Order::PickGrad { .. } => false,
+        }
+    }
+
+    /// Whether the step orders by its keys (the input of the op it differentiates)
+    /// and moves `x` (the gradient).
+    pub fn is_gradient(self) -> bool {
+        matches!(
+            self,
+            Order::SortGrad { .. }
+                | Order::TopKGrad { .. }
+                | Order::RunningGrad { .. }
+                | Order::PickGrad { .. }
+        )
+    }
+
+    /// How many values a line holds in the output of a forward op that keeps fewer
+    /// than the line's (or in the `x` of its gradient): `k` of a top `k`, one of a
+    /// picked value; `None` when as many as the line's.
+    pub fn kept(self) -> Option<i64> {
+        match self {
+            Order::TopK { k, .. } | Order::TopKGrad { k, .. } => Some(k),
+            Order::Position { .. } | Order::Kth { .. } | Order::PickGrad { .. } => Some(1),
+            Order::Sort { .. }
+            | Order::SortGrad { .. }
+            | Order::Running { .. }
+            | Order::RunningGrad { .. } => None,
+        }
+    }
 }
 
 /// Which one value of a row (or of an element's column) a kernel picks.
@@ -393,63 +443,8 @@ pub enum SegmentKind {
     ReverseCumSum,
     /// The cumulative product up each element's rows.
     ReverseCumProd,
-    /// The row (i64, counted from the element's first) of each column's largest value:
-    /// its first, or its first NaN (elements are not empty: checked before the run).
-    ArgMax,
-    /// The row of each column's smallest value, as [`SegmentKind::ArgMax`].
-    ArgMin,
-    /// Each element's rows sorted, column by column (stable; NaN after every number,
-    /// or first when `descending`; output: same shape): a row's rank among the rows is
-    /// where its value goes.
-    Sort {
-        /// Largest first.
-        descending: bool,
-    },
-    /// The rows (i64, counted from the element's first) the sorted values come from.
-    ArgSort {
-        /// Largest first.
-        descending: bool,
-    },
-    /// A sort's gradient: each row takes `x` (the sorted values' gradient) at its rank
-    /// among the step's keys (the sorted input).
-    SortGrad {
-        /// Largest first.
-        descending: bool,
-    },
-    /// The running largest (or smallest) value down each element's rows, or
-    /// (`positions`) the row (i64, from the element's first) it was last seen at, as
-    /// torch's `cummax`.
-    Running {
-        /// The largest rather than the smallest.
-        largest: bool,
-        /// The positions rather than the values.
-        positions: bool,
-    },
-    /// The gradient of the running largest (or smallest) value: each row's `x` (the
-    /// values' gradient) summed where its running value was seen among the step's keys.
-    RunningGrad {
-        /// The largest rather than the smallest.
-        largest: bool,
-    },
-    /// Each column's `k`-th smallest value over each element's rows (elements have at
-    /// least `k` rows: checked before the run).
-    Kth {
-        /// Which smallest value, from 1.
-        k: i64,
-    },
-    /// The row (i64, counted from the element's first) of each column's `k`-th smallest
-    /// value.
-    ArgKth {
-        /// Which smallest value, from 1.
-        k: i64,
-    },
-    /// The gradient of a value picked from each column: `x` (one row an element: the
-    /// values' gradient) at the row `pick` chooses among the step's keys (the reduced
-    /// input), zero at the other rows.
-    PickGrad {
-        /// Which value was picked.
-        pick: Pick,
-    },
+    /// An order kernel down each column of each element's rows.
+    Order(Order),
 }
 
 impl SegmentKind {
@@ -467,54 +462,20 @@ impl SegmentKind {
 
     /// Whether the output holds positions (i64) rather than values.
     pub fn gives_positions(self) -> bool {
-        matches!(
-            self,
-            SegmentKind::ArgMax
-                | SegmentKind::ArgMin
-                | SegmentKind::ArgSort { .. }
-                | SegmentKind::ArgKth { .. }
-                | SegmentKind::Running {
-                    positions: true,
-                    ..
-                }
-        )
+        matches!(self, SegmentKind::Order(order) if order.gives_positions())
     }
 
     /// Whether a GPU runs an element on one warp however long, each lane down its
-    /// columns' rows (scans, positions, sorts: nothing a block combines).
+    /// columns' rows (scans and order kernels: nothing a block combines).
     pub fn down_the_rows(self) -> bool {
-        self.is_scan()
-            || self.gives_positions()
-            || matches!(
-                self,
-                SegmentKind::Sort { .. }
-                    | SegmentKind::SortGrad { .. }
-                    | SegmentKind::Kth { .. }
-                    | SegmentKind::PickGrad { .. }
-                    | SegmentKind::Running { .. }
-                    | SegmentKind::RunningGrad { .. }
-            )
+        self.is_scan() || matches!(self, SegmentKind::Order(_))
     }
 }
 
 impl RowKind {
     /// Whether a GPU runs each row on one thread (its columns in order), not a warp.
     pub fn one_thread_a_row(self) -> bool {
-        matches!(
-            self,
-            RowKind::Scan { .. }
-                | RowKind::Position { .. }
-                | RowKind::Sort { .. }
-                | RowKind::ArgSort { .. }
-                | RowKind::SortGrad { .. }
-                | RowKind::Kth { .. }
-                | RowKind::ArgKth { .. }
-                | RowKind::PickGrad { .. }
-                | RowKind::Running { .. }
-                | RowKind::RunningGrad { .. }
-                | RowKind::TopK { .. }
-                | RowKind::TopKGrad { .. }
-        )
+        matches!(self, RowKind::Scan { .. } | RowKind::Order(_))
     }
 }
 

@@ -24,7 +24,7 @@ use nestor_passes::step::{
     ScatterRows, Segment, SumRows, Unpad, Window,
 };
 use nestor_passes::{
-    Access, Fusion, Pick, Role, RowKind, SegmentKind, Signature, Step, WindowKind,
+    Access, Fusion, Order, Pick, Role, RowKind, SegmentKind, Signature, Step, WindowKind,
 };
 
 use crate::builder::{Gen, Kernel, Lanes, Local, ROW_REGISTERS, WARP_LANES};
@@ -33,6 +33,7 @@ use crate::{KernelSet, Storage, Target};
 mod attention;
 mod data;
 mod fragments;
+mod order;
 mod padding;
 mod pointwise;
 mod products;
@@ -46,11 +47,12 @@ use attention::{attention, attention_grad};
 use data::{
     gather, insert, length_values, one_hot, random_mask, scatter_indexed_rows, scatter_rows,
 };
+use order::{order_line, Line, Values};
 use padding::{pad, unpad};
 use pointwise::pointwise;
 use products::{gemm, pair_gemm, sum_rows};
 use rows::{finite_shift, row};
-use segments::{picked, position_of_extreme, rank, running, running_gradient, scan, segment};
+use segments::{scan, segment};
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
 };

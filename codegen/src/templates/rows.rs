@@ -116,103 +116,22 @@ pub(super) fn row<'ctx>(
                 &load,
                 |column, value| kernel.store_float(out, at(column)?, value),
             ),
-            RowKind::Position { largest } => {
-                let range = (kernel.i64(0), kernel.i64(width));
-                let position = position_of_extreme(kernel, largest, range, &load)?;
-                kernel.store_i64(out, row, position)
-            }
-            RowKind::Sort { descending }
-            | RowKind::ArgSort { descending }
-            | RowKind::SortGrad { descending } => {
-                // The row's order: its keys (a gradient's sorted input), or `x`.
-                let key = |column| match keys {
-                    Some(keys) => kernel.load_float(keys, at(column)?),
-                    None => load(column),
+            RowKind::Order(order) => {
+                let keyed = keys.map(|keys| move |column| kernel.load_float(keys, at(column)?));
+                // A line's kept values are columns `row * kept ..` of a narrow output
+                // (or of a gradient's `x`, read through its prologue).
+                let kept = order.kept().unwrap_or(1);
+                let kept_at = |j| kernel.add(kernel.mul(row, kernel.i64(kept))?, j);
+                let kept_load = |j| prologue(kernel, x, &inputs, row, j);
+                let line = Line {
+                    range: (kernel.i64(0), kernel.i64(width)),
+                    load: &load,
+                    keys: keyed.as_ref().map(|key| key as Values<'_, 'ctx>),
+                    at: &at,
+                    kept_at: &kept_at,
+                    kept_load: &kept_load,
                 };
-                let range = (kernel.i64(0), kernel.i64(width));
-                kernel.for_range(range.0, range.1, |column| {
-                    let rank = rank(kernel, descending, range, column, &key)?;
-                    match kind {
-                        RowKind::Sort { .. } => kernel.store_float(out, at(rank)?, load(column)?),
-                        RowKind::ArgSort { .. } => kernel.store_i64(out, at(rank)?, column),
-                        _ => kernel.store_float(out, at(column)?, load(rank)?),
-                    }
-                })
-            }
-            RowKind::TopK {
-                k,
-                largest,
-                positions,
-            } => {
-                let range = (kernel.i64(0), kernel.i64(width));
-                let first = kernel.mul(row, kernel.i64(k))?;
-                kernel.for_range(range.0, range.1, |column| {
-                    let rank = rank(kernel, largest, range, column, &load)?;
-                    let to = kernel.add(first, rank)?;
-                    kernel.if_else(
-                        kernel.less(rank, kernel.i64(k))?,
-                        || match positions {
-                            true => kernel.store_i64(out, to, column),
-                            false => kernel.store_float(out, to, load(column)?),
-                        },
-                        || Ok(()),
-                    )
-                })
-            }
-            RowKind::TopKGrad { k, largest } => {
-                let keys = kernel.param(Role::Keys)?;
-                let key = |column| kernel.load_float(keys, at(column)?);
-                let range = (kernel.i64(0), kernel.i64(width));
-                let zero = kernel.constant(0.0);
-                kernel.for_range(range.0, range.1, |column| {
-                    let rank = rank(kernel, largest, range, column, &key)?;
-                    let kept = kernel.less(rank, kernel.i64(k))?;
-                    // `x` holds `k` gradients a row: a kept column's at its rank.
-                    let place = kernel.min(rank, kernel.i64(k - 1))?;
-                    let gradient = prologue(kernel, x, &inputs, row, place)?;
-                    let value = kernel.select(kept, gradient, zero)?;
-                    kernel.store_float(out, at(column)?, value)
-                })
-            }
-            RowKind::Running { largest, positions } => {
-                let range = (kernel.i64(0), kernel.i64(width));
-                running(
-                    kernel,
-                    largest,
-                    range,
-                    &load,
-                    |column, value, seen| match positions {
-                        true => kernel.store_i64(out, at(column)?, seen),
-                        false => kernel.store_float(out, at(column)?, value),
-                    },
-                )
-            }
-            RowKind::RunningGrad { largest } => {
-                let keys = kernel.param(Role::Keys)?;
-                let key = |column| kernel.load_float(keys, at(column)?);
-                let range = (kernel.i64(0), kernel.i64(width));
-                running_gradient(kernel, (largest, out), range, (&key, &load), &at)
-            }
-            RowKind::Kth { k } | RowKind::ArgKth { k } => {
-                let range = (kernel.i64(0), kernel.i64(width));
-                let position = picked(kernel, Pick::Kth { k }, range, &load)?;
-                match kind {
-                    RowKind::Kth { .. } => kernel.store_float(out, row, load(position)?),
-                    _ => kernel.store_i64(out, row, position),
-                }
-            }
-            RowKind::PickGrad { pick } => {
-                let keys = kernel.param(Role::Keys)?;
-                let key = |column| kernel.load_float(keys, at(column)?);
-                let range = (kernel.i64(0), kernel.i64(width));
-                let position = picked(kernel, pick, range, &key)?;
-                // `x` holds one value a row: the picked value's gradient.
-                let gradient = prologue(kernel, x, &inputs, row, kernel.i64(0))?;
-                let zero = kernel.constant(0.0);
-                kernel.for_range(range.0, range.1, |column| {
-                    let value = kernel.select(kernel.equal(column, position)?, gradient, zero)?;
-                    kernel.store_float(out, at(column)?, value)
-                })
+                order_line(kernel, order, out, &line)
             }
             RowKind::LogSumExp => {
                 let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;

@@ -88,188 +88,6 @@ pub(super) fn scan<'ctx>(
     })
 }
 
-/// The position, counted from `start`, of the largest value (the smallest: not
-/// `largest`) among positions `start..end`: its first, or the first NaN, as torch's
-/// argmax (0 for an empty range). A segment's rows and a row's columns run this way.
-pub(super) fn position_of_extreme<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    largest: bool,
-    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
-    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-) -> Gen<IntValue<'ctx>> {
-    let best = kernel.accumulator("best")?;
-    let at = kernel.index_variable("at")?;
-    // Every value but a NaN or the bound itself is beyond the bound; a range of bounds
-    // gives its first position.
-    let bound = if largest {
-        f64::NEG_INFINITY
-    } else {
-        f64::INFINITY
-    };
-    kernel.set(best, kernel.constant(bound))?;
-    kernel.set_index(at, start)?;
-    let beyond = if largest {
-        FloatPredicate::OGT
-    } else {
-        FloatPredicate::OLT
-    };
-    kernel.for_range(start, end, |position| {
-        let x = load(position)?;
-        let current = kernel.get(best)?;
-        // A NaN wins over any number; nothing wins over a NaN.
-        let first_nan = kernel.and(
-            kernel.float_compare(FloatPredicate::UNO, x, x)?,
-            kernel.float_compare(FloatPredicate::ORD, current, current)?,
-        )?;
-        let wins = kernel.or(kernel.float_compare(beyond, x, current)?, first_nan)?;
-        kernel.set(best, kernel.select(wins, x, current)?)?;
-        kernel.set_index(
-            at,
-            kernel.select_index(wins, position, kernel.get_index(at)?)?,
-        )
-    })?;
-    kernel.sub(kernel.get_index(at)?, start)
-}
-
-/// The value at each position of a range.
-type Values<'a, 'ctx> = &'a dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>;
-
-/// Walks positions `start..end` keeping the running largest value (the smallest: not
-/// `largest`) as torch's `cummax`: a value equal to it takes its place, a NaN always
-/// does (and after a NaN only NaNs); `each(position, running value, where it was
-/// seen)` at every position.
-pub(super) fn running<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    largest: bool,
-    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
-    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-    each: impl Fn(IntValue<'ctx>, FloatValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
-) -> Gen<()> {
-    let best = kernel.accumulator("running")?;
-    let seen = kernel.index_variable("seen")?;
-    let bound = if largest {
-        f64::NEG_INFINITY
-    } else {
-        f64::INFINITY
-    };
-    kernel.set(best, kernel.constant(bound))?;
-    kernel.set_index(seen, start)?;
-    let not_behind = if largest {
-        FloatPredicate::OGE
-    } else {
-        FloatPredicate::OLE
-    };
-    kernel.for_range(start, end, |position| {
-        let x = load(position)?;
-        let current = kernel.get(best)?;
-        let takes = kernel.or(
-            kernel.float_compare(FloatPredicate::UNO, x, x)?,
-            kernel.and(
-                kernel.float_compare(FloatPredicate::ORD, current, current)?,
-                kernel.float_compare(not_behind, x, current)?,
-            )?,
-        )?;
-        kernel.set(best, kernel.select(takes, x, current)?)?;
-        kernel.set_index(
-            seen,
-            kernel.select_index(takes, position, kernel.get_index(seen)?)?,
-        )?;
-        each(position, kernel.get(best)?, kernel.get_index(seen)?)
-    })
-}
-
-/// `x`'s gradient of a running extreme over positions `start..end` of `out` (`at` a
-/// position's place in it): zeros, then each position's gradient (`gradient`) added
-/// where its running value was seen among `keys`.
-pub(super) fn running_gradient<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    (largest, out): (bool, PointerValue<'ctx>),
-    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
-    (keys, gradient): (Values<'_, 'ctx>, Values<'_, 'ctx>),
-    at: &dyn Fn(IntValue<'ctx>) -> Gen<IntValue<'ctx>>,
-) -> Gen<()> {
-    kernel.for_range(start, end, |position| {
-        kernel.store_float(out, at(position)?, kernel.constant(0.0))
-    })?;
-    running(kernel, largest, (start, end), keys, |position, _, seen| {
-        let place = at(seen)?;
-        let sum = kernel.fadd(kernel.load_float(out, place)?, gradient(position)?)?;
-        kernel.store_float(out, place, sum)
-    })
-}
-
-/// The position, counted from `start`, of the value `pick` chooses among positions
-/// `start..end`.
-pub(super) fn picked<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    pick: Pick,
-    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
-    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-) -> Gen<IntValue<'ctx>> {
-    let k = match pick {
-        Pick::Extreme { largest } => {
-            return position_of_extreme(kernel, largest, (start, end), load)
-        }
-        Pick::Kth { k } => k,
-    };
-    // The position whose rank in a stable ascending sort is k - 1.
-    let at = kernel.index_variable("kth")?;
-    kernel.set_index(at, start)?;
-    kernel.for_range(start, end, |position| {
-        let rank = rank(kernel, false, (start, end), position, load)?;
-        let hit = kernel.equal(rank, kernel.i64(k - 1))?;
-        kernel.set_index(
-            at,
-            kernel.select_index(hit, position, kernel.get_index(at)?)?,
-        )
-    })?;
-    kernel.sub(kernel.get_index(at)?, start)
-}
-
-/// Where position `row`'s value goes in a stable sort of positions `start..end` (the
-/// smallest first, or the largest: `descending`), counted from `start`: the positions
-/// whose values sort before it, and the equal ones before it (NaN after every number,
-/// before when descending; NaNs are equal, and so are -0 and 0). A loop over the range
-/// a position.
-pub(super) fn rank<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    descending: bool,
-    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
-    row: IntValue<'ctx>,
-    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
-) -> Gen<IntValue<'ctx>> {
-    let own = load(row)?;
-    let own_nan = kernel.float_compare(FloatPredicate::UNO, own, own)?;
-    let count = kernel.index_variable("rank")?;
-    kernel.set_index(count, kernel.i64(0))?;
-    let (beyond, ahead) = match descending {
-        true => (FloatPredicate::OGT, true),
-        false => (FloatPredicate::OLT, false),
-    };
-    kernel.for_range(start, end, |other| {
-        let value = load(other)?;
-        let nan = kernel.float_compare(FloatPredicate::UNO, value, value)?;
-        // NaN sorts after every number ascending, before every number descending.
-        let nan_first = match ahead {
-            true => kernel.and(nan, kernel.not(own_nan)?)?,
-            false => kernel.and(kernel.not(nan)?, own_nan)?,
-        };
-        let before = kernel.or(kernel.float_compare(beyond, value, own)?, nan_first)?;
-        let equal = kernel.or(
-            kernel.float_compare(FloatPredicate::OEQ, value, own)?,
-            kernel.and(nan, own_nan)?,
-        )?;
-        let earlier_equal = kernel.and(equal, kernel.less(other, row)?)?;
-        let counts = kernel.or(before, earlier_equal)?;
-        let next = kernel.add(kernel.get_index(count)?, kernel.i64(1))?;
-        kernel.set_index(
-            count,
-            kernel.select_index(counts, next, kernel.get_index(count)?)?,
-        )
-    })?;
-    kernel.get_index(count)
-}
-
 /// A segmented kernel's step and buffers.
 struct Segments<'a, 'ctx, 'm> {
     kernel: &'a Kernel<'ctx, 'm>,
@@ -422,60 +240,25 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                         self.softmax_at(row, column, (shift, total))
                     })
                 }
-                SegmentKind::ArgMax | SegmentKind::ArgMin => {
-                    let largest = kind == SegmentKind::ArgMax;
+                SegmentKind::Order(order) => {
                     let load = |row| self.load(row, column);
-                    let position = position_of_extreme(kernel, largest, (first, last), &load)?;
-                    kernel.store_i64(self.out, out_at, position)
-                }
-                SegmentKind::Sort { descending }
-                | SegmentKind::ArgSort { descending }
-                | SegmentKind::SortGrad { descending } => {
-                    self.sorted(column, (first, last), descending)
-                }
-                SegmentKind::Running { largest, positions } => {
-                    let load = |row| self.load(row, column);
-                    running(kernel, largest, (first, last), &load, |row, value, seen| {
-                        let to = self.at(row, column)?;
-                        match positions {
-                            true => kernel.store_i64(self.out, to, kernel.sub(seen, first)?),
-                            false => kernel.store_float(self.out, to, value),
-                        }
-                    })
-                }
-                SegmentKind::RunningGrad { largest } => {
-                    let keys = |row| self.key(row, column);
-                    let gradient = |row| self.load(row, column);
+                    let key = |row| self.key(row, column);
                     let at = |row| self.at(row, column);
-                    running_gradient(
-                        kernel,
-                        (largest, self.out),
-                        (first, last),
-                        (&keys, &gradient),
-                        &at,
-                    )
-                }
-                SegmentKind::Kth { k } | SegmentKind::ArgKth { k } => {
-                    let load = |row| self.load(row, column);
-                    let at = picked(kernel, Pick::Kth { k }, (first, last), &load)?;
-                    match kind {
-                        SegmentKind::Kth { .. } => {
-                            let value = self.load(kernel.add(first, at)?, column)?;
-                            kernel.store_float(self.out, out_at, value)
-                        }
-                        _ => kernel.store_i64(self.out, out_at, at),
-                    }
-                }
-                SegmentKind::PickGrad { pick } => {
-                    let keys = |row| self.key(row, column);
-                    let at = picked(kernel, pick, (first, last), &keys)?;
-                    let gradient = self.load(element, column)?;
-                    let zero = kernel.constant(0.0);
-                    kernel.for_range(first, last, |row| {
-                        let hit = kernel.equal(kernel.sub(row, first)?, at)?;
-                        let value = kernel.select(hit, gradient, zero)?;
-                        kernel.store_float(self.out, self.at(row, column)?, value)
-                    })
+                    // A line's kept values are rows `element * kept ..` of a narrow
+                    // output (or of a gradient's `x`).
+                    let kept = order.kept().unwrap_or(1);
+                    let kept_row = |j| kernel.add(kernel.mul(element, kernel.i64(kept))?, j);
+                    let kept_at = |j| self.at(kept_row(j)?, column);
+                    let kept_load = |j| self.load(kept_row(j)?, column);
+                    let line = Line {
+                        range: (first, last),
+                        load: &load,
+                        keys: self.keys.map(|_| &key as Values<'_, 'ctx>),
+                        at: &at,
+                        kept_at: &kept_at,
+                        kept_load: &kept_load,
+                    };
+                    order_line(kernel, order, self.out, &line)
                 }
             }
         })
@@ -487,31 +270,6 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
             Some(keys) => self.kernel.load_float(keys, self.at(row, column)?),
             None => self.load(row, column),
         }
-    }
-
-    /// Column `column` of the element of rows `first..last` sorted (or its positions, or
-    /// a sort's gradient): each row's rank among the rows' keys.
-    fn sorted(
-        &self,
-        column: IntValue<'ctx>,
-        (first, last): (IntValue<'ctx>, IntValue<'ctx>),
-        descending: bool,
-    ) -> Gen<()> {
-        let kernel = self.kernel;
-        let keys = |row| self.key(row, column);
-        kernel.for_range(first, last, |row| {
-            let rank = rank(kernel, descending, (first, last), row, &keys)?;
-            let to = kernel.add(first, rank)?;
-            match self.kind {
-                SegmentKind::Sort { .. } => {
-                    kernel.store_float(self.out, self.at(to, column)?, self.load(row, column)?)
-                }
-                SegmentKind::ArgSort { .. } => {
-                    kernel.store_i64(self.out, self.at(to, column)?, kernel.sub(row, first)?)
-                }
-                _ => kernel.store_float(self.out, self.at(row, column)?, self.load(to, column)?),
-            }
-        })
     }
 
     /// A reduction's result from its fold over rows `first..last`: the mean divides

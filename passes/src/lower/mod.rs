@@ -28,7 +28,7 @@ use pointwise::translate;
 use crate::step::Step;
 
 use crate::operands::{
-    Access, Expr, Fusion, Pick, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
+    Access, Expr, Fusion, Order, Pick, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
 };
 use crate::program::{
     FloatType, LengthsKind, LengthsOp, OutDim, Output, Program, SlotInfo, Source,

@@ -121,28 +121,11 @@ impl Lowering<'_> {
                 descending,
                 positions,
             } => {
-                let kinds = match positions {
-                    true => (
-                        SegmentKind::ArgSort { descending },
-                        RowKind::ArgSort { descending },
-                    ),
-                    false => (
-                        SegmentKind::Sort { descending },
-                        RowKind::Sort { descending },
-                    ),
+                let order = Order::Sort {
+                    descending,
+                    positions,
                 };
-                self.order_kernel(value, ty, (x, axis), kinds, (None, positions))
-            }
-            // One gradient a row (or a column of an element).
-            &Op::ExtremeGrad {
-                g,
-                x,
-                axis,
-                largest,
-            } => {
-                let pick = Pick::Extreme { largest };
-                let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
-                self.ordered_gradient(value, ty, (g, x, axis), kinds, false)
+                self.order_kernel(value, ty, (x, axis), order, None)
             }
             &Op::TopK {
                 x,
@@ -150,65 +133,23 @@ impl Lowering<'_> {
                 k,
                 largest,
                 positions,
+                ..
             } => {
-                let Along::Last { slot, rows, width } = self.along(value, x, axis)? else {
-                    return Err(unsupported(value, op, "topk along a ragged dim"));
-                };
-                let kind = RowKind::TopK {
+                let order = Order::TopK {
                     k,
                     largest,
                     positions,
                 };
-                let x = Fusion::plain(slot, width);
-                let out = self.row_kernel(value, ty, kind, (x, rows, width), None)?;
-                Ok(self.holding_positions(positions, out))
-            }
-            &Op::TopKGrad {
-                g,
-                x,
-                axis,
-                k,
-                largest,
-            } => {
-                let Along::Last { slot, rows, width } = self.along(value, x, axis)? else {
-                    return Err(unsupported(value, op, "topk along a ragged dim"));
-                };
-                let (g, ..) = self.data(value, g)?;
-                let kind = RowKind::TopKGrad { k, largest };
-                let g = Fusion::plain(g, k);
-                self.row_kernel(value, ty, kind, (g, rows, width), Some(slot))
-            }
-            &Op::RunningGrad {
-                g,
-                x,
-                axis,
-                largest,
-            } => {
-                let kinds = (
-                    SegmentKind::RunningGrad { largest },
-                    RowKind::RunningGrad { largest },
-                );
-                self.ordered_gradient(value, ty, (g, x, axis), kinds, true)
+                self.order_kernel(value, ty, (x, axis), order, Some((k, "topk")))
             }
             &Op::Running {
                 x,
                 axis,
                 largest,
                 positions,
-            } => self.order_kernel(
-                value,
-                ty,
-                (x, axis),
-                (
-                    SegmentKind::Running { largest, positions },
-                    RowKind::Running { largest, positions },
-                ),
-                (None, positions),
-            ),
-            &Op::KthGrad { g, x, axis, k } => {
-                let pick = Pick::Kth { k };
-                let kinds = (SegmentKind::PickGrad { pick }, RowKind::PickGrad { pick });
-                self.ordered_gradient(value, ty, (g, x, axis), kinds, false)
+            } => {
+                let order = Order::Running { largest, positions };
+                self.order_kernel(value, ty, (x, axis), order, None)
             }
             &Op::KthValue {
                 x,
@@ -217,42 +158,53 @@ impl Lowering<'_> {
                 positions,
                 ..
             } => {
-                let kinds = match positions {
-                    true => (SegmentKind::ArgKth { k }, RowKind::ArgKth { k }),
-                    false => (SegmentKind::Kth { k }, RowKind::Kth { k }),
-                };
-                let least = Some((k, "kthvalue"));
-                self.order_kernel(value, ty, (x, axis), kinds, (least, positions))
+                let order = Order::Kth { k, positions };
+                self.order_kernel(value, ty, (x, axis), order, Some((k, "kthvalue")))
             }
+            &Op::ExtremeGrad {
+                g,
+                x,
+                axis,
+                largest,
+            } => {
+                let pick = Pick::Extreme { largest };
+                self.ordered_gradient(value, ty, (g, x, axis), Order::PickGrad { pick })
+            }
+            &Op::KthGrad { g, x, axis, k } => {
+                let pick = Pick::Kth { k };
+                self.ordered_gradient(value, ty, (g, x, axis), Order::PickGrad { pick })
+            }
+            &Op::TopKGrad {
+                g,
+                x,
+                axis,
+                k,
+                largest,
+            } => self.ordered_gradient(value, ty, (g, x, axis), Order::TopKGrad { k, largest }),
+            &Op::RunningGrad {
+                g,
+                x,
+                axis,
+                largest,
+            } => self.ordered_gradient(value, ty, (g, x, axis), Order::RunningGrad { largest }),
             &Op::SortGrad {
                 g,
                 x,
                 axis,
                 descending,
-            } => self.ordered_gradient(
-                value,
-                ty,
-                (g, x, axis),
-                (
-                    SegmentKind::SortGrad { descending },
-                    RowKind::SortGrad { descending },
-                ),
-                true,
-            ),
+            } => self.ordered_gradient(value, ty, (g, x, axis), Order::SortGrad { descending }),
             other => Err(unsupported(value, other, "not lowered yet")),
         }
     }
 
-    /// A gradient kernel that orders each element's rows (`segment`) or each row
-    /// (`row`) by `x` along `axis` and moves `g` (a row as wide as `x`'s: `whole`, else
-    /// one value a row or an element's column).
+    /// A gradient kernel (`order`) that orders each element's rows or each row by `x`
+    /// along `axis` and moves `g` (as many values a line as `x`, or as `order` keeps).
     fn ordered_gradient(
         &mut self,
         value: ValueId,
         ty: &Type,
         (g, x, axis): (ValueId, ValueId, i64),
-        (segment, row): (SegmentKind, RowKind),
-        whole: bool,
+        order: Order,
     ) -> Result<Lowered, LowerError> {
         let (g, ..) = self.data(value, g)?;
         match self.along(value, x, axis)? {
@@ -260,10 +212,14 @@ impl Lowering<'_> {
                 slot,
                 tail,
                 lengths,
-            } => self.segmented_by(value, ty, segment, (g, &tail), (lengths, Some(slot))),
+            } => {
+                let kind = SegmentKind::Order(order);
+                self.segmented_by(value, ty, kind, (g, &tail), (lengths, Some(slot)))
+            }
             Along::Last { slot, rows, width } => {
-                let g = Fusion::plain(g, if whole { width } else { 1 });
-                self.row_kernel(value, ty, row, (g, rows, width), Some(slot))
+                let g = Fusion::plain(g, order.kept().unwrap_or(width));
+                let kind = RowKind::Order(order);
+                self.row_kernel(value, ty, kind, (g, rows, width), Some(slot))
             }
         }
     }
@@ -493,24 +449,20 @@ impl Lowering<'_> {
                 format!("{} takes one dim, got {dims:?}", reduce.word()),
             ));
         };
-        let kinds = match largest {
-            true => (SegmentKind::ArgMax, RowKind::Position { largest }),
-            false => (SegmentKind::ArgMin, RowKind::Position { largest }),
-        };
-        let least = Some((1, reduce.word()));
-        self.order_kernel(value, ty, (x, *dim), kinds, (least, true))
+        let order = Order::Position { largest };
+        self.order_kernel(value, ty, (x, *dim), order, Some((1, reduce.word())))
     }
 
-    /// `segment` down the ragged dim or `row` along the last dim of `x` (`axis`), each
-    /// element first checked to hold `least`'s count of rows where given (its name in
-    /// the error); the result holds i64 positions (`positions`) or values.
+    /// `order` down the ragged dim or along the last dim of `x` (`axis`), each line
+    /// first checked to hold `least`'s count of positions where given (its name in the
+    /// error); the result holds i64 positions or values, as `order` gives.
     fn order_kernel(
         &mut self,
         value: ValueId,
         ty: &Type,
         (x, axis): (ValueId, i64),
-        (segment, row): (SegmentKind, RowKind),
-        (least, positions): (Option<(i64, &'static str)>, bool),
+        order: Order,
+        least: Option<(i64, &'static str)>,
     ) -> Result<Lowered, LowerError> {
         let out = match self.along(value, x, axis)? {
             Along::Ragged {
@@ -522,7 +474,8 @@ impl Lowering<'_> {
                     Some(least) => self.at_least(lengths, least),
                     None => lengths,
                 };
-                self.segmented(value, ty, segment, (slot, &tail), lengths)?
+                let kind = SegmentKind::Order(order);
+                self.segmented(value, ty, kind, (slot, &tail), lengths)?
             }
             Along::Last { slot, rows, width } => {
                 if let Some((count, op)) = least.filter(|&(count, _)| width < count) {
@@ -533,10 +486,10 @@ impl Lowering<'_> {
                     ));
                 }
                 let x = Fusion::plain(slot, width);
-                self.row_kernel(value, ty, row, (x, rows, width), None)?
+                self.row_kernel(value, ty, RowKind::Order(order), (x, rows, width), None)?
             }
         };
-        Ok(self.holding_positions(positions, out))
+        Ok(self.holding_positions(order.gives_positions(), out))
     }
 
     /// `lengths`, checked non-empty before the run for `reduce` (which has no value for

@@ -1132,15 +1132,19 @@ fn a_causal_fill_outside_attention_is_a_typed_lowering_error() {
 }
 
 /// argmax and argmin along the ragged dim (each element's rows, column by column), kept
-/// dims or not, and along the last dim, and max_dim / min_dim's values and positions:
-/// compiled positions (i64) equal eager's in every float kind, the first of equal
-/// values winning (bf16 and f16 values tie often).
+/// dims or not, and along the last dim, max_dim / min_dim's values and positions, and
+/// the top value of each element's column: compiled positions (i64) equal eager's in
+/// every float kind, the first of equal values winning (bf16 and f16 values tie often).
 fn positions_model(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
     let (largest, at) = x[0].max_dim(1, true)?;
     let (smallest, _) = x[0].min_dim(-1, false)?;
     let (first, first_at) = x[0].kthvalue(1, 1, false)?;
     let (second, second_at) = x[0].kthvalue(2, -1, true)?;
+    let (top, top_at) = x[0].topk(1, 1, true)?;
     Ok(vec![
+        top.into(),
+        top_at.into(),
+        x[0].relu()?.topk(1, 1, false)?.1.into(),
         first.into(),
         first_at.into(),
         second.into(),
@@ -1154,8 +1158,50 @@ fn positions_model(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> 
     ])
 }
 
+/// The `k` largest and smallest values of each element's columns and their positions
+/// (`k` rows an element, whatever its length).
+fn top_rows(k: i64) -> impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<Out>> {
+    move |x, _| {
+        let (largest, from) = x[0].topk(k, 1, true)?;
+        let (smallest, _) = x[0].relu()?.topk(k, 1, false)?;
+        // The top rows computed on: the result's lengths are a new symbol.
+        let mixed = (&largest.tanh()? * &smallest)?.softmax(1)?;
+        Ok(vec![
+            largest.into(),
+            from.into(),
+            smallest.into(),
+            mixed.into(),
+        ])
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// topk down the ragged dim: values and positions (ties among relu's zeros: the
+    /// first first) equal eager's in every float kind, for several `k` and elements
+    /// from `k` rows long, batch size 1 included; one compile for every batch.
+    #[test]
+    fn compiled_top_rows_equal_eager(extra in proptest::collection::vec(proptest::collection::vec(0i64..40, 1..5), 1..3), seed in 0i64..1000) {
+        for (k, kind) in [(1, Kind::Float), (3, Kind::Float), (2, Kind::BFloat16), (4, Kind::Half)] {
+            let compiled = compile("top_rows", top_rows(k));
+            for (index, extra) in extra.iter().enumerate() {
+                let lengths: Vec<i64> = extra.iter().map(|&more| k + more).collect();
+                let (x, _) = batch(&lengths, &[3], kind, seed + index as i64);
+                let got = compiled.call(&[&x], &[]).unwrap();
+                let want = eager_values(top_rows(k)(&[x], &[]).unwrap());
+                for (position, (got, want)) in got.iter().zip(&want).enumerate() {
+                    let (got, want) = (value_parts(got).0, value_parts(want).0);
+                    match position {
+                        // Chosen, not computed: equal.
+                        0..=2 => prop_assert!(got.equal(&want), "{:?} {:?} k {}: {} vs {}", kind, lengths, k, got, want),
+                        _ => prop_assert!(got.allclose(&want, 1e-2, 1e-2, false), "{:?} {:?} k {}", kind, lengths, k),
+                    }
+                }
+            }
+            prop_assert_eq!(compiled.stats().compiles, 1);
+        }
+    }
 
     #[test]
     fn compiled_positions_along_the_ragged_dim_equal_eager(batches in proptest::collection::vec(proptest::collection::vec(1i64..80, 1..5), 1..3), seed in 0i64..1000) {
@@ -1212,7 +1258,7 @@ fn compiled_positions_of_an_empty_element_are_an_error() {
         matches!(
             reason.cause(),
             nestor::CompileCause::TooShort {
-                op: "max" | "argmax" | "kthvalue",
+                op: "max" | "argmax" | "kthvalue" | "topk",
                 element: 1,
                 needed: 1
             }
@@ -1249,35 +1295,40 @@ fn arithmetic_on_positions_is_a_typed_error() {
     }
 }
 
-/// The k-th smallest value of an element with fewer than k rows: eagerly
-/// `ElementTooShort`, a compiled call `CompileCause::TooShort` (checked before the run);
-/// the compiled function keeps working.
+/// The k-th smallest value, or the top k, of an element with fewer than k rows:
+/// eagerly `ElementTooShort`, a compiled call `CompileCause::TooShort` naming the op
+/// (checked before the run); the compiled function keeps working.
 #[test]
-fn the_kth_value_of_a_short_element_is_an_error() {
-    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
-        Ok(vec![x[0].kthvalue(2, 1, false)?.0.into()])
-    };
-    let compiled = compile("kth", model);
-    let (fine, _) = batch(&[3, 2, 4], &[3], Kind::Float, 1);
-    let (short, _) = batch(&[3, 1, 2], &[3], Kind::Float, 2);
-    assert!(compiled.call(&[&fine], &[]).is_ok());
-    let eager = model(&[short.shallow_clone()], &[]).err().unwrap();
-    assert!(
-        matches!(eager, NestedError::ElementTooShort { element: 1, .. }),
-        "{eager}"
-    );
-    let error = compiled.call(&[&short], &[]).err().unwrap();
-    let NestedError::Compile { reason, .. } = &error else {
-        panic!("{error}");
-    };
-    assert_eq!(
-        reason.cause(),
-        nestor::CompileCause::TooShort {
-            op: "kthvalue",
-            element: 1,
-            needed: 2
-        },
-        "{error}"
-    );
-    assert!(compiled.call(&[&fine], &[]).is_ok());
+fn the_kth_value_or_top_k_of_a_short_element_is_an_error() {
+    let models: [(&'static str, PositionsModel); 2] = [
+        ("kthvalue", |x, _| {
+            Ok(vec![x[0].kthvalue(2, 1, false)?.0.into()])
+        }),
+        ("topk", |x, _| Ok(vec![x[0].topk(2, 1, true)?.1.into()])),
+    ];
+    for (op, model) in models {
+        let compiled = compile(op, model);
+        let (fine, _) = batch(&[3, 2, 4], &[3], Kind::Float, 1);
+        let (short, _) = batch(&[3, 1, 2], &[3], Kind::Float, 2);
+        assert!(compiled.call(&[&fine], &[]).is_ok());
+        let eager = model(&[short.shallow_clone()], &[]).err().unwrap();
+        assert!(
+            matches!(eager, NestedError::ElementTooShort { element: 1, .. }),
+            "{eager}"
+        );
+        let error = compiled.call(&[&short], &[]).err().unwrap();
+        let NestedError::Compile { reason, .. } = &error else {
+            panic!("{error}");
+        };
+        assert_eq!(
+            reason.cause(),
+            nestor::CompileCause::TooShort {
+                op,
+                element: 1,
+                needed: 2
+            },
+            "{error}"
+        );
+        assert!(compiled.call(&[&fine], &[]).is_ok());
+    }
 }

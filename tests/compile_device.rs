@@ -87,9 +87,34 @@ where
     }
 }
 
+/// The gradient of `loss` for one input batch, compiled for the CPU and for the
+/// simulated GPU, agrees on every batch (each a fresh leaf).
+fn assert_simulated_gradients_equal_cpu<F>(what: &str, loss: F, batches: &[&NestedTensor])
+where
+    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense> + Clone,
+{
+    let store = nn::VarStore::new(Device::Cpu);
+    let on_cpu = compile(what, loss.clone()).train(&store);
+    let on_sim = compile(what, loss).train(&store).on_device(simulated());
+    for batch in batches {
+        let leaf = || batch.detach().unwrap().set_requires_grad(true).unwrap();
+        let (ours, theirs) = (leaf(), leaf());
+        on_cpu.call(&[&ours], &[]).unwrap();
+        on_sim
+            .call(&[&theirs], &[])
+            .unwrap_or_else(|error| panic!("{what}: {error}"));
+        let (ours, theirs) = (ours.grad().unwrap(), theirs.grad().unwrap());
+        assert!(
+            ours.values().allclose(theirs.values(), 1e-4, 1e-4, false),
+            "{what}"
+        );
+    }
+}
+
 /// argmax and argmin along the ragged dim (elements longer than a block's threshold
-/// included: a warp's however long) and along the last dim on the simulated GPU equal
-/// the CPU: i64 buffers written by kernels and downloaded as positions.
+/// included: a warp's however long) and along the last dim, and the top rows of each
+/// element, on the simulated GPU equal the CPU: i64 buffers written by kernels and
+/// downloaded as positions.
 #[test]
 fn positions_on_the_simulated_gpu_equal_the_cpu() {
     let (x, _) = batch(&[70, 1, 3, 130], &[5], Kind::Float, 3);
@@ -103,10 +128,37 @@ fn positions_on_the_simulated_gpu_equal_the_cpu() {
                 x[0].argmax(-1, true)?.into(),
                 x[0].max_dim(1, true)?.0.into(),
                 x[0].min_dim(-1, false)?.0.into(),
+                x[0].topk(1, 1, true)?.0.into(),
+                x[0].relu()?.topk(1, 1, false)?.1.into(),
             ])
         },
         &[vec![&x], vec![&one]],
     );
+}
+
+/// The order ops' gradients (sorts, the top rows and columns, running extremes, k-th
+/// values; down the ragged dim, long elements included, and along the last dim) on
+/// the simulated GPU equal the CPU.
+#[test]
+fn order_gradients_on_the_simulated_gpu_equal_the_cpu() {
+    let (x, _) = batch(&[70, 2, 3, 130], &[5], Kind::Float, 5);
+    let (one, _) = batch(&[2], &[5], Kind::Float, 6);
+    let loss = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        let total = |x: NestedTensor| x.sin()?.sum(&[], false)?.into_dense_handle();
+        let (sorted, _) = x[0].sort(1, true)?;
+        let (top, _) = x[0].topk(2, 1, true)?;
+        let (columns, _) = x[0].topk(2, -1, false)?;
+        let (seen, _) = x[0].cummax(1)?;
+        let kth = x[0].kthvalue(2, 1, false)?.0.into_dense_handle()?;
+        let (largest, _) = x[0].max_dim(-1, true)?;
+        total(sorted.cumsum(1)?)?
+            .add(&total(top.cumsum(1)?)?)?
+            .add(&total(columns.cumsum(-1)?)?)?
+            .add(&total((&seen * &x[0])?)?)?
+            .add(&kth.mul(&kth)?.sum_all()?)?
+            .add(&total(largest.into_nested()?)?)
+    };
+    assert_simulated_gradients_equal_cpu("order_loss", loss, &[&x, &one]);
 }
 
 /// Repeated batches (their row maps are device tables) and the sum of their copies
@@ -138,24 +190,7 @@ fn repeats_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
                 .sum(&[], false)?
                 .into_dense_handle()
         };
-        let store = nn::VarStore::new(Device::Cpu);
-        let on_cpu = compile("repeat_loss", loss).train(&store);
-        let on_sim = compile("repeat_loss", loss)
-            .train(&store)
-            .on_device(simulated());
-        for batch in [&x, &one] {
-            let (ours, theirs) = (
-                batch.detach().unwrap().set_requires_grad(true).unwrap(),
-                batch.detach().unwrap().set_requires_grad(true).unwrap(),
-            );
-            on_cpu.call(&[&ours], &[]).unwrap();
-            on_sim.call(&[&theirs], &[]).unwrap();
-            let (ours, theirs) = (ours.grad().unwrap(), theirs.grad().unwrap());
-            assert!(
-                ours.values().allclose(theirs.values(), 1e-4, 1e-4, false),
-                "interleave {interleave}"
-            );
-        }
+        assert_simulated_gradients_equal_cpu("repeat_loss", loss, &[&x, &one]);
     }
 }
 

@@ -230,7 +230,13 @@ fn training_models() {
                 .0
                 .sum(&[], false)?
                 .into_dense_handle()?;
-            let running = running.add(&top)?;
+            // And the smallest row of each element's columns.
+            let bottom = hidden
+                .topk(1, 1, false)?
+                .0
+                .sum(&[], false)?
+                .into_dense_handle()?;
+            let running = running.add(&top)?.add(&bottom)?;
             let total = loss.add(&mean)?.add(&padded)?.add(&sorted)?;
             total.add(&largest)?.add(&kth)?.add(&running)
         }

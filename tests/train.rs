@@ -1289,6 +1289,40 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
+
+    /// topk's compiled gradient down the ragged dim (largest and smallest) equals
+    /// autograd's with ties everywhere (values from -3 to 3: the stable order decides
+    /// which tied value is kept), elements from `k` rows long (one row for `k` = 1),
+    /// batch size 1, in f32 and f64.
+    #[test]
+    fn top_row_gradients_with_ties_equal_autograd(
+        (k, values) in (1i64..=3).prop_flat_map(|k| (
+            Just(k),
+            proptest::collection::vec(proptest::collection::vec((-3i64..=3, -3i64..=3), k as usize..=7), 1..=4),
+        )),
+        double in any::<bool>(),
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            // Each kept row weighted by its place (a running sum), so that a gradient
+            // at the wrong row shows.
+            let (largest, _) = x[0].topk(k, 1, true)?;
+            let (smallest, _) = (&x[0] * 0.5)?.topk(k, 1, false)?;
+            let weighted = (&largest.cumsum(1)?.sin()? + &(&smallest * &largest)?)?;
+            weighted.sum(&[], false)?.into_dense_handle()
+        };
+        let compiled = compile("top_rows", model).train(&nn::VarStore::new(Device::Cpu));
+        let eager = halves(&values, kind);
+        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+        let ours = halves(&values, kind);
+        compiled.call(&[&ours], &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-5 };
+        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "top rows");
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
 
     /// cdist's compiled gradient (p = 2) equals autograd's for both point sets, with

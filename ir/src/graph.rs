@@ -225,6 +225,21 @@ impl Graph {
         }
     }
 
+    /// Lengths of `size` for every element of the batch of `lengths`: the value that
+    /// already says so, or a new `constant_lengths`, so that equal lengths are one
+    /// symbol.
+    pub fn constant_lengths(
+        &mut self,
+        lengths: ValueId,
+        size: i64,
+    ) -> Result<ValueId, VerifyError> {
+        let op = Op::ConstantLengths { lengths, size };
+        match self.nodes.iter().position(|node| node.op == op) {
+            Some(index) => Ok(ValueId(index as u32)),
+            None => self.push(op),
+        }
+    }
+
     /// The type `op` would have if it were appended, or the rule it breaks.
     pub fn type_of(&self, op: &Op) -> Result<Type, VerifyError> {
         self.infer(ValueId(self.nodes.len() as u32), op)

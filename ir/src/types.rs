@@ -141,6 +141,18 @@ impl Type {
         }
     }
 
+    /// The lengths of element dim `at` (from 0, after the batch dim) of a ragged type,
+    /// where that dim is ragged.
+    pub fn lengths_of_dim(&self, at: usize) -> Option<ValueId> {
+        match self {
+            Type::Ragged { dims, .. } => match dims.get(at) {
+                Some(&ElemDim::Ragged(lengths)) => Some(lengths),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// The sizes of a ragged type's element dims after its leading ragged ones (its
     /// packed rows' tail; -1 for a size not known statically); `None` for other types.
     pub fn ragged_tail(&self) -> Option<Vec<i64>> {

@@ -198,6 +198,50 @@ fn a_wrong_tail_width_into_linear_is_rejected() {
     assert!(error.rule.contains("[out, 4]"), "{error}");
 }
 
+/// topk down a ragged dim takes `constant_lengths` of that dim's lengths, `k` each
+/// (one symbol however often asked for), and gives the result those lengths; other
+/// lengths, a missing one, or lengths along a static dim are rejected naming the op;
+/// the graph prints and parses back.
+#[test]
+fn top_rows_take_constant_lengths_of_k() {
+    let (mut graph, [l, m, x, _, _, _]) = base_graph();
+    let three = graph.constant_lengths(l, 3).unwrap();
+    assert_eq!(graph.constant_lengths(l, 3).unwrap(), three);
+    let top = |lengths, axis, k| Op::TopK {
+        x,
+        lengths,
+        axis,
+        k,
+        largest: true,
+        positions: false,
+    };
+    let values = graph.push(top(Some(three), 1, 3)).unwrap();
+    assert_eq!(graph.ty(values), &ragged(DType::F32, three, &[4]));
+    let other = graph.constant_lengths(m, 3).unwrap();
+    for (lengths, axis, k) in [
+        (Some(other), 1, 3),
+        (None, 1, 3),
+        (Some(three), 1, 2),
+        (Some(three), 2, 3),
+    ] {
+        let error = graph.push(top(lengths, axis, k)).unwrap_err();
+        assert_eq!(error.op, "topk", "{error}");
+    }
+    let gradient = graph
+        .push(Op::TopKGrad {
+            g: values,
+            x,
+            axis: 1,
+            k: 3,
+            largest: true,
+        })
+        .unwrap();
+    assert_eq!(graph.ty(gradient), graph.ty(x));
+    graph.outputs = vec![values, gradient];
+    graph.verify().unwrap();
+    assert_eq!(parse(&print(&graph)).unwrap(), graph);
+}
+
 #[test]
 fn softmax_over_the_batch_dim_is_rejected() {
     let (mut graph, [_, _, x, _, _, _]) = base_graph();

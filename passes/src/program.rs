@@ -68,6 +68,11 @@ pub enum LengthsKind {
         /// How many times each length repeats.
         times: Slot,
     },
+    /// `size` for every element of the input.
+    Constant {
+        /// Every element's length.
+        size: i64,
+    },
     /// The input's lengths repeated: whole or element by element.
     Repeat(crate::Repeats),
     /// The input's lengths, checked equal to `against`'s (two window formulas that

@@ -62,14 +62,12 @@ impl NestedTensor {
     /// The `k` largest (or smallest) values along `dim`, sorted, and their positions
     /// (of equal values the first first: the first `k` of a stable sort; torch leaves
     /// which open). Along a ragged dim every element must have at least `k` positions.
-    /// Compiled along the last static dim, with the values' gradient.
+    /// Compiled down a ragged dim (every element `k` rows) or along the last static
+    /// dim, with the values' gradient.
     pub fn topk(&self, k: i64, dim: i64, largest: bool) -> Result<(NestedTensor, NestedTensor)> {
         let element_dim = self.element_dim(dim, "topk")?;
         self.check_k("topk", k, 0, dim, element_dim)?;
         let layout = self.lay();
-        if layout.is_ragged(element_dim) {
-            self.untraceable("topk")?;
-        }
         let axis = self.ir_dims(&[dim])?[0];
         let resized = if layout.is_ragged(element_dim) {
             let sizes: Vec<Vec<i64>> = layout
@@ -89,14 +87,23 @@ impl NestedTensor {
             let (sorted, from) = x.f_sort_stable(true, axis, largest)?;
             Ok((sorted.f_narrow(axis, 0, k)?, from.f_narrow(axis, 0, k)?))
         })?;
+        let ragged = layout.is_ragged(element_dim);
         let record = |result: NestedTensor, positions: bool| {
             let name = if positions { "argtopk" } else { "topk" };
-            result.traced(&[Arg::Nested(self)], name, |ids| Op::TopK {
-                x: ids[0],
-                axis,
-                k,
-                largest,
-                positions,
+            result.traced_with(&[Arg::Nested(self)], name, |graph, ids| {
+                // Along a ragged dim every element has `k` positions.
+                let lengths = match graph.ty(ids[0]).lengths_of_dim(element_dim) {
+                    Some(own) if ragged => Some(graph.constant_lengths(own, k)?),
+                    _ => None,
+                };
+                graph.push(Op::TopK {
+                    x: ids[0],
+                    lengths,
+                    axis,
+                    k,
+                    largest,
+                    positions,
+                })
             })
         };
         Ok((record(values, false)?, record(positions, true)?))

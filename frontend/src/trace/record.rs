@@ -232,12 +232,23 @@ pub(crate) fn check_dtype(trace: &TraceRef, kind: tch::Kind, op: &'static str) -
 impl NestedTensor {
     /// Records `build` into the trace of `args` (if any) as the op that made `self`.
     pub(crate) fn traced(
-        mut self,
+        self,
         args: &[Arg<'_>],
         op: &'static str,
         build: impl FnOnce(&[ValueId]) -> Op,
     ) -> Result<Self> {
-        if let Some(trace) = record(args, op, build)? {
+        self.traced_with(args, op, |graph, values| graph.push(build(values)))
+    }
+
+    /// Like [`traced`](Self::traced), with a function that adds whatever ops it needs
+    /// to the graph (lengths ops first) and returns the result's value.
+    pub(crate) fn traced_with(
+        mut self,
+        args: &[Arg<'_>],
+        op: &'static str,
+        add: impl FnOnce(&mut Graph, &[ValueId]) -> Result<ValueId, nestor_ir::VerifyError>,
+    ) -> Result<Self> {
+        if let Some(trace) = record_with(args, op, add)? {
             check_dtype(&trace, self.packed().kind(), op)?;
             self.trace = Some(trace);
         }

@@ -7,8 +7,7 @@ use super::*;
 /// the type of an op along it.
 fn along_element_dim(x: Type, axis: i64) -> Inferred {
     let ndim = element_rank(&x) as i64 + 1;
-    let normalized = if axis < 0 { axis + ndim } else { axis };
-    if !(1..ndim).contains(&normalized) {
+    if !(1..ndim).contains(&batch_first(&x, axis)) {
         return Err(format!(
             "axis {axis} is out of range for {ndim} dims (the batch dim has no order)"
         ));
@@ -16,22 +15,57 @@ fn along_element_dim(x: Type, axis: i64) -> Inferred {
     float(&x).map(|_| x)
 }
 
-/// `x` with its static element dim `axis` (batch-first) `k` long: the type of its top
-/// `k` values; an error for a ragged dim or one shorter than `k`.
-fn top(x: &Type, axis: i64, k: i64) -> Inferred {
+/// `axis` (batch-first, negative from the end) of `x` counted from the front.
+fn batch_first(x: &Type, axis: i64) -> i64 {
     let ndim = element_rank(x) as i64 + 1;
-    let normalized = if axis < 0 { axis + ndim } else { axis };
+    if axis < 0 {
+        axis + ndim
+    } else {
+        axis
+    }
+}
+
+/// `x` with its element dim `axis` (batch-first) `k` long: the type of its top `k`
+/// values; an error for a dim shorter than `k`. Along a ragged dim the result's
+/// lengths are `lengths`, which must be `k` for every element of x's there.
+fn top(graph: &Graph, x: &Type, axis: i64, k: i64, lengths: Option<ValueId>) -> Inferred {
+    let normalized = batch_first(x, axis);
     let at = (normalized - 1) as usize;
     let size = |dim: &Dim| match dim {
         Dim::Static(size) if (1..=*size).contains(&k) => Ok(Dim::Static(k)),
         other => Err(format!("k = {k} of a dim of size {other} (1 to the size)")),
     };
+    let static_only = || match lengths {
+        Some(lengths) => Err(format!(
+            "lengths {lengths} are for a ragged dim, not {axis}"
+        )),
+        None => Ok(()),
+    };
     match x {
         Type::Ragged { dtype, batch, dims } => {
             let mut dims = dims.clone();
             match dims.get(at) {
-                Some(ElemDim::Fixed(dim)) => dims[at] = ElemDim::Fixed(size(dim)?),
-                _ => return Err("topk along a ragged dim is not an IR op yet".into()),
+                Some(ElemDim::Fixed(dim)) => {
+                    static_only()?;
+                    dims[at] = ElemDim::Fixed(size(dim)?)
+                }
+                Some(&ElemDim::Ragged(own)) => {
+                    let expected = Op::ConstantLengths {
+                        lengths: own,
+                        size: k,
+                    };
+                    match lengths {
+                        Some(lengths) if k >= 1 && graph.op(lengths) == &expected => {
+                            dims[at] = ElemDim::Ragged(lengths)
+                        }
+                        _ => {
+                            return Err(format!(
+                                "along a ragged dim the top k = {k} (at least 1) need lengths constant_lengths({own}) {{size={k}}}, got {lengths:?}"
+                            ))
+                        }
+                    }
+                }
+                None => return Err(format!("axis {axis} is out of range")),
             }
             Ok(Type::Ragged {
                 dtype: *dtype,
@@ -40,6 +74,7 @@ fn top(x: &Type, axis: i64, k: i64) -> Inferred {
             })
         }
         Type::Dense { dtype, shape } => {
+            static_only()?;
             let mut shape = shape.clone();
             let dim = shape
                 .get(normalized as usize)
@@ -150,12 +185,19 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         Op::Cumulative { x, axis, .. } => along_element_dim(ty(*x), *axis),
         Op::TopK {
             x,
+            lengths,
             axis,
             k,
             positions,
             ..
         } => {
-            let values = top(&along_element_dim(ty(*x), *axis)?, *axis, *k)?;
+            let values = top(
+                graph,
+                &along_element_dim(ty(*x), *axis)?,
+                *axis,
+                *k,
+                *lengths,
+            )?;
             Ok(match positions {
                 true => values.with_dtype(DType::I64),
                 false => values,
@@ -163,7 +205,10 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         }
         Op::TopKGrad { g, x, axis, k, .. } => {
             let (g, x) = (ty(*g), along_element_dim(ty(*x), *axis)?);
-            let values = top(&x, *axis, *k)?;
+            // Along a ragged dim the gradient has the top values' lengths there.
+            let at = (batch_first(&x, *axis) - 1) as usize;
+            let lengths = x.lengths_of_dim(at).and(g.lengths_of_dim(at));
+            let values = top(graph, &x, *axis, *k, lengths)?;
             if g != values {
                 return Err(format!("the gradient is {g}, the top values {values}"));
             }

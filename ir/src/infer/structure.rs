@@ -210,6 +210,14 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
                 batch: Dim::Sym(format!("{batch}x{repeats}")),
             })
         }
+        Op::ConstantLengths { lengths, size } => {
+            if *size < 0 {
+                return Err(format!("a length must not be negative, got {size}"));
+            }
+            Ok(Type::Lengths {
+                batch: lengths_batch(graph, *lengths)?,
+            })
+        }
         Op::RepeatBatch {
             x,
             lengths,

@@ -433,13 +433,17 @@ pub enum Op {
         /// From the last row back: each row combines itself and the rows after it.
         reverse: bool,
     },
-    /// The `k` largest (`largest`) or smallest values along the static element dim
-    /// `axis`, in order (of equal values, the first first), or (`positions`) their
-    /// positions (i64): the dim becomes `k` long.
+    /// The `k` largest (`largest`) or smallest values along the element dim `axis`,
+    /// in order (of equal values, the first first), or (`positions`) their positions
+    /// (i64): the dim becomes `k` long (along a ragged dim, by `lengths`).
     #[op(family = Norm)]
     TopK {
         /// Input.
         x: ValueId,
+        /// Along a ragged dim, the result's lengths there: `constant_lengths` of x's,
+        /// `k` each (elements have at least `k` positions: checked when the program
+        /// runs). None along a static dim.
+        lengths: Option<ValueId>,
         /// A batch-first dim (negative from the end).
         axis: i64,
         /// How many values.
@@ -775,6 +779,15 @@ pub enum Op {
         repeats: i64,
         /// Element by element rather than whole.
         interleave: bool,
+    },
+    /// Lengths of `size` for every element of the batch of `lengths` (the `k` rows of
+    /// a top `k` along a ragged dim).
+    #[op(name = "constant_lengths", family = Structure)]
+    ConstantLengths {
+        /// Lengths (the batch).
+        lengths: ValueId,
+        /// Every element's length.
+        size: i64,
     },
     /// A batch repeated as `RepeatLengths` says; `lengths` are its new lengths values
     /// (one per ragged dim, from `repeat_lengths`).

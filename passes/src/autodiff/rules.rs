@@ -591,6 +591,7 @@ fn norm(
             k,
             largest,
             positions: false,
+            ..
         } => Ok(vec![(
             x,
             b.push(Op::TopKGrad {

@@ -266,6 +266,18 @@ impl Lowering<'_> {
                 });
                 Ok(out)
             }
+            &Op::ConstantLengths { lengths, size } => {
+                let Lowered::Lengths(input) = self.get(lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                self.program.lengths_ops.push(LengthsOp {
+                    out: slot_of(&out),
+                    input,
+                    kind: LengthsKind::Constant { size },
+                });
+                Ok(out)
+            }
             Op::WindowLengths {
                 lengths,
                 kernel,

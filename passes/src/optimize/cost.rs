@@ -91,6 +91,7 @@ impl<'a> KernelCost<'a> {
             Op::MaxLength { .. }
             | Op::TotalLength { .. }
             | Op::RepeatLengths { .. }
+            | Op::ConstantLengths { .. }
             | Op::WindowLengths { .. } => 1.0,
             Op::Pad { .. } | Op::Unpad { .. } | Op::Mask { .. } => LAUNCH + PAD_PENALTY + moved,
             Op::PerElement { body, .. } => {

@@ -155,6 +155,7 @@ impl<'a> Sizes<'a> {
                     }
                     values
                 }
+                LengthsKind::Constant { size } => vec![size; input.len()],
                 LengthsKind::Repeat(repeats) => {
                     let batch = input.len() as i64;
                     let count = usize::try_from(batch.saturating_mul(repeats.times)).unwrap_or(0);

@@ -118,6 +118,7 @@ impl Interpreter<'_> {
                 k,
                 largest,
                 positions,
+                ..
             } => {
                 let (values, at) = self.nested(*x)?.topk(*k, *axis, *largest)?;
                 Value::Nested(if *positions { at } else { values })

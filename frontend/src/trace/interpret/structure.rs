@@ -51,6 +51,9 @@ impl Interpreter<'_> {
             Op::TotalLength { lengths } => {
                 Value::Dense(Tensor::from(self.lengths(*lengths)?.iter().sum::<i64>()))
             }
+            Op::ConstantLengths { lengths, size } => {
+                Value::Lengths(vec![*size; self.lengths(*lengths)?.len()])
+            }
             Op::RepeatLengths {
                 lengths,
                 repeats,

@@ -1175,8 +1175,44 @@ fn top_rows(k: i64) -> impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<
     }
 }
 
+/// Transposes of any two static dims of `[L, 2, 3, 4, 5]` elements (with dims between
+/// and after them, neighbours, the first and last, the last two), a permutation, and a
+/// swap of static dims on either side of the ragged dim (moved inside by a ragged
+/// transpose).
+fn transposes(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
+    let x = x[0].reshape_tail(&[2, 3, 4, 5])?;
+    Ok(vec![
+        x.transpose(2, 4)?.into(),
+        x.transpose(3, 2)?.tanh()?.into(),
+        x.transpose(2, 5)?.into(),
+        x.transpose(4, 5)?.into(),
+        x.permute(&[0, 1, 4, 2, 5, 3])?.into(),
+        x.transpose(1, 2)?.transpose(1, 4)?.into(),
+    ])
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Compiled transposes of static dims equal eager's (the same values moved) in
+    /// every float kind, empty and one-row elements, batch size 1; one compile.
+    #[test]
+    fn compiled_transposes_of_any_static_dims_equal_eager(batches in proptest::collection::vec(lengths(4, 6), 1..3), seed in 0i64..1000) {
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half, Kind::Double] {
+            let compiled = compile("transposes", transposes);
+            for (index, lengths) in batches.iter().enumerate() {
+                let (x, _) = batch(lengths, &[120], kind, seed + index as i64);
+                let got = compiled.call(&[&x], &[]).unwrap();
+                let want = eager_values(transposes(&[x], &[]).unwrap());
+                for (got, want) in got.iter().zip(&want) {
+                    let ((got, got_sizes), (want, want_sizes)) = (value_parts(got), value_parts(want));
+                    prop_assert_eq!(got_sizes, want_sizes);
+                    prop_assert!(got.allclose(&want, 1e-2, 1e-3, false), "{:?} {:?}", kind, lengths);
+                }
+            }
+            prop_assert_eq!(compiled.stats().compiles, 1);
+        }
+    }
 
     /// topk down the ragged dim: values and positions (ties among relu's zeros: the
     /// first first) equal eager's in every float kind, for several `k` and elements

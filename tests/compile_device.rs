@@ -136,6 +136,24 @@ fn positions_on_the_simulated_gpu_equal_the_cpu() {
     );
 }
 
+/// Transposes of static dims with dims between and after them, and a permutation, on
+/// the simulated GPU equal the CPU.
+#[test]
+fn transposes_on_the_simulated_gpu_equal_the_cpu() {
+    let (x, _) = batch(&[3, 0, 1, 40], &[120], Kind::Float, 7);
+    assert_simulated_equals_cpu(
+        "transposes",
+        |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let x = x[0].reshape_tail(&[2, 3, 4, 5])?;
+            Ok(vec![
+                x.transpose(2, 4)?.into(),
+                x.permute(&[0, 1, 4, 2, 5, 3])?.into(),
+            ])
+        },
+        &[vec![&x]],
+    );
+}
+
 /// The order ops' gradients (sorts, the top rows and columns, running extremes, k-th
 /// values; down the ragged dim, long elements included, and along the last dim) on
 /// the simulated GPU equal the CPU.

@@ -41,7 +41,7 @@ pub use decompose::Decompose;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use operands::{
     Access, Expr, Fusion, Order, Pick, Repeats, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
-    WindowKind,
+    Swapped, WindowKind,
 };
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};

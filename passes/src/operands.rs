@@ -77,10 +77,10 @@ impl Rows {
 }
 
 /// How a kernel reads an input: scalar `(row, col)` of the output comes from
-/// `offset + row' * row_stride + col' * col_stride + col / col_quotient`, where `row'`
-/// is the row or, with a `row_map`, `map[row]`, `col'` is `col % col_modulo` when
-/// `col_modulo > 0` (a broadcast tail), and the last term is there when `col_quotient >
-/// 0` (a row `[A, B]` read transposed: `col % A * B + col / A`).
+/// `offset + row' * row_stride + col' * col_stride`, where `row'` is the row or, with a
+/// `row_map`, `map[row]`, and `col'` is `col % col_modulo` when `col_modulo > 0` (a
+/// broadcast tail); or, `swapped`, from `offset + row' * row_stride` and the column's
+/// place in a row read with two dims swapped ([`Swapped`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Access {
     /// The buffer.
@@ -95,8 +95,31 @@ pub struct Access {
     pub row_map: Option<RowMap>,
     /// Wrap columns (0: no wrap).
     pub col_modulo: i64,
-    /// Add the column divided by this (0: nothing).
-    pub col_quotient: i64,
+    /// Read each row with two of its dims swapped (then `col_stride` and `col_modulo`
+    /// are unused).
+    pub swapped: Option<Swapped>,
+}
+
+/// A row `[A, Q, B, R]` (row-major) read as `[B, Q, A, R]`: column `c` of the read
+/// row, `((b Q + q) A + a) R + r`, is scalar `((a Q + q) B + b) R + r` of the row. A
+/// transpose of any two static dims (`Q` the dims between them, `R` those after).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Swapped {
+    /// The first swapped dim's size.
+    pub a: i64,
+    /// The size of the dims between the two.
+    pub q: i64,
+    /// The second swapped dim's size.
+    pub b: i64,
+    /// The size of the dims after the second.
+    pub r: i64,
+}
+
+impl Swapped {
+    /// The scalars of a row.
+    pub fn width(&self) -> i64 {
+        self.a * self.q * self.b * self.r
+    }
 }
 
 impl Access {
@@ -110,7 +133,7 @@ impl Access {
             offset: 0,
             row_map: None,
             col_modulo: 0,
-            col_quotient: 0,
+            swapped: None,
         }
     }
 }

@@ -24,7 +24,7 @@ use nestor_passes::step::{
     ScatterRows, Segment, SumRows, Unpad, Window,
 };
 use nestor_passes::{
-    Access, Fusion, Order, Pick, Role, RowKind, SegmentKind, Signature, Step, WindowKind,
+    Access, Fusion, Order, Pick, Role, RowKind, SegmentKind, Signature, Step, Swapped, WindowKind,
 };
 
 use crate::builder::{Gen, Kernel, Lanes, Local, ROW_REGISTERS, WARP_LANES};
@@ -175,26 +175,46 @@ fn index<'ctx>(
     row: IntValue<'ctx>,
     column: IntValue<'ctx>,
 ) -> Gen<IntValue<'ctx>> {
-    let original = column;
-    let column = if access.col_modulo > 0 {
-        kernel.rem(column, kernel.i64(access.col_modulo))?
-    } else {
-        column
-    };
     let row_part = kernel.mul(row, kernel.i64(access.row_stride))?;
-    let column_part = kernel.mul(column, kernel.i64(access.col_stride))?;
-    let column_part = if access.col_quotient > 0 {
-        kernel.add(
-            column_part,
-            kernel.div(original, kernel.i64(access.col_quotient))?,
-        )?
-    } else {
-        column_part
+    let column_part = match access.swapped {
+        Some(swapped) => swapped_column(kernel, swapped, column)?,
+        None => {
+            let column = if access.col_modulo > 0 {
+                kernel.rem(column, kernel.i64(access.col_modulo))?
+            } else {
+                column
+            };
+            kernel.mul(column, kernel.i64(access.col_stride))?
+        }
     };
     kernel.add(
         kernel.add(row_part, column_part)?,
         kernel.i64(access.offset),
     )
+}
+
+/// Where column `column` of a row read with two dims swapped is in the row.
+fn swapped_column<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    Swapped { a, q, b, r }: Swapped,
+    column: IntValue<'ctx>,
+) -> Gen<IntValue<'ctx>> {
+    // The read row is [B, Q, A, R]: its digits from the last.
+    let digit = |below: i64, size: i64| -> Gen<IntValue<'ctx>> {
+        let shifted = kernel.div(column, kernel.i64(below))?;
+        kernel.rem(shifted, kernel.i64(size))
+    };
+    let terms = [
+        (digit(1, r)?, 1),
+        (digit(r, a)?, q * b * r),
+        (digit(r * a, q)?, b * r),
+        (kernel.div(column, kernel.i64(r * a * q))?, r),
+    ];
+    let mut sum = kernel.i64(0);
+    for (value, stride) in terms {
+        sum = kernel.add(sum, kernel.mul(value, kernel.i64(stride))?)?;
+    }
+    Ok(sum)
 }
 
 /// Whether a pointwise kernel's rows are one flat run of scalars: every input read
@@ -203,7 +223,7 @@ fn index<'ctx>(
 /// spend most of their time there); else a loop over rows.
 fn flat(width: i64, inputs: &[Access]) -> bool {
     inputs.iter().all(|access| {
-        let whole = access.row_map.is_none() && access.col_modulo == 0 && access.col_quotient == 0;
+        let whole = access.row_map.is_none() && access.col_modulo == 0 && access.swapped.is_none();
         let elementwise = access.row_stride == width && access.col_stride == 1;
         let scalar = access.row_stride == 0 && access.col_stride == 0;
         whole && (elementwise || scalar)

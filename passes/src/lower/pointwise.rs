@@ -243,7 +243,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: None,
                 col_modulo,
-                col_quotient: 0,
+                swapped: None,
             },
             RowUse::Broadcast => Access {
                 slot,
@@ -252,7 +252,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: None,
                 col_modulo,
-                col_quotient: 0,
+                swapped: None,
             },
             RowUse::PerElement(lengths) => Access {
                 slot,
@@ -261,7 +261,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: Some(RowMap::Owners(lengths)),
                 col_modulo,
-                col_quotient: 0,
+                swapped: None,
             },
             RowUse::Mapped(map) => Access {
                 slot,
@@ -270,7 +270,7 @@ impl Lowering<'_> {
                 offset: 0,
                 row_map: Some(map),
                 col_modulo,
-                col_quotient: 0,
+                swapped: None,
             },
         })
     }

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Unpad};
-use crate::Repeats;
+use crate::{Repeats, Swapped};
 
 /// The most copies of a repeated batch whose gradient is one kernel (a sum of as many
 /// reads).
@@ -117,9 +117,8 @@ impl Lowering<'_> {
         }
     }
 
-    /// Two static dims of `x` swapped, when they are its last two: a copy reading each
-    /// packed row `[A, B]` transposed (`Access::col_quotient`), the dims before them
-    /// folded into the rows.
+    /// Two static dims of `x` swapped: a copy reading each packed row `[A, Q, B, R]`
+    /// as `[B, Q, A, R]` ([`Swapped`]), the dims before them folded into the rows.
     fn transpose_static(
         &mut self,
         value: ValueId,
@@ -128,37 +127,42 @@ impl Lowering<'_> {
         (dim0, dim1): (usize, usize),
     ) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
-        let rank = match self.graph.ty(x) {
-            Type::Ragged { dims, .. } => dims.len(),
-            _ => 0,
-        };
-        let last_two = rank >= 2 && dim0.min(dim1) == rank - 2 && dim0.max(dim1) == rank - 1;
         let (slot, rows, tail, _) = self.data(value, x)?;
-        let [.., a, b] = tail[..] else {
-            return Err(unsupported(
-                value,
-                op,
-                "expects a static tail of two dims or more",
-            ));
+        // A packed row holds the static dims in order, wherever the ragged ones are:
+        // a static dim's place in the row is the count of static dims before it.
+        let static_place = |dim: usize| match self.graph.ty(x) {
+            Type::Ragged { dims, .. } => match dims.get(dim) {
+                Some(ElemDim::Fixed(_)) => Some(
+                    dims[..dim]
+                        .iter()
+                        .filter(|dim| matches!(dim, ElemDim::Fixed(_)))
+                        .count(),
+                ),
+                _ => None,
+            },
+            _ => None,
         };
-        if !last_two {
-            return Err(unsupported(
-                value,
-                op,
-                "only the last two dims of a batch are swapped in compiled code",
-            ));
+        let (Some(i), Some(j)) = (static_place(dim0.min(dim1)), static_place(dim0.max(dim1)))
+        else {
+            return Err(unsupported(value, op, "expects two static element dims"));
+        };
+        if i == j {
+            return self.alias_of(value, x, ty);
         }
-        let leading = volume(&tail[..tail.len() - 2]);
+        let swapped = Swapped {
+            a: tail[i],
+            q: volume(&tail[i + 1..j]),
+            b: tail[j],
+            r: volume(&tail[j + 1..]),
+        };
         let out = self.result(value, ty)?;
         self.program.steps.push(Step::Pointwise(Pointwise {
             out: slot_of(&out),
-            rows: rows.times(leading),
-            width: a * b,
+            rows: rows.times(volume(&tail[..i])),
+            width: swapped.width(),
             inputs: vec![Access {
-                col_stride: b,
-                col_modulo: a,
-                col_quotient: a,
-                ..Access::rows(slot, a * b)
+                swapped: Some(swapped),
+                ..Access::rows(slot, swapped.width())
             }],
             expr: Expr::Load(0),
         }));
@@ -394,7 +398,7 @@ impl Lowering<'_> {
             offset: index * inner,
             row_map: None,
             col_modulo: 0,
-            col_quotient: 0,
+            swapped: None,
         };
         let out = self.result(value, ty)?;
         let width = volume(&tail_of(&out));

@@ -11,7 +11,7 @@ use common::{
     assert_close_within, assert_same_values, batch, eager_values, lengths, value_parts, Out,
 };
 use nestor::nn::{TransformerConfig, TransformerEncoder};
-use nestor::{compile, Dense, NestedError, NestedTensor, Value};
+use nestor::{compile, Dense, NestedError, NestedTensor, Reduce, Value};
 use proptest::prelude::*;
 use tch::{nn, Device, Kind, Tensor};
 
@@ -1191,8 +1191,57 @@ fn transposes(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
     ])
 }
 
+/// Ops along inner static dims of `[L, 3, 4, 2]` elements (the first and the middle
+/// one): sorts, scans, softmax, running extremes, the top values, k-th values and
+/// extremes with their positions (dims kept or not), sums, means, logsumexp; and their
+/// kept dims broadcast back (`[3, 1, 2]`, `[3, 4, 1]`, `[1, 4, 1]` over `[3, 4, 2]`).
+fn along_inner_dims(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
+    let x = x[0].reshape_tail(&[3, 4, 2])?;
+    let (kth, kth_at) = x.kthvalue(2, 3, true)?;
+    let (largest, largest_at) = x.max_dim(2, false)?;
+    let middle = x.reduce(Reduce::Mean, &[3], true)?.into_nested()?;
+    let last = x.reduce(Reduce::Sum, &[4], true)?.into_nested()?;
+    let both = last.reduce(Reduce::Amax, &[2], true)?.into_nested()?;
+    Ok(vec![
+        (&x - &middle)?.into(),
+        (&x * &last)?.into(),
+        (&x + &both)?.into(),
+        x.sort(2, true)?.0.into(),
+        x.cumsum(3)?.into(),
+        (&x * 0.5)?.cumprod(2)?.into(),
+        x.softmax(2)?.into(),
+        x.log_softmax(3)?.into(),
+        x.relu()?.cummax(2)?.0.into(),
+        x.topk(2, 3, false)?.0.into(),
+        kth.into(),
+        kth_at.into(),
+        largest.into(),
+        largest_at.into(),
+        x.relu()?.argmin(3, true)?.into(),
+        x.reduce(Reduce::Amax, &[2], true)?.into(),
+        x.reduce(Reduce::LogSumExp, &[3], false)?.into(),
+    ])
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(8), ..ProptestConfig::default() })]
+
+    /// Ops along inner static dims, compiled as the op along the last dim of the dim
+    /// moved last, equal eager's in every float kind (values chosen exactly; computed
+    /// ones within the kind's rounding), empty and one-row elements, batch size 1.
+    #[test]
+    fn compiled_ops_along_inner_static_dims_equal_eager(batches in proptest::collection::vec(lengths(4, 6), 1..3), seed in 0i64..1000) {
+        for (kind, tolerance) in [(Kind::Float, 1e-5), (Kind::Double, 1e-9), (Kind::BFloat16, 2e-2), (Kind::Half, 5e-3)] {
+            let compiled = compile("inner", along_inner_dims);
+            for (index, lengths) in batches.iter().enumerate() {
+                let (x, _) = batch(lengths, &[24], kind, seed + index as i64);
+                let got = compiled.call(&[&x], &[]).unwrap();
+                let want = eager_values(along_inner_dims(&[x], &[]).unwrap());
+                assert_close_within(&got, &want, tolerance, &format!("{kind:?} {lengths:?}"));
+            }
+            prop_assert_eq!(compiled.stats().compiles, 1);
+        }
+    }
 
     /// Compiled transposes of static dims equal eager's (the same values moved) in
     /// every float kind, empty and one-row elements, batch size 1; one compile.
@@ -1366,5 +1415,43 @@ fn the_kth_value_or_top_k_of_a_short_element_is_an_error() {
             "{error}"
         );
         assert!(compiled.call(&[&fine], &[]).is_ok());
+    }
+}
+
+/// Positions of a sort, the top values or running extremes along an inner static dim
+/// would move back through a copy of i64 values, which compiled programs do not make:
+/// a typed lowering error naming the op the model called.
+#[test]
+fn positions_along_an_inner_static_dim_are_a_typed_error() {
+    let (x, _) = batch(&[2, 3], &[24], Kind::Float, 1);
+    let models: [(&str, PositionsModel); 3] = [
+        ("argsort", |x, _| {
+            Ok(vec![x[0]
+                .reshape_tail(&[3, 4, 2])?
+                .argsort(2, false)?
+                .into()])
+        }),
+        ("argtopk", |x, _| {
+            Ok(vec![x[0]
+                .reshape_tail(&[3, 4, 2])?
+                .topk(2, 3, true)?
+                .1
+                .into()])
+        }),
+        ("cummax", |x, _| {
+            Ok(vec![x[0].reshape_tail(&[3, 4, 2])?.cummax(2)?.1.into()])
+        }),
+    ];
+    for (op, model) in models {
+        assert!(model(&[x.shallow_clone()], &[]).is_ok(), "{op} eagerly");
+        let error = compile(op, model).call(&[&x], &[]).err().unwrap();
+        let NestedError::Compile { reason, .. } = &error else {
+            panic!("{error}");
+        };
+        assert_eq!(reason.cause(), nestor::CompileCause::Unsupported, "{error}");
+        assert!(
+            error.to_string().contains(&format!("= {op}")),
+            "{op}: {error}"
+        );
     }
 }

@@ -14,8 +14,8 @@ use common::families::{families, ids};
 use common::{assert_close_within, batch, lengths, Out};
 use nestor::nn::{Transformer, TransformerConfig, TransformerDecoder, TransformerEncoder};
 use nestor::{
-    compile, CompileCause, Dense, LossReduction, NestedError, NestedTensor, RunDevice, SimOptions,
-    Value,
+    compile, CompileCause, Dense, LossReduction, NestedError, NestedTensor, Reduce, RunDevice,
+    SimOptions, Value,
 };
 use proptest::prelude::*;
 use tch::{nn, Device, Kind, Tensor};
@@ -136,8 +136,9 @@ fn positions_on_the_simulated_gpu_equal_the_cpu() {
     );
 }
 
-/// Transposes of static dims with dims between and after them, and a permutation, on
-/// the simulated GPU equal the CPU.
+/// Transposes of static dims with dims between and after them, a permutation, ops along
+/// an inner static dim (through a transpose) and a broadcast of an inner dim, on the
+/// simulated GPU equal the CPU.
 #[test]
 fn transposes_on_the_simulated_gpu_equal_the_cpu() {
     let (x, _) = batch(&[3, 0, 1, 40], &[120], Kind::Float, 7);
@@ -145,9 +146,14 @@ fn transposes_on_the_simulated_gpu_equal_the_cpu() {
         "transposes",
         |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
             let x = x[0].reshape_tail(&[2, 3, 4, 5])?;
+            let mean = x.reduce(Reduce::Mean, &[3], true)?.into_nested()?;
             Ok(vec![
                 x.transpose(2, 4)?.into(),
                 x.permute(&[0, 1, 4, 2, 5, 3])?.into(),
+                x.sort(3, false)?.0.into(),
+                x.argmax(2, false)?.into(),
+                x.softmax(3)?.into(),
+                (&x - &mean)?.into(),
             ])
         },
         &[vec![&x]],

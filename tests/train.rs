@@ -11,7 +11,7 @@ mod common;
 
 use common::{batch, lengths};
 use nestor::nn::{TransformerConfig, TransformerDecoder, TransformerEncoder};
-use nestor::{compile, Dense, LossReduction, NestedError, NestedTensor};
+use nestor::{compile, Dense, LossReduction, NestedError, NestedTensor, Reduce};
 use proptest::prelude::*;
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -1285,6 +1285,71 @@ proptest! {
         compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-5 };
         assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "extremes");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
+
+    /// The compiled gradients of ops along inner static dims of `[L, 3, 4, 2]` elements
+    /// (the op along the last dim of the dim moved last) equal autograd's, with ties
+    /// everywhere (halves from -1.5 to 1.5), empty and one-row elements, batch size 1,
+    /// in f32 and f64.
+    #[test]
+    fn gradients_along_inner_static_dims_equal_autograd(
+        lengths in proptest::collection::vec(0usize..=4, 1..=3),
+        seed in 0u64..1000,
+        double in any::<bool>(),
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let x = x[0].reshape_tail(&[3, 4, 2])?;
+            let total = |x: NestedTensor| x.sum(&[], false)?.into_dense_handle();
+            let sorted = x.sort(2, true)?.0.cumsum(2)?.sin()?;
+            let scans = (&x.cumsum(3)?.sin()? * &(&x * 0.5)?.cumprod(2)?)?;
+            let softmax = (&x.softmax(2)? * &x.log_softmax(3)?.cos()?)?;
+            let running = (&x.cummax(2)?.0 * &x.topk(2, 3, false)?.0.sum(&[3], true)?.into_nested()?)?;
+            let kth = x.kthvalue(2, 3, true)?.0.into_nested()?;
+            let largest = x.max_dim(2, false)?.0.into_nested()?;
+            let amax = x.reduce(Reduce::Amax, &[2], true)?.into_nested()?;
+            let lse = x.reduce(Reduce::LogSumExp, &[3], false)?.into_nested()?;
+            total(sorted)?
+                .add(&total(scans)?)?
+                .add(&total(softmax)?)?
+                .add(&total(running)?)?
+                .add(&total((&kth * &kth)?)?)?
+                .add(&total(largest.sin()?)?)?
+                .add(&total((&amax * &amax)?)?)?
+                .add(&total(lse)?)
+        };
+        let compiled = compile("inner", model).train(&nn::VarStore::new(Device::Cpu));
+        let leaf = || {
+            let mut state = seed;
+            let elements: Vec<Tensor> = lengths
+                .iter()
+                .map(|&length| {
+                    let values: Vec<f64> = (0..length * 24)
+                        .map(|_| {
+                            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                            ((state >> 33) % 7) as f64 / 2.0 - 1.5
+                        })
+                        .collect();
+                    Tensor::from_slice(&values).reshape([length as i64, 24]).to_kind(kind)
+                })
+                .collect();
+            NestedTensor::builder()
+                .ragged_dims(&[0])
+                .tensors(&elements)
+                .unwrap()
+                .set_requires_grad(true)
+                .unwrap()
+        };
+        let eager = leaf();
+        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+        let ours = leaf();
+        compiled.call(&[&ours], &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-4 };
+        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "inner dims");
     }
 }
 

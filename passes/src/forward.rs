@@ -38,7 +38,7 @@ fn compose(view: &Access, reader: &Access) -> Access {
         offset: view.offset + reader.offset,
         row_map: None,
         col_modulo: 0,
-        swapped: None,
+        digits: None,
     }
 }
 
@@ -61,7 +61,7 @@ fn forwardable(program: &Program, index: usize) -> bool {
         access.col_stride == 1
             && access.row_map.is_none()
             && access.col_modulo == 0
-            && access.swapped.is_none()
+            && access.digits.is_none()
     };
     let is_output = program.outputs.iter().any(|output| output.slot() == *out);
     let aliased = program

@@ -40,8 +40,8 @@ pub use dce::Dce;
 pub use decompose::Decompose;
 pub use lower::{lower, lower_with, LowerError, LowerOptions};
 pub use operands::{
-    Access, Expr, Fusion, Order, Pick, Repeats, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot,
-    Swapped, WindowKind,
+    Access, Digit, Digits, Expr, Fusion, Order, Pick, Repeats, RowBase, RowKind, RowMap, Rows,
+    SegmentKind, Slot, WindowKind,
 };
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};

@@ -79,8 +79,8 @@ impl Rows {
 /// How a kernel reads an input: scalar `(row, col)` of the output comes from
 /// `offset + row' * row_stride + col' * col_stride`, where `row'` is the row or, with a
 /// `row_map`, `map[row]`, and `col'` is `col % col_modulo` when `col_modulo > 0` (a
-/// broadcast tail); or, `swapped`, from `offset + row' * row_stride` and the column's
-/// place in a row read with two dims swapped ([`Swapped`]).
+/// broadcast tail); or, with `digits`, from `offset + row' * row_stride` and the
+/// column's place the digits give (dims broadcast or swapped inside a row).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Access {
     /// The buffer.
@@ -95,30 +95,90 @@ pub struct Access {
     pub row_map: Option<RowMap>,
     /// Wrap columns (0: no wrap).
     pub col_modulo: i64,
-    /// Read each row with two of its dims swapped (then `col_stride` and `col_modulo`
-    /// are unused).
-    pub swapped: Option<Swapped>,
+    /// Read each column at the place its digits give (then `col_stride` and
+    /// `col_modulo` are unused).
+    pub digits: Option<Digits>,
 }
 
-/// A row `[A, Q, B, R]` (row-major) read as `[B, Q, A, R]`: column `c` of the read
-/// row, `((b Q + q) A + a) R + r`, is scalar `((a Q + q) B + b) R + r` of the row. A
-/// transpose of any two static dims (`Q` the dims between them, `R` those after).
+/// A column's place in a row read through a permutation or a broadcast of its dims:
+/// the sum over the digits of `(col / divisor % modulo) * stride` (a mixed-radix
+/// number whose digits are moved or dropped). Unused digits are [`Digit::NONE`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Swapped {
-    /// The first swapped dim's size.
-    pub a: i64,
-    /// The size of the dims between the two.
-    pub q: i64,
-    /// The second swapped dim's size.
-    pub b: i64,
-    /// The size of the dims after the second.
-    pub r: i64,
+pub struct Digits(pub [Digit; Digits::MAX]);
+
+/// One digit of [`Digits`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Digit {
+    /// What the column is divided by.
+    pub divisor: i64,
+    /// The digit's range.
+    pub modulo: i64,
+    /// Scalars a unit of the digit moves in the row read.
+    pub stride: i64,
 }
 
-impl Swapped {
-    /// The scalars of a row.
-    pub fn width(&self) -> i64 {
-        self.a * self.q * self.b * self.r
+impl Digit {
+    /// A digit that adds nothing.
+    pub const NONE: Digit = Digit {
+        divisor: 1,
+        modulo: 1,
+        stride: 0,
+    };
+}
+
+impl Digits {
+    /// The most digits of an access.
+    pub const MAX: usize = 4;
+
+    /// The digits given, `None` if there are more than [`Digits::MAX`].
+    pub fn new(digits: &[Digit]) -> Option<Self> {
+        let mut all = [Digit::NONE; Digits::MAX];
+        all.get_mut(..digits.len())?.copy_from_slice(digits);
+        Some(Digits(all))
+    }
+
+    /// A row `[A, Q, B, R]` (row-major) read as `[B, Q, A, R]`: column
+    /// `((b Q + q) A + a) R + r` is scalar `((a Q + q) B + b) R + r`. A transpose of
+    /// any two static dims (`Q` the dims between them, `R` those after).
+    pub fn swapped([a, q, b, r]: [i64; 4]) -> Self {
+        let digit = |divisor, modulo, stride| Digit {
+            divisor,
+            modulo,
+            stride,
+        };
+        Digits([
+            digit(1, r, 1),
+            digit(r, a, q * b * r),
+            digit(r * a, q, b * r),
+            digit(r * a * q, b, r),
+        ])
+    }
+
+    /// An operand of dims `operand` (each its result's size, or 1: broadcast) read for
+    /// each column of a result of dims `out`: each run of dims the operand has is a
+    /// digit. `None` for more runs than [`Digits::MAX`] or dims that do not broadcast.
+    pub fn broadcast(operand: &[i64], out: &[i64]) -> Option<Self> {
+        let mut digits = Vec::new();
+        let (mut out_after, mut operand_after) = (1, 1);
+        let mut run: Option<Digit> = None;
+        for (&size, &out_size) in operand.iter().zip(out).rev() {
+            if size == out_size {
+                let digit = run.get_or_insert(Digit {
+                    divisor: out_after,
+                    modulo: 1,
+                    stride: operand_after,
+                });
+                digit.modulo *= size;
+                operand_after *= size;
+            } else if size == 1 {
+                digits.extend(run.take());
+            } else {
+                return None;
+            }
+            out_after *= out_size;
+        }
+        digits.extend(run);
+        Digits::new(&digits)
     }
 }
 
@@ -133,7 +193,7 @@ impl Access {
             offset: 0,
             row_map: None,
             col_modulo: 0,
-            swapped: None,
+            digits: None,
         }
     }
 }

@@ -24,7 +24,7 @@ use nestor_passes::step::{
     ScatterRows, Segment, SumRows, Unpad, Window,
 };
 use nestor_passes::{
-    Access, Fusion, Order, Pick, Role, RowKind, SegmentKind, Signature, Step, Swapped, WindowKind,
+    Access, Digits, Fusion, Order, Pick, Role, RowKind, SegmentKind, Signature, Step, WindowKind,
 };
 
 use crate::builder::{Gen, Kernel, Lanes, Local, ROW_REGISTERS, WARP_LANES};
@@ -176,8 +176,8 @@ fn index<'ctx>(
     column: IntValue<'ctx>,
 ) -> Gen<IntValue<'ctx>> {
     let row_part = kernel.mul(row, kernel.i64(access.row_stride))?;
-    let column_part = match access.swapped {
-        Some(swapped) => swapped_column(kernel, swapped, column)?,
+    let column_part = match access.digits {
+        Some(digits) => column_place(kernel, digits, column)?,
         None => {
             let column = if access.col_modulo > 0 {
                 kernel.rem(column, kernel.i64(access.col_modulo))?
@@ -193,26 +193,23 @@ fn index<'ctx>(
     )
 }
 
-/// Where column `column` of a row read with two dims swapped is in the row.
-fn swapped_column<'ctx>(
+/// Where column `column` of a row read through `digits` is in the row.
+fn column_place<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    Swapped { a, q, b, r }: Swapped,
+    Digits(digits): Digits,
     column: IntValue<'ctx>,
 ) -> Gen<IntValue<'ctx>> {
-    // The read row is [B, Q, A, R]: its digits from the last.
-    let digit = |below: i64, size: i64| -> Gen<IntValue<'ctx>> {
-        let shifted = kernel.div(column, kernel.i64(below))?;
-        kernel.rem(shifted, kernel.i64(size))
-    };
-    let terms = [
-        (digit(1, r)?, 1),
-        (digit(r, a)?, q * b * r),
-        (digit(r * a, q)?, b * r),
-        (kernel.div(column, kernel.i64(r * a * q))?, r),
-    ];
     let mut sum = kernel.i64(0);
-    for (value, stride) in terms {
-        sum = kernel.add(sum, kernel.mul(value, kernel.i64(stride))?)?;
+    for digit in digits
+        .iter()
+        .filter(|digit| digit.modulo > 1 && digit.stride != 0)
+    {
+        let shifted = match digit.divisor {
+            1 => column,
+            divisor => kernel.div(column, kernel.i64(divisor))?,
+        };
+        let value = kernel.rem(shifted, kernel.i64(digit.modulo))?;
+        sum = kernel.add(sum, kernel.mul(value, kernel.i64(digit.stride))?)?;
     }
     Ok(sum)
 }
@@ -223,7 +220,7 @@ fn swapped_column<'ctx>(
 /// spend most of their time there); else a loop over rows.
 fn flat(width: i64, inputs: &[Access]) -> bool {
     inputs.iter().all(|access| {
-        let whole = access.row_map.is_none() && access.col_modulo == 0 && access.swapped.is_none();
+        let whole = access.row_map.is_none() && access.col_modulo == 0 && access.digits.is_none();
         let elementwise = access.row_stride == width && access.col_stride == 1;
         let scalar = access.row_stride == 0 && access.col_stride == 0;
         whole && (elementwise || scalar)

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::step::{Pointwise, RandomMask};
+use crate::Digits;
 use nestor_ir::UnaryOp;
 
 impl Lowering<'_> {
@@ -210,20 +211,25 @@ impl Lowering<'_> {
                 format!("operand {operand} has more dims than the result"),
             ));
         };
-        let (col_stride, col_modulo) = if padded == out_tail {
-            (1, 0)
+        // How a row's columns are read: as they are, one value, a broadcast tail
+        // (wrapped), or any other broadcast (digits).
+        let (col_stride, col_modulo, digits) = if padded == out_tail {
+            (1, 0, None)
         } else if padded.iter().all(|&size| size == 1) {
-            (0, 0)
+            (0, 0, None)
         } else {
             let first = padded.iter().position(|&size| size != 1).unwrap_or(0);
             if padded[first..] == out_tail[first..] {
-                (1, volume(&out_tail[first..]))
+                (1, volume(&out_tail[first..]), None)
             } else {
-                return Err(unsupported(
-                    value,
-                    op,
-                    format!("broadcasting {padded:?} over {out_tail:?} is not compiled"),
-                ));
+                let digits = Digits::broadcast(&padded, out_tail).ok_or_else(|| {
+                    unsupported(
+                        value,
+                        op,
+                        format!("broadcasting {padded:?} over {out_tail:?} is not compiled"),
+                    )
+                })?;
+                (1, 0, Some(digits))
             }
         };
         let row_stride = volume(
@@ -235,43 +241,20 @@ impl Lowering<'_> {
         )
         .max(1);
         let row_stride = if col_stride == 0 { 1 } else { row_stride };
-        Ok(match row_use {
-            RowUse::Full => Access {
-                slot,
-                row_stride,
-                col_stride,
-                offset: 0,
-                row_map: None,
-                col_modulo,
-                swapped: None,
-            },
-            RowUse::Broadcast => Access {
-                slot,
-                row_stride: 0,
-                col_stride,
-                offset: 0,
-                row_map: None,
-                col_modulo,
-                swapped: None,
-            },
-            RowUse::PerElement(lengths) => Access {
-                slot,
-                row_stride,
-                col_stride,
-                offset: 0,
-                row_map: Some(RowMap::Owners(lengths)),
-                col_modulo,
-                swapped: None,
-            },
-            RowUse::Mapped(map) => Access {
-                slot,
-                row_stride,
-                col_stride,
-                offset: 0,
-                row_map: Some(map),
-                col_modulo,
-                swapped: None,
-            },
+        let (row_stride, row_map) = match row_use {
+            RowUse::Full => (row_stride, None),
+            RowUse::Broadcast => (0, None),
+            RowUse::PerElement(lengths) => (row_stride, Some(RowMap::Owners(lengths))),
+            RowUse::Mapped(map) => (row_stride, Some(map)),
+        };
+        Ok(Access {
+            slot,
+            row_stride,
+            col_stride,
+            offset: 0,
+            row_map,
+            col_modulo,
+            digits,
         })
     }
 

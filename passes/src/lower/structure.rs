@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Unpad};
-use crate::{Repeats, Swapped};
+use crate::{Digits, Repeats};
 
 /// The most copies of a repeated batch whose gradient is one kernel (a sum of as many
 /// reads).
@@ -118,7 +118,8 @@ impl Lowering<'_> {
     }
 
     /// Two static dims of `x` swapped: a copy reading each packed row `[A, Q, B, R]`
-    /// as `[B, Q, A, R]` ([`Swapped`]), the dims before them folded into the rows.
+    /// as `[B, Q, A, R]` ([`Digits::swapped`]), the dims before them folded into the
+    /// rows.
     fn transpose_static(
         &mut self,
         value: ValueId,
@@ -149,20 +150,21 @@ impl Lowering<'_> {
         if i == j {
             return self.alias_of(value, x, ty);
         }
-        let swapped = Swapped {
-            a: tail[i],
-            q: volume(&tail[i + 1..j]),
-            b: tail[j],
-            r: volume(&tail[j + 1..]),
-        };
+        let dims = [
+            tail[i],
+            volume(&tail[i + 1..j]),
+            tail[j],
+            volume(&tail[j + 1..]),
+        ];
+        let width = volume(&dims);
         let out = self.result(value, ty)?;
         self.program.steps.push(Step::Pointwise(Pointwise {
             out: slot_of(&out),
             rows: rows.times(volume(&tail[..i])),
-            width: swapped.width(),
+            width,
             inputs: vec![Access {
-                swapped: Some(swapped),
-                ..Access::rows(slot, swapped.width())
+                digits: Some(Digits::swapped(dims)),
+                ..Access::rows(slot, width)
             }],
             expr: Expr::Load(0),
         }));
@@ -398,7 +400,7 @@ impl Lowering<'_> {
             offset: index * inner,
             row_map: None,
             col_modulo: 0,
-            swapped: None,
+            digits: None,
         };
         let out = self.result(value, ty)?;
         let width = volume(&tail_of(&out));

@@ -14,7 +14,10 @@
 //!   element dims together is one over the static dims, then one over the ragged ones;
 //! - `cross_entropy` (targets of the logits' structure) is `-sum(q * log_softmax(x))`
 //!   per row, where `q` is the one-hot target (zero rows for `ignore_index`) smoothed
-//!   towards uniform, summed or divided by the number of counted rows, as torch.
+//!   towards uniform, summed or divided by the number of counted rows, as torch;
+//! - an op along an inner static dim (sorts, top k, running extremes, scans, softmax,
+//!   k-th values, sums, means, extremes and their positions, logsumexp) is the op
+//!   along the last dim of the dim moved last (`inner.rs`).
 
 use nestor_ir::{
     BinaryOp, DType, Graph, LossReduction, Node, Op, ReduceOp, Type, UnaryOp, ValueId, VerifyError,
@@ -22,6 +25,8 @@ use nestor_ir::{
 };
 
 use crate::Pass;
+
+mod inner;
 
 /// Rewrites composite ops into primitive ones.
 pub struct Decompose;
@@ -36,6 +41,10 @@ impl Pass for Decompose {
         let mut renamed: Vec<ValueId> = Vec::with_capacity(graph.nodes.len());
         for Node { op, ty } in &graph.nodes {
             let op = op.map_operands(|value| renamed[value.index()]);
+            if let Some(value) = inner::along_last(&mut result, &op)? {
+                renamed.push(value);
+                continue;
+            }
             let value = match op {
                 Op::MseLoss {
                     x,

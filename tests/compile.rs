@@ -1193,8 +1193,8 @@ fn transposes(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
 
 /// Ops along inner static dims of `[L, 3, 4, 2]` elements (the first and the middle
 /// one): sorts, scans, softmax, running extremes, the top values, k-th values and
-/// extremes with their positions (dims kept or not), sums, means, logsumexp; and their
-/// kept dims broadcast back (`[3, 1, 2]`, `[3, 4, 1]`, `[1, 4, 1]` over `[3, 4, 2]`).
+/// extremes, with their positions (dims kept or not; moved back as i64 values), sums,
+/// means, logsumexp; positions transposed; and reductions' kept dims broadcast back (`[3, 1, 2]`, `[3, 4, 1]`, `[1, 4, 1]` over `[3, 4, 2]`).
 fn along_inner_dims(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
     let x = x[0].reshape_tail(&[3, 4, 2])?;
     let (kth, kth_at) = x.kthvalue(2, 3, true)?;
@@ -1212,7 +1212,12 @@ fn along_inner_dims(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>>
         x.softmax(2)?.into(),
         x.log_softmax(3)?.into(),
         x.relu()?.cummax(2)?.0.into(),
+        x.relu()?.cummax(2)?.1.into(),
         x.topk(2, 3, false)?.0.into(),
+        x.topk(2, 2, true)?.1.into(),
+        x.relu()?.argsort(3, true)?.into(),
+        // Positions (i64) moved by a transpose of their own.
+        x.argsort(2, false)?.transpose(2, 4)?.into(),
         kth.into(),
         kth_at.into(),
         largest.into(),
@@ -1415,43 +1420,5 @@ fn the_kth_value_or_top_k_of_a_short_element_is_an_error() {
             "{error}"
         );
         assert!(compiled.call(&[&fine], &[]).is_ok());
-    }
-}
-
-/// Positions of a sort, the top values or running extremes along an inner static dim
-/// would move back through a copy of i64 values, which compiled programs do not make:
-/// a typed lowering error naming the op the model called.
-#[test]
-fn positions_along_an_inner_static_dim_are_a_typed_error() {
-    let (x, _) = batch(&[2, 3], &[24], Kind::Float, 1);
-    let models: [(&str, PositionsModel); 3] = [
-        ("argsort", |x, _| {
-            Ok(vec![x[0]
-                .reshape_tail(&[3, 4, 2])?
-                .argsort(2, false)?
-                .into()])
-        }),
-        ("argtopk", |x, _| {
-            Ok(vec![x[0]
-                .reshape_tail(&[3, 4, 2])?
-                .topk(2, 3, true)?
-                .1
-                .into()])
-        }),
-        ("cummax", |x, _| {
-            Ok(vec![x[0].reshape_tail(&[3, 4, 2])?.cummax(2)?.1.into()])
-        }),
-    ];
-    for (op, model) in models {
-        assert!(model(&[x.shallow_clone()], &[]).is_ok(), "{op} eagerly");
-        let error = compile(op, model).call(&[&x], &[]).err().unwrap();
-        let NestedError::Compile { reason, .. } = &error else {
-            panic!("{error}");
-        };
-        assert_eq!(reason.cause(), nestor::CompileCause::Unsupported, "{error}");
-        assert!(
-            error.to_string().contains(&format!("= {op}")),
-            "{op}: {error}"
-        );
     }
 }

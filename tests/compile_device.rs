@@ -152,6 +152,7 @@ fn transposes_on_the_simulated_gpu_equal_the_cpu() {
                 x.permute(&[0, 1, 4, 2, 5, 3])?.into(),
                 x.sort(3, false)?.0.into(),
                 x.argmax(2, false)?.into(),
+                x.argsort(3, true)?.into(),
                 x.softmax(3)?.into(),
                 (&x - &mean)?.into(),
             ])

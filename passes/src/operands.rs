@@ -256,6 +256,9 @@ impl Repeats {
 pub enum Expr {
     /// Input number `n` at the current position.
     Load(usize),
+    /// Input number `n`'s i64 value at the current position, as it is: a step whose
+    /// whole expression this is moves positions or ids (nothing computes on them).
+    Integers(usize),
     /// A constant.
     Const(F64),
     /// A unary function.
@@ -271,7 +274,7 @@ impl Expr {
     /// tanh, erf and the activations built on them): what makes a kernel compute-bound.
     pub fn transcendentals(&self) -> usize {
         match self {
-            Expr::Load(_) | Expr::Const(_) => 0,
+            Expr::Load(_) | Expr::Integers(_) | Expr::Const(_) => 0,
             Expr::Unary(op, x) => {
                 let heavy = matches!(
                     op,

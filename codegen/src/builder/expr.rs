@@ -24,6 +24,11 @@ impl<'ctx> Kernel<'ctx, '_> {
     ) -> Gen<FloatValue<'ctx>> {
         Ok(match expr {
             Expr::Load(input) => load(*input)?,
+            Expr::Integers(_) => {
+                return Err(crate::CodegenError::new(
+                    "i64 values are moved, never computed on in a float expression",
+                ))
+            }
             Expr::Const(value) => self.constant(value.0),
             Expr::Unary(op, x) => {
                 let x = self.expr(x, load)?;

@@ -11,21 +11,28 @@ pub(super) fn pointwise<'ctx>(
     let (start, end) = kernel.range()?;
     let out = kernel.param(Role::Out)?;
     let (pointers, maps) = fused_args(kernel, inputs)?;
+    // The output scalar at `to` from the inputs' scalars at `place(input)`: the
+    // expression, or an i64 value moved as it is.
+    let compute = |to, place: &dyn Fn(usize) -> Gen<IntValue<'ctx>>| -> Gen<()> {
+        if let nestor_passes::Expr::Integers(input) = *expr {
+            let value = kernel.load_i64(pointers[input], place(input)?)?;
+            return kernel.store_i64(out, to, value);
+        }
+        let load = |input: usize| kernel.load_float(pointers[input], place(input)?);
+        kernel.store_float(out, to, kernel.expr(expr, &load)?)
+    };
     if flat(width, inputs) {
         let first = kernel.mul(start, kernel.i64(width))?;
         let last = kernel.mul(end, kernel.i64(width))?;
         return kernel.parallel_range(first, last, |at| {
-            let load = |input: usize| -> Gen<FloatValue<'ctx>> {
+            compute(at, &|input| {
                 let access = &inputs[input];
-                let position = if access.row_stride == 0 {
-                    kernel.i64(access.offset)
+                if access.row_stride == 0 {
+                    Ok(kernel.i64(access.offset))
                 } else {
-                    kernel.add(at, kernel.i64(access.offset))?
-                };
-                kernel.load_float(pointers[input], position)
-            };
-            let value = kernel.expr(expr, &load)?;
-            kernel.store_float(out, at, value)
+                    kernel.add(at, kernel.i64(access.offset))
+                }
+            })
         });
     }
     kernel.parallel_rows(start, end, |row, lanes| {
@@ -38,12 +45,9 @@ pub(super) fn pointwise<'ctx>(
             .collect::<Gen<Vec<_>>>()?;
         let base = kernel.mul(row, kernel.i64(width))?;
         kernel.lane_range(lanes, width, |column| {
-            let load = |input: usize| -> Gen<FloatValue<'ctx>> {
-                let at = index(kernel, &inputs[input], rows[input], column)?;
-                kernel.load_float(pointers[input], at)
-            };
-            let value = kernel.expr(expr, &load)?;
-            kernel.store_float(out, kernel.add(base, column)?, value)
+            compute(kernel.add(base, column)?, &|input| {
+                index(kernel, &inputs[input], rows[input], column)
+            })
         })
     })
 }

@@ -3,7 +3,8 @@
 //! last dim of the batch with that dim moved last. Moving a dim last is one transpose
 //! of it with the dims after it (seen as one dim through `reshape_tail` views); a
 //! reduction's result needs no move back (its kept dim of size 1 goes anywhere
-//! through a view), any other result moves back the same way.
+//! through a view), any other result moves back the same way (positions too: a move
+//! of i64 values).
 
 use nestor_ir::{ElemDim, Graph, Op, ReduceOp, Type, ValueId, VerifyError};
 
@@ -119,27 +120,15 @@ fn ragged_dims(graph: &Graph, x: ValueId) -> usize {
 
 /// The operand, the batch-first dim and (for a reduction) whether the dim is kept, of
 /// an op along one element dim whose kernels run only along the last dim or down the
-/// ragged one. Not the positions of a sort, top values or running extremes: they
-/// would move back through a copy of i64 values (lowering names the op instead).
+/// ragged one.
 fn along_one_dim(op: &Op) -> Option<(ValueId, i64, Option<bool>)> {
     match *op {
-        Op::Sort {
-            x,
-            axis,
-            positions: false,
-            ..
-        }
-        | Op::Running {
-            x,
-            axis,
-            positions: false,
-            ..
-        }
+        Op::Sort { x, axis, .. }
+        | Op::Running { x, axis, .. }
         | Op::TopK {
             x,
             lengths: None,
             axis,
-            positions: false,
             ..
         }
         | Op::Cumulative { x, axis, .. }

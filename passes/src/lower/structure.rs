@@ -128,7 +128,9 @@ impl Lowering<'_> {
         (dim0, dim1): (usize, usize),
     ) -> Result<Lowered, LowerError> {
         let op = self.graph.op(value);
-        let (slot, rows, tail, _) = self.data(value, x)?;
+        // Floats, or i64 values (positions, ids) moved as they are.
+        let (slot, rows, tail, _) = self.any_data(value, x)?;
+        let integers = self.program.info(slot).integers;
         // A packed row holds the static dims in order, wherever the ragged ones are:
         // a static dim's place in the row is the count of static dims before it.
         let static_place = |dim: usize| match self.graph.ty(x) {
@@ -166,9 +168,12 @@ impl Lowering<'_> {
                 digits: Some(Digits::swapped(dims)),
                 ..Access::rows(slot, width)
             }],
-            expr: Expr::Load(0),
+            expr: match integers {
+                true => Expr::Integers(0),
+                false => Expr::Load(0),
+            },
         }));
-        Ok(out)
+        Ok(self.holding_positions(integers, out))
     }
 
     /// The slot, lengths and row width of `x`, a batch with one leading ragged dim (an

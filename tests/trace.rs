@@ -558,6 +558,44 @@ fn golden_graph_of_the_coverage_loss() {
     golden("coverage_loss", &loss.text());
 }
 
+/// The graph of a loss over the order ops (sorts, running extremes, top values, k-th
+/// values, extremes; down the ragged dim, along the last dim, along an inner dim):
+/// `gpu-check` trains it on a GPU against the CPU runtime. The ops read the input
+/// shifted by a parameter per column (down the ragged dim) or one for everything
+/// (along a row), so that its gradient does not depend on how bf16 rounding breaks ties.
+#[test]
+fn golden_graph_of_the_order_loss() {
+    let store = nn::VarStore::new(Device::Cpu);
+    let columns = store
+        .root()
+        .var("column_shift", &[4], nn::Init::Const(0.25));
+    let all = store.root().var("shift", &[1], nn::Init::Const(-0.5));
+    let (tokens, _) = batch(&[5, 1, 0, 3], &[4], Kind::Float, 15);
+    let loss = trace("order_loss", &[&tokens], &[], Some(&store), |x, _| {
+        let total = |x: NestedTensor| x.sum(&[], false)?.into_dense_handle();
+        let down = (&x[0] + &columns)?;
+        let sorted = down.sort(1, true)?.0.cumsum(1)?.sin()?;
+        let running = (&down.cummax(1)?.0 * &down)?;
+        let along = (&x[0] + &all)?;
+        let top = along.topk(2, -1, true)?.0.tanh()?;
+        let kth = along.kthvalue(2, -1, true)?.0;
+        let largest = along.max_dim(-1, true)?.0.into_nested()?;
+        let inner = along
+            .reshape_tail(&[2, 2])?
+            .sort(2, false)?
+            .0
+            .cumsum(3)?
+            .sin()?;
+        total(sorted)?
+            .add(&total(running)?)?
+            .add(&total(top)?)?
+            .add(&total((&kth.into_nested()? * &largest)?)?)?
+            .add(&total(inner)?)
+    })
+    .unwrap();
+    golden("order_loss", &loss.text());
+}
+
 #[test]
 fn dumps_write_text_and_dot() {
     let (example, _) = batch(&[2, 3], &[4], Kind::Float, 13);

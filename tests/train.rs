@@ -1564,3 +1564,33 @@ fn clamp_gradients_pass_inside_the_bounds_only() {
     let expected = Tensor::from_slice(&[0.0f32, 0.0, 1.0, 0.0, 1.0, 1.0]).reshape([3, 2]);
     assert_input_gradient("clamp", model, &values, &expected, 0.0);
 }
+
+/// Parameters broadcast over a batch along dims they lack and size-1 dims they have
+/// (`[1]` and `[1, 4]` over `[L_i, 4]`: two sums in the gradient) train as in autograd.
+#[test]
+fn parameters_broadcast_along_missing_and_size_one_dims_get_autograd_gradients() {
+    let store = nn::VarStore::new(Device::Cpu);
+    let shift = store.root().var("shift", &[1], nn::Init::Const(-0.5));
+    let row = store.root().var("row", &[1, 4], nn::Init::Const(0.25));
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        let shifted = (&(&x[0] + &shift)? * &row)?;
+        (&shifted.sin()? * &shifted)?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    let (x, _) = batch(&[3, 0, 1, 5], &[4], Kind::Float, 3);
+    model(std::slice::from_ref(&x), &[])
+        .unwrap()
+        .into_tensor()
+        .backward();
+    let eager = [shift.grad().copy(), row.grad().copy()];
+    for variable in [&shift, &row] {
+        variable.grad().zero_();
+    }
+    compile("broadcast_params", model)
+        .train(&store)
+        .call(&[&x], &[])
+        .unwrap();
+    assert_close(&shift.grad(), &eager[0], 1e-5, "[1]");
+    assert_close(&row.grad(), &eager[1], 1e-5, "[1, 4]");
+}

@@ -41,7 +41,7 @@ const DECODER: &str = r#"graph @decoder {
 }"#;
 
 /// Name, text, and whether its training step (loss and gradients) runs.
-const PROGRAMS: [(&str, &str, bool); 9] = [
+const PROGRAMS: [(&str, &str, bool); 10] = [
     (
         "encoder_layer",
         include_str!("../../tests/filetests/encoder_layer.optimized.nir"),
@@ -81,6 +81,11 @@ const PROGRAMS: [(&str, &str, bool); 9] = [
     (
         "strided_conv_loss (training)",
         include_str!("../../tests/filetests/strided_conv_loss.nir"),
+        true,
+    ),
+    (
+        "order_loss (training)",
+        include_str!("../../tests/filetests/order_loss.nir"),
         true,
     ),
 ];

@@ -40,7 +40,7 @@ use nestor_runtime::{
 /// Name, text, whether to run its training step (the loss, its first output, and every
 /// parameter's gradient) rather than the graph itself, and the bf16 buffers' tolerance
 /// ([`compare`]).
-const PROGRAMS: [(&str, &str, bool, f64); 12] = [
+const PROGRAMS: [(&str, &str, bool, f64); 13] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
@@ -114,6 +114,12 @@ const PROGRAMS: [(&str, &str, bool, f64); 12] = [
         // Its weight gradient sums terms that nearly cancel (cdist's, the scans'):
         // eager torch's own bf16 gradient of this loss is 4.6e-2 off its f64 one.
         1e-1,
+    ),
+    (
+        "order_loss (training)",
+        include_str!("../../../tests/filetests/order_loss.nir"),
+        true,
+        BF16_TOLERANCE,
     ),
 ];
 

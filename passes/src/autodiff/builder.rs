@@ -181,9 +181,16 @@ impl Builder {
             let sum = self.reduce(ReduceOp::Sum, transposed, vec![2], true)?;
             swap(self, sum)?
         } else {
-            let (dims, keepdim) = broadcast_dims(&from, &to)
+            let (dropped, kept) = broadcast_dims(&from, &to)
                 .ok_or_else(|| self.no_rule(format!("the gradient of {to} broadcast to {from}")))?;
-            let sum = self.reduce(ReduceOp::Sum, gradient, dims, keepdim)?;
+            // The sum over the operand's size-1 dims, then over the dims it lacks.
+            let mut sum = gradient;
+            if !kept.is_empty() {
+                sum = self.reduce(ReduceOp::Sum, sum, kept, true)?;
+            }
+            if !dropped.is_empty() {
+                sum = self.reduce(ReduceOp::Sum, sum, dropped, false)?;
+            }
             if !same_shape(self.ty(sum), &to) {
                 return Err(self.no_rule(format!("the gradient of {to} broadcast to {from}")));
             }
@@ -209,10 +216,9 @@ fn same_shape(a: &Type, b: &Type) -> bool {
     a.with_dtype(DType::F32) == b.with_dtype(DType::F32)
 }
 
-/// The batch-first dims of `full` a smaller `operand` was broadcast along, and whether
-/// the sum over them keeps them (size-1 dims of the operand) or drops them (dims the
-/// operand lacks); `None` when both happen (two sums would be needed).
-fn broadcast_dims(full: &Type, operand: &Type) -> Option<(Vec<i64>, bool)> {
+/// The batch-first dims of `full` a smaller `operand` was broadcast along: those it
+/// lacks (leading: a sum drops them) and its size-1 dims (a sum keeps them).
+fn broadcast_dims(full: &Type, operand: &Type) -> Option<(Vec<i64>, Vec<i64>)> {
     let full_dims: Vec<Option<i64>> = match full {
         Type::Ragged { dims, .. } => std::iter::once(None)
             .chain(dims.iter().map(|dim| match dim {
@@ -240,9 +246,5 @@ fn broadcast_dims(full: &Type, operand: &Type) -> Option<(Vec<i64>, bool)> {
         .filter(|(index, size)| **size == Some(1) && full_dims[missing + index] != Some(1))
         .map(|(index, _)| (missing + index) as i64)
         .collect();
-    match (missing, kept.is_empty()) {
-        (0, false) => Some((kept, true)),
-        (missing, true) if missing > 0 => Some(((0..missing as i64).collect(), false)),
-        _ => None,
-    }
+    Some(((0..missing as i64).collect(), kept))
 }

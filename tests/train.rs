@@ -1585,7 +1585,7 @@ fn parameters_broadcast_along_missing_and_size_one_dims_get_autograd_gradients()
         .backward();
     let eager = [shift.grad().copy(), row.grad().copy()];
     for variable in [&shift, &row] {
-        variable.grad().zero_();
+        let _ = variable.grad().zero_();
     }
     compile("broadcast_params", model)
         .train(&store)

@@ -1422,3 +1422,42 @@ fn the_kth_value_or_top_k_of_a_short_element_is_an_error() {
         assert!(compiled.call(&[&fine], &[]).is_ok());
     }
 }
+
+/// Reductions over several static dims of `[L, 3, 4, 2]` elements (neighbours, the last
+/// two, apart, all of them) and over the ragged dim with static ones, kept or not.
+fn static_reductions(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
+    let x = x[0].reshape_tail(&[3, 4, 2])?;
+    let mut outputs = Vec::new();
+    for op in [Reduce::Sum, Reduce::Mean, Reduce::Amax, Reduce::LogSumExp] {
+        for dims in [&[2i64, 3][..], &[3, 4], &[2, -1], &[2, 3, 4]] {
+            outputs.push(x.reduce(op, dims, false)?.into());
+            outputs.push(x.reduce(op, dims, true)?.into());
+        }
+        // The ragged dim too (no largest value of an empty element).
+        if op != Reduce::Amax {
+            outputs.push(x.reduce(op, &[1, 3], false)?.into());
+            outputs.push(x.reduce(op, &[1, 2, 4], true)?.into());
+        }
+    }
+    Ok(outputs)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(6), ..ProptestConfig::default() })]
+
+    /// Compiled reductions over several static dims (one over each, or one over the
+    /// last dims merged) equal eager's in every float kind, empty and one-row elements.
+    #[test]
+    fn compiled_reductions_over_several_static_dims_equal_eager(batches in proptest::collection::vec(lengths(4, 6), 1..3), seed in 0i64..1000) {
+        for (kind, tolerance) in [(Kind::Float, 1e-5), (Kind::Double, 1e-9), (Kind::BFloat16, 3e-2), (Kind::Half, 5e-3)] {
+            let compiled = compile("static_reductions", static_reductions);
+            for (index, lengths) in batches.iter().enumerate() {
+                let (x, _) = batch(lengths, &[24], kind, seed + index as i64);
+                let got = compiled.call(&[&x], &[]).unwrap();
+                let want = eager_values(static_reductions(&[x], &[]).unwrap());
+                assert_close_within(&got, &want, tolerance, &format!("{kind:?} {lengths:?}"));
+            }
+            prop_assert_eq!(compiled.stats().compiles, 1);
+        }
+    }
+}

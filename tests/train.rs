@@ -1292,7 +1292,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
 
     /// The compiled gradients of ops along inner static dims of `[L, 3, 4, 2]` elements
-    /// (the op along the last dim of the dim moved last) equal autograd's, with ties
+    /// (the op along the last dim of the dim moved last), and of reductions over several
+    /// static dims, equal autograd's, with ties
     /// everywhere (halves from -1.5 to 1.5), empty and one-row elements, batch size 1,
     /// in f32 and f64.
     #[test]
@@ -1313,6 +1314,9 @@ proptest! {
             let largest = x.max_dim(2, false)?.0.into_nested()?;
             let amax = x.reduce(Reduce::Amax, &[2], true)?.into_nested()?;
             let lse = x.reduce(Reduce::LogSumExp, &[3], false)?.into_nested()?;
+            // Over several static dims: apart, and the last two merged.
+            let apart = x.reduce(Reduce::Amax, &[2, 4], true)?.into_nested()?;
+            let merged = x.reduce(Reduce::Amax, &[3, 4], false)?.into_nested()?;
             total(sorted)?
                 .add(&total(scans)?)?
                 .add(&total(softmax)?)?
@@ -1320,7 +1324,9 @@ proptest! {
                 .add(&total((&kth * &kth)?)?)?
                 .add(&total(largest.sin()?)?)?
                 .add(&total((&amax * &amax)?)?)?
-                .add(&total(lse)?)
+                .add(&total(lse)?)?
+                .add(&total((&apart * &x)?.sin()?)?)?
+                .add(&total((&merged * &merged)?)?)
         };
         let compiled = compile("inner", model).train(&nn::VarStore::new(Device::Cpu));
         let leaf = || {

@@ -62,7 +62,7 @@ pub(super) fn along_last(graph: &mut Graph, op: &Op) -> Result<Option<ValueId>, 
 }
 
 /// `x`, a batch of static tail `[before, size, after]`, as `[before, after, size]`.
-fn move_last(
+pub(super) fn move_last(
     graph: &mut Graph,
     x: ValueId,
     (before, size, after): (&[i64], i64, &[i64]),

@@ -121,9 +121,7 @@ impl Pass for Decompose {
                     ref dims,
                     keepdim,
                     ..
-                } if split_reduction(&result, op, x, dims).is_some() => {
-                    reduce(&mut result, op, x, dims, keepdim)?
-                }
+                } => reduce(&mut result, op, x, dims, keepdim)?,
                 // Dropout that keeps every value (eval mode, or p = 0) is its input.
                 Op::Dropout {
                     x, train: false, ..
@@ -330,8 +328,10 @@ fn batch_norm(
     }
 }
 
-/// The reduction `op` of `x` over batch-first `dims`, split as [`split_reduction`] says
-/// when it mixes ragged and static element dims.
+/// A reduction `op` of `x` over batch-first `dims` as lowering takes it: over ragged and
+/// static dims together, one over the static dims then one over the ragged ones; over
+/// several static dims, one over each (or one over the last dims merged); over one
+/// inner static dim, along the last with that dim moved last (`inner.rs`).
 fn reduce(
     graph: &mut Graph,
     op: ReduceOp,
@@ -339,35 +339,121 @@ fn reduce(
     dims: &[i64],
     keepdim: bool,
 ) -> Result<ValueId, VerifyError> {
-    let Some((static_dims, ragged_dims)) = split_reduction(graph, op, x, dims) else {
-        return graph.push(Op::Reduce {
+    let single = |graph: &mut Graph, x: ValueId, dims: Vec<i64>, keepdim: bool| {
+        let reduction = Op::Reduce {
             op,
             x,
-            dims: dims.to_vec(),
+            dims,
             keepdim,
             correction: 0,
-        });
+        };
+        match inner::along_last(graph, &reduction)? {
+            Some(value) => Ok(value),
+            None => graph.push(reduction),
+        }
     };
-    let inner = graph.push(Op::Reduce {
-        op,
-        x,
-        dims: static_dims.clone(),
-        keepdim,
-        correction: 0,
-    })?;
+    if let Some(places) = several_static_dims(graph, op, x, dims) {
+        return static_reduction(graph, x, places, keepdim, &single);
+    }
+    let Some((static_dims, ragged_dims)) = split_reduction(graph, op, x, dims) else {
+        return single(graph, x, dims.to_vec(), keepdim);
+    };
+    let inner = reduce(graph, op, x, &static_dims, keepdim)?;
     // Without keepdim the static dims before a ragged one are gone.
     let before = |dim: i64| static_dims.iter().filter(|&&s| s < dim).count() as i64;
     let shifted = ragged_dims
         .iter()
         .map(|&dim| if keepdim { dim } else { dim - before(dim) })
         .collect();
-    graph.push(Op::Reduce {
+    single(graph, inner, shifted, keepdim)
+}
+
+/// Where a composable reduction `op` of `x` over batch-first `dims` reduces two or more
+/// static dims and nothing else: the ragged dims' count, the static tail (after every
+/// ragged dim) and the reduced places in it, in order. `None` for any other.
+fn several_static_dims(
+    graph: &Graph,
+    op: ReduceOp,
+    x: ValueId,
+    dims: &[i64],
+) -> Option<(usize, Vec<i64>, Vec<usize>)> {
+    let composes = matches!(
         op,
-        x: inner,
-        dims: shifted,
-        keepdim,
-        correction: 0,
-    })
+        ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin | ReduceOp::LogSumExp
+    );
+    let Type::Ragged { dims: element, .. } = graph.ty(x) else {
+        return None;
+    };
+    let rank = element.len() as i64 + 1;
+    let ragged = element
+        .iter()
+        .take_while(|dim| matches!(dim, nestor_ir::ElemDim::Ragged(_)))
+        .count();
+    let tail: Option<Vec<i64>> = element[ragged..]
+        .iter()
+        .map(|dim| match dim {
+            nestor_ir::ElemDim::Fixed(dim) => dim.as_static(),
+            nestor_ir::ElemDim::Ragged(_) => None,
+        })
+        .collect();
+    let mut normalized: Vec<i64> = dims
+        .iter()
+        .map(|&dim| if dim < 0 { dim + rank } else { dim })
+        .collect();
+    normalized.sort_unstable();
+    normalized.dedup();
+    let places: Option<Vec<usize>> = normalized
+        .iter()
+        .map(|&dim| usize::try_from(dim - 1).ok()?.checked_sub(ragged))
+        .collect();
+    match (composes, tail, places) {
+        (true, Some(tail), Some(places))
+            if places.len() >= 2 && places.iter().all(|&p| p < tail.len()) =>
+        {
+            Some((ragged, tail, places))
+        }
+        _ => None,
+    }
+}
+
+/// The reduction (by `single`: one dim) of `x`, of `ragged` leading ragged dims and
+/// static `tail`, over the static `places`: each reduced dim moved last (the last
+/// first), then one reduction over them merged into one dim (so that an extreme's
+/// gradient is shared among every tie, as one reduction shares it), then the reduced
+/// dims dropped (or kept, of size 1) through a view.
+fn static_reduction(
+    graph: &mut Graph,
+    x: ValueId,
+    (ragged, tail, places): (usize, Vec<i64>, Vec<usize>),
+    keepdim: bool,
+    single: &dyn Fn(&mut Graph, ValueId, Vec<i64>, bool) -> Result<ValueId, VerifyError>,
+) -> Result<ValueId, VerifyError> {
+    let kept = tail.len() - places.len();
+    let (mut moved, mut order) = (x, tail.clone());
+    for &place in places.iter().rev() {
+        if place + 1 < order.len() {
+            let (before, after) = (&order[..place], &order[place + 1..]);
+            moved = inner::move_last(graph, moved, (before, order[place], after))?;
+            let size = order.remove(place);
+            order.push(size);
+        }
+    }
+    let merged: i64 = order[kept..].iter().product();
+    let merged_tail = [&order[..kept], &[merged]].concat();
+    let merged = graph.push(Op::ReshapeTail {
+        x: moved,
+        tail: merged_tail,
+    })?;
+    let reduced = single(graph, merged, vec![(ragged + kept + 1) as i64], true)?;
+    let tail = tail
+        .iter()
+        .enumerate()
+        .filter_map(|(place, &size)| match places.contains(&place) {
+            true => keepdim.then_some(1),
+            false => Some(size),
+        })
+        .collect();
+    graph.push(Op::ReshapeTail { x: reduced, tail })
 }
 
 /// A reduction `op` of `x` over batch-first `dims` that mixes ragged and static element

@@ -339,24 +339,11 @@ fn reduce(
     dims: &[i64],
     keepdim: bool,
 ) -> Result<ValueId, VerifyError> {
-    let single = |graph: &mut Graph, x: ValueId, dims: Vec<i64>, keepdim: bool| {
-        let reduction = Op::Reduce {
-            op,
-            x,
-            dims,
-            keepdim,
-            correction: 0,
-        };
-        match inner::along_last(graph, &reduction)? {
-            Some(value) => Ok(value),
-            None => graph.push(reduction),
-        }
-    };
     if let Some(places) = several_static_dims(graph, op, x, dims) {
-        return static_reduction(graph, x, places, keepdim, &single);
+        return static_reduction(graph, op, x, places, keepdim);
     }
     let Some((static_dims, ragged_dims)) = split_reduction(graph, op, x, dims) else {
-        return single(graph, x, dims.to_vec(), keepdim);
+        return lowered_reduction(graph, op, x, dims.to_vec(), keepdim);
     };
     let inner = reduce(graph, op, x, &static_dims, keepdim)?;
     // Without keepdim the static dims before a ragged one are gone.
@@ -365,7 +352,28 @@ fn reduce(
         .iter()
         .map(|&dim| if keepdim { dim } else { dim - before(dim) })
         .collect();
-    single(graph, inner, shifted, keepdim)
+    lowered_reduction(graph, op, inner, shifted, keepdim)
+}
+
+/// A reduction as lowering takes it: along the last dim when over one inner static dim.
+fn lowered_reduction(
+    graph: &mut Graph,
+    op: ReduceOp,
+    x: ValueId,
+    dims: Vec<i64>,
+    keepdim: bool,
+) -> Result<ValueId, VerifyError> {
+    let reduction = Op::Reduce {
+        op,
+        x,
+        dims,
+        keepdim,
+        correction: 0,
+    };
+    match inner::along_last(graph, &reduction)? {
+        Some(value) => Ok(value),
+        None => graph.push(reduction),
+    }
 }
 
 /// Where a composable reduction `op` of `x` over batch-first `dims` reduces two or more
@@ -416,17 +424,17 @@ fn several_static_dims(
     }
 }
 
-/// The reduction (by `single`: one dim) of `x`, of `ragged` leading ragged dims and
+/// The reduction `op` of `x`, of `ragged` leading ragged dims and
 /// static `tail`, over the static `places`: each reduced dim moved last (the last
 /// first), then one reduction over them merged into one dim (so that an extreme's
 /// gradient is shared among every tie, as one reduction shares it), then the reduced
 /// dims dropped (or kept, of size 1) through a view.
 fn static_reduction(
     graph: &mut Graph,
+    op: ReduceOp,
     x: ValueId,
     (ragged, tail, places): (usize, Vec<i64>, Vec<usize>),
     keepdim: bool,
-    single: &dyn Fn(&mut Graph, ValueId, Vec<i64>, bool) -> Result<ValueId, VerifyError>,
 ) -> Result<ValueId, VerifyError> {
     let kept = tail.len() - places.len();
     let (mut moved, mut order) = (x, tail.clone());
@@ -444,7 +452,7 @@ fn static_reduction(
         x: moved,
         tail: merged_tail,
     })?;
-    let reduced = single(graph, merged, vec![(ragged + kept + 1) as i64], true)?;
+    let reduced = lowered_reduction(graph, op, merged, vec![(ragged + kept + 1) as i64], true)?;
     let tail = tail
         .iter()
         .enumerate()

@@ -1430,22 +1430,62 @@ proptest! {
     }
 }
 
-/// cdist's gradient for norms other than 2 is a typed error naming the op.
-#[test]
-fn cdist_gradients_of_other_norms_are_an_unsupported_error() {
-    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
-        x[0].cdist(&x[0], 1.0)?.sum(&[], false)?.into_dense_handle()
-    };
-    let compiled = compile("cdist_l1", model).train(&nn::VarStore::new(Device::Cpu));
-    let x = batch(&[3, 2], &[3], Kind::Float, 1)
-        .0
-        .set_requires_grad(true)
-        .unwrap();
-    let error = compiled.call(&[&x], &[]).err().unwrap().to_string();
-    assert!(
-        error.contains("cdist") && error.contains("p = 2"),
-        "{error}"
-    );
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(16)))]
+
+    /// cdist's compiled gradient for norms other than 2 (0, 0.5, 1, 1.5, 3, infinity)
+    /// equals autograd's (torch's formulas: 0 at zero distances, and at agreeing
+    /// coordinates for p < 1; the largest coordinates' signs for infinity) for both
+    /// point sets, with points on a grid (agreeing coordinates, equal points, ties for
+    /// the largest coordinate), empty and one-point elements, in f32 and f64.
+    #[test]
+    fn cdist_gradients_of_every_norm_equal_autograd(
+        pairs in proptest::collection::vec((0usize..=4, 0usize..=4), 1..=3),
+        norm in 0usize..6,
+        double in any::<bool>(),
+        seed in 0u64..1000,
+    ) {
+        let p = [0.0, 0.5, 1.0, 1.5, 3.0, f64::INFINITY][norm];
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let across = x[0].cdist(&x[1], p)?.sin()?;
+            let within = x[0].cdist(&x[0], p)?.cos()?.sum(&[], false)?.into_dense_handle()?;
+            across.sum(&[], false)?.into_dense_handle()?.add(&within)
+        };
+        let compiled = compile("cdist_norms", model).train(&nn::VarStore::new(Device::Cpu));
+        let (left, right): (Vec<usize>, Vec<usize>) = pairs.iter().copied().unzip();
+        let leaves = || {
+            let mut state = seed;
+            [&left, &right].map(|lengths| {
+                let elements: Vec<Tensor> = lengths
+                    .iter()
+                    .map(|&length| {
+                        let values: Vec<f64> = (0..length * 3)
+                            .map(|_| {
+                                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                                ((state >> 33) % 5) as f64 / 2.0 - 1.0
+                            })
+                            .collect();
+                        Tensor::from_slice(&values).reshape([length as i64, 3]).to_kind(kind)
+                    })
+                    .collect();
+                NestedTensor::builder()
+                    .ragged_dims(&[0])
+                    .tensors(&elements)
+                    .unwrap()
+                    .set_requires_grad(true)
+                    .unwrap()
+            })
+        };
+        let eager = leaves();
+        model(&eager, &[]).unwrap().into_tensor().backward();
+        let ours = leaves();
+        compiled.call(&ours.iter().collect::<Vec<_>>(), &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-4 };
+        for (side, (ours, eager)) in ours.iter().zip(&eager).enumerate() {
+            assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, &format!("p {p}, points {side}"));
+        }
+    }
 }
 
 proptest! {

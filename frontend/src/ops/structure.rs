@@ -276,8 +276,8 @@ impl NestedTensor {
     /// computed directly (torch's `compute_mode="donot_use_mm_for_euclid_dist"`: its
     /// default matrix-product shortcut for more than 25 points gives a distance of
     /// 0.001 between a point and itself), bf16 and f16 in f32, rounded once.
-    /// Compiled (one kernel over every element's pairs, no padding); its gradient
-    /// compiles for `p = 2`.
+    /// Compiled (one kernel over every element's pairs, no padding), with its gradient
+    /// for every `p` (torch's formulas).
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;

@@ -4,7 +4,9 @@
 //! derivatives (`tools/autograd/derivatives.yaml`), so gradients match eager autograd,
 //! NaN and ties included where the forward op defines them.
 
-use nestor_ir::{BinaryOp, DType, Dim, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp, ValueId};
+use nestor_ir::{
+    BinaryOp, DType, Dim, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp, ValueId, F64,
+};
 
 use super::builder::{rank, Builder};
 use super::AutodiffError;
@@ -384,13 +386,15 @@ fn gemm(
                 }
             }
         }
-        Op::Cdist { a, b: right, p } => {
-            if p.0 != 2.0 {
-                return Err(b.no_rule(format!(
-                    "cdist's gradient compiles for p = 2, not p = {}",
-                    p.0
-                )));
+        Op::Cdist { a, b: right, p } if p.0 != 2.0 => {
+            let [da, db] = cdist_gradients(b, (a, right), p.0, g)?;
+            for (point, gradient) in [(a, da), (right, db)] {
+                if wants(point) {
+                    out.push((point, gradient));
+                }
             }
+        }
+        Op::Cdist { a, b: right, p } => {
             // d [M, N] = |a_i - b_j|: with w = g / d (0 where d = 0, as torch),
             // da = a rowsum(w) - w b and db = b rowsum(w^T) - w^T a.
             let distances = b.push(Op::Cdist { a, b: right, p })?;
@@ -1013,4 +1017,69 @@ fn per_element(
         }
     }
     Ok(out)
+}
+
+/// The gradients of `cdist(a, right)` (`[M, D]` and `[N, D]` points, `p != 2`) for the
+/// distances' gradient `g`, as torch's: each coordinate's difference `x = a_m - b_n`
+/// (pairs `[M, N, D]`) scaled by `sign(x) |x|^(p-1) / d^(p-1)` (0 where `d = 0`, and
+/// where `x = 0` for `p < 1`), `sign(x)` for `p = 1`, `sign(x)` where `|x| = d` for
+/// `p = inf`, 0 for `p = 0`; summed over the other set (negated for `right`).
+fn cdist_gradients(
+    b: &mut Builder,
+    (a, right): (ValueId, ValueId),
+    p: f64,
+    g: ValueId,
+) -> Result<[ValueId; 2], AutodiffError> {
+    let rows = b.push(Op::Unsqueeze { x: a, dim: 1 })?;
+    let columns = b.push(Op::Unsqueeze { x: right, dim: 0 })?;
+    let difference = b.sub(rows, columns)?;
+    let distances = b.push(Op::Cdist {
+        a,
+        b: right,
+        p: F64(p),
+    })?;
+    let distances = b.push(Op::Unsqueeze {
+        x: distances,
+        dim: 2,
+    })?;
+    let g = b.push(Op::Unsqueeze { x: g, dim: 2 })?;
+    let zero = b.constant(0.0, difference)?;
+    let sign = b.unary(UnaryOp::Sign, difference)?;
+    let magnitude = b.unary(UnaryOp::Abs, difference)?;
+    let term = if p == 0.0 {
+        let everywhere = b.binary(BinaryOp::Eq, difference, difference)?;
+        b.select(everywhere, zero, zero)?
+    } else if p == 1.0 {
+        b.mul(sign, g)?
+    } else if p.is_infinite() {
+        let largest = b.binary(BinaryOp::Eq, magnitude, distances)?;
+        let signed = b.select(largest, sign, zero)?;
+        b.mul(signed, g)?
+    } else {
+        let below = b.constant(p - 1.0, difference)?;
+        let scaled = b.binary(BinaryOp::Pow, magnitude, below)?;
+        let scaled = b.mul(sign, scaled)?;
+        let norm = b.binary(BinaryOp::Pow, distances, below)?;
+        let ratio = b.div(g, norm)?;
+        let term = b.mul(scaled, ratio)?;
+        // 0 where the distance is 0, and where the coordinates agree for p < 1.
+        let apart = b.binary(BinaryOp::Ne, distances, zero)?;
+        let term = b.select(apart, term, zero)?;
+        match p < 1.0 {
+            true => {
+                let differs = b.binary(BinaryOp::Ne, difference, zero)?;
+                b.select(differs, term, zero)?
+            }
+            false => term,
+        }
+    };
+    // Sums over the pairs' second ragged dim: `right`'s through the transpose.
+    let da = b.reduce(ReduceOp::Sum, term, vec![2], false)?;
+    let transposed = b.push(Op::TransposeRagged {
+        x: term,
+        dim0: 0,
+        dim1: 1,
+    })?;
+    let db = b.reduce(ReduceOp::Sum, transposed, vec![2], false)?;
+    Ok([da, b.unary(UnaryOp::Neg, db)?])
 }

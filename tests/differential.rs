@@ -48,6 +48,9 @@ enum Step {
     /// `softmax(-cdist(a, b)) @ b`: distances between two pool values, back to
     /// `[L_i, WIDTH]` through a jagged-pair product.
     Neighbours(usize, usize),
+    /// Seen as `[L_i, 2, 2]`: softmax or a scaled cumulative sum along the inner static
+    /// dim, the two static dims swapped, or minus the logsumexp over both of them.
+    Inner(u8, usize),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -61,7 +64,8 @@ fn step() -> impl Strategy<Value = Step> {
         operand.clone().prop_map(Step::Cumsum),
         operand.clone().prop_map(Step::Center),
         (operand.clone(), any::<bool>()).prop_map(|(x, causal)| Step::Attention(x, causal)),
-        (operand.clone(), operand).prop_map(|(a, b)| Step::Neighbours(a, b)),
+        (operand.clone(), operand.clone()).prop_map(|(a, b)| Step::Neighbours(a, b)),
+        (0u8..4, operand).prop_map(|(op, x)| Step::Inner(op, x)),
     ]
 }
 
@@ -124,6 +128,19 @@ fn run(steps: &[Step], x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Ne
                 let (a, b) = (at(a), at(b));
                 let weights = (&a.cdist(b, 2.0)? * -1.0)?.softmax(2)?;
                 weights.matmul_nested(b)?
+            }
+            Step::Inner(op, a) => {
+                let square = at(a).reshape_tail(&[2, 2])?;
+                let inner = match op {
+                    0 => square.softmax(2)?,
+                    1 => (&square.cumsum(2)? * 0.25)?,
+                    2 => square.transpose(2, 3)?,
+                    _ => {
+                        let total = square.reduce(nestor::Reduce::LogSumExp, &[2, 3], true)?;
+                        (&square - &total.into_nested()?)?
+                    }
+                };
+                inner.reshape_tail(&[WIDTH])?
             }
         };
         pool.push(value);

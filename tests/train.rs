@@ -1161,6 +1161,38 @@ fn hand_written_causal_attention_trains() {
     assert_same_gradients(&ours, &eager);
 }
 
+/// A leaf batch of elements `[L_i, width]` whose values lie on a grid of `levels`
+/// halves centred on 0 (ties everywhere), drawn from `state`.
+fn grid_batch(
+    lengths: &[usize],
+    width: usize,
+    (levels, kind): (u64, Kind),
+    state: &mut u64,
+) -> NestedTensor {
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&length| {
+            let values: Vec<f64> = (0..length * width)
+                .map(|_| {
+                    *state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((*state >> 33) % levels) as f64 / 2.0 - (levels - 1) as f64 / 4.0
+                })
+                .collect();
+            Tensor::from_slice(&values)
+                .reshape([length as i64, width as i64])
+                .to_kind(kind)
+        })
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[0])
+        .tensors(&elements)
+        .unwrap()
+        .set_requires_grad(true)
+        .unwrap()
+}
+
 /// Batches `[L_i, 2]` of `values` (halves, zeros frequent) in `kind`, requiring grad.
 fn halves(values: &[Vec<(i64, i64)>], kind: Kind) -> NestedTensor {
     let elements: Vec<Tensor> = values
@@ -1331,24 +1363,7 @@ proptest! {
         let compiled = compile("inner", model).train(&nn::VarStore::new(Device::Cpu));
         let leaf = || {
             let mut state = seed;
-            let elements: Vec<Tensor> = lengths
-                .iter()
-                .map(|&length| {
-                    let values: Vec<f64> = (0..length * 24)
-                        .map(|_| {
-                            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                            ((state >> 33) % 7) as f64 / 2.0 - 1.5
-                        })
-                        .collect();
-                    Tensor::from_slice(&values).reshape([length as i64, 24]).to_kind(kind)
-                })
-                .collect();
-            NestedTensor::builder()
-                .ragged_dims(&[0])
-                .tensors(&elements)
-                .unwrap()
-                .set_requires_grad(true)
-                .unwrap()
+            grid_batch(&lengths, 24, (7, kind), &mut state)
         };
         let eager = leaf();
         model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
@@ -1456,26 +1471,7 @@ proptest! {
         let (left, right): (Vec<usize>, Vec<usize>) = pairs.iter().copied().unzip();
         let leaves = || {
             let mut state = seed;
-            [&left, &right].map(|lengths| {
-                let elements: Vec<Tensor> = lengths
-                    .iter()
-                    .map(|&length| {
-                        let values: Vec<f64> = (0..length * 3)
-                            .map(|_| {
-                                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                                ((state >> 33) % 5) as f64 / 2.0 - 1.0
-                            })
-                            .collect();
-                        Tensor::from_slice(&values).reshape([length as i64, 3]).to_kind(kind)
-                    })
-                    .collect();
-                NestedTensor::builder()
-                    .ragged_dims(&[0])
-                    .tensors(&elements)
-                    .unwrap()
-                    .set_requires_grad(true)
-                    .unwrap()
-            })
+            [&left, &right].map(|lengths| grid_batch(lengths, 3, (5, kind), &mut state))
         };
         let eager = leaves();
         model(&eager, &[]).unwrap().into_tensor().backward();

@@ -67,21 +67,7 @@ pub(super) fn move_last(
     x: ValueId,
     (before, size, after): (&[i64], i64, &[i64]),
 ) -> Result<ValueId, VerifyError> {
-    let rest: i64 = after.iter().product();
-    let merged = graph.push(Op::ReshapeTail {
-        x,
-        tail: [before, &[size, rest]].concat(),
-    })?;
-    let ragged = ragged_dims(graph, x);
-    let swapped = graph.push(Op::TransposeStatic {
-        x: merged,
-        dim0: ragged + before.len(),
-        dim1: ragged + before.len() + 1,
-    })?;
-    graph.push(Op::ReshapeTail {
-        x: swapped,
-        tail: [before, after, &[size]].concat(),
-    })
+    swap_runs(graph, x, (before, &[size], after))
 }
 
 /// `x`, a batch of static tail `[before, after, size]`, as `[before, size, after]`.
@@ -90,20 +76,30 @@ fn move_back(
     x: ValueId,
     (before, size, after): (&[i64], i64, &[i64]),
 ) -> Result<ValueId, VerifyError> {
-    let rest: i64 = after.iter().product();
+    swap_runs(graph, x, (before, after, &[size]))
+}
+
+/// `x`, a batch of static tail `[before, first, second]` (`first` and `second` runs
+/// of dims), as `[before, second, first]`: one transpose of the two runs, each seen
+/// as one dim.
+fn swap_runs(
+    graph: &mut Graph,
+    x: ValueId,
+    (before, first, second): (&[i64], &[i64], &[i64]),
+) -> Result<ValueId, VerifyError> {
     let merged = graph.push(Op::ReshapeTail {
         x,
-        tail: [before, &[rest, size]].concat(),
+        tail: [before, &[first.iter().product(), second.iter().product()]].concat(),
     })?;
-    let ragged = ragged_dims(graph, x);
+    let at = ragged_dims(graph, x) + before.len();
     let swapped = graph.push(Op::TransposeStatic {
         x: merged,
-        dim0: ragged + before.len(),
-        dim1: ragged + before.len() + 1,
+        dim0: at,
+        dim1: at + 1,
     })?;
     graph.push(Op::ReshapeTail {
         x: swapped,
-        tail: [before, &[size], after].concat(),
+        tail: [before, second, first].concat(),
     })
 }
 

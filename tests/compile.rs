@@ -1176,9 +1176,9 @@ fn top_rows(k: i64) -> impl Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Vec<
 }
 
 /// Transposes of any two static dims of `[L, 2, 3, 4, 5]` elements (with dims between
-/// and after them, neighbours, the first and last, the last two), a permutation, and a
+/// and after them, neighbours, the first and last, the last two), a permutation, a
 /// swap of static dims on either side of the ragged dim (moved inside by a ragged
-/// transpose).
+/// transpose), and slices of static dims.
 fn transposes(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
     let x = x[0].reshape_tail(&[2, 3, 4, 5])?;
     Ok(vec![
@@ -1188,6 +1188,13 @@ fn transposes(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>> {
         x.transpose(4, 5)?.into(),
         x.permute(&[0, 1, 4, 2, 5, 3])?.into(),
         x.transpose(1, 2)?.transpose(1, 4)?.into(),
+        // Slices of static dims: the first, an inner one, the last (Python bounds),
+        // an empty one, and of positions (i64).
+        x.slice(2, 1..)?.into(),
+        x.slice(3, 1..=2)?.tanh()?.into(),
+        x.slice(-1, ..-2)?.into(),
+        x.slice(4, 2..2)?.into(),
+        x.argsort(4, false)?.slice(3, ..2)?.into(),
     ])
 }
 

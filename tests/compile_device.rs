@@ -153,6 +153,7 @@ fn transposes_on_the_simulated_gpu_equal_the_cpu() {
                 x.sort(3, false)?.0.into(),
                 x.argmax(2, false)?.into(),
                 x.argsort(3, true)?.into(),
+                x.slice(3, 1..3)?.into(),
                 x.softmax(3)?.into(),
                 (&x - &mean)?.into(),
             ])

@@ -227,7 +227,12 @@ fn training_models() {
                 .0
                 .sum(&[], false)?
                 .into_dense_handle()?;
-            let running = running.add(&top)?.add(&bottom)?;
+            // A slice of a static dim (its gradient pads it back with zeros).
+            let sliced = hidden
+                .slice(2, 1..3)?
+                .sum(&[], false)?
+                .into_dense_handle()?;
+            let running = running.add(&top)?.add(&bottom)?.add(&sliced)?;
             let total = loss.add(&mean)?.add(&padded)?.add(&sorted)?;
             total.add(&largest)?.add(&kth)?.add(&running)
         }

@@ -1636,3 +1636,33 @@ fn parameters_broadcast_along_missing_and_size_one_dims_get_autograd_gradients()
     assert_close(&shift.grad(), &eager[0], 1e-5, "[1]");
     assert_close(&row.grad(), &eager[1], 1e-5, "[1, 4]");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(12)))]
+
+    /// Slices of static dims (the first, an inner one, the last) train as autograd:
+    /// their gradient is the incoming one padded with zeros back to the dim's size;
+    /// empty and one-row elements, f32 and f64.
+    #[test]
+    fn static_slices_train_as_autograd(lengths in lengths(4, 5), double in any::<bool>(), seed in 0i64..1000) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let x = x[0].reshape_tail(&[3, 4, 2])?;
+            let total = |x: NestedTensor| x.sum(&[], false)?.into_dense_handle();
+            let first = x.slice(2, 1..)?.sin()?;
+            let inner = x.slice(3, 1..3)?;
+            let last = x.slice(4, ..1)?;
+            total((&first * &first)?)?
+                .add(&total((&inner * &inner.cos()?)?)?)?
+                .add(&total(last.tanh()?)?)
+        };
+        let compiled = compile("slices", model).train(&nn::VarStore::new(Device::Cpu));
+        let leaf = || batch(&lengths, &[24], kind, seed).0.set_requires_grad(true).unwrap();
+        let eager = leaf();
+        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+        let ours = leaf();
+        compiled.call(&[&ours], &[]).unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-5 };
+        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "slices");
+    }
+}

@@ -347,6 +347,8 @@ pub struct Insert {
     pub size: i64,
     /// Where `x` goes.
     pub index: i64,
+    /// How many positions of the dim `x` fills (1: a new dim).
+    pub count: i64,
     /// Scalars after the inserted dim.
     pub inner: i64,
 }

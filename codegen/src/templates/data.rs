@@ -65,25 +65,26 @@ pub(super) fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
     })
 }
 
-/// `out` viewed as `[rows, size, inner]`: `x`'s row at `index`, zeros elsewhere.
+/// `out` viewed as `[rows, size, inner]`: `x`'s row (`[count, inner]`) at positions
+/// `index..index + count`, zeros elsewhere.
 pub(super) fn insert<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    size: i64,
-    index: i64,
+    (size, index, count): (i64, i64, i64),
     inner: i64,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x] = kernel.params([Role::Out, Role::X])?;
     let zero = kernel.constant(0.0);
+    let block = count * inner;
     // A row is a warp's on a GPU (each lane its values), one thread's on the host.
     kernel.parallel_rows(start, end, |row, lanes| {
-        let source = kernel.mul(row, kernel.i64(inner))?;
+        let source = kernel.mul(row, kernel.i64(block))?;
         let target = kernel.mul(row, kernel.i64(size * inner))?;
         kernel.lane_range(lanes, size * inner, |at| {
             let column = kernel.sub(at, kernel.i64(index * inner))?;
             let inside = kernel.and(
                 kernel.less(kernel.i64(-1), column)?,
-                kernel.less(column, kernel.i64(inner))?,
+                kernel.less(column, kernel.i64(block))?,
             )?;
             let destination = kernel.add(target, at)?;
             kernel.if_else(

@@ -88,8 +88,12 @@ pub(crate) fn generate<'ctx>(
         }) => one_hot(&kernel, *classes, *ignore)?,
         Step::LengthValues(_) => length_values(&kernel)?,
         Step::Insert(Insert {
-            size, index, inner, ..
-        }) => insert(&kernel, *size, *index, *inner)?,
+            size,
+            index,
+            count,
+            inner,
+            ..
+        }) => insert(&kernel, (*size, *index, *count), *inner)?,
         Step::SumRows(SumRows { m, n, mean, .. }) => sum_rows(&kernel, (*m, *n), *mean)?,
         Step::ScatterRows(ScatterRows {
             ids,

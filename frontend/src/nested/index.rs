@@ -8,7 +8,9 @@ use tch::{Kind, Tensor};
 
 use super::{ListElement, NestedTensor};
 use crate::dense::stack_same_shape;
+use crate::trace::Arg;
 use crate::{NestedError, Result};
+use nestor_ir::Op;
 
 /// Python-style slice bounds: negative values count from the end, out-of-range bounds
 /// are clamped. Built from Rust ranges of `i64` (`1..`, `..-1`, `2..5`, `..`).
@@ -249,8 +251,9 @@ impl NestedTensor {
 
     /// A slice inside every element along NestedTensor dim `dim` (DanLing's
     /// `nt[:, 1:]`), with Python bounds resolved per element. The batch keeps its
-    /// ragged dims. Slicing a static dim shares the values' storage; slicing a ragged
-    /// dim gathers the packed rows in range (no padding, no per-element loop).
+    /// ragged dims. Slicing a static dim shares the values' storage (and compiles, with
+    /// its gradient); slicing a ragged dim gathers the packed rows in range (no padding,
+    /// no per-element loop; not traced).
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;
@@ -261,7 +264,6 @@ impl NestedTensor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn slice(&self, dim: i64, bounds: impl Into<Bounds>) -> Result<Self> {
-        self.untraceable("slice")?;
         let element_dim = self.element_dim(dim, "slice")?;
         let bounds = bounds.into();
         let layout = self.lay();
@@ -273,8 +275,15 @@ impl NestedTensor {
                 range.end - range.start,
             )?;
             let new_layout = layout.with_static_size(element_dim, range.end - range.start)?;
-            return Ok(NestedTensor::from_parts(values, new_layout, self.options()));
+            let sliced = NestedTensor::from_parts(values, new_layout, self.options());
+            return sliced.traced(&[Arg::Nested(self)], "slice", |ids| Op::SliceStatic {
+                x: ids[0],
+                dim: element_dim,
+                start: range.start,
+                end: range.end,
+            });
         }
+        self.untraceable("slice")?;
         if self.batch_size() == 0 {
             return Ok(self.shallow_clone());
         }
@@ -305,6 +314,41 @@ impl NestedTensor {
         let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
         let values = self.packed().f_index_select(0, &rows)?;
         Ok(NestedTensor::from_parts(values, new_layout, self.options()))
+    }
+
+    /// `self` with `before` zeros ahead of and `after` zeros behind its values along the
+    /// static element dim `element_dim` (a static slice's gradient, for the
+    /// interpreter).
+    pub(crate) fn pad_static(
+        &self,
+        element_dim: usize,
+        (before, after): (i64, i64),
+    ) -> Result<Self> {
+        let layout = self.lay();
+        let position = layout
+            .static_dims()
+            .iter()
+            .position(|&d| d == element_dim)
+            .ok_or_else(|| NestedError::Unsupported {
+                op: "pad_static",
+                reason: format!("element dim {element_dim} is not static"),
+            })?;
+        let (axis, size) = (1 + position as i64, layout.static_sizes()[position]);
+        let padded = size
+            .checked_add(before)
+            .and_then(|size| size.checked_add(after))
+            .filter(|_| before >= 0 && after >= 0)
+            .ok_or_else(|| NestedError::Unsupported {
+                op: "pad_static",
+                reason: format!("{before} and {after} zeros around a dim of {size}"),
+            })?;
+        let values = self.packed();
+        let mut shape = values.size();
+        shape[axis as usize] = padded;
+        let out = Tensor::f_zeros(&shape, (values.kind(), values.device()))?;
+        out.f_narrow(axis, before, size)?.f_copy_(values)?;
+        let layout = layout.with_static_size(element_dim, padded)?;
+        Ok(NestedTensor::from_parts(out, layout, self.options()))
     }
 
     /// Position `index` of every element along NestedTensor dim `dim` (DanLing's

@@ -35,6 +35,30 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 "cannot insert index {index} of a dim of {size} at element dim {dim} of {other}"
             )),
         },
+        Op::SliceStatic { x, dim, start, end } => {
+            let x = ty(*x);
+            let size = static_element_dim(&x, *dim)?;
+            if !(0 <= *start && start <= end && *end <= size) {
+                return Err(format!(
+                    "positions {start}..{end} of element dim {dim} of size {size}"
+                ));
+            }
+            resized_element_dim(x, *dim, end - start)
+        }
+        Op::PadStatic {
+            x,
+            dim,
+            before,
+            after,
+        } => {
+            let x = ty(*x);
+            let size = static_element_dim(&x, *dim)?;
+            let padded = (*before >= 0 && *after >= 0)
+                .then(|| size.checked_add(*before)?.checked_add(*after))
+                .flatten()
+                .ok_or_else(|| format!("{before} and {after} zeros around a dim of {size}"))?;
+            resized_element_dim(x, *dim, padded)
+        }
         Op::TransposeStatic { x, dim0, dim1 } => {
             let x = ty(*x);
             static_element_dim(&x, *dim0)?;
@@ -48,6 +72,20 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
         }
         _ => pair_views(graph, op),
     }
+}
+
+/// `x`, a ragged value, with element dim `dim` of `size`.
+fn resized_element_dim(x: Type, dim: usize, size: i64) -> Inferred {
+    let Type::Ragged {
+        dtype,
+        batch,
+        mut dims,
+    } = x
+    else {
+        return Err("expects a ragged value".into());
+    };
+    dims[dim] = ElemDim::Fixed(Dim::Static(size));
+    Ok(Type::Ragged { dtype, batch, dims })
 }
 
 /// The type of a view of a pair layout (or of a new dim) in `graph`, or why it is ill-typed.

@@ -1046,6 +1046,31 @@ pub enum Op {
         /// The id that gets no gradient (`-1`: none).
         padding_idx: i64,
     },
+    /// Positions `start..end` of the static element dim `dim`.
+    #[op(name = "slice_static", family = Structure)]
+    SliceStatic {
+        /// Input.
+        x: ValueId,
+        /// The element dim.
+        dim: usize,
+        /// First position.
+        start: i64,
+        /// Past the last position.
+        end: i64,
+    },
+    /// `x` with `before` zeros ahead of and `after` zeros behind its values along the
+    /// static element dim `dim` (the gradient of a slice).
+    #[op(name = "pad_static", family = Structure)]
+    PadStatic {
+        /// Input.
+        x: ValueId,
+        /// The element dim.
+        dim: usize,
+        /// Zeros before.
+        before: i64,
+        /// Zeros after.
+        after: i64,
+    },
     /// The inverse of `select_static`: `x` placed at `index` of a new static element
     /// dim `dim` of `size`, zeros at the other indices (the gradient of a selection).
     #[op(name = "insert_static", family = Structure)]

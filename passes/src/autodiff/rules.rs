@@ -782,6 +782,41 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             })?;
             Ok(vec![(x, inserted)])
         }
+        // A static slice and padding with zeros are each other's gradient.
+        Op::SliceStatic { x, dim, start, end } => {
+            let size = match b.ty(x) {
+                Type::Ragged { dims, .. } => match dims.get(dim) {
+                    Some(ElemDim::Fixed(size)) => size.as_static(),
+                    _ => None,
+                },
+                _ => None,
+            }
+            .ok_or_else(|| b.no_rule("a slice of a dim of unknown size"))?;
+            let padded = b.push(Op::PadStatic {
+                x: g,
+                dim,
+                before: start,
+                after: size - end,
+            })?;
+            Ok(vec![(x, padded)])
+        }
+        Op::PadStatic { x, dim, before, .. } => {
+            let size = match b.ty(x) {
+                Type::Ragged { dims, .. } => match dims.get(dim) {
+                    Some(ElemDim::Fixed(size)) => size.as_static(),
+                    _ => None,
+                },
+                _ => None,
+            }
+            .ok_or_else(|| b.no_rule("padding of a dim of unknown size"))?;
+            let sliced = b.push(Op::SliceStatic {
+                x: g,
+                dim,
+                start: before,
+                end: before + size,
+            })?;
+            Ok(vec![(x, sliced)])
+        }
         // Padding and packing are each other's gradient.
         Op::Pad { x, .. } => {
             let lengths = b

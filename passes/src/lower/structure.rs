@@ -75,6 +75,10 @@ impl Lowering<'_> {
             Op::TransposeStatic { x, dim0, dim1 } => {
                 self.transpose_static(value, ty, *x, (*dim0, *dim1))
             }
+            &Op::SliceStatic { x, dim, start, end } => {
+                self.slice_static(value, ty, x, (dim, start, end))
+            }
+            &Op::PadStatic { x, dim, before, .. } => self.pad_static(value, ty, x, (dim, before)),
             Op::RepeatBatch {
                 x,
                 repeats,
@@ -131,22 +135,8 @@ impl Lowering<'_> {
         // Floats, or i64 values (positions, ids) moved as they are.
         let (slot, rows, tail, _) = self.any_data(value, x)?;
         let integers = self.program.info(slot).integers;
-        // A packed row holds the static dims in order, wherever the ragged ones are:
-        // a static dim's place in the row is the count of static dims before it.
-        let static_place = |dim: usize| match self.graph.ty(x) {
-            Type::Ragged { dims, .. } => match dims.get(dim) {
-                Some(ElemDim::Fixed(_)) => Some(
-                    dims[..dim]
-                        .iter()
-                        .filter(|dim| matches!(dim, ElemDim::Fixed(_)))
-                        .count(),
-                ),
-                _ => None,
-            },
-            _ => None,
-        };
-        let (Some(i), Some(j)) = (static_place(dim0.min(dim1)), static_place(dim0.max(dim1)))
-        else {
+        let place = |dim| static_place(self.graph.ty(x), dim);
+        let (Some(i), Some(j)) = (place(dim0.min(dim1)), place(dim0.max(dim1))) else {
             return Err(unsupported(value, op, "expects two static element dims"));
         };
         if i == j {
@@ -174,6 +164,74 @@ impl Lowering<'_> {
             },
         }));
         Ok(self.holding_positions(integers, out))
+    }
+
+    /// Positions `start..end` of the static element dim `dim` of `x` (floats or i64
+    /// values): a copy reading each packed row `[S, R]` from `start * R` (the dims
+    /// before folded into the rows).
+    fn slice_static(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        (dim, start, end): (usize, i64, i64),
+    ) -> Result<Lowered, LowerError> {
+        let (slot, rows, tail, _) = self.any_data(value, x)?;
+        let integers = self.program.info(slot).integers;
+        let Some(place) = static_place(self.graph.ty(x), dim) else {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                "expects a static dim",
+            ));
+        };
+        let (size, inner) = (tail[place], volume(&tail[place + 1..]));
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::Pointwise(Pointwise {
+            out: slot_of(&out),
+            rows: rows.times(volume(&tail[..place])),
+            width: (end - start) * inner,
+            inputs: vec![Access {
+                offset: start * inner,
+                ..Access::rows(slot, size * inner)
+            }],
+            expr: match integers {
+                true => Expr::Integers(0),
+                false => Expr::Load(0),
+            },
+        }));
+        Ok(self.holding_positions(integers, out))
+    }
+
+    /// `x` with zeros around its values along the static element dim `dim` (`before`
+    /// of them first): each packed row's block inserted into zeros.
+    fn pad_static(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        x: ValueId,
+        (dim, before): (usize, i64),
+    ) -> Result<Lowered, LowerError> {
+        let (slot, rows, tail, _) = self.data(value, x)?;
+        let Some(place) = static_place(self.graph.ty(x), dim) else {
+            return Err(unsupported(
+                value,
+                self.graph.op(value),
+                "expects a static dim",
+            ));
+        };
+        let out = self.result(value, ty)?;
+        let padded = tail_of(&out).get(place).copied().unwrap_or(0);
+        self.program.steps.push(Step::Insert(Insert {
+            out: slot_of(&out),
+            x: slot,
+            rows: rows.times(volume(&tail[..place])),
+            size: padded,
+            index: before,
+            count: tail[place],
+            inner: volume(&tail[place + 1..]),
+        }));
+        Ok(out)
     }
 
     /// The slot, lengths and row width of `x`, a batch with one leading ragged dim (an
@@ -363,6 +421,7 @@ impl Lowering<'_> {
                     rows: rows.times(volume(&tail[..dim - 1])),
                     size: *size,
                     index: *index,
+                    count: 1,
                     inner: volume(&tail[dim - 1..]),
                 }));
                 Ok(out)
@@ -456,4 +515,17 @@ impl Lowering<'_> {
         }));
         Ok(out)
     }
+}
+
+/// A static element dim's place in a packed row of `ty`, which holds the static dims in
+/// order wherever the ragged ones are: the count of static dims before it; `None` for
+/// a ragged dim or another type.
+fn static_place(ty: &Type, dim: usize) -> Option<usize> {
+    let Type::Ragged { dims, .. } = ty else {
+        return None;
+    };
+    let is_static = |dim: &ElemDim| matches!(dim, ElemDim::Fixed(_));
+    dims.get(dim)
+        .filter(|dim| is_static(dim))
+        .map(|_| dims[..dim].iter().filter(|dim| is_static(dim)).count())
 }

@@ -174,6 +174,27 @@ impl RunDim {
         Self::statics(dims).collect()
     }
 
+    /// The packed rows of a batch of these dims: over the elements, the product of
+    /// their ragged dims' lengths.
+    fn rows(dims: &[RunDim]) -> i64 {
+        let ragged: Vec<&[i64]> = dims
+            .iter()
+            .filter_map(|dim| match dim {
+                RunDim::Ragged(lengths) => Some(&lengths[..]),
+                RunDim::Static(_) => None,
+            })
+            .collect();
+        let elements = ragged.first().map_or(0, |lengths| lengths.len());
+        (0..elements)
+            .map(|element| {
+                ragged
+                    .iter()
+                    .map(|lengths| lengths.get(element).copied().unwrap_or(0))
+                    .product::<i64>()
+            })
+            .sum()
+    }
+
     /// [`RunDim::static_sizes`] without collecting them.
     fn statics(dims: &[RunDim]) -> impl Iterator<Item = i64> + '_ {
         dims.iter().filter_map(|dim| match dim {
@@ -192,6 +213,9 @@ impl RunShape {
     /// use nestor_runtime::{RunDim, RunShape};
     /// let ragged = RunShape::Ragged(vec![RunDim::Ragged(vec![2, 3]), RunDim::Static(4)]);
     /// assert_eq!(ragged.packed(20), vec![5, 4]);
+    /// // Rows of no values: as many as the lengths make.
+    /// let empty_rows = RunShape::Ragged(vec![RunDim::Ragged(vec![2, 3]), RunDim::Static(0)]);
+    /// assert_eq!(empty_rows.packed(0), vec![5, 0]);
     /// assert_eq!(RunShape::Full(vec![2, 3]).packed(6), vec![2, 3]);
     /// ```
     pub fn packed(&self, elements: usize) -> Vec<i64> {
@@ -218,11 +242,14 @@ impl RunShape {
                 &shape[1..]
             }
         };
-        // As many rows as the values fill.
+        // As many rows as the values fill; rows of no values (a static dim of size 0)
+        // as many as the ragged dims make.
         let width: i64 = tail.iter().product();
-        if width != 0 {
-            shape[0] = elements as i64 / width;
-        }
+        shape[0] = match (width, self) {
+            (0, RunShape::Ragged(dims)) => RunDim::rows(dims),
+            (0, _) => 0,
+            (width, _) => elements as i64 / width,
+        };
     }
 }
 

@@ -11,6 +11,15 @@ impl Interpreter<'_> {
             Op::SelectStatic { x, dim, index } => {
                 Value::Nested(self.nested(*x)?.select_static(*dim as i64 + 1, *index)?)
             }
+            Op::SliceStatic { x, dim, start, end } => {
+                Value::Nested(self.nested(*x)?.slice(*dim as i64 + 1, *start..*end)?)
+            }
+            Op::PadStatic {
+                x,
+                dim,
+                before,
+                after,
+            } => Value::Nested(self.nested(*x)?.pad_static(*dim, (*before, *after))?),
             Op::TransposeStatic { x, dim0, dim1 } => Value::Nested(
                 self.nested(*x)?
                     .transpose(*dim0 as i64 + 1, *dim1 as i64 + 1)?,

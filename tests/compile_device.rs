@@ -162,6 +162,32 @@ fn transposes_on_the_simulated_gpu_equal_the_cpu() {
     );
 }
 
+/// conv1d and max_pool1d of signals `[C, L_i]` (windows one pixel high) on the
+/// simulated GPU equal the CPU.
+#[test]
+fn signals_on_the_simulated_gpu_equal_the_cpu() {
+    let elements: Vec<Tensor> = [5i64, 3, 9]
+        .iter()
+        .map(|&length| Tensor::randn([2, length], (Kind::Float, Device::Cpu)))
+        .collect();
+    let x = NestedTensor::builder()
+        .ragged_dims(&[1])
+        .tensors(&elements)
+        .unwrap();
+    let weight = std::sync::Arc::new(Tensor::randn([3, 2, 3], (Kind::Float, Device::Cpu)));
+    assert_simulated_equals_cpu(
+        "signals",
+        move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let convolved = x[0].conv1d(&weight, None, 2, 1, 1, 1)?;
+            Ok(vec![
+                convolved.shallow_clone().into(),
+                convolved.max_pool1d(2, 1, 1)?.into(),
+            ])
+        },
+        &[vec![&x]],
+    );
+}
+
 /// The order ops' gradients (sorts, the top rows and columns, running extremes, k-th
 /// values; down the ragged dim, long elements included, and along the last dim) on
 /// the simulated GPU equal the CPU.

@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    assert_close_within, cases, close, eager_values, float_kinds, pooled_head_loss, Out, Random,
+    assert_close_within, cases, close, close_within, eager_values, float_kinds, pooled_head_loss,
+    Out, Random,
 };
 use nestor::{compile, nested_execution_guard, CompileCause, Dense, NestedError, NestedTensor};
 use proptest::prelude::*;
@@ -752,4 +753,77 @@ fn assert_trains_as_autograd(
     }
     prop_assert_eq!(compiled.stats().compiles, 1);
     Ok(())
+}
+
+/// A batch of signals `[channels, L_i]` (ragged length), each value drawn from `seed`,
+/// that requires grad.
+fn signals(lengths: &[i64], channels: i64, kind: Kind, seed: i64) -> NestedTensor {
+    let mut random = Random::new(seed);
+    let elements: Vec<Tensor> = lengths
+        .iter()
+        .map(|&length| random.normal(&[channels, length]).to_kind(kind))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[1])
+        .tensors(&elements)
+        .unwrap()
+        .set_requires_grad(true)
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// conv1d and max_pool1d of signals `[C, L_i]` compile as 2-d windows one pixel
+    /// high: the loss equals eager's (libtorch's conv1d and max_pool1d on each
+    /// element), and compiled training gives the weight, the bias and the signals
+    /// autograd's gradients (the weight's 2-d view reaches the weight); one compile for
+    /// every batch, f32 and f64.
+    #[test]
+    fn signals_convolve_and_pool_compiled(
+        batches in proptest::collection::vec(proptest::collection::vec(3i64..12, 1..4), 2),
+        stride in 1i64..3,
+        padding in 0i64..2,
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let store = tch::nn::VarStore::new(tch::Device::Cpu);
+        let mut random = Random::new(seed);
+        let weight = store.root().add("weight", (random.normal(&[3, 2, 3]) * 0.5).to_kind(kind), true);
+        let bias = store.root().add("bias", random.normal(&[3]).to_kind(kind), true);
+        let model = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let convolved = x[0].conv1d(&weight, Some(&bias), stride, padding, 1, 1)?.tanh()?;
+            let pooled = convolved.max_pool1d(2, 1, 1)?;
+            (&pooled * &pooled)?.sum(&[], false)?.into_dense_handle()
+        };
+        let compiled = compile("signals", &model).train(&store);
+        let variables = store.trainable_variables();
+        let zero_grads = || {
+            for variable in &variables {
+                let mut grad = variable.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+            }
+        };
+        let tolerance = if double { 1e-9 } else { 1e-4 };
+        for (index, lengths) in batches.iter().enumerate() {
+            zero_grads();
+            let eager = signals(lengths, 2, kind, seed + index as i64);
+            let eager_loss = model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor();
+            eager_loss.backward();
+            let expected: Vec<Tensor> = variables.iter().map(|variable| variable.grad().copy()).collect();
+            zero_grads();
+            let ours = signals(lengths, 2, kind, seed + index as i64);
+            let loss = compiled.call(&[&ours], &[]).unwrap();
+            let loss = loss.into_iter().next().unwrap().into_dense().unwrap();
+            prop_assert!(close_within(&loss, &eager_loss, tolerance), "{lengths:?}: loss {loss} vs {eager_loss}");
+            for (variable, expected) in variables.iter().zip(&expected) {
+                prop_assert!(close_within(&variable.grad(), expected, tolerance), "{lengths:?}: {} vs {}", variable.grad(), expected);
+            }
+            prop_assert!(close_within(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance), "{lengths:?}: the signals' gradient");
+        }
+        prop_assert_eq!(compiled.stats().compiles, 1);
+    }
 }

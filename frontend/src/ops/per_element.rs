@@ -69,7 +69,10 @@ fn as_batch_of_one(
 }
 
 impl NestedTensor {
-    /// 1-d convolution of elements `[C_in, L_i]` with `weight [C_out, C_in / groups, K]`.
+    /// 1-d convolution of elements `[C_in, L_i]` with `weight [C_out, C_in / groups, K]`:
+    /// the 2-d convolution of signals one pixel high (`[C_in, 1, L_i]`, a kernel
+    /// `[K_h = 1, K]`), so it is packed and compiles (with its gradient) as `conv2d`
+    /// does; the weight's view is a parameter whose gradient reaches `weight`.
     pub fn conv1d(
         &self,
         weight: &Tensor,
@@ -79,11 +82,35 @@ impl NestedTensor {
         dilation: i64,
         groups: i64,
     ) -> Result<NestedTensor> {
-        self.map_elements("conv1d", true, |element| {
-            as_batch_of_one(element, |x| {
-                x.f_conv1d(weight, bias, [stride], [padding], [dilation], groups)
-            })
-        })
+        let channels = self.signal_channels("conv1d")?;
+        let weight = weight.f_unsqueeze(2)?;
+        let images = self.unsqueeze(channels + 1)?;
+        let convolved = images.conv2d(
+            &weight,
+            bias,
+            [1, stride],
+            [0, padding],
+            [1, dilation],
+            groups,
+        )?;
+        convolved.select_static(channels + 1, 0)
+    }
+
+    /// The NestedTensor dim of the channels of signals `[C, L_i]` (then rows one pixel
+    /// high go after it); an error naming `op` for other elements.
+    fn signal_channels(&self, op: &'static str) -> Result<i64> {
+        let layout = self.lay();
+        if layout.rank() != 2 || layout.is_ragged(0) {
+            return Err(NestedError::Unsupported {
+                op,
+                reason: format!(
+                    "expects signals [C, L_i] (static channels, then the length), got elements of rank {} with ragged dims {:?}",
+                    layout.rank(),
+                    layout.ragged_dims()
+                ),
+            });
+        }
+        Ok(i64::from(self.batch_dim() == 0))
     }
 
     /// 2-d convolution of elements `[C_in, H_i, W_i]` with
@@ -207,13 +234,13 @@ impl NestedTensor {
         })
     }
 
-    /// 1-d max pooling of elements `[C, L_i]`.
+    /// 1-d max pooling of elements `[C, L_i]`: the 2-d pooling of signals one pixel
+    /// high (a window `[1, kernel]`), packed and compiled as `max_pool2d` is.
     pub fn max_pool1d(&self, kernel: i64, stride: i64, padding: i64) -> Result<NestedTensor> {
-        self.map_elements("max_pool1d", true, |element| {
-            as_batch_of_one(element, |x| {
-                x.f_max_pool1d([kernel], [stride], [padding], [1], false)
-            })
-        })
+        let channels = self.signal_channels("max_pool1d")?;
+        let images = self.unsqueeze(channels + 1)?;
+        let pooled = images.max_pool2d([1, kernel], [1, stride], [0, padding])?;
+        pooled.select_static(channels + 1, 0)
     }
 
     /// Adaptive average pooling of elements `[C, H_i, W_i]` to `[C, *output]`; every

@@ -264,17 +264,15 @@ fn element_image(ty: &Type) -> Result<(DType, Vec<Dim>), String> {
 /// The element type and static channel count of a batch of images `[C, H_i, W_i]` with
 /// ragged `H` and `W`.
 fn images(ty: &Type) -> Result<(DType, Option<i64>), String> {
+    let wanted = || format!("expects images [C, H, W] with ragged H and W (or H 1), got {ty}");
     match ty {
         Type::Ragged { dtype, dims, .. } => match dims.as_slice() {
-            [ElemDim::Fixed(channels), ElemDim::Ragged(_), ElemDim::Ragged(_)] => {
+            [ElemDim::Fixed(channels), ElemDim::Ragged(_), ElemDim::Ragged(_)]
+            | [ElemDim::Fixed(channels), ElemDim::Fixed(Dim::Static(1)), ElemDim::Ragged(_)] => {
                 Ok((*dtype, channels.as_static()))
             }
-            _ => Err(format!(
-                "expects images [C, H, W] with ragged H and W, got {ty}"
-            )),
+            _ => Err(wanted()),
         },
-        other => Err(format!(
-            "expects images [C, H, W] with ragged H and W, got {other}"
-        )),
+        _ => Err(wanted()),
     }
 }

@@ -126,27 +126,45 @@ impl Lowering<'_> {
     }
 
     /// The buffer, channels and lengths of a batch of images `[C, H_i, W_i]` with
-    /// ragged `H` and `W`; `None` for other values.
-    fn image_operand(&self, images: ValueId) -> Option<ImageOperand> {
+    /// ragged `H` and `W`, or of signals `[C, 1, W_i]` (images one pixel high: their
+    /// heights a lengths op of ones); `None` for other values.
+    fn image_operand(&mut self, images: ValueId) -> Option<ImageOperand> {
         let Type::Ragged { dims, .. } = self.graph.ty(images) else {
             return None;
         };
-        let [ElemDim::Fixed(Dim::Static(channels)), ElemDim::Ragged(heights), ElemDim::Ragged(widths)] =
-            dims[..]
+        let (channels, heights, widths) = match dims[..] {
+            [ElemDim::Fixed(Dim::Static(channels)), ElemDim::Ragged(heights), ElemDim::Ragged(widths)] => {
+                (channels, Some(heights), widths)
+            }
+            [ElemDim::Fixed(Dim::Static(channels)), ElemDim::Fixed(Dim::Static(1)), ElemDim::Ragged(widths)] => {
+                (channels, None, widths)
+            }
+            _ => return None,
+        };
+        let (Lowered::Lengths(widths), Lowered::Data { slot, .. }) =
+            (self.get(widths), self.get(images))
         else {
             return None;
         };
-        match (self.get(heights), self.get(widths), self.get(images)) {
-            (Lowered::Lengths(heights), Lowered::Lengths(widths), Lowered::Data { slot, .. }) => {
-                Some(ImageOperand {
-                    slot,
-                    channels,
-                    heights,
-                    widths,
-                })
+        let heights = match heights.map(|heights| self.get(heights)) {
+            Some(Lowered::Lengths(heights)) => heights,
+            Some(_) => return None,
+            None => {
+                let ones = self.lengths_slot(Source::Step);
+                self.program.lengths_ops.push(LengthsOp {
+                    out: ones,
+                    input: widths,
+                    kind: LengthsKind::Constant { size: 1 },
+                });
+                ones
             }
-            _ => None,
-        }
+        };
+        Some(ImageOperand {
+            slot,
+            channels,
+            heights,
+            widths,
+        })
     }
 
     /// The gradients of window steps (convolution, global average pooling), as window
@@ -157,12 +175,12 @@ impl Lowering<'_> {
         op: &Op,
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
-        let images = |lowering: &Self, operand: ValueId| {
+        let images = |lowering: &mut Self, operand: ValueId| {
             lowering.image_operand(operand).ok_or_else(|| {
                 unsupported(
                     value,
                     op,
-                    format!("{operand} must be images with ragged H and W"),
+                    format!("{operand} must be images with ragged H and W (or H 1)"),
                 )
             })
         };

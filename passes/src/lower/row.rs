@@ -522,15 +522,24 @@ impl Lowering<'_> {
         x: ValueId,
         dims: &[i64],
     ) -> Result<Option<Lowered>, LowerError> {
-        // A sum or mean of everything, of any layout (pairs included): every scalar.
-        let ragged_dims = match self.get(x) {
-            Lowered::Data { dims: out_dims, .. } => out_dims
-                .iter()
-                .filter(|dim| matches!(dim, OutDim::Ragged(_)))
-                .count(),
-            _ => 0,
+        // A sum or mean of everything, of any layout (pairs, a ragged dim after static
+        // ones: signals `[C, L]`): every scalar.
+        let (ragged_dims, leading) = match self.get(x) {
+            Lowered::Data {
+                dims: out_dims,
+                lengths,
+                ..
+            } => (
+                out_dims
+                    .iter()
+                    .filter(|dim| matches!(dim, OutDim::Ragged(_)))
+                    .count(),
+                lengths.is_some(),
+            ),
+            _ => (0, false),
         };
-        if dims.is_empty() && ragged_dims > 1 && matches!(reduce, ReduceOp::Sum | ReduceOp::Mean) {
+        let any_layout = ragged_dims > 1 || (ragged_dims == 1 && !leading);
+        if dims.is_empty() && any_layout && matches!(reduce, ReduceOp::Sum | ReduceOp::Mean) {
             let (x_slot, rows, tail, _) = self.data(value, x)?;
             let out = self.result(value, ty)?;
             self.program.steps.push(Step::SumRows(SumRows {
@@ -561,9 +570,17 @@ impl Lowering<'_> {
                 )
                 .collect();
             let rank = 1 + out_dims.len() as i64;
+            // Static dims of size 1 reduce nothing (signals' one-pixel-high images).
+            let size_one = |dim: i64| {
+                usize::try_from(dim - 1)
+                    .ok()
+                    .and_then(|at| out_dims.get(at))
+                    .is_some_and(|dim| *dim == OutDim::Static(1))
+            };
             let mut reduced: Vec<i64> = dims
                 .iter()
                 .map(|&dim| if dim < 0 { dim + rank } else { dim })
+                .filter(|&dim| !size_one(dim))
                 .collect();
             reduced.sort_unstable();
             reduced.dedup();

@@ -399,6 +399,8 @@ impl Lowering<'_> {
                 }));
                 Ok(out)
             }
+            // A new dim of size 1 moves no value (an unsqueeze), in any layout.
+            Op::InsertStatic { x, size: 1, .. } => self.alias_of(value, *x, ty),
             Op::InsertStatic {
                 x,
                 dim,

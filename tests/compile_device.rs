@@ -174,7 +174,7 @@ fn signals_on_the_simulated_gpu_equal_the_cpu() {
         .ragged_dims(&[1])
         .tensors(&elements)
         .unwrap();
-    let weight = std::sync::Arc::new(Tensor::randn([3, 2, 3], (Kind::Float, Device::Cpu)));
+    let weight = std::rc::Rc::new(Tensor::randn([3, 2, 3], (Kind::Float, Device::Cpu)));
     assert_simulated_equals_cpu(
         "signals",
         move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {

@@ -28,7 +28,7 @@ pub fn print(graph: &Graph) -> String {
 fn print_graph(graph: &Graph, indent: usize, out: &mut String) {
     let pad = "  ".repeat(indent);
     // Writing to a String cannot fail.
-    let _ = writeln!(out, "graph @{} {{", graph.name);
+    let _ = writeln!(out, "graph @{} {{", graph_name(&graph.name));
     for (index, Node { op, ty }) in graph.nodes.iter().enumerate() {
         let _ = write!(out, "{pad}  %{index} = {}", op.name());
         let operands = op.operands();
@@ -333,7 +333,12 @@ impl Parser {
             return self.error("expected `graph`");
         }
         self.punct('@')?;
-        let mut graph = Graph::new(self.word()?);
+        // A name that is not a word (a space in it) is quoted.
+        let name = match self.next()? {
+            Kind::Word(name) | Kind::Str(name) => name,
+            other => return self.error(format!("expected a graph name, got {other:?}")),
+        };
+        let mut graph = Graph::new(name);
         self.punct('{')?;
         loop {
             match self.next()? {
@@ -559,5 +564,19 @@ impl Parser {
     fn dtype(&mut self) -> Result<DType, ParseError> {
         let name = self.word()?;
         DType::from_name(&name).map_or_else(|| self.error(format!("unknown dtype {name}")), Ok)
+    }
+}
+
+/// A graph's name as the text writes it: as it is when it reads back as one word, else
+/// quoted (`@"inner dims"`).
+fn graph_name(name: &str) -> std::borrow::Cow<'_, str> {
+    let mut chars = name.chars();
+    let word = chars
+        .next()
+        .is_some_and(|first| first.is_alphabetic() || first == '_')
+        && chars.all(|c| c.is_alphanumeric() || c == '_' || c == '.');
+    match word {
+        true => name.into(),
+        false => quote(name).into(),
     }
 }

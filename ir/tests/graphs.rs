@@ -291,6 +291,19 @@ fn the_verifier_checks_declared_types_and_definition_order() {
     assert!(error.rule.contains("not a lengths value"), "{error}");
 }
 
+/// A graph's name that is not one word (a compiled function named `"inner dims"`, or
+/// with a quote in it) is quoted in the text and reads back.
+#[test]
+fn names_that_are_not_words_round_trip() {
+    for name in ["inner dims", "a \"quoted\" name", "3d", "ok_name.v2"] {
+        let (mut graph, [_, _, x, _, _, _]) = base_graph();
+        graph.name = name.into();
+        graph.outputs = vec![x];
+        let text = print(&graph);
+        assert_eq!(parse(&text).unwrap(), graph, "{text}");
+    }
+}
+
 #[test]
 fn parse_errors_name_the_line() {
     let text = "graph @g {\n  %0 = input {name = \"L\"} : lengths[B]\n  %1 = relu(%0) : lengths[B]\n  return %1\n}\n";

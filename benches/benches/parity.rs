@@ -1,8 +1,9 @@
 #![allow(missing_docs)] // criterion_group! generates an undocumented function.
 //! DanLing-parity operators against padded libtorch at 35% occupancy (batch 16, longest
 //! 256, the report's CPU batch; and 512 elements of at most 16): the jagged-pair matmuls of a hand-written attention (`q @ k^T`, then `p @ v`)
-//! and segmented top-k along the ragged dim, packed in nestor, padded in tch (what a
-//! user without nested support would run), and element by element.
+//! and segmented top-k along the ragged dim, packed in nestor (eager, and top-k
+//! compiled), padded in tch (what a user without nested support would run), and
+//! element by element.
 //!
 //! `scripts/cargo bench -p nestor-bench --bench parity`
 
@@ -98,6 +99,15 @@ fn bench_sizes(c: &mut Criterion, batch_size: i64, max_length: i64) {
         })
     });
     group.bench_function("nestor_packed", |b| b.iter(|| q.topk(k_top, 1, true)));
+    // Compiled: each element's columns ranked by one segmented kernel (k rows an element).
+    let compiled = nestor::compile(
+        "segmented_topk",
+        move |x: &[NestedTensor], _: &[nestor::Dense]| Ok(x[0].topk(k_top, 1, true)?.0),
+    );
+    compiled
+        .call(&[&q], &[])
+        .unwrap_or_else(|error| panic!("{error}"));
+    group.bench_function("nestor_compiled", |b| b.iter(|| compiled.call(&[&q], &[])));
     group.bench_function("per_element_tch", |b| {
         b.iter(|| {
             q_list

@@ -59,29 +59,22 @@ pub(super) fn order_line<'ctx>(
             k,
             largest,
             positions,
-        } => kernel.for_range(start, end, |position| {
-            let rank = rank(kernel, largest, line.range, position, key)?;
-            kernel.if_else(
-                kernel.less(rank, kernel.i64(k))?,
-                || {
-                    let to = (line.kept_at)(rank)?;
-                    match positions {
-                        true => kernel.store_i64(out, to, from_start(position)?),
-                        false => kernel.store_float(out, to, load(position)?),
-                    }
-                },
-                || Ok(()),
-            )
+        } => first_in_order(kernel, (largest, k), line.range, key, |j, position| {
+            let to = (line.kept_at)(j)?;
+            match positions {
+                true => kernel.store_i64(out, to, from_start(position)?),
+                false => kernel.store_float(out, to, load(position)?),
+            }
         }),
         Order::TopKGrad { k, largest } => {
+            // Zeros, then each of the `k` values' gradient (`x` holds `k` a line) where
+            // it came from.
             let zero = kernel.constant(0.0);
             kernel.for_range(start, end, |position| {
-                let rank = rank(kernel, largest, line.range, position, key)?;
-                let kept = kernel.less(rank, kernel.i64(k))?;
-                // `x` holds `k` gradients a line: a kept position's at its rank.
-                let gradient = (line.kept_load)(kernel.min(rank, kernel.i64(k - 1))?)?;
-                let value = kernel.select(kept, gradient, zero)?;
-                kernel.store_float(out, (line.at)(position)?, value)
+                kernel.store_float(out, (line.at)(position)?, zero)
+            })?;
+            first_in_order(kernel, (largest, k), line.range, key, |j, position| {
+                kernel.store_float(out, (line.at)(position)?, (line.kept_load)(j)?)
             })
         }
         Order::Running { largest, positions } => running(
@@ -246,25 +239,18 @@ fn picked<'ctx>(
         }
         Pick::Kth { k } => k,
     };
-    // The position whose rank in a stable ascending sort is k - 1.
+    // The last of the first `k` positions of a stable ascending sort.
     let at = kernel.index_variable("kth")?;
     kernel.set_index(at, start)?;
-    kernel.for_range(start, end, |position| {
-        let rank = rank(kernel, false, (start, end), position, load)?;
-        let hit = kernel.equal(rank, kernel.i64(k - 1))?;
-        kernel.set_index(
-            at,
-            kernel.select_index(hit, position, kernel.get_index(at)?)?,
-        )
+    first_in_order(kernel, (false, k), (start, end), load, |_, position| {
+        kernel.set_index(at, position)
     })?;
     kernel.sub(kernel.get_index(at)?, start)
 }
 
 /// Where position `row`'s value goes in a stable sort of positions `start..end` (the
 /// smallest first, or the largest: `descending`), counted from `start`: the positions
-/// whose values sort before it, and the equal ones before it (NaN after every number,
-/// before when descending; NaNs are equal, and so are -0 and 0). A loop over the range
-/// a position.
+/// that [`precedes`] it. A loop over the range a position.
 fn rank<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     descending: bool,
@@ -272,29 +258,11 @@ fn rank<'ctx>(
     row: IntValue<'ctx>,
     load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
 ) -> Gen<IntValue<'ctx>> {
-    let own = load(row)?;
-    let own_nan = kernel.float_compare(FloatPredicate::UNO, own, own)?;
+    let own = (row, load(row)?);
     let count = kernel.index_variable("rank")?;
     kernel.set_index(count, kernel.i64(0))?;
-    let (beyond, ahead) = match descending {
-        true => (FloatPredicate::OGT, true),
-        false => (FloatPredicate::OLT, false),
-    };
     kernel.for_range(start, end, |other| {
-        let value = load(other)?;
-        let nan = kernel.float_compare(FloatPredicate::UNO, value, value)?;
-        // NaN sorts after every number ascending, before every number descending.
-        let nan_first = match ahead {
-            true => kernel.and(nan, kernel.not(own_nan)?)?,
-            false => kernel.and(kernel.not(nan)?, own_nan)?,
-        };
-        let before = kernel.or(kernel.float_compare(beyond, value, own)?, nan_first)?;
-        let equal = kernel.or(
-            kernel.float_compare(FloatPredicate::OEQ, value, own)?,
-            kernel.and(nan, own_nan)?,
-        )?;
-        let earlier_equal = kernel.and(equal, kernel.less(other, row)?)?;
-        let counts = kernel.or(before, earlier_equal)?;
+        let counts = precedes(kernel, descending, (other, load(other)?), own)?;
         let next = kernel.add(kernel.get_index(count)?, kernel.i64(1))?;
         kernel.set_index(
             count,
@@ -302,4 +270,83 @@ fn rank<'ctx>(
         )
     })?;
     kernel.get_index(count)
+}
+
+/// Whether the value at position `a` comes before the one at `b` in a stable sort (the
+/// smallest first, or the largest: `descending`): a smaller (larger) value, or an
+/// equal one at an earlier position; NaN after every number, before when descending;
+/// NaNs are equal, and so are -0 and 0.
+fn precedes<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    descending: bool,
+    (a, a_value): (IntValue<'ctx>, FloatValue<'ctx>),
+    (b, b_value): (IntValue<'ctx>, FloatValue<'ctx>),
+) -> Gen<IntValue<'ctx>> {
+    let a_nan = kernel.float_compare(FloatPredicate::UNO, a_value, a_value)?;
+    let b_nan = kernel.float_compare(FloatPredicate::UNO, b_value, b_value)?;
+    let (beyond, nan_first) = match descending {
+        true => (FloatPredicate::OGT, kernel.and(a_nan, kernel.not(b_nan)?)?),
+        false => (FloatPredicate::OLT, kernel.and(kernel.not(a_nan)?, b_nan)?),
+    };
+    let before = kernel.or(kernel.float_compare(beyond, a_value, b_value)?, nan_first)?;
+    let equal = kernel.or(
+        kernel.float_compare(FloatPredicate::OEQ, a_value, b_value)?,
+        kernel.and(a_nan, b_nan)?,
+    )?;
+    kernel.or(before, kernel.and(equal, kernel.less(a, b)?)?)
+}
+
+/// The first `k` positions of a stable sort of positions `start..end` (the smallest
+/// first, or the largest: `descending`), in order: `each(j, position)` for the `j`-th,
+/// fewer for a shorter range. `k` passes over the range, each taking the first
+/// position that the previous one [`precedes`] (`O(k L)`, where ranks are `O(L^2)`).
+fn first_in_order<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (descending, k): (bool, i64),
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    load: &dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    each: impl Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>,
+) -> Gen<()> {
+    let previous = kernel.index_variable("previous")?;
+    let best = kernel.index_variable("best")?;
+    let [last_value, best_value] = kernel.accumulators(["last_value", "best_value"])?;
+    let none = kernel.i64(-1);
+    kernel.set_index(previous, none)?;
+    // Read only once their position is set; defined before that all the same.
+    kernel.set(last_value, kernel.constant(0.0))?;
+    kernel.for_range(kernel.i64(0), kernel.i64(k), |j| {
+        kernel.set_index(best, none)?;
+        kernel.set(best_value, kernel.constant(0.0))?;
+        kernel.for_range(start, end, |position| {
+            let value = load(position)?;
+            let here = (position, value);
+            // After the previous pick, and before the best so far.
+            let last = kernel.get_index(previous)?;
+            let after = kernel.or(
+                kernel.equal(last, none)?,
+                precedes(kernel, descending, (last, kernel.get(last_value)?), here)?,
+            )?;
+            let current = kernel.get_index(best)?;
+            let better = kernel.or(
+                kernel.equal(current, none)?,
+                precedes(kernel, descending, here, (current, kernel.get(best_value)?))?,
+            )?;
+            let takes = kernel.and(after, better)?;
+            kernel.set(
+                best_value,
+                kernel.select(takes, value, kernel.get(best_value)?)?,
+            )?;
+            kernel.set_index(best, kernel.select_index(takes, position, current)?)
+        })?;
+        let found = kernel.get_index(best)?;
+        kernel.if_else(
+            kernel.less(none, found)?,
+            || {
+                kernel.set_index(previous, found)?;
+                kernel.set(last_value, kernel.get(best_value)?)?;
+                each(j, found)
+            },
+            || Ok(()),
+        )
+    })
 }

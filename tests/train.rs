@@ -1161,6 +1161,28 @@ fn hand_written_causal_attention_trains() {
     assert_same_gradients(&ours, &eager);
 }
 
+/// The gradient of `model`'s loss for one batch (`leaf` called twice: two equal leaves)
+/// compiled (as `name`) equals autograd's within `tolerance`.
+fn assert_input_gradient_like_autograd<F>(
+    name: &str,
+    model: F,
+    leaf: impl Fn() -> NestedTensor,
+    tolerance: f64,
+) where
+    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense>,
+{
+    let compiled = compile(name, &model).train(&nn::VarStore::new(Device::Cpu));
+    let eager = leaf();
+    model(std::slice::from_ref(&eager), &[])
+        .unwrap()
+        .into_tensor()
+        .backward();
+    let ours = leaf();
+    compiled.call(&[&ours], &[]).unwrap();
+    let (ours, eager) = (ours.grad().unwrap(), eager.grad().unwrap());
+    assert_close(ours.values(), eager.values(), tolerance, name);
+}
+
 /// A leaf batch of elements `[L_i, width]` whose values lie on a grid of `levels`
 /// halves centred on 0 (ties everywhere), drawn from `state`.
 fn grid_batch(
@@ -1233,13 +1255,8 @@ proptest! {
             let sums = (&x[0].cumsum(1)?.cos()? + &x[0].cumsum(-1)?.cos()?)?;
             (&products + &sums)?.sum(&[], false)?.into_dense_handle()
         };
-        let compiled = compile("scans", model).train(&nn::VarStore::new(Device::Cpu));
-        let eager = halves(&values, kind);
-        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
-        let ours = halves(&values, kind);
-        compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-5 };
-        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "scans");
+        assert_input_gradient_like_autograd("scans", model, || halves(&values, kind), tolerance);
     }
 }
 
@@ -1271,13 +1288,8 @@ proptest! {
             let weighted = (&weighted + &(&largest.sin()? * &smallest)?)?;
             weighted.sum(&[], false)?.into_dense_handle()
         };
-        let compiled = compile("sorts", model).train(&nn::VarStore::new(Device::Cpu));
-        let eager = halves(&values, kind);
-        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
-        let ours = halves(&values, kind);
-        compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-5 };
-        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "sorts");
+        assert_input_gradient_like_autograd("sorts", model, || halves(&values, kind), tolerance);
     }
 }
 
@@ -1310,13 +1322,8 @@ proptest! {
             let second = (&second * &second)?.sum(&[], false)?.into_dense_handle()?;
             both.add(&smallest.sum_all()?)?.add(&last)?.add(&kth.sum_all()?)?.add(&second)
         };
-        let compiled = compile("extremes", model).train(&nn::VarStore::new(Device::Cpu));
-        let eager = halves(&values, kind);
-        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
-        let ours = halves(&values, kind);
-        compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-5 };
-        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "extremes");
+        assert_input_gradient_like_autograd("extremes", model, || halves(&values, kind), tolerance);
     }
 }
 
@@ -1360,17 +1367,12 @@ proptest! {
                 .add(&total((&apart * &x)?.sin()?)?)?
                 .add(&total((&merged * &merged)?)?)
         };
-        let compiled = compile("inner", model).train(&nn::VarStore::new(Device::Cpu));
         let leaf = || {
             let mut state = seed;
             grid_batch(&lengths, 24, (7, kind), &mut state)
         };
-        let eager = leaf();
-        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
-        let ours = leaf();
-        compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-4 };
-        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "inner dims");
+        assert_input_gradient_like_autograd("inner", model, leaf, tolerance);
     }
 }
 
@@ -1398,13 +1400,8 @@ proptest! {
             let weighted = (&largest.cumsum(1)?.sin()? + &(&smallest * &largest)?)?;
             weighted.sum(&[], false)?.into_dense_handle()
         };
-        let compiled = compile("top_rows", model).train(&nn::VarStore::new(Device::Cpu));
-        let eager = halves(&values, kind);
-        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
-        let ours = halves(&values, kind);
-        compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-5 };
-        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "top rows");
+        assert_input_gradient_like_autograd("top_rows", model, || halves(&values, kind), tolerance);
     }
 }
 
@@ -1656,13 +1653,8 @@ proptest! {
                 .add(&total((&inner * &inner.cos()?)?)?)?
                 .add(&total(last.tanh()?)?)
         };
-        let compiled = compile("slices", model).train(&nn::VarStore::new(Device::Cpu));
         let leaf = || batch(&lengths, &[24], kind, seed).0.set_requires_grad(true).unwrap();
-        let eager = leaf();
-        model(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
-        let ours = leaf();
-        compiled.call(&[&ours], &[]).unwrap();
         let tolerance = if double { 1e-9 } else { 1e-5 };
-        assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "slices");
+        assert_input_gradient_like_autograd("slices", model, leaf, tolerance);
     }
 }

@@ -766,14 +766,8 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             Ok(vec![(x, b.push(Op::ReshapeTail { x: g, tail })?)])
         }
         Op::SelectStatic { x, dim, index } => {
-            let size = match b.ty(x) {
-                Type::Ragged { dims, .. } => match dims.get(dim) {
-                    Some(ElemDim::Fixed(size)) => size.as_static(),
-                    _ => None,
-                },
-                _ => None,
-            }
-            .ok_or_else(|| b.no_rule("a selection from a dim of unknown size"))?;
+            let size = static_size(b, x, dim)
+                .ok_or_else(|| b.no_rule("a selection from a dim of unknown size"))?;
             let inserted = b.push(Op::InsertStatic {
                 x: g,
                 dim,
@@ -784,14 +778,8 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
         }
         // A static slice and padding with zeros are each other's gradient.
         Op::SliceStatic { x, dim, start, end } => {
-            let size = match b.ty(x) {
-                Type::Ragged { dims, .. } => match dims.get(dim) {
-                    Some(ElemDim::Fixed(size)) => size.as_static(),
-                    _ => None,
-                },
-                _ => None,
-            }
-            .ok_or_else(|| b.no_rule("a slice of a dim of unknown size"))?;
+            let size = static_size(b, x, dim)
+                .ok_or_else(|| b.no_rule("a slice of a dim of unknown size"))?;
             let padded = b.push(Op::PadStatic {
                 x: g,
                 dim,
@@ -801,14 +789,8 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             Ok(vec![(x, padded)])
         }
         Op::PadStatic { x, dim, before, .. } => {
-            let size = match b.ty(x) {
-                Type::Ragged { dims, .. } => match dims.get(dim) {
-                    Some(ElemDim::Fixed(size)) => size.as_static(),
-                    _ => None,
-                },
-                _ => None,
-            }
-            .ok_or_else(|| b.no_rule("padding of a dim of unknown size"))?;
+            let size = static_size(b, x, dim)
+                .ok_or_else(|| b.no_rule("padding of a dim of unknown size"))?;
             let sliced = b.push(Op::SliceStatic {
                 x: g,
                 dim,
@@ -1117,4 +1099,15 @@ fn cdist_gradients(
     })?;
     let db = b.reduce(ReduceOp::Sum, transposed, vec![2], false)?;
     Ok([da, b.unary(UnaryOp::Neg, db)?])
+}
+
+/// The size of `x`'s static element dim `dim`, when it is one.
+fn static_size(b: &Builder, x: ValueId, dim: usize) -> Option<i64> {
+    match b.ty(x) {
+        Type::Ragged { dims, .. } => match dims.get(dim) {
+            Some(ElemDim::Fixed(size)) => size.as_static(),
+            _ => None,
+        },
+        _ => None,
+    }
 }

@@ -14,27 +14,19 @@ pub(super) fn along_last(graph: &mut Graph, op: &Op) -> Result<Option<ValueId>, 
     let Some((x, axis, kept)) = along_one_dim(op) else {
         return Ok(None);
     };
-    let Type::Ragged { dims, .. } = graph.ty(x) else {
+    let Some((ragged, tail)) = static_tail(graph.ty(x)) else {
         return Ok(None);
     };
-    let rank = dims.len();
+    let rank = ragged + tail.len();
     let normalized = if axis < 0 {
         axis + rank as i64 + 1
     } else {
         axis
     };
-    let size = |dim: &ElemDim| match dim {
-        ElemDim::Fixed(dim) => dim.as_static(),
-        ElemDim::Ragged(_) => None,
-    };
-    let ragged = dims.iter().take_while(|dim| size(dim).is_none()).count();
-    let tail: Option<Vec<i64>> = dims[ragged..].iter().map(size).collect();
-    let (Some(at), Some(tail)) = (
-        usize::try_from(normalized - 1)
-            .ok()
-            .filter(|&at| at >= ragged && at + 1 < rank),
-        tail,
-    ) else {
+    let Some(at) = usize::try_from(normalized - 1)
+        .ok()
+        .filter(|&at| at >= ragged && at + 1 < rank)
+    else {
         return Ok(None);
     };
     // The static tail: `before`, the dim itself, `after`.
@@ -52,10 +44,9 @@ pub(super) fn along_last(graph: &mut Graph, op: &Op) -> Result<Option<ValueId>, 
         }
         // As many as before (or `k`): moved back.
         None => {
-            let Type::Ragged { dims, .. } = graph.ty(along) else {
-                return Ok(Some(along));
-            };
-            let size = dims.last().and_then(size).unwrap_or(1);
+            let size = static_tail(graph.ty(along))
+                .and_then(|(_, tail)| tail.last().copied())
+                .unwrap_or(1);
             move_back(graph, along, (before, size, after)).map(Some)
         }
     }
@@ -101,6 +92,26 @@ fn swap_runs(
         x: swapped,
         tail: [before, second, first].concat(),
     })
+}
+
+/// The count of a batch's leading ragged dims and the sizes of its static dims after
+/// them; `None` for another type or a ragged dim after a static one.
+pub(super) fn static_tail(ty: &Type) -> Option<(usize, Vec<i64>)> {
+    let Type::Ragged { dims, .. } = ty else {
+        return None;
+    };
+    let ragged = dims
+        .iter()
+        .take_while(|dim| matches!(dim, ElemDim::Ragged(_)))
+        .count();
+    let tail = dims[ragged..]
+        .iter()
+        .map(|dim| match dim {
+            ElemDim::Fixed(dim) => dim.as_static(),
+            ElemDim::Ragged(_) => None,
+        })
+        .collect::<Option<Vec<i64>>>()?;
+    Some((ragged, tail))
 }
 
 /// The count of `x`'s leading ragged dims.

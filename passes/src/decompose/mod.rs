@@ -389,39 +389,30 @@ fn several_static_dims(
         op,
         ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Amax | ReduceOp::Amin | ReduceOp::LogSumExp
     );
-    let Type::Ragged { dims: element, .. } = graph.ty(x) else {
-        return None;
-    };
-    let rank = element.len() as i64 + 1;
-    let ragged = element
+    let (ragged, tail) = inner::static_tail(graph.ty(x))?;
+    let rank = (ragged + tail.len() + 1) as i64;
+    let places: Option<Vec<usize>> = normalized_dims(dims, rank)
         .iter()
-        .take_while(|dim| matches!(dim, nestor_ir::ElemDim::Ragged(_)))
-        .count();
-    let tail: Option<Vec<i64>> = element[ragged..]
-        .iter()
-        .map(|dim| match dim {
-            nestor_ir::ElemDim::Fixed(dim) => dim.as_static(),
-            nestor_ir::ElemDim::Ragged(_) => None,
-        })
+        .map(|&dim| usize::try_from(dim - 1).ok()?.checked_sub(ragged))
         .collect();
+    match (composes, places) {
+        (true, Some(places)) if places.len() >= 2 && places.iter().all(|&p| p < tail.len()) => {
+            Some((ragged, tail, places))
+        }
+        _ => None,
+    }
+}
+
+/// Batch-first `dims` of a value of `rank` dims counted from the front, in order, each
+/// once.
+fn normalized_dims(dims: &[i64], rank: i64) -> Vec<i64> {
     let mut normalized: Vec<i64> = dims
         .iter()
         .map(|&dim| if dim < 0 { dim + rank } else { dim })
         .collect();
     normalized.sort_unstable();
     normalized.dedup();
-    let places: Option<Vec<usize>> = normalized
-        .iter()
-        .map(|&dim| usize::try_from(dim - 1).ok()?.checked_sub(ragged))
-        .collect();
-    match (composes, tail, places) {
-        (true, Some(tail), Some(places))
-            if places.len() >= 2 && places.iter().all(|&p| p < tail.len()) =>
-        {
-            Some((ragged, tail, places))
-        }
-        _ => None,
-    }
+    normalized
 }
 
 /// The reduction `op` of `x`, of `ragged` leading ragged dims and
@@ -488,12 +479,7 @@ fn split_reduction(
         return None;
     };
     let rank = element.len() as i64 + 1;
-    let mut normalized: Vec<i64> = dims
-        .iter()
-        .map(|&dim| if dim < 0 { dim + rank } else { dim })
-        .collect();
-    normalized.sort_unstable();
-    normalized.dedup();
+    let normalized = normalized_dims(dims, rank);
     if !composes || normalized.is_empty() || normalized.iter().any(|&dim| dim < 1 || dim >= rank) {
         return None;
     }

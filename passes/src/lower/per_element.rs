@@ -149,15 +149,7 @@ impl Lowering<'_> {
         let heights = match heights.map(|heights| self.get(heights)) {
             Some(Lowered::Lengths(heights)) => heights,
             Some(_) => return None,
-            None => {
-                let ones = self.lengths_slot(Source::Step);
-                self.program.lengths_ops.push(LengthsOp {
-                    out: ones,
-                    input: widths,
-                    kind: LengthsKind::Constant { size: 1 },
-                });
-                ones
-            }
+            None => self.ones_like(widths),
         };
         Some(ImageOperand {
             slot,
@@ -165,6 +157,27 @@ impl Lowering<'_> {
             heights,
             widths,
         })
+    }
+
+    /// Lengths of 1 for every element of the batch of `lengths` (the heights of signals
+    /// one pixel high): the lengths op that gives them already, or a new one.
+    fn ones_like(&mut self, lengths: Slot) -> Slot {
+        let ones = LengthsKind::Constant { size: 1 };
+        let existing = self
+            .program
+            .lengths_ops
+            .iter()
+            .find(|op| op.input == lengths && op.kind == ones);
+        if let Some(op) = existing {
+            return op.out;
+        }
+        let out = self.lengths_slot(Source::Step);
+        self.program.lengths_ops.push(LengthsOp {
+            out,
+            input: lengths,
+            kind: ones,
+        });
+        out
     }
 
     /// The gradients of window steps (convolution, global average pooling), as window

@@ -14,8 +14,8 @@ use common::families::{families, ids};
 use common::{assert_close_within, batch, lengths, Out};
 use nestor::nn::{Transformer, TransformerConfig, TransformerDecoder, TransformerEncoder};
 use nestor::{
-    compile, CompileCause, Dense, LossReduction, NestedError, NestedTensor, Reduce, RunDevice,
-    SimOptions, Value,
+    compile, Bounds, CompileCause, Dense, LossReduction, NestedError, NestedTensor, Reduce,
+    RunDevice, SimOptions, Value,
 };
 use proptest::prelude::*;
 use tch::{nn, Device, Kind, Tensor};
@@ -244,6 +244,36 @@ fn repeats_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
         };
         assert_simulated_gradients_equal_cpu("repeat_loss", loss, &[&x, &one]);
     }
+}
+
+/// Slices of the ragged dim (their row maps are device tables) and their gradient (a
+/// map that marks the rows outside the slice, written as zeros) on the simulated GPU
+/// equal the CPU.
+#[test]
+fn ragged_slices_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
+    let (x, _) = batch(&[5, 1, 0, 3], &[4], Kind::Float, 1);
+    let (one, _) = batch(&[2], &[4], Kind::Float, 2);
+    assert_simulated_equals_cpu(
+        "slices",
+        |x: &[NestedTensor], _: &[Dense]| &x[0].slice(1, ..-1)?.tanh()? * &x[0].slice(1, 1..)?,
+        &[vec![&x], vec![&one]],
+    );
+    let loss = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        // `[1:-1]` (a Rust range `1..-1` reads as empty to clippy).
+        let inner = x[0].slice(
+            1,
+            Bounds {
+                start: Some(1),
+                end: Some(-1),
+            },
+        )?;
+        let pairs = (&x[0].slice(1, ..-1)? * &x[0].slice(1, 1..)?.sin()?)?;
+        (&inner.sin()? * &inner)?
+            .sum(&[], false)?
+            .into_dense_handle()?
+            .add(&pairs.sum(&[], false)?.into_dense_handle()?)
+    };
+    assert_simulated_gradients_equal_cpu("slice_loss", loss, &[&x, &one]);
 }
 
 #[test]

@@ -439,7 +439,23 @@ fn concrete_reads_fail_the_trace_and_name_the_call() {
 #[test]
 fn untraceable_operators_and_untraced_outputs_are_errors() {
     let (example, _) = batch(&[3, 1], &[4], Kind::Float, 6);
-    let slice = trace("slice", &[&example], &[], None, |x, _| x[0].slice(1, 1..));
+    let selection = trace("select_batch", &[&example], &[], None, |x, _| {
+        x[0].select_batch(1..)
+    });
+    assert!(
+        matches!(
+            selection,
+            Err(NestedError::Trace {
+                op: "select_batch",
+                ..
+            })
+        ),
+        "{selection:?}"
+    );
+    // A slice of a ragged dim that is not the elements' one leading ragged dim.
+    let slice = trace("slice", &[&example], &[], None, |x, _| {
+        x[0].cdist(&x[0], 2.0)?.slice(2, 1..)
+    });
     assert!(
         matches!(slice, Err(NestedError::Trace { op: "slice", .. })),
         "{slice:?}"

@@ -11,7 +11,7 @@ mod common;
 
 use common::{batch, lengths};
 use nestor::nn::{TransformerConfig, TransformerDecoder, TransformerEncoder};
-use nestor::{compile, Dense, LossReduction, NestedError, NestedTensor, Reduce};
+use nestor::{compile, Bounds, Dense, LossReduction, NestedError, NestedTensor, Reduce};
 use proptest::prelude::*;
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -1530,6 +1530,87 @@ proptest! {
             loss(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
             training.call(&[&ours], &[]).unwrap();
             assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "repeat gradient");
+        }
+    }
+}
+
+/// Asserts that two batches have the same element sizes, dtype and values (within
+/// `tolerance`).
+fn assert_same_batch(got: &NestedTensor, want: &NestedTensor, tolerance: f64) {
+    assert!(
+        got.element_sizes().equal(&want.element_sizes()),
+        "element sizes"
+    );
+    assert_eq!(got.values().kind(), want.values().kind(), "dtype");
+    let double = |batch: &NestedTensor| batch.values().to_kind(Kind::Double);
+    assert_close(&double(got), &double(want), tolerance, "slice");
+}
+
+/// Python bounds of a slice: positions from either end, past them, none.
+fn slice_bounds() -> impl Strategy<Value = Bounds> {
+    let position = prop_oneof![
+        Just(None),
+        (-7i64..=7).prop_map(Some),
+        Just(Some(-100)),
+        Just(Some(100))
+    ];
+    (position.clone(), position).prop_map(|(start, end)| Bounds { start, end })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::cases(24)))]
+
+    /// Slices of the ragged dim compile (their lengths computed each run, bounds as
+    /// Python's resolved per element: negative, past the end, empty) and equal eager,
+    /// ids too; `[:-1]` and `[1:]` of one batch have one length symbol (a language
+    /// model's inputs and targets meet); the gradient puts each row back among zeros,
+    /// as autograd does; lengths 0 and 1 and batch size 1 included, f32 and f64.
+    #[test]
+    fn ragged_slices_compile_and_train(
+        batches in proptest::collection::vec(lengths(4, 7), 2),
+        bounds in slice_bounds(),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let tolerance = if double { 1e-9 } else { 1e-5 };
+        let weights = Tensor::randn([3, 2], (kind, Device::Cpu));
+        let forward = {
+            let weights = weights.shallow_clone();
+            move |x: &[NestedTensor], _: &[Dense]| x[0].tanh()?.slice(1, bounds)?.matmul(&weights)
+        };
+        let shifted = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<NestedTensor> {
+            &x[0].slice(1, ..-1)? * &x[0].slice(1, 1..)?
+        };
+        let ids = |x: &[NestedTensor], _: &[Dense]| x[0].slice(1, bounds);
+        let compiled = (compile("slice", &forward), compile("shifted", &shifted), compile("ids", &ids));
+        for (index, lengths) in batches.iter().enumerate() {
+            let (x, _) = batch(lengths, &[3], kind, seed + index as i64);
+            let (floats, _) = batch(lengths, &[], Kind::Float, seed);
+            let ids_batch = (&floats * 10.0).unwrap().to_kind(Kind::Int64).unwrap();
+            let first = |outputs: Vec<nestor::Value>| outputs.into_iter().next().unwrap().into_nested().unwrap();
+            let own = |input: &NestedTensor| std::slice::from_ref(input).to_vec();
+            assert_same_batch(&first(compiled.0.call(&[&x], &[]).unwrap()), &forward(&own(&x), &[]).unwrap(), tolerance);
+            assert_same_batch(&first(compiled.1.call(&[&x], &[]).unwrap()), &shifted(&own(&x), &[]).unwrap(), tolerance);
+            assert_same_batch(&first(compiled.2.call(&[&ids_batch], &[]).unwrap()), &ids(&own(&ids_batch), &[]).unwrap(), 0.0);
+        }
+        for compiles in [compiled.0.stats().compiles, compiled.1.stats().compiles, compiled.2.stats().compiles] {
+            prop_assert_eq!(compiles, 1);
+        }
+        // Training: rows outside the slice get no gradient.
+        let loss = move |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+            let sliced = x[0].slice(1, bounds)?;
+            let pairs = (&x[0].slice(1, ..-1)? * &x[0].slice(1, 1..)?.cos()?)?;
+            let own = (&sliced.sin()? * &sliced)?.sum(&[], false)?.into_dense_handle()?;
+            own.add(&pairs.sum(&[], false)?.into_dense_handle()?)
+        };
+        let training = compile("slice_training", loss).train(&nn::VarStore::new(Device::Cpu));
+        for (index, lengths) in batches.iter().enumerate() {
+            let leaves = || batch(lengths, &[3], kind, seed + index as i64).0.set_requires_grad(true).unwrap();
+            let (eager, ours) = (leaves(), leaves());
+            loss(std::slice::from_ref(&eager), &[]).unwrap().into_tensor().backward();
+            training.call(&[&ours], &[]).unwrap();
+            assert_close(ours.grad().unwrap().values(), eager.grad().unwrap().values(), tolerance, "slice gradient");
         }
     }
 }

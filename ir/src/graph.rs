@@ -240,6 +240,43 @@ impl Graph {
         }
     }
 
+    /// The lengths of a slice `bounds` of each element of the batch of `lengths`: the
+    /// value of the same length formula ([`crate::SliceBounds::lengths_form`]) if the
+    /// graph has one, `lengths` itself for a slice of everything, or a new
+    /// `slice_lengths`, so that equal lengths are one symbol.
+    ///
+    /// ```
+    /// use nestor_ir::{Graph, Op, SliceBounds, Type};
+    /// let mut graph = Graph::new("g");
+    /// let lengths = graph.add_declared(
+    ///     Op::Input { name: "L".into() },
+    ///     Type::Lengths { batch: nestor_ir::Dim::Sym("B".into()) },
+    /// )?;
+    /// let tail = graph.slice_lengths(lengths, SliceBounds { start: 1, end: i64::MAX })?;
+    /// assert_eq!(graph.slice_lengths(lengths, SliceBounds { start: 0, end: -1 })?, tail);
+    /// assert_eq!(graph.slice_lengths(lengths, SliceBounds::ALL)?, lengths);
+    /// # Ok::<(), nestor_ir::VerifyError>(())
+    /// ```
+    pub fn slice_lengths(
+        &mut self,
+        lengths: ValueId,
+        bounds: crate::SliceBounds,
+    ) -> Result<ValueId, VerifyError> {
+        let form = bounds.lengths_form();
+        if form == crate::SliceBounds::ALL {
+            return Ok(lengths);
+        }
+        let op = Op::SliceLengths {
+            lengths,
+            start: form.start,
+            end: form.end,
+        };
+        match self.nodes.iter().position(|node| node.op == op) {
+            Some(index) => Ok(ValueId(index as u32)),
+            None => self.push(op),
+        }
+    }
+
     /// The type `op` would have if it were appended, or the rule it breaks.
     pub fn type_of(&self, op: &Op) -> Result<Type, VerifyError> {
         self.infer(ValueId(self.nodes.len() as u32), op)

@@ -5,7 +5,7 @@
 
 use nestor_ir::{
     parse, print, to_dot, Attr, BinaryOp, DType, Dim, ElemDim, Graph, LossReduction, Op, ReduceOp,
-    Type, UnaryOp, ValueId, F64,
+    SliceBounds, Type, UnaryOp, ValueId, F64,
 };
 use proptest::prelude::*;
 
@@ -238,6 +238,61 @@ fn top_rows_take_constant_lengths_of_k() {
         .unwrap();
     assert_eq!(graph.ty(gradient), graph.ty(x));
     graph.outputs = vec![values, gradient];
+    graph.verify().unwrap();
+    assert_eq!(parse(&print(&graph)).unwrap(), graph);
+}
+
+#[test]
+fn ragged_slices_take_the_lengths_of_their_formula() {
+    let (mut graph, [l, m, x, y, _, _]) = base_graph();
+    let bounds = |start, end| SliceBounds { start, end };
+    let tail = graph.slice_lengths(l, bounds(1, i64::MAX)).unwrap();
+    // `[:-1]` keeps as many rows as `[1:]`: one symbol; `[:]` is the lengths themselves.
+    assert_eq!(graph.slice_lengths(l, bounds(0, -1)).unwrap(), tail);
+    assert_eq!(graph.slice_lengths(l, SliceBounds::ALL).unwrap(), l);
+    let slice = |x, lengths, start, end| Op::SliceRagged {
+        x,
+        lengths,
+        start,
+        end,
+    };
+    let head = graph.push(slice(x, tail, 0, -1)).unwrap();
+    let shifted = graph.push(slice(x, tail, 1, i64::MAX)).unwrap();
+    assert_eq!(graph.ty(head), &ragged(DType::F32, tail, &[4]));
+    let product = graph
+        .push(Op::Binary {
+            op: BinaryOp::Mul,
+            lhs: head,
+            rhs: shifted,
+        })
+        .unwrap();
+    // Lengths of another formula, of other lengths, or none.
+    for (x, lengths, start, end) in [
+        (x, tail, 2, i64::MAX),
+        (y, tail, 1, i64::MAX),
+        (x, l, 1, i64::MAX),
+        (x, m, 0, i64::MAX),
+    ] {
+        let error = graph.push(slice(x, lengths, start, end)).unwrap_err();
+        assert_eq!(error.op, "slice_ragged", "{error}");
+    }
+    let gradient = graph
+        .push(Op::UnsliceRagged {
+            g: product,
+            like: x,
+            start: 0,
+            end: -1,
+        })
+        .unwrap();
+    assert_eq!(graph.ty(gradient), graph.ty(x));
+    let wrong = Op::UnsliceRagged {
+        g: product,
+        like: y,
+        start: 0,
+        end: -1,
+    };
+    assert_eq!(graph.push(wrong).unwrap_err().op, "unslice_ragged");
+    graph.outputs = vec![product, gradient];
     graph.verify().unwrap();
     assert_eq!(parse(&print(&graph)).unwrap(), graph);
 }

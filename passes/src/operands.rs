@@ -3,7 +3,7 @@
 //! the pointwise expressions fused into kernels ([`Expr`], [`Fusion`]), and the kinds
 //! of row, segmented and window kernels.
 
-use nestor_ir::{BinaryOp, UnaryOp, F64};
+use nestor_ir::{BinaryOp, SliceBounds, UnaryOp, F64};
 
 /// A buffer of a program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -219,6 +219,21 @@ pub enum RowMap {
     /// For the rows of a batch of these lengths, the row of its copy number `copy` in
     /// the batch repeated ([`Repeats`]).
     Copy(Slot, Repeats, i64),
+    /// For the rows of a slice of the leading ragged dim of a batch of these lengths,
+    /// the row of the batch each is.
+    Sliced(Slot, SliceBounds),
+    /// For the rows of a batch of these lengths, the row of its slice that each is, -1
+    /// for a row outside the slice: a kernel reading through this map writes zeros
+    /// for the rows it marks -1 ([`RowMap::skips`]).
+    Unsliced(Slot, SliceBounds),
+}
+
+impl RowMap {
+    /// Whether the map marks rows that have no row to read with -1; a pointwise kernel
+    /// writes zeros for them.
+    pub fn skips(self) -> bool {
+        matches!(self, RowMap::Unsliced(..))
+    }
 }
 
 /// How a batch is repeated: whole (`[e_0, e_1, e_0, e_1]`) or element by element

@@ -75,6 +75,8 @@ pub enum LengthsKind {
     },
     /// The input's lengths repeated: whole or element by element.
     Repeat(crate::Repeats),
+    /// The lengths of a slice of each element (bounds resolved per element).
+    Slice(nestor_ir::SliceBounds),
     /// The input's lengths, checked equal to `against`'s (two window formulas that
     /// agreed when traced): an unequal run is an error before any buffer is sized.
     Checked {

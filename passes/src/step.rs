@@ -565,9 +565,11 @@ fn visit_access(access: &mut Access, visit: &mut dyn FnMut(&mut Slot)) {
     visit(&mut access.slot);
     if let Some(map) = &mut access.row_map {
         match map {
-            RowMap::Owners(lengths) | RowMap::Repeated(lengths, _) | RowMap::Copy(lengths, ..) => {
-                visit(lengths)
-            }
+            RowMap::Owners(lengths)
+            | RowMap::Repeated(lengths, _)
+            | RowMap::Copy(lengths, ..)
+            | RowMap::Sliced(lengths, _)
+            | RowMap::Unsliced(lengths, _) => visit(lengths),
             RowMap::PairRows(rows, columns)
             | RowMap::PairColumns(rows, columns)
             | RowMap::PairTransposed(rows, columns) => {

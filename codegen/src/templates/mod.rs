@@ -24,7 +24,8 @@ use nestor_passes::step::{
     ScatterRows, Segment, SumRows, Unpad, Window,
 };
 use nestor_passes::{
-    Access, Digits, Fusion, Order, Pick, Role, RowKind, SegmentKind, Signature, Step, WindowKind,
+    Access, Digits, Fusion, Order, Pick, Role, RowKind, RowMap, SegmentKind, Signature, Step,
+    WindowKind,
 };
 
 use crate::builder::{Gen, Kernel, Lanes, Local, ROW_REGISTERS, WARP_LANES};

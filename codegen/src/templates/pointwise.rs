@@ -44,10 +44,36 @@ pub(super) fn pointwise<'ctx>(
             })
             .collect::<Gen<Vec<_>>>()?;
         let base = kernel.mul(row, kernel.i64(width))?;
-        kernel.lane_range(lanes, width, |column| {
-            compute(kernel.add(base, column)?, &|input| {
-                index(kernel, &inputs[input], rows[input], column)
+        let values = || {
+            kernel.lane_range(lanes, width, |column| {
+                compute(kernel.add(base, column)?, &|input| {
+                    index(kernel, &inputs[input], rows[input], column)
+                })
             })
-        })
+        };
+        // A row that a map marks -1 has nothing to read: zeros.
+        let mut skipped = None;
+        for (access, &mapped) in inputs.iter().zip(&rows) {
+            if access.row_map.is_some_and(RowMap::skips) {
+                let absent = kernel.less(mapped, kernel.i64(0))?;
+                skipped = Some(match skipped {
+                    Some(before) => kernel.or(before, absent)?,
+                    None => absent,
+                });
+            }
+        }
+        let Some(skipped) = skipped else {
+            return values();
+        };
+        let zeros = || {
+            kernel.lane_range(lanes, width, |column| {
+                let at = kernel.add(base, column)?;
+                match expr {
+                    nestor_passes::Expr::Integers(_) => kernel.store_i64(out, at, kernel.i64(0)),
+                    _ => kernel.store_float(out, at, kernel.constant(0.0)),
+                }
+            })
+        };
+        kernel.if_else(skipped, zeros, values)
     })
 }

@@ -8,9 +8,9 @@ use tch::{Kind, Tensor};
 
 use super::{ListElement, NestedTensor};
 use crate::dense::stack_same_shape;
-use crate::trace::Arg;
+use crate::trace::{trace_error, Arg};
 use crate::{NestedError, Result};
-use nestor_ir::Op;
+use nestor_ir::{Op, SliceBounds};
 
 /// Python-style slice bounds: negative values count from the end, out-of-range bounds
 /// are clamped. Built from Rust ranges of `i64` (`1..`, `..-1`, `2..5`, `..`).
@@ -41,17 +41,23 @@ impl Bounds {
 
     /// The concrete `start..end` these bounds select in a dim of size `size`.
     pub fn resolve(self, size: i64) -> Range<i64> {
-        let clamp = |position: i64| {
-            let position = if position < 0 {
-                position + size
-            } else {
-                position
-            };
-            position.clamp(0, size)
-        };
-        let start = self.start.map_or(0, clamp);
-        let end = self.end.map_or(size, clamp).max(start);
-        start..end
+        self.ir().resolve(size)
+    }
+
+    /// The bounds `start..end` of the IR's form (`end` [`i64::MAX`]: none).
+    pub(crate) fn of(start: i64, end: i64) -> Self {
+        Self {
+            start: Some(start),
+            end: (end != i64::MAX).then_some(end),
+        }
+    }
+
+    /// These bounds in the IR's form (no end: [`i64::MAX`]).
+    pub(crate) fn ir(self) -> SliceBounds {
+        SliceBounds {
+            start: self.start.unwrap_or(0),
+            end: self.end.unwrap_or(i64::MAX),
+        }
     }
 }
 
@@ -251,9 +257,10 @@ impl NestedTensor {
 
     /// A slice inside every element along NestedTensor dim `dim` (DanLing's
     /// `nt[:, 1:]`), with Python bounds resolved per element. The batch keeps its
-    /// ragged dims. Slicing a static dim shares the values' storage (and compiles, with
-    /// its gradient); slicing a ragged dim gathers the packed rows in range (no padding,
-    /// no per-element loop; not traced).
+    /// ragged dims. Slicing a static dim shares the values' storage; slicing a ragged
+    /// dim gathers the packed rows in range (no padding, no per-element loop). Both
+    /// compile with their gradients (a ragged dim where it is the elements' one ragged
+    /// dim and leads; other layouts are a trace error).
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;
@@ -283,11 +290,47 @@ impl NestedTensor {
                 end: range.end,
             });
         }
-        self.untraceable("slice")?;
-        if self.batch_size() == 0 {
-            return Ok(self.shallow_clone());
+        if self.trace.is_some() && layout.ragged_dims() != [0] {
+            return Err(trace_error(
+                "slice",
+                format!(
+                    "a compiled slice of a ragged dim needs elements whose one ragged dim leads (dims {:?} are ragged)",
+                    layout.ragged_dims()
+                ),
+            ));
         }
-        // A ragged dim: keep the packed rows whose coordinate along it is in range.
+        let sliced = if self.batch_size() == 0 {
+            let mut empty = self.shallow_clone();
+            empty.trace = None;
+            empty
+        } else {
+            // A ragged dim: keep the packed rows whose coordinate along it is in range.
+            let (rows, new_layout) = self.ragged_slice_rows(element_dim, bounds)?;
+            let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
+            let values = self.packed().f_index_select(0, &rows)?;
+            NestedTensor::from_parts(values, new_layout, self.options())
+        };
+        let bounds = bounds.ir();
+        sliced.traced_with(&[Arg::Nested(self)], "slice", |graph, ids| {
+            let lengths = graph.ty(ids[0]).length_values();
+            let lengths = graph.slice_lengths(lengths[0], bounds)?;
+            graph.push(Op::SliceRagged {
+                x: ids[0],
+                lengths,
+                start: bounds.start,
+                end: bounds.end,
+            })
+        })
+    }
+
+    /// The packed rows a slice `bounds` of the ragged element dim `element_dim` keeps,
+    /// in order, and the layout of the slice.
+    pub(crate) fn ragged_slice_rows(
+        &self,
+        element_dim: usize,
+        bounds: Bounds,
+    ) -> Result<(Vec<i64>, RaggedLayout)> {
+        let layout = self.lay();
         let ranges: Vec<Range<i64>> = layout
             .element_sizes()
             .iter()
@@ -311,9 +354,7 @@ impl NestedTensor {
             })
             .collect();
         let new_layout = RaggedLayout::from_element_sizes(sizes, layout.ragged_dims())?;
-        let rows = Tensor::f_from_slice(&rows)?.f_to_device(self.device())?;
-        let values = self.packed().f_index_select(0, &rows)?;
-        Ok(NestedTensor::from_parts(values, new_layout, self.options()))
+        Ok((rows, new_layout))
     }
 
     /// `self` with `before` zeros ahead of and `after` zeros behind its values along the

@@ -15,7 +15,9 @@ pub use per_element::{window_output_size, Window2d};
 pub use pointwise::with_inserted_dims;
 use pointwise::{broadcast, infer_fused};
 
-use crate::{DType, Dim, ElemDim, Graph, LossReduction, Op, OpFamily, ReduceOp, Type, ValueId};
+use crate::{
+    DType, Dim, ElemDim, Graph, LossReduction, Op, OpFamily, ReduceOp, SliceBounds, Type, ValueId,
+};
 
 type Inferred = Result<Type, String>;
 

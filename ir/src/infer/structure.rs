@@ -256,6 +256,54 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
                 batch: lengths_batch(graph, *lengths)?,
             })
         }
+        Op::SliceLengths { lengths, .. } => Ok(Type::Lengths {
+            batch: lengths_batch(graph, *lengths)?,
+        }),
+        Op::SliceRagged {
+            x,
+            lengths,
+            start,
+            end,
+        } => {
+            let bounds = SliceBounds {
+                start: *start,
+                end: *end,
+            };
+            let (own, tail) = leading_ragged(&ty(*x))?;
+            sliced_lengths(graph, own, *lengths, bounds)?;
+            match ty(*x) {
+                Type::Ragged { dtype, batch, .. } => Ok(Type::Ragged {
+                    dtype,
+                    batch,
+                    dims: std::iter::once(ElemDim::Ragged(*lengths))
+                        .chain(tail)
+                        .collect(),
+                }),
+                other => Err(format!("expects a ragged value, got {other}")),
+            }
+        }
+        Op::UnsliceRagged {
+            g,
+            like,
+            start,
+            end,
+        } => {
+            let bounds = SliceBounds {
+                start: *start,
+                end: *end,
+            };
+            let (sliced, grads) = leading_ragged(&ty(*g))?;
+            let (own, tail) = leading_ragged(&ty(*like))?;
+            sliced_lengths(graph, own, sliced, bounds)?;
+            if grads != tail {
+                return Err(format!(
+                    "{g} must be a slice of {like}, got {} for {}",
+                    ty(*g),
+                    ty(*like)
+                ));
+            }
+            float(&ty(*g)).map(|dtype| ty(*like).with_dtype(dtype))
+        }
         Op::RepeatBatch {
             x,
             lengths,
@@ -307,6 +355,47 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
         }
         other => Err(format!("{} is not a structure op", other.name())),
     }
+}
+
+/// The lengths of the leading ragged dim of a value whose elements have no other (what a
+/// slice of a ragged dim takes) and the dims after it, or why it is not one.
+fn leading_ragged(ty: &Type) -> Result<(ValueId, Vec<ElemDim>), String> {
+    if let Type::Ragged { dims, .. } = ty {
+        if let [ElemDim::Ragged(lengths), tail @ ..] = &dims[..] {
+            if tail.iter().all(|dim| matches!(dim, ElemDim::Fixed(_))) {
+                return Ok((*lengths, tail.to_vec()));
+            }
+        }
+    }
+    Err(format!(
+        "slices a ragged dim only of elements whose one ragged dim leads, got {ty}"
+    ))
+}
+
+/// That `sliced` are the lengths of a slice `bounds` of elements of `own` lengths: the
+/// `slice_lengths` of `own` in the same length formula (`own` itself for everything).
+fn sliced_lengths(
+    graph: &Graph,
+    own: ValueId,
+    sliced: ValueId,
+    bounds: SliceBounds,
+) -> Result<(), String> {
+    let form = bounds.lengths_form();
+    let matches = match graph.op(sliced) {
+        Op::SliceLengths {
+            lengths,
+            start,
+            end,
+        } => *lengths == own && (*start, *end) == (form.start, form.end),
+        _ => form == SliceBounds::ALL && sliced == own,
+    };
+    if matches {
+        return Ok(());
+    }
+    Err(format!(
+        "{sliced} must be the lengths of {own} sliced {}:{} (slice_lengths {}:{})",
+        bounds.start, bounds.end, form.start, form.end
+    ))
 }
 
 /// The type of `match_lengths`: `x` with its ragged dims sized by `lengths`, lengths

@@ -789,6 +789,44 @@ pub enum Op {
         /// Every element's length.
         size: i64,
     },
+    /// The lengths of a slice `start:end` (bounds as Python's, resolved per element:
+    /// [`crate::SliceBounds`]) of each element of the batch of `lengths`.
+    #[op(name = "slice_lengths", family = Structure)]
+    SliceLengths {
+        /// Lengths.
+        lengths: ValueId,
+        /// First position.
+        start: i64,
+        /// Past the last position ([`i64::MAX`]: the end).
+        end: i64,
+    },
+    /// Positions `start:end` (resolved per element, as Python's) of the leading ragged
+    /// dim of `x`'s elements (its only ragged dim); `lengths` is the result's,
+    /// `slice_lengths` of x's in the same length formula.
+    #[op(name = "slice_ragged", family = Structure)]
+    SliceRagged {
+        /// The batch.
+        x: ValueId,
+        /// The lengths of the result.
+        lengths: ValueId,
+        /// First position.
+        start: i64,
+        /// Past the last position ([`i64::MAX`]: the end).
+        end: i64,
+    },
+    /// The gradient of `slice_ragged`: the rows of `g` at the positions `start:end` of
+    /// elements like `like` (the batch that was sliced), zeros at the others.
+    #[op(name = "unslice_ragged", family = Structure)]
+    UnsliceRagged {
+        /// The slice's gradient.
+        g: ValueId,
+        /// The batch that was sliced (its type).
+        like: ValueId,
+        /// First position.
+        start: i64,
+        /// Past the last position ([`i64::MAX`]: the end).
+        end: i64,
+    },
     /// A batch repeated as `RepeatLengths` says; `lengths` are its new lengths values
     /// (one per ragged dim, from `repeat_lengths`).
     #[op(name = "repeat_batch", family = Structure)]

@@ -799,6 +799,32 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
             })?;
             Ok(vec![(x, sliced)])
         }
+        // A slice of the ragged dim and its rows put back among zeros are each other's
+        // gradient.
+        Op::SliceRagged { x, start, end, .. } => {
+            let unsliced = b.push(Op::UnsliceRagged {
+                g,
+                like: x,
+                start,
+                end,
+            })?;
+            Ok(vec![(x, unsliced)])
+        }
+        Op::UnsliceRagged {
+            g: x, start, end, ..
+        } => {
+            let lengths = b.ty(x).length_values();
+            let lengths = *lengths
+                .first()
+                .ok_or_else(|| b.no_rule("the slice is not a ragged batch"))?;
+            let sliced = b.push(Op::SliceRagged {
+                x: g,
+                lengths,
+                start,
+                end,
+            })?;
+            Ok(vec![(x, sliced)])
+        }
         // Padding and packing are each other's gradient.
         Op::Pad { x, .. } => {
             let lengths = b

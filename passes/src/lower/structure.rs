@@ -3,6 +3,7 @@
 use super::*;
 use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Unpad};
 use crate::{Digits, Repeats};
+use nestor_ir::SliceBounds;
 
 /// The most copies of a repeated batch whose gradient is one kernel (a sum of as many
 /// reads).
@@ -91,6 +92,22 @@ impl Lowering<'_> {
                 };
                 let (slot, lengths, width) = self.leading_batch(value, *x)?;
                 let map = RowMap::Repeated(lengths, repeats);
+                self.copies(value, ty, vec![(slot, map)], width)
+            }
+            &Op::SliceRagged { x, start, end, .. } => {
+                let (slot, lengths, width) = self.leading_batch(value, x)?;
+                let map = RowMap::Sliced(lengths, SliceBounds { start, end });
+                self.copies(value, ty, vec![(slot, map)], width)
+            }
+            &Op::UnsliceRagged {
+                g,
+                like,
+                start,
+                end,
+            } => {
+                let (slot, ..) = self.data(value, g)?;
+                let (_, lengths, width) = self.leading_batch(value, like)?;
+                let map = RowMap::Unsliced(lengths, SliceBounds { start, end });
                 self.copies(value, ty, vec![(slot, map)], width)
             }
             Op::UnrepeatBatch {
@@ -238,7 +255,8 @@ impl Lowering<'_> {
     /// error otherwise).
     fn leading_batch(&self, value: ValueId, x: ValueId) -> Result<(Slot, Slot, i64), LowerError> {
         self.leading(value, x)?;
-        let (slot, _, tail, lengths) = self.data(value, x)?;
+        // Floats, or i64 values (positions, ids) moved as they are.
+        let (slot, _, tail, lengths) = self.any_data(value, x)?;
         let lengths = lengths.ok_or_else(|| {
             unsupported(
                 value,
@@ -257,11 +275,17 @@ impl Lowering<'_> {
         reads: Vec<(Slot, RowMap)>,
         width: i64,
     ) -> Result<Lowered, LowerError> {
+        // A copy of i64 values (positions, ids) moves them as they are.
+        let integers = matches!(&reads[..], [(slot, _)] if self.program.info(*slot).integers);
         let out = self.result(value, ty)?;
-        let expr = (0..reads.len())
-            .map(Expr::Load)
-            .reduce(|sum, load| Expr::Binary(BinaryOp::Add, Box::new(sum), Box::new(load)))
-            .unwrap_or(Expr::Const(F64(0.0)));
+        let out = self.holding_positions(integers, out);
+        let expr = match integers {
+            true => Expr::Integers(0),
+            false => (0..reads.len())
+                .map(Expr::Load)
+                .reduce(|sum, load| Expr::Binary(BinaryOp::Add, Box::new(sum), Box::new(load)))
+                .unwrap_or(Expr::Const(F64(0.0))),
+        };
         let inputs = reads
             .into_iter()
             .map(|(slot, map)| Access {
@@ -332,6 +356,22 @@ impl Lowering<'_> {
                         times: *repeats,
                         interleave: *interleave,
                     }),
+                });
+                Ok(out)
+            }
+            &Op::SliceLengths {
+                lengths,
+                start,
+                end,
+            } => {
+                let Lowered::Lengths(input) = self.get(lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                self.program.lengths_ops.push(LengthsOp {
+                    out: slot_of(&out),
+                    input,
+                    kind: LengthsKind::Slice(SliceBounds { start, end }),
                 });
                 Ok(out)
             }

@@ -92,6 +92,7 @@ impl<'a> KernelCost<'a> {
             | Op::TotalLength { .. }
             | Op::RepeatLengths { .. }
             | Op::ConstantLengths { .. }
+            | Op::SliceLengths { .. }
             | Op::WindowLengths { .. } => 1.0,
             Op::Pad { .. } | Op::Unpad { .. } | Op::Mask { .. } => LAUNCH + PAD_PENALTY + moved,
             Op::PerElement { body, .. } => {

@@ -5,6 +5,7 @@ use rustc_hash::FxHashMap as HashMap;
 use std::borrow::Cow;
 use std::sync::Arc;
 
+use nestor_ir::SliceBounds;
 use nestor_ir::{DType, Window2d};
 use nestor_passes::{LengthsKind, Program, Repeats, RowBase, RowMap, Rows, Slot, Source};
 
@@ -163,6 +164,9 @@ impl<'a> Sizes<'a> {
                         .map(|index| input[repeats.source(index, batch) as usize])
                         .collect()
                 }
+                LengthsKind::Slice(bounds) => {
+                    input.iter().map(|&length| bounds.length(length)).collect()
+                }
                 LengthsKind::Checked { against } => {
                     let against = lengths_of(against);
                     let differs = (0..input.len().max(against.len()))
@@ -219,13 +223,18 @@ impl<'a> Sizes<'a> {
             RowMap::PairRows(rows, columns)
             | RowMap::PairColumns(rows, columns)
             | RowMap::PairTransposed(rows, columns) => (rows, columns),
-            RowMap::Repeated(lengths, _) | RowMap::Copy(lengths, ..) => (lengths, lengths),
+            RowMap::Repeated(lengths, _)
+            | RowMap::Copy(lengths, ..)
+            | RowMap::Sliced(lengths, _)
+            | RowMap::Unsliced(lengths, _) => (lengths, lengths),
         };
         let mut maps = self.pair_maps.borrow_mut();
         if let std::collections::hash_map::Entry::Vacant(entry) = maps.entry(map) {
             let values = match map {
                 RowMap::Repeated(_, repeats) => repeat_map(self.get(rows)?, repeats, None)?,
                 RowMap::Copy(_, repeats, copy) => repeat_map(self.get(rows)?, repeats, Some(copy))?,
+                RowMap::Sliced(_, bounds) => slice_map(self.get(rows)?, bounds, false)?,
+                RowMap::Unsliced(_, bounds) => slice_map(self.get(rows)?, bounds, true)?,
                 _ => pair_map(map, self.get(rows)?, self.get(columns)?)?,
             };
             entry.insert(values);
@@ -352,6 +361,38 @@ fn repeat_map(
                 values.extend(start..start + rows(element)?.1);
             }
         }
+    }
+    Some(values.into_boxed_slice())
+}
+
+/// The rows of a slice `bounds` of the leading ragged dim of a batch of `lengths` (one
+/// ragged dim): the row of the batch each row of the slice is, or (`back`) the row of
+/// the slice each row of the batch is, -1 for those outside it. `None` when it cannot
+/// be allocated.
+fn slice_map(lengths: &LengthsInfo<'_>, bounds: SliceBounds, back: bool) -> Option<Box<[i64]>> {
+    let mut values: Vec<i64> = Vec::new();
+    let count = match back {
+        true => lengths.offsets.last().copied().unwrap_or(0),
+        false => lengths
+            .lengths
+            .iter()
+            .try_fold(0i64, |sum, &length| sum.checked_add(bounds.length(length)))?,
+    };
+    values
+        .try_reserve_exact(usize::try_from(count).ok()?)
+        .ok()?;
+    let mut sliced = 0i64;
+    for (&length, &first) in lengths.lengths.iter().zip(lengths.offsets.iter()) {
+        let kept = bounds.resolve(length);
+        if back {
+            values.extend((0..length).map(|position| match kept.contains(&position) {
+                true => sliced + position - kept.start,
+                false => -1,
+            }));
+        } else {
+            values.extend(first + kept.start..first + kept.end);
+        }
+        sliced += kept.end - kept.start;
     }
     Some(values.into_boxed_slice())
 }

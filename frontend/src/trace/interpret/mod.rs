@@ -20,8 +20,8 @@ mod pointwise;
 mod reduce;
 mod structure;
 use crate::{
-    dtype_of, kind_of, LossReduction, NestedError, NestedTensor, Operand, Reduce, Reduced, Result,
-    Target,
+    dtype_of, kind_of, Bounds, LossReduction, NestedError, NestedTensor, Operand, Reduce, Reduced,
+    Result, Target,
 };
 
 /// A run-time value of a graph.

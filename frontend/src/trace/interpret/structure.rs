@@ -63,6 +63,35 @@ impl Interpreter<'_> {
             Op::ConstantLengths { lengths, size } => {
                 Value::Lengths(vec![*size; self.lengths(*lengths)?.len()])
             }
+            &Op::SliceLengths {
+                lengths,
+                start,
+                end,
+            } => {
+                let bounds = nestor_ir::SliceBounds { start, end };
+                let lengths = self.lengths(lengths)?;
+                Value::Lengths(lengths.iter().map(|&n| bounds.length(n)).collect())
+            }
+            &Op::SliceRagged { x, start, end, .. } => {
+                Value::Nested(self.nested(x)?.slice(1, Bounds::of(start, end))?)
+            }
+            &Op::UnsliceRagged {
+                g,
+                like,
+                start,
+                end,
+            } => {
+                let (grads, own) = (self.nested(g)?, self.nested(like)?);
+                let (rows, _) = own.ragged_slice_rows(0, Bounds::of(start, end))?;
+                let rows = Tensor::f_from_slice(&rows)?.f_to_device(own.device())?;
+                let zeros = own.packed().f_zeros_like()?.f_to_kind(grads.kind())?;
+                let values = zeros.f_index_copy(0, &rows, grads.packed())?;
+                Value::Nested(NestedTensor::from_parts(
+                    values,
+                    own.lay().clone(),
+                    own.options(),
+                ))
+            }
             Op::RepeatLengths {
                 lengths,
                 repeats,

@@ -531,6 +531,53 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// Compiled training of grouped convolutions (2 groups, and depthwise: a group per
+    /// channel) of any stride, padding and dilation: the loss and every parameter's
+    /// gradient equal eager autograd's (the second convolution's input gradient reaches
+    /// the first's parameters).
+    #[test]
+    fn compiled_grouped_conv_gradients_equal_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        first in strided_geometry(),
+        second in strided_geometry(),
+        groups in (prop_oneof![Just(1i64), Just(2), Just(4)], prop_oneof![Just(2i64), Just(4)]),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let c = 4;
+        let shapes = [
+            vec![c, c / groups.0, first.kernel[0], first.kernel[1]], vec![c],
+            vec![c, c / groups.1, second.kernel[0], second.kernel[1]], vec![c],
+            vec![2, c], vec![2],
+        ];
+        let names = ["first_weight", "first_bias", "second_weight", "second_bias", "head_weight", "head_bias"];
+        // Images large enough that both windows leave a pixel to average.
+        let least = |axis: usize| {
+            let needs = |g: &Geometry, out: i64| (out - 1) * g.stride[axis] + g.dilation[axis] * (g.kernel[axis] - 1) + 1 - 2 * g.padding[axis];
+            needs(&first, needs(&second, 1).max(1)).max(1)
+        };
+        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
+            let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(least(0)), w.max(least(1)))).collect();
+            // Heights equal to the widths are another structure (shared lengths).
+            if sizes.iter().all(|(h, w)| h == w) {
+                sizes[0].1 += 1;
+            }
+            sizes
+        }).collect();
+        let loss = move |x: &NestedTensor, params: &[Tensor]| {
+            let conv = |x: &NestedTensor, g: &Geometry, groups: i64, weight: &Tensor, bias: &Tensor| x.conv2d(weight, Some(bias), g.stride, g.padding, g.dilation, groups);
+            let hidden = conv(x, &first, groups.0, &params[0], &params[1])?.tanh()?;
+            let hidden = conv(&hidden, &second, groups.1, &params[2], &params[3])?.tanh()?;
+            pooled_head_loss(&hidden, &params[4], &params[5])
+        };
+        assert_trains_as_autograd("grouped_convs", loss, (&names, &shapes), &batches, (c, kind), seed)?;
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases(4)))]
 
     /// Compiled training of ResNet's bottleneck block with downsampling (1x1, 3x3 of

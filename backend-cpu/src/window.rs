@@ -366,12 +366,12 @@ pub(crate) struct SlotBuffers {
 /// Every buffer must hold its count of values of type `T`; the output no other.
 pub(crate) unsafe fn convolve_slots<T: Scalar>(
     buffers: SlotBuffers,
-    adjoint: bool,
+    (adjoint, groups): (bool, usize),
     (channels, width): (usize, usize),
     window: &Window2d,
     sizes: (&[i64], &[i64]),
 ) -> Result<(), WindowError> {
-    let (out, x, weight, bias) = unsafe {
+    let (out, x, grouped, bias) = unsafe {
         (
             run_slice_mut::<T>(buffers.out.0, buffers.out.1),
             run_slice::<T>(buffers.x.0, buffers.x.1),
@@ -380,6 +380,30 @@ pub(crate) unsafe fn convolve_slots<T: Scalar>(
                 .bias
                 .map(|(pointer, count)| run_slice::<T>(pointer, count)),
         )
+    };
+    // A grouped weight as the dense one (the forward weight's output channels are an
+    // input gradient's input).
+    let dense;
+    let weight = match groups {
+        0 | 1 => grouped,
+        _ => {
+            let (outs, ins) = if adjoint {
+                (channels, width)
+            } else {
+                (width, channels)
+            };
+            let taps = usize::try_from(window.taps()).unwrap_or(0);
+            let expected = (outs * ins / groups).saturating_mul(taps);
+            if grouped.len() != expected || outs % groups != 0 || ins % groups != 0 {
+                return Err(WindowError::Buffer {
+                    what: "grouped weight",
+                    expected,
+                    got: grouped.len(),
+                });
+            }
+            dense = block_diagonal(grouped, (outs, ins, taps), groups);
+            &dense[..]
+        }
     };
     if !adjoint {
         return convolve_checked(out, x, (weight, bias), (channels, width), window, sizes);
@@ -452,6 +476,7 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
     (out, x, g): (*mut u8, *const u8, *const u8),
     taps: &WindowTaps,
     shape: Shape,
+    groups: usize,
 ) {
     let Shape {
         channels,
@@ -504,20 +529,48 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
         1
     };
     crate::team::for_each_chunk(blocks, threads, &block);
-    // SAFETY: `out` holds `width * channels * taps` values.
-    let out =
-        unsafe { std::slice::from_raw_parts_mut(out as *mut T, width * channels * per_window) };
+    // Each output channel's gradient is over its group's input channels: `reads` from
+    // `o / (width / groups) * reads`.
+    let groups = groups.max(1);
+    let (reads, writes) = (channels / groups, (width / groups).max(1));
+    // SAFETY: `out` holds `width * channels / groups * taps` values.
+    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, width * reads * per_window) };
     out.fill(T::ZERO);
     for partial in partials.chunks(size.max(1)) {
         for o in 0..width {
-            for c in 0..channels {
+            let base = o / writes * reads;
+            for k in 0..reads {
                 for t in 0..per_window {
-                    out[(o * channels + c) * per_window + t] +=
-                        partial[(t * channels + c) * lanes + o];
+                    out[(o * reads + k) * per_window + t] +=
+                        partial[(t * channels + base + k) * lanes + o];
                 }
             }
         }
     }
+}
+
+/// The dense weight `[outs, ins, taps]` of a convolution in `groups` groups whose
+/// weight `grouped` is `[outs, ins / groups, taps]`: zeros outside each output channel's
+/// group, so that the CPU runs a grouped convolution and its input's gradient as the
+/// dense ones over it (`groups` times the arithmetic of a grouped kernel). A `grouped`
+/// of another size leaves zeros where it has no values.
+pub(crate) fn block_diagonal<T: Scalar>(
+    grouped: &[T],
+    (outs, ins, taps): (usize, usize, usize),
+    groups: usize,
+) -> Vec<T> {
+    let groups = groups.max(1);
+    let (reads, writes) = (ins / groups, (outs / groups).max(1));
+    let mut dense = vec![T::ZERO; outs * ins * taps];
+    let block = reads * taps;
+    for o in 0..outs {
+        let first = (o * ins + o / writes * reads) * taps;
+        let to = dense.get_mut(first..first + block);
+        if let (Some(to), Some(from)) = (to, grouped.get(o * block..(o + 1) * block)) {
+            to.copy_from_slice(from);
+        }
+    }
+    dense
 }
 
 /// A convolution's input gradient for any stride and padding: each window's gradient
@@ -534,6 +587,7 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
     taps: &WindowTaps,
     images: &[WindowImage],
     shape: Shape,
+    groups: usize,
 ) {
     let Shape {
         channels,
@@ -541,8 +595,20 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
         taps: per_window,
     } = shape;
     // SAFETY: as the caller promises.
-    let weight =
-        unsafe { std::slice::from_raw_parts(weight as *const T, channels * width * per_window) };
+    let grouped = unsafe {
+        std::slice::from_raw_parts(
+            weight as *const T,
+            channels * width / groups.max(1) * per_window,
+        )
+    };
+    let dense;
+    let weight = match groups {
+        0 | 1 => grouped,
+        _ => {
+            dense = block_diagonal(grouped, (channels, width, per_window), groups);
+            &dense[..]
+        }
+    };
     // `[taps, width, channels]`: a tap's weights for an input channel are contiguous over
     // the output channels, as a gradient's row.
     let mut packed = vec![T::ZERO; weight.len()];

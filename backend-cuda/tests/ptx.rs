@@ -536,6 +536,7 @@ fn training_steps_assemble_for_sm80_and_sm90() {
         "attention_loss.nir",
         "pair_attention_loss.nir",
         "order_loss.nir",
+        "grouped_conv_loss.nir",
     ] {
         let graph = nestor_passes::Decompose
             .run(&nestor_ir::parse(&filetest(file)).unwrap())

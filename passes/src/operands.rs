@@ -583,7 +583,8 @@ impl RowKind {
 /// What a [`crate::Step::Window`] computes over each output pixel's window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WindowKind {
-    /// Convolution (groups 1): the window's pixels times the weight, plus the bias.
+    /// Convolution (in [`crate::step::Window::groups`]): the window's pixels times the
+    /// weight, plus the bias.
     Conv,
     /// The largest of the window's pixels inside the image (NaN wins, as in torch).
     Max,

@@ -229,6 +229,9 @@ pub struct Window {
     pub width: i64,
     /// The window's geometry.
     pub window: Window2d,
+    /// A convolution's groups (1 for the other kinds): each output channel reads the
+    /// input channels of its group, through a weight `[C_out, C_in / groups, K_h, K_w]`.
+    pub groups: i64,
 }
 
 /// A graph the host runs (through libtorch) inside the program: an explicit

@@ -41,7 +41,7 @@ const DECODER: &str = r#"graph @decoder {
 }"#;
 
 /// Name, text, and whether its training step (loss and gradients) runs.
-const PROGRAMS: [(&str, &str, bool); 10] = [
+const PROGRAMS: [(&str, &str, bool); 11] = [
     (
         "encoder_layer",
         include_str!("../../tests/filetests/encoder_layer.optimized.nir"),
@@ -86,6 +86,11 @@ const PROGRAMS: [(&str, &str, bool); 10] = [
     (
         "order_loss (training)",
         include_str!("../../tests/filetests/order_loss.nir"),
+        true,
+    ),
+    (
+        "grouped_conv_loss (training)",
+        include_str!("../../tests/filetests/grouped_conv_loss.nir"),
         true,
     ),
 ];

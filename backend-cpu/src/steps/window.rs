@@ -36,7 +36,15 @@ impl CpuSteps {
                 taps: 0,
             },
             out_scalars: run.sizes().elements(run.program(), step.out),
+            groups: usize::try_from(step.groups).unwrap_or(0),
         };
+        let (channels, width, groups) = (window.shape.channels, window.shape.width, window.groups);
+        if groups == 0 || channels % groups != 0 || width % groups != 0 {
+            return Err(window.error(format!(
+                "{} groups do not divide {channels} channels into {width}",
+                step.groups
+            )));
+        }
         match step.kind {
             WindowKind::ImageMean => window.image_means(),
             WindowKind::ImageSpread => window.image_spread(),
@@ -62,6 +70,8 @@ struct WindowRun<'a, 'r, 'i> {
     shape: Shape,
     /// The scalars of the output buffer.
     out_scalars: usize,
+    /// A convolution's groups (dividing both channel counts).
+    groups: usize,
 }
 
 impl WindowRun<'_, '_, '_> {
@@ -142,8 +152,9 @@ impl WindowRun<'_, '_, '_> {
             return Err(self.error("a convolution without a weight".into()));
         };
         let taps = usize::try_from(step.window.taps()).unwrap_or(usize::MAX);
-        // The packed weight, and the flipped one of an input's gradient.
-        let weight_bytes = (shape.width.div_ceil(16) * 16 + shape.width)
+        // The packed weight, the flipped one of an input's gradient and a grouped
+        // weight's dense one.
+        let weight_bytes = (shape.width.div_ceil(16) * 16 + 2 * shape.width)
             .checked_mul(run.program().float.size())
             .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
         within_budget(self.index, "the packed convolution weight", weight_bytes)?;
@@ -157,15 +168,16 @@ impl WindowRun<'_, '_, '_> {
                 .map(|bias| (run.pointer(bias), self.slot_len(bias))),
         };
         let channels = (shape.channels, shape.width);
+        let kind = (adjoint, self.groups);
         // Every slot holds the values the program sized it for, in its type; the output
         // is written only here and no input aliases it.
         let result = unsafe {
             match run.program().float {
                 FloatType::F32 => {
-                    convolve_slots::<f32>(buffers, adjoint, channels, &step.window, self.sizes)
+                    convolve_slots::<f32>(buffers, kind, channels, &step.window, self.sizes)
                 }
                 FloatType::F64 => {
-                    convolve_slots::<f64>(buffers, adjoint, channels, &step.window, self.sizes)
+                    convolve_slots::<f64>(buffers, kind, channels, &step.window, self.sizes)
                 }
             }
         };
@@ -247,7 +259,7 @@ impl WindowRun<'_, '_, '_> {
             .and_then(|count| count.checked_mul(self.run.program().float.size()));
         within_budget(self.index, "the weight gradient's partial sums", bytes)?;
         let grad_len = self.step.grad.map_or(0, |grad| self.slot_len(grad));
-        if self.out_scalars != shape.width.saturating_mul(inner)
+        if self.out_scalars != shape.width.saturating_mul(inner) / self.groups
             || grad_len != rows.saturating_mul(shape.width)
         {
             return Err(self.error("the weight gradient's buffers do not match its window".into()));
@@ -256,8 +268,8 @@ impl WindowRun<'_, '_, '_> {
         // the program's type.
         unsafe {
             match self.run.program().float {
-                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape),
-                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape),
+                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape, self.groups),
+                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape, self.groups),
             }
         }
         Ok(())
@@ -278,7 +290,7 @@ impl WindowRun<'_, '_, '_> {
         let pixels = images
             .last()
             .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
-        let weight_len = shape.channels.saturating_mul(shape.width);
+        let weight_len = shape.channels.saturating_mul(shape.width) / self.groups;
         if self.out_scalars != pixels.saturating_mul(shape.width)
             || self.slot_len(self.step.x) != rows.saturating_mul(shape.channels)
             || self.slot_len(weight) != weight_len.saturating_mul(shape.taps)
@@ -290,8 +302,12 @@ impl WindowRun<'_, '_, '_> {
         // The buffers hold what was just checked, in the program's type.
         unsafe {
             match self.run.program().float {
-                FloatType::F32 => strided_conv_input_grad::<f32>(buffers, taps, &images, shape),
-                FloatType::F64 => strided_conv_input_grad::<f64>(buffers, taps, &images, shape),
+                FloatType::F32 => {
+                    strided_conv_input_grad::<f32>(buffers, taps, &images, shape, self.groups)
+                }
+                FloatType::F64 => {
+                    strided_conv_input_grad::<f64>(buffers, taps, &images, shape, self.groups)
+                }
             }
         }
         Ok(())

@@ -40,7 +40,7 @@ use nestor_runtime::{
 /// Name, text, whether to run its training step (the loss, its first output, and every
 /// parameter's gradient) rather than the graph itself, and the bf16 buffers' tolerance
 /// ([`compare`]).
-const PROGRAMS: [(&str, &str, bool, f64); 13] = [
+const PROGRAMS: [(&str, &str, bool, f64); 14] = [
     (
         "encoder_layer",
         include_str!("../../../tests/filetests/encoder_layer.optimized.nir"),
@@ -118,6 +118,12 @@ const PROGRAMS: [(&str, &str, bool, f64); 13] = [
     (
         "order_loss (training)",
         include_str!("../../../tests/filetests/order_loss.nir"),
+        true,
+        BF16_TOLERANCE,
+    ),
+    (
+        "grouped_conv_loss (training)",
+        include_str!("../../../tests/filetests/grouped_conv_loss.nir"),
         true,
         BF16_TOLERANCE,
     ),

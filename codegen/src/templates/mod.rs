@@ -56,6 +56,7 @@ use rows::{finite_shift, row};
 use segments::{scan, segment};
 use windows::{
     convolution, image_mean, image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad,
+    Groups,
 };
 
 /// Generates the kernel of `step` with `signature` (its placement's in `set`) as
@@ -148,20 +149,17 @@ fn window_kernel(kernel: &Kernel<'_, '_>, step: &Window) -> Gen<()> {
         channels,
         width,
         window,
+        groups,
         ..
     } = *step;
     let taps = window.taps();
+    let groups = Groups::new(groups, (channels, width))?;
     match kind {
-        WindowKind::Conv | WindowKind::ConvInputGrad => convolution(
-            kernel,
-            (channels, width),
-            taps,
-            kind == WindowKind::ConvInputGrad,
-        ),
-        WindowKind::StridedConvInputGrad => {
-            strided_conv_input_grad(kernel, (channels, width), taps)
+        WindowKind::Conv | WindowKind::ConvInputGrad => {
+            convolution(kernel, groups, taps, kind == WindowKind::ConvInputGrad)
         }
-        WindowKind::WeightGrad => weight_grad(kernel, (channels, width), taps),
+        WindowKind::StridedConvInputGrad => strided_conv_input_grad(kernel, groups, taps),
+        WindowKind::WeightGrad => weight_grad(kernel, groups, taps),
         WindowKind::MaxGrad | WindowKind::AverageGrad => {
             pool_grad(kernel, channels, taps, kind == WindowKind::MaxGrad)
         }

@@ -6,16 +6,66 @@
 
 use super::*;
 
+/// The channels of a convolution's step in groups: each output channel reads the input
+/// channels of its group only, through a weight `[C_out, C_in / groups, taps]`.
+#[derive(Clone, Copy)]
+pub(super) struct Groups {
+    /// Channels a pixel of `x` holds.
+    channels: i64,
+    /// Channels a pixel of the output holds.
+    width: i64,
+    /// Groups (1: every output channel reads every input channel).
+    count: i64,
+}
+
+impl Groups {
+    /// `count` groups of a step reading `channels` and writing `width` channels a pixel;
+    /// an error unless they divide both.
+    pub(super) fn new(count: i64, (channels, width): (i64, i64)) -> Gen<Self> {
+        if count < 1 || channels % count != 0 || width % count != 0 {
+            return Err(crate::CodegenError::new(format!(
+                "{count} groups do not divide {channels} channels into {width}"
+            )));
+        }
+        Ok(Self {
+            channels,
+            width,
+            count,
+        })
+    }
+
+    /// Input channels of a group.
+    fn reads(self) -> i64 {
+        self.channels / self.count
+    }
+
+    /// Output channels of a group.
+    fn writes(self) -> i64 {
+        self.width / self.count
+    }
+
+    /// The group of output channel `o` (0 without groups).
+    fn of<'ctx>(self, kernel: &Kernel<'ctx, '_>, o: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        match self.count {
+            1 => Ok(kernel.i64(0)),
+            _ => kernel.div(o, kernel.i64(self.writes())),
+        }
+    }
+}
+
 /// A direct convolution, an output pixel a task: `out[r, o] = bias[o] + sum over the
-/// taps t inside the image and the channels c of x[taps[r, t], c] weight[o, c, t]`; the
-/// `adjoint` (a convolution's input gradient, `x` its output's) reads the forward weight
-/// `[channels, width, taps]` flipped and transposed: `weight[c, o, taps - 1 - t]`.
+/// taps t inside the image and the channels c of o's group of x[taps[r, t], c]
+/// weight[o, c, t]` (the weight `[width, channels / groups, taps]`); the `adjoint` (a
+/// convolution's input gradient, `x` its output's) reads the forward weight
+/// `[channels, width / groups, taps]` flipped and transposed: `weight[c, o, taps - 1 - t]`.
 pub(super) fn convolution<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    (channels, width): (i64, i64),
+    groups: Groups,
     taps: i64,
     adjoint: bool,
 ) -> Gen<()> {
+    let (channels, width) = (groups.channels, groups.width);
+    let (reads, writes) = (groups.reads(), groups.writes());
     let (start, end) = kernel.range()?;
     let [out, x, weight] = kernel.params([Role::Out, Role::X, Role::Weight])?;
     let bias = kernel.optional(Role::Bias)?;
@@ -32,24 +82,31 @@ pub(super) fn convolution<'ctx>(
                 None => kernel.constant(0.0),
             };
             kernel.set(sum, initial)?;
+            // The input channels of o's group: `reads` from `base`.
+            let group = groups.of(kernel, o)?;
+            let base = kernel.mul(group, kernel.i64(reads))?;
             taps_inside(kernel, (table, first_tap, taps), |t, source| {
-                let pixel = kernel.mul(source, kernel.i64(channels))?;
-                // Where `weight` holds the tap, and how far apart its channels are.
+                let pixel = kernel.add(kernel.mul(source, kernel.i64(channels))?, base)?;
+                // Where `weight` holds the group's first channel at the tap, and how far
+                // apart its channels are.
                 let (first, stride) = if adjoint {
-                    // `weight[c, o, taps - 1 - t]` of `[channels, width, taps]`.
+                    // `weight[base + k, o - group writes, taps - 1 - t]` of
+                    // `[channels, writes, taps]`.
                     let flipped = kernel.sub(kernel.i64(taps - 1), t)?;
-                    let at = kernel.add(kernel.mul(o, kernel.i64(taps))?, flipped)?;
-                    (at, width.saturating_mul(taps))
+                    let within = kernel.sub(o, kernel.mul(group, kernel.i64(writes))?)?;
+                    let row = kernel.add(kernel.mul(base, kernel.i64(writes))?, within)?;
+                    let at = kernel.add(kernel.mul(row, kernel.i64(taps))?, flipped)?;
+                    (at, writes.saturating_mul(taps))
                 } else {
-                    // `weight[o, c, t]` of `[width, channels, taps]`.
-                    let row = kernel.mul(o, kernel.i64(channels.saturating_mul(taps)))?;
+                    // `weight[o, k, t]` of `[width, reads, taps]`.
+                    let row = kernel.mul(o, kernel.i64(reads.saturating_mul(taps)))?;
                     (kernel.add(row, t)?, taps)
                 };
-                kernel.for_range(kernel.i64(0), kernel.i64(channels), |c| {
-                    let value = kernel.load_float(x, kernel.add(pixel, c)?)?;
+                kernel.for_range(kernel.i64(0), kernel.i64(reads), |k| {
+                    let value = kernel.load_float(x, kernel.add(pixel, k)?)?;
                     let w = kernel.load_float(
                         weight,
-                        kernel.add(first, kernel.mul(c, kernel.i64(stride))?)?,
+                        kernel.add(first, kernel.mul(k, kernel.i64(stride))?)?,
                     )?;
                     kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
                 })
@@ -157,26 +214,25 @@ pub(super) fn image_mean<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Gen<
     })
 }
 
-/// A convolution's weight gradient, a weight a task: `out[o, c, t] = sum over the
+/// A convolution's weight gradient, a weight a task: `out[o, k, t] = sum over the
 /// output pixels r (in order; on a GPU each lane in order over its pixels) of g[r, o]
-/// x[taps[r, t], c]`, taps outside the image skipped.
-pub(super) fn weight_grad<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    (channels, width): (i64, i64),
-    taps: i64,
-) -> Gen<()> {
+/// x[taps[r, t], c]` (`c` the `k`-th input channel of o's group), taps outside the image
+/// skipped.
+pub(super) fn weight_grad<'ctx>(kernel: &Kernel<'ctx, '_>, groups: Groups, taps: i64) -> Gen<()> {
+    let (channels, width, reads) = (groups.channels, groups.width, groups.reads());
     let (start, end) = kernel.range()?;
     let [out, x, g, table, count] =
         kernel.params([Role::Out, Role::X, Role::Gradient, Role::Taps, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let sum = kernel.accumulator("sum")?;
-    let per_output = channels.saturating_mul(taps);
+    let per_output = reads.saturating_mul(taps);
     // A weight is a warp's on a GPU (each lane every 32nd pixel, the lanes' sums added
     // with shuffles), one thread's on the host (every pixel in order).
     kernel.parallel_rows(start, end, |task, lanes| {
         let o = kernel.div(task, kernel.i64(per_output))?;
         let inner = kernel.rem(task, kernel.i64(per_output))?;
-        let c = kernel.div(inner, kernel.i64(taps))?;
+        let base = kernel.mul(groups.of(kernel, o)?, kernel.i64(reads))?;
+        let c = kernel.add(base, kernel.div(inner, kernel.i64(taps))?)?;
         let t = kernel.rem(inner, kernel.i64(taps))?;
         kernel.set(sum, kernel.constant(0.0))?;
         kernel.lane_range_until(lanes, rows, |r| {
@@ -200,13 +256,18 @@ pub(super) fn weight_grad<'ctx>(
 
 /// A convolution's input gradient for any stride and padding, an input pixel a task:
 /// `out[p, c] = sum over the windows r that read p (in order, from `inverse`), at the
-/// tap t where r reads p, and over the output channels o of x[r, o] weight[o, c, t]`
-/// (`x` the output's gradient, `weight` the forward `[channels, width, taps]`).
+/// tap t where r reads p, and over the output channels o of c's group of x[r, o]
+/// weight[o, c, t]` (`x` the output's gradient, `weight` the forward
+/// `[channels, width / groups, taps]`).
 pub(super) fn strided_conv_input_grad<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    (channels, width): (i64, i64),
+    groups: Groups,
     taps: i64,
 ) -> Gen<()> {
+    let (channels, width) = (groups.channels, groups.width);
+    // Here the output (the input's gradient) has the forward input's channels: a
+    // group's are `writes`, and its forward output channels `reads`.
+    let (outputs, inputs) = (groups.reads(), groups.writes());
     let (start, end) = kernel.range()?;
     let [out, x, weight, table, inverse] = kernel.params([
         Role::Out,
@@ -224,6 +285,10 @@ pub(super) fn strided_conv_input_grad<'ctx>(
         let to = kernel.load_i64(inverse, kernel.add(pixel, kernel.i64(1))?)?;
         let out_row = kernel.mul(pixel, kernel.i64(width))?;
         kernel.lane_range(lanes, width, |c| {
+            let group = groups.of(kernel, c)?;
+            // c's group's first forward output channel, and c within the group.
+            let base = kernel.mul(group, kernel.i64(outputs))?;
+            let within = kernel.sub(c, kernel.mul(group, kernel.i64(inputs))?)?;
             kernel.set(sum, kernel.constant(0.0))?;
             kernel.for_range(from, to, |entry| {
                 let r = kernel.load_i64(inverse, entry)?;
@@ -237,16 +302,17 @@ pub(super) fn strided_conv_input_grad<'ctx>(
                     kernel.set_index(tap, kernel.select_index(here, t, current)?)
                 })?;
                 let t = kernel.get_index(tap)?;
-                let grads = kernel.mul(r, kernel.i64(channels))?;
+                let grads = kernel.add(kernel.mul(r, kernel.i64(channels))?, base)?;
                 if_inside(kernel, t, || {
-                    // `weight[o, c, t]` of `[channels, width, taps]`.
-                    let first = kernel.add(kernel.mul(c, kernel.i64(taps))?, t)?;
-                    let step = width.saturating_mul(taps);
-                    kernel.for_range(kernel.i64(0), kernel.i64(channels), |o| {
-                        let gradient = kernel.load_float(x, kernel.add(grads, o)?)?;
+                    // `weight[base + k, within, t]` of `[channels, inputs, taps]`.
+                    let row = kernel.add(kernel.mul(base, kernel.i64(inputs))?, within)?;
+                    let first = kernel.add(kernel.mul(row, kernel.i64(taps))?, t)?;
+                    let step = inputs.saturating_mul(taps);
+                    kernel.for_range(kernel.i64(0), kernel.i64(outputs), |k| {
+                        let gradient = kernel.load_float(x, kernel.add(grads, k)?)?;
                         let w = kernel.load_float(
                             weight,
-                            kernel.add(first, kernel.mul(o, kernel.i64(step))?)?,
+                            kernel.add(first, kernel.mul(k, kernel.i64(step))?)?,
                         )?;
                         kernel.set(
                             sum,

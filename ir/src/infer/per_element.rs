@@ -32,9 +32,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                     "the weight must be [C_out, C_in / groups, Kh, Kw], got {weight:?}"
                 ));
             };
-            let channels = per_group.checked_mul(*groups).ok_or_else(|| {
-                format!("{per_group} channels a group times {groups} groups overflows")
-            })?;
+            let channels = grouped_channels(*per_group, *out, *groups)?;
             if shape[0].as_static().is_some_and(|given| given != channels) {
                 return Err(format!(
                     "the input has {} channels, the weight expects {channels}",
@@ -98,6 +96,19 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     }
 }
 
+/// The input channels of a convolution by a weight of `per_group` input channels and
+/// `out` output channels in `groups` groups, or why they do not group.
+fn grouped_channels(per_group: i64, out: i64, groups: i64) -> Result<i64, String> {
+    if groups < 1 || out % groups != 0 {
+        return Err(format!(
+            "{groups} groups do not divide {out} output channels"
+        ));
+    }
+    per_group
+        .checked_mul(groups)
+        .ok_or_else(|| format!("{per_group} channels a group times {groups} groups overflows"))
+}
+
 /// The type of a per-element gradient op in `graph`, or why it is ill-typed.
 fn gradient(graph: &Graph, op: &Op) -> Inferred {
     let ty = |value: ValueId| graph.ty(value).clone();
@@ -109,13 +120,15 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
             stride,
             padding,
             dilation,
+            groups,
         } => {
             let weight = static_shape(&ty(*weight), "the weight")?;
-            let [out, channels, _, _] = weight.as_slice() else {
+            let [out, per_group, _, _] = weight.as_slice() else {
                 return Err(format!(
-                    "the weight must be [C_out, C_in, Kh, Kw], got {weight:?}"
+                    "the weight must be [C_out, C_in / groups, Kh, Kw], got {weight:?}"
                 ));
             };
+            let channels = &grouped_channels(*per_group, *out, *groups)?;
             let (g, input) = (images(&ty(*g))?, images(&ty(*x))?);
             if g.1 != Some(*out) || input.1 != Some(*channels) {
                 return Err(format!(
@@ -135,6 +148,7 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
             stride,
             padding,
             dilation,
+            groups,
         } => {
             let (x, g) = (images(&ty(*x))?, images(&ty(*g))?);
             let [kh, kw] = pair("kernel", kernel, 1)?;
@@ -144,7 +158,12 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
             let (Some(channels), Some(out)) = (x.1, g.1) else {
                 return Err("needs images of static channels".into());
             };
-            Ok(Type::dense_static(g.0, &[out, channels, kh, kw]))
+            if *groups < 1 || channels % groups != 0 || out % groups != 0 {
+                return Err(format!(
+                    "{groups} groups do not divide {channels} input and {out} output channels"
+                ));
+            }
+            Ok(Type::dense_static(g.0, &[out, channels / groups, kh, kw]))
         }
         Op::Pool2dGrad {
             x,

@@ -929,14 +929,14 @@ pub enum Op {
         /// Output spatial size.
         output: Vec<i64>,
     },
-    /// The gradient of a convolution (groups 1) of images `[C_in, H_i, W_i]` with
-    /// respect to its input, from the gradient `g` of its output `[C_out, H_out, W_out]`
-    /// (a transposed convolution): images like `x`.
+    /// The gradient of a convolution of images `[C_in, H_i, W_i]` with respect to its
+    /// input, from the gradient `g` of its output `[C_out, H_out, W_out]` (a transposed
+    /// convolution): images like `x`.
     #[op(name = "conv2d_input_grad", family = PerElement)]
     Conv2dInputGrad {
         /// The output's gradient.
         g: ValueId,
-        /// `[C_out, C_in, Kh, Kw]`.
+        /// `[C_out, C_in / groups, Kh, Kw]`.
         weight: ValueId,
         /// The convolution's input (its sizes).
         x: ValueId,
@@ -946,10 +946,12 @@ pub enum Op {
         padding: Vec<i64>,
         /// Dilations.
         dilation: Vec<i64>,
+        /// Groups.
+        groups: i64,
     },
-    /// The gradient of a convolution (groups 1) of images `x` with respect to its
-    /// weight, from the gradient `g` of its output: `[C_out, C_in, Kh, Kw]`, summed over
-    /// every image.
+    /// The gradient of a convolution of images `x` with respect to its weight, from the
+    /// gradient `g` of its output: `[C_out, C_in / groups, Kh, Kw]`, summed over every
+    /// image.
     #[op(name = "conv2d_weight_grad", family = PerElement)]
     Conv2dWeightGrad {
         /// The convolution's input.
@@ -964,6 +966,8 @@ pub enum Op {
         padding: Vec<i64>,
         /// Dilations.
         dilation: Vec<i64>,
+        /// Groups.
+        groups: i64,
     },
     /// The gradient of max (`max`) or average pooling (padding not counted) of images
     /// `x` from the gradient `g` of its output: images like `x` (each window's share goes

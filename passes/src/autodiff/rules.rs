@@ -946,13 +946,9 @@ fn attention(
     Ok(out)
 }
 
-/// The window of a convolution by `weight` whose gradients compile: groups 1 (an error
-/// naming them otherwise).
-fn differentiable_kernel(
-    b: &Builder,
-    weight: ValueId,
-    groups: i64,
-) -> Result<Vec<i64>, AutodiffError> {
+/// The window of a convolution by `weight` whose gradients compile: a static 2-d one
+/// (an error naming it otherwise).
+fn differentiable_kernel(b: &Builder, weight: ValueId) -> Result<Vec<i64>, AutodiffError> {
     let kernel = match b.ty(weight) {
         Type::Dense { shape, .. } if shape.len() == 4 => shape[2..]
             .iter()
@@ -960,15 +956,13 @@ fn differentiable_kernel(
             .collect::<Vec<_>>(),
         _ => Vec::new(),
     };
-    if groups != 1 || kernel.len() != 2 {
-        return Err(
-            b.no_rule("compiled gradients of convolutions need groups 1 and a static 2-d window")
-        );
+    if kernel.len() != 2 {
+        return Err(b.no_rule("compiled gradients of convolutions need a static 2-d window"));
     }
     Ok(kernel)
 }
 
-/// A per-element region of one convolution (groups 1) or global average pooling of
+/// A per-element region of one convolution or global average pooling of
 /// images with ragged `H` and `W`.
 fn per_element(
     b: &mut Builder,
@@ -997,7 +991,7 @@ fn per_element(
         } if region_input(*x) == Some(images) => {
             let weight = region_input(*weight)
                 .ok_or_else(|| b.no_rule("the weight is not an input of the region"))?;
-            let kernel = differentiable_kernel(b, weight, *groups)?;
+            let kernel = differentiable_kernel(b, weight)?;
             if wants(images) {
                 let grad = b.push(Op::Conv2dInputGrad {
                     g,
@@ -1006,6 +1000,7 @@ fn per_element(
                     stride: stride.clone(),
                     padding: padding.clone(),
                     dilation: dilation.clone(),
+                    groups: *groups,
                 })?;
                 out.push((images, grad));
             }
@@ -1017,6 +1012,7 @@ fn per_element(
                     stride: stride.clone(),
                     padding: padding.clone(),
                     dilation: dilation.clone(),
+                    groups: *groups,
                 })?;
                 out.push((weight, b.cast_like(grad, weight)?));
             }

@@ -24,13 +24,13 @@ impl Lowering<'_> {
             return Err(unsupported(
                 value,
                 op,
-                "per-element regions other than one convolution (groups 1) or pooling of images with ragged H and W run through libtorch only when asked (Compiled::per_element_fallback)",
+                "per-element regions other than one convolution or pooling of images with ragged H and W run through libtorch only when asked (Compiled::per_element_fallback)",
             ));
         }
         self.host_region(value, ty, inputs, body)
     }
 
-    /// A region whose body is one convolution (groups 1), max / average pooling or
+    /// A region whose body is one convolution (any groups), max / average pooling or
     /// global average pooling of images `[C, H_i, W_i]` with ragged `H` and `W`, as a
     /// [`Step::Window`]; `None` for other regions.
     fn window_step(
@@ -55,6 +55,7 @@ impl Lowering<'_> {
         // The region operand a body value stands for (the images are operand 0).
         let region_input = |id: ValueId| body.input_position(id).map(|position| inputs[position]);
         let reads_images = |x: &ValueId| region_input(*x) == Some(images);
+        let mut groups = 1;
         let (kind, weight, bias, window) = match body.op(*output) {
             Op::Conv2d {
                 x,
@@ -63,8 +64,9 @@ impl Lowering<'_> {
                 stride,
                 padding,
                 dilation,
-                groups: 1,
+                groups: conv_groups,
             } if reads_images(x) => {
+                groups = *conv_groups;
                 let Some(weight) = region_input(*weight) else {
                     return Ok(None);
                 };
@@ -121,6 +123,7 @@ impl Lowering<'_> {
             channels,
             width,
             window,
+            groups,
         }));
         Ok(Some(out))
     }
@@ -205,10 +208,12 @@ impl Lowering<'_> {
                 stride,
                 padding,
                 dilation,
+                groups,
             } => {
                 let (grads, inputs) = (images(self, *g)?, images(self, *x)?);
                 let geometry = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
-                self.conv_input_grad(value, op, (grads, inputs, *weight), geometry)?
+                let step = self.conv_input_grad(value, op, (grads, inputs, *weight), geometry)?;
+                return self.push_window_gradient(value, ty, step, *groups);
             }
             Op::Conv2dWeightGrad {
                 x,
@@ -217,6 +222,7 @@ impl Lowering<'_> {
                 stride,
                 padding,
                 dilation,
+                groups,
             } => {
                 let inputs = images(self, *x)?;
                 let grads = images(self, *g)?;
@@ -226,14 +232,15 @@ impl Lowering<'_> {
                     padding: [padding[0], padding[1]],
                     dilation: [dilation[0], dilation[1]],
                 };
-                (
+                let step = (
                     WindowKind::WeightGrad,
                     inputs,
                     None,
                     Some(grads.slot),
                     grads.channels,
                     window,
-                )
+                );
+                return self.push_window_gradient(value, ty, step, *groups);
             }
             Op::Pool2dGrad {
                 max,
@@ -283,15 +290,17 @@ impl Lowering<'_> {
             }
             other => return Err(unsupported(value, other, "not lowered yet")),
         };
-        self.push_window_gradient(value, ty, step)
+        self.push_window_gradient(value, ty, step, 1)
     }
 
-    /// Pushes the window step of a gradient (`step`), the result of `value`.
+    /// Pushes the window step of a gradient (`step`, of a convolution in `groups`
+    /// groups), the result of `value`.
     fn push_window_gradient(
         &mut self,
         value: ValueId,
         ty: &Type,
         step: WindowGradient,
+        groups: i64,
     ) -> Result<Lowered, LowerError> {
         let (kind, operand, weight, grad, width, window) = step;
         let out = self.result(value, ty)?;
@@ -307,6 +316,7 @@ impl Lowering<'_> {
             channels: operand.channels,
             width,
             window,
+            groups,
         }));
         Ok(out)
     }
@@ -326,16 +336,16 @@ impl Lowering<'_> {
             Type::Dense { shape, .. } => shape.iter().filter_map(Dim::as_static).collect(),
             _ => Vec::new(),
         };
-        let ([_, channels, kh, kw], [_, _], [_, _], [_, _]) =
-            (&shape[..], stride, padding, dilation)
+        let ([_, _, kh, kw], [_, _], [_, _], [_, _]) = (&shape[..], stride, padding, dilation)
         else {
             return Err(unsupported(
                 value,
                 op,
-                "the weight must be [C_out, C_in, Kh, Kw] and the window 2-d",
+                "the weight must be [C_out, C_in / groups, Kh, Kw] and the window 2-d",
             ));
         };
-        let (channels, kernel) = (*channels, [*kh, *kw]);
+        // The gradient's channels: the input's (all groups').
+        let (channels, kernel) = (inputs.channels, [*kh, *kw]);
         let (weight, ..) = self.data(value, weight)?;
         // How far the window reaches past its first tap.
         let reach = |axis: usize| dilation[axis].saturating_mul(kernel[axis] - 1);

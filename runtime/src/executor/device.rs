@@ -839,10 +839,20 @@ impl Plan<'_> {
             channels,
             width,
             window,
+            groups,
         } = step;
         let elements = |slot: Slot| self.sizes.elements(self.program, slot);
         let count = |value: i64| usize::try_from(value).unwrap_or(usize::MAX);
         let (channels, width, taps) = (count(*channels), count(*width), count(window.taps()));
+        let groups = count(*groups);
+        if groups == 0 || channels % groups != 0 || width % groups != 0 {
+            return Err(device_error(
+                self.step,
+                format!("{groups} groups do not divide {channels} channels into {width}"),
+            ));
+        }
+        // A weight's (or its gradient's) values: a block per group.
+        let weights = width.saturating_mul(channels) / groups;
         // Rows of `columns` values fill `slot` exactly (kernels index them unchecked).
         let fills = |slot: Slot, rows: usize, columns: usize| {
             if rows.checked_mul(columns) == Some(elements(slot)) {
@@ -907,18 +917,14 @@ impl Plan<'_> {
             WindowKind::ImageSpread => fills(out, pixels, width),
             WindowKind::Conv | WindowKind::ConvInputGrad => {
                 fills(out, windows(out)?, width)?;
-                fills(
-                    needed(*weight, "a weight")?,
-                    width.saturating_mul(channels),
-                    taps,
-                )?;
+                fills(needed(*weight, "a weight")?, weights, taps)?;
                 bias.map_or(Ok(()), |bias| fills(bias, 1, width))
             }
             WindowKind::Max | WindowKind::Average => fills(out, windows(out)?, width),
             WindowKind::WeightGrad => {
                 let grad = needed(*grad, "the output's gradient")?;
                 fills(grad, windows(grad)?, width)?;
-                fills(out, width.saturating_mul(channels), taps)
+                fills(out, weights, taps)
             }
             WindowKind::MaxGrad | WindowKind::AverageGrad => {
                 let grad = needed(*grad, "the output's gradient")?;
@@ -927,11 +933,7 @@ impl Plan<'_> {
             }
             WindowKind::StridedConvInputGrad => {
                 fills(*x, windows(*x)?, channels)?;
-                fills(
-                    needed(*weight, "a weight")?,
-                    width.saturating_mul(channels),
-                    taps,
-                )?;
+                fills(needed(*weight, "a weight")?, weights, taps)?;
                 fills(out, pixels, width)
             }
         }

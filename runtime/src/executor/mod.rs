@@ -832,9 +832,10 @@ fn step_name(step: &Step) -> String {
             channels,
             width,
             window,
+            groups,
             ..
         }) => format!(
-            "window {kind:?} {channels}->{width} kernel={:?} stride={:?}",
+            "window {kind:?} {channels}->{width} kernel={:?} stride={:?} groups={groups}",
             window.kernel, window.stride
         ),
         Step::Gather(_) => "gather".into(),

@@ -67,6 +67,7 @@ impl Interpreter<'_> {
                 stride,
                 padding,
                 dilation,
+                groups,
             } => {
                 let weight = self.dense(*weight)?;
                 let (kernel, inputs) = (weight.size(), self.nested(*x)?);
@@ -95,7 +96,7 @@ impl Interpreter<'_> {
                                 stride,
                                 padding,
                                 [unread(0), unread(1)],
-                                1,
+                                *groups,
                                 dilation,
                             )?
                             .f_squeeze_dim(0)?)
@@ -110,6 +111,7 @@ impl Interpreter<'_> {
                 stride,
                 padding,
                 dilation,
+                groups,
             } => {
                 let (images, grads) = (self.nested(*x)?, self.nested(*g)?);
                 let mut total: Option<Tensor> = None;
@@ -143,7 +145,7 @@ impl Interpreter<'_> {
                     _ => Vec::new(),
                 };
                 Value::Dense(match total {
-                    Some(total) => total.f_contiguous()?,
+                    Some(total) => diagonal_blocks(&total, *groups)?.f_contiguous()?,
                     None => Tensor::f_zeros(shape.as_slice(), (images.kind(), images.device()))?,
                 })
             }
@@ -352,4 +354,23 @@ impl Interpreter<'_> {
             _ => None,
         })
     }
+}
+
+/// The blocks on the diagonal of a dense weight (or gradient) `[C_out, C_in, ...]` of a
+/// convolution in `groups` groups: `[C_out, C_in / groups, ...]`, each output channel's
+/// group's input channels.
+fn diagonal_blocks(dense: &Tensor, groups: i64) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(dense.shallow_clone());
+    }
+    let size = dense.size();
+    let (out, inputs) = (size[0] / groups, size[1] / groups);
+    let blocks = (0..groups)
+        .map(|group| {
+            dense
+                .f_narrow(0, group * out, out)?
+                .f_narrow(1, group * inputs, inputs)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&blocks, 0)?)
 }

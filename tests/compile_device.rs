@@ -276,6 +276,35 @@ fn ragged_slices_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
     assert_simulated_gradients_equal_cpu("slice_loss", loss, &[&x, &one]);
 }
 
+/// Adaptive average pooling to sizes other than 1 x 1 (larger than an image's side
+/// too) and its gradient (each cell's share spread over its window) on the simulated GPU
+/// equal the CPU (where the same kernels run JIT-compiled).
+#[test]
+fn adaptive_pooling_on_the_simulated_gpu_equals_the_cpu() {
+    let images = |sizes: &[(i64, i64)], seed: i64| {
+        tch::manual_seed(seed);
+        let elements: Vec<Tensor> = sizes
+            .iter()
+            .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
+            .collect();
+        NestedTensor::builder()
+            .ragged_dims(&[1, 2])
+            .tensors(&elements)
+            .unwrap()
+    };
+    let (x, one) = (images(&[(5, 3), (1, 1), (7, 4)], 1), images(&[(2, 6)], 2));
+    assert_simulated_equals_cpu(
+        "adaptive",
+        |x: &[NestedTensor], _: &[Dense]| x[0].adaptive_avg_pool2d([2, 3]),
+        &[vec![&x], vec![&one]],
+    );
+    let loss = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        let pooled = x[0].tanh()?.adaptive_avg_pool2d([3, 2])?;
+        (&pooled * &pooled)?.sum(&[], false)?.into_dense_handle()
+    };
+    assert_simulated_gradients_equal_cpu("adaptive_loss", loss, &[&x, &one]);
+}
+
 #[test]
 fn transformer_stacks_on_the_simulated_gpu_equal_the_cpu() {
     tch::manual_seed(3);

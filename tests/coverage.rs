@@ -158,6 +158,7 @@ fn forward_models() {
         Ok(vec![
             features.max_pool2d([2, 2], [2, 2], [0, 0])?.into(),
             features.adaptive_avg_pool2d([1, 1])?.into(),
+            features.adaptive_avg_pool2d([2, 3])?.into(),
             eval.into(),
             training.into(),
         ])
@@ -277,17 +278,26 @@ fn training_models() {
     let mixer = root.randn("mixer", &[4, 4, 3, 3], 0.0, 0.5);
     let classifier = root.randn("classifier", &[2, 4], 0.0, 0.5);
     let conv_net = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
-        x[0].conv2d(&kernel, Some(&shift), [1, 1], [1, 1], [1, 1], 1)?
+        let features = x[0]
+            .conv2d(&kernel, Some(&shift), [1, 1], [1, 1], [1, 1], 1)?
             .relu()?
             .conv2d(&mixer, None, [1, 1], [2, 2], [2, 2], 1)?
             .max_pool2d([2, 2], [1, 1], [1, 1])?
-            .avg_pool2d([3, 3], [2, 2], [1, 1])?
+            .avg_pool2d([3, 3], [2, 2], [1, 1])?;
+        // Pooled to one pixel for the head, and to 2 x 2 cells in the loss too.
+        let cells = features
+            .adaptive_avg_pool2d([2, 2])?
+            .square()?
+            .mean(&[], false)?
+            .into_dense_handle()?;
+        features
             .adaptive_avg_pool2d([1, 1])?
             .reshape_tail(&[4])?
             .linear(&classifier, None)?
             .square()?
             .mean(&[], false)?
-            .into_dense_handle()
+            .into_dense_handle()?
+            .add(&cells)
     };
     let images: Vec<Tensor> = [(6, 7), (9, 5), (4, 4)]
         .iter()

@@ -578,6 +578,46 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// Compiled adaptive average pooling to any output size (larger than an image's
+    /// sides too: windows overlap, as torch's) trains as autograd: the loss and every
+    /// parameter's gradient, images of 1 x 1 pixel included, one compile.
+    #[test]
+    fn compiled_adaptive_pooling_trains_as_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        output in (1i64..=4, 1i64..=4),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let (c_in, c) = (2, 3);
+        let cells = output.0 * output.1;
+        let shapes = [vec![c, c_in, 3, 3], vec![c], vec![2, c * cells], vec![2]];
+        let names = ["conv_weight", "conv_bias", "head_weight", "head_bias"];
+        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
+            let mut sizes = sizes.clone();
+            // Heights equal to the widths are another structure (shared lengths).
+            if sizes.iter().all(|(h, w)| h == w) {
+                sizes[0].1 += 1;
+            }
+            sizes
+        }).collect();
+        let loss = move |x: &NestedTensor, params: &[Tensor]| {
+            x.conv2d(&params[0], Some(&params[1]), [1, 1], [1, 1], [1, 1], 1)?
+                .tanh()?
+                .adaptive_avg_pool2d([output.0, output.1])?
+                .reshape_tail(&[c * cells])?
+                .linear(&params[2], Some(&params[3]))?
+                .square()?
+                .mean(&[], false)?
+                .into_dense_handle()
+        };
+        assert_trains_as_autograd("adaptive", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases(4)))]
 
     /// Compiled training of ResNet's bottleneck block with downsampling (1x1, 3x3 of
@@ -613,6 +653,43 @@ proptest! {
         }).collect();
         assert_trains_as_autograd("bottleneck", bottleneck_loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
     }
+}
+
+/// Adaptive pooling of an empty image fails eagerly (libtorch has no window to average)
+/// and compiled (`CompileCause::TooShort` naming the op and the image, before the run);
+/// the compiled function still runs the next batch.
+#[test]
+fn adaptive_pooling_of_an_empty_image_is_an_error() {
+    let pool = |x: &[NestedTensor], _: &[Dense]| x[0].adaptive_avg_pool2d([2, 3]);
+    let compiled = compile("adaptive_empty", pool);
+    let (_, _, fine) = images(&[(3, 4), (5, 2)], 2, Kind::Float, 1);
+    let want = pool(std::slice::from_ref(&fine), &[]).unwrap();
+    let got = compiled
+        .call(&[&fine], &[])
+        .unwrap()
+        .remove(0)
+        .into_nested()
+        .unwrap();
+    assert!(got.values().allclose(want.values(), 1e-6, 1e-6, false));
+    let (_, _, empty) = images(&[(3, 4), (0, 2)], 2, Kind::Float, 2);
+    assert!(pool(std::slice::from_ref(&empty), &[]).is_err());
+    let error = compiled.call(&[&empty], &[]).err().unwrap();
+    let NestedError::Compile { reason, .. } = &error else {
+        panic!("{error}");
+    };
+    assert!(
+        matches!(
+            reason.cause(),
+            nestor::CompileCause::TooShort {
+                op: "adaptive_avg_pool2d",
+                element: 1,
+                needed: 1
+            }
+        ),
+        "{error}"
+    );
+    assert!(compiled.call(&[&fine], &[]).is_ok());
+    assert_eq!(compiled.stats().compiles, 1);
 }
 
 /// Two branches of different window geometry, 3x3 and 2x2 both of stride 2, whose sizes

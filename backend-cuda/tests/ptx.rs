@@ -595,6 +595,7 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         "window_grads.nir",
         "conv_net_loss.nir",
         "strided_conv_loss.nir",
+        "adaptive_loss.nir",
     ] {
         let graph = nestor_ir::parse(&filetest(file)).unwrap();
         let program = if file.ends_with("_loss.nir") {
@@ -633,6 +634,8 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         "MaxGrad",
         "AverageGrad",
         "ImageSpread",
+        "Adaptive",
+        "AdaptiveGrad",
     ] {
         assert!(
             windows.iter().any(|name| name == kind),

@@ -616,6 +616,15 @@ pub enum WindowKind {
     /// Average pooling's gradient: each window's `grad` shared by its pixels inside
     /// the image.
     AverageGrad,
+    /// Adaptive average pooling of each image to `window.kernel` (`[oh, ow]`), as
+    /// torch's: cell `(i, j)` the mean of the rows `floor(i H / oh)` to
+    /// `ceil((i + 1) H / oh)` and the columns likewise; `out [B, channels, oh, ow]`, an
+    /// image a row.
+    Adaptive,
+    /// Its gradient: every pixel of the images the sum of the cells of `x`
+    /// (`[B, channels, oh, ow]`) whose windows hold it, each divided by its window's
+    /// pixel count.
+    AdaptiveGrad,
 }
 
 impl std::fmt::Display for Rows {

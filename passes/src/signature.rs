@@ -526,7 +526,9 @@ impl Placed for PairGemm {
 
 impl Placed for Window {
     fn placement(&self, program: &Program, set: KernelSet) -> Placement {
-        if set == KernelSet::Library {
+        let adaptive = matches!(self.kind, WindowKind::Adaptive | WindowKind::AdaptiveGrad);
+        // The CPU's own code, but for adaptive pooling (a kernel on every device).
+        if set == KernelSet::Library && !adaptive {
             return Placement::Backend;
         }
         let (heights, widths) = (self.heights, self.widths);
@@ -535,6 +537,13 @@ impl Placed for Window {
         let params = Params::new(self.out).buffer(Role::X, self.x);
         let out_rows = program.info(self.out).rows;
         let grad = |params: Params| params.optional(Role::Gradient, self.grad);
+        // Each image's height and width (as offsets) and first pixel.
+        let image_sizes = |params: Params| {
+            params
+                .with(Role::Offsets, Arg::Offsets(heights))
+                .with(Role::ColumnOffsets, Arg::Offsets(widths))
+                .with(Role::PairOffsets, Arg::PairOffsets(heights, widths))
+        };
         match self.kind {
             // An image a task.
             WindowKind::ImageMean | WindowKind::ImageSpread => params
@@ -565,6 +574,15 @@ impl Placed for Window {
                 .with(Role::Taps, taps)
                 .with(Role::WindowsOfPixels, windows_of_pixels)
                 .kernel(out_rows),
+            // A cell of an image a task.
+            WindowKind::Adaptive => {
+                let cells = self.window.kernel[0].saturating_mul(self.window.kernel[1]);
+                image_sizes(params).kernel(Rows::batch(heights).times(cells))
+            }
+            // A row of an image's pixels a task.
+            WindowKind::AdaptiveGrad => image_sizes(params)
+                .with(Role::RowOwners, owners(heights))
+                .kernel(Rows::total(heights)),
         }
     }
 }

@@ -55,6 +55,11 @@ impl CpuSteps {
             | WindowKind::MaxGrad
             | WindowKind::AverageGrad
             | WindowKind::StridedConvInputGrad => window.over_taps(),
+            // Kernels on every device (`Placed for Window`).
+            WindowKind::Adaptive | WindowKind::AdaptiveGrad => {
+                Err(window
+                    .error("adaptive pooling runs as a kernel, not the CPU's own code".into()))
+            }
         }
     }
 }

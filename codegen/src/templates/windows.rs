@@ -419,3 +419,160 @@ pub(super) fn image_spread<'ctx>(kernel: &Kernel<'ctx, '_>, channels: i64) -> Ge
         })
     })
 }
+
+/// The rows (or columns) `floor(i n / cells)` to `ceil((i + 1) n / cells)` that cell `i`
+/// of adaptive pooling to `cells` averages, of a side of `n` pixels (torch's windows).
+fn adaptive_span<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    i: IntValue<'ctx>,
+    cells: i64,
+    n: IntValue<'ctx>,
+) -> Gen<(IntValue<'ctx>, IntValue<'ctx>)> {
+    let first = kernel.div(kernel.mul(i, n)?, kernel.i64(cells))?;
+    let next = kernel.mul(kernel.add(i, kernel.i64(1))?, n)?;
+    let last = kernel.div(kernel.add(next, kernel.i64(cells - 1))?, kernel.i64(cells))?;
+    Ok((first, last))
+}
+
+/// Each image's height, width and first pixel (`offsets` of the heights and widths,
+/// `pixels` where each image's pixels start).
+fn image_geometry<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    [heights, widths, pixels]: [PointerValue<'ctx>; 3],
+    image: IntValue<'ctx>,
+) -> Gen<[IntValue<'ctx>; 3]> {
+    let next = kernel.add(image, kernel.i64(1))?;
+    let size = |offsets| {
+        kernel.sub(
+            kernel.load_i64(offsets, next)?,
+            kernel.load_i64(offsets, image)?,
+        )
+    };
+    Ok([
+        size(heights)?,
+        size(widths)?,
+        kernel.load_i64(pixels, image)?,
+    ])
+}
+
+/// Adaptive average pooling to `[oh, ow]`, a cell of an image a task: the mean of the
+/// window's pixels in order, written at `out[image, c, i, j]` (`[B, channels, oh, ow]`).
+pub(super) fn adaptive_mean<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    [oh, ow]: [i64; 2],
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, heights, widths, pixels] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Offsets,
+        Role::ColumnOffsets,
+        Role::PairOffsets,
+    ])?;
+    let sum = kernel.accumulator("sum")?;
+    let cells = oh.saturating_mul(ow);
+    // A cell is a warp's on a GPU (each lane its channels), one thread's on the host.
+    kernel.parallel_rows(start, end, |task, lanes| {
+        let image = kernel.div(task, kernel.i64(cells))?;
+        let cell = kernel.rem(task, kernel.i64(cells))?;
+        let (i, j) = (
+            kernel.div(cell, kernel.i64(ow))?,
+            kernel.rem(cell, kernel.i64(ow))?,
+        );
+        let [height, width, first] = image_geometry(kernel, [heights, widths, pixels], image)?;
+        let (top, bottom) = adaptive_span(kernel, i, oh, height)?;
+        let (left, right) = adaptive_span(kernel, j, ow, width)?;
+        let count = kernel.mul(kernel.sub(bottom, top)?, kernel.sub(right, left)?)?;
+        let count = kernel.to_float(count)?;
+        let out_first = kernel.add(kernel.mul(image, kernel.i64(channels * cells))?, cell)?;
+        kernel.lane_range(lanes, channels, |c| {
+            kernel.set(sum, kernel.constant(0.0))?;
+            kernel.for_range(top, bottom, |h| {
+                let row = kernel.add(first, kernel.mul(h, width)?)?;
+                kernel.for_range(left, right, |w| {
+                    let pixel = kernel.add(row, w)?;
+                    let at = kernel.add(kernel.mul(pixel, kernel.i64(channels))?, c)?;
+                    kernel.set(
+                        sum,
+                        kernel.fadd(kernel.get(sum)?, kernel.load_float(x, at)?)?,
+                    )
+                })
+            })?;
+            let at = kernel.add(out_first, kernel.mul(c, kernel.i64(cells))?)?;
+            kernel.store_float(out, at, kernel.fdiv(kernel.get(sum)?, count)?)
+        })
+    })
+}
+
+/// Adaptive average pooling's gradient, a row of an image's pixels a task: each pixel
+/// the sum over the cells whose windows hold it of `x[image, c, i, j]` divided by the
+/// cell's pixel count, cells in order.
+pub(super) fn adaptive_spread<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    [oh, ow]: [i64; 2],
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, heights, widths, pixels, owners] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Offsets,
+        Role::ColumnOffsets,
+        Role::PairOffsets,
+        Role::RowOwners,
+    ])?;
+    let sum = kernel.accumulator("sum")?;
+    let cells = oh.saturating_mul(ow);
+    // A row of pixels is a warp's on a GPU (each lane its channels), one thread's on
+    // the host.
+    kernel.parallel_rows(start, end, |row, lanes| {
+        let image = kernel.load_i64(owners, row)?;
+        let h = kernel.sub(row, kernel.load_i64(heights, image)?)?;
+        let [height, width, first] = image_geometry(kernel, [heights, widths, pixels], image)?;
+        let row_first = kernel.add(first, kernel.mul(h, width)?)?;
+        let grads = kernel.mul(image, kernel.i64(channels * cells))?;
+        kernel.for_range(kernel.i64(0), width, |w| {
+            let out_row = kernel.mul(kernel.add(row_first, w)?, kernel.i64(channels))?;
+            kernel.lane_range(lanes, channels, |c| {
+                kernel.set(sum, kernel.constant(0.0))?;
+                let channel = kernel.add(grads, kernel.mul(c, kernel.i64(cells))?)?;
+                kernel.for_range(kernel.i64(0), kernel.i64(oh), |i| {
+                    let (top, bottom) = adaptive_span(kernel, i, oh, height)?;
+                    let holds = kernel.and(
+                        kernel.less(h, bottom)?,
+                        kernel.less(kernel.sub(top, kernel.i64(1))?, h)?,
+                    )?;
+                    kernel.if_else(
+                        holds,
+                        || {
+                            kernel.for_range(kernel.i64(0), kernel.i64(ow), |j| {
+                                let (left, right) = adaptive_span(kernel, j, ow, width)?;
+                                let inside = kernel.and(
+                                    kernel.less(w, right)?,
+                                    kernel.less(kernel.sub(left, kernel.i64(1))?, w)?,
+                                )?;
+                                kernel.if_else(
+                                    inside,
+                                    || {
+                                        let pixels = kernel.mul(
+                                            kernel.sub(bottom, top)?,
+                                            kernel.sub(right, left)?,
+                                        )?;
+                                        let cell = kernel.add(kernel.mul(i, kernel.i64(ow))?, j)?;
+                                        let g = kernel.load_float(x, kernel.add(channel, cell)?)?;
+                                        let share = kernel.fdiv(g, kernel.to_float(pixels)?)?;
+                                        kernel.set(sum, kernel.fadd(kernel.get(sum)?, share)?)
+                                    },
+                                    || Ok(()),
+                                )
+                            })
+                        },
+                        || Ok(()),
+                    )
+                })?;
+                kernel.store_float(out, kernel.add(out_row, c)?, kernel.get(sum)?)
+            })
+        })
+    })
+}

@@ -199,6 +199,24 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
                 )),
             }
         }
+        Op::AdaptiveAvgPool2dGrad { g, x, output } => {
+            let [h, w] = pair("output size", output, 1)?;
+            let Type::Ragged { dims, dtype, .. } = ty(*g) else {
+                return Err(format!("the gradient must be a batch of [C, {h}, {w}]"));
+            };
+            let x_channels = images(&ty(*x))?.1;
+            match dims.as_slice() {
+                [ElemDim::Fixed(c), ElemDim::Fixed(Dim::Static(gh)), ElemDim::Fixed(Dim::Static(gw))]
+                    if c.as_static() == x_channels && [*gh, *gw] == [h, w] =>
+                {
+                    Ok(ty(*x).with_dtype(dtype))
+                }
+                _ => Err(format!(
+                    "the gradient must be [C, {h}, {w}] of the images' channels, got {}",
+                    ty(*g)
+                )),
+            }
+        }
         other => Err(format!("{} is not a per element op", other.name())),
     }
 }

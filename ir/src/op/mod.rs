@@ -996,6 +996,18 @@ pub enum Op {
         /// The pooled images (their sizes).
         x: ValueId,
     },
+    /// The gradient of adaptive average pooling to `output` (other than `[1, 1]`): each
+    /// pixel of `x` gets the cells of `g [C, *output]` whose windows hold it, each
+    /// divided by its window's pixel count; images like `x`.
+    #[op(name = "adaptive_avg_pool2d_grad", family = PerElement)]
+    AdaptiveAvgPool2dGrad {
+        /// The pooled values' gradient.
+        g: ValueId,
+        /// The pooled images (their sizes).
+        x: ValueId,
+        /// The pooling's output size.
+        output: Vec<i64>,
+    },
     /// Elementwise ops fused into one: `expr` over `inputs` (broadcast as `binary`
     /// broadcasts); one kernel.
     #[op(name = "fused", family = Pointwise)]

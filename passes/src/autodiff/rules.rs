@@ -1048,6 +1048,16 @@ fn per_element(
                 out.push((images, b.push(Op::ImageMeanGrad { g, x: images })?));
             }
         }
+        Op::AdaptiveAvgPool2d { x, output } if region_input(*x) == Some(images) => {
+            if wants(images) {
+                let grad = b.push(Op::AdaptiveAvgPool2dGrad {
+                    g,
+                    x: images,
+                    output: output.clone(),
+                })?;
+                out.push((images, grad));
+            }
+        }
         other => {
             return Err(b.no_rule(format!(
                 "no compiled gradient for a per-element {} yet",

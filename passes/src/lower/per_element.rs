@@ -99,6 +99,17 @@ impl Lowering<'_> {
             Op::AdaptiveAvgPool2d { x, output } if reads_images(x) && output[..] == [1, 1] => {
                 (WindowKind::ImageMean, None, None, WHOLE_IMAGE)
             }
+            Op::AdaptiveAvgPool2d { x, output } if reads_images(x) => {
+                let Some(window) = adaptive_window(output) else {
+                    return Ok(None);
+                };
+                // An empty image has no cell to average: an error before the run, as
+                // libtorch's.
+                for lengths in [heights, widths] {
+                    self.at_least(lengths, (1, "adaptive_avg_pool2d"));
+                }
+                (WindowKind::Adaptive, None, None, window)
+            }
             _ => return Ok(None),
         };
         let slot =
@@ -269,6 +280,25 @@ impl Lowering<'_> {
                     None,
                     Some(grads.slot),
                     inputs.channels,
+                    window,
+                )
+            }
+            Op::AdaptiveAvgPool2dGrad { g, x, output } => {
+                let pixels = images(self, *x)?;
+                let (pooled, ..) = self.data(value, *g)?;
+                let window = adaptive_window(output).ok_or_else(|| {
+                    unsupported(value, op, "the output size must be two positive values")
+                })?;
+                let operand = ImageOperand {
+                    slot: pooled,
+                    ..pixels
+                };
+                (
+                    WindowKind::AdaptiveGrad,
+                    operand,
+                    None,
+                    None,
+                    pixels.channels,
                     window,
                 )
             }
@@ -503,6 +533,16 @@ fn pool_window(kernel: &[i64], stride: &[i64], padding: &[i64]) -> Option<Window
         stride: pair(stride)?,
         padding: pair(padding)?,
         dilation: [1, 1],
+    })
+}
+
+/// The "window" of adaptive pooling to `output`: its kernel holds the output size;
+/// `None` unless that is two positive values.
+fn adaptive_window(output: &[i64]) -> Option<Window2d> {
+    let kernel = <[i64; 2]>::try_from(output).ok()?;
+    kernel.iter().all(|&size| size > 0).then_some(Window2d {
+        kernel,
+        ..WHOLE_IMAGE
     })
 }
 

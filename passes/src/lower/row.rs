@@ -499,7 +499,7 @@ impl Lowering<'_> {
     }
 
     /// `lengths`, checked at least `count` before the run for `op`.
-    fn at_least(&mut self, lengths: Slot, (count, op): (i64, &'static str)) -> Slot {
+    pub(super) fn at_least(&mut self, lengths: Slot, (count, op): (i64, &'static str)) -> Slot {
         let checked = self.lengths_slot(Source::Step);
         self.program.lengths_ops.push(LengthsOp {
             out: checked,

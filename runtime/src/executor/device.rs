@@ -876,28 +876,31 @@ impl Plan<'_> {
             .lengths
             .len();
         let pixels = self.pixels(*heights, *widths)?;
-        // Pooling keeps the channels: its kernels write `channels` values per row.
-        let convolution = matches!(
-            kind,
+        // Pooling keeps the channels: its kernels write `channels` values per row
+        // (adaptive pooling a cell's a channel).
+        let cells = count(window.kernel[0]).saturating_mul(count(window.kernel[1]));
+        let kept = match kind {
             WindowKind::Conv
-                | WindowKind::ConvInputGrad
-                | WindowKind::StridedConvInputGrad
-                | WindowKind::WeightGrad
-        );
-        if !convolution && channels != width {
+            | WindowKind::ConvInputGrad
+            | WindowKind::StridedConvInputGrad
+            | WindowKind::WeightGrad => width,
+            WindowKind::Adaptive => channels.saturating_mul(cells),
+            _ => channels,
+        };
+        if kept != width {
             return Err(device_error(
                 self.step,
                 format!("pooling {channels} channels into {width}"),
             ));
         }
-        // The images' pixels, or (spread) their means; a strided input gradient's `x`
-        // has a row per window (checked below).
-        let x_rows = match kind {
-            WindowKind::ImageSpread => images,
-            _ => pixels,
-        };
-        if *kind != WindowKind::StridedConvInputGrad {
-            fills(*x, x_rows, channels)?;
+        // The images' pixels, or (spread) their means, or (adaptive pooling's gradient)
+        // their cells; a strided input gradient's `x` has a row per window (checked
+        // below).
+        match kind {
+            WindowKind::ImageSpread => fills(*x, images, channels)?,
+            WindowKind::AdaptiveGrad => fills(*x, images, channels.saturating_mul(cells))?,
+            WindowKind::StridedConvInputGrad => {}
+            _ => fills(*x, pixels, channels)?,
         }
         // The windows (the output's pixels, or its gradient's), `taps` indices each:
         // within the memory budget before the table is built.
@@ -913,8 +916,8 @@ impl Plan<'_> {
         };
         let out = *out;
         match kind {
-            WindowKind::ImageMean => fills(out, images, width),
-            WindowKind::ImageSpread => fills(out, pixels, width),
+            WindowKind::ImageMean | WindowKind::Adaptive => fills(out, images, width),
+            WindowKind::ImageSpread | WindowKind::AdaptiveGrad => fills(out, pixels, width),
             WindowKind::Conv | WindowKind::ConvInputGrad => {
                 fills(out, windows(out)?, width)?;
                 fills(needed(*weight, "a weight")?, weights, taps)?;

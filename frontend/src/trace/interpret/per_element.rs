@@ -218,6 +218,27 @@ impl Interpreter<'_> {
                     .collect::<Result<Vec<_>>>()?;
                 self.images(value, ty, &spread)?
             }
+            Op::AdaptiveAvgPool2dGrad { g, x, output } => {
+                let (grads, images) = (self.nested(*g)?, self.nested(*x)?);
+                let spread = grads
+                    .elements()?
+                    .iter()
+                    .zip(images.elements()?)
+                    .map(|(g, image)| {
+                        // The pooling's adjoint: the gradient of sum(pool(x) * g), with
+                        // gradients recorded whatever the caller's mode.
+                        tch::with_grad(|| {
+                            let x = image.f_detach()?.f_set_requires_grad(true)?;
+                            let pooled =
+                                x.f_unsqueeze(0)?.f_adaptive_avg_pool2d(output.as_slice())?;
+                            let product = pooled.f_squeeze_dim(0)?.f_mul(g)?.f_sum(None)?;
+                            let grads = Tensor::f_run_backward(&[product], &[&x], false, false)?;
+                            Ok(grads[0].shallow_clone())
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                self.images(value, ty, &spread)?
+            }
             other => return Err(not_in_family(other, "per element")),
         })
     }

@@ -277,10 +277,11 @@ fn ragged_slices_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
 }
 
 /// Adaptive average pooling to sizes other than 1 x 1 (larger than an image's side
-/// too) and its gradient (each cell's share spread over its window) on the simulated GPU
-/// equal the CPU (where the same kernels run JIT-compiled).
+/// too), bilinear interpolation, and their gradients (each cell's share spread over the
+/// pixels it read) on the simulated GPU equal the CPU (where the same kernels run
+/// JIT-compiled).
 #[test]
-fn adaptive_pooling_on_the_simulated_gpu_equals_the_cpu() {
+fn resampling_on_the_simulated_gpu_equals_the_cpu() {
     let images = |sizes: &[(i64, i64)], seed: i64| {
         tch::manual_seed(seed);
         let elements: Vec<Tensor> = sizes
@@ -298,11 +299,29 @@ fn adaptive_pooling_on_the_simulated_gpu_equals_the_cpu() {
         |x: &[NestedTensor], _: &[Dense]| x[0].adaptive_avg_pool2d([2, 3]),
         &[vec![&x], vec![&one]],
     );
+    for align_corners in [false, true] {
+        assert_simulated_equals_cpu(
+            "bilinear",
+            move |x: &[NestedTensor], _: &[Dense]| {
+                x[0].interpolate_bilinear(Some([4, 3]), None, align_corners)
+            },
+            &[vec![&x], vec![&one]],
+        );
+    }
     let loss = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
-        let pooled = x[0].tanh()?.adaptive_avg_pool2d([3, 2])?;
-        (&pooled * &pooled)?.sum(&[], false)?.into_dense_handle()
+        let features = x[0].tanh()?;
+        let pooled = features.adaptive_avg_pool2d([3, 2])?;
+        let interpolated = features.interpolate_bilinear(Some([2, 5]), None, false)?;
+        (&pooled * &pooled)?
+            .sum(&[], false)?
+            .into_dense_handle()?
+            .add(
+                &(&interpolated * &interpolated)?
+                    .sum(&[], false)?
+                    .into_dense_handle()?,
+            )
     };
-    assert_simulated_gradients_equal_cpu("adaptive_loss", loss, &[&x, &one]);
+    assert_simulated_gradients_equal_cpu("resampling_loss", loss, &[&x, &one]);
 }
 
 #[test]

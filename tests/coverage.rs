@@ -159,6 +159,9 @@ fn forward_models() {
             features.max_pool2d([2, 2], [2, 2], [0, 0])?.into(),
             features.adaptive_avg_pool2d([1, 1])?.into(),
             features.adaptive_avg_pool2d([2, 3])?.into(),
+            features
+                .interpolate_bilinear(Some([3, 5]), None, true)?
+                .into(),
             eval.into(),
             training.into(),
         ])
@@ -284,12 +287,20 @@ fn training_models() {
             .conv2d(&mixer, None, [1, 1], [2, 2], [2, 2], 1)?
             .max_pool2d([2, 2], [1, 1], [1, 1])?
             .avg_pool2d([3, 3], [2, 2], [1, 1])?;
-        // Pooled to one pixel for the head, and to 2 x 2 cells in the loss too.
+        // Pooled to one pixel for the head, and to 2 x 2 cells (and interpolated to
+        // 3 x 3) in the loss too.
         let cells = features
             .adaptive_avg_pool2d([2, 2])?
             .square()?
             .mean(&[], false)?
-            .into_dense_handle()?;
+            .into_dense_handle()?
+            .add(
+                &features
+                    .interpolate_bilinear(Some([3, 3]), None, false)?
+                    .square()?
+                    .mean(&[], false)?
+                    .into_dense_handle()?,
+            )?;
         features
             .adaptive_avg_pool2d([1, 1])?
             .reshape_tail(&[4])?

@@ -580,13 +580,15 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases(8)))]
 
-    /// Compiled adaptive average pooling to any output size (larger than an image's
-    /// sides too: windows overlap, as torch's) trains as autograd: the loss and every
-    /// parameter's gradient, images of 1 x 1 pixel included, one compile.
+    /// Compiled adaptive average pooling and bilinear interpolation (corners aligned or
+    /// not) to any output size (larger than an image's sides too: windows overlap, as
+    /// torch's) train as autograd: the loss and every parameter's gradient, images of
+    /// 1 x 1 pixel included, one compile.
     #[test]
-    fn compiled_adaptive_pooling_trains_as_autograd(
+    fn compiled_resampling_trains_as_autograd(
         batches in proptest::collection::vec(image_sizes(), 2),
         output in (1i64..=4, 1i64..=4),
+        bilinear in proptest::option::of(any::<bool>()),
         double in any::<bool>(),
         seed in 0i64..1000,
     ) {
@@ -603,17 +605,20 @@ proptest! {
             }
             sizes
         }).collect();
+        let size = [output.0, output.1];
         let loss = move |x: &NestedTensor, params: &[Tensor]| {
-            x.conv2d(&params[0], Some(&params[1]), [1, 1], [1, 1], [1, 1], 1)?
-                .tanh()?
-                .adaptive_avg_pool2d([output.0, output.1])?
+            let features = x.conv2d(&params[0], Some(&params[1]), [1, 1], [1, 1], [1, 1], 1)?.tanh()?;
+            match bilinear {
+                Some(align_corners) => features.interpolate_bilinear(Some(size), None, align_corners)?,
+                None => features.adaptive_avg_pool2d(size)?,
+            }
                 .reshape_tail(&[c * cells])?
                 .linear(&params[2], Some(&params[3]))?
                 .square()?
                 .mean(&[], false)?
                 .into_dense_handle()
         };
-        assert_trains_as_autograd("adaptive", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
+        assert_trains_as_autograd("resampling", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
     }
 }
 
@@ -655,13 +660,47 @@ proptest! {
     }
 }
 
-/// Adaptive pooling of an empty image fails eagerly (libtorch has no window to average)
-/// and compiled (`CompileCause::TooShort` naming the op and the image, before the run);
-/// the compiled function still runs the next batch.
+/// Adaptive pooling and bilinear interpolation of an empty image fail eagerly (libtorch
+/// has no pixel to read) and compiled (`CompileCause::TooShort` naming the op and the
+/// image, before the run); the compiled function still runs the next batch. A traced
+/// interpolation by a scale (a size per element) is a trace error naming it.
 #[test]
-fn adaptive_pooling_of_an_empty_image_is_an_error() {
-    let pool = |x: &[NestedTensor], _: &[Dense]| x[0].adaptive_avg_pool2d([2, 3]);
-    let compiled = compile("adaptive_empty", pool);
+fn resampling_an_empty_image_is_an_error() {
+    for (op, pool) in [
+        (
+            "adaptive_avg_pool2d",
+            (|x: &[NestedTensor], _: &[Dense]| x[0].adaptive_avg_pool2d([2, 3])) as Resampling,
+        ),
+        ("interpolate", |x: &[NestedTensor], _: &[Dense]| {
+            x[0].interpolate_bilinear(Some([2, 3]), None, false)
+        }),
+    ] {
+        assert_empty_image_fails(op, pool);
+    }
+    let (_, _, fine) = images(&[(3, 4), (5, 2)], 2, Kind::Float, 1);
+    let scaled = compile("scaled", |x: &[NestedTensor], _: &[Dense]| {
+        x[0].interpolate_bilinear(None, Some(2.0), false)
+    })
+    .call(&[&fine], &[]);
+    assert!(
+        matches!(
+            &scaled,
+            Err(NestedError::Trace {
+                op: "interpolate",
+                ..
+            })
+        ),
+        "{scaled:?}"
+    );
+}
+
+/// A model resampling its images.
+type Resampling = fn(&[NestedTensor], &[Dense]) -> nestor::Result<NestedTensor>;
+
+/// Asserts that `pool` of a batch with an empty image fails eagerly and compiled (a
+/// `TooShort` naming `op`), and runs compiled on other batches, as eagerly.
+fn assert_empty_image_fails(op: &str, pool: Resampling) {
+    let compiled = compile(op, pool);
     let (_, _, fine) = images(&[(3, 4), (5, 2)], 2, Kind::Float, 1);
     let want = pool(std::slice::from_ref(&fine), &[]).unwrap();
     let got = compiled
@@ -681,10 +720,10 @@ fn adaptive_pooling_of_an_empty_image_is_an_error() {
         matches!(
             reason.cause(),
             nestor::CompileCause::TooShort {
-                op: "adaptive_avg_pool2d",
+                op: name,
                 element: 1,
                 needed: 1
-            }
+            } if name == op
         ),
         "{error}"
     );

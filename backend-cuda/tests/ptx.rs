@@ -636,6 +636,8 @@ fn window_steps_assemble_for_sm80_and_sm90() {
         "ImageSpread",
         "Adaptive",
         "AdaptiveGrad",
+        "Bilinear { align_corners: true }",
+        "BilinearGrad { align_corners: true }",
     ] {
         assert!(
             windows.iter().any(|name| name == kind),

@@ -625,6 +625,33 @@ pub enum WindowKind {
     /// (`[B, channels, oh, ow]`) whose windows hold it, each divided by its window's
     /// pixel count.
     AdaptiveGrad,
+    /// Bilinear interpolation of each image to `window.kernel` (`[oh, ow]`), as torch's
+    /// (corners aligned or not): cell `(i, j)` the four pixels around its source point,
+    /// weighted by their nearness; `out [B, channels, oh, ow]`, an image a row.
+    Bilinear {
+        /// Whether the corner pixels of input and output align.
+        align_corners: bool,
+    },
+    /// Its gradient: every pixel of the images the sum of the cells of `x` that read
+    /// it, times the weight they read it with.
+    BilinearGrad {
+        /// Whether the corner pixels of input and output align.
+        align_corners: bool,
+    },
+}
+
+impl WindowKind {
+    /// Whether the kind resamples each image to a fixed size (its output `[B, channels,
+    /// oh, ow]`, `window.kernel` the size) or is such a resampling's gradient.
+    pub fn resamples(self) -> bool {
+        matches!(
+            self,
+            WindowKind::Adaptive
+                | WindowKind::AdaptiveGrad
+                | WindowKind::Bilinear { .. }
+                | WindowKind::BilinearGrad { .. }
+        )
+    }
 }
 
 impl std::fmt::Display for Rows {

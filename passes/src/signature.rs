@@ -526,9 +526,8 @@ impl Placed for PairGemm {
 
 impl Placed for Window {
     fn placement(&self, program: &Program, set: KernelSet) -> Placement {
-        let adaptive = matches!(self.kind, WindowKind::Adaptive | WindowKind::AdaptiveGrad);
-        // The CPU's own code, but for adaptive pooling (a kernel on every device).
-        if set == KernelSet::Library && !adaptive {
+        // The CPU's own code, but for resampling (a kernel on every device).
+        if set == KernelSet::Library && !self.kind.resamples() {
             return Placement::Backend;
         }
         let (heights, widths) = (self.heights, self.widths);
@@ -575,12 +574,12 @@ impl Placed for Window {
                 .with(Role::WindowsOfPixels, windows_of_pixels)
                 .kernel(out_rows),
             // A cell of an image a task.
-            WindowKind::Adaptive => {
+            WindowKind::Adaptive | WindowKind::Bilinear { .. } => {
                 let cells = self.window.kernel[0].saturating_mul(self.window.kernel[1]);
                 image_sizes(params).kernel(Rows::batch(heights).times(cells))
             }
             // A row of an image's pixels a task.
-            WindowKind::AdaptiveGrad => image_sizes(params)
+            WindowKind::AdaptiveGrad | WindowKind::BilinearGrad { .. } => image_sizes(params)
                 .with(Role::RowOwners, owners(heights))
                 .kernel(Rows::total(heights)),
         }

@@ -56,9 +56,11 @@ impl CpuSteps {
             | WindowKind::AverageGrad
             | WindowKind::StridedConvInputGrad => window.over_taps(),
             // Kernels on every device (`Placed for Window`).
-            WindowKind::Adaptive | WindowKind::AdaptiveGrad => {
-                Err(window
-                    .error("adaptive pooling runs as a kernel, not the CPU's own code".into()))
+            WindowKind::Adaptive
+            | WindowKind::AdaptiveGrad
+            | WindowKind::Bilinear { .. }
+            | WindowKind::BilinearGrad { .. } => {
+                Err(window.error("a resampling runs as a kernel, not the CPU's own code".into()))
             }
         }
     }

@@ -30,6 +30,13 @@ impl<'ctx> Kernel<'ctx, '_> {
             .map_err(err)
     }
 
+    /// The float rounded toward zero, as an index (a non-negative float: its floor).
+    pub(crate) fn to_index(&self, value: FloatValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        self.builder
+            .build_float_to_signed_int(value, self.context.i64_type(), "index")
+            .map_err(err)
+    }
+
     /// SplitMix64's finalizer of a 64-bit integer (wrapping arithmetic): the counter-based
     /// generator of dropout masks, as the CPU runtime computes it.
     pub(crate) fn split_mix(&self, value: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {

@@ -55,8 +55,8 @@ use products::{gemm, pair_gemm, sum_rows};
 use rows::{finite_shift, row};
 use segments::{scan, segment};
 use windows::{
-    adaptive_mean, adaptive_spread, convolution, image_mean, image_spread, pool, pool_grad,
-    strided_conv_input_grad, weight_grad, Groups,
+    adaptive_mean, adaptive_spread, bilinear, bilinear_spread, convolution, image_mean,
+    image_spread, pool, pool_grad, strided_conv_input_grad, weight_grad, Groups,
 };
 
 /// Generates the kernel of `step` with `signature` (its placement's in `set`) as
@@ -170,6 +170,12 @@ fn window_kernel(kernel: &Kernel<'_, '_>, step: &Window) -> Gen<()> {
         WindowKind::ImageMean => image_mean(kernel, channels),
         WindowKind::Adaptive => adaptive_mean(kernel, channels, window.kernel),
         WindowKind::AdaptiveGrad => adaptive_spread(kernel, channels, window.kernel),
+        WindowKind::Bilinear { align_corners } => {
+            bilinear(kernel, channels, window.kernel, align_corners)
+        }
+        WindowKind::BilinearGrad { align_corners } => {
+            bilinear_spread(kernel, channels, window.kernel, align_corners)
+        }
     }
 }
 

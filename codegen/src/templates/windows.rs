@@ -505,13 +505,23 @@ pub(super) fn adaptive_mean<'ctx>(
     })
 }
 
-/// Adaptive average pooling's gradient, a row of an image's pixels a task: each pixel
-/// the sum over the cells whose windows hold it of `x[image, c, i, j]` divided by the
-/// cell's pixel count, cells in order.
-pub(super) fn adaptive_spread<'ctx>(
+/// How a resampling's cell `(i, j)` reads the pixel `(h, w)` of an image of `height` x
+/// `width`: whether it reads it at all, and with which weight.
+type CellWeight<'a, 'ctx> = &'a dyn Fn(
+    [IntValue<'ctx>; 2],
+    [IntValue<'ctx>; 2],
+    [IntValue<'ctx>; 2],
+) -> Gen<(IntValue<'ctx>, FloatValue<'ctx>)>;
+
+/// A resampling's gradient (adaptive pooling's, bilinear interpolation's), a row of an
+/// image's pixels a task: each pixel the sum over the cells that read it of
+/// `x[image, c, i, j]` times the weight they read it with (`weight`), cells in order
+/// (a cell that does not read it adds nothing, not even a NaN times 0).
+fn resampling_spread<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     channels: i64,
     [oh, ow]: [i64; 2],
+    weight: CellWeight<'_, 'ctx>,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x, heights, widths, pixels, owners] = kernel.params([
@@ -538,41 +548,173 @@ pub(super) fn adaptive_spread<'ctx>(
                 kernel.set(sum, kernel.constant(0.0))?;
                 let channel = kernel.add(grads, kernel.mul(c, kernel.i64(cells))?)?;
                 kernel.for_range(kernel.i64(0), kernel.i64(oh), |i| {
-                    let (top, bottom) = adaptive_span(kernel, i, oh, height)?;
-                    let holds = kernel.and(
-                        kernel.less(h, bottom)?,
-                        kernel.less(kernel.sub(top, kernel.i64(1))?, h)?,
-                    )?;
-                    kernel.if_else(
-                        holds,
-                        || {
-                            kernel.for_range(kernel.i64(0), kernel.i64(ow), |j| {
-                                let (left, right) = adaptive_span(kernel, j, ow, width)?;
-                                let inside = kernel.and(
-                                    kernel.less(w, right)?,
-                                    kernel.less(kernel.sub(left, kernel.i64(1))?, w)?,
-                                )?;
-                                kernel.if_else(
-                                    inside,
-                                    || {
-                                        let pixels = kernel.mul(
-                                            kernel.sub(bottom, top)?,
-                                            kernel.sub(right, left)?,
-                                        )?;
-                                        let cell = kernel.add(kernel.mul(i, kernel.i64(ow))?, j)?;
-                                        let g = kernel.load_float(x, kernel.add(channel, cell)?)?;
-                                        let share = kernel.fdiv(g, kernel.to_float(pixels)?)?;
-                                        kernel.set(sum, kernel.fadd(kernel.get(sum)?, share)?)
-                                    },
-                                    || Ok(()),
-                                )
-                            })
-                        },
-                        || Ok(()),
-                    )
+                    kernel.for_range(kernel.i64(0), kernel.i64(ow), |j| {
+                        let (reads, share) = weight([i, j], [h, w], [height, width])?;
+                        let add = || {
+                            let cell = kernel.add(kernel.mul(i, kernel.i64(ow))?, j)?;
+                            let g = kernel.load_float(x, kernel.add(channel, cell)?)?;
+                            kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(g, share)?)?)
+                        };
+                        kernel.if_else(reads, add, || Ok(()))
+                    })
                 })?;
                 kernel.store_float(out, kernel.add(out_row, c)?, kernel.get(sum)?)
             })
         })
     })
+}
+
+/// Adaptive average pooling's gradient: each cell's gradient divided by its window's
+/// pixel count, to every pixel of its window.
+pub(super) fn adaptive_spread<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    [oh, ow]: [i64; 2],
+) -> Gen<()> {
+    let weight = |[i, j]: [IntValue<'ctx>; 2],
+                  [h, w]: [IntValue<'ctx>; 2],
+                  [height, width]: [IntValue<'ctx>; 2]| {
+        let (top, bottom) = adaptive_span(kernel, i, oh, height)?;
+        let (left, right) = adaptive_span(kernel, j, ow, width)?;
+        // top <= h < bottom and left <= w < right.
+        let inside = |first: IntValue<'ctx>, at, past| {
+            kernel.and(
+                kernel.less(at, past)?,
+                kernel.less(kernel.sub(first, kernel.i64(1))?, at)?,
+            )
+        };
+        let holds = kernel.and(inside(top, h, bottom)?, inside(left, w, right)?)?;
+        let pixels = kernel.mul(kernel.sub(bottom, top)?, kernel.sub(right, left)?)?;
+        let share = kernel.fdiv(kernel.constant(1.0), kernel.to_float(pixels)?)?;
+        Ok((holds, share))
+    };
+    resampling_spread(kernel, channels, [oh, ow], &weight)
+}
+
+/// The two pixels cell `i` of `cells` interpolates between along a side of `n` pixels
+/// and their weights, as torch's linear interpolation: the source point
+/// `i (n - 1) / (cells - 1)` with corners aligned, else `(i + 1/2) n / cells - 1/2`
+/// (at least 0); its floor (at most `n - 1`) and the next pixel (itself at the last).
+fn linear_taps<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    i: IntValue<'ctx>,
+    (cells, n): (i64, IntValue<'ctx>),
+    align_corners: bool,
+) -> Gen<(
+    IntValue<'ctx>,
+    IntValue<'ctx>,
+    FloatValue<'ctx>,
+    FloatValue<'ctx>,
+)> {
+    let size = kernel.to_float(n)?;
+    let at = kernel.to_float(i)?;
+    let source = if align_corners {
+        let scale = match cells {
+            1 => kernel.constant(0.0),
+            _ => kernel.fdiv(
+                kernel.fsub(size, kernel.constant(1.0))?,
+                kernel.constant((cells - 1) as f64),
+            )?,
+        };
+        kernel.fmul(scale, at)?
+    } else {
+        let scale = kernel.fdiv(size, kernel.constant(cells as f64))?;
+        let centre = kernel.fadd(at, kernel.constant(0.5))?;
+        let source = kernel.fsub(kernel.fmul(scale, centre)?, kernel.constant(0.5))?;
+        let zero = kernel.constant(0.0);
+        kernel.select_if(FloatPredicate::OLT, (source, zero), zero, source)?
+    };
+    let last = kernel.sub(n, kernel.i64(1))?;
+    let first = kernel.min(kernel.to_index(source)?, last)?;
+    let fraction = kernel.fsub(source, kernel.to_float(first)?)?;
+    let (zero, one) = (kernel.constant(0.0), kernel.constant(1.0));
+    let fraction = kernel.select_if(FloatPredicate::OLT, (fraction, zero), zero, fraction)?;
+    let fraction = kernel.select_if(FloatPredicate::OGT, (fraction, one), one, fraction)?;
+    let step = kernel.select_index(kernel.less(first, last)?, kernel.i64(1), kernel.i64(0))?;
+    let second = kernel.add(first, step)?;
+    Ok((first, second, kernel.fsub(one, fraction)?, fraction))
+}
+
+/// Bilinear interpolation to `[oh, ow]`, a cell of an image a task: the four pixels
+/// around the cell's source point, weighted as torch's, written at
+/// `out[image, c, i, j]` (`[B, channels, oh, ow]`).
+pub(super) fn bilinear<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    [oh, ow]: [i64; 2],
+    align_corners: bool,
+) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, x, heights, widths, pixels] = kernel.params([
+        Role::Out,
+        Role::X,
+        Role::Offsets,
+        Role::ColumnOffsets,
+        Role::PairOffsets,
+    ])?;
+    let cells = oh.saturating_mul(ow);
+    // A cell is a warp's on a GPU (each lane its channels), one thread's on the host.
+    kernel.parallel_rows(start, end, |task, lanes| {
+        let image = kernel.div(task, kernel.i64(cells))?;
+        let cell = kernel.rem(task, kernel.i64(cells))?;
+        let (i, j) = (
+            kernel.div(cell, kernel.i64(ow))?,
+            kernel.rem(cell, kernel.i64(ow))?,
+        );
+        let [height, width, first] = image_geometry(kernel, [heights, widths, pixels], image)?;
+        let (top, bottom, above, below) = linear_taps(kernel, i, (oh, height), align_corners)?;
+        let (left, right, before, after) = linear_taps(kernel, j, (ow, width), align_corners)?;
+        let out_first = kernel.add(kernel.mul(image, kernel.i64(channels * cells))?, cell)?;
+        kernel.lane_range(lanes, channels, |c| {
+            let value = |h: IntValue<'ctx>, w: IntValue<'ctx>| {
+                let pixel = kernel.add(kernel.add(first, kernel.mul(h, width)?)?, w)?;
+                let at = kernel.add(kernel.mul(pixel, kernel.i64(channels))?, c)?;
+                kernel.load_float(x, at)
+            };
+            // Along the width in each of the two rows, then between the rows.
+            let across = |h| {
+                kernel.fadd(
+                    kernel.fmul(before, value(h, left)?)?,
+                    kernel.fmul(after, value(h, right)?)?,
+                )
+            };
+            let result = kernel.fadd(
+                kernel.fmul(above, across(top)?)?,
+                kernel.fmul(below, across(bottom)?)?,
+            )?;
+            let at = kernel.add(out_first, kernel.mul(c, kernel.i64(cells))?)?;
+            kernel.store_float(out, at, result)
+        })
+    })
+}
+
+/// Bilinear interpolation's gradient: each cell's gradient to the four pixels it read,
+/// times their weights (a pixel read twice, at an image's last row or column, gets
+/// both).
+pub(super) fn bilinear_spread<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    [oh, ow]: [i64; 2],
+    align_corners: bool,
+) -> Gen<()> {
+    let weight = |[i, j]: [IntValue<'ctx>; 2],
+                  [h, w]: [IntValue<'ctx>; 2],
+                  [height, width]: [IntValue<'ctx>; 2]| {
+        // Along one side: whether the cell reads `at`, and its weight (of the first
+        // pixel plus of the second).
+        let along = |at: IntValue<'ctx>, cell, (cells, n)| {
+            let (first, second, near, far) = linear_taps(kernel, cell, (cells, n), align_corners)?;
+            let zero = kernel.constant(0.0);
+            let (is_first, is_second) = (kernel.equal(at, first)?, kernel.equal(at, second)?);
+            let weight = kernel.fadd(
+                kernel.select(is_first, near, zero)?,
+                kernel.select(is_second, far, zero)?,
+            )?;
+            Gen::Ok((kernel.or(is_first, is_second)?, weight))
+        };
+        let (rows, down) = along(h, i, (oh, height))?;
+        let (columns, across) = along(w, j, (ow, width))?;
+        Ok((kernel.and(rows, columns)?, kernel.fmul(down, across)?))
+    };
+    resampling_spread(kernel, channels, [oh, ow], &weight)
 }

@@ -344,8 +344,10 @@ impl NestedTensor {
         Ok(result)
     }
 
-    /// Bilinear interpolation of elements `[C, H_i, W_i]` to a fixed `size`, or scaled by
-    /// `scale` per element (`align_corners` as in torch).
+    /// Bilinear interpolation of elements `[C, H_i, W_i]` to a fixed `size` (then every
+    /// element has the same shape and the result no ragged dim; this compiles, with its
+    /// gradient), or scaled by `scale` per element (not traced) (`align_corners` as in
+    /// torch).
     pub fn interpolate_bilinear(
         &self,
         size: Option<[i64; 2]>,
@@ -365,7 +367,7 @@ impl NestedTensor {
                 reason: format!("the scale must be finite and positive, not {scale}"),
             });
         }
-        self.map_elements("interpolate", size.is_none(), |element| {
+        let interpolate = |element: &Tensor| {
             let shape = element.size();
             let target = match (size, scale) {
                 (Some(size), _) => size,
@@ -378,6 +380,23 @@ impl NestedTensor {
             as_batch_of_one(element, |x| {
                 x.f_upsample_bilinear2d(target, align_corners, None::<f64>, None::<f64>)
             })
+        };
+        let Some(size) = size else {
+            if self.trace.is_some() {
+                return Err(trace_error(
+                    "interpolate",
+                    "a compiled interpolation needs a fixed size (a scale gives every element its own)".into(),
+                ));
+            }
+            return self.map_elements("interpolate", true, interpolate);
+        };
+        let result = self.map_elements_eager("interpolate", false, interpolate)?;
+        self.record_per_element(result, "interpolate", &[], Windows::Fixed(size), |ids| {
+            Op::InterpolateBilinear {
+                x: ids[0],
+                output: size.to_vec(),
+                align_corners,
+            }
         })
     }
 }

@@ -80,7 +80,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 ],
             ))
         }
-        Op::AdaptiveAvgPool2d { x, output } => {
+        Op::AdaptiveAvgPool2d { x, output } | Op::InterpolateBilinear { x, output, .. } => {
             let (dtype, shape) = element_image(&ty(*x))?;
             let output = pair("output size", output, 1)?;
             Ok(Type::dense(
@@ -199,7 +199,8 @@ fn gradient(graph: &Graph, op: &Op) -> Inferred {
                 )),
             }
         }
-        Op::AdaptiveAvgPool2dGrad { g, x, output } => {
+        Op::AdaptiveAvgPool2dGrad { g, x, output }
+        | Op::InterpolateBilinearGrad { g, x, output, .. } => {
             let [h, w] = pair("output size", output, 1)?;
             let Type::Ragged { dims, dtype, .. } = ty(*g) else {
                 return Err(format!("the gradient must be a batch of [C, {h}, {w}]"));

@@ -929,6 +929,31 @@ pub enum Op {
         /// Output spatial size.
         output: Vec<i64>,
     },
+    /// Bilinear interpolation of one dense element `[C, H, W]` to `[C, *output]`
+    /// (`align_corners` as torch's; per-element bodies only).
+    #[op(name = "interpolate_bilinear", family = PerElement)]
+    InterpolateBilinear {
+        /// Input.
+        x: ValueId,
+        /// Output spatial size.
+        output: Vec<i64>,
+        /// Whether the corner pixels of input and output align.
+        align_corners: bool,
+    },
+    /// The gradient of bilinear interpolation to `output`: each pixel of `x` gets the
+    /// cells of `g [C, *output]` that read it, times the weight they read it with;
+    /// images like `x`.
+    #[op(name = "interpolate_bilinear_grad", family = PerElement)]
+    InterpolateBilinearGrad {
+        /// The interpolated values' gradient.
+        g: ValueId,
+        /// The interpolated images (their sizes).
+        x: ValueId,
+        /// The interpolation's output size.
+        output: Vec<i64>,
+        /// Whether the corner pixels of input and output align.
+        align_corners: bool,
+    },
     /// The gradient of a convolution of images `[C_in, H_i, W_i]` with respect to its
     /// input, from the gradient `g` of its output `[C_out, H_out, W_out]` (a transposed
     /// convolution): images like `x`.

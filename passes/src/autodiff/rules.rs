@@ -1058,6 +1058,21 @@ fn per_element(
                 out.push((images, grad));
             }
         }
+        Op::InterpolateBilinear {
+            x,
+            output,
+            align_corners,
+        } if region_input(*x) == Some(images) => {
+            if wants(images) {
+                let grad = b.push(Op::InterpolateBilinearGrad {
+                    g,
+                    x: images,
+                    output: output.clone(),
+                    align_corners: *align_corners,
+                })?;
+                out.push((images, grad));
+            }
+        }
         other => {
             return Err(b.no_rule(format!(
                 "no compiled gradient for a per-element {} yet",

@@ -110,6 +110,24 @@ impl Lowering<'_> {
                 }
                 (WindowKind::Adaptive, None, None, window)
             }
+            Op::InterpolateBilinear {
+                x,
+                output,
+                align_corners,
+            } if reads_images(x) => {
+                let Some(window) = adaptive_window(output) else {
+                    return Ok(None);
+                };
+                // An empty image has no pixel to interpolate: an error before the run,
+                // as libtorch's.
+                for lengths in [heights, widths] {
+                    self.at_least(lengths, (1, "interpolate"));
+                }
+                let kind = WindowKind::Bilinear {
+                    align_corners: *align_corners,
+                };
+                (kind, None, None, window)
+            }
             _ => return Ok(None),
         };
         let slot =
@@ -284,23 +302,16 @@ impl Lowering<'_> {
                 )
             }
             Op::AdaptiveAvgPool2dGrad { g, x, output } => {
-                let pixels = images(self, *x)?;
-                let (pooled, ..) = self.data(value, *g)?;
-                let window = adaptive_window(output).ok_or_else(|| {
-                    unsupported(value, op, "the output size must be two positive values")
-                })?;
-                let operand = ImageOperand {
-                    slot: pooled,
-                    ..pixels
-                };
-                (
-                    WindowKind::AdaptiveGrad,
-                    operand,
-                    None,
-                    None,
-                    pixels.channels,
-                    window,
-                )
+                self.resampling_grad(value, op, (*g, *x, output), WindowKind::AdaptiveGrad)?
+            }
+            &Op::InterpolateBilinearGrad {
+                g,
+                x,
+                ref output,
+                align_corners,
+            } => {
+                let kind = WindowKind::BilinearGrad { align_corners };
+                self.resampling_grad(value, op, (g, x, output), kind)?
             }
             Op::ImageMeanGrad { g, x } => {
                 let pixels = images(self, *x)?;
@@ -321,6 +332,32 @@ impl Lowering<'_> {
             other => return Err(unsupported(value, other, "not lowered yet")),
         };
         self.push_window_gradient(value, ty, step, 1)
+    }
+
+    /// The window step of a resampling's gradient (`kind`): `g`, the resampled values'
+    /// gradient, spread over the images `x` resampled to `output`.
+    fn resampling_grad(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        (g, x, output): (ValueId, ValueId, &[i64]),
+        kind: WindowKind,
+    ) -> Result<WindowGradient, LowerError> {
+        let pixels = self.image_operand(x).ok_or_else(|| {
+            unsupported(
+                value,
+                op,
+                format!("{x} must be images with ragged H and W (or H 1)"),
+            )
+        })?;
+        let (resampled, ..) = self.data(value, g)?;
+        let window = adaptive_window(output)
+            .ok_or_else(|| unsupported(value, op, "the output size must be two positive values"))?;
+        let operand = ImageOperand {
+            slot: resampled,
+            ..pixels
+        };
+        Ok((kind, operand, None, None, pixels.channels, window))
     }
 
     /// Pushes the window step of a gradient (`step`, of a convolution in `groups`

@@ -877,14 +877,14 @@ impl Plan<'_> {
             .len();
         let pixels = self.pixels(*heights, *widths)?;
         // Pooling keeps the channels: its kernels write `channels` values per row
-        // (adaptive pooling a cell's a channel).
+        // (a resampling a cell's a channel).
         let cells = count(window.kernel[0]).saturating_mul(count(window.kernel[1]));
         let kept = match kind {
             WindowKind::Conv
             | WindowKind::ConvInputGrad
             | WindowKind::StridedConvInputGrad
             | WindowKind::WeightGrad => width,
-            WindowKind::Adaptive => channels.saturating_mul(cells),
+            WindowKind::Adaptive | WindowKind::Bilinear { .. } => channels.saturating_mul(cells),
             _ => channels,
         };
         if kept != width {
@@ -898,7 +898,9 @@ impl Plan<'_> {
         // below).
         match kind {
             WindowKind::ImageSpread => fills(*x, images, channels)?,
-            WindowKind::AdaptiveGrad => fills(*x, images, channels.saturating_mul(cells))?,
+            WindowKind::AdaptiveGrad | WindowKind::BilinearGrad { .. } => {
+                fills(*x, images, channels.saturating_mul(cells))?
+            }
             WindowKind::StridedConvInputGrad => {}
             _ => fills(*x, pixels, channels)?,
         }
@@ -916,8 +918,12 @@ impl Plan<'_> {
         };
         let out = *out;
         match kind {
-            WindowKind::ImageMean | WindowKind::Adaptive => fills(out, images, width),
-            WindowKind::ImageSpread | WindowKind::AdaptiveGrad => fills(out, pixels, width),
+            WindowKind::ImageMean | WindowKind::Adaptive | WindowKind::Bilinear { .. } => {
+                fills(out, images, width)
+            }
+            WindowKind::ImageSpread
+            | WindowKind::AdaptiveGrad
+            | WindowKind::BilinearGrad { .. } => fills(out, pixels, width),
             WindowKind::Conv | WindowKind::ConvInputGrad => {
                 fills(out, windows(out)?, width)?;
                 fills(needed(*weight, "a weight")?, weights, taps)?;

@@ -52,6 +52,11 @@ impl Interpreter<'_> {
                     .f_adaptive_avg_pool2d(output)?
                     .f_squeeze_dim(0)?,
             ),
+            Op::InterpolateBilinear {
+                x,
+                output,
+                align_corners,
+            } => Value::Dense(bilinear(self.dense(*x)?, output, *align_corners)?),
             Op::PerElement { inputs, body } => self.per_element(value, inputs, body, ty)?,
             _ => self.run_window_gradient(value, op, ty)?,
         })
@@ -219,28 +224,48 @@ impl Interpreter<'_> {
                 self.images(value, ty, &spread)?
             }
             Op::AdaptiveAvgPool2dGrad { g, x, output } => {
-                let (grads, images) = (self.nested(*g)?, self.nested(*x)?);
-                let spread = grads
-                    .elements()?
-                    .iter()
-                    .zip(images.elements()?)
-                    .map(|(g, image)| {
-                        // The pooling's adjoint: the gradient of sum(pool(x) * g), with
-                        // gradients recorded whatever the caller's mode.
-                        tch::with_grad(|| {
-                            let x = image.f_detach()?.f_set_requires_grad(true)?;
-                            let pooled =
-                                x.f_unsqueeze(0)?.f_adaptive_avg_pool2d(output.as_slice())?;
-                            let product = pooled.f_squeeze_dim(0)?.f_mul(g)?.f_sum(None)?;
-                            let grads = Tensor::f_run_backward(&[product], &[&x], false, false)?;
-                            Ok(grads[0].shallow_clone())
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                self.images(value, ty, &spread)?
+                let pool = |x: &Tensor| -> Result<Tensor> {
+                    Ok(x.f_unsqueeze(0)?
+                        .f_adaptive_avg_pool2d(output.as_slice())?
+                        .f_squeeze_dim(0)?)
+                };
+                self.adjoint(value, ty, (*g, *x), pool)?
             }
+            Op::InterpolateBilinearGrad {
+                g,
+                x,
+                output,
+                align_corners,
+            } => self.adjoint(value, ty, (*g, *x), |x| bilinear(x, output, *align_corners))?,
             other => return Err(not_in_family(other, "per element")),
         })
+    }
+
+    /// The images like `x` that a linear per-image map `f`'s adjoint gives `g`: the
+    /// gradient of `sum(f(image) * g)`, with gradients recorded whatever the caller's
+    /// mode.
+    fn adjoint(
+        &self,
+        value: ValueId,
+        ty: &Type,
+        (g, x): (ValueId, ValueId),
+        f: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Value> {
+        let (grads, images) = (self.nested(g)?, self.nested(x)?);
+        let spread = grads
+            .elements()?
+            .iter()
+            .zip(images.elements()?)
+            .map(|(g, image)| {
+                tch::with_grad(|| {
+                    let x = image.f_detach()?.f_set_requires_grad(true)?;
+                    let product = f(&x)?.f_mul(g)?.f_sum(None)?;
+                    let grads = Tensor::f_run_backward(&[product], &[&x], false, false)?;
+                    Ok(grads[0].shallow_clone())
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.images(value, ty, &spread)
     }
 
     fn per_element(
@@ -394,4 +419,12 @@ fn diagonal_blocks(dense: &Tensor, groups: i64) -> Result<Tensor> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Tensor::f_cat(&blocks, 0)?)
+}
+
+/// Bilinear interpolation of one image `[C, H, W]` to `[C, *output]`, as torch's.
+fn bilinear(image: &Tensor, output: &[i64], align_corners: bool) -> Result<Tensor> {
+    Ok(image
+        .f_unsqueeze(0)?
+        .f_upsample_bilinear2d(output, align_corners, None::<f64>, None::<f64>)?
+        .f_squeeze_dim(0)?)
 }

@@ -485,8 +485,12 @@ fn per_element_regions_run_through_libtorch_when_asked() {
         let pooled = features.max_pool2d([2, 2], [2, 2], [0, 0])?;
         Ok(vec![
             pooled.sigmoid()?.into(),
-            // Pooling to 2 x 2 has no window step: a per-element region.
-            features.adaptive_avg_pool2d([2, 2])?.into(),
+            // Pooling images of a fixed size (every element 3 x 3 after the adaptive
+            // pooling: no ragged H and W) has no window step: a per-element region.
+            features
+                .adaptive_avg_pool2d([3, 3])?
+                .max_pool2d([2, 2], [1, 1], [0, 0])?
+                .into(),
         ])
     };
     let strict = compile("conv_strict", &block);

@@ -34,7 +34,7 @@ fn programs_run_on_the_simulated_gpu_as_on_the_cpu_runtime() {
             .lines()
             .filter(|line| line.starts_with("ok "))
             .count(),
-        117
+        126
     );
     let _ = std::fs::remove_dir_all(&out);
 }

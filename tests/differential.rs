@@ -51,6 +51,10 @@ enum Step {
     /// Seen as `[L_i, 2, 2]`: softmax or a scaled cumulative sum along the inner static
     /// dim, the two static dims swapped, or minus the logsumexp over both of them.
     Inner(u8, usize),
+    /// Plus the tanh of the per-element sum of a slice of the ragged dim (Python bounds,
+    /// each of -3..=3 or none), or (`None`) of a language model's shift: `a[:-1] *
+    /// b[1:]`.
+    Slice(usize, usize, Option<(Option<i64>, Option<i64>)>),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -65,7 +69,16 @@ fn step() -> impl Strategy<Value = Step> {
         operand.clone().prop_map(Step::Center),
         (operand.clone(), any::<bool>()).prop_map(|(x, causal)| Step::Attention(x, causal)),
         (operand.clone(), operand.clone()).prop_map(|(a, b)| Step::Neighbours(a, b)),
-        (0u8..4, operand).prop_map(|(op, x)| Step::Inner(op, x)),
+        (0u8..4, operand.clone()).prop_map(|(op, x)| Step::Inner(op, x)),
+        (
+            operand.clone(),
+            operand,
+            proptest::option::of((
+                proptest::option::of(-3i64..=3),
+                proptest::option::of(-3i64..=3)
+            ))
+        )
+            .prop_map(|(a, b, bounds)| Step::Slice(a, b, bounds)),
     ]
 }
 
@@ -141,6 +154,17 @@ fn run(steps: &[Step], x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Ne
                     }
                 };
                 inner.reshape_tail(&[WIDTH])?
+            }
+            Step::Slice(a, b, bounds) => {
+                let (a, b) = (at(a), at(b));
+                let sliced = match bounds {
+                    Some((start, end)) => a.slice(1, nestor::Bounds { start, end })?,
+                    None => (&a.slice(1, ..-1)? * &b.slice(1, 1..)?)?,
+                };
+                // Summed over each element's rows (0 for an empty slice), then back
+                // over every row of `a`.
+                let sums = sliced.sum(&[1], true)?.into_dense_handle()?.tanh()?;
+                a.binary(nestor::Binary::Add, &sums)?
             }
         };
         pool.push(value);

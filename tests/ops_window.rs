@@ -507,19 +507,7 @@ proptest! {
         let (c_in, c) = (2, 3);
         let shapes = [vec![c, c_in, first.kernel[0], first.kernel[1]], vec![c], vec![c, c, second.kernel[0], second.kernel[1]], vec![c], vec![2, c], vec![2]];
         let names = ["first_weight", "first_bias", "second_weight", "second_bias", "head_weight", "head_bias"];
-        // Images large enough that both windows leave a pixel to average.
-        let least = |axis: usize| {
-            let needs = |g: &Geometry, out: i64| (out - 1) * g.stride[axis] + g.dilation[axis] * (g.kernel[axis] - 1) + 1 - 2 * g.padding[axis];
-            needs(&first, needs(&second, 1).max(1)).max(1)
-        };
-        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
-            let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(least(0)), w.max(least(1)))).collect();
-            // Heights equal to the widths are another structure (shared lengths).
-            if sizes.iter().all(|(h, w)| h == w) {
-                sizes[0].1 += 1;
-            }
-            sizes
-        }).collect();
+        let batches = large_enough(&batches, [&first, &second]);
         let loss = move |x: &NestedTensor, params: &[Tensor]| {
             let conv = |x: &NestedTensor, g: &Geometry, weight: &Tensor, bias: &Tensor| x.conv2d(weight, Some(bias), g.stride, g.padding, g.dilation, 1);
             let hidden = conv(x, &first, &params[0], &params[1])?.relu()?;
@@ -554,19 +542,7 @@ proptest! {
             vec![2, c], vec![2],
         ];
         let names = ["first_weight", "first_bias", "second_weight", "second_bias", "head_weight", "head_bias"];
-        // Images large enough that both windows leave a pixel to average.
-        let least = |axis: usize| {
-            let needs = |g: &Geometry, out: i64| (out - 1) * g.stride[axis] + g.dilation[axis] * (g.kernel[axis] - 1) + 1 - 2 * g.padding[axis];
-            needs(&first, needs(&second, 1).max(1)).max(1)
-        };
-        let batches: Vec<Vec<(i64, i64)>> = batches.iter().map(|sizes| {
-            let mut sizes: Vec<(i64, i64)> = sizes.iter().map(|&(h, w)| (h.max(least(0)), w.max(least(1)))).collect();
-            // Heights equal to the widths are another structure (shared lengths).
-            if sizes.iter().all(|(h, w)| h == w) {
-                sizes[0].1 += 1;
-            }
-            sizes
-        }).collect();
+        let batches = large_enough(&batches, [&first, &second]);
         let loss = move |x: &NestedTensor, params: &[Tensor]| {
             let conv = |x: &NestedTensor, g: &Geometry, groups: i64, weight: &Tensor, bias: &Tensor| x.conv2d(weight, Some(bias), g.stride, g.padding, g.dilation, groups);
             let hidden = conv(x, &first, groups.0, &params[0], &params[1])?.tanh()?;
@@ -842,6 +818,35 @@ fn strided_geometry() -> impl Strategy<Value = Geometry> {
         padding: [h.2, w.2],
         dilation: [h.3, w.3],
     })
+}
+
+/// The image sizes of `batches`, grown where needed so that two windows one after the
+/// other (`first`, then `second`) leave every image a pixel to average; heights and
+/// widths never all equal (that is another structure: shared lengths).
+fn large_enough(
+    batches: &[Vec<(i64, i64)>],
+    [first, second]: [&Geometry; 2],
+) -> Vec<Vec<(i64, i64)>> {
+    let least = |axis: usize| {
+        let needs = |g: &Geometry, out: i64| {
+            (out - 1) * g.stride[axis] + g.dilation[axis] * (g.kernel[axis] - 1) + 1
+                - 2 * g.padding[axis]
+        };
+        needs(first, needs(second, 1).max(1)).max(1)
+    };
+    batches
+        .iter()
+        .map(|sizes| {
+            let mut sizes: Vec<(i64, i64)> = sizes
+                .iter()
+                .map(|&(h, w)| (h.max(least(0)), w.max(least(1))))
+                .collect();
+            if sizes.iter().all(|(h, w)| h == w) {
+                sizes[0].1 += 1;
+            }
+            sizes
+        })
+        .collect()
 }
 
 /// Compiles `loss` (of a batch of images `[c_in, H, W]` and parameters of these `names`

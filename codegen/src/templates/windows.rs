@@ -455,12 +455,26 @@ fn image_geometry<'ctx>(
     ])
 }
 
-/// Adaptive average pooling to `[oh, ow]`, a cell of an image a task: the mean of the
-/// window's pixels in order, written at `out[image, c, i, j]` (`[B, channels, oh, ow]`).
-pub(super) fn adaptive_mean<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    channels: i64,
+/// A resampling's cell: its row and column, and its image's height, width and first
+/// pixel.
+struct Cell<'ctx> {
+    at: [IntValue<'ctx>; 2],
+    size: [IntValue<'ctx>; 2],
+    first: IntValue<'ctx>,
+}
+
+/// What a resampling writes for each channel of a cell: `value(c)`, built once a cell
+/// (what does not depend on the channel computed there).
+type ChannelValue<'a, 'ctx> = Box<dyn Fn(IntValue<'ctx>) -> Gen<FloatValue<'ctx>> + 'a>;
+
+/// A resampling to `[oh, ow]` (adaptive pooling, bilinear interpolation), a cell of an
+/// image a task: for each channel `c`, `cell_value(cell, x)(c)` written at
+/// `out[image, c, i, j]` (`[B, channels, oh, ow]`).
+fn resampling<'a, 'ctx: 'a>(
+    kernel: &'a Kernel<'ctx, '_>,
     [oh, ow]: [i64; 2],
+    channels: i64,
+    cell_value: &dyn Fn(Cell<'ctx>, PointerValue<'ctx>) -> Gen<ChannelValue<'a, 'ctx>>,
 ) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, x, heights, widths, pixels] = kernel.params([
@@ -470,39 +484,65 @@ pub(super) fn adaptive_mean<'ctx>(
         Role::ColumnOffsets,
         Role::PairOffsets,
     ])?;
-    let sum = kernel.accumulator("sum")?;
     let cells = oh.saturating_mul(ow);
     // A cell is a warp's on a GPU (each lane its channels), one thread's on the host.
     kernel.parallel_rows(start, end, |task, lanes| {
         let image = kernel.div(task, kernel.i64(cells))?;
         let cell = kernel.rem(task, kernel.i64(cells))?;
-        let (i, j) = (
+        let at = [
             kernel.div(cell, kernel.i64(ow))?,
             kernel.rem(cell, kernel.i64(ow))?,
-        );
+        ];
         let [height, width, first] = image_geometry(kernel, [heights, widths, pixels], image)?;
+        let size = [height, width];
+        let value = cell_value(Cell { at, size, first }, x)?;
+        let out_first = kernel.add(kernel.mul(image, kernel.i64(channels * cells))?, cell)?;
+        kernel.lane_range(lanes, channels, |c| {
+            let at = kernel.add(out_first, kernel.mul(c, kernel.i64(cells))?)?;
+            kernel.store_float(out, at, value(c)?)
+        })
+    })
+}
+
+/// Where channel `c` of pixel `(h, w)` of an image `width` wide whose pixels start at
+/// `first` is in a buffer of packed pixels of `channels`.
+fn pixel_place<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (first, width, channels): (IntValue<'ctx>, IntValue<'ctx>, i64),
+    [h, w]: [IntValue<'ctx>; 2],
+    c: IntValue<'ctx>,
+) -> Gen<IntValue<'ctx>> {
+    let pixel = kernel.add(kernel.add(first, kernel.mul(h, width)?)?, w)?;
+    kernel.add(kernel.mul(pixel, kernel.i64(channels))?, c)
+}
+
+/// Adaptive average pooling to `[oh, ow]`: each cell the mean of its window's pixels,
+/// in order.
+pub(super) fn adaptive_mean<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    channels: i64,
+    [oh, ow]: [i64; 2],
+) -> Gen<()> {
+    let sum = kernel.accumulator("sum")?;
+    let cell_value = |cell: Cell<'ctx>, x| -> Gen<ChannelValue<'_, 'ctx>> {
+        let ([i, j], [height, width]) = (cell.at, cell.size);
         let (top, bottom) = adaptive_span(kernel, i, oh, height)?;
         let (left, right) = adaptive_span(kernel, j, ow, width)?;
         let count = kernel.mul(kernel.sub(bottom, top)?, kernel.sub(right, left)?)?;
         let count = kernel.to_float(count)?;
-        let out_first = kernel.add(kernel.mul(image, kernel.i64(channels * cells))?, cell)?;
-        kernel.lane_range(lanes, channels, |c| {
+        Ok(Box::new(move |c| {
             kernel.set(sum, kernel.constant(0.0))?;
             kernel.for_range(top, bottom, |h| {
-                let row = kernel.add(first, kernel.mul(h, width)?)?;
                 kernel.for_range(left, right, |w| {
-                    let pixel = kernel.add(row, w)?;
-                    let at = kernel.add(kernel.mul(pixel, kernel.i64(channels))?, c)?;
-                    kernel.set(
-                        sum,
-                        kernel.fadd(kernel.get(sum)?, kernel.load_float(x, at)?)?,
-                    )
+                    let at = pixel_place(kernel, (cell.first, width, channels), [h, w], c)?;
+                    let value = kernel.load_float(x, at)?;
+                    kernel.set(sum, kernel.fadd(kernel.get(sum)?, value)?)
                 })
             })?;
-            let at = kernel.add(out_first, kernel.mul(c, kernel.i64(cells))?)?;
-            kernel.store_float(out, at, kernel.fdiv(kernel.get(sum)?, count)?)
-        })
-    })
+            kernel.fdiv(kernel.get(sum)?, count)
+        }))
+    };
+    resampling(kernel, [oh, ow], channels, &cell_value)
 }
 
 /// How a resampling's cell `(i, j)` reads the pixel `(h, w)` of an image of `height` x
@@ -635,40 +675,21 @@ fn linear_taps<'ctx>(
     Ok((first, second, kernel.fsub(one, fraction)?, fraction))
 }
 
-/// Bilinear interpolation to `[oh, ow]`, a cell of an image a task: the four pixels
-/// around the cell's source point, weighted as torch's, written at
-/// `out[image, c, i, j]` (`[B, channels, oh, ow]`).
+/// Bilinear interpolation to `[oh, ow]`: each cell the four pixels around its source
+/// point, weighted as torch's.
 pub(super) fn bilinear<'ctx>(
     kernel: &Kernel<'ctx, '_>,
     channels: i64,
     [oh, ow]: [i64; 2],
     align_corners: bool,
 ) -> Gen<()> {
-    let (start, end) = kernel.range()?;
-    let [out, x, heights, widths, pixels] = kernel.params([
-        Role::Out,
-        Role::X,
-        Role::Offsets,
-        Role::ColumnOffsets,
-        Role::PairOffsets,
-    ])?;
-    let cells = oh.saturating_mul(ow);
-    // A cell is a warp's on a GPU (each lane its channels), one thread's on the host.
-    kernel.parallel_rows(start, end, |task, lanes| {
-        let image = kernel.div(task, kernel.i64(cells))?;
-        let cell = kernel.rem(task, kernel.i64(cells))?;
-        let (i, j) = (
-            kernel.div(cell, kernel.i64(ow))?,
-            kernel.rem(cell, kernel.i64(ow))?,
-        );
-        let [height, width, first] = image_geometry(kernel, [heights, widths, pixels], image)?;
+    let cell_value = |cell: Cell<'ctx>, x| -> Gen<ChannelValue<'_, 'ctx>> {
+        let ([i, j], [height, width]) = (cell.at, cell.size);
         let (top, bottom, above, below) = linear_taps(kernel, i, (oh, height), align_corners)?;
         let (left, right, before, after) = linear_taps(kernel, j, (ow, width), align_corners)?;
-        let out_first = kernel.add(kernel.mul(image, kernel.i64(channels * cells))?, cell)?;
-        kernel.lane_range(lanes, channels, |c| {
-            let value = |h: IntValue<'ctx>, w: IntValue<'ctx>| {
-                let pixel = kernel.add(kernel.add(first, kernel.mul(h, width)?)?, w)?;
-                let at = kernel.add(kernel.mul(pixel, kernel.i64(channels))?, c)?;
+        Ok(Box::new(move |c| {
+            let value = |h, w| {
+                let at = pixel_place(kernel, (cell.first, width, channels), [h, w], c)?;
                 kernel.load_float(x, at)
             };
             // Along the width in each of the two rows, then between the rows.
@@ -678,14 +699,13 @@ pub(super) fn bilinear<'ctx>(
                     kernel.fmul(after, value(h, right)?)?,
                 )
             };
-            let result = kernel.fadd(
+            kernel.fadd(
                 kernel.fmul(above, across(top)?)?,
                 kernel.fmul(below, across(bottom)?)?,
-            )?;
-            let at = kernel.add(out_first, kernel.mul(c, kernel.i64(cells))?)?;
-            kernel.store_float(out, at, result)
-        })
-    })
+            )
+        }))
+    };
+    resampling(kernel, [oh, ow], channels, &cell_value)
 }
 
 /// Bilinear interpolation's gradient: each cell's gradient to the four pixels it read,

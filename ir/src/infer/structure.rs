@@ -259,50 +259,42 @@ fn lengths_ops(graph: &Graph, op: &Op) -> Inferred {
         Op::SliceLengths { lengths, .. } => Ok(Type::Lengths {
             batch: lengths_batch(graph, *lengths)?,
         }),
-        Op::SliceRagged {
+        &Op::SliceRagged {
             x,
             lengths,
             start,
             end,
         } => {
-            let bounds = SliceBounds {
-                start: *start,
-                end: *end,
-            };
-            let (own, tail) = leading_ragged(&ty(*x))?;
-            sliced_lengths(graph, own, *lengths, bounds)?;
-            match ty(*x) {
+            let (own, tail) = leading_ragged(&ty(x))?;
+            sliced_lengths(graph, own, lengths, SliceBounds { start, end })?;
+            match ty(x) {
                 Type::Ragged { dtype, batch, .. } => Ok(Type::Ragged {
                     dtype,
                     batch,
-                    dims: std::iter::once(ElemDim::Ragged(*lengths))
+                    dims: std::iter::once(ElemDim::Ragged(lengths))
                         .chain(tail)
                         .collect(),
                 }),
                 other => Err(format!("expects a ragged value, got {other}")),
             }
         }
-        Op::UnsliceRagged {
+        &Op::UnsliceRagged {
             g,
             like,
             start,
             end,
         } => {
-            let bounds = SliceBounds {
-                start: *start,
-                end: *end,
-            };
-            let (sliced, grads) = leading_ragged(&ty(*g))?;
-            let (own, tail) = leading_ragged(&ty(*like))?;
-            sliced_lengths(graph, own, sliced, bounds)?;
+            let (sliced, grads) = leading_ragged(&ty(g))?;
+            let (own, tail) = leading_ragged(&ty(like))?;
+            sliced_lengths(graph, own, sliced, SliceBounds { start, end })?;
             if grads != tail {
                 return Err(format!(
                     "{g} must be a slice of {like}, got {} for {}",
-                    ty(*g),
-                    ty(*like)
+                    ty(g),
+                    ty(like)
                 ));
             }
-            float(&ty(*g)).map(|dtype| ty(*like).with_dtype(dtype))
+            float(&ty(g)).map(|dtype| ty(like).with_dtype(dtype))
         }
         Op::RepeatBatch {
             x,

@@ -339,78 +339,19 @@ impl Lowering<'_> {
         op: &Op,
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
+        if let Some((lengths, kind)) = lengths_op_kind(op) {
+            let Lowered::Lengths(input) = self.get(lengths) else {
+                return Err(unsupported(value, op, "expects a lengths buffer"));
+            };
+            let out = self.result(value, ty)?;
+            self.program.lengths_ops.push(LengthsOp {
+                out: slot_of(&out),
+                input,
+                kind,
+            });
+            return Ok(out);
+        }
         match op {
-            Op::RepeatLengths {
-                lengths,
-                repeats,
-                interleave,
-            } => {
-                let Lowered::Lengths(input) = self.get(*lengths) else {
-                    return Err(unsupported(value, op, "expects a lengths buffer"));
-                };
-                let out = self.result(value, ty)?;
-                self.program.lengths_ops.push(LengthsOp {
-                    out: slot_of(&out),
-                    input,
-                    kind: LengthsKind::Repeat(Repeats {
-                        times: *repeats,
-                        interleave: *interleave,
-                    }),
-                });
-                Ok(out)
-            }
-            &Op::SliceLengths {
-                lengths,
-                start,
-                end,
-            } => {
-                let Lowered::Lengths(input) = self.get(lengths) else {
-                    return Err(unsupported(value, op, "expects a lengths buffer"));
-                };
-                let out = self.result(value, ty)?;
-                self.program.lengths_ops.push(LengthsOp {
-                    out: slot_of(&out),
-                    input,
-                    kind: LengthsKind::Slice(SliceBounds { start, end }),
-                });
-                Ok(out)
-            }
-            &Op::ConstantLengths { lengths, size } => {
-                let Lowered::Lengths(input) = self.get(lengths) else {
-                    return Err(unsupported(value, op, "expects a lengths buffer"));
-                };
-                let out = self.result(value, ty)?;
-                self.program.lengths_ops.push(LengthsOp {
-                    out: slot_of(&out),
-                    input,
-                    kind: LengthsKind::Constant { size },
-                });
-                Ok(out)
-            }
-            Op::WindowLengths {
-                lengths,
-                kernel,
-                stride,
-                padding,
-                dilation,
-            } => {
-                let Lowered::Lengths(input) = self.get(*lengths) else {
-                    return Err(unsupported(value, op, "expects a lengths buffer"));
-                };
-                let out = self.result(value, ty)?;
-                let out_slot = slot_of(&out);
-                self.program.lengths_ops.push(LengthsOp {
-                    out: out_slot,
-                    input,
-                    kind: LengthsKind::Window {
-                        kernel: *kernel,
-                        stride: *stride,
-                        padding: *padding,
-                        dilation: *dilation,
-                    },
-                });
-                Ok(out)
-            }
             Op::LengthValues { lengths, .. } => {
                 let Lowered::Lengths(lengths) = self.get(*lengths) else {
                     return Err(unsupported(value, op, "expects a lengths buffer"));
@@ -570,4 +511,44 @@ fn static_place(ty: &Type, dim: usize) -> Option<usize> {
     dims.get(dim)
         .filter(|dim| is_static(dim))
         .map(|_| dims[..dim].iter().filter(|dim| is_static(dim)).count())
+}
+
+/// The lengths a lengths op of the IR reads and the runtime's lengths op computing it
+/// (repeats, slices, constants, window sizes); `None` for other ops.
+fn lengths_op_kind(op: &Op) -> Option<(ValueId, LengthsKind)> {
+    Some(match *op {
+        Op::RepeatLengths {
+            lengths,
+            repeats,
+            interleave,
+        } => (
+            lengths,
+            LengthsKind::Repeat(Repeats {
+                times: repeats,
+                interleave,
+            }),
+        ),
+        Op::SliceLengths {
+            lengths,
+            start,
+            end,
+        } => (lengths, LengthsKind::Slice(SliceBounds { start, end })),
+        Op::ConstantLengths { lengths, size } => (lengths, LengthsKind::Constant { size }),
+        Op::WindowLengths {
+            lengths,
+            kernel,
+            stride,
+            padding,
+            dilation,
+        } => (
+            lengths,
+            LengthsKind::Window {
+                kernel,
+                stride,
+                padding,
+                dilation,
+            },
+        ),
+        _ => return None,
+    })
 }

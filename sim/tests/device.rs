@@ -260,21 +260,21 @@ proptest::proptest! {
 fn host_steps_on_a_device_are_a_typed_error() {
     use nestor_runtime::{InputData, RuntimeError, Stats};
     use nestor_sim::SimDevice;
-    // A grouped convolution has no window step: with the per-element fallback it is a
-    // host step, which libtorch runs on the CPU only.
+    // A convolution of images of a fixed height (2, ragged widths) has no window step:
+    // with the per-element fallback it is a host step, which libtorch runs on the CPU
+    // only.
     let graph = nestor_ir::parse(
-        r#"graph @grouped {
-  %0 = input {name = "x.lengths1"} : lengths[B]
-  %1 = input {name = "x.lengths2"} : lengths[B]
-  %2 = input {name = "x"} : ragged<f32>[B; 3, %0, %1]
-  %3 = param {name = "w"} : f32[3, 1, 3, 3]
-  %4 = per_element(%2, %3) : ragged<f32>[B; 3, %0, %1] graph @conv2d {
-    %0 = input {name = "element"} : f32[3, ?, ?]
-    %1 = input {name = "w"} : f32[3, 1, 3, 3]
-    %2 = conv2d(%0, %1) {stride = [1, 1], padding = [1, 1], dilation = [1, 1], groups = 3} : f32[3, ?, ?]
+        r#"graph @fixed_height {
+  %0 = input {name = "x.lengths"} : lengths[B]
+  %1 = input {name = "x"} : ragged<f32>[B; 3, 2, %0]
+  %2 = param {name = "w"} : f32[3, 3, 3, 3]
+  %3 = per_element(%1, %2) : ragged<f32>[B; 3, 2, %0] graph @conv2d {
+    %0 = input {name = "element"} : f32[3, 2, ?]
+    %1 = input {name = "w"} : f32[3, 3, 3, 3]
+    %2 = conv2d(%0, %1) {stride = [1, 1], padding = [1, 1], dilation = [1, 1], groups = 1} : f32[3, 2, ?]
     return %2
   }
-  return %4
+  return %3
 }"#,
     )
     .unwrap();
@@ -285,9 +285,8 @@ fn host_steps_on_a_device_are_a_typed_error() {
     let program = nestor_passes::lower_with(&graph, options).unwrap();
     let executable = nestor_backend_cpu::executable(program).unwrap();
     let device = SimDevice::new(&executable).unwrap();
-    let (sizes, x, w) = ([2i64], vec![0.5f32; 12], vec![0.1f32; 27]);
+    let (sizes, x, w) = ([2i64], vec![0.5f32; 12], vec![0.1f32; 81]);
     let inputs = [
-        InputData::I64(&sizes),
         InputData::I64(&sizes),
         InputData::F32(&x),
         InputData::F32(&w),

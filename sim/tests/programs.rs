@@ -339,6 +339,12 @@ proptest! {
         bf16 in any::<bool>(),
     ) {
         let (name, text, train) = PROGRAMS[program];
+        // Order ops over bf16 buffers: the rounding ties (or swaps) nearly equal values
+        // that the f32 reference orders otherwise, and gradients routed by position go
+        // elsewhere (an error of 0.2 on lengths [9, 4, 2, 11]); an f32-vs-bf16
+        // comparison of a discontinuous function says nothing there. Their bf16 runs
+        // are compared on the fixed lengths of the test above only.
+        prop_assume!(!(bf16 && name.starts_with("order_loss")));
         let geometry = match geometry {
             0 => Geometry::Gpu,
             1 => Geometry::Fixed(GpuGrid { blocks: 1, threads: 256 }),

@@ -8,7 +8,8 @@ mod common;
 
 use common::families::{families, families_rounded, ids};
 use common::{
-    assert_close_within, assert_same_values, batch, eager_values, lengths, value_parts, Out,
+    assert_close_within, assert_same_values, batch, eager_values, lengths, random_images,
+    value_parts, Out,
 };
 use nestor::nn::{TransformerConfig, TransformerEncoder};
 use nestor::{compile, Dense, NestedError, NestedTensor, Reduce, Value};
@@ -495,7 +496,7 @@ fn per_element_regions_run_through_libtorch_when_asked() {
     };
     let strict = compile("conv_strict", &block);
     let error = strict
-        .call(&[&images(&[(6, 7), (9, 5)], 1)], &[])
+        .call(&[&random_images(&[(6, 7), (9, 5)], 1)], &[])
         .unwrap_err();
     assert!(
         matches!(&error, NestedError::Compile { stage: "lowering", reason } if reason.contains("per_element")),
@@ -506,7 +507,7 @@ fn per_element_regions_run_through_libtorch_when_asked() {
         .iter()
         .enumerate()
     {
-        let batch = images(sizes, 10 + index as i64);
+        let batch = random_images(sizes, 10 + index as i64);
         let compiled_outputs = compiled.call(&[&batch], &[]).unwrap();
         let eager = eager_values(block(std::slice::from_ref(&batch), &[]).unwrap());
         assert_close(&compiled_outputs, &eager, "conv");
@@ -526,7 +527,7 @@ fn per_element_regions_run_through_libtorch_when_asked() {
         .iter()
         .enumerate()
     {
-        let batch = images(sizes, 20 + index as i64);
+        let batch = random_images(sizes, 20 + index as i64);
         let compiled_outputs = compiled.call(&[&batch], &[]).unwrap();
         let eager = eager_values(residual(std::slice::from_ref(&batch), &[]).unwrap());
         assert_close(&compiled_outputs, &eager, "residual conv");
@@ -574,23 +575,10 @@ fn a_strided_bottleneck_block_compiles_once_for_every_image_size() {
         Ok(vec![(&h + &shortcut)?.relu()?.into()])
     };
     let batches = [
-        images(&[(7, 6), (9, 5)], 30),
-        images(&[(8, 8), (1, 1), (12, 3)], 31),
+        random_images(&[(7, 6), (9, 5)], 30),
+        random_images(&[(8, 8), (1, 1), (12, 3)], 31),
     ];
     assert_one_compile_equals_eager("bottleneck", block, &batches);
-}
-
-/// Images `[3, h, w]` of these sizes from libtorch's generator seeded with `seed`.
-fn images(sizes: &[(i64, i64)], seed: i64) -> NestedTensor {
-    tch::manual_seed(seed);
-    let elements: Vec<Tensor> = sizes
-        .iter()
-        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
-        .collect();
-    NestedTensor::builder()
-        .ragged_dims(&[1, 2])
-        .tensors(&elements)
-        .unwrap()
 }
 
 /// `model` compiled once equals eager on every batch of `batches` (of one structure).

@@ -11,7 +11,7 @@
 mod common;
 
 use common::families::{families, ids};
-use common::{assert_close_within, batch, lengths, Out};
+use common::{assert_close_within, batch, lengths, random_images, Out};
 use nestor::nn::{Transformer, TransformerConfig, TransformerDecoder, TransformerEncoder};
 use nestor::{
     compile, Bounds, CompileCause, Dense, LossReduction, NestedError, NestedTensor, Reduce,
@@ -282,18 +282,10 @@ fn ragged_slices_and_their_gradients_on_the_simulated_gpu_equal_the_cpu() {
 /// JIT-compiled).
 #[test]
 fn resampling_on_the_simulated_gpu_equals_the_cpu() {
-    let images = |sizes: &[(i64, i64)], seed: i64| {
-        tch::manual_seed(seed);
-        let elements: Vec<Tensor> = sizes
-            .iter()
-            .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
-            .collect();
-        NestedTensor::builder()
-            .ragged_dims(&[1, 2])
-            .tensors(&elements)
-            .unwrap()
-    };
-    let (x, one) = (images(&[(5, 3), (1, 1), (7, 4)], 1), images(&[(2, 6)], 2));
+    let (x, one) = (
+        random_images(&[(5, 3), (1, 1), (7, 4)], 1),
+        random_images(&[(2, 6)], 2),
+    );
     assert_simulated_equals_cpu(
         "adaptive",
         |x: &[NestedTensor], _: &[Dense]| x[0].adaptive_avg_pool2d([2, 3]),

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{batch, close, golden, lengths};
+use common::{batch, close, golden, lengths, random_images};
 use nestor::nn::{TransformerConfig, TransformerEncoder, TransformerEncoderLayer};
 use nestor::{trace, Dense, LossReduction, NestedError, NestedTensor, Reduce, Traced, Value};
 use proptest::prelude::*;
@@ -626,18 +626,6 @@ fn dumps_write_text_and_dot() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-fn images(sizes: &[(i64, i64)], seed: i64) -> NestedTensor {
-    tch::manual_seed(seed);
-    let elements: Vec<Tensor> = sizes
-        .iter()
-        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, Device::Cpu)))
-        .collect();
-    NestedTensor::builder()
-        .ragged_dims(&[1, 2])
-        .tensors(&elements)
-        .unwrap()
-}
-
 #[test]
 fn per_element_convolution_and_pooling_trace_as_regions() {
     tch::manual_seed(14);
@@ -654,8 +642,8 @@ fn per_element_convolution_and_pooling_trace_as_regions() {
             features.adaptive_avg_pool2d([2, 2])?.into(),
         ])
     };
-    let example = images(&[(6, 7), (9, 5)], 15);
-    let other = images(&[(8, 8), (5, 11), (12, 6)], 16);
+    let example = random_images(&[(6, 7), (9, 5)], 15);
+    let other = random_images(&[(8, 8), (5, 11), (12, 6)], 16);
     let traced = check_family("conv", &model, &[&example], &[&other], &[], Kind::Float);
     let text = traced.text();
     assert!(

@@ -323,3 +323,17 @@ pub fn pooled_head_loss(
         .mean(&[], false)?
         .into_dense_handle()
 }
+
+/// Images `[3, h, w]` of these sizes (ragged in H and W) from libtorch's generator
+/// seeded with `seed`.
+pub fn random_images(sizes: &[(i64, i64)], seed: i64) -> NestedTensor {
+    tch::manual_seed(seed);
+    let elements: Vec<Tensor> = sizes
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (Kind::Float, tch::Device::Cpu)))
+        .collect();
+    NestedTensor::builder()
+        .ragged_dims(&[1, 2])
+        .tensors(&elements)
+        .unwrap()
+}

@@ -100,14 +100,11 @@ impl Lowering<'_> {
                 (WindowKind::ImageMean, None, None, WHOLE_IMAGE)
             }
             Op::AdaptiveAvgPool2d { x, output } if reads_images(x) => {
-                let Some(window) = adaptive_window(output) else {
+                let Some(window) =
+                    self.resampling(output, (heights, widths), "adaptive_avg_pool2d")
+                else {
                     return Ok(None);
                 };
-                // An empty image has no cell to average: an error before the run, as
-                // libtorch's.
-                for lengths in [heights, widths] {
-                    self.at_least(lengths, (1, "adaptive_avg_pool2d"));
-                }
                 (WindowKind::Adaptive, None, None, window)
             }
             Op::InterpolateBilinear {
@@ -115,14 +112,9 @@ impl Lowering<'_> {
                 output,
                 align_corners,
             } if reads_images(x) => {
-                let Some(window) = adaptive_window(output) else {
+                let Some(window) = self.resampling(output, (heights, widths), "interpolate") else {
                     return Ok(None);
                 };
-                // An empty image has no pixel to interpolate: an error before the run,
-                // as libtorch's.
-                for lengths in [heights, widths] {
-                    self.at_least(lengths, (1, "interpolate"));
-                }
                 let kind = WindowKind::Bilinear {
                     align_corners: *align_corners,
                 };
@@ -155,6 +147,22 @@ impl Lowering<'_> {
             groups,
         }));
         Ok(Some(out))
+    }
+
+    /// The window of a resampling (`op`) of images of these heights and widths to
+    /// `output`, `None` unless that is two positive sizes; an empty image has no pixel
+    /// to read: an error before the run, as libtorch's.
+    fn resampling(
+        &mut self,
+        output: &[i64],
+        (heights, widths): (Slot, Slot),
+        op: &'static str,
+    ) -> Option<Window2d> {
+        let window = resampling_window(output)?;
+        for lengths in [heights, widths] {
+            self.at_least(lengths, (1, op));
+        }
+        Some(window)
     }
 
     /// The buffer, channels and lengths of a batch of images `[C, H_i, W_i]` with
@@ -351,7 +359,7 @@ impl Lowering<'_> {
             )
         })?;
         let (resampled, ..) = self.data(value, g)?;
-        let window = adaptive_window(output)
+        let window = resampling_window(output)
             .ok_or_else(|| unsupported(value, op, "the output size must be two positive values"))?;
         let operand = ImageOperand {
             slot: resampled,
@@ -573,9 +581,9 @@ fn pool_window(kernel: &[i64], stride: &[i64], padding: &[i64]) -> Option<Window
     })
 }
 
-/// The "window" of adaptive pooling to `output`: its kernel holds the output size;
+/// The "window" of a resampling to `output`: its kernel holds the output size;
 /// `None` unless that is two positive values.
-fn adaptive_window(output: &[i64]) -> Option<Window2d> {
+fn resampling_window(output: &[i64]) -> Option<Window2d> {
     let kernel = <[i64; 2]>::try_from(output).ok()?;
     kernel.iter().all(|&size| size > 0).then_some(Window2d {
         kernel,

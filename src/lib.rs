@@ -35,7 +35,9 @@ pub use nestor_frontend::{
 pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 pub use nestor_ir::DType;
 
-pub use nestor_backend_cpu::{gemm_library, gemm_probe, pool, GemmProbe, Parallelism};
+pub use nestor_backend_cpu::{
+    bf16_path, gemm_library, gemm_probe, pool, Bf16Path, GemmProbe, Parallelism,
+};
 /// The ragged graph IR (types, ops, text form, verifier, Graphviz output).
 pub use nestor_ir as ir;
 pub use nestor_layout::{LayoutError, RaggedLayout};

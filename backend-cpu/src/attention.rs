@@ -8,7 +8,7 @@
 //! and query tile spread over the team. The gradient recomputes `P` for a tile of query
 //! rows at a time over all keys (`tile x keys`: O(L) memory per task, no extra GEMM).
 
-use nestor_passes::Access;
+use nestor_passes::{Access, Products};
 
 use crate::blas::Gemm;
 use crate::scalar::Scalar;
@@ -70,6 +70,8 @@ pub(crate) struct AttentionRun<'a> {
     /// Spread the tasks over the team (`crate::team`).
     pub parallel: bool,
     pub tiles: Tiles,
+    /// The operands of the two products (the softmax is in `T` either way).
+    pub products: Products,
 }
 
 /// Pointers shared by the parallel tasks; each task writes its own rows and head
@@ -198,7 +200,8 @@ impl AttentionRun<'_> {
                 );
                 let scores = &mut scores[..rows * keys];
                 // S[rows, keys] = scale * Q K^T.
-                T::tile_matmul(
+                T::tile_product(
+                    self.products,
                     (rows, d as usize, keys),
                     T::from_f64(self.scale),
                     (q, self.q.row_stride as isize, 1),
@@ -218,7 +221,8 @@ impl AttentionRun<'_> {
                 let first = first_key == 0;
                 let target = if first { out } else { products.as_mut_ptr() };
                 let target_width = if first { out_width } else { dv };
-                T::tile_matmul(
+                T::tile_product(
+                    self.products,
                     (rows, keys, dv as usize),
                     T::ONE,
                     (scores.as_ptr(), keys as isize, 1),
@@ -305,6 +309,8 @@ pub(crate) struct AttentionGradRun<'a> {
     pub parallel: bool,
     /// Query rows per tile of probabilities ([`Tiles::queries`]; all keys at once).
     pub tiles: Tiles,
+    /// The operands of the products.
+    pub products: Products,
 }
 
 /// Pointers of a gradient step; each task writes its own rows and head columns.
@@ -424,7 +430,8 @@ impl AttentionGradRun<'_> {
             };
             unsafe {
                 // P = softmax(scale Q K^T), row by row, future keys masked.
-                T::tile_matmul(
+                T::tile_product(
+                    self.products,
                     (rows, d as usize, ks),
                     scale,
                     (q, self.q.row_stride as isize, 1),
@@ -432,7 +439,8 @@ impl AttentionGradRun<'_> {
                     (probabilities.as_mut_ptr(), ks as isize, 1),
                 );
                 // dP = dO V^T.
-                T::tile_matmul(
+                T::tile_product(
+                    self.products,
                     (rows, d as usize, ks),
                     T::ONE,
                     (g, self.g.row_stride as isize, 1),
@@ -463,7 +471,8 @@ impl AttentionGradRun<'_> {
                     let out_q = buffers
                         .out
                         .offset(((q_first + first as i64) * width + head * d) as isize);
-                    T::tile_matmul(
+                    T::tile_product(
+                        self.products,
                         (rows, ks, d as usize),
                         scale,
                         (slopes.as_ptr(), ks as isize, 1),
@@ -565,14 +574,16 @@ impl AttentionGradRun<'_> {
         let half = if first_tile { width } else { d };
         // The caller vouches for the rows; `partial` holds `ks` rows of `2 d`.
         unsafe {
-            T::tile_matmul(
+            T::tile_product(
+                self.products,
                 (ks, rows, d as usize),
                 scale,
                 (slopes.as_ptr(), 1, ks as isize),
                 (q, self.q.row_stride as isize, 1),
                 (target, stride, 1),
             );
-            T::tile_matmul(
+            T::tile_product(
+                self.products,
                 (ks, rows, d as usize),
                 T::ONE,
                 (probabilities.as_ptr(), 1, ks as isize),
@@ -641,6 +652,7 @@ mod tests {
         let size = (rows * HEADS * VALUE_DIM) as usize;
         let scale = 1.0 / (HEAD_DIM as f64).sqrt();
         let host = AttentionRun {
+            products: Products::Float,
             q: &q_access,
             k: &k_access,
             v: &v_access,
@@ -772,6 +784,7 @@ mod tests {
         let size = (rows * width * if keys { 2 } else { 1 }) as usize;
         let scale = 0.7;
         let host = AttentionGradRun {
+            products: Products::Float,
             q: &accesses[0],
             k: &accesses[1],
             v: &accesses[2],

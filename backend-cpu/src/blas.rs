@@ -14,6 +14,8 @@ use std::ffi::c_char;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use nestor_passes::Products;
+
 use crate::scalar::Scalar;
 use crate::strided::{Strided, StridedMut};
 
@@ -60,6 +62,44 @@ pub(crate) trait Gemm: Scalar {
         }
     }
 
+    /// [`Gemm::product`] of `products`: with [`Products::Bf16`], f32 operands are
+    /// rounded to bf16 first (`crate::bf16`); f64 multiplies as it is.
+    ///
+    /// # Safety
+    /// As [`Gemm::product`].
+    unsafe fn product_of(
+        products: Products,
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+        add: bool,
+    ) {
+        let _ = products;
+        unsafe { Self::product(shape, scale, a, b, c, add) }
+    }
+
+    /// [`Gemm::tile_matmul`] of `products` (as [`Gemm::product_of`]).
+    ///
+    /// # Safety
+    /// As [`Gemm::matmul`].
+    unsafe fn tile_product(
+        products: Products,
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+    ) {
+        unsafe {
+            match products {
+                Products::Float => Self::tile_matmul(shape, scale, a, b, c),
+                Products::Bf16 => Self::product_of(products, shape, scale, a, b, c, false),
+            }
+        }
+    }
+
     /// [`Gemm::matmul`] for attention's small tiles: f32 on AVX2 hosts without AVX-512
     /// multiplies in registers (`crate::microkernel`), everything else as `matmul`.
     ///
@@ -79,6 +119,24 @@ pub(crate) trait Gemm: Scalar {
 impl Gemm for f32 {
     fn gemm_fn(mkl: &Mkl) -> GemmFn<Self> {
         mkl.sgemm
+    }
+
+    unsafe fn product_of(
+        products: Products,
+        shape: (usize, usize, usize),
+        scale: Self,
+        a: Strided<Self>,
+        b: Strided<Self>,
+        c: StridedMut<Self>,
+        add: bool,
+    ) {
+        // The caller vouches for the pointers (as for `product`).
+        unsafe {
+            match products {
+                Products::Float => Self::product(shape, scale, a, b, c, add),
+                Products::Bf16 => crate::bf16::product(shape, scale, a, b, c, add),
+            }
+        }
     }
 
     unsafe fn tile_matmul(
@@ -127,9 +185,28 @@ pub(crate) type GemmFn<T> = unsafe extern "C" fn(
 pub(crate) struct Mkl {
     pub(crate) sgemm: GemmFn<f32>,
     pub(crate) dgemm: GemmFn<f64>,
-    /// `MKL_Set_Num_Threads_Local`: this thread's MKL thread count (0: back to the
-    /// global one); returns the previous one.
-    set_threads_local: unsafe extern "C" fn(i32) -> i32,
+    set_threads_local: SetThreadsFn,
+}
+
+/// `MKL_Set_Num_Threads_Local`: this thread's MKL thread count (0: back to the global
+/// one); returns the previous one.
+pub(crate) type SetThreadsFn = unsafe extern "C" fn(i32) -> i32;
+
+/// Runs `call` (an MKL call) with MKL on this thread alone: the executor splits the
+/// work across its own threads (an MKL team would spin on the cores they need).
+///
+/// # Safety
+/// `set_threads_local` must be MKL's.
+pub(crate) unsafe fn on_one_thread<R>(
+    set_threads_local: SetThreadsFn,
+    call: impl FnOnce() -> R,
+) -> R {
+    unsafe {
+        let previous = set_threads_local(1);
+        let result = call();
+        set_threads_local(previous);
+        result
+    }
 }
 
 /// How the process chose its GEMM library: one f32 product of [`GemmProbe::SIDE`]
@@ -301,14 +378,12 @@ unsafe fn mkl_matmul<T: Gemm>(
     };
     let beta = if add { T::ONE } else { T::ZERO };
     unsafe {
-        // On this thread alone: the executor splits the work across its own threads (an
-        // MKL team would spin on the cores they need).
-        let previous = (mkl.set_threads_local)(1);
-        T::gemm_fn(mkl)(
-            &op_b, &op_a, &columns, &rows, &inner, &scale, b.0, &ldb, a.0, &lda, &beta, c.0, &ldc,
-            1, 1,
-        );
-        (mkl.set_threads_local)(previous);
+        on_one_thread(mkl.set_threads_local, || {
+            T::gemm_fn(mkl)(
+                &op_b, &op_a, &columns, &rows, &inner, &scale, b.0, &ldb, a.0, &lda, &beta, c.0,
+                &ldc, 1, 1,
+            )
+        });
     }
     true
 }

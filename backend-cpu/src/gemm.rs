@@ -6,6 +6,8 @@ use crate::KernelFn;
 
 use std::sync::Mutex;
 
+use nestor_passes::Products;
+
 use crate::blas::Gemm;
 use crate::parallel::{worker_threads, Args};
 use crate::scalar::Scalar;
@@ -20,7 +22,8 @@ pub(super) struct GemmShape {
     pub(super) transposed: bool,
 }
 
-/// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when `transposed`).
+/// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when
+/// `transposed`), the product's operands as `products` says.
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
@@ -29,7 +32,7 @@ pub(super) unsafe fn gemm<T: Gemm>(
     x: *const u8,
     weight: *const u8,
     bias: Option<*mut u8>,
-    shape: GemmShape,
+    (shape, products): (GemmShape, Products),
     epilogue: Option<(KernelFn, Args<'_>)>,
 ) {
     let buffers = GemmBuffers {
@@ -49,7 +52,7 @@ pub(super) unsafe fn gemm<T: Gemm>(
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
     // over those rows, reading buffers the program sized) rewrites them in place.
     let rows = move |start: i64, end: i64| unsafe {
-        gemm_rows(buffers, shape, start, end);
+        gemm_rows(buffers, (shape, products), start, end);
         if let Some((kernel, args)) = epilogue {
             kernel(args.0.as_ptr(), start, end);
         }
@@ -93,7 +96,12 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
-unsafe fn gemm_rows<T: Gemm>(buffers: GemmBuffers<T>, shape: GemmShape, start: i64, end: i64) {
+unsafe fn gemm_rows<T: Gemm>(
+    buffers: GemmBuffers<T>,
+    (shape, products): (GemmShape, Products),
+    start: i64,
+    end: i64,
+) {
     let GemmShape {
         k, n, transposed, ..
     } = shape;
@@ -123,7 +131,8 @@ unsafe fn gemm_rows<T: Gemm>(buffers: GemmBuffers<T>, shape: GemmShape, start: i
         } else {
             (buffers.weight, 1, k as isize)
         };
-        T::product(
+        T::product_of(
+            products,
             (rows as usize, k as usize, n as usize),
             T::ONE,
             (buffers.x.offset((start * k) as isize), k as isize, 1),
@@ -138,16 +147,15 @@ unsafe fn gemm_rows<T: Gemm>(buffers: GemmBuffers<T>, shape: GemmShape, start: i
 /// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean). Large
 /// products split the output rows across the cores; column sums add the partial sums of
 /// blocks of [`SUM_BLOCK_ROWS`] rows (split across the cores when large) in order, so
-/// the result does not depend on the split.
+/// the result does not depend on the split. Products' operands are as `products` says.
 ///
 /// # Safety
 /// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m` and `b` `rows*n`.
 pub(super) unsafe fn sum_rows<T: Gemm>(
     out: *mut u8,
-    a: Option<*const u8>,
-    b: *const u8,
+    (a, b): (Option<*const u8>, *const u8),
     (rows, m, n): (i64, i64, i64),
-    mean: bool,
+    (mean, products): (bool, Products),
 ) {
     let (rows, m, n) = (rows.max(0) as usize, m.max(0) as usize, n.max(0) as usize);
     if m * n == 0 {
@@ -179,7 +187,7 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
         let per_chunk = m.div_ceil(chunks);
         // Output rows `first..first + count` (each task its own rows of `out`).
         let product = move |first: usize, count: usize| unsafe {
-            buffers.product(first, count, (rows, m, n))
+            buffers.product(first, count, (rows, m, n), products)
         };
         if chunks == 1 {
             product(0, m);
@@ -277,14 +285,22 @@ impl<T: Gemm> SumBuffers<T> {
     ///
     /// # Safety
     /// The buffers must hold `rows*m`, `rows*n` and `m*n` values, `first + count <= m`.
-    unsafe fn product(self, first: usize, count: usize, (rows, m, n): (usize, usize, usize)) {
+    unsafe fn product(
+        self,
+        first: usize,
+        count: usize,
+        (rows, m, n): (usize, usize, usize),
+        products: Products,
+    ) {
         unsafe {
-            T::matmul(
+            T::product_of(
+                products,
                 (count, rows, n),
                 T::ONE,
                 (self.a.add(first), 1, m as isize),
                 (self.b, n as isize, 1),
                 (self.out.add(first * n), n as isize, 1),
+                false,
             )
         }
     }
@@ -368,7 +384,9 @@ mod tests {
             let epilogue = library.kernel(0).map(|kernel| (kernel, Args(&epilogue_args)));
             let shape = GemmShape { rows, k, n, transposed };
             // The buffers hold rows*n, rows*k, k*n and n values.
-            unsafe { gemm::<f32>(out, pointer(&x), pointer(&weight), bias_pointer, shape, epilogue) };
+            unsafe {
+                gemm::<f32>(out, pointer(&x), pointer(&weight), bias_pointer, (shape, Products::Float), epilogue)
+            };
 
             let mut actual = vec![f32::NAN; (rows * n) as usize];
             let null = std::ptr::null_mut();

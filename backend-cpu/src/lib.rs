@@ -19,6 +19,7 @@
 #![cfg_attr(not(feature = "jit"), allow(dead_code))]
 
 mod attention;
+mod bf16;
 mod blas;
 mod conv;
 mod gemm;
@@ -36,6 +37,7 @@ mod team;
 mod testing;
 mod window;
 
+pub use bf16::{bf16_path, Bf16Path};
 pub use blas::{gemm_library, gemm_probe, GemmProbe};
 #[cfg(feature = "jit")]
 pub use jit::{compile, compile_for, compile_storing, compile_with, BackendError, CpuKernels};

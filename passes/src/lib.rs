@@ -45,6 +45,8 @@ pub use operands::{
 };
 pub use optimize::{Limits, Optimize, Report};
 pub use pipeline::{annotated, Noted, Pass, PassError, Pipeline};
-pub use program::{FloatType, LengthsKind, LengthsOp, OutDim, Output, Program, SlotInfo, Source};
+pub use program::{
+    FloatType, LengthsKind, LengthsOp, OutDim, Output, Products, Program, SlotInfo, Source,
+};
 pub use signature::{Arg, KernelKey, KernelSet, Param, Placement, Role, Signature};
 pub use step::Step;

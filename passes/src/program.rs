@@ -167,6 +167,21 @@ pub struct Program {
     /// than +inf, as its AVX2 kernels and the math do (the default): the frontend sets
     /// it to what the process's eager gelu gives.
     pub gelu_nan_at_infinity: bool,
+    /// What the matrix products of an f32 program multiply: f32 values, or their bf16
+    /// roundings with f32 sums (mixed precision, as `torch.autocast`'s products).
+    pub products: Products,
+}
+
+/// The operands of a program's matrix products (GEMMs and weight gradients).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Products {
+    /// The program's float type.
+    #[default]
+    Float,
+    /// bf16 roundings of f32 operands, summed in f32, on the host's bf16 units where it
+    /// has them (elsewhere in f32, from the same roundings' exact products). f64
+    /// programs ignore it.
+    Bf16,
 }
 
 /// The floating-point type a program computes in.
@@ -231,8 +246,12 @@ impl std::fmt::Display for Program {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "program ({:?}): {} slots, {} steps, {} outputs",
+            "program ({:?}{}): {} slots, {} steps, {} outputs",
             self.float,
+            match self.products {
+                Products::Float => "",
+                Products::Bf16 => ", bf16 products",
+            },
             self.slots.len(),
             self.steps.len(),
             self.outputs.len()

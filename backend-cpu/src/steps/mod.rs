@@ -229,12 +229,13 @@ impl CpuSteps {
                 let (out, b) = (run.pointer(*out), run.pointer(*b) as *const u8);
                 let a = a.map(|a| run.pointer(a) as *const u8);
                 let sizes = (run.sizes().rows(*rows), *m, *n);
+                let options = (*mean, run.program().products);
                 // The executor sized the buffers for these rows and widths, in the
                 // program's type.
                 unsafe {
                     match run.program().float {
-                        FloatType::F32 => sum_rows::<f32>(out, a, b, sizes, *mean),
-                        FloatType::F64 => sum_rows::<f64>(out, a, b, sizes, *mean),
+                        FloatType::F32 => sum_rows::<f32>(out, (a, b), sizes, options),
+                        FloatType::F64 => sum_rows::<f64>(out, (a, b), sizes, options),
                     }
                 };
                 Ok(())
@@ -269,12 +270,15 @@ impl CpuSteps {
             transposed,
             ..
         } = step;
-        let shape = GemmShape {
-            rows: run.sizes().rows(*rows),
-            k: *k,
-            n: *n,
-            transposed: *transposed,
-        };
+        let shape = (
+            GemmShape {
+                rows: run.sizes().rows(*rows),
+                k: *k,
+                n: *n,
+                transposed: *transposed,
+            },
+            run.program().products,
+        );
         let (out, x, weight) = (run.pointer(*out), run.pointer(*x), run.pointer(*weight));
         let bias = bias.map(|bias| run.pointer(bias));
         let epilogue_args = epilogue
@@ -386,6 +390,7 @@ impl CpuSteps {
             scale: scale.0,
             parallel: worker_threads() > 1,
             tiles,
+            products: run.program().products,
         };
         let buffers = (
             run.pointer(*out),
@@ -457,6 +462,7 @@ impl CpuSteps {
             keys,
             parallel: worker_threads() > 1,
             tiles,
+            products: run.program().products,
         };
         let buffers = (
             run.pointer(*out),

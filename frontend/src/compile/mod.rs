@@ -14,7 +14,7 @@ use rustc_hash::FxHashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use nestor_passes::{lower_with, FloatType, Limits, LowerOptions, Pipeline};
+use nestor_passes::{lower_with, FloatType, Limits, LowerOptions, Pipeline, Products};
 use nestor_runtime::{
     Executable, HostRunner, HostValue, InputData, OutputSink, RunData, RunDim, RunOutput, RunShape,
     Stats, StatsSnapshot,
@@ -157,6 +157,8 @@ pub struct Compiled<F> {
     stats: Stats,
     /// Where programs run.
     device: RunDevice,
+    /// The type of the matrix products' operands, when [`Compiled::autocast`] set it.
+    autocast: Option<Kind>,
 }
 
 /// Compiles `model` (written against `NestedTensor` and [`Dense`], as for [`trace`](crate::trace())).
@@ -198,6 +200,7 @@ where
         cache: Mutex::new(FxHashMap::default()),
         stats: Stats::default(),
         device: RunDevice::from_env(),
+        autocast: None,
     }
 }
 
@@ -280,6 +283,43 @@ where
     /// ```
     pub fn on_device(mut self, device: RunDevice) -> Self {
         self.device = device;
+        self
+    }
+
+    /// Mixed precision, as `torch.autocast(device_type="cpu", dtype=torch.bfloat16)`
+    /// gives it: with `Kind::BFloat16`, the matrix products of the program (linear
+    /// layers and, in training, their gradients) multiply the bf16 roundings of their
+    /// operands with f32 sums, on the host's bf16 units (AMX, AVX512-BF16) where it has
+    /// them (`nestor_backend_cpu::bf16_path` says). Parameters and batches keep their
+    /// types; norms, softmax, losses and reductions compute in f32; training accumulates
+    /// f32 gradients into `.grad()`. Results are not rounded to bf16 between ops, so they
+    /// are closer to f32 than autocast's. Without this call, products multiply in bf16
+    /// when the model's inputs are bf16 (as libtorch multiplies bf16 tensors) and in f32
+    /// otherwise; `Kind::Float` multiplies in f32 whatever the inputs (a bf16 model then
+    /// computes as an f32 model and rounds its results once). Other kinds are an error
+    /// at the first call. Programs on a GPU or the simulated GPU multiply in their
+    /// buffers' type.
+    ///
+    /// ```
+    /// use nestor_frontend::{compile, Dense, NestedTensor};
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let weight = Tensor::randn([8, 64], (Kind::Float, Device::Cpu));
+    /// let model = |x: &[NestedTensor], _: &[Dense]| x[0].linear(&weight, None);
+    /// let batch = NestedTensor::from_tensors(&[
+    ///     Tensor::randn([3, 64], (Kind::Float, Device::Cpu)),
+    ///     Tensor::randn([5, 64], (Kind::Float, Device::Cpu)),
+    /// ])?;
+    /// let mixed = compile("mixed", model).autocast(Kind::BFloat16);
+    /// let output = mixed.call(&[&batch], &[])?.remove(0).into_nested()?;
+    /// // f32 sums of the roundings' products.
+    /// let rounded = |t: &Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+    /// let expected = rounded(batch.values()).matmul(&rounded(&weight).tr());
+    /// assert!(output.values().allclose(&expected, 1e-4, 1e-4, false));
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
+    pub fn autocast(mut self, kind: Kind) -> Self {
+        self.autocast = Some(kind);
         self
     }
 
@@ -595,6 +635,7 @@ where
                 reason: error.into(),
             })?;
         program.gelu_nan_at_infinity = eager_gelu_nan_at_infinity(program.float);
+        program.products = products_of(self.autocast, &program)?;
         phases.done("lowering");
         let executable =
             nestor_backend_cpu::executable(program).map_err(|error| NestedError::Compile {
@@ -627,6 +668,34 @@ where
             gradients,
         })
     }
+}
+
+/// The operands of `program`'s matrix products: bf16 roundings under a bf16
+/// [`Compiled::autocast`] or, without one, for a model with bf16 inputs (as libtorch
+/// multiplies bf16 tensors), else the program's float type (always for f64 programs).
+fn products_of(autocast: Option<Kind>, program: &nestor_passes::Program) -> Result<Products> {
+    let bf16_inputs = program.slots.iter().any(|info| {
+        matches!(info.source, nestor_passes::Source::Input(_))
+            && info.dtype == nestor_ir::DType::BF16
+    });
+    let bf16 =
+        match autocast {
+            None => bf16_inputs,
+            Some(Kind::BFloat16) => true,
+            Some(Kind::Float) => false,
+            Some(other) => return Err(NestedError::compile(
+                "lowering",
+                CompileCause::Unsupported,
+                format!(
+                    "autocast to {other:?}: only Kind::BFloat16 (or Kind::Float, off) is supported"
+                ),
+            )),
+        };
+    Ok(if bf16 && program.float == FloatType::F32 {
+        Products::Bf16
+    } else {
+        Products::Float
+    })
 }
 
 /// Whether this process's eager gelu gives NaN at +inf in `float` (libtorch's AVX-512

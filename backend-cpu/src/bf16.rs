@@ -1,0 +1,464 @@
+//! Mixed-precision products (`nestor_passes::Products::Bf16`): f32 operands rounded to
+//! bf16 (to nearest even, as libtorch's `.to(torch.bfloat16)`) and multiplied with f32
+//! sums. Where the process has MKL's `cblas_gemm_bf16bf16f32` (libtorch exports it; it
+//! runs on AMX on Sapphire Rapids and later, on AVX512-BF16 on Cooper Lake) and a probe
+//! at the first use finds it faster than the f32 GEMM, the roundings are multiplied
+//! there; elsewhere the same roundings, held as f32, go to the f32 GEMM. A product of
+//! two bf16 values is exact in f32, so both paths compute the same sums, up to their
+//! order. `NESTOR_BF16=f32` forces the second path.
+//!
+//! Each operand is rounded into a buffer of the calling thread (kept between calls),
+//! in the layout it had, so a transposed weight stays a transposed read.
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use crate::blas::{on_one_thread, Gemm, SetThreadsFn};
+use crate::strided::{Strided, StridedMut};
+
+/// How this process multiplies bf16 products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// MKL's `cblas_gemm_bf16bf16f32`: the host's bf16 units.
+    Mkl,
+    /// The bf16 roundings as f32 on the f32 GEMM (no bf16 GEMM in the process, a slower
+    /// one, or `NESTOR_BF16=f32`).
+    F32,
+}
+
+impl Bf16Path {
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::Mkl => "MKL cblas_gemm_bf16bf16f32",
+            Bf16Path::F32 => "bf16 roundings on the f32 GEMM",
+        }
+    }
+}
+
+/// `cblas_gemm_bf16bf16f32` (LP64): `c = alpha op(a) op(b) + beta c`, with `a` and `b`
+/// bf16 (as `u16`) and `c` f32.
+type Bf16GemmFn = unsafe extern "C" fn(
+    layout: i32,
+    transa: i32,
+    transb: i32,
+    m: i32,
+    n: i32,
+    k: i32,
+    alpha: f32,
+    a: *const u16,
+    lda: i32,
+    b: *const u16,
+    ldb: i32,
+    beta: f32,
+    c: *mut f32,
+    ldc: i32,
+);
+
+/// CBLAS's row-major layout and transpose flags.
+const ROW_MAJOR: i32 = 101;
+const NO_TRANS: i32 = 111;
+const TRANS: i32 = 112;
+
+/// MKL's bf16 GEMM, found in this process.
+#[derive(Clone, Copy)]
+struct MklBf16 {
+    gemm: Bf16GemmFn,
+    set_threads_local: SetThreadsFn,
+}
+
+/// The path chosen once per process, and the MKL functions when they were chosen.
+fn choice() -> &'static Option<MklBf16> {
+    static CHOICE: OnceLock<Option<MklBf16>> = OnceLock::new();
+    CHOICE.get_or_init(|| {
+        if crate::process::env_is("NESTOR_BF16", "f32") {
+            return None;
+        }
+        // SAFETY: MKL's exported C functions, with these signatures.
+        let mkl = unsafe {
+            MklBf16 {
+                gemm: crate::process::function(b"cblas_gemm_bf16bf16f32\0")?,
+                set_threads_local: crate::process::function(b"MKL_Set_Num_Threads_Local\0")?,
+            }
+        };
+        mkl_is_faster(mkl).then_some(mkl)
+    })
+}
+
+/// The path this process's bf16 products take (the first call makes the choice).
+pub fn bf16_path() -> Bf16Path {
+    match choice() {
+        Some(_) => Bf16Path::Mkl,
+        None => Bf16Path::F32,
+    }
+}
+
+/// Whether MKL's bf16 GEMM multiplies one product of the f32 probe's size faster than
+/// the f32 GEMM does (best of a few runs each, after one untimed run): on hosts without
+/// bf16 units MKL emulates them, more slowly.
+fn mkl_is_faster(mkl: MklBf16) -> bool {
+    let side = crate::blas::GemmProbe::SIDE;
+    let values: Vec<f32> = (0..side * side)
+        .map(|i| 1.0 + (i % 7) as f32 / 8.0)
+        .collect();
+    let rounded: Vec<u16> = values.iter().map(|&value| round(value)).collect();
+    let mut c = vec![0f32; side * side];
+    let stride = side as isize;
+    let mut best = [f64::INFINITY; 2];
+    for timed in [false, true, true, true] {
+        for (path, best) in best.iter_mut().enumerate() {
+            let started = Instant::now();
+            // SAFETY: every buffer holds side x side values, row-major.
+            unsafe {
+                if path == 0 {
+                    let matrix = (rounded.as_ptr(), stride, 1);
+                    let c = (c.as_mut_ptr(), stride, 1);
+                    mkl_product(mkl, (side, side, side), 1.0, matrix, matrix, c, false);
+                } else {
+                    let matrix = (values.as_ptr(), stride, 1);
+                    f32::product(
+                        (side, side, side),
+                        1.0,
+                        matrix,
+                        matrix,
+                        (c.as_mut_ptr(), stride, 1),
+                        false,
+                    );
+                }
+            }
+            if timed {
+                *best = best.min(started.elapsed().as_secs_f64());
+            }
+        }
+    }
+    best[0] < best[1]
+}
+
+/// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
+/// `c [m x n]` (pointer, row stride, column stride) with `a` and `b` rounded to bf16.
+///
+/// # Safety
+/// The pointers must be valid for the sizes and strides given; with `add`, `c` must
+/// hold `m x n` values.
+pub(crate) unsafe fn product(
+    shape: (usize, usize, usize),
+    scale: f32,
+    a: Strided<f32>,
+    b: Strided<f32>,
+    c: StridedMut<f32>,
+    add: bool,
+) {
+    let (m, k, n) = shape;
+    match *choice() {
+        // MKL writes `c` with unit column stride, as every caller's output has.
+        Some(mkl) if c.2 == 1 && m * n > 0 && k > 0 => BF16.with_borrow_mut(|[a_bf16, b_bf16]| {
+            // SAFETY: the caller vouches for the operands; the roundings hold them.
+            unsafe {
+                let a = rounded(a, (m, k), a_bf16);
+                let b = rounded(b, (k, n), b_bf16);
+                mkl_product(mkl, shape, scale, a, b, c, add)
+            }
+        }),
+        _ => F32.with_borrow_mut(|[a_f32, b_f32]| {
+            // SAFETY: as above.
+            unsafe {
+                let a = rounded(a, (m, k), a_f32);
+                let b = rounded(b, (k, n), b_f32);
+                f32::product(shape, scale, a, b, c, add)
+            }
+        }),
+    }
+}
+
+thread_local! {
+    /// The calling thread's roundings of two operands.
+    static BF16: RefCell<[Vec<u16>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+    /// The same, held as f32.
+    static F32: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+}
+
+/// `c = scale a b` (or `+=`) on MKL's bf16 GEMM, on this thread alone. `a` and `b`
+/// must have a unit stride (as [`rounded`] leaves them), `c` a unit column stride.
+///
+/// # Safety
+/// The pointers must be valid for the sizes and strides given.
+unsafe fn mkl_product(
+    mkl: MklBf16,
+    (m, k, n): (usize, usize, usize),
+    scale: f32,
+    a: Strided<u16>,
+    b: Strided<u16>,
+    c: StridedMut<f32>,
+    add: bool,
+) {
+    // Row-major: an operand with unit column stride is read as it is, one with unit
+    // row stride as the transpose of its column-major storage.
+    let operand = |(_, rows, columns): Strided<u16>| {
+        if columns == 1 {
+            (NO_TRANS, rows.max(1) as i32)
+        } else {
+            (TRANS, columns.max(1) as i32)
+        }
+    };
+    let ((trans_a, lda), (trans_b, ldb)) = (operand(a), operand(b));
+    let beta = if add { 1.0 } else { 0.0 };
+    unsafe {
+        on_one_thread(mkl.set_threads_local, || {
+            (mkl.gemm)(
+                ROW_MAJOR,
+                trans_a,
+                trans_b,
+                m as i32,
+                n as i32,
+                k as i32,
+                scale,
+                a.0,
+                lda,
+                b.0,
+                ldb,
+                beta,
+                c.0,
+                c.1.max(1) as i32,
+            )
+        })
+    }
+}
+
+/// A value as the bf16 rounding of an f32, in the type a product path reads.
+trait Rounding: Copy + Default {
+    fn of(value: f32) -> Self;
+}
+
+impl Rounding for u16 {
+    #[inline(always)]
+    fn of(value: f32) -> Self {
+        round(value)
+    }
+}
+
+impl Rounding for f32 {
+    #[inline(always)]
+    fn of(value: f32) -> Self {
+        f32::from_bits(u32::from(round(value)) << 16)
+    }
+}
+
+/// The bf16 bits of `value` rounded to nearest even (NaN stays a quiet NaN, overflow
+/// rounds to infinity), as libtorch rounds.
+#[inline(always)]
+pub(crate) fn round(value: f32) -> u16 {
+    let bits = value.to_bits();
+    let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+    if value.is_nan() {
+        ((bits >> 16) | 0x40) as u16
+    } else {
+        rounded as u16
+    }
+}
+
+/// The `[rows x columns]` matrix `matrix` rounded into `into` (grown as needed), in its
+/// layout: rows contiguous if its columns were (or if neither were), else columns
+/// contiguous. Returns the rounding as a matrix.
+///
+/// # Safety
+/// `matrix` must be valid for its sizes and strides.
+unsafe fn rounded<E: Rounding>(
+    (values, row_stride, column_stride): Strided<f32>,
+    (rows, columns): (usize, usize),
+    into: &mut Vec<E>,
+) -> Strided<E> {
+    let count = rows * columns;
+    if into.len() < count {
+        into.resize(count, E::default());
+    }
+    let by_columns = column_stride != 1 && row_stride == 1;
+    // Lines of the layout kept: (count, length, stride between lines, between values).
+    let (lines, length, line_stride, step) = if by_columns {
+        (columns, rows, column_stride, 1)
+    } else {
+        (rows, columns, row_stride, column_stride)
+    };
+    for line in 0..lines {
+        let out = &mut into[line * length..(line + 1) * length];
+        // SAFETY: the caller vouches for the matrix's values.
+        unsafe {
+            let start = values.offset(line as isize * line_stride);
+            if step == 1 {
+                round_line(std::slice::from_raw_parts(start, length), out);
+            } else {
+                for (index, out) in out.iter_mut().enumerate() {
+                    *out = E::of(*start.offset(index as isize * step));
+                }
+            }
+        }
+    }
+    let pointer = into.as_ptr();
+    if by_columns {
+        (pointer, 1, rows as isize)
+    } else {
+        (pointer, columns as isize, 1)
+    }
+}
+
+/// `out[i] = round(values[i])`, in the widest vectors the host has.
+fn round_line<E: Rounding>(values: &[f32], out: &mut [E]) {
+    #[inline(always)]
+    fn each<E: Rounding>(values: &[f32], out: &mut [E]) {
+        for (out, &value) in out.iter_mut().zip(values) {
+            *out = E::of(value);
+        }
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn avx512<E: Rounding>(values: &[f32], out: &mut [E]) {
+        each(values, out)
+    }
+    #[target_feature(enable = "avx2")]
+    fn avx2<E: Rounding>(values: &[f32], out: &mut [E]) {
+        each(values, out)
+    }
+    if std::is_x86_feature_detected!("avx512bw") {
+        // SAFETY: the host has the features.
+        unsafe { avx512(values, out) }
+    } else if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: as above.
+        unsafe { avx2(values, out) }
+    } else {
+        each(values, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `half`'s rounding, the reference (libtorch's too).
+    fn reference(value: f32) -> u16 {
+        half::bf16::from_f32(value).to_bits()
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even_with_nan_and_overflow() {
+        for value in [
+            0.0f32,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 256.0, // a tie: stays at the even 1.0
+            1.0 + 3.0 / 256.0, // a tie: up to the even neighbour
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE / 3.0,
+            1e-40,
+        ] {
+            assert_eq!(round(value), reference(value), "{value:e}");
+        }
+        assert!(half::bf16::from_bits(round(f32::NAN)).is_nan());
+        assert!(half::bf16::from_bits(round(-f32::NAN)).is_nan());
+    }
+
+    proptest! {
+        #[test]
+        fn rounding_equals_half_on_any_bits(bits in any::<u32>()) {
+            let value = f32::from_bits(bits);
+            prop_assume!(!value.is_nan());
+            prop_assert_eq!(round(value), reference(value));
+        }
+
+        /// Both paths (the one this host chose, and the f32 one) equal an f64 product of
+        /// the roundings, for every layout of the operands and sizes that fill no tile.
+        #[test]
+        fn products_of_roundings_equal_the_f64_reference(
+            (m, k, n) in (1usize..40, 1usize..70, 1usize..40),
+            a_by_columns in any::<bool>(),
+            b_by_columns in any::<bool>(),
+            add in any::<bool>(),
+            seed in 0u32..1000,
+        ) {
+            let values = |count: usize, salt: u32| -> Vec<f32> {
+                (0..count).map(|i| ((i as u32 * 31 + seed + salt) as f32 * 0.61).sin() * 3.0).collect()
+            };
+            let (a, b, start) = (values(m * k, 1), values(k * n, 2), values(m * n, 3));
+            // A matrix stored by rows or by columns.
+            let stored = |values: &[f32], rows: usize, columns: usize, by_columns: bool| {
+                if by_columns {
+                    let transposed: Vec<f32> = (0..rows * columns)
+                        .map(|i| values[(i % rows) * columns + i / rows])
+                        .collect();
+                    (transposed, 1isize, rows as isize)
+                } else {
+                    (values.to_vec(), columns as isize, 1isize)
+                }
+            };
+            let (a_stored, a_rows, a_columns) = stored(&a, m, k, a_by_columns);
+            let (b_stored, b_rows, b_columns) = stored(&b, k, n, b_by_columns);
+            let expected: Vec<f64> = (0..m * n)
+                .map(|i| {
+                    let (row, column) = (i / n, i % n);
+                    let sum: f64 = (0..k)
+                        .map(|j| {
+                            f64::from(f32::of(a[row * k + j])) * f64::from(f32::of(b[j * n + column]))
+                        })
+                        .sum();
+                    0.5 * sum + if add { f64::from(start[i]) } else { 0.0 }
+                })
+                .collect();
+            for force_f32 in [false, true] {
+                let mut c = start.clone();
+                let (a, b) = ((a_stored.as_ptr(), a_rows, a_columns), (b_stored.as_ptr(), b_rows, b_columns));
+                // SAFETY: the operands hold their values in the strides given.
+                unsafe {
+                    if force_f32 {
+                        F32.with_borrow_mut(|[a_f32, b_f32]| {
+                            let a = rounded(a, (m, k), a_f32);
+                            let b = rounded(b, (k, n), b_f32);
+                            f32::product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
+                        })
+                    } else {
+                        product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
+                    }
+                }
+                for (index, (&actual, &expected)) in c.iter().zip(&expected).enumerate() {
+                    // f32 sums of k exact products.
+                    let tolerance = 1e-6 * (k as f64) * (1.0 + expected.abs()) * 4.0;
+                    prop_assert!(
+                        (f64::from(actual) - expected).abs() <= tolerance,
+                        "{:?} value {index}: {actual} vs {expected}", if force_f32 { Bf16Path::F32 } else { bf16_path() }
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_inner_size_writes_zeros_or_keeps_the_sum() {
+        let (a, b) = ([0f32; 0], [0f32; 0]);
+        let mut c = vec![f32::NAN; 6];
+        // SAFETY: k = 0 reads nothing; c holds 2 x 3 values.
+        unsafe {
+            product(
+                (2, 0, 3),
+                1.0,
+                (a.as_ptr(), 0, 1),
+                (b.as_ptr(), 3, 1),
+                (c.as_mut_ptr(), 3, 1),
+                false,
+            )
+        };
+        assert_eq!(c, vec![0.0; 6]);
+        let mut c = vec![2.5f32; 6];
+        unsafe {
+            product(
+                (2, 0, 3),
+                1.0,
+                (a.as_ptr(), 0, 1),
+                (b.as_ptr(), 3, 1),
+                (c.as_mut_ptr(), 3, 1),
+                true,
+            )
+        };
+        assert_eq!(c, vec![2.5; 6]);
+    }
+}

@@ -678,19 +678,20 @@ fn products_of(autocast: Option<Kind>, program: &nestor_passes::Program) -> Resu
         matches!(info.source, nestor_passes::Source::Input(_))
             && info.dtype == nestor_ir::DType::BF16
     });
-    let bf16 =
-        match autocast {
-            None => bf16_inputs,
-            Some(Kind::BFloat16) => true,
-            Some(Kind::Float) => false,
-            Some(other) => return Err(NestedError::compile(
+    let bf16 = match autocast {
+        None => bf16_inputs,
+        Some(Kind::BFloat16) => true,
+        Some(Kind::Float) => false,
+        Some(other) => {
+            return Err(NestedError::compile(
                 "lowering",
                 CompileCause::Unsupported,
                 format!(
                     "autocast to {other:?}: only Kind::BFloat16 (or Kind::Float, off) is supported"
                 ),
-            )),
-        };
+            ))
+        }
+    };
     Ok(if bf16 && program.float == FloatType::F32 {
         Products::Bf16
     } else {

@@ -7,7 +7,12 @@
 //!
 //! ```sh
 //! scripts/cargo run --release --example train_compiled
+//! scripts/cargo run --release --example train_compiled -- --steps 300 --autocast bf16
 //! ```
+//!
+//! `--steps N` trains N steps (default 1500); `--autocast bf16` trains in mixed
+//! precision (`Compiled::autocast`: products on bf16 roundings, f32 parameters and
+//! gradients). The run ends with the mean loss of its last 50 steps.
 
 use std::time::Instant;
 
@@ -24,6 +29,22 @@ const LAYERS: usize = 2;
 const LONGEST: usize = 96;
 const BATCH: usize = 16;
 const STEPS: usize = 1500;
+/// The steps the final loss is the mean of.
+const LAST: usize = 50;
+
+/// The command line: steps to train, and whether in mixed precision.
+fn options() -> Result<(usize, bool), Box<dyn std::error::Error>> {
+    let (mut steps, mut mixed) = (STEPS, false);
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match (arg.as_str(), args.next()) {
+            ("--steps", Some(value)) => steps = value.parse()?,
+            ("--autocast", Some(kind)) if kind == "bf16" => mixed = true,
+            _ => return Err(format!("unknown argument {arg}: --steps N, --autocast bf16").into()),
+        }
+    }
+    Ok((steps, mixed))
+}
 
 /// A decoder-only Transformer over bytes: token and position embeddings, pre-norm
 /// blocks of causal self-attention and a feed-forward layer, tied to nothing.
@@ -185,6 +206,7 @@ fn generate(model: &LanguageModel, prompt: &str, length: usize) -> nestor::Resul
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (steps, mixed) = options()?;
     tch::manual_seed(0);
     let mut quotes = corpus()?;
     quotes.sort_by_key(|quote| quote.len());
@@ -206,14 +228,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let step = compile("language_model", |x: &[NestedTensor], _: &[Dense]| {
         model.loss(x)
     })
-    .train(&store);
+    .train(&store)
+    .autocast(if mixed { Kind::BFloat16 } else { Kind::Float });
     let mut adam = nn::Adam::default().build(&store, 3e-3)?;
-    let progress = ProgressBar::new(STEPS as u64);
+    let progress = ProgressBar::new(steps as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")?);
     let (mut tokens, started) = (0usize, Instant::now());
     let mut first_loss = None;
     let mut last_loss = 0.0;
-    for index in 0..STEPS {
+    let mut losses = Vec::with_capacity(steps);
+    for index in 0..steps {
         let bucket = &buckets[order[index % order.len()] as usize];
         let inputs = batch(bucket)?;
         adam.zero_grad();
@@ -223,6 +247,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .into_dense()?;
         adam.step();
         last_loss = loss.double_value(&[]);
+        losses.push(last_loss);
         first_loss.get_or_insert(last_loss);
         tokens += bucket.iter().map(|q| q.len() - 1).sum::<usize>();
         progress.inc(1);
@@ -239,7 +264,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let eager_model = LanguageModel::new(&eager_store.root());
     let mut eager_adam = nn::Adam::default().build(&eager_store, 3e-3)?;
     let (mut eager_tokens, eager_started) = (0usize, Instant::now());
-    for index in 0..STEPS / 4 {
+    for index in 0..steps / 4 {
         let bucket = &buckets[order[index % order.len()] as usize];
         let inputs = batch(bucket)?;
         eager_adam.zero_grad();
@@ -249,15 +274,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let eager_rate = eager_tokens as f64 / eager_started.elapsed().as_secs_f64();
 
+    let last = &losses[losses.len().saturating_sub(LAST)..];
     println!(
-        "loss {:.3} -> {last_loss:.3} over {STEPS} steps",
-        first_loss.unwrap_or(f64::NAN)
+        "loss {:.3} -> {last_loss:.3} over {steps} steps{}; mean of the last {}: {:.4}",
+        first_loss.unwrap_or(f64::NAN),
+        if mixed { " (mixed precision, bf16 products)" } else { "" },
+        last.len(),
+        last.iter().sum::<f64>() / last.len().max(1) as f64
     );
     println!(
         "compiled {compiled_rate:.0} tokens/s, eager {eager_rate:.0} tokens/s ({:.2}x); {} compiles for {} batches of different lengths",
         compiled_rate / eager_rate,
         step.stats().compiles,
-        STEPS
+        steps
     );
     for prompt in ["The ", "A man ", "Life "] {
         println!("  {:?}", generate(&model, prompt, 64)?);

@@ -13,6 +13,12 @@ Options (each on the same lengths and weight shapes as the report's other column
 - torch.nested (jagged layout) eager and under torch.compile, through a hand-written
   post-norm encoder layer on scaled_dot_product_attention (nn.MultiheadAttention does
   not take jagged tensors); encoder only.
+With --dtype bf16 the options are what a bf16 user runs: padded eager and torch.compile
+under torch.autocast("cpu", dtype=torch.bfloat16) (the f32 model, its products in
+bf16; in the lines of "padded eager (no fast path)" and "padded torch.compile", and the
+channels-last ones of the conv net), the model converted to bf16 with the fast path (the
+line of "padded eager, fast path on"), and torch.nested on the model and batch converted
+to bf16.
 "graphs" counts the graphs torch.compile compiled over every call (1: one compile served
 every call; more: graph breaks or recompiles). Training steps are the report's: the mean
 square of the real outputs, backward, SGD at rate 1e-5.
@@ -29,6 +35,7 @@ output masked to the image's pixels, masked mean pooling, a linear head to 10 cl
 the loss is the mean square of the logits). MODE is inference or training.
 """
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -147,6 +154,22 @@ def jagged_encoder(model, x, heads):
     return model.encoder.norm(x)
 
 
+def autocast(args):
+    """A context that runs a forward in the precision of --dtype: torch.autocast to bf16,
+    or nothing."""
+    if args.dtype == "bf16":
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def under(context, forward):
+    """`forward` run inside `context()`, its result as f32 (the losses are f32)."""
+    def run():
+        with context():
+            return forward().float()
+    return run
+
+
 def step_of(forward, loss, training, optimizer):
     """An inference step, or a training step: loss, backward, an optimizer step."""
     if not training:
@@ -167,6 +190,7 @@ def conv_options(args, training):
     channels-last (the layout oneDNN's CPU convolutions run fastest in)."""
     model = ConvNet(args.channels)
     model.train(training)
+    amp = autocast(args)
     images = torch.zeros(len(args.images), 3, args.side, args.side)
     mask = torch.zeros(len(args.images), 1, args.side, args.side)
     for index, (height, width) in enumerate(args.images):
@@ -174,7 +198,8 @@ def conv_options(args, training):
         mask[index, :, :height, :width] = 1.0
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
     loss = lambda logits: logits.square().mean()
-    step = lambda module: step_of(lambda: module(images, mask), loss, training, optimizer)
+    step = lambda module: step_of(under(amp, lambda: module(images, mask)), loss, training,
+                                  optimizer)
     counting = Counting()
     compiled = torch.compile(model, backend=counting)
     # The same weights, images and mask channels-last, with their own optimizer.
@@ -182,8 +207,8 @@ def conv_options(args, training):
     last_images = images.contiguous(memory_format=torch.channels_last)
     last_mask = mask.contiguous(memory_format=torch.channels_last)
     last_optimizer = torch.optim.SGD(last.parameters(), lr=1e-5)
-    last_step = lambda module: step_of(lambda: module(last_images, last_mask), loss, training,
-                                       last_optimizer)
+    last_step = lambda module: step_of(under(amp, lambda: module(last_images, last_mask)), loss,
+                                       training, last_optimizer)
     last_counting = Counting()
     last_compiled = torch.compile(last, backend=last_counting)
     return [
@@ -203,40 +228,49 @@ def transformer_options(args, training):
     source_lengths, target_lengths = args.source, args.target
     model = Model(kind, d_model, heads, feedforward, layers)
     model.train(training)
+    bf16 = args.dtype == "bf16"
+    amp = autocast(args)
+    # The model and batches converted to bf16 (the bf16 fast path and torch.nested).
+    converted = copy.deepcopy(model).to(torch.bfloat16) if bf16 else model
+    convert = (lambda tensor: tensor.to(torch.bfloat16)) if bf16 else (lambda tensor: tensor)
+    converted_optimizer = torch.optim.SGD(converted.parameters(), lr=1e-5) if bf16 else None
     source, source_padding = padded_batch(source_lengths, d_model)
     target, target_padding = padded_batch(target_lengths, d_model)
     out_lengths = source_lengths if kind == "TransformerEncoder" else target_lengths
     out_mask = (~(source_padding if kind == "TransformerEncoder" else target_padding))[..., None]
     count = sum(out_lengths) * d_model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-    padded_loss = lambda output: (output.square() * out_mask).sum() / count
-    padded = lambda: model(source, source_padding, target, target_padding)
+    padded_loss = lambda output: (output.float().square() * out_mask).sum() / count
+    padded = under(amp, lambda: model(source, source_padding, target, target_padding))
+    fast_padded = lambda: converted(convert(source), source_padding, convert(target),
+                                    target_padding)
     options = []
-    for fast in (True, False):
-        name = "padded eager, fast path on" if fast else "padded eager (no fast path)"
-        if training and fast:
-            continue  # The fast path is for inference only.
-        options.append((name, fast, lambda: step_of(padded, padded_loss, training, optimizer), None))
+    if not training:  # The fast path is for inference only.
+        options.append(("padded eager, fast path on", True,
+                        lambda: step_of(fast_padded, padded_loss, training, optimizer), None))
+    options.append(("padded eager (no fast path)", False,
+                    lambda: step_of(padded, padded_loss, training, optimizer), None))
     counting = Counting()
     compiled_model = torch.compile(model, backend=counting)
     options.append(("padded torch.compile", False,
-                    lambda: step_of(lambda: compiled_model(source, source_padding, target,
-                                                           target_padding), padded_loss,
-                            training, optimizer),
+                    lambda: step_of(under(amp, lambda: compiled_model(source, source_padding,
+                                                                      target, target_padding)),
+                                    padded_loss, training, optimizer),
                     counting))
     if kind == "TransformerEncoder":
-        elements = [torch.randn(length, d_model) for length in source_lengths]
+        elements = [convert(torch.randn(length, d_model)) for length in source_lengths]
         jagged = torch.nested.nested_tensor(elements, layout=torch.jagged)
-        jagged_loss = lambda output: output.values().square().sum() / count
+        jagged_loss = lambda output: output.values().float().square().sum() / count
+        jagged_optimizer = converted_optimizer if bf16 else optimizer
         options.append(("torch.nested jagged eager", False,
-                        lambda: step_of(lambda: jagged_encoder(model, jagged, heads), jagged_loss,
-                                        training, optimizer),
+                        lambda: step_of(lambda: jagged_encoder(converted, jagged, heads),
+                                        jagged_loss, training, jagged_optimizer),
                         None))
         jagged_counting = Counting()
         compiled_jagged = torch.compile(jagged_encoder, backend=jagged_counting)
         options.append(("torch.nested jagged torch.compile", False,
-                        lambda: step_of(lambda: compiled_jagged(model, jagged, heads), jagged_loss,
-                                        training, optimizer),
+                        lambda: step_of(lambda: compiled_jagged(converted, jagged, heads),
+                                        jagged_loss, training, jagged_optimizer),
                         jagged_counting))
     return options
 
@@ -247,6 +281,7 @@ def arguments():
     parser.add_argument("--mode", choices=["inference", "training"], required=True)
     parser.add_argument("--samples", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     for name in ("--d-model", "--heads", "--feedforward", "--layers", "--channels", "--side"):
         parser.add_argument(name, type=int, default=0)
     lengths = lambda text: [int(length) for length in text.split(",")]

@@ -278,7 +278,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "loss {:.3} -> {last_loss:.3} over {steps} steps{}; mean of the last {}: {:.4}",
         first_loss.unwrap_or(f64::NAN),
-        if mixed { " (mixed precision, bf16 products)" } else { "" },
+        if mixed {
+            " (mixed precision, bf16 products)"
+        } else {
+            ""
+        },
         last.len(),
         last.iter().sum::<f64>() / last.len().max(1) as f64
     );

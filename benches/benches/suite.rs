@@ -7,7 +7,7 @@
 //! `scripts/cargo bench -p nestor-bench --bench suite`
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use nestor_bench::models::{with_columns, Columns, Mode, Model};
+use nestor_bench::models::{with_columns, Columns, Mode, Model, Precision};
 use nestor_bench::operators::{with_steps, Operator, OperatorSteps};
 use nestor_bench::Scale;
 
@@ -17,30 +17,36 @@ fn models(c: &mut Criterion) {
         let mut group =
             c.benchmark_group(format!("{}_inference_35", model.name().replace(' ', "_")));
         group.sample_size(10);
-        with_columns(model, &scale, 0.35, 100, &mut |mode, _, _, columns| {
-            if mode != Mode::Inference {
-                return Ok(());
-            }
-            let Columns {
-                mut padded,
-                mut per_element,
-                mut nestor,
-                compiled,
-                ..
-            } = columns;
-            let mut bench = |name: &str, step: &mut nestor_bench::models::Step<'_>| {
-                group.bench_function(name, |b| {
-                    b.iter(|| step().unwrap_or_else(|error| panic!("{error}")))
-                });
-            };
-            bench("padded_tch_eager", &mut padded);
-            bench("per_element_tch_eager", &mut per_element);
-            bench("nestor_eager", &mut nestor);
-            if let Some((mut step, _)) = compiled {
-                bench("nestor_compiled", &mut step);
-            }
-            Ok(())
-        })
+        with_columns(
+            model,
+            &scale,
+            (0.35, 100),
+            Precision::F32,
+            &mut |mode, _, _, columns| {
+                if mode != Mode::Inference {
+                    return Ok(());
+                }
+                let Columns {
+                    mut padded,
+                    mut per_element,
+                    mut nestor,
+                    compiled,
+                    ..
+                } = columns;
+                let mut bench = |name: &str, step: &mut nestor_bench::models::Step<'_>| {
+                    group.bench_function(name, |b| {
+                        b.iter(|| step().unwrap_or_else(|error| panic!("{error}")))
+                    });
+                };
+                bench("padded_tch_eager", &mut padded);
+                bench("per_element_tch_eager", &mut per_element);
+                bench("nestor_eager", &mut nestor);
+                if let Some((mut step, _)) = compiled {
+                    bench("nestor_compiled", &mut step);
+                }
+                Ok(())
+            },
+        )
         .unwrap_or_else(|error| panic!("{error}"));
         group.finish();
     }

@@ -11,7 +11,7 @@ use crate::lengths::{image_sizes, occupancy};
 use crate::measure::Timing;
 use crate::models::{
     conv_flops, token_lengths, transformer_flops, Column, CompileCost, Measurement, Mode, Model,
-    Outcome,
+    Outcome, Precision,
 };
 use crate::{Result, Scale};
 
@@ -30,13 +30,14 @@ pub fn python() -> Option<PathBuf> {
     python.exists().then_some(python)
 }
 
-/// The PyTorch rows of `model` at about `target` occupancy (both modes; the batches of
-/// the report's other columns), or a row that says why there are none (no venv Python).
+/// The PyTorch rows of `model` at about `target` occupancy in `precision` (both modes;
+/// the batches of the report's other columns), or a row that says why there are none
+/// (no venv Python).
 pub fn run_pytorch(
     model: Model,
     scale: &Scale,
-    target: f64,
-    seed: u64,
+    (target, seed): (f64, u64),
+    precision: Precision,
 ) -> Result<Vec<Measurement>> {
     let joined = |items: Vec<String>| items.join(",");
     let mut args: Vec<String> = vec![
@@ -46,7 +47,14 @@ pub fn run_pytorch(
         scale.samples.to_string(),
         "--threads".into(),
         tch::get_num_threads().to_string(),
+        "--dtype".into(),
+        match precision {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+        .into(),
     ];
+    let subject = precision.subject(model);
     let (occupancy, flops) = if model == Model::ConvNet {
         let sizes = image_sizes(scale.batch, scale.image_side, target, seed);
         let area: i64 = sizes.iter().map(|&(h, w)| h * w).sum();
@@ -89,7 +97,7 @@ pub fn run_pytorch(
     let mut rows = Vec::new();
     for mode in [Mode::Inference, Mode::Training] {
         let row = |column: Column, outcome: Outcome| Measurement {
-            subject: model.name().to_owned(),
+            subject: subject.clone(),
             mode,
             target,
             occupancy,

@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use crate::limits::Limits;
-use crate::models::{Column, Measurement, Mode, Model, Outcome};
+use crate::models::{Column, Measurement, Mode, Model, Outcome, Precision};
 use crate::Result;
 
 /// Packing costs at one occupancy: building the batch's metadata, timed apart from the
@@ -162,12 +162,12 @@ fn pytorch_summary(models: &[Measurement], out: &mut String) {
         "| model | mode | occupancy | best PyTorch option | its ms | nestor eager | nestor compiled |"
     );
     let _ = writeln!(out, "|---|---|---:|---|---:|---:|---:|");
-    for model in Model::ALL {
-        for mode in [Mode::Inference, Mode::Training] {
+    for (subject, mode) in subjects_and_modes() {
+        {
             let mut compiled: Vec<&Measurement> = models
                 .iter()
                 .filter(|row| {
-                    row.subject == model.name()
+                    row.subject == subject
                         && row.mode == mode
                         && row.column == Column::NestorCompiled
                 })
@@ -192,7 +192,7 @@ fn pytorch_summary(models: &[Measurement], out: &mut String) {
                 let _ = writeln!(
                     out,
                     "| {} | {} | {:.2} | {} | {:.2} | {} | {} |",
-                    model.name(),
+                    subject,
                     mode.name(),
                     row.occupancy,
                     best.column.name().trim_start_matches("PyTorch "),
@@ -205,6 +205,15 @@ fn pytorch_summary(models: &[Measurement], out: &mut String) {
     }
 }
 
+/// Every model's subjects (f32, then bf16), each with both modes, in table order.
+fn subjects_and_modes() -> Vec<(String, Mode)> {
+    Model::ALL
+        .into_iter()
+        .flat_map(|model| Precision::ALL.map(|precision| precision.subject(model)))
+        .flat_map(|subject| [Mode::Inference, Mode::Training].map(|mode| (subject.clone(), mode)))
+        .collect()
+}
+
 /// The speed-up over padded of every Rust column, per model, mode and occupancy.
 fn summary(models: &[Measurement], out: &mut String) {
     let _ = writeln!(
@@ -212,12 +221,12 @@ fn summary(models: &[Measurement], out: &mut String) {
         "| model | mode | occupancy | padded ms | per-element | nestor eager | nestor compiled |"
     );
     let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|");
-    for model in Model::ALL {
-        for mode in [Mode::Inference, Mode::Training] {
+    for (subject, mode) in subjects_and_modes() {
+        {
             let mut batches: Vec<&Measurement> = models
                 .iter()
                 .filter(|row| {
-                    row.subject == model.name() && row.mode == mode && row.column == Column::Padded
+                    row.subject == subject && row.mode == mode && row.column == Column::Padded
                 })
                 .collect();
             batches.sort_by(|a, b| a.target.total_cmp(&b.target));
@@ -226,7 +235,7 @@ fn summary(models: &[Measurement], out: &mut String) {
                     models
                         .iter()
                         .find(|row| {
-                            row.subject == model.name()
+                            row.subject == subject
                                 && row.mode == mode
                                 && row.target == batch.target
                                 && row.column == column
@@ -240,7 +249,7 @@ fn summary(models: &[Measurement], out: &mut String) {
                 let _ = writeln!(
                     out,
                     "| {} | {} | {occupancy:.2} | {padded} | {} | {} | {} |",
-                    model.name(),
+                    subject,
                     mode.name(),
                     cell(Column::PerElement),
                     cell(Column::NestorEager),
@@ -273,6 +282,16 @@ fn limits_section(limits: &Limits, out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "bf16 GEMM peak: the better of libtorch's matmul of the same square in bf16 ({:.1} \
+         GFLOP/s) and nestor compiled's `linear` of it under `autocast(Kind::BFloat16)` ({:.1} \
+         GFLOP/s), {:.1} GFLOP/s ({:.1}x the f32 peak).\n",
+        limits.bf16_libtorch_gflops,
+        limits.bf16_compiled_gflops,
+        limits.bf16_peak_gflops,
+        limits.bf16_peak_gflops / limits.peak_gflops
+    );
+    let _ = writeln!(
+        out,
         "| GEMM | rows x k x n | libtorch ms | libtorch GFLOP/s | compiled ms | compiled GFLOP/s | compiled / libtorch |"
     );
     let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|");
@@ -290,6 +309,42 @@ fn limits_section(limits: &Limits, out: &mut String) {
             row.gflops(&row.compiled),
             row.share()
         );
+    }
+}
+
+/// The models' bf16 rows: what each column runs in bf16, then a table per model.
+fn bf16_section(models: &[Measurement], limits: Option<&Limits>, out: &mut String) {
+    let _ = writeln!(out, "## bf16\n");
+    let _ = writeln!(
+        out,
+        "The same batches in bf16, as a bf16 user runs them. padded tch eager, per-element tch \
+         eager and nestor eager run the model and batch converted to bf16 (libtorch's bf16 \
+         kernels); nestor compiled runs the f32 model and batch in mixed precision \
+         (`Compiled::autocast(Kind::BFloat16)`: products on bf16 roundings with f32 sums, f32 \
+         parameters and gradients). PyTorch: \"padded eager (no fast path)\" and \"padded \
+         torch.compile\" (and the conv net's channels-last ones) run the f32 model under \
+         `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; \"padded eager, fast path on\" and \
+         the `torch.nested` options run the model and batch converted to bf16. % of GEMM peak \
+         is of the bf16 GEMM peak (Machine limits).\n"
+    );
+    for model in Model::ALL {
+        let subject = Precision::Bf16.subject(model);
+        let rows: Vec<Measurement> = models
+            .iter()
+            .filter(|row| row.subject == subject)
+            .cloned()
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let _ = writeln!(out, "### {subject}\n");
+        table(
+            &rows,
+            out,
+            true,
+            limits.map(|limits| limits.bf16_peak_gflops),
+        );
+        out.push('\n');
     }
 }
 
@@ -492,6 +547,7 @@ pub fn markdown(
         );
         out.push('\n');
     }
+    bf16_section(models, limits, &mut out);
     let _ = writeln!(out, "## Operators\n");
     let subjects: Vec<String> = {
         let mut seen: Vec<String> = Vec::new();

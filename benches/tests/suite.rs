@@ -6,7 +6,9 @@
 
 use nestor_bench::lengths::{image_sizes, lengths, occupancy};
 use nestor_bench::limits::measure_limits;
-use nestor_bench::models::{run_model, with_columns, Column, Columns, Mode, Model, Outcome};
+use nestor_bench::models::{
+    run_model, with_columns, Column, Columns, Mode, Model, Outcome, Precision,
+};
 use nestor_bench::operators::{run_operator, Operator};
 use nestor_bench::pytorch::run_pytorch;
 use nestor_bench::report::{markdown, Context, Packing};
@@ -38,10 +40,16 @@ fn lengths_have_one_longest_element_and_their_occupancy() {
 fn every_model_column_and_operator_runs() {
     let scale = Scale::smoke();
     let mut models = Vec::new();
-    for model in Model::ALL {
-        let rows = run_model(model, &scale, 0.5, 1).unwrap();
+    for (model, precision) in Model::ALL
+        .into_iter()
+        .flat_map(|model| Precision::ALL.map(|precision| (model, precision)))
+    {
+        let rows = run_model(model, &scale, (0.5, 1), precision).unwrap();
         // 2 modes x 4 columns, all measured.
-        assert_eq!(rows.len(), 8, "{model:?}");
+        assert_eq!(rows.len(), 8, "{model:?} {precision:?}");
+        assert!(rows
+            .iter()
+            .all(|row| row.subject == precision.subject(model)));
         for row in &rows {
             let Outcome::Measured {
                 timing, compile, ..
@@ -96,8 +104,12 @@ fn every_model_column_and_operator_runs() {
     assert!(text.contains("## Machine limits"));
     assert!(text.contains("feed-forward down"));
     for model in Model::ALL {
-        assert!(text.contains(model.name()), "{}", model.name());
+        for precision in Precision::ALL {
+            let subject = precision.subject(model);
+            assert!(text.contains(&format!("### {subject}\n")), "{subject}");
+        }
     }
+    assert!(text.contains("## bf16"));
     assert!(text.contains("| layer_norm |") || text.contains("### layer_norm"));
     assert!(
         text.contains("1.00x"),
@@ -108,56 +120,74 @@ fn every_model_column_and_operator_runs() {
 /// Every model's columns compute the same thing: nestor eager, nestor compiled and the
 /// per-element loop equal the padded libtorch reference on its valid positions
 /// (inference outputs), or its loss (training steps; each step's SGD update at rate
-/// 1e-5 moves the next column's parameters by far less than the tolerance).
+/// 1e-5 moves the next column's parameters by far less than the tolerance); within
+/// 1e-4 in f32, and within bf16's rounding (4e-2 of the largest value) in bf16, where
+/// the eager columns run a bf16 model and the compiled one the f32 model in mixed
+/// precision.
 #[test]
 fn every_model_column_equals_the_padded_reference() {
     let scale = Scale::smoke();
-    for model in Model::ALL {
-        with_columns(model, &scale, 0.5, 1, &mut |mode, _, _, columns| {
-            let Columns {
-                mut padded,
-                mut per_element,
-                mut nestor,
-                compiled,
-                padded_mask,
-            } = columns;
-            let reference = padded()?;
-            // The padded output's valid rows, packed: `[sum L_i, width]`.
-            let reference = match padded_mask {
-                Some(mask) => {
-                    let width = reference.size()[2];
-                    reference
-                        .masked_select(&mask.to_kind(Kind::Bool).expand_as(&reference))
-                        .reshape([-1, width])
+    for (model, precision) in Model::ALL
+        .into_iter()
+        .flat_map(|model| Precision::ALL.map(|precision| (model, precision)))
+    {
+        let relative = match precision {
+            Precision::F32 => 1e-4,
+            Precision::Bf16 => 4e-2,
+        };
+        with_columns(
+            model,
+            &scale,
+            (0.5, 1),
+            precision,
+            &mut |mode, _, _, columns| {
+                let Columns {
+                    mut padded,
+                    mut per_element,
+                    mut nestor,
+                    compiled,
+                    padded_mask,
+                } = columns;
+                let reference = padded()?.to_kind(Kind::Float);
+                // The padded output's valid rows, packed: `[sum L_i, width]`.
+                let reference = match padded_mask {
+                    Some(mask) => {
+                        let width = reference.size()[2];
+                        reference
+                            .masked_select(&mask.to_kind(Kind::Bool).expand_as(&reference))
+                            .reshape([-1, width])
+                    }
+                    None => reference,
+                };
+                // A training step moves the parameters: how far one step moves the loss.
+                let drift = match mode {
+                    Mode::Inference => 0.0,
+                    Mode::Training => (padded()?.to_kind(Kind::Float) - &reference)
+                        .abs()
+                        .double_value(&[]),
+                };
+                let mut others = vec![("per-element", per_element()?), ("nestor", nestor()?)];
+                if let Some((mut step, _)) = compiled {
+                    others.push(("compiled", step()?));
                 }
-                None => reference,
-            };
-            // A training step moves the parameters: how far one step moves the loss.
-            let drift = match mode {
-                Mode::Inference => 0.0,
-                Mode::Training => (padded()? - &reference).abs().double_value(&[]),
-            };
-            let mut others = vec![("per-element", per_element()?), ("nestor", nestor()?)];
-            if let Some((mut step, _)) = compiled {
-                others.push(("compiled", step()?));
-            }
-            let scale = reference.abs().max().double_value(&[]).max(1.0);
-            for (steps_after, (column, output)) in (2..).zip(others) {
-                let what = format!("{} {}, {column}", model.name(), mode.name());
-                let output = output.reshape(reference.size());
-                let error = (&output - &reference).abs().max().double_value(&[]);
-                let tolerance = 1e-4 * scale + f64::from(steps_after) * drift;
-                assert!(
-                    error <= tolerance,
-                    "{what}: differs by {error:e} (drift {drift:e})"
-                );
-                assert!(
-                    output.isfinite().all().int64_value(&[]) == 1,
-                    "{what}: not finite"
-                );
-            }
-            Ok(())
-        })
+                let scale = reference.abs().max().double_value(&[]).max(1.0);
+                for (steps_after, (column, output)) in (2..).zip(others) {
+                    let what = format!("{} {}, {column}", precision.subject(model), mode.name());
+                    let output = output.to_kind(Kind::Float).reshape(reference.size());
+                    let error = (&output - &reference).abs().max().double_value(&[]);
+                    let tolerance = relative * scale + f64::from(steps_after) * drift;
+                    assert!(
+                        error <= tolerance,
+                        "{what}: differs by {error:e} (drift {drift:e})"
+                    );
+                    assert!(
+                        output.isfinite().all().int64_value(&[]) == 1,
+                        "{what}: not finite"
+                    );
+                }
+                Ok(())
+            },
+        )
         .unwrap();
     }
 }
@@ -168,7 +198,23 @@ fn every_model_column_equals_the_padded_reference() {
 #[test]
 fn every_pytorch_option_runs_on_the_same_batches() {
     let scale = Scale::smoke();
-    let rows = run_pytorch(Model::Encoder, &scale, 0.5, 1).unwrap();
+    let rows = run_pytorch(Model::Encoder, &scale, (0.5, 1), Precision::F32).unwrap();
+    // In bf16 the same options (autocast, the converted model), the same lines.
+    let bf16 = run_pytorch(Model::Encoder, &scale, (0.5, 1), Precision::Bf16).unwrap();
+    assert!(bf16
+        .iter()
+        .all(|row| row.subject == "TransformerEncoder bf16"));
+    let columns = |rows: &[nestor_bench::models::Measurement]| {
+        rows.iter()
+            .map(|row| (row.mode, row.column))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(columns(&bf16), columns(&rows));
+    assert!(
+        bf16.iter()
+            .all(|row| matches!(row.outcome, Outcome::Measured { .. })),
+        "{bf16:?}"
+    );
     for mode in [Mode::Inference, Mode::Training] {
         let columns: Vec<Column> = rows
             .iter()
@@ -194,7 +240,7 @@ fn every_pytorch_option_runs_on_the_same_batches() {
     }
     // The conv net: padded eager and padded torch.compile, in the default layout and
     // channels-last, in both modes.
-    let rows = run_pytorch(Model::ConvNet, &scale, 0.5, 1).unwrap();
+    let rows = run_pytorch(Model::ConvNet, &scale, (0.5, 1), Precision::F32).unwrap();
     let columns: Vec<Column> = rows.iter().map(|row| row.column).collect();
     let each = [
         Column::TorchPadded,

@@ -18,7 +18,7 @@ use nestor::NestedTensor;
 use nestor_bench::lengths::{lengths, occupancy};
 use nestor_bench::limits::measure_limits;
 use nestor_bench::measure::{memory_counted, time};
-use nestor_bench::models::{run_model, Measurement, Model, Outcome};
+use nestor_bench::models::{run_model, Measurement, Model, Outcome, Precision};
 use nestor_bench::operators::{run_operator, Operator};
 use nestor_bench::pytorch::run_pytorch;
 use nestor_bench::report::{chart, chart_name, markdown, register_font, Context, Packing};
@@ -103,8 +103,14 @@ fn run() -> Result<()> {
     let limits = measure_limits(&scale)?;
     bar.suspend(|| {
         eprintln!(
-            "report: GEMM peak {:.1} GFLOP/s (libtorch {:.1}, compiled {:.1}), bandwidth {:.1} GB/s",
-            limits.peak_gflops, limits.libtorch_gflops, limits.compiled_gflops, limits.bandwidth
+            "report: GEMM peak {:.1} GFLOP/s (libtorch {:.1}, compiled {:.1}), bf16 {:.1} (libtorch {:.1}, compiled {:.1}), bandwidth {:.1} GB/s",
+            limits.peak_gflops,
+            limits.libtorch_gflops,
+            limits.compiled_gflops,
+            limits.bf16_peak_gflops,
+            limits.bf16_libtorch_gflops,
+            limits.bf16_compiled_gflops,
+            limits.bandwidth
         );
         for row in &limits.gemms {
             eprintln!(
@@ -122,14 +128,18 @@ fn run() -> Result<()> {
     let mut models: Vec<Measurement> = Vec::new();
     for &model in &chosen_models {
         for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
-            bar.set_message(format!("{} at occupancy {occupancy}", model.name()));
-            let mut rows = run_model(model, &scale, occupancy, 100 + index as u64)?;
-            rows.extend(run_pytorch(model, &scale, occupancy, 100 + index as u64)?);
-            for row in &rows {
-                bar.suspend(|| eprintln!("{}", progress(row)));
+            for precision in Precision::ALL {
+                let subject = precision.subject(model);
+                bar.set_message(format!("{subject} at occupancy {occupancy}"));
+                let batch = (occupancy, 100 + index as u64);
+                let mut rows = run_model(model, &scale, batch, precision)?;
+                rows.extend(run_pytorch(model, &scale, batch, precision)?);
+                for row in &rows {
+                    bar.suspend(|| eprintln!("{}", progress(row)));
+                }
+                models.extend(rows);
             }
             bar.inc(1);
-            models.extend(rows);
         }
     }
     let mut operators: Vec<Measurement> = Vec::new();
@@ -227,6 +237,23 @@ fn describe(scale: &Scale) -> String {
     )
 }
 
+/// The host's bf16 units, as `/proc/cpuinfo`'s flags name them.
+fn bf16_units(cpuinfo: &str) -> String {
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find(|line| line.starts_with("flags"))
+        .map_or(Vec::new(), |line| line.split_whitespace().collect());
+    let units: Vec<&str> = ["amx_bf16", "avx512_bf16"]
+        .into_iter()
+        .filter(|unit| flags.contains(unit))
+        .collect();
+    if units.is_empty() {
+        " (the host has no bf16 units)".to_owned()
+    } else {
+        format!(" (the host has {})", units.join(", "))
+    }
+}
+
 /// The CPU (name, family and model, widest vectors), the threads and which library
 /// multiplies the compiled GEMMs (chosen by a probe, see `nestor::gemm_probe`).
 fn machine() -> String {
@@ -259,11 +286,13 @@ fn machine() -> String {
     });
     format!(
         "{} (family {}, model {}, {vectors}), {cores} cores, libtorch 2.13 through tch 0.26, {} \
-         threads; compiled GEMMs by the {}{probe}",
+         threads; compiled GEMMs by the {}{probe}; compiled bf16 products by {}{}",
         field("model name"),
         field("cpu family"),
         field("model"),
         tch::get_num_threads(),
-        nestor::gemm_library()
+        nestor::gemm_library(),
+        nestor::bf16_path().name(),
+        bf16_units(&cpuinfo)
     )
 }

@@ -61,6 +61,25 @@ impl Tokens {
     pub fn total(&self) -> f64 {
         self.lengths.iter().sum::<i64>() as f64
     }
+
+    /// The same tokens (and mask) in `kind`.
+    pub fn to_kind(&self, kind: Kind) -> Result<Self> {
+        Ok(Self {
+            lengths: self.lengths.clone(),
+            elements: converted(&self.elements, kind)?,
+            nested: self.nested.to_kind(kind)?,
+            padded: self.padded.f_to_kind(kind)?,
+            mask: self.mask.f_to_kind(kind)?,
+        })
+    }
+}
+
+/// `tensors` in `kind`.
+fn converted(tensors: &[Tensor], kind: Kind) -> Result<Vec<Tensor>> {
+    Ok(tensors
+        .iter()
+        .map(|tensor| tensor.f_to_kind(kind))
+        .collect::<std::result::Result<_, _>>()?)
 }
 
 /// Images of different sizes: elements, packed, padded with a pixel mask.
@@ -120,5 +139,16 @@ impl Images {
     /// Real pixels.
     pub fn area(&self) -> f64 {
         self.sizes.iter().map(|&(h, w)| (h * w) as f64).sum()
+    }
+
+    /// The same images (and mask) in `kind`.
+    pub fn to_kind(&self, kind: Kind) -> Result<Self> {
+        Ok(Self {
+            sizes: self.sizes.clone(),
+            elements: converted(&self.elements, kind)?,
+            nested: self.nested.to_kind(kind)?,
+            padded: self.padded.f_to_kind(kind)?,
+            mask: self.mask.f_to_kind(kind)?,
+        })
     }
 }

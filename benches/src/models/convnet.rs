@@ -4,7 +4,7 @@ use nestor::{compile, Dense, NestedTensor};
 use tch::nn;
 use tch::{Kind, Tensor};
 
-use super::{compiled_step, Columns, Images, Mode, Stepper};
+use super::{compiled_step, Columns, CompiledStep, Images, Mode, Stepper};
 use crate::padded::{self, Weights};
 use crate::Result;
 
@@ -97,11 +97,31 @@ impl ConvNet {
         let nestor = step(Box::new(move || {
             self.head(self.features(&images.nested)?.values())
         }));
-        let compiled = Some(match mode {
+        let compiled = Some(self.compiled(store, images, &stepper, false));
+        Ok(Columns {
+            padded,
+            per_element,
+            nestor,
+            compiled,
+            padded_mask: None,
+        })
+    }
+
+    /// The compiled column (the stepper's mode; in mixed precision when `mixed`).
+    pub(super) fn compiled<'a>(
+        &'a self,
+        store: &'a nn::VarStore,
+        images: &'a Images,
+        stepper: &Stepper,
+        mixed: bool,
+    ) -> CompiledStep<'a> {
+        let precision = if mixed { Kind::BFloat16 } else { Kind::Float };
+        match stepper.mode {
             Mode::Inference => {
                 let function = compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
                     self.features(&inputs[0])
-                });
+                })
+                .autocast(precision);
                 compiled_step(function, vec![&images.nested], move |pooled| {
                     self.head(pooled.values())
                 })
@@ -110,16 +130,10 @@ impl ConvNet {
                 let function = compile("convnet", move |inputs: &[NestedTensor], _: &[Dense]| {
                     self.traced_loss(&inputs[0])
                 })
-                .train(store);
+                .train(store)
+                .autocast(precision);
                 stepper.compiled_training(function, vec![&images.nested])
             }
-        });
-        Ok(Columns {
-            padded,
-            per_element,
-            nestor,
-            compiled,
-            padded_mask: None,
-        })
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use nestor::nn::{TransformerConfig, TransformerDecoder, TransformerEncoder};
 use nestor::{Dense, NestedTensor};
 use tch::nn::{self, OptimizerConfig};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::lengths::{image_sizes, lengths, occupancy};
 use crate::measure::{peak_bytes, time, time_in_turns, Timing};
@@ -54,6 +54,31 @@ impl Model {
             Model::Decoder => "TransformerDecoder",
             Model::Transformer => "Transformer",
             Model::ConvNet => "ResNet-style conv net",
+        }
+    }
+}
+
+/// The dtype a model's rows run in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Everything in f32.
+    F32,
+    /// bf16 as its users run it: the model and batch converted to bf16 for the eager
+    /// columns (libtorch's bf16 kernels), and the compiled column in mixed precision (the
+    /// f32 model and batch under `Compiled::autocast(Kind::BFloat16)`: bf16 products,
+    /// f32 parameters and gradients).
+    Bf16,
+}
+
+impl Precision {
+    /// Both, in report order.
+    pub const ALL: [Precision; 2] = [Precision::F32, Precision::Bf16];
+
+    /// The report's subject for `model`'s rows in this precision.
+    pub fn subject(self, model: Model) -> String {
+        match self {
+            Precision::F32 => model.name().to_owned(),
+            Precision::Bf16 => format!("{} bf16", model.name()),
         }
     }
 }
@@ -195,6 +220,9 @@ pub struct Measurement {
 /// A step: runs once, returning the loss for training or the output for inference.
 pub type Step<'a> = Box<dyn FnMut() -> Result<Tensor> + 'a>;
 
+/// A compiled column's step and its compile counter.
+pub type CompiledStep<'a> = (Step<'a>, Box<dyn Fn() -> u64 + 'a>);
+
 /// The four columns of one model at one occupancy, ready to run.
 pub struct Columns<'a> {
     /// Padded libtorch eager.
@@ -204,7 +232,7 @@ pub struct Columns<'a> {
     /// nestor eager.
     pub nestor: Step<'a>,
     /// nestor compiled and its compile counter (none for training).
-    pub compiled: Option<(Step<'a>, Box<dyn Fn() -> u64 + 'a>)>,
+    pub compiled: Option<CompiledStep<'a>>,
     /// For checks, not timed: the `[B, max, 1]` mask of the padded column's output
     /// (1 on data) when it is padded and the other columns' outputs are packed rows;
     /// none when every column's output has one shape (logits, losses).
@@ -215,23 +243,23 @@ pub struct Columns<'a> {
 /// occupancy, the useful FLOPs of one step, and the steps.
 pub type Visit<'v> = dyn FnMut(Mode, f64, f64, Columns<'_>) -> Result<()> + 'v;
 
-/// Runs every column of `model` at about `target` occupancy.
-pub fn run_model(model: Model, scale: &Scale, target: f64, seed: u64) -> Result<Vec<Measurement>> {
+/// Runs every column of `model` at about `target` occupancy in `precision`.
+pub fn run_model(
+    model: Model,
+    scale: &Scale,
+    (target, seed): (f64, u64),
+    precision: Precision,
+) -> Result<Vec<Measurement>> {
     let mut measurements = Vec::new();
+    let subject = precision.subject(model);
     with_columns(
         model,
         scale,
-        target,
-        seed,
+        (target, seed),
+        precision,
         &mut |mode, occupancy, flops, columns| {
             measurements.extend(measure_columns(
-                model.name(),
-                mode,
-                target,
-                occupancy,
-                flops,
-                scale,
-                columns,
+                &subject, mode, target, occupancy, flops, scale, columns,
             )?);
             Ok(())
         },
@@ -258,12 +286,12 @@ pub fn conv_flops(scale: &Scale, sizes: &[(i64, i64)]) -> f64 {
 }
 
 /// Builds `model` and a batch at about `target` occupancy, and hands `visit` the
-/// columns of each mode (inference, then training).
+/// columns of each mode (inference, then training) in `precision`.
 pub fn with_columns(
     model: Model,
     scale: &Scale,
-    target: f64,
-    seed: u64,
+    (target, seed): (f64, u64),
+    precision: Precision,
     visit: &mut Visit<'_>,
 ) -> Result<()> {
     tch::manual_seed(seed as i64);
@@ -275,16 +303,25 @@ pub fn with_columns(
         dropout: 0.0,
         ..Default::default()
     };
-    let root = store.root();
+    // The eager columns' copy of the model in bf16, for the bf16 rows.
+    let mut bf16_store = nn::VarStore::new(Device::Cpu);
     match model {
         Model::Encoder | Model::Decoder | Model::Transformer => {
-            let encoder = (model != Model::Decoder).then(|| {
-                TransformerEncoder::new(&(&root / "encoder"), &config, scale.layers, true)
-            });
-            let decoder = (model != Model::Encoder).then(|| {
-                TransformerDecoder::new(&(&root / "decoder"), &config, scale.layers, true)
-            });
+            let stacks_of = |root: &nn::Path| {
+                let encoder = (model != Model::Decoder).then(|| {
+                    TransformerEncoder::new(&(root / "encoder"), &config, scale.layers, true)
+                });
+                let decoder = (model != Model::Encoder).then(|| {
+                    TransformerDecoder::new(&(root / "decoder"), &config, scale.layers, true)
+                });
+                (encoder, decoder)
+            };
+            let (encoder, decoder) = stacks_of(&store.root());
+            let (bf16_encoder, bf16_decoder) = stacks_of(&bf16_store.root());
+            bf16_store.copy(&store)?;
+            bf16_store.bfloat16();
             let weights = Weights::new(&store);
+            let bf16_weights = Weights::new(&bf16_store);
             let (source_lengths, target_lengths) = token_lengths(scale, target, seed);
             let source = Tokens::new(source_lengths, scale.d_model, scale.max_length)?;
             let target_tokens = Tokens::new(target_lengths, scale.d_model, scale.max_length)?;
@@ -297,23 +334,74 @@ pub fn with_columns(
                 weights: &weights,
                 scale,
             };
-            visit_modes(&store, occupancy_now, flops, visit, |mode, optimizer| {
-                stacks.columns(&source, &target_tokens, mode, optimizer)
-            })?;
+            let bf16_stacks = Stacks {
+                store: &bf16_store,
+                encoder: bf16_encoder.as_ref(),
+                decoder: bf16_decoder.as_ref(),
+                weights: &bf16_weights,
+                scale,
+            };
+            let bf16_tokens = [
+                source.to_kind(Kind::BFloat16)?,
+                target_tokens.to_kind(Kind::BFloat16)?,
+            ];
+            visit_modes(
+                &store,
+                occupancy_now,
+                flops,
+                visit,
+                |mode, optimizer| match precision {
+                    Precision::F32 => stacks.columns(&source, &target_tokens, mode, optimizer),
+                    Precision::Bf16 => {
+                        let [source16, target16] = &bf16_tokens;
+                        let bf16_optimizer = nn::Sgd::default().build(&bf16_store, 1e-5)?;
+                        let mut columns =
+                            bf16_stacks.columns(source16, target16, mode, bf16_optimizer)?;
+                        let stepper = Stepper::new(mode, optimizer);
+                        columns.compiled =
+                            Some(stacks.compiled(&source, &target_tokens, &stepper, true));
+                        Ok(columns)
+                    }
+                },
+            )?;
         }
         Model::ConvNet => {
-            let net = ConvNet::new(&(&root / "convnet"), scale.channels);
+            let net = ConvNet::new(&(store.root() / "convnet"), scale.channels);
+            let bf16_net = ConvNet::new(&(bf16_store.root() / "convnet"), scale.channels);
+            bf16_store.copy(&store)?;
+            bf16_store.bfloat16();
             let weights = Weights::new(&store);
+            let bf16_weights = Weights::new(&bf16_store);
             let images = Images::new(
                 image_sizes(scale.batch, scale.image_side, target, seed),
                 scale.image_side,
             )?;
+            let bf16_images = images.to_kind(Kind::BFloat16)?;
             let occupancy_now =
                 images.area() / (scale.batch * scale.image_side * scale.image_side) as f64;
             let flops = conv_flops(scale, &images.sizes);
-            visit_modes(&store, occupancy_now, flops, visit, |mode, optimizer| {
-                net.columns(&store, &weights, &images, mode, optimizer)
-            })?;
+            visit_modes(
+                &store,
+                occupancy_now,
+                flops,
+                visit,
+                |mode, optimizer| match precision {
+                    Precision::F32 => net.columns(&store, &weights, &images, mode, optimizer),
+                    Precision::Bf16 => {
+                        let bf16_optimizer = nn::Sgd::default().build(&bf16_store, 1e-5)?;
+                        let mut columns = bf16_net.columns(
+                            &bf16_store,
+                            &bf16_weights,
+                            &bf16_images,
+                            mode,
+                            bf16_optimizer,
+                        )?;
+                        let stepper = Stepper::new(mode, optimizer);
+                        columns.compiled = Some(net.compiled(&store, &images, &stepper, true));
+                        Ok(columns)
+                    }
+                },
+            )?;
         }
     }
     Ok(())

@@ -6,7 +6,7 @@ use nestor::{compile, Dense, NestedTensor};
 use tch::nn;
 use tch::{Device, Kind, Tensor};
 
-use super::{compiled_step, Columns, Mode, Model, Stepper, Tokens};
+use super::{compiled_step, Columns, CompiledStep, Mode, Model, Stepper, Tokens};
 use crate::padded::{self, Weights};
 use crate::{Result, Scale};
 
@@ -173,12 +173,32 @@ impl<'a> Stacks<'a> {
                 Mode::Training => Ok(output.values().f_square()?.f_mean(Kind::Float)?),
             }
         }));
+        let compiled = Some(self.compiled(source, target, &stepper, false));
+        Ok(Columns {
+            padded,
+            per_element,
+            nestor,
+            compiled,
+            padded_mask: (mode == Mode::Inference).then_some(&out.mask),
+        })
+    }
+
+    /// The compiled column (the stepper's mode; in mixed precision when `mixed`).
+    pub(super) fn compiled(
+        &'a self,
+        source: &'a Tokens,
+        target: &'a Tokens,
+        stepper: &Stepper,
+        mixed: bool,
+    ) -> CompiledStep<'a> {
         let inputs = vec![&source.nested, &target.nested];
-        let compiled = Some(match mode {
+        let precision = if mixed { Kind::BFloat16 } else { Kind::Float };
+        match stepper.mode {
             Mode::Inference => {
                 let function = compile("model", move |inputs: &[NestedTensor], _: &[Dense]| {
                     self.nestor(&inputs[0], &inputs[1])
-                });
+                })
+                .autocast(precision);
                 compiled_step(function, inputs, |output| {
                     Ok(output.values().shallow_clone())
                 })
@@ -189,16 +209,10 @@ impl<'a> Stacks<'a> {
                     let output = self.nestor(&inputs[0], &inputs[1])?;
                     output.square()?.mean(&[], false)?.into_dense_handle()
                 })
-                .train(self.store);
+                .train(self.store)
+                .autocast(precision);
                 stepper.compiled_training(function, inputs)
             }
-        });
-        Ok(Columns {
-            padded,
-            per_element,
-            nestor,
-            compiled,
-            padded_mask: (mode == Mode::Inference).then_some(&out.mask),
-        })
+        }
     }
 }

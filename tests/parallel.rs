@@ -10,7 +10,7 @@ mod common;
 use std::sync::Mutex;
 
 use common::families::{families, ids};
-use common::{assert_close_within, batch, eager_values, lengths};
+use common::{assert_close_within, assert_floats_close_within, batch, eager_values, lengths};
 use nestor::{compile, Dense, NestedTensor, Parallelism};
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
@@ -35,20 +35,28 @@ fn with_parallelism<T>(settings: Parallelism, body: impl FnOnce() -> T) -> T {
 }
 
 /// Compiles every family that `only` accepts and checks it against eager on `batches`
-/// in each of `kinds`.
+/// in each of `kinds`; in f32 under `autocast(Kind::BFloat16)` when `mixed`, its float
+/// outputs within bf16's rounding.
 fn families_match_eager(
-    kinds: &[Kind],
+    (kinds, mixed): (&[Kind], bool),
     only: impl Fn(&str) -> bool,
     batches: &[Vec<i64>],
     seed: i64,
 ) {
     for &kind in kinds {
-        let tolerance = if kind == Kind::Double { 1e-9 } else { 1e-4 };
+        let tolerance = match kind {
+            _ if mixed => 2e-2,
+            Kind::Double => 1e-9,
+            _ => 1e-4,
+        };
         for (family, model) in families(kind) {
             if !only(family) {
                 continue;
             }
-            let compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+            let mut compiled = compile(family, |x: &[NestedTensor], d: &[Dense]| model(x, d));
+            if mixed {
+                compiled = compiled.autocast(Kind::BFloat16);
+            }
             for (index, lengths) in batches.iter().enumerate() {
                 let (x, _) = batch(lengths, &[4], kind, seed + index as i64);
                 let tokens = ids(lengths, seed + index as i64);
@@ -56,7 +64,12 @@ fn families_match_eager(
                     .call(&[&x, &tokens], &[])
                     .unwrap_or_else(|error| panic!("{family}: {error}"));
                 let want = eager_values(model(&[x, tokens], &[]).unwrap());
-                assert_close_within(&got, &want, tolerance, &format!("{family} {kind:?}"));
+                let what = format!("{family} {kind:?}");
+                if mixed {
+                    assert_floats_close_within(&got, &want, tolerance, &what);
+                } else {
+                    assert_close_within(&got, &want, tolerance, &what);
+                }
             }
         }
     }
@@ -72,7 +85,9 @@ proptest! {
         let settings = Parallelism { threads: 4, kernel_scalars: 1, gemm_macs: 1 };
         with_parallelism(settings, || {
             let before = Parallelism::split_steps();
-            families_match_eager(&[Kind::Float, Kind::Double], |_| true, &batches, seed);
+            families_match_eager((&[Kind::Float, Kind::Double], false), |_| true, &batches, seed);
+            // bf16 products: weights rounded once for every chunk, attention's inputs once a step.
+            families_match_eager((&[Kind::Float], true), |_| true, &batches, seed);
             // A batch of two rows is enough for a kernel to be split.
             let splittable = batches.iter().any(|lengths| lengths.iter().sum::<i64>() >= 2);
             prop_assert!(!splittable || Parallelism::split_steps() > before, "nothing was split");
@@ -98,8 +113,14 @@ fn large_batches_at_the_default_thresholds_equal_eager() {
     with_parallelism(settings, || {
         let before = Parallelism::split_steps();
         let attention = |family: &str| family == "attention";
-        families_match_eager(&[Kind::Float], |family| !attention(family), &[many], 3);
-        families_match_eager(&[Kind::Float], attention, &[long], 4);
+        families_match_eager(
+            (&[Kind::Float], false),
+            |family| !attention(family),
+            &[many],
+            3,
+        );
+        families_match_eager((&[Kind::Float], false), attention, &[long.clone()], 4);
+        families_match_eager((&[Kind::Float], true), attention, &[long], 4);
         // Per family and kind: pointwise, row and segment kernels, gathers and GEMMs.
         let split = Parallelism::split_steps() - before;
         assert!(split >= 20, "only {split} step runs were split");

@@ -10,6 +10,7 @@
 
 use nestor_passes::{Access, Products};
 
+use crate::bf16::RoundedBuffer;
 use crate::blas::Gemm;
 use crate::scalar::Scalar;
 
@@ -99,6 +100,59 @@ struct Task {
     rows: i64,
 }
 
+/// The inputs of [`InputRoundings`]: queries, keys, values, the output's gradient.
+const Q: usize = 0;
+const K: usize = 1;
+const V: usize = 2;
+const G: usize = 3;
+
+/// The roundings of a step's input buffers for bf16 products (`Products::Bf16`), made
+/// once per step rather than per tile: one per distinct buffer (queries, keys and values
+/// of one projection share theirs), by input ([`Q`], [`K`], [`V`], [`G`]).
+struct InputRoundings {
+    buffers: Vec<RoundedBuffer>,
+    of_input: Vec<Option<usize>>,
+}
+
+impl InputRoundings {
+    /// The roundings of the (pointer, length) `inputs` that `products` reads rounded,
+    /// made by `threads` of the team (none for other products).
+    ///
+    /// # Safety
+    /// Each pointer must be valid for its length.
+    unsafe fn new<T: Gemm>(
+        products: Products,
+        inputs: &[(*const T, usize)],
+        threads: usize,
+    ) -> Self {
+        let mut rounded: Vec<(*const T, usize)> = Vec::new();
+        let mut buffers = Vec::new();
+        let mut of_input = Vec::with_capacity(inputs.len());
+        for &input in inputs {
+            if let Some(at) = rounded.iter().position(|&done| done == input) {
+                of_input.push(Some(at));
+                continue;
+            }
+            // SAFETY: the caller vouches for the input.
+            match unsafe { T::rounded_buffer(products, input.0, input.1, threads) } {
+                Some(buffer) => {
+                    rounded.push(input);
+                    buffers.push(buffer);
+                    of_input.push(Some(buffers.len() - 1));
+                }
+                None => of_input.push(None),
+            }
+        }
+        Self { buffers, of_input }
+    }
+
+    /// The roundings of input `input`, if it has them.
+    fn get(&self, input: usize) -> Option<&RoundedBuffer> {
+        self.buffers
+            .get(self.of_input.get(input).copied().flatten()?)
+    }
+}
+
 /// What each query row of a task has seen so far: the largest score, the sum of
 /// `e^(score - largest)`, and whether a masked score was NaN or `+inf`.
 struct RowState<T> {
@@ -150,14 +204,29 @@ impl AttentionRun<'_> {
         } else {
             1
         };
+        let rows = |offsets: &[i64]| offsets.last().copied().unwrap_or(0).max(0) as usize;
+        let len = |access: &Access, rows: usize| rows * access.row_stride.max(0) as usize;
+        let (q_rows, k_rows) = (rows(q_offsets), rows(k_offsets));
+        // SAFETY: the executor sized the buffers for these rows.
+        let rounded = unsafe {
+            InputRoundings::new(
+                self.products,
+                &[
+                    (buffers.q, len(self.q, q_rows)),
+                    (buffers.k, len(self.k, k_rows)),
+                    (buffers.v, len(self.v, k_rows)),
+                ],
+                threads,
+            )
+        };
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             // The task's rows and columns are in range of buffers the executor sized.
-            unsafe { self.task(buffers, tasks[index]) };
+            unsafe { self.task(buffers, tasks[index], &rounded) };
         });
     }
 
     /// One task: its query rows' outputs for one head.
-    unsafe fn task<T: Gemm>(&self, buffers: Buffers<T>, task: Task) {
+    unsafe fn task<T: Gemm>(&self, buffers: Buffers<T>, task: Task, rounded: &InputRoundings) {
         let (d, dv) = (self.head_dim, self.value_dim);
         let out_width = self.heads * dv;
         let rows = task.rows as usize;
@@ -202,10 +271,9 @@ impl AttentionRun<'_> {
                 // S[rows, keys] = scale * Q K^T.
                 T::tile_product(
                     self.products,
-                    (rows, d as usize, keys),
-                    T::from_f64(self.scale),
-                    (q, self.q.row_stride as isize, 1),
-                    (k, 1, self.k.row_stride as isize),
+                    ((rows, d as usize, keys), T::from_f64(self.scale)),
+                    ((q, self.q.row_stride as isize, 1), rounded.get(Q)),
+                    ((k, 1, self.k.row_stride as isize), rounded.get(K)),
                     (scores.as_mut_ptr(), keys as isize, 1),
                 );
                 for (row, scores) in scores.chunks_mut(keys).enumerate() {
@@ -223,10 +291,9 @@ impl AttentionRun<'_> {
                 let target_width = if first { out_width } else { dv };
                 T::tile_product(
                     self.products,
-                    (rows, keys, dv as usize),
-                    T::ONE,
-                    (scores.as_ptr(), keys as isize, 1),
-                    (v, self.v.row_stride as isize, 1),
+                    ((rows, keys, dv as usize), T::ONE),
+                    ((scores.as_ptr(), keys as isize, 1), None),
+                    ((v, self.v.row_stride as isize, 1), rounded.get(V)),
                     (target, target_width as isize, 1),
                 );
                 if !first {
@@ -367,6 +434,22 @@ impl AttentionGradRun<'_> {
         } else {
             1
         };
+        let rows = |offsets: &[i64]| offsets.last().copied().unwrap_or(0).max(0) as usize;
+        let len = |access: &Access, rows: usize| rows * access.row_stride.max(0) as usize;
+        let (q_rows, k_rows) = (rows(q_offsets), rows(k_offsets));
+        // SAFETY: the executor sized the buffers for these rows.
+        let rounded = unsafe {
+            InputRoundings::new(
+                self.products,
+                &[
+                    (buffers.q, len(self.q, q_rows)),
+                    (buffers.k, len(self.k, k_rows)),
+                    (buffers.v, len(self.v, k_rows)),
+                    (buffers.g, len(self.g, q_rows)),
+                ],
+                threads,
+            )
+        };
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             let (element, head, row, rows) = tasks[index];
             let keys = (
@@ -374,7 +457,15 @@ impl AttentionGradRun<'_> {
                 k_offsets[element + 1] - k_offsets[element],
             );
             // The task's rows and columns are in range of buffers the executor sized.
-            unsafe { self.element(buffers, head, (q_offsets[element] + row, rows), keys, row) };
+            unsafe {
+                self.element(
+                    (buffers, &rounded),
+                    head,
+                    (q_offsets[element] + row, rows),
+                    keys,
+                    row,
+                )
+            };
         });
     }
 
@@ -382,7 +473,7 @@ impl AttentionGradRun<'_> {
     /// their element, which the causal mask counts from) of one head.
     unsafe fn element<T: Gemm>(
         &self,
-        buffers: GradBuffers<T>,
+        (buffers, rounded): (GradBuffers<T>, &InputRoundings),
         head: i64,
         (q_first, q_rows): (i64, i64),
         (k_first, k_rows): (i64, i64),
@@ -432,19 +523,17 @@ impl AttentionGradRun<'_> {
                 // P = softmax(scale Q K^T), row by row, future keys masked.
                 T::tile_product(
                     self.products,
-                    (rows, d as usize, ks),
-                    scale,
-                    (q, self.q.row_stride as isize, 1),
-                    (k, 1, self.k.row_stride as isize),
+                    ((rows, d as usize, ks), scale),
+                    ((q, self.q.row_stride as isize, 1), rounded.get(Q)),
+                    ((k, 1, self.k.row_stride as isize), rounded.get(K)),
                     (probabilities.as_mut_ptr(), ks as isize, 1),
                 );
                 // dP = dO V^T.
                 T::tile_product(
                     self.products,
-                    (rows, d as usize, ks),
-                    T::ONE,
-                    (g, self.g.row_stride as isize, 1),
-                    (v, 1, self.v.row_stride as isize),
+                    ((rows, d as usize, ks), T::ONE),
+                    ((g, self.g.row_stride as isize, 1), rounded.get(G)),
+                    ((v, 1, self.v.row_stride as isize), rounded.get(V)),
                     (slopes.as_mut_ptr(), ks as isize, 1),
                 );
             }
@@ -462,6 +551,7 @@ impl AttentionGradRun<'_> {
                         .offset((k_first * 2 * width + head * d) as isize);
                     self.key_gradients(
                         (out_k, &mut partial, first == 0),
+                        rounded,
                         (probabilities, slopes),
                         (q, g),
                         (rows, ks),
@@ -473,10 +563,9 @@ impl AttentionGradRun<'_> {
                         .offset(((q_first + first as i64) * width + head * d) as isize);
                     T::tile_product(
                         self.products,
-                        (rows, ks, d as usize),
-                        scale,
-                        (slopes.as_ptr(), ks as isize, 1),
-                        (k, self.k.row_stride as isize, 1),
+                        ((rows, ks, d as usize), scale),
+                        ((slopes.as_ptr(), ks as isize, 1), None),
+                        ((k, self.k.row_stride as isize, 1), rounded.get(K)),
                         (out_q, width as isize, 1),
                     );
                 }
@@ -559,6 +648,7 @@ impl AttentionGradRun<'_> {
     unsafe fn key_gradients<T: Gemm>(
         &self,
         (out_k, partial, first_tile): (*mut T, &mut [T], bool),
+        rounded: &InputRoundings,
         (probabilities, slopes): (&[T], &[T]),
         (q, g): (*const T, *const T),
         (rows, ks): (usize, usize),
@@ -576,18 +666,16 @@ impl AttentionGradRun<'_> {
         unsafe {
             T::tile_product(
                 self.products,
-                (ks, rows, d as usize),
-                scale,
-                (slopes.as_ptr(), 1, ks as isize),
-                (q, self.q.row_stride as isize, 1),
+                ((ks, rows, d as usize), scale),
+                ((slopes.as_ptr(), 1, ks as isize), None),
+                ((q, self.q.row_stride as isize, 1), rounded.get(Q)),
                 (target, stride, 1),
             );
             T::tile_product(
                 self.products,
-                (ks, rows, d as usize),
-                T::ONE,
-                (probabilities.as_ptr(), 1, ks as isize),
-                (g, self.g.row_stride as isize, 1),
+                ((ks, rows, d as usize), T::ONE),
+                ((probabilities.as_ptr(), 1, ks as isize), None),
+                ((g, self.g.row_stride as isize, 1), rounded.get(G)),
                 (target.offset(half as isize), stride, 1),
             );
         }

@@ -8,7 +8,9 @@
 //! order. `NESTOR_BF16=f32` forces the second path.
 //!
 //! Each operand is rounded into a buffer of the calling thread (kept between calls),
-//! in the layout it had, so a transposed weight stays a transposed read.
+//! in the layout it had, so a transposed weight stays a transposed read; an operand
+//! that many products read (a GEMM's weight in every row chunk, attention's queries,
+//! keys and values in every tile) is rounded once, whole, into a [`RoundedBuffer`].
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -149,25 +151,195 @@ pub(crate) unsafe fn product(
     c: StridedMut<f32>,
     add: bool,
 ) {
+    unsafe { product_of((shape, scale), (a, None), (b, None), (c, add)) }
+}
+
+/// An operand: a matrix of f32 values, and the buffer that already holds its roundings
+/// (if one does; else it is rounded for this product).
+pub(crate) type Operand<'a> = (Strided<f32>, Option<&'a RoundedBuffer>);
+
+/// [`product`] of operands whose roundings may be made already.
+///
+/// # Safety
+/// As [`product`]; a rounded operand's matrix must lie within its buffer.
+pub(crate) unsafe fn product_of(
+    (shape, scale): ((usize, usize, usize), f32),
+    (a, a_rounded): Operand<'_>,
+    (b, b_rounded): Operand<'_>,
+    (c, add): (StridedMut<f32>, bool),
+) {
     let (m, k, n) = shape;
     match *choice() {
         // MKL writes `c` with unit column stride, as every caller's output has.
         Some(mkl) if c.2 == 1 && m * n > 0 && k > 0 => BF16.with_borrow_mut(|[a_bf16, b_bf16]| {
             // SAFETY: the caller vouches for the operands; the roundings hold them.
             unsafe {
-                let a = rounded(a, (m, k), a_bf16);
-                let b = rounded(b, (k, n), b_bf16);
+                let a = a_rounded
+                    .and_then(|buffer| buffer.bf16_view(a))
+                    .unwrap_or_else(|| rounded(a, (m, k), a_bf16));
+                let b = b_rounded
+                    .and_then(|buffer| buffer.bf16_view(b))
+                    .unwrap_or_else(|| rounded(b, (k, n), b_bf16));
                 mkl_product(mkl, shape, scale, a, b, c, add)
             }
         }),
         _ => F32.with_borrow_mut(|[a_f32, b_f32]| {
             // SAFETY: as above.
             unsafe {
-                let a = rounded(a, (m, k), a_f32);
-                let b = rounded(b, (k, n), b_f32);
+                let a = a_rounded
+                    .and_then(|buffer| buffer.f32_view(a))
+                    .unwrap_or_else(|| rounded(a, (m, k), a_f32));
+                let b = b_rounded
+                    .and_then(|buffer| buffer.f32_view(b))
+                    .unwrap_or_else(|| rounded(b, (k, n), b_f32));
                 f32::product(shape, scale, a, b, c, add)
             }
         }),
+    }
+}
+
+/// The bf16 roundings of a whole f32 buffer, value for value (in the type the process's
+/// path reads), made once for the many products that read parts of it: a matrix of
+/// the buffer is the same matrix of the roundings.
+pub(crate) struct RoundedBuffer {
+    /// The f32 buffer's first value.
+    base: *const f32,
+    /// Its length in values.
+    len: usize,
+    values: Roundings,
+}
+
+/// A buffer's roundings as MKL's bf16 GEMM reads them, or as f32.
+enum Roundings {
+    Bf16(Vec<u16>),
+    F32(Vec<f32>),
+}
+
+// SAFETY: `base` is only compared and offset, never read through, after the roundings
+// were made; the roundings are owned.
+unsafe impl Send for RoundedBuffer {}
+unsafe impl Sync for RoundedBuffer {}
+
+impl RoundedBuffer {
+    /// Values per task when the team rounds a buffer.
+    const CHUNK: usize = 1 << 16;
+
+    /// Rounds the `len` values at `base`, split across `threads` of the team.
+    ///
+    /// # Safety
+    /// `base` must be valid for `len` values.
+    pub(crate) unsafe fn new(base: *const f32, len: usize, threads: usize) -> Self {
+        // SAFETY: the caller vouches for the values.
+        let source = unsafe { std::slice::from_raw_parts(base, len) };
+        let values = match choice() {
+            Some(_) => Roundings::Bf16(round_all(source, threads)),
+            None => Roundings::F32(round_all(source, threads)),
+        };
+        Self { base, len, values }
+    }
+
+    /// Where `matrix` starts in the buffer, in values, if it does.
+    fn offset_of(&self, (pointer, _, _): Strided<f32>) -> Option<usize> {
+        let offset = (pointer as usize).checked_sub(self.base as usize)? / 4;
+        (offset < self.len.max(1)).then_some(offset)
+    }
+
+    /// `matrix` (within the buffer) as the same matrix of bf16 roundings.
+    fn bf16_view(&self, matrix: Strided<f32>) -> Option<Strided<u16>> {
+        let (Roundings::Bf16(values), Some(offset)) = (&self.values, self.offset_of(matrix)) else {
+            return None;
+        };
+        // MKL takes a unit stride in one of the two dims.
+        (matrix.1 == 1 || matrix.2 == 1).then(|| (values[offset..].as_ptr(), matrix.1, matrix.2))
+    }
+
+    /// `matrix` (within the buffer) as the same matrix of roundings held as f32.
+    fn f32_view(&self, matrix: Strided<f32>) -> Option<Strided<f32>> {
+        let (Roundings::F32(values), Some(offset)) = (&self.values, self.offset_of(matrix)) else {
+            return None;
+        };
+        Some((values[offset..].as_ptr(), matrix.1, matrix.2))
+    }
+}
+
+impl Drop for RoundedBuffer {
+    fn drop(&mut self) {
+        match std::mem::replace(&mut self.values, Roundings::F32(Vec::new())) {
+            Roundings::Bf16(values) => give_back(&BF16_POOL, values),
+            Roundings::F32(values) => give_back(&F32_POOL, values),
+        }
+    }
+}
+
+/// Vectors of roundings free for the next [`RoundedBuffer`] (their pages mapped already).
+type Pool<E> = std::sync::Mutex<Vec<Vec<E>>>;
+static BF16_POOL: Pool<u16> = std::sync::Mutex::new(Vec::new());
+static F32_POOL: Pool<f32> = std::sync::Mutex::new(Vec::new());
+
+/// Rounding vectors a pool keeps at most.
+const POOLED: usize = 8;
+
+/// A vector of `len` values from `pool` (the largest kept) or a new one.
+fn take<E: Rounding>(pool: &Pool<E>, len: usize) -> Vec<E> {
+    let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let largest = (0..vectors.len()).max_by_key(|&index| vectors[index].capacity());
+    let mut vector = largest.map_or_else(Vec::new, |index| vectors.swap_remove(index));
+    drop(vectors);
+    vector.clear();
+    vector.resize(len, E::default());
+    vector
+}
+
+/// Keeps `vector` in `pool` for a later buffer (unless the pool is full).
+fn give_back<E>(pool: &Pool<E>, vector: Vec<E>) {
+    let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if vectors.len() < POOLED && vector.capacity() > 0 {
+        vectors.push(vector);
+    }
+}
+
+/// The pool of `E`'s vectors.
+trait Pooled: Rounding + 'static {
+    fn pool() -> &'static Pool<Self>;
+}
+
+impl Pooled for u16 {
+    fn pool() -> &'static Pool<Self> {
+        &BF16_POOL
+    }
+}
+
+impl Pooled for f32 {
+    fn pool() -> &'static Pool<Self> {
+        &F32_POOL
+    }
+}
+
+/// The roundings of `values`, in chunks across `threads` of the team.
+fn round_all<E: Pooled + Send>(values: &[f32], threads: usize) -> Vec<E> {
+    let mut out = take(E::pool(), values.len());
+    let chunks = values.len().div_ceil(RoundedBuffer::CHUNK);
+    let target = SendPointer(out.as_mut_ptr());
+    crate::team::for_each_chunk(chunks, threads, &|chunk| {
+        let start = chunk * RoundedBuffer::CHUNK;
+        let end = (start + RoundedBuffer::CHUNK).min(values.len());
+        // SAFETY: each chunk writes its own range of `out`, which holds every value.
+        let out = unsafe { std::slice::from_raw_parts_mut(target.get().add(start), end - start) };
+        round_line(&values[start..end], out);
+    });
+    out
+}
+
+/// A pointer the team's tasks write disjoint ranges through.
+#[derive(Clone, Copy)]
+struct SendPointer<E>(*mut E);
+// SAFETY: the tasks write disjoint ranges (see `round_all`).
+unsafe impl<E> Send for SendPointer<E> {}
+unsafe impl<E> Sync for SendPointer<E> {}
+
+impl<E> SendPointer<E> {
+    fn get(self) -> *mut E {
+        self.0
     }
 }
 
@@ -405,12 +577,18 @@ mod tests {
                     0.5 * sum + if add { f64::from(start[i]) } else { 0.0 }
                 })
                 .collect();
-            for force_f32 in [false, true] {
+            for (force_f32, pre_rounded) in [(false, false), (true, false), (false, true)] {
                 let mut c = start.clone();
                 let (a, b) = ((a_stored.as_ptr(), a_rows, a_columns), (b_stored.as_ptr(), b_rows, b_columns));
                 // SAFETY: the operands hold their values in the strides given.
                 unsafe {
-                    if force_f32 {
+                    if pre_rounded {
+                        // Both operands' roundings made once, whole, by two threads.
+                        let a_buffer = RoundedBuffer::new(a_stored.as_ptr(), a_stored.len(), 2);
+                        let b_buffer = RoundedBuffer::new(b_stored.as_ptr(), b_stored.len(), 2);
+                        let c = (c.as_mut_ptr(), n as isize, 1);
+                        product_of(((m, k, n), 0.5), (a, Some(&a_buffer)), (b, Some(&b_buffer)), (c, add))
+                    } else if force_f32 {
                         F32.with_borrow_mut(|[a_f32, b_f32]| {
                             let a = rounded(a, (m, k), a_f32);
                             let b = rounded(b, (k, n), b_f32);

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use nestor_passes::Products;
 
+use crate::bf16::RoundedBuffer;
 use crate::scalar::Scalar;
 use crate::strided::{Strided, StridedMut};
 
@@ -80,22 +81,53 @@ pub(crate) trait Gemm: Scalar {
         unsafe { Self::product(shape, scale, a, b, c, add) }
     }
 
-    /// [`Gemm::tile_matmul`] of `products` (as [`Gemm::product_of`]).
+    /// The roundings of the `len` values at `buffer` that products of `products` read
+    /// many times, made once by `threads` of the team (`None`: they read the values as
+    /// they are; f64 always).
     ///
     /// # Safety
-    /// As [`Gemm::matmul`].
+    /// `buffer` must be valid for `len` values.
+    unsafe fn rounded_buffer(
+        products: Products,
+        buffer: *const Self,
+        len: usize,
+        threads: usize,
+    ) -> Option<RoundedBuffer> {
+        let _ = (products, buffer, len, threads);
+        None
+    }
+
+    /// [`Gemm::product_of`] of operands whose roundings may be made already (each
+    /// operand with the [`Gemm::rounded_buffer`] it lies in, if any).
+    ///
+    /// # Safety
+    /// As [`Gemm::product`]; a rounded operand must lie within its buffer.
+    unsafe fn product_rounded(
+        products: Products,
+        (shape, scale): ((usize, usize, usize), Self),
+        (a, b): (Rounded<'_, Self>, Rounded<'_, Self>),
+        (c, add): (StridedMut<Self>, bool),
+    ) {
+        unsafe { Self::product_of(products, shape, scale, a.0, b.0, c, add) }
+    }
+
+    /// [`Gemm::tile_matmul`] of `products` (as [`Gemm::product_rounded`]).
+    ///
+    /// # Safety
+    /// As [`Gemm::product_rounded`].
     unsafe fn tile_product(
         products: Products,
-        shape: (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
+        (shape, scale): ((usize, usize, usize), Self),
+        a: Rounded<'_, Self>,
+        b: Rounded<'_, Self>,
         c: StridedMut<Self>,
     ) {
         unsafe {
             match products {
-                Products::Float => Self::tile_matmul(shape, scale, a, b, c),
-                Products::Bf16 => Self::product_of(products, shape, scale, a, b, c, false),
+                Products::Float => Self::tile_matmul(shape, scale, a.0, b.0, c),
+                Products::Bf16 => {
+                    Self::product_rounded(products, (shape, scale), (a, b), (c, false))
+                }
             }
         }
     }
@@ -139,6 +171,31 @@ impl Gemm for f32 {
         }
     }
 
+    unsafe fn rounded_buffer(
+        products: Products,
+        buffer: *const Self,
+        len: usize,
+        threads: usize,
+    ) -> Option<RoundedBuffer> {
+        // The caller vouches for the buffer.
+        (products == Products::Bf16).then(|| unsafe { RoundedBuffer::new(buffer, len, threads) })
+    }
+
+    unsafe fn product_rounded(
+        products: Products,
+        (shape, scale): ((usize, usize, usize), Self),
+        (a, b): (Rounded<'_, Self>, Rounded<'_, Self>),
+        (c, add): (StridedMut<Self>, bool),
+    ) {
+        // The caller vouches for the operands (as for `product`).
+        unsafe {
+            match products {
+                Products::Float => Self::product(shape, scale, a.0, b.0, c, add),
+                Products::Bf16 => crate::bf16::product_of((shape, scale), a, b, (c, add)),
+            }
+        }
+    }
+
     unsafe fn tile_matmul(
         shape: (usize, usize, usize),
         scale: Self,
@@ -160,6 +217,10 @@ impl Gemm for f64 {
         mkl.dgemm
     }
 }
+
+/// An operand of a product: its values, and the buffer of roundings it lies in (if
+/// any, see [`Gemm::rounded_buffer`]).
+pub(crate) type Rounded<'a, T> = (Strided<T>, Option<&'a RoundedBuffer>);
 
 /// Fortran `?gemm_` (LP64): `c = alpha op(a) op(b) + beta c`, column-major, every
 /// argument by pointer, then the hidden lengths of the two character arguments.

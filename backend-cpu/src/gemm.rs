@@ -8,6 +8,7 @@ use std::sync::Mutex;
 
 use nestor_passes::Products;
 
+use crate::bf16::RoundedBuffer;
 use crate::blas::Gemm;
 use crate::parallel::{worker_threads, Args};
 use crate::scalar::Scalar;
@@ -49,10 +50,19 @@ pub(super) unsafe fn gemm<T: Gemm>(
     } else {
         1
     };
+    // With bf16 products, the weight every chunk reads is rounded once.
+    let rounded_weight = if chunks > 1 {
+        let len = (shape.n * shape.k).max(0) as usize;
+        // SAFETY: the weight holds n*k values (the caller vouches).
+        unsafe { T::rounded_buffer(products, weight as *const T, len, threads as usize) }
+    } else {
+        None
+    };
+    let rounded_weight = rounded_weight.as_ref();
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
     // over those rows, reading buffers the program sized) rewrites them in place.
     let rows = move |start: i64, end: i64| unsafe {
-        gemm_rows(buffers, (shape, products), start, end);
+        gemm_rows(buffers, (shape, products, rounded_weight), start, end);
         if let Some((kernel, args)) = epilogue {
             kernel(args.0.as_ptr(), start, end);
         }
@@ -98,7 +108,7 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
 unsafe fn gemm_rows<T: Gemm>(
     buffers: GemmBuffers<T>,
-    (shape, products): (GemmShape, Products),
+    (shape, products, rounded_weight): (GemmShape, Products, Option<&RoundedBuffer>),
     start: i64,
     end: i64,
 ) {
@@ -131,14 +141,17 @@ unsafe fn gemm_rows<T: Gemm>(
         } else {
             (buffers.weight, 1, k as isize)
         };
-        T::product_of(
+        T::product_rounded(
             products,
-            (rows as usize, k as usize, n as usize),
-            T::ONE,
-            (buffers.x.offset((start * k) as isize), k as isize, 1),
-            weight,
-            (out, n as isize, 1),
-            buffers.bias.is_some(),
+            ((rows as usize, k as usize, n as usize), T::ONE),
+            (
+                (
+                    (buffers.x.offset((start * k) as isize), k as isize, 1),
+                    None,
+                ),
+                (weight, rounded_weight),
+            ),
+            ((out, n as isize, 1), buffers.bias.is_some()),
         );
     }
 }

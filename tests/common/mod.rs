@@ -279,6 +279,30 @@ pub fn assert_close_within(compiled: &[Value], eager: &[Value], tolerance: f64, 
     }
 }
 
+/// [`assert_close_within`] for the float outputs only (integer and boolean outputs are
+/// left out: a comparison of a value that products rounded differently may flip), each
+/// within `tolerance` of its own value plus `tolerance` of the output's largest
+/// magnitude (at least 1): bf16 roundings of a product's operands err relative to the
+/// terms, which a sum that cancels leaves much larger than its result.
+#[allow(dead_code)] // Not every test binary uses every helper.
+pub fn assert_floats_close_within(compiled: &[Value], eager: &[Value], tolerance: f64, what: &str) {
+    assert_eq!(compiled.len(), eager.len(), "{what}: outputs");
+    for (position, (c, e)) in compiled.iter().zip(eager).enumerate() {
+        let ((c, c_sizes), (e, e_sizes)) = (value_parts(c), value_parts(e));
+        assert_eq!(c_sizes, e_sizes, "{what}: output {position} sizes");
+        if e.is_floating_point() {
+            let what = format!("{what}: output {position}");
+            let finite = e.to_kind(Kind::Double).nan_to_num(0.0, Some(0.0), Some(0.0));
+            let largest = if finite.numel() == 0 {
+                0.0
+            } else {
+                finite.abs().max().double_value(&[])
+            };
+            assert_same_values(&c, &e, tolerance, tolerance * largest.max(1.0), &what);
+        }
+    }
+}
+
 /// `actual` equals `expected` position by position (see [`assert_close_within`]),
 /// within `relative * |expected| + absolute`.
 pub fn assert_same_values(

@@ -465,8 +465,7 @@ fn autocast_to_another_kind_is_an_error() {
     let (x, _) = batch(&[2, 1], &[4], Kind::Float, 0);
     let error = compiled
         .call(&[&x], &[])
-        .err()
-        .expect("autocast to f16 is refused");
+        .expect_err("autocast to f16 is refused");
     assert!(error.to_string().contains("autocast to Half"), "{error}");
 }
 

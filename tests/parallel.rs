@@ -119,7 +119,12 @@ fn large_batches_at_the_default_thresholds_equal_eager() {
             &[many],
             3,
         );
-        families_match_eager((&[Kind::Float], false), attention, &[long.clone()], 4);
+        families_match_eager(
+            (&[Kind::Float], false),
+            attention,
+            std::slice::from_ref(&long),
+            4,
+        );
         families_match_eager((&[Kind::Float], true), attention, &[long], 4);
         // Per family and kind: pointwise, row and segment kernels, gathers and GEMMs.
         let split = Parallelism::split_steps() - before;

@@ -292,7 +292,9 @@ pub fn assert_floats_close_within(compiled: &[Value], eager: &[Value], tolerance
         assert_eq!(c_sizes, e_sizes, "{what}: output {position} sizes");
         if e.is_floating_point() {
             let what = format!("{what}: output {position}");
-            let finite = e.to_kind(Kind::Double).nan_to_num(0.0, Some(0.0), Some(0.0));
+            let finite = e
+                .to_kind(Kind::Double)
+                .nan_to_num(0.0, Some(0.0), Some(0.0));
             let largest = if finite.numel() == 0 {
                 0.0
             } else {

@@ -416,6 +416,43 @@ fn clear_gradients(variables: &std::collections::HashMap<String, Tensor>) {
 }
 
 /// The nonzero gradients of the variables, by path (sorted).
+/// The compiled gradients `actual` (of parameters of `kind`) equal, within `tolerance`,
+/// f64 autograd of `model` on `inputs` (the store turned f64: the same values).
+fn assert_gradients_match_f64(
+    store: &mut nn::VarStore,
+    model: &Model,
+    inputs: &[NestedTensor],
+    (actual, kind): (std::collections::BTreeMap<String, Tensor>, Kind),
+    tolerance: f64,
+    what: &str,
+) {
+    store.double();
+    let doubled: Vec<NestedTensor> = inputs
+        .iter()
+        .map(|input| match input.kind() {
+            Kind::Int64 => input.shallow_clone(),
+            _ => input.to_kind(Kind::Double).unwrap(),
+        })
+        .collect();
+    let variables = store.variables();
+    clear_gradients(&variables);
+    model(&doubled, &[]).unwrap().into_tensor().backward();
+    let expected = gradients_of(&variables);
+    assert_eq!(
+        actual.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>()
+    );
+    for (path, gradient) in &actual {
+        assert_eq!(gradient.kind(), kind, "{what} {path}");
+        assert_close(
+            gradient,
+            &expected[path],
+            tolerance,
+            &format!("{what} {path}"),
+        );
+    }
+}
+
 fn gradients_of(
     variables: &std::collections::HashMap<String, Tensor>,
 ) -> std::collections::BTreeMap<String, Tensor> {
@@ -952,31 +989,15 @@ fn half_precision_models_get_gradients_in_their_dtype() {
                 .unwrap();
             let actual = gradients_of(&variables);
             // The reference: f64 autograd on the same (rounded) values.
-            store.double();
-            let doubled: Vec<NestedTensor> = inputs
-                .iter()
-                .map(|input| match input.kind() {
-                    Kind::Int64 => input.shallow_clone(),
-                    _ => input.to_kind(Kind::Double).unwrap(),
-                })
-                .collect();
-            clear_gradients(&variables);
-            let variables = store.variables();
-            model(&doubled, &[]).unwrap().into_tensor().backward();
-            let expected = gradients_of(&variables);
-            assert_eq!(
-                actual.keys().collect::<Vec<_>>(),
-                expected.keys().collect::<Vec<_>>()
+            let what = format!("{name} {kind:?}");
+            assert_gradients_match_f64(
+                &mut store,
+                &model,
+                &inputs,
+                (actual, kind),
+                tolerance,
+                &what,
             );
-            for (path, gradient) in &actual {
-                assert_eq!(gradient.kind(), kind, "{name} {path}");
-                assert_close(
-                    gradient,
-                    &expected[path],
-                    tolerance,
-                    &format!("{name} {kind:?} {path}"),
-                );
-            }
         }
     }
 }
@@ -1030,31 +1051,15 @@ fn mixed_precision_training_gets_gradients_within_bf16_rounding() {
                     .call(&inputs.iter().collect::<Vec<_>>(), &[])
                     .unwrap_or_else(|error| panic!("{name} {kind:?}: {error}"));
                 let actual = gradients_of(&variables);
-                store.double();
-                let doubled: Vec<NestedTensor> = inputs
-                    .iter()
-                    .map(|input| match input.kind() {
-                        Kind::Int64 => input.shallow_clone(),
-                        _ => input.to_kind(Kind::Double).unwrap(),
-                    })
-                    .collect();
-                let variables = store.variables();
-                clear_gradients(&variables);
-                model(&doubled, &[]).unwrap().into_tensor().backward();
-                let expected = gradients_of(&variables);
-                assert_eq!(
-                    actual.keys().collect::<Vec<_>>(),
-                    expected.keys().collect::<Vec<_>>()
+                let what = format!("{name} {kind:?} {lengths:?}");
+                assert_gradients_match_f64(
+                    &mut store,
+                    &model,
+                    &inputs,
+                    (actual, kind),
+                    2e-2,
+                    &what,
                 );
-                for (path, gradient) in &actual {
-                    assert_eq!(gradient.kind(), kind, "{name} {path}");
-                    assert_close(
-                        gradient,
-                        &expected[path],
-                        2e-2,
-                        &format!("{name} {kind:?} {lengths:?} {path}"),
-                    );
-                }
             }
         }
     }

@@ -115,20 +115,23 @@ struct InputRoundings {
 }
 
 impl InputRoundings {
-    /// The roundings of the (pointer, length) `inputs` that `products` reads rounded,
-    /// made by `threads` of the team (none for other products).
+    /// The roundings of the `inputs` that `products` reads rounded (each a buffer, its
+    /// access and the offsets of its elements' rows: its rows times the access's row
+    /// stride), made by `threads` of the team (none for other products).
     ///
     /// # Safety
-    /// Each pointer must be valid for its length.
+    /// Each buffer must hold the rows of its offsets.
     unsafe fn new<T: Gemm>(
         products: Products,
-        inputs: &[(*const T, usize)],
+        inputs: &[(*const T, &Access, &[i64])],
         threads: usize,
     ) -> Self {
         let mut rounded: Vec<(*const T, usize)> = Vec::new();
         let mut buffers = Vec::new();
         let mut of_input = Vec::with_capacity(inputs.len());
-        for &input in inputs {
+        for &(pointer, access, offsets) in inputs {
+            let rows = offsets.last().copied().unwrap_or(0).max(0) as usize;
+            let input = (pointer, rows * access.row_stride.max(0) as usize);
             if let Some(at) = rounded.iter().position(|&done| done == input) {
                 of_input.push(Some(at));
                 continue;
@@ -204,17 +207,14 @@ impl AttentionRun<'_> {
         } else {
             1
         };
-        let rows = |offsets: &[i64]| offsets.last().copied().unwrap_or(0).max(0) as usize;
-        let len = |access: &Access, rows: usize| rows * access.row_stride.max(0) as usize;
-        let (q_rows, k_rows) = (rows(q_offsets), rows(k_offsets));
-        // SAFETY: the executor sized the buffers for these rows.
+        // SAFETY: the executor sized the buffers for these offsets.
         let rounded = unsafe {
             InputRoundings::new(
                 self.products,
                 &[
-                    (buffers.q, len(self.q, q_rows)),
-                    (buffers.k, len(self.k, k_rows)),
-                    (buffers.v, len(self.v, k_rows)),
+                    (buffers.q, self.q, q_offsets),
+                    (buffers.k, self.k, k_offsets),
+                    (buffers.v, self.v, k_offsets),
                 ],
                 threads,
             )
@@ -434,18 +434,15 @@ impl AttentionGradRun<'_> {
         } else {
             1
         };
-        let rows = |offsets: &[i64]| offsets.last().copied().unwrap_or(0).max(0) as usize;
-        let len = |access: &Access, rows: usize| rows * access.row_stride.max(0) as usize;
-        let (q_rows, k_rows) = (rows(q_offsets), rows(k_offsets));
-        // SAFETY: the executor sized the buffers for these rows.
+        // SAFETY: the executor sized the buffers for these offsets.
         let rounded = unsafe {
             InputRoundings::new(
                 self.products,
                 &[
-                    (buffers.q, len(self.q, q_rows)),
-                    (buffers.k, len(self.k, k_rows)),
-                    (buffers.v, len(self.v, k_rows)),
-                    (buffers.g, len(self.g, q_rows)),
+                    (buffers.q, self.q, q_offsets),
+                    (buffers.k, self.k, k_offsets),
+                    (buffers.v, self.v, k_offsets),
+                    (buffers.g, self.g, q_offsets),
                 ],
                 threads,
             )

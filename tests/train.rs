@@ -492,7 +492,7 @@ fn edge_lengths_give_the_gradients_of_autograd() {
     }
 }
 
-/// Elements longer than the CPU attention's tiles (64 query rows, 256 keys): the
+/// Elements longer than the CPU attention's tiles (128 query rows, 256 keys): the
 /// forward's online softmax across key tiles and the gradient's query tiles.
 #[test]
 fn long_elements_cross_the_attention_tiles() {

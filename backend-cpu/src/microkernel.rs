@@ -1,6 +1,6 @@
 //! Small f32 matrix products in AVX2 + FMA registers, for attention's tiles.
 //!
-//! Attention multiplies many small matrices (a tile of up to 64 query rows by one
+//! Attention multiplies many small matrices (a tile of up to 128 query rows by one
 //! element's keys, over a head of 64): MKL packs both operands on every such call and
 //! reached about 75 useful GFLOP/s on them on a Zen 3 host, half of what it reaches on
 //! the model's large GEMMs. Here `b` is copied once into a panel of 16-column blocks

@@ -47,6 +47,16 @@ fn exp_below<T: Scalar>(scores: &mut [T], largest: T) -> T {
     sum_of(scores)
 }
 
+/// [`exp_below`] compiled for AVX-512 (16 lanes; the same arithmetic per lane).
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+unsafe fn exp_below_avx512(scores: &mut [f32], largest: f32) -> f32 {
+    exp_below(scores, largest)
+}
+
 /// [`exp_below`] compiled for AVX2 (8 lanes rather than SSE2's 4).
 ///
 /// # Safety
@@ -73,6 +83,11 @@ impl Scalar for f32 {
         f32::is_nan(self)
     }
     fn exp_below(scores: &mut [Self], largest: Self) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            // The CPU has AVX-512 F (checked just above).
+            return unsafe { exp_below_avx512(scores, largest) };
+        }
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             // The CPU has AVX2 (checked just above).

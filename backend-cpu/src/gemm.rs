@@ -198,9 +198,17 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
             1
         };
         let per_chunk = m.div_ceil(chunks);
+        // With bf16 products, `b`, which every chunk reads whole, is rounded once.
+        let rounded_b = if chunks > 1 {
+            // SAFETY: `b` holds rows*n values (the caller vouches).
+            unsafe { T::rounded_buffer(products, buffers.b, rows * n, threads) }
+        } else {
+            None
+        };
+        let rounded_b = rounded_b.as_ref();
         // Output rows `first..first + count` (each task its own rows of `out`).
         let product = move |first: usize, count: usize| unsafe {
-            buffers.product(first, count, (rows, m, n), products)
+            buffers.product(first, count, (rows, m, n), (products, rounded_b))
         };
         if chunks == 1 {
             product(0, m);
@@ -251,16 +259,31 @@ fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {
     }
 }
 
+/// Widths from which [`column_sums`] adds whole rows at a time.
+const WIDE_ROWS: usize = 64;
+
 /// The sums of the columns of `values`, rows of `width` (at least 1).
 pub(super) fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
     if width == 1 {
         return vec![crate::scalar::sum_of(values)];
     }
+    let mut sums = vec![T::ZERO; width];
+    if width >= WIDE_ROWS {
+        // Row by row into a row's worth of sums (in L1; a row's adds wait on stores a
+        // whole row back): one pass over the values in order, where eight columns at a
+        // time read every row once per eight columns, 4 KiB apart (1.8 ms for
+        // 1388 x 1024 f32 on a Xeon). The same sums: each column row by row, in order.
+        for row in values.chunks_exact(width) {
+            for (sum, &value) in sums.iter_mut().zip(row) {
+                *sum += value;
+            }
+        }
+        return sums;
+    }
     // Eight columns at a time, their sums in registers (rather than a row's worth in
     // memory, each row's adds waiting on the last row's stores); each column is still
     // added row by row, in order.
     const LANES: usize = 8;
-    let mut sums = vec![T::ZERO; width];
     for (first, sums) in (0..width).step_by(LANES).zip(sums.chunks_mut(LANES)) {
         let mut lanes = [T::ZERO; LANES];
         if sums.len() == LANES {
@@ -303,17 +326,17 @@ impl<T: Gemm> SumBuffers<T> {
         first: usize,
         count: usize,
         (rows, m, n): (usize, usize, usize),
-        products: Products,
+        (products, rounded_b): (Products, Option<&RoundedBuffer>),
     ) {
         unsafe {
-            T::product_of(
+            T::product_rounded(
                 products,
-                (count, rows, n),
-                T::ONE,
-                (self.a.add(first), 1, m as isize),
-                (self.b, n as isize, 1),
-                (self.out.add(first * n), n as isize, 1),
-                false,
+                ((count, rows, n), T::ONE),
+                (
+                    ((self.a.add(first), 1, m as isize), None),
+                    ((self.b, n as isize, 1), rounded_b),
+                ),
+                ((self.out.add(first * n), n as isize, 1), false),
             )
         }
     }
@@ -337,7 +360,7 @@ mod tests {
         /// plain loop's sums. (One column is `scalar::sum_of`, summed in lanes.)
         #[test]
         fn column_sums_add_each_column_in_row_order(
-            (rows, width) in (0usize..40, 2usize..21),
+            (rows, width) in (0usize..40, prop_oneof![2usize..21, 60usize..140]),
             seed in 0u32..100,
         ) {
             let values: Vec<f32> = (0..rows * width)

@@ -137,32 +137,18 @@ fn mkl_is_faster(mkl: MklBf16) -> bool {
     best[0] < best[1]
 }
 
-/// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
-/// `c [m x n]` (pointer, row stride, column stride) with `a` and `b` rounded to bf16.
-///
-/// # Safety
-/// The pointers must be valid for the sizes and strides given; with `add`, `c` must
-/// hold `m x n` values.
-pub(crate) unsafe fn product(
-    shape: (usize, usize, usize),
-    scale: f32,
-    a: Strided<f32>,
-    b: Strided<f32>,
-    c: StridedMut<f32>,
-    add: bool,
-) {
-    unsafe { product_of((shape, scale), (a, None), (b, None), (c, add)) }
-}
-
 /// An operand: a matrix of f32 values, and the buffer that already holds its roundings
 /// (if one does; else it is rounded for this product).
 pub(crate) type Operand<'a> = (Strided<f32>, Option<&'a RoundedBuffer>);
 
-/// [`product`] of operands whose roundings may be made already.
+/// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
+/// `c [m x n]` (pointer, row stride, column stride) with `a` and `b` rounded to bf16:
+/// each rounded for this product, or read from the [`RoundedBuffer`] it lies in.
 ///
 /// # Safety
-/// As [`product`]; a rounded operand's matrix must lie within its buffer.
-pub(crate) unsafe fn product_of(
+/// The pointers must be valid for the sizes and strides given; with `add`, `c` must
+/// hold `m x n` values; a rounded operand's matrix must lie within its buffer.
+pub(crate) unsafe fn product(
     (shape, scale): ((usize, usize, usize), f32),
     (a, a_rounded): Operand<'_>,
     (b, b_rounded): Operand<'_>,
@@ -587,7 +573,7 @@ mod tests {
                         let a_buffer = RoundedBuffer::new(a_stored.as_ptr(), a_stored.len(), 2);
                         let b_buffer = RoundedBuffer::new(b_stored.as_ptr(), b_stored.len(), 2);
                         let c = (c.as_mut_ptr(), n as isize, 1);
-                        product_of(((m, k, n), 0.5), (a, Some(&a_buffer)), (b, Some(&b_buffer)), (c, add))
+                        product(((m, k, n), 0.5), (a, Some(&a_buffer)), (b, Some(&b_buffer)), (c, add))
                     } else if force_f32 {
                         F32.with_borrow_mut(|[a_f32, b_f32]| {
                             let a = rounded(a, (m, k), a_f32);
@@ -595,7 +581,7 @@ mod tests {
                             f32::product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
                         })
                     } else {
-                        product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
+                        product(((m, k, n), 0.5), (a, None), (b, None), ((c.as_mut_ptr(), n as isize, 1), add))
                     }
                 }
                 for (index, (&actual, &expected)) in c.iter().zip(&expected).enumerate() {
@@ -613,30 +599,12 @@ mod tests {
     #[test]
     fn empty_inner_size_writes_zeros_or_keeps_the_sum() {
         let (a, b) = ([0f32; 0], [0f32; 0]);
-        let mut c = vec![f32::NAN; 6];
-        // SAFETY: k = 0 reads nothing; c holds 2 x 3 values.
-        unsafe {
-            product(
-                (2, 0, 3),
-                1.0,
-                (a.as_ptr(), 0, 1),
-                (b.as_ptr(), 3, 1),
-                (c.as_mut_ptr(), 3, 1),
-                false,
-            )
-        };
-        assert_eq!(c, vec![0.0; 6]);
-        let mut c = vec![2.5f32; 6];
-        unsafe {
-            product(
-                (2, 0, 3),
-                1.0,
-                (a.as_ptr(), 0, 1),
-                (b.as_ptr(), 3, 1),
-                (c.as_mut_ptr(), 3, 1),
-                true,
-            )
-        };
-        assert_eq!(c, vec![2.5; 6]);
+        for (start, add, expected) in [(f32::NAN, false, 0.0), (2.5, true, 2.5)] {
+            let mut c = vec![start; 6];
+            let (a, b) = (((a.as_ptr(), 0, 1), None), ((b.as_ptr(), 3, 1), None));
+            // SAFETY: k = 0 reads nothing; c holds 2 x 3 values.
+            unsafe { product(((2, 0, 3), 1.0), a, b, ((c.as_mut_ptr(), 3, 1), add)) };
+            assert_eq!(c, vec![expected; 6]);
+        }
     }
 }

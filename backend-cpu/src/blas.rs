@@ -63,24 +63,6 @@ pub(crate) trait Gemm: Scalar {
         }
     }
 
-    /// [`Gemm::product`] of `products`: with [`Products::Bf16`], f32 operands are
-    /// rounded to bf16 first (`crate::bf16`); f64 multiplies as it is.
-    ///
-    /// # Safety
-    /// As [`Gemm::product`].
-    unsafe fn product_of(
-        products: Products,
-        shape: (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
-        c: StridedMut<Self>,
-        add: bool,
-    ) {
-        let _ = products;
-        unsafe { Self::product(shape, scale, a, b, c, add) }
-    }
-
     /// The roundings of the `len` values at `buffer` that products of `products` read
     /// many times, made once by `threads` of the team (`None`: they read the values as
     /// they are; f64 always).
@@ -97,8 +79,10 @@ pub(crate) trait Gemm: Scalar {
         None
     }
 
-    /// [`Gemm::product_of`] of operands whose roundings may be made already (each
-    /// operand with the [`Gemm::rounded_buffer`] it lies in, if any).
+    /// [`Gemm::product`] in `products`: with [`Products::Bf16`], f32 operands are
+    /// multiplied as their bf16 roundings (`crate::bf16`), each made for this product or
+    /// read from the [`Gemm::rounded_buffer`] the operand lies in, if any; f64
+    /// multiplies as it is.
     ///
     /// # Safety
     /// As [`Gemm::product`]; a rounded operand must lie within its buffer.
@@ -108,7 +92,8 @@ pub(crate) trait Gemm: Scalar {
         (a, b): (Rounded<'_, Self>, Rounded<'_, Self>),
         (c, add): (StridedMut<Self>, bool),
     ) {
-        unsafe { Self::product_of(products, shape, scale, a.0, b.0, c, add) }
+        let _ = products;
+        unsafe { Self::product(shape, scale, a.0, b.0, c, add) }
     }
 
     /// [`Gemm::tile_matmul`] of `products` (as [`Gemm::product_rounded`]).
@@ -153,24 +138,6 @@ impl Gemm for f32 {
         mkl.sgemm
     }
 
-    unsafe fn product_of(
-        products: Products,
-        shape: (usize, usize, usize),
-        scale: Self,
-        a: Strided<Self>,
-        b: Strided<Self>,
-        c: StridedMut<Self>,
-        add: bool,
-    ) {
-        // The caller vouches for the pointers (as for `product`).
-        unsafe {
-            match products {
-                Products::Float => Self::product(shape, scale, a, b, c, add),
-                Products::Bf16 => crate::bf16::product(shape, scale, a, b, c, add),
-            }
-        }
-    }
-
     unsafe fn rounded_buffer(
         products: Products,
         buffer: *const Self,
@@ -191,7 +158,7 @@ impl Gemm for f32 {
         unsafe {
             match products {
                 Products::Float => Self::product(shape, scale, a.0, b.0, c, add),
-                Products::Bf16 => crate::bf16::product_of((shape, scale), a, b, (c, add)),
+                Products::Bf16 => crate::bf16::product((shape, scale), a, b, (c, add)),
             }
         }
     }

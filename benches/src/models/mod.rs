@@ -354,13 +354,14 @@ pub fn with_columns(
                     Precision::F32 => stacks.columns(&source, &target_tokens, mode, optimizer),
                     Precision::Bf16 => {
                         let [source16, target16] = &bf16_tokens;
-                        let bf16_optimizer = nn::Sgd::default().build(&bf16_store, 1e-5)?;
-                        let mut columns =
-                            bf16_stacks.columns(source16, target16, mode, bf16_optimizer)?;
-                        let stepper = Stepper::new(mode, optimizer);
-                        columns.compiled =
-                            Some(stacks.compiled(&source, &target_tokens, &stepper, true));
-                        Ok(columns)
+                        mixed_columns(
+                            (mode, optimizer),
+                            &bf16_store,
+                            |bf16_optimizer| {
+                                bf16_stacks.columns(source16, target16, mode, bf16_optimizer)
+                            },
+                            |stepper| stacks.compiled(&source, &target_tokens, stepper, true),
+                        )
                     }
                 },
             )?;
@@ -387,24 +388,40 @@ pub fn with_columns(
                 visit,
                 |mode, optimizer| match precision {
                     Precision::F32 => net.columns(&store, &weights, &images, mode, optimizer),
-                    Precision::Bf16 => {
-                        let bf16_optimizer = nn::Sgd::default().build(&bf16_store, 1e-5)?;
-                        let mut columns = bf16_net.columns(
-                            &bf16_store,
-                            &bf16_weights,
-                            &bf16_images,
-                            mode,
-                            bf16_optimizer,
-                        )?;
-                        let stepper = Stepper::new(mode, optimizer);
-                        columns.compiled = Some(net.compiled(&store, &images, &stepper, true));
-                        Ok(columns)
-                    }
+                    Precision::Bf16 => mixed_columns(
+                        (mode, optimizer),
+                        &bf16_store,
+                        |bf16_optimizer| {
+                            let weights = &bf16_weights;
+                            bf16_net.columns(
+                                &bf16_store,
+                                weights,
+                                &bf16_images,
+                                mode,
+                                bf16_optimizer,
+                            )
+                        },
+                        |stepper| net.compiled(&store, &images, stepper, true),
+                    ),
                 },
             )?;
         }
     }
     Ok(())
+}
+
+/// The bf16 rows' columns of one mode: the eager ones of the model's bf16 copy
+/// (`eager`, with an SGD of its own on `bf16_store`) and the compiled one of the f32
+/// model in mixed precision (`compiled`, stepping `optimizer`).
+fn mixed_columns<'a>(
+    (mode, optimizer): (Mode, nn::Optimizer),
+    bf16_store: &nn::VarStore,
+    eager: impl FnOnce(nn::Optimizer) -> Result<Columns<'a>>,
+    compiled: impl FnOnce(&Stepper) -> CompiledStep<'a>,
+) -> Result<Columns<'a>> {
+    let mut columns = eager(nn::Sgd::default().build(bf16_store, 1e-5)?)?;
+    columns.compiled = Some(compiled(&Stepper::new(mode, optimizer)));
+    Ok(columns)
 }
 
 /// Hands `visit` the columns of inference, then of training (with a fresh SGD

@@ -223,11 +223,15 @@ impl AttentionRun<'_> {
         };
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             // The task's rows and columns are in range of buffers the executor sized.
-            unsafe { self.task(buffers, tasks[index], &rounded) };
+            crate::vectors::widest(
+                #[inline(always)]
+                || unsafe { self.task(buffers, tasks[index], &rounded) },
+            );
         });
     }
 
     /// One task: its query rows' outputs for one head.
+    #[inline(always)]
     unsafe fn task<T: Gemm>(&self, buffers: Buffers<T>, task: Task, rounded: &InputRoundings) {
         let (d, dv) = (self.head_dim, self.value_dim);
         let out_width = self.heads * dv;
@@ -331,6 +335,7 @@ impl<T: Scalar> RowState<T> {
     /// Takes in a tile of `row`'s scores, of which the first `visible` are not masked:
     /// replaces them by `e^(score - largest)` (the masked ones by 0) and returns the
     /// factor the row's earlier output must be multiplied by (its largest score grew).
+    #[inline(always)]
     fn update(&mut self, row: usize, scores: &mut [T], visible: usize) -> T {
         let (seen, masked) = scores.split_at_mut(visible);
         if masked
@@ -353,7 +358,13 @@ impl<T: Scalar> RowState<T> {
             self.total[row] += crate::scalar::sum_of(seen);
             return T::ONE;
         }
-        let factor = (before - largest).exp();
+        // The first finite scores: no earlier output (and no e^-inf, whose underflow
+        // costs a microcode assist per row on Intel hosts).
+        let factor = if before == T::NEG_INFINITY {
+            T::ZERO
+        } else {
+            (before - largest).exp()
+        };
         let added = T::exp_below(seen, largest);
         self.total[row] = self.total[row] * factor + added;
         self.largest[row] = largest;
@@ -456,20 +467,24 @@ impl AttentionGradRun<'_> {
                 k_offsets[element + 1] - k_offsets[element],
             );
             // The task's rows and columns are in range of buffers the executor sized.
-            unsafe {
-                self.element(
-                    (buffers, &rounded),
-                    head,
-                    (q_offsets[element] + row, rows),
-                    keys,
-                    row,
-                )
-            };
+            crate::vectors::widest(
+                #[inline(always)]
+                || unsafe {
+                    self.element(
+                        (buffers, &rounded),
+                        head,
+                        (q_offsets[element] + row, rows),
+                        keys,
+                        row,
+                    )
+                },
+            );
         });
     }
 
     /// The gradient of query rows `q_first..q_first + q_rows` (from row `row_offset` of
     /// their element, which the causal mask counts from) of one head.
+    #[inline(always)]
     unsafe fn element<T: Gemm>(
         &self,
         (buffers, rounded): (GradBuffers<T>, &InputRoundings),
@@ -607,6 +622,7 @@ impl AttentionGradRun<'_> {
     /// Turns a tile's scores into probabilities `P` (softmax over the keys each row
     /// sees: with a causal mask, up to its own position, `first_row` + its index) and
     /// its `dP` into `dS = P (dP - rowsum(P dP))`, zero where `P` is.
+    #[inline(always)]
     fn softmax_slopes<T: Gemm>(
         &self,
         (probabilities, slopes): (&mut [T], &mut [T]),
@@ -625,11 +641,10 @@ impl AttentionGradRun<'_> {
             };
             let total = T::softmax_numerators(&mut scores[..limit]);
             let inverse = T::ONE / total;
-            let mut dot = T::ZERO;
-            for (p, s) in scores[..limit].iter_mut().zip(&slope[..limit]) {
+            for p in &mut scores[..limit] {
                 *p = *p * inverse;
-                dot += *p * *s;
             }
+            let dot = crate::scalar::dot_of(&scores[..limit], &slope[..limit]);
             for score in &mut scores[limit..] {
                 *score = T::ZERO;
             }
@@ -644,6 +659,7 @@ impl AttentionGradRun<'_> {
     ///
     /// # Safety
     /// `out_k` must hold the element's `ks` key rows; `q` and `g` the tile's `rows`.
+    #[inline(always)]
     unsafe fn key_gradients<T: Gemm>(
         &self,
         (out_k, partial, first_tile): (*mut T, &mut [T], bool),

@@ -461,29 +461,14 @@ unsafe fn rounded<E: Rounding>(
 
 /// `out[i] = round(values[i])`, in the widest vectors the host has.
 fn round_line<E: Rounding>(values: &[f32], out: &mut [E]) {
-    #[inline(always)]
-    fn each<E: Rounding>(values: &[f32], out: &mut [E]) {
-        for (out, &value) in out.iter_mut().zip(values) {
-            *out = E::of(value);
-        }
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    fn avx512<E: Rounding>(values: &[f32], out: &mut [E]) {
-        each(values, out)
-    }
-    #[target_feature(enable = "avx2")]
-    fn avx2<E: Rounding>(values: &[f32], out: &mut [E]) {
-        each(values, out)
-    }
-    if std::is_x86_feature_detected!("avx512bw") {
-        // SAFETY: the host has the features.
-        unsafe { avx512(values, out) }
-    } else if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: as above.
-        unsafe { avx2(values, out) }
-    } else {
-        each(values, out)
-    }
+    crate::vectors::widest(
+        #[inline(always)]
+        || {
+            for (out, &value) in out.iter_mut().zip(values) {
+                *out = E::of(value);
+            }
+        },
+    )
 }
 
 #[cfg(test)]

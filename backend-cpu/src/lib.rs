@@ -35,6 +35,7 @@ mod strided;
 mod team;
 #[cfg(test)]
 mod testing;
+mod vectors;
 mod window;
 
 pub use bf16::{bf16_path, Bf16Path};

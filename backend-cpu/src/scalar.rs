@@ -47,26 +47,6 @@ fn exp_below<T: Scalar>(scores: &mut [T], largest: T) -> T {
     sum_of(scores)
 }
 
-/// [`exp_below`] compiled for AVX-512 (16 lanes; the same arithmetic per lane).
-///
-/// # Safety
-/// The CPU must support AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avx512f")]
-unsafe fn exp_below_avx512(scores: &mut [f32], largest: f32) -> f32 {
-    exp_below(scores, largest)
-}
-
-/// [`exp_below`] compiled for AVX2 (8 lanes rather than SSE2's 4).
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn exp_below_avx2(scores: &mut [f32], largest: f32) -> f32 {
-    exp_below(scores, largest)
-}
-
 impl Scalar for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
@@ -83,17 +63,10 @@ impl Scalar for f32 {
         f32::is_nan(self)
     }
     fn exp_below(scores: &mut [Self], largest: Self) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") {
-            // The CPU has AVX-512 F (checked just above).
-            return unsafe { exp_below_avx512(scores, largest) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            // The CPU has AVX2 (checked just above).
-            return unsafe { exp_below_avx2(scores, largest) };
-        }
-        exp_below(scores, largest)
+        crate::vectors::widest(
+            #[inline(always)]
+            || exp_below(scores, largest),
+        )
     }
 }
 
@@ -154,6 +127,27 @@ pub(crate) fn sum_of<T: Scalar>(values: &[T]) -> T {
     total
 }
 
+/// The dot product of `a` and `b` (as long as the shorter), in [`LANES`] interleaved
+/// partial sums.
+#[inline(always)]
+pub(crate) fn dot_of<T: Scalar>(a: &[T], b: &[T]) -> T {
+    let length = a.len().min(b.len());
+    let (a, b) = (&a[..length], &b[..length]);
+    let mut lanes = [T::ZERO; LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let rest = a_chunks.remainder().iter().zip(b_chunks.remainder());
+    for (a, b) in a_chunks.zip(b_chunks) {
+        for ((lane, &a), &b) in lanes.iter_mut().zip(a).zip(b) {
+            *lane += a * b;
+        }
+    }
+    let mut total = T::ZERO;
+    for value in lanes.into_iter().chain(rest.map(|(&a, &b)| a * b)) {
+        total += value;
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +165,13 @@ mod tests {
             );
         }
         assert_eq!(max_of(&[1.0f32, f32::NAN, 3.0]), 3.0, "NaNs are ignored");
+        for length in [0usize, 1, 15, 16, 17, 100] {
+            let a: Vec<f64> = (0..length).map(|i| ((i * 37) % 11) as f64 - 5.0).collect();
+            let b: Vec<f64> = (0..length + 3)
+                .map(|i| ((i * 13) % 7) as f64 - 3.0)
+                .collect();
+            let expected: f64 = a.iter().zip(&b).map(|(a, b)| a * b).sum();
+            assert_eq!(dot_of(&a, &b), expected, "dot of {length}");
+        }
     }
 }

@@ -382,15 +382,55 @@ pub(crate) struct AttentionGradRun<'a> {
     pub head_dim: i64,
     pub causal: bool,
     pub scale: f64,
-    /// The keys' and values' gradient (`[Lk, 2, heads, head_dim]` rows) rather than the
-    /// queries' (`[Lq, heads, head_dim]` rows).
-    pub keys: bool,
+    /// Which gradients, stacked how in the output rows.
+    pub outputs: GradOutputs,
     /// Spread the tasks over the team (`crate::team`).
     pub parallel: bool,
     /// Query rows per tile of probabilities ([`Tiles::queries`]; all keys at once).
     pub tiles: Tiles,
     /// The operands of the products.
     pub products: Products,
+}
+
+/// Which gradients a gradient step writes, and where in its output rows (offsets and
+/// row strides in scalars; a head's columns follow at `head * head_dim`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GradOutputs {
+    /// Scalars per output row.
+    pub row: i64,
+    /// Where the queries' gradient starts in a row, if written.
+    pub queries: Option<i64>,
+    /// Where the keys' and the values' gradients start, if written.
+    pub keys_values: Option<(i64, i64)>,
+}
+
+impl GradOutputs {
+    /// The queries' gradient `[Lq, heads, head_dim]`.
+    pub(crate) fn queries(width: i64) -> Self {
+        Self {
+            row: width,
+            queries: Some(0),
+            keys_values: None,
+        }
+    }
+
+    /// The keys' and values' gradients stacked per row, `[Lk, 2, heads, head_dim]`.
+    pub(crate) fn keys_values(width: i64) -> Self {
+        Self {
+            row: 2 * width,
+            queries: None,
+            keys_values: Some((0, width)),
+        }
+    }
+
+    /// The three stacked per row, `[L, 3, heads, head_dim]` (self-attention).
+    pub(crate) fn all(width: i64) -> Self {
+        Self {
+            row: 3 * width,
+            queries: Some(0),
+            keys_values: Some((width, 2 * width)),
+        }
+    }
 }
 
 /// Pointers of a gradient step; each task writes its own rows and head columns.
@@ -426,14 +466,15 @@ impl AttentionGradRun<'_> {
             g: g as *const T,
         };
         // Tasks: (element, head, first query row within the element, query rows). The
-        // queries' gradient splits an element's rows into tiles of their own; the keys'
-        // sums over every query row, so one task takes them all.
+        // queries' gradient alone splits an element's rows into tiles of their own; the
+        // keys' sums over every query row, so one task takes them all (the longest
+        // elements first, so that the short ones fill in at the end).
         let tile = self.tiles.queries.max(1);
         let mut tasks = Vec::new();
         for element in 0..q_offsets.len().saturating_sub(1) {
             let q_rows = q_offsets[element + 1] - q_offsets[element];
             for head in 0..self.heads {
-                if self.keys {
+                if self.outputs.keys_values.is_some() {
                     tasks.push((element, head, 0, q_rows));
                 } else {
                     for row in (0..q_rows).step_by(tile as usize) {
@@ -441,6 +482,10 @@ impl AttentionGradRun<'_> {
                     }
                 }
             }
+        }
+        if self.outputs.keys_values.is_some() {
+            let keys = |element: usize| k_offsets[element + 1] - k_offsets[element];
+            tasks.sort_by_key(|&(element, _, _, rows)| std::cmp::Reverse(rows * keys(element)));
         }
         let threads = if self.parallel {
             crate::Parallelism::current().threads
@@ -494,7 +539,6 @@ impl AttentionGradRun<'_> {
         row_offset: i64,
     ) {
         let d = self.head_dim;
-        let width = self.heads * d;
         let (qs, ks) = (q_rows.max(0) as usize, k_rows.max(0) as usize);
         let at = |access: &Access, base: *const T, first: i64| unsafe {
             base.offset((first * access.row_stride + access.offset + head * d) as isize)
@@ -517,7 +561,8 @@ impl AttentionGradRun<'_> {
         let tile = (self.tiles.queries.max(1) as usize).min(qs);
         let mut probabilities = vec![T::ZERO; tile * ks];
         let mut slopes = vec![T::ZERO; tile * ks];
-        let mut partial = if self.keys && qs > tile {
+        let outputs = self.outputs;
+        let mut partial = if outputs.keys_values.is_some() && qs > tile {
             vec![T::ZERO; 2 * ks * d as usize]
         } else {
             Vec::new()
@@ -557,30 +602,32 @@ impl AttentionGradRun<'_> {
                 row_offset.max(0) as usize + first,
             );
             unsafe {
-                if self.keys {
+                if let Some((keys_at, values_at)) = outputs.keys_values {
                     // dK = scale dS^T Q; dV = P^T dO: written by the first tile, added
                     // up from `partial` after the others.
                     let out_k = buffers
                         .out
-                        .offset((k_first * 2 * width + head * d) as isize);
+                        .offset((k_first * outputs.row + keys_at + head * d) as isize);
                     self.key_gradients(
-                        (out_k, &mut partial, first == 0),
+                        (out_k, values_at - keys_at, &mut partial, first == 0),
                         rounded,
                         (probabilities, slopes),
                         (q, g),
                         (rows, ks),
                     );
-                } else {
+                }
+                if let Some(queries_at) = outputs.queries {
                     // dQ = scale dS K.
+                    let row = q_first + first as i64;
                     let out_q = buffers
                         .out
-                        .offset(((q_first + first as i64) * width + head * d) as isize);
+                        .offset((row * outputs.row + queries_at + head * d) as isize);
                     T::tile_product(
                         self.products,
                         ((rows, ks, d as usize), scale),
                         ((slopes.as_ptr(), ks as isize, 1), None),
                         ((k, self.k.row_stride as isize, 1), rounded.get(K)),
-                        (out_q, width as isize, 1),
+                        (out_q, outputs.row as isize, 1),
                     );
                 }
             }
@@ -600,21 +647,21 @@ impl AttentionGradRun<'_> {
         (k_first, k_rows): (i64, i64),
     ) {
         let d = self.head_dim;
-        let width = self.heads * d;
-        let zero = |offset: i64| {
+        let outputs = self.outputs;
+        let zero = |row: i64, at: i64| {
+            let offset = row * outputs.row + at + head * d;
             let out = unsafe { buffers.out.offset(offset as isize) };
             unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
         };
-        if !self.keys && k_rows <= 0 {
+        if let Some(queries_at) = outputs.queries.filter(|_| k_rows <= 0) {
             for row in 0..q_rows {
-                zero((row + q_first) * width + head * d);
+                zero(row + q_first, queries_at);
             }
         }
-        if self.keys {
+        if let Some((keys_at, values_at)) = outputs.keys_values {
             for row in 0..k_rows {
-                let base = (k_first + row) * 2 * width + head * d;
-                zero(base);
-                zero(base + width);
+                zero(k_first + row, keys_at);
+                zero(k_first + row, values_at);
             }
         }
     }
@@ -655,28 +702,29 @@ impl AttentionGradRun<'_> {
     }
 
     /// A tile's share of `dK = scale dS^T Q` and `dV = P^T dO`, into `out_k` (the
-    /// head's first key row) for the first tile, else summed in `partial` and added.
+    /// head's first key row; its values' gradient `values_after` scalars on) for the
+    /// first tile, else summed in `partial` and added.
     ///
     /// # Safety
     /// `out_k` must hold the element's `ks` key rows; `q` and `g` the tile's `rows`.
     #[inline(always)]
     unsafe fn key_gradients<T: Gemm>(
         &self,
-        (out_k, partial, first_tile): (*mut T, &mut [T], bool),
+        (out_k, values_after, partial, first_tile): (*mut T, i64, &mut [T], bool),
         rounded: &InputRoundings,
         (probabilities, slopes): (&[T], &[T]),
         (q, g): (*const T, *const T),
         (rows, ks): (usize, usize),
     ) {
         let d = self.head_dim;
-        let width = self.heads * d;
+        let row = self.outputs.row;
         let scale = T::from_f64(self.scale);
         let (target, stride) = if first_tile {
-            (out_k, 2 * width as isize)
+            (out_k, row as isize)
         } else {
             (partial.as_mut_ptr(), 2 * d as isize)
         };
-        let half = if first_tile { width } else { d };
+        let half = if first_tile { values_after } else { d };
         // The caller vouches for the rows; `partial` holds `ks` rows of `2 d`.
         unsafe {
             T::tile_product(
@@ -699,7 +747,7 @@ impl AttentionGradRun<'_> {
         }
         for (key, sums) in partial.chunks(2 * d as usize).enumerate() {
             for (part, sums) in sums.chunks(d as usize).enumerate() {
-                let offset = key as i64 * 2 * width + part as i64 * width;
+                let offset = key as i64 * row + part as i64 * values_after;
                 let row = unsafe {
                     std::slice::from_raw_parts_mut(out_k.offset(offset as isize), d as usize)
                 };
@@ -896,7 +944,11 @@ mod tests {
             head_dim: HEAD_DIM,
             causal,
             scale,
-            keys,
+            outputs: if keys {
+                GradOutputs::keys_values(width)
+            } else {
+                GradOutputs::queries(width)
+            },
             parallel: false,
             tiles,
         };
@@ -981,7 +1033,80 @@ mod tests {
         (actual, expected)
     }
 
+    /// The host's gradient of self-attention written as `outputs` says.
+    fn host_gradient(
+        lengths: &[i64],
+        (q, k, v, g): (&[f32], &[f32], &[f32], &[f32]),
+        (causal, tiles): (bool, Tiles),
+        outputs: GradOutputs,
+    ) -> Vec<f32> {
+        let width = HEADS * HEAD_DIM;
+        let accesses = [1, 2, 3, 4].map(|index| Access::rows(nestor_passes::Slot(index), width));
+        let offsets = offsets(lengths);
+        let rows = *offsets.last().unwrap_or(&0);
+        let host = AttentionGradRun {
+            products: Products::Float,
+            q: &accesses[0],
+            k: &accesses[1],
+            v: &accesses[2],
+            g: &accesses[3],
+            heads: HEADS,
+            head_dim: HEAD_DIM,
+            causal,
+            scale: 0.7,
+            outputs,
+            parallel: true,
+            tiles,
+        };
+        let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+        let mut out = vec![f32::NAN; (rows * outputs.row) as usize];
+        // The buffers hold the rows of the offsets; `out` the outputs' rows.
+        unsafe {
+            host.run::<f32>(
+                (
+                    out.as_mut_ptr() as *mut u8,
+                    pointer(q),
+                    pointer(k),
+                    pointer(v),
+                    pointer(g),
+                ),
+                (&offsets, &offsets),
+            )
+        };
+        out
+    }
+
     proptest! {
+        /// Self-attention's three gradients at once are, bit for bit, the queries'
+        /// and the keys' and values' computed apart, stacked per row.
+        #[test]
+        fn all_three_gradients_are_the_two_parts_stacked(
+            (lengths, _, values, causal) in case(),
+            queries in 1i64..4,
+            small in any::<bool>(),
+        ) {
+            let tiles = if small { Tiles { queries, keys: 1 } } else { Tiles::DEFAULT };
+            let width = HEADS * HEAD_DIM;
+            let rows = lengths.iter().sum::<i64>() as usize;
+            let needed = 4 * rows * width as usize;
+            let values: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).cycle().take(needed.max(1)).collect();
+            let chunk = |index: usize| &values[index * rows * width as usize..(index + 1) * rows * width as usize];
+            let inputs = (chunk(0), chunk(1), chunk(2), chunk(3));
+            let run = |outputs| host_gradient(&lengths, inputs, (causal, tiles), outputs);
+            let (all, queries, keys_values) = (
+                run(GradOutputs::all(width)),
+                run(GradOutputs::queries(width)),
+                run(GradOutputs::keys_values(width)),
+            );
+            let w = width as usize;
+            for row in 0..rows {
+                let stacked = &all[row * 3 * w..(row + 1) * 3 * w];
+                let apart = [&queries[row * w..(row + 1) * w], &keys_values[row * 2 * w..(row + 1) * 2 * w]].concat();
+                let bits = |values: &[f32]| values.iter().map(|value| value.to_bits()).collect::<Vec<_>>();
+                prop_assert_eq!(bits(stacked), bits(&apart), "row {} (lengths {:?}, causal {}, {:?})", row, &lengths, causal, tiles);
+            }
+        }
+
         #[test]
         fn the_attention_gradient_template_equals_the_host_gradient(
             (q_lengths, k_lengths, values, causal) in case(),

@@ -695,8 +695,8 @@ fn bf16_attention_gradients_run_on_tensor_cores_without_spills() {
   %0 = input {{name = "x.lengths"}} : lengths[B]
   %1 = input {{name = "q"}} : ragged<f32>[B; %0, 4, {head_dim}]
   %2 = input {{name = "g"}} : ragged<f32>[B; %0, 4, {head_dim}]
-  %3 = attention_grad(%1, %1, %1, %2) {{causal = true, keys = false}} : ragged<f32>[B; %0, 4, {head_dim}]
-  %4 = attention_grad(%1, %1, %1, %2) {{causal = true, keys = true}} : ragged<f32>[B; %0, 2, 4, {head_dim}]
+  %3 = attention_grad(%1, %1, %1, %2) {{causal = true, part = queries}} : ragged<f32>[B; %0, 4, {head_dim}]
+  %4 = attention_grad(%1, %1, %1, %2) {{causal = true, part = keys_values}} : ragged<f32>[B; %0, 2, 4, {head_dim}]
   return %3, %4
 }}"#
         );

@@ -69,10 +69,16 @@ const DROPOUT: &str = r#"graph @dropout {
   return %5
 }"#;
 
+/// The programs, lowered as for the CPU and as for a GPU (whose attention gradients read
+/// saved statistics and come in two parts).
 fn programs() -> Vec<(&'static str, Program)> {
-    PROGRAMS
-        .iter()
-        .map(|&(name, text, train)| {
+    let mut programs = Vec::new();
+    for attention_statistics in [false, true] {
+        let options = nestor_passes::LowerOptions {
+            attention_statistics,
+            ..nestor_passes::LowerOptions::default()
+        };
+        for (name, text, train) in PROGRAMS {
             let graph = nestor_ir::parse(text).unwrap_or_else(|error| panic!("{name}: {error}"));
             let graph = if train {
                 nestor_passes::differentiate_loss(&graph)
@@ -81,11 +87,12 @@ fn programs() -> Vec<(&'static str, Program)> {
             } else {
                 graph
             };
-            let program =
-                nestor_passes::lower(&graph).unwrap_or_else(|error| panic!("{name}: {error}"));
-            (name, program)
-        })
-        .collect()
+            let program = nestor_passes::lower_with(&graph, options)
+                .unwrap_or_else(|error| panic!("{name}: {error}"));
+            programs.push((name, program));
+        }
+    }
+    programs
 }
 
 /// Generates `step`'s kernel with `signature` into a module of its own.

@@ -43,7 +43,10 @@ pub use dtype::DType;
 pub use fused::FusedExpr;
 pub use graph::{Graph, Node, ValueId, VerifyError};
 pub use infer::{fused_type, window_output_size, with_inserted_dims, Window2d};
-pub use op::{Attr, BinaryOp, LossReduction, Op, OpFamily, PoolKind, ReduceOp, UnaryOp, F64};
+pub use op::{
+    AttentionGradPart, Attr, BinaryOp, LossReduction, Op, OpFamily, PoolKind, ReduceOp, UnaryOp,
+    F64,
+};
 pub use slice::SliceBounds;
 pub use text::{parse, print, ParseError};
 pub use types::{Dim, ElemDim, Type};

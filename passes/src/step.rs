@@ -396,6 +396,10 @@ pub enum AttentionPart {
     Queries,
     /// The keys' and values' gradients stacked per row, `[Lk, 2, heads, head_dim]`.
     KeysValues,
+    /// Self-attention's three gradients stacked per row, `[L, 3, heads, head_dim]`
+    /// (queries, keys, values; the CPU's own code only: a GPU's programs stack the
+    /// other two parts).
+    All,
     /// For every query row and head, its largest visible score, its sum of
     /// exponentials and `rowsum(P dP)`, in the program's float type whatever the
     /// storage: [`AttentionPart::STATISTICS_WIDTH`] values of the storage a head hold

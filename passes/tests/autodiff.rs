@@ -96,3 +96,48 @@ fn a_value_the_loss_does_not_read_gets_no_gradient() {
     let joint = differentiate(&unrelated, ValueId(2), &[ValueId(0), ValueId(1)]).unwrap();
     assert_eq!(joint.gradients, [Some(1), None]);
 }
+
+/// Causal self-attention on heads split from one projection (as `attention_loss.nir`).
+const SELF_ATTENTION: &str = include_str!("../../tests/filetests/attention_loss.nir");
+
+#[test]
+fn self_attention_from_one_projection_gets_its_three_gradients_stacked_in_place() {
+    let graph = parse(SELF_ATTENTION).unwrap();
+    // The loss decomposed first (what a compiled training step differentiates).
+    let joint = nestor_passes::differentiate_loss(&graph).unwrap();
+    joint.graph.verify().unwrap();
+    let live = Pipeline::named(["dce"], Limits::untimed())
+        .unwrap()
+        .run(&joint.graph)
+        .unwrap();
+    let text = nestor_ir::print(&live);
+    // One gradient step for the three, whose stack is the projection's gradient as it
+    // is: no zeros placed around each part, no additions of the parts.
+    assert_eq!(text.matches("attention_grad(").count(), 1, "{text}");
+    assert!(text.contains("part = all"), "{text}");
+    assert!(!text.contains("insert_static("), "{text}");
+    assert!(!text.contains("add("), "{text}");
+}
+
+#[test]
+fn attention_with_keys_of_other_lengths_gets_the_two_parts() {
+    let graph = parse(
+        "graph @cross {
+  %0 = input {name = \"q.lengths\"} : lengths[B]
+  %1 = input {name = \"q\"} : ragged<f32>[B; %0, 2, 4]
+  %2 = input {name = \"k.lengths\"} : lengths[B]
+  %3 = input {name = \"k\"} : ragged<f32>[B; %2, 2, 4]
+  %4 = input {name = \"v\"} : ragged<f32>[B; %2, 2, 4]
+  %5 = attention(%1, %3, %4) {causal = false} : ragged<f32>[B; %0, 2, 4]
+  %6 = sum(%5) {dims = [], keepdim = false} : f32[]
+  return %6
+}",
+    )
+    .unwrap();
+    let joint = differentiate(&graph, ValueId(6), &[ValueId(1), ValueId(3), ValueId(4)]).unwrap();
+    joint.graph.verify().unwrap();
+    let text = nestor_ir::print(&joint.graph);
+    assert!(text.contains("part = queries"), "{text}");
+    assert!(text.contains("part = keys_values"), "{text}");
+    assert!(!text.contains("part = all"), "{text}");
+}

@@ -934,8 +934,8 @@ fn attention_gradients_on_tensor_cores_equal_the_cpu() {
   %3 = input {{name = "k"}} : ragged<f32>[B; %2, {heads}, {head_dim}]
   %4 = input {{name = "v"}} : ragged<f32>[B; %2, {heads}, {head_dim}]
   %5 = input {{name = "g"}} : ragged<f32>[B; %0, {heads}, {head_dim}]
-  %6 = attention_grad(%1, %3, %4, %5) {{causal = {causal}, keys = false}} : ragged<f32>[B; %0, {heads}, {head_dim}]
-  %7 = attention_grad(%1, %3, %4, %5) {{causal = {causal}, keys = true}} : ragged<f32>[B; %2, 2, {heads}, {head_dim}]
+  %6 = attention_grad(%1, %3, %4, %5) {{causal = {causal}, part = queries}} : ragged<f32>[B; %0, {heads}, {head_dim}]
+  %7 = attention_grad(%1, %3, %4, %5) {{causal = {causal}, part = keys_values}} : ragged<f32>[B; %2, 2, {heads}, {head_dim}]
   return %6, %7
 }}"#
         );

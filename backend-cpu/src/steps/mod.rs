@@ -12,7 +12,7 @@ use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
 };
 
-use crate::attention::{AttentionGradRun, AttentionRun, Tiles};
+use crate::attention::{AttentionGradRun, AttentionRun, GradOutputs, Tiles};
 use crate::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
 use crate::jit::{BackendError, CpuKernels};
 use crate::parallel::{row_grain, worker_threads, Args};
@@ -432,9 +432,11 @@ impl CpuSteps {
             part,
             ..
         } = step;
-        let keys = match part {
-            AttentionPart::Queries => false,
-            AttentionPart::KeysValues => true,
+        let width = *heads * *head_dim;
+        let outputs = match part {
+            AttentionPart::Queries => GradOutputs::queries(width),
+            AttentionPart::KeysValues => GradOutputs::keys_values(width),
+            AttentionPart::All => GradOutputs::all(width),
             // Placed as a kernel in every set.
             AttentionPart::Statistics => {
                 return Err(step_error(
@@ -459,7 +461,7 @@ impl CpuSteps {
             head_dim: *head_dim,
             causal: *causal,
             scale: scale.0,
-            keys,
+            outputs,
             parallel: worker_threads() > 1,
             tiles,
             products: run.program().products,

@@ -8,7 +8,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
     match op {
         Op::Attention { q, k, v, .. } => attention(&ty(*q), &ty(*k), &ty(*v), *q, *k, *v),
         Op::AttentionGrad {
-            q, k, v, g, keys, ..
+            q, k, v, g, part, ..
         } => {
             let output = attention(&ty(*q), &ty(*k), &ty(*v), *q, *k, *v)?;
             if ty(*g) != output {
@@ -22,9 +22,14 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                     "gradients of keys and values of different widths are not stacked".into(),
                 );
             }
-            if !keys {
-                return Ok(ty(*q));
-            }
+            let stacked = match part {
+                AttentionGradPart::Queries => return Ok(ty(*q)),
+                AttentionGradPart::KeysValues => 2,
+                AttentionGradPart::All if ty(*q) == ty(*k) => 3,
+                AttentionGradPart::All => return Err(format!(
+                    "the gradients of queries {q} and keys {k} of different types are not stacked"
+                )),
+            };
             let Type::Ragged {
                 dtype,
                 batch,
@@ -33,7 +38,7 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             else {
                 return Err(format!("{k} must be ragged"));
             };
-            dims.insert(1, ElemDim::Fixed(Dim::Static(2)));
+            dims.insert(1, ElemDim::Fixed(Dim::Static(stacked)));
             Ok(Type::Ragged { dtype, batch, dims })
         }
         other => Err(format!("{} is not a attention op", other.name())),

@@ -16,7 +16,8 @@ pub use pointwise::with_inserted_dims;
 use pointwise::{broadcast, infer_fused};
 
 use crate::{
-    DType, Dim, ElemDim, Graph, LossReduction, Op, OpFamily, ReduceOp, SliceBounds, Type, ValueId,
+    AttentionGradPart, DType, Dim, ElemDim, Graph, LossReduction, Op, OpFamily, ReduceOp,
+    SliceBounds, Type, ValueId,
 };
 
 type Inferred = Result<Type, String>;

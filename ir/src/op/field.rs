@@ -4,7 +4,7 @@
 //! [`OpKind`] names ops after a field (`unary` ops are named by their function).
 //! `#[derive(OpTable)]` (in `nestor-ir-derive`) calls these for every field of every op.
 
-use crate::{Attr, DType, FusedExpr, Graph, LossReduction, ValueId, F64};
+use crate::{AttentionGradPart, Attr, DType, FusedExpr, Graph, LossReduction, ValueId, F64};
 
 /// How many operands a field reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -302,16 +302,22 @@ impl OpField for DType {
     }
 }
 
-impl OpField for LossReduction {
-    fn to_attr(&self) -> Option<Attr> {
-        Some(Attr::Word(self.word().into()))
-    }
-    fn parse(key: &str, parts: &mut Parts<'_>) -> Result<Self, String> {
-        let word = parts.word(key)?;
-        LossReduction::from_word(word)
-            .ok_or_else(|| format!("{}: unknown {key} {word}", parts.name))
-    }
+/// Implements [`OpField`] for enums whose variants are words of the text form.
+macro_rules! word_fields {
+    ($($type:ident),*) => {$(
+        impl OpField for $type {
+            fn to_attr(&self) -> Option<Attr> {
+                Some(Attr::Word(self.word().into()))
+            }
+            fn parse(key: &str, parts: &mut Parts<'_>) -> Result<Self, String> {
+                let word = parts.word(key)?;
+                $type::from_word(word)
+                    .ok_or_else(|| format!("{}: unknown {key} {word}", parts.name))
+            }
+        }
+    )*};
 }
+word_fields!(LossReduction, AttentionGradPart);
 
 impl OpField for FusedExpr {
     fn to_attr(&self) -> Option<Attr> {

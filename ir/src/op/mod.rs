@@ -192,6 +192,18 @@ pub enum LossReduction {
     None,
 }
 
+/// Which gradients an [`Op::AttentionGrad`] gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AttentionGradPart {
+    /// the queries' (the type of `q`)
+    Queries,
+    /// the keys' and values' stacked, `[B; Lk, 2, heads, head_dim]` (keys at 0)
+    KeysValues,
+    /// all three stacked, `[B; L, 3, heads, head_dim]` (queries at 0, keys at 1, values
+    /// at 2): self-attention, queries, keys and values of one type
+    All,
+}
+
 /// Pooling kinds for per-element bodies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolKind {
@@ -251,6 +263,7 @@ word_enum!(ReduceOp {
     Argmin => "argmin", Max => "max", Min => "min",
 });
 word_enum!(LossReduction { Mean => "mean", Sum => "sum", None => "none" });
+word_enum!(AttentionGradPart { Queries => "queries", KeysValues => "keys_values", All => "all" });
 word_enum!(PoolKind { Max => "max_pool2d", Avg => "avg_pool2d" });
 op_kind!(UnaryOp, BinaryOp, ReduceOp, PoolKind);
 
@@ -1163,9 +1176,8 @@ pub enum Op {
         /// The new dim's size.
         size: i64,
     },
-    /// The gradient of varlen attention with output cotangent `g`: of the queries
-    /// (`keys` false, the type of `q`), or of the keys and values stacked
-    /// (`[B; Lk, 2, heads, head_dim]`, keys at 0, values at 1).
+    /// The gradient of varlen attention with output cotangent `g`: of the queries, of
+    /// the keys and values, or of all three, as [`AttentionGradPart`] says.
     #[op(name = "attention_grad", family = Attention)]
     AttentionGrad {
         /// Queries `[B; Lq, H, D]`.
@@ -1180,8 +1192,8 @@ pub enum Op {
         causal: bool,
         /// Score scale (default `1 / sqrt(D)`).
         scale: Option<F64>,
-        /// The keys' and values' gradient rather than the queries'.
-        keys: bool,
+        /// Which gradients.
+        part: AttentionGradPart,
     },
     /// A random dropout mask of the shape of `like` (which is not read): each value is
     /// `1 / (1 - p)` with probability `1 - p`, else 0, drawn from a counter-based

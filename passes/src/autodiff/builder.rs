@@ -36,6 +36,63 @@ impl Builder {
         self.graph.ty(value)
     }
 
+    pub(super) fn op(&self, value: ValueId) -> &Op {
+        self.graph.op(value)
+    }
+
+    /// The sum of a value's cotangent `contributions`, in order. When they are every
+    /// slice of one stacked value put back in place (`insert_static(select_static(s,
+    /// d, i), d, i, n)` for each `i` in `0..n`, as the gradients of self-attention's
+    /// queries, keys and values of one projection are), the sum is `s` itself: no
+    /// zeros, no copies, no additions.
+    pub(super) fn sum(&mut self, contributions: &[ValueId]) -> Result<ValueId, AutodiffError> {
+        if let Some(stacked) = self.restacked(contributions) {
+            return Ok(stacked);
+        }
+        let (&first, rest) = contributions
+            .split_first()
+            .ok_or_else(|| self.no_rule("a cotangent without contributions"))?;
+        rest.iter()
+            .try_fold(first, |total, &contribution| self.add(total, contribution))
+    }
+
+    /// The value whose every slice `contributions` put back in place, if they do.
+    fn restacked(&self, contributions: &[ValueId]) -> Option<ValueId> {
+        let mut stacked = None;
+        let mut seen = vec![false; contributions.len()];
+        for &contribution in contributions {
+            let Op::InsertStatic {
+                x,
+                dim,
+                index,
+                size,
+            } = *self.op(contribution)
+            else {
+                return None;
+            };
+            let Op::SelectStatic {
+                x: source,
+                dim: selected_dim,
+                index: selected,
+            } = *self.op(x)
+            else {
+                return None;
+            };
+            let slot = usize::try_from(index).ok()?;
+            let fits = size == contributions.len() as i64 && selected == index;
+            if !fits || selected_dim != dim || seen.get(slot) != Some(&false) {
+                return None;
+            }
+            seen[slot] = true;
+            if *stacked.get_or_insert(source) != source {
+                return None;
+            }
+        }
+        // Every index once (counted above) and the stack of the same type as the sum.
+        let source = stacked?;
+        (self.ty(source) == self.ty(*contributions.first()?)).then_some(source)
+    }
+
     /// How many values of `x` a reduction over `dims` (normalized) combines
     /// ([`crate::count::count`]).
     pub(super) fn count(&mut self, x: ValueId, dims: &[i64]) -> Result<ValueId, AutodiffError> {

@@ -176,25 +176,26 @@ pub fn differentiate(
         return Err(AutodiffError::NoParameter { value: loss });
     }
     let mut builder = Builder::new(graph.clone());
+    // Each value's cotangent contributions, summed when its own rule runs (every user
+    // has a later index, so all of them are in by then).
+    let mut contributions: HashMap<ValueId, Vec<ValueId>> = HashMap::new();
+    contributions.insert(loss, vec![builder.constant(1.0, loss)?]);
     let mut cotangents: HashMap<ValueId, ValueId> = HashMap::new();
-    cotangents.insert(loss, builder.constant(1.0, loss)?);
     for index in (0..=loss.index()).rev() {
         let value = ValueId(index as u32);
-        let Some(&cotangent) = cotangents.get(&value) else {
+        let Some(parts) = contributions.remove(&value) else {
             continue;
         };
+        builder.at(value);
+        let cotangent = builder.sum(&parts)?;
+        cotangents.insert(value, cotangent);
         let op = graph.op(value).clone();
         if matches!(op, Op::Input { .. } | Op::Param { .. }) {
             continue;
         }
-        builder.at(value);
         let needed = |operand: ValueId| needs[operand.index()];
         for (operand, contribution) in rules::vjp(&mut builder, value, &op, cotangent, &needed)? {
-            let total = match cotangents.get(&operand) {
-                Some(&earlier) => builder.add(earlier, contribution)?,
-                None => contribution,
-            };
-            cotangents.insert(operand, total);
+            contributions.entry(operand).or_default().push(contribution);
         }
     }
     let mut graph = builder.finish();

@@ -5,7 +5,8 @@
 //! NaN and ties included where the forward op defines them.
 
 use nestor_ir::{
-    BinaryOp, DType, Dim, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp, ValueId, F64,
+    AttentionGradPart, BinaryOp, DType, Dim, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp,
+    ValueId, F64,
 };
 
 use super::builder::{rank, Builder};
@@ -897,8 +898,9 @@ fn structure(b: &mut Builder, op: &Op, g: ValueId) -> Result<Contributions, Auto
     }
 }
 
-/// Varlen attention: the queries' gradient, and the keys' and values' stacked (one
-/// recomputation of the scores each), split with `select_static`.
+/// Varlen attention: self-attention's three gradients stacked (one recomputation of the
+/// scores), else the queries' gradient, and the keys' and values' stacked (one each),
+/// split with `select_static`.
 fn attention(
     b: &mut Builder,
     op: &Op,
@@ -915,7 +917,7 @@ fn attention(
     else {
         return Err(b.no_rule("no rule for this op yet"));
     };
-    let gradient = |b: &mut Builder, keys: bool| {
+    let gradient = |b: &mut Builder, part: AttentionGradPart| {
         b.push(Op::AttentionGrad {
             q,
             k,
@@ -923,25 +925,33 @@ fn attention(
             g,
             causal,
             scale,
-            keys,
+            part,
         })
     };
-    let mut out = Vec::new();
-    if wants(q) {
-        out.push((q, gradient(b, false)?));
-    }
-    if wants(k) || wants(v) {
-        let stacked = gradient(b, true)?;
-        for (index, operand) in [(0, k), (1, v)] {
+    // The stacked gradients of `operands` (at 0, 1, ..), each selected.
+    let select = |b: &mut Builder, stacked: ValueId, operands: &[ValueId]| {
+        let mut out = Vec::new();
+        for (index, &operand) in operands.iter().enumerate() {
             if wants(operand) {
-                let part = b.push(Op::SelectStatic {
-                    x: stacked,
-                    dim: 1,
-                    index,
-                })?;
-                out.push((operand, part));
+                let x = stacked;
+                let index = index as i64;
+                out.push((operand, b.push(Op::SelectStatic { x, dim: 1, index })?));
             }
         }
+        Ok::<_, AutodiffError>(out)
+    };
+    let one_type = b.ty(q) == b.ty(k) && b.ty(k) == b.ty(v);
+    if one_type && [q, k, v].into_iter().all(wants) {
+        let stacked = gradient(b, AttentionGradPart::All)?;
+        return select(b, stacked, &[q, k, v]);
+    }
+    let mut out = Vec::new();
+    if wants(q) {
+        out.push((q, gradient(b, AttentionGradPart::Queries)?));
+    }
+    if wants(k) || wants(v) {
+        let stacked = gradient(b, AttentionGradPart::KeysValues)?;
+        out.extend(select(b, stacked, &[k, v])?);
     }
     Ok(out)
 }

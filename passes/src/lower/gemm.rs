@@ -2,8 +2,10 @@
 
 use super::*;
 use crate::step::{
-    Attention, AttentionGrad, AttentionPart, Gather, Gemm, PairGemm, ScatterRows, SumRows,
+    Attention, AttentionGrad, AttentionPart, Gather, Gemm, Insert, PairGemm, Pointwise,
+    ScatterRows, SumRows,
 };
+use nestor_ir::AttentionGradPart;
 
 impl Lowering<'_> {
     /// Lowers a gemm op.
@@ -128,7 +130,7 @@ impl Lowering<'_> {
                 g,
                 causal,
                 scale,
-                keys,
+                part,
             } => {
                 let (q_slot, _, q_tail, q_lengths) = self.data(value, *q)?;
                 let (k_slot, _, _, k_lengths) = self.data(value, *k)?;
@@ -182,12 +184,52 @@ impl Lowering<'_> {
                 } else {
                     None
                 };
-                let part = if *keys {
-                    AttentionPart::KeysValues
-                } else {
-                    AttentionPart::Queries
-                };
                 let out = self.result(value, ty)?;
+                let part = match part {
+                    AttentionGradPart::Queries => AttentionPart::Queries,
+                    AttentionGradPart::KeysValues => AttentionPart::KeysValues,
+                    // The CPU's own code computes the three at once; a GPU's kernels
+                    // one part each, stacked (`statistics` are a GPU's).
+                    AttentionGradPart::All if statistics.is_none() => AttentionPart::All,
+                    AttentionGradPart::All => {
+                        let (rows, width) = (Rows::total(q_lengths), heads * head_dim);
+                        let info = self.program.info(slot_of(&out)).clone();
+                        let mut stacked = Vec::new();
+                        for (part, index, count) in [
+                            (AttentionPart::Queries, 0, 1),
+                            (AttentionPart::KeysValues, 1, 2),
+                        ] {
+                            let gradient = self.program.slot(SlotInfo {
+                                width: count * width,
+                                ..info.clone()
+                            });
+                            self.program.steps.push(step(gradient, part, statistics));
+                            let placed = self.program.slot(info.clone());
+                            self.program.steps.push(Step::Insert(Insert {
+                                out: placed,
+                                x: gradient,
+                                rows,
+                                size: 3,
+                                index,
+                                count,
+                                inner: width,
+                            }));
+                            stacked.push(Access::rows(placed, 3 * width));
+                        }
+                        self.program.steps.push(Step::Pointwise(Pointwise {
+                            out: slot_of(&out),
+                            rows,
+                            width: 3 * width,
+                            inputs: stacked,
+                            expr: Expr::Binary(
+                                BinaryOp::Add,
+                                Box::new(Expr::Load(0)),
+                                Box::new(Expr::Load(1)),
+                            ),
+                        }));
+                        return Ok(out);
+                    }
+                };
                 self.program
                     .steps
                     .push(step(slot_of(&out), part, statistics));

@@ -97,7 +97,7 @@ impl Interpreter<'_> {
                 g,
                 causal,
                 scale,
-                keys,
+                part,
             } => {
                 // Through libtorch's autograd on the eager attention.
                 let leaf = |value: ValueId| -> Result<(NestedTensor, Tensor)> {
@@ -109,17 +109,20 @@ impl Interpreter<'_> {
                     (leaf(*q)?, leaf(*k)?, leaf(*v)?);
                 let out = q.scaled_dot_product_attention(&k, &v, *causal, scale.map(|s| s.0))?;
                 let surrogate = out.packed().f_mul(self.nested(*g)?.packed())?.f_sum(None)?;
-                let inputs = if *keys {
-                    vec![k_values, v_values]
-                } else {
-                    vec![q_values]
+                let inputs = match part {
+                    AttentionGradPart::Queries => vec![q_values],
+                    AttentionGradPart::KeysValues => vec![k_values, v_values],
+                    AttentionGradPart::All => vec![q_values, k_values, v_values],
                 };
                 let gradients = Tensor::f_run_backward(&[surrogate], &inputs, false, false)?;
-                if *keys {
-                    let stacked = Tensor::f_stack(&gradients, 1)?;
-                    Value::Nested(k.packed_with_static_tail(&stacked)?)
-                } else {
-                    Value::Nested(q.with_values(gradients[0].shallow_clone()))
+                match part {
+                    AttentionGradPart::Queries => {
+                        Value::Nested(q.with_values(gradients[0].shallow_clone()))
+                    }
+                    _ => {
+                        let stacked = Tensor::f_stack(&gradients, 1)?;
+                        Value::Nested(k.packed_with_static_tail(&stacked)?)
+                    }
                 }
             }
             other => return Err(not_in_family(other, "gemm")),

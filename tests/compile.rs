@@ -725,7 +725,10 @@ fn apply(
                 2 => current.sigmoid()?,
                 3 => current.gelu("tanh")?,
                 4 => current.neg()?,
-                _ => current.abs()?.sqrt()?,
+                // Away from 0, where sqrt is ill-conditioned: values that cancelled to
+                // about 1e-7 of their terms (tanh-GELU of a negative input) differ by
+                // far more than the tolerance after sqrt, in eager and compiled code alike.
+                _ => (current.abs()? + 1.0)?.sqrt()?,
             },
             RandomStep::AddEarlier(index) => (&current + &values[index % values.len()])?,
             RandomStep::MulConst(factor) => (&current * (*factor as f64 / 2.0))?,

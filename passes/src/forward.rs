@@ -1,11 +1,12 @@
 //! Copy forwarding on a lowered program: a pointwise step that only copies a strided
-//! view of another buffer (`select`, `narrow` or a head split before attention) is
-//! dropped when every reader can read that view directly through its own access.
+//! view of another buffer (`select`, `narrow` or a head split before attention and its
+//! gradient) is dropped when every reader can read that view directly through its own
+//! access.
 
 use crate::operands::{Access, Expr, RowBase};
 use crate::program::{Program, Source};
 use crate::step::Step;
-use crate::step::{Attention, Pointwise};
+use crate::step::{Attention, AttentionGrad, Pointwise};
 
 /// Drops the copies whose readers all take accesses, rewriting those accesses to read
 /// the copied view in place. The program computes the same values with fewer steps.
@@ -77,6 +78,15 @@ fn forwardable(program: &Program, index: usize) -> bool {
     }
     // Every reader reads whole rows of the copy through an access over the same rows.
     let row_access = |access: &Access| plain(access) && access.row_stride == *width;
+    // Attention and its gradient read their heads' columns of each row of the copy.
+    let heads_access = |operands: &[(&Access, &crate::Slot)]| {
+        operands
+            .iter()
+            .filter(|(access, _)| access.slot == *out)
+            .all(|(access, lengths)| {
+                row_access(access) && rows.base == RowBase::Total(**lengths) && rows.factor == 1
+            })
+    };
     program.steps.iter().all(|step| {
         if !step.reads().contains(out) {
             return true;
@@ -102,13 +112,21 @@ fn forwardable(program: &Program, index: usize) -> bool {
                 q_lengths,
                 k_lengths,
                 ..
-            }) => [(q, q_lengths), (k, k_lengths), (v, k_lengths)]
-                .into_iter()
-                .filter(|(access, _)| access.slot == *out)
-                .all(|(access, lengths)| {
-                    // Attention reads its heads' columns of each row of the copy.
-                    row_access(access) && rows.base == RowBase::Total(*lengths) && rows.factor == 1
-                }),
+            }) => heads_access(&[(q, q_lengths), (k, k_lengths), (v, k_lengths)]),
+            Step::AttentionGrad(AttentionGrad {
+                q,
+                k,
+                v,
+                g,
+                q_lengths,
+                k_lengths,
+                ..
+            }) => heads_access(&[
+                (q, q_lengths),
+                (k, k_lengths),
+                (v, k_lengths),
+                (g, q_lengths),
+            ]),
             _ => false,
         }
     })
@@ -119,6 +137,7 @@ fn accesses_mut(step: &mut Step) -> Vec<&mut Access> {
     match step {
         Step::Pointwise(Pointwise { inputs, .. }) => inputs.iter_mut().collect(),
         Step::Attention(Attention { q, k, v, .. }) => vec![q, k, v],
+        Step::AttentionGrad(AttentionGrad { q, k, v, g, .. }) => vec![q, k, v, g],
         _ => Vec::new(),
     }
 }

@@ -397,8 +397,8 @@ pub enum AttentionPart {
     /// The keys' and values' gradients stacked per row, `[Lk, 2, heads, head_dim]`.
     KeysValues,
     /// Self-attention's three gradients stacked per row, `[L, 3, heads, head_dim]`
-    /// (queries, keys, values; the CPU's own code only: a GPU's programs stack the
-    /// other two parts).
+    /// (queries, keys, values; the CPU's own code only, with no kernel: see
+    /// `LowerOptions::attention_gradients_at_once`).
     All,
     /// For every query row and head, its largest visible score, its sum of
     /// exponentials and `rowsum(P dP)`, in the program's float type whatever the

@@ -217,8 +217,10 @@ fn run(options: &Options) -> Result<(), Failure> {
 fn lowered(graph: &Graph, options: &Options) -> Result<String, Failure> {
     let lower_options = LowerOptions {
         host_per_element: options.per_element_fallback,
-        // PTX is a GPU's program: attention's gradients read saved statistics.
+        // PTX is a GPU's program: attention's gradients read saved statistics, in two
+        // parts; the CPU computes self-attention's three at once.
         attention_statistics: options.emit == Emit::Ptx,
+        attention_gradients_at_once: options.emit != Emit::Ptx,
     };
     let program = lower_with(graph, lower_options)
         .map_err(|error| Failure::Rejected(format!("lowering: {error}")))?;

@@ -624,9 +624,12 @@ where
             reason: error.into(),
         })?;
         phases.done("passes");
-        // A GPU's attention gradients read saved statistics (the CPU's need none).
+        // A GPU's attention gradients read saved statistics (the CPU's need none); the
+        // CPU's own code computes self-attention's three gradients at once.
+        let on_host = matches!(placement, Placement::Host);
         let lower_options = LowerOptions {
-            attention_statistics: !matches!(placement, Placement::Host),
+            attention_statistics: !on_host,
+            attention_gradients_at_once: on_host,
             ..self.lower_options
         };
         let mut program =

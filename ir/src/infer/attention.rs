@@ -26,9 +26,11 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
                 AttentionGradPart::Queries => return Ok(ty(*q)),
                 AttentionGradPart::KeysValues => 2,
                 AttentionGradPart::All if ty(*q) == ty(*k) => 3,
-                AttentionGradPart::All => return Err(format!(
+                AttentionGradPart::All => {
+                    return Err(format!(
                     "the gradients of queries {q} and keys {k} of different types are not stacked"
-                )),
+                ))
+                }
             };
             let Type::Ragged {
                 dtype,

@@ -188,9 +188,11 @@ impl Lowering<'_> {
                 let part = match part {
                     AttentionGradPart::Queries => AttentionPart::Queries,
                     AttentionGradPart::KeysValues => AttentionPart::KeysValues,
-                    // The CPU's own code computes the three at once; a GPU's kernels
-                    // one part each, stacked (`statistics` are a GPU's).
-                    AttentionGradPart::All if statistics.is_none() => AttentionPart::All,
+                    // The CPU's own code computes the three at once; kernels one part
+                    // each, stacked.
+                    AttentionGradPart::All if self.options.attention_gradients_at_once => {
+                        AttentionPart::All
+                    }
                     AttentionGradPart::All => {
                         let (rows, width) = (Rows::total(q_lengths), heads * head_dim);
                         let info = self.program.info(slot_of(&out)).clone();

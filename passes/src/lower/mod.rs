@@ -77,6 +77,10 @@ pub struct LowerOptions {
     /// otherwise compute its statistics again each time (cubic in the length). The
     /// CPU's gradients compute them inside their tiles: its programs do without.
     pub attention_statistics: bool,
+    /// Self-attention's three gradients (`attention_grad {part = all}`) in one step
+    /// (`AttentionPart::All`: the CPU's own code, with no kernel), rather than the
+    /// queries' and the keys' and values' apart, stacked by inserts (what kernels do).
+    pub attention_gradients_at_once: bool,
 }
 
 /// How an operand's rows relate to the output's rows.

@@ -132,6 +132,56 @@ proptest! {
     }
 }
 
+/// A deep stack of linears in mixed precision, whose runs reuse buffers from layer to
+/// layer (and whose roundings a run keeps for later steps until a step writes over
+/// them): each layer equals the f32 product of the bf16 roundings of its input and
+/// weight, run after run with other values.
+#[test]
+fn mixed_precision_layers_read_the_roundings_of_their_own_inputs() {
+    tch::manual_seed(3);
+    let layers: Vec<(Tensor, Tensor)> = (0..8)
+        .map(|_| {
+            let weight = Tensor::randn([16, 16], (Kind::Float, Device::Cpu)) * 0.4;
+            (weight, Tensor::randn([16], (Kind::Float, Device::Cpu)))
+        })
+        .collect();
+    let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<NestedTensor> {
+        let mut h = x[0].clone();
+        for (weight, bias) in &layers {
+            h = h.linear(weight, Some(bias))?.relu()?;
+        }
+        Ok(h)
+    };
+    let compiled = compile("deep", model).autocast(Kind::BFloat16);
+    let rounded = |t: &Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+    for (index, lengths) in [vec![5i64, 0, 9], vec![1, 7], vec![5, 0, 9]]
+        .iter()
+        .enumerate()
+    {
+        let (x, _) = batch(lengths, &[16], Kind::Float, 40 + index as i64);
+        let mut h = x.values().shallow_clone();
+        for (weight, bias) in &layers {
+            h = rounded(&h)
+                .matmul(&rounded(weight).tr())
+                .f_add(bias)
+                .unwrap()
+                .relu();
+        }
+        let out = compiled
+            .call(&[&x], &[])
+            .unwrap()
+            .remove(0)
+            .into_nested()
+            .unwrap();
+        let error = (out.values() - &h).abs().max().double_value(&[]);
+        let scale = h.abs().max().double_value(&[]).max(1.0);
+        assert!(
+            error <= 1e-3 * scale,
+            "run {index}: {error} off (largest {scale})"
+        );
+    }
+}
+
 #[test]
 fn a_linear_without_inputs_features_gives_its_bias_after_other_runs() {
     let (weight, bias) = (

@@ -112,7 +112,7 @@ const G: usize = 3;
 /// once per step rather than per tile: one per distinct buffer (queries, keys and values
 /// of one projection share theirs), by input ([`Q`], [`K`], [`V`], [`G`]).
 struct InputRoundings {
-    buffers: Vec<RoundedBuffer>,
+    buffers: Vec<std::sync::Arc<RoundedBuffer>>,
     of_input: Vec<Option<usize>>,
 }
 
@@ -155,6 +155,7 @@ impl InputRoundings {
     fn get(&self, input: usize) -> Option<&RoundedBuffer> {
         self.buffers
             .get(self.of_input.get(input).copied().flatten()?)
+            .map(|buffer| &**buffer)
     }
 }
 

@@ -10,7 +10,8 @@
 //! Each operand is rounded into a buffer of the calling thread (kept between calls),
 //! in the layout it had, so a transposed weight stays a transposed read; an operand
 //! that many products read (a GEMM's weight in every row chunk, attention's queries,
-//! keys and values in every tile) is rounded once, whole, into a [`RoundedBuffer`].
+//! keys and values in every tile) is rounded once, whole, into a [`RoundedBuffer`],
+//! which a run keeps for its later steps (`crate::kept`).
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -224,6 +225,14 @@ impl RoundedBuffer {
         Self { base, len, values }
     }
 
+    /// The bytes the roundings take.
+    pub(crate) fn bytes(&self) -> usize {
+        match &self.values {
+            Roundings::Bf16(values) => values.len() * 2,
+            Roundings::F32(values) => values.len() * 4,
+        }
+    }
+
     /// Where `matrix` starts in the buffer, in values, if it does.
     fn offset_of(&self, (pointer, _, _): Strided<f32>) -> Option<usize> {
         let offset = (pointer as usize).checked_sub(self.base as usize)? / 4;
@@ -237,6 +246,16 @@ impl RoundedBuffer {
         };
         // MKL takes a unit stride in one of the two dims.
         (matrix.1 == 1 || matrix.2 == 1).then(|| (values[offset..].as_ptr(), matrix.1, matrix.2))
+    }
+
+    /// The rounding of the value at `matrix`'s start (within the buffer), as f32.
+    #[cfg(test)]
+    pub(crate) fn value_of(&self, matrix: Strided<f32>) -> f32 {
+        let offset = self.offset_of(matrix).unwrap_or(0);
+        match &self.values {
+            Roundings::Bf16(values) => f32::from_bits(u32::from(values[offset]) << 16),
+            Roundings::F32(values) => values[offset],
+        }
     }
 
     /// `matrix` (within the buffer) as the same matrix of roundings held as f32.
@@ -262,16 +281,22 @@ type Pool<E> = std::sync::Mutex<Vec<Vec<E>>>;
 static BF16_POOL: Pool<u16> = std::sync::Mutex::new(Vec::new());
 static F32_POOL: Pool<f32> = std::sync::Mutex::new(Vec::new());
 
-/// Rounding vectors a pool keeps at most.
-const POOLED: usize = 8;
+/// Rounding vectors a pool keeps at most (a run keeps tens of buffers' roundings).
+const POOLED: usize = 64;
 
-/// A vector of `len` values from `pool` (the largest kept) or a new one.
+/// A vector of `len` values, for the caller to overwrite every one, from `pool` (the
+/// smallest kept that holds them, else the largest) or a new one.
 fn take<E: Rounding>(pool: &Pool<E>, len: usize) -> Vec<E> {
     let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let largest = (0..vectors.len()).max_by_key(|&index| vectors[index].capacity());
-    let mut vector = largest.map_or_else(Vec::new, |index| vectors.swap_remove(index));
+    let capacity = |index: &usize| vectors[*index].capacity();
+    let holding = (0..vectors.len())
+        .filter(|index| capacity(index) >= len)
+        .min_by_key(capacity);
+    let chosen = holding.or_else(|| (0..vectors.len()).max_by_key(capacity));
+    let mut vector = chosen.map_or_else(Vec::new, |index| vectors.swap_remove(index));
     drop(vectors);
-    vector.clear();
+    // The caller overwrites every value: only values the vector never held are set.
+    vector.truncate(len);
     vector.resize(len, E::default());
     vector
 }

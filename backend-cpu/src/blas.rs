@@ -16,6 +16,8 @@ use std::time::Instant;
 
 use nestor_passes::Products;
 
+use std::sync::Arc;
+
 use crate::bf16::RoundedBuffer;
 use crate::scalar::Scalar;
 use crate::strided::{Strided, StridedMut};
@@ -64,8 +66,8 @@ pub(crate) trait Gemm: Scalar {
     }
 
     /// The roundings of the `len` values at `buffer` that products of `products` read
-    /// many times, made once by `threads` of the team (`None`: they read the values as
-    /// they are; f64 always).
+    /// many times, made once by `threads` of the team or kept by the run from an earlier
+    /// step (`crate::kept`; `None`: they read the values as they are; f64 always).
     ///
     /// # Safety
     /// `buffer` must be valid for `len` values.
@@ -74,7 +76,7 @@ pub(crate) trait Gemm: Scalar {
         buffer: *const Self,
         len: usize,
         threads: usize,
-    ) -> Option<RoundedBuffer> {
+    ) -> Option<Arc<RoundedBuffer>> {
         let _ = (products, buffer, len, threads);
         None
     }
@@ -143,9 +145,9 @@ impl Gemm for f32 {
         buffer: *const Self,
         len: usize,
         threads: usize,
-    ) -> Option<RoundedBuffer> {
+    ) -> Option<Arc<RoundedBuffer>> {
         // The caller vouches for the buffer.
-        (products == Products::Bf16).then(|| unsafe { RoundedBuffer::new(buffer, len, threads) })
+        (products == Products::Bf16).then(|| unsafe { crate::kept::rounded(buffer, len, threads) })
     }
 
     unsafe fn product_rounded(

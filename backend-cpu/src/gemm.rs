@@ -50,19 +50,21 @@ pub(super) unsafe fn gemm<T: Gemm>(
     } else {
         1
     };
-    // With bf16 products, the weight every chunk reads is rounded once.
-    let rounded_weight = if chunks > 1 {
-        let len = (shape.n * shape.k).max(0) as usize;
-        // SAFETY: the weight holds n*k values (the caller vouches).
-        unsafe { T::rounded_buffer(products, weight as *const T, len, threads as usize) }
-    } else {
-        None
+    // With bf16 products, the weight, which every chunk reads, and the input are rounded
+    // once (or were, for an earlier step of the run: `crate::kept`).
+    let round = |buffer: *const T, values: i64| {
+        // SAFETY: the weight holds n*k values, the input rows*k (the caller vouches).
+        unsafe { T::rounded_buffer(products, buffer, values.max(0) as usize, threads as usize) }
     };
-    let rounded_weight = rounded_weight.as_ref();
+    let rounded = (
+        round(buffers.x, shape.rows * shape.k),
+        round(buffers.weight, shape.n * shape.k),
+    );
+    let rounded = (rounded.0.as_deref(), rounded.1.as_deref());
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
     // over those rows, reading buffers the program sized) rewrites them in place.
     let rows = move |start: i64, end: i64| unsafe {
-        gemm_rows(buffers, (shape, products, rounded_weight), start, end);
+        gemm_rows(buffers, (shape, products, rounded), start, end);
         if let Some((kernel, args)) = epilogue {
             kernel(args.0.as_ptr(), start, end);
         }
@@ -83,6 +85,9 @@ pub(super) unsafe fn gemm<T: Gemm>(
 fn gemm_parallel_macs() -> i64 {
     crate::Parallelism::current().gemm_macs as i64
 }
+
+/// The roundings of a GEMM's input and weight, if made (bf16 products).
+type RoundedPair<'a> = (Option<&'a RoundedBuffer>, Option<&'a RoundedBuffer>);
 
 /// The buffers of a GEMM, shared by the tasks that compute its row chunks.
 struct GemmBuffers<T> {
@@ -108,7 +113,7 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
 unsafe fn gemm_rows<T: Gemm>(
     buffers: GemmBuffers<T>,
-    (shape, products, rounded_weight): (GemmShape, Products, Option<&RoundedBuffer>),
+    (shape, products, (rounded_x, rounded_weight)): (GemmShape, Products, RoundedPair<'_>),
     start: i64,
     end: i64,
 ) {
@@ -147,7 +152,7 @@ unsafe fn gemm_rows<T: Gemm>(
             (
                 (
                     (buffers.x.offset((start * k) as isize), k as isize, 1),
-                    None,
+                    rounded_x,
                 ),
                 (weight, rounded_weight),
             ),
@@ -198,17 +203,20 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
             1
         };
         let per_chunk = m.div_ceil(chunks);
-        // With bf16 products, `b`, which every chunk reads whole, is rounded once.
-        let rounded_b = if chunks > 1 {
-            // SAFETY: `b` holds rows*n values (the caller vouches).
-            unsafe { T::rounded_buffer(products, buffers.b, rows * n, threads) }
-        } else {
-            None
+        // With bf16 products, `a` and `b` (which every chunk reads whole) are rounded
+        // once, or were for an earlier step of the run (`crate::kept`: the GEMMs whose
+        // input and output gradient they are).
+        // SAFETY: `a` holds rows*m values, `b` rows*n (the caller vouches).
+        let rounded = unsafe {
+            (
+                T::rounded_buffer(products, buffers.a, rows * m, threads),
+                T::rounded_buffer(products, buffers.b, rows * n, threads),
+            )
         };
-        let rounded_b = rounded_b.as_ref();
+        let rounded = (rounded.0.as_deref(), rounded.1.as_deref());
         // Output rows `first..first + count` (each task its own rows of `out`).
         let product = move |first: usize, count: usize| unsafe {
-            buffers.product(first, count, (rows, m, n), (products, rounded_b))
+            buffers.product(first, count, (rows, m, n), (products, rounded))
         };
         if chunks == 1 {
             product(0, m);
@@ -326,14 +334,14 @@ impl<T: Gemm> SumBuffers<T> {
         first: usize,
         count: usize,
         (rows, m, n): (usize, usize, usize),
-        (products, rounded_b): (Products, Option<&RoundedBuffer>),
+        (products, (rounded_a, rounded_b)): (Products, RoundedPair<'_>),
     ) {
         unsafe {
             T::product_rounded(
                 products,
                 ((count, rows, n), T::ONE),
                 (
-                    ((self.a.add(first), 1, m as isize), None),
+                    ((self.a.add(first), 1, m as isize), rounded_a),
                     ((self.b, n as isize, 1), rounded_b),
                 ),
                 ((self.out.add(first * n), n as isize, 1), false),

@@ -25,6 +25,7 @@ mod conv;
 mod gemm;
 #[cfg(feature = "jit")]
 mod jit;
+mod kept;
 mod microkernel;
 mod parallel;
 mod process;

@@ -80,6 +80,33 @@ impl HostSteps for CpuSteps {
         step: &Step,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
+        // The run keeps its bf16 roundings across its steps but for the memory this step
+        // writes (at most 8 bytes a scalar).
+        let out = step.output();
+        let scalars = run.sizes().scalars(run.program(), out).max(0) as usize;
+        let start = run.pointer(out) as usize;
+        let written = start..start.saturating_add(scalars.saturating_mul(8));
+        let of = crate::kept::StepOf {
+            run: run.run(),
+            first: index == 0,
+            last: index + 1 == self.placements.len(),
+        };
+        crate::kept::in_step(of, written, || self.execute_step(index, step, run))
+    }
+
+    fn code(&self) -> &str {
+        self.kernels.llvm_ir()
+    }
+}
+
+impl CpuSteps {
+    /// Runs step `index` where its placement says.
+    fn execute_step(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+    ) -> Result<(), RuntimeError> {
         match (&self.placements[index], step) {
             (Placement::Kernel(signature), _) => self.run_kernel(index, step, signature, run),
             (Placement::Product(epilogue), Step::Gemm(gemm)) => {
@@ -99,12 +126,6 @@ impl HostSteps for CpuSteps {
         }
     }
 
-    fn code(&self) -> &str {
-        self.kernels.llvm_ir()
-    }
-}
-
-impl CpuSteps {
     /// Compiles the kernels of `program`'s steps that the CPU runs as generated code
     /// ([`KernelSet::Library`]), and chooses the GEMM library (a probe of a few
     /// milliseconds, once per process) now rather than inside a run.

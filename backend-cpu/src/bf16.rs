@@ -301,10 +301,16 @@ fn take<E: Rounding>(pool: &Pool<E>, len: usize) -> Vec<E> {
     vector
 }
 
+/// Bytes of rounding vectors a pool keeps at most between runs.
+const POOLED_BYTES: usize = 64 << 20;
+
 /// Keeps `vector` in `pool` for a later buffer (unless the pool is full).
 fn give_back<E>(pool: &Pool<E>, vector: Vec<E>) {
     let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if vectors.len() < POOLED && vector.capacity() > 0 {
+    let bytes = |vector: &Vec<E>| vector.capacity() * std::mem::size_of::<E>();
+    let pooled: usize = vectors.iter().map(bytes).sum();
+    let fits = pooled.saturating_add(bytes(&vector)) <= POOLED_BYTES;
+    if vectors.len() < POOLED && vector.capacity() > 0 && fits {
         vectors.push(vector);
     }
 }

@@ -933,40 +933,16 @@ mod tests {
         } else {
             (*q_offsets.last().unwrap_or(&0), q_lengths)
         };
-        let size = (rows * width * if keys { 2 } else { 1 }) as usize;
+        let outputs = if keys {
+            GradOutputs::keys_values(width)
+        } else {
+            GradOutputs::queries(width)
+        };
+        let size = (rows * outputs.row) as usize;
         let scale = 0.7;
-        let host = AttentionGradRun {
-            products: Products::Float,
-            q: &accesses[0],
-            k: &accesses[1],
-            v: &accesses[2],
-            g: &accesses[3],
-            heads: HEADS,
-            head_dim: HEAD_DIM,
-            causal,
-            scale,
-            outputs: if keys {
-                GradOutputs::keys_values(width)
-            } else {
-                GradOutputs::queries(width)
-            },
-            parallel: false,
-            tiles,
-        };
+        let inputs = (q, k, v, g);
+        let expected = host_gradient((q_lengths, k_lengths), inputs, (causal, tiles), outputs);
         let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
-        let mut expected = vec![f32::NAN; size];
-        unsafe {
-            host.run::<f32>(
-                (
-                    expected.as_mut_ptr() as *mut u8,
-                    pointer(q),
-                    pointer(k),
-                    pointer(v),
-                    pointer(g),
-                ),
-                (&q_offsets, &k_offsets),
-            )
-        };
         let [qa, ka, va, ga] = accesses;
         let step = |part, statistics| {
             Step::AttentionGrad(nestor_passes::step::AttentionGrad {
@@ -1034,17 +1010,21 @@ mod tests {
         (actual, expected)
     }
 
-    /// The host's gradient of self-attention written as `outputs` says.
+    /// The host's attention gradient (scale 0.7) written as `outputs` says.
     fn host_gradient(
-        lengths: &[i64],
+        (q_lengths, k_lengths): (&[i64], &[i64]),
         (q, k, v, g): (&[f32], &[f32], &[f32], &[f32]),
         (causal, tiles): (bool, Tiles),
         outputs: GradOutputs,
     ) -> Vec<f32> {
         let width = HEADS * HEAD_DIM;
         let accesses = [1, 2, 3, 4].map(|index| Access::rows(nestor_passes::Slot(index), width));
-        let offsets = offsets(lengths);
-        let rows = *offsets.last().unwrap_or(&0);
+        let (q_offsets, k_offsets) = (offsets(q_lengths), offsets(k_lengths));
+        // The output's rows: the keys' when it holds their gradients.
+        let rows = match outputs.keys_values {
+            Some(_) => *k_offsets.last().unwrap_or(&0),
+            None => *q_offsets.last().unwrap_or(&0),
+        };
         let host = AttentionGradRun {
             products: Products::Float,
             q: &accesses[0],
@@ -1071,7 +1051,7 @@ mod tests {
                     pointer(v),
                     pointer(g),
                 ),
-                (&offsets, &offsets),
+                (&q_offsets, &k_offsets),
             )
         };
         out
@@ -1093,7 +1073,7 @@ mod tests {
             let values: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).cycle().take(needed.max(1)).collect();
             let chunk = |index: usize| &values[index * rows * width as usize..(index + 1) * rows * width as usize];
             let inputs = (chunk(0), chunk(1), chunk(2), chunk(3));
-            let run = |outputs| host_gradient(&lengths, inputs, (causal, tiles), outputs);
+            let run = |outputs| host_gradient((&lengths, &lengths), inputs, (causal, tiles), outputs);
             let (all, queries, keys_values) = (
                 run(GradOutputs::all(width)),
                 run(GradOutputs::queries(width)),

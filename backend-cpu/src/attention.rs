@@ -159,6 +159,15 @@ impl InputRoundings {
     }
 }
 
+/// The threads a step's tasks spread over: the team's, or (not `parallel`) one.
+fn team_size(parallel: bool) -> usize {
+    if parallel {
+        crate::Parallelism::current().threads
+    } else {
+        1
+    }
+}
+
 /// What each query row of a task has seen so far: the largest score, the sum of
 /// `e^(score - largest)`, and whether a masked score was NaN or `+inf`.
 struct RowState<T> {
@@ -205,11 +214,7 @@ impl AttentionRun<'_> {
                 }
             }
         }
-        let threads = if self.parallel {
-            crate::Parallelism::current().threads
-        } else {
-            1
-        };
+        let threads = team_size(self.parallel);
         // SAFETY: the executor sized the buffers for these offsets.
         let rounded = unsafe {
             InputRoundings::new(
@@ -488,11 +493,7 @@ impl AttentionGradRun<'_> {
             let keys = |element: usize| k_offsets[element + 1] - k_offsets[element];
             tasks.sort_by_key(|&(element, _, _, rows)| std::cmp::Reverse(rows * keys(element)));
         }
-        let threads = if self.parallel {
-            crate::Parallelism::current().threads
-        } else {
-            1
-        };
+        let threads = team_size(self.parallel);
         // SAFETY: the executor sized the buffers for these offsets.
         let rounded = unsafe {
             InputRoundings::new(

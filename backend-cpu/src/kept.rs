@@ -21,12 +21,20 @@ const KEPT_BYTES: usize = 256 << 20;
 /// What the current run of this thread keeps.
 #[derive(Default)]
 struct Kept {
-    /// The run it belongs to, while one of its steps runs.
-    step_of: Option<u64>,
+    /// Whether a step of the run is running (roundings are kept only then).
+    in_step: bool,
     /// The run whose roundings are kept.
     run: Option<u64>,
     /// Roundings, oldest first, by the address range of the f32 values they round.
     entries: Vec<(std::ops::Range<usize>, Arc<RoundedBuffer>)>,
+}
+
+impl Kept {
+    /// Drops the roundings of values in `written`.
+    fn overwritten(&mut self, written: &std::ops::Range<usize>) {
+        self.entries
+            .retain(|(range, _)| range.end <= written.start || written.end <= range.start);
+    }
 }
 
 thread_local! {
@@ -54,17 +62,15 @@ pub(crate) fn in_step<R>(
             kept.entries.clear();
         }
         kept.run = Some(of.run);
-        kept.entries
-            .retain(|(range, _)| range.end <= written.start || written.end <= range.start);
-        kept.step_of = Some(of.run);
+        kept.overwritten(&written);
+        kept.in_step = true;
     });
     let result = step();
     KEPT.with_borrow_mut(|kept| {
         // Nothing the step rounded of its own output stays (none of its products read
         // that, but a kept rounding must never outlive the values it rounds).
-        kept.entries
-            .retain(|(range, _)| range.end <= written.start || written.end <= range.start);
-        kept.step_of = None;
+        kept.overwritten(&written);
+        kept.in_step = false;
         if of.last {
             kept.entries.clear();
             kept.run = None;
@@ -82,7 +88,9 @@ pub(crate) unsafe fn rounded(base: *const f32, len: usize, threads: usize) -> Ar
     let start = base as usize;
     let range = start..start.saturating_add(len.saturating_mul(4));
     let found = KEPT.with_borrow(|kept| {
-        kept.step_of?;
+        if !kept.in_step {
+            return None;
+        }
         kept.entries
             .iter()
             .find(|(kept, _)| kept.start <= range.start && range.end <= kept.end)
@@ -94,7 +102,7 @@ pub(crate) unsafe fn rounded(base: *const f32, len: usize, threads: usize) -> Ar
     // SAFETY: the caller vouches for the values.
     let rounded = Arc::new(unsafe { RoundedBuffer::new(base, len, threads) });
     KEPT.with_borrow_mut(|kept| {
-        if kept.step_of.is_none() {
+        if !kept.in_step {
             return;
         }
         kept.entries.push((range, Arc::clone(&rounded)));

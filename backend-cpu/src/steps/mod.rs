@@ -7,7 +7,7 @@
 use nestor_passes::step::{
     Attention, AttentionGrad, AttentionPart, Gemm, Host, PairGemm, SumRows, Unpad,
 };
-use nestor_passes::{FloatType, KernelSet, Placement, Program, Signature, Slot, Step};
+use nestor_passes::{FloatType, KernelSet, Placement, Products, Program, Signature, Slot, Step};
 use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
 };
@@ -80,6 +80,10 @@ impl HostSteps for CpuSteps {
         step: &Step,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
+        // Only bf16 products round their operands.
+        if run.program().products != Products::Bf16 {
+            return self.execute_step(index, step, run);
+        }
         // The run keeps its bf16 roundings across its steps but for the memory this step
         // writes (at most 8 bytes a scalar).
         let out = step.output();

@@ -44,4 +44,4 @@ pub use nestor_layout::{LayoutError, RaggedLayout};
 /// Passes over graphs (DCE, CSE, fusion) and lowering to kernel programs.
 pub use nestor_passes as passes;
 #[cfg(feature = "compile")]
-pub use nestor_runtime::{MemoryBudget, RuntimeError};
+pub use nestor_runtime::{MemoryBudget, RunProfile, RuntimeError, StepKind, StepTiming};

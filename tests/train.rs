@@ -492,6 +492,66 @@ fn edge_lengths_give_the_gradients_of_autograd() {
     }
 }
 
+/// A recorded training step names every step with the call's sizes and counts the
+/// FLOPs of its products from the real lengths; nothing is kept while not recording.
+#[test]
+fn training_steps_are_timed_with_their_sizes_and_flops() {
+    let Trained { compiled, .. } = trained("encoder_post", Kind::Float, 3, true);
+    let lengths = [3i64, 1, 0, 5];
+    let inputs = [
+        batch(&lengths, &[4], Kind::Float, 1).0,
+        batch(&lengths, &[3], Kind::Float, 2).0,
+        class_ids(&lengths, 3),
+    ];
+    let inputs: Vec<&NestedTensor> = inputs.iter().collect();
+    compiled.call(&inputs, &[]).unwrap();
+    assert!(compiled.take_step_profiles().is_empty(), "not recording");
+    compiled.record_steps(true);
+    compiled.call(&inputs, &[]).unwrap();
+    compiled.call(&inputs, &[]).unwrap();
+    compiled.record_steps(false);
+    let runs = compiled.take_step_profiles();
+    assert_eq!(runs.len(), 2);
+    let steps = &runs[1].steps;
+    assert!(steps
+        .iter()
+        .enumerate()
+        .all(|(index, step)| step.step == index));
+    assert!(steps
+        .iter()
+        .all(|step| step.seconds >= 0.0 && step.bytes > 0));
+    let flops_of = |kind: nestor::StepKind| -> Vec<u64> {
+        steps
+            .iter()
+            .filter(|step| step.kind == kind)
+            .map(|step| step.flops)
+            .collect()
+    };
+    // 9 tokens, d 4, 2 heads of 2, ff 8, 2 layers; attention pairs 9 + 1 + 0 + 25.
+    let pairs = 35;
+    assert_eq!(
+        flops_of(nestor::StepKind::Attention),
+        [2 * pairs * 2 * (2 + 2); 2]
+    );
+    assert_eq!(
+        flops_of(nestor::StepKind::AttentionGradient),
+        [2 * pairs * 2 * 2 * 5; 2],
+        "the scores, dP, dQ, dK and dV in one step"
+    );
+    let in_projection = steps
+        .iter()
+        .find(|step| step.label == "gemm 9x4 -> 12")
+        .expect("the first in-projection");
+    assert_eq!(in_projection.flops, 2 * 9 * 4 * 12);
+    assert!(flops_of(nestor::StepKind::WeightGradient).contains(&(2 * 9 * 12 * 4)));
+    assert!(steps
+        .iter()
+        .filter(|step| !step.kind.is_product())
+        .all(|step| step.flops == 0));
+    compiled.call(&inputs, &[]).unwrap();
+    assert!(compiled.take_step_profiles().is_empty(), "stopped");
+}
+
 /// Elements longer than the CPU attention's tiles (128 query rows, 256 keys): the
 /// forward's online softmax across key tiles and the gradient's query tiles.
 #[test]

@@ -14,6 +14,7 @@ pub mod measure;
 pub mod models;
 pub mod operators;
 pub mod padded;
+pub mod profile;
 pub mod pytorch;
 pub mod report;
 

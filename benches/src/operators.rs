@@ -6,8 +6,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::lengths::{lengths, occupancy};
 use crate::models::{
-    compiled_column, compiled_step, finish_compiled, measure_in_turns, Column, Measurement, Mode,
-    Step, Tokens,
+    compiled_column, compiled_step, finish_compiled, measure_in_turns, Column, Handle, Measurement,
+    Mode, Step, Tokens,
 };
 use crate::{Result, Scale};
 
@@ -122,8 +122,8 @@ pub struct OperatorSteps<'a> {
     pub eager: Step<'a>,
     /// nestor compiled (its first call compiles).
     pub compiled: Step<'a>,
-    /// Programs compiled so far.
-    pub compiles: Box<dyn Fn() -> u64 + 'a>,
+    /// The compiled function.
+    pub function: Handle<'a>,
 }
 
 /// Runs the three columns of `operator` at about `target` occupancy.
@@ -144,10 +144,10 @@ pub fn run_operator(
                 padded,
                 eager,
                 compiled,
-                compiles,
+                function,
             } = steps;
             let mut timed = vec![(Column::Padded, padded), (Column::NestorEager, eager)];
-            let compiled = compiled_column(compiled, compiles, &mut timed);
+            let compiled = compiled_column(compiled, function, &mut timed);
             let mut outcomes = measure_in_turns(timed, flops, scale)?;
             finish_compiled(compiled, &mut outcomes);
             rows.extend(outcomes.into_iter().map(|(column, outcome)| Measurement {
@@ -225,7 +225,7 @@ pub fn with_steps(
     let function = compile(operator.name(), |inputs: &[NestedTensor], _: &[Dense]| {
         nested_op(operator, &inputs[0], &inputs[1], &weight, &bias)
     });
-    let (compiled, compiles) = compiled_step(function, vec![&nested_x, &y.nested], |output| {
+    let (compiled, function) = compiled_step(function, vec![&nested_x, &y.nested], |output| {
         Ok(output.values().shallow_clone())
     });
     visit(
@@ -235,7 +235,7 @@ pub fn with_steps(
             padded,
             eager,
             compiled,
-            compiles,
+            function,
         },
     )
 }

@@ -7,6 +7,7 @@ use plotters::prelude::*;
 
 use crate::limits::Limits;
 use crate::models::{Column, Measurement, Mode, Model, Outcome, Precision};
+use crate::profile::{profile_section, StepProfile};
 use crate::Result;
 
 /// Packing costs at one occupancy: building the batch's metadata, timed apart from the
@@ -463,6 +464,7 @@ pub fn markdown(
     packing: &[Packing],
     models: &[Measurement],
     operators: &[Measurement],
+    profiles: &[StepProfile],
 ) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# nestor benchmark report\n");
@@ -548,6 +550,7 @@ pub fn markdown(
         out.push('\n');
     }
     bf16_section(models, limits, &mut out);
+    profile_section(profiles, limits, &mut out);
     let _ = writeln!(out, "## Operators\n");
     let subjects: Vec<String> = {
         let mut seen: Vec<String> = Vec::new();

@@ -4,12 +4,14 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
+use nestor::StepKind;
 use nestor_bench::lengths::{image_sizes, lengths, occupancy};
 use nestor_bench::limits::measure_limits;
 use nestor_bench::models::{
     run_model, with_columns, Column, Columns, Mode, Model, Outcome, Precision,
 };
 use nestor_bench::operators::{run_operator, Operator};
+use nestor_bench::profile::{profile_training, StepProfile};
 use nestor_bench::pytorch::run_pytorch;
 use nestor_bench::report::{markdown, Context, Packing};
 use nestor_bench::{Scale, OCCUPANCIES};
@@ -100,7 +102,32 @@ fn every_model_column_and_operator_runs() {
         "{limits:?}"
     );
     assert_eq!(limits.gemms.len(), 4 * OCCUPANCIES.len());
-    let text = markdown(&context, Some(&limits), &packing, &models, &operators);
+    let profiles: Vec<StepProfile> = Precision::ALL
+        .into_iter()
+        .map(|precision| profile_training(Model::Encoder, &scale, (0.35, 3), precision).unwrap())
+        .collect();
+    for profile in &profiles {
+        assert!(profile.calls > 0 && profile.call_seconds > 0.0);
+        assert!(profile
+            .steps
+            .iter()
+            .any(|step| step.kind == StepKind::AttentionGradient));
+        assert!(profile
+            .steps
+            .iter()
+            .filter(|step| step.kind == StepKind::Gemm)
+            .all(|step| step.flops > 0));
+    }
+    let text = markdown(
+        &context,
+        Some(&limits),
+        &packing,
+        &models,
+        &operators,
+        &profiles,
+    );
+    assert!(text.contains("## Where compiled training spends its time"));
+    assert!(text.contains("| attention gradient |"));
     assert!(text.contains("## Machine limits"));
     assert!(text.contains("feed-forward down"));
     for model in Model::ALL {

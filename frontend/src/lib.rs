@@ -45,7 +45,7 @@ pub use nested::{
     NestedOptions, NestedTensor,
 };
 #[cfg(feature = "compile")]
-pub use nestor_runtime::{DeviceCounts, StatsSnapshot};
+pub use nestor_runtime::{DeviceCounts, RunProfile, StatsSnapshot, StepKind, StepTiming};
 pub use ops::{einsum, Binary, Comparand, LossReduction, Operand, Reduce, Reduced, Target};
 pub use trace::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 

@@ -10,7 +10,8 @@
 //!   and the CUDA backend's `CudaDevice` implement it;
 //! - every kernel's argument list written from its step's signature, by one function
 //!   (the CPU's lists, [`RunState::kernel_args`], and the devices' tables alike);
-//! - [`MemoryBudget`] and [`Stats`]: what a run may allocate, and what runs did.
+//! - [`MemoryBudget`] and [`Stats`]: what a run may allocate, and what runs did (with
+//!   each step's time when asked: [`Stats::record_steps`], [`RunProfile`]).
 //!
 //! This crate knows no backend: the backends depend on it (the CPU backend's
 //! `executable` compiles a program into an [`Executable`]). It never depends on tch.
@@ -23,7 +24,8 @@ pub use executor::{
     check_ids, from_bf16, mask_key, round_to_bf16, split_mix, step_error, to_bf16, within_budget,
     BlasCall, BlasSizeError, DeviceOutput, DeviceResults, DeviceSink, Executable, Gemms,
     HostRunner, HostSteps, HostValue, InputData, KernelDevice, LengthsInfo, OutputSink, Product,
-    RunData, RunDim, RunOutput, RunShape, RunState, RuntimeError, Sizes,
+    RunData, RunDim, RunOutput, RunProfile, RunShape, RunState, RuntimeError, Sizes, StepKind,
+    StepTiming,
 };
 pub use memory::MemoryBudget;
 pub use stats::{DeviceCounts, Stats, StatsSnapshot};

@@ -1,6 +1,12 @@
 //! Counters of what the runtime did.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::RunProfile;
+
+/// The most run profiles [`Stats`] keeps until they are taken (older ones are dropped).
+const KEPT_PROFILES: usize = 1024;
 
 /// Counters shared by every run of a compiled function (atomic: runs may be
 /// concurrent).
@@ -12,6 +18,8 @@ pub struct Stats {
     bytes_allocated: AtomicU64,
     bytes_moved: AtomicU64,
     device: [AtomicU64; 6],
+    recording: AtomicBool,
+    profiles: Mutex<Vec<RunProfile>>,
 }
 
 /// A snapshot of [`Stats`].
@@ -88,6 +96,36 @@ impl Stats {
     /// Adds `count` to a device counter.
     pub(crate) fn device(&self, counter: DeviceCounter, count: u64) {
         self.device[counter as usize].fetch_add(count, Ordering::Relaxed);
+    }
+
+    /// Starts (or stops) keeping each host run's step timings, for
+    /// [`Stats::take_step_profiles`]. Off by default: runs then do not read the clock
+    /// per step (unless `NESTOR_PROFILE` prints them).
+    pub fn record_steps(&self, enabled: bool) {
+        self.recording.store(enabled, Ordering::Relaxed);
+    }
+
+    /// Whether runs keep their step timings.
+    pub fn recording_steps(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    /// The step timings of the runs since the last take, oldest first (at most the
+    /// last 1024 runs).
+    pub fn take_step_profiles(&self) -> Vec<RunProfile> {
+        std::mem::take(&mut *self.profiles.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Keeps a run's step timings while recording.
+    pub(crate) fn record(&self, profile: RunProfile) {
+        if !self.recording_steps() {
+            return;
+        }
+        let mut profiles = self.profiles.lock().unwrap_or_else(|e| e.into_inner());
+        if profiles.len() == KEPT_PROFILES {
+            profiles.remove(0);
+        }
+        profiles.push(profile);
     }
 
     /// The counters now.

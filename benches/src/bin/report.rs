@@ -20,6 +20,7 @@ use nestor_bench::limits::measure_limits;
 use nestor_bench::measure::{memory_counted, time};
 use nestor_bench::models::{run_model, Measurement, Model, Outcome, Precision};
 use nestor_bench::operators::{run_operator, Operator};
+use nestor_bench::profile::profile_training;
 use nestor_bench::pytorch::run_pytorch;
 use nestor_bench::report::{chart, chart_name, markdown, register_font, Context, Packing};
 use nestor_bench::{Result, Scale, OCCUPANCIES};
@@ -142,6 +143,16 @@ fn run() -> Result<()> {
             bar.inc(1);
         }
     }
+    // Where the encoder's compiled training step spends its time, at 35% occupancy.
+    let mut profiles = Vec::new();
+    if chosen_models.contains(&Model::Encoder) {
+        let index = 1;
+        for precision in Precision::ALL {
+            bar.set_message(format!("profiling the encoder's training ({precision:?})"));
+            let batch = (OCCUPANCIES[index], 100 + index as u64);
+            profiles.push(profile_training(Model::Encoder, &scale, batch, precision)?);
+        }
+    }
     let mut operators: Vec<Measurement> = Vec::new();
     for &operator in &chosen_operators {
         bar.set_message(operator.name());
@@ -170,7 +181,14 @@ fn run() -> Result<()> {
     let path = out.join("report.md");
     std::fs::write(
         &path,
-        markdown(&context, Some(&limits), &packing, &models, &operators),
+        markdown(
+            &context,
+            Some(&limits),
+            &packing,
+            &models,
+            &operators,
+            &profiles,
+        ),
     )?;
     eprintln!("report: wrote {}", path.display());
     Ok(())

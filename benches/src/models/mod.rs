@@ -220,8 +220,39 @@ pub struct Measurement {
 /// A step: runs once, returning the loss for training or the output for inference.
 pub type Step<'a> = Box<dyn FnMut() -> Result<Tensor> + 'a>;
 
-/// A compiled column's step and its compile counter.
-pub type CompiledStep<'a> = (Step<'a>, Box<dyn Fn() -> u64 + 'a>);
+/// What the suite asks of a compiled function besides its steps.
+pub trait CompiledHandle {
+    /// Programs compiled so far.
+    fn compiles(&self) -> u64;
+    /// Starts or stops timing its steps ([`nestor::Compiled::record_steps`]).
+    fn record_steps(&self, enabled: bool);
+    /// The step timings since the last take ([`nestor::Compiled::take_step_profiles`]).
+    fn take_step_profiles(&self) -> Vec<nestor::RunProfile>;
+}
+
+impl<O, F> CompiledHandle for nestor::Compiled<F>
+where
+    O: nestor::TraceOutputs,
+    F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<O>,
+{
+    fn compiles(&self) -> u64 {
+        self.stats().compiles
+    }
+
+    fn record_steps(&self, enabled: bool) {
+        nestor::Compiled::record_steps(self, enabled);
+    }
+
+    fn take_step_profiles(&self) -> Vec<nestor::RunProfile> {
+        nestor::Compiled::take_step_profiles(self)
+    }
+}
+
+/// A compiled function shared by its step and the suite.
+pub type Handle<'a> = std::rc::Rc<dyn CompiledHandle + 'a>;
+
+/// A compiled column's step and its function.
+pub type CompiledStep<'a> = (Step<'a>, Handle<'a>);
 
 /// The four columns of one model at one occupancy, ready to run.
 pub struct Columns<'a> {
@@ -482,12 +513,12 @@ impl Stepper {
         &self,
         function: nestor::Compiled<F>,
         inputs: Vec<&'a NestedTensor>,
-    ) -> (Step<'a>, Box<dyn Fn() -> u64 + 'a>)
+    ) -> CompiledStep<'a>
     where
         F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<Dense> + 'a,
     {
         let function = std::rc::Rc::new(function);
-        let counter = std::rc::Rc::clone(&function);
+        let handle: Handle<'a> = function.clone();
         let optimizer = std::rc::Rc::clone(&self.optimizer);
         let step: Step<'a> = Box::new(move || {
             let mut optimizer = optimizer.borrow_mut();
@@ -501,23 +532,23 @@ impl Stepper {
             optimizer.step();
             Ok(loss)
         });
-        (step, Box::new(move || counter.stats().compiles))
+        (step, handle)
     }
 }
 
 /// A compiled function called on `inputs` as a step (without gradients; `finish` turns
-/// its first result into the step's tensor), and its compile counter.
+/// its first result into the step's tensor), and the function.
 pub fn compiled_step<'a, O, F>(
     function: nestor::Compiled<F>,
     inputs: Vec<&'a NestedTensor>,
     finish: impl Fn(NestedTensor) -> Result<Tensor> + 'a,
-) -> (Step<'a>, Box<dyn Fn() -> u64 + 'a>)
+) -> CompiledStep<'a>
 where
-    O: nestor::TraceOutputs,
+    O: nestor::TraceOutputs + 'a,
     F: Fn(&[NestedTensor], &[Dense]) -> nestor::Result<O> + 'a,
 {
     let function = std::rc::Rc::new(function);
-    let counter = std::rc::Rc::clone(&function);
+    let handle: Handle<'a> = function.clone();
     let step: Step<'a> = Box::new(move || {
         let _no_grad = tch::no_grad_guard();
         let output = function.call(&inputs, &[])?;
@@ -527,7 +558,7 @@ where
             .ok_or("the function returned nothing")?;
         finish(first.into_nested()?)
     });
-    (step, Box::new(move || counter.stats().compiles))
+    (step, handle)
 }
 
 /// Times every column and measures its peak memory.
@@ -576,15 +607,15 @@ fn measure_columns(
 }
 
 /// What became of a compiled column before the timing: its first call's time and its
-/// compile counter (read after the timing), or the outcome of a model that did not
-/// compile.
-pub type CompiledColumn<'a> = std::result::Result<(f64, Box<dyn Fn() -> u64 + 'a>), Outcome>;
+/// function (whose compiles are read after the timing), or the outcome of a model that
+/// did not compile.
+pub type CompiledColumn<'a> = std::result::Result<(f64, Handle<'a>), Outcome>;
 
 /// Calls a compiled step once (it compiles) and, if it works, adds it to the `steps`
 /// to time as [`Column::NestorCompiled`].
 pub fn compiled_column<'a>(
     mut step: Step<'a>,
-    compiles: Box<dyn Fn() -> u64 + 'a>,
+    function: Handle<'a>,
     steps: &mut Vec<(Column, Step<'a>)>,
 ) -> CompiledColumn<'a> {
     let started = Instant::now();
@@ -593,20 +624,20 @@ pub fn compiled_column<'a>(
     }
     let seconds = started.elapsed().as_secs_f64();
     steps.push((Column::NestorCompiled, step));
-    Ok((seconds, compiles))
+    Ok((seconds, function))
 }
 
 /// Puts the compiled column's compile cost into its outcome, or its outcome in the
 /// table when it did not compile.
 pub fn finish_compiled(compiled: CompiledColumn<'_>, outcomes: &mut Vec<(Column, Outcome)>) {
     match compiled {
-        Ok((seconds, compiles)) => {
+        Ok((seconds, function)) => {
             for (column, outcome) in outcomes.iter_mut() {
                 if let (Column::NestorCompiled, Outcome::Measured { compile, .. }) =
                     (column, outcome)
                 {
                     *compile = Some(CompileCost {
-                        compiles: compiles(),
+                        compiles: function.compiles(),
                         seconds,
                     });
                 }

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use nestor_passes::{lower_with, FloatType, Limits, LowerOptions, Pipeline, Products};
 use nestor_runtime::{
-    Executable, HostRunner, HostValue, InputData, OutputSink, RunData, RunDim, RunOutput, RunShape,
-    Stats, StatsSnapshot,
+    Executable, HostRunner, HostValue, InputData, OutputSink, RunData, RunDim, RunOutput,
+    RunProfile, RunShape, Stats, StatsSnapshot,
 };
 use tch::{Kind, Tensor};
 
@@ -377,6 +377,42 @@ where
     /// Counters: compiles, cache hits, kernel launches, bytes allocated.
     pub fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
+    }
+
+    /// Starts (or stops) timing every step of the calls that run on the host, for
+    /// [`Compiled::take_step_profiles`]: each step's kind, label with the call's sizes,
+    /// seconds, the FLOPs of its products and the bytes it moved. Off by default (a
+    /// step is then not timed); `NESTOR_PROFILE=1` prints the same timings to stderr
+    /// for every compiled call of the process. Runs on a GPU or the simulated GPU are
+    /// not timed per step.
+    ///
+    /// ```
+    /// use nestor_frontend::{compile, Dense, NestedTensor, StepKind};
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let weight = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    /// let model = compile("ffn", |x: &[NestedTensor], _: &[Dense]| {
+    ///     x[0].linear(&weight, None)?.relu()
+    /// });
+    /// let batch = NestedTensor::from_tensors(&[
+    ///     Tensor::randn([3, 4], (Kind::Float, Device::Cpu)),
+    ///     Tensor::randn([5, 4], (Kind::Float, Device::Cpu)),
+    /// ])?;
+    /// model.record_steps(true);
+    /// model.call(&[&batch], &[])?;
+    /// let runs = model.take_step_profiles();
+    /// let gemm = runs[0].steps.iter().find(|step| step.kind == StepKind::Gemm).unwrap();
+    /// assert_eq!(gemm.flops, 2 * 8 * 4 * 8); // 8 rows of 4 inputs times 8 outputs
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
+    pub fn record_steps(&self, enabled: bool) {
+        self.stats.record_steps(enabled);
+    }
+
+    /// The step timings of the calls since the last take ([`Compiled::record_steps`]),
+    /// oldest first, one [`RunProfile`] per program run (at most the last 1024).
+    pub fn take_step_profiles(&self) -> Vec<RunProfile> {
+        self.stats.take_step_profiles()
     }
 
     /// The optimized graph compiled for these inputs' structure (compiling if needed).

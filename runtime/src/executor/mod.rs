@@ -1,19 +1,16 @@
 //! The executor: runs a compiled [`Program`] on host buffers. Sizes come from the
 //! lengths inputs of each run; intermediate buffers are reused once their last reader
 //! has run; each step runs through the backend's [`HostSteps`], which reads and writes
-//! the run's buffers ([`RunState`]). `NESTOR_PROFILE` prints per-step timings.
+//! the run's buffers ([`RunState`]). Runs time their steps when asked ([`profile`]).
 
 use nestor_ir::DType;
-use nestor_passes::step::{
-    AttentionGrad, Gemm, Insert, OneHot, PairGemm, RandomMask, Row, ScatterRows, Segment, SumRows,
-    Window,
-};
 use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, Step};
 use thiserror::Error;
 
 mod device;
 mod marshal;
 mod product;
+mod profile;
 mod run_state;
 mod sizes;
 
@@ -21,6 +18,7 @@ pub use device::{
     from_bf16, round_to_bf16, to_bf16, DeviceOutput, DeviceResults, DeviceSink, Gemms, KernelDevice,
 };
 pub use product::{BlasCall, BlasSizeError, Product};
+pub use profile::{RunProfile, StepKind, StepTiming};
 pub use run_state::{check_ids, mask_key, split_mix, step_error, RunState};
 pub use sizes::{LengthsInfo, Sizes};
 
@@ -478,9 +476,12 @@ impl Executable {
             None => self.sink_buffers(|_, _| None, &sizes, &shapes, (external, sunk), shape),
         }
         let mut moved: u64 = 0;
+        let timed = profile::wanted(stats);
+        let mut timings = Vec::with_capacity(if timed { program.steps.len() } else { 0 });
         for (step_index, step) in program.steps.iter().enumerate() {
             let out = step.output();
-            moved = moved.saturating_add(self.bytes_moved(step_index, &sizes));
+            let bytes = self.bytes_moved(step_index, &sizes);
+            moved = moved.saturating_add(bytes);
             if let Some(buffer) = external[out.0 as usize] {
                 pointers[out.0 as usize] = buffer;
             } else {
@@ -495,7 +496,7 @@ impl Executable {
                 pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
                 owned[out.0 as usize] = Some(buffer);
             }
-            let started = profile().then(std::time::Instant::now);
+            let started = timed.then(std::time::Instant::now);
             let state = RunState {
                 program,
                 pointers,
@@ -510,11 +511,8 @@ impl Executable {
             self.check_own_output(step_index, pointers, &sizes);
             self.steps.execute(step_index, step, &state)?;
             if let Some(started) = started {
-                eprintln!(
-                    "nestor profile: step {step_index} {:.1} us {}",
-                    started.elapsed().as_secs_f64() * 1e6,
-                    step_name(step)
-                );
+                let seconds = started.elapsed().as_secs_f64();
+                timings.push(profile::timing(program, step_index, &sizes, seconds, bytes));
             }
             // Buffers whose last reader was this step are free for the next steps.
             for slot in &self.frees[step_index] {
@@ -525,6 +523,7 @@ impl Executable {
         }
         stats.launched(program.steps.len() as u64);
         stats.moved(moved);
+        stats.record(RunProfile { steps: timings });
         let outputs = self.outputs(&sizes, shapes, pointers, sunk);
         sizes.recycle(offsets);
         Ok(outputs)
@@ -804,57 +803,6 @@ const UNWRITTEN: u64 = 0x7FF8_0000_7FC0_0000;
 /// Runs of every program of the process: the key that makes each run's random masks
 /// new.
 static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Whether `NESTOR_PROFILE` asks for per-step timings on stderr.
-fn profile() -> bool {
-    static PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PROFILE.get_or_init(|| std::env::var_os("NESTOR_PROFILE").is_some())
-}
-
-fn step_name(step: &Step) -> String {
-    match step {
-        Step::Pointwise(_) => "pointwise".into(),
-        Step::Gemm(Gemm { rows, k, n, .. }) => format!("gemm k={k} n={n} rows={rows:?}"),
-        Step::Row(Row { kind, .. }) => format!("row {kind:?}"),
-        Step::Segment(Segment { kind, .. }) => format!("segment {kind:?}"),
-        Step::Attention(_) => "attention".into(),
-        Step::PairGemm(PairGemm {
-            width,
-            mix,
-            distance,
-            ..
-        }) => match distance {
-            Some(p) => format!("cdist width={width} p={}", p.0),
-            None => format!("pair_gemm width={width} mix={mix}"),
-        },
-        Step::Window(Window {
-            kind,
-            channels,
-            width,
-            window,
-            groups,
-            ..
-        }) => format!(
-            "window {kind:?} {channels}->{width} kernel={:?} stride={:?} groups={groups}",
-            window.kernel, window.stride
-        ),
-        Step::Gather(_) => "gather".into(),
-        Step::SumRows(SumRows { m, n, .. }) => format!("sum_rows m={m} n={n}"),
-        Step::LengthValues(_) => "length_values".into(),
-        Step::OneHot(OneHot { classes, .. }) => format!("one_hot classes={classes}"),
-        Step::Insert(Insert { size, .. }) => format!("insert size={size}"),
-        Step::RandomMask(RandomMask { p, .. }) => format!("random_mask p={}", p.0),
-        Step::AttentionGrad(AttentionGrad { part, .. }) => format!("attention_grad {part:?}"),
-        Step::ScatterRows(ScatterRows {
-            vocabulary, width, ..
-        }) => {
-            format!("scatter_rows vocabulary={vocabulary} width={width}")
-        }
-        Step::Host(_) => "host".into(),
-        Step::Pad(_) => "pad".into(),
-        Step::Unpad(_) => "unpad".into(),
-    }
-}
 
 /// `bytes` if a step may allocate them at once (a count that overflowed is `None`): an
 /// [`RuntimeError::OutOfMemory`] naming step `step` and `what` otherwise.

@@ -164,7 +164,7 @@ unsafe fn gemm_rows<T: Gemm>(
 /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1, the column
 /// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean). Large
 /// products split the output rows across the cores; column sums add the partial sums of
-/// blocks of [`SUM_BLOCK_ROWS`] rows (split across the cores when large) in order, so
+/// blocks of [`SUM_BLOCK_ROWS`] rows or more (split across the cores when large) in order, so
 /// the result does not depend on the split. Products' operands are as `products` says.
 ///
 /// # Safety
@@ -231,7 +231,8 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
         let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
         // Partial sums of blocks of a fixed number of rows, added in block order: the
         // same arithmetic however many threads share the blocks.
-        let blocks: Vec<&[T]> = b.chunks(SUM_BLOCK_ROWS * n).collect();
+        let block_rows = SUM_BLOCK_ROWS.max(SUM_BLOCK_VALUES / n);
+        let blocks: Vec<&[T]> = b.chunks(block_rows * n).collect();
         let threads = if parallel { threads } else { 1 };
         if threads > 1 && blocks.len() > 1 {
             crate::Parallelism::count_split();
@@ -256,8 +257,12 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
     finish_mean(out, rows, mean)
 }
 
-/// Rows per block of a column sum.
-const SUM_BLOCK_ROWS: usize = 1024;
+/// Rows per block of a column sum (blocks enough for the cores from a few hundred rows)
+/// ...
+const SUM_BLOCK_ROWS: usize = 256;
+/// ... unless the block would hold fewer values than this (narrow sums: a block's own
+/// costs would outweigh its adds).
+const SUM_BLOCK_VALUES: usize = 1 << 16;
 
 /// Divides the sums in `out` by `rows` when they are to be a `mean`.
 fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {
@@ -267,50 +272,56 @@ fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {
     }
 }
 
-/// Widths from which [`column_sums`] adds whole rows at a time.
-const WIDE_ROWS: usize = 64;
+/// Columns [`column_sums`] adds at a time, their sums in registers (four AVX-512
+/// vectors of f32; a row's 64 values are four whole cache lines).
+const SUM_LANES: usize = 64;
 
-/// The sums of the columns of `values`, rows of `width` (at least 1).
+/// The sums of the columns of `values`, rows of `width` (at least 1): each column added
+/// row by row, in order, [`SUM_LANES`] columns at a time with their sums in registers
+/// (rather than a row's worth of sums in memory, each row's adds waiting on the last
+/// row's stores), compiled for the widest vectors of the host.
 pub(super) fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
     if width == 1 {
         return vec![crate::scalar::sum_of(values)];
     }
     let mut sums = vec![T::ZERO; width];
-    if width >= WIDE_ROWS {
-        // Row by row into a row's worth of sums (in L1; a row's adds wait on stores a
-        // whole row back): one pass over the values in order, where eight columns at a
-        // time read every row once per eight columns, 4 KiB apart (1.8 ms for
-        // 1388 x 1024 f32 on a Xeon). The same sums: each column row by row, in order.
-        for row in values.chunks_exact(width) {
-            for (sum, &value) in sums.iter_mut().zip(row) {
-                *sum += value;
-            }
-        }
-        return sums;
-    }
-    // Eight columns at a time, their sums in registers (rather than a row's worth in
-    // memory, each row's adds waiting on the last row's stores); each column is still
-    // added row by row, in order.
-    const LANES: usize = 8;
-    for (first, sums) in (0..width).step_by(LANES).zip(sums.chunks_mut(LANES)) {
-        let mut lanes = [T::ZERO; LANES];
-        if sums.len() == LANES {
-            for row in values.chunks_exact(width) {
-                let row = &row[first..first + LANES];
-                for lane in 0..LANES {
-                    lanes[lane] += row[lane];
+    crate::vectors::widest(
+        #[inline(always)]
+        || {
+            for (first, sums) in (0..width)
+                .step_by(SUM_LANES)
+                .zip(sums.chunks_mut(SUM_LANES))
+            {
+                if sums.len() == SUM_LANES {
+                    sums.copy_from_slice(&chunk_sums::<T, SUM_LANES>(values, width, first));
+                } else {
+                    // The last, narrower columns: in registers of eight, then one by one.
+                    for (first, sums) in (first..width).step_by(8).zip(sums.chunks_mut(8)) {
+                        if sums.len() == 8 {
+                            sums.copy_from_slice(&chunk_sums::<T, 8>(values, width, first));
+                        } else {
+                            for (column, sum) in sums.iter_mut().enumerate() {
+                                *sum = chunk_sums::<T, 1>(values, width, first + column)[0];
+                            }
+                        }
+                    }
                 }
             }
-        } else {
-            for row in values.chunks_exact(width) {
-                for (lane, &value) in lanes.iter_mut().zip(&row[first..]) {
-                    *lane += value;
-                }
-            }
-        }
-        sums.copy_from_slice(&lanes[..sums.len()]);
-    }
+        },
+    );
     sums
+}
+
+/// The sums of columns `first..first + N` of `values` (rows of `width`), row by row.
+#[inline(always)]
+fn chunk_sums<T: Scalar, const N: usize>(values: &[T], width: usize, first: usize) -> [T; N] {
+    let mut lanes = [T::ZERO; N];
+    for row in values.chunks_exact(width) {
+        for (lane, &value) in lanes.iter_mut().zip(&row[first..first + N]) {
+            *lane += value;
+        }
+    }
+    lanes
 }
 
 /// The buffers of a row sum, shared by the tasks of its output chunks.
@@ -364,7 +375,7 @@ mod tests {
 
     proptest! {
         /// Column sums of two or more columns add each column's values row by row, in
-        /// order, whatever the width (lanes of eight and a remainder): bit for bit a
+        /// order, whatever the width (chunks of 64, of eight, then one by one): bit for bit a
         /// plain loop's sums. (One column is `scalar::sum_of`, summed in lanes.)
         #[test]
         fn column_sums_add_each_column_in_row_order(

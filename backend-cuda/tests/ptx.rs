@@ -24,7 +24,7 @@ fn shuffles(module: &nestor_backend_cuda::PtxModule, step: usize) -> usize {
         .count()
 }
 
-/// Row kernels (norms, softmax, reductions over the last dim), segmented kernels
+/// Row kernels (norms and their gradients, softmax, reductions over the last dim), segmented kernels
 /// (softmax and reductions over the ragged dim), a gather, GEMMs with and without
 /// epilogues and a norm prologue.
 const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
@@ -82,7 +82,9 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
   %51 = topk(%1) {axis = -1, k = 3, largest = true} : ragged<f32>[B; %0, 3]
   %52 = argtopk(%1) {axis = 2, k = 2, largest = false} : ragged<i64>[B; %0, 2]
   %53 = topk_grad(%51, %1) {axis = -1, k = 3, largest = true} : ragged<f32>[B; %0, 8]
-  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53
+  %54 = norm_grad(%1, %9) {eps = 1e-5, centered = true, part = input} : ragged<f32>[B; %0, 8]
+  %55 = norm_grad(%1, %9) {eps = 1e-6, centered = false, part = weight} : ragged<f32>[B; %0, 8]
+  return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55
 }
 "#;
 
@@ -103,7 +105,9 @@ const WIDE_ROWS: &str = r#"graph @wide_rows {
   %11 = amax(%2) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
   %12 = softmax(%2) {axis = 1} : ragged<f32>[B; %0, 3000]
   %13 = sum(%2) {dims = [1], keepdim = false} : f32[B, 3000]
-  return %4, %5, %6, %7, %8, %9, %10, %11, %12, %13
+  %14 = norm_grad(%1, %5) {eps = 1e-5, centered = true, part = input} : ragged<f32>[B; %0, 1000]
+  %15 = norm_grad(%2, %8) {eps = 1e-5, centered = true, part = input} : ragged<f32>[B; %0, 3000]
+  return %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15
 }
 "#;
 

@@ -44,8 +44,8 @@ pub use fused::FusedExpr;
 pub use graph::{Graph, Node, ValueId, VerifyError};
 pub use infer::{fused_type, window_output_size, with_inserted_dims, Window2d};
 pub use op::{
-    AttentionGradPart, Attr, BinaryOp, LossReduction, Op, OpFamily, PoolKind, ReduceOp, UnaryOp,
-    F64,
+    AttentionGradPart, Attr, BinaryOp, LossReduction, NormGradPart, Op, OpFamily, PoolKind,
+    ReduceOp, UnaryOp, F64,
 };
 pub use slice::SliceBounds;
 pub use text::{parse, print, ParseError};

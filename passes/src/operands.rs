@@ -3,7 +3,7 @@
 //! the pointwise expressions fused into kernels ([`Expr`], [`Fusion`]), and the kinds
 //! of row, segmented and window kernels.
 
-use nestor_ir::{BinaryOp, SliceBounds, UnaryOp, F64};
+use nestor_ir::{BinaryOp, NormGradPart, SliceBounds, UnaryOp, F64};
 
 /// A buffer of a program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -382,6 +382,15 @@ pub enum RowKind {
     },
     /// An order kernel along the row (one thread a row).
     Order(Order),
+    /// The gradient of layer norm (`centered`) or RMS norm without its affine part
+    /// (`nestor_ir::Op::NormGrad`): `x` the cotangent, `keys` the norm's input, whose
+    /// mean and `rstd` each row recomputes.
+    NormGrad {
+        /// Layer norm rather than RMS norm.
+        centered: bool,
+        /// Which gradient.
+        part: NormGradPart,
+    },
 }
 
 /// Kernels that order the values along a line: a row's columns, or one column of an

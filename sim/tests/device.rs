@@ -516,7 +516,8 @@ fn rows_of_several_passes_read_their_input_once_on_the_gpu() {
 #[test]
 fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
     // 1000 values a row: a warp's, 32 a lane in registers; 3000: a block's, its warps'
-    // values combined through shared memory. Every kind of row kernel, against the CPU
+    // values combined through shared memory. Every kind of row kernel (norms' gradients
+    // included), against the CPU
     // (`traffic_of` compares them), on the CUDA device's grid.
     use nestor_runtime::InputData;
     use nestor_sim::SimDevice;
@@ -534,7 +535,10 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
   %8 = mean(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
   %9 = amax(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
   %10 = amin(%1) {{dims = [-1], keepdim = false}} : ragged<f32>[B; %0]
-  return %3, %4, %5, %6, %7, %8, %9, %10
+  %11 = norm_grad(%1, %5) {{eps = 1e-5, centered = true, part = input}} : ragged<f32>[B; %0, {width}]
+  %12 = norm_grad(%1, %5) {{eps = 1e-6, centered = false, part = input}} : ragged<f32>[B; %0, {width}]
+  %13 = norm_grad(%1, %5) {{eps = 1e-5, centered = true, part = weight}} : ragged<f32>[B; %0, {width}]
+  return %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13
 }}"#
         );
         let executable = executable_of(&text);

@@ -18,6 +18,7 @@ use inkwell::context::Context;
 use inkwell::module::Module;
 use inkwell::values::{FloatValue, IntValue, PointerValue};
 use inkwell::FloatPredicate;
+use nestor_ir::NormGradPart;
 use nestor_passes::step::AttentionPart;
 use nestor_passes::step::{
     Attention, AttentionGrad, Gemm, Insert, OneHot, Pad, PairGemm, Pointwise, RandomMask, Row,

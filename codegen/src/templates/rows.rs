@@ -19,7 +19,11 @@ pub(super) fn row<'ctx>(
     let n = kernel.constant(width as f64);
     let passes = matches!(
         kind,
-        RowKind::LayerNorm | RowKind::RmsNorm | RowKind::Softmax | RowKind::LogSoftmax
+        RowKind::LayerNorm
+            | RowKind::RmsNorm
+            | RowKind::Softmax
+            | RowKind::LogSoftmax
+            | RowKind::NormGrad { .. }
     );
     // A row is a warp's on a GPU (its lanes share the columns; a block's for rows over
     // `BLOCK_ROW_WIDTH`; a thread's for a scan, whose columns run in order), one
@@ -132,6 +136,53 @@ pub(super) fn row<'ctx>(
                     kept_load: &kept_load,
                 };
                 order_line(kernel, order, out, &line)
+            }
+            RowKind::NormGrad { centered, part } => {
+                let keys = keys.ok_or_else(|| {
+                    crate::CodegenError::new("a norm's gradient reads the norm's input as its keys")
+                })?;
+                // The row's statistics, recomputed from the norm's input `x` (the keys).
+                let x_at = |column| kernel.load_float(keys, at(column)?);
+                let mean = if centered {
+                    kernel.fdiv(row_values.sum(|column, _| x_at(column))?, n)?
+                } else {
+                    kernel.constant(0.0)
+                };
+                let deviation = |column| kernel.fsub(x_at(column)?, mean);
+                let variance = kernel.fdiv(
+                    row_values.sum(|column, _| {
+                        let centered = deviation(column)?;
+                        kernel.fmul(centered, centered)
+                    })?,
+                    n,
+                )?;
+                let root = kernel
+                    .intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
+                let rstd = kernel.fdiv(kernel.constant(1.0), root)?;
+                let normalized = |column| kernel.fmul(deviation(column)?, rstd);
+                match part {
+                    // g xhat.
+                    NormGradPart::Weight => row_values.each(|column, g| {
+                        kernel.store_float(out, at(column)?, kernel.fmul(g, normalized(column)?)?)
+                    }),
+                    // rstd (g - mean(g) - xhat mean(g xhat)).
+                    NormGradPart::Input => {
+                        let shift = if centered {
+                            kernel.fdiv(row_values.sum(|_, g| Ok(g))?, n)?
+                        } else {
+                            kernel.constant(0.0)
+                        };
+                        let projection = kernel.fdiv(
+                            row_values.sum(|column, g| kernel.fmul(g, normalized(column)?))?,
+                            n,
+                        )?;
+                        row_values.each(|column, g| {
+                            let along = kernel.fmul(normalized(column)?, projection)?;
+                            let inner = kernel.fsub(kernel.fsub(g, shift)?, along)?;
+                            kernel.store_float(out, at(column)?, kernel.fmul(rstd, inner)?)
+                        })
+                    }
+                }
             }
             RowKind::LogSumExp => {
                 let shift = finite_shift(kernel, row_values.extreme((true, false))?)?;

@@ -128,6 +128,16 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             float(&x).map(|_| x)
         }
+        Op::NormGrad { x, g, .. } => {
+            let (x, g) = (ty(*x), ty(*g));
+            if x != g {
+                return Err(format!(
+                    "the cotangent must be of the input's type {x}, got {g}"
+                ));
+            }
+            static_tail(&x, 1)?;
+            float(&x).map(|_| x)
+        }
         Op::RmsNorm {
             x, weight, dims, ..
         } => {

@@ -4,7 +4,9 @@
 //! [`OpKind`] names ops after a field (`unary` ops are named by their function).
 //! `#[derive(OpTable)]` (in `nestor-ir-derive`) calls these for every field of every op.
 
-use crate::{AttentionGradPart, Attr, DType, FusedExpr, Graph, LossReduction, ValueId, F64};
+use crate::{
+    AttentionGradPart, Attr, DType, FusedExpr, Graph, LossReduction, NormGradPart, ValueId, F64,
+};
 
 /// How many operands a field reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,7 +319,7 @@ macro_rules! word_fields {
         }
     )*};
 }
-word_fields!(LossReduction, AttentionGradPart);
+word_fields!(LossReduction, AttentionGradPart, NormGradPart);
 
 impl OpField for FusedExpr {
     fn to_attr(&self) -> Option<Attr> {

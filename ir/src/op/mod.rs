@@ -204,6 +204,17 @@ pub enum AttentionGradPart {
     All,
 }
 
+/// Which gradient an [`Op::NormGrad`] gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NormGradPart {
+    /// the input's: `rstd (g - mean(g) - xhat mean(g xhat))` per row (no `mean(g)` for
+    /// RMS norm), `g` the output's cotangent times the weight
+    Input,
+    /// `g xhat` per value, whose column sums are the weight's gradient (`g` the output's
+    /// cotangent)
+    Weight,
+}
+
 /// Pooling kinds for per-element bodies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolKind {
@@ -264,6 +275,7 @@ word_enum!(ReduceOp {
 });
 word_enum!(LossReduction { Mean => "mean", Sum => "sum", None => "none" });
 word_enum!(AttentionGradPart { Queries => "queries", KeysValues => "keys_values", All => "all" });
+word_enum!(NormGradPart { Input => "input", Weight => "weight" });
 word_enum!(PoolKind { Max => "max_pool2d", Avg => "avg_pool2d" });
 op_kind!(UnaryOp, BinaryOp, ReduceOp, PoolKind);
 
@@ -399,6 +411,23 @@ pub enum Op {
         dims: usize,
         /// Epsilon.
         eps: F64,
+    },
+    /// The gradient of layer norm (`centered`) or RMS norm over the last dim of `x`
+    /// without its affine part, as [`NormGradPart`] says, with `xhat` the normalized
+    /// `x`: its mean and `rstd = 1 / sqrt(var + eps)` recomputed from `x` row by row
+    /// (one row kernel; nothing of the forward is kept).
+    #[op(name = "norm_grad", family = Norm)]
+    NormGrad {
+        /// The norm's input.
+        x: ValueId,
+        /// The cotangent (times the weight for the input's gradient), of `x`'s type.
+        g: ValueId,
+        /// Epsilon.
+        eps: F64,
+        /// Layer norm (centered) rather than RMS norm.
+        centered: bool,
+        /// Which gradient.
+        part: NormGradPart,
     },
     /// Batch normalization by given per-channel statistics (the batch's own, which
     /// traced models compute with reductions, or eval mode's running ones): each channel

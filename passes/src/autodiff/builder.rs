@@ -193,11 +193,6 @@ impl Builder {
         })
     }
 
-    /// The sum (or mean) of `x` over its last dim, kept as size 1.
-    pub(super) fn last_dim(&mut self, op: ReduceOp, x: ValueId) -> Result<ValueId, AutodiffError> {
-        self.reduce(op, x, vec![-1], true)
-    }
-
     /// `x` spread over the shape of `like` (size-1 dims inserted at `dims` first).
     pub(super) fn expand(
         &mut self,

@@ -5,8 +5,8 @@
 //! NaN and ties included where the forward op defines them.
 
 use nestor_ir::{
-    AttentionGradPart, BinaryOp, DType, Dim, ElemDim, Op, OpFamily, ReduceOp, Type, UnaryOp,
-    ValueId, F64,
+    AttentionGradPart, BinaryOp, DType, Dim, ElemDim, NormGradPart, Op, OpFamily, ReduceOp, Type,
+    UnaryOp, ValueId, F64,
 };
 
 use super::builder::{rank, Builder};
@@ -650,6 +650,7 @@ fn norm(
             dims,
             eps,
         } => normalization(b, (x, weight, None), dims, eps.0, false, g, wants),
+        Op::NormGrad { .. } => Err(b.no_rule("the gradient of a norm's gradient")),
         _ => Err(b.no_rule("no rule for this op yet")),
     }
 }
@@ -703,9 +704,10 @@ fn cumprod_gradient(
     b.select(before, early, rest)
 }
 
-/// Layer norm (`centered`) or RMS norm over the last dim: the normalized input is
-/// recomputed, then `dx = rstd (gw - mean(gw) - xhat mean(gw xhat))` (no `mean(gw)` term
-/// for RMS norm), `dw = sum(g xhat)`, `db = sum(g)` over the rows.
+/// Layer norm (`centered`) or RMS norm over the last dim: `dx = rstd (gw - mean(gw) -
+/// xhat mean(gw xhat))` (no `mean(gw)` term for RMS norm) and the products `g xhat`
+/// whose column sums are `dw`, each one row kernel that recomputes the row's statistics
+/// ([`Op::NormGrad`]); `db = sum(g)` over the rows.
 #[allow(clippy::too_many_arguments)]
 fn normalization(
     b: &mut Builder,
@@ -719,36 +721,25 @@ fn normalization(
     if dims != 1 {
         return Err(b.no_rule("the gradient of a norm over more than the last dim"));
     }
-    let deviation = if centered {
-        let mean = b.last_dim(ReduceOp::Mean, x)?;
-        b.sub(x, mean)?
-    } else {
-        x
-    };
-    let square = b.mul(deviation, deviation)?;
-    let variance = b.last_dim(ReduceOp::Mean, square)?;
-    let epsilon = b.constant(eps, x)?;
-    let shifted = b.add(variance, epsilon)?;
-    let rstd = b.unary(UnaryOp::Rsqrt, shifted)?;
-    let normalized = b.mul(deviation, rstd)?;
-    let scaled = match weight {
-        Some(weight) => b.mul(g, weight)?,
-        None => g,
+    let gradient = |b: &mut Builder, g: ValueId, part: NormGradPart| {
+        b.push(Op::NormGrad {
+            x,
+            g,
+            eps: F64(eps),
+            centered,
+            part,
+        })
     };
     let mut out = Vec::new();
     if wants(x) {
-        let weighted = b.mul(scaled, normalized)?;
-        let projection = b.last_dim(ReduceOp::Mean, weighted)?;
-        let along = b.mul(normalized, projection)?;
-        let mut inner = b.sub(scaled, along)?;
-        if centered {
-            let mean = b.last_dim(ReduceOp::Mean, scaled)?;
-            inner = b.sub(inner, mean)?;
-        }
-        out.push((x, b.mul(rstd, inner)?));
+        let scaled = match weight {
+            Some(weight) => b.mul(g, weight)?,
+            None => g,
+        };
+        out.push((x, gradient(b, scaled, NormGradPart::Input)?));
     }
     if let Some(weight) = weight.filter(|&weight| wants(weight)) {
-        let product = b.mul(g, normalized)?;
+        let product = gradient(b, g, NormGradPart::Weight)?;
         out.push((weight, b.unbroadcast(product, weight)?));
     }
     if let Some(bias) = bias.filter(|&bias| wants(bias)) {

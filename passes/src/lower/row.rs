@@ -34,6 +34,34 @@ impl Lowering<'_> {
                 dims,
                 eps,
             } => self.row(value, ty, RowKind::RmsNorm, *x, *weight, None, *dims, eps.0),
+            Op::NormGrad {
+                x,
+                g,
+                eps,
+                centered,
+                part,
+            } => {
+                // A row kernel over the cotangent `g` that reads the norm's input `x` as
+                // its keys.
+                let kind = RowKind::NormGrad {
+                    centered: *centered,
+                    part: *part,
+                };
+                let lowered = self.row(value, ty, kind, *g, None, None, 1, eps.0)?;
+                let (x_slot, ..) = self.data(value, *x)?;
+                // `row` has just pushed the row step.
+                match self.program.steps.last_mut() {
+                    Some(Step::Row(row)) => row.keys = Some(x_slot),
+                    _ => {
+                        return Err(unsupported(
+                            value,
+                            self.graph.op(value),
+                            "a norm's gradient lowered to no row kernel",
+                        ))
+                    }
+                }
+                Ok(lowered)
+            }
             Op::Softmax { x, axis, log } => {
                 if let Some(lowered) = self.pair_softmax(value, ty, *x, *axis, *log)? {
                     return Ok(lowered);

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use nestor_ir::{
-    AttentionGradPart, BinaryOp, Dim, ElemDim, FusedExpr, Graph, LossReduction as IrLoss, Op,
-    OpFamily, PoolKind, ReduceOp, Type, UnaryOp, ValueId,
+    AttentionGradPart, BinaryOp, Dim, ElemDim, FusedExpr, Graph, LossReduction as IrLoss,
+    NormGradPart, Op, OpFamily, PoolKind, ReduceOp, Type, UnaryOp, ValueId,
 };
 use tch::{Kind, Reduction, Tensor};
 

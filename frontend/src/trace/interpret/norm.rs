@@ -29,6 +29,49 @@ impl Interpreter<'_> {
                     )?),
                 }
             }
+            Op::NormGrad {
+                x,
+                g,
+                eps,
+                centered,
+                part,
+            } => {
+                // Over the last dim of the values, in f32 as the row kernel computes.
+                let values = |value: ValueId| -> Result<Tensor> {
+                    Ok(match self.get(value) {
+                        Value::Nested(nested) => nested.packed().shallow_clone(),
+                        _ => self.dense(value)?.shallow_clone(),
+                    })
+                };
+                let kind = values(*x)?.kind();
+                let x_values = values(*x)?.f_to_kind(Kind::Float)?;
+                let g_values = values(*g)?.f_to_kind(Kind::Float)?;
+                let row_mean = |t: &Tensor| t.f_mean_dim(-1, true, None::<Kind>);
+                let deviation = if *centered {
+                    x_values.f_sub(&row_mean(&x_values)?)?
+                } else {
+                    x_values.shallow_clone()
+                };
+                let variance = row_mean(&deviation.f_square()?)?;
+                let rstd = variance.f_add_scalar(eps.0)?.f_rsqrt()?;
+                let normalized = deviation.f_mul(&rstd)?;
+                let gradient = match part {
+                    NormGradPart::Weight => g_values.f_mul(&normalized)?,
+                    NormGradPart::Input => {
+                        let projection = row_mean(&g_values.f_mul(&normalized)?)?;
+                        let mut inner = g_values.f_sub(&normalized.f_mul(&projection)?)?;
+                        if *centered {
+                            inner = inner.f_sub(&row_mean(&g_values)?)?;
+                        }
+                        inner.f_mul(&rstd)?
+                    }
+                }
+                .f_to_kind(kind)?;
+                match self.get(*x) {
+                    Value::Nested(nested) => Value::Nested(nested.with_values(gradient)),
+                    _ => Value::Dense(gradient),
+                }
+            }
             Op::RmsNorm {
                 x,
                 weight,

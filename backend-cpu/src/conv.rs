@@ -210,8 +210,6 @@ pub(super) struct GradPlan<'a, T> {
     /// The output's gradient, rows of `lanes` values (output channels padded to a
     /// multiple of [`LANES`]).
     pub(super) g: &'a [T],
-    /// Input rows under each output pixel's taps (-1 outside its image).
-    pub(super) taps: &'a [i64],
     pub(super) per_window: usize,
     pub(super) channels: usize,
     pub(super) lanes: usize,
@@ -222,8 +220,13 @@ unsafe impl<T: Sync> Sync for GradPlan<'_, T> {}
 
 impl<T: Scalar> GradPlan<'_, T> {
     /// The sums over output pixels `first..last` into `partial` (`[taps, channels,
-    /// lanes]`, written whole).
-    pub(super) fn block(&self, (first, last): (usize, usize), partial: &mut [T]) {
+    /// lanes]`, written whole), `taps` the input rows under those pixels' taps (-1
+    /// outside their image; `per_window` a pixel, from pixel `first` on).
+    pub(super) fn block(&self, (first, last): (usize, usize), taps: &[i64], partial: &mut [T]) {
+        if taps.len() < (last - first) * self.per_window {
+            // Not taps for every pixel: nothing is summed (callers give them all).
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
             // SAFETY: `T` is `f32` (checked just above): the same types.
@@ -235,18 +238,19 @@ impl<T: Scalar> GradPlan<'_, T> {
             };
             if std::is_x86_feature_detected!("avx512f") {
                 // The CPU has AVX-512 (checked just above).
-                return unsafe { plan.block_avx512((first, last), partial) };
+                return unsafe { plan.block_avx512((first, last), taps, partial) };
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 // The CPU has AVX2 and FMA (checked just above).
-                return unsafe { plan.block_avx2((first, last), partial) };
+                return unsafe { plan.block_avx2((first, last), taps, partial) };
             }
         }
         // Portable code (any type, any CPU).
-        unsafe { self.block_with::<[T; LANES], 4>((first, last), partial) }
+        unsafe { self.block_with::<[T; LANES], 4>((first, last), taps, partial) }
     }
 
-    /// [`GradPlan::block`] with sums held as `V`, `CH` input channels at a time.
+    /// [`GradPlan::block`] with sums held as `V`, `CH` input channels at a time (or,
+    /// for fewer channels, [`GradPlan::taps_at_once`]).
     ///
     /// # Safety
     /// The CPU must run `V`'s instructions.
@@ -254,16 +258,20 @@ impl<T: Scalar> GradPlan<'_, T> {
     unsafe fn block_with<V: Lanes<T>, const CH: usize>(
         &self,
         (first, last): (usize, usize),
+        taps: &[i64],
         partial: &mut [T],
     ) {
         let (channels, lanes) = (self.channels, self.lanes);
+        if (1..CH.min(9)).contains(&channels) {
+            return unsafe { self.taps_at_once::<V, CH>((first, last), taps, partial) };
+        }
         for t in 0..self.per_window {
             for block in (0..lanes).step_by(LANES) {
                 for c0 in (0..channels).step_by(CH) {
                     let count = (channels - c0).min(CH);
                     let mut sums = [unsafe { V::splat(T::ZERO) }; CH];
                     for r in first..last {
-                        let source = self.taps[r * self.per_window + t];
+                        let source = taps[(r - first) * self.per_window + t];
                         if source < 0 {
                             continue;
                         }
@@ -272,8 +280,13 @@ impl<T: Scalar> GradPlan<'_, T> {
                         unsafe {
                             let g = V::load(self.g.as_ptr().add(r * lanes + block));
                             let pixel = self.x.add(source as usize * channels + c0);
-                            for (c, sum) in sums.iter_mut().enumerate() {
-                                if c < count {
+                            if count == CH {
+                                // A whole chunk: no test per channel.
+                                for (c, sum) in sums.iter_mut().enumerate() {
+                                    *sum = sum.add_product(V::splat(*pixel.add(c)), g);
+                                }
+                            } else {
+                                for (c, sum) in sums.iter_mut().enumerate().take(count) {
                                     *sum = sum.add_product(V::splat(*pixel.add(c)), g);
                                 }
                             }
@@ -290,6 +303,88 @@ impl<T: Scalar> GradPlan<'_, T> {
     }
 }
 
+impl<T: Scalar> GradPlan<'_, T> {
+    /// [`GradPlan::block_with`] for fewer than `CH` input channels (an image's first
+    /// convolution: 3): the sums of `CH / channels` taps' channels at once, so that each
+    /// pixel's gradient row is loaded once for up to `CH` products rather than once for
+    /// `channels`. Each sum still adds its pixels in order (the same values).
+    ///
+    /// # Safety
+    /// The CPU must run `V`'s instructions; `0 < channels < CH`.
+    #[inline(always)]
+    unsafe fn taps_at_once<V: Lanes<T>, const CH: usize>(
+        &self,
+        rows: (usize, usize),
+        taps: &[i64],
+        partial: &mut [T],
+    ) {
+        // The channel count as a constant, so that each sum is a register.
+        unsafe {
+            match self.channels {
+                1 => self.taps_of::<V, CH, 1>(rows, taps, partial),
+                2 => self.taps_of::<V, CH, 2>(rows, taps, partial),
+                3 => self.taps_of::<V, CH, 3>(rows, taps, partial),
+                4 => self.taps_of::<V, CH, 4>(rows, taps, partial),
+                5 => self.taps_of::<V, CH, 5>(rows, taps, partial),
+                6 => self.taps_of::<V, CH, 6>(rows, taps, partial),
+                7 => self.taps_of::<V, CH, 7>(rows, taps, partial),
+                _ => self.taps_of::<V, CH, 8>(rows, taps, partial),
+            }
+        }
+    }
+
+    /// [`GradPlan::taps_at_once`] for `C` channels (8 for 8: `channels <= C`, each tap's
+    /// sums the first `channels` of its `C`).
+    ///
+    /// # Safety
+    /// As [`GradPlan::taps_at_once`]; `channels <= C < CH`.
+    #[inline(always)]
+    unsafe fn taps_of<V: Lanes<T>, const CH: usize, const C: usize>(
+        &self,
+        (first, last): (usize, usize),
+        table: &[i64],
+        partial: &mut [T],
+    ) {
+        let (channels, lanes, per_window) = (self.channels, self.lanes, self.per_window);
+        let group = (CH / C).max(1);
+        for t0 in (0..per_window).step_by(group) {
+            let taps = (per_window - t0).min(group);
+            for block in (0..lanes).step_by(LANES) {
+                let mut sums = [unsafe { V::splat(T::ZERO) }; CH];
+                for r in first..last {
+                    // SAFETY: `table` holds `per_window` rows per pixel (`t0 + j` is below
+                    // `per_window`), `g` `lanes` values per pixel; the taps name rows of
+                    // `x` of `channels` values.
+                    unsafe {
+                        let row_taps = table.as_ptr().add((r - first) * per_window + t0);
+                        let g = V::load(self.g.as_ptr().add(r * lanes + block));
+                        for (j, tap_sums) in sums.chunks_exact_mut(C).enumerate() {
+                            let source = *row_taps.add(j.min(taps - 1));
+                            if j >= taps || source < 0 {
+                                continue;
+                            }
+                            let pixel = self.x.add(source as usize * channels);
+                            for (c, sum) in tap_sums.iter_mut().enumerate() {
+                                if C == channels || c < channels {
+                                    *sum = sum.add_product(V::splat(*pixel.add(c)), g);
+                                }
+                            }
+                        }
+                    }
+                }
+                for j in 0..taps {
+                    for c in 0..channels {
+                        // Sum (tap t0 + j, channel c).
+                        let at = ((t0 + j) * channels + c) * lanes + block;
+                        // SAFETY: `partial` holds `taps * channels * lanes` values.
+                        unsafe { sums[j * C + c].store(partial.as_mut_ptr().add(at), LANES) };
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 impl GradPlan<'_, f32> {
     /// [`GradPlan::block`] for f32 on AVX-512: 16 input channels x 16 output channels
@@ -298,8 +393,8 @@ impl GradPlan<'_, f32> {
     /// # Safety
     /// The CPU must support AVX-512F.
     #[target_feature(enable = "avx512f")]
-    unsafe fn block_avx512(&self, rows: (usize, usize), partial: &mut [f32]) {
-        unsafe { self.block_with::<x86::Zmm, 16>(rows, partial) }
+    unsafe fn block_avx512(&self, rows: (usize, usize), taps: &[i64], partial: &mut [f32]) {
+        unsafe { self.block_with::<x86::Zmm, 16>(rows, taps, partial) }
     }
 
     /// [`GradPlan::block`] for f32 on AVX2: 6 input channels x 16 output channels in 12
@@ -308,8 +403,8 @@ impl GradPlan<'_, f32> {
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn block_avx2(&self, rows: (usize, usize), partial: &mut [f32]) {
-        unsafe { self.block_with::<x86::Ymm2, 6>(rows, partial) }
+    unsafe fn block_avx2(&self, rows: (usize, usize), taps: &[i64], partial: &mut [f32]) {
+        unsafe { self.block_with::<x86::Ymm2, 6>(rows, taps, partial) }
     }
 }
 
@@ -432,5 +527,78 @@ mod x86 {
                 std::slice::from_raw_parts_mut(at, count).copy_from_slice(&lanes[..count]);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `GradPlan::block` against the definition, `sum over r of g[r, o] x[taps[r, t],
+    /// c]`, for channel counts below, at and above a register block's (up to 8 take
+    /// several taps at once), 0, 1 and odd pixel counts, taps outside the image (-1).
+    fn check<T: Scalar + Into<f64>>(tolerance: f64) {
+        for channels in [1usize, 2, 3, 5, 7, 8, 9, 16, 17] {
+            for pixels in [0usize, 1, 2, 37] {
+                let (per_window, width) = (9usize, 20usize);
+                let lanes = width.div_ceil(LANES) * LANES;
+                let inputs = pixels + 3;
+                let x: Vec<T> = (0..inputs * channels)
+                    .map(|i| T::from_f64(((i * 7) % 13) as f64 * 0.25 - 1.5))
+                    .collect();
+                let mut g = vec![T::ZERO; pixels * lanes];
+                for r in 0..pixels {
+                    for o in 0..width {
+                        g[r * lanes + o] = T::from_f64(((r * 5 + o * 3) % 11) as f64 * 0.5 - 2.0);
+                    }
+                }
+                let taps: Vec<i64> = (0..pixels * per_window)
+                    .map(|i| {
+                        if i % 4 == 1 {
+                            -1
+                        } else {
+                            ((i * 3) % inputs) as i64
+                        }
+                    })
+                    .collect();
+                let plan = GradPlan {
+                    x: x.as_ptr(),
+                    g: &g,
+                    per_window,
+                    channels,
+                    lanes,
+                };
+                // From pixel 0, and from pixel 1 with the taps from its row on.
+                for from in [0, 1].into_iter().filter(|&from| from <= pixels) {
+                    let mut partial = vec![T::from_f64(9.0); per_window * channels * lanes];
+                    plan.block((from, pixels), &taps[from * per_window..], &mut partial);
+                    for t in 0..per_window {
+                        for c in 0..channels {
+                            for o in 0..width {
+                                let expected: f64 = (from..pixels)
+                                    .filter(|&r| taps[r * per_window + t] >= 0)
+                                    .map(|r| {
+                                        let source = taps[r * per_window + t] as usize;
+                                        g[r * lanes + o].into() * x[source * channels + c].into()
+                                    })
+                                    .sum();
+                                let got: f64 = partial[(t * channels + c) * lanes + o].into();
+                                assert!(
+                                    (got - expected).abs() <= tolerance * (1.0 + expected.abs()),
+                                    "channels {channels}, pixels {from}..{pixels}, tap {t}, \
+                                     channel {c}, output {o}: {got} against {expected}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_gradient_blocks_are_the_definition() {
+        check::<f32>(1e-5);
+        check::<f64>(1e-12);
     }
 }

@@ -502,7 +502,6 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
     let plan = GradPlan {
         x: x as *const T,
         g,
-        taps: &taps.rows,
         per_window,
         channels,
         lanes,
@@ -521,7 +520,9 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
         );
         // SAFETY: block `index` owns its partial sums.
         let partial = unsafe { std::slice::from_raw_parts_mut(sums.out().add(index * size), size) };
-        plan.block(rows, partial);
+        // The block's taps: its pixels' rows of the table.
+        let block_taps = taps.rows.get(rows.0 * per_window..).unwrap_or(&[]);
+        plan.block(rows, block_taps, partial);
     };
     let threads = if rows.saturating_mul(size) >= crate::Parallelism::current().gemm_macs {
         worker_threads().max(1) as usize

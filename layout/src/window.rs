@@ -205,44 +205,77 @@ pub fn window_taps(
         .ok_or(too_large.clone())?;
     let mut table = Vec::new();
     table.try_reserve_exact(count).map_err(|_| too_large)?;
-    let mut taps_of_pixel = Vec::with_capacity(taps as usize);
-    for image in &images {
-        let ((height, width), (out_h, out_w)) = (image.size, image.out);
-        let first_pixel = image.input as i64;
-        for oy in 0..out_h {
-            for ox in 0..out_w {
-                taps_of_pixel.clear();
-                for ky in 0..window.kernel[0] {
-                    let y = oy * window.stride[0] - window.padding[0] + ky * window.dilation[0];
-                    for kx in 0..window.kernel[1] {
-                        let x = ox * window.stride[1] - window.padding[1] + kx * window.dilation[1];
-                        let inside = (0..height).contains(&y) && (0..width).contains(&x);
-                        taps_of_pixel.push(if inside {
-                            first_pixel + y * width + x
-                        } else {
-                            -1
-                        });
-                    }
-                }
-                if outside == Outside::FirstInside {
-                    let first = taps_of_pixel
-                        .iter()
-                        .copied()
-                        .find(|&row| row >= 0)
-                        .unwrap_or(-1);
-                    for row in taps_of_pixel.iter_mut().filter(|row| **row < 0) {
-                        *row = first;
-                    }
-                }
-                table.extend_from_slice(&taps_of_pixel);
-            }
-        }
-    }
+    table.resize(count, -1);
+    fill_taps(window, &images, 0, &mut table, outside);
     Ok(WindowTaps {
         output_sizes: images.iter().map(|image| image.out).collect(),
         rows: table,
         taps: taps as usize,
     })
+}
+
+/// The taps of output pixels `first..` of `images` under `window`, as many as `table`
+/// holds rows of [`Window2d::taps`] (a tail past the last pixel is left as it is):
+/// [`window_taps`]'s rows for a range of pixels. A row of taps inside its image is
+/// written without a test per tap.
+fn fill_taps(
+    window: &Window2d,
+    images: &[WindowImage],
+    first: usize,
+    table: &mut [i64],
+    outside: Outside,
+) {
+    let taps = window.taps().max(1) as usize;
+    let mut pixels = table.chunks_exact_mut(taps);
+    // The image of pixel `first`, and `first`'s place in it.
+    let start = images
+        .partition_point(|image| image.output as i64 + image.out.0 * image.out.1 <= first as i64);
+    for (index, image) in images.iter().enumerate().skip(start) {
+        let ((height, width), (out_h, out_w)) = (image.size, image.out);
+        let skip = if index == start {
+            first.saturating_sub(image.output) as i64
+        } else {
+            0
+        };
+        let first_pixel = image.input as i64;
+        for at in skip..out_h * out_w {
+            let Some(pixel) = pixels.next() else {
+                return;
+            };
+            let (oy, ox) = (at / out_w, at % out_w);
+            let kernel_w = window.kernel[1].max(0) as usize;
+            let x0 = ox * window.stride[1] - window.padding[1];
+            let x_last = x0 + (window.kernel[1] - 1) * window.dilation[1];
+            let x_inside = x0 >= 0 && x_last < width;
+            for (ky, row) in (0..).zip(pixel.chunks_exact_mut(kernel_w.max(1))) {
+                let y = oy * window.stride[0] - window.padding[0] + ky * window.dilation[0];
+                let base = first_pixel + y * width + x0;
+                if !(0..height).contains(&y) {
+                    row.fill(-1);
+                } else if x_inside {
+                    // The whole row of taps inside the image: no test a tap.
+                    for (kx, slot) in (0..).zip(row.iter_mut()) {
+                        *slot = base + kx * window.dilation[1];
+                    }
+                } else {
+                    for (kx, slot) in (0..).zip(row.iter_mut()) {
+                        let x = x0 + kx * window.dilation[1];
+                        *slot = if (0..width).contains(&x) {
+                            base + kx * window.dilation[1]
+                        } else {
+                            -1
+                        };
+                    }
+                }
+            }
+            if outside == Outside::FirstInside {
+                let first = pixel.iter().copied().find(|&row| row >= 0).unwrap_or(-1);
+                for row in pixel.iter_mut().filter(|row| **row < 0) {
+                    *row = first;
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -255,6 +288,42 @@ mod tests {
             stride: [1, 1],
             padding: [1, 1],
             dilation: [1, 1],
+        }
+    }
+
+    /// Any range of pixels gets the rows of the whole table, for windows with strides,
+    /// dilation and padding, both ways of treating taps outside.
+    #[test]
+    fn taps_from_any_pixel_are_the_table_rows() {
+        let windows = [
+            same3x3(),
+            Window2d {
+                kernel: [2, 3],
+                stride: [2, 1],
+                padding: [0, 2],
+                dilation: [1, 2],
+            },
+        ];
+        for window in windows {
+            for outside in [Outside::Marked, Outside::FirstInside] {
+                let (heights, widths) = ([3, 1, 4, 2], [2, 5, 4, 1]);
+                let table = window_taps(&window, &heights, &widths, outside).unwrap();
+                let images = window_images(&window, &heights, &widths).unwrap();
+                let taps = table.taps;
+                let pixels = table.rows.len() / taps;
+                for first in 0..pixels {
+                    for count in [0, 1, 3, pixels - first] {
+                        let count = count.min(pixels - first);
+                        let mut rows = vec![7; count * taps];
+                        fill_taps(&window, &images, first, &mut rows, outside);
+                        assert_eq!(
+                            rows,
+                            table.rows[first * taps..(first + count) * taps],
+                            "{window:?} {outside:?} pixels {first}..+{count}"
+                        );
+                    }
+                }
+            }
         }
     }
 

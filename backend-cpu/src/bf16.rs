@@ -316,7 +316,7 @@ fn give_back<E>(pool: &Pool<E>, vector: Vec<E>) {
 }
 
 /// The pool of `E`'s vectors.
-trait Pooled: Rounding + 'static {
+pub(crate) trait Pooled: Rounding + 'static {
     fn pool() -> &'static Pool<Self>;
 }
 
@@ -345,6 +345,19 @@ fn round_all<E: Pooled + Send>(values: &[f32], threads: usize) -> Vec<E> {
         round_line(&values[start..end], out);
     });
     out
+}
+
+/// `then` of the bf16 roundings of `values` (rounded across `threads` of the team) as
+/// `u16` bits, or held as f32 (`E`): a vector of the pool, given back after.
+pub(crate) fn with_roundings<E: Pooled + Send, R>(
+    values: &[f32],
+    threads: usize,
+    then: impl FnOnce(&[E]) -> R,
+) -> R {
+    let rounded = round_all::<E>(values, threads);
+    let result = then(&rounded);
+    give_back(E::pool(), rounded);
+    result
 }
 
 /// A pointer the team's tasks write disjoint ranges through.
@@ -415,7 +428,7 @@ unsafe fn mkl_product(
 }
 
 /// A value as the bf16 rounding of an f32, in the type a product path reads.
-trait Rounding: Copy + Default {
+pub(crate) trait Rounding: Copy + Default {
     fn of(value: f32) -> Self;
 }
 

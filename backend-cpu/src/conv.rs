@@ -15,17 +15,18 @@ use crate::scalar::Scalar;
 const LANES: usize = 16;
 
 /// Everything a task reads: the buffers, the weight packed for blocks of [`LANES`]
-/// output channels, the images.
-pub(super) struct Plan<'a, T> {
+/// output channels, the images. A pixel is `units` values of `U`: its channels (`U` is
+/// `T`), or for bf16 products its channels' roundings two to a `u32` ([`Bf16Pair`]).
+pub(super) struct Plan<'a, T, U = T> {
     out: *mut T,
-    x: *const T,
-    /// `[taps, channels, lanes]` (output channels padded to a multiple of [`LANES`]).
-    weight: Vec<T>,
+    x: *const U,
+    /// `[taps, units, lanes]` (output channels padded to a multiple of [`LANES`]).
+    weight: Vec<U>,
     /// `[lanes]`: the bias, zeros when none, padded like the weight.
     bias: Vec<T>,
-    /// A pixel of zeros (`channels` values): what taps outside their image read.
-    zeros: Vec<T>,
-    channels: usize,
+    /// A pixel of zeros (`units` values): what taps outside their image read.
+    zeros: Vec<U>,
+    units: usize,
     width: usize,
     lanes: usize,
     window: Window2d,
@@ -34,7 +35,11 @@ pub(super) struct Plan<'a, T> {
 
 // SAFETY: tasks write disjoint output rows (each its own image row) and only read the
 // rest.
-unsafe impl<T: Sync> Sync for Plan<'_, T> {}
+unsafe impl<T: Sync, U: Sync> Sync for Plan<'_, T, U> {}
+
+/// Two channels' bf16 roundings (the even channel's in the low half), what
+/// `vdpbf16ps` multiplies pairwise.
+pub(super) type Bf16Pair = u32;
 
 impl<'a, T: Scalar> Plan<'a, T> {
     /// A plan for the weight `[width, channels, K_h, K_w]` and the bias `[width]`.
@@ -71,7 +76,7 @@ impl<'a, T: Scalar> Plan<'a, T> {
             weight: packed,
             bias: padded_bias,
             zeros: vec![T::ZERO; channels],
-            channels,
+            units: channels,
             width,
             lanes,
             window,
@@ -97,14 +102,16 @@ impl<'a, T: Scalar> Plan<'a, T> {
         // Portable code (any type, any CPU): sums in arrays.
         unsafe { self.row_with::<[T; LANES], 4>(image, row) }
     }
+}
 
+impl<T: Scalar, U: Copy> Plan<'_, T, U> {
     /// Output row `oy` of image `index`: blocks of `P` pixels x [`LANES`] channels
     /// whose sums are held as `V`.
     ///
     /// # Safety
     /// The CPU must run `V`'s instructions.
     #[inline(always)]
-    unsafe fn row_with<V: Lanes<T>, const P: usize>(&self, index: usize, oy: i64) {
+    unsafe fn row_with<V: TapProducts<T, U>, const P: usize>(&self, index: usize, oy: i64) {
         let image = self.images[index];
         let Window2d {
             kernel,
@@ -114,7 +121,7 @@ impl<'a, T: Scalar> Plan<'a, T> {
         } = self.window;
         let (height, width) = image.size;
         let out_width = image.out.1;
-        let channels = self.channels;
+        let units = self.units;
         let mut ox = 0;
         while ox < out_width {
             let count = (out_width - ox).min(P as i64) as usize;
@@ -129,16 +136,15 @@ impl<'a, T: Scalar> Plan<'a, T> {
                     }
                     // SAFETY (the pointers below): pixel (y, x) of the image, for `x`
                     // in `0..width`, is a row of `x`.
-                    let row =
-                        unsafe { self.x.add((image.input + (y * width) as usize) * channels) };
+                    let row = unsafe { self.x.add((image.input + (y * width) as usize) * units) };
                     for kx in 0..kernel[1] {
                         let first = ox * stride[1] - padding[1] + kx * dilation[1];
                         let last = first + (count as i64 - 1) * stride[1];
                         let mut sources = [self.zeros.as_ptr(); P];
                         if count == P && first >= 0 && last < width {
                             // The whole block inside the image: evenly spaced rows.
-                            let step = stride[1] as usize * channels;
-                            let start = unsafe { row.add(first as usize * channels) };
+                            let step = stride[1] as usize * units;
+                            let start = unsafe { row.add(first as usize * units) };
                             for (pixel, source) in sources.iter_mut().enumerate() {
                                 *source = unsafe { start.add(pixel * step) };
                             }
@@ -146,24 +152,17 @@ impl<'a, T: Scalar> Plan<'a, T> {
                             for (pixel, source) in sources.iter_mut().enumerate().take(count) {
                                 let x = first + pixel as i64 * stride[1];
                                 if (0..width).contains(&x) {
-                                    *source = unsafe { row.add(x as usize * channels) };
+                                    *source = unsafe { row.add(x as usize * units) };
                                 }
                             }
                         }
                         let tap = (ky * kernel[1] + kx) as usize;
-                        let weights = unsafe {
-                            self.weight
-                                .as_ptr()
-                                .add(tap * channels * self.lanes + block)
-                        };
-                        for c in 0..channels {
-                            unsafe {
-                                let w = V::load(weights.add(c * self.lanes));
-                                for (sum, source) in sums.iter_mut().zip(&sources) {
-                                    // Every source holds `channels` values.
-                                    *sum = sum.add_product(V::splat(*source.add(c)), w);
-                                }
-                            }
+                        // SAFETY: the packed weight holds `units` rows of `lanes` values
+                        // per tap; every source holds `units` values.
+                        unsafe {
+                            let weights =
+                                self.weight.as_ptr().add(tap * units * self.lanes + block);
+                            V::add_tap(&mut sums, &sources, weights, (units, self.lanes));
                         }
                     }
                 }
@@ -181,7 +180,7 @@ impl<'a, T: Scalar> Plan<'a, T> {
 
 #[cfg(target_arch = "x86_64")]
 impl Plan<'_, f32> {
-    /// [`Plan::row`] for f32 on AVX-512: 8 pixels x 16 channels in 8 registers.
+    /// [`Plan::row`] for f32 on AVX-512: 12 pixels x 16 channels in 12 registers.
     ///
     /// # Safety
     /// The CPU must support AVX-512F.
@@ -198,6 +197,102 @@ impl Plan<'_, f32> {
     unsafe fn row_avx2(&self, image: usize, row: i64) {
         unsafe { self.row_with::<x86::Ymm2, 4>(image, row) }
     }
+}
+
+impl<'a> Plan<'a, f32, Bf16Pair> {
+    /// A plan multiplying bf16 roundings ([`crate::bf16::round`]) with f32 sums: `x` the
+    /// input pixels' channels rounded two to a [`Bf16Pair`] (an even count of
+    /// channels), the weight `[width, channels, K_h, K_w]` rounded here, the bias
+    /// `[width]` added in f32. `None` where the CPU has no AVX512-BF16 or the channels
+    /// are odd.
+    ///
+    /// # Safety
+    /// `weight` and `bias` must hold that many values; `out` must hold every output
+    /// pixel of `images` times `width` values, `x` every input pixel's `channels / 2`
+    /// pairs.
+    pub(super) unsafe fn bf16(
+        (out, x): (*mut f32, *const Bf16Pair),
+        (weight, bias): (*const f32, Option<*const f32>),
+        (channels, width): (usize, usize),
+        window: Window2d,
+        images: &'a [WindowImage],
+    ) -> Option<Self> {
+        if !has_bf16_dot() || !channels.is_multiple_of(2) {
+            return None;
+        }
+        // The f32 plan's packing (`[taps, channels, lanes]`), rounded two channels at
+        // a time.
+        let plan = unsafe {
+            Plan::<f32>::new(
+                (out, std::ptr::null()),
+                (weight, bias),
+                (channels, width),
+                window,
+                images,
+            )
+        };
+        let (pairs, lanes) = (channels / 2, plan.lanes);
+        let taps = plan.weight.len() / (channels * lanes).max(1);
+        let mut packed = vec![0; taps * pairs * lanes];
+        for t in 0..taps {
+            for pair in 0..pairs {
+                for o in 0..lanes {
+                    let even = plan.weight[(t * channels + 2 * pair) * lanes + o];
+                    let odd = plan.weight[(t * channels + 2 * pair + 1) * lanes + o];
+                    packed[(t * pairs + pair) * lanes + o] = pair_of(even, odd);
+                }
+            }
+        }
+        Some(Self {
+            out,
+            x,
+            weight: packed,
+            bias: plan.bias,
+            zeros: vec![0; pairs],
+            units: pairs,
+            width,
+            lanes,
+            window,
+            images,
+        })
+    }
+
+    /// Output row `row` of `image`.
+    pub(super) fn row(&self, image: usize, row: i64) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: plans of bf16 pairs exist only where the CPU has AVX512-BF16 (`bf16`).
+        unsafe {
+            self.row_bf16(image, row)
+        }
+    }
+
+    /// [`Plan::row`] on AVX512-BF16: 12 pixels x 16 channels in 12 registers, two
+    /// channels a product.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F and AVX512-BF16.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn row_bf16(&self, image: usize, row: i64) {
+        unsafe { self.row_with::<x86::Zmm, 12>(image, row) }
+    }
+}
+
+/// Whether the CPU multiplies bf16 pairs (`vdpbf16ps`: AVX512-BF16).
+pub(super) fn has_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The bf16 roundings of two channels as a [`Bf16Pair`].
+pub(super) fn pair_of(even: f32, odd: f32) -> Bf16Pair {
+    u32::from(crate::bf16::round(even)) | u32::from(crate::bf16::round(odd)) << 16
 }
 
 /// A convolution's weight gradient over blocks of output pixels: for every tap `t`,
@@ -432,6 +527,42 @@ trait Lanes<T>: Copy {
     unsafe fn store(self, at: *mut T, count: usize);
 }
 
+/// How a block of pixels adds one tap's products to its sums.
+trait TapProducts<T, U>: Lanes<T> {
+    /// Adds, to each pixel's sums, its `units` values (at its source) times the weight's
+    /// rows of [`LANES`] output channels, `lanes` apart from `weights`.
+    ///
+    /// # Safety
+    /// Every source must hold `units` values, `weights` `units` rows; the CPU must run
+    /// the type's instructions.
+    unsafe fn add_tap<const P: usize>(
+        sums: &mut [Self; P],
+        sources: &[*const U; P],
+        weights: *const U,
+        units_and_lanes: (usize, usize),
+    );
+}
+
+/// Channels of `T`: a broadcast channel times a row of weights, by fused multiply-add.
+impl<T: Copy, V: Lanes<T>> TapProducts<T, T> for V {
+    #[inline(always)]
+    unsafe fn add_tap<const P: usize>(
+        sums: &mut [Self; P],
+        sources: &[*const T; P],
+        weights: *const T,
+        (units, lanes): (usize, usize),
+    ) {
+        for c in 0..units {
+            unsafe {
+                let w = V::load(weights.add(c * lanes));
+                for (sum, source) in sums.iter_mut().zip(sources) {
+                    *sum = sum.add_product(V::splat(*source.add(c)), w);
+                }
+            }
+        }
+    }
+}
+
 /// Portable lanes.
 impl<T: Scalar> Lanes<T> for [T; LANES] {
     #[inline(always)]
@@ -463,7 +594,7 @@ impl<T: Scalar> Lanes<T> for [T; LANES] {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Lanes, LANES};
+    use super::{Bf16Pair, Lanes, TapProducts, LANES};
 
     /// One AVX-512 register.
     #[derive(Clone, Copy)]
@@ -490,6 +621,33 @@ mod x86 {
                 } else {
                     let mask = ((1u32 << count) - 1) as __mmask16;
                     _mm512_mask_storeu_ps(at, mask, self.0);
+                }
+            }
+        }
+    }
+
+    /// bf16 pairs of channels: a broadcast pair times a row of weight pairs, by
+    /// `vdpbf16ps` (both products added to the f32 sums; callers enable AVX512-BF16).
+    impl TapProducts<f32, Bf16Pair> for Zmm {
+        #[inline(always)]
+        unsafe fn add_tap<const P: usize>(
+            sums: &mut [Self; P],
+            sources: &[*const Bf16Pair; P],
+            weights: *const Bf16Pair,
+            (units, lanes): (usize, usize),
+        ) {
+            for pair in 0..units {
+                unsafe {
+                    let w: __m512bh = std::mem::transmute(_mm512_loadu_si512(
+                        weights.add(pair * lanes) as *const __m512i,
+                    ));
+                    for (sum, source) in sums.iter_mut().zip(sources) {
+                        // Pairs of a `u16` buffer: aligned to 2 bytes only.
+                        let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(
+                            source.add(pair).read_unaligned() as i32,
+                        ));
+                        sum.0 = _mm512_dpbf16_ps(sum.0, x, w);
+                    }
                 }
             }
         }

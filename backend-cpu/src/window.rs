@@ -6,10 +6,11 @@
 
 use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 
-use crate::conv::{GradPlan, Plan};
+use crate::conv::{has_bf16_dot, Bf16Pair, GradPlan, Plan};
 use crate::parallel::worker_threads;
 use crate::scalar::Scalar;
 use nestor_ir::Window2d;
+use nestor_passes::Products;
 
 /// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;
@@ -111,10 +112,11 @@ pub fn convolve_images(
         (channels, width),
         window,
         (heights, widths),
+        Products::Float,
     )
 }
 
-/// [`convolve_images`] in the type `T`.
+/// [`convolve_images`] in the type `T`, its products as `products` says.
 fn convolve_checked<T: Scalar>(
     out: &mut [T],
     x: &[T],
@@ -122,6 +124,7 @@ fn convolve_checked<T: Scalar>(
     (channels, width): (usize, usize),
     window: &Window2d,
     (heights, widths): (&[i64], &[i64]),
+    products: Products,
 ) -> Result<(), WindowError> {
     let images = window_images(window, heights, widths)?;
     let (inputs, outputs) = images.last().map_or((0, 0), |last| {
@@ -163,7 +166,7 @@ fn convolve_checked<T: Scalar>(
             ),
             &images,
             shape,
-            *window,
+            (*window, products),
         )
     };
     Ok(())
@@ -191,7 +194,11 @@ unsafe fn run_slice_mut<'a, T>(pointer: *mut u8, count: usize) -> &'a mut [T] {
     }
 }
 
-/// The convolution of every image (see [`crate::conv`]): one task per output row.
+/// The convolution of every image (see [`crate::conv`]): one task per output row. With
+/// bf16 products ([`Products::Bf16`], f32 buffers) on a CPU where they pay
+/// ([`bf16_dot_pays`]) and an even count of input channels, the input and the weight
+/// are rounded to bf16 and multiplied two channels at a time with f32 sums
+/// ([`convolve_pairs`]); elsewhere the f32 kernel multiplies the f32 values.
 ///
 /// # Safety
 /// `out` must hold every output pixel of `images` times `width` values, `x` every
@@ -202,9 +209,19 @@ unsafe fn convolve<T: Scalar>(
     (weight, bias): (*const u8, Option<*const u8>),
     images: &[WindowImage],
     shape: Shape,
-    window: Window2d,
+    (window, products): (Window2d, Products),
 ) {
-    // SAFETY: as the caller promises.
+    let pairs = products == Products::Bf16
+        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+        && shape.channels.is_multiple_of(2);
+    // SAFETY (both paths): as the caller promises (`T` is f32 for pairs, checked just
+    // above).
+    if pairs
+        && bf16_dot_pays()
+        && unsafe { convolve_pairs((out, x), (weight, bias), images, shape, window) }
+    {
+        return;
+    }
     let plan = unsafe {
         Plan::new(
             (out as *mut T, x as *const T),
@@ -214,6 +231,123 @@ unsafe fn convolve<T: Scalar>(
             images,
         )
     };
+    for_each_row(images, shape, window, &|image, row| plan.row(image, row));
+}
+
+/// [`convolve`] of bf16 roundings with f32 sums, two channels a product on
+/// AVX512-BF16 (the products of two roundings are exact in f32). Returns whether it
+/// ran: not where the CPU lacks AVX512-BF16 or the channels are odd.
+///
+/// # Safety
+/// As [`convolve`], for f32 buffers.
+unsafe fn convolve_pairs(
+    (out, x): (*mut u8, *const u8),
+    (weight, bias): (*const u8, Option<*const u8>),
+    images: &[WindowImage],
+    shape: Shape,
+    window: Window2d,
+) -> bool {
+    let Shape {
+        channels, width, ..
+    } = shape;
+    if !has_bf16_dot() || !channels.is_multiple_of(2) {
+        return false;
+    }
+    let pixels = images
+        .last()
+        .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
+    // SAFETY: as the caller promises.
+    let x = unsafe { std::slice::from_raw_parts(x as *const f32, pixels * channels) };
+    let threads = worker_threads().max(1) as usize;
+    crate::bf16::with_roundings::<u16, _>(x, threads, |rounded| {
+        // The roundings two to a pair: every pixel's `channels / 2` pairs.
+        let pairs = rounded.as_ptr() as *const Bf16Pair;
+        // SAFETY: the weight and bias as the caller promises, the pairs of every pixel.
+        let plan = unsafe {
+            Plan::bf16(
+                (out as *mut f32, pairs),
+                (weight as *const f32, bias.map(|bias| bias as *const f32)),
+                (channels, width),
+                window,
+                images,
+            )
+        };
+        plan.map(|plan| for_each_row(images, shape, window, &|image, row| plan.row(image, row)))
+            .is_some()
+    })
+}
+
+/// Whether bf16 convolutions take the AVX512-BF16 kernel: where the CPU has it and it
+/// convolves a probe (16 channels in and out, 3x3, a 48x48 image; best of three runs
+/// after one untimed) faster than the f32 kernel does (one `vdpbf16ps` does the work of
+/// two fused multiply-adds, but some CPUs issue half as many: on a Xeon with AMX the
+/// pairs took 1.5 ms where the f32 kernel took 1.2).
+/// `NESTOR_BF16=f32` turns it off. Chosen once per process.
+fn bf16_dot_pays() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        if !has_bf16_dot() || crate::process::env_is("NESTOR_BF16", "f32") {
+            return false;
+        }
+        let window = Window2d {
+            kernel: [3, 3],
+            stride: [1, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+        };
+        let (side, channels) = (48usize, 16usize);
+        let Ok(images) = window_images(&window, &[side as i64], &[side as i64]) else {
+            return false;
+        };
+        let shape = Shape {
+            channels,
+            width: channels,
+            taps: 9,
+        };
+        let x: Vec<f32> = (0..side * side * channels)
+            .map(|i| (i % 13) as f32 / 8.0)
+            .collect();
+        let weight: Vec<f32> = (0..channels * channels * 9)
+            .map(|i| (i % 11) as f32 / 16.0)
+            .collect();
+        let mut out = vec![0f32; side * side * channels];
+        let mut best = [f64::INFINITY; 2];
+        for timed in [false, true, true, true] {
+            for (dot, best) in best.iter_mut().enumerate() {
+                let started = std::time::Instant::now();
+                let buffers = (out.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8);
+                let weights = (weight.as_ptr() as *const u8, None);
+                // SAFETY: the buffers hold one image's pixels, the weight its values.
+                unsafe {
+                    if dot == 1 {
+                        convolve_pairs(buffers, weights, &images, shape, window);
+                    } else {
+                        convolve::<f32>(
+                            buffers,
+                            weights,
+                            &images,
+                            shape,
+                            (window, Products::Float),
+                        );
+                    }
+                }
+                if timed {
+                    *best = best.min(started.elapsed().as_secs_f64());
+                }
+            }
+        }
+        best[1] < best[0]
+    })
+}
+
+/// `row(image, row)` for every output row of `images`, spread over the team when the
+/// convolution is worth splitting.
+fn for_each_row(
+    images: &[WindowImage],
+    shape: Shape,
+    window: Window2d,
+    row: &(dyn Fn(usize, i64) + Sync),
+) {
     let rows: Vec<(usize, i64)> = images
         .iter()
         .enumerate()
@@ -235,8 +369,8 @@ unsafe fn convolve<T: Scalar>(
         crate::Parallelism::count_split();
     }
     crate::team::for_each_chunk(rows.len(), threads, &|task| {
-        let (image, row) = rows[task];
-        plan.row(image, row)
+        let (image, output_row) = rows[task];
+        row(image, output_row)
     });
 }
 
@@ -366,7 +500,7 @@ pub(crate) struct SlotBuffers {
 /// Every buffer must hold its count of values of type `T`; the output no other.
 pub(crate) unsafe fn convolve_slots<T: Scalar>(
     buffers: SlotBuffers,
-    (adjoint, groups): (bool, usize),
+    (adjoint, groups, products): (bool, usize, Products),
     (channels, width): (usize, usize),
     window: &Window2d,
     sizes: (&[i64], &[i64]),
@@ -406,7 +540,15 @@ pub(crate) unsafe fn convolve_slots<T: Scalar>(
         }
     };
     if !adjoint {
-        return convolve_checked(out, x, (weight, bias), (channels, width), window, sizes);
+        return convolve_checked(
+            out,
+            x,
+            (weight, bias),
+            (channels, width),
+            window,
+            sizes,
+            products,
+        );
     }
     // The forward weight `[channels, width, K_h, K_w]` (its output channels are this
     // step's input): `W'[c, o, ky, kx] = W[o, c, K_h - 1 - ky, K_w - 1 - kx]`.
@@ -428,7 +570,15 @@ pub(crate) unsafe fn convolve_slots<T: Scalar>(
             }
         }
     }
-    convolve_checked(out, x, (&flipped, bias), (channels, width), window, sizes)
+    convolve_checked(
+        out,
+        x,
+        (&flipped, bias),
+        (channels, width),
+        window,
+        sizes,
+        products,
+    )
 }
 
 /// The gradient of every image's mean pixel spread over its pixels (`counts` each):
@@ -759,4 +909,108 @@ pub(crate) fn pixel_counts(heights: &[i64], widths: &[i64]) -> Vec<i64> {
         .zip(widths)
         .map(|(h, w)| h.saturating_mul(*w))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bf16 rounding of `value`, as f64.
+    fn rounded(value: f32) -> f64 {
+        f64::from(f32::from_bits(u32::from(crate::bf16::round(value)) << 16))
+    }
+
+    /// Convolutions of bf16 pairs (AVX512-BF16, even channel counts; none run elsewhere)
+    /// equal the f64 convolution of the rounded input and weight (the products are
+    /// exact; only the sums' order differs), with a bias, images of one pixel and images
+    /// whose windows leave them, strides 1 and 2, and output channels past 16.
+    #[test]
+    fn bf16_convolutions_are_the_products_of_the_roundings() {
+        let windows = [
+            Window2d {
+                kernel: [3, 3],
+                stride: [1, 1],
+                padding: [1, 1],
+                dilation: [1, 1],
+            },
+            Window2d {
+                kernel: [3, 2],
+                stride: [2, 2],
+                padding: [1, 0],
+                dilation: [1, 1],
+            },
+        ];
+        let (heights, widths) = ([5i64, 1, 3], [4i64, 1, 7]);
+        for window in windows {
+            for (channels, width) in [(2, 16), (3, 5), (4, 17), (16, 16), (18, 3)] {
+                let images = window_images(&window, &heights, &widths).unwrap();
+                let last = images.last().unwrap();
+                let inputs = last.input + (last.size.0 * last.size.1) as usize;
+                let outputs = last.output + (last.out.0 * last.out.1) as usize;
+                let taps = window.taps() as usize;
+                let value = |i: usize, scale: f32| ((i * 37 % 101) as f32 - 50.0) * scale + 0.001;
+                let x: Vec<f32> = (0..inputs * channels).map(|i| value(i, 0.0371)).collect();
+                let weight: Vec<f32> = (0..width * channels * taps)
+                    .map(|i| value(i + 7, 0.0113))
+                    .collect();
+                let bias: Vec<f32> = (0..width).map(|o| o as f32 * 0.25 - 1.0).collect();
+                let mut out = vec![f32::NAN; outputs * width];
+                let shape = Shape {
+                    channels,
+                    width,
+                    taps,
+                };
+                // SAFETY: the buffers hold the images' pixels, the weight and the bias.
+                let ran = unsafe {
+                    convolve_pairs(
+                        (out.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8),
+                        (
+                            weight.as_ptr() as *const u8,
+                            Some(bias.as_ptr() as *const u8),
+                        ),
+                        &images,
+                        shape,
+                        window,
+                    )
+                };
+                assert_eq!(ran, has_bf16_dot() && channels.is_multiple_of(2));
+                if !ran {
+                    continue;
+                }
+                for image in &images {
+                    let ((height, image_width), (out_h, out_w)) = (image.size, image.out);
+                    for (oy, ox) in (0..out_h).flat_map(|oy| (0..out_w).map(move |ox| (oy, ox))) {
+                        let pixel = image.output + (oy * out_w + ox) as usize;
+                        for o in 0..width {
+                            let mut expected = f64::from(bias[o]);
+                            let mut magnitude = expected.abs();
+                            for (t, (ky, kx)) in (0..window.kernel[0])
+                                .flat_map(|ky| (0..window.kernel[1]).map(move |kx| (ky, kx)))
+                                .enumerate()
+                            {
+                                let y = oy * window.stride[0] - window.padding[0] + ky;
+                                let xx = ox * window.stride[1] - window.padding[1] + kx;
+                                if !(0..height).contains(&y) || !(0..image_width).contains(&xx) {
+                                    continue;
+                                }
+                                let source = image.input + (y * image_width + xx) as usize;
+                                for c in 0..channels {
+                                    let term = rounded(x[source * channels + c])
+                                        * rounded(weight[(o * channels + c) * taps + t]);
+                                    expected += term;
+                                    magnitude += term.abs();
+                                }
+                            }
+                            let got = f64::from(out[pixel * width + o]);
+                            assert!(
+                                (got - expected).abs() <= 1e-6 * magnitude + 1e-7,
+                                "{window:?} channels {channels} width {width} pixel {pixel} \
+                                 output {o}: {got} against {expected}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -175,7 +175,7 @@ impl WindowRun<'_, '_, '_> {
                 .map(|bias| (run.pointer(bias), self.slot_len(bias))),
         };
         let channels = (shape.channels, shape.width);
-        let kind = (adjoint, self.groups);
+        let kind = (adjoint, self.groups, run.program().products);
         // Every slot holds the values the program sized it for, in its type; the output
         // is written only here and no input aliases it.
         let result = unsafe {

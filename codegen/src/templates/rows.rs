@@ -58,21 +58,9 @@ pub(super) fn row<'ctx>(
         };
         match kind {
             RowKind::LayerNorm | RowKind::RmsNorm => {
-                let mean = if kind == RowKind::LayerNorm {
-                    kernel.fdiv(row_values.sum(|_, value| Ok(value))?, n)?
-                } else {
-                    kernel.constant(0.0)
-                };
-                let variance = kernel.fdiv(
-                    row_values.sum(|_, value| {
-                        let centered = kernel.fsub(value, mean)?;
-                        kernel.fmul(centered, centered)
-                    })?,
-                    n,
-                )?;
-                let root = kernel
-                    .intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
-                let inverse = kernel.fdiv(kernel.constant(1.0), root)?;
+                let centered = kind == RowKind::LayerNorm;
+                let (mean, inverse) =
+                    row_values.norm_statistics(&|_, value| Ok(value), centered, (n, eps))?;
                 row_values.each(|column, value| {
                     let normed = kernel.fmul(kernel.fsub(value, mean)?, inverse)?;
                     kernel.store_float(out, at(column)?, affine(normed, column)?)
@@ -143,22 +131,9 @@ pub(super) fn row<'ctx>(
                 })?;
                 // The row's statistics, recomputed from the norm's input `x` (the keys).
                 let x_at = |column| kernel.load_float(keys, at(column)?);
-                let mean = if centered {
-                    kernel.fdiv(row_values.sum(|column, _| x_at(column))?, n)?
-                } else {
-                    kernel.constant(0.0)
-                };
+                let (mean, rstd) =
+                    row_values.norm_statistics(&|column, _| x_at(column), centered, (n, eps))?;
                 let deviation = |column| kernel.fsub(x_at(column)?, mean);
-                let variance = kernel.fdiv(
-                    row_values.sum(|column, _| {
-                        let centered = deviation(column)?;
-                        kernel.fmul(centered, centered)
-                    })?,
-                    n,
-                )?;
-                let root = kernel
-                    .intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
-                let rstd = kernel.fdiv(kernel.constant(1.0), root)?;
                 let normalized = |column| kernel.fmul(deviation(column)?, rstd);
                 match part {
                     // g xhat.
@@ -290,6 +265,33 @@ impl<'a, 'ctx, 'm> RowValues<'a, 'ctx, 'm> {
             )
         })?;
         kernel.across_lanes(self.lanes, kernel.get(acc)?, |a, b| kernel.fadd(a, b))
+    }
+
+    /// A norm's statistics of the values `f(column, value)`: their mean (0 when not
+    /// `centered`: RMS norm) and `1 / sqrt(var + eps)`, `var` the mean square about it
+    /// (`n` the row's width as a float).
+    fn norm_statistics(
+        &self,
+        f: &dyn Fn(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+        centered: bool,
+        (n, eps): (FloatValue<'ctx>, f64),
+    ) -> Gen<(FloatValue<'ctx>, FloatValue<'ctx>)> {
+        let kernel = self.kernel;
+        let mean = if centered {
+            kernel.fdiv(self.sum(f)?, n)?
+        } else {
+            kernel.constant(0.0)
+        };
+        let variance = kernel.fdiv(
+            self.sum(|column, value| {
+                let deviation = kernel.fsub(f(column, value)?, mean)?;
+                kernel.fmul(deviation, deviation)
+            })?,
+            n,
+        )?;
+        let root =
+            kernel.intrinsic("llvm.sqrt", &[kernel.fadd(variance, kernel.constant(eps))?])?;
+        Ok((mean, kernel.fdiv(kernel.constant(1.0), root)?))
     }
 
     /// The largest (or smallest) value of the row, in every lane, NaN if any is NaN;

@@ -82,7 +82,7 @@ const ROWS_AND_SEGMENTS: &str = r#"graph @rows_and_segments {
   %51 = topk(%1) {axis = -1, k = 3, largest = true} : ragged<f32>[B; %0, 3]
   %52 = argtopk(%1) {axis = 2, k = 2, largest = false} : ragged<i64>[B; %0, 2]
   %53 = topk_grad(%51, %1) {axis = -1, k = 3, largest = true} : ragged<f32>[B; %0, 8]
-  %54 = norm_grad(%1, %9) {eps = 1e-5, centered = true, part = input} : ragged<f32>[B; %0, 8]
+  %54 = norm_grad(%1, %9, %3) {eps = 1e-5, centered = true, part = input} : ragged<f32>[B; %0, 8]
   %55 = norm_grad(%1, %9) {eps = 1e-6, centered = false, part = weight} : ragged<f32>[B; %0, 8]
   return %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55
 }

@@ -383,8 +383,8 @@ pub enum RowKind {
     /// An order kernel along the row (one thread a row).
     Order(Order),
     /// The gradient of layer norm (`centered`) or RMS norm without its affine part
-    /// (`nestor_ir::Op::NormGrad`): `x` the cotangent, `keys` the norm's input, whose
-    /// mean and `rstd` each row recomputes.
+    /// (`nestor_ir::Op::NormGrad`): `x` the cotangent (times `weight` where there is
+    /// one), `keys` the norm's input, whose mean and `rstd` each row recomputes.
     NormGrad {
         /// Layer norm rather than RMS norm.
         centered: bool,

@@ -538,7 +538,8 @@ fn wide_rows_run_in_registers_and_long_rows_a_block_each() {
   %11 = norm_grad(%1, %5) {{eps = 1e-5, centered = true, part = input}} : ragged<f32>[B; %0, {width}]
   %12 = norm_grad(%1, %5) {{eps = 1e-6, centered = false, part = input}} : ragged<f32>[B; %0, {width}]
   %13 = norm_grad(%1, %5) {{eps = 1e-5, centered = true, part = weight}} : ragged<f32>[B; %0, {width}]
-  return %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13
+  %14 = norm_grad(%1, %5, %2) {{eps = 1e-5, centered = true, part = input}} : ragged<f32>[B; %0, {width}]
+  return %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14
 }}"#
         );
         let executable = executable_of(&text);

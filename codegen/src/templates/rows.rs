@@ -135,25 +135,34 @@ pub(super) fn row<'ctx>(
                     row_values.norm_statistics(&|column, _| x_at(column), centered, (n, eps))?;
                 let deviation = |column| kernel.fsub(x_at(column)?, mean);
                 let normalized = |column| kernel.fmul(deviation(column)?, rstd);
+                // The cotangent times the weight, if any.
+                let scaled = |column, g| match weight {
+                    Some(weight) => kernel.fmul(g, kernel.load_float(weight, column)?),
+                    None => Ok(g),
+                };
                 match part {
                     // g xhat.
                     NormGradPart::Weight => row_values.each(|column, g| {
-                        kernel.store_float(out, at(column)?, kernel.fmul(g, normalized(column)?)?)
+                        let product = kernel.fmul(scaled(column, g)?, normalized(column)?)?;
+                        kernel.store_float(out, at(column)?, product)
                     }),
                     // rstd (g - mean(g) - xhat mean(g xhat)).
                     NormGradPart::Input => {
                         let shift = if centered {
-                            kernel.fdiv(row_values.sum(|_, g| Ok(g))?, n)?
+                            kernel.fdiv(row_values.sum(&scaled)?, n)?
                         } else {
                             kernel.constant(0.0)
                         };
                         let projection = kernel.fdiv(
-                            row_values.sum(|column, g| kernel.fmul(g, normalized(column)?))?,
+                            row_values.sum(|column, g| {
+                                kernel.fmul(scaled(column, g)?, normalized(column)?)
+                            })?,
                             n,
                         )?;
                         row_values.each(|column, g| {
                             let along = kernel.fmul(normalized(column)?, projection)?;
-                            let inner = kernel.fsub(kernel.fsub(g, shift)?, along)?;
+                            let inner =
+                                kernel.fsub(kernel.fsub(scaled(column, g)?, shift)?, along)?;
                             kernel.store_float(out, at(column)?, kernel.fmul(rstd, inner)?)
                         })
                     }

@@ -128,14 +128,22 @@ pub(super) fn infer(graph: &Graph, op: &Op) -> Inferred {
             }
             float(&x).map(|_| x)
         }
-        Op::NormGrad { x, g, .. } => {
+        Op::NormGrad { x, g, weight, .. } => {
             let (x, g) = (ty(*x), ty(*g));
             if x != g {
                 return Err(format!(
                     "the cotangent must be of the input's type {x}, got {g}"
                 ));
             }
-            static_tail(&x, 1)?;
+            let tail = static_tail(&x, 1)?;
+            if let Some(weight) = weight {
+                let weight = ty(*weight);
+                let shape = static_shape(&weight, "weight")?;
+                if shape != tail {
+                    return Err(format!("the weight must be {tail:?}, got {shape:?}"));
+                }
+                float(&weight)?;
+            }
             float(&x).map(|_| x)
         }
         Op::RmsNorm {

@@ -420,8 +420,10 @@ pub enum Op {
     NormGrad {
         /// The norm's input.
         x: ValueId,
-        /// The cotangent (times the weight for the input's gradient), of `x`'s type.
+        /// The cotangent, of `x`'s type.
         g: ValueId,
+        /// The norm's weight (`[width]`), that `g` is multiplied by first.
+        weight: Option<ValueId>,
         /// Epsilon.
         eps: F64,
         /// Layer norm (centered) rather than RMS norm.

@@ -705,7 +705,8 @@ fn cumprod_gradient(
 }
 
 /// Layer norm (`centered`) or RMS norm over the last dim: `dx = rstd (gw - mean(gw) -
-/// xhat mean(gw xhat))` (no `mean(gw)` term for RMS norm) and the products `g xhat`
+/// xhat mean(gw xhat))` (no `mean(gw)` term for RMS norm; `gw` multiplied as `g` is
+/// read) and the products `g xhat`
 /// whose column sums are `dw`, each one row kernel that recomputes the row's statistics
 /// ([`Op::NormGrad`]); `db = sum(g)` over the rows.
 #[allow(clippy::too_many_arguments)]
@@ -721,10 +722,11 @@ fn normalization(
     if dims != 1 {
         return Err(b.no_rule("the gradient of a norm over more than the last dim"));
     }
-    let gradient = |b: &mut Builder, g: ValueId, part: NormGradPart| {
+    let gradient = |b: &mut Builder, weight: Option<ValueId>, part: NormGradPart| {
         b.push(Op::NormGrad {
             x,
             g,
+            weight,
             eps: F64(eps),
             centered,
             part,
@@ -732,14 +734,11 @@ fn normalization(
     };
     let mut out = Vec::new();
     if wants(x) {
-        let scaled = match weight {
-            Some(weight) => b.mul(g, weight)?,
-            None => g,
-        };
-        out.push((x, gradient(b, scaled, NormGradPart::Input)?));
+        // The row kernel multiplies `g` by the weight as it reads it.
+        out.push((x, gradient(b, weight, NormGradPart::Input)?));
     }
     if let Some(weight) = weight.filter(|&weight| wants(weight)) {
-        let product = gradient(b, g, NormGradPart::Weight)?;
+        let product = gradient(b, None, NormGradPart::Weight)?;
         out.push((weight, b.unbroadcast(product, weight)?));
     }
     if let Some(bias) = bias.filter(|&bias| wants(bias)) {

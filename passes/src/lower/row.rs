@@ -37,6 +37,7 @@ impl Lowering<'_> {
             Op::NormGrad {
                 x,
                 g,
+                weight,
                 eps,
                 centered,
                 part,
@@ -47,7 +48,7 @@ impl Lowering<'_> {
                     centered: *centered,
                     part: *part,
                 };
-                let lowered = self.row(value, ty, kind, *g, None, None, 1, eps.0)?;
+                let lowered = self.row(value, ty, kind, *g, *weight, None, 1, eps.0)?;
                 let (x_slot, ..) = self.data(value, *x)?;
                 // `row` has just pushed the row step.
                 match self.program.steps.last_mut() {

@@ -32,6 +32,7 @@ impl Interpreter<'_> {
             Op::NormGrad {
                 x,
                 g,
+                weight,
                 eps,
                 centered,
                 part,
@@ -45,7 +46,10 @@ impl Interpreter<'_> {
                 };
                 let kind = values(*x)?.kind();
                 let x_values = values(*x)?.f_to_kind(Kind::Float)?;
-                let g_values = values(*g)?.f_to_kind(Kind::Float)?;
+                let mut g_values = values(*g)?.f_to_kind(Kind::Float)?;
+                if let Some(weight) = weight {
+                    g_values = g_values.f_mul(&self.dense(*weight)?.f_to_kind(Kind::Float)?)?;
+                }
                 let row_mean = |t: &Tensor| t.f_mean_dim(-1, true, None::<Kind>);
                 let deviation = if *centered {
                     x_values.f_sub(&row_mean(&x_values)?)?

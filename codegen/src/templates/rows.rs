@@ -149,7 +149,7 @@ pub(super) fn row<'ctx>(
                     // rstd (g - mean(g) - xhat mean(g xhat)).
                     NormGradPart::Input => {
                         let shift = if centered {
-                            kernel.fdiv(row_values.sum(&scaled)?, n)?
+                            kernel.fdiv(row_values.sum(scaled)?, n)?
                         } else {
                             kernel.constant(0.0)
                         };

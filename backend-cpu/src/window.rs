@@ -211,9 +211,8 @@ unsafe fn convolve<T: Scalar>(
     shape: Shape,
     (window, products): (Window2d, Products),
 ) {
-    let pairs = products == Products::Bf16
-        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
-        && shape.channels.is_multiple_of(2);
+    let pairs =
+        products == Products::Bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
     // SAFETY (both paths): as the caller promises (`T` is f32 for pairs, checked just
     // above).
     if pairs

@@ -6,28 +6,11 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use nestor::StepKind;
+use nestor::{StepKind, StepTiming};
 
 use crate::limits::Limits;
 use crate::models::{with_columns, Mode, Model, Precision};
 use crate::{Result, Scale};
-
-/// One step of a profiled program, its time the median over the profiled calls.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ProfiledStep {
-    /// Its index in the program.
-    pub step: usize,
-    /// What kind of work it does.
-    pub kind: StepKind,
-    /// What it is, with the batch's sizes.
-    pub label: String,
-    /// Median seconds.
-    pub seconds: f64,
-    /// FLOPs of its products.
-    pub flops: u64,
-    /// Bytes it read and wrote.
-    pub bytes: u64,
-}
 
 /// The profile of one model's compiled training step at one occupancy.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,8 +25,8 @@ pub struct StepProfile {
     pub calls: usize,
     /// Median seconds of a whole call (the call, not only its steps).
     pub call_seconds: f64,
-    /// Every step, in program order.
-    pub steps: Vec<ProfiledStep>,
+    /// Every step, in program order, its seconds the median over the profiled calls.
+    pub steps: Vec<StepTiming>,
 }
 
 impl StepProfile {
@@ -116,13 +99,9 @@ pub fn profile_training(
                 .steps
                 .iter()
                 .enumerate()
-                .map(|(index, step)| ProfiledStep {
-                    step: step.step,
-                    kind: step.kind,
-                    label: step.label.clone(),
+                .map(|(index, step)| StepTiming {
                     seconds: median(runs.iter().map(|run| run.steps[index].seconds).collect()),
-                    flops: step.flops,
-                    bytes: step.bytes,
+                    ..step.clone()
                 })
                 .collect();
             profile = Some(StepProfile {

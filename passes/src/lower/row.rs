@@ -23,8 +23,7 @@ impl Lowering<'_> {
                 ty,
                 RowKind::LayerNorm,
                 *x,
-                *weight,
-                *bias,
+                (*weight, *bias, None),
                 *dims,
                 eps.0,
             ),
@@ -33,7 +32,15 @@ impl Lowering<'_> {
                 weight,
                 dims,
                 eps,
-            } => self.row(value, ty, RowKind::RmsNorm, *x, *weight, None, *dims, eps.0),
+            } => self.row(
+                value,
+                ty,
+                RowKind::RmsNorm,
+                *x,
+                (*weight, None, None),
+                *dims,
+                eps.0,
+            ),
             Op::NormGrad {
                 x,
                 g,
@@ -48,20 +55,7 @@ impl Lowering<'_> {
                     centered: *centered,
                     part: *part,
                 };
-                let lowered = self.row(value, ty, kind, *g, *weight, None, 1, eps.0)?;
-                let (x_slot, ..) = self.data(value, *x)?;
-                // `row` has just pushed the row step.
-                match self.program.steps.last_mut() {
-                    Some(Step::Row(row)) => row.keys = Some(x_slot),
-                    _ => {
-                        return Err(unsupported(
-                            value,
-                            self.graph.op(value),
-                            "a norm's gradient lowered to no row kernel",
-                        ))
-                    }
-                }
-                Ok(lowered)
+                self.row(value, ty, kind, *g, (*weight, None, Some(*x)), 1, eps.0)
             }
             Op::Softmax { x, axis, log } => {
                 if let Some(lowered) = self.pair_softmax(value, ty, *x, *axis, *log)? {
@@ -81,7 +75,7 @@ impl Lowering<'_> {
                     } else {
                         RowKind::Softmax
                     };
-                    self.row(value, ty, kind, *x, None, None, 1, 0.0)
+                    self.row(value, ty, kind, *x, (None, None, None), 1, 0.0)
                 } else {
                     Err(unsupported(
                         value,
@@ -280,6 +274,8 @@ impl Lowering<'_> {
         }
     }
 
+    /// A row kernel of `kind` over `x`'s last `dims` dims, reading a weight, a bias and
+    /// keys (a norm gradient's input) where given.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn row(
         &mut self,
@@ -287,8 +283,7 @@ impl Lowering<'_> {
         ty: &Type,
         kind: RowKind,
         x: ValueId,
-        weight: Option<ValueId>,
-        bias: Option<ValueId>,
+        (weight, bias, keys): (Option<ValueId>, Option<ValueId>, Option<ValueId>),
         dims: usize,
         eps: f64,
     ) -> Result<Lowered, LowerError> {
@@ -302,12 +297,12 @@ impl Lowering<'_> {
             ));
         }
         let width = volume(&tail[tail.len() - dims..]);
-        let weight = weight
-            .map(|weight| self.data(value, weight).map(|(slot, ..)| slot))
-            .transpose()?;
-        let bias = bias
-            .map(|bias| self.data(value, bias).map(|(slot, ..)| slot))
-            .transpose()?;
+        let slot = |operand: Option<ValueId>| {
+            operand
+                .map(|operand| self.data(value, operand).map(|(slot, ..)| slot))
+                .transpose()
+        };
+        let (weight, bias, keys) = (slot(weight)?, slot(bias)?, slot(keys)?);
         let out = self.result(value, ty)?;
         let outer = volume(&tail[..tail.len() - dims]);
         self.program.steps.push(Step::Row(Row {
@@ -319,7 +314,7 @@ impl Lowering<'_> {
             rows: rows.times(outer),
             width,
             eps: F64(eps),
-            keys: None,
+            keys,
         }));
         Ok(out)
     }

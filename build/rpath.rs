@@ -6,7 +6,8 @@
 //! `LD_LIBRARY_PATH`. Packages whose tests alone use libtorch find it through
 //! `LIBTORCH` (set by scripts/env.sh).
 
-fn main() {
+/// Embeds libtorch's folder as an rpath of the package's binaries.
+pub fn main() {
     // Packages that use libtorch only in tests (a dev-dependency, whose metadata build
     // scripts do not see) fall back on `LIBTORCH`, which scripts/env.sh sets.
     let lib_dir = ["DEP_TCH_LIBTORCH_LIB", "DEP_TORCH_SYS_LIBTORCH_LIB"]

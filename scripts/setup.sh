@@ -2,7 +2,8 @@
 # Installs what nestor needs to build and test, idempotently:
 #   - LLVM 19 development packages (Debian's apt), for the code generators, the DejaVu
 #     fonts the benchmark report's charts are drawn with, and the `fortunes` quotations
-#     the compiled-training example learns from;
+#     the compiled-training example learns from, and Gloo's headers (libgloo-dev) for the
+#     C++ shim of nestor-distributed over c10d (the torch wheel ships c10d's, not Gloo's);
 #   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
 #     kept in a cache outside the checkout so that every clone shares one install.
 # Quick when everything is already present. Set NESTOR_CACHE to move the cache, and
@@ -13,10 +14,10 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/env.sh
 source "$here/env.sh"
 
-apt_packages=(llvm-19-dev libpolly-19-dev libzstd-dev fonts-dejavu-core fortunes)
+apt_packages=(llvm-19-dev libpolly-19-dev libzstd-dev fonts-dejavu-core fortunes libgloo-dev)
 apt_missing() {
   [ ! -x "$LLVM_SYS_191_PREFIX/bin/llvm-config" ] || [ ! -f "$LLVM_SYS_191_PREFIX/lib/libPolly.a" ] \
-    || ! dpkg -s libzstd-dev fonts-dejavu-core fortunes >/dev/null 2>&1
+    || ! dpkg -s libzstd-dev fonts-dejavu-core fortunes libgloo-dev >/dev/null 2>&1
 }
 # NESTOR_SETUP_APT=0 skips this step (the tests of the venv logic below set it).
 if [ "${NESTOR_SETUP_APT:-1}" != 0 ] && apt_missing; then

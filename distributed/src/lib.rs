@@ -5,10 +5,14 @@
 //! - [`ProcessGroup`]: a process group from torchrun's environment or a
 //!   [`GroupConfig`], with asynchronous collectives ([`ProcessGroup::all_reduce`],
 //!   [`ProcessGroup::broadcast`]).
+//! - [`DataParallel`]: compiled training steps whose gradients are all-reduced in
+//!   buckets while the backward runs, normalized by the global token count.
 
+mod data_parallel;
 mod error;
 mod ffi;
 mod group;
 
+pub use data_parallel::{DataParallel, StepStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::{DistributedError, Result};
 pub use group::{GroupConfig, Pending, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};

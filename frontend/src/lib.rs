@@ -36,7 +36,9 @@ mod trace;
 
 pub use collate::{collate, Batcher, Collate, Dataset, PNTensor};
 #[cfg(feature = "compile")]
-pub use compile::{compile, Compiled, NamedGradients, RunDevice, SimOptions};
+pub use compile::{
+    compile, Compiled, GradientHook, GradientOf, NamedGradients, RunDevice, SimOptions,
+};
 pub use error::{CompileCause, CompileReason, NestedError};
 pub use guard::{nested_execution_guard, ExecutionGuard, SlowPath};
 pub use kind::{dtype_of, kind_of};

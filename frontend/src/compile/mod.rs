@@ -9,6 +9,7 @@ mod train;
 
 pub use device::RunDevice;
 pub use nestor_sim::SimOptions;
+pub use train::{GradientHook, GradientOf};
 
 use rustc_hash::FxHashMap;
 use std::path::PathBuf;
@@ -424,7 +425,7 @@ where
     /// In training ([`Compiled::train`]), the gradients are accumulated into the
     /// parameters' `.grad()` as well.
     pub fn call(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<Vec<Value>> {
-        let (entry, mut values) = self.run(nested, dense)?;
+        let (entry, mut values) = self.run(nested, dense, None)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
         train::accumulate(&entry.gradients, gradients, nested)?;
         entry.traced.finish_run(values)
@@ -443,20 +444,109 @@ where
         nested: &[&NestedTensor],
         dense: &[&Tensor],
     ) -> Result<(Vec<Value>, NamedGradients)> {
-        let (entry, mut values) = self.run(nested, dense)?;
+        let (entry, mut values) = self.run(nested, dense, None)?;
         let gradients = values.split_off(entry.outputs.min(values.len()));
         let named = train::named(&entry.gradients, gradients, nested)?;
         Ok((entry.traced.finish_run(values)?, named))
     }
 
-    /// Runs the program: every output, gradients included.
+    /// [`Compiled::call`] in training, with `hook` seeing every gradient between its
+    /// computation and its accumulation into `.grad()` ([`GradientHook`]): each as soon
+    /// as the program has written it, while the rest of the backward still runs, and
+    /// all of them before they are accumulated, to change or replace. Without
+    /// [`Compiled::train`], `hook` sees nothing.
+    ///
+    /// ```
+    /// use nestor_frontend::{compile, Dense, GradientHook, GradientOf, NestedTensor, Result};
+    /// use tch::{nn, Tensor};
+    ///
+    /// /// Halves every gradient, and keeps the names in the order they came.
+    /// struct Halve(Vec<String>);
+    /// impl GradientHook for Halve {
+    ///     fn ready(&mut self, _: usize, of: GradientOf<'_>, _: &Tensor) -> Result<()> {
+    ///         if let GradientOf::Param(name) = of {
+    ///             self.0.push(name.to_string());
+    ///         }
+    ///         Ok(())
+    ///     }
+    ///     fn finish(&mut self, gradients: &mut [Tensor]) -> Result<()> {
+    ///         for gradient in gradients {
+    ///             *gradient = &*gradient * 0.5;
+    ///         }
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let store = nn::VarStore::new(tch::Device::Cpu);
+    /// let w = store.root().ones("w", &[4, 2]);
+    /// let model = compile("loss", |x: &[NestedTensor], _: &[Dense]| {
+    ///     x[0].linear(&w, None)?.sum_all()
+    /// })
+    /// .train(&store);
+    /// let batch = NestedTensor::from_tensors(&[Tensor::ones([3, 2], tch::kind::FLOAT_CPU)])?;
+    /// let mut hook = Halve(Vec::new());
+    /// model.call_with(&[&batch], &[], &mut hook)?;
+    /// assert_eq!(hook.0, ["w"]);
+    /// // d(sum(x w^T))/dw = 3 (the rows of x summed), halved.
+    /// assert_eq!(store.root().get("w").unwrap().grad().double_value(&[0, 0]), 1.5);
+    /// # Ok::<(), nestor_frontend::NestedError>(())
+    /// ```
+    pub fn call_with(
+        &self,
+        nested: &[&NestedTensor],
+        dense: &[&Tensor],
+        hook: &mut dyn GradientHook,
+    ) -> Result<Vec<Value>> {
+        let mut seen: Vec<bool> = Vec::new();
+        let mut failure: Option<NestedError> = None;
+        let (entry, mut values) = {
+            let mut ready = |entry: &Entry, output: usize, tensor: &Tensor| {
+                let index = output.wrapping_sub(entry.outputs);
+                let (None, Some(gradient)) = (&failure, entry.gradients.get(index)) else {
+                    return;
+                };
+                seen.resize(entry.gradients.len(), false);
+                let result = gradient
+                    .shaped(tensor, nested)
+                    .and_then(|(_, shaped)| hook.ready(index, gradient.of(), &shaped));
+                match result {
+                    Ok(()) => seen[index] = true,
+                    Err(error) => failure = Some(error),
+                }
+            };
+            self.run(nested, dense, Some(&mut ready))?
+        };
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        hook.ran();
+        let gradients = values.split_off(entry.outputs.min(values.len()));
+        let pairs = train::tensors(&entry.gradients, gradients, nested)?;
+        for (index, ((_, gradient), of)) in pairs.iter().zip(&entry.gradients).enumerate() {
+            if !seen.get(index).copied().unwrap_or(false) {
+                hook.ready(index, of.of(), gradient)?;
+            }
+        }
+        let (targets, mut gradients): (Vec<Tensor>, Vec<Tensor>) = pairs.into_iter().unzip();
+        hook.finish(&mut gradients)?;
+        train::accumulate_into(targets.into_iter().zip(gradients).collect())?;
+        entry.traced.finish_run(values)
+    }
+
+    /// Runs the program: every output, gradients included; on the host, `ready` sees
+    /// each result written into a tensor as soon as it is final ([`OutputSink::ready`]).
     ///
     /// A call of a known structure does little besides the run: the structure key
     /// fixes every dtype, rank, static size and shared length the graph's input types
     /// need, so those are checked only when a structure is compiled, and inputs are
     /// borrowed (no tensor is cloned); the runtime still checks every input's size
     /// against its lengths.
-    fn run(&self, nested: &[&NestedTensor], dense: &[&Tensor]) -> Result<(Arc<Entry>, Vec<Value>)> {
+    fn run(
+        &self,
+        nested: &[&NestedTensor],
+        dense: &[&Tensor],
+        ready: Option<ReadyHook<'_>>,
+    ) -> Result<(Arc<Entry>, Vec<Value>)> {
         let placement = Placement::of(self.device, inputs_device(nested, dense)?)?;
         // Batches already as the program takes them (the usual case) are used as they
         // are, without collecting them anew.
@@ -493,7 +583,7 @@ where
             });
         }
         let (outputs, written) = if entry.runner.is_host() {
-            self.run_on_host(&entry, &host, float)?
+            self.run_on_host(&entry, &host, float, ready)?
         } else {
             let inputs: Vec<DeviceInput<'_>> = host
                 .iter()
@@ -524,6 +614,7 @@ where
         entry: &Entry,
         host: &[HostInput<'_>],
         float: Kind,
+        ready: Option<ReadyHook<'_>>,
     ) -> Result<RunResults> {
         let mut inputs = Vec::with_capacity(host.len());
         for input in host {
@@ -535,6 +626,7 @@ where
         let mut sink = TensorSink {
             kind: float,
             tensors: Vec::with_capacity(entry.executable.program().outputs.len()),
+            ready: ready.map(|ready| (entry, ready)),
         };
         let outputs = entry
             .executable
@@ -914,21 +1006,39 @@ fn numel(tensor: &Tensor) -> usize {
     shape[..dims].iter().product::<i64>().max(0) as usize
 }
 
+/// What sees a program's results as soon as they are final: the entry run and the
+/// result's output index and tensor.
+type ReadyHook<'a> = &'a mut dyn FnMut(&Entry, usize, &Tensor);
+
 /// Tensors the runtime writes results into (no copy out of its buffers).
-struct TensorSink {
+struct TensorSink<'e, 'h> {
     kind: Kind,
     /// The tensors given, with the output each is for, in output order.
     tensors: Vec<(usize, Tensor)>,
+    /// Told of each result as soon as it is final.
+    ready: Option<(&'e Entry, ReadyHook<'h>)>,
 }
 
 // SAFETY: every buffer is the data of a new contiguous CPU tensor of `shape` in the
 // program's float type (`kind`), kept in `tensors` (so alive) past the run.
-unsafe impl OutputSink for TensorSink {
+unsafe impl OutputSink for TensorSink<'_, '_> {
     fn buffer(&mut self, index: usize, shape: &[i64]) -> Option<*mut u8> {
         let tensor = Tensor::f_empty(shape, (self.kind, tch::Device::Cpu)).ok()?;
         let pointer = tensor.data_ptr() as *mut u8;
         self.tensors.push((index, tensor));
         Some(pointer)
+    }
+
+    fn ready(&mut self, index: usize) {
+        if let Some((entry, ready)) = &mut self.ready {
+            // Given in output order: found by a search.
+            if let Ok(at) = self
+                .tensors
+                .binary_search_by_key(&index, |(output, _)| *output)
+            {
+                ready(entry, index, &self.tensors[at].1);
+            }
+        }
     }
 }
 

@@ -137,11 +137,61 @@ impl Gradient {
             Gradient::Input(index) => format!("x{index}"),
         }
     }
+
+    /// What this is the gradient of.
+    pub(super) fn of(&self) -> GradientOf<'_> {
+        match self {
+            Gradient::Param { name, .. } => GradientOf::Param(name),
+            Gradient::Input(index) => GradientOf::Input(*index),
+        }
+    }
+
+    /// The tensor the gradient is of in this call, and `gradient` (a program's result, in
+    /// its packed shape and float kind) shaped and typed like it.
+    pub(super) fn shaped(
+        &self,
+        gradient: &Tensor,
+        nested: &[&NestedTensor],
+    ) -> Result<(Tensor, Tensor)> {
+        let target = self.target(nested)?;
+        let gradient = gradient
+            .f_to_kind(target.f_kind()?)?
+            .f_reshape(target.size())?;
+        Ok((target, gradient))
+    }
+}
+
+/// What a gradient of a training call is the gradient of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradientOf<'a> {
+    /// A parameter: its `VarStore` path, or `param<index>` for a tensor the model derives
+    /// from a parameter outside the trace.
+    Param(&'a str),
+    /// The packed values of nested input `index` (a batch whose values require grad).
+    Input(usize),
+}
+
+/// Sees the gradients of a training call ([`crate::Compiled::call_with`]) between the
+/// program computing them and their accumulation into `.grad()`: data-parallel training
+/// all-reduces them here, each as soon as the backward has produced it.
+pub trait GradientHook {
+    /// Gradient `index` (of `of`, shaped like it) is computed: called once per gradient
+    /// and call, as soon as the program has written it (on the CPU, between the steps
+    /// of the backward, the last layers' first), at the latest after the run.
+    fn ready(&mut self, index: usize, of: GradientOf<'_>, gradient: &Tensor) -> Result<()>;
+
+    /// The program has run; the gradients not handed to [`GradientHook::ready`] yet
+    /// follow.
+    fn ran(&mut self) {}
+
+    /// Every gradient is computed; `gradients` (in index order) are accumulated into
+    /// `.grad()` as they are when this returns (replace or change them in place).
+    fn finish(&mut self, gradients: &mut [Tensor]) -> Result<()>;
 }
 
 /// The gradients of a run as tensors shaped like what they are the gradients of, with
 /// those tensors.
-fn tensors(
+pub(super) fn tensors(
     params: &[Gradient],
     values: Vec<Value>,
     nested: &[&NestedTensor],
@@ -156,15 +206,11 @@ fn tensors(
         .iter()
         .zip(values)
         .map(|(param, value)| {
-            let target = param.target(nested)?;
             let gradient = match value {
                 Value::Nested(batch) => batch.packed().shallow_clone(),
                 other => other.into_dense()?,
             };
-            let gradient = gradient
-                .f_to_kind(target.f_kind()?)?
-                .f_reshape(target.size())?;
-            Ok((target, gradient))
+            param.shaped(&gradient, nested)
         })
         .collect()
 }
@@ -178,8 +224,13 @@ pub(super) fn accumulate(
     values: Vec<Value>,
     nested: &[&NestedTensor],
 ) -> Result<()> {
+    accumulate_into(tensors(params, values, nested)?)
+}
+
+/// [`accumulate`] of gradients already shaped like their `(target, gradient)`.
+pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>) -> Result<()> {
     let mut surrogate: Option<Tensor> = None;
-    for (target, gradient) in tensors(params, values, nested)? {
+    for (target, gradient) in pairs {
         let term = target.f_mul(&gradient)?.f_sum(None)?;
         surrogate = Some(match surrogate {
             Some(sum) => sum.f_add(&term)?,

@@ -140,6 +140,12 @@ pub unsafe trait OutputSink {
     /// ([`RunShape::packed`]), or `None` to have the runtime allocate it (and copy the
     /// result out).
     fn buffer(&mut self, index: usize, shape: &[i64]) -> Option<*mut u8>;
+
+    /// Output `index`, written into the buffer this sink gave, is final: no later step
+    /// of the run writes it. Called between steps, as soon as the step that completes it
+    /// has run (the gradients of a training program's last layers long before the
+    /// backward ends), at most once per output and run.
+    fn ready(&mut self, _index: usize) {}
 }
 
 /// The shape of a result.
@@ -326,6 +332,8 @@ pub struct Executable {
     frees: Vec<Vec<Slot>>,
     /// The slot whose memory each slot uses (itself, unless it is an alias).
     roots: Vec<Slot>,
+    /// The outputs each step completes (it is the last to write their memory).
+    completes: Vec<Vec<usize>>,
     /// What finished runs leave for the next: one per run that was in progress at once.
     scratch: std::sync::Mutex<Vec<Scratch>>,
 }
@@ -384,12 +392,14 @@ impl Executable {
             .map(|index| root(&program, Slot(index as u32)))
             .collect();
         let frees = last_readers(&program, &reads, &roots);
+        let completes = completing_steps(&program, &roots);
         Self {
             program,
             steps,
             reads,
             frees,
             roots,
+            completes,
             scratch: std::sync::Mutex::new(Vec::new()),
         }
     }
@@ -444,7 +454,7 @@ impl Executable {
         inputs: &[InputData<'_>],
         stats: &Stats,
         host: Option<&dyn HostRunner>,
-        sink: Option<&mut dyn OutputSink>,
+        mut sink: Option<&mut dyn OutputSink>,
     ) -> Result<Vec<RunOutput>, RuntimeError> {
         let program = &self.program;
         // Every run draws new random masks.
@@ -465,7 +475,7 @@ impl Executable {
         self.input_pointers(inputs, &sizes, false, pointers)?;
         owned.resize_with(program.slots.len(), || None);
         let shapes = self.output_shapes(&sizes);
-        match sink {
+        match sink.as_deref_mut() {
             Some(sink) => self.sink_buffers(
                 |index, shape| sink.buffer(index, shape),
                 &sizes,
@@ -513,6 +523,13 @@ impl Executable {
             if let Some(started) = started {
                 let seconds = started.elapsed().as_secs_f64();
                 timings.push(profile::timing(program, step_index, &sizes, seconds, bytes));
+            }
+            if let Some(sink) = sink.as_deref_mut() {
+                for &output in &self.completes[step_index] {
+                    if sunk[output] {
+                        sink.ready(output);
+                    }
+                }
             }
             // Buffers whose last reader was this step are free for the next steps.
             for slot in &self.frees[step_index] {
@@ -826,6 +843,24 @@ fn root(program: &Program, slot: Slot) -> Slot {
         current = source;
     }
     current
+}
+
+/// The outputs each step of `program` completes: those whose memory (`roots`) no later
+/// step writes.
+fn completing_steps(program: &Program, roots: &[Slot]) -> Vec<Vec<usize>> {
+    let root = |slot: Slot| roots[slot.0 as usize];
+    let mut completes = vec![Vec::new(); program.steps.len()];
+    for (index, output) in program.outputs.iter().enumerate() {
+        let memory = root(output.slot());
+        let last = program
+            .steps
+            .iter()
+            .rposition(|step| root(step.output()) == memory);
+        if let Some(last) = last {
+            completes[last].push(index);
+        }
+    }
+    completes
 }
 
 /// The buffers each step is the last reader of (their memory, for aliases: `roots`),

@@ -22,6 +22,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+/// Data-parallel compiled training on c10d, started by `torchrun`: process groups,
+/// gradients all-reduced while the backward runs, token-balanced batches.
+#[cfg(feature = "distributed")]
+pub use nestor_distributed as distributed;
 pub use nestor_frontend::{
     collate, dtype_of, einsum, kind_of, load_batches, nested_execution_guard, nn, save_batches,
     BatchSelector, Batcher, Binary, Bounds, Collate, Comparand, CompileCause, CompileReason,
@@ -30,7 +34,8 @@ pub use nestor_frontend::{
 };
 #[cfg(feature = "compile")]
 pub use nestor_frontend::{
-    compile, Compiled, DeviceCounts, NamedGradients, RunDevice, SimOptions, StatsSnapshot,
+    compile, Compiled, DeviceCounts, GradientHook, GradientOf, NamedGradients, RunDevice,
+    SimOptions, StatsSnapshot,
 };
 pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Traced, Value};
 pub use nestor_ir::DType;

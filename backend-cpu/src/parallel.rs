@@ -17,8 +17,9 @@ use std::sync::OnceLock;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Parallelism {
-    /// Chunks a step may be split into (at least 1). Default: `NESTOR_THREADS`, or the
-    /// machine's cores. Chunks run on the process's OpenMP team when it has one
+    /// Chunks a step may be split into (at least 1). Default: `NESTOR_THREADS`, else
+    /// `OMP_NUM_THREADS` (libtorch's threads too; torchrun sets 1 for each process),
+    /// else the machine's cores. Chunks run on the process's OpenMP team when it has one
     /// (libtorch's), else on rayon's global pool ([`crate::pool`]), the calling thread
     /// taking part.
     pub threads: usize,
@@ -61,9 +62,9 @@ impl Parallelism {
         static THREADS_FROM_ENVIRONMENT: OnceLock<usize> = OnceLock::new();
         Self {
             threads: *THREADS_FROM_ENVIRONMENT.get_or_init(|| {
-                std::env::var("NESTOR_THREADS")
-                    .ok()
-                    .and_then(|value| value.parse().ok())
+                ["NESTOR_THREADS", "OMP_NUM_THREADS"]
+                    .iter()
+                    .find_map(|name| std::env::var(name).ok()?.trim().parse().ok())
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                     .max(1)
             }),

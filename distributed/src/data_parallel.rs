@@ -146,6 +146,27 @@ impl<'g> DataParallel<'g> {
         })
     }
 
+    /// The median seconds of `repeats` reductions of the buckets alone (no program
+    /// running), as a step launches them: what communication costs when nothing hides
+    /// it. Collective; the buckets' contents are lost (a step overwrites them).
+    pub fn time_reduction(&mut self, repeats: usize) -> Result<f64> {
+        let mut seconds = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            let started = std::time::Instant::now();
+            let launched = self
+                .buckets
+                .iter()
+                .map(|bucket| self.group.all_reduce(&bucket.flat, ReduceOp::Sum))
+                .collect::<Result<Vec<_>>>()?;
+            for pending in launched {
+                pending.wait()?;
+            }
+            seconds.push(started.elapsed().as_secs_f64());
+        }
+        seconds.sort_by(f64::total_cmp);
+        Ok(seconds[seconds.len() / 2])
+    }
+
     /// What the last step did: the global token count, and how much of its
     /// communication the backward hid.
     pub fn last_step(&self) -> StepStats {

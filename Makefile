@@ -14,6 +14,7 @@ demo: setup
 test: setup
 	scripts/cargo test --workspace --all-targets
 	scripts/cargo test --workspace --doc
+	scripts/cargo test -p nestor-distributed --features nccl --test nccl
 
 # The property tests with many more cases (PROPTEST_CASES, default 256) and a million
 # mutated .nir texts (NESTOR_FUZZ_TEXTS) and 100,000 arbitrary sizes and indices
@@ -26,6 +27,7 @@ fuzz: setup
 lint: setup
 	cargo fmt --all -- --check
 	scripts/cargo clippy --workspace --all-targets -- -D warnings
+	scripts/cargo clippy -p nestor-distributed --features nccl --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" scripts/cargo doc --no-deps --workspace --quiet
 	scripts/check-layers.sh
 

@@ -4,7 +4,8 @@
 #     fonts the benchmark report's charts are drawn with, and the `fortunes` quotations
 #     the compiled-training example learns from, and Gloo's headers (libgloo-dev) for the
 #     C++ shim of nestor-distributed over c10d (the torch wheel ships c10d's, not Gloo's);
-#   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
+#   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links) and
+#     CUDA's C++ headers (nvidia-cuda-cccl, for the NCCL shim of nestor-distributed),
 #     kept in a cache outside the checkout so that every clone shares one install.
 # Quick when everything is already present. Set NESTOR_CACHE to move the cache, and
 # NESTOR_PYTHON to create the venv with another python3.
@@ -33,6 +34,13 @@ if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torch-${NESTOR_TORCH_VE
   mkdir -p "$NESTOR_CACHE"
   "${NESTOR_PYTHON:-python3}" -m venv "$NESTOR_VENV"
   "$NESTOR_VENV/bin/pip" install --quiet --disable-pip-version-check "torch==$NESTOR_TORCH_VERSION"
+fi
+
+# CUDA's C++ headers (CCCL) that the torch wheel's CUDA runtime package lacks and c10d's
+# NCCL header includes: for nestor-distributed's `nccl` feature (a few MB of headers).
+if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/nvidia/cu13/include/nv/target" >/dev/null; then
+  echo "nestor setup: installing nvidia-cuda-cccl (CUDA C++ headers) into $NESTOR_VENV" >&2
+  "$NESTOR_VENV/bin/pip" install --quiet --disable-pip-version-check "nvidia-cuda-cccl==13.0.*"
 fi
 
 # env.sh was sourced before the install on a first run: ask for torch's folder again.

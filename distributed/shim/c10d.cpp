@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "shim.hpp"
@@ -59,7 +60,7 @@ char* launched(c10::intrusive_ptr<c10d::Work> work, NestorWork** out) {
 extern "C" {
 
 char* nestor_c10d_group(const char* host, uint16_t port, bool serve, int rank,
-                        int world, int64_t timeout_ms, const char* interface,
+                        int world, int64_t timeout_ms, const char* interface, int nccl,
                         NestorGroup** out) {
   *out = nullptr;
   return guarded([&] {
@@ -73,8 +74,18 @@ char* nestor_c10d_group(const char* host, uint16_t port, bool serve, int rank,
     c10::intrusive_ptr<c10d::Store> store =
         c10::make_intrusive<c10d::TCPStore>(host, options);
     store = c10::make_intrusive<c10d::PrefixStore>("default_pg", store);
-    auto backend = nestor_c10d_gloo(store, rank, world, std::chrono::milliseconds(timeout_ms),
-                                    host, interface);
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10::intrusive_ptr<c10d::Backend> backend;
+    if (nccl != 0) {
+#ifdef NESTOR_WITH_NCCL
+      backend = nestor_c10d_nccl(store, rank, world, timeout);
+#else
+      throw std::runtime_error(
+          "nestor-distributed was built without NCCL (build it with the `nccl` feature)");
+#endif
+    } else {
+      backend = nestor_c10d_gloo(store, rank, world, timeout, host, interface);
+    }
     *out = new NestorGroup{store, backend};
   });
 }

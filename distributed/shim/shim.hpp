@@ -24,3 +24,8 @@ c10::intrusive_ptr<c10d::Backend> nestor_c10d_gloo(const c10::intrusive_ptr<c10d
                                                    int rank, int world,
                                                    std::chrono::milliseconds timeout,
                                                    const char* host, const char* interface);
+
+// The NCCL backend on `store` (nccl.cpp, built with the `nccl` feature only).
+c10::intrusive_ptr<c10d::Backend> nestor_c10d_nccl(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   int rank, int world,
+                                                   std::chrono::milliseconds timeout);

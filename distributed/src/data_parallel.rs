@@ -196,7 +196,12 @@ impl<'g> DataParallel<'g> {
         O: TraceOutputs,
         F: Fn(&[NestedTensor], &[Dense]) -> nestor_frontend::Result<O>,
     {
-        let count = Tensor::from_slice(&[tokens as f64]);
+        // On the buckets' device (NCCL reduces CUDA tensors only).
+        let device = self
+            .buckets
+            .first()
+            .map_or(tch::Device::Cpu, |bucket| bucket.flat.device());
+        let count = Tensor::from_slice(&[tokens as f64]).f_to_device(device)?;
         let counted = self.group.all_reduce(&count, ReduceOp::Sum)?;
         let mut hook = Reduction {
             group: self.group,
@@ -367,14 +372,15 @@ impl GradientHook for Reduction<'_, '_> {
     }
 }
 
-/// Splits `params` (in order) into buckets of one kind and at most `first` bytes (the
+/// Splits `params` (in order) into buckets of one kind and device and at most `first` bytes (the
 /// first), then `rest` bytes, and sets where each parameter's gradient goes.
 fn plan_buckets(params: &mut [Param], first: usize, rest: usize) -> Result<Vec<Bucket>> {
     let mut buckets: Vec<Bucket> = Vec::new();
-    let mut open: Option<(Kind, i64, Vec<usize>)> = None;
-    let mut close = |open: &mut Option<(Kind, i64, Vec<usize>)>| -> Result<()> {
-        if let Some((kind, numel, members)) = open.take() {
-            let flat = Tensor::f_zeros([numel], (kind, tch::Device::Cpu))?;
+    type Open = Option<((Kind, tch::Device), i64, Vec<usize>)>;
+    let mut open: Open = None;
+    let mut close = |open: &mut Open| -> Result<()> {
+        if let Some((options, numel, members)) = open.take() {
+            let flat = Tensor::f_zeros([numel], options)?;
             buckets.push(Bucket {
                 flat,
                 params: members,
@@ -383,14 +389,15 @@ fn plan_buckets(params: &mut [Param], first: usize, rest: usize) -> Result<Vec<B
         Ok(())
     };
     let mut closed = 0usize;
-    for index in 0..params.len() {
-        let kind = params[index].tensor.f_kind()?;
+    for (index, param) in params.iter_mut().enumerate() {
+        let kind = param.tensor.f_kind()?;
+        let options = (kind, param.tensor.device());
         let bytes_of =
             |numel: i64| (numel.max(0) as usize).saturating_mul(kind.elt_size_in_bytes());
         let cap = if closed == 0 { first } else { rest };
         let fits = match &open {
-            Some((open_kind, numel, _)) => {
-                *open_kind == kind && bytes_of(numel + params[index].numel) <= cap
+            Some((open_options, numel, _)) => {
+                *open_options == options && bytes_of(numel + param.numel) <= cap
             }
             None => false,
         };
@@ -398,10 +405,10 @@ fn plan_buckets(params: &mut [Param], first: usize, rest: usize) -> Result<Vec<B
             close(&mut open)?;
             closed += 1;
         }
-        let (_, numel, members) = open.get_or_insert_with(|| (kind, 0, Vec::new()));
-        params[index].bucket = closed;
-        params[index].offset = *numel;
-        *numel += params[index].numel;
+        let (_, numel, members) = open.get_or_insert_with(|| (options, 0, Vec::new()));
+        param.bucket = closed;
+        param.offset = *numel;
+        *numel += param.numel;
         members.push(index);
     }
     close(&mut open)?;
@@ -429,8 +436,12 @@ fn check_same_model(group: &ProcessGroup, params: &[Param]) -> Result<()> {
         (hash & 0xffff_ffff) as i64,
         params.len() as i64,
     ];
-    let highest = Tensor::from_slice(&mine);
-    let lowest = Tensor::from_slice(&mine);
+    // On the parameters' device (NCCL reduces CUDA tensors only).
+    let device = params
+        .first()
+        .map_or(tch::Device::Cpu, |param| param.tensor.device());
+    let highest = Tensor::from_slice(&mine).f_to_device(device)?;
+    let lowest = Tensor::from_slice(&mine).f_to_device(device)?;
     let max = group.all_reduce(&highest, ReduceOp::Max)?;
     let min = group.all_reduce(&lowest, ReduceOp::Min)?;
     max.wait()?;

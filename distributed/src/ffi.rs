@@ -27,6 +27,7 @@ extern "C" {
         world: i32,
         timeout_ms: i64,
         interface: *const c_char,
+        nccl: i32,
         out: *mut *mut Group,
     ) -> *mut c_char;
     pub(crate) fn nestor_c10d_all_reduce(

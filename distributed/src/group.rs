@@ -32,6 +32,25 @@ impl ReduceOp {
     }
 }
 
+/// The c10d backend that runs a group's collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Gloo: CPU tensors, over TCP.
+    Gloo,
+    /// NCCL: CUDA tensors, one GPU per rank (the `nccl` feature).
+    Nccl,
+}
+
+impl Backend {
+    /// Whether a tensor on `device` suits this backend.
+    fn takes(self, device: Device) -> bool {
+        match self {
+            Backend::Gloo => device == Device::Cpu,
+            Backend::Nccl => matches!(device, Device::Cuda(_)),
+        }
+    }
+}
+
 /// Where and how a process joins its group.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupConfig {
@@ -50,6 +69,8 @@ pub struct GroupConfig {
     /// The network interface Gloo binds (`GLOO_SOCKET_IFNAME`); by default the
     /// loopback address for a loopback host, else the address of this machine's hostname.
     pub interface: Option<String>,
+    /// Gloo (CPU tensors, the default) or NCCL (CUDA tensors).
+    pub backend: Backend,
 }
 
 /// How long a group waits for its ranks unless told otherwise.
@@ -66,6 +87,7 @@ impl GroupConfig {
             serve_store: rank == 0,
             timeout: DEFAULT_TIMEOUT,
             interface: None,
+            backend: Backend::Gloo,
         }
     }
 
@@ -106,6 +128,12 @@ impl GroupConfig {
         config.serve_store = rank == 0 && !agent_store;
         config.interface = var("GLOO_SOCKET_IFNAME").filter(|name| !name.is_empty());
         config.checked()
+    }
+
+    /// This configuration with the `backend` that runs the collectives.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
     }
 
     /// This configuration with `timeout` for joining and for every collective.
@@ -150,6 +178,7 @@ pub struct ProcessGroup {
     raw: NonNull<ffi::Group>,
     rank: usize,
     world_size: usize,
+    backend: Backend,
 }
 
 // SAFETY: c10d's backends are used from any thread (PyTorch's DDP launches collectives
@@ -183,6 +212,7 @@ impl ProcessGroup {
                 config.world_size as i32,
                 config.timeout.as_millis() as i64,
                 interface.as_ptr(),
+                i32::from(config.backend == Backend::Nccl),
                 &mut raw,
             )
         };
@@ -200,6 +230,7 @@ impl ProcessGroup {
             raw,
             rank: config.rank,
             world_size: config.world_size,
+            backend: config.backend,
         })
     }
 
@@ -218,9 +249,14 @@ impl ProcessGroup {
         self.world_size
     }
 
+    /// The backend that runs the collectives.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
     /// Launches the reduction of `tensor` over the ranks, in place; it is done when the
-    /// returned [`Pending`] is waited for. `tensor`: contiguous, on the CPU, the same
-    /// shape and kind on every rank.
+    /// returned [`Pending`] is waited for. `tensor`: contiguous, on the CPU (Gloo) or a
+    /// GPU (NCCL), the same shape and kind on every rank.
     pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending<'_>> {
         self.launch("all_reduce", tensor, |raw, tensor, out| unsafe {
             ffi::nestor_c10d_all_reduce(raw, tensor, op.code(), out)
@@ -252,15 +288,21 @@ impl ProcessGroup {
         ) -> *mut std::ffi::c_char,
     ) -> Result<Pending<'_>> {
         let kind = tensor.f_kind()?;
-        if tensor.device() != Device::Cpu
+        if !self.backend.takes(tensor.device())
             || !tensor.is_contiguous()
             || !matches!(
                 kind,
                 Kind::Float | Kind::Double | Kind::Int64 | Kind::BFloat16 | Kind::Half
             )
         {
+            let place = match self.backend {
+                Backend::Gloo => "CPU",
+                Backend::Nccl => "CUDA",
+            };
             return Err(DistributedError::Invalid(format!(
-                "{operation} takes contiguous CPU tensors of floats or i64: got {kind:?} on {:?}{}",
+                "{operation} on {:?} takes contiguous {place} tensors of floats or i64: got \
+                 {kind:?} on {:?}{}",
+                self.backend,
                 tensor.device(),
                 if tensor.is_contiguous() {
                     ""

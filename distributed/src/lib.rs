@@ -19,4 +19,4 @@ mod group;
 pub use batches::{Sharding, TokenBatches, POOL_SAMPLES};
 pub use data_parallel::{DataParallel, StepStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::{DistributedError, Result};
-pub use group::{GroupConfig, Pending, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};
+pub use group::{Backend, GroupConfig, Pending, ProcessGroup, ReduceOp, DEFAULT_TIMEOUT};

@@ -1,5 +1,6 @@
 //! Data-parallel compiled training across 2 processes on loopback, against one process
 //! on the union of the ranks' batches.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

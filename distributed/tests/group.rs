@@ -1,4 +1,5 @@
 //! Process groups across processes on loopback: collectives, torchrun, failures.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

@@ -1,7 +1,7 @@
 //! Multi-process tests: a test starts copies of its own binary, one per rank, that run
 //! the same test function as workers (told by `NESTOR_TEST_WORKER`), on loopback, with
 //! a deadline.
-
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::process::{Child, Command, Output, Stdio};

@@ -20,7 +20,8 @@ c10::intrusive_ptr<c10d::Backend> nestor_c10d_gloo(const c10::intrusive_ptr<c10d
   } else {
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  // One thread: the ranks of a CPU job already use every core for their steps.
-  options->threads = 1;
+  // Two threads (PyTorch's default): with one, Gloo ran the buckets' all-reduces one
+  // after another, 11 buckets of 1 MiB in 17 ms against 5.5 ms with two.
+  options->threads = 2;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, options);
 }

@@ -11,7 +11,9 @@
 //!
 //! The driver starts the workers (copies of itself) on loopback with torchrun's
 //! variables set by hand; `--steps N` timed steps after `--warmup N`; `--bucket-kib N`
-//! sets the buckets after the first (1 MiB) to N KiB (default PyTorch DDP's 25 MiB).
+//! sets the buckets after the first (1 MiB) to N KiB (default PyTorch DDP's 25 MiB);
+//! `--pool N` sorts lengths in pools of N samples (default 512). The sharding comparison
+//! runs on those batches and on batches of random lengths (no sorting).
 
 use std::fmt::Write as _;
 use std::process::{Command, Stdio};
@@ -65,14 +67,21 @@ fn features(index: usize, length: usize) -> Tensor {
 }
 
 /// A worker: trains its rank's share of the plan and prints its steps.
-fn worker(steps: usize, warmup: usize, sharding: Sharding, bucket_bytes: usize) -> Result<()> {
+fn worker(setting: &Setting) -> Result<()> {
+    let Setting {
+        steps,
+        warmup,
+        sharding,
+        pool,
+        bucket_bytes,
+    } = *setting;
     let config = GroupConfig::from_env()?.timeout(Duration::from_secs(300));
     let group = ProcessGroup::new(&config)?;
     let (rank, world) = (group.rank(), group.world_size());
     let lengths = lengths();
     let plan = TokenBatches::new(&lengths, GLOBAL_TOKENS / world, rank, world)?
         .seed(5)
-        .pool_samples(512)
+        .pool_samples(pool)
         .sharding(sharding)
         .plan(0)?;
     if plan.len() < steps + warmup {
@@ -181,13 +190,27 @@ fn parse(text: &str) -> Result<Worker> {
     Ok(worker)
 }
 
-/// Runs `world` workers (one thread each) and returns their outputs by rank.
-fn run(
-    world: usize,
+/// What a run measures: timed and warm-up steps, how batches are planned and split,
+/// the buckets' size.
+#[derive(Clone, Copy, Debug)]
+struct Setting {
+    steps: usize,
+    warmup: usize,
     sharding: Sharding,
-    (steps, warmup): (usize, usize),
+    /// Samples sorted by length together (1: batches of random lengths).
+    pool: usize,
     bucket_bytes: usize,
-) -> Result<Vec<Worker>> {
+}
+
+/// Runs `world` workers (one thread each) and returns their outputs by rank.
+fn run(world: usize, setting: Setting) -> Result<Vec<Worker>> {
+    let Setting {
+        steps,
+        warmup,
+        sharding,
+        pool,
+        bucket_bytes,
+    } = setting;
     let program = std::env::current_exe()?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -211,6 +234,7 @@ fn run(
                     },
                 ])
                 .args(["--bucket-kib", &(bucket_bytes >> 10).to_string()])
+                .args(["--pool", &pool.to_string()])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
@@ -280,22 +304,28 @@ fn step_times(workers: &[Worker]) -> Vec<f64> {
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let (mut worker_mode, mut steps, mut warmup, mut sharding, mut out) =
-        (false, 40usize, 6usize, Sharding::Tokens, None);
-    let mut bucket_bytes = BUCKET_BYTES;
+    let (mut worker_mode, mut out) = (false, None);
+    let mut setting = Setting {
+        steps: 40,
+        warmup: 6,
+        sharding: Sharding::Tokens,
+        pool: 512,
+        bucket_bytes: BUCKET_BYTES,
+    };
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--worker" => worker_mode = true,
-            "--steps" => steps = args.next().ok_or("--steps N")?.parse()?,
-            "--warmup" => warmup = args.next().ok_or("--warmup N")?.parse()?,
+            "--steps" => setting.steps = args.next().ok_or("--steps N")?.parse()?,
+            "--warmup" => setting.warmup = args.next().ok_or("--warmup N")?.parse()?,
+            "--pool" => setting.pool = args.next().ok_or("--pool N")?.parse()?,
             "--shard" => {
-                sharding = match args.next().as_deref() {
+                setting.sharding = match args.next().as_deref() {
                     Some("samples") => Sharding::Samples,
                     _ => Sharding::Tokens,
                 }
             }
             "--bucket-kib" => {
-                bucket_bytes = args.next().ok_or("--bucket-kib N")?.parse::<usize>()? << 10
+                setting.bucket_bytes = args.next().ok_or("--bucket-kib N")?.parse::<usize>()? << 10
             }
             "--out" => out = Some(std::path::PathBuf::from(args.next().ok_or("--out FOLDER")?)),
             other => {
@@ -307,11 +337,25 @@ fn main() -> Result<()> {
         }
     }
     if worker_mode {
-        return worker(steps, warmup, sharding, bucket_bytes);
+        return worker(&setting);
     }
-    let single = run(1, Sharding::Tokens, (steps, warmup), bucket_bytes)?;
-    let by_tokens = run(2, Sharding::Tokens, (steps, warmup), bucket_bytes)?;
-    let by_samples = run(2, Sharding::Samples, (steps, warmup), bucket_bytes)?;
+    let Setting {
+        steps,
+        warmup,
+        bucket_bytes,
+        ..
+    } = setting;
+    let with = |sharding, pool| Setting {
+        sharding,
+        pool,
+        ..setting
+    };
+    let single = run(1, with(Sharding::Tokens, setting.pool))?;
+    let by_tokens = run(2, with(Sharding::Tokens, setting.pool))?;
+    let by_samples = run(2, with(Sharding::Samples, setting.pool))?;
+    // Batches of random lengths (no sorting): where sample sharding leaves stragglers.
+    let random_tokens = run(2, with(Sharding::Tokens, 1))?;
+    let random_samples = run(2, with(Sharding::Samples, 1))?;
 
     let (one, two) = (tokens_per_second(&single), tokens_per_second(&by_tokens));
     let alone = by_tokens.iter().map(|w| w.alone).fold(0.0, f64::max);
@@ -375,8 +419,9 @@ fn main() -> Result<()> {
     let _ = writeln!(
         text,
         "All-reduce of the gradients ({} buckets) alone: {:.2} ms; left exposed after the backward (median over \
-         steps of the smaller rank's wait): {:.2} ms, so **{:.0}% hidden**; {:.0}% of the buckets were launched while \
-         the backward ran.\n",
+         steps of the smaller rank's wait): {:.2} ms, so **{:.0}% hidden**; {:.0}% of the buckets were launched from inside \
+         the run, as soon as their last gradient was written (buckets hold the gradients in reverse creation order, \
+         so the one with the first layers' waits for the backward's last steps).\n",
         by_tokens[0].steps[0].buckets,
         alone * 1e3,
         exposed * 1e3,
@@ -385,13 +430,20 @@ fn main() -> Result<()> {
     );
     let _ = writeln!(
         text,
-        "| sharding | step p50 | step p90 | slowest rank's compute / mean, p50 | p90 |\n|---|---:|---:|---:|---:|"
+        "| batches | sharding | step p50 | step p90 | slowest rank's compute / mean, p50 | p90 |\n\
+         |---|---|---:|---:|---:|---:|"
     );
-    for (name, workers) in [("tokens", &by_tokens), ("samples", &by_samples)] {
+    let sorted = format!("lengths sorted in pools of {}", setting.pool);
+    for (batches, name, workers) in [
+        (sorted.as_str(), "tokens", &by_tokens),
+        (sorted.as_str(), "samples", &by_samples),
+        ("random lengths", "tokens", &random_tokens),
+        ("random lengths", "samples", &random_samples),
+    ] {
         let (times, ratios) = (step_times(workers), imbalance(workers));
         let _ = writeln!(
             text,
-            "| {name} | {:.1} ms | {:.1} ms | {:.2} | {:.2} |",
+            "| {batches} | {name} | {:.1} ms | {:.1} ms | {:.2} | {:.2} |",
             percentile(times.clone(), 0.5) * 1e3,
             percentile(times, 0.9) * 1e3,
             percentile(ratios.clone(), 0.5),

@@ -143,14 +143,30 @@ fn gradients_equal_one_process_on_the_union_batch() {
         assert_all_succeeded(&outputs);
         return;
     }
-    let group = group();
+    gradients_against_the_union_batch(&group());
+}
+
+#[test]
+fn gradients_equal_one_process_under_torchrun() {
+    let test = "gradients_equal_one_process_under_torchrun";
+    if !is_worker(test) {
+        let outputs = finish_all(vec![spawn_torchrun(test, 2)], Duration::from_secs(120));
+        assert_all_succeeded(&outputs);
+        return;
+    }
+    gradients_against_the_union_batch(&group());
+}
+
+/// Every step of `STEPS` on this rank's share: `.grad()` equals one process's on the
+/// union of the ranks' batches.
+fn gradients_against_the_union_batch(group: &ProcessGroup) {
     let rank = group.rank();
     // Different initial values on each rank: DataParallel takes rank 0's.
     tch::manual_seed(100 + rank as i64);
     let mut store = nn::VarStore::new(Device::Cpu);
     let model = Model::new(&mut store, Kind::Double);
     let step = compiled(&model, &store);
-    let mut parallel = DataParallel::with_buckets(&group, &store, 256, 1024).unwrap();
+    let mut parallel = DataParallel::with_buckets(group, &store, 256, 1024).unwrap();
     assert!(
         parallel.buckets() > 1,
         "several buckets: {}",

@@ -37,8 +37,9 @@ fn write_executable(path: &Path, text: &str) {
 }
 
 /// A `python3` whose `-m venv DIR` creates `DIR/bin/pip`; that `pip install` lays out
-/// torch under `lib/python3.12/site-packages` (with `libtorch_cpu.so` when `with_lib`)
-/// and counts its installs in `DIR/installs`.
+/// torch under `lib/python3.12/site-packages` (with `libtorch_cpu.so` when `with_lib`),
+/// or CUDA's C++ headers when asked for `nvidia-cuda-cccl`, and writes each install's
+/// package to `DIR/installs`.
 fn fake_python(folder: &Path, with_lib: bool) -> PathBuf {
     let lib = if with_lib {
         r#"mkdir -p "$site/torch/lib" && touch "$site/torch/lib/libtorch_cpu.so""#
@@ -49,9 +50,15 @@ fn fake_python(folder: &Path, with_lib: bool) -> PathBuf {
         r#"#!/usr/bin/env bash
 venv=$(cd "$(dirname "$0")/.." && pwd)
 site="$venv/lib/python3.12/site-packages"
+case "$*" in
+  *nvidia-cuda-cccl*)
+    mkdir -p "$site/nvidia/cu13/include/nv/target"
+    echo cccl >> "$venv/installs"
+    exit 0;;
+esac
 mkdir -p "$site/torch-2.13.0.dist-info"
 {lib}
-echo install >> "$venv/installs"
+echo torch >> "$venv/installs"
 "#
     );
     let python = folder.join("python3");
@@ -120,7 +127,11 @@ fn a_first_run_installs_then_finds_libtorch_and_a_second_run_installs_nothing() 
     assert!(second.status.success(), "{}", text(&second.stderr));
     assert_eq!(text(&second.stderr), "", "a second run has nothing to say");
     let installs = std::fs::read_to_string(cache.join("venv/installs")).expect("installs");
-    assert_eq!(installs.lines().count(), 1, "torch is installed once");
+    assert_eq!(
+        installs.lines().collect::<Vec<_>>(),
+        ["torch", "cccl"],
+        "torch and CUDA's C++ headers are installed once"
+    );
 
     // scripts/cargo runs cargo in that environment.
     let cargo = run(

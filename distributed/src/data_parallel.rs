@@ -72,7 +72,10 @@ struct Bucket {
 /// .train(&store);
 /// let mut parallel = DataParallel::new(&group, &store)?;
 /// let mut sgd = nn::Sgd::default().build(&store, 0.1)?;
-/// # let (inputs, targets): (NestedTensor, NestedTensor) = todo!();
+/// // This rank's batch: two sequences of features and their classes.
+/// let ragged = |tensors: &[tch::Tensor]| NestedTensor::builder().ragged_dims(&[0]).tensors(tensors);
+/// let inputs = ragged(&[tch::Tensor::randn([5, 8], tch::kind::FLOAT_CPU), tch::Tensor::randn([2, 8], tch::kind::FLOAT_CPU)])?;
+/// let targets = ragged(&[tch::Tensor::from_slice(&[1i64, 4, 0, 9, 3]), tch::Tensor::from_slice(&[7i64, 2])])?;
 /// sgd.zero_grad();
 /// let tokens = targets.values().numel();
 /// parallel.step(&step, &[&inputs, &targets], &[], tokens)?;
@@ -269,16 +272,22 @@ impl Reduction<'_, '_> {
     }
 
     /// Launches the next bucket: the slots of parameters without a gradient zeroed,
-    /// the whole scaled by this rank's tokens.
+    /// the whole scaled by this rank's tokens (zeroed for none: the mean loss of no
+    /// tokens is NaN, and so is its gradient).
     fn launch_next(&mut self) -> Result<()> {
         let bucket = &self.buckets[self.launched.len()];
-        for &param in &bucket.params {
-            if !self.written[param] {
-                let param = &self.params[param];
-                let _ = bucket.flat.narrow(0, param.offset, param.numel).f_zero_()?;
+        let mut flat = bucket.flat.shallow_clone();
+        if self.tokens == 0.0 {
+            let _ = flat.f_zero_()?;
+        } else {
+            for &param in &bucket.params {
+                if !self.written[param] {
+                    let param = &self.params[param];
+                    let _ = flat.f_narrow(0, param.offset, param.numel)?.f_zero_()?;
+                }
             }
+            let _ = flat.f_mul_scalar_(self.tokens)?;
         }
-        let _ = bucket.flat.shallow_clone().f_mul_scalar_(self.tokens)?;
         let pending = self.group.all_reduce(&bucket.flat, ReduceOp::Sum)?;
         self.launched.push(pending);
         Ok(())
@@ -318,10 +327,11 @@ impl GradientHook for Reduction<'_, '_> {
         };
         self.gradient_params[index] = Some(param);
         let info = &self.params[param];
-        let mut slot = self.buckets[info.bucket]
+        let copied = self.buckets[info.bucket]
             .flat
-            .narrow(0, info.offset, info.numel);
-        if let Err(error) = slot.f_copy_(&gradient.reshape([-1])) {
+            .f_narrow(0, info.offset, info.numel)
+            .and_then(|mut slot| slot.f_copy_(&gradient.f_reshape([-1])?));
+        if let Err(error) = copied {
             return Err(self.failed(error.into()));
         }
         if !self.written[param] {
@@ -344,7 +354,7 @@ impl GradientHook for Reduction<'_, '_> {
             if let Some(counted) = self.counted.take() {
                 counted.wait()?;
             }
-            let global = self.count.double_value(&[0]);
+            let global = self.count.f_double_value(&[0])?;
             for pending in self.launched.drain(..) {
                 pending.wait()?;
             }
@@ -358,7 +368,7 @@ impl GradientHook for Reduction<'_, '_> {
                         let info = &self.params[*param];
                         self.buckets[info.bucket]
                             .flat
-                            .narrow(0, info.offset, info.numel)
+                            .f_narrow(0, info.offset, info.numel)?
                             .f_mul_scalar(scale)?
                             .f_view_as(&info.tensor)?
                     }

@@ -128,11 +128,13 @@ fn group() -> ProcessGroup {
 }
 
 /// The global batches of a test: each step's sequences, split unevenly between the two
-/// ranks (rank 0 takes the first `split`), lengths 1 and up.
-const STEPS: [(&[i64], usize); 3] = [
+/// ranks (rank 0 takes the first `split`), lengths 1 and up; in the last, rank 1's only
+/// sequence is empty (no tokens: its NaN mean loss adds nothing).
+const STEPS: [(&[i64], usize); 4] = [
     (&[5, 1, 9, 3, 7], 3),
     (&[1, 12], 1),
     (&[4, 4, 2, 6, 11, 1], 2),
+    (&[6, 0], 1),
 ];
 
 #[test]

@@ -212,6 +212,7 @@ impl<'g> DataParallel<'g> {
             by_name: &self.by_name,
             buckets: &self.buckets,
             tokens: tokens as f64,
+            weight: Tensor::from(tokens as f64),
             counted: Some(counted),
             count: &count,
             filled: vec![0; self.buckets.len()],
@@ -243,6 +244,8 @@ struct Reduction<'a, 'g> {
     buckets: &'a [Bucket],
     /// This rank's tokens.
     tokens: f64,
+    /// The same, as a tensor each gradient is multiplied by on its way into its bucket.
+    weight: Tensor,
     /// The global token count's reduction, until waited for.
     counted: Option<Pending<'g>>,
     count: &'a Tensor,
@@ -271,9 +274,9 @@ impl Reduction<'_, '_> {
         Ok(())
     }
 
-    /// Launches the next bucket: the slots of parameters without a gradient zeroed,
-    /// the whole scaled by this rank's tokens (zeroed for none: the mean loss of no
-    /// tokens is NaN, and so is its gradient).
+    /// Launches the next bucket, the slots of parameters without a gradient zeroed (all
+    /// of them for a rank without tokens: the mean loss of no tokens is NaN, and so is
+    /// its gradient).
     fn launch_next(&mut self) -> Result<()> {
         let bucket = &self.buckets[self.launched.len()];
         let mut flat = bucket.flat.shallow_clone();
@@ -286,7 +289,6 @@ impl Reduction<'_, '_> {
                     let _ = flat.f_narrow(0, param.offset, param.numel)?.f_zero_()?;
                 }
             }
-            let _ = flat.f_mul_scalar_(self.tokens)?;
         }
         let pending = self.group.all_reduce(&bucket.flat, ReduceOp::Sum)?;
         self.launched.push(pending);
@@ -327,10 +329,11 @@ impl GradientHook for Reduction<'_, '_> {
         };
         self.gradient_params[index] = Some(param);
         let info = &self.params[param];
+        // Into its slot, times this rank's tokens, in one pass.
         let copied = self.buckets[info.bucket]
             .flat
             .f_narrow(0, info.offset, info.numel)
-            .and_then(|mut slot| slot.f_copy_(&gradient.f_reshape([-1])?));
+            .and_then(|slot| gradient.f_reshape([-1])?.f_mul_out(&slot, &self.weight));
         if let Err(error) = copied {
             return Err(self.failed(error.into()));
         }
@@ -366,11 +369,13 @@ impl GradientHook for Reduction<'_, '_> {
                 *gradient = match param {
                     Some(param) => {
                         let info = &self.params[*param];
-                        self.buckets[info.bucket]
-                            .flat
-                            .f_narrow(0, info.offset, info.numel)?
-                            .f_mul_scalar(scale)?
-                            .f_view_as(&info.tensor)?
+                        // In place: the bucket's slot is the gradient handed back.
+                        let mut slot =
+                            self.buckets[info.bucket]
+                                .flat
+                                .f_narrow(0, info.offset, info.numel)?;
+                        let _ = slot.f_mul_scalar_(scale)?;
+                        slot.f_view_as(&info.tensor)?
                     }
                     // A batch's gradient: this rank's share of the global loss.
                     None => gradient.f_mul_scalar(self.tokens * scale)?,

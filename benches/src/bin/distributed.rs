@@ -74,12 +74,13 @@ fn worker(setting: &Setting) -> Result<()> {
         sharding,
         pool,
         bucket_bytes,
+        ..
     } = *setting;
     let config = GroupConfig::from_env()?.timeout(Duration::from_secs(300));
     let group = ProcessGroup::new(&config)?;
     let (rank, world) = (group.rank(), group.world_size());
     let lengths = lengths();
-    let plan = TokenBatches::new(&lengths, GLOBAL_TOKENS / world, rank, world)?
+    let plan = TokenBatches::new(&lengths, setting.tokens, rank, world)?
         .seed(5)
         .pool_samples(pool)
         .sharding(sharding)
@@ -200,16 +201,24 @@ struct Setting {
     /// Samples sorted by length together (1: batches of random lengths).
     pool: usize,
     bucket_bytes: usize,
+    /// Tokens of each rank's batch (the global batch's, divided by the ranks).
+    tokens: usize,
 }
 
 /// Runs `world` workers (one thread each) and returns their outputs by rank.
 fn run(world: usize, setting: Setting) -> Result<Vec<Worker>> {
+    collect(spawn(world, setting)?)
+}
+
+/// Starts the `world` workers of one group.
+fn spawn(world: usize, setting: Setting) -> Result<Vec<std::process::Child>> {
     let Setting {
         steps,
         warmup,
         sharding,
         pool,
         bucket_bytes,
+        tokens,
     } = setting;
     let program = std::env::current_exe()?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -235,6 +244,7 @@ fn run(world: usize, setting: Setting) -> Result<Vec<Worker>> {
                 ])
                 .args(["--bucket-kib", &(bucket_bytes >> 10).to_string()])
                 .args(["--pool", &pool.to_string()])
+                .args(["--tokens", &tokens.to_string()])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
@@ -246,7 +256,12 @@ fn run(world: usize, setting: Setting) -> Result<Vec<Worker>> {
                 .spawn()
         })
         .collect::<std::io::Result<Vec<_>>>()?;
-    let mut workers = Vec::with_capacity(world);
+    Ok(children)
+}
+
+/// The outputs of `children`, in order.
+fn collect(children: Vec<std::process::Child>) -> Result<Vec<Worker>> {
+    let mut workers = Vec::with_capacity(children.len());
     for child in children {
         let output = child.wait_with_output()?;
         if !output.status.success() {
@@ -306,11 +321,12 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let (mut worker_mode, mut out) = (false, None);
     let mut setting = Setting {
-        steps: 40,
+        steps: 60,
         warmup: 6,
         sharding: Sharding::Tokens,
         pool: 512,
         bucket_bytes: BUCKET_BYTES,
+        tokens: GLOBAL_TOKENS,
     };
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -318,6 +334,7 @@ fn main() -> Result<()> {
             "--steps" => setting.steps = args.next().ok_or("--steps N")?.parse()?,
             "--warmup" => setting.warmup = args.next().ok_or("--warmup N")?.parse()?,
             "--pool" => setting.pool = args.next().ok_or("--pool N")?.parse()?,
+            "--tokens" => setting.tokens = args.next().ok_or("--tokens N")?.parse()?,
             "--shard" => {
                 setting.sharding = match args.next().as_deref() {
                     Some("samples") => Sharding::Samples,
@@ -348,9 +365,27 @@ fn main() -> Result<()> {
     let with = |sharding, pool| Setting {
         sharding,
         pool,
+        tokens: GLOBAL_TOKENS / 2,
         ..setting
     };
-    let single = run(1, with(Sharding::Tokens, setting.pool))?;
+    let single = run(
+        1,
+        Setting {
+            tokens: GLOBAL_TOKENS,
+            ..with(Sharding::Tokens, setting.pool)
+        },
+    )?;
+    // The machine's ceiling: two processes doing a rank's work each at once, with no
+    // communication between them.
+    let apart = {
+        let (first, second) = (
+            spawn(1, with(Sharding::Tokens, setting.pool))?,
+            spawn(1, with(Sharding::Tokens, setting.pool))?,
+        );
+        let mut workers = collect(first)?;
+        workers.extend(collect(second)?);
+        workers
+    };
     let by_tokens = run(2, with(Sharding::Tokens, setting.pool))?;
     let by_samples = run(2, with(Sharding::Samples, setting.pool))?;
     // Batches of random lengths (no sorting): where sample sharding leaves stragglers.
@@ -405,6 +440,12 @@ fn main() -> Result<()> {
     );
     let _ = writeln!(text, "| run | tokens/s | scaling |\n|---|---:|---:|");
     let _ = writeln!(text, "| 1 process x 1 thread | {one:.0} | 1.00x |");
+    let ceiling = tokens_per_second(&apart);
+    let _ = writeln!(
+        text,
+        "| 2 processes x 1 thread apart (a rank's batches each, no communication: the machine's ceiling) | {ceiling:.0} | {:.2}x |",
+        ceiling / one
+    );
     let _ = writeln!(
         text,
         "| 2 ranks x 1 thread, token-balanced | {two:.0} | {:.2}x |",

@@ -480,7 +480,7 @@ where
     /// let store = nn::VarStore::new(tch::Device::Cpu);
     /// let w = store.root().ones("w", &[4, 2]);
     /// let model = compile("loss", |x: &[NestedTensor], _: &[Dense]| {
-    ///     x[0].linear(&w, None)?.sum_all()
+    ///     x[0].linear(&w, None)?.sum(&[], false)?.into_dense_handle()
     /// })
     /// .train(&store);
     /// let batch = NestedTensor::from_tensors(&[Tensor::ones([3, 2], tch::kind::FLOAT_CPU)])?;

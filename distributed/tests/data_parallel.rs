@@ -303,3 +303,41 @@ fn ranks_with_different_models_are_an_error() {
         Ok(_) => panic!("expected a mismatch, got a DataParallel"),
     }
 }
+
+#[test]
+fn a_rank_that_dies_mid_training_is_an_error_on_the_other() {
+    let test = "a_rank_that_dies_mid_training_is_an_error_on_the_other";
+    if !is_worker(test) {
+        let outputs = finish_all(spawn_ranks(test, 2, |_| vec![]), Duration::from_secs(90));
+        assert_all_succeeded(&outputs);
+        return;
+    }
+    let config = GroupConfig::from_env()
+        .unwrap()
+        .timeout(Duration::from_secs(10));
+    let group = ProcessGroup::new(&config).unwrap();
+    let mut store = nn::VarStore::new(Device::Cpu);
+    let model = Model::new(&mut store, Kind::Float);
+    let step = compiled(&model, &store);
+    let mut parallel = DataParallel::new(&group, &store).unwrap();
+    let all = sequences(&[4, 7], 3);
+    let mine = &all[group.rank()..group.rank() + 1];
+    let ([inputs, targets], tokens) = batch(mine);
+    parallel
+        .step(&step, &[&inputs, &targets], &[], tokens)
+        .unwrap();
+    if group.rank() == 1 {
+        std::process::exit(0); // gone before the second step
+    }
+    let started = std::time::Instant::now();
+    match parallel.step(&step, &[&inputs, &targets], &[], tokens) {
+        Err(DistributedError::Collective { rank: 0, .. }) => {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{:?}",
+                started.elapsed()
+            );
+        }
+        other => panic!("expected a collective error, got {:?}", other.map(|_| ())),
+    }
+}

@@ -4,8 +4,9 @@
 #     fonts the benchmark report's charts are drawn with, and the `fortunes` quotations
 #     the compiled-training example learns from, and Gloo's headers (libgloo-dev) for the
 #     C++ shim of nestor-distributed over c10d (the torch wheel ships c10d's, not Gloo's);
-#   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links) and
+#   - a virtual environment with torch==2.13.0 (the libtorch that tch 0.26 links),
 #     CUDA's C++ headers (nvidia-cuda-cccl, for the NCCL shim of nestor-distributed),
+#     torchvision and transformers (the tests make ResNet and BERT checkpoints with them),
 #     kept in a cache outside the checkout so that every clone shares one install.
 # Quick when everything is already present. Set NESTOR_CACHE to move the cache, and
 # NESTOR_PYTHON to create the venv with another python3.
@@ -41,6 +42,15 @@ fi
 if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/nvidia/cu13/include/nv/target" >/dev/null; then
   echo "nestor setup: installing nvidia-cuda-cccl (CUDA C++ headers) into $NESTOR_VENV" >&2
   "$NESTOR_VENV/bin/pip" install --quiet --disable-pip-version-check "nvidia-cuda-cccl==13.0.*"
+fi
+
+# torchvision and transformers (matching torch), with which the tests make the ResNet and
+# BERT checkpoints that nestor's models load (random weights: nothing is downloaded).
+if ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/torchvision-${NESTOR_TORCHVISION_VERSION}*.dist-info" >/dev/null \
+    || ! compgen -G "$NESTOR_VENV/lib/python3*/site-packages/transformers-${NESTOR_TRANSFORMERS_VERSION}*.dist-info" >/dev/null; then
+  echo "nestor setup: installing torchvision==$NESTOR_TORCHVISION_VERSION and transformers==$NESTOR_TRANSFORMERS_VERSION into $NESTOR_VENV" >&2
+  "$NESTOR_VENV/bin/pip" install --quiet --disable-pip-version-check \
+    "torchvision==$NESTOR_TORCHVISION_VERSION" "transformers==$NESTOR_TRANSFORMERS_VERSION"
 fi
 
 # env.sh was sourced before the install on a first run: ask for torch's folder again.

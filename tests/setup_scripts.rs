@@ -38,8 +38,8 @@ fn write_executable(path: &Path, text: &str) {
 
 /// A `python3` whose `-m venv DIR` creates `DIR/bin/pip`; that `pip install` lays out
 /// torch under `lib/python3.12/site-packages` (with `libtorch_cpu.so` when `with_lib`),
-/// or CUDA's C++ headers when asked for `nvidia-cuda-cccl`, and writes each install's
-/// package to `DIR/installs`.
+/// or CUDA's C++ headers when asked for `nvidia-cuda-cccl`, or torchvision and
+/// transformers, and writes each install's packages to `DIR/installs`.
 fn fake_python(folder: &Path, with_lib: bool) -> PathBuf {
     let lib = if with_lib {
         r#"mkdir -p "$site/torch/lib" && touch "$site/torch/lib/libtorch_cpu.so""#
@@ -54,6 +54,10 @@ case "$*" in
   *nvidia-cuda-cccl*)
     mkdir -p "$site/nvidia/cu13/include/nv/target"
     echo cccl >> "$venv/installs"
+    exit 0;;
+  *torchvision*)
+    mkdir -p "$site/torchvision-0.28.0.dist-info" "$site/transformers-5.23.0.dist-info"
+    echo torchvision transformers >> "$venv/installs"
     exit 0;;
 esac
 mkdir -p "$site/torch-2.13.0.dist-info"
@@ -129,8 +133,8 @@ fn a_first_run_installs_then_finds_libtorch_and_a_second_run_installs_nothing() 
     let installs = std::fs::read_to_string(cache.join("venv/installs")).expect("installs");
     assert_eq!(
         installs.lines().collect::<Vec<_>>(),
-        ["torch", "cccl"],
-        "torch and CUDA's C++ headers are installed once"
+        ["torch", "cccl", "torchvision transformers"],
+        "torch, CUDA's C++ headers, torchvision and transformers are installed once"
     );
 
     // scripts/cargo runs cargo in that environment.

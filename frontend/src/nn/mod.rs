@@ -20,9 +20,11 @@
 //! ```
 
 mod attention;
+mod bert;
 mod transformer;
 
 pub use attention::MultiheadAttention;
+pub use bert::{Bert, BertConfig};
 
 pub use transformer::{
     Activation, Transformer, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,

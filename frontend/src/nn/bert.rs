@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use safetensors::SafeTensors;
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Tensor};
 
+use super::checkpoint::{file_error, Checkpoint};
 use super::LayerNorm;
 use crate::{NestedError, NestedTensor, Result};
 
@@ -93,13 +93,6 @@ impl BertConfig {
             ));
         }
         Ok(config)
-    }
-}
-
-fn file_error(path: &Path, error: impl std::fmt::Display) -> NestedError {
-    NestedError::File {
-        path: path.display().to_string(),
-        reason: error.to_string(),
     }
 }
 
@@ -254,47 +247,16 @@ impl Bert {
     /// nestor does not support is a [`NestedError::File`] naming it.
     pub fn load(folder: &Path, path: &nn::Path) -> Result<Self> {
         let config = BertConfig::from_json_file(&folder.join("config.json"))?;
-        let weights_path = folder.join("model.safetensors");
-        let bytes =
-            std::fs::read(&weights_path).map_err(|error| file_error(&weights_path, error))?;
-        let file = SafeTensors::deserialize(&bytes).map_err(|error| {
-            file_error(&weights_path, format!("not a safetensors file: {error}"))
-        })?;
-        let names = file.names();
+        let checkpoint = Checkpoint::read(&folder.join("model.safetensors"))?;
+        let names = checkpoint.names()?;
         let prefix = if names.iter().any(|name| name.starts_with("bert.")) {
             "bert."
         } else {
             ""
         };
-        let has_pooler = names
-            .iter()
-            .any(|name| *name == &format!("{prefix}pooler.dense.weight"));
-        let bert = Self::new(path, &config, has_pooler);
-        let _guard = tch::no_grad_guard();
-        for (name, variable) in bert.parameters() {
-            let stored = format!("{prefix}{name}");
-            let view = file.tensor(&stored).map_err(|_| {
-                file_error(&weights_path, format!("the tensor {stored} is missing"))
-            })?;
-            let shape: Vec<i64> = view.shape().iter().map(|&size| size as i64).collect();
-            if shape != variable.size() {
-                return Err(file_error(
-                    &weights_path,
-                    format!(
-                        "the tensor {stored} has shape {shape:?}, the config asks for {:?}",
-                        variable.size()
-                    ),
-                ));
-            }
-            let kind = Kind::try_from(view.dtype()).map_err(|_| {
-                file_error(
-                    &weights_path,
-                    format!("the tensor {stored} is {:?}", view.dtype()),
-                )
-            })?;
-            let values = Tensor::f_from_data_size(view.data(), &shape, kind)?;
-            variable.shallow_clone().f_copy_(&values)?;
-        }
+        let pooler = format!("{prefix}pooler.dense.weight");
+        let bert = Self::new(path, &config, names.contains(&pooler));
+        checkpoint.load(bert.parameters(), prefix)?;
         Ok(bert)
     }
 

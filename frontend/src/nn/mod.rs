@@ -21,10 +21,13 @@
 
 mod attention;
 mod bert;
+mod checkpoint;
+mod resnet;
 mod transformer;
 
 pub use attention::MultiheadAttention;
 pub use bert::{Bert, BertConfig};
+pub use resnet::ResNet;
 
 pub use transformer::{
     Activation, Transformer, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,

@@ -9,7 +9,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::assert_elements_within;
 use nestor::nn::{Bert, BertConfig};
@@ -52,51 +51,19 @@ save_file({"ids": ids, "types": types, "hidden": out.last_hidden_state.contiguou
            **grads}, folder + "/reference.safetensors")
 "#;
 
-fn python() -> PathBuf {
-    let venv = std::env::var("NESTOR_VENV").unwrap_or_else(|_| {
-        let cache = std::env::var("NESTOR_CACHE").unwrap_or_else(|_| {
-            format!(
-                "{}/.cache/nestor",
-                std::env::var("HOME").unwrap_or_default()
-            )
-        });
-        format!("{cache}/venv")
-    });
-    let python = Path::new(&venv).join("bin/python");
-    assert!(
-        python.exists(),
-        "{} is missing: run scripts/setup.sh",
-        python.display()
-    );
-    python
-}
-
 /// A fresh folder with the checkpoint and the reference outputs.
 fn checkpoint(name: &str) -> PathBuf {
-    let folder = std::env::temp_dir().join(format!("nestor-bert-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&folder);
-    std::fs::create_dir_all(&folder).unwrap();
-    let lengths: Vec<String> = LENGTHS.iter().map(i64::to_string).collect();
-    let output = Command::new(python())
-        .args(["-c", MAKE_CHECKPOINT])
-        .arg(&folder)
-        .arg(lengths.join(","))
-        .output()
-        .expect("the venv's python");
-    assert!(
-        output.status.success(),
-        "making the checkpoint failed (scripts/setup.sh installs transformers):\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    folder
+    let argument = LENGTHS
+        .iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    common::python_made_folder(&format!("bert-{name}"), MAKE_CHECKPOINT, &argument)
 }
 
 /// The reference tensors by name.
 fn reference(folder: &Path) -> std::collections::HashMap<String, Tensor> {
-    Tensor::read_safetensors(folder.join("reference.safetensors"))
-        .unwrap()
-        .into_iter()
-        .collect()
+    common::read_tensors(&folder.join("reference.safetensors"))
 }
 
 /// Rows `0..length` of every row of a padded `[B, L, ...]` tensor.

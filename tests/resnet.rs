@@ -8,7 +8,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use nestor::nn::ResNet;
 use nestor::{compile, Dense, NestedError, NestedTensor, Value};
@@ -53,49 +52,19 @@ out["mean"] = mean.detach()
 save_file(out, folder + "/reference.safetensors")
 "#;
 
-fn python() -> PathBuf {
-    let venv = std::env::var("NESTOR_VENV").unwrap_or_else(|_| {
-        let cache = std::env::var("NESTOR_CACHE").unwrap_or_else(|_| {
-            format!(
-                "{}/.cache/nestor",
-                std::env::var("HOME").unwrap_or_default()
-            )
-        });
-        format!("{cache}/venv")
-    });
-    let python = Path::new(&venv).join("bin/python");
-    assert!(
-        python.exists(),
-        "{} is missing: run scripts/setup.sh",
-        python.display()
-    );
-    python
-}
-
+/// A fresh folder with the checkpoint and the reference outputs.
 fn checkpoint(name: &str) -> PathBuf {
-    let folder = std::env::temp_dir().join(format!("nestor-resnet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&folder);
-    std::fs::create_dir_all(&folder).unwrap();
-    let sizes: Vec<String> = SIZES.iter().map(|(h, w)| format!("{h}x{w}")).collect();
-    let output = Command::new(python())
-        .args(["-c", MAKE_CHECKPOINT])
-        .arg(&folder)
-        .arg(sizes.join(","))
-        .output()
-        .expect("the venv's python");
-    assert!(
-        output.status.success(),
-        "making the checkpoint failed (scripts/setup.sh installs torchvision):\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    folder
+    let argument = SIZES
+        .iter()
+        .map(|(h, w)| format!("{h}x{w}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    common::python_made_folder(&format!("resnet-{name}"), MAKE_CHECKPOINT, &argument)
 }
 
+/// The reference tensors by name.
 fn reference(folder: &Path) -> std::collections::HashMap<String, Tensor> {
-    Tensor::read_safetensors(folder.join("reference.safetensors"))
-        .unwrap()
-        .into_iter()
-        .collect()
+    common::read_tensors(&folder.join("reference.safetensors"))
 }
 
 /// Asserts that row `i` of `scores` is torchvision's scores of image `i`.

@@ -363,3 +363,49 @@ pub fn random_images(sizes: &[(i64, i64)], seed: i64) -> NestedTensor {
         .tensors(&elements)
         .unwrap()
 }
+
+/// A fresh folder `nestor-<name>-<pid>` under the temporary folder, in which the torch
+/// venv's python (`NESTOR_VENV`, else under `NESTOR_CACHE` or `~/.cache/nestor`, as
+/// scripts/env.sh sets them) ran `script` with the folder and `argument` as arguments:
+/// how the checkpoint tests make their models and references with torchvision and
+/// transformers.
+pub fn python_made_folder(name: &str, script: &str, argument: &str) -> std::path::PathBuf {
+    let venv = std::env::var("NESTOR_VENV").unwrap_or_else(|_| {
+        let cache = std::env::var("NESTOR_CACHE").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/nestor",
+                std::env::var("HOME").unwrap_or_default()
+            )
+        });
+        format!("{cache}/venv")
+    });
+    let python = std::path::Path::new(&venv).join("bin/python");
+    assert!(
+        python.exists(),
+        "{} is missing: run scripts/setup.sh",
+        python.display()
+    );
+    let folder = std::env::temp_dir().join(format!("nestor-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&folder);
+    std::fs::create_dir_all(&folder).unwrap();
+    let output = std::process::Command::new(python)
+        .args(["-c", script])
+        .arg(&folder)
+        .arg(argument)
+        .output()
+        .expect("the venv's python");
+    assert!(
+        output.status.success(),
+        "the venv's python failed (scripts/setup.sh installs torchvision and transformers):\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    folder
+}
+
+/// The tensors of a safetensors file, by name.
+pub fn read_tensors(path: &std::path::Path) -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .collect()
+}

@@ -439,24 +439,18 @@ fn main() -> Result<()> {
         single[0].compiles,
     );
     let _ = writeln!(text, "| run | tokens/s | scaling |\n|---|---:|---:|");
-    let _ = writeln!(text, "| 1 process x 1 thread | {one:.0} | 1.00x |");
-    let ceiling = tokens_per_second(&apart);
-    let _ = writeln!(
-        text,
-        "| 2 processes x 1 thread apart (a rank's batches each, no communication: the machine's ceiling) | {ceiling:.0} | {:.2}x |",
-        ceiling / one
-    );
-    let _ = writeln!(
-        text,
-        "| 2 ranks x 1 thread, token-balanced | {two:.0} | {:.2}x |",
-        two / one
-    );
-    let three = tokens_per_second(&by_samples);
-    let _ = writeln!(
-        text,
-        "| 2 ranks x 1 thread, sample-balanced | {three:.0} | {:.2}x |\n",
-        three / one
-    );
+    for (run, rate) in [
+        ("1 process x 1 thread", one),
+        (
+            "2 processes x 1 thread apart (a rank's batches each, no communication: the machine's ceiling)",
+            tokens_per_second(&apart),
+        ),
+        ("2 ranks x 1 thread, token-balanced", two),
+        ("2 ranks x 1 thread, sample-balanced", tokens_per_second(&by_samples)),
+    ] {
+        let _ = writeln!(text, "| {run} | {rate:.0} | {:.2}x |", rate / one);
+    }
+    let _ = writeln!(text);
     let _ = writeln!(
         text,
         "All-reduce of the gradients ({} buckets) alone: {:.2} ms; left exposed after the backward (median over \

@@ -63,18 +63,9 @@ pub fn spawn_ranks(
         .collect()
 }
 
-/// torchrun of the torch venv (`NESTOR_VENV`, else under `NESTOR_CACHE` or
-/// `~/.cache/nestor`, as scripts/env.sh sets them).
+/// torchrun of the torch venv (`NESTOR_VENV`, which scripts/env.sh sets).
 pub fn torchrun() -> std::path::PathBuf {
-    let venv = std::env::var("NESTOR_VENV").unwrap_or_else(|_| {
-        let cache = std::env::var("NESTOR_CACHE").unwrap_or_else(|_| {
-            format!(
-                "{}/.cache/nestor",
-                std::env::var("HOME").unwrap_or_default()
-            )
-        });
-        format!("{cache}/venv")
-    });
+    let venv = std::env::var("NESTOR_VENV").expect("NESTOR_VENV: run the tests with scripts/cargo");
     let torchrun = std::path::Path::new(&venv).join("bin/torchrun");
     assert!(
         torchrun.exists(),

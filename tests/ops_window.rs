@@ -11,7 +11,10 @@ use common::{
     assert_close_within, cases, close, close_within, eager_values, float_kinds, pooled_head_loss,
     Out, Random,
 };
-use nestor::{compile, nested_execution_guard, CompileCause, Dense, NestedError, NestedTensor};
+use nestor::{
+    compile, nested_execution_guard, CompileCause, Dense, NestedError, NestedTensor, RunDevice,
+    SimOptions,
+};
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 
@@ -395,6 +398,45 @@ proptest! {
             assert_close_within(&outputs, &eager, common::tolerance(kind).max(1e-5), &format!("{kind:?} windows {sizes:?}"));
         }
         prop_assert_eq!(compiled.stats().compiles, 1);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// A 1x1 convolution without stride or padding compiles to one GEMM over the
+    /// packed pixels: equal to eager on the CPU and on the simulated GPU, images of one
+    /// pixel included, with and without bias, in every float kind (f64 on the CPU).
+    #[test]
+    fn compiled_pointwise_conv_equals_eager(
+        sizes in image_sizes(),
+        (c_in, c_out) in (1i64..=5, 1i64..=6),
+        with_bias in any::<bool>(),
+        kind in float_kinds(),
+        seed in 0i64..1000,
+    ) {
+        let mut random = Random::new(seed);
+        let weight = random.normal(&[c_out, c_in, 1, 1]).to_kind(kind);
+        let bias = random.normal(&[c_out]).to_kind(kind);
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let bias = with_bias.then_some(&bias);
+            Ok(vec![x[0].conv2d(&weight, bias, [1, 1], [0, 0], [1, 1], 1)?.relu()?.into()])
+        };
+        let mut sizes = sizes;
+        sizes.extend([(1, 1), (2, 3)]);
+        let (_, leaves, batch) = images(&sizes, c_in, kind, seed);
+        let batch = batch.detach().unwrap();
+        drop(leaves);
+        let eager = eager_values(model(std::slice::from_ref(&batch), &[]).unwrap());
+        let on_cpu = compile("pointwise_conv", model);
+        let tolerance = common::tolerance(kind).max(1e-5);
+        assert_close_within(&on_cpu.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} CPU {sizes:?}"));
+        // GPU programs compute in f32 (f64 is the CPU's only).
+        if kind != Kind::Double {
+            let on_sim = compile("pointwise_conv_sim", model)
+                .on_device(RunDevice::Simulated(SimOptions::default()));
+            assert_close_within(&on_sim.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} simulated GPU {sizes:?}"));
+        }
     }
 }
 

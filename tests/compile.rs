@@ -116,6 +116,31 @@ proptest! {
         }
     }
 
+    /// bf16 products where a size is 1 (one input feature, one output, one row): the
+    /// roundings' product once reached MKL's bf16 GEMM with a leading dimension below
+    /// the row it read (a `[n, 1]` weight), which it refused, leaving garbage.
+    #[test]
+    fn bf16_products_with_sizes_of_one_equal_eager(
+        lengths in lengths(4, 6),
+        (inputs, outputs) in (1i64..=3, 1i64..=3),
+        seed in 0i64..1000,
+    ) {
+        let mut random = common::Random::new(seed);
+        let weight = random.normal(&[outputs, inputs]);
+        for (kind, autocast) in [(Kind::BFloat16, None), (Kind::Float, Some(Kind::BFloat16))] {
+            let weight = weight.to_kind(kind);
+            let model = |x: &[NestedTensor], _: &[Dense]| x[0].linear(&weight, None);
+            let mut compiled = compile("narrow_linear", model);
+            if let Some(autocast) = autocast {
+                compiled = compiled.autocast(autocast);
+            }
+            let (x, _) = batch(&lengths, &[inputs], kind, seed);
+            let outputs = compiled.call(&[&x], &[]).unwrap();
+            let eager = vec![Value::Nested(model(&[x], &[]).unwrap())];
+            assert_floats_close_within(&outputs, &eager, 2e-2, &format!("{kind:?} {inputs} -> {outputs:?}"));
+        }
+    }
+
     #[test]
     fn a_two_layer_encoder_compiles(batches in proptest::collection::vec(lengths(4, 8), 1..3), norm_first in any::<bool>(), seed in 0i64..1000) {
         tch::manual_seed(seed);

@@ -394,16 +394,24 @@ unsafe fn mkl_product(
     c: StridedMut<f32>,
     add: bool,
 ) {
-    // Row-major: an operand with unit column stride is read as it is, one with unit
-    // row stride as the transpose of its column-major storage.
-    let operand = |(_, rows, columns): Strided<u16>| {
-        if columns == 1 {
-            (NO_TRANS, rows.max(1) as i32)
+    // Row-major: an operand `height x width` with unit column stride is read as it is,
+    // one with unit row stride as the transpose of its column-major storage. A dim of
+    // one has both strides 1 whatever the layout: a single row is read as it is, and
+    // the leading dimension is never below what the layout needs (a `[n, 1]` weight
+    // read as a `1 x n` row once had a leading dimension of 1, which MKL refuses,
+    // leaving the output unwritten).
+    let operand = |(_, rows, columns): Strided<u16>, (height, width): (usize, usize)| {
+        let (height, width) = (
+            isize::try_from(height).unwrap_or(isize::MAX),
+            isize::try_from(width).unwrap_or(isize::MAX),
+        );
+        if columns == 1 && (rows >= width || height <= 1) {
+            (NO_TRANS, rows.max(width).max(1) as i32)
         } else {
-            (TRANS, columns.max(1) as i32)
+            (TRANS, columns.max(height).max(1) as i32)
         }
     };
-    let ((trans_a, lda), (trans_b, ldb)) = (operand(a), operand(b));
+    let ((trans_a, lda), (trans_b, ldb)) = (operand(a, (m, k)), operand(b, (k, n)));
     let beta = if add { 1.0 } else { 0.0 };
     unsafe {
         on_one_thread(mkl.set_threads_local, || {
@@ -564,65 +572,118 @@ mod tests {
             add in any::<bool>(),
             seed in 0u32..1000,
         ) {
-            let values = |count: usize, salt: u32| -> Vec<f32> {
-                (0..count).map(|i| ((i as u32 * 31 + seed + salt) as f32 * 0.61).sin() * 3.0).collect()
-            };
-            let (a, b, start) = (values(m * k, 1), values(k * n, 2), values(m * n, 3));
-            // A matrix stored by rows or by columns.
-            let stored = |values: &[f32], rows: usize, columns: usize, by_columns: bool| {
-                if by_columns {
-                    let transposed: Vec<f32> = (0..rows * columns)
-                        .map(|i| values[(i % rows) * columns + i / rows])
-                        .collect();
-                    (transposed, 1isize, rows as isize)
-                } else {
-                    (values.to_vec(), columns as isize, 1isize)
-                }
-            };
-            let (a_stored, a_rows, a_columns) = stored(&a, m, k, a_by_columns);
-            let (b_stored, b_rows, b_columns) = stored(&b, k, n, b_by_columns);
-            let expected: Vec<f64> = (0..m * n)
-                .map(|i| {
-                    let (row, column) = (i / n, i % n);
-                    let sum: f64 = (0..k)
-                        .map(|j| {
-                            f64::from(f32::of(a[row * k + j])) * f64::from(f32::of(b[j * n + column]))
-                        })
-                        .sum();
-                    0.5 * sum + if add { f64::from(start[i]) } else { 0.0 }
-                })
-                .collect();
-            for (force_f32, pre_rounded) in [(false, false), (true, false), (false, true)] {
-                let mut c = start.clone();
-                let (a, b) = ((a_stored.as_ptr(), a_rows, a_columns), (b_stored.as_ptr(), b_rows, b_columns));
-                // SAFETY: the operands hold their values in the strides given.
-                unsafe {
-                    if pre_rounded {
-                        // Both operands' roundings made once, whole, by two threads.
-                        let a_buffer = RoundedBuffer::new(a_stored.as_ptr(), a_stored.len(), 2);
-                        let b_buffer = RoundedBuffer::new(b_stored.as_ptr(), b_stored.len(), 2);
-                        let c = (c.as_mut_ptr(), n as isize, 1);
-                        product(((m, k, n), 0.5), (a, Some(&a_buffer)), (b, Some(&b_buffer)), (c, add))
-                    } else if force_f32 {
-                        F32.with_borrow_mut(|[a_f32, b_f32]| {
-                            let a = rounded(a, (m, k), a_f32);
-                            let b = rounded(b, (k, n), b_f32);
-                            f32::product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
-                        })
-                    } else {
-                        product(((m, k, n), 0.5), (a, None), (b, None), ((c.as_mut_ptr(), n as isize, 1), add))
-                    }
-                }
-                for (index, (&actual, &expected)) in c.iter().zip(&expected).enumerate() {
-                    // f32 sums of k exact products.
-                    let tolerance = 1e-6 * (k as f64) * (1.0 + expected.abs()) * 4.0;
-                    prop_assert!(
-                        (f64::from(actual) - expected).abs() <= tolerance,
-                        "{:?} value {index}: {actual} vs {expected}", if force_f32 { Bf16Path::F32 } else { bf16_path() }
-                    );
+            check_product((m, k, n), (a_by_columns, b_by_columns), add, seed)?;
+        }
+    }
+
+    /// Every size of 1 (a single row, column or inner value: both strides of such an
+    /// operand are 1) in every layout: a `[n, 1]` weight once reached MKL with a
+    /// leading dimension of 1, which it refused, leaving the output unwritten.
+    #[test]
+    fn products_with_dims_of_one_equal_the_f64_reference() {
+        for (m, k, n) in [
+            (1, 1, 1),
+            (3, 1, 4),
+            (1, 5, 1),
+            (4, 3, 1),
+            (1, 3, 4),
+            (5, 1, 1),
+            (1, 1, 6),
+        ] {
+            for layout in [(false, false), (false, true), (true, false), (true, true)] {
+                for add in [false, true] {
+                    check_product((m, k, n), layout, add, 7).unwrap();
                 }
             }
         }
+    }
+
+    /// Both paths and a pre-rounded operand against an f64 product of the roundings.
+    fn check_product(
+        (m, k, n): (usize, usize, usize),
+        (a_by_columns, b_by_columns): (bool, bool),
+        add: bool,
+        seed: u32,
+    ) -> Result<(), TestCaseError> {
+        let values = |count: usize, salt: u32| -> Vec<f32> {
+            (0..count)
+                .map(|i| ((i as u32 * 31 + seed + salt) as f32 * 0.61).sin() * 3.0)
+                .collect()
+        };
+        let (a, b, start) = (values(m * k, 1), values(k * n, 2), values(m * n, 3));
+        // A matrix stored by rows or by columns.
+        let stored = |values: &[f32], rows: usize, columns: usize, by_columns: bool| {
+            if by_columns {
+                let transposed: Vec<f32> = (0..rows * columns)
+                    .map(|i| values[(i % rows) * columns + i / rows])
+                    .collect();
+                (transposed, 1isize, rows as isize)
+            } else {
+                (values.to_vec(), columns as isize, 1isize)
+            }
+        };
+        let (a_stored, a_rows, a_columns) = stored(&a, m, k, a_by_columns);
+        let (b_stored, b_rows, b_columns) = stored(&b, k, n, b_by_columns);
+        let expected: Vec<f64> = (0..m * n)
+            .map(|i| {
+                let (row, column) = (i / n, i % n);
+                let sum: f64 = (0..k)
+                    .map(|j| {
+                        f64::from(f32::of(a[row * k + j])) * f64::from(f32::of(b[j * n + column]))
+                    })
+                    .sum();
+                0.5 * sum + if add { f64::from(start[i]) } else { 0.0 }
+            })
+            .collect();
+        for (force_f32, pre_rounded) in [(false, false), (true, false), (false, true)] {
+            let mut c = start.clone();
+            let (a, b) = (
+                (a_stored.as_ptr(), a_rows, a_columns),
+                (b_stored.as_ptr(), b_rows, b_columns),
+            );
+            // SAFETY: the operands hold their values in the strides given.
+            unsafe {
+                if pre_rounded {
+                    // Both operands' roundings made once, whole, by two threads.
+                    let a_buffer = RoundedBuffer::new(a_stored.as_ptr(), a_stored.len(), 2);
+                    let b_buffer = RoundedBuffer::new(b_stored.as_ptr(), b_stored.len(), 2);
+                    let c = (c.as_mut_ptr(), n as isize, 1);
+                    product(
+                        ((m, k, n), 0.5),
+                        (a, Some(&a_buffer)),
+                        (b, Some(&b_buffer)),
+                        (c, add),
+                    )
+                } else if force_f32 {
+                    F32.with_borrow_mut(|[a_f32, b_f32]| {
+                        let a = rounded(a, (m, k), a_f32);
+                        let b = rounded(b, (k, n), b_f32);
+                        f32::product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
+                    })
+                } else {
+                    product(
+                        ((m, k, n), 0.5),
+                        (a, None),
+                        (b, None),
+                        ((c.as_mut_ptr(), n as isize, 1), add),
+                    )
+                }
+            }
+            for (index, (&actual, &expected)) in c.iter().zip(&expected).enumerate() {
+                // f32 sums of k exact products.
+                let tolerance = 1e-6 * (k as f64) * (1.0 + expected.abs()) * 4.0;
+                prop_assert!(
+                    (f64::from(actual) - expected).abs() <= tolerance,
+                    "{:?} value {index}: {actual} vs {expected}",
+                    if force_f32 {
+                        Bf16Path::F32
+                    } else {
+                        bf16_path()
+                    }
+                );
+            }
+        }
+        Ok(())
     }
 
     #[test]

@@ -122,17 +122,9 @@ impl Lowering<'_> {
             }
             _ => return Ok(None),
         };
-        // f32 and f64 only: a bf16 program's GEMM over a region's images gave wrong
-        // values (issue 41's note); its window kernel is right.
-        let full_precision = matches!(
-            self.graph.ty(images).dtype(),
-            Some(nestor_ir::DType::F32 | nestor_ir::DType::F64)
-        );
-        if let (WindowKind::Conv, Some(weight), true) = (
-            kind,
-            weight,
-            groups == 1 && window == POINTWISE && full_precision,
-        ) {
+        if let (WindowKind::Conv, Some(weight), true) =
+            (kind, weight, groups == 1 && window == POINTWISE)
+        {
             return self
                 .pointwise_conv(value, ty, images, weight, bias)
                 .map(Some);

@@ -8,19 +8,23 @@
 
 /// Embeds libtorch's folder as an rpath of the package's binaries.
 pub fn main() {
-    // Packages that use libtorch only in tests (a dev-dependency, whose metadata build
-    // scripts do not see) fall back on `LIBTORCH`, which scripts/env.sh sets.
-    let lib_dir = ["DEP_TCH_LIBTORCH_LIB", "DEP_TORCH_SYS_LIBTORCH_LIB"]
+    if let Some(lib_dir) = libtorch_lib_dir() {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
+    }
+    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+}
+
+/// The folder holding `libtorch_cpu.so`: torch-sys's metadata, or for packages that use
+/// libtorch only in tests (a dev-dependency, whose metadata build scripts do not see)
+/// `LIBTORCH`'s `lib`, which scripts/env.sh sets.
+pub fn libtorch_lib_dir() -> Option<String> {
+    ["DEP_TCH_LIBTORCH_LIB", "DEP_TORCH_SYS_LIBTORCH_LIB"]
         .iter()
         .find_map(|name| std::env::var(name).ok())
         .or_else(|| {
             std::env::var("LIBTORCH")
                 .ok()
                 .map(|torch| format!("{torch}/lib"))
-        });
-    if let Some(lib_dir) = lib_dir {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
-    }
-    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
-    println!("cargo:rerun-if-env-changed=LIBTORCH");
+        })
 }

@@ -12,18 +12,9 @@ const GLOO_HEADER: &str = "/usr/include/gloo/context.h";
 
 fn main() {
     rpath::main();
-    let lib_dir = ["DEP_TCH_LIBTORCH_LIB", "DEP_TORCH_SYS_LIBTORCH_LIB"]
-        .iter()
-        .find_map(|name| std::env::var(name).ok())
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var("LIBTORCH")
-                .ok()
-                .map(|torch| PathBuf::from(torch).join("lib"))
-        })
-        .unwrap_or_else(|| {
-            panic!("nestor-distributed: libtorch's folder is unknown (run scripts/setup.sh, which sets LIBTORCH)")
-        });
+    let lib_dir = rpath::libtorch_lib_dir().map(PathBuf::from).unwrap_or_else(|| {
+        panic!("nestor-distributed: libtorch's folder is unknown (run scripts/setup.sh, which sets LIBTORCH)")
+    });
     let torch = lib_dir
         .parent()
         .map(PathBuf::from)

@@ -501,7 +501,10 @@ where
         let mut failure: Option<NestedError> = None;
         let (entry, mut values) = {
             let mut ready = |entry: &Entry, output: usize, tensor: &Tensor| {
-                let index = output.wrapping_sub(entry.outputs);
+                // The model's own outputs come first; gradients follow.
+                let Some(index) = output.checked_sub(entry.outputs) else {
+                    return;
+                };
                 let (None, Some(gradient)) = (&failure, entry.gradients.get(index)) else {
                     return;
                 };

@@ -49,6 +49,15 @@ impl Checkpoint {
             .collect())
     }
 
+    /// The shape of tensor `name`, if the checkpoint has it.
+    pub(crate) fn shape(&self, name: &str) -> Result<Option<Vec<i64>>> {
+        Ok(self
+            .tensors()?
+            .tensor(name)
+            .ok()
+            .map(|view| view.shape().iter().map(|&size| size as i64).collect()))
+    }
+
     /// Copies the checkpoint's tensor `prefix + name` into every `(name, parameter)`,
     /// without recording gradients; the first missing or mis-shaped one is an error.
     pub(crate) fn load(&self, named: Vec<(String, &Tensor)>, prefix: &str) -> Result<()> {

@@ -268,14 +268,9 @@ impl ResNet {
                 ),
             ));
         }
-        let classes = Tensor::read_safetensors(file)
-            .ok()
-            .and_then(|tensors| {
-                tensors
-                    .into_iter()
-                    .find(|(name, _)| name == "fc.weight")
-                    .map(|(_, weight)| weight.size()[0])
-            })
+        let classes = checkpoint
+            .shape("fc.weight")?
+            .and_then(|shape| shape.first().copied())
             .ok_or_else(|| file_error(file, "the tensor fc.weight is missing"))?;
         let resnet = Self::with_blocks(path, blocks, bottleneck, classes);
         checkpoint.load(resnet.parameters(), "")?;

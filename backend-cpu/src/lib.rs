@@ -21,6 +21,7 @@
 mod attention;
 mod bf16;
 mod blas;
+mod columns;
 mod conv;
 mod gemm;
 #[cfg(feature = "jit")]

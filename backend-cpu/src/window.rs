@@ -6,6 +6,7 @@
 
 use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 
+use crate::blas::Gemm;
 use crate::conv::{has_bf16_dot, Bf16Pair, GradPlan, Plan};
 use crate::parallel::worker_threads;
 use crate::scalar::Scalar;
@@ -117,7 +118,7 @@ pub fn convolve_images(
 }
 
 /// [`convolve_images`] in the type `T`, its products as `products` says.
-fn convolve_checked<T: Scalar>(
+fn convolve_checked<T: Gemm>(
     out: &mut [T],
     x: &[T],
     (weight, bias): (&[T], Option<&[T]>),
@@ -204,13 +205,31 @@ unsafe fn run_slice_mut<'a, T>(pointer: *mut u8, count: usize) -> &'a mut [T] {
 /// `out` must hold every output pixel of `images` times `width` values, `x` every
 /// input pixel times `channels`, the weight `width * channels * taps` and the bias
 /// `width`, of type `T`.
-unsafe fn convolve<T: Scalar>(
+unsafe fn convolve<T: Gemm>(
     (out, x): (*mut u8, *const u8),
     (weight, bias): (*const u8, Option<*const u8>),
     images: &[WindowImage],
     shape: Shape,
     (window, products): (Window2d, Products),
 ) {
+    if crate::columns::columns_pay(shape) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            let weight = std::slice::from_raw_parts(
+                weight as *const T,
+                shape.width * shape.channels * shape.taps,
+            );
+            let bias = bias.map(|bias| std::slice::from_raw_parts(bias as *const T, shape.width));
+            crate::columns::convolve(
+                (out as *mut T, x as *const T),
+                (weight, bias),
+                images,
+                shape,
+                (window, products),
+            );
+        }
+        return;
+    }
     let pairs =
         products == Products::Bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
     // SAFETY (both paths): as the caller promises (`T` is f32 for pairs, checked just
@@ -497,7 +516,7 @@ pub(crate) struct SlotBuffers {
 ///
 /// # Safety
 /// Every buffer must hold its count of values of type `T`; the output no other.
-pub(crate) unsafe fn convolve_slots<T: Scalar>(
+pub(crate) unsafe fn convolve_slots<T: Gemm>(
     buffers: SlotBuffers,
     (adjoint, groups, products): (bool, usize, Products),
     (channels, width): (usize, usize),
@@ -621,12 +640,24 @@ pub(crate) unsafe fn image_spread<T: Scalar>(
 /// # Safety
 /// `out` must hold `width * channels * taps` values, `g` a row of `width` per output
 /// pixel of `taps`, `x` every row the taps name.
-pub(crate) unsafe fn weight_grad<T: Scalar>(
+pub(crate) unsafe fn weight_grad<T: Gemm>(
     (out, x, g): (*mut u8, *const u8, *const u8),
     taps: &WindowTaps,
     shape: Shape,
-    groups: usize,
+    (groups, products): (usize, Products),
 ) {
+    if crate::columns::columns_pay(shape) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            crate::columns::weight_grad(
+                (out as *mut T, x as *const T, g as *const T),
+                taps,
+                shape,
+                (groups, products),
+            )
+        };
+        return;
+    }
     let Shape {
         channels,
         width,
@@ -732,12 +763,12 @@ pub(crate) fn block_diagonal<T: Scalar>(
 /// `out` must hold every input pixel of `images` times `width` values, `g` every output
 /// pixel times `channels`, `weight` `channels * width * taps` (`[C_out, C_in, taps]`);
 /// the taps must be those of `images`.
-pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
+pub(crate) unsafe fn strided_conv_input_grad<T: Gemm>(
     (out, g, weight): (*mut u8, *const u8, *const u8),
     taps: &WindowTaps,
     images: &[WindowImage],
     shape: Shape,
-    groups: usize,
+    (groups, products): (usize, Products),
 ) {
     let Shape {
         channels,
@@ -759,6 +790,19 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Scalar>(
             &dense[..]
         }
     };
+    if crate::columns::columns_pay(shape) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            crate::columns::strided_input_grad(
+                (out as *mut T, g as *const T),
+                weight,
+                (taps, images),
+                shape,
+                products,
+            )
+        };
+        return;
+    }
     // `[taps, width, channels]`: a tap's weights for an input channel are contiguous over
     // the output channels, as a gradient's row.
     let mut packed = vec![T::ZERO; weight.len()];

@@ -10,5 +10,6 @@ mod window;
 
 pub use ragged::{LayoutError, RaggedLayout};
 pub use window::{
-    check_window, window_images, window_taps, Outside, WindowError, WindowImage, WindowTaps,
+    check_window, fill_taps, window_images, window_taps, Outside, WindowError, WindowImage,
+    WindowTaps,
 };

@@ -216,9 +216,10 @@ pub fn window_taps(
 
 /// The taps of output pixels `first..` of `images` under `window`, as many as `table`
 /// holds rows of [`Window2d::taps`] (a tail past the last pixel is left as it is):
-/// [`window_taps`]'s rows for a range of pixels. A row of taps inside its image is
+/// [`window_taps`]'s rows for a range of pixels, so that a kernel working through a few
+/// pixels at a time needs no table of them all. A row of taps inside its image is
 /// written without a test per tap.
-fn fill_taps(
+pub fn fill_taps(
     window: &Window2d,
     images: &[WindowImage],
     first: usize,

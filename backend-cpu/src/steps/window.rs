@@ -271,12 +271,13 @@ impl WindowRun<'_, '_, '_> {
         {
             return Err(self.error("the weight gradient's buffers do not match its window".into()));
         }
+        let products = self.run.program().products;
         // The buffers hold what was just checked (and `x` every pixel the taps name), in
         // the program's type.
         unsafe {
             match self.run.program().float {
-                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape, self.groups),
-                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape, self.groups),
+                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape, (self.groups, products)),
+                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape, (self.groups, products)),
             }
         }
         Ok(())
@@ -306,14 +307,15 @@ impl WindowRun<'_, '_, '_> {
         }
         let (out, grads) = self.out_and_x();
         let buffers = (out, grads, self.run.pointer(weight) as *const u8);
+        let kind = (self.groups, self.run.program().products);
         // The buffers hold what was just checked, in the program's type.
         unsafe {
             match self.run.program().float {
                 FloatType::F32 => {
-                    strided_conv_input_grad::<f32>(buffers, taps, &images, shape, self.groups)
+                    strided_conv_input_grad::<f32>(buffers, taps, &images, shape, kind)
                 }
                 FloatType::F64 => {
-                    strided_conv_input_grad::<f64>(buffers, taps, &images, shape, self.groups)
+                    strided_conv_input_grad::<f64>(buffers, taps, &images, shape, kind)
                 }
             }
         }

@@ -558,6 +558,31 @@ proptest! {
         };
         assert_trains_as_autograd("strided_convs", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
     }
+
+    /// The same at channel counts where convolutions run as GEMMs over gathered window
+    /// columns (16 in, 32 and 40 out; the second convolution in 1 or 2 groups), the
+    /// weights' gradients and the input gradients, strided ones included, so.
+    #[test]
+    fn compiled_wide_conv_gradients_equal_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        first in strided_geometry(),
+        second in strided_geometry(),
+        (double, grouped) in (any::<bool>(), any::<bool>()),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let (c_in, c, groups) = (16, if grouped { 32 } else { 40 }, if grouped { 2 } else { 1 });
+        let shapes = [vec![c, c_in, first.kernel[0], first.kernel[1]], vec![c], vec![c, c / groups, second.kernel[0], second.kernel[1]], vec![c], vec![2, c], vec![2]];
+        let names = ["first_weight", "first_bias", "second_weight", "second_bias", "head_weight", "head_bias"];
+        let batches = large_enough(&batches, [&first, &second]);
+        let loss = move |x: &NestedTensor, params: &[Tensor]| {
+            let conv = |x: &NestedTensor, g: &Geometry, groups: i64, weight: &Tensor, bias: &Tensor| x.conv2d(weight, Some(bias), g.stride, g.padding, g.dilation, groups);
+            let hidden = conv(x, &first, 1, &params[0], &params[1])?.relu()?;
+            let hidden = conv(&hidden, &second, groups, &params[2], &params[3])?.relu()?;
+            pooled_head_loss(&hidden, &params[4], &params[5])
+        };
+        assert_trains_as_autograd("wide_convs", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
+    }
 }
 
 proptest! {

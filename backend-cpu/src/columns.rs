@@ -8,6 +8,8 @@
 //! and a strided convolution's input gradient (the columns' gradient added back into
 //! the pixels they were gathered from, image by image).
 
+use std::borrow::Cow;
+
 use nestor_layout::{fill_taps, Outside, WindowImage, WindowTaps};
 use nestor_passes::Products;
 
@@ -21,18 +23,33 @@ use nestor_ir::Window2d;
 /// in tiles of 512, less again in tiles of 1024).
 const TILE_ROWS: usize = 512;
 
-/// Whether a convolution of this shape runs as GEMMs over columns rather than the
-/// direct kernel: from 16 input and 32 output channels (the direct kernel is the faster
-/// at the 16-channel convolutions it was built for and at a stem's 3 input channels). `NESTOR_CONV=direct` or
-/// `NESTOR_CONV=columns` forces one way (to compare them).
-pub(crate) fn columns_pay(shape: Shape) -> bool {
+/// What a window step computes, for [`columns_pay`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Work {
+    /// A convolution, or its input's gradient (`channels` in, `width` out).
+    Convolution,
+    /// A convolution weight's gradient.
+    WeightGradient,
+}
+
+/// Whether `work` of this shape runs as GEMMs over columns rather than the direct
+/// kernel: from 32 output channels, and for a convolution 16 input channels (the direct
+/// kernel is the faster at the 16-channel convolutions it was built for and at a stem's
+/// 3 input channels; a stem's weight gradient, 3 channels times 49 taps, took 28 ms in
+/// the direct kernel and 6 as a GEMM). `NESTOR_CONV=direct` or `NESTOR_CONV=columns`
+/// forces one way (to compare them).
+pub(crate) fn columns_pay(shape: Shape, work: Work) -> bool {
     if crate::process::env_is("NESTOR_CONV", "direct") {
         return false;
     }
     if crate::process::env_is("NESTOR_CONV", "columns") {
         return true;
     }
-    shape.width >= 32 && shape.channels >= 16
+    let inputs = match work {
+        Work::Convolution => shape.channels >= 16,
+        Work::WeightGradient => shape.channels.saturating_mul(shape.taps) >= 64,
+    };
+    shape.width >= 32 && inputs
 }
 
 /// A pointer shared by the team's tasks (each reads, or writes its own part).
@@ -50,8 +67,11 @@ impl<T> Shared<T> {
 }
 
 /// `weight [outs, ins, taps]` as `[outs, taps, ins]`: the order of a columns row (tap
-/// after tap, each an input pixel's channels).
-fn taps_major<T: Copy>(weight: &[T], (outs, ins, taps): (usize, usize, usize)) -> Vec<T> {
+/// after tap, each an input pixel's channels); the weight itself for one tap.
+fn by_tap<T: Copy>(weight: &[T], (outs, ins, taps): (usize, usize, usize)) -> Cow<'_, [T]> {
+    if taps == 1 {
+        return Cow::Borrowed(weight);
+    }
     let mut by_tap = Vec::with_capacity(weight.len());
     for o in 0..outs {
         let row = &weight[o * ins * taps..][..ins * taps];
@@ -59,23 +79,67 @@ fn taps_major<T: Copy>(weight: &[T], (outs, ins, taps): (usize, usize, usize)) -
             by_tap.extend((0..ins).map(|c| row[c * taps + t]));
         }
     }
-    by_tap
+    Cow::Owned(by_tap)
 }
 
-/// Copies every tap's input pixel (`channels` values of `x`; zeros for a tap outside
-/// its image, `-1`) into `columns`, row after row.
+/// The forward weight `[ins, outs, taps]` of an input's gradient as the rows of the
+/// GEMM's right operand, `[taps, ins, outs]`, its taps flipped (the adjoint
+/// convolution's weight `W'[c, i, t] = W[i, c, taps - 1 - t]`, tap after tap); the
+/// weight itself for one tap.
+fn adjoint_rows<T: Copy>(weight: &[T], (ins, outs, taps): (usize, usize, usize)) -> Cow<'_, [T]> {
+    if taps == 1 {
+        return Cow::Borrowed(weight);
+    }
+    let mut rows = Vec::with_capacity(weight.len());
+    for t in (0..taps).rev() {
+        for i in 0..ins {
+            let row = &weight[i * outs * taps..][..outs * taps];
+            rows.extend((0..outs).map(|c| row[c * taps + t]));
+        }
+    }
+    Cow::Owned(rows)
+}
+
+/// Copies the input pixel of taps `taps` of every window (`channels` values of `x`;
+/// zeros for a tap outside its image, `-1`) into `columns`, row after row: `table`
+/// holds `per_window` taps a window. Taps reading consecutive pixels (a window's row
+/// inside the image) are one copy: at a stem's 3 channels, a copy per tap took most of
+/// its weight gradient's time.
 ///
 /// # Safety
 /// `x` must hold every pixel the taps name.
-unsafe fn gather<T: Gemm>(x: *const T, taps: &[i64], channels: usize, columns: &mut [T]) {
-    for (column, &source) in columns.chunks_exact_mut(channels.max(1)).zip(taps) {
-        if source < 0 {
-            column.fill(T::ZERO);
-        } else {
-            // SAFETY: the taps name pixels of `x`.
-            let pixel =
-                unsafe { std::slice::from_raw_parts(x.add(source as usize * channels), channels) };
-            column.copy_from_slice(pixel);
+unsafe fn gather<T: Gemm>(
+    x: *const T,
+    (table, per_window, taps): (&[i64], usize, std::ops::Range<usize>),
+    channels: usize,
+    columns: &mut [T],
+) {
+    let row_len = taps.len() * channels;
+    for (row, window) in columns
+        .chunks_exact_mut(row_len.max(1))
+        .zip(table.chunks_exact(per_window.max(1)))
+    {
+        let sources = &window[taps.clone()];
+        let mut tap = 0;
+        while tap < sources.len() {
+            let source = sources[tap];
+            let mut end = tap + 1;
+            if source < 0 {
+                while end < sources.len() && sources[end] < 0 {
+                    end += 1;
+                }
+                row[tap * channels..end * channels].fill(T::ZERO);
+            } else {
+                while end < sources.len() && sources[end] == sources[end - 1] + 1 {
+                    end += 1;
+                }
+                let count = (end - tap) * channels;
+                // SAFETY: the taps name pixels of `x`, these `end - tap` consecutive ones.
+                let pixels =
+                    unsafe { std::slice::from_raw_parts(x.add(source as usize * channels), count) };
+                row[tap * channels..end * channels].copy_from_slice(pixels);
+            }
+            tap = end;
         }
     }
 }
@@ -111,8 +175,20 @@ fn for_each_tile_range<T: Gemm>(
     });
 }
 
+/// How many parts to split `size` (output channels or columns) into, parts of at least
+/// `least`, so that `units` units of work keep every one of `threads` busy.
+fn parts(units: usize, threads: usize, size: usize, least: usize) -> usize {
+    match units {
+        0 => 1,
+        _ if units >= 2 * threads => 1,
+        _ => (2 * threads).div_ceil(units).min(size / least).max(1),
+    }
+}
+
 /// [`crate::window`]'s convolution as GEMMs over columns: every tile of output pixels'
-/// columns times the weight (`[width, channels, taps]`), on top of the bias.
+/// columns times the weight (`[width, channels, taps]`; with `adjoint`, the forward
+/// weight `[channels, width, taps]` of an input's gradient, flipped), on top of the
+/// bias.
 ///
 /// # Safety
 /// `out` must hold every output pixel of `images` times `width` values, `x` every input
@@ -122,7 +198,7 @@ pub(crate) unsafe fn convolve<T: Gemm>(
     (weight, bias): (&[T], Option<&[T]>),
     images: &[WindowImage],
     shape: Shape,
-    (window, products): (Window2d, Products),
+    (window, products, adjoint): (Window2d, Products, bool),
 ) {
     let Shape {
         channels,
@@ -133,28 +209,33 @@ pub(crate) unsafe fn convolve<T: Gemm>(
     let rows = images
         .last()
         .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
-    let by_tap = taps_major(weight, (width, channels, taps));
-    let (out, x) = (Shared(out), Shared(x as *mut T));
-    let tiles = rows.div_ceil(TILE_ROWS);
-    let macs = rows.saturating_mul(inner).saturating_mul(width);
-    // Few tiles (small images, late stages) also split the output channels, so that
-    // every thread has work: parts of at least 64 channels.
-    let threads = threads_for(macs);
-    let parts = match tiles {
-        0 => 1,
-        _ if tiles >= 2 * threads => 1,
-        _ => (2 * threads).div_ceil(tiles).min(width / 64).max(1),
+    // The right operand `b [inner, width]` and its (row, column) strides.
+    let (matrix, strides) = if adjoint {
+        (adjoint_rows(weight, (channels, width, taps)), (width, 1))
+    } else {
+        (by_tap(weight, (width, channels, taps)), (1, inner))
     };
-    let part_width = width.div_ceil(parts);
+    let matrix = Shared(matrix.as_ptr() as *mut T);
+    let (out, x) = (Shared(out), Shared(x as *mut T));
+    let threads = threads_for(rows.saturating_mul(inner).saturating_mul(width));
+    // Few tiles' worth of pixels (small images, late stages) are one tile a thread: each
+    // thread gathers its own pixels once and multiplies them with the whole weight
+    // (splitting the output channels instead gathers every pixel once per part: a 512-
+    // channel 3x3 convolution of 480 pixels took 13.8 ms so, 9.4 ms this way).
+    let tile_rows = if rows < 2 * threads * TILE_ROWS {
+        rows.div_ceil(threads).max(1)
+    } else {
+        TILE_ROWS
+    };
+    let tiles = rows.div_ceil(tile_rows);
     // A 1x1 window without stride or padding reads every pixel as its own column.
     let pointwise = taps == 1 && window.stride == [1, 1] && window.padding == [0, 0];
-    let scratch = if pointwise { 0 } else { TILE_ROWS * inner };
-    for_each_tile_range::<T>(tiles * parts, threads, scratch, &|range, columns| {
-        let mut table = vec![-1i64; if pointwise { 0 } else { TILE_ROWS * taps }];
-        for unit in range {
-            let (first, part) = (unit / parts * TILE_ROWS, unit % parts);
-            let count = TILE_ROWS.min(rows - first);
-            let (start, end) = (part * part_width, ((part + 1) * part_width).min(width));
+    let scratch = if pointwise { 0 } else { tile_rows * inner };
+    for_each_tile_range::<T>(tiles, threads, scratch, &|range, columns| {
+        let mut table = vec![-1i64; if pointwise { 0 } else { tile_rows * taps }];
+        for tile in range {
+            let first = tile * tile_rows;
+            let count = tile_rows.min(rows - first);
             let a = if pointwise {
                 // SAFETY: `x` holds a pixel (`channels` values) per output pixel.
                 unsafe { x.get().add(first * channels) as *const T }
@@ -163,28 +244,25 @@ pub(crate) unsafe fn convolve<T: Gemm>(
                 fill_taps(&window, images, first, table, Outside::Marked);
                 let columns = &mut columns[..count * inner];
                 // SAFETY: `x` holds every pixel the taps name.
-                unsafe { gather(x.get(), table, channels, columns) };
+                unsafe { gather(x.get(), (table, taps, 0..taps), channels, columns) };
                 columns.as_ptr()
             };
-            // SAFETY: columns `start..end` of rows `first..first + count` of `out` are
-            // this unit's alone; the weight holds `width` rows of `inner`.
+            // SAFETY: rows `first..first + count` of `out` are this tile's alone; the
+            // matrix holds `inner x width` values.
             unsafe {
-                let c = out.get().add(first * width + start);
+                let c = out.get().add(first * width);
                 if let Some(bias) = bias {
                     for row in 0..count {
-                        let to = c.add(row * width);
-                        std::ptr::copy_nonoverlapping(bias[start..].as_ptr(), to, end - start);
+                        std::ptr::copy_nonoverlapping(bias.as_ptr(), c.add(row * width), width);
                     }
                 }
+                let b = matrix.get() as *const T;
                 T::product_rounded(
                     products,
-                    ((count, inner, end - start), T::ONE),
+                    ((count, inner, width), T::ONE),
                     (
                         ((a, inner as isize, 1), None),
-                        (
-                            (by_tap.as_ptr().add(start * inner), 1, inner as isize),
-                            None,
-                        ),
+                        ((b, strides.0 as isize, strides.1 as isize), None),
                     ),
                     ((c, width as isize, 1), bias.is_some()),
                 );
@@ -195,15 +273,15 @@ pub(crate) unsafe fn convolve<T: Gemm>(
 
 /// [`crate::window`]'s weight gradient as GEMMs: per block of [`GRAD_BLOCK_ROWS`]
 /// output pixels, the gradient's rows (transposed) times their columns, tile after
-/// tile; the blocks' sums added in order, each output channel's over its group's input
-/// channels.
+/// tile (a 1x1 window without stride reads the pixels in place); the blocks' sums added
+/// in order, each output channel's over its group's input channels.
 ///
 /// # Safety
 /// `out` must hold `width * channels / groups * taps` values, `g` a row of `width` per
-/// output pixel of `taps`, `x` every row the taps name.
+/// output pixel of `images`, `x` every input pixel's `channels`.
 pub(crate) unsafe fn weight_grad<T: Gemm>(
     (out, x, g): (*mut T, *const T, *const T),
-    taps: &WindowTaps,
+    (images, window): (&[WindowImage], Window2d),
     shape: Shape,
     (groups, products): (usize, Products),
 ) {
@@ -213,7 +291,10 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         taps: per_window,
     } = shape;
     let inner = per_window * channels;
-    let rows = taps.rows.len() / per_window.max(1);
+    let rows = images
+        .last()
+        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let pointwise = per_window == 1 && window.stride == [1, 1] && window.padding == [0, 0];
     let size = width * inner;
     let blocks = rows.div_ceil(GRAD_BLOCK_ROWS);
     let mut partials = vec![T::ZERO; blocks * size];
@@ -222,39 +303,74 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         Shared(x as *mut T),
         Shared(g as *mut T),
     );
-    let macs = rows.saturating_mul(size);
-    for_each_tile_range::<T>(
-        blocks,
-        threads_for(macs),
-        TILE_ROWS * inner,
-        &|range, columns| {
-            for block in range {
-                let end = ((block + 1) * GRAD_BLOCK_ROWS).min(rows);
-                for first in (block * GRAD_BLOCK_ROWS..end).step_by(TILE_ROWS) {
-                    let count = TILE_ROWS.min(end - first);
-                    let columns = &mut columns[..count * inner];
-                    // SAFETY: block `block` owns its partial sums; `x` holds every pixel the
-                    // taps name, `g` every output pixel's row.
+    let threads = threads_for(rows.saturating_mul(size));
+    // Few blocks (small images, late stages) also split the work: the taps (each part
+    // gathers its own), or for one tap the output channels.
+    let (tap_parts, width_parts) = match per_window {
+        1 => (1, parts(blocks, threads, width, 64)),
+        _ => (parts(blocks, threads, per_window, 1), 1),
+    };
+    let (part_taps, part_width) = (per_window.div_ceil(tap_parts), width.div_ceil(width_parts));
+    let units = tap_parts * width_parts;
+    let scratch = if pointwise {
+        0
+    } else {
+        TILE_ROWS * part_taps * channels
+    };
+    for_each_tile_range::<T>(blocks * units, threads, scratch, &|range, columns| {
+        let mut table = vec![-1i64; if pointwise { 0 } else { TILE_ROWS * per_window }];
+        for unit in range {
+            let (block, taps_part, width_part) =
+                (unit / units, unit % units / width_parts, unit % width_parts);
+            let first_tap = taps_part * part_taps;
+            let tap_range = first_tap..((taps_part + 1) * part_taps).min(per_window);
+            let part_inner = tap_range.len() * channels;
+            let start = width_part * part_width;
+            let end = ((width_part + 1) * part_width).min(width);
+            let last = ((block + 1) * GRAD_BLOCK_ROWS).min(rows);
+            for first in (block * GRAD_BLOCK_ROWS..last).step_by(TILE_ROWS) {
+                let count = TILE_ROWS.min(last - first);
+                let b = if pointwise {
+                    // SAFETY: the taps name pixel `r` for output pixel `r`.
+                    unsafe { x.get().add(first * channels) as *const T }
+                } else {
+                    let columns = &mut columns[..count * part_inner];
+                    let table = &mut table[..count * per_window];
+                    fill_taps(&window, images, first, table, Outside::Marked);
+                    // SAFETY: `x` holds every pixel the taps name.
                     unsafe {
-                        let table = &taps.rows[first * per_window..(first + count) * per_window];
-                        gather(x.get(), table, channels, columns);
-                        T::product_rounded(
-                            products,
-                            ((width, count, inner), T::ONE),
+                        gather(
+                            x.get(),
+                            (table, per_window, tap_range.clone()),
+                            channels,
+                            columns,
+                        )
+                    };
+                    columns.as_ptr()
+                };
+                // SAFETY: rows `start..end`, columns of taps `tap_range`, of block
+                // `block`'s partial sums are this unit's alone; `g` holds every output
+                // pixel's row.
+                unsafe {
+                    let c = sums
+                        .get()
+                        .add(block * size + start * inner + first_tap * channels);
+                    T::product_rounded(
+                        products,
+                        ((end - start, count, part_inner), T::ONE),
+                        (
                             (
-                                ((g.get().add(first * width), 1, width as isize), None),
-                                ((columns.as_ptr(), inner as isize, 1), None),
+                                (g.get().add(first * width + start), 1, width as isize),
+                                None,
                             ),
-                            (
-                                (sums.get().add(block * size), inner as isize, 1),
-                                first > block * GRAD_BLOCK_ROWS,
-                            ),
-                        );
-                    }
+                            ((b, part_inner as isize, 1), None),
+                        ),
+                        ((c, inner as isize, 1), first > block * GRAD_BLOCK_ROWS),
+                    );
                 }
             }
-        },
-    );
+        }
+    });
     // Each output channel's gradient is over its group's input channels: `reads` from
     // `o / (width / groups) * reads`.
     let groups = groups.max(1);
@@ -275,11 +391,35 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     }
 }
 
-/// A strided convolution's input gradient as GEMMs: every tile of output pixels'
-/// gradients (`channels` each) times the weight (`[channels, width, taps]`, dense) gives
-/// their columns' gradient, added to the input pixels (`width` values each) the columns
-/// were gathered from. Images in parallel, each in order (their columns come from their
-/// own pixels).
+/// Values of the columns' gradient [`strided_input_grad`] holds at once (more for an
+/// image with more output pixels; few in tests, so that they see several groups).
+const GROUP_VALUES: usize = if cfg!(test) { 1 << 10 } else { 1 << 22 };
+
+/// The values of the columns a thread gathers for `shape` at once.
+pub(crate) fn tile_scratch(shape: Shape) -> Option<usize> {
+    shape
+        .taps
+        .checked_mul(shape.channels)?
+        .checked_mul(TILE_ROWS)
+}
+
+/// The values of the columns' gradient [`strided_input_grad`] holds for `images`.
+pub(crate) fn input_grad_scratch(images: &[WindowImage], shape: Shape) -> Option<usize> {
+    let inner = shape.taps.checked_mul(shape.width)?;
+    let largest = images
+        .iter()
+        .map(|image| (image.out.0 * image.out.1) as usize)
+        .max()
+        .unwrap_or(0);
+    let rows = (GROUP_VALUES / inner.max(1)).max(TILE_ROWS).max(largest);
+    rows.checked_mul(inner)
+}
+
+/// A strided convolution's input gradient as GEMMs: the output pixels' gradients
+/// (`channels` each) times the weight (`[channels, width, taps]`, dense) give their
+/// columns' gradient, added to the input pixels (`width` values each) the columns were
+/// gathered from. A group of images at a time: the GEMM over their pixels in tiles,
+/// then every image's sums in order, images in parallel.
 ///
 /// # Safety
 /// `out` must hold every input pixel of `images` times `width` values, `g` every output
@@ -298,54 +438,87 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
         taps: per_window,
     } = shape;
     let inner = per_window * width;
-    let by_tap = taps_major(weight, (channels, width, per_window));
+    let Some(scratch) = input_grad_scratch(images, shape) else {
+        // The caller checked the scratch against the run's budget: not reached.
+        return;
+    };
+    let group_rows = scratch / inner.max(1);
+    let mut buffer = vec![T::ZERO; scratch];
+    let matrix = by_tap(weight, (channels, width, per_window));
+    let (matrix, columns) = (
+        Shared(matrix.as_ptr() as *mut T),
+        Shared(buffer.as_mut_ptr()),
+    );
     let (out, g) = (Shared(out), Shared(g as *mut T));
-    let macs = taps.rows.len().saturating_mul(channels * width);
-    for_each_tile_range::<T>(
-        images.len(),
-        threads_for(macs),
-        TILE_ROWS * inner,
-        &|range, columns| {
-            for image in &images[range] {
-                let pixels = (image.size.0 * image.size.1) as usize;
-                let outputs = (image.out.0 * image.out.1) as usize;
-                // SAFETY: the image owns its input pixels' rows of `out`.
-                let pixels = unsafe {
+    let threads = threads_for(taps.rows.len().saturating_mul(channels * width));
+    let outputs = |image: &WindowImage| (image.out.0 * image.out.1) as usize;
+    let mut next = 0;
+    while next < images.len() {
+        // Images `next..end`, their output pixels `first..first + rows`.
+        let first = images[next].output;
+        let mut end = next + 1;
+        while end < images.len() && images[end].output + outputs(&images[end]) - first <= group_rows
+        {
+            end += 1;
+        }
+        let rows = images[end - 1].output + outputs(&images[end - 1]) - first;
+        let tiles = rows.div_ceil(TILE_ROWS);
+        let parts = parts(tiles, threads, inner, 256);
+        let part_width = inner.div_ceil(parts);
+        crate::team::for_each_chunk(tiles * parts, threads, &|unit| {
+            let (tile, part) = (unit / parts * TILE_ROWS, unit % parts);
+            let count = TILE_ROWS.min(rows - tile);
+            let (start, stop) = (part * part_width, ((part + 1) * part_width).min(inner));
+            // SAFETY: columns `start..stop` of rows `tile..tile + count` of the buffer
+            // are this unit's alone; `g` holds every output pixel's row.
+            unsafe {
+                T::product_rounded(
+                    products,
+                    ((count, channels, stop - start), T::ONE),
+                    (
+                        (
+                            (g.get().add((first + tile) * channels), channels as isize, 1),
+                            None,
+                        ),
+                        ((matrix.get().add(start), inner as isize, 1), None),
+                    ),
+                    (
+                        (columns.get().add(tile * inner + start), inner as isize, 1),
+                        false,
+                    ),
+                );
+            }
+        });
+        crate::team::for_each_chunk(end - next, threads, &|index| {
+            let image = images[next + index];
+            let pixels = (image.size.0 * image.size.1) as usize;
+            // SAFETY: the image owns its input pixels' rows of `out`; the buffer's rows
+            // were all written above and are only read now.
+            let (pixels, sums) = unsafe {
+                (
                     std::slice::from_raw_parts_mut(
                         out.get().add(image.input * width),
                         pixels * width,
-                    )
-                };
-                pixels.fill(T::ZERO);
-                for first in (image.output..image.output + outputs).step_by(TILE_ROWS) {
-                    let count = TILE_ROWS.min(image.output + outputs - first);
-                    let columns = &mut columns[..count * inner];
-                    // SAFETY: `g` holds every output pixel's row; `columns` is this task's.
-                    unsafe {
-                        T::product_rounded(
-                            products,
-                            ((count, channels, inner), T::ONE),
-                            (
-                                ((g.get().add(first * channels), channels as isize, 1), None),
-                                ((by_tap.as_ptr(), inner as isize, 1), None),
-                            ),
-                            ((columns.as_mut_ptr(), inner as isize, 1), false),
-                        );
-                    }
-                    let table = &taps.rows[first * per_window..(first + count) * per_window];
-                    for (column, &source) in columns.chunks_exact(width.max(1)).zip(table) {
-                        if source >= 0 {
-                            let pixel =
-                                &mut pixels[(source as usize - image.input) * width..][..width];
-                            for (value, &gradient) in pixel.iter_mut().zip(column) {
-                                *value += gradient;
-                            }
-                        }
+                    ),
+                    std::slice::from_raw_parts(
+                        columns.get().add((image.output - first) * inner),
+                        outputs(&image) * inner,
+                    ),
+                )
+            };
+            pixels.fill(T::ZERO);
+            let table = &taps.rows[image.output * per_window..][..outputs(&image) * per_window];
+            for (column, &source) in sums.chunks_exact(width.max(1)).zip(table) {
+                if source >= 0 {
+                    let pixel = &mut pixels[(source as usize - image.input) * width..][..width];
+                    for (value, &gradient) in pixel.iter_mut().zip(column) {
+                        *value += gradient;
                     }
                 }
             }
-        },
-    );
+        });
+        next = end;
+    }
 }
 
 #[cfg(test)]
@@ -417,7 +590,7 @@ mod tests {
                         (&weight, Some(&bias)),
                         &images,
                         shape,
-                        (window, products),
+                        (window, products, false),
                     )
                 };
                 for r in 0..rows {
@@ -435,6 +608,38 @@ mod tests {
                     }
                 }
 
+                // The adjoint of the forward weight `[channels, width, taps]` (a
+                // convolution from `width` channels to `channels`) is the convolution by
+                // its flip.
+                let adjoint = Shape {
+                    channels: width,
+                    width: channels,
+                    taps,
+                };
+                let flipped = crate::window::flip(&weight, adjoint);
+                let (mut by_flip, mut by_adjoint) =
+                    (vec![T::NAN; rows * channels], vec![T::NAN; rows * channels]);
+                for (out, weight, flag) in [
+                    (&mut by_flip, &flipped, false),
+                    (&mut by_adjoint, &weight, true),
+                ] {
+                    let x: Vec<T> = (0..inputs * width).map(|i| value(i + 5, 0.029)).collect();
+                    // SAFETY: `x` holds every input pixel's `width` values, `out` every
+                    // output pixel's `channels`, the weight `width * channels * taps`.
+                    unsafe {
+                        convolve(
+                            (out.as_mut_ptr(), x.as_ptr()),
+                            (weight, None),
+                            &images,
+                            adjoint,
+                            (window, products, flag),
+                        )
+                    };
+                }
+                for (got, want) in by_adjoint.iter().zip(&by_flip) {
+                    close(f(got), f(want), f(want).abs(), "adjoint convolution");
+                }
+
                 for groups in [1usize, 2] {
                     let reads = channels / groups;
                     let mut grad = vec![T::NAN; width * reads * taps];
@@ -442,7 +647,7 @@ mod tests {
                     unsafe {
                         weight_grad(
                             (grad.as_mut_ptr(), x.as_ptr(), g.as_ptr()),
-                            &table,
+                            (&images, window),
                             shape,
                             (groups, products),
                         )

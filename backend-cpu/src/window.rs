@@ -7,6 +7,7 @@
 use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 
 use crate::blas::Gemm;
+use crate::columns::{columns_pay, Work};
 use crate::conv::{has_bf16_dot, Bf16Pair, GradPlan, Plan};
 use crate::parallel::worker_threads;
 use crate::scalar::Scalar;
@@ -113,11 +114,12 @@ pub fn convolve_images(
         (channels, width),
         window,
         (heights, widths),
-        Products::Float,
+        (Products::Float, false),
     )
 }
 
-/// [`convolve_images`] in the type `T`, its products as `products` says.
+/// [`convolve_images`] in the type `T`, its products as `products` says; with
+/// `adjoint`, by the adjoint of `weight` (see [`convolve`]).
 fn convolve_checked<T: Gemm>(
     out: &mut [T],
     x: &[T],
@@ -125,7 +127,7 @@ fn convolve_checked<T: Gemm>(
     (channels, width): (usize, usize),
     window: &Window2d,
     (heights, widths): (&[i64], &[i64]),
-    products: Products,
+    (products, adjoint): (Products, bool),
 ) -> Result<(), WindowError> {
     let images = window_images(window, heights, widths)?;
     let (inputs, outputs) = images.last().map_or((0, 0), |last| {
@@ -167,7 +169,7 @@ fn convolve_checked<T: Gemm>(
             ),
             &images,
             shape,
-            (*window, products),
+            (*window, products, adjoint),
         )
     };
     Ok(())
@@ -199,7 +201,11 @@ unsafe fn run_slice_mut<'a, T>(pointer: *mut u8, count: usize) -> &'a mut [T] {
 /// bf16 products ([`Products::Bf16`], f32 buffers) on a CPU where they pay
 /// ([`bf16_dot_pays`]) and an even count of input channels, the input and the weight
 /// are rounded to bf16 and multiplied two channels at a time with f32 sums
-/// ([`convolve_pairs`]); elsewhere the f32 kernel multiplies the f32 values.
+/// ([`convolve_pairs`]); elsewhere the f32 kernel multiplies the f32 values. At large
+/// channel counts ([`columns_pay`]) GEMMs over gathered columns instead
+/// (`crate::columns`). With `adjoint` (an input's gradient), the weight is the forward
+/// one, `[channels, width, K_h, K_w]` (its output channels this step's input), flipped
+/// and with its channels swapped: `W'[c, o, ky, kx] = W[o, c, K_h - 1 - ky, K_w - 1 - kx]`.
 ///
 /// # Safety
 /// `out` must hold every output pixel of `images` times `width` values, `x` every
@@ -210,26 +216,36 @@ unsafe fn convolve<T: Gemm>(
     (weight, bias): (*const u8, Option<*const u8>),
     images: &[WindowImage],
     shape: Shape,
-    (window, products): (Window2d, Products),
+    (window, products, adjoint): (Window2d, Products, bool),
 ) {
-    if crate::columns::columns_pay(shape) {
+    // SAFETY: as the caller promises.
+    let weight = unsafe {
+        std::slice::from_raw_parts(
+            weight as *const T,
+            shape.width * shape.channels * shape.taps,
+        )
+    };
+    if columns_pay(shape, Work::Convolution) {
         // SAFETY: as the caller promises.
         unsafe {
-            let weight = std::slice::from_raw_parts(
-                weight as *const T,
-                shape.width * shape.channels * shape.taps,
-            );
             let bias = bias.map(|bias| std::slice::from_raw_parts(bias as *const T, shape.width));
             crate::columns::convolve(
                 (out as *mut T, x as *const T),
                 (weight, bias),
                 images,
                 shape,
-                (window, products),
+                (window, products, adjoint),
             );
         }
         return;
     }
+    let flipped;
+    let weight = if adjoint {
+        flipped = flip(weight, shape);
+        flipped.as_ptr() as *const u8
+    } else {
+        weight.as_ptr() as *const u8
+    };
     let pairs =
         products == Products::Bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
     // SAFETY (both paths): as the caller promises (`T` is f32 for pairs, checked just
@@ -345,7 +361,7 @@ fn bf16_dot_pays() -> bool {
                             weights,
                             &images,
                             shape,
-                            (window, Products::Float),
+                            (window, Products::Float, false),
                         );
                     }
                 }
@@ -557,28 +573,26 @@ pub(crate) unsafe fn convolve_slots<T: Gemm>(
             &dense[..]
         }
     };
-    if !adjoint {
-        return convolve_checked(
-            out,
-            x,
-            (weight, bias),
-            (channels, width),
-            window,
-            sizes,
-            products,
-        );
-    }
-    // The forward weight `[channels, width, K_h, K_w]` (its output channels are this
-    // step's input): `W'[c, o, ky, kx] = W[o, c, K_h - 1 - ky, K_w - 1 - kx]`.
-    let [kh, kw] = window.kernel.map(|k| k.max(0) as usize);
-    let taps = kh * kw;
-    if weight.len() != channels * width * taps {
-        return Err(WindowError::Buffer {
-            what: "weight",
-            expected: channels * width * taps,
-            got: weight.len(),
-        });
-    }
+    convolve_checked(
+        out,
+        x,
+        (weight, bias),
+        (channels, width),
+        window,
+        sizes,
+        (products, adjoint),
+    )
+}
+
+/// The forward weight `[channels, width, taps]` of an input's gradient as the weight
+/// `[width, channels, taps]` its convolution runs with: flipped, its channels swapped
+/// (`W'[c, o, t] = W[o, c, taps - 1 - t]`).
+pub(crate) fn flip<T: Scalar>(weight: &[T], shape: Shape) -> Vec<T> {
+    let Shape {
+        channels,
+        width,
+        taps,
+    } = shape;
     let mut flipped = vec![T::ZERO; weight.len()];
     for o in 0..channels {
         for c in 0..width {
@@ -588,15 +602,7 @@ pub(crate) unsafe fn convolve_slots<T: Gemm>(
             }
         }
     }
-    convolve_checked(
-        out,
-        x,
-        (&flipped, bias),
-        (channels, width),
-        window,
-        sizes,
-        products,
-    )
+    flipped
 }
 
 /// The gradient of every image's mean pixel spread over its pixels (`counts` each):
@@ -640,24 +646,12 @@ pub(crate) unsafe fn image_spread<T: Scalar>(
 /// # Safety
 /// `out` must hold `width * channels * taps` values, `g` a row of `width` per output
 /// pixel of `taps`, `x` every row the taps name.
-pub(crate) unsafe fn weight_grad<T: Gemm>(
+pub(crate) unsafe fn weight_grad<T: Scalar>(
     (out, x, g): (*mut u8, *const u8, *const u8),
     taps: &WindowTaps,
     shape: Shape,
-    (groups, products): (usize, Products),
+    groups: usize,
 ) {
-    if crate::columns::columns_pay(shape) {
-        // SAFETY: as the caller promises.
-        unsafe {
-            crate::columns::weight_grad(
-                (out as *mut T, x as *const T, g as *const T),
-                taps,
-                shape,
-                (groups, products),
-            )
-        };
-        return;
-    }
     let Shape {
         channels,
         width,
@@ -790,7 +784,7 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Gemm>(
             &dense[..]
         }
     };
-    if crate::columns::columns_pay(shape) {
+    if columns_pay(shape, Work::Convolution) {
         // SAFETY: as the caller promises.
         unsafe {
             crate::columns::strided_input_grad(
@@ -913,21 +907,32 @@ pub(crate) unsafe fn pool_grad<T: Scalar>(
         let grad = unsafe { std::slice::from_raw_parts(grads.x().add(r * channels), channels) };
         let local = |source: i64| source as usize - image.input;
         if max {
-            for (c, &gradient) in grad.iter().enumerate() {
-                let mut best = T::NEG_INFINITY;
-                let mut picked = windows.iter().copied().find(|&source| source >= 0);
-                for &source in windows.iter().filter(|&&source| source >= 0) {
-                    // SAFETY: the taps name rows of `x`.
-                    let value = unsafe { *inputs.x().add(source as usize * channels + c) };
+            // Every channel's largest value and its pixel, tap after tap (each tap's
+            // channels contiguous); taps outside the image are skipped.
+            let mut inside = windows.iter().copied().filter(|&source| source >= 0);
+            let Some(start) = inside.next() else {
+                return;
+            };
+            // SAFETY: the taps name rows of `x`.
+            let pixel = |source: i64| unsafe {
+                std::slice::from_raw_parts(inputs.x().add(source as usize * channels), channels)
+            };
+            // The first tap inside is picked unless a larger value (or a NaN) follows.
+            let mut best = pixel(start).to_vec();
+            let mut picked = vec![start; channels];
+            for source in inside {
+                for ((best, picked), &value) in best.iter_mut().zip(&mut picked).zip(pixel(source))
+                {
+                    // torch's max pooling: a larger value or a NaN replaces it.
                     #[allow(clippy::eq_op)]
-                    if value > best || value != value {
-                        best = value;
-                        picked = Some(source);
+                    if value > *best || value != value {
+                        *best = value;
+                        *picked = source;
                     }
                 }
-                if let Some(source) = picked {
-                    out[local(source) * channels + c] += gradient;
-                }
+            }
+            for (c, (&gradient, &source)) in grad.iter().zip(&picked).enumerate() {
+                out[local(source) * channels + c] += gradient;
             }
         } else {
             let inside = windows.iter().filter(|&&source| source >= 0).count();

@@ -7,6 +7,8 @@ use nestor_passes::{FloatType, Slot, WindowKind};
 use nestor_runtime::{step_error, within_budget, RunState, RuntimeError};
 
 use super::CpuSteps;
+use crate::columns::{self, columns_pay, input_grad_scratch, tile_scratch, Work};
+use crate::parallel::worker_threads;
 use crate::window::{
     convolve_slots, image_means, image_spread, pixel_counts, pool, pool_grad,
     strided_conv_input_grad, weight_grad, Shape, SlotBuffers, GRAD_BLOCK_ROWS,
@@ -49,6 +51,11 @@ impl CpuSteps {
             WindowKind::ImageMean => window.image_means(),
             WindowKind::ImageSpread => window.image_spread(),
             WindowKind::Conv | WindowKind::ConvInputGrad => window.convolution(),
+            WindowKind::WeightGrad
+                if columns_pay(window.shape_with_taps(), Work::WeightGradient) =>
+            {
+                window.weight_grad_by_columns(window.shape_with_taps())
+            }
             WindowKind::Max
             | WindowKind::Average
             | WindowKind::WeightGrad
@@ -84,6 +91,14 @@ struct WindowRun<'a, 'r, 'i> {
 impl WindowRun<'_, '_, '_> {
     fn error(&self, reason: String) -> RuntimeError {
         step_error(self.index, reason)
+    }
+
+    /// The step's shape with its window's taps.
+    fn shape_with_taps(&self) -> Shape {
+        Shape {
+            taps: usize::try_from(self.step.window.taps()).unwrap_or(0),
+            ..self.shape
+        }
     }
 
     /// The values slot `slot` holds in this run.
@@ -165,6 +180,11 @@ impl WindowRun<'_, '_, '_> {
             .checked_mul(run.program().float.size())
             .and_then(|bytes| bytes.checked_mul(taps)?.checked_mul(shape.channels));
         within_budget(self.index, "the packed convolution weight", weight_bytes)?;
+        within_budget(
+            self.index,
+            "the convolution's gathered columns",
+            self.scratch_bytes(tile_scratch(Shape { taps, ..shape })),
+        )?;
         let adjoint = step.kind == WindowKind::ConvInputGrad;
         let buffers = SlotBuffers {
             out: (run.pointer(step.out), self.out_scalars),
@@ -247,6 +267,13 @@ impl WindowRun<'_, '_, '_> {
         }
     }
 
+    /// The bytes of `values` per thread of the team (`None` past `usize`).
+    fn scratch_bytes(&self, values: Option<usize>) -> Option<usize> {
+        values?
+            .checked_mul(worker_threads().max(1) as usize)?
+            .checked_mul(self.run.program().float.size())
+    }
+
     /// The convolution weight's gradient over `rows` output pixels.
     fn weight_grad(
         &self,
@@ -254,6 +281,67 @@ impl WindowRun<'_, '_, '_> {
         shape: Shape,
         rows: usize,
     ) -> Result<(), RuntimeError> {
+        let buffers = self.weight_grad_buffers(shape, rows)?;
+        // The buffers hold what was checked (and `x` every pixel the taps name), in the
+        // program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape, self.groups),
+                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape, self.groups),
+            }
+        }
+        Ok(())
+    }
+
+    /// The convolution weight's gradient as GEMMs over gathered columns
+    /// (`crate::columns`), their taps found a tile at a time.
+    fn weight_grad_by_columns(&self, shape: Shape) -> Result<(), RuntimeError> {
+        let window = self.step.window;
+        let images = window_images(&window, self.sizes.0, self.sizes.1)
+            .map_err(|error| self.error(error.to_string()))?;
+        let (inputs, rows) = images.last().map_or((0, 0), |last| {
+            (
+                last.input + (last.size.0 * last.size.1) as usize,
+                last.output + (last.out.0 * last.out.1) as usize,
+            )
+        });
+        let (out, x, g) = self.weight_grad_buffers(shape, rows)?;
+        if self.slot_len(self.step.x) != inputs.saturating_mul(shape.channels) {
+            return Err(self.error("the weight gradient's input does not match its images".into()));
+        }
+        within_budget(
+            self.index,
+            "the weight gradient's gathered columns",
+            self.scratch_bytes(tile_scratch(shape)),
+        )?;
+        let work = (self.groups, self.run.program().products);
+        // The buffers hold what was just checked, in the program's type.
+        unsafe {
+            match self.run.program().float {
+                FloatType::F32 => columns::weight_grad::<f32>(
+                    (out as *mut f32, x as *const f32, g as *const f32),
+                    (&images, window),
+                    shape,
+                    work,
+                ),
+                FloatType::F64 => columns::weight_grad::<f64>(
+                    (out as *mut f64, x as *const f64, g as *const f64),
+                    (&images, window),
+                    shape,
+                    work,
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    /// The output, input and gradient of a weight gradient over `rows` output pixels,
+    /// their sizes checked, and its partial sums within the run's budget.
+    fn weight_grad_buffers(
+        &self,
+        shape: Shape,
+        rows: usize,
+    ) -> Result<(*mut u8, *const u8, *const u8), RuntimeError> {
         let buffers = self.with_grad("weight gradient")?;
         let inner = shape.taps.saturating_mul(shape.channels);
         // Partial sums per block of pixels, and the gradient padded to 16 lanes.
@@ -271,16 +359,7 @@ impl WindowRun<'_, '_, '_> {
         {
             return Err(self.error("the weight gradient's buffers do not match its window".into()));
         }
-        let products = self.run.program().products;
-        // The buffers hold what was just checked (and `x` every pixel the taps name), in
-        // the program's type.
-        unsafe {
-            match self.run.program().float {
-                FloatType::F32 => weight_grad::<f32>(buffers, taps, shape, (self.groups, products)),
-                FloatType::F64 => weight_grad::<f64>(buffers, taps, shape, (self.groups, products)),
-            }
-        }
-        Ok(())
+        Ok(buffers)
     }
 
     /// A strided convolution's input gradient from `rows` output pixels' gradients.
@@ -305,6 +384,9 @@ impl WindowRun<'_, '_, '_> {
         {
             return Err(self.error("the input gradient's buffers do not match its window".into()));
         }
+        let scratch = input_grad_scratch(&images, shape)
+            .and_then(|values| values.checked_mul(self.run.program().float.size()));
+        within_budget(self.index, "the input gradient's columns", scratch)?;
         let (out, grads) = self.out_and_x();
         let buffers = (out, grads, self.run.pointer(weight) as *const u8);
         let kind = (self.groups, self.run.program().products);

@@ -321,12 +321,11 @@ impl Bert {
         &self.config
     }
 
-    /// Every token's position in its sequence (0 first), as BERT's position ids:
-    /// computed from the batch's lengths, outside a traced model (pass them in).
+    /// Every token's position in its sequence (0 first), as BERT's position ids
+    /// ([`NestedTensor::ragged_positions`]: packed, from the lengths), outside a traced
+    /// model (pass them in).
     pub fn positions(ids: &NestedTensor) -> Result<NestedTensor> {
-        let ids = ids.ragged_leading()?;
-        let positions = ids.layout().row_coordinates(0);
-        ids.packed_like(&Tensor::f_from_slice(&positions)?.f_to_device(ids.values().device())?)
+        ids.ragged_leading()?.ragged_positions()
     }
 
     /// The last hidden states `[B; L_i, hidden]` of token ids `[B; L_i]`, their token

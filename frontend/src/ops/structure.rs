@@ -232,6 +232,33 @@ impl NestedTensor {
         Ok(result)
     }
 
+    /// Every row's position within its element (0 first), as i64 `[B; L_i]`, for a batch
+    /// `[B; L_i]` of one ragged dim: BERT's position ids, which restart in every
+    /// sequence. Computed packed from the lengths, eagerly: not traced (a traced model
+    /// takes them as an input, computed for every batch).
+    ///
+    /// ```
+    /// use nestor_frontend::NestedTensor;
+    /// let ids = NestedTensor::from_lists(vec![vec![7i64, 8, 9], vec![5]])?;
+    /// let positions = ids.ragged_positions()?;
+    /// assert_eq!(Vec::<i64>::try_from(positions.values())?, [0, 1, 2, 0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn ragged_positions(&self) -> Result<NestedTensor> {
+        let layout = self.lay();
+        if layout.rank() != 1 || !layout.is_ragged(0) {
+            return Err(NestedError::ShapeMismatch {
+                what: "ragged_positions input",
+                expected: "[B; L_i]: one dim, ragged".into(),
+                got: layout.packed_shape(),
+            });
+        }
+        self.untraceable("ragged_positions")?;
+        let positions = Tensor::f_from_slice(&layout.row_coordinates(0))?
+            .f_to_device(self.packed().device())?;
+        Ok(self.with_values(positions))
+    }
+
     /// Cumulative sum along `dim`: packed for a static dim, element by element for a
     /// ragged dim.
     pub fn cumsum(&self, dim: i64) -> Result<NestedTensor> {

@@ -102,10 +102,11 @@ fn a_transformers_checkpoint_gives_transformers_hidden_states_eager_and_compiled
         "pooler output"
     );
 
+    // Compiled, the positions computed in the traced model from every call's lengths.
     let compiled = compile("bert", |x: &[NestedTensor], _: &[Dense]| {
-        bert.forward(&x[0], Some(&x[1]), &x[2])
+        bert.forward(&x[0], Some(&x[1]), &Bert::positions(&x[0])?)
     });
-    let outputs = tch::no_grad(|| compiled.call(&[&ids, &types, &positions], &[])).unwrap();
+    let outputs = tch::no_grad(|| compiled.call(&[&ids, &types], &[])).unwrap();
     let Some(Value::Nested(hidden)) = outputs.into_iter().next() else {
         panic!("the compiled BERT returns a batch");
     };
@@ -178,11 +179,11 @@ fn training_gradients_equal_pytorch_autograd_eager_and_compiled() {
     let store = nn::VarStore::new(Device::Cpu);
     let bert = Bert::load(&folder, &store.root()).unwrap();
     let step = compile("bert_step", |x: &[NestedTensor], _: &[Dense]| {
-        let hidden = bert.forward(&x[0], Some(&x[1]), &x[2])?;
-        (&hidden * &x[3])?.mean(&[], false)?.into_dense_handle()
+        let hidden = bert.forward(&x[0], Some(&x[1]), &Bert::positions(&x[0])?)?;
+        (&hidden * &x[2])?.mean(&[], false)?.into_dense_handle()
     })
     .train(&store);
-    let outputs = step.call(&[&ids, &types, &positions, &probe], &[]).unwrap();
+    let outputs = step.call(&[&ids, &types, &probe], &[]).unwrap();
     let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
     assert!(
         common::close_within(&loss, &reference["loss"], 1e-4),

@@ -141,6 +141,40 @@ proptest! {
         }
     }
 
+    /// Positions within every element (BERT's position ids), traced from the lengths:
+    /// the compiled values equal eager ones for every lengths (0 and 1 included), from
+    /// one compile, and embedded they train as autograd does.
+    #[test]
+    fn ragged_positions_compile_once_for_every_lengths(batches in proptest::collection::vec(lengths(5, 9), 1..4), seed in 0i64..1000) {
+        let compiled = compile("positions", |x: &[NestedTensor], _: &[Dense]| x[0].ragged_positions());
+        tch::manual_seed(seed);
+        let store = nn::VarStore::new(Device::Cpu);
+        let table = store.root().randn("table", &[10, 3], 0.0, 1.0);
+        let embedded = |x: &NestedTensor| x.ragged_positions()?.embedding(&table, -1)?.sum(&[], false);
+        let step = compile("embedded_positions", |x: &[NestedTensor], _: &[Dense]| embedded(&x[0])?.into_dense_handle()).train(&store);
+        for lengths in &batches {
+            let ids = ids(lengths, seed);
+            let outputs = compiled.call(&[&ids], &[]).unwrap();
+            let eager = vec![Value::Nested(ids.ragged_positions().unwrap())];
+            assert_close_within(&outputs, &eager, 0.0, "positions");
+            let zero_grad = || {
+                let mut grad = table.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+            };
+            zero_grad();
+            let loss = step.call(&[&ids], &[]).unwrap();
+            let compiled_grad = table.grad().copy();
+            zero_grad();
+            let eager_loss = embedded(&ids).unwrap().into_dense().unwrap();
+            eager_loss.backward();
+            assert_close_within(&loss, &[Value::Dense(eager_loss)], 1e-5, "loss");
+            prop_assert!(common::close_within(&compiled_grad, &table.grad(), 1e-5), "the table's gradient");
+        }
+        prop_assert_eq!(compiled.stats().compiles, 1);
+    }
+
     #[test]
     fn a_two_layer_encoder_compiles(batches in proptest::collection::vec(lengths(4, 8), 1..3), norm_first in any::<bool>(), seed in 0i64..1000) {
         tch::manual_seed(seed);
@@ -1583,4 +1617,22 @@ proptest! {
             prop_assert_eq!(compiled.stats().compiles, 1);
         }
     }
+}
+
+/// Positions past the end of the table they index are an error naming the element, not
+/// a read past the table.
+#[test]
+fn positions_past_their_table_are_an_error() {
+    let table = Tensor::randn([3, 2], (Kind::Float, Device::Cpu));
+    let compiled = compile("positions_table", |x: &[NestedTensor], _: &[Dense]| {
+        x[0].ragged_positions()?.embedding(&table, -1)
+    });
+    assert!(compiled.call(&[&ids(&[3, 1], 0)], &[]).is_ok());
+    let error = compiled
+        .call(&[&ids(&[2, 4], 0)], &[])
+        .expect_err("4 positions in a table of 3 rows");
+    assert!(
+        error.to_string().contains("element 1 has 4 positions"),
+        "{error}"
+    );
 }

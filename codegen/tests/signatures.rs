@@ -9,7 +9,7 @@ use nestor_passes::{Arg, Param, Program, Role, Signature, Step};
 
 /// The GPU check's programs: name, text, and whether to train it (its loss's joint
 /// forward + backward graph).
-const PROGRAMS: [(&str, &str, bool); 10] = [
+const PROGRAMS: [(&str, &str, bool); 11] = [
     (
         "encoder_layer",
         include_str!("../../tests/filetests/encoder_layer.optimized.nir"),
@@ -56,6 +56,11 @@ const PROGRAMS: [(&str, &str, bool); 10] = [
         true,
     ),
     ("dropout", DROPOUT, true),
+    (
+        "positions_loss",
+        include_str!("../../tests/filetests/positions_loss.nir"),
+        true,
+    ),
 ];
 
 /// Training-mode dropout under a sum: a random mask.
@@ -150,6 +155,7 @@ fn every_template_reads_exactly_its_signature() {
         "Pad",
         "PairGemm",
         "Pointwise",
+        "Positions",
         "RandomMask",
         "Row",
         "ScatterRows",

@@ -233,6 +233,19 @@ impl Program {
         matches!(self.info(slot).source, Source::Input(_))
     }
 
+    /// The lengths whose positions `slot` holds (written by a [`Step::Positions`],
+    /// through aliases), if it does: ids known to lie in `0..` their longest.
+    pub fn positions_of(&self, slot: Slot) -> Option<Slot> {
+        let mut root = slot;
+        while let Source::Alias(of) = self.info(root).source {
+            root = of;
+        }
+        self.steps.iter().find_map(|step| match step {
+            Step::Positions(positions) if positions.out == root => Some(positions.lengths),
+            _ => None,
+        })
+    }
+
     /// The number of kernel launches per run (one per step).
     pub fn launches(&self) -> usize {
         self.steps.len()

@@ -13,7 +13,8 @@ use crate::operands::{Access, RowMap, Rows, Slot, WindowKind};
 use crate::program::Program;
 use crate::step::{
     Attention, AttentionGrad, AttentionPart, Gather, Gemm, Host, Insert, LengthValues, OneHot, Pad,
-    PairGemm, Pointwise, RandomMask, Row, ScatterRows, Segment, Step, SumRows, Unpad, Window,
+    PairGemm, Pointwise, Positions, RandomMask, Row, ScatterRows, Segment, Step, SumRows, Unpad,
+    Window,
 };
 
 /// Which steps a backend runs as generated kernels.
@@ -447,6 +448,18 @@ impl Placed for OneHot {
         Params::new(self.out)
             .buffer(Role::Ids, self.ids)
             .kernel(self.rows)
+    }
+}
+
+impl Placed for Positions {
+    fn placement(&self, _: &Program, set: KernelSet) -> Placement {
+        if set == KernelSet::Library {
+            return Placement::Backend;
+        }
+        Params::new(self.out)
+            .with(Role::Offsets, Arg::Offsets(self.lengths))
+            .with(Role::RowOwners, owners(self.lengths))
+            .kernel(Rows::total(self.lengths))
     }
 }
 

@@ -62,6 +62,8 @@ pub enum Step {
     RandomMask(RandomMask),
     /// `out[b] = lengths[b]` as numbers.
     LengthValues(LengthValues),
+    /// `out[r]` = row `r`'s position within its element of `lengths` (i64).
+    Positions(Positions),
     /// `out[r] = table[ids[r]]`.
     Gather(Gather),
 }
@@ -437,6 +439,15 @@ pub struct LengthValues {
     pub lengths: Slot,
 }
 
+/// `out[r]` = row `r`'s position within its element of `lengths` (i64).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Positions {
+    /// Output slot `[sum L]` of i64 values.
+    pub out: Slot,
+    /// The lengths.
+    pub lengths: Slot,
+}
+
 /// `out[r] = table[ids[r]]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Gather {
@@ -527,6 +538,7 @@ macro_rules! with_step_kinds {
             AttentionGrad,
             RandomMask,
             LengthValues,
+            Positions,
             Gather,
         );
     };
@@ -885,6 +897,19 @@ impl StepKind for RandomMask {
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
         visit(&mut self.out);
         visit_rows(&mut self.rows, visit);
+    }
+}
+
+impl StepKind for Positions {
+    fn output(&self) -> Slot {
+        self.out
+    }
+    fn reads(&self) -> Vec<Slot> {
+        Vec::new()
+    }
+    fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
+        visit(&mut self.out);
+        visit(&mut self.lengths);
     }
 }
 

@@ -41,7 +41,7 @@ const DECODER: &str = r#"graph @decoder {
 }"#;
 
 /// Name, text, and whether its training step (loss and gradients) runs.
-const PROGRAMS: [(&str, &str, bool); 11] = [
+const PROGRAMS: [(&str, &str, bool); 12] = [
     (
         "encoder_layer",
         include_str!("../../tests/filetests/encoder_layer.optimized.nir"),
@@ -93,6 +93,11 @@ const PROGRAMS: [(&str, &str, bool); 11] = [
         include_str!("../../tests/filetests/grouped_conv_loss.nir"),
         true,
     ),
+    (
+        "positions_loss (training)",
+        include_str!("../../tests/filetests/positions_loss.nir"),
+        true,
+    ),
 ];
 
 #[test]
@@ -125,6 +130,7 @@ fn the_programs_run_every_kind_of_gpu_kernel() {
         "Pad",
         "PairGemm",
         "Pointwise",
+        "Positions",
         "Row",
         "ScatterRows",
         "Segment",

@@ -1,8 +1,8 @@
-//! The data step the CPU runs in Rust: numbers from lengths.
+//! The data steps the CPU runs in Rust: numbers and positions from lengths.
 
-use nestor_passes::step::LengthValues;
+use nestor_passes::step::{LengthValues, Positions};
 use nestor_passes::FloatType;
-use nestor_runtime::RunState;
+use nestor_runtime::{step_error, RunState, RuntimeError};
 
 use crate::scalar::Scalar;
 
@@ -31,4 +31,36 @@ unsafe fn write_numbers<T: Scalar>(out: *mut u8, values: &[i64]) {
     for (number, &value) in out.iter_mut().zip(values) {
         *number = T::from_f64(value as f64);
     }
+}
+
+/// A positions step of the run (step `index`): every row's position within its element
+/// (nothing when the run does not know the lengths).
+pub(super) fn positions_step(
+    index: usize,
+    step: &Positions,
+    run: &RunState<'_, '_>,
+) -> Result<(), RuntimeError> {
+    let Some(info) = run.lengths(step.lengths) else {
+        return Ok(());
+    };
+    let rows = usize::try_from(info.offsets.last().copied().unwrap_or(0)).unwrap_or(0);
+    let slot = run.sizes().elements(run.program(), step.out);
+    if slot != rows {
+        return Err(step_error(
+            index,
+            format!("{rows} rows of positions do not fill {slot} values"),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    // `out` holds one i64 per row of these lengths (checked just above).
+    let out = unsafe { std::slice::from_raw_parts_mut(run.pointer(step.out) as *mut i64, rows) };
+    for bounds in info.offsets.windows(2) {
+        let (first, end) = (bounds[0].max(0) as usize, bounds[1].max(0) as usize);
+        for (position, value) in (0..).zip(&mut out[first..end.min(rows)]) {
+            *value = position;
+        }
+    }
+    Ok(())
 }

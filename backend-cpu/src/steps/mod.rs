@@ -269,6 +269,7 @@ impl CpuSteps {
                 data::length_values_step(step, run);
                 Ok(())
             }
+            Step::Positions(step) => data::positions_step(index, step, run),
             other => Err(step_error(
                 index,
                 format!("{} is not a host data step", other.name()),
@@ -595,7 +596,18 @@ impl CpuSteps {
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
         let Some((input, data)) = run.input(ids) else {
-            return Err(step_error(index, "ids must be an input".into()));
+            // Positions within elements: below the longest element's length.
+            let lengths = run
+                .program()
+                .positions_of(ids)
+                .and_then(|lengths| run.lengths(lengths));
+            return match lengths {
+                Some(info) => nestor_runtime::check_positions(index, &info.lengths, limit),
+                None => Err(step_error(
+                    index,
+                    "ids must be an input or positions".into(),
+                )),
+            };
         };
         match data {
             InputData::I64(values) => nestor_runtime::check_ids(input, values, (limit, ignored)),

@@ -1,5 +1,5 @@
-//! The data steps: gathers, one-hot rows, random masks, length values, inserts and
-//! scatters of rows by id.
+//! The data steps: gathers, one-hot rows, random masks, length values, positions,
+//! inserts and scatters of rows by id.
 
 use super::*;
 
@@ -62,6 +62,17 @@ pub(super) fn length_values<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
     kernel.parallel_range(start, end, |element| {
         let value = kernel.to_float(kernel.load_i64(lengths, element)?)?;
         kernel.store_float(out, element, value)
+    })
+}
+
+/// `out[r]` = row `r`'s position within its element (`r - offsets[owner of r]`), i64.
+pub(super) fn positions<'ctx>(kernel: &Kernel<'ctx, '_>) -> Gen<()> {
+    let (start, end) = kernel.range()?;
+    let [out, offsets, owners] = kernel.params([Role::Out, Role::Offsets, Role::RowOwners])?;
+    kernel.parallel_range(start, end, |row| {
+        let element = kernel.load_i64(owners, row)?;
+        let position = kernel.sub(row, kernel.load_i64(offsets, element)?)?;
+        kernel.store_i64(out, row, position)
     })
 }
 

@@ -47,7 +47,8 @@ mod windows;
 
 use attention::{attention, attention_grad};
 use data::{
-    gather, insert, length_values, one_hot, random_mask, scatter_indexed_rows, scatter_rows,
+    gather, insert, length_values, one_hot, positions, random_mask, scatter_indexed_rows,
+    scatter_rows,
 };
 use order::{order_line, Line, Values};
 use padding::{pad, unpad};
@@ -90,6 +91,7 @@ pub(crate) fn generate<'ctx>(
             classes, ignore, ..
         }) => one_hot(&kernel, *classes, *ignore)?,
         Step::LengthValues(_) => length_values(&kernel)?,
+        Step::Positions(_) => positions(&kernel)?,
         Step::Insert(Insert {
             size,
             index,

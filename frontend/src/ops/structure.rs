@@ -234,8 +234,8 @@ impl NestedTensor {
 
     /// Every row's position within its element (0 first), as i64 `[B; L_i]`, for a batch
     /// `[B; L_i]` of one ragged dim: BERT's position ids, which restart in every
-    /// sequence. Computed packed from the lengths, eagerly: not traced (a traced model
-    /// takes them as an input, computed for every batch).
+    /// sequence. Computed packed from the lengths, and traced (the `positions` op, from
+    /// the lengths alone): a compiled model computes them from the lengths of every call.
     ///
     /// ```
     /// use nestor_frontend::NestedTensor;
@@ -253,10 +253,20 @@ impl NestedTensor {
                 got: layout.packed_shape(),
             });
         }
-        self.untraceable("ragged_positions")?;
         let positions = Tensor::f_from_slice(&layout.row_coordinates(0))?
             .f_to_device(self.packed().device())?;
-        Ok(self.with_values(positions))
+        self.with_values(positions).traced_with(
+            &[Arg::Nested(self)],
+            "ragged_positions",
+            |graph, ids| match graph.ty(ids[0]).length_values()[..] {
+                [lengths] => graph.push(Op::Positions { lengths }),
+                _ => Err(nestor_ir::VerifyError {
+                    value: ids[0],
+                    op: "ragged_positions",
+                    rule: "traced without exactly one ragged dim".into(),
+                }),
+            },
+        )
     }
 
     /// Cumulative sum along `dim`: packed for a static dim, element by element for a

@@ -194,6 +194,14 @@ fn padding_and_lengths(graph: &Graph, op: &Op) -> Inferred {
             let batch = lengths_batch(graph, *lengths)?;
             Ok(Type::dense(DType::Bool, [batch, Dim::Max(*lengths)]))
         }
+        Op::Positions { lengths } => {
+            let batch = lengths_batch(graph, *lengths)?;
+            Ok(Type::Ragged {
+                dtype: DType::I64,
+                batch,
+                dims: vec![ElemDim::Ragged(*lengths)],
+            })
+        }
         Op::LengthValues {
             lengths,
             dtype,

@@ -1143,6 +1143,13 @@ pub enum Op {
         /// Rank of the result (at least 1).
         rank: usize,
     },
+    /// Every row's position within its element (0 first): `i64[B; L]` of these lengths,
+    /// from the lengths alone (BERT's position ids).
+    #[op(name = "positions", family = Structure)]
+    Positions {
+        /// Lengths.
+        lengths: ValueId,
+    },
     /// One row of `classes` numbers per integer id: 1 at the id, 0 elsewhere (a row of
     /// zeros for `ignore` and for ids outside `0..classes`).
     #[op(name = "one_hot", family = Structure)]

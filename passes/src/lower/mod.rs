@@ -524,11 +524,12 @@ impl Lowering<'_> {
         while let Source::Alias(of) = self.program.info(root).source {
             root = of;
         }
-        if !self.program.info(slot).integers || !self.program.is_input(root) {
+        let checkable = self.program.is_input(root) || self.program.positions_of(root).is_some();
+        if !self.program.info(slot).integers || !checkable {
             return Err(unsupported(
                 value,
                 self.graph.op(value),
-                "its ids must be an integer input",
+                "its ids must be an integer input or positions",
             ));
         }
         Ok((slot, rows, tail))

@@ -1,7 +1,7 @@
 //! Structure: padding copies, aliases (reshapes, eval dropout), static selections, window lengths.
 
 use super::*;
-use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Unpad};
+use crate::step::{Insert, LengthValues, OneHot, Pad, Pointwise, Positions, Unpad};
 use crate::{Digits, Repeats};
 use nestor_ir::SliceBounds;
 
@@ -352,6 +352,17 @@ impl Lowering<'_> {
             return Ok(out);
         }
         match op {
+            Op::Positions { lengths } => {
+                let Lowered::Lengths(lengths) = self.get(*lengths) else {
+                    return Err(unsupported(value, op, "expects a lengths buffer"));
+                };
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::Positions(Positions {
+                    out: slot_of(&out),
+                    lengths,
+                }));
+                Ok(self.holding_positions(true, out))
+            }
             Op::LengthValues { lengths, .. } => {
                 let Lowered::Lengths(lengths) = self.get(*lengths) else {
                     return Err(unsupported(value, op, "expects a lengths buffer"));

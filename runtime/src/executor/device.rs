@@ -22,7 +22,7 @@ use nestor_passes::{
     Arg, FloatType, Placement, Program, Signature, Slot, Source, Step, WindowKind,
 };
 
-use super::run_state::{check_ids, mask_key, rows_of_ids};
+use super::run_state::{check_ids, check_positions, mask_key, rows_of_ids};
 use super::sizes::{pair_offsets, Sizes};
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
 use crate::stats::DeviceCounter;
@@ -1078,10 +1078,18 @@ impl Plan<'_> {
     /// launch.
     fn check_ids(&self, ids: Slot, bounds: (i64, Option<i64>)) -> Result<(), RuntimeError> {
         let Source::Input(input) = self.program.info(ids).source else {
-            return Err(device_error(
-                self.step,
-                "ids computed on the device cannot be checked yet",
-            ));
+            // Positions within elements: below the longest element's length.
+            let lengths = self
+                .program
+                .positions_of(ids)
+                .and_then(|lengths| self.sizes.get(lengths));
+            return match lengths {
+                Some(info) => check_positions(self.step, &info.lengths, bounds.0),
+                None => Err(device_error(
+                    self.step,
+                    "ids computed on the device cannot be checked yet",
+                )),
+            };
         };
         match self.inputs.get(input) {
             Some(InputData::I64(values)) => check_ids(input, values, bounds),

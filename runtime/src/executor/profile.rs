@@ -299,6 +299,7 @@ fn describe(program: &Program, step: &Step, sizes: &Sizes) -> (StepKind, String,
             0,
         ),
         Step::LengthValues(_) => (StepKind::Other, "length_values".into(), 0),
+        Step::Positions(_) => (StepKind::Other, "positions".into(), 0),
         Step::Host(_) => (StepKind::Other, "host".into(), 0),
     }
 }

@@ -223,6 +223,23 @@ pub fn step_error(step: usize, reason: String) -> RuntimeError {
     RuntimeError::Step { step, reason }
 }
 
+/// Checks that positions within elements of `lengths` (ids `0..length`) are in
+/// `0..limit`, which kernels index with unchecked: a [`RuntimeError::Step`] of step
+/// `step` naming the first element that is longer.
+pub fn check_positions(step: usize, lengths: &[i64], limit: i64) -> Result<(), RuntimeError> {
+    match lengths
+        .iter()
+        .enumerate()
+        .find(|(_, &length)| length > limit)
+    {
+        Some((element, &length)) => Err(step_error(
+            step,
+            format!("element {element} has {length} positions, ids of a table of {limit} rows"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Checks that every id of input `input` (`values`) is in `0..limit` (or `ignored`),
 /// which kernels index with unchecked: a [`RuntimeError::BadInput`] naming the first row
 /// that is not.

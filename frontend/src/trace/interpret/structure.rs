@@ -53,6 +53,18 @@ impl Interpreter<'_> {
                         .tensor_mask(self.dense(*x)?, &mask)?,
                 )
             }
+            Op::Positions { lengths } => {
+                let lengths = self.lengths(*lengths)?;
+                let positions: Vec<i64> = lengths
+                    .iter()
+                    .flat_map(|&length| 0..length.max(0))
+                    .collect();
+                Value::Nested(
+                    NestedTensor::builder()
+                        .ragged_dims(&[0])
+                        .packed_with_lengths(&Tensor::f_from_slice(&positions)?, lengths)?,
+                )
+            }
             Op::Mask { lengths } => Value::Dense(length_mask(self.lengths(*lengths)?)?),
             Op::MaxLength { lengths } => Value::Dense(Tensor::from(
                 self.lengths(*lengths)?.iter().copied().max().unwrap_or(0),

@@ -17,6 +17,7 @@ pub mod padded;
 pub mod profile;
 pub mod pytorch;
 pub mod report;
+pub mod script;
 
 /// Errors of the suite: libtorch's, nestor's, I/O, charts.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;

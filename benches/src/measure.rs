@@ -117,6 +117,30 @@ fn counter() -> Option<&'static Counter> {
         .as_ref()
 }
 
+/// Runs this binary (`name` in messages) again with `nestor-memcount` preloaded, if it
+/// is built next to it (`make report` builds it) and not preloaded yet; returns its exit
+/// status (`None`: go on in this process, counting or not).
+pub fn rerun_with_memcount(name: &str) -> Result<Option<i32>> {
+    if std::env::var_os("NESTOR_MEMCOUNT").is_some() {
+        return Ok(None);
+    }
+    let exe = std::env::current_exe()?;
+    let library = exe.with_file_name("libnestor_memcount.so");
+    if !library.exists() {
+        eprintln!(
+            "{name}: {} is not built: peak memory is not counted (make report builds it)",
+            library.display()
+        );
+        return Ok(None);
+    }
+    let status = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("LD_PRELOAD", &library)
+        .env("NESTOR_MEMCOUNT", "1")
+        .status()?;
+    Ok(Some(status.code().unwrap_or(1)))
+}
+
 /// Whether peak memory can be measured (`nestor-memcount` is preloaded).
 pub fn memory_counted() -> bool {
     counter().is_some()

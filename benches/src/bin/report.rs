@@ -33,31 +33,8 @@ fn main() {
     }
 }
 
-/// Runs this binary again with `nestor-memcount` preloaded, if it is built and not
-/// preloaded yet; returns its exit status.
-fn preloaded() -> Result<Option<i32>> {
-    if std::env::var_os("NESTOR_MEMCOUNT").is_some() {
-        return Ok(None);
-    }
-    let exe = std::env::current_exe()?;
-    let library = exe.with_file_name("libnestor_memcount.so");
-    if !library.exists() {
-        eprintln!(
-            "report: {} is not built: peak memory is not counted (make report builds it)",
-            library.display()
-        );
-        return Ok(None);
-    }
-    let status = std::process::Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .env("LD_PRELOAD", &library)
-        .env("NESTOR_MEMCOUNT", "1")
-        .status()?;
-    Ok(Some(status.code().unwrap_or(1)))
-}
-
 fn run() -> Result<()> {
-    if let Some(code) = preloaded()? {
+    if let Some(code) = nestor_bench::measure::rerun_with_memcount("report")? {
         std::process::exit(code);
     }
     let mut scale_name = "cpu".to_owned();

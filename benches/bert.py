@@ -26,15 +26,13 @@ import argparse
 import contextlib
 import ctypes
 import os
-import statistics
-import sys
-import time
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
+from timing import print_row, timed  # noqa: E402
 
 
 def counter():
@@ -49,21 +47,6 @@ def counter():
     for function in functions[:2]:
         function.restype = ctypes.c_int64
     return functions
-
-
-def timed(step, samples):
-    """(median, 25th, 75th percentile, first call) in ms, after the first call."""
-    started = time.perf_counter()
-    step()
-    first = (time.perf_counter() - started) * 1e3
-    times = []
-    for _ in range(max(samples, 1)):
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1e3)
-    times.sort()
-    at = lambda fraction: times[round((len(times) - 1) * fraction)]
-    return statistics.median(times), at(0.25), at(0.75), first
 
 
 def peak_of(step, functions):
@@ -178,15 +161,12 @@ def main():
             ("torch.nested jagged eager", step_of(jagged_loss)),
         ]
         for name, step in options:
-            try:
-                median, low, high, first = timed(step, args.samples)
-                peak = peak_of(step, functions)
-                shown = "-" if peak is None else str(peak)
-                print(f"{index}\t{name}\t{median:.3f}\t{low:.3f}\t{high:.3f}\t{first:.3f}\t{shown}")
-            except Exception as error:  # noqa: BLE001 (an option that fails is a row)
-                why = f"{type(error).__name__}: {error}".splitlines()[0]
-                print(f"{index}\t{name}\tunavailable\t{why}")
-            sys.stdout.flush()
+            shown = lambda peak: "-" if peak is None else str(peak)
+            print_row(
+                index,
+                name,
+                lambda: (*timed(step, args.samples), shown(peak_of(step, functions))),
+            )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,7 @@ import argparse
 import contextlib
 import copy
 import os
-import statistics
 import sys
-import time
 
 # A CPU benchmark: the CUDA wheel otherwise asks the (possibly missing) driver in some
 # nested-tensor paths and fails.
@@ -49,21 +47,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-
-
-def timed(step, samples):
-    """(median, 25th, 75th percentile, first call) in ms, after the first call."""
-    started = time.perf_counter()
-    step()
-    first = (time.perf_counter() - started) * 1e3
-    times = []
-    for _ in range(max(samples, 1)):
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1e3)
-    times.sort()
-    at = lambda fraction: times[round((len(times) - 1) * fraction)]
-    return statistics.median(times), at(0.25), at(0.75), first
+from timing import timed  # noqa: E402
 
 
 class Counting:

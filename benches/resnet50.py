@@ -24,29 +24,12 @@ import argparse
 import contextlib
 import copy
 import os
-import statistics
-import sys
-import time
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 import torchvision  # noqa: E402
-
-
-def timed(step, samples):
-    """(median, 25th, 75th percentile, first call) in ms, after the first call."""
-    started = time.perf_counter()
-    step()
-    first = (time.perf_counter() - started) * 1e3
-    times = []
-    for _ in range(max(samples, 1)):
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1e3)
-    times.sort()
-    at = lambda fraction: times[round((len(times) - 1) * fraction)]
-    return statistics.median(times), at(0.25), at(0.75), first
+from timing import print_row, timed  # noqa: E402
 
 
 def sizes_of(text):
@@ -113,13 +96,7 @@ def main():
             ),
         ]
         for name, net, forward in options:
-            try:
-                median, low, high, first = timed(step_of(net, forward), args.samples)
-                print(f"{index}\t{name}\t{median:.3f}\t{low:.3f}\t{high:.3f}\t{first:.3f}")
-            except Exception as error:  # noqa: BLE001 (an option that fails is a row)
-                why = f"{type(error).__name__}: {error}".splitlines()[0]
-                print(f"{index}\t{name}\tunavailable\t{why}")
-            sys.stdout.flush()
+            print_row(index, name, lambda: timed(step_of(net, forward), args.samples))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ fn forward_models() {
             Out::Dense(x[0].relu()?.pad()?),
             x[0].cumsum(1)?.into(),
             x[0].cumprod(1)?.into(),
+            x[1].ragged_positions()?.into(),
         ])
     });
     check("pairs", &[&x, &x], |x, _| {

@@ -18,6 +18,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use crate::blas::{on_one_thread, Gemm, SetThreadsFn};
+use crate::parallel::SendPointer;
 use crate::strided::{Strided, StridedMut};
 
 /// How this process multiplies bf16 products.
@@ -358,19 +359,6 @@ pub(crate) fn with_roundings<E: Pooled + Send, R>(
     let result = then(&rounded);
     give_back(E::pool(), rounded);
     result
-}
-
-/// A pointer the team's tasks write disjoint ranges through.
-#[derive(Clone, Copy)]
-struct SendPointer<E>(*mut E);
-// SAFETY: the tasks write disjoint ranges (see `round_all`).
-unsafe impl<E> Send for SendPointer<E> {}
-unsafe impl<E> Sync for SendPointer<E> {}
-
-impl<E> SendPointer<E> {
-    fn get(self) -> *mut E {
-        self.0
-    }
 }
 
 thread_local! {

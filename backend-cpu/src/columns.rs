@@ -14,8 +14,8 @@ use nestor_layout::{fill_taps, Outside, WindowImage, WindowTaps};
 use nestor_passes::Products;
 
 use crate::blas::Gemm;
-use crate::parallel::worker_threads;
-use crate::window::{Shape, GRAD_BLOCK_ROWS};
+use crate::parallel::{worker_threads, SendPointer};
+use crate::window::{add_partials, Shape, GRAD_BLOCK_ROWS};
 use nestor_ir::Window2d;
 
 /// Output pixels whose columns are gathered and multiplied at once (on a 2-core Xeon,
@@ -50,20 +50,6 @@ pub(crate) fn columns_pay(shape: Shape, work: Work) -> bool {
         Work::WeightGradient => shape.channels.saturating_mul(shape.taps) >= 64,
     };
     shape.width >= 32 && inputs
-}
-
-/// A pointer shared by the team's tasks (each reads, or writes its own part).
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: the tasks sharing one write disjoint parts of it (see each use).
-unsafe impl<T> Send for Shared<T> {}
-unsafe impl<T> Sync for Shared<T> {}
-
-impl<T> Shared<T> {
-    // A method, so that closures capture the whole (Sync) struct, not its pointer.
-    fn get(self) -> *mut T {
-        self.0
-    }
 }
 
 /// `weight [outs, ins, taps]` as `[outs, taps, ins]`: the order of a columns row (tap
@@ -215,8 +201,8 @@ pub(crate) unsafe fn convolve<T: Gemm>(
     } else {
         (by_tap(weight, (width, channels, taps)), (1, inner))
     };
-    let matrix = Shared(matrix.as_ptr() as *mut T);
-    let (out, x) = (Shared(out), Shared(x as *mut T));
+    let matrix = SendPointer(matrix.as_ptr() as *mut T);
+    let (out, x) = (SendPointer(out), SendPointer(x as *mut T));
     let threads = threads_for(rows.saturating_mul(inner).saturating_mul(width));
     // Few tiles' worth of pixels (small images, late stages) are one tile a thread: each
     // thread gathers its own pixels once and multiplies them with the whole weight
@@ -299,9 +285,9 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     let blocks = rows.div_ceil(GRAD_BLOCK_ROWS);
     let mut partials = vec![T::ZERO; blocks * size];
     let (sums, x, g) = (
-        Shared(partials.as_mut_ptr()),
-        Shared(x as *mut T),
-        Shared(g as *mut T),
+        SendPointer(partials.as_mut_ptr()),
+        SendPointer(x as *mut T),
+        SendPointer(g as *mut T),
     );
     let threads = threads_for(rows.saturating_mul(size));
     // Few blocks (small images, late stages) also split the work: the taps (each part
@@ -371,24 +357,15 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
             }
         }
     });
-    // Each output channel's gradient is over its group's input channels: `reads` from
-    // `o / (width / groups) * reads`.
-    let groups = groups.max(1);
-    let (reads, writes) = (channels / groups, (width / groups).max(1));
     // SAFETY: `out` holds `width * channels / groups * taps` values.
-    let out = unsafe { std::slice::from_raw_parts_mut(out, width * reads * per_window) };
-    out.fill(T::ZERO);
-    for partial in partials.chunks(size.max(1)) {
-        for o in 0..width {
-            let base = o / writes * reads;
-            let row = &partial[o * inner..][..inner];
-            for k in 0..reads {
-                for t in 0..per_window {
-                    out[(o * reads + k) * per_window + t] += row[t * channels + base + k];
-                }
-            }
-        }
-    }
+    unsafe {
+        add_partials(
+            out,
+            (&partials, size),
+            (shape, groups),
+            |partial, o, c, t| partial[o * inner + t * channels + c],
+        )
+    };
 }
 
 /// Values of the columns' gradient [`strided_input_grad`] holds at once (more for an
@@ -446,10 +423,10 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
     let mut buffer = vec![T::ZERO; scratch];
     let matrix = by_tap(weight, (channels, width, per_window));
     let (matrix, columns) = (
-        Shared(matrix.as_ptr() as *mut T),
-        Shared(buffer.as_mut_ptr()),
+        SendPointer(matrix.as_ptr() as *mut T),
+        SendPointer(buffer.as_mut_ptr()),
     );
-    let (out, g) = (Shared(out), Shared(g as *mut T));
+    let (out, g) = (SendPointer(out), SendPointer(g as *mut T));
     let threads = threads_for(taps.rows.len().saturating_mul(channels * width));
     let outputs = |image: &WindowImage| (image.out.0 * image.out.1) as usize;
     let mut next = 0;

@@ -121,3 +121,18 @@ pub(crate) fn row_grain(step: &nestor_passes::Step, width: i64) -> i64 {
 pub(crate) struct Args<'a>(pub(crate) &'a [*mut u8]);
 unsafe impl Send for Args<'_> {}
 unsafe impl Sync for Args<'_> {}
+
+/// A pointer the team's tasks share: each writes its own part of what it points to (or
+/// they only read), as the code making one says.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPointer<T>(pub(crate) *mut T);
+// SAFETY: the tasks sharing one write disjoint parts (see each use).
+unsafe impl<T> Send for SendPointer<T> {}
+unsafe impl<T> Sync for SendPointer<T> {}
+
+impl<T> SendPointer<T> {
+    /// The pointer (a method, so that closures capture the whole, Sync, struct).
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}

@@ -704,20 +704,47 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
         1
     };
     crate::team::for_each_chunk(blocks, threads, &block);
-    // Each output channel's gradient is over its group's input channels: `reads` from
-    // `o / (width / groups) * reads`.
+    // SAFETY: `out` holds `width * channels / groups * taps` values.
+    unsafe {
+        add_partials(
+            out as *mut T,
+            (&partials, size),
+            (shape, groups),
+            |partial, o, c, t| partial[(t * channels + c) * lanes + o],
+        )
+    };
+}
+
+/// Writes a weight gradient `[width, channels / groups, taps]` at `out`: the sum, in
+/// order, of the blocks' `partials` (`size` values each; `at(partial, o, c, t)` reads
+/// output channel `o`, input channel `c`, tap `t` of one), each output channel's over
+/// its group's input channels.
+///
+/// # Safety
+/// `out` must hold `width * channels / groups * taps` values.
+pub(crate) unsafe fn add_partials<T: Scalar>(
+    out: *mut T,
+    (partials, size): (&[T], usize),
+    (shape, groups): (Shape, usize),
+    at: impl Fn(&[T], usize, usize, usize) -> T,
+) {
+    let Shape {
+        channels,
+        width,
+        taps,
+    } = shape;
+    // Output channel `o` reads `reads` channels from `o / (width / groups) * reads`.
     let groups = groups.max(1);
     let (reads, writes) = (channels / groups, (width / groups).max(1));
-    // SAFETY: `out` holds `width * channels / groups * taps` values.
-    let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, width * reads * per_window) };
+    // SAFETY: as the caller promises.
+    let out = unsafe { std::slice::from_raw_parts_mut(out, width * reads * taps) };
     out.fill(T::ZERO);
     for partial in partials.chunks(size.max(1)) {
         for o in 0..width {
             let base = o / writes * reads;
             for k in 0..reads {
-                for t in 0..per_window {
-                    out[(o * reads + k) * per_window + t] +=
-                        partial[(t * channels + base + k) * lanes + o];
+                for t in 0..taps {
+                    out[(o * reads + k) * taps + t] += at(partial, o, base + k, t);
                 }
             }
         }

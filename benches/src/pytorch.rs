@@ -13,6 +13,7 @@ use crate::models::{
     conv_flops, token_lengths, transformer_flops, Column, CompileCost, Measurement, Mode, Model,
     Outcome, Precision,
 };
+use crate::script::ScriptFiles;
 use crate::{Result, Scale};
 
 /// The script, carried in the binary.
@@ -109,9 +110,9 @@ pub fn run_pytorch(
             rows.push(row(Column::TorchPadded, Outcome::Unavailable(why)));
             continue;
         };
+        let files = ScriptFiles::write("pytorch.py", SCRIPT)?;
         let result = Command::new(&python)
-            .arg("-c")
-            .arg(SCRIPT)
+            .arg(&files.script)
             .args(&args)
             .args(["--mode", mode.name()])
             .output()?;

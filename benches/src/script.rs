@@ -3,11 +3,44 @@
 //! (`<batch>\t<option>\t<median ms>\t<25th>\t<75th>\t<first ms>[\t<peak bytes>]` or
 //! `<batch>\t<option>\tunavailable\t<why>`) read back as cells.
 
+use std::path::PathBuf;
 use std::process::Command;
 
 use crate::measure::Timing;
 use crate::pytorch::python;
 use crate::Result;
+
+/// What every script imports (`from timing import timed`).
+const TIMING: &str = include_str!("../timing.py");
+
+/// A script and `timing.py` written to a folder of their own under the temp folder
+/// (removed when dropped), to run with the venv's Python.
+pub struct ScriptFiles {
+    folder: PathBuf,
+    /// The script's path.
+    pub script: PathBuf,
+}
+
+impl ScriptFiles {
+    /// Writes `source` as `name`, and `timing.py` beside it.
+    pub fn write(name: &str, source: &str) -> Result<Self> {
+        let folder = std::env::temp_dir().join(format!("nestor-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&folder)?;
+        let files = Self {
+            script: folder.join(name),
+            folder,
+        };
+        std::fs::write(files.folder.join("timing.py"), TIMING)?;
+        std::fs::write(&files.script, source)?;
+        Ok(files)
+    }
+}
+
+impl Drop for ScriptFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.folder);
+    }
+}
 
 /// One measured option: its step time and, when counted, its peak extra bytes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -36,11 +69,11 @@ pub fn run_script(
             "no torch venv (scripts/setup.sh makes it)".into(),
         ));
     };
-    let file = std::env::temp_dir().join(format!("nestor-{}-{name}", std::process::id()));
-    std::fs::write(&file, script)?;
-    let output = Command::new(python).arg(&file).args(args).output();
-    let _ = std::fs::remove_file(&file);
-    let output = output?;
+    let files = ScriptFiles::write(name, script)?;
+    let output = Command::new(python)
+        .arg(&files.script)
+        .args(args)
+        .output()?;
     if !output.status.success() {
         let error = String::from_utf8_lossy(&output.stderr);
         let last = error.lines().last().unwrap_or("no message");

@@ -39,11 +39,14 @@ pub(crate) enum Work {
 /// the direct kernel and 6 as a GEMM). `NESTOR_CONV=direct` or `NESTOR_CONV=columns`
 /// forces one way (to compare them).
 pub(crate) fn columns_pay(shape: Shape, work: Work) -> bool {
-    if crate::process::env_is("NESTOR_CONV", "direct") {
-        return false;
-    }
-    if crate::process::env_is("NESTOR_CONV", "columns") {
-        return true;
+    // `NESTOR_CONV`, read once per process: forced to one way, or by the shape.
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        let is = |way| crate::process::env_is("NESTOR_CONV", way);
+        (is("direct") || is("columns")).then(|| is("columns"))
+    });
+    if let Some(columns) = *forced {
+        return columns;
     }
     let inputs = match work {
         Work::Convolution => shape.channels >= 16,

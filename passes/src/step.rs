@@ -900,31 +900,25 @@ impl StepKind for RandomMask {
     }
 }
 
-impl StepKind for Positions {
-    fn output(&self) -> Slot {
-        self.out
-    }
-    fn reads(&self) -> Vec<Slot> {
-        Vec::new()
-    }
-    fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
-        visit(&mut self.out);
-        visit(&mut self.lengths);
-    }
+/// [`StepKind`] of steps that write `out` from `lengths` alone (no data slot read).
+macro_rules! from_lengths {
+    ($($kind:ident),*) => {
+        $(impl StepKind for $kind {
+            fn output(&self) -> Slot {
+                self.out
+            }
+            fn reads(&self) -> Vec<Slot> {
+                Vec::new()
+            }
+            fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
+                visit(&mut self.out);
+                visit(&mut self.lengths);
+            }
+        })*
+    };
 }
 
-impl StepKind for LengthValues {
-    fn output(&self) -> Slot {
-        self.out
-    }
-    fn reads(&self) -> Vec<Slot> {
-        Vec::new()
-    }
-    fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
-        visit(&mut self.out);
-        visit(&mut self.lengths);
-    }
-}
+from_lengths!(LengthValues, Positions);
 
 impl StepKind for Gather {
     fn output(&self) -> Slot {

@@ -41,7 +41,7 @@ pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Trace
 pub use nestor_ir::DType;
 
 pub use nestor_backend_cpu::{
-    bf16_path, gemm_library, gemm_probe, pool, Bf16Path, GemmProbe, Parallelism,
+    attention_on_amx, bf16_path, gemm_library, gemm_probe, pool, Bf16Path, GemmProbe, Parallelism,
 };
 /// The ragged graph IR (types, ops, text form, verifier, Graphviz output).
 pub use nestor_ir as ir;

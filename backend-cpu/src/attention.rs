@@ -87,6 +87,18 @@ struct Buffers<T> {
     v: *const T,
 }
 unsafe impl<T> Send for Buffers<T> {}
+
+impl<T> Buffers<T> {
+    /// The same pointers as buffers of `U` (for `T` known to be `U`).
+    fn cast<U>(self) -> Buffers<U> {
+        Buffers {
+            out: self.out as *mut U,
+            q: self.q as *const U,
+            k: self.k as *const U,
+            v: self.v as *const U,
+        }
+    }
+}
 unsafe impl<T> Sync for Buffers<T> {}
 
 /// One task of the forward: a tile of query rows of one element and head.
@@ -159,6 +171,36 @@ impl InputRoundings {
     }
 }
 
+/// Queries, keys and values as bf16 roundings, for the forward on AMX tiles.
+#[derive(Clone, Copy)]
+struct TileInputs<'a> {
+    q: &'a RoundedBuffer,
+    k: &'a RoundedBuffer,
+    v: &'a RoundedBuffer,
+}
+
+/// A thread's buffers for the forward on AMX tiles, kept between tasks.
+#[derive(Default)]
+struct TileScratch {
+    /// Query rows packed where they cannot be read in place.
+    queries: Vec<u16>,
+    /// The keys' transpose `[head_dim x keys]`, packed.
+    keys_t: crate::amx::Panel,
+    /// The values `[keys x value_dim]`, packed.
+    values: crate::amx::Panel,
+    /// 16 rows of scores, then of probabilities.
+    scores: Vec<f32>,
+    /// The probabilities' bf16 roundings, zeros past the keys.
+    probabilities: Vec<u16>,
+    /// 16 rows of outputs before the division by their sums.
+    sums: Vec<f32>,
+}
+
+thread_local! {
+    static TILE_SCRATCH: std::cell::RefCell<TileScratch> =
+        std::cell::RefCell::new(TileScratch::default());
+}
+
 /// The threads a step's tasks spread over: the team's, or (not `parallel`) one.
 fn team_size(parallel: bool) -> usize {
     if parallel {
@@ -227,13 +269,199 @@ impl AttentionRun<'_> {
                 threads,
             )
         };
+        let on_tiles = self.on_tiles::<T>(&rounded);
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             // The task's rows and columns are in range of buffers the executor sized.
             crate::vectors::widest(
                 #[inline(always)]
-                || unsafe { self.task(buffers, tasks[index], &rounded) },
+                || unsafe {
+                    match on_tiles {
+                        Some(rounded) => self.tile_task(buffers.cast(), tasks[index], rounded),
+                        None => self.task(buffers, tasks[index], &rounded),
+                    }
+                },
             );
         });
+    }
+
+    /// The roundings of queries, keys and values as bf16 bits when the forward runs on
+    /// AMX tiles ([`AttentionRun::tile_task`]): f32 values, bf16 products, heads of at
+    /// least one column, tiles usable.
+    fn on_tiles<'r, T: 'static>(&self, rounded: &'r InputRoundings) -> Option<TileInputs<'r>> {
+        let f32_values = std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
+        let widths = self.head_dim > 0 && self.value_dim > 0;
+        if !(f32_values && widths && self.products == Products::Bf16 && crate::amx::usable()) {
+            return None;
+        }
+        let get = |input| rounded.get(input).filter(|buffer| buffer.is_bf16());
+        Some(TileInputs {
+            q: get(Q)?,
+            k: get(K)?,
+            v: get(V)?,
+        })
+    }
+
+    /// One task on AMX tiles (`crate::amx`), 16 query rows at a time: their scores
+    /// against all the element's keys (`Q K^T` of the bf16 roundings, f32 sums), scaled,
+    /// their softmax over the visible keys (as [`RowState::update`] of the whole row),
+    /// the probabilities rounded to bf16 and multiplied by the values, each row divided
+    /// by its sum. The keys' transpose and the values are packed once per task.
+    ///
+    /// # Safety
+    /// As [`AttentionRun::task`]; the rounded buffers hold the task's rows.
+    #[inline(always)]
+    unsafe fn tile_task(&self, buffers: Buffers<f32>, task: Task, rounded: TileInputs<'_>) {
+        let dv = self.value_dim as usize;
+        let out_width = (self.heads * self.value_dim) as usize;
+        let (rows, keys) = (task.rows as usize, task.k_rows as usize);
+        let q_row = task.q_first + task.row;
+        let at = |access: &Access, row: i64, width: i64| {
+            (row * access.row_stride + access.offset + task.head * width) as isize
+        };
+        // SAFETY: the task's rows and head columns lie in the buffers (the caller
+        // vouches).
+        let (q, k, v, out) = unsafe {
+            (
+                buffers.q.offset(at(self.q, q_row, self.head_dim)),
+                buffers.k.offset(at(self.k, task.k_first, self.head_dim)),
+                buffers.v.offset(at(self.v, task.k_first, self.value_dim)),
+                buffers.out.offset(
+                    q_row as isize * out_width as isize + (task.head as usize * dv) as isize,
+                ),
+            )
+        };
+        let out_row = |row: usize| unsafe {
+            // SAFETY: as above.
+            std::slice::from_raw_parts_mut(out.add(row * out_width), dv)
+        };
+        if keys == 0 {
+            // No keys: libtorch's attention gives 0 (a row without a finite score).
+            for row in 0..rows {
+                out_row(row).fill(0.0);
+            }
+            return;
+        }
+        // The thread-local's closure is compiled apart: `widest` again for the host's
+        // vectors.
+        TILE_SCRATCH.with_borrow_mut(|scratch| {
+            crate::vectors::widest(
+                #[inline(always)]
+                || unsafe { self.tile_blocks(scratch, task, (q, k, v), rounded, out_row) },
+            )
+        });
+    }
+
+    /// [`AttentionRun::tile_task`] for a task with keys, in `scratch`.
+    ///
+    /// # Safety
+    /// As [`AttentionRun::tile_task`]; `q`, `k` and `v` point at the task's first rows
+    /// and head columns, `out_row` gives its output rows.
+    #[inline(always)]
+    unsafe fn tile_blocks<'o>(
+        &self,
+        scratch: &mut TileScratch,
+        task: Task,
+        (q, k, v): (*const f32, *const f32, *const f32),
+        rounded: TileInputs<'_>,
+        out_row: impl Fn(usize) -> &'o mut [f32],
+    ) {
+        use crate::amx::{multiply_rows, Configured, Lines, RowsOfA};
+        const ROWS: usize = 16;
+        let (d, dv) = (self.head_dim as usize, self.value_dim as usize);
+        let (rows, keys) = (task.rows as usize, task.k_rows as usize);
+        {
+            let TileScratch {
+                queries,
+                keys_t,
+                values,
+                scores,
+                probabilities,
+                sums,
+            } = scratch;
+            let score_width = keys.next_multiple_of(ROWS);
+            let key_depth = keys.next_multiple_of(32);
+            let value_width = dv.next_multiple_of(ROWS);
+            // SAFETY: the keys' and values' rows hold the head's columns (as above).
+            let q_rows = unsafe {
+                keys_t.pack(
+                    ((k, 1, self.k.row_stride as isize), Some(rounded.k)),
+                    (d, keys),
+                );
+                values.pack(
+                    ((v, self.v.row_stride as isize, 1), Some(rounded.v)),
+                    (keys, dv),
+                );
+                let lines = Lines::new(
+                    ((q, self.q.row_stride as isize, 1), Some(rounded.q)),
+                    true,
+                    d,
+                );
+                RowsOfA::new(&lines, rows, d.next_multiple_of(32), queries)
+            };
+            scores.resize(ROWS * score_width, 0.0);
+            if probabilities.len() < ROWS * key_depth {
+                probabilities.resize(ROWS * key_depth, 0);
+            }
+            sums.resize(ROWS * value_width, 0.0);
+            let mut state = RowState {
+                largest: vec![f32::NEG_INFINITY; ROWS],
+                total: vec![0.0; ROWS],
+                poisoned: vec![false; ROWS],
+            };
+            let scale = self.scale as f32;
+            let _tiles = Configured::new();
+            for block in 0..rows.div_ceil(ROWS) {
+                let block_rows = ROWS.min(rows - block * ROWS);
+                // SAFETY: the packed queries hold the block's 16 rows; `scores` 16 rows
+                // of the keys' blocks.
+                unsafe {
+                    let a = q_rows.block(block, queries);
+                    multiply_rows(a, keys_t, (scores.as_mut_ptr(), score_width * 4));
+                }
+                for row in 0..block_rows {
+                    let scores = &mut scores[row * score_width..][..keys];
+                    for score in scores.iter_mut() {
+                        *score *= scale;
+                    }
+                    let position = task.row as usize + block * ROWS + row;
+                    let visible = if self.causal {
+                        (position + 1).min(keys)
+                    } else {
+                        keys
+                    };
+                    state.largest[row] = f32::NEG_INFINITY;
+                    state.total[row] = 0.0;
+                    state.poisoned[row] = false;
+                    state.update(row, scores, visible);
+                    let rounded = &mut probabilities[row * key_depth..][..key_depth];
+                    let (values, padding) = rounded.split_at_mut(keys);
+                    crate::bf16::round_line(scores, values);
+                    padding.fill(0);
+                }
+                // SAFETY: `probabilities` holds 16 rows of the values' depth; `sums` 16
+                // rows of the values' blocks.
+                unsafe {
+                    let a = (probabilities.as_ptr(), key_depth * 2);
+                    multiply_rows(a, values, (sums.as_mut_ptr(), value_width * 4));
+                }
+                for row in 0..block_rows {
+                    // As the tiled forward: no finite score keeps 0, a masked NaN or +inf
+                    // makes the row NaN.
+                    let total = if state.poisoned[row] {
+                        f32::NAN
+                    } else if state.total[row] == 0.0 {
+                        1.0
+                    } else {
+                        state.total[row]
+                    };
+                    let inverse = 1.0 / total;
+                    let sums = &sums[row * value_width..][..dv];
+                    for (out, &sum) in out_row(block * ROWS + row).iter_mut().zip(sums) {
+                        *out = sum * inverse;
+                    }
+                }
+            }
+        }
     }
 
     /// One task: its query rows' outputs for one head.
@@ -1114,6 +1342,106 @@ mod tests {
                     (a - e).abs() <= 1e-4 * (1.0 + e.abs()),
                     "value {index}: template {a} vs host {e} (causal {causal}, keys {keys}, saved {saved}, lengths {q_lengths:?} / {k_lengths:?}, {tiles:?})"
                 );
+            }
+        }
+    }
+
+    /// The forward's tasks as `run` makes them (tiles of `Tiles::DEFAULT` query rows).
+    fn forward_tasks(q_offsets: &[i64], k_offsets: &[i64], heads: i64) -> Vec<Task> {
+        let tile = Tiles::DEFAULT.queries;
+        let mut tasks = Vec::new();
+        for element in 0..q_offsets.len() - 1 {
+            let q_rows = q_offsets[element + 1] - q_offsets[element];
+            for head in 0..heads {
+                for row in (0..q_rows).step_by(tile as usize) {
+                    tasks.push(Task {
+                        head,
+                        q_first: q_offsets[element],
+                        k_first: k_offsets[element],
+                        k_rows: k_offsets[element + 1] - k_offsets[element],
+                        row,
+                        rows: tile.min(q_rows - row),
+                    });
+                }
+            }
+        }
+        tasks
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The forward on AMX tiles equals the tiled forward on the same bf16 roundings
+        /// (f32 products of them): elements of 0, 1 and up to 40 rows (blocks of 16 query
+        /// rows, keys past 32), heads of 1 to 65 columns, causal or not, cross lengths,
+        /// NaN and infinities. Skipped on hosts without AMX.
+        #[test]
+        fn the_forward_on_amx_tiles_equals_the_tiled_forward(
+            lengths in proptest::collection::vec((0i64..40, 0i64..40), 1..4),
+            (heads, head_dim, value_dim) in (1i64..3, prop_oneof![1i64..4, Just(32), Just(64), Just(65)], prop_oneof![1i64..5, Just(16), Just(17), Just(64)]),
+            (causal, cross, specials, seed) in (any::<bool>(), any::<bool>(), any::<bool>(), any::<u64>()),
+        ) {
+            if !crate::amx::usable() {
+                eprintln!("skipped: this host has no AMX tiles");
+                return Ok(());
+            }
+            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
+            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
+            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
+            let (q_rows, k_rows) = (*q_offsets.last().unwrap() as usize, *k_offsets.last().unwrap() as usize);
+            let mut random = seed;
+            let mut value = move || {
+                random = random.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let x = ((random >> 33) % 6001) as f32 / 1000.0 - 3.0;
+                match (specials, random >> 60) {
+                    (true, 0) => f32::NAN,
+                    (true, 1) => f32::INFINITY,
+                    _ => x,
+                }
+            };
+            let (width, value_width) = ((heads * head_dim) as usize, (heads * value_dim) as usize);
+            let q: Vec<f32> = (0..q_rows * width).map(|_| value()).collect();
+            let k: Vec<f32> = (0..k_rows * width).map(|_| value()).collect();
+            let v: Vec<f32> = (0..k_rows * value_width).map(|_| value()).collect();
+            let (q_access, k_access, v_access) = (
+                Access::rows(nestor_passes::Slot(1), width as i64),
+                Access::rows(nestor_passes::Slot(2), width as i64),
+                Access::rows(nestor_passes::Slot(3), value_width as i64),
+            );
+            let run = AttentionRun {
+                products: Products::Bf16,
+                q: &q_access,
+                k: &k_access,
+                v: &v_access,
+                heads,
+                head_dim,
+                value_dim,
+                causal,
+                scale: 1.0 / (head_dim as f64).sqrt(),
+                parallel: false,
+                tiles: Tiles::DEFAULT,
+            };
+            let size = q_rows * value_width;
+            // The tiled forward: the roundings as f32 (this test process has no MKL).
+            let mut expected = vec![f32::from_bits(0x7fc0_0001); size];
+            let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+            unsafe {
+                run.run::<f32>(
+                    (expected.as_mut_ptr() as *mut u8, pointer(&q), pointer(&k), pointer(&v)),
+                    (&q_offsets, &k_offsets),
+                )
+            };
+            let rounded = |values: &[f32]| unsafe { RoundedBuffer::as_bf16(values.as_ptr(), values.len()) };
+            let (q_rounded, k_rounded, v_rounded) = (rounded(&q), rounded(&k), rounded(&v));
+            let inputs = TileInputs { q: &q_rounded, k: &k_rounded, v: &v_rounded };
+            let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
+            let buffers = Buffers { out: actual.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr() };
+            for task in forward_tasks(&q_offsets, &k_offsets, heads) {
+                crate::vectors::widest(|| unsafe { run.tile_task(buffers, task, inputs) });
+            }
+            for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                let close = (got - want).abs() <= 2e-2 || (got.is_nan() && want.is_nan()) || got == want;
+                prop_assert!(close, "output {index}: {got} on tiles, {want} tiled");
             }
         }
     }

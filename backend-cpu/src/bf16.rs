@@ -226,6 +226,24 @@ impl RoundedBuffer {
         Self { base, len, values }
     }
 
+    /// [`RoundedBuffer::new`] as bf16 bits whatever the process's path (for tests of
+    /// the products that read them).
+    ///
+    /// # Safety
+    /// As [`RoundedBuffer::new`].
+    #[cfg(test)]
+    pub(crate) unsafe fn as_bf16(base: *const f32, len: usize) -> Self {
+        // SAFETY: the caller vouches for the values.
+        let source = unsafe { std::slice::from_raw_parts(base, len) };
+        let values = Roundings::Bf16(round_all(source, 1));
+        Self { base, len, values }
+    }
+
+    /// Whether it holds bf16 bits (MKL's path), not roundings held as f32.
+    pub(crate) fn is_bf16(&self) -> bool {
+        matches!(self.values, Roundings::Bf16(_))
+    }
+
     /// The bytes the roundings take.
     pub(crate) fn bytes(&self) -> usize {
         match &self.values {
@@ -241,7 +259,7 @@ impl RoundedBuffer {
     }
 
     /// `matrix` (within the buffer) as the same matrix of bf16 roundings.
-    fn bf16_view(&self, matrix: Strided<f32>) -> Option<Strided<u16>> {
+    pub(crate) fn bf16_view(&self, matrix: Strided<f32>) -> Option<Strided<u16>> {
         let (Roundings::Bf16(values), Some(offset)) = (&self.values, self.offset_of(matrix)) else {
             return None;
         };
@@ -260,7 +278,7 @@ impl RoundedBuffer {
     }
 
     /// `matrix` (within the buffer) as the same matrix of roundings held as f32.
-    fn f32_view(&self, matrix: Strided<f32>) -> Option<Strided<f32>> {
+    pub(crate) fn f32_view(&self, matrix: Strided<f32>) -> Option<Strided<f32>> {
         let (Roundings::F32(values), Some(offset)) = (&self.values, self.offset_of(matrix)) else {
             return None;
         };
@@ -500,7 +518,7 @@ unsafe fn rounded<E: Rounding>(
 }
 
 /// `out[i] = round(values[i])`, in the widest vectors the host has.
-fn round_line<E: Rounding>(values: &[f32], out: &mut [E]) {
+pub(crate) fn round_line<E: Rounding>(values: &[f32], out: &mut [E]) {
     crate::vectors::widest(
         #[inline(always)]
         || {

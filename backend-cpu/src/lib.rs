@@ -9,7 +9,8 @@
 //!   runtime's [`nestor_runtime::Executable`];
 //! - the GEMM libraries (the process's MKL, else the `gemm` crate; [`gemm_library`]
 //!   says which, [`gemm_probe`] why) and an f32 micro-kernel for small tiles;
-//! - varlen attention (`attention.rs`), direct convolution and pooling over packed
+//! - varlen attention (`attention.rs`; its mixed-precision forward on Intel AMX tiles,
+//!   `amx.rs`, where [`attention_on_amx`] says), direct convolution and pooling over packed
 //!   images (`conv.rs`, `window.rs`; [`convolve_images`] for the eager API);
 //! - the thread team (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`]
 //!   says which) and how runs split their work ([`Parallelism`]);
@@ -18,6 +19,7 @@
 //! only (what the eager `NestedTensor` uses).
 #![cfg_attr(not(feature = "jit"), allow(dead_code))]
 
+mod amx;
 mod attention;
 mod bf16;
 mod blas;
@@ -40,6 +42,7 @@ mod testing;
 mod vectors;
 mod window;
 
+pub use amx::usable as attention_on_amx;
 pub use bf16::{bf16_path, Bf16Path};
 pub use blas::{gemm_library, gemm_probe, GemmProbe};
 #[cfg(feature = "jit")]

@@ -281,13 +281,18 @@ fn machine() -> String {
     });
     format!(
         "{} (family {}, model {}, {vectors}), {cores} cores, libtorch 2.13 through tch 0.26, {} \
-         threads; compiled GEMMs by the {}{probe}; compiled bf16 products by {}{}",
+         threads; compiled GEMMs by the {}{probe}; compiled bf16 products by {}{}{}",
         field("model name"),
         field("cpu family"),
         field("model"),
         tch::get_num_threads(),
         nestor::gemm_library(),
         nestor::bf16_path().name(),
-        bf16_units(&cpuinfo)
+        bf16_units(&cpuinfo),
+        if nestor::attention_on_amx() {
+            ", mixed-precision attention's forward on AMX tiles"
+        } else {
+            ""
+        }
     )
 }

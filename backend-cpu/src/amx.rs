@@ -1,0 +1,813 @@
+//! bf16 products on Intel AMX tiles (Sapphire Rapids and later), the primitives of
+//! mixed-precision attention's forward on them (`crate::attention`): MKL's bf16 GEMM
+//! multiplies attention's small tiles fast but packs both operands on every call
+//! (`cblas_gemm_bf16bf16f32` spent most of a 128 x 64 x 256 product copying them).
+//!
+//! - [`Panel`]: a right operand `b [k x n]` packed once into AMX's pair-interleaved
+//!   layout (`tdpbf16ps`'s second operand: row `p` of a block holds `(b[2p][j],
+//!   b[2p + 1][j])` for its 16 columns `j`), zeros past `k`; a transposed operand
+//!   (attention's keys in `q k^T`) is transposed 16 x 16 pairs at a time in AVX-512
+//!   registers.
+//! - [`RowsOfA`]: a left operand's blocks of 16 rows, read in place when they are rows
+//!   of bf16 roundings a whole number of tiles deep (attention's queries at a head of
+//!   64), else packed with zeros past `k`.
+//! - [`multiply_rows`]: one block of 16 rows times a panel into f32 sums, four tiles of
+//!   sums at a time where the columns allow, inside [`Configured`] tiles.
+//!
+//! Operands are read as bf16 roundings, from a [`RoundedBuffer`] when the operand lies in
+//! one, else rounded here (to nearest even, as [`crate::bf16::round`]); sums are f32. The
+//! tiles treat bf16 denormals as zero, as MKL's AMX kernels do.
+//!
+//! [`usable`] asks the host (cpuid) and the kernel (`arch_prctl`, which must grant the
+//! tile data to the process) once; `NESTOR_AMX=off` turns the tiles off (and
+//! `NESTOR_BF16=f32`, which sends every bf16 product to the f32 GEMM).
+
+#[cfg(test)]
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use crate::bf16::{round, RoundedBuffer};
+use crate::strided::Strided;
+#[cfg(test)]
+use crate::strided::StridedMut;
+
+/// Rows of a tile (and of a row block of `a`).
+const TILE_ROWS: usize = 16;
+/// f32 columns of a result tile (and columns of a block of `b`).
+const TILE_COLUMNS: usize = 16;
+/// bf16 values of `a` per tile row, and rows of `b` per tile (in pairs).
+const TILE_DEPTH: usize = 32;
+/// Bytes per tile row, the most a tile holds.
+const ROW_BYTES: usize = 64;
+/// Column blocks multiplied at once (four tiles of sums, one of `a`, three of `b`).
+const WIDE: usize = 4;
+
+/// Whether this process runs mixed-precision attention's forward on Intel AMX tiles
+/// (asked once: the host has AMX-TILE and AMX-BF16, the kernel grants the tile data,
+/// and neither `NESTOR_AMX=off` nor `NESTOR_BF16=f32` is set).
+pub fn usable() -> bool {
+    static USABLE: OnceLock<bool> = OnceLock::new();
+    *USABLE.get_or_init(|| {
+        let off = crate::process::env_is("NESTOR_AMX", "off")
+            || crate::process::env_is("NESTOR_BF16", "f32");
+        !off && host_grants_tiles()
+    })
+}
+
+/// Whether the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the
+/// tile data (Linux's `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn host_grants_tiles() -> bool {
+    // Leaf 7 reads as zeros on CPUs without it (no AMX).
+    let features = std::arch::x86_64::__cpuid_count(7, 0);
+    let amx_bf16 = features.edx & (1 << 22) != 0;
+    let amx_tile = features.edx & (1 << 24) != 0;
+    if !(amx_bf16 && amx_tile) {
+        return false;
+    }
+    const ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let result: i64;
+    // SAFETY: the arch_prctl system call with an integer request; it only changes the
+    // process's permitted state components (idempotent, asked once).
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") ARCH_PRCTL => result,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    result == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn host_grants_tiles() -> bool {
+    false
+}
+
+/// An operand: a matrix of f32 values, and the buffer holding its roundings, if any.
+pub(crate) type Operand<'a> = (Strided<f32>, Option<&'a RoundedBuffer>);
+
+/// A line of an operand (a row or a column), read as bf16 bits.
+enum Line {
+    /// Roundings already made, at a stride.
+    Rounded(*const u16, isize),
+    /// f32 values (or their roundings held as f32), rounded as they are read.
+    Values(*const f32, isize),
+}
+
+impl Line {
+    /// Writes the line's `out.len()` values into `out`.
+    ///
+    /// # Safety
+    /// The line must hold `out.len()` values at its stride.
+    #[inline(always)]
+    unsafe fn read_into(&self, out: &mut [u16]) {
+        unsafe {
+            match *self {
+                Line::Rounded(start, 1) => {
+                    out.copy_from_slice(std::slice::from_raw_parts(start, out.len()))
+                }
+                Line::Rounded(start, step) => {
+                    for (index, out) in out.iter_mut().enumerate() {
+                        *out = *start.offset(index as isize * step);
+                    }
+                }
+                Line::Values(start, 1) => {
+                    crate::bf16::round_line(std::slice::from_raw_parts(start, out.len()), out)
+                }
+                Line::Values(start, step) => {
+                    for (index, out) in out.iter_mut().enumerate() {
+                        *out = round(*start.offset(index as isize * step));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An operand as lines of `length` values: its matrix's rows (`by_rows`) or columns.
+pub(crate) struct Lines {
+    rounded: Option<Strided<u16>>,
+    values: Strided<f32>,
+    by_rows: bool,
+    length: usize,
+}
+
+impl Lines {
+    pub(crate) fn new((matrix, buffer): Operand<'_>, by_rows: bool, length: usize) -> Self {
+        Lines {
+            rounded: buffer.and_then(|buffer| buffer.bf16_view(matrix)),
+            values: buffer
+                .and_then(|buffer| buffer.f32_view(matrix))
+                .unwrap_or(matrix),
+            by_rows,
+            length,
+        }
+    }
+
+    /// Line `index` as bf16 bits: in place when it is contiguous roundings, else read
+    /// into `scratch`; zeros when `index` is not below `count`.
+    ///
+    /// # Safety
+    /// Lines below `count` must lie within the matrix.
+    #[inline(always)]
+    unsafe fn line_or_zeros<'s>(
+        &self,
+        index: usize,
+        count: usize,
+        scratch: &'s mut Vec<u16>,
+    ) -> &'s [u16] {
+        if index >= count {
+            scratch.clear();
+            scratch.resize(self.length, 0);
+            return scratch;
+        }
+        // SAFETY: the caller vouches for the line.
+        unsafe {
+            match self.line(index) {
+                Line::Rounded(start, 1) => std::slice::from_raw_parts(start, self.length),
+                line => {
+                    scratch.resize(self.length, 0);
+                    line.read_into(scratch);
+                    scratch
+                }
+            }
+        }
+    }
+
+    /// Line `index`.
+    ///
+    /// # Safety
+    /// The line must lie within the matrix.
+    unsafe fn line(&self, index: usize) -> Line {
+        let pick = |(row, column): (isize, isize)| {
+            let (across, along) = if self.by_rows {
+                (row, column)
+            } else {
+                (column, row)
+            };
+            (index as isize * across, along)
+        };
+        unsafe {
+            match self.rounded {
+                Some((start, row, column)) => {
+                    let (offset, step) = pick((row, column));
+                    Line::Rounded(start.offset(offset), step)
+                }
+                None => {
+                    let (start, row, column) = self.values;
+                    let (offset, step) = pick((row, column));
+                    Line::Values(start.offset(offset), step)
+                }
+            }
+        }
+    }
+}
+
+/// `b [k x n]` packed in AMX's pair layout (see [`Panel::pack`]), kept by its owner
+/// between products.
+#[derive(Default)]
+pub(crate) struct Panel {
+    pairs: Vec<u32>,
+    /// `k` rounded up to whole tiles.
+    depth: usize,
+    /// Columns `n`.
+    columns: usize,
+    /// Lines of `b` being interleaved.
+    lines: [Vec<u16>; 2],
+}
+
+impl Panel {
+    /// Pairs per column block.
+    fn block(&self) -> usize {
+        self.depth / 2 * TILE_COLUMNS
+    }
+
+    /// Packs `b [k x n]` (rounded to bf16 as it is read, or read from its roundings):
+    /// for each block of 16 columns, `depth / 2` rows of 16 pairs `(b[2p][j],
+    /// b[2p + 1][j])`, zeros for rows past `k` (columns past `n` are left as they were:
+    /// their sums are never read).
+    ///
+    /// # Safety
+    /// `b` must be valid for `k x n` values at its strides; `k` at least 1.
+    pub(crate) unsafe fn pack(&mut self, b: Operand<'_>, (k, n): (usize, usize)) {
+        self.depth = k.next_multiple_of(TILE_DEPTH);
+        self.columns = n;
+        let block = self.block();
+        let pairs = self.depth / 2;
+        let len = n.div_ceil(TILE_COLUMNS) * block;
+        if self.pairs.len() < len {
+            self.pairs.resize(len, 0);
+        }
+        let (_, row_stride, column_stride) = b.0;
+        let packed = &mut self.pairs[..len];
+        let [line, odd] = &mut self.lines;
+        let pair = |even: u16, odd: u16| u32::from(even) | (u32::from(odd) << 16);
+        if column_stride == 1 || row_stride != 1 {
+            // Rows of `b` (a value's rows, such as attention's values): a pair of rows
+            // at a time, interleaved.
+            let lines = Lines::new(b, true, n);
+            for index in 0..pairs {
+                // SAFETY: rows below `k` hold `n` values (the caller vouches).
+                let (even, odd) = unsafe {
+                    (
+                        lines.line_or_zeros(2 * index, k, line),
+                        lines.line_or_zeros(2 * index + 1, k, odd),
+                    )
+                };
+                let blocks = even.chunks(TILE_COLUMNS).zip(odd.chunks(TILE_COLUMNS));
+                for (column_block, (even, odd)) in blocks.enumerate() {
+                    let out = &mut packed[column_block * block + index * TILE_COLUMNS..];
+                    for (out, (&even, &odd)) in out.iter_mut().zip(even.iter().zip(odd)) {
+                        *out = pair(even, odd);
+                    }
+                }
+            }
+            return;
+        }
+        // Columns of `b` contiguous (the transpose of a value's rows, such as
+        // attention's keys in `q k^T`): whole blocks of 16 columns by 16 pairs of
+        // roundings in place transposed in registers, the rest a column at a time, its
+        // pairs scattered.
+        let lines = Lines::new(b, false, k);
+        let transposed = match lines.rounded {
+            // SAFETY: the columns hold `k` values (the caller vouches).
+            Some((start, 1, column_stride)) => unsafe {
+                transpose_pairs((start, column_stride), (k, n), block, packed)
+            },
+            _ => 0,
+        };
+        let whole_blocks = n / TILE_COLUMNS * TILE_COLUMNS;
+        for column in 0..n {
+            let done = if column < whole_blocks { transposed } else { 0 };
+            if done == pairs {
+                continue;
+            }
+            // SAFETY: column `column` of `b` holds `k` values (the caller vouches).
+            let values = unsafe { lines.line_or_zeros(column, n, line) };
+            let first = (column / TILE_COLUMNS) * block + column % TILE_COLUMNS;
+            let out = packed[first + done * TILE_COLUMNS..]
+                .iter_mut()
+                .step_by(TILE_COLUMNS);
+            let mut pairs_of_values = values[2 * done..].chunks_exact(2);
+            let mut out = out.take(pairs - done);
+            // The pairs first: `zip` takes from its first iterator first.
+            for (values, out) in pairs_of_values.by_ref().zip(out.by_ref()) {
+                *out = pair(values[0], values[1]);
+            }
+            let last = pairs_of_values.remainder().first().copied();
+            if let (Some(out), Some(last)) = (out.next(), last) {
+                *out = pair(last, 0);
+            }
+            for out in out {
+                *out = 0;
+            }
+        }
+    }
+}
+
+/// `sums [16 x n] = a [16 x depth] b` for one block of 16 rows of `a` (bf16 rows at a
+/// stride in bytes, zeros past `b`'s `k`) and a packed `b`, its `n` columns padded to
+/// whole blocks of 16: `sums` holds `n.div_ceil(16) * 16` f32 per row, rows
+/// `row_bytes` apart.
+///
+/// # Safety
+/// The tiles must be configured on this thread ([`Configured`]); `a` must hold 16 rows of
+/// the panel's depth, `sums` the rows and columns above.
+#[inline(always)]
+pub(crate) unsafe fn multiply_rows(
+    a: (*const u16, usize),
+    panel: &Panel,
+    (sums, row_bytes): (*mut f32, usize),
+) {
+    let block = panel.block();
+    let column_blocks = panel.columns.div_ceil(TILE_COLUMNS);
+    let steps = panel.depth / TILE_DEPTH;
+    let mut column_block = 0;
+    while column_block < column_blocks {
+        // SAFETY: the panel and the sums hold every block (the caller vouches for the
+        // sums).
+        unsafe {
+            let b = panel.pairs.as_ptr().add(column_block * block);
+            let sums = (
+                sums.add(column_block * TILE_COLUMNS),
+                row_bytes,
+                TILE_COLUMNS * 4,
+            );
+            if column_blocks - column_block >= WIDE {
+                multiply_tiles(sums, a, (b, block * 4), steps);
+                column_block += WIDE;
+            } else {
+                multiply_tile(sums, a, b, steps);
+                column_block += 1;
+            }
+        }
+    }
+}
+
+/// Per-thread scratch of [`product`].
+#[cfg(test)]
+#[derive(Default)]
+struct Scratch {
+    a: Vec<u16>,
+    panel: Panel,
+    sums: Vec<f32>,
+}
+
+#[cfg(test)]
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `c = scale a b` for `a [m x k]`, `b [k x n]`, `c [m x n]` (`c` only written), on AMX
+/// tiles with bf16 roundings of `a` and `b` and f32 sums: the tiles' primitives put
+/// together for any shape and layout, what the tests check them by.
+///
+/// # Safety
+/// [`usable`] must be true. The pointers must be valid for the sizes and strides given;
+/// a rounded operand's matrix must lie within its buffer.
+#[cfg(test)]
+unsafe fn product(
+    (m, k, n): (usize, usize, usize),
+    scale: f32,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    c: StridedMut<f32>,
+) {
+    SCRATCH.with_borrow_mut(|scratch| {
+        let width = n.div_ceil(TILE_COLUMNS) * TILE_COLUMNS;
+        for row in 0..m {
+            for column in 0..n {
+                // SAFETY: within `c` (the caller vouches).
+                unsafe { *c.0.offset(row as isize * c.1 + column as isize * c.2) = 0.0 };
+            }
+        }
+        if m == 0 || n == 0 || k == 0 {
+            return;
+        }
+        let depth = k.next_multiple_of(TILE_DEPTH);
+        let lines = Lines::new(a, true, k);
+        // SAFETY: the caller vouches for the operands.
+        unsafe {
+            let rows = RowsOfA::new(&lines, m, depth, &mut scratch.a);
+            scratch.panel.pack(b, (k, n));
+            scratch.sums.resize(TILE_ROWS * width, 0.0);
+            let _tiles = Configured::new();
+            for row_block in 0..m.div_ceil(TILE_ROWS) {
+                let a = rows.block(row_block, &scratch.a);
+                multiply_rows(a, &scratch.panel, (scratch.sums.as_mut_ptr(), width * 4));
+                for row in 0..TILE_ROWS.min(m - row_block * TILE_ROWS) {
+                    for column in 0..n {
+                        let at =
+                            (row_block * TILE_ROWS + row) as isize * c.1 + column as isize * c.2;
+                        *c.0.offset(at) = scale * scratch.sums[row * width + column];
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Where the tiles read `a`'s row blocks: in place (rows of bf16 roundings with unit
+/// column stride and a depth of whole tiles: every full block), else packed.
+pub(crate) struct RowsOfA {
+    in_place: Option<(*const u16, isize)>,
+    full_blocks: usize,
+    depth: usize,
+}
+
+impl RowsOfA {
+    /// Packs what cannot be read in place into `packed`.
+    ///
+    /// # Safety
+    /// The lines must hold `m` rows of `k` values.
+    pub(crate) unsafe fn new(a: &Lines, m: usize, depth: usize, packed: &mut Vec<u16>) -> Self {
+        let in_place = match a.rounded {
+            Some((start, rows, 1)) if a.length == depth => Some((start, rows)),
+            _ => None,
+        };
+        let full_blocks = if in_place.is_some() { m / TILE_ROWS } else { 0 };
+        let first = full_blocks * TILE_ROWS;
+        // SAFETY: the caller vouches for the rows.
+        unsafe { pack_rows(a, (first, m), depth, packed) };
+        RowsOfA {
+            in_place,
+            full_blocks,
+            depth,
+        }
+    }
+
+    /// Row block `index` (16 rows of `depth` values) and its row stride in bytes.
+    pub(crate) fn block(&self, index: usize, packed: &[u16]) -> (*const u16, usize) {
+        match self.in_place {
+            Some((start, rows)) if index < self.full_blocks => (
+                start.wrapping_offset((index * TILE_ROWS) as isize * rows),
+                rows as usize * 2,
+            ),
+            _ => {
+                let block = (index - self.full_blocks) * TILE_ROWS * self.depth;
+                (packed[block..].as_ptr(), self.depth * 2)
+            }
+        }
+    }
+}
+
+/// `a`'s rows `first..m` of `k` values as bf16 rows of `depth` (zeros past `k`), into
+/// `packed` from its start (rows past `m`, up to the next 16, are left as they were:
+/// their sums are never read).
+///
+/// # Safety
+/// The lines must hold `m` rows of `k` values.
+#[inline(always)]
+unsafe fn pack_rows(
+    lines: &Lines,
+    (first, m): (usize, usize),
+    depth: usize,
+    packed: &mut Vec<u16>,
+) {
+    let k = lines.length;
+    let len = (m - first).next_multiple_of(TILE_ROWS) * depth;
+    if packed.len() < len {
+        packed.resize(len, 0);
+    }
+    for (row, out) in packed.chunks_exact_mut(depth).take(m - first).enumerate() {
+        let (values, padding) = out.split_at_mut(k);
+        // SAFETY: the caller vouches for the rows.
+        unsafe { lines.line(first + row).read_into(values) };
+        padding.fill(0);
+    }
+}
+
+/// The first pairs of every whole block of 16 columns of `b` (columns `column_stride`
+/// apart from `start`, each `k` contiguous roundings), in chunks of 16 pairs, written
+/// into `packed` in the pair layout (blocks `block` pairs apart): 16 x 16 transposes of
+/// 32-bit pairs in AVX-512 registers. Returns the pairs written per column (0 without
+/// AVX-512).
+///
+/// # Safety
+/// The columns must hold `k` values; `packed` the blocks' pairs.
+unsafe fn transpose_pairs(
+    (start, column_stride): (*const u16, isize),
+    (k, n): (usize, usize),
+    block: usize,
+    packed: &mut [u32],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        let chunks = k / 2 / TILE_COLUMNS;
+        for column_block in 0..n / TILE_COLUMNS {
+            for chunk in 0..chunks {
+                let first = column_block * block + chunk * TILE_COLUMNS * TILE_COLUMNS;
+                let out = &mut packed[first..first + TILE_COLUMNS * TILE_COLUMNS];
+                // SAFETY: each column holds the chunk's 32 values (the caller vouches);
+                // the host has AVX-512 (checked above).
+                unsafe {
+                    let column = |index: usize| {
+                        let column = column_block * TILE_COLUMNS + index;
+                        start
+                            .offset(column as isize * column_stride)
+                            .add(chunk * 32) as *const u32
+                    };
+                    transpose_16x16(std::array::from_fn(column), out);
+                }
+            }
+        }
+        return chunks * TILE_COLUMNS;
+    }
+    let _ = (start, column_stride, k, n, block, packed);
+    0
+}
+
+/// `out[r][c] = rows[c][r]` for 16 rows of 16 32-bit values (unaligned).
+///
+/// # Safety
+/// Each row must hold 16 values; the host must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_16x16(rows: [*const u32; 16], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    unsafe {
+        let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(rows[i] as *const _));
+        // 32-bit interleaves within 128-bit lanes, then 64-bit: u[4i + j]'s lane l holds
+        // rows 4i..4i+4 at column 4l + j.
+        let t: [__m512i; 16] = std::array::from_fn(|i| {
+            let (even, odd) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(even, odd)
+            } else {
+                _mm512_unpackhi_epi32(even, odd)
+            }
+        });
+        let u: [__m512i; 16] = std::array::from_fn(|i| {
+            let (group, j) = (i / 4 * 4, i % 4);
+            let (low, high) = (t[group + j / 2], t[group + 2 + j / 2]);
+            if j % 2 == 0 {
+                _mm512_unpacklo_epi64(low, high)
+            } else {
+                _mm512_unpackhi_epi64(low, high)
+            }
+        });
+        // The 4 x 4 transpose of 128-bit lanes: out[4l + j] = lane l of u[j], u[4 + j],
+        // u[8 + j], u[12 + j].
+        for j in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0x44>(u[j], u[4 + j]);
+            let v1 = _mm512_shuffle_i32x4::<0xEE>(u[j], u[4 + j]);
+            let v2 = _mm512_shuffle_i32x4::<0x44>(u[8 + j], u[12 + j]);
+            let v3 = _mm512_shuffle_i32x4::<0xEE>(u[8 + j], u[12 + j]);
+            let rows = [
+                _mm512_shuffle_i32x4::<0x88>(v0, v2),
+                _mm512_shuffle_i32x4::<0xDD>(v0, v2),
+                _mm512_shuffle_i32x4::<0x88>(v1, v3),
+                _mm512_shuffle_i32x4::<0xDD>(v1, v3),
+            ];
+            for (lane, row) in rows.into_iter().enumerate() {
+                _mm512_storeu_si512(out[(4 * lane + j) * 16..].as_mut_ptr() as *mut _, row);
+            }
+        }
+    }
+}
+
+/// The tile configuration (palette 1): every tile 16 rows of 64 bytes (tiles 0-3 16 x 16
+/// f32 sums, tile 4 a block of 16 rows x 32 bf16 of `a`, tiles 5-7 16 pair rows x 16
+/// pairs of `b`).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// The tiles configured on this thread for the products of one call (released when
+/// dropped).
+pub(crate) struct Configured;
+
+impl Configured {
+    pub(crate) fn new() -> Self {
+        let mut config = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        for tile in 0..8 {
+            config.bytes_per_row[tile] = ROW_BYTES as u16;
+            config.rows[tile] = TILE_ROWS as u8;
+        }
+        // SAFETY: `usable` said the host and kernel allow tiles (the only caller,
+        // `product`, requires it); the configuration is valid for palette 1.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
+        }
+        Configured
+    }
+}
+
+impl Drop for Configured {
+    fn drop(&mut self) {
+        // SAFETY: releases the tiles this thread configured.
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+/// The sums of [`WIDE`] tiles at most: where the first tile's first row goes, the
+/// bytes between its rows and between one tile and the next.
+type Sums = (*mut f32, usize, usize);
+
+/// `sums [16 x 16] = sum over steps s of a_s b_s`, where `a_s` is 16 rows of 32 bf16
+/// at `a + 32 s` (rows `a_stride` bytes apart) and `b_s` 16 rows of 16 pairs at
+/// `b + 256 s` (contiguous).
+///
+/// # Safety
+/// The tiles must be configured ([`Configured`]); `steps` at least 1; the operands and
+/// the sums valid for what they are read and written as.
+#[inline(always)]
+unsafe fn multiply_tile(
+    (sums, sum_stride, _): Sums,
+    (a, a_stride): (*const u16, usize),
+    b: *const u32,
+    steps: usize,
+) {
+    unsafe {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "2:",
+            "tileloadd tmm4, [{a} + {a_stride}*1]",
+            "tileloadd tmm5, [{b} + {row}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm5",
+            "add {a}, 64",
+            "add {b}, 1024",
+            "dec {steps}",
+            "jnz 2b",
+            "tilestored [{sums} + {sum_stride}*1], tmm0",
+            a = inout(reg) a => _,
+            b = inout(reg) b => _,
+            steps = inout(reg) steps => _,
+            a_stride = in(reg) a_stride,
+            row = in(reg) ROW_BYTES,
+            sums = in(reg) sums,
+            sum_stride = in(reg) sum_stride,
+            options(nostack),
+        );
+    }
+}
+
+/// [`multiply_tile`] for [`WIDE`] column blocks of `b`, `b_block` bytes apart (one `a`
+/// tile read once per step for four sums).
+///
+/// # Safety
+/// As [`multiply_tile`], for every block.
+#[inline(always)]
+unsafe fn multiply_tiles(
+    (sums, sum_stride, sum_block): Sums,
+    (a, a_stride): (*const u16, usize),
+    (b, b_block): (*const u32, usize),
+    steps: usize,
+) {
+    unsafe {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a} + {a_stride}*1]",
+            "mov {p}, {b}",
+            "tileloadd tmm5, [{p} + {row}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm5",
+            "add {p}, {b_block}",
+            "tileloadd tmm6, [{p} + {row}*1]",
+            "tdpbf16ps tmm1, tmm4, tmm6",
+            "add {p}, {b_block}",
+            "tileloadd tmm7, [{p} + {row}*1]",
+            "tdpbf16ps tmm2, tmm4, tmm7",
+            "add {p}, {b_block}",
+            "tileloadd tmm5, [{p} + {row}*1]",
+            "tdpbf16ps tmm3, tmm4, tmm5",
+            "add {a}, 64",
+            "add {b}, 1024",
+            "dec {steps}",
+            "jnz 2b",
+            "tilestored [{sums} + {sum_stride}*1], tmm0",
+            "add {sums}, {sum_block}",
+            "tilestored [{sums} + {sum_stride}*1], tmm1",
+            "add {sums}, {sum_block}",
+            "tilestored [{sums} + {sum_stride}*1], tmm2",
+            "add {sums}, {sum_block}",
+            "tilestored [{sums} + {sum_stride}*1], tmm3",
+            a = inout(reg) a => _,
+            b = inout(reg) b => _,
+            p = out(reg) _,
+            steps = inout(reg) steps => _,
+            sums = inout(reg) sums => _,
+            a_stride = in(reg) a_stride,
+            b_block = in(reg) b_block,
+            row = in(reg) ROW_BYTES,
+            sum_stride = in(reg) sum_stride,
+            sum_block = in(reg) sum_block,
+            options(nostack),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The f32 value of bf16 bits.
+    fn widen(bits: u16) -> f64 {
+        f64::from(f32::from_bits(u32::from(bits) << 16))
+    }
+
+    /// A matrix `[rows x columns]` stored row-major or column-major.
+    fn strides(rows: usize, columns: usize, by_columns: bool) -> (isize, isize) {
+        let _ = columns;
+        if by_columns {
+            (1, rows as isize)
+        } else {
+            (columns as isize, 1)
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// Every layout, sizes that do not fill a tile (0, 1, 15, 17, 33 ...) and
+        /// that do (32 and 64 deep, blocks of 16 columns), operands rounded here or
+        /// read from rounded buffers: the f64 sums of the roundings' products, to f32
+        /// accuracy.
+        #[test]
+        fn products_equal_the_sums_of_the_roundings(
+            m in prop_oneof![0usize..40, Just(32usize), Just(48)],
+            k in prop_oneof![0usize..70, Just(32usize), Just(64)],
+            n in prop_oneof![0usize..40, Just(32usize), Just(64)],
+            a_by_columns in any::<bool>(),
+            b_by_columns in any::<bool>(),
+            from_buffer in 0..3,
+            seed in any::<u32>(),
+        ) {
+            if !usable() {
+                eprintln!("skipped: this host has no AMX tiles");
+                return Ok(());
+            }
+            let value = |index: usize| {
+                let x = (index as u32).wrapping_mul(2654435761).wrapping_add(seed);
+                (x % 2001) as f32 / 1000.0 - 1.0 + 1.0 / 3.0
+            };
+            let a: Vec<f32> = (0..m * k).map(value).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| value(i + 7919)).collect();
+            let (a_rows, a_columns) = strides(m, k, a_by_columns);
+            let (b_rows, b_columns) = strides(k, n, b_by_columns);
+            // Operands rounded here, read from roundings held as bf16 bits (in place
+            // where they can be), or from roundings held as f32.
+            let buffers = (from_buffer > 0).then(|| unsafe {
+                let rounded = |values: &[f32]| {
+                    if from_buffer == 1 {
+                        RoundedBuffer::as_bf16(values.as_ptr(), values.len())
+                    } else {
+                        RoundedBuffer::new(values.as_ptr(), values.len(), 1)
+                    }
+                };
+                (rounded(&a), rounded(&b))
+            });
+            let mut c = vec![f32::NAN; m * n + 1];
+            unsafe {
+                product(
+                    (m, k, n),
+                    0.5,
+                    ((a.as_ptr(), a_rows, a_columns), buffers.as_ref().map(|(a, _)| a)),
+                    ((b.as_ptr(), b_rows, b_columns), buffers.as_ref().map(|(_, b)| b)),
+                    (c.as_mut_ptr(), n as isize, 1),
+                );
+            }
+            for row in 0..m {
+                for column in 0..n {
+                    let expected: f64 = (0..k)
+                        .map(|i| {
+                            let x = a[(row as isize * a_rows + i as isize * a_columns) as usize];
+                            let y = b[(i as isize * b_rows + column as isize * b_columns) as usize];
+                            widen(round(x)) * widen(round(y))
+                        })
+                        .sum::<f64>()
+                        * 0.5;
+                    let got = f64::from(c[row * n + column]);
+                    prop_assert!(
+                        (got - expected).abs() <= 1e-5 * (1.0 + expected.abs()),
+                        "c[{row}][{column}] = {got}, expected {expected}"
+                    );
+                }
+            }
+            // Nothing past `c` is written.
+            prop_assert!(c[m * n].is_nan());
+        }
+    }
+}

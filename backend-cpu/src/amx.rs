@@ -224,6 +224,14 @@ pub(crate) struct Panel {
 }
 
 impl Panel {
+    /// Fills the first `len` pairs with bf16 NaNs (for tests: a pair the tiles read but
+    /// [`Panel::pack`] did not write makes sums NaN).
+    #[cfg(test)]
+    pub(crate) fn poison(&mut self, len: usize) {
+        self.pairs.clear();
+        self.pairs.resize(len, 0xffc0_ffc0);
+    }
+
     /// Pairs per column block.
     fn block(&self) -> usize {
         self.depth / 2 * TILE_COLUMNS
@@ -301,9 +309,12 @@ impl Panel {
             for (values, out) in pairs_of_values.by_ref().zip(out.by_ref()) {
                 *out = pair(values[0], values[1]);
             }
-            let last = pairs_of_values.remainder().first().copied();
-            if let (Some(out), Some(last)) = (out.next(), last) {
-                *out = pair(last, 0);
+            // An odd `k`'s last value, paired with a zero (the slot after the pairs is
+            // taken only then: the zeros below fill it otherwise).
+            if let Some(&last) = pairs_of_values.remainder().first() {
+                if let Some(out) = out.next() {
+                    *out = pair(last, 0);
+                }
             }
             for out in out {
                 *out = 0;
@@ -393,6 +404,16 @@ unsafe fn product(
         }
         let depth = k.next_multiple_of(TILE_DEPTH);
         let lines = Lines::new(a, true, k);
+        // Poisoned (bf16 NaNs) before they are packed: a slot the tiles read but no
+        // packing wrote makes sums NaN.
+        let poisoned_rows = m.next_multiple_of(TILE_ROWS) * depth;
+        scratch.a.clear();
+        scratch.a.resize(poisoned_rows, 0xffc0);
+        scratch.panel.pairs.clear();
+        scratch.panel.pairs.resize(
+            n.div_ceil(TILE_COLUMNS) * depth / 2 * TILE_COLUMNS,
+            0xffc0_ffc0,
+        );
         // SAFETY: the caller vouches for the operands.
         unsafe {
             let rows = RowsOfA::new(&lines, m, depth, &mut scratch.a);

@@ -1436,6 +1436,16 @@ mod tests {
             let inputs = TileInputs { q: &q_rounded, k: &k_rounded, v: &v_rounded };
             let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
             let buffers = Buffers { out: actual.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr() };
+            // Scratch poisoned with bf16 NaNs: a slot read but not written shows.
+            TILE_SCRATCH.with_borrow_mut(|scratch| {
+                let most = 1 << 14;
+                scratch.keys_t.poison(most);
+                scratch.values.poison(most);
+                scratch.queries.clear();
+                scratch.queries.resize(most, 0xffc0);
+                scratch.probabilities.clear();
+                scratch.probabilities.resize(most, 0xffc0);
+            });
             for task in forward_tasks(&q_offsets, &k_offsets, heads) {
                 crate::vectors::widest(|| unsafe { run.tile_task(buffers, task, inputs) });
             }

@@ -35,15 +35,31 @@ impl Tiles {
     };
 
     /// Scalars a forward task over an element of `q_rows` queries and `k_rows` keys
-    /// holds at once (a tile of scores and one of `P V` products), `None` on overflow.
+    /// holds at once, `None` on overflow: a tile of scores and one of `P V` products,
+    /// or on AMX tiles (`AttentionRun::tile_task`, all keys at once) the keys'
+    /// transpose, the values, 16 rows of scores, probabilities and sums and the packed
+    /// queries, whichever is more (bf16 values counted as whole scalars).
     pub(crate) fn forward_scalars(
         self,
         (q_rows, k_rows): (i64, i64),
-        value_dim: i64,
+        (head_dim, value_dim): (i64, i64),
     ) -> Option<usize> {
         let rows = self.queries.max(1).min(q_rows).max(0) as usize;
         let keys = self.keys.max(1).min(k_rows).max(0) as usize;
-        rows.checked_mul(keys.checked_add(value_dim.max(0) as usize)?)
+        let (head_dim, value_dim) = (head_dim.max(0) as usize, value_dim.max(0) as usize);
+        let tiled = rows.checked_mul(keys.checked_add(value_dim)?)?;
+        let pad = |value: usize| value.checked_next_multiple_of(32);
+        let (all_keys, head, value) = (
+            pad(k_rows.max(0) as usize)?,
+            pad(head_dim)?,
+            pad(value_dim)?,
+        );
+        let per_key = head.checked_add(value)?.checked_add(2 * TILE_ROWS)?;
+        let on_tiles = all_keys
+            .checked_mul(per_key)?
+            .checked_add(rows.checked_mul(head)?)?
+            .checked_add(TILE_ROWS * value)?;
+        Some(tiled.max(on_tiles))
     }
 
     /// Scalars a gradient task holds at once: probabilities and slopes of a tile of
@@ -170,6 +186,9 @@ impl InputRoundings {
             .map(|buffer| &**buffer)
     }
 }
+
+/// Query rows the forward on AMX tiles takes at a time (a tile's rows).
+const TILE_ROWS: usize = 16;
 
 /// Queries, keys and values as bf16 roundings, for the forward on AMX tiles.
 #[derive(Clone, Copy)]
@@ -366,7 +385,7 @@ impl AttentionRun<'_> {
         out_row: impl Fn(usize) -> &'o mut [f32],
     ) {
         use crate::amx::{multiply_rows, Configured, Lines, RowsOfA};
-        const ROWS: usize = 16;
+        const ROWS: usize = TILE_ROWS;
         let (d, dv) = (self.head_dim as usize, self.value_dim as usize);
         let (rows, keys) = (task.rows as usize, task.k_rows as usize);
         {
@@ -1344,6 +1363,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The memory check counts what a task on AMX tiles holds (every key at once), not
+    /// only a tile of scores: a long element's keys and values, with overflow a `None`.
+    #[test]
+    fn forward_scalars_count_the_tiles_scratch() {
+        let tiles = Tiles::DEFAULT;
+        let long = tiles.forward_scalars((1, 100_000), (64, 64)).unwrap_or(0);
+        assert!(long >= 100_000 * 128, "{long} scalars for 100000 keys");
+        let short = tiles.forward_scalars((128, 256), (64, 64)).unwrap_or(0);
+        assert!(short >= 128 * (256 + 64), "{short} scalars for a full tile");
+        assert_eq!(tiles.forward_scalars((1, i64::MAX), (64, 64)), None);
     }
 
     /// The forward's tasks as `run` makes them (tiles of `Tiles::DEFAULT` query rows).

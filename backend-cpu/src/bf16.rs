@@ -218,12 +218,7 @@ impl RoundedBuffer {
     /// `base` must be valid for `len` values.
     pub(crate) unsafe fn new(base: *const f32, len: usize, threads: usize) -> Self {
         // SAFETY: the caller vouches for the values.
-        let source = unsafe { std::slice::from_raw_parts(base, len) };
-        let values = match choice() {
-            Some(_) => Roundings::Bf16(round_all(source, threads)),
-            None => Roundings::F32(round_all(source, threads)),
-        };
-        Self { base, len, values }
+        unsafe { Self::of_values(base, len, threads, choice().is_some()) }
     }
 
     /// [`RoundedBuffer::new`] as bf16 bits whatever the process's path (for tests of
@@ -234,8 +229,21 @@ impl RoundedBuffer {
     #[cfg(test)]
     pub(crate) unsafe fn as_bf16(base: *const f32, len: usize) -> Self {
         // SAFETY: the caller vouches for the values.
+        unsafe { Self::of_values(base, len, 1, true) }
+    }
+
+    /// The roundings as bf16 bits (`as_bits`) or held as f32.
+    ///
+    /// # Safety
+    /// As [`RoundedBuffer::new`].
+    unsafe fn of_values(base: *const f32, len: usize, threads: usize, as_bits: bool) -> Self {
+        // SAFETY: the caller vouches for the values.
         let source = unsafe { std::slice::from_raw_parts(base, len) };
-        let values = Roundings::Bf16(round_all(source, 1));
+        let values = if as_bits {
+            Roundings::Bf16(round_all(source, threads))
+        } else {
+            Roundings::F32(round_all(source, threads))
+        };
         Self { base, len, values }
     }
 

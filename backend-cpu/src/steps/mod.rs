@@ -399,7 +399,7 @@ impl CpuSteps {
         } = step;
         let lengths = (*q_lengths, *k_lengths);
         let tiles = Tiles::DEFAULT;
-        let scalars = |lengths| tiles.forward_scalars(lengths, *value_dim);
+        let scalars = |lengths| tiles.forward_scalars(lengths, (*head_dim, *value_dim));
         let Some(offsets) =
             attention_offsets(index, run, lengths, (&scalars, run.program().float.size()))?
         else {

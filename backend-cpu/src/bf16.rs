@@ -247,6 +247,11 @@ impl RoundedBuffer {
         Self { base, len, values }
     }
 
+    /// The address range of the f32 values it rounds.
+    pub(crate) fn range(&self) -> std::ops::Range<usize> {
+        values_range(self.base, self.len)
+    }
+
     /// Whether it holds bf16 bits (MKL's path), not roundings held as f32.
     pub(crate) fn is_bf16(&self) -> bool {
         matches!(self.values, Roundings::Bf16(_))
@@ -294,6 +299,79 @@ impl RoundedBuffer {
     }
 }
 
+/// The address range of the `len` f32 values at `base`.
+pub(crate) fn values_range(base: *const f32, len: usize) -> std::ops::Range<usize> {
+    let start = base as usize;
+    start..start.saturating_add(len.saturating_mul(4))
+}
+
+/// A [`RoundedBuffer`] filled part by part by the step that writes its values: each
+/// chunk of the step's output is rounded right after the chunk is written, while it is
+/// in the core's cache, instead of in a pass of its own when a later product reads it.
+pub(crate) struct Producing {
+    buffer: RoundedBuffer,
+    /// Where the roundings go (the buffer's vector, which moving `buffer` does not move).
+    target: Target,
+}
+
+/// The first rounding of a [`Producing`] buffer, in the type the process's path reads.
+enum Target {
+    Bf16(*mut u16),
+    F32(*mut f32),
+}
+
+// SAFETY: chunks write disjoint ranges of the roundings (`Producing::round`'s contract)
+// through `target`, which points into the owned vector.
+unsafe impl Send for Producing {}
+unsafe impl Sync for Producing {}
+
+impl Producing {
+    /// Roundings for the `len` values at `base`, none made yet.
+    pub(crate) fn new(base: *const f32, len: usize) -> Self {
+        let (values, target) = if choice().is_some() {
+            let mut values = take(&BF16_POOL, len);
+            let target = Target::Bf16(values.as_mut_ptr());
+            (Roundings::Bf16(values), target)
+        } else {
+            let mut values = take(&F32_POOL, len);
+            let target = Target::F32(values.as_mut_ptr());
+            (Roundings::F32(values), target)
+        };
+        Self {
+            buffer: RoundedBuffer { base, len, values },
+            target,
+        }
+    }
+
+    /// Rounds the values `range` (in values from `base`), which the step has written.
+    ///
+    /// # Safety
+    /// `range` must lie within the buffer's `len` values, which must be valid to read, and
+    /// no other thread may round an overlapping range at the same time.
+    pub(crate) unsafe fn round(&self, range: std::ops::Range<usize>) {
+        let count = range.end.saturating_sub(range.start);
+        // SAFETY: the caller vouches for the range and for the values.
+        unsafe {
+            let values = std::slice::from_raw_parts(self.buffer.base.add(range.start), count);
+            match self.target {
+                Target::Bf16(out) => round_line(
+                    values,
+                    std::slice::from_raw_parts_mut(out.add(range.start), count),
+                ),
+                Target::F32(out) => round_line(
+                    values,
+                    std::slice::from_raw_parts_mut(out.add(range.start), count),
+                ),
+            }
+        }
+    }
+
+    /// The roundings, once every value has been rounded.
+    pub(crate) fn finish(self) -> RoundedBuffer {
+        self.buffer
+    }
+}
+
 impl Drop for RoundedBuffer {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.values, Roundings::F32(Vec::new())) {
@@ -311,20 +389,22 @@ static F32_POOL: Pool<f32> = std::sync::Mutex::new(Vec::new());
 /// Rounding vectors a pool keeps at most (a run keeps tens of buffers' roundings).
 const POOLED: usize = 64;
 
-/// A vector of `len` values, for the caller to overwrite every one, from `pool` (the
-/// smallest kept that holds them, else the largest) or a new one.
+/// A vector of at least `len` values, for the caller to overwrite the first `len`, from
+/// `pool` (the shortest kept that holds them, else the longest, grown) or a new one.
+/// Vectors keep their length in the pool: the values a vector once held are not set
+/// again (setting them cost more than the roundings of a step's output).
 fn take<E: Rounding>(pool: &Pool<E>, len: usize) -> Vec<E> {
     let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let capacity = |index: &usize| vectors[*index].capacity();
+    let length = |index: &usize| vectors[*index].len();
     let holding = (0..vectors.len())
-        .filter(|index| capacity(index) >= len)
-        .min_by_key(capacity);
-    let chosen = holding.or_else(|| (0..vectors.len()).max_by_key(capacity));
+        .filter(|index| length(index) >= len)
+        .min_by_key(length);
+    let chosen = holding.or_else(|| (0..vectors.len()).max_by_key(length));
     let mut vector = chosen.map_or_else(Vec::new, |index| vectors.swap_remove(index));
     drop(vectors);
-    // The caller overwrites every value: only values the vector never held are set.
-    vector.truncate(len);
-    vector.resize(len, E::default());
+    if vector.len() < len {
+        vector.resize(len, E::default());
+    }
     vector
 }
 
@@ -359,7 +439,8 @@ impl Pooled for f32 {
     }
 }
 
-/// The roundings of `values`, in chunks across `threads` of the team.
+/// The roundings of `values`, in chunks across `threads` of the team (the first
+/// `values.len()` of the vector).
 fn round_all<E: Pooled + Send>(values: &[f32], threads: usize) -> Vec<E> {
     let mut out = take(E::pool(), values.len());
     let chunks = values.len().div_ceil(RoundedBuffer::CHUNK);
@@ -382,7 +463,7 @@ pub(crate) fn with_roundings<E: Pooled + Send, R>(
     then: impl FnOnce(&[E]) -> R,
 ) -> R {
     let rounded = round_all::<E>(values, threads);
-    let result = then(&rounded);
+    let result = then(&rounded[..values.len()]);
     give_back(E::pool(), rounded);
     result
 }

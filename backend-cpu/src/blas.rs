@@ -81,6 +81,18 @@ pub(crate) trait Gemm: Scalar {
         None
     }
 
+    /// Roundings of the `len` values at `buffer` for the step that writes them to fill
+    /// as it goes (`crate::bf16::Producing`), when products of `products` read them
+    /// rounded (`None` for other products; f64 always).
+    fn producing(
+        products: Products,
+        buffer: *const Self,
+        len: usize,
+    ) -> Option<crate::bf16::Producing> {
+        let _ = (products, buffer, len);
+        None
+    }
+
     /// [`Gemm::product`] in `products`: with [`Products::Bf16`], f32 operands are
     /// multiplied as their bf16 roundings (`crate::bf16`), each made for this product or
     /// read from the [`Gemm::rounded_buffer`] the operand lies in, if any; f64
@@ -148,6 +160,14 @@ impl Gemm for f32 {
     ) -> Option<Arc<RoundedBuffer>> {
         // The caller vouches for the buffer.
         (products == Products::Bf16).then(|| unsafe { crate::kept::rounded(buffer, len, threads) })
+    }
+
+    fn producing(
+        products: Products,
+        buffer: *const Self,
+        len: usize,
+    ) -> Option<crate::bf16::Producing> {
+        (products == Products::Bf16).then(|| crate::bf16::Producing::new(buffer, len))
     }
 
     unsafe fn product_rounded(

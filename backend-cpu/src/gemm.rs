@@ -24,7 +24,9 @@ pub(super) struct GemmShape {
 }
 
 /// `out[rows x n] = x[rows x k] W^T + bias` (W is `[n, k]`, or `[k, n]` when
-/// `transposed`), the product's operands as `products` says.
+/// `transposed`), the product's operands as `products` says; with `rounds_output` (a
+/// later product reads `out` rounded), each chunk of rows rounded as soon as it is
+/// written and its epilogue has run, the roundings kept for the run (`crate::kept`).
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
@@ -35,6 +37,7 @@ pub(super) unsafe fn gemm<T: Gemm>(
     bias: Option<*mut u8>,
     (shape, products): (GemmShape, Products),
     epilogue: Option<(KernelFn, Args<'_>)>,
+    rounds_output: bool,
 ) {
     let buffers = GemmBuffers {
         out: out as *mut T,
@@ -61,25 +64,49 @@ pub(super) unsafe fn gemm<T: Gemm>(
         round(buffers.weight, shape.n * shape.k),
     );
     let rounded = (rounded.0.as_deref(), rounded.1.as_deref());
+    let output_values = (shape.rows.max(0) * shape.n.max(0)) as usize;
+    let producing = rounds_output
+        .then(|| T::producing(products, buffers.out, output_values))
+        .flatten();
+    let producing_ref = producing.as_ref();
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
-    // over those rows, reading buffers the program sized) rewrites them in place.
+    // over those rows, reading buffers the program sized) rewrites them in place and
+    // they are rounded, a block of rows at a time, so that the roundings read what the
+    // epilogue wrote from the core's cache.
+    let block = (FINISH_BLOCK_VALUES / shape.n.max(1)).max(1);
+    let n = shape.n.max(0) as usize;
     let rows = move |start: i64, end: i64| unsafe {
         gemm_rows(buffers, (shape, products, rounded), start, end);
-        if let Some((kernel, args)) = epilogue {
-            kernel(args.0.as_ptr(), start, end);
+        let mut first = start;
+        while first < end {
+            let last = (first + block).min(end);
+            if let Some((kernel, args)) = epilogue {
+                kernel(args.0.as_ptr(), first, last);
+            }
+            if let Some(producing) = producing_ref {
+                producing.round(first.max(0) as usize * n..last.max(0) as usize * n);
+            }
+            first = last;
         }
     };
     if chunks == 1 {
         rows(0, shape.rows);
-        return;
+    } else {
+        crate::Parallelism::count_split();
+        let per_chunk = (shape.rows + chunks - 1) / chunks;
+        crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
+            let chunk = chunk as i64;
+            rows(chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows))
+        });
     }
-    crate::Parallelism::count_split();
-    let per_chunk = (shape.rows + chunks - 1) / chunks;
-    crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
-        let chunk = chunk as i64;
-        rows(chunk * per_chunk, ((chunk + 1) * per_chunk).min(shape.rows))
-    });
+    if let Some(producing) = producing {
+        crate::kept::produced(producing.finish());
+    }
 }
+
+/// Output values a GEMM's epilogue and rounding finish at a time (a block of rows of
+/// 128 KiB of f32, which stays in the core's cache between the two).
+const FINISH_BLOCK_VALUES: i64 = 32 << 10;
 
 /// Multiply-adds from which a GEMM is split across the cores.
 fn gemm_parallel_macs() -> i64 {
@@ -440,7 +467,7 @@ mod tests {
             let shape = GemmShape { rows, k, n, transposed };
             // The buffers hold rows*n, rows*k, k*n and n values.
             unsafe {
-                gemm::<f32>(out, pointer(&x), pointer(&weight), bias_pointer, (shape, Products::Float), epilogue)
+                gemm::<f32>(out, pointer(&x), pointer(&weight), bias_pointer, (shape, Products::Float), epilogue, false)
             };
 
             let mut actual = vec![f32::NAN; (rows * n) as usize];
@@ -451,6 +478,115 @@ mod tests {
             unsafe { crate::testing::run_template(program.steps[0].clone(), &args, rows * n) };
             for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 prop_assert!((a - e).abs() <= 1e-5 * (1.0 + e.abs()), "value {index}: {a} vs {e}");
+            }
+        }
+    }
+
+    /// A GEMM that rounds its output as it writes it leaves, for the run's later
+    /// steps, the roundings of the output's final values (after the epilogue).
+    fn check_produced_roundings(rows: i64, (k, n): (i64, i64), with_epilogue: bool) {
+        let values = |count: i64, seed: f32| -> Vec<f32> {
+            (0..count)
+                .map(|index| (index as f32 * 0.37 + seed).sin() * 2.0)
+                .collect()
+        };
+        let (x, weight, bias, residual) = (
+            values(rows * k, 0.1),
+            values(n * k, 0.7),
+            values(n, 1.3),
+            values(rows * n, 2.9),
+        );
+        let epilogue = with_epilogue.then(|| Fusion {
+            inputs: vec![Access::rows(Slot(0), n), Access::rows(Slot(4), n)],
+            expr: Expr::Binary(
+                BinaryOp::Add,
+                Box::new(Expr::Unary(UnaryOp::Relu, Box::new(Expr::Load(0)))),
+                Box::new(Expr::Load(1)),
+            ),
+        });
+        let step = Step::Gemm(nestor_passes::step::Gemm {
+            out: Slot(0),
+            x: Slot(1),
+            weight: Slot(2),
+            bias: Some(Slot(3)),
+            rows: Rows::fixed(rows),
+            k,
+            n,
+            transposed: false,
+            epilogue,
+        });
+        let program = Program {
+            steps: vec![step],
+            ..Program::default()
+        };
+        let library = crate::compile_with(&program, KernelSet::Library)
+            .unwrap_or_else(|error| panic!("{error}"));
+        let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+        let mut output = vec![f32::NAN; (rows * n) as usize];
+        let out = output.as_mut_ptr() as *mut u8;
+        let epilogue_args = [out, out, pointer(&residual)];
+        let epilogue = library
+            .kernel(0)
+            .map(|kernel| (kernel, Args(&epilogue_args)));
+        let shape = (
+            GemmShape {
+                rows,
+                k,
+                n,
+                transposed: false,
+            },
+            Products::Bf16,
+        );
+        let written = crate::bf16::values_range(output.as_ptr(), output.len());
+        let step = |first, last| crate::kept::StepOf {
+            run: u64::MAX - 3,
+            first,
+            last,
+        };
+        // SAFETY: the buffers hold rows*n, rows*k, n*k and n values.
+        crate::kept::in_step(step(true, false), written, || unsafe {
+            gemm::<f32>(
+                out,
+                pointer(&x),
+                pointer(&weight),
+                Some(pointer(&bias)),
+                shape,
+                epilogue,
+                true,
+            )
+        });
+        let finished = output.clone();
+        // Written behind the run's back: only roundings kept from the GEMM still hold
+        // the values it wrote.
+        output.fill(f32::NAN);
+        // SAFETY: `output` holds rows*n values.
+        let kept = crate::kept::in_step(step(false, true), 0..0, || unsafe {
+            crate::kept::rounded(output.as_ptr(), output.len(), 1)
+        });
+        for (index, value) in finished.iter().enumerate() {
+            let expected = f32::from_bits(u32::from(crate::bf16::round(*value)) << 16);
+            let found = kept.value_of((output[index..].as_ptr(), 1, 1));
+            assert_eq!(
+                found.to_bits(),
+                expected.to_bits(),
+                "value {index} of {rows} x {n}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gemm_rounding_its_output_keeps_the_roundings_of_its_final_values() {
+        // One chunk and (on more than one core) several; with and without an epilogue.
+        // Several blocks of rows a chunk, the last one partial.
+        for (rows, k, n) in [
+            (1, 1, 1),
+            (5, 3, 7),
+            (600, 64, 64),
+            (601, 64, 65),
+            (301, 8, 1024),
+        ] {
+            for with_epilogue in [false, true] {
+                check_produced_roundings(rows, (k, n), with_epilogue);
             }
         }
     }

@@ -27,6 +27,9 @@ struct Kept {
     run: Option<u64>,
     /// Roundings, oldest first, by the address range of the f32 values they round.
     entries: Vec<(std::ops::Range<usize>, Arc<RoundedBuffer>)>,
+    /// The roundings of its output that the running step made as it wrote it, kept
+    /// when the step ends.
+    produced: Option<RoundedBuffer>,
 }
 
 impl Kept {
@@ -34,6 +37,17 @@ impl Kept {
     fn overwritten(&mut self, written: &std::ops::Range<usize>) {
         self.entries
             .retain(|(range, _)| range.end <= written.start || written.end <= range.start);
+    }
+
+    /// Keeps `rounded`, the roundings of the f32 values in `range`, dropping the oldest
+    /// past [`KEPT_BYTES`].
+    fn keep(&mut self, range: std::ops::Range<usize>, rounded: Arc<RoundedBuffer>) {
+        self.entries.push((range, rounded));
+        let mut bytes: usize = self.entries.iter().map(|(_, kept)| kept.bytes()).sum();
+        while bytes > KEPT_BYTES && !self.entries.is_empty() {
+            let (_, oldest) = self.entries.remove(0);
+            bytes -= oldest.bytes();
+        }
     }
 }
 
@@ -68,9 +82,14 @@ pub(crate) fn in_step<R>(
     let result = step();
     KEPT.with_borrow_mut(|kept| {
         // Nothing the step rounded of its own output stays (none of its products read
-        // that, but a kept rounding must never outlive the values it rounds).
+        // that, but a kept rounding must never outlive the values it rounds), but for
+        // the roundings the step made of its finished output.
         kept.overwritten(&written);
         kept.in_step = false;
+        if let Some(produced) = kept.produced.take() {
+            let range = produced.range();
+            kept.keep(range, Arc::new(produced));
+        }
         if of.last {
             kept.entries.clear();
             kept.run = None;
@@ -85,8 +104,7 @@ pub(crate) fn in_step<R>(
 /// # Safety
 /// `base` must be valid for `len` values.
 pub(crate) unsafe fn rounded(base: *const f32, len: usize, threads: usize) -> Arc<RoundedBuffer> {
-    let start = base as usize;
-    let range = start..start.saturating_add(len.saturating_mul(4));
+    let range = crate::bf16::values_range(base, len);
     let found = KEPT.with_borrow(|kept| {
         if !kept.in_step {
             return None;
@@ -102,17 +120,22 @@ pub(crate) unsafe fn rounded(base: *const f32, len: usize, threads: usize) -> Ar
     // SAFETY: the caller vouches for the values.
     let rounded = Arc::new(unsafe { RoundedBuffer::new(base, len, threads) });
     KEPT.with_borrow_mut(|kept| {
-        if !kept.in_step {
-            return;
-        }
-        kept.entries.push((range, Arc::clone(&rounded)));
-        let mut bytes: usize = kept.entries.iter().map(|(_, kept)| kept.bytes()).sum();
-        while bytes > KEPT_BYTES && !kept.entries.is_empty() {
-            let (_, oldest) = kept.entries.remove(0);
-            bytes -= oldest.bytes();
+        if kept.in_step {
+            kept.keep(range, Arc::clone(&rounded));
         }
     });
     rounded
+}
+
+/// Keeps `rounded`, the roundings of the running step's output that the step made as it
+/// wrote it, for the run's later steps (from when the step ends; outside a step of a run
+/// they are dropped).
+pub(crate) fn produced(rounded: RoundedBuffer) {
+    KEPT.with_borrow_mut(|kept| {
+        if kept.in_step {
+            kept.produced = Some(rounded);
+        }
+    });
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use nestor_runtime::{
 };
 
 use crate::attention::{AttentionGradRun, AttentionRun, GradOutputs, Tiles};
+use crate::bf16::Producing;
 use crate::gemm::{gemm, pair_gemm, sum_rows, GemmShape, PairBlocks};
 use crate::jit::{BackendError, CpuKernels};
 use crate::parallel::{row_grain, worker_threads, Args};
@@ -27,6 +28,51 @@ mod window;
 pub(crate) struct CpuSteps {
     kernels: CpuKernels,
     placements: Vec<Placement>,
+    /// Per step, whether it rounds its output as it writes it ([`rounds_output`]).
+    rounds_output: Vec<bool>,
+}
+
+/// The slots a step multiplies as bf16 roundings when the program's products are
+/// [`Products::Bf16`] (a GEMM's input and weight, attention's inputs and its
+/// gradient's, a weight gradient's two operands).
+fn rounded_operands(step: &Step) -> Vec<Slot> {
+    match step {
+        Step::Gemm(gemm) => vec![gemm.x, gemm.weight],
+        Step::Attention(attention) => vec![attention.q.slot, attention.k.slot, attention.v.slot],
+        Step::AttentionGrad(grad) => vec![grad.q.slot, grad.k.slot, grad.v.slot, grad.g.slot],
+        Step::SumRows(SumRows { a: Some(a), b, .. }) => vec![*a, *b],
+        _ => Vec::new(),
+    }
+}
+
+/// Per step of `program`, whether it rounds its output to bf16 chunk by chunk as it
+/// writes it (while the chunk is in cache; `crate::bf16::Producing`): a GEMM, row or
+/// pointwise step of an f32 program with bf16 products whose output a later step
+/// multiplies rounded before any step writes it again. Every other rounding is made
+/// by the product that reads it, in a pass of its own.
+fn rounds_output(program: &Program) -> Vec<bool> {
+    let rounding = program.products == Products::Bf16 && program.float == FloatType::F32;
+    program
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(index, step)| {
+            let producer = matches!(step, Step::Gemm(_) | Step::Row(_) | Step::Pointwise(_));
+            let out = step.output();
+            rounding
+                && producer
+                && program.steps[index + 1..]
+                    .iter()
+                    .map(|later| {
+                        (
+                            rounded_operands(later).contains(&out),
+                            later.output() == out,
+                        )
+                    })
+                    .take_while(|&(_, rewrites)| !rewrites)
+                    .any(|(rounds, _)| rounds)
+        })
+        .collect()
 }
 
 /// The row offsets of an attention step's queries and keys.
@@ -144,17 +190,22 @@ impl CpuSteps {
         Ok(Self {
             kernels,
             placements,
+            rounds_output: rounds_output(program),
         })
     }
 
     /// Runs kernel `index` over `0..total`, split across the cores in chunks of at least
     /// `grain` rows or elements.
+    ///
+    /// With `producing` (its output's roundings and the output values per unit of the
+    /// range), each chunk's output is rounded right after the kernel wrote it, and the
+    /// roundings are kept for the run.
     fn launch(
         &self,
         index: usize,
         args: &[*mut u8],
-        total: i64,
-        grain: i64,
+        (total, grain): (i64, i64),
+        producing: Option<(Producing, usize)>,
     ) -> Result<(), RuntimeError> {
         let Some(kernel) = self.kernels.kernel(index) else {
             return Ok(());
@@ -162,28 +213,59 @@ impl CpuSteps {
         let threads = worker_threads();
         let chunks = threads.min(total / grain.max(1)).max(1);
         let shared = Args(args);
+        let rounding = producing.as_ref();
         let call = |kernel: KernelFn, args: Args<'_>, start: i64, end: i64| {
             // The kernel reads and writes only the buffers in `args`, sized for the
-            // program's lengths, and writes rows start..end of its output.
-            unsafe { kernel(args.0.as_ptr(), start, end) }
+            // program's lengths, and writes rows start..end of its output; the
+            // roundings cover that output, `per` values a row.
+            unsafe {
+                kernel(args.0.as_ptr(), start, end);
+                if let Some((producing, per)) = rounding {
+                    producing.round(start.max(0) as usize * per..end.max(0) as usize * per);
+                }
+            }
         };
         if chunks == 1 {
             call(kernel, shared, 0, total);
-            return Ok(());
+        } else {
+            Parallelism::count_split();
+            let per_chunk = (total + chunks - 1) / chunks;
+            // The team (shared with the GEMMs) runs the chunks, this thread among them.
+            crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
+                let chunk = chunk as i64;
+                call(
+                    kernel,
+                    shared,
+                    chunk * per_chunk,
+                    ((chunk + 1) * per_chunk).min(total),
+                )
+            });
         }
-        Parallelism::count_split();
-        let per_chunk = (total + chunks - 1) / chunks;
-        // The team (shared with the GEMMs) runs the chunks, this thread among them.
-        crate::team::for_each_chunk(chunks as usize, threads as usize, &|chunk| {
-            let chunk = chunk as i64;
-            call(
-                kernel,
-                shared,
-                chunk * per_chunk,
-                ((chunk + 1) * per_chunk).min(total),
-            )
-        });
+        if let Some((producing, _)) = producing {
+            crate::kept::produced(producing.finish());
+        }
         Ok(())
+    }
+
+    /// The roundings step `index` makes of its output as it writes it, if it does
+    /// ([`rounds_output`]), with the output's values per unit of the kernel's range
+    /// `total` (none where the output is not a whole number of values per unit).
+    fn producing(
+        &self,
+        index: usize,
+        step: &Step,
+        run: &RunState<'_, '_>,
+        total: i64,
+    ) -> Option<(Producing, usize)> {
+        if !self.rounds_output.get(index).copied().unwrap_or(false) || total <= 0 {
+            return None;
+        }
+        let out = step.output();
+        let values = run.sizes().scalars(run.program(), out).max(0);
+        let per = (values % total == 0).then_some(values / total)?;
+        // The program computes in f32 (`rounds_output`): its output holds f32 values.
+        let producing = Producing::new(run.pointer(out) as *const f32, values as usize);
+        Some((producing, per as usize))
     }
 
     /// A generated kernel over its signature's range, split in chunks across the cores.
@@ -214,7 +296,9 @@ impl CpuSteps {
             _ => 1,
         };
         let args = run.kernel_args(index, signature)?;
-        self.launch(index, &args, run.sizes().rows(signature.range), grain)
+        let total = run.sizes().rows(signature.range);
+        let producing = self.producing(index, step, run, total);
+        self.launch(index, &args, (total, grain), producing)
     }
 
     /// The steps the CPU runs on its own code: attention, jagged-pair GEMMs, window
@@ -314,11 +398,12 @@ impl CpuSteps {
             (Some(args), Some(kernel)) => Some((kernel, Args(args))),
             _ => None,
         };
+        let rounds = self.rounds_output.get(index).copied().unwrap_or(false);
         // The executor sized the buffers for `shape` in the program's type.
         unsafe {
             match run.program().float {
-                FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape, epilogue),
-                FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape, epilogue),
+                FloatType::F32 => gemm::<f32>(out, x, weight, bias, shape, epilogue, rounds),
+                FloatType::F64 => gemm::<f64>(out, x, weight, bias, shape, epilogue, rounds),
             }
         }
         Ok(())
@@ -613,5 +698,52 @@ impl CpuSteps {
             InputData::I64(values) => nestor_runtime::check_ids(input, values, (limit, ignored)),
             _ => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nestor_passes::Rows;
+
+    /// `out = x w^T`, a GEMM of the slots given.
+    fn gemm(out: u32, x: u32, weight: u32) -> Step {
+        Step::Gemm(Gemm {
+            out: Slot(out),
+            x: Slot(x),
+            weight: Slot(weight),
+            bias: None,
+            rows: Rows::fixed(4),
+            k: 2,
+            n: 2,
+            transposed: false,
+            epilogue: None,
+        })
+    }
+
+    #[test]
+    fn outputs_a_later_product_reads_rounded_are_rounded_by_their_step() {
+        let program = |products, steps| Program {
+            steps,
+            products,
+            ..Program::default()
+        };
+        // Slot 0 is read by the next GEMM as its input, slot 3 as the last one's weight;
+        // slot 4 by nothing.
+        let steps = vec![gemm(0, 1, 2), gemm(3, 0, 2), gemm(4, 1, 3)];
+        assert_eq!(
+            rounds_output(&program(Products::Bf16, steps.clone())),
+            [true, true, false]
+        );
+        assert_eq!(
+            rounds_output(&program(Products::Float, steps)),
+            [false, false, false]
+        );
+        // A step that writes slot 0 again first: the later product reads its values.
+        let steps = vec![gemm(0, 1, 2), gemm(0, 1, 2), gemm(3, 0, 2)];
+        assert_eq!(
+            rounds_output(&program(Products::Bf16, steps)),
+            [false, true, false]
+        );
     }
 }

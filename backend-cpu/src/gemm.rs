@@ -429,32 +429,8 @@ mod tests {
             with_bias in any::<bool>(),
             with_epilogue in any::<bool>(),
         ) {
-            let values = |count: i64, seed: f32| -> Vec<f32> {
-                (0..count).map(|index| (index as f32 * 0.37 + seed).sin() * 2.0).collect()
-            };
-            let (x, weight, bias, residual) =
-                (values(rows * k, 0.1), values(k * n, 0.7), values(n, 1.3), values(rows * n, 2.9));
-            // relu(out) + residual, reading the GEMM's output in place.
-            let epilogue = with_epilogue.then(|| Fusion {
-                inputs: vec![Access::rows(Slot(0), n), Access::rows(Slot(4), n)],
-                expr: Expr::Binary(
-                    BinaryOp::Add,
-                    Box::new(Expr::Unary(UnaryOp::Relu, Box::new(Expr::Load(0)))),
-                    Box::new(Expr::Load(1)),
-                ),
-            });
-            let step = Step::Gemm(nestor_passes::step::Gemm {
-                out: Slot(0),
-                x: Slot(1),
-                weight: Slot(2),
-                bias: with_bias.then_some(Slot(3)),
-                rows: Rows::fixed(rows),
-                k,
-                n,
-                transposed,
-                epilogue,
-            });
-            let program = Program { steps: vec![step], ..Program::default() };
+            let GemmCase { program, x, weight, bias, residual } =
+                gemm_case((rows, k, n), transposed, (with_bias, with_epilogue));
             let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
             let bias_pointer = with_bias.then(|| pointer(&bias));
 
@@ -482,20 +458,26 @@ mod tests {
         }
     }
 
-    /// A GEMM that rounds its output as it writes it leaves, for the run's later
-    /// steps, the roundings of the output's final values (after the epilogue).
-    fn check_produced_roundings(rows: i64, (k, n): (i64, i64), with_epilogue: bool) {
+    /// A program of one GEMM step, `[rows x k] -> n`, with a bias and an epilogue
+    /// (`relu(out) + residual`, reading the output in place) where asked, and its operands.
+    struct GemmCase {
+        program: Program,
+        x: Vec<f32>,
+        weight: Vec<f32>,
+        bias: Vec<f32>,
+        residual: Vec<f32>,
+    }
+
+    fn gemm_case(
+        (rows, k, n): (i64, i64, i64),
+        transposed: bool,
+        (with_bias, with_epilogue): (bool, bool),
+    ) -> GemmCase {
         let values = |count: i64, seed: f32| -> Vec<f32> {
             (0..count)
                 .map(|index| (index as f32 * 0.37 + seed).sin() * 2.0)
                 .collect()
         };
-        let (x, weight, bias, residual) = (
-            values(rows * k, 0.1),
-            values(n * k, 0.7),
-            values(n, 1.3),
-            values(rows * n, 2.9),
-        );
         let epilogue = with_epilogue.then(|| Fusion {
             inputs: vec![Access::rows(Slot(0), n), Access::rows(Slot(4), n)],
             expr: Expr::Binary(
@@ -508,17 +490,35 @@ mod tests {
             out: Slot(0),
             x: Slot(1),
             weight: Slot(2),
-            bias: Some(Slot(3)),
+            bias: with_bias.then_some(Slot(3)),
             rows: Rows::fixed(rows),
             k,
             n,
-            transposed: false,
+            transposed,
             epilogue,
         });
-        let program = Program {
-            steps: vec![step],
-            ..Program::default()
-        };
+        GemmCase {
+            program: Program {
+                steps: vec![step],
+                ..Program::default()
+            },
+            x: values(rows * k, 0.1),
+            weight: values(k * n, 0.7),
+            bias: values(n, 1.3),
+            residual: values(rows * n, 2.9),
+        }
+    }
+
+    /// A GEMM that rounds its output as it writes it leaves, for the run's later
+    /// steps, the roundings of the output's final values (after the epilogue).
+    fn check_produced_roundings(rows: i64, (k, n): (i64, i64), with_epilogue: bool) {
+        let GemmCase {
+            program,
+            x,
+            weight,
+            bias,
+            residual,
+        } = gemm_case((rows, k, n), false, (true, with_epilogue));
         let library = crate::compile_with(&program, KernelSet::Library)
             .unwrap_or_else(|error| panic!("{error}"));
         let pointer = |values: &[f32]| values.as_ptr() as *mut u8;

@@ -75,10 +75,11 @@ pub(super) unsafe fn gemm<T: Gemm>(
     // epilogue wrote from the core's cache.
     let block = (FINISH_BLOCK_VALUES / shape.n.max(1)).max(1);
     let n = shape.n.max(0) as usize;
+    let finishing = epilogue.is_some() || producing_ref.is_some();
     let rows = move |start: i64, end: i64| unsafe {
         gemm_rows(buffers, (shape, products, rounded), start, end);
         let mut first = start;
-        while first < end {
+        while finishing && first < end {
             let last = (first + block).min(end);
             if let Some((kernel, args)) = epilogue {
                 kernel(args.0.as_ptr(), first, last);

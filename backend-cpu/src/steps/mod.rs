@@ -247,6 +247,11 @@ impl CpuSteps {
         Ok(())
     }
 
+    /// Whether step `index` rounds its output as it writes it ([`rounds_output`]).
+    fn rounds_output_of(&self, index: usize) -> bool {
+        self.rounds_output.get(index).copied().unwrap_or(false)
+    }
+
     /// The roundings step `index` makes of its output as it writes it, if it does
     /// ([`rounds_output`]), with the output's values per unit of the kernel's range
     /// `total` (none where the output is not a whole number of values per unit).
@@ -257,7 +262,7 @@ impl CpuSteps {
         run: &RunState<'_, '_>,
         total: i64,
     ) -> Option<(Producing, usize)> {
-        if !self.rounds_output.get(index).copied().unwrap_or(false) || total <= 0 {
+        if !self.rounds_output_of(index) || total <= 0 {
             return None;
         }
         let out = step.output();
@@ -398,7 +403,7 @@ impl CpuSteps {
             (Some(args), Some(kernel)) => Some((kernel, Args(args))),
             _ => None,
         };
-        let rounds = self.rounds_output.get(index).copied().unwrap_or(false);
+        let rounds = self.rounds_output_of(index);
         // The executor sized the buffers for `shape` in the program's type.
         unsafe {
             match run.program().float {

@@ -237,6 +237,37 @@ impl Panel {
         self.depth / 2 * TILE_COLUMNS
     }
 
+    /// Shapes the panel for `b [k x n]` written by its caller a pair of rows at a time
+    /// ([`Panel::pairs_mut`], [`Panel::zero_pairs_from`]) rather than packed.
+    pub(crate) fn shape(&mut self, (k, n): (usize, usize)) {
+        self.depth = k.next_multiple_of(TILE_DEPTH);
+        self.columns = n;
+        let len = n.div_ceil(TILE_COLUMNS) * self.block();
+        if self.pairs.len() < len {
+            self.pairs.resize(len, 0);
+        }
+    }
+
+    /// The 16 pairs `(b[2 pair][j], b[2 pair + 1][j])` of column block `column_block`
+    /// (columns `16 column_block` on), as bf16 bits, the even row's in the low half.
+    /// The caller keeps within the shape it gave ([`Panel::shape`]).
+    pub(crate) fn pairs_mut(&mut self, pair: usize, column_block: usize) -> &mut [u32] {
+        debug_assert!(pair < self.depth / 2 && column_block < self.columns.div_ceil(16));
+        let first = column_block * self.block() + pair * TILE_COLUMNS;
+        &mut self.pairs[first..first + TILE_COLUMNS]
+    }
+
+    /// Zeros the pairs of rows from pair `first` to the panel's depth, in every column
+    /// block (a product's rows past `k`).
+    pub(crate) fn zero_pairs_from(&mut self, first: usize) {
+        let (block, pairs) = (self.block(), self.depth / 2);
+        for column_block in 0..self.columns.div_ceil(TILE_COLUMNS) {
+            let start = column_block * block;
+            let rows = (start + first.min(pairs) * TILE_COLUMNS)..(start + block);
+            self.pairs[rows].fill(0);
+        }
+    }
+
     /// Packs `b [k x n]` (rounded to bf16 as it is read, or read from its roundings):
     /// for each block of 16 columns, `depth / 2` rows of 16 pairs `(b[2p][j],
     /// b[2p + 1][j])`, zeros for rows past `k` (columns past `n` are left as they were:
@@ -450,7 +481,7 @@ impl RowsOfA {
     /// The lines must hold `m` rows of `k` values.
     pub(crate) unsafe fn new(a: &Lines, m: usize, depth: usize, packed: &mut Vec<u16>) -> Self {
         let in_place = match a.rounded {
-            Some((start, rows, 1)) if a.length == depth => Some((start, rows)),
+            Some((start, rows, 1)) if a.by_rows && a.length == depth => Some((start, rows)),
             _ => None,
         };
         let full_blocks = if in_place.is_some() { m / TILE_ROWS } else { 0 };
@@ -551,7 +582,7 @@ unsafe fn transpose_pairs(
 /// Each row must hold 16 values; the host must have AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose_16x16(rows: [*const u32; 16], out: &mut [u32]) {
+pub(crate) unsafe fn transpose_16x16(rows: [*const u32; 16], out: &mut [u32]) {
     use std::arch::x86_64::*;
     unsafe {
         let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(rows[i] as *const _));

@@ -7,12 +7,18 @@
 //! Memory is one tile of scores per task, never `L x L`; tasks of every element, head
 //! and query tile spread over the team. The gradient recomputes `P` for a tile of query
 //! rows at a time over all keys (`tile x keys`: O(L) memory per task, no extra GEMM).
+//! With bf16 products on a host with AMX tiles both run on the tiles instead
+//! ([`tiles`]).
+
+mod rows;
+mod tiles;
 
 use nestor_passes::{Access, Products};
 
 use crate::bf16::RoundedBuffer;
 use crate::blas::Gemm;
 use crate::scalar::Scalar;
+use tiles::{TileInputs, TILE_ROWS};
 
 /// The tile sizes of the forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,8 +68,12 @@ impl Tiles {
         Some(tiled.max(on_tiles))
     }
 
-    /// Scalars a gradient task holds at once: probabilities and slopes of a tile of
-    /// query rows over all keys, and the keys' gradient sums of the later tiles.
+    /// Scalars a gradient task holds at once, `None` on overflow: probabilities and
+    /// slopes of a tile of query rows over all keys, and the keys' gradient sums of the
+    /// later tiles; or on AMX tiles (`AttentionGradRun::tile_task`) three panels of the
+    /// keys' and values' rows, a chunk's query and output-gradient rows and their
+    /// transposes, its `P` and `dS` by pairs of rows, and 16 rows of scores, `dP`,
+    /// rounded `dS` and sums, whichever is more (bf16 values counted as whole scalars).
     pub(crate) fn gradient_scalars(
         self,
         (q_rows, k_rows): (i64, i64),
@@ -71,8 +81,22 @@ impl Tiles {
     ) -> Option<usize> {
         let rows = self.queries.max(1).min(q_rows).max(0) as usize;
         let keys = k_rows.max(0) as usize;
-        let tiles = rows.checked_mul(keys)?.checked_mul(2)?;
-        tiles.checked_add(keys.checked_mul(head_dim.max(0) as usize)?.checked_mul(2)?)
+        let head_dim = head_dim.max(0) as usize;
+        let tiled = rows
+            .checked_mul(keys)?
+            .checked_mul(2)?
+            .checked_add(keys.checked_mul(head_dim)?.checked_mul(2)?)?;
+        let pad = |value: usize| value.checked_next_multiple_of(32);
+        let (keys, head, rows) = (pad(keys)?, pad(head_dim)?, pad(rows)?);
+        let per_key = head
+            .checked_mul(3)?
+            .checked_add(rows.checked_mul(2)?)?
+            .checked_add(3 * TILE_ROWS)?;
+        let on_tiles = keys
+            .checked_mul(per_key)?
+            .checked_add(rows.checked_mul(head)?.checked_mul(4)?)?
+            .checked_add(keys.max(head).checked_mul(TILE_ROWS)?)?;
+        Some(tiled.max(on_tiles))
     }
 }
 
@@ -187,39 +211,6 @@ impl InputRoundings {
     }
 }
 
-/// Query rows the forward on AMX tiles takes at a time (a tile's rows).
-const TILE_ROWS: usize = 16;
-
-/// Queries, keys and values as bf16 roundings, for the forward on AMX tiles.
-#[derive(Clone, Copy)]
-struct TileInputs<'a> {
-    q: &'a RoundedBuffer,
-    k: &'a RoundedBuffer,
-    v: &'a RoundedBuffer,
-}
-
-/// A thread's buffers for the forward on AMX tiles, kept between tasks.
-#[derive(Default)]
-struct TileScratch {
-    /// Query rows packed where they cannot be read in place.
-    queries: Vec<u16>,
-    /// The keys' transpose `[head_dim x keys]`, packed.
-    keys_t: crate::amx::Panel,
-    /// The values `[keys x value_dim]`, packed.
-    values: crate::amx::Panel,
-    /// 16 rows of scores, then of probabilities.
-    scores: Vec<f32>,
-    /// The probabilities' bf16 roundings, zeros past the keys.
-    probabilities: Vec<u16>,
-    /// 16 rows of outputs before the division by their sums.
-    sums: Vec<f32>,
-}
-
-thread_local! {
-    static TILE_SCRATCH: std::cell::RefCell<TileScratch> =
-        std::cell::RefCell::new(TileScratch::default());
-}
-
 /// The threads a step's tasks spread over: the team's, or (not `parallel`) one.
 fn team_size(parallel: bool) -> usize {
     if parallel {
@@ -288,7 +279,8 @@ impl AttentionRun<'_> {
                 threads,
             )
         };
-        let on_tiles = self.on_tiles::<T>(&rounded);
+        let widths = (self.head_dim, self.value_dim);
+        let on_tiles = TileInputs::of::<T>(self.products, widths, &rounded, false);
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             // The task's rows and columns are in range of buffers the executor sized.
             crate::vectors::widest(
@@ -301,186 +293,6 @@ impl AttentionRun<'_> {
                 },
             );
         });
-    }
-
-    /// The roundings of queries, keys and values as bf16 bits when the forward runs on
-    /// AMX tiles ([`AttentionRun::tile_task`]): f32 values, bf16 products, heads of at
-    /// least one column, tiles usable.
-    fn on_tiles<'r, T: 'static>(&self, rounded: &'r InputRoundings) -> Option<TileInputs<'r>> {
-        let f32_values = std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
-        let widths = self.head_dim > 0 && self.value_dim > 0;
-        if !(f32_values && widths && self.products == Products::Bf16 && crate::amx::usable()) {
-            return None;
-        }
-        let get = |input| rounded.get(input).filter(|buffer| buffer.is_bf16());
-        Some(TileInputs {
-            q: get(Q)?,
-            k: get(K)?,
-            v: get(V)?,
-        })
-    }
-
-    /// One task on AMX tiles (`crate::amx`), 16 query rows at a time: their scores
-    /// against all the element's keys (`Q K^T` of the bf16 roundings, f32 sums), scaled,
-    /// their softmax over the visible keys (as [`RowState::update`] of the whole row),
-    /// the probabilities rounded to bf16 and multiplied by the values, each row divided
-    /// by its sum. The keys' transpose and the values are packed once per task.
-    ///
-    /// # Safety
-    /// As [`AttentionRun::task`]; the rounded buffers hold the task's rows.
-    #[inline(always)]
-    unsafe fn tile_task(&self, buffers: Buffers<f32>, task: Task, rounded: TileInputs<'_>) {
-        let dv = self.value_dim as usize;
-        let out_width = (self.heads * self.value_dim) as usize;
-        let (rows, keys) = (task.rows as usize, task.k_rows as usize);
-        let q_row = task.q_first + task.row;
-        let at = |access: &Access, row: i64, width: i64| {
-            (row * access.row_stride + access.offset + task.head * width) as isize
-        };
-        // SAFETY: the task's rows and head columns lie in the buffers (the caller
-        // vouches).
-        let (q, k, v, out) = unsafe {
-            (
-                buffers.q.offset(at(self.q, q_row, self.head_dim)),
-                buffers.k.offset(at(self.k, task.k_first, self.head_dim)),
-                buffers.v.offset(at(self.v, task.k_first, self.value_dim)),
-                buffers.out.offset(
-                    q_row as isize * out_width as isize + (task.head as usize * dv) as isize,
-                ),
-            )
-        };
-        let out_row = |row: usize| unsafe {
-            // SAFETY: as above.
-            std::slice::from_raw_parts_mut(out.add(row * out_width), dv)
-        };
-        if keys == 0 {
-            // No keys: libtorch's attention gives 0 (a row without a finite score).
-            for row in 0..rows {
-                out_row(row).fill(0.0);
-            }
-            return;
-        }
-        // The thread-local's closure is compiled apart: `widest` again for the host's
-        // vectors.
-        TILE_SCRATCH.with_borrow_mut(|scratch| {
-            crate::vectors::widest(
-                #[inline(always)]
-                || unsafe { self.tile_blocks(scratch, task, (q, k, v), rounded, out_row) },
-            )
-        });
-    }
-
-    /// [`AttentionRun::tile_task`] for a task with keys, in `scratch`.
-    ///
-    /// # Safety
-    /// As [`AttentionRun::tile_task`]; `q`, `k` and `v` point at the task's first rows
-    /// and head columns, `out_row` gives its output rows.
-    #[inline(always)]
-    unsafe fn tile_blocks<'o>(
-        &self,
-        scratch: &mut TileScratch,
-        task: Task,
-        (q, k, v): (*const f32, *const f32, *const f32),
-        rounded: TileInputs<'_>,
-        out_row: impl Fn(usize) -> &'o mut [f32],
-    ) {
-        use crate::amx::{multiply_rows, Configured, Lines, RowsOfA};
-        const ROWS: usize = TILE_ROWS;
-        let (d, dv) = (self.head_dim as usize, self.value_dim as usize);
-        let (rows, keys) = (task.rows as usize, task.k_rows as usize);
-        {
-            let TileScratch {
-                queries,
-                keys_t,
-                values,
-                scores,
-                probabilities,
-                sums,
-            } = scratch;
-            let score_width = keys.next_multiple_of(ROWS);
-            let key_depth = keys.next_multiple_of(32);
-            let value_width = dv.next_multiple_of(ROWS);
-            // SAFETY: the keys' and values' rows hold the head's columns (as above).
-            let q_rows = unsafe {
-                keys_t.pack(
-                    ((k, 1, self.k.row_stride as isize), Some(rounded.k)),
-                    (d, keys),
-                );
-                values.pack(
-                    ((v, self.v.row_stride as isize, 1), Some(rounded.v)),
-                    (keys, dv),
-                );
-                let lines = Lines::new(
-                    ((q, self.q.row_stride as isize, 1), Some(rounded.q)),
-                    true,
-                    d,
-                );
-                RowsOfA::new(&lines, rows, d.next_multiple_of(32), queries)
-            };
-            scores.resize(ROWS * score_width, 0.0);
-            if probabilities.len() < ROWS * key_depth {
-                probabilities.resize(ROWS * key_depth, 0);
-            }
-            sums.resize(ROWS * value_width, 0.0);
-            let mut state = RowState {
-                largest: vec![f32::NEG_INFINITY; ROWS],
-                total: vec![0.0; ROWS],
-                poisoned: vec![false; ROWS],
-            };
-            let scale = self.scale as f32;
-            let _tiles = Configured::new();
-            for block in 0..rows.div_ceil(ROWS) {
-                let block_rows = ROWS.min(rows - block * ROWS);
-                // SAFETY: the packed queries hold the block's 16 rows; `scores` 16 rows
-                // of the keys' blocks.
-                unsafe {
-                    let a = q_rows.block(block, queries);
-                    multiply_rows(a, keys_t, (scores.as_mut_ptr(), score_width * 4));
-                }
-                for row in 0..block_rows {
-                    let scores = &mut scores[row * score_width..][..keys];
-                    for score in scores.iter_mut() {
-                        *score *= scale;
-                    }
-                    let position = task.row as usize + block * ROWS + row;
-                    let visible = if self.causal {
-                        (position + 1).min(keys)
-                    } else {
-                        keys
-                    };
-                    state.largest[row] = f32::NEG_INFINITY;
-                    state.total[row] = 0.0;
-                    state.poisoned[row] = false;
-                    state.update(row, scores, visible);
-                    let rounded = &mut probabilities[row * key_depth..][..key_depth];
-                    let (values, padding) = rounded.split_at_mut(keys);
-                    crate::bf16::round_line(scores, values);
-                    padding.fill(0);
-                }
-                // SAFETY: `probabilities` holds 16 rows of the values' depth; `sums` 16
-                // rows of the values' blocks.
-                unsafe {
-                    let a = (probabilities.as_ptr(), key_depth * 2);
-                    multiply_rows(a, values, (sums.as_mut_ptr(), value_width * 4));
-                }
-                for row in 0..block_rows {
-                    // As the tiled forward: no finite score keeps 0, a masked NaN or +inf
-                    // makes the row NaN.
-                    let total = if state.poisoned[row] {
-                        f32::NAN
-                    } else if state.total[row] == 0.0 {
-                        1.0
-                    } else {
-                        state.total[row]
-                    };
-                    let inverse = 1.0 / total;
-                    let sums = &sums[row * value_width..][..dv];
-                    for (out, &sum) in out_row(block * ROWS + row).iter_mut().zip(sums) {
-                        *out = sum * inverse;
-                    }
-                }
-            }
-        }
     }
 
     /// One task: its query rows' outputs for one head.
@@ -698,6 +510,19 @@ struct GradBuffers<T> {
 unsafe impl<T> Send for GradBuffers<T> {}
 unsafe impl<T> Sync for GradBuffers<T> {}
 
+impl<T> GradBuffers<T> {
+    /// The same pointers as buffers of `U` (for `T` known to be `U`).
+    fn cast<U>(self) -> GradBuffers<U> {
+        GradBuffers {
+            out: self.out as *mut U,
+            q: self.q as *const U,
+            k: self.k as *const U,
+            v: self.v as *const U,
+            g: self.g as *const U,
+        }
+    }
+}
+
 impl AttentionGradRun<'_> {
     /// Runs the step on buffers of `T` (out, q, k, v, g), per element and head:
     /// `P = softmax(scale Q K^T)` again, then `dS = P (dO V^T - rowsum(P dO V^T))`,
@@ -718,10 +543,51 @@ impl AttentionGradRun<'_> {
             v: v as *const T,
             g: g as *const T,
         };
-        // Tasks: (element, head, first query row within the element, query rows). The
-        // queries' gradient alone splits an element's rows into tiles of their own; the
-        // keys' sums over every query row, so one task takes them all (the longest
-        // elements first, so that the short ones fill in at the end).
+        let tasks = self.tasks(q_offsets, k_offsets);
+        let threads = team_size(self.parallel);
+        // SAFETY: the executor sized the buffers for these offsets.
+        let rounded = unsafe {
+            InputRoundings::new(
+                self.products,
+                &[
+                    (buffers.q, self.q, q_offsets),
+                    (buffers.k, self.k, k_offsets),
+                    (buffers.v, self.v, k_offsets),
+                    (buffers.g, self.g, q_offsets),
+                ],
+                threads,
+            )
+        };
+        let widths = (self.head_dim, self.head_dim);
+        let on_tiles = TileInputs::of::<T>(self.products, widths, &rounded, true);
+        crate::team::for_each_chunk(tasks.len(), threads, &|index| {
+            let (element, head, row, rows) = tasks[index];
+            let keys = (
+                k_offsets[element],
+                k_offsets[element + 1] - k_offsets[element],
+            );
+            let queries = (q_offsets[element] + row, rows);
+            // The task's rows and columns are in range of buffers the executor sized.
+            crate::vectors::widest(
+                #[inline(always)]
+                || unsafe {
+                    match on_tiles {
+                        Some(tiles) => {
+                            let inputs = (buffers.cast(), tiles);
+                            self.tile_task(inputs, head, queries, keys, row)
+                        }
+                        None => self.element((buffers, &rounded), head, queries, keys, row),
+                    }
+                },
+            );
+        });
+    }
+
+    /// The step's tasks: (element, head, first query row within the element, query
+    /// rows). The queries' gradient alone splits an element's rows into tiles of their
+    /// own; the keys' sums over every query row, so one task takes them all (the longest
+    /// elements first, so that the short ones fill in at the end).
+    fn tasks(&self, q_offsets: &[i64], k_offsets: &[i64]) -> Vec<(usize, i64, i64, i64)> {
         let tile = self.tiles.queries.max(1);
         let mut tasks = Vec::new();
         for element in 0..q_offsets.len().saturating_sub(1) {
@@ -740,40 +606,7 @@ impl AttentionGradRun<'_> {
             let keys = |element: usize| k_offsets[element + 1] - k_offsets[element];
             tasks.sort_by_key(|&(element, _, _, rows)| std::cmp::Reverse(rows * keys(element)));
         }
-        let threads = team_size(self.parallel);
-        // SAFETY: the executor sized the buffers for these offsets.
-        let rounded = unsafe {
-            InputRoundings::new(
-                self.products,
-                &[
-                    (buffers.q, self.q, q_offsets),
-                    (buffers.k, self.k, k_offsets),
-                    (buffers.v, self.v, k_offsets),
-                    (buffers.g, self.g, q_offsets),
-                ],
-                threads,
-            )
-        };
-        crate::team::for_each_chunk(tasks.len(), threads, &|index| {
-            let (element, head, row, rows) = tasks[index];
-            let keys = (
-                k_offsets[element],
-                k_offsets[element + 1] - k_offsets[element],
-            );
-            // The task's rows and columns are in range of buffers the executor sized.
-            crate::vectors::widest(
-                #[inline(always)]
-                || unsafe {
-                    self.element(
-                        (buffers, &rounded),
-                        head,
-                        (q_offsets[element] + row, rows),
-                        keys,
-                        row,
-                    )
-                },
-            );
-        });
+        tasks
     }
 
     /// The gradient of query rows `q_first..q_first + q_rows` (from row `row_offset` of
@@ -1377,6 +1210,24 @@ mod tests {
         assert_eq!(tiles.forward_scalars((1, i64::MAX), (64, 64)), None);
     }
 
+    #[test]
+    fn gradient_scalars_count_the_tiles_scratch() {
+        let tiles = Tiles::DEFAULT;
+        // On tiles: three panels of the keys and values, and `P` and `dS` by pairs of
+        // the chunk's rows (one row, padded to 32).
+        let long = tiles.gradient_scalars((1, 100_000), 64).unwrap_or(0);
+        assert!(
+            long >= 100_000 * (3 * 64 + 2 * 32),
+            "{long} scalars for 100000 keys"
+        );
+        let tiled = tiles.gradient_scalars((1000, 256), 64).unwrap_or(0);
+        assert!(
+            tiled >= 128 * 256 * 2 + 256 * 64 * 2,
+            "{tiled} scalars for 256 keys"
+        );
+        assert_eq!(tiles.gradient_scalars((1, i64::MAX), 64), None);
+    }
+
     /// The forward's tasks as `run` makes them (tiles of `Tiles::DEFAULT` query rows).
     fn forward_tasks(q_offsets: &[i64], k_offsets: &[i64], heads: i64) -> Vec<Task> {
         let tile = Tiles::DEFAULT.queries;
@@ -1464,11 +1315,11 @@ mod tests {
             };
             let rounded = |values: &[f32]| unsafe { RoundedBuffer::as_bf16(values.as_ptr(), values.len()) };
             let (q_rounded, k_rounded, v_rounded) = (rounded(&q), rounded(&k), rounded(&v));
-            let inputs = TileInputs { q: &q_rounded, k: &k_rounded, v: &v_rounded };
+            let inputs = TileInputs::new((&q_rounded, &k_rounded, &v_rounded), None);
             let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
             let buffers = Buffers { out: actual.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr() };
             // Scratch poisoned with bf16 NaNs: a slot read but not written shows.
-            TILE_SCRATCH.with_borrow_mut(|scratch| {
+            tiles::TILE_SCRATCH.with_borrow_mut(|scratch| {
                 let most = 1 << 14;
                 scratch.keys_t.poison(most);
                 scratch.values.poison(most);
@@ -1483,6 +1334,94 @@ mod tests {
             for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
                 let close = (got - want).abs() <= 2e-2 || (got.is_nan() && want.is_nan()) || got == want;
                 prop_assert!(close, "output {index}: {got} on tiles, {want} tiled");
+            }
+        }
+
+        /// The gradient on AMX tiles equals the tiled gradient on the same bf16
+        /// roundings (f32 products of them): elements of 0, 1 and up to 40 rows, chunks
+        /// of 1 to 40 query rows (the keys' gradients summed over several), heads of 1 to
+        /// 65 columns, causal or not, cross lengths, each part of the outputs alone and
+        /// all three, scores large enough that most probabilities underflow. Skipped on
+        /// hosts without AMX.
+        #[test]
+        fn the_gradient_on_amx_tiles_equals_the_tiled_gradient(
+            lengths in proptest::collection::vec((0i64..40, 0i64..40), 1..4),
+            (heads, head_dim) in (1i64..3, prop_oneof![1i64..4, Just(16), Just(32), Just(64), Just(65)]),
+            (causal, cross, part, chunk) in (any::<bool>(), any::<bool>(), 0..3, prop_oneof![Just(128i64), 1i64..40]),
+            (spread, seed) in (prop_oneof![Just(3.0f32), Just(40.0)], any::<u64>()),
+        ) {
+            if !crate::amx::usable() {
+                eprintln!("skipped: this host has no AMX tiles");
+                return Ok(());
+            }
+            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
+            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
+            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
+            let (q_rows, k_rows) = (*q_offsets.last().unwrap(), *k_offsets.last().unwrap());
+            let mut random = seed;
+            let mut value = move || {
+                random = random.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((random >> 33) % 20001) as f32 / 10000.0 * spread - spread
+            };
+            let width = heads * head_dim;
+            let mut values = |rows: i64| -> Vec<f32> { (0..rows * width).map(|_| value()).collect() };
+            let (q, k, v, g) = (values(q_rows), values(k_rows), values(k_rows), values(q_rows));
+            let accesses = [1, 2, 3, 4].map(|slot| Access::rows(nestor_passes::Slot(slot), width));
+            let outputs = [GradOutputs::queries(width), GradOutputs::keys_values(width), GradOutputs::all(width)][part as usize];
+            if cross && outputs == GradOutputs::all(width) {
+                // Self-attention's layout only.
+                return Ok(());
+            }
+            let run = AttentionGradRun {
+                products: Products::Bf16,
+                q: &accesses[0],
+                k: &accesses[1],
+                v: &accesses[2],
+                g: &accesses[3],
+                heads,
+                head_dim,
+                causal,
+                scale: 1.0 / (head_dim as f64).sqrt(),
+                outputs,
+                parallel: false,
+                tiles: Tiles { queries: chunk, keys: 1 },
+            };
+            let rows = if outputs.keys_values.is_some() { q_rows.max(k_rows) } else { q_rows };
+            let size = (rows * outputs.row) as usize;
+            let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+            // The tiled gradient: the roundings as f32 (this test process has no MKL).
+            let mut expected = vec![f32::from_bits(0x7fc0_0001); size];
+            unsafe {
+                run.run::<f32>(
+                    (expected.as_mut_ptr() as *mut u8, pointer(&q), pointer(&k), pointer(&v), pointer(&g)),
+                    (&q_offsets, &k_offsets),
+                )
+            };
+            let rounded = |values: &[f32]| unsafe { RoundedBuffer::as_bf16(values.as_ptr(), values.len()) };
+            let (q_rounded, k_rounded, v_rounded, g_rounded) = (rounded(&q), rounded(&k), rounded(&v), rounded(&g));
+            let inputs = TileInputs::new((&q_rounded, &k_rounded, &v_rounded), Some(&g_rounded));
+            let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
+            let buffers = GradBuffers { out: actual.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr(), g: g.as_ptr() };
+            // Scratch poisoned with bf16 NaNs: a slot read but not written shows.
+            tiles::GRAD_SCRATCH.with_borrow_mut(|scratch| {
+                let most = 1 << 14;
+                for panel in [&mut scratch.keys_t, &mut scratch.values_t, &mut scratch.keys, &mut scratch.probabilities, &mut scratch.slopes] {
+                    panel.poison(most);
+                }
+                for rows in [&mut scratch.queries, &mut scratch.gradients, &mut scratch.queries_t, &mut scratch.gradients_t, &mut scratch.slope_rows] {
+                    rows.clear();
+                    rows.resize(most, 0xffc0);
+                }
+            });
+            for (element, head, row, rows) in run.tasks(&q_offsets, &k_offsets) {
+                let queries = (q_offsets[element] + row, rows);
+                let keys = (k_offsets[element], k_offsets[element + 1] - k_offsets[element]);
+                unsafe { run.tile_task((buffers, inputs), head, queries, keys, row) };
+            }
+            let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
+            for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                let close = (got - want).abs() <= 2e-2 * (1.0 + largest) || got.to_bits() == want.to_bits();
+                prop_assert!(close, "output {index}: {got} on tiles, {want} tiled (largest {largest})");
             }
         }
     }

@@ -1,18 +1,26 @@
-//! bf16 products on Intel AMX tiles (Sapphire Rapids and later), the primitives of
-//! mixed-precision attention's forward on them (`crate::attention`): MKL's bf16 GEMM
-//! multiplies attention's small tiles fast but packs both operands on every call
-//! (`cblas_gemm_bf16bf16f32` spent most of a 128 x 64 x 256 product copying them).
+//! bf16 products on Intel AMX tiles (Sapphire Rapids and later): every mixed-precision
+//! product of the process on such a host ([`product`], through `crate::bf16`), and the
+//! primitives of mixed-precision attention on them (`crate::attention`). MKL's bf16 GEMM
+//! packs both operands on every call (`cblas_gemm_bf16bf16f32` spent most of a 128 x 64
+//! x 256 product copying them).
 //!
 //! - [`Panel`]: a right operand `b [k x n]` packed once into AMX's pair-interleaved
 //!   layout (`tdpbf16ps`'s second operand: row `p` of a block holds `(b[2p][j],
 //!   b[2p + 1][j])` for its 16 columns `j`), zeros past `k`; a transposed operand
 //!   (attention's keys in `q k^T`) is transposed 16 x 16 pairs at a time in AVX-512
-//!   registers.
+//!   registers; or written by its owner a pair of rows at a time.
 //! - [`RowsOfA`]: a left operand's blocks of 16 rows, read in place when they are rows
 //!   of bf16 roundings a whole number of tiles deep (attention's queries at a head of
-//!   64), else packed with zeros past `k`.
+//!   64), else packed with zeros past `k` (the columns of roundings, a transposed read,
+//!   16 x 32 at a time in AVX-512 registers).
 //! - [`multiply_rows`]: one block of 16 rows times a panel into f32 sums, four tiles of
 //!   sums at a time where the columns allow, inside [`Configured`] tiles.
+//! - [`product`]: `c = scale a b` of any shape and layout from those: the panel packed
+//!   once, a slice of its columns at a time (kept in cache) times every row block, rows
+//!   handed to the caller as they are done.
+//!
+//! Tiles read and write rows from cache lines (`crate::aligned`): rows across two lines
+//! ran at half the speed.
 //!
 //! Operands are read as bf16 roundings, from a [`RoundedBuffer`] when the operand lies in
 //! one, else rounded here (to nearest even, as [`crate::bf16::round`]); sums are f32. The
@@ -22,14 +30,11 @@
 //! tile data to the process) once; `NESTOR_AMX=off` turns the tiles off (and
 //! `NESTOR_BF16=f32`, which sends every bf16 product to the f32 GEMM).
 
-#[cfg(test)]
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use crate::bf16::{round, RoundedBuffer};
-use crate::strided::Strided;
-#[cfg(test)]
-use crate::strided::StridedMut;
+use crate::strided::{Strided, StridedMut};
 
 /// Rows of a tile (and of a row block of `a`).
 const TILE_ROWS: usize = 16;
@@ -214,7 +219,9 @@ impl Lines {
 /// between products.
 #[derive(Default)]
 pub(crate) struct Panel {
+    /// The pairs, from index `start` (a cache line: `crate::aligned`).
     pairs: Vec<u32>,
+    start: usize,
     /// `k` rounded up to whole tiles.
     depth: usize,
     /// Columns `n`.
@@ -229,7 +236,18 @@ impl Panel {
     #[cfg(test)]
     pub(crate) fn poison(&mut self, len: usize) {
         self.pairs.clear();
-        self.pairs.resize(len, 0xffc0_ffc0);
+        self.start = crate::aligned::line_start(&mut self.pairs, len, 0xffc0_ffc0);
+    }
+
+    /// The first `len` pairs, grown as needed.
+    fn slots(&mut self, len: usize) -> &mut [u32] {
+        self.start = crate::aligned::line_start(&mut self.pairs, len, 0);
+        &mut self.pairs[self.start..self.start + len]
+    }
+
+    /// The first pair (the tiles read from there).
+    fn first(&self) -> *const u32 {
+        self.pairs[self.start..].as_ptr()
     }
 
     /// Pairs per column block.
@@ -243,9 +261,7 @@ impl Panel {
         self.depth = k.next_multiple_of(TILE_DEPTH);
         self.columns = n;
         let len = n.div_ceil(TILE_COLUMNS) * self.block();
-        if self.pairs.len() < len {
-            self.pairs.resize(len, 0);
-        }
+        self.slots(len);
     }
 
     /// The 16 pairs `(b[2 pair][j], b[2 pair + 1][j])` of column block `column_block`
@@ -253,7 +269,7 @@ impl Panel {
     /// The caller keeps within the shape it gave ([`Panel::shape`]).
     pub(crate) fn pairs_mut(&mut self, pair: usize, column_block: usize) -> &mut [u32] {
         debug_assert!(pair < self.depth / 2 && column_block < self.columns.div_ceil(16));
-        let first = column_block * self.block() + pair * TILE_COLUMNS;
+        let first = self.start + column_block * self.block() + pair * TILE_COLUMNS;
         &mut self.pairs[first..first + TILE_COLUMNS]
     }
 
@@ -262,7 +278,7 @@ impl Panel {
     pub(crate) fn zero_pairs_from(&mut self, first: usize) {
         let (block, pairs) = (self.block(), self.depth / 2);
         for column_block in 0..self.columns.div_ceil(TILE_COLUMNS) {
-            let start = column_block * block;
+            let start = self.start + column_block * block;
             let rows = (start + first.min(pairs) * TILE_COLUMNS)..(start + block);
             self.pairs[rows].fill(0);
         }
@@ -281,11 +297,9 @@ impl Panel {
         let block = self.block();
         let pairs = self.depth / 2;
         let len = n.div_ceil(TILE_COLUMNS) * block;
-        if self.pairs.len() < len {
-            self.pairs.resize(len, 0);
-        }
+        self.start = crate::aligned::line_start(&mut self.pairs, len, 0);
         let (_, row_stride, column_stride) = b.0;
-        let packed = &mut self.pairs[..len];
+        let packed = &mut self.pairs[self.start..self.start + len];
         let [line, odd] = &mut self.lines;
         let pair = |even: u16, odd: u16| u32::from(even) | (u32::from(odd) << 16);
         if column_stride == 1 || row_stride != 1 {
@@ -303,6 +317,14 @@ impl Panel {
                 let blocks = even.chunks(TILE_COLUMNS).zip(odd.chunks(TILE_COLUMNS));
                 for (column_block, (even, odd)) in blocks.enumerate() {
                     let out = &mut packed[column_block * block + index * TILE_COLUMNS..];
+                    #[cfg(target_arch = "x86_64")]
+                    if let (Ok(even), Ok(odd)) = (even.try_into(), odd.try_into()) {
+                        if std::is_x86_feature_detected!("avx512f") {
+                            // SAFETY: the host has AVX-512; `out` holds the block's pairs.
+                            unsafe { interleave_16(even, odd, &mut out[..TILE_COLUMNS]) };
+                            continue;
+                        }
+                    }
                     for (out, (&even, &odd)) in out.iter_mut().zip(even.iter().zip(odd)) {
                         *out = pair(even, odd);
                     }
@@ -363,26 +385,38 @@ impl Panel {
 /// The tiles must be configured on this thread ([`Configured`]); `a` must hold 16 rows of
 /// the panel's depth, `sums` the rows and columns above.
 #[inline(always)]
-pub(crate) unsafe fn multiply_rows(
+pub(crate) unsafe fn multiply_rows(a: (*const u16, usize), panel: &Panel, sums: (*mut f32, usize)) {
+    let column_blocks = panel.columns.div_ceil(TILE_COLUMNS);
+    // SAFETY: as the caller vouches.
+    unsafe { multiply_columns(a, panel, 0..column_blocks, sums) }
+}
+
+/// [`multiply_rows`] for the panel's column blocks `blocks` only: `sums` holds their
+/// columns, from its first.
+///
+/// # Safety
+/// As [`multiply_rows`], the blocks within the panel.
+#[inline(always)]
+unsafe fn multiply_columns(
     a: (*const u16, usize),
     panel: &Panel,
+    blocks: std::ops::Range<usize>,
     (sums, row_bytes): (*mut f32, usize),
 ) {
     let block = panel.block();
-    let column_blocks = panel.columns.div_ceil(TILE_COLUMNS);
     let steps = panel.depth / TILE_DEPTH;
-    let mut column_block = 0;
-    while column_block < column_blocks {
+    let mut column_block = blocks.start;
+    while column_block < blocks.end {
         // SAFETY: the panel and the sums hold every block (the caller vouches for the
         // sums).
         unsafe {
-            let b = panel.pairs.as_ptr().add(column_block * block);
+            let b = panel.first().add(column_block * block);
             let sums = (
-                sums.add(column_block * TILE_COLUMNS),
+                sums.add((column_block - blocks.start) * TILE_COLUMNS),
                 row_bytes,
                 TILE_COLUMNS * 4,
             );
-            if column_blocks - column_block >= WIDE {
+            if blocks.end - column_block >= WIDE {
                 multiply_tiles(sums, a, (b, block * 4), steps);
                 column_block += WIDE;
             } else {
@@ -393,8 +427,7 @@ pub(crate) unsafe fn multiply_rows(
     }
 }
 
-/// Per-thread scratch of [`product`].
-#[cfg(test)]
+/// Per-thread scratch of [`product`], kept between products.
 #[derive(Default)]
 struct Scratch {
     a: Vec<u16>,
@@ -402,69 +435,123 @@ struct Scratch {
     sums: Vec<f32>,
 }
 
-#[cfg(test)]
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// `c = scale a b` for `a [m x k]`, `b [k x n]`, `c [m x n]` (`c` only written), on AMX
-/// tiles with bf16 roundings of `a` and `b` and f32 sums: the tiles' primitives put
-/// together for any shape and layout, what the tests check them by.
+/// Bytes of the panel a product multiplies every row block of `a` by before it moves
+/// to the next columns: a slice that stays in the core's cache (with `a`'s rows).
+#[cfg(not(test))]
+const PANEL_SLICE_BYTES: usize = 512 << 10;
+/// Small in tests, so that their products take several slices.
+#[cfg(test)]
+const PANEL_SLICE_BYTES: usize = 8 << 10;
+
+/// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
+/// `c [m x n]` (unit column stride), on AMX tiles with bf16 roundings of `a` and `b`
+/// (read from their buffers, or rounded here) and f32 sums: `b` packed once, then per
+/// slice of its columns ([`PANEL_SLICE_BYTES`]) every block of 16 rows of `a` (in place
+/// when they are rows of roundings a whole number of tiles deep), the sums of a block
+/// written into `c` as they are made. `finished` gets `c`'s rows as they are done: in
+/// groups of blocks of about [`FINISHED_VALUES`] values when the columns take one slice,
+/// else all at the end.
 ///
 /// # Safety
 /// [`usable`] must be true. The pointers must be valid for the sizes and strides given;
-/// a rounded operand's matrix must lie within its buffer.
-#[cfg(test)]
-unsafe fn product(
+/// `c`'s column stride 1; a rounded operand's matrix must lie within its buffer.
+pub(crate) unsafe fn product(
     (m, k, n): (usize, usize, usize),
     scale: f32,
-    a: Operand<'_>,
-    b: Operand<'_>,
-    c: StridedMut<f32>,
+    (a, b): (Operand<'_>, Operand<'_>),
+    (c, add): (StridedMut<f32>, bool),
+    finished: crate::blas::Finished<'_>,
 ) {
+    let out_row = |row: usize, first: usize, columns: usize| unsafe {
+        // SAFETY: within `c` (the caller vouches).
+        std::slice::from_raw_parts_mut(c.0.offset(row as isize * c.1 + first as isize), columns)
+    };
+    if m == 0 || n == 0 {
+        return finished(0, m);
+    }
+    if k == 0 {
+        if !add {
+            (0..m).for_each(|row| out_row(row, 0, n).fill(0.0));
+        }
+        return finished(0, m);
+    }
+    // The thread-local's closure is compiled apart: `widest` for the host's vectors (the
+    // sums written into `c`).
     SCRATCH.with_borrow_mut(|scratch| {
-        let width = n.div_ceil(TILE_COLUMNS) * TILE_COLUMNS;
-        for row in 0..m {
-            for column in 0..n {
-                // SAFETY: within `c` (the caller vouches).
-                unsafe { *c.0.offset(row as isize * c.1 + column as isize * c.2) = 0.0 };
-            }
-        }
-        if m == 0 || n == 0 || k == 0 {
-            return;
-        }
-        let depth = k.next_multiple_of(TILE_DEPTH);
-        let lines = Lines::new(a, true, k);
-        // Poisoned (bf16 NaNs) before they are packed: a slot the tiles read but no
-        // packing wrote makes sums NaN.
-        let poisoned_rows = m.next_multiple_of(TILE_ROWS) * depth;
-        scratch.a.clear();
-        scratch.a.resize(poisoned_rows, 0xffc0);
-        scratch.panel.pairs.clear();
-        scratch.panel.pairs.resize(
-            n.div_ceil(TILE_COLUMNS) * depth / 2 * TILE_COLUMNS,
-            0xffc0_ffc0,
-        );
-        // SAFETY: the caller vouches for the operands.
-        unsafe {
-            let rows = RowsOfA::new(&lines, m, depth, &mut scratch.a);
-            scratch.panel.pack(b, (k, n));
-            scratch.sums.resize(TILE_ROWS * width, 0.0);
-            let _tiles = Configured::new();
-            for row_block in 0..m.div_ceil(TILE_ROWS) {
-                let a = rows.block(row_block, &scratch.a);
-                multiply_rows(a, &scratch.panel, (scratch.sums.as_mut_ptr(), width * 4));
-                for row in 0..TILE_ROWS.min(m - row_block * TILE_ROWS) {
-                    for column in 0..n {
-                        let at =
-                            (row_block * TILE_ROWS + row) as isize * c.1 + column as isize * c.2;
-                        *c.0.offset(at) = scale * scratch.sums[row * width + column];
+        crate::vectors::widest(
+            #[inline(always)]
+            || {
+                let depth = k.next_multiple_of(TILE_DEPTH);
+                // A column-major `a` as the columns of its row-major transpose (rows
+                // packed 16 x 32 at a time from roundings, `pack_columns`).
+                let lines = match a {
+                    ((start, 1, columns), buffer) if columns != 1 => {
+                        Lines::new(((start, columns, 1), buffer), false, k)
+                    }
+                    _ => Lines::new(a, true, k),
+                };
+                // SAFETY: the caller vouches for the operands.
+                let rows = unsafe {
+                    scratch.panel.pack(b, (k, n));
+                    RowsOfA::new(&lines, m, depth, &mut scratch.a)
+                };
+                let blocks = n.div_ceil(TILE_COLUMNS);
+                let at_once = (PANEL_SLICE_BYTES / (depth * 2 * TILE_COLUMNS)).max(WIDE);
+                let Scratch { a, panel, sums } = scratch;
+                let sums = crate::aligned::lines(sums, TILE_ROWS * at_once * TILE_COLUMNS, 0.0);
+                // One slice of columns: rows are done a group of row blocks at a time,
+                // about `FINISHED_VALUES` values (else all at the end).
+                let one_slice = blocks <= at_once;
+                let group = (FINISHED_VALUES / (TILE_ROWS * n)).max(1);
+                let _tiles = Configured::new();
+                for first_block in (0..blocks).step_by(at_once) {
+                    let slice = first_block..blocks.min(first_block + at_once);
+                    let width = slice.len() * TILE_COLUMNS;
+                    let first = first_block * TILE_COLUMNS;
+                    let columns = width.min(n - first);
+                    for row_block in 0..m.div_ceil(TILE_ROWS) {
+                        // SAFETY: the packed rows hold the block; `sums` 16 rows of the
+                        // slice.
+                        unsafe {
+                            let a = rows.block(row_block, a);
+                            let sums = (sums.as_mut_ptr(), width * 4);
+                            multiply_columns(a, panel, slice.clone(), sums);
+                        }
+                        for row in 0..TILE_ROWS.min(m - row_block * TILE_ROWS) {
+                            let out = out_row(row_block * TILE_ROWS + row, first, columns);
+                            let sums = &sums[row * width..][..columns];
+                            if add {
+                                for (out, &sum) in out.iter_mut().zip(sums) {
+                                    *out += scale * sum;
+                                }
+                            } else {
+                                for (out, &sum) in out.iter_mut().zip(sums) {
+                                    *out = scale * sum;
+                                }
+                            }
+                        }
+                        let last = row_block + 1 == m.div_ceil(TILE_ROWS);
+                        if one_slice && ((row_block + 1) % group == 0 || last) {
+                            let first_row = row_block / group * group * TILE_ROWS;
+                            finished(first_row, ((row_block + 1) * TILE_ROWS).min(m));
+                        }
                     }
                 }
-            }
-        }
+                if !one_slice {
+                    finished(0, m);
+                }
+            },
+        )
     });
 }
+
+/// Output values a product hands to its caller at a time when it finishes rows as it
+/// goes (`crate::blas::Gemm::product_finishing`): 128 KiB of f32, in the core's cache.
+const FINISHED_VALUES: usize = 32 << 10;
 
 /// Where the tiles read `a`'s row blocks: in place (rows of bf16 roundings with unit
 /// column stride and a depth of whole tiles: every full block), else packed.
@@ -472,6 +559,8 @@ pub(crate) struct RowsOfA {
     in_place: Option<(*const u16, isize)>,
     full_blocks: usize,
     depth: usize,
+    /// Where the packed rows start in their buffer (a cache line).
+    start: usize,
 }
 
 impl RowsOfA {
@@ -480,6 +569,21 @@ impl RowsOfA {
     /// # Safety
     /// The lines must hold `m` rows of `k` values.
     pub(crate) unsafe fn new(a: &Lines, m: usize, depth: usize, packed: &mut Vec<u16>) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if let (Some((start, row_stride, 1)), false) = (a.rounded, a.by_rows) {
+            if depth.is_multiple_of(TILE_DEPTH) && std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the lines are the columns of `a.length` rows of roundings (the
+                // caller vouches); the host has AVX-512.
+                let start =
+                    unsafe { pack_columns((start, row_stride), (m, a.length), depth, packed) };
+                return RowsOfA {
+                    in_place: None,
+                    full_blocks: 0,
+                    depth,
+                    start,
+                };
+            }
+        }
         let in_place = match a.rounded {
             Some((start, rows, 1)) if a.by_rows && a.length == depth => Some((start, rows)),
             _ => None,
@@ -487,11 +591,12 @@ impl RowsOfA {
         let full_blocks = if in_place.is_some() { m / TILE_ROWS } else { 0 };
         let first = full_blocks * TILE_ROWS;
         // SAFETY: the caller vouches for the rows.
-        unsafe { pack_rows(a, (first, m), depth, packed) };
+        let start = unsafe { pack_rows(a, (first, m), depth, packed) };
         RowsOfA {
             in_place,
             full_blocks,
             depth,
+            start,
         }
     }
 
@@ -503,7 +608,7 @@ impl RowsOfA {
                 rows as usize * 2,
             ),
             _ => {
-                let block = (index - self.full_blocks) * TILE_ROWS * self.depth;
+                let block = self.start + (index - self.full_blocks) * TILE_ROWS * self.depth;
                 (packed[block..].as_ptr(), self.depth * 2)
             }
         }
@@ -511,8 +616,8 @@ impl RowsOfA {
 }
 
 /// `a`'s rows `first..m` of `k` values as bf16 rows of `depth` (zeros past `k`), into
-/// `packed` from its start (rows past `m`, up to the next 16, are left as they were:
-/// their sums are never read).
+/// `packed` from its first cache line, returned (rows past `m`, up to the next 16, are
+/// left as they were: their sums are never read).
 ///
 /// # Safety
 /// The lines must hold `m` rows of `k` values.
@@ -522,18 +627,116 @@ unsafe fn pack_rows(
     (first, m): (usize, usize),
     depth: usize,
     packed: &mut Vec<u16>,
-) {
+) -> usize {
     let k = lines.length;
     let len = (m - first).next_multiple_of(TILE_ROWS) * depth;
-    if packed.len() < len {
-        packed.resize(len, 0);
-    }
-    for (row, out) in packed.chunks_exact_mut(depth).take(m - first).enumerate() {
+    let start = crate::aligned::line_start(packed, len, 0);
+    let rows = packed[start..start + len].chunks_exact_mut(depth);
+    for (row, out) in rows.take(m - first).enumerate() {
         let (values, padding) = out.split_at_mut(k);
         // SAFETY: the caller vouches for the rows.
         unsafe { lines.line(first + row).read_into(values) };
         padding.fill(0);
     }
+    start
+}
+
+/// `out[j] = even[j] | odd[j] << 16`: two rows' 16 values as pairs.
+///
+/// # Safety
+/// The host must have AVX-512F; `out` 16 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn interleave_16(even: &[u16; 16], odd: &[u16; 16], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    debug_assert!(out.len() >= 16);
+    // SAFETY: 16 values each (the types and the caller vouch).
+    unsafe {
+        let load = |values: &[u16; 16]| {
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i))
+        };
+        let pairs = _mm512_or_si512(load(even), _mm512_slli_epi32::<16>(load(odd)));
+        _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, pairs);
+    }
+}
+
+/// `a`'s rows when they are the `m` columns of a row-major matrix of `k` rows of
+/// roundings (rows `row_stride` apart from `start`): each a row of `depth` values (a
+/// whole number of tiles, zeros past `k`) in `packed` from its first cache line
+/// (returned), made 16 columns by 32 rows at a time (each pair of rows interleaved into
+/// 32-bit pairs, then 16 x 16 transposes).
+///
+/// # Safety
+/// The matrix must hold `k` rows of `m` values; the host must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_columns(
+    (start, row_stride): (*const u16, isize),
+    (m, k): (usize, usize),
+    depth: usize,
+    packed: &mut Vec<u16>,
+) -> usize {
+    use std::arch::x86_64::*;
+    let len = m.next_multiple_of(TILE_COLUMNS) * depth;
+    let first_slot = crate::aligned::line_start(packed, len, 0);
+    let mut pairs = [[0u32; TILE_COLUMNS]; TILE_ROWS];
+    let mut transposed = [0u32; TILE_ROWS * TILE_COLUMNS];
+    // Rows outer: the two blocks of 16 columns of a row's cache line are read one after
+    // the other, while the line is in cache.
+    for first_row in (0..depth).step_by(TILE_DEPTH) {
+        for first_column in (0..m).step_by(TILE_COLUMNS) {
+            let columns = TILE_COLUMNS.min(m - first_column);
+            // Row `row`'s 16 values from the block's first column (zeros past the
+            // matrix), widened to 32 bits.
+            let widened = |row: usize| {
+                let at = row as isize * row_stride + first_column as isize;
+                if row < k && columns == TILE_COLUMNS {
+                    // SAFETY: the row holds the block's 16 columns (the caller vouches).
+                    return unsafe {
+                        _mm512_cvtepu16_epi32(
+                            _mm256_loadu_si256(start.offset(at) as *const __m256i),
+                        )
+                    };
+                }
+                let mut values = [0u16; TILE_COLUMNS];
+                if row < k {
+                    // SAFETY: the row holds the block's columns (the caller vouches).
+                    let line = unsafe { std::slice::from_raw_parts(start.offset(at), columns) };
+                    values[..columns].copy_from_slice(line);
+                }
+                // SAFETY: 16 values; the host has AVX-512F (the caller vouches).
+                unsafe {
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i))
+                }
+            };
+            for (pair, out) in pairs.iter_mut().enumerate() {
+                let row = first_row + 2 * pair;
+                // SAFETY: as above; `out` holds 16 pairs.
+                unsafe {
+                    let both =
+                        _mm512_or_si512(widened(row), _mm512_slli_epi32::<16>(widened(row + 1)));
+                    _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, both);
+                }
+            }
+            // SAFETY: 16 rows of 16 pairs; the host has AVX-512F.
+            unsafe {
+                transpose_16x16(
+                    std::array::from_fn(|row| pairs[row].as_ptr()),
+                    &mut transposed,
+                )
+            };
+            for (column, pairs) in transposed.chunks_exact(TILE_COLUMNS).enumerate() {
+                let at = first_slot + (first_column + column) * depth + first_row;
+                let out = &mut packed[at..at + TILE_DEPTH];
+                // SAFETY: 16 pairs in and 32 values out.
+                unsafe {
+                    let pairs = _mm512_loadu_si512(pairs.as_ptr() as *const __m512i);
+                    _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, pairs);
+                }
+            }
+        }
+    }
+    first_slot
 }
 
 /// The first pairs of every whole block of 16 columns of `b` (columns `column_stride`
@@ -794,17 +997,18 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(96))]
 
         /// Every layout, sizes that do not fill a tile (0, 1, 15, 17, 33 ...) and
-        /// that do (32 and 64 deep, blocks of 16 columns), operands rounded here or
-        /// read from rounded buffers: the f64 sums of the roundings' products, to f32
+        /// that do (32 and 64 deep, blocks of 16 columns), columns of several slices
+        /// of the panel, operands rounded here or read from rounded buffers, `c`
+        /// written or added to: the f64 sums of the roundings' products, to f32
         /// accuracy.
         #[test]
         fn products_equal_the_sums_of_the_roundings(
             m in prop_oneof![0usize..40, Just(32usize), Just(48)],
             k in prop_oneof![0usize..70, Just(32usize), Just(64)],
-            n in prop_oneof![0usize..40, Just(32usize), Just(64)],
+            n in prop_oneof![0usize..40, Just(32usize), Just(64), 100usize..300],
             a_by_columns in any::<bool>(),
             b_by_columns in any::<bool>(),
-            from_buffer in 0..3,
+            (from_buffer, add) in (0..3, any::<bool>()),
             seed in any::<u32>(),
         ) {
             if !usable() {
@@ -831,14 +1035,27 @@ mod tests {
                 };
                 (rounded(&a), rounded(&b))
             });
-            let mut c = vec![f32::NAN; m * n + 1];
+            let before = if add { 0.25 } else { f32::NAN };
+            let mut c = vec![before; m * n];
+            c.push(f32::NAN);
+            // Scratch poisoned with bf16 NaNs: a slot the tiles read but no packing wrote
+            // makes sums NaN.
+            SCRATCH.with_borrow_mut(|scratch| {
+                scratch.a.clear();
+                scratch.a.resize(1 << 16, 0xffc0);
+                scratch.panel.poison(1 << 16);
+            });
+            let finished = RefCell::new(Vec::new());
             unsafe {
                 product(
                     (m, k, n),
                     0.5,
-                    ((a.as_ptr(), a_rows, a_columns), buffers.as_ref().map(|(a, _)| a)),
-                    ((b.as_ptr(), b_rows, b_columns), buffers.as_ref().map(|(_, b)| b)),
-                    (c.as_mut_ptr(), n as isize, 1),
+                    (
+                        ((a.as_ptr(), a_rows, a_columns), buffers.as_ref().map(|(a, _)| a)),
+                        ((b.as_ptr(), b_rows, b_columns), buffers.as_ref().map(|(_, b)| b)),
+                    ),
+                    ((c.as_mut_ptr(), n as isize, 1), add),
+                    &|first, last| finished.borrow_mut().push((first, last)),
                 );
             }
             for row in 0..m {
@@ -850,7 +1067,8 @@ mod tests {
                             widen(round(x)) * widen(round(y))
                         })
                         .sum::<f64>()
-                        * 0.5;
+                        * 0.5
+                        + if add { 0.25 } else { 0.0 };
                     let got = f64::from(c[row * n + column]);
                     prop_assert!(
                         (got - expected).abs() <= 1e-5 * (1.0 + expected.abs()),
@@ -860,6 +1078,14 @@ mod tests {
             }
             // Nothing past `c` is written.
             prop_assert!(c[m * n].is_nan());
+            // Every row handed over as finished once, in order.
+            let finished = finished.into_inner();
+            let mut next = 0;
+            for &(first, last) in &finished {
+                prop_assert!(first == next && last >= first, "{:?} for {} rows", finished, m);
+                next = last;
+            }
+            prop_assert_eq!(next, m, "{:?}", finished);
         }
     }
 }

@@ -22,6 +22,10 @@ use crate::bf16::RoundedBuffer;
 use crate::scalar::Scalar;
 use crate::strided::{Strided, StridedMut};
 
+/// What a product calls with ranges of its output's rows as it finishes them
+/// ([`Gemm::product_finishing`]).
+pub(crate) type Finished<'a> = &'a dyn Fn(usize, usize);
+
 /// The matrix products of a scalar type: on the process's MKL when it uses it, else the
 /// `gemm` crate, and attention's small f32 tiles in registers where the host suits it
 /// (`crate::microkernel`).
@@ -110,6 +114,24 @@ pub(crate) trait Gemm: Scalar {
         unsafe { Self::product(shape, scale, a.0, b.0, c, add) }
     }
 
+    /// [`Gemm::product_rounded`] that hands `c`'s rows to `finished` as they are done
+    /// (ranges of rows, in order), so that what follows the product on them (a GEMM's
+    /// epilogue, the roundings of its output) reads them from the core's cache: a block
+    /// of rows at a time on AMX tiles, else all rows once the product is done.
+    ///
+    /// # Safety
+    /// As [`Gemm::product_rounded`].
+    unsafe fn product_finishing(
+        products: Products,
+        (shape, scale): ((usize, usize, usize), Self),
+        (a, b): (Rounded<'_, Self>, Rounded<'_, Self>),
+        (c, add): (StridedMut<Self>, bool),
+        finished: Finished<'_>,
+    ) {
+        unsafe { Self::product_rounded(products, (shape, scale), (a, b), (c, add)) };
+        finished(0, shape.0);
+    }
+
     /// [`Gemm::tile_matmul`] of `products` (as [`Gemm::product_rounded`]).
     ///
     /// # Safety
@@ -180,7 +202,26 @@ impl Gemm for f32 {
         unsafe {
             match products {
                 Products::Float => Self::product(shape, scale, a.0, b.0, c, add),
-                Products::Bf16 => crate::bf16::product((shape, scale), a, b, (c, add)),
+                Products::Bf16 => crate::bf16::product((shape, scale), a, b, (c, add), &|_, _| {}),
+            }
+        }
+    }
+
+    unsafe fn product_finishing(
+        products: Products,
+        (shape, scale): ((usize, usize, usize), Self),
+        (a, b): (Rounded<'_, Self>, Rounded<'_, Self>),
+        (c, add): (StridedMut<Self>, bool),
+        finished: Finished<'_>,
+    ) {
+        // The caller vouches for the operands (as for `product`).
+        unsafe {
+            match products {
+                Products::Float => {
+                    Self::product(shape, scale, a.0, b.0, c, add);
+                    finished(0, shape.0);
+                }
+                Products::Bf16 => crate::bf16::product((shape, scale), a, b, (c, add), finished),
             }
         }
     }

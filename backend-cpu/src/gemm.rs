@@ -76,9 +76,9 @@ pub(super) unsafe fn gemm<T: Gemm>(
     let block = (FINISH_BLOCK_VALUES / shape.n.max(1)).max(1);
     let n = shape.n.max(0) as usize;
     let finishing = epilogue.is_some() || producing_ref.is_some();
-    let rows = move |start: i64, end: i64| unsafe {
-        gemm_rows(buffers, (shape, products, rounded), start, end);
-        let mut first = start;
+    // Rows `first..end` of `out`, written: the epilogue and the roundings, a block at a
+    // time.
+    let finish = move |mut first: i64, end: i64| unsafe {
         while finishing && first < end {
             let last = (first + block).min(end);
             if let Some((kernel, args)) = epilogue {
@@ -89,6 +89,13 @@ pub(super) unsafe fn gemm<T: Gemm>(
             }
             first = last;
         }
+    };
+    let rows = move |start: i64, end: i64| unsafe {
+        // The product hands its rows over as it finishes them (on AMX tiles, a block of
+        // rows at a time, still in the core's cache).
+        let finished =
+            |first: usize, last: usize| finish(start + first as i64, start + last as i64);
+        gemm_rows(buffers, (shape, products, rounded), (start, end), &finished);
     };
     if chunks == 1 {
         rows(0, shape.rows);
@@ -135,22 +142,23 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 
 /// Rows `start..end` of a GEMM, on this thread: the bias (if any) written first and the
 /// product added to it (one pass over the rows fewer than adding the bias after; the
-/// library would otherwise clear them first).
+/// library would otherwise clear them first). `finished` gets the rows (from `start`)
+/// as they are done (`Gemm::product_finishing`).
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
 unsafe fn gemm_rows<T: Gemm>(
     buffers: GemmBuffers<T>,
     (shape, products, (rounded_x, rounded_weight)): (GemmShape, Products, RoundedPair<'_>),
-    start: i64,
-    end: i64,
+    (start, end): (i64, i64),
+    finished: crate::blas::Finished<'_>,
 ) {
     let GemmShape {
         k, n, transposed, ..
     } = shape;
     let rows = end - start;
     if rows <= 0 || n == 0 {
-        return;
+        return finished(0, rows.max(0) as usize);
     }
     unsafe {
         let out = buffers.out.offset((start * n) as isize);
@@ -167,14 +175,14 @@ unsafe fn gemm_rows<T: Gemm>(
             None => {}
         }
         if k == 0 {
-            return;
+            return finished(0, rows as usize);
         }
         let weight = if transposed {
             (buffers.weight, n as isize, 1)
         } else {
             (buffers.weight, 1, k as isize)
         };
-        T::product_rounded(
+        T::product_finishing(
             products,
             ((rows as usize, k as usize, n as usize), T::ONE),
             (
@@ -185,6 +193,7 @@ unsafe fn gemm_rows<T: Gemm>(
                 (weight, rounded_weight),
             ),
             ((out, n as isize, 1), buffers.bias.is_some()),
+            finished,
         );
     }
 }
@@ -225,12 +234,17 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
             a,
             b: b as *const T,
         };
+        // Tasks take their own rows of `out`; on AMX tiles, their own columns when `out` is
+        // wider than tall (each task packs the operand it reads whole, `b`, once: the
+        // narrower). Either way each sum is made in one order, whatever the split.
+        let by_columns = n > m && products == Products::Bf16 && crate::amx::usable();
+        let along = if by_columns { n } else { m };
         let chunks = if parallel {
-            threads.min(m / 8).max(1)
+            threads.min(along / 8).max(1)
         } else {
             1
         };
-        let per_chunk = m.div_ceil(chunks);
+        let per_chunk = along.div_ceil(chunks);
         // With bf16 products, `a` and `b` (which every chunk reads whole) are rounded
         // once, or were for an earlier step of the run (`crate::kept`: the GEMMs whose
         // input and output gradient they are).
@@ -242,17 +256,18 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
             )
         };
         let rounded = (rounded.0.as_deref(), rounded.1.as_deref());
-        // Output rows `first..first + count` (each task its own rows of `out`).
+        // Output rows (or columns) `first..first + count`.
         let product = move |first: usize, count: usize| unsafe {
-            buffers.product(first, count, (rows, m, n), (products, rounded))
+            let part = (first, count, by_columns);
+            buffers.product(part, (rows, m, n), (products, rounded))
         };
         if chunks == 1 {
-            product(0, m);
+            product(0, along);
         } else {
             crate::Parallelism::count_split();
             crate::team::for_each_chunk(chunks, threads, &|chunk| {
                 let first = chunk * per_chunk;
-                product(first, per_chunk.min(m - first))
+                product(first, per_chunk.min(along - first))
             });
         }
     } else {
@@ -363,27 +378,48 @@ unsafe impl<T> Send for SumBuffers<T> {}
 unsafe impl<T> Sync for SumBuffers<T> {}
 
 impl<T: Gemm> SumBuffers<T> {
-    /// Rows `first..first + count` of `out = a^T b`, `a`'s columns read with swapped
-    /// strides (no copy).
+    /// Rows `first..first + count` of `out = a^T b` (its columns, `by_columns`), `a`'s
+    /// columns read with swapped strides (no copy).
     ///
     /// # Safety
-    /// The buffers must hold `rows*m`, `rows*n` and `m*n` values, `first + count <= m`.
+    /// The buffers must hold `rows*m`, `rows*n` and `m*n` values, `first + count` at
+    /// most `m` (`n`).
     unsafe fn product(
         self,
-        first: usize,
-        count: usize,
+        (first, count, by_columns): (usize, usize, bool),
         (rows, m, n): (usize, usize, usize),
         (products, (rounded_a, rounded_b)): (Products, RoundedPair<'_>),
     ) {
+        let (a, b, out, shape) = if by_columns {
+            // SAFETY: within `b` and `out` (the caller vouches).
+            unsafe {
+                (
+                    self.a,
+                    self.b.add(first),
+                    self.out.add(first),
+                    (m, rows, count),
+                )
+            }
+        } else {
+            // SAFETY: within `a` and `out`.
+            unsafe {
+                (
+                    self.a.add(first),
+                    self.b,
+                    self.out.add(first * n),
+                    (count, rows, n),
+                )
+            }
+        };
         unsafe {
             T::product_rounded(
                 products,
-                ((count, rows, n), T::ONE),
+                (shape, T::ONE),
                 (
-                    ((self.a.add(first), 1, m as isize), rounded_a),
-                    ((self.b, n as isize, 1), rounded_b),
+                    ((a, 1, m as isize), rounded_a),
+                    ((b, n as isize, 1), rounded_b),
                 ),
-                ((self.out.add(first * n), n as isize, 1), false),
+                ((out, n as isize, 1), false),
             )
         }
     }

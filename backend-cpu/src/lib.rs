@@ -19,6 +19,7 @@
 //! only (what the eager `NestedTensor` uses).
 #![cfg_attr(not(feature = "jit"), allow(dead_code))]
 
+mod aligned;
 mod amx;
 mod attention;
 mod bf16;

@@ -223,11 +223,10 @@ impl AttentionRun<'_> {
             );
             RowsOfA::new(&lines, rows, d.next_multiple_of(32), queries)
         };
-        scores.resize(ROWS * score_width, 0.0);
-        if probabilities.len() < ROWS * key_depth {
-            probabilities.resize(ROWS * key_depth, 0);
-        }
-        sums.resize(ROWS * value_width, 0.0);
+        // The tiles' operands and sums from cache lines (`crate::aligned`).
+        let scores = crate::aligned::lines(scores, ROWS * score_width, 0.0);
+        let probabilities = crate::aligned::lines(probabilities, ROWS * key_depth, 0);
+        let sums = crate::aligned::lines(sums, ROWS * value_width, 0.0);
         let mut totals = [0.0f32; ROWS];
         let scale = self.scale as f32;
         let _tiles = Configured::new();
@@ -447,12 +446,11 @@ impl AttentionGradRun<'_> {
             )
         };
         let sum_width = score_width.max(head_width);
-        scores.resize(ROWS * score_width, 0.0);
-        products.resize(ROWS * score_width, 0.0);
-        sums.resize(ROWS * sum_width, 0.0);
-        if slope_rows.len() < ROWS * key_depth {
-            slope_rows.resize(ROWS * key_depth, 0);
-        }
+        // The tiles' operands and sums from cache lines (`crate::aligned`).
+        let scores = crate::aligned::lines(scores, ROWS * score_width, 0.0);
+        let products = crate::aligned::lines(products, ROWS * score_width, 0.0);
+        let sums = crate::aligned::lines(sums, ROWS * sum_width, 0.0);
+        let slope_rows = crate::aligned::lines(slope_rows, ROWS * key_depth, 0);
         let mut states = [GradRow::default(); ROWS];
         for block in 0..rows.div_ceil(ROWS) {
             let block_rows = ROWS.min(rows - block * ROWS);

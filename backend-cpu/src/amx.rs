@@ -427,6 +427,41 @@ unsafe fn multiply_columns(
     }
 }
 
+/// [`multiply_columns`] for two blocks of 16 rows of `a` at once
+/// ([`multiply_tiles_2x2`] two column blocks at a time): the second block's sums 16
+/// rows after the first's.
+///
+/// # Safety
+/// As [`multiply_columns`], for both row blocks; `sums` 32 rows.
+#[inline(always)]
+unsafe fn multiply_columns_2(
+    a: [(*const u16, usize); 2],
+    panel: &Panel,
+    blocks: std::ops::Range<usize>,
+    (sums, row_bytes): (*mut f32, usize),
+) {
+    let block = panel.block();
+    let steps = panel.depth / TILE_DEPTH;
+    let second = TILE_ROWS * row_bytes;
+    let mut column_block = blocks.start;
+    while column_block < blocks.end {
+        // SAFETY: the panel and the sums hold every block (the caller vouches).
+        unsafe {
+            let b = panel.first().add(column_block * block);
+            let sums = sums.add((column_block - blocks.start) * TILE_COLUMNS);
+            if blocks.end - column_block >= 2 {
+                let tiles = (sums, row_bytes, TILE_COLUMNS * 4, second);
+                multiply_tiles_2x2(tiles, a, (b, block * 4), steps);
+                column_block += 2;
+            } else {
+                multiply_tile((sums, row_bytes, 0), a[0], b, steps);
+                multiply_tile((sums.byte_add(second), row_bytes, 0), a[1], b, steps);
+                column_block += 1;
+            }
+        }
+    }
+}
+
 /// Per-thread scratch of [`product`], kept between products.
 #[derive(Default)]
 struct Scratch {
@@ -451,8 +486,9 @@ const PANEL_SLICE_BYTES: usize = 8 << 10;
 /// `c [m x n]` (unit column stride), on AMX tiles with bf16 roundings of `a` and `b`
 /// (read from their buffers, or rounded here) and f32 sums: `b` packed once, then per
 /// slice of its columns ([`PANEL_SLICE_BYTES`]) every block of 16 rows of `a` (in place
-/// when they are rows of roundings a whole number of tiles deep), the sums of a block
-/// written into `c` as they are made. `finished` gets `c`'s rows as they are done: in
+/// when they are rows of roundings a whole number of tiles deep), two blocks at a time
+/// against two column blocks ([`multiply_tiles_2x2`]), the sums of the blocks written
+/// into `c` as they are made. `finished` gets `c`'s rows as they are done: in
 /// groups of blocks of about [`FINISHED_VALUES`] values when the columns take one slice,
 /// else all at the end.
 ///
@@ -502,28 +538,43 @@ pub(crate) unsafe fn product(
                 let blocks = n.div_ceil(TILE_COLUMNS);
                 let at_once = (PANEL_SLICE_BYTES / (depth * 2 * TILE_COLUMNS)).max(WIDE);
                 let Scratch { a, panel, sums } = scratch;
-                let sums = crate::aligned::lines(sums, TILE_ROWS * at_once * TILE_COLUMNS, 0.0);
-                // One slice of columns: rows are done a group of row blocks at a time,
-                // about `FINISHED_VALUES` values (else all at the end).
+                let sums = crate::aligned::lines(sums, 2 * TILE_ROWS * at_once * TILE_COLUMNS, 0.0);
+                // One slice of columns: rows are done about `FINISHED_VALUES` values at a
+                // time (else all at the end).
                 let one_slice = blocks <= at_once;
-                let group = (FINISHED_VALUES / (TILE_ROWS * n)).max(1);
+                let row_blocks = m.div_ceil(TILE_ROWS);
                 let _tiles = Configured::new();
                 for first_block in (0..blocks).step_by(at_once) {
                     let slice = first_block..blocks.min(first_block + at_once);
                     let width = slice.len() * TILE_COLUMNS;
                     let first = first_block * TILE_COLUMNS;
                     let columns = width.min(n - first);
-                    for row_block in 0..m.div_ceil(TILE_ROWS) {
-                        // SAFETY: the packed rows hold the block; `sums` 16 rows of the
+                    let mut handed = 0;
+                    let mut row_block = 0;
+                    while row_block < row_blocks {
+                        // Two row blocks at a time where both are there and read at one
+                        // stride.
+                        let (a0, a1) = (
+                            rows.block(row_block, a),
+                            rows.block((row_block + 1).min(row_blocks - 1), a),
+                        );
+                        let pair = row_block + 1 < row_blocks && a0.1 == a1.1;
+                        // SAFETY: the packed rows hold the blocks; `sums` 32 rows of the
                         // slice.
                         unsafe {
-                            let a = rows.block(row_block, a);
                             let sums = (sums.as_mut_ptr(), width * 4);
-                            multiply_columns(a, panel, slice.clone(), sums);
+                            if pair {
+                                multiply_columns_2([a0, a1], panel, slice.clone(), sums);
+                            } else {
+                                multiply_columns(a0, panel, slice.clone(), sums);
+                            }
                         }
-                        for row in 0..TILE_ROWS.min(m - row_block * TILE_ROWS) {
-                            let out = out_row(row_block * TILE_ROWS + row, first, columns);
-                            let sums = &sums[row * width..][..columns];
+                        let count = if pair { 2 } else { 1 };
+                        let first_row = row_block * TILE_ROWS;
+                        let end_row = (first_row + count * TILE_ROWS).min(m);
+                        for row in first_row..end_row {
+                            let out = out_row(row, first, columns);
+                            let sums = &sums[(row - first_row) * width..][..columns];
                             if add {
                                 for (out, &sum) in out.iter_mut().zip(sums) {
                                     *out += scale * sum;
@@ -534,10 +585,11 @@ pub(crate) unsafe fn product(
                                 }
                             }
                         }
-                        let last = row_block + 1 == m.div_ceil(TILE_ROWS);
-                        if one_slice && ((row_block + 1) % group == 0 || last) {
-                            let first_row = row_block / group * group * TILE_ROWS;
-                            finished(first_row, ((row_block + 1) * TILE_ROWS).min(m));
+                        row_block += count;
+                        let enough = (end_row - handed) * n >= FINISHED_VALUES;
+                        if one_slice && (enough || end_row == m) {
+                            finished(handed, end_row);
+                            handed = end_row;
                         }
                     }
                 }
@@ -968,6 +1020,69 @@ unsafe fn multiply_tiles(
             row = in(reg) ROW_BYTES,
             sum_stride = in(reg) sum_stride,
             sum_block = in(reg) sum_block,
+            options(nostack),
+        );
+    }
+}
+
+/// Two blocks of 16 rows of `a` (`a[0]`, `a[1]`) times two column blocks of `b` (`b`,
+/// `b_block` bytes on): four tiles of sums, each tile of `a` and of `b` read once per
+/// step for two of them (half the panel's reads of [`multiply_tiles`] per sum, which
+/// streams the panel from the core's second-level cache). The second row block's sums
+/// are `second` bytes after the first's.
+///
+/// # Safety
+/// As [`multiply_tile`], for both row blocks and both column blocks.
+#[inline(always)]
+unsafe fn multiply_tiles_2x2(
+    (sums, sum_stride, sum_block, second): (*mut f32, usize, usize, usize),
+    a: [(*const u16, usize); 2],
+    (b, b_block): (*const u32, usize),
+    steps: usize,
+) {
+    unsafe {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a0} + {a0_stride}*1]",
+            "tileloadd tmm6, [{b} + {row}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm5, [{a1} + {a1_stride}*1]",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "mov {p}, {b}",
+            "add {p}, {b_block}",
+            "tileloadd tmm7, [{p} + {row}*1]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b}, 1024",
+            "dec {steps}",
+            "jnz 2b",
+            "tilestored [{sums} + {sum_stride}*1], tmm0",
+            "mov {p}, {sums}",
+            "add {p}, {sum_block}",
+            "tilestored [{p} + {sum_stride}*1], tmm1",
+            "add {sums}, {second}",
+            "tilestored [{sums} + {sum_stride}*1], tmm2",
+            "add {sums}, {sum_block}",
+            "tilestored [{sums} + {sum_stride}*1], tmm3",
+            a0 = inout(reg) a[0].0 => _,
+            a1 = inout(reg) a[1].0 => _,
+            b = inout(reg) b => _,
+            p = out(reg) _,
+            steps = inout(reg) steps => _,
+            sums = inout(reg) sums => _,
+            a0_stride = in(reg) a[0].1,
+            a1_stride = in(reg) a[1].1,
+            b_block = in(reg) b_block,
+            row = in(reg) ROW_BYTES,
+            sum_stride = in(reg) sum_stride,
+            sum_block = in(reg) sum_block,
+            second = in(reg) second,
             options(nostack),
         );
     }

@@ -9,8 +9,9 @@
 //!   runtime's [`nestor_runtime::Executable`];
 //! - the GEMM libraries (the process's MKL, else the `gemm` crate; [`gemm_library`]
 //!   says which, [`gemm_probe`] why) and an f32 micro-kernel for small tiles;
-//! - varlen attention (`attention.rs`; its mixed-precision forward on Intel AMX tiles,
-//!   `amx.rs`, where [`attention_on_amx`] says), direct convolution and pooling over packed
+//! - varlen attention (`attention.rs`; its mixed-precision forward and gradient on Intel
+//!   AMX tiles, `amx.rs`, where [`attention_on_amx`] says, as are all bf16 products
+//!   there, [`bf16_path`]), direct convolution and pooling over packed
 //!   images (`conv.rs`, `window.rs`; [`convolve_images`] for the eager API);
 //! - the thread team (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`]
 //!   says which) and how runs split their work ([`Parallelism`]);

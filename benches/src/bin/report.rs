@@ -290,7 +290,7 @@ fn machine() -> String {
         nestor::bf16_path().name(),
         bf16_units(&cpuinfo),
         if nestor::attention_on_amx() {
-            ", mixed-precision attention's forward on AMX tiles"
+            ", mixed-precision attention's forward and gradient on AMX tiles"
         } else {
             ""
         }

@@ -12,11 +12,17 @@ pub(crate) fn lines<T: Copy>(vector: &mut Vec<T>, len: usize, fill: T) -> &mut [
     &mut vector[start..start + len]
 }
 
+/// The values a vector must hold for [`lines`] to hand out `len` of them from a line
+/// boundary, wherever its allocation starts.
+pub(crate) fn with_slack<T>(len: usize) -> usize {
+    len + LINE / std::mem::size_of::<T>().max(1)
+}
+
 /// Where [`lines`] hands `vector`'s values out from (an index), after growing it to hold
 /// `len` values from there.
 pub(crate) fn line_start<T: Copy>(vector: &mut Vec<T>, len: usize, fill: T) -> usize {
     let size = std::mem::size_of::<T>().max(1);
-    let needed = len + LINE / size;
+    let needed = with_slack::<T>(len);
     if vector.len() < needed {
         vector.resize(needed, fill);
     }

@@ -306,6 +306,8 @@ impl Panel {
             // Rows of `b` (a value's rows, such as attention's values): a pair of rows
             // at a time, interleaved.
             let lines = Lines::new(b, true, n);
+            #[cfg(target_arch = "x86_64")]
+            let wide = std::is_x86_feature_detected!("avx512f");
             for index in 0..pairs {
                 // SAFETY: rows below `k` hold `n` values (the caller vouches).
                 let (even, odd) = unsafe {
@@ -318,12 +320,10 @@ impl Panel {
                 for (column_block, (even, odd)) in blocks.enumerate() {
                     let out = &mut packed[column_block * block + index * TILE_COLUMNS..];
                     #[cfg(target_arch = "x86_64")]
-                    if let (Ok(even), Ok(odd)) = (even.try_into(), odd.try_into()) {
-                        if std::is_x86_feature_detected!("avx512f") {
-                            // SAFETY: the host has AVX-512; `out` holds the block's pairs.
-                            unsafe { interleave_16(even, odd, &mut out[..TILE_COLUMNS]) };
-                            continue;
-                        }
+                    if let (true, Ok(even), Ok(odd)) = (wide, even.try_into(), odd.try_into()) {
+                        // SAFETY: the host has AVX-512; `out` holds the block's pairs.
+                        unsafe { interleave_16(even, odd, &mut out[..TILE_COLUMNS]) };
+                        continue;
                     }
                     for (out, (&even, &odd)) in out.iter_mut().zip(even.iter().zip(odd)) {
                         *out = pair(even, odd);

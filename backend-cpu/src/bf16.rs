@@ -454,7 +454,7 @@ const POOLED: usize = 64;
 /// vector once held are not set again (setting them cost more than the roundings of a
 /// step's output).
 fn take<E: Rounding>(pool: &Pool<E>, len: usize) -> (Vec<E>, usize) {
-    let len_with_slack = len + 64 / std::mem::size_of::<E>().max(1);
+    let len_with_slack = crate::aligned::with_slack::<E>(len);
     let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let length = |index: &usize| vectors[*index].len();
     let holding = (0..vectors.len())

@@ -199,12 +199,7 @@ impl Gemm for f32 {
         (c, add): (StridedMut<Self>, bool),
     ) {
         // The caller vouches for the operands (as for `product`).
-        unsafe {
-            match products {
-                Products::Float => Self::product(shape, scale, a.0, b.0, c, add),
-                Products::Bf16 => crate::bf16::product((shape, scale), a, b, (c, add), &|_, _| {}),
-            }
-        }
+        unsafe { Self::product_finishing(products, (shape, scale), (a, b), (c, add), &|_, _| {}) }
     }
 
     unsafe fn product_finishing(

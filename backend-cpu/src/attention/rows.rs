@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 /// Scores a register holds.
-pub(super) const LANES: usize = 16;
+const LANES: usize = 16;
 
 /// The least exponent whose power is made: `e^-87` is about the least power of e that
 /// is not a denormal (a denormal result is slow to make); smaller ones are taken as 0,

@@ -28,7 +28,10 @@
 //!
 //! [`usable`] asks the host (cpuid) and the kernel (`arch_prctl`, which must grant the
 //! tile data to the process) once; `NESTOR_AMX=off` turns the tiles off (and
-//! `NESTOR_BF16=f32`, which sends every bf16 product to the f32 GEMM).
+//! `NESTOR_BF16` naming another path: `crate::bf16`).
+//!
+//! On a host with AVX512-BF16 but no tiles, [`product`] packs the same way and
+//! multiplies with `vdpbf16ps` in registers instead (`crate::dot`).
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -47,14 +50,16 @@ const ROW_BYTES: usize = 64;
 /// Column blocks multiplied at once (four tiles of sums, one of `a`, three of `b`).
 const WIDE: usize = 4;
 
-/// Whether this process runs mixed-precision attention's forward on Intel AMX tiles
-/// (asked once: the host has AMX-TILE and AMX-BF16, the kernel grants the tile data,
-/// and neither `NESTOR_AMX=off` nor `NESTOR_BF16=f32` is set).
+/// Whether this process runs its bf16 products and mixed-precision attention on Intel
+/// AMX tiles (asked once: the host has AMX-TILE and AMX-BF16, the kernel grants the
+/// tile data, `NESTOR_AMX=off` is not set and `NESTOR_BF16` names no other path).
 pub fn usable() -> bool {
     static USABLE: OnceLock<bool> = OnceLock::new();
     *USABLE.get_or_init(|| {
         let off = crate::process::env_is("NESTOR_AMX", "off")
-            || crate::process::env_is("NESTOR_BF16", "f32");
+            || ["f32", "mkl", "dot"]
+                .iter()
+                .any(|path| crate::process::env_is("NESTOR_BF16", path));
         !off && host_grants_tiles()
     })
 }
@@ -251,8 +256,18 @@ impl Panel {
     }
 
     /// Pairs per column block.
-    fn block(&self) -> usize {
+    pub(crate) fn block(&self) -> usize {
         self.depth / 2 * TILE_COLUMNS
+    }
+
+    /// Rows of `b` the panel holds: `k` rounded up to whole tiles (zeros past `k`).
+    pub(crate) fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// The first pair of column block `index` (columns `16 index` on).
+    pub(crate) fn column_block(&self, index: usize) -> *const u32 {
+        self.first().wrapping_add(index * self.block())
     }
 
     /// Shapes the panel for `b [k x n]` written by its caller a pair of rows at a time
@@ -410,7 +425,7 @@ unsafe fn multiply_columns(
         // SAFETY: the panel and the sums hold every block (the caller vouches for the
         // sums).
         unsafe {
-            let b = panel.first().add(column_block * block);
+            let b = panel.column_block(column_block);
             let sums = (
                 sums.add((column_block - blocks.start) * TILE_COLUMNS),
                 row_bytes,
@@ -447,7 +462,7 @@ unsafe fn multiply_columns_2(
     while column_block < blocks.end {
         // SAFETY: the panel and the sums hold every block (the caller vouches).
         unsafe {
-            let b = panel.first().add(column_block * block);
+            let b = panel.column_block(column_block);
             let sums = sums.add((column_block - blocks.start) * TILE_COLUMNS);
             if blocks.end - column_block >= 2 {
                 let tiles = (sums, row_bytes, TILE_COLUMNS * 4, second);
@@ -460,6 +475,15 @@ unsafe fn multiply_columns_2(
             }
         }
     }
+}
+
+/// What multiplies [`product`]'s packed operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Units {
+    /// AMX tiles ([`usable`]).
+    Tiles,
+    /// AVX512-BF16's `vdpbf16ps` in registers (`crate::dot`, where the host has it).
+    Dot,
 }
 
 /// Per-thread scratch of [`product`], kept between products.
@@ -483,19 +507,22 @@ const PANEL_SLICE_BYTES: usize = 512 << 10;
 const PANEL_SLICE_BYTES: usize = 8 << 10;
 
 /// `c = scale a b` (`c += scale a b` when `add`) for `a [m x k]`, `b [k x n]`,
-/// `c [m x n]` (unit column stride), on AMX tiles with bf16 roundings of `a` and `b`
-/// (read from their buffers, or rounded here) and f32 sums: `b` packed once, then per
-/// slice of its columns ([`PANEL_SLICE_BYTES`]) every block of 16 rows of `a` (in place
-/// when they are rows of roundings a whole number of tiles deep), two blocks at a time
-/// against two column blocks ([`multiply_tiles_2x2`]), the sums of the blocks written
-/// into `c` as they are made. `finished` gets `c`'s rows as they are done: in
+/// `c [m x n]` (unit column stride), on `units` (AMX tiles, or `vdpbf16ps`) with bf16
+/// roundings of `a` and `b` (read from their buffers, or rounded here) and f32 sums:
+/// `b` packed once, then per slice of its columns ([`PANEL_SLICE_BYTES`]) every block
+/// of 16 rows of `a` (in place when they are rows of roundings a whole number of tiles
+/// deep), on tiles two blocks at a time against two column blocks
+/// ([`multiply_tiles_2x2`]), the sums of the blocks written into `c` as they are
+/// made. `finished` gets `c`'s rows as they are done: in
 /// groups of blocks of about [`FINISHED_VALUES`] values when the columns take one slice,
 /// else all at the end.
 ///
 /// # Safety
-/// [`usable`] must be true. The pointers must be valid for the sizes and strides given;
-/// `c`'s column stride 1; a rounded operand's matrix must lie within its buffer.
+/// The host must have the units ([`usable`] for the tiles, `crate::dot::host_has` for
+/// `vdpbf16ps`). The pointers must be valid for the sizes and strides given; `c`'s
+/// column stride 1; a rounded operand's matrix must lie within its buffer.
 pub(crate) unsafe fn product(
+    units: Units,
     (m, k, n): (usize, usize, usize),
     scale: f32,
     (a, b): (Operand<'_>, Operand<'_>),
@@ -543,7 +570,7 @@ pub(crate) unsafe fn product(
                 // time (else all at the end).
                 let one_slice = blocks <= at_once;
                 let row_blocks = m.div_ceil(TILE_ROWS);
-                let _tiles = Configured::new();
+                let _tiles = (units == Units::Tiles).then(Configured::new);
                 for first_block in (0..blocks).step_by(at_once) {
                     let slice = first_block..blocks.min(first_block + at_once);
                     let width = slice.len() * TILE_COLUMNS;
@@ -553,7 +580,7 @@ pub(crate) unsafe fn product(
                     let mut row_block = 0;
                     while row_block < row_blocks {
                         // Two row blocks at a time where both are there and read at one
-                        // stride.
+                        // stride (one after the other on `vdpbf16ps`).
                         let (a0, a1) = (
                             rows.block(row_block, a),
                             rows.block((row_block + 1).min(row_blocks - 1), a),
@@ -563,10 +590,26 @@ pub(crate) unsafe fn product(
                         // slice.
                         unsafe {
                             let sums = (sums.as_mut_ptr(), width * 4);
-                            if pair {
-                                multiply_columns_2([a0, a1], panel, slice.clone(), sums);
-                            } else {
-                                multiply_columns(a0, panel, slice.clone(), sums);
+                            match (units, pair) {
+                                (Units::Tiles, true) => {
+                                    multiply_columns_2([a0, a1], panel, slice.clone(), sums)
+                                }
+                                (Units::Tiles, false) => {
+                                    multiply_columns(a0, panel, slice.clone(), sums)
+                                }
+                                (Units::Dot, _) => {
+                                    crate::dot::multiply_columns(a0, panel, slice.clone(), sums);
+                                    if pair {
+                                        let second = sums.0.add(TILE_ROWS * width);
+                                        let sums = (second, sums.1);
+                                        crate::dot::multiply_columns(
+                                            a1,
+                                            panel,
+                                            slice.clone(),
+                                            sums,
+                                        );
+                                    }
+                                }
                             }
                         }
                         let count = if pair { 2 } else { 1 };
@@ -1109,13 +1152,13 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(96))]
+        #![proptest_config(ProptestConfig::with_cases(160))]
 
-        /// Every layout, sizes that do not fill a tile (0, 1, 15, 17, 33 ...) and
-        /// that do (32 and 64 deep, blocks of 16 columns), columns of several slices
-        /// of the panel, operands rounded here or read from rounded buffers, `c`
-        /// written or added to: the f64 sums of the roundings' products, to f32
-        /// accuracy.
+        /// On tiles and on `vdpbf16ps` (where the host has them), every layout, sizes
+        /// that do not fill a tile (0, 1, 15, 17, 33 ...) and that do (32 and 64 deep,
+        /// blocks of 16 columns), columns of several slices of the panel, operands
+        /// rounded here or read from rounded buffers, `c` written or added to: the f64
+        /// sums of the roundings' products, to f32 accuracy.
         #[test]
         fn products_equal_the_sums_of_the_roundings(
             m in prop_oneof![0usize..40, Just(32usize), Just(48)],
@@ -1125,9 +1168,14 @@ mod tests {
             b_by_columns in any::<bool>(),
             (from_buffer, add) in (0..3, any::<bool>()),
             seed in any::<u32>(),
+            units in prop_oneof![Just(Units::Tiles), Just(Units::Dot)],
         ) {
-            if !usable() {
-                eprintln!("skipped: this host has no AMX tiles");
+            let has = match units {
+                Units::Tiles => usable(),
+                Units::Dot => crate::dot::host_has(),
+            };
+            if !has {
+                eprintln!("skipped: this host has no {units:?} units");
                 return Ok(());
             }
             let value = |index: usize| {
@@ -1163,6 +1211,7 @@ mod tests {
             let finished = RefCell::new(Vec::new());
             unsafe {
                 product(
+                    units,
                     (m, k, n),
                     0.5,
                     (

@@ -3,12 +3,15 @@
 //! sums. On a host with AMX tiles (Sapphire Rapids and later) the roundings are
 //! multiplied on them by nestor's own product (`crate::amx::product`: its right operand
 //! packed once, rows handed to the caller as they are done, 0.8-1.3x the time of MKL's
-//! for the encoder's shapes on one core); else where the process has MKL's
-//! `cblas_gemm_bf16bf16f32` (libtorch exports it; AVX512-BF16 on Cooper Lake) and a
-//! probe at the first use finds it faster than the f32 GEMM, there; elsewhere the same
-//! roundings, held as f32, go to the f32 GEMM. A product of two bf16 values is exact in
-//! f32, so every path computes the same sums, up to their order. `NESTOR_AMX=off` skips
-//! the tiles, `NESTOR_BF16=f32` forces the last path.
+//! for the encoder's shapes on one core); else on a host with AVX512-BF16 (Cooper Lake,
+//! AMD Zen 4 and Zen 5) by the same product with `vdpbf16ps` in registers
+//! (`crate::dot`); else where the process has MKL's `cblas_gemm_bf16bf16f32` (libtorch
+//! exports it) and a probe at the first use finds it faster than the f32 GEMM, there;
+//! elsewhere the same roundings, held as f32, go to the f32 GEMM. A product of two bf16
+//! values is exact in f32, so every path computes the same sums, up to their order.
+//!
+//! `NESTOR_AMX=off` skips the tiles; `NESTOR_BF16` picks a path: `dot` (no tiles),
+//! `mkl` (MKL's, without the probe, where the process has it), `f32` (the last path).
 //!
 //! Each operand is rounded into a buffer of the calling thread (kept between calls),
 //! in the layout it had, so a transposed weight stays a transposed read; an operand
@@ -20,6 +23,7 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use crate::amx::Units;
 use crate::blas::{on_one_thread, Gemm, SetThreadsFn};
 use crate::parallel::SendPointer;
 use crate::strided::{Strided, StridedMut};
@@ -28,8 +32,11 @@ use crate::strided::{Strided, StridedMut};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Path {
     /// nestor's own products on Intel AMX tiles (`crate::amx::product`), where the host
-    /// has them and `NESTOR_AMX=off` is not set.
+    /// has them and neither `NESTOR_AMX=off` nor another `NESTOR_BF16` is set.
     Amx,
+    /// nestor's own products with AVX512-BF16's `vdpbf16ps` (`crate::dot`), where the
+    /// host has it and no tiles (or `NESTOR_BF16=dot`).
+    Dot,
     /// MKL's `cblas_gemm_bf16bf16f32`: the host's bf16 units.
     Mkl,
     /// The bf16 roundings as f32 on the f32 GEMM (no bf16 GEMM in the process, a slower
@@ -42,6 +49,7 @@ impl Bf16Path {
     pub fn name(self) -> &'static str {
         match self {
             Bf16Path::Amx => "AMX tiles (nestor's bf16 products)",
+            Bf16Path::Dot => "AVX512-BF16 vdpbf16ps (nestor's bf16 products)",
             Bf16Path::Mkl => "MKL cblas_gemm_bf16bf16f32",
             Bf16Path::F32 => "bf16 roundings on the f32 GEMM",
         }
@@ -81,12 +89,23 @@ struct MklBf16 {
 
 /// The path chosen once per process (with MKL's functions when they were chosen).
 enum Choice {
-    Amx,
+    /// nestor's own products (`crate::amx::product`) on these units.
+    Own(Units),
     Mkl(MklBf16),
     F32,
 }
 
 impl Choice {
+    /// What `NESTOR_BF16` is set to to ask for the path.
+    fn setting(&self) -> &'static str {
+        match self {
+            Choice::Own(Units::Tiles) => "amx",
+            Choice::Own(Units::Dot) => "dot",
+            Choice::Mkl(_) => "mkl",
+            Choice::F32 => "f32",
+        }
+    }
+
     /// Whether the path reads roundings as bf16 bits (else as f32).
     fn reads_bits(&self) -> bool {
         !matches!(self, Choice::F32)
@@ -94,81 +113,104 @@ impl Choice {
 }
 
 /// The path of this process's bf16 products, chosen at the first use: AMX tiles where
-/// the host has them, else MKL's bf16 GEMM when the process has it and it is faster
-/// than the f32 GEMM, else the f32 GEMM (and always with `NESTOR_BF16=f32`).
+/// the host has them, else the fastest on a probe ([`fastest`]) of `vdpbf16ps` (where
+/// the host has it), MKL's bf16 GEMM (where the process has it) and the f32 GEMM; or the
+/// path `NESTOR_BF16` names (`f32`, `mkl`, `dot`), where the host and process have it.
 fn choice() -> &'static Choice {
     static CHOICE: OnceLock<Choice> = OnceLock::new();
     CHOICE.get_or_init(|| {
-        if crate::process::env_is("NESTOR_BF16", "f32") {
+        let asked = |path| crate::process::env_is("NESTOR_BF16", path);
+        if asked("f32") {
             return Choice::F32;
         }
         if crate::amx::usable() {
-            return Choice::Amx;
+            return Choice::Own(Units::Tiles);
         }
-        // SAFETY: MKL's exported C functions, with these signatures.
-        let mkl = unsafe {
-            crate::process::function(b"cblas_gemm_bf16bf16f32\0").and_then(|gemm| {
-                Some(MklBf16 {
-                    gemm,
-                    set_threads_local: crate::process::function(b"MKL_Set_Num_Threads_Local\0")?,
-                })
-            })
-        };
-        match mkl {
-            Some(mkl) if mkl_is_faster(mkl) => Choice::Mkl(mkl),
-            _ => Choice::F32,
+        let mut paths = paths_without_tiles();
+        if let Some(named) = paths.iter().position(|path| asked(path.setting())) {
+            return paths.swap_remove(named);
         }
+        fastest(paths)
     })
+}
+
+/// The paths besides the tiles this host and process have: `vdpbf16ps` (AVX512-BF16),
+/// MKL's bf16 GEMM (when the process has MKL), and the f32 GEMM, last.
+fn paths_without_tiles() -> Vec<Choice> {
+    let dot = crate::dot::host_has().then_some(Choice::Own(Units::Dot));
+    // SAFETY: MKL's exported C functions, with these signatures.
+    let mkl = unsafe {
+        crate::process::function(b"cblas_gemm_bf16bf16f32\0").and_then(|gemm| {
+            Some(Choice::Mkl(MklBf16 {
+                gemm,
+                set_threads_local: crate::process::function(b"MKL_Set_Num_Threads_Local\0")?,
+            }))
+        })
+    };
+    [dot, mkl, Some(Choice::F32)]
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// The path this process's bf16 products take (the first call makes the choice).
 pub fn bf16_path() -> Bf16Path {
     match choice() {
-        Choice::Amx => Bf16Path::Amx,
+        Choice::Own(Units::Tiles) => Bf16Path::Amx,
+        Choice::Own(Units::Dot) => Bf16Path::Dot,
         Choice::Mkl(_) => Bf16Path::Mkl,
         Choice::F32 => Bf16Path::F32,
     }
 }
 
-/// Whether MKL's bf16 GEMM multiplies one product of the f32 probe's size faster than
-/// the f32 GEMM does (best of a few runs each, after one untimed run): on hosts without
-/// bf16 units MKL emulates them, more slowly.
-fn mkl_is_faster(mkl: MklBf16) -> bool {
+/// Whether this process's bf16 products are nestor's own (`crate::amx::product`, which
+/// packs its right operand whole once per call).
+pub(crate) fn own_products() -> bool {
+    matches!(choice(), Choice::Own(_))
+}
+
+/// The path that multiplies one product of the f32 probe's size fastest, operands
+/// rounded as it goes (best of three runs each, after one untimed run): on hosts
+/// without bf16 units MKL emulates them, more slowly, and on some Intel hosts
+/// `vdpbf16ps` runs at half the rate of f32 FMAs (one every two cycles, measured on a
+/// Sapphire Rapids VM), slower than the f32 GEMM.
+fn fastest(paths: Vec<Choice>) -> Choice {
     let side = crate::blas::GemmProbe::SIDE;
     let values: Vec<f32> = (0..side * side)
         .map(|i| 1.0 + (i % 7) as f32 / 8.0)
         .collect();
-    let rounded: Vec<u16> = values.iter().map(|&value| round(value)).collect();
     let mut c = vec![0f32; side * side];
     let stride = side as isize;
-    let mut best = [f64::INFINITY; 2];
-    for timed in [false, true, true, true] {
-        for (path, best) in best.iter_mut().enumerate() {
+    let mut timed: Vec<(Choice, f64)> = paths
+        .into_iter()
+        .map(|path| (path, f64::INFINITY))
+        .collect();
+    for counted in [false, true, true, true] {
+        for (path, best) in &mut timed {
             let started = Instant::now();
-            // SAFETY: every buffer holds side x side values, row-major.
+            let matrix = ((values.as_ptr(), stride, 1), None);
+            // SAFETY: every buffer holds side x side values, row-major; the paths are
+            // the host's and the process's.
             unsafe {
-                if path == 0 {
-                    let matrix = (rounded.as_ptr(), stride, 1);
-                    let c = (c.as_mut_ptr(), stride, 1);
-                    mkl_product(mkl, (side, side, side), 1.0, matrix, matrix, c, false);
-                } else {
-                    let matrix = (values.as_ptr(), stride, 1);
-                    f32::product(
-                        (side, side, side),
-                        1.0,
-                        matrix,
-                        matrix,
-                        (c.as_mut_ptr(), stride, 1),
-                        false,
-                    );
-                }
+                let c = ((c.as_mut_ptr(), stride, 1), false);
+                product_on(
+                    path,
+                    ((side, side, side), 1.0),
+                    matrix,
+                    matrix,
+                    c,
+                    &|_, _| {},
+                );
             }
-            if timed {
+            if counted {
                 *best = best.min(started.elapsed().as_secs_f64());
             }
         }
     }
-    best[0] < best[1]
+    timed
+        .into_iter()
+        .min_by(|(_, x), (_, y)| x.total_cmp(y))
+        .map_or(Choice::F32, |(path, _)| path)
 }
 
 /// An operand: a matrix of f32 values, and the buffer that already holds its roundings
@@ -184,6 +226,22 @@ pub(crate) type Operand<'a> = (Strided<f32>, Option<&'a RoundedBuffer>);
 /// The pointers must be valid for the sizes and strides given; with `add`, `c` must
 /// hold `m x n` values; a rounded operand's matrix must lie within its buffer.
 pub(crate) unsafe fn product(
+    shape: ((usize, usize, usize), f32),
+    a: Operand<'_>,
+    b: Operand<'_>,
+    c: (StridedMut<f32>, bool),
+    finished: crate::blas::Finished<'_>,
+) {
+    // SAFETY: as the caller vouches; the path is the process's.
+    unsafe { product_on(choice(), shape, a, b, c, finished) }
+}
+
+/// [`product`] on the path `path`.
+///
+/// # Safety
+/// As [`product`]; the host and process must have the path.
+unsafe fn product_on(
+    path: &Choice,
     (shape, scale): ((usize, usize, usize), f32),
     (a, a_rounded): Operand<'_>,
     (b, b_rounded): Operand<'_>,
@@ -191,13 +249,13 @@ pub(crate) unsafe fn product(
     finished: crate::blas::Finished<'_>,
 ) {
     let (m, k, n) = shape;
-    match *choice() {
+    match *path {
         // The tiles and MKL write `c` with unit column stride, as every caller's output
         // has.
-        Choice::Amx if c.2 == 1 => {
+        Choice::Own(units) if c.2 == 1 => {
             let (a, b) = ((a, a_rounded), (b, b_rounded));
-            // SAFETY: the caller vouches for the operands; the tiles are usable.
-            unsafe { crate::amx::product(shape, scale, (a, b), (c, add), finished) };
+            // SAFETY: the caller vouches for the operands and that the host has the units.
+            unsafe { crate::amx::product(units, shape, scale, (a, b), (c, add), finished) };
             return;
         }
         Choice::Mkl(mkl) if c.2 == 1 && m * n > 0 && k > 0 => {
@@ -716,8 +774,8 @@ mod tests {
             prop_assert_eq!(round(value), reference(value));
         }
 
-        /// Both paths (the one this host chose, and the f32 one) equal an f64 product of
-        /// the roundings, for every layout of the operands and sizes that fill no tile.
+        /// Every path of the host and process equals an f64 product of the roundings,
+        /// for every layout of the operands and sizes that fill no tile.
         #[test]
         fn products_of_roundings_equal_the_f64_reference(
             (m, k, n) in (1usize..40, 1usize..70, 1usize..40),
@@ -752,7 +810,7 @@ mod tests {
         }
     }
 
-    /// Both paths and a pre-rounded operand against an f64 product of the roundings.
+    /// Every path and pre-rounded operands against an f64 product of the roundings.
     fn check_product(
         (m, k, n): (usize, usize, usize),
         (a_by_columns, b_by_columns): (bool, bool),
@@ -789,7 +847,14 @@ mod tests {
                 0.5 * sum + if add { f64::from(start[i]) } else { 0.0 }
             })
             .collect();
-        for (force_f32, pre_rounded) in [(false, false), (true, false), (false, true)] {
+        // Every path of the host and process, then the process's path on operands
+        // rounded beforehand.
+        let mut paths: Vec<Option<Choice>> = paths_without_tiles().into_iter().map(Some).collect();
+        if crate::amx::usable() {
+            paths.push(Some(Choice::Own(Units::Tiles)));
+        }
+        paths.push(None);
+        for path in paths {
             let mut c = start.clone();
             let (a, b) = (
                 (a_stored.as_ptr(), a_rows, a_columns),
@@ -797,7 +862,7 @@ mod tests {
             );
             // SAFETY: the operands hold their values in the strides given.
             unsafe {
-                if pre_rounded {
+                if path.is_none() {
                     // Both operands' roundings made once, whole, by two threads.
                     let a_buffer = RoundedBuffer::new(a_stored.as_ptr(), a_stored.len(), 2);
                     let b_buffer = RoundedBuffer::new(b_stored.as_ptr(), b_stored.len(), 2);
@@ -809,14 +874,9 @@ mod tests {
                         (c, add),
                         &|_, _| {},
                     )
-                } else if force_f32 {
-                    F32.with_borrow_mut(|[a_f32, b_f32]| {
-                        let a = rounded(a, (m, k), a_f32);
-                        let b = rounded(b, (k, n), b_f32);
-                        f32::product((m, k, n), 0.5, a, b, (c.as_mut_ptr(), n as isize, 1), add)
-                    })
-                } else {
-                    product(
+                } else if let Some(path) = &path {
+                    product_on(
+                        path,
                         ((m, k, n), 0.5),
                         (a, None),
                         (b, None),
@@ -830,12 +890,9 @@ mod tests {
                 let tolerance = 1e-6 * (k as f64) * (1.0 + expected.abs()) * 4.0;
                 prop_assert!(
                     (f64::from(actual) - expected).abs() <= tolerance,
-                    "{:?} value {index}: {actual} vs {expected}",
-                    if force_f32 {
-                        Bf16Path::F32
-                    } else {
-                        bf16_path()
-                    }
+                    "{} value {index}: {actual} vs {expected}",
+                    path.as_ref()
+                        .map_or("the process's path, rounded before", Choice::setting),
                 );
             }
         }

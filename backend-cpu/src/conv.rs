@@ -217,7 +217,7 @@ impl<'a> Plan<'a, f32, Bf16Pair> {
         window: Window2d,
         images: &'a [WindowImage],
     ) -> Option<Self> {
-        if !has_bf16_dot() || !channels.is_multiple_of(2) {
+        if !crate::dot::host_has() || !channels.is_multiple_of(2) {
             return None;
         }
         // The f32 plan's packing (`[taps, channels, lanes]`), rounded two channels at
@@ -275,18 +275,6 @@ impl<'a> Plan<'a, f32, Bf16Pair> {
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn row_bf16(&self, image: usize, row: i64) {
         unsafe { self.row_with::<x86::Zmm, 12>(image, row) }
-    }
-}
-
-/// Whether the CPU multiplies bf16 pairs (`vdpbf16ps`: AVX512-BF16).
-pub(super) fn has_bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }
 

@@ -234,10 +234,11 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
             a,
             b: b as *const T,
         };
-        // Tasks take their own rows of `out`; on AMX tiles, their own columns when `out` is
-        // wider than tall (each task packs the operand it reads whole, `b`, once: the
-        // narrower). Either way each sum is made in one order, whatever the split.
-        let by_columns = n > m && products == Products::Bf16 && crate::amx::usable();
+        // Tasks take their own rows of `out`; with nestor's own bf16 products, their own
+        // columns when `out` is wider than tall (each task packs the operand it reads
+        // whole, `b`, once: the narrower). Either way each sum is made in one order,
+        // whatever the split.
+        let by_columns = n > m && products == Products::Bf16 && crate::bf16::own_products();
         let along = if by_columns { n } else { m };
         let chunks = if parallel {
             threads.min(along / 8).max(1)

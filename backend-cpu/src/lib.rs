@@ -11,7 +11,8 @@
 //!   says which, [`gemm_probe`] why) and an f32 micro-kernel for small tiles;
 //! - varlen attention (`attention.rs`; its mixed-precision forward and gradient on Intel
 //!   AMX tiles, `amx.rs`, where [`attention_on_amx`] says, as are all bf16 products
-//!   there, [`bf16_path`]), direct convolution and pooling over packed
+//!   there, [`bf16_path`]; with `vdpbf16ps`, `dot.rs`, on hosts with AVX512-BF16 and no
+//!   tiles where a probe finds it fastest), direct convolution and pooling over packed
 //!   images (`conv.rs`, `window.rs`; [`convolve_images`] for the eager API);
 //! - the thread team (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`]
 //!   says which) and how runs split their work ([`Parallelism`]);
@@ -27,6 +28,7 @@ mod bf16;
 mod blas;
 mod columns;
 mod conv;
+mod dot;
 mod gemm;
 #[cfg(feature = "jit")]
 mod jit;

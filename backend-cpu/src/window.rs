@@ -8,7 +8,7 @@ use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 
 use crate::blas::Gemm;
 use crate::columns::{columns_pay, Work};
-use crate::conv::{has_bf16_dot, Bf16Pair, GradPlan, Plan};
+use crate::conv::{Bf16Pair, GradPlan, Plan};
 use crate::parallel::worker_threads;
 use crate::scalar::Scalar;
 use nestor_ir::Window2d;
@@ -284,7 +284,7 @@ unsafe fn convolve_pairs(
     let Shape {
         channels, width, ..
     } = shape;
-    if !has_bf16_dot() || !channels.is_multiple_of(2) {
+    if !crate::dot::host_has() || !channels.is_multiple_of(2) {
         return false;
     }
     let pixels = images
@@ -320,7 +320,7 @@ unsafe fn convolve_pairs(
 fn bf16_dot_pays() -> bool {
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| {
-        if !has_bf16_dot() || crate::process::env_is("NESTOR_BF16", "f32") {
+        if !crate::dot::host_has() || crate::process::env_is("NESTOR_BF16", "f32") {
             return false;
         }
         let window = Window2d {
@@ -1048,7 +1048,7 @@ mod tests {
                         window,
                     )
                 };
-                assert_eq!(ran, has_bf16_dot() && channels.is_multiple_of(2));
+                assert_eq!(ran, crate::dot::host_has() && channels.is_multiple_of(2));
                 if !ran {
                     continue;
                 }

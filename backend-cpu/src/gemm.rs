@@ -142,8 +142,10 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 
 /// Rows `start..end` of a GEMM, on this thread: the bias (if any) written first and the
 /// product added to it (one pass over the rows fewer than adding the bias after; the
-/// library would otherwise clear them first). `finished` gets the rows (from `start`)
-/// as they are done (`Gemm::product_finishing`).
+/// library would otherwise clear them first), or with nestor's own bf16 products, which
+/// hand rows over in groups that fit the core's cache, added to each group of rows as
+/// it is handed over (the same sums: `bias + product`). `finished` gets the rows (from
+/// `start`) as they are done (`Gemm::product_finishing`).
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.
@@ -160,10 +162,13 @@ unsafe fn gemm_rows<T: Gemm>(
     if rows <= 0 || n == 0 {
         return finished(0, rows.max(0) as usize);
     }
+    let bias_as_handed =
+        buffers.bias.is_some() && products == Products::Bf16 && crate::bf16::own_products();
     unsafe {
         let out = buffers.out.offset((start * n) as isize);
         let values = std::slice::from_raw_parts_mut(out, (rows * n) as usize);
         match buffers.bias {
+            Some(_) if bias_as_handed && k > 0 => {}
             Some(bias) => {
                 let bias = std::slice::from_raw_parts(bias, n as usize);
                 for row in values.chunks_mut(n as usize) {
@@ -182,6 +187,32 @@ unsafe fn gemm_rows<T: Gemm>(
         } else {
             (buffers.weight, 1, k as isize)
         };
+        // With the bias added as rows are handed over: to each group, then the caller's
+        // epilogue.
+        let add_bias = |first: usize, last: usize| {
+            if let Some(bias) = buffers.bias {
+                // SAFETY: rows `first..last` of this thread's rows, which the product
+                // hands over done (it writes them no more).
+                let (bias, rows) = (
+                    std::slice::from_raw_parts(bias, n as usize),
+                    std::slice::from_raw_parts_mut(
+                        out.add(first * n as usize),
+                        (last - first) * n as usize,
+                    ),
+                );
+                crate::vectors::widest(
+                    #[inline(always)]
+                    || {
+                        for row in rows.chunks_exact_mut(n as usize) {
+                            for (value, &bias) in row.iter_mut().zip(bias) {
+                                *value = bias + *value;
+                            }
+                        }
+                    },
+                );
+            }
+            finished(first, last)
+        };
         T::product_finishing(
             products,
             ((rows as usize, k as usize, n as usize), T::ONE),
@@ -192,8 +223,11 @@ unsafe fn gemm_rows<T: Gemm>(
                 ),
                 (weight, rounded_weight),
             ),
-            ((out, n as isize, 1), buffers.bias.is_some()),
-            finished,
+            (
+                (out, n as isize, 1),
+                buffers.bias.is_some() && !bias_as_handed,
+            ),
+            if bias_as_handed { &add_bias } else { finished },
         );
     }
 }

@@ -4,7 +4,7 @@
 
 use nestor_ir::{Graph, Op, ValueId};
 use nestor_passes::{differentiate, Decompose, Optimize, Pass};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::error::{CompileCause, CompileReason};
 use crate::trace::{normalized_input, Traced, Value};
@@ -217,7 +217,7 @@ pub(super) fn tensors(
 
 /// Adds the gradients of a run to the parameters' `.grad()` (and through the batches'
 /// values to what computed them): through libtorch's own autograd (the backward of
-/// `sum(p * gradient)` over them), so undefined gradients are created and hooks run
+/// `sum(p * gradient)` over them, `p . gradient` where both are f32 or f64), so undefined gradients are created and hooks run
 /// exactly as for `loss.backward()`.
 pub(super) fn accumulate(
     params: &[Gradient],
@@ -231,7 +231,14 @@ pub(super) fn accumulate(
 pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>) -> Result<()> {
     let mut surrogate: Option<Tensor> = None;
     for (target, gradient) in pairs {
-        let term = target.f_mul(&gradient)?.f_sum(None)?;
+        // `dot` (f32 and f64 of one kind) reads both once and makes no product tensor;
+        // its backward is `1 * gradient`, as `sum(p * gradient)`'s.
+        let term = match (target.kind(), gradient.kind()) {
+            (Kind::Float, Kind::Float) | (Kind::Double, Kind::Double) => {
+                target.f_reshape([-1])?.f_dot(&gradient.f_reshape([-1])?)?
+            }
+            _ => target.f_mul(&gradient)?.f_sum(None)?,
+        };
         surrogate = Some(match surrogate {
             Some(sum) => sum.f_add(&term)?,
             None => term,

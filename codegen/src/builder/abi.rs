@@ -59,8 +59,36 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.arg(index as u64, role).map(Some)
     }
 
-    /// Buffer number `index` of the `args` array, of role `role`.
+    /// Buffer number `index` of the `args` array, of role `role`: the pointer value of
+    /// an earlier argument that is the same slot's buffer, else loaded. (One value for
+    /// an in-place read and write, such as a GEMM epilogue's, lets LLVM see that each
+    /// element is read before it is written, and vectorize; two loaded pointers that
+    /// may alias made it check their distance at run time, find it 0, and take the
+    /// scalar loop.)
     fn arg(&self, index: u64, role: Role) -> Gen<PointerValue<'ctx>> {
+        let slot_arg = self.signature.params[index as usize].arg;
+        let output = role == Role::Out || self.output_roles.borrow().contains(&role);
+        if let Arg::Buffer(_) = slot_arg {
+            let loaded = self.loaded.borrow();
+            if let Some(&(_, pointer)) = loaded.iter().find(|(arg, _)| *arg == slot_arg) {
+                for (buffer, is_output) in self.buffers.borrow_mut().iter_mut() {
+                    if *buffer == pointer {
+                        *is_output |= output;
+                    }
+                }
+                return Ok(pointer);
+            }
+        }
+        let pointer = self.load_arg(index, output)?;
+        if let Arg::Buffer(_) = slot_arg {
+            self.loaded.borrow_mut().push((slot_arg, pointer));
+        }
+        Ok(pointer)
+    }
+
+    /// Loads buffer number `index` of the `args` array (registered with its alias
+    /// scope on the host, the output's when `output`; in global memory on a GPU).
+    fn load_arg(&self, index: u64, output: bool) -> Gen<PointerValue<'ctx>> {
         let args = self
             .function
             .get_nth_param(0)
@@ -80,7 +108,6 @@ impl<'ctx> Kernel<'ctx, '_> {
             .into_pointer_value();
         match self.target {
             Target::Host | Target::Simulated => {
-                let output = role == Role::Out || self.output_roles.borrow().contains(&role);
                 self.buffers.borrow_mut().push((pointer, output));
                 Ok(pointer)
             }

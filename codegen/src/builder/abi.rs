@@ -59,30 +59,38 @@ impl<'ctx> Kernel<'ctx, '_> {
         self.arg(index as u64, role).map(Some)
     }
 
-    /// Buffer number `index` of the `args` array, of role `role`: the pointer value of
-    /// an earlier argument that is the same slot's buffer, else loaded. (One value for
-    /// an in-place read and write, such as a GEMM epilogue's, lets LLVM see that each
-    /// element is read before it is written, and vectorize; two loaded pointers that
-    /// may alias made it check their distance at run time, find it 0, and take the
-    /// scalar loop.)
+    /// Buffer number `index` of the `args` array, of role `role`: for an argument that
+    /// is the output's buffer ([`Role::Out`], or one of [`Kernel::output_also`]'s), the
+    /// output's pointer value where it was loaded in the block being built, else loaded.
+    /// (One value for an in-place read and write, such as a GEMM epilogue's, lets LLVM
+    /// see that each element is read before it is written, and vectorize; two loaded
+    /// pointers that may alias made it check their distance at run time, find it 0, and
+    /// take the scalar loop.) Only the output: reading it in place is the one identity
+    /// of slots a kernel compiles in (`Step::kernel_key`); two inputs of one slot in
+    /// this step may be two slots in another step that shares the kernel.
     fn arg(&self, index: u64, role: Role) -> Gen<PointerValue<'ctx>> {
-        let slot_arg = self.signature.params[index as usize].arg;
+        let slot = self.signature.params[index as usize].arg;
         let output = role == Role::Out || self.output_roles.borrow().contains(&role);
-        if let Arg::Buffer(_) = slot_arg {
-            let loaded = self.loaded.borrow();
-            if let Some(&(_, pointer)) = loaded.iter().find(|(arg, _)| *arg == slot_arg) {
-                for (buffer, is_output) in self.buffers.borrow_mut().iter_mut() {
-                    if *buffer == pointer {
-                        *is_output |= output;
-                    }
-                }
-                return Ok(pointer);
-            }
+        if !output {
+            return self.load_arg(index, false);
         }
-        let pointer = self.load_arg(index, output)?;
-        if let Arg::Buffer(_) = slot_arg {
-            self.loaded.borrow_mut().push((slot_arg, pointer));
+        // Only a pointer loaded in the block being built (templates ask for some
+        // arguments inside loops and branches): one loaded in another block may not
+        // dominate this use.
+        let here = self.builder.get_insert_block();
+        let loaded = self
+            .output_loads
+            .borrow()
+            .iter()
+            .find_map(|&(arg, pointer)| {
+                let block = pointer.as_instruction().and_then(|load| load.get_parent());
+                (arg == slot && block.is_some() && block == here).then_some(pointer)
+            });
+        if let Some(pointer) = loaded {
+            return Ok(pointer);
         }
+        let pointer = self.load_arg(index, true)?;
+        self.output_loads.borrow_mut().push((slot, pointer));
         Ok(pointer)
     }
 

@@ -97,9 +97,10 @@ pub(crate) struct Kernel<'ctx, 'm> {
     /// Arguments besides [`Role::Out`] that are the output's buffer
     /// ([`Kernel::output_also`]).
     output_roles: std::cell::RefCell<Vec<Role>>,
-    /// The slots' buffers loaded so far: an argument that is a slot already loaded
-    /// (a GEMM epilogue's read of the GEMM's own result) is the same pointer value.
-    loaded: std::cell::RefCell<Vec<(Arg, PointerValue<'ctx>)>>,
+    /// The output's buffer as loaded so far: an argument that is the output's buffer
+    /// again (a GEMM epilogue's read of the GEMM's own result) is the same pointer
+    /// value ([`Kernel::arg`]).
+    output_loads: std::cell::RefCell<Vec<(Arg, PointerValue<'ctx>)>>,
     /// The kernel's arguments: the template asks for them by role.
     signature: &'m Signature,
     /// The roles the template has asked for ([`Kernel::finish`] checks it asked for
@@ -186,7 +187,7 @@ impl<'ctx, 'm> Kernel<'ctx, 'm> {
             entry,
             buffers: std::cell::RefCell::new(Vec::new()),
             output_roles: std::cell::RefCell::new(Vec::new()),
-            loaded: std::cell::RefCell::new(Vec::new()),
+            output_loads: std::cell::RefCell::new(Vec::new()),
             signature,
             asked: std::cell::RefCell::new(Vec::new()),
             scopes: Scopes::new(context, name),

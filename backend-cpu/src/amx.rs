@@ -766,23 +766,9 @@ unsafe fn pack_row_pairs(
     const GROUP: usize = 8;
     let pairs = block / TILE_COLUMNS;
     let blocks = n.div_ceil(TILE_COLUMNS);
-    // Row `row`'s 16 values from column `column` widened to 32 bits (zeros past the
-    // matrix).
     let widened = |row: usize, column: usize| {
-        let mut values = [0u16; TILE_COLUMNS];
-        if row < k {
-            // SAFETY: the row holds its `n` values (the caller vouches).
-            let at = unsafe { start.offset(row as isize * row_stride + column as isize) };
-            if column + TILE_COLUMNS <= n {
-                // SAFETY: 16 values of the row from `at`; the host has AVX-512F.
-                return unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(at as *const __m256i)) };
-            }
-            // SAFETY: the row's values from `at` to its end.
-            let line = unsafe { std::slice::from_raw_parts(at, n - column) };
-            values[..n - column].copy_from_slice(line);
-        }
-        // SAFETY: 16 values; the host has AVX-512F.
-        unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i)) }
+        // SAFETY: as the caller vouches.
+        unsafe { widened_16((start, row_stride), (k, n), (row, column)) }
     };
     for first_block in (0..blocks).step_by(GROUP) {
         let group = first_block..blocks.min(first_block + GROUP);
@@ -799,6 +785,37 @@ unsafe fn pack_row_pairs(
             }
         }
     }
+}
+
+/// Row `row`'s 16 values from column `column` of a matrix of `k` rows of `n`
+/// roundings (`row_stride` apart from `start`), widened to 32 bits: zeros past the
+/// matrix.
+///
+/// # Safety
+/// The rows must hold `n` values; the host must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn widened_16(
+    (start, row_stride): (*const u16, isize),
+    (k, n): (usize, usize),
+    (row, column): (usize, usize),
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let mut values = [0u16; TILE_COLUMNS];
+    if row < k && column < n {
+        // SAFETY: the row holds its `n` values (the caller vouches).
+        let at = unsafe { start.offset(row as isize * row_stride + column as isize) };
+        if column + TILE_COLUMNS <= n {
+            // SAFETY: 16 values of the row from `at`; the host has AVX-512F.
+            return unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(at as *const __m256i)) };
+        }
+        // SAFETY: the row's values from `at` to its end.
+        let line = unsafe { std::slice::from_raw_parts(at, n - column) };
+        values[..n - column].copy_from_slice(line);
+    }
+    // SAFETY: 16 values; the host has AVX-512F.
+    unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i)) }
 }
 
 /// `out[j] = even[j] | odd[j] << 16`: two rows' 16 values as pairs.
@@ -845,29 +862,10 @@ unsafe fn pack_columns(
     // the other, while the line is in cache.
     for first_row in (0..depth).step_by(TILE_DEPTH) {
         for first_column in (0..m).step_by(TILE_COLUMNS) {
-            let columns = TILE_COLUMNS.min(m - first_column);
-            // Row `row`'s 16 values from the block's first column (zeros past the
-            // matrix), widened to 32 bits.
+            // Row `row`'s 16 values from the block's first column.
             let widened = |row: usize| {
-                let at = row as isize * row_stride + first_column as isize;
-                if row < k && columns == TILE_COLUMNS {
-                    // SAFETY: the row holds the block's 16 columns (the caller vouches).
-                    return unsafe {
-                        _mm512_cvtepu16_epi32(
-                            _mm256_loadu_si256(start.offset(at) as *const __m256i),
-                        )
-                    };
-                }
-                let mut values = [0u16; TILE_COLUMNS];
-                if row < k {
-                    // SAFETY: the row holds the block's columns (the caller vouches).
-                    let line = unsafe { std::slice::from_raw_parts(start.offset(at), columns) };
-                    values[..columns].copy_from_slice(line);
-                }
-                // SAFETY: 16 values; the host has AVX-512F (the caller vouches).
-                unsafe {
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i))
-                }
+                // SAFETY: as the caller vouches.
+                unsafe { widened_16((start, row_stride), (k, m), (row, first_column)) }
             };
             for (pair, out) in pairs.iter_mut().enumerate() {
                 let row = first_row + 2 * pair;

@@ -96,7 +96,8 @@ enum Choice {
 }
 
 impl Choice {
-    /// What `NESTOR_BF16` is set to to ask for the path.
+    /// What `NESTOR_BF16` is set to to ask for the path (the tiles need no setting:
+    /// `amx` only names them in messages).
     fn setting(&self) -> &'static str {
         match self {
             Choice::Own(Units::Tiles) => "amx",

@@ -69,6 +69,22 @@ fn the_optimized_post_norm_encoder_layer_is_seven_kernels() {
     // The residual adds could as well be layer_norm prologues: the same launches and
     // bytes, so the cost model ties and extraction keeps the epilogues.
     assert_eq!((epilogues, prologues), (3, 0), "{program:#?}");
+    // Their biases are added by the epilogues (a row read by every output row), not
+    // written into the output before the product.
+    for step in &program.steps {
+        if let Step::Gemm(Gemm {
+            bias,
+            epilogue: Some(epilogue),
+            ..
+        }) = step
+        {
+            assert_eq!(*bias, None, "{step:#?}");
+            assert!(
+                epilogue.inputs.iter().any(|access| access.row_stride == 0),
+                "{step:#?}"
+            );
+        }
+    }
 }
 
 #[test]

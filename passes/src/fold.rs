@@ -7,7 +7,9 @@
 //! pointwise result other than element for element as written, the two steps stay
 //! (the result is the same, one launch more).
 
-use crate::operands::{Access, Fusion, RowBase, Rows};
+use nestor_ir::BinaryOp;
+
+use crate::operands::{Access, Expr, Fusion, RowBase, Rows};
 use crate::program::Program;
 use crate::step::Step;
 use crate::step::{Gemm, Pointwise, Row, Segment};
@@ -101,6 +103,8 @@ pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
     };
     let Some(Step::Gemm(Gemm {
         out: gemm_out,
+        bias,
+        n,
         epilogue,
         ..
     })) = program.steps.last_mut()
@@ -110,7 +114,8 @@ pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
     // The GEMM now writes the pointwise step's buffer, and the expression reads the
     // GEMM's result there, where it writes it.
     let written = *gemm_out;
-    let inputs = inputs
+    let reads_result: Vec<bool> = inputs.iter().map(|access| access.slot == written).collect();
+    let mut inputs: Vec<Access> = inputs
         .into_iter()
         .map(|access| {
             if access.slot == written {
@@ -123,7 +128,43 @@ pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
             }
         })
         .collect();
+    // The bias moves into the epilogue: its reads of the result become `result + bias`
+    // (the same sum the GEMM made), so that the product is written once and the bias
+    // added in the epilogue's pass over the rows, not in a pass of its own before it.
+    let expr = match bias.take() {
+        Some(bias) => {
+            let bias_input = inputs.len();
+            inputs.push(Access {
+                row_stride: 0,
+                ..Access::rows(bias, *n)
+            });
+            with_loads(expr, &|input| {
+                if reads_result.get(input) == Some(&true) {
+                    Expr::Binary(
+                        BinaryOp::Add,
+                        Box::new(Expr::Load(input)),
+                        Box::new(Expr::Load(bias_input)),
+                    )
+                } else {
+                    Expr::Load(input)
+                }
+            })
+        }
+        None => expr,
+    };
     *gemm_out = out;
     *epilogue = Some(Fusion { inputs, expr });
     true
+}
+
+/// `expr` with each `Load(i)` replaced by `load(i)`.
+fn with_loads(expr: Expr, load: &dyn Fn(usize) -> Expr) -> Expr {
+    let boxed = |expr: Box<Expr>| Box::new(with_loads(*expr, load));
+    match expr {
+        Expr::Load(input) => load(input),
+        Expr::Unary(op, x) => Expr::Unary(op, boxed(x)),
+        Expr::Binary(op, a, b) => Expr::Binary(op, boxed(a), boxed(b)),
+        Expr::Select(c, a, b) => Expr::Select(boxed(c), boxed(a), boxed(b)),
+        Expr::Integers(_) | Expr::Const(_) => expr,
+    }
 }

@@ -216,9 +216,12 @@ pub(super) fn tensors(
 }
 
 /// Adds the gradients of a run to the parameters' `.grad()` (and through the batches'
-/// values to what computed them): through libtorch's own autograd (the backward of
-/// `sum(p * gradient)` over them, `p . gradient` where both are f32 or f64), so undefined gradients are created and hooks run
-/// exactly as for `loss.backward()`.
+/// values to what computed them): in place where a parameter (a leaf) has a `.grad()`
+/// of the gradient's shape and kind already (one pass, as autograd's accumulation
+/// adds to a defined gradient), else through libtorch's own autograd (the backward of
+/// `sum(p * gradient)` over them, `p . gradient` where both are f32 or f64), so
+/// undefined gradients are created, and gradients reach what computed a view or a
+/// batch's values, exactly as for `loss.backward()`.
 pub(super) fn accumulate(
     params: &[Gradient],
     values: Vec<Value>,
@@ -231,6 +234,9 @@ pub(super) fn accumulate(
 pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>) -> Result<()> {
     let mut surrogate: Option<Tensor> = None;
     for (target, gradient) in pairs {
+        if added_in_place(&target, &gradient)? {
+            continue;
+        }
         // `dot` (f32 and f64 of one kind) reads both once and makes no product tensor;
         // its backward is `1 * gradient`, as `sum(p * gradient)`'s.
         let term = match (target.kind(), gradient.kind()) {
@@ -248,6 +254,21 @@ pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>) -> Result<()> {
         surrogate.f_backward()?;
     }
     Ok(())
+}
+
+/// Adds `gradient` to `target.grad()` in place when `target` is a leaf whose gradient
+/// is defined with `gradient`'s shape and kind; whether it did.
+fn added_in_place(target: &Tensor, gradient: &Tensor) -> Result<bool> {
+    if !target.f_is_leaf()? {
+        return Ok(false);
+    }
+    let mut grad = target.f_grad()?;
+    let fits =
+        grad.defined() && grad.size() == gradient.size() && grad.f_kind()? == gradient.f_kind()?;
+    if fits {
+        let _ = grad.f_add_(gradient)?;
+    }
+    Ok(fits)
 }
 
 /// The gradients of a run, named after what they are the gradients of.

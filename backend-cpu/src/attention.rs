@@ -794,37 +794,24 @@ impl AttentionGradRun<'_> {
                 return ks;
             }
             let (d, masked) = (d as usize, ks - seen);
-            let row = |at: *const T, stride: i64, first: usize| {
-                at.wrapping_offset(first as isize * stride as isize)
+            // Rows `first..first + count` of a buffer read at `stride`.
+            let block = |at: *const T, stride: i64, (first, count): (usize, usize)| {
+                let at = at.wrapping_offset(first as isize * stride as isize);
+                (at, stride, (count, d))
             };
+            let (tile_rows, hidden_rows) = ((first, rows), (seen, masked));
             // SAFETY: the tile's query and output-gradient rows, the element's keys and
             // values from `seen` (the caller vouches for the element's rows).
             let left_out = unsafe {
                 maskable(
                     (self.scale, d),
                     &[
-                        (
-                            row(q, self.q.row_stride, first),
-                            self.q.row_stride,
-                            (rows, d),
-                        ),
-                        (
-                            row(g, self.g.row_stride, first),
-                            self.g.row_stride,
-                            (rows, d),
-                        ),
+                        block(q, self.q.row_stride, tile_rows),
+                        block(g, self.g.row_stride, tile_rows),
                     ],
                     &[
-                        (
-                            row(k, self.k.row_stride, seen),
-                            self.k.row_stride,
-                            (masked, d),
-                        ),
-                        (
-                            row(v, self.v.row_stride, seen),
-                            self.v.row_stride,
-                            (masked, d),
-                        ),
+                        block(k, self.k.row_stride, hidden_rows),
+                        block(v, self.v.row_stride, hidden_rows),
                     ],
                 )
             };

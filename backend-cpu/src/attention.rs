@@ -784,7 +784,6 @@ impl AttentionGradRun<'_> {
             Vec::new()
         };
         let scale = T::from_f64(self.scale);
-        let first_rows: Vec<usize> = (0..qs).step_by(tile).collect();
         // With a causal mask a tile sees no key past its last row: those keys are left
         // out where that changes nothing (`maskable`), and the tiles go last first, so
         // that the tile writing the keys' gradients (the first) sees the most keys.
@@ -821,10 +820,10 @@ impl AttentionGradRun<'_> {
                 ks
             }
         };
-        let tiles = first_rows.len();
+        let tiles = qs.div_ceil(tile);
         let order = (0..tiles).map(|index| match self.causal {
-            true => first_rows[tiles - 1 - index],
-            false => first_rows[index],
+            true => (tiles - 1 - index) * tile,
+            false => index * tile,
         });
         for (index, first) in order.enumerate() {
             let rows = tile.min(qs - first);

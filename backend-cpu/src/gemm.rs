@@ -144,8 +144,9 @@ unsafe impl<T> Sync for GemmBuffers<T> {}
 /// product added to it (one pass over the rows fewer than adding the bias after; the
 /// library would otherwise clear them first), or with nestor's own bf16 products, which
 /// hand rows over in groups that fit the core's cache, added to each group of rows as
-/// it is handed over (the same sums: `bias + product`). `finished` gets the rows (from
-/// `start`) as they are done (`Gemm::product_finishing`).
+/// it is handed over (the same sums: `bias + product`). A GEMM with an epilogue comes
+/// without a bias: the epilogue adds it (`fold_epilogue` in the passes). `finished`
+/// gets the rows (from `start`) as they are done (`Gemm::product_finishing`).
 ///
 /// # Safety
 /// The buffers must hold `rows*n`, `rows*k`, `n*k` and `n` values of type `T`.

@@ -138,7 +138,7 @@ pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
                 row_stride: 0,
                 ..Access::rows(bias, *n)
             });
-            with_loads(expr, &|input| {
+            expr.with_loads(&|input| {
                 if reads_result.get(input) == Some(&true) {
                     Expr::Binary(
                         BinaryOp::Add,
@@ -155,16 +155,4 @@ pub(crate) fn fold_epilogue(program: &mut Program) -> bool {
     *gemm_out = out;
     *epilogue = Some(Fusion { inputs, expr });
     true
-}
-
-/// `expr` with each `Load(i)` replaced by `load(i)`.
-fn with_loads(expr: Expr, load: &dyn Fn(usize) -> Expr) -> Expr {
-    let boxed = |expr: Box<Expr>| Box::new(with_loads(*expr, load));
-    match expr {
-        Expr::Load(input) => load(input),
-        Expr::Unary(op, x) => Expr::Unary(op, boxed(x)),
-        Expr::Binary(op, a, b) => Expr::Binary(op, boxed(a), boxed(b)),
-        Expr::Select(c, a, b) => Expr::Select(boxed(c), boxed(a), boxed(b)),
-        Expr::Integers(_) | Expr::Const(_) => expr,
-    }
 }

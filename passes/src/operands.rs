@@ -285,6 +285,18 @@ pub enum Expr {
 }
 
 impl Expr {
+    /// This expression with each `Load(i)` replaced by `load(i)`.
+    pub(crate) fn with_loads(self, load: &dyn Fn(usize) -> Expr) -> Expr {
+        let boxed = |expr: Box<Expr>| Box::new(expr.with_loads(load));
+        match self {
+            Expr::Load(input) => load(input),
+            Expr::Unary(op, x) => Expr::Unary(op, boxed(x)),
+            Expr::Binary(op, a, b) => Expr::Binary(op, boxed(a), boxed(b)),
+            Expr::Select(c, a, b) => Expr::Select(boxed(c), boxed(a), boxed(b)),
+            Expr::Integers(_) | Expr::Const(_) => self,
+        }
+    }
+
     /// The transcendental functions the expression evaluates per element (exp, log,
     /// tanh, erf and the activations built on them): what makes a kernel compute-bound.
     pub fn transcendentals(&self) -> usize {

@@ -591,24 +591,33 @@ pub(crate) struct AttentionGradRun<'a> {
     pub products: Products,
 }
 
-/// Which gradients a gradient step writes, and where in its output rows (offsets and
-/// row strides in scalars; a head's columns follow at `head * head_dim`).
+/// Where a gradient goes in its output buffer's rows (in scalars; a head's columns
+/// follow at `head * head_dim`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Placing {
+    /// Scalars per row of the buffer.
+    pub row: i64,
+    /// Where the gradient starts in a row.
+    pub at: i64,
+}
+
+/// Which gradients a gradient step writes, and where: the queries' in the step's
+/// output, the keys' and values' in its output or (cross-attention's both at once) its
+/// second output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct GradOutputs {
-    /// Scalars per output row.
-    pub row: i64,
-    /// Where the queries' gradient starts in a row, if written.
-    pub queries: Option<i64>,
-    /// Where the keys' and the values' gradients start, if written.
-    pub keys_values: Option<(i64, i64)>,
+    /// The queries' gradient, if written.
+    pub queries: Option<Placing>,
+    /// The keys' gradient, if written, and how many scalars after it in a row the
+    /// values' starts.
+    pub keys_values: Option<(Placing, i64)>,
 }
 
 impl GradOutputs {
     /// The queries' gradient `[Lq, heads, head_dim]`.
     pub(crate) fn queries(width: i64) -> Self {
         Self {
-            row: width,
-            queries: Some(0),
+            queries: Some(Placing { row: width, at: 0 }),
             keys_values: None,
         }
     }
@@ -616,18 +625,32 @@ impl GradOutputs {
     /// The keys' and values' gradients stacked per row, `[Lk, 2, heads, head_dim]`.
     pub(crate) fn keys_values(width: i64) -> Self {
         Self {
-            row: 2 * width,
             queries: None,
-            keys_values: Some((0, width)),
+            keys_values: Some((
+                Placing {
+                    row: 2 * width,
+                    at: 0,
+                },
+                width,
+            )),
         }
     }
 
     /// The three stacked per row, `[L, 3, heads, head_dim]` (self-attention).
     pub(crate) fn all(width: i64) -> Self {
+        let row = 3 * width;
         Self {
-            row: 3 * width,
-            queries: Some(0),
-            keys_values: Some((width, 2 * width)),
+            queries: Some(Placing { row, at: 0 }),
+            keys_values: Some((Placing { row, at: width }, width)),
+        }
+    }
+
+    /// The queries' gradient and the keys' and values' stacked, each in its own
+    /// buffer (cross-attention).
+    pub(crate) fn both(width: i64) -> Self {
+        Self {
+            queries: Self::queries(width).queries,
+            keys_values: Self::keys_values(width).keys_values,
         }
     }
 }
@@ -635,7 +658,11 @@ impl GradOutputs {
 /// Pointers of a gradient step; each task writes its own rows and head columns.
 #[derive(Clone, Copy)]
 struct GradBuffers<T> {
+    /// Where the queries' gradient goes.
     out: *mut T,
+    /// Where the keys' and values' gradients go (`out` unless the step writes two
+    /// buffers).
+    keys_out: *mut T,
     q: *const T,
     k: *const T,
     v: *const T,
@@ -649,6 +676,7 @@ impl<T> GradBuffers<T> {
     fn cast<U>(self) -> GradBuffers<U> {
         GradBuffers {
             out: self.out as *mut U,
+            keys_out: self.keys_out as *mut U,
             q: self.q as *const U,
             k: self.k as *const U,
             v: self.v as *const U,
@@ -656,6 +684,11 @@ impl<T> GradBuffers<T> {
         }
     }
 }
+
+/// The buffers of a gradient step: its outputs (the queries' gradient's, the keys' and
+/// values'; one buffer twice where the step writes one), queries, keys, values and the
+/// output's gradient.
+pub(crate) type GradPointers = ((*mut u8, *mut u8), *mut u8, *mut u8, *mut u8, *mut u8);
 
 impl AttentionGradRun<'_> {
     /// Runs the step on buffers of `T` (out, q, k, v, g), per element and head:
@@ -667,11 +700,12 @@ impl AttentionGradRun<'_> {
     /// The pointers must be valid for the sizes the offsets and accesses imply.
     pub(crate) unsafe fn run<T: Gemm>(
         &self,
-        (out, q, k, v, g): (*mut u8, *mut u8, *mut u8, *mut u8, *mut u8),
+        ((out, keys_out), q, k, v, g): GradPointers,
         (q_offsets, k_offsets): (&[i64], &[i64]),
     ) {
         let buffers = GradBuffers {
             out: out as *mut T,
+            keys_out: keys_out as *mut T,
             q: q as *const T,
             k: k as *const T,
             v: v as *const T,
@@ -862,38 +896,38 @@ impl AttentionGradRun<'_> {
                 row_offset.max(0) as usize + first,
             );
             unsafe {
-                if let Some((keys_at, values_at)) = outputs.keys_values {
+                if let Some((keys, values_after)) = outputs.keys_values {
                     // dK = scale dS^T Q; dV = P^T dO: written by the first tile, added
                     // up from `partial` after the others.
                     let out_k = buffers
-                        .out
-                        .offset((k_first * outputs.row + keys_at + head * d) as isize);
+                        .keys_out
+                        .offset((k_first * keys.row + keys.at + head * d) as isize);
                     if index == 0 && seen < ks {
                         // Keys no query row sees: no gradient.
-                        self.zero_keys(out_k, values_at - keys_at, seen..ks);
+                        self.zero_keys(out_k, values_after, seen..ks);
                     }
                     let used = (2 * seen * d as usize).min(partial.len());
                     let partial = &mut partial[..used];
                     self.key_gradients(
-                        (out_k, values_at - keys_at, partial, index == 0),
+                        (out_k, values_after, partial, index == 0),
                         rounded,
                         (probabilities, slopes),
                         (q, g),
                         (rows, seen),
                     );
                 }
-                if let Some(queries_at) = outputs.queries {
+                if let Some(queries) = outputs.queries {
                     // dQ = scale dS K.
                     let row = q_first + first as i64;
                     let out_q = buffers
                         .out
-                        .offset((row * outputs.row + queries_at + head * d) as isize);
+                        .offset((row * queries.row + queries.at + head * d) as isize);
                     T::tile_product(
                         self.products,
                         ((rows, seen, d as usize), scale),
                         ((slopes.as_ptr(), seen as isize, 1), None),
                         ((k, self.k.row_stride as isize, 1), rounded.get(K)),
-                        (out_q, outputs.row as isize, 1),
+                        (out_q, queries.row as isize, 1),
                     );
                 }
             }
@@ -912,9 +946,10 @@ impl AttentionGradRun<'_> {
         keys: std::ops::Range<usize>,
     ) {
         let d = self.head_dim;
+        let row = self.outputs.keys_values.map_or(0, |(keys, _)| keys.row);
         for key in keys {
             for at in [0, values_after] {
-                let offset = key as i64 * self.outputs.row + at;
+                let offset = key as i64 * row + at;
                 // SAFETY: row `key` of the element's keys (the caller vouches).
                 unsafe {
                     std::slice::from_raw_parts_mut(out_k.offset(offset as isize), d as usize)
@@ -938,22 +973,19 @@ impl AttentionGradRun<'_> {
     ) {
         let d = self.head_dim;
         let outputs = self.outputs;
-        let zero = |row: i64, at: i64| {
-            let offset = row * outputs.row + at + head * d;
-            let out = unsafe { buffers.out.offset(offset as isize) };
-            unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
-        };
-        if let Some(queries_at) = outputs.queries.filter(|_| k_rows <= 0) {
-            for row in 0..q_rows {
-                zero(row + q_first, queries_at);
+        if let Some(queries) = outputs.queries.filter(|_| k_rows <= 0) {
+            for row in q_first..q_first + q_rows {
+                let offset = row * queries.row + queries.at + head * d;
+                let out = unsafe { buffers.out.offset(offset as isize) };
+                unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
             }
         }
-        if let Some((keys_at, values_at)) = outputs.keys_values {
+        if let Some((keys, values_after)) = outputs.keys_values {
             let out_k = buffers
-                .out
-                .wrapping_offset((k_first * outputs.row + keys_at + head * d) as isize);
+                .keys_out
+                .wrapping_offset((k_first * keys.row + keys.at + head * d) as isize);
             // SAFETY: the element's key rows (the caller vouches).
-            unsafe { self.zero_keys(out_k, values_at - keys_at, 0..k_rows.max(0) as usize) };
+            unsafe { self.zero_keys(out_k, values_after, 0..k_rows.max(0) as usize) };
         }
     }
 
@@ -1008,7 +1040,7 @@ impl AttentionGradRun<'_> {
         (rows, ks): (usize, usize),
     ) {
         let d = self.head_dim;
-        let row = self.outputs.row;
+        let row = self.outputs.keys_values.map_or(0, |(keys, _)| keys.row);
         let scale = T::from_f64(self.scale);
         let (target, stride) = if first_tile {
             (out_k, row as isize)
@@ -1228,10 +1260,12 @@ mod tests {
         } else {
             GradOutputs::queries(width)
         };
-        let size = (rows * outputs.row) as usize;
+        let size = (rows * (1 + usize::from(keys)) as i64 * width) as usize;
         let scale = 0.7;
         let inputs = (q, k, v, g);
-        let expected = host_gradient((q_lengths, k_lengths), inputs, (causal, tiles), outputs);
+        let (queries, keys_values) =
+            host_gradient((q_lengths, k_lengths), inputs, (causal, tiles), outputs);
+        let expected = if keys { keys_values } else { queries };
         let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
         let [qa, ka, va, ga] = accesses;
         let step = |part, statistics| {
@@ -1249,6 +1283,7 @@ mod tests {
                 scale: nestor_ir::F64(scale),
                 part,
                 statistics,
+                keys_values_out: None,
             })
         };
         let q_rows = *q_offsets.last().unwrap_or(&0);
@@ -1300,21 +1335,51 @@ mod tests {
         (actual, expected)
     }
 
-    /// The host's attention gradient (scale 0.7) written as `outputs` says.
+    /// Buffers for the gradients `outputs` writes, filled with `fill`: the queries' (`q_rows`
+    /// rows) and the keys' and values' (`k_rows`); self-attention's three in the first
+    /// alone (the second empty).
+    fn output_buffers(
+        outputs: GradOutputs,
+        (q_rows, k_rows): (i64, i64),
+        fill: f32,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let buffer = |rows: i64, placing: Option<Placing>| {
+            vec![fill; placing.map_or(0, |placing| (rows * placing.row) as usize)]
+        };
+        let keys = outputs.keys_values.map(|(keys, _)| keys);
+        match outputs.queries {
+            Some(queries) if keys.is_some_and(|keys| keys.row == queries.row) => {
+                (buffer(q_rows.max(k_rows), keys), Vec::new())
+            }
+            queries => (buffer(q_rows, queries), buffer(k_rows, keys)),
+        }
+    }
+
+    /// The output pointers of `buffers` ([`output_buffers`]): one buffer twice where the
+    /// second is empty.
+    fn output_pointers((first, second): &mut (Vec<f32>, Vec<f32>)) -> (*mut u8, *mut u8) {
+        let first = first.as_mut_ptr() as *mut u8;
+        match second.is_empty() {
+            true => (first, first),
+            false => (first, second.as_mut_ptr() as *mut u8),
+        }
+    }
+
+    /// The host's attention gradient (scale 0.7) written as `outputs` says
+    /// ([`output_buffers`]).
     fn host_gradient(
         (q_lengths, k_lengths): (&[i64], &[i64]),
         (q, k, v, g): (&[f32], &[f32], &[f32], &[f32]),
         (causal, tiles): (bool, Tiles),
         outputs: GradOutputs,
-    ) -> Vec<f32> {
+    ) -> (Vec<f32>, Vec<f32>) {
         let width = HEADS * HEAD_DIM;
         let accesses = [1, 2, 3, 4].map(|index| Access::rows(nestor_passes::Slot(index), width));
         let (q_offsets, k_offsets) = (offsets(q_lengths), offsets(k_lengths));
-        // The output's rows: the keys' when it holds their gradients.
-        let rows = match outputs.keys_values {
-            Some(_) => *k_offsets.last().unwrap_or(&0),
-            None => *q_offsets.last().unwrap_or(&0),
-        };
+        let rows = (
+            *q_offsets.last().unwrap_or(&0),
+            *k_offsets.last().unwrap_or(&0),
+        );
         let host = AttentionGradRun {
             products: Products::Float,
             q: &accesses[0],
@@ -1330,12 +1395,12 @@ mod tests {
             tiles,
         };
         let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
-        let mut out = vec![f32::NAN; (rows * outputs.row) as usize];
+        let mut out = output_buffers(outputs, rows, f32::NAN);
         // The buffers hold the rows of the offsets; `out` the outputs' rows.
         unsafe {
             host.run::<f32>(
                 (
-                    out.as_mut_ptr() as *mut u8,
+                    output_pointers(&mut out),
                     pointer(q),
                     pointer(k),
                     pointer(v),
@@ -1365,9 +1430,9 @@ mod tests {
             let inputs = (chunk(0), chunk(1), chunk(2), chunk(3));
             let run = |outputs| host_gradient((&lengths, &lengths), inputs, (causal, tiles), outputs);
             let (all, queries, keys_values) = (
-                run(GradOutputs::all(width)),
-                run(GradOutputs::queries(width)),
-                run(GradOutputs::keys_values(width)),
+                run(GradOutputs::all(width)).0,
+                run(GradOutputs::queries(width)).0,
+                run(GradOutputs::keys_values(width)).1,
             );
             let w = width as usize;
             for row in 0..rows {
@@ -1376,6 +1441,35 @@ mod tests {
                 let bits = |values: &[f32]| values.iter().map(|value| value.to_bits()).collect::<Vec<_>>();
                 prop_assert_eq!(bits(stacked), bits(&apart), "row {} (lengths {:?}, causal {}, {:?})", row, &lengths, causal, tiles);
             }
+        }
+
+        /// Cross-attention's two gradients at once, each in its own buffer, are bit for
+        /// bit the queries' and the keys' and values' computed apart.
+        #[test]
+        fn both_gradients_at_once_are_the_two_parts_apart(
+            (q_lengths, k_lengths, values, causal) in case(),
+            queries in 1i64..4,
+            small in any::<bool>(),
+        ) {
+            let tiles = if small { Tiles { queries, keys: 1 } } else { Tiles::DEFAULT };
+            let width = (HEADS * HEAD_DIM) as usize;
+            let (q_rows, k_rows) = (q_lengths.iter().sum::<i64>() as usize, k_lengths.iter().sum::<i64>() as usize);
+            let needed = (2 * q_rows + 2 * k_rows) * width;
+            let finite: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).cycle().take(needed.max(1)).collect();
+            let (q, rest) = finite.split_at(q_rows * width);
+            let (k, rest) = rest.split_at(k_rows * width);
+            let (v, rest) = rest.split_at(k_rows * width);
+            let g = &rest[..q_rows * width];
+            let run = |outputs| host_gradient((&q_lengths, &k_lengths), (q, k, v, g), (causal, tiles), outputs);
+            let width = width as i64;
+            let (both, queries, keys_values) = (
+                run(GradOutputs::both(width)),
+                run(GradOutputs::queries(width)).0,
+                run(GradOutputs::keys_values(width)).1,
+            );
+            let bits = |values: &[f32]| values.iter().map(|value| value.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&both.0), bits(&queries), "queries (lengths {:?} / {:?}, causal {}, {:?})", &q_lengths, &k_lengths, causal, tiles);
+            prop_assert_eq!(bits(&both.1), bits(&keys_values), "keys and values (lengths {:?} / {:?}, causal {}, {:?})", &q_lengths, &k_lengths, causal, tiles);
         }
 
         #[test]
@@ -1549,14 +1643,14 @@ mod tests {
         /// The gradient on AMX tiles equals the tiled gradient on the same bf16
         /// roundings (f32 products of them): elements of 0, 1 and up to 40 rows, chunks
         /// of 1 to 40 query rows (the keys' gradients summed over several), heads of 1 to
-        /// 65 columns, causal or not, cross lengths, each part of the outputs alone and
-        /// all three, scores large enough that most probabilities underflow. Skipped on
+        /// 65 columns, causal or not, cross lengths, each part of the outputs alone, all
+        /// three and both parts in two buffers, scores large enough that most probabilities underflow. Skipped on
         /// hosts without AMX.
         #[test]
         fn the_gradient_on_amx_tiles_equals_the_tiled_gradient(
             lengths in proptest::collection::vec((0i64..40, 0i64..40), 1..4),
             (heads, head_dim) in (1i64..3, prop_oneof![1i64..4, Just(16), Just(32), Just(64), Just(65)]),
-            (causal, cross, part, chunk) in (any::<bool>(), any::<bool>(), 0..3, prop_oneof![Just(128i64), 1i64..40]),
+            (causal, cross, part, chunk) in (any::<bool>(), any::<bool>(), 0..4, prop_oneof![Just(128i64), 1i64..40]),
             (spread, seed) in (prop_oneof![Just(3.0f32), Just(40.0)], any::<u64>()),
         ) {
             if !crate::amx::usable() {
@@ -1576,7 +1670,7 @@ mod tests {
             let mut values = |rows: i64| -> Vec<f32> { (0..rows * width).map(|_| value()).collect() };
             let (q, k, v, g) = (values(q_rows), values(k_rows), values(k_rows), values(q_rows));
             let accesses = [1, 2, 3, 4].map(|slot| Access::rows(nestor_passes::Slot(slot), width));
-            let outputs = [GradOutputs::queries(width), GradOutputs::keys_values(width), GradOutputs::all(width)][part as usize];
+            let outputs = [GradOutputs::queries(width), GradOutputs::keys_values(width), GradOutputs::all(width), GradOutputs::both(width)][part as usize];
             if cross && outputs == GradOutputs::all(width) {
                 // Self-attention's layout only.
                 return Ok(());
@@ -1595,22 +1689,22 @@ mod tests {
                 parallel: false,
                 tiles: Tiles { queries: chunk, keys: 1 },
             };
-            let rows = if outputs.keys_values.is_some() { q_rows.max(k_rows) } else { q_rows };
-            let size = (rows * outputs.row) as usize;
             let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
+            let poisoned = f32::from_bits(0x7fc0_0001);
             // The tiled gradient: the roundings as f32 (this test process has no MKL).
-            let mut expected = vec![f32::from_bits(0x7fc0_0001); size];
+            let mut expected = output_buffers(outputs, (q_rows, k_rows), poisoned);
             unsafe {
                 run.run::<f32>(
-                    (expected.as_mut_ptr() as *mut u8, pointer(&q), pointer(&k), pointer(&v), pointer(&g)),
+                    (output_pointers(&mut expected), pointer(&q), pointer(&k), pointer(&v), pointer(&g)),
                     (&q_offsets, &k_offsets),
                 )
             };
             let rounded = |values: &[f32]| unsafe { RoundedBuffer::as_bf16(values.as_ptr(), values.len()) };
             let (q_rounded, k_rounded, v_rounded, g_rounded) = (rounded(&q), rounded(&k), rounded(&v), rounded(&g));
             let inputs = TileInputs::new((&q_rounded, &k_rounded, &v_rounded), Some(&g_rounded));
-            let mut actual = vec![f32::from_bits(0x7fc0_0001); size];
-            let buffers = GradBuffers { out: actual.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr(), g: g.as_ptr() };
+            let mut actual = output_buffers(outputs, (q_rows, k_rows), poisoned);
+            let (out, keys_out) = output_pointers(&mut actual);
+            let buffers = GradBuffers { out: out as *mut f32, keys_out: keys_out as *mut f32, q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr(), g: g.as_ptr() };
             // Scratch poisoned with bf16 NaNs: a slot read but not written shows.
             tiles::GRAD_SCRATCH.with_borrow_mut(|scratch| {
                 let most = 1 << 14;
@@ -1627,6 +1721,7 @@ mod tests {
                 let keys = (k_offsets[element], k_offsets[element + 1] - k_offsets[element]);
                 unsafe { run.tile_task((buffers, inputs), head, queries, keys, row) };
             }
+            let (actual, expected) = ([actual.0, actual.1].concat(), [expected.0, expected.1].concat());
             let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
             for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
                 let close = (got - want).abs() <= 2e-2 * (1.0 + largest) || got.to_bits() == want.to_bits();

@@ -635,7 +635,7 @@ mod tests {
             last,
         };
         // SAFETY: the buffers hold rows*n, rows*k, n*k and n values.
-        crate::kept::in_step(step(true, false), written, || unsafe {
+        crate::kept::in_step(step(true, false), &[written], || unsafe {
             gemm::<f32>(
                 out,
                 pointer(&x),
@@ -651,7 +651,7 @@ mod tests {
         // the values it wrote.
         output.fill(f32::NAN);
         // SAFETY: `output` holds rows*n values.
-        let kept = crate::kept::in_step(step(false, true), 0..0, || unsafe {
+        let kept = crate::kept::in_step(step(false, true), &[], || unsafe {
             crate::kept::rounded(output.as_ptr(), output.len(), 1)
         });
         for (index, value) in finished.iter().enumerate() {

@@ -34,9 +34,12 @@ struct Kept {
 
 impl Kept {
     /// Drops the roundings of values in `written`.
-    fn overwritten(&mut self, written: &std::ops::Range<usize>) {
-        self.entries
-            .retain(|(range, _)| range.end <= written.start || written.end <= range.start);
+    fn overwritten(&mut self, written: &[std::ops::Range<usize>]) {
+        self.entries.retain(|(range, _)| {
+            written
+                .iter()
+                .all(|written| range.end <= written.start || written.end <= range.start)
+        });
     }
 
     /// Keeps `rounded`, the roundings of the f32 values in `range`, dropping the oldest
@@ -64,11 +67,11 @@ pub(crate) struct StepOf {
     pub last: bool,
 }
 
-/// Runs `step`, a step of run `of` that writes the bytes `written` (its output's), with
+/// Runs `step`, a step of run `of` that writes the bytes `written` (its outputs'), with
 /// the run's roundings kept across its steps (see the module's doc).
 pub(crate) fn in_step<R>(
     of: StepOf,
-    written: std::ops::Range<usize>,
+    written: &[std::ops::Range<usize>],
     step: impl FnOnce() -> R,
 ) -> R {
     KEPT.with_borrow_mut(|kept| {
@@ -76,7 +79,7 @@ pub(crate) fn in_step<R>(
             kept.entries.clear();
         }
         kept.run = Some(of.run);
-        kept.overwritten(&written);
+        kept.overwritten(written);
         kept.in_step = true;
     });
     let result = step();
@@ -84,7 +87,7 @@ pub(crate) fn in_step<R>(
         // Nothing the step rounded of its own output stays (none of its products read
         // that, but a kept rounding must never outlive the values it rounds), but for
         // the roundings the step made of its finished output.
-        kept.overwritten(&written);
+        kept.overwritten(written);
         kept.in_step = false;
         if let Some(produced) = kept.produced.take() {
             let range = produced.range();
@@ -161,28 +164,36 @@ mod tests {
         let elsewhere = 0..4;
         let run = 7;
         // SAFETY (each `rounded` below): `values` holds 64 values.
-        let kept = in_step(step(run, true, false), elsewhere.clone(), || unsafe {
-            rounded(values.as_ptr(), 64, 1)
-        });
-        let again = in_step(step(run, false, false), elsewhere.clone(), || unsafe {
-            rounded(values.as_ptr(), 64, 1)
-        });
+        let kept = in_step(
+            step(run, true, false),
+            std::slice::from_ref(&elsewhere),
+            || unsafe { rounded(values.as_ptr(), 64, 1) },
+        );
+        let again = in_step(
+            step(run, false, false),
+            std::slice::from_ref(&elsewhere),
+            || unsafe { rounded(values.as_ptr(), 64, 1) },
+        );
         assert!(Arc::ptr_eq(&kept, &again), "kept for a later step");
         // A part of the buffer reads the whole buffer's roundings.
-        let part = in_step(step(run, false, false), elsewhere.clone(), || unsafe {
-            rounded(values.as_ptr().wrapping_add(8), 16, 1)
-        });
+        let part = in_step(
+            step(run, false, false),
+            std::slice::from_ref(&elsewhere),
+            || unsafe { rounded(values.as_ptr().wrapping_add(8), 16, 1) },
+        );
         assert!(Arc::ptr_eq(&kept, &part), "a part of a kept buffer");
         // A step that writes the values drops their roundings first.
         let written = range(&values);
         values[0] = -2.0;
-        let fresh = in_step(step(run, false, false), written, || unsafe {
-            rounded(values.as_ptr(), 64, 1)
-        });
+        let fresh = in_step(
+            step(run, false, false),
+            std::slice::from_ref(&written),
+            || unsafe { rounded(values.as_ptr(), 64, 1) },
+        );
         assert!(!Arc::ptr_eq(&kept, &fresh));
         assert_eq!(first_rounding(&fresh, &values), -2.0);
         // Another run keeps nothing of this one's.
-        let other = in_step(step(run + 1, false, true), elsewhere, || unsafe {
+        let other = in_step(step(run + 1, false, true), &[elsewhere], || unsafe {
             rounded(values.as_ptr(), 64, 1)
         });
         assert!(!Arc::ptr_eq(&fresh, &other), "a new run");

@@ -398,9 +398,9 @@ impl Placed for AttentionGrad {
     fn placement(&self, _: &Program, set: KernelSet) -> Placement {
         // The statistics are a kernel everywhere (the CPU's gradients do without them:
         // only programs for a GPU have them); the gradients are the CPU's own code, and
-        // the three stacked have no kernel at all.
+        // the parts at once have no kernel at all.
         let library = set == KernelSet::Library && self.part != AttentionPart::Statistics;
-        if library || self.part == AttentionPart::All {
+        if library || matches!(self.part, AttentionPart::All | AttentionPart::Both) {
             return Placement::Backend;
         }
         // A task per query row and head, or (the keys' gradient) per key row and head.

@@ -389,6 +389,9 @@ pub struct AttentionGrad {
     /// output), which the gradients' GPU kernels read instead of computing them again
     /// for every key (the CPU's tiles compute their own).
     pub statistics: Option<Slot>,
+    /// Where [`AttentionPart::Both`] writes the keys' and values' gradients (the
+    /// queries' go to `out`); `None` for the other parts.
+    pub keys_values_out: Option<Slot>,
 }
 
 /// What an [`AttentionGrad`] step computes.
@@ -402,6 +405,10 @@ pub enum AttentionPart {
     /// (queries, keys, values; the CPU's own code only, with no kernel: see
     /// `LowerOptions::attention_gradients_at_once`).
     All,
+    /// Cross-attention's gradients at once: the queries' `[Lq, heads, head_dim]` in
+    /// `out`, the keys' and values' stacked per row, `[Lk, 2, heads, head_dim]`, in
+    /// `keys_values_out` (the CPU's own code only, as [`AttentionPart::All`]).
+    Both,
     /// For every query row and head, its largest visible score, its sum of
     /// exponentials and `rowsum(P dP)`, in the program's float type whatever the
     /// storage: [`AttentionPart::STATISTICS_WIDTH`] values of the storage a head hold
@@ -466,8 +473,13 @@ pub struct Gather {
 /// What every step kind says about its buffers (`crate::signature::Placed` says where it
 /// runs and with which kernel arguments).
 pub trait StepKind: std::fmt::Debug {
-    /// The slot the step writes.
+    /// The slot the step writes (its first, where it writes more).
     fn output(&self) -> Slot;
+    /// Every slot the step writes: its output, and for the one kind that writes two
+    /// (an [`AttentionPart::Both`] gradient) the second.
+    fn outputs(&self) -> Vec<Slot> {
+        vec![self.output()]
+    }
     /// The slots the step reads (lengths slots excepted).
     fn reads(&self) -> Vec<Slot>;
     /// Calls `visit` on every slot the step names: its output, its inputs, its lengths,
@@ -553,9 +565,14 @@ impl Step {
         self.kind().reads()
     }
 
-    /// The slot the step writes.
+    /// The slot the step writes (its first, where it writes more).
     pub fn output(&self) -> Slot {
         self.kind().output()
+    }
+
+    /// Every slot the step writes ([`StepKind::outputs`]).
+    pub fn outputs(&self) -> Vec<Slot> {
+        self.kind().outputs()
     }
 
     /// The transcendental functions the step evaluates per output value (its
@@ -869,6 +886,11 @@ impl StepKind for AttentionGrad {
     fn output(&self) -> Slot {
         self.out
     }
+    fn outputs(&self) -> Vec<Slot> {
+        std::iter::once(self.out)
+            .chain(self.keys_values_out)
+            .collect()
+    }
     fn reads(&self) -> Vec<Slot> {
         let mut reads = vec![self.q.slot, self.k.slot, self.v.slot, self.g.slot];
         reads.extend(self.statistics);
@@ -876,6 +898,9 @@ impl StepKind for AttentionGrad {
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
         visit(&mut self.out);
+        if let Some(keys_values) = &mut self.keys_values_out {
+            visit(keys_values);
+        }
         for access in [&mut self.q, &mut self.k, &mut self.v, &mut self.g] {
             visit_access(access, visit);
         }

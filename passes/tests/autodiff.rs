@@ -5,7 +5,10 @@
 #![allow(clippy::unwrap_used)]
 
 use nestor_ir::{parse, ValueId};
-use nestor_passes::{differentiate, AutodiffError, Limits, Pipeline};
+use nestor_passes::step::AttentionPart;
+use nestor_passes::{
+    differentiate, lower_with, AutodiffError, Limits, LowerOptions, Pipeline, Step,
+};
 
 const MODEL: &str = "graph @model {
   %0 = input {name = \"L\"} : lengths[B]
@@ -140,4 +143,31 @@ fn attention_with_keys_of_other_lengths_gets_the_two_parts() {
     assert!(text.contains("part = queries"), "{text}");
     assert!(text.contains("part = keys_values"), "{text}");
     assert!(!text.contains("part = all"), "{text}");
+    // Lowered for the CPU, the two parts are one step writing both gradients; for
+    // kernels, a step each.
+    let gradient_parts = |at_once: bool| {
+        let options = LowerOptions {
+            attention_gradients_at_once: at_once,
+            ..LowerOptions::default()
+        };
+        let program = lower_with(&joint.graph, options).unwrap();
+        let steps = program.steps.iter().filter_map(|step| match step {
+            Step::AttentionGrad(gradient) => Some((gradient.part, gradient.keys_values_out)),
+            _ => None,
+        });
+        steps.collect::<Vec<_>>()
+    };
+    let at_once = gradient_parts(true);
+    assert!(
+        matches!(at_once[..], [(AttentionPart::Both, Some(_))]),
+        "{at_once:?}"
+    );
+    let apart = gradient_parts(false);
+    assert_eq!(
+        apart,
+        [
+            (AttentionPart::Queries, None),
+            (AttentionPart::KeysValues, None)
+        ]
+    );
 }

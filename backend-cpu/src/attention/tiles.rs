@@ -498,7 +498,7 @@ impl AttentionGradRun<'_> {
                 // SAFETY: as above; the panels are shaped for the chunk's rows and keys.
                 unsafe { rows::write_pair(lines, states, ks, out) };
             }
-            if let Some(queries_at) = outputs.queries {
+            if let Some(queries) = outputs.queries {
                 // dQ = scale dS K for the block's rows.
                 // SAFETY: `slope_rows` holds 16 rows of the keys' depth; `sums` 16 rows
                 // of the head's blocks.
@@ -508,7 +508,7 @@ impl AttentionGradRun<'_> {
                 }
                 for row in 0..block_rows {
                     let out_row = q_row + (block * ROWS + row) as i64;
-                    let offset = out_row * outputs.row + queries_at + head * d as i64;
+                    let offset = out_row * queries.row + queries.at + head * d as i64;
                     // SAFETY: the output holds the chunk's rows and the head's columns.
                     let out = unsafe {
                         std::slice::from_raw_parts_mut(buffers.out.offset(offset as isize), d)
@@ -520,7 +520,7 @@ impl AttentionGradRun<'_> {
                 }
             }
         }
-        let (Some((keys_at, values_at)), Some((q_t, g_t))) = (outputs.keys_values, transposes)
+        let (Some((placing, values_after)), Some((q_t, g_t))) = (outputs.keys_values, transposes)
         else {
             return;
         };
@@ -530,12 +530,17 @@ impl AttentionGradRun<'_> {
         // dK^T = scale Q^T dS and dV^T = dO^T P, 16 head columns at a time, written
         // transposed into the keys' rows.
         let parts = [
-            ((q_t, &*queries_t), &*slopes, keys_at, scale),
-            ((g_t, &*gradients_t), &*probabilities, values_at, 1.0),
+            ((q_t, &*queries_t), &*slopes, placing.at, scale),
+            (
+                (g_t, &*gradients_t),
+                &*probabilities,
+                placing.at + values_after,
+                1.0,
+            ),
         ];
         let mut transposed = [0u32; ROWS * ROWS];
         for ((a_rows, packed), panel, column_at, factor) in parts {
-            let first = k_first * outputs.row + column_at + head * d as i64;
+            let first = k_first * placing.row + column_at + head * d as i64;
             for block in 0..d.div_ceil(ROWS) {
                 // SAFETY: the transposes hold the head's columns in blocks of 16 rows
                 // of the chunk's depth; `sums` 16 rows of the keys' blocks.
@@ -554,12 +559,12 @@ impl AttentionGradRun<'_> {
                     unsafe { crate::amx::transpose_16x16(rows, &mut transposed) };
                     let keys = key_block * ROWS..ks.min((key_block + 1) * ROWS);
                     for (key, values) in keys.zip(transposed.chunks_exact(ROWS)) {
-                        let offset = first + key as i64 * outputs.row + (block * ROWS) as i64;
+                        let offset = first + key as i64 * placing.row + (block * ROWS) as i64;
                         // SAFETY: the output holds the element's key rows and the head's
                         // columns.
                         let out = unsafe {
                             std::slice::from_raw_parts_mut(
-                                buffers.out.offset(offset as isize),
+                                buffers.keys_out.offset(offset as isize),
                                 columns,
                             )
                         };

@@ -66,7 +66,7 @@ fn rounds_output(program: &Program) -> Vec<bool> {
                     .map(|later| {
                         (
                             rounded_operands(later).contains(&out),
-                            later.output() == out,
+                            later.outputs().contains(&out),
                         )
                     })
                     .take_while(|&(_, rewrites)| !rewrites)
@@ -132,16 +132,21 @@ impl HostSteps for CpuSteps {
         }
         // The run keeps its bf16 roundings across its steps but for the memory this step
         // writes (at most 8 bytes a scalar).
-        let out = step.output();
-        let scalars = run.sizes().scalars(run.program(), out).max(0) as usize;
-        let start = run.pointer(out) as usize;
-        let written = start..start.saturating_add(scalars.saturating_mul(8));
+        let written: Vec<_> = step
+            .outputs()
+            .into_iter()
+            .map(|out| {
+                let scalars = run.sizes().scalars(run.program(), out).max(0) as usize;
+                let start = run.pointer(out) as usize;
+                start..start.saturating_add(scalars.saturating_mul(8))
+            })
+            .collect();
         let of = crate::kept::StepOf {
             run: run.run(),
             first: index == 0,
             last: index + 1 == self.placements.len(),
         };
-        crate::kept::in_step(of, written, || self.execute_step(index, step, run))
+        crate::kept::in_step(of, &written, || self.execute_step(index, step, run))
     }
 
     fn code(&self) -> &str {
@@ -546,6 +551,7 @@ impl CpuSteps {
             causal,
             scale,
             part,
+            keys_values_out,
             ..
         } = step;
         let width = *heads * *head_dim;
@@ -553,6 +559,7 @@ impl CpuSteps {
             AttentionPart::Queries => GradOutputs::queries(width),
             AttentionPart::KeysValues => GradOutputs::keys_values(width),
             AttentionPart::All => GradOutputs::all(width),
+            AttentionPart::Both => GradOutputs::both(width),
             // Placed as a kernel in every set.
             AttentionPart::Statistics => {
                 return Err(step_error(
@@ -582,8 +589,18 @@ impl CpuSteps {
             tiles,
             products: run.program().products,
         };
+        let keys_out = match (part, keys_values_out) {
+            (AttentionPart::Both, Some(keys_values)) => run.pointer(*keys_values),
+            (AttentionPart::Both, None) => {
+                return Err(step_error(
+                    index,
+                    "both attention gradients at once need a second output".to_owned(),
+                ))
+            }
+            _ => run.pointer(*out),
+        };
         let buffers = (
-            run.pointer(*out),
+            (run.pointer(*out), keys_out),
             run.pointer(q.slot),
             run.pointer(k.slot),
             run.pointer(v.slot),

@@ -556,9 +556,10 @@ pub(super) fn attention_grad<'ctx>(kernel: &Kernel<'ctx, '_>, step: &AttentionGr
             AttentionPart::Queries => task.queries_gradient(statistics),
             AttentionPart::KeysValues => task.keys_gradient(statistics),
             AttentionPart::Statistics => task.statistics(kernel.compute_type(out)),
-            // Placed as the CPU's own code in every set (GPU programs stack two parts).
-            AttentionPart::All => Err(crate::CodegenError::new(
-                "the three attention gradients at once are the CPU's own code, not a kernel",
+            // Placed as the CPU's own code in every set (GPU programs have one part a
+            // step).
+            AttentionPart::All | AttentionPart::Both => Err(crate::CodegenError::new(
+                "attention gradients at once are the CPU's own code, not a kernel",
             )),
         }
     })

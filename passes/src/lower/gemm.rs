@@ -132,6 +132,9 @@ impl Lowering<'_> {
                 scale,
                 part,
             } => {
+                if let Some(lowered) = self.attention_pairs.remove(&value) {
+                    return Ok(lowered);
+                }
                 let (q_slot, _, q_tail, q_lengths) = self.data(value, *q)?;
                 let (k_slot, _, _, k_lengths) = self.data(value, *k)?;
                 let (v_slot, ..) = self.data(value, *v)?;
@@ -160,6 +163,7 @@ impl Lowering<'_> {
                         scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
                         part,
                         statistics,
+                        keys_values_out: None,
                     })
                 };
                 let statistics = if self.options.attention_statistics {
@@ -185,6 +189,26 @@ impl Lowering<'_> {
                     None
                 };
                 let out = self.result(value, ty)?;
+                let other = self
+                    .options
+                    .attention_gradients_at_once
+                    .then(|| self.other_attention_part(value, op))
+                    .flatten();
+                if let Some(other) = other {
+                    // Both parts in one step; the other's value is lowered with this one.
+                    let other_out = self.result(other, self.graph.ty(other))?;
+                    let (queries, keys_values) = match part {
+                        AttentionGradPart::Queries => (&out, &other_out),
+                        _ => (&other_out, &out),
+                    };
+                    let mut both = step(slot_of(queries), AttentionPart::Both, statistics);
+                    if let Step::AttentionGrad(gradient) = &mut both {
+                        gradient.keys_values_out = Some(slot_of(keys_values));
+                    }
+                    self.program.steps.push(both);
+                    self.attention_pairs.insert(other, other_out);
+                    return Ok(out);
+                }
                 let part = match part {
                     AttentionGradPart::Queries => AttentionPart::Queries,
                     AttentionGradPart::KeysValues => AttentionPart::KeysValues,
@@ -239,6 +263,28 @@ impl Lowering<'_> {
             }
             other => Err(unsupported(value, other, "not lowered yet")),
         }
+    }
+
+    /// The later `attention_grad` of `op`'s operands computing the part `op` does not,
+    /// when `op` computes the queries' gradient or the keys' and values'.
+    fn other_attention_part(&self, value: ValueId, op: &Op) -> Option<ValueId> {
+        let Op::AttentionGrad { part, .. } = op else {
+            return None;
+        };
+        let other = match part {
+            AttentionGradPart::Queries => AttentionGradPart::KeysValues,
+            AttentionGradPart::KeysValues => AttentionGradPart::Queries,
+            AttentionGradPart::All => return None,
+        };
+        let mut wanted = op.clone();
+        if let Op::AttentionGrad { part, .. } = &mut wanted {
+            *part = other;
+        }
+        let later = self.graph.nodes.iter().enumerate().skip(value.index() + 1);
+        later
+            .filter(|(_, node)| node.op == wanted)
+            .map(|(index, _)| ValueId(index as u32))
+            .next()
     }
 
     pub(super) fn gemm(

@@ -79,7 +79,9 @@ pub struct LowerOptions {
     pub attention_statistics: bool,
     /// Self-attention's three gradients (`attention_grad {part = all}`) in one step
     /// (`AttentionPart::All`: the CPU's own code, with no kernel), rather than the
-    /// queries' and the keys' and values' apart, stacked by inserts (what kernels do).
+    /// queries' and the keys' and values' apart, stacked by inserts (what kernels do);
+    /// and cross-attention's two parts of the same operands in one step
+    /// (`AttentionPart::Both`), rather than one each.
     pub attention_gradients_at_once: bool,
 }
 
@@ -106,6 +108,9 @@ struct Lowering<'g> {
     /// The statistics slot of attention's gradients, by their queries, keys, values and
     /// cotangent ([`LowerOptions::attention_statistics`]): both gradients read one.
     attention_statistics: HashMap<[ValueId; 4], Slot>,
+    /// Attention gradients lowered already with the other part of theirs (one
+    /// [`crate::step::AttentionPart::Both`] step), by value.
+    attention_pairs: HashMap<ValueId, Lowered>,
 }
 
 /// Lowers `graph` to a program with the default options.
@@ -138,6 +143,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         batches: HashMap::new(),
         pair_segments: HashMap::new(),
         attention_statistics: HashMap::new(),
+        attention_pairs: HashMap::new(),
     };
     let mut input_index = 0;
     for (index, node) in graph.nodes.iter().enumerate() {

@@ -342,10 +342,11 @@ impl Executable {
             }
         }
         for (step_index, step) in program.steps.iter().enumerate() {
-            let out = step.output();
-            if let Some(address) = external[out.0 as usize] {
-                memory.addresses[out.0 as usize] = address;
-            } else {
+            for out in step.outputs() {
+                if let Some(address) = external[out.0 as usize] {
+                    memory.addresses[out.0 as usize] = address;
+                    continue;
+                }
                 let elements = sizes.elements(program, out);
                 // A buffer no larger than the memory budget (a count near i64::MAX from
                 // hostile lengths is over it).

@@ -489,12 +489,13 @@ impl Executable {
         let timed = profile::wanted(stats);
         let mut timings = Vec::with_capacity(if timed { program.steps.len() } else { 0 });
         for (step_index, step) in program.steps.iter().enumerate() {
-            let out = step.output();
             let bytes = self.bytes_moved(step_index, &sizes);
             moved = moved.saturating_add(bytes);
-            if let Some(buffer) = external[out.0 as usize] {
-                pointers[out.0 as usize] = buffer;
-            } else {
+            for out in step.outputs() {
+                if let Some(buffer) = external[out.0 as usize] {
+                    pointers[out.0 as usize] = buffer;
+                    continue;
+                }
                 let bytes = within_budget(
                     step_index,
                     "its output",
@@ -546,9 +547,9 @@ impl Executable {
         Ok(outputs)
     }
 
-    /// Debug builds: step `index`'s output shares no byte with a buffer the step reads
-    /// (but its own result, which a GEMM's epilogue reads in place), as the host kernels'
-    /// alias scopes assume.
+    /// Debug builds: step `index`'s outputs share no byte with a buffer the step reads
+    /// (but its own result, which a GEMM's epilogue reads in place) or with each other,
+    /// as the host kernels' alias scopes assume.
     #[cfg(debug_assertions)]
     fn check_own_output(&self, index: usize, pointers: &[*mut u8], sizes: &Sizes) {
         let program = &self.program;
@@ -557,31 +558,38 @@ impl Executable {
             let width = program.value_bytes(slot);
             (start, start + sizes.elements(program, slot) * width)
         };
-        let out = program.steps[index].output();
-        let (start, end) = span(out);
-        for &read in &self.reads[index] {
-            let (from, to) = span(read);
-            let apart = end <= from || to <= start || start == end || from == to;
-            debug_assert!(
-                apart || self.root(read) == self.root(out),
-                "step {index} writes slot {} over slot {}, which it reads",
-                out.0,
-                read.0
-            );
+        let outputs = program.steps[index].outputs();
+        for (position, &out) in outputs.iter().enumerate() {
+            let (start, end) = span(out);
+            let others = outputs[position + 1..].iter().map(|&other| (other, false));
+            let reads = self.reads[index].iter().map(|&read| (read, true));
+            for (other, read) in reads.chain(others) {
+                let (from, to) = span(other);
+                let apart = end <= from || to <= start || start == end || from == to;
+                debug_assert!(
+                    apart || (read && self.root(other) == self.root(out)),
+                    "step {index} writes slot {} over slot {}, which it {}",
+                    out.0,
+                    other.0,
+                    if read { "reads" } else { "writes" }
+                );
+            }
         }
     }
 
     /// The bytes step `index` reads and writes in memory: every buffer it reads, once,
-    /// and the one it writes ([`crate::StatsSnapshot::bytes_moved`]).
+    /// and those it writes ([`crate::StatsSnapshot::bytes_moved`]).
     fn bytes_moved(&self, index: usize, sizes: &Sizes) -> u64 {
         let program = &self.program;
         let slot_bytes = |slot: Slot| {
             (sizes.elements(program, slot) as u64).saturating_mul(program.value_bytes(slot) as u64)
         };
-        self.reads[index].iter().map(|&slot| slot_bytes(slot)).fold(
-            slot_bytes(program.steps[index].output()),
-            u64::saturating_add,
-        )
+        let outputs = program.steps[index].outputs();
+        self.reads[index]
+            .iter()
+            .chain(&outputs)
+            .map(|&slot| slot_bytes(slot))
+            .fold(0, u64::saturating_add)
     }
 
     /// Sets `pointers` to every slot's pointer with the inputs' memory in place (null for
@@ -855,7 +863,7 @@ fn completing_steps(program: &Program, roots: &[Slot]) -> Vec<Vec<usize>> {
         let last = program
             .steps
             .iter()
-            .rposition(|step| root(step.output()) == memory);
+            .rposition(|step| step.outputs().into_iter().any(|out| root(out) == memory));
         if let Some(last) = last {
             completes[last].push(index);
         }

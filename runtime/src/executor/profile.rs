@@ -265,7 +265,7 @@ fn describe(program: &Program, step: &Step, sizes: &Sizes) -> (StepKind, String,
                 AttentionPart::Statistics => 1,
                 AttentionPart::Queries => 3,
                 AttentionPart::KeysValues => 4,
-                AttentionPart::All => 5,
+                AttentionPart::All | AttentionPart::Both => 5,
             };
             (
                 StepKind::AttentionGradient,

@@ -170,13 +170,16 @@ pub(crate) fn own_products() -> bool {
     matches!(choice(), Choice::Own(_))
 }
 
-/// The path that multiplies one product of the f32 probe's size fastest, operands
+/// The side of the square product [`fastest`] times.
+const PROBE_SIDE: usize = 256;
+
+/// The path that multiplies one [`PROBE_SIDE`]^3 product fastest, operands
 /// rounded as it goes (best of three runs each, after one untimed run): on hosts
 /// without bf16 units MKL emulates them, more slowly, and on some Intel hosts
 /// `vdpbf16ps` runs at half the rate of f32 FMAs (one every two cycles, measured on a
 /// Sapphire Rapids VM), slower than the f32 GEMM.
 fn fastest(paths: Vec<Choice>) -> Choice {
-    let side = crate::blas::GemmProbe::SIDE;
+    let side = PROBE_SIDE;
     let values: Vec<f32> = (0..side * side)
         .map(|i| 1.0 + (i % 7) as f32 / 8.0)
         .collect();

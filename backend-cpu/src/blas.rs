@@ -295,66 +295,153 @@ pub(crate) unsafe fn on_one_thread<R>(
     }
 }
 
-/// How the process chose its GEMM library: one f32 product of [`GemmProbe::SIDE`]
-/// squared matrices on one thread, timed with each library (best of a few runs in
-/// turns).
+/// How the process chose its GEMM library: the f32 products of
+/// [`GemmProbe::PRODUCTS`] on one thread, timed with each library (each product's best
+/// of a few runs in turns, added up).
+///
+/// ```
+/// let names: Vec<String> = nestor_backend_cpu::GemmProbe::PRODUCTS
+///     .iter()
+///     .map(ToString::to_string)
+///     .collect();
+/// assert_eq!(names[0], "512x256 . 256x768");
+/// assert_eq!(names[2], "200 x 64x64 . (64x64)^T");
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmProbe {
-    /// MKL's best time, in seconds.
+    /// MKL's time, in seconds.
     pub mkl_seconds: f64,
-    /// The `gemm` crate's best time, in seconds.
+    /// The `gemm` crate's time, in seconds.
     pub builtin_seconds: f64,
 }
 
 impl GemmProbe {
-    /// The side of the probe's square matrices (the models' widths; a GEMM chunk's rows
-    /// are of this order).
-    pub const SIDE: usize = 256;
+    /// The probe's products, of the kinds and sizes compiled programs make on each
+    /// core: a GEMM's chunk of rows (512 rows of 256 to 768 columns), a weight
+    /// gradient's `a^T b` over a batch's rows (a count that is no power of two) and
+    /// attention's tiles of scores `q k^T`. A square product alone misled: on a 2-core
+    /// Xeon the `gemm` crate won a 256^3 one by 4%, MKL the models' programs by 2%
+    /// (weight gradients and attention's tiles).
+    pub const PRODUCTS: [ProbeProduct; 3] = [
+        ProbeProduct::new((512, 256, 768), (false, false), 1),
+        ProbeProduct::new((256, 1001, 256), (true, false), 1),
+        ProbeProduct::new((64, 64, 64), (false, true), 200),
+    ];
     /// Timed runs of each library.
     const RUNS: usize = 5;
 
     /// Times both libraries (after one untimed run each, which sets up their buffers).
     fn measure(mkl: &Mkl) -> Self {
-        let side = Self::SIDE;
-        // Values with no pattern a library could skip work on (no zeros, no denormals).
-        let a: Vec<f32> = (0..side * side)
-            .map(|i| 1.0 + (i % 7) as f32 / 8.0)
-            .collect();
-        let b: Vec<f32> = (0..side * side)
-            .map(|i| 1.0 - (i % 5) as f32 / 8.0)
-            .collect();
-        let mut c = vec![0f32; side * side];
-        let stride = side as isize;
-        let mut run = |with_mkl: bool| {
-            let (a, b) = ((a.as_ptr(), stride, 1), (b.as_ptr(), stride, 1));
-            let c = (c.as_mut_ptr(), stride, 1);
-            let started = Instant::now();
-            // SAFETY: the three buffers hold side x side values, row-major.
-            unsafe {
-                if !(with_mkl && mkl_matmul(mkl, (side, side, side), 1.0, a, b, c, false)) {
-                    builtin_matmul((side, side, side), 1.0, a, b, c, false);
+        let mut total = [0.0; 2];
+        for product in Self::PRODUCTS {
+            let ProbeProduct { m, k, n, .. } = product;
+            // Values with no pattern a library could skip work on (no zeros, no
+            // denormals).
+            let a: Vec<f32> = (0..m * k).map(|i| 1.0 + (i % 7) as f32 / 8.0).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| 1.0 - (i % 5) as f32 / 8.0).collect();
+            let mut c = vec![0f32; m * n];
+            // A matrix `[rows x cols]` stored as it is or transposed.
+            let read = |values: &[f32], (rows, cols), transposed| match transposed {
+                true => (values.as_ptr(), 1, rows as isize),
+                false => (values.as_ptr(), cols as isize, 1),
+            };
+            let mut run = |with_mkl: bool| {
+                let a = read(&a, (m, k), product.a_transposed);
+                let b = read(&b, (k, n), product.b_transposed);
+                let c = (c.as_mut_ptr(), n as isize, 1);
+                let started = Instant::now();
+                for _ in 0..product.repeats {
+                    // SAFETY: `a` holds m x k values, `b` k x n and `c` m x n.
+                    unsafe {
+                        if !(with_mkl && mkl_matmul(mkl, (m, k, n), 1.0, a, b, c, false)) {
+                            builtin_matmul((m, k, n), 1.0, a, b, c, false);
+                        }
+                    }
+                }
+                started.elapsed().as_secs_f64()
+            };
+            let mut best = [f64::INFINITY; 2];
+            for timed in [false].into_iter().chain([true; Self::RUNS]) {
+                for (library, best) in best.iter_mut().enumerate() {
+                    let seconds = run(library == 0);
+                    if timed {
+                        *best = best.min(seconds);
+                    }
                 }
             }
-            started.elapsed().as_secs_f64()
-        };
-        let mut best = [f64::INFINITY; 2];
-        for timed in [false].into_iter().chain([true; Self::RUNS]) {
-            for (library, best) in best.iter_mut().enumerate() {
-                let seconds = run(library == 0);
-                if timed {
-                    *best = best.min(seconds);
-                }
+            for (total, best) in total.iter_mut().zip(best) {
+                *total += best;
             }
         }
         Self {
-            mkl_seconds: best[0],
-            builtin_seconds: best[1],
+            mkl_seconds: total[0],
+            builtin_seconds: total[1],
         }
     }
 
     /// Whether MKL is the one to use (a tie keeps libtorch's library).
+    ///
+    /// ```
+    /// let probe = nestor_backend_cpu::GemmProbe {
+    ///     mkl_seconds: 0.002,
+    ///     builtin_seconds: 0.002,
+    /// };
+    /// assert!(probe.mkl_wins());
+    /// ```
     pub fn mkl_wins(&self) -> bool {
         self.mkl_seconds <= self.builtin_seconds
+    }
+}
+
+/// One product of [`GemmProbe`]: `[m x k] . [k x n]`, each operand read as stored
+/// (row-major) or transposed, `repeats` times in a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeProduct {
+    /// Rows of the product.
+    pub m: usize,
+    /// The inner size.
+    pub k: usize,
+    /// Columns of the product.
+    pub n: usize,
+    /// Whether the left operand is read transposed (stored `[k x m]`).
+    pub a_transposed: bool,
+    /// Whether the right operand is read transposed (stored `[n x k]`).
+    pub b_transposed: bool,
+    /// Products timed back to back.
+    pub repeats: usize,
+}
+
+impl ProbeProduct {
+    const fn new(
+        (m, k, n): (usize, usize, usize),
+        (a_transposed, b_transposed): (bool, bool),
+        repeats: usize,
+    ) -> Self {
+        Self {
+            m,
+            k,
+            n,
+            a_transposed,
+            b_transposed,
+            repeats,
+        }
+    }
+}
+
+impl std::fmt::Display for ProbeProduct {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let operand = |rows, cols, transposed| match transposed {
+            true => format!("({cols}x{rows})^T"),
+            false => format!("{rows}x{cols}"),
+        };
+        if self.repeats > 1 {
+            write!(f, "{} x ", self.repeats)?;
+        }
+        let (a, b) = (
+            operand(self.m, self.k, self.a_transposed),
+            operand(self.k, self.n, self.b_transposed),
+        );
+        write!(f, "{a} . {b}")
     }
 }
 

@@ -48,7 +48,7 @@ mod window;
 
 pub use amx::usable as attention_on_amx;
 pub use bf16::{bf16_path, Bf16Path};
-pub use blas::{gemm_library, gemm_probe, GemmProbe};
+pub use blas::{gemm_library, gemm_probe, GemmProbe, ProbeProduct};
 #[cfg(feature = "jit")]
 pub use jit::{compile, compile_for, compile_storing, compile_with, BackendError, CpuKernels};
 #[cfg(feature = "jit")]

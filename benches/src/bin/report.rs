@@ -272,11 +272,15 @@ fn machine() -> String {
     #[cfg(not(target_arch = "x86_64"))]
     let vectors = "not x86-64";
     let probe = nestor::gemm_probe().map_or(String::new(), |probe| {
+        let products: Vec<String> = nestor::GemmProbe::PRODUCTS
+            .iter()
+            .map(ToString::to_string)
+            .collect();
         format!(
-            " (a {side}^3 f32 product on one thread: MKL {:.3} ms, gemm crate {:.3} ms)",
+            " (f32 products {} on one thread: MKL {:.3} ms, gemm crate {:.3} ms)",
+            products.join(", "),
             probe.mkl_seconds * 1e3,
             probe.builtin_seconds * 1e3,
-            side = nestor::GemmProbe::SIDE
         )
     });
     format!(

@@ -1412,6 +1412,19 @@ mod tests {
         out
     }
 
+    /// Queries, keys, values and output gradients (`[rows, HEADS * HEAD_DIM]`) of
+    /// `q_lengths` / `k_lengths`, from `values` over and over, a NaN or infinity as 0.5
+    /// (finite values only: the gradients' NaN semantics are not specified).
+    fn finite_inputs(values: &[f32], (q_lengths, k_lengths): (&[i64], &[i64])) -> [Vec<f32>; 4] {
+        let size = |lengths: &[i64]| (lengths.iter().sum::<i64>() * HEADS * HEAD_DIM) as usize;
+        let (queries, keys) = (size(q_lengths), size(k_lengths));
+        let mut finite = values
+            .iter()
+            .map(|value| if value.is_finite() { *value } else { 0.5 })
+            .cycle();
+        [queries, keys, keys, queries].map(|size| finite.by_ref().take(size).collect())
+    }
+
     proptest! {
         /// Self-attention's three gradients at once are, bit for bit, the queries'
         /// and the keys' and values' computed apart, stacked per row.
@@ -1424,11 +1437,8 @@ mod tests {
             let tiles = if small { Tiles { queries, keys: 1 } } else { Tiles::DEFAULT };
             let width = HEADS * HEAD_DIM;
             let rows = lengths.iter().sum::<i64>() as usize;
-            let needed = 4 * rows * width as usize;
-            let values: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).cycle().take(needed.max(1)).collect();
-            let chunk = |index: usize| &values[index * rows * width as usize..(index + 1) * rows * width as usize];
-            let inputs = (chunk(0), chunk(1), chunk(2), chunk(3));
-            let run = |outputs| host_gradient((&lengths, &lengths), inputs, (causal, tiles), outputs);
+            let [q, k, v, g] = finite_inputs(&values, (&lengths, &lengths));
+            let run = |outputs| host_gradient((&lengths, &lengths), (&q[..], &k[..], &v[..], &g[..]), (causal, tiles), outputs);
             let (all, queries, keys_values) = (
                 run(GradOutputs::all(width)).0,
                 run(GradOutputs::queries(width)).0,
@@ -1452,16 +1462,9 @@ mod tests {
             small in any::<bool>(),
         ) {
             let tiles = if small { Tiles { queries, keys: 1 } } else { Tiles::DEFAULT };
-            let width = (HEADS * HEAD_DIM) as usize;
-            let (q_rows, k_rows) = (q_lengths.iter().sum::<i64>() as usize, k_lengths.iter().sum::<i64>() as usize);
-            let needed = (2 * q_rows + 2 * k_rows) * width;
-            let finite: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).cycle().take(needed.max(1)).collect();
-            let (q, rest) = finite.split_at(q_rows * width);
-            let (k, rest) = rest.split_at(k_rows * width);
-            let (v, rest) = rest.split_at(k_rows * width);
-            let g = &rest[..q_rows * width];
-            let run = |outputs| host_gradient((&q_lengths, &k_lengths), (q, k, v, g), (causal, tiles), outputs);
-            let width = width as i64;
+            let [q, k, v, g] = finite_inputs(&values, (&q_lengths, &k_lengths));
+            let run = |outputs| host_gradient((&q_lengths, &k_lengths), (&q[..], &k[..], &v[..], &g[..]), (causal, tiles), outputs);
+            let width = HEADS * HEAD_DIM;
             let (both, queries, keys_values) = (
                 run(GradOutputs::both(width)),
                 run(GradOutputs::queries(width)).0,
@@ -1481,17 +1484,8 @@ mod tests {
             small in any::<bool>(),
         ) {
             let tiles = if small { Tiles { queries, keys: 1 } } else { Tiles::DEFAULT };
-            let width = (HEADS * HEAD_DIM) as usize;
-            let (queries, key_rows) = (q_lengths.iter().sum::<i64>() as usize, k_lengths.iter().sum::<i64>() as usize);
-            // Finite values only: the gradients' NaN semantics are not specified.
-            let finite: Vec<f32> = values.iter().map(|value| if value.is_finite() { *value } else { 0.5 }).collect();
-            let needed = (2 * queries + 2 * key_rows) * width;
-            let finite: Vec<f32> = finite.iter().copied().cycle().take(needed.max(1)).collect();
-            let (q, rest) = finite.split_at(queries * width);
-            let (k, rest) = rest.split_at(key_rows * width);
-            let (v, rest) = rest.split_at(key_rows * width);
-            let g = &rest[..queries * width];
-            let (actual, expected) = gradients((&q_lengths, &k_lengths), (q, k, v, g), (causal, keys, saved), tiles);
+            let [q, k, v, g] = finite_inputs(&values, (&q_lengths, &k_lengths));
+            let (actual, expected) = gradients((&q_lengths, &k_lengths), (&q[..], &k[..], &v[..], &g[..]), (causal, keys, saved), tiles);
             for (index, (a, e)) in actual.iter().zip(&expected).enumerate() {
                 prop_assert!(
                     (a - e).abs() <= 1e-4 * (1.0 + e.abs()),

@@ -655,6 +655,16 @@ impl GradOutputs {
     }
 }
 
+/// Where one head's keys' and values' gradients of an element go: its first key's
+/// gradient, the scalars between key rows, and how many scalars after a key's the
+/// values' gradient starts.
+#[derive(Clone, Copy)]
+struct KeyRows<T> {
+    out: *mut T,
+    row: i64,
+    values_after: i64,
+}
+
 /// Pointers of a gradient step; each task writes its own rows and head columns.
 #[derive(Clone, Copy)]
 struct GradBuffers<T> {
@@ -896,20 +906,17 @@ impl AttentionGradRun<'_> {
                 row_offset.max(0) as usize + first,
             );
             unsafe {
-                if let Some((keys, values_after)) = outputs.keys_values {
+                if let Some(key_rows) = self.key_rows(buffers, k_first, head) {
                     // dK = scale dS^T Q; dV = P^T dO: written by the first tile, added
                     // up from `partial` after the others.
-                    let out_k = buffers
-                        .keys_out
-                        .offset((k_first * keys.row + keys.at + head * d) as isize);
                     if index == 0 && seen < ks {
                         // Keys no query row sees: no gradient.
-                        self.zero_keys(out_k, values_after, seen..ks);
+                        self.zero_keys(key_rows, seen..ks);
                     }
                     let used = (2 * seen * d as usize).min(partial.len());
                     let partial = &mut partial[..used];
                     self.key_gradients(
-                        (out_k, values_after, partial, index == 0),
+                        (key_rows, partial, index == 0),
                         rounded,
                         (probabilities, slopes),
                         (q, g),
@@ -934,25 +941,30 @@ impl AttentionGradRun<'_> {
         }
     }
 
-    /// Zeros the keys' and values' gradient rows `keys` of an element (`out_k` its first
-    /// key's, the values' `values_after` scalars on).
+    /// Where the keys' and values' gradients of an element's keys from row `k_first`
+    /// go for `head`, if the step writes them.
+    fn key_rows<T>(&self, buffers: GradBuffers<T>, k_first: i64, head: i64) -> Option<KeyRows<T>> {
+        let (keys, values_after) = self.outputs.keys_values?;
+        let first = k_first * keys.row + keys.at + head * self.head_dim;
+        Some(KeyRows {
+            out: buffers.keys_out.wrapping_offset(first as isize),
+            row: keys.row,
+            values_after,
+        })
+    }
+
+    /// Zeros the keys' and values' gradient rows `keys` of an element.
     ///
     /// # Safety
-    /// `out_k` must hold the element's key rows.
-    unsafe fn zero_keys<T: Scalar>(
-        &self,
-        out_k: *mut T,
-        values_after: i64,
-        keys: std::ops::Range<usize>,
-    ) {
+    /// `key_rows` must hold the element's key rows.
+    unsafe fn zero_keys<T: Scalar>(&self, key_rows: KeyRows<T>, keys: std::ops::Range<usize>) {
         let d = self.head_dim;
-        let row = self.outputs.keys_values.map_or(0, |(keys, _)| keys.row);
         for key in keys {
-            for at in [0, values_after] {
-                let offset = key as i64 * row + at;
+            for at in [0, key_rows.values_after] {
+                let offset = key as i64 * key_rows.row + at;
                 // SAFETY: row `key` of the element's keys (the caller vouches).
                 unsafe {
-                    std::slice::from_raw_parts_mut(out_k.offset(offset as isize), d as usize)
+                    std::slice::from_raw_parts_mut(key_rows.out.offset(offset as isize), d as usize)
                 }
                 .fill(T::ZERO);
             }
@@ -980,12 +992,9 @@ impl AttentionGradRun<'_> {
                 unsafe { std::slice::from_raw_parts_mut(out, d as usize) }.fill(T::ZERO);
             }
         }
-        if let Some((keys, values_after)) = outputs.keys_values {
-            let out_k = buffers
-                .keys_out
-                .wrapping_offset((k_first * keys.row + keys.at + head * d) as isize);
+        if let Some(key_rows) = self.key_rows(buffers, k_first, head) {
             // SAFETY: the element's key rows (the caller vouches).
-            unsafe { self.zero_keys(out_k, values_after, 0..k_rows.max(0) as usize) };
+            unsafe { self.zero_keys(key_rows, 0..k_rows.max(0) as usize) };
         }
     }
 
@@ -1024,23 +1033,26 @@ impl AttentionGradRun<'_> {
         }
     }
 
-    /// A tile's share of `dK = scale dS^T Q` and `dV = P^T dO`, into `out_k` (the
-    /// head's first key row; its values' gradient `values_after` scalars on) for the
+    /// A tile's share of `dK = scale dS^T Q` and `dV = P^T dO`, into `key_rows` for the
     /// first tile, else summed in `partial` and added.
     ///
     /// # Safety
-    /// `out_k` must hold the element's `ks` key rows; `q` and `g` the tile's `rows`.
+    /// `key_rows` must hold the element's `ks` key rows; `q` and `g` the tile's `rows`.
     #[inline(always)]
     unsafe fn key_gradients<T: Gemm>(
         &self,
-        (out_k, values_after, partial, first_tile): (*mut T, i64, &mut [T], bool),
+        (key_rows, partial, first_tile): (KeyRows<T>, &mut [T], bool),
         rounded: &InputRoundings,
         (probabilities, slopes): (&[T], &[T]),
         (q, g): (*const T, *const T),
         (rows, ks): (usize, usize),
     ) {
         let d = self.head_dim;
-        let row = self.outputs.keys_values.map_or(0, |(keys, _)| keys.row);
+        let KeyRows {
+            out: out_k,
+            row,
+            values_after,
+        } = key_rows;
         let scale = T::from_f64(self.scale);
         let (target, stride) = if first_tile {
             (out_k, row as isize)

@@ -475,10 +475,10 @@ pub struct Gather {
 pub trait StepKind: std::fmt::Debug {
     /// The slot the step writes (its first, where it writes more).
     fn output(&self) -> Slot;
-    /// Every slot the step writes: its output, and for the one kind that writes two
-    /// (an [`AttentionPart::Both`] gradient) the second.
-    fn outputs(&self) -> Vec<Slot> {
-        vec![self.output()]
+    /// The second slot the step writes, for the one kind that writes two (an
+    /// [`AttentionPart::Both`] gradient).
+    fn second_output(&self) -> Option<Slot> {
+        None
     }
     /// The slots the step reads (lengths slots excepted).
     fn reads(&self) -> Vec<Slot>;
@@ -570,9 +570,10 @@ impl Step {
         self.kind().output()
     }
 
-    /// Every slot the step writes ([`StepKind::outputs`]).
-    pub fn outputs(&self) -> Vec<Slot> {
-        self.kind().outputs()
+    /// Every slot the step writes: its output, then its [`StepKind::second_output`].
+    pub fn outputs(&self) -> impl Iterator<Item = Slot> {
+        let kind = self.kind();
+        std::iter::once(kind.output()).chain(kind.second_output())
     }
 
     /// The transcendental functions the step evaluates per output value (its
@@ -886,10 +887,8 @@ impl StepKind for AttentionGrad {
     fn output(&self) -> Slot {
         self.out
     }
-    fn outputs(&self) -> Vec<Slot> {
-        std::iter::once(self.out)
-            .chain(self.keys_values_out)
-            .collect()
+    fn second_output(&self) -> Option<Slot> {
+        self.keys_values_out
     }
     fn reads(&self) -> Vec<Slot> {
         let mut reads = vec![self.q.slot, self.k.slot, self.v.slot, self.g.slot];

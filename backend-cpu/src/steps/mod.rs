@@ -66,7 +66,7 @@ fn rounds_output(program: &Program) -> Vec<bool> {
                     .map(|later| {
                         (
                             rounded_operands(later).contains(&out),
-                            later.outputs().contains(&out),
+                            later.outputs().any(|written| written == out),
                         )
                     })
                     .take_while(|&(_, rewrites)| !rewrites)
@@ -134,7 +134,6 @@ impl HostSteps for CpuSteps {
         // writes (at most 8 bytes a scalar).
         let written: Vec<_> = step
             .outputs()
-            .into_iter()
             .map(|out| {
                 let scalars = run.sizes().scalars(run.program(), out).max(0) as usize;
                 let start = run.pointer(out) as usize;

@@ -148,23 +148,21 @@ impl Lowering<'_> {
                 };
                 let (heads, head_dim) = (q_tail[0], q_tail[1]);
                 let rows = |slot| Access::rows(slot, heads * head_dim);
-                let step = |out, part, statistics| {
-                    Step::AttentionGrad(AttentionGrad {
-                        out,
-                        q: rows(q_slot),
-                        k: rows(k_slot),
-                        v: rows(v_slot),
-                        g: rows(g_slot),
-                        q_lengths,
-                        k_lengths,
-                        heads,
-                        head_dim,
-                        causal: *causal,
-                        scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
-                        part,
-                        statistics,
-                        keys_values_out: None,
-                    })
+                let step = |out, part, statistics| AttentionGrad {
+                    out,
+                    q: rows(q_slot),
+                    k: rows(k_slot),
+                    v: rows(v_slot),
+                    g: rows(g_slot),
+                    q_lengths,
+                    k_lengths,
+                    heads,
+                    head_dim,
+                    causal: *causal,
+                    scale: scale.unwrap_or(F64(1.0 / (head_dim as f64).sqrt())),
+                    part,
+                    statistics,
+                    keys_values_out: None,
                 };
                 let statistics = if self.options.attention_statistics {
                     let key = [*q, *k, *v, *g];
@@ -180,7 +178,7 @@ impl Lowering<'_> {
                             });
                             self.program
                                 .steps
-                                .push(step(slot, AttentionPart::Statistics, None));
+                                .push(step(slot, AttentionPart::Statistics, None).into());
                             self.attention_statistics.insert(key, slot);
                             slot
                         }
@@ -201,11 +199,11 @@ impl Lowering<'_> {
                         AttentionGradPart::Queries => (&out, &other_out),
                         _ => (&other_out, &out),
                     };
-                    let mut both = step(slot_of(queries), AttentionPart::Both, statistics);
-                    if let Step::AttentionGrad(gradient) = &mut both {
-                        gradient.keys_values_out = Some(slot_of(keys_values));
-                    }
-                    self.program.steps.push(both);
+                    let both = AttentionGrad {
+                        keys_values_out: Some(slot_of(keys_values)),
+                        ..step(slot_of(queries), AttentionPart::Both, statistics)
+                    };
+                    self.program.steps.push(both.into());
                     self.attention_pairs.insert(other, other_out);
                     return Ok(out);
                 }
@@ -229,7 +227,9 @@ impl Lowering<'_> {
                                 width: count * width,
                                 ..info.clone()
                             });
-                            self.program.steps.push(step(gradient, part, statistics));
+                            self.program
+                                .steps
+                                .push(step(gradient, part, statistics).into());
                             let placed = self.program.slot(info.clone());
                             self.program.steps.push(Step::Insert(Insert {
                                 out: placed,
@@ -258,7 +258,7 @@ impl Lowering<'_> {
                 };
                 self.program
                     .steps
-                    .push(step(slot_of(&out), part, statistics));
+                    .push(step(slot_of(&out), part, statistics).into());
                 Ok(out)
             }
             other => Err(unsupported(value, other, "not lowered yet")),

@@ -558,7 +558,7 @@ impl Executable {
             let width = program.value_bytes(slot);
             (start, start + sizes.elements(program, slot) * width)
         };
-        let outputs = program.steps[index].outputs();
+        let outputs: Vec<Slot> = program.steps[index].outputs().collect();
         for (position, &out) in outputs.iter().enumerate() {
             let (start, end) = span(out);
             let others = outputs[position + 1..].iter().map(|&other| (other, false));
@@ -584,11 +584,12 @@ impl Executable {
         let slot_bytes = |slot: Slot| {
             (sizes.elements(program, slot) as u64).saturating_mul(program.value_bytes(slot) as u64)
         };
-        let outputs = program.steps[index].outputs();
+        let written = program.steps[index].outputs();
         self.reads[index]
             .iter()
-            .chain(&outputs)
-            .map(|&slot| slot_bytes(slot))
+            .copied()
+            .chain(written)
+            .map(slot_bytes)
             .fold(0, u64::saturating_add)
     }
 
@@ -863,7 +864,7 @@ fn completing_steps(program: &Program, roots: &[Slot]) -> Vec<Vec<usize>> {
         let last = program
             .steps
             .iter()
-            .rposition(|step| step.outputs().into_iter().any(|out| root(out) == memory));
+            .rposition(|step| step.outputs().any(|out| root(out) == memory));
         if let Some(last) = last {
             completes[last].push(index);
         }

@@ -13,6 +13,7 @@
 //! With bf16 products on a host with AMX tiles both run on the tiles instead
 //! ([`tiles`]).
 
+mod fused;
 mod rows;
 mod tiles;
 
@@ -68,7 +69,8 @@ impl Tiles {
             .checked_mul(per_key)?
             .checked_add(rows.checked_mul(head)?)?
             .checked_add(TILE_ROWS * value)?;
-        Some(tiled.max(on_tiles))
+        let fused = fused::scratch_scalars(k_rows, head_dim as i64, false)?;
+        Some(tiled.max(on_tiles).max(fused))
     }
 
     /// Scalars a gradient task holds at once, `None` on overflow: probabilities and
@@ -99,7 +101,8 @@ impl Tiles {
             .checked_mul(per_key)?
             .checked_add(rows.checked_mul(head)?.checked_mul(4)?)?
             .checked_add(keys.max(head).checked_mul(TILE_ROWS)?)?;
-        Some(tiled.max(on_tiles))
+        let fused = fused::scratch_scalars(k_rows, head_dim as i64, true)?;
+        Some(tiled.max(on_tiles).max(fused))
     }
 }
 
@@ -284,13 +287,16 @@ impl AttentionRun<'_> {
         };
         let widths = (self.head_dim, self.value_dim);
         let on_tiles = TileInputs::of::<T>(self.products, widths, &rounded, false);
+        let fused = fused::usable::<T>(self.products, widths);
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
-            // The task's rows and columns are in range of buffers the executor sized.
+            // The task's rows and columns are in range of buffers the executor sized;
+            // `fused` vouches for f32 and the host.
             crate::vectors::widest(
                 #[inline(always)]
                 || unsafe {
                     match on_tiles {
                         Some(rounded) => self.tile_task(buffers.cast(), tasks[index], rounded),
+                        None if fused => self.fused_task(buffers.cast(), tasks[index]),
                         None => self.task(buffers, tasks[index], &rounded),
                     }
                 },
@@ -323,20 +329,16 @@ impl AttentionRun<'_> {
                 return;
             }
             // With a causal mask the tile's rows see no key past its last row: those keys
-            // are left out where that changes nothing (`causal_keys`).
-            let k_rows = if self.causal {
-                let heads = (task.head * d, task.head * dv);
-                let q_rows = (q, self.q.row_stride, rows);
-                self.causal_keys(
-                    buffers,
-                    heads,
-                    q_rows,
-                    (task.k_first, task.k_rows),
-                    task.row,
-                )
-            } else {
-                task.k_rows
-            };
+            // are left out where that changes nothing (`leaves_out_keys`).
+            let seen = (task.row + rows as i64).clamp(0, task.k_rows);
+            let heads = (task.head * d, task.head * dv);
+            let q_rows = (q, self.q.row_stride, rows);
+            let element = (task.k_first, task.k_rows);
+            let k_rows =
+                match self.causal && self.leaves_out_keys(buffers, heads, q_rows, element, seen) {
+                    true => seen,
+                    false => task.k_rows,
+                };
             let task = Task { k_rows, ..task };
             let key_tile = self.tiles.keys.max(1).min(task.k_rows);
             let mut scores = vec![T::ZERO; rows * key_tile as usize];
@@ -414,27 +416,25 @@ impl AttentionRun<'_> {
         }
     }
 
-    /// The keys a causal tile of query rows reads: up to its last row (`first_row +
-    /// rows`, its first row counted within the element), when every key past that is
-    /// finite, in the values too, and no masked score can overflow (all keys when one
-    /// is not: a masked NaN or infinity makes libtorch's rows NaN, which the tile
-    /// reproduces by reading them). The keys left out have probability 0.
+    /// Whether query rows (`q_rows`: the first, the scalars between rows, how many)
+    /// may leave out an element's keys from `seen` on, which a causal mask hides from
+    /// them: every such key is finite, in the values too, and no masked score can
+    /// overflow (else they read them: a masked NaN or infinity makes libtorch's rows
+    /// NaN, which reading reproduces). Keys left out have probability 0.
     ///
     /// # Safety
-    /// `q` must hold the tile's rows; the buffers the element's `k_rows` keys from
-    /// `k_first`.
+    /// `q` must hold the rows; the buffers the element's `k_rows` keys from `k_first`.
     #[inline(always)]
-    unsafe fn causal_keys<T: Scalar>(
+    unsafe fn leaves_out_keys<T: Scalar>(
         &self,
         buffers: Buffers<T>,
         (key_column, value_column): (i64, i64),
         (q, q_stride, rows): (*const T, i64, usize),
         (k_first, k_rows): (i64, i64),
-        first_row: i64,
-    ) -> i64 {
-        let seen = (first_row + rows as i64).clamp(0, k_rows);
-        if seen == k_rows {
-            return k_rows;
+        seen: i64,
+    ) -> bool {
+        if seen >= k_rows {
+            return true;
         }
         let masked = (k_rows - seen) as usize;
         let (d, dv) = (self.head_dim as usize, self.value_dim as usize);
@@ -444,9 +444,9 @@ impl AttentionRun<'_> {
         };
         let keys = key_row(buffers.k, self.k, key_column);
         let values = key_row(buffers.v, self.v, value_column);
-        // SAFETY: the tile's query rows, and the element's keys and values from `seen`
-        // (the caller vouches).
-        let left_out = unsafe {
+        // SAFETY: the query rows, and the element's keys and values from `seen` (the
+        // caller vouches).
+        unsafe {
             maskable(
                 (self.scale, d),
                 &[(q, q_stride, (rows, d))],
@@ -455,17 +455,15 @@ impl AttentionRun<'_> {
                     (values, self.v.row_stride, (masked, dv)),
                 ],
             )
-        };
-        if left_out {
-            seen
-        } else {
-            k_rows
         }
     }
 }
 
 /// Rows of values: the first's pointer, the scalars between rows, and (rows, width).
 type Block<T> = (*const T, i64, (usize, usize));
+
+/// Rows of values: the first's pointer and the scalars between rows.
+type Rows<T> = (*const T, isize);
 
 /// Whether keys that a causal mask hides from a whole tile of query rows can be left
 /// out of the tile's products (their probability is 0 either way): every value of the
@@ -512,19 +510,9 @@ unsafe fn largest_magnitude<T: Scalar>((at, stride, (rows, width)): Block<T>) ->
         // SAFETY: row `row` of the rows the caller vouches for.
         let values =
             unsafe { std::slice::from_raw_parts(at.offset(row as isize * stride as isize), width) };
-        for &value in values {
-            let magnitude = if value < T::ZERO {
-                T::ZERO - value
-            } else {
-                value
-            };
-            // NaN and infinity are not less than infinity.
-            if magnitude.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less) {
-                return None;
-            }
-            if magnitude > largest {
-                largest = magnitude;
-            }
+        let magnitude = crate::scalar::largest_magnitude(values)?;
+        if magnitude > largest {
+            largest = magnitude;
         }
     }
     Some(largest)
@@ -738,6 +726,7 @@ impl AttentionGradRun<'_> {
         };
         let widths = (self.head_dim, self.head_dim);
         let on_tiles = TileInputs::of::<T>(self.products, widths, &rounded, true);
+        let fused = fused::usable::<T>(self.products, widths);
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             let (element, head, row, rows) = tasks[index];
             let keys = (
@@ -753,6 +742,9 @@ impl AttentionGradRun<'_> {
                         Some(tiles) => {
                             let inputs = (buffers.cast(), tiles);
                             self.tile_task(inputs, head, queries, keys, row)
+                        }
+                        None if fused => {
+                            self.fused_element(buffers.cast(), head, queries, keys, row)
                         }
                         None => self.element((buffers, &rounded), head, queries, keys, row),
                     }
@@ -828,42 +820,9 @@ impl AttentionGradRun<'_> {
             Vec::new()
         };
         let scale = T::from_f64(self.scale);
-        // With a causal mask a tile sees no key past its last row: those keys are left
-        // out where that changes nothing (`maskable`), and the tiles go last first, so
-        // that the tile writing the keys' gradients (the first) sees the most keys.
-        let keys_of = |first: usize, rows: usize| {
-            let seen = (row_offset.max(0) as usize + first + rows).min(ks);
-            if !self.causal || seen == ks {
-                return ks;
-            }
-            let (d, masked) = (d as usize, ks - seen);
-            // Rows `first..first + count` of a buffer read at `stride`.
-            let block = |at: *const T, stride: i64, (first, count): (usize, usize)| {
-                let at = at.wrapping_offset(first as isize * stride as isize);
-                (at, stride, (count, d))
-            };
-            let (tile_rows, hidden_rows) = ((first, rows), (seen, masked));
-            // SAFETY: the tile's query and output-gradient rows, the element's keys and
-            // values from `seen` (the caller vouches for the element's rows).
-            let left_out = unsafe {
-                maskable(
-                    (self.scale, d),
-                    &[
-                        block(q, self.q.row_stride, tile_rows),
-                        block(g, self.g.row_stride, tile_rows),
-                    ],
-                    &[
-                        block(k, self.k.row_stride, hidden_rows),
-                        block(v, self.v.row_stride, hidden_rows),
-                    ],
-                )
-            };
-            if left_out {
-                seen
-            } else {
-                ks
-            }
-        };
+        // With a causal mask a tile sees no key past its last row (`seen_keys`), and the
+        // tiles go last first, so that the tile writing the keys' gradients (the first)
+        // sees the most keys.
         let tiles = qs.div_ceil(tile);
         let order = (0..tiles).map(|index| match self.causal {
             true => (tiles - 1 - index) * tile,
@@ -871,17 +830,28 @@ impl AttentionGradRun<'_> {
         });
         for (index, first) in order.enumerate() {
             let rows = tile.min(qs - first);
-            let seen = keys_of(first, rows);
+            let line = |at: *const T, stride: i64| {
+                (
+                    at.wrapping_offset(first as isize * stride as isize),
+                    stride as isize,
+                )
+            };
+            let tile_rows = (line(q, self.q.row_stride), line(g, self.g.row_stride));
+            let element_keys = (
+                (k, self.k.row_stride as isize),
+                (v, self.v.row_stride as isize),
+            );
+            let seen = (row_offset.max(0) as usize + first + rows).min(ks);
+            // SAFETY: the tile's rows and the element's keys (the caller vouches).
+            let leave_out = self.causal
+                && seen < ks
+                && unsafe { self.leaves_out((tile_rows, rows), element_keys, seen..ks) };
+            let seen = if leave_out { seen } else { ks };
             let (probabilities, slopes) = (
                 &mut probabilities[..rows * seen],
                 &mut slopes[..rows * seen],
             );
-            let (q, g) = unsafe {
-                (
-                    q.offset(first as isize * self.q.row_stride as isize),
-                    g.offset(first as isize * self.g.row_stride as isize),
-                )
-            };
+            let (q, g) = (tile_rows.0 .0, tile_rows.1 .0);
             unsafe {
                 // P = softmax(scale Q K^T), row by row, future keys masked.
                 T::tile_product(
@@ -938,6 +908,38 @@ impl AttentionGradRun<'_> {
                     );
                 }
             }
+        }
+    }
+
+    /// Whether query rows may leave out the keys past their last row that a causal mask
+    /// hides from them, `hidden` of the element's keys at most (`maskable`: the rows'
+    /// queries and output gradients and the hidden keys and values finite, no hidden
+    /// score near overflow). `tile` is the rows' queries and output gradients (first
+    /// row, scalars between rows; `rows` of them), `keys` the element's keys and values.
+    ///
+    /// # Safety
+    /// The pointers must hold the tile's rows and the element's keys up to `hidden`'s
+    /// end.
+    #[inline(always)]
+    unsafe fn leaves_out<T: Scalar>(
+        &self,
+        (tile, rows): ((Rows<T>, Rows<T>), usize),
+        keys: (Rows<T>, Rows<T>),
+        hidden: std::ops::Range<usize>,
+    ) -> bool {
+        let d = self.head_dim as usize;
+        let block = |(at, stride): Rows<T>, (first, count): (usize, usize)| {
+            let at = at.wrapping_offset(first as isize * stride);
+            (at, stride as i64, (count, d))
+        };
+        let (tile_rows, hidden_rows) = ((0, rows), (hidden.start, hidden.len()));
+        // SAFETY: as the caller vouches.
+        unsafe {
+            maskable(
+                (self.scale, d),
+                &[block(tile.0, tile_rows), block(tile.1, tile_rows)],
+                &[block(keys.0, hidden_rows), block(keys.1, hidden_rows)],
+            )
         }
     }
 

@@ -109,6 +109,48 @@ pub(crate) fn max_of<T: Scalar>(values: &[T]) -> T {
         .fold(T::NEG_INFINITY, larger)
 }
 
+/// The largest magnitude of `values` (0 when empty), `None` if one is NaN or infinite:
+/// [`LANES`] interleaved maxima, and a sum of `value - value`, which only a NaN or an
+/// infinity makes NaN (two loops without a branch per value, which vectorize).
+#[inline(always)]
+pub(crate) fn largest_magnitude<T: Scalar>(values: &[T]) -> Option<T> {
+    let larger = |a: T, b: T| if b > a { b } else { a };
+    let magnitude = |value: T| {
+        if value < T::ZERO {
+            T::ZERO - value
+        } else {
+            value
+        }
+    };
+    let mut lanes = [T::ZERO; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks.clone() {
+        for (lane, &value) in lanes.iter_mut().zip(chunk) {
+            *lane = larger(*lane, magnitude(value));
+        }
+    }
+    let mut probes = [T::ZERO; LANES];
+    for chunk in chunks {
+        for (probe, &value) in probes.iter_mut().zip(chunk) {
+            *probe += value - value;
+        }
+    }
+    let probe = probes
+        .into_iter()
+        .chain(rest.iter().map(|&value| value - value))
+        .fold(T::ZERO, |sum, probe| sum + probe);
+    if probe.is_nan() {
+        return None;
+    }
+    let largest = lanes.into_iter().fold(T::ZERO, larger);
+    Some(
+        rest.iter()
+            .map(|&value| magnitude(value))
+            .fold(largest, larger),
+    )
+}
+
 /// The sum of `values`, in [`LANES`] interleaved partial sums.
 #[inline(always)]
 pub(crate) fn sum_of<T: Scalar>(values: &[T]) -> T {
@@ -165,6 +207,25 @@ mod tests {
             );
         }
         assert_eq!(max_of(&[1.0f32, f32::NAN, 3.0]), 3.0, "NaNs are ignored");
+        for length in [0usize, 1, 15, 16, 17, 100] {
+            let values: Vec<f64> = (0..length).map(|i| ((i * 37) % 11) as f64 - 7.0).collect();
+            let expected = values.iter().fold(0.0, |a: f64, b| a.max(b.abs()));
+            assert_eq!(largest_magnitude(&values), Some(expected), "of {length}");
+            for at in [0, length / 2, length.saturating_sub(1)]
+                .into_iter()
+                .filter(|&at| at < length)
+            {
+                for odd in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+                    let mut values = values.clone();
+                    values[at] = odd;
+                    assert_eq!(
+                        largest_magnitude(&values),
+                        None,
+                        "{odd} at {at} of {length}"
+                    );
+                }
+            }
+        }
         for length in [0usize, 1, 15, 16, 17, 100] {
             let a: Vec<f64> = (0..length).map(|i| ((i * 37) % 11) as f64 - 5.0).collect();
             let b: Vec<f64> = (0..length + 3)

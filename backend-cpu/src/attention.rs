@@ -1737,4 +1737,167 @@ mod tests {
             }
         }
     }
+
+    /// A seeded generator of values in `[-spread, spread]`, NaN and infinities among
+    /// them where `specials`.
+    fn seeded(seed: u64, spread: f32, specials: bool) -> impl FnMut() -> f32 {
+        let mut random = seed;
+        move || {
+            random = random
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let x = ((random >> 33) % 20001) as f32 / 10000.0 * spread - spread;
+            match (specials, random >> 60) {
+                (true, 0) => f32::NAN,
+                (true, 1) => f32::INFINITY,
+                _ => x,
+            }
+        }
+    }
+
+    /// Whether `got` is `want` up to `tolerance` of values as large as `largest`, or
+    /// both NaN.
+    fn close(got: f32, want: f32, (tolerance, largest): (f32, f32)) -> bool {
+        (got - want).abs() <= tolerance * (1.0 + largest)
+            || got.to_bits() == want.to_bits()
+            || (got.is_nan() && want.is_nan())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// The fused f32 forward equals the tiled one: elements of 0, 1 and up to 100
+        /// rows (several chunks of 32, the last one part full, keys left out past a
+        /// causal chunk), heads of 1 to 65 columns, causal or not, cross lengths, NaN
+        /// and infinities. Skipped on hosts without AVX-512.
+        #[test]
+        fn the_fused_forward_equals_the_tiled_forward(
+            lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
+            (heads, head_dim, value_dim) in (1i64..3, prop_oneof![1i64..4, Just(17), Just(64), Just(65)], prop_oneof![1i64..5, Just(16), Just(64)]),
+            (causal, cross, specials, seed) in (any::<bool>(), any::<bool>(), any::<bool>(), any::<u64>()),
+        ) {
+            if !fused::usable::<f32>(Products::Float, (1, 1)) {
+                eprintln!("skipped: this host has no AVX-512");
+                return Ok(());
+            }
+            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
+            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
+            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
+            let (q_rows, k_rows) = (*q_offsets.last().unwrap() as usize, *k_offsets.last().unwrap() as usize);
+            let mut value = seeded(seed, 3.0, specials);
+            let (width, value_width) = ((heads * head_dim) as usize, (heads * value_dim) as usize);
+            let q: Vec<f32> = (0..q_rows * width).map(|_| value()).collect();
+            let k: Vec<f32> = (0..k_rows * width).map(|_| value()).collect();
+            let v: Vec<f32> = (0..k_rows * value_width).map(|_| value()).collect();
+            let (q_access, k_access, v_access) = (
+                Access::rows(nestor_passes::Slot(1), width as i64),
+                Access::rows(nestor_passes::Slot(2), width as i64),
+                Access::rows(nestor_passes::Slot(3), value_width as i64),
+            );
+            let run = AttentionRun {
+                products: Products::Float,
+                q: &q_access,
+                k: &k_access,
+                v: &v_access,
+                heads,
+                head_dim,
+                value_dim,
+                causal,
+                scale: 1.0 / (head_dim as f64).sqrt(),
+                parallel: false,
+                tiles: Tiles::DEFAULT,
+            };
+            let size = q_rows * value_width;
+            let poisoned = f32::from_bits(0x7fc0_0001);
+            let (mut expected, mut actual) = (vec![poisoned; size], vec![poisoned; size]);
+            let buffers = |out: &mut Vec<f32>| Buffers { out: out.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr() };
+            let (tiled, on_registers) = (buffers(&mut expected), buffers(&mut actual));
+            let rounded = InputRoundings { buffers: Vec::new(), of_input: Vec::new() };
+            fused::poison_scratch();
+            for task in forward_tasks(&q_offsets, &k_offsets, heads) {
+                // SAFETY: the buffers hold the tasks' rows; the host has AVX-512.
+                unsafe {
+                    crate::vectors::widest(|| run.task(tiled, task, &rounded));
+                    run.fused_task(on_registers, task);
+                }
+            }
+            let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
+            for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                prop_assert!(close(got, want, (1e-4, largest)), "output {index}: {got} fused, {want} tiled");
+            }
+        }
+
+        /// The fused f32 gradient equals the tiled one: elements of 0, 1 and up to 100
+        /// rows (the keys' gradients summed over several chunks, keys left out past a
+        /// causal chunk), heads of 1 to 65 columns, causal or not, cross lengths, each
+        /// part of the outputs alone, all three and both parts in two buffers, tasks of
+        /// 1 to 100 query rows (the queries' part alone splits elements), scores large
+        /// enough that most probabilities underflow. Skipped on hosts without AVX-512.
+        #[test]
+        fn the_fused_gradient_equals_the_tiled_gradient(
+            lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
+            (heads, head_dim) in (1i64..3, prop_oneof![1i64..4, Just(17), Just(64), Just(65)]),
+            (causal, cross, part, tile) in (any::<bool>(), any::<bool>(), 0..4, prop_oneof![Just(128i64), 1i64..100]),
+            (spread, seed) in (prop_oneof![Just(3.0f32), Just(40.0)], any::<u64>()),
+        ) {
+            if !fused::usable::<f32>(Products::Float, (1, 1)) {
+                eprintln!("skipped: this host has no AVX-512");
+                return Ok(());
+            }
+            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
+            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
+            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
+            let (q_rows, k_rows) = (*q_offsets.last().unwrap(), *k_offsets.last().unwrap());
+            let mut value = seeded(seed, spread, false);
+            let width = heads * head_dim;
+            let mut values = |rows: i64| -> Vec<f32> { (0..rows * width).map(|_| value()).collect() };
+            let (q, k, v, g) = (values(q_rows), values(k_rows), values(k_rows), values(q_rows));
+            let accesses = [1, 2, 3, 4].map(|slot| Access::rows(nestor_passes::Slot(slot), width));
+            let outputs = [GradOutputs::queries(width), GradOutputs::keys_values(width), GradOutputs::all(width), GradOutputs::both(width)][part as usize];
+            if cross && outputs == GradOutputs::all(width) {
+                // Self-attention's layout only.
+                return Ok(());
+            }
+            let run = AttentionGradRun {
+                products: Products::Float,
+                q: &accesses[0],
+                k: &accesses[1],
+                v: &accesses[2],
+                g: &accesses[3],
+                heads,
+                head_dim,
+                causal,
+                scale: 1.0 / (head_dim as f64).sqrt(),
+                outputs,
+                parallel: false,
+                tiles: Tiles { queries: tile, keys: 1 },
+            };
+            let poisoned = f32::from_bits(0x7fc0_0001);
+            let mut expected = output_buffers(outputs, (q_rows, k_rows), poisoned);
+            let mut actual = output_buffers(outputs, (q_rows, k_rows), poisoned);
+            let buffers = |out: &mut (Vec<f32>, Vec<f32>)| {
+                let (out, keys_out) = output_pointers(out);
+                GradBuffers { out: out as *mut f32, keys_out: keys_out as *mut f32, q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr(), g: g.as_ptr() }
+            };
+            let (tiled, on_registers) = (buffers(&mut expected), buffers(&mut actual));
+            let rounded = InputRoundings { buffers: Vec::new(), of_input: Vec::new() };
+            fused::poison_scratch();
+            for (element, head, row, rows) in run.tasks(&q_offsets, &k_offsets) {
+                let queries = (q_offsets[element] + row, rows);
+                let keys = (k_offsets[element], k_offsets[element + 1] - k_offsets[element]);
+                // SAFETY: the buffers hold the tasks' rows; the host has AVX-512.
+                unsafe {
+                    crate::vectors::widest(|| run.element((tiled, &rounded), head, queries, keys, row));
+                    run.fused_element(on_registers, head, queries, keys, row);
+                }
+            }
+            let (actual, expected) = ([actual.0, actual.1].concat(), [expected.0, expected.1].concat());
+            let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
+            // Scores of thousands (spread 40) carry f32 rounding of about 1e-3 into `P`.
+            let tolerance = if spread > 3.0 { 4e-3 } else { 1e-4 };
+            for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                prop_assert!(close(got, want, (tolerance, largest)), "output {index}: {got} fused, {want} tiled (largest {largest})");
+            }
+        }
+    }
 }

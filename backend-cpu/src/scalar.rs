@@ -113,6 +113,7 @@ pub(crate) fn max_of<T: Scalar>(values: &[T]) -> T {
 /// [`LANES`] interleaved maxima, and a sum of `value - value`, which only a NaN or an
 /// infinity makes NaN (two loops without a branch per value, which vectorize).
 #[inline(always)]
+#[allow(clippy::eq_op)] // `value - value` is the point: 0, or NaN for NaN and infinity.
 pub(crate) fn largest_magnitude<T: Scalar>(values: &[T]) -> Option<T> {
     let larger = |a: T, b: T| if b > a { b } else { a };
     let magnitude = |value: T| {

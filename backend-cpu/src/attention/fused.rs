@@ -76,6 +76,24 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
+/// Fills this thread's scratch with NaNs (tests: a value read before it is written
+/// shows).
+#[cfg(test)]
+pub(super) fn poison_scratch() {
+    SCRATCH.with_borrow_mut(|scratch| {
+        let most = 1 << 16;
+        for buffer in [
+            &mut scratch.queries,
+            &mut scratch.gradients,
+            &mut scratch.scores,
+            &mut scratch.slopes,
+        ] {
+            buffer.clear();
+            buffer.resize(most, f32::NAN);
+        }
+    });
+}
+
 /// A matrix read in place: its first value, the scalars between rows and between
 /// columns.
 type Read = (*const f32, isize, isize);
@@ -175,7 +193,7 @@ struct Block {
 impl Block {
     /// The block from row `row` of `A` and `C` on.
     #[inline(always)]
-    fn from_row(self, row: usize) -> Self {
+    fn at_row(self, row: usize) -> Self {
         let (a, a_row, a_column) = self.a;
         let (c, c_row) = self.c;
         Block {
@@ -196,23 +214,23 @@ unsafe fn rows_of<const ROWS: usize, const REGISTERS: usize>(rows: usize, block:
     // SAFETY: rows below `rows` (the caller vouches).
     unsafe {
         while row + ROWS <= rows {
-            registers::<ROWS, REGISTERS>(block.from_row(row));
+            registers::<ROWS, REGISTERS>(block.at_row(row));
             row += ROWS;
         }
         if ROWS > 8 && rows - row >= 8 {
-            registers::<8, REGISTERS>(block.from_row(row));
+            registers::<8, REGISTERS>(block.at_row(row));
             row += 8;
         }
         if rows - row >= 4 {
-            registers::<4, REGISTERS>(block.from_row(row));
+            registers::<4, REGISTERS>(block.at_row(row));
             row += 4;
         }
         if rows - row >= 2 {
-            registers::<2, REGISTERS>(block.from_row(row));
+            registers::<2, REGISTERS>(block.at_row(row));
             row += 2;
         }
         if rows - row >= 1 {
-            registers::<1, REGISTERS>(block.from_row(row));
+            registers::<1, REGISTERS>(block.at_row(row));
         }
     }
 }

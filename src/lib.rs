@@ -41,8 +41,8 @@ pub use nestor_frontend::{interpret, trace, Dense, TraceOutputs, TraceRef, Trace
 pub use nestor_ir::DType;
 
 pub use nestor_backend_cpu::{
-    attention_on_amx, bf16_path, gemm_library, gemm_probe, pool, Bf16Path, GemmProbe, Parallelism,
-    ProbeProduct,
+    attention_in_registers, attention_on_amx, bf16_path, gemm_library, gemm_probe, pool, Bf16Path,
+    GemmProbe, Parallelism, ProbeProduct,
 };
 /// The ragged graph IR (types, ops, text form, verifier, Graphviz output).
 pub use nestor_ir as ir;

@@ -11,7 +11,8 @@
 //! none of its rows sees, where that changes nothing (`maskable`: finite values, no
 //! score near overflow); on a 1024-token element that is about 44% of the products.
 //! With bf16 products on a host with AMX tiles both run on the tiles instead
-//! ([`tiles`]).
+//! ([`tiles`]); with f32 products on a host with AVX-512, in registers, products and
+//! softmax fused per chunk of 32 query rows ([`fused`]).
 
 mod fused;
 mod rows;
@@ -23,6 +24,12 @@ use crate::bf16::RoundedBuffer;
 use crate::blas::Gemm;
 use crate::scalar::Scalar;
 use tiles::{TileInputs, TILE_ROWS};
+
+/// Whether f32 attention (f32 products) runs fused in AVX-512 registers on this host
+/// ([`fused`]), rather than on the GEMM library's tiles.
+pub fn in_registers() -> bool {
+    fused::usable::<f32>(Products::Float, (1, 1))
+}
 
 /// The tile sizes of the forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,7 +5,7 @@
 //!
 //! A chunk's scores are kept transposed, `S^T [keys x CHUNK]`: a key's scores for the
 //! chunk's rows are two registers, so each row's maximum, sum and `rowsum(P dP)` are
-//! sums over registers lane by lane, and a causal mask is a mask of lanes. Every product
+//! taken over registers lane by lane, and a causal mask is a mask of lanes. Every product
 //! is one register kernel ([`product`]): rows of `C` as broadcasts of `A` read in place
 //! at any strides, columns as registers of `B`'s rows. The chunk's queries (and output
 //! gradients) are packed transposed, `[head_dim x CHUNK]`, to be `B` of `S^T = K Q^T`
@@ -29,7 +29,7 @@ use nestor_passes::Products;
 use super::{AttentionGradRun, AttentionRun, Buffers, GradBuffers, Task};
 
 /// Query rows per chunk: two registers of lanes.
-pub(super) const CHUNK: usize = 32;
+const CHUNK: usize = 32;
 /// Lanes of a register.
 const LANES: usize = 16;
 /// Column registers per block of a product (64 columns: a head of 64 at once).

@@ -285,7 +285,7 @@ fn machine() -> String {
     });
     format!(
         "{} (family {}, model {}, {vectors}), {cores} cores, libtorch 2.13 through tch 0.26, {} \
-         threads; compiled GEMMs by the {}{probe}; compiled bf16 products by {}{}{}",
+         threads; compiled GEMMs by the {}{probe}; compiled bf16 products by {}{}{}{}",
         field("model name"),
         field("cpu family"),
         field("model"),
@@ -295,6 +295,11 @@ fn machine() -> String {
         bf16_units(&cpuinfo),
         if nestor::attention_on_amx() {
             ", mixed-precision attention's forward and gradient on AMX tiles"
+        } else {
+            ""
+        },
+        if nestor::attention_in_registers() {
+            ", f32 attention's forward and gradient fused in AVX-512 registers"
         } else {
             ""
         }

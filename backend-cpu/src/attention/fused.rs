@@ -34,9 +34,6 @@ const CHUNK: usize = 32;
 const LANES: usize = 16;
 /// Column registers per block of a product (64 columns: a head of 64 at once).
 const COLUMN_REGISTERS: usize = 4;
-/// The least exponent whose power is made (as the tiles': smaller ones are taken as 0,
-/// which changes no softmax sum, and no denormal is made, which is slow).
-const LOWEST_EXPONENT: f32 = -87.0;
 
 /// Whether a step's tasks run here: f32 values and products, heads of at least one
 /// column, a host with AVX-512.
@@ -339,8 +336,8 @@ unsafe fn exp(x: __m512) -> __m512 {
     }
 }
 
-/// `e^(score - largest)` of the lanes in `seen`, 0 in the others and where the exponent
-/// is below [`LOWEST_EXPONENT`] (a NaN stays NaN).
+/// `e^(score - largest)` of the lanes in `seen` by this module's [`exp`]
+/// (`rows::numerators_by`).
 ///
 /// # Safety
 /// As [`product`].
@@ -348,11 +345,12 @@ unsafe fn exp(x: __m512) -> __m512 {
 unsafe fn numerators(scores: __m512, largest: __m512, seen: __mmask16) -> __m512 {
     // SAFETY: register arithmetic (the caller vouches for the host).
     unsafe {
-        let exponent = _mm512_sub_ps(scores, largest);
-        let lowest = _mm512_set1_ps(LOWEST_EXPONENT);
-        let kept = _mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(seen, exponent, lowest);
-        // `max` keeps its second operand when it is NaN.
-        _mm512_maskz_mov_ps(kept, exp(_mm512_max_ps(lowest, exponent)))
+        super::rows::numerators_by(
+            #[inline(always)]
+            |x| exp(x),
+            (scores, largest),
+            seen,
+        )
     }
 }
 
@@ -450,25 +448,30 @@ unsafe fn transposed(rows: [__m512; LANES]) -> [__m512; LANES] {
             quads[base + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(high.0, high.1));
             quads[base + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(high.0, high.1));
         }
-        // Lanes 0 and 2 of two registers, then lanes 1 and 3.
-        let even = |a, b| _mm512_shuffle_f32x4::<0x88>(a, b);
-        let odd = |a, b| _mm512_shuffle_f32x4::<0xdd>(a, b);
-        let mut halves = quads;
-        for e in 0..4 {
-            halves[e] = even(quads[e], quads[4 + e]);
-            halves[4 + e] = odd(quads[e], quads[4 + e]);
-            halves[8 + e] = even(quads[8 + e], quads[12 + e]);
-            halves[12 + e] = odd(quads[8 + e], quads[12 + e]);
-        }
-        let mut columns = halves;
-        for e in 0..4 {
-            columns[e] = even(halves[e], halves[8 + e]);
-            columns[8 + e] = odd(halves[e], halves[8 + e]);
-            columns[4 + e] = even(halves[4 + e], halves[12 + e]);
-            columns[12 + e] = odd(halves[4 + e], halves[12 + e]);
-        }
-        columns
+        by_lanes(by_lanes(quads, 4), 8)
     }
+}
+
+/// Registers `at` and `at + distance`, for every `at` without `distance`'s bit, made
+/// their 128-bit lanes 0 and 2 (into `at`) and 1 and 3 (into `at + distance`).
+///
+/// # Safety
+/// As [`product`].
+#[inline(always)]
+unsafe fn by_lanes(registers: [__m512; LANES], distance: usize) -> [__m512; LANES] {
+    let mut out = registers;
+    for at in 0..LANES {
+        if at & distance != 0 {
+            continue;
+        }
+        let (a, b) = (registers[at], registers[at + distance]);
+        // SAFETY: register shuffles (the caller vouches for the host).
+        unsafe {
+            out[at] = _mm512_shuffle_f32x4::<0x88>(a, b);
+            out[at + distance] = _mm512_shuffle_f32x4::<0xdd>(a, b);
+        }
+    }
+    out
 }
 
 /// Grows `buffer` to `len` scalars (their values are written before they are read).

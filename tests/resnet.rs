@@ -1,9 +1,10 @@
 //! torchvision's ResNet-50 from its `state_dict`: random weights and running statistics
 //! made by torchvision in the torch venv, saved as safetensors, give through nestor's
 //! packed model the class scores torchvision gives each image alone (1e-4), eagerly and
-//! compiled, and a step's gradients, eager and compiled, equal PyTorch autograd's (batch
-//! norms on their running statistics); a compiled training-mode step (batch statistics)
-//! equals eager autograd's; a bad file is an error naming what is wrong.
+//! compiled, and a step's gradients, eager and compiled, equal PyTorch autograd's (1e-4
+//! of each gradient's scale; batch norms on their running statistics); a compiled
+//! training-mode step (batch statistics) equals eager autograd's; a bad file is an error
+//! naming what is wrong.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -128,7 +129,10 @@ fn a_torchvision_resnet50_gives_torchvision_scores_and_gradients() {
             continue;
         };
         let got = variables[name].grad();
-        assert!(common::close_within(&got, want, 1e-4), "gradient of {name}");
+        assert!(
+            common::close_to_scale(&got, want, 1e-4),
+            "gradient of {name}"
+        );
         checked += 1;
     }
     assert_eq!(checked, 161, "every parameter's gradient");
@@ -155,7 +159,7 @@ fn a_torchvision_resnet50_gives_torchvision_scores_and_gradients() {
         if let Some(name) = name.strip_prefix("mean_grad.") {
             let got = variables[name].grad();
             assert!(
-                common::close_within(&got, want, 1e-4),
+                common::close_to_scale(&got, want, 1e-4),
                 "compiled gradient of {name}"
             );
         }
@@ -207,65 +211,107 @@ fn bad_resnet_files_are_errors_naming_what_is_wrong() {
     let _ = std::fs::remove_dir_all(&folder);
 }
 
+/// A step's loss and every variable after it by name: trained ones' gradients, the
+/// running statistics' values.
+type StepResult = (Tensor, Vec<(String, Tensor)>);
+
+/// The eager and the compiled training-mode step of one ResNet-18 (seed 3) in `kind` on
+/// `images` (cast to `kind`): the loss is half the mean square of the scores.
+fn training_mode_steps(kind: tch::Kind, images: &[Tensor]) -> [StepResult; 2] {
+    tch::manual_seed(3);
+    let mut eager_store = nn::VarStore::new(Device::Cpu);
+    let eager = ResNet::new(&eager_store.root(), 18, 5).unwrap();
+    let mut store = nn::VarStore::new(Device::Cpu);
+    let resnet = ResNet::new(&store.root(), 18, 5).unwrap();
+    if kind == tch::Kind::Double {
+        eager_store.double();
+        store.double();
+    }
+    store.copy(&eager_store).unwrap();
+    let images: Vec<Tensor> = images.iter().map(|image| image.to_kind(kind)).collect();
+    let images = NestedTensor::from_tensors(&images).unwrap();
+    let loss_of = |model: &ResNet, x: &NestedTensor| {
+        (model.forward(x, true)?.square()? * 0.5)?
+            .mean(&[], false)?
+            .into_dense_handle()
+    };
+    let eager_loss = loss_of(&eager, &images).unwrap().into_tensor();
+    eager_loss.backward();
+    let step = compile("resnet18_train", |x: &[NestedTensor], _: &[Dense]| {
+        loss_of(&resnet, &x[0])
+    })
+    .train(&store);
+    let loss = step
+        .call(&[&images], &[])
+        .unwrap()
+        .remove(0)
+        .into_dense()
+        .unwrap();
+    let after = |store: &nn::VarStore| {
+        let mut variables: Vec<(String, Tensor)> = store
+            .variables()
+            .into_iter()
+            .map(|(name, variable)| {
+                let value = if variable.requires_grad() {
+                    variable.grad()
+                } else {
+                    variable.detach()
+                };
+                (name, value)
+            })
+            .collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        variables
+    };
+    [(eager_loss, after(&eager_store)), (loss, after(&store))]
+}
+
 /// Training-mode batch norms (each batch's own statistics, the running ones updated):
 /// a compiled step of a ResNet-18 gives eager autograd's loss, every parameter's
 /// gradient and the running statistics, images of different sizes (one of 1x1 after
-/// the stem's downsampling): in f64 to 1e-9; in f32 to 1e-3 (the batch statistics of a
-/// few pixels amplify rounding: libtorch's and nestor's sums, in other orders, gave
-/// gradients 3e-4 apart).
+/// the stem's downsampling). In f64 to 1e-9. In f32 the batch statistics of a few
+/// pixels amplify rounding (eager's gradients are up to 4e-4 of their scale from the
+/// f64 step's on the same values, on an AVX2 host; the compiled step's up to 7e-4, its
+/// per-tensor error up to 3.3 times eager's), so there each f32 result is measured
+/// against the f64 step: the compiled one's error (relative to the tensor's scale) at
+/// most 5 times eager's plus 1e-5, and its largest at most 3 times eager's largest.
 #[test]
 fn compiled_training_mode_steps_equal_autograd() {
-    for (kind, tolerance) in [(tch::Kind::Double, 1e-9), (tch::Kind::Float, 1e-3)] {
-        tch::manual_seed(3);
-        let mut eager_store = nn::VarStore::new(Device::Cpu);
-        let eager = ResNet::new(&eager_store.root(), 18, 5).unwrap();
-        let mut store = nn::VarStore::new(Device::Cpu);
-        let resnet = ResNet::new(&store.root(), 18, 5).unwrap();
-        if kind == tch::Kind::Double {
-            eager_store.double();
-            store.double();
-        }
-        store.copy(&eager_store).unwrap();
-        let images: Vec<Tensor> = [(17, 23), (3, 4), (32, 20)]
-            .iter()
-            .map(|&(h, w)| Tensor::randn([3, h, w], (kind, Device::Cpu)))
-            .collect();
-        let images = NestedTensor::from_tensors(&images).unwrap();
-        let loss_of = |model: &ResNet, x: &NestedTensor| {
-            (model.forward(x, true)?.square()? * 0.5)?
-                .mean(&[], false)?
-                .into_dense_handle()
-        };
-        let eager_loss = loss_of(&eager, &images).unwrap().into_tensor();
-        eager_loss.backward();
-        let step = compile("resnet18_train", |x: &[NestedTensor], _: &[Dense]| {
-            loss_of(&resnet, &x[0])
-        })
-        .train(&store);
-        let loss = step
-            .call(&[&images], &[])
-            .unwrap()
-            .remove(0)
-            .into_dense()
-            .unwrap();
-        assert!(
-            common::close_within(&loss, &eager_loss, tolerance),
-            "{kind:?} loss"
-        );
-        let (want, got) = (eager_store.variables(), store.variables());
-        let mut checked = (0, 0);
-        for (name, want) in &want {
-            let got = &got[name];
-            if want.requires_grad() {
-                let close = common::close_within(&got.grad(), &want.grad(), tolerance);
-                assert!(close, "{kind:?}: the gradient of {name}");
-                checked.0 += 1;
-            } else {
-                let close = common::close_within(got, want, tolerance);
-                assert!(close, "{kind:?}: {name} after the step");
-                checked.1 += 1;
-            }
-        }
-        assert!(checked.0 > 40 && checked.1 > 20, "{checked:?}");
+    tch::manual_seed(4);
+    let images: Vec<Tensor> = [(17, 23), (3, 4), (32, 20)]
+        .iter()
+        .map(|&(h, w)| Tensor::randn([3, h, w], (tch::Kind::Float, Device::Cpu)))
+        .collect();
+    let [truth, compiled] = training_mode_steps(tch::Kind::Double, &images);
+    assert!(
+        common::close_within(&compiled.0, &truth.0, 1e-9),
+        "f64 loss"
+    );
+    for ((name, got), (_, want)) in compiled.1.iter().zip(&truth.1) {
+        assert!(common::close_within(got, want, 1e-9), "f64: {name}");
     }
+    assert!(truth.1.len() > 60, "{} variables", truth.1.len());
+
+    let [eager, compiled] = training_mode_steps(tch::Kind::Float, &images);
+    let loss = ("the loss", (&eager.0, &compiled.0, &truth.0));
+    let variables = (truth.1.iter().zip(&eager.1).zip(&compiled.1)).map(
+        |(((name, truth), (_, eager)), (_, compiled))| (name.as_str(), (eager, compiled, truth)),
+    );
+    let mut worst = (0.0f64, 0.0f64);
+    for (name, (eager, compiled, truth)) in [loss].into_iter().chain(variables) {
+        let (eager, compiled) = (
+            common::error_to_scale(eager, truth),
+            common::error_to_scale(compiled, truth),
+        );
+        assert!(
+            compiled <= 5.0 * eager + 1e-5,
+            "f32: {name}: compiled's error {compiled:e} against eager's {eager:e}"
+        );
+        worst = (worst.0.max(eager), worst.1.max(compiled));
+    }
+    let (eager, compiled) = worst;
+    assert!(
+        compiled <= 3.0 * eager,
+        "f32: compiled's largest error {compiled:e} against eager's {eager:e}"
+    );
 }

@@ -146,6 +146,30 @@ pub fn close_within(actual: &Tensor, expected: &Tensor, tolerance: f64) -> bool 
     ok
 }
 
+/// The largest difference of `actual` from `expected` relative to the larger of 1 and
+/// `expected`'s largest magnitude (infinite for other shapes): the error measure of
+/// values that are sums of terms as large as the tensor's largest (a gradient summed
+/// over images and pixels), whose f32 rounding is of that scale whatever an element's
+/// own size.
+pub fn error_to_scale(actual: &Tensor, expected: &Tensor) -> f64 {
+    if actual.size() != expected.size() {
+        eprintln!("shape {:?} != {:?}", actual.size(), expected.size());
+        return f64::INFINITY;
+    }
+    let (a, e) = (actual.to_kind(Kind::Double), expected.to_kind(Kind::Double));
+    let scale = e.abs().max().double_value(&[]).max(1.0);
+    (&a - &e).abs().max().double_value(&[]) / scale
+}
+
+/// Whether [`error_to_scale`] is at most `tolerance`.
+pub fn close_to_scale(actual: &Tensor, expected: &Tensor, tolerance: f64) -> bool {
+    let error = error_to_scale(actual, expected);
+    if error > tolerance {
+        eprintln!("largest difference {error} of the tensor's scale");
+    }
+    error <= tolerance
+}
+
 /// Asserts every element of `nested` matches `expected` elementwise.
 pub fn assert_elements(nested: &NestedTensor, expected: &[Tensor], kind: Kind) {
     assert_elements_of("result", nested, expected, kind)

@@ -7,7 +7,8 @@
 //!
 //! Options: `--scale cpu|full|smoke` (default cpu), `--out DIR` (default
 //! `docs/benchmarks`), `--only TEXT` (only the models and operators whose name contains
-//! it, case-insensitive: for quick measurements; the report then has only those). When `libnestor_memcount.so` sits next to the binary (`make
+//! it, case-insensitive: for quick measurements; the report then has only those),
+//! `--precision f32|bf16` (only that precision's rows; default both). When `libnestor_memcount.so` sits next to the binary (`make
 //! report` builds it), the report runs itself again with it preloaded to count peak
 //! memory.
 
@@ -40,14 +41,25 @@ fn run() -> Result<()> {
     let mut scale_name = "cpu".to_owned();
     let mut out = PathBuf::from("docs/benchmarks");
     let mut only: Option<String> = None;
+    let mut precisions = Precision::ALL.to_vec();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--scale" => scale_name = args.next().ok_or("--scale needs cpu, full or smoke")?,
             "--out" => out = PathBuf::from(args.next().ok_or("--out needs a folder")?),
             "--only" => only = Some(args.next().ok_or("--only needs a name")?.to_lowercase()),
+            "--precision" => {
+                precisions = match args.next().as_deref() {
+                    Some("f32") => vec![Precision::F32],
+                    Some("bf16") => vec![Precision::Bf16],
+                    _ => return Err("--precision needs f32 or bf16".into()),
+                }
+            }
             other => {
-                return Err(format!("unknown argument {other} (use --scale, --out, --only)").into())
+                return Err(format!(
+                    "unknown argument {other} (use --scale, --out, --only, --precision)"
+                )
+                .into())
             }
         }
     }
@@ -106,7 +118,7 @@ fn run() -> Result<()> {
     let mut models: Vec<Measurement> = Vec::new();
     for &model in &chosen_models {
         for (index, &occupancy) in OCCUPANCIES.iter().enumerate() {
-            for precision in Precision::ALL {
+            for &precision in &precisions {
                 let subject = precision.subject(model);
                 bar.set_message(format!("{subject} at occupancy {occupancy}"));
                 let batch = (occupancy, 100 + index as u64);
@@ -124,7 +136,7 @@ fn run() -> Result<()> {
     let mut profiles = Vec::new();
     if chosen_models.contains(&Model::Encoder) {
         let index = 1;
-        for precision in Precision::ALL {
+        for &precision in &precisions {
             bar.set_message(format!("profiling the encoder's training ({precision:?})"));
             let batch = (OCCUPANCIES[index], 100 + index as u64);
             profiles.push(profile_training(Model::Encoder, &scale, batch, precision)?);

@@ -26,7 +26,7 @@ use crate::scalar::Scalar;
 use tiles::{TileInputs, TILE_ROWS};
 
 /// Whether f32 attention (f32 products) runs fused in AVX-512 registers on this host
-/// ([`fused`]), rather than on the GEMM library's tiles.
+/// (`attention/fused.rs`), rather than on the GEMM library's tiles.
 pub fn in_registers() -> bool {
     fused::usable::<f32>(Products::Float, (1, 1))
 }

@@ -25,10 +25,10 @@ use crate::blas::Gemm;
 use crate::scalar::Scalar;
 use tiles::{TileInputs, TILE_ROWS};
 
-/// Whether f32 attention (f32 products) runs fused in AVX-512 registers on this host
-/// (`attention/fused.rs`), rather than on the GEMM library's tiles.
+/// Whether f32 attention (f32 products) runs fused in AVX-512 or AVX2 registers on this
+/// host (`attention/fused.rs`), rather than on the GEMM library's tiles.
 pub fn in_registers() -> bool {
-    fused::usable::<f32>(Products::Float, (1, 1))
+    fused::isa::<f32>(Products::Float, (1, 1)).is_some()
 }
 
 /// The tile sizes of the forward.
@@ -294,17 +294,17 @@ impl AttentionRun<'_> {
         };
         let widths = (self.head_dim, self.value_dim);
         let on_tiles = TileInputs::of::<T>(self.products, widths, &rounded, false);
-        let fused = fused::usable::<T>(self.products, widths);
+        let fused = fused::isa::<T>(self.products, widths);
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             // The task's rows and columns are in range of buffers the executor sized;
             // `fused` vouches for f32 and the host.
             crate::vectors::widest(
                 #[inline(always)]
                 || unsafe {
-                    match on_tiles {
-                        Some(rounded) => self.tile_task(buffers.cast(), tasks[index], rounded),
-                        None if fused => self.fused_task(buffers.cast(), tasks[index]),
-                        None => self.task(buffers, tasks[index], &rounded),
+                    match (on_tiles, fused) {
+                        (Some(rounded), _) => self.tile_task(buffers.cast(), tasks[index], rounded),
+                        (None, Some(isa)) => self.fused_task(isa, buffers.cast(), tasks[index]),
+                        (None, None) => self.task(buffers, tasks[index], &rounded),
                     }
                 },
             );
@@ -733,7 +733,7 @@ impl AttentionGradRun<'_> {
         };
         let widths = (self.head_dim, self.head_dim);
         let on_tiles = TileInputs::of::<T>(self.products, widths, &rounded, true);
-        let fused = fused::usable::<T>(self.products, widths);
+        let fused = fused::isa::<T>(self.products, widths);
         crate::team::for_each_chunk(tasks.len(), threads, &|index| {
             let (element, head, row, rows) = tasks[index];
             let keys = (
@@ -745,15 +745,15 @@ impl AttentionGradRun<'_> {
             crate::vectors::widest(
                 #[inline(always)]
                 || unsafe {
-                    match on_tiles {
-                        Some(tiles) => {
+                    match (on_tiles, fused) {
+                        (Some(tiles), _) => {
                             let inputs = (buffers.cast(), tiles);
                             self.tile_task(inputs, head, queries, keys, row)
                         }
-                        None if fused => {
-                            self.fused_element(buffers.cast(), head, queries, keys, row)
+                        (None, Some(isa)) => {
+                            self.fused_element(isa, buffers.cast(), head, queries, keys, row)
                         }
-                        None => self.element((buffers, &rounded), head, queries, keys, row),
+                        (None, None) => self.element((buffers, &rounded), head, queries, keys, row),
                     }
                 },
             );
@@ -1776,15 +1776,16 @@ mod tests {
         /// The fused f32 forward equals the tiled one: elements of 0, 1 and up to 100
         /// rows (several chunks of 32, the last one part full, keys left out past a
         /// causal chunk), heads of 1 to 65 columns, causal or not, cross lengths, NaN
-        /// and infinities. Skipped on hosts without AVX-512.
+        /// and infinities. On every instruction set the host has (skipped where none).
         #[test]
         fn the_fused_forward_equals_the_tiled_forward(
             lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
             (heads, head_dim, value_dim) in (1i64..3, prop_oneof![1i64..4, Just(17), Just(64), Just(65)], prop_oneof![1i64..5, Just(16), Just(64)]),
             (causal, cross, specials, seed) in (any::<bool>(), any::<bool>(), any::<bool>(), any::<u64>()),
         ) {
-            if !fused::usable::<f32>(Products::Float, (1, 1)) {
-                eprintln!("skipped: this host has no AVX-512");
+            let isas = fused::Isa::all_here();
+            if isas.is_empty() {
+                eprintln!("skipped: this host has neither AVX-512 nor AVX2 with FMA");
                 return Ok(());
             }
             let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
@@ -1816,21 +1817,27 @@ mod tests {
             };
             let size = q_rows * value_width;
             let poisoned = f32::from_bits(0x7fc0_0001);
-            let (mut expected, mut actual) = (vec![poisoned; size], vec![poisoned; size]);
+            let mut expected = vec![poisoned; size];
             let buffers = |out: &mut Vec<f32>| Buffers { out: out.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr() };
-            let (tiled, on_registers) = (buffers(&mut expected), buffers(&mut actual));
+            let tiled = buffers(&mut expected);
             let rounded = InputRoundings { buffers: Vec::new(), of_input: Vec::new() };
-            fused::poison_scratch();
-            for task in forward_tasks(&q_offsets, &k_offsets, heads) {
-                // SAFETY: the buffers hold the tasks' rows; the host has AVX-512.
-                unsafe {
-                    crate::vectors::widest(|| run.task(tiled, task, &rounded));
-                    run.fused_task(on_registers, task);
-                }
+            let tasks = forward_tasks(&q_offsets, &k_offsets, heads);
+            for &task in &tasks {
+                // SAFETY: the buffers hold the tasks' rows.
+                unsafe { crate::vectors::widest(|| run.task(tiled, task, &rounded)) };
             }
             let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
-            for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
-                prop_assert!(close(got, want, (1e-4, largest)), "output {index}: {got} fused, {want} tiled");
+            for isa in isas {
+                let mut actual = vec![poisoned; size];
+                let on_registers = buffers(&mut actual);
+                fused::poison_scratch();
+                for &task in &tasks {
+                    // SAFETY: the buffers hold the tasks' rows; the host has `isa`.
+                    unsafe { run.fused_task(isa, on_registers, task) };
+                }
+                for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                    prop_assert!(close(got, want, (1e-4, largest)), "{isa:?} output {index}: {got} fused, {want} tiled");
+                }
             }
         }
 
@@ -1839,7 +1846,8 @@ mod tests {
         /// causal chunk), heads of 1 to 65 columns, causal or not, cross lengths, each
         /// part of the outputs alone, all three and both parts in two buffers, tasks of
         /// 1 to 100 query rows (the queries' part alone splits elements), scores large
-        /// enough that most probabilities underflow. Skipped on hosts without AVX-512.
+        /// enough that most probabilities underflow. On every instruction set the host
+        /// has (skipped where none).
         #[test]
         fn the_fused_gradient_equals_the_tiled_gradient(
             lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
@@ -1847,8 +1855,9 @@ mod tests {
             (causal, cross, part, tile) in (any::<bool>(), any::<bool>(), 0..4, prop_oneof![Just(128i64), 1i64..100]),
             (spread, seed) in (prop_oneof![Just(3.0f32), Just(40.0)], any::<u64>()),
         ) {
-            if !fused::usable::<f32>(Products::Float, (1, 1)) {
-                eprintln!("skipped: this host has no AVX-512");
+            let isas = fused::Isa::all_here();
+            if isas.is_empty() {
+                eprintln!("skipped: this host has neither AVX-512 nor AVX2 with FMA");
                 return Ok(());
             }
             let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
@@ -1881,29 +1890,37 @@ mod tests {
             };
             let poisoned = f32::from_bits(0x7fc0_0001);
             let mut expected = output_buffers(outputs, (q_rows, k_rows), poisoned);
-            let mut actual = output_buffers(outputs, (q_rows, k_rows), poisoned);
             let buffers = |out: &mut (Vec<f32>, Vec<f32>)| {
                 let (out, keys_out) = output_pointers(out);
                 GradBuffers { out: out as *mut f32, keys_out: keys_out as *mut f32, q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr(), g: g.as_ptr() }
             };
-            let (tiled, on_registers) = (buffers(&mut expected), buffers(&mut actual));
+            let tiled = buffers(&mut expected);
             let rounded = InputRoundings { buffers: Vec::new(), of_input: Vec::new() };
-            fused::poison_scratch();
-            for (element, head, row, rows) in run.tasks(&q_offsets, &k_offsets) {
+            let tasks: Vec<_> = run.tasks(&q_offsets, &k_offsets).into_iter().map(|(element, head, row, rows)| {
                 let queries = (q_offsets[element] + row, rows);
                 let keys = (k_offsets[element], k_offsets[element + 1] - k_offsets[element]);
-                // SAFETY: the buffers hold the tasks' rows; the host has AVX-512.
-                unsafe {
-                    crate::vectors::widest(|| run.element((tiled, &rounded), head, queries, keys, row));
-                    run.fused_element(on_registers, head, queries, keys, row);
-                }
+                (head, queries, keys, row)
+            }).collect();
+            for &(head, queries, keys, row) in &tasks {
+                // SAFETY: the buffers hold the tasks' rows.
+                unsafe { crate::vectors::widest(|| run.element((tiled, &rounded), head, queries, keys, row)) };
             }
-            let (actual, expected) = ([actual.0, actual.1].concat(), [expected.0, expected.1].concat());
+            let expected = [expected.0, expected.1].concat();
             let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
             // Scores of thousands (spread 40) carry f32 rounding of about 1e-3 into `P`.
             let tolerance = if spread > 3.0 { 4e-3 } else { 1e-4 };
-            for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
-                prop_assert!(close(got, want, (tolerance, largest)), "output {index}: {got} fused, {want} tiled (largest {largest})");
+            for isa in isas {
+                let mut actual = output_buffers(outputs, (q_rows, k_rows), poisoned);
+                let on_registers = buffers(&mut actual);
+                fused::poison_scratch();
+                for &(head, queries, keys, row) in &tasks {
+                    // SAFETY: the buffers hold the tasks' rows; the host has `isa`.
+                    unsafe { run.fused_element(isa, on_registers, head, queries, keys, row) };
+                }
+                let actual = [actual.0, actual.1].concat();
+                for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                    prop_assert!(close(got, want, (tolerance, largest)), "{isa:?} output {index}: {got} fused, {want} tiled (largest {largest})");
+                }
             }
         }
     }

@@ -22,28 +22,28 @@
 //! multiply-adds, products in another order); the NaN, infinity and empty-element
 //! behaviour is the same.
 
-use std::arch::x86_64::*;
+mod lanes;
 
+pub(super) use lanes::Isa;
+use lanes::{Avx2, Avx512, Lanes};
 use nestor_passes::Products;
 
 use super::{AttentionGradRun, AttentionRun, Buffers, GradBuffers, Task};
 
-/// Query rows per chunk: two registers of lanes.
+/// Query rows per chunk: two AVX-512 registers of lanes, four AVX2 ones.
 const CHUNK: usize = 32;
-/// Lanes of a register.
-const LANES: usize = 16;
-/// Column registers per block of a product (64 columns: a head of 64 at once).
-const COLUMN_REGISTERS: usize = 4;
 
-/// Whether a step's tasks run here: f32 values and products, heads of at least one
-/// column, a host with AVX-512.
-pub(super) fn usable<T: 'static>(products: Products, (head_dim, value_dim): (i64, i64)) -> bool {
-    std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
-        && products == Products::Float
-        && head_dim > 0
-        && value_dim > 0
-        && std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
+/// The instruction set a step's tasks run on here: f32 values and products, heads of
+/// at least one column, a host with AVX2 and FMA or AVX-512 (the widest it has).
+pub(super) fn isa<T: 'static>(
+    products: Products,
+    (head_dim, value_dim): (i64, i64),
+) -> Option<Isa> {
+    let f32_products =
+        std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() && products == Products::Float;
+    (f32_products && head_dim > 0 && value_dim > 0)
+        .then(Isa::widest)
+        .flatten()
 }
 
 /// Scalars a task holds at once for an element of `keys` keys and heads of
@@ -97,13 +97,15 @@ type Read = (*const f32, isize, isize);
 
 /// `C = alpha A B`, or `C += alpha A B` when `add`, for `C [rows x columns]` at
 /// `(c, row stride)`, `A [rows x depth]` as [`Read`], `B [depth x columns]` at `(b, row
-/// stride)` with contiguous columns. Blocks of up to 64 columns (the last register of a
-/// block masked) by up to 12 (6 for wider blocks) rows of accumulators.
+/// stride)` with contiguous columns. Blocks of up to [`Lanes::COLUMN_REGISTERS`]
+/// registers of columns (the last one masked) by as many rows of sums as the registers
+/// hold: 12 by 1 or 2, 6 by 3 or 4 on AVX-512 (32 registers); 12 by 1, 6 by 2 on AVX2
+/// (16).
 ///
 /// # Safety
-/// Code compiled for AVX-512 (the tasks here); the matrices hold their rows.
+/// Code compiled for `I` ([`Lanes::compiled`]); the matrices hold their rows.
 #[inline(always)]
-unsafe fn product(
+unsafe fn product<I: Lanes>(
     (rows, depth, columns): (usize, usize, usize),
     alpha: f32,
     a: Read,
@@ -113,9 +115,9 @@ unsafe fn product(
 ) {
     let mut column = 0;
     while column < columns {
-        let width = (columns - column).min(COLUMN_REGISTERS * LANES);
-        let registers = width.div_ceil(LANES);
-        let tail = lanes_below(width - (registers - 1) * LANES);
+        let width = (columns - column).min(I::COLUMN_REGISTERS * I::LANES);
+        let registers = width.div_ceil(I::LANES);
+        let last = width - (registers - 1) * I::LANES;
         // SAFETY: columns `column..column + width` of the caller's matrices.
         unsafe {
             let block = Block {
@@ -124,14 +126,15 @@ unsafe fn product(
                 a,
                 b: (b.add(column), b_row),
                 c: (c.add(column), c_row),
-                tail,
+                tail: (last < I::LANES).then(|| I::below(last)),
                 add,
             };
-            match registers {
-                1 => rows_of::<12, 1>(rows, block),
-                2 => rows_of::<12, 2>(rows, block),
-                3 => rows_of::<6, 3>(rows, block),
-                _ => rows_of::<6, 4>(rows, block),
+            match (registers, I::LANES) {
+                (1, _) => rows_of::<I, 12, 1>(rows, block),
+                (2, 16) => rows_of::<I, 12, 2>(rows, block),
+                (2, _) => rows_of::<I, 6, 2>(rows, block),
+                (3, _) => rows_of::<I, 6, 3>(rows, block),
+                _ => rows_of::<I, 6, 4>(rows, block),
             }
         }
         column += width;
@@ -149,7 +152,7 @@ const DEPTH_BLOCK: usize = 32;
 /// # Safety
 /// As [`product`].
 #[inline(always)]
-unsafe fn product_in_blocks(
+unsafe fn product_in_blocks<I: Lanes>(
     (rows, depth, columns): (usize, usize, usize),
     alpha: f32,
     (a, a_row, a_column): Read,
@@ -162,7 +165,7 @@ unsafe fn product_in_blocks(
         let b = b.wrapping_offset(first as isize * b_row);
         // SAFETY: rows `first..first + block` of `B`, columns of `A` (the caller vouches).
         unsafe {
-            product(
+            product::<I>(
                 (rows, block, columns),
                 alpha,
                 (a, a_row, a_column),
@@ -176,18 +179,18 @@ unsafe fn product_in_blocks(
 
 /// One block of columns of a [`product`].
 #[derive(Clone, Copy)]
-struct Block {
+struct Block<I: Lanes> {
     depth: usize,
     alpha: f32,
     a: Read,
     b: (*const f32, isize),
     c: (*mut f32, isize),
-    /// The lanes of the block's last register that are columns.
-    tail: __mmask16,
+    /// The lanes of the block's last register that are columns, `None` when all are.
+    tail: Option<I::Mask>,
     add: bool,
 }
 
-impl Block {
+impl<I: Lanes> Block<I> {
     /// The block from row `row` of `A` and `C` on.
     #[inline(always)]
     fn at_row(self, row: usize) -> Self {
@@ -206,28 +209,31 @@ impl Block {
 /// # Safety
 /// As [`product`].
 #[inline(always)]
-unsafe fn rows_of<const ROWS: usize, const REGISTERS: usize>(rows: usize, block: Block) {
+unsafe fn rows_of<I: Lanes, const ROWS: usize, const REGISTERS: usize>(
+    rows: usize,
+    block: Block<I>,
+) {
     let mut row = 0;
     // SAFETY: rows below `rows` (the caller vouches).
     unsafe {
         while row + ROWS <= rows {
-            registers::<ROWS, REGISTERS>(block.at_row(row));
+            registers::<I, ROWS, REGISTERS>(block.at_row(row));
             row += ROWS;
         }
         if ROWS > 8 && rows - row >= 8 {
-            registers::<8, REGISTERS>(block.at_row(row));
+            registers::<I, 8, REGISTERS>(block.at_row(row));
             row += 8;
         }
         if rows - row >= 4 {
-            registers::<4, REGISTERS>(block.at_row(row));
+            registers::<I, 4, REGISTERS>(block.at_row(row));
             row += 4;
         }
         if rows - row >= 2 {
-            registers::<2, REGISTERS>(block.at_row(row));
+            registers::<I, 2, REGISTERS>(block.at_row(row));
             row += 2;
         }
         if rows - row >= 1 {
-            registers::<1, REGISTERS>(block.at_row(row));
+            registers::<I, 1, REGISTERS>(block.at_row(row));
         }
     }
 }
@@ -237,7 +243,7 @@ unsafe fn rows_of<const ROWS: usize, const REGISTERS: usize>(rows: usize, block:
 /// # Safety
 /// As [`product`].
 #[inline(always)]
-unsafe fn registers<const ROWS: usize, const REGISTERS: usize>(block: Block) {
+unsafe fn registers<I: Lanes, const ROWS: usize, const REGISTERS: usize>(block: Block<I>) {
     let Block {
         depth,
         alpha,
@@ -247,110 +253,98 @@ unsafe fn registers<const ROWS: usize, const REGISTERS: usize>(block: Block) {
         tail,
         add,
     } = block;
-    let mask = |register: usize| {
-        if register + 1 == REGISTERS {
-            tail
-        } else {
-            0xffff
-        }
-    };
-    // SAFETY: the block's rows and columns (the caller vouches); masked lanes are
-    // neither read nor written.
+    // SAFETY: the block's rows and columns (the caller vouches); the lanes past the
+    // columns are neither read nor written.
     unsafe {
-        let mut sums = [[_mm512_setzero_ps(); REGISTERS]; ROWS];
+        let load = |at: *const f32, register: usize| match tail {
+            Some(mask) if register + 1 == REGISTERS => I::load_masked(at, mask),
+            _ => I::load(at),
+        };
+        let mut sums = [[I::zero(); REGISTERS]; ROWS];
         for step in 0..depth {
             let line = b.offset(step as isize * b_row);
-            let values: [__m512; REGISTERS] = std::array::from_fn(|register| {
-                _mm512_maskz_loadu_ps(mask(register), line.add(register * LANES))
-            });
+            let values: [I; REGISTERS] =
+                std::array::from_fn(|register| load(line.add(register * I::LANES), register));
             let column = a.offset(step as isize * a_column);
             for (row, sums) in sums.iter_mut().enumerate() {
-                let x = _mm512_set1_ps(*column.offset(row as isize * a_row));
+                let x = I::splat(*column.offset(row as isize * a_row));
                 for (sum, &value) in sums.iter_mut().zip(&values) {
-                    *sum = _mm512_fmadd_ps(x, value, *sum);
+                    *sum = x.mul_add(value, *sum);
                 }
             }
         }
-        let alpha = _mm512_set1_ps(alpha);
+        let alpha = I::splat(alpha);
         for (row, sums) in sums.iter().enumerate() {
             let line = c.offset(row as isize * c_row);
             for (register, &sum) in sums.iter().enumerate() {
-                let at = line.add(register * LANES);
-                let mut value = _mm512_mul_ps(sum, alpha);
+                let at = line.add(register * I::LANES);
+                let mut value = sum.mul(alpha);
                 if add {
-                    value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask(register), at));
+                    value = value.add(load(at, register));
                 }
-                _mm512_mask_storeu_ps(at, mask(register), value);
+                match tail {
+                    Some(mask) if register + 1 == REGISTERS => value.store_masked(at, mask),
+                    _ => value.store(at),
+                }
             }
         }
-    }
-}
-
-/// The lanes below `count` (all from 16).
-#[inline(always)]
-fn lanes_below(count: usize) -> __mmask16 {
-    if count >= LANES {
-        0xffff
-    } else {
-        ((1u32 << count) - 1) as __mmask16
     }
 }
 
 /// The lanes of a register of query rows, the first `first_row` (counted within the
 /// element), that see key `key`: all without a causal mask, else those at or past it.
-#[inline(always)]
-fn seeing(key: usize, first_row: usize, causal: bool) -> __mmask16 {
-    if !causal || key <= first_row {
-        0xffff
-    } else {
-        !lanes_below(key - first_row)
-    }
-}
-
-/// `e^x` of 16 lanes for `x` at most 0 (or NaN, kept): `nestor_math::fast_exp`'s
-/// reduction and polynomial with fused multiply-adds, the power of two by `scalef`.
 ///
 /// # Safety
 /// As [`product`].
 #[inline(always)]
-unsafe fn exp(x: __m512) -> __m512 {
+unsafe fn seeing<I: Lanes>(key: usize, first_row: usize, causal: bool) -> I::Mask {
+    // SAFETY: register arithmetic (the caller vouches for the host).
+    unsafe {
+        match !causal || key <= first_row {
+            true => I::all(),
+            false => I::not(I::below(key - first_row)),
+        }
+    }
+}
+
+/// `e^x` for `x` in `[-87, 0]` (or NaN, kept): `nestor_math::fast_exp`'s reduction and
+/// polynomial with fused multiply-adds.
+///
+/// # Safety
+/// As [`product`].
+#[inline(always)]
+unsafe fn exp<I: Lanes>(x: I) -> I {
     use nestor_math::{EXP_COEFFICIENTS, LN_2_SPLIT};
     // SAFETY: register arithmetic (the caller vouches for the host).
     unsafe {
-        let splat = _mm512_set1_ps;
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, splat(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, splat(LN_2_SPLIT[0] as f32), x);
-        let r = _mm512_fnmadd_ps(n, splat(LN_2_SPLIT[1] as f32), r);
-        let mut polynomial = splat(EXP_COEFFICIENTS[0] as f32);
+        let splat = |value: f64| I::splat(value as f32);
+        let n = x.mul(splat(std::f64::consts::LOG2_E)).round();
+        let r = n.neg_mul_add(splat(LN_2_SPLIT[0]), x);
+        let r = n.neg_mul_add(splat(LN_2_SPLIT[1]), r);
+        let mut polynomial = splat(EXP_COEFFICIENTS[0]);
         for &coefficient in &EXP_COEFFICIENTS[1..] {
-            polynomial = _mm512_fmadd_ps(polynomial, r, splat(coefficient as f32));
+            polynomial = polynomial.mul_add(r, splat(coefficient));
         }
-        let reduced = _mm512_fmadd_ps(
-            polynomial,
-            _mm512_mul_ps(r, r),
-            _mm512_add_ps(r, splat(1.0)),
-        );
-        _mm512_scalef_ps(reduced, n)
+        let reduced = polynomial.mul_add(r.mul(r), r.add(splat(1.0)));
+        reduced.times_power_of_two(n)
     }
 }
 
-/// `e^(score - largest)` of the lanes in `seen` by this module's [`exp`]
-/// (`rows::numerators_by`).
+/// `e^(score - largest)` of the lanes in `seen`, 0 in the others and where the
+/// exponent is below `rows::LOWEST_EXPONENT` (as the tiled code's numerators; a NaN
+/// stays NaN).
 ///
 /// # Safety
 /// As [`product`].
 #[inline(always)]
-unsafe fn numerators(scores: __m512, largest: __m512, seen: __mmask16) -> __m512 {
+unsafe fn numerators<I: Lanes>(scores: I, largest: I, seen: I::Mask) -> I {
     // SAFETY: register arithmetic (the caller vouches for the host).
     unsafe {
-        super::rows::numerators_by(
-            #[inline(always)]
-            |x| exp(x),
-            (scores, largest),
-            seen,
-        )
+        let exponent = scores.sub(largest);
+        let lowest = I::splat(super::rows::LOWEST_EXPONENT);
+        let kept = I::and(seen, exponent.not_less(lowest));
+        // `max` keeps its second operand when it is NaN.
+        I::select(kept, exp(lowest.max(exponent)), I::zero())
     }
 }
 
@@ -361,23 +355,24 @@ unsafe fn numerators(scores: __m512, largest: __m512, seen: __mmask16) -> __m512
 /// # Safety
 /// As [`product`]; `scores` holds `keys` keys.
 #[inline(always)]
-unsafe fn largest(
+unsafe fn largest<I: Lanes>(
     scores: *const f32,
     keys: usize,
     first_row: usize,
     causal: bool,
-) -> (__m512, __mmask16) {
+) -> (I, I::Mask) {
     // SAFETY: as the caller vouches.
     unsafe {
-        let mut largest = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut poisoned: __mmask16 = 0;
-        let infinite = _mm512_set1_ps(f32::INFINITY);
+        let mut largest = I::splat(f32::NEG_INFINITY);
+        let mut poisoned = I::not(I::all());
+        let infinite = I::splat(f32::INFINITY);
         for key in 0..keys {
-            let values = _mm512_loadu_ps(scores.add(key * CHUNK));
-            let seen = seeing(key, first_row, causal);
-            let larger = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(seen, values, largest);
-            largest = _mm512_mask_mov_ps(largest, larger, values);
-            poisoned |= _mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(!seen, values, infinite);
+            let values = I::load(scores.add(key * CHUNK));
+            let seen = seeing::<I>(key, first_row, causal);
+            let larger = I::and(seen, values.greater(largest));
+            largest = I::select(larger, values, largest);
+            let masked = I::and(I::not(seen), values.not_less(infinite));
+            poisoned = I::or(poisoned, masked);
         }
         (largest, poisoned)
     }
@@ -385,12 +380,12 @@ unsafe fn largest(
 
 /// Packs `rows` rows (at most [`CHUNK`]) of `width` values (from `at`, `stride`
 /// scalars apart) transposed into `out [width x CHUNK]`, zeros past the rows: blocks of
-/// 16 x 16 transposed in registers.
+/// `LANES x LANES` transposed in registers.
 ///
 /// # Safety
 /// As [`product`]; `at` holds the rows.
 #[inline(always)]
-unsafe fn pack_transposed(
+unsafe fn pack_transposed<I: Lanes>(
     out: &mut Vec<f32>,
     (at, stride): (*const f32, isize),
     rows: usize,
@@ -399,79 +394,19 @@ unsafe fn pack_transposed(
     out.clear();
     out.resize(width * CHUNK, 0.0);
     let target = out.as_mut_ptr();
-    for first_row in (0..rows.min(CHUNK)).step_by(LANES) {
-        let present = (rows - first_row).min(LANES);
-        for first_column in (0..width).step_by(LANES) {
-            let columns = (width - first_column).min(LANES);
-            let mask = lanes_below(columns);
+    for first_row in (0..rows.min(CHUNK)).step_by(I::LANES) {
+        let present = (rows - first_row).min(I::LANES);
+        for first_column in (0..width).step_by(I::LANES) {
+            let columns = (width - first_column).min(I::LANES);
             // SAFETY: rows below `rows` and columns below `width` are read (the caller
             // vouches for them), columns below `width` of the rows written.
             unsafe {
-                let block = transposed(std::array::from_fn(|row| {
-                    if row < present {
-                        let line = at.offset((first_row + row) as isize * stride);
-                        _mm512_maskz_loadu_ps(mask, line.add(first_column))
-                    } else {
-                        _mm512_setzero_ps()
-                    }
-                }));
-                for (column, &values) in block.iter().take(columns).enumerate() {
-                    let line = target.add((first_column + column) * CHUNK + first_row);
-                    _mm512_storeu_ps(line, values);
-                }
+                let line = at.offset(first_row as isize * stride).add(first_column);
+                let into = target.add(first_column * CHUNK + first_row);
+                I::transpose_block((line, stride), (present, columns), (into, CHUNK));
             }
         }
     }
-}
-
-/// The transpose of 16 registers of 16 lanes: interleaved by 32 and 64 bits, then by
-/// 128-bit lanes twice.
-///
-/// # Safety
-/// As [`product`].
-#[inline(always)]
-unsafe fn transposed(rows: [__m512; LANES]) -> [__m512; LANES] {
-    // SAFETY: register shuffles (the caller vouches for the host).
-    unsafe {
-        let mut pairs = rows;
-        for pair in 0..LANES / 2 {
-            let (even, odd) = (rows[2 * pair], rows[2 * pair + 1]);
-            pairs[2 * pair] = _mm512_unpacklo_ps(even, odd);
-            pairs[2 * pair + 1] = _mm512_unpackhi_ps(even, odd);
-        }
-        let mut quads = pairs;
-        for base in (0..LANES).step_by(4) {
-            let half = |at: usize| _mm512_castps_pd(pairs[base + at]);
-            let (low, high) = ((half(0), half(2)), (half(1), half(3)));
-            quads[base] = _mm512_castpd_ps(_mm512_unpacklo_pd(low.0, low.1));
-            quads[base + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(low.0, low.1));
-            quads[base + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(high.0, high.1));
-            quads[base + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(high.0, high.1));
-        }
-        by_lanes(by_lanes(quads, 4), 8)
-    }
-}
-
-/// Registers `at` and `at + distance`, for every `at` without `distance`'s bit, made
-/// their 128-bit lanes 0 and 2 (into `at`) and 1 and 3 (into `at + distance`).
-///
-/// # Safety
-/// As [`product`].
-#[inline(always)]
-unsafe fn by_lanes(registers: [__m512; LANES], distance: usize) -> [__m512; LANES] {
-    let mut out = registers;
-    for at in 0..LANES {
-        if at & distance != 0 {
-            continue;
-        }
-        let (a, b) = (registers[at], registers[at + distance]);
-        // SAFETY: register shuffles (the caller vouches for the host).
-        unsafe {
-            out[at] = _mm512_shuffle_f32x4::<0x88>(a, b);
-            out[at + distance] = _mm512_shuffle_f32x4::<0xdd>(a, b);
-        }
-    }
-    out
 }
 
 /// Grows `buffer` to `len` scalars (their values are written before they are read).
@@ -488,9 +423,29 @@ impl AttentionRun<'_> {
     /// `AttentionRun::leaves_out_keys` lets all of the task's rows leave them out).
     ///
     /// # Safety
-    /// As [`AttentionRun::task`]; the host has AVX-512 ([`usable`]).
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
-    pub(super) unsafe fn fused_task(&self, buffers: Buffers<f32>, task: Task) {
+    /// As [`AttentionRun::task`]; the host has `isa` ([`isa`]).
+    pub(super) unsafe fn fused_task(&self, isa: Isa, buffers: Buffers<f32>, task: Task) {
+        // SAFETY: as the caller vouches.
+        unsafe {
+            match isa {
+                Isa::Avx512 => Avx512::compiled(
+                    #[inline(always)]
+                    || self.fused_task_in::<Avx512>(buffers, task),
+                ),
+                Isa::Avx2 => Avx2::compiled(
+                    #[inline(always)]
+                    || self.fused_task_in::<Avx2>(buffers, task),
+                ),
+            }
+        }
+    }
+
+    /// [`AttentionRun::fused_task`] on `I`'s registers.
+    ///
+    /// # Safety
+    /// As [`AttentionRun::fused_task`], in code compiled for `I`.
+    #[inline(always)]
+    unsafe fn fused_task_in<I: Lanes>(&self, buffers: Buffers<f32>, task: Task) {
         let (d, dv) = (self.head_dim as usize, self.value_dim as usize);
         let out_width = (self.heads * self.value_dim) as isize;
         let heads = (task.head * self.head_dim, task.head * self.value_dim);
@@ -539,7 +494,7 @@ impl AttentionRun<'_> {
                     };
                     let (k, k_stride) = at(self.k, buffers.k, heads.0);
                     let (v, v_stride) = at(self.v, buffers.v, heads.1);
-                    pack_transposed(
+                    pack_transposed::<I>(
                         &mut scratch.queries,
                         (q, self.q.row_stride as isize),
                         chunk,
@@ -547,7 +502,7 @@ impl AttentionRun<'_> {
                     );
                     let scores = hold(&mut scratch.scores, keys * CHUNK);
                     // S^T = scale K Q^T.
-                    product(
+                    product::<I>(
                         (keys, d, CHUNK),
                         scale,
                         (k, k_stride, 1),
@@ -556,14 +511,14 @@ impl AttentionRun<'_> {
                         false,
                     );
                     let mut inverses = [0.0f32; CHUNK];
-                    for (register, inverses) in inverses.chunks_mut(LANES).enumerate() {
-                        let column = scores.add(register * LANES);
-                        let first_row = row.max(0) as usize + register * LANES;
-                        let inverse = self.fused_numerators(column, keys, first_row);
-                        _mm512_storeu_ps(inverses.as_mut_ptr(), inverse);
+                    for (register, inverses) in inverses.chunks_mut(I::LANES).enumerate() {
+                        let column = scores.add(register * I::LANES);
+                        let first_row = row.max(0) as usize + register * I::LANES;
+                        let inverse = self.fused_numerators::<I>(column, keys, first_row);
+                        inverse.store(inverses.as_mut_ptr());
                     }
                     // O = P V, each row divided by its sum.
-                    product_in_blocks(
+                    product_in_blocks::<I>(
                         (chunk, keys, dv),
                         1.0,
                         (scores, 1, CHUNK as isize),
@@ -590,26 +545,30 @@ impl AttentionRun<'_> {
     /// # Safety
     /// As [`product`]; `scores` holds `keys` keys.
     #[inline(always)]
-    unsafe fn fused_numerators(&self, scores: *mut f32, keys: usize, first_row: usize) -> __m512 {
+    unsafe fn fused_numerators<I: Lanes>(
+        &self,
+        scores: *mut f32,
+        keys: usize,
+        first_row: usize,
+    ) -> I {
         // SAFETY: as the caller vouches.
         unsafe {
-            let (largest, poisoned) = largest(scores, keys, first_row, self.causal);
-            let infinite = _mm512_set1_ps(f32::NEG_INFINITY);
+            let (largest, poisoned) = largest::<I>(scores, keys, first_row, self.causal);
             // With no finite score, `e^(score - 0)`: 0 for `-inf`, NaN for NaN.
-            let none = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(largest, infinite);
-            let largest = _mm512_mask_mov_ps(largest, none, _mm512_setzero_ps());
-            let mut total = _mm512_setzero_ps();
+            let none = largest.equal(I::splat(f32::NEG_INFINITY));
+            let largest = I::select(none, I::zero(), largest);
+            let mut total = I::zero();
             for key in 0..keys {
                 let at = scores.add(key * CHUNK);
-                let seen = seeing(key, first_row, self.causal);
-                let values = numerators(_mm512_loadu_ps(at), largest, seen);
-                _mm512_storeu_ps(at, values);
-                total = _mm512_add_ps(total, values);
+                let seen = seeing::<I>(key, first_row, self.causal);
+                let values = numerators(I::load(at), largest, seen);
+                values.store(at);
+                total = total.add(values);
             }
-            let one = _mm512_set1_ps(1.0);
-            let empty = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(total, _mm512_setzero_ps());
-            let inverse = _mm512_div_ps(one, _mm512_mask_mov_ps(total, empty, one));
-            _mm512_mask_mov_ps(inverse, poisoned, _mm512_set1_ps(f32::NAN))
+            let one = I::splat(1.0);
+            let empty = total.equal(I::zero());
+            let inverse = one.div(I::select(empty, one, total));
+            I::select(poisoned, I::splat(f32::NAN), inverse)
         }
     }
 }
@@ -621,15 +580,46 @@ impl AttentionGradRun<'_> {
     /// so that the chunk writing the keys' gradients sees the most keys).
     ///
     /// # Safety
-    /// As [`AttentionGradRun::element`]; the host has AVX-512 ([`usable`]).
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+    /// As [`AttentionGradRun::element`]; the host has `isa` ([`isa`]).
     pub(super) unsafe fn fused_element(
         &self,
+        isa: Isa,
         buffers: GradBuffers<f32>,
         head: i64,
-        (q_first, q_rows): (i64, i64),
-        (k_first, k_rows): (i64, i64),
+        queries: (i64, i64),
+        keys: (i64, i64),
         row_offset: i64,
+    ) {
+        let element = (head, queries, keys, row_offset);
+        // SAFETY: as the caller vouches.
+        unsafe {
+            match isa {
+                Isa::Avx512 => Avx512::compiled(
+                    #[inline(always)]
+                    || self.fused_element_in::<Avx512>(buffers, element),
+                ),
+                Isa::Avx2 => Avx2::compiled(
+                    #[inline(always)]
+                    || self.fused_element_in::<Avx2>(buffers, element),
+                ),
+            }
+        }
+    }
+
+    /// [`AttentionGradRun::fused_element`] on `I`'s registers.
+    ///
+    /// # Safety
+    /// As [`AttentionGradRun::fused_element`], in code compiled for `I`.
+    #[inline(always)]
+    unsafe fn fused_element_in<I: Lanes>(
+        &self,
+        buffers: GradBuffers<f32>,
+        (head, (q_first, q_rows), (k_first, k_rows), row_offset): (
+            i64,
+            (i64, i64),
+            (i64, i64),
+            i64,
+        ),
     ) {
         let d = self.head_dim as usize;
         let (qs, ks) = (q_rows.max(0) as usize, k_rows.max(0) as usize);
@@ -678,15 +668,15 @@ impl AttentionGradRun<'_> {
                         true => (first_row + first + rows).min(ks),
                         false => ks,
                     };
-                    pack_transposed(&mut scratch.queries, q, rows, d);
-                    pack_transposed(&mut scratch.gradients, g, rows, d);
+                    pack_transposed::<I>(&mut scratch.queries, q, rows, d);
+                    pack_transposed::<I>(&mut scratch.gradients, g, rows, d);
                     let scores = hold(&mut scratch.scores, seen * CHUNK);
                     let slopes = hold(&mut scratch.slopes, seen * CHUNK);
                     let panel = CHUNK as isize;
                     // S^T = scale K Q^T; dP^T = V dO^T.
                     let shape = (seen, d, CHUNK);
                     let (k_read, v_read) = ((k.0, k.1, 1), (v.0, v.1, 1));
-                    product(
+                    product::<I>(
                         shape,
                         scale,
                         k_read,
@@ -694,7 +684,7 @@ impl AttentionGradRun<'_> {
                         (scores, panel),
                         false,
                     );
-                    product(
+                    product::<I>(
                         shape,
                         1.0,
                         v_read,
@@ -702,10 +692,10 @@ impl AttentionGradRun<'_> {
                         (slopes, panel),
                         false,
                     );
-                    for register in 0..CHUNK / LANES {
-                        let offset = register * LANES;
+                    for register in 0..CHUNK / I::LANES {
+                        let offset = register * I::LANES;
                         let columns = (scores.add(offset), slopes.add(offset));
-                        self.fused_slopes(columns, seen, first_row + first + offset);
+                        self.fused_slopes::<I>(columns, seen, first_row + first + offset);
                     }
                     if let Some(key_rows) = self.key_rows(buffers, k_first, head) {
                         if index == 0 && seen < ks {
@@ -717,7 +707,7 @@ impl AttentionGradRun<'_> {
                         let (out, row) = (key_rows.out, key_rows.row as isize);
                         let shape = (seen, rows, d);
                         let add = index > 0;
-                        product(
+                        product::<I>(
                             shape,
                             scale,
                             (slopes, panel, 1),
@@ -726,7 +716,7 @@ impl AttentionGradRun<'_> {
                             add,
                         );
                         let values = out.offset(key_rows.values_after as isize);
-                        product(
+                        product::<I>(
                             shape,
                             1.0,
                             (scores, panel, 1),
@@ -742,7 +732,7 @@ impl AttentionGradRun<'_> {
                             (row * queries.row + queries.at + head * self.head_dim) as isize,
                         );
                         let shape = (rows, seen, d);
-                        product_in_blocks(
+                        product_in_blocks::<I>(
                             shape,
                             scale,
                             (slopes, 1, panel),
@@ -764,7 +754,7 @@ impl AttentionGradRun<'_> {
     /// # Safety
     /// As [`product`]; the columns hold `keys` keys.
     #[inline(always)]
-    unsafe fn fused_slopes(
+    unsafe fn fused_slopes<I: Lanes>(
         &self,
         (scores, slopes): (*mut f32, *mut f32),
         keys: usize,
@@ -772,26 +762,26 @@ impl AttentionGradRun<'_> {
     ) {
         // SAFETY: as the caller vouches.
         unsafe {
-            let (largest, _) = largest(scores, keys, first_row, self.causal);
-            let mut total = _mm512_setzero_ps();
-            let mut dot = _mm512_setzero_ps();
+            let (largest, _) = largest::<I>(scores, keys, first_row, self.causal);
+            let mut total = I::zero();
+            let mut dot = I::zero();
             for key in 0..keys {
                 let (at, products) = (scores.add(key * CHUNK), slopes.add(key * CHUNK));
-                let seen = seeing(key, first_row, self.causal);
-                let values = numerators(_mm512_loadu_ps(at), largest, seen);
-                _mm512_storeu_ps(at, values);
-                total = _mm512_add_ps(total, values);
-                let product = _mm512_mul_ps(values, _mm512_loadu_ps(products));
-                dot = _mm512_add_ps(dot, _mm512_maskz_mov_ps(seen, product));
+                let seen = seeing::<I>(key, first_row, self.causal);
+                let values = numerators(I::load(at), largest, seen);
+                values.store(at);
+                total = total.add(values);
+                let product = values.mul(I::load(products));
+                dot = dot.add(I::select(seen, product, I::zero()));
             }
-            let inverse = _mm512_div_ps(_mm512_set1_ps(1.0), total);
-            let dot = _mm512_mul_ps(dot, inverse);
+            let inverse = I::splat(1.0).div(total);
+            let dot = dot.mul(inverse);
             for key in 0..keys {
                 let (at, products) = (scores.add(key * CHUNK), slopes.add(key * CHUNK));
-                let p = _mm512_mul_ps(_mm512_loadu_ps(at), inverse);
-                _mm512_storeu_ps(at, p);
-                let slope = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(products), dot));
-                _mm512_storeu_ps(products, slope);
+                let p = I::load(at).mul(inverse);
+                p.store(at);
+                let slope = p.mul(I::load(products).sub(dot));
+                slope.store(products);
             }
         }
     }
@@ -802,35 +792,50 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
-    unsafe fn pack(values: &[f32], stride: usize, rows: usize, width: usize) -> Vec<f32> {
+    /// [`pack_transposed`] on `isa`'s registers into a buffer that held other values.
+    ///
+    /// # Safety
+    /// The host has `isa`.
+    unsafe fn pack(isa: Isa, values: &[f32], stride: usize, rows: usize, width: usize) -> Vec<f32> {
         let mut out = vec![f32::NAN; 7];
-        // SAFETY: `values` holds the rows (the test sizes it).
-        unsafe { pack_transposed(&mut out, (values.as_ptr(), stride as isize), rows, width) };
+        let at = (values.as_ptr(), stride as isize);
+        // SAFETY: `values` holds the rows (the test sizes it); the caller vouches for
+        // the host.
+        unsafe {
+            match isa {
+                Isa::Avx512 => {
+                    Avx512::compiled(|| pack_transposed::<Avx512>(&mut out, at, rows, width))
+                }
+                Isa::Avx2 => Avx2::compiled(|| pack_transposed::<Avx2>(&mut out, at, rows, width)),
+            }
+        }
         out
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
+        /// On every instruction set this host has (skipped where none).
         #[test]
         fn packed_rows_are_the_rows_transposed(
             rows in 0usize..=CHUNK,
             width in 1usize..70,
             extra in 0usize..5,
         ) {
-            if !usable::<f32>(Products::Float, (1, 1)) {
-                eprintln!("skipped: the host has no AVX-512");
-                return Ok(());
+            let isas = Isa::all_here();
+            if isas.is_empty() {
+                eprintln!("skipped: this host has neither AVX-512 nor AVX2 with FMA");
             }
             let stride = width + extra;
             let values: Vec<f32> = (0..rows * stride).map(|at| at as f32).collect();
-            // SAFETY: the host has AVX-512 (checked above).
-            let packed = unsafe { pack(&values, stride, rows, width) };
-            prop_assert_eq!(packed.len(), width * CHUNK);
-            for column in 0..width {
-                for lane in 0..CHUNK {
-                    let expected = if lane < rows { values[lane * stride + column] } else { 0.0 };
-                    prop_assert_eq!(packed[column * CHUNK + lane], expected, "{} {}", column, lane);
+            for isa in isas {
+                // SAFETY: the host has `isa`.
+                let packed = unsafe { pack(isa, &values, stride, rows, width) };
+                prop_assert_eq!(packed.len(), width * CHUNK);
+                for column in 0..width {
+                    for lane in 0..CHUNK {
+                        let expected = if lane < rows { values[lane * stride + column] } else { 0.0 };
+                        prop_assert_eq!(packed[column * CHUNK + lane], expected, "{:?} {} {}", isa, column, lane);
+                    }
                 }
             }
         }

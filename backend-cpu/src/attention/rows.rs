@@ -12,7 +12,7 @@ const LANES: usize = 16;
 /// The least exponent whose power is made: `e^-87` is about the least power of e that
 /// is not a denormal (a denormal result is slow to make); smaller ones are taken as 0,
 /// which changes no softmax sum.
-const LOWEST_EXPONENT: f32 = -87.0;
+pub(super) const LOWEST_EXPONENT: f32 = -87.0;
 
 /// Runs `body` compiled for AVX-512.
 ///

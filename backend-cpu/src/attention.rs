@@ -11,8 +11,8 @@
 //! none of its rows sees, where that changes nothing (`maskable`: finite values, no
 //! score near overflow); on a 1024-token element that is about 44% of the products.
 //! With bf16 products on a host with AMX tiles both run on the tiles instead
-//! ([`tiles`]); with f32 products on a host with AVX-512, in registers, products and
-//! softmax fused per chunk of 32 query rows ([`fused`]).
+//! ([`tiles`]); with f32 products on a host with AVX-512 or AVX2, in registers,
+//! products and softmax fused per chunk of 32 query rows ([`fused`]).
 
 mod fused;
 mod rows;
@@ -25,10 +25,16 @@ use crate::blas::Gemm;
 use crate::scalar::Scalar;
 use tiles::{TileInputs, TILE_ROWS};
 
-/// Whether f32 attention (f32 products) runs fused in AVX-512 or AVX2 registers on this
-/// host (`attention/fused.rs`), rather than on the GEMM library's tiles.
-pub fn in_registers() -> bool {
-    fused::isa::<f32>(Products::Float, (1, 1)).is_some()
+/// The registers f32 attention (f32 products) runs fused in on this host
+/// (`attention/fused.rs`): `Some("AVX-512")` or `Some("AVX2")`; `None` where it runs on
+/// the GEMM library's tiles (a host without AVX2 and FMA).
+///
+/// ```
+/// let registers = nestor_backend_cpu::attention_in_registers();
+/// assert!(matches!(registers, None | Some("AVX-512") | Some("AVX2")));
+/// ```
+pub fn in_registers() -> Option<&'static str> {
+    fused::isa::<f32>(Products::Float, (1, 1)).map(fused::Isa::name)
 }
 
 /// The tile sizes of the forward.
@@ -1762,6 +1768,14 @@ mod tests {
         }
     }
 
+    /// Whether two runs' values are the same bit for bit (NaNs of any payload alike).
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    }
+
     /// Whether `got` is `want` up to `tolerance` of values as large as `largest`, or
     /// both NaN.
     fn close(got: f32, want: f32, (tolerance, largest): (f32, f32)) -> bool {
@@ -1776,7 +1790,8 @@ mod tests {
         /// The fused f32 forward equals the tiled one: elements of 0, 1 and up to 100
         /// rows (several chunks of 32, the last one part full, keys left out past a
         /// causal chunk), heads of 1 to 65 columns, causal or not, cross lengths, NaN
-        /// and infinities. On every instruction set the host has (skipped where none).
+        /// and infinities. On every instruction set the host has (skipped where none), each
+        /// the same bit for bit.
         #[test]
         fn the_fused_forward_equals_the_tiled_forward(
             lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
@@ -1827,6 +1842,7 @@ mod tests {
                 unsafe { crate::vectors::widest(|| run.task(tiled, task, &rounded)) };
             }
             let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
+            let mut widest: Option<Vec<f32>> = None;
             for isa in isas {
                 let mut actual = vec![poisoned; size];
                 let on_registers = buffers(&mut actual);
@@ -1838,6 +1854,7 @@ mod tests {
                 for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
                     prop_assert!(close(got, want, (1e-4, largest)), "{isa:?} output {index}: {got} fused, {want} tiled");
                 }
+                prop_assert!(same_bits(widest.get_or_insert_with(|| actual.clone()), &actual), "{isa:?} differs from the widest registers");
             }
         }
 
@@ -1847,7 +1864,7 @@ mod tests {
         /// part of the outputs alone, all three and both parts in two buffers, tasks of
         /// 1 to 100 query rows (the queries' part alone splits elements), scores large
         /// enough that most probabilities underflow. On every instruction set the host
-        /// has (skipped where none).
+        /// has (skipped where none), each the same bit for bit.
         #[test]
         fn the_fused_gradient_equals_the_tiled_gradient(
             lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
@@ -1909,6 +1926,7 @@ mod tests {
             let largest = expected.iter().filter(|value| value.is_finite()).fold(0f32, |most, value| most.max(value.abs()));
             // Scores of thousands (spread 40) carry f32 rounding of about 1e-3 into `P`.
             let tolerance = if spread > 3.0 { 4e-3 } else { 1e-4 };
+            let mut widest: Option<Vec<f32>> = None;
             for isa in isas {
                 let mut actual = output_buffers(outputs, (q_rows, k_rows), poisoned);
                 let on_registers = buffers(&mut actual);
@@ -1921,6 +1939,7 @@ mod tests {
                 for (index, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
                     prop_assert!(close(got, want, (tolerance, largest)), "{isa:?} output {index}: {got} fused, {want} tiled (largest {largest})");
                 }
+                prop_assert!(same_bits(widest.get_or_insert_with(|| actual.clone()), &actual), "{isa:?} differs from the widest registers");
             }
         }
     }

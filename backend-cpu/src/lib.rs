@@ -12,8 +12,8 @@
 //! - varlen attention (`attention.rs`; its mixed-precision forward and gradient on Intel
 //!   AMX tiles, `amx.rs`, where [`attention_on_amx`] says, as are all bf16 products
 //!   there, [`bf16_path`]; with `vdpbf16ps`, `dot.rs`, on hosts with AVX512-BF16 and no
-//!   tiles where a probe finds it fastest; f32 attention fused in AVX-512 registers where
-//!   [`attention_in_registers`] says), direct convolution and pooling over packed
+//!   tiles where a probe finds it fastest; f32 attention fused in AVX-512 or AVX2
+//!   registers where [`attention_in_registers`] says), direct convolution and pooling over packed
 //!   images (`conv.rs`, `window.rs`; [`convolve_images`] for the eager API);
 //! - the thread team (the process's OpenMP team, libtorch's, else rayon's pool; [`pool`]
 //!   says which) and how runs split their work ([`Parallelism`]);

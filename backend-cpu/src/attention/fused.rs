@@ -1,12 +1,13 @@
-//! f32 attention in AVX-512 registers, forward and gradient, a chunk of [`CHUNK`] query
-//! rows at a time against all the keys its rows see: the products and the softmax
-//! fused per chunk, with no GEMM-library call (which packs both operands of every small
-//! product) and no causal triangle computed past the chunk's last row.
+//! f32 attention in vector registers (AVX-512 or AVX2, the widest the host has:
+//! [`lanes`]), forward and gradient, a chunk of [`CHUNK`] query rows at a time against
+//! all the keys its rows see: the products and the softmax fused per chunk, with no
+//! GEMM-library call (which packs both operands of every small product) and no causal
+//! triangle computed past the chunk's last row.
 //!
 //! A chunk's scores are kept transposed, `S^T [keys x CHUNK]`: a key's scores for the
-//! chunk's rows are two registers, so each row's maximum, sum and `rowsum(P dP)` are
-//! taken over registers lane by lane, and a causal mask is a mask of lanes. Every product
-//! is one register kernel ([`product`]): rows of `C` as broadcasts of `A` read in place
+//! chunk's rows are two AVX-512 registers (four AVX2 ones), so each row's maximum, sum
+//! and `rowsum(P dP)` are taken over registers lane by lane, and a causal mask is a mask
+//! of lanes. Every product is one register kernel ([`product`]): rows of `C` as broadcasts of `A` read in place
 //! at any strides, columns as registers of `B`'s rows. The chunk's queries (and output
 //! gradients) are packed transposed, `[head_dim x CHUNK]`, to be `B` of `S^T = K Q^T`
 //! (and `dP^T = V dO^T`); keys, values and the other products' operands are read in
@@ -20,7 +21,9 @@
 //!
 //! The numbers are those of the tiled code up to rounding (an `exp` with fused
 //! multiply-adds, products in another order); the NaN, infinity and empty-element
-//! behaviour is the same.
+//! behaviour is the same. The kernels are generic over the register ([`Lanes`]), so
+//! both instruction sets run the same code with the same numbers per lane (sums taken
+//! in the same order).
 
 mod lanes;
 

@@ -310,10 +310,10 @@ fn machine() -> String {
         } else {
             ""
         },
-        if nestor::attention_in_registers() {
-            ", f32 attention's forward and gradient fused in AVX-512 registers"
-        } else {
-            ""
+        match nestor::attention_in_registers() {
+            Some(registers) =>
+                format!(", f32 attention's forward and gradient fused in {registers} registers"),
+            None => String::new(),
         }
     )
 }

@@ -28,6 +28,14 @@ impl Isa {
         }
     }
 
+    /// Its name, as vendors write it.
+    pub(in crate::attention) fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "AVX-512",
+            Isa::Avx2 => "AVX2",
+        }
+    }
+
     /// The widest this host runs, `None` without AVX2 and FMA.
     pub(in crate::attention) fn widest() -> Option<Isa> {
         Self::EVERY.into_iter().find(|isa| isa.here())

@@ -133,7 +133,8 @@ unsafe fn product<I: Lanes>(
                 add,
             };
             match (registers, I::LANES) {
-                (1, _) => rows_of::<I, 12, 1>(rows, block),
+                (1, 16) => rows_of::<I, 12, 1>(rows, block),
+                (1, _) => rows_of::<I, 8, 1>(rows, block),
                 (2, 16) => rows_of::<I, 12, 2>(rows, block),
                 (2, _) => rows_of::<I, 6, 2>(rows, block),
                 (3, _) => rows_of::<I, 6, 3>(rows, block),

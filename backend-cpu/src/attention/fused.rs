@@ -7,11 +7,11 @@
 //! A chunk's scores are kept transposed, `S^T [keys x CHUNK]`: a key's scores for the
 //! chunk's rows are two AVX-512 registers (four AVX2 ones), so each row's maximum, sum
 //! and `rowsum(P dP)` are taken over registers lane by lane, and a causal mask is a mask
-//! of lanes. Every product is one register kernel ([`product`]): rows of `C` as broadcasts of `A` read in place
-//! at any strides, columns as registers of `B`'s rows. The chunk's queries (and output
-//! gradients) are packed transposed, `[head_dim x CHUNK]`, to be `B` of `S^T = K Q^T`
-//! (and `dP^T = V dO^T`); keys, values and the other products' operands are read in
-//! place.
+//! of lanes. Every product is one register kernel ([`product`]): rows of `C` as
+//! broadcasts of `A` read in place at any strides, columns as registers of `B`'s rows.
+//! The chunk's queries (and output gradients) are packed transposed, `[head_dim x
+//! CHUNK]`, to be `B` of `S^T = K Q^T` (and `dP^T = V dO^T`); keys, values and the
+//! other products' operands are read in place.
 //!
 //! - Forward ([`AttentionRun::fused_task`]): `S^T = scale K Q^T`, each row's softmax
 //!   numerators in place, `O = P V`, each row divided by its sum.
@@ -102,8 +102,8 @@ type Read = (*const f32, isize, isize);
 /// `(c, row stride)`, `A [rows x depth]` as [`Read`], `B [depth x columns]` at `(b, row
 /// stride)` with contiguous columns. Blocks of up to [`Lanes::COLUMN_REGISTERS`]
 /// registers of columns (the last one masked) by as many rows of sums as the registers
-/// hold: 12 by 1 or 2, 6 by 3 or 4 on AVX-512 (32 registers); 12 by 1, 6 by 2 on AVX2
-/// (16).
+/// hold without spilling: 12 by 1 or 2, 6 by 3 or 4 on AVX-512 (32 registers); 8 by 1,
+/// 6 by 2 on AVX2 (16).
 ///
 /// # Safety
 /// Code compiled for `I` ([`Lanes::compiled`]); the matrices hold their rows.
@@ -132,6 +132,7 @@ unsafe fn product<I: Lanes>(
                 tail: (last < I::LANES).then(|| I::below(last)),
                 add,
             };
+            // AVX2's blocks are at most two registers wide (`COLUMN_REGISTERS`).
             match (registers, I::LANES) {
                 (1, 16) => rows_of::<I, 12, 1>(rows, block),
                 (1, _) => rows_of::<I, 8, 1>(rows, block),

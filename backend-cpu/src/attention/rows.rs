@@ -132,26 +132,6 @@ pub(super) unsafe fn scale(
 unsafe fn numerators(scores: __m512, largest: __m512, seen: __mmask16) -> __m512 {
     // SAFETY: register arithmetic (the caller vouches for the host).
     unsafe {
-        numerators_by(
-            #[inline(always)]
-            |x| exp(x),
-            (scores, largest),
-            seen,
-        )
-    }
-}
-
-/// [`numerators`] with `exp` for `e^x` (at most 0, or NaN).
-///
-/// # Safety
-/// As [`scale`].
-#[inline(always)]
-pub(super) unsafe fn numerators_by(
-    exp: impl Fn(__m512) -> __m512,
-    (scores, largest): (__m512, __m512),
-    seen: __mmask16,
-) -> __m512 {
-    unsafe {
         let exponent = _mm512_sub_ps(scores, largest);
         let lowest = _mm512_set1_ps(LOWEST_EXPONENT);
         let kept = _mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(seen, exponent, lowest);

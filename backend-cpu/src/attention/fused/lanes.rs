@@ -122,6 +122,25 @@ pub(super) trait Lanes: Copy {
     );
 }
 
+/// The [`Lanes`] methods that are one intrinsic on the register(s): `arithmetic` of
+/// registers to a register, `compare` (by a predicate) to a mask.
+macro_rules! one_intrinsic {
+    (arithmetic $($name:ident($($operand:ident),*) => $intrinsic:ident;)*) => {$(
+        #[inline(always)]
+        unsafe fn $name(self, $($operand: Self),*) -> Self {
+            // SAFETY: register arithmetic (the caller vouches for the host).
+            unsafe { Self($intrinsic(self.0, $($operand.0),*)) }
+        }
+    )*};
+    (compare $($name:ident => $intrinsic:ident::<$predicate:ident>;)*) => {$(
+        #[inline(always)]
+        unsafe fn $name(self, other: Self) -> Self::Mask {
+            // SAFETY: register arithmetic (the caller vouches for the host).
+            unsafe { $intrinsic::<$predicate>(self.0, other.0) }
+        }
+    )*};
+}
+
 /// AVX-512: 16 lanes, 32 registers.
 #[derive(Clone, Copy)]
 pub(super) struct Avx512(__m512);
@@ -165,33 +184,19 @@ impl Lanes for Avx512 {
     unsafe fn store_masked(self, at: *mut f32, mask: __mmask16) {
         unsafe { _mm512_mask_storeu_ps(at, mask, self.0) }
     }
-    #[inline(always)]
-    unsafe fn add(self, other: Self) -> Self {
-        unsafe { Self(_mm512_add_ps(self.0, other.0)) }
+    one_intrinsic! { arithmetic
+        add(other) => _mm512_add_ps;
+        sub(other) => _mm512_sub_ps;
+        mul(other) => _mm512_mul_ps;
+        div(other) => _mm512_div_ps;
+        max(other) => _mm512_max_ps;
+        mul_add(factor, addend) => _mm512_fmadd_ps;
+        neg_mul_add(factor, addend) => _mm512_fnmadd_ps;
     }
-    #[inline(always)]
-    unsafe fn sub(self, other: Self) -> Self {
-        unsafe { Self(_mm512_sub_ps(self.0, other.0)) }
-    }
-    #[inline(always)]
-    unsafe fn mul(self, other: Self) -> Self {
-        unsafe { Self(_mm512_mul_ps(self.0, other.0)) }
-    }
-    #[inline(always)]
-    unsafe fn div(self, other: Self) -> Self {
-        unsafe { Self(_mm512_div_ps(self.0, other.0)) }
-    }
-    #[inline(always)]
-    unsafe fn mul_add(self, factor: Self, addend: Self) -> Self {
-        unsafe { Self(_mm512_fmadd_ps(self.0, factor.0, addend.0)) }
-    }
-    #[inline(always)]
-    unsafe fn neg_mul_add(self, factor: Self, addend: Self) -> Self {
-        unsafe { Self(_mm512_fnmadd_ps(self.0, factor.0, addend.0)) }
-    }
-    #[inline(always)]
-    unsafe fn max(self, other: Self) -> Self {
-        unsafe { Self(_mm512_max_ps(self.0, other.0)) }
+    one_intrinsic! { compare
+        greater => _mm512_cmp_ps_mask::<_CMP_GT_OQ>;
+        not_less => _mm512_cmp_ps_mask::<_CMP_NLT_UQ>;
+        equal => _mm512_cmp_ps_mask::<_CMP_EQ_OQ>;
     }
     #[inline(always)]
     unsafe fn round(self) -> Self {
@@ -205,18 +210,6 @@ impl Lanes for Avx512 {
     #[inline(always)]
     unsafe fn select(mask: __mmask16, if_true: Self, if_false: Self) -> Self {
         unsafe { Self(_mm512_mask_mov_ps(if_false.0, mask, if_true.0)) }
-    }
-    #[inline(always)]
-    unsafe fn greater(self, other: Self) -> __mmask16 {
-        unsafe { _mm512_cmp_ps_mask::<_CMP_GT_OQ>(self.0, other.0) }
-    }
-    #[inline(always)]
-    unsafe fn not_less(self, other: Self) -> __mmask16 {
-        unsafe { _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(self.0, other.0) }
-    }
-    #[inline(always)]
-    unsafe fn equal(self, other: Self) -> __mmask16 {
-        unsafe { _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(self.0, other.0) }
     }
     #[inline(always)]
     unsafe fn all() -> __mmask16 {
@@ -347,33 +340,19 @@ impl Lanes for Avx2 {
     unsafe fn store_masked(self, at: *mut f32, mask: __m256) {
         unsafe { _mm256_maskstore_ps(at, Self::integers(mask), self.0) }
     }
-    #[inline(always)]
-    unsafe fn add(self, other: Self) -> Self {
-        unsafe { Self(_mm256_add_ps(self.0, other.0)) }
+    one_intrinsic! { arithmetic
+        add(other) => _mm256_add_ps;
+        sub(other) => _mm256_sub_ps;
+        mul(other) => _mm256_mul_ps;
+        div(other) => _mm256_div_ps;
+        max(other) => _mm256_max_ps;
+        mul_add(factor, addend) => _mm256_fmadd_ps;
+        neg_mul_add(factor, addend) => _mm256_fnmadd_ps;
     }
-    #[inline(always)]
-    unsafe fn sub(self, other: Self) -> Self {
-        unsafe { Self(_mm256_sub_ps(self.0, other.0)) }
-    }
-    #[inline(always)]
-    unsafe fn mul(self, other: Self) -> Self {
-        unsafe { Self(_mm256_mul_ps(self.0, other.0)) }
-    }
-    #[inline(always)]
-    unsafe fn div(self, other: Self) -> Self {
-        unsafe { Self(_mm256_div_ps(self.0, other.0)) }
-    }
-    #[inline(always)]
-    unsafe fn mul_add(self, factor: Self, addend: Self) -> Self {
-        unsafe { Self(_mm256_fmadd_ps(self.0, factor.0, addend.0)) }
-    }
-    #[inline(always)]
-    unsafe fn neg_mul_add(self, factor: Self, addend: Self) -> Self {
-        unsafe { Self(_mm256_fnmadd_ps(self.0, factor.0, addend.0)) }
-    }
-    #[inline(always)]
-    unsafe fn max(self, other: Self) -> Self {
-        unsafe { Self(_mm256_max_ps(self.0, other.0)) }
+    one_intrinsic! { compare
+        greater => _mm256_cmp_ps::<_CMP_GT_OQ>;
+        not_less => _mm256_cmp_ps::<_CMP_NLT_UQ>;
+        equal => _mm256_cmp_ps::<_CMP_EQ_OQ>;
     }
     #[inline(always)]
     unsafe fn round(self) -> Self {
@@ -392,18 +371,6 @@ impl Lanes for Avx2 {
     #[inline(always)]
     unsafe fn select(mask: __m256, if_true: Self, if_false: Self) -> Self {
         unsafe { Self(_mm256_blendv_ps(if_false.0, if_true.0, mask)) }
-    }
-    #[inline(always)]
-    unsafe fn greater(self, other: Self) -> __m256 {
-        unsafe { _mm256_cmp_ps::<_CMP_GT_OQ>(self.0, other.0) }
-    }
-    #[inline(always)]
-    unsafe fn not_less(self, other: Self) -> __m256 {
-        unsafe { _mm256_cmp_ps::<_CMP_NLT_UQ>(self.0, other.0) }
-    }
-    #[inline(always)]
-    unsafe fn equal(self, other: Self) -> __m256 {
-        unsafe { _mm256_cmp_ps::<_CMP_EQ_OQ>(self.0, other.0) }
     }
     #[inline(always)]
     unsafe fn all() -> __m256 {

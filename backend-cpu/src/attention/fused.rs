@@ -1,11 +1,11 @@
 //! f32 attention in vector registers (AVX-512 or AVX2, the widest the host has:
-//! [`lanes`]), forward and gradient, a chunk of [`CHUNK`] query rows at a time against
-//! all the keys its rows see: the products and the softmax fused per chunk, with no
-//! GEMM-library call (which packs both operands of every small product) and no causal
-//! triangle computed past the chunk's last row.
+//! [`lanes`]), forward and gradient, a chunk of [`Lanes::CHUNK`] query rows at a time
+//! against all the keys its rows see: the products and the softmax fused per chunk,
+//! with no GEMM-library call (which packs both operands of every small product) and no
+//! causal triangle computed past the chunk's last row.
 //!
 //! A chunk's scores are kept transposed, `S^T [keys x CHUNK]`: a key's scores for the
-//! chunk's rows are two AVX-512 registers (four AVX2 ones), so each row's maximum, sum
+//! chunk's rows are two registers, so each row's maximum, sum
 //! and `rowsum(P dP)` are taken over registers lane by lane, and a causal mask is a mask
 //! of lanes. Every product is one register kernel ([`product`]): rows of `C` as
 //! broadcasts of `A` read in place at any strides, columns as registers of `B`'s rows.
@@ -33,8 +33,8 @@ use nestor_passes::Products;
 
 use super::{AttentionGradRun, AttentionRun, Buffers, GradBuffers, Task};
 
-/// Query rows per chunk: two AVX-512 registers of lanes, four AVX2 ones.
-const CHUNK: usize = 32;
+/// The most query rows a chunk holds ([`Lanes::CHUNK`] of AVX-512).
+const MOST_CHUNK: usize = Avx512::CHUNK;
 
 /// The instruction set a step's tasks run on here: f32 values and products, heads of
 /// at least one column, a host with AVX2 and FMA or AVX-512 (the widest it has).
@@ -55,7 +55,7 @@ pub(super) fn isa<T: 'static>(
 pub(super) fn scratch_scalars(keys: i64, head_dim: i64, gradient: bool) -> Option<usize> {
     let per_lane = (keys.max(0) as usize).checked_add(head_dim.max(0) as usize)?;
     per_lane
-        .checked_mul(CHUNK)?
+        .checked_mul(MOST_CHUNK)?
         .checked_mul(1 + gradient as usize)
 }
 
@@ -372,7 +372,7 @@ unsafe fn largest<I: Lanes>(
         let mut poisoned = I::not(I::all());
         let infinite = I::splat(f32::INFINITY);
         for key in 0..keys {
-            let values = I::load(scores.add(key * CHUNK));
+            let values = I::load(scores.add(key * I::CHUNK));
             let seen = seeing::<I>(key, first_row, causal);
             let larger = I::and(seen, values.greater(largest));
             largest = I::select(larger, values, largest);
@@ -383,7 +383,7 @@ unsafe fn largest<I: Lanes>(
     }
 }
 
-/// Packs `rows` rows (at most [`CHUNK`]) of `width` values (from `at`, `stride`
+/// Packs `rows` rows (at most [`Lanes::CHUNK`]) of `width` values (from `at`, `stride`
 /// scalars apart) transposed into `out [width x CHUNK]`, zeros past the rows: blocks of
 /// `LANES x LANES` transposed in registers.
 ///
@@ -397,9 +397,9 @@ unsafe fn pack_transposed<I: Lanes>(
     width: usize,
 ) {
     out.clear();
-    out.resize(width * CHUNK, 0.0);
+    out.resize(width * I::CHUNK, 0.0);
     let target = out.as_mut_ptr();
-    for first_row in (0..rows.min(CHUNK)).step_by(I::LANES) {
+    for first_row in (0..rows.min(I::CHUNK)).step_by(I::LANES) {
         let present = (rows - first_row).min(I::LANES);
         for first_column in (0..width).step_by(I::LANES) {
             let columns = (width - first_column).min(I::LANES);
@@ -407,8 +407,8 @@ unsafe fn pack_transposed<I: Lanes>(
             // vouches for them), columns below `width` of the rows written.
             unsafe {
                 let line = at.offset(first_row as isize * stride).add(first_column);
-                let into = target.add(first_column * CHUNK + first_row);
-                I::transpose_block((line, stride), (present, columns), (into, CHUNK));
+                let into = target.add(first_column * I::CHUNK + first_row);
+                I::transpose_block((line, stride), (present, columns), (into, I::CHUNK));
             }
         }
     }
@@ -423,8 +423,8 @@ fn hold(buffer: &mut Vec<f32>, len: usize) -> *mut f32 {
 }
 
 impl AttentionRun<'_> {
-    /// One task here: its query rows' outputs for one head, a [`CHUNK`] at a time, each
-    /// against the keys it sees (with a causal mask, none past its last row where
+    /// One task here: its query rows' outputs for one head, [`Lanes::CHUNK`] at a time,
+    /// each against the keys it sees (with a causal mask, none past its last row where
     /// `AttentionRun::leaves_out_keys` lets all of the task's rows leave them out).
     ///
     /// # Safety
@@ -463,15 +463,15 @@ impl AttentionRun<'_> {
         // SAFETY: the task's rows and the element's keys (the caller vouches).
         let leave_out = self.causal
             && unsafe {
-                let seen = (task.row + CHUNK.min(rows) as i64).clamp(0, task.k_rows);
+                let seen = (task.row + I::CHUNK.min(rows) as i64).clamp(0, task.k_rows);
                 let tile = (q_rows(task.row), self.q.row_stride, rows);
                 self.leaves_out_keys(buffers, heads, tile, (task.k_first, task.k_rows), seen)
             };
         let mut scratch = SCRATCH.take();
         {
             let scratch = &mut scratch;
-            for first in (0..rows).step_by(CHUNK) {
-                let chunk = CHUNK.min(rows - first);
+            for first in (0..rows).step_by(I::CHUNK) {
+                let chunk = I::CHUNK.min(rows - first);
                 let row = task.row + first as i64;
                 let q_row = task.q_first + row;
                 // SAFETY: the task's rows and keys (the caller vouches).
@@ -505,18 +505,20 @@ impl AttentionRun<'_> {
                         chunk,
                         d,
                     );
-                    let scores = hold(&mut scratch.scores, keys * CHUNK);
+                    let scores = hold(&mut scratch.scores, keys * I::CHUNK);
                     // S^T = scale K Q^T.
                     product::<I>(
-                        (keys, d, CHUNK),
+                        (keys, d, I::CHUNK),
                         scale,
                         (k, k_stride, 1),
-                        (scratch.queries.as_ptr(), CHUNK as isize),
-                        (scores, CHUNK as isize),
+                        (scratch.queries.as_ptr(), I::CHUNK as isize),
+                        (scores, I::CHUNK as isize),
                         false,
                     );
-                    let mut inverses = [0.0f32; CHUNK];
-                    for (register, inverses) in inverses.chunks_mut(I::LANES).enumerate() {
+                    let mut inverses = [0.0f32; MOST_CHUNK];
+                    for (register, inverses) in
+                        inverses[..I::CHUNK].chunks_mut(I::LANES).enumerate()
+                    {
                         let column = scores.add(register * I::LANES);
                         let first_row = row.max(0) as usize + register * I::LANES;
                         let inverse = self.fused_numerators::<I>(column, keys, first_row);
@@ -526,7 +528,7 @@ impl AttentionRun<'_> {
                     product_in_blocks::<I>(
                         (chunk, keys, dv),
                         1.0,
-                        (scores, 1, CHUNK as isize),
+                        (scores, 1, I::CHUNK as isize),
                         (v, v_stride),
                         (out, out_width),
                     );
@@ -564,7 +566,7 @@ impl AttentionRun<'_> {
             let largest = I::select(none, I::zero(), largest);
             let mut total = I::zero();
             for key in 0..keys {
-                let at = scores.add(key * CHUNK);
+                let at = scores.add(key * I::CHUNK);
                 let seen = seeing::<I>(key, first_row, self.causal);
                 let values = numerators(I::load(at), largest, seen);
                 values.store(at);
@@ -580,7 +582,7 @@ impl AttentionRun<'_> {
 
 impl AttentionGradRun<'_> {
     /// The gradient of query rows `q_first..q_first + q_rows` (from row `row_offset` of
-    /// their element) of one head here, a [`CHUNK`] of rows at a time against the keys
+    /// their element) of one head here, [`Lanes::CHUNK`] rows at a time against the keys
     /// it sees (`AttentionGradRun::seen_keys`; the last chunk first with a causal mask,
     /// so that the chunk writing the keys' gradients sees the most keys).
     ///
@@ -647,22 +649,22 @@ impl AttentionGradRun<'_> {
             at(self.g, buffers.g, q_first),
         );
         let scale = self.scale as f32;
-        let chunks = qs.div_ceil(CHUNK);
+        let chunks = qs.div_ceil(I::CHUNK);
         let order = (0..chunks).map(|index| match self.causal {
-            true => (chunks - 1 - index) * CHUNK,
-            false => index * CHUNK,
+            true => (chunks - 1 - index) * I::CHUNK,
+            false => index * I::CHUNK,
         });
         let first_row = row_offset.max(0) as usize;
         // With a causal mask the chunks leave out the keys past their last rows, where
         // that changes nothing (checked once for all of them).
-        let hidden = (first_row + CHUNK.min(qs)).min(ks)..ks;
+        let hidden = (first_row + I::CHUNK.min(qs)).min(ks)..ks;
         // SAFETY: the task's rows and the element's keys (the caller vouches).
         let leave_out = self.causal && unsafe { self.leaves_out(((q, g), qs), (k, v), hidden) };
         let mut scratch = SCRATCH.take();
         {
             let scratch = &mut scratch;
             for (index, first) in order.enumerate() {
-                let rows = CHUNK.min(qs - first);
+                let rows = I::CHUNK.min(qs - first);
                 let line = |(at, stride): (*const f32, isize)| {
                     (at.wrapping_offset(first as isize * stride), stride)
                 };
@@ -675,11 +677,11 @@ impl AttentionGradRun<'_> {
                     };
                     pack_transposed::<I>(&mut scratch.queries, q, rows, d);
                     pack_transposed::<I>(&mut scratch.gradients, g, rows, d);
-                    let scores = hold(&mut scratch.scores, seen * CHUNK);
-                    let slopes = hold(&mut scratch.slopes, seen * CHUNK);
-                    let panel = CHUNK as isize;
+                    let scores = hold(&mut scratch.scores, seen * I::CHUNK);
+                    let slopes = hold(&mut scratch.slopes, seen * I::CHUNK);
+                    let panel = I::CHUNK as isize;
                     // S^T = scale K Q^T; dP^T = V dO^T.
-                    let shape = (seen, d, CHUNK);
+                    let shape = (seen, d, I::CHUNK);
                     let (k_read, v_read) = ((k.0, k.1, 1), (v.0, v.1, 1));
                     product::<I>(
                         shape,
@@ -697,7 +699,7 @@ impl AttentionGradRun<'_> {
                         (slopes, panel),
                         false,
                     );
-                    for register in 0..CHUNK / I::LANES {
+                    for register in 0..I::CHUNK / I::LANES {
                         let offset = register * I::LANES;
                         let columns = (scores.add(offset), slopes.add(offset));
                         self.fused_slopes::<I>(columns, seen, first_row + first + offset);
@@ -771,7 +773,7 @@ impl AttentionGradRun<'_> {
             let mut total = I::zero();
             let mut dot = I::zero();
             for key in 0..keys {
-                let (at, products) = (scores.add(key * CHUNK), slopes.add(key * CHUNK));
+                let (at, products) = (scores.add(key * I::CHUNK), slopes.add(key * I::CHUNK));
                 let seen = seeing::<I>(key, first_row, self.causal);
                 let values = numerators(I::load(at), largest, seen);
                 values.store(at);
@@ -782,7 +784,7 @@ impl AttentionGradRun<'_> {
             let inverse = I::splat(1.0).div(total);
             let dot = dot.mul(inverse);
             for key in 0..keys {
-                let (at, products) = (scores.add(key * CHUNK), slopes.add(key * CHUNK));
+                let (at, products) = (scores.add(key * I::CHUNK), slopes.add(key * I::CHUNK));
                 let p = I::load(at).mul(inverse);
                 p.store(at);
                 let slope = p.mul(I::load(products).sub(dot));
@@ -822,7 +824,7 @@ mod tests {
         /// On every instruction set this host has (skipped where none).
         #[test]
         fn packed_rows_are_the_rows_transposed(
-            rows in 0usize..=CHUNK,
+            rows in 0usize..=MOST_CHUNK,
             width in 1usize..70,
             extra in 0usize..5,
         ) {
@@ -834,12 +836,17 @@ mod tests {
             let values: Vec<f32> = (0..rows * stride).map(|at| at as f32).collect();
             for isa in isas {
                 // SAFETY: the host has `isa`.
+                let chunk = match isa {
+                    Isa::Avx512 => Avx512::CHUNK,
+                    Isa::Avx2 => Avx2::CHUNK,
+                };
+                let rows = rows.min(chunk);
                 let packed = unsafe { pack(isa, &values, stride, rows, width) };
-                prop_assert_eq!(packed.len(), width * CHUNK);
+                prop_assert_eq!(packed.len(), width * chunk);
                 for column in 0..width {
-                    for lane in 0..CHUNK {
+                    for lane in 0..chunk {
                         let expected = if lane < rows { values[lane * stride + column] } else { 0.0 };
-                        prop_assert_eq!(packed[column * CHUNK + lane], expected, "{:?} {} {}", isa, column, lane);
+                        prop_assert_eq!(packed[column * chunk + lane], expected, "{:?} {} {}", isa, column, lane);
                     }
                 }
             }

@@ -65,6 +65,10 @@ pub(super) trait Lanes: Copy {
     /// Column registers a block of a product holds (its rows of sums fill the register
     /// file).
     const COLUMN_REGISTERS: usize;
+    /// Query rows per chunk of the kernels: two registers of lanes (32 on AVX-512, 16 on
+    /// AVX2, which ran faster than 32 there: the products' blocks are 16 columns wide
+    /// anyway, and a causal chunk wastes less of its diagonal block).
+    const CHUNK: usize = 2 * Self::LANES;
 
     /// Runs `body` compiled for the instruction set.
     unsafe fn compiled<R>(body: impl FnOnce() -> R) -> R;

@@ -552,6 +552,40 @@ fn training_steps_are_timed_with_their_sizes_and_flops() {
     assert!(compiled.take_step_profiles().is_empty(), "stopped");
 }
 
+/// Training calls on the same lengths settle on their buffers: after two calls, the
+/// next ones allocate nothing (each step's output goes into the smallest free buffer
+/// that holds it; with a first fit, a large buffer taken by a small output left a later
+/// large one none, so the pool of every Transformer family grew by kilobytes a call and
+/// each new buffer faulted its pages in).
+#[test]
+fn steady_training_calls_allocate_nothing() {
+    for name in FAMILIES {
+        let Trained { compiled, .. } = trained(name, Kind::Float, 5, true);
+        let lengths = [7i64, 1, 12, 3, 9];
+        let inputs = [
+            batch(&lengths, &[4], Kind::Float, 1).0,
+            batch(&lengths, &[3], Kind::Float, 2).0,
+            class_ids(&lengths, 3),
+            memory(&lengths, 4),
+        ];
+        let inputs: Vec<&NestedTensor> = inputs.iter().collect();
+        // The second call may still move a buffer: best fit over the first call's
+        // buffers is not the first call's order of allocations.
+        for _ in 0..2 {
+            compiled.call(&inputs, &[]).unwrap();
+        }
+        let settled = compiled.stats().bytes_allocated;
+        for call in 3..=6 {
+            compiled.call(&inputs, &[]).unwrap();
+            let allocated = compiled.stats().bytes_allocated - settled;
+            assert_eq!(
+                allocated, 0,
+                "{name}: calls 3 to {call} allocated {allocated} bytes"
+            );
+        }
+    }
+}
+
 /// Elements longer than the CPU attention's tiles (128 query rows, 256 keys): the
 /// forward's online softmax across key tiles and the gradient's query tiles.
 #[test]

@@ -586,14 +586,7 @@ impl<B> DeviceMemory<B> {
         alloc: impl FnOnce(usize) -> Result<B, RuntimeError>,
         stats: &Stats,
     ) -> Result<B, RuntimeError> {
-        let best = self
-            .spare
-            .iter()
-            .enumerate()
-            .filter(|(_, buffer)| capacity(buffer) >= count)
-            .min_by_key(|(_, buffer)| capacity(buffer))
-            .map(|(position, _)| position);
-        if let Some(position) = best {
+        if let Some(position) = super::smallest_fitting(&self.spare, count, capacity) {
             return Ok(self.spare.swap_remove(position));
         }
         let buffer = alloc(count)?;

@@ -21,9 +21,9 @@
 //!
 //! The numbers are those of the tiled code up to rounding (an `exp` with fused
 //! multiply-adds, products in another order); the NaN, infinity and empty-element
-//! behaviour is the same. The kernels are generic over the register ([`Lanes`]), so
-//! both instruction sets run the same code with the same numbers per lane (sums taken
-//! in the same order).
+//! behaviour is the same. The kernels are generic over the register ([`Lanes`]): both
+//! instruction sets run the same code, in chunks of their own size (the keys'
+//! gradients are sums over chunks, so the two differ by rounding).
 
 mod lanes;
 

@@ -1,7 +1,6 @@
 //! The vector registers the fused attention kernels ([`super`]) run on: AVX-512 (16
 //! f32 lanes, masks as bits) and AVX2 with FMA (8 lanes, masks as lanes of all ones).
-//! Every operation gives the same value per lane on both, so the kernels' numbers do
-//! not depend on which one runs.
+//! Every operation gives the same value per lane on both.
 
 use std::arch::x86_64::*;
 

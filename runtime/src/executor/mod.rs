@@ -826,8 +826,8 @@ fn output_buffer(
 /// later large one finds none free and allocates, and so on for a different buffer
 /// each call: a program's pool grew by megabytes a call for ten calls and more (a
 /// Transformer's training step), and every new buffer's first touch faulted its pages
-/// in (its steps 1.5-2x slower). With the same sizes, best fit hands out the same
-/// buffers every call, so a call after the first allocates nothing.
+/// in (its steps 1.5-1.7x slower). With the same sizes, best fit settles on its buffers
+/// (after two calls in the tests) and then allocates nothing.
 pub(crate) fn smallest_fitting<B>(
     buffers: &[B],
     count: usize,

@@ -132,14 +132,15 @@ unsafe fn product<I: Lanes>(
                 tail: (last < I::LANES).then(|| I::below(last)),
                 add,
             };
-            // AVX2's blocks are at most two registers wide (`COLUMN_REGISTERS`).
-            match (registers, I::LANES) {
-                (1, 16) => rows_of::<I, 12, 1>(rows, block),
-                (1, _) => rows_of::<I, 8, 1>(rows, block),
-                (2, 16) => rows_of::<I, 12, 2>(rows, block),
-                (2, _) => rows_of::<I, 6, 2>(rows, block),
-                (3, _) => rows_of::<I, 6, 3>(rows, block),
-                _ => rows_of::<I, 6, 4>(rows, block),
+            // AVX2's blocks are at most two registers wide (`COLUMN_REGISTERS`): its
+            // catch-all arm keeps the wider AVX-512 shapes out of its code.
+            match (I::LANES, registers) {
+                (16, 1) => rows_of::<I, 12, 1>(rows, block),
+                (16, 2) => rows_of::<I, 12, 2>(rows, block),
+                (16, 3) => rows_of::<I, 6, 3>(rows, block),
+                (16, _) => rows_of::<I, 6, 4>(rows, block),
+                (_, 1) => rows_of::<I, 8, 1>(rows, block),
+                _ => rows_of::<I, 6, 2>(rows, block),
             }
         }
         column += width;

@@ -1591,43 +1591,13 @@ mod tests {
                 eprintln!("skipped: this host has no AMX tiles");
                 return Ok(());
             }
-            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
-            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
-            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
-            let (q_rows, k_rows) = (*q_offsets.last().unwrap() as usize, *k_offsets.last().unwrap() as usize);
-            let mut random = seed;
-            let mut value = move || {
-                random = random.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                let x = ((random >> 33) % 6001) as f32 / 1000.0 - 3.0;
-                match (specials, random >> 60) {
-                    (true, 0) => f32::NAN,
-                    (true, 1) => f32::INFINITY,
-                    _ => x,
-                }
-            };
-            let (width, value_width) = ((heads * head_dim) as usize, (heads * value_dim) as usize);
-            let q: Vec<f32> = (0..q_rows * width).map(|_| value()).collect();
-            let k: Vec<f32> = (0..k_rows * width).map(|_| value()).collect();
-            let v: Vec<f32> = (0..k_rows * value_width).map(|_| value()).collect();
-            let (q_access, k_access, v_access) = (
-                Access::rows(nestor_passes::Slot(1), width as i64),
-                Access::rows(nestor_passes::Slot(2), width as i64),
-                Access::rows(nestor_passes::Slot(3), value_width as i64),
-            );
-            let run = AttentionRun {
-                products: Products::Bf16,
-                q: &q_access,
-                k: &k_access,
-                v: &v_access,
-                heads,
-                head_dim,
-                value_dim,
-                causal,
-                scale: 1.0 / (head_dim as f64).sqrt(),
-                parallel: false,
-                tiles: Tiles::DEFAULT,
-            };
-            let size = q_rows * value_width;
+            let ((q_offsets, k_offsets), (q_rows, k_rows)) = drawn_offsets(&lengths, cross);
+            let mut value = seeded(seed, 3.0, specials);
+            let (width, value_width) = (heads * head_dim, heads * value_dim);
+            let (q, k, v) = (drawn(&mut value, q_rows, width), drawn(&mut value, k_rows, width), drawn(&mut value, k_rows, value_width));
+            let accesses = slot_rows([width, width, value_width]);
+            let run = drawn_forward(&accesses, (heads, head_dim, value_dim), (causal, Products::Bf16));
+            let size = (q_rows * value_width) as usize;
             // The tiled forward: the roundings as f32 (this test process has no MKL).
             let mut expected = vec![f32::from_bits(0x7fc0_0001); size];
             let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
@@ -1671,45 +1641,24 @@ mod tests {
         fn the_gradient_on_amx_tiles_equals_the_tiled_gradient(
             lengths in proptest::collection::vec((0i64..40, 0i64..40), 1..4),
             (heads, head_dim) in (1i64..3, prop_oneof![1i64..4, Just(16), Just(32), Just(64), Just(65)]),
-            (causal, cross, part, chunk) in (any::<bool>(), any::<bool>(), 0..4, prop_oneof![Just(128i64), 1i64..40]),
+            (causal, cross, part, chunk) in (any::<bool>(), any::<bool>(), 0usize..4, prop_oneof![Just(128i64), 1i64..40]),
             (spread, seed) in (prop_oneof![Just(3.0f32), Just(40.0)], any::<u64>()),
         ) {
             if !crate::amx::usable() {
                 eprintln!("skipped: this host has no AMX tiles");
                 return Ok(());
             }
-            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
-            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
-            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
-            let (q_rows, k_rows) = (*q_offsets.last().unwrap(), *k_offsets.last().unwrap());
-            let mut random = seed;
-            let mut value = move || {
-                random = random.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((random >> 33) % 20001) as f32 / 10000.0 * spread - spread
-            };
+            let ((q_offsets, k_offsets), (q_rows, k_rows)) = drawn_offsets(&lengths, cross);
+            let mut value = seeded(seed, spread, false);
             let width = heads * head_dim;
-            let mut values = |rows: i64| -> Vec<f32> { (0..rows * width).map(|_| value()).collect() };
-            let (q, k, v, g) = (values(q_rows), values(k_rows), values(k_rows), values(q_rows));
-            let accesses = [1, 2, 3, 4].map(|slot| Access::rows(nestor_passes::Slot(slot), width));
-            let outputs = [GradOutputs::queries(width), GradOutputs::keys_values(width), GradOutputs::all(width), GradOutputs::both(width)][part as usize];
+            let [q, k, v, g] = [q_rows, k_rows, k_rows, q_rows].map(|rows| drawn(&mut value, rows, width));
+            let accesses = slot_rows([width; 4]);
+            let run = drawn_gradient(&accesses, (heads, head_dim), (causal, part, chunk), Products::Bf16);
+            let outputs = run.outputs;
             if cross && outputs == GradOutputs::all(width) {
                 // Self-attention's layout only.
                 return Ok(());
             }
-            let run = AttentionGradRun {
-                products: Products::Bf16,
-                q: &accesses[0],
-                k: &accesses[1],
-                v: &accesses[2],
-                g: &accesses[3],
-                heads,
-                head_dim,
-                causal,
-                scale: 1.0 / (head_dim as f64).sqrt(),
-                outputs,
-                parallel: false,
-                tiles: Tiles { queries: chunk, keys: 1 },
-            };
             let pointer = |values: &[f32]| values.as_ptr() as *mut u8;
             let poisoned = f32::from_bits(0x7fc0_0001);
             // The tiled gradient: the roundings as f32 (this test process has no MKL).
@@ -1776,6 +1725,87 @@ mod tests {
             || (got.is_nan() && want.is_nan())
     }
 
+    /// A drawn case's query and key offsets and rows: the first length of each pair for
+    /// the queries, the second for the keys where `cross` (else the queries' again).
+    fn drawn_offsets(lengths: &[(i64, i64)], cross: bool) -> ((Vec<i64>, Vec<i64>), (i64, i64)) {
+        let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
+        let k_lengths: Vec<i64> = match cross {
+            true => lengths.iter().map(|&(_, k)| k).collect(),
+            false => q_lengths.clone(),
+        };
+        let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
+        let rows = (q_lengths.iter().sum(), k_lengths.iter().sum());
+        ((q_offsets, k_offsets), rows)
+    }
+
+    /// `rows` rows of `width` values drawn from `value`.
+    fn drawn(value: &mut impl FnMut() -> f32, rows: i64, width: i64) -> Vec<f32> {
+        (0..rows * width).map(|_| value()).collect()
+    }
+
+    /// Rows of `widths` in slots 1, 2, ... (queries, keys, values, output gradients).
+    fn slot_rows<const N: usize>(widths: [i64; N]) -> [Access; N] {
+        let mut slot = 0;
+        widths.map(|width| {
+            slot += 1;
+            Access::rows(nestor_passes::Slot(slot), width)
+        })
+    }
+
+    /// A drawn forward of `(heads, head_dim, value_dim)` on `accesses` ([`slot_rows`]),
+    /// scaled by `1 / sqrt(head_dim)`, on one thread.
+    fn drawn_forward(
+        accesses: &[Access; 3],
+        (heads, head_dim, value_dim): (i64, i64, i64),
+        (causal, products): (bool, Products),
+    ) -> AttentionRun<'_> {
+        AttentionRun {
+            products,
+            q: &accesses[0],
+            k: &accesses[1],
+            v: &accesses[2],
+            heads,
+            head_dim,
+            value_dim,
+            causal,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            parallel: false,
+            tiles: Tiles::DEFAULT,
+        }
+    }
+
+    /// A drawn gradient likewise, in tasks of `queries` query rows, writing the outputs
+    /// of `part`: the queries', the keys' and values', all three, or both parts in two
+    /// buffers (0 to 3).
+    fn drawn_gradient(
+        accesses: &[Access; 4],
+        (heads, head_dim): (i64, i64),
+        (causal, part, queries): (bool, usize, i64),
+        products: Products,
+    ) -> AttentionGradRun<'_> {
+        let width = heads * head_dim;
+        let outputs: [fn(i64) -> GradOutputs; 4] = [
+            GradOutputs::queries,
+            GradOutputs::keys_values,
+            GradOutputs::all,
+            GradOutputs::both,
+        ];
+        AttentionGradRun {
+            products,
+            q: &accesses[0],
+            k: &accesses[1],
+            v: &accesses[2],
+            g: &accesses[3],
+            heads,
+            head_dim,
+            causal,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            outputs: outputs[part](width),
+            parallel: false,
+            tiles: Tiles { queries, keys: 1 },
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -1794,34 +1824,13 @@ mod tests {
                 eprintln!("skipped: this host has neither AVX-512 nor AVX2 with FMA");
                 return Ok(());
             }
-            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
-            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
-            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
-            let (q_rows, k_rows) = (*q_offsets.last().unwrap() as usize, *k_offsets.last().unwrap() as usize);
+            let ((q_offsets, k_offsets), (q_rows, k_rows)) = drawn_offsets(&lengths, cross);
             let mut value = seeded(seed, 3.0, specials);
-            let (width, value_width) = ((heads * head_dim) as usize, (heads * value_dim) as usize);
-            let q: Vec<f32> = (0..q_rows * width).map(|_| value()).collect();
-            let k: Vec<f32> = (0..k_rows * width).map(|_| value()).collect();
-            let v: Vec<f32> = (0..k_rows * value_width).map(|_| value()).collect();
-            let (q_access, k_access, v_access) = (
-                Access::rows(nestor_passes::Slot(1), width as i64),
-                Access::rows(nestor_passes::Slot(2), width as i64),
-                Access::rows(nestor_passes::Slot(3), value_width as i64),
-            );
-            let run = AttentionRun {
-                products: Products::Float,
-                q: &q_access,
-                k: &k_access,
-                v: &v_access,
-                heads,
-                head_dim,
-                value_dim,
-                causal,
-                scale: 1.0 / (head_dim as f64).sqrt(),
-                parallel: false,
-                tiles: Tiles::DEFAULT,
-            };
-            let size = q_rows * value_width;
+            let (width, value_width) = (heads * head_dim, heads * value_dim);
+            let (q, k, v) = (drawn(&mut value, q_rows, width), drawn(&mut value, k_rows, width), drawn(&mut value, k_rows, value_width));
+            let accesses = slot_rows([width, width, value_width]);
+            let run = drawn_forward(&accesses, (heads, head_dim, value_dim), (causal, Products::Float));
+            let size = (q_rows * value_width) as usize;
             let poisoned = f32::from_bits(0x7fc0_0001);
             let mut expected = vec![poisoned; size];
             let buffers = |out: &mut Vec<f32>| Buffers { out: out.as_mut_ptr(), q: q.as_ptr(), k: k.as_ptr(), v: v.as_ptr() };
@@ -1858,7 +1867,7 @@ mod tests {
         fn the_fused_gradient_equals_the_tiled_gradient(
             lengths in proptest::collection::vec((prop_oneof![0i64..3, 0i64..100], 0i64..100), 1..4),
             (heads, head_dim) in (1i64..3, prop_oneof![1i64..4, Just(17), Just(64), Just(65)]),
-            (causal, cross, part, tile) in (any::<bool>(), any::<bool>(), 0..4, prop_oneof![Just(128i64), 1i64..100]),
+            (causal, cross, part, tile) in (any::<bool>(), any::<bool>(), 0usize..4, prop_oneof![Just(128i64), 1i64..100]),
             (spread, seed) in (prop_oneof![Just(3.0f32), Just(40.0)], any::<u64>()),
         ) {
             let isas = fused::Isa::all_here();
@@ -1866,34 +1875,17 @@ mod tests {
                 eprintln!("skipped: this host has neither AVX-512 nor AVX2 with FMA");
                 return Ok(());
             }
-            let q_lengths: Vec<i64> = lengths.iter().map(|&(q, _)| q).collect();
-            let k_lengths: Vec<i64> = if cross { lengths.iter().map(|&(_, k)| k).collect() } else { q_lengths.clone() };
-            let (q_offsets, k_offsets) = (offsets(&q_lengths), offsets(&k_lengths));
-            let (q_rows, k_rows) = (*q_offsets.last().unwrap(), *k_offsets.last().unwrap());
+            let ((q_offsets, k_offsets), (q_rows, k_rows)) = drawn_offsets(&lengths, cross);
             let mut value = seeded(seed, spread, false);
             let width = heads * head_dim;
-            let mut values = |rows: i64| -> Vec<f32> { (0..rows * width).map(|_| value()).collect() };
-            let (q, k, v, g) = (values(q_rows), values(k_rows), values(k_rows), values(q_rows));
-            let accesses = [1, 2, 3, 4].map(|slot| Access::rows(nestor_passes::Slot(slot), width));
-            let outputs = [GradOutputs::queries(width), GradOutputs::keys_values(width), GradOutputs::all(width), GradOutputs::both(width)][part as usize];
+            let [q, k, v, g] = [q_rows, k_rows, k_rows, q_rows].map(|rows| drawn(&mut value, rows, width));
+            let accesses = slot_rows([width; 4]);
+            let run = drawn_gradient(&accesses, (heads, head_dim), (causal, part, tile), Products::Float);
+            let outputs = run.outputs;
             if cross && outputs == GradOutputs::all(width) {
                 // Self-attention's layout only.
                 return Ok(());
             }
-            let run = AttentionGradRun {
-                products: Products::Float,
-                q: &accesses[0],
-                k: &accesses[1],
-                v: &accesses[2],
-                g: &accesses[3],
-                heads,
-                head_dim,
-                causal,
-                scale: 1.0 / (head_dim as f64).sqrt(),
-                outputs,
-                parallel: false,
-                tiles: Tiles { queries: tile, keys: 1 },
-            };
             let poisoned = f32::from_bits(0x7fc0_0001);
             let mut expected = output_buffers(outputs, (q_rows, k_rows), poisoned);
             let buffers = |out: &mut (Vec<f32>, Vec<f32>)| {

@@ -8,7 +8,9 @@
 //! scripts/cargo run --release -p nestor-bench --bin resnet50 -- --out docs/benchmarks
 //! ```
 //!
-//! `--samples N` timed steps per cell (default 5); `--quick` one occupancy, f32.
+//! `--samples N` timed steps per cell (default 5); `--quick` one occupancy, f32;
+//! `--precision f32|bf16` that precision's rows only (default both; on hosts without
+//! bf16 hardware libtorch's bf16 cells take minutes).
 //! Both sides use random weights (the time of a step does not depend on them) and batch
 //! norms on their running statistics (eval mode: nestor's compiled ResNet trains so);
 //! a training step is the mean of the scores, backward, SGD at rate 1e-5. bf16: nestor
@@ -244,11 +246,20 @@ fn shown(cell: &Cell) -> String {
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let (mut out, mut samples, mut quick) = (None, 5usize, false);
+    // `Some(bf16)`: only f32's rows or only bf16's.
+    let mut precision: Option<bool> = None;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--out" => out = Some(std::path::PathBuf::from(args.next().ok_or("--out DIR")?)),
             "--samples" => samples = args.next().ok_or("--samples N")?.parse()?,
             "--quick" => quick = true,
+            "--precision" => {
+                precision = match args.next().as_deref() {
+                    Some("f32") => Some(false),
+                    Some("bf16") => Some(true),
+                    _ => return Err("--precision needs f32 or bf16".into()),
+                }
+            }
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -279,7 +290,11 @@ fn main() -> Result<()> {
          last column is the best PyTorch option over nestor's best compiled one.\n",
         tch::get_num_threads()
     );
-    let dtypes: &[bool] = if quick { &[false] } else { &[false, true] };
+    let dtypes: &[bool] = match (precision, quick) {
+        (Some(true), _) => &[true],
+        (Some(false), _) | (None, true) => &[false],
+        (None, false) => &[false, true],
+    };
     for &bf16 in dtypes {
         for training in [false, true] {
             let mode = if training {

@@ -270,11 +270,14 @@ fn training_mode_steps(kind: tch::Kind, images: &[Tensor]) -> [StepResult; 2] {
 /// a compiled step of a ResNet-18 gives eager autograd's loss, every parameter's
 /// gradient and the running statistics, images of different sizes (one of 1x1 after
 /// the stem's downsampling). In f64 to 1e-9. In f32 the batch statistics of a few
-/// pixels amplify rounding (eager's gradients are up to 4e-4 of their scale from the
-/// f64 step's on the same values, on an AVX2 host; the compiled step's up to 7e-4, its
-/// per-tensor error up to 3.3 times eager's), so there each f32 result is measured
-/// against the f64 step: the compiled one's error (relative to the tensor's scale) at
-/// most 5 times eager's plus 1e-5, and its largest at most 3 times eager's largest.
+/// pixels amplify rounding, so there each f32 result is measured against the f64 step
+/// on the same values: the compiled one's error (relative to the tensor's scale) at
+/// most 10 times eager's plus 1e-4, and its largest at most 10 times eager's largest.
+/// Measured on an AVX2 host over 8 image seeds with each GEMM library (the process's
+/// probe picks MKL or the `gemm` crate, a toss-up there): a tensor's compiled error
+/// was 0.2 to 5.6 times eager's, the largest 0.1 to 4.9 times, and summed over the
+/// tensors compiled's was below eager's. A bf16 rounding anywhere (2^-8 against
+/// f32's 2^-24) would be far past these bounds.
 #[test]
 fn compiled_training_mode_steps_equal_autograd() {
     tch::manual_seed(4);
@@ -304,14 +307,14 @@ fn compiled_training_mode_steps_equal_autograd() {
             common::error_to_scale(compiled, truth),
         );
         assert!(
-            compiled <= 5.0 * eager + 1e-5,
+            compiled <= 10.0 * eager + 1e-4,
             "f32: {name}: compiled's error {compiled:e} against eager's {eager:e}"
         );
         worst = (worst.0.max(eager), worst.1.max(compiled));
     }
     let (eager, compiled) = worst;
     assert!(
-        compiled <= 3.0 * eager,
+        compiled <= 10.0 * eager,
         "f32: compiled's largest error {compiled:e} against eager's {eager:e}"
     );
 }

@@ -1,4 +1,4 @@
-//! Where a compiled training step spends its time: every step of the encoder's joint
+//! Where a compiled training step spends its time: every step of a model's joint
 //! program timed over several calls ([`nestor::Compiled::record_steps`]), grouped by
 //! kind, each product's achieved GFLOP/s against the machine's GEMM peak and each other
 //! step's bytes moved against its copy bandwidth.
@@ -127,7 +127,7 @@ pub fn profile_section(profiles: &[StepProfile], limits: Option<&Limits>, out: &
     let _ = writeln!(
         out,
         "Every step of the compiled training program timed over the profiled calls (`Compiled::record_steps`; \
-         medians per step). Products (GEMMs, weight gradients, attention) are read as achieved GFLOP/s, their \
+         medians per step). Products (GEMMs, weight gradients, attention, convolutions) are read as achieved GFLOP/s, their \
          FLOPs those the step computes (attention's gradient recomputes the scores), against the GEMM peak; \
          the other steps as the bytes they read and write (every buffer read once, the one written) per \
          second against the copy bandwidth (Machine limits). The call's median includes what is outside the \

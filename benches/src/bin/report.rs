@@ -132,16 +132,21 @@ fn run() -> Result<()> {
             bar.inc(1);
         }
     }
-    // Where each Transformer's compiled training step spends its time, at 35% occupancy
-    // (the full Transformer's showed steps slowed by a growing buffer pool that the
-    // encoder's alone did not).
+    // Where each model's compiled training step spends its time: each Transformer's at
+    // 35% occupancy (the full Transformer's showed steps slowed by a growing buffer pool
+    // that the encoder's alone did not), the conv net's at 77%, where its goal against
+    // oneDNN's channels-last convolutions is.
     let mut profiles = Vec::new();
-    let profiled = [Model::Encoder, Model::Decoder, Model::Transformer];
-    for model in profiled
+    let profiled = [
+        (Model::Encoder, 1),
+        (Model::Decoder, 1),
+        (Model::Transformer, 1),
+        (Model::ConvNet, 2),
+    ];
+    for (model, index) in profiled
         .into_iter()
-        .filter(|model| chosen_models.contains(model))
+        .filter(|(model, _)| chosen_models.contains(model))
     {
-        let index = 1;
         for &precision in &precisions {
             let subject = precision.subject(model);
             bar.set_message(format!("profiling the training of {subject}"));

@@ -193,6 +193,42 @@ pub fn window_taps(
     widths: &[i64],
     outside: Outside,
 ) -> Result<WindowTaps, WindowError> {
+    window_taps_in_parts(window, (heights, widths), outside, &|table, part| {
+        part(0, table)
+    })
+}
+
+/// Fills a table of taps ([`window_taps_in_parts`]): handed the table and `part`, which
+/// fills the rows of one piece of it (the piece's first pixel and its rows), it calls
+/// `part` on pieces that cover the table, on as many threads as it likes (pieces are
+/// independent).
+pub type FillTaps<'a> = &'a dyn Fn(&mut [i64], &(dyn Fn(usize, &mut [i64]) + Sync));
+
+/// [`window_taps`] with the table's rows filled by `fill`, which may split them over
+/// threads (the table of a batch of images is megabytes).
+///
+/// ```
+/// use nestor_ir::Window2d;
+/// use nestor_layout::{window_taps, window_taps_in_parts, Outside};
+///
+/// let window = Window2d { kernel: [3, 3], stride: [1, 1], padding: [1, 1], dilation: [1, 1] };
+/// let sizes: (&[i64], &[i64]) = (&[2, 1], &[2, 3]);
+/// // Pixels 0..3 and 3..7 filled apart.
+/// let halves = |table: &mut [i64], part: &(dyn Fn(usize, &mut [i64]) + Sync)| {
+///     let (first, second) = table.split_at_mut(3 * 9);
+///     part(0, first);
+///     part(3, second);
+/// };
+/// let taps = window_taps_in_parts(&window, sizes, Outside::Marked, &halves)?;
+/// assert_eq!(taps.rows, window_taps(&window, sizes.0, sizes.1, Outside::Marked)?.rows);
+/// # Ok::<(), nestor_layout::WindowError>(())
+/// ```
+pub fn window_taps_in_parts(
+    window: &Window2d,
+    (heights, widths): (&[i64], &[i64]),
+    outside: Outside,
+    fill: FillTaps<'_>,
+) -> Result<WindowTaps, WindowError> {
     let images = window_images(window, heights, widths)?;
     let taps = window.taps();
     let rows = images
@@ -206,7 +242,9 @@ pub fn window_taps(
     let mut table = Vec::new();
     table.try_reserve_exact(count).map_err(|_| too_large)?;
     table.resize(count, -1);
-    fill_taps(window, &images, 0, &mut table, outside);
+    fill(&mut table, &|first, rows| {
+        fill_taps(window, &images, first, rows, outside)
+    });
     Ok(WindowTaps {
         output_sizes: images.iter().map(|image| image.out).collect(),
         rows: table,

@@ -10,7 +10,7 @@ use nestor_ir::{DType, Window2d};
 use nestor_passes::{LengthsKind, Program, Repeats, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
-use nestor_layout::{window_taps, Outside, WindowError, WindowTaps};
+use nestor_layout::{window_taps_in_parts, FillTaps, Outside, WindowError, WindowTaps};
 
 /// What a run knows about one lengths input: its values borrowed from the run's input
 /// (or computed, for derived lengths).
@@ -247,18 +247,29 @@ impl<'a> Sizes<'a> {
     pub fn window_taps(
         &self,
         window: Window2d,
+        slots: (Slot, Slot),
+    ) -> Result<Arc<WindowTaps>, WindowError> {
+        self.window_taps_filled_by(window, slots, &|table, part| part(0, table))
+    }
+
+    /// [`Sizes::window_taps`], its table filled by `fill` on first use (a backend splits
+    /// it over its threads).
+    pub fn window_taps_filled_by(
+        &self,
+        window: Window2d,
         (heights, widths): (Slot, Slot),
+        fill: FillTaps<'_>,
     ) -> Result<Arc<WindowTaps>, WindowError> {
         let key = (window, heights, widths);
         if let Some(taps) = self.window_taps.borrow().get(&key) {
             return Ok(taps.clone());
         }
         let sizes = |slot: Slot| self.get(slot).map_or(&[][..], |info| &info.lengths[..]);
-        let taps = Arc::new(window_taps(
+        let taps = Arc::new(window_taps_in_parts(
             &window,
-            sizes(heights),
-            sizes(widths),
+            (sizes(heights), sizes(widths)),
             Outside::Marked,
+            fill,
         )?);
         self.window_taps.borrow_mut().insert(key, taps.clone());
         Ok(taps)

@@ -217,8 +217,8 @@ fn gemm_results_do_not_depend_on_the_split() {
 
 /// Window steps (convolution, its input and weight gradients, pooling, image means)
 /// give the same bits whatever the split: output rows are tasks, weight-gradient sums
-/// are added per fixed block of pixels, in order. The images have 4189 pixels, so the
-/// tables of taps (over 4096 pixels) are filled over the threads too.
+/// are added per fixed block of pixels, in order; the tables of taps are filled over
+/// the threads too.
 #[test]
 fn window_results_do_not_depend_on_the_split() {
     let elements: Vec<Tensor> = [(40, 37), (1, 3), (64, 29), (17, 50)]

@@ -193,9 +193,12 @@ pub fn window_taps(
     widths: &[i64],
     outside: Outside,
 ) -> Result<WindowTaps, WindowError> {
-    window_taps_in_parts(window, (heights, widths), outside, &|table, part| {
-        part(0, table)
-    })
+    window_taps_in_parts(window, (heights, widths), outside, &in_one_piece)
+}
+
+/// The [`FillTaps`] that fills the whole table at once, on the calling thread.
+pub fn in_one_piece(table: &mut [i64], part: &(dyn Fn(usize, &mut [i64]) + Sync)) {
+    part(0, table)
 }
 
 /// Fills a table of taps ([`window_taps_in_parts`]): handed the table and `part`, which

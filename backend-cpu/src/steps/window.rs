@@ -10,7 +10,7 @@ use super::CpuSteps;
 use crate::columns::{self, columns_pay, input_grad_scratch, tile_scratch, Work};
 use crate::parallel::worker_threads;
 use crate::window::{
-    convolve_slots, image_means, image_spread, pixel_counts, pool, pool_grad,
+    convolve_slots, fill_taps_over_team, image_means, image_spread, pixel_counts, pool, pool_grad,
     strided_conv_input_grad, weight_grad, Shape, SlotBuffers, GRAD_BLOCK_ROWS,
 };
 
@@ -236,7 +236,7 @@ impl WindowRun<'_, '_, '_> {
         let taps = run
             .sizes()
             .window_taps_filled_by(step.window, (step.heights, step.widths), &|table, part| {
-                fill_over_team(table, step.window.taps().max(1) as usize, part)
+                fill_taps_over_team(table, step.window.taps().max(1) as usize, part)
             })
             .map_err(|error| self.error(error.to_string()))?;
         let rows = taps.rows.len() / taps.taps.max(1);
@@ -427,31 +427,4 @@ impl WindowRun<'_, '_, '_> {
         }
         Ok(())
     }
-}
-
-/// Pixels below which a table of taps is filled on one thread.
-const PARALLEL_TAP_PIXELS: usize = 4096;
-
-/// Fills a table of window taps, `per_pixel` a pixel, over the team's threads
-/// ([`nestor_layout::FillTaps`]), a contiguous piece of pixels each: a batch's table is
-/// megabytes, which one thread filled while the others waited (about 0.6 ms of a
-/// 12.5 ms training call of the report's conv net at 77% occupancy, on 2 threads).
-fn fill_over_team(table: &mut [i64], per_pixel: usize, part: &(dyn Fn(usize, &mut [i64]) + Sync)) {
-    let per_pixel = per_pixel.max(1);
-    let pixels = table.len() / per_pixel;
-    let threads = worker_threads().max(1) as usize;
-    if threads <= 1 || pixels < PARALLEL_TAP_PIXELS {
-        return part(0, table);
-    }
-    let piece = pixels.div_ceil(threads);
-    let pieces: Vec<std::sync::Mutex<&mut [i64]>> = table
-        .chunks_mut(piece * per_pixel)
-        .map(std::sync::Mutex::new)
-        .collect();
-    crate::team::for_each_chunk(pieces.len(), threads, &|index| {
-        // One task takes each piece: the lock is never contended.
-        if let Ok(mut rows) = pieces[index].lock() {
-            part(index * piece, &mut rows);
-        }
-    });
 }

@@ -10,7 +10,9 @@ use nestor_ir::{DType, Window2d};
 use nestor_passes::{LengthsKind, Program, Repeats, RowBase, RowMap, Rows, Slot, Source};
 
 use super::{InputData, RuntimeError};
-use nestor_layout::{window_taps_in_parts, FillTaps, Outside, WindowError, WindowTaps};
+use nestor_layout::{
+    in_one_piece, window_taps_in_parts, FillTaps, Outside, WindowError, WindowTaps,
+};
 
 /// What a run knows about one lengths input: its values borrowed from the run's input
 /// (or computed, for derived lengths).
@@ -249,7 +251,7 @@ impl<'a> Sizes<'a> {
         window: Window2d,
         slots: (Slot, Slot),
     ) -> Result<Arc<WindowTaps>, WindowError> {
-        self.window_taps_filled_by(window, slots, &|table, part| part(0, table))
+        self.window_taps_filled_by(window, slots, &in_one_piece)
     }
 
     /// [`Sizes::window_taps`], its table filled by `fill` on first use (a backend splits

@@ -11,6 +11,7 @@ over the real tokens, backward, SGD at rate 1e-5. Options:
 - padded eager under torch.autocast("cpu", dtype=torch.bfloat16), and under torch.compile;
 - torch.nested (jagged layout) eager: the same layers written on nested tensors (BertModel
   does not take them), f32.
+`--precision f32` or `bf16` runs that precision's options only (default both).
 With the counting malloc preloaded (`nestor_memcount_*` in the process) each option's peak
 extra memory is measured over one step.
 
@@ -98,6 +99,7 @@ def main():
     parser.add_argument("--vocabulary", type=int, required=True)
     parser.add_argument("--positions", type=int, default=512)
     parser.add_argument("--batch", action="append", required=True)
+    parser.add_argument("--precision", choices=["f32", "bf16", "both"], default="both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -160,7 +162,8 @@ def main():
             ("padded torch.compile autocast bf16", step_of(lambda: padded_loss(compiled_bert), autocast)),
             ("torch.nested jagged eager", step_of(jagged_loss)),
         ]
-        for name, step in options:
+        wanted = lambda name: args.precision == "both" or ("bf16" in name) == (args.precision == "bf16")
+        for name, step in filter(lambda option: wanted(option[0]), options):
             shown = lambda peak: "-" if peak is None else str(peak)
             print_row(
                 index,

@@ -13,7 +13,8 @@
 //! ```
 //!
 //! `--samples N` timed steps per cell (default 3), `--batch N` sequences a batch
-//! (default 8), `--quick` one occupancy. Peak memory is counted when `nestor-memcount`
+//! (default 8), `--quick` one occupancy, `--precision f32|bf16` that precision's rows only
+//! (default both; on hosts without bf16 units PyTorch's autocast steps take minutes). Peak memory is counted when `nestor-memcount`
 //! is built next to the binary (the binary runs itself again with it preloaded; the
 //! Python child inherits it). Random weights on both sides (a step's time and memory do
 //! not depend on them); no dropout; a step is the mean next-byte cross entropy over the
@@ -58,6 +59,11 @@ const PYTORCH: [&str; 5] = [
     "padded torch.compile autocast bf16",
     "torch.nested jagged eager",
 ];
+
+/// Whether a column (nestor's or PyTorch's, by name) is a bf16 one.
+fn is_bf16(name: &str) -> bool {
+    name.contains("bf16")
+}
 
 /// A step of one column: runs once.
 type Step<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
@@ -151,8 +157,13 @@ impl Model {
     }
 }
 
-/// nestor's cells of one batch.
-fn nestor_cells(sequences: &[Vec<i64>], layers: usize, samples: usize) -> Result<Vec<Cell>> {
+/// nestor's cells of one batch; the columns `wanted` refuses are not run.
+fn nestor_cells(
+    sequences: &[Vec<i64>],
+    layers: usize,
+    samples: usize,
+    wanted: &dyn Fn(&str) -> bool,
+) -> Result<Vec<Cell>> {
     tch::manual_seed(0);
     let ragged = |part: &dyn Fn(&[i64]) -> &[i64]| {
         let elements: Vec<Tensor> = sequences
@@ -195,8 +206,12 @@ fn nestor_cells(sequences: &[Vec<i64>], layers: usize, samples: usize) -> Result
     ];
     // A column that fails its first call is a cell saying why; the others are timed.
     let mut failed: Vec<Option<String>> = Vec::new();
-    for step in &mut steps {
-        failed.push(step().err().map(|error| error.to_string()));
+    for (step, name) in steps.iter_mut().zip(NESTOR) {
+        failed.push(if wanted(name) {
+            step().err().map(|error| error.to_string())
+        } else {
+            Some("not run".into())
+        });
     }
     let mut working: Vec<&mut Step<'_>> = steps
         .iter_mut()
@@ -261,6 +276,8 @@ fn main() -> Result<()> {
     }
     let mut args = std::env::args().skip(1);
     let (mut out, mut samples, mut quick, mut layers, mut batch) = (None, 3usize, false, 4, 8);
+    // `Some(bf16)`: only f32's rows or only bf16's.
+    let mut precision: Option<bool> = None;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--out" => out = Some(std::path::PathBuf::from(args.next().ok_or("--out DIR")?)),
@@ -268,9 +285,17 @@ fn main() -> Result<()> {
             "--layers" => layers = args.next().ok_or("--layers N")?.parse()?,
             "--batch" => batch = args.next().ok_or("--batch N")?.parse()?,
             "--quick" => quick = true,
+            "--precision" => {
+                precision = match args.next().as_deref() {
+                    Some("f32") => Some(false),
+                    Some("bf16") => Some(true),
+                    _ => return Err("--precision needs f32 or bf16".into()),
+                }
+            }
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
+    let wanted = |name: &str| precision.is_none_or(|bf16| is_bf16(name) == bf16);
     let text = corpus()?;
     let occupancies: &[f64] = if quick {
         &OCCUPANCIES[..1]
@@ -302,6 +327,13 @@ fn main() -> Result<()> {
         VOCABULARY.to_string(),
         "--positions".into(),
         LONGEST.to_string(),
+        "--precision".into(),
+        match precision {
+            None => "both",
+            Some(false) => "f32",
+            Some(true) => "bf16",
+        }
+        .into(),
     ];
     for sequences in &batches {
         let joined: Vec<String> = sequences
@@ -341,7 +373,7 @@ fn main() -> Result<()> {
         let tokens: usize = sequences.iter().map(|sequence| sequence.len() - 1).sum();
         let occupancy = tokens as f64 / (sequences.len() as f64 * LONGEST as f64);
         eprintln!("bert: nestor at {:.0}%", occupancy * 100.0);
-        let ours = nestor_cells(sequences, layers, samples)?;
+        let ours = nestor_cells(sequences, layers, samples, &wanted)?;
         let padded = torch[0].as_ref().ok();
         let (padded_time, padded_peak) = (
             padded.map(|measured| measured.timing.median),
@@ -358,6 +390,7 @@ fn main() -> Result<()> {
             .map(|name| format!("PyTorch {name}"))
             .zip(torch)
             .chain(NESTOR.iter().map(|name| name.to_string()).zip(&ours))
+            .filter(|(name, _)| wanted(name))
         {
             let _ = writeln!(
                 text,

@@ -498,10 +498,11 @@ impl Placed for SumRows {
 }
 
 impl Placed for ScatterRows {
-    fn placement(&self, program: &Program, _: KernelSet) -> Placement {
+    fn placement(&self, program: &Program, set: KernelSet) -> Placement {
         let params = Params::new(self.out).buffer(Role::Gradient, self.g);
-        if program.is_input(self.ids) {
-            // Ids the host reads: each table row sums its own rows, from an index.
+        if program.is_input(self.ids) || set == KernelSet::Library {
+            // Ids the host reads (any on the CPU, inputs on a GPU): each table row sums
+            // its own rows, from an index.
             params
                 .with(Role::RowsOfIds, Arg::RowsOfIds(self.ids, self.vocabulary))
                 .kernel(Rows::fixed(self.vocabulary))

@@ -100,13 +100,12 @@ pub(crate) fn generate<'ctx>(
             ..
         }) => insert(&kernel, (*size, *index, *count), *inner)?,
         Step::SumRows(SumRows { m, n, mean, .. }) => sum_rows(&kernel, (*m, *n), *mean)?,
-        Step::ScatterRows(ScatterRows {
-            ids,
-            width,
-            padding,
-            ..
-        }) => {
-            if program.is_input(*ids) {
+        Step::ScatterRows(ScatterRows { width, padding, .. }) => {
+            let indexed = signature
+                .params
+                .iter()
+                .any(|param| param.role == Role::RowsOfIds);
+            if indexed {
                 scatter_indexed_rows(&kernel, *width, *padding)?
             } else {
                 scatter_rows(&kernel, *width, *padding)?

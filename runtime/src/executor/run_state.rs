@@ -88,6 +88,25 @@ impl<'r, 'i> RunState<'r, 'i> {
         }
     }
 
+    /// The values of ids `slot` for step `index`: an i64 input's, or those an earlier
+    /// step computed into the program's buffer.
+    fn ids(&self, index: usize, slot: Slot) -> Result<&[i64], RuntimeError> {
+        match self.input(slot) {
+            Some((_, InputData::I64(values))) => Ok(values),
+            Some(_) => Err(step_error(index, "scattered ids that are not i64".into())),
+            None if self.program.info(slot).integers => {
+                let count = self.sizes.elements(self.program, slot);
+                if count == 0 {
+                    return Ok(&[]);
+                }
+                // The executor sized the buffer for `count` i64 values of this run, and
+                // the step that writes it ran before this one.
+                Ok(unsafe { std::slice::from_raw_parts(self.pointer(slot) as *const i64, count) })
+            }
+            None => Err(step_error(index, "scattered ids that are not i64".into())),
+        }
+    }
+
     /// What runs host steps, if the caller gave one.
     pub fn host(&self) -> Option<&'r dyn HostRunner> {
         self.host
@@ -141,12 +160,7 @@ impl<'r, 'i> RunState<'r, 'i> {
             Arg::Count(rows) => Ok(number(self.sizes.rows(rows))),
             Arg::MaskKey(stream) => Ok(number(mask_key(stream, self.run) as i64)),
             Arg::RowsOfIds(ids, vocabulary) => {
-                let Some((_, InputData::I64(values))) = self.input(ids) else {
-                    return Err(step_error(
-                        index,
-                        "scattered ids that are not an i64 input".into(),
-                    ));
-                };
+                let values = self.ids(index, ids)?;
                 // One index per kernel: no other argument points into it.
                 *ids_index = rows_of_ids(values, vocabulary)
                     .ok_or_else(|| step_error(index, format!("a table of {vocabulary} rows")))?;

@@ -479,14 +479,12 @@ pub(crate) unsafe fn pool<T: Scalar>(
                         channels,
                     )
                 };
-                for (value, &p) in row.iter_mut().zip(pixel) {
-                    if max {
-                        // torch's max pooling: a larger value or a NaN replaces it.
-                        #[allow(clippy::eq_op)]
-                        if p > *value || p != p {
-                            *value = p;
-                        }
-                    } else {
+                if max {
+                    for (value, &p) in row.iter_mut().zip(pixel) {
+                        *value = if replaces(p, *value) { p } else { *value };
+                    }
+                } else {
+                    for (value, &p) in row.iter_mut().zip(pixel) {
                         *value += p;
                     }
                 }
@@ -928,6 +926,32 @@ unsafe fn scatter_windows<T: Scalar>(
     crate::team::for_each_chunk(images.len(), team_threads(work), &image);
 }
 
+/// Channels max pooling's gradient compares at a time (on the stack).
+const POOL_CHUNK: usize = 32;
+
+/// Whether `candidate` replaces `value` as a window's largest: torch's max pooling takes
+/// a larger value or a NaN (so the last NaN of a window).
+#[inline(always)]
+fn replaces<T: Scalar>(candidate: T, value: T) -> bool {
+    candidate > value || candidate.is_nan()
+}
+
+/// Takes `values` (of window tap `tap`) where they replace the `best` so far
+/// ([`replaces`]), and marks their channels `picked` by `tap`.
+#[inline(always)]
+fn pick_larger<T: Scalar>(
+    best: &mut [T; POOL_CHUNK],
+    picked: &mut [u32; POOL_CHUNK],
+    values: &[T; POOL_CHUNK],
+    tap: u32,
+) {
+    for ((best, picked), &value) in best.iter_mut().zip(picked.iter_mut()).zip(values) {
+        let taken = replaces(value, *best);
+        *picked = if taken { tap } else { *picked };
+        *best = if taken { value } else { *best };
+    }
+}
+
 /// Pooling's gradient: every output pixel's gradient to the input pixel max pooling
 /// picked (the first largest, or the last NaN, as libtorch's kernel), or shared by the
 /// pixels an average took. Images in parallel, each in order (their windows read only
@@ -962,32 +986,37 @@ pub(crate) unsafe fn pool_grad<T: Scalar>(
         let grad = unsafe { std::slice::from_raw_parts(grads.x().add(r * channels), channels) };
         let local = |source: i64| source as usize - image.input;
         if max {
-            // Every channel's largest value and its pixel, tap after tap (each tap's
-            // channels contiguous); taps outside the image are skipped.
-            let mut inside = windows.iter().copied().filter(|&source| source >= 0);
-            let Some(start) = inside.next() else {
+            // Every channel's largest value and its tap, tap after tap (each tap's
+            // channels contiguous), a chunk of channels at a time on the stack; taps
+            // outside the image are skipped, and the first inside is picked unless a
+            // larger value (or a NaN) follows.
+            let mut inside = (0u32..)
+                .zip(windows.iter().copied())
+                .filter(|&(_, source)| source >= 0);
+            let Some((first_tap, first_source)) = inside.next() else {
                 return;
             };
-            // SAFETY: the taps name rows of `x`.
-            let pixel = |source: i64| unsafe {
-                std::slice::from_raw_parts(inputs.x().add(source as usize * channels), channels)
-            };
-            // The first tap inside is picked unless a larger value (or a NaN) follows.
-            let mut best = pixel(start).to_vec();
-            let mut picked = vec![start; channels];
-            for source in inside {
-                for ((best, picked), &value) in best.iter_mut().zip(&mut picked).zip(pixel(source))
-                {
-                    // torch's max pooling: a larger value or a NaN replaces it.
-                    #[allow(clippy::eq_op)]
-                    if value > *best || value != value {
-                        *best = value;
-                        *picked = source;
-                    }
+            for first in (0..channels).step_by(POOL_CHUNK) {
+                let count = POOL_CHUNK.min(channels - first);
+                // SAFETY: the taps name rows of `x`, of `channels` values each.
+                let values = |source: i64| {
+                    let mut chunk = [T::ZERO; POOL_CHUNK];
+                    chunk[..count].copy_from_slice(unsafe {
+                        std::slice::from_raw_parts(
+                            inputs.x().add(source as usize * channels + first),
+                            count,
+                        )
+                    });
+                    chunk
+                };
+                let mut best = values(first_source);
+                let mut picked = [first_tap; POOL_CHUNK];
+                for (tap, source) in inside.clone() {
+                    pick_larger(&mut best, &mut picked, &values(source), tap);
                 }
-            }
-            for (c, (&gradient, &source)) in grad.iter().zip(&picked).enumerate() {
-                out[local(source) * channels + c] += gradient;
+                for (c, &tap) in (first..first + count).zip(&picked) {
+                    out[local(windows[tap as usize]) * channels + c] += grad[c];
+                }
             }
         } else {
             let inside = windows.iter().filter(|&&source| source >= 0).count();
@@ -1021,6 +1050,92 @@ mod tests {
     /// The bf16 rounding of `value`, as f64.
     fn rounded(value: f32) -> f64 {
         f64::from(f32::from_bits(u32::from(crate::bf16::round(value)) << 16))
+    }
+
+    /// Max pooling and its gradient on channel counts around and past a chunk
+    /// ([`POOL_CHUNK`]) equal the definition, channel by channel: the largest value, or
+    /// the window's last NaN; the gradient to the first tap holding it. Values are drawn
+    /// from a few, so that windows tie, with NaNs among them; padded taps are skipped.
+    #[test]
+    fn max_pooling_picks_per_channel_across_chunks() {
+        let window = Window2d {
+            kernel: [3, 3],
+            stride: [2, 2],
+            padding: [1, 1],
+            dilation: [1, 1],
+        };
+        let (heights, widths) = ([5i64, 1, 4], [6i64, 1, 3]);
+        let images = window_images(&window, &heights, &widths).unwrap();
+        let table =
+            nestor_layout::window_taps(&window, &heights, &widths, nestor_layout::Outside::Marked)
+                .unwrap();
+        let last = images.last().unwrap();
+        let inputs = last.input + (last.size.0 * last.size.1) as usize;
+        let outputs = table.rows.len() / table.taps;
+        for channels in [
+            1,
+            POOL_CHUNK - 1,
+            POOL_CHUNK,
+            POOL_CHUNK + 1,
+            2 * POOL_CHUNK + 6,
+        ] {
+            let x: Vec<f32> = (0..inputs * channels)
+                .map(|i| match i * 7919 % 23 {
+                    0 => f32::NAN,
+                    draw => (draw % 4) as f32,
+                })
+                .collect();
+            let g: Vec<f32> = (0..outputs * channels).map(|i| 1.0 + i as f32).collect();
+            let shape = Shape {
+                channels,
+                width: channels,
+                taps: table.taps,
+            };
+            let (mut pooled, mut gradient) = (
+                vec![0f32; outputs * channels],
+                vec![7f32; inputs * channels],
+            );
+            // SAFETY: the buffers hold the images' input and output pixels.
+            unsafe {
+                pool::<f32>(
+                    (pooled.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8),
+                    &table,
+                    shape,
+                    true,
+                );
+                pool_grad::<f32>(
+                    (
+                        gradient.as_mut_ptr() as *mut u8,
+                        x.as_ptr() as *const u8,
+                        g.as_ptr() as *const u8,
+                    ),
+                    &table,
+                    &images,
+                    shape,
+                    true,
+                );
+            }
+            let mut expected = vec![0f32; inputs * channels];
+            for (r, windows) in table.rows.chunks(table.taps).enumerate() {
+                for c in 0..channels {
+                    let mut best: Option<(f32, usize)> = None;
+                    for source in windows.iter().filter(|&&source| source >= 0) {
+                        let value = x[*source as usize * channels + c];
+                        if best.is_none_or(|(largest, _)| value > largest || value.is_nan()) {
+                            best = Some((value, *source as usize));
+                        }
+                    }
+                    let (largest, source) = best.unwrap();
+                    let got = pooled[r * channels + c];
+                    assert!(
+                        got == largest || (got.is_nan() && largest.is_nan()),
+                        "channels {channels}, window {r}, channel {c}: {got} against {largest}"
+                    );
+                    expected[source * channels + c] += g[r * channels + c];
+                }
+            }
+            assert_eq!(gradient, expected, "channels {channels}");
+        }
     }
 
     /// Convolutions of bf16 pairs (AVX512-BF16, even channel counts; none run elsewhere)

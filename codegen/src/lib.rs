@@ -162,7 +162,7 @@ pub fn gpu_threads_per_task(program: &Program, step: &Step, storage: Storage) ->
         threads
     } else if templates::block_per_task(step) {
         GPU_BLOCK_THREADS
-    } else if templates::warp_per_task(program, step) {
+    } else if templates::warp_per_task(step) {
         builder::WARP_LANES as u32
     } else {
         1

@@ -498,20 +498,14 @@ impl Placed for SumRows {
 }
 
 impl Placed for ScatterRows {
-    fn placement(&self, program: &Program, set: KernelSet) -> Placement {
-        let params = Params::new(self.out).buffer(Role::Gradient, self.g);
-        if program.is_input(self.ids) || set == KernelSet::Library {
-            // Ids the host reads (any on the CPU, inputs on a GPU): each table row sums
-            // its own rows, from an index.
-            params
-                .with(Role::RowsOfIds, Arg::RowsOfIds(self.ids, self.vocabulary))
-                .kernel(Rows::fixed(self.vocabulary))
-        } else {
-            params
-                .buffer(Role::Ids, self.ids)
-                .with(Role::Count, Arg::Count(self.rows))
-                .kernel(Rows::fixed(self.vocabulary).times(self.width))
-        }
+    fn placement(&self, _: &Program, _: KernelSet) -> Placement {
+        // Each table row sums its own rows, from an index of them the host builds: from
+        // the ids (an input's, or on the CPU computed ones), or for positions from their
+        // lengths.
+        Params::new(self.out)
+            .buffer(Role::Gradient, self.g)
+            .with(Role::RowsOfIds, Arg::RowsOfIds(self.ids, self.vocabulary))
+            .kernel(Rows::fixed(self.vocabulary))
     }
 }
 

@@ -22,10 +22,10 @@ mod stats;
 
 pub use executor::{
     check_ids, check_positions, from_bf16, mask_key, round_to_bf16, split_mix, step_error, to_bf16,
-    within_budget, BlasCall, BlasSizeError, DeviceOutput, DeviceResults, DeviceSink, Executable,
-    Gemms, HostRunner, HostSteps, HostValue, InputData, KernelDevice, LengthsInfo, OutputSink,
-    Product, RunData, RunDim, RunOutput, RunProfile, RunShape, RunState, RuntimeError, Sizes,
-    StepKind, StepTiming,
+    within_budget, write_positions, BlasCall, BlasSizeError, DeviceOutput, DeviceResults,
+    DeviceSink, Executable, Gemms, HostRunner, HostSteps, HostValue, InputData, KernelDevice,
+    LengthsInfo, OutputSink, Product, RunData, RunDim, RunOutput, RunProfile, RunShape, RunState,
+    RuntimeError, Sizes, StepKind, StepTiming,
 };
 pub use memory::MemoryBudget;
 pub use stats::{DeviceCounts, Stats, StatsSnapshot};

@@ -2,7 +2,7 @@
 
 use nestor_passes::step::{LengthValues, Positions};
 use nestor_passes::FloatType;
-use nestor_runtime::{step_error, RunState, RuntimeError};
+use nestor_runtime::{step_error, write_positions, RunState, RuntimeError};
 
 use crate::scalar::Scalar;
 
@@ -56,11 +56,6 @@ pub(super) fn positions_step(
     }
     // `out` holds one i64 per row of these lengths (checked just above).
     let out = unsafe { std::slice::from_raw_parts_mut(run.pointer(step.out) as *mut i64, rows) };
-    for bounds in info.offsets.windows(2) {
-        let (first, end) = (bounds[0].max(0) as usize, bounds[1].max(0) as usize);
-        for (position, value) in (0..).zip(&mut out[first..end.min(rows)]) {
-            *value = position;
-        }
-    }
+    write_positions(&info.offsets, out);
     Ok(())
 }

@@ -110,48 +110,11 @@ pub(super) fn insert<'ctx>(
     })
 }
 
-/// `out[v, c] = sum of g[r, c] over the rows r with ids[r] == v` (nothing for
-/// `padding`): each output value reads every id once.
-pub(super) fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
-    let (start, end) = kernel.range()?;
-    let [out, g, ids, count] =
-        kernel.params([Role::Out, Role::Gradient, Role::Ids, Role::Count])?;
-    let rows = kernel.load_i64(count, kernel.i64(0))?;
-    let total = kernel.accumulator("total")?;
-    let zero = kernel.constant(0.0);
-    kernel.parallel_range(start, end, |task| {
-        let entry = kernel.div(task, kernel.i64(width))?;
-        let column = kernel.rem(task, kernel.i64(width))?;
-        kernel.set(total, zero)?;
-        kernel.for_range(kernel.i64(0), rows, |row| {
-            let hit = kernel.equal(kernel.load_i64(ids, row)?, entry)?;
-            kernel.if_else(
-                hit,
-                || {
-                    let at = kernel.add(kernel.mul(row, kernel.i64(width))?, column)?;
-                    kernel.set(
-                        total,
-                        kernel.fadd(kernel.get(total)?, kernel.load_float(g, at)?)?,
-                    )
-                },
-                || Ok(()),
-            )
-        })?;
-        let padded = kernel.equal(entry, kernel.i64(padding))?;
-        let value = kernel.select(padded, zero, kernel.get(total)?)?;
-        kernel.store_float(out, task, value)
-    })
-}
-
 /// `out[v, c] = sum of g[r, c] over the rows r with ids[r] == v, in order` (nothing for
 /// `padding`), a table row a task (a warp's on a GPU, each lane its columns) over the
 /// rows of its id: `rows` holds `V + 1` positions into itself (id `v`'s rows are at
 /// `rows[rows[v]..rows[v + 1]]`), then the rows, in order.
-pub(super) fn scatter_indexed_rows<'ctx>(
-    kernel: &Kernel<'ctx, '_>,
-    width: i64,
-    padding: i64,
-) -> Gen<()> {
+pub(super) fn scatter_rows<'ctx>(kernel: &Kernel<'ctx, '_>, width: i64, padding: i64) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let [out, g, rows] = kernel.params([Role::Out, Role::Gradient, Role::RowsOfIds])?;
     let total = kernel.accumulator("total")?;

@@ -46,10 +46,7 @@ mod tensor_attention_grad;
 mod windows;
 
 use attention::{attention, attention_grad};
-use data::{
-    gather, insert, length_values, one_hot, positions, random_mask, scatter_indexed_rows,
-    scatter_rows,
-};
+use data::{gather, insert, length_values, one_hot, positions, random_mask, scatter_rows};
 use order::{order_line, Line, Values};
 use padding::{pad, unpad};
 use pointwise::pointwise;
@@ -101,15 +98,7 @@ pub(crate) fn generate<'ctx>(
         }) => insert(&kernel, (*size, *index, *count), *inner)?,
         Step::SumRows(SumRows { m, n, mean, .. }) => sum_rows(&kernel, (*m, *n), *mean)?,
         Step::ScatterRows(ScatterRows { width, padding, .. }) => {
-            let indexed = signature
-                .params
-                .iter()
-                .any(|param| param.role == Role::RowsOfIds);
-            if indexed {
-                scatter_indexed_rows(&kernel, *width, *padding)?
-            } else {
-                scatter_rows(&kernel, *width, *padding)?
-            }
+            scatter_rows(&kernel, *width, *padding)?
         }
         Step::RandomMask(RandomMask { p, .. }) => random_mask(&kernel, p.0)?,
         Step::AttentionGrad(step) => attention_grad(&kernel, step)?,
@@ -320,9 +309,8 @@ fn scans(row: &Row) -> bool {
     row.kind.one_thread_a_row()
 }
 
-pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bool {
+pub(crate) fn warp_per_task(step: &Step) -> bool {
     match step {
-        Step::ScatterRows(ScatterRows { ids, .. }) => program.is_input(*ids),
         Step::Row(row) => !scans(row),
         Step::Segment(_)
         | Step::Gather(_)
@@ -333,7 +321,8 @@ pub(crate) fn warp_per_task(program: &nestor_passes::Program, step: &Step) -> bo
         | Step::PairGemm(_)
         | Step::OneHot(_)
         | Step::Insert(_)
-        | Step::SumRows(_) => true,
+        | Step::SumRows(_)
+        | Step::ScatterRows(_) => true,
         Step::Window(_) => true,
         Step::Pointwise(Pointwise { width, inputs, .. }) => !flat(*width, inputs),
         _ => false,

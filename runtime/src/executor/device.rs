@@ -22,7 +22,7 @@ use nestor_passes::{
     Arg, FloatType, Placement, Program, Signature, Slot, Source, Step, WindowKind,
 };
 
-use super::run_state::{check_ids, check_positions, mask_key, rows_of_ids};
+use super::run_state::{check_ids, check_positions, mask_key, rows_of_ids, write_positions};
 use super::sizes::{pair_offsets, Sizes};
 use super::{within_budget, Executable, InputData, RunData, RunOutput, RunShape, RuntimeError};
 use crate::stats::DeviceCounter;
@@ -793,16 +793,34 @@ impl Plan<'_> {
         })
     }
 
-    /// The index of the rows of each id of the ids input `ids` ([`rows_of_ids`]).
+    /// The index of the rows of each id of `ids` ([`rows_of_ids`]): an i64 input, or
+    /// positions, which the host computes from their lengths.
     fn rows_of_ids(&self, ids: Slot, vocabulary: i64) -> Result<Vec<i64>, RuntimeError> {
-        let Some(InputData::I64(ids)) = self.input_of(ids) else {
-            return Err(device_error(
-                self.step,
-                "scattered ids that are not an i64 input",
-            ));
+        let table = |values: &[i64]| {
+            rows_of_ids(values, vocabulary)
+                .ok_or_else(|| device_error(self.step, format!("a table of {vocabulary} rows")))
         };
-        rows_of_ids(ids, vocabulary)
-            .ok_or_else(|| device_error(self.step, format!("a table of {vocabulary} rows")))
+        if let Some(InputData::I64(values)) = self.input_of(ids) {
+            return table(values);
+        }
+        let lengths = self
+            .program
+            .positions_of(ids)
+            .and_then(|lengths| self.sizes.get(lengths))
+            .ok_or_else(|| {
+                device_error(
+                    self.step,
+                    "scattered ids that are neither an i64 input nor positions",
+                )
+            })?;
+        let rows = usize::try_from(lengths.offsets.last().copied().unwrap_or(0)).unwrap_or(0);
+        let mut positions = Vec::new();
+        positions
+            .try_reserve_exact(rows)
+            .map_err(|_| device_error(self.step, format!("{rows} positions")))?;
+        positions.resize(rows, 0);
+        write_positions(&lengths.offsets, &mut positions);
+        table(&positions)
     }
 
     /// The taps of `window` over the images of `heights` and `widths` (the run builds

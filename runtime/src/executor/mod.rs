@@ -19,7 +19,9 @@ pub use device::{
 };
 pub use product::{BlasCall, BlasSizeError, Product};
 pub use profile::{RunProfile, StepKind, StepTiming};
-pub use run_state::{check_ids, check_positions, mask_key, split_mix, step_error, RunState};
+pub use run_state::{
+    check_ids, check_positions, mask_key, split_mix, step_error, write_positions, RunState,
+};
 pub use sizes::{LengthsInfo, Sizes};
 
 use crate::MemoryBudget;

@@ -218,6 +218,18 @@ pub(super) fn rows_of_ids(ids: &[i64], vocabulary: i64) -> Option<Vec<i64>> {
     Some(values)
 }
 
+/// Writes every row's position within its element, for elements starting at `offsets`
+/// (rows past the end of `out` are left out).
+pub fn write_positions(offsets: &[i64], out: &mut [i64]) {
+    let rows = out.len();
+    for bounds in offsets.windows(2) {
+        let (first, end) = (bounds[0].max(0) as usize, bounds[1].max(0) as usize);
+        for (position, value) in (0..).zip(&mut out[first.min(rows)..end.min(rows)]) {
+            *value = position;
+        }
+    }
+}
+
 /// The key of mask `stream` in run `run` (the device's mask kernel takes it too).
 pub fn mask_key(stream: i64, run: u64) -> u64 {
     split_mix(stream as u64 ^ split_mix(run))

@@ -164,6 +164,15 @@ fn for_each_tile_range<T: Gemm>(
     });
 }
 
+/// Part `part` of `0..size` split into `parts` parts whose sizes differ by at most one,
+/// the larger ones first (threads take parts in order: the last ones are the shortest).
+fn even_part(part: usize, parts: usize, size: usize) -> std::ops::Range<usize> {
+    let parts = parts.max(1);
+    let (base, extra) = (size / parts, size % parts);
+    let start = part * base + part.min(extra);
+    start..start + base + usize::from(part < extra)
+}
+
 /// How many parts to split `size` (output channels or columns) into, parts of at least
 /// `least`, so that `units` units of work keep every one of `threads` busy.
 fn parts(units: usize, threads: usize, size: usize, least: usize) -> usize {
@@ -299,7 +308,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         1 => (1, parts(blocks, threads, width, 64)),
         _ => (parts(blocks, threads, per_window, 1), 1),
     };
-    let (part_taps, part_width) = (per_window.div_ceil(tap_parts), width.div_ceil(width_parts));
+    let part_taps = per_window.div_ceil(tap_parts);
     let units = tap_parts * width_parts;
     let scratch = if pointwise {
         0
@@ -311,11 +320,12 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         for unit in range {
             let (block, taps_part, width_part) =
                 (unit / units, unit % units / width_parts, unit % width_parts);
-            let first_tap = taps_part * part_taps;
-            let tap_range = first_tap..((taps_part + 1) * part_taps).min(per_window);
+            // Parts as even as they can be (9 taps in 4 parts: 3, 2, 2, 2, not 3, 3, 3
+            // and an empty one), so that two threads share them nearly evenly.
+            let tap_range = even_part(taps_part, tap_parts, per_window);
+            let first_tap = tap_range.start;
             let part_inner = tap_range.len() * channels;
-            let start = width_part * part_width;
-            let end = ((width_part + 1) * part_width).min(width);
+            let std::ops::Range { start, end } = even_part(width_part, width_parts, width);
             let last = ((block + 1) * GRAD_BLOCK_ROWS).min(rows);
             for first in (block * GRAD_BLOCK_ROWS..last).step_by(TILE_ROWS) {
                 let count = TILE_ROWS.min(last - first);
@@ -386,12 +396,15 @@ pub(crate) fn tile_scratch(shape: Shape) -> Option<usize> {
 /// The values of the columns' gradient [`strided_input_grad`] holds for `images`.
 pub(crate) fn input_grad_scratch(images: &[WindowImage], shape: Shape) -> Option<usize> {
     let inner = shape.taps.checked_mul(shape.width)?;
-    let largest = images
+    let outputs = images
         .iter()
-        .map(|image| (image.out.0 * image.out.1) as usize)
-        .max()
-        .unwrap_or(0);
-    let rows = (GROUP_VALUES / inner.max(1)).max(TILE_ROWS).max(largest);
+        .map(|image| (image.out.0 * image.out.1) as usize);
+    let largest = outputs.clone().max().unwrap_or(0);
+    // No more rows than the batch has (late stages have few pixels).
+    let rows = (GROUP_VALUES / inner.max(1))
+        .max(TILE_ROWS)
+        .min(outputs.fold(0, usize::saturating_add))
+        .max(largest);
     rows.checked_mul(inner)
 }
 
@@ -444,11 +457,10 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
         let rows = images[end - 1].output + outputs(&images[end - 1]) - first;
         let tiles = rows.div_ceil(TILE_ROWS);
         let parts = parts(tiles, threads, inner, 256);
-        let part_width = inner.div_ceil(parts);
         crate::team::for_each_chunk(tiles * parts, threads, &|unit| {
             let (tile, part) = (unit / parts * TILE_ROWS, unit % parts);
             let count = TILE_ROWS.min(rows - tile);
-            let (start, stop) = (part * part_width, ((part + 1) * part_width).min(inner));
+            let std::ops::Range { start, end: stop } = even_part(part, parts, inner);
             // SAFETY: columns `start..stop` of rows `tile..tile + count` of the buffer
             // are this unit's alone; `g` holds every output pixel's row.
             unsafe {

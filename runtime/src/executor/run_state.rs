@@ -93,7 +93,6 @@ impl<'r, 'i> RunState<'r, 'i> {
     fn ids(&self, index: usize, slot: Slot) -> Result<&[i64], RuntimeError> {
         match self.input(slot) {
             Some((_, InputData::I64(values))) => Ok(values),
-            Some(_) => Err(step_error(index, "scattered ids that are not i64".into())),
             None if self.program.info(slot).integers => {
                 let count = self.sizes.elements(self.program, slot);
                 if count == 0 {
@@ -103,7 +102,7 @@ impl<'r, 'i> RunState<'r, 'i> {
                 // the step that writes it ran before this one.
                 Ok(unsafe { std::slice::from_raw_parts(self.pointer(slot) as *const i64, count) })
             }
-            None => Err(step_error(index, "scattered ids that are not i64".into())),
+            _ => Err(step_error(index, "scattered ids that are not i64".into())),
         }
     }
 

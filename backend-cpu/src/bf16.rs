@@ -26,6 +26,7 @@ use std::time::Instant;
 use crate::amx::Units;
 use crate::blas::{on_one_thread, Gemm, SetThreadsFn};
 use crate::parallel::SendPointer;
+use crate::spare::Spare;
 use crate::strided::{Strided, StridedMut};
 
 /// How this process multiplies bf16 products.
@@ -445,11 +446,11 @@ impl Producing {
     /// Roundings for the `len` values at `base`, none made yet.
     pub(crate) fn new(base: *const f32, len: usize) -> Self {
         let (values, start, target) = if choice().reads_bits() {
-            let (mut values, start) = take(&BF16_POOL, len);
+            let (mut values, start) = crate::spare::take::<u16>(len);
             let target = Target::Bf16(values[start..].as_mut_ptr());
             (Roundings::Bf16(values), start, target)
         } else {
-            let (mut values, start) = take(&F32_POOL, len);
+            let (mut values, start) = crate::spare::take::<f32>(len);
             let target = Target::F32(values[start..].as_mut_ptr());
             (Roundings::F32(values), start, target)
         };
@@ -496,74 +497,16 @@ impl Producing {
 impl Drop for RoundedBuffer {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.values, Roundings::F32(Vec::new())) {
-            Roundings::Bf16(values) => give_back(&BF16_POOL, values),
-            Roundings::F32(values) => give_back(&F32_POOL, values),
+            Roundings::Bf16(values) => crate::spare::give_back(values),
+            Roundings::F32(values) => crate::spare::give_back(values),
         }
-    }
-}
-
-/// Vectors of roundings free for the next [`RoundedBuffer`] (their pages mapped already).
-type Pool<E> = std::sync::Mutex<Vec<Vec<E>>>;
-static BF16_POOL: Pool<u16> = std::sync::Mutex::new(Vec::new());
-static F32_POOL: Pool<f32> = std::sync::Mutex::new(Vec::new());
-
-/// Rounding vectors a pool keeps at most (a run keeps tens of buffers' roundings).
-const POOLED: usize = 64;
-
-/// A vector holding `len` values from its first cache line (the index returned), for the
-/// caller to overwrite, from `pool` (the shortest kept that holds them, else the
-/// longest, grown) or a new one. Vectors keep their length in the pool: the values a
-/// vector once held are not set again (setting them cost more than the roundings of a
-/// step's output).
-fn take<E: Rounding>(pool: &Pool<E>, len: usize) -> (Vec<E>, usize) {
-    let len_with_slack = crate::aligned::with_slack::<E>(len);
-    let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let length = |index: &usize| vectors[*index].len();
-    let holding = (0..vectors.len())
-        .filter(|index| length(index) >= len_with_slack)
-        .min_by_key(length);
-    let chosen = holding.or_else(|| (0..vectors.len()).max_by_key(length));
-    let mut vector = chosen.map_or_else(Vec::new, |index| vectors.swap_remove(index));
-    drop(vectors);
-    let start = crate::aligned::line_start(&mut vector, len, E::default());
-    (vector, start)
-}
-
-/// Bytes of rounding vectors a pool keeps at most between runs.
-const POOLED_BYTES: usize = 64 << 20;
-
-/// Keeps `vector` in `pool` for a later buffer (unless the pool is full).
-fn give_back<E>(pool: &Pool<E>, vector: Vec<E>) {
-    let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let bytes = |vector: &Vec<E>| vector.capacity() * std::mem::size_of::<E>();
-    let pooled: usize = vectors.iter().map(bytes).sum();
-    let fits = pooled.saturating_add(bytes(&vector)) <= POOLED_BYTES;
-    if vectors.len() < POOLED && vector.capacity() > 0 && fits {
-        vectors.push(vector);
-    }
-}
-
-/// The pool of `E`'s vectors.
-pub(crate) trait Pooled: Rounding + 'static {
-    fn pool() -> &'static Pool<Self>;
-}
-
-impl Pooled for u16 {
-    fn pool() -> &'static Pool<Self> {
-        &BF16_POOL
-    }
-}
-
-impl Pooled for f32 {
-    fn pool() -> &'static Pool<Self> {
-        &F32_POOL
     }
 }
 
 /// The roundings of `values`, in chunks across `threads` of the team (`values.len()` of
 /// the vector from the index returned).
-fn round_all<E: Pooled + Send>(values: &[f32], threads: usize) -> (Vec<E>, usize) {
-    let (mut out, first) = take(E::pool(), values.len());
+fn round_all<E: Rounding + Spare>(values: &[f32], threads: usize) -> (Vec<E>, usize) {
+    let (mut out, first) = crate::spare::take::<E>(values.len());
     let chunks = values.len().div_ceil(RoundedBuffer::CHUNK);
     let target = SendPointer(out[first..].as_mut_ptr());
     crate::team::for_each_chunk(chunks, threads, &|chunk| {
@@ -578,14 +521,14 @@ fn round_all<E: Pooled + Send>(values: &[f32], threads: usize) -> (Vec<E>, usize
 
 /// `then` of the bf16 roundings of `values` (rounded across `threads` of the team) as
 /// `u16` bits, or held as f32 (`E`): a vector of the pool, given back after.
-pub(crate) fn with_roundings<E: Pooled + Send, R>(
+pub(crate) fn with_roundings<E: Rounding + Spare, R>(
     values: &[f32],
     threads: usize,
     then: impl FnOnce(&[E]) -> R,
 ) -> R {
     let (rounded, start) = round_all::<E>(values, threads);
     let result = then(&rounded[start..start + values.len()]);
-    give_back(E::pool(), rounded);
+    crate::spare::give_back(rounded);
     result
 }
 

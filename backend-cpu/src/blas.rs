@@ -29,7 +29,7 @@ pub(crate) type Finished<'a> = &'a dyn Fn(usize, usize);
 /// The matrix products of a scalar type: on the process's MKL when it uses it, else the
 /// `gemm` crate, and attention's small f32 tiles in registers where the host suits it
 /// (`crate::microkernel`).
-pub(crate) trait Gemm: Scalar {
+pub(crate) trait Gemm: Scalar + crate::spare::Spare {
     /// MKL's GEMM of this type.
     fn gemm_fn(mkl: &Mkl) -> GemmFn<Self>;
 

@@ -14,7 +14,8 @@ use nestor_layout::{fill_taps, Outside, WindowImage, WindowTaps};
 use nestor_passes::Products;
 
 use crate::blas::Gemm;
-use crate::parallel::{worker_threads, SendPointer};
+use crate::parallel::{even_part, worker_threads, SendPointer};
+use crate::spare::Lent;
 use crate::window::{add_partials, Shape, GRAD_BLOCK_ROWS};
 use nestor_ir::Window2d;
 
@@ -146,31 +147,23 @@ fn threads_for(macs: usize) -> usize {
     }
 }
 
-/// Runs `task(tiles, columns)` over ranges of the `tiles`, a few per thread (so that
-/// uneven work still balances), each range given its own `columns` of `scratch` values.
-fn for_each_tile_range<T: Gemm>(
+/// A tile's work, given its index, its columns and its taps.
+type TileTask<'a, T> = dyn Fn(usize, &mut [T], &mut [i64]) + Sync + 'a;
+
+/// Runs `task(tile, columns, table)` for every one of the `tiles` on `threads` of the
+/// team, a tile a chunk (so that uneven work balances), with `scratch` values of columns
+/// and `table` taps lent to each ([`Lent`]: kept between steps, their old values for the
+/// task to overwrite; a fresh vector per chunk had its pages faulted in and zeroed).
+fn for_each_tile<T: Gemm>(
     tiles: usize,
     threads: usize,
-    scratch: usize,
-    task: &(dyn Fn(std::ops::Range<usize>, &mut [T]) + Sync),
+    (scratch, table): (usize, usize),
+    task: &TileTask<'_, T>,
 ) {
-    let per_task = tiles.div_ceil(threads * 4).max(1);
-    crate::team::for_each_chunk(tiles.div_ceil(per_task), threads, &|chunk| {
-        let mut columns = vec![T::ZERO; scratch];
-        task(
-            chunk * per_task..((chunk + 1) * per_task).min(tiles),
-            &mut columns,
-        );
+    crate::team::for_each_chunk(tiles, threads, &|tile| {
+        let (mut columns, mut taps) = (Lent::<T>::new(scratch), Lent::<i64>::new(table));
+        task(tile, &mut columns, &mut taps);
     });
-}
-
-/// Part `part` of `0..size` split into `parts` parts whose sizes differ by at most one,
-/// the larger ones first (threads take parts in order: the last ones are the shortest).
-fn even_part(part: usize, parts: usize, size: usize) -> std::ops::Range<usize> {
-    let parts = parts.max(1);
-    let (base, extra) = (size / parts, size % parts);
-    let start = part * base + part.min(extra);
-    start..start + base + usize::from(part < extra)
 }
 
 /// How many parts to split `size` (output channels or columns) into, parts of at least
@@ -228,43 +221,44 @@ pub(crate) unsafe fn convolve<T: Gemm>(
     let tiles = rows.div_ceil(tile_rows);
     // A 1x1 window without stride or padding reads every pixel as its own column.
     let pointwise = taps == 1 && window.stride == [1, 1] && window.padding == [0, 0];
-    let scratch = if pointwise { 0 } else { tile_rows * inner };
-    for_each_tile_range::<T>(tiles, threads, scratch, &|range, columns| {
-        let mut table = vec![-1i64; if pointwise { 0 } else { tile_rows * taps }];
-        for tile in range {
-            let first = tile * tile_rows;
-            let count = tile_rows.min(rows - first);
-            let a = if pointwise {
-                // SAFETY: `x` holds a pixel (`channels` values) per output pixel.
-                unsafe { x.get().add(first * channels) as *const T }
-            } else {
-                let table = &mut table[..count * taps];
-                fill_taps(&window, images, first, table, Outside::Marked);
-                let columns = &mut columns[..count * inner];
-                // SAFETY: `x` holds every pixel the taps name.
-                unsafe { gather(x.get(), (table, taps, 0..taps), channels, columns) };
-                columns.as_ptr()
-            };
-            // SAFETY: rows `first..first + count` of `out` are this tile's alone; the
-            // matrix holds `inner x width` values.
-            unsafe {
-                let c = out.get().add(first * width);
-                if let Some(bias) = bias {
-                    for row in 0..count {
-                        std::ptr::copy_nonoverlapping(bias.as_ptr(), c.add(row * width), width);
-                    }
+    let scratch = if pointwise {
+        (0, 0)
+    } else {
+        (tile_rows * inner, tile_rows * taps)
+    };
+    for_each_tile::<T>(tiles, threads, scratch, &|tile, columns, table| {
+        let first = tile * tile_rows;
+        let count = tile_rows.min(rows - first);
+        let a = if pointwise {
+            // SAFETY: `x` holds a pixel (`channels` values) per output pixel.
+            unsafe { x.get().add(first * channels) as *const T }
+        } else {
+            let table = &mut table[..count * taps];
+            fill_taps(&window, images, first, table, Outside::Marked);
+            let columns = &mut columns[..count * inner];
+            // SAFETY: `x` holds every pixel the taps name.
+            unsafe { gather(x.get(), (table, taps, 0..taps), channels, columns) };
+            columns.as_ptr()
+        };
+        // SAFETY: rows `first..first + count` of `out` are this tile's alone; the
+        // matrix holds `inner x width` values.
+        unsafe {
+            let c = out.get().add(first * width);
+            if let Some(bias) = bias {
+                for row in 0..count {
+                    std::ptr::copy_nonoverlapping(bias.as_ptr(), c.add(row * width), width);
                 }
-                let b = matrix.get() as *const T;
-                T::product_rounded(
-                    products,
-                    ((count, inner, width), T::ONE),
-                    (
-                        ((a, inner as isize, 1), None),
-                        ((b, strides.0 as isize, strides.1 as isize), None),
-                    ),
-                    ((c, width as isize, 1), bias.is_some()),
-                );
             }
+            let b = matrix.get() as *const T;
+            T::product_rounded(
+                products,
+                ((count, inner, width), T::ONE),
+                (
+                    ((a, inner as isize, 1), None),
+                    ((b, strides.0 as isize, strides.1 as isize), None),
+                ),
+                ((c, width as isize, 1), bias.is_some()),
+            );
         }
     });
 }
@@ -295,7 +289,8 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     let pointwise = per_window == 1 && window.stride == [1, 1] && window.padding == [0, 0];
     let size = width * inner;
     let blocks = rows.div_ceil(GRAD_BLOCK_ROWS);
-    let mut partials = vec![T::ZERO; blocks * size];
+    // Every value is written: each unit's first tile overwrites its part of its block.
+    let mut partials = Lent::<T>::new(blocks * size);
     let (sums, x, g) = (
         SendPointer(partials.as_mut_ptr()),
         SendPointer(x as *mut T),
@@ -311,62 +306,59 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     let part_taps = per_window.div_ceil(tap_parts);
     let units = tap_parts * width_parts;
     let scratch = if pointwise {
-        0
+        (0, 0)
     } else {
-        TILE_ROWS * part_taps * channels
+        (TILE_ROWS * part_taps * channels, TILE_ROWS * per_window)
     };
-    for_each_tile_range::<T>(blocks * units, threads, scratch, &|range, columns| {
-        let mut table = vec![-1i64; if pointwise { 0 } else { TILE_ROWS * per_window }];
-        for unit in range {
-            let (block, taps_part, width_part) =
-                (unit / units, unit % units / width_parts, unit % width_parts);
-            // Parts as even as they can be (9 taps in 4 parts: 3, 2, 2, 2, not 3, 3, 3
-            // and an empty one), so that two threads share them nearly evenly.
-            let tap_range = even_part(taps_part, tap_parts, per_window);
-            let first_tap = tap_range.start;
-            let part_inner = tap_range.len() * channels;
-            let std::ops::Range { start, end } = even_part(width_part, width_parts, width);
-            let last = ((block + 1) * GRAD_BLOCK_ROWS).min(rows);
-            for first in (block * GRAD_BLOCK_ROWS..last).step_by(TILE_ROWS) {
-                let count = TILE_ROWS.min(last - first);
-                let b = if pointwise {
-                    // SAFETY: the taps name pixel `r` for output pixel `r`.
-                    unsafe { x.get().add(first * channels) as *const T }
-                } else {
-                    let columns = &mut columns[..count * part_inner];
-                    let table = &mut table[..count * per_window];
-                    fill_taps(&window, images, first, table, Outside::Marked);
-                    // SAFETY: `x` holds every pixel the taps name.
-                    unsafe {
-                        gather(
-                            x.get(),
-                            (table, per_window, tap_range.clone()),
-                            channels,
-                            columns,
-                        )
-                    };
-                    columns.as_ptr()
-                };
-                // SAFETY: rows `start..end`, columns of taps `tap_range`, of block
-                // `block`'s partial sums are this unit's alone; `g` holds every output
-                // pixel's row.
+    for_each_tile::<T>(blocks * units, threads, scratch, &|unit, columns, table| {
+        let (block, taps_part, width_part) =
+            (unit / units, unit % units / width_parts, unit % width_parts);
+        // Parts as even as they can be (9 taps in 4 parts: 3, 2, 2, 2, not 3, 3, 3
+        // and an empty one), so that two threads share them nearly evenly.
+        let tap_range = even_part(taps_part, tap_parts, per_window);
+        let first_tap = tap_range.start;
+        let part_inner = tap_range.len() * channels;
+        let std::ops::Range { start, end } = even_part(width_part, width_parts, width);
+        let last = ((block + 1) * GRAD_BLOCK_ROWS).min(rows);
+        for first in (block * GRAD_BLOCK_ROWS..last).step_by(TILE_ROWS) {
+            let count = TILE_ROWS.min(last - first);
+            let b = if pointwise {
+                // SAFETY: the taps name pixel `r` for output pixel `r`.
+                unsafe { x.get().add(first * channels) as *const T }
+            } else {
+                let columns = &mut columns[..count * part_inner];
+                let table = &mut table[..count * per_window];
+                fill_taps(&window, images, first, table, Outside::Marked);
+                // SAFETY: `x` holds every pixel the taps name.
                 unsafe {
-                    let c = sums
-                        .get()
-                        .add(block * size + start * inner + first_tap * channels);
-                    T::product_rounded(
-                        products,
-                        ((end - start, count, part_inner), T::ONE),
+                    gather(
+                        x.get(),
+                        (table, per_window, tap_range.clone()),
+                        channels,
+                        columns,
+                    )
+                };
+                columns.as_ptr()
+            };
+            // SAFETY: rows `start..end`, columns of taps `tap_range`, of block
+            // `block`'s partial sums are this unit's alone; `g` holds every output
+            // pixel's row.
+            unsafe {
+                let c = sums
+                    .get()
+                    .add(block * size + start * inner + first_tap * channels);
+                T::product_rounded(
+                    products,
+                    ((end - start, count, part_inner), T::ONE),
+                    (
                         (
-                            (
-                                (g.get().add(first * width + start), 1, width as isize),
-                                None,
-                            ),
-                            ((b, part_inner as isize, 1), None),
+                            (g.get().add(first * width + start), 1, width as isize),
+                            None,
                         ),
-                        ((c, inner as isize, 1), first > block * GRAD_BLOCK_ROWS),
-                    );
-                }
+                        ((b, part_inner as isize, 1), None),
+                    ),
+                    ((c, inner as isize, 1), first > block * GRAD_BLOCK_ROWS),
+                );
             }
         }
     });
@@ -436,7 +428,8 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
         return;
     };
     let group_rows = scratch / inner.max(1);
-    let mut buffer = vec![T::ZERO; scratch];
+    // Every row a group reads is written by its GEMM first.
+    let mut buffer = Lent::<T>::new(scratch);
     let matrix = by_tap(weight, (channels, width, per_window));
     let (matrix, columns) = (
         SendPointer(matrix.as_ptr() as *mut T),
@@ -544,6 +537,9 @@ mod tests {
     /// image, strides and dilation, 1x1 windows read in place, and few tiles whose
     /// output channels are split.
     fn check<T: Gemm + Into<f64>>(tolerance: f64) {
+        // Lent columns, partial sums and taps hold NaNs and far pixels until written.
+        crate::spare::poison(T::from_f64(f64::NAN));
+        crate::spare::poison(i64::MAX / 4);
         let (heights, widths) = ([31i64, 1, 4, 2], [25i64, 1, 3, 1]);
         for window in windows() {
             for (channels, width) in [(16usize, 32usize), (6, 130)] {

@@ -38,6 +38,7 @@ mod microkernel;
 mod parallel;
 mod process;
 mod scalar;
+mod spare;
 #[cfg(feature = "jit")]
 mod steps;
 mod strided;

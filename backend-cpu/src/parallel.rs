@@ -103,6 +103,15 @@ pub(crate) fn worker_threads() -> i64 {
     Parallelism::current().threads as i64
 }
 
+/// Part `part` of `0..size` split into `parts` parts whose sizes differ by at most one,
+/// the larger ones first (threads take parts in order: the last ones are the shortest).
+pub(crate) fn even_part(part: usize, parts: usize, size: usize) -> std::ops::Range<usize> {
+    let parts = parts.max(1);
+    let (base, extra) = (size / parts, size % parts);
+    let start = part * base + part.min(extra);
+    start..start + base + usize::from(part < extra)
+}
+
 /// How many scalars' worth of memory traffic one transcendental function (an
 /// exponential, erf, tanh) counts for when deciding to split a kernel.
 const TRANSCENDENTAL_WEIGHT: i64 = 8;

@@ -9,7 +9,7 @@ use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 use crate::blas::Gemm;
 use crate::columns::{columns_pay, Work};
 use crate::conv::{Bf16Pair, GradPlan, Plan};
-use crate::parallel::worker_threads;
+use crate::parallel::{even_part, worker_threads, SendPointer};
 use crate::scalar::Scalar;
 use nestor_ir::Window2d;
 use nestor_passes::Products;
@@ -752,7 +752,7 @@ pub(crate) unsafe fn add_partials<T: Scalar>(
     out: *mut T,
     (partials, size): (&[T], usize),
     (shape, groups): (Shape, usize),
-    at: impl Fn(&[T], usize, usize, usize) -> T,
+    at: impl Fn(&[T], usize, usize, usize) -> T + Sync,
 ) {
     let Shape {
         channels,
@@ -762,20 +762,41 @@ pub(crate) unsafe fn add_partials<T: Scalar>(
     // Output channel `o` reads `reads` channels from `o / (width / groups) * reads`.
     let groups = groups.max(1);
     let (reads, writes) = (channels / groups, (width / groups).max(1));
-    // SAFETY: as the caller promises.
-    let out = unsafe { std::slice::from_raw_parts_mut(out, width * reads * taps) };
-    out.fill(T::ZERO);
-    for partial in partials.chunks(size.max(1)) {
-        for o in 0..width {
-            let base = o / writes * reads;
-            for k in 0..reads {
-                for t in 0..taps {
-                    out[(o * reads + k) * taps + t] += at(partial, o, base + k, t);
+    let per_output = reads * taps;
+    // The output channels in parts, one a thread (the sums' order is the same).
+    let threads = if partials.len() >= ADDED_IN_PARTS {
+        (worker_threads().max(1) as usize).min(width.max(1))
+    } else {
+        1
+    };
+    let out = SendPointer(out);
+    crate::team::for_each_chunk(threads, threads, &|part| {
+        let outputs = even_part(part, threads, width);
+        // SAFETY: `out` holds `per_output` values an output channel (as the caller
+        // promises); these output channels' are this part's alone.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(
+                out.get().add(outputs.start * per_output),
+                outputs.len() * per_output,
+            )
+        };
+        out.fill(T::ZERO);
+        for partial in partials.chunks(size.max(1)) {
+            for (o, sums) in outputs.clone().zip(out.chunks_exact_mut(per_output.max(1))) {
+                let base = o / writes * reads;
+                for k in 0..reads {
+                    for t in 0..taps {
+                        sums[k * taps + t] += at(partial, o, base + k, t);
+                    }
                 }
             }
         }
-    }
+    });
 }
+
+/// Partial sums' values from which [`add_partials`] splits its output channels across
+/// the team.
+const ADDED_IN_PARTS: usize = 1 << 16;
 
 /// The dense weight `[outs, ins, taps]` of a convolution in `groups` groups whose
 /// weight `grouped` is `[outs, ins / groups, taps]`: zeros outside each output channel's

@@ -9,11 +9,6 @@ use std::sync::Mutex;
 /// Vectors free for the next taker.
 pub(crate) type Pool<E> = Mutex<Vec<Vec<E>>>;
 
-static U16: Pool<u16> = Mutex::new(Vec::new());
-static F32: Pool<f32> = Mutex::new(Vec::new());
-static F64: Pool<f64> = Mutex::new(Vec::new());
-static I64: Pool<i64> = Mutex::new(Vec::new());
-
 /// Vectors a pool keeps at most (a run keeps tens of buffers' roundings).
 const KEPT: usize = 64;
 
@@ -25,29 +20,20 @@ pub(crate) trait Spare: Copy + Default + Send + 'static {
     fn pool() -> &'static Pool<Self>;
 }
 
-impl Spare for u16 {
-    fn pool() -> &'static Pool<Self> {
-        &U16
-    }
+/// Each element type's pool.
+macro_rules! spare {
+    ($($element:ty => $pool:ident),*) => {$(
+        static $pool: Pool<$element> = Mutex::new(Vec::new());
+
+        impl Spare for $element {
+            fn pool() -> &'static Pool<Self> {
+                &$pool
+            }
+        }
+    )*};
 }
 
-impl Spare for f32 {
-    fn pool() -> &'static Pool<Self> {
-        &F32
-    }
-}
-
-impl Spare for f64 {
-    fn pool() -> &'static Pool<Self> {
-        &F64
-    }
-}
-
-impl Spare for i64 {
-    fn pool() -> &'static Pool<Self> {
-        &I64
-    }
-}
+spare!(u16 => U16, f32 => F32, f64 => F64, i64 => I64);
 
 /// A vector holding `len` values from its first cache line (the index returned), for the
 /// caller to overwrite: the shortest kept that holds them, else the longest, grown, or a

@@ -45,6 +45,10 @@ pub(crate) fn take<E: Spare>(len: usize) -> (Vec<E>, usize) {
 
 /// [`take`] from `pool`.
 fn take_from<E: Copy + Default>(pool: &Pool<E>, len: usize) -> (Vec<E>, usize) {
+    // No values (a 1x1 convolution's columns, read in place): no kept vector held idle.
+    if len == 0 {
+        return (Vec::new(), 0);
+    }
     let len_with_slack = crate::aligned::with_slack::<E>(len);
     let mut vectors = pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let length = |index: &usize| vectors[*index].len();
@@ -134,8 +138,12 @@ mod tests {
         let (again, start) = take_from(&pool, 900);
         assert_eq!(again.as_ptr(), address);
         assert!(again[start..start + 900].iter().all(|&value| value == 7));
-        // Nothing kept holds more: the longest is grown.
         give_back_to(&pool, again);
+        // Taking no values leaves the kept vector for a taker that needs it.
+        let (none, _) = take_from(&pool, 0);
+        assert!(none.is_empty());
+        assert_eq!(pool.lock().unwrap().len(), 1);
+        // Nothing kept holds more: the longest is grown.
         let (grown, start) = take_from(&pool, 5000);
         assert!(grown.len() >= start + 5000);
         assert!(pool.lock().unwrap().is_empty());

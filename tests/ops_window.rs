@@ -8,8 +8,8 @@
 mod common;
 
 use common::{
-    assert_close_within, cases, close, close_within, eager_values, float_kinds, pooled_head_loss,
-    Out, Random,
+    assert_close_within, assert_floats_close_within, cases, close, close_within, eager_values,
+    float_kinds, pooled_head_loss, Out, Random,
 };
 use nestor::{
     compile, nested_execution_guard, CompileCause, Dense, NestedError, NestedTensor, RunDevice,
@@ -405,22 +405,35 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases(8)))]
 
     /// A 1x1 convolution without stride or padding compiles to one GEMM over the
-    /// packed pixels: equal to eager on the CPU and on the simulated GPU, images of one
-    /// pixel included, with and without bias, in every float kind (f64 on the CPU).
+    /// packed pixels, and what follows it to that GEMM's epilogue: a relu, or (as in
+    /// ResNet's blocks) a batch norm on running statistics, whose per-channel scale and
+    /// shift are computed after the convolution, plus a second 1x1 convolution as the
+    /// residual, then the relu. Equal to eager on the CPU and on the simulated GPU,
+    /// images of one pixel included, with and without bias, in every float kind (f64 on
+    /// the CPU).
     #[test]
     fn compiled_pointwise_conv_equals_eager(
         sizes in image_sizes(),
         (c_in, c_out) in (1i64..=5, 1i64..=6),
-        with_bias in any::<bool>(),
+        (with_bias, with_norm) in (any::<bool>(), any::<bool>()),
         kind in float_kinds(),
         seed in 0i64..1000,
     ) {
         let mut random = Random::new(seed);
         let weight = random.normal(&[c_out, c_in, 1, 1]).to_kind(kind);
         let bias = random.normal(&[c_out]).to_kind(kind);
+        let residual_weight = random.normal(&[c_out, c_in, 1, 1]).to_kind(kind);
+        let [mean, scale, shift] = [0; 3].map(|_| random.normal(&[c_out]).to_kind(kind));
+        let variance = (random.normal(&[c_out]).square() + 0.5).to_kind(kind);
         let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
             let bias = with_bias.then_some(&bias);
-            Ok(vec![x[0].conv2d(&weight, bias, [1, 1], [0, 0], [1, 1], 1)?.relu()?.into()])
+            let mut y = x[0].conv2d(&weight, bias, [1, 1], [0, 0], [1, 1], 1)?;
+            if with_norm {
+                let norm = (Some(&mean), Some(&variance), Some(&scale), Some(&shift));
+                y = y.batch_norm(1, norm.0, norm.1, norm.2, norm.3, false, 0.1, 1e-5)?;
+                y = (&y + &x[0].conv2d(&residual_weight, None, [1, 1], [0, 0], [1, 1], 1)?)?;
+            }
+            Ok(vec![y.relu()?.into()])
         };
         let mut sizes = sizes;
         sizes.extend([(1, 1), (2, 3)]);
@@ -430,12 +443,12 @@ proptest! {
         let eager = eager_values(model(std::slice::from_ref(&batch), &[]).unwrap());
         let on_cpu = compile("pointwise_conv", model);
         let tolerance = common::tolerance(kind).max(1e-5);
-        assert_close_within(&on_cpu.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} CPU {sizes:?}"));
+        assert_floats_close_within(&on_cpu.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} CPU {sizes:?}"));
         // GPU programs compute in f32 (f64 is the CPU's only).
         if kind != Kind::Double {
             let on_sim = compile("pointwise_conv_sim", model)
                 .on_device(RunDevice::Simulated(SimOptions::default()));
-            assert_close_within(&on_sim.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} simulated GPU {sizes:?}"));
+            assert_floats_close_within(&on_sim.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} simulated GPU {sizes:?}"));
         }
     }
 }

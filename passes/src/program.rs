@@ -233,13 +233,19 @@ impl Program {
         matches!(self.info(slot).source, Source::Input(_))
     }
 
-    /// The lengths whose positions `slot` holds (written by a [`Step::Positions`],
-    /// through aliases), if it does: ids known to lie in `0..` their longest.
-    pub fn positions_of(&self, slot: Slot) -> Option<Slot> {
+    /// The slot whose memory `slot` uses: itself, unless it is an alias.
+    pub fn root(&self, slot: Slot) -> Slot {
         let mut root = slot;
         while let Source::Alias(of) = self.info(root).source {
             root = of;
         }
+        root
+    }
+
+    /// The lengths whose positions `slot` holds (written by a [`Step::Positions`],
+    /// through aliases), if it does: ids known to lie in `0..` their longest.
+    pub fn positions_of(&self, slot: Slot) -> Option<Slot> {
+        let root = self.root(slot);
         self.steps.iter().find_map(|step| match step {
             Step::Positions(positions) if positions.out == root => Some(positions.lengths),
             _ => None,

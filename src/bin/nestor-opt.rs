@@ -221,6 +221,11 @@ fn lowered(graph: &Graph, options: &Options) -> Result<String, Failure> {
         // parts; the CPU computes self-attention's three at once.
         attention_statistics: options.emit == Emit::Ptx,
         attention_gradients_at_once: options.emit != Emit::Ptx,
+        // Epilogues of the GEMMs the optimizer's rule leaves out, where it ran.
+        fold_epilogues: options
+            .passes
+            .as_ref()
+            .is_none_or(|passes| passes.iter().any(|pass| pass == "optimize")),
     };
     let program = lower_with(graph, lower_options)
         .map_err(|error| Failure::Rejected(format!("lowering: {error}")))?;

@@ -761,6 +761,7 @@ where
         let lower_options = LowerOptions {
             attention_statistics: !on_host,
             attention_gradients_at_once: on_host,
+            fold_epilogues: self.optimize,
             ..self.lower_options
         };
         let mut program =

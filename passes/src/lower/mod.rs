@@ -1,6 +1,7 @@
 //! Lowering: a graph to a [`Program`] of kernel steps. One op becomes at most one step
-//! (which ops fuse is the optimizer's decision, not lowering's); reshapes and eval-mode
-//! dropout become aliases. Ops with no lowering yet are an error naming the op.
+//! (which ops fuse is the optimizer's decision, not lowering's, but for the GEMM
+//! epilogues of [`LowerOptions::fold_epilogues`]); reshapes and eval-mode dropout
+//! become aliases. Ops with no lowering yet are an error naming the op.
 //!
 //! Compiled values are f32 inside (f16, bf16 and bool converted at the boundary, i64
 //! for lengths and ids), or f64 when the graph's floats are f64 ([`Program::float`];
@@ -83,6 +84,12 @@ pub struct LowerOptions {
     /// and cross-attention's two parts of the same operands in one step
     /// (`AttentionPart::Both`), rather than one each.
     pub attention_gradients_at_once: bool,
+    /// Fold each pointwise step into the GEMM whose result it alone reads, moving the
+    /// GEMM down past the steps between that do not touch it ([`crate::fold`]): what
+    /// the optimizer's epilogue rule does for `linear` and `matmul`, for the GEMMs of
+    /// other ops (1x1 convolutions followed by a batch norm and a relu). Off, one op
+    /// is at most one step; `compile` sets it when it optimizes.
+    pub fold_epilogues: bool,
 }
 
 /// How an operand's rows relate to the output's rows.
@@ -197,6 +204,9 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
     }
     lowering.program.float = precision(graph, &lowering.program)?;
     crate::forward::forward_copies(&mut lowering.program);
+    if options.fold_epilogues {
+        crate::fold::fold_epilogues(&mut lowering.program);
+    }
     Ok(lowering.program)
 }
 
@@ -526,10 +536,7 @@ impl Lowering<'_> {
         ids: ValueId,
     ) -> Result<(Slot, Rows, Vec<i64>), LowerError> {
         let (slot, rows, tail, _) = self.any_data(value, ids)?;
-        let mut root = slot;
-        while let Source::Alias(of) = self.program.info(root).source {
-            root = of;
-        }
+        let root = self.program.root(slot);
         let checkable = self.program.is_input(root) || self.program.positions_of(root).is_some();
         if !self.program.info(slot).integers || !checkable {
             return Err(unsupported(

@@ -2,9 +2,9 @@
 //! (`RunDevice::Simulated`: the GPU's kernels on the CPU, CPU tensors adopted as device
 //! memory): every op family, the Transformer encoder, decoder and full Transformer,
 //! ResNet-18 and a small BERT, and compiled training steps equal the CPU backend (f32
-//! 1e-4; bf16 2e-2); what one
-//! call asks of the device (uploads, downloads, synchronizations, allocations in
-//! steady state); a GPU asked for without a driver is a typed error.
+//! 1e-4; bf16 2e-2); what one call asks of the device (uploads, downloads,
+//! synchronizations, allocations in steady state); a GPU asked for without a driver is
+//! a typed error.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]

@@ -19,7 +19,9 @@ test: setup
 # The property tests with many more cases (PROPTEST_CASES, default 256) and a million
 # mutated .nir texts (NESTOR_FUZZ_TEXTS) and 100,000 arbitrary sizes and indices
 # (NESTOR_FUZZ_INPUTS), optimized but with overflow checks and debug assertions (the
-# `fuzz` profile of Cargo.toml): about 15 minutes on two cores.
+# `fuzz` profile of Cargo.toml): well over an hour on two cores (at 256 cases
+# tests/compile.rs alone takes about 40 minutes, tests/parallel.rs about 20); a lower
+# PROPTEST_CASES, or one test target (`--test NAME` after the same command), is quicker.
 fuzz: setup
 	PROPTEST_CASES=$${PROPTEST_CASES:-256} NESTOR_FUZZ_TEXTS=$${NESTOR_FUZZ_TEXTS:-1000000} NESTOR_FUZZ_INPUTS=$${NESTOR_FUZZ_INPUTS:-100000} \
 		scripts/cargo test --workspace --all-targets --profile fuzz --no-fail-fast

@@ -85,7 +85,7 @@ pub struct LowerOptions {
     /// (`AttentionPart::Both`), rather than one each.
     pub attention_gradients_at_once: bool,
     /// Fold each pointwise step into the GEMM whose result it alone reads, moving the
-    /// GEMM down past the steps between that do not touch it ([`crate::fold`]): what
+    /// GEMM down past the steps between that do not touch it (`fold.rs`): what
     /// the optimizer's epilogue rule does for `linear` and `matmul`, for the GEMMs of
     /// other ops (1x1 convolutions followed by a batch norm and a relu). Off, one op
     /// is at most one step; `compile` sets it when it optimizes.

@@ -1,13 +1,14 @@
 //! Lowering of the fused kernels the optimizer chooses: a `prologue` op is one row or
 //! segmented kernel, an `epilogue` op one GEMM with its epilogue; and where the two
-//! steps cannot be one kernel they stay two, computing the same.
+//! steps cannot be one kernel they stay two, computing the same. With
+//! `LowerOptions::fold_epilogues` the lowering folds a 1x1 convolution's epilogue too.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
 use nestor_ir::parse;
 use nestor_passes::step::{Gemm, Row, Segment};
-use nestor_passes::{lower, Program, Step};
+use nestor_passes::{lower, lower_with, LowerOptions, Program, Step};
 
 const HEADER: &str = "  %0 = input {name = \"L\"} : lengths[B]
   %1 = input {name = \"x\"} : ragged<f32>[B; %0, 4]
@@ -89,4 +90,46 @@ fn fused_ops_that_break_the_rules_do_not_type() {
         let error = parse(&format!("graph @g {{\n{HEADER}{body}}}\n")).unwrap_err();
         assert!(error.message.contains("prologue") || error.message.contains("epilogue") || error.message.contains("shape"), "{error:?}");
     }
+}
+
+/// A 1x1 convolution (a per-element region, which the optimizer's epilogue rule does
+/// not take), a per-channel scale computed after it, then `relu(conv * scale)`: with
+/// `fold_epilogues` the convolution's GEMM moves past the scale's step and takes the
+/// relu as its epilogue; without, one op is one step.
+#[test]
+fn a_pointwise_conv_takes_what_follows_it_as_its_epilogue() {
+    let graph = parse(
+        "graph @g {
+  %0 = input {name = \"h\"} : lengths[B]
+  %1 = input {name = \"w\"} : lengths[B]
+  %2 = input {name = \"x\"} : ragged<f32>[B; 4, %0, %1]
+  %3 = param {name = \"k\"} : f32[8, 4, 1, 1]
+  %4 = param {name = \"s\"} : f32[8]
+  %5 = per_element(%2, %3) : ragged<f32>[B; 8, %0, %1] graph @conv2d {
+    %0 = input {name = \"element\"} : f32[4, ?, ?]
+    %1 = input {name = \"param0\"} : f32[8, 4, 1, 1]
+    %2 = conv2d(%0, %1) {stride = [1, 1], padding = [0, 0], dilation = [1, 1], groups = 1} : f32[8, ?, ?]
+    return %2
+  }
+  %6 = fused(%4) {expr = \"(mul $0 (const 2 f32))\"} : f32[8]
+  %7 = reshape(%6) {shape = [1, 8, 1, 1]} : f32[1, 8, 1, 1]
+  %8 = fused(%5, %7) {expr = \"(relu (mul $0 $1))\"} : ragged<f32>[B; 8, %0, %1]
+  return %8
+}
+",
+    )
+    .unwrap();
+    let unfolded = lower(&graph).unwrap();
+    assert_eq!(unfolded.launches(), 3, "{unfolded:#?}");
+    let options = LowerOptions {
+        fold_epilogues: true,
+        ..LowerOptions::default()
+    };
+    let folded = lower_with(&graph, options).unwrap();
+    assert_eq!(folded.launches(), 2, "{folded:#?}");
+    assert!(
+        matches!(&folded.steps[0], Step::Pointwise(_)),
+        "{folded:#?}"
+    );
+    assert!(fused(&folded.steps[1]), "{folded:#?}");
 }

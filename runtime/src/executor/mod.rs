@@ -391,7 +391,7 @@ impl Executable {
     pub fn new(program: Program, steps: Box<dyn HostSteps>) -> Self {
         let reads: Vec<Vec<Slot>> = program.steps.iter().map(Step::reads).collect();
         let roots: Vec<Slot> = (0..program.slots.len())
-            .map(|index| root(&program, Slot(index as u32)))
+            .map(|index| program.root(Slot(index as u32)))
             .collect();
         let frees = last_readers(&program, &reads, &roots);
         let completes = completing_steps(&program, &roots);
@@ -865,15 +865,6 @@ pub fn within_budget(step: usize, what: &str, bytes: Option<usize>) -> Result<us
             budget,
         }),
     }
-}
-
-/// The slot whose memory `slot` uses in `program` (itself, unless it is an alias).
-fn root(program: &Program, slot: Slot) -> Slot {
-    let mut current = slot;
-    while let Source::Alias(source) = program.info(current).source {
-        current = source;
-    }
-    current
 }
 
 /// The outputs each step of `program` completes: those whose memory (`roots`) no later

@@ -89,7 +89,7 @@ impl Scalar for f64 {
 
 /// Lanes of the independent accumulators in [`max_of`] and [`sum_of`]: enough for the
 /// loops to vectorize and to hide the latency of each add or max.
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 
 /// The largest of `values` (NaNs ignored; `-inf` when empty).
 #[inline(always)]

@@ -650,3 +650,31 @@ fn a_resnet_training_step_on_the_simulated_gpu_equals_the_cpu() {
         .on_device(simulated());
     assert_simulated_step_equals_cpu("resnet18 step", (&on_cpu, &on_sim), &[&resnet_images()]);
 }
+
+/// A sum over every row of a batch (the row-sum kernel, as a batch norm's statistics
+/// over every pixel) stays accurate on the simulated GPU as on the CPU: 2^17 rows of
+/// 0.1 in f32 within `(64 + runs + 8) * epsilon` of the exact sum, `runs` a lane's
+/// runs of 64 rows (a lane adding its 4096 rows in order, as before, was outside it).
+#[test]
+fn long_sums_on_the_simulated_gpu_stay_accurate() {
+    let rows = 1i64 << 17;
+    let half = Tensor::full([rows / 2, 2], 0.1, (Kind::Float, Device::Cpu));
+    let x = NestedTensor::from_tensors(&[half.shallow_clone(), half]).unwrap();
+    let model = |x: &[NestedTensor], _: &[Dense]| x[0].sum(&[0, 1], false)?.into_dense_handle();
+    let exact = rows as f64 * f64::from(0.1f32);
+    let runs = (rows / (32 * 64)) as f64;
+    let bound = (64.0 + runs + 8.0) * f64::from(f32::EPSILON);
+    for (device, run_on) in [("cpu", RunDevice::Inputs), ("simulated gpu", simulated())] {
+        let compiled = compile("long_sum", model).on_device(run_on);
+        let got = compiled.call(&[&x], &[]).unwrap();
+        let got = got.into_iter().next().unwrap().into_dense().unwrap();
+        assert_eq!(got.size(), [2], "{device}");
+        for column in 0..2 {
+            let error = (got.double_value(&[column]) - exact).abs() / exact;
+            assert!(
+                error <= bound,
+                "{device}: column {column}: {error:e} over {bound:e}"
+            );
+        }
+    }
+}

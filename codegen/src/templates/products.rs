@@ -71,6 +71,9 @@ pub(super) fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: 
     })
 }
 
+/// Rows a lane of [`sum_rows`] adds in order before adding their sum to its total.
+const SUM_RUN_ROWS: i64 = 64;
+
 /// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones), divided by the
 /// number of rows when `mean` (NaN for none).
 pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean: bool) -> Gen<()> {
@@ -79,24 +82,40 @@ pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean
     let a = kernel.optional(Role::A)?;
     let [b, count] = kernel.params([Role::B, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
-    let total = kernel.accumulator("total")?;
+    let [total, run] = kernel.accumulators(["total", "run"])?;
     // An output value is a warp's on a GPU (each lane every 32nd row in order, the
-    // lanes' sums added with shuffles), one thread's on the host.
+    // lanes' sums added with shuffles), one thread's on the host. A lane adds its rows
+    // in runs of `SUM_RUN_ROWS`, each run's sum then into its total, so that a value
+    // passes through about `SUM_RUN_ROWS + rows / (lanes SUM_RUN_ROWS)` adds rather
+    // than `rows / lanes` (the error of a long sum, such as a batch norm's statistics
+    // over every pixel of a batch).
     kernel.parallel_rows(start, end, |task, lanes| {
         let i = kernel.div(task, kernel.i64(n))?;
         let j = kernel.rem(task, kernel.i64(n))?;
+        let (lane, stride) = match lanes.count {
+            1 => (kernel.i64(0), 1),
+            count => (lanes.lane, count),
+        };
+        let span = kernel.i64(stride * SUM_RUN_ROWS);
         kernel.set(total, kernel.constant(0.0))?;
-        kernel.lane_range_until(lanes, rows, |row| {
-            let y = kernel.load_float(b, kernel.add(kernel.mul(row, kernel.i64(n))?, j)?)?;
-            let term = match a {
-                Some(a) => {
-                    let x =
-                        kernel.load_float(a, kernel.add(kernel.mul(row, kernel.i64(m))?, i)?)?;
-                    kernel.fmul(x, y)?
-                }
-                None => y,
-            };
-            kernel.set(total, kernel.fadd_reassociable(kernel.get(total)?, term)?)
+        kernel.for_range_by(kernel.i64(0), rows, span, |first| {
+            kernel.set(run, kernel.constant(0.0))?;
+            let (from, to) = (
+                kernel.add(first, lane)?,
+                kernel.min(kernel.add(first, span)?, rows)?,
+            );
+            kernel.for_range_by(from, to, kernel.i64(stride), |row| {
+                let y = kernel.load_float(b, kernel.add(kernel.mul(row, kernel.i64(n))?, j)?)?;
+                let term = match a {
+                    Some(a) => {
+                        let at = kernel.add(kernel.mul(row, kernel.i64(m))?, i)?;
+                        kernel.fmul(kernel.load_float(a, at)?, y)?
+                    }
+                    None => y,
+                };
+                kernel.set(run, kernel.fadd_reassociable(kernel.get(run)?, term)?)
+            })?;
+            kernel.set(total, kernel.fadd(kernel.get(total)?, kernel.get(run)?)?)
         })?;
         let sum = kernel.across_lanes(lanes, kernel.get(total)?, |a, b| kernel.fadd(a, b))?;
         let value = if mean {

@@ -12,8 +12,8 @@ use common::{
     float_kinds, pooled_head_loss, Out, Random,
 };
 use nestor::{
-    compile, nested_execution_guard, CompileCause, Dense, NestedError, NestedTensor, RunDevice,
-    SimOptions,
+    compile, nested_execution_guard, Binary, CompileCause, Dense, NestedError, NestedTensor,
+    Reduce, RunDevice, SimOptions,
 };
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
@@ -449,6 +449,115 @@ proptest! {
             let on_sim = compile("pointwise_conv_sim", model)
                 .on_device(RunDevice::Simulated(SimOptions::default()));
             assert_floats_close_within(&on_sim.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("{kind:?} simulated GPU {sizes:?}"));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// Reductions of each image over its pixels (`x.mean([2, 3])`, as global average
+    /// pooling is often written, and sum, amax, amin; kept dims or not, and then
+    /// multiplied back into the image's pixels) compile to one segmented kernel over
+    /// each image's `H_i W_i` packed rows. Equal to eager on the
+    /// CPU and on the simulated GPU, images of one pixel included, in every float kind
+    /// (f64 on the CPU); an image of no pixels has no largest value, a typed error as
+    /// eagerly.
+    #[test]
+    fn compiled_reductions_over_every_pixel_equal_eager(
+        sizes in image_sizes(),
+        channels in 1i64..=5,
+        (reduce, keepdim) in (0usize..4, any::<bool>()),
+        kind in float_kinds(),
+        seed in 0i64..1000,
+    ) {
+        let reduce = [Reduce::Sum, Reduce::Mean, Reduce::Amax, Reduce::Amin][reduce];
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            let pooled = x[0].reduce(reduce, &[2, -1], keepdim)?;
+            if !keepdim {
+                return Ok(vec![pooled.into()]);
+            }
+            // Kept dims `[B, C, 1, 1]` scale every pixel of their image back (a
+            // squeeze-excitation's gate: a per-image operand over two ragged dims).
+            let pooled = pooled.into_dense_handle()?;
+            Ok(vec![x[0].binary(Binary::Mul, &pooled)?.into(), Out::Dense(pooled)])
+        };
+        let mut sizes = sizes;
+        sizes.extend([(1, 1), (2, 3)]);
+        let (_, leaves, batch) = images(&sizes, channels, kind, seed);
+        let batch = batch.detach().unwrap();
+        drop(leaves);
+        let eager = eager_values(model(std::slice::from_ref(&batch), &[]).unwrap());
+        let tolerance = common::tolerance(kind).max(1e-5);
+        let on_cpu = compile("pixel_reduction", model);
+        let what = format!("{reduce:?} keepdim {keepdim} {kind:?} {sizes:?}");
+        assert_floats_close_within(&on_cpu.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("CPU {what}"));
+        // GPU programs compute in f32 (f64 is the CPU's only).
+        if kind != Kind::Double {
+            let on_sim = compile("pixel_reduction_sim", model)
+                .on_device(RunDevice::Simulated(SimOptions::default()));
+            assert_floats_close_within(&on_sim.call(&[&batch], &[]).unwrap(), &eager, tolerance, &format!("simulated GPU {what}"));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// A squeeze-excitation gate (the channels' mean over each image's pixels, kept
+    /// `[B, C, 1, 1]`, through tanh, scaling every pixel of its image) after a
+    /// convolution, then each image's sum over its pixels into a linear head: compiled
+    /// training gives autograd's loss and gradients (the gradients of the pixel
+    /// reductions are per-image operands over two ragged dims).
+    #[test]
+    fn compiled_squeeze_excitation_gradients_equal_autograd(
+        batches in proptest::collection::vec(image_sizes(), 2),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let (c_in, c) = (2, 3);
+        let shapes = [vec![c, c_in, 1, 1], vec![c], vec![2, c], vec![2]];
+        let names = ["conv_weight", "conv_bias", "head_weight", "head_bias"];
+        // Heights and widths differ in every batch (equal ones are another structure).
+        let batches: Vec<Vec<(i64, i64)>> = batches.into_iter().map(|mut sizes| {
+            sizes.extend([(4, 5), (5, 4)]);
+            sizes
+        }).collect();
+        let loss = |x: &NestedTensor, params: &[Tensor]| {
+            let y = x.conv2d(&params[0], Some(&params[1]), [1, 1], [0, 0], [1, 1], 1)?.relu()?;
+            let gate = y.mean(&[2, 3], true)?.into_dense_handle()?.tanh()?;
+            let summed = y.binary(Binary::Mul, &gate)?.sum(&[2, 3], false)?.into_dense_handle()?;
+            let head = summed.linear(&params[2], Some(&params[3]))?;
+            head.mul(&head)?.mean_all()
+        };
+        assert_trains_as_autograd("squeeze_excitation", loss, (&names, &shapes), &batches, (c_in, kind), seed)?;
+    }
+}
+
+/// An image of no pixels: its sum is 0 and its mean NaN compiled as eagerly; its
+/// largest value does not exist, a typed error before the run (eager fails too).
+#[test]
+fn reductions_over_an_image_of_no_pixels() {
+    let (_, _, batch) = images(&[(2, 3), (0, 4), (1, 1)], 2, Kind::Float, 7);
+    let batch = batch.detach().unwrap();
+    for reduce in [Reduce::Sum, Reduce::Mean, Reduce::Amax] {
+        let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+            Ok(vec![x[0].reduce(reduce, &[2, 3], false)?.into()])
+        };
+        let compiled = compile("empty_image_reduction", model).call(&[&batch], &[]);
+        match model(std::slice::from_ref(&batch), &[]) {
+            Ok(eager) => {
+                assert!(!matches!(reduce, Reduce::Amax), "eager amax of no pixels");
+                let eager = eager_values(eager);
+                assert_close_within(&compiled.unwrap(), &eager, 1e-6, &format!("{reduce:?}"));
+            }
+            Err(_) => {
+                let error = compiled
+                    .expect_err("eager fails, compiled must too")
+                    .to_string();
+                assert!(error.contains("element 1"), "{reduce:?}: {error}");
+            }
         }
     }
 }

@@ -68,6 +68,12 @@ pub enum LengthsKind {
         /// How many times each length repeats.
         times: Slot,
     },
+    /// Every length times the same element's length in `by`: the rows of each element
+    /// of a value with two ragged dims (an image's pixels, `H_i W_i`).
+    Times {
+        /// The other lengths.
+        by: Slot,
+    },
     /// `size` for every element of the input.
     Constant {
         /// Every element's length.

@@ -112,6 +112,9 @@ struct Lowering<'g> {
     /// The derived segments of pair layouts, by their (rows, columns) lengths slots:
     /// a softmax and its gradient's sums over one layout share one derivation.
     pair_segments: HashMap<(Slot, Slot), Slot>,
+    /// The rows of each element of two ragged dims (`H_i W_i`), by its lengths
+    /// buffers ([`Lowering::element_rows`]).
+    element_rows: HashMap<(Slot, Slot), Slot>,
     /// The statistics slot of attention's gradients, by their queries, keys, values and
     /// cotangent ([`LowerOptions::attention_statistics`]): both gradients read one.
     attention_statistics: HashMap<[ValueId; 4], Slot>,
@@ -149,6 +152,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         values: vec![None; graph.nodes.len()],
         batches: HashMap::new(),
         pair_segments: HashMap::new(),
+        element_rows: HashMap::new(),
         attention_statistics: HashMap::new(),
         attention_pairs: HashMap::new(),
     };

@@ -174,7 +174,7 @@ impl Lowering<'_> {
 
     /// How an operand is read by a pointwise step whose output has type `ty`.
     pub(super) fn access(
-        &self,
+        &mut self,
         value: ValueId,
         ty: &Type,
         operand: ValueId,
@@ -189,7 +189,7 @@ impl Lowering<'_> {
     /// [`Self::access`] of an operand seen with type `operand_ty` (its buffer read as
     /// that shape: `expand` inserts size-1 dims).
     fn access_as(
-        &self,
+        &mut self,
         value: ValueId,
         ty: &Type,
         (operand, operand_ty): (ValueId, &Type),
@@ -360,7 +360,7 @@ impl Lowering<'_> {
     /// How an operand's rows relate to the rows of a pointwise result of type `ty`, and
     /// the operand's tail (to be right-aligned to the result's).
     fn operand_rows(
-        &self,
+        &mut self,
         value: ValueId,
         ty: &Type,
         (operand, operand_ty): (ValueId, &Type),
@@ -400,9 +400,16 @@ impl Lowering<'_> {
                 if shape.len() == rank + 1 {
                     let per_element = shape[0] == *batch && shape[0] != Dim::Static(1);
                     let ragged_lengths = ty.length_values();
+                    // An element's rows: one ragged dim's, or two's (`H_i W_i`).
                     let lengths = match ragged_lengths.as_slice() {
                         [lengths] => match self.get(*lengths) {
                             Lowered::Lengths(slot) => Some(slot),
+                            _ => None,
+                        },
+                        [first, second] => match (self.get(*first), self.get(*second)) {
+                            (Lowered::Lengths(first), Lowered::Lengths(second)) => {
+                                Some(self.element_rows(first, second))
+                            }
                             _ => None,
                         },
                         _ => None,
@@ -416,7 +423,7 @@ impl Lowering<'_> {
                             return Err(unsupported(
                                 value,
                                 op,
-                                "a per-element operand over other than one ragged dim",
+                                "a per-element operand over more than two ragged dims",
                             ))
                         }
                     }

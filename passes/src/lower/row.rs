@@ -354,6 +354,12 @@ impl Lowering<'_> {
         if let Some(out) = self.column_sums(value, ty, reduce, x, dims)? {
             return Ok(out);
         }
+        // Over every ragged dim of each element: the segments of its rows.
+        if let Some((x_slot, tail, segments)) = self.element_segments(value, x, dims)? {
+            let kind = segment_kind()?;
+            let segments = self.non_empty(segments, reduce);
+            return self.segmented(value, ty, kind, (x_slot, &tail), segments);
+        }
         self.leading(value, x)?;
         let (x_slot, rows, tail, lengths) = self.data(value, x)?;
         // The index of the last dim: after the batch dim, and the ragged dim if any.
@@ -361,13 +367,7 @@ impl Lowering<'_> {
         match (dims, lengths) {
             ([1], Some(lengths)) => {
                 let kind = segment_kind()?;
-                // The largest and smallest value of an empty element do not exist.
-                let lengths = match reduce {
-                    ReduceOp::Amax | ReduceOp::Amin | ReduceOp::Max | ReduceOp::Min => {
-                        self.non_empty(lengths, reduce)
-                    }
-                    _ => lengths,
-                };
+                let lengths = self.non_empty(lengths, reduce);
                 self.segmented(value, ty, kind, (x_slot, &tail), lengths)
             }
             ([dim], _) if (*dim == last || *dim == -1) && !tail.is_empty() => {
@@ -516,10 +516,68 @@ impl Lowering<'_> {
         Ok(self.holding_positions(order.gives_positions(), out))
     }
 
-    /// `lengths`, checked non-empty before the run for `reduce` (which has no value for
-    /// an empty element: eager's `EmptyReduction`).
+    /// `lengths`, checked non-empty before the run where `reduce` has no value for an
+    /// empty element (the largest and smallest value: eager's `EmptyReduction`).
     fn non_empty(&mut self, lengths: Slot, reduce: ReduceOp) -> Slot {
-        self.at_least(lengths, (1, reduce.word()))
+        match reduce {
+            ReduceOp::Amax | ReduceOp::Amin | ReduceOp::Max | ReduceOp::Min => {
+                self.at_least(lengths, (1, reduce.word()))
+            }
+            _ => lengths,
+        }
+    }
+
+    /// When `x` has several ragged dims and `dims` (batch first) are exactly them (images
+    /// `[C, H, W]` over `H` and `W`): its slot, its tail and the segments of each
+    /// element's rows (`H_i W_i`, lengths the runtime derives before the run). `None`
+    /// for other values and dims.
+    fn element_segments(
+        &mut self,
+        value: ValueId,
+        x: ValueId,
+        dims: &[i64],
+    ) -> Result<Option<(Slot, Vec<i64>, Slot)>, LowerError> {
+        let Lowered::Data { dims: out_dims, .. } = self.get(x) else {
+            return Ok(None);
+        };
+        let ragged: Vec<(i64, Slot)> = (out_dims.iter().enumerate())
+            .filter_map(|(index, dim)| match *dim {
+                OutDim::Ragged(lengths) => Some((index as i64 + 1, lengths)),
+                OutDim::Static(_) => None,
+            })
+            .collect();
+        let rank = 1 + out_dims.len() as i64;
+        let mut reduced: Vec<i64> = dims
+            .iter()
+            .map(|&dim| if dim < 0 { dim + rank } else { dim })
+            .collect();
+        reduced.sort_unstable();
+        reduced.dedup();
+        let ragged_dims: Vec<i64> = ragged.iter().map(|&(dim, _)| dim).collect();
+        let [(_, first), (_, second)] = ragged[..] else {
+            return Ok(None);
+        };
+        if reduced != ragged_dims {
+            return Ok(None);
+        }
+        let (slot, _, tail, _) = self.data(value, x)?;
+        Ok(Some((slot, tail, self.element_rows(first, second))))
+    }
+
+    /// The rows of each element of two ragged dims of lengths `first` and `second`
+    /// (`H_i W_i`): a lengths buffer the runtime derives before the run, one per pair.
+    pub(super) fn element_rows(&mut self, first: Slot, second: Slot) -> Slot {
+        if let Some(&rows) = self.element_rows.get(&(first, second)) {
+            return rows;
+        }
+        let rows = self.lengths_slot(Source::Step);
+        self.program.lengths_ops.push(LengthsOp {
+            out: rows,
+            input: first,
+            kind: LengthsKind::Times { by: second },
+        });
+        self.element_rows.insert((first, second), rows);
+        rows
     }
 
     /// `lengths`, checked at least `count` before the run for `op`.

@@ -158,6 +158,23 @@ impl<'a> Sizes<'a> {
                     }
                     values
                 }
+                LengthsKind::Times { by } => {
+                    let by = lengths_of(by);
+                    let product = |(element, (&length, &by)): (usize, (&i64, &i64))| {
+                        length.checked_mul(by).ok_or(RuntimeError::OutOfMemory {
+                            step: 0,
+                            what: format!("element {element}'s {length} x {by} rows"),
+                            bytes: u64::MAX,
+                            budget: crate::MemoryBudget::bytes(),
+                        })
+                    };
+                    input
+                        .iter()
+                        .zip(by)
+                        .enumerate()
+                        .map(product)
+                        .collect::<Result<_, _>>()?
+                }
                 LengthsKind::Constant { size } => vec![size; input.len()],
                 LengthsKind::Repeat(repeats) => {
                     let batch = input.len() as i64;

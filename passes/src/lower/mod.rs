@@ -109,12 +109,6 @@ struct Lowering<'g> {
     values: Vec<Option<Lowered>>,
     /// Lengths slots by batch-size symbol, for dense values with a symbolic first dim.
     batches: HashMap<String, Slot>,
-    /// The derived segments of pair layouts, by their (rows, columns) lengths slots:
-    /// a softmax and its gradient's sums over one layout share one derivation.
-    pair_segments: HashMap<(Slot, Slot), Slot>,
-    /// The rows of each element of two ragged dims (`H_i W_i`), by its lengths
-    /// buffers ([`Lowering::element_rows`]).
-    element_rows: HashMap<(Slot, Slot), Slot>,
     /// The statistics slot of attention's gradients, by their queries, keys, values and
     /// cotangent ([`LowerOptions::attention_statistics`]): both gradients read one.
     attention_statistics: HashMap<[ValueId; 4], Slot>,
@@ -151,8 +145,6 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         program: Program::default(),
         values: vec![None; graph.nodes.len()],
         batches: HashMap::new(),
-        pair_segments: HashMap::new(),
-        element_rows: HashMap::new(),
         attention_statistics: HashMap::new(),
         attention_pairs: HashMap::new(),
     };
@@ -347,6 +339,22 @@ impl Lowering<'_> {
         };
         info.integers = true;
         slot
+    }
+
+    /// The lengths the runtime derives from `input` by `kind` before the run: the
+    /// lengths op that gives them already (a softmax and its gradient's sums over one
+    /// pair layout share one derivation), or a new one.
+    pub(super) fn derived_lengths(&mut self, input: Slot, kind: LengthsKind) -> Slot {
+        let existing =
+            (self.program.lengths_ops.iter()).find(|op| op.input == input && op.kind == kind);
+        if let Some(op) = existing {
+            return op.out;
+        }
+        let out = self.lengths_slot(Source::Step);
+        self.program
+            .lengths_ops
+            .push(LengthsOp { out, input, kind });
+        out
     }
 
     fn typed(&mut self, value: ValueId, ty: &Type, source: Source) -> Result<Lowered, LowerError> {

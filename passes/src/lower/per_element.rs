@@ -242,22 +242,7 @@ impl Lowering<'_> {
     /// Lengths of 1 for every element of the batch of `lengths` (the heights of signals
     /// one pixel high): the lengths op that gives them already, or a new one.
     fn ones_like(&mut self, lengths: Slot) -> Slot {
-        let ones = LengthsKind::Constant { size: 1 };
-        let existing = self
-            .program
-            .lengths_ops
-            .iter()
-            .find(|op| op.input == lengths && op.kind == ones);
-        if let Some(op) = existing {
-            return op.out;
-        }
-        let out = self.lengths_slot(Source::Step);
-        self.program.lengths_ops.push(LengthsOp {
-            out,
-            input: lengths,
-            kind: ones,
-        });
-        out
+        self.derived_lengths(lengths, LengthsKind::Constant { size: 1 })
     }
 
     /// The gradients of window steps (convolution, global average pooling), as window

@@ -565,30 +565,14 @@ impl Lowering<'_> {
     }
 
     /// The rows of each element of two ragged dims of lengths `first` and `second`
-    /// (`H_i W_i`): a lengths buffer the runtime derives before the run, one per pair.
+    /// (`H_i W_i`): lengths the runtime derives before the run.
     pub(super) fn element_rows(&mut self, first: Slot, second: Slot) -> Slot {
-        if let Some(&rows) = self.element_rows.get(&(first, second)) {
-            return rows;
-        }
-        let rows = self.lengths_slot(Source::Step);
-        self.program.lengths_ops.push(LengthsOp {
-            out: rows,
-            input: first,
-            kind: LengthsKind::Times { by: second },
-        });
-        self.element_rows.insert((first, second), rows);
-        rows
+        self.derived_lengths(first, LengthsKind::Times { by: second })
     }
 
     /// `lengths`, checked at least `count` before the run for `op`.
     pub(super) fn at_least(&mut self, lengths: Slot, (count, op): (i64, &'static str)) -> Slot {
-        let checked = self.lengths_slot(Source::Step);
-        self.program.lengths_ops.push(LengthsOp {
-            out: checked,
-            input: lengths,
-            kind: LengthsKind::AtLeast { count, op },
-        });
-        checked
+        self.derived_lengths(lengths, LengthsKind::AtLeast { count, op })
     }
 
     /// A sum or mean that adds whole packed rows: of everything (any layout, pairs
@@ -755,24 +739,7 @@ impl Lowering<'_> {
             return Ok(None);
         }
         let (slot, _, tail, _) = self.data(value, x)?;
-        let segments = match self.pair_segments.get(&(rows, columns)) {
-            Some(&segments) => segments,
-            None => {
-                let segments = self.data_slot(DType::I64, Rows::fixed(1), 1, Source::Step);
-                // A lengths buffer's size is its own batch (see `typed`).
-                self.program.slots[segments.0 as usize].rows = Rows {
-                    base: RowBase::Batch(segments),
-                    factor: 1,
-                };
-                self.program.lengths_ops.push(LengthsOp {
-                    out: segments,
-                    input: columns,
-                    kind: LengthsKind::Repeated { times: rows },
-                });
-                self.pair_segments.insert((rows, columns), segments);
-                segments
-            }
-        };
+        let segments = self.derived_lengths(columns, LengthsKind::Repeated { times: rows });
         Ok(Some((slot, tail, segments)))
     }
 

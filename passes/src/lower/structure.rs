@@ -321,12 +321,7 @@ impl Lowering<'_> {
                 return Err(unsupported(value, op, "expects lengths buffers"));
             };
             if input != against {
-                let out = self.lengths_slot(Source::Step);
-                self.program.lengths_ops.push(LengthsOp {
-                    out,
-                    input,
-                    kind: LengthsKind::Checked { against },
-                });
+                self.derived_lengths(input, LengthsKind::Checked { against });
             }
         }
         self.alias_of(value, x, ty)

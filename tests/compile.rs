@@ -1636,3 +1636,58 @@ fn positions_past_their_table_are_an_error() {
         "{error}"
     );
 }
+
+/// A reduction of each element over both ragged dims of a pair layout (`cdist`'s
+/// `[L_i, M_i]` distances: sum, mean, amax, amin; kept or not) compiles to one
+/// segmented kernel over each element's `L_i M_i` pairs, equal to eager on the CPU and
+/// the simulated GPU, elements of one row included; an empty element has no largest
+/// distance, the typed error as eagerly.
+#[test]
+fn compiled_reductions_over_both_ragged_dims_of_pairs_equal_eager() {
+    let reductions = [
+        (Reduce::Sum, false),
+        (Reduce::Mean, true),
+        (Reduce::Amax, false),
+        (Reduce::Amin, true),
+    ];
+    for (rows, columns) in [
+        (vec![3i64, 1, 4], vec![2i64, 5, 1]),
+        (vec![1], vec![3]),
+        (vec![2, 0], vec![4, 3]),
+    ] {
+        let (x, _) = batch(&rows, &[4], Kind::Float, 3);
+        let (y, _) = batch(&columns, &[4], Kind::Float, 4);
+        for (reduce, keepdim) in reductions {
+            let model = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Vec<Out>> {
+                let distances = x[0].cdist(&x[1], 2.0)?;
+                Ok(vec![distances.reduce(reduce, &[1, 2], keepdim)?.into()])
+            };
+            let what = format!("{reduce:?} keepdim {keepdim} {rows:?} x {columns:?}");
+            let devices = [
+                nestor::RunDevice::Inputs,
+                nestor::RunDevice::Simulated(nestor::SimOptions::default()),
+            ];
+            for device in devices {
+                let compiled = compile("pair_reduction", model)
+                    .on_device(device)
+                    .call(&[&x, &y], &[]);
+                match model(&[x.shallow_clone(), y.shallow_clone()], &[]) {
+                    Ok(eager) => {
+                        let got = compiled.unwrap_or_else(|error| panic!("{what}: {error}"));
+                        assert_close_within(&got, &eager_values(eager), 1e-5, &what);
+                    }
+                    Err(_) => {
+                        assert!(
+                            matches!(reduce, Reduce::Amax | Reduce::Amin),
+                            "{what}: eager fails"
+                        );
+                        let error = compiled
+                            .expect_err("eager fails, compiled must too")
+                            .to_string();
+                        assert!(error.contains("element 1"), "{what}: {error}");
+                    }
+                }
+            }
+        }
+    }
+}

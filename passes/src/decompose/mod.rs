@@ -405,7 +405,7 @@ fn several_static_dims(
 
 /// Batch-first `dims` of a value of `rank` dims counted from the front, in order, each
 /// once.
-fn normalized_dims(dims: &[i64], rank: i64) -> Vec<i64> {
+pub(crate) fn normalized_dims(dims: &[i64], rank: i64) -> Vec<i64> {
     let mut normalized: Vec<i64> = dims
         .iter()
         .map(|&dim| if dim < 0 { dim + rank } else { dim })

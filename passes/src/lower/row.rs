@@ -546,18 +546,11 @@ impl Lowering<'_> {
                 OutDim::Static(_) => None,
             })
             .collect();
-        let rank = 1 + out_dims.len() as i64;
-        let mut reduced: Vec<i64> = dims
-            .iter()
-            .map(|&dim| if dim < 0 { dim + rank } else { dim })
-            .collect();
-        reduced.sort_unstable();
-        reduced.dedup();
-        let ragged_dims: Vec<i64> = ragged.iter().map(|&(dim, _)| dim).collect();
-        let [(_, first), (_, second)] = ragged[..] else {
+        let reduced = crate::decompose::normalized_dims(dims, 1 + out_dims.len() as i64);
+        let [(first_dim, first), (second_dim, second)] = ragged[..] else {
             return Ok(None);
         };
-        if reduced != ragged_dims {
+        if reduced != [first_dim, second_dim] {
             return Ok(None);
         }
         let (slot, _, tail, _) = self.data(value, x)?;
@@ -675,15 +668,10 @@ impl Lowering<'_> {
 fn leading_rows(dims: &[i64], ragged: bool, tail: &[i64]) -> Option<(i64, i64)> {
     let row_dims = if ragged { 2 } else { 1 };
     let ndim = (row_dims + tail.len()) as i64;
-    let mut reduced: Vec<i64> = dims
-        .iter()
-        .map(|&dim| if dim < 0 { dim + ndim } else { dim })
-        .collect();
-    if reduced.is_empty() {
-        reduced = (0..ndim).collect();
-    }
-    reduced.sort_unstable();
-    reduced.dedup();
+    let reduced: Vec<i64> = match dims {
+        [] => (0..ndim).collect(),
+        dims => crate::decompose::normalized_dims(dims, ndim),
+    };
     let leading = reduced
         .iter()
         .enumerate()

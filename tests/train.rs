@@ -635,6 +635,99 @@ fn calls_accumulate_into_grad_and_frozen_parameters_get_nothing() {
     assert_eq!(step.stats().compiles, 1);
 }
 
+/// A parameter without a `.grad()` (as libtorch's `zero_grad` leaves it) takes the
+/// call's gradient as it is, without a copy, as autograd does: the gradients of
+/// autograd, each its own values (adding to one changes no other gradient, nor the
+/// loss), a `.grad()` that `zero_grad` detaches and clears, that the next call adds to,
+/// and that no later call writes into.
+#[test]
+fn gradients_taken_as_they_are_share_nothing() {
+    for name in FAMILIES {
+        let Trained {
+            store,
+            model,
+            compiled,
+        } = trained(name, Kind::Double, 11, true);
+        let variables = store.variables();
+        // A maximum over an empty element is an error (as in torch).
+        let lengths = if name == "extremes" {
+            [5i64, 1, 2, 7]
+        } else {
+            [5, 1, 0, 7]
+        };
+        let lengths = &lengths[..];
+        let owned = [
+            batch(lengths, &[4], Kind::Double, 1).0,
+            batch(lengths, &[3], Kind::Double, 2).0,
+            class_ids(lengths, 3),
+            memory(lengths, 4).to_kind(Kind::Double).unwrap(),
+        ];
+        let inputs: Vec<&NestedTensor> = owned.iter().collect();
+        model(&owned, &[]).unwrap().into_tensor().backward();
+        let expected = gradients_of(&variables);
+        let mut optimizer = nn::Sgd::default().build(&store, 0.1).unwrap();
+        let call = || {
+            let outputs = compiled.call(&inputs, &[]).unwrap();
+            outputs.into_iter().next().unwrap().into_dense().unwrap()
+        };
+        optimizer.zero_grad();
+        let loss = call();
+        let loss_before = loss.copy();
+        assert_eq!(
+            gradients_of(&variables).keys().collect::<Vec<_>>(),
+            expected.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (path, gradient) in &expected {
+            assert_close(
+                &variables[path].grad(),
+                gradient,
+                1e-9,
+                &format!("{name}: {path}"),
+            );
+        }
+        // Adding to one gradient changes only its own values.
+        for path in expected.keys() {
+            let _ = variables[path].grad().f_add_scalar_(1.0).unwrap();
+            for (other, gradient) in &expected {
+                let shift = if other == path { 1.0 } else { 0.0 };
+                let want = gradient + shift;
+                assert_close(
+                    &variables[other].grad(),
+                    &want,
+                    1e-9,
+                    &format!("{name}: {other} after adding to {path}"),
+                );
+            }
+            assert_close(
+                &loss,
+                &loss_before,
+                0.0,
+                &format!("{name}: the loss after adding to {path}"),
+            );
+            let _ = variables[path].grad().f_sub_scalar_(1.0).unwrap();
+        }
+        // Cleared, taken again, then added to by the next call.
+        optimizer.zero_grad();
+        assert!(
+            variables
+                .values()
+                .all(|variable| !variable.grad().defined()),
+            "{name}: zero_grad"
+        );
+        call();
+        call();
+        for (path, gradient) in &expected {
+            assert_close(
+                &variables[path].grad(),
+                &(gradient * 2.0),
+                1e-9,
+                &format!("{name}: {path} twice"),
+            );
+        }
+    }
+}
+
 /// Graphs and dumps show the store's paths, not `param0..N`.
 #[test]
 fn compiled_graphs_name_parameters_after_the_store() {

@@ -532,7 +532,10 @@ where
         }
         let (targets, mut gradients): (Vec<Tensor>, Vec<Tensor>) = pairs.into_iter().unzip();
         hook.finish(&mut gradients)?;
-        train::accumulate_into(targets.into_iter().zip(gradients).collect())?;
+        train::accumulate_into(
+            targets.into_iter().zip(gradients).collect(),
+            train::Holders::Others,
+        )?;
         entry.traced.finish_run(values)
     }
 

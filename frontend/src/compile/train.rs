@@ -227,14 +227,29 @@ pub(super) fn accumulate(
     values: Vec<Value>,
     nested: &[&NestedTensor],
 ) -> Result<()> {
-    accumulate_into(tensors(params, values, nested)?)
+    accumulate_into(tensors(params, values, nested)?, Holders::OnlyThisCall)
+}
+
+/// Who may hold the gradient tensors handed to [`accumulate_into`] besides it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Holders {
+    /// Nobody: they are the run's own results (a leaf whose `.grad()` is undefined
+    /// may take one as it is).
+    OnlyThisCall,
+    /// Perhaps the caller (a hook saw or made them): each is read, never kept.
+    Others,
 }
 
 /// [`accumulate`] of gradients already shaped like their `(target, gradient)`.
-pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>) -> Result<()> {
+pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>, holders: Holders) -> Result<()> {
     let mut surrogate: Option<Tensor> = None;
+    // The bytes of the gradients made a `.grad()`, which no other may share.
+    let mut taken = Vec::new();
     for (target, gradient) in pairs {
         if added_in_place(&target, &gradient)? {
+            continue;
+        }
+        if holders == Holders::OnlyThisCall && became_grad(&target, &gradient, &mut taken)? {
             continue;
         }
         // `dot` (f32 and f64 of one kind) reads both once and makes no product tensor;
@@ -269,6 +284,63 @@ fn added_in_place(target: &Tensor, gradient: &Tensor) -> Result<bool> {
         let _ = grad.f_add_(gradient)?;
     }
     Ok(fits)
+}
+
+extern "C" {
+    /// shim/grad.cpp: `param.mutable_grad() = gradient`; 0 on success.
+    fn nestor_set_grad(
+        param: *const torch_sys::C_tensor,
+        gradient: *const torch_sys::C_tensor,
+    ) -> std::os::raw::c_int;
+}
+
+/// Makes `gradient` the `.grad()` of `target` without a copy, as autograd's
+/// accumulation does with an incoming gradient nobody else holds, when `target` is a
+/// leaf that requires grad and has no `.grad()` (as after `zero_grad` setting them to
+/// none), `gradient` has its shape, kind, device and a contiguous layout as `target`
+/// has, and shares no byte with a gradient taken before (`taken`: their byte ranges);
+/// whether it did.
+fn became_grad(
+    target: &Tensor,
+    gradient: &Tensor,
+    taken: &mut Vec<(usize, usize)>,
+) -> Result<bool> {
+    if !target.f_is_leaf()? || !target.requires_grad() || target.f_grad()?.defined() {
+        return Ok(false);
+    }
+    let kind = gradient.f_kind()?;
+    let fits = kind == target.f_kind()?
+        && gradient.device() == target.device()
+        && gradient.size() == target.size()
+        && !gradient.requires_grad()
+        && gradient.is_contiguous()
+        && target.is_contiguous();
+    if !fits {
+        return Ok(false);
+    }
+    let start = gradient.data_ptr() as usize;
+    let bytes = gradient.numel().saturating_mul(kind.elt_size_in_bytes());
+    let end = start.saturating_add(bytes);
+    if taken.iter().any(|&(from, to)| from < end && start < to) {
+        return Ok(false);
+    }
+    // A tensor of its own over the gradient's values: `gradient` may be a view (a
+    // reshape of the run's result), and a `.grad()` that is a view cannot be detached
+    // in place, as `zero_grad` does.
+    let mut own = Tensor::f_empty([0], (kind, gradient.device()))?;
+    let _ = own.f_set_source_tensor_storage_offset_(
+        gradient,
+        gradient.f_storage_offset()?,
+        gradient.size(),
+        gradient.stride(),
+    )?;
+    // SAFETY: both are live tensor handles for the call; the shim copies the gradient's
+    // handle (a reference count), so `own` may be dropped after it.
+    if unsafe { nestor_set_grad(target.as_ptr(), own.as_ptr()) } != 0 {
+        return Ok(false);
+    }
+    taken.push((start, end));
+    Ok(true)
 }
 
 /// The gradients of a run, named after what they are the gradients of.

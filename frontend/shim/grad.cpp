@@ -1,4 +1,5 @@
-// What tch does not expose of libtorch's autograd: setting a leaf's `.grad()`.
+// What tch does not expose of libtorch's autograd: setting a leaf's `.grad()`, and the
+// tensor a view is a view of.
 #include <ATen/core/Tensor.h>
 
 // Makes `gradient` the `.grad()` of `param` (no copy: both then share `gradient`'s
@@ -11,5 +12,18 @@ extern "C" int nestor_set_grad(const at::Tensor* param, const at::Tensor* gradie
     return 0;
   } catch (...) {
     return 1;
+  }
+}
+
+// A new handle to the tensor `view` is a view of (the root of its views), or null when
+// it is none or libtorch threw.
+extern "C" at::Tensor* nestor_view_base(const at::Tensor* view) {
+  try {
+    if (!view->is_view()) {
+      return nullptr;
+    }
+    return new at::Tensor(at::Tensor(view->_base()));
+  } catch (...) {
+    return nullptr;
   }
 }

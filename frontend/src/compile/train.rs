@@ -252,6 +252,9 @@ pub(super) fn accumulate_into(pairs: Vec<(Tensor, Tensor)>, holders: Holders) ->
         if holders == Holders::OnlyThisCall && became_grad(&target, &gradient, &mut taken)? {
             continue;
         }
+        if added_to_base(&target, &gradient)? {
+            continue;
+        }
         // `dot` (f32 and f64 of one kind) reads both once and makes no product tensor;
         // its backward is `1 * gradient`, as `sum(p * gradient)`'s.
         let term = match (target.kind(), gradient.kind()) {
@@ -292,6 +295,85 @@ extern "C" {
         param: *const torch_sys::C_tensor,
         gradient: *const torch_sys::C_tensor,
     ) -> std::os::raw::c_int;
+    /// shim/grad.cpp: a new handle to `view._base()`, or null when `view` is no view.
+    fn nestor_view_base(view: *const torch_sys::C_tensor) -> *mut torch_sys::C_tensor;
+}
+
+/// Adds `gradient` into the part of its base's `.grad()` that `target` views, when
+/// `target` is a view without overlapping values (a slice of a fused projection's
+/// weight, say) of a contiguous leaf that requires grad, of `gradient`'s shape, kind and
+/// device: no autograd pass, whose backward made a gradient of the whole base per
+/// slice. A base without a `.grad()` gets one of zeros first. Whether it did.
+fn added_to_base(target: &Tensor, gradient: &Tensor) -> Result<bool> {
+    // SAFETY: `target` is a live tensor handle; the shim returns a new handle or null.
+    let base = unsafe { nestor_view_base(target.as_ptr()) };
+    if base.is_null() {
+        return Ok(false);
+    }
+    // SAFETY: a handle the shim made for this call alone: the tensor owns (frees) it.
+    let base = unsafe { Tensor::from_ptr(base) };
+    let kind = gradient.f_kind()?;
+    let (size, stride) = (target.size(), target.stride());
+    let offset = target.f_storage_offset()? - base.f_storage_offset()?;
+    let fits = base.f_is_leaf()?
+        && base.requires_grad()
+        && base.is_contiguous()
+        && base.f_kind()? == kind
+        && base.device() == gradient.device()
+        && gradient.size() == size
+        && views_within(&size, &stride, offset, base.numel());
+    if !fits {
+        return Ok(false);
+    }
+    let mut grad = base.f_grad()?;
+    if !grad.defined() {
+        let zeros = Tensor::f_zeros(base.size(), (kind, base.device()))?;
+        // SAFETY: both are live tensor handles; the shim copies the handle of `zeros`.
+        if unsafe { nestor_set_grad(base.as_ptr(), zeros.as_ptr()) } != 0 {
+            return Ok(false);
+        }
+        grad = zeros;
+    } else if grad.size() != base.size() || grad.f_kind()? != kind || !grad.is_contiguous() {
+        return Ok(false);
+    }
+    let start = grad.f_storage_offset()? + offset;
+    let _ = grad.f_as_strided(size, stride, start)?.f_add_(gradient)?;
+    Ok(true)
+}
+
+/// Whether the view of `size` and `stride` from element `offset` of a contiguous tensor
+/// of `elements` values reads only its values, each at most once (strides, smallest
+/// first, each past the extent of the dims with smaller ones).
+fn views_within(size: &[i64], stride: &[i64], offset: i64, elements: usize) -> bool {
+    let mut dims: Vec<(i64, i64)> = size
+        .iter()
+        .zip(stride)
+        .filter(|(&size, _)| size != 1)
+        .map(|(&size, &stride)| (stride, size))
+        .collect();
+    if dims.iter().any(|&(_, size)| size == 0) {
+        return offset >= 0;
+    }
+    dims.sort_unstable();
+    let mut extent: i64 = 1;
+    for &(stride, size) in &dims {
+        if stride < extent {
+            return false;
+        }
+        let Some(past) = stride
+            .checked_mul(size - 1)
+            .and_then(|reach| reach.checked_add(extent))
+        else {
+            return false;
+        };
+        extent = past;
+    }
+    // The last value the view reads is offset + extent - 1.
+    offset >= 0
+        && offset
+            .checked_add(extent)
+            .and_then(|end| usize::try_from(end).ok())
+            .is_some_and(|end| end <= elements)
 }
 
 /// Makes `gradient` the `.grad()` of `target` without a copy, as autograd's
@@ -358,4 +440,27 @@ pub(super) fn named(
                 .map(|(_, gradient)| gradient),
         )
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::views_within;
+
+    /// Views of a contiguous `[3, 4]` (12 values) that stay inside it and read each
+    /// value once are within it; overlapping or outside ones are not.
+    #[test]
+    fn views_within_their_base() {
+        // The whole, a row, two columns, the transpose, nothing.
+        assert!(views_within(&[3, 4], &[4, 1], 0, 12));
+        assert!(views_within(&[1, 4], &[4, 1], 8, 12));
+        assert!(views_within(&[3, 2], &[4, 1], 2, 12));
+        assert!(views_within(&[4, 3], &[1, 4], 0, 12));
+        assert!(views_within(&[0, 4], &[4, 1], 0, 12));
+        // Past the end, before the start, broadcast, overlapping rows.
+        assert!(!views_within(&[1, 4], &[4, 1], 9, 12));
+        assert!(!views_within(&[3, 4], &[4, 1], -1, 12));
+        assert!(!views_within(&[3, 4], &[0, 1], 0, 12));
+        assert!(!views_within(&[3, 3], &[1, 1], 0, 12));
+        assert!(!views_within(&[2, 4], &[3, 1], 0, 12));
+    }
 }

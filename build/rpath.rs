@@ -28,3 +28,18 @@ pub fn libtorch_lib_dir() -> Option<String> {
                 .map(|torch| format!("{torch}/lib"))
         })
 }
+
+/// libtorch's `lib` folder and its root (which holds `include/`), for build scripts that
+/// compile against libtorch's headers (included as a module); panics naming `package`
+/// when they are unknown, since such a build cannot go on.
+#[allow(dead_code)] // Packages whose build script is this file compile nothing.
+pub fn libtorch_folders(package: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let lib_dir = libtorch_lib_dir().map(std::path::PathBuf::from).unwrap_or_else(|| {
+        panic!("{package}: libtorch's folder is unknown (run scripts/setup.sh, which sets LIBTORCH)")
+    });
+    let root = lib_dir
+        .parent()
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| panic!("{package}: {} has no parent", lib_dir.display()));
+    (lib_dir, root)
+}

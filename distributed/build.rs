@@ -12,13 +12,7 @@ const GLOO_HEADER: &str = "/usr/include/gloo/context.h";
 
 fn main() {
     rpath::main();
-    let lib_dir = rpath::libtorch_lib_dir().map(PathBuf::from).unwrap_or_else(|| {
-        panic!("nestor-distributed: libtorch's folder is unknown (run scripts/setup.sh, which sets LIBTORCH)")
-    });
-    let torch = lib_dir
-        .parent()
-        .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("nestor-distributed: {} has no parent", lib_dir.display()));
+    let (lib_dir, torch) = rpath::libtorch_folders("nestor-distributed");
     if !std::path::Path::new(GLOO_HEADER).exists() {
         panic!(
             "nestor-distributed: {GLOO_HEADER} is missing: install Debian's libgloo-dev \

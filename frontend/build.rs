@@ -5,21 +5,13 @@
 #[path = "../build/rpath.rs"]
 mod rpath;
 
-use std::path::PathBuf;
-
 fn main() {
     rpath::main();
     println!("cargo:rerun-if-changed=shim/grad.cpp");
     if std::env::var_os("CARGO_FEATURE_COMPILE").is_none() {
         return;
     }
-    let lib_dir = rpath::libtorch_lib_dir().map(PathBuf::from).unwrap_or_else(|| {
-        panic!("nestor-frontend: libtorch's folder is unknown (run scripts/setup.sh, which sets LIBTORCH)")
-    });
-    let torch = lib_dir
-        .parent()
-        .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("nestor-frontend: {} has no parent", lib_dir.display()));
+    let (lib_dir, torch) = rpath::libtorch_folders("nestor-frontend");
     cc::Build::new()
         .cpp(true)
         .std("c++17")

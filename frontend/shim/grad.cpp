@@ -22,7 +22,7 @@ extern "C" at::Tensor* nestor_view_base(const at::Tensor* view) {
     if (!view->is_view()) {
       return nullptr;
     }
-    return new at::Tensor(at::Tensor(view->_base()));
+    return new at::Tensor(view->_base());
   } catch (...) {
     return nullptr;
   }

@@ -216,12 +216,14 @@ pub(super) fn tensors(
 }
 
 /// Adds the gradients of a run to the parameters' `.grad()` (and through the batches'
-/// values to what computed them): in place where a parameter (a leaf) has a `.grad()`
-/// of the gradient's shape and kind already (one pass, as autograd's accumulation
-/// adds to a defined gradient), else through libtorch's own autograd (the backward of
+/// values to what computed them), as autograd's accumulation would: in place where a
+/// parameter (a leaf) has a `.grad()` of the gradient's shape and kind already (one
+/// pass); as the gradient itself, no copy, where it has none ([`became_grad`]); into
+/// its part of the base's `.grad()` where the parameter is a slice of a leaf
+/// ([`added_to_base`]); else through libtorch's own autograd (the backward of
 /// `sum(p * gradient)` over them, `p . gradient` where both are f32 or f64), so
-/// undefined gradients are created, and gradients reach what computed a view or a
-/// batch's values, exactly as for `loss.backward()`.
+/// gradients reach what computed any other view or a batch's values, exactly as for
+/// `loss.backward()`.
 pub(super) fn accumulate(
     params: &[Gradient],
     values: Vec<Value>,

@@ -2,7 +2,7 @@
 //! other regions as host steps that run a one-op graph through libtorch.
 
 use super::*;
-use crate::step::{Gemm, Host, Window};
+use crate::step::{Gemm, Host, SumRows, Window};
 use crate::WindowKind;
 use nestor_ir::{PoolKind, Window2d};
 
@@ -189,6 +189,86 @@ impl Lowering<'_> {
         Ok(out)
     }
 
+    /// The gradients of a 1x1 convolution without stride, padding or groups (see
+    /// [`Self::pointwise_conv`]) as products over the packed pixels: the input's is
+    /// `g [P, C_out]` times the weight `[C_out, C]` (a [`Step::Gemm`] by the weight as
+    /// it is, `[k, n]`), the weight's `g^T x` summed over the pixels (a
+    /// [`Step::SumRows`]), where the window kernels gathered 512-pixel tiles at a
+    /// fraction of the GEMM's speed (ResNet-50's 1x1 weight gradients: 150-330 GFLOP/s
+    /// in bf16 on a Xeon with AMX). `None` for other ops and windows.
+    fn pointwise_conv_grad(
+        &mut self,
+        value: ValueId,
+        op: &Op,
+        ty: &Type,
+    ) -> Result<Option<Lowered>, LowerError> {
+        let pointwise = |kernel: [i64; 2], (stride, padding, groups): (&[i64], &[i64], i64)| {
+            groups == 1
+                && Window2d {
+                    kernel,
+                    stride: [stride[0], stride[1]],
+                    padding: [padding[0], padding[1]],
+                    dilation: [1, 1],
+                } == POINTWISE
+        };
+        let is_images =
+            |lowering: &mut Self, operand: ValueId| lowering.image_operand(operand).is_some();
+        match op {
+            Op::Conv2dInputGrad {
+                g,
+                weight,
+                x,
+                stride,
+                padding,
+                groups,
+                ..
+            } if stride.len() == 2 && padding.len() == 2 => {
+                let Some(window) = conv_window(self.graph, *weight, (stride, padding, &[1, 1]))
+                else {
+                    return Ok(None);
+                };
+                if !pointwise(window.kernel, (stride, padding, *groups))
+                    || !is_images(self, *g)
+                    || !is_images(self, *x)
+                {
+                    return Ok(None);
+                }
+                self.gemm_checked(value, ty, *g, *weight, None, true)
+                    .map(Some)
+            }
+            Op::Conv2dWeightGrad {
+                x,
+                g,
+                kernel,
+                stride,
+                padding,
+                groups,
+                ..
+            } if kernel.len() == 2 && stride.len() == 2 && padding.len() == 2 => {
+                if !pointwise([kernel[0], kernel[1]], (stride, padding, *groups))
+                    || !is_images(self, *g)
+                    || !is_images(self, *x)
+                {
+                    return Ok(None);
+                }
+                let (g_slot, rows, g_tail, _) = self.data(value, *g)?;
+                let (x_slot, _, x_tail, _) = self.data(value, *x)?;
+                let out = self.result(value, ty)?;
+                self.program.steps.push(Step::SumRows(SumRows {
+                    out: slot_of(&out),
+                    a: Some(g_slot),
+                    b: x_slot,
+                    rows,
+                    m: volume(&g_tail),
+                    n: volume(&x_tail),
+                    mean: false,
+                }));
+                Ok(Some(out))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The window of a resampling (`op`) of images of these heights and widths to
     /// `output`, `None` unless that is two positive sizes; an empty image has no pixel
     /// to read: an error before the run, as libtorch's.
@@ -262,6 +342,9 @@ impl Lowering<'_> {
                 )
             })
         };
+        if let Some(lowered) = self.pointwise_conv_grad(value, op, ty)? {
+            return Ok(lowered);
+        }
         let step = match op {
             Op::Conv2dInputGrad {
                 g,
@@ -625,8 +708,6 @@ const WHOLE_IMAGE: Window2d = Window2d {
     dilation: [1, 1],
 };
 
-/// The window of a convolution by `weight` (a dense `[O, C, kh, kw]` of `graph`) with
-/// these strides, paddings and dilations (two each); `None` for other shapes.
 /// A 1x1 window that reads each pixel alone.
 const POINTWISE: Window2d = Window2d {
     kernel: [1, 1],
@@ -635,6 +716,8 @@ const POINTWISE: Window2d = Window2d {
     dilation: [1, 1],
 };
 
+/// The window of a convolution by `weight` (a dense `[O, C, kh, kw]` of `graph`) with
+/// these strides, paddings and dilations (two each); `None` for other shapes.
 fn conv_window(
     graph: &Graph,
     weight: ValueId,

@@ -220,6 +220,21 @@ impl Lines {
     }
 }
 
+/// A right operand whose rows are taps after taps, `b[t * channels + c][j]`, read
+/// straight from a convolution's weight: value `(j, c, t)` at `first + j * column +
+/// c * channel + t * tap` (a forward weight `[j, c, t]`, or an input gradient's adjoint
+/// `[c, j, t]` with its taps flipped), `channels` even.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TapRows {
+    pub(crate) channels: usize,
+    pub(crate) taps: usize,
+    /// Columns `j`.
+    pub(crate) columns: usize,
+    pub(crate) first: isize,
+    /// Strides of `j`, `c` and `t`, in values.
+    pub(crate) strides: (isize, isize, isize),
+}
+
 /// `b [k x n]` packed in AMX's pair layout (see [`Panel::pack`]), kept by its owner
 /// between products.
 #[derive(Default)]
@@ -297,6 +312,64 @@ impl Panel {
             let rows = (start + first.min(pairs) * TILE_COLUMNS)..(start + block);
             self.pairs[rows].fill(0);
         }
+    }
+
+    /// Packs the tap rows `rows` of `weight` (rounded to bf16 as they are read), a
+    /// block of 16 columns a task of `threads` of the team: one pass over the weight,
+    /// where reordering it for [`Panel::pack`] first and rounding it took a 512-channel
+    /// 3x3 convolution's weight 3-5 ms, more than the convolution of 383 pixels.
+    ///
+    /// # Safety
+    /// `weight` must hold every value `rows` names; `rows.channels` must be even.
+    pub(crate) unsafe fn pack_tap_rows(
+        &mut self,
+        weight: *const f32,
+        rows: TapRows,
+        threads: usize,
+    ) {
+        let TapRows {
+            channels,
+            taps,
+            columns,
+            first,
+            strides: (column, channel, tap),
+        } = rows;
+        let k = channels * taps;
+        self.shape((k, columns));
+        // Rows past `k` are zeros (`k` is even: whole pairs).
+        self.zero_pairs_from(k / 2);
+        let block = self.block();
+        let pairs = crate::parallel::SendPointer(self.pairs[self.start..].as_mut_ptr());
+        let blocks = columns.div_ceil(TILE_COLUMNS);
+        let weight = crate::parallel::SendPointer(weight as *mut f32);
+        crate::team::for_each_chunk(blocks, threads, &|column_block| {
+            let weight = weight.get() as *const f32;
+            let (start, end) = (
+                column_block * TILE_COLUMNS,
+                (column_block * TILE_COLUMNS + TILE_COLUMNS).min(columns),
+            );
+            for j in start..end {
+                // SAFETY: the pairs of column `j` lie in its block (this task's alone);
+                // the weight holds every value named (the caller vouches).
+                unsafe {
+                    let out = pairs.get().add(column_block * block + j - start);
+                    let column_first = first + j as isize * column;
+                    for c in (0..channels).step_by(2) {
+                        let even = weight.offset(column_first + c as isize * channel);
+                        let odd = even.offset(channel);
+                        for t in 0..taps {
+                            let (even, odd) = (
+                                *even.offset(t as isize * tap),
+                                *odd.offset(t as isize * tap),
+                            );
+                            let pair = (t * channels + c) / 2;
+                            *out.add(pair * TILE_COLUMNS) =
+                                u32::from(round(even)) | (u32::from(round(odd)) << 16);
+                        }
+                    }
+                }
+            }
+        });
     }
 
     /// Packs `b [k x n]` (rounded to bf16 as it is read, or read from its roundings):
@@ -493,6 +566,14 @@ pub(crate) enum Units {
     Dot,
 }
 
+/// The right operand of [`product`]: values to pack for it, or a panel packed once for
+/// many products ([`Panel::pack`]: the weight of a convolution's tiles of pixels).
+#[derive(Clone, Copy)]
+pub(crate) enum Right<'a> {
+    Values(Operand<'a>),
+    Packed(&'a Panel),
+}
+
 /// Per-thread scratch of [`product`], kept between products.
 #[derive(Default)]
 struct Scratch {
@@ -532,7 +613,7 @@ pub(crate) unsafe fn product(
     units: Units,
     (m, k, n): (usize, usize, usize),
     scale: f32,
-    (a, b): (Operand<'_>, Operand<'_>),
+    (a, b): (Operand<'_>, Right<'_>),
     (c, add): (StridedMut<f32>, bool),
     finished: crate::blas::Finished<'_>,
 ) {
@@ -564,14 +645,25 @@ pub(crate) unsafe fn product(
                     }
                     _ => Lines::new(a, true, k),
                 };
-                // SAFETY: the caller vouches for the operands.
-                let rows = unsafe {
-                    scratch.panel.pack(b, (k, n));
-                    RowsOfA::new(&lines, m, depth, &mut scratch.a)
+                let Scratch {
+                    a: packed_a,
+                    panel: own_panel,
+                    sums,
+                } = scratch;
+                // SAFETY: the caller vouches for the operands (a packed `b` is `k x n`).
+                let (rows, panel) = unsafe {
+                    let panel = match b {
+                        Right::Values(b) => {
+                            own_panel.pack(b, (k, n));
+                            &*own_panel
+                        }
+                        Right::Packed(panel) => panel,
+                    };
+                    (RowsOfA::new(&lines, m, depth, packed_a), panel)
                 };
+                let a = &*packed_a;
                 let blocks = n.div_ceil(TILE_COLUMNS);
                 let at_once = (PANEL_SLICE_BYTES / (depth * 2 * TILE_COLUMNS)).max(WIDE);
-                let Scratch { a, panel, sums } = scratch;
                 let sums = crate::aligned::lines(sums, 2 * TILE_ROWS * at_once * TILE_COLUMNS, 0.0);
                 // One slice of columns: rows are done about `FINISHED_VALUES` values at a
                 // time (else all at the end).
@@ -1279,7 +1371,7 @@ mod tests {
                     0.5,
                     (
                         ((a.as_ptr(), a_rows, a_columns), buffers.as_ref().map(|(a, _)| a)),
-                        ((b.as_ptr(), b_rows, b_columns), buffers.as_ref().map(|(_, b)| b)),
+                        Right::Values(((b.as_ptr(), b_rows, b_columns), buffers.as_ref().map(|(_, b)| b))),
                     ),
                     ((c.as_mut_ptr(), n as isize, 1), add),
                     &|first, last| finished.borrow_mut().push((first, last)),

@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use crate::amx::Units;
+use crate::amx::{Panel, Right, TapRows, Units};
 use crate::blas::{on_one_thread, Gemm, SetThreadsFn};
 use crate::parallel::SendPointer;
 use crate::spare::Spare;
@@ -241,6 +241,51 @@ pub(crate) unsafe fn product(
     unsafe { product_on(choice(), shape, a, b, c, finished) }
 }
 
+/// A right operand packed once for the products of many left operands by it
+/// ([`PackedRight::product`]; a convolution's weight, which every tile of pixels
+/// multiplies), on the process's own units.
+pub(crate) struct PackedRight {
+    panel: Panel,
+    units: Units,
+}
+
+impl PackedRight {
+    /// The tap rows `rows` of `weight` packed ([`Panel::pack_tap_rows`], by `threads` of
+    /// the team), when the process's bf16 products are its own (`None` on the other
+    /// paths, which pack nothing).
+    ///
+    /// # Safety
+    /// As [`Panel::pack_tap_rows`].
+    pub(crate) unsafe fn of_tap_rows(
+        weight: *const f32,
+        rows: TapRows,
+        threads: usize,
+    ) -> Option<Self> {
+        let Choice::Own(units) = *choice() else {
+            return None;
+        };
+        let mut panel = Panel::default();
+        // SAFETY: as the caller vouches.
+        unsafe { panel.pack_tap_rows(weight, rows, threads) };
+        Some(Self { panel, units })
+    }
+
+    /// [`product`] by this operand (`shape`'s `k` and `n` its own).
+    ///
+    /// # Safety
+    /// As [`product`] for `a` and `c`; `c` with unit column stride.
+    pub(crate) unsafe fn product(
+        &self,
+        (shape, scale): ((usize, usize, usize), f32),
+        a: Operand<'_>,
+        c: (StridedMut<f32>, bool),
+    ) {
+        let b = Right::Packed(&self.panel);
+        // SAFETY: as the caller vouches; the panel holds `k x n`.
+        unsafe { crate::amx::product(self.units, shape, scale, (a, b), c, &|_, _| {}) }
+    }
+}
+
 /// [`product`] on the path `path`.
 ///
 /// # Safety
@@ -258,7 +303,7 @@ unsafe fn product_on(
         // The tiles and MKL write `c` with unit column stride, as every caller's output
         // has.
         Choice::Own(units) if c.2 == 1 => {
-            let (a, b) = ((a, a_rounded), (b, b_rounded));
+            let (a, b) = ((a, a_rounded), Right::Values((b, b_rounded)));
             // SAFETY: the caller vouches for the operands and that the host has the units.
             unsafe { crate::amx::product(units, shape, scale, (a, b), (c, add), finished) };
             return;

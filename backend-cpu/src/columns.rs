@@ -8,12 +8,11 @@
 //! and a strided convolution's input gradient (the columns' gradient added back into
 //! the pixels they were gathered from, image by image).
 
-use std::borrow::Cow;
-
 use nestor_layout::{fill_taps, Outside, WindowImage, WindowTaps};
 use nestor_passes::Products;
 
-use crate::blas::Gemm;
+use crate::amx::TapRows;
+use crate::blas::{Gemm, RightOperand as Right};
 use crate::parallel::{even_part, worker_threads, SendPointer};
 use crate::spare::Lent;
 use crate::window::{add_partials, Shape, GRAD_BLOCK_ROWS};
@@ -57,37 +56,70 @@ pub(crate) fn columns_pay(shape: Shape, work: Work) -> bool {
 }
 
 /// `weight [outs, ins, taps]` as `[outs, taps, ins]`: the order of a columns row (tap
-/// after tap, each an input pixel's channels); the weight itself for one tap.
-fn by_tap<T: Copy>(weight: &[T], (outs, ins, taps): (usize, usize, usize)) -> Cow<'_, [T]> {
+/// after tap, each an input pixel's channels); the weight itself for one tap. Read in
+/// order, each value written to its place (a 512-channel 3x3 weight's reordering,
+/// gathered tap by tap with a stride, took longer than the convolution it was for).
+fn by_tap<T: Gemm>(weight: &[T], (outs, ins, taps): (usize, usize, usize)) -> Reordered<'_, T> {
     if taps == 1 {
-        return Cow::Borrowed(weight);
+        return Reordered::Same(weight);
     }
-    let mut by_tap = Vec::with_capacity(weight.len());
-    for o in 0..outs {
-        let row = &weight[o * ins * taps..][..ins * taps];
-        for t in 0..taps {
-            by_tap.extend((0..ins).map(|c| row[c * taps + t]));
+    let inner = ins * taps;
+    // Every value is written (a permutation of the weight's).
+    let mut by_tap = Lent::<T>::new(weight.len());
+    for (row, out) in weight
+        .chunks_exact(inner)
+        .zip(by_tap.chunks_exact_mut(inner))
+        .take(outs)
+    {
+        for (c, window) in row.chunks_exact(taps).enumerate() {
+            for (t, &value) in window.iter().enumerate() {
+                out[t * ins + c] = value;
+            }
         }
     }
-    Cow::Owned(by_tap)
+    Reordered::Lent(by_tap)
 }
 
 /// The forward weight `[ins, outs, taps]` of an input's gradient as the rows of the
 /// GEMM's right operand, `[taps, ins, outs]`, its taps flipped (the adjoint
 /// convolution's weight `W'[c, i, t] = W[i, c, taps - 1 - t]`, tap after tap); the
-/// weight itself for one tap.
-fn adjoint_rows<T: Copy>(weight: &[T], (ins, outs, taps): (usize, usize, usize)) -> Cow<'_, [T]> {
+/// weight itself for one tap. Read in order, as [`by_tap`].
+fn adjoint_rows<T: Gemm>(
+    weight: &[T],
+    (ins, outs, taps): (usize, usize, usize),
+) -> Reordered<'_, T> {
     if taps == 1 {
-        return Cow::Borrowed(weight);
+        return Reordered::Same(weight);
     }
-    let mut rows = Vec::with_capacity(weight.len());
-    for t in (0..taps).rev() {
-        for i in 0..ins {
-            let row = &weight[i * outs * taps..][..outs * taps];
-            rows.extend((0..outs).map(|c| row[c * taps + t]));
+    let plane = ins * outs;
+    // Every value is written (a permutation of the weight's).
+    let mut rows = Lent::<T>::new(weight.len());
+    for (ic, window) in weight.chunks_exact(taps).enumerate().take(plane) {
+        // Value `(i, c)` of every tap: row `i`, column `c` of the flipped tap's plane.
+        for (t, &value) in window.iter().enumerate() {
+            rows[(taps - 1 - t) * plane + ic] = value;
         }
     }
-    Cow::Owned(rows)
+    Reordered::Lent(rows)
+}
+
+/// A weight as the products read it: the step's own, or reordered into a lent vector
+/// (kept between steps with its pages mapped: a fresh one had them faulted in anew,
+/// most of a 512-channel weight's reordering).
+enum Reordered<'a, T: Gemm> {
+    Same(&'a [T]),
+    Lent(Lent<T>),
+}
+
+impl<T: Gemm> std::ops::Deref for Reordered<'_, T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        match self {
+            Reordered::Same(weight) => weight,
+            Reordered::Lent(reordered) => reordered,
+        }
+    }
 }
 
 /// Copies the input pixel of taps `taps` of every window (`channels` values of `x`;
@@ -200,15 +232,51 @@ pub(crate) unsafe fn convolve<T: Gemm>(
     let rows = images
         .last()
         .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
-    // The right operand `b [inner, width]` and its (row, column) strides.
-    let (matrix, strides) = if adjoint {
-        (adjoint_rows(weight, (channels, width, taps)), (width, 1))
-    } else {
-        (by_tap(weight, (width, channels, taps)), (1, inner))
-    };
-    let matrix = SendPointer(matrix.as_ptr() as *mut T);
-    let (out, x) = (SendPointer(out), SendPointer(x as *mut T));
     let threads = threads_for(rows.saturating_mul(inner).saturating_mul(width));
+    // The right operand `b [inner, width]`, tap after tap: with the process's own bf16
+    // products packed once straight from the weight (where reordering it first took a
+    // 512-channel 3x3 convolution of 383 pixels longer than its products), else the
+    // weight reordered, with its (row, column) strides, and for bf16 products rounded
+    // once (each tile's product packs it from its roundings).
+    let tap_rows = if adjoint {
+        // `W'[t][i][c] = W[i, c, taps - 1 - t]`.
+        TapRows {
+            channels,
+            taps,
+            columns: width,
+            first: taps as isize - 1,
+            strides: (taps as isize, (width * taps) as isize, -1),
+        }
+    } else {
+        TapRows {
+            channels,
+            taps,
+            columns: width,
+            first: 0,
+            strides: (inner as isize, taps as isize, 1),
+        }
+    };
+    // SAFETY: the weight holds `channels * width * taps` values.
+    let packed = unsafe { T::packed_tap_rows(products, weight, tap_rows, threads) };
+    let matrix = match packed {
+        Some(_) => None,
+        None if adjoint => Some((adjoint_rows(weight, (channels, width, taps)), (width, 1))),
+        None => Some((by_tap(weight, (width, channels, taps)), (1, inner))),
+    };
+    // SAFETY: the matrix holds `inner * width` values.
+    let rounded = matrix.as_ref().and_then(|(matrix, _)| unsafe {
+        T::rounded_here(products, matrix.as_ptr(), matrix.len(), threads)
+    });
+    let right = match (&packed, &matrix) {
+        (Some(packed), _) => Right::Packed(packed),
+        (None, Some((matrix, (row, column)))) => Right::Values((
+            (matrix.as_ptr(), *row as isize, *column as isize),
+            rounded.as_ref(),
+        )),
+        // One of the two is made above.
+        (None, None) => return,
+    };
+    let (out, x) = (SendPointer(out), SendPointer(x as *mut T));
     // Few tiles' worth of pixels (small images, late stages) are one tile a thread: each
     // thread gathers its own pixels once and multiplies them with the whole weight
     // (splitting the output channels instead gathers every pixel once per part: a 512-
@@ -249,14 +317,10 @@ pub(crate) unsafe fn convolve<T: Gemm>(
                     std::ptr::copy_nonoverlapping(bias.as_ptr(), c.add(row * width), width);
                 }
             }
-            let b = matrix.get() as *const T;
-            T::product_rounded(
+            T::product_by(
                 products,
                 ((count, inner, width), T::ONE),
-                (
-                    ((a, inner as isize, 1), None),
-                    ((b, strides.0 as isize, strides.1 as isize), None),
-                ),
+                (((a, inner as isize, 1), None), right),
                 ((c, width as isize, 1), bias.is_some()),
             );
         }
@@ -297,6 +361,12 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         SendPointer(g as *mut T),
     );
     let threads = threads_for(rows.saturating_mul(size));
+    // With bf16 products, the gradient every unit reads transposed is rounded once (or
+    // was, for an earlier step of the run: `crate::kept`), and packed from its
+    // roundings.
+    // SAFETY: `g` holds `rows * width` values.
+    let rounded_g = unsafe { T::rounded_buffer(products, g.get(), rows * width, threads) };
+    let rounded_g = rounded_g.as_deref();
     // Few blocks (small images, late stages) also split the work: the taps (each part
     // gathers its own), or for one tap the output channels.
     let (tap_parts, width_parts) = match per_window {
@@ -353,7 +423,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
                     (
                         (
                             (g.get().add(first * width + start), 1, width as isize),
-                            None,
+                            rounded_g,
                         ),
                         ((b, part_inner as isize, 1), None),
                     ),
@@ -431,13 +501,25 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
     // Every row a group reads is written by its GEMM first.
     let mut buffer = Lent::<T>::new(scratch);
     let matrix = by_tap(weight, (channels, width, per_window));
+    let threads = threads_for(taps.rows.len().saturating_mul(channels * width));
+    // With bf16 products, the matrix and the gradient rounded once (the gradient kept
+    // by the run, `crate::kept`; the matrix, this step's own, not).
+    let outputs = |image: &WindowImage| (image.out.0 * image.out.1) as usize;
+    let g_values = images.last().map_or(0, |last| last.output + outputs(last)) * channels;
+    // SAFETY: the matrix holds `channels * inner` values; `g` a row of `channels` per
+    // output pixel of `images` (from the first image's first, 0).
+    let (rounded_matrix, rounded_g) = unsafe {
+        (
+            T::rounded_here(products, matrix.as_ptr(), matrix.len(), threads),
+            T::rounded_buffer(products, g, g_values, threads),
+        )
+    };
+    let (rounded_matrix, rounded_g) = (rounded_matrix.as_ref(), rounded_g.as_deref());
     let (matrix, columns) = (
         SendPointer(matrix.as_ptr() as *mut T),
         SendPointer(buffer.as_mut_ptr()),
     );
     let (out, g) = (SendPointer(out), SendPointer(g as *mut T));
-    let threads = threads_for(taps.rows.len().saturating_mul(channels * width));
-    let outputs = |image: &WindowImage| (image.out.0 * image.out.1) as usize;
     let mut next = 0;
     while next < images.len() {
         // Images `next..end`, their output pixels `first..first + rows`.
@@ -463,9 +545,9 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
                     (
                         (
                             (g.get().add((first + tile) * channels), channels as isize, 1),
-                            None,
+                            rounded_g,
                         ),
-                        ((matrix.get().add(start), inner as isize, 1), None),
+                        ((matrix.get().add(start), inner as isize, 1), rounded_matrix),
                     ),
                     (
                         (columns.get().add(tile * inner + start), inner as isize, 1),
@@ -535,8 +617,17 @@ mod tests {
     /// input gradient over columns against their definitions in f64 over the window's
     /// taps: an image spanning several tiles, images of one pixel, windows leaving the
     /// image, strides and dilation, 1x1 windows read in place, and few tiles whose
-    /// output channels are split.
-    fn check<T: Gemm + Into<f64>>(tolerance: f64) {
+    /// output channels are split. With bf16 products (f32), the definitions multiply
+    /// the operands' bf16 roundings (the weight packed straight from its taps where the
+    /// process's products are its own, reordered elsewhere).
+    fn check<T: Gemm + Into<f64>>(tolerance: f64, products: Products) {
+        // An operand as the products read it.
+        let operand = |value: f64| match products {
+            Products::Bf16 => f64::from(f32::from_bits(
+                u32::from(crate::bf16::round(value as f32)) << 16,
+            )),
+            Products::Float => value,
+        };
         // Lent columns, partial sums and taps hold NaNs and far pixels until written.
         crate::spare::poison(T::from_f64(f64::NAN));
         crate::spare::poison(i64::MAX / 4);
@@ -570,7 +661,6 @@ mod tests {
                 };
 
                 let mut out = vec![T::NAN; rows * width];
-                let products = Products::Float;
                 // SAFETY: the buffers hold the images' pixels, the weight and the bias.
                 unsafe {
                     convolve(
@@ -586,8 +676,8 @@ mod tests {
                         let (mut expected, mut magnitude) = (f(&bias[o]), f(&bias[o]).abs());
                         for t in (0..taps).filter(|&t| tap(r, t) >= 0) {
                             for c in 0..channels {
-                                let term = f(&x[tap(r, t) as usize * channels + c])
-                                    * f(&weight[(o * channels + c) * taps + t]);
+                                let term = operand(f(&x[tap(r, t) as usize * channels + c]))
+                                    * operand(f(&weight[(o * channels + c) * taps + t]));
                                 expected += term;
                                 magnitude += term.abs();
                             }
@@ -646,8 +736,8 @@ mod tests {
                             for t in 0..taps {
                                 let (mut expected, mut magnitude) = (0.0, 0.0);
                                 for r in (0..rows).filter(|&r| tap(r, t) >= 0) {
-                                    let term = f(&g[r * width + o])
-                                        * f(&x[tap(r, t) as usize * channels + base + k]);
+                                    let term = operand(f(&g[r * width + o]))
+                                        * operand(f(&x[tap(r, t) as usize * channels + base + k]));
                                     expected += term;
                                     magnitude += term.abs();
                                 }
@@ -682,8 +772,8 @@ mod tests {
                         for c in 0..channels {
                             let at = tap(r, t) as usize * channels + c;
                             for o in 0..width {
-                                let term = f(&g[r * width + o])
-                                    * f(&weight[(o * channels + c) * taps + t]);
+                                let term = operand(f(&g[r * width + o]))
+                                    * operand(f(&weight[(o * channels + c) * taps + t]));
                                 expected[at] += term;
                                 magnitude[at] += term.abs();
                             }
@@ -699,7 +789,8 @@ mod tests {
 
     #[test]
     fn column_products_are_the_definitions() {
-        check::<f32>(1e-5);
-        check::<f64>(1e-12);
+        check::<f32>(1e-5, Products::Float);
+        check::<f32>(1e-5, Products::Bf16);
+        check::<f64>(1e-12, Products::Float);
     }
 }

@@ -44,7 +44,7 @@ const TILE_ROWS: usize = 16;
 /// f32 columns of a result tile (and columns of a block of `b`).
 const TILE_COLUMNS: usize = 16;
 /// bf16 values of `a` per tile row, and rows of `b` per tile (in pairs).
-const TILE_DEPTH: usize = 32;
+pub(crate) const TILE_DEPTH: usize = 32;
 /// Bytes per tile row, the most a tile holds.
 const ROW_BYTES: usize = 64;
 /// Column blocks multiplied at once (four tiles of sums, one of `a`, three of `b`).
@@ -161,6 +161,16 @@ impl Lines {
         }
     }
 
+    /// Rows of `length` bf16 bits from `start`, `row_stride` apart.
+    fn of_bits(start: *const u16, row_stride: isize, length: usize) -> Self {
+        Lines {
+            rounded: Some((start, row_stride, 1)),
+            values: (std::ptr::null(), 0, 0),
+            by_rows: true,
+            length,
+        }
+    }
+
     /// Line `index` as bf16 bits: in place when it is contiguous roundings, else read
     /// into `scratch`; zeros when `index` is not below `count`.
     ///
@@ -223,7 +233,7 @@ impl Lines {
 /// A right operand whose rows are taps after taps, `b[t * channels + c][j]`, read
 /// straight from a convolution's weight: value `(j, c, t)` at `first + j * column +
 /// c * channel + t * tap` (a forward weight `[j, c, t]`, or an input gradient's adjoint
-/// `[c, j, t]` with its taps flipped), `channels` even.
+/// `[c, j, t]` with its taps flipped).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct TapRows {
     pub(crate) channels: usize,
@@ -320,7 +330,7 @@ impl Panel {
     /// 3x3 convolution's weight 3-5 ms, more than the convolution of 383 pixels.
     ///
     /// # Safety
-    /// `weight` must hold every value `rows` names; `rows.channels` must be even.
+    /// `weight` must hold every value `rows` names.
     pub(crate) unsafe fn pack_tap_rows(
         &mut self,
         weight: *const f32,
@@ -336,7 +346,8 @@ impl Panel {
         } = rows;
         let k = channels * taps;
         self.shape((k, columns));
-        // Rows past `k` are zeros (`k` is even: whole pairs).
+        // Rows past `k` are zeros (an odd `k`'s last pair is written below, its second
+        // row a zero).
         self.zero_pairs_from(k / 2);
         let block = self.block();
         let pairs = crate::parallel::SendPointer(self.pairs[self.start..].as_mut_ptr());
@@ -354,6 +365,23 @@ impl Panel {
                 unsafe {
                     let out = pairs.get().add(column_block * block + j - start);
                     let column_first = first + j as isize * column;
+                    if channels % 2 == 1 {
+                        // A pair's rows may be different taps': each row found on its own
+                        // (a stem's few channels: a small weight).
+                        let value = |row: usize| match row < k {
+                            true => round(*weight.offset(
+                                column_first
+                                    + (row % channels) as isize * channel
+                                    + (row / channels) as isize * tap,
+                            )),
+                            false => 0,
+                        };
+                        for pair in 0..k.div_ceil(2) {
+                            *out.add(pair * TILE_COLUMNS) =
+                                u32::from(value(2 * pair)) | (u32::from(value(2 * pair + 1)) << 16);
+                        }
+                        continue;
+                    }
                     for c in (0..channels).step_by(2) {
                         let even = weight.offset(column_first + c as isize * channel);
                         let odd = even.offset(channel);
@@ -566,6 +594,15 @@ pub(crate) enum Units {
     Dot,
 }
 
+/// The left operand of [`product`]: values (rounded as they are read, or read from
+/// their roundings), or rows of bf16 bits at a row stride (a convolution's columns,
+/// gathered rounded: read in place when a whole number of tiles deep).
+#[derive(Clone, Copy)]
+pub(crate) enum Left<'a> {
+    Values(Operand<'a>),
+    Bits(*const u16, isize),
+}
+
 /// The right operand of [`product`]: values to pack for it, or a panel packed once for
 /// many products ([`Panel::pack`]: the weight of a convolution's tiles of pixels).
 #[derive(Clone, Copy)]
@@ -613,7 +650,7 @@ pub(crate) unsafe fn product(
     units: Units,
     (m, k, n): (usize, usize, usize),
     scale: f32,
-    (a, b): (Operand<'_>, Right<'_>),
+    (a, b): (Left<'_>, Right<'_>),
     (c, add): (StridedMut<f32>, bool),
     finished: crate::blas::Finished<'_>,
 ) {
@@ -640,10 +677,11 @@ pub(crate) unsafe fn product(
                 // A column-major `a` as the columns of its row-major transpose (rows
                 // packed 16 x 32 at a time from roundings, `pack_columns`).
                 let lines = match a {
-                    ((start, 1, columns), buffer) if columns != 1 => {
+                    Left::Values(((start, 1, columns), buffer)) if columns != 1 => {
                         Lines::new(((start, columns, 1), buffer), false, k)
                     }
-                    _ => Lines::new(a, true, k),
+                    Left::Values(a) => Lines::new(a, true, k),
+                    Left::Bits(start, row_stride) => Lines::of_bits(start, row_stride, k),
                 };
                 let Scratch {
                     a: packed_a,
@@ -1370,7 +1408,7 @@ mod tests {
                     (m, k, n),
                     0.5,
                     (
-                        ((a.as_ptr(), a_rows, a_columns), buffers.as_ref().map(|(a, _)| a)),
+                        Left::Values(((a.as_ptr(), a_rows, a_columns), buffers.as_ref().map(|(a, _)| a))),
                         Right::Values(((b.as_ptr(), b_rows, b_columns), buffers.as_ref().map(|(_, b)| b))),
                     ),
                     ((c.as_mut_ptr(), n as isize, 1), add),

@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use crate::amx::{Panel, Right, TapRows, Units};
+use crate::amx::{Left, Panel, Right, TapRows, Units};
 use crate::blas::{on_one_thread, Gemm, SetThreadsFn};
 use crate::parallel::SendPointer;
 use crate::spare::Spare;
@@ -277,7 +277,7 @@ impl PackedRight {
     pub(crate) unsafe fn product(
         &self,
         (shape, scale): ((usize, usize, usize), f32),
-        a: Operand<'_>,
+        a: Left<'_>,
         c: (StridedMut<f32>, bool),
     ) {
         let b = Right::Packed(&self.panel);
@@ -303,7 +303,7 @@ unsafe fn product_on(
         // The tiles and MKL write `c` with unit column stride, as every caller's output
         // has.
         Choice::Own(units) if c.2 == 1 => {
-            let (a, b) = ((a, a_rounded), Right::Values((b, b_rounded)));
+            let (a, b) = (Left::Values((a, a_rounded)), Right::Values((b, b_rounded)));
             // SAFETY: the caller vouches for the operands and that the host has the units.
             unsafe { crate::amx::product(units, shape, scale, (a, b), (c, add), finished) };
             return;

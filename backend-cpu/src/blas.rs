@@ -18,8 +18,7 @@ use nestor_passes::Products;
 
 use std::sync::Arc;
 
-use crate::amx::TapRows;
-use crate::bf16::{PackedRight, RoundedBuffer};
+use crate::bf16::RoundedBuffer;
 use crate::scalar::Scalar;
 use crate::strided::{Strided, StridedMut};
 
@@ -130,42 +129,6 @@ pub(crate) trait Gemm: Scalar + crate::spare::Spare {
     ) {
         let _ = products;
         unsafe { Self::product(shape, scale, a.0, b.0, c, add) }
-    }
-
-    /// [`Gemm::product_rounded`] by a right operand as values, or packed once for many
-    /// products ([`Gemm::packed_tap_rows`]).
-    ///
-    /// # Safety
-    /// As [`Gemm::product_rounded`]; `c` with unit column stride when `b` is packed.
-    unsafe fn product_by(
-        products: Products,
-        (shape, scale): ((usize, usize, usize), Self),
-        (a, b): (Rounded<'_, Self>, RightOperand<'_, Self>),
-        (c, add): (StridedMut<Self>, bool),
-    ) {
-        match b {
-            RightOperand::Values(b) => unsafe {
-                Self::product_rounded(products, (shape, scale), (a, b), (c, add))
-            },
-            // Only f32 packs operands (this type's `packed_tap_rows` gives none).
-            RightOperand::Packed(_) => unreachable!("a packed operand of a type that packs none"),
-        }
-    }
-
-    /// The tap rows `rows` of `weight` packed once for many products
-    /// ([`Gemm::product_by`]): with bf16 products on the process's own units and an even
-    /// `rows.channels` (`None` otherwise: each product reads the operand itself).
-    ///
-    /// # Safety
-    /// `weight` must hold every value `rows` names.
-    unsafe fn packed_tap_rows(
-        products: Products,
-        weight: &[Self],
-        rows: TapRows,
-        threads: usize,
-    ) -> Option<PackedRight> {
-        let _ = (products, weight, rows, threads);
-        None
     }
 
     /// [`Gemm::product_rounded`] that hands `c`'s rows to `finished` as they are done
@@ -285,38 +248,6 @@ impl Gemm for f32 {
         }
     }
 
-    unsafe fn product_by(
-        products: Products,
-        (shape, scale): ((usize, usize, usize), Self),
-        (a, b): (Rounded<'_, Self>, RightOperand<'_, Self>),
-        (c, add): (StridedMut<Self>, bool),
-    ) {
-        // The caller vouches for the operands (as for `product_rounded`).
-        unsafe {
-            match b {
-                RightOperand::Values(b) => {
-                    Self::product_rounded(products, (shape, scale), (a, b), (c, add))
-                }
-                RightOperand::Packed(packed) => packed.product((shape, scale), a, (c, add)),
-            }
-        }
-    }
-
-    unsafe fn packed_tap_rows(
-        products: Products,
-        weight: &[Self],
-        rows: TapRows,
-        threads: usize,
-    ) -> Option<PackedRight> {
-        match products {
-            // SAFETY: the caller vouches for the weight; the channels are even.
-            Products::Bf16 if rows.channels % 2 == 0 => unsafe {
-                PackedRight::of_tap_rows(weight.as_ptr(), rows, threads)
-            },
-            _ => None,
-        }
-    }
-
     unsafe fn tile_matmul(
         shape: (usize, usize, usize),
         scale: Self,
@@ -338,19 +269,6 @@ impl Gemm for f64 {
         mkl.dgemm
     }
 }
-
-/// The right operand of [`Gemm::product_by`]: its values, or packed once for many
-/// products.
-#[derive(Clone, Copy)]
-pub(crate) enum RightOperand<'a, T> {
-    Values(Rounded<'a, T>),
-    Packed(&'a PackedRight),
-}
-
-// SAFETY: products only read their operands; the caller of a product vouches for them
-// on every thread that multiplies by one.
-unsafe impl<T> Send for RightOperand<'_, T> {}
-unsafe impl<T> Sync for RightOperand<'_, T> {}
 
 /// An operand of a product: its values, and the buffer of roundings it lies in (if
 /// any, see [`Gemm::rounded_buffer`]).

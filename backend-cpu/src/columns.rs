@@ -11,8 +11,11 @@
 use nestor_layout::{fill_taps, Outside, WindowImage, WindowTaps};
 use nestor_passes::Products;
 
-use crate::amx::TapRows;
-use crate::blas::{Gemm, RightOperand as Right};
+use std::any::TypeId;
+
+use crate::amx::{Left, TapRows};
+use crate::bf16::PackedRight;
+use crate::blas::Gemm;
 use crate::parallel::{even_part, worker_threads, SendPointer};
 use crate::spare::Lent;
 use crate::window::{add_partials, Shape, GRAD_BLOCK_ROWS};
@@ -38,7 +41,7 @@ pub(crate) enum Work {
 /// 3 input channels; a stem's weight gradient, 3 channels times 49 taps, took 28 ms in
 /// the direct kernel and 6 as a GEMM). `NESTOR_CONV=direct` or `NESTOR_CONV=columns`
 /// forces one way (to compare them).
-pub(crate) fn columns_pay(shape: Shape, work: Work) -> bool {
+pub(crate) fn columns_pay(shape: Shape, work: Work, products: Products) -> bool {
     // `NESTOR_CONV`, read once per process: forced to one way, or by the shape.
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| {
@@ -48,7 +51,11 @@ pub(crate) fn columns_pay(shape: Shape, work: Work) -> bool {
     if let Some(columns) = *forced {
         return columns;
     }
+    // With the process's own bf16 products a stem's convolution too (3 channels times
+    // 49 taps).
+    let own_bf16 = products == Products::Bf16 && crate::bf16::own_products();
     let inputs = match work {
+        Work::Convolution if own_bf16 => shape.channels.saturating_mul(shape.taps) >= 64,
         Work::Convolution => shape.channels >= 16,
         Work::WeightGradient => shape.channels.saturating_mul(shape.taps) >= 64,
     };
@@ -128,19 +135,23 @@ impl<T: Gemm> std::ops::Deref for Reordered<'_, T> {
 /// inside the image) are one copy: at a stem's 3 channels, a copy per tap took most of
 /// its weight gradient's time.
 ///
+/// Each run of pixels is copied by `copy` (as it is, or rounded to bf16); rows are
+/// `row_len` values apart, zeros past their taps.
+///
 /// # Safety
 /// `x` must hold every pixel the taps name.
-unsafe fn gather<T: Gemm>(
-    x: *const T,
+unsafe fn gather<S, E: Copy + Default>(
+    x: *const S,
     (table, per_window, taps): (&[i64], usize, std::ops::Range<usize>),
     channels: usize,
-    columns: &mut [T],
+    (columns, row_len, copy): (&mut [E], usize, impl Fn(&[S], &mut [E])),
 ) {
-    let row_len = taps.len() * channels;
+    let used = taps.len() * channels;
     for (row, window) in columns
         .chunks_exact_mut(row_len.max(1))
         .zip(table.chunks_exact(per_window.max(1)))
     {
+        row[used..].fill(E::default());
         let sources = &window[taps.clone()];
         let mut tap = 0;
         while tap < sources.len() {
@@ -150,7 +161,7 @@ unsafe fn gather<T: Gemm>(
                 while end < sources.len() && sources[end] < 0 {
                     end += 1;
                 }
-                row[tap * channels..end * channels].fill(T::ZERO);
+                row[tap * channels..end * channels].fill(E::default());
             } else {
                 while end < sources.len() && sources[end] == sources[end - 1] + 1 {
                     end += 1;
@@ -159,11 +170,16 @@ unsafe fn gather<T: Gemm>(
                 // SAFETY: the taps name pixels of `x`, these `end - tap` consecutive ones.
                 let pixels =
                     unsafe { std::slice::from_raw_parts(x.add(source as usize * channels), count) };
-                row[tap * channels..end * channels].copy_from_slice(pixels);
+                copy(pixels, &mut row[tap * channels..end * channels]);
             }
             tap = end;
         }
     }
+}
+
+/// Copies `from` into `to` as it is.
+fn copied<T: Copy>(from: &[T], to: &mut [T]) {
+    to.copy_from_slice(from);
 }
 
 /// The team's threads for `macs` multiply-adds: all of them when worth splitting.
@@ -180,20 +196,20 @@ fn threads_for(macs: usize) -> usize {
 }
 
 /// A tile's work, given its index, its columns and its taps.
-type TileTask<'a, T> = dyn Fn(usize, &mut [T], &mut [i64]) + Sync + 'a;
+type TileTask<'a, E> = dyn Fn(usize, &mut [E], &mut [i64]) + Sync + 'a;
 
 /// Runs `task(tile, columns, table)` for every one of the `tiles` on `threads` of the
 /// team, a tile a chunk (so that uneven work balances), with `scratch` values of columns
 /// and `table` taps lent to each ([`Lent`]: kept between steps, their old values for the
 /// task to overwrite; a fresh vector per chunk had its pages faulted in and zeroed).
-fn for_each_tile<T: Gemm>(
+fn for_each_tile<E: crate::spare::Spare>(
     tiles: usize,
     threads: usize,
     (scratch, table): (usize, usize),
-    task: &TileTask<'_, T>,
+    task: &TileTask<'_, E>,
 ) {
     crate::team::for_each_chunk(tiles, threads, &|tile| {
-        let (mut columns, mut taps) = (Lent::<T>::new(scratch), Lent::<i64>::new(table));
+        let (mut columns, mut taps) = (Lent::<E>::new(scratch), Lent::<i64>::new(table));
         task(tile, &mut columns, &mut taps);
     });
 }
@@ -233,60 +249,42 @@ pub(crate) unsafe fn convolve<T: Gemm>(
         .last()
         .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
     let threads = threads_for(rows.saturating_mul(inner).saturating_mul(width));
-    // The right operand `b [inner, width]`, tap after tap: with the process's own bf16
-    // products packed once straight from the weight (where reordering it first took a
-    // 512-channel 3x3 convolution of 383 pixels longer than its products), else the
-    // weight reordered, with its (row, column) strides, and for bf16 products rounded
-    // once (each tile's product packs it from its roundings).
-    let tap_rows = if adjoint {
-        // `W'[t][i][c] = W[i, c, taps - 1 - t]`.
-        TapRows {
-            channels,
-            taps,
-            columns: width,
-            first: taps as isize - 1,
-            strides: (taps as isize, (width * taps) as isize, -1),
+    // With the process's own bf16 products on f32 values: the weight packed once, its
+    // columns gathered rounded (`convolve_packed`).
+    if products == Products::Bf16 && TypeId::of::<T>() == TypeId::of::<f32>() {
+        let tap_rows = tap_rows(shape, adjoint);
+        // SAFETY: `T` is f32; the weight holds `channels * width * taps` values.
+        let packed =
+            unsafe { PackedRight::of_tap_rows(weight.as_ptr() as *const f32, tap_rows, threads) };
+        if let Some(packed) = packed {
+            let bias = bias.map(|bias| bias.as_ptr() as *const f32);
+            // SAFETY: `T` is f32; as the caller vouches.
+            unsafe {
+                convolve_packed(
+                    (out as *mut f32, x as *const f32),
+                    (&packed, bias),
+                    (images, window),
+                    shape,
+                    threads,
+                )
+            };
+            return;
         }
+    }
+    // The right operand `b [inner, width]`, tap after tap: the weight reordered, with
+    // its (row, column) strides, and for bf16 products rounded once (each tile's
+    // product packs it from its roundings).
+    let (matrix, strides) = if adjoint {
+        (adjoint_rows(weight, (channels, width, taps)), (width, 1))
     } else {
-        TapRows {
-            channels,
-            taps,
-            columns: width,
-            first: 0,
-            strides: (inner as isize, taps as isize, 1),
-        }
-    };
-    // SAFETY: the weight holds `channels * width * taps` values.
-    let packed = unsafe { T::packed_tap_rows(products, weight, tap_rows, threads) };
-    let matrix = match packed {
-        Some(_) => None,
-        None if adjoint => Some((adjoint_rows(weight, (channels, width, taps)), (width, 1))),
-        None => Some((by_tap(weight, (width, channels, taps)), (1, inner))),
+        (by_tap(weight, (width, channels, taps)), (1, inner))
     };
     // SAFETY: the matrix holds `inner * width` values.
-    let rounded = matrix.as_ref().and_then(|(matrix, _)| unsafe {
-        T::rounded_here(products, matrix.as_ptr(), matrix.len(), threads)
-    });
-    let right = match (&packed, &matrix) {
-        (Some(packed), _) => Right::Packed(packed),
-        (None, Some((matrix, (row, column)))) => Right::Values((
-            (matrix.as_ptr(), *row as isize, *column as isize),
-            rounded.as_ref(),
-        )),
-        // One of the two is made above.
-        (None, None) => return,
-    };
+    let rounded = unsafe { T::rounded_here(products, matrix.as_ptr(), matrix.len(), threads) };
+    let rounded = rounded.as_ref();
+    let matrix = SendPointer(matrix.as_ptr() as *mut T);
     let (out, x) = (SendPointer(out), SendPointer(x as *mut T));
-    // Few tiles' worth of pixels (small images, late stages) are one tile a thread: each
-    // thread gathers its own pixels once and multiplies them with the whole weight
-    // (splitting the output channels instead gathers every pixel once per part: a 512-
-    // channel 3x3 convolution of 480 pixels took 13.8 ms so, 9.4 ms this way).
-    let tile_rows = if rows < 2 * threads * TILE_ROWS {
-        rows.div_ceil(threads).max(1)
-    } else {
-        TILE_ROWS
-    };
-    let tiles = rows.div_ceil(tile_rows);
+    let (tile_rows, tiles) = tiling(rows, threads);
     // A 1x1 window without stride or padding reads every pixel as its own column.
     let pointwise = taps == 1 && window.stride == [1, 1] && window.padding == [0, 0];
     let scratch = if pointwise {
@@ -305,7 +303,14 @@ pub(crate) unsafe fn convolve<T: Gemm>(
             fill_taps(&window, images, first, table, Outside::Marked);
             let columns = &mut columns[..count * inner];
             // SAFETY: `x` holds every pixel the taps name.
-            unsafe { gather(x.get(), (table, taps, 0..taps), channels, columns) };
+            unsafe {
+                gather(
+                    x.get(),
+                    (table, taps, 0..taps),
+                    channels,
+                    (columns, inner, copied),
+                )
+            };
             columns.as_ptr()
         };
         // SAFETY: rows `first..first + count` of `out` are this tile's alone; the
@@ -313,14 +318,149 @@ pub(crate) unsafe fn convolve<T: Gemm>(
         unsafe {
             let c = out.get().add(first * width);
             if let Some(bias) = bias {
-                for row in 0..count {
-                    std::ptr::copy_nonoverlapping(bias.as_ptr(), c.add(row * width), width);
-                }
+                write_bias(c, bias.as_ptr(), (count, width));
             }
-            T::product_by(
+            let b = matrix.get() as *const T;
+            T::product_rounded(
                 products,
                 ((count, inner, width), T::ONE),
-                (((a, inner as isize, 1), None), right),
+                (
+                    ((a, inner as isize, 1), None),
+                    ((b, strides.0 as isize, strides.1 as isize), rounded),
+                ),
+                ((c, width as isize, 1), bias.is_some()),
+            );
+        }
+    });
+}
+
+/// The rows of output pixels a tile of [`convolve`] gathers and multiplies, and the
+/// tiles: few tiles' worth of pixels (small images, late stages) are one tile a
+/// thread, each thread gathering its own pixels once and multiplying them with the
+/// whole weight (splitting the output channels instead gathers every pixel once per
+/// part: a 512-channel 3x3 convolution of 480 pixels took 13.8 ms so, 9.4 ms this way).
+fn tiling(rows: usize, threads: usize) -> (usize, usize) {
+    let tile_rows = if rows < 2 * threads * TILE_ROWS {
+        rows.div_ceil(threads).max(1)
+    } else {
+        TILE_ROWS
+    };
+    (tile_rows, rows.div_ceil(tile_rows))
+}
+
+/// Writes the bias into `rows` rows of `width` values from `out` (the products are
+/// added to it).
+///
+/// # Safety
+/// `out` must hold the rows, `bias` `width` values.
+unsafe fn write_bias<T: Copy>(out: *mut T, bias: *const T, (rows, width): (usize, usize)) {
+    for row in 0..rows {
+        // SAFETY: as the caller vouches.
+        unsafe { std::ptr::copy_nonoverlapping(bias, out.add(row * width), width) };
+    }
+}
+
+/// The tap rows of a convolution's weight (`[width, channels, taps]`; with `adjoint`,
+/// the forward weight `[channels, width, taps]` of an input's gradient, its taps
+/// flipped: `W'[t][i][c] = W[i, c, taps - 1 - t]`), as [`by_tap`] and
+/// [`adjoint_rows`] reorder them.
+fn tap_rows(shape: Shape, adjoint: bool) -> TapRows {
+    let Shape {
+        channels,
+        width,
+        taps,
+    } = shape;
+    let strides = if adjoint {
+        (taps as isize, (width * taps) as isize, -1)
+    } else {
+        ((channels * taps) as isize, taps as isize, 1)
+    };
+    TapRows {
+        channels,
+        taps,
+        columns: width,
+        first: if adjoint { taps as isize - 1 } else { 0 },
+        strides,
+    }
+}
+
+/// [`convolve`] with bf16 products on the process's own units: every tile's columns
+/// gathered as bf16 roundings, rows padded with zeros to a whole number of tiles deep
+/// (read in place by the tiles, where gathering f32 values and rounding them into
+/// packed rows took a third of a 3x3 convolution's time), times the weight `packed`
+/// once.
+///
+/// # Safety
+/// As [`convolve`]; `packed` is the weight's tap rows.
+unsafe fn convolve_packed(
+    (out, x): (*mut f32, *const f32),
+    (packed, bias): (&PackedRight, Option<*const f32>),
+    (images, window): (&[WindowImage], Window2d),
+    shape: Shape,
+    threads: usize,
+) {
+    let Shape {
+        channels,
+        width,
+        taps,
+    } = shape;
+    let inner = taps * channels;
+    // The packed weight's rows past `inner` are zeros: so are the columns'.
+    let depth = inner.next_multiple_of(crate::amx::TILE_DEPTH);
+    let rows = images
+        .last()
+        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let (tile_rows, tiles) = tiling(rows, threads);
+    let (out, x, bias) = (
+        SendPointer(out),
+        SendPointer(x as *mut f32),
+        bias.map(|bias| SendPointer(bias as *mut f32)),
+    );
+    let scratch = (tile_rows * depth, tile_rows * taps);
+    // The images' roundings, made once (or kept by the run: the step that wrote them
+    // rounded them as it went), the columns copied from them.
+    let inputs = images
+        .last()
+        .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
+    // SAFETY: `x` holds every input pixel's `channels` values.
+    let rounded = unsafe {
+        <f32 as Gemm>::rounded_buffer(Products::Bf16, x.get(), inputs * channels, threads)
+    };
+    let bits = rounded
+        .as_deref()
+        .and_then(|rounded| rounded.bf16_view((x.get(), 1, 1)))
+        .map(|(start, _, _)| SendPointer(start as *mut u16));
+    for_each_tile::<u16>(tiles, threads, scratch, &|tile, columns, table| {
+        let first = tile * tile_rows;
+        let count = tile_rows.min(rows - first);
+        let table = &mut table[..count * taps];
+        fill_taps(&window, images, first, table, Outside::Marked);
+        let columns = &mut columns[..count * depth];
+        // SAFETY: `x` holds every pixel the taps name; rows `first..first + count` of
+        // `out` are this tile's alone.
+        unsafe {
+            let taps = (&*table, taps, 0..taps);
+            match bits {
+                Some(bits) => gather(
+                    bits.get() as *const u16,
+                    taps,
+                    channels,
+                    (&mut *columns, depth, copied),
+                ),
+                None => gather(
+                    x.get() as *const f32,
+                    taps,
+                    channels,
+                    (&mut *columns, depth, crate::bf16::round_line::<u16>),
+                ),
+            }
+            let c = out.get().add(first * width);
+            if let Some(bias) = bias {
+                write_bias(c, bias.get() as *const f32, (count, width));
+            }
+            packed.product(
+                ((count, depth, width), 1.0),
+                Left::Bits(columns.as_ptr(), depth as isize),
                 ((c, width as isize, 1), bias.is_some()),
             );
         }
@@ -405,7 +545,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
                         x.get(),
                         (table, per_window, tap_range.clone()),
                         channels,
-                        columns,
+                        (columns, part_inner, copied),
                     )
                 };
                 columns.as_ptr()
@@ -617,7 +757,7 @@ mod tests {
     /// input gradient over columns against their definitions in f64 over the window's
     /// taps: an image spanning several tiles, images of one pixel, windows leaving the
     /// image, strides and dilation, 1x1 windows read in place, and few tiles whose
-    /// output channels are split. With bf16 products (f32), the definitions multiply
+    /// output channels are split, a stem's odd channel count. With bf16 products (f32), the definitions multiply
     /// the operands' bf16 roundings (the weight packed straight from its taps where the
     /// process's products are its own, reordered elsewhere).
     fn check<T: Gemm + Into<f64>>(tolerance: f64, products: Products) {
@@ -633,7 +773,7 @@ mod tests {
         crate::spare::poison(i64::MAX / 4);
         let (heights, widths) = ([31i64, 1, 4, 2], [25i64, 1, 3, 1]);
         for window in windows() {
-            for (channels, width) in [(16usize, 32usize), (6, 130)] {
+            for (channels, width) in [(16usize, 32usize), (6, 130), (3, 40)] {
                 let images = window_images(&window, &heights, &widths).unwrap();
                 let table = window_taps(&window, &heights, &widths, Outside::Marked).unwrap();
                 let last = images.last().unwrap();

@@ -253,7 +253,7 @@ unsafe fn convolve<T: Gemm>(
             shape.width * shape.channels * shape.taps,
         )
     };
-    if columns_pay(shape, Work::Convolution) {
+    if columns_pay(shape, Work::Convolution, products) {
         // SAFETY: as the caller promises.
         unsafe {
             let bias = bias.map(|bias| std::slice::from_raw_parts(bias as *const T, shape.width));
@@ -858,7 +858,7 @@ pub(crate) unsafe fn strided_conv_input_grad<T: Gemm>(
             &dense[..]
         }
     };
-    if columns_pay(shape, Work::Convolution) {
+    if columns_pay(shape, Work::Convolution, products) {
         // SAFETY: as the caller promises.
         unsafe {
             crate::columns::strided_input_grad(

@@ -7,7 +7,9 @@
 use nestor_passes::step::{
     Attention, AttentionGrad, AttentionPart, Gemm, Host, PairGemm, SumRows, Unpad,
 };
-use nestor_passes::{FloatType, KernelSet, Placement, Products, Program, Signature, Slot, Step};
+use nestor_passes::{
+    FloatType, KernelSet, Placement, Products, Program, Signature, Slot, Step, WindowKind,
+};
 use nestor_runtime::{
     step_error, within_budget, HostSteps, HostValue, InputData, RunState, RuntimeError,
 };
@@ -34,10 +36,16 @@ pub(crate) struct CpuSteps {
 
 /// The slots a step multiplies as bf16 roundings when the program's products are
 /// [`Products::Bf16`] (a GEMM's input and weight, attention's inputs and its
-/// gradient's, a weight gradient's two operands).
+/// gradient's, a weight gradient's two operands, the images a convolution over
+/// columns gathers, `crate::columns`).
 fn rounded_operands(step: &Step) -> Vec<Slot> {
     match step {
         Step::Gemm(gemm) => vec![gemm.x, gemm.weight],
+        Step::Window(window)
+            if matches!(window.kind, WindowKind::Conv | WindowKind::ConvInputGrad) =>
+        {
+            vec![window.x]
+        }
         Step::Attention(attention) => vec![attention.q.slot, attention.k.slot, attention.v.slot],
         Step::AttentionGrad(grad) => vec![grad.q.slot, grad.k.slot, grad.v.slot, grad.g.slot],
         Step::SumRows(SumRows { a: Some(a), b, .. }) => vec![*a, *b],

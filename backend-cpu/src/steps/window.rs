@@ -52,7 +52,11 @@ impl CpuSteps {
             WindowKind::ImageSpread => window.image_spread(),
             WindowKind::Conv | WindowKind::ConvInputGrad => window.convolution(),
             WindowKind::WeightGrad
-                if columns_pay(window.shape_with_taps(), Work::WeightGradient) =>
+                if columns_pay(
+                    window.shape_with_taps(),
+                    Work::WeightGradient,
+                    run.program().products,
+                ) =>
             {
                 window.weight_grad_by_columns(window.shape_with_taps())
             }

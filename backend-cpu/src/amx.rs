@@ -353,6 +353,10 @@ impl Panel {
         let pairs = crate::parallel::SendPointer(self.pairs[self.start..].as_mut_ptr());
         let blocks = columns.div_ceil(TILE_COLUMNS);
         let weight = crate::parallel::SendPointer(weight as *mut f32);
+        // Gathers of 16 columns' values need AVX-512 and strides that fit them.
+        #[cfg(target_arch = "x86_64")]
+        let wide = std::is_x86_feature_detected!("avx512f")
+            && i32::try_from(column.unsigned_abs() * TILE_COLUMNS).is_ok();
         crate::team::for_each_chunk(blocks, threads, &|column_block| {
             let weight = weight.get() as *const f32;
             let (start, end) = (
@@ -365,6 +369,13 @@ impl Panel {
                 unsafe {
                     let out = pairs.get().add(column_block * block + j - start);
                     let column_first = first + j as isize * column;
+                    #[cfg(target_arch = "x86_64")]
+                    if wide && end - start == TILE_COLUMNS && channels % 2 == 0 && j == start {
+                        // The whole block at once: 16 columns' values gathered per row.
+                        let gather = (column_first, (column, channel, tap));
+                        pack_tap_block(weight, gather, (channels, taps), out);
+                        break;
+                    }
                     if channels % 2 == 1 {
                         // A pair's rows may be different taps': each row found on its own
                         // (a stem's few channels: a small weight).
@@ -948,6 +959,60 @@ unsafe fn widened_16(
     unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i)) }
 }
 
+/// The pairs of a block of 16 columns of tap rows ([`Panel::pack_tap_rows`], an even
+/// channel count) from `out` on: for each pair of channels and each tap, the 16
+/// columns' two values gathered (`first + j * column + c * channel + t * tap` for
+/// column `j` of the block), rounded to bf16 and stored as the block's 16 pairs of
+/// that row pair.
+///
+/// # Safety
+/// The host must have AVX-512F; `weight` must hold every value named, `16 * column`
+/// fit an `i32`; `out` hold the block's `channels * taps / 2` rows of 16 pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_tap_block(
+    weight: *const f32,
+    (first, (column, channel, tap)): (isize, (isize, isize, isize)),
+    (channels, taps): (usize, usize),
+    out: *mut u32,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: within the weight and the block (the caller vouches); the host has
+    // AVX-512F.
+    unsafe {
+        // Column `j`'s offset, in values, in lane `j`.
+        let lanes = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(column as i32),
+        );
+        // bf16 bits of 16 values rounded to nearest even, NaNs kept quiet (as `round`),
+        // in the low half of each lane.
+        let rounded = |values: __m512| {
+            let bits = _mm512_castps_si512(values);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let sum = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(values, values);
+            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
+            _mm512_mask_mov_epi32(_mm512_srli_epi32::<16>(sum), nan, quiet)
+        };
+        for c in (0..channels).step_by(2) {
+            let even = weight.offset(first + c as isize * channel);
+            let odd = even.offset(channel);
+            for t in 0..taps {
+                let at = t as isize * tap;
+                let even = _mm512_i32gather_ps::<4>(lanes, even.offset(at));
+                let odd = _mm512_i32gather_ps::<4>(lanes, odd.offset(at));
+                let pairs = _mm512_or_si512(
+                    _mm512_and_si512(rounded(even), _mm512_set1_epi32(0xffff)),
+                    _mm512_slli_epi32::<16>(rounded(odd)),
+                );
+                let pair = (t * channels + c) / 2;
+                _mm512_storeu_si512(out.add(pair * TILE_COLUMNS) as *mut __m512i, pairs);
+            }
+        }
+    }
+}
+
 /// `out[j] = even[j] | odd[j] << 16`: two rows' 16 values as pairs.
 ///
 /// # Safety
@@ -1443,6 +1508,85 @@ mod tests {
                 next = last;
             }
             prop_assert_eq!(next, m, "{:?}", finished);
+        }
+    }
+
+    /// The tap rows of a weight packed straight from it (16 columns gathered at once in
+    /// AVX-512 where the host has it, the other columns and odd channel counts one by
+    /// one) are the pairs of the weight's bf16 roundings, ties to even, NaNs quiet,
+    /// infinities kept, zeros past the rows, forward and flipped (adjoint) taps.
+    #[test]
+    fn tap_rows_pack_the_roundings_of_the_weight() {
+        let specials = [
+            f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xffff_ffff),
+            f32::INFINITY,
+            -0.0,
+            1.0 + f32::EPSILON * 64.0,
+            3.0e38,
+        ];
+        for (channels, taps, columns, adjoint) in [
+            (4usize, 3usize, 35usize, false),
+            (4, 3, 32, true),
+            (3, 5, 17, false),
+        ] {
+            let k = channels * taps;
+            let len = columns * channels * taps;
+            let weight: Vec<f32> = (0..len)
+                .map(|i| match i % 13 {
+                    0..=6 => specials[i % 13],
+                    _ => (i as f32 * 0.377).sin() * 1.0e-3,
+                })
+                .collect();
+            // Forward `[j, c, t]`; adjoint `[c, j, t]` with flipped taps.
+            let rows = match adjoint {
+                false => TapRows {
+                    channels,
+                    taps,
+                    columns,
+                    first: 0,
+                    strides: ((channels * taps) as isize, taps as isize, 1),
+                },
+                true => TapRows {
+                    channels,
+                    taps,
+                    columns,
+                    first: taps as isize - 1,
+                    strides: (taps as isize, (columns * taps) as isize, -1),
+                },
+            };
+            let value = |j: usize, row: usize| {
+                let (c, t) = (row % channels, row / channels);
+                let at = rows.first
+                    + j as isize * rows.strides.0
+                    + c as isize * rows.strides.1
+                    + t as isize * rows.strides.2;
+                weight[at as usize]
+            };
+            let mut panel = Panel::default();
+            panel.poison(1 << 12);
+            // SAFETY: the weight holds every value the rows name.
+            unsafe { panel.pack_tap_rows(weight.as_ptr(), rows, 2) };
+            for j in 0..columns {
+                for pair in 0..panel.depth() / 2 {
+                    let half = |row: usize| match row < k {
+                        true => u32::from(round(value(j, row))),
+                        false => 0,
+                    };
+                    let expected = half(2 * pair) | (half(2 * pair + 1) << 16);
+                    // SAFETY: the panel holds every column block's pairs.
+                    let got = unsafe {
+                        *panel
+                            .column_block(j / TILE_COLUMNS)
+                            .add(pair * TILE_COLUMNS + j % TILE_COLUMNS)
+                    };
+                    assert_eq!(
+                        got, expected,
+                        "{channels} channels, {taps} taps, column {j}, pair {pair}, adjoint {adjoint}"
+                    );
+                }
+            }
         }
     }
 }

@@ -245,9 +245,7 @@ pub(crate) unsafe fn convolve<T: Gemm>(
         taps,
     } = shape;
     let inner = taps * channels;
-    let rows = images
-        .last()
-        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let rows = nestor_layout::pixels(images).1;
     let threads = threads_for(rows.saturating_mul(inner).saturating_mul(width));
     // With the process's own bf16 products on f32 values: the weight packed once, its
     // columns gathered rounded (`convolve_packed`).
@@ -407,9 +405,7 @@ unsafe fn convolve_packed(
     let inner = taps * channels;
     // The packed weight's rows past `inner` are zeros: so are the columns'.
     let depth = inner.next_multiple_of(crate::amx::TILE_DEPTH);
-    let rows = images
-        .last()
-        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let rows = nestor_layout::pixels(images).1;
     let (tile_rows, tiles) = tiling(rows, threads);
     let (out, x, bias) = (
         SendPointer(out),
@@ -419,9 +415,7 @@ unsafe fn convolve_packed(
     let scratch = (tile_rows * depth, tile_rows * taps);
     // The images' roundings, made once (or kept by the run: the step that wrote them
     // rounded them as it went), the columns copied from them.
-    let inputs = images
-        .last()
-        .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
+    let inputs = nestor_layout::pixels(images).0;
     // SAFETY: `x` holds every input pixel's `channels` values.
     let rounded = unsafe {
         <f32 as Gemm>::rounded_buffer(Products::Bf16, x.get(), inputs * channels, threads)
@@ -487,9 +481,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         taps: per_window,
     } = shape;
     let inner = per_window * channels;
-    let rows = images
-        .last()
-        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let rows = nestor_layout::pixels(images).1;
     let pointwise = per_window == 1 && window.stride == [1, 1] && window.padding == [0, 0];
     let size = width * inner;
     let blocks = rows.div_ceil(GRAD_BLOCK_ROWS);
@@ -645,7 +637,7 @@ pub(crate) unsafe fn strided_input_grad<T: Gemm>(
     // With bf16 products, the matrix and the gradient rounded once (the gradient kept
     // by the run, `crate::kept`; the matrix, this step's own, not).
     let outputs = |image: &WindowImage| (image.out.0 * image.out.1) as usize;
-    let g_values = images.last().map_or(0, |last| last.output + outputs(last)) * channels;
+    let g_values = nestor_layout::pixels(images).1 * channels;
     // SAFETY: the matrix holds `channels * inner` values; `g` a row of `channels` per
     // output pixel of `images` (from the first image's first, 0).
     let (rounded_matrix, rounded_g) = unsafe {

@@ -315,9 +315,7 @@ unsafe fn convolve_pairs(
     if !crate::dot::host_has() || !channels.is_multiple_of(2) {
         return false;
     }
-    let pixels = images
-        .last()
-        .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
+    let pixels = nestor_layout::pixels(images).0;
     // SAFETY: as the caller promises.
     let x = unsafe { std::slice::from_raw_parts(x as *const f32, pixels * channels) };
     let threads = worker_threads().max(1) as usize;
@@ -415,9 +413,7 @@ fn for_each_row(
         .enumerate()
         .flat_map(|(index, image)| (0..image.out.0).map(move |row| (index, row)))
         .collect();
-    let pixels = images
-        .last()
-        .map_or(0, |last| last.output + (last.out.0 * last.out.1) as usize);
+    let pixels = nestor_layout::pixels(images).1;
     let macs = pixels
         .saturating_mul(shape.width)
         .saturating_mul(shape.channels)

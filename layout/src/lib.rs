@@ -10,6 +10,6 @@ mod window;
 
 pub use ragged::{LayoutError, RaggedLayout};
 pub use window::{
-    check_window, fill_taps, in_one_piece, window_images, window_taps, window_taps_in_parts,
-    FillTaps, Outside, WindowError, WindowImage, WindowTaps,
+    check_window, fill_taps, in_one_piece, pixels, window_images, window_taps,
+    window_taps_in_parts, FillTaps, Outside, WindowError, WindowImage, WindowTaps,
 };

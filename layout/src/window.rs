@@ -123,6 +123,17 @@ pub struct WindowImage {
     pub out: (i64, i64),
 }
 
+/// The input and output pixels of all `images`, in order (the packed rows of their
+/// inputs and of their outputs).
+pub fn pixels(images: &[WindowImage]) -> (usize, usize) {
+    images.last().map_or((0, 0), |last| {
+        (
+            last.input + (last.size.0 * last.size.1) as usize,
+            last.output + (last.out.0 * last.out.1) as usize,
+        )
+    })
+}
+
 /// Images of these heights and widths under `window`. Every size and count is
 /// checked (they come from users): pixels in and out, in total, fit in an `i64`.
 pub fn window_images(

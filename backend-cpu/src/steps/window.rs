@@ -380,9 +380,7 @@ impl WindowRun<'_, '_, '_> {
         };
         let images = window_images(&self.step.window, self.sizes.0, self.sizes.1)
             .map_err(|error| self.error(error.to_string()))?;
-        let pixels = images
-            .last()
-            .map_or(0, |last| last.input + (last.size.0 * last.size.1) as usize);
+        let pixels = nestor_layout::pixels(&images).0;
         let weight_len = shape.channels.saturating_mul(shape.width) / self.groups;
         if self.out_scalars != pixels.saturating_mul(shape.width)
             || self.slot_len(self.step.x) != rows.saturating_mul(shape.channels)

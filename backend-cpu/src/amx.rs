@@ -359,53 +359,20 @@ impl Panel {
             && i32::try_from(column.unsigned_abs() * TILE_COLUMNS).is_ok();
         crate::team::for_each_chunk(blocks, threads, &|column_block| {
             let weight = weight.get() as *const f32;
-            let (start, end) = (
-                column_block * TILE_COLUMNS,
-                (column_block * TILE_COLUMNS + TILE_COLUMNS).min(columns),
-            );
-            for j in start..end {
-                // SAFETY: the pairs of column `j` lie in its block (this task's alone);
-                // the weight holds every value named (the caller vouches).
-                unsafe {
-                    let out = pairs.get().add(column_block * block + j - start);
-                    let column_first = first + j as isize * column;
-                    #[cfg(target_arch = "x86_64")]
-                    if wide && end - start == TILE_COLUMNS && channels % 2 == 0 && j == start {
-                        // The whole block at once: 16 columns' values gathered per row.
-                        let gather = (column_first, (column, channel, tap));
-                        pack_tap_block(weight, gather, (channels, taps), out);
-                        break;
-                    }
-                    if channels % 2 == 1 {
-                        // A pair's rows may be different taps': each row found on its own
-                        // (a stem's few channels: a small weight).
-                        let value = |row: usize| match row < k {
-                            true => round(*weight.offset(
-                                column_first
-                                    + (row % channels) as isize * channel
-                                    + (row / channels) as isize * tap,
-                            )),
-                            false => 0,
-                        };
-                        for pair in 0..k.div_ceil(2) {
-                            *out.add(pair * TILE_COLUMNS) =
-                                u32::from(value(2 * pair)) | (u32::from(value(2 * pair + 1)) << 16);
-                        }
-                        continue;
-                    }
-                    for c in (0..channels).step_by(2) {
-                        let even = weight.offset(column_first + c as isize * channel);
-                        let odd = even.offset(channel);
-                        for t in 0..taps {
-                            let (even, odd) = (
-                                *even.offset(t as isize * tap),
-                                *odd.offset(t as isize * tap),
-                            );
-                            let pair = (t * channels + c) / 2;
-                            *out.add(pair * TILE_COLUMNS) =
-                                u32::from(round(even)) | (u32::from(round(odd)) << 16);
-                        }
-                    }
+            let start = column_block * TILE_COLUMNS;
+            let end = (start + TILE_COLUMNS).min(columns);
+            // SAFETY: the block's pairs are this task's alone; the weight holds every
+            // value named (the caller vouches).
+            unsafe {
+                let out = pairs.get().add(column_block * block);
+                #[cfg(target_arch = "x86_64")]
+                if wide && end - start == TILE_COLUMNS && channels % 2 == 0 {
+                    // The whole block at once: 16 columns' values gathered per row.
+                    let gather = (first + start as isize * column, (column, channel, tap));
+                    return pack_tap_block(weight, gather, (channels, taps), out);
+                }
+                for j in start..end {
+                    pack_tap_column(weight, rows, j, out.add(j - start));
                 }
             }
         });
@@ -957,6 +924,56 @@ unsafe fn widened_16(
     }
     // SAFETY: 16 values; the host has AVX-512F.
     unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(values.as_ptr() as *const __m256i)) }
+}
+
+/// The pairs of column `j` of tap rows `rows` ([`Panel::pack_tap_rows`]) from `out` on,
+/// [`TILE_COLUMNS`] apart, value by value.
+///
+/// # Safety
+/// `weight` must hold every value of column `j`; `out` its `k.div_ceil(2)` pairs.
+unsafe fn pack_tap_column(weight: *const f32, rows: TapRows, j: usize, out: *mut u32) {
+    let TapRows {
+        channels,
+        taps,
+        first,
+        strides: (column, channel, tap),
+        ..
+    } = rows;
+    let k = channels * taps;
+    let column_first = first + j as isize * column;
+    // SAFETY: within the weight and the column's pairs (the caller vouches).
+    unsafe {
+        if channels % 2 == 1 {
+            // A pair's rows may be different taps': each row found on its own (a stem's
+            // few channels: a small weight).
+            let value = |row: usize| match row < k {
+                true => round(*weight.offset(
+                    column_first
+                        + (row % channels) as isize * channel
+                        + (row / channels) as isize * tap,
+                )),
+                false => 0,
+            };
+            for pair in 0..k.div_ceil(2) {
+                *out.add(pair * TILE_COLUMNS) =
+                    u32::from(value(2 * pair)) | (u32::from(value(2 * pair + 1)) << 16);
+            }
+            return;
+        }
+        for c in (0..channels).step_by(2) {
+            let even = weight.offset(column_first + c as isize * channel);
+            let odd = even.offset(channel);
+            for t in 0..taps {
+                let (even, odd) = (
+                    *even.offset(t as isize * tap),
+                    *odd.offset(t as isize * tap),
+                );
+                let pair = (t * channels + c) / 2;
+                *out.add(pair * TILE_COLUMNS) =
+                    u32::from(round(even)) | (u32::from(round(odd)) << 16);
+            }
+        }
+    }
 }
 
 /// The pairs of a block of 16 columns of tap rows ([`Panel::pack_tap_rows`], an even

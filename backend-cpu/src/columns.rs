@@ -135,16 +135,16 @@ impl<T: Gemm> std::ops::Deref for Reordered<'_, T> {
 /// inside the image) are one copy: at a stem's 3 channels, a copy per tap took most of
 /// its weight gradient's time.
 ///
-/// Each run of pixels is copied by `copy` (as it is, or rounded to bf16); rows are
-/// `row_len` values apart, zeros past their taps.
+/// Rows are `row_len` values apart, zeros past their taps. `x` holds values of any type
+/// (f32 or f64, or bf16 roundings).
 ///
 /// # Safety
 /// `x` must hold every pixel the taps name.
-unsafe fn gather<S, E: Copy + Default>(
-    x: *const S,
+unsafe fn gather<E: Copy + Default>(
+    x: *const E,
     (table, per_window, taps): (&[i64], usize, std::ops::Range<usize>),
     channels: usize,
-    (columns, row_len, copy): (&mut [E], usize, impl Fn(&[S], &mut [E])),
+    (columns, row_len): (&mut [E], usize),
 ) {
     let used = taps.len() * channels;
     for (row, window) in columns
@@ -170,16 +170,11 @@ unsafe fn gather<S, E: Copy + Default>(
                 // SAFETY: the taps name pixels of `x`, these `end - tap` consecutive ones.
                 let pixels =
                     unsafe { std::slice::from_raw_parts(x.add(source as usize * channels), count) };
-                copy(pixels, &mut row[tap * channels..end * channels]);
+                row[tap * channels..end * channels].copy_from_slice(pixels);
             }
             tap = end;
         }
     }
-}
-
-/// Copies `from` into `to` as it is.
-fn copied<T: Copy>(from: &[T], to: &mut [T]) {
-    to.copy_from_slice(from);
 }
 
 /// The team's threads for `macs` multiply-adds: all of them when worth splitting.
@@ -248,24 +243,20 @@ pub(crate) unsafe fn convolve<T: Gemm>(
     let rows = nestor_layout::pixels(images).1;
     let threads = threads_for(rows.saturating_mul(inner).saturating_mul(width));
     // With the process's own bf16 products on f32 values: the weight packed once, its
-    // columns gathered rounded (`convolve_packed`).
+    // columns gathered from the images' roundings (`convolve_packed`).
     if products == Products::Bf16 && TypeId::of::<T>() == TypeId::of::<f32>() {
-        let tap_rows = tap_rows(shape, adjoint);
-        // SAFETY: `T` is f32; the weight holds `channels * width * taps` values.
-        let packed =
-            unsafe { PackedRight::of_tap_rows(weight.as_ptr() as *const f32, tap_rows, threads) };
-        if let Some(packed) = packed {
-            let bias = bias.map(|bias| bias.as_ptr() as *const f32);
-            // SAFETY: `T` is f32; as the caller vouches.
-            unsafe {
-                convolve_packed(
-                    (out as *mut f32, x as *const f32),
-                    (&packed, bias),
-                    (images, window),
-                    shape,
-                    threads,
-                )
-            };
+        let bias = bias.map(|bias| bias.as_ptr() as *const f32);
+        // SAFETY: `T` is f32; as the caller vouches.
+        let done = unsafe {
+            convolve_packed(
+                (out as *mut f32, x as *const f32),
+                (weight.as_ptr() as *const f32, bias),
+                (images, window),
+                (shape, adjoint),
+                threads,
+            )
+        };
+        if done {
             return;
         }
     }
@@ -301,14 +292,7 @@ pub(crate) unsafe fn convolve<T: Gemm>(
             fill_taps(&window, images, first, table, Outside::Marked);
             let columns = &mut columns[..count * inner];
             // SAFETY: `x` holds every pixel the taps name.
-            unsafe {
-                gather(
-                    x.get(),
-                    (table, taps, 0..taps),
-                    channels,
-                    (columns, inner, copied),
-                )
-            };
+            unsafe { gather(x.get(), (table, taps, 0..taps), channels, (columns, inner)) };
             columns.as_ptr()
         };
         // SAFETY: rows `first..first + count` of `out` are this tile's alone; the
@@ -385,18 +369,27 @@ fn tap_rows(shape: Shape, adjoint: bool) -> TapRows {
 /// [`convolve`] with bf16 products on the process's own units: every tile's columns
 /// gathered as bf16 roundings, rows padded with zeros to a whole number of tiles deep
 /// (read in place by the tiles, where gathering f32 values and rounding them into
-/// packed rows took a third of a 3x3 convolution's time), times the weight `packed`
-/// once.
+/// packed rows took a third of a 3x3 convolution's time), times the weight packed once
+/// straight from its taps (`bf16::PackedRight`).
+///
+/// Returns whether it ran: only with the process's own bf16 products, which round to
+/// bf16 bits (else the caller's way runs).
 ///
 /// # Safety
-/// As [`convolve`]; `packed` is the weight's tap rows.
+/// As [`convolve`] (the weight `width * channels * taps` values).
 unsafe fn convolve_packed(
     (out, x): (*mut f32, *const f32),
-    (packed, bias): (&PackedRight, Option<*const f32>),
+    (weight, bias): (*const f32, Option<*const f32>),
     (images, window): (&[WindowImage], Window2d),
-    shape: Shape,
+    (shape, adjoint): (Shape, bool),
     threads: usize,
-) {
+) -> bool {
+    // SAFETY: the weight holds every value of its tap rows (the caller vouches).
+    let Some(packed) =
+        (unsafe { PackedRight::of_tap_rows(weight, tap_rows(shape, adjoint), threads) })
+    else {
+        return false;
+    };
     let Shape {
         channels,
         width,
@@ -420,10 +413,13 @@ unsafe fn convolve_packed(
     let rounded = unsafe {
         <f32 as Gemm>::rounded_buffer(Products::Bf16, x.get(), inputs * channels, threads)
     };
-    let bits = rounded
+    let Some(bits) = rounded
         .as_deref()
         .and_then(|rounded| rounded.bf16_view((x.get(), 1, 1)))
-        .map(|(start, _, _)| SendPointer(start as *mut u16));
+        .map(|(start, _, _)| SendPointer(start as *mut u16))
+    else {
+        return false;
+    };
     for_each_tile::<u16>(tiles, threads, scratch, &|tile, columns, table| {
         let first = tile * tile_rows;
         let count = tile_rows.min(rows - first);
@@ -433,21 +429,12 @@ unsafe fn convolve_packed(
         // SAFETY: `x` holds every pixel the taps name; rows `first..first + count` of
         // `out` are this tile's alone.
         unsafe {
-            let taps = (&*table, taps, 0..taps);
-            match bits {
-                Some(bits) => gather(
-                    bits.get() as *const u16,
-                    taps,
-                    channels,
-                    (&mut *columns, depth, copied),
-                ),
-                None => gather(
-                    x.get() as *const f32,
-                    taps,
-                    channels,
-                    (&mut *columns, depth, crate::bf16::round_line::<u16>),
-                ),
-            }
+            gather(
+                bits.get() as *const u16,
+                (table, taps, 0..taps),
+                channels,
+                (&mut *columns, depth),
+            );
             let c = out.get().add(first * width);
             if let Some(bias) = bias {
                 write_bias(c, bias.get() as *const f32, (count, width));
@@ -459,6 +446,16 @@ unsafe fn convolve_packed(
             );
         }
     });
+    true
+}
+
+/// Whether a convolution of `shape` (or its input's gradient) with `products` gathers
+/// its columns from its images' bf16 roundings ([`convolve_packed`]): so the step
+/// that writes those images makes the roundings as it goes.
+pub(crate) fn gathers_roundings(shape: Shape, products: Products) -> bool {
+    products == Products::Bf16
+        && crate::bf16::own_products()
+        && columns_pay(shape, Work::Convolution, products)
 }
 
 /// [`crate::window`]'s weight gradient as GEMMs: per block of [`GRAD_BLOCK_ROWS`]
@@ -537,7 +534,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
                         x.get(),
                         (table, per_window, tap_range.clone()),
                         channels,
-                        (columns, part_inner, copied),
+                        (columns, part_inner),
                     )
                 };
                 columns.as_ptr()
@@ -749,9 +746,9 @@ mod tests {
     /// input gradient over columns against their definitions in f64 over the window's
     /// taps: an image spanning several tiles, images of one pixel, windows leaving the
     /// image, strides and dilation, 1x1 windows read in place, and few tiles whose
-    /// output channels are split, a stem's odd channel count. With bf16 products (f32), the definitions multiply
-    /// the operands' bf16 roundings (the weight packed straight from its taps where the
-    /// process's products are its own, reordered elsewhere).
+    /// output channels are split, a stem's odd channel count. With bf16 products (f32),
+    /// the definitions multiply the operands' bf16 roundings (the weight packed straight
+    /// from its taps where the process's products are its own, reordered elsewhere).
     fn check<T: Gemm + Into<f64>>(tolerance: f64, products: Products) {
         // An operand as the products read it.
         let operand = |value: f64| match products {

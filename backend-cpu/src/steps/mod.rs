@@ -36,13 +36,14 @@ pub(crate) struct CpuSteps {
 
 /// The slots a step multiplies as bf16 roundings when the program's products are
 /// [`Products::Bf16`] (a GEMM's input and weight, attention's inputs and its
-/// gradient's, a weight gradient's two operands, the images a convolution over
-/// columns gathers, `crate::columns`).
+/// gradient's, a weight gradient's two operands, the images a convolution gathers
+/// its columns from as roundings, `crate::columns::gathers_roundings`).
 fn rounded_operands(step: &Step) -> Vec<Slot> {
     match step {
         Step::Gemm(gemm) => vec![gemm.x, gemm.weight],
         Step::Window(window)
-            if matches!(window.kind, WindowKind::Conv | WindowKind::ConvInputGrad) =>
+            if matches!(window.kind, WindowKind::Conv | WindowKind::ConvInputGrad)
+                && crate::columns::gathers_roundings(window::shape_of(window), Products::Bf16) =>
         {
             vec![window.x]
         }

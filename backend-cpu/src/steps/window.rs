@@ -33,9 +33,8 @@ impl CpuSteps {
             run,
             sizes: (&heights.lengths, &widths.lengths),
             shape: Shape {
-                channels: usize::try_from(step.channels).unwrap_or(0),
-                width: usize::try_from(step.width).unwrap_or(0),
                 taps: 0,
+                ..shape_of(step)
             },
             out_scalars: run.sizes().elements(run.program(), step.out),
             groups: usize::try_from(step.groups).unwrap_or(0),
@@ -99,10 +98,7 @@ impl WindowRun<'_, '_, '_> {
 
     /// The step's shape with its window's taps.
     fn shape_with_taps(&self) -> Shape {
-        Shape {
-            taps: usize::try_from(self.step.window.taps()).unwrap_or(0),
-            ..self.shape
-        }
+        shape_of(self.step)
     }
 
     /// The values slot `slot` holds in this run.
@@ -428,5 +424,15 @@ impl WindowRun<'_, '_, '_> {
             }
         }
         Ok(())
+    }
+}
+
+/// The input and output channels and the taps per window of a window step.
+pub(super) fn shape_of(step: &Window) -> Shape {
+    let size = |value: i64| usize::try_from(value).unwrap_or(0);
+    Shape {
+        channels: size(step.channels),
+        width: size(step.width),
+        taps: size(step.window.taps()),
     }
 }

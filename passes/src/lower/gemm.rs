@@ -82,26 +82,7 @@ impl Lowering<'_> {
         ty: &Type,
     ) -> Result<Lowered, LowerError> {
         match op {
-            Op::ContractRows { a, b } => {
-                let (a_slot, a_rows, a_tail, _) = self.data(value, *a)?;
-                let (b_slot, _, b_tail, _) = self.data(value, *b)?;
-                let (m, n) = (
-                    a_tail.last().copied().unwrap_or(1),
-                    b_tail.last().copied().unwrap_or(1),
-                );
-                let rows = a_rows.times(volume(&a_tail[..a_tail.len().saturating_sub(1)]));
-                let out = self.result(value, ty)?;
-                self.program.steps.push(Step::SumRows(SumRows {
-                    out: slot_of(&out),
-                    a: Some(a_slot),
-                    b: b_slot,
-                    rows,
-                    m,
-                    n,
-                    mean: false,
-                }));
-                Ok(out)
-            }
+            Op::ContractRows { a, b } => self.contract_rows(value, ty, (*a, *b)),
             Op::ScatterRows {
                 g,
                 ids,
@@ -285,6 +266,34 @@ impl Lowering<'_> {
             .filter(|(_, node)| node.op == wanted)
             .map(|(index, _)| ValueId(index as u32))
             .next()
+    }
+
+    /// `a^T b` summed over every row (`a [rows, m]`, `b [rows, n]`, their last dims the
+    /// widths): a weight gradient, as a [`Step::SumRows`].
+    pub(super) fn contract_rows(
+        &mut self,
+        value: ValueId,
+        ty: &Type,
+        (a, b): (ValueId, ValueId),
+    ) -> Result<Lowered, LowerError> {
+        let (a_slot, a_rows, a_tail, _) = self.data(value, a)?;
+        let (b_slot, _, b_tail, _) = self.data(value, b)?;
+        let (m, n) = (
+            a_tail.last().copied().unwrap_or(1),
+            b_tail.last().copied().unwrap_or(1),
+        );
+        let rows = a_rows.times(volume(&a_tail[..a_tail.len().saturating_sub(1)]));
+        let out = self.result(value, ty)?;
+        self.program.steps.push(Step::SumRows(SumRows {
+            out: slot_of(&out),
+            a: Some(a_slot),
+            b: b_slot,
+            rows,
+            m,
+            n,
+            mean: false,
+        }));
+        Ok(out)
     }
 
     pub(super) fn gemm(

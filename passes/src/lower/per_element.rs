@@ -2,7 +2,7 @@
 //! other regions as host steps that run a one-op graph through libtorch.
 
 use super::*;
-use crate::step::{Gemm, Host, SumRows, Window};
+use crate::step::{Gemm, Host, Window};
 use crate::WindowKind;
 use nestor_ir::{PoolKind, Window2d};
 
@@ -251,19 +251,7 @@ impl Lowering<'_> {
                 {
                     return Ok(None);
                 }
-                let (g_slot, rows, g_tail, _) = self.data(value, *g)?;
-                let (x_slot, _, x_tail, _) = self.data(value, *x)?;
-                let out = self.result(value, ty)?;
-                self.program.steps.push(Step::SumRows(SumRows {
-                    out: slot_of(&out),
-                    a: Some(g_slot),
-                    b: x_slot,
-                    rows,
-                    m: volume(&g_tail),
-                    n: volume(&x_tail),
-                    mean: false,
-                }));
-                Ok(Some(out))
+                self.contract_rows(value, ty, (*g, *x)).map(Some)
             }
             _ => Ok(None),
         }

@@ -16,6 +16,7 @@ use std::any::TypeId;
 use crate::amx::{Left, TapRows};
 use crate::bf16::PackedRight;
 use crate::blas::Gemm;
+use crate::finish::Finish;
 use crate::parallel::{even_part, worker_threads, SendPointer};
 use crate::spare::Lent;
 use crate::window::{add_partials, Shape, GRAD_BLOCK_ROWS};
@@ -226,13 +227,15 @@ fn parts(units: usize, threads: usize, size: usize, least: usize) -> usize {
 ///
 /// # Safety
 /// `out` must hold every output pixel of `images` times `width` values, `x` every input
-/// pixel times `channels`, the weight `width * channels * taps` and the bias `width`.
+/// pixel times `channels`, the weight `width * channels * taps` and the bias `width`;
+/// `finish` must be for `out` (each tile's rows are finished once multiplied).
 pub(crate) unsafe fn convolve<T: Gemm>(
     (out, x): (*mut T, *const T),
     (weight, bias): (&[T], Option<&[T]>),
     images: &[WindowImage],
     shape: Shape,
     (window, products, adjoint): (Window2d, Products, bool),
+    finish: &Finish<'_>,
 ) {
     let Shape {
         channels,
@@ -253,7 +256,7 @@ pub(crate) unsafe fn convolve<T: Gemm>(
                 (weight.as_ptr() as *const f32, bias),
                 (images, window),
                 (shape, adjoint),
-                threads,
+                (threads, finish),
             )
         };
         if done {
@@ -312,6 +315,7 @@ pub(crate) unsafe fn convolve<T: Gemm>(
                 ),
                 ((c, width as isize, 1), bias.is_some()),
             );
+            finish.rows(first, first + count);
         }
     });
 }
@@ -382,7 +386,7 @@ unsafe fn convolve_packed(
     (weight, bias): (*const f32, Option<*const f32>),
     (images, window): (&[WindowImage], Window2d),
     (shape, adjoint): (Shape, bool),
-    threads: usize,
+    (threads, finish): (usize, &Finish<'_>),
 ) -> bool {
     // SAFETY: the weight holds every value of its tap rows (the caller vouches).
     let Some(packed) =
@@ -444,6 +448,7 @@ unsafe fn convolve_packed(
                 Left::Bits(columns.as_ptr(), depth as isize),
                 ((c, width as isize, 1), bias.is_some()),
             );
+            finish.rows(first, first + count);
         }
     });
     true
@@ -798,6 +803,7 @@ mod tests {
                         &images,
                         shape,
                         (window, products, false),
+                        &Finish::NONE,
                     )
                 };
                 for r in 0..rows {
@@ -840,6 +846,7 @@ mod tests {
                             &images,
                             adjoint,
                             (window, products, flag),
+                            &Finish::NONE,
                         )
                     };
                 }

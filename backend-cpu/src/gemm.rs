@@ -10,6 +10,7 @@ use nestor_passes::Products;
 
 use crate::bf16::RoundedBuffer;
 use crate::blas::Gemm;
+use crate::finish::Finish;
 use crate::parallel::{worker_threads, Args};
 use crate::scalar::Scalar;
 
@@ -68,27 +69,18 @@ pub(super) unsafe fn gemm<T: Gemm>(
     let producing = rounds_output
         .then(|| T::producing(products, buffers.out, output_values))
         .flatten();
-    let producing_ref = producing.as_ref();
     // Each chunk writes its own rows of `out`, then the epilogue (a pointwise kernel
     // over those rows, reading buffers the program sized) rewrites them in place and
     // they are rounded, a block of rows at a time, so that the roundings read what the
     // epilogue wrote from the core's cache.
-    let block = (FINISH_BLOCK_VALUES / shape.n.max(1)).max(1);
-    let n = shape.n.max(0) as usize;
-    let finishing = epilogue.is_some() || producing_ref.is_some();
-    // Rows `first..end` of `out`, written: the epilogue and the roundings, a block at a
-    // time.
-    let finish = move |mut first: i64, end: i64| unsafe {
-        while finishing && first < end {
-            let last = (first + block).min(end);
-            if let Some((kernel, args)) = epilogue {
-                kernel(args.0.as_ptr(), first, last);
-            }
-            if let Some(producing) = producing_ref {
-                producing.round(first.max(0) as usize * n..last.max(0) as usize * n);
-            }
-            first = last;
-        }
+    let finishing = Finish {
+        epilogue,
+        producing: producing.as_ref(),
+        width: shape.n.max(0) as usize,
+    };
+    let finish = move |first: i64, end: i64| unsafe {
+        // SAFETY: the product wrote rows `first..end`, this chunk's alone.
+        finishing.rows(first.max(0) as usize, end.max(0) as usize)
     };
     let rows = move |start: i64, end: i64| unsafe {
         // The product hands its rows over as it finishes them (on AMX tiles, a block of
@@ -111,10 +103,6 @@ pub(super) unsafe fn gemm<T: Gemm>(
         crate::kept::produced(producing.finish());
     }
 }
-
-/// Output values a GEMM's epilogue and rounding finish at a time (a block of rows of
-/// 128 KiB of f32, which stays in the core's cache between the two).
-const FINISH_BLOCK_VALUES: i64 = 32 << 10;
 
 /// Multiply-adds from which a GEMM is split across the cores.
 fn gemm_parallel_macs() -> i64 {

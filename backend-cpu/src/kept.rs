@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crate::bf16::RoundedBuffer;
 
 /// Most bytes of roundings a run keeps; the oldest go first.
-const KEPT_BYTES: usize = 256 << 20;
+pub(crate) const KEPT_BYTES: usize = 256 << 20;
 
 /// What the current run of this thread keeps.
 #[derive(Default)]

@@ -30,6 +30,7 @@ mod blas;
 mod columns;
 mod conv;
 mod dot;
+mod finish;
 mod gemm;
 #[cfg(feature = "jit")]
 mod jit;

@@ -9,6 +9,7 @@ use nestor_layout::{window_images, WindowError, WindowImage, WindowTaps};
 use crate::blas::Gemm;
 use crate::columns::{columns_pay, Work};
 use crate::conv::{Bf16Pair, GradPlan, Plan};
+use crate::finish::Finish;
 use crate::parallel::{even_part, worker_threads, SendPointer};
 use crate::scalar::Scalar;
 use nestor_ir::Window2d;
@@ -143,11 +144,13 @@ pub fn convolve_images(
         window,
         (heights, widths),
         (Products::Float, false),
+        &Finish::NONE,
     )
 }
 
 /// [`convolve_images`] in the type `T`, its products as `products` says; with
-/// `adjoint`, by the adjoint of `weight` (see [`convolve`]).
+/// `adjoint`, by the adjoint of `weight` (see [`convolve`]); its output rows finished
+/// by `finish`.
 fn convolve_checked<T: Gemm>(
     out: &mut [T],
     x: &[T],
@@ -156,6 +159,7 @@ fn convolve_checked<T: Gemm>(
     window: &Window2d,
     (heights, widths): (&[i64], &[i64]),
     (products, adjoint): (Products, bool),
+    finish: &Finish<'_>,
 ) -> Result<(), WindowError> {
     let images = window_images(window, heights, widths)?;
     let (inputs, outputs) = images.last().map_or((0, 0), |last| {
@@ -198,6 +202,7 @@ fn convolve_checked<T: Gemm>(
             &images,
             shape,
             (*window, products, adjoint),
+            finish,
         )
     };
     Ok(())
@@ -234,17 +239,19 @@ unsafe fn run_slice_mut<'a, T>(pointer: *mut u8, count: usize) -> &'a mut [T] {
 /// (`crate::columns`). With `adjoint` (an input's gradient), the weight is the forward
 /// one, `[channels, width, K_h, K_w]` (its output channels this step's input), flipped
 /// and with its channels swapped: `W'[c, o, ky, kx] = W[o, c, K_h - 1 - ky, K_w - 1 - kx]`.
+/// `finish` finishes the output's rows as they are written.
 ///
 /// # Safety
 /// `out` must hold every output pixel of `images` times `width` values, `x` every
 /// input pixel times `channels`, the weight `width * channels * taps` and the bias
-/// `width`, of type `T`.
+/// `width`, of type `T`; `finish` must be for `out`.
 unsafe fn convolve<T: Gemm>(
     (out, x): (*mut u8, *const u8),
     (weight, bias): (*const u8, Option<*const u8>),
     images: &[WindowImage],
     shape: Shape,
     (window, products, adjoint): (Window2d, Products, bool),
+    finish: &Finish<'_>,
 ) {
     // SAFETY: as the caller promises.
     let weight = unsafe {
@@ -263,6 +270,7 @@ unsafe fn convolve<T: Gemm>(
                 images,
                 shape,
                 (window, products, adjoint),
+                finish,
             );
         }
         return;
@@ -280,7 +288,7 @@ unsafe fn convolve<T: Gemm>(
     // above).
     if pairs
         && bf16_dot_pays()
-        && unsafe { convolve_pairs((out, x), (weight, bias), images, shape, window) }
+        && unsafe { convolve_pairs((out, x), (weight, bias), images, (shape, window), finish) }
     {
         return;
     }
@@ -293,7 +301,9 @@ unsafe fn convolve<T: Gemm>(
             images,
         )
     };
-    for_each_row(images, shape, window, &|image, row| plan.row(image, row));
+    for_each_row(images, (shape, window), finish, &|image, row| {
+        plan.row(image, row)
+    });
 }
 
 /// [`convolve`] of bf16 roundings with f32 sums, two channels a product on
@@ -306,8 +316,8 @@ unsafe fn convolve_pairs(
     (out, x): (*mut u8, *const u8),
     (weight, bias): (*const u8, Option<*const u8>),
     images: &[WindowImage],
-    shape: Shape,
-    window: Window2d,
+    (shape, window): (Shape, Window2d),
+    finish: &Finish<'_>,
 ) -> bool {
     let Shape {
         channels, width, ..
@@ -332,8 +342,12 @@ unsafe fn convolve_pairs(
                 images,
             )
         };
-        plan.map(|plan| for_each_row(images, shape, window, &|image, row| plan.row(image, row)))
-            .is_some()
+        plan.map(|plan| {
+            for_each_row(images, (shape, window), finish, &|image, row| {
+                plan.row(image, row)
+            })
+        })
+        .is_some()
     })
 }
 
@@ -380,7 +394,7 @@ fn bf16_dot_pays() -> bool {
                 // SAFETY: the buffers hold one image's pixels, the weight its values.
                 unsafe {
                     if dot == 1 {
-                        convolve_pairs(buffers, weights, &images, shape, window);
+                        convolve_pairs(buffers, weights, &images, (shape, window), &Finish::NONE);
                     } else {
                         convolve::<f32>(
                             buffers,
@@ -388,6 +402,7 @@ fn bf16_dot_pays() -> bool {
                             &images,
                             shape,
                             (window, Products::Float, false),
+                            &Finish::NONE,
                         );
                     }
                 }
@@ -401,11 +416,11 @@ fn bf16_dot_pays() -> bool {
 }
 
 /// `row(image, row)` for every output row of `images`, spread over the team when the
-/// convolution is worth splitting.
+/// convolution is worth splitting, each row's pixels then finished by `finish`.
 fn for_each_row(
     images: &[WindowImage],
-    shape: Shape,
-    window: Window2d,
+    (shape, window): (Shape, Window2d),
+    finish: &Finish<'_>,
     row: &(dyn Fn(usize, i64) + Sync),
 ) {
     let rows: Vec<(usize, i64)> = images
@@ -428,7 +443,11 @@ fn for_each_row(
     }
     crate::team::for_each_chunk(rows.len(), threads, &|task| {
         let (image, output_row) = rows[task];
-        row(image, output_row)
+        row(image, output_row);
+        let width = images[image].out.1 as usize;
+        let first = images[image].output + output_row as usize * width;
+        // SAFETY: `row` wrote this output row's pixels, this task's alone.
+        unsafe { finish.rows(first, first + width) };
     });
 }
 
@@ -550,16 +569,19 @@ pub(crate) struct SlotBuffers {
 }
 
 /// A convolution step in `T`: with the weight as the program holds it, or (`adjoint`,
-/// an input's gradient) flipped and with its channels swapped.
+/// an input's gradient) flipped and with its channels swapped; its output rows finished
+/// by `finish` as they are written.
 ///
 /// # Safety
-/// Every buffer must hold its count of values of type `T`; the output no other.
+/// Every buffer must hold its count of values of type `T`; the output no other;
+/// `finish` must be for the output.
 pub(crate) unsafe fn convolve_slots<T: Gemm>(
     buffers: SlotBuffers,
     (adjoint, groups, products): (bool, usize, Products),
     (channels, width): (usize, usize),
     window: &Window2d,
     sizes: (&[i64], &[i64]),
+    finish: &Finish<'_>,
 ) -> Result<(), WindowError> {
     let (out, x, grouped, bias) = unsafe {
         (
@@ -603,6 +625,7 @@ pub(crate) unsafe fn convolve_slots<T: Gemm>(
         window,
         sizes,
         (products, adjoint),
+        finish,
     )
 }
 

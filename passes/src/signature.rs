@@ -22,7 +22,7 @@ use crate::step::{
 pub enum KernelSet {
     /// The CPU's: GEMMs run on a GEMM library with their epilogue as a kernel of its
     /// own; attention, the padding copies, window and training steps run on the CPU
-    /// backend's own code.
+    /// backend's own code (a convolution's epilogue a kernel of its own).
     Library,
     /// A GPU's without a BLAS: every step but host steps is a kernel (a GEMM and its
     /// epilogue one kernel).
@@ -39,9 +39,9 @@ pub enum KernelSet {
 pub enum Placement {
     /// A generated kernel with this signature.
     Kernel(Signature),
-    /// The backend's GEMM (a library on the CPU, the BLAS on a GPU) computes the
-    /// product, then the kernel of this signature, when there is one, finishes the
-    /// output in place (bias, epilogue).
+    /// The backend's GEMM (a library on the CPU, the BLAS on a GPU) or the CPU's own
+    /// convolution computes the product, then the kernel of this signature, when there
+    /// is one, finishes the output in place (bias, epilogue).
     Product(Option<Signature>),
     /// Code of the backend's own (the CPU's attention, copies, window and training
     /// steps).
@@ -536,15 +536,22 @@ impl Placed for PairGemm {
 
 impl Placed for Window {
     fn placement(&self, program: &Program, set: KernelSet) -> Placement {
-        // The CPU's own code, but for resampling (a kernel on every device).
+        let epilogue_inputs = self.epilogue.as_ref().map_or(&[][..], |e| &e.inputs);
+        let out_rows = program.info(self.out).rows;
+        // The CPU's own code (then a convolution's epilogue over its output pixels, as
+        // a GEMM's), but for resampling (a kernel on every device).
         if set == KernelSet::Library && !self.kind.resamples() {
-            return Placement::Backend;
+            return match &self.epilogue {
+                Some(epilogue) => Placement::Product(Some(
+                    Params::new(self.out).fused(&epilogue.inputs).over(out_rows),
+                )),
+                None => Placement::Backend,
+            };
         }
         let (heights, widths) = (self.heights, self.widths);
         let taps = Arg::Taps(self.window, heights, widths);
         let windows_of_pixels = Arg::WindowsOfPixels(self.window, heights, widths);
         let params = Params::new(self.out).buffer(Role::X, self.x);
-        let out_rows = program.info(self.out).rows;
         let grad = |params: Params| params.optional(Role::Gradient, self.grad);
         // Each image's height and width (as offsets) and first pixel.
         let image_sizes = |params: Params| {
@@ -563,6 +570,7 @@ impl Placed for Window {
                 .optional(Role::Weight, self.weight)
                 .optional(Role::Bias, self.bias)
                 .with(Role::Taps, taps)
+                .fused(epilogue_inputs)
                 .kernel(out_rows),
             WindowKind::Max | WindowKind::Average => params.with(Role::Taps, taps).kernel(out_rows),
             // A weight a task, over the windows of the output's gradient.

@@ -234,6 +234,9 @@ pub struct Window {
     /// A convolution's groups (1 for the other kinds): each output channel reads the
     /// input channels of its group, through a weight `[C_out, C_in / groups, K_h, K_w]`.
     pub groups: i64,
+    /// A convolution's (or its input gradient's) epilogue, as a GEMM's: computed on each
+    /// block of output pixels right after the convolution writes it, in place.
+    pub epilogue: Option<Fusion>,
 }
 
 /// A graph the host runs (through libtorch) inside the program: an explicit
@@ -642,6 +645,14 @@ fn visit_optional(slot: &mut Option<Slot>, visit: &mut dyn FnMut(&mut Slot)) {
     }
 }
 
+/// The slots an epilogue reads but its step's own output (read in place).
+fn epilogue_reads(epilogue: &Option<Fusion>, out: Slot) -> impl Iterator<Item = Slot> + '_ {
+    epilogue
+        .iter()
+        .flat_map(|fusion| slots_of(&fusion.inputs))
+        .filter(move |slot| *slot != out)
+}
+
 impl StepKind for Pointwise {
     fn output(&self) -> Slot {
         self.out
@@ -661,14 +672,10 @@ impl StepKind for Gemm {
         self.out
     }
     fn reads(&self) -> Vec<Slot> {
-        let epilogue = self
-            .epilogue
-            .iter()
-            .flat_map(|fusion| slots_of(&fusion.inputs));
         [self.x, self.weight]
             .into_iter()
             .chain(self.bias)
-            .chain(epilogue.filter(|slot| *slot != self.out))
+            .chain(epilogue_reads(&self.epilogue, self.out))
             .collect()
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
@@ -766,6 +773,7 @@ impl StepKind for Window {
         [Some(self.x), self.weight, self.bias, self.grad]
             .into_iter()
             .flatten()
+            .chain(epilogue_reads(&self.epilogue, self.out))
             .collect()
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
@@ -776,6 +784,9 @@ impl StepKind for Window {
         }
         visit(&mut self.heights);
         visit(&mut self.widths);
+        if let Some(epilogue) = &mut self.epilogue {
+            visit_accesses(&mut epilogue.inputs, visit);
+        }
     }
 }
 

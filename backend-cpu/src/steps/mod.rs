@@ -55,10 +55,10 @@ fn rounded_operands(step: &Step) -> Vec<Slot> {
 }
 
 /// Per step of `program`, whether it rounds its output to bf16 chunk by chunk as it
-/// writes it (while the chunk is in cache; `crate::bf16::Producing`): a GEMM, row or
-/// pointwise step of an f32 program with bf16 products whose output a later step
-/// multiplies rounded before any step writes it again. Every other rounding is made
-/// by the product that reads it, in a pass of its own.
+/// writes it (while the chunk is in cache; `crate::bf16::Producing`): a GEMM,
+/// convolution, row or pointwise step of an f32 program with bf16 products whose
+/// output a later step multiplies rounded before any step writes it again. Every other
+/// rounding is made by the product that reads it, in a pass of its own.
 fn rounds_output(program: &Program) -> Vec<bool> {
     let rounding = program.products == Products::Bf16 && program.float == FloatType::F32;
     program
@@ -66,7 +66,13 @@ fn rounds_output(program: &Program) -> Vec<bool> {
         .iter()
         .enumerate()
         .map(|(index, step)| {
-            let producer = matches!(step, Step::Gemm(_) | Step::Row(_) | Step::Pointwise(_));
+            let producer = match step {
+                Step::Gemm(_) | Step::Row(_) | Step::Pointwise(_) => true,
+                Step::Window(window) => {
+                    matches!(window.kind, WindowKind::Conv | WindowKind::ConvInputGrad)
+                }
+                _ => false,
+            };
             let out = step.output();
             rounding
                 && producer
@@ -140,13 +146,20 @@ impl HostSteps for CpuSteps {
             return self.execute_step(index, step, run);
         }
         // The run keeps its bf16 roundings across its steps but for the memory this step
-        // writes (at most 8 bytes a scalar).
+        // writes (8 bytes a scalar of integers, else the program's float's: a wider
+        // range dropped the roundings of the buffer after a step's, which its next
+        // product then made again).
         let written: Vec<_> = step
             .outputs()
             .map(|out| {
                 let scalars = run.sizes().scalars(run.program(), out).max(0) as usize;
+                let scalar_bytes = if run.program().info(out).integers {
+                    8
+                } else {
+                    run.program().float.size()
+                };
                 let start = run.pointer(out) as usize;
-                start..start.saturating_add(scalars.saturating_mul(8))
+                start..start.saturating_add(scalars.saturating_mul(scalar_bytes))
             })
             .collect();
         let of = crate::kept::StepOf {
@@ -174,6 +187,9 @@ impl CpuSteps {
             (Placement::Kernel(signature), _) => self.run_kernel(index, step, signature, run),
             (Placement::Product(epilogue), Step::Gemm(gemm)) => {
                 self.run_gemm(index, gemm, epilogue.as_ref(), run)
+            }
+            (Placement::Product(epilogue), Step::Window(window)) => {
+                self.run_window(index, window, epilogue.as_ref(), run)
             }
             (Placement::Libtorch, Step::Host(Host { out, inputs, graph })) => {
                 self.run_host(*out, inputs, *graph, run)
@@ -271,14 +287,13 @@ impl CpuSteps {
     fn producing(
         &self,
         index: usize,
-        step: &Step,
+        out: Slot,
         run: &RunState<'_, '_>,
         total: i64,
     ) -> Option<(Producing, usize)> {
         if !self.rounds_output_of(index) || total <= 0 {
             return None;
         }
-        let out = step.output();
         let values = run.sizes().scalars(run.program(), out).max(0);
         let per = (values % total == 0).then_some(values / total)?;
         // The program computes in f32 (`rounds_output`): its output holds f32 values.
@@ -315,7 +330,7 @@ impl CpuSteps {
         };
         let args = run.kernel_args(index, signature)?;
         let total = run.sizes().rows(signature.range);
-        let producing = self.producing(index, step, run, total);
+        let producing = self.producing(index, step.output(), run, total);
         self.launch(index, &args, (total, grain), producing)
     }
 
@@ -331,7 +346,7 @@ impl CpuSteps {
             Step::Attention(attention) => self.run_attention(index, attention, run),
             Step::AttentionGrad(gradient) => self.run_attention_grad(index, gradient, run),
             Step::PairGemm(pair_gemm) => self.run_pair_gemm(index, pair_gemm, run),
-            Step::Window(window) => self.run_window(index, window, run),
+            Step::Window(window) => self.run_window(index, window, None, run),
             _ => self.run_data_step(index, step, run),
         }
     }
@@ -379,6 +394,20 @@ impl CpuSteps {
         }
     }
 
+    /// The epilogue kernel of step `index` with its arguments `args`, if it has one (an
+    /// error where the program has its arguments but no kernel).
+    fn epilogue<'a>(
+        &self,
+        index: usize,
+        args: Option<&'a [*mut u8]>,
+    ) -> Result<Option<(KernelFn, Args<'a>)>, RuntimeError> {
+        match (args, self.kernels.kernel(index)) {
+            (Some(args), Some(kernel)) => Ok(Some((kernel, Args(args)))),
+            (Some(_), None) => Err(step_error(index, "its epilogue has no kernel".into())),
+            (None, _) => Ok(None),
+        }
+    }
+
     /// A GEMM, its epilogue kernel (of `epilogue`'s signature) run on each chunk of rows.
     fn run_gemm(
         &self,
@@ -412,10 +441,7 @@ impl CpuSteps {
         let epilogue_args = epilogue
             .map(|signature| run.kernel_args(index, signature))
             .transpose()?;
-        let epilogue = match (&epilogue_args, self.kernels.kernel(index)) {
-            (Some(args), Some(kernel)) => Some((kernel, Args(args))),
-            _ => None,
-        };
+        let epilogue = self.epilogue(index, epilogue_args.as_deref().map(Vec::as_slice))?;
         let rounds = self.rounds_output_of(index);
         // The executor sized the buffers for `shape` in the program's type.
         unsafe {

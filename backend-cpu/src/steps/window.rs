@@ -3,11 +3,12 @@
 
 use nestor_layout::{window_images, WindowTaps};
 use nestor_passes::step::Window;
-use nestor_passes::{FloatType, Slot, WindowKind};
+use nestor_passes::{FloatType, Signature, Slot, WindowKind};
 use nestor_runtime::{step_error, within_budget, RunState, RuntimeError};
 
 use super::CpuSteps;
 use crate::columns::{self, columns_pay, input_grad_scratch, tile_scratch, Work};
+use crate::finish::Finish;
 use crate::parallel::worker_threads;
 use crate::window::{
     convolve_slots, fill_taps_over_team, image_means, image_spread, pixel_counts, pool, pool_grad,
@@ -15,11 +16,14 @@ use crate::window::{
 };
 
 impl CpuSteps {
-    /// A window step: its taps from the run's image sizes, then the kind's computation.
+    /// A window step: its taps from the run's image sizes, then the kind's computation
+    /// (a convolution's output rows then through its epilogue kernel, of `epilogue`'s
+    /// signature, and rounded where a later product reads them so).
     pub(super) fn run_window(
         &self,
         index: usize,
         step: &Window,
+        epilogue: Option<&Signature>,
         run: &RunState<'_, '_>,
     ) -> Result<(), RuntimeError> {
         let (Some(heights), Some(widths)) =
@@ -49,7 +53,23 @@ impl CpuSteps {
         match step.kind {
             WindowKind::ImageMean => window.image_means(),
             WindowKind::ImageSpread => window.image_spread(),
-            WindowKind::Conv | WindowKind::ConvInputGrad => window.convolution(),
+            WindowKind::Conv | WindowKind::ConvInputGrad => {
+                let epilogue_args = epilogue
+                    .map(|signature| run.kernel_args(index, signature))
+                    .transpose()?;
+                let rows = run.sizes().rows(run.program().info(step.out).rows);
+                let producing = self.producing(index, step.out, run, rows);
+                let finish = Finish {
+                    epilogue: self.epilogue(index, epilogue_args.as_deref().map(Vec::as_slice))?,
+                    producing: producing.as_ref().map(|(producing, _)| producing),
+                    width,
+                };
+                window.convolution(&finish)?;
+                if let Some((producing, _)) = producing {
+                    crate::kept::produced(producing.finish());
+                }
+                Ok(())
+            }
             WindowKind::WeightGrad
                 if columns_pay(
                     window.shape_with_taps(),
@@ -168,7 +188,7 @@ impl WindowRun<'_, '_, '_> {
     }
 
     /// A convolution, or its input's gradient (the adjoint convolution).
-    fn convolution(&self) -> Result<(), RuntimeError> {
+    fn convolution(&self, finish: &Finish<'_>) -> Result<(), RuntimeError> {
         let (step, run, shape) = (self.step, self.run, self.shape);
         let Some(weight) = step.weight else {
             return Err(self.error("a convolution without a weight".into()));
@@ -201,10 +221,10 @@ impl WindowRun<'_, '_, '_> {
         let result = unsafe {
             match run.program().float {
                 FloatType::F32 => {
-                    convolve_slots::<f32>(buffers, kind, channels, &step.window, self.sizes)
+                    convolve_slots::<f32>(buffers, kind, channels, &step.window, self.sizes, finish)
                 }
                 FloatType::F64 => {
-                    convolve_slots::<f64>(buffers, kind, channels, &step.window, self.sizes)
+                    convolve_slots::<f64>(buffers, kind, channels, &step.window, self.sizes, finish)
                 }
             }
         };

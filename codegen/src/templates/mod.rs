@@ -80,6 +80,16 @@ pub(crate) fn generate<'ctx>(
             kernel.output_also(inputs_of(&epilogue.inputs, *out));
             pointwise(&kernel, *n, &epilogue.inputs, &epilogue.expr)?
         }
+        Step::Window(Window {
+            out,
+            epilogue: Some(epilogue),
+            width,
+            ..
+        }) if set == KernelSet::Library => {
+            // The CPU's own convolution, then this kernel on its output pixels in place.
+            kernel.output_also(inputs_of(&epilogue.inputs, *out));
+            pointwise(&kernel, *width, &epilogue.inputs, &epilogue.expr)?
+        }
         Step::Gemm(gemm_step) => gemm(&kernel, gemm_step, set == KernelSet::DeviceBlas)?,
         Step::Attention(step) => attention(&kernel, step)?,
         Step::Pad(Pad { width, value, .. }) => pad(&kernel, *width, value.0)?,
@@ -145,10 +155,16 @@ fn window_kernel(kernel: &Kernel<'_, '_>, step: &Window) -> Gen<()> {
     } = *step;
     let taps = window.taps();
     let groups = Groups::new(groups, (channels, width))?;
+    let epilogue = Epilogue {
+        fusion: step.epilogue.as_ref(),
+        out: step.out,
+    };
     match kind {
-        WindowKind::Conv | WindowKind::ConvInputGrad => {
-            convolution(kernel, groups, taps, kind == WindowKind::ConvInputGrad)
-        }
+        WindowKind::Conv | WindowKind::ConvInputGrad => convolution(
+            kernel,
+            (groups, taps, kind == WindowKind::ConvInputGrad),
+            epilogue,
+        ),
         WindowKind::StridedConvInputGrad => strided_conv_input_grad(kernel, groups, taps),
         WindowKind::WeightGrad => weight_grad(kernel, groups, taps),
         WindowKind::MaxGrad | WindowKind::AverageGrad => {
@@ -340,6 +356,52 @@ fn inputs_of(inputs: &[Access], slot: nestor_passes::Slot) -> Vec<Role> {
 
 /// A fused expression's buffers and the row-to-element maps of its per-element inputs.
 type FusedArgs<'ctx> = (Vec<PointerValue<'ctx>>, Vec<Option<PointerValue<'ctx>>>);
+
+/// The epilogue of a kernel that makes a product's values itself (a GEMM's, a
+/// convolution's), if it has one, and the product's output.
+#[derive(Clone, Copy)]
+struct Epilogue<'s> {
+    fusion: Option<&'s Fusion>,
+    out: nestor_passes::Slot,
+}
+
+impl Epilogue<'_> {
+    fn inputs(&self) -> &[Access] {
+        self.fusion.map_or(&[][..], |fusion| &fusion.inputs[..])
+    }
+
+    /// The epilogue's arguments: its reads of the output are the value made (never
+    /// loaded), but their arguments are the output's buffer.
+    fn args<'ctx>(&self, kernel: &Kernel<'ctx, '_>) -> Gen<FusedArgs<'ctx>> {
+        kernel.output_also(inputs_of(self.inputs(), self.out));
+        fused_args(kernel, self.inputs())
+    }
+
+    /// `value`, the product at `row` and `column` of the output, through the epilogue.
+    fn finish<'ctx>(
+        &self,
+        kernel: &Kernel<'ctx, '_>,
+        (pointers, maps): &FusedArgs<'ctx>,
+        value: FloatValue<'ctx>,
+        (row, column): (IntValue<'ctx>, IntValue<'ctx>),
+    ) -> Gen<FloatValue<'ctx>> {
+        let Some(fusion) = self.fusion else {
+            return Ok(value);
+        };
+        kernel.expr(&fusion.expr, &|input: usize| {
+            let access = &fusion.inputs[input];
+            if access.slot == self.out {
+                return Ok(value);
+            }
+            let element_row = match maps[input] {
+                Some(map) => kernel.load_i64(map, row)?,
+                None => row,
+            };
+            let at = index(kernel, access, element_row, column)?;
+            kernel.load_float(pointers[input], at)
+        })
+    }
+}
 
 /// The buffers of a fused expression's `inputs` and the row-to-element maps of its
 /// per-element inputs (`None` for the others).

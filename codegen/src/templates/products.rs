@@ -25,12 +25,11 @@ pub(super) fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: 
         Some(kernel.params([Role::X, Role::Weight])?)
     };
     let bias = kernel.optional(Role::Bias)?;
-    let epilogue = epilogue.as_ref();
-    let inputs = epilogue.map_or(&[][..], |epilogue| &epilogue.inputs[..]);
-    // The epilogue's reads of the result are the sum itself (never loaded), but their
-    // arguments are the output's buffer.
-    kernel.output_also(inputs_of(inputs, out_slot));
-    let (pointers, maps) = fused_args(kernel, inputs)?;
+    let epilogue = Epilogue {
+        fusion: epilogue.as_ref(),
+        out: out_slot,
+    };
+    let epilogue_args = epilogue.args(kernel)?;
     kernel.parallel_range(start, end, |task| {
         let row = kernel.div(task, kernel.i64(n))?;
         let column = kernel.rem(task, kernel.i64(n))?;
@@ -52,21 +51,7 @@ pub(super) fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: 
             Some(bias) => kernel.fadd(sum, kernel.load_float(bias, column)?)?,
             None => sum,
         };
-        let value = match epilogue {
-            None => sum,
-            Some(epilogue) => kernel.expr(&epilogue.expr, &|input: usize| {
-                let access = &inputs[input];
-                if access.slot == out_slot {
-                    return Ok(sum);
-                }
-                let element_row = match maps[input] {
-                    Some(map) => kernel.load_i64(map, row)?,
-                    None => row,
-                };
-                let at = index(kernel, access, element_row, column)?;
-                kernel.load_float(pointers[input], at)
-            })?,
-        };
+        let value = epilogue.finish(kernel, &epilogue_args, sum, (row, column))?;
         kernel.store_float(out, task, value)
     })
 }

@@ -58,11 +58,11 @@ impl Groups {
 /// weight[o, c, t]` (the weight `[width, channels / groups, taps]`); the `adjoint` (a
 /// convolution's input gradient, `x` its output's) reads the forward weight
 /// `[channels, width / groups, taps]` flipped and transposed: `weight[c, o, taps - 1 - t]`.
+/// Each value goes through the step's epilogue, if it has one, before it is stored.
 pub(super) fn convolution<'ctx>(
     kernel: &Kernel<'ctx, '_>,
-    groups: Groups,
-    taps: i64,
-    adjoint: bool,
+    (groups, taps, adjoint): (Groups, i64, bool),
+    epilogue: Epilogue<'_>,
 ) -> Gen<()> {
     let (channels, width) = (groups.channels, groups.width);
     let (reads, writes) = (groups.reads(), groups.writes());
@@ -70,6 +70,7 @@ pub(super) fn convolution<'ctx>(
     let [out, x, weight] = kernel.params([Role::Out, Role::X, Role::Weight])?;
     let bias = kernel.optional(Role::Bias)?;
     let table = kernel.param(Role::Taps)?;
+    let epilogue_args = epilogue.args(kernel)?;
     let sum = kernel.accumulator("sum")?;
     // An output pixel is a warp's on a GPU (each lane its output channels), one
     // thread's on the host.
@@ -111,7 +112,8 @@ pub(super) fn convolution<'ctx>(
                     kernel.set(sum, kernel.fadd(kernel.get(sum)?, kernel.fmul(value, w)?)?)
                 })
             })?;
-            kernel.store_float(out, kernel.add(out_row, o)?, kernel.get(sum)?)
+            let value = epilogue.finish(kernel, &epilogue_args, kernel.get(sum)?, (row, o))?;
+            kernel.store_float(out, kernel.add(out_row, o)?, value)
         })
     })
 }

@@ -152,6 +152,7 @@ impl Lowering<'_> {
             width,
             window,
             groups,
+            epilogue: None,
         }));
         Ok(Some(out))
     }
@@ -488,6 +489,7 @@ impl Lowering<'_> {
             width,
             window,
             groups,
+            epilogue: None,
         }));
         Ok(out)
     }

@@ -852,6 +852,8 @@ impl Plan<'_> {
             width,
             window,
             groups,
+            // Its inputs are sized by the program, as a GEMM's epilogue's.
+            epilogue: _,
         } = step;
         let elements = |slot: Slot| self.sizes.elements(self.program, slot);
         let count = |value: i64| usize::try_from(value).unwrap_or(usize::MAX);

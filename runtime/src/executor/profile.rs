@@ -318,10 +318,16 @@ fn describe_window(window: &Window, rows_of: impl Fn(Slot) -> u64) -> (StepKind,
         width,
         window: geometry,
         groups,
+        epilogue,
         ..
     } = window;
+    let then = if epilogue.is_some() {
+        " + epilogue"
+    } else {
+        ""
+    };
     let label = format!(
-        "window {kind:?} {channels}->{width} kernel={:?} stride={:?} groups={groups}",
+        "window {kind:?} {channels}->{width} kernel={:?} stride={:?} groups={groups}{then}",
         geometry.kernel, geometry.stride
     );
     let windows = match kind {

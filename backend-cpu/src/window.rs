@@ -143,8 +143,7 @@ pub fn convolve_images(
         (channels, width),
         window,
         (heights, widths),
-        (Products::Float, false),
-        &Finish::NONE,
+        (Products::Float, false, &Finish::NONE),
     )
 }
 
@@ -158,8 +157,7 @@ fn convolve_checked<T: Gemm>(
     (channels, width): (usize, usize),
     window: &Window2d,
     (heights, widths): (&[i64], &[i64]),
-    (products, adjoint): (Products, bool),
-    finish: &Finish<'_>,
+    (products, adjoint, finish): (Products, bool, &Finish<'_>),
 ) -> Result<(), WindowError> {
     let images = window_images(window, heights, widths)?;
     let (inputs, outputs) = images.last().map_or((0, 0), |last| {
@@ -624,8 +622,7 @@ pub(crate) unsafe fn convolve_slots<T: Gemm>(
         (channels, width),
         window,
         sizes,
-        (products, adjoint),
-        finish,
+        (products, adjoint, finish),
     )
 }
 
@@ -1086,6 +1083,7 @@ pub(crate) fn pixel_counts(heights: &[i64], widths: &[i64]) -> Vec<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parallel::Args;
 
     /// The bf16 rounding of `value`, as f64.
     fn rounded(value: f32) -> f64 {
@@ -1227,8 +1225,8 @@ mod tests {
                             Some(bias.as_ptr() as *const u8),
                         ),
                         &images,
-                        shape,
-                        window,
+                        (shape, window),
+                        &Finish::NONE,
                     )
                 };
                 assert_eq!(ran, crate::dot::host_has() && channels.is_multiple_of(2));
@@ -1269,6 +1267,93 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Every output row of a convolution is finished once, after it is written, on each
+    /// of its paths: nestor's direct kernel (3 channels), the AVX512-BF16 pairs (where
+    /// the host has them), products over gathered columns (16 channels into 40) and,
+    /// with bf16 products, the packed weight; its input gradient too.
+    #[test]
+    fn every_output_row_is_finished_once_after_it_is_written() {
+        /// Counts the finishings of rows `start..end` (`args[0]`, a u32 a row): 1 for a
+        /// row whose first value (`args[1]`, rows of `*args[2]` f32 values) is written,
+        /// 1000 for one still NaN.
+        unsafe extern "C" fn count(args: *const *mut u8, start: i64, end: i64) {
+            // SAFETY: the test passes the counts, the output and its width.
+            unsafe {
+                let (counts, out) = (*args as *mut u32, *args.add(1) as *const f32);
+                let width = *(*args.add(2) as *const usize);
+                for row in start as usize..end as usize {
+                    *counts.add(row) += if (*out.add(row * width)).is_nan() {
+                        1000
+                    } else {
+                        1
+                    };
+                }
+            }
+        }
+        let window = Window2d {
+            kernel: [3, 3],
+            stride: [2, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+        };
+        let (heights, widths) = ([7i64, 1, 40], [9i64, 1, 33]);
+        let images = window_images(&window, &heights, &widths).unwrap();
+        let (inputs, outputs) = nestor_layout::pixels(&images);
+        for (channels, products, adjoint) in [
+            (3, Products::Float, false),
+            (4, Products::Bf16, false),
+            (16, Products::Float, false),
+            (16, Products::Bf16, false),
+            (40, Products::Float, true),
+            (40, Products::Bf16, true),
+        ] {
+            let mut width = 40usize;
+            let (c_in, c_out) = if adjoint {
+                (width, channels)
+            } else {
+                (channels, width)
+            };
+            width = c_out;
+            let x: Vec<f32> = (0..inputs * c_in).map(|i| (i % 7) as f32 - 3.0).collect();
+            let weight: Vec<f32> = (0..c_in * c_out * 9).map(|i| (i % 5) as f32).collect();
+            let mut out = vec![f32::NAN; outputs * c_out];
+            let mut counts = vec![0u32; outputs];
+            let args = [
+                counts.as_mut_ptr() as *mut u8,
+                out.as_mut_ptr() as *mut u8,
+                &mut width as *mut usize as *mut u8,
+            ];
+            let finishing = Finish {
+                epilogue: Some((count, Args(&args))),
+                producing: None,
+                width: c_out,
+            };
+            let shape = Shape {
+                channels: c_in,
+                width: c_out,
+                taps: 9,
+            };
+            // SAFETY: the buffers hold the images' pixels and the weight.
+            unsafe {
+                convolve::<f32>(
+                    (args[1], x.as_ptr() as *const u8),
+                    (weight.as_ptr() as *const u8, None),
+                    &images,
+                    shape,
+                    (window, products, adjoint),
+                    &finishing,
+                )
+            };
+            assert!(out.iter().all(|value| value.is_finite()));
+            let wrong = counts.iter().position(|&count| count != 1);
+            assert_eq!(
+                wrong.map(|row| (row, counts[row])),
+                None,
+                "{channels} channels, {products:?}, adjoint {adjoint}: (row, finishings)"
+            );
         }
     }
 }

@@ -319,6 +319,98 @@ proptest! {
     }
 }
 
+/// Two 1x1 convolutions, each with batch normalization on running statistics (eval
+/// mode, as ResNet benchmarks train) and a relu, then global average pooling, a linear
+/// head, the mean square: the gradient through each norm is a per-channel scale of the
+/// next gradient, which compiled training moves into the convolutions' gradients.
+fn pointwise_conv_bn_loss(
+    x: &NestedTensor,
+    params: &[Tensor],
+    running: &[Tensor],
+) -> nestor::Result<Dense> {
+    let mut hidden = x.shallow_clone();
+    for (layer, bias) in [(0, Some(&params[1])), (1, None)] {
+        let at = 4 * layer;
+        hidden = hidden
+            .conv2d(&params[at], bias, [1, 1], [0, 0], [1, 1], 1)?
+            .batch_norm(
+                1,
+                Some(&running[2 * layer]),
+                Some(&running[2 * layer + 1]),
+                Some(&params[at + 2]),
+                Some(&params[at + 3]),
+                false,
+                0.1,
+                1e-5,
+            )?
+            .relu()?;
+    }
+    pooled_head_loss(&hidden, &params[8], &params[9])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases(8)))]
+
+    /// Compiled training through 1x1 convolutions and eval-mode batch norms: the loss
+    /// and every parameter's gradient equal eager autograd's, images of one pixel
+    /// included.
+    #[test]
+    fn compiled_training_through_eval_batch_norm_equals_autograd(
+        sizes in proptest::collection::vec((1i64..=5, 1i64..=5), 1..=3),
+        double in any::<bool>(),
+        seed in 0i64..1000,
+    ) {
+        let kind = if double { Kind::Double } else { Kind::Float };
+        let (c_in, c) = (2, CHANNELS);
+        let mut random = Random::new(seed);
+        let shapes = [
+            vec![c, c_in, 1, 1], vec![c], vec![c], vec![c],
+            vec![c, c, 1, 1], vec![c], vec![c], vec![c],
+            vec![2, c], vec![2],
+        ];
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .map(|shape| (random.normal(shape) * 0.5).to_kind(kind).set_requires_grad(true))
+            .collect();
+        let running: Vec<Tensor> = (0..4)
+            .map(|index| match index % 2 {
+                0 => random.normal(&[c]).to_kind(kind),
+                _ => (random.normal(&[c]).square() + 0.5).to_kind(kind),
+            })
+            .collect();
+        let store = tch::nn::VarStore::new(Device::Cpu);
+        let root = store.root();
+        let names: Vec<String> = (0..params.len()).map(|index| format!("p{index}")).collect();
+        let variables: Vec<Tensor> = names
+            .iter()
+            .zip(&params)
+            .map(|(name, param)| root.add(name, param.detach(), true))
+            .collect();
+        let model_running: Vec<Tensor> = running.iter().map(Tensor::shallow_clone).collect();
+        let compiled = compile("pointwise_conv_bn", move |x: &[NestedTensor], _: &[Dense]| {
+            pointwise_conv_bn_loss(&x[0], &variables, &model_running)
+        })
+        .train(&store);
+        let mut sizes = sizes;
+        sizes.push((1, 1));
+        let batch = Layout::Images(sizes).batch_of(c_in, kind, seed).0;
+        let eager_loss = pointwise_conv_bn_loss(&batch, &params, &running).unwrap().into_tensor();
+        eager_loss.backward();
+        let (outputs, named) = compiled.gradients(&[&batch], &[]).unwrap();
+        let loss = outputs.into_iter().next().unwrap().into_dense().unwrap();
+        let tolerance = if double { 1e-9 } else { 1e-4 };
+        assert_same_values(&loss, &eager_loss, tolerance, tolerance, "loss");
+        // The second convolution has no bias: its parameter is unused.
+        for (name, param) in names.iter().zip(&params).filter(|(_, param)| param.grad().defined()) {
+            let (_, grad) = named
+                .iter()
+                .find(|(path, _)| path == name)
+                .unwrap_or_else(|| panic!("no gradient for {name}"));
+            assert_same_values(grad, &param.grad(), tolerance, tolerance, &format!("{kind:?} {name}"));
+        }
+    }
+}
+
 /// Tracing leaves the running statistics alone; each interpreted run of the traced
 /// graph updates them as one eager call does.
 #[test]

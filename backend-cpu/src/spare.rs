@@ -12,11 +12,11 @@ pub(crate) type Pool<E> = Mutex<Vec<Vec<E>>>;
 /// Vectors a pool keeps at most (a run keeps tens of buffers' roundings).
 const KEPT: usize = 64;
 
-/// Bytes of vectors a pool keeps at most between uses: as many as a run keeps of bf16
-/// roundings (`crate::kept`), which go back to the pool when the run ends. At 64 MiB,
-/// a ResNet-50 inference at 81% occupancy (20 MiB roundings a buffer) faulted 16 MiB
-/// of fresh pages into its products' roundings every run and took 8% longer.
-const KEPT_BYTES: usize = crate::kept::KEPT_BYTES;
+/// Bytes of vectors a pool keeps at most between uses (the bf16 roundings a run kept,
+/// `crate::kept`, come back here when it ends). At 64 MiB, a ResNet-50 inference at
+/// 81% occupancy (20 MiB of roundings a buffer) faulted 16 MiB of fresh pages into its
+/// products' roundings every run and took 8% longer.
+const KEPT_BYTES: usize = 256 << 20;
 
 /// An element type with a pool of spare vectors.
 pub(crate) trait Spare: Copy + Default + Send + 'static {

@@ -29,6 +29,7 @@ mod operands;
 pub mod optimize;
 mod pipeline;
 mod program;
+mod scale;
 pub mod signature;
 pub mod step;
 

@@ -84,11 +84,13 @@ pub struct LowerOptions {
     /// and cross-attention's two parts of the same operands in one step
     /// (`AttentionPart::Both`), rather than one each.
     pub attention_gradients_at_once: bool,
-    /// Fold each pointwise step into the GEMM whose result it alone reads, moving the
-    /// GEMM down past the steps between that do not touch it (`fold.rs`): what
-    /// the optimizer's epilogue rule does for `linear` and `matmul`, for the GEMMs of
-    /// other ops (1x1 convolutions followed by a batch norm and a relu). Off, one op
-    /// is at most one step; `compile` sets it when it optimizes.
+    /// Fold each pointwise step into the GEMM (or convolution) whose result it alone
+    /// reads, moving the product down past the steps between that do not touch it
+    /// (`fold.rs`): what the optimizer's epilogue rule does for `linear` and `matmul`,
+    /// for the products of other ops (convolutions followed by a batch norm and a
+    /// relu); and move per-column scales of products' operands into the products
+    /// (`scale.rs`). Off, one op is at most one step; `compile` sets it when it
+    /// optimizes.
     pub fold_epilogues: bool,
 }
 
@@ -202,6 +204,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
     crate::forward::forward_copies(&mut lowering.program);
     if options.fold_epilogues {
         crate::fold::fold_epilogues(&mut lowering.program);
+        crate::scale::scale_into_products(&mut lowering.program);
     }
     Ok(lowering.program)
 }

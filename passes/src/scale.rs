@@ -153,21 +153,13 @@ fn apply(program: &mut Program, index: usize, scaling: Scaling) {
                     source: Source::Step,
                     ..weight.clone()
                 });
-                let scale_access = match gemm.transposed {
-                    false => Access {
-                        row_stride: 0,
-                        ..Access::rows(scale, weight.width)
-                    },
-                    true => Access {
-                        row_stride: 1,
-                        col_stride: 0,
-                        ..Access::rows(scale, weight.width)
-                    },
-                };
                 rewritten.push(multiply(
                     scaled_weight,
                     (weight.rows, weight.width),
-                    [Access::rows(gemm.weight, weight.width), scale_access],
+                    [
+                        Access::rows(gemm.weight, weight.width),
+                        spread(scale, weight.width, gemm.transposed),
+                    ],
                 ));
                 gemm.x = x;
                 gemm.weight = scaled_weight;
@@ -183,21 +175,30 @@ fn apply(program: &mut Program, index: usize, scaling: Scaling) {
                 let out = std::mem::replace(&mut sum.out, unscaled);
                 sum.a = Some(x);
                 rewritten.push(Step::SumRows(sum));
-                let scale_access = Access {
-                    row_stride: 1,
-                    col_stride: 0,
-                    ..Access::rows(scale, result.width)
-                };
                 rewritten.push(multiply(
                     out,
                     (result.rows, result.width),
-                    [Access::rows(unscaled, result.width), scale_access],
+                    [
+                        Access::rows(unscaled, result.width),
+                        spread(scale, result.width, true),
+                    ],
                 ));
             }
             step => rewritten.push(step),
         }
     }
     program.steps = rewritten;
+}
+
+/// The vector `scale` read over rows of `width`: a value a row (`by_rows`), else a
+/// value a column.
+fn spread(scale: Slot, width: i64, by_rows: bool) -> Access {
+    let (row_stride, col_stride) = if by_rows { (1, 0) } else { (0, 1) };
+    Access {
+        row_stride,
+        col_stride,
+        ..Access::rows(scale, width)
+    }
 }
 
 /// The pointwise step `out = a * b` over `rows` of `width`.
@@ -223,12 +224,8 @@ mod tests {
     use crate::program::Output;
     use crate::step::{Gemm, SumRows};
 
-    /// `count` rows of every test buffer.
-    const fn rows(count: i64) -> Rows {
-        Rows {
-            base: RowBase::One,
-            factor: count,
-        }
+    fn rows(count: i64) -> Rows {
+        Rows::fixed(count)
     }
 
     /// Slots: 0 `x [6 x 4]`, 1 `v [4 x 1]`, 2 `W [3 x 4]`, 3 `b [6 x 5]` (inputs), then
@@ -320,12 +317,11 @@ mod tests {
             };
             assert_eq!((gemm.x, gemm.weight), (Slot(0), weight.out));
             assert_eq!(weight.inputs[0], Access::rows(Slot(2), 4));
-            let per = |row_stride, col_stride| Access {
-                row_stride,
-                col_stride,
+            let expected = Access {
+                row_stride: i64::from(transposed),
+                col_stride: i64::from(!transposed),
                 ..Access::rows(Slot(1), 4)
             };
-            let expected = if transposed { per(1, 0) } else { per(0, 1) };
             assert_eq!(weight.inputs[1], expected);
             assert_eq!((sum.a, rows_scaled.out), (Some(Slot(0)), Slot(6)));
             assert_eq!(rows_scaled.inputs[0], Access::rows(sum.out, 5));

@@ -153,13 +153,8 @@ impl HostSteps for CpuSteps {
             .outputs()
             .map(|out| {
                 let scalars = run.sizes().scalars(run.program(), out).max(0) as usize;
-                let scalar_bytes = if run.program().info(out).integers {
-                    8
-                } else {
-                    run.program().float.size()
-                };
                 let start = run.pointer(out) as usize;
-                start..start.saturating_add(scalars.saturating_mul(scalar_bytes))
+                start..start.saturating_add(scalars.saturating_mul(run.program().value_bytes(out)))
             })
             .collect();
         let of = crate::kept::StepOf {

@@ -19,7 +19,7 @@ use crate::bf16::RoundedBuffer;
 /// forward's roundings for the weight gradients, which read the first layers' last: a
 /// ResNet-50 step at 81% occupancy made some 40 of them again (about 0.9 GB read and
 /// written) with 256 MiB and took 4% longer; its peak memory grew by 5% with 1 GiB.
-const KEPT_BYTES: usize = 1 << 30;
+pub(crate) const KEPT_BYTES: usize = 1 << 30;
 
 /// What the current run of this thread keeps.
 #[derive(Default)]

@@ -9,14 +9,16 @@ use std::sync::Mutex;
 /// Vectors free for the next taker.
 pub(crate) type Pool<E> = Mutex<Vec<Vec<E>>>;
 
-/// Vectors a pool keeps at most (a run keeps tens of buffers' roundings).
-const KEPT: usize = 64;
+/// Vectors a pool keeps at most (a run keeps tens of buffers' roundings, and its
+/// convolutions' tiles lend columns besides: at 64, a ResNet-50 training step at 81%
+/// occupancy faulted 30 MiB of fresh pages into them every step and took 3% longer).
+const KEPT: usize = 256;
 
-/// Bytes of vectors a pool keeps at most between uses (the bf16 roundings a run kept,
-/// `crate::kept`, come back here when it ends). At 64 MiB, a ResNet-50 inference at
-/// 81% occupancy (20 MiB of roundings a buffer) faulted 16 MiB of fresh pages into its
-/// products' roundings every run and took 8% longer.
-const KEPT_BYTES: usize = 256 << 20;
+/// Bytes of vectors a pool keeps at most between uses: as many as a run keeps of bf16
+/// roundings (`crate::kept`), which come back here when it ends. At 64 MiB, a ResNet-50
+/// inference at 81% occupancy (20 MiB of roundings a buffer) faulted 16 MiB of fresh
+/// pages into its products' roundings every run and took 8% longer.
+const KEPT_BYTES: usize = crate::kept::KEPT_BYTES;
 
 /// An element type with a pool of spare vectors.
 pub(crate) trait Spare: Copy + Default + Send + 'static {

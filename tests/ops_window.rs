@@ -461,7 +461,8 @@ proptest! {
     /// blocks) a batch norm on running statistics (its scale and shift computed after
     /// the convolution) plus a residual of the same geometry, then the relu; the bias
     /// moves into it. Equal to eager on the CPU (3 channels on nestor's direct kernel, 16
-    /// into 24 on products over gathered columns, and those under autocast to bf16) and
+    /// into 24 on products over gathered columns, and those under autocast to bf16, on
+    /// AMX tiles reading the input rows in place where the host has them) and
     /// on the simulated GPU, in every float kind (f64 on the CPU), images of one pixel
     /// and batches of one included.
     #[test]

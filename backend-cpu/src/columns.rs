@@ -40,16 +40,12 @@ pub(crate) enum Work {
 /// kernel: from 32 output channels, and for a convolution 16 input channels (the direct
 /// kernel is the faster at the 16-channel convolutions it was built for and at a stem's
 /// 3 input channels; a stem's weight gradient, 3 channels times 49 taps, took 28 ms in
-/// the direct kernel and 6 as a GEMM). `NESTOR_CONV=direct` or `NESTOR_CONV=columns`
-/// forces one way (to compare them).
+/// the direct kernel and 6 as a GEMM). A convolution with bf16 products on AMX tiles
+/// of fewer than 32 input channels reads its input rows in place instead
+/// (`crate::conv_tiles::pays`). `NESTOR_CONV=direct` or `NESTOR_CONV=columns` forces one
+/// way (to compare them).
 pub(crate) fn columns_pay(shape: Shape, work: Work, products: Products) -> bool {
-    // `NESTOR_CONV`, read once per process: forced to one way, or by the shape.
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        let is = |way| crate::process::env_is("NESTOR_CONV", way);
-        (is("direct") || is("columns")).then(|| is("columns"))
-    });
-    if let Some(columns) = *forced {
+    if let Some(columns) = forced_way() {
         return columns;
     }
     // With the process's own bf16 products a stem's convolution too (3 channels times
@@ -61,6 +57,16 @@ pub(crate) fn columns_pay(shape: Shape, work: Work, products: Products) -> bool 
         Work::WeightGradient => shape.channels.saturating_mul(shape.taps) >= 64,
     };
     shape.width >= 32 && inputs
+}
+
+/// `NESTOR_CONV`, read once per process: `Some(true)` for columns, `Some(false)` for the
+/// direct kernel, `None` when the shapes choose.
+pub(crate) fn forced_way() -> Option<bool> {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let is = |way| crate::process::env_is("NESTOR_CONV", way);
+        (is("direct") || is("columns")).then(|| is("columns"))
+    })
 }
 
 /// `weight [outs, ins, taps]` as `[outs, taps, ins]`: the order of a columns row (tap
@@ -457,9 +463,10 @@ unsafe fn convolve_packed(
 /// Whether a convolution of `shape` (or its input's gradient) with `products` gathers
 /// its columns from its images' bf16 roundings ([`convolve_packed`]): so the step
 /// that writes those images makes the roundings as it goes.
-pub(crate) fn gathers_roundings(shape: Shape, products: Products) -> bool {
+pub(crate) fn gathers_roundings(shape: Shape, window: &Window2d, products: Products) -> bool {
     products == Products::Bf16
         && crate::bf16::own_products()
+        && !crate::conv_tiles::pays(shape.channels, window, products)
         && columns_pay(shape, Work::Convolution, products)
 }
 

@@ -29,6 +29,7 @@ mod bf16;
 mod blas;
 mod columns;
 mod conv;
+mod conv_tiles;
 mod dot;
 mod finish;
 mod gemm;

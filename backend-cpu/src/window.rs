@@ -15,6 +15,10 @@ use crate::scalar::Scalar;
 use nestor_ir::Window2d;
 use nestor_passes::Products;
 
+/// Output rows of an image a task of the tiles' convolution takes (`conv_tiles.rs`):
+/// each input row they read is rounded once for all of them.
+const TILE_BAND: i64 = 8;
+
 /// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;
 /// Output pixels whose weight-gradient terms are summed together (fixed, so the sum's
@@ -44,7 +48,7 @@ impl<T> Buffers<T> {
 }
 
 /// The sizes of a window step.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Shape {
     /// Input channels.
     pub(crate) channels: usize,
@@ -258,7 +262,9 @@ unsafe fn convolve<T: Gemm>(
             shape.width * shape.channels * shape.taps,
         )
     };
-    if columns_pay(shape, Work::Convolution, products) {
+    let f32_values = std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
+    let tiles = f32_values && crate::conv_tiles::pays(shape.channels, &window, products);
+    if !tiles && columns_pay(shape, Work::Convolution, products) {
         // SAFETY: as the caller promises.
         unsafe {
             let bias = bias.map(|bias| std::slice::from_raw_parts(bias as *const T, shape.width));
@@ -280,8 +286,29 @@ unsafe fn convolve<T: Gemm>(
     } else {
         weight.as_ptr() as *const u8
     };
-    let pairs =
-        products == Products::Bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
+    // SAFETY: as the caller promises (`T` is f32 with `tiles`).
+    if let Some(plan) = tiles
+        .then(|| unsafe {
+            crate::conv_tiles::Plan::new(
+                (out as *mut f32, x as *const f32),
+                (weight as *const f32, bias.map(|bias| bias as *const f32)),
+                (shape.channels, shape.width),
+                window,
+                images,
+            )
+        })
+        .flatten()
+    {
+        for_each_band(
+            images,
+            (shape, window),
+            finish,
+            TILE_BAND,
+            &|image, rows| plan.rows(image, rows),
+        );
+        return;
+    }
+    let pairs = products == Products::Bf16 && f32_values;
     // SAFETY (both paths): as the caller promises (`T` is f32 for pairs, checked just
     // above).
     if pairs
@@ -421,10 +448,31 @@ fn for_each_row(
     finish: &Finish<'_>,
     row: &(dyn Fn(usize, i64) + Sync),
 ) {
-    let rows: Vec<(usize, i64)> = images
+    for_each_band(images, (shape, window), finish, 1, &|image, rows| {
+        rows.for_each(|output_row| row(image, output_row))
+    });
+}
+
+/// `rows(image, band)` for every band of `band` output rows of each image of `images`
+/// (its last band shorter), spread over the team when the convolution is worth
+/// splitting, each band's pixels then finished by `finish`.
+fn for_each_band(
+    images: &[WindowImage],
+    (shape, window): (Shape, Window2d),
+    finish: &Finish<'_>,
+    band: i64,
+    rows: &(dyn Fn(usize, std::ops::Range<i64>) + Sync),
+) {
+    let band = band.max(1);
+    let bands: Vec<(usize, std::ops::Range<i64>)> = images
         .iter()
         .enumerate()
-        .flat_map(|(index, image)| (0..image.out.0).map(move |row| (index, row)))
+        .flat_map(|(index, image)| {
+            let height = image.out.0;
+            (0..height)
+                .step_by(band as usize)
+                .map(move |first| (index, first..(first + band).min(height)))
+        })
         .collect();
     let pixels = nestor_layout::pixels(images).1;
     let macs = pixels
@@ -439,13 +487,16 @@ fn for_each_row(
     if threads > 1 {
         crate::Parallelism::count_split();
     }
-    crate::team::for_each_chunk(rows.len(), threads, &|task| {
-        let (image, output_row) = rows[task];
-        row(image, output_row);
+    crate::team::for_each_chunk(bands.len(), threads, &|task| {
+        let (image, band) = bands[task].clone();
+        rows(image, band.clone());
         let width = images[image].out.1 as usize;
-        let first = images[image].output + output_row as usize * width;
-        // SAFETY: `row` wrote this output row's pixels, this task's alone.
-        unsafe { finish.rows(first, first + width) };
+        let (first, end) = (
+            images[image].output + band.start as usize * width,
+            images[image].output + band.end as usize * width,
+        );
+        // SAFETY: `rows` wrote this band's pixels, this task's alone.
+        unsafe { finish.rows(first, end) };
     });
 }
 
@@ -1176,98 +1227,166 @@ mod tests {
         }
     }
 
-    /// Convolutions of bf16 pairs (AVX512-BF16, even channel counts; none run elsewhere)
-    /// equal the f64 convolution of the rounded input and weight (the products are
-    /// exact; only the sums' order differs), with a bias, images of one pixel and images
-    /// whose windows leave them, strides 1 and 2, and output channels past 16.
+    /// A bf16 convolution path: runs the convolution of `x` by `weight` (and `bias`)
+    /// into `out` and says whether it ran.
+    type Bf16Path =
+        fn(&mut [f32], (&[f32], &[f32], &[f32]), &[WindowImage], Shape, Window2d) -> bool;
+
+    /// The AVX512-BF16 pairs.
+    fn run_pairs(
+        out: &mut [f32],
+        (x, weight, bias): (&[f32], &[f32], &[f32]),
+        images: &[WindowImage],
+        shape: Shape,
+        window: Window2d,
+    ) -> bool {
+        // SAFETY: the caller's buffers hold the images' pixels, the weight and the bias.
+        unsafe {
+            convolve_pairs(
+                (out.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8),
+                (
+                    weight.as_ptr() as *const u8,
+                    Some(bias.as_ptr() as *const u8),
+                ),
+                images,
+                (shape, window),
+                &Finish::NONE,
+            )
+        }
+    }
+
+    /// The AMX tiles reading the input rows in place (`conv_tiles.rs`).
+    fn run_tiles(
+        out: &mut [f32],
+        (x, weight, bias): (&[f32], &[f32], &[f32]),
+        images: &[WindowImage],
+        shape: Shape,
+        window: Window2d,
+    ) -> bool {
+        // SAFETY: the caller's buffers hold the images' pixels, the weight and the bias.
+        let plan = unsafe {
+            crate::conv_tiles::Plan::new(
+                (out.as_mut_ptr(), x.as_ptr()),
+                (weight.as_ptr(), Some(bias.as_ptr())),
+                (shape.channels, shape.width),
+                window,
+                images,
+            )
+        };
+        let Some(plan) = plan else {
+            return false;
+        };
+        for_each_band(images, (shape, window), &Finish::NONE, 3, &|image, rows| {
+            plan.rows(image, rows)
+        });
+        true
+    }
+
+    /// The bf16 convolutions (the AVX512-BF16 pairs and the AMX tiles, where the host
+    /// has them) equal the f64 convolution of the rounded input and weight (the
+    /// products are exact; only the sums' order differs), with a bias, images of one
+    /// pixel, images whose windows leave them and images wider than a tile's 16 pixels,
+    /// strides 1 and 2, a stem's 7x7 window, rows dilated, and output channels past 16
+    /// and 64.
     #[test]
     fn bf16_convolutions_are_the_products_of_the_roundings() {
+        let window = |kernel, stride, padding, dilation| Window2d {
+            kernel,
+            stride,
+            padding,
+            dilation,
+        };
         let windows = [
-            Window2d {
-                kernel: [3, 3],
-                stride: [1, 1],
-                padding: [1, 1],
-                dilation: [1, 1],
-            },
-            Window2d {
-                kernel: [3, 2],
-                stride: [2, 2],
-                padding: [1, 0],
-                dilation: [1, 1],
-            },
+            window([3, 3], [1, 1], [1, 1], [1, 1]),
+            window([3, 2], [2, 2], [1, 0], [1, 1]),
+            window([7, 7], [2, 2], [3, 3], [1, 1]),
+            window([3, 3], [1, 2], [2, 1], [2, 1]),
         ];
-        let (heights, widths) = ([5i64, 1, 3], [4i64, 1, 7]);
-        for window in windows {
-            for (channels, width) in [(2, 16), (3, 5), (4, 17), (16, 16), (18, 3)] {
-                let images = window_images(&window, &heights, &widths).unwrap();
-                let last = images.last().unwrap();
-                let inputs = last.input + (last.size.0 * last.size.1) as usize;
-                let outputs = last.output + (last.out.0 * last.out.1) as usize;
-                let taps = window.taps() as usize;
-                let value = |i: usize, scale: f32| ((i * 37 % 101) as f32 - 50.0) * scale + 0.001;
-                let x: Vec<f32> = (0..inputs * channels).map(|i| value(i, 0.0371)).collect();
-                let weight: Vec<f32> = (0..width * channels * taps)
-                    .map(|i| value(i + 7, 0.0113))
-                    .collect();
-                let bias: Vec<f32> = (0..width).map(|o| o as f32 * 0.25 - 1.0).collect();
-                let mut out = vec![f32::NAN; outputs * width];
-                let shape = Shape {
-                    channels,
-                    width,
-                    taps,
-                };
-                // SAFETY: the buffers hold the images' pixels, the weight and the bias.
-                let ran = unsafe {
-                    convolve_pairs(
-                        (out.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8),
-                        (
-                            weight.as_ptr() as *const u8,
-                            Some(bias.as_ptr() as *const u8),
-                        ),
-                        &images,
-                        (shape, window),
-                        &Finish::NONE,
-                    )
-                };
-                assert_eq!(ran, crate::dot::host_has() && channels.is_multiple_of(2));
-                if !ran {
-                    continue;
-                }
-                for image in &images {
-                    let ((height, image_width), (out_h, out_w)) = (image.size, image.out);
-                    for (oy, ox) in (0..out_h).flat_map(|oy| (0..out_w).map(move |ox| (oy, ox))) {
-                        let pixel = image.output + (oy * out_w + ox) as usize;
-                        for o in 0..width {
-                            let mut expected = f64::from(bias[o]);
-                            let mut magnitude = expected.abs();
-                            for (t, (ky, kx)) in (0..window.kernel[0])
-                                .flat_map(|ky| (0..window.kernel[1]).map(move |kx| (ky, kx)))
-                                .enumerate()
-                            {
-                                let y = oy * window.stride[0] - window.padding[0] + ky;
-                                let xx = ox * window.stride[1] - window.padding[1] + kx;
-                                if !(0..height).contains(&y) || !(0..image_width).contains(&xx) {
-                                    continue;
-                                }
-                                let source = image.input + (y * image_width + xx) as usize;
-                                for c in 0..channels {
-                                    let term = rounded(x[source * channels + c])
-                                        * rounded(weight[(o * channels + c) * taps + t]);
-                                    expected += term;
-                                    magnitude += term.abs();
-                                }
-                            }
-                            let got = f64::from(out[pixel * width + o]);
-                            assert!(
-                                (got - expected).abs() <= 1e-6 * magnitude + 1e-7,
-                                "{window:?} channels {channels} width {width} pixel {pixel} \
-                                 output {o}: {got} against {expected}"
-                            );
-                        }
-                    }
+        let (heights, widths) = ([5i64, 1, 3, 4], [4i64, 1, 7, 37]);
+        let paths: [(&str, Bf16Path, bool); 2] = [
+            ("pairs", run_pairs, crate::dot::host_has()),
+            ("tiles", run_tiles, crate::amx::usable()),
+        ];
+        for (name, run, host_has) in paths {
+            for window in windows {
+                for (channels, width) in [(2, 16), (3, 5), (4, 17), (16, 16), (18, 3), (3, 70)] {
+                    let shape = Shape {
+                        channels,
+                        width,
+                        taps: window.taps() as usize,
+                    };
+                    let ran = check_bf16_convolution(run, window, (&heights, &widths), shape);
+                    let expected = host_has
+                        && match name {
+                            "pairs" => channels.is_multiple_of(2),
+                            _ => window.dilation[1] == 1,
+                        };
+                    assert_eq!(ran, expected, "{name}: {window:?}, {shape:?}");
                 }
             }
         }
+    }
+
+    /// Runs `run` on images of `heights` x `widths` and checks its output against the
+    /// f64 convolution of the roundings (see above); returns whether it ran.
+    fn check_bf16_convolution(
+        run: Bf16Path,
+        window: Window2d,
+        (heights, widths): (&[i64], &[i64]),
+        shape: Shape,
+    ) -> bool {
+        let Shape {
+            channels,
+            width,
+            taps,
+        } = shape;
+        let images = window_images(&window, heights, widths).unwrap();
+        let (inputs, outputs) = nestor_layout::pixels(&images);
+        let value = |i: usize, scale: f32| ((i * 37 % 101) as f32 - 50.0) * scale + 0.001;
+        let x: Vec<f32> = (0..inputs * channels).map(|i| value(i, 0.0371)).collect();
+        let weight: Vec<f32> = (0..width * channels * taps)
+            .map(|i| value(i + 7, 0.0113))
+            .collect();
+        let bias: Vec<f32> = (0..width).map(|o| o as f32 * 0.25 - 1.0).collect();
+        let mut out = vec![f32::NAN; outputs * width];
+        if !run(&mut out, (&x, &weight, &bias), &images, shape, window) {
+            return false;
+        }
+        for image in &images {
+            let ((height, image_width), (out_h, out_w)) = (image.size, image.out);
+            for (oy, ox) in (0..out_h).flat_map(|oy| (0..out_w).map(move |ox| (oy, ox))) {
+                let pixel = image.output + (oy * out_w + ox) as usize;
+                for o in 0..width {
+                    let mut expected = f64::from(bias[o]);
+                    let mut magnitude = expected.abs();
+                    for (t, (ky, kx)) in (0..window.kernel[0])
+                        .flat_map(|ky| (0..window.kernel[1]).map(move |kx| (ky, kx)))
+                        .enumerate()
+                    {
+                        let y = oy * window.stride[0] - window.padding[0] + ky * window.dilation[0];
+                        let xx =
+                            ox * window.stride[1] - window.padding[1] + kx * window.dilation[1];
+                        if !(0..height).contains(&y) || !(0..image_width).contains(&xx) {
+                            continue;
+                        }
+                        let source = image.input + (y * image_width + xx) as usize;
+                        for c in 0..channels {
+                            let term = rounded(x[source * channels + c])
+                                * rounded(weight[(o * channels + c) * taps + t]);
+                            expected += term;
+                            magnitude += term.abs();
+                        }
+                    }
+                    let got = f64::from(out[pixel * width + o]);
+                    assert!(
+                        (got - expected).abs() <= 1e-6 * magnitude + 1e-7,
+                        "{window:?} channels {channels} width {width} pixel {pixel} \
+                         output {o}: {got} against {expected}"
+                    );
+                }
+            }
+        }
+        true
     }
 
     /// Every output row of a convolution is finished once, after it is written, on each

@@ -43,7 +43,11 @@ fn rounded_operands(step: &Step) -> Vec<Slot> {
         Step::Gemm(gemm) => vec![gemm.x, gemm.weight],
         Step::Window(window)
             if matches!(window.kind, WindowKind::Conv | WindowKind::ConvInputGrad)
-                && crate::columns::gathers_roundings(window::shape_of(window), Products::Bf16) =>
+                && crate::columns::gathers_roundings(
+                    window::shape_of(window),
+                    &window.window,
+                    Products::Bf16,
+                ) =>
         {
             vec![window.x]
         }

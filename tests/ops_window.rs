@@ -1268,7 +1268,8 @@ fn resnet_like_loss(x: &NestedTensor, params: &[Tensor]) -> nestor::Result<Dense
 
 /// Mixed-precision training of convolutions (`autocast(Kind::BFloat16)`): a 3-channel
 /// stem and a 3x3 convolution of 32 channels (on hosts with bf16 units GEMMs over
-/// columns gathered as bf16 roundings, rows padded to whole tiles), a 1x1 convolution
+/// columns gathered as bf16 roundings, rows padded to whole tiles; its weight gradient
+/// on AMX tiles reading the input rows in place where the host has them), a 1x1 convolution
 /// (a GEMM) on a residual, and their gradients. With parameters and images that hold
 /// bf16 values (only the roundings inside differ), the loss and every gradient are
 /// within 2e-2 of (1 + |value|) of f64 autograd on the same values, for images of one

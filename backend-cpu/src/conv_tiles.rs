@@ -9,6 +9,8 @@
 //! pixel) no longer spends its time gathering columns nine times the input's size, nor
 //! in `vdpbf16ps`, which this kind of host issues at half the rate of f32 FMAs.
 
+pub(crate) mod grad;
+
 use std::cell::RefCell;
 
 use nestor_ir::Window2d;

@@ -71,6 +71,16 @@ impl CpuSteps {
                 Ok(())
             }
             WindowKind::WeightGrad
+                if run.program().float == FloatType::F32
+                    && crate::conv_tiles::grad::pays(
+                        window.shape_with_taps(),
+                        &window.step.window,
+                        (window.groups, run.program().products),
+                    ) =>
+            {
+                window.weight_grad_on_tiles(window.shape_with_taps())
+            }
+            WindowKind::WeightGrad
                 if columns_pay(
                     window.shape_with_taps(),
                     Work::WeightGradient,
@@ -354,6 +364,34 @@ impl WindowRun<'_, '_, '_> {
                 ),
             }
         }
+        Ok(())
+    }
+
+    /// The convolution weight's gradient with bf16 products on AMX tiles, reading the
+    /// input rows in place (`crate::conv_tiles::grad`; an f32 program's).
+    fn weight_grad_on_tiles(&self, shape: Shape) -> Result<(), RuntimeError> {
+        let window = self.step.window;
+        let images = window_images(&window, self.sizes.0, self.sizes.1)
+            .map_err(|error| self.error(error.to_string()))?;
+        let (inputs, rows) = nestor_layout::pixels(&images);
+        let (out, x, g) = self.weight_grad_buffers(shape, rows)?;
+        if self.slot_len(self.step.x) != inputs.saturating_mul(shape.channels) {
+            return Err(self.error("the weight gradient's input does not match its images".into()));
+        }
+        let partials = crate::conv_tiles::grad::partial_bytes(shape, &window, &images);
+        within_budget(
+            self.index,
+            "the weight gradient's partial sums",
+            Some(partials),
+        )?;
+        // The buffers hold what was just checked, f32 values (the caller's program).
+        unsafe {
+            crate::conv_tiles::grad::weight_grad(
+                (out as *mut f32, x as *const f32, g as *const f32),
+                (&images, window),
+                shape,
+            )
+        };
         Ok(())
     }
 

@@ -15,9 +15,10 @@ use crate::scalar::Scalar;
 use nestor_ir::Window2d;
 use nestor_passes::Products;
 
-/// Output rows of an image a task of the tiles' convolution takes (`conv_tiles.rs`):
-/// each input row they read is rounded once for all of them.
-const TILE_BAND: i64 = 8;
+/// Output rows of an image a convolution task takes: neighbouring rows read the same
+/// input rows, which stay in the core's cache (on the tiles, `conv_tiles.rs`, each is
+/// rounded once for all of them).
+const BAND: i64 = 8;
 
 /// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;
@@ -303,7 +304,7 @@ unsafe fn convolve<T: Gemm>(
             images,
             (shape, window),
             finish,
-            TILE_BAND,
+            BAND,
             &|image, rows| plan.rows(image, rows),
         );
         return;
@@ -440,15 +441,16 @@ fn bf16_dot_pays() -> bool {
     })
 }
 
-/// `row(image, row)` for every output row of `images`, spread over the team when the
-/// convolution is worth splitting, each row's pixels then finished by `finish`.
+/// `row(image, row)` for every output row of `images`, [`BAND`] rows of an image a task,
+/// spread over the team when the convolution is worth splitting, each task's pixels
+/// then finished by `finish`.
 fn for_each_row(
     images: &[WindowImage],
     (shape, window): (Shape, Window2d),
     finish: &Finish<'_>,
     row: &(dyn Fn(usize, i64) + Sync),
 ) {
-    for_each_band(images, (shape, window), finish, 1, &|image, rows| {
+    for_each_band(images, (shape, window), finish, BAND, &|image, rows| {
         rows.for_each(|output_row| row(image, output_row))
     });
 }

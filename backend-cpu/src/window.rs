@@ -300,13 +300,9 @@ unsafe fn convolve<T: Gemm>(
         })
         .flatten()
     {
-        for_each_band(
-            images,
-            (shape, window),
-            finish,
-            BAND,
-            &|image, rows| plan.rows(image, rows),
-        );
+        for_each_band(images, (shape, window), finish, BAND, &|image, rows| {
+            plan.rows(image, rows)
+        });
         return;
     }
     let pairs = products == Products::Bf16 && f32_values;

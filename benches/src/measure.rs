@@ -24,6 +24,10 @@ pub struct Timing {
 /// microseconds timed alone measures the timer and the scheduler as much as the step.
 pub const SHORTEST_RUN_SECONDS: f64 = 1e-3;
 
+/// Steps shorter than this are called once untimed before each timed run
+/// ([`time_in_turns`]).
+pub const WARMED_BELOW_SECONDS: f64 = 0.1;
+
 /// Times `samples` runs of `step` after one warm-up run (each run at least
 /// [`SHORTEST_RUN_SECONDS`] of back-to-back calls; times are per call).
 pub fn time(samples: usize, mut step: impl FnMut() -> Result<()>) -> Result<Timing> {
@@ -33,7 +37,12 @@ pub fn time(samples: usize, mut step: impl FnMut() -> Result<()>) -> Result<Timi
 
 /// [`time`] for several steps in turns: each round times one run of every step, so a
 /// machine that slows down for a while (a busy neighbour on a shared host) slows every
-/// step alike, and their ratios hold.
+/// step alike, and their ratios hold. A timed run of a step under
+/// [`WARMED_BELOW_SECONDS`] follows an untimed call of the same step, so that it is
+/// timed as the Python scripts time PyTorch's (calls back to back) rather than just
+/// after another step has filled the caches and the core has idled (a 2 ms compiled
+/// call of the report's conv net took 1.3-1.8x as long right after another step or a
+/// pause; a step of hundreds of milliseconds hardly changes).
 pub fn time_in_turns(
     samples: usize,
     steps: &mut [&mut dyn FnMut() -> Result<()>],
@@ -43,11 +52,15 @@ pub fn time_in_turns(
         step()?;
         let started = Instant::now();
         step()?;
-        calls.push(calls_per_run(started.elapsed().as_secs_f64()));
+        let seconds = started.elapsed().as_secs_f64();
+        calls.push((calls_per_run(seconds), seconds < WARMED_BELOW_SECONDS));
     }
     let mut times = vec![Vec::with_capacity(samples.max(1)); steps.len()];
     for _ in 0..samples.max(1) {
-        for ((step, &calls), times) in steps.iter_mut().zip(&calls).zip(&mut times) {
+        for ((step, &(calls, warmed)), times) in steps.iter_mut().zip(&calls).zip(&mut times) {
+            if warmed {
+                step()?;
+            }
             let started = Instant::now();
             for _ in 0..calls {
                 step()?;
@@ -202,8 +215,9 @@ mod tests {
         assert_eq!(timings.len(), 2);
         assert!(timings.iter().all(|timing| timing.samples == 5));
         assert!(timings[0].median > timings[1].median);
-        // One call per run for the slow step (2 ms), many for the fast one.
-        assert_eq!(slow, 2 + 5);
+        // One call per run for the slow step (2 ms), after an untimed one (it is under
+        // `WARMED_BELOW_SECONDS`); many for the fast one.
+        assert_eq!(slow, 2 + 5 * 2);
         assert!(fast > 2 + 5);
     }
 }

@@ -470,7 +470,7 @@ pub fn markdown(
     let _ = writeln!(out, "# nestor benchmark report\n");
     let _ = writeln!(
         out,
-        "Made by `{}` on {}. Sizes: {}. Every cell is the median of its timed runs after one warm-up run (a step under 1 ms is called back to back for at least 1 ms per run, and the run's time divided by the calls); the Rust columns of a batch are timed in turns, one run of each per round, so that a slow spell of the machine slows them alike; \
+        "Made by `{}` on {}. Sizes: {}. Every cell is the median of its timed runs after one warm-up run (a step under 1 ms is called back to back for at least 1 ms per run, and the run's time divided by the calls); the Rust columns of a batch are timed in turns, one run of each per round, so that a slow spell of the machine slows them alike, each run of a step under 100 ms right after an untimed call of the same step (as the PyTorch options are timed: calls back to back); \
          IQR is the 25th-75th percentile range. Peak memory: {}.\n",
         context.command,
         context.machine,

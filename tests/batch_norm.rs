@@ -249,7 +249,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases(8)))]
 
     /// Compiled training through batch normalization: the loss, every parameter's
-    /// gradient and the running statistics equal eager autograd's, call after call.
+    /// gradient and the running statistics equal eager autograd's, call after call; the
+    /// norm's gradient sums `g * xhat` in one pass over both (no product step).
     #[test]
     fn compiled_training_through_batch_norm_equals_autograd(
         sizes in proptest::collection::vec(
@@ -282,6 +283,7 @@ proptest! {
             conv_bn_loss(&x[0], &variables, &model_running)
         })
         .train(&store);
+        compiled.record_steps(true);
         let tolerance = if double { 1e-9 } else { 1e-4 };
         let error = |a: &Tensor, e: &Tensor| {
             ((a.to_kind(Kind::Double) - e.to_kind(Kind::Double)).abs() / (e.to_kind(Kind::Double).abs() + 1.0))
@@ -316,6 +318,8 @@ proptest! {
         // A batch whose heights equal its widths (or another batch size class) is
         // another structure: at most one compile per call.
         prop_assert!(compiled.stats().compiles <= 2);
+        let labels: Vec<String> = compiled.take_step_profiles().into_iter().flat_map(|run| run.steps).map(|step| step.label).collect();
+        prop_assert!(labels.iter().any(|label| label.starts_with("column sums of products")), "{labels:?}");
     }
 }
 

@@ -320,6 +320,27 @@ fn resampling_on_the_simulated_gpu_equals_the_cpu() {
     assert_simulated_gradients_equal_cpu("resampling_loss", loss, &[&x, &one]);
 }
 
+/// Batch normalization on the batch's statistics and its gradient (whose sums of
+/// `g * xhat` over every pixel are one row-sum kernel reading both, `SumRows::times`)
+/// on the simulated GPU equal the CPU.
+#[test]
+fn batch_norm_gradients_on_the_simulated_gpu_equal_the_cpu() {
+    let (x, one) = (
+        random_images(&[(5, 3), (1, 1), (7, 4)], 3),
+        random_images(&[(2, 6)], 4),
+    );
+    let loss = |x: &[NestedTensor], _: &[Dense]| -> nestor::Result<Dense> {
+        let scale = Tensor::from_slice(&[0.5f32, -1.0, 2.0]);
+        let shift = Tensor::from_slice(&[0.1f32, 0.2, -0.3]);
+        x[0].tanh()?
+            .batch_norm(1, None, None, Some(&scale), Some(&shift), true, 0.1, 1e-5)?
+            .relu()?
+            .sum(&[], false)?
+            .into_dense_handle()
+    };
+    assert_simulated_gradients_equal_cpu("batch_norm_loss", loss, &[&x, &one]);
+}
+
 #[test]
 fn transformer_stacks_on_the_simulated_gpu_equal_the_cpu() {
     tch::manual_seed(3);

@@ -222,17 +222,19 @@ unsafe fn gemm_rows<T: Gemm>(
 }
 
 /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1, the column
-/// sums of `b`), divided by `rows` when `mean` (NaN for no rows, as torch's mean). Large
+/// sums of `b`, or with `times` of `b * times`, each product rounded as a pointwise
+/// step's), divided by `rows` when `mean` (NaN for no rows, as torch's mean). Large
 /// products split the output rows across the cores; column sums add the partial sums of
 /// blocks of [`SUM_BLOCK_ROWS`] rows or more (split across the cores when large)
 /// [`pairwise`] in block order, so the result does not depend on the split. Products'
 /// operands are as `products` says.
 ///
 /// # Safety
-/// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m` and `b` `rows*n`.
+/// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m`, `b` and `times`
+/// (when given) `rows*n`; `times` only without `a`.
 pub(super) unsafe fn sum_rows<T: Gemm>(
     out: *mut u8,
-    (a, b): (Option<*const u8>, *const u8),
+    (a, b, times): (Option<*const u8>, *const u8, Option<*const u8>),
     (rows, m, n): (i64, i64, i64),
     (mean, products): (bool, Products),
 ) {
@@ -298,17 +300,23 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
         }
     } else {
         let b = unsafe { std::slice::from_raw_parts(b as *const T, rows * n) };
+        let times =
+            times.map(|times| unsafe { std::slice::from_raw_parts(times as *const T, rows * n) });
         // Partial sums of blocks of a fixed number of rows, added in block order: the
         // same arithmetic however many threads share the blocks.
         let block_rows = SUM_BLOCK_ROWS.max(SUM_BLOCK_VALUES / n);
         let blocks: Vec<&[T]> = b.chunks(block_rows * n).collect();
+        let times_blocks: Vec<Option<&[T]>> = match times {
+            Some(times) => times.chunks(block_rows * n).map(Some).collect(),
+            None => vec![None; blocks.len()],
+        };
         let threads = if parallel { threads } else { 1 };
         if threads > 1 && blocks.len() > 1 {
             crate::Parallelism::count_split();
         }
         let partials: Vec<Mutex<Vec<T>>> = blocks.iter().map(|_| Mutex::new(Vec::new())).collect();
         crate::team::for_each_chunk(blocks.len(), threads, &|block| {
-            let sums = column_sums(blocks[block], n);
+            let sums = column_sums(blocks[block], times_blocks[block], n);
             *partials[block]
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner()) = sums;
@@ -376,15 +384,31 @@ fn finish_mean<T: Scalar>(out: &mut [T], rows: usize, mean: bool) {
 /// vectors of f32; a row's 64 values are four whole cache lines).
 const SUM_LANES: usize = 64;
 
-/// The sums of the columns of `values`, rows of `width` (at least 1): each column added
+/// The sums of the columns of `values` (times `times` value for value, when given, each
+/// product rounded before it is added), rows of `width` (at least 1): each column added
 /// row by row in runs of [`SUM_RUN_ROWS`] rows, the runs' sums [`pairwise`],
 /// [`SUM_LANES`] columns at a time with their sums in registers (rather than a row's
 /// worth of sums in memory, each row's adds waiting on the last row's stores), compiled
 /// for the widest vectors of the host.
-pub(super) fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
+pub(super) fn column_sums<T: Scalar>(values: &[T], times: Option<&[T]>, width: usize) -> Vec<T> {
     if width == 1 {
-        let runs = values.chunks(SUM_RUN_ROWS * crate::scalar::LANES);
-        let sum = pairwise(runs.map(crate::scalar::sum_of), |a, b| a + b);
+        let runs = (0..values.len()).step_by(SUM_RUN_ROWS * crate::scalar::LANES);
+        let run_sum = |first: usize| {
+            let run =
+                &values[first..(first + SUM_RUN_ROWS * crate::scalar::LANES).min(values.len())];
+            match times {
+                Some(times) => {
+                    let products: Vec<T> = run
+                        .iter()
+                        .zip(&times[first..])
+                        .map(|(&v, &t)| v * t)
+                        .collect();
+                    crate::scalar::sum_of(&products)
+                }
+                None => crate::scalar::sum_of(run),
+            }
+        };
+        let sum = pairwise(runs.map(run_sum), |a, b| a + b);
         return vec![sum.unwrap_or(T::ZERO)];
     }
     let mut sums = vec![T::ZERO; width];
@@ -396,15 +420,15 @@ pub(super) fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
                 .zip(sums.chunks_mut(SUM_LANES))
             {
                 if sums.len() == SUM_LANES {
-                    sums.copy_from_slice(&chunk_sums::<T, SUM_LANES>(values, width, first));
+                    sums.copy_from_slice(&chunk_sums::<T, SUM_LANES>(values, times, width, first));
                 } else {
                     // The last, narrower columns: in registers of eight, then one by one.
                     for (first, sums) in (first..width).step_by(8).zip(sums.chunks_mut(8)) {
                         if sums.len() == 8 {
-                            sums.copy_from_slice(&chunk_sums::<T, 8>(values, width, first));
+                            sums.copy_from_slice(&chunk_sums::<T, 8>(values, times, width, first));
                         } else {
                             for (column, sum) in sums.iter_mut().enumerate() {
-                                *sum = chunk_sums::<T, 1>(values, width, first + column)[0];
+                                *sum = chunk_sums::<T, 1>(values, times, width, first + column)[0];
                             }
                         }
                     }
@@ -418,15 +442,35 @@ pub(super) fn column_sums<T: Scalar>(values: &[T], width: usize) -> Vec<T> {
 /// Rows a column sum adds in order before the sums of such runs are added [`pairwise`].
 const SUM_RUN_ROWS: usize = 64;
 
-/// The sums of columns `first..first + N` of `values` (rows of `width`): row by row in
-/// runs of [`SUM_RUN_ROWS`] rows, the runs' sums added [`pairwise`].
+/// The sums of columns `first..first + N` of `values` (times `times`, when given): row
+/// by row in runs of [`SUM_RUN_ROWS`] rows, the runs' sums added [`pairwise`].
 #[inline(always)]
-fn chunk_sums<T: Scalar, const N: usize>(values: &[T], width: usize, first: usize) -> [T; N] {
-    let runs = values.chunks(width * SUM_RUN_ROWS).map(|run| {
+fn chunk_sums<T: Scalar, const N: usize>(
+    values: &[T],
+    times: Option<&[T]>,
+    width: usize,
+    first: usize,
+) -> [T; N] {
+    let run_values = width * SUM_RUN_ROWS;
+    let runs = (0..values.len()).step_by(run_values).map(|start| {
+        let run = &values[start..(start + run_values).min(values.len())];
         let mut lanes = [T::ZERO; N];
-        for row in run.chunks_exact(width) {
-            for (lane, &value) in lanes.iter_mut().zip(&row[first..first + N]) {
-                *lane += value;
+        match times {
+            Some(times) => {
+                let factors = &times[start..start + run.len()];
+                for (row, factors) in run.chunks_exact(width).zip(factors.chunks_exact(width)) {
+                    let columns = row[first..first + N].iter().zip(&factors[first..first + N]);
+                    for (lane, (&value, &factor)) in lanes.iter_mut().zip(columns) {
+                        *lane += value * factor;
+                    }
+                }
+            }
+            None => {
+                for row in run.chunks_exact(width) {
+                    for (lane, &value) in lanes.iter_mut().zip(&row[first..first + N]) {
+                        *lane += value;
+                    }
+                }
             }
         }
         lanes
@@ -532,7 +576,7 @@ mod tests {
                 "in order: {:e}",
                 error(in_order)
             );
-            for (column, sum) in column_sums(&values, width).into_iter().enumerate() {
+            for (column, sum) in column_sums(&values, None, width).into_iter().enumerate() {
                 assert!(
                     error(sum) <= bound,
                     "column {column}: {:e} over {bound:e}",
@@ -544,7 +588,7 @@ mod tests {
             unsafe {
                 sum_rows::<f32>(
                     means.as_mut_ptr() as *mut u8,
-                    (None, values.as_ptr() as *const u8),
+                    (None, values.as_ptr() as *const u8, None),
                     (rows as i64, 1, width as i64),
                     (true, Products::Float),
                 )
@@ -593,10 +637,29 @@ mod tests {
                     tree(&runs)
                 })
                 .collect();
-            let actual = column_sums(&values, width);
+            let actual = column_sums(&values, None, width);
             prop_assert_eq!(
                 actual.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+
+        /// Column sums of a product (`times`) are bit for bit those of the product
+        /// made first, as a pointwise step makes it, whatever the width (one column
+        /// too).
+        #[test]
+        fn column_sums_of_products_are_the_sums_of_the_products(
+            (rows, width) in (0usize..300, prop_oneof![1usize..21, 60usize..140]),
+            seed in 0u32..100,
+        ) {
+            let value = |index: usize, scale: f32| ((index as u32 * 7 + seed) as f32 * scale).sin() * 1e3;
+            let values: Vec<f32> = (0..rows * width).map(|index| value(index, 0.37)).collect();
+            let times: Vec<f32> = (0..rows * width).map(|index| value(index, 0.11)).collect();
+            let products: Vec<f32> = values.iter().zip(&times).map(|(v, t)| v * t).collect();
+            let bits = |sums: Vec<f32>| sums.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(
+                bits(column_sums(&values, Some(&times), width)),
+                bits(column_sums(&products, None, width))
             );
         }
 

@@ -584,7 +584,7 @@ pub(crate) unsafe fn image_means<T: Scalar>(
                 std::slice::from_raw_parts(buffers.x().add(first * channels), count * channels),
             )
         };
-        row.copy_from_slice(&crate::gemm::column_sums(pixels, channels));
+        row.copy_from_slice(&crate::gemm::column_sums(pixels, None, channels));
         let divisor = T::from_f64(count as f64);
         for value in row.iter_mut() {
             *value = *value / divisor;

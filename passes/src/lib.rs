@@ -32,6 +32,7 @@ mod program;
 mod scale;
 pub mod signature;
 pub mod step;
+mod sums;
 
 pub use autodiff::{differentiate, differentiate_loss, AutodiffError, Gradients, LossGraphError};
 pub(crate) use count::channel_shape;

@@ -292,6 +292,7 @@ mod tests {
             out: Slot(6),
             a: Some(Slot(a)),
             b: Slot(3),
+            times: None,
             rows: rows(6),
             m: 4,
             n: 5,

@@ -115,6 +115,8 @@ pub enum Role {
     A,
     /// The right operand of a product.
     B,
+    /// Values multiplied into another operand's, value for value.
+    Times,
     /// Lengths (i64) read as numbers.
     Lengths,
     /// Offsets of the step's main lengths (segments, queries, rows), `B + 1` values.
@@ -185,7 +187,8 @@ impl Role {
             | Role::Gradient
             | Role::Statistics
             | Role::A
-            | Role::B => matches!(arg, Arg::Buffer(_) | Arg::Absent),
+            | Role::B
+            | Role::Times => matches!(arg, Arg::Buffer(_) | Arg::Absent),
             Role::Ids | Role::Lengths => matches!(arg, Arg::Buffer(_)),
             Role::Offsets | Role::KeyOffsets | Role::ColumnOffsets => {
                 matches!(arg, Arg::Offsets(_))
@@ -491,6 +494,7 @@ impl Placed for SumRows {
             _ => Params::new(self.out)
                 .optional(Role::A, self.a)
                 .buffer(Role::B, self.b)
+                .optional(Role::Times, self.times)
                 .with(Role::Count, Arg::Count(self.rows))
                 .kernel(Rows::fixed(self.m).times(self.n)),
         }

@@ -285,8 +285,9 @@ pub struct Unpad {
 }
 
 /// `out[m x n] = sum over rows r of a[r]^T b[r]` (`a` absent: ones, `m` = 1: the
-/// column sums of `b`), divided by the number of rows when `mean` (NaN for none):
-/// weight gradients and reductions over every row.
+/// column sums of `b`, or with `times` those of `b * times` element for element),
+/// divided by the number of rows when `mean` (NaN for none): weight gradients and
+/// reductions over every row.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SumRows {
     /// Output slot `[m, n]`.
@@ -295,6 +296,9 @@ pub struct SumRows {
     pub a: Option<Slot>,
     /// `[rows, n]`.
     pub b: Slot,
+    /// `[rows, n]`, multiplied into `b` value for value before the sum (`a` absent):
+    /// a norm's gradient's `sum g * xhat` in one pass (`crate::sums`).
+    pub times: Option<Slot>,
     /// Rows.
     pub rows: Rows,
     /// Width of `a`.
@@ -841,12 +845,17 @@ impl StepKind for SumRows {
         self.out
     }
     fn reads(&self) -> Vec<Slot> {
-        self.a.into_iter().chain([self.b]).collect()
+        self.a
+            .into_iter()
+            .chain([self.b])
+            .chain(self.times)
+            .collect()
     }
     fn visit_slots(&mut self, visit: &mut dyn FnMut(&mut Slot)) {
         visit(&mut self.out);
         visit_optional(&mut self.a, visit);
         visit(&mut self.b);
+        visit_optional(&mut self.times, visit);
         visit_rows(&mut self.rows, visit);
     }
 }

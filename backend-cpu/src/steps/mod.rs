@@ -362,21 +362,29 @@ impl CpuSteps {
                 out,
                 a,
                 b,
+                times,
                 rows,
                 m,
                 n,
                 mean,
             }) => {
+                if a.is_some() && times.is_some() {
+                    return Err(step_error(
+                        index,
+                        "a row sum of products reads no left operand".into(),
+                    ));
+                }
                 let (out, b) = (run.pointer(*out), run.pointer(*b) as *const u8);
                 let a = a.map(|a| run.pointer(a) as *const u8);
+                let times = times.map(|times| run.pointer(times) as *const u8);
                 let sizes = (run.sizes().rows(*rows), *m, *n);
                 let options = (*mean, run.program().products);
                 // The executor sized the buffers for these rows and widths, in the
                 // program's type.
                 unsafe {
                     match run.program().float {
-                        FloatType::F32 => sum_rows::<f32>(out, (a, b), sizes, options),
-                        FloatType::F64 => sum_rows::<f64>(out, (a, b), sizes, options),
+                        FloatType::F32 => sum_rows::<f32>(out, (a, b, times), sizes, options),
+                        FloatType::F64 => sum_rows::<f64>(out, (a, b, times), sizes, options),
                     }
                 };
                 Ok(())

@@ -59,12 +59,13 @@ pub(super) fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: 
 /// Rows a lane of [`sum_rows`] adds in order before adding their sum to its total.
 const SUM_RUN_ROWS: i64 = 64;
 
-/// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones), divided by the
-/// number of rows when `mean` (NaN for none).
+/// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones; with `times`,
+/// `b[r, j] times[r, j]`), divided by the number of rows when `mean` (NaN for none).
 pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean: bool) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let out = kernel.param(Role::Out)?;
     let a = kernel.optional(Role::A)?;
+    let times = kernel.optional(Role::Times)?;
     let [b, count] = kernel.params([Role::B, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let [total, run] = kernel.accumulators(["total", "run"])?;
@@ -90,7 +91,12 @@ pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean
                 kernel.min(kernel.add(first, span)?, rows)?,
             );
             kernel.for_range_by(from, to, kernel.i64(stride), |row| {
-                let y = kernel.load_float(b, kernel.add(kernel.mul(row, kernel.i64(n))?, j)?)?;
+                let at = kernel.add(kernel.mul(row, kernel.i64(n))?, j)?;
+                let y = kernel.load_float(b, at)?;
+                let y = match times {
+                    Some(times) => kernel.fmul(y, kernel.load_float(times, at)?)?,
+                    None => y,
+                };
                 let term = match a {
                     Some(a) => {
                         let at = kernel.add(kernel.mul(row, kernel.i64(m))?, i)?;

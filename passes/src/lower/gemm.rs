@@ -288,6 +288,7 @@ impl Lowering<'_> {
             out: slot_of(&out),
             a: Some(a_slot),
             b: b_slot,
+            times: None,
             rows,
             m,
             n,

@@ -88,8 +88,9 @@ pub struct LowerOptions {
     /// reads, moving the product down past the steps between that do not touch it
     /// (`fold.rs`): what the optimizer's epilogue rule does for `linear` and `matmul`,
     /// for the products of other ops (convolutions followed by a batch norm and a
-    /// relu); and move per-column scales of products' operands into the products
-    /// (`scale.rs`). Off, one op is at most one step; `compile` sets it when it
+    /// relu); move per-column scales of products' operands into the products
+    /// (`scale.rs`) and products read only by their column sums into the sums
+    /// (`sums.rs`). Off, one op is at most one step; `compile` sets it when it
     /// optimizes.
     pub fold_epilogues: bool,
 }
@@ -205,6 +206,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
     if options.fold_epilogues {
         crate::fold::fold_epilogues(&mut lowering.program);
         crate::scale::scale_into_products(&mut lowering.program);
+        crate::sums::products_into_sums(&mut lowering.program);
     }
     Ok(lowering.program)
 }

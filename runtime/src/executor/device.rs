@@ -990,6 +990,7 @@ impl Plan<'_> {
                 out,
                 a: Some(a),
                 b,
+                times: None,
                 rows,
                 m,
                 n,

@@ -198,15 +198,27 @@ fn describe(program: &Program, step: &Step, sizes: &Sizes) -> (StepKind, String,
                 times(&[rows, *k, *n]),
             )
         }
-        Step::SumRows(SumRows { a, rows, m, n, .. }) => {
+        Step::SumRows(SumRows {
+            a,
+            times: product,
+            rows,
+            m,
+            n,
+            ..
+        }) => {
             let rows = sizes.rows(*rows);
-            match a {
-                Some(_) => (
+            match (a, product) {
+                (Some(_), _) => (
                     StepKind::WeightGradient,
                     format!("sum_rows {m}x{rows} . {rows}x{n}"),
                     times(&[rows, *m, *n]),
                 ),
-                None => (StepKind::Reduction, format!("column sums {rows}x{n}"), 0),
+                (None, Some(_)) => (
+                    StepKind::Reduction,
+                    format!("column sums of products {rows}x{n}"),
+                    0,
+                ),
+                (None, None) => (StepKind::Reduction, format!("column sums {rows}x{n}"), 0),
             }
         }
         Step::PairGemm(PairGemm {

@@ -170,7 +170,7 @@ impl<'a> Plan<'a> {
             padding,
             dilation,
         } = self.window;
-        let (height, width) = (image.size.0, image.size.1.max(0) as usize);
+        let height = image.size.0;
         let y_of = |oy: i64, ky: i64| oy * stride[0] - padding[0] + ky * dilation[0];
         // The input rows the band reads, inside the image.
         let (low, high) = (
@@ -184,21 +184,15 @@ impl<'a> Plan<'a> {
             rows.resize(count * pitch, 0);
             // Each row: zeros left of the image (its padding), the image row's pixels
             // rounded, zeros to its end.
-            let left = (padding[1].max(0) as usize * channels).min(self.row_values);
-            let values = (width * channels).min(self.row_values - left);
             for (row, y) in rows.chunks_exact_mut(pitch).zip(low..) {
-                let row = &mut row[..self.row_values];
-                // SAFETY: pixel row `y` of the image (inside it) holds `width * channels`
-                // values of `x`.
-                let source = unsafe {
-                    std::slice::from_raw_parts(
-                        self.x.add((image.input + y as usize * width) * channels),
-                        values,
+                // SAFETY: `y` is a row of the image, whose pixels `x` holds.
+                unsafe {
+                    round_padded_row(
+                        (self.x, image, y),
+                        (channels, padding[1]),
+                        &mut row[..self.row_values],
                     )
                 };
-                row[..left].fill(0);
-                crate::bf16::round_line(source, &mut row[left..left + values]);
-                row[left + values..].fill(0);
             }
             let _tiles = Configured::new();
             for oy in band {
@@ -307,6 +301,29 @@ impl<'a> Plan<'a> {
             }
         }
     }
+}
+
+/// Input row `y` of `image` (pixels of `channels` values at `x`) rounded to bf16 into
+/// `row`: `left` pixels of zeros (the window's padding), the row's values (as many as
+/// fit), zeros to the end.
+///
+/// # Safety
+/// `y` must be a row of `image`, whose pixels `x` holds.
+pub(crate) unsafe fn round_padded_row(
+    (x, image, y): (*const f32, WindowImage, i64),
+    (channels, left): (usize, i64),
+    row: &mut [u16],
+) {
+    let width = image.size.1.max(0) as usize;
+    let left = (left.max(0) as usize * channels).min(row.len());
+    let values = (width * channels).min(row.len() - left);
+    // SAFETY: as the caller vouches.
+    let source = unsafe {
+        std::slice::from_raw_parts(x.add((image.input + y as usize * width) * channels), values)
+    };
+    row[..left].fill(0);
+    crate::bf16::round_line(source, &mut row[left..left + values]);
+    row[left + values..].fill(0);
 }
 
 /// Where the kernels start and write their sums and how they walk the operands

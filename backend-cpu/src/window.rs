@@ -18,7 +18,7 @@ use nestor_passes::Products;
 /// Output rows of an image a convolution task takes: neighbouring rows read the same
 /// input rows, which stay in the core's cache (on the tiles, `conv_tiles.rs`, each is
 /// rounded once for all of them).
-const BAND: i64 = 8;
+pub(crate) const BAND: i64 = 8;
 
 /// Output pixels a pooling task takes at once.
 const BLOCK_ROWS: usize = 128;

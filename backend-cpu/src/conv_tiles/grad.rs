@@ -9,7 +9,7 @@
 //! (`G^T`) for every tap. No columns nine times the input's size, no packing per tap.
 //!
 //! Each task sums into its own partials (fixed tasks, so the sums' order never depends
-//! on the threads), added in order at the end ([`crate::window::add_partials`]).
+//! on the threads), added in order at the end.
 
 use std::cell::RefCell;
 
@@ -19,14 +19,12 @@ use nestor_passes::Products;
 
 use crate::amx::Configured;
 use crate::parallel::{worker_threads, SendPointer};
-use crate::window::Shape;
+use crate::window::{Shape, BAND};
 
 /// Output pixels of a block (32 bf16 in a tile's row of `G^T`).
 const PIXELS: usize = 32;
 /// Output channels of a tile of sums, and input channels (a tile's columns).
 const LANES: usize = 16;
-/// Output rows of an image whose input rows are rounded together.
-const BAND: i64 = 8;
 /// Output pixels a task sums at least (its partial sums added to the others' at the
 /// end): a few tasks a thread.
 const TASK_PIXELS: usize = 4096;
@@ -208,7 +206,7 @@ impl Task {
             padding,
             dilation,
         } = self.window;
-        let (height, image_width) = (image.size.0, image.size.1.max(0) as usize);
+        let height = image.size.0;
         let out_width = image.out.1.max(0) as usize;
         let y_of = |oy: i64, ky: i64| oy * stride[0] - padding[0] + ky * dilation[0];
         let (low, high) = (
@@ -226,20 +224,15 @@ impl Task {
             // (window rows outside the image read it).
             rows.resize((2 * input_rows + 1) * pitch, 0);
             let mut rounded = vec![0u16; (2 * pairs + 2) * channels];
-            let left = padding[1].max(0) as usize * channels;
-            let values = (image_width * channels).min(rounded.len().saturating_sub(left));
             for (index, y) in (low..=high).enumerate() {
-                // SAFETY: input row `y` (inside the image) holds `image_width *
-                // channels` values of `x`.
-                let source = unsafe {
-                    std::slice::from_raw_parts(
-                        self.x
-                            .add((image.input + y as usize * image_width) * channels),
-                        values,
+                // SAFETY: `y` is a row of the image, whose pixels `x` holds.
+                unsafe {
+                    super::round_padded_row(
+                        (self.x, image, y),
+                        (channels, padding[1]),
+                        &mut rounded,
                     )
                 };
-                rounded.fill(0);
-                crate::bf16::round_line(source, &mut rounded[left..left + values]);
                 let (even, odd) =
                     rows[2 * index * pitch..(2 * index + 2) * pitch].split_at_mut(pitch);
                 interleave(&rounded, channels, even, 0);

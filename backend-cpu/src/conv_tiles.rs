@@ -165,18 +165,11 @@ impl<'a> Plan<'a> {
     pub(crate) fn rows(&self, index: usize, band: std::ops::Range<i64>) {
         let image = self.images[index];
         let Window2d {
-            kernel,
-            stride,
-            padding,
-            dilation,
+            kernel, padding, ..
         } = self.window;
         let height = image.size.0;
-        let y_of = |oy: i64, ky: i64| oy * stride[0] - padding[0] + ky * dilation[0];
-        // The input rows the band reads, inside the image.
-        let (low, high) = (
-            y_of(band.start, 0).max(0),
-            y_of(band.end - 1, kernel[0] - 1).min(height - 1),
-        );
+        let y_of = |oy: i64, ky: i64| window_row(&self.window, oy, ky);
+        let (low, high) = band_rows(&self.window, height, &band);
         let channels = self.channels;
         let pitch = self.row_values.next_multiple_of(TILE_DEPTH);
         ROWS.with_borrow_mut(|rows| {
@@ -301,6 +294,20 @@ impl<'a> Plan<'a> {
             }
         }
     }
+}
+
+/// The input row that window row `ky` of output row `oy` reads (it grows with both).
+pub(crate) fn window_row(window: &Window2d, oy: i64, ky: i64) -> i64 {
+    oy * window.stride[0] - window.padding[0] + ky * window.dilation[0]
+}
+
+/// The first and last input rows inside an image of `height` rows that output rows
+/// `band` read (the last before the first when none is).
+pub(crate) fn band_rows(window: &Window2d, height: i64, band: &std::ops::Range<i64>) -> (i64, i64) {
+    (
+        window_row(window, band.start, 0).max(0),
+        window_row(window, band.end - 1, window.kernel[0] - 1).min(height - 1),
+    )
 }
 
 /// Input row `y` of `image` (pixels of `channels` values at `x`) rounded to bf16 into

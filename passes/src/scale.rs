@@ -40,23 +40,17 @@ struct Scaling {
 /// GEMMs' inputs (contracted over its columns) and row sums' left operands, and none of
 /// its operands written again after it.
 fn scaling(program: &Program, index: usize) -> Option<Scaling> {
-    let Step::Pointwise(Pointwise {
+    let Step::Pointwise(pointwise) = &program.steps[index] else {
+        return None;
+    };
+    let (first, second) = pointwise.product_of_loads()?;
+    let Pointwise {
         out,
         rows,
         width,
         inputs,
-        expr,
-    }) = &program.steps[index]
-    else {
-        return None;
-    };
-    let (first, second) = match (expr, &inputs[..]) {
-        (Expr::Binary(BinaryOp::Mul, lhs, rhs), [_, _]) => match (&**lhs, &**rhs) {
-            (Expr::Load(first), Expr::Load(second)) if first != second => (*first, *second),
-            _ => return None,
-        },
-        _ => return None,
-    };
+        ..
+    } = pointwise;
     let per_column = |access: &Access| {
         access.row_stride == 0
             && access.col_stride == 1

@@ -1,7 +1,7 @@
 //! The steps of a program: [`Step`] holds one payload struct per kind, each with its
 //! buffers and attributes; [`crate::signature`] declares each kind's kernel arguments.
 
-use nestor_ir::{Window2d, F64};
+use nestor_ir::{BinaryOp, Window2d, F64};
 
 use crate::operands::{
     Access, Expr, Fusion, RowBase, RowKind, RowMap, Rows, SegmentKind, Slot, WindowKind,
@@ -836,6 +836,20 @@ impl StepKind for Unpad {
             &mut self.lengths,
         ] {
             visit(slot);
+        }
+    }
+}
+
+impl Pointwise {
+    /// The inputs `(a, b)` of a product of two loads, `Load(a) * Load(b)` over two
+    /// inputs (`a != b`), if the step is one.
+    pub fn product_of_loads(&self) -> Option<(usize, usize)> {
+        match (&self.expr, &self.inputs[..]) {
+            (Expr::Binary(BinaryOp::Mul, lhs, rhs), [_, _]) => match (&**lhs, &**rhs) {
+                (Expr::Load(a), Expr::Load(b)) if a != b => Some((*a, *b)),
+                _ => None,
+            },
+            _ => None,
         }
     }
 }

@@ -4,9 +4,7 @@
 //! product pass wrote a buffer of the batch's size only for the sum to read it back
 //! (on ResNet-50's training step, 53 such passes and sums took a tenth of the step).
 
-use nestor_ir::BinaryOp;
-
-use crate::operands::{Access, Expr, Slot};
+use crate::operands::{Access, Slot};
 use crate::program::{Program, Source};
 use crate::step::{Pointwise, Step, SumRows};
 
@@ -31,23 +29,17 @@ pub(crate) fn products_into_sums(program: &mut Program) {
 /// and the product's two operands. None of them is written again before the sum, and
 /// the product is no output nor alias.
 fn folding(program: &Program, index: usize) -> Option<(usize, [Slot; 2])> {
-    let Step::Pointwise(Pointwise {
+    let Step::Pointwise(pointwise) = &program.steps[index] else {
+        return None;
+    };
+    let (first, second) = pointwise.product_of_loads()?;
+    let Pointwise {
         out,
         rows,
         width,
         inputs,
-        expr,
-    }) = &program.steps[index]
-    else {
-        return None;
-    };
-    let (first, second) = match (expr, &inputs[..]) {
-        (Expr::Binary(BinaryOp::Mul, lhs, rhs), [_, _]) => match (&**lhs, &**rhs) {
-            (Expr::Load(first), Expr::Load(second)) if first != second => (*first, *second),
-            _ => return None,
-        },
-        _ => return None,
-    };
+        ..
+    } = pointwise;
     let whole = |access: &Access| *access == Access::rows(access.slot, *width);
     let (x, y) = (&inputs[first], &inputs[second]);
     if !whole(x) || !whole(y) {
@@ -100,10 +92,10 @@ fn folding(program: &Program, index: usize) -> Option<(usize, [Slot; 2])> {
 
 #[cfg(test)]
 mod tests {
-    use nestor_ir::DType;
+    use nestor_ir::{BinaryOp, DType};
 
     use super::*;
-    use crate::operands::Rows;
+    use crate::operands::{Expr, Rows};
     use crate::program::{Output, SlotInfo};
 
     /// `p = x * y; s = column sums of p` over 5 rows of 3 (slots: 0 `x`, 1 `y` inputs,

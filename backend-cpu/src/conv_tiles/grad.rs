@@ -201,18 +201,12 @@ impl Task {
             channels, width, ..
         } = self.shape;
         let Window2d {
-            kernel,
-            stride,
-            padding,
-            dilation,
+            kernel, padding, ..
         } = self.window;
         let height = image.size.0;
         let out_width = image.out.1.max(0) as usize;
-        let y_of = |oy: i64, ky: i64| oy * stride[0] - padding[0] + ky * dilation[0];
-        let (low, high) = (
-            y_of(band.start, 0).max(0),
-            y_of(band.end - 1, kernel[0] - 1).min(height - 1),
-        );
+        let y_of = |oy: i64, ky: i64| super::window_row(&self.window, oy, ky);
+        let (low, high) = super::band_rows(&self.window, height, &band);
         let input_rows = (high - low + 1).max(0) as usize;
         // Pairs of a row: every block's taps read up to pixel `blocks * 32 + K_w` of
         // the padded row.

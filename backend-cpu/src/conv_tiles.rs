@@ -26,9 +26,9 @@ const PIXELS: usize = 16;
 /// Output channels of a tile of sums.
 const LANES: usize = 16;
 /// Tiles of sums held at once (tiles 0-3): four column blocks of one block of pixels,
-/// or one column block of four blocks of pixels side by side. Four sums in flight keep
-/// the tiles busy: a tile's products added to one sum, each waiting for the last, ran
-/// at a third of the rate.
+/// or one column block of four blocks of pixels side by side, so that consecutive
+/// `tdpbf16ps` add to different sums (with one sum, a profile showed each waiting for
+/// the last) and each operand tile loaded serves four of them.
 const WIDE: usize = 4;
 
 /// Input channels from which a convolution gathers columns instead (`crate::columns`):

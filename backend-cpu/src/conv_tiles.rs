@@ -215,82 +215,80 @@ impl<'a> Plan<'a> {
     ) {
         let pixel_step = self.window.stride[1].max(1) as usize * self.channels;
         let pitch = pitch * self.window.dilation[0].max(1) as usize;
-        {
-            let out_width = image.out.1.max(0) as usize;
-            let first_pixel = image.output + oy as usize * out_width;
-            let blocks = self.width.div_ceil(LANES);
-            let mut spill = [0f32; PIXELS * LANES * WIDE];
-            let first_pair_row = first as usize * self.depth * TILE_DEPTH / 2;
-            for ox in (0..out_width).step_by(WIDE * PIXELS) {
-                let count = (out_width - ox).min(WIDE * PIXELS);
-                // Read only with rows inside the image (then within them: see `new`).
-                let a = (rows.wrapping_add(ox * pixel_step), pixel_step * 2);
-                let mut block = 0;
-                while block < blocks {
-                    // Four column blocks of each block of pixels, or one column block of
-                    // all of them at once.
-                    let (pixel_blocks, wide) = if blocks - block >= WIDE {
-                        (count.div_ceil(PIXELS), WIDE)
+        let out_width = image.out.1.max(0) as usize;
+        let first_pixel = image.output + oy as usize * out_width;
+        let blocks = self.width.div_ceil(LANES);
+        let mut spill = [0f32; PIXELS * LANES * WIDE];
+        let first_pair_row = first as usize * self.depth * TILE_DEPTH / 2;
+        for ox in (0..out_width).step_by(WIDE * PIXELS) {
+            let count = (out_width - ox).min(WIDE * PIXELS);
+            // Read only with rows inside the image (then within them: see `new`).
+            let a = (rows.wrapping_add(ox * pixel_step), pixel_step * 2);
+            let mut block = 0;
+            while block < blocks {
+                // Four column blocks of each block of pixels, or one column block of
+                // all of them at once.
+                let (pixel_blocks, wide) = if blocks - block >= WIDE {
+                    (count.div_ceil(PIXELS), WIDE)
+                } else {
+                    (1, 1)
+                };
+                let columns = (self.width - block * LANES).min(wide * LANES);
+                let b = self
+                    .panel
+                    .column_block(block)
+                    .wrapping_add(first_pair_row * LANES);
+                for pixel_block in 0..pixel_blocks {
+                    let (first, count) = if wide == WIDE {
+                        let first = pixel_block * PIXELS;
+                        (first, (count - first).min(PIXELS))
                     } else {
-                        (1, 1)
+                        (0, count)
                     };
-                    let columns = (self.width - block * LANES).min(wide * LANES);
-                    let b = self
-                        .panel
-                        .column_block(block)
-                        .wrapping_add(first_pair_row * LANES);
-                    for pixel_block in 0..pixel_blocks {
-                        let (first, count) = if wide == WIDE {
-                            let first = pixel_block * PIXELS;
-                            (first, (count - first).min(PIXELS))
+                    // Straight into the output when the tiles' rows and columns are
+                    // all its own, else through `spill`.
+                    let direct = count == WIDE * PIXELS / wide && columns == wide * LANES;
+                    let at = (first_pixel + ox + first) * self.width + block * LANES;
+                    let sum_stride = if direct { self.width } else { wide * LANES } * 4;
+                    let walk = Walk {
+                        depth: self.depth,
+                        pitch: pitch * 2,
+                        b_block: self.panel.block() * 4,
+                        sum_stride,
+                        sums: if direct {
+                            self.out.wrapping_add(at)
                         } else {
-                            (0, count)
-                        };
-                        // Straight into the output when the tiles' rows and columns are
-                        // all its own, else through `spill`.
-                        let direct = count == WIDE * PIXELS / wide && columns == wide * LANES;
-                        let at = (first_pixel + ox + first) * self.width + block * LANES;
-                        let sum_stride = if direct { self.width } else { wide * LANES } * 4;
-                        let walk = Walk {
-                            depth: self.depth,
-                            pitch: pitch * 2,
-                            b_block: self.panel.block() * 4,
-                            sum_stride,
-                            sums: if direct {
-                                self.out.wrapping_add(at)
-                            } else {
-                                spill.as_mut_ptr()
-                            },
-                            bias: self.bias[block * LANES..].as_ptr(),
-                            a_block: PIXELS * a.1,
-                            sum_block: PIXELS * sum_stride,
-                        };
-                        let a = (a.0.wrapping_add(first * pixel_step), a.1);
-                        // SAFETY: the output pixels `first_pixel + ox..` of this row are
-                        // this task's; `a` reads `depth` tiles from the first pixel of
-                        // each of its blocks within `row_values` (see `new`); the panel
-                        // holds every window row.
-                        unsafe {
-                            if wide == WIDE {
-                                multiply_columns_4(&walk, a, b, rows_inside);
-                            } else if count > PIXELS {
-                                multiply_pixels_4(&walk, a, b, rows_inside);
-                            } else {
-                                multiply_pixels_1(&walk, a, b, rows_inside);
-                            }
-                            if !direct {
-                                for pixel in 0..count {
-                                    std::ptr::copy_nonoverlapping(
-                                        spill.as_ptr().add(pixel * wide * LANES),
-                                        self.out.add(at + pixel * self.width),
-                                        columns,
-                                    );
-                                }
+                            spill.as_mut_ptr()
+                        },
+                        bias: self.bias[block * LANES..].as_ptr(),
+                        a_block: PIXELS * a.1,
+                        sum_block: PIXELS * sum_stride,
+                    };
+                    let a = (a.0.wrapping_add(first * pixel_step), a.1);
+                    // SAFETY: the output pixels `first_pixel + ox..` of this row are
+                    // this task's; `a` reads `depth` tiles from the first pixel of
+                    // each of its blocks within `row_values` (see `new`); the panel
+                    // holds every window row.
+                    unsafe {
+                        if wide == WIDE {
+                            multiply_columns_4(&walk, a, b, rows_inside);
+                        } else if count > PIXELS {
+                            multiply_pixels_4(&walk, a, b, rows_inside);
+                        } else {
+                            multiply_pixels_1(&walk, a, b, rows_inside);
+                        }
+                        if !direct {
+                            for pixel in 0..count {
+                                std::ptr::copy_nonoverlapping(
+                                    spill.as_ptr().add(pixel * wide * LANES),
+                                    self.out.add(at + pixel * self.width),
+                                    columns,
+                                );
                             }
                         }
                     }
-                    block += wide;
                 }
+                block += wide;
             }
         }
     }

@@ -84,11 +84,27 @@ impl Sums {
     }
 }
 
+/// A thread's buffers for its tasks.
+struct Scratch {
+    /// Rows of pairs (even, then odd, per input row).
+    rows: Vec<u32>,
+    /// Tiles of `G^T`.
+    tiles: Vec<u16>,
+    /// Copies of the tiles a block past its row's end reads.
+    spill: Vec<u32>,
+    /// An input row rounded.
+    rounded: Vec<u16>,
+}
+
 thread_local! {
-    /// A thread's rows of pairs (even, then odd, per input row), its tiles of `G^T` and
-    /// its copies of the tiles a block past its row's end reads.
-    static SCRATCH: RefCell<(Vec<u32>, Vec<u16>, Vec<u32>)> =
-        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    static SCRATCH: RefCell<Scratch> = const {
+        RefCell::new(Scratch {
+            rows: Vec::new(),
+            tiles: Vec::new(),
+            spill: Vec::new(),
+            rounded: Vec::new(),
+        })
+    };
 }
 
 /// `out [width, channels, K_h, K_w] = sum over output pixels of g x` (see the module's
@@ -213,24 +229,27 @@ impl Task {
         let pairs = (out_width.next_multiple_of(PIXELS) + kernel[1].max(0) as usize) / 2 + 1;
         let pitch = pairs * channels;
         let out_blocks = self.sums.out_blocks;
-        SCRATCH.with_borrow_mut(|(rows, tiles, spill)| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch {
+                rows,
+                tiles,
+                spill,
+                rounded,
+            } = scratch;
             // Rows of pairs: even copy then odd copy per input row, then a row of zeros
             // (window rows outside the image read it).
             rows.resize((2 * input_rows + 1) * pitch, 0);
-            let mut rounded = vec![0u16; (2 * pairs + 2) * channels];
+            rounded.resize((2 * pairs + 2) * channels, 0);
+            let rounded = &mut rounded[..(2 * pairs + 2) * channels];
             for (index, y) in (low..=high).enumerate() {
                 // SAFETY: `y` is a row of the image, whose pixels `x` holds.
                 unsafe {
-                    super::round_padded_row(
-                        (self.x, image, y),
-                        (channels, padding[1]),
-                        &mut rounded,
-                    )
+                    super::round_padded_row((self.x, image, y), (channels, padding[1]), rounded)
                 };
                 let (even, odd) =
                     rows[2 * index * pitch..(2 * index + 2) * pitch].split_at_mut(pitch);
-                interleave(&rounded, channels, even, 0);
-                interleave(&rounded, channels, odd, 1);
+                interleave(rounded, channels, even, 0);
+                interleave(rounded, channels, odd, 1);
             }
             let zeros = 2 * input_rows * pitch;
             rows[zeros..].fill(0);

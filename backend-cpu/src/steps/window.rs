@@ -1,7 +1,7 @@
 //! A window step of a run: its taps from the run's image sizes, then the kind's
 //! computation (`crate::window`) on the run's buffers.
 
-use nestor_layout::{window_images, WindowTaps};
+use nestor_layout::{window_images, WindowImage, WindowTaps};
 use nestor_passes::step::Window;
 use nestor_passes::{FloatType, Signature, Slot, WindowKind};
 use nestor_runtime::{step_error, within_budget, RunState, RuntimeError};
@@ -329,18 +329,7 @@ impl WindowRun<'_, '_, '_> {
     /// (`crate::columns`), their taps found a tile at a time.
     fn weight_grad_by_columns(&self, shape: Shape) -> Result<(), RuntimeError> {
         let window = self.step.window;
-        let images = window_images(&window, self.sizes.0, self.sizes.1)
-            .map_err(|error| self.error(error.to_string()))?;
-        let (inputs, rows) = images.last().map_or((0, 0), |last| {
-            (
-                last.input + (last.size.0 * last.size.1) as usize,
-                last.output + (last.out.0 * last.out.1) as usize,
-            )
-        });
-        let (out, x, g) = self.weight_grad_buffers(shape, rows)?;
-        if self.slot_len(self.step.x) != inputs.saturating_mul(shape.channels) {
-            return Err(self.error("the weight gradient's input does not match its images".into()));
-        }
+        let (images, (out, x, g)) = self.weight_grad_images(shape)?;
         within_budget(
             self.index,
             "the weight gradient's gathered columns",
@@ -371,13 +360,7 @@ impl WindowRun<'_, '_, '_> {
     /// input rows in place (`crate::conv_tiles::grad`; an f32 program's).
     fn weight_grad_on_tiles(&self, shape: Shape) -> Result<(), RuntimeError> {
         let window = self.step.window;
-        let images = window_images(&window, self.sizes.0, self.sizes.1)
-            .map_err(|error| self.error(error.to_string()))?;
-        let (inputs, rows) = nestor_layout::pixels(&images);
-        let (out, x, g) = self.weight_grad_buffers(shape, rows)?;
-        if self.slot_len(self.step.x) != inputs.saturating_mul(shape.channels) {
-            return Err(self.error("the weight gradient's input does not match its images".into()));
-        }
+        let (images, (out, x, g)) = self.weight_grad_images(shape)?;
         let partials = crate::conv_tiles::grad::partial_bytes(shape, &window, &images);
         within_budget(
             self.index,
@@ -393,6 +376,23 @@ impl WindowRun<'_, '_, '_> {
             )
         };
         Ok(())
+    }
+
+    /// The images of a weight gradient computed over them (not from a taps table), and
+    /// its output, input and gradient, their sizes checked against the images.
+    #[allow(clippy::type_complexity)]
+    fn weight_grad_images(
+        &self,
+        shape: Shape,
+    ) -> Result<(Vec<WindowImage>, (*mut u8, *const u8, *const u8)), RuntimeError> {
+        let images = window_images(&self.step.window, self.sizes.0, self.sizes.1)
+            .map_err(|error| self.error(error.to_string()))?;
+        let (inputs, rows) = nestor_layout::pixels(&images);
+        let buffers = self.weight_grad_buffers(shape, rows)?;
+        if self.slot_len(self.step.x) != inputs.saturating_mul(shape.channels) {
+            return Err(self.error("the weight gradient's input does not match its images".into()));
+        }
+        Ok((images, buffers))
     }
 
     /// The output, input and gradient of a weight gradient over `rows` output pixels,

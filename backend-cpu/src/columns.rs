@@ -577,7 +577,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     unsafe {
         add_partials(
             out,
-            (&partials, size),
+            (&mut partials, size),
             (shape, groups),
             |partial, o, c, t| partial[o * inner + t * channels + c],
         )

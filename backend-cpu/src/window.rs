@@ -799,7 +799,7 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
     unsafe {
         add_partials(
             out as *mut T,
-            (&partials, size),
+            (&mut partials, size),
             (shape, groups),
             |partial, o, c, t| partial[(t * channels + c) * lanes + o],
         )
@@ -809,13 +809,15 @@ pub(crate) unsafe fn weight_grad<T: Scalar>(
 /// Writes a weight gradient `[width, channels / groups, taps]` at `out`: the sum, in
 /// order, of the blocks' `partials` (`size` values each; `at(partial, o, c, t)` reads
 /// output channel `o`, input channel `c`, tap `t` of one), each output channel's over
-/// its group's input channels.
+/// its group's input channels. The blocks are added into the first in their own layout
+/// (a value at a time along the buffer, in parts across the team), then read out
+/// through `at` once.
 ///
 /// # Safety
 /// `out` must hold `width * channels / groups * taps` values.
 pub(crate) unsafe fn add_partials<T: Scalar>(
     out: *mut T,
-    (partials, size): (&[T], usize),
+    (partials, size): (&mut [T], usize),
     (shape, groups): (Shape, usize),
     at: impl Fn(&[T], usize, usize, usize) -> T + Sync,
 ) {
@@ -828,15 +830,51 @@ pub(crate) unsafe fn add_partials<T: Scalar>(
     let groups = groups.max(1);
     let (reads, writes) = (channels / groups, (width / groups).max(1));
     let per_output = reads * taps;
-    // The output channels in parts, one a thread (the sums' order is the same).
     let threads = if partials.len() >= ADDED_IN_PARTS {
-        (worker_threads().max(1) as usize).min(width.max(1))
+        worker_threads().max(1) as usize
     } else {
         1
     };
+    let size = size.min(partials.len());
+    let (total, rest) = partials.split_at_mut(size);
+    if !rest.is_empty() {
+        let blocks = rest.len() / size.max(1);
+        let (total, rest) = (
+            SendPointer(total.as_mut_ptr()),
+            SendPointer(rest.as_mut_ptr()),
+        );
+        crate::team::for_each_chunk(threads, threads, &|part| {
+            let values = even_part(part, threads, size);
+            // SAFETY: the part's values of the total are this task's alone; the other
+            // blocks are only read.
+            let total = unsafe {
+                std::slice::from_raw_parts_mut(total.get().add(values.start), values.len())
+            };
+            for block in 0..blocks {
+                // SAFETY: block `block` after the first holds `size` values.
+                let partial = unsafe {
+                    std::slice::from_raw_parts(
+                        rest.get().add(block * size + values.start),
+                        values.len(),
+                    )
+                };
+                crate::vectors::widest(
+                    #[inline(always)]
+                    || {
+                        for (sum, &value) in total.iter_mut().zip(partial) {
+                            *sum += value;
+                        }
+                    },
+                );
+            }
+        });
+    }
+    let total = &*total;
     let out = SendPointer(out);
-    crate::team::for_each_chunk(threads, threads, &|part| {
-        let outputs = even_part(part, threads, width);
+    // The output channels in parts, one a thread.
+    let parts = threads.min(width.max(1));
+    crate::team::for_each_chunk(parts, parts, &|part| {
+        let outputs = even_part(part, parts, width);
         // SAFETY: `out` holds `per_output` values an output channel (as the caller
         // promises); these output channels' are this part's alone.
         let out = unsafe {
@@ -845,14 +883,15 @@ pub(crate) unsafe fn add_partials<T: Scalar>(
                 outputs.len() * per_output,
             )
         };
-        out.fill(T::ZERO);
-        for partial in partials.chunks(size.max(1)) {
-            for (o, sums) in outputs.clone().zip(out.chunks_exact_mut(per_output.max(1))) {
-                let base = o / writes * reads;
-                for k in 0..reads {
-                    for t in 0..taps {
-                        sums[k * taps + t] += at(partial, o, base + k, t);
-                    }
+        for (o, sums) in outputs.clone().zip(out.chunks_exact_mut(per_output.max(1))) {
+            let base = o / writes * reads;
+            for k in 0..reads {
+                for t in 0..taps {
+                    sums[k * taps + t] = if total.is_empty() {
+                        T::ZERO
+                    } else {
+                        at(total, o, base + k, t)
+                    };
                 }
             }
         }

@@ -1173,8 +1173,7 @@ pub(crate) unsafe fn pool_grad<T: Scalar>(
                         };
                         let mut best = values(windows[first_tap]);
                         let mut picked = [first_tap as u32; POOL_CHUNK];
-                        for tap in first_tap + 1..per_window {
-                            let source = windows[tap];
+                        for (tap, &source) in windows.iter().enumerate().skip(first_tap + 1) {
                             if source >= 0 {
                                 pick_larger(&mut best, &mut picked, &values(source), tap as u32);
                             }

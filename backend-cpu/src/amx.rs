@@ -378,6 +378,58 @@ impl Panel {
         });
     }
 
+    /// Packs the columns of a convolution's weight gradient straight from the roundings
+    /// of its input, `b [count x taps.len() * channels]` with `b[p][t' channels + c] =
+    /// x[table[p][t]][c]` for tap `t = taps.start + t'` of output pixel `p`'s window
+    /// (zero where the tap is outside its image, and for rows past `count`): a pair of
+    /// pixels' 16 channels at a time, interleaved in registers. No columns gathered
+    /// first, nor rounded and interleaved in a second pass.
+    ///
+    /// # Safety
+    /// `channels` must be a multiple of 16; the table must hold `count` windows of
+    /// `per_window` taps, each naming a pixel of `x` (`channels` roundings) or none
+    /// (negative); the host must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) unsafe fn pack_tap_pixels(
+        &mut self,
+        x: *const u16,
+        (table, per_window, taps): (&[i64], usize, std::ops::Range<usize>),
+        (channels, count): (usize, usize),
+    ) {
+        let chunks = channels / TILE_COLUMNS;
+        self.shape((count, taps.len() * channels));
+        let block = self.block();
+        let pairs = crate::parallel::SendPointer(self.pairs[self.start..].as_mut_ptr());
+        let zeros = [0u16; TILE_COLUMNS];
+        // Pixel `p`'s tap `t`: its first rounding, or none.
+        let source = |p: usize, t: usize| match table.get(p * per_window + t) {
+            Some(&source) if p < count && source >= 0 => Some(source as usize * channels),
+            _ => None,
+        };
+        for pair in 0..self.depth / 2 {
+            for (local, t) in taps.clone().enumerate() {
+                let (even, odd) = (source(2 * pair, t), source(2 * pair + 1, t));
+                for chunk in 0..chunks {
+                    // SAFETY: the taps name pixels of `x` (the caller vouches), 16 of their
+                    // roundings from the chunk's first; the pairs hold every column block
+                    // of the shape's depth; the host has AVX-512F.
+                    unsafe {
+                        let values = |at: Option<usize>| match at {
+                            Some(at) => &*(x.add(at + chunk * TILE_COLUMNS) as *const [u16; 16]),
+                            None => &zeros,
+                        };
+                        let column_block = local * chunks + chunk;
+                        let out = std::slice::from_raw_parts_mut(
+                            pairs.get().add(column_block * block + pair * TILE_COLUMNS),
+                            TILE_COLUMNS,
+                        );
+                        interleave_16(values(even), values(odd), out);
+                    }
+                }
+            }
+        }
+    }
+
     /// Packs `b [k x n]` (rounded to bf16 as it is read, or read from its roundings):
     /// for each block of 16 columns, `depth / 2` rows of 16 pairs `(b[2p][j],
     /// b[2p + 1][j])`, zeros for rows past `k` (columns past `n` are left as they were:

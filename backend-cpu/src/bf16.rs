@@ -272,6 +272,32 @@ impl PackedRight {
         Some(Self { panel, units })
     }
 
+    /// The columns of a convolution's weight gradient packed straight from the
+    /// roundings of its input ([`Panel::pack_tap_pixels`]), when the process's bf16
+    /// products are its own and the host has AVX-512F (`None` otherwise: nothing
+    /// packed).
+    ///
+    /// # Safety
+    /// As [`Panel::pack_tap_pixels`].
+    pub(crate) unsafe fn of_tap_pixels(
+        x: *const u16,
+        taps: (&[i64], usize, std::ops::Range<usize>),
+        (channels, count): (usize, usize),
+    ) -> Option<Self> {
+        let Choice::Own(units) = *choice() else {
+            return None;
+        };
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            let mut panel = SPARE_PANEL.take().unwrap_or_default();
+            // SAFETY: as the caller vouches; the host has AVX-512F.
+            unsafe { panel.pack_tap_pixels(x, taps, (channels, count)) };
+            return Some(Self { panel, units });
+        }
+        let _ = (x, taps, channels, count, units);
+        None
+    }
+
     /// [`product`] by this operand (`shape`'s `k` and `n` its own).
     ///
     /// # Safety

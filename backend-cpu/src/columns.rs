@@ -508,6 +508,31 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     // SAFETY: `g` holds `rows * width` values.
     let rounded_g = unsafe { T::rounded_buffer(products, g.get(), rows * width, threads) };
     let rounded_g = rounded_g.as_deref();
+    // With the process's own bf16 products on f32 values in whole 16-channel chunks, the
+    // columns are packed straight from the images' roundings (made once, or kept by the
+    // run) into the tiles' pair layout ([`PackedRight::of_tap_pixels`]).
+    let inputs = nestor_layout::pixels(images).0;
+    let direct = products == Products::Bf16
+        && crate::bf16::own_products()
+        && TypeId::of::<T>() == TypeId::of::<f32>()
+        && !pointwise
+        && channels.is_multiple_of(16);
+    // SAFETY: `T` is f32 when `direct`; `x` holds every input pixel's `channels` values.
+    let x_rounded = direct
+        .then(|| unsafe {
+            <f32 as Gemm>::rounded_buffer(
+                products,
+                x.get() as *const f32,
+                inputs * channels,
+                threads,
+            )
+        })
+        .flatten();
+    let x_bits = x_rounded.as_deref().and_then(|rounded| {
+        rounded
+            .bf16_view((x.get() as *const f32, 1, 1))
+            .map(|(start, _, _)| SendPointer(start as *mut u16))
+    });
     // Few blocks (small images, late stages) also split the work: the taps (each part
     // gathers its own), or for one tap the output channels.
     let (tap_parts, width_parts) = match per_window {
@@ -533,6 +558,35 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
         let last = ((block + 1) * GRAD_BLOCK_ROWS).min(rows);
         for first in (block * GRAD_BLOCK_ROWS..last).step_by(TILE_ROWS) {
             let count = TILE_ROWS.min(last - first);
+            let c = (
+                block * size + start * inner + first_tap * channels,
+                inner as isize,
+            );
+            let add = first > block * GRAD_BLOCK_ROWS;
+            if let Some(bits) = &x_bits {
+                let table = &mut table[..count * per_window];
+                fill_taps(&window, images, first, table, Outside::Marked);
+                let taps = (&*table, per_window, tap_range.clone());
+                // SAFETY: `T` is f32 (`x_bits` says so); the taps name pixels of `x`,
+                // whose roundings `bits` holds; `g` holds every output pixel's row; the
+                // sums as below.
+                unsafe {
+                    let packed = PackedRight::of_tap_pixels(bits.get(), taps, (channels, count));
+                    if let Some(packed) = packed {
+                        let g = (
+                            g.get().add(first * width + start) as *const f32,
+                            1,
+                            width as isize,
+                        );
+                        packed.product(
+                            ((end - start, count, part_inner), 1.0),
+                            Left::Values((g, rounded_g)),
+                            ((sums.get().add(c.0) as *mut f32, c.1, 1), add),
+                        );
+                        continue;
+                    }
+                }
+            }
             let b = if pointwise {
                 // SAFETY: the taps name pixel `r` for output pixel `r`.
                 unsafe { x.get().add(first * channels) as *const T }
@@ -555,9 +609,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
             // `block`'s partial sums are this unit's alone; `g` holds every output
             // pixel's row.
             unsafe {
-                let c = sums
-                    .get()
-                    .add(block * size + start * inner + first_tap * channels);
+                let c = sums.get().add(c.0);
                 T::product_rounded(
                     products,
                     ((end - start, count, part_inner), T::ONE),
@@ -568,7 +620,7 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
                         ),
                         ((b, part_inner as isize, 1), None),
                     ),
-                    ((c, inner as isize, 1), first > block * GRAD_BLOCK_ROWS),
+                    ((c, inner as isize, 1), add),
                 );
             }
         }
@@ -760,7 +812,9 @@ mod tests {
     /// image, strides and dilation, 1x1 windows read in place, and few tiles whose
     /// output channels are split, a stem's odd channel count. With bf16 products (f32),
     /// the definitions multiply the operands' bf16 roundings (the weight packed straight
-    /// from its taps where the process's products are its own, reordered elsewhere).
+    /// from its taps where the process's products are its own, reordered elsewhere; the
+    /// weight gradient's columns of 16 channels packed straight from the images'
+    /// roundings there).
     fn check<T: Gemm + Into<f64>>(tolerance: f64, products: Products) {
         // An operand as the products read it.
         let operand = |value: f64| match products {

@@ -261,14 +261,20 @@ impl PackedRight {
         rows: TapRows,
         threads: usize,
     ) -> Option<Self> {
+        // SAFETY: as the caller vouches.
+        Self::packed_by(|panel| unsafe { panel.pack_tap_rows(weight, rows, threads) })
+    }
+
+    /// A panel `fill` packs, when the process's bf16 products are its own (`None` on
+    /// the other paths, and `fill` is not called): the panel this thread packed last,
+    /// its pages mapped (a new one had a 512-channel 3x3 weight's 4.7 MB faulted in and
+    /// zeroed on every step).
+    pub(crate) fn packed_by(fill: impl FnOnce(&mut Panel)) -> Option<Self> {
         let Choice::Own(units) = *choice() else {
             return None;
         };
-        // The panel this thread packed last, its pages mapped (a new one had a 512-
-        // channel 3x3 weight's 4.7 MB faulted in and zeroed on every step).
         let mut panel = SPARE_PANEL.take().unwrap_or_default();
-        // SAFETY: as the caller vouches.
-        unsafe { panel.pack_tap_rows(weight, rows, threads) };
+        fill(&mut panel);
         Some(Self { panel, units })
     }
 
@@ -284,17 +290,14 @@ impl PackedRight {
         taps: (&[i64], usize, std::ops::Range<usize>),
         (channels, count): (usize, usize),
     ) -> Option<Self> {
-        let Choice::Own(units) = *choice() else {
-            return None;
-        };
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") {
-            let mut panel = SPARE_PANEL.take().unwrap_or_default();
             // SAFETY: as the caller vouches; the host has AVX-512F.
-            unsafe { panel.pack_tap_pixels(x, taps, (channels, count)) };
-            return Some(Self { panel, units });
+            return Self::packed_by(|panel| unsafe {
+                panel.pack_tap_pixels(x, taps, (channels, count))
+            });
         }
-        let _ = (x, taps, channels, count, units);
+        let _ = (x, taps, channels, count);
         None
     }
 

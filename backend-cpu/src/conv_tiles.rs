@@ -10,6 +10,7 @@
 //! in `vdpbf16ps`, which this kind of host issues at half the rate of f32 FMAs.
 
 pub(crate) mod grad;
+pub(crate) mod narrow;
 
 use std::cell::RefCell;
 
@@ -538,4 +539,52 @@ unsafe fn multiply_columns_4(
             options(nostack),
         );
     }
+}
+
+/// A convolution's weight gradient by its definition, `[width, channels, taps]`: the
+/// f64 sums over output pixels of the products of the bf16 roundings of `g` and of the
+/// input pixels each tap reads inside its image, and the sums of the products' magnitudes
+/// (for a tolerance).
+#[cfg(test)]
+pub(crate) fn weight_grad_definition(
+    (x, g): (&[f32], &[f32]),
+    (images, window): (&[WindowImage], Window2d),
+    shape: crate::window::Shape,
+) -> (Vec<f64>, Vec<f64>) {
+    let rounded =
+        |value: f32| f64::from(f32::from_bits(u32::from(crate::bf16::round(value)) << 16));
+    let crate::window::Shape {
+        channels,
+        width,
+        taps,
+    } = shape;
+    let mut expected = vec![0f64; width * channels * taps];
+    let mut magnitude = vec![0f64; width * channels * taps];
+    for image in images {
+        let ((height, image_width), (out_h, out_w)) = (image.size, image.out);
+        for (oy, ox) in (0..out_h).flat_map(|oy| (0..out_w).map(move |ox| (oy, ox))) {
+            let pixel = image.output + (oy * out_w + ox) as usize;
+            for ky in 0..window.kernel[0] {
+                for kx in 0..window.kernel[1] {
+                    let y = oy * window.stride[0] - window.padding[0] + ky * window.dilation[0];
+                    let xx = ox * window.stride[1] - window.padding[1] + kx * window.dilation[1];
+                    if !(0..height).contains(&y) || !(0..image_width).contains(&xx) {
+                        continue;
+                    }
+                    let source = image.input + (y * image_width + xx) as usize;
+                    let t = (ky * window.kernel[1] + kx) as usize;
+                    for o in 0..width {
+                        for c in 0..channels {
+                            let term =
+                                rounded(g[pixel * width + o]) * rounded(x[source * channels + c]);
+                            let at = (o * channels + c) * taps + t;
+                            expected[at] += term;
+                            magnitude[at] += term.abs();
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (expected, magnitude)
 }

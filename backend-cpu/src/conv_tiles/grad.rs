@@ -177,7 +177,7 @@ pub(crate) unsafe fn weight_grad(
 /// The output rows of every image in bands of [`BAND`] (image, rows), runs of
 /// consecutive bands of at least [`TASK_PIXELS`] output pixels a task (the last
 /// smaller): fixed by the images alone, so the sums' order is.
-fn tasks(images: &[WindowImage]) -> Vec<Vec<(usize, std::ops::Range<i64>)>> {
+pub(super) fn tasks(images: &[WindowImage]) -> Vec<Vec<(usize, std::ops::Range<i64>)>> {
     let mut tasks = Vec::new();
     let (mut task, mut pixels) = (Vec::new(), 0);
     for (index, image) in images.iter().enumerate() {
@@ -484,10 +484,6 @@ unsafe fn accumulate_4(entries: &[[usize; 6]], sums: *mut f32) {
 mod tests {
     use super::*;
 
-    fn rounded(value: f32) -> f64 {
-        f64::from(f32::from_bits(u32::from(crate::bf16::round(value)) << 16))
-    }
-
     /// The weight gradient on the tiles equals the f64 sum of the products of the
     /// roundings (exact products; only the sums' order differs): windows with padding,
     /// strides and dilation along columns, images of one pixel and rows that end inside
@@ -540,36 +536,8 @@ mod tests {
                         shape,
                     )
                 };
-                let mut expected = vec![0f64; out.len()];
-                let mut magnitude = vec![0f64; out.len()];
-                for image in &images {
-                    let ((height, image_width), (out_h, out_w)) = (image.size, image.out);
-                    for (oy, ox) in (0..out_h).flat_map(|oy| (0..out_w).map(move |ox| (oy, ox))) {
-                        let pixel = image.output + (oy * out_w + ox) as usize;
-                        for ky in 0..window.kernel[0] {
-                            for kx in 0..window.kernel[1] {
-                                let y = oy * window.stride[0] - window.padding[0]
-                                    + ky * window.dilation[0];
-                                let xx = ox * window.stride[1] - window.padding[1]
-                                    + kx * window.dilation[1];
-                                if !(0..height).contains(&y) || !(0..image_width).contains(&xx) {
-                                    continue;
-                                }
-                                let source = image.input + (y * image_width + xx) as usize;
-                                let t = (ky * window.kernel[1] + kx) as usize;
-                                for o in 0..width {
-                                    for c in 0..channels {
-                                        let term = rounded(g[pixel * width + o])
-                                            * rounded(x[source * channels + c]);
-                                        let at = (o * channels + c) * taps + t;
-                                        expected[at] += term;
-                                        magnitude[at] += term.abs();
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
+                let (expected, magnitude) =
+                    super::super::weight_grad_definition((&x, &g), (&images, window), shape);
                 for (at, (&got, (&expected, &magnitude))) in
                     out.iter().zip(expected.iter().zip(&magnitude)).enumerate()
                 {

@@ -1,6 +1,7 @@
 //! A window step of a run: its taps from the run's image sizes, then the kind's
 //! computation (`crate::window`) on the run's buffers.
 
+use nestor_ir::Window2d;
 use nestor_layout::{window_images, WindowImage, WindowTaps};
 use nestor_passes::step::Window;
 use nestor_passes::{FloatType, Signature, Slot, WindowKind};
@@ -72,13 +73,35 @@ impl CpuSteps {
             }
             WindowKind::WeightGrad
                 if run.program().float == FloatType::F32
+                    && crate::conv_tiles::narrow::pays(
+                        window.shape_with_taps(),
+                        &window.step.window,
+                        (window.groups, run.program().products),
+                    ) =>
+            {
+                window.weight_grad_in_bands(
+                    window.shape_with_taps(),
+                    (
+                        crate::conv_tiles::narrow::partial_bytes,
+                        crate::conv_tiles::narrow::weight_grad,
+                    ),
+                )
+            }
+            WindowKind::WeightGrad
+                if run.program().float == FloatType::F32
                     && crate::conv_tiles::grad::pays(
                         window.shape_with_taps(),
                         &window.step.window,
                         (window.groups, run.program().products),
                     ) =>
             {
-                window.weight_grad_on_tiles(window.shape_with_taps())
+                window.weight_grad_in_bands(
+                    window.shape_with_taps(),
+                    (
+                        crate::conv_tiles::grad::partial_bytes,
+                        crate::conv_tiles::grad::weight_grad,
+                    ),
+                )
             }
             WindowKind::WeightGrad
                 if columns_pay(
@@ -105,6 +128,13 @@ impl CpuSteps {
         }
     }
 }
+
+/// The bytes of partial sums a banded weight gradient keeps for its images.
+type PartialBytes = fn(Shape, &Window2d, &[WindowImage]) -> usize;
+
+/// A banded weight gradient: `(out, x, g)` f32 buffers, the images and window, the shape.
+type BandedWeightGrad =
+    unsafe fn((*mut f32, *const f32, *const f32), (&[WindowImage], Window2d), Shape);
 
 /// One window step of a run, with what every kind reads.
 struct WindowRun<'a, 'r, 'i> {
@@ -356,20 +386,25 @@ impl WindowRun<'_, '_, '_> {
         Ok(())
     }
 
-    /// The convolution weight's gradient with bf16 products on AMX tiles, reading the
-    /// input rows in place (`crate::conv_tiles::grad`; an f32 program's).
-    fn weight_grad_on_tiles(&self, shape: Shape) -> Result<(), RuntimeError> {
+    /// The convolution weight's gradient (an f32 program's, bf16 products) by one of the
+    /// ways that sum fixed bands of output rows into partial sums, reading the input rows
+    /// rounded once a band (`crate::conv_tiles::narrow`, `crate::conv_tiles::grad`):
+    /// their bytes checked against the budget first.
+    fn weight_grad_in_bands(
+        &self,
+        shape: Shape,
+        (partial_bytes, weight_grad): (PartialBytes, BandedWeightGrad),
+    ) -> Result<(), RuntimeError> {
         let window = self.step.window;
         let (images, (out, x, g)) = self.weight_grad_images(shape)?;
-        let partials = crate::conv_tiles::grad::partial_bytes(shape, &window, &images);
         within_budget(
             self.index,
             "the weight gradient's partial sums",
-            Some(partials),
+            Some(partial_bytes(shape, &window, &images)),
         )?;
         // The buffers hold what was just checked, f32 values (the caller's program).
         unsafe {
-            crate::conv_tiles::grad::weight_grad(
+            weight_grad(
                 (out as *mut f32, x as *const f32, g as *const f32),
                 (&images, window),
                 shape,

@@ -5,13 +5,16 @@
 //! which reads and writes a buffer of the batch's size, is gone: in training with batch
 //! norm on running statistics, the gradient of a convolution's output through the norm
 //! (`g * weight / sqrt(var + eps)`) is such a `y`, read by the convolution's input and
-//! weight gradients, and its passes took a twelfth of a ResNet-50 training step.
+//! weight gradients, and its passes took a twelfth of a ResNet-50 training step. A
+//! convolution's gradients take it the same way: its input gradient reads `x` through
+//! the forward weight scaled a row (an output channel), its weight gradient's rows are
+//! scaled after it.
 
 use nestor_ir::BinaryOp;
 
-use crate::operands::{Access, Expr, RowBase, Rows, Slot};
+use crate::operands::{Access, Expr, RowBase, Rows, Slot, WindowKind};
 use crate::program::{Program, SlotInfo, Source};
-use crate::step::{Pointwise, Step};
+use crate::step::{Pointwise, Step, Window};
 
 /// Moves the per-column scales of products' operands into the products (see the
 /// module's doc), where every reader of the scaled values is such a product.
@@ -116,6 +119,7 @@ fn scaling(program: &Program, index: usize) -> Option<Scaling> {
             Step::SumRows(sum) => {
                 sum.a == Some(*out) && sum.b != *out && sum.m == *width && sum.rows == *rows
             }
+            Step::Window(window) => window_takes(program, window, *out, *width),
             _ => false,
         };
         if !takes {
@@ -127,6 +131,37 @@ fn scaling(program: &Program, index: usize) -> Option<Scaling> {
         x,
         scale,
     })
+}
+
+/// Whether `window` takes the scale of `scaled` (`width` columns, a convolution's output
+/// gradient): an input gradient reading it as its pixels (through the forward weight
+/// `[channels, ...]`, whose rows then take the scale), or a weight gradient reading it
+/// as its gradient (its rows, one an output channel, scaled after it); nothing else of
+/// the step reading it.
+fn window_takes(program: &Program, window: &Window, scaled: Slot, width: i64) -> bool {
+    let epilogue_reads = window
+        .epilogue
+        .as_ref()
+        .is_some_and(|fusion| fusion.inputs.iter().any(|a| a.slot == scaled));
+    if epilogue_reads || window.bias == Some(scaled) || window.weight == Some(scaled) {
+        return false;
+    }
+    match window.kind {
+        WindowKind::ConvInputGrad | WindowKind::StridedConvInputGrad => {
+            let weight_rows = window.weight.map(|weight| program.info(weight).rows);
+            window.x == scaled
+                && window.grad != Some(scaled)
+                && window.channels == width
+                && weight_rows == Some(Rows::fixed(width))
+        }
+        WindowKind::WeightGrad => {
+            window.grad == Some(scaled)
+                && window.x != scaled
+                && window.width == width
+                && program.info(window.out).rows == Rows::fixed(width)
+        }
+        _ => false,
+    }
 }
 
 /// Removes step `index`, `scaling`'s, and moves its scale into its readers: each GEMM
@@ -161,27 +196,68 @@ fn apply(program: &mut Program, index: usize, scaling: Scaling) {
             }
             Step::SumRows(mut sum) if at > index && sum.a == Some(scaled) => {
                 // `out [m, n]`: row `i` scaled by `v[i]`.
-                let result = program.info(sum.out).clone();
-                let unscaled = program.slot(SlotInfo {
-                    source: Source::Step,
-                    ..result.clone()
-                });
-                let out = std::mem::replace(&mut sum.out, unscaled);
+                let outs = unscaled_out(program, &mut sum.out);
                 sum.a = Some(x);
                 rewritten.push(Step::SumRows(sum));
-                rewritten.push(multiply(
-                    out,
-                    (result.rows, result.width),
-                    [
-                        Access::rows(unscaled, result.width),
-                        spread(scale, result.width, true),
-                    ],
-                ));
+                rewritten.push(scaled_rows(program, outs, scale));
+            }
+            Step::Window(mut window) if at > index && window.grad == Some(scaled) => {
+                // A weight gradient `[width, channels * taps]`: row `o` scaled by `v[o]`.
+                let outs = unscaled_out(program, &mut window.out);
+                window.grad = Some(x);
+                rewritten.push(Step::Window(window));
+                rewritten.push(scaled_rows(program, outs, scale));
+            }
+            Step::Window(mut window) if at > index && window.x == scaled => {
+                // An input gradient reads `x` through the forward weight `[channels,
+                // width / groups * taps]` scaled a row.
+                if let Some(weight) = window.weight {
+                    let info = program.info(weight).clone();
+                    let scaled_weight = program.slot(SlotInfo {
+                        source: Source::Step,
+                        ..info.clone()
+                    });
+                    rewritten.push(multiply(
+                        scaled_weight,
+                        (info.rows, info.width),
+                        [
+                            Access::rows(weight, info.width),
+                            spread(scale, info.width, true),
+                        ],
+                    ));
+                    window.weight = Some(scaled_weight);
+                }
+                window.x = x;
+                rewritten.push(Step::Window(window));
             }
             step => rewritten.push(step),
         }
     }
     program.steps = rewritten;
+}
+
+/// Points `out` at a new slot shaped as it, the unscaled result the step now writes:
+/// `(old out, unscaled)`, which [`scaled_rows`] then reads and writes.
+fn unscaled_out(program: &mut Program, out: &mut Slot) -> (Slot, Slot) {
+    let result = program.info(*out).clone();
+    let unscaled = program.slot(SlotInfo {
+        source: Source::Step,
+        ..result
+    });
+    (std::mem::replace(out, unscaled), unscaled)
+}
+
+/// `out = unscaled * v` row by row (`v[i]` for row `i`).
+fn scaled_rows(program: &Program, (out, unscaled): (Slot, Slot), scale: Slot) -> Step {
+    let result = program.info(out);
+    multiply(
+        out,
+        (result.rows, result.width),
+        [
+            Access::rows(unscaled, result.width),
+            spread(scale, result.width, true),
+        ],
+    )
 }
 
 /// The vector `scale` read over rows of `width`: a value a row (`by_rows`), else a
@@ -329,6 +405,69 @@ mod tests {
                 }
             );
         }
+    }
+
+    /// A scale read by a convolution's input and weight gradients moves into them: the
+    /// input gradient reads `x` through the forward weight scaled a row (an output
+    /// channel), the weight gradient's rows are scaled after it.
+    #[test]
+    fn a_scale_read_by_convolution_gradients_moves_into_them() {
+        // Slots 0-4 as above but 2 `W [4 x 27]` (3x3 taps of 3 channels) and 3 the
+        // forward's input `[6 x 3]`; 5 `dx [6 x 3]`, 6 `dW [4 x 27]`, 7-8 image sizes.
+        let mut program = program(vec![], &[5, 6]);
+        for (slot, (count, width)) in [(2, (4, 27)), (3, (6, 3)), (5, (6, 3)), (6, (4, 27))] {
+            program.slots[slot].rows = rows(count);
+            program.slots[slot].width = width;
+        }
+        let window = |kind, out, x, weight, grad, (channels, width)| {
+            Step::Window(Window {
+                kind,
+                out: Slot(out),
+                x: Slot(x),
+                weight,
+                bias: None,
+                grad,
+                heights: Slot(7),
+                widths: Slot(7),
+                channels,
+                width,
+                window: nestor_ir::Window2d {
+                    kernel: [3, 3],
+                    stride: [1, 1],
+                    padding: [1, 1],
+                    dilation: [1, 1],
+                },
+                groups: 1,
+                epilogue: None,
+            })
+        };
+        program.steps = vec![
+            scale_step(false),
+            window(WindowKind::ConvInputGrad, 5, 4, Some(Slot(2)), None, (4, 3)),
+            window(WindowKind::WeightGrad, 6, 3, None, Some(Slot(4)), (3, 4)),
+        ];
+        scale_into_products(&mut program);
+        let [Step::Pointwise(weight), Step::Window(input_grad), Step::Window(weight_grad), Step::Pointwise(rows_scaled)] =
+            &program.steps[..]
+        else {
+            panic!("{:#?}", program.steps);
+        };
+        let by_rows = |slot| Access {
+            row_stride: 1,
+            col_stride: 0,
+            ..Access::rows(slot, 27)
+        };
+        assert_eq!(weight.inputs, [Access::rows(Slot(2), 27), by_rows(Slot(1))]);
+        assert_eq!(
+            (input_grad.x, input_grad.weight),
+            (Slot(0), Some(weight.out))
+        );
+        assert_eq!((weight_grad.x, weight_grad.grad), (Slot(3), Some(Slot(0))));
+        assert_eq!(rows_scaled.out, Slot(6));
+        assert_eq!(
+            rows_scaled.inputs,
+            [Access::rows(weight_grad.out, 27), by_rows(Slot(1))]
+        );
     }
 
     /// The scale stays where something else reads `y` (a pointwise step, a GEMM's

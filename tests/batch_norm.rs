@@ -319,7 +319,7 @@ proptest! {
         // another structure: at most one compile per call.
         prop_assert!(compiled.stats().compiles <= 2);
         let labels: Vec<String> = compiled.take_step_profiles().into_iter().flat_map(|run| run.steps).map(|step| step.label).collect();
-        prop_assert!(labels.iter().any(|label| label.starts_with("column sums of products")), "{labels:?}");
+        prop_assert!(labels.iter().any(|label| label.starts_with("column sums of products and of values")), "{labels:?}");
     }
 }
 

@@ -321,8 +321,8 @@ fn resampling_on_the_simulated_gpu_equals_the_cpu() {
 }
 
 /// Batch normalization on the batch's statistics and its gradient (whose sums of
-/// `g * xhat` over every pixel are one row-sum kernel reading both, `SumRows::times`)
-/// on the simulated GPU equal the CPU.
+/// `g * xhat` and of `g` over every pixel are one row-sum kernel reading both,
+/// `SumRows::times` and `SumRows::plain`) on the simulated GPU equal the CPU.
 #[test]
 fn batch_norm_gradients_on_the_simulated_gpu_equal_the_cpu() {
     let (x, one) = (

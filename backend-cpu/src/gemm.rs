@@ -229,11 +229,15 @@ unsafe fn gemm_rows<T: Gemm>(
 /// [`pairwise`] in block order, so the result does not depend on the split. Products'
 /// operands are as `products` says.
 ///
+/// With `plain` (column sums of `b * times`), the column sums of `b` alone are written
+/// there in the same read of `b`.
+///
 /// # Safety
 /// `out` must hold `m*n` values of type `T`, `a` (when given) `rows*m`, `b` and `times`
-/// (when given) `rows*n`; `times` only without `a`.
+/// (when given) `rows*n`, `plain` (when given) `n`; `times` only without `a`, `plain`
+/// only with `times`.
 pub(super) unsafe fn sum_rows<T: Gemm>(
-    out: *mut u8,
+    (out, plain): (*mut u8, Option<*mut u8>),
     (a, b, times): (Option<*const u8>, *const u8, Option<*const u8>),
     (rows, m, n): (i64, i64, i64),
     (mean, products): (bool, Products),
@@ -243,6 +247,9 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
         return;
     }
     let out = unsafe { std::slice::from_raw_parts_mut(out as *mut T, m * n) };
+    let plain = plain
+        .filter(|_| times.is_some() && a.is_none())
+        .map(|plain| unsafe { std::slice::from_raw_parts_mut(plain as *mut T, n) });
     let threads = worker_threads().max(1) as usize;
     // Products split as GEMMs do; column sums read each value once, as a pointwise
     // kernel, and split at its grain.
@@ -253,6 +260,9 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
     let parallel = (rows * m * n) as i64 >= grain && threads > 1;
     if rows == 0 {
         out.fill(T::ZERO);
+        if let Some(plain) = plain {
+            plain.fill(T::ZERO);
+        }
     } else if let Some(a) = a {
         let a = a as *const T;
         let buffers = SumBuffers {
@@ -324,8 +334,9 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
             crate::Parallelism::count_split();
         }
         let partials: Vec<Mutex<Vec<T>>> = blocks.iter().map(|_| Mutex::new(Vec::new())).collect();
+        let with_plain = plain.is_some();
         crate::team::for_each_chunk(blocks.len(), threads, &|block| {
-            let sums = column_sums(blocks[block], times_blocks[block], n);
+            let sums = column_sums_and_plain(blocks[block], times_blocks[block], n, with_plain);
             *partials[block]
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner()) = sums;
@@ -341,9 +352,19 @@ pub(super) unsafe fn sum_rows<T: Gemm>(
                 .for_each(|(sum, value)| *sum += value);
             sums
         };
-        match pairwise(partials, add) {
-            Some(sums) => out.copy_from_slice(&sums),
-            None => out.fill(T::ZERO),
+        let sums = pairwise(partials, add);
+        let (sums, more) = match &sums {
+            Some(sums) => sums.split_at(n.min(sums.len())),
+            None => (&[][..], &[][..]),
+        };
+        for (out, sums) in
+            std::iter::once((&mut *out, sums)).chain(plain.map(|plain| (plain, more)))
+        {
+            if sums.len() == out.len() {
+                out.copy_from_slice(sums);
+            } else {
+                out.fill(T::ZERO);
+            }
         }
     }
     finish_mean(out, rows, mean)
@@ -425,46 +446,77 @@ const SUM_LANES: usize = 64;
 /// worth of sums in memory, each row's adds waiting on the last row's stores), compiled
 /// for the widest vectors of the host.
 pub(super) fn column_sums<T: Scalar>(values: &[T], times: Option<&[T]>, width: usize) -> Vec<T> {
+    column_sums_and_plain(values, times, width, false)
+}
+
+/// [`column_sums`], followed with `plain` (and `times`) by the column sums of `values`
+/// alone made in the same read, bit for bit [`column_sums`] of `values`: `width` values,
+/// or twice as many.
+fn column_sums_and_plain<T: Scalar>(
+    values: &[T],
+    times: Option<&[T]>,
+    width: usize,
+    plain: bool,
+) -> Vec<T> {
+    let plain = plain && times.is_some();
     if width == 1 {
-        let runs = (0..values.len()).step_by(SUM_RUN_ROWS * crate::scalar::LANES);
-        let run_sum = |first: usize| {
-            let run =
-                &values[first..(first + SUM_RUN_ROWS * crate::scalar::LANES).min(values.len())];
-            match times {
-                Some(times) => {
-                    let products: Vec<T> = run
-                        .iter()
-                        .zip(&times[first..])
-                        .map(|(&v, &t)| v * t)
-                        .collect();
-                    crate::scalar::sum_of(&products)
+        let single = |times: Option<&[T]>| {
+            let runs = (0..values.len()).step_by(SUM_RUN_ROWS * crate::scalar::LANES);
+            let run_sum = |first: usize| {
+                let run =
+                    &values[first..(first + SUM_RUN_ROWS * crate::scalar::LANES).min(values.len())];
+                match times {
+                    Some(times) => {
+                        let products: Vec<T> = run
+                            .iter()
+                            .zip(&times[first..])
+                            .map(|(&v, &t)| v * t)
+                            .collect();
+                        crate::scalar::sum_of(&products)
+                    }
+                    None => crate::scalar::sum_of(run),
                 }
-                None => crate::scalar::sum_of(run),
-            }
+            };
+            pairwise(runs.map(run_sum), |a, b| a + b).unwrap_or(T::ZERO)
         };
-        let sum = pairwise(runs.map(run_sum), |a, b| a + b);
-        return vec![sum.unwrap_or(T::ZERO)];
+        let mut sums = vec![single(times)];
+        if plain {
+            sums.push(single(None));
+        }
+        return sums;
     }
-    let mut sums = vec![T::ZERO; width];
+    let mut sums = vec![T::ZERO; width * (1 + usize::from(plain))];
+    let (products, plain_sums) = sums.split_at_mut(width);
     crate::vectors::widest(
         #[inline(always)]
         || {
-            for (first, sums) in (0..width)
-                .step_by(SUM_LANES)
-                .zip(sums.chunks_mut(SUM_LANES))
-            {
-                if sums.len() == SUM_LANES {
-                    sums.copy_from_slice(&chunk_sums::<T, SUM_LANES>(values, times, width, first));
-                } else {
-                    // The last, narrower columns: in registers of eight, then one by one.
-                    for (first, sums) in (first..width).step_by(8).zip(sums.chunks_mut(8)) {
-                        if sums.len() == 8 {
-                            sums.copy_from_slice(&chunk_sums::<T, 8>(values, times, width, first));
-                        } else {
-                            for (column, sum) in sums.iter_mut().enumerate() {
-                                *sum = chunk_sums::<T, 1>(values, times, width, first + column)[0];
-                            }
-                        }
+            // Sums of columns from `at`, and with `plain` those of the values alone.
+            let mut write = |at: usize, sums: &[T], more: &[T]| {
+                products[at..at + sums.len()].copy_from_slice(sums);
+                if plain {
+                    plain_sums[at..at + more.len()].copy_from_slice(more);
+                }
+            };
+            let mut first = 0;
+            while first < width {
+                // `SUM_LANES` columns at a time, the last narrower ones in registers of
+                // eight, then one by one.
+                match width - first {
+                    left if left >= SUM_LANES => {
+                        let (sums, more) =
+                            chunk_sums::<T, SUM_LANES>(values, times, width, first, plain);
+                        write(first, &sums, &more);
+                        first += SUM_LANES;
+                    }
+                    left if left >= 8 => {
+                        let (sums, more) = chunk_sums::<T, 8>(values, times, width, first, plain);
+                        write(first, &sums, &more);
+                        first += 8;
+                    }
+                    _ => {
+                        let (sums, more) = chunk_sums::<T, 1>(values, times, width, first, plain);
+                        write(first, &sums, &more);
+                        first += 1;
                     }
                 }
             }
@@ -477,14 +529,16 @@ pub(super) fn column_sums<T: Scalar>(values: &[T], times: Option<&[T]>, width: u
 const SUM_RUN_ROWS: usize = 64;
 
 /// The sums of columns `first..first + N` of `values` (times `times`, when given): row
-/// by row in runs of [`SUM_RUN_ROWS`] rows, the runs' sums added [`pairwise`].
+/// by row in runs of [`SUM_RUN_ROWS`] rows, the runs' sums added [`pairwise`]; with
+/// `plain` (and `times`) also those of `values` alone, the same way (else zeros).
 #[inline(always)]
 fn chunk_sums<T: Scalar, const N: usize>(
     values: &[T],
     times: Option<&[T]>,
     width: usize,
     first: usize,
-) -> [T; N] {
+    plain: bool,
+) -> ([T; N], [T; N]) {
     let run_values = width * SUM_RUN_ROWS;
     // The runs' sums made in a loop here, not in an iterator's `next` (compiled apart,
     // without the caller's vectors: a profile of ResNet-50's training step found 18% of
@@ -493,13 +547,27 @@ fn chunk_sums<T: Scalar, const N: usize>(
     for start in (0..values.len()).step_by(run_values.max(1)) {
         let run = &values[start..(start + run_values).min(values.len())];
         let mut lanes = [T::ZERO; N];
+        let mut plain_lanes = [T::ZERO; N];
         match times {
             Some(times) => {
                 let factors = &times[start..start + run.len()];
-                for (row, factors) in run.chunks_exact(width).zip(factors.chunks_exact(width)) {
-                    let columns = row[first..first + N].iter().zip(&factors[first..first + N]);
-                    for (lane, (&value, &factor)) in lanes.iter_mut().zip(columns) {
-                        *lane += value * factor;
+                let rows = run.chunks_exact(width).zip(factors.chunks_exact(width));
+                if plain {
+                    for (row, factors) in rows {
+                        let columns = row[first..first + N].iter().zip(&factors[first..first + N]);
+                        for ((lane, plain), (&value, &factor)) in
+                            lanes.iter_mut().zip(plain_lanes.iter_mut()).zip(columns)
+                        {
+                            *lane += value * factor;
+                            *plain += value;
+                        }
+                    }
+                } else {
+                    for (row, factors) in rows {
+                        let columns = row[first..first + N].iter().zip(&factors[first..first + N]);
+                        for (lane, (&value, &factor)) in lanes.iter_mut().zip(columns) {
+                            *lane += value * factor;
+                        }
                     }
                 }
             }
@@ -511,15 +579,18 @@ fn chunk_sums<T: Scalar, const N: usize>(
                 }
             }
         }
-        runs.push(lanes);
+        runs.push((lanes, plain_lanes));
     }
-    let add = |mut sums: [T; N], more: [T; N]| {
-        sums.iter_mut()
-            .zip(more)
-            .for_each(|(sum, value)| *sum += value);
-        sums
+    let add = |(mut sums, mut plain): ([T; N], [T; N]), (more, more_plain): ([T; N], [T; N])| {
+        for (sum, value) in sums.iter_mut().zip(more) {
+            *sum += value;
+        }
+        for (sum, value) in plain.iter_mut().zip(more_plain) {
+            *sum += value;
+        }
+        (sums, plain)
     };
-    pairwise(runs.into_iter(), add).unwrap_or([T::ZERO; N])
+    pairwise(runs.into_iter(), add).unwrap_or(([T::ZERO; N], [T::ZERO; N]))
 }
 
 /// The buffers of a row sum, shared by the tasks of its output chunks.
@@ -704,7 +775,7 @@ mod tests {
             // `means` holds `width` values, `values` rows * width.
             unsafe {
                 sum_rows::<f32>(
-                    means.as_mut_ptr() as *mut u8,
+                    (means.as_mut_ptr() as *mut u8, None),
                     (None, values.as_ptr() as *const u8, None),
                     (rows as i64, 1, width as i64),
                     (true, Products::Float),
@@ -737,7 +808,7 @@ mod tests {
             // `a` holds rows * m values, `b` rows * n, `out` m * n.
             unsafe {
                 sum_rows::<f32>(
-                    out.as_mut_ptr() as *mut u8,
+                    (out.as_mut_ptr() as *mut u8, None),
                     (Some(a.as_ptr() as *const u8), b.as_ptr() as *const u8, None),
                     (rows as i64, m as i64, n as i64),
                     (false, Products::Bf16),
@@ -806,7 +877,7 @@ mod tests {
 
         /// Column sums of a product (`times`) are bit for bit those of the product
         /// made first, as a pointwise step makes it, whatever the width (one column
-        /// too).
+        /// too), with or without the plain sums of the values beside them.
         #[test]
         fn column_sums_of_products_are_the_sums_of_the_products(
             (rows, width) in (0usize..300, prop_oneof![1usize..21, 60usize..140]),
@@ -820,6 +891,14 @@ mod tests {
             prop_assert_eq!(
                 bits(column_sums(&values, Some(&times), width)),
                 bits(column_sums(&products, None, width))
+            );
+            // With the plain sums beside them, made in the same read: both halves bit
+            // for bit the sums made apart.
+            let mut apart = column_sums(&products, None, width);
+            apart.extend(column_sums(&values, None, width));
+            prop_assert_eq!(
+                bits(column_sums_and_plain(&values, Some(&times), width, true)),
+                bits(apart)
             );
         }
 

@@ -363,6 +363,7 @@ mod tests {
             a: Some(Slot(a)),
             b: Slot(3),
             times: None,
+            plain: None,
             rows: rows(6),
             m: 4,
             n: 5,

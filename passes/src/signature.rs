@@ -117,6 +117,9 @@ pub enum Role {
     B,
     /// Values multiplied into another operand's, value for value.
     Times,
+    /// A second buffer the kernel writes: the column sums of `b` alone beside those of
+    /// `b` times `times` (`SumRows::plain`).
+    Plain,
     /// Lengths (i64) read as numbers.
     Lengths,
     /// Offsets of the step's main lengths (segments, queries, rows), `B + 1` values.
@@ -188,7 +191,8 @@ impl Role {
             | Role::Statistics
             | Role::A
             | Role::B
-            | Role::Times => matches!(arg, Arg::Buffer(_) | Arg::Absent),
+            | Role::Times
+            | Role::Plain => matches!(arg, Arg::Buffer(_) | Arg::Absent),
             Role::Ids | Role::Lengths => matches!(arg, Arg::Buffer(_)),
             Role::Offsets | Role::KeyOffsets | Role::ColumnOffsets => {
                 matches!(arg, Arg::Offsets(_))
@@ -495,6 +499,7 @@ impl Placed for SumRows {
                 .optional(Role::A, self.a)
                 .buffer(Role::B, self.b)
                 .optional(Role::Times, self.times)
+                .optional(Role::Plain, self.plain)
                 .with(Role::Count, Arg::Count(self.rows))
                 .kernel(Rows::fixed(self.m).times(self.n)),
         }

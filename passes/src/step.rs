@@ -299,6 +299,10 @@ pub struct SumRows {
     /// `[rows, n]`, multiplied into `b` value for value before the sum (`a` absent):
     /// a norm's gradient's `sum g * xhat` in one pass (`crate::sums`).
     pub times: Option<Slot>,
+    /// `[1, n]`, the column sums of `b` alone, made in the same pass as those of `b *
+    /// times` (`times` present, not `mean`): a norm's gradient's `sum g` beside its
+    /// `sum g * xhat`, one read of `g` (`crate::sums`).
+    pub plain: Option<Slot>,
     /// Rows.
     pub rows: Rows,
     /// Width of `a`.
@@ -482,8 +486,8 @@ pub struct Gather {
 pub trait StepKind: std::fmt::Debug {
     /// The slot the step writes (its first, where it writes more).
     fn output(&self) -> Slot;
-    /// The second slot the step writes, for the one kind that writes two (an
-    /// [`AttentionPart::Both`] gradient).
+    /// The second slot the step writes, for the kinds that write two (an
+    /// [`AttentionPart::Both`] gradient, column sums with their [`SumRows::plain`]).
     fn second_output(&self) -> Option<Slot> {
         None
     }
@@ -858,6 +862,9 @@ impl StepKind for SumRows {
     fn output(&self) -> Slot {
         self.out
     }
+    fn second_output(&self) -> Option<Slot> {
+        self.plain
+    }
     fn reads(&self) -> Vec<Slot> {
         self.a
             .into_iter()
@@ -870,6 +877,7 @@ impl StepKind for SumRows {
         visit_optional(&mut self.a, visit);
         visit(&mut self.b);
         visit_optional(&mut self.times, visit);
+        visit_optional(&mut self.plain, visit);
         visit_rows(&mut self.rows, visit);
     }
 }

@@ -363,6 +363,7 @@ impl CpuSteps {
                 a,
                 b,
                 times,
+                plain,
                 rows,
                 m,
                 n,
@@ -374,7 +375,14 @@ impl CpuSteps {
                         "a row sum of products reads no left operand".into(),
                     ));
                 }
-                let (out, b) = (run.pointer(*out), run.pointer(*b) as *const u8);
+                if plain.is_some() && (times.is_none() || *mean || *m != 1) {
+                    return Err(step_error(
+                        index,
+                        "plain column sums come only beside the sums of products".into(),
+                    ));
+                }
+                let out = (run.pointer(*out), plain.map(|plain| run.pointer(plain)));
+                let b = run.pointer(*b) as *const u8;
                 let a = a.map(|a| run.pointer(a) as *const u8);
                 let times = times.map(|times| run.pointer(times) as *const u8);
                 let sizes = (run.sizes().rows(*rows), *m, *n);

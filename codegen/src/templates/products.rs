@@ -60,15 +60,22 @@ pub(super) fn gemm<'ctx>(kernel: &Kernel<'ctx, '_>, step: &Gemm, product_given: 
 const SUM_RUN_ROWS: i64 = 64;
 
 /// `out[i, j] = sum over rows r of a[r, i] b[r, j]` (`a` absent: ones; with `times`,
-/// `b[r, j] times[r, j]`), divided by the number of rows when `mean` (NaN for none).
+/// `b[r, j] times[r, j]`), divided by the number of rows when `mean` (NaN for none);
+/// with `plain` (`times`, one row of sums) also `plain[j] = sum over rows r of b[r, j]`,
+/// added the same way in the same loop.
 pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean: bool) -> Gen<()> {
     let (start, end) = kernel.range()?;
     let out = kernel.param(Role::Out)?;
     let a = kernel.optional(Role::A)?;
     let times = kernel.optional(Role::Times)?;
+    let plain = kernel.optional(Role::Plain)?;
     let [b, count] = kernel.params([Role::B, Role::Count])?;
     let rows = kernel.load_i64(count, kernel.i64(0))?;
     let [total, run] = kernel.accumulators(["total", "run"])?;
+    let plain_sums = match plain {
+        Some(plain) => Some((plain, kernel.accumulators(["plain_total", "plain_run"])?)),
+        None => None,
+    };
     // An output value is a warp's on a GPU (each lane every 32nd row in order, the
     // lanes' sums added with shuffles), one thread's on the host. A lane adds its rows
     // in runs of `SUM_RUN_ROWS`, each run's sum then into its total, so that a value
@@ -84,8 +91,14 @@ pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean
         };
         let span = kernel.i64(stride * SUM_RUN_ROWS);
         kernel.set(total, kernel.constant(0.0))?;
+        if let Some((_, [plain_total, _])) = plain_sums {
+            kernel.set(plain_total, kernel.constant(0.0))?;
+        }
         kernel.for_range_by(kernel.i64(0), rows, span, |first| {
             kernel.set(run, kernel.constant(0.0))?;
+            if let Some((_, [_, plain_run])) = plain_sums {
+                kernel.set(plain_run, kernel.constant(0.0))?;
+            }
             let (from, to) = (
                 kernel.add(first, lane)?,
                 kernel.min(kernel.add(first, span)?, rows)?,
@@ -93,6 +106,12 @@ pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean
             kernel.for_range_by(from, to, kernel.i64(stride), |row| {
                 let at = kernel.add(kernel.mul(row, kernel.i64(n))?, j)?;
                 let y = kernel.load_float(b, at)?;
+                if let Some((_, [_, plain_run])) = plain_sums {
+                    kernel.set(
+                        plain_run,
+                        kernel.fadd_reassociable(kernel.get(plain_run)?, y)?,
+                    )?;
+                }
                 let y = match times {
                     Some(times) => kernel.fmul(y, kernel.load_float(times, at)?)?,
                     None => y,
@@ -106,8 +125,17 @@ pub(super) fn sum_rows<'ctx>(kernel: &Kernel<'ctx, '_>, (m, n): (i64, i64), mean
                 };
                 kernel.set(run, kernel.fadd_reassociable(kernel.get(run)?, term)?)
             })?;
+            if let Some((_, [plain_total, plain_run])) = plain_sums {
+                let sum = kernel.fadd(kernel.get(plain_total)?, kernel.get(plain_run)?)?;
+                kernel.set(plain_total, sum)?;
+            }
             kernel.set(total, kernel.fadd(kernel.get(total)?, kernel.get(run)?)?)
         })?;
+        if let Some((plain, [plain_total, _])) = plain_sums {
+            let sum =
+                kernel.across_lanes(lanes, kernel.get(plain_total)?, |a, b| kernel.fadd(a, b))?;
+            first_lane_stores(kernel, lanes, plain, j, sum)?;
+        }
         let sum = kernel.across_lanes(lanes, kernel.get(total)?, |a, b| kernel.fadd(a, b))?;
         let value = if mean {
             kernel.fdiv(sum, kernel.to_float(rows)?)?

@@ -289,6 +289,7 @@ impl Lowering<'_> {
             a: Some(a_slot),
             b: b_slot,
             times: None,
+            plain: None,
             rows,
             m,
             n,

@@ -207,6 +207,7 @@ pub fn lower_with(graph: &Graph, options: LowerOptions) -> Result<Program, Lower
         crate::fold::fold_epilogues(&mut lowering.program);
         crate::scale::scale_into_products(&mut lowering.program);
         crate::sums::products_into_sums(&mut lowering.program);
+        crate::sums::plain_sums_beside_products(&mut lowering.program);
     }
     Ok(lowering.program)
 }

@@ -991,6 +991,7 @@ impl Plan<'_> {
                 a: Some(a),
                 b,
                 times: None,
+                plain: None,
                 rows,
                 m,
                 n,

@@ -201,12 +201,18 @@ fn describe(program: &Program, step: &Step, sizes: &Sizes) -> (StepKind, String,
         Step::SumRows(SumRows {
             a,
             times: product,
+            plain,
             rows,
             m,
             n,
             ..
         }) => {
             let rows = sizes.rows(*rows);
+            let also = if plain.is_some() {
+                " and of values"
+            } else {
+                ""
+            };
             match (a, product) {
                 (Some(_), _) => (
                     StepKind::WeightGradient,
@@ -215,7 +221,7 @@ fn describe(program: &Program, step: &Step, sizes: &Sizes) -> (StepKind, String,
                 ),
                 (None, Some(_)) => (
                     StepKind::Reduction,
-                    format!("column sums of products {rows}x{n}"),
+                    format!("column sums of products{also} {rows}x{n}"),
                     0,
                 ),
                 (None, None) => (StepKind::Reduction, format!("column sums {rows}x{n}"), 0),

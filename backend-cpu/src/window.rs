@@ -1465,6 +1465,79 @@ mod tests {
         true
     }
 
+    /// nestor's direct f32 convolution equals its definition on rows of whole register
+    /// blocks of pixels and of the smaller blocks of a row's end (widths 1, 4, 13, 37),
+    /// with strides, padding and channels past a block of 16.
+    #[test]
+    fn direct_convolutions_are_the_definition_on_every_block_of_a_row() {
+        for stride in [[1, 1], [2, 2]] {
+            let window = Window2d {
+                kernel: [3, 3],
+                stride,
+                padding: [1, 1],
+                dilation: [1, 1],
+            };
+            let (heights, widths) = ([2i64, 1, 3, 2], [37i64, 1, 13, 4]);
+            let images = window_images(&window, &heights, &widths).unwrap();
+            let (inputs, outputs) = nestor_layout::pixels(&images);
+            let (channels, width) = (3usize, 20usize);
+            let x: Vec<f32> = (0..inputs * channels)
+                .map(|i| (i % 7) as f32 - 3.0)
+                .collect();
+            let weight: Vec<f32> = (0..width * channels * 9)
+                .map(|i| (i % 5) as f32 - 2.0)
+                .collect();
+            let bias: Vec<f32> = (0..width).map(|o| o as f32 * 0.5).collect();
+            let mut out = vec![f32::NAN; outputs * width];
+            let shape = Shape {
+                channels,
+                width,
+                taps: 9,
+            };
+            // SAFETY: the buffers hold the images' pixels, the weight and the bias.
+            unsafe {
+                convolve::<f32>(
+                    (out.as_mut_ptr() as *mut u8, x.as_ptr() as *const u8),
+                    (
+                        weight.as_ptr() as *const u8,
+                        Some(bias.as_ptr() as *const u8),
+                    ),
+                    &images,
+                    shape,
+                    (window, Products::Float, false),
+                    &Finish::NONE,
+                )
+            };
+            for image in &images {
+                let ((height, image_width), (out_h, out_w)) = (image.size, image.out);
+                for (oy, ox) in (0..out_h).flat_map(|oy| (0..out_w).map(move |ox| (oy, ox))) {
+                    let pixel = image.output + (oy * out_w + ox) as usize;
+                    for o in 0..width {
+                        let mut expected = f64::from(bias[o]);
+                        for (ky, kx) in (0..3).flat_map(|ky| (0..3).map(move |kx| (ky, kx))) {
+                            let (y, xx) = (oy * stride[0] - 1 + ky, ox * stride[1] - 1 + kx);
+                            if !(0..height).contains(&y) || !(0..image_width).contains(&xx) {
+                                continue;
+                            }
+                            let source = image.input + (y * image_width + xx) as usize;
+                            for c in 0..channels {
+                                expected += f64::from(x[source * channels + c])
+                                    * f64::from(
+                                        weight[(o * channels + c) * 9 + (ky * 3 + kx) as usize],
+                                    );
+                            }
+                        }
+                        let got = f64::from(out[pixel * width + o]);
+                        assert!(
+                            (got - expected).abs() <= 1e-4,
+                            "stride {stride:?}, pixel {pixel}, output {o}: {got} against {expected}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// Every output row of a convolution is finished once, after it is written, on each
     /// of its paths: nestor's direct kernel (3 channels), the AVX512-BF16 pairs (where
     /// the host has them), products over gathered columns (16 channels into 40) and,

@@ -22,6 +22,11 @@ use nestor_passes::Products;
 use crate::amx::{Configured, Panel, TILE_DEPTH};
 use crate::conv::pair_of;
 
+/// A weight gradient that sums fixed bands of output rows ([`grad`], [`narrow`]): `(out,
+/// x, g)` f32 buffers, the images and window, the shape.
+pub(crate) type BandedWeightGrad =
+    unsafe fn((*mut f32, *const f32, *const f32), (&[WindowImage], Window2d), crate::window::Shape);
+
 /// Rows of a tile: output pixels of a block.
 const PIXELS: usize = 16;
 /// Output channels of a tile of sums.
@@ -537,6 +542,54 @@ unsafe fn multiply_columns_4(
             a_stride = in(reg) a_stride,
             row = in(reg) 64usize,
             options(nostack),
+        );
+    }
+}
+
+/// Runs `weight_grad` on images of `heights` x `widths` (test values; input pixel
+/// `infinite`'s channels infinite) and asserts it equals [`weight_grad_definition`]:
+/// within the products' magnitudes where the definition is finite, else the same.
+#[cfg(test)]
+pub(crate) fn assert_weight_grad_is_the_definition(
+    weight_grad: BandedWeightGrad,
+    (heights, widths): (&[i64], &[i64]),
+    (window, shape): (Window2d, crate::window::Shape),
+    infinite: Option<usize>,
+) {
+    let crate::window::Shape {
+        channels,
+        width,
+        taps,
+    } = shape;
+    let images = nestor_layout::window_images(&window, heights, widths).unwrap();
+    let (inputs, outputs) = nestor_layout::pixels(&images);
+    let value = |i: usize, scale: f32| ((i * 37 % 101) as f32 - 50.0) * scale + 0.001;
+    let mut x: Vec<f32> = (0..inputs * channels).map(|i| value(i, 0.0371)).collect();
+    if let Some(pixel) = infinite {
+        x[pixel * channels..(pixel + 1) * channels].fill(f32::INFINITY);
+    }
+    let g: Vec<f32> = (0..outputs * width).map(|i| value(i + 3, 0.0213)).collect();
+    let mut out = vec![f32::NAN; width * channels * taps];
+    // SAFETY: the buffers hold the images' pixels and the weight.
+    unsafe {
+        weight_grad(
+            (out.as_mut_ptr(), x.as_ptr(), g.as_ptr()),
+            (&images, window),
+            shape,
+        )
+    };
+    let (expected, magnitude) = weight_grad_definition((&x, &g), (&images, window), shape);
+    for (at, (&got, (&expected, &magnitude))) in
+        out.iter().zip(expected.iter().zip(&magnitude)).enumerate()
+    {
+        let got = f64::from(got);
+        assert!(
+            if expected.is_finite() {
+                (got - expected).abs() <= 1e-6 * magnitude + 1e-6
+            } else {
+                got == expected || (got.is_nan() && expected.is_nan())
+            },
+            "{window:?} {channels} channels into {width}: value {at}: {got} against {expected}"
         );
     }
 }

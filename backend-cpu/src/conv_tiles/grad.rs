@@ -516,41 +516,16 @@ mod tests {
                     assert!(!crate::amx::usable());
                     return;
                 }
-                let images = nestor_layout::window_images(&window, &heights, &widths).unwrap();
-                let (inputs, outputs) = nestor_layout::pixels(&images);
-                let value = |i: usize, scale: f32| ((i * 37 % 101) as f32 - 50.0) * scale + 0.001;
-                let mut x: Vec<f32> = (0..inputs * channels).map(|i| value(i, 0.0371)).collect();
                 // An infinite pixel at the end of the first image's first row (37 pixels:
                 // a block of 32 and one of 5): the taps that read it from real output
                 // pixels sum infinities, the others (which only pixels past the row's
                 // end would read) stay finite.
-                let last = (widths[0] - 1) as usize;
-                x[last * channels..(last + 1) * channels].fill(f32::INFINITY);
-                let g: Vec<f32> = (0..outputs * width).map(|i| value(i + 3, 0.0213)).collect();
-                let mut out = vec![f32::NAN; width * channels * taps];
-                // SAFETY: the buffers hold the images' pixels and the weight.
-                unsafe {
-                    weight_grad(
-                        (out.as_mut_ptr(), x.as_ptr(), g.as_ptr()),
-                        (&images, window),
-                        shape,
-                    )
-                };
-                let (expected, magnitude) =
-                    super::super::weight_grad_definition((&x, &g), (&images, window), shape);
-                for (at, (&got, (&expected, &magnitude))) in
-                    out.iter().zip(expected.iter().zip(&magnitude)).enumerate()
-                {
-                    let got = f64::from(got);
-                    assert!(
-                        if expected.is_finite() {
-                            (got - expected).abs() <= 1e-6 * magnitude + 1e-6
-                        } else {
-                            got == expected || (got.is_nan() && expected.is_nan())
-                        },
-                        "{window:?} {channels} channels into {width}: value {at}: {got} against {expected}"
-                    );
-                }
+                super::super::assert_weight_grad_is_the_definition(
+                    weight_grad,
+                    (&heights, &widths),
+                    (window, shape),
+                    Some((widths[0] - 1) as usize),
+                );
             }
         }
     }

@@ -295,30 +295,12 @@ mod tests {
                     assert!(!crate::bf16::own_products() || !host_has_vectors());
                     return;
                 }
-                let images = nestor_layout::window_images(&window, &heights, &widths).unwrap();
-                let (inputs, outputs) = nestor_layout::pixels(&images);
-                let value = |i: usize, scale: f32| ((i * 37 % 101) as f32 - 50.0) * scale + 0.001;
-                let x: Vec<f32> = (0..inputs * channels).map(|i| value(i, 0.0371)).collect();
-                let g: Vec<f32> = (0..outputs * width).map(|i| value(i + 3, 0.0213)).collect();
-                let mut out = vec![f32::NAN; width * channels * taps];
-                // SAFETY: the buffers hold the images' pixels and the weight.
-                unsafe {
-                    weight_grad(
-                        (out.as_mut_ptr(), x.as_ptr(), g.as_ptr()),
-                        (&images, window),
-                        shape,
-                    )
-                };
-                let (expected, magnitude) =
-                    super::super::weight_grad_definition((&x, &g), (&images, window), shape);
-                for (at, (&got, (&expected, &magnitude))) in
-                    out.iter().zip(expected.iter().zip(&magnitude)).enumerate()
-                {
-                    assert!(
-                        (f64::from(got) - expected).abs() <= 1e-6 * magnitude + 1e-6,
-                        "{window:?} {channels} channels into {width}: value {at}: {got} against {expected}"
-                    );
-                }
+                super::super::assert_weight_grad_is_the_definition(
+                    weight_grad,
+                    (&heights, &widths),
+                    (window, shape),
+                    None,
+                );
             }
         }
     }

@@ -9,6 +9,7 @@ use nestor_runtime::{step_error, within_budget, RunState, RuntimeError};
 
 use super::CpuSteps;
 use crate::columns::{self, columns_pay, input_grad_scratch, tile_scratch, Work};
+use crate::conv_tiles::BandedWeightGrad;
 use crate::finish::Finish;
 use crate::parallel::worker_threads;
 use crate::window::{
@@ -51,6 +52,11 @@ impl CpuSteps {
                 step.groups
             )));
         }
+        if step.kind == WindowKind::WeightGrad {
+            if let Some(way) = window.banded_weight_grad() {
+                return window.weight_grad_in_bands(window.shape_with_taps(), way);
+            }
+        }
         match step.kind {
             WindowKind::ImageMean => window.image_means(),
             WindowKind::ImageSpread => window.image_spread(),
@@ -70,38 +76,6 @@ impl CpuSteps {
                     crate::kept::produced(producing.finish());
                 }
                 Ok(())
-            }
-            WindowKind::WeightGrad
-                if run.program().float == FloatType::F32
-                    && crate::conv_tiles::narrow::pays(
-                        window.shape_with_taps(),
-                        &window.step.window,
-                        (window.groups, run.program().products),
-                    ) =>
-            {
-                window.weight_grad_in_bands(
-                    window.shape_with_taps(),
-                    (
-                        crate::conv_tiles::narrow::partial_bytes,
-                        crate::conv_tiles::narrow::weight_grad,
-                    ),
-                )
-            }
-            WindowKind::WeightGrad
-                if run.program().float == FloatType::F32
-                    && crate::conv_tiles::grad::pays(
-                        window.shape_with_taps(),
-                        &window.step.window,
-                        (window.groups, run.program().products),
-                    ) =>
-            {
-                window.weight_grad_in_bands(
-                    window.shape_with_taps(),
-                    (
-                        crate::conv_tiles::grad::partial_bytes,
-                        crate::conv_tiles::grad::weight_grad,
-                    ),
-                )
             }
             WindowKind::WeightGrad
                 if columns_pay(
@@ -131,10 +105,6 @@ impl CpuSteps {
 
 /// The bytes of partial sums a banded weight gradient keeps for its images.
 type PartialBytes = fn(Shape, &Window2d, &[WindowImage]) -> usize;
-
-/// A banded weight gradient: `(out, x, g)` f32 buffers, the images and window, the shape.
-type BandedWeightGrad =
-    unsafe fn((*mut f32, *const f32, *const f32), (&[WindowImage], Window2d), Shape);
 
 /// One window step of a run, with what every kind reads.
 struct WindowRun<'a, 'r, 'i> {
@@ -384,6 +354,25 @@ impl WindowRun<'_, '_, '_> {
             }
         }
         Ok(())
+    }
+
+    /// The way that sums fixed bands of output rows which this weight gradient runs in,
+    /// where one pays (an f32 program's): few channels (`conv_tiles::narrow`) or 16 and
+    /// 32 on the tiles (`conv_tiles::grad`).
+    fn banded_weight_grad(&self) -> Option<(PartialBytes, BandedWeightGrad)> {
+        use crate::conv_tiles::{grad, narrow};
+        if self.run.program().float != FloatType::F32 {
+            return None;
+        }
+        let shape = self.shape_with_taps();
+        let how = (self.groups, self.run.program().products);
+        if narrow::pays(shape, &self.step.window, how) {
+            Some((narrow::partial_bytes, narrow::weight_grad))
+        } else if grad::pays(shape, &self.step.window, how) {
+            Some((grad::partial_bytes, grad::weight_grad))
+        } else {
+            None
+        }
     }
 
     /// The convolution weight's gradient (an f32 program's, bf16 products) by one of the

@@ -194,6 +194,9 @@ impl<'a> Plan<'a> {
                 };
             }
             let _tiles = Configured::new();
+            // The sums of blocks that are not all this row's (written by the tiles before
+            // they are read): once a band, not zeroed again for every row.
+            let mut spill = [0f32; PIXELS * LANES * WIDE];
             for oy in band {
                 // The window rows inside the image, `first..` (`y` grows with `ky`).
                 let inside = |ky: &i64| (0..height).contains(&y_of(oy, *ky));
@@ -205,6 +208,7 @@ impl<'a> Plan<'a> {
                     oy,
                     (rows.as_ptr().wrapping_add(row), pitch),
                     (first, rows_inside),
+                    &mut spill,
                 );
             }
         });
@@ -218,13 +222,13 @@ impl<'a> Plan<'a> {
         oy: i64,
         (rows, pitch): (*const u16, usize),
         (first, rows_inside): (i64, usize),
+        spill: &mut [f32; PIXELS * LANES * WIDE],
     ) {
         let pixel_step = self.window.stride[1].max(1) as usize * self.channels;
         let pitch = pitch * self.window.dilation[0].max(1) as usize;
         let out_width = image.out.1.max(0) as usize;
         let first_pixel = image.output + oy as usize * out_width;
         let blocks = self.width.div_ceil(LANES);
-        let mut spill = [0f32; PIXELS * LANES * WIDE];
         let first_pair_row = first as usize * self.depth * TILE_DEPTH / 2;
         for ox in (0..out_width).step_by(WIDE * PIXELS) {
             let count = (out_width - ox).min(WIDE * PIXELS);
@@ -283,7 +287,14 @@ impl<'a> Plan<'a> {
                         } else {
                             multiply_pixels_1(&walk, a, b, rows_inside);
                         }
-                        if !direct {
+                        if !direct && columns == self.width && columns == wide * LANES {
+                            // Rows of the spill and of the output alike: one copy.
+                            std::ptr::copy_nonoverlapping(
+                                spill.as_ptr(),
+                                self.out.add(at),
+                                count * columns,
+                            );
+                        } else if !direct {
                             for pixel in 0..count {
                                 std::ptr::copy_nonoverlapping(
                                     spill.as_ptr().add(pixel * wide * LANES),

@@ -541,10 +541,11 @@ pub(crate) unsafe fn weight_grad<T: Gemm>(
     };
     let part_taps = per_window.div_ceil(tap_parts);
     let units = tap_parts * width_parts;
-    let scratch = if pointwise {
-        (0, 0)
-    } else {
-        (TILE_ROWS * part_taps * channels, TILE_ROWS * per_window)
+    // Columns packed from the roundings need no f32 columns, only the taps.
+    let scratch = match (pointwise, &x_bits) {
+        (true, _) => (0, 0),
+        (false, Some(_)) => (0, TILE_ROWS * per_window),
+        (false, None) => (TILE_ROWS * part_taps * channels, TILE_ROWS * per_window),
     };
     for_each_tile::<T>(blocks * units, threads, scratch, &|unit, columns, table| {
         let (block, taps_part, width_part) =

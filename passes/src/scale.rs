@@ -177,21 +177,10 @@ fn apply(program: &mut Program, index: usize, scaling: Scaling) {
         match step {
             Step::Gemm(mut gemm) if at > index && gemm.x == scaled => {
                 // `W [n, k]`: a scale a column; transposed `[k, n]`: a scale a row.
-                let weight = program.info(gemm.weight).clone();
-                let scaled_weight = program.slot(SlotInfo {
-                    source: Source::Step,
-                    ..weight.clone()
-                });
-                rewritten.push(multiply(
-                    scaled_weight,
-                    (weight.rows, weight.width),
-                    [
-                        Access::rows(gemm.weight, weight.width),
-                        spread(scale, weight.width, gemm.transposed),
-                    ],
-                ));
+                let (step, weight) = scaled_weight(program, gemm.weight, scale, gemm.transposed);
+                rewritten.push(step);
                 gemm.x = x;
-                gemm.weight = scaled_weight;
+                gemm.weight = weight;
                 rewritten.push(Step::Gemm(gemm));
             }
             Step::SumRows(mut sum) if at > index && sum.a == Some(scaled) => {
@@ -212,20 +201,9 @@ fn apply(program: &mut Program, index: usize, scaling: Scaling) {
                 // An input gradient reads `x` through the forward weight `[channels,
                 // width / groups * taps]` scaled a row.
                 if let Some(weight) = window.weight {
-                    let info = program.info(weight).clone();
-                    let scaled_weight = program.slot(SlotInfo {
-                        source: Source::Step,
-                        ..info.clone()
-                    });
-                    rewritten.push(multiply(
-                        scaled_weight,
-                        (info.rows, info.width),
-                        [
-                            Access::rows(weight, info.width),
-                            spread(scale, info.width, true),
-                        ],
-                    ));
-                    window.weight = Some(scaled_weight);
+                    let (step, weight) = scaled_weight(program, weight, scale, true);
+                    rewritten.push(step);
+                    window.weight = Some(weight);
                 }
                 window.x = x;
                 rewritten.push(Step::Window(window));
@@ -234,6 +212,25 @@ fn apply(program: &mut Program, index: usize, scaling: Scaling) {
         }
     }
     program.steps = rewritten;
+}
+
+/// The step that scales `weight` by `scale` (a value a row when `by_rows`, else a
+/// column) into a new slot shaped as it, and that slot.
+fn scaled_weight(program: &mut Program, weight: Slot, scale: Slot, by_rows: bool) -> (Step, Slot) {
+    let info = program.info(weight).clone();
+    let scaled = program.slot(SlotInfo {
+        source: Source::Step,
+        ..info.clone()
+    });
+    let step = multiply(
+        scaled,
+        (info.rows, info.width),
+        [
+            Access::rows(weight, info.width),
+            spread(scale, info.width, by_rows),
+        ],
+    );
+    (step, scaled)
 }
 
 /// Points `out` at a new slot shaped as it, the unscaled result the step now writes:

@@ -27,7 +27,7 @@ const CHANNELS: usize = 16;
 /// Whether the weight gradient of a convolution of `shape` over `window` in `groups`
 /// groups with `products` runs here: bf16 products on the process's own units, fewer
 /// than [`CHANNELS`] input channels, no groups nor dilation along rows, no way forced
-/// by `NESTOR_CONV`, and AVX-512 (the runs are copied with masked moves).
+/// by `NESTOR_CONV`, and AVX-512 (the pairs are interleaved in its registers).
 pub(crate) fn pays(shape: Shape, window: &Window2d, (groups, products): (usize, Products)) -> bool {
     products == Products::Bf16
         && crate::bf16::own_products()
@@ -40,7 +40,7 @@ pub(crate) fn pays(shape: Shape, window: &Window2d, (groups, products): (usize, 
 
 #[cfg(target_arch = "x86_64")]
 fn host_has_vectors() -> bool {
-    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+    std::is_x86_feature_detected!("avx512f")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -198,7 +198,7 @@ impl Band<'_> {
             };
             let packed = PackedRight::packed_by(|panel| {
                 // SAFETY: the host has AVX-512F (`pays`).
-                unsafe { pack_pixel_pairs(panel, (count, inner), columns, &pixel_columns) }
+                unsafe { pack_pixel_pairs(panel, (count, inner), columns, pixel_columns) }
             });
             let Some(packed) = packed else {
                 return;
@@ -230,7 +230,7 @@ unsafe fn pack_pixel_pairs(
     panel: &mut Panel,
     (count, inner): (usize, usize),
     [even, odd]: &mut [Vec<u16>; 2],
-    pixel_columns: &dyn Fn(usize, &mut [u16]),
+    pixel_columns: impl Fn(usize, &mut [u16]),
 ) {
     use std::arch::x86_64::*;
     panel.shape((count, inner));
@@ -256,7 +256,7 @@ unsafe fn pack_pixel_pairs(
     _: &mut Panel,
     _: (usize, usize),
     _: &mut [Vec<u16>; 2],
-    _: &dyn Fn(usize, &mut [u16]),
+    _: impl Fn(usize, &mut [u16]),
 ) {
 }
 

@@ -35,7 +35,7 @@ pub(super) fn pointwise<'ctx>(
             })
         });
     }
-    kernel.parallel_rows(start, end, |row, lanes| {
+    kernel.parallel_rows_of_width((kernel.lane_count(), width), start, end, |row, lanes| {
         let rows = maps
             .iter()
             .map(|map| match map {

@@ -35,7 +35,7 @@ pub(super) fn row<'ctx>(
     } else {
         kernel.lane_count()
     };
-    kernel.parallel_rows_of(lanes_per_row, start, end, |row, lanes| {
+    kernel.parallel_rows_of_width((lanes_per_row, width), start, end, |row, lanes| {
         let base = kernel.mul(row, kernel.i64(width))?;
         let at = |column: IntValue<'ctx>| kernel.add(base, column);
         let load = |column| prologue(kernel, x, &inputs, row, column);

@@ -437,10 +437,11 @@ mod tests {
 
     /// Rows of 16 columns are vectorized along the row: before, LLVM unrolled a row's
     /// columns and vectorized the loop over rows, a gather (and a scatter) per column
-    /// (a third of the conv net's time, in its epilogues). A row of a few columns is
-    /// still vectorized across rows.
+    /// (a third of the conv net's time, in its epilogues), and a segment's reductions
+    /// and softmax ran down each column's rows, a gather per row. A row of a few
+    /// columns is still vectorized across rows.
     #[test]
-    fn rows_of_sixteen_columns_are_vectorized_along_the_row() {
+    fn rows_and_segments_of_sixteen_columns_are_vectorized_along_the_row() {
         let program = lowered(
             "graph @g {
   %0 = input {name = \"x.lengths\"} : lengths[B]
@@ -450,7 +451,10 @@ mod tests {
   %4 = relu(%3) : ragged<f32>[B; %0, 16]
   %5 = layer_norm(%1, %2, %2) {dims = 1, eps = 1e-5} : ragged<f32>[B; %0, 16]
   %6 = sum(%1) {dims = [-1], keepdim = false} : ragged<f32>[B; %0]
-  return %4, %5, %6
+  %7 = amax(%1) {dims = [1], keepdim = false} : f32[B, 16]
+  %8 = logsumexp(%1) {dims = [1], keepdim = false} : f32[B, 16]
+  %9 = softmax(%1) {axis = 1} : ragged<f32>[B; %0, 16]
+  return %4, %5, %6, %7, %8, %9
 }",
         );
         let kernels = compile(&program).unwrap_or_else(|error| panic!("{error}"));

@@ -173,12 +173,26 @@ impl<'ctx> Kernel<'ctx, '_> {
         end: IntValue<'ctx>,
         body: impl FnOnce(IntValue<'ctx>, Lanes<'ctx>) -> Gen<()>,
     ) -> Gen<()> {
-        if self.target != Target::Host || width < VECTOR_ROW_COLUMNS {
+        if self.target != Target::Host {
             return self.parallel_rows_of(count, start, end, body);
         }
-        let back =
-            self.counted_loop(start, end, self.i64(1), |row| body(row, self.single_lane()))?;
-        self.never_vectorize(back);
+        self.for_rows_of_width(width, start, end, |row| body(row, self.single_lane()))
+    }
+
+    /// `for row in start..end { body(row) }`, a loop over rows of `width` columns that
+    /// the body loops over: on the host, from [`VECTOR_ROW_COLUMNS`] columns, never
+    /// vectorized across rows ([`Kernel::parallel_rows_of_width`]).
+    pub(crate) fn for_rows_of_width(
+        &self,
+        width: i64,
+        start: IntValue<'ctx>,
+        end: IntValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        let back = self.counted_loop(start, end, self.i64(1), body)?;
+        if self.target == Target::Host && width >= VECTOR_ROW_COLUMNS {
+            self.never_vectorize(back);
+        }
         Ok(())
     }
 

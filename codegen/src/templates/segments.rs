@@ -1,6 +1,7 @@
 //! Segmented kernels: reductions, softmax and scans (cumulative sums and products) over
 //! each element's rows (the ragged dim), column by column. On the host an element is
-//! one thread's. On a GPU:
+//! one thread's (a reduction's or softmax's columns side by side, a pass down the rows
+//! at a time). On a GPU:
 //!
 //! - elements of at least [`BLOCK_SEGMENT_WIDTH`] columns are a block each, a thread a
 //!   column;
@@ -13,6 +14,10 @@
 //! Columns are independent: lanes never combine values across columns.
 
 use super::*;
+
+/// The most columns a host segment kernel folds at once ([`Segments::by_rows`]): 1 KiB
+/// of f32 a local array.
+const HOST_SEGMENT_COLUMNS: i64 = 256;
 
 /// The fewest rows of an element that a whole block reduces (fewer: a warp).
 pub(crate) const LONG_SEGMENT_ROWS: i64 = 64;
@@ -146,6 +151,9 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
     /// order).
     fn alone(&self, element: IntValue<'ctx>, lanes: Lanes<'ctx>) -> Gen<()> {
         let (kernel, kind) = (self.kernel, self.kind);
+        if !kernel.on_gpu() && !kind.down_the_rows() {
+            return self.by_rows(element);
+        }
         let (first, last) = self.rows(element)?;
         kernel.lane_range(lanes, self.width, |column| {
             // The column's values (after subtracting `shift`, their exponentials) folded.
@@ -262,6 +270,150 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 }
             }
         })
+    }
+
+    /// Element `element` on the host, a reduction or softmax: in blocks of at most
+    /// [`HOST_SEGMENT_COLUMNS`] columns, each fold a pass down the rows with the block's
+    /// columns side by side in a local array (LLVM vectorizes along the row), every
+    /// column folded in row order as [`Segments::alone`] folds it (the same values).
+    /// Column by column, a fold read the rows a column apart: a segment's `max` over 16
+    /// columns ran as gathers down the rows, a sum one value at a time.
+    fn by_rows(&self, element: IntValue<'ctx>) -> Gen<()> {
+        let kernel = self.kernel;
+        let rows = self.rows(element)?;
+        let block = self.width.clamp(1, HOST_SEGMENT_COLUMNS);
+        let locals = (
+            kernel.accumulator_array("folded", block)?,
+            kernel.accumulator_array("shifts", block)?,
+        );
+        // Whole blocks, then the rest: each a constant count of columns, so that a
+        // block's loop over them is unrolled or vectorized whole (and a narrow block's
+        // sums kept in registers, not in the local array).
+        let whole = self.width / block;
+        kernel.for_range(kernel.i64(0), kernel.i64(whole), |index| {
+            let base = kernel.mul(index, kernel.i64(block))?;
+            self.block_by_rows(element, rows, locals, (base, block))
+        })?;
+        match self.width % block {
+            0 => Ok(()),
+            rest => self.block_by_rows(element, rows, locals, (kernel.i64(whole * block), rest)),
+        }
+    }
+
+    /// [`Segments::by_rows`] of the `count` columns from `base`, with the local arrays
+    /// of the folded values and the shifts.
+    fn block_by_rows(
+        &self,
+        element: IntValue<'ctx>,
+        rows: (IntValue<'ctx>, IntValue<'ctx>),
+        (folded, shifts): (Local<'ctx>, Local<'ctx>),
+        (base, count): (IntValue<'ctx>, i64),
+    ) -> Gen<()> {
+        let kernel = self.kernel;
+        let (first, last) = rows;
+        let columns = |body: &dyn Fn(IntValue<'ctx>, IntValue<'ctx>) -> Gen<()>| {
+            kernel.for_range(kernel.i64(0), kernel.i64(count), |slot| {
+                body(kernel.add(base, slot)?, slot)
+            })
+        };
+        // Every column's values (less its shift, their exponentials) folded down the
+        // rows into `folded`.
+        let fold = |fold: Fold<'_, 'ctx>, shifted: bool| -> Gen<()> {
+            columns(&|_, slot| kernel.store_local(folded, slot, kernel.constant(fold.initial)))?;
+            kernel.for_rows_of_width(count, first, last, |row| {
+                columns(&|column, slot| {
+                    let x = self.load(row, column)?;
+                    let x = match shifted {
+                        true => {
+                            kernel.fast_exp(kernel.fsub(x, kernel.load_local(shifts, slot)?)?)?
+                        }
+                        false => x,
+                    };
+                    let next = (fold.step)(kernel.load_local(folded, slot)?, x)?;
+                    kernel.store_local(folded, slot, next)
+                })
+            })
+        };
+        let sum = self.sum();
+        let sums = Fold {
+            initial: 0.0,
+            step: &sum,
+        };
+        // The largest values as the shifts (finite ones, 0 for an infinite one, with
+        // `finite`), then the sums of the exponentials less them.
+        let exp_sums = |finite: bool| -> Gen<()> {
+            let largest = self.extreme(true);
+            fold(
+                Fold {
+                    initial: f64::NEG_INFINITY,
+                    step: &largest,
+                },
+                false,
+            )?;
+            columns(&|_, slot| {
+                let shift = kernel.load_local(folded, slot)?;
+                let shift = if finite {
+                    finite_shift(kernel, shift)?
+                } else {
+                    shift
+                };
+                kernel.store_local(shifts, slot, shift)
+            })?;
+            fold(
+                Fold {
+                    initial: 0.0,
+                    step: &sum,
+                },
+                true,
+            )
+        };
+        let store = |value: &dyn Fn(FloatValue<'ctx>, IntValue<'ctx>) -> Gen<FloatValue<'ctx>>| {
+            columns(&|column, slot| {
+                let result = value(kernel.load_local(folded, slot)?, slot)?;
+                kernel.store_float(self.out, self.at(element, column)?, result)
+            })
+        };
+        match self.kind {
+            SegmentKind::Sum | SegmentKind::Mean => {
+                fold(sums, false)?;
+                store(&|total, _| self.finished(total, (first, last)))
+            }
+            SegmentKind::Max | SegmentKind::Min => {
+                let (initial, extreme) = self.bound();
+                fold(
+                    Fold {
+                        initial,
+                        step: &extreme,
+                    },
+                    false,
+                )?;
+                store(&|value, _| Ok(value))
+            }
+            SegmentKind::LogSumExp => {
+                exp_sums(true)?;
+                store(&|total, slot| {
+                    kernel.fadd(
+                        kernel.math("log", &[total])?,
+                        kernel.load_local(shifts, slot)?,
+                    )
+                })
+            }
+            SegmentKind::Softmax | SegmentKind::LogSoftmax => {
+                exp_sums(false)?;
+                kernel.for_rows_of_width(count, first, last, |row| {
+                    columns(&|column, slot| {
+                        let statistics = (
+                            kernel.load_local(shifts, slot)?,
+                            kernel.load_local(folded, slot)?,
+                        );
+                        self.softmax_at(row, column, statistics)
+                    })
+                })
+            }
+            other => Err(crate::CodegenError::new(format!(
+                "segment kind {other:?} runs down each column's rows, not by rows"
+            ))),
+        }
     }
 
     /// The value that orders row `row` in column `column`: the step's keys, or `x`.

@@ -1599,8 +1599,8 @@ fn static_reductions(x: &[NestedTensor], _: &[Dense]) -> nestor::Result<Vec<Out>
     Ok(outputs)
 }
 
-/// Reductions and softmax over the ragged dim (`amax` only `with_max`: an empty element
-/// has no largest value).
+/// Reductions, softmax and scans over the ragged dim (`amax` only `with_max`: an empty
+/// element has no largest value).
 fn ragged_dim_folds(x: &NestedTensor, with_max: bool) -> nestor::Result<Vec<Out>> {
     let mut outputs = Vec::new();
     let maximum = with_max.then_some(Reduce::Amax);
@@ -1612,13 +1612,15 @@ fn ragged_dim_folds(x: &NestedTensor, with_max: bool) -> nestor::Result<Vec<Out>
     }
     outputs.push(x.softmax(1)?.into());
     outputs.push(x.log_softmax(1)?.into());
+    outputs.push(x.cumsum(1)?.into());
+    outputs.push(x.cumprod(1)?.into());
     Ok(outputs)
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(6), ..ProptestConfig::default() })]
 
-    /// Compiled reductions and softmax over the ragged dim equal eager's in every float
+    /// Compiled reductions, softmax and scans over the ragged dim equal eager's in every float
     /// kind, for rows narrower than a vector, of 16 columns, and of 300 (the host's
     /// blocks of 256 columns and a rest of 44), empty and one-row elements included.
     #[test]

@@ -1,7 +1,7 @@
 //! Segmented kernels: reductions, softmax and scans (cumulative sums and products) over
 //! each element's rows (the ragged dim), column by column. On the host an element is
-//! one thread's (a reduction's or softmax's columns side by side, a pass down the rows
-//! at a time). On a GPU:
+//! one thread's (but for the order kernels, its columns side by side, a pass down the
+//! rows at a time). On a GPU:
 //!
 //! - elements of at least [`BLOCK_SEGMENT_WIDTH`] columns are a block each, a thread a
 //!   column;
@@ -66,6 +66,17 @@ pub(super) fn segment<'ctx>(
     segments.grouped(end)
 }
 
+/// Whether a scan multiplies (else adds), and whether it runs from the last row up.
+fn scan_of(kind: SegmentKind) -> (bool, bool) {
+    (
+        matches!(kind, SegmentKind::CumProd | SegmentKind::ReverseCumProd),
+        matches!(
+            kind,
+            SegmentKind::ReverseCumSum | SegmentKind::ReverseCumProd
+        ),
+    )
+}
+
 /// A running sum (or `product`) over positions `start..end` (from the last back for
 /// `reverse`): each position's `load`, the running value given to `store` there. A
 /// segment's rows and a row's columns scan this way.
@@ -107,6 +118,7 @@ struct Segments<'a, 'ctx, 'm> {
 }
 
 /// How a value folds into a running one, and where the fold starts.
+#[derive(Clone, Copy)]
 struct Fold<'a, 'ctx> {
     initial: f64,
     step: &'a dyn Fn(FloatValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
@@ -151,7 +163,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
     /// order).
     fn alone(&self, element: IntValue<'ctx>, lanes: Lanes<'ctx>) -> Gen<()> {
         let (kernel, kind) = (self.kernel, self.kind);
-        if !kernel.on_gpu() && !kind.down_the_rows() {
+        if !kernel.on_gpu() && !matches!(kind, SegmentKind::Order(_)) {
             return self.by_rows(element);
         }
         let (first, last) = self.rows(element)?;
@@ -227,21 +239,13 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 SegmentKind::CumSum
                 | SegmentKind::CumProd
                 | SegmentKind::ReverseCumSum
-                | SegmentKind::ReverseCumProd => {
-                    let product =
-                        matches!(kind, SegmentKind::CumProd | SegmentKind::ReverseCumProd);
-                    let reverse = matches!(
-                        kind,
-                        SegmentKind::ReverseCumSum | SegmentKind::ReverseCumProd
-                    );
-                    scan(
-                        kernel,
-                        (product, reverse),
-                        (first, last),
-                        &|row| self.load(row, column),
-                        |row, value| kernel.store_float(self.out, self.at(row, column)?, value),
-                    )
-                }
+                | SegmentKind::ReverseCumProd => scan(
+                    kernel,
+                    scan_of(kind),
+                    (first, last),
+                    &|row| self.load(row, column),
+                    |row, value| kernel.store_float(self.out, self.at(row, column)?, value),
+                ),
                 SegmentKind::Softmax | SegmentKind::LogSoftmax => {
                     let (shift, total) = exp_sum(false)?;
                     kernel.for_range(first, last, |row| {
@@ -272,7 +276,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
         })
     }
 
-    /// Element `element` on the host, a reduction or softmax: in blocks of at most
+    /// Element `element` on the host, a reduction, softmax or scan: in blocks of at most
     /// [`HOST_SEGMENT_COLUMNS`] columns, each fold a pass down the rows with the block's
     /// columns side by side in a local array (LLVM vectorizes along the row), every
     /// column folded in row order as [`Segments::alone`] folds it (the same values).
@@ -359,13 +363,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 };
                 kernel.store_local(shifts, slot, shift)
             })?;
-            fold(
-                Fold {
-                    initial: 0.0,
-                    step: &sum,
-                },
-                true,
-            )
+            fold(sums, true)
         };
         let store = |value: &dyn Fn(FloatValue<'ctx>, IntValue<'ctx>) -> Gen<FloatValue<'ctx>>| {
             columns(&|column, slot| {
@@ -407,6 +405,32 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                             kernel.load_local(folded, slot)?,
                         );
                         self.softmax_at(row, column, statistics)
+                    })
+                })
+            }
+            SegmentKind::CumSum
+            | SegmentKind::CumProd
+            | SegmentKind::ReverseCumSum
+            | SegmentKind::ReverseCumProd => {
+                // Each column's running value down the rows (up them, reversed), every
+                // row's stored as the scan passes it.
+                let (product, reverse) = scan_of(self.kind);
+                let initial = if product { 1.0 } else { 0.0 };
+                columns(&|_, slot| kernel.store_local(folded, slot, kernel.constant(initial)))?;
+                kernel.for_rows_of_width(count, first, last, |step| {
+                    let row = match reverse {
+                        true => kernel
+                            .sub(kernel.add(first, last)?, kernel.add(step, kernel.i64(1))?)?,
+                        false => step,
+                    };
+                    columns(&|column, slot| {
+                        let (kept, x) = (kernel.load_local(folded, slot)?, self.load(row, column)?);
+                        let next = match product {
+                            true => kernel.fmul(kept, x)?,
+                            false => kernel.fadd(kept, x)?,
+                        };
+                        kernel.store_local(folded, slot, next)?;
+                        kernel.store_float(self.out, self.at(row, column)?, next)
                     })
                 })
             }

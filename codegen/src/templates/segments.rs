@@ -66,6 +66,20 @@ pub(super) fn segment<'ctx>(
     segments.grouped(end)
 }
 
+/// The shift of a column's exponentials from its largest value: that value, or with
+/// `finite` (logsumexp) 0 where it is infinite.
+fn shift_of<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    largest: FloatValue<'ctx>,
+    finite: bool,
+) -> Gen<FloatValue<'ctx>> {
+    if finite {
+        finite_shift(kernel, largest)
+    } else {
+        Ok(largest)
+    }
+}
+
 /// Whether a scan multiplies (else adds), and whether it runs from the last row up.
 fn scan_of(kind: SegmentKind) -> (bool, bool) {
     (
@@ -195,11 +209,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                     },
                     None,
                 )?;
-                let shift = if finite {
-                    finite_shift(kernel, shift)?
-                } else {
-                    shift
-                };
+                let shift = shift_of(kernel, shift, finite)?;
                 let total = fold(
                     Fold {
                         initial: 0.0,
@@ -355,12 +365,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 false,
             )?;
             columns(&|_, slot| {
-                let shift = kernel.load_local(folded, slot)?;
-                let shift = if finite {
-                    finite_shift(kernel, shift)?
-                } else {
-                    shift
-                };
+                let shift = shift_of(kernel, kernel.load_local(folded, slot)?, finite)?;
                 kernel.store_local(shifts, slot, shift)
             })?;
             fold(sums, true)
@@ -610,12 +615,7 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 None,
             )?;
             kernel.lane_columns(lanes, self.width, |_, slot| {
-                let largest = kernel.load_local(partial, slot)?;
-                let shift = if finite {
-                    finite_shift(kernel, largest)?
-                } else {
-                    largest
-                };
+                let shift = shift_of(kernel, kernel.load_local(partial, slot)?, finite)?;
                 kernel.store_local(shifts, slot, shift)
             })?;
             fold_columns(

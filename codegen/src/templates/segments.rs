@@ -102,20 +102,49 @@ pub(super) fn scan<'ctx>(
     store: impl Fn(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<()>,
 ) -> Gen<()> {
     let acc = kernel.accumulator("scan")?;
-    kernel.set(acc, kernel.constant(if product { 1.0 } else { 0.0 }))?;
+    kernel.set(acc, kernel.constant(scan_start(product)))?;
     kernel.for_range(start, end, |step| {
-        let position = match reverse {
-            true => kernel.sub(kernel.add(start, end)?, kernel.add(step, kernel.i64(1))?)?,
-            false => step,
-        };
-        let x = load(position)?;
-        let next = match product {
-            true => kernel.fmul(kernel.get(acc)?, x)?,
-            false => kernel.fadd(kernel.get(acc)?, x)?,
-        };
+        let position = scan_position(kernel, (start, end), step, reverse)?;
+        let next = scan_step(kernel, product, kernel.get(acc)?, load(position)?)?;
         kernel.set(acc, next)?;
         store(position, next)
     })
+}
+
+/// Where a scan starts: 1 for a product, 0 for a sum.
+fn scan_start(product: bool) -> f64 {
+    if product {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// The position of a scan's `step`-th value over `start..end` (from the last back for
+/// `reverse`).
+fn scan_position<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    (start, end): (IntValue<'ctx>, IntValue<'ctx>),
+    step: IntValue<'ctx>,
+    reverse: bool,
+) -> Gen<IntValue<'ctx>> {
+    match reverse {
+        true => kernel.sub(kernel.add(start, end)?, kernel.add(step, kernel.i64(1))?),
+        false => Ok(step),
+    }
+}
+
+/// A scan's running value after `x`: `kept * x` for a product, `kept + x` for a sum.
+fn scan_step<'ctx>(
+    kernel: &Kernel<'ctx, '_>,
+    product: bool,
+    kept: FloatValue<'ctx>,
+    x: FloatValue<'ctx>,
+) -> Gen<FloatValue<'ctx>> {
+    match product {
+        true => kernel.fmul(kept, x),
+        false => kernel.fadd(kept, x),
+    }
 }
 
 /// A segmented kernel's step and buffers.
@@ -420,20 +449,13 @@ impl<'ctx> Segments<'_, 'ctx, '_> {
                 // Each column's running value down the rows (up them, reversed), every
                 // row's stored as the scan passes it.
                 let (product, reverse) = scan_of(self.kind);
-                let initial = if product { 1.0 } else { 0.0 };
-                columns(&|_, slot| kernel.store_local(folded, slot, kernel.constant(initial)))?;
+                let initial = kernel.constant(scan_start(product));
+                columns(&|_, slot| kernel.store_local(folded, slot, initial))?;
                 kernel.for_rows_of_width(count, first, last, |step| {
-                    let row = match reverse {
-                        true => kernel
-                            .sub(kernel.add(first, last)?, kernel.add(step, kernel.i64(1))?)?,
-                        false => step,
-                    };
+                    let row = scan_position(kernel, (first, last), step, reverse)?;
                     columns(&|column, slot| {
                         let (kept, x) = (kernel.load_local(folded, slot)?, self.load(row, column)?);
-                        let next = match product {
-                            true => kernel.fmul(kept, x)?,
-                            false => kernel.fadd(kept, x)?,
-                        };
+                        let next = scan_step(kernel, product, kept, x)?;
                         kernel.store_local(folded, slot, next)?;
                         kernel.store_float(self.out, self.at(row, column)?, next)
                     })

@@ -512,14 +512,21 @@ unsafe fn maskable<T: Scalar>(
 /// overflow in f32.
 const MASKED_SCORE_BOUND: f64 = 1e30;
 
+/// Rows a [`largest_magnitude`] fetches at a time, a block before it reads them.
+const MAGNITUDE_ROWS: usize = 8;
+
 /// The largest magnitude of a block's values, `None` if one is NaN or infinite.
 ///
 /// # Safety
 /// The block must hold its rows.
 #[inline(always)]
 unsafe fn largest_magnitude<T: Scalar>((at, stride, (rows, width)): Block<T>) -> Option<T> {
+    let ahead = crate::prefetch::Ahead::new((at, stride as isize), (rows, width), true);
     let mut largest = T::ZERO;
     for row in 0..rows {
+        if row % MAGNITUDE_ROWS == 0 {
+            ahead.fetch(row..row + MAGNITUDE_ROWS);
+        }
         // SAFETY: row `row` of the rows the caller vouches for.
         let values =
             unsafe { std::slice::from_raw_parts(at.offset(row as isize * stride as isize), width) };

@@ -38,6 +38,7 @@ mod jit;
 mod kept;
 mod microkernel;
 mod parallel;
+mod prefetch;
 mod process;
 mod scalar;
 mod spare;

@@ -31,6 +31,8 @@ pub(super) use lanes::Isa;
 use lanes::{Avx2, Avx512, Lanes};
 use nestor_passes::Products;
 
+use crate::prefetch::Ahead;
+
 use super::{AttentionGradRun, AttentionRun, Buffers, GradBuffers, Task};
 
 /// The most query rows a chunk holds ([`Lanes::CHUNK`] of AVX-512).
@@ -103,7 +105,8 @@ type Read = (*const f32, isize, isize);
 /// stride)` with contiguous columns. Blocks of up to [`Lanes::COLUMN_REGISTERS`]
 /// registers of columns (the last one masked) by as many rows of sums as the registers
 /// hold without spilling: 12 by 1 or 2, 6 by 3 or 4 on AVX-512 (32 registers); 8 by 1,
-/// 6 by 2 on AVX2 (16).
+/// 6 by 2 on AVX2 (16). Each block of rows first fetches its rows of `ahead`
+/// ([`Ahead::fetch`]): rows read later, or `A`'s next block.
 ///
 /// # Safety
 /// Code compiled for `I` ([`Lanes::compiled`]); the matrices hold their rows.
@@ -115,6 +118,7 @@ unsafe fn product<I: Lanes>(
     (b, b_row): (*const f32, isize),
     (c, c_row): (*mut f32, isize),
     add: bool,
+    ahead: &[Ahead],
 ) {
     let mut column = 0;
     while column < columns {
@@ -132,15 +136,17 @@ unsafe fn product<I: Lanes>(
                 tail: (last < I::LANES).then(|| I::below(last)),
                 add,
             };
+            // The first block of columns fetches the rows; the others find them.
+            let ahead = if column == 0 { ahead } else { &[] };
             // AVX2's blocks are at most two registers wide (`COLUMN_REGISTERS`): its
             // catch-all arm keeps the wider AVX-512 shapes out of its code.
             match (I::LANES, registers) {
-                (16, 1) => rows_of::<I, 12, 1>(rows, block),
-                (16, 2) => rows_of::<I, 12, 2>(rows, block),
-                (16, 3) => rows_of::<I, 6, 3>(rows, block),
-                (16, _) => rows_of::<I, 6, 4>(rows, block),
-                (_, 1) => rows_of::<I, 8, 1>(rows, block),
-                _ => rows_of::<I, 6, 2>(rows, block),
+                (16, 1) => rows_of::<I, 12, 1>(rows, block, ahead),
+                (16, 2) => rows_of::<I, 12, 2>(rows, block, ahead),
+                (16, 3) => rows_of::<I, 6, 3>(rows, block, ahead),
+                (16, _) => rows_of::<I, 6, 4>(rows, block, ahead),
+                (_, 1) => rows_of::<I, 8, 1>(rows, block, ahead),
+                _ => rows_of::<I, 6, 2>(rows, block, ahead),
             }
         }
         column += width;
@@ -178,6 +184,7 @@ unsafe fn product_in_blocks<I: Lanes>(
                 (b, b_row),
                 c,
                 first > 0,
+                &[],
             );
         }
     }
@@ -210,7 +217,8 @@ impl<I: Lanes> Block<I> {
     }
 }
 
-/// A block's `rows` rows, `ROWS` at a time, the rest by 8, 4, 2 and 1.
+/// A block's `rows` rows, `ROWS` at a time, the rest by 8, 4, 2 and 1, each block
+/// of rows fetching its rows of `ahead` first.
 ///
 /// # Safety
 /// As [`product`].
@@ -218,14 +226,22 @@ impl<I: Lanes> Block<I> {
 unsafe fn rows_of<I: Lanes, const ROWS: usize, const REGISTERS: usize>(
     rows: usize,
     block: Block<I>,
+    ahead: &[Ahead],
 ) {
+    let fetch = |rows: std::ops::Range<usize>| {
+        for target in ahead {
+            target.fetch(rows.clone());
+        }
+    };
     let mut row = 0;
     // SAFETY: rows below `rows` (the caller vouches).
     unsafe {
         while row + ROWS <= rows {
+            fetch(row..row + ROWS);
             registers::<I, ROWS, REGISTERS>(block.at_row(row));
             row += ROWS;
         }
+        fetch(row..rows);
         if ROWS > 8 && rows - row >= 8 {
             registers::<I, 8, REGISTERS>(block.at_row(row));
             row += 8;
@@ -507,6 +523,17 @@ impl AttentionRun<'_> {
                         d,
                     );
                     let scores = hold(&mut scratch.scores, keys * I::CHUNK);
+                    // The keys a block on, the values `P V` reads, the next chunk's queries.
+                    let next = first + chunk;
+                    let ahead = [
+                        Ahead::new((k, k_stride), (keys, d), true),
+                        Ahead::new((v, v_stride), (keys, dv), false),
+                        Ahead::new(
+                            (q_rows(task.row + next as i64), self.q.row_stride as isize),
+                            ((rows - next).min(I::CHUNK), d),
+                            false,
+                        ),
+                    ];
                     // S^T = scale K Q^T.
                     product::<I>(
                         (keys, d, I::CHUNK),
@@ -515,6 +542,7 @@ impl AttentionRun<'_> {
                         (scratch.queries.as_ptr(), I::CHUNK as isize),
                         (scores, I::CHUNK as isize),
                         false,
+                        &ahead,
                     );
                     let mut inverses = [0.0f32; MOST_CHUNK];
                     for (register, inverses) in
@@ -651,10 +679,10 @@ impl AttentionGradRun<'_> {
         );
         let scale = self.scale as f32;
         let chunks = qs.div_ceil(I::CHUNK);
-        let order = (0..chunks).map(|index| match self.causal {
+        let chunk_at = |index: usize| match self.causal {
             true => (chunks - 1 - index) * I::CHUNK,
             false => index * I::CHUNK,
-        });
+        };
         let first_row = row_offset.max(0) as usize;
         // With a causal mask the chunks leave out the keys past their last rows, where
         // that changes nothing (checked once for all of them).
@@ -664,12 +692,20 @@ impl AttentionGradRun<'_> {
         let mut scratch = SCRATCH.take();
         {
             let scratch = &mut scratch;
-            for (index, first) in order.enumerate() {
+            for index in 0..chunks {
+                let first = chunk_at(index);
                 let rows = I::CHUNK.min(qs - first);
-                let line = |(at, stride): (*const f32, isize)| {
+                let line = |(at, stride): (*const f32, isize), first: usize| {
                     (at.wrapping_offset(first as isize * stride), stride)
                 };
-                let (q, g) = (line(q), line(g));
+                // The next chunk's query rows and output gradients, fetched ahead.
+                let next = match index + 1 < chunks {
+                    true => chunk_at(index + 1),
+                    false => qs,
+                };
+                let next_rows = ((qs - next).min(I::CHUNK), d);
+                let next_ahead = [q, g].map(|rows| Ahead::new(line(rows, next), next_rows, false));
+                let (q, g) = (line(q, first), line(g, first));
                 // SAFETY: the chunk's rows and the element's keys (the caller vouches).
                 unsafe {
                     let seen = match leave_out {
@@ -684,6 +720,12 @@ impl AttentionGradRun<'_> {
                     // S^T = scale K Q^T; dP^T = V dO^T.
                     let shape = (seen, d, I::CHUNK);
                     let (k_read, v_read) = ((k.0, k.1, 1), (v.0, v.1, 1));
+                    let ahead = [
+                        Ahead::new(k, (seen, d), true),
+                        Ahead::new(v, (seen, d), false),
+                        next_ahead[0],
+                        next_ahead[1],
+                    ];
                     product::<I>(
                         shape,
                         scale,
@@ -691,6 +733,7 @@ impl AttentionGradRun<'_> {
                         (scratch.queries.as_ptr(), panel),
                         (scores, panel),
                         false,
+                        &ahead,
                     );
                     product::<I>(
                         shape,
@@ -699,6 +742,7 @@ impl AttentionGradRun<'_> {
                         (scratch.gradients.as_ptr(), panel),
                         (slopes, panel),
                         false,
+                        &[],
                     );
                     for register in 0..I::CHUNK / I::LANES {
                         let offset = register * I::LANES;
@@ -715,6 +759,12 @@ impl AttentionGradRun<'_> {
                         let (out, row) = (key_rows.out, key_rows.row as isize);
                         let shape = (seen, rows, d);
                         let add = index > 0;
+                        let values = out.offset(key_rows.values_after as isize);
+                        // The first chunk's gradient rows, a block on.
+                        let written = |at: *mut f32| match add {
+                            true => None,
+                            false => Some(Ahead::new((at as *const f32, row), (seen, d), true)),
+                        };
                         product::<I>(
                             shape,
                             scale,
@@ -722,8 +772,8 @@ impl AttentionGradRun<'_> {
                             (q.0, q.1),
                             (out, row),
                             add,
+                            written(out).as_slice(),
                         );
-                        let values = out.offset(key_rows.values_after as isize);
                         product::<I>(
                             shape,
                             1.0,
@@ -731,6 +781,7 @@ impl AttentionGradRun<'_> {
                             (g.0, g.1),
                             (values, row),
                             add,
+                            written(values).as_slice(),
                         );
                     }
                     if let Some(queries) = self.outputs.queries {

@@ -24,6 +24,16 @@ fn reference_attention(
     memory: &Tensor,
     causal: bool,
 ) -> Tensor {
+    reference_attention_of(mha, query, (memory, memory), causal)
+}
+
+/// [`reference_attention`] with keys and values from two inputs.
+fn reference_attention_of(
+    mha: &MultiheadAttention,
+    query: &Tensor,
+    (keys, values): (&Tensor, &Tensor),
+    causal: bool,
+) -> Tensor {
     let e = mha.embed_dim;
     let heads = mha.num_heads;
     let head_dim = e / heads;
@@ -34,10 +44,10 @@ fn reference_attention(
             .reshape([-1, heads, head_dim])
             .transpose(0, 1)
     };
-    let (q, k, v) = (project(query, 0), project(memory, 1), project(memory, 2));
+    let (q, k, v) = (project(query, 0), project(keys, 1), project(values, 2));
     let mut scores = q.matmul(&k.transpose(1, 2)) / (head_dim as f64).sqrt();
     if causal {
-        let (l, m) = (query.size()[0], memory.size()[0]);
+        let (l, m) = (query.size()[0], keys.size()[0]);
         let future = Tensor::ones([l, m], (Kind::Bool, Device::Cpu)).triu(1);
         scores = scores.masked_fill(&future, f64::NEG_INFINITY);
     }
@@ -340,6 +350,18 @@ fn multihead_self_and_cross_attention_match_reference() -> Result<(), Box<dyn st
             .iter()
             .zip(&m_elements)
             .map(|(e, m)| reference_attention(&mha, e, m, false))
+            .collect::<Vec<_>>(),
+        Kind::Float,
+    );
+    // Keys and values of two inputs (one GEMM each) or of one (one GEMM for both).
+    let (values, value_elements) = batch(&[2, 2, 5], &[16], Kind::Float, 4);
+    assert_elements(
+        &mha.forward(&x, &m, &values, false)?,
+        &x_elements
+            .iter()
+            .zip(&m_elements)
+            .zip(&value_elements)
+            .map(|((e, m), v)| reference_attention_of(&mha, e, (m, v), false))
             .collect::<Vec<_>>(),
         Kind::Float,
     );

@@ -2,7 +2,9 @@
 //! [`lanes`]), forward and gradient, a chunk of [`Lanes::CHUNK`] query rows at a time
 //! against all the keys its rows see: the products and the softmax fused per chunk,
 //! with no GEMM-library call (which packs both operands of every small product) and no
-//! causal triangle computed past the chunk's last row.
+//! causal triangle computed past the last row of each register of a chunk's rows (a
+//! chunk's scores for its first register of rows stop at that register's last row:
+//! [`register_keys`]; a quarter of a full chunk's diagonal block).
 //!
 //! A chunk's scores are kept transposed, `S^T [keys x CHUNK]`: a key's scores for the
 //! chunk's rows are two registers, so each row's maximum, sum
@@ -187,6 +189,140 @@ unsafe fn product_in_blocks<I: Lanes>(
                 &[],
             );
         }
+    }
+}
+
+/// The keys register `register` of a chunk's lanes (query rows from `first_row`,
+/// counted within the element) needs of the `keys` the chunk reads: with `trim` (a
+/// causal mask whose hidden keys are left out), none past the register's last row;
+/// else all of them. Nondecreasing in `register`.
+#[inline(always)]
+fn register_keys<I: Lanes>(keys: usize, first_row: usize, trim: bool, register: usize) -> usize {
+    match trim {
+        true => keys.min(first_row.saturating_add((register + 1) * I::LANES)),
+        false => keys,
+    }
+}
+
+/// A chunk's `C [keys x CHUNK] = alpha A B` (an `S^T` or `dP^T`) for `A [keys x depth]`
+/// read in place (contiguous columns) and the chunk's packed `B [depth x CHUNK]`, where
+/// register `r` of lanes needs only the rows below `band(r)` (nondecreasing, the last
+/// all `keys`): rows `band(r - 1)..band(r)` are computed for the lanes from register `r`
+/// on, and the lanes a register does not need are left unwritten. The first band
+/// fetches `ahead` ([`product`]).
+///
+/// # Safety
+/// As [`product`].
+#[inline(always)]
+unsafe fn banded_panel<I: Lanes>(
+    band: impl Fn(usize) -> usize,
+    (depth, alpha): (usize, f32),
+    (a, a_row): (*const f32, isize),
+    b: *const f32,
+    c: *mut f32,
+    ahead: &[Ahead],
+) {
+    let panel = I::CHUNK as isize;
+    let mut from = 0;
+    for register in 0..I::CHUNK / I::LANES {
+        let to = band(register);
+        if to <= from {
+            continue;
+        }
+        let lane = register * I::LANES;
+        // SAFETY: rows `from..to` of `A` and `C`, lanes from `lane` of `B` and `C`.
+        unsafe {
+            product::<I>(
+                (to - from, depth, I::CHUNK - lane),
+                alpha,
+                (a.wrapping_offset(from as isize * a_row), a_row, 1),
+                (b.add(lane), panel),
+                (c.add(from * I::CHUNK + lane), panel),
+                false,
+                if from == 0 { ahead } else { &[] },
+            );
+        }
+        from = to;
+    }
+}
+
+/// `C [keys x width] = alpha A B` (or `+=` when `add`; a `dK` or `dV`) for `A` the
+/// transpose of a chunk's `[keys x CHUNK]` panel (a `dS^T` or `P^T`, as
+/// [`banded_panel`] left it: register `r`'s lanes hold rows below `band(r)`) and
+/// `B [rows x width]` the chunk's `rows` query-side rows at `(b, row stride)`: rows
+/// `band(r - 1)..band(r)` of `C` sum over the lanes from register `r` on. The first band
+/// fetches `ahead`.
+///
+/// # Safety
+/// As [`product`]; a nonempty band `r` has rows past lane `r * LANES`.
+#[inline(always)]
+unsafe fn banded_keys<I: Lanes>(
+    band: impl Fn(usize) -> usize,
+    (rows, width, alpha): (usize, usize, f32),
+    panel: *const f32,
+    (b, b_row): (*const f32, isize),
+    (c, c_row): (*mut f32, isize),
+    (add, ahead): (bool, &[Ahead]),
+) {
+    let mut from = 0;
+    for register in 0..I::CHUNK / I::LANES {
+        let to = band(register);
+        if to <= from {
+            continue;
+        }
+        let lane = register * I::LANES;
+        // SAFETY: rows `from..to` of the panel and `C`, query rows from `lane` on.
+        unsafe {
+            product::<I>(
+                (to - from, rows.saturating_sub(lane), width),
+                alpha,
+                (panel.add(from * I::CHUNK + lane), I::CHUNK as isize, 1),
+                (b.wrapping_offset(lane as isize * b_row), b_row),
+                (c.wrapping_offset(from as isize * c_row), c_row),
+                add,
+                if from == 0 { ahead } else { &[] },
+            );
+        }
+        from = to;
+    }
+}
+
+/// [`product_in_blocks`] for a chunk's `rows` query rows (an `O = P V` or `dQ = dS K`)
+/// with `A` read from its `[keys x CHUNK]` panel (register `r`'s lanes holding rows
+/// below `band(r)`, as [`banded_panel`] left them): the rows of register `r` sum over
+/// the first `band(r)` rows of `B [keys x width]` (at `(b, row stride)`); registers with
+/// the same band in one product.
+///
+/// # Safety
+/// As [`product`].
+#[inline(always)]
+unsafe fn banded_rows<I: Lanes>(
+    band: impl Fn(usize) -> usize,
+    (rows, width, alpha): (usize, usize, f32),
+    panel: *const f32,
+    b: (*const f32, isize),
+    (c, c_row): (*mut f32, isize),
+) {
+    let registers = rows.div_ceil(I::LANES).min(I::CHUNK / I::LANES);
+    let mut register = 0;
+    while register < registers {
+        let depth = band(register);
+        let mut end = register + 1;
+        while end < registers && band(end) == depth {
+            end += 1;
+        }
+        let (first, last) = (register * I::LANES, (end * I::LANES).min(rows));
+        // SAFETY: the chunk's rows `first..last`, `depth` keys of the panel and `B`.
+        unsafe {
+            product_in_blocks::<I>(
+                (last - first, depth, width),
+                alpha,
+                (panel.add(first), 1, I::CHUNK as isize),
+                b,
+                (c.wrapping_offset(first as isize * c_row), c_row),
+            );
+        }
+        register = end;
     }
 }
 
@@ -480,7 +616,8 @@ impl AttentionRun<'_> {
         // SAFETY: the task's rows and the element's keys (the caller vouches).
         let leave_out = self.causal
             && unsafe {
-                let seen = (task.row + I::CHUNK.min(rows) as i64).clamp(0, task.k_rows);
+                // Keys past the first register of rows (`register_keys`).
+                let seen = (task.row + I::LANES.min(rows) as i64).clamp(0, task.k_rows);
                 let tile = (q_rows(task.row), self.q.row_stride, rows);
                 self.leaves_out_keys(buffers, heads, tile, (task.k_first, task.k_rows), seen)
             };
@@ -534,14 +671,16 @@ impl AttentionRun<'_> {
                             false,
                         ),
                     ];
+                    let band = |register| {
+                        register_keys::<I>(keys, row.max(0) as usize, leave_out, register)
+                    };
                     // S^T = scale K Q^T.
-                    product::<I>(
-                        (keys, d, I::CHUNK),
-                        scale,
-                        (k, k_stride, 1),
-                        (scratch.queries.as_ptr(), I::CHUNK as isize),
-                        (scores, I::CHUNK as isize),
-                        false,
+                    banded_panel::<I>(
+                        band,
+                        (d, scale),
+                        (k, k_stride),
+                        scratch.queries.as_ptr(),
+                        scores,
                         &ahead,
                     );
                     let mut inverses = [0.0f32; MOST_CHUNK];
@@ -550,14 +689,14 @@ impl AttentionRun<'_> {
                     {
                         let column = scores.add(register * I::LANES);
                         let first_row = row.max(0) as usize + register * I::LANES;
-                        let inverse = self.fused_numerators::<I>(column, keys, first_row);
+                        let inverse = self.fused_numerators::<I>(column, band(register), first_row);
                         inverse.store(inverses.as_mut_ptr());
                     }
                     // O = P V, each row divided by its sum.
-                    product_in_blocks::<I>(
-                        (chunk, keys, dv),
-                        1.0,
-                        (scores, 1, I::CHUNK as isize),
+                    banded_rows::<I>(
+                        band,
+                        (chunk, dv, 1.0),
+                        scores,
                         (v, v_stride),
                         (out, out_width),
                     );
@@ -685,8 +824,9 @@ impl AttentionGradRun<'_> {
         };
         let first_row = row_offset.max(0) as usize;
         // With a causal mask the chunks leave out the keys past their last rows, where
-        // that changes nothing (checked once for all of them).
-        let hidden = (first_row + I::CHUNK.min(qs)).min(ks)..ks;
+        // that changes nothing (checked once for all of them; past the first register of rows:
+        // `register_keys`).
+        let hidden = (first_row + I::LANES.min(qs)).min(ks)..ks;
         // SAFETY: the task's rows and the element's keys (the caller vouches).
         let leave_out = self.causal && unsafe { self.leaves_out(((q, g), qs), (k, v), hidden) };
         let mut scratch = SCRATCH.take();
@@ -716,38 +856,24 @@ impl AttentionGradRun<'_> {
                     pack_transposed::<I>(&mut scratch.gradients, g, rows, d);
                     let scores = hold(&mut scratch.scores, seen * I::CHUNK);
                     let slopes = hold(&mut scratch.slopes, seen * I::CHUNK);
-                    let panel = I::CHUNK as isize;
+                    let band =
+                        |register| register_keys::<I>(seen, first_row + first, leave_out, register);
                     // S^T = scale K Q^T; dP^T = V dO^T.
-                    let shape = (seen, d, I::CHUNK);
-                    let (k_read, v_read) = ((k.0, k.1, 1), (v.0, v.1, 1));
                     let ahead = [
                         Ahead::new(k, (seen, d), true),
                         Ahead::new(v, (seen, d), false),
                         next_ahead[0],
                         next_ahead[1],
                     ];
-                    product::<I>(
-                        shape,
-                        scale,
-                        k_read,
-                        (scratch.queries.as_ptr(), panel),
-                        (scores, panel),
-                        false,
-                        &ahead,
-                    );
-                    product::<I>(
-                        shape,
-                        1.0,
-                        v_read,
-                        (scratch.gradients.as_ptr(), panel),
-                        (slopes, panel),
-                        false,
-                        &[],
-                    );
+                    let queries = scratch.queries.as_ptr();
+                    banded_panel::<I>(band, (d, scale), k, queries, scores, &ahead);
+                    let gradients = scratch.gradients.as_ptr();
+                    banded_panel::<I>(band, (d, 1.0), v, gradients, slopes, &[]);
                     for register in 0..I::CHUNK / I::LANES {
                         let offset = register * I::LANES;
                         let columns = (scores.add(offset), slopes.add(offset));
-                        self.fused_slopes::<I>(columns, seen, first_row + first + offset);
+                        let lanes_row = first_row + first + offset;
+                        self.fused_slopes::<I>(columns, band(register), lanes_row);
                     }
                     if let Some(key_rows) = self.key_rows(buffers, k_first, head) {
                         if index == 0 && seen < ks {
@@ -757,7 +883,6 @@ impl AttentionGradRun<'_> {
                         // dK = scale dS^T Q; dV = P^T dO: written by the first chunk,
                         // added to by the others.
                         let (out, row) = (key_rows.out, key_rows.row as isize);
-                        let shape = (seen, rows, d);
                         let add = index > 0;
                         let values = out.offset(key_rows.values_after as isize);
                         // The first chunk's gradient rows, a block on.
@@ -765,23 +890,21 @@ impl AttentionGradRun<'_> {
                             true => None,
                             false => Some(Ahead::new((at as *const f32, row), (seen, d), true)),
                         };
-                        product::<I>(
-                            shape,
-                            scale,
-                            (slopes, panel, 1),
-                            (q.0, q.1),
+                        banded_keys::<I>(
+                            band,
+                            (rows, d, scale),
+                            slopes,
+                            q,
                             (out, row),
-                            add,
-                            written(out).as_slice(),
+                            (add, written(out).as_slice()),
                         );
-                        product::<I>(
-                            shape,
-                            1.0,
-                            (scores, panel, 1),
-                            (g.0, g.1),
+                        banded_keys::<I>(
+                            band,
+                            (rows, d, 1.0),
+                            scores,
+                            g,
                             (values, row),
-                            add,
-                            written(values).as_slice(),
+                            (add, written(values).as_slice()),
                         );
                     }
                     if let Some(queries) = self.outputs.queries {
@@ -790,14 +913,8 @@ impl AttentionGradRun<'_> {
                         let out = buffers.out.offset(
                             (row * queries.row + queries.at + head * self.head_dim) as isize,
                         );
-                        let shape = (rows, seen, d);
-                        product_in_blocks::<I>(
-                            shape,
-                            scale,
-                            (slopes, 1, panel),
-                            (k.0, k.1),
-                            (out, queries.row as isize),
-                        );
+                        let out = (out, queries.row as isize);
+                        banded_rows::<I>(band, (rows, d, scale), slopes, k, out);
                     }
                 }
             }

@@ -8,6 +8,7 @@ use nestor_passes::{FloatType, OutDim, Output, Program, RowBase, Slot, Source, S
 use thiserror::Error;
 
 mod device;
+mod lines;
 mod marshal;
 mod product;
 mod profile;
@@ -26,6 +27,7 @@ pub use sizes::{LengthsInfo, Sizes};
 
 use crate::MemoryBudget;
 use crate::Stats;
+use lines::{CacheLine, Lines};
 
 /// Why a run could not happen.
 #[derive(Debug, Error)]
@@ -346,11 +348,11 @@ pub struct Executable {
 #[derive(Default)]
 struct Scratch {
     /// Intermediate buffers free for reuse (their pages are already mapped).
-    free: Vec<Vec<CacheLine>>,
+    free: Vec<Lines>,
     /// Every slot's buffer (null for aliases, which read their root's).
     pointers: Vec<*mut u8>,
     /// The intermediate buffers of this run, by slot.
-    owned: Vec<Option<Vec<CacheLine>>>,
+    owned: Vec<Option<Lines>>,
     /// The sink's buffers, by slot.
     external: Vec<Option<*mut u8>>,
     /// Which outputs the sink holds.
@@ -377,14 +379,6 @@ impl Scratch {
         self.args.get_mut().clear();
     }
 }
-
-/// The unit of the executor's intermediate buffers: every buffer starts on a cache line.
-/// malloc aligns to 16 bytes only, and MKL's GEMM writing an output 16 bytes past a
-/// line ran 20-25% slower (1429 x 256 x 1024: 7.1 against 5.8 ms), so one feed-forward
-/// GEMM of the encoder was slow or not by where its buffer happened to fall.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct CacheLine([u64; 8]);
 
 impl Executable {
     /// `program`, its steps run by `steps` (a backend's, compiled for `program`).
@@ -506,7 +500,7 @@ impl Executable {
                         .checked_mul(program.value_bytes(out)),
                 )?;
                 let mut buffer = output_buffer(step_index, bytes, free, stats)?;
-                pointers[out.0 as usize] = buffer.as_mut_ptr() as *mut u8;
+                pointers[out.0 as usize] = buffer.as_mut_ptr();
                 owned[out.0 as usize] = Some(buffer);
             }
             let started = timed.then(std::time::Instant::now);
@@ -786,39 +780,32 @@ impl Executable {
 
 /// A buffer of `bytes` for step `index`'s output: a free one that is large enough, else
 /// a new one (counted into `stats`). Every step writes all of its output, so a buffer's
-/// old contents are never read: it is used as it is, its length unused (zeroing the
-/// grown part of a reused buffer would be a pass over memory per step). Debug builds
+/// old contents are never read: it is used as it is (zeroing a reused buffer would be a
+/// pass over memory per step). Large new ones are on huge pages ([`Lines`]). Debug builds
 /// fill it with NaN, so that a step leaving values unwritten fails the tests rather
 /// than passing on zeros.
 fn output_buffer(
     index: usize,
     bytes: usize,
-    free: &mut Vec<Vec<CacheLine>>,
+    free: &mut Vec<Lines>,
     stats: &Stats,
-) -> Result<Vec<CacheLine>, RuntimeError> {
+) -> Result<Lines, RuntimeError> {
     let lines = bytes.div_ceil(std::mem::size_of::<CacheLine>());
     #[allow(unused_mut)]
-    let mut buffer = match smallest_fitting(free, lines, Vec::capacity) {
+    let mut buffer = match smallest_fitting(free, lines, Lines::capacity) {
         Some(position) => free.swap_remove(position),
         None => {
             stats.allocated(bytes as u64);
-            let mut buffer = Vec::new();
-            buffer
-                .try_reserve_exact(lines)
-                .map_err(|_| RuntimeError::OutOfMemory {
-                    step: index,
-                    what: "its output".into(),
-                    bytes: bytes as u64,
-                    budget: MemoryBudget::bytes(),
-                })?;
-            buffer
+            Lines::new(lines).ok_or_else(|| RuntimeError::OutOfMemory {
+                step: index,
+                what: "its output".into(),
+                bytes: bytes as u64,
+                budget: MemoryBudget::bytes(),
+            })?
         }
     };
     #[cfg(debug_assertions)]
-    {
-        buffer.clear();
-        buffer.resize(lines, CacheLine([UNWRITTEN; 8]));
-    }
+    buffer.fill(lines, CacheLine([UNWRITTEN; 8]));
     Ok(buffer)
 }
 

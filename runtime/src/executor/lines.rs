@@ -83,13 +83,16 @@ impl Drop for Lines {
     }
 }
 
-/// Whether large buffers go on huge pages: unless `NESTOR_HUGE_PAGES=0` (Linux only;
-/// read once a process).
+/// Whether large buffers go on huge pages: on Linux, unless `NESTOR_HUGE_PAGES=0` or the
+/// kernel lends none (its THP mode `never`: the rounding would only waste memory). Read
+/// once a process.
 fn huge_pages() -> bool {
     static HUGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HUGE.get_or_init(|| {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
         cfg!(target_os = "linux")
             && std::env::var_os("NESTOR_HUGE_PAGES").is_none_or(|value| value != "0")
+            && mode.is_ok_and(|mode| !mode.contains("[never]"))
     })
 }
 

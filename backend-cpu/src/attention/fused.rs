@@ -223,13 +223,7 @@ unsafe fn banded_panel<I: Lanes>(
     ahead: &[Ahead],
 ) {
     let panel = I::CHUNK as isize;
-    let mut from = 0;
-    for register in 0..I::CHUNK / I::LANES {
-        let to = band(register);
-        if to <= from {
-            continue;
-        }
-        let lane = register * I::LANES;
+    for (lane, from, to) in bands::<I>(band) {
         // SAFETY: rows `from..to` of `A` and `C`, lanes from `lane` of `B` and `C`.
         unsafe {
             product::<I>(
@@ -242,8 +236,21 @@ unsafe fn banded_panel<I: Lanes>(
                 if from == 0 { ahead } else { &[] },
             );
         }
-        from = to;
     }
+}
+
+/// The nonempty bands of rows of a chunk's `[keys x CHUNK]` panel ([`banded_panel`]):
+/// `(lane, from, to)` for rows `from..to`, which the lanes from `lane` (register
+/// `r`'s first) on need and those before it do not.
+#[inline(always)]
+fn bands<I: Lanes>(band: impl Fn(usize) -> usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..I::CHUNK / I::LANES)
+        .scan(0, move |from, register| {
+            let (start, to) = (*from, band(register).max(*from));
+            *from = to;
+            Some((register * I::LANES, start, to))
+        })
+        .filter(|&(_, from, to)| to > from)
 }
 
 /// `C [keys x width] = alpha A B` (or `+=` when `add`; a `dK` or `dV`) for `A` the
@@ -264,13 +271,7 @@ unsafe fn banded_keys<I: Lanes>(
     (c, c_row): (*mut f32, isize),
     (add, ahead): (bool, &[Ahead]),
 ) {
-    let mut from = 0;
-    for register in 0..I::CHUNK / I::LANES {
-        let to = band(register);
-        if to <= from {
-            continue;
-        }
-        let lane = register * I::LANES;
+    for (lane, from, to) in bands::<I>(band) {
         // SAFETY: rows `from..to` of the panel and `C`, query rows from `lane` on.
         unsafe {
             product::<I>(
@@ -283,7 +284,6 @@ unsafe fn banded_keys<I: Lanes>(
                 if from == 0 { ahead } else { &[] },
             );
         }
-        from = to;
     }
 }
 
@@ -986,6 +986,21 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A causal chunk's registers of rows need the keys up to their last rows, and the
+    /// bands of a panel are the rows between those counts, empty ones left out.
+    #[test]
+    fn registers_of_a_causal_chunk_band_their_keys() {
+        // Rows 40.. of an element: the first register (rows 40-55) sees keys below 56.
+        assert_eq!(register_keys::<Avx512>(72, 40, true, 0), 56);
+        assert_eq!(register_keys::<Avx512>(72, 40, true, 1), 72);
+        assert_eq!(register_keys::<Avx512>(50, 40, true, 0), 50);
+        assert_eq!(register_keys::<Avx512>(72, 40, false, 0), 72);
+        let bands = |counts: [usize; 2]| bands::<Avx512>(move |r| counts[r]).collect::<Vec<_>>();
+        assert_eq!(bands([56, 72]), [(0, 0, 56), (16, 56, 72)]);
+        assert_eq!(bands([50, 50]), [(0, 0, 50)]);
+        assert_eq!(bands([0, 9]), [(16, 0, 9)]);
     }
 
     proptest! {

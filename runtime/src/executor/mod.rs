@@ -779,7 +779,7 @@ impl Executable {
 }
 
 /// A buffer of `bytes` for step `index`'s output: a free one that is large enough, else
-/// a new one (counted into `stats`). Every step writes all of its output, so a buffer's
+/// a new one (counted into `stats` at the size it took). Every step writes all of its output, so a buffer's
 /// old contents are never read: it is used as it is (zeroing a reused buffer would be a
 /// pass over memory per step). Large new ones are on huge pages ([`Lines`]). Debug builds
 /// fill it with NaN, so that a step leaving values unwritten fails the tests rather
@@ -795,13 +795,15 @@ fn output_buffer(
     let mut buffer = match smallest_fitting(free, lines, Lines::capacity) {
         Some(position) => free.swap_remove(position),
         None => {
-            stats.allocated(bytes as u64);
-            Lines::new(lines).ok_or_else(|| RuntimeError::OutOfMemory {
+            let buffer = Lines::new(lines).ok_or_else(|| RuntimeError::OutOfMemory {
                 step: index,
                 what: "its output".into(),
                 bytes: bytes as u64,
                 budget: MemoryBudget::bytes(),
-            })?
+            })?;
+            // What it took, its rounding included.
+            stats.allocated(buffer.bytes() as u64);
+            buffer
         }
     };
     #[cfg(debug_assertions)]
